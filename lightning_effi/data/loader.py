@@ -1,0 +1,93 @@
+"""A training loader that resumes exactly, mid-epoch, under one process or DDP.
+
+Lightning 2.6 resumes a plain map-style loader mid-epoch from a *fresh* iterator: the resumed epoch replays the first
+batches and never sees its tail (``shared/specs/lightning_hydra.md`` §3). A loader object with
+``state_dict()/load_state_dict()`` is saved with the loop state and restored before ``iter()``; its ``len()`` must
+stay the full epoch length. :class:`ResumableDataLoader` does this:
+
+- its sampler is a :class:`EpochShuffleSampler`, a ``DistributedSampler`` subclass (Lightning leaves those alone
+  under DDP) whose order is a pure function of ``(seed, epoch)`` and which shards itself by rank;
+- it counts the batches it has handed out in the current epoch; ``state_dict()`` returns ``{"epoch", "batches"}``
+  (plain ints: safe for ``torch.load(weights_only=True)``);
+- after ``load_state_dict`` the next iteration skips the consumed samples *in the sampler* (no sample is loaded
+  twice) and still reports the full length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class EpochShuffleSampler(DistributedSampler):
+    """``DistributedSampler`` with a skippable start: the per-rank stream of epoch ``e`` is the standard
+    ``DistributedSampler`` stream (permutation from ``seed + e``, padded to a multiple of ``num_replicas``, then
+    ``[rank::num_replicas]``) with its first ``start`` entries left out. ``len()`` is always the full per-rank count.
+
+    Args:
+        dataset: the map-style dataset (only ``len()`` is used).
+        num_replicas, rank: world size and this process's rank (1, 0 for a single process).
+        shuffle: permute per epoch (False: dataset order). seed: base seed. drop_last: as ``DistributedSampler``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self.start :])
+
+
+class ResumableDataLoader(DataLoader):
+    """``DataLoader`` whose mid-epoch position is checkpointed by Lightning (see the module docstring).
+
+    Built like a ``DataLoader`` but with ``sampler`` an :class:`EpochShuffleSampler` (required) and no
+    ``batch_sampler``. Iteration is lazy: the sampler is read at the first ``next()``, after Lightning's ``set_epoch``.
+
+    Raises:
+        TypeError: ``sampler`` is not an :class:`EpochShuffleSampler`.
+    """
+
+    def __init__(self, dataset: Dataset, *args: Any, sampler: EpochShuffleSampler, **kwargs: Any) -> None:
+        if not isinstance(sampler, EpochShuffleSampler):
+            raise TypeError(f"ResumableDataLoader needs an EpochShuffleSampler, got {type(sampler).__name__}")
+        super().__init__(dataset, *args, sampler=sampler, **kwargs)
+        self._batches = 0
+        self._resume_batches = 0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return self._generate()
+
+    def _generate(self) -> Iterator[Any]:
+        sampler: EpochShuffleSampler = self.sampler  # type: ignore[assignment]
+        skip = self._resume_batches
+        self._resume_batches = 0
+        sampler.start = skip * int(self.batch_size or 1)
+        self._batches = skip
+        try:
+            for batch in super().__iter__():
+                self._batches += 1
+                yield batch
+        finally:
+            sampler.start = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch": sampler epoch, "batches": batches handed out in this epoch}``."""
+        return {"epoch": int(self.sampler.epoch), "batches": int(self._batches)}  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resume at ``state_dict["batches"]`` of epoch ``state_dict["epoch"]`` on the next iteration."""
+        self.sampler.set_epoch(int(state_dict["epoch"]))  # type: ignore[attr-defined]
+        self._resume_batches = int(state_dict["batches"])
+        self._batches = self._resume_batches

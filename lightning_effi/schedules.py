@@ -1,0 +1,63 @@
+"""Learning-rate schedules as plain functions of training progress, wrapped in ``LambdaLR``.
+
+Training progress ``p = step / total_steps`` in [0, 1] is the time axis (``shared/specs/lightning_hydra.md`` §6):
+the multiplier is clamped at its end value, so a schedule can never overrun when the real number of steps differs
+from the estimate. Hydra configs pass the factories with ``_partial_: true``; the task supplies
+``total_steps=trainer.estimated_stepping_batches``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def warmup_cosine_multiplier(progress: float, warmup_fraction: float = 0.05, min_lr_ratio: float = 0.1) -> float:
+    """LR multiplier at training ``progress`` in [0, 1] (values above 1 are clamped to 1).
+
+    Linear warmup from 0 to 1 over the first ``warmup_fraction`` of training, then cosine decay to ``min_lr_ratio``
+    at progress 1 (nanoGPT's ``get_lr``).
+
+    Raises:
+        ValueError: ``progress < 0``, ``warmup_fraction`` outside [0, 1), or ``min_lr_ratio`` outside [0, 1].
+    """
+    if progress < 0:
+        raise ValueError(f"progress must be >= 0, got {progress}")
+    _check(warmup_fraction, min_lr_ratio)
+    p = min(progress, 1.0)
+    if p < warmup_fraction:
+        return p / warmup_fraction
+    decay = (p - warmup_fraction) / (1.0 - warmup_fraction)
+    return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * decay))
+
+
+def _check(warmup_fraction: float, min_lr_ratio: float) -> None:
+    if not 0.0 <= warmup_fraction < 1.0:
+        raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+
+
+def warmup_cosine(
+    optimizer: Optimizer, total_steps: int, warmup_fraction: float = 0.05, min_lr_ratio: float = 0.1
+) -> LambdaLR:
+    """``LambdaLR`` with :func:`warmup_cosine_multiplier` at progress ``(step + 1) / total_steps``.
+
+    The scheduler's step counter counts optimizer steps; the first step already runs at a non-zero LR.
+
+    Raises:
+        ValueError: ``total_steps < 1`` or invalid fractions.
+    """
+    if not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
+    _check(warmup_fraction, min_lr_ratio)
+    return LambdaLR(
+        optimizer, lambda step: warmup_cosine_multiplier((step + 1) / total_steps, warmup_fraction, min_lr_ratio)
+    )
+
+
+def constant(optimizer: Optimizer, total_steps: int) -> LambdaLR:
+    """A constant multiplier of 1 (``total_steps`` accepted for a uniform factory signature)."""
+    return LambdaLR(optimizer, lambda step: 1.0)

@@ -1,0 +1,113 @@
+"""The Hydra training task: build DataModule, model, callbacks, loggers and Trainer from the config, fit (and
+test), and write ``result.json`` (final metrics plus the efficiency summary) to the run's output folder.
+
+Entry point: ``python experiments/train.py [overrides]`` (see ``conf/train.yaml`` and the README).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_effi.accounting import EfficiencyMonitor
+from lightning_effi.data.errors import DataConfigError
+from lightning_effi.utils.instantiate import (
+    ConfigError,
+    instantiate,
+    instantiate_callbacks,
+    instantiate_loggers,
+    model_kwargs_from_hints,
+)
+
+#: errors shown as one line instead of a traceback (set EFFI_FULL_ERROR=1 to see the traceback)
+USER_ERRORS = (ConfigError, DataConfigError, FileNotFoundError)
+
+
+def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, pl.Trainer]:
+    """Instantiate DataModule, model (with ``null`` arguments filled from ``datamodule.model_hints()``), callbacks,
+    loggers and Trainer. Raises :class:`ConfigError` / ``DataConfigError`` naming the key or file at fault."""
+    for group in ("data", "model", "trainer"):
+        if group not in cfg or cfg[group] is None:
+            raise ConfigError(f"{group}: missing config group; choose one with {group}=<name>")
+    datamodule = instantiate(cfg.data, key="data")
+    datamodule.prepare_data()
+    hints = datamodule.model_hints() if hasattr(datamodule, "model_hints") else {}
+    model = instantiate(cfg.model, key="model", **model_kwargs_from_hints(cfg.model, hints))
+    callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    loggers = instantiate_loggers(cfg.get("logger"))
+    trainer = instantiate(cfg.trainer, key="trainer", callbacks=callbacks, logger=loggers or False)
+    return datamodule, model, trainer
+
+
+def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return dict(sorted(out.items()))
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train (and optionally test) as configured; returns the result dict that is also written to
+    ``<paths.output_dir>/result.json`` on rank 0."""
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule, model, trainer = build(cfg)
+    output_dir = Path(cfg.paths.output_dir)
+    if trainer.is_global_zero:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+
+    if cfg.get("train", True):
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    metrics = _scalar_metrics(dict(trainer.callback_metrics))
+    if cfg.get("test", False):
+        test_results = trainer.test(model, datamodule=datamodule, verbose=False)
+        for results in test_results:
+            metrics.update(_scalar_metrics(results))
+
+    monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
+    efficiency = monitor.summary if monitor is not None else {}
+    checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)  # type: ignore[attr-defined]
+    name = cfg.get("optimized_metric")
+    value = metrics.get(name, math.nan) if name else math.nan
+    result = {
+        "task_name": cfg.get("task_name"),
+        "tags": list(cfg.get("tags") or []),
+        "seed": cfg.get("seed"),
+        "optimized_metric": name,
+        "metric": value,
+        "wall_clock": efficiency.get("time_total_s"),
+        "flops": efficiency.get("flops"),
+        "metrics": metrics,
+        "efficiency": efficiency,
+        "output_dir": str(output_dir),
+        "last_checkpoint": getattr(checkpoint, "last_model_path", "") or None,
+        "best_checkpoint": getattr(checkpoint, "best_model_path", "") or None,
+    }
+    if trainer.is_global_zero:
+        with open(output_dir / "result.json", "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith(("val/", "test/")))
+        print(f"Final metrics: {shown}\nResults: {output_dir / 'result.json'}", flush=True)
+    return result
+
+
+def main(cfg: DictConfig) -> float:
+    """Hydra task function: :func:`run`, with configuration mistakes reported as one line (exit status 1).
+    Returns the optimized metric for sweepers."""
+    try:
+        result = run(cfg)
+    except USER_ERRORS as exc:
+        if os.environ.get("EFFI_FULL_ERROR") == "1":
+            raise
+        raise SystemExit(f"error: {exc}") from None
+    return float(result["metric"])

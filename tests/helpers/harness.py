@@ -1,0 +1,161 @@
+"""The shared test harness: train k steps, checkpoint mid-epoch and resume, compare with the uninterrupted run; fit
+under DDP on CPU (2 processes, gloo) and collect what each rank saw.
+
+Every technique's tests reuse these (``docs/architecture.md``; Composer's ``test_algorithm_resumption.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+ModelFn = Callable[[], pl.LightningModule]
+DataFn = Callable[[], pl.LightningDataModule]
+CallbacksFn = Callable[[], Sequence[Callback]]
+
+
+def make_trainer(root: Path, callbacks: Sequence[Callback] = (), **kwargs: Any) -> pl.Trainer:
+    """A quiet, deterministic CPU trainer writing under ``root``."""
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, deterministic=True, default_root_dir=str(root), limit_val_batches=0,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=list(callbacks), **defaults)
+
+
+def fit_steps(model_fn: ModelFn, data_fn: DataFn, steps: int, root: Path, callbacks_fn: CallbacksFn = lambda: (),
+              seed: int = 0, **trainer_kwargs: Any) -> tuple[pl.Trainer, pl.LightningModule]:
+    """Seed, build and fit for ``steps`` optimizer steps; returns ``(trainer, model)``."""
+    pl.seed_everything(seed, workers=True)
+    model = model_fn()
+    trainer = make_trainer(root, callbacks_fn(), max_steps=steps, max_epochs=-1, **trainer_kwargs)
+    trainer.fit(model, datamodule=data_fn())
+    return trainer, model
+
+
+def optimizer_state(trainer: pl.Trainer) -> list[dict[str, Any]]:
+    return [opt.state_dict() for opt in trainer.optimizers]
+
+
+def assert_nested_equal(a: Any, b: Any, path: str = "") -> None:
+    """Exact equality of nested dicts/lists/tensors/numbers (tensors with ``torch.equal``)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b), f"tensors differ at {path}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"keys differ at {path}: {set(a) ^ set(b)}"
+        for key in a:
+            assert_nested_equal(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"lengths differ at {path}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_nested_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"values differ at {path}: {a!r} != {b!r}"
+
+
+def callback_states(trainer: pl.Trainer, skip: tuple[type, ...] = (ModelCheckpoint,)) -> dict[str, Any]:
+    """``state_dict()`` of every callback except ``skip`` (ModelCheckpoint paths differ between runs)."""
+    return {cb.state_key: cb.state_dict() for cb in trainer.callbacks if not isinstance(cb, skip)}
+
+
+def assert_resume_equals_uninterrupted(
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    root: Path,
+    total_steps: int,
+    resume_step: int,
+    callbacks_fn: CallbacksFn = lambda: (),
+    ignore_state: Sequence[str] = (),
+    **trainer_kwargs: Any,
+) -> tuple[pl.Trainer, pl.Trainer]:
+    """Train ``total_steps`` uninterrupted (checkpointing every step), then resume a fresh run from the checkpoint
+    taken after ``resume_step`` steps and train to ``total_steps``. Asserts that weights, optimizer state, learning
+    rates and callback states (minus ``ignore_state`` keys, e.g. wall-time counters) are exactly equal, and that the
+    checkpoint loads with ``torch.load(weights_only=True)``. Returns ``(uninterrupted, resumed)`` trainers."""
+    ckpt_dir = root / "ckpts"
+    checkpoint = lambda: ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1,  # noqa: E731
+                                         filename="{step}", save_on_train_epoch_end=False)
+    pl.seed_everything(0, workers=True)
+    model_a = model_fn()
+    trainer_a = make_trainer(root / "a", [*callbacks_fn(), checkpoint()], max_steps=total_steps, max_epochs=-1,
+                             **trainer_kwargs)
+    trainer_a.fit(model_a, datamodule=data_fn())
+
+    path = ckpt_dir / f"step={resume_step}.ckpt"
+    assert path.exists(), f"no checkpoint at step {resume_step}: {sorted(os.listdir(ckpt_dir))}"
+    torch.load(path, weights_only=True)  # safe loading must work
+
+    pl.seed_everything(1234, workers=True)  # a different global seed: resume must not depend on it
+    model_b = model_fn()
+    trainer_b = make_trainer(root / "b", [*callbacks_fn()], max_steps=total_steps, max_epochs=-1, **trainer_kwargs)
+    trainer_b.fit(model_b, datamodule=data_fn(), ckpt_path=path)
+
+    assert trainer_b.global_step == trainer_a.global_step == total_steps
+    assert_nested_equal(model_a.state_dict(), model_b.state_dict(), "model")
+    assert_nested_equal(optimizer_state(trainer_a), optimizer_state(trainer_b), "optimizer")
+    lrs = lambda t: [g["lr"] for o in t.optimizers for g in o.param_groups]  # noqa: E731
+    assert lrs(trainer_a) == lrs(trainer_b)
+    state_a, state_b = callback_states(trainer_a), callback_states(trainer_b)
+    for states in (state_a, state_b):
+        for state in states.values():
+            for key in ignore_state:
+                _drop(state, key)
+    assert_nested_equal(state_a, state_b, "callbacks")
+    return trainer_a, trainer_b
+
+
+def _drop(state: Any, dotted: str) -> None:
+    head, _, rest = dotted.partition(".")
+    if isinstance(state, dict) and head in state:
+        if rest:
+            _drop(state[head], rest)
+        else:
+            del state[head]
+
+
+class RecordBatches(Callback):
+    """Records, per rank, every training batch's ``index`` (if present), ``input_ids`` row sums and loss, and dumps
+    them to ``<out_dir>/rank<r>.json`` at the end of fit (works across ``ddp_spawn`` processes)."""
+
+    def __init__(self, out_dir: str | Path):
+        self.out_dir = str(out_dir)
+        self.batches: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        record: dict[str, Any] = {"batch_idx": batch_idx, "loss": float(outputs["loss"])}
+        if isinstance(batch, dict):
+            if "index" in batch:
+                record["index"] = batch["index"].tolist()
+            for key in ("input_ids", "pixel_values"):
+                if key in batch:
+                    record["fingerprint"] = batch[key].flatten(1).double().sum(1).tolist()
+        self.batches.append(record)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        Path(self.out_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(self.out_dir) / f"rank{trainer.global_rank}.json", "w") as f:
+            json.dump(self.batches, f)
+
+
+def fit_ddp(model: pl.LightningModule, datamodule: pl.LightningDataModule, root: Path,
+            callbacks: Sequence[Callback] = (), **kwargs: Any) -> tuple[pl.Trainer, list[list[dict[str, Any]]]]:
+    """Fit under DDP on CPU with 2 spawned processes (gloo). Returns the trainer and, per rank, the batches recorded
+    by a :class:`RecordBatches` callback added here."""
+    record_dir = root / "ddp_records"
+    trainer = make_trainer(root, [*callbacks, RecordBatches(record_dir)], strategy="ddp_spawn", devices=2, **kwargs)
+    trainer.fit(model, datamodule=datamodule)
+    per_rank = []
+    for rank in range(2):
+        with open(record_dir / f"rank{rank}.json") as f:
+            per_rank.append(json.load(f))
+    return trainer, per_rank

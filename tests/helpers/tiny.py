@@ -1,0 +1,121 @@
+"""Tiny seeded models and in-memory datasets shared by the tests of every technique."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import Dataset
+
+from lightning_effi.data.base import PaddingCollate
+from lightning_effi.data.loader import EpochShuffleSampler, ResumableDataLoader
+from lightning_effi.tasks import BertMaskedLM, BertSequenceClassifier, GPT2CausalLM, ImageClassifier
+
+TINY_GPT2 = dict(vocab_size=64, n_positions=32, n_layer=2, n_embd=32, n_head=2, attn_implementation="eager")
+TINY_BERT = dict(vocab_size=64, max_length=32, n_layer=2, n_embd=32, n_head=2, attn_implementation="eager", dropout=0.0)
+TINY_VIT = dict(img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=2)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    """SGD with momentum: deterministic and with optimizer state, for resume comparisons."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def tiny_gpt2(**kw: Any) -> GPT2CausalLM:
+    return GPT2CausalLM(**{**TINY_GPT2, "optimizer": sgd, **kw})
+
+
+def tiny_bert_mlm(**kw: Any) -> BertMaskedLM:
+    return BertMaskedLM(**{**TINY_BERT, "optimizer": sgd, **kw})
+
+
+def tiny_bert_cls(**kw: Any) -> BertSequenceClassifier:
+    return BertSequenceClassifier(**{**TINY_BERT, "num_classes": 2, "optimizer": sgd, **kw})
+
+
+def tiny_cnn(**kw: Any) -> ImageClassifier:
+    return ImageClassifier("effi_cnn_small", model_kwargs={"widths": [8, 16]}, optimizer=sgd, **kw)
+
+
+def tiny_vit(**kw: Any) -> ImageClassifier:
+    return ImageClassifier("vit_tiny_patch16_224", model_kwargs=TINY_VIT, optimizer=sgd, **kw)
+
+
+class TokenBlocks(Dataset):
+    """``n`` fixed blocks of ``seq_len`` random token ids (seeded): ``{"input_ids": int64[T]}``."""
+
+    def __init__(self, n: int = 40, seq_len: int = 16, vocab_size: int = 64, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, vocab_size, (n, seq_len), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.data[i]}
+
+
+class Sentences(Dataset):
+    """``n`` variable-length token sequences with binary labels: ``{"input_ids": int64[L_i], "labels": int64[]}``."""
+
+    def __init__(self, n: int = 40, max_len: int = 16, vocab_size: int = 64, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(3, max_len + 1, (n,), generator=g)
+        self.items = [torch.randint(1, vocab_size, (int(L),), generator=g) for L in lengths]
+        self.labels = (torch.stack([x.float().mean() for x in self.items]) > vocab_size / 2).long()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.items[i], "labels": self.labels[i]}
+
+    def sequence_lengths(self) -> Any:
+        return torch.tensor([len(x) for x in self.items]).numpy()
+
+
+class Images(Dataset):
+    """``n`` random 32x32 images with labels in [0, 10): ``{"pixel_values": float[3,32,32], "labels": int64[]}``."""
+
+    def __init__(self, n: int = 40, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 3, 32, 32, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.x[i], "labels": self.y[i]}
+
+
+class TinyDataModule(pl.LightningDataModule):
+    """Wraps in-memory datasets; the train loader is a :class:`ResumableDataLoader` sharded by the trainer's rank."""
+
+    def __init__(self, train: Dataset, val: Dataset | None = None, batch_size: int = 8, collate_fn: Any = None,
+                 num_workers: int = 0, seed: int = 0):
+        super().__init__()
+        self.train_dataset, self.val_dataset = train, val if val is not None else train
+        self.batch_size, self.collate_fn, self.num_workers, self.seed = batch_size, collate_fn, num_workers, seed
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        sampler = EpochShuffleSampler(self.train_dataset, num_replicas=world, rank=rank, seed=self.seed)
+        return ResumableDataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler,
+                                   collate_fn=self.collate_fn, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.val_dataset, batch_size=self.batch_size, collate_fn=self.collate_fn)
+
+
+def tiny_lm_data(**kw: Any) -> TinyDataModule:
+    return TinyDataModule(TokenBlocks(), **kw)
+
+
+def tiny_sentence_data(**kw: Any) -> TinyDataModule:
+    return TinyDataModule(Sentences(), collate_fn=PaddingCollate(pad_token_id=0), **kw)
+
+
+def tiny_image_data(**kw: Any) -> TinyDataModule:
+    return TinyDataModule(Images(), **kw)

@@ -1,0 +1,131 @@
+"""Reference tasks: the per-sample-loss contract, exact per-sample values, FLOPs, and clear errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_effi.flops import count_training_flops, transformer_forward_flops
+from lightning_effi.tasks import ImageClassifier
+from tests.helpers.tiny import tiny_bert_cls, tiny_bert_mlm, tiny_cnn, tiny_gpt2, tiny_vit
+
+
+def lm_batch(b=3, t=12):
+    return {"input_ids": torch.randint(0, 64, (b, t), generator=torch.Generator().manual_seed(0))}
+
+
+def mlm_batch(b=3, t=12):
+    ids = lm_batch(b, t)["input_ids"]
+    labels = torch.full_like(ids, -100)
+    labels[0, 2], labels[1, 3], labels[1, 5] = 7, 8, 9   # sample 2 has no masked token
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+def cls_batch():
+    ids = lm_batch(4, 10)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1, 1, 0])}
+
+
+def img_batch():
+    g = torch.Generator().manual_seed(0)
+    return {"pixel_values": torch.randn(4, 3, 32, 32, generator=g), "labels": torch.tensor([0, 1, 2, 3])}
+
+
+CASES = {
+    "gpt2": (tiny_gpt2, lm_batch),
+    "bert_mlm": (tiny_bert_mlm, mlm_batch),
+    "bert_cls": (tiny_bert_cls, cls_batch),
+    "cnn": (tiny_cnn, img_batch),
+    "vit": (tiny_vit, img_batch),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_step_follows_the_contract(name):
+    torch.manual_seed(0)
+    model_fn, batch_fn = CASES[name]
+    model, batch = model_fn(), batch_fn()
+    batch["index"] = torch.arange(len(next(iter(batch.values()))))  # unknown keys are ignored
+    out = model.training_step(batch, 0)
+    b = batch["index"].numel()
+    assert out["per_sample_loss"].shape == (b,) and out["per_sample_loss"].dtype == torch.float32
+    assert out["per_sample_loss"].requires_grad
+    torch.testing.assert_close(out["loss"], out["per_sample_loss"].mean(), rtol=0, atol=0)
+    out["loss"].backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_gpt2_per_sample_loss_equals_hf_loss_of_each_sample_alone():
+    torch.manual_seed(0)
+    model, batch = tiny_gpt2(), lm_batch()
+    model.eval()
+    per_sample, _ = model.per_sample_loss(batch)
+    for i in range(3):
+        ids = batch["input_ids"][i : i + 1]
+        ref = model.model(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(per_sample[i], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_mlm_per_sample_loss_averages_masked_tokens_and_is_zero_without_any():
+    torch.manual_seed(0)
+    model, batch = tiny_bert_mlm(), mlm_batch()
+    model.eval()
+    per_sample, _ = model.per_sample_loss(batch)
+    logits = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected1 = (F.cross_entropy(logits[1, 3], torch.tensor(8)) + F.cross_entropy(logits[1, 5], torch.tensor(9))) / 2
+    torch.testing.assert_close(per_sample[1], expected1, rtol=1e-5, atol=1e-6)
+    assert per_sample[2].item() == 0.0
+
+
+def test_padding_does_not_change_a_classifiers_per_sample_loss():
+    torch.manual_seed(0)
+    model = tiny_bert_cls()
+    model.eval()
+    batch = cls_batch()
+    per_sample, _ = model.per_sample_loss(batch)
+    alone = {k: v[1:2, :6] if v.dim() == 2 else v[1:2] for k, v in batch.items()}
+    torch.testing.assert_close(per_sample[1], model.per_sample_loss(alone)[0][0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert_mlm", "bert_cls"])
+def test_analytic_flops_equal_flop_counter(name):
+    model_fn, batch_fn = CASES[name]
+    model, batch = model_fn(), batch_fn()
+    assert model.effi_training_flops(batch) == count_training_flops(model.model, model.model_inputs(batch))
+
+
+def test_transformer_flops_golden():
+    # GPT-2 small geometry, one 1024-token sequence: 24*L*H^2*T + 4*L*T^2*H + 2*V*H*T (forward)
+    f = transformer_forward_flops(1, 1024, 12, 768, None, 50257, head="lm")
+    assert f == 24 * 12 * 768**2 * 1024 + 4 * 12 * 1024**2 * 768 + 2 * 50257 * 768 * 1024
+    with pytest.raises(ValueError, match="head"):
+        transformer_forward_flops(1, 1, 1, 1, head="bogus")
+
+
+def test_measured_flops_of_a_cnn_scale_with_batch_and_leave_model_untouched():
+    model = tiny_cnn()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    b4 = model.effi_training_flops(img_batch())
+    b8 = model.effi_training_flops({k: torch.cat([v, v]) for k, v in img_batch().items()})
+    assert b4 > 0 and b8 == 2 * b4
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_vit_token_and_layer_accounting():
+    model = tiny_vit()
+    assert model.effi_num_layers == 2
+    assert model.effi_count_tokens(img_batch()) == 4 * (16 + 1)  # (32/8)^2 patches + CLS
+
+
+def test_unknown_timm_model_names_close_matches():
+    with pytest.raises(ValueError, match=r"model.model_name: unknown timm model 'vit_tiny_patch16_23'.*did you mean"):
+        ImageClassifier("vit_tiny_patch16_23")
+
+
+def test_missing_vocab_size_names_the_key():
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        tiny_gpt2(vocab_size=None)
+    with pytest.raises(ValueError, match="model.n_head"):
+        tiny_gpt2(n_head=3)
