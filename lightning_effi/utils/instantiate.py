@@ -50,6 +50,8 @@ def instantiate(cfg: Any, key: str, **kwargs: Any) -> Any:
         return hydra.utils.instantiate(cfg, **kwargs)
     except InstantiationException as exc:
         cause = exc.__cause__ or exc
+        if str(cause).startswith((f"{key}.", f"{key}:")):  # the message already names the key
+            raise ConfigError(str(cause)) from exc
         target = cfg.get("_target_", "?") if isinstance(cfg, Mapping) else "?"
         raise ConfigError(f"{key} ({target}): {type(cause).__name__}: {cause}") from exc
     except OmegaConfBaseException as exc:

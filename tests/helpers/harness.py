@@ -123,8 +123,9 @@ def _drop(state: Any, dotted: str) -> None:
 
 
 class RecordBatches(Callback):
-    """Records, per rank, every training batch's ``index`` (if present), ``input_ids`` row sums and loss, and dumps
-    them to ``<out_dir>/rank<r>.json`` at the end of fit (works across ``ddp_spawn`` processes)."""
+    """Records, per rank, every training batch's ``index`` (if present), a fingerprint of each sample and the loss,
+    and dumps them with the final global step and efficiency summary to ``<out_dir>/rank<r>.json`` at the end of
+    fit (works across ``ddp_spawn`` processes). Add it after the EfficiencyMonitor."""
 
     def __init__(self, out_dir: str | Path):
         self.out_dir = str(out_dir)
@@ -137,20 +138,25 @@ class RecordBatches(Callback):
             if "index" in batch:
                 record["index"] = batch["index"].tolist()
             for key in ("input_ids", "pixel_values"):
-                if key in batch:
-                    record["fingerprint"] = batch[key].flatten(1).double().sum(1).tolist()
+                if key in batch:  # a position-weighted sum: distinct samples give distinct fingerprints
+                    flat = batch[key].flatten(1).double()
+                    weights = torch.linspace(1.0, 2.0, flat.shape[1], dtype=torch.float64) ** 7
+                    record["fingerprint"] = (flat * weights).sum(1).tolist()
         self.batches.append(record)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
+        summaries = [getattr(cb, "summary", None) for cb in trainer.callbacks if hasattr(cb, "compute_summary")]
+        record = {"batches": self.batches, "global_step": trainer.global_step, "summary": (summaries or [None])[0]}
         with open(Path(self.out_dir) / f"rank{trainer.global_rank}.json", "w") as f:
-            json.dump(self.batches, f)
+            json.dump(record, f)
 
 
 def fit_ddp(model: pl.LightningModule, datamodule: pl.LightningDataModule, root: Path,
-            callbacks: Sequence[Callback] = (), **kwargs: Any) -> tuple[pl.Trainer, list[list[dict[str, Any]]]]:
-    """Fit under DDP on CPU with 2 spawned processes (gloo). Returns the trainer and, per rank, the batches recorded
-    by a :class:`RecordBatches` callback added here."""
+            callbacks: Sequence[Callback] = (), **kwargs: Any) -> tuple[pl.Trainer, list[dict[str, Any]]]:
+    """Fit under DDP on CPU with 2 spawned processes (gloo). Returns the trainer and, per rank, what a
+    :class:`RecordBatches` callback added here recorded: ``{"batches": [...], "global_step": int, "summary": the
+    EfficiencyMonitor summary or None}``. (With ``ddp_spawn`` the parent's trainer and callbacks are not updated.)"""
     record_dir = root / "ddp_records"
     trainer = make_trainer(root, [*callbacks, RecordBatches(record_dir)], strategy="ddp_spawn", devices=2, **kwargs)
     trainer.fit(model, datamodule=datamodule)

@@ -1,0 +1,31 @@
+"""Session fixtures shared by all tests: one cache directory for the session (also seen by subprocesses), and the
+real datasets under ``<repo>/../shared/data`` (read-only, never downloaded; tests needing them skip if absent)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+DATA_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def effi_cache_dir(tmp_path_factory) -> Path:
+    """``EFFI_CACHE_DIR`` for the whole session, inherited by subprocesses. An existing ``EFFI_CACHE_DIR`` is kept
+    (reuse a warm cache with ``EFFI_CACHE_DIR=... pytest``)."""
+    if os.environ.get("EFFI_CACHE_DIR"):
+        yield Path(os.environ["EFFI_CACHE_DIR"])
+        return
+    path = tmp_path_factory.mktemp("effi_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EFFI_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def data_root() -> Path:
+    if not DATA_ROOT.is_dir():
+        pytest.skip(f"shared datasets not found at {DATA_ROOT}")
+    return DATA_ROOT

@@ -1,0 +1,148 @@
+import io
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lightning_effi.data import (CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, DataConfigError,
+                                 IndexedDataset, indexed_collate, sequence_lengths)
+
+
+def _raw(dataset, i):
+    """uint8[3,32,32] image behind sample i of a CIFAR10Dataset."""
+    return torch.from_numpy(np.array(dataset.images.array[dataset.indices[i]])).permute(2, 0, 1)
+
+
+def test_decoded_arrays(cifar_dm):
+    train, test = cifar_dm.train_dataset, cifar_dm.test_dataset
+    images = train.images.array
+    assert images.shape == (50_000, 32, 32, 3) and images.dtype == np.uint8
+    assert test.images.array.shape == (10_000, 32, 32, 3)
+    assert np.bincount(train.labels, minlength=10).tolist() == [5000] * 10
+    assert np.bincount(test.labels, minlength=10).tolist() == [1000] * 10
+    means = images.reshape(-1, 3).mean(axis=0) / 255
+    np.testing.assert_allclose(means, (0.491, 0.482, 0.447), atol=0.01)
+    assert cifar_dm.classes == list(CIFAR10_CLASSES) and cifar_dm.model_hints() == {"num_classes": 10}
+
+
+def test_split_is_deterministic_and_disjoint(cifar_dm, data_root):
+    train, val = cifar_dm.train_dataset, cifar_dm.val_dataset
+    assert (len(train), len(val), len(cifar_dm.test_dataset)) == (45_000, 5_000, 10_000)
+    assert np.union1d(train.indices, val.indices).tolist() == list(range(50_000))
+    again = CIFAR10DataModule(data_root / "cifar10", num_workers=0)
+    again.setup()
+    assert np.array_equal(again.val_dataset.indices, val.indices)
+    other = CIFAR10DataModule(data_root / "cifar10", seed=1, val_size=1000, num_workers=0)
+    other.setup()
+    assert len(other.val_dataset) == 1000 and not np.array_equal(other.val_dataset.indices, val.indices[:1000])
+
+
+def test_samples_augmentation_and_normalisation(cifar_dm):
+    mean, std = torch.tensor(CIFAR10_MEAN).view(3, 1, 1), torch.tensor(CIFAR10_STD).view(3, 1, 1)
+    val = cifar_dm.val_dataset
+    sample = val[3]
+    assert sample["pixel_values"].shape == (3, 32, 32) and sample["pixel_values"].dtype == torch.float32
+    assert sample["labels"].dtype == torch.int64 and sample["labels"].shape == ()
+    torch.testing.assert_close(sample["pixel_values"] * std + mean, _raw(val, 3).float() / 255)
+    assert torch.equal(val[3]["pixel_values"], sample["pixel_values"])  # no augmentation
+
+    train = cifar_dm.train_dataset
+    torch.manual_seed(0)
+    views = [train[7]["pixel_values"] for _ in range(6)]
+    assert all(v.shape == (3, 32, 32) for v in views)
+    assert any(not torch.equal(views[0], v) for v in views[1:])
+    assert all(train[7]["labels"] == int(train.labels[train.indices[7]]) for _ in range(2))
+
+
+def test_dataloader_and_subsets(data_root):
+    dm = CIFAR10DataModule(data_root / "cifar10", batch_size=16, num_workers=0, train_subset=40, val_subset=20,
+                           test_subset=10)
+    dm.setup()
+    assert (len(dm.train_dataset), len(dm.val_dataset), len(dm.test_dataset)) == (40, 20, 10)
+    assert sequence_lengths(dm.train_dataset) is None
+    batches = list(dm.train_dataloader())
+    assert [b["pixel_values"].shape[0] for b in batches] == [16, 16, 8]
+    assert batches[0]["labels"].dtype == torch.int64
+    loader = torch.utils.data.DataLoader(IndexedDataset(dm.val_dataset), batch_size=20,
+                                         collate_fn=indexed_collate(dm.collate_fn))
+    batch = next(iter(loader))
+    assert batch["index"].tolist() == list(range(20)) and batch["pixel_values"].shape == (20, 3, 32, 32)
+    pickle.loads(pickle.dumps(dm.train_dataset))[0]
+
+
+def test_corrupt_archive_raises_and_caches_nothing(data_root, tmp_path):
+    data = (data_root / "cifar10" / "cifar10-jpeg.tar.gz").read_bytes()
+    bad = tmp_path / "cifar10-jpeg.tar.gz"
+    bad.write_bytes(data[: len(data) // 8])
+    cache = tmp_path / "cache"
+    dm = CIFAR10DataModule(bad, cache_dir=cache, num_workers=0)
+    with pytest.raises(DataConfigError, match="cifar10-jpeg.tar.gz.*not a readable"):
+        dm.prepare_data()
+    assert not any(p.is_file() for p in cache.rglob("*"))
+    assert list((cache / "cifar10").iterdir()) == []
+
+
+def test_missing_root_and_bad_args(tmp_path):
+    with pytest.raises(DataConfigError, match=r"data.root: .*does not exist.*download=true"):
+        CIFAR10DataModule(tmp_path / "nope")
+    with pytest.raises(DataConfigError, match="data.root: .*contains neither"):
+        CIFAR10DataModule(tmp_path, cache_dir=tmp_path / "c").prepare_data()
+    with pytest.raises(DataConfigError, match="data.batch_size"):
+        CIFAR10DataModule(tmp_path, batch_size=0)
+    with pytest.raises(DataConfigError, match="data.train_subset"):
+        CIFAR10DataModule(tmp_path, train_subset=-1)
+
+
+def _jpeg(size=32, seed=0):
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def _image_folder(root, classes=CIFAR10_CLASSES, per_class=3, odd=None):
+    for split in ("train", "test"):
+        for c in classes:
+            (root / split / c).mkdir(parents=True)
+            for k in range(per_class):
+                (root / split / c / f"{k:04d}.jpg").write_bytes(_jpeg(seed=k))
+    if odd:
+        (root / odd).write_bytes(_jpeg(size=64))
+
+
+def test_image_folder_source(tmp_path):
+    _image_folder(tmp_path / "tree")
+    dm = CIFAR10DataModule(tmp_path / "tree", val_size=10, cache_dir=tmp_path / "c", num_workers=0)
+    dm.setup()
+    assert (len(dm.train_dataset), len(dm.val_dataset), len(dm.test_dataset)) == (20, 10, 30)
+    assert np.bincount(dm.test_dataset.labels).tolist() == [3] * 10
+    with pytest.raises(DataConfigError, match="data.val_size"):
+        CIFAR10DataModule(tmp_path / "tree", val_size=30, cache_dir=tmp_path / "c").setup()
+
+
+def test_image_folder_errors(tmp_path):
+    _image_folder(tmp_path / "a", classes=("cat", "dog"), per_class=1)
+    with pytest.raises(DataConfigError, match=r"has classes \['cat', 'dog'\].*ten CIFAR-10 classes"):
+        CIFAR10DataModule(tmp_path / "a", cache_dir=tmp_path / "c").prepare_data()
+    _image_folder(tmp_path / "b", per_class=1, odd="train/cat/9999.jpg")
+    with pytest.raises(DataConfigError, match="train/cat/9999.jpg is 64x64 pixels; expected a 32x32"):
+        CIFAR10DataModule(tmp_path / "b", cache_dir=tmp_path / "c").prepare_data()
+    assert not any(p.is_file() for p in (tmp_path / "c").rglob("*"))
+
+
+def test_archive_given_as_file(tmp_path):
+    archive = tmp_path / "mini.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for split in ("train", "test"):
+            for c in CIFAR10_CLASSES:
+                data = _jpeg(seed=len(c))
+                info = tarfile.TarInfo(f"{split}/{c}/0000.jpg")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    dm = CIFAR10DataModule(archive, val_size=2, cache_dir=tmp_path / "c", num_workers=0)
+    dm.setup()
+    assert len(dm.train_dataset) == 8 and len(dm.test_dataset) == 10
+    assert dm.test_dataset.labels.tolist() == list(range(10))

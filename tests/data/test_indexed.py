@@ -1,0 +1,134 @@
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
+
+from lightning_effi.data import IndexedDataset, indexed_collate, sequence_lengths
+
+
+class Squares(Dataset):
+    def __init__(self, n=50):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor(float(i) ** 2), "y": torch.tensor([i, i + 1])}
+
+    def sequence_lengths(self):
+        return np.arange(self.n) % 7 + 1
+
+
+class Batched(Squares):
+    calls = 0
+
+    def __getitems__(self, indices):
+        Batched.calls += 1
+        return [self[i] for i in indices]
+
+
+class Huge(Dataset):
+    def __len__(self):
+        return 2**41
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor(float(i % 10))}
+
+
+def test_getitem_adds_index_without_mutation():
+    base = {"x": 1}
+
+    class Const(Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return base
+
+    ds = IndexedDataset(Const())
+    assert ds[2] == {"x": 1, "index": 2} and base == {"x": 1}
+    assert len(ds) == 3 and isinstance(ds.dataset, Const)
+    assert not hasattr(ds, "n")  # no attribute delegation
+
+
+def test_getitems_uses_wrapped_batch_fetch():
+    ds = IndexedDataset(Batched(), index_key="idx")
+    before = Batched.calls
+    samples = ds.__getitems__([4, 1, 7])
+    assert Batched.calls == before + 1
+    assert [s["idx"] for s in samples] == [4, 1, 7]
+    assert [int(s["x"]) for s in samples] == [16, 1, 49]
+    assert [s["index"] for s in IndexedDataset(Squares()).__getitems__([3, 0])] == [3, 0]
+
+
+def test_rejects_iterable_and_non_dict():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield {"x": 1}
+
+    with pytest.raises(TypeError, match="IterableDataset"):
+        IndexedDataset(Stream())
+
+    class Tuples(Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return (i, i)
+
+    with pytest.raises(TypeError, match="dict samples"):
+        IndexedDataset(Tuples())[0]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_indices(num_workers):
+    ds = IndexedDataset(Squares(50))
+    loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=num_workers, collate_fn=indexed_collate(),
+                        generator=torch.Generator().manual_seed(0))
+    seen = []
+    for batch in loader:
+        assert batch["index"].dtype == torch.int64 and batch["index"].shape == batch["x"].shape
+        assert torch.equal(batch["x"], batch["index"].double().pow(2).float())
+        assert torch.equal(batch["y"][:, 0], batch["index"])
+        seen += batch["index"].tolist()
+    assert sorted(seen) == list(range(50))
+
+
+def test_large_indices_round_trip():
+    ds = IndexedDataset(Huge())
+    wanted = [2**40, 2**40 + 1, 2**41 - 1, 3]
+    batch = next(iter(DataLoader(ds, batch_size=4, sampler=wanted, collate_fn=indexed_collate())))
+    assert batch["index"].dtype == torch.int64 and batch["index"].tolist() == wanted
+
+
+def test_pickle_and_deepcopy():
+    ds = IndexedDataset(Squares(5), index_key="k")
+    for clone in (pickle.loads(pickle.dumps(ds)), copy.deepcopy(ds)):
+        assert clone[4]["k"] == 4 and clone.index_key == "k" and len(clone) == 5
+    collate = pickle.loads(pickle.dumps(indexed_collate(index_key="k")))
+    assert collate([ds[1], ds[3]])["k"].tolist() == [1, 3]
+
+
+def test_indexed_collate_custom_fn_and_errors():
+    def stack_x(samples):
+        return {"x": torch.stack([s["x"] for s in samples])}
+
+    batch = indexed_collate(stack_x)([{"x": torch.tensor(1.0), "index": 9}])
+    assert batch["index"].tolist() == [9] and batch["x"].tolist() == [1.0]
+    with pytest.raises(TypeError, match="dict batch"):
+        indexed_collate(lambda s: [1])([{"x": 1, "index": 0}])
+
+
+def test_sequence_lengths_follows_subset_and_indexed():
+    base = Squares(20)
+    expected = np.arange(20) % 7 + 1
+    assert sequence_lengths(base).dtype == np.int64
+    assert sequence_lengths(IndexedDataset(base)).tolist() == expected.tolist()
+    sub = Subset(base, [5, 0, 19])
+    assert sequence_lengths(sub).tolist() == expected[[5, 0, 19]].tolist()
+    assert sequence_lengths(IndexedDataset(Subset(sub, [2]))).tolist() == [expected[19]]
+    assert sequence_lengths(Huge()) is None and sequence_lengths(IndexedDataset(Huge())) is None

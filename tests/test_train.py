@@ -1,0 +1,61 @@
+"""The Hydra training app end to end: result.json, resume, sweeps, and one-line errors for bad input."""
+
+import json
+
+import pytest
+import torch
+
+from lightning_effi.train import run
+from tests.helpers.hydra import compose_train, run_train_script
+
+
+def test_main_job_writes_result_json(tmp_path):
+    cfg = compose_train([], tmp_path)  # the default experiment: GPT-2 on the stdlib corpus
+    result = run(cfg)
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["optimized_metric"] == "val/loss" and saved["metric"] == pytest.approx(result["metric"])
+    assert 0 < saved["metric"] < 20
+    eff = saved["efficiency"]
+    bs, block, layers = cfg.data.batch_size, cfg.data.block_size, cfg.model.n_layer
+    assert eff["samples"] == 3 * bs and eff["tokens"] == 3 * bs * block and eff["layer_tokens"] == 3 * bs * block * layers
+    assert eff["flops"] > 0 and saved["flops"] == eff["flops"]
+    assert (tmp_path / "config.yaml").exists() and (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "csv" / "metrics.csv").exists()
+
+
+def test_resume_from_last_checkpoint_continues(tmp_path):
+    first = run(compose_train(["trainer.max_steps=3", "trainer.max_epochs=-1", "++trainer.limit_train_batches=null"], tmp_path / "a"))
+    ckpt = first["last_checkpoint"]
+    torch.load(ckpt, weights_only=True)
+    cfg = compose_train(["trainer.max_steps=5", "trainer.max_epochs=-1", "++trainer.limit_train_batches=null", f"ckpt_path={ckpt}"],
+                        tmp_path / "b")
+    second = run(cfg)
+    assert second["efficiency"]["optimizer_steps"] == 5
+    assert second["efficiency"]["batches"] == 5  # accounting totals continue across the resume
+
+
+@pytest.mark.slow
+def test_multirun_sweep_writes_one_result_per_job(tmp_path):
+    proc = run_train_script(["-m", "seed=1,2", "debug=fdr"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = sorted(tmp_path.glob("logs/debug/multiruns/*/*/result.json"))
+    assert [json.loads(p.read_text())["seed"] for p in results] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["experiment=cifar10_cnn", "paths.data_dir=/nonexistent"], "error: data.root: '/nonexistent/cifar10'"),
+        (["experiment=cifar10_cnn", "model.model_name=resnet_bogus"], "model.model_name: unknown timm model"),
+        (["data.text_path=/nonexistent.txt", "data.corpus=file"], "data.text_path"),
+        (["data.block_size=0"], "data.block_size"),
+        (["trainer.max_epoch=1"], "trainer.max_epoch"),
+        (["callbacks.efficiency.log_every_n_steps=0"], "log_every_n_steps"),
+    ],
+)
+def test_bad_input_stops_with_one_clear_line(tmp_path, args, message):
+    proc = run_train_script(["debug=fdr", *args], tmp_path)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
