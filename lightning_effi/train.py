@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ from lightning_effi.utils.instantiate import (
     instantiate_loggers,
     model_kwargs_from_hints,
 )
+
+# lightning 2.6.6 on torch 2.14 warns on every run about its own pytree use; nothing a user can act on
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 #: errors shown as one line instead of a traceback (set EFFI_FULL_ERROR=1 to see the traceback)
 USER_ERRORS = (ConfigError, DataConfigError, FileNotFoundError)
@@ -64,7 +68,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:
         output_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+        job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # Hydra's own part: see .hydra/
+        OmegaConf.save(job_cfg, output_dir / "config.yaml", resolve=True)
 
     if cfg.get("train", True):
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
