@@ -176,6 +176,7 @@ class EfficiencyMonitor(Callback):
         for key in ("samples", "tokens", "layer_tokens", "flops"):
             self.totals[key] += getattr(stats, key)
         self.totals["batches"] += 1
+        pl_module.flops_per_batch = int(stats.flops)  # for Lightning's ThroughputMonitor (listed after this one)
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if int(self.totals["batches"]) % max(every, 1) == 0:
             self._log(trainer, pl_module)
