@@ -9,6 +9,7 @@ from the estimate. Hydra configs pass the factories with ``_partial_: true``; th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -40,10 +41,29 @@ def _check(warmup_fraction: float, min_lr_ratio: float) -> None:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
 
 
+Progress = Callable[[], float]
+
+
+def progress_lambda(optimizer: Optimizer, fn: Callable[[float], float], progress: Progress) -> LambdaLR:
+    """``LambdaLR`` whose multiplier is ``fn(progress())``, ignoring the scheduler's own step counter.
+
+    ``progress()`` returns training progress in [0, 1] *after the next optimizer step* (e.g.
+    ``InfoBatchCallback.effi_progress``, which tracks epochs whose length changes). Values outside [0, 1] are
+    clamped, so the schedule ends exactly at ``fn(1)`` and never overruns.
+    """
+    return LambdaLR(optimizer, lambda _step: fn(min(max(float(progress()), 0.0), 1.0)))
+
+
 def warmup_cosine(
-    optimizer: Optimizer, total_steps: int, warmup_fraction: float = 0.05, min_lr_ratio: float = 0.1
+    optimizer: Optimizer,
+    total_steps: int,
+    warmup_fraction: float = 0.05,
+    min_lr_ratio: float = 0.1,
+    progress: Progress | None = None,
 ) -> LambdaLR:
-    """``LambdaLR`` with :func:`warmup_cosine_multiplier` at progress ``(step + 1) / total_steps``.
+    """``LambdaLR`` with :func:`warmup_cosine_multiplier` at progress ``(step + 1) / total_steps``, or at
+    ``progress()`` when a progress source is given (see :func:`progress_lambda`; the reference tasks pass the
+    ``effi_progress`` of a technique callback that changes the epoch length, e.g. InfoBatch).
 
     The scheduler's step counter counts optimizer steps; the first step already runs at a non-zero LR.
 
@@ -53,11 +73,13 @@ def warmup_cosine(
     if not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
     _check(warmup_fraction, min_lr_ratio)
+    if progress is not None:
+        return progress_lambda(optimizer, lambda p: warmup_cosine_multiplier(p, warmup_fraction, min_lr_ratio), progress)
     return LambdaLR(
         optimizer, lambda step: warmup_cosine_multiplier((step + 1) / total_steps, warmup_fraction, min_lr_ratio)
     )
 
 
-def constant(optimizer: Optimizer, total_steps: int) -> LambdaLR:
-    """A constant multiplier of 1 (``total_steps`` accepted for a uniform factory signature)."""
+def constant(optimizer: Optimizer, total_steps: int, progress: Progress | None = None) -> LambdaLR:
+    """A constant multiplier of 1 (``total_steps`` and ``progress`` accepted for a uniform factory signature)."""
     return LambdaLR(optimizer, lambda step: 1.0)

@@ -45,6 +45,10 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, 
     hints = datamodule.model_hints() if hasattr(datamodule, "model_hints") else {}
     model = instantiate(cfg.model, key="model", **model_kwargs_from_hints(cfg.model, hints))
     callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    for callback in callbacks:  # techniques that own the training loader wrap the DataModule (InfoBatch)
+        wrap = getattr(callback, "wrap_datamodule", None)
+        if callable(wrap):
+            datamodule = wrap(datamodule)
     loggers = instantiate_loggers(cfg.get("logger"))
     trainer = instantiate(cfg.trainer, key="trainer", callbacks=callbacks, logger=loggers or False)
     return datamodule, model, trainer

@@ -52,16 +52,21 @@ class EpochShuffleSampler(DistributedSampler):
 class ResumableDataLoader(DataLoader):
     """``DataLoader`` whose mid-epoch position is checkpointed by Lightning (see the module docstring).
 
-    Built like a ``DataLoader`` but with ``sampler`` an :class:`EpochShuffleSampler` (required) and no
-    ``batch_sampler``. Iteration is lazy: the sampler is read at the first ``next()``, after Lightning's ``set_epoch``.
+    Built like a ``DataLoader`` but with a *skippable* ``sampler`` (required) and no ``batch_sampler``: a sampler
+    with an int attribute ``start`` (entries of its per-rank stream to leave out, ``len()`` unchanged), an ``epoch``
+    attribute and ``set_epoch`` — :class:`EpochShuffleSampler` or InfoBatch's sampler. Iteration is lazy: the sampler
+    is read at the first ``next()``, after Lightning's ``set_epoch``.
 
     Raises:
-        TypeError: ``sampler`` is not an :class:`EpochShuffleSampler`.
+        TypeError: the sampler has no ``start``/``epoch``/``set_epoch``.
     """
 
-    def __init__(self, dataset: Dataset, *args: Any, sampler: EpochShuffleSampler, **kwargs: Any) -> None:
-        if not isinstance(sampler, EpochShuffleSampler):
-            raise TypeError(f"ResumableDataLoader needs an EpochShuffleSampler, got {type(sampler).__name__}")
+    def __init__(self, dataset: Dataset, *args: Any, sampler: Any, **kwargs: Any) -> None:
+        if not all(hasattr(sampler, a) for a in ("start", "epoch", "set_epoch")):
+            raise TypeError(
+                f"ResumableDataLoader needs a skippable sampler (with start, epoch and set_epoch), e.g. "
+                f"EpochShuffleSampler; got {type(sampler).__name__}"
+            )
         super().__init__(dataset, *args, sampler=sampler, **kwargs)
         self._batches = 0
         self._resume_batches = 0
@@ -70,7 +75,7 @@ class ResumableDataLoader(DataLoader):
         return self._generate()
 
     def _generate(self) -> Iterator[Any]:
-        sampler: EpochShuffleSampler = self.sampler  # type: ignore[assignment]
+        sampler: Any = self.sampler
         skip = self._resume_batches
         self._resume_batches = 0
         sampler.start = skip * int(self.batch_size or 1)

@@ -8,11 +8,13 @@ Contract (``docs/architecture.md``; ``shared/specs/infobatch.md`` §4 and ``ligh
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_effi.flops import measured_training_flops
@@ -102,8 +104,27 @@ class EffiTask(pl.LightningModule):
             raise ValueError(
                 "model.scheduler needs a finite training length: set trainer.max_epochs or trainer.max_steps"
             )
-        scheduler = self.scheduler_factory(optimizer, total_steps=int(total))
+        kwargs: dict[str, Any] = {"total_steps": int(total)}
+        progress = self.effi_progress_source()
+        if progress is not None:
+            if "progress" not in inspect.signature(self.scheduler_factory).parameters:
+                rank_zero_warn(
+                    "A callback changes the epoch length (e.g. InfoBatch) but model.scheduler does not accept "
+                    "`progress`: its length comes from trainer.estimated_stepping_batches and will not match"
+                )
+            else:
+                kwargs["progress"] = progress
+        scheduler = self.scheduler_factory(optimizer, **kwargs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def effi_progress_source(self) -> Callable[[], float] | None:
+        """``effi_progress`` of the first trainer callback that defines one (a technique that changes the epoch
+        length), passed to progress-aware scheduler factories; None otherwise."""
+        for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
+            progress = getattr(callback, "effi_progress", None)
+            if callable(progress):
+                return progress
+        return None
 
     # ----------------------------------------------------------------------------------------- accounting
     def effi_training_flops(self, batch: Mapping[str, Tensor]) -> float:

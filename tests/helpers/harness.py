@@ -7,6 +7,7 @@ Every technique's tests reuse these (``docs/architecture.md``; Composer's ``test
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,9 +48,14 @@ def optimizer_state(trainer: pl.Trainer) -> list[dict[str, Any]]:
 
 
 def assert_nested_equal(a: Any, b: Any, path: str = "") -> None:
-    """Exact equality of nested dicts/lists/tensors/numbers (tensors with ``torch.equal``)."""
+    """Exact equality of nested dicts/lists/tensors/numbers (tensors with ``torch.equal``; NaN equals NaN)."""
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b), f"tensors differ at {path}"
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype, f"tensors differ at {path}"
+        same = torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                     and torch.equal(a.nan_to_num(), b.nan_to_num()))
+        assert same, f"tensors differ at {path}"
+    elif isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return
     elif isinstance(a, dict):
         assert isinstance(b, dict) and set(a) == set(b), f"keys differ at {path}: {set(a) ^ set(b)}"
         for key in a:
@@ -75,19 +81,22 @@ def assert_resume_equals_uninterrupted(
     resume_step: int,
     callbacks_fn: CallbacksFn = lambda: (),
     ignore_state: Sequence[str] = (),
+    max_epochs: int | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[pl.Trainer, pl.Trainer]:
     """Train ``total_steps`` uninterrupted (checkpointing every step), then resume a fresh run from the checkpoint
-    taken after ``resume_step`` steps and train to ``total_steps``. Asserts that weights, optimizer state, learning
+    taken after ``resume_step`` steps and train to ``total_steps``. With ``max_epochs``, both runs are bounded by
+    epochs instead (``max_steps=-1``; for techniques that plan by epochs) and ``total_steps`` is only checked.
+    Asserts that weights, optimizer state, learning
     rates and callback states (minus ``ignore_state`` keys, e.g. wall-time counters) are exactly equal, and that the
     checkpoint loads with ``torch.load(weights_only=True)``. Returns ``(uninterrupted, resumed)`` trainers."""
     ckpt_dir = root / "ckpts"
     checkpoint = lambda: ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1,  # noqa: E731
                                          filename="{step}", save_on_train_epoch_end=False)
+    limits = dict(max_steps=total_steps, max_epochs=-1) if max_epochs is None else dict(max_epochs=max_epochs)
     pl.seed_everything(0, workers=True)
     model_a = model_fn()
-    trainer_a = make_trainer(root / "a", [*callbacks_fn(), checkpoint()], max_steps=total_steps, max_epochs=-1,
-                             **trainer_kwargs)
+    trainer_a = make_trainer(root / "a", [*callbacks_fn(), checkpoint()], **limits, **trainer_kwargs)
     trainer_a.fit(model_a, datamodule=data_fn())
 
     path = ckpt_dir / f"step={resume_step}.ckpt"
@@ -96,7 +105,7 @@ def assert_resume_equals_uninterrupted(
 
     pl.seed_everything(1234, workers=True)  # a different global seed: resume must not depend on it
     model_b = model_fn()
-    trainer_b = make_trainer(root / "b", [*callbacks_fn()], max_steps=total_steps, max_epochs=-1, **trainer_kwargs)
+    trainer_b = make_trainer(root / "b", [*callbacks_fn()], **limits, **trainer_kwargs)
     trainer_b.fit(model_b, datamodule=data_fn(), ckpt_path=path)
 
     assert trainer_b.global_step == trainer_a.global_step == total_steps
@@ -123,9 +132,10 @@ def _drop(state: Any, dotted: str) -> None:
 
 
 class RecordBatches(Callback):
-    """Records, per rank, every training batch's ``index`` (if present), a fingerprint of each sample and the loss,
-    and dumps them with the final global step and efficiency summary to ``<out_dir>/rank<r>.json`` at the end of
-    fit (works across ``ddp_spawn`` processes). Add it after the EfficiencyMonitor."""
+    """Records, per rank, every training batch's epoch, ``index`` (from the step's outputs or the batch, if present),
+    a fingerprint of each sample and the loss, and dumps them with the final global step, the efficiency summary
+    and the ``score`` table of any callback that has one to ``<out_dir>/rank<r>.json`` at the end of fit (works
+    across ``ddp_spawn`` processes). Add it after the EfficiencyMonitor."""
 
     def __init__(self, out_dir: str | Path):
         self.out_dir = str(out_dir)
@@ -133,10 +143,14 @@ class RecordBatches(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        record: dict[str, Any] = {"batch_idx": batch_idx, "loss": float(outputs["loss"])}
+        record: dict[str, Any] = {"batch_idx": batch_idx, "epoch": trainer.current_epoch,
+                                  "loss": float(outputs["loss"])}
+        index = outputs.get("index") if isinstance(outputs, dict) else None
+        if index is None and isinstance(batch, dict):
+            index = batch.get("index")
+        if index is not None:
+            record["index"] = index.tolist()
         if isinstance(batch, dict):
-            if "index" in batch:
-                record["index"] = batch["index"].tolist()
             for key in ("input_ids", "pixel_values"):
                 if key in batch:  # a position-weighted sum: distinct samples give distinct fingerprints
                     flat = batch[key].flatten(1).double()
@@ -147,7 +161,10 @@ class RecordBatches(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
         summaries = [getattr(cb, "summary", None) for cb in trainer.callbacks if hasattr(cb, "compute_summary")]
-        record = {"batches": self.batches, "global_step": trainer.global_step, "summary": (summaries or [None])[0]}
+        scores = {type(cb).__name__: cb.score.tolist() for cb in trainer.callbacks
+                  if isinstance(getattr(cb, "score", None), torch.Tensor)}
+        record = {"batches": self.batches, "global_step": trainer.global_step, "summary": (summaries or [None])[0],
+                  "scores": scores}
         with open(Path(self.out_dir) / f"rank{trainer.global_rank}.json", "w") as f:
             json.dump(record, f)
 

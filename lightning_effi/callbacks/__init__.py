@@ -1,0 +1,5 @@
+"""Technique callbacks. Each wires a pure method from :mod:`lightning_effi.functional` into Lightning hooks."""
+
+from lightning_effi.callbacks.infobatch import InfoBatch, InfoBatchCallback
+
+__all__ = ["InfoBatch", "InfoBatchCallback"]

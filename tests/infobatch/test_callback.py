@@ -1,0 +1,244 @@
+"""InfoBatchCallback in Lightning: epoch lengths, the training_step wrapper, annealing, resume, DDP, LR progress,
+validation (``shared/specs/infobatch.md`` acceptance tests 15-20)."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_effi.accounting import EfficiencyMonitor
+from lightning_effi.callbacks import InfoBatchCallback
+from lightning_effi.data.infobatch import InfoBatchDataModule
+from lightning_effi.functional import infobatch as ib
+from lightning_effi.schedules import warmup_cosine
+from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
+from lightning_effi.tasks import GPT2CausalLM
+from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd, tiny_gpt2
+
+
+def ib_data(n=40, batch_size=8, num_workers=0):
+    return InfoBatchDataModule(TinyDataModule(TokenBlocks(n=n), batch_size=batch_size, num_workers=num_workers))
+
+
+class FixedLengths(InfoBatchCallback):
+    """Plans of prescribed lengths (acceptance test 15)."""
+
+    def __init__(self, lengths, **kw):
+        super().__init__(**kw)
+        self.lengths = lengths
+
+    def plan_for(self, epoch):
+        if self.plan is None or self.plan.epoch != epoch:
+            n, length = self.dataset_size, self.lengths[epoch]
+            weights = torch.ones(n)
+            self.plan = ib.EpochPlan(epoch, torch.arange(length), weights, "prune" if length < n else "full",
+                                     0.0 if length < n else math.nan, n - length if length < n else 0, 0, n - length)
+            self.history.append({"epoch": epoch, "kind": self.plan.kind, "saved": n - length, "padded": 0,
+                                 "threshold": 0.0, "well_learned": 0, "kept_well_learned": 0, "size": length})
+        return self.plan
+
+
+class CountBatches(pl.Callback):
+    def __init__(self):
+        self.per_epoch: list[int] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.per_epoch.append(0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.per_epoch[-1] += 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_epoch_lengths_follow_the_plan_every_epoch(tmp_path, num_workers):
+    counter = CountBatches()
+    trainer = make_trainer(tmp_path, [FixedLengths([100, 60, 80, 100, 30]), counter], max_epochs=5)
+    trainer.fit(tiny_gpt2(), datamodule=ib_data(n=100, batch_size=10, num_workers=num_workers))
+    assert counter.per_epoch == [10, 6, 8, 10, 3]
+
+
+class SpyModule(GPT2CausalLM):
+    """A tiny GPT-2 that records what its training_step saw and returned."""
+
+    def __init__(self):
+        super().__init__(**TINY_GPT2, optimizer=sgd)
+        self.seen_keys: list[set] = []
+        self.returned: list[dict] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen_keys.append(set(batch))
+        out = super().training_step(batch, batch_idx)
+        self.returned.append({k: v.detach().clone() for k, v in out.items()})
+        return out
+
+
+class CaptureOutputs(pl.Callback):
+    def __init__(self):
+        self.outputs: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.outputs.append({"loss": outputs["loss"], "index": outputs["index"], "epoch": trainer.current_epoch})
+
+
+def test_wrapper_hides_the_index_and_rescales_the_loss(tmp_path):
+    cb, capture, module = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=3), CaptureOutputs(), SpyModule()
+    trainer = make_trainer(tmp_path, [cb, capture], max_epochs=4)
+    trainer.fit(module, datamodule=ib_data())
+    assert all(keys == {"input_ids"} for keys in module.seen_keys)  # the module never sees the index
+    kinds = [h["kind"] for h in cb.history]
+    assert kinds == ["full", "prune", "prune", "full"]  # E=4, delta=0.75 -> annealing from epoch 3
+    sizes = [h["size"] for h in cb.history]
+    assert sizes[0] == sizes[3] == 40 and sizes[1] < 40 and sizes[2] < 40
+    # the returned loss of the last (full) epoch equals the plain mean; prune epochs use mean(w * l) with w in {1, 2}
+    last = [(r, c) for r, c in zip(module.returned, capture.outputs) if c["epoch"] == 3]
+    assert all(torch.allclose(c["loss"], r["per_sample_loss"].mean()) for r, c in last)
+    prune = [(r, c) for r, c in zip(module.returned, capture.outputs) if c["epoch"] == 1]
+    for r, c in prune:
+        ratio = c["loss"] / r["per_sample_loss"].mean()
+        assert 1.0 <= float(ratio) <= 2.0 + 1e-6
+    assert any(float(c["loss"] / r["per_sample_loss"].mean()) > 1.0 + 1e-6 for r, c in prune)
+
+
+def test_annealing_epochs_are_full_with_unit_weights(tmp_path):
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.875)
+    make_trainer(tmp_path, [cb], max_epochs=8).fit(tiny_gpt2(), datamodule=ib_data())
+    assert [h["kind"] for h in cb.history] == ["full"] + ["prune"] * 6 + ["full"]
+    assert torch.equal(cb.plan.weights, torch.ones(40))
+    assert cb.effi_summary()["infobatch/saved_samples"] == sum(h["saved"] for h in cb.history) > 0
+
+
+def test_resume_at_an_epoch_boundary_and_mid_epoch_equals_uninterrupted(tmp_path):
+    # E = 8, delta = 0.875: 40 samples, bs 8 -> 5 batches in full epochs, fewer in prune epochs.
+    common = dict(model_fn=tiny_gpt2, data_fn=ib_data, total_steps=0, max_epochs=8,
+                  callbacks_fn=lambda: [InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=7)])
+    trainer_a = make_trainer(tmp_path / "probe", [InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=7)],
+                             max_epochs=8)
+    trainer_a.fit(tiny_gpt2(), datamodule=ib_data())
+    total = trainer_a.global_step
+    for name, step in (("boundary", 5), ("mid", 7), ("late", total - 6)):
+        assert_resume_equals_uninterrupted(root=tmp_path / name, resume_step=step, **{**common, "total_steps": total})
+
+
+def test_state_survives_safe_loading_and_detects_other_settings(tmp_path):
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.75)
+    trainer = make_trainer(tmp_path, [cb], max_epochs=2)
+    trainer.fit(tiny_gpt2(), datamodule=ib_data())
+    path = tmp_path / "ib.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=True)["callbacks"][cb.state_key]
+    assert torch.equal(state["score"], cb.score) and state["seen"].all()
+    other = InfoBatchCallback(prune_ratio=0.3, delta=0.75)
+    with pytest.raises(ValueError, match="other settings"):
+        make_trainer(tmp_path, [other], max_epochs=3).fit(tiny_gpt2(), datamodule=ib_data(), ckpt_path=path)
+
+
+def test_state_keys_differ_by_identity_arguments():
+    assert InfoBatchCallback(prune_ratio=0.3).state_key != InfoBatchCallback(prune_ratio=0.5).state_key
+    assert InfoBatchCallback(seed=1).state_key != InfoBatchCallback(seed=2).state_key
+
+
+def test_repr_round_trips():
+    cb = InfoBatchCallback(prune_ratio=0.3, delta=0.9, num_epochs=10, seed=4, momentum=0.5, strict=False)
+    again = eval(repr(cb), {"InfoBatchCallback": InfoBatchCallback})
+    assert repr(again) == repr(cb)
+
+
+class ProgressLR(GPT2CausalLM):
+    def __init__(self):
+        super().__init__(**TINY_GPT2)
+        self.lrs: list[float] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        progress = next(cb.effi_progress for cb in self.trainer.callbacks if hasattr(cb, "effi_progress"))
+        sched = warmup_cosine(opt, total_steps=1, warmup_fraction=0.0, min_lr_ratio=0.0, progress=progress)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_progress_based_lr_ends_exactly_at_its_end_value_with_shrinking_epochs(tmp_path):
+    module = ProgressLR()
+    make_trainer(tmp_path, [InfoBatchCallback(prune_ratio=0.7, delta=1.0)], max_epochs=4).fit(
+        module, datamodule=ib_data())
+    assert module.lrs[-1] == pytest.approx(0.0, abs=1e-8)  # cosine to 0 at progress 1, no scheduler error
+    assert all(b <= a + 1e-12 for a, b in zip(module.lrs, module.lrs[1:]))  # monotone decay
+
+
+@pytest.mark.parametrize("kwargs", [dict(prune_ratio=1.0), dict(prune_ratio=-0.1), dict(delta=0.0),
+                                    dict(delta=1.5), dict(num_epochs=0), dict(momentum=0.0)])
+def test_bad_hyperparameters_raise_at_construction(kwargs):
+    with pytest.raises(ValueError):
+        InfoBatchCallback(**kwargs)
+
+
+@pytest.mark.parametrize("trainer_kwargs, match", [
+    (dict(max_epochs=-1, max_steps=10), "finite number of epochs"),
+    (dict(max_epochs=3, max_steps=10), "max_steps"),
+    (dict(max_epochs=3, reload_dataloaders_every_n_epochs=2), "reload_dataloaders_every_n_epochs"),
+])
+def test_bad_runs_raise_at_setup(tmp_path, trainer_kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_trainer(tmp_path, [InfoBatchCallback()], **trainer_kwargs).fit(tiny_gpt2(), datamodule=ib_data())
+
+
+def test_unwrapped_datamodule_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="InfoBatchDataModule"):
+        make_trainer(tmp_path, [InfoBatchCallback()], max_epochs=2).fit(
+            tiny_gpt2(), datamodule=TinyDataModule(TokenBlocks()))
+
+
+class NoPerSampleLoss(GPT2CausalLM):
+    def __init__(self):
+        super().__init__(**TINY_GPT2, optimizer=sgd)
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx)["loss"]
+
+
+def test_missing_per_sample_loss_fails_on_the_first_batch_naming_the_contract(tmp_path):
+    counter = CountBatches()
+    with pytest.raises(ValueError, match="per_sample_loss"):
+        make_trainer(tmp_path, [InfoBatchCallback(), counter], max_epochs=2).fit(NoPerSampleLoss(),
+                                                                               datamodule=ib_data())
+    assert counter.per_epoch == [0]
+
+
+def test_nonfinite_losses_never_enter_the_score_table():
+    cb = InfoBatchCallback()
+    cb.dataset_size, cb.epochs = 4, 2
+    cb.score, cb.seen = torch.zeros(4), torch.zeros(4, dtype=torch.bool)
+    cb.sum_loss, cb.count = torch.zeros(4), torch.zeros(4, dtype=torch.int32)
+    with pytest.warns(UserWarning, match="non-finite"):
+        cb.rescale_output({"loss": None, "per_sample_loss": torch.tensor([1.0, float("nan"), float("inf"), 2.0])},
+                          torch.tensor([0, 1, 2, 3]))
+    ib.finalize(cb.sum_loss, cb.count, cb.score, cb.seen)
+    assert cb.seen.tolist() == [True, False, False, True] and cb.nonfinite == 2
+    assert torch.isfinite(cb.score).all()
+
+
+@pytest.mark.slow
+def test_ddp_ranks_share_plans_and_scores_and_shard_disjointly(tmp_path):
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=1)
+    monitor = EfficiencyMonitor(print_summary=False)
+    # 41 samples: an uneven split (padding) on every epoch; bs 5
+    _, per_rank = fit_ddp(tiny_gpt2(), ib_data(n=41, batch_size=5), tmp_path, [monitor, cb], max_epochs=4)
+    by_epoch = [{}, {}]
+    for rank, record in enumerate(per_rank):
+        for batch in record["batches"]:
+            by_epoch[rank].setdefault(batch["epoch"], []).extend(batch["index"])
+    assert per_rank[0]["global_step"] == per_rank[1]["global_step"]
+    for epoch in range(4):
+        a, b = by_epoch[0][epoch], by_epoch[1][epoch]
+        assert len(a) == len(b)  # equal per-rank lengths: no hang
+        union = sorted(set(a) | set(b))
+        assert len(a) + len(b) - len(union) <= 1  # at most one padded duplicate (odd plan length)
+    full, pruned = len(by_epoch[0][0]), len(by_epoch[0][1])
+    assert full == 21 and pruned < full  # per-rank steps drop on prune epochs
+    assert per_rank[0]["scores"] == per_rank[1]["scores"]  # identical score tables after the last epoch
+    summaries = [r["summary"] for r in per_rank]
+    assert summaries[0]["infobatch/saved_samples"] == summaries[1]["infobatch/saved_samples"] > 0

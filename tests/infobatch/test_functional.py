@@ -1,0 +1,467 @@
+"""Pure InfoBatch core (``lightning_effi.functional.infobatch``): spec ``shared/specs/infobatch.md`` §1 and the
+acceptance tests 1-10, 13, 14 as they apply to the functions (no Trainer)."""
+
+import ast
+import io
+import math
+import random
+import warnings
+from decimal import ROUND_FLOOR, Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_effi.functional import infobatch
+from lightning_effi.functional.infobatch import EpochPlan
+
+GOLDEN = [0.5, 0.5, 0.5, 0.5, 1.0, 2.0, 3.0, 4.0]
+
+
+def tables(values, seen=None):
+    score = torch.tensor(values, dtype=torch.float32)
+    return score, (torch.ones(len(values), dtype=torch.bool) if seen is None else torch.tensor(seen))
+
+
+def is_full(plan, n):
+    return (plan.kind == "full" and sorted(plan.indices.tolist()) == list(range(n))
+            and plan.weights.dtype == torch.float32 and bool((plan.weights == 1.0).all())
+            and plan.saved == 0 and math.isnan(plan.threshold))
+
+
+# ------------------------------------------------------------------------------------------------ 1, 2: full epochs
+
+
+def test_epoch_zero_is_full():
+    score, seen = tables(GOLDEN[:] + [9.0, 9.0])
+    plan = infobatch.plan_epoch(score, seen, epoch=0, num_epochs=4, prune_ratio=0.5)
+    assert is_full(plan, 10) and plan.num_well_learned == 0 and plan.num_kept_well_learned == 0
+    assert plan.dataset_size == plan.epoch_size == 10
+
+
+def test_no_observed_scores_is_full():
+    score = torch.zeros(10)
+    plan = infobatch.plan_epoch(score, torch.zeros(10, dtype=torch.bool), epoch=2, num_epochs=10)
+    assert is_full(plan, 10)
+    assert plan.indices.tolist() != list(range(10))  # a fresh permutation, not the identity
+
+
+# ------------------------------------------------------------------------------------------------ 3-6: the prune rule
+
+
+def test_golden_prune():
+    score, seen = tables(GOLDEN)
+    tau, d1 = infobatch.split_well_learned(score, seen)
+    assert tau == 1.5 and d1.tolist() == [True] * 5 + [False] * 3
+    for seed in range(20):
+        plan = infobatch.plan_epoch(score, seen, epoch=1, num_epochs=10, prune_ratio=0.5, seed=seed)
+        idx = plan.indices.tolist()
+        assert plan.kind == "prune" and plan.threshold == 1.5
+        assert plan.num_well_learned == 5 and plan.num_kept_well_learned == 2
+        assert len(idx) == 5 == len(set(idx)) and plan.saved == 3 and plan.epoch_size == 5
+        kept = [i for i in idx if i < 5]
+        assert len(kept) == 2 and all(plan.weights[i] == 2.0 for i in kept)
+        assert {5, 6, 7} <= set(idx) and all(plan.weights[i] == 1.0 for i in (5, 6, 7))
+        dropped = set(range(5)) - set(kept)
+        assert all(plan.weights[i] == 1.0 for i in dropped)  # never visited; table stays 1.0 there
+
+
+def test_strict_less_than():
+    score, seen = tables([1, 1, 2, 2, 3, 3])
+    tau, d1 = infobatch.split_well_learned(score, seen)
+    assert tau == 2.0 and d1.nonzero().flatten().tolist() == [0, 1]
+    for seed in range(20):
+        plan = infobatch.plan_epoch(score, seen, epoch=1, num_epochs=10, prune_ratio=0.5, seed=seed)
+        assert plan.num_kept_well_learned == 1 and plan.num_well_learned == 2
+        assert {2, 3, 4, 5} <= set(plan.indices.tolist())
+        assert plan.weights[2:].eq(1.0).all()
+
+
+def test_threshold_over_seen_only_and_unseen_in_d2():
+    # an unseen +inf placeholder must not make tau infinite (R11); unseen samples are always visited with weight 1
+    score, seen = tables([1.0, 2.0, 3.0, float("inf"), 0.0], seen=[True, True, True, False, False])
+    tau, d1 = infobatch.split_well_learned(score, seen)
+    assert tau == 2.0 and d1.tolist() == [True, False, False, False, False]
+    plan = infobatch.plan_epoch(score, seen, 1, 10, prune_ratio=0.5)
+    assert set(plan.indices.tolist()) == {1, 2, 3, 4} and plan.saved == 1  # k = floor(0.5 * 1) = 0
+
+
+def test_threshold_accumulates_in_float64():
+    # next to 1e7, float32 accumulation would round away the 0.1 terms (spacing 1.0); float64 keeps them
+    score = torch.full((1000,), 0.1, dtype=torch.float32)
+    score[0] = 1e7
+    tau, _ = infobatch.split_well_learned(score, torch.ones(1000, dtype=torch.bool))
+    expected = (float(np.float32(1e7)) + 999 * float(np.float32(0.1))) / 1000
+    assert tau == pytest.approx(expected, rel=1e-12)
+
+
+def test_nonfinite_seen_score_raises():
+    score, seen = tables([1.0, float("nan"), 2.0])
+    with pytest.raises(ValueError, match="finite"):
+        infobatch.plan_epoch(score, seen, 1, 10)
+
+
+def test_without_replacement():
+    n1 = 1000
+    score = torch.cat([torch.zeros(n1), torch.full((1000,), 10.0)])
+    plan = infobatch.plan_epoch(score, torch.ones(2000, dtype=torch.bool), 1, 10, prune_ratio=0.3, seed=7)
+    kept = [i for i in plan.indices.tolist() if i < n1]
+    assert plan.num_well_learned == n1 and len(kept) == 700 == len(set(kept)) == plan.num_kept_well_learned
+    assert len(set(plan.indices.tolist())) == plan.epoch_size == 1700
+    assert plan.weights[kept].eq(torch.tensor(1 / 0.7, dtype=torch.float32)).all()
+
+
+@pytest.mark.parametrize("n, r, k", [(10, 0.9, 1), (100, 0.71, 29), (1, 0.5, 0), (0, 0.5, 0), (7, 0.0, 7),
+                                     (100, 0.57, 43), (1000, 0.3, 700), (3, 0.1, 2)])
+def test_exact_keep_count(n, r, k):
+    assert infobatch.keep_count(n, r) == k
+
+
+def test_keep_count_is_exact_where_float_is_not():
+    assert math.floor((1 - 0.9) * 10) == 0 and math.floor((1 - 0.9) * 1000) == 99  # the binary-float trap
+    assert infobatch.keep_count(10, 0.9) == 1 and infobatch.keep_count(1000, 0.9) == 100
+
+
+# ------------------------------------------------------------------------------------------------ 7: annealing
+
+DELTAS = [0.01, 0.1, 0.29, 0.3, 0.5, 0.57, 0.7, 0.825, 0.875, 0.9, 0.99, 1.0]
+
+
+def exact_stop(num_epochs, delta):
+    return int((Decimal(str(delta)) * num_epochs).to_integral_value(rounding=ROUND_FLOOR))
+
+
+@pytest.mark.parametrize("delta", DELTAS)
+def test_epoch_stop_exact_grid(delta):
+    for e in range(1, 201):
+        assert infobatch.epoch_stop(e, delta) == exact_stop(e, delta)
+
+
+def test_epoch_stop_examples():
+    assert infobatch.epoch_stop(8, 0.875) == 7
+    assert infobatch.epoch_stop(200, 0.875) == 175
+    assert infobatch.epoch_stop(100, 0.57) == 57 and math.floor(0.57 * 100) == 56
+    assert infobatch.epoch_stop(100, 0.29) == 29 and math.floor(0.29 * 100) == 28
+    assert infobatch.epoch_stop(1000, 0.825) == 825
+    assert infobatch.epoch_stop(5, 1) == 5 and infobatch.epoch_stop(3, 0.1) == 0
+    assert infobatch.epoch_stop(np.int64(8), np.float32(0.875)) == 7
+    assert infobatch.epoch_stop(10, Decimal("0.3")) == 3 and infobatch.epoch_stop(10, Fraction(1, 3)) == 3
+
+
+@pytest.mark.parametrize("delta", DELTAS)
+def test_annealing_grid(delta):
+    n = 6
+    score, seen = tables([0.1, 0.2, 0.3, 5.0, 6.0, 7.0])  # |D1| = 3, k = 1 at r = 0.5: every prune epoch prunes
+    for num_epochs in range(1, 51):
+        stop = exact_stop(num_epochs, delta)
+        epochs = {0, 1, stop - 1, stop, stop + 1, num_epochs - 1, num_epochs}
+        for e in sorted(x for x in epochs if x >= 0):
+            plan = infobatch.plan_epoch(score, seen, e, num_epochs, prune_ratio=0.5, delta=delta, seed=e)
+            if e == 0 or e >= stop:
+                assert is_full(plan, n), (num_epochs, delta, e)
+                assert plan.weights.tolist() == [1.0] * n
+            else:
+                assert plan.kind == "prune" and plan.saved == 2, (num_epochs, delta, e)
+                assert sorted(set(plan.weights.tolist())) == [1.0, 2.0]
+
+
+# ------------------------------------------------------------------------------------------------ 8, 9: statistics
+
+
+def test_expected_saving_exponential():
+    n = 100_000
+    gen = torch.Generator().manual_seed(0)
+    score = -torch.log(torch.rand(n, generator=gen))  # exponential(1)
+    seen = torch.ones(n, dtype=torch.bool)
+    plan = infobatch.plan_epoch(score, seen, 1, 100, prune_ratio=0.5, seed=3)
+    assert abs(plan.saved / n - 0.316) < 0.01
+    assert abs(infobatch.expected_saving(score, seen, 0.5) - 0.316) < 0.01
+    assert abs(plan.saved / n - infobatch.expected_saving(score, seen, 0.5)) <= 1 / n
+
+
+def test_expected_saving_golden():
+    score, seen = tables(GOLDEN)
+    assert infobatch.expected_saving(score, seen, 0.5) == 0.5 * 5 / 8
+    assert infobatch.expected_saving(score, torch.zeros(8, dtype=torch.bool), 0.5) == 0.0
+
+
+def test_unbiased_weights():
+    # r = 0.3: sd of each mean is sqrt(r / (1 - r) / 2000) = 0.015, so 0.05 is a 3.4-sigma bound (r = 0.5 would be
+    # only 2.2 sigma per sample and flaky over 10 samples)
+    n, r = 20, 0.3
+    score = torch.arange(n, dtype=torch.float32)  # tau = 9.5, D1 = 0..9, k = 7 = 10 * (1 - r) exactly
+    seen = torch.ones(n, dtype=torch.bool)
+    total = torch.zeros(n, dtype=torch.float64)
+    plans = 2000
+    for seed in range(plans):
+        plan = infobatch.plan_epoch(score, seen, 1, 10, prune_ratio=r, seed=seed)
+        visited = torch.zeros(n, dtype=torch.bool)
+        visited[plan.indices] = True
+        total += plan.weights.double() * visited
+    mean = total / plans
+    assert (mean[:10] - 1.0).abs().max() < 0.05, mean[:10]
+    assert mean[:10].mean().item() == pytest.approx(1.0, abs=1e-6)  # exactly 7 of 10 kept, weight 1 / 0.7
+    assert mean[10:].eq(1.0).all()  # D2: always visited with weight 1
+
+
+# ------------------------------------------------------------------------------------------------ 10: private RNG
+
+
+def test_private_rng_and_determinism():
+    score, seen = tables(GOLDEN * 4)
+    np_state, torch_state, py_state = np.random.get_state(), torch.get_rng_state(), random.getstate()
+    a = infobatch.plan_epoch(score, seen, 1, 10, seed=1)
+    b = infobatch.plan_epoch(score, seen, 1, 10, seed=2)
+    full = infobatch.plan_epoch(score, seen, 0, 10, seed=1)
+    assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == py_state
+    after = np.random.get_state()
+    assert after[0] == np_state[0] and np.array_equal(after[1], np_state[1]) and after[2:] == np_state[2:]
+    assert not torch.equal(a.indices, b.indices)
+    torch.manual_seed(123)
+    np.random.seed(123)
+    assert infobatch.plan_epoch(score, seen, 1, 10, seed=1) == a  # global seeds are irrelevant
+    assert infobatch.plan_epoch(score.clone(), seen.clone(), 1, 10, seed=1) == a
+    assert infobatch.plan_epoch(score, seen, 2, 10, seed=1) != a  # the epoch is part of the key
+    assert infobatch.plan_epoch(score, seen, 0, 10, seed=1) == full
+
+
+def test_planning_does_not_touch_inputs():
+    score, seen = tables(GOLDEN)
+    s0, m0 = score.clone(), seen.clone()
+    infobatch.plan_epoch(score, seen, 1, 10)
+    assert torch.equal(score, s0) and torch.equal(seen, m0)
+
+
+def test_hash64_golden_and_generator():
+    # pinned values: the seed mix is pure integer arithmetic, identical in every process and platform
+    assert infobatch.hash64() == 0
+    assert infobatch.hash64(0) == 0xE220A8397B1DCDAF
+    assert infobatch.hash64(-1) == infobatch.hash64(2**64 - 1)
+    assert len({infobatch.hash64(s, e) for s in range(30) for e in range(30)}) == 900
+    g1, g2 = infobatch.plan_generator(5, 3), infobatch.plan_generator(5, 3)
+    assert torch.equal(torch.randperm(50, generator=g1), torch.randperm(50, generator=g2))
+    with pytest.raises(TypeError):
+        infobatch.hash64(1.0)
+
+
+def test_large_plan_runs():
+    n = 1_000_000
+    score = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    plan = infobatch.plan_epoch(score, torch.ones(n, dtype=torch.bool), 1, 10, prune_ratio=0.5, seed=0)
+    assert plan.kind == "prune" and plan.epoch_size + plan.saved == n
+    assert plan.saved == plan.num_well_learned - plan.num_kept_well_learned
+    assert 0.2 < plan.saved / n < 0.3
+
+
+# ------------------------------------------------------------------------------------------------ 13, 14: per batch
+
+
+def test_rescale_equals_weighted_mean_and_backward_through_exp():
+    weights = torch.tensor([1.0, 2.0, 1.0, 2.0, 1.0])
+    index = torch.tensor([3, 0, 1, 4], dtype=torch.int64)
+    x = torch.tensor([0.1, -0.2, 0.3, 0.4], requires_grad=True)
+    loss = torch.exp(x)
+    before = loss.detach().clone()
+    out = infobatch.rescale(loss, index, weights)
+    w = weights[index]
+    assert out.dim() == 0 and out.dtype == torch.float32
+    assert torch.allclose(out, (w * before).mean())
+    out.backward()
+    assert torch.allclose(x.grad, w * torch.exp(x.detach()) / 4)
+    assert torch.equal(loss.detach(), before)  # input not modified
+    assert out.item() != pytest.approx(before.mean().item())  # not normalised away
+
+
+def test_rescale_half_precision_upcasts():
+    loss = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)
+    out = infobatch.rescale(loss, torch.tensor([0, 1]), torch.tensor([2.0, 1.0]))
+    assert out.dtype == torch.float32 and out.item() == 2.5
+
+
+@pytest.mark.parametrize("bad", [torch.tensor(1.0), torch.ones(1), torch.ones(4, 7), torch.ones(3),
+                                 torch.ones(4, dtype=torch.int64), [1.0, 2.0, 3.0, 4.0]])
+def test_rescale_contract_errors(bad):
+    with pytest.raises(ValueError, match=r'training_step must return \{"loss": \.\.\., "per_sample_loss"'):
+        infobatch.rescale(bad, torch.arange(4), torch.ones(10))
+
+
+def test_rescale_index_errors():
+    loss = torch.ones(3)
+    with pytest.raises(TypeError, match="int64"):
+        infobatch.rescale(loss, torch.arange(3, dtype=torch.int32), torch.ones(10))
+    with pytest.raises(TypeError, match="int64"):
+        infobatch.rescale(loss, torch.arange(3).float(), torch.ones(10))
+    with pytest.raises(IndexError):
+        infobatch.rescale(loss, torch.tensor([0, 1, 10]), torch.ones(10))
+    with pytest.raises(IndexError):
+        infobatch.rescale(loss, torch.tensor([0, -1, 2]), torch.ones(10))
+    with pytest.raises(ValueError, match="weights"):
+        infobatch.rescale(loss, torch.arange(3), torch.ones(10, 2))
+
+
+def test_rescale_index_beyond_float_precision():
+    # indices up to 2**40 go through the gather as int64 (a float32 detour would merge 2**40 and 2**40 + 1)
+    n = 2**41
+    weights = torch.ones(1).expand(n)  # stride-0 view: a huge table without memory
+    index = torch.tensor([2**40, 2**40 + 1, n - 1, 0], dtype=torch.int64)
+    out = infobatch.rescale(torch.tensor([1.0, 2.0, 3.0, 4.0]), index, weights)
+    assert out.item() == 2.5
+    assert index.tolist() == [2**40, 2**40 + 1, n - 1, 0]
+
+
+def test_update_scores_overwrite_and_ema():
+    score, seen = torch.zeros(5), torch.zeros(5, dtype=torch.bool)
+    infobatch.update_scores(score, seen, torch.tensor([1, 3]), torch.tensor([2.0, 4.0], requires_grad=True))
+    assert score.tolist() == [0, 2, 0, 4, 0] and seen.tolist() == [False, True, False, True, False]
+    infobatch.update_scores(score, seen, torch.tensor([1]), torch.tensor([6.0]))
+    assert score[1] == 6.0  # plain overwrite at m = 1
+    infobatch.update_scores(score, seen, torch.tensor([1, 2]), torch.tensor([2.0, 8.0]), momentum=0.25)
+    assert score[1] == 0.25 * 2.0 + 0.75 * 6.0  # EMA for a seen sample
+    assert score[2] == 8.0  # first observation: overwrite even with m < 1
+    assert score.dtype == torch.float32 and not score.requires_grad
+
+
+def test_update_scores_index_dtype_and_errors():
+    score, seen = torch.zeros(5), torch.zeros(5, dtype=torch.bool)
+    for bad in (torch.tensor([1, 2], dtype=torch.int32), torch.tensor([1.0, 2.0])):
+        with pytest.raises(TypeError, match="int64"):
+            infobatch.update_scores(score, seen, bad, torch.ones(2))
+    with pytest.raises(ValueError, match="per_sample_loss"):
+        infobatch.update_scores(score, seen, torch.tensor([1, 2]), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="momentum"):
+        infobatch.update_scores(score, seen, torch.tensor([1, 2]), torch.ones(2), momentum=0.0)
+    with pytest.raises(IndexError):
+        infobatch.update_scores(score, seen, torch.tensor([1, 5]), torch.ones(2))
+    assert not seen.any() and not score.any()  # nothing written by failed calls
+
+
+def test_accumulate_finalize_matches_all_reduce():
+    n = 6
+    # two "ranks"; rank 1 holds a padding duplicate of index 0
+    bufs = [(torch.zeros(n), torch.zeros(n, dtype=torch.int32)) for _ in range(2)]
+    infobatch.accumulate(*bufs[0], torch.tensor([0, 2, 0]), torch.tensor([1.0, 5.0, 3.0]))
+    infobatch.accumulate(*bufs[1], torch.tensor([4, 0]), torch.tensor([7.0, 2.0]))
+    sum_loss = bufs[0][0] + bufs[1][0]  # what all_reduce(SUM) gives
+    count = bufs[0][1] + bufs[1][1]
+    assert count.tolist() == [3, 0, 1, 0, 1, 0] and count.dtype == torch.int32
+    score = torch.full((n,), 9.0)
+    seen = torch.tensor([False, True, False, False, False, False])
+    infobatch.finalize(sum_loss, count, score, seen)
+    assert score.tolist() == [2.0, 9.0, 5.0, 9.0, 7.0, 9.0]
+    assert seen.tolist() == [True, True, True, False, True, False]
+    with pytest.raises(TypeError, match="int64"):
+        infobatch.accumulate(*bufs[0], torch.tensor([0], dtype=torch.int32), torch.ones(1))
+
+
+def test_empty_batches_are_no_ops_for_scores_but_not_for_rescale():
+    score, seen = torch.zeros(3), torch.zeros(3, dtype=torch.bool)
+    sum_loss, count = torch.zeros(3), torch.zeros(3, dtype=torch.int32)
+    empty_index, empty_loss = torch.zeros(0, dtype=torch.int64), torch.zeros(0)
+    infobatch.update_scores(score, seen, empty_index, empty_loss)
+    infobatch.accumulate(sum_loss, count, empty_index, empty_loss)
+    assert not seen.any() and not count.any()
+    with pytest.raises(ValueError, match="empty"):
+        infobatch.rescale(empty_loss, empty_index, torch.ones(3))
+
+
+def test_finalize_momentum():
+    score, seen = torch.tensor([4.0, 0.0]), torch.tensor([True, False])
+    infobatch.finalize(torch.tensor([2.0, 6.0]), torch.tensor([1, 2]), score, seen, momentum=0.5)
+    assert score.tolist() == [3.0, 3.0] and seen.all()
+
+
+# ------------------------------------------------------------------------------------------------ plan object
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_plan_state_round_trip_weights_only(epoch):
+    score, seen = tables(GOLDEN)
+    plan = infobatch.plan_epoch(score, seen, epoch, 10, prune_ratio=0.5, seed=4)
+    buf = io.BytesIO()
+    torch.save(plan.to_state(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    restored = EpochPlan.from_state(state)
+    assert restored == plan and restored.kind == ("full" if epoch == 0 else "prune")
+    assert restored.indices.dtype == torch.int64 and restored.weights.dtype == torch.float32
+    state["indices"][0] = 99  # the restored plan owns its tensors
+    assert restored == plan
+
+
+def test_plan_validation():
+    good = dict(epoch=1, indices=torch.tensor([2, 0]), weights=torch.tensor([2.0, 1.0, 1.0]), kind="prune",
+                threshold=1.0, num_well_learned=2, num_kept_well_learned=1, saved=1)
+    EpochPlan(**good)
+    for change in (dict(saved=0), dict(indices=torch.tensor([2.0, 0.0])), dict(indices=torch.tensor([3, 0])),
+                   dict(weights=torch.ones(3, dtype=torch.float64)), dict(kind="half"), dict(epoch=-1),
+                   dict(num_kept_well_learned=3), dict(kind="full")):
+        with pytest.raises(ValueError):
+            EpochPlan(**{**good, **change})
+    with pytest.raises(Exception):
+        EpochPlan(**good).epoch = 2  # frozen
+
+
+# ------------------------------------------------------------------------------------------------ validation (§1.6)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(prune_ratio=1.0, delta=0.875), "prune_ratio"), (dict(prune_ratio=-0.1, delta=0.875), "prune_ratio"),
+    (dict(prune_ratio=float("nan"), delta=0.875), "prune_ratio"), (dict(prune_ratio=0.5, delta=0.0), "delta"),
+    (dict(prune_ratio=0.5, delta=1.5), "delta"), (dict(prune_ratio=0.5, delta=float("inf")), "delta"),
+    (dict(prune_ratio=0.5, delta=0.875, num_epochs=0), "num_epochs"),
+    (dict(prune_ratio=0.5, delta=0.875, num_epochs=-1), "num_epochs"),
+    (dict(prune_ratio=0.5, delta=0.875, num_epochs=2.5), "num_epochs"),
+    (dict(prune_ratio=0.5, delta=0.875, num_epochs=True), "num_epochs"),
+    (dict(prune_ratio=Decimal("NaN"), delta=0.875), "prune_ratio"),
+])
+def test_validate_hparams_errors(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        infobatch.validate_hparams(**kwargs)
+
+
+def test_validate_hparams_warnings_and_no_clamp():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        infobatch.validate_hparams(0.5, 0.875, 200)
+        infobatch.validate_hparams(0.9, 0.875)
+        infobatch.validate_hparams(0.0, 0.5, None)
+    with pytest.warns(UserWarning, match="prune_ratio"):
+        infobatch.validate_hparams(0.95, 0.875)
+    with pytest.warns(UserWarning, match="annealing"):
+        infobatch.validate_hparams(0.5, 1.0)
+    # not clamped: r = 0.95 keeps floor(0.05 * 100) = 5 samples with weight 20
+    score = torch.cat([torch.zeros(100), torch.ones(100)])
+    plan = infobatch.plan_epoch(score, torch.ones(200, dtype=torch.bool), 1, 10, prune_ratio=0.95)
+    assert plan.num_kept_well_learned == 5 and plan.weights.max().item() == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(prune_ratio=1.0), dict(delta=0.0), dict(num_epochs=0), dict(epoch=-1),
+                                    dict(seed=1.5), dict(epoch=1.0)])
+def test_plan_epoch_rejects_bad_arguments(kwargs):
+    score, seen = tables(GOLDEN)
+    args = dict(score=score, seen=seen, epoch=1, num_epochs=10, prune_ratio=0.5, delta=0.875, seed=0)
+    with pytest.raises(ValueError):
+        infobatch.plan_epoch(**{**args, **kwargs})
+
+
+def test_plan_epoch_rejects_bad_tables():
+    with pytest.raises(ValueError, match="seen"):
+        infobatch.plan_epoch(torch.zeros(3), torch.ones(4, dtype=torch.bool), 1, 10)
+    with pytest.raises(ValueError, match="score"):
+        infobatch.plan_epoch(torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.bool), 1, 10)
+    with pytest.raises(ValueError, match="empty"):
+        infobatch.plan_epoch(torch.zeros(0), torch.ones(0, dtype=torch.bool), 1, 10)
+
+
+def test_module_imports_no_lightning():
+    source = Path(infobatch.__file__).read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    stdlib = {"__future__", "math", "warnings", "dataclasses", "decimal", "fractions", "numbers", "typing"}
+    assert imported <= stdlib | {"torch"}
