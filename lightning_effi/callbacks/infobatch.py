@@ -130,7 +130,7 @@ class InfoBatchCallback(Callback):
                 "InfoBatchCallback needs a finite number of epochs: set Trainer(max_epochs=...) or "
                 f"InfoBatchCallback(num_epochs=...); got max_epochs={trainer.max_epochs}"
             )
-        if trainer.max_steps not in (-1, None):
+        if trainer.max_steps not in (-1, None) and not trainer.fast_dev_run:  # fast_dev_run sets max_steps itself
             raise ValueError(
                 f"InfoBatchCallback: the run is capped by trainer.max_steps={trainer.max_steps}; InfoBatch saves compute "
                 "by shortening epochs, so a step budget hides the saving (and the annealing point may never come). "

@@ -8,6 +8,8 @@ from .cifar10 import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModu
 from .corpus import STDLIB_CORPUS_FILES, stdlib_corpus, stdlib_corpus_files
 from .errors import DataConfigError
 from .loader import EpochShuffleSampler, ResumableDataLoader
+from .infobatch import InfoBatchDataModule
+from .infobatch_sampler import InfoBatchSampler
 from .indexed import IndexedDataset, indexed_collate, sequence_lengths
 from .sst2 import SST2DataModule, SST2Dataset, read_sst2_tsv
 from .text import CausalLMDataModule, MaskedBlockDataset, MaskedLMDataModule, TokenBlockDataset, mask_tokens
@@ -17,7 +19,7 @@ from .tokenization import (BERT_SPECIAL_TOKENS, EOT_TOKEN, CharTokenizer, encode
 __all__ = [
     "BERT_SPECIAL_TOKENS", "CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD", "EOT_TOKEN", "STDLIB_CORPUS_FILES",
     "CIFAR10DataModule", "CIFAR10Dataset", "CausalLMDataModule", "CharTokenizer", "DataConfigError",
-    "EffiDataModule", "EpochShuffleSampler", "ResumableDataLoader", "IndexedDataset", "MaskedBlockDataset", "MaskedLMDataModule", "NpyFile", "PaddingCollate",
+    "EffiDataModule", "EpochShuffleSampler", "ResumableDataLoader", "IndexedDataset", "InfoBatchDataModule", "InfoBatchSampler", "MaskedBlockDataset", "MaskedLMDataModule", "NpyFile", "PaddingCollate",
     "SST2DataModule", "SST2Dataset", "TokenBlockDataset", "atomic_dir", "atomic_write", "cache_key",
     "default_cache_dir", "encode_text", "file_md5", "indexed_collate", "load_tokenizer", "mask_tokens",
     "random_crop_flip", "read_sst2_tsv", "resolve_cache_dir", "save_tokenizer", "seeded_subset", "sequence_lengths",

@@ -225,7 +225,8 @@ def split_well_learned(score: Tensor, seen: Tensor) -> tuple[float, Tensor]:
     Returns:
         ``(tau, well_learned)``: ``tau`` = mean of the seen scores, accumulated in float64 (a Python float; NaN if
         nothing is seen); ``well_learned = seen & (score < tau)`` (``bool[N]``, strict: a score equal to ``tau`` is
-        not well learned; unseen samples never are). The comparison is done in float64.
+        not well learned; unseen samples never are). The comparison is exact (against the largest value of the
+        table's dtype below ``tau``), without a float64 copy of the table.
 
     Raises:
         ValueError: wrong shapes/dtypes; a seen score is NaN or infinite (the threshold would be meaningless).
@@ -233,16 +234,27 @@ def split_well_learned(score: Tensor, seen: Tensor) -> tuple[float, Tensor]:
     _check_tables(score, seen)
     score = score.detach().cpu()
     seen = seen.detach().cpu()
-    observed = score[seen].double()
+    all_seen = bool(seen.all())
+    observed = score if all_seen else score[seen]
     if observed.numel() == 0:
         return math.nan, torch.zeros_like(seen)
-    finite = torch.isfinite(observed)
-    if not bool(finite.all()):
+    total = float(torch.sum(observed, dtype=torch.float64))  # float64 accumulation without a float64 copy
+    if not math.isfinite(total):
+        finite = torch.isfinite(observed)
         bad = int(seen.nonzero().flatten()[~finite][0])
         raise ValueError(f"score of sample {bad} is {float(score[bad])}: seen scores must be finite "
                          "(a NaN/inf loss, or a placeholder left in the table)")
-    tau = float(observed.mean())
-    return tau, seen & (score.double() < tau)
+    tau = total / observed.numel()
+    below = score <= _largest_below(tau, score.dtype)  # == (score < tau) exactly, in the table's own dtype
+    return tau, below if all_seen else seen & below
+
+
+def _largest_below(tau: float, dtype: torch.dtype) -> float:
+    """The largest value of ``dtype`` strictly below ``tau``: for x of that dtype, ``x < tau  <=>  x <= result``."""
+    nearest = torch.tensor(tau, dtype=dtype)
+    if float(nearest) >= tau:
+        nearest = torch.nextafter(nearest, torch.tensor(-math.inf, dtype=dtype))
+    return float(nearest)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
