@@ -108,12 +108,16 @@ class EfficiencyMonitor(Callback):
     time_eval_s, time_total_s, samples_per_s, tokens_per_s`` plus every ``effi_summary()`` of other callbacks.
 
     Raises:
-        ValueError: ``log_every_n_steps`` not a positive int.
+        ValueError: ``log_every_n_steps`` not a positive int, ``print_summary`` not a bool.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, print_summary: bool = True) -> None:
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
             raise ValueError(f"EfficiencyMonitor.log_every_n_steps must be a positive int or None, got {log_every_n_steps!r}")
+        if not isinstance(print_summary, bool):
+            raise ValueError(f"EfficiencyMonitor.print_summary must be true or false, got {print_summary!r}")
         self.log_every_n_steps = log_every_n_steps
         self.print_summary = print_summary
         self.totals: dict[str, float] = dict.fromkeys(COUNT_KEYS + TIME_KEYS + ("time_total",), 0.0)

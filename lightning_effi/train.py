@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,14 +46,62 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, 
     datamodule.prepare_data()
     hints = datamodule.model_hints() if hasattr(datamodule, "model_hints") else {}
     model = instantiate(cfg.model, key="model", **model_kwargs_from_hints(cfg.model, hints))
+    for check in ("check_data_hints", "check_optimization"):  # fail before training, naming the model. key
+        if callable(getattr(model, check, None)):
+            try:
+                getattr(model, check)(*((hints,) if check == "check_data_hints" else ()))
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
     callbacks = instantiate_callbacks(cfg.get("callbacks"))
     for callback in callbacks:  # techniques that own the training loader wrap the DataModule (InfoBatch)
         wrap = getattr(callback, "wrap_datamodule", None)
         if callable(wrap):
             datamodule = wrap(datamodule)
     loggers = instantiate_loggers(cfg.get("logger"))
+    if cfg.get("optimized_metric"):
+        callbacks.append(MetricCheck(cfg.optimized_metric))
     trainer = instantiate(cfg.trainer, key="trainer", callbacks=callbacks, logger=loggers or False)
     return datamodule, model, trainer
+
+
+class MetricCheck(pl.Callback):
+    """Fails at the first validation (the sanity check, before any training step) when ``optimized_metric`` is not
+    logged, instead of after a whole epoch in ModelCheckpoint or as a NaN in result.json."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.checked = False
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.checked:
+            return
+        self.checked = True
+        if self.name not in trainer.callback_metrics:
+            logged = sorted(k for k in trainer.callback_metrics if not k.startswith("train/"))
+            raise ConfigError(f"optimized_metric: {self.name!r} is not logged by this model; it logs {logged}")
+
+
+def check_checkpoint(path: str, model: pl.LightningModule) -> None:
+    """Fail before training when ``ckpt_path`` is unreadable or holds weights of another model (named, with the
+    first differing parameters)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"ckpt_path: '{path}' does not exist or is not a file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        weights = checkpoint["state_dict"]
+    except Exception as err:  # torch raises many types for a damaged file
+        raise ConfigError(f"ckpt_path: '{path}' is not a readable Lightning checkpoint ({type(err).__name__}: {err})") from err
+    mine = model.state_dict()
+    missing = sorted(set(mine) - set(weights))
+    unexpected = sorted(set(weights) - set(mine))
+    shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in mine.items()
+              if k in weights and tuple(weights[k].shape) != tuple(v.shape)]
+    if missing or unexpected or shapes:
+        detail = "; ".join(filter(None, [
+            f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
+            f"shape (checkpoint vs model) {shapes[:3]}" if shapes else ""]))
+        raise ConfigError(f"ckpt_path: '{path}' holds weights of a different model ({detail}); resume with the "
+                          "model and data settings it was written with")
 
 
 def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -67,8 +117,13 @@ def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train (and optionally test) as configured; returns the result dict that is also written to
     ``<paths.output_dir>/result.json`` on rank 0."""
-    pl.seed_everything(cfg.seed, workers=True)
+    seed = cfg.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ConfigError(f"seed: expected an int in [0, 2**32), got {seed!r}")
+    pl.seed_everything(seed, workers=True)
     datamodule, model, trainer = build(cfg)
+    if cfg.get("ckpt_path"):
+        check_checkpoint(str(cfg.ckpt_path), model)
     output_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +131,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         OmegaConf.save(job_cfg, output_dir / "config.yaml", resolve=True)
 
     if cfg.get("train", True):
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        try:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        except (ValueError, TypeError, MisconfigurationException) as err:
+            if trainer.global_step > 0 or isinstance(err, ConfigError):
+                raise
+            # raised while setting up (callback/strategy checks, configure_optimizers), before any optimizer step
+            raise ConfigError(str(err)) from err
     metrics = _scalar_metrics(dict(trainer.callback_metrics))
     if cfg.get("test", False):
         test_results = trainer.test(model, datamodule=datamodule, verbose=False)
@@ -118,5 +179,5 @@ def main(cfg: DictConfig) -> float:
     except USER_ERRORS as exc:
         if os.environ.get("EFFI_FULL_ERROR") == "1":
             raise
-        raise SystemExit(f"error: {exc}") from None
+        raise SystemExit(f"error: {exc}\n(set EFFI_FULL_ERROR=1 for the traceback)") from None
     return float(result["metric"])

@@ -52,6 +52,15 @@ def test_multirun_sweep_writes_one_result_per_job(tmp_path):
         (["data.block_size=0"], "data.block_size"),
         (["trainer.max_epoch=1"], "trainer.max_epoch"),
         (["callbacks.efficiency.log_every_n_steps=0"], "log_every_n_steps"),
+        (["data.block_size=300"], "model.max_length: the model takes at most 256, the data needs 300"),
+        (["model.optimizer.lr=-1"], "model.optimizer"),
+        (["model.scheduler.warmup_fraction=2"], "model.scheduler"),
+        (["optimized_metric=val/los"], "optimized_metric: 'val/los' is not logged"),
+        (["seed=-1"], "seed: expected an int"),
+        (["model.n_layer=abc"], "model.n_layer"),
+        (["experiment=sst2_infobatch", "trainer.max_epochs=-1", "++trainer.fast_dev_run=false", "trainer.max_steps=2"],
+         "InfoBatchCallback needs a finite number of epochs"),
+        (["ckpt_path=/nonexistent.ckpt"], "ckpt_path: '/nonexistent.ckpt' does not exist"),
     ],
 )
 def test_bad_input_stops_with_one_clear_line(tmp_path, args, message):
@@ -59,3 +68,16 @@ def test_bad_input_stops_with_one_clear_line(tmp_path, args, message):
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_model_or_a_damaged_file_is_named(tmp_path):
+    first = run(compose_train(["trainer.max_steps=1", "trainer.max_epochs=-1"], tmp_path / "a"))
+    ckpt = first["last_checkpoint"]
+    proc = run_train_script(["debug=fdr", f"ckpt_path={ckpt}", "model.n_layer=3"], tmp_path)
+    assert proc.returncode != 0 and "holds weights of a different model" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_bytes(open(ckpt, "rb").read()[:1000])
+    proc = run_train_script(["debug=fdr", f"ckpt_path={damaged}"], tmp_path)
+    assert proc.returncode != 0 and "is not a readable Lightning checkpoint" in proc.stderr, proc.stderr[-2000:]

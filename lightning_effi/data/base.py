@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,12 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
+from .cache import discard_entry
 from .errors import DataConfigError
 from .loader import EpochShuffleSampler, ResumableDataLoader
 
-__all__ = ["EffiDataModule", "PaddingCollate", "check_int", "check_choice", "check_fraction", "seeded_subset"]
+__all__ = ["EffiDataModule", "PaddingCollate", "check_bool", "check_int", "check_choice", "check_fraction",
+           "seeded_subset"]
 
 
 def check_int(name: str, value: Any, minimum: int = 1, optional: bool = False) -> int | None:
@@ -26,6 +29,14 @@ def check_int(name: str, value: Any, minimum: int = 1, optional: bool = False) -
         none = " or null" if optional else ""
         raise DataConfigError(f"data.{name}: {value!r} is invalid; expected an integer >= {minimum}{none}")
     return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a real boolean (Python ``bool`` or ``numpy.bool_``), else :class:`DataConfigError` (a
+    string such as ``"no"`` would otherwise be silently true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise DataConfigError(f"data.{name}: {value!r} is invalid; expected true or false")
+    return bool(value)
 
 
 def check_fraction(name: str, value: Any) -> float:
@@ -98,6 +109,11 @@ class EffiDataModule(LightningDataModule):
     ``_setup(prepared)`` (builds ``train_dataset``, ``val_dataset``, ``test_dataset``, may set ``collate_fn``).
     ``prepare_data()`` runs ``_prepare()``; ``setup()`` runs it again lazily (a cache hit), so the DataModule also
     works without a Trainer. The dataloaders call ``setup()`` if needed.
+
+    When ``_prepare()`` returns a cache entry folder and ``_setup`` cannot read it (``OSError``/``ValueError``, e.g. a
+    truncated ``.npy`` or an empty ``tokenizer.json``; :class:`DataConfigError` is not such a failure), the entry is
+    considered damaged: it is deleted with a warning naming it and prepared again, once; a second failure raises
+    :class:`DataConfigError` naming the entry.
     """
 
     def __init__(self, batch_size: int, num_workers: int, seed: int, cache_dir: str | os.PathLike | None,
@@ -107,7 +123,7 @@ class EffiDataModule(LightningDataModule):
         self.num_workers = check_int("num_workers", num_workers, minimum=0)
         self.seed = check_int("seed", seed, minimum=0)
         self.cache_dir = cache_dir
-        self.pin_memory = bool(pin_memory)
+        self.pin_memory = check_bool("pin_memory", pin_memory)
         self.collate_fn: Callable | None = None
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -123,8 +139,29 @@ class EffiDataModule(LightningDataModule):
         self._prepare()
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_dataset is None:
-            self._setup(self._prepare())
+        if self.train_dataset is not None:
+            return
+        entry = self._prepare()
+        try:
+            self._setup(entry)
+            return
+        except DataConfigError:
+            raise
+        except (OSError, ValueError) as err:
+            if not isinstance(entry, Path):
+                raise
+            warnings.warn(f"cache entry '{entry}' is damaged ({type(err).__name__}: {err}); deleting and rebuilding "
+                          "it", RuntimeWarning, stacklevel=2)
+        discard_entry(entry)
+        entry = self._prepare()
+        try:
+            self._setup(entry)
+        except DataConfigError:
+            raise
+        except (OSError, ValueError) as err:
+            raise DataConfigError(f"data.cache_dir: the cache entry '{entry}' cannot be read even after rebuilding "
+                                  f"it ({type(err).__name__}: {err}); delete the folder '{entry}' and run again, or "
+                                  "use another cache_dir") from err
 
     def model_hints(self) -> dict:
         """Values for model arguments left ``null`` in the config (``vocab_size``, ``num_classes``...)."""

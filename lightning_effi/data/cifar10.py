@@ -7,7 +7,12 @@ Sources, tried in order (``root`` is ``data.root``):
 2. an ImageFolder tree on disk: ``root/train/<class>/*.jpg`` and ``root/test/<class>/*.jpg`` (``.png`` also read);
 3. ``download=True``: ``torchvision.datasets.CIFAR10(root, download=True)`` (the standard pickled release).
 
-``prepare_data()`` decodes the source once (PIL, two worker processes when available) into
+The archive and torchvision sources must hold exactly the CIFAR-10 images (5,000 per class under ``train``, 1,000
+under ``test``) and the archive's compressed stream is read to its end (so its CRC is checked): a damaged or
+truncated file is an error, never a smaller cached dataset. An ImageFolder tree may hold any number of images, but
+every class needs at least one in each split.
+
+``prepare_data()`` decodes the source once (PIL, two worker processes when available; they die with the parent) into
 ``train_images.npy uint8[N,32,32,3]``, ``train_labels.npy int64[N]`` and the same for ``test``, written atomically
 under ``<cache_dir>/cifar10/<key>/``; the key hashes the archive md5 (source 1), the sorted file list with sizes and
 mtimes (source 2) or the fixed torchvision release (source 3). Images are ordered by (class, file name); labels index
@@ -16,10 +21,13 @@ the sorted class names, i.e. the standard CIFAR-10 order :data:`CIFAR10_CLASSES`
 
 from __future__ import annotations
 
+import ctypes
 import io
 import multiprocessing
 import os
 import re
+import signal
+import sys
 import tarfile
 import warnings
 import zlib
@@ -32,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from .base import EffiDataModule, check_int, seeded_subset
-from .cache import NpyFile, atomic_dir, cache_key, file_md5, resolve_cache_dir, save_npy
+from .base import EffiDataModule, check_bool, check_int, seeded_subset
+from .cache import NpyFile, atomic_dir, cache_key, file_md5, load_npy, resolve_cache_dir, save_npy
 from .errors import DataConfigError
 
 __all__ = ["CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10DataModule", "CIFAR10Dataset",
@@ -43,12 +51,14 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 ARCHIVE_NAME = "cifar10-jpeg.tar.gz"
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: archive/torchvision sources checked for the exact CIFAR-10 counts
 _SPLITS = ("train", "test")
 _IMAGE_RE = re.compile(r"^(?:\./)?(train|test)/([^/]+)/([^/.][^/]*\.(?:jpe?g|png))$", re.IGNORECASE)
 _EXPECTED = (f"expected a directory containing {ARCHIVE_NAME} or an ImageFolder tree train/<class>/*.jpg "
              "(+ test/<class>/*.jpg), or set download=true")
 _CHUNK = 2048  # images per decode task
+_PER_CLASS = {"train": 5000, "test": 1000}  # exact CIFAR-10 counts required of the archive and torchvision sources
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def random_crop_flip(image: torch.Tensor, padding: int = 4) -> torch.Tensor:
@@ -116,6 +126,10 @@ def _iter_archive(path: Path) -> Iterator[tuple[str, str, str, bytes]]:
             match = _IMAGE_RE.match(member.name)
             if member.isfile() and match:
                 yield match[1], match[2], match[3], tar.extractfile(member).read()
+        # tarfile stops quietly at a damaged header and never reaches the end of the compressed stream; reading it
+        # to the end makes gzip (bz2, xz) check its CRC and length
+        while tar.fileobj.read(1 << 20):
+            pass
 
 
 def _folder_files(root: Path) -> list[tuple[str, str, Path]]:
@@ -129,15 +143,45 @@ def _iter_folder(root: Path) -> Iterator[tuple[str, str, str, bytes]]:
         yield split, cls, f.name, f.read_bytes()
 
 
+def _init_worker(parent_pid: int) -> None:
+    """Decode worker start-up: on Linux, ask the kernel to SIGKILL this worker when its parent dies (the parent
+    killed by SIGTERM/SIGKILL cannot shut the pool down); exit at once if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):  # no libc / no prctl: rely on the parent-pid check only
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def _pool() -> Executor | None:
     workers = min(2, os.cpu_count() or 1)
     if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
         return None  # decode in-process
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker,
+                               initargs=(os.getpid(),))
 
 
-def _decode_source(items: Iterator[tuple[str, str, str, bytes]], src: Path) -> dict[str, np.ndarray]:
-    """Decode every image of ``items`` and return the arrays of both splits, sorted by (class, file name)."""
+def _check_counts(labels: dict[str, np.ndarray], src: Path, what: str) -> None:
+    """Require exactly :data:`_PER_CLASS` images of every class in each split (archive and torchvision sources)."""
+    for split in _SPLITS:
+        counts = np.bincount(labels[split], minlength=len(CIFAR10_CLASSES))
+        per_class = _PER_CLASS[split]
+        if len(counts) == len(CIFAR10_CLASSES) and (counts == per_class).all():
+            continue
+        wrong = ", ".join(f"{CIFAR10_CLASSES[c] if c < len(CIFAR10_CLASSES) else c}: {n:,}"
+                          for c, n in enumerate(counts) if n != per_class)
+        raise DataConfigError(
+            f"data.root: '{src}' holds {int(counts.sum()):,} {split} images ({wrong}); expected "
+            f"{per_class * len(CIFAR10_CLASSES):,} ({per_class:,} per class): {what} is incomplete or corrupt "
+            "(re-copy or re-download it)")
+
+
+def _decode_source(items: Iterator[tuple[str, str, str, bytes]], src: Path, archive: bool = False
+                   ) -> dict[str, np.ndarray]:
+    """Decode every image of ``items`` and return the arrays of both splits, sorted by (class, file name).
+    ``archive``: ``src`` is an archive, which must hold the exact CIFAR-10 counts."""
     keys: list[tuple[str, str, str]] = []
     chunks: list = []
     batch: list[tuple[str, bytes]] = []
@@ -162,8 +206,9 @@ def _decode_source(items: Iterator[tuple[str, str, str, bytes]], src: Path) -> d
     if classes["train"] != list(CIFAR10_CLASSES) or classes["test"] != list(CIFAR10_CLASSES):
         raise DataConfigError(
             f"data.root: '{src}' has classes {classes['train']} under train/ and {classes['test']} under test/; "
-            f"expected train/<class>/*.jpg and test/<class>/*.jpg for the ten CIFAR-10 classes "
-            f"{' '.join(CIFAR10_CLASSES)}")
+            f"expected train/<class>/*.jpg and test/<class>/*.jpg (at least one image each) for the ten CIFAR-10 "
+            f"classes {' '.join(CIFAR10_CLASSES)}"
+            + ("; the archive may be truncated or corrupt (re-copy or re-download it)" if archive else ""))
     label_of = {c: i for i, c in enumerate(CIFAR10_CLASSES)}
     out = {}
     for split in _SPLITS:
@@ -171,6 +216,8 @@ def _decode_source(items: Iterator[tuple[str, str, str, bytes]], src: Path) -> d
         pos = np.asarray(pos, dtype=np.int64)
         out[f"{split}_images"] = images[pos]
         out[f"{split}_labels"] = np.asarray([label_of[keys[i][1]] for i in pos], dtype=np.int64)
+    if archive:
+        _check_counts({s: out[f"{s}_labels"] for s in _SPLITS}, src, "the archive")
     return out
 
 
@@ -185,8 +232,10 @@ class CIFAR10DataModule(EffiDataModule):
     augmented (random crop with padding 4, horizontal flip) when ``augment``; val/test never are.
 
     Raises:
-        DataConfigError: invalid argument (in ``__init__``); missing ``root``, unreadable or truncated archive, wrong
-            layout, undecodable or non-32x32 image (in ``prepare_data``/``setup``, naming the file; nothing is cached).
+        DataConfigError: invalid argument, e.g. a non-boolean ``augment``/``download``/``pin_memory`` (in
+            ``__init__``); missing ``root``, unreadable, truncated or corrupt archive (or download) without exactly
+            5,000 training and 1,000 test images per class, wrong layout, a class without images in a split,
+            undecodable or non-32x32 image (in ``prepare_data``/``setup``, naming the file; nothing is cached).
     """
 
     num_classes = 10
@@ -204,8 +253,8 @@ class CIFAR10DataModule(EffiDataModule):
         self.train_subset = check_int("train_subset", train_subset, optional=True)
         self.val_subset = check_int("val_subset", val_subset, optional=True)
         self.test_subset = check_int("test_subset", test_subset, optional=True)
-        self.augment = bool(augment)
-        self.download = bool(download)
+        self.augment = check_bool("augment", augment)
+        self.download = check_bool("download", download)
         if not self.download and not self.root.exists():
             raise DataConfigError(f"data.root: '{self.root}' does not exist; {_EXPECTED}")
 
@@ -255,19 +304,24 @@ class CIFAR10DataModule(EffiDataModule):
                 ds = torchvision.datasets.CIFAR10(str(path), train=split == "train", download=True)
                 out[f"{split}_images"] = np.asarray(ds.data, dtype=np.uint8)
                 out[f"{split}_labels"] = np.asarray(ds.targets, dtype=np.int64)
+            _check_counts({s: out[f"{s}_labels"] for s in _SPLITS}, path, "the torchvision download")
             return out
         if kind == "folder":
             return _decode_source(_iter_folder(path), path)
         try:
-            return _decode_source(_iter_archive(path), path)
+            return _decode_source(_iter_archive(path), path, archive=True)
         except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
-            raise DataConfigError(f"data.root: '{path}' is not a readable .tar.gz archive ({type(err).__name__}: "
-                                  f"{err}); expected {ARCHIVE_NAME} holding train/<class>/NNNN.jpg and "
-                                  "test/<class>/NNNN.jpg (re-copy or re-download the file)") from err
+            raise DataConfigError(f"data.root: '{path}' is not a readable .tar.gz archive: it is incomplete or "
+                                  f"corrupt ({type(err).__name__}: {err}); expected {ARCHIVE_NAME} holding "
+                                  "train/<class>/NNNN.jpg and test/<class>/NNNN.jpg (re-copy or re-download the "
+                                  "file)") from err
 
     def _setup(self, entry: Path) -> None:
         images = {s: NpyFile(entry / f"{s}_images.npy") for s in _SPLITS}
-        labels = {s: np.load(entry / f"{s}_labels.npy") for s in _SPLITS}
+        labels = {s: load_npy(entry / f"{s}_labels.npy") for s in _SPLITS}
+        for s in _SPLITS:  # open now: a damaged entry is found (and rebuilt) in setup, not in a DataLoader worker
+            if len(images[s]) != len(labels[s]):
+                raise ValueError(f"'{images[s].path}' holds {len(images[s])} images for {len(labels[s])} labels")
         n_train = len(labels["train"])
         if self.val_size >= n_train:
             raise DataConfigError(f"data.val_size: {self.val_size} is invalid; expected fewer than the "

@@ -7,6 +7,7 @@ ints until they become an int64 tensor, so they never pass through a float tenso
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,6 +16,12 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Subset, default_collate
 
 __all__ = ["IndexedDataset", "indexed_collate", "sequence_lengths"]
+
+
+def _check_key(index_key: Any) -> str:
+    if not isinstance(index_key, str):
+        raise TypeError(f"index_key must be a str; got {index_key!r}")
+    return index_key
 
 
 def _check_sample(sample: Any, index: int) -> dict:
@@ -31,8 +38,11 @@ class IndexedDataset(Dataset):
         index_key: key under which the index (a Python ``int``) is stored.
 
     Raises:
-        TypeError: ``dataset`` is an ``IterableDataset`` or has no ``__len__``; a sample is not a dict; the sample
-            already contains ``index_key``.
+        TypeError: ``dataset`` is an ``IterableDataset`` or has no ``__len__``; ``index_key`` is not a str; an index
+            is not an integer (``int``, NumPy or 0-dim torch integer; not ``bool`` or ``float``); a sample is not a
+            dict; the sample already contains ``index_key``.
+        IndexError: an index outside ``[-len, len)``. A negative index is normalised first, so the stored index is
+            always the sample's position in ``[0, len)``.
 
     The wrapped dataset is available as ``.dataset``; attributes are not delegated. ``__getitems__`` uses the wrapped
     dataset's batched ``__getitems__`` when it has one, and pairs every sample with its own index.
@@ -44,7 +54,7 @@ class IndexedDataset(Dataset):
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise TypeError(f"IndexedDataset needs a map-style dataset with __len__; got {type(dataset).__name__}")
         self.dataset = dataset
-        self.index_key = index_key
+        self.index_key = _check_key(index_key)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -56,12 +66,25 @@ class IndexedDataset(Dataset):
         out[self.index_key] = index
         return out
 
+    def _position(self, index: Any, n: int) -> int:
+        """``index`` as the position in ``[0, n)``: integers only, negative ones counted from the end."""
+        if isinstance(index, (bool, np.bool_)):
+            raise TypeError(f"IndexedDataset index must be an integer; got {index!r}")
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(f"IndexedDataset index must be an integer; got {type(index).__name__} {index!r}") from None
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for a dataset of {n} samples")
+        return i + n if i < 0 else i
+
     def __getitem__(self, index: int) -> dict:
-        index = int(index)
+        index = self._position(index, len(self.dataset))
         return self._with_index(self.dataset[index], index)
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict]:
-        indices = [int(i) for i in indices]
+        n = len(self.dataset)
+        indices = [self._position(i, n) for i in indices]
         getitems = getattr(self.dataset, "__getitems__", None)
         samples = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
         if len(samples) != len(indices):
@@ -84,12 +107,12 @@ class indexed_collate:  # noqa: N801 - used like a function: indexed_collate(col
 
     Raises:
         KeyError: a sample lacks ``index_key``.
-        TypeError: ``collate_fn`` does not return a dict.
+        TypeError: ``collate_fn`` does not return a dict; ``index_key`` is not a str.
     """
 
     def __init__(self, collate_fn: Callable[[list], Any] | None = None, index_key: str = "index"):
         self.collate_fn = collate_fn
-        self.index_key = index_key
+        self.index_key = _check_key(index_key)
 
     def __call__(self, samples: Sequence[Mapping]) -> dict:
         indices, rest = [], []

@@ -41,6 +41,10 @@ class EpochShuffleSampler(DistributedSampler):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"EpochShuffleSampler.num_replicas must be a positive int, got {num_replicas!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ValueError(f"EpochShuffleSampler.rank must be an int in [0, {num_replicas}), got {rank!r}")
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.start = 0
 
@@ -88,11 +92,26 @@ class ResumableDataLoader(DataLoader):
             sampler.start = 0
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch": sampler epoch, "batches": batches handed out in this epoch}``."""
-        return {"epoch": int(self.sampler.epoch), "batches": int(self._batches)}  # type: ignore[attr-defined]
+        """``{"epoch", "batches" (handed out in this epoch), "batch_size", "samples" (per-rank epoch length)}``."""
+        return {"epoch": int(self.sampler.epoch), "batches": int(self._batches),  # type: ignore[attr-defined]
+                "batch_size": int(self.batch_size or 1), "samples": len(self.sampler)}  # type: ignore[arg-type]
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Resume at ``state_dict["batches"]`` of epoch ``state_dict["epoch"]`` on the next iteration."""
+        """Resume at ``state_dict["batches"]`` of epoch ``state_dict["epoch"]`` on the next iteration.
+
+        Raises:
+            ValueError: the checkpoint was written with another batch size or epoch length (the skipped samples
+                would not be the consumed ones), or its batch count is out of range.
+        """
+        batches = int(state_dict["batches"])
+        for key, now in (("batch_size", int(self.batch_size or 1)), ("samples", len(self.sampler))):  # type: ignore[arg-type]
+            if key in state_dict and int(state_dict[key]) != now:
+                raise ValueError(
+                    f"cannot resume the training loader mid-epoch: the checkpoint has {key}={state_dict[key]}, the "
+                    f"run now {now}; resume with the same data settings (batch size, subset, number of devices)"
+                )
+        if not 0 <= batches <= len(self):
+            raise ValueError(f"cannot resume the training loader: {batches} consumed batches is outside [0, {len(self)}]")
         self.sampler.set_epoch(int(state_dict["epoch"]))  # type: ignore[attr-defined]
-        self._resume_batches = int(state_dict["batches"])
-        self._batches = self._resume_batches
+        self._resume_batches = batches
+        self._batches = batches

@@ -18,33 +18,38 @@ import torch
 from torch.utils.data import Dataset
 
 from .base import EffiDataModule, PaddingCollate, check_int, seeded_subset
-from .cache import NpyFile, atomic_dir, cache_key, file_md5, resolve_cache_dir, save_npy
+from .cache import NpyFile, atomic_dir, cache_key, file_md5, load_npy, resolve_cache_dir, save_npy
 from .errors import DataConfigError
 from .tokenization import BERT_SPECIAL_TOKENS, load_tokenizer, save_tokenizer, train_wordpiece_tokenizer
 
 __all__ = ["SST2DataModule", "SST2Dataset", "read_sst2_tsv"]
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: empty splits are rejected (version 1 could cache them)
 _SPLITS = {"train": "train.tsv", "dev": "dev.tsv"}
 
 
 def read_sst2_tsv(path: str | os.PathLike) -> tuple[list[str], np.ndarray]:
-    """``(sentences, labels int64[n])`` of a GLUE SST-2 TSV file (first row = header, skipped; empty lines skipped).
+    """``(sentences, labels int64[n])`` of a GLUE SST-2 TSV file (UTF-8; first row = header, skipped; empty lines
+    skipped).
 
     Raises:
-        DataConfigError: missing file, a row without exactly 2 tab-separated columns, or a label other than 0/1
-            (naming the file and line).
+        DataConfigError: missing file, no data row, a line that is not UTF-8, a row without exactly 2 tab-separated
+            columns, or a label other than 0/1 (naming the file and line).
     """
     path = Path(path)
     if not path.is_file():
         raise DataConfigError(f"data.root: '{path}' does not exist; expected the GLUE SST-2 file {path.name} "
                               "(label<TAB>sentence with a header row)")
     sentences, labels = [], []
-    with open(path, encoding="utf-8", newline="\n") as f:
-        next(f, None)
-        for lineno, line in enumerate(f, start=2):
-            line = line.rstrip("\r\n")
-            if not line:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as err:
+                raise DataConfigError(f"data.root: '{path}' line {lineno}: byte {err.object[err.start]:#04x} at "
+                                      f"position {err.start + 1} is not valid UTF-8 ({err.reason}); expected a UTF-8 "
+                                      "text file") from None
+            if lineno == 1 or not line:  # the header row, an empty line
                 continue
             cols = line.split("\t")
             if len(cols) != 2:
@@ -54,6 +59,9 @@ def read_sst2_tsv(path: str | os.PathLike) -> tuple[list[str], np.ndarray]:
                 raise DataConfigError(f"data.root: '{path}' line {lineno}: label {cols[0]!r}; expected 0 or 1")
             labels.append(int(cols[0]))
             sentences.append(cols[1])
+    if not labels:
+        raise DataConfigError(f"data.root: '{path}' has no data rows; expected a header row followed by "
+                              "label<TAB>sentence rows")
     return sentences, np.asarray(labels, dtype=np.int64)
 
 
@@ -89,8 +97,8 @@ class SST2DataModule(EffiDataModule):
     (tests, benchmarks). ``model_hints()`` gives ``vocab_size``, ``pad_token_id``, ``num_classes=2``, ``max_length``.
 
     Raises:
-        DataConfigError: invalid argument; missing ``train.tsv``/``dev.tsv``, wrong column count or bad label
-            (naming file and line).
+        DataConfigError: invalid argument; missing or empty ``train.tsv``/``dev.tsv``, non-UTF-8 bytes, wrong column
+            count or bad label (naming file and line).
     """
 
     num_classes = 2
@@ -139,8 +147,11 @@ class SST2DataModule(EffiDataModule):
 
     def _setup(self, entry: Path) -> None:
         self.tokenizer = load_tokenizer(entry / "tokenizer.json")
-        train, dev = (SST2Dataset(NpyFile(entry / f"{s}_ids.npy"), np.load(entry / f"{s}_offsets.npy"),
-                                  np.load(entry / f"{s}_labels.npy")) for s in _SPLITS)
+        train, dev = (SST2Dataset(NpyFile(entry / f"{s}_ids.npy"), load_npy(entry / f"{s}_offsets.npy"),
+                                  load_npy(entry / f"{s}_labels.npy")) for s in _SPLITS)
+        for ds in (train, dev):  # open now: a damaged entry is found (and rebuilt) in setup, not in a worker
+            if len(ds.offsets) != len(ds) + 1 or ds.offsets[-1] != len(ds.ids):
+                raise ValueError(f"'{ds.ids.path}' does not match its offsets and labels")
         self.train_dataset = seeded_subset(train, self.train_subset, self.seed, 1)
         self.val_dataset = self.test_dataset = seeded_subset(dev, self.val_subset, self.seed, 2)
 

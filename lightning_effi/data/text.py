@@ -187,6 +187,13 @@ class _TextDataModule(EffiDataModule):
         train, val = NpyFile(entry / "train.npy"), NpyFile(entry / "val.npy")
         specials = self.specials_per_block
         for name, tokens in (("training", train), ("validation", val)):
+            if len(tokens) == 0:  # no block_size (>= 1 + specials) fits: say what is wrong with the text instead
+                source = (f"text_path: '{self.text_path}'" if self.corpus == "file"
+                          else f"max_chars: {self.max_chars!r} (corpus=stdlib)")
+                raise DataConfigError(
+                    f"data.{source} gives no token in the {name} split (that part of the text is empty or only "
+                    "whitespace); expected at least one token in each split: use a longer text or change "
+                    "max_chars/val_fraction")
             if len(tokens) + specials < self.block_size:
                 raise DataConfigError(
                     f"data.block_size: {self.block_size} is larger than the {name} split ({len(tokens)} tokens"

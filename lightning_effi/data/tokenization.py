@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -38,7 +39,12 @@ def _cached_tokenizer(kind: str, texts: str | Sequence[str], cache_dir, params: 
     key = cache_key(kind=kind, text_sha256=texts_sha256(texts), version=_VERSION, **params)
     path = resolve_cache_dir(cache_dir, "tokenizers") / f"{kind}-{key}.json"
     if path.is_file():
-        return Tokenizer.from_file(str(path))
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a plain Exception for a damaged file
+            warnings.warn(f"cached tokenizer '{path}' is damaged ({err}); deleting and retraining it", RuntimeWarning,
+                          stacklevel=3)
+            path.unlink(missing_ok=True)
     tokenizer = build()
     with atomic_write(path, "w", encoding="utf-8") as f:
         f.write(tokenizer.to_str())
@@ -196,7 +202,16 @@ def save_tokenizer(tokenizer: Tokenizer | CharTokenizer, path: str | os.PathLike
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer | CharTokenizer:
-    """Load a tokenizer written by :func:`save_tokenizer` (``Tokenizer.from_file`` or :meth:`CharTokenizer.load`)."""
+    """Load a tokenizer written by :func:`save_tokenizer` (``Tokenizer.from_file`` or :meth:`CharTokenizer.load`).
+
+    Raises:
+        OSError: ``path`` cannot be opened.
+        ValueError: ``path`` is not a tokenizer file (empty, truncated, not JSON...); the message names it.
+    """
     with open(path, encoding="utf-8") as f:
-        is_char = json.load(f).get("type") == "CharTokenizer"
-    return CharTokenizer.load(path) if is_char else Tokenizer.from_file(str(path))
+        try:
+            data = json.load(f)
+            is_char = isinstance(data, dict) and data.get("type") == "CharTokenizer"
+            return CharTokenizer.load(path) if is_char else Tokenizer.from_file(str(path))
+        except Exception as err:  # JSON errors, CharTokenizer's ValueError/KeyError, tokenizers' plain Exception
+            raise ValueError(f"'{path}' is not a valid tokenizer file ({type(err).__name__}: {err})") from err

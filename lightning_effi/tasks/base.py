@@ -126,6 +126,43 @@ class EffiTask(pl.LightningModule):
                 return progress
         return None
 
+    def effi_data_limits(self) -> dict[str, int]:
+        """What the model can take: ``vocab_size`` / ``max_length`` (upper bounds) and ``num_classes`` (exact)."""
+        return {}
+
+    def check_data_hints(self, hints: Mapping[str, Any]) -> None:
+        """Check the model against the DataModule's ``model_hints()`` before training.
+
+        Raises:
+            ValueError: the data's vocabulary or sequence length exceeds the model's, or the class counts differ
+                (naming the ``model.`` key).
+        """
+        for key, limit in self.effi_data_limits().items():
+            need = hints.get(key)
+            if need is None:
+                continue
+            if key == "num_classes" and need != limit:
+                raise ValueError(f"model.num_classes: the model has {limit} classes, the data {need}")
+            if key != "num_classes" and need > limit:
+                raise ValueError(f"model.{key}: the model takes at most {limit}, the data needs {need}")
+
+    def check_optimization(self) -> None:
+        """Build the optimizer and scheduler once on the current parameters, so invalid values (a negative
+        learning rate, a warmup fraction above 1) fail before training with the config key named.
+
+        Raises:
+            ValueError: naming ``model.optimizer`` or ``model.scheduler``.
+        """
+        try:
+            optimizer = self.optimizer_factory(param_groups(self, self.weight_decay))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"model.optimizer: {err}") from err
+        if self.scheduler_factory is not None:
+            try:
+                self.scheduler_factory(optimizer, total_steps=1)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"model.scheduler: {err}") from err
+
     # ----------------------------------------------------------------------------------------- accounting
     def effi_training_flops(self, batch: Mapping[str, Tensor]) -> float:
         """Training FLOPs (forward + backward) of one batch. Default: measured with ``torch.utils.flop_counter``

@@ -106,10 +106,13 @@ class ImageClassifier(EffiTask):
         weight_decay: float | None = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay)
-        if num_classes is None or int(num_classes) < 2:
+        if not isinstance(model_name, str):
+            raise ValueError(f"model.model_name: expected a timm model name (a string), got {model_name!r}")
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"model.num_classes must be an int >= 2, got {num_classes!r}")
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
+        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+                or not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"model.label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.model = create_timm_model(model_name, int(num_classes), **dict(model_kwargs or {}))
         self.label_smoothing = label_smoothing
@@ -120,6 +123,9 @@ class ImageClassifier(EffiTask):
 
     def model_inputs(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {"x": batch["pixel_values"]}
+
+    def effi_data_limits(self) -> dict[str, int]:
+        return {"num_classes": int(self.hparams.num_classes)}
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         return self.model(pixel_values)

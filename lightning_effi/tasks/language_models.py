@@ -31,15 +31,27 @@ def _require(name: str, value: Any, cond: bool, allowed: str) -> None:
         raise ValueError(f"model.{name}: expected {allowed}, got {value!r}")
 
 
-def _check_transformer(vocab_size: Any, n_layer: int, hidden: int, n_head: int, attn: str) -> None:
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_transformer(vocab_size: Any, n_layer: Any, hidden: Any, n_head: Any, attn: Any, positions: Any,
+                       dropout: Any, positions_key: str, pad_token_id: Any = 0) -> None:
     _require(
         "vocab_size",
         vocab_size,
-        isinstance(vocab_size, int) and vocab_size > 0,
+        _is_int(vocab_size) and vocab_size > 0,
         "a positive int (left null in the config, it is filled from the DataModule's model_hints())",
     )
-    _require("n_layer", n_layer, n_layer >= 1, "an int >= 1")
-    _require("n_head", n_head, n_head >= 1 and hidden % n_head == 0, f"a divisor of the hidden size {hidden}")
+    _require("n_layer", n_layer, _is_int(n_layer) and n_layer >= 1, "an int >= 1")
+    _require("n_embd", hidden, _is_int(hidden) and hidden >= 1, "an int >= 1")
+    _require("n_head", n_head, _is_int(n_head) and n_head >= 1 and hidden % n_head == 0,
+             f"a positive divisor of n_embd={hidden}")
+    _require(positions_key, positions, _is_int(positions) and positions >= 2, "an int >= 2")
+    _require("dropout", dropout, isinstance(dropout, (int, float)) and not isinstance(dropout, bool)
+             and 0 <= dropout < 1, "a number in [0, 1)")
+    _require("pad_token_id", pad_token_id, _is_int(pad_token_id) and 0 <= pad_token_id < vocab_size,
+             f"an int in [0, vocab_size={vocab_size})")
     _require("attn_implementation", attn, attn in ("eager", "sdpa"), "'eager' or 'sdpa'")
 
 
@@ -102,7 +114,7 @@ class GPT2CausalLM(_LanguageModelTask):
         weight_decay: float | None = 0.1,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay)
-        _check_transformer(vocab_size, n_layer, n_embd, n_head, attn_implementation)
+        _check_transformer(vocab_size, n_layer, n_embd, n_head, attn_implementation, n_positions, dropout, "n_positions")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         config = GPT2Config(
             vocab_size=vocab_size,
@@ -141,6 +153,9 @@ class GPT2CausalLM(_LanguageModelTask):
         b, t = batch["input_ids"].shape
         cfg = self.model.config
         return transformer_training_flops(b, t, cfg.n_layer, cfg.n_embd, cfg.n_inner, cfg.vocab_size, head="lm")
+
+    def effi_data_limits(self) -> dict[str, int]:
+        return {"vocab_size": self.model.config.vocab_size, "max_length": self.model.config.n_positions}
 
 
 def _bert_config(vocab_size: int, n_layer: int, hidden: int, n_head: int, max_length: int, pad_token_id: int,
@@ -186,7 +201,8 @@ class BertMaskedLM(_LanguageModelTask):
         weight_decay: float | None = 0.01,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay)
-        _check_transformer(vocab_size, n_layer, n_embd, n_head, attn_implementation)
+        _check_transformer(vocab_size, n_layer, n_embd, n_head, attn_implementation, max_length, dropout, "max_length",
+                           pad_token_id)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.model = BertForMaskedLM(
             _bert_config(vocab_size, n_layer, n_embd, n_head, max_length, pad_token_id, dropout, attn_implementation)
@@ -210,6 +226,10 @@ class BertMaskedLM(_LanguageModelTask):
         return transformer_training_flops(
             b, t, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, head="mlm"
         )
+
+    def effi_data_limits(self) -> dict[str, int]:
+        cfg = self.model.config
+        return {"vocab_size": cfg.vocab_size, "max_length": cfg.max_position_embeddings}
 
 
 class BertSequenceClassifier(EffiTask):
@@ -237,8 +257,9 @@ class BertSequenceClassifier(EffiTask):
         weight_decay: float | None = 0.01,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay)
-        _check_transformer(vocab_size, n_layer, n_embd, n_head, attn_implementation)
-        _require("num_classes", num_classes, isinstance(num_classes, int) and num_classes >= 2, "an int >= 2")
+        _check_transformer(vocab_size, n_layer, n_embd, n_head, attn_implementation, max_length, dropout, "max_length",
+                           pad_token_id)
+        _require("num_classes", num_classes, _is_int(num_classes) and num_classes >= 2, "an int >= 2")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         config = _bert_config(
             vocab_size, n_layer, n_embd, n_head, max_length, pad_token_id, dropout, attn_implementation,
@@ -268,6 +289,10 @@ class BertSequenceClassifier(EffiTask):
             b, t, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, 0, head="cls",
             num_classes=cfg.num_labels,
         )
+
+    def effi_data_limits(self) -> dict[str, int]:
+        cfg = self.model.config
+        return {"vocab_size": cfg.vocab_size, "max_length": cfg.max_position_embeddings, "num_classes": cfg.num_labels}
 
 
 __all__ = ["GPT2CausalLM", "BertMaskedLM", "BertSequenceClassifier", "token_losses_per_sample"]

@@ -1,12 +1,18 @@
 import io
+import multiprocessing
+import os
 import pickle
+import signal
+import sys
 import tarfile
+import time
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from lightning_effi.data import cifar10
 from lightning_effi.data import (CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, DataConfigError,
                                  IndexedDataset, indexed_collate, sequence_lengths)
 
@@ -133,16 +139,181 @@ def test_image_folder_errors(tmp_path):
     assert not any(p.is_file() for p in (tmp_path / "c").rglob("*"))
 
 
-def test_archive_given_as_file(tmp_path):
-    archive = tmp_path / "mini.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for split in ("train", "test"):
+def _archive(path, per_class=(1, 1), skip=()):
+    """A tiny CIFAR-10-layout tar.gz with per_class = (train, test) images per class, minus the members in skip."""
+    with tarfile.open(path, "w:gz") as tar:
+        for split, n in zip(("train", "test"), per_class):
             for c in CIFAR10_CLASSES:
-                data = _jpeg(seed=len(c))
-                info = tarfile.TarInfo(f"{split}/{c}/0000.jpg")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+                for k in range(n):
+                    name = f"{split}/{c}/{k:04d}.jpg"
+                    if name in skip:
+                        continue
+                    data = _jpeg(seed=len(c) + 10 * k)
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture
+def per_class(monkeypatch):
+    """Make the exact-count check of archives expect (train, test) images per class instead of (5000, 1000)."""
+    def set_counts(train, test):
+        monkeypatch.setattr(cifar10, "_PER_CLASS", {"train": train, "test": test})
+    return set_counts
+
+
+def _no_cached_file(cache):
+    return not any(p.is_file() for p in cache.rglob("*"))
+
+
+def test_archive_given_as_file(tmp_path, per_class):
+    per_class(1, 1)
+    archive = _archive(tmp_path / "mini.tar.gz")
     dm = CIFAR10DataModule(archive, val_size=2, cache_dir=tmp_path / "c", num_workers=0)
     dm.setup()
     assert len(dm.train_dataset) == 8 and len(dm.test_dataset) == 10
     assert dm.test_dataset.labels.tolist() == list(range(10))
+
+
+def test_archive_needs_exact_counts(tmp_path, per_class):
+    """A well-formed archive missing images (a truncated copy) is rejected, not cached as a smaller dataset."""
+    per_class(2, 2)
+    archive = _archive(tmp_path / "cifar10-jpeg.tar.gz", per_class=(2, 2), skip={"test/truck/0001.jpg"})
+    cache = tmp_path / "c"
+    with pytest.raises(DataConfigError, match=r"cifar10-jpeg.tar.gz' holds 19 test images \(truck: 1\); expected 20 "
+                                              r"\(2 per class\): the archive is incomplete or corrupt"):
+        CIFAR10DataModule(archive, val_size=2, cache_dir=cache, num_workers=0).prepare_data()
+    assert _no_cached_file(cache)
+    per_class(5000, 1000)  # the real CIFAR-10 counts, with thousands separators
+    with pytest.raises(DataConfigError, match=r"holds 20 train images \(airplane: 2, .*truck: 2\); expected 50,000 "
+                                              r"\(5,000 per class\)"):
+        CIFAR10DataModule(archive, val_size=2, cache_dir=cache, num_workers=0).prepare_data()
+    assert _no_cached_file(cache)
+
+
+def test_archive_gzip_crc_checked(tmp_path, per_class):
+    """tarfile stops at the end-of-archive blocks without reaching the gzip trailer: a bad CRC (or 16 flipped bytes
+    mid-file, which tarfile reads past silently) must still be detected."""
+    per_class(2, 1)
+    data = _archive(tmp_path / "good.tar.gz", per_class=(2, 1)).read_bytes()
+    bad_crc = bytearray(data)
+    bad_crc[-8] ^= 0xFF  # gzip trailer: CRC32, then ISIZE
+    flipped = bytearray(data)
+    flipped[len(data) // 2:len(data) // 2 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 16])
+    for name, content in (("crc", bad_crc), ("flipped", flipped)):
+        path = tmp_path / name / "cifar10-jpeg.tar.gz"
+        path.parent.mkdir()
+        path.write_bytes(bytes(content))
+        cache = tmp_path / f"cache-{name}"
+        with pytest.raises(DataConfigError, match=rf"{name}/cifar10-jpeg.tar.gz' .*incomplete or corrupt"):
+            CIFAR10DataModule(path.parent, val_size=2, cache_dir=cache, num_workers=0).prepare_data()
+        assert _no_cached_file(cache)
+    dm = CIFAR10DataModule(tmp_path / "good.tar.gz", val_size=2, cache_dir=tmp_path / "c", num_workers=0)
+    dm.setup()
+    assert len(dm.test_dataset) == 10
+
+
+def test_archive_missing_split_may_be_truncated(tmp_path, per_class):
+    per_class(1, 1)
+    archive = _archive(tmp_path / "a.tar.gz", per_class=(1, 0))
+    with pytest.raises(DataConfigError, match=r"and \[\] under test/.*the archive may be truncated or corrupt"):
+        CIFAR10DataModule(archive, cache_dir=tmp_path / "c", num_workers=0).prepare_data()
+    _image_folder(tmp_path / "tree", per_class=1)  # a user's tree: no word about archives
+    for f in (tmp_path / "tree" / "test" / "cat").iterdir():
+        f.unlink()  # an empty class folder counts as a missing class
+    with pytest.raises(DataConfigError, match=r"'cat', 'deer'.* under test/; expected .*at least one image each"
+                                              r"(?!.*archive)"):
+        CIFAR10DataModule(tmp_path / "tree", cache_dir=tmp_path / "c", num_workers=0).prepare_data()
+    assert _no_cached_file(tmp_path / "c")
+
+
+def test_image_folder_accepts_other_counts(tmp_path, per_class):
+    _image_folder(tmp_path / "tree", per_class=2)
+    (tmp_path / "tree" / "test" / "dog" / "0001.jpg").unlink()
+    dm = CIFAR10DataModule(tmp_path / "tree", val_size=2, cache_dir=tmp_path / "c", num_workers=0)
+    dm.setup()
+    assert len(dm.test_dataset) == 19
+
+
+def test_download_needs_exact_counts(tmp_path, monkeypatch, per_class):
+    import torchvision
+
+    class FakeCIFAR10:
+        def __init__(self, root, train, download):
+            n = 2 if train else 1
+            self.data = np.zeros((10 * n - (0 if train else 1), 32, 32, 3), np.uint8)
+            self.targets = np.repeat(np.arange(10), n)[:len(self.data)].tolist()
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
+    per_class(2, 1)
+    with pytest.raises(DataConfigError, match=r"holds 9 test images \(truck: 0\); expected 10 \(1 per class\): "
+                                              "the torchvision download is incomplete or corrupt"):
+        CIFAR10DataModule(tmp_path / "tv", download=True, val_size=2, cache_dir=tmp_path / "c").prepare_data()
+    assert _no_cached_file(tmp_path / "c")
+
+
+@pytest.mark.parametrize("param", ["download", "augment", "pin_memory"])
+def test_boolean_args_must_be_booleans(tmp_path, param):
+    for value in ("no", "false", 0, 1, None):
+        with pytest.raises(DataConfigError, match=rf"data.{param}: .* is invalid; expected true or false"):
+            CIFAR10DataModule(tmp_path, **{param: value})
+    dm = CIFAR10DataModule(tmp_path, **{param: np.bool_(False)})
+    assert getattr(dm, param) is False
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def _keep_pool_busy(conn):
+    """Start the decode pool, keep both workers busy, send their pids, wait to be killed."""
+    pool = cifar10._pool()
+    if pool is None:
+        conn.send(None)
+        return
+    for _ in range(2):
+        pool.submit(time.sleep, 60)
+    time.sleep(0.2)
+    conn.send(list(pool._processes))
+    time.sleep(60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_decode_workers_die_with_parent(sig):
+    """Killing the process that decodes CIFAR-10 must not leave its decode workers running."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    parent = ctx.Process(target=_keep_pool_busy, args=(send,))
+    parent.start()
+    try:
+        assert recv.poll(30)
+        workers = recv.recv()
+        if workers is None:
+            pytest.skip("no decode pool on this machine (fewer than 2 CPUs or no fork)")
+        assert len(workers) == 2 and all(_alive(p) for p in workers)
+        os.kill(parent.pid, sig)
+        parent.join(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in workers)
+    finally:
+        parent.kill()
+        parent.join()
+
+
+def test_decode_worker_exits_if_parent_already_gone():
+    child = multiprocessing.get_context("fork").Process(target=cifar10._init_worker, args=(os.getpid() + 10**6,))
+    child.start()
+    child.join(10)
+    assert child.exitcode == 1
+    same = multiprocessing.get_context("fork").Process(target=cifar10._init_worker, args=(os.getpid(),))
+    same.start()
+    same.join(10)
+    assert same.exitcode == 0
