@@ -114,6 +114,16 @@ def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train (and optionally test) as configured; returns the result dict that is also written to
     ``<paths.output_dir>/result.json`` on rank 0."""
@@ -165,9 +175,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     }
     if trainer.is_global_zero:
         with open(output_dir / "result.json", "w") as f:
-            json.dump(result, f, indent=2, default=str)
+            json.dump(_json_safe(result), f, indent=2, default=str)  # strict JSON: NaN/inf become null
         shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith(("val/", "test/")))
-        print(f"Final metrics: {shown}\nResults: {output_dir / 'result.json'}", flush=True)
+        print(f"Final metrics: {shown or 'none (no validation ran)'}\nResults: {output_dir / 'result.json'}",
+              flush=True)
     return result
 
 

@@ -3,6 +3,7 @@ and turn configuration mistakes into one readable line (lightning-hydra-template
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +13,12 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+
+# ``${effi_cwd:}``: the launch folder, usable everywhere in the config (``${hydra:runtime.cwd}`` is not set yet when
+# a multirun resolves ``hydra.sweep.dir``)
+if not OmegaConf.has_resolver("effi_cwd"):
+    OmegaConf.register_new_resolver("effi_cwd", os.getcwd)
 
 
 class ConfigError(ValueError):

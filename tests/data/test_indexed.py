@@ -132,3 +132,27 @@ def test_sequence_lengths_follows_subset_and_indexed():
     assert sequence_lengths(sub).tolist() == expected[[5, 0, 19]].tolist()
     assert sequence_lengths(IndexedDataset(Subset(sub, [2]))).tolist() == [expected[19]]
     assert sequence_lengths(Huge()) is None and sequence_lengths(IndexedDataset(Huge())) is None
+
+
+def test_index_must_be_an_integer_and_is_the_true_position():
+    ds = IndexedDataset(Squares(10))
+    for bad in (1.7, 2.0, "3", None, True, np.float64(1.0), torch.tensor(1.5)):
+        with pytest.raises(TypeError, match="must be an integer"):
+            ds[bad]
+    with pytest.raises(TypeError, match="must be an integer"):
+        ds.__getitems__([1, 2.5])
+    assert ds[-1]["index"] == 9 and int(ds[-1]["x"]) == 81
+    assert ds[-10]["index"] == 0
+    assert [s["index"] for s in ds.__getitems__([-1, 0, np.int64(-2), torch.tensor(3)])] == [9, 0, 8, 3]
+    assert type(ds[np.int32(4)]["index"]) is int
+    for out in (10, -11):
+        with pytest.raises(IndexError):
+            ds[out]
+
+
+@pytest.mark.parametrize("key", [None, 1, b"index"])
+def test_index_key_must_be_a_str(key):
+    with pytest.raises(TypeError, match="index_key must be a str"):
+        IndexedDataset(Squares(3), index_key=key)
+    with pytest.raises(TypeError, match="index_key must be a str"):
+        indexed_collate(index_key=key)

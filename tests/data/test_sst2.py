@@ -77,3 +77,22 @@ def test_tsv_errors(tmp_path):
 def _write(path):
     path.write_text("label\tcontent\n1\ta b\n\n0\tc\n")
     return path
+
+
+def test_tsv_not_utf8_names_file_and_line(tmp_path):
+    bad = tmp_path / "train.tsv"
+    bad.write_bytes(b"label\tsentence\n1\tfine\n0\tcaf\xe9 latin-1\n")
+    with pytest.raises(DataConfigError, match=r"train.tsv' line 3: byte 0xe9 at position 6 is not valid UTF-8"):
+        read_sst2_tsv(bad)
+
+
+@pytest.mark.parametrize("content", ["", "label\tsentence\n", "label\tsentence\n\n\n"])
+def test_tsv_without_data_rows(tmp_path, content):
+    (tmp_path / "train.tsv").write_text(content)
+    with pytest.raises(DataConfigError, match=r"train.tsv' has no data rows"):
+        read_sst2_tsv(tmp_path / "train.tsv")
+    _write(tmp_path / "train.tsv")
+    (tmp_path / "dev.tsv").write_text(content)
+    with pytest.raises(DataConfigError, match=r"dev.tsv' has no data rows"):
+        SST2DataModule(tmp_path, vocab_size=64, cache_dir=tmp_path / "c").prepare_data()
+    assert list((tmp_path / "c" / "sst2").iterdir()) == []

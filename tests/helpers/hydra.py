@@ -50,5 +50,5 @@ def run_train_script(args: Sequence[str], cwd: Path, timeout: int = 600) -> subp
     """Run ``experiments/train.py`` in a subprocess (outputs under ``cwd``); returns the completed process."""
     flags = [a for a in args if a.startswith("-")]  # Hydra flags (-m) go before the overrides
     overrides = [a for a in args if not a.startswith("-")]
-    cmd = [sys.executable, str(TRAIN_SCRIPT), *flags, f"paths.root_dir={cwd}", f"paths.data_dir={DATA_DIR}", *overrides]
+    cmd = [sys.executable, str(TRAIN_SCRIPT), *flags, f"paths.data_dir={DATA_DIR}", *overrides]  # root_dir: the cwd
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
