@@ -46,12 +46,13 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, 
     datamodule.prepare_data()
     hints = datamodule.model_hints() if hasattr(datamodule, "model_hints") else {}
     model = instantiate(cfg.model, key="model", **model_kwargs_from_hints(cfg.model, hints))
-    for check in ("check_data_hints", "check_optimization"):  # fail before training, naming the model. key
-        if callable(getattr(model, check, None)):
-            try:
-                getattr(model, check)(*((hints,) if check == "check_data_hints" else ()))
-            except ValueError as err:
-                raise ConfigError(str(err)) from err
+    try:  # fail before training, naming the model. key (EffiTask hooks; other modules may not have them)
+        if hasattr(model, "check_data_hints"):
+            model.check_data_hints(hints)
+        if hasattr(model, "check_optimization"):
+            model.check_optimization()
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     callbacks = instantiate_callbacks(cfg.get("callbacks"))
     for callback in callbacks:  # techniques that own the training loader wrap the DataModule (InfoBatch)
         wrap = getattr(callback, "wrap_datamodule", None)
