@@ -12,7 +12,7 @@ points of the baseline; planning overhead for 10M samples under 1 s.
     python experiments/bench/infobatch_cifar10.py                       # defaults below (~30-40 min on 2 CPUs)
     python experiments/bench/infobatch_cifar10.py --epochs 2 --train-subset 2000 --seeds 0   # smoke run
 
-Writes ``<out>/infobatch_cifar10.json`` and ``<out>/infobatch_cifar10.png``.
+Writes ``<out>/infobatch_cifar10<tag>.json`` and ``<out>/infobatch_cifar10<tag>.png``.
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ def main() -> None:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "experiments" / "bench" / "results"))
+    p.add_argument("--tag", default="", help="suffix of the output file names, e.g. _subset20k")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -167,9 +168,9 @@ def main() -> None:
     summary["test_acc_delta_points"] = 100 * (summary["test_acc_infobatch"] - summary["test_acc_baseline"])
     overhead = planning_overhead()
     report = {"config": vars(args), "summary": summary, "planning_overhead": overhead, "runs": results}
-    with open(out / "infobatch_cifar10.json", "w") as f:
+    with open(out / f"infobatch_cifar10{args.tag}.json", "w") as f:
         json.dump(report, f, indent=2)
-    plot(results, out / "infobatch_cifar10.png")
+    plot(results, out / f"infobatch_cifar10{args.tag}.png")
     print(json.dumps({"summary": summary, "planning_overhead_s": overhead["seconds"]}, indent=2))
 
 

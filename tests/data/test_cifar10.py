@@ -289,6 +289,7 @@ def test_decode_workers_die_with_parent(sig):
     """Killing the process that decodes CIFAR-10 must not leave its decode workers running."""
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
+    workers = None
     parent = ctx.Process(target=_keep_pool_busy, args=(send,))
     parent.start()
     try:
@@ -306,6 +307,9 @@ def test_decode_workers_die_with_parent(sig):
     finally:
         parent.kill()
         parent.join()
+        for pid in workers if isinstance(workers, list) else ():  # failed: do not leak the orphans
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_decode_worker_exits_if_parent_already_gone():

@@ -125,7 +125,8 @@ def test_mlm_val_masks_deterministic_train_random(mlm_dm):
 def test_no_token_in_a_split_message_is_consistent(tmp_path):
     """A whitespace-only text gives no WordPiece token: the error must not ask for a block_size below the minimum."""
     (tmp_path / "blank.txt").write_text(" \n\t  \n" * 50)
-    with pytest.raises(DataConfigError, match=r"data.text_path: .*blank.txt' gives no token in the training split") as err:
+    with pytest.raises(DataConfigError,
+                       match=r"data.text_path: .*blank.txt' gives no token in the training split") as err:
         MaskedLMDataModule(tmp_path / "blank.txt", block_size=3, cache_dir=tmp_path / "c").setup()
     assert "at most" not in str(err.value)
     (tmp_path / "short.txt").write_text("a" * 9 + " ")  # the validation part is one space
