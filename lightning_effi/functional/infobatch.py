@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
@@ -83,12 +84,30 @@ def hash64(*keys: int) -> int:
     return h
 
 
-def plan_generator(seed: int, epoch: int) -> torch.Generator:
-    """Private CPU generator for the plan of ``epoch``: ``manual_seed(hash64(seed, PURPOSE, epoch))`` (spec §1.2.4).
+def plan_generator(seed: int, epoch: int, stream: int = 0) -> torch.Generator:
+    """Private CPU generator for the plan of ``epoch``: ``manual_seed(hash64(seed, PURPOSE, epoch))`` (spec §1.2.4);
+    ``stream > 0`` gives further independent generators ``manual_seed(hash64(seed, PURPOSE, epoch, stream))``.
 
     ``PURPOSE`` is the constant ``int.from_bytes(b"InfoBat", "little")``.
     """
-    return torch.Generator(device="cpu").manual_seed(hash64(int(seed), _PURPOSE, int(epoch)))
+    keys = (int(seed), _PURPOSE, int(epoch)) + ((int(stream),) if stream else ())
+    return torch.Generator(device="cpu").manual_seed(hash64(*keys))
+
+
+_PARALLEL_FROM = 1_000_000  # permutation sizes from which the two permutations of a plan run in two threads
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _randperms(*jobs: tuple[int, torch.Generator]) -> list[Tensor]:
+    """``torch.randperm(n, generator=g)`` for each ``(n, g)``; concurrently for large sizes (torch releases the GIL
+    and each job has its own generator, so the result does not depend on scheduling)."""
+    global _POOL
+    if max(n for n, _ in jobs) < _PARALLEL_FROM:
+        return [torch.randperm(n, generator=g) for n, g in jobs]
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="infobatch-plan")
+    futures = [_POOL.submit(torch.randperm, n, generator=g) for n, g in jobs]
+    return [f.result() for f in futures]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -427,9 +446,10 @@ def plan_epoch(
     d1 = well_learned.nonzero().flatten()
     d2 = (~well_learned).nonzero().flatten()
     k = keep_count(d1.numel(), prune_ratio)
-    kept = d1[torch.randperm(d1.numel(), generator=gen)[:k]]
-    visit = torch.cat([d2, kept])
-    indices = visit[torch.randperm(visit.numel(), generator=gen)]
+    # K: a uniform k-subset of D1 (stream 0); the epoch order: an independent uniform permutation (stream 1)
+    choose, order = _randperms((d1.numel(), gen), (d2.numel() + k, plan_generator(seed, epoch, stream=1)))
+    kept = d1[choose[:k]]
+    indices = torch.cat([d2, kept])[order]
     weights = torch.ones(n, dtype=torch.float32)
     weights[kept] = float(1 / (1 - r))
     return EpochPlan(epoch=epoch, indices=indices, weights=weights, kind="prune", threshold=tau,

@@ -463,5 +463,5 @@ def test_module_imports_no_lightning():
             imported |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or "").split(".")[0])
-    stdlib = {"__future__", "math", "warnings", "dataclasses", "decimal", "fractions", "numbers", "typing"}
+    stdlib = {"__future__", "math", "warnings", "dataclasses", "decimal", "fractions", "numbers", "typing", "concurrent"}
     assert imported <= stdlib | {"torch"}
