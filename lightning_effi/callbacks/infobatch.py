@@ -232,13 +232,14 @@ class InfoBatchCallback(Callback):
                                  "kept_well_learned": self.plan.num_kept_well_learned, "size": self.plan.epoch_size})
         return self.plan
 
-    def record_padding(self, epoch: int, padded: int) -> None:
-        """Called by the DataModule: DDP duplicates added to the plan of ``epoch`` (counted, not subtracted)."""
+    def record_loader(self, epoch: int, padded: int, batches: int) -> None:
+        """Called by the DataModule for each loader it builds: the DDP duplicates added to the plan of ``epoch``
+        (counted, not subtracted from the saving) and the loader's batches per rank, which give the epoch's
+        optimizer steps ``L_e`` for :meth:`effi_progress` (known before the scheduler is built)."""
         if self.history and self.history[-1]["epoch"] == epoch:
             self.history[-1]["padded"] = int(padded)
-
-    def set_steps_per_epoch(self, steps: int) -> None:
-        self.steps_per_epoch = max(1, int(steps))
+        accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+        self.steps_per_epoch = max(1, math.ceil(batches / accumulate))
 
     def effi_progress(self) -> float:
         """Training progress in [0, 1] after the next optimizer step: ``(e + (j + 1) / L_e) / E`` with ``j`` the
@@ -248,14 +249,6 @@ class InfoBatchCallback(Callback):
             return 0.0
         p = (self.plan.epoch + (self.steps_in_epoch + 1) / self.steps_per_epoch) / self.epochs
         return min(max(p, 0.0), 1.0)
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.set_steps_per_epoch(math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.set_steps_per_epoch(math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
 
     def sync_scores(self, trainer: pl.Trainer) -> None:
         """Sum the epoch's recorded losses over ranks (one collective, spec §4.3) into the score table, identical on

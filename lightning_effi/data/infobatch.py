@@ -132,9 +132,8 @@ class InfoBatchDataModule(pl.LightningDataModule):
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         plan = self.planner.plan_for(epoch)
         sampler = InfoBatchSampler(plan, num_replicas=world, rank=rank, drop_last=t["drop_last"])
-        self.planner.record_padding(epoch, sampler.padded)
         workers = t["num_workers"]
-        return ResumableDataLoader(
+        loader = ResumableDataLoader(
             IndexedDataset(t["dataset"]),
             batch_size=t["batch_size"],
             sampler=sampler,
@@ -146,3 +145,5 @@ class InfoBatchDataModule(pl.LightningDataModule):
             prefetch_factor=t["prefetch_factor"] if workers > 0 else None,
             persistent_workers=False,  # rebuilt every epoch: persistence buys nothing (infobatch.md §4.2)
         )
+        self.planner.record_loader(epoch, padded=sampler.padded, batches=len(loader))
+        return loader

@@ -150,6 +150,11 @@ class ProgressLR(GPT2CausalLM):
     def __init__(self):
         super().__init__(**TINY_GPT2)
         self.lrs: list[float] = []
+        self.first_lr: float | None = None
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.first_lr is None:
+            self.first_lr = self.trainer.optimizers[0].param_groups[0]["lr"]
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -166,6 +171,9 @@ def test_progress_based_lr_ends_exactly_at_its_end_value_with_shrinking_epochs(t
     make_trainer(tmp_path, [InfoBatchCallback(prune_ratio=0.7, delta=1.0)], max_epochs=4).fit(
         module, datamodule=ib_data())
     assert module.lrs[-1] == pytest.approx(0.0, abs=1e-8)  # cosine to 0 at progress 1, no scheduler error
+    # the first step runs at progress (0 + 1/5)/4 = 0.05 (5 batches in the full epoch 0; 4 epochs), the second at 0.1
+    cosine = lambda p: 0.5 * (1 + math.cos(math.pi * p))  # noqa: E731
+    assert module.first_lr == pytest.approx(cosine(0.05)) and module.lrs[0] == pytest.approx(cosine(0.1))
     assert all(b <= a + 1e-12 for a, b in zip(module.lrs, module.lrs[1:]))  # monotone decay
 
 
