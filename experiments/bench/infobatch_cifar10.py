@@ -78,6 +78,7 @@ def run_arm(args: argparse.Namespace, seed: int, infobatch: bool) -> dict:
         "arm": "infobatch" if infobatch else "baseline", "seed": seed,
         "sample_forwards": s["samples"], "optimizer_steps": s["optimizer_steps"],
         "train_wall_s": s["time_train_s"] + s["time_data_s"], "eval_wall_s": s["time_eval_s"],
+        "train_s_per_step": (s["time_train_s"] + s["time_data_s"]) / max(s["optimizer_steps"], 1),
         "flops": s["flops"], "test_acc": float(test["test/acc"]), "curve": callbacks[1].points,
     }
     if infobatch:
@@ -88,7 +89,7 @@ def run_arm(args: argparse.Namespace, seed: int, infobatch: bool) -> dict:
     return result
 
 
-def planning_overhead(n: int = 10_000_000, repeats: int = 3) -> dict:
+def planning_overhead(n: int = 10_000_000, repeats: int = 7) -> dict:
     """Seconds to plan one prune epoch (threshold, split, sampling, shuffle, weights) for ``n`` samples."""
     g = torch.Generator().manual_seed(0)
     score = torch.empty(n).exponential_(generator=g)
@@ -98,7 +99,8 @@ def planning_overhead(n: int = 10_000_000, repeats: int = 3) -> dict:
         t0 = time.perf_counter()
         plan = ib.plan_epoch(score, seen, epoch=1 + r, num_epochs=10, prune_ratio=0.5, delta=0.875, seed=0)
         times.append(time.perf_counter() - t0)
-    return {"n": n, "seconds": min(times), "all_seconds": times, "saved_fraction": plan.saved / n}
+    return {"n": n, "seconds": min(times), "median_seconds": statistics.median(times), "all_seconds": times,
+            "saved_fraction": plan.saved / n}
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -149,12 +151,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     results = []
-    for seed in args.seeds:
-        for infobatch in (False, True):
+    for i, seed in enumerate(args.seeds):
+        # alternate which arm runs first, so a slow drift of the machine's speed does not favour one arm
+        for infobatch in ((False, True) if i % 2 == 0 else (True, False)):
             results.append(run_arm(args, seed, infobatch))
             r = results[-1]
             print(f"seed {seed} {r['arm']:9s}: {r['sample_forwards']} sample-forwards, {r['train_wall_s']:.1f} s, "
                   f"test acc {r['test_acc']:.4f}", flush=True)
+    results.sort(key=lambda r: (r["seed"], r["arm"] != "baseline"))
     base = [r for r in results if r["arm"] == "baseline"]
     ibr = [r for r in results if r["arm"] == "infobatch"]
     mean = statistics.mean
@@ -164,6 +168,8 @@ def main() -> None:
         "flops_saving": 1 - mean(r["flops"] for r in ibr) / mean(r["flops"] for r in base),
         "test_acc_baseline": mean(r["test_acc"] for r in base),
         "test_acc_infobatch": mean(r["test_acc"] for r in ibr),
+        "train_s_per_step_baseline": mean(r["train_s_per_step"] for r in base),
+        "train_s_per_step_infobatch": mean(r["train_s_per_step"] for r in ibr),
     }
     summary["test_acc_delta_points"] = 100 * (summary["test_acc_infobatch"] - summary["test_acc_baseline"])
     overhead = planning_overhead()

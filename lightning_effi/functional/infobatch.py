@@ -94,20 +94,58 @@ def plan_generator(seed: int, epoch: int, stream: int = 0) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(hash64(*keys))
 
 
-_PARALLEL_FROM = 1_000_000  # permutation sizes from which the two permutations of a plan run in two threads
+_PARALLEL_FROM = 1_000_000  # epoch sizes from which the order is drawn as two half-size shuffles in two threads
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _randperms(*jobs: tuple[int, torch.Generator]) -> list[Tensor]:
-    """``torch.randperm(n, generator=g)`` for each ``(n, g)``; concurrently for large sizes (torch releases the GIL
-    and each job has its own generator, so the result does not depend on scheduling)."""
+def _submit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` in a planning thread (torch releases the GIL inside its kernels)."""
     global _POOL
-    if max(n for n, _ in jobs) < _PARALLEL_FROM:
-        return [torch.randperm(n, generator=g) for n, g in jobs]
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="infobatch-plan")
-    futures = [_POOL.submit(torch.randperm, n, generator=g) for n, g in jobs]
-    return [f.result() for f in futures]
+    return _POOL.submit(fn, *args, **kwargs)
+
+
+def _distinct(c: int, need: int, generator: torch.Generator) -> Tensor:
+    """A uniform ``need``-subset of ``range(c)`` as ``int64[need]``: the first ``need`` distinct values of i.i.d.
+    uniform draws (rejection; cheap for ``need << c``), or ``randperm(c)[:need]`` when ``need`` is not small."""
+    if 4 * need > c:
+        return torch.randperm(c, generator=generator)[:need]
+    picked: dict[int, None] = {}
+    while len(picked) < need:
+        for d in torch.randint(0, c, (2 * (need - len(picked)) + 16,), generator=generator).tolist():
+            picked.setdefault(d)
+            if len(picked) == need:
+                break
+    return torch.tensor(list(picked), dtype=torch.int64)
+
+
+def uniform_subset(m: int, k: int, generator: torch.Generator) -> Tensor:
+    """A uniformly random ``k``-subset of ``range(m)`` as a ``bool[m]`` mask, in O(m) without a shuffle.
+
+    Each position is included independently with probability ``k / m`` (one ``torch.rand`` per position), which gives
+    a uniform subset of random size ``c``; then a uniform ``|c - k|``-subset of the included (``c > k``) or excluded
+    (``c < k``) positions is flipped. Both steps are symmetric under any relabelling of ``range(m)``, so the result is
+    a uniform ``k``-subset; the correction touches about ``sqrt(k)`` positions. Small ``m`` use ``randperm``.
+
+    Raises:
+        ValueError: not ``0 <= k <= m``.
+    """
+    if not (_is_int(m) and _is_int(k) and 0 <= k <= m):
+        raise ValueError(f"uniform_subset needs 0 <= k <= m, got k={k!r}, m={m!r}")
+    m, k = int(m), int(k)
+    if k == 0 or k == m:
+        return torch.full((m,), k == m, dtype=torch.bool)
+    mask = torch.zeros(m, dtype=torch.bool)
+    if m < 65536:
+        mask[torch.randperm(m, generator=generator)[:k]] = True
+        return mask
+    mask = torch.rand(m, generator=generator) < k / m
+    c = int(mask.sum())
+    if c != k:
+        candidates = (mask if c > k else ~mask).nonzero().flatten()
+        mask[candidates[_distinct(candidates.numel(), abs(c - k), generator)]] = c < k
+    return mask
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -406,13 +444,13 @@ def plan_epoch(
     - **full** if ``epoch == 0``, no score is seen, or ``epoch >= epoch_stop(num_epochs, delta)``: a permutation of
       ``range(N)``, every weight exactly 1.0;
     - **prune** otherwise: ``tau, D1 = split_well_learned(score, seen)``; ``k = keep_count(|D1|, prune_ratio)``;
-      ``K`` = ``k`` samples of D1 drawn uniformly *without replacement*; the epoch visits ``D2 ∪ K`` (``D2`` = all
-      other samples, including unseen ones) in a random order; weights ``1 / (1 - r)`` (float32) on ``K``, 1.0
+      ``K`` = ``k`` samples of D1 drawn uniformly *without replacement* (:func:`uniform_subset`); the epoch visits
+      ``D2 ∪ K`` (``D2`` = all other samples, including unseen ones) in a uniformly random order; weights ``1 / (1 - r)`` (float32) on ``K``, 1.0
       elsewhere.
 
     A pure function: the same inputs give an identical plan in any process; randomness comes only from
-    :func:`plan_generator` ``(seed, epoch)``; the inputs and the global RNGs are left untouched. Cost O(N) plus two
-    ``randperm`` calls; computed on the CPU (the tables may live anywhere and are copied).
+    :func:`plan_generator` ``(seed, epoch)``; the inputs and the global RNGs are left untouched. Cost O(N) plus one
+    ``randperm`` of the epoch length (two half-size ones in two threads for large epochs); computed on the CPU (the tables may live anywhere and are copied).
 
     Args:
         score: ``float[N]`` score table (latest unweighted per-sample loss). seen: ``bool[N]``.
@@ -443,17 +481,36 @@ def plan_epoch(
                          num_well_learned=0, num_kept_well_learned=0, saved=0)
 
     tau, well_learned = split_well_learned(score, seen_cpu)
+    m = int(well_learned.sum())
+    k = keep_count(m, prune_ratio)
+    length = n - m + k
+    # The epoch order, a uniform permutation of the L visited samples (streams 1-3), is drawn while this thread draws
+    # K, a uniform k-subset of D1 (stream 0). Large epochs use one Rao-Sandelius step: each position of the order
+    # goes to the first or second half by a fair coin (stream 1), each half is shuffled in its own thread (streams 2,
+    # 3); the concatenation is a uniform permutation.
+    order_gen = plan_generator(seed, epoch, stream=1)
+    if length >= _PARALLEL_FROM:
+        first = torch.rand(length, generator=order_gen) < 0.5
+        c0 = int(first.sum())
+        halves = [_submit(torch.randperm, c, generator=plan_generator(seed, epoch, stream=st))
+                  for c, st in ((c0, 2), (length - c0, 3))]
+    else:
+        order = torch.randperm(length, generator=order_gen)
     d1 = well_learned.nonzero().flatten()
-    d2 = (~well_learned).nonzero().flatten()
-    k = keep_count(d1.numel(), prune_ratio)
-    # K: a uniform k-subset of D1 (stream 0); the epoch order: an independent uniform permutation (stream 1)
-    choose, order = _randperms((d1.numel(), gen), (d2.numel() + k, plan_generator(seed, epoch, stream=1)))
-    kept = d1[choose[:k]]
-    indices = torch.cat([d2, kept])[order]
+    kept = d1[uniform_subset(m, k, gen)]
+    visited = ~well_learned
+    visited[kept] = True
+    members = visited.nonzero().flatten()  # D2 ∪ K in index order
     weights = torch.ones(n, dtype=torch.float32)
     weights[kept] = float(1 / (1 - r))
+    if length >= _PARALLEL_FROM:
+        parts = [_submit(torch.index_select, group, 0, half.result())
+                 for group, half in zip((members[first], members[~first]), halves)]
+        indices = torch.cat([part.result() for part in parts])
+    else:
+        indices = members.index_select(0, order)
     return EpochPlan(epoch=epoch, indices=indices, weights=weights, kind="prune", threshold=tau,
-                     num_well_learned=d1.numel(), num_kept_well_learned=k, saved=n - indices.numel())
+                     num_well_learned=m, num_kept_well_learned=k, saved=n - length)
 
 
 def expected_saving(score: Tensor, seen: Tensor, prune_ratio: float) -> float:

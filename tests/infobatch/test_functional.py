@@ -253,6 +253,43 @@ def test_large_plan_runs():
     assert plan.kind == "prune" and plan.epoch_size + plan.saved == n
     assert plan.saved == plan.num_well_learned - plan.num_kept_well_learned
     assert 0.2 < plan.saved / n < 0.3
+    # the large-N path (order drawn in the planning thread, subset by selection) keeps every plan invariant
+    assert torch.equal(torch.unique(plan.indices), plan.indices.sort().values)  # each sample at most once
+    visited = torch.zeros(n, dtype=torch.bool)
+    visited[plan.indices] = True
+    well = score < plan.threshold
+    assert torch.equal(visited | well, torch.ones(n, dtype=torch.bool))  # D2 always visited
+    assert int((visited & well).sum()) == plan.num_kept_well_learned
+    assert torch.equal(plan.weights == 2.0, visited & well) and bool(((plan.weights == 1.0) | well).all())
+    assert plan == infobatch.plan_epoch(score, torch.ones(n, dtype=torch.bool), 1, 10, prune_ratio=0.5, seed=0)
+
+
+@pytest.mark.parametrize(("m", "k"), [(10, 3), (70_000, 1), (70_000, 69_999), (70_000, 35_000), (200_003, 123_457)])
+def test_uniform_subset_exact_size(m, k):
+    g = torch.Generator().manual_seed(m + k)
+    for _ in range(3):
+        mask = infobatch.uniform_subset(m, k, g)
+        assert mask.dtype == torch.bool and mask.shape == (m,) and int(mask.sum()) == k
+
+
+def test_uniform_subset_is_uniform():
+    # selection path (m >= 65536): every position is included with probability k/m, whatever its place
+    m, k, draws = 70_000, 21_000, 300
+    g = torch.Generator().manual_seed(0)
+    count = torch.zeros(m)
+    for _ in range(draws):
+        count += infobatch.uniform_subset(m, k, g)
+    p = k / m
+    z = (count / draws - p) / math.sqrt(p * (1 - p) / draws)  # ~ N(0, 1) per position
+    assert abs(float(z.mean())) < 0.05 and 0.95 < float(z.std()) < 1.05
+    blocks = (count.view(70, 1000).sum(1) / (1000 * draws) - p).abs()  # no drift along the index range
+    assert float(blocks.max()) < 6 * math.sqrt(p * (1 - p) / (1000 * draws))
+
+
+def test_uniform_subset_rejects_bad_sizes():
+    for m, k in [(5, 6), (5, -1), (5.0, 2)]:
+        with pytest.raises(ValueError, match="0 <= k <= m"):
+            infobatch.uniform_subset(m, k, torch.Generator())
 
 
 # ------------------------------------------------------------------------------------------------ 13, 14: per batch
