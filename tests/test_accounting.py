@@ -71,6 +71,16 @@ def test_resume_mid_epoch_keeps_exact_counts(tmp_path):
     )
 
 
+def test_resume_from_the_last_batch_of_an_epoch(tmp_path):
+    """A checkpoint taken after an epoch's last batch (before its epoch end) resumes into the next epoch with that
+    epoch's data (regression: the loader skipped the whole next epoch)."""
+    assert_resume_equals_uninterrupted(
+        tiny_gpt2, tiny_lm_data, tmp_path, total_steps=8, resume_step=5,  # 5 batches per epoch
+        callbacks_fn=lambda: [EfficiencyMonitor(print_summary=False)],
+        ignore_state=["totals.time_train", "totals.time_data", "totals.time_eval", "totals.time_total"],
+    )
+
+
 def test_helpers_and_validation():
     assert batch_size_of({"input_ids": torch.zeros(3, 5)}) == 3
     assert batch_size_of((torch.zeros(4, 2), torch.zeros(4))) == 4

@@ -112,6 +112,11 @@ class ResumableDataLoader(DataLoader):
                 )
         if not 0 <= batches <= len(self):
             raise ValueError(f"cannot resume the training loader: {batches} consumed batches is outside [0, {len(self)}]")
+        if batches == len(self):
+            # the checkpoint was taken after the epoch's last batch: Lightning resumes in the next epoch (and calls
+            # set_epoch for it), so there is nothing to skip. Skipping here would empty that epoch and lose its data.
+            self._resume_batches = self._batches = 0
+            return
         self.sampler.set_epoch(int(state_dict["epoch"]))  # type: ignore[attr-defined]
         self._resume_batches = batches
         self._batches = batches
