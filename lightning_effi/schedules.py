@@ -83,3 +83,57 @@ def warmup_cosine(
 def constant(optimizer: Optimizer, total_steps: int, progress: Progress | None = None) -> LambdaLR:
     """A constant multiplier of 1 (``total_steps`` and ``progress`` accepted for a uniform factory signature)."""
     return LambdaLR(optimizer, lambda step: 1.0)
+
+
+def layer_token_multiplier(consumed: float, warmup_layer_tokens: float, total_layer_tokens: float,
+                           decay: str = "cosine", min_lr_ratio: float = 0.0) -> float:
+    """LR multiplier at ``consumed`` layer-tokens (random-LTD spec §7; the paper's layer-token LR schedule, which
+    DeepSpeed never finished): linear warmup ``t / warmup`` over the first ``warmup_layer_tokens``, then ``cosine``
+    or ``linear`` decay to ``min_lr_ratio`` at ``total_layer_tokens``, constant afterwards (never raises for overrun).
+
+    Raises:
+        ValueError: negative ``consumed``/``warmup_layer_tokens``, ``total_layer_tokens <= warmup_layer_tokens``,
+            unknown ``decay``, ``min_lr_ratio`` outside [0, 1].
+    """
+    if consumed < 0 or warmup_layer_tokens < 0:
+        raise ValueError(f"consumed and warmup_layer_tokens must be >= 0, got {consumed}, {warmup_layer_tokens}")
+    if total_layer_tokens <= warmup_layer_tokens:
+        raise ValueError(f"total_layer_tokens ({total_layer_tokens}) must exceed warmup_layer_tokens "
+                         f"({warmup_layer_tokens})")
+    if decay not in ("cosine", "linear"):
+        raise ValueError(f"decay must be 'cosine' or 'linear', got {decay!r}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    if consumed < warmup_layer_tokens:
+        return consumed / warmup_layer_tokens
+    p = min(1.0, (consumed - warmup_layer_tokens) / (total_layer_tokens - warmup_layer_tokens))
+    if decay == "linear":
+        return 1.0 - (1.0 - min_lr_ratio) * p
+    return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * p))
+
+
+def layer_token_lr(optimizer: Optimizer, callback: object, warmup_layer_tokens: float,
+                   total_layer_tokens: float | None = None, decay: str = "cosine",
+                   min_lr_ratio: float = 0.0) -> LambdaLR:
+    """A ``LambdaLR`` (``interval="step"``) driven by ``callback.consumed_layer_tokens`` (a
+    :class:`~lightning_effi.callbacks.RandomLTDCallback`), see :func:`layer_token_multiplier`.
+
+    The callback adds a step's layer-tokens in ``on_before_optimizer_step``, before Lightning steps the scheduler, so
+    the LR of step ``k+1`` reflects the tokens of steps ``0..k``. ``total_layer_tokens=None`` uses
+    ``callback.expected_total_layer_tokens()`` (the schedule over the run's optimizer steps at the observed global
+    batch size), read once the warmup is over.
+    """
+    layer_token_multiplier(0, warmup_layer_tokens, (total_layer_tokens or warmup_layer_tokens + 1), decay,
+                           min_lr_ratio)  # validate now
+    state: dict[str, float] = {}
+
+    def fn(_: int) -> float:
+        consumed = float(callback.consumed_layer_tokens)  # type: ignore[attr-defined]
+        if consumed < warmup_layer_tokens:
+            return consumed / warmup_layer_tokens
+        if "total" not in state:
+            state["total"] = float(total_layer_tokens if total_layer_tokens is not None
+                                   else callback.expected_total_layer_tokens())  # type: ignore[attr-defined]
+        return layer_token_multiplier(consumed, warmup_layer_tokens, state["total"], decay, min_lr_ratio)
+
+    return LambdaLR(optimizer, fn)

@@ -1,5 +1,6 @@
 """Technique callbacks. Each wires a pure method from :mod:`lightning_effi.functional` into Lightning hooks."""
 
 from lightning_effi.callbacks.infobatch import InfoBatch, InfoBatchCallback
+from lightning_effi.callbacks.random_ltd import RandomLTD, RandomLTDCallback
 
-__all__ = ["InfoBatch", "InfoBatchCallback"]
+__all__ = ["InfoBatch", "InfoBatchCallback", "RandomLTD", "RandomLTDCallback"]

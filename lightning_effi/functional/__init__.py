@@ -6,6 +6,6 @@
     loss = infobatch.rescale(per_sample_loss, index, plan.weights)
 """
 
-from . import infobatch
+from . import infobatch, random_ltd, rng
 
-__all__ = ["infobatch"]
+__all__ = ["infobatch", "random_ltd", "rng"]

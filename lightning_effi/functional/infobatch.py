@@ -36,6 +36,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lightning_effi.functional.rng import hash64
+
 __all__ = [
     "PER_SAMPLE_LOSS_CONTRACT", "EpochPlan", "accumulate", "epoch_stop", "expected_saving", "finalize", "hash64",
     "keep_count", "plan_epoch", "plan_generator", "rescale", "split_well_learned", "update_scores",
@@ -47,7 +49,6 @@ PER_SAMPLE_LOSS_CONTRACT = (
     "(one float loss per sample of the batch, with grad)"
 )
 
-_MASK64 = (1 << 64) - 1
 #: Purpose key mixed into every InfoBatch seed, so another technique using the same user seed gets another stream.
 _PURPOSE = int.from_bytes(b"InfoBat", "little")
 _PLAN_STATE_VERSION = 1
@@ -56,32 +57,6 @@ _PLAN_STATE_VERSION = 1
 # ---------------------------------------------------------------------------------------------------------------
 # Randomness
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _splitmix64(x: int) -> int:
-    """One SplitMix64 step (Steele, Lea, Flood 2014): a bijective 64-bit mix with good avalanche."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def hash64(*keys: int) -> int:
-    """Deterministic 64-bit hash of a sequence of integers, in ``[0, 2**64)``.
-
-    ``h = 0; for k in keys: h = splitmix64(h XOR (k mod 2**64))``. Pure integer arithmetic: identical in every
-    process, platform and Python version (unlike ``hash()``, which is salted per process). Negative keys are taken
-    modulo 2**64 (two's complement).
-
-    Raises:
-        TypeError: a key is not an ``int`` (``bool`` is rejected).
-    """
-    h = 0
-    for k in keys:
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise TypeError(f"hash64 keys must be ints, got {k!r}")
-        h = _splitmix64(h ^ (k & _MASK64))
-    return h
 
 
 def plan_generator(seed: int, epoch: int, stream: int = 0) -> torch.Generator:

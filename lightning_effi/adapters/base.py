@@ -1,0 +1,160 @@
+"""Adapter protocol: what a technique needs to know about a transformer family.
+
+An adapter wraps one *model root* (e.g. an HF ``GPT2Model``, a timm ``VisionTransformer``) found inside a
+LightningModule, and answers: where the layer list is, how long a sequence can be, the hidden and MLP sizes, how many
+prefix tokens precede the patches/tokens, and — for random-LTD — which arguments of a layer's ``forward`` carry a
+sequence axis (spec ``random_ltd.md`` §4.3). Adapters are registered by name (:func:`register_adapter`) and found by
+:func:`find_adapter` (``"auto"``: the first registered adapter that matches a submodule, in module order).
+
+To support another transformer, subclass :class:`TransformerAdapter`, implement :meth:`~TransformerAdapter.matches`
+and :meth:`~TransformerAdapter.layers`, declare :attr:`~TransformerAdapter.layer_arguments`, and register it — or
+use :class:`lightning_effi.adapters.GenericAdapter` from a config without code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from torch import nn
+
+HiddenStateOrder = Literal["batch_seq", "seq_batch"]
+
+
+@dataclass(frozen=True)
+class SeqArg:
+    """A layer argument with sequence axes, gathered with the layer's token indices (spec §4.1).
+
+    Attributes:
+        axes: the axes that index the sequence (negative allowed), e.g. ``(-2, -1)`` for a ``[B, 1, S, S]`` mask,
+            ``(-1,)`` for ``position_ids [B, S]``, ``(-2,)`` for rotary ``(cos, sin)`` of shape ``[B, S, D]``.
+        batch_axis: the axis that indexes samples (size ``B`` or 1).
+        only_matching: gather an axis only when its size equals the sequence length (e.g. the query axis of a
+            cross-attention mask whose key axis is the encoder's); otherwise every listed axis must have size S or 1.
+
+    A tuple/list value (e.g. rotary ``(cos, sin)``) is gathered element-wise; ``None`` passes through.
+    """
+
+    axes: tuple[int, ...]
+    batch_axis: int = 0
+    only_matching: bool = False
+
+
+#: The argument passes through unchanged (no sequence axis, or an axis that is not this sequence's).
+PASS = "pass"
+#: The argument must be ``None`` while tokens are dropped (e.g. a KV cache that would store r-length keys).
+MUST_BE_NONE = "must_be_none"
+
+ArgSpec = SeqArg | Literal["pass", "must_be_none"]
+
+
+class TransformerAdapter:
+    """Base class of model adapters. Subclasses set :attr:`name` and implement the methods marked below."""
+
+    #: registry name (``hf_gpt2``, ...)
+    name: ClassVar[str] = ""
+    #: ``batch_seq`` = hidden states ``[B, S, H]`` (HF, timm); ``seq_batch`` = ``[S, B, H]`` (Megatron)
+    hidden_state_order: HiddenStateOrder = "batch_seq"
+
+    def __init__(self, root: nn.Module):
+        self.root = root
+
+    @classmethod
+    def matches(cls, module: nn.Module) -> bool:  # pragma: no cover - abstract
+        """True if ``module`` is a model root this adapter handles."""
+        raise NotImplementedError
+
+    def layers(self) -> nn.ModuleList | nn.Sequential:  # pragma: no cover - abstract
+        """The transformer layer list; layers are identified by their exact index in it."""
+        raise NotImplementedError
+
+    @property
+    def layer_arguments(self) -> dict[str, ArgSpec]:
+        """Every ``forward`` argument of a layer except the hidden states: how random-LTD treats it. An argument a
+        layer's signature names that is missing here is rejected at setup; an undeclared tensor that arrives through
+        ``**kwargs`` with an axis of the sequence's length is rejected at the call."""
+        return {}
+
+    def max_sequence_length(self) -> int:  # pragma: no cover - abstract
+        """Longest sequence the model takes (tokens, prefix tokens included)."""
+        raise NotImplementedError
+
+    def num_prefix_tokens(self) -> int:
+        """Tokens before the content tokens (class/distillation/register tokens); 0 for language models."""
+        return 0
+
+    def hidden_size(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def intermediate_size(self) -> int:
+        """MLP width (default 4H)."""
+        return 4 * self.hidden_size()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` for a configuration random-LTD does not support (e.g. an attention implementation)."""
+
+    def on_setup(self) -> None:
+        """Prepare the model for token dropping (e.g. switch a KV cache off); undone by :meth:`on_teardown`."""
+
+    def on_teardown(self) -> None:
+        """Undo :meth:`on_setup`."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.root).__name__})"
+
+
+_REGISTRY: dict[str, Callable[..., TransformerAdapter]] = {}
+
+
+def register_adapter(name: str, factory: Callable[..., TransformerAdapter] | None = None) -> Any:
+    """Register an adapter class (or factory) under ``name``; usable as a decorator.
+
+    Raises:
+        ValueError: ``name`` is already registered to another class.
+    """
+
+    def deco(f: Callable[..., TransformerAdapter]) -> Callable[..., TransformerAdapter]:
+        if name in _REGISTRY and _REGISTRY[name] is not f:
+            raise ValueError(f"adapter {name!r} is already registered ({_REGISTRY[name]!r})")
+        _REGISTRY[name] = f
+        return f
+
+    return deco(factory) if factory is not None else deco
+
+
+def registered_adapters() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def find_adapter(module: nn.Module, adapter: str | TransformerAdapter = "auto",
+                 candidates: Iterable[str] | None = None) -> TransformerAdapter:
+    """The adapter for the first matching model root inside ``module`` (``module`` itself included).
+
+    Args:
+        module: usually the LightningModule. adapter: ``"auto"``, a registered name, or an adapter instance
+            (returned as is). candidates: names tried by ``"auto"`` (default: all registered).
+
+    Raises:
+        ValueError: unknown adapter name, or no submodule matches (the message lists the registered adapters).
+    """
+    if isinstance(adapter, TransformerAdapter):
+        return adapter
+    if not isinstance(adapter, str):
+        raise ValueError(f"adapter must be 'auto', a registered name or a TransformerAdapter, got {adapter!r}")
+    if adapter != "auto" and adapter not in _REGISTRY:
+        raise ValueError(f"adapter: unknown adapter {adapter!r}; registered: {', '.join(registered_adapters())} "
+                         "(or pass a lightning_effi.adapters.GenericAdapter)")
+    names = [adapter] if adapter != "auto" else list(candidates or _REGISTRY)
+    for sub in module.modules():
+        for name in names:
+            cls = _REGISTRY[name]
+            matches = getattr(cls, "matches", None)
+            if matches is not None and matches(sub):
+                return cls(sub)
+    raise ValueError(
+        f"adapter: no model inside {type(module).__name__} matches "
+        f"{'any registered adapter' if adapter == 'auto' else repr(adapter)} "
+        f"({', '.join(registered_adapters())}); register one with lightning_effi.adapters.register_adapter or pass "
+        "a lightning_effi.adapters.GenericAdapter(layers=..., ...)"
+    )

@@ -1,0 +1,347 @@
+"""RandomLTDCallback in Lightning: fit with each adapter, the schedule's step axis under gradient accumulation,
+accounting, resume, the layer-token LR schedule, DDP and setup errors (``shared/specs/random_ltd.md`` acceptance
+tests 2, 15, 18-21)."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_effi.accounting import EfficiencyMonitor
+from lightning_effi.callbacks import RandomLTDCallback
+from lightning_effi.functional import random_ltd as F
+from lightning_effi.random_ltd import is_converted
+from lightning_effi.schedules import layer_token_lr, layer_token_multiplier
+from lightning_effi.tasks import ImageClassifier
+from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
+from tests.helpers.tiny import (
+    TinyDataModule,
+    TokenBlocks,
+    tiny_bert_cls,
+    tiny_bert_mlm,
+    tiny_gpt2,
+    tiny_image_data,
+    tiny_lm_data,
+    sgd,
+    tiny_sentence_data,
+)
+
+
+def deep_gpt2(**kw):
+    return tiny_gpt2(n_layer=4, **kw)
+
+
+class MLMBlocks(TokenBlocks):
+    """Token blocks with MLM labels on every third position (-100 elsewhere)."""
+
+    def __getitem__(self, i):
+        x = self.data[i]
+        labels = torch.full_like(x, -100)
+        labels[::3] = x[::3]
+        return {"input_ids": x, "labels": labels}
+
+
+class Watch(Callback):
+    """Records, per training batch, the reserved length, the controller's draw key and the LTD layers' calls."""
+
+    def __init__(self, ltd: RandomLTDCallback):
+        self.ltd = ltd
+        self.rows: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        idx = self.ltd.controller.last_indices()
+        self.rows.append({"step": trainer.global_step, "batch_idx": batch_idx, "r": self.ltd.current_value,
+                          "records": list(self.ltd.controller.records),
+                          "indices": None if idx is None else idx.clone(),
+                          "consumed": self.ltd.consumed_layer_tokens})
+
+
+def ltd(**kw):
+    kw = {"min_value": 4, "require_steps": 6, "seq_per_step": 4, "seed": 7} | kw
+    return RandomLTDCallback(**kw)
+
+
+# ------------------------------------------------------------------------------------------------ 20: fit per adapter
+
+
+@pytest.mark.parametrize(("model_fn", "data_fn", "seq"), [
+    (deep_gpt2, tiny_lm_data, 16),
+    (lambda: tiny_bert_mlm(n_layer=4), lambda: TinyDataModule(MLMBlocks()), 16),
+    (lambda: tiny_bert_cls(n_layer=4), tiny_sentence_data, None),
+    (lambda: ImageClassifier("vit_tiny_patch16_224", optimizer=sgd, model_kwargs={
+        "img_size": 32, "patch_size": 8, "depth": 4, "embed_dim": 32, "num_heads": 2}), tiny_image_data, 17),
+])
+def test_fit_each_adapter_follows_the_schedule(tmp_path, model_fn, data_fn, seq):
+    pl.seed_everything(0)
+    model = model_fn()
+    cb = ltd(max_value=8, require_steps=3)
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [cb, watch], max_steps=4, max_epochs=-1)
+    trainer.fit(model, datamodule=data_fn())
+    assert [r["r"] for r in watch.rows] == [F.ltd_value(s, 4, 8, 3, 4) for s in range(4)] == [4, 4, 4, 8]
+    for row in watch.rows:
+        (rec,) = row["records"]
+        assert rec.reserved_length == min(row["r"], rec.seq_len)
+        if seq is not None:
+            assert rec.seq_len == seq
+        if rec.reserved_length < rec.seq_len:
+            assert row["indices"].shape == (2, rec.batch_size, rec.reserved_length)
+    assert not is_converted(model)  # teardown restored the layers
+    assert cb.consumed_layer_tokens == sum(F.layer_tokens(r.batch_size, r.seq_len, r.reserved_length, 4, 2)
+                                           for row in watch.rows for r in row["records"])
+
+
+def test_logged_metrics_and_accounting_adjustment(tmp_path):
+    pl.seed_everything(0)
+    cb = ltd(max_value=16, require_steps=4)
+    monitor = EfficiencyMonitor(print_summary=False)
+    watch = Watch(cb)
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = make_trainer(tmp_path, [monitor, cb, watch], max_steps=5, max_epochs=-1, log_every_n_steps=1,
+                           logger=CSVLogger(tmp_path, name="log"))
+    model = deep_gpt2()
+    trainer.fit(model, datamodule=tiny_lm_data())
+    import csv
+
+    rows = list(csv.DictReader(open(next(tmp_path.glob("log/*/metrics.csv")))))
+    logged = [float(r["effi/random_ltd/reserved_length"]) for r in rows if r.get("effi/random_ltd/reserved_length")]
+    assert logged == [F.ltd_value(s, 4, 16, 4, 4) for s in range(5)] == [4, 4, 8, 12, 16]
+    # the monitor's layer-tokens are the LTD layer-tokens (B = 8, S = 16, L = 4, L_ltd = 2)
+    expected = sum(F.layer_tokens(8, 16, r, 4, 2) for r in [4, 4, 8, 12, 16])
+    assert monitor.totals["layer_tokens"] == expected == cb.consumed_layer_tokens
+    full = model.effi_training_flops({"input_ids": torch.zeros(8, 16, dtype=torch.long)})
+    saved = sum(2 * (F.flops_per_layer(8, 16, 32) - F.flops_per_layer(8, r, 32)) for r in [4, 4, 8, 12, 16])
+    assert monitor.totals["flops"] == pytest.approx(5 * full - saved, rel=1e-12)
+    summary = cb.effi_summary()
+    assert summary["random_ltd/layer_token_saving"] == pytest.approx(1 - expected / (5 * 8 * 16 * 4))
+
+
+# ------------------------------------------------------------------------------------------------ 2, 15: step axis
+
+
+def test_gradient_accumulation_shares_r_and_counts_once_per_step(tmp_path):
+    pl.seed_everything(0)
+    cb = ltd(min_value=4, max_value=16, require_steps=2, accounting="deepspeed")
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [cb, watch], max_steps=3, max_epochs=-1, accumulate_grad_batches=4)
+    trainer.fit(deep_gpt2(), datamodule=TinyDataModule(TokenBlocks(n=96), batch_size=2))
+    assert len(watch.rows) == 12
+    by_step = {}
+    for row in watch.rows:
+        by_step.setdefault(row["step"] if row["batch_idx"] % 4 != 3 else row["step"] - 1, []).append(row["r"])
+    assert by_step == {0: [4] * 4, 1: [8] * 4, 2: [16] * 4}
+    # deepspeed accounting: + global_batch * (r * L_ltd + max * (L - L_ltd)) once per optimizer step
+    assert cb.consumed_layer_tokens == sum(8 * (r * 2 + 16 * 2) for r in (4, 8, 16))
+    # micro-batches of one step draw different indices (the context is keyed by step and micro-batch)
+    first = [row["indices"] for row in watch.rows[:4]]
+    assert not torch.equal(first[0], first[1])
+
+
+def test_truncated_batches_count_their_real_length(tmp_path):
+    class Truncate(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            batch["input_ids"] = batch["input_ids"][:, :6]
+
+    pl.seed_everything(0)
+    cb = ltd(min_value=8, max_value=16, require_steps=2)
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [Truncate(), cb, watch], max_steps=2, max_epochs=-1)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    assert all(r.seq_len == 6 and r.reserved_length == 6 for row in watch.rows for r in row["records"])
+    assert cb.controller.draws == 0  # r >= S: no dropping
+    assert cb.consumed_layer_tokens == 2 * 8 * 6 * 4
+
+
+# ------------------------------------------------------------------------------------------------ 18: resume
+
+
+def test_resume_mid_run_equals_uninterrupted(tmp_path):
+    cbs = lambda: [ltd(max_value=16, require_steps=8)]  # noqa: E731
+    a, b = assert_resume_equals_uninterrupted(deep_gpt2, tiny_lm_data, tmp_path, total_steps=8, resume_step=5,
+                                              callbacks_fn=cbs)
+    cb_a = next(c for c in a.callbacks if isinstance(c, RandomLTDCallback))
+    cb_b = next(c for c in b.callbacks if isinstance(c, RandomLTDCallback))
+    assert cb_a.consumed_layer_tokens == cb_b.consumed_layer_tokens > 0
+    assert cb_a.current_value == cb_b.current_value == F.ltd_value(7, 4, 16, 8, 4) == 12  # last step: 7
+
+
+def test_resume_draws_the_same_indices(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    runs = []
+    for resume in (False, True):
+        pl.seed_everything(0 if not resume else 99)
+        cb = ltd(max_value=16, require_steps=20)
+        watch = Watch(cb)
+        ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        trainer = make_trainer(tmp_path / str(resume), [cb, watch] + ([] if resume else [ckpt]), max_steps=7,
+                               max_epochs=-1)
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(),
+                    ckpt_path=str(tmp_path / "ck" / "step=5.ckpt") if resume else None)
+        runs.append(watch.rows)
+    full, resumed = runs
+    assert [r["step"] for r in resumed] == [6, 7]  # global_step after each step
+    for a, b in zip(full[5:], resumed):
+        assert torch.equal(a["indices"], b["indices"]) and a["r"] == b["r"] and a["consumed"] == b["consumed"]
+    state = torch.load(tmp_path / "ck" / "step=5.ckpt", weights_only=True)["callbacks"]
+    (ltd_state,) = [v for k, v in state.items() if k.startswith("RandomLTDCallback")]
+    assert ltd_state["current_value"] == F.ltd_value(4, 4, 16, 20, 4)
+
+
+def test_resume_with_another_max_value_raises(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = make_trainer(tmp_path, [ltd(max_value=16), ckpt], max_steps=2, max_epochs=-1)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    trainer = make_trainer(tmp_path, [ltd(max_value=12)], max_steps=4, max_epochs=-1)
+    with pytest.raises(ValueError, match="other settings"):
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+    trainer = make_trainer(tmp_path, [ltd(max_value=12, strict=False)], max_steps=4, max_epochs=-1)
+    with pytest.warns(UserWarning, match="other settings"):
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+
+
+def test_fit_again_continues_the_schedule(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = make_trainer(tmp_path, [ltd(max_value=16, require_steps=4), ckpt], max_steps=2, max_epochs=-1)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    cb = ltd(max_value=16, require_steps=4)
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [cb, watch], max_steps=4, max_epochs=-1)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+    assert [r["r"] for r in watch.rows] == [F.ltd_value(s, 4, 16, 4, 4) for s in (2, 3)] == [8, 12]
+
+
+# ------------------------------------------------------------------------------------------------ 19: layer-token LR
+
+
+def test_layer_token_multiplier_golden():
+    m = lambda t, **kw: layer_token_multiplier(t, 1000, 10000, **kw)  # noqa: E731
+    assert m(500) == 0.5 and m(1000) == 1.0
+    assert m(10000, min_lr_ratio=0.1) == pytest.approx(0.1) and m(10**9, min_lr_ratio=0.1) == pytest.approx(0.1)
+    assert m(5500, decay="linear") == pytest.approx(0.5)
+    assert m(5500) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="exceed"):
+        layer_token_multiplier(0, 10, 10)
+    with pytest.raises(ValueError, match="decay"):
+        layer_token_multiplier(0, 1, 10, decay="step")
+
+
+def test_layer_token_lr_in_a_fit_reads_the_tokens_of_finished_steps(tmp_path):
+    cb = ltd(max_value=16, require_steps=4)
+    seen = []
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((trainer.optimizers[0].param_groups[0]["lr"], cb.consumed_layer_tokens))
+
+    warmup, total = 2000, 20000
+
+    def scheduler(opt, total_steps, progress=None):
+        return layer_token_lr(opt, cb, warmup, total, decay="linear", min_lr_ratio=0.0)
+
+    pl.seed_everything(0)
+    model = deep_gpt2(scheduler=scheduler)
+    trainer = make_trainer(tmp_path, [cb, Probe()], max_steps=6, max_epochs=-1)
+    trainer.fit(model, datamodule=tiny_lm_data())
+    for lr, consumed in seen:
+        assert lr == pytest.approx(0.05 * layer_token_multiplier(consumed, warmup, total, "linear"), rel=1e-12)
+    assert seen[0] == (0.0, 0) and seen[1][1] == F.layer_tokens(8, 16, 4, 4, 2)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(min_value=0), "min_value"), (dict(min_value=20, max_value=10), "min_value .* <= max_value"),
+    (dict(layer_ids=[2, 1]), "sorted"), (dict(layer_ids=[-1]), "layer_ids"), (dict(rounding="up"), "rounding"),
+    (dict(require_steps=3, require_fraction=0.5), "not both"), (dict(require_fraction=1.5), "require_fraction"),
+    (dict(accounting="max"), "accounting"), (dict(keep_prefix_tokens=-1), "keep_prefix_tokens"),
+    (dict(seq_per_step=2.5), "seq_per_step"), (dict(adapter=3), "adapter"),
+])
+def test_construction_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RandomLTDCallback(**kwargs)
+
+
+@pytest.mark.parametrize(("cb_kwargs", "model_fn", "match"), [
+    (dict(layer_ids=[1, 4]), deep_gpt2, "out of range"),
+    (dict(max_value=64), deep_gpt2, "larger than the model's sequence length"),
+    (dict(min_value=40), deep_gpt2, "min_value .* <= max_value"),
+    (dict(), tiny_gpt2, "default .* selects none"),
+    (dict(adapter="timm_vit"), deep_gpt2, "no model inside"),
+])
+def test_setup_errors(tmp_path, cb_kwargs, model_fn, match):
+    cb = RandomLTDCallback(**({"min_value": 4, "require_steps": 4} | cb_kwargs))
+    trainer = make_trainer(tmp_path, [cb], max_steps=2, max_epochs=-1)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(model_fn(), datamodule=tiny_lm_data())
+
+
+def test_cnn_has_no_adapter(tmp_path):
+    from tests.helpers.tiny import tiny_cnn
+
+    trainer = make_trainer(tmp_path, [RandomLTDCallback(min_value=4)], max_steps=1, max_epochs=-1)
+    with pytest.raises(ValueError, match="no model inside"):
+        trainer.fit(tiny_cnn(), datamodule=tiny_image_data())
+
+
+def test_unknown_run_length_needs_require_steps(tmp_path):
+    trainer = make_trainer(tmp_path, [RandomLTDCallback(min_value=4)], max_steps=-1, max_epochs=-1)
+    with pytest.raises(ValueError, match="require_steps"):
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+
+
+def test_require_fraction_of_the_run(tmp_path):
+    cb = RandomLTDCallback(min_value=4, require_fraction=0.5)
+    trainer = make_trainer(tmp_path, [cb], max_epochs=2)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    assert cb.require_steps == math.ceil(0.5 * 10)  # 40 samples / batch 8 = 5 steps per epoch, 2 epochs
+
+
+# ------------------------------------------------------------------------------------------------ 21: DDP
+
+
+class _RankDump(Callback):
+    """Per rank (ddp_spawn processes): the LTD indices and a parameter fingerprint after every batch, dumped as JSON."""
+
+    def __init__(self, ltd_cb, out_dir):
+        self.ltd, self.out_dir, self.rows = ltd_cb, str(out_dir), []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        params = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        self.rows.append({"indices": self.ltd.controller.last_indices().tolist(), "params": params[::97].tolist(),
+                          "consumed": self.ltd.consumed_layer_tokens})
+
+    def on_fit_end(self, trainer, pl_module):
+        import json
+        from pathlib import Path
+
+        Path(self.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes(tmp_path):
+    import json
+
+    cb = ltd(max_value=16, require_steps=4)
+    fit_ddp(deep_gpt2(), tiny_lm_data(), tmp_path, [cb, _RankDump(cb, tmp_path / "dump")], max_steps=3,
+            max_epochs=-1)  # DDP default: find_unused_parameters=False
+    rank0, rank1 = (json.loads((tmp_path / "dump" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(rank0) == len(rank1) == 3
+    for a, b in zip(rank0, rank1):
+        assert a["indices"] != b["indices"]  # ranks draw different tokens
+        assert a["params"] == b["params"]  # and stay in sync
+        assert a["consumed"] == b["consumed"]  # layer-tokens are summed over ranks
+    assert rank0[0]["consumed"] == 2 * F.layer_tokens(8, 16, 4, 4, 2)  # 2 ranks x batch 8

@@ -1,0 +1,241 @@
+"""random-LTD functional core without a Trainer: schedule golden values, token selection, gather/scatter, masks,
+layer-token accounting (``shared/specs/random_ltd.md`` acceptance tests 1, 3-6, 8, 9, 15, 16)."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_effi.functional import random_ltd as F
+
+# ------------------------------------------------------------------------------------------------ 1: schedule golden
+
+GOLDEN = [
+    # (min, max, require, q), {step: deepspeed value}, {step: clamped value where it differs}
+    ((32, 197, 3910, 8), {0: 32, 1955: 112, 3909: 192, 3910: 192, 3980: 192, 4000: 197}, {3910: 197, 3980: 197}),
+    ((128, 2048, 200000, 16), {0: 128, 100000: 1088, 199999: 2032, 200000: 2048}, {}),
+    ((128, 1024, 400, 8), {0: 128, 200: 576, 400: 1024}, {}),
+    ((3, 10, 7, 2), dict(enumerate([2, 4, 4, 6, 6, 8, 8, 10, 10, 10])), {0: 3}),
+]
+
+
+@pytest.mark.parametrize(("cfg", "deepspeed", "clamped_diff"), GOLDEN)
+def test_schedule_golden(cfg, deepspeed, clamped_diff):
+    for step, value in deepspeed.items():
+        assert F.ltd_value(step, *cfg, rounding="deepspeed") == value
+        assert F.ltd_value(step, *cfg, rounding="clamped") == clamped_diff.get(step, value)
+
+
+def test_schedule_is_monotonic_and_bounded():
+    for cfg in [(32, 197, 3910, 8), (3, 10, 7, 2), (5, 5, 3, 4), (1, 64, 10, 16)]:
+        values = [F.ltd_value(s, *cfg) for s in range(cfg[2] + 20)]
+        assert values == sorted(values)
+        assert min(values) >= cfg[0] and max(values) == cfg[1] == values[-1]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(min_value=0), "min_value"), (dict(min_value=10, max_value=5), "min_value .* <= max_value"),
+    (dict(require_steps=0), "require_steps"), (dict(seq_per_step=0), "seq_per_step"),
+    (dict(rounding="floor"), "rounding"), (dict(min_value=2.0), "min_value"),
+])
+def test_schedule_rejects_bad_values(kwargs, match):
+    cfg = dict(min_value=2, max_value=8, require_steps=4, seq_per_step=2) | kwargs
+    rounding = cfg.pop("rounding", "clamped")
+    with pytest.raises(ValueError, match=match):
+        F.ltd_value(0, **cfg, rounding=rounding)
+    with pytest.raises(ValueError, match="step"):
+        F.ltd_value(-1, 2, 8, 4, 2)
+
+
+# ------------------------------------------------------------------------------------------------ 3-5: selection
+
+
+def test_index_shape_order_and_independence():
+    g = torch.Generator().manual_seed(0)
+    idx = F.sample_token_indices(3, 5, 16, 6, g)
+    assert idx.dtype == torch.int64 and idx.shape == (3, 5, 6)
+    assert bool((idx[..., 1:] > idx[..., :-1]).all()) and int(idx.min()) >= 0 and int(idx.max()) < 16
+    rows = {tuple(r.tolist()) for r in idx.reshape(15, 6)}
+    assert len(rows) > 10  # rows differ across layers and samples
+    same = F.sample_token_indices(3, 5, 16, 6, torch.Generator().manual_seed(0))
+    assert torch.equal(idx, same)
+
+
+def test_uniform_over_subsets():
+    draws = F.sample_token_indices(1, 20000, 10, 3, torch.Generator().manual_seed(1))[0]
+    counts = torch.bincount(draws.flatten(), minlength=10).double() / 20000
+    assert bool(((counts - 0.3).abs() < 0.015).all())
+    subsets = list(itertools.combinations(range(10), 3))
+    code = {s: i for i, s in enumerate(subsets)}
+    observed = np.bincount([code[tuple(r)] for r in draws.tolist()], minlength=len(subsets))
+    expected = 20000 / len(subsets)
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    # p > 0.001 for 119 degrees of freedom  <=>  chi2 < 173.6 (scipy.stats.chi2.ppf(0.999, 119))
+    assert chi2 < 173.6, chi2
+
+
+def test_keep_prefix_tokens():
+    idx = F.sample_token_indices(2, 4000, 10, 4, torch.Generator().manual_seed(2), keep_prefix_tokens=1)
+    assert bool((idx[..., 0] == 0).all()) and bool((idx[..., 1:] >= 1).all())
+    counts = torch.bincount(idx[..., 1:].flatten(), minlength=10)[1:].double() / (2 * 4000)
+    assert bool(((counts - 3 / 9).abs() < 0.02).all())
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    ((1, 2, 8, 9), "larger than the sequence"), ((1, 2, 8, 1, None, 2), "keep_prefix_tokens"),
+    ((1, -1, 8, 4), "batch_size"), ((1, 2, 8.0, 4), "seq_len"),
+])
+def test_index_bad_sizes(args, match):
+    with pytest.raises(ValueError, match=match):
+        F.sample_token_indices(*args)
+
+
+def test_private_generator_leaves_global_rng_alone():
+    state = torch.get_rng_state()
+    F.sample_token_indices(2, 3, 8, 4, torch.Generator().manual_seed(0))
+    assert torch.equal(state, torch.get_rng_state())
+
+
+# ------------------------------------------------------------------------------------------------ 6, 8, 9: gather/scatter
+
+
+def test_identity_layer_returns_input_exactly():
+    x = torch.randn(3, 12, 5)
+    idx = F.sample_token_indices(1, 3, 12, 7, torch.Generator().manual_seed(0))[0]
+    assert torch.equal(F.scatter_tokens(x, idx, F.gather_tokens(x, idx)), x)
+    full = torch.arange(12).expand(3, 12).contiguous()
+    y = torch.randn(3, 12, 5)
+    assert torch.equal(F.scatter_tokens(x, full, y), y)  # r = S replaces everything
+
+
+def test_gather_scatter_semantics_and_seq_batch_order():
+    x = torch.randn(2, 6, 3)
+    idx = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    part = F.gather_tokens(x, idx)
+    assert torch.equal(part[1, 2], x[1, 4])
+    out = F.scatter_tokens(x, idx, part * 2)
+    assert torch.equal(out[0, 2], 2 * x[0, 2]) and torch.equal(out[0, 1], x[0, 1])
+    xs = x.transpose(0, 1).contiguous()  # [S, B, H]
+    assert torch.equal(F.gather_tokens(xs, idx, seq_dim=0), part.transpose(0, 1))
+    assert torch.equal(F.scatter_tokens(xs, idx, (part * 2).transpose(0, 1), seq_dim=0), out.transpose(0, 1))
+
+
+def test_gradients_gradcheck_and_identity_path():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).double()
+    idx = torch.tensor([[0, 2, 3], [1, 2, 4]])
+
+    def f(x):
+        return F.scatter_tokens(x, idx, torch.nn.functional.gelu(lin(F.gather_tokens(x, idx))))
+
+    x = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(f, (x,))
+    grad_out = torch.randn(2, 5, 4, dtype=torch.float64)
+    f(x).backward(grad_out)
+    dropped = torch.ones(2, 5, dtype=torch.bool)
+    dropped[0, [0, 2, 3]] = False
+    dropped[1, [1, 2, 4]] = False
+    assert torch.equal(x.grad[dropped], grad_out[dropped])
+    # parameter gradients equal the explicit reference on the gathered rows
+    lin.zero_grad()
+    f(x).backward(grad_out)
+    g_ltd = lin.weight.grad.clone()
+    lin.zero_grad()
+    rows = torch.stack([x[0, [0, 2, 3]], x[1, [1, 2, 4]]]).detach()
+    torch.nn.functional.gelu(lin(rows)).backward(torch.stack([grad_out[0, [0, 2, 3]], grad_out[1, [1, 2, 4]]]))
+    torch.testing.assert_close(g_ltd, lin.weight.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_half_precision_equals_advanced_indexing(dtype):
+    x = torch.randn(3, 33, 7).to(dtype)
+    idx = F.sample_token_indices(1, 3, 33, 11, torch.Generator().manual_seed(0))[0]
+    rows = torch.arange(3)[:, None]
+    assert torch.equal(F.gather_tokens(x, idx), x[rows, idx])
+    y = torch.randn(3, 11, 7).to(dtype)
+    ref = x.clone()
+    ref[rows, idx] = y
+    assert torch.equal(F.scatter_tokens(x, idx, y), ref)
+
+
+def test_long_sequences_any_hidden_size():
+    x = torch.randn(1, 4096, 100)
+    idx = F.sample_token_indices(1, 1, 4096, 3000, torch.Generator().manual_seed(0))[0]
+    part = F.gather_tokens(x, idx)
+    assert part.shape == (1, 3000, 100)
+    assert torch.equal(F.scatter_tokens(x, idx, part), x)
+
+
+def test_scatter_rejects_a_length_changing_layer():
+    x = torch.randn(2, 6, 3)
+    idx = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    with pytest.raises(ValueError, match="keep the sequence length"):
+        F.scatter_tokens(x, idx, torch.randn(2, 4, 3))
+
+
+# ------------------------------------------------------------------------------------------------ masks and positions
+
+
+def test_gather_seq_tensor_forms():
+    b, s = 2, 6
+    idx = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    full = torch.randn(b, 1, s, s)
+    g = F.gather_seq_tensor(full, idx, (-2, -1))
+    for i in range(b):
+        assert torch.equal(g[i, 0], full[i, 0][idx[i]][:, idx[i]])
+    key_only = torch.randn(b, 1, 1, s)
+    assert torch.equal(F.gather_seq_tensor(key_only, idx, (-2, -1))[:, 0, 0], torch.stack(
+        [key_only[i, 0, 0, idx[i]] for i in range(b)]))
+    shared = torch.randn(1, 1, s, s)  # broadcast batch axis is expanded per sample
+    gs = F.gather_seq_tensor(shared, idx, (-2, -1))
+    assert gs.shape == (b, 1, 3, 3) and torch.equal(gs[1, 0], shared[0, 0][idx[1]][:, idx[1]])
+    pos = torch.arange(s)[None]
+    assert torch.equal(F.gather_seq_tensor(pos, idx, (-1,)), idx)
+    pad2d = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    assert torch.equal(F.gather_seq_tensor(pad2d, idx, (-1,)), torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    boolean = torch.ones(b, 1, s, s, dtype=torch.bool).tril()
+    assert F.gather_seq_tensor(boolean, idx, (-2, -1)).dtype == torch.bool
+    with pytest.raises(ValueError, match="batch axis"):
+        F.gather_seq_tensor(torch.randn(3, 1, s, s), idx, (-2, -1))
+
+
+# ------------------------------------------------------------------------------------------------ 15, 16: accounting
+
+
+def test_layer_tokens_golden():
+    assert F.layer_tokens(512, 2048, 128, 24, 22) == 3_538_944
+    assert F.layer_tokens(4, 64, 128, 24, 22) == 4 * 64 * 24  # truncated batches: LTD layers count the real 64
+    assert F.layer_tokens(4, 64, 32, 4, 2) == 4 * (32 * 2 + 64 * 2)
+    with pytest.raises(ValueError):
+        F.layer_tokens(1, 8, 4, 2, 3)
+
+
+def test_total_layer_tokens_is_pure_and_sums_the_schedule():
+    cfg = dict(global_batch_size=4, num_layers=12, num_ltd_layers=10, min_value=128, max_value=1024,
+               require_steps=400, seq_per_step=8)
+    a = F.total_layer_tokens(450, **cfg)
+    b = F.total_layer_tokens(450, **cfg)
+    brute = sum(F.layer_tokens(4, 1024, F.ltd_value(s, 128, 1024, 400, 8), 12, 10) for s in range(450))
+    assert a == b == brute
+    assert F.total_layer_tokens(0, **cfg) == 0
+
+
+def test_flops_per_layer_matches_the_foundation_convention():
+    from lightning_effi.flops import transformer_training_flops
+
+    per_layer = transformer_training_flops(2, 16, 1, 32, 64, 0, head="none")
+    assert F.flops_per_layer(2, 16, 32, 64) == per_layer
+    assert F.saved_flops_fraction(16, 16, 4, 2, 32) == 0.0
+    assert 0 < F.saved_flops_fraction(16, 8, 4, 2, 32) < 0.5
+
+
+def test_module_imports_no_lightning():
+    tree = ast.parse(Path(F.__file__).read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any(name.startswith("lightning") for name in names)
