@@ -225,9 +225,9 @@ class LTDForward:
         if value is None or spec == PASS:
             return value
         if spec == MUST_BE_NONE:
-            raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) received {name}={type(value).__name__}"
-                               " while dropping tokens; it must be None in training (turn the KV cache off: "
-                               "use_cache=False)")
+            raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) received "
+                               f"{name}={type(value).__name__} while dropping tokens; it must be None in training "
+                               "(turn the KV cache off: use_cache=False)")
         if isinstance(spec, SeqArg):
             if isinstance(value, (tuple, list)):
                 return type(value)(self._gather_arg(name, v, idx, seq_len) for v in value)
@@ -278,7 +278,8 @@ class LTDForward:
             return F.scatter_tokens(hidden, idx, out, self.seq_dim)
         if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
             for extra in out[1:]:
-                if isinstance(extra, Tensor) or (isinstance(extra, tuple) and any(isinstance(e, Tensor) for e in extra)):
+                nested = isinstance(extra, tuple) and any(isinstance(e, Tensor) for e in extra)
+                if isinstance(extra, Tensor) or nested:
                     raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) returned extra tensors "
                                        "(attention weights or a cache) computed on the kept tokens only; turn them "
                                        "off in training (output_attentions=False, use_cache=False)")

@@ -146,9 +146,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "experiments" / "bench" / "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names, e.g. _subset20k")
+    p.add_argument("--planning-only", action="store_true",
+                   help="only time the planning of one epoch for 10M samples; writes infobatch_planning<tag>.json")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.planning_only:
+        overhead = planning_overhead()
+        with open(out / f"infobatch_planning{args.tag}.json", "w") as f:
+            json.dump({"planning_overhead": overhead, "threads": torch.get_num_threads()}, f, indent=2)
+        print(json.dumps(overhead, indent=2))
+        return
 
     results = []
     for i, seed in enumerate(args.seeds):

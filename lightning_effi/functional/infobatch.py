@@ -95,32 +95,50 @@ def _distinct(c: int, need: int, generator: torch.Generator) -> Tensor:
     return torch.tensor(list(picked), dtype=torch.int64)
 
 
-def uniform_subset(m: int, k: int, generator: torch.Generator) -> Tensor:
-    """A uniformly random ``k``-subset of ``range(m)`` as a ``bool[m]`` mask, in O(m) without a shuffle.
+def uniform_subset_of(mask: Tensor, k: int, generator: torch.Generator) -> Tensor:
+    """A uniformly random ``k``-subset of the True positions of ``mask`` (``bool[N]``), as a ``bool[N]`` mask, in
+    O(N) without a shuffle.
 
-    Each position is included independently with probability ``k / m`` (one ``torch.rand`` per position), which gives
-    a uniform subset of random size ``c``; then a uniform ``|c - k|``-subset of the included (``c > k``) or excluded
-    (``c < k``) positions is flipped. Both steps are symmetric under any relabelling of ``range(m)``, so the result is
-    a uniform ``k``-subset; the correction touches about ``sqrt(k)`` positions. Small ``m`` use ``randperm``.
+    Each True position is included independently with probability ``k / m`` (``m`` = number of True positions; one
+    ``torch.rand`` per position), which gives a uniform subset of random size ``c``; then a uniform
+    ``|c - k|``-subset of the included (``c > k``) or the excluded (``c < k``) positions is flipped. Both steps are
+    symmetric under any relabelling of the True positions, so the result is a uniform ``k``-subset; the correction
+    touches about ``sqrt(k)`` positions. Small ``N`` use ``randperm``.
+
+    Raises:
+        ValueError: ``mask`` is not a 1-D bool tensor, or not ``0 <= k <= m``.
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
+        raise ValueError(f"uniform_subset_of needs a 1-D bool mask, got {_describe(mask)}")
+    m = int(mask.sum())
+    if not (_is_int(k) and 0 <= k <= m):
+        raise ValueError(f"uniform_subset needs 0 <= k <= m, got k={k!r}, m={m!r}")
+    k = int(k)
+    if k == 0 or k == m:
+        return mask.clone() if k == m else torch.zeros_like(mask)
+    if mask.numel() < 65536:
+        positions = mask.nonzero().flatten()
+        out = torch.zeros_like(mask)
+        out[positions[torch.randperm(m, generator=generator)[:k]]] = True
+        return out
+    out = mask & (torch.rand(mask.numel(), generator=generator) < k / m)
+    c = int(out.sum())
+    if c != k:
+        candidates = (out if c > k else mask & ~out).nonzero().flatten()
+        out[candidates[_distinct(candidates.numel(), abs(c - k), generator)]] = c < k
+    return out
+
+
+def uniform_subset(m: int, k: int, generator: torch.Generator) -> Tensor:
+    """A uniformly random ``k``-subset of ``range(m)`` as a ``bool[m]`` mask: :func:`uniform_subset_of` an all-True
+    mask.
 
     Raises:
         ValueError: not ``0 <= k <= m``.
     """
     if not (_is_int(m) and _is_int(k) and 0 <= k <= m):
         raise ValueError(f"uniform_subset needs 0 <= k <= m, got k={k!r}, m={m!r}")
-    m, k = int(m), int(k)
-    if k == 0 or k == m:
-        return torch.full((m,), k == m, dtype=torch.bool)
-    mask = torch.zeros(m, dtype=torch.bool)
-    if m < 65536:
-        mask[torch.randperm(m, generator=generator)[:k]] = True
-        return mask
-    mask = torch.rand(m, generator=generator) < k / m
-    c = int(mask.sum())
-    if c != k:
-        candidates = (mask if c > k else ~mask).nonzero().flatten()
-        mask[candidates[_distinct(candidates.numel(), abs(c - k), generator)]] = c < k
-    return mask
+    return uniform_subset_of(torch.ones(int(m), dtype=torch.bool), k, generator)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -419,13 +437,14 @@ def plan_epoch(
     - **full** if ``epoch == 0``, no score is seen, or ``epoch >= epoch_stop(num_epochs, delta)``: a permutation of
       ``range(N)``, every weight exactly 1.0;
     - **prune** otherwise: ``tau, D1 = split_well_learned(score, seen)``; ``k = keep_count(|D1|, prune_ratio)``;
-      ``K`` = ``k`` samples of D1 drawn uniformly *without replacement* (:func:`uniform_subset`); the epoch visits
-      ``D2 ∪ K`` (``D2`` = all other samples, including unseen ones) in a uniformly random order; weights ``1 / (1 - r)`` (float32) on ``K``, 1.0
-      elsewhere.
+      ``K`` = ``k`` samples of D1 drawn uniformly *without replacement* (:func:`uniform_subset_of`); the epoch visits
+      ``D2 ∪ K`` (``D2`` = all other samples, including unseen ones) in a uniformly random order; weights
+      ``1 / (1 - r)`` (float32) on ``K``, 1.0 elsewhere.
 
     A pure function: the same inputs give an identical plan in any process; randomness comes only from
     :func:`plan_generator` ``(seed, epoch)``; the inputs and the global RNGs are left untouched. Cost O(N) plus one
-    ``randperm`` of the epoch length (two half-size ones in two threads for large epochs); computed on the CPU (the tables may live anywhere and are copied).
+    ``randperm`` of the epoch length (two half-size ones in two threads for large epochs); computed on the CPU (the
+    tables may live anywhere and are copied).
 
     Args:
         score: ``float[N]`` score table (latest unweighted per-sample loss). seen: ``bool[N]``.
@@ -471,13 +490,9 @@ def plan_epoch(
                   for c, st in ((c0, 2), (length - c0, 3))]
     else:
         order = torch.randperm(length, generator=order_gen)
-    d1 = well_learned.nonzero().flatten()
-    kept = d1[uniform_subset(m, k, gen)]
-    visited = ~well_learned
-    visited[kept] = True
-    members = visited.nonzero().flatten()  # D2 ∪ K in index order
-    weights = torch.ones(n, dtype=torch.float32)
-    weights[kept] = float(1 / (1 - r))
+    kept = uniform_subset_of(well_learned, k, gen)  # bool[N]
+    members = (kept | ~well_learned).nonzero().flatten()  # D2 ∪ K in index order
+    weights = torch.ones(n, dtype=torch.float32).masked_fill_(kept, float(1 / (1 - r)))
     if length >= _PARALLEL_FROM:
         parts = [_submit(torch.index_select, group, 0, half.result())
                  for group, half in zip((members[first], members[~first]), halves)]

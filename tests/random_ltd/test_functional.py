@@ -101,7 +101,7 @@ def test_private_generator_leaves_global_rng_alone():
     assert torch.equal(state, torch.get_rng_state())
 
 
-# ------------------------------------------------------------------------------------------------ 6, 8, 9: gather/scatter
+# ---------------------------------------------------------------------------------------- 6, 8, 9: gather/scatter
 
 
 def test_identity_layer_returns_input_exactly():

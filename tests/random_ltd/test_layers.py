@@ -187,7 +187,7 @@ def test_rotary_positions_are_gathered():
     assert not torch.allclose(ref, wrong)
 
 
-# ------------------------------------------------------------------------------------------------ causality, identity, eval
+# ---------------------------------------------------------------------------------------- causality, identity, eval
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
