@@ -39,7 +39,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_effi.adapters.base import MUST_BE_NONE, PASS, SeqArg, TransformerAdapter
-from lightning_effi.adapters.generic import GenericAdapter
 from lightning_effi.functional import random_ltd as F
 from lightning_effi.functional.rng import hash64
 
@@ -307,8 +306,7 @@ def convert(module: nn.Module, adapter: TransformerAdapter, controller: LTDContr
             :func:`resolve_layer_ids`), a layer whose signature has arguments the adapter does not know, or a layer
             that is already patched.
     """
-    if isinstance(adapter, GenericAdapter) and not adapter._bound:
-        adapter.bind(module)
+    adapter.bind(module)
     adapter.check()
     layers = adapter.layers()
     ids = resolve_layer_ids(controller.layer_ids, len(layers))

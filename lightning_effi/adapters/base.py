@@ -60,6 +60,12 @@ class TransformerAdapter:
     def __init__(self, root: nn.Module):
         self.root = root
 
+    def bind(self, module: nn.Module) -> TransformerAdapter:
+        """Attach the adapter to ``module`` (the LightningModule, or the model passed to ``convert``); returns
+        ``self``. Registered adapters are built around their model root and need nothing; config-declared ones
+        (:class:`~lightning_effi.adapters.GenericAdapter`) resolve their layer path here. Idempotent."""
+        return self
+
     @classmethod
     def matches(cls, module: nn.Module) -> bool:  # pragma: no cover - abstract
         """True if ``module`` is a model root this adapter handles."""
@@ -133,13 +139,13 @@ def find_adapter(module: nn.Module, adapter: str | TransformerAdapter = "auto",
 
     Args:
         module: usually the LightningModule. adapter: ``"auto"``, a registered name, or an adapter instance
-            (returned as is). candidates: names tried by ``"auto"`` (default: all registered).
+            (returned bound to ``module``). candidates: names tried by ``"auto"`` (default: all registered).
 
     Raises:
         ValueError: unknown adapter name, or no submodule matches (the message lists the registered adapters).
     """
     if isinstance(adapter, TransformerAdapter):
-        return adapter
+        return adapter.bind(module)
     if not isinstance(adapter, str):
         raise ValueError(f"adapter must be 'auto', a registered name or a TransformerAdapter, got {adapter!r}")
     if adapter != "auto" and adapter not in _REGISTRY:

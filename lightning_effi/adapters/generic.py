@@ -70,7 +70,10 @@ class GenericAdapter(TransformerAdapter):
         self._bound = root is not None
 
     def bind(self, module: nn.Module) -> GenericAdapter:
-        """Resolve :attr:`path` from ``module`` (the LightningModule). Returns ``self``."""
+        """Resolve :attr:`path` from ``module`` (the LightningModule). Returns ``self``; binding the same module
+        again is a no-op."""
+        if self._bound and self.root is module:
+            return self
         target: Any = module
         for part in self.path.split("."):
             if not hasattr(target, part):

@@ -181,8 +181,6 @@ class RandomLTDCallback(Callback):
         if stage != "fit" or self.patched is not None:
             return
         adapter = find_adapter(pl_module, self.adapter_arg)
-        if hasattr(adapter, "bind") and not getattr(adapter, "_bound", True):
-            adapter.bind(pl_module)
         layers = adapter.layers()
         self.num_layers = len(layers)
         self.layer_ids = resolve_layer_ids(self.layer_ids_arg, self.num_layers)
@@ -264,15 +262,25 @@ class RandomLTDCallback(Callback):
         if self._folded or self.controller is None or self.adapter is None:
             return
         self._folded = True
+        for i, value in enumerate(self._batch_costs()):
+            self._pending[i] += value
+
+    def _batch_costs(self) -> tuple[int, int, int, float, float]:
+        """What the current micro-batch cost, from the shapes its LTD layers saw: ``(samples, layer-tokens,
+        layer-tokens without dropping, layer FLOPs skipped, layer FLOPs without dropping)``."""
+        assert self.controller is not None and self.adapter is not None
         L, L_ltd = self.num_layers, len(self.layer_ids)
         h, inter = self.adapter.hidden_size(), self.adapter.intermediate_size()
+        samples = layer_tokens = full_layer_tokens = 0
+        saved = full_flops = 0.0
         for rec in self.controller.records:
-            self._pending[0] += rec.batch_size
-            self._pending[1] += F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
-            self._pending[2] += rec.batch_size * rec.seq_len * L
+            samples += rec.batch_size
+            layer_tokens += F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
+            full_layer_tokens += rec.batch_size * rec.seq_len * L
             full = F.flops_per_layer(rec.batch_size, rec.seq_len, h, inter)
-            self._pending[3] += L_ltd * (full - F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter))
-            self._pending[4] += L * full
+            saved += L_ltd * (full - F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter))
+            full_flops += L * full
+        return samples, layer_tokens, full_layer_tokens, saved, full_flops
 
     def _fold_step(self, trainer: pl.Trainer) -> None:
         self._fold_batch()
@@ -322,15 +330,7 @@ class RandomLTDCallback(Callback):
         """Lower the EfficiencyMonitor's layer-tokens and FLOPs of the current batch by what the LTD layers skipped."""
         if self.controller is None or self.adapter is None or not self.controller.records:
             return stats
-        L, L_ltd = self.num_layers, len(self.layer_ids)
-        h, inter = self.adapter.hidden_size(), self.adapter.intermediate_size()
-        full_lt = ltd_lt = 0
-        saved = 0.0
-        for rec in self.controller.records:
-            full_lt += rec.batch_size * rec.seq_len * L
-            ltd_lt += F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
-            saved += L_ltd * (F.flops_per_layer(rec.batch_size, rec.seq_len, h, inter)
-                              - F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter))
+        _, ltd_lt, full_lt, saved, _ = self._batch_costs()
         layer_tokens = round(stats.layer_tokens * ltd_lt / full_lt) if full_lt else stats.layer_tokens
         return dataclasses.replace(stats, layer_tokens=int(layer_tokens), flops=max(0.0, stats.flops - saved))
 

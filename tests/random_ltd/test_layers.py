@@ -52,9 +52,8 @@ def llama_adapter():
 
 
 def converted(model, layer_ids=(1, 2), adapter="auto", **kw):
-    ad = find_adapter(model, adapter) if not isinstance(adapter, GenericAdapter) else adapter
-    n = len(ad.bind(model).layers()) if isinstance(ad, GenericAdapter) else len(ad.layers())
-    ctl = LTDController(n, tuple(layer_ids), seed=0, **kw)
+    ad = find_adapter(model, adapter)
+    ctl = LTDController(len(ad.layers()), tuple(layer_ids), seed=0, **kw)
     return convert(model, ad, ctl), ctl
 
 
@@ -203,17 +202,22 @@ def test_gpt2_output_at_t_never_depends_on_later_tokens(impl):
         assert torch.equal(model(y).logits[:, : t + 1], base[:, : t + 1])
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert", "vit"])
-def test_reserved_length_at_sequence_length_is_bitwise_identical(family):
+def family_setup(family):
+    """A converted model of ``family``, an unconverted copy, the controller, an input, its sequence length and the
+    logits getter."""
     model = {"gpt2": gpt2, "bert": bert, "vit": vit}[family]()
     ref = copy.deepcopy(model)
     _, ctl = converted(model)
-    x = tokens() if family != "vit" else torch.randn(2, 3, 32, 32)
-    seq = 16 if family != "vit" else 65
+    if family == "vit":
+        return model, ref, ctl, torch.randn(2, 3, 32, 32), 65, lambda o: o
+    return model, ref, ctl, tokens(), 16, lambda o: o.logits
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "vit"])
+def test_reserved_length_at_sequence_length_is_bitwise_identical(family):
+    model, ref, ctl, x, seq, get = family_setup(family)
     ctl.begin(0, 0, seq)
-    out = model(x)
-    out_ref = ref(x)
-    logits, logits_ref = (out.logits, out_ref.logits) if family != "vit" else (out, out_ref)
+    logits, logits_ref = get(model(x)), get(ref(x))
     assert torch.equal(logits, logits_ref)
     logits.square().mean().backward()
     logits_ref.square().mean().backward()
@@ -224,11 +228,7 @@ def test_reserved_length_at_sequence_length_is_bitwise_identical(family):
 
 @pytest.mark.parametrize("family", ["gpt2", "bert", "vit"])
 def test_eval_and_disarmed_never_drop(family):
-    model = {"gpt2": gpt2, "bert": bert, "vit": vit}[family]()
-    ref = copy.deepcopy(model)
-    _, ctl = converted(model)
-    x = tokens() if family != "vit" else torch.randn(2, 3, 32, 32)
-    get = (lambda o: o.logits) if family != "vit" else (lambda o: o)
+    model, ref, ctl, x, _, get = family_setup(family)
     ctl.begin(0, 0, 4)
     model.eval()
     ref.eval()
