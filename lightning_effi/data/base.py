@@ -141,27 +141,23 @@ class EffiDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
-        entry = self._prepare()
-        try:
-            self._setup(entry)
-            return
-        except DataConfigError:
-            raise
-        except (OSError, ValueError) as err:
-            if not isinstance(entry, Path):
+        for rebuilt in (False, True):
+            entry = self._prepare()
+            try:
+                self._setup(entry)
+                return
+            except DataConfigError:
                 raise
-            warnings.warn(f"cache entry '{entry}' is damaged ({type(err).__name__}: {err}); deleting and rebuilding "
-                          "it", RuntimeWarning, stacklevel=2)
-        discard_entry(entry)
-        entry = self._prepare()
-        try:
-            self._setup(entry)
-        except DataConfigError:
-            raise
-        except (OSError, ValueError) as err:
-            raise DataConfigError(f"data.cache_dir: the cache entry '{entry}' cannot be read even after rebuilding "
-                                  f"it ({type(err).__name__}: {err}); delete the folder '{entry}' and run again, or "
-                                  "use another cache_dir") from err
+            except (OSError, ValueError) as err:
+                if not isinstance(entry, Path):
+                    raise
+                if rebuilt:
+                    raise DataConfigError(f"data.cache_dir: the cache entry '{entry}' cannot be read even after "
+                                          f"rebuilding it ({type(err).__name__}: {err}); delete the folder '{entry}' "
+                                          "and run again, or use another cache_dir") from err
+                warnings.warn(f"cache entry '{entry}' is damaged ({type(err).__name__}: {err}); deleting and "
+                              "rebuilding it", RuntimeWarning, stacklevel=2)
+                discard_entry(entry)
 
     def model_hints(self) -> dict:
         """Values for model arguments left ``null`` in the config (``vocab_size``, ``num_classes``...)."""
