@@ -17,18 +17,15 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_effi.data.errors import DataConfigError
 from lightning_effi.data.indexed import IndexedDataset, indexed_collate
 from lightning_effi.data.infobatch_sampler import InfoBatchSampler
-from lightning_effi.data.loader import EpochShuffleSampler, ResumableDataLoader
-
-#: samplers that only shuffle (or not): InfoBatch replaces them with its own plan without changing the semantics
-_PLAIN_SAMPLERS = (RandomSampler, SequentialSampler, EpochShuffleSampler, DistributedSampler)
+from lightning_effi.data.loader import ResumableDataLoader
+from lightning_effi.data.wrapping import WrappingDataModule
 
 
-class InfoBatchDataModule(pl.LightningDataModule):
+class InfoBatchDataModule(WrappingDataModule):
     """Wrap ``datamodule`` for InfoBatch. Everything but the training loader is delegated unchanged.
 
     Args:
@@ -40,80 +37,11 @@ class InfoBatchDataModule(pl.LightningDataModule):
             dataset, or a dataset whose length changed during the run; (without the callback) used alone.
     """
 
+    technique = "InfoBatch"
+
     def __init__(self, datamodule: pl.LightningDataModule) -> None:
-        super().__init__()
-        if not isinstance(datamodule, pl.LightningDataModule):
-            raise DataConfigError(f"data.datamodule: expected a LightningDataModule, got {type(datamodule).__name__}")
-        self.datamodule = datamodule
+        super().__init__(datamodule)
         self.planner: Any = None  # the InfoBatchCallback, attached in its setup()
-        self._template: dict[str, Any] | None = None
-
-    # ---------------------------------------------------------------------------------------------- delegation
-    def prepare_data(self) -> None:
-        self.datamodule.prepare_data()
-
-    def setup(self, stage: str) -> None:
-        self.datamodule.trainer = self.trainer
-        self.datamodule.setup(stage)
-
-    def teardown(self, stage: str) -> None:
-        self.datamodule.teardown(stage)
-
-    def val_dataloader(self) -> Any:
-        return self.datamodule.val_dataloader()
-
-    def test_dataloader(self) -> Any:
-        return self.datamodule.test_dataloader()
-
-    def predict_dataloader(self) -> Any:
-        return self.datamodule.predict_dataloader()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.datamodule.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.datamodule.load_state_dict(state_dict)
-
-    def model_hints(self) -> dict[str, Any]:
-        hints = getattr(self.datamodule, "model_hints", None)
-        return hints() if callable(hints) else {}
-
-    # -------------------------------------------------------------------------------------------- training data
-    def template(self) -> dict[str, Any]:
-        """The wrapped training loader's dataset and settings, read once (first call) and validated."""
-        if self._template is None:
-            self.datamodule.trainer = self.trainer
-            loader = self.datamodule.train_dataloader()
-            if not isinstance(loader, DataLoader):
-                raise DataConfigError(
-                    f"InfoBatch: the wrapped train_dataloader() must return one DataLoader, got {type(loader).__name__}"
-                )
-            if isinstance(loader.dataset, IterableDataset):
-                raise DataConfigError("InfoBatch: the training dataset must be map-style; IterableDataset is not supported")
-            batch_sampler = loader.batch_sampler
-            sampler = getattr(batch_sampler, "sampler", loader.sampler)
-            if type(batch_sampler) is not BatchSampler or not isinstance(sampler, _PLAIN_SAMPLERS):
-                raise DataConfigError(
-                    f"InfoBatch: the wrapped training loader uses {type(sampler).__name__} / "
-                    f"{type(batch_sampler).__name__}; InfoBatch owns the sampler and accepts only plain shuffling "
-                    "loaders (shuffle=True/False, no custom sampler or batch_sampler)"
-                )
-            self._template = dict(
-                dataset=loader.dataset,
-                batch_size=loader.batch_size,
-                drop_last=loader.drop_last,
-                collate_fn=loader.collate_fn,
-                num_workers=loader.num_workers,
-                pin_memory=loader.pin_memory,
-                worker_init_fn=loader.worker_init_fn,
-                prefetch_factor=loader.prefetch_factor,
-                length=len(loader.dataset),
-            )
-        return self._template
-
-    @property
-    def train_dataset(self) -> Any:
-        return self.template()["dataset"]
 
     def train_dataloader(self) -> ResumableDataLoader:
         """The loader of the current epoch, built from the attached callback's plan (see the module docstring)."""
