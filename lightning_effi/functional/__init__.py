@@ -6,6 +6,6 @@
     loss = infobatch.rescale(per_sample_loss, index, plan.weights)
 """
 
-from . import infobatch, random_ltd, rng
+from . import curriculum, infobatch, random_ltd, rng, schedules
 
-__all__ = ["infobatch", "random_ltd", "rng"]
+__all__ = ["curriculum", "infobatch", "random_ltd", "rng", "schedules"]

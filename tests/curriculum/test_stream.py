@@ -1,0 +1,300 @@
+"""The curriculum stream without a Trainer: length, clusters, multi-metric semantics, DP sharding, commit/resume,
+configuration strictness (shared/specs/curriculum.md §1, §5; acceptance tests 8, 9, 12, 14, 15, 24, 25)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from lightning_effi.curriculum import (ClusterBook, CurriculumConfig, CurriculumConfigError, CurriculumController,
+                                       CurriculumStream, MetricConfig, parse_deepspeed_config)
+from lightning_effi.data_analysis.index import MetricIndex
+
+TRUNC = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=4, max_difficulty=16,
+             schedule_type="fixed_linear", schedule_config=dict(total_curriculum_step=10, difficulty_step=4))
+
+
+def pct_metric(total=12, lo=10, q=10):
+    return dict(difficulty_type="percentile", clustering_type="schedule_based", analysis="seqlen", min_difficulty=lo,
+                max_difficulty=100, schedule_type="fixed_linear",
+                schedule_config=dict(total_curriculum_step=total, difficulty_step=q))
+
+
+def value_metric(lo, hi, total):
+    return dict(difficulty_type="value", clustering_type="schedule_based", analysis="seqlen", min_difficulty=lo,
+                max_difficulty=hi, schedule_type="fixed_linear",
+                schedule_config=dict(total_curriculum_step=total, difficulty_step=1))
+
+
+def controller(metrics, n=64, values=None, mbs=4, dp=1, rank=0, ga=1, **opts):
+    opts.setdefault("percentile_rounding", "proportional")  # N < 100: deepspeed rounding selects nothing below p=100
+    config = CurriculumConfig(metrics=metrics, **opts)
+    rng = np.random.default_rng(0)
+    indexes = {}
+    for name, m in config.metrics.items():
+        if m.schedule_based:
+            v = values[name] if values and name in values else rng.integers(0, 50, n)
+            indexes[name] = MetricIndex.from_sample_to_metric(v)
+    return CurriculumController(config, indexes, n, mbs, dp, rank, ga)
+
+
+def drain(c: CurriculumController, commit: bool = True) -> list[list[tuple]]:
+    out = []
+    for batch in c.micro_batches():
+        out.append(batch)
+        if commit:
+            c.commit(batch[0][1], batch[0][2])
+    return out
+
+
+def test_length_and_budget():
+    c = controller({"seqlen_truncate": TRUNC}, n=64, mbs=4, dp=2, num_epochs=1)
+    assert len(c) == 8
+    per_rank = [drain(controller({"seqlen_truncate": TRUNC}, n=64, mbs=4, dp=2, rank=r, num_epochs=1))
+                for r in range(2)]
+    assert [len(b) for b in per_rank] == [8, 8]
+    assert sum(len(mb) for rank in per_rank for mb in rank) == 64  # no extra batch (DeepSpeed's <=)
+    assert drain(c) and list(c.micro_batches()) == []  # budget spent
+
+
+def test_budget_with_short_final_chunk():
+    c = controller({"seqlen_truncate": TRUNC}, n=10, mbs=4, num_epochs=1)
+    sizes = [len(b) for b in drain(c)]
+    assert sizes == [4, 4, 2] and len(controller({"seqlen_truncate": TRUNC}, n=10, mbs=4, num_epochs=1)) == 3
+    c = controller({"seqlen_truncate": TRUNC}, n=10, mbs=4, num_epochs=1, drop_last=True)
+    assert [len(b) for b in drain(c)] == [4, 4] and len(c) == 2
+    with pytest.raises(CurriculumConfigError, match="drop_last"):
+        controller({"seqlen_truncate": TRUNC}, n=9, mbs=4, dp=2, num_epochs=1)  # last chunk of 1 for 2 ranks
+
+
+def test_data_epochs_continue_the_stream():
+    c = controller({"seqlen_truncate": TRUNC}, n=20, mbs=4)
+    assert len(c) == 5
+    first, second = drain(c), drain(c)
+    assert [b[0][1] for b in first] == [1, 2, 3, 4, 5] and [b[0][1] for b in second] == [6, 7, 8, 9, 10]
+
+
+def test_difficulty_attached_to_keys():
+    c = controller({"seqlen_truncate": TRUNC}, n=64, mbs=4)
+    sched = c.config.metrics["seqlen_truncate"].schedule("clamped")
+    for batch in drain(c)[:12]:
+        step = batch[0][1]
+        assert batch[0][3] == (max(4, min(16, sched(step))),) or batch[0][3] == (sched(step),)
+
+
+def test_single_metric_clusters_follow_the_schedule():
+    values = np.arange(40) % 10  # 4 samples per value 0..9
+    c = controller({"m": value_metric(2, 9, 7)}, n=40, values={"m": values}, mbs=4)
+    stream = CurriculumStream(c.config, c.book, c.total_samples, c.global_batch)
+    seen = []
+    for _ in range(12):
+        gb = stream.next_global_batch()
+        d = gb.difficulties[0]
+        assert set(values[gb.ids]) <= set(range(d + 1))  # only eligible samples
+        assert sum(len(x) for x in stream.clusters) == int((values <= d).sum())
+        seen.append(d)
+    assert seen[0] == 3 and seen[-1] == 9  # step 1: floor(1/7 * 7 + 2)
+
+
+def test_multi_metric_intersection_invariants():
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 20, 200), rng.integers(0, 7, 200)
+    metrics = {"a": value_metric(5, 19, 9), "b": pct_metric(total=9, lo=20, q=10)}
+    c = controller(metrics, n=200, values={"a": a, "b": b}, mbs=5)
+    stream = CurriculumStream(c.config, c.book, c.total_samples, c.global_batch)
+    b_index = c.indexes["b"]
+    last = None
+    for _ in range(12):
+        gb = stream.next_global_batch()
+        da, db = gb.difficulties
+        if (da, db) == last:
+            continue
+        last = (da, db)
+        union = np.concatenate(stream.clusters)
+        assert len(union) == len(set(union.tolist()))  # pairwise disjoint
+        expected = set(np.flatnonzero(a <= da).tolist()) & set(b_index.ids[:(200 // 100) * db if db < 100 else 200]
+                                                               .tolist())
+        assert set(union.tolist()) == expected
+        assert set(gb.ids.tolist()) <= expected
+
+
+def test_empty_first_eligible_set_raises_at_construction():
+    values = np.full(30, 7)
+    with pytest.raises(CurriculumConfigError, match=r"m \(value\) at difficulty 3: 0 eligible.*N = 30|N = 30.*m \("):
+        controller({"m": value_metric(3, 9, 5)}, n=30, values={"m": values})
+    with pytest.raises(CurriculumConfigError, match=r"p \(percentile\) at difficulty 9: 0 eligible"):
+        controller({"p": pct_metric(lo=1, q=1)}, n=30, percentile_rounding="deepspeed")  # spp = 30 // 100 = 0
+    a, b = np.arange(30), np.arange(30)[::-1].copy()
+    with pytest.raises(CurriculumConfigError, match="intersection"):
+        controller({"a": value_metric(5, 29, 5), "b": value_metric(5, 29, 5)}, n=30, values={"a": a, "b": b})
+
+
+def test_ranks_share_global_batches_and_cover_each_chunk():
+    metrics = {"p": pct_metric(), "seqlen_truncate": TRUNC}
+    ranks = [drain(controller(metrics, n=96, mbs=3, dp=2, rank=r, ga=2, seed=5)) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1])
+    single = drain(controller(metrics, n=96, mbs=6, dp=1, rank=0, ga=2, seed=5))  # same global batches
+    for mb0, mb1, whole in zip(ranks[0], ranks[1], single):
+        ids0, ids1 = [k[0] for k in mb0], [k[0] for k in mb1]
+        assert ids0 + ids1 == [k[0] for k in whole] and {k[1:] for k in mb0 + mb1} == {whole[0][1:]}
+
+
+def test_resume_from_committed_positions_continues_the_stream():
+    metrics = {"p": pct_metric(total=20, lo=10, q=10), "seqlen_truncate": TRUNC}
+    make = lambda: controller(metrics, n=30, mbs=2, ga=2, seed=9)  # noqa: E731  (N=30: clusters reshuffle often)
+    reference = make()
+    stream = [b for _ in range(6) for b in drain(reference)]
+    assert len(stream) > 60
+    for cut in (1, 2, 7, 15, 16, 31, 44):
+        a = make()
+        got = []
+        while len(got) < cut:  # consume `cut` micro-batches, with an iterator that ran ahead
+            it = a.micro_batches()
+            for b in it:
+                got.append(b)
+                a.commit(b[0][1], b[0][2])
+                if len(got) == cut:
+                    break
+        state = copy.deepcopy(a.state_dict())
+        b = make()
+        b.load_state_dict(state)
+        b.load_state_dict(state)  # idempotent
+        rest = []
+        while len(got) + len(rest) < len(stream):
+            rest.extend(drain(b))
+        assert got + rest == stream, cut
+
+
+def test_load_after_iteration_started_is_idempotent():
+    metrics = {"p": pct_metric()}
+    a = controller(metrics, n=40)
+    drain(a)
+    state = copy.deepcopy(a.state_dict())
+    expected = drain(a)
+    b = controller(metrics, n=40)
+    it = b.micro_batches()
+    next(it), next(it)  # drawn but never committed
+    b.load_state_dict(state)
+    assert drain(b) == expected
+
+
+def test_prefetched_batches_are_not_committed():
+    a = controller({"p": pct_metric()}, n=40)
+    it = a.micro_batches()
+    first = next(it)
+    a.commit(first[0][1], first[0][2])
+    next(it), next(it)  # prefetched, not trained on
+    b = controller({"p": pct_metric()}, n=40)
+    b.load_state_dict(a.state_dict())
+    assert next(b.micro_batches())[0][1] == 2
+
+
+def test_load_with_other_configuration_raises():
+    a = controller({"p": pct_metric()}, n=40, seed=1)
+    drain(a)
+    b = controller({"p": pct_metric()}, n=40, seed=2)
+    with pytest.raises(CurriculumConfigError, match="another configuration"):
+        b.load_state_dict(a.state_dict())
+    with pytest.warns(UserWarning, match="strict=False"):
+        b.load_state_dict(a.state_dict(), strict=False)
+
+
+def test_state_is_plain_python():
+    a = controller({"p": pct_metric(), "seqlen_truncate": TRUNC}, n=40)
+    drain(a)
+    allowed = (int, float, str, bool, type(None))
+
+    def walk(x):
+        if isinstance(x, dict):
+            assert all(isinstance(k, str) for k in x)
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        else:
+            assert isinstance(x, allowed), type(x)
+    walk(a.state_dict())
+    s = a.state_dict()
+    assert s["committed_micro"] == len(a) and s["consumed_samples"] == len(a) * 4
+
+
+# ------------------------------------------------------------------------------------------- configuration
+DS = {
+    "train_batch_size": 8,
+    "data_efficiency": {
+        "enabled": True, "seed": 7,
+        "data_sampling": {
+            "enabled": True, "num_epochs": 2,
+            "curriculum_learning": {
+                "enabled": True, "data_cluster_path": "/tmp/clusters",
+                "curriculum_metrics": {
+                    "vocabularyrarity": {"index_to_sample_path": "a", "index_to_metric_path": "b",
+                                         "difficulty_type": "percentile", "clustering_type": "schedule_based",
+                                         "min_difficulty": 1, "max_difficulty": 100, "schedule_type": "fixed_root",
+                                         "schedule_config": {"total_curriculum_step": 110000, "difficulty_step": 1,
+                                                             "root_degree": 2}}}}}}}
+
+
+def test_parse_deepspeed_config():
+    before = copy.deepcopy(DS)
+    cfg = parse_deepspeed_config(DS, rounding="deepspeed")
+    assert DS == before  # not mutated
+    assert cfg.seed == 7 and cfg.num_epochs == 2 and cfg.rounding == "deepspeed"
+    m = cfg.metrics["vocabularyrarity"]
+    assert m.schedule("deepspeed")(27500) == 50 and m.index_to_sample_path == "a"
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d["data_efficiency"].update(bogus=1), "unknown key"),
+    (lambda d: d.update(data_sampling={"enabled": True}), "must sit under 'data_efficiency'"),
+    (lambda d: d.update(curriculum_learning={"enabled": True, "curriculum_type": "seqlen"}), "legacy top-level"),
+    (lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["vocabularyrarity"]
+     .pop("schedule_config"), "missing required key"),
+    (lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["vocabularyrarity"]
+     ["schedule_config"].pop("root_degree"), "root_degree"),
+    (lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["vocabularyrarity"]
+     .update(schedule_type="cosine"), "schedule_type must be one of"),
+    (lambda d: d["data_efficiency"]["data_sampling"].update(enabled=False), "parent data_sampling.enabled"),
+    (lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["vocabularyrarity"]
+     .update(min_difficulty=200), "min_difficulty \\(200\\) > max_difficulty"),
+])
+def test_deepspeed_config_errors(edit, match):
+    d = copy.deepcopy(DS)
+    edit(d)
+    before = copy.deepcopy(d)
+    with pytest.raises(CurriculumConfigError, match=match):
+        parse_deepspeed_config(d)
+    assert d == before
+
+
+def test_disabled_curriculum_parses_to_none():
+    d = copy.deepcopy(DS)
+    d["data_efficiency"]["data_sampling"]["curriculum_learning"]["enabled"] = False
+    assert parse_deepspeed_config(d) is None
+
+
+@pytest.mark.parametrize("metric,match", [
+    (dict(TRUNC, bogus=1), "unknown key"),
+    (dict(TRUNC, min_difficulty=4.0), "min_difficulty must be an int"),
+    (dict(TRUNC, clustering_type="schedule_based"), "single_cluster"),
+    ({k: v for k, v in TRUNC.items() if k != "difficulty_type"}, "missing required key"),
+    (dict(TRUNC, difficulty_type="rank"), "difficulty_type must be one of"),
+])
+def test_metric_config_errors(metric, match):
+    with pytest.raises(CurriculumConfigError, match=match):
+        CurriculumConfig(metrics={"seqlen_truncate": metric})
+
+
+def test_schedule_based_needs_an_index_source():
+    m = {k: v for k, v in pct_metric().items() if k != "analysis"}
+    with pytest.raises(CurriculumConfigError, match="index_to_sample_path"):
+        CurriculumConfig(metrics={"p": m})
+    with pytest.raises(CurriculumConfigError, match="index_to_metric_path"):
+        CurriculumConfig(metrics={"v": dict(value_metric(1, 5, 5), analysis=None, index_to_sample_path="x")})
+    with pytest.raises(CurriculumConfigError, match="rounding"):
+        CurriculumConfig(metrics={"seqlen_truncate": TRUNC}, rounding="up")
+    with pytest.raises(CurriculumConfigError, match="at least one metric"):
+        CurriculumConfig(metrics={})
