@@ -71,8 +71,10 @@ class MetricConfig:
             :class:`~lightning_effi.functional.schedules.CurriculumSchedule`).
         index_to_sample_path, index_to_metric_path: analysis files (path prefixes, DeepSpeed ``MMapIndexedDataset``
             format); ``index_to_metric_path`` is required for ``value`` + ``schedule_based``.
-        analysis: (lightning_effi) instead of index files, the name of a registered analyzer metric
-            (:func:`lightning_effi.data_analysis.get_metric`) computed in memory over the training set at setup.
+        analysis: (lightning_effi) instead of index files, a registered analyzer metric (a name, or
+            ``{name: ..., **factory options}``; :func:`lightning_effi.data_analysis.get_metric`) computed in memory
+            over the training set at setup by every rank (:func:`lightning_effi.callbacks.curriculum
+            .analyze_in_memory`).
         custom_schedule: (lightning_effi) ``fn(step) -> int`` for ``schedule_type: custom``.
     """
 
@@ -85,7 +87,7 @@ class MetricConfig:
     schedule_config: Mapping[str, Any] = field(default_factory=dict)
     index_to_sample_path: str | None = None
     index_to_metric_path: str | None = None
-    analysis: str | None = None
+    analysis: str | Mapping[str, Any] | None = None
     custom_schedule: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
@@ -97,6 +99,7 @@ class MetricConfig:
             raise CurriculumConfigError(f"{where}.clustering_type must be one of {CLUSTERING_TYPES}, got "
                                         f"{self.clustering_type!r}")
         object.__setattr__(self, "schedule_config", dict(_plain(self.schedule_config) or {}))
+        object.__setattr__(self, "analysis", _plain(self.analysis))
         if self.name in TRANSFORM_METRICS and (self.clustering_type, self.difficulty_type) != ("single_cluster",
                                                                                                "value"):
             raise CurriculumConfigError(f"{where}: {self.name} must be clustering_type single_cluster and "

@@ -9,6 +9,8 @@ from .corpus import STDLIB_CORPUS_FILES, stdlib_corpus, stdlib_corpus_files
 from .errors import DataConfigError
 from .loader import EpochShuffleSampler, ResumableDataLoader
 from .infobatch import InfoBatchDataModule
+from .curriculum import CurriculumCollate, CurriculumDataModule, CurriculumDataset, CurriculumSampler
+from .wrapping import WrappingDataModule, loader_template
 from .infobatch_sampler import InfoBatchSampler
 from .indexed import IndexedDataset, indexed_collate, sequence_lengths
 from .sst2 import SST2DataModule, SST2Dataset, read_sst2_tsv
@@ -18,7 +20,8 @@ from .tokenization import (BERT_SPECIAL_TOKENS, EOT_TOKEN, CharTokenizer, encode
 
 __all__ = [
     "BERT_SPECIAL_TOKENS", "CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD", "EOT_TOKEN", "STDLIB_CORPUS_FILES",
-    "CIFAR10DataModule", "CIFAR10Dataset", "CausalLMDataModule", "CharTokenizer", "DataConfigError",
+    "CIFAR10DataModule", "CIFAR10Dataset", "CurriculumCollate", "CurriculumDataModule", "CurriculumDataset",
+    "CurriculumSampler", "WrappingDataModule", "loader_template", "CausalLMDataModule", "CharTokenizer", "DataConfigError",
     "EffiDataModule", "EpochShuffleSampler", "ResumableDataLoader", "IndexedDataset", "InfoBatchDataModule", "InfoBatchSampler", "MaskedBlockDataset", "MaskedLMDataModule", "NpyFile", "PaddingCollate",
     "SST2DataModule", "SST2Dataset", "TokenBlockDataset", "atomic_dir", "atomic_write", "cache_key",
     "default_cache_dir", "encode_text", "file_md5", "indexed_collate", "load_tokenizer", "mask_tokens",
