@@ -163,7 +163,8 @@ class CurriculumConfig:
     """The whole curriculum (spec §1.3).
 
     Args:
-        metrics: ``{name: MetricConfig | dict}`` (DeepSpeed ``curriculum_metrics``), at least one; order kept.
+        metrics: ``{name: MetricConfig | dict | None}`` (DeepSpeed ``curriculum_metrics``), at least one; order
+            kept; a ``None`` entry is dropped (so a Hydra override can remove a metric of a composed config).
         seed: seeds every draw (global batches, cluster permutations). num_epochs: the sample budget is
             ``N × num_epochs`` (DeepSpeed default 1000: effectively endless; training length is set by ``max_steps``).
         rounding: schedule rounding, ``clamped`` (default) | ``deepspeed`` | ``deepspeed_legacy`` (§2.3).
@@ -194,7 +195,9 @@ class CurriculumConfig:
             raise CurriculumConfigError("curriculum metrics: need at least one metric, e.g. "
                                         "{'seqlen_truncate': {...}}")
         parsed = {name: (m if isinstance(m, MetricConfig) else MetricConfig.from_dict(name, m))
-                  for name, m in metrics.items()}
+                  for name, m in metrics.items() if m is not None}  # None removes a metric composed by Hydra
+        if not parsed:
+            raise CurriculumConfigError("curriculum metrics: every metric is null; need at least one")
         object.__setattr__(self, "metrics", parsed)
         object.__setattr__(self, "truncate_keys", tuple(_plain(self.truncate_keys)))
         if self.rounding not in ROUNDING_MODES:
