@@ -1,0 +1,93 @@
+"""Analyzer metrics (spec §3.1) and the metric registry."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_effi.data_analysis import (DataAnalyzer, MMapIndexedDataset, SeqLen, get_metric, register_metric,
+                                          registered_metrics, seqlen, seqlen_vocab_rarity, total_vocab_freq,
+                                          vocab_rarity, vocab_rarity_table)
+
+TOKENS = torch.tensor([[1, 1, 2, 0], [2, 0, 0, 0]])
+MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+
+
+def test_seqlen_mask_pad_and_structures():
+    assert seqlen()({"input_ids": TOKENS, "attention_mask": MASK}).tolist() == [3, 1]
+    assert seqlen()({"input_ids": TOKENS}).tolist() == [3, 1]  # pad id 0
+    assert seqlen(pad_token_id=2)(TOKENS).tolist() == [3, 3]
+    assert seqlen(pad_token_id=None)((TOKENS, torch.zeros(2))).tolist() == [4, 4]
+    assert seqlen(key="ids")({"ids": TOKENS.numpy()}).dtype == np.int64
+    with pytest.raises(KeyError, match="input_ids"):
+        seqlen()({"ids": TOKENS})
+    with pytest.raises(TypeError, match="integers"):
+        seqlen()(TOKENS.float())
+
+
+def test_total_vocab_freq_masks_padding():
+    f = total_vocab_freq(3)({"input_ids": TOKENS, "attention_mask": MASK})
+    assert f.tolist() == [0, 2, 2, 0] and f.shape == (4,)
+    assert total_vocab_freq(3)(TOKENS).tolist() == [4, 2, 2, 0]
+    with pytest.raises(ValueError, match=r"\[0, vocab_size=1\]"):
+        total_vocab_freq(1)(TOKENS)
+
+
+def test_vocab_rarity_definition():
+    freq = np.array([0, 3, 1])  # zero replaced by 1: f = [1, 3, 1], sum 5
+    rho = vocab_rarity_table(freq)
+    assert rho.dtype == np.float64
+    np.testing.assert_allclose(rho, [-math.log(0.2), -math.log(0.6), -math.log(0.2)])
+    batch = {"input_ids": TOKENS, "attention_mask": MASK}
+    expected = [int(2 * rho[1] + rho[2]), int(rho[2])]  # sums truncated to int64
+    assert vocab_rarity(freq)(batch).tolist() == expected == [2, 1]
+    assert vocab_rarity(freq)(TOKENS).tolist() == [int(2 * rho[1] + rho[2] + rho[0]), int(rho[2] + 3 * rho[0])]
+    m = seqlen_vocab_rarity(freq, seq_length=4)
+    c = 10 ** (math.ceil(math.log10(4 * rho.max())) + 1)
+    assert m.coeff == c == 100
+    assert m(batch).tolist() == [3 * c + 2, 1 * c + 1]
+
+
+def test_vocab_rarity_from_analyzer_file(tmp_path):
+    class DS:
+        x = torch.randint(1, 9, (30, 5), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return 30
+
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i]}
+
+    DataAnalyzer(DS(), batch_size=4, metric_names=["total_vocab_freq"], metric_functions=[total_vocab_freq(9)],
+                 metric_types=["accumulate_value_over_samples"], metric_dtypes=[np.int64], save_path=tmp_path,
+                 progress=False).run_map_reduce()
+    prefix = tmp_path / "total_vocab_freq" / "total_vocab_freq_metric_value"
+    freq = np.bincount(DS.x.reshape(-1).numpy(), minlength=10)
+    assert MMapIndexedDataset(prefix)[0].tolist() == freq.tolist()
+    a = get_metric("vocab_rarity", freq=str(prefix))
+    b = vocab_rarity(freq)
+    batch = {"input_ids": DS.x[:6]}
+    assert a(batch).tolist() == b(batch).tolist()
+
+
+def test_registry():
+    assert registered_metrics()["seqlen"] == "single_value_per_sample"
+    assert registered_metrics()["total_vocab_freq"] == "accumulate_value_over_samples"
+    assert get_metric("seqlen", pad_token_id=5) == SeqLen(pad_token_id=5)
+
+    @register_metric("test_first_token")
+    def first_token(batch, key="input_ids"):
+        return batch[key][:, 0]
+
+    assert get_metric("test_first_token") is first_token
+    assert get_metric("test_first_token", key="x")({"x": TOKENS}).tolist() == [1, 2]
+    with pytest.raises(ValueError, match="already registered"):
+        register_metric("test_first_token", lambda b: b)
+    register_metric("test_first_token", lambda b: b, overwrite=True)
+    with pytest.raises(KeyError, match=r"unknown metric 'nope'; registered metrics: \[.*'seqlen'"):
+        get_metric("nope")
+    with pytest.raises(ValueError, match="metric_type"):
+        register_metric("x", lambda b: b, metric_type="per_batch")
