@@ -72,7 +72,8 @@ class MetricConfig:
         index_to_sample_path, index_to_metric_path: analysis files (path prefixes, DeepSpeed ``MMapIndexedDataset``
             format); ``index_to_metric_path`` is required for ``value`` + ``schedule_based``.
         analysis: (lightning_effi) instead of index files, a registered analyzer metric (a name, or
-            ``{name: ..., **factory options}``; :func:`lightning_effi.data_analysis.get_metric`) computed in memory
+            ``{name: ..., **factory options}``; :func:`lightning_effi.data_analysis.get_metric`) or any callable
+            ``fn(batch) -> int[B]`` (Hydra: a ``_partial_: true`` target), computed in memory
             over the training set at setup by every rank (:func:`lightning_effi.callbacks.curriculum
             .analyze_in_memory`).
         custom_schedule: (lightning_effi) ``fn(step) -> int`` for ``schedule_type: custom``.
@@ -87,7 +88,7 @@ class MetricConfig:
     schedule_config: Mapping[str, Any] = field(default_factory=dict)
     index_to_sample_path: str | None = None
     index_to_metric_path: str | None = None
-    analysis: str | Mapping[str, Any] | None = None
+    analysis: str | Mapping[str, Any] | Callable[[Any], Any] | None = None
     custom_schedule: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
@@ -224,9 +225,23 @@ class CurriculumConfig:
         """Safe-loadable description (no callables) used as the checkpoint fingerprint."""
         out: dict[str, Any] = {k: getattr(self, k) for k in ("seed", "num_epochs", "rounding", "percentile_rounding",
                                                               "dp_split", "drop_last", "causal_label_shift")}
-        out["metrics"] = {name: {k: v for k, v in dataclasses.asdict(m).items() if k != "custom_schedule"}
+        out["metrics"] = {name: {f.name: _describe(getattr(m, f.name)) for f in dataclasses.fields(m)}
                           for name, m in self.metrics.items()}
         return json.loads(json.dumps(out, default=str))
+
+
+def _describe(value: Any) -> Any:
+    """A run-independent description of a config value (callables by qualified name, not by address)."""
+    if callable(value):
+        func = getattr(value, "func", value)  # functools.partial
+        name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__qualname__)}"
+        keywords = getattr(value, "keywords", None)
+        return {"callable": name, "keywords": {k: _describe(v) for k, v in (keywords or {}).items()}}
+    if isinstance(value, Mapping):
+        return {str(k): _describe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    return value
 
 
 _DS_KEYS = {

@@ -44,8 +44,8 @@ def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_f
     step of :class:`~lightning_effi.data_analysis.DataAnalyzer` without files (every rank computes the same values).
 
     Args:
-        analysis: a metric name (:func:`lightning_effi.data_analysis.registered_metrics`) or ``{"name": ...,
-            **options}`` passed to the metric factory. ``vocab_rarity`` / ``seqlen_vocab_rarity`` without a ``freq``
+        analysis: a metric name (:func:`lightning_effi.data_analysis.registered_metrics`), ``{"name": ...,
+            **options}`` passed to the metric factory, or a callable ``fn(batch) -> int[B]``. ``vocab_rarity`` / ``seqlen_vocab_rarity`` without a ``freq``
             option run the two passes of spec §3.1: ``total_vocab_freq`` (needs ``vocab_size`` >= the largest token
             id + 1), then the rarity. ``seqlen`` uses the dataset's vectorised ``sequence_lengths()`` when it has one
             and no options are given.
@@ -57,12 +57,15 @@ def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_f
     from lightning_effi.data import sequence_lengths
     from lightning_effi.data_analysis.metrics import get_metric
 
-    options = dict(_plain_mapping(analysis)) if isinstance(analysis, Mapping) else {"name": analysis}
-    name = options.pop("name", None)
+    if callable(analysis):
+        options, name = {}, getattr(analysis, "__name__", repr(analysis))
+    else:
+        options = dict(_plain_mapping(analysis)) if isinstance(analysis, Mapping) else {"name": analysis}
+        name = options.pop("name", None)
     if not isinstance(name, str):
         raise CurriculumConfigError(f"curriculum analysis: expected a metric name or {{name: ..., **options}}, got "
                                     f"{analysis!r}")
-    if name == "seqlen" and not options:
+    if name == "seqlen" and not options and not callable(analysis):
         lengths = sequence_lengths(dataset)
         if lengths is not None:
             return np.asarray(lengths, dtype=np.int64)
@@ -82,7 +85,7 @@ def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_f
                 v = np.asarray(counter(batch), dtype=np.int64)
                 freq = v if freq is None else freq + v
             options["freq"] = freq
-        fn = get_metric(name, **options)
+        fn = analysis if callable(analysis) else get_metric(name, **options)
     except (KeyError, TypeError, ValueError) as e:
         raise CurriculumConfigError(f"curriculum analysis {name!r}: {e}") from None
     out = []

@@ -222,3 +222,27 @@ def test_ddp_ranks_share_global_batches(tmp_path):
         d = r0["difficulty"]["seqlen_truncate"]
         whole = data[[k[0] for k in keys]][:, :d].tolist()
         assert r0["input_ids"] + r1["input_ids"] == whole  # disjoint halves covering the global batch
+
+
+def growing(step: int, start: int = 20, per_step: int = 10) -> int:
+    return min(100, start + per_step * step)
+
+
+def test_hydra_instantiated_callables(tmp_path):
+    """A custom schedule and a user metric given as Hydra `_partial_` targets (no registration needed)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"_target_": "lightning_effi.callbacks.Curriculum", "percentile_rounding": "proportional",
+                            "metrics": {"first": dict(
+                                PCT, schedule_type="custom", schedule_config={},
+                                analysis={"_target_": "tests.curriculum.test_callback.first_token", "_partial_": True},
+                                custom_schedule={"_target_": "tests.curriculum.test_callback.growing",
+                                                 "_partial_": True, "start": 30})}})
+    rec = Record()
+    cb = instantiate(cfg)
+    make_trainer(tmp_path, [rec, cb], max_steps=4, max_epochs=-1).fit(
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+    assert [r["difficulty"]["first"] for r in rec.train] == [40, 50, 60, 70]
+    assert cb.state_dict()["stream"]["config"]["config"]["metrics"]["first"]["custom_schedule"] == {
+        "callable": "tests.curriculum.test_callback.growing", "keywords": {"start": 30}}
