@@ -22,6 +22,7 @@ The method lives in :mod:`lightning_effi.functional.schedules`, :mod:`lightning_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -141,13 +142,20 @@ class Curriculum(Callback):
                  analysis_batch_size: int = 256, total_tokens: int | None = None, strict: bool = True) -> None:
         super().__init__()
         self.config: CurriculumConfig | None = None
+        opts: dict[str, Any] = dict(seed=seed, num_epochs=num_epochs, rounding=rounding,
+                                    percentile_rounding=percentile_rounding, dp_split=dp_split,
+                                    drop_last=drop_last, causal_label_shift=causal_label_shift)
+        if truncate_keys is not None:
+            opts["truncate_keys"] = truncate_keys
         if metrics:
-            opts: dict[str, Any] = dict(seed=seed, num_epochs=num_epochs, rounding=rounding,
-                                        percentile_rounding=percentile_rounding, dp_split=dp_split,
-                                        drop_last=drop_last, causal_label_shift=causal_label_shift)
-            if truncate_keys is not None:
-                opts["truncate_keys"] = truncate_keys
             self.config = CurriculumConfig(metrics=metrics, **opts)
+        else:
+            defaults = dict(seed=1234, num_epochs=1000, rounding="clamped", percentile_rounding="deepspeed",
+                            dp_split="balanced", drop_last=False, causal_label_shift=False)
+            changed = sorted(k for k, v in opts.items() if k == "truncate_keys" or v != defaults[k])
+            if changed:
+                raise CurriculumConfigError(f"Curriculum: options {changed} given without metrics; pass them with "
+                                            "the metrics (to Curriculum or to CurriculumDataModule)")
         if not isinstance(analysis_batch_size, int) or analysis_batch_size < 1:
             raise CurriculumConfigError(f"Curriculum.analysis_batch_size must be an int >= 1, got "
                                         f"{analysis_batch_size!r}")
@@ -155,7 +163,7 @@ class Curriculum(Callback):
         if total_tokens is not None:
             if not isinstance(total_tokens, int) or isinstance(total_tokens, bool) or total_tokens < 1:
                 raise CurriculumConfigError(f"Curriculum.total_tokens must be a positive int, got {total_tokens!r}")
-            self.effi_progress = lambda: self.token_progress(total_tokens)
+            self.effi_progress = functools.partial(self.token_progress, total_tokens)  # picklable (ddp_spawn)
         self.controller: CurriculumController | None = None
         self.consumed_tokens = 0
         self._pending: tuple[int, int, dict[str, int], int] | None = None

@@ -27,11 +27,11 @@ def first_token(batch):
     return batch["input_ids"][:, 0].long()
 
 
-register_metric("test_first_token", first_token, overwrite=True)
+register_metric("curriculum_test_first_token", first_token)
 
 TRUNC = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=2, max_difficulty=16,
              schedule_type="fixed_linear", schedule_config=dict(total_curriculum_step=14, difficulty_step=1))
-PCT = dict(difficulty_type="percentile", clustering_type="schedule_based", analysis="test_first_token",
+PCT = dict(difficulty_type="percentile", clustering_type="schedule_based", analysis="curriculum_test_first_token",
            min_difficulty=20, max_difficulty=100, schedule_type="fixed_linear",
            schedule_config=dict(total_curriculum_step=16, difficulty_step=20))
 METRICS = {"first_token": PCT, "seqlen_truncate": TRUNC}
@@ -246,3 +246,29 @@ def test_hydra_instantiated_callables(tmp_path):
     assert [r["difficulty"]["first"] for r in rec.train] == [40, 50, 60, 70]
     assert cb.state_dict()["stream"]["config"]["config"]["metrics"]["first"]["custom_schedule"] == {
         "callable": "tests.curriculum.test_callback.growing", "keywords": {"start": 30}}
+
+
+def test_options_without_metrics_raise_and_the_callback_pickles():
+    import pickle
+
+    with pytest.raises(CurriculumConfigError, match=r"options \['seed'\] given without metrics"):
+        Curriculum(seed=5)
+    cb = pickle.loads(pickle.dumps(curriculum(total_tokens=100)))  # ddp_spawn pickles the callbacks
+    assert cb.effi_progress() == 0.0 and cb.config.seed == 3
+
+
+def test_seqlen_reshape_rechunks_each_batch_at_its_difficulty(tmp_path):
+    reshape = dict(TRUNC, min_difficulty=3, max_difficulty=15)  # rows of d + 1 tokens; 16 = no change
+    rec = Record()
+    make_trainer(tmp_path, [rec, Curriculum(metrics={"seqlen_reshape": reshape})], max_steps=8, max_epochs=-1).fit(
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+    for r in rec.train:
+        d = r["difficulty"]["seqlen_reshape"]
+        rows = np.array(r["input_ids"])
+        if d + 1 >= 16:
+            assert rows.shape == (4, 16)
+        else:
+            full = -(-(4 * 16) // (d + 1))
+            kept = min(full, 4 * (16 // (d + 1)) + 4)
+            kept -= 1 if kept % 2 and kept > 1 else 0
+            assert rows.shape == (kept, d + 1)
