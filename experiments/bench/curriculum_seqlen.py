@@ -4,7 +4,10 @@ Character-level GPT-2 (``--layers`` 6, width 128, 4 heads, 128-token blocks, bat
 steps) on Tiny Shakespeare, both arms built from the same seed and trained for ``--steps`` optimizer steps in one run
 (arms alternate order per seed). The curriculum arm truncates every training batch to the difficulty it was drawn at:
 ``fixed_linear`` from ``--min-difficulty`` (32) to 128 tokens in multiples of 8 over the first ``--curriculum-fraction``
-(0.6) of the steps, then full length (DeepSpeed/Megatron ``seqlen_truncate``; the legacy tutorial's recipe).
+(0.6) of the steps, then full length (DeepSpeed/Megatron ``seqlen_truncate``; the legacy tutorial's recipe). As the
+tutorial advises, the curriculum arm's warmup-cosine LR runs over consumed tokens (``Curriculum(total_tokens=...)``
+with the exact token budget of the schedule; ``--step-lr`` for steps); the baseline's tokens per step are constant,
+so its step-based schedule is the same thing.
 
 Reported per arm: training tokens (EfficiencyMonitor), training wall time (train + data time; evaluation excluded),
 validation loss on a fixed validation subset every ``--eval-every`` steps (for the val-loss-vs-tokens plot) and the
@@ -167,8 +170,10 @@ def main() -> None:
     p.add_argument("--curriculum-fraction", type=float, default=0.6,
                    help="share of the steps over which the length grows to 128 (then full-length training)")
     p.add_argument("--schedule", default="fixed_linear", choices=["fixed_linear", "fixed_root"])
-    p.add_argument("--token-lr", action="store_true",
-                   help="curriculum arm: warmup-cosine LR over consumed tokens instead of steps (DeepSpeed tutorial)")
+    p.add_argument("--step-lr", dest="token_lr", action="store_false",
+                   help="curriculum arm: warmup-cosine LR over steps instead of consumed tokens (the DeepSpeed "
+                        "tutorial's advice with seqlen_truncate is to warm up and decay the LR by tokens; the baseline's "
+                        "tokens per step are constant, so for it both axes are the same)")
     p.add_argument("--arms", nargs="+", default=["baseline", "curriculum"], choices=["baseline", "curriculum"])
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=20, help="validation batches per curve point")
