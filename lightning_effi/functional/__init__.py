@@ -6,6 +6,6 @@
     loss = infobatch.rescale(per_sample_loss, index, plan.weights)
 """
 
-from . import curriculum, infobatch, random_ltd, rng, schedules
+from . import curriculum, infobatch, random_ltd, rng, schedules, vcycle
 
-__all__ = ["curriculum", "infobatch", "random_ltd", "rng", "schedules"]
+__all__ = ["curriculum", "infobatch", "random_ltd", "rng", "schedules", "vcycle"]
