@@ -108,6 +108,13 @@ class MetricConfig:
         if self.name in TRANSFORM_METRICS and self.min_difficulty < 1:
             raise CurriculumConfigError(f"{where}.min_difficulty must be >= 1 token for {self.name}, got "
                                         f"{self.min_difficulty}")
+        if self.custom_schedule is not None and self.schedule_type != "custom":
+            raise CurriculumConfigError(f"{where}: custom_schedule is only used with schedule_type 'custom' (got "
+                                        f"{self.schedule_type!r})")
+        if not self.schedule_based and (self.index_to_sample_path or self.index_to_metric_path or self.analysis):
+            raise CurriculumConfigError(f"{where}: a single_cluster metric never filters data; remove "
+                                        "index_to_sample_path / index_to_metric_path / analysis (or use "
+                                        "clustering_type schedule_based)")
         if self.schedule_based:
             if self.index_to_sample_path is None and self.analysis is None:
                 raise CurriculumConfigError(f"{where}: a schedule_based metric needs index_to_sample_path (analysis "
@@ -200,7 +207,15 @@ class CurriculumConfig:
         if not parsed:
             raise CurriculumConfigError("curriculum metrics: every metric is null; need at least one")
         object.__setattr__(self, "metrics", parsed)
-        object.__setattr__(self, "truncate_keys", tuple(_plain(self.truncate_keys)))
+        keys = _plain(self.truncate_keys)
+        if isinstance(keys, str) or not isinstance(keys, Sequence) or not keys or \
+                not all(isinstance(k, str) for k in keys):
+            raise CurriculumConfigError(f"curriculum truncate_keys must be a non-empty list of batch keys, got "
+                                        f"{keys!r}")
+        object.__setattr__(self, "truncate_keys", tuple(keys))
+        for key in ("drop_last", "causal_label_shift"):
+            if not isinstance(getattr(self, key), bool):
+                raise CurriculumConfigError(f"curriculum {key} must be a bool, got {getattr(self, key)!r}")
         if self.rounding not in ROUNDING_MODES:
             raise CurriculumConfigError(f"curriculum rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}")
         if self.percentile_rounding not in F.PERCENTILE_ROUNDING:
@@ -213,10 +228,19 @@ class CurriculumConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "seed" else 1):
                 raise CurriculumConfigError(f"curriculum {key} must be an int >= {0 if key == 'seed' else 1}, "
                                             f"got {v!r}")
+        if self.seed >= 2**32:
+            raise CurriculumConfigError(f"curriculum seed must be < 2**32, got {self.seed}")
         if "seqlen_truncate" in parsed and "seqlen_reshape" in parsed:
             raise CurriculumConfigError("curriculum metrics: use seqlen_truncate or seqlen_reshape, not both")
         for m in parsed.values():
-            m.schedule(self.rounding)
+            schedule = m.schedule(self.rounding)
+            if m.name in TRANSFORM_METRICS and m.schedule_type != "custom":
+                first = schedule.update(schedule.min_difficulty, 1)  # linear/root are non-decreasing in the step
+                if first < 1:
+                    raise CurriculumConfigError(
+                        f"curriculum_metrics.{m.name}: with rounding={self.rounding!r} the first difficulty is {first} "
+                        f"tokens (difficulty_step {schedule.difficulty_step} > min_difficulty {m.min_difficulty}); "
+                        "use rounding 'clamped' or 'deepspeed', or a min_difficulty >= difficulty_step")
 
     def schedules(self) -> dict[str, CurriculumSchedule]:
         return {name: m.schedule(self.rounding) for name, m in self.metrics.items()}
@@ -269,16 +293,29 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
             disabled parent.
     """
     ds_config = copy.deepcopy(_plain(ds_config))
-    if "curriculum_learning" in ds_config:
+    if not isinstance(ds_config, Mapping):
+        raise CurriculumConfigError(f"parse_deepspeed_config: expected a DeepSpeed config dict, got "
+                                    f"{type(ds_config).__name__}")
+    clash = sorted(set(overrides) & {"metrics", "seed", "num_epochs"})
+    if clash:
+        raise CurriculumConfigError(f"parse_deepspeed_config: {clash} come from the DeepSpeed config; override only "
+                                    "the lightning_effi options (rounding, percentile_rounding, dp_split, ...)")
+    if "data_efficiency" in ds_config:  # a whole DeepSpeed config
+        if "curriculum_learning" in ds_config:
+            raise CurriculumConfigError(
+                "the legacy top-level 'curriculum_learning' block has been removed (DeepSpeed PR #8566); use "
+                "'data_efficiency.data_sampling.curriculum_learning' instead")
+        if "data_sampling" in ds_config:
+            raise CurriculumConfigError("'data_sampling' must sit under 'data_efficiency' (DeepSpeedExamples #696: "
+                                        "a misplaced block is silently ignored by DeepSpeed)")
+        block = ds_config["data_efficiency"]
+    elif "curriculum_learning" in ds_config:
         raise CurriculumConfigError(
             "the legacy top-level 'curriculum_learning' block has been removed (DeepSpeed PR #8566); use "
             "'data_efficiency.data_sampling.curriculum_learning' instead")
-    if "data_sampling" in ds_config:
-        raise CurriculumConfigError("'data_sampling' must sit under 'data_efficiency' (DeepSpeedExamples #696: a "
-                                    "misplaced block is silently ignored by DeepSpeed)")
-    block = ds_config.get("data_efficiency", ds_config if "data_efficiency" not in ds_config and
-                          ("enabled" in ds_config or "data_sampling" in ds_config) else None)
-    if block is None:
+    elif set(ds_config) and set(ds_config) <= _DS_KEYS["data_efficiency"]:  # just the data_efficiency block
+        block = ds_config
+    else:
         raise CurriculumConfigError("no 'data_efficiency' block in the DeepSpeed config")
 
     def check(section: str, d: Any) -> Mapping[str, Any]:
@@ -298,8 +335,9 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
         raise CurriculumConfigError("curriculum_learning.enabled is true but its parent "
                                     f"{'data_efficiency' if not de.get('enabled', False) else 'data_sampling'}"
                                     ".enabled is false; enable the parents or disable curriculum_learning")
-    if "curriculum_metrics" not in cl:
-        raise CurriculumConfigError("curriculum_learning: missing required key 'curriculum_metrics'")
+    if not isinstance(cl.get("curriculum_metrics"), Mapping):
+        raise CurriculumConfigError("curriculum_learning.curriculum_metrics: required, a dict {metric name: metric "
+                                    f"config}}; got {cl.get('curriculum_metrics')!r}")
     if "data_cluster_path" not in cl:
         raise CurriculumConfigError("curriculum_learning: missing required key 'data_cluster_path'")
     metrics = {name: MetricConfig.from_dict(name, m, extras=False) for name, m in cl["curriculum_metrics"].items()}
@@ -496,14 +534,28 @@ class CurriculumController:
         raise CurriculumConfigError(
             "curriculum: the first difficulties select no training sample (N = "
             f"{self.n}): " + "; ".join(per_metric) + ". Raise min_difficulty (or use a schedule whose first value "
-            "selects data); with several schedule_based metrics the eligible set is their intersection")
+            "selects data); with several schedule_based metrics the eligible set is their intersection; with "
+            "N < max_difficulty, percentile_rounding 'deepspeed' gives N // max_difficulty = 0 samples per "
+            "percentile below the maximum: use percentile_rounding 'proportional'")
 
     # -------------------------------------------------------------------------------------------- iteration
     def __len__(self) -> int:
         """Micro-batches this rank yields in the current data epoch (``ceil(N / global_batch)`` global batches,
         fewer at the end of the budget). Stays the full count after a mid-epoch resume (Lightning runs the rest)."""
+        if self.exhausted:
+            return 0
         epoch_start = (self.committed["micro"] // self.epoch_micro) * self.epoch_micro
         return max(0, min(self.epoch_micro, self.total_micro - epoch_start))
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether the sample budget ``N × num_epochs`` has been trained on (nothing more will be yielded)."""
+        return self.committed["micro"] >= self.total_micro
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the sample budget allows (a partial last accumulation window counts as one)."""
+        return -(-self.total_micro // self.ga)
 
     def micro_batches(self) -> Iterator[list[Key]]:
         """Yield this rank's micro-batches from the committed position to the end of the current data epoch. Each

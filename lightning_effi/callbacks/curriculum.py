@@ -96,6 +96,9 @@ def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_f
         if not np.issubdtype(v.dtype, np.integer):
             raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned {v.dtype} values; metric "
                                         "values must be integers (scale floats explicitly)")
+        if v.dtype == np.uint64 and v.size and v.max() > np.iinfo(np.int64).max:
+            raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned values above the int64 "
+                                        "maximum; scale them down")
         if v.shape != (batch_size_of(batch),):
             raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned shape {v.shape} for a batch "
                                         f"of {batch_size_of(batch)}; a per-sample metric returns [B]")
@@ -156,6 +159,8 @@ class Curriculum(Callback):
             if changed:
                 raise CurriculumConfigError(f"Curriculum: options {changed} given without metrics; pass them with "
                                             "the metrics (to Curriculum or to CurriculumDataModule)")
+        if not isinstance(strict, bool):
+            raise CurriculumConfigError(f"Curriculum.strict must be a bool, got {strict!r}")
         if not isinstance(analysis_batch_size, int) or analysis_batch_size < 1:
             raise CurriculumConfigError(f"Curriculum.analysis_batch_size must be an int >= 1, got "
                                         f"{analysis_batch_size!r}")
@@ -205,6 +210,9 @@ class Curriculum(Callback):
             raise CurriculumConfigError(
                 "Curriculum under DDP needs Trainer(use_distributed_sampler=False): its batch sampler shards by rank "
                 "itself, and Lightning would inject a DistributedSampler into it (curriculum.md §5.8)")
+        # a fresh fit starts from a fresh stream; a checkpoint's state arrives later through load_state_dict
+        self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
+        self._pending = None
         template = dm.template()
         dataset, n = template["dataset"], template["length"]
         if n < 1:
@@ -216,9 +224,15 @@ class Curriculum(Callback):
                                                dp_size=trainer.world_size, dp_rank=trainer.global_rank,
                                                grad_accum=trainer.accumulate_grad_batches)
         dm.controller = self.controller
-        if self._loaded is not None:
+        if self._loaded is not None:  # load_state_dict called before this fit's setup (by hand)
             self._apply(self._loaded)
+            self._loaded = None
         c = self.controller
+        if trainer.max_steps not in (-1, None) and trainer.max_steps > c.total_steps and not trainer.fast_dev_run:
+            raise CurriculumConfigError(
+                f"curriculum: trainer.max_steps={trainer.max_steps} exceeds the sample budget N x num_epochs = "
+                f"{c.n} x {config.num_epochs} = {c.total_samples} samples = {c.total_steps} optimizer steps of "
+                f"{c.global_batch}; raise num_epochs or lower max_steps")
         rank_zero_info(f"Curriculum: N={n}, global batch {c.global_batch} ({c.mbs} x {c.dp} ranks x {c.ga} "
                        f"accumulation), {len(c)} micro-batches per data epoch, metrics {list(config.metrics)}")
 
@@ -278,6 +292,10 @@ class Curriculum(Callback):
         step, micro, difficulty, tokens = self._pending
         self._pending = None
         self.controller.commit(step, micro)
+        if self.controller.exhausted:
+            rank_zero_info(f"Curriculum: the sample budget ({self.controller.total_samples} samples) is spent; "
+                           "stopping the fit")
+            trainer.should_stop = True
         self.consumed_tokens += tokens
         self.last_difficulties = difficulty
         logs = {f"effi/curriculum/{name}_difficulty": float(d) for name, d in difficulty.items()}
@@ -314,9 +332,10 @@ class Curriculum(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        self._loaded = dict(state_dict)
         if self.controller is not None:
-            self._apply(self._loaded)
+            self._apply(state_dict)
+        else:  # before setup: applied there
+            self._loaded = dict(state_dict)
 
     def _apply(self, state: Mapping[str, Any]) -> None:
         assert self.controller is not None

@@ -9,7 +9,8 @@ from .corpus import STDLIB_CORPUS_FILES, stdlib_corpus, stdlib_corpus_files
 from .errors import DataConfigError
 from .loader import EpochShuffleSampler, ResumableDataLoader
 from .infobatch import InfoBatchDataModule
-from .curriculum import CurriculumCollate, CurriculumDataModule, CurriculumDataset, CurriculumSampler
+from .curriculum import (CurriculumCollate, CurriculumDataLoader, CurriculumDataModule, CurriculumDataset,
+                         CurriculumSampler)
 from .wrapping import WrappingDataModule, loader_template
 from .infobatch_sampler import InfoBatchSampler
 from .indexed import IndexedDataset, indexed_collate, sequence_lengths
@@ -20,7 +21,7 @@ from .tokenization import (BERT_SPECIAL_TOKENS, EOT_TOKEN, CharTokenizer, encode
 
 __all__ = [
     "BERT_SPECIAL_TOKENS", "CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD", "EOT_TOKEN", "STDLIB_CORPUS_FILES",
-    "CIFAR10DataModule", "CIFAR10Dataset", "CurriculumCollate", "CurriculumDataModule", "CurriculumDataset",
+    "CIFAR10DataModule", "CIFAR10Dataset", "CurriculumCollate", "CurriculumDataLoader", "CurriculumDataModule", "CurriculumDataset",
     "CurriculumSampler", "WrappingDataModule", "loader_template", "CausalLMDataModule", "CharTokenizer", "DataConfigError",
     "EffiDataModule", "EpochShuffleSampler", "ResumableDataLoader", "IndexedDataset", "InfoBatchDataModule", "InfoBatchSampler", "MaskedBlockDataset", "MaskedLMDataModule", "NpyFile", "PaddingCollate",
     "SST2DataModule", "SST2Dataset", "TokenBlockDataset", "atomic_dir", "atomic_write", "cache_key",

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_effi.curriculum import CurriculumConfig, CurriculumController
@@ -78,6 +79,9 @@ class CurriculumCollate:
         batch = dict(batch)
         difficulty = dict(zip(self.metric_names, diffs))
         if "seqlen_truncate" in difficulty:
+            if not any(isinstance(batch.get(k), torch.Tensor) and batch[k].ndim >= 2 for k in self.truncate_keys):
+                raise DataConfigError(f"seqlen_truncate: the batch has none of truncate_keys {list(self.truncate_keys)} "
+                                      f"as a [B, S, ...] tensor (batch keys: {sorted(batch)})")
             batch = F.truncate_batch(batch, difficulty["seqlen_truncate"], self.truncate_keys, self.causal_label_shift)
         if "seqlen_reshape" in difficulty:
             batch = F.reshape_batch(batch, difficulty["seqlen_reshape"])
@@ -99,6 +103,19 @@ class CurriculumSampler:
         return len(self.controller)
 
 
+class CurriculumDataLoader(DataLoader):
+    """The curriculum's training loader. Its resume position lives in the :class:`~lightning_effi.callbacks.Curriculum`
+    callback's state (the committed stream position), so the loader itself has nothing to save; it declares an empty
+    state so that a checkpoint written by a stateful loader (e.g. a run without curriculum on a shipped DataModule)
+    still loads (the curriculum then starts from its beginning)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Ignored: see the class docstring."""
+
+
 class CurriculumDataModule(WrappingDataModule):
     """Wrap ``datamodule`` for curriculum learning. Everything but the training loader is delegated unchanged.
 
@@ -110,7 +127,11 @@ class CurriculumDataModule(WrappingDataModule):
             max_difficulty, schedule_type, schedule_config, ...}}``, ``seed``, ``num_epochs``, ``rounding``, ...).
             Give it here or to the :class:`~lightning_effi.callbacks.Curriculum` callback, not both.
 
-    The callback (required in ``Trainer(callbacks=...)``) builds the controller in its ``setup`` and attaches it.
+    The callback (required in ``Trainer(callbacks=...)``) builds the controller in its ``setup`` and attaches it. The
+    rebuilt loader keeps the wrapped loader's workers, ``pin_memory``, ``prefetch_factor``, ``persistent_workers``,
+    ``timeout``, ``multiprocessing_context`` and ``in_order``; its batch size is the micro-batch size. Batches are
+    never dropped by the wrapped loader's ``drop_last``: the curriculum's own ``drop_last`` option governs the end of
+    the sample budget.
 
     Raises:
         CurriculumConfigError: a bad configuration (at construction).
@@ -135,7 +156,7 @@ class CurriculumDataModule(WrappingDataModule):
         self.config: CurriculumConfig | None = CurriculumConfig(metrics=metrics, **options) if metrics else None
         self.controller: CurriculumController | None = None  # attached by the Curriculum callback's setup()
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> CurriculumDataLoader:
         if self.controller is None:
             raise DataConfigError("CurriculumDataModule needs the Curriculum callback in Trainer(callbacks=[...]); "
                                   "without it use the wrapped DataModule directly")
@@ -145,7 +166,7 @@ class CurriculumDataModule(WrappingDataModule):
                                   f"{len(t['dataset'])}; it must stay constant during a run")
         cfg = self.controller.config
         workers = t["num_workers"]
-        return DataLoader(
+        return CurriculumDataLoader(
             CurriculumDataset(t["dataset"]),
             batch_sampler=CurriculumSampler(self.controller),
             collate_fn=CurriculumCollate(t["collate_fn"], list(cfg.metrics), cfg.truncate_keys,
@@ -154,4 +175,8 @@ class CurriculumDataModule(WrappingDataModule):
             pin_memory=t["pin_memory"],
             worker_init_fn=t["worker_init_fn"],
             prefetch_factor=t["prefetch_factor"] if workers > 0 else None,
+            persistent_workers=t["persistent_workers"] and workers > 0,
+            timeout=t["timeout"],
+            multiprocessing_context=t["multiprocessing_context"],
+            in_order=t["in_order"],
         )

@@ -25,7 +25,7 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
 
     Returns:
         ``{dataset, batch_size, drop_last, collate_fn, num_workers, pin_memory, worker_init_fn, prefetch_factor,
-        length}``.
+        persistent_workers, timeout, multiprocessing_context, in_order, length}``.
 
     Raises:
         DataConfigError: not one ``DataLoader``, an ``IterableDataset``, a custom sampler or batch sampler.
@@ -51,6 +51,10 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
         pin_memory=loader.pin_memory,
         worker_init_fn=loader.worker_init_fn,
         prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        timeout=loader.timeout,
+        multiprocessing_context=loader.multiprocessing_context,
+        in_order=getattr(loader, "in_order", True),
         length=len(loader.dataset),
     )
 

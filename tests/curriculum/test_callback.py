@@ -20,7 +20,7 @@ from lightning_effi.data_analysis.index import MetricIndex
 from lightning_effi.data_analysis.metrics import register_metric
 from lightning_effi.functional.schedules import difficulties
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
-from tests.helpers.tiny import TokenBlocks, tiny_gpt2, tiny_lm_data
+from tests.helpers.tiny import TinyDataModule, TokenBlocks, tiny_gpt2, tiny_lm_data
 
 
 def first_token(batch):
@@ -272,3 +272,57 @@ def test_seqlen_reshape_rechunks_each_batch_at_its_difficulty(tmp_path):
             kept = min(full, 4 * (16 // (d + 1)) + 4)
             kept -= 1 if kept % 2 and kept > 1 else 0
             assert rows.shape == (kept, d + 1)
+
+
+# ------------------------------------------------------------------------------------- hardening (QA findings)
+def test_spent_budget_stops_the_fit_instead_of_hanging(tmp_path):
+    cb = Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=1)
+    trainer = make_trainer(tmp_path, [cb], max_epochs=50)
+    trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=8), batch_size=4)))
+    assert trainer.global_step == 2 and cb.controller.exhausted
+    with pytest.raises(CurriculumConfigError, match=r"max_steps=3 exceeds the sample budget .* = 2 optimizer steps"):
+        make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=1)], max_steps=3).fit(
+            tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=8), batch_size=4)))
+
+
+def test_a_reused_callback_starts_a_fresh_stream(tmp_path):
+    cb, rec = curriculum(total_tokens=10_000), Record()
+    for run in ("a", "b"):
+        rec.train.clear()
+        make_trainer(tmp_path / run, [rec, cb], max_steps=3, max_epochs=-1).fit(
+            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+        assert [r["cl_step"] for r in rec.train] == [1, 2, 3]
+        assert cb.consumed_tokens == sum(4 * r["difficulty"]["seqlen_truncate"] for r in rec.train)
+
+
+def test_truncation_without_a_truncatable_key_raises(tmp_path):
+    from lightning_effi.data.errors import DataConfigError
+
+    cb = Curriculum(metrics={"seqlen_truncate": TRUNC}, truncate_keys=["tokens"])
+    with pytest.raises(DataConfigError, match=r"none of truncate_keys \['tokens'\]"):
+        make_trainer(tmp_path, [cb], max_steps=1).fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data()))
+
+
+def test_resume_from_a_checkpoint_without_curriculum(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "old", filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    make_trainer(tmp_path, [ckpt], max_steps=3, max_epochs=-1).fit(tiny_gpt2(), datamodule=tiny_lm_data(batch_size=4))
+    rec = Record()
+    trainer = make_trainer(tmp_path, [rec, curriculum()], max_steps=6, max_epochs=-1)
+    trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)),
+                ckpt_path=tmp_path / "old" / "step=3.ckpt")
+    assert trainer.global_step == 6 and [r["cl_step"] for r in rec.train] == [1, 2, 3]  # the curriculum starts over
+
+
+def test_loader_settings_are_kept():
+    import torch.utils.data as tud
+
+    class DM(pl.LightningDataModule):
+        def train_dataloader(self):
+            return tud.DataLoader(TokenBlocks(), batch_size=4, num_workers=2, persistent_workers=True, timeout=30)
+
+    dm = CurriculumDataModule(DM(), metrics={"seqlen_truncate": TRUNC})
+    dm.controller = CurriculumController(dm.config, {}, 40, micro_batch_size=4)
+    loader = dm.train_dataloader()
+    assert (loader.num_workers, loader.persistent_workers, loader.timeout) == (2, True, 30)

@@ -64,7 +64,7 @@ def test_budget_with_short_final_chunk():
     sizes = [len(b) for b in drain(c)]
     assert sizes == [4, 4, 2] and len(controller({"seqlen_truncate": TRUNC}, n=10, mbs=4, num_epochs=1)) == 3
     c = controller({"seqlen_truncate": TRUNC}, n=10, mbs=4, num_epochs=1, drop_last=True)
-    assert [len(b) for b in drain(c)] == [4, 4] and len(c) == 2
+    assert len(c) == 2 and [len(b) for b in drain(c)] == [4, 4] and len(c) == 0
     with pytest.raises(CurriculumConfigError, match="drop_last"):
         controller({"seqlen_truncate": TRUNC}, n=9, mbs=4, dp=2, num_epochs=1)  # last chunk of 1 for 2 ranks
 
@@ -298,3 +298,63 @@ def test_schedule_based_needs_an_index_source():
         CurriculumConfig(metrics={"seqlen_truncate": TRUNC}, rounding="up")
     with pytest.raises(CurriculumConfigError, match="at least one metric"):
         CurriculumConfig(metrics={})
+
+
+# ------------------------------------------------------------------------------------- hardening (QA findings)
+def test_bare_data_efficiency_block_parses():
+    cfg = parse_deepspeed_config(copy.deepcopy(DS["data_efficiency"]))
+    assert cfg.seed == 7 and list(cfg.metrics) == ["vocabularyrarity"]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (None, "expected a DeepSpeed config dict"),
+    ([1, 2], "expected a DeepSpeed config dict"),
+    ({"train_batch_size": 8}, "no 'data_efficiency' block"),
+])
+def test_deepspeed_config_input_errors(bad, match):
+    with pytest.raises(CurriculumConfigError, match=match):
+        parse_deepspeed_config(bad)
+
+
+def test_deepspeed_config_override_clash_and_bad_metrics():
+    with pytest.raises(CurriculumConfigError, match=r"\['seed'\] come from the DeepSpeed config"):
+        parse_deepspeed_config(DS, seed=5)
+    d = copy.deepcopy(DS)
+    d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"] = ["vocabularyrarity"]
+    with pytest.raises(CurriculumConfigError, match="curriculum_metrics: required, a dict"):
+        parse_deepspeed_config(d)
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(truncate_keys="input_ids"), "truncate_keys must be a non-empty list"),
+    (dict(truncate_keys=[]), "truncate_keys must be a non-empty list"),
+    (dict(drop_last="false"), "drop_last must be a bool"),
+    (dict(causal_label_shift=1), "causal_label_shift must be a bool"),
+    (dict(seed=2**32), "seed must be < 2\\*\\*32"),
+])
+def test_option_types(opts, match):
+    with pytest.raises(CurriculumConfigError, match=match):
+        CurriculumConfig(metrics={"seqlen_truncate": TRUNC}, **opts)
+
+
+def test_metric_keys_that_would_be_ignored_raise():
+    with pytest.raises(CurriculumConfigError, match="single_cluster metric never filters"):
+        CurriculumConfig(metrics={"seqlen_truncate": dict(TRUNC, index_to_sample_path="x")})
+    with pytest.raises(CurriculumConfigError, match="custom_schedule is only used with schedule_type 'custom'"):
+        CurriculumConfig(metrics={"seqlen_truncate": dict(TRUNC, custom_schedule=lambda s: 4)})
+
+
+def test_truncation_to_zero_tokens_raises_at_construction():
+    legacy = dict(TRUNC, min_difficulty=8, max_difficulty=16,
+                  schedule_config=dict(total_curriculum_step=20, difficulty_step=16))
+    with pytest.raises(CurriculumConfigError, match="rounding='deepspeed_legacy' the first difficulty is 0 tokens"):
+        CurriculumConfig(metrics={"seqlen_truncate": legacy}, rounding="deepspeed_legacy")
+    assert CurriculumConfig(metrics={"seqlen_truncate": legacy}, rounding="deepspeed").schedules()[
+        "seqlen_truncate"](1) == 16
+
+
+def test_length_is_zero_once_the_budget_is_spent():
+    c = controller({"seqlen_truncate": TRUNC}, n=5, mbs=2, ga=2, num_epochs=1)
+    assert len(c) == 3 and c.total_steps == 2
+    drain(c)
+    assert c.exhausted and len(c) == 0 and list(c.micro_batches()) == []
