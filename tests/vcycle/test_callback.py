@@ -1,0 +1,268 @@
+"""VCycleCallback: the whole V-cycle inside one ``trainer.fit`` (spec ``shared/specs/vcycle.md`` §4, §5, §7.1;
+acceptance tests 15-17)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_effi.adapters.vcycle_maps import find_vcycle_adapter
+from lightning_effi.callbacks import VCycleCallback
+from lightning_effi.callbacks.vcycle import stage_plan, vcycle_flops_fraction
+from lightning_effi.flops import transformer_training_flops
+from lightning_effi.functional import vcycle as V
+from lightning_effi.schedules import warmup_cosine, warmup_cosine_multiplier
+from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
+from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+GPT4 = dict(n_layer=4, n_head=4)  # 3 levels: (4 layers, 32) -> (2, 16) -> (1, 8)
+
+
+class Recorder(Callback):
+    """Per optimizer step: the model's state dict, sizes, the optimizer's parameters and learning rates."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, Any]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        opt = trainer.optimizers[0]
+        cfg = pl_module.model.config
+        self.steps[trainer.global_step] = {
+            "state": copy.deepcopy(pl_module.model.state_dict()),
+            "model": pl_module.model,
+            "sizes": (cfg.n_embd, cfg.n_head, cfg.n_layer),
+            "opt_ids": [id(p) for g in opt.param_groups for p in g["params"]],
+            "module_ids": {id(p) for p in pl_module.parameters()},
+            "opt_state": len(opt.state),
+            "lrs": [g["lr"] for g in opt.param_groups],
+        }
+
+
+def run(callbacks, max_steps, model=None, **kw):
+    pl.seed_everything(0)
+    model = model or tiny_gpt2()
+    trainer = make_trainer(Path(kw.pop("root")), callbacks, max_steps=max_steps, max_epochs=-1, **kw)
+    trainer.fit(model, datamodule=tiny_lm_data())
+    return trainer, model
+
+
+def test_stage_plan_and_flops_fraction():
+    assert stage_plan(2, 5, 50) == [(1, 5), (2, 50)]
+    assert stage_plan(3, 2, 4, [3]) == [(1, 2), (2, 2), (3, 4), (2, 3)]
+    # acceptance test 17: official GPT-2 example, L12/768 -> L6/384, T 512, V 50257; 55K large + 50K small vs 100K
+    big = transformer_training_flops(1, 512, 12, 768, None, 50257)
+    small = transformer_training_flops(1, 512, 6, 384, None, 50257)
+    assert vcycle_flops_fraction([(55_000, big), (50_000, small)], 100_000, big) == pytest.approx(0.671, abs=0.002)
+
+
+def test_two_level_switch(tmp_path):
+    pre, post = Recorder(), Recorder()
+    cb = VCycleCallback(e_a_steps=2, e_small_steps=3, alpha_original=0.3, lr_multiplier={2: 4.0})
+    trainer, model = run([pre, cb, post], 7, root=tmp_path)
+    original = pre.steps[1]["model"]
+    assert trainer.global_step == 7 and sorted(post.steps) == list(range(1, 8))
+    sizes = {s: post.steps[s]["sizes"] for s in post.steps}
+    assert sizes == {1: (32, 2, 2), 2: (16, 1, 1), 3: (16, 1, 1), 4: (16, 1, 1), 5: (32, 2, 2), 6: (32, 2, 2),
+                     7: (32, 2, 2)}
+    for s, rec in post.steps.items():  # the optimizer holds exactly the current model's parameters
+        assert len(rec["opt_ids"]) == len(set(rec["opt_ids"])) and set(rec["opt_ids"]) == rec["module_ids"]
+        assert rec["module_ids"] == {id(p) for p in rec["model"].parameters()}
+        assert rec["lrs"] == ([0.2, 0.2] if 2 <= s < 5 else [0.05, 0.05])  # SGD lr 0.05, x4 on level 2
+    small_ids = set(post.steps[2]["opt_ids"])
+    assert not small_ids & {id(p) for p in original.parameters()}  # no parameter of the old model remains
+    assert post.steps[2]["opt_state"] == 0 and post.steps[5]["opt_state"] == 0  # fresh optimizers
+    assert post.steps[3]["opt_state"] > 0 and pre.steps[5]["sizes"] == (16, 1, 1)
+    # weights: coalesce at step 2, interpolate(decoalesce(small), snapshot, alpha) at step 5, computed by hand
+    plan = find_vcycle_adapter(original).plan(original, "half", "adjacent", "official")
+    for k, v in V.coalesce(pre.steps[2]["state"], plan).items():
+        assert torch.equal(post.steps[2]["state"][k], v), k
+    expected = V.interpolate(V.decoalesce(pre.steps[5]["state"], plan), pre.steps[2]["state"], 0.3)
+    for k, v in expected.items():
+        assert torch.equal(post.steps[5]["state"][k], v), k
+    assert model.model is original  # the large module itself comes back (ties intact)
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight
+    assert cb.snapshots == {} and cb.level == 1 and cb.switches == 2 and model.effi_num_layers == 2
+    assert "on_load_checkpoint" not in vars(model)  # teardown removed the resume wrapper
+    # FLOPs (spec §5): 4 large + 3 small steps vs 7 large, batches (8, 16)
+    c1 = transformer_training_flops(8, 16, 2, 32, None, 64)
+    c2 = transformer_training_flops(8, 16, 1, 16, None, 64)
+    summary = cb.effi_summary()
+    assert summary["vcycle/baseline_flops"] == 7 * c1 and summary["vcycle/flops"] == 4 * c1 + 3 * c2
+    assert summary["vcycle/flops_saved_frac"] == pytest.approx(1 - vcycle_flops_fraction([(4, c1), (3, c2)], 7, c1))
+
+
+def test_three_levels_with_gradient_accumulation(tmp_path):
+    post = Recorder()
+    cb = VCycleCallback(levels=3, e_a_steps=2, e_small_steps=2, up_leg_steps=2, lr_multiplier={2: 2.0, 3: 4.0})
+    trainer, model = run([cb, post], 9, model=tiny_gpt2(**GPT4), root=tmp_path, accumulate_grad_batches=2)
+    assert cb.stage_ends == [2, 4, 6, 8] and trainer.global_step == 9
+    sizes = [post.steps[s]["sizes"] for s in range(1, 10)]
+    large, mid, small = (32, 4, 4), (16, 2, 2), (8, 1, 1)
+    assert sizes == [large, mid, mid, small, small, mid, mid, large, large]
+    for s, rec in post.steps.items():
+        assert set(rec["opt_ids"]) == rec["module_ids"] == {id(p) for p in rec["model"].parameters()}
+        assert rec["lrs"][0] == pytest.approx(0.05 * {large: 1, mid: 2, small: 4}[rec["sizes"]])
+    assert post.steps[2]["model"] is post.steps[6]["model"] is not post.steps[4]["model"]  # level 2 comes back
+    assert cb.snapshots == {} and cb.level == 1 and model.model is post.steps[1]["model"]
+
+
+@pytest.mark.parametrize("lr_schedule", ["continue", "restart"])
+def test_lr_schedule_after_switch(tmp_path, lr_schedule):
+    post = Recorder()
+    cb = VCycleCallback(e_a_steps=2, e_small_steps=3, lr_multiplier={2: 4.0}, lr_schedule=lr_schedule)
+    model = tiny_gpt2(scheduler=partial(warmup_cosine, warmup_fraction=0.5, min_lr_ratio=0.1))
+    run([cb, post], 7, model=model, root=tmp_path)
+    # LambdaLR at progress (k + 1) / 7 for scheduler step k; "continue": k = global step, "restart": k from 0
+    lr = lambda base, k: base * warmup_cosine_multiplier((k + 1) / 7, 0.5, 0.1)  # noqa: E731
+    for step, k in ((2, 2), (3, 3), (5, 5), (6, 6)) if lr_schedule == "continue" else ((2, 0), (3, 1), (5, 0),
+                                                                                        (6, 1)):
+        base = 0.2 if step < 5 else 0.05
+        assert post.steps[step]["lrs"] == pytest.approx([lr(base, k)] * 2, rel=1e-12), step
+
+
+def _vcycle(levels: int = 2):
+    if levels == 2:
+        return [VCycleCallback(e_a_steps=2, e_small_steps=3, lr_multiplier={2: 4.0})]
+    return [VCycleCallback(levels=3, e_a_steps=2, e_small_steps=2, up_leg_steps=2, lr_multiplier={3: 4.0})]
+
+
+@pytest.mark.parametrize("resume_step", [1, 2, 3, 5])  # first large stage, right after the down-switch, inside the
+def test_resume_two_levels(tmp_path, resume_step):      # small stage, right after the up-switch
+    model_fn = partial(tiny_gpt2, scheduler=partial(warmup_cosine, warmup_fraction=0.3))
+    assert_resume_equals_uninterrupted(model_fn, tiny_lm_data, tmp_path, total_steps=7, resume_step=resume_step,
+                                       callbacks_fn=_vcycle, ignore_state=("map_seconds",))
+
+
+@pytest.mark.parametrize("resume_step", [5, 7])  # inside level 3; inside the up-leg at level 2
+def test_resume_three_levels(tmp_path, resume_step):
+    assert_resume_equals_uninterrupted(partial(tiny_gpt2, **GPT4), tiny_lm_data, tmp_path, total_steps=9,
+                                       resume_step=resume_step, callbacks_fn=partial(_vcycle, 3),
+                                       ignore_state=("map_seconds",))
+
+
+def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}",
+                           save_on_train_epoch_end=False)
+    run([*_vcycle(), ckpt], 5, root=tmp_path / "a")
+    path = tmp_path / "ckpts" / "step=3.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["state_dict"]["model.transformer.wte.weight"].shape == (64, 16)
+    state = checkpoint["callbacks"][_vcycle()[0].state_key]
+    assert state["level"] == 2 and state["stage_index"] == 1
+    assert state["snapshots"]["1"]["transformer.wte.weight"].shape == (64, 32)  # the snapshot travels with it
+    monkeypatch.setattr(VCycleCallback, "_install_load_hook", lambda self, pl_module: None)
+    trainer = make_trainer(tmp_path / "b", _vcycle(), max_steps=7, max_epochs=-1)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data(), ckpt_path=path)
+
+
+# ------------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(levels=1, e_a_steps=1, e_small_steps=1), "levels must be an int >= 2"),
+    (dict(e_small_steps=1), "e_a_steps .* is required"),
+    (dict(e_a_steps=1, e_a_fraction=0.1, e_small_steps=1), "not both"),
+    (dict(e_a_steps=0, e_small_steps=1), "e_a_steps must be an int >= 1"),
+    (dict(levels=3, e_a_steps=1, e_small_steps=1), "requires up_leg_steps"),
+    (dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[1, 2]), "list of 1 ints"),
+    (dict(e_a_steps=1, e_small_steps=1, up_leg_steps=1), "levels >= 3 only"),
+    (dict(e_a_steps=1, e_small_steps=1, alpha_original=1.5), "alpha_original must be in"),
+    (dict(e_a_steps=1, e_small_steps=1, alpha_original=-0.1), "alpha_original must be in"),
+    (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={3: 2.0}), "keys must be levels"),
+    (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={2: 0.0}), "must be a number > 0"),
+    (dict(e_a_steps=1, e_small_steps=1, embedding_convention="nope"), "embedding_convention"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        VCycleCallback(**kwargs)
+
+
+def test_stages_must_fit(tmp_path):
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a_steps=2, e_small_steps=3)], max_steps=4, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"need 5 optimizer steps .*e_small_steps = 3.* run has 4.*max_steps"):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+
+
+class Plain(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Linear(4, 4)
+
+
+def test_unknown_architecture_and_odd_sizes():
+    fake = SimpleNamespace(strategy=make_trainer(Path("."), []).strategy, callbacks=[], max_steps=10)
+    with pytest.raises(ValueError, match="no V-cycle adapter for Linear"):
+        VCycleCallback(e_a_steps=1, e_small_steps=1).setup(fake, Plain(), "fit")
+    with pytest.raises(ValueError, match="model_attr"):
+        VCycleCallback(e_a_steps=1, e_small_steps=1, model_attr="net").setup(fake, Plain(), "fit")
+    with pytest.raises(ValueError, match="n_layer"):  # 3 layers cannot be paired by the default depth scheme
+        VCycleCallback(e_a_steps=1, e_small_steps=1).setup(fake, tiny_gpt2(n_layer=3), "fit")
+
+
+def test_unsupported_strategy_and_callbacks(tmp_path):
+    fake = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[], max_steps=10)
+    with pytest.raises(MisconfigurationException, match="single-device and DDP.*FSDPStrategy"):
+        VCycleCallback(e_a_steps=1, e_small_steps=1).setup(fake, tiny_gpt2(), "fit")
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a_steps=1, e_small_steps=1),
+                                      StochasticWeightAveraging(swa_lrs=0.01)], max_steps=4, max_epochs=-1)
+    with pytest.raises(MisconfigurationException, match="StochasticWeightAveraging"):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+
+
+def test_fractions_fast_dev_run(tmp_path):
+    """Stage lengths as fractions of the run: with fast_dev_run (1 step) the cycle still runs (down and up at step
+    1, a zero-length small stage) and ends on the full model."""
+    cb = VCycleCallback(e_a_fraction=0.05, e_small_fraction=0.5)
+    trainer, model = run([cb], 1, root=tmp_path, fast_dev_run=True)
+    assert cb.stage_ends == [1, 1] and cb.level == 1 and cb.switches == 1 and model.model.config.n_embd == 32
+    cb = VCycleCallback(e_a_fraction=0.2, e_small_fraction=0.5)
+    run([cb], 10, root=tmp_path / "b")
+    assert cb.stage_ends == [2, 7] and cb.level == 1
+
+
+# ------------------------------------------------------------------------------------------------------ DDP
+class RankProbe(Callback):
+    """Per rank: level sizes per step, whether the DDP wrapper and the optimizer hold the current parameters; the
+    final weights to ``<out>/rank<r>.pt``."""
+
+    def __init__(self, out: str):
+        self.out, self.records = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        ddp = trainer.strategy.model
+        params = {id(p) for p in pl_module.model.parameters()}
+        opt = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+        self.records.append([trainer.global_step, pl_module.model.config.n_embd,
+                             isinstance(ddp, DistributedDataParallel) and ddp.module is pl_module
+                             and {id(p) for p in ddp.parameters()} == params == opt])
+
+    def on_train_end(self, trainer, pl_module):
+        r = trainer.global_rank
+        torch.save(pl_module.model.state_dict(), Path(self.out) / f"rank{r}.pt")
+        (Path(self.out) / f"probe{r}.json").write_text(json.dumps(self.records))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes(tmp_path):
+    cb = VCycleCallback(e_a_steps=1, e_small_steps=2, lr_multiplier={2: 4.0})
+    pl.seed_everything(0)
+    _, ranks = fit_ddp(tiny_gpt2(), tiny_lm_data(batch_size=4), tmp_path, [cb, RankProbe(str(tmp_path))],
+                       max_steps=5, max_epochs=-1)
+    probes = [json.loads((tmp_path / f"probe{r}.json").read_text()) for r in range(2)]
+    assert probes[0] == probes[1] == [[1, 16, True], [2, 16, True], [3, 32, True], [4, 32, True], [5, 32, True]]
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 5
+    assert ranks[0]["batches"][0]["fingerprint"] != ranks[1]["batches"][0]["fingerprint"]  # ranks see other data
+    w0, w1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
