@@ -1,0 +1,378 @@
+"""Benchmark: multi-level V-cycle (``VCycleCallback``) vs baseline, in one run (issue #6).
+
+Two tasks, each with both arms built from the same seed and trained for the same number of optimizer steps (by
+default; arms alternate order per seed; a throwaway short V-cycle fit per task first takes the first-use costs):
+
+- ``gpt``: character-level GPT-2 (``--gpt-layers`` 6, width 128, 4 heads, 128-token blocks, batch 32, AdamW +
+  warmup-cosine) on Tiny Shakespeare; metric ``val/loss`` (lower is better).
+- ``vit``: timm ViT (patch 4 on 32x32: 64 patches + CLS, width 128, depth ``--vit-layers`` 6, 4 heads, batch 128,
+  AdamW + warmup-cosine) on a CIFAR-10 training subset (``--vit-subset``, 20,000 images); metric ``val/acc`` (higher
+  is better).
+
+The models, data and optimizers are those of ``random_ltd.py`` / ``curriculum_seqlen.py`` (same seeds: the baseline
+arms reproduce their baselines). V-cycle arm: ``--levels`` 2; level 1 for ``--e-a-fraction`` (5%) of the steps,
+coalesce to half width / half depth (GPT 3 layers x 64, ViT 3 blocks x 64, head size kept), level 2 for
+``--e-small-fraction`` (50%) of the steps with ``--gpt-lr-mult`` 4.0 / ``--vit-lr-mult`` 2.0 times the peak LR,
+de-coalesce + interpolate with the snapshot (``--alpha`` None: the adapter's default 0.25), level 1 for the rest;
+``lr_schedule="continue"`` (one warmup-cosine curve over the run, fresh optimizer at every switch).
+
+Measured per arm: training FLOPs (EfficiencyMonitor, from the module's ``effi_training_flops``: the small model's
+FLOPs while it trains), training wall time (EfficiencyMonitor train + data time; evaluation excluded; the V-cycle's
+mapping time at the switches falls between two batches and is counted as data time), and a validation curve: every
+``--eval-every`` steps, the metric on the first ``--eval-batches`` validation batches (the same fixed subset for both
+arms) with the cumulative FLOPs and train wall time at that step. At the end: the metric on the whole validation
+split (GPT: the held-out 10% of the text; ViT: the 5,000 validation images). The switch steps (stage boundaries) are
+recorded with their cumulative FLOPs / wall time. Note: a curve point at a switch step is evaluated after the switch.
+
+"To reach the baseline's final validation metric", per seed: target = the baseline's last curve point (the same eval
+subset, at the last step). On the V-cycle arm's curve, the first point at least as good as the target gives the
+FLOPs and wall time needed (``first_point``, conservative: quantised to ``--eval-every``) and, linearly interpolated
+in metric between that point and the previous one, ``interpolated`` (the headline figure); savings are against the
+baseline's totals (``1 - vcycle_at_target / baseline_total``). Never reached: ``reached: false`` with ``gap`` (how
+far the V-cycle's last curve point is short of the target, in metric units, positive = worse). The same search with
+the baseline's whole-split final metric as the threshold is in ``reach_full_split_target`` (indicative only: it
+compares a whole-split number with subset points). Also reported (``whole_run``): the savings of the whole V-cycle
+run (FLOPs, the callback's ``vcycle/flops_saved_frac`` = FLOPs saving vs the full model on the same batches, wall
+time) and both arms' final metrics. By default both arms run the same number of steps; at the default schedule the
+V-cycle arm then uses only ~57% (GPT) / ~57% (ViT) of the baseline's FLOPs, so if it misses the target at equal
+steps, ``--vcycle-steps-factor`` (e.g. 1.3: 520 steps, ~74% of the baseline's FLOPs) lengthens the V-cycle arm only
+(its stage fractions and LR schedule follow its own length) so that its curve can reach the target.
+
+Targets (issue #6): >= 20% fewer training FLOPs and >= 15% less training wall time to the same validation metric
+(the paper reports 19-27% for base-size models).
+
+    python experiments/bench/vcycle.py --seeds 0 1      # both tasks, 400 steps each: ~45 min on 2 idle CPUs
+    python experiments/bench/vcycle.py --tasks gpt vit --gpt-steps 20 --vit-steps 20 --eval-every 10 \\
+        --eval-batches 2 --vit-subset 512 --tag _smoke --out /tmp/vcycle_smoke          # smoke
+
+Duration estimate for the full run (2 seeds x 2 tasks, 2 threads, idle machine). The random-LTD / curriculum runs
+measured ~0.66 s per GPT baseline step and ~1.07 s per ViT step (265 s and 430 s per 400-step arm). The V-cycle arm
+runs 50% of its steps on the coarse model (GPT ~0.145x, ViT ~0.14x the full model's per-step FLOPs), but on CPU
+those small steps are overhead-bound: in two smokes (on a loaded machine, ~6x slower than idle) they took ~0.3-0.45x
+the time of a full step, so the arm takes ~0.65-0.7x the baseline's time: GPT 2 x (265 + ~185) s, ViT 2 x (430 + ~300) s
+~ 39 min of training, plus 8 curve evaluations per arm on 20 batches (~4 s GPT, ~6 s ViT: ~5 min), the final
+whole-split validations and the warm-up fits (~1-2 min): ~45 min in all. ``--eval-batches 10`` saves ~2-3 min
+(noisier curve); ``--vcycle-steps-factor 1.3`` adds ~5 min.
+
+Writes ``<out>/vcycle<tag>.json`` and ``<out>/vcycle<tag>.png`` (top row: metric vs cumulative training FLOPs,
+bottom row: vs training wall time; one column per task; stage boundaries as dotted vertical lines, the target as a
+grey horizontal line, the interpolated reach point as a star).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_effi import EfficiencyMonitor
+from lightning_effi.callbacks import VCycleCallback
+from lightning_effi.data import CausalLMDataModule, CIFAR10DataModule
+from lightning_effi.schedules import warmup_cosine
+from lightning_effi.tasks import GPT2CausalLM, ImageClassifier
+
+ROOT = Path(__file__).resolve().parents[2]
+METRIC = {"gpt": "val/loss", "vit": "val/acc"}
+LOWER_IS_BETTER = {"val/loss": True, "val/acc": False}
+TARGETS = {"flops_saving_to_target": 0.20, "train_wall_saving_to_target": 0.15}
+
+
+def _wall(monitor: EfficiencyMonitor) -> float:
+    return float(monitor.totals["time_train"] + monitor.totals["time_data"])
+
+
+class ValCurve(pl.Callback):
+    """Records (optimizer step, cumulative training FLOPs, cumulative train wall time, metric, V-cycle level) at
+    every validation run."""
+
+    def __init__(self, monitor: EfficiencyMonitor, metric: str, vcycle: VCycleCallback | None) -> None:
+        self.monitor, self.metric, self.vcycle, self.points = monitor, metric, vcycle, []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        self.points.append({"step": trainer.global_step, "flops": float(self.monitor.totals["flops"]),
+                            "train_wall_s": _wall(self.monitor), "metric": float(trainer.callback_metrics[self.metric]),
+                            "level": self.vcycle.level if self.vcycle is not None else 1})
+
+
+class SwitchTrace(pl.Callback):
+    """Records the V-cycle's level changes (listed after the VCycleCallback, so it sees the new level): step,
+    cumulative FLOPs and train wall time at the switch, level after it."""
+
+    def __init__(self, monitor: EfficiencyMonitor, vcycle: VCycleCallback) -> None:
+        self.monitor, self.vcycle, self.switches, self._level = monitor, vcycle, [], 1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        if self.vcycle.level != self._level:
+            self.switches.append({"step": trainer.global_step, "flops": float(self.monitor.totals["flops"]),
+                                  "train_wall_s": _wall(self.monitor), "from_level": self._level,
+                                  "to_level": self.vcycle.level})
+            self._level = self.vcycle.level
+
+
+def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningModule, pl.LightningDataModule, int]:
+    data_root = Path(args.data_root)
+    if task == "gpt":
+        data = CausalLMDataModule(data_root / "tinyshakespeare" / "input.txt", corpus="file", tokenizer="char",
+                                  block_size=128, batch_size=32, seed=seed)
+        data.prepare_data()
+        data.setup("fit")
+        model = GPT2CausalLM(
+            vocab_size=data.model_hints()["vocab_size"], n_positions=128, n_layer=args.gpt_layers, n_embd=128,
+            n_head=4, dropout=0.0, attn_implementation="sdpa", weight_decay=0.1,
+            optimizer=lambda p: torch.optim.AdamW(p, lr=2e-3, betas=(0.9, 0.95)),
+            scheduler=lambda opt, total_steps, progress=None: warmup_cosine(opt, total_steps, 0.05, 0.1, progress),
+        )
+        return model, data, args.gpt_steps
+    data = CIFAR10DataModule(data_root / "cifar10", batch_size=128, num_workers=0, train_subset=args.vit_subset,
+                             seed=seed)
+    model = ImageClassifier(
+        "vit_tiny_patch16_224", num_classes=10, weight_decay=0.05,
+        model_kwargs={"img_size": 32, "patch_size": 4, "embed_dim": 128, "depth": args.vit_layers, "num_heads": 4},
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        scheduler=lambda opt, total_steps, progress=None: warmup_cosine(opt, total_steps, 0.05, 0.0, progress),
+    )
+    return model, data, args.vit_steps
+
+
+def make_vcycle(task: str, args: argparse.Namespace) -> VCycleCallback:
+    extra = {"up_leg_fraction": args.up_leg_fraction} if args.levels >= 3 else {}
+    mult = args.gpt_lr_mult if task == "gpt" else args.vit_lr_mult
+    return VCycleCallback(levels=args.levels, e_a_fraction=args.e_a_fraction, e_small_fraction=args.e_small_fraction,
+                          alpha_original=args.alpha, lr_multiplier={k: mult for k in range(2, args.levels + 1)},
+                          lr_schedule=args.lr_schedule, **extra)
+
+
+def run_arm(task: str, args: argparse.Namespace, seed: int, vcycle: bool, steps: int | None = None) -> dict:
+    pl.seed_everything(seed, workers=True)
+    torch.set_num_threads(args.threads)
+    model, data, default_steps = build(task, args, seed)
+    steps = steps or (round(default_steps * args.vcycle_steps_factor) if vcycle else default_steps)
+    metric = METRIC[task]
+    monitor = EfficiencyMonitor(print_summary=False)
+    cb = make_vcycle(task, args) if vcycle else None
+    curve = ValCurve(monitor, metric, cb)
+    callbacks: list[pl.Callback] = [monitor, curve]  # the monitor first: it counts a batch before a switch
+    trace = None
+    if cb is not None:
+        trace = SwitchTrace(monitor, cb)
+        callbacks += [cb, trace]
+    eval_every = min(args.eval_every, steps)
+    trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=args.eval_batches, val_check_interval=eval_every,
+                         check_val_every_n_epoch=None, callbacks=callbacks)
+    t0 = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    fit_s = time.perf_counter() - t0
+    validator = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    val = validator.validate(model, datamodule=data, verbose=False)[0]
+    s = monitor.summary
+    result = {
+        "task": task, "arm": "vcycle" if vcycle else "baseline", "seed": seed, "steps": trainer.global_step,
+        "train_wall_s": s["time_train_s"] + s["time_data_s"], "eval_wall_s": s["time_eval_s"], "fit_wall_s": fit_s,
+        "flops": s["flops"], "samples": s["samples"], "tokens": s["tokens"], "metric": metric,
+        "final_metric_full_split": float(val[metric]), "curve": curve.points,
+    }
+    if cb is not None:
+        result.update({k.split("/", 1)[1]: v for k, v in cb.effi_summary().items()})
+        result["schedule"] = {**cb.config(), "stage_ends": list(cb.stage_ends)}
+        result["switch_trace"] = trace.switches
+    return result
+
+
+def _better(m: float, target: float, lower: bool) -> bool:
+    return m <= target if lower else m >= target
+
+
+def reach(curve: list[dict], target: float, lower: bool, base_flops: float, base_wall: float) -> dict:
+    """First curve point at least as good as ``target`` (``first_point``) and the linear interpolation in metric
+    between it and the previous point (``interpolated``); savings vs the baseline's totals."""
+    def point(step: float, flops: float, wall: float) -> dict:
+        return {"step": step, "flops": flops, "train_wall_s": wall, "flops_saving": 1 - flops / base_flops,
+                "train_wall_saving": 1 - wall / base_wall}
+
+    for i, p in enumerate(curve):
+        if not _better(p["metric"], target, lower):
+            continue
+        out = {"reached": True, "target": target, "metric_at_point": p["metric"],
+               "first_point": point(p["step"], p["flops"], p["train_wall_s"])}
+        if i == 0 or p["metric"] == curve[i - 1]["metric"]:
+            out["interpolated"] = dict(out["first_point"], note="no previous point: not interpolated")
+        else:
+            q = curve[i - 1]
+            f = (target - q["metric"]) / (p["metric"] - q["metric"])  # in (0, 1]: q is short of the target, p is not
+            out["interpolated"] = point(q["step"] + f * (p["step"] - q["step"]),
+                                        q["flops"] + f * (p["flops"] - q["flops"]),
+                                        q["train_wall_s"] + f * (p["train_wall_s"] - q["train_wall_s"]))
+        return out
+    last = curve[-1]["metric"] if curve else math.nan
+    return {"reached": False, "target": target, "final_curve_metric": last,
+            "gap": (last - target) if lower else (target - last)}
+
+
+def analyse(results: list[dict], task: str) -> dict:
+    mean = statistics.mean
+    metric = METRIC[task]
+    lower = LOWER_IS_BETTER[metric]
+    base = {r["seed"]: r for r in results if r["task"] == task and r["arm"] == "baseline"}
+    vc = {r["seed"]: r for r in results if r["task"] == task and r["arm"] == "vcycle"}
+    seeds = sorted(set(base) & set(vc))
+    per_seed = {}
+    for seed in seeds:
+        b, v = base[seed], vc[seed]
+        target = b["curve"][-1]["metric"]
+        per_seed[str(seed)] = {
+            "whole_run": {
+                "steps_baseline": b["steps"], "steps_vcycle": v["steps"],
+                "flops_saving": 1 - v["flops"] / b["flops"],
+                "flops_saved_frac_callback": v["flops_saved_frac"],
+                "train_wall_saving": 1 - v["train_wall_s"] / b["train_wall_s"],
+                f"{metric}_full_split_baseline": b["final_metric_full_split"],
+                f"{metric}_full_split_vcycle": v["final_metric_full_split"],
+                f"{metric}_curve_final_baseline": target,
+                f"{metric}_curve_final_vcycle": v["curve"][-1]["metric"],
+            },
+            "reach": reach(v["curve"], target, lower, b["flops"], b["train_wall_s"]),
+            "reach_full_split_target": reach(v["curve"], b["final_metric_full_split"], lower, b["flops"],
+                                             b["train_wall_s"]),
+            "baseline_self_reach": reach(b["curve"], target, lower, b["flops"], b["train_wall_s"]),
+            "map_seconds": v["map_seconds"],
+            "switch_steps": [s["step"] for s in v["switch_trace"]],
+        }
+    if not seeds:
+        return {}
+    whole = [per_seed[str(s)]["whole_run"] for s in seeds]
+    out: dict = {"seeds": seeds, "whole_run": {k: mean(d[k] for d in whole) for k in whole[0]}}
+    w = out["whole_run"]
+    if metric == "val/loss":
+        w["val/loss_full_split_relative_change"] = (w["val/loss_full_split_vcycle"]
+                                                    / w["val/loss_full_split_baseline"] - 1)
+    else:
+        w["val/acc_full_split_delta_points"] = 100 * (w["val/acc_full_split_vcycle"] - w["val/acc_full_split_baseline"])
+    reached = [per_seed[str(s)]["reach"] for s in seeds if per_seed[str(s)]["reach"]["reached"]]
+    to_target: dict = {"reached_seeds": len(reached), "of_seeds": len(seeds)}
+    for kind in ("interpolated", "first_point"):
+        if reached:
+            to_target[kind] = {k: mean(r[kind][k] for r in reached) for k in ("flops_saving", "train_wall_saving")}
+    for kind in ("interpolated", "first_point"):  # met only if every seed reached the target
+        ok = len(reached) == len(seeds)
+        to_target[f"meets_targets_{kind}"] = {
+            "flops": ok and to_target[kind]["flops_saving"] >= TARGETS["flops_saving_to_target"],
+            "train_wall": ok and to_target[kind]["train_wall_saving"] >= TARGETS["train_wall_saving_to_target"]}
+    if len(reached) < len(seeds):
+        gaps = [per_seed[str(s)]["reach"]["gap"] for s in seeds if not per_seed[str(s)]["reach"]["reached"]]
+        to_target["mean_gap_not_reached"] = mean(gaps)
+    out["to_baseline_final_metric"] = to_target
+    out["per_seed"] = per_seed
+    return out
+
+
+def plot(results: list[dict], summary: dict, tasks: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(tasks), figsize=(6.5 * len(tasks), 8), squeeze=False)
+    seeds = sorted({r["seed"] for r in results})
+    styles = ["-", "--", ":", "-."]
+    for col, task in enumerate(tasks):
+        metric = METRIC[task]
+        for row, (key, scale, label) in enumerate([("flops", 1e12, "cumulative training FLOPs (TFLOPs)"),
+                                                   ("train_wall_s", 1.0, "cumulative training wall time (s)")]):
+            ax = axes[row][col]
+            for r in results:
+                if r["task"] != task:
+                    continue
+                color = "tab:blue" if r["arm"] == "baseline" else "tab:orange"
+                ls = styles[seeds.index(r["seed"]) % len(styles)]
+                ax.plot([p[key] / scale for p in r["curve"]], [p["metric"] for p in r["curve"]], marker=".",
+                        color=color, linestyle=ls, label=f"{r['arm']} seed {r['seed']}")
+                for sw in r.get("switch_trace", []):
+                    x = sw[key] / scale
+                    ax.axvline(x, color=color, linestyle=":", linewidth=1)
+                    if r["seed"] == seeds[0]:  # the switch steps (and FLOPs) are the same for every seed
+                        ax.annotate(f"L{sw['from_level']}→L{sw['to_level']}\n@{sw['step']}", (x, 1.0),
+                                    xycoords=("data", "axes fraction"), fontsize=7, ha="left", va="top", color=color)
+                if r["arm"] == "baseline":
+                    ax.axhline(r["curve"][-1]["metric"], color="grey", linestyle=ls, linewidth=0.8)
+            for seed_key, d in summary.get(task, {}).get("per_seed", {}).items():
+                rc = d["reach"]
+                if rc["reached"]:
+                    pt = rc["interpolated"]
+                    ax.plot(pt[key] / scale, rc["target"], marker="*", markersize=12, color="tab:red",
+                            label=f"reach seed {seed_key}: -{100 * pt['flops_saving']:.0f}% FLOPs, "
+                                  f"-{100 * pt['train_wall_saving']:.0f}% wall")
+            ax.set_xlabel(label)
+            ax.set_ylabel(f"{metric} (first eval batches)")
+            ax.set_title({"gpt": "GPT-2 / Tiny Shakespeare", "vit": "ViT / CIFAR-10"}[task]
+                         + (": metric vs FLOPs" if row == 0 else ": metric vs wall time"))
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-root", default=os.environ.get("EFFI_DATA_DIR", str(ROOT.parent / "shared" / "data")))
+    p.add_argument("--tasks", nargs="+", default=["gpt", "vit"], choices=["gpt", "vit"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--gpt-steps", type=int, default=400)
+    p.add_argument("--gpt-layers", type=int, default=6)
+    p.add_argument("--vit-steps", type=int, default=400)
+    p.add_argument("--vit-layers", type=int, default=6)
+    p.add_argument("--vit-subset", type=int, default=20000)
+    p.add_argument("--levels", type=int, default=2)
+    p.add_argument("--e-a-fraction", type=float, default=0.05, help="steps of every down-leg stage (share of the run)")
+    p.add_argument("--e-small-fraction", type=float, default=0.5, help="steps of the coarsest level (share of the run)")
+    p.add_argument("--up-leg-fraction", type=float, default=0.1, help="levels >= 3: each up-leg stage's share")
+    p.add_argument("--alpha", type=float, default=None, help="alpha_original (None: the adapter's default, 0.25)")
+    p.add_argument("--gpt-lr-mult", type=float, default=4.0, help="peak-LR multiplier of the coarse levels (GPT)")
+    p.add_argument("--vit-lr-mult", type=float, default=2.0, help="peak-LR multiplier of the coarse levels (ViT)")
+    p.add_argument("--vcycle-steps-factor", type=float, default=1.0,
+                   help="the V-cycle arm trains for this times the baseline's steps (stage fractions and its LR "
+                        "schedule follow its own length): > 1 lets its curve reach a target it misses at equal steps")
+    p.add_argument("--lr-schedule", default="continue", choices=["continue", "restart"])
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=20, help="validation batches per curve point")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--warmup-steps", type=int, default=5, help="throwaway V-cycle fit per task first (0: none)")
+    p.add_argument("--out", default=str(ROOT / "experiments" / "bench" / "results"))
+    p.add_argument("--tag", default="")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    results = []
+    t_start = time.perf_counter()
+    for task in args.tasks:
+        if args.warmup_steps:  # first-use costs (thread pools, allocator, FLOP measurement) hit neither arm
+            run_arm(task, argparse.Namespace(**{**vars(args), "eval_every": args.warmup_steps, "eval_batches": 1}),
+                    args.seeds[0], True, steps=args.warmup_steps)
+        for i, seed in enumerate(args.seeds):
+            for vcycle in ((False, True) if i % 2 == 0 else (True, False)):
+                results.append(run_arm(task, args, seed, vcycle))
+                r = results[-1]
+                print(f"{task} seed {seed} {r['arm']:8s}: {r['train_wall_s']:.1f} s train, {r['flops'] / 1e12:.2f} "
+                      f"TFLOPs, {r['metric']} {r['final_metric_full_split']:.4f} (full split), curve final "
+                      f"{r['curve'][-1]['metric']:.4f} [{time.perf_counter() - t_start:.0f} s elapsed]", flush=True)
+    summary = {task: analyse(results, task) for task in args.tasks}
+    report = {"config": vars(args), "targets": TARGETS, "summary": summary, "runs": results}
+    with open(out / f"vcycle{args.tag}.json", "w") as f:
+        json.dump(report, f, indent=2)
+    plot(results, summary, args.tasks, out / f"vcycle{args.tag}.png")
+    print(json.dumps({t: {k: v for k, v in s.items() if k != "per_seed"} for t, s in summary.items()}, indent=2))
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
