@@ -6,7 +6,8 @@ reference ``deepspeed/runtime/data_pipeline/``. Specification ``shared/specs/cur
 The method lives in :mod:`lightning_effi.functional.schedules`, :mod:`lightning_effi.functional.curriculum` and
 :class:`lightning_effi.curriculum.CurriculumController`; this callback wires it into Lightning:
 
-- ``setup("fit")``: resolves the configuration (given here or to the :class:`~lightning_effi.data.CurriculumDataModule`),
+- ``setup("fit")``: resolves the configuration (given here or to the
+  :class:`~lightning_effi.data.CurriculumDataModule`),
   loads or computes the analysis indexes of the ``schedule_based`` metrics (validated against the training set),
   compares their hash across ranks, checks that the first step selects data, and attaches the controller (batch
   geometry from the loader's batch size, ``trainer.world_size`` and ``accumulate_grad_batches``). Under DDP it
@@ -46,9 +47,9 @@ def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_f
 
     Args:
         analysis: a metric name (:func:`lightning_effi.data_analysis.registered_metrics`), ``{"name": ...,
-            **options}`` passed to the metric factory, or a callable ``fn(batch) -> int[B]``. ``vocab_rarity`` / ``seqlen_vocab_rarity`` without a ``freq``
-            option run the two passes of spec §3.1: ``total_vocab_freq`` (needs ``vocab_size`` >= the largest token
-            id + 1), then the rarity. ``seqlen`` uses the dataset's vectorised ``sequence_lengths()`` when it has one
+            **options}`` passed to the metric factory, or a callable ``fn(batch) -> int[B]``. ``vocab_rarity`` /
+            ``seqlen_vocab_rarity`` without a ``freq`` option run the two passes of spec §3.1: ``total_vocab_freq``
+            (needs ``vocab_size`` >= the largest token id + 1), then the rarity. ``seqlen`` uses the dataset's vectorised ``sequence_lengths()`` when it has one
             and no options are given.
         collate_fn: the training loader's collate function. batch_size: analysis batch size.
 

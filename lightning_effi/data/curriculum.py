@@ -80,7 +80,8 @@ class CurriculumCollate:
         difficulty = dict(zip(self.metric_names, diffs))
         if "seqlen_truncate" in difficulty:
             if not any(isinstance(batch.get(k), torch.Tensor) and batch[k].ndim >= 2 for k in self.truncate_keys):
-                raise DataConfigError(f"seqlen_truncate: the batch has none of truncate_keys {list(self.truncate_keys)} "
+                raise DataConfigError(f"seqlen_truncate: the batch has none of truncate_keys "
+                                      f"{list(self.truncate_keys)} "
                                       f"as a [B, S, ...] tensor (batch keys: {sorted(batch)})")
             batch = F.truncate_batch(batch, difficulty["seqlen_truncate"], self.truncate_keys, self.causal_label_shift)
         if "seqlen_reshape" in difficulty:

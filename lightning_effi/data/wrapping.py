@@ -11,7 +11,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+                              SequentialSampler)
 
 from lightning_effi.data.errors import DataConfigError
 from lightning_effi.data.loader import EpochShuffleSampler

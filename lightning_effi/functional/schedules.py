@@ -81,7 +81,8 @@ class CurriculumSchedule:
     def __post_init__(self) -> None:
         where = f"curriculum_metrics.{self.name}"
         if self.schedule_type not in SCHEDULE_TYPES:
-            raise ScheduleConfigError(f"{where}.schedule_type must be one of {SCHEDULE_TYPES}, got {self.schedule_type!r}")
+            raise ScheduleConfigError(f"{where}.schedule_type must be one of {SCHEDULE_TYPES}, got "
+                                      f"{self.schedule_type!r}")
         if self.rounding not in ROUNDING_MODES:
             raise ScheduleConfigError(f"curriculum rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}")
         lo = _int(where, "min_difficulty", self.min_difficulty)
