@@ -45,7 +45,7 @@ _METRIC_KEYS = {"index_to_sample_path", "index_to_metric_path", "difficulty_type
 _METRIC_EXTRA = {"analysis", "custom_schedule"}  # lightning_effi additions
 
 
-def _plain(obj: Any) -> Any:
+def to_plain(obj: Any) -> Any:
     """OmegaConf containers -> plain python (without importing omegaconf when it is not used)."""
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -99,8 +99,8 @@ class MetricConfig:
         if self.clustering_type not in CLUSTERING_TYPES:
             raise CurriculumConfigError(f"{where}.clustering_type must be one of {CLUSTERING_TYPES}, got "
                                         f"{self.clustering_type!r}")
-        object.__setattr__(self, "schedule_config", dict(_plain(self.schedule_config) or {}))
-        object.__setattr__(self, "analysis", _plain(self.analysis))
+        object.__setattr__(self, "schedule_config", dict(to_plain(self.schedule_config) or {}))
+        object.__setattr__(self, "analysis", to_plain(self.analysis))
         if self.name in TRANSFORM_METRICS and (self.clustering_type, self.difficulty_type) != ("single_cluster",
                                                                                                "value"):
             raise CurriculumConfigError(f"{where}: {self.name} must be clustering_type single_cluster and "
@@ -143,7 +143,7 @@ class MetricConfig:
     @classmethod
     def from_dict(cls, name: str, raw: Mapping[str, Any], extras: bool = True) -> MetricConfig:
         """Strict parse of one metric dict (not mutated). ``extras``: accept the lightning_effi keys."""
-        raw = _plain(raw)
+        raw = to_plain(raw)
         where = f"curriculum_metrics.{name}"
         if not isinstance(raw, Mapping):
             raise CurriculumConfigError(f"{where} must be a dict, got {type(raw).__name__}")
@@ -198,7 +198,7 @@ class CurriculumConfig:
     causal_label_shift: bool = False
 
     def __post_init__(self) -> None:
-        metrics = _plain(self.metrics)
+        metrics = to_plain(self.metrics)
         if not isinstance(metrics, Mapping) or not metrics:
             raise CurriculumConfigError("curriculum metrics: need at least one metric, e.g. "
                                         "{'seqlen_truncate': {...}}")
@@ -207,7 +207,7 @@ class CurriculumConfig:
         if not parsed:
             raise CurriculumConfigError("curriculum metrics: every metric is null; need at least one")
         object.__setattr__(self, "metrics", parsed)
-        keys = _plain(self.truncate_keys)
+        keys = to_plain(self.truncate_keys)
         if isinstance(keys, str) or not isinstance(keys, Sequence) or not keys or \
                 not all(isinstance(k, str) for k in keys):
             raise CurriculumConfigError(f"curriculum truncate_keys must be a non-empty list of batch keys, got "
@@ -292,7 +292,7 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
             misplaced top-level ``data_sampling`` block, unknown keys, missing required keys, a child enabled under a
             disabled parent.
     """
-    ds_config = copy.deepcopy(_plain(ds_config))
+    ds_config = copy.deepcopy(to_plain(ds_config))
     if not isinstance(ds_config, Mapping):
         raise CurriculumConfigError(f"parse_deepspeed_config: expected a DeepSpeed config dict, got "
                                     f"{type(ds_config).__name__}")

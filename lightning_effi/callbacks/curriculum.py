@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_effi.accounting import batch_size_of, tokens_of
 from lightning_effi.curriculum import (CurriculumConfig, CurriculumConfigError, CurriculumController,
-                                       indexes_fingerprint)
+                                       indexes_fingerprint, to_plain)
 from lightning_effi.data.curriculum import BATCH_KEYS, CurriculumDataModule
 
 
@@ -62,7 +62,7 @@ def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_f
     if callable(analysis):
         options, name = {}, getattr(analysis, "__name__", repr(analysis))
     else:
-        options = dict(_plain_mapping(analysis)) if isinstance(analysis, Mapping) else {"name": analysis}
+        options = dict(to_plain(analysis)) if isinstance(analysis, Mapping) else {"name": analysis}
         name = options.pop("name", None)
     if not isinstance(name, str):
         raise CurriculumConfigError(f"curriculum analysis: expected a metric name or {{name: ..., **options}}, got "
@@ -105,16 +105,6 @@ def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_f
                                         f"of {batch_size_of(batch)}; a per-sample metric returns [B]")
         out.append(v.astype(np.int64))
     return np.concatenate(out) if out else np.zeros(0, np.int64)
-
-
-def _plain_mapping(x: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-        if isinstance(x, DictConfig):
-            return OmegaConf.to_container(x, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return x
 
 
 class Curriculum(Callback):

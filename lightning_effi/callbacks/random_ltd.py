@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -38,6 +37,7 @@ from lightning_effi.accounting import BatchStats
 from lightning_effi.adapters import TransformerAdapter, find_adapter
 from lightning_effi.functional import random_ltd as F
 from lightning_effi.random_ltd import LTDController, PatchedLayers, convert, resolve_layer_ids, restore
+from lightning_effi.utils.resume import config_mismatch
 
 
 def _is_int(x: Any) -> bool:
@@ -374,10 +374,7 @@ class RandomLTDCallback(Callback):
             self._mismatch(f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}")
 
     def _mismatch(self, message: str) -> None:
-        message = f"{type(self).__name__}: {message}"
-        if self.strict:
-            raise ValueError(message + "; pass strict=False to resume with this configuration")
-        warnings.warn(message + "; resuming with this configuration", stacklevel=2)
+        config_mismatch(type(self).__name__, message, self.strict)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from lightning_effi.adapters.vcycle_maps import VCycleAdapter, find_vcycle_adapter
 from lightning_effi.functional import vcycle as V
+from lightning_effi.utils.resume import config_mismatch
 
 __all__ = ["VCycle", "VCycleCallback", "rebuild_training_state", "stage_plan", "vcycle_flops_fraction"]
 
@@ -611,10 +612,7 @@ class VCycleCallback(Callback):
         }
 
     def _mismatch(self, message: str) -> None:
-        message = f"{type(self).__name__}: {message}"
-        if self.strict:
-            raise ValueError(message + "; pass strict=False to resume with this configuration")
-        warnings.warn(message + "; resuming with this configuration", stacklevel=2)
+        config_mismatch(type(self).__name__, message, self.strict)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
