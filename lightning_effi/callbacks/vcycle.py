@@ -165,6 +165,10 @@ class VCycleCallback(Callback):
         adapter: ``"auto"``, a registered V-cycle adapter name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an
             instance.
         strict: a checkpoint written with another configuration raises on resume (False: warns).
+        baseline_steps: optimizer steps of the baseline run the FLOPs saving is measured against (spec §4.3, §5):
+            ``vcycle/baseline_flops`` is then the full model's mean training FLOPs per optimizer step on this run's
+            batches times ``baseline_steps`` (the baseline may be shorter or longer than the V-cycle run); None
+            (default): the full model on this run's own batches (a baseline of the same length).
 
     Logged every step: ``effi/vcycle/level``, ``effi/vcycle/stage``, ``effi/vcycle/flops_cum``,
     ``effi/vcycle/flops_saved_frac``, ``effi/vcycle/map_seconds``. Summary keys ``vcycle/*``.
@@ -195,6 +199,7 @@ class VCycleCallback(Callback):
         up_leg_fraction: float | None = None,
         lr_schedule: Literal["continue", "restart"] = "continue",
         strict: bool = True,
+        baseline_steps: int | None = None,
     ) -> None:
         name = type(self).__name__
         if not _is_int(levels) or levels < 2:
@@ -247,6 +252,9 @@ class VCycleCallback(Callback):
             raise ValueError(f"{name}.lr_schedule must be 'continue' or 'restart', got {lr_schedule!r}")
         if not isinstance(model_attr, str) or not model_attr.isidentifier():
             raise ValueError(f"{name}.model_attr must be an attribute name, got {model_attr!r}")
+        if baseline_steps is not None and (not _is_int(baseline_steps) or baseline_steps < 1):
+            raise ValueError(f"{name}.baseline_steps must be an int >= 1 or None (a baseline as long as this run), "
+                             f"got {baseline_steps!r}")
         if not isinstance(adapter, (str, VCycleAdapter)):
             raise ValueError(f"{name}.adapter must be 'auto', a registered name or a VCycleAdapter, got {adapter!r}")
         self.levels = levels
@@ -263,23 +271,32 @@ class VCycleCallback(Callback):
         self.adapter_arg = adapter
         self.lr_schedule = lr_schedule
         self.strict = strict
+        self.baseline_steps = baseline_steps
         # resolved in setup / on_train_start
         self.adapter: VCycleAdapter | None = None
         self.plans: list[V.VCyclePlan] = []  # plans[k - 1]: level k → k + 1
         self.stages: list[tuple[int, int]] = []  # non-final (level, steps)
         self.stage_ends: list[int] = []  # cumulative end step of each non-final stage
+        self.level = 1
+        self._parked: dict[int, nn.Module] = {}  # level → the module of that level (CPU) while a coarser one trains
+        self._module: pl.LightningModule | None = None
+        self._reset_progress()
+
+    def _reset_progress(self) -> None:
+        """A fresh cycle: a new fit with this callback starts from the first stage (a resumed fit then loads the
+        checkpoint's progress)."""
+        self.stages, self.stage_ends = [], []  # resolved again against this fit's length
         # progress (checkpointed)
         self.level = 1
         self.stage_index = 0
         self.stage_start_step = 0
         self.snapshots: dict[int, dict[str, Tensor]] = {}  # level → snapshot pending interpolation
         self.flops = 0.0
-        self.baseline_flops = 0.0
+        self.full_model_flops = 0.0  # the full model's training FLOPs on every batch trained so far
+        self.flops_steps = 0  # optimizer steps those FLOPs cover
         self.map_seconds = 0.0
         self.switches = 0
         # runtime only
-        self._parked: dict[int, nn.Module] = {}  # level → the module of that level (CPU) while a coarser one trains
-        self._module: pl.LightningModule | None = None
         self._last_step = -1
         self._flops_ok = True
 
@@ -324,6 +341,10 @@ class VCycleCallback(Callback):
         if stage != "fit":
             return
         name = type(self).__name__
+        if self.level != 1 or self._parked:
+            raise RuntimeError(f"{name}: a previous fit with this callback stopped at level {self.level} (the coarse "
+                               "model is still in its module); resume from a checkpoint with a new module and callback")
+        self._reset_progress()
         self._check_environment(trainer)
         model = getattr(pl_module, self.model_attr, None)
         if not isinstance(model, nn.Module):
@@ -486,15 +507,26 @@ class VCycleCallback(Callback):
                           stacklevel=2)
             return
         self.flops += cur
-        self.baseline_flops += base
+        self.full_model_flops += base
+
+    @property
+    def baseline_flops(self) -> float:
+        """Training FLOPs of the baseline: the full model on this run's batches, or (``baseline_steps``) its mean
+        per optimizer step times ``baseline_steps``."""
+        if self.baseline_steps is None:
+            return self.full_model_flops
+        return self.full_model_flops / self.flops_steps * self.baseline_steps if self.flops_steps else 0.0
 
     def flops_saved_frac(self) -> float:
-        return 1.0 - self.flops / self.baseline_flops if self.baseline_flops else 0.0
+        """``1 - flops / baseline_flops`` (spec §5); 0 before any FLOPs are counted."""
+        base = self.baseline_flops
+        return 1.0 - self.flops / base if base else 0.0
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._count_flops(pl_module, batch)
+        self.flops_steps = trainer.global_step
         pl_module.log_dict({
             "effi/vcycle/level": float(self.level),
             "effi/vcycle/stage": float(self.stage_index),
@@ -605,7 +637,8 @@ class VCycleCallback(Callback):
             "stage_ends": [int(e) for e in self.stage_ends],
             "snapshots": {str(k): dict(v) for k, v in self.snapshots.items()},
             "flops": float(self.flops),
-            "baseline_flops": float(self.baseline_flops),
+            "full_model_flops": float(self.full_model_flops),
+            "flops_steps": int(self.flops_steps),
             "map_seconds": float(self.map_seconds),
             "switches": int(self.switches),
             "config": self.config(),
@@ -634,7 +667,8 @@ class VCycleCallback(Callback):
         self.stage_start_step = int(state_dict["stage_start_step"])
         self.snapshots = {int(k): dict(v) for k, v in state_dict["snapshots"].items()}
         self.flops = float(state_dict["flops"])
-        self.baseline_flops = float(state_dict["baseline_flops"])
+        self.full_model_flops = float(state_dict["full_model_flops"])
+        self.flops_steps = int(state_dict["flops_steps"])
         self.map_seconds = float(state_dict["map_seconds"])
         self.switches = int(state_dict["switches"])
 

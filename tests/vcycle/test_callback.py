@@ -26,7 +26,7 @@ from lightning_effi.flops import transformer_training_flops
 from lightning_effi.functional import vcycle as V
 from lightning_effi.schedules import warmup_cosine, warmup_cosine_multiplier
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
-from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+from tests.helpers.tiny import tiny_bert_cls, tiny_gpt2, tiny_image_data, tiny_lm_data, tiny_sentence_data, tiny_vit
 
 GPT4 = dict(n_layer=4, n_head=4)  # 3 levels: (4 layers, 32) -> (2, 16) -> (1, 8)
 
@@ -102,6 +102,87 @@ def test_two_level_switch(tmp_path):
     summary = cb.effi_summary()
     assert summary["vcycle/baseline_flops"] == 7 * c1 and summary["vcycle/flops"] == 4 * c1 + 3 * c2
     assert summary["vcycle/flops_saved_frac"] == pytest.approx(1 - vcycle_flops_fraction([(4, c1), (3, c2)], 7, c1))
+
+
+def test_baseline_steps_sets_the_accounting_baseline(tmp_path):
+    """A V-cycle of 7 steps (4 large, 3 small) against a 5-step baseline (spec §5): the saving may be negative."""
+    cb = VCycleCallback(e_a_steps=2, e_small_steps=3, baseline_steps=5)
+    run([cb], 7, root=tmp_path)
+    c1 = transformer_training_flops(8, 16, 2, 32, None, 64)
+    c2 = transformer_training_flops(8, 16, 1, 16, None, 64)
+    summary = cb.effi_summary()
+    assert summary["vcycle/baseline_flops"] == pytest.approx(5 * c1)
+    assert summary["vcycle/flops"] == 4 * c1 + 3 * c2
+    assert summary["vcycle/flops_saved_frac"] == pytest.approx(1 - (4 * c1 + 3 * c2) / (5 * c1))
+    assert cb.state_dict()["full_model_flops"] == 7 * c1 and cb.state_dict()["flops_steps"] == 7
+
+
+def test_callback_reused_for_a_second_fit_starts_a_fresh_cycle(tmp_path):
+    cb = VCycleCallback(e_a_fraction=0.3, e_small_steps=3)
+    run([cb], 7, root=tmp_path / "a")
+    first = cb.effi_summary()
+    assert cb.stage_ends == [2, 5]
+    trainer, model = run([cb], 10, root=tmp_path / "b")  # a longer second fit: its own stage lengths
+    assert cb.stage_ends == [3, 6] and cb.switches == 2 and cb.level == 1
+    fresh = VCycleCallback(e_a_fraction=0.3, e_small_steps=3)
+    run([fresh], 10, root=tmp_path / "c")
+    def counts(summary):  # map_seconds is a wall time
+        return {k: v for k, v in summary.items() if k != "vcycle/map_seconds"}
+
+    assert counts(cb.effi_summary()) == counts(fresh.effi_summary()) != counts(first)
+
+
+def test_callback_left_mid_cycle_refuses_a_new_fit(tmp_path):
+    class Stop(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                raise ValueError("crash inside the small stage")
+
+    cb = VCycleCallback(e_a_steps=2, e_small_steps=3)
+    with pytest.raises(ValueError, match="crash inside"):
+        run([cb, Stop()], 7, root=tmp_path / "a")
+    assert cb.level == 2
+    with pytest.raises(RuntimeError, match="stopped at level 2"):
+        run([cb], 7, root=tmp_path / "b")
+
+
+class StateRecorder(Callback):
+    """Any architecture: per optimizer step, the network's state dict and whether the optimizer holds exactly the
+    module's parameters."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, Any]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        opt_ids = [id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]]
+        self.steps[trainer.global_step] = {
+            "state": copy.deepcopy(pl_module.model.state_dict()),
+            "opt_is_module": len(opt_ids) == len(set(opt_ids)) and set(opt_ids) == {id(p) for p in
+                                                                                     pl_module.parameters()}}
+
+
+@pytest.mark.parametrize("build, data", [(tiny_vit, tiny_image_data), (tiny_bert_cls, tiny_sentence_data)],
+                         ids=["timm_vit", "hf_bert_cls"])
+def test_two_level_switch_vit_and_bert(tmp_path, build, data):
+    """The callback on the other adapters: the weights at both switches equal the operators computed by hand."""
+    pre, post = StateRecorder(), StateRecorder()
+    cb = VCycleCallback(e_a_steps=2, e_small_steps=2, alpha_original=0.4)
+    pl.seed_everything(0)
+    model = build()
+    original = model.model
+    trainer = make_trainer(tmp_path, [pre, cb, post], max_steps=6, max_epochs=-1)
+    trainer.fit(model, datamodule=data())
+    assert trainer.global_step == 6 and cb.switches == 2 and model.model is original
+    assert all(rec["opt_is_module"] for rec in post.steps.values())
+    plan = find_vcycle_adapter(original).plan(original, "half", "adjacent", "official")
+    small = V.coalesce(pre.steps[2]["state"], plan)
+    assert small.keys() == post.steps[2]["state"].keys()
+    for k, v in small.items():
+        assert torch.equal(post.steps[2]["state"][k], v), k
+    expected = V.interpolate(V.decoalesce(pre.steps[4]["state"], plan), pre.steps[2]["state"], 0.4)
+    for k, v in expected.items():
+        assert torch.equal(post.steps[4]["state"][k], v), k
+    assert post.steps[3]["state"][k].shape == small[k].shape and post.steps[5]["state"][k].shape == v.shape
 
 
 def test_three_levels_with_gradient_accumulation(tmp_path):
@@ -183,6 +264,8 @@ def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch
     (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={3: 2.0}), "keys must be levels"),
     (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={2: 0.0}), "must be a number > 0"),
     (dict(e_a_steps=1, e_small_steps=1, embedding_convention="nope"), "embedding_convention"),
+    (dict(e_a_steps=1, e_small_steps=1, baseline_steps=0), "baseline_steps must be an int >= 1"),
+    (dict(e_a_steps=1, e_small_steps=1, baseline_steps=2.5), "baseline_steps must be an int >= 1"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
