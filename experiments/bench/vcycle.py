@@ -152,7 +152,8 @@ def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningM
         data.setup("fit")
         model = GPT2CausalLM(
             vocab_size=data.model_hints()["vocab_size"], n_positions=128, n_layer=args.gpt_layers,
-            n_embd=args.gpt_width, n_head=args.gpt_width // 32, dropout=0.0, attn_implementation="sdpa", weight_decay=0.1,
+            n_embd=args.gpt_width, n_head=args.gpt_width // 32, dropout=0.0, attn_implementation="sdpa",
+            weight_decay=0.1,
             optimizer=lambda p: torch.optim.AdamW(p, lr=args.gpt_lr, betas=(0.9, 0.95)),
             scheduler=lambda opt, total_steps, progress=None: warmup_cosine(opt, total_steps, 0.05, 0.1, progress),
         )
