@@ -52,6 +52,8 @@ Tuning runs (GPT only, seed 0, V-cycle arm at equal steps; JSON in ``results/vcy
 ``random_ltd.py`` (small model 3 x 64) with the ``official`` / ``exact`` conventions, alpha_original 0.1 / 0.25 /
 0.5, LR x2 / x4 and the per-stage LR all ended 0.21-0.41 above the baseline's final loss; the 6 x 256 model (small
 3 x 128) ended 0.19 above it while using 57% of its FLOPs, so the benchmark uses it with a longer V-cycle arm.
+Found after the benchmark: ``--depth-scheme half`` (the official GPT-2 config) on the 6 x 128 model ended 0.13 above
+the baseline instead of 0.27 (adjacent), the most promising next setting.
 
 Writes ``<out>/vcycle<tag>.json`` and ``<out>/vcycle<tag>.png`` (top row: metric vs cumulative training FLOPs,
 bottom row: vs training wall time; one column per task; stage boundaries as dotted vertical lines, the target as a
@@ -174,7 +176,7 @@ def make_vcycle(task: str, args: argparse.Namespace) -> VCycleCallback:
     mult = args.gpt_lr_mult if task == "gpt" else args.vit_lr_mult
     return VCycleCallback(levels=args.levels, e_a_fraction=args.e_a_fraction, e_small_fraction=args.e_small_fraction,
                           alpha_original=args.alpha, lr_multiplier={k: mult for k in range(2, args.levels + 1)},
-                          lr_schedule=args.lr_schedule, embedding_convention=args.embedding_convention
+                          lr_schedule=args.lr_schedule, depth_scheme=args.depth_scheme, embedding_convention=args.embedding_convention
                           or ("exact" if task == "gpt" else "official"), **extra)
 
 
@@ -401,6 +403,8 @@ def main() -> None:
                    help="the V-cycle arm trains for this times the baseline's steps (stage fractions and its LR "
                         "schedule follow its own length): > 1 lets its curve reach a target it misses at equal steps")
     p.add_argument("--lr-schedule", default="continue", choices=["continue", "restart"])
+    p.add_argument("--depth-scheme", default="adjacent", choices=["adjacent", "half"],
+                   help="VCycleCallback.depth_scheme (half: the official GPT-2 config's stacking)")
     p.add_argument("--stage-lr", action="store_true",
                    help="V-cycle arm: the official recipe's per-stage LR (StageLR; implies --lr-schedule restart)")
     p.add_argument("--embedding-convention", default=None, choices=["official", "exact"],
