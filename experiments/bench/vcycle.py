@@ -124,25 +124,21 @@ class StageLR:
     switch): stage 1 warms up linearly over its whole length, every later stage decays from its peak (the level's
     multiplier applied by the callback) to ``min_lr_ratio`` x peak by cosine over its own length. Used with
     ``lr_schedule="restart"`` (the rebuilt scheduler's counter starts at 0 at every switch); the n-th call builds
-    the n-th stage's scheduler."""
+    the n-th stage's scheduler, its length read from the callback's resolved stages (set in its ``setup``, before
+    Lightning first calls ``configure_optimizers``)."""
 
-    def __init__(self, stage_lengths: list[int], min_lr_ratio: float) -> None:
-        self.lengths, self.min_lr_ratio, self.calls = stage_lengths, min_lr_ratio, 0
+    def __init__(self, vcycle: VCycleCallback, min_lr_ratio: float) -> None:
+        self.vcycle, self.min_lr_ratio, self.calls = vcycle, min_lr_ratio, 0
 
     def __call__(self, opt, total_steps, progress=None):
-        i = min(self.calls, len(self.lengths) - 1)
+        lengths = [s for _, s in self.vcycle.stages] + [total_steps - self.vcycle.stage_ends[-1]]
+        i = min(self.calls, len(lengths) - 1)
         self.calls += 1
-        n, lo = max(1, self.lengths[i]), self.min_lr_ratio
+        n, lo = max(1, lengths[i]), self.min_lr_ratio
         if i == 0:
             return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / n))
         return torch.optim.lr_scheduler.LambdaLR(
             opt, lambda k: lo + 0.5 * (1 - lo) * (1 + math.cos(math.pi * min(1.0, k / n))))
-
-
-def stage_lengths(args: argparse.Namespace, steps: int) -> list[int]:
-    e_a = round(args.e_a_fraction * steps)
-    e_small = round(args.e_small_fraction * steps)
-    return [e_a, e_small, steps - e_a - e_small]
 
 
 def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningModule, pl.LightningDataModule, int]:
@@ -176,8 +172,9 @@ def make_vcycle(task: str, args: argparse.Namespace) -> VCycleCallback:
     mult = args.gpt_lr_mult if task == "gpt" else args.vit_lr_mult
     return VCycleCallback(levels=args.levels, e_a_fraction=args.e_a_fraction, e_small_fraction=args.e_small_fraction,
                           alpha_original=args.alpha, lr_multiplier={k: mult for k in range(2, args.levels + 1)},
-                          lr_schedule=args.lr_schedule, depth_scheme=args.depth_scheme, embedding_convention=args.embedding_convention
-                          or ("exact" if task == "gpt" else "official"), **extra)
+                          lr_schedule=args.lr_schedule, depth_scheme=args.depth_scheme,
+                          embedding_convention=args.embedding_convention or ("exact" if task == "gpt" else "official"),
+                          **extra)
 
 
 def run_arm(task: str, args: argparse.Namespace, seed: int, vcycle: bool, steps: int | None = None) -> dict:
@@ -185,13 +182,13 @@ def run_arm(task: str, args: argparse.Namespace, seed: int, vcycle: bool, steps:
     torch.set_num_threads(args.threads)
     model, data, default_steps = build(task, args, seed)
     steps = steps or (round(default_steps * args.vcycle_steps_factor) if vcycle else default_steps)
-    if vcycle and args.stage_lr:
-        if args.levels != 2:
-            raise SystemExit("--stage-lr supports --levels 2 only")
-        model.scheduler_factory = StageLR(stage_lengths(args, steps), 0.1 if task == "gpt" else 0.0)
     metric = METRIC[task]
     monitor = EfficiencyMonitor(print_summary=False)
     cb = make_vcycle(task, args) if vcycle else None
+    if cb is not None and args.stage_lr:
+        if args.levels != 2:
+            raise SystemExit("--stage-lr supports --levels 2 only")
+        model.scheduler_factory = StageLR(cb, 0.1 if task == "gpt" else 0.0)
     curve = ValCurve(monitor, metric, cb)
     callbacks: list[pl.Callback] = [monitor, curve]  # the monitor first: it counts a batch before a switch
     trace = None
