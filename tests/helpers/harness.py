@@ -170,13 +170,15 @@ class RecordBatches(Callback):
 
 
 def fit_ddp(model: pl.LightningModule, datamodule: pl.LightningDataModule, root: Path,
-            callbacks: Sequence[Callback] = (), **kwargs: Any) -> tuple[pl.Trainer, list[dict[str, Any]]]:
+            callbacks: Sequence[Callback] = (), ckpt_path: str | Path | None = None,
+            **kwargs: Any) -> tuple[pl.Trainer, list[dict[str, Any]]]:
     """Fit under DDP on CPU with 2 spawned processes (gloo). Returns the trainer and, per rank, what a
     :class:`RecordBatches` callback added here recorded: ``{"batches": [...], "global_step": int, "summary": the
-    EfficiencyMonitor summary or None}``. (With ``ddp_spawn`` the parent's trainer and callbacks are not updated.)"""
+    EfficiencyMonitor summary or None}``. ``ckpt_path`` resumes from that checkpoint. (With ``ddp_spawn`` the parent's
+    trainer and callbacks are not updated.)"""
     record_dir = root / "ddp_records"
     trainer = make_trainer(root, [*callbacks, RecordBatches(record_dir)], strategy="ddp_spawn", devices=2, **kwargs)
-    trainer.fit(model, datamodule=datamodule)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     per_rank = []
     for rank in range(2):
         with open(record_dir / f"rank{rank}.json") as f:

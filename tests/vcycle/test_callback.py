@@ -26,7 +26,8 @@ from lightning_effi.flops import transformer_training_flops
 from lightning_effi.functional import vcycle as V
 from lightning_effi.schedules import warmup_cosine, warmup_cosine_multiplier
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
-from tests.helpers.tiny import tiny_bert_cls, tiny_gpt2, tiny_image_data, tiny_lm_data, tiny_sentence_data, tiny_vit
+from tests.helpers.tiny import (TinyDataModule, TokenBlocks, tiny_bert_cls, tiny_bert_mlm, tiny_gpt2, tiny_image_data,
+                                tiny_lm_data, tiny_sentence_data, tiny_vit)
 
 GPT4 = dict(n_layer=4, n_head=4)  # 3 levels: (4 layers, 32) -> (2, 16) -> (1, 8)
 
@@ -161,8 +162,25 @@ class StateRecorder(Callback):
                                                                                      pl_module.parameters()}}
 
 
-@pytest.mark.parametrize("build, data", [(tiny_vit, tiny_image_data), (tiny_bert_cls, tiny_sentence_data)],
-                         ids=["timm_vit", "hf_bert_cls"])
+class MaskedBlocks(torch.utils.data.Dataset):
+    """Token blocks with every third position masked for MLM (labels -100 elsewhere)."""
+
+    def __init__(self) -> None:
+        self.blocks = TokenBlocks()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.blocks[i]["input_ids"]
+        labels = torch.full_like(ids, -100)
+        labels[::3] = ids[::3]
+        return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize("build, data", [(tiny_vit, tiny_image_data), (tiny_bert_cls, tiny_sentence_data),
+                                         (tiny_bert_mlm, lambda: TinyDataModule(MaskedBlocks()))],
+                         ids=["timm_vit", "hf_bert_cls", "hf_bert_mlm"])
 def test_two_level_switch_vit_and_bert(tmp_path, build, data):
     """The callback on the other adapters: the weights at both switches equal the operators computed by hand."""
     pre, post = StateRecorder(), StateRecorder()
@@ -183,6 +201,9 @@ def test_two_level_switch_vit_and_bert(tmp_path, build, data):
     for k, v in expected.items():
         assert torch.equal(post.steps[4]["state"][k], v), k
     assert post.steps[3]["state"][k].shape == small[k].shape and post.steps[5]["state"][k].shape == v.shape
+    head = getattr(original, "get_output_embeddings", lambda: None)()
+    if build is tiny_bert_mlm:  # the MLM decoder stays tied to the word embeddings through both switches
+        assert head.weight is original.get_input_embeddings().weight
 
 
 def test_three_levels_with_gradient_accumulation(tmp_path):
@@ -349,3 +370,31 @@ def test_ddp_two_processes(tmp_path):
     assert ranks[0]["batches"][0]["fingerprint"] != ranks[1]["batches"][0]["fingerprint"]  # ranks see other data
     w0, w1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume_step", [2, 4])  # inside the small stage (small shapes) / after the up-switch
+def test_ddp_resume_equals_uninterrupted(tmp_path, resume_step):
+    """Under DDP (2 processes), resuming from a checkpoint taken inside the small stage or after the up-switch ends
+    with the same weights on both ranks as the uninterrupted DDP run, and the same per-step sizes from the resume
+    step on."""
+    make_cb = lambda: VCycleCallback(e_a_steps=1, e_small_steps=2, lr_multiplier={2: 4.0})  # noqa: E731
+    ckpt = lambda: ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1,  # noqa: E731
+                                   filename="{step}", save_on_train_epoch_end=False)
+    for arm in ("a", "b"):
+        (tmp_path / arm).mkdir()
+    pl.seed_everything(0)
+    fit_ddp(tiny_gpt2(), tiny_lm_data(batch_size=4), tmp_path / "a", [make_cb(), RankProbe(str(tmp_path / "a")),
+                                                                      ckpt()], max_steps=5, max_epochs=-1)
+    path = tmp_path / "ckpts" / f"step={resume_step}.ckpt"
+    assert path.exists()
+    pl.seed_everything(1234)
+    _, ranks = fit_ddp(tiny_gpt2(), tiny_lm_data(batch_size=4), tmp_path / "b",
+                       [make_cb(), RankProbe(str(tmp_path / "b"))], max_steps=5, max_epochs=-1, ckpt_path=path)
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 5
+    for r in range(2):
+        probe_a = json.loads((tmp_path / "a" / f"probe{r}.json").read_text())
+        probe_b = json.loads((tmp_path / "b" / f"probe{r}.json").read_text())
+        assert probe_b == probe_a[resume_step:]
+        wa, wb = (torch.load(tmp_path / arm / f"rank{r}.pt", weights_only=True) for arm in ("a", "b"))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
