@@ -196,14 +196,16 @@ def run_arm(task: str, args: argparse.Namespace, seed: int, vcycle: bool, steps:
         trace = SwitchTrace(monitor, cb)
         callbacks += [cb, trace]
     eval_every = min(args.eval_every, steps)
-    trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accelerator="cpu", logger=False,
+    trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accelerator=args.accelerator, devices=1,
+                         precision=args.precision, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=args.eval_batches, val_check_interval=eval_every,
                          check_val_every_n_epoch=None, callbacks=callbacks)
     t0 = time.perf_counter()
     trainer.fit(model, datamodule=data)
     fit_s = time.perf_counter() - t0
-    validator = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    validator = pl.Trainer(accelerator=args.accelerator, devices=1, precision=args.precision, logger=False,
+                           enable_progress_bar=False, enable_model_summary=False)
     val = validator.validate(model, datamodule=data, verbose=False)[0]
     s = monitor.summary
     result = {
@@ -411,6 +413,9 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=40)
     p.add_argument("--eval-batches", type=int, default=10, help="validation batches per curve point")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
+                   help="Lightning accelerator (one device); gpu is meant for long-horizon runs (--gpt-steps 5000+)")
+    p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed on a GPU")
     p.add_argument("--warmup-steps", type=int, default=5, help="throwaway V-cycle fit per task first (0: none)")
     p.add_argument("--out", default=str(ROOT / "experiments" / "bench" / "results"))
     p.add_argument("--tag", default="")
