@@ -47,13 +47,17 @@ Targets (issue #6): >= 20% fewer training FLOPs and >= 15% less training wall ti
     python experiments/bench/vcycle.py --tasks vit --seeds 0 1 --tag _vit   # ~30 min
     python experiments/bench/vcycle.py --tasks gpt vit --gpt-steps 20 --vit-steps 20 --eval-every 10 \\
         --eval-batches 2 --vit-subset 512 --tag _smoke --out /tmp/vcycle_smoke          # smoke
+    python experiments/bench/vcycle.py --tasks gpt --accelerator gpu --precision bf16-mixed --gpt-steps 20000 \
+        --eval-every 500 --tag _gpt_long     # a long horizon on one GPU (not run: no GPU on the project's machine)
 
-Tuning runs (GPT only, seed 0, V-cycle arm at equal steps; JSON in ``results/vcycle_tuning/``): the 6 x 128 model of
-``random_ltd.py`` (small model 3 x 64) with the ``official`` / ``exact`` conventions, alpha_original 0.1 / 0.25 /
-0.5, LR x2 / x4 and the per-stage LR all ended 0.21-0.41 above the baseline's final loss; the 6 x 256 model (small
-3 x 128) ended 0.19 above it while using 57% of its FLOPs, so the benchmark uses it with a longer V-cycle arm.
-Found after the benchmark: ``--depth-scheme half`` (the official GPT-2 config) on the 6 x 128 model ended 0.13 above
-the baseline instead of 0.27 (adjacent), the most promising next setting.
+Tuning runs (GPT only, seed 0; JSON in ``results/vcycle_tuning/``, flags in each file's ``config``): the 6 x 128
+model of ``random_ltd.py`` (small model 3 x 64) with the ``official`` / ``exact`` conventions, ``adjacent`` / ``half``
+depth pairing, alpha_original 0.1 / 0.25 / 0.5, LR x1 / x2 / x4 and the per-stage LR all ended 0.13-0.41 above the
+baseline's final loss at equal steps; the 6 x 256 model (small 3 x 128) ended 0.19 above it while using 57% of its
+FLOPs, so the benchmark uses it with a longer V-cycle arm. ``--depth-scheme half`` on that setting: 2.1376 instead of
+2.1471 (baseline 2.1186). ``--gpt-lr 2e-3`` (both arms): baseline 1.9597, V-cycle 2.3793. 6 x 128 at 1,200 steps
+(``--gpt-width 128 --gpt-lr 2e-3 --depth-scheme half --gpt-steps 1200 --vcycle-steps-factor 1.0 --eval-every 100``):
+baseline 1.7249, V-cycle 1.8325 (+6.2% at 57% of the FLOPs, as at 400 steps).
 
 Writes ``<out>/vcycle<tag>.json`` and ``<out>/vcycle<tag>.png`` (top row: metric vs cumulative training FLOPs,
 bottom row: vs training wall time; one column per task; stage boundaries as dotted vertical lines, the target as a
