@@ -47,7 +47,7 @@ Targets (issue #6): >= 20% fewer training FLOPs and >= 15% less training wall ti
     python experiments/bench/vcycle.py --tasks vit --seeds 0 1 --tag _vit   # ~30 min
     python experiments/bench/vcycle.py --tasks gpt vit --gpt-steps 20 --vit-steps 20 --eval-every 10 \\
         --eval-batches 2 --vit-subset 512 --tag _smoke --out /tmp/vcycle_smoke          # smoke
-    python experiments/bench/vcycle.py --tasks gpt --accelerator gpu --precision bf16-mixed --gpt-steps 20000 \
+    python experiments/bench/vcycle.py --tasks gpt --accelerator gpu --precision bf16-mixed --gpt-steps 20000 \\
         --eval-every 500 --tag _gpt_long     # a long horizon on one GPU (not run: no GPU on the project's machine)
 
 Tuning runs (GPT only, seed 0; JSON in ``results/vcycle_tuning/``, flags in each file's ``config``): the 6 x 128
