@@ -54,11 +54,11 @@ Tuning runs (GPT only, seed 0; JSON in ``results/vcycle_tuning/``, flags in each
 model of ``random_ltd.py`` (small model 3 x 64) with the ``official`` / ``exact`` conventions, ``adjacent`` / ``half``
 depth pairing, alpha_original 0.1 / 0.25 / 0.5, LR x1 / x2 / x4 and the per-stage LR all ended 0.13-0.41 above the
 baseline's final loss at equal steps; the 6 x 256 model (small 3 x 128) ended 0.19 above it while using 57% of its
-FLOPs, so the benchmark uses it with a longer V-cycle arm. ``--depth-scheme half`` on that setting: 2.1376 instead of
-2.1471 (baseline 2.1186). ``--gpt-lr 2e-3`` (both arms): baseline 1.9597, V-cycle 2.3793. 6 x 128 at 1,200 steps
-(``--gpt-width 128 --gpt-lr 2e-3 --depth-scheme half --gpt-steps 1200 --vcycle-steps-factor 1.0 --eval-every 100``):
-baseline 1.7249, V-cycle 1.8325 (+6.2% at 57% of the FLOPs, as at 400 steps); the same with a 1.4x V-cycle arm:
-1.7315 (+0.4%) at -19.9% FLOPs / -24.6% wall, not reached (curve gap 0.009).
+FLOPs, so the benchmark uses it with a longer V-cycle arm. ``--depth-scheme half`` on that setting (1.4x arm):
+2.1376 instead of 2.1471 (baseline 2.1186). ``--gpt-lr 2e-3`` (both arms): baseline 1.9597, V-cycle 2.3793. 6 x 128
+at 1,200 steps (``--gpt-width 128 --gpt-lr 2e-3 --depth-scheme half --gpt-steps 1200 --vcycle-steps-factor 1.0
+--eval-every 100``): baseline 1.7249, V-cycle 1.8325 (+6.2% at 57% of the FLOPs, as at 400 steps); the same with a
+1.4x V-cycle arm: 1.7315 (+0.4%) at -19.9% FLOPs / -24.6% wall, not reached (curve gap 0.009).
 
 Writes ``<out>/vcycle<tag>.json`` and ``<out>/vcycle<tag>.png`` (top row: metric vs cumulative training FLOPs,
 bottom row: vs training wall time; one column per task; stage boundaries as dotted vertical lines, the target as a
