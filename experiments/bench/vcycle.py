@@ -81,7 +81,7 @@ import torch
 from lightning_effi import EfficiencyMonitor
 from lightning_effi.callbacks import VCycleCallback
 from lightning_effi.data import CausalLMDataModule, CIFAR10DataModule
-from lightning_effi.schedules import warmup_cosine
+from lightning_effi.schedules import warmup_cosine, warmup_cosine_multiplier
 from lightning_effi.tasks import GPT2CausalLM, ImageClassifier
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,11 +142,17 @@ class StageLR:
         n, lo = max(1, lengths[i]), self.min_lr_ratio
         if i == 0:
             return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / n))
-        return torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda k: lo + 0.5 * (1 - lo) * (1 + math.cos(math.pi * min(1.0, k / n))))
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: warmup_cosine_multiplier(k / n, 0.0, lo))
 
 
-def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningModule, pl.LightningDataModule, int]:
+def arm_steps(task: str, args: argparse.Namespace, vcycle: bool) -> int:
+    """Optimizer steps of an arm: the baseline ``--gpt-steps`` / ``--vit-steps``, the V-cycle that times
+    ``--vcycle-steps-factor`` (rounded)."""
+    base = args.gpt_steps if task == "gpt" else args.vit_steps
+    return round(base * args.vcycle_steps_factor) if vcycle else base
+
+
+def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningModule, pl.LightningDataModule]:
     data_root = Path(args.data_root)
     if task == "gpt":
         data = CausalLMDataModule(data_root / "tinyshakespeare" / "input.txt", corpus="file", tokenizer="char",
@@ -160,7 +166,7 @@ def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningM
             optimizer=lambda p: torch.optim.AdamW(p, lr=args.gpt_lr, betas=(0.9, 0.95)),
             scheduler=lambda opt, total_steps, progress=None: warmup_cosine(opt, total_steps, 0.05, 0.1, progress),
         )
-        return model, data, args.gpt_steps
+        return model, data
     data = CIFAR10DataModule(data_root / "cifar10", batch_size=128, num_workers=0, train_subset=args.vit_subset,
                              seed=seed)
     model = ImageClassifier(
@@ -169,7 +175,7 @@ def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningM
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
         scheduler=lambda opt, total_steps, progress=None: warmup_cosine(opt, total_steps, 0.05, 0.0, progress),
     )
-    return model, data, args.vit_steps
+    return model, data
 
 
 def make_vcycle(task: str, args: argparse.Namespace) -> VCycleCallback:
@@ -185,8 +191,8 @@ def make_vcycle(task: str, args: argparse.Namespace) -> VCycleCallback:
 def run_arm(task: str, args: argparse.Namespace, seed: int, vcycle: bool, steps: int | None = None) -> dict:
     pl.seed_everything(seed, workers=True)
     torch.set_num_threads(args.threads)
-    model, data, default_steps = build(task, args, seed)
-    steps = steps or (round(default_steps * args.vcycle_steps_factor) if vcycle else default_steps)
+    model, data = build(task, args, seed)
+    steps = steps or arm_steps(task, args, vcycle)
     metric = METRIC[task]
     monitor = EfficiencyMonitor(print_summary=False)
     cb = make_vcycle(task, args) if vcycle else None
@@ -435,8 +441,7 @@ def main() -> None:
         print(json.dumps({t: {k: v for k, v in s.items() if k != "per_seed"} for t, s in summary.items()}, indent=2))
         return
     for task in args.tasks:  # every curve must end at its arm's last step (the reach search reads the last point)
-        base = args.gpt_steps if task == "gpt" else args.vit_steps
-        lengths = (base, round(base * args.vcycle_steps_factor))
+        lengths = (arm_steps(task, args, False), arm_steps(task, args, True))
         if any(n % args.eval_every for n in lengths):
             p.error(f"--eval-every ({args.eval_every}) must divide both arms' step counts for {task} {lengths}, so "
                     "that each validation curve ends at its arm's last step")

@@ -275,9 +275,6 @@ class VCycleCallback(Callback):
         # resolved in setup / on_train_start
         self.adapter: VCycleAdapter | None = None
         self.plans: list[V.VCyclePlan] = []  # plans[k - 1]: level k → k + 1
-        self.stages: list[tuple[int, int]] = []  # non-final (level, steps)
-        self.stage_ends: list[int] = []  # cumulative end step of each non-final stage
-        self.level = 1
         self._parked: dict[int, nn.Module] = {}  # level → the module of that level (CPU) while a coarser one trains
         self._module: pl.LightningModule | None = None
         self._reset_progress()
@@ -285,7 +282,9 @@ class VCycleCallback(Callback):
     def _reset_progress(self) -> None:
         """A fresh cycle: a new fit with this callback starts from the first stage (a resumed fit then loads the
         checkpoint's progress)."""
-        self.stages, self.stage_ends = [], []  # resolved again against this fit's length
+        # resolved again against this fit's length
+        self.stages: list[tuple[int, int]] = []  # non-final (level, steps)
+        self.stage_ends: list[int] = []  # cumulative end step of each non-final stage
         # progress (checkpointed)
         self.level = 1
         self.stage_index = 0
