@@ -20,7 +20,9 @@ de-coalesce + interpolate with the snapshot (``--alpha`` None: the adapter's def
 warmup-cosine curve over the arm, fresh optimizer at every switch), GPT with ``--embedding-convention exact``
 (function-preserving width maps for the tied pre-LN head). ``--stage-lr`` replaces the module's schedule by the
 official GPT-2 example's per-stage schedule (:class:`StageLR`), ``--arms vcycle`` runs the V-cycle arm alone
-(tuning; no analysis without a baseline; ``--reanalyse`` recomputes a saved JSON's summary and plot).
+(tuning; no analysis without a baseline; ``--reanalyse`` recomputes a saved JSON's summary and plot,
+``--reanalyse --merge A.json B.json`` builds one report from several files' runs, e.g. a committed baseline and
+a V-cycle tuning run of the same seed).
 
 Measured per arm: training FLOPs (EfficiencyMonitor, from the module's ``effi_training_flops``: the small model's
 FLOPs while it trains), training wall time (EfficiencyMonitor train + data time; evaluation excluded; the V-cycle's
@@ -394,11 +396,44 @@ def write_report(results: list[dict], args: argparse.Namespace, out: Path) -> di
     return summary
 
 
+# config keys that define a task's baseline and its metric subset: the runs merged into one report must agree on them
+# (eval_every may differ: it sets the curve's resolution only)
+_RUN_KEYS = {"gpt": ("gpt_steps", "gpt_layers", "gpt_width", "gpt_lr", "eval_batches"),
+             "vit": ("vit_steps", "vit_layers", "vit_subset", "eval_batches")}
+
+
+def merge_reports(paths: list[Path], seeds: list[int] | None) -> tuple[dict, list[dict]]:
+    """Runs of several benchmark JSONs as one report: a later file's run replaces an earlier one of the same
+    (task, arm, seed); ``seeds`` (None: all) filters. Returns (the last file's config with ``tasks``, ``seeds``,
+    ``arms`` set from the merged runs and ``merged_from``, the runs). Raises ``SystemExit`` when the files disagree
+    on a key of ``_RUN_KEYS`` for a task they share (their baselines would not be comparable)."""
+    runs: dict[tuple, dict] = {}
+    configs = []
+    for path in paths:
+        saved = json.loads(path.read_text())
+        configs.append(saved["config"])
+        for r in saved["runs"]:
+            if seeds is None or r["seed"] in seeds:
+                runs[(r["task"], r["arm"], r["seed"])] = r
+    merged = list(runs.values())
+    tasks = sorted({r["task"] for r in merged}, key=["gpt", "vit"].index)
+    for task in tasks:
+        for key in _RUN_KEYS[task]:
+            values = {(c.get(key) if task in c["tasks"] else None) for c in configs} - {None}
+            if len(values) > 1:
+                raise SystemExit(f"--merge: the files disagree on {key} for {task}: {sorted(values)}")
+    if not merged:
+        raise SystemExit(f"--merge: no runs (seeds {seeds}) in {[str(p) for p in paths]}")
+    config = {**configs[-1], "tasks": tasks, "seeds": sorted({r["seed"] for r in merged}),
+              "arms": sorted({r["arm"] for r in merged}), "merged_from": [str(p) for p in paths]}
+    return config, merged
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-root", default=os.environ.get("EFFI_DATA_DIR", str(ROOT.parent / "shared" / "data")))
     p.add_argument("--tasks", nargs="+", default=["gpt", "vit"], choices=["gpt", "vit"])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 (--merge: every seed)")
     p.add_argument("--gpt-steps", type=int, default=1200)
     p.add_argument("--gpt-layers", type=int, default=6)
     p.add_argument("--gpt-width", type=int, default=128, help="GPT width (heads of 32: width / 32 heads)")
@@ -436,12 +471,23 @@ def main() -> None:
     p.add_argument("--tag", default="")
     p.add_argument("--reanalyse", action="store_true",
                    help="recompute the summary and plot of <out>/vcycle<tag>.json from its runs (no training)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="with --reanalyse: build <out>/vcycle<tag>.json from the runs of these benchmark JSONs "
+                        "(a later file's run replaces an earlier one of the same task, arm and seed; --seeds keeps "
+                        "only those seeds) with the last file's config; e.g. a committed baseline + a tuning run of "
+                        "the V-cycle arm alone")
     args = p.parse_args()
+    if args.merge and not args.reanalyse:
+        p.error("--merge needs --reanalyse")
     if args.reanalyse:
-        path = Path(args.out) / f"vcycle{args.tag}.json"
-        saved = json.loads(path.read_text())
-        config = argparse.Namespace(**{**saved["config"], "out": args.out, "tag": args.tag})
-        summary = write_report(saved["runs"], config, Path(args.out))
+        if args.merge:
+            config, runs = merge_reports([Path(f) for f in args.merge], args.seeds)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        else:
+            saved = json.loads((Path(args.out) / f"vcycle{args.tag}.json").read_text())
+            config, runs = saved["config"], saved["runs"]
+        config = argparse.Namespace(**{**config, "out": args.out, "tag": args.tag})
+        summary = write_report(runs, config, Path(args.out))
         print(json.dumps({t: {k: v for k, v in s.items() if k != "per_seed"} for t, s in summary.items()}, indent=2))
         return
     for task in args.tasks:  # every curve must end at its arm's last step (the reach search reads the last point)
@@ -449,6 +495,7 @@ def main() -> None:
         if any(n % args.eval_every for n in lengths):
             p.error(f"--eval-every ({args.eval_every}) must divide both arms' step counts for {task} {lengths}, so "
                     "that each validation curve ends at its arm's last step")
+    args.seeds = args.seeds or [0]
     if args.stage_lr:
         args.lr_schedule = "restart"
     out = Path(args.out)
