@@ -113,6 +113,9 @@ class ValCurve(pl.Callback):
         self.points.append({"step": trainer.global_step, "flops": float(self.monitor.totals["flops"]),
                             "train_wall_s": _wall(self.monitor), "metric": float(trainer.callback_metrics[self.metric]),
                             "level": self.vcycle.level if self.vcycle is not None else 1})
+        q = self.points[-1]
+        print(f"  step {q['step']}: {self.metric} {q['metric']:.4f} (level {q['level']}, {q['flops'] / 1e12:.2f} "
+              f"TFLOPs, {q['train_wall_s']:.0f} s train)", flush=True)
 
 
 class SwitchTrace(pl.Callback):
