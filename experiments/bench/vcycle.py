@@ -54,8 +54,8 @@ Targets (issue #6): >= 20% fewer training FLOPs and >= 15% less training wall ti
     python experiments/bench/vcycle.py --tasks gpt --accelerator gpu --precision bf16-mixed --gpt-steps 20000 \\
         --eval-every 500 --tag _gpt_long     # a long horizon on one GPU (not run: no GPU on the project's machine)
 
-Tuning runs (GPT only, seed 0; JSON in ``results/vcycle_tuning/``, flags in each file's ``config``; the earlier
-defaults were 6 x 256, LR 1e-3, 400 steps, ``adjacent``, a 1.4x arm with 5% / 50% stages): at 400 steps the 6 x 128
+Tuning runs (seed 0; JSON in ``results/vcycle_tuning/``, flags in each file's ``config``; the earlier
+defaults were 6 x 256, LR 1e-3, 400 steps, ``adjacent``, a 1.4x arm with 5% / 50% stages): GPT at 400 steps: the 6 x 128
 model (small 3 x 64) with the ``official`` / ``exact`` conventions, ``adjacent`` / ``half`` depth pairing,
 alpha_original 0.1 / 0.25 / 0.5, LR x1 / x2 / x4 and the per-stage LR all ended 0.13-0.41 above the baseline's final
 loss at equal steps; the 6 x 256 model (small 3 x 128) ended 0.19 above it while using 57% of its FLOPs, and short of
@@ -64,7 +64,10 @@ it with a 1.4x arm (``adjacent`` 2.1471, ``half`` 2.1376, baseline 2.1186); ``--
 (+6.2% at 57% of the FLOPs); 1.4x arm with 5% / 50% stages 1.7315 (+0.4%, -19.9% FLOPs for the whole run: short);
 1.45x arm with 2% / 55% 1.7346 (short by 0.009 on the curve); **1.6x arm with 2% / 60% (the defaults) 1.7191, the
 baseline's final curve value reached at step ~1,808 with 31% fewer FLOPs** (the two last runs: V-cycle arms run side
-by side with one thread each, so only their FLOPs and losses compare with the baseline's).
+by side with one thread each, so only their FLOPs and losses compare with the baseline's). ViT (1,200 steps,
+``vit_*.json``): the per-stage LR with coarse LR x2 / x4, coarse LR x1, alpha_original 0.1 and the whole 45k-image
+training split (``--vit-subset 45000``, both arms rerun) all end 1.8-6.4 accuracy points below the baseline on the
+whole split (curve gaps 3.4-9.1 points): none reaches it.
 
 Writes ``<out>/vcycle<tag>.json`` and ``<out>/vcycle<tag>.png`` (top row: metric vs cumulative training FLOPs,
 bottom row: vs training wall time; one column per task; stage boundaries as dotted vertical lines, the target as a
