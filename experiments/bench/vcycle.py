@@ -416,20 +416,24 @@ def merge_reports(paths: list[Path], seeds: list[int] | None) -> tuple[dict, lis
     runs: dict[tuple, dict] = {}
     configs = []
     for path in paths:
+        if not path.is_file():
+            raise SystemExit(f"--merge: {path} is not a file")
         saved = json.loads(path.read_text())
+        if not isinstance(saved, dict) or not {"config", "runs"} <= saved.keys():
+            raise SystemExit(f"--merge: {path} is not a vcycle benchmark JSON (needs 'config' and 'runs')")
         configs.append(saved["config"])
         for r in saved["runs"]:
             if seeds is None or r["seed"] in seeds:
                 runs[(r["task"], r["arm"], r["seed"])] = r
     merged = list(runs.values())
-    tasks = sorted({r["task"] for r in merged}, key=["gpt", "vit"].index)
+    if not merged:
+        raise SystemExit(f"--merge: no runs (seeds {seeds}) in {[str(p) for p in paths]}")
+    tasks = [t for t in METRIC if any(r["task"] == t for r in merged)]
     for task in tasks:
         for key in _RUN_KEYS[task]:
             values = {(c.get(key) if task in c["tasks"] else None) for c in configs} - {None}
             if len(values) > 1:
                 raise SystemExit(f"--merge: the files disagree on {key} for {task}: {sorted(values)}")
-    if not merged:
-        raise SystemExit(f"--merge: no runs (seeds {seeds}) in {[str(p) for p in paths]}")
     config = {**configs[-1], "tasks": tasks, "seeds": sorted({r["seed"] for r in merged}),
               "arms": sorted({r["arm"] for r in merged}), "merged_from": [str(p) for p in paths]}
     return config, merged

@@ -49,3 +49,8 @@ def test_files_with_different_baselines_are_refused(bench, tmp_path):
     assert len(bench.merge_reports([a, c], seeds=None)[1]) == 2
     with pytest.raises(SystemExit, match="no runs"):
         bench.merge_reports([a, c], seeds=[7])
+    with pytest.raises(SystemExit, match="missing.json is not a file"):
+        bench.merge_reports([a, tmp_path / "missing.json"], seeds=None)
+    (tmp_path / "other.json").write_text(json.dumps({"summary": {}}))
+    with pytest.raises(SystemExit, match="not a vcycle benchmark JSON"):
+        bench.merge_reports([a, tmp_path / "other.json"], seeds=None)
