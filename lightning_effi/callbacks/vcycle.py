@@ -146,12 +146,15 @@ class VCycleCallback(Callback):
 
     Args:
         levels: K >= 2.
-        e_a_steps / e_a_fraction: optimizer steps of every down-leg stage (levels 1..K−1), or that fraction of the
-            run (``floor(f · T)``, at least 1). Give exactly one.
-        e_small_steps / e_small_fraction: steps of the coarsest level (paper: half the baseline), or a fraction
-            (``floor(f · T)``, may be 0). Give exactly one.
-        up_leg_steps / up_leg_fraction: required for K >= 3 (no silent default): the up-leg stage of levels
-            2..K−1, one int for all or a list ordered by level (``[level 2, level 3, ...]``), or one fraction.
+        e_a_steps / e_a_fraction / e_a_epochs: optimizer steps of every down-leg stage (levels 1..K−1), or that
+            fraction of the run (``floor(f · T)``, at least 1), or that many epochs (the paper's :math:`E_a`; ``n ·
+            S`` steps, where ``S = ceil(trainer.num_training_batches / accumulate_grad_batches)`` is the optimizer
+            steps of one epoch, read when training starts, so a switch falls on an epoch boundary). Give exactly one.
+        e_small_steps / e_small_fraction / e_small_epochs: steps of the coarsest level (paper: :math:`E_{small}`,
+            half the baseline's epochs), a fraction (``floor(f · T)``, may be 0), or epochs. Give exactly one.
+        up_leg_steps / up_leg_fraction / up_leg_epochs: required for K >= 3 (no silent default): the up-leg stage of
+            levels 2..K−1, one int for all or a list ordered by level (``[level 2, level 3, ...]``), one fraction,
+            or epochs (one int or a list by level).
         width_scheme, depth_scheme, embedding_convention: the adapter's :meth:`plan` arguments (``"half"``,
             ``"adjacent"``, ``"official"``; explicit groups apply to level 1 → 2 only when K = 2).
         alpha_original: weight of the snapshot in the interpolation, in [0, 1]; None = the adapter's default
@@ -176,7 +179,9 @@ class VCycleCallback(Callback):
     Raises:
         ValueError: (construction) wrong types or ranges, missing / duplicated stage lengths, K >= 3 without up-leg
             lengths, ``alpha_original`` outside [0, 1]; (``setup``) no adapter for the model, sizes the schemes
-            cannot halve, stages that do not fit in ``trainer.max_steps``.
+            cannot halve, stages that do not fit in ``trainer.max_steps``; (train start, when the length comes from
+            the epochs) stages that do not fit in the epochs' optimizer steps, ``*_fraction`` lengths in a run of
+            unknown length, ``*_epochs`` lengths with a train dataloader without a length.
         MisconfigurationException: (``setup``) an unsupported strategy (FSDP, DeepSpeed, ...) or a callback that
             cannot survive shape changes (SWA / weight averaging, random-LTD).
     """
@@ -200,36 +205,45 @@ class VCycleCallback(Callback):
         lr_schedule: Literal["continue", "restart"] = "continue",
         strict: bool = True,
         baseline_steps: int | None = None,
+        e_a_epochs: int | None = None,
+        e_small_epochs: int | None = None,
+        up_leg_epochs: int | Sequence[int] | None = None,
     ) -> None:
         name = type(self).__name__
         if not _is_int(levels) or levels < 2:
             raise ValueError(f"{name}.levels must be an int >= 2, got {levels!r}")
 
-        def one_of(steps: Any, frac: Any, key: str, min_steps: int, required: bool = True) -> None:
-            if steps is not None and frac is not None:
-                raise ValueError(f"{name}: give {key}_steps or {key}_fraction, not both")
-            if steps is None and frac is None and required:
-                raise ValueError(f"{name}: {key}_steps (or {key}_fraction) is required")
+        def one_of(steps: Any, frac: Any, epochs: Any, key: str) -> None:
+            given = [f"{key}_{kind}" for kind, v in (("steps", steps), ("fraction", frac), ("epochs", epochs))
+                     if v is not None]
+            if len(given) > 1:
+                raise ValueError(f"{name}: give one of {key}_steps, {key}_fraction or {key}_epochs, not "
+                                 f"{' and '.join(given)}")
+            if not given:
+                raise ValueError(f"{name}: {key}_steps (or {key}_fraction, {key}_epochs) is required")
             if frac is not None and not (_is_real(frac) and 0 <= frac <= 1):
                 raise ValueError(f"{name}.{key}_fraction must be a number in [0, 1], got {frac!r}")
-            if steps is not None and not (isinstance(steps, Sequence) and key == "up_leg"):
-                if not _is_int(steps) or steps < min_steps:
-                    raise ValueError(f"{name}.{key}_steps must be an int >= {min_steps}, got {steps!r}")
+            for kind, v in (("steps", steps), ("epochs", epochs)):
+                if v is None:
+                    continue
+                if key == "up_leg" and isinstance(v, list):
+                    if len(v) != levels - 2 or not all(_is_int(s) and s >= 1 for s in v):
+                        raise ValueError(f"{name}.up_leg_{kind} must be one int >= 1 or a list of {levels - 2} ints "
+                                         f">= 1 (levels 2..{levels - 1}), got {v!r}")
+                elif not _is_int(v) or v < 1:
+                    raise ValueError(f"{name}.{key}_{kind} must be an int >= 1, got {v!r}")
 
-        one_of(e_a_steps, e_a_fraction, "e_a", 1)
-        one_of(e_small_steps, e_small_fraction, "e_small", 1)
-        up_leg_steps = _plain(up_leg_steps)
+        up_leg_steps, up_leg_epochs = _plain(up_leg_steps), _plain(up_leg_epochs)
+        one_of(e_a_steps, e_a_fraction, e_a_epochs, "e_a")
+        one_of(e_small_steps, e_small_fraction, e_small_epochs, "e_small")
         if levels >= 3:
-            if up_leg_steps is None and up_leg_fraction is None:
-                raise ValueError(f"{name}: levels={levels} requires up_leg_steps (or up_leg_fraction): the length of "
-                                 "the intermediate up-leg stages is not given by the paper (spec §4.1)")
-            one_of(up_leg_steps, up_leg_fraction, "up_leg", 1)
-            if isinstance(up_leg_steps, list):
-                if len(up_leg_steps) != levels - 2 or not all(_is_int(s) and s >= 1 for s in up_leg_steps):
-                    raise ValueError(f"{name}.up_leg_steps must be one int >= 1 or a list of {levels - 2} ints >= 1 "
-                                     f"(levels 2..{levels - 1}), got {up_leg_steps!r}")
-        elif up_leg_steps is not None or up_leg_fraction is not None:
-            raise ValueError(f"{name}: up_leg_steps / up_leg_fraction apply to levels >= 3 only (levels={levels})")
+            if up_leg_steps is None and up_leg_fraction is None and up_leg_epochs is None:
+                raise ValueError(f"{name}: levels={levels} requires up_leg_steps (or up_leg_fraction, up_leg_epochs): "
+                                 "the length of the intermediate up-leg stages is not given by the paper (spec §4.1)")
+            one_of(up_leg_steps, up_leg_fraction, up_leg_epochs, "up_leg")
+        elif up_leg_steps is not None or up_leg_fraction is not None or up_leg_epochs is not None:
+            raise ValueError(f"{name}: up_leg_steps / up_leg_fraction / up_leg_epochs apply to levels >= 3 only "
+                             f"(levels={levels})")
         if alpha_original is not None:
             if not _is_real(alpha_original) or not 0.0 <= float(alpha_original) <= 1.0:
                 raise ValueError(f"{name}.alpha_original must be in [0, 1] (None = the adapter's default), got "
@@ -261,6 +275,7 @@ class VCycleCallback(Callback):
         self.e_a_steps, self.e_a_fraction = e_a_steps, e_a_fraction
         self.e_small_steps, self.e_small_fraction = e_small_steps, e_small_fraction
         self.up_leg_steps, self.up_leg_fraction = up_leg_steps, up_leg_fraction
+        self.e_a_epochs, self.e_small_epochs, self.up_leg_epochs = e_a_epochs, e_small_epochs, up_leg_epochs
         self.width_scheme = _plain(width_scheme)
         self.depth_scheme = _plain(depth_scheme)
         self.alpha_arg = None if alpha_original is None else float(alpha_original)
@@ -301,8 +316,10 @@ class VCycleCallback(Callback):
 
     def __repr__(self) -> str:
         return (f"VCycleCallback(levels={self.levels}, e_a_steps={self.e_a_steps}, e_a_fraction={self.e_a_fraction}, "
-                f"e_small_steps={self.e_small_steps}, e_small_fraction={self.e_small_fraction}, "
-                f"up_leg_steps={self.up_leg_steps}, alpha_original={self.alpha_arg}, "
+                f"e_a_epochs={self.e_a_epochs}, e_small_steps={self.e_small_steps}, "
+                f"e_small_fraction={self.e_small_fraction}, e_small_epochs={self.e_small_epochs}, "
+                f"up_leg_steps={self.up_leg_steps}, up_leg_fraction={self.up_leg_fraction}, "
+                f"up_leg_epochs={self.up_leg_epochs}, alpha_original={self.alpha_arg}, "
                 f"lr_multiplier={self.lr_multiplier}, model_attr={self.model_attr!r})")
 
     @property
@@ -383,47 +400,65 @@ class VCycleCallback(Callback):
         if at_setup:
             return None
         total = trainer.estimated_stepping_batches
-        if not math.isfinite(total) or total <= 0:
-            raise ValueError(f"{type(self).__name__}: the run's length is unknown (max_steps=-1, max_epochs=-1); set "
-                             "trainer.max_steps or give stage lengths in steps")
-        return int(total)
+        return int(total) if math.isfinite(total) and total > 0 else None
 
     def _resolve_stages(self, trainer: pl.Trainer, at_setup: bool) -> None:
         if self.stage_ends:
             return
         name = type(self).__name__
-        total = self._run_length(trainer, at_setup)
+        epochs = any(e is not None for e in (self.e_a_epochs, self.e_small_epochs, self.up_leg_epochs))
         fractions = any(f is not None for f in (self.e_a_fraction, self.e_small_fraction, self.up_leg_fraction))
+        total = self._run_length(trainer, at_setup)
+        if at_setup and (epochs or total is None):
+            return  # resolved in on_train_start, once the train dataloader's length is known
         if total is None and fractions:
-            return  # resolved in on_train_start from trainer.estimated_stepping_batches
+            raise ValueError(f"{name}: the run's length is unknown (max_steps=-1 and max_epochs=-1, or a train "
+                             "dataloader without a length), so *_fraction stage lengths cannot resolve; set "
+                             "trainer.max_steps or give the stage lengths in steps (*_steps) or epochs (*_epochs)")
         T = total or 0
-        e_a = self.e_a_steps if self.e_a_steps is not None else max(1, math.floor(self.e_a_fraction * T))
-        e_small = (self.e_small_steps if self.e_small_steps is not None
-                   else math.floor(self.e_small_fraction * T))
+        S = self._steps_per_epoch(trainer) if epochs else 0
+
+        def length(steps: Any, frac: float | None, n_epochs: Any, at_least: int) -> int:
+            if steps is not None:
+                return int(steps)
+            if n_epochs is not None:
+                return int(n_epochs) * S
+            return max(at_least, math.floor(frac * T))
+
+        e_a = length(self.e_a_steps, self.e_a_fraction, self.e_a_epochs, 1)
+        e_small = length(self.e_small_steps, self.e_small_fraction, self.e_small_epochs, 0)
+        up: list[int] = []
         if self.levels >= 3:
-            if self.up_leg_fraction is not None:
-                up = [math.floor(self.up_leg_fraction * T)] * (self.levels - 2)
-            elif isinstance(self.up_leg_steps, list):
-                up = list(self.up_leg_steps)
-            else:
-                up = [int(self.up_leg_steps)] * (self.levels - 2)
-        else:
-            up = []
+            for i in range(self.levels - 2):
+                pick = [v[i] if isinstance(v, list) else v for v in (self.up_leg_steps, self.up_leg_epochs)]
+                up.append(length(pick[0], self.up_leg_fraction, pick[1], 0))
         stages = stage_plan(self.levels, e_a, e_small, up)
         need = sum(s for _, s in stages)
         if total is not None and need > total:
             detail = f"e_a_steps × (levels − 1) = {e_a} × {self.levels - 1}, e_small_steps = {e_small}"
             if up:
                 detail += f", up_leg_steps = {up}"
+            if epochs:
+                detail += f"; {S} optimizer steps per epoch"
             raise ValueError(f"{name}: the V-cycle's stages need {need} optimizer steps ({detail}) but the run has "
                              f"{total} (trainer.max_steps or the epochs' optimizer steps); lower e_a_steps / "
-                             "e_small_steps / up_leg_steps (or the *_fraction keys) or raise trainer.max_steps")
+                             "e_small_steps / up_leg_steps (or the *_fraction / *_epochs keys) or raise "
+                             "trainer.max_steps / max_epochs")
         self.stages = stages
         ends, acc = [], 0
         for _, s in stages:
             acc += s
             ends.append(acc)
         self.stage_ends = ends
+
+    def _steps_per_epoch(self, trainer: pl.Trainer) -> int:
+        """Optimizer steps of one epoch: ``ceil(num_training_batches / accumulate_grad_batches)`` (as Lightning's
+        ``estimated_stepping_batches`` counts them; ``limit_train_batches`` applies)."""
+        batches = trainer.num_training_batches
+        if not math.isfinite(batches) or batches <= 0:
+            raise ValueError(f"{type(self).__name__}: *_epochs stage lengths need a train dataloader with a length "
+                             f"(trainer.num_training_batches = {batches}); give the stage lengths in steps instead")
+        return math.ceil(int(batches) / max(1, int(trainer.accumulate_grad_batches)))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -274,7 +274,12 @@ def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch
 @pytest.mark.parametrize("kwargs, match", [
     (dict(levels=1, e_a_steps=1, e_small_steps=1), "levels must be an int >= 2"),
     (dict(e_small_steps=1), "e_a_steps .* is required"),
-    (dict(e_a_steps=1, e_a_fraction=0.1, e_small_steps=1), "not both"),
+    (dict(e_a_steps=1, e_a_fraction=0.1, e_small_steps=1), "not e_a_steps and e_a_fraction"),
+    (dict(e_a_steps=1, e_small_steps=1, e_small_epochs=1), "not e_small_steps and e_small_epochs"),
+    (dict(e_a_epochs=0, e_small_steps=1), "e_a_epochs must be an int >= 1"),
+    (dict(e_a_epochs=1.5, e_small_steps=1), "e_a_epochs must be an int >= 1"),
+    (dict(levels=3, e_a_epochs=1, e_small_epochs=1, up_leg_epochs=[1, 1]), "up_leg_epochs must be .* list of 1"),
+    (dict(e_a_epochs=1, e_small_epochs=1, up_leg_epochs=1), "levels >= 3 only"),
     (dict(e_a_steps=0, e_small_steps=1), "e_a_steps must be an int >= 1"),
     (dict(levels=3, e_a_steps=1, e_small_steps=1), "requires up_leg_steps"),
     (dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[1, 2]), "list of 1 ints"),
@@ -322,6 +327,79 @@ def test_unsupported_strategy_and_callbacks(tmp_path):
                                       StochasticWeightAveraging(swa_lrs=0.01)], max_steps=4, max_epochs=-1)
     with pytest.raises(MisconfigurationException, match="StochasticWeightAveraging"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+
+
+def test_stages_must_fit_an_epoch_based_run(tmp_path):
+    """Step lengths in a run bounded by epochs are checked against its optimizer steps (2 epochs of 5 batches)."""
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a_steps=4, e_small_steps=7)], max_epochs=2)
+    with pytest.raises(ValueError, match=r"need 11 optimizer steps .* run has 10"):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+
+
+def test_fractions_need_a_known_length(tmp_path):
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a_fraction=0.1, e_small_fraction=0.5)], max_steps=-1,
+                           max_epochs=-1)
+    with pytest.raises(ValueError, match="run's length is unknown.*_fraction"):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+
+
+def epoch_run(cb, root, **kw):
+    pl.seed_everything(0)
+    model = tiny_gpt2()
+    rec = Recorder()
+    trainer = make_trainer(Path(root), [cb, rec], **kw)
+    trainer.fit(model, datamodule=tiny_lm_data())
+    return trainer, model, rec
+
+
+def test_epoch_stage_lengths(tmp_path):
+    """``*_epochs``: n epochs = n · ceil(batches / accumulate_grad_batches) optimizer steps (40 blocks, batch 8: 5
+    batches per epoch), resolved at on_train_start; the switches fall on epoch boundaries and the run equals the same
+    V-cycle given in steps."""
+    cb = VCycleCallback(e_a_epochs=1, e_small_epochs=2)
+    trainer, model, rec = epoch_run(cb, tmp_path / "a", max_epochs=4)
+    assert cb.stages == [(1, 5), (2, 10)] and cb.stage_ends == [5, 15] and trainer.global_step == 20
+    assert [rec.steps[s]["sizes"][2] for s in (4, 5, 14, 15)] == [2, 1, 1, 2]  # switches after steps 5 and 15
+    same = VCycleCallback(e_a_steps=5, e_small_steps=10)
+    _, model_b, _ = epoch_run(same, tmp_path / "b", max_epochs=4)
+    for (k, a), (_, b) in zip(model.state_dict().items(), model_b.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert cb.config() == same.config()
+
+    cb = VCycleCallback(e_a_epochs=1, e_small_epochs=1)  # 5 batches, accumulate 2: ceil(5 / 2) = 3 steps per epoch
+    trainer, _, _ = epoch_run(cb, tmp_path / "c", max_epochs=3, accumulate_grad_batches=2)
+    assert cb.stage_ends == [3, 6] and trainer.global_step == 9 and cb.switches == 2 and cb.level == 1
+
+    cb = VCycleCallback(levels=3, e_a_epochs=1, e_small_epochs=1, up_leg_epochs=[2])  # limit 2 batches per epoch
+    pl.seed_everything(0)
+    trainer = make_trainer(tmp_path / "d", [cb], max_epochs=6, limit_train_batches=2)
+    trainer.fit(tiny_gpt2(**GPT4), datamodule=tiny_lm_data())
+    assert cb.stages == [(1, 2), (2, 2), (3, 2), (2, 4)] and cb.switches == 4 and cb.level == 1
+
+
+class NoLength(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from TokenBlocks()
+
+
+def test_epoch_stages_must_fit_and_need_a_length(tmp_path):
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a_epochs=1, e_small_epochs=2)], max_epochs=2)
+    with pytest.raises(ValueError, match=r"need 15 optimizer steps .*5 optimizer steps per epoch\) but the run has 10"):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    data = TinyDataModule(TokenBlocks())
+    data.train_dataloader = lambda: torch.utils.data.DataLoader(NoLength(), batch_size=8)
+    trainer = make_trainer(tmp_path / "b", [VCycleCallback(e_a_epochs=1, e_small_steps=2)], max_steps=10,
+                           max_epochs=-1)
+    with pytest.raises(ValueError, match="_epochs stage lengths need a train dataloader with a length"):
+        trainer.fit(tiny_gpt2(), datamodule=data)
+
+
+def test_resume_epoch_stages(tmp_path):
+    """Stage lengths in epochs, a run bounded by epochs: resuming inside the small stage (step 7 of 20) continues
+    exactly."""
+    assert_resume_equals_uninterrupted(tiny_gpt2, tiny_lm_data, tmp_path, total_steps=20, resume_step=7,
+                                       callbacks_fn=lambda: [VCycleCallback(e_a_epochs=1, e_small_epochs=2)],
+                                       ignore_state=("map_seconds",), max_epochs=4)
 
 
 def test_fractions_fast_dev_run(tmp_path):
