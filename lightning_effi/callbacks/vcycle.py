@@ -151,7 +151,7 @@ class VCycleCallback(Callback):
             S`` steps, where ``S = ceil(trainer.num_training_batches / accumulate_grad_batches)`` is the optimizer
             steps of one epoch, read when training starts, so a switch falls on an epoch boundary). Give exactly one.
         e_small_steps / e_small_fraction / e_small_epochs: steps of the coarsest level (paper: :math:`E_{small}`,
-            half the baseline's epochs), a fraction (``floor(f · T)``, may be 0), or epochs. Give exactly one.
+            half the baseline's length), a fraction (``floor(f · T)``, may be 0), or epochs. Give exactly one.
         up_leg_steps / up_leg_fraction / up_leg_epochs: required for K >= 3 (no silent default): the up-leg stage of
             levels 2..K−1, one int for all or a list ordered by level (``[level 2, level 3, ...]``), one fraction,
             or epochs (one int or a list by level).
