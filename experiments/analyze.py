@@ -7,7 +7,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from lightning_effi.data_analysis.__main__ import analyze
+from lightning_effi.curriculum.analysis.__main__ import analyze
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="analyze")

@@ -19,8 +19,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_effi.accounting import EfficiencyMonitor
-from lightning_effi.data.errors import DataConfigError
+from lightning_effi.core.accounting import EfficiencyMonitor
+from lightning_effi.core.errors import DataConfigError
 from lightning_effi.utils.instantiate import (
     ConfigError,
     instantiate,

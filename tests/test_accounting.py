@@ -6,10 +6,10 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_effi.accounting import BatchStats, EfficiencyMonitor, batch_size_of, format_summary, tokens_of
+from lightning_effi.core.accounting import BatchStats, EfficiencyMonitor, batch_size_of, format_summary, tokens_of
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_steps
 from tests.helpers.tiny import TINY_GPT2, tiny_gpt2, tiny_lm_data, tiny_sentence_data, tiny_bert_cls
-from lightning_effi.flops import transformer_training_flops
+from lightning_effi.core.flops import transformer_training_flops
 
 import torch
 

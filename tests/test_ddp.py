@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_effi.accounting import EfficiencyMonitor
+from lightning_effi.core.accounting import EfficiencyMonitor
 from tests.helpers.harness import fit_ddp
 from tests.helpers.tiny import TokenBlocks, tiny_gpt2, tiny_lm_data
 

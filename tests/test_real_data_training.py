@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_effi.accounting import EfficiencyMonitor
+from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.data import CausalLMDataModule, SST2DataModule
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp
 from tests.helpers.tiny import tiny_bert_cls, tiny_gpt2

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lightning_effi.schedules import warmup_cosine, warmup_cosine_multiplier
+from lightning_effi.core.lr_schedules import warmup_cosine, warmup_cosine_multiplier
 
 
 def test_multiplier_golden_values():

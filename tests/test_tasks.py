@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_effi.flops import count_training_flops, transformer_forward_flops
+from lightning_effi.core.flops import count_training_flops, transformer_forward_flops
 from lightning_effi.tasks import ImageClassifier
 from tests.helpers.tiny import tiny_bert_cls, tiny_bert_mlm, tiny_cnn, tiny_gpt2, tiny_vit
 

@@ -38,9 +38,9 @@ import torch
 from lightning_effi import EfficiencyMonitor
 from lightning_effi.callbacks import Curriculum
 from lightning_effi.curriculum import CurriculumConfig
-from lightning_effi.functional.schedules import difficulties
+from lightning_effi.curriculum.schedules import difficulties
 from lightning_effi.data import CausalLMDataModule, CurriculumDataModule
-from lightning_effi.schedules import warmup_cosine
+from lightning_effi.core.lr_schedules import warmup_cosine
 from lightning_effi.tasks import GPT2CausalLM
 
 ROOT = Path(__file__).resolve().parents[2]

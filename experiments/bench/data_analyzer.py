@@ -115,7 +115,7 @@ def run_arm(arm: str, data_path: str, save_path: str, batch_size: int) -> dict:
     t_import = time.perf_counter()
     ds = TokenRows(data_path)
     if arm.startswith("ours"):
-        from lightning_effi.data_analysis import DataAnalyzer, seqlen
+        from lightning_effi.curriculum.analysis import DataAnalyzer, seqlen
 
         threads = int(arm[-1])
         import_s = time.perf_counter() - t_import
@@ -156,7 +156,7 @@ def run_arm(arm: str, data_path: str, save_path: str, batch_size: int) -> dict:
 
 def compare(ours: str, theirs: str) -> dict:
     sys.path.insert(0, str(ROOT))
-    from lightning_effi.data_analysis import MMapIndexedDataset
+    from lightning_effi.curriculum.analysis import MMapIndexedDataset
 
     files = ("sample_to_metric", "index_to_sample", "index_to_metric", "index_to_sample_percentile_merged")
     out = {"bytes_identical": {}, "contents_identical": {}}

@@ -31,7 +31,7 @@ from lightning_effi import EfficiencyMonitor
 from lightning_effi.callbacks import InfoBatchCallback
 from lightning_effi.data import CIFAR10DataModule, InfoBatchDataModule
 from lightning_effi.functional import infobatch as ib
-from lightning_effi.schedules import warmup_cosine
+from lightning_effi.core.lr_schedules import warmup_cosine
 from lightning_effi.tasks import ImageClassifier
 
 ROOT = Path(__file__).resolve().parents[2]

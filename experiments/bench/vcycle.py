@@ -96,7 +96,7 @@ import torch
 from lightning_effi import EfficiencyMonitor
 from lightning_effi.callbacks import VCycleCallback
 from lightning_effi.data import CausalLMDataModule, CIFAR10DataModule
-from lightning_effi.schedules import warmup_cosine, warmup_cosine_multiplier
+from lightning_effi.core.lr_schedules import warmup_cosine, warmup_cosine_multiplier
 from lightning_effi.tasks import GPT2CausalLM, ImageClassifier
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,9 +16,9 @@ import torch
 from lightning_effi.callbacks import Curriculum
 from lightning_effi.curriculum import CurriculumConfig, CurriculumConfigError, CurriculumController
 from lightning_effi.data import CurriculumDataModule
-from lightning_effi.data_analysis.index import MetricIndex
-from lightning_effi.data_analysis.metrics import register_metric
-from lightning_effi.functional.schedules import difficulties
+from lightning_effi.curriculum.analysis.index import MetricIndex
+from lightning_effi.curriculum.analysis.metrics import register_metric
+from lightning_effi.curriculum.schedules import difficulties
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import TinyDataModule, TokenBlocks, tiny_gpt2, tiny_lm_data
 
@@ -151,7 +151,7 @@ def test_user_step_sees_its_own_batch_and_tokens_are_counted(tmp_path):
 
 
 def test_token_progress_drives_the_lr(tmp_path):
-    from lightning_effi.schedules import progress_lambda
+    from lightning_effi.core.lr_schedules import progress_lambda
 
     total = 500
     cb = curriculum(total_tokens=total)
@@ -296,7 +296,7 @@ def test_a_reused_callback_starts_a_fresh_stream(tmp_path):
 
 
 def test_truncation_without_a_truncatable_key_raises(tmp_path):
-    from lightning_effi.data.errors import DataConfigError
+    from lightning_effi.core.errors import DataConfigError
 
     cb = Curriculum(metrics={"seqlen_truncate": TRUNC}, truncate_keys=["tokens"])
     with pytest.raises(DataConfigError, match=r"none of truncate_keys \['tokens'\]"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_effi.data_analysis.index import MetricIndex
+from lightning_effi.curriculum.analysis.index import MetricIndex
 from lightning_effi.functional import curriculum as F
 
 

@@ -10,7 +10,7 @@ import pytest
 from lightning_effi.callbacks import Curriculum
 from lightning_effi.curriculum import CurriculumConfig, CurriculumController, CurriculumStream
 from lightning_effi.data import CurriculumDataModule
-from lightning_effi.data_analysis import DataAnalyzer, IndexFileError, MetricIndex, MMapIndexedDataset
+from lightning_effi.curriculum.analysis import DataAnalyzer, IndexFileError, MetricIndex, MMapIndexedDataset
 from lightning_effi.functional import curriculum as F
 from tests.helpers.harness import make_trainer
 from tests.helpers.tiny import TokenBlocks, tiny_gpt2, tiny_lm_data

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from lightning_effi.functional.schedules import CurriculumSchedule, ScheduleConfigError, difficulties
+from lightning_effi.curriculum.schedules import CurriculumSchedule, ScheduleConfigError, difficulties
 
 
 def linear(lo, hi, total, q, rounding="clamped"):

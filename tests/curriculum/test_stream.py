@@ -10,7 +10,7 @@ import pytest
 
 from lightning_effi.curriculum import (ClusterBook, CurriculumConfig, CurriculumConfigError, CurriculumController,
                                        CurriculumStream, MetricConfig, parse_deepspeed_config)
-from lightning_effi.data_analysis.index import MetricIndex
+from lightning_effi.curriculum.analysis.index import MetricIndex
 
 TRUNC = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=4, max_difficulty=16,
              schedule_type="fixed_linear", schedule_config=dict(total_curriculum_step=10, difficulty_step=4))

@@ -11,7 +11,7 @@ import pytest
 from lightning_effi.data import (CausalLMDataModule, CIFAR10DataModule, DataConfigError, NpyFile, SST2DataModule,
                                  atomic_dir, atomic_write, cache_key, default_cache_dir, file_md5, resolve_cache_dir,
                                  train_bpe_tokenizer)
-from lightning_effi.data import text as text_module
+from lightning_effi.reference.data import text as text_module
 
 
 def test_default_cache_dir_env(monkeypatch, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_effi.data import cifar10
+from lightning_effi.reference.data import cifar10
 from lightning_effi.data import (CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, DataConfigError,
                                  IndexedDataset, indexed_collate, sequence_lengths)
 

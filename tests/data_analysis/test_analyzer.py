@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from lightning_effi.data_analysis import (AnalyzerError, DataAnalyzer, MetricIndex, MMapIndexedDataset,
+from lightning_effi.curriculum.analysis import (AnalyzerError, DataAnalyzer, MetricIndex, MMapIndexedDataset,
                                           split_dataset, split_index)
 
 N = 50

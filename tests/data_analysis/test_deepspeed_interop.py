@@ -16,7 +16,7 @@ ds_an = pytest.importorskip("deepspeed.runtime.data_pipeline.data_sampling.data_
                             reason="deepspeed not importable")
 ds_idx = pytest.importorskip("deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset")
 
-from lightning_effi.data_analysis import (DTYPES_CURRENT, DataAnalyzer, MetricIndex,  # noqa: E402
+from lightning_effi.curriculum.analysis import (DTYPES_CURRENT, DataAnalyzer, MetricIndex,  # noqa: E402
                                           MMapIndexedDataset, MMapIndexedDatasetBuilder)
 
 FILES = ("sample_to_metric", "index_to_sample", "index_to_metric", "index_to_sample_percentile_merged")

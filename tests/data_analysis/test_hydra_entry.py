@@ -14,8 +14,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from lightning_effi.data_analysis import MetricIndex, MMapIndexedDataset
-from lightning_effi.data_analysis.__main__ import analyze
+from lightning_effi.curriculum.analysis import MetricIndex, MMapIndexedDataset
+from lightning_effi.curriculum.analysis.__main__ import analyze
 from lightning_effi.utils.instantiate import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

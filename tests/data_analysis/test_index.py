@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from lightning_effi.data_analysis import (INPROGRESS_NAME, METADATA_NAME, DataAnalyzer, IndexFileError,
+from lightning_effi.curriculum.analysis import (INPROGRESS_NAME, METADATA_NAME, DataAnalyzer, IndexFileError,
                                           MetricIndex, MMapIndexedDataset, MMapIndexedDatasetBuilder)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_effi.data_analysis import (DTYPES_CURRENT, DTYPES_LEGACY, IndexFileError, MMapIndexedDataset,
+from lightning_effi.curriculum.analysis import (DTYPES_CURRENT, DTYPES_LEGACY, IndexFileError, MMapIndexedDataset,
                                           MMapIndexedDatasetBuilder, find_fit_int_dtype)
 
 ITEMS = [[1, 2, 3], [4], []]

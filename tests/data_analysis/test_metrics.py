@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_effi.data_analysis import (DataAnalyzer, MMapIndexedDataset, SeqLen, get_metric, register_metric,
+from lightning_effi.curriculum.analysis import (DataAnalyzer, MMapIndexedDataset, SeqLen, get_metric, register_metric,
                                           registered_metrics, seqlen, seqlen_vocab_rarity, total_vocab_freq,
                                           vocab_rarity, vocab_rarity_table)
 

@@ -8,8 +8,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset
 
-from lightning_effi.data.base import PaddingCollate
-from lightning_effi.data.loader import EpochShuffleSampler, ResumableDataLoader
+from lightning_effi.reference.data.base import PaddingCollate
+from lightning_effi.core.loader import EpochShuffleSampler, ResumableDataLoader
 from lightning_effi.tasks import BertMaskedLM, BertSequenceClassifier, GPT2CausalLM, ImageClassifier
 
 TINY_GPT2 = dict(vocab_size=64, n_positions=32, n_layer=2, n_embd=32, n_head=2, attn_implementation="eager")

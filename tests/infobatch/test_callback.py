@@ -9,11 +9,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_effi.accounting import EfficiencyMonitor
+from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.callbacks import InfoBatchCallback
-from lightning_effi.data.infobatch import InfoBatchDataModule
+from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.functional import infobatch as ib
-from lightning_effi.schedules import warmup_cosine
+from lightning_effi.core.lr_schedules import warmup_cosine
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from lightning_effi.tasks import GPT2CausalLM
 from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd, tiny_gpt2

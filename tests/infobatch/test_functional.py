@@ -1,4 +1,4 @@
-"""Pure InfoBatch core (``lightning_effi.functional.infobatch``): spec ``shared/specs/infobatch.md`` §1 and the
+"""Pure InfoBatch core (``lightning_effi.infobatch.functional``): spec ``shared/specs/infobatch.md`` §1 and the
 acceptance tests 1-10, 13, 14 as they apply to the functions (no Trainer)."""
 
 import ast
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_effi.functional import infobatch
-from lightning_effi.functional.infobatch import EpochPlan
+from lightning_effi.infobatch.functional import EpochPlan
 
 GOLDEN = [0.5, 0.5, 0.5, 0.5, 1.0, 2.0, 3.0, 4.0]
 

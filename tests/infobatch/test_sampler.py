@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_effi.data.infobatch_sampler import InfoBatchSampler
+from lightning_effi.infobatch.sampler import InfoBatchSampler
 from lightning_effi.functional import infobatch
-from lightning_effi.functional.infobatch import EpochPlan
+from lightning_effi.infobatch.functional import EpochPlan
 
 
 def prune_plan(n=100, seed=0, epoch=1):

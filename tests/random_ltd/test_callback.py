@@ -11,11 +11,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_effi.accounting import EfficiencyMonitor
+from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.callbacks import RandomLTDCallback
 from lightning_effi.functional import random_ltd as F
 from lightning_effi.random_ltd import is_converted
-from lightning_effi.schedules import layer_token_lr, layer_token_multiplier
+from lightning_effi.core.lr_schedules import layer_token_lr, layer_token_multiplier
 from lightning_effi.tasks import ImageClassifier
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import (

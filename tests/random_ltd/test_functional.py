@@ -226,7 +226,7 @@ def test_total_layer_tokens_is_pure_and_sums_the_schedule():
 
 
 def test_flops_per_layer_matches_the_foundation_convention():
-    from lightning_effi.flops import transformer_training_flops
+    from lightning_effi.core.flops import transformer_training_flops
 
     per_layer = transformer_training_flops(2, 16, 1, 32, 64, 0, head="none")
     assert F.flops_per_layer(2, 16, 32, 64) == per_layer

@@ -392,7 +392,7 @@ def test_unknown_adapter_and_unsupported_attention():
         find_adapter(gpt2(), "gpt3")
     from types import SimpleNamespace
 
-    from lightning_effi.adapters.hf_gpt2 import check_attention
+    from lightning_effi.models.gpt2 import check_attention
 
     with pytest.raises(ValueError, match="flex_attention"):
         check_attention(SimpleNamespace(_attn_implementation="flex_attention"), "hf_gpt2")

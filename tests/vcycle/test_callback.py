@@ -19,12 +19,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_effi.adapters.vcycle_maps import find_vcycle_adapter
+from lightning_effi.models.vcycle_base import find_vcycle_adapter
 from lightning_effi.callbacks import VCycleCallback
-from lightning_effi.callbacks.vcycle import stage_plan, vcycle_flops_fraction
-from lightning_effi.flops import transformer_training_flops
+from lightning_effi.vcycle.callback import stage_plan, vcycle_flops_fraction
+from lightning_effi.core.flops import transformer_training_flops
 from lightning_effi.functional import vcycle as V
-from lightning_effi.schedules import warmup_cosine, warmup_cosine_multiplier
+from lightning_effi.core.lr_schedules import warmup_cosine, warmup_cosine_multiplier
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import (TinyDataModule, TokenBlocks, tiny_bert_cls, tiny_bert_mlm, tiny_gpt2, tiny_image_data,
                                 tiny_lm_data, tiny_sentence_data, tiny_vit)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_effi.adapters.vcycle_maps import (
+from lightning_effi.models.vcycle_base import (
     HFBertVCycleAdapter,
     HFGPT2VCycleAdapter,
     TimmViTVCycleAdapter,

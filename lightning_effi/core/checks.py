@@ -1,0 +1,100 @@
+"""One set of argument checks for every public class: each returns the value in its plain Python type or raises a
+``ValueError`` that names the parameter (``Owner.name``) and what is allowed.
+
+Integers are :class:`numbers.Integral` (Python or numpy) but never ``bool``; reals are finite and never ``bool``.
+OmegaConf containers coming from Hydra are turned into plain ones with :func:`plain`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from numbers import Integral, Real
+from typing import Any, TypeVar
+
+__all__ = ["check_bool", "check_choice", "check_int", "check_real", "is_int", "is_real", "plain"]
+
+T = TypeVar("T")
+
+
+def is_int(x: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def is_real(x: Any) -> bool:
+    """A finite real number (Python or numpy int / float), not a bool."""
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def _where(owner: str, name: str) -> str:
+    return f"{owner}.{name}" if owner else name
+
+
+def check_int(owner: str, name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python ``int`` within ``[minimum, maximum]`` (either bound optional).
+
+    Raises:
+        ValueError: not an integer (bools and floats such as ``2.0`` included) or out of range.
+    """
+    ok = is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+    if not ok:
+        bounds = [f">= {minimum}" if minimum is not None else "", f"<= {maximum}" if maximum is not None else ""]
+        what = " and ".join(b for b in bounds if b)
+        raise ValueError(f"{_where(owner, name)} must be an int{' ' + what if what else ''}, got {value!r}")
+    return int(value)
+
+
+def check_real(owner: str, name: str, value: Any, low: float | None = None, high: float | None = None,
+               low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` as a finite Python ``float`` in the interval given by ``low`` / ``high`` (closed unless ``*_open``).
+
+    Raises:
+        ValueError: not a finite real number or outside the interval.
+    """
+    ok = is_real(value)
+    if ok:
+        v = float(value)
+        ok = ((low is None or (v > low if low_open else v >= low))
+              and (high is None or (v < high if high_open else v <= high)))
+    if not ok:
+        interval = ""
+        if low is not None or high is not None:
+            lo = "(" if low_open else "["
+            hi = ")" if high_open else "]"
+            interval = f" in {lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
+        raise ValueError(f"{_where(owner, name)} must be a finite number{interval}, got {value!r}")
+    return float(value)
+
+
+def check_bool(owner: str, name: str, value: Any) -> bool:
+    """``value`` if it is a real boolean (Python ``bool`` or ``numpy.bool_``); a string such as ``"false"`` would
+    otherwise be silently true.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise ValueError(f"{_where(owner, name)} must be a bool (true / false), got {value!r}")
+    return bool(value)
+
+
+def check_choice(owner: str, name: str, value: Any, choices: Iterable[T]) -> T:
+    """``value`` if it is one of ``choices``.
+
+    Raises:
+        ValueError: naming the allowed values.
+    """
+    allowed = tuple(choices)
+    if not isinstance(value, (str, int, float, bool, type(None))) or value not in allowed:
+        raise ValueError(f"{_where(owner, name)} must be one of {allowed}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def plain(x: Any) -> Any:
+    """OmegaConf containers (Hydra) and tuples to plain dicts and lists, recursively; other values unchanged."""
+    if isinstance(x, Mapping):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
+        return [plain(v) for v in x]
+    return x

@@ -1,0 +1,153 @@
+"""Training progress, from one source, and one :class:`Duration` type for every length a technique is given.
+
+A duration is a number and a unit (Composer's ``Time``: ``"10ep"``, ``"100ba"``, ``"0.5dur"``):
+
+======================  =========================  ==============================================================
+written                 unit                       resolves to optimizer steps as
+======================  =========================  ==============================================================
+``500``, ``"500st"``    ``step`` (optimizer steps)  ``500``
+``"2ep"``               ``epoch``                  ``2 * steps_per_epoch`` (a switch falls on an epoch boundary)
+``"0.3dur"``            ``fraction`` of the run     ``floor(0.3 * total_steps)``
+``"1e6tok"``            ``token``                   ``ceil(1e6 / tokens_per_step)``
+======================  =========================  ==============================================================
+
+A Python ``int`` is steps; a ``float`` is refused (``0.3`` could mean a fraction or 0.3 steps): write ``"0.3dur"``
+or ``Duration(0.3, "fraction")``. DeepSpeed config keys (``total_curriculum_step``, ``require_steps``) stay plain
+step counts, exactly as DeepSpeed spells them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_effi.core.checks import is_int, is_real
+from lightning_effi.core.protocols import ProvidesProgress
+
+__all__ = ["UNITS", "Duration", "progress_source", "training_progress"]
+
+Unit = Literal["step", "epoch", "fraction", "token"]
+UNITS: tuple[str, ...] = ("step", "epoch", "fraction", "token")
+_SUFFIX = {"st": "step", "ba": "step", "ep": "epoch", "dur": "fraction", "tok": "token"}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(st|ba|ep|dur|tok)\s*$")
+
+
+@dataclass(frozen=True)
+class Duration:
+    """A length of training: ``value`` in ``unit``.
+
+    ``step`` and ``epoch`` values are ints >= 0, ``fraction`` values are in [0, 1], ``token`` values are > 0.
+
+    Raises:
+        ValueError: (construction) an unknown unit or a value outside its unit's domain.
+    """
+
+    value: float
+    unit: Unit = "step"
+
+    def __post_init__(self) -> None:
+        if self.unit not in UNITS:
+            raise ValueError(f"Duration.unit must be one of {UNITS}, got {self.unit!r}")
+        v = self.value
+        if self.unit in ("step", "epoch"):
+            ok = is_int(v) and v >= 0
+        elif self.unit == "fraction":
+            ok = is_real(v) and 0 <= v <= 1
+        else:
+            ok = is_real(v) and v > 0
+        if not ok:
+            domain = {"step": "an int >= 0", "epoch": "an int >= 0", "fraction": "a number in [0, 1]",
+                      "token": "a number > 0"}[self.unit]
+            raise ValueError(f"a duration in {self.unit}s must be {domain}, got {v!r}")
+
+    @classmethod
+    def parse(cls, value: Any, name: str = "duration") -> Duration:
+        """A :class:`Duration` from an int (steps), a string such as ``"2ep"`` / ``"0.3dur"`` / ``"500st"`` /
+        ``"1e6tok"``, or a Duration.
+
+        Raises:
+            ValueError: naming ``name``: a float, a bool, an unknown suffix or a value outside the unit's domain.
+        """
+        if isinstance(value, Duration):
+            return value
+        if is_int(value):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 optimizer steps, got {value!r}")
+            return cls(int(value), "step")
+        if isinstance(value, str):
+            m = _PATTERN.match(value)
+            if m is None:
+                raise ValueError(f"{name}: cannot read {value!r} as a duration; write an int (optimizer steps) or a "
+                                 "number with a unit: '500st', '2ep', '0.3dur', '1e6tok'")
+            number, unit = m.group(1), _SUFFIX[m.group(2)]
+            if unit in ("step", "epoch"):
+                f = float(number)
+                if not f.is_integer():
+                    raise ValueError(f"{name}: {unit}s must be whole, got {value!r}")
+                return cls._checked(int(f), unit, name)
+            return cls._checked(float(number), unit, name)
+        raise ValueError(f"{name} must be an int (optimizer steps) or a string with a unit ('500st', '2ep', "
+                         f"'0.3dur', '1e6tok'), got {value!r}")
+
+    @classmethod
+    def _checked(cls, value: float, unit: str, name: str) -> Duration:
+        try:
+            return cls(value, unit)  # type: ignore[arg-type]
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+
+    def to_steps(self, steps_per_epoch: int | None = None, total_steps: int | None = None,
+                 tokens_per_step: float | None = None, name: str = "duration") -> int:
+        """Optimizer steps of this duration.
+
+        Args:
+            steps_per_epoch: optimizer steps of one epoch (needed for ``epoch``).
+            total_steps: optimizer steps of the whole run (needed for ``fraction``).
+            tokens_per_step: tokens of one optimizer step (needed for ``token``).
+
+        Raises:
+            ValueError: the quantity the unit needs is unknown (None, or not finite).
+        """
+        if self.unit == "step":
+            return int(self.value)
+        if self.unit == "epoch":
+            if steps_per_epoch is None:
+                raise ValueError(f"{name}={self} is in epochs, but the epoch length in optimizer steps is unknown "
+                                 "(a train dataloader without a length?)")
+            return int(self.value) * int(steps_per_epoch)
+        if self.unit == "fraction":
+            if total_steps is None or not math.isfinite(total_steps):
+                raise ValueError(f"{name}={self} is a fraction of the run, but the run's length is unknown: set "
+                                 "trainer.max_steps or trainer.max_epochs")
+            return math.floor(float(self.value) * int(total_steps))
+        if tokens_per_step is None or not tokens_per_step > 0:
+            raise ValueError(f"{name}={self} is in tokens, but the tokens per optimizer step are unknown")
+        return math.ceil(float(self.value) / tokens_per_step)
+
+    def __str__(self) -> str:
+        suffix = {"step": "st", "epoch": "ep", "fraction": "dur", "token": "tok"}[self.unit]
+        return f"{self.value:g}{suffix}"
+
+
+def progress_source(callbacks: Iterable[Any]) -> Callable[[], float] | None:
+    """``effi_progress`` of the first callback that provides one (a technique that changes the epoch length, so
+    ``trainer.estimated_stepping_batches`` is not the run's length); None when no callback does."""
+    for callback in callbacks:
+        if isinstance(callback, ProvidesProgress) and callable(callback.effi_progress):
+            return callback.effi_progress
+    return None
+
+
+def training_progress(trainer: Any) -> float:
+    """Training progress in [0, 1]: a technique's ``effi_progress`` where one changes the epoch length, else
+    ``global_step / estimated_stepping_batches`` (0 when the length is unknown or infinite)."""
+    source = progress_source(getattr(trainer, "callbacks", ()))
+    if source is not None:
+        return min(max(float(source()), 0.0), 1.0)
+    total = trainer.estimated_stepping_batches
+    if not total or not math.isfinite(total):
+        return 0.0
+    return min(trainer.global_step / total, 1.0)

@@ -1,0 +1,139 @@
+"""What each technique needs and what it changes, declared as data, and the one ``setup``-time check over them.
+
+Every technique callback carries a class attribute ``requirements`` (a :class:`Requirements`). Its ``setup`` calls
+:func:`check_trainer`, which reads the declarations of every technique callback in the Trainer and raises a
+:class:`IncompatibleTechniques` error naming both callbacks, the conflict and what to change. The model is
+Composer's capability flags on ``Algorithm`` (``composer/core/algorithm.py``); the rules are :data:`CONFLICTS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+__all__ = ["CONFLICTS", "BATCH_STRUCTURES", "Conflict", "IncompatibleTechniques", "Requirements", "check_trainer",
+           "technique_callbacks"]
+
+#: batch structures a technique may declare it accepts
+BATCH_STRUCTURES = ("dict", "tuple", "list", "tensor", "dataclass")
+
+
+class IncompatibleTechniques(MisconfigurationException):
+    """Two technique callbacks, or a technique and the Trainer, cannot run together (raised in ``setup``)."""
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """A technique's needs and effects, read by :func:`check_trainer`.
+
+    Attributes:
+        owns_train_sampler: the technique rebuilds the training loader and decides which samples each step trains on.
+        changes_epoch_length: an epoch has fewer (or more) optimizer steps than ``len(train_dataloader)`` says.
+        changes_model_shapes: parameters change shape during ``fit`` (the optimizer and any wrapper are rebuilt).
+        patches_layers: the model's layers are patched in place (instance-level ``forward``).
+        needs_per_sample_loss: ``training_step`` must return ``per_sample_loss`` next to ``loss``.
+        edits_batch: the batch is edited before ``training_step`` (e.g. truncated).
+        batch_structures: batch structures the technique accepts (a subset of :data:`BATCH_STRUCTURES`).
+        strategies: exact names of the strategy classes supported (``None``: any strategy); ``DDPStrategy`` covers
+            ``"ddp"``, ``"ddp_spawn"`` and ``"ddp_find_unused_parameters_true"``.
+        strategy_note: what to do instead, appended to the refusal of another strategy.
+        incompatible_callbacks: names of (non-technique) callback classes the technique cannot run with, and why.
+    """
+
+    owns_train_sampler: bool = False
+    changes_epoch_length: bool = False
+    changes_model_shapes: bool = False
+    patches_layers: bool = False
+    needs_per_sample_loss: bool = False
+    edits_batch: bool = False
+    batch_structures: tuple[str, ...] = ("dict",)
+    strategies: tuple[str, ...] | None = None
+    strategy_note: str = ""
+    incompatible_callbacks: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise TypeError(f"Requirements.{f.name} must be a bool, got {value!r}")
+        unknown = set(self.batch_structures) - set(BATCH_STRUCTURES)
+        if unknown:
+            raise ValueError(f"Requirements.batch_structures: unknown {sorted(unknown)}; allowed {BATCH_STRUCTURES}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The declaration as plain values (for ``metadata.json`` and the method cards)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A rule: two declarations that cannot be combined. ``applies(a, b)`` is checked for both orders."""
+
+    name: str
+    applies: Callable[[Requirements, Requirements], bool]
+    why: str
+    fix: str
+
+
+#: The combinations refused today. The composition work removes rules from this list as it makes them work.
+CONFLICTS: tuple[Conflict, ...] = (
+    Conflict(
+        "two training samplers",
+        lambda a, b: a.owns_train_sampler and b.owns_train_sampler,
+        "both decide which samples each step trains on, and each needs its own wrapper around the DataModule",
+        "use one of them",
+    ),
+    Conflict(
+        "layer patching across shape changes",
+        lambda a, b: a.changes_model_shapes and b.patches_layers,
+        "the patched layers belong to one model, which the shape change replaces",
+        "remove one of them",
+    ),
+)
+
+
+def _technique(callback: Any) -> bool:
+    return isinstance(getattr(type(callback), "requirements", None), Requirements)
+
+
+def technique_callbacks(callbacks: Iterable[Any]) -> list[Any]:
+    """The callbacks that declare :class:`Requirements`, in the Trainer's order."""
+    return [c for c in callbacks if _technique(c)]
+
+
+def _name(callback: Any) -> str:
+    return type(callback).__name__
+
+
+def check_trainer(trainer: Any, callbacks: Sequence[Any] | None = None) -> None:
+    """Rule on the technique callbacks of ``trainer`` (or ``callbacks``) and the Trainer they run in.
+
+    Raises:
+        IncompatibleTechniques: a technique's strategy is not supported, a technique runs with a callback it declares
+            incompatible, or two techniques conflict (a rule of :data:`CONFLICTS`); the message names both sides, the
+            conflict and what to change.
+    """
+    all_callbacks = list(trainer.callbacks if callbacks is None else callbacks)
+    techniques = technique_callbacks(all_callbacks)
+    strategy = type(getattr(trainer, "strategy", None)).__name__
+    for t in techniques:
+        req: Requirements = type(t).requirements
+        if req.strategies is not None and strategy not in req.strategies:
+            note = f" {req.strategy_note}" if req.strategy_note else ""
+            raise IncompatibleTechniques(f"{_name(t)} supports the strategies {list(req.strategies)}, not "
+                                         f"{strategy}.{note}")
+        for other in all_callbacks:
+            for cls_name, why in req.incompatible_callbacks:
+                if any(k.__name__ == cls_name for k in type(other).__mro__):
+                    raise IncompatibleTechniques(f"{_name(t)} cannot run with {_name(other)}: {why}; remove "
+                                                 f"{_name(other)}")
+    for i, a in enumerate(techniques):
+        for b in techniques[i + 1:]:
+            ra, rb = type(a).requirements, type(b).requirements
+            for rule in CONFLICTS:
+                if rule.applies(ra, rb) or rule.applies(rb, ra):
+                    raise IncompatibleTechniques(f"{_name(a)} and {_name(b)} cannot be combined ({rule.name}): "
+                                                 f"{rule.why}; {rule.fix}")

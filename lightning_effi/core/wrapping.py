@@ -1,0 +1,123 @@
+"""Reading a wrapped DataModule's training loader, for technique DataModules that rebuild it (InfoBatch, curriculum).
+
+A technique that owns the sampling order takes the user's loader apart (dataset, batch size, collate function,
+workers, ...) and builds its own loader from the pieces. Only plain loaders qualify: a custom sampler or batch
+sampler would be silently replaced, so it is rejected with a clear error instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+                              SequentialSampler)
+
+from lightning_effi.core.errors import DataConfigError
+from lightning_effi.core.loader import EpochShuffleSampler
+
+#: samplers that only shuffle (or not): a technique may replace them without changing the semantics
+PLAIN_SAMPLERS = (RandomSampler, SequentialSampler, EpochShuffleSampler, DistributedSampler)
+
+
+def loader_template(loader: Any, technique: str) -> dict[str, Any]:
+    """The settings of ``loader`` a technique needs to rebuild it.
+
+    Returns:
+        ``{dataset, batch_size, drop_last, collate_fn, num_workers, pin_memory, worker_init_fn, prefetch_factor,
+        persistent_workers, timeout, multiprocessing_context, in_order, length}``.
+
+    Raises:
+        DataConfigError: not one ``DataLoader``, an ``IterableDataset``, a custom sampler or batch sampler.
+    """
+    if not isinstance(loader, DataLoader):
+        raise DataConfigError(
+            f"{technique}: the wrapped train_dataloader() must return one DataLoader, got {type(loader).__name__}")
+    if isinstance(loader.dataset, IterableDataset):
+        raise DataConfigError(f"{technique}: the training dataset must be map-style; IterableDataset is not supported")
+    batch_sampler = loader.batch_sampler
+    sampler = getattr(batch_sampler, "sampler", loader.sampler)
+    if type(batch_sampler) is not BatchSampler or not isinstance(sampler, PLAIN_SAMPLERS):
+        raise DataConfigError(
+            f"{technique}: the wrapped training loader uses {type(sampler).__name__} / "
+            f"{type(batch_sampler).__name__}; {technique} owns the sampler and accepts only plain shuffling "
+            "loaders (shuffle=True/False, no custom sampler or batch_sampler)")
+    return dict(
+        dataset=loader.dataset,
+        batch_size=loader.batch_size,
+        drop_last=loader.drop_last,
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        worker_init_fn=loader.worker_init_fn,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        timeout=loader.timeout,
+        multiprocessing_context=loader.multiprocessing_context,
+        in_order=getattr(loader, "in_order", True),
+        length=len(loader.dataset),
+    )
+
+
+class WrappingDataModule(pl.LightningDataModule):
+    """Base of the technique DataModules: wraps ``datamodule`` and delegates everything but ``train_dataloader``
+    (``prepare_data``, ``setup``, ``teardown``, the evaluation loaders, ``state_dict``, ``model_hints``).
+    :meth:`template` reads the wrapped training loader once (:func:`loader_template`).
+
+    Raises:
+        DataConfigError: ``datamodule`` is not a ``LightningDataModule``.
+    """
+
+    technique = "technique"
+
+    def __init__(self, datamodule: pl.LightningDataModule) -> None:
+        super().__init__()
+        if not isinstance(datamodule, pl.LightningDataModule):
+            raise DataConfigError(f"data.datamodule: expected a LightningDataModule, got {type(datamodule).__name__}")
+        self.datamodule = datamodule
+        self._template: dict[str, Any] | None = None
+
+    def prepare_data(self) -> None:
+        self.datamodule.prepare_data()
+
+    def setup(self, stage: str) -> None:
+        self.datamodule.trainer = self.trainer
+        self.datamodule.setup(stage)
+
+    def teardown(self, stage: str) -> None:
+        self.datamodule.teardown(stage)
+
+    def val_dataloader(self) -> Any:
+        return self.datamodule.val_dataloader()
+
+    def test_dataloader(self) -> Any:
+        return self.datamodule.test_dataloader()
+
+    def predict_dataloader(self) -> Any:
+        return self.datamodule.predict_dataloader()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.datamodule.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.datamodule.load_state_dict(state_dict)
+
+    def model_hints(self) -> dict[str, Any]:
+        hints = getattr(self.datamodule, "model_hints", None)
+        return hints() if callable(hints) else {}
+
+    def template(self) -> dict[str, Any]:
+        """The wrapped training loader's dataset and settings, read once (first call) and validated."""
+        if self._template is None:
+            self.datamodule.trainer = self.trainer
+            self._template = loader_template(self.datamodule.train_dataloader(), self.technique)
+        return self._template
+
+    @property
+    def train_dataset(self) -> Any:
+        return self.template()["dataset"]
+
+    @property
+    def collate_fn(self) -> Any:
+        return self.template()["collate_fn"]

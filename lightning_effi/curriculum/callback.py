@@ -1,0 +1,339 @@
+"""``Curriculum``: DeepSpeed-style curriculum learning (data sampling by difficulty) for any LightningModule.
+
+Li et al., "DeepSpeed Data Efficiency" (arXiv 2212.03597) and "The Stability-Efficiency Dilemma" (arXiv 2108.06084);
+reference ``deepspeed/runtime/data_pipeline/``. Specification ``shared/specs/curriculum.md`` §5.7-§5.8.
+
+The method lives in :mod:`lightning_effi.curriculum.schedules`, :mod:`lightning_effi.curriculum.functional` and
+:class:`lightning_effi.curriculum.CurriculumController`; this callback wires it into Lightning:
+
+- ``setup("fit")``: resolves the configuration (given here or to the
+  :class:`~lightning_effi.data.CurriculumDataModule`),
+  loads or computes the analysis indexes of the ``schedule_based`` metrics (validated against the training set),
+  compares their hash across ranks, checks that the first step selects data, and attaches the controller (batch
+  geometry from the loader's batch size, ``trainer.world_size`` and ``accumulate_grad_batches``). Under DDP it
+  requires ``Trainer(use_distributed_sampler=False)``: the sampler shards by rank itself.
+- ``on_train_batch_start``: removes ``cl_step``/``cl_micro``/``cl_difficulty`` from the batch (the user's
+  ``training_step`` sees its own structure) and counts the batch's tokens (summed over ranks) so a token-based LR
+  schedule (:meth:`token_progress`) already includes the current batch when the scheduler steps.
+- ``on_train_batch_end``: commits the batch (the resume position) and logs ``effi/curriculum/{metric}_difficulty``,
+  ``effi/curriculum/eligible_samples``, ``effi/curriculum/num_clusters``, ``effi/curriculum/consumed_tokens``.
+- ``state_dict``: the committed stream position (safe-loadable ints, lists and dicts) and a configuration
+  fingerprint; resuming continues the exact same sample stream.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_effi.core.accounting import batch_size_of, tokens_of
+from lightning_effi.curriculum.config import CurriculumConfig, CurriculumConfigError, to_plain
+from lightning_effi.curriculum.stream import CurriculumController, indexes_fingerprint
+from lightning_effi.curriculum.data import BATCH_KEYS, CurriculumDataModule
+
+
+def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_fn: Any = None,
+                      batch_size: int = 256) -> np.ndarray:
+    """Per-sample values of a registered analyzer metric over ``dataset`` (int64 ``[N]``), in this process: the map
+    step of :class:`~lightning_effi.curriculum.analysis.DataAnalyzer` without files (every rank computes the same values).
+
+    Args:
+        analysis: a metric name (:func:`lightning_effi.curriculum.analysis.registered_metrics`), ``{"name": ...,
+            **options}`` passed to the metric factory, or a callable ``fn(batch) -> int[B]``. ``vocab_rarity`` /
+            ``seqlen_vocab_rarity`` without a ``freq`` option run the two passes of spec §3.1: ``total_vocab_freq``
+            (needs ``vocab_size`` >= the largest token id + 1), then the rarity. ``seqlen`` uses the dataset's vectorised ``sequence_lengths()`` when it has one
+            and no options are given.
+        collate_fn: the training loader's collate function. batch_size: analysis batch size.
+
+    Raises:
+        CurriculumConfigError: unknown metric or options; a metric returning floats or a wrong shape.
+    """
+    from lightning_effi.core.indexed import sequence_lengths
+    from lightning_effi.curriculum.analysis.metrics import get_metric
+
+    if callable(analysis):
+        options, name = {}, getattr(analysis, "__name__", repr(analysis))
+    else:
+        options = dict(to_plain(analysis)) if isinstance(analysis, Mapping) else {"name": analysis}
+        name = options.pop("name", None)
+    if not isinstance(name, str):
+        raise CurriculumConfigError(f"curriculum analysis: expected a metric name or {{name: ..., **options}}, got "
+                                    f"{analysis!r}")
+    if name == "seqlen" and not options and not callable(analysis):
+        lengths = sequence_lengths(dataset)
+        if lengths is not None:
+            return np.asarray(lengths, dtype=np.int64)
+
+    def loader() -> Any:
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
+
+    try:
+        if name in ("vocab_rarity", "seqlen_vocab_rarity") and "freq" not in options:
+            if "vocab_size" not in options:
+                raise CurriculumConfigError(f"curriculum analysis {name}: give vocab_size (>= largest token id + 1) "
+                                            "for the total_vocab_freq pass, or a precomputed freq")
+            counter = get_metric("total_vocab_freq", vocab_size=options.pop("vocab_size"),
+                                 **{k: options[k] for k in ("key", "mask_key", "pad_token_id") if k in options})
+            freq = None
+            for batch in loader():
+                v = np.asarray(counter(batch), dtype=np.int64)
+                freq = v if freq is None else freq + v
+            options["freq"] = freq
+        fn = analysis if callable(analysis) else get_metric(name, **options)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CurriculumConfigError(f"curriculum analysis {name!r}: {e}") from None
+    out = []
+    for batch in loader():
+        v = fn(batch)
+        v = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+        if not np.issubdtype(v.dtype, np.integer):
+            raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned {v.dtype} values; metric "
+                                        "values must be integers (scale floats explicitly)")
+        if v.dtype == np.uint64 and v.size and v.max() > np.iinfo(np.int64).max:
+            raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned values above the int64 "
+                                        "maximum; scale them down")
+        if v.shape != (batch_size_of(batch),):
+            raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned shape {v.shape} for a batch "
+                                        f"of {batch_size_of(batch)}; a per-sample metric returns [B]")
+        out.append(v.astype(np.int64))
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+class Curriculum(Callback):
+    """Curriculum learning: each optimizer step trains on a global batch drawn from the samples whose difficulty the
+    schedule allows, and ``seqlen_truncate``/``seqlen_reshape`` shorten the batches early in training.
+
+    Args:
+        metrics: ``{name: {difficulty_type, clustering_type, min_difficulty, max_difficulty, schedule_type,
+            schedule_config, index_to_sample_path, index_to_metric_path, analysis, custom_schedule}}`` (DeepSpeed
+            ``curriculum_metrics`` keys; see :class:`~lightning_effi.curriculum.MetricConfig`). ``None``: take the
+            configuration given to the ``CurriculumDataModule``.
+        seed, num_epochs, rounding, percentile_rounding, dp_split, drop_last, truncate_keys, causal_label_shift: see
+            :class:`~lightning_effi.curriculum.CurriculumConfig` (DeepSpeed defaults: seed 1234, num_epochs 1000).
+        analysis_batch_size: batch size of the in-memory analysis (metrics with ``analysis: <name>``).
+        total_tokens: the run's token budget. When set, the callback exposes ``effi_progress()`` = consumed tokens
+            (including the batch being trained) / ``total_tokens``, which the reference tasks' LR schedules follow
+            (token-based LR decay, recommended with ``seqlen_truncate`` by the DeepSpeed tutorial).
+        strict: a checkpoint written with another configuration raises on resume (``False``: warn and continue).
+
+    Raises:
+        CurriculumConfigError: at construction, a bad configuration; at ``setup``, a configuration given twice or
+            not at all, index files that do not match the training set, an empty first eligible set, DDP with
+            ``use_distributed_sampler=True``, index files that differ between ranks.
+    """
+
+    def __init__(self, metrics: Mapping[str, Any] | None = None, seed: int = 1234, num_epochs: int = 1000,
+                 rounding: str = "clamped", percentile_rounding: str = "deepspeed", dp_split: str = "balanced",
+                 drop_last: bool = False, truncate_keys: Sequence[str] | None = None, causal_label_shift: bool = False,
+                 analysis_batch_size: int = 256, total_tokens: int | None = None, strict: bool = True) -> None:
+        super().__init__()
+        self.config: CurriculumConfig | None = None
+        opts: dict[str, Any] = dict(seed=seed, num_epochs=num_epochs, rounding=rounding,
+                                    percentile_rounding=percentile_rounding, dp_split=dp_split,
+                                    drop_last=drop_last, causal_label_shift=causal_label_shift)
+        if truncate_keys is not None:
+            opts["truncate_keys"] = truncate_keys
+        if metrics:
+            self.config = CurriculumConfig(metrics=metrics, **opts)
+        else:
+            defaults = dict(seed=1234, num_epochs=1000, rounding="clamped", percentile_rounding="deepspeed",
+                            dp_split="balanced", drop_last=False, causal_label_shift=False)
+            changed = sorted(k for k, v in opts.items() if k == "truncate_keys" or v != defaults[k])
+            if changed:
+                raise CurriculumConfigError(f"Curriculum: options {changed} given without metrics; pass them with "
+                                            "the metrics (to Curriculum or to CurriculumDataModule)")
+        if not isinstance(strict, bool):
+            raise CurriculumConfigError(f"Curriculum.strict must be a bool, got {strict!r}")
+        if not isinstance(analysis_batch_size, int) or analysis_batch_size < 1:
+            raise CurriculumConfigError(f"Curriculum.analysis_batch_size must be an int >= 1, got "
+                                        f"{analysis_batch_size!r}")
+        self.analysis_batch_size, self.strict = analysis_batch_size, strict
+        if total_tokens is not None:
+            if not isinstance(total_tokens, int) or isinstance(total_tokens, bool) or total_tokens < 1:
+                raise CurriculumConfigError(f"Curriculum.total_tokens must be a positive int, got {total_tokens!r}")
+            self.effi_progress = functools.partial(self.token_progress, total_tokens)  # picklable (ddp_spawn)
+        self.controller: CurriculumController | None = None
+        self.consumed_tokens = 0
+        self._pending: tuple[int, int, dict[str, int], int] | None = None
+        self._tokens_through_current = 0
+        self._loaded: dict[str, Any] | None = None
+        self.last_difficulties: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        names = list(self.config.metrics) if self.config else "from the DataModule"
+        return f"Curriculum(metrics={names})"
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key()
+
+    def wrap_datamodule(self, datamodule: pl.LightningDataModule) -> CurriculumDataModule:
+        """``CurriculumDataModule(datamodule)`` unless it is one already (used by the Hydra app)."""
+        return datamodule if isinstance(datamodule, CurriculumDataModule) else CurriculumDataModule(datamodule)
+
+    # ------------------------------------------------------------------------------------------------- setup
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        dm = trainer.datamodule
+        if not isinstance(dm, CurriculumDataModule):
+            raise CurriculumConfigError(
+                "Curriculum needs trainer.fit(..., datamodule=CurriculumDataModule(your_datamodule)); got "
+                f"{type(dm).__name__ if dm is not None else 'no datamodule'}")
+        if self.config is not None and dm.config is not None:
+            raise CurriculumConfigError("curriculum configured twice: give metrics to Curriculum(...) or to "
+                                        "CurriculumDataModule(...), not both")
+        config = self.config or dm.config
+        if config is None:
+            raise CurriculumConfigError("curriculum has no metrics: pass metrics={...} to Curriculum(...) or to "
+                                        "CurriculumDataModule(...)")
+        if trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
+            raise CurriculumConfigError(
+                "Curriculum under DDP needs Trainer(use_distributed_sampler=False): its batch sampler shards by rank "
+                "itself, and Lightning would inject a DistributedSampler into it (curriculum.md §5.8)")
+        # a fresh fit starts from a fresh stream; a checkpoint's state arrives later through load_state_dict
+        self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
+        self._pending = None
+        template = dm.template()
+        dataset, n = template["dataset"], template["length"]
+        if n < 1:
+            raise CurriculumConfigError("curriculum: the training set is empty")
+        indexes = self._indexes(config, dataset, template["collate_fn"], n)
+        if trainer.world_size > 1:
+            self._check_same_indexes(trainer, indexes)
+        self.controller = CurriculumController(config, indexes, n, micro_batch_size=int(template["batch_size"]),
+                                               dp_size=trainer.world_size, dp_rank=trainer.global_rank,
+                                               grad_accum=trainer.accumulate_grad_batches)
+        dm.controller = self.controller
+        if self._loaded is not None:  # load_state_dict called before this fit's setup (by hand)
+            self._apply(self._loaded)
+            self._loaded = None
+        c = self.controller
+        if trainer.max_steps not in (-1, None) and trainer.max_steps > c.total_steps and not trainer.fast_dev_run:
+            raise CurriculumConfigError(
+                f"curriculum: trainer.max_steps={trainer.max_steps} exceeds the sample budget N x num_epochs = "
+                f"{c.n} x {config.num_epochs} = {c.total_samples} samples = {c.total_steps} optimizer steps of "
+                f"{c.global_batch}; raise num_epochs or lower max_steps")
+        rank_zero_info(f"Curriculum: N={n}, global batch {c.global_batch} ({c.mbs} x {c.dp} ranks x {c.ga} "
+                       f"accumulation), {len(c)} micro-batches per data epoch, metrics {list(config.metrics)}")
+
+    def _indexes(self, config: CurriculumConfig, dataset: Any, collate_fn: Any, n: int) -> dict[str, Any]:
+        from lightning_effi.curriculum.analysis.index import MetricIndex
+
+        out = {}
+        for name, m in config.metrics.items():
+            if not m.schedule_based:
+                continue
+            if m.analysis is not None:
+                values = analyze_in_memory(dataset, m.analysis, collate_fn, self.analysis_batch_size)
+                if len(values) != n:
+                    raise CurriculumConfigError(f"curriculum_metrics.{name}: analysis returned {len(values)} values "
+                                                f"for {n} samples")
+                idx = MetricIndex.from_sample_to_metric(values)
+            else:
+                idx = MetricIndex.load(m.index_to_sample_path, m.index_to_metric_path, num_samples=n)
+            if m.difficulty_type == "value" and idx.values is None:
+                raise CurriculumConfigError(f"curriculum_metrics.{name}: difficulty_type 'value' needs per-row values "
+                                            "(index_to_metric); a _percentile_merged index is only valid for "
+                                            "'percentile'")
+            out[name] = idx
+        return out
+
+    @staticmethod
+    def _check_same_indexes(trainer: pl.Trainer, indexes: Mapping[str, Any]) -> None:
+        digest = int(indexes_fingerprint(indexes)[:15], 16)
+        local = torch.tensor([digest], dtype=torch.int64, device=trainer.strategy.root_device)
+        everyone = trainer.strategy.all_gather(local).reshape(-1).tolist()
+        if len(set(everyone)) != 1:
+            raise CurriculumConfigError(f"curriculum: the analysis indexes differ between ranks (hashes {everyone}); "
+                                        "every rank must read the same index files")
+
+    # ---------------------------------------------------------------------------------------------- batches
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.controller is None:
+            return
+        if not isinstance(batch, dict) or any(k not in batch for k in BATCH_KEYS):
+            raise CurriculumConfigError("Curriculum: the training batch does not come from the CurriculumDataModule's "
+                                        "loader (no cl_step/cl_micro/cl_difficulty keys)")
+        step, micro, difficulty = (batch.pop(k) for k in BATCH_KEYS)
+        tokens = tokens_of(batch)
+        if trainer.world_size > 1:
+            t = torch.tensor(float(tokens), device=trainer.strategy.root_device)
+            tokens = int(trainer.strategy.reduce(t, reduce_op="sum").item())
+        self._pending = (int(step), int(micro), dict(difficulty), int(tokens))
+        self._tokens_through_current = self.consumed_tokens + int(tokens)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.controller is None or self._pending is None:
+            return
+        step, micro, difficulty, tokens = self._pending
+        self._pending = None
+        self.controller.commit(step, micro)
+        if self.controller.exhausted:
+            rank_zero_info(f"Curriculum: the sample budget ({self.controller.total_samples} samples) is spent; "
+                           "stopping the fit")
+            trainer.should_stop = True
+        self.consumed_tokens += tokens
+        self.last_difficulties = difficulty
+        logs = {f"effi/curriculum/{name}_difficulty": float(d) for name, d in difficulty.items()}
+        stats = self.controller.stats(step)
+        if stats is not None:
+            logs["effi/curriculum/eligible_samples"] = float(stats[0])
+            logs["effi/curriculum/num_clusters"] = float(stats[1])
+        logs["effi/curriculum/consumed_tokens"] = float(self.consumed_tokens)
+        pl_module.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, logger=True, rank_zero_only=True)
+
+    def token_progress(self, total_tokens: float) -> float:
+        """Training progress in ``[0, 1]`` on the consumed-token axis, including the batch being trained (read by a
+        step-interval LR scheduler, which steps before ``on_train_batch_end``). Use with
+        :func:`lightning_effi.core.lr_schedules.progress_lambda` for token-based LR decay (legacy tutorial guidance)."""
+        if total_tokens <= 0:
+            raise ValueError(f"token_progress: total_tokens must be > 0, got {total_tokens}")
+        return min(1.0, max(0.0, self._tokens_through_current / float(total_tokens)))
+
+    def effi_summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"curriculum/consumed_tokens": int(self.consumed_tokens)}
+        for name, d in self.last_difficulties.items():
+            out[f"curriculum/{name}_difficulty"] = int(d)
+        return out
+
+    # ------------------------------------------------------------------------------------------------- state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.controller is None:
+            return dict(self._loaded) if self._loaded is not None else {}
+        return {"stream": self.controller.state_dict(), "consumed_tokens": int(self.consumed_tokens),
+                "last_difficulties": dict(self.last_difficulties)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.controller is not None:
+            self._apply(state_dict)
+        else:  # before setup: applied there
+            self._loaded = dict(state_dict)
+
+    def _apply(self, state: Mapping[str, Any]) -> None:
+        assert self.controller is not None
+        self.controller.load_state_dict(state["stream"], strict=self.strict)
+        self.consumed_tokens = int(state.get("consumed_tokens", 0))
+        self._tokens_through_current = self.consumed_tokens
+        self.last_difficulties = dict(state.get("last_difficulties", {}))
+
+
+CurriculumCallback = Curriculum

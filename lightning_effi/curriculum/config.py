@@ -1,0 +1,342 @@
+"""Curriculum learning configuration (DeepSpeed Data Efficiency style).
+
+Specification ``shared/specs/curriculum.md`` §1 (schema), §3 (difficulty and clustering types), §5 (sampler);
+reference ``deepspeed/runtime/data_pipeline/{config.py, data_sampling/data_sampler.py}``.
+
+- :class:`MetricConfig`, :class:`CurriculumConfig`: strict frozen schema with DeepSpeed's key names; unknown or
+  missing keys raise at parse time and the input is never mutated. :func:`parse_deepspeed_config` reads a DeepSpeed
+  ``data_efficiency`` block (and rejects the legacy top-level ``curriculum_learning`` block).
+- :class:`CurriculumController`: owns the per-rank view of the stream. Every quantity is a pure function of the
+  configuration, the analysis indexes and the curriculum step: the global batch of step ``s`` is drawn with a
+  generator from ``(seed, s)``, cluster permutations from ``(seed, cluster, pass)``, so all ranks compute the same
+  global batches locally (no broadcast) and the state to checkpoint is a handful of ints.
+- Commit protocol (§5.7): iterators may run ahead of training (prefetching workers); only batches reported by
+  :meth:`CurriculumController.commit` (from ``on_train_batch_end``) move the resume position, and every new iterator
+  restarts from the committed position.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_effi.curriculum import functional as F
+from lightning_effi.curriculum.schedules import CurriculumSchedule, ROUNDING_MODES, ScheduleConfigError
+
+CLUSTERING_TYPES = ("schedule_based", "single_cluster")
+#: metric names whose difficulty drives a batch transform (Megatron-DeepSpeed convention, spec §3.1)
+TRANSFORM_METRICS = ("seqlen_truncate", "seqlen_reshape")
+
+
+class CurriculumConfigError(ValueError):
+    """A curriculum configuration that cannot run; the message names the key and what is allowed."""
+
+
+# ------------------------------------------------------------------------------------------------------ schema
+_METRIC_KEYS = {"index_to_sample_path", "index_to_metric_path", "difficulty_type", "clustering_type",
+                "min_difficulty", "max_difficulty", "schedule_type", "schedule_config"}
+_METRIC_EXTRA = {"analysis", "custom_schedule"}  # lightning_effi additions
+
+
+def to_plain(obj: Any) -> Any:
+    """OmegaConf containers -> plain python (without importing omegaconf when it is not used)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+        if isinstance(obj, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(obj, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return obj
+
+
+@dataclass(frozen=True)
+class MetricConfig:
+    """One entry of ``curriculum_metrics`` (spec §1.1), DeepSpeed key names.
+
+    Args:
+        name: the metric's name. ``seqlen_truncate`` / ``seqlen_reshape`` (``single_cluster``, ``value``) make the
+            loader truncate / re-chunk each batch to the difficulty it was drawn at.
+        difficulty_type: ``value`` (absolute metric value; eligible: ``metric <= d``) or ``percentile`` (rank
+            percentile in ``[0, max_difficulty]``).
+        clustering_type: ``schedule_based`` (filters data through its analysis index) or ``single_cluster`` (never
+            filters; only exposes its difficulty).
+        min_difficulty, max_difficulty, schedule_type, schedule_config: the schedule (see
+            :class:`~lightning_effi.curriculum.schedules.CurriculumSchedule`).
+        index_to_sample_path, index_to_metric_path: analysis files (path prefixes, DeepSpeed ``MMapIndexedDataset``
+            format); ``index_to_metric_path`` is required for ``value`` + ``schedule_based``.
+        analysis: (lightning_effi) instead of index files, a registered analyzer metric (a name, or
+            ``{name: ..., **factory options}``; :func:`lightning_effi.curriculum.analysis.get_metric`) or any callable
+            ``fn(batch) -> int[B]`` (Hydra: a ``_partial_: true`` target), computed in memory
+            over the training set at setup by every rank (:func:`lightning_effi.curriculum.callback
+            .analyze_in_memory`).
+        custom_schedule: (lightning_effi) ``fn(step) -> int`` for ``schedule_type: custom``.
+    """
+
+    name: str
+    difficulty_type: str
+    clustering_type: str
+    min_difficulty: int
+    max_difficulty: int
+    schedule_type: str
+    schedule_config: Mapping[str, Any] = field(default_factory=dict)
+    index_to_sample_path: str | None = None
+    index_to_metric_path: str | None = None
+    analysis: str | Mapping[str, Any] | Callable[[Any], Any] | None = None
+    custom_schedule: Callable[[int], int] | None = None
+
+    def __post_init__(self) -> None:
+        where = f"curriculum_metrics.{self.name}"
+        if self.difficulty_type not in F.DIFFICULTY_TYPES:
+            raise CurriculumConfigError(f"{where}.difficulty_type must be one of {F.DIFFICULTY_TYPES}, got "
+                                        f"{self.difficulty_type!r}")
+        if self.clustering_type not in CLUSTERING_TYPES:
+            raise CurriculumConfigError(f"{where}.clustering_type must be one of {CLUSTERING_TYPES}, got "
+                                        f"{self.clustering_type!r}")
+        object.__setattr__(self, "schedule_config", dict(to_plain(self.schedule_config) or {}))
+        object.__setattr__(self, "analysis", to_plain(self.analysis))
+        if self.name in TRANSFORM_METRICS and (self.clustering_type, self.difficulty_type) != ("single_cluster",
+                                                                                               "value"):
+            raise CurriculumConfigError(f"{where}: {self.name} must be clustering_type single_cluster and "
+                                        "difficulty_type value")
+        if self.name in TRANSFORM_METRICS and self.min_difficulty < 1:
+            raise CurriculumConfigError(f"{where}.min_difficulty must be >= 1 token for {self.name}, got "
+                                        f"{self.min_difficulty}")
+        if self.custom_schedule is not None and self.schedule_type != "custom":
+            raise CurriculumConfigError(f"{where}: custom_schedule is only used with schedule_type 'custom' (got "
+                                        f"{self.schedule_type!r})")
+        if not self.schedule_based and (self.index_to_sample_path or self.index_to_metric_path or self.analysis):
+            raise CurriculumConfigError(f"{where}: a single_cluster metric never filters data; remove "
+                                        "index_to_sample_path / index_to_metric_path / analysis (or use "
+                                        "clustering_type schedule_based)")
+        if self.schedule_based:
+            if self.index_to_sample_path is None and self.analysis is None:
+                raise CurriculumConfigError(f"{where}: a schedule_based metric needs index_to_sample_path (analysis "
+                                            "files) or analysis (a registered metric computed at setup)")
+            if self.index_to_sample_path is not None and self.analysis is not None:
+                raise CurriculumConfigError(f"{where}: give index_to_sample_path or analysis, not both")
+            if self.difficulty_type == "value" and self.index_to_sample_path is not None \
+                    and self.index_to_metric_path is None:
+                raise CurriculumConfigError(f"{where}: difficulty_type 'value' with schedule_based clustering needs "
+                                            "index_to_metric_path")
+            if self.difficulty_type == "percentile" and self.min_difficulty < 0:
+                raise CurriculumConfigError(f"{where}: percentile difficulties must be >= 0, got min_difficulty "
+                                            f"{self.min_difficulty}")
+
+    @property
+    def schedule_based(self) -> bool:
+        return self.clustering_type == "schedule_based"
+
+    def schedule(self, rounding: str) -> CurriculumSchedule:
+        try:
+            return CurriculumSchedule(self.schedule_type, self.min_difficulty, self.max_difficulty,
+                                      self.schedule_config, rounding, self.custom_schedule, self.name)
+        except ScheduleConfigError as e:
+            raise CurriculumConfigError(str(e)) from None
+
+    @classmethod
+    def from_dict(cls, name: str, raw: Mapping[str, Any], extras: bool = True) -> MetricConfig:
+        """Strict parse of one metric dict (not mutated). ``extras``: accept the lightning_effi keys."""
+        raw = to_plain(raw)
+        where = f"curriculum_metrics.{name}"
+        if not isinstance(raw, Mapping):
+            raise CurriculumConfigError(f"{where} must be a dict, got {type(raw).__name__}")
+        allowed = _METRIC_KEYS | (_METRIC_EXTRA if extras else set())
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            raise CurriculumConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        required = ["difficulty_type", "clustering_type", "min_difficulty", "max_difficulty", "schedule_type"]
+        if raw.get("schedule_type") != "custom":
+            required.append("schedule_config")
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise CurriculumConfigError(f"{where}: missing required key(s) {missing}")
+        for k in ("min_difficulty", "max_difficulty"):
+            if not isinstance(raw[k], int) or isinstance(raw[k], bool):
+                raise CurriculumConfigError(f"{where}.{k} must be an int, got {raw[k]!r}")
+        cfg = cls(name=name, **copy.deepcopy({k: v for k, v in raw.items() if k != "custom_schedule"}),
+                  custom_schedule=raw.get("custom_schedule"))
+        cfg.schedule("clamped")  # validates the schedule keys now (parse time)
+        return cfg
+
+
+@dataclass(frozen=True)
+class CurriculumConfig:
+    """The whole curriculum (spec §1.3).
+
+    Args:
+        metrics: ``{name: MetricConfig | dict | None}`` (DeepSpeed ``curriculum_metrics``), at least one; order
+            kept; a ``None`` entry is dropped (so a Hydra override can remove a metric of a composed config).
+        seed: seeds every draw (global batches, cluster permutations). num_epochs: the sample budget is
+            ``N × num_epochs`` (DeepSpeed default 1000: effectively endless; training length is set by ``max_steps``).
+        rounding: schedule rounding, ``clamped`` (default) | ``deepspeed`` | ``deepspeed_legacy`` (§2.3).
+        percentile_rounding: ``deepspeed`` (``N // max`` samples per percentile) | ``proportional`` (§3.2).
+        dp_split: per-rank slicing of a micro-chunk, ``balanced`` | ``deepspeed`` (§5.5).
+        drop_last: drop a short final micro-chunk at the end of the budget.
+        truncate_keys: batch fields cut by ``seqlen_truncate`` (default: the usual sequence fields).
+        causal_label_shift: ``seqlen_truncate`` keeps ``d + 1`` tokens (Megatron GPT samples carry their shifted
+            label); ``False`` (default) keeps ``d`` (HF models shift inside).
+
+    Raises:
+        CurriculumConfigError: no metric, unknown option values, a metric config error.
+    """
+
+    metrics: Mapping[str, Any]
+    seed: int = 1234
+    num_epochs: int = 1000
+    rounding: str = "clamped"
+    percentile_rounding: str = "deepspeed"
+    dp_split: str = "balanced"
+    drop_last: bool = False
+    truncate_keys: Sequence[str] = F.SEQUENCE_KEYS
+    causal_label_shift: bool = False
+
+    def __post_init__(self) -> None:
+        metrics = to_plain(self.metrics)
+        if not isinstance(metrics, Mapping) or not metrics:
+            raise CurriculumConfigError("curriculum metrics: need at least one metric, e.g. "
+                                        "{'seqlen_truncate': {...}}")
+        parsed = {name: (m if isinstance(m, MetricConfig) else MetricConfig.from_dict(name, m))
+                  for name, m in metrics.items() if m is not None}  # None removes a metric composed by Hydra
+        if not parsed:
+            raise CurriculumConfigError("curriculum metrics: every metric is null; need at least one")
+        object.__setattr__(self, "metrics", parsed)
+        keys = to_plain(self.truncate_keys)
+        if isinstance(keys, str) or not isinstance(keys, Sequence) or not keys or \
+                not all(isinstance(k, str) for k in keys):
+            raise CurriculumConfigError(f"curriculum truncate_keys must be a non-empty list of batch keys, got "
+                                        f"{keys!r}")
+        object.__setattr__(self, "truncate_keys", tuple(keys))
+        for key in ("drop_last", "causal_label_shift"):
+            if not isinstance(getattr(self, key), bool):
+                raise CurriculumConfigError(f"curriculum {key} must be a bool, got {getattr(self, key)!r}")
+        if self.rounding not in ROUNDING_MODES:
+            raise CurriculumConfigError(f"curriculum rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}")
+        if self.percentile_rounding not in F.PERCENTILE_ROUNDING:
+            raise CurriculumConfigError(f"curriculum percentile_rounding must be one of {F.PERCENTILE_ROUNDING}, "
+                                        f"got {self.percentile_rounding!r}")
+        if self.dp_split not in F.DP_SPLITS:
+            raise CurriculumConfigError(f"curriculum dp_split must be one of {F.DP_SPLITS}, got {self.dp_split!r}")
+        for key in ("seed", "num_epochs"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "seed" else 1):
+                raise CurriculumConfigError(f"curriculum {key} must be an int >= {0 if key == 'seed' else 1}, "
+                                            f"got {v!r}")
+        if self.seed >= 2**32:
+            raise CurriculumConfigError(f"curriculum seed must be < 2**32, got {self.seed}")
+        if "seqlen_truncate" in parsed and "seqlen_reshape" in parsed:
+            raise CurriculumConfigError("curriculum metrics: use seqlen_truncate or seqlen_reshape, not both")
+        for m in parsed.values():
+            schedule = m.schedule(self.rounding)
+            if m.name in TRANSFORM_METRICS and m.schedule_type != "custom":
+                first = schedule.update(schedule.min_difficulty, 1)  # linear/root are non-decreasing in the step
+                if first < 1:
+                    raise CurriculumConfigError(
+                        f"curriculum_metrics.{m.name}: with rounding={self.rounding!r} the first difficulty is {first} "
+                        f"tokens (difficulty_step {schedule.difficulty_step} > min_difficulty {m.min_difficulty}); "
+                        "use rounding 'clamped' or 'deepspeed', or a min_difficulty >= difficulty_step")
+
+    def schedules(self) -> dict[str, CurriculumSchedule]:
+        return {name: m.schedule(self.rounding) for name, m in self.metrics.items()}
+
+    def describe(self) -> dict[str, Any]:
+        """Safe-loadable description (no callables) used as the checkpoint fingerprint."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in ("seed", "num_epochs", "rounding", "percentile_rounding",
+                                                              "dp_split", "drop_last", "causal_label_shift")}
+        out["metrics"] = {name: {f.name: _describe(getattr(m, f.name)) for f in dataclasses.fields(m)}
+                          for name, m in self.metrics.items()}
+        return json.loads(json.dumps(out, default=str))
+
+
+def _describe(value: Any) -> Any:
+    """A run-independent description of a config value (callables by qualified name, not by address)."""
+    if callable(value):
+        func = getattr(value, "func", value)  # functools.partial
+        name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__qualname__)}"
+        keywords = getattr(value, "keywords", None)
+        return {"callable": name, "keywords": {k: _describe(v) for k, v in (keywords or {}).items()}}
+    if isinstance(value, Mapping):
+        return {str(k): _describe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    return value
+
+
+_DS_KEYS = {
+    "data_efficiency": {"enabled", "seed", "data_sampling", "data_routing"},
+    "data_sampling": {"enabled", "num_epochs", "num_workers", "curriculum_learning", "pin_memory",
+                      "dynamic_batching"},
+    "curriculum_learning": {"enabled", "data_cluster_path", "curriculum_metrics"},
+}
+
+
+def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> CurriculumConfig | None:
+    """Read a DeepSpeed config's ``data_efficiency`` block (spec §1.1) into a :class:`CurriculumConfig`.
+
+    Args:
+        ds_config: a whole DeepSpeed config dict (other engine keys are ignored) or just its ``data_efficiency``
+            block. Not mutated.
+        overrides: lightning_effi options (``rounding``, ``dp_split``, ...).
+
+    Returns:
+        the config, or ``None`` when ``curriculum_learning.enabled`` is false.
+
+    Raises:
+        CurriculumConfigError: the legacy top-level ``curriculum_learning`` block (removed in DeepSpeed PR #8566), a
+            misplaced top-level ``data_sampling`` block, unknown keys, missing required keys, a child enabled under a
+            disabled parent.
+    """
+    ds_config = copy.deepcopy(to_plain(ds_config))
+    if not isinstance(ds_config, Mapping):
+        raise CurriculumConfigError(f"parse_deepspeed_config: expected a DeepSpeed config dict, got "
+                                    f"{type(ds_config).__name__}")
+    clash = sorted(set(overrides) & {"metrics", "seed", "num_epochs"})
+    if clash:
+        raise CurriculumConfigError(f"parse_deepspeed_config: {clash} come from the DeepSpeed config; override only "
+                                    "the lightning_effi options (rounding, percentile_rounding, dp_split, ...)")
+    if "data_efficiency" in ds_config:  # a whole DeepSpeed config
+        if "curriculum_learning" in ds_config:
+            raise CurriculumConfigError(
+                "the legacy top-level 'curriculum_learning' block has been removed (DeepSpeed PR #8566); use "
+                "'data_efficiency.data_sampling.curriculum_learning' instead")
+        if "data_sampling" in ds_config:
+            raise CurriculumConfigError("'data_sampling' must sit under 'data_efficiency' (DeepSpeedExamples #696: "
+                                        "a misplaced block is silently ignored by DeepSpeed)")
+        block = ds_config["data_efficiency"]
+    elif "curriculum_learning" in ds_config:
+        raise CurriculumConfigError(
+            "the legacy top-level 'curriculum_learning' block has been removed (DeepSpeed PR #8566); use "
+            "'data_efficiency.data_sampling.curriculum_learning' instead")
+    elif set(ds_config) and set(ds_config) <= _DS_KEYS["data_efficiency"]:  # just the data_efficiency block
+        block = ds_config
+    else:
+        raise CurriculumConfigError("no 'data_efficiency' block in the DeepSpeed config")
+
+    def check(section: str, d: Any) -> Mapping[str, Any]:
+        if not isinstance(d, Mapping):
+            raise CurriculumConfigError(f"{section} must be a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - _DS_KEYS[section])
+        if unknown:
+            raise CurriculumConfigError(f"{section}: unknown key(s) {unknown}; allowed: {sorted(_DS_KEYS[section])}")
+        return d
+
+    de = check("data_efficiency", block)
+    ds = check("data_sampling", de.get("data_sampling", {}))
+    cl = check("curriculum_learning", ds.get("curriculum_learning", {}))
+    if not cl.get("enabled", False):
+        return None
+    if not de.get("enabled", False) or not ds.get("enabled", False):
+        raise CurriculumConfigError("curriculum_learning.enabled is true but its parent "
+                                    f"{'data_efficiency' if not de.get('enabled', False) else 'data_sampling'}"
+                                    ".enabled is false; enable the parents or disable curriculum_learning")
+    if not isinstance(cl.get("curriculum_metrics"), Mapping):
+        raise CurriculumConfigError("curriculum_learning.curriculum_metrics: required, a dict {metric name: metric "
+                                    f"config}}; got {cl.get('curriculum_metrics')!r}")
+    if "data_cluster_path" not in cl:
+        raise CurriculumConfigError("curriculum_learning: missing required key 'data_cluster_path'")
+    metrics = {name: MetricConfig.from_dict(name, m, extras=False) for name, m in cl["curriculum_metrics"].items()}
+    return CurriculumConfig(metrics=metrics, seed=de.get("seed", 1234), num_epochs=ds.get("num_epochs", 1000),
+                            **overrides)

@@ -1,0 +1,325 @@
+"""The deterministic curriculum sample stream: clusters, global batches and the per-rank controller.
+
+Reference ``deepspeed/runtime/data_pipeline/data_sampling/data_sampler.py`` (``DeepSpeedDataSampler``).
+
+- :class:`CurriculumController`: owns the per-rank view of the stream. Every quantity is a pure function of the
+  configuration, the analysis indexes and the curriculum step: the global batch of step ``s`` is drawn with a
+  generator from ``(seed, s)``, cluster permutations from ``(seed, cluster, pass)``, so all ranks compute the same
+  global batches locally (no broadcast) and the state to checkpoint is a handful of ints.
+- Commit protocol: iterators may run ahead of training (prefetching workers); only batches reported by
+  :meth:`CurriculumController.commit` (from ``on_train_batch_end``) move the resume position, and every new iterator
+  restarts from the committed position.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lightning_effi.curriculum import functional as F
+from lightning_effi.curriculum.config import CurriculumConfig, CurriculumConfigError, MetricConfig
+
+
+class ClusterBook:
+    """The clusters created along the (deterministic) difficulty history, memoised and shared by every iterator.
+
+    Entry ``j`` = ``(difficulties_j, cluster ids or None when the increment was empty)``. The history is a pure
+    function of the schedules, so every iterator (and every rank) walks the same entries.
+    """
+
+    def __init__(self, metrics: Sequence[MetricConfig], indexes: Mapping[str, Any], num_samples: int,
+                 percentile_rounding: str) -> None:
+        self.metrics = [m for m in metrics if m.schedule_based]
+        self.indexes = indexes
+        self.n = num_samples
+        self.percentile_rounding = percentile_rounding
+        self.entries: list[tuple[tuple[int, ...], np.ndarray | None]] = []
+        self.assigned = np.zeros(num_samples, dtype=bool)
+
+    def eligible(self, difficulties: Mapping[str, int]) -> np.ndarray:
+        """Boolean ``[N]``: the intersection of the schedule_based metrics' cumulative eligible sets."""
+        mask = np.ones(self.n, dtype=bool)
+        for m in self.metrics:
+            idx = self.indexes[m.name]
+            end = F.eligible_end(difficulties[m.name], difficulty_type=m.difficulty_type, num_samples=self.n,
+                                 max_difficulty=m.max_difficulty, offsets=idx.offsets, values=idx.values,
+                                 percentile_rounding=self.percentile_rounding)
+            mask &= F.eligible_mask(idx.ids, end, self.n)
+        return mask
+
+    def entry(self, j: int, difficulties: tuple[int, ...], names: Sequence[str]) -> np.ndarray | None:
+        if j < len(self.entries):
+            if self.entries[j][0] != difficulties:
+                raise RuntimeError(f"curriculum history diverged at entry {j}: {self.entries[j][0]} vs {difficulties}")
+            return self.entries[j][1]
+        if j != len(self.entries):
+            raise RuntimeError("curriculum history entries must be built in order")
+        ids = F.new_cluster(self.eligible(dict(zip(names, difficulties))), self.assigned)
+        self.assigned[ids] = True
+        self.entries.append((difficulties, ids if len(ids) else None))
+        return self.entries[j][1]
+
+
+@dataclass
+class GlobalBatch:
+    step: int
+    difficulties: tuple[int, ...]
+    ids: np.ndarray
+
+
+class CurriculumStream:
+    """One walk along the global-batch stream (§5.2): difficulties, clusters, exact draws. Cheap to create and to
+    restore (clusters come from the shared :class:`ClusterBook`)."""
+
+    def __init__(self, config: CurriculumConfig, book: ClusterBook, total_samples: int, global_batch: int) -> None:
+        self.config = config
+        self.names = list(config.metrics)
+        self.schedules = config.schedules()
+        self.book, self.total_samples, self.global_batch = book, total_samples, global_batch
+        self.restore(self.initial_state(config))
+
+    @staticmethod
+    def initial_state(config: CurriculumConfig) -> dict[str, Any]:
+        return {"step": 0, "difficulties": {n: m.min_difficulty for n, m in config.metrics.items()},
+                "history": [], "clusters": []}
+
+    def state(self) -> dict[str, Any]:
+        """Safe-loadable position *before* the next global batch."""
+        return {"step": self.step, "difficulties": dict(self.difficulties),
+                "history": [list(self.book.entries[j][0]) for j in range(self.n_history)],
+                "clusters": [{"key": k, "size": int(len(c)), "pass": int(p), "position": int(q)}
+                             for k, (c, p, q) in enumerate(zip(self.clusters, self.passes, self.positions))]}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.difficulties = {n: int(state["difficulties"][n]) for n in self.names}
+        self.n_history = len(state["history"])
+        self.clusters = []
+        for j, h in enumerate(state["history"]):
+            ids = self.book.entry(j, tuple(int(x) for x in h), self.names)
+            if ids is not None:
+                self.clusters.append(ids)
+        saved = state["clusters"]
+        if len(saved) != len(self.clusters) or any(int(c["size"]) != len(ids) for c, ids in zip(saved,
+                                                                                                self.clusters)):
+            raise CurriculumConfigError("curriculum state: the saved clusters do not match the ones rebuilt from the "
+                                        "analysis index (different index files or configuration?)")
+        self.passes = [int(c["pass"]) for c in saved]
+        self.positions = [int(c["position"]) for c in saved]
+        self.perms: list[np.ndarray | None] = [None] * len(self.clusters)
+
+    @property
+    def eligible_samples(self) -> int:
+        return int(sum(len(c) for c in self.clusters))
+
+    def next_global_batch(self) -> GlobalBatch | None:
+        """Draw the next global batch (``None`` once the sample budget is spent)."""
+        size = min(self.global_batch, self.total_samples - self.step * self.global_batch)
+        if size <= 0:
+            return None
+        self.step += 1
+        new = {n: self.schedules[n].update(self.difficulties[n], self.step) for n in self.names}
+        if self.step == 1 or new != self.difficulties:
+            self.difficulties = new
+            ids = self.book.entry(self.n_history, tuple(new[n] for n in self.names), self.names)
+            self.n_history += 1
+            if ids is not None:
+                self.clusters.append(ids)
+                self.passes.append(0)
+                self.positions.append(0)
+                self.perms.append(None)
+        if not self.clusters:
+            raise CurriculumConfigError(
+                f"curriculum: no eligible sample at step {self.step} with difficulties {self.difficulties} "
+                f"(N = {self.book.n})")
+        rng = F.batch_generator(self.config.seed, self.step)
+        sizes = np.array([len(c) for c in self.clusters], dtype=np.float64)
+        counts = rng.multinomial(size, sizes / sizes.sum())
+        parts = []
+        for k, n in enumerate(counts):
+            if n == 0:
+                continue
+            drawn, self.passes[k], self.positions[k], self.perms[k] = F.draw_from_cluster(
+                self.clusters[k], int(n), self.config.seed, k, self.passes[k], self.positions[k], self.perms[k])
+            parts.append(drawn)
+        ids = rng.permutation(np.concatenate(parts))
+        return GlobalBatch(self.step, tuple(self.difficulties[n] for n in self.names), ids)
+
+
+Key = tuple  # (sample index, curriculum step, micro index, difficulties tuple)
+
+
+class CurriculumController:
+    """Per-rank curriculum stream with the commit protocol (spec §5.5-§5.7).
+
+    Args:
+        config: the :class:`CurriculumConfig`.
+        indexes: ``{metric name: MetricIndex}`` for every ``schedule_based`` metric (objects with ``ids``,
+            ``offsets``, ``values``), already validated against ``num_samples``.
+        num_samples: ``N``, the training set's length.
+        micro_batch_size, dp_size, dp_rank, grad_accum: the batch geometry; one global batch of
+            ``micro_batch_size × dp_size × grad_accum`` samples = one curriculum step = one optimizer step.
+
+    Raises:
+        CurriculumConfigError: bad geometry; a sample budget whose final micro-chunk would leave a rank empty (set
+            ``drop_last``); an empty eligible set at the first step (names metric, difficulty and ``N``).
+    """
+
+    def __init__(self, config: CurriculumConfig, indexes: Mapping[str, Any], num_samples: int,
+                 micro_batch_size: int, dp_size: int = 1, dp_rank: int = 0, grad_accum: int = 1) -> None:
+        for key, v, lo in (("num_samples", num_samples, 1), ("micro_batch_size", micro_batch_size, 1),
+                           ("dp_size", dp_size, 1), ("grad_accum", grad_accum, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise CurriculumConfigError(f"curriculum: {key} must be an int >= {lo}, got {v!r}")
+        if not 0 <= dp_rank < dp_size:
+            raise CurriculumConfigError(f"curriculum: dp_rank must be in [0, {dp_size}), got {dp_rank}")
+        self.config, self.indexes, self.n = config, dict(indexes), num_samples
+        self.mbs, self.dp, self.rank, self.ga = micro_batch_size, dp_size, dp_rank, grad_accum
+        self.chunk = micro_batch_size * dp_size
+        self.global_batch = self.chunk * grad_accum
+        self.total_samples = num_samples * config.num_epochs
+        full, rem = divmod(self.total_samples, self.global_batch)
+        tail_full, tail_rem = divmod(rem, self.chunk)
+        if tail_rem and not config.drop_last and tail_rem < dp_size:
+            raise CurriculumConfigError(
+                f"curriculum: the sample budget N × num_epochs = {self.total_samples} ends with a micro-chunk of "
+                f"{tail_rem} samples for {dp_size} ranks (a rank would get none); set drop_last=true or change "
+                "num_epochs")
+        self.total_micro = full * grad_accum + tail_full + (1 if tail_rem and not config.drop_last else 0)
+        self.epoch_micro = -(-num_samples // self.global_batch) * grad_accum
+        self.names = list(config.metrics)
+        self.book = ClusterBook(list(config.metrics.values()), self.indexes, num_samples, config.percentile_rounding)
+        self._check_first_step()
+        self.committed: dict[str, Any] = {"pre": CurriculumStream.initial_state(config), "skip": 0, "micro": 0}
+        self._snapshots: dict[int, dict[str, Any]] = {}
+        self._stats: dict[int, tuple[int, int]] = {}
+
+    # ---------------------------------------------------------------------------------------------- checks
+    def _check_first_step(self) -> None:
+        schedules = self.config.schedules()
+        first = {n: s.update(s.min_difficulty, 1) for n, s in schedules.items()}
+        if self.book.eligible(first).any():
+            return
+        per_metric = []
+        for m in self.book.metrics:
+            single = ClusterBook([m], self.indexes, self.n, self.config.percentile_rounding)
+            per_metric.append(f"{m.name} ({m.difficulty_type}) at difficulty {first[m.name]}: "
+                              f"{int(single.eligible(first).sum())} eligible")
+        raise CurriculumConfigError(
+            "curriculum: the first difficulties select no training sample (N = "
+            f"{self.n}): " + "; ".join(per_metric) + ". Raise min_difficulty (or use a schedule whose first value "
+            "selects data); with several schedule_based metrics the eligible set is their intersection; with "
+            "N < max_difficulty, percentile_rounding 'deepspeed' gives N // max_difficulty = 0 samples per "
+            "percentile below the maximum: use percentile_rounding 'proportional'")
+
+    # -------------------------------------------------------------------------------------------- iteration
+    def __len__(self) -> int:
+        """Micro-batches this rank yields in the current data epoch (``ceil(N / global_batch)`` global batches,
+        fewer at the end of the budget). Stays the full count after a mid-epoch resume (Lightning runs the rest)."""
+        if self.exhausted:
+            return 0
+        epoch_start = (self.committed["micro"] // self.epoch_micro) * self.epoch_micro
+        return max(0, min(self.epoch_micro, self.total_micro - epoch_start))
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether the sample budget ``N × num_epochs`` has been trained on (nothing more will be yielded)."""
+        return self.committed["micro"] >= self.total_micro
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the sample budget allows (a partial last accumulation window counts as one)."""
+        return -(-self.total_micro // self.ga)
+
+    def micro_batches(self) -> Iterator[list[Key]]:
+        """Yield this rank's micro-batches from the committed position to the end of the current data epoch. Each
+        micro-batch is a list of keys ``(index, curriculum_step, micro_idx, difficulties)``."""
+        m = self.committed["micro"]
+        end = min((m // self.epoch_micro + 1) * self.epoch_micro, self.total_micro)
+        stream = CurriculumStream(self.config, self.book, self.total_samples, self.global_batch)
+        stream.restore(self.committed["pre"])
+        skip = self.committed["skip"]
+        while m < end:
+            pre = stream.state()
+            gb = stream.next_global_batch()
+            if gb is None:
+                return
+            self._snapshots[gb.step] = pre
+            self._stats[gb.step] = (stream.eligible_samples, len(stream.clusters))
+            for micro_idx, start in enumerate(range(0, len(gb.ids), self.chunk)):
+                if micro_idx < skip:
+                    continue
+                chunk = gb.ids[start:start + self.chunk]
+                if len(chunk) < self.chunk and self.config.drop_last:
+                    continue
+                if m >= end:
+                    return
+                lo, hi = F.dp_slice(len(chunk), self.dp, self.rank, self.config.dp_split)
+                yield [(int(i), gb.step, micro_idx, gb.difficulties) for i in chunk[lo:hi]]
+                m += 1
+            skip = 0
+
+    def commit(self, step: int, micro_idx: int) -> None:
+        """Record that micro-batch ``micro_idx`` of global batch ``step`` was trained on (idempotent)."""
+        pre = self._snapshots.get(step)
+        if pre is None:
+            if self.committed["pre"]["step"] == step - 1:
+                pre = self.committed["pre"]
+            else:
+                raise RuntimeError(f"curriculum: commit of step {step} that no iterator produced")
+        self.committed = {"pre": pre, "skip": micro_idx + 1, "micro": (step - 1) * self.ga + micro_idx + 1}
+        for s in [s for s in self._snapshots if s < step]:
+            del self._snapshots[s]
+            self._stats.pop(s, None)
+
+    # --------------------------------------------------------------------------------------------------- state
+    def fingerprint(self) -> dict[str, Any]:
+        idx = {name: getattr(i, "fingerprint", lambda: None)() for name, i in sorted(self.indexes.items())}
+        return {"config": self.config.describe(), "num_samples": self.n, "micro_batch_size": self.mbs,
+                "dp_size": self.dp, "grad_accum": self.ga, "indexes": idx}
+
+    def state_dict(self) -> dict[str, Any]:
+        c = self.committed
+        pre = copy.deepcopy(c["pre"])
+        consumed = min(self.total_samples, (c["micro"] // self.ga) * self.global_batch + (c["micro"] % self.ga)
+                       * self.chunk)
+        return {"curriculum_step": int(pre["step"]) + (1 if c["skip"] else 0), "micro_offset": int(c["skip"]),
+                "consumed_samples": int(consumed), "committed_micro": int(c["micro"]),
+                "current_difficulties": dict(pre["difficulties"]), "pre_state": pre,
+                "config": self.fingerprint()}
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Restore the committed position (idempotent; callable before or after iteration started)."""
+        saved, mine = state.get("config"), self.fingerprint()
+        if saved != mine:
+            diff = sorted(k for k in set(mine) | set(saved or {}) if (saved or {}).get(k) != mine.get(k))
+            msg = (f"curriculum: the checkpoint was written with another configuration (differs in {diff}); "
+                   "resume with the same metrics, schedules, seed, index files and batch geometry")
+            if strict:
+                raise CurriculumConfigError(msg)
+            import warnings
+            warnings.warn(msg + " (strict=False: continuing)", stacklevel=2)
+        pre = copy.deepcopy(dict(state["pre_state"]))
+        CurriculumStream(self.config, self.book, self.total_samples, self.global_batch).restore(pre)  # validates
+        self.committed = {"pre": pre, "skip": int(state["micro_offset"]), "micro": int(state["committed_micro"])}
+        self._snapshots.clear()
+
+    def stats(self, step: int) -> tuple[int, int] | None:
+        """``(eligible_samples, num_clusters)`` when global batch ``step`` was drawn (None if not drawn here)."""
+        return self._stats.get(step)
+
+
+def indexes_fingerprint(indexes: Mapping[str, Any]) -> str:
+    """A short hash of the index arrays (compared across DDP ranks at setup)."""
+    h = hashlib.sha1()
+    for name in sorted(indexes):
+        idx = indexes[name]
+        h.update(name.encode())
+        for arr in (idx.ids, idx.offsets, idx.values if idx.values is not None else np.zeros(0, np.int64)):
+            h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]

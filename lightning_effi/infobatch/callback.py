@@ -1,0 +1,366 @@
+"""``InfoBatchCallback``: unbiased dynamic data pruning for any LightningModule (Qin et al., ICLR 2024).
+
+Each epoch, samples whose latest loss is below the mean ("well learned") are dropped with probability
+``prune_ratio``; the kept ones have their loss scaled by ``1 / (1 - prune_ratio)`` so the expected gradient is
+unchanged; the last ``1 - delta`` of the epochs train on the full data (annealing). The method itself lives in
+:mod:`lightning_effi.infobatch.functional`; this callback only wires it into Lightning
+(``shared/specs/infobatch.md`` §4):
+
+- ``setup``: validates the run, attaches itself to the :class:`~lightning_effi.data.InfoBatchDataModule` (which
+  rebuilds the training loader from this callback's plan every epoch) and wraps the module's ``training_step`` at
+  the instance level: the wrapper removes ``batch["index"]``, calls the user's step, and replaces ``"loss"`` by the
+  weighted mean of ``"per_sample_loss"`` (the module never sees indices or weights);
+- every batch: records the raw per-sample losses (rank-local sums and counts);
+- ``on_train_epoch_end``: sums the records over ranks (one collective per epoch) into the score table, identical
+  on every rank, and logs the epoch's figures; the next epoch's plan is a pure function of
+  ``(seed, epoch, score table)``;
+- ``state_dict``: tables, the current plan, accumulators, counters: a resumed run (mid-epoch too) continues exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_effi.infobatch.data import InfoBatchDataModule
+from lightning_effi.infobatch import functional as ib
+
+CONTRACT = (
+    'training_step must return {"loss": ..., "per_sample_loss": tensor of shape (B,)} '
+    "(see docs/architecture.md, per-sample-loss contract)"
+)
+
+
+class InfoBatchCallback(Callback):
+    """InfoBatch (Qin et al., "InfoBatch: Lossless Training Speed Up by Unbiased Dynamic Data Pruning", ICLR 2024,
+    §3 and Algorithm 1; reference: NUS-HPC-AI-Lab/InfoBatch ``infobatch/infobatch.py``).
+
+    Use with ``trainer.fit(model, datamodule=InfoBatchDataModule(your_datamodule))`` and a module whose
+    ``training_step`` returns ``{"loss": per_sample.mean(), "per_sample_loss": per_sample}`` (shape ``(B,)``).
+    The Hydra app (``experiments/train.py``) wraps the DataModule itself when this callback is configured.
+
+    Args:
+        prune_ratio: ``r``, fraction of the well-learned samples dropped per prune epoch, in ``[0, 1)``
+            (the paper's default 0.5; above 0.9 warns: weights exceed 10).
+        delta: ``δ`` in ``(0, 1]``: epochs ``>= floor(δ·E)`` use the full data (annealing). 1.0 = no annealing.
+        num_epochs: ``E``; default ``trainer.max_epochs``.
+        seed: seeds every plan (with the epoch); the global RNGs are never used.
+        momentum: score update ``m·loss + (1-m)·score`` in ``(0, 1]``; 1.0 (default) = the paper's overwrite.
+        strict: a checkpoint written with other ``prune_ratio/delta/seed/num_epochs/dataset size`` raises on load
+            (False: warns and uses the checkpoint's tables anyway).
+
+    Logged every epoch (``effi/infobatch/...``): ``threshold``, ``well_learned_frac``, ``kept_well_learned``,
+    ``pruned_fraction_epoch``, ``saved_samples_epoch``, ``saved_samples_total``, ``saved_fraction``,
+    ``padded_samples_epoch``. Summary (``result.json``): ``infobatch/saved_samples``, ``infobatch/saved_fraction``,
+    ``infobatch/padded_samples``, ``infobatch/prune_epochs``.
+
+    Raises:
+        ValueError: (construction) ``prune_ratio``, ``delta``, ``num_epochs``, ``momentum`` out of range;
+            (``setup``) ``max_epochs=-1`` without ``num_epochs``, a run capped by ``max_steps``,
+            ``reload_dataloaders_every_n_epochs > 1``, a DataModule that is not an ``InfoBatchDataModule``, an
+            unsupported strategy (DeepSpeed/FSDP); (first batch) a batch without ``"index"`` or a
+            ``training_step`` output that breaks the per-sample-loss contract.
+    """
+
+    def __init__(
+        self,
+        prune_ratio: float = 0.5,
+        delta: float = 0.875,
+        num_epochs: int | None = None,
+        seed: int = 0,
+        momentum: float = 1.0,
+        strict: bool = True,
+    ) -> None:
+        ib.validate_hparams(prune_ratio, delta, num_epochs)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"InfoBatchCallback.seed must be an int, got {seed!r}")
+        if not (isinstance(momentum, (int, float)) and 0 < momentum <= 1):
+            raise ValueError(f"InfoBatchCallback.momentum must be in (0, 1], got {momentum!r}")
+        self.prune_ratio = float(prune_ratio)
+        self.delta = float(delta)
+        self.num_epochs = num_epochs
+        self.seed = seed
+        self.momentum = float(momentum)
+        self.strict = strict
+        self.epochs: int = 0  # resolved E
+        self.dataset_size: int = 0
+        self.score = self.seen = self.sum_loss = self.count = torch.empty(0)
+        self.plan: ib.EpochPlan | None = None
+        self.steps_in_epoch = 0
+        self.steps_per_epoch = 1
+        self.history: list[dict[str, Any]] = []
+        self.nonfinite = 0
+        self._original_step: Any = None
+        self._trainer: pl.Trainer | None = None
+
+    def __repr__(self) -> str:
+        return (f"InfoBatchCallback(prune_ratio={self.prune_ratio!r}, delta={self.delta!r}, "
+                f"num_epochs={self.num_epochs!r}, seed={self.seed!r}, momentum={self.momentum!r}, "
+                f"strict={self.strict!r})")
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(prune_ratio=self.prune_ratio, delta=self.delta, seed=self.seed)
+
+    # ----------------------------------------------------------------------------------------------- setup
+    def wrap_datamodule(self, datamodule: pl.LightningDataModule) -> InfoBatchDataModule:
+        """``InfoBatchDataModule(datamodule)`` unless it is one already (used by the Hydra app)."""
+        return datamodule if isinstance(datamodule, InfoBatchDataModule) else InfoBatchDataModule(datamodule)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if trainer.strategy.restore_checkpoint_after_setup:
+            raise ValueError(f"InfoBatchCallback does not support the {type(trainer.strategy).__name__} strategy; "
+                             "use a single device or DDP")
+        epochs = self.num_epochs if self.num_epochs is not None else trainer.max_epochs
+        if epochs is None or epochs < 1:
+            raise ValueError(
+                "InfoBatchCallback needs a finite number of epochs: set Trainer(max_epochs=...) or "
+                f"InfoBatchCallback(num_epochs=...); got max_epochs={trainer.max_epochs}"
+            )
+        if trainer.max_steps not in (-1, None) and not trainer.fast_dev_run:  # fast_dev_run sets max_steps itself
+            raise ValueError(
+                f"InfoBatchCallback: the run is capped by trainer.max_steps={trainer.max_steps}; InfoBatch saves compute "
+                "by shortening epochs, so a step budget hides the saving (and the annealing point may never come). "
+                "Use max_epochs and leave max_steps=-1"
+            )
+        if self.num_epochs is not None and trainer.max_epochs not in (None, -1) and trainer.max_epochs < epochs:
+            rank_zero_warn(f"InfoBatchCallback: num_epochs={epochs} > max_epochs={trainer.max_epochs}: the annealing "
+                           "epochs will not run")
+        reload = trainer.reload_dataloaders_every_n_epochs
+        if reload > 1:
+            raise ValueError(f"InfoBatchCallback needs the training loader rebuilt every epoch; "
+                             f"reload_dataloaders_every_n_epochs={reload} is not supported (use 0 or 1)")
+        if reload == 0:
+            rank_zero_info("InfoBatchCallback: setting trainer.reload_dataloaders_every_n_epochs = 1")
+        trainer.reload_dataloaders_every_n_epochs = 1
+        datamodule = trainer.datamodule
+        if not isinstance(datamodule, InfoBatchDataModule):
+            raise ValueError(
+                "InfoBatchCallback needs trainer.fit(..., datamodule=InfoBatchDataModule(your_datamodule)); got "
+                f"{type(datamodule).__name__ if datamodule is not None else 'no datamodule'}"
+            )
+        datamodule.planner = self
+        n = len(datamodule.train_dataset)
+        if n < 1:
+            raise ValueError("InfoBatchCallback: the training set is empty")
+        self.epochs, self.dataset_size = int(epochs), n
+        self.score = torch.zeros(n, dtype=torch.float32)
+        self.seen = torch.zeros(n, dtype=torch.bool)
+        self.sum_loss = torch.zeros(n, dtype=torch.float32)
+        self.count = torch.zeros(n, dtype=torch.int32)
+        self.plan, self.history, self.steps_in_epoch, self.nonfinite = None, [], 0, 0
+        self._trainer = trainer
+        self._wrap_training_step(pl_module)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._original_step is not None and "training_step" in pl_module.__dict__:
+            del pl_module.training_step  # back to the class's method
+        self._original_step = None
+        self._trainer = None
+
+    def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
+        if "training_step" in pl_module.__dict__:
+            raise ValueError("InfoBatchCallback: training_step is already wrapped (two InfoBatch callbacks?)")
+        original = pl_module.training_step
+        self._original_step = original
+
+        def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(batch, dict) or "index" not in batch:
+                raise ValueError("InfoBatchCallback: the training batch has no 'index'; train with "
+                                 "datamodule=InfoBatchDataModule(...) (dict samples)")
+            index = batch.pop("index")
+            return self.rescale_output(original(batch, *args, **kwargs), index)
+
+        pl_module.training_step = training_step  # type: ignore[method-assign]
+
+    # ----------------------------------------------------------------------------------------- per batch
+    def rescale_output(self, output: Any, index: Tensor) -> dict[str, Any]:
+        """Validate a ``training_step`` output, record the raw per-sample losses, and return it with ``"loss"``
+        replaced by ``mean(w · per_sample_loss)`` (spec §1.3). ``index``: int64 ``(B,)`` dataset positions."""
+        if not isinstance(output, Mapping) or "per_sample_loss" not in output:
+            raise ValueError(f"InfoBatchCallback: {CONTRACT}; got {type(output).__name__}"
+                             + (f" with keys {sorted(output)}" if isinstance(output, Mapping) else ""))
+        per_sample = output["per_sample_loss"]
+        weights = self.current_weights()
+        loss = ib.rescale(per_sample, index, weights)  # validates shape/dtype against the contract
+        values = per_sample.detach().float().cpu()
+        finite = torch.isfinite(values)
+        if not bool(finite.all()):
+            self.nonfinite += int((~finite).sum())
+            rank_zero_warn("InfoBatchCallback: non-finite per-sample losses are not recorded (their samples keep their "
+                           "previous score); the training loss itself is non-finite")
+        ib.accumulate(self.sum_loss, self.count, index.cpu()[finite], values[finite])
+        return {**output, "loss": loss, "per_sample_loss": per_sample.detach(), "index": index}
+
+    def current_weights(self) -> Tensor:
+        """``float32[N]`` loss weights of the current plan (all 1.0 before the first plan)."""
+        return self.plan.weights if self.plan is not None else torch.ones(self.dataset_size)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.steps_in_epoch += 1  # before the LR scheduler steps: progress counts this step (spec §4.4)
+
+    # -------------------------------------------------------------------------------------------- plans
+    def plan_for(self, epoch: int) -> ib.EpochPlan:
+        """The plan of ``epoch``: cached if already made (or restored), else computed from the score table.
+
+        Losses still pending from the previous epoch are merged first: this happens after resuming from a checkpoint
+        written at an epoch's last batch, whose ``on_train_epoch_end`` Lightning does not run again. Called on every
+        rank at the same point (``train_dataloader()``), so the merge's collective is safe."""
+        if self.plan is None or self.plan.epoch != epoch:
+            if bool(self.count.any()) and self._trainer is not None:
+                self.sync_scores(self._trainer)
+            self.plan = ib.plan_epoch(self.score, self.seen, epoch, self.epochs, self.prune_ratio, self.delta,
+                                      self.seed)
+            self.steps_in_epoch = 0
+            self.history.append({"epoch": epoch, "kind": self.plan.kind, "saved": self.plan.saved, "padded": 0,
+                                 "threshold": self.plan.threshold, "well_learned": self.plan.num_well_learned,
+                                 "kept_well_learned": self.plan.num_kept_well_learned, "size": self.plan.epoch_size})
+        return self.plan
+
+    def record_loader(self, epoch: int, padded: int, batches: int) -> None:
+        """Called by the DataModule for each loader it builds: the DDP duplicates added to the plan of ``epoch``
+        (counted, not subtracted from the saving) and the loader's batches per rank, which give the epoch's
+        optimizer steps ``L_e`` for :meth:`effi_progress` (known before the scheduler is built)."""
+        if self.history and self.history[-1]["epoch"] == epoch:
+            self.history[-1]["padded"] = int(padded)
+        accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+        self.steps_per_epoch = max(1, math.ceil(batches / accumulate))
+
+    def effi_progress(self) -> float:
+        """Training progress in [0, 1] after the next optimizer step: ``(e + (j + 1) / L_e) / E`` with ``j`` the
+        steps done in epoch ``e`` and ``L_e`` its number of optimizer steps (spec §4.4). Drives progress-based LR
+        schedules so they end exactly at the end of training whatever the epochs' lengths."""
+        if self.plan is None or self.epochs < 1:
+            return 0.0
+        p = (self.plan.epoch + (self.steps_in_epoch + 1) / self.steps_per_epoch) / self.epochs
+        return min(max(p, 0.0), 1.0)
+
+    def sync_scores(self, trainer: pl.Trainer) -> None:
+        """Sum the epoch's recorded losses over ranks (one collective, spec §4.3) into the score table, identical on
+        every rank, and clear the accumulators."""
+        sum_loss, count = self.sum_loss, self.count
+        if trainer.world_size > 1:
+            device = trainer.strategy.root_device
+            sum_loss = trainer.strategy.reduce(sum_loss.to(device), reduce_op="sum").cpu()
+            count = trainer.strategy.reduce(count.to(device), reduce_op="sum").cpu()
+        ib.finalize(sum_loss, count, self.score, self.seen, self.momentum)
+        self.sum_loss.zero_()
+        self.count.zero_()
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.sync_scores(trainer)
+        self._log_epoch(pl_module)
+
+    def _log_epoch(self, pl_module: pl.LightningModule) -> None:
+        if not self.history:
+            return
+        h, n = self.history[-1], self.dataset_size
+        metrics = {
+            "effi/infobatch/threshold": h["threshold"] if h["kind"] == "prune" else float("nan"),
+            "effi/infobatch/well_learned_frac": h["well_learned"] / n,
+            "effi/infobatch/kept_well_learned": float(h["kept_well_learned"]),
+            "effi/infobatch/pruned_fraction_epoch": h["saved"] / n,
+            "effi/infobatch/saved_samples_epoch": float(h["saved"]),
+            "effi/infobatch/padded_samples_epoch": float(h["padded"]),
+            **{f"effi/infobatch/{k}": float(v) for k, v in self.totals().items()},
+        }
+        for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
+            logger.log_metrics(metrics, step=pl_module.trainer.global_step)
+
+    def totals(self) -> dict[str, float]:
+        saved = sum(h["saved"] for h in self.history)
+        return {"saved_samples_total": saved, "saved_fraction": saved / max(1, self.epochs * self.dataset_size)}
+
+    def effi_summary(self) -> dict[str, Any]:
+        """Figures for :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s summary."""
+        t = self.totals()
+        return {
+            "infobatch/saved_samples": int(t["saved_samples_total"]),
+            "infobatch/saved_fraction": t["saved_fraction"],
+            "infobatch/padded_samples": int(sum(h["padded"] for h in self.history)),
+            "infobatch/prune_epochs": sum(h["kind"] == "prune" for h in self.history),
+            "infobatch/nonfinite_losses": self.nonfinite,
+        }
+
+    def expected_total_steps(self, batch_size: int, world_size: int = 1, accumulate_grad_batches: int = 1) -> int:
+        """Estimate of the run's optimizer steps from the current score table (before any score: the expected keep
+        ratio of ``r/2`` pruned per prune epoch). For users who need one number; prefer progress-based schedules."""
+        n, stop = self.dataset_size, ib.epoch_stop(self.epochs, self.delta)
+        frac = ib.expected_saving(self.score, self.seen, self.prune_ratio) if bool(self.seen.any()) else self.prune_ratio / 2
+        steps = 0
+        for e in range(self.epochs):
+            size = n if e == 0 or e >= stop else round(n * (1 - frac))
+            steps += math.ceil(math.ceil(math.ceil(size / world_size) / batch_size) / accumulate_grad_batches)
+        return steps
+
+    # ---------------------------------------------------------------------------------------------- state
+    def config(self) -> dict[str, Any]:
+        return {"dataset_size": self.dataset_size, "prune_ratio": self.prune_ratio, "delta": self.delta,
+                "num_epochs": self.epochs, "seed": self.seed, "momentum": self.momentum}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config(),
+            "score": self.score.clone(),
+            "seen": self.seen.clone(),
+            "sum_loss": self.sum_loss.clone(),
+            "count": self.count.clone(),
+            "plan": self.plan.to_state() if self.plan is not None else {},
+            "steps_in_epoch": self.steps_in_epoch,
+            "history": [dict(h) for h in self.history],
+            "nonfinite": self.nonfinite,
+        }
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Detect a checkpoint written by an InfoBatch callback with other identity arguments (its state is stored
+        under another ``state_key`` and would otherwise be ignored silently)."""
+        prefix = type(self).__qualname__ + "{"
+        others = [k for k in checkpoint.get("callbacks", {}) if k.startswith(prefix) and k != self.state_key]
+        if others and self.state_key not in checkpoint.get("callbacks", {}):
+            message = (f"InfoBatchCallback: the checkpoint was written with other settings ({others[0]}), "
+                       f"not {self.state_key}")
+            if self.strict:
+                raise ValueError(message + "; pass strict=False to start InfoBatch afresh")
+            warnings.warn(message + "; starting InfoBatch afresh")
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved, mine = state_dict["config"], self.config()
+        if saved != mine:
+            diff = {k: (saved.get(k), mine.get(k)) for k in mine if saved.get(k) != mine.get(k)}
+            message = f"InfoBatchCallback: the checkpoint was written with other settings (checkpoint, now): {diff}"
+            if self.strict:
+                raise ValueError(message + "; pass strict=False to resume anyway")
+            warnings.warn(message)
+        if len(state_dict["score"]) != self.dataset_size:
+            raise ValueError(f"InfoBatchCallback: the checkpoint's score table has {len(state_dict['score'])} entries, "
+                             f"the training set {self.dataset_size}")
+        self.score = state_dict["score"].clone()
+        self.seen = state_dict["seen"].clone()
+        self.sum_loss = state_dict["sum_loss"].clone()
+        self.count = state_dict["count"].clone()
+        self.plan = ib.EpochPlan.from_state(state_dict["plan"]) if state_dict["plan"] else None
+        self.steps_in_epoch = int(state_dict["steps_in_epoch"])
+        self.history = [dict(h) for h in state_dict["history"]]
+        self.nonfinite = int(state_dict["nonfinite"])
+
+
+InfoBatch = InfoBatchCallback  # the spec's name (``lightning_effi.callbacks.InfoBatch``)

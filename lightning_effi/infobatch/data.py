@@ -1,0 +1,77 @@
+"""``InfoBatchDataModule``: wraps any DataModule so that InfoBatch can choose each epoch's training samples.
+
+It holds no InfoBatch configuration: the :class:`~lightning_effi.callbacks.InfoBatchCallback` finds it on
+``trainer.datamodule`` in ``setup`` and attaches itself; every ``train_dataloader()`` call then rebuilds the loader
+from the callback's plan for ``trainer.current_epoch`` (``shared/specs/infobatch.md`` §4.2):
+
+``ResumableDataLoader(IndexedDataset(dataset), sampler=InfoBatchSampler(plan, world, rank),
+collate_fn=indexed_collate(collate_fn), ...)``
+
+so each batch carries ``batch["index"]`` (int64 dataset positions; the callback removes it before the user's
+``training_step``), the epoch's length is right every epoch (Lightning reloads the loader each epoch), and a
+mid-epoch resume continues the saved plan where it stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_effi.core.errors import DataConfigError
+from lightning_effi.core.indexed import IndexedDataset, indexed_collate
+from lightning_effi.infobatch.sampler import InfoBatchSampler
+from lightning_effi.core.loader import ResumableDataLoader
+from lightning_effi.core.wrapping import WrappingDataModule
+
+
+class InfoBatchDataModule(WrappingDataModule):
+    """Wrap ``datamodule`` for InfoBatch. Everything but the training loader is delegated unchanged.
+
+    Args:
+        datamodule: any ``LightningDataModule`` whose ``train_dataloader()`` returns a ``DataLoader`` over a
+            map-style dataset of **dict** samples, with a plain (shuffling or sequential) sampler.
+
+    Raises:
+        DataConfigError: (at the first ``train_dataloader()``) a custom sampler or batch sampler, an iterable
+            dataset, or a dataset whose length changed during the run; (without the callback) used alone.
+    """
+
+    technique = "InfoBatch"
+
+    def __init__(self, datamodule: pl.LightningDataModule) -> None:
+        super().__init__(datamodule)
+        self.planner: Any = None  # the InfoBatchCallback, attached in its setup()
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        """The loader of the current epoch, built from the attached callback's plan (see the module docstring)."""
+        if self.planner is None:
+            raise DataConfigError(
+                "InfoBatchDataModule needs an InfoBatchCallback in Trainer(callbacks=[...]); without it use the "
+                "wrapped DataModule directly"
+            )
+        t = self.template()
+        if len(t["dataset"]) != t["length"]:
+            raise DataConfigError(
+                f"InfoBatch: the training dataset's length changed from {t['length']} to {len(t['dataset'])}; "
+                "it must stay constant during a run"
+            )
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        plan = self.planner.plan_for(epoch)
+        sampler = InfoBatchSampler(plan, num_replicas=world, rank=rank, drop_last=t["drop_last"])
+        workers = t["num_workers"]
+        loader = ResumableDataLoader(
+            IndexedDataset(t["dataset"]),
+            batch_size=t["batch_size"],
+            sampler=sampler,
+            collate_fn=indexed_collate(t["collate_fn"]),
+            drop_last=t["drop_last"],
+            num_workers=workers,
+            pin_memory=t["pin_memory"],
+            worker_init_fn=t["worker_init_fn"],
+            prefetch_factor=t["prefetch_factor"] if workers > 0 else None,
+            persistent_workers=False,  # rebuilt every epoch: persistence buys nothing (infobatch.md §4.2)
+        )
+        self.planner.record_loader(epoch, padded=sampler.padded, batches=len(loader))
+        return loader

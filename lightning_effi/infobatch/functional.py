@@ -1,0 +1,685 @@
+"""InfoBatch as pure functions (Qin et al., "InfoBatch: Lossless Training Speed Up by Unbiased Dynamic Data Pruning",
+ICLR 2024, arXiv 2303.04947; specification ``shared/specs/infobatch.md``).
+
+Every epoch ``e`` of ``E`` gets an :class:`EpochPlan`: the shuffled list of dataset indices to visit and a weight
+per sample. Before the annealing point ``E_stop = floor(delta * E)`` (and from epoch 1 on, once scores exist) a
+*prune* epoch randomly drops a fraction ``prune_ratio`` of the well-learned samples (score strictly below the mean
+score) and up-weights the kept ones by ``1 / (1 - prune_ratio)``, so the expected epoch gradient is unchanged
+(paper §3.2-3.3, spec §1.2-1.4). All other epochs are *full*: a fresh permutation of the data set, every weight 1.0.
+
+The pieces, each usable in any training loop:
+
+- :func:`plan_epoch` (with :func:`split_well_learned`, :func:`keep_count`, :func:`epoch_stop`): the plan.
+- :func:`rescale`: the weighted batch loss ``mean(w[index] * per_sample_loss)``, out of place.
+- :func:`update_scores` (per batch) or :func:`accumulate` / :func:`finalize` (per epoch, all-reduce friendly):
+  the score table.
+- :func:`expected_saving`, :func:`validate_hparams`.
+
+Conventions: the score table is ``float32[N]`` with a ``bool[N]`` ``seen`` mask, the weight table ``float32[N]``;
+dataset indices are ``int64`` everywhere (never a floating-point tensor, exact beyond 2**24). Plans are computed on
+the CPU. Randomness comes from a private ``torch.Generator`` seeded with :func:`hash64` of ``(seed, purpose, epoch)``;
+the global python / numpy / torch generators are never read or reseeded. This module imports torch only (no
+Lightning).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
+from numbers import Integral, Real
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_effi.core.rng import hash64
+
+__all__ = [
+    "PER_SAMPLE_LOSS_CONTRACT", "EpochPlan", "accumulate", "epoch_stop", "expected_saving", "finalize", "hash64",
+    "keep_count", "plan_epoch", "plan_generator", "rescale", "split_well_learned", "update_scores",
+    "validate_hparams",
+]
+
+PER_SAMPLE_LOSS_CONTRACT = (
+    'training_step must return {"loss": ..., "per_sample_loss": tensor of shape (B,)} '
+    "(one float loss per sample of the batch, with grad)"
+)
+
+#: Purpose key mixed into every InfoBatch seed, so another technique using the same user seed gets another stream.
+_PURPOSE = int.from_bytes(b"InfoBat", "little")
+_PLAN_STATE_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Randomness
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def plan_generator(seed: int, epoch: int, stream: int = 0) -> torch.Generator:
+    """Private CPU generator for the plan of ``epoch``: ``manual_seed(hash64(seed, PURPOSE, epoch))`` (spec §1.2.4);
+    ``stream > 0`` gives further independent generators ``manual_seed(hash64(seed, PURPOSE, epoch, stream))``.
+
+    ``PURPOSE`` is the constant ``int.from_bytes(b"InfoBat", "little")``.
+    """
+    keys = (int(seed), _PURPOSE, int(epoch)) + ((int(stream),) if stream else ())
+    return torch.Generator(device="cpu").manual_seed(hash64(*keys))
+
+
+_PARALLEL_FROM = 1_000_000  # epoch sizes from which the order is drawn as two half-size shuffles in two threads
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _submit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` in a planning thread (torch releases the GIL inside its kernels)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="infobatch-plan")
+    return _POOL.submit(fn, *args, **kwargs)
+
+
+def _distinct(c: int, need: int, generator: torch.Generator) -> Tensor:
+    """A uniform ``need``-subset of ``range(c)`` as ``int64[need]``: the first ``need`` distinct values of i.i.d.
+    uniform draws (rejection; cheap for ``need << c``), or ``randperm(c)[:need]`` when ``need`` is not small."""
+    if 4 * need > c:
+        return torch.randperm(c, generator=generator)[:need]
+    picked: dict[int, None] = {}
+    while len(picked) < need:
+        for d in torch.randint(0, c, (2 * (need - len(picked)) + 16,), generator=generator).tolist():
+            picked.setdefault(d)
+            if len(picked) == need:
+                break
+    return torch.tensor(list(picked), dtype=torch.int64)
+
+
+def uniform_subset_of(mask: Tensor, k: int, generator: torch.Generator) -> Tensor:
+    """A uniformly random ``k``-subset of the True positions of ``mask`` (``bool[N]``), as a ``bool[N]`` mask, in
+    O(N) without a shuffle.
+
+    Each True position is included independently with probability ``k / m`` (``m`` = number of True positions; one
+    ``torch.rand`` per position), which gives a uniform subset of random size ``c``; then a uniform
+    ``|c - k|``-subset of the included (``c > k``) or the excluded (``c < k``) positions is flipped. Both steps are
+    symmetric under any relabelling of the True positions, so the result is a uniform ``k``-subset; the correction
+    touches about ``sqrt(k)`` positions. Small ``N`` use ``randperm``.
+
+    Raises:
+        ValueError: ``mask`` is not a 1-D bool tensor, or not ``0 <= k <= m``.
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
+        raise ValueError(f"uniform_subset_of needs a 1-D bool mask, got {_describe(mask)}")
+    m = int(mask.sum())
+    if not (_is_int(k) and 0 <= k <= m):
+        raise ValueError(f"uniform_subset needs 0 <= k <= m, got k={k!r}, m={m!r}")
+    k = int(k)
+    if k == 0 or k == m:
+        return mask.clone() if k == m else torch.zeros_like(mask)
+    if mask.numel() < 65536:
+        positions = mask.nonzero().flatten()
+        out = torch.zeros_like(mask)
+        out[positions[torch.randperm(m, generator=generator)[:k]]] = True
+        return out
+    out = mask & (torch.rand(mask.numel(), generator=generator) < k / m)
+    c = int(out.sum())
+    if c != k:
+        candidates = (out if c > k else mask & ~out).nonzero().flatten()
+        out[candidates[_distinct(candidates.numel(), abs(c - k), generator)]] = c < k
+    return out
+
+
+def uniform_subset(m: int, k: int, generator: torch.Generator) -> Tensor:
+    """A uniformly random ``k``-subset of ``range(m)`` as a ``bool[m]`` mask: :func:`uniform_subset_of` an all-True
+    mask.
+
+    Raises:
+        ValueError: not ``0 <= k <= m``.
+    """
+    if not (_is_int(m) and _is_int(k) and 0 <= k <= m):
+        raise ValueError(f"uniform_subset needs 0 <= k <= m, got k={k!r}, m={m!r}")
+    return uniform_subset_of(torch.ones(int(m), dtype=torch.bool), k, generator)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exact arithmetic and validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _fraction(x: Any, name: str) -> Fraction:
+    """``x`` as the exact decimal it prints as (``0.1`` -> 1/10, not the binary float 0.1000000000000000055...)."""
+    if isinstance(x, bool):
+        raise TypeError(f"{name} must be a real number, got {x!r}")
+    if isinstance(x, (Integral, Fraction, Decimal)):
+        if isinstance(x, Decimal) and not x.is_finite():
+            raise ValueError(f"{name} must be finite, got {x!r}")
+        return Fraction(x)
+    if not isinstance(x, Real):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__} {x!r}")
+    try:
+        return Fraction(str(x))
+    except ValueError:  # nan / inf
+        raise ValueError(f"{name} must be finite, got {x!r}") from None
+
+
+def _check_prune_ratio(prune_ratio: Any) -> Fraction:
+    r = _fraction(prune_ratio, "prune_ratio")
+    if not 0 <= r < 1:
+        raise ValueError(f"prune_ratio must be in [0, 1) (the fraction of well-learned samples dropped), "
+                         f"got {prune_ratio!r}")
+    return r
+
+
+def _check_delta(delta: Any) -> Fraction:
+    d = _fraction(delta, "delta")
+    if not 0 < d <= 1:
+        raise ValueError(f"delta must be in (0, 1] (annealing starts at epoch floor(delta * num_epochs)), "
+                         f"got {delta!r}")
+    return d
+
+
+def _check_num_epochs(num_epochs: Any) -> int:
+    if not _is_int(num_epochs) or num_epochs < 1:
+        raise ValueError(f"num_epochs must be a positive int, got {num_epochs!r}")
+    return int(num_epochs)
+
+
+def validate_hparams(prune_ratio: float, delta: float, num_epochs: int | None = None) -> None:
+    """Check InfoBatch hyperparameters (spec §1.6). Values are never clamped.
+
+    Args:
+        prune_ratio: fraction ``r`` of the well-learned set dropped per prune epoch, in ``[0, 1)``.
+        delta: annealing start as a fraction of ``num_epochs``, in ``(0, 1]``.
+        num_epochs: total epochs ``E``, a positive int, or ``None`` (not known yet).
+
+    Raises:
+        ValueError: a value outside its range (the message names the parameter and the range); NaN or infinite.
+        TypeError: a value that is not a real number.
+
+    Warns:
+        UserWarning: ``prune_ratio > 0.9`` (kept weights above 10; the reference silently clamps to 0.9) and
+        ``delta == 1`` (no annealing epochs: the last epochs are not trained on full data).
+    """
+    r = _check_prune_ratio(prune_ratio)
+    d = _check_delta(delta)
+    if num_epochs is not None:
+        _check_num_epochs(num_epochs)
+    if r > Fraction(9, 10):
+        warnings.warn(f"prune_ratio={prune_ratio} > 0.9: kept well-learned samples get weight "
+                      f"{float(1 / (1 - r)):.3g} (> 10), which makes the gradient noisy; the reference clamps to 0.9",
+                      UserWarning, stacklevel=2)
+    if d == 1:
+        warnings.warn("delta=1 disables annealing: pruning continues until the last epoch, whose residual bias is "
+                      "then never removed (the paper uses delta=0.875)", UserWarning, stacklevel=2)
+
+
+def epoch_stop(num_epochs: int, delta: float) -> int:
+    """First annealing epoch ``E_stop = floor(delta * num_epochs)``, computed exactly (spec §1.2.1, R17).
+
+    ``delta`` is read as the decimal it prints as (``Fraction(str(delta))``), so e.g. ``delta=0.57, num_epochs=100``
+    gives 57 (binary floating point gives ``56.99999999999999``). Epochs ``e >= E_stop`` train on the full data.
+
+    Raises:
+        ValueError: ``num_epochs`` not a positive int, ``delta`` outside ``(0, 1]``.
+    """
+    e = _check_num_epochs(num_epochs)
+    return math.floor(_check_delta(delta) * e)
+
+
+def keep_count(n_well_learned: int, prune_ratio: float) -> int:
+    """Number of well-learned samples kept in a prune epoch: ``k = floor((1 - r) * |D1|)``, exact (spec §1.2.3).
+
+    The floor prunes tiny sets slightly more than ``r`` (``|D1| = 1, r = 0.5 -> 0``), as the reference does.
+    Examples: ``keep_count(10, 0.9) == 1``, ``keep_count(100, 0.71) == 29``.
+
+    Raises:
+        ValueError: ``n_well_learned`` not a non-negative int, ``prune_ratio`` outside ``[0, 1)``.
+    """
+    if not _is_int(n_well_learned) or n_well_learned < 0:
+        raise ValueError(f"n_well_learned must be a non-negative int, got {n_well_learned!r}")
+    return math.floor((1 - _check_prune_ratio(prune_ratio)) * int(n_well_learned))
+
+
+def _check_tables(score: Tensor, seen: Tensor) -> None:
+    if not isinstance(score, Tensor) or score.dim() != 1 or not score.is_floating_point():
+        raise ValueError(f"score must be a 1-D floating-point tensor (float32[N]), got "
+                         f"{_describe(score)}")
+    if not isinstance(seen, Tensor) or seen.dtype != torch.bool or seen.shape != score.shape:
+        raise ValueError(f"seen must be a bool tensor of the same shape as score {tuple(score.shape)}, got "
+                         f"{_describe(seen)}")
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"{type(x).__name__}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plan
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def split_well_learned(score: Tensor, seen: Tensor) -> tuple[float, Tensor]:
+    """Threshold and well-learned set of a prune epoch (paper §3.2, spec §1.2.3).
+
+    Args:
+        score: ``float32[N]``, the latest unweighted per-sample loss of every sample (any value where unseen).
+        seen: ``bool[N]``, True where a score has been observed.
+
+    Returns:
+        ``(tau, well_learned)``: ``tau`` = mean of the seen scores, accumulated in float64 (a Python float; NaN if
+        nothing is seen); ``well_learned = seen & (score < tau)`` (``bool[N]``, strict: a score equal to ``tau`` is
+        not well learned; unseen samples never are). The comparison is exact (against the largest value of the
+        table's dtype below ``tau``), without a float64 copy of the table.
+
+    Raises:
+        ValueError: wrong shapes/dtypes; a seen score is NaN or infinite (the threshold would be meaningless).
+    """
+    _check_tables(score, seen)
+    score = score.detach().cpu()
+    seen = seen.detach().cpu()
+    all_seen = bool(seen.all())
+    observed = score if all_seen else score[seen]
+    if observed.numel() == 0:
+        return math.nan, torch.zeros_like(seen)
+    total = float(torch.sum(observed, dtype=torch.float64))  # float64 accumulation without a float64 copy
+    if not math.isfinite(total):
+        finite = torch.isfinite(observed)
+        bad = int(seen.nonzero().flatten()[~finite][0])
+        raise ValueError(f"score of sample {bad} is {float(score[bad])}: seen scores must be finite "
+                         "(a NaN/inf loss, or a placeholder left in the table)")
+    tau = total / observed.numel()
+    below = score <= _largest_below(tau, score.dtype)  # == (score < tau) exactly, in the table's own dtype
+    return tau, below if all_seen else seen & below
+
+
+def _largest_below(tau: float, dtype: torch.dtype) -> float:
+    """The largest value of ``dtype`` strictly below ``tau``: for x of that dtype, ``x < tau  <=>  x <= result``."""
+    nearest = torch.tensor(tau, dtype=dtype)
+    if float(nearest) >= tau:
+        nearest = torch.nextafter(nearest, torch.tensor(-math.inf, dtype=dtype))
+    return float(nearest)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class EpochPlan:
+    """The samples and weights of one epoch (spec §1.2, §1.5). Treat as immutable (tensors are not copied).
+
+    Attributes:
+        epoch: 0-based epoch index.
+        indices: ``int64[L]``, the dataset indices to visit, in order (already shuffled; each at most once).
+        weights: ``float32[N]``, the loss weight of every sample: ``1 / (1 - r)`` for kept well-learned samples,
+            1.0 otherwise (also for dropped samples, which are never visited). Exactly 1.0 everywhere in a full epoch.
+        kind: ``"full"`` (all N samples, weight 1) or ``"prune"``.
+        threshold: the score threshold ``tau`` of a prune epoch; NaN for a full epoch.
+        num_well_learned: ``|D1|`` (0 for a full epoch).
+        num_kept_well_learned: ``k = floor((1 - r) * |D1|)`` (0 for a full epoch).
+        saved: samples not visited this epoch, ``N - L`` (before DDP padding / ``drop_last``).
+
+    Raises:
+        ValueError: inconsistent fields (dtypes, shapes, ``saved != N - L``, indices outside ``[0, N)``, a full plan
+            with ``L != N`` or a weight other than 1.0).
+    """
+
+    epoch: int
+    indices: Tensor
+    weights: Tensor
+    kind: Literal["full", "prune"]
+    threshold: float
+    num_well_learned: int
+    num_kept_well_learned: int
+    saved: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.epoch) or self.epoch < 0:
+            raise ValueError(f"EpochPlan.epoch must be a non-negative int, got {self.epoch!r}")
+        if not isinstance(self.indices, Tensor) or self.indices.dtype != torch.int64 or self.indices.dim() != 1:
+            raise ValueError(f"EpochPlan.indices must be int64[L], got {_describe(self.indices)}")
+        if not isinstance(self.weights, Tensor) or self.weights.dtype != torch.float32 or self.weights.dim() != 1:
+            raise ValueError(f"EpochPlan.weights must be float32[N], got {_describe(self.weights)}")
+        if self.kind not in ("full", "prune"):
+            raise ValueError(f"EpochPlan.kind must be 'full' or 'prune', got {self.kind!r}")
+        n, length = self.weights.numel(), self.indices.numel()
+        if self.saved != n - length:
+            raise ValueError(f"EpochPlan.saved must be N - L = {n - length}, got {self.saved!r}")
+        if length and (int(self.indices.min()) < 0 or int(self.indices.max()) >= n):
+            raise ValueError(f"EpochPlan.indices must lie in [0, {n})")
+        if not 0 <= self.num_kept_well_learned <= self.num_well_learned <= n:
+            raise ValueError("EpochPlan needs 0 <= num_kept_well_learned <= num_well_learned <= N, got "
+                             f"{self.num_kept_well_learned}, {self.num_well_learned}, {n}")
+        if self.kind == "full" and (length != n or not bool((self.weights == 1.0).all())):
+            raise ValueError("a full EpochPlan visits all N samples with every weight exactly 1.0")
+
+    @property
+    def dataset_size(self) -> int:
+        """``N``, the size of the training set."""
+        return self.weights.numel()
+
+    @property
+    def epoch_size(self) -> int:
+        """``L``, the number of samples visited this epoch (``len(indices)``)."""
+        return self.indices.numel()
+
+    def to_state(self) -> dict[str, Any]:
+        """The plan as a dict of tensors, ints, floats and strings (loads with ``torch.load(weights_only=True)``).
+
+        Tensors are copies: later changes to the state do not affect the plan.
+        """
+        return {
+            "version": _PLAN_STATE_VERSION,
+            "epoch": int(self.epoch),
+            "indices": self.indices.clone(),
+            "weights": self.weights.clone(),
+            "kind": str(self.kind),
+            "threshold": float(self.threshold),
+            "num_well_learned": int(self.num_well_learned),
+            "num_kept_well_learned": int(self.num_kept_well_learned),
+            "saved": int(self.saved),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> EpochPlan:
+        """Inverse of :meth:`to_state` (tensors are copied to contiguous CPU tensors).
+
+        Raises:
+            KeyError: a field is missing. ValueError: unknown state version or inconsistent fields.
+        """
+        version = state.get("version", _PLAN_STATE_VERSION)
+        if version != _PLAN_STATE_VERSION:
+            raise ValueError(f"unknown EpochPlan state version {version!r} (expected {_PLAN_STATE_VERSION})")
+        return cls(
+            epoch=int(state["epoch"]),
+            indices=state["indices"].detach().cpu().clone().contiguous(),
+            weights=state["weights"].detach().cpu().clone().contiguous(),
+            kind=str(state["kind"]),  # type: ignore[arg-type]
+            threshold=float(state["threshold"]),
+            num_well_learned=int(state["num_well_learned"]),
+            num_kept_well_learned=int(state["num_kept_well_learned"]),
+            saved=int(state["saved"]),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        """Exact equality of every field (tensors element-wise; two NaN thresholds are equal)."""
+        if not isinstance(other, EpochPlan):
+            return NotImplemented
+        same_tau = (self.threshold == other.threshold
+                    or (math.isnan(self.threshold) and math.isnan(other.threshold)))
+        return (self.epoch == other.epoch and self.kind == other.kind and same_tau
+                and self.num_well_learned == other.num_well_learned
+                and self.num_kept_well_learned == other.num_kept_well_learned and self.saved == other.saved
+                and torch.equal(self.indices, other.indices) and torch.equal(self.weights, other.weights))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable tensors inside
+
+    def __repr__(self) -> str:
+        return (f"EpochPlan(epoch={self.epoch}, kind={self.kind!r}, N={self.dataset_size}, L={self.epoch_size}, "
+                f"saved={self.saved}, threshold={self.threshold:.6g}, num_well_learned={self.num_well_learned}, "
+                f"num_kept_well_learned={self.num_kept_well_learned})")
+
+
+def plan_epoch(
+    score: Tensor,
+    seen: Tensor,
+    epoch: int,
+    num_epochs: int,
+    prune_ratio: float = 0.5,
+    delta: float = 0.875,
+    seed: int = 0,
+) -> EpochPlan:
+    """The :class:`EpochPlan` of ``epoch`` (spec §1.2; paper §3, Algorithm 1).
+
+    - **full** if ``epoch == 0``, no score is seen, or ``epoch >= epoch_stop(num_epochs, delta)``: a permutation of
+      ``range(N)``, every weight exactly 1.0;
+    - **prune** otherwise: ``tau, D1 = split_well_learned(score, seen)``; ``k = keep_count(|D1|, prune_ratio)``;
+      ``K`` = ``k`` samples of D1 drawn uniformly *without replacement* (:func:`uniform_subset_of`); the epoch visits
+      ``D2 ∪ K`` (``D2`` = all other samples, including unseen ones) in a uniformly random order; weights
+      ``1 / (1 - r)`` (float32) on ``K``, 1.0 elsewhere.
+
+    A pure function: the same inputs give an identical plan in any process; randomness comes only from
+    :func:`plan_generator` ``(seed, epoch)``; the inputs and the global RNGs are left untouched. Cost O(N) plus one
+    ``randperm`` of the epoch length (two half-size ones in two threads for large epochs); computed on the CPU (the
+    tables may live anywhere and are copied).
+
+    Args:
+        score: ``float[N]`` score table (latest unweighted per-sample loss). seen: ``bool[N]``.
+        epoch: 0-based epoch index (``>= 0``). num_epochs: total epochs ``E``.
+        prune_ratio: ``r`` in ``[0, 1)``. delta: ``δ`` in ``(0, 1]``. seed: any int (the user's seed).
+
+    Raises:
+        ValueError: invalid tables (shape, dtype, empty, non-finite seen score) or hyperparameters
+            (see :func:`validate_hparams`, which also warns; this function does not warn).
+    """
+    _check_tables(score, seen)
+    if score.numel() == 0:
+        raise ValueError("score table is empty: InfoBatch needs a training set with at least one sample")
+    if not _is_int(epoch) or epoch < 0:
+        raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    epoch, seed = int(epoch), int(seed)
+    r = _check_prune_ratio(prune_ratio)
+    stop = epoch_stop(num_epochs, delta)
+    n = score.numel()
+    gen = plan_generator(seed, epoch)
+    seen_cpu = seen.detach().cpu()
+
+    if epoch == 0 or epoch >= stop or not bool(seen_cpu.any()):
+        return EpochPlan(epoch=epoch, indices=torch.randperm(n, generator=gen),
+                         weights=torch.ones(n, dtype=torch.float32), kind="full", threshold=math.nan,
+                         num_well_learned=0, num_kept_well_learned=0, saved=0)
+
+    tau, well_learned = split_well_learned(score, seen_cpu)
+    m = int(well_learned.sum())
+    k = keep_count(m, prune_ratio)
+    length = n - m + k
+    # The epoch order, a uniform permutation of the L visited samples (streams 1-3), is drawn while this thread draws
+    # K, a uniform k-subset of D1 (stream 0). Large epochs use one Rao-Sandelius step: each position of the order
+    # goes to the first or second half by a fair coin (stream 1), each half is shuffled in its own thread (streams 2,
+    # 3); the concatenation is a uniform permutation.
+    order_gen = plan_generator(seed, epoch, stream=1)
+    if length >= _PARALLEL_FROM:
+        first = torch.rand(length, generator=order_gen) < 0.5
+        c0 = int(first.sum())
+        halves = [_submit(torch.randperm, c, generator=plan_generator(seed, epoch, stream=st))
+                  for c, st in ((c0, 2), (length - c0, 3))]
+    else:
+        order = torch.randperm(length, generator=order_gen)
+    kept = uniform_subset_of(well_learned, k, gen)  # bool[N]
+    members = (kept | ~well_learned).nonzero().flatten()  # D2 ∪ K in index order
+    weights = torch.ones(n, dtype=torch.float32).masked_fill_(kept, float(1 / (1 - r)))
+    if length >= _PARALLEL_FROM:
+        parts = [_submit(torch.index_select, group, 0, half.result())
+                 for group, half in zip((members[first], members[~first]), halves)]
+        indices = torch.cat([part.result() for part in parts])
+    else:
+        indices = members.index_select(0, order)
+    return EpochPlan(epoch=epoch, indices=indices, weights=weights, kind="prune", threshold=tau,
+                     num_well_learned=m, num_kept_well_learned=k, saved=n - length)
+
+
+def expected_saving(score: Tensor, seen: Tensor, prune_ratio: float) -> float:
+    """Expected fraction of N not visited in a prune epoch planned from these tables: ``r * |D1| / N``
+    (spec §1.5; about 0.316 for exponential(1) scores and r = 0.5). The realised saving
+    ``|D1| - floor((1 - r) |D1|)`` is at most one sample larger.
+
+    Raises:
+        ValueError: invalid tables (or empty), ``prune_ratio`` outside ``[0, 1)``.
+    """
+    r = _check_prune_ratio(prune_ratio)
+    _check_tables(score, seen)
+    if score.numel() == 0:
+        raise ValueError("score table is empty")
+    _, well_learned = split_well_learned(score, seen)
+    return float(r * int(well_learned.sum()) / score.numel())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per batch: rescaling and scores
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_index(index: Any, what: str) -> None:
+    if not isinstance(index, Tensor):
+        raise TypeError(f"{what}: index must be an int64 tensor of dataset indices, got {type(index).__name__}")
+    if index.dtype != torch.int64:
+        raise TypeError(f"{what}: index must be int64 (dataset indices never pass through another dtype), "
+                        f"got {index.dtype}")
+    if index.dim() != 1:
+        raise ValueError(f"{what}: index must be 1-D (B,), got shape {tuple(index.shape)}")
+
+
+def _check_per_sample_loss(per_sample_loss: Any, index: Tensor, what: str, allow_empty: bool = False) -> None:
+    if not isinstance(per_sample_loss, Tensor):
+        raise ValueError(f"{what}: per_sample_loss is a {type(per_sample_loss).__name__}, not a tensor. "
+                         f"{PER_SAMPLE_LOSS_CONTRACT}")
+    if not per_sample_loss.is_floating_point():
+        raise ValueError(f"{what}: per_sample_loss has dtype {per_sample_loss.dtype}, expected a float dtype. "
+                         f"{PER_SAMPLE_LOSS_CONTRACT}")
+    b = index.numel()
+    if per_sample_loss.dim() != 1 or per_sample_loss.numel() != b:
+        raise ValueError(f"{what}: per_sample_loss has shape {tuple(per_sample_loss.shape)} but the batch has "
+                         f"{b} samples (expected shape ({b},)). {PER_SAMPLE_LOSS_CONTRACT}")
+    if b == 0 and not allow_empty:
+        raise ValueError(f"{what}: empty batch (B = 0)")
+
+
+def _gather(table: Tensor, index: Tensor, device: torch.device) -> Tensor:
+    """``table[index]`` moved to ``device``; ``index`` stays int64 (bounds-checked, IndexError otherwise)."""
+    idx = index.to(table.device)
+    n = table.numel()
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= n:
+        raise IndexError(f"dataset index {lo if lo < 0 else hi} out of range for a table of {n} samples")
+    return table.index_select(0, idx).to(device)
+
+
+def rescale(per_sample_loss: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+    """InfoBatch batch loss ``mean_i(weights[index_i] * per_sample_loss_i)`` (paper Eq. 4, spec §1.3).
+
+    The mean is over the B samples, deliberately *not* normalised by ``sum(w)``: that is what makes the expected
+    epoch update match full-data training. Computed out of place in float32 (``per_sample_loss.float()``): the
+    caller's tensor is not modified and autograd works for any loss (e.g. ``exp``, whose backward needs its output).
+
+    Args:
+        per_sample_loss: ``float[B]``, with grad, one loss per sample of the batch (any device).
+        index: ``int64[B]``, the dataset indices of the batch (any device).
+        weights: ``float[N]``, the plan's weight table (usually CPU); gathered by ``index`` onto the loss's device.
+
+    Returns:
+        A scalar float32 tensor on ``per_sample_loss.device``.
+
+    Raises:
+        ValueError: ``per_sample_loss`` is not a 1-D float tensor of length ``len(index)`` (a scalar, a ``(1,)``
+            tensor for ``B > 1``, a ``(B, T)`` tensor...), empty batch, bad ``weights``; the message states the
+            ``training_step`` contract.
+        TypeError: ``index`` is not an int64 tensor.
+        IndexError: an index outside ``[0, N)``.
+    """
+    _check_index(index, "rescale")
+    _check_per_sample_loss(per_sample_loss, index, "rescale")
+    if not isinstance(weights, Tensor) or weights.dim() != 1 or not weights.is_floating_point():
+        raise ValueError(f"rescale: weights must be a 1-D float tensor float32[N], got {_describe(weights)}")
+    w = _gather(weights, index, per_sample_loss.device).float()
+    return (per_sample_loss.float() * w).mean()
+
+
+def update_scores(score: Tensor, seen: Tensor, index: Tensor, per_sample_loss: Tensor, momentum: float = 1.0) -> None:
+    """Record a batch's raw (unweighted) losses in the score table, in place (spec §1.3).
+
+    ``score[index] <- loss`` (``momentum == 1``, the paper's overwrite) or, for samples already seen,
+    ``score[index] <- m * loss + (1 - m) * score[index]`` (EMA, timm fork); a first observation is always a plain
+    overwrite. ``seen[index] <- True``. The loss is detached and converted to the table's dtype and device.
+    With duplicate indices in one batch, one of the duplicates' values is stored (use :func:`accumulate` to
+    average them). An empty batch (``B = 0``, e.g. after filtering non-finite losses) is a no-op.
+
+    Args:
+        score: ``float32[N]`` table. seen: ``bool[N]``. index: ``int64[B]``. per_sample_loss: ``float[B]``.
+        momentum: ``m`` in ``(0, 1]``.
+
+    Raises:
+        TypeError: ``index`` is not int64. ValueError: shapes, dtypes or ``momentum`` invalid.
+        IndexError: an index outside ``[0, N)``.
+    """
+    _check_tables(score, seen)
+    _check_index(index, "update_scores")
+    _check_per_sample_loss(per_sample_loss, index, "update_scores", allow_empty=True)
+    if not 0 < momentum <= 1:
+        raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
+    if index.numel() == 0:
+        return
+    idx = index.to(score.device)
+    assert idx.dtype == torch.int64  # indices are int64 at the table assignment (spec §1.3, R15)
+    n = score.numel()
+    if int(idx.min()) < 0 or int(idx.max()) >= n:
+        raise IndexError(f"dataset index out of range for a table of {n} samples")
+    loss = per_sample_loss.detach().to(device=score.device, dtype=score.dtype)
+    if momentum != 1:
+        old = score.index_select(0, idx)
+        loss = torch.where(seen.to(score.device).index_select(0, idx), momentum * loss + (1 - momentum) * old, loss)
+    score[idx] = loss
+    seen[idx.to(seen.device)] = True
+
+
+def accumulate(sum_loss: Tensor, count: Tensor, index: Tensor, loss: Tensor) -> None:
+    """Epoch-level score accumulation, in place (spec §4.3): ``sum_loss[index] += loss``, ``count[index] += 1``.
+
+    Duplicates (DDP padding) are summed correctly (``index_add_``). An empty batch is a no-op. At the end of the
+    epoch, ``all_reduce(SUM)`` both buffers across ranks, then call :func:`finalize`.
+
+    Args:
+        sum_loss: ``float[N]`` (float32 or float64). count: integer ``[N]`` (int32 or int64).
+        index: ``int64[B]``. loss: ``float[B]`` raw per-sample losses (detached here).
+
+    Raises:
+        TypeError: ``index`` is not int64. ValueError: shapes or dtypes invalid. IndexError: index out of range.
+    """
+    _check_buffers(sum_loss, count)
+    _check_index(index, "accumulate")
+    _check_per_sample_loss(loss, index, "accumulate", allow_empty=True)
+    if index.numel() == 0:
+        return
+    idx = index.to(sum_loss.device)
+    assert idx.dtype == torch.int64
+    n = sum_loss.numel()
+    if int(idx.min()) < 0 or int(idx.max()) >= n:
+        raise IndexError(f"dataset index out of range for a table of {n} samples")
+    sum_loss.index_add_(0, idx, loss.detach().to(device=sum_loss.device, dtype=sum_loss.dtype))
+    count.index_add_(0, idx.to(count.device), torch.ones(idx.numel(), dtype=count.dtype, device=count.device))
+
+
+def finalize(sum_loss: Tensor, count: Tensor, score: Tensor, seen: Tensor, momentum: float = 1.0) -> None:
+    """Fold the (all-reduced) epoch accumulators into the score table, in place (spec §4.3).
+
+    Where ``count > 0``: ``new = sum_loss / count`` (the mean over the epoch's observations, e.g. DDP padding
+    duplicates), then ``score <- new`` (``momentum == 1``) or ``m * new + (1 - m) * score`` for already-seen
+    samples; ``seen |= count > 0``. Elsewhere nothing changes. The accumulators are not reset (zero them yourself).
+
+    Raises:
+        ValueError: shapes, dtypes or ``momentum`` invalid.
+    """
+    _check_buffers(sum_loss, count)
+    _check_tables(score, seen)
+    if sum_loss.shape != score.shape:
+        raise ValueError(f"accumulators have shape {tuple(sum_loss.shape)}, score table {tuple(score.shape)}")
+    if not 0 < momentum <= 1:
+        raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
+    hit = (count > 0).to(score.device)
+    new = (sum_loss.double() / count.clamp_min(1).double()).to(device=score.device, dtype=score.dtype)
+    if momentum != 1:
+        new = torch.where(seen.to(score.device), momentum * new + (1 - momentum) * score, new)
+    score.copy_(torch.where(hit, new, score))
+    seen |= hit.to(seen.device)
+
+
+def _check_buffers(sum_loss: Tensor, count: Tensor) -> None:
+    if not isinstance(sum_loss, Tensor) or sum_loss.dim() != 1 or not sum_loss.is_floating_point():
+        raise ValueError(f"sum_loss must be a 1-D float tensor [N], got {_describe(sum_loss)}")
+    if (not isinstance(count, Tensor) or count.shape != sum_loss.shape or count.is_floating_point()
+            or count.dtype == torch.bool or count.is_complex()):
+        raise ValueError(f"count must be an integer tensor of shape {tuple(sum_loss.shape)}, got {_describe(count)}")

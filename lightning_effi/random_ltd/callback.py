@@ -1,0 +1,400 @@
+"""``RandomLTDCallback``: random layerwise token dropping for any transformer LightningModule.
+
+Yao et al., "Random-LTD: Random and Layerwise Token Dropping Brings Efficient Training for Large-scale Transformers"
+(NeurIPS 2022, arXiv 2211.11586) §3; DeepSpeed Data Efficiency (Li et al., arXiv 2212.03597); reference
+``deepspeed/runtime/data_pipeline/data_routing/``. Specification: ``shared/specs/random_ltd.md``.
+
+The method lives in :mod:`lightning_effi.random_ltd.functional` (selection, gather/scatter, schedule, accounting) and
+:mod:`lightning_effi.random_ltd` (layer patching); this callback wires them into Lightning:
+
+- ``setup("fit")``: finds the model through an adapter (``hf_gpt2``, ``hf_bert``, ``timm_vit``, or a
+  :class:`~lightning_effi.adapters.GenericAdapter`), validates ``layer_ids`` and the schedule, and patches the selected
+  layers' ``forward`` on the instance (before DDP wrapping and before checkpoint weights load; ``state_dict`` keys
+  are unchanged). ``teardown`` restores them.
+- ``on_train_batch_start``: reserved length ``r`` for ``trainer.global_step`` (all micro-batches of one optimizer step
+  share it) and a fresh index context keyed by ``(global_step, batch_idx)``, seeded with ``(seed, step, batch_idx,
+  rank)``.
+- ``on_before_optimizer_step``: adds the step's layer-tokens (summed over micro-batches and ranks) to
+  ``consumed_layer_tokens``, before a step-interval LR scheduler reads it.
+- ``effi_adjust``: lowers the :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s layer-tokens and FLOPs.
+- ``state_dict``: counters and the resolved configuration (safe-loadable); the schedule and the draws are pure
+  functions of the step, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_effi.core.accounting import BatchStats
+from lightning_effi.models.base import TransformerAdapter, find_adapter
+from lightning_effi.random_ltd import functional as F
+from lightning_effi.random_ltd.patching import LTDController, PatchedLayers, convert, resolve_layer_ids, restore
+from lightning_effi.core.state import config_mismatch
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class RandomLTDCallback(Callback):
+    """Random-LTD: selected layers process a random sorted subset of ``r`` tokens per sample in training.
+
+    Args:
+        min_value: reserved length at step 0 (tokens, >= 1). DeepSpeed key ``random_ltd_schedule.min_value``.
+        max_value: reserved length at the end of the schedule; default: the model's sequence length (HF
+            ``n_positions`` / ``max_position_embeddings``, ViT patches + prefix tokens).
+        require_steps: optimizer steps of the linear growth (``schedule_config.require_steps``); default
+            ``require_fraction`` of the run's optimizer steps.
+        require_fraction: fraction in ``(0, 1]`` of ``trainer.estimated_stepping_batches`` used when
+            ``require_steps`` is not given (default 1.0).
+        seq_per_step: ``r`` is a multiple of this (``schedule_config.seq_per_step``).
+        layer_ids: exact indices into the adapter's layer list; default all but the first and the last.
+        adapter: ``"auto"``, a registered name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an adapter instance.
+        rounding: ``"clamped"`` (default: never below ``min_value``, ``max_value`` from ``require_steps`` on) or
+            ``"deepspeed"`` (DeepSpeed's arithmetic exactly).
+        keep_prefix_tokens: positions always kept (counted inside ``r``); ``"auto"`` = the model's prefix tokens
+            (ViT class token).
+        accounting: ``"actual"`` (layer-tokens from each batch's real length and ``min(r, S)``) or ``"deepspeed"``
+            (``global_batch · (r · L_ltd + max_value · (L − L_ltd))`` per optimizer step).
+        seed: seeds the token draws with the step, micro-batch and rank (global RNGs untouched).
+        strict: a checkpoint written with other settings raises on load (False: warns, keeps this configuration).
+
+    Logged every step: ``effi/random_ltd/reserved_length``, ``effi/random_ltd/consumed_layer_tokens``,
+    ``effi/random_ltd/flops_saved_frac``. Summary keys ``random_ltd/*`` (``result.json``).
+
+    Raises:
+        ValueError: (construction) a value of the wrong type or range, ``min_value > max_value``; (``setup``) no
+            adapter matches the model, ``layer_ids`` out of range / duplicated / unsorted, ``min_value`` or
+            ``max_value`` larger than the model's sequence length, a layer whose ``forward`` takes arguments the
+            adapter does not know, an unsupported attention implementation; (train start) ``require_steps`` cannot be
+            derived (a run of unknown length).
+    """
+
+    def __init__(
+        self,
+        min_value: int = 128,
+        max_value: int | None = None,
+        require_steps: int | None = None,
+        require_fraction: float | None = None,
+        seq_per_step: int = 16,
+        layer_ids: Sequence[int] | None = None,
+        adapter: str | TransformerAdapter = "auto",
+        rounding: Literal["clamped", "deepspeed"] = "clamped",
+        keep_prefix_tokens: int | Literal["auto"] = 0,
+        accounting: Literal["actual", "deepspeed"] = "actual",
+        seed: int = 1234,
+        strict: bool = True,
+    ) -> None:
+        name = type(self).__name__
+        for key, v in (("min_value", min_value), ("seq_per_step", seq_per_step)):
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name}.{key} must be an int >= 1, got {v!r}")
+        if max_value is not None and (not _is_int(max_value) or max_value < 1):
+            raise ValueError(f"{name}.max_value must be an int >= 1 or None (the model's length), got {max_value!r}")
+        if max_value is not None and min_value > max_value:
+            raise ValueError(f"{name}: min_value ({min_value}) must be <= max_value ({max_value})")
+        if require_steps is not None and (not _is_int(require_steps) or require_steps < 1):
+            raise ValueError(f"{name}.require_steps must be an int >= 1 or None, got {require_steps!r}")
+        if require_steps is not None and require_fraction is not None:
+            raise ValueError(f"{name}: give require_steps or require_fraction, not both")
+        if require_fraction is not None and not (isinstance(require_fraction, (int, float))
+                                                 and not isinstance(require_fraction, bool)
+                                                 and 0 < require_fraction <= 1):
+            raise ValueError(f"{name}.require_fraction must be in (0, 1], got {require_fraction!r}")
+        if layer_ids is not None:
+            if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Sequence):
+                raise ValueError(f"{name}.layer_ids must be a list of ints or None, got {layer_ids!r}")
+            bad = [i for i in layer_ids if not _is_int(i) or i < 0]
+            if bad or not layer_ids:
+                raise ValueError(f"{name}.layer_ids must be a non-empty list of layer indices >= 0, got "
+                                 f"{list(layer_ids)!r}")
+            if len(set(layer_ids)) != len(layer_ids) or list(layer_ids) != sorted(layer_ids):
+                raise ValueError(f"{name}.layer_ids must be sorted and unique, got {list(layer_ids)!r}")
+        if rounding not in F.ROUNDINGS:
+            raise ValueError(f"{name}.rounding must be one of {F.ROUNDINGS}, got {rounding!r}")
+        if keep_prefix_tokens != "auto" and (not _is_int(keep_prefix_tokens) or keep_prefix_tokens < 0):
+            raise ValueError(f"{name}.keep_prefix_tokens must be an int >= 0 or 'auto', got {keep_prefix_tokens!r}")
+        if accounting not in ("actual", "deepspeed"):
+            raise ValueError(f"{name}.accounting must be 'actual' or 'deepspeed', got {accounting!r}")
+        if not _is_int(seed):
+            raise ValueError(f"{name}.seed must be an int, got {seed!r}")
+        if not isinstance(adapter, (str, TransformerAdapter)):
+            raise ValueError(f"{name}.adapter must be 'auto', a registered name or a TransformerAdapter, "
+                             f"got {adapter!r}")
+        self.min_value = min_value
+        self.max_value_arg = max_value
+        self.require_steps_arg = require_steps
+        self.require_fraction = 1.0 if require_fraction is None else float(require_fraction)
+        self.seq_per_step = seq_per_step
+        self.layer_ids_arg = None if layer_ids is None else tuple(layer_ids)
+        self.adapter_arg = adapter
+        self.rounding = rounding
+        self.keep_prefix_arg = keep_prefix_tokens
+        self.accounting = accounting
+        self.seed = seed
+        self.strict = strict
+        # resolved in setup / on_train_start
+        self.adapter: TransformerAdapter | None = None
+        self.controller: LTDController | None = None
+        self.patched: PatchedLayers | None = None
+        self.num_layers = 0
+        self.layer_ids: tuple[int, ...] = ()
+        self.max_value: int | None = max_value
+        self.require_steps: int | None = require_steps
+        self.keep_prefix_tokens = 0 if keep_prefix_tokens == "auto" else keep_prefix_tokens
+        # counters (global: summed over ranks at every optimizer step)
+        self.current_step = -1
+        self.current_value = min_value
+        self.consumed_layer_tokens = 0
+        self.full_layer_tokens = 0  # what the same batches cost without dropping
+        self.consumed_samples = 0
+        self.saved_flops = 0.0
+        self.full_layer_flops = 0.0
+        self.total_steps: int | None = None
+        self.global_batch_size = 0
+        self._pending = [0, 0, 0, 0.0, 0.0]  # samples, layer-tokens, full layer-tokens, saved flops, full flops
+        self._folded = True
+
+    def __repr__(self) -> str:
+        return (f"RandomLTDCallback(min_value={self.min_value}, max_value={self.max_value_arg}, "
+                f"require_steps={self.require_steps_arg}, seq_per_step={self.seq_per_step}, "
+                f"layer_ids={self.layer_ids_arg}, rounding={self.rounding!r}, seed={self.seed})")
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(min_value=self.min_value, max_value=self.max_value_arg,
+                                        require_steps=self.require_steps_arg, seq_per_step=self.seq_per_step,
+                                        layer_ids=self.layer_ids_arg)
+
+    # ------------------------------------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.patched is not None:
+            return
+        adapter = find_adapter(pl_module, self.adapter_arg)
+        layers = adapter.layers()
+        self.num_layers = len(layers)
+        self.layer_ids = resolve_layer_ids(self.layer_ids_arg, self.num_layers)
+        seq = adapter.max_sequence_length()
+        self.max_value = seq if self.max_value_arg is None else self.max_value_arg
+        name = type(self).__name__
+        if self.max_value > seq:
+            raise ValueError(f"{name}.max_value ({self.max_value}) is larger than the model's sequence length ({seq})")
+        if self.min_value > self.max_value:
+            raise ValueError(f"{name}: min_value ({self.min_value}) must be <= max_value ({self.max_value}, "
+                             f"{'the model length' if self.max_value_arg is None else 'given'})")
+        if self.keep_prefix_arg == "auto":
+            self.keep_prefix_tokens = adapter.num_prefix_tokens()
+        if self.keep_prefix_tokens > self.min_value:
+            raise ValueError(f"{name}.keep_prefix_tokens ({self.keep_prefix_tokens}) must be <= min_value "
+                             f"({self.min_value})")
+        if self.require_steps is None and trainer.max_steps is not None and trainer.max_steps > 0:
+            self.require_steps = max(1, math.ceil(self.require_fraction * trainer.max_steps))
+        self.controller = LTDController(self.num_layers, self.layer_ids, seed=self.seed, rank=trainer.global_rank,
+                                        keep_prefix_tokens=self.keep_prefix_tokens)
+        self.patched = convert(pl_module, adapter, self.controller)
+        self.adapter = adapter
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.patched is not None:
+            restore(self.patched)
+            self.patched = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        total = trainer.estimated_stepping_batches
+        self.total_steps = int(total) if math.isfinite(total) else None
+        if self.require_steps is None:
+            if not math.isfinite(total) or total <= 0:
+                raise ValueError(f"{type(self).__name__}.require_steps: the run's length is unknown (max_epochs=-1 and "
+                                 "max_steps=-1); set require_steps")
+            self.require_steps = max(1, math.ceil(self.require_fraction * int(total)))
+
+    # ------------------------------------------------------------------------------------------------ schedule
+    def value_at(self, step: int) -> int:
+        """Reserved length at optimizer step ``step`` (pure; needs the resolved ``max_value`` and ``require_steps``)."""
+        if self.max_value is None or self.require_steps is None:
+            raise RuntimeError("RandomLTDCallback: the schedule is resolved in setup / on_train_start")
+        return F.ltd_value(step, self.min_value, self.max_value, self.require_steps, self.seq_per_step, self.rounding)
+
+    def total_layer_tokens(self, train_steps: int, global_batch_size: int) -> int:
+        """Layer-tokens of ``train_steps`` optimizer steps of full-length batches (pure, spec §6)."""
+        if self.max_value is None or self.require_steps is None:
+            raise RuntimeError("RandomLTDCallback: the schedule is resolved in setup / on_train_start")
+        return F.total_layer_tokens(train_steps, global_batch_size, self.num_layers, len(self.layer_ids),
+                                    self.min_value, self.max_value, self.require_steps, self.seq_per_step,
+                                    self.rounding)
+
+    def expected_total_layer_tokens(self) -> int:
+        """Layer-tokens the whole run will consume at full-length batches: :meth:`total_layer_tokens` over the run's
+        optimizer steps (``trainer.estimated_stepping_batches``) at the global batch size of the first step.
+
+        Raises:
+            RuntimeError: before the first optimizer step, or for a run of unknown length.
+        """
+        if self.total_steps is None or not self.global_batch_size:
+            raise RuntimeError("RandomLTDCallback.expected_total_layer_tokens: needs a run of known length and one "
+                               "finished optimizer step; pass total_layer_tokens explicitly")
+        return self.total_layer_tokens(self.total_steps, self.global_batch_size)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        assert self.controller is not None
+        step = trainer.global_step
+        self.current_step = step
+        self.current_value = self.value_at(step)
+        self.controller.begin(step, batch_idx, self.current_value)
+        self._folded = False
+
+    def _fold_batch(self) -> None:
+        """Add the current micro-batch's records to the pending step totals (once)."""
+        if self._folded or self.controller is None or self.adapter is None:
+            return
+        self._folded = True
+        for i, value in enumerate(self._batch_costs()):
+            self._pending[i] += value
+
+    def _batch_costs(self) -> tuple[int, int, int, float, float]:
+        """What the current micro-batch cost, from the shapes its LTD layers saw: ``(samples, layer-tokens,
+        layer-tokens without dropping, layer FLOPs skipped, layer FLOPs without dropping)``."""
+        assert self.controller is not None and self.adapter is not None
+        L, L_ltd = self.num_layers, len(self.layer_ids)
+        h, inter = self.adapter.hidden_size(), self.adapter.intermediate_size()
+        samples = layer_tokens = full_layer_tokens = 0
+        saved = full_flops = 0.0
+        for rec in self.controller.records:
+            samples += rec.batch_size
+            layer_tokens += F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
+            full_layer_tokens += rec.batch_size * rec.seq_len * L
+            full = F.flops_per_layer(rec.batch_size, rec.seq_len, h, inter)
+            saved += L_ltd * (full - F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter))
+            full_flops += L * full
+        return samples, layer_tokens, full_layer_tokens, saved, full_flops
+
+    def _fold_step(self, trainer: pl.Trainer) -> None:
+        self._fold_batch()
+        local = torch.tensor(self._pending, dtype=torch.float64, device=trainer.strategy.root_device)
+        total = trainer.strategy.reduce(local, reduce_op="sum") if trainer.world_size > 1 else local
+        samples, actual, full, saved, full_flops = (float(x) for x in total.cpu())
+        self._pending = [0, 0, 0, 0.0, 0.0]
+        if self.accounting == "deepspeed":
+            assert self.max_value is not None
+            L, L_ltd = self.num_layers, len(self.layer_ids)
+            self.consumed_layer_tokens += int(samples) * (self.current_value * L_ltd + self.max_value * (L - L_ltd))
+        else:
+            self.consumed_layer_tokens += int(round(actual))
+        self.full_layer_tokens += int(round(full))
+        self.consumed_samples += int(samples)
+        if not self.global_batch_size:
+            self.global_batch_size = int(samples)
+        self.saved_flops += saved
+        self.full_layer_flops += full_flops
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._fold_step(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._fold_batch()  # micro-batches before the last one of an accumulation window
+        if not pl_module.automatic_optimization and any(self._pending):
+            self._fold_step(trainer)
+        assert self.controller is not None
+        self.controller.end()
+        records = self.controller.records
+        frac = 0.0
+        if records and self.adapter is not None:
+            r = records[0]
+            frac = F.saved_flops_fraction(r.seq_len, r.reserved_length, self.num_layers, len(self.layer_ids),
+                                          self.adapter.hidden_size(), self.adapter.intermediate_size())
+        pl_module.log_dict({
+            "effi/random_ltd/reserved_length": float(self.current_value),
+            "effi/random_ltd/consumed_layer_tokens": float(self.consumed_layer_tokens),
+            "effi/random_ltd/flops_saved_frac": frac,
+        }, on_step=True, on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------------------------------------------ accounting
+    def effi_adjust(self, stats: BatchStats, batch: Any, pl_module: pl.LightningModule) -> BatchStats:
+        """Lower the EfficiencyMonitor's layer-tokens and FLOPs of the current batch by what the LTD layers skipped."""
+        if self.controller is None or self.adapter is None or not self.controller.records:
+            return stats
+        _, ltd_lt, full_lt, saved, _ = self._batch_costs()
+        layer_tokens = round(stats.layer_tokens * ltd_lt / full_lt) if full_lt else stats.layer_tokens
+        return dataclasses.replace(stats, layer_tokens=int(layer_tokens), flops=max(0.0, stats.flops - saved))
+
+    def effi_summary(self) -> dict[str, Any]:
+        return {
+            "random_ltd/consumed_layer_tokens": int(self.consumed_layer_tokens),
+            "random_ltd/full_layer_tokens": int(self.full_layer_tokens),
+            "random_ltd/layer_token_saving": 1 - self.consumed_layer_tokens / self.full_layer_tokens
+            if self.full_layer_tokens else 0.0,
+            "random_ltd/layer_flops_saved_fraction": self.saved_flops / self.full_layer_flops
+            if self.full_layer_flops else 0.0,
+        }
+
+    # ------------------------------------------------------------------------------------------------ state
+    def config(self) -> dict[str, Any]:
+        return {"min_value": self.min_value, "max_value": self.max_value, "require_steps": self.require_steps,
+                "seq_per_step": self.seq_per_step, "layer_ids": list(self.layer_ids), "rounding": self.rounding,
+                "seed": self.seed, "keep_prefix_tokens": self.keep_prefix_tokens, "accounting": self.accounting}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "consumed_layer_tokens": int(self.consumed_layer_tokens),
+            "full_layer_tokens": int(self.full_layer_tokens),
+            "consumed_samples": int(self.consumed_samples),
+            "saved_flops": float(self.saved_flops),
+            "full_layer_flops": float(self.full_layer_flops),
+            "current_step": int(self.current_step),
+            "current_value": int(self.current_value),
+            "global_batch_size": int(self.global_batch_size),
+            "config": self.config(),
+        }
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        prefix = type(self).__qualname__ + "{"
+        stored = checkpoint.get("callbacks", {})
+        others = [k for k in stored if k.startswith(prefix) and k != self.state_key]
+        if others and self.state_key not in stored:
+            self._mismatch(f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}")
+
+    def _mismatch(self, message: str) -> None:
+        config_mismatch(type(self).__name__, message, self.strict)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved, mine = dict(state_dict["config"]), self.config()
+        if self.require_steps_arg is None:
+            # derived from the run length: the resumed run continues the schedule it started with
+            mine.pop("require_steps")
+            if saved.get("require_steps") is not None:
+                self.require_steps = int(saved["require_steps"])
+        diff = {k: (saved.get(k), mine.get(k)) for k in mine if saved.get(k) != mine.get(k)}
+        if diff:
+            self._mismatch(f"the checkpoint's configuration differs (checkpoint, now): {diff}")
+        self.consumed_layer_tokens = int(state_dict["consumed_layer_tokens"])
+        self.full_layer_tokens = int(state_dict["full_layer_tokens"])
+        self.consumed_samples = int(state_dict["consumed_samples"])
+        self.saved_flops = float(state_dict["saved_flops"])
+        self.full_layer_flops = float(state_dict["full_layer_flops"])
+        self.current_step = int(state_dict["current_step"])
+        self.current_value = int(state_dict["current_value"])
+        self.global_batch_size = int(state_dict.get("global_batch_size", 0))
+
+
+RandomLTD = RandomLTDCallback  # the spec's name (``lightning_effi.callbacks.RandomLTD``)

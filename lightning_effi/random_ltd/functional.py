@@ -1,0 +1,285 @@
+"""Random layerwise token dropping (random-LTD) as pure functions.
+
+Yao et al., "Random-LTD: Random and Layerwise Token Dropping Brings Efficient Training for Large-scale Transformers"
+(arXiv 2211.11586) and "DeepSpeed Data Efficiency" (Li et al., arXiv 2212.03597); reference code
+``deepspeed/runtime/data_pipeline/data_routing/{basic_layer,scheduler}.py``; specification
+``shared/specs/random_ltd.md``.
+
+Every selected ("LTD") transformer layer runs, in training, on a random sorted subset of ``r`` token positions per
+sample (``r`` = the *reserved length*); dropped positions skip the layer unchanged:
+
+    idx = sample_token_indices(num_ltd_layers, B, S, r, generator)   # int64 [L_ltd, B, r], rows sorted
+    part = gather_tokens(x, idx[l])                                   # [B, r, H]
+    y = scatter_tokens(x, idx[l], layer(part, gather_seq_tensor(mask, idx[l], (-2, -1))))
+
+The reserved length follows the MSLG schedule (:func:`ltd_value`, DeepSpeed's ``fixed_linear``) and the compute
+spent is counted in *layer-tokens* (:func:`layer_tokens`, :func:`total_layer_tokens`).
+
+Conventions: hidden states are ``[B, S, H]`` (``seq_dim=1``, HF and timm) or ``[S, B, H]`` (``seq_dim=0``,
+Megatron); token indices are int64 and sorted ascending per row; any dtype and length; native ``torch.gather`` /
+out-of-place ``torch.scatter`` (autograd saves only the indices). This module imports torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ROUNDINGS", "flops_per_layer", "gather_seq_tensor", "gather_tokens", "layer_tokens", "ltd_value",
+    "sample_token_indices", "saved_flops_fraction", "scatter_tokens", "total_layer_tokens", "validate_schedule",
+]
+
+Rounding = Literal["clamped", "deepspeed"]
+ROUNDINGS = ("clamped", "deepspeed")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Token selection
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def sample_token_indices(
+    num_layers: int,
+    batch_size: int,
+    seq_len: int,
+    reserved_length: int,
+    generator: torch.Generator | None = None,
+    keep_prefix_tokens: int = 0,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Independent uniform ``r``-subsets of ``range(S)`` per (layer, sample), sorted ascending (spec §2).
+
+    Each row is uniform over all ``r``-subsets without replacement (``argsort`` of i.i.d. float64 uniforms). With
+    ``keep_prefix_tokens = k`` positions ``0..k-1`` are always kept and the other ``r - k`` are uniform over
+    ``k..S-1`` (timm ``PatchDropout`` style, e.g. a class token).
+
+    Args:
+        num_layers: ``L_ltd`` (>= 0). batch_size: ``B``. seq_len: ``S``. reserved_length: ``r``, ``k <= r <= S``.
+        generator: a ``torch.Generator`` on ``device`` (default: the global generator).
+        keep_prefix_tokens: ``k >= 0``. device: where the indices are made (default: the generator's device).
+
+    Returns:
+        int64 ``[L_ltd, B, r]``.
+
+    Raises:
+        ValueError: a size that is not a non-negative int, ``r > S`` or ``r < k``.
+    """
+    for name, v in (("num_layers", num_layers), ("batch_size", batch_size), ("seq_len", seq_len),
+                    ("reserved_length", reserved_length), ("keep_prefix_tokens", keep_prefix_tokens)):
+        if not _is_int(v) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    if reserved_length > seq_len:
+        raise ValueError(f"reserved_length ({reserved_length}) is larger than the sequence length ({seq_len})")
+    if reserved_length < keep_prefix_tokens:
+        raise ValueError(f"reserved_length ({reserved_length}) must be >= keep_prefix_tokens ({keep_prefix_tokens})")
+    if device is None:
+        device = generator.device if generator is not None else torch.device("cpu")
+    k = keep_prefix_tokens
+    keys = torch.rand(num_layers, batch_size, seq_len - k, generator=generator, device=device, dtype=torch.float64)
+    drawn = keys.argsort(dim=-1)[..., : reserved_length - k] + k
+    if k:
+        prefix = torch.arange(k, device=device).expand(num_layers, batch_size, k)
+        drawn = torch.cat([prefix, drawn], dim=-1)
+    return drawn.sort(dim=-1).values
+
+
+def _check_idx(x: Tensor, idx: Tensor, seq_dim: int) -> int:
+    if seq_dim not in (0, 1):
+        raise ValueError(f"seq_dim must be 0 ([S, B, H]) or 1 ([B, S, H]), got {seq_dim!r}")
+    if x.dim() < 2:
+        raise ValueError(f"hidden states need a batch and a sequence axis, got shape {tuple(x.shape)}")
+    if idx.dtype != torch.int64 or idx.dim() != 2:
+        raise ValueError(f"token indices must be int64 [B, r], got {idx.dtype} {tuple(idx.shape)}")
+    batch = x.shape[1 - seq_dim]
+    if idx.shape[0] != batch:
+        raise ValueError(f"token indices are for {idx.shape[0]} samples, the hidden states hold {batch}")
+    return batch
+
+
+def _expand_index(x: Tensor, idx: Tensor, seq_dim: int) -> Tensor:
+    """``idx [B, r]`` laid out like ``x`` with the sequence axis of length ``r``."""
+    view = idx if seq_dim == 1 else idx.t()  # [B, r] or [r, B]
+    view = view.reshape(*view.shape, *([1] * (x.dim() - 2)))
+    return view.expand(*view.shape[:2], *x.shape[2:])
+
+
+def gather_tokens(x: Tensor, idx: Tensor, seq_dim: int = 1) -> Tensor:
+    """The kept tokens: ``out[b, j] = x[b, idx[b, j]]`` (``seq_dim=1``; transposed for ``seq_dim=0``).
+
+    Args:
+        x: ``[B, S, ...]`` (or ``[S, B, ...]``), any dtype. idx: int64 ``[B, r]``.
+
+    Returns:
+        ``[B, r, ...]`` (or ``[r, B, ...]``), a new tensor (differentiable w.r.t. ``x``).
+    """
+    _check_idx(x, idx, seq_dim)
+    return x.gather(seq_dim, _expand_index(x, idx, seq_dim))
+
+
+def scatter_tokens(x: Tensor, idx: Tensor, part: Tensor, seq_dim: int = 1) -> Tensor:
+    """``x`` with the kept rows replaced by ``part`` (out of place; spec §3).
+
+    Gradients: dropped positions pass ``grad_out`` straight to ``x``; kept positions of ``x`` receive nothing through
+    this op (their identity path is overwritten); ``part`` receives the kept rows of ``grad_out``.
+
+    Args:
+        x: ``[B, S, ...]``. idx: int64 ``[B, r]``. part: ``[B, r, ...]`` (same layout and trailing sizes as ``x``).
+
+    Raises:
+        ValueError: ``part`` does not have ``x``'s shape with ``r`` tokens.
+    """
+    _check_idx(x, idx, seq_dim)
+    expected = list(x.shape)
+    expected[seq_dim] = idx.shape[1]
+    if list(part.shape) != expected:
+        raise ValueError(f"layer output has shape {tuple(part.shape)}, expected {tuple(expected)} (the gathered "
+                         "input's shape): a layer under random-LTD must keep the sequence length")
+    return x.scatter(seq_dim, _expand_index(x, idx, seq_dim), part.to(x.dtype))
+
+
+def gather_seq_tensor(t: Tensor, idx: Tensor, axes: Sequence[int], batch_axis: int = 0) -> Tensor:
+    """Gather every sequence axis of a mask, bias or position tensor with the per-sample indices (spec §4.1).
+
+    Axes of size 1 are broadcast axes and are left alone; a batch axis of size 1 is expanded to ``B`` before a
+    per-sample gather. Examples: a ``[B, 1, S, S]`` mask with ``axes=(-2, -1)`` gives ``[B, 1, r, r]``; a
+    ``[B, 1, 1, S]`` mask gives ``[B, 1, 1, r]``; ``position_ids [1, S]`` with ``axes=(-1,)`` gives ``[B, r]``.
+
+    Args:
+        t: the tensor. idx: int64 ``[B, r]`` (sorted rows). axes: the axes that index the sequence.
+        batch_axis: the axis of ``t`` that indexes samples (size ``B`` or 1).
+
+    Raises:
+        ValueError: a sequence axis whose size is neither 1 nor ``S`` (inferred from the largest index), or a batch
+            axis whose size is neither 1 nor ``B``.
+    """
+    b, r = idx.shape
+    nd = t.dim()
+    batch_axis %= nd
+    if t.shape[batch_axis] not in (1, b):
+        raise ValueError(f"tensor of shape {tuple(t.shape)}: batch axis {batch_axis} has size "
+                         f"{t.shape[batch_axis]}, expected 1 or {b}")
+    for axis in sorted({a % nd for a in axes}):
+        if axis == batch_axis:
+            raise ValueError(f"axis {axis} is the batch axis of a tensor of shape {tuple(t.shape)}")
+        if t.shape[axis] == 1:
+            continue
+        if t.shape[batch_axis] == 1 and b != 1:
+            shape = list(t.shape)
+            shape[batch_axis] = b
+            t = t.expand(*shape)
+        shape = [1] * nd
+        shape[batch_axis], shape[axis] = b, r
+        index = idx.reshape(shape)
+        target = list(t.shape)
+        target[axis] = r
+        t = t.gather(axis, index.expand(*target))
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reserved-length schedule (MSLG) and layer-token accounting
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def validate_schedule(min_value: int, max_value: int, require_steps: int, seq_per_step: int,
+                      rounding: str = "clamped") -> None:
+    """Check MSLG schedule values (DeepSpeed config names).
+
+    Raises:
+        ValueError: ``min_value``/``max_value`` not ints ``>= 1``, ``min_value > max_value``, ``require_steps`` not an
+            int ``>= 1``, ``seq_per_step`` not an int ``>= 1``, ``rounding`` not ``clamped``/``deepspeed``.
+    """
+    for name, v in (("min_value", min_value), ("max_value", max_value), ("require_steps", require_steps),
+                    ("seq_per_step", seq_per_step)):
+        if not _is_int(v) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if min_value > max_value:
+        raise ValueError(f"min_value ({min_value}) must be <= max_value ({max_value})")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+
+
+def ltd_value(step: int, min_value: int, max_value: int, require_steps: int, seq_per_step: int,
+              rounding: Rounding = "clamped") -> int:
+    """Reserved length ``r`` at optimizer step ``step`` (0-based), spec §5 (DeepSpeed ``fixed_linear``)::
+
+        value = floor(step / require_steps * (max_value - min_value) + min_value)
+        value -= value % seq_per_step;  value = min(value, max_value)
+
+    ``rounding="deepspeed"`` is exactly that (it can start below ``min_value`` and plateau below ``max_value``);
+    ``"clamped"`` (default) also keeps ``value >= min_value`` and gives ``max_value`` from ``require_steps`` on.
+    The DeepSpeed scheduler only updates while ``current < max_value``; the formula is monotonic, so the value at a
+    step does not depend on the history. The product is computed exactly (integers, no float rounding).
+
+    Raises:
+        ValueError: invalid schedule values (see :func:`validate_schedule`) or a negative / non-int ``step``.
+    """
+    validate_schedule(min_value, max_value, require_steps, seq_per_step, rounding)
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    value = (step * (max_value - min_value)) // require_steps + min_value
+    value -= value % seq_per_step
+    value = min(value, max_value)
+    if rounding == "clamped":
+        value = max_value if step >= require_steps else max(value, min_value)
+    return int(value)
+
+
+def layer_tokens(batch_size: int, seq_len: int, reserved_length: int, num_layers: int, num_ltd_layers: int) -> int:
+    """Layer-tokens one batch consumes: ``B * (min(r, S) * L_ltd + S * (L - L_ltd))`` (spec §6, actual accounting).
+
+    With ``seq_len = max_value`` this is DeepSpeed's per-step increment (``global_batch_size * (r * L_ltd +
+    max_value * (L - L_ltd))``).
+    """
+    if not 0 <= num_ltd_layers <= num_layers:
+        raise ValueError(f"need 0 <= num_ltd_layers <= num_layers, got {num_ltd_layers}, {num_layers}")
+    return int(batch_size) * (min(int(reserved_length), int(seq_len)) * num_ltd_layers
+                              + int(seq_len) * (num_layers - num_ltd_layers))
+
+
+def total_layer_tokens(train_steps: int, global_batch_size: int, num_layers: int, num_ltd_layers: int,
+                       min_value: int, max_value: int, require_steps: int, seq_per_step: int,
+                       rounding: Rounding = "clamped") -> int:
+    """Layer-tokens of ``train_steps`` optimizer steps at full-length (``max_value``) sequences: the sum of
+    :func:`layer_tokens` over the schedule. Pure (DeepSpeed's ``get_total_layer_tokens`` mutates its scheduler)."""
+    if not _is_int(train_steps) or train_steps < 0:
+        raise ValueError(f"train_steps must be a non-negative int, got {train_steps!r}")
+    total = 0
+    full = max(0, train_steps - require_steps)  # steps from require_steps on all use max_value (both roundings)
+    for step in range(train_steps - full):
+        r = ltd_value(step, min_value, max_value, require_steps, seq_per_step, rounding)
+        total += layer_tokens(global_batch_size, max_value, r, num_layers, num_ltd_layers)
+    if full:
+        r = ltd_value(require_steps, min_value, max_value, require_steps, seq_per_step, rounding)
+        total += full * layer_tokens(global_batch_size, max_value, r, num_layers, num_ltd_layers)
+    return total
+
+
+def flops_per_layer(batch_size: int, tokens: int, hidden: int, intermediate: int | None = None) -> int:
+    """Training FLOPs (forward + backward = 3 x forward) of one transformer layer on ``tokens`` tokens per sample:
+    ``3 * (B*T*(8*H^2 + 4*H*I) + 4*B*T^2*H)`` (QKV/output projections, MLP, attention scores and mixing; spec §6,
+    the same convention as :func:`lightning_effi.core.flops.transformer_forward_flops`)."""
+    inter = 4 * hidden if intermediate is None else intermediate
+    b, t = int(batch_size), int(tokens)
+    return 3 * (b * t * (8 * hidden * hidden + 4 * hidden * inter) + 4 * b * t * t * hidden)
+
+
+def saved_flops_fraction(seq_len: int, reserved_length: int, num_layers: int, num_ltd_layers: int, hidden: int,
+                         intermediate: int | None = None) -> float:
+    """Fraction of the transformer layers' training FLOPs that random-LTD skips at reserved length ``r``."""
+    full = num_layers * flops_per_layer(1, seq_len, hidden, intermediate)
+    if full == 0:
+        return 0.0
+    r = min(reserved_length, seq_len)
+    saved = num_ltd_layers * (flops_per_layer(1, seq_len, hidden, intermediate)
+                              - flops_per_layer(1, r, hidden, intermediate))
+    return saved / full

@@ -1,0 +1,348 @@
+"""Random-LTD model conversion: patch selected transformer layers to run on a random subset of tokens.
+
+No Lightning here (the callback :class:`lightning_effi.callbacks.RandomLTDCallback` drives it); usable in any loop::
+
+    ctl = LTDController(num_layers=12, layer_ids=range(1, 11), seed=0)
+    patched = convert(model, find_adapter(model), ctl)     # state_dict keys unchanged
+    ctl.begin(step=0, micro_batch=0, reserved_length=64)
+    loss = model(**batch).loss                                # layers 1..10 see 64 random tokens per sample
+    ctl.end()
+    restore(patched)
+
+Design (spec ``shared/specs/random_ltd.md`` §2-§4, §8):
+
+- **No wrapper modules.** Each selected layer gets an instance-level ``forward`` (:class:`LTDForward`) that wraps the
+  bound method it replaces (for HF layers, the class-level ``forward`` that holds the activation-checkpointing
+  logic), so ``state_dict`` keys and shapes are those of the plain model and checkpoints load either way.
+- **Indices per forward.** The first LTD layer of a forward draws ``[L_ltd, B, r]`` indices for all LTD layers from a
+  generator seeded with ``(seed, step, micro_batch, rank)``; every later lookup in the same context (including the
+  recomputation of activation checkpointing) returns the same rows. The global RNGs are never used.
+- **Pass-through** when the layer is in ``eval()`` mode, the controller is not armed (outside a training batch), or
+  ``r >= S`` (e.g. after curriculum truncation). Hidden states on the ``meta`` device (FLOP counting on a meta copy)
+  also pass through.
+- **Arguments.** The adapter declares, by name, which layer arguments have sequence axes (gathered per sample with
+  the layer's indices, never sliced), which pass through, and which must be ``None`` (KV caches). Positional and
+  keyword arguments are matched to names through the layer's signature. A signature argument the adapter does not
+  know is rejected at :func:`convert`; an undeclared tensor with an axis of length S arriving through ``**kwargs`` is
+  rejected at the call.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_effi.models.base import MUST_BE_NONE, PASS, SeqArg, TransformerAdapter
+from lightning_effi.random_ltd import functional as F
+from lightning_effi.core.rng import hash64
+
+__all__ = ["LTDController", "LTDForward", "PatchedLayers", "convert", "resolve_layer_ids", "restore",
+           "strip_random_ltd_keys"]
+
+#: Purpose key mixed into every random-LTD seed (another technique with the same user seed gets another stream).
+_PURPOSE = int.from_bytes(b"RandLTD", "little")
+
+
+def resolve_layer_ids(layer_ids: Iterable[int] | None, num_layers: int) -> tuple[int, ...]:
+    """The LTD layer ids: default ``1 .. L-2`` (all but the first and the last, spec §1).
+
+    Raises:
+        ValueError: an id that is not an int, out of ``[0, L)``, duplicated or unsorted; an empty selection.
+    """
+    if layer_ids is None:
+        ids = tuple(range(1, num_layers - 1))
+        if not ids:
+            raise ValueError(f"layer_ids: the model has {num_layers} layers, so the default (all but the first and "
+                             "the last) selects none; pass layer_ids explicitly")
+        return ids
+    ids = tuple(layer_ids)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"layer_ids: ids must be ints, got {i!r}")
+        if not 0 <= i < num_layers:
+            raise ValueError(f"layer_ids: id {i} is out of range for a model with {num_layers} layers "
+                             f"(valid: 0..{num_layers - 1})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"layer_ids: duplicate ids in {list(ids)}")
+    if list(ids) != sorted(ids):
+        raise ValueError(f"layer_ids: ids must be sorted ascending, got {list(ids)}")
+    if not ids:
+        raise ValueError("layer_ids: select at least one layer")
+    return ids
+
+
+@dataclass
+class BatchRecord:
+    """Shapes seen by the LTD layers in one forward context: ``B``, ``S`` and the effective reserved length."""
+
+    batch_size: int
+    seq_len: int
+    reserved_length: int
+
+
+@dataclass
+class LTDController:
+    """Per-forward state shared by the patched layers: the reserved length, the armed context and its indices.
+
+    Args:
+        num_layers: ``L``, layers in the adapter's list. layer_ids: the LTD layers (exact indices, sorted).
+        seed: user seed. rank: data-parallel rank (ranks draw different tokens).
+        keep_prefix_tokens: positions ``0..k-1`` always kept.
+    """
+
+    num_layers: int
+    layer_ids: tuple[int, ...]
+    seed: int = 0
+    rank: int = 0
+    keep_prefix_tokens: int = 0
+    reserved_length: int | None = None
+    key: tuple[int, int] | None = None
+    records: list[BatchRecord] = field(default_factory=list)
+    draws: int = 0
+    lookups: int = 0
+    _indices: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_ltd_layers(self) -> int:
+        return len(self.layer_ids)
+
+    def begin(self, step: int, micro_batch: int, reserved_length: int) -> None:
+        """Arm the controller for the forward(s) of one training micro-batch."""
+        self.key = (int(step), int(micro_batch))
+        self.reserved_length = int(reserved_length)
+        self._indices.clear()
+        self.records = []
+
+    def end(self) -> None:
+        """Disarm (the records and indices of the last context stay readable until the next :meth:`begin`)."""
+        self.key = None
+
+    @property
+    def armed(self) -> bool:
+        return self.key is not None and self.reserved_length is not None
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The private generator of the current context on ``device``."""
+        assert self.key is not None
+        g = torch.Generator(device=device)
+        g.manual_seed(hash64(int(self.seed), _PURPOSE, self.key[0], self.key[1], int(self.rank)))
+        return g
+
+    def indices(self, ordinal: int, batch_size: int, seq_len: int, device: torch.device) -> Tensor | None:
+        """Token indices ``int64 [B, r]`` of LTD layer ``ordinal`` in the current context, or ``None`` (pass-through:
+        not armed, or ``r >= S``). Drawn once per context and shape; a repeated lookup never redraws."""
+        if not self.armed:
+            return None
+        assert self.reserved_length is not None
+        self.lookups += 1
+        r = min(self.reserved_length, seq_len)
+        shape_key = (batch_size, seq_len, str(device))
+        if shape_key not in self._indices:
+            self.records.append(BatchRecord(batch_size, seq_len, r))
+            if r >= seq_len:
+                self._indices[shape_key] = torch.empty(0)
+            else:
+                if r < self.keep_prefix_tokens:
+                    raise ValueError(f"reserved length {r} is smaller than keep_prefix_tokens "
+                                     f"({self.keep_prefix_tokens})")
+                self.draws += 1
+                self._indices[shape_key] = F.sample_token_indices(
+                    self.num_ltd_layers, batch_size, seq_len, r, self.generator(device),
+                    keep_prefix_tokens=self.keep_prefix_tokens, device=device)
+        idx = self._indices[shape_key]
+        return None if idx.numel() == 0 else idx[ordinal]
+
+    def last_indices(self) -> Tensor | None:
+        """The ``[L_ltd, B, r]`` indices drawn last in the current context (``None`` if nothing was dropped)."""
+        drawn = [t for t in self._indices.values() if t.numel()]
+        return drawn[-1] if drawn else None
+
+
+def _hidden_name(sig: inspect.Signature) -> str:
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return p.name
+    raise ValueError("layer forward takes no positional hidden-states argument")
+
+
+def _check_signature(layer: nn.Module, index: int, sig: inspect.Signature, adapter: TransformerAdapter) -> str:
+    known = adapter.layer_arguments
+    hidden = _hidden_name(sig)
+    for p in sig.parameters.values():
+        if p.name == hidden or p.kind == p.VAR_KEYWORD:
+            continue
+        if p.kind == p.VAR_POSITIONAL:
+            raise ValueError(f"layer {index} ({type(layer).__name__}) takes *{p.name}: random-LTD cannot tell which "
+                             f"extra positional arguments have a sequence axis; adapter {adapter.name or adapter!r} "
+                             "must name them (use GenericAdapter(seq_args=..., passthrough=...) or a registered "
+                             "adapter)")
+        if p.name not in known:
+            raise ValueError(
+                f"layer {index} ({type(layer).__name__}) takes an argument {p.name!r} that adapter "
+                f"{adapter.name or adapter!r} does not know; declare whether it has a sequence axis "
+                "(GenericAdapter(seq_args={...}, passthrough=[...], must_be_none=[...]) or a registered adapter)")
+    return hidden
+
+
+class LTDForward:
+    """The patched ``forward`` of one LTD layer (an instance attribute; the module's parameters are untouched).
+
+    Call semantics: ``original(*args, **kwargs)`` when passing through; otherwise the hidden states and every
+    declared sequence argument are gathered with this layer's ``[B, r]`` indices, the original forward runs on the
+    subset, and its output (a tensor, or the first element of a tuple) is scattered back into the full sequence.
+    """
+
+    def __init__(self, layer: nn.Module, original: Any, controller: LTDController, ordinal: int, index: int,
+                 adapter: TransformerAdapter):
+        self.original = original
+        self.controller = controller
+        self.ordinal = ordinal
+        self.index = index
+        self.arguments = adapter.layer_arguments
+        self.seq_dim = 1 if adapter.hidden_state_order == "batch_seq" else 0
+        self.signature = inspect.signature(original)
+        self.hidden = _check_signature(layer, index, self.signature, adapter)
+        self.layer_type = type(layer).__name__
+
+    def __deepcopy__(self, memo: dict) -> LTDForward:
+        # a deep copy of the model (e.g. FLOP counting on a meta copy) patches the copied layer, sharing the controller
+        new = copy.copy(self)
+        new.original = copy.deepcopy(self.original, memo)
+        return new
+
+    def _owner(self) -> nn.Module:
+        return self.original.__self__
+
+    def _gather_arg(self, name: str, value: Any, idx: Tensor, seq_len: int) -> Any:
+        spec = self.arguments.get(name)
+        if value is None or spec == PASS:
+            return value
+        if spec == MUST_BE_NONE:
+            raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) received "
+                               f"{name}={type(value).__name__} while dropping tokens; it must be None in training "
+                               "(turn the KV cache off: use_cache=False)")
+        if isinstance(spec, SeqArg):
+            if isinstance(value, (tuple, list)):
+                return type(value)(self._gather_arg(name, v, idx, seq_len) for v in value)
+            if not isinstance(value, Tensor):
+                return value
+            axes = spec.axes
+            if spec.only_matching:
+                axes = tuple(a for a in axes if value.shape[a] == seq_len)
+            nd = value.dim()
+            for a in axes:
+                if value.shape[a] not in (1, seq_len):
+                    raise RuntimeError(f"random-LTD layer {self.index}: argument {name!r} of shape "
+                                       f"{tuple(value.shape)} has size {value.shape[a]} on sequence axis {a}, "
+                                       f"expected {seq_len} or 1")
+            if spec.batch_axis % nd in {a % nd for a in axes}:
+                raise RuntimeError(f"random-LTD layer {self.index}: argument {name!r} of shape {tuple(value.shape)} "
+                                   "has fewer axes than the adapter declares")
+            return F.gather_seq_tensor(value, idx, axes, spec.batch_axis)
+        # undeclared (only reachable through **kwargs): reject tensors that carry this sequence
+        if isinstance(value, Tensor) and seq_len > 1 and seq_len in value.shape[1:]:
+            raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) received a tensor argument "
+                               f"{name!r} of shape {tuple(value.shape)} that the adapter does not declare; it may "
+                               "have a sequence axis, so it cannot be passed unchanged (declare it in the adapter)")
+        return value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs.get(self.hidden)
+        owner = self._owner()
+        if (not owner.training or not self.controller.armed or not isinstance(hidden, Tensor)
+                or hidden.device.type == "meta"):
+            return self.original(*args, **kwargs)
+        seq_len = hidden.shape[self.seq_dim]
+        batch = hidden.shape[1 - self.seq_dim]
+        idx = self.controller.indices(self.ordinal, batch, seq_len, hidden.device)
+        if idx is None:
+            return self.original(*args, **kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        for name, value in list(bound.arguments.items()):
+            param = self.signature.parameters[name]
+            if name == self.hidden:
+                bound.arguments[name] = F.gather_tokens(value, idx, self.seq_dim)
+            elif param.kind == param.VAR_KEYWORD:
+                bound.arguments[name] = {k: self._gather_arg(k, v, idx, seq_len) for k, v in value.items()}
+            else:
+                bound.arguments[name] = self._gather_arg(name, value, idx, seq_len)
+        out = self.original(*bound.args, **bound.kwargs)
+        if isinstance(out, Tensor):
+            return F.scatter_tokens(hidden, idx, out, self.seq_dim)
+        if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
+            for extra in out[1:]:
+                nested = isinstance(extra, tuple) and any(isinstance(e, Tensor) for e in extra)
+                if isinstance(extra, Tensor) or nested:
+                    raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) returned extra tensors "
+                                       "(attention weights or a cache) computed on the kept tokens only; turn them "
+                                       "off in training (output_attentions=False, use_cache=False)")
+            return (F.scatter_tokens(hidden, idx, out[0], self.seq_dim), *out[1:])
+        raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) returned {type(out).__name__}; "
+                           "expected a tensor or a tuple whose first element is the hidden states")
+
+
+@dataclass
+class PatchedLayers:
+    """What :func:`convert` changed, for :func:`restore`."""
+
+    adapter: TransformerAdapter
+    layers: list[nn.Module]
+    previous: list[Any]  # the instance-level forward each layer had before (None: the class method)
+    controller: LTDController
+
+
+def convert(module: nn.Module, adapter: TransformerAdapter, controller: LTDController) -> PatchedLayers:
+    """Patch ``controller.layer_ids`` of ``adapter.layers()`` with :class:`LTDForward` (spec §8: no wrapper modules,
+    ``state_dict`` unchanged). ``module`` is the object a :class:`GenericAdapter` path starts from.
+
+    Raises:
+        ValueError: the adapter rejects the model (:meth:`TransformerAdapter.check`), bad ``layer_ids`` (see
+            :func:`resolve_layer_ids`), a layer whose signature has arguments the adapter does not know, or a layer
+            that is already patched.
+    """
+    adapter.bind(module)
+    adapter.check()
+    layers = adapter.layers()
+    ids = resolve_layer_ids(controller.layer_ids, len(layers))
+    if len(layers) != controller.num_layers:
+        raise ValueError(f"the controller expects {controller.num_layers} layers, the model has {len(layers)}")
+    selected = [layers[i] for i in ids]
+    for i, layer in zip(ids, selected):
+        if isinstance(layer.__dict__.get("forward"), LTDForward):
+            raise ValueError(f"layer {i} ({type(layer).__name__}) is already converted to random-LTD")
+    forwards = [LTDForward(layer, layer.forward, controller, ordinal, i, adapter)
+                for ordinal, (i, layer) in enumerate(zip(ids, selected))]  # validate every layer before patching
+    previous = [layer.__dict__.get("forward") for layer in selected]
+    for layer, fwd in zip(selected, forwards):
+        layer.forward = fwd
+    adapter.on_setup()
+    return PatchedLayers(adapter, selected, previous, controller)
+
+
+def restore(patched: PatchedLayers) -> None:
+    """Undo :func:`convert`: the layers get back the ``forward`` they had (idempotent)."""
+    for layer, prev in zip(patched.layers, patched.previous):
+        if isinstance(layer.__dict__.get("forward"), LTDForward):
+            if prev is None:
+                del layer.forward
+            else:
+                layer.forward = prev
+    patched.adapter.on_teardown()
+    patched.layers, patched.previous = [], []
+
+
+def is_converted(module: nn.Module) -> bool:
+    """True if any submodule of ``module`` has a random-LTD ``forward``."""
+    return any(isinstance(m.__dict__.get("forward"), LTDForward) for m in module.modules())
+
+
+def strip_random_ltd_keys(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Import a DeepSpeed-converted checkpoint: remove the ``.random_ltd_layer`` infix its wrapper modules add to
+    every key of a converted layer (``h.3.random_ltd_layer.attn.c_attn.weight`` -> ``h.3.attn.c_attn.weight``)."""
+    return {k.replace(".random_ltd_layer.", ".").replace("random_ltd_layer.", ""): v for k, v in state_dict.items()}

@@ -1,0 +1,182 @@
+"""Base class of the reference tasks: the per-sample-loss contract, optimizers and accounting hooks.
+
+Contract (``docs/architecture.md``; ``shared/specs/infobatch.md`` §4 and ``lightning_hydra.md`` §8):
+``training_step`` returns ``{"loss": per_sample_loss.mean(), "per_sample_loss": per_sample_loss}`` where
+``per_sample_loss`` has shape ``(B,)``. A plain ``Trainer`` only uses ``"loss"``; loss-driven callbacks read
+``"per_sample_loss"``. Batches are dicts; unknown keys (for example ``"index"``) are ignored.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_effi.core.flops import measured_training_flops
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+SchedulerFactory = Callable[..., Any]
+
+
+def default_optimizer(params: Any) -> torch.optim.Optimizer:
+    """AdamW(lr=1e-3, weight_decay=0.01): used when a task is built without an optimizer factory."""
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def param_groups(model: nn.Module, weight_decay: float | None) -> list[dict[str, Any]]:
+    """Split parameters into decayed (matrices, ndim >= 2) and non-decayed (biases, norms) groups (nanoGPT style).
+
+    With ``weight_decay=None`` the optimizer's own default applies to the first group.
+    """
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    first: dict[str, Any] = {"params": decay}
+    if weight_decay is not None:
+        first["weight_decay"] = weight_decay
+    return [first, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class EffiTask(pl.LightningModule):
+    """A LightningModule that follows the per-sample-loss contract.
+
+    Subclasses implement :meth:`per_sample_loss` (returns ``(per_sample_loss (B,), model_output)``) and
+    :meth:`validation_metrics`. Optimizer and scheduler are Hydra partials (``_partial_: true``) so
+    :meth:`configure_optimizers` can be called again after a model change (V-cycle).
+
+    Args:
+        optimizer: ``callable(params) -> Optimizer``; default AdamW(lr=1e-3, weight_decay=0.01).
+        scheduler: ``callable(optimizer, total_steps=int) -> LRScheduler`` stepped every optimizer step, or None.
+        weight_decay: if not None, applied to matrix parameters only (biases and norm weights get 0).
+    """
+
+    #: number of transformer layers, for layer-token accounting (0 for non-transformer models)
+    effi_num_layers: int = 0
+
+    def __init__(
+        self,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        weight_decay: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.optimizer_factory = optimizer or default_optimizer
+        self.scheduler_factory = scheduler
+        self.weight_decay = weight_decay
+        self.model: nn.Module
+
+    # ----------------------------------------------------------------------------------------------- contract
+    def per_sample_loss(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Any]:
+        """Return ``(loss (B,) float with grad, model output)`` for a batch. Implemented by subclasses."""
+        raise NotImplementedError
+
+    def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        per_sample, _ = self.per_sample_loss(batch)
+        loss = per_sample.mean()
+        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False, batch_size=len(per_sample))
+        return {"loss": loss, "per_sample_loss": per_sample}
+
+    def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def _eval_step(self, batch: Mapping[str, Tensor], stage: str) -> None:
+        per_sample, output = self.per_sample_loss(batch)
+        self.log(f"{stage}/loss", per_sample.mean(), prog_bar=True, batch_size=len(per_sample), sync_dist=True)
+        self.update_metrics(stage, batch, output)
+
+    def update_metrics(self, stage: str, batch: Mapping[str, Tensor], output: Any) -> None:
+        """Update and log the task's torchmetrics for ``stage`` in {"val", "test"}."""
+
+    # ------------------------------------------------------------------------------------------ optimization
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(param_groups(self, self.weight_decay))
+        if self.scheduler_factory is None:
+            return optimizer
+        total = self.trainer.estimated_stepping_batches
+        if not isinstance(total, int) and (total != total or total == float("inf")):
+            raise ValueError(
+                "model.scheduler needs a finite training length: set trainer.max_epochs or trainer.max_steps"
+            )
+        kwargs: dict[str, Any] = {"total_steps": int(total)}
+        progress = self.effi_progress_source()
+        if progress is not None:
+            if "progress" not in inspect.signature(self.scheduler_factory).parameters:
+                rank_zero_warn(
+                    "A callback changes the epoch length (e.g. InfoBatch) but model.scheduler does not accept "
+                    "`progress`: its length comes from trainer.estimated_stepping_batches and will not match"
+                )
+            else:
+                kwargs["progress"] = progress
+        scheduler = self.scheduler_factory(optimizer, **kwargs)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def effi_progress_source(self) -> Callable[[], float] | None:
+        """``effi_progress`` of the first trainer callback that defines one (a technique that changes the epoch
+        length), passed to progress-aware scheduler factories; None otherwise."""
+        for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
+            progress = getattr(callback, "effi_progress", None)
+            if callable(progress):
+                return progress
+        return None
+
+    def effi_data_limits(self) -> dict[str, int]:
+        """What the model can take: ``vocab_size`` / ``max_length`` (upper bounds) and ``num_classes`` (exact)."""
+        return {}
+
+    def check_data_hints(self, hints: Mapping[str, Any]) -> None:
+        """Check the model against the DataModule's ``model_hints()`` before training.
+
+        Raises:
+            ValueError: the data's vocabulary or sequence length exceeds the model's, or the class counts differ
+                (naming the ``model.`` key).
+        """
+        for key, limit in self.effi_data_limits().items():
+            need = hints.get(key)
+            if need is None:
+                continue
+            if key == "num_classes" and need != limit:
+                raise ValueError(f"model.num_classes: the model has {limit} classes, the data {need}")
+            if key != "num_classes" and need > limit:
+                raise ValueError(f"model.{key}: the model takes at most {limit}, the data needs {need}")
+
+    def check_optimization(self) -> None:
+        """Build the optimizer and scheduler once on the current parameters, so invalid values (a negative
+        learning rate, a warmup fraction above 1) fail before training with the config key named.
+
+        Raises:
+            ValueError: naming ``model.optimizer`` or ``model.scheduler``.
+        """
+        try:
+            optimizer = self.optimizer_factory(param_groups(self, self.weight_decay))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"model.optimizer: {err}") from err
+        if self.scheduler_factory is not None:
+            try:
+                self.scheduler_factory(optimizer, total_steps=1)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"model.scheduler: {err}") from err
+
+    # ----------------------------------------------------------------------------------------- accounting
+    def effi_training_flops(self, batch: Mapping[str, Tensor]) -> float:
+        """Training FLOPs (forward + backward) of one batch. Default: measured with ``torch.utils.flop_counter``
+        on a meta-device copy of the model, cached per input shape (see :mod:`lightning_effi.core.flops`)."""
+        inputs = self.model_inputs(batch)
+        return measured_training_flops(self.model, inputs)
+
+    def effi_count_tokens(self, batch: Mapping[str, Tensor]) -> int:
+        """Tokens in a training batch (for token and layer-token accounting). Default:
+        :func:`lightning_effi.core.accounting.tokens_of`."""
+        from lightning_effi.core.accounting import tokens_of
+
+        return tokens_of(batch)
+
+    def model_inputs(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The keyword arguments given to ``self.model`` for ``batch`` (used by FLOP measurement)."""
+        raise NotImplementedError
