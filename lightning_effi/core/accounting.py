@@ -7,7 +7,8 @@ Counts are summed over ranks; times are the maximum over ranks. Figures are logg
 (cumulative) and summarised at the end of ``fit`` as a table and in :attr:`EfficiencyMonitor.summary` (which
 ``lightning_effi.train`` writes to ``result.json``).
 
-Extension protocol (duck-typed, no base class needed): any callback in ``trainer.callbacks`` that defines
+Extension protocol (duck-typed, no base class needed; typed in :mod:`lightning_effi.core.protocols`): any callback
+in ``trainer.callbacks`` that defines
 
 - ``effi_adjust(stats: BatchStats, batch, pl_module) -> BatchStats`` is called for every training batch, in callback
   order, and may lower or raise the counts (random-LTD lowers layer-tokens and FLOPs);
@@ -33,6 +34,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
+
+from lightning_effi.core.protocols import AdjustsBatchStats, ReportsSummary
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
 TIME_KEYS = ("time_train", "time_data", "time_eval")
@@ -128,6 +131,9 @@ class EfficiencyMonitor(Callback):
         self._fit_start: float | None = None
         self._flops_warned = False
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(log_every_n_steps={self.log_every_n_steps!r}, print_summary={self.print_summary!r})"
+
     # ----------------------------------------------------------------------------------------- per batch
     def batch_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> BatchStats:
         """The cost of one training batch after every ``effi_adjust`` of the trainer's callbacks."""
@@ -148,9 +154,8 @@ class EfficiencyMonitor(Callback):
                 )
         stats = BatchStats(samples, tokens, layer_tokens, flops)
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            adjust = getattr(callback, "effi_adjust", None)
-            if callable(adjust) and callback is not self:
-                stats = adjust(stats, batch, pl_module)
+            if isinstance(callback, AdjustsBatchStats) and callback is not self:  # type: ignore[comparison-overlap]
+                stats = callback.effi_adjust(stats, batch, pl_module)
         return stats
 
     @override
@@ -180,8 +185,9 @@ class EfficiencyMonitor(Callback):
         for key in ("samples", "tokens", "layer_tokens", "flops"):
             self.totals[key] += getattr(stats, key)
         self.totals["batches"] += 1
-        pl_module.flops_per_batch = int(stats.flops)  # for Lightning's ThroughputMonitor (listed after this one)
-        every = self.log_every_n_steps or trainer.log_every_n_steps
+        # for Lightning's ThroughputMonitor (listed after this one)
+        pl_module.flops_per_batch = int(stats.flops)  # type: ignore[assignment]
+        every = self.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
         if int(self.totals["batches"]) % max(every, 1) == 0:
             self._log(trainer, pl_module)
         self._mark = self._now(pl_module)
@@ -220,7 +226,7 @@ class EfficiencyMonitor(Callback):
         times = torch.tensor([self.totals[k] for k in TIME_KEYS + ("time_total",)], dtype=torch.float64)
         if trainer.world_size > 1:
             counts = trainer.strategy.reduce(counts.to(trainer.strategy.root_device), reduce_op="sum").cpu()
-            times = trainer.strategy.reduce(times.to(trainer.strategy.root_device), reduce_op=ReduceOp.MAX).cpu()
+            times = trainer.strategy.reduce(times.to(trainer.strategy.root_device), reduce_op=ReduceOp.MAX).cpu()  # type: ignore[arg-type]
         out = dict(zip(COUNT_KEYS, counts.tolist()))
         out.update(zip(TIME_KEYS + ("time_total",), times.tolist()))
         return out
@@ -244,9 +250,8 @@ class EfficiencyMonitor(Callback):
             "tokens_per_s": t["tokens"] / busy if busy > 0 else math.nan,
         }
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            extra = getattr(callback, "effi_summary", None)
-            if callable(extra) and callback is not self:
-                summary.update(extra())
+            if isinstance(callback, ReportsSummary) and callback is not self:  # type: ignore[comparison-overlap]
+                summary.update(callback.effi_summary())
         return summary
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

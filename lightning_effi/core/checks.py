@@ -88,7 +88,7 @@ def check_choice(owner: str, name: str, value: Any, choices: Iterable[T]) -> T:
     allowed = tuple(choices)
     if not isinstance(value, (str, int, float, bool, type(None))) or value not in allowed:
         raise ValueError(f"{_where(owner, name)} must be one of {allowed}, got {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def plain(x: Any) -> Any:

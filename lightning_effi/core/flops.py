@@ -2,7 +2,7 @@
 
 Conventions: one multiply-add = 2 FLOPs; training = forward + backward = 3 x forward (the backward of a matmul costs
 two matmuls). Only matrix products are counted (the convention of ``torch.utils.flop_counter`` and of the papers:
-Kaplan et al. 2020 Sec. 2.1, Megatron-LM, random-LTD spec §6, V-cycle spec §5); norms, activations and softmax are
+Kaplan et al. 2020 Sec. 2.1, Megatron-LM, Yao et al. 2022 for random-LTD, Zou et al. 2024 for the V-cycle); norms, activations and softmax are
 ignored.
 """
 
@@ -93,7 +93,7 @@ def count_training_flops(model: nn.Module, inputs: Mapping[str, Tensor]) -> int:
                 for k, v in inputs.items()
             }
             with FlopCounterMode(display=False) as counter:
-                _scalar(clone(**fake)).backward()
+                _scalar(clone(**fake)).backward()  # type: ignore[no-untyped-call]
             return int(counter.get_total_flops())
         except (NotImplementedError, RuntimeError):
             if device == "cpu":
@@ -101,7 +101,7 @@ def count_training_flops(model: nn.Module, inputs: Mapping[str, Tensor]) -> int:
     raise AssertionError("unreachable")
 
 
-_CACHE: WeakKeyDictionary[nn.Module, dict[tuple, int]] = WeakKeyDictionary()
+_CACHE: WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], int]] = WeakKeyDictionary()
 
 
 def measured_training_flops(model: nn.Module, inputs: Mapping[str, Tensor]) -> int:

@@ -24,13 +24,13 @@ def _check_key(index_key: Any) -> str:
     return index_key
 
 
-def _check_sample(sample: Any, index: int) -> dict:
+def _check_sample(sample: Any, index: int) -> dict[str, Any]:
     if not isinstance(sample, Mapping):
         raise TypeError(f"IndexedDataset needs dict samples; sample {index} is a {type(sample).__name__}")
     return dict(sample)
 
 
-class IndexedDataset(Dataset):
+class IndexedDataset(Dataset[dict[str, Any]]):
     """Map-style wrapper returning ``{**dataset[i], index_key: i}`` (a copy; the wrapped sample is not mutated).
 
     Args:
@@ -48,7 +48,7 @@ class IndexedDataset(Dataset):
     dataset's batched ``__getitems__`` when it has one, and pairs every sample with its own index.
     """
 
-    def __init__(self, dataset: Dataset, index_key: str = "index"):
+    def __init__(self, dataset: Dataset[Any], index_key: str = "index") -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("IndexedDataset needs a map-style dataset; got an IterableDataset (no stable index)")
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
@@ -59,7 +59,7 @@ class IndexedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _with_index(self, sample: Any, index: int) -> dict:
+    def _with_index(self, sample: Any, index: int) -> dict[str, Any]:
         out = _check_sample(sample, index)
         if self.index_key in out:
             raise TypeError(f"sample {index} already has a key {self.index_key!r}; choose another index_key")
@@ -78,11 +78,11 @@ class IndexedDataset(Dataset):
             raise IndexError(f"index {i} out of range for a dataset of {n} samples")
         return i + n if i < 0 else i
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         index = self._position(index, len(self.dataset))
         return self._with_index(self.dataset[index], index)
 
-    def __getitems__(self, indices: Sequence[int]) -> list[dict]:
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         n = len(self.dataset)
         indices = [self._position(i, n) for i in indices]
         getitems = getattr(self.dataset, "__getitems__", None)
@@ -110,11 +110,11 @@ class indexed_collate:  # noqa: N801 - used like a function: indexed_collate(col
         TypeError: ``collate_fn`` does not return a dict; ``index_key`` is not a str.
     """
 
-    def __init__(self, collate_fn: Callable[[list], Any] | None = None, index_key: str = "index"):
+    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None = None, index_key: str = "index"):
         self.collate_fn = collate_fn
         self.index_key = _check_key(index_key)
 
-    def __call__(self, samples: Sequence[Mapping]) -> dict:
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         indices, rest = [], []
         for sample in samples:
             sample = dict(sample)

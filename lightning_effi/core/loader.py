@@ -1,7 +1,7 @@
 """A training loader that resumes exactly, mid-epoch, under one process or DDP.
 
 Lightning 2.6 resumes a plain map-style loader mid-epoch from a *fresh* iterator: the resumed epoch replays the first
-batches and never sees its tail (``shared/specs/lightning_hydra.md`` §3). A loader object with
+batches and never sees its tail (pinned in ``tests/framework/test_lightning_facts.py``). A loader object with
 ``state_dict()/load_state_dict()`` is saved with the loop state and restored before ``iter()``; its ``len()`` must
 stay the full epoch length. :class:`ResumableDataLoader` does this:
 
@@ -21,7 +21,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
-class EpochShuffleSampler(DistributedSampler):
+class EpochShuffleSampler(DistributedSampler):  # type: ignore[type-arg]
     """``DistributedSampler`` with a skippable start: the per-rank stream of epoch ``e`` is the standard
     ``DistributedSampler`` stream (permutation from ``seed + e``, padded to a multiple of ``num_replicas``, then
     ``[rank::num_replicas]``) with its first ``start`` entries left out. ``len()`` is always the full per-rank count.
@@ -34,7 +34,7 @@ class EpochShuffleSampler(DistributedSampler):
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         num_replicas: int = 1,
         rank: int = 0,
         shuffle: bool = True,
@@ -53,7 +53,7 @@ class EpochShuffleSampler(DistributedSampler):
         return iter(indices[self.start :])
 
 
-class ResumableDataLoader(DataLoader):
+class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
     """``DataLoader`` whose mid-epoch position is checkpointed by Lightning (see the module docstring).
 
     Built like a ``DataLoader`` but with a *skippable* ``sampler`` (required) and no ``batch_sampler``: a sampler
@@ -65,13 +65,13 @@ class ResumableDataLoader(DataLoader):
         TypeError: the sampler has no ``start``/``epoch``/``set_epoch``.
     """
 
-    def __init__(self, dataset: Dataset, *args: Any, sampler: Any, **kwargs: Any) -> None:
+    def __init__(self, dataset: Dataset[Any], *args: Any, sampler: Any, **kwargs: Any) -> None:
         if not all(hasattr(sampler, a) for a in ("start", "epoch", "set_epoch")):
             raise TypeError(
                 f"ResumableDataLoader needs a skippable sampler (with start, epoch and set_epoch), e.g. "
                 f"EpochShuffleSampler; got {type(sampler).__name__}"
             )
-        super().__init__(dataset, *args, sampler=sampler, **kwargs)
+        super().__init__(dataset, *args, sampler=sampler, **kwargs)  # type: ignore[misc]
         self._batches = 0
         self._resume_batches = 0
 

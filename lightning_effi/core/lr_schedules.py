@@ -1,6 +1,6 @@
 """Learning-rate schedules as plain functions of training progress, wrapped in ``LambdaLR``.
 
-Training progress ``p = step / total_steps`` in [0, 1] is the time axis (``shared/specs/lightning_hydra.md`` §6):
+Training progress ``p = step / total_steps`` in [0, 1] is the time axis:
 the multiplier is clamped at its end value, so a schedule can never overrun when the real number of steps differs
 from the estimate. Hydra configs pass the factories with ``_partial_: true``; the task supplies
 ``total_steps=trainer.estimated_stepping_batches``.
@@ -87,7 +87,7 @@ def constant(optimizer: Optimizer, total_steps: int, progress: Progress | None =
 
 def layer_token_multiplier(consumed: float, warmup_layer_tokens: float, total_layer_tokens: float,
                            decay: str = "cosine", min_lr_ratio: float = 0.0) -> float:
-    """LR multiplier at ``consumed`` layer-tokens (random-LTD spec §7; the paper's layer-token LR schedule, which
+    """LR multiplier at ``consumed`` layer-tokens (Yao et al. 2022, Sec. 3: the paper's layer-token LR schedule, which
     DeepSpeed never finished): linear warmup ``t / warmup`` over the first ``warmup_layer_tokens``, then ``cosine``
     or ``linear`` decay to ``min_lr_ratio`` at ``total_layer_tokens``, constant afterwards (never raises for overrun).
 

@@ -150,4 +150,4 @@ def training_progress(trainer: Any) -> float:
     total = trainer.estimated_stepping_batches
     if not total or not math.isfinite(total):
         return 0.0
-    return min(trainer.global_step / total, 1.0)
+    return min(float(trainer.global_step) / float(total), 1.0)

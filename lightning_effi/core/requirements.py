@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 __all__ = ["CONFLICTS", "BATCH_STRUCTURES", "Conflict", "IncompatibleTechniques", "Requirements", "check_trainer",
            "technique_callbacks"]

@@ -56,7 +56,7 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
         timeout=loader.timeout,
         multiprocessing_context=loader.multiprocessing_context,
         in_order=getattr(loader, "in_order", True),
-        length=len(loader.dataset),
+        length=len(loader.dataset),  # type: ignore[arg-type]
     )
 
 

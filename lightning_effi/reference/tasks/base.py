@@ -1,6 +1,6 @@
 """Base class of the reference tasks: the per-sample-loss contract, optimizers and accounting hooks.
 
-Contract (``docs/architecture.md``; ``shared/specs/infobatch.md`` §4 and ``lightning_hydra.md`` §8):
+Contract (``docs/architecture.md``, "Per-sample-loss contract"):
 ``training_step`` returns ``{"loss": per_sample_loss.mean(), "per_sample_loss": per_sample_loss}`` where
 ``per_sample_loss`` has shape ``(B,)``. A plain ``Trainer`` only uses ``"loss"``; loss-driven callbacks read
 ``"per_sample_loss"``. Batches are dicts; unknown keys (for example ``"index"``) are ignored.
@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_effi.core.flops import measured_training_flops
+from lightning_effi.core.progress import progress_source
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
@@ -120,11 +121,7 @@ class EffiTask(pl.LightningModule):
     def effi_progress_source(self) -> Callable[[], float] | None:
         """``effi_progress`` of the first trainer callback that defines one (a technique that changes the epoch
         length), passed to progress-aware scheduler factories; None otherwise."""
-        for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
-            progress = getattr(callback, "effi_progress", None)
-            if callable(progress):
-                return progress
-        return None
+        return progress_source(self.trainer.callbacks)  # type: ignore[attr-defined]
 
     def effi_data_limits(self) -> dict[str, int]:
         """What the model can take: ``vocab_size`` / ``max_length`` (upper bounds) and ``num_classes`` (exact)."""

@@ -1,0 +1,60 @@
+"""The shared argument checks: accepted values come back in their plain type, the rest raise naming the parameter."""
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real, plain
+
+
+def test_is_int_and_is_real():
+    assert [is_int(x) for x in (3, np.int64(3), True, 3.0, "3", None)] == [True, True, False, False, False, False]
+    assert [is_real(x) for x in (3, 0.5, np.float32(0.5), True, float("nan"), float("inf"), "1")] == [
+        True, True, True, False, False, False, False]
+
+
+def test_check_int_returns_python_int():
+    v = check_int("Owner", "steps", np.int64(7), minimum=1)
+    assert v == 7 and type(v) is int
+
+
+@pytest.mark.parametrize("value, match", [
+    (0, r"Owner.steps must be an int >= 1 and <= 9, got 0"),
+    (10, r"Owner.steps must be an int >= 1 and <= 9, got 10"),
+    (2.0, r"Owner.steps must be an int >= 1 and <= 9, got 2.0"),
+    (True, r"got True"),
+])
+def test_check_int_errors(value, match):
+    with pytest.raises(ValueError, match=match):
+        check_int("Owner", "steps", value, minimum=1, maximum=9)
+
+
+def test_check_real():
+    assert check_real("O", "p", 1, low=0, high=1) == 1.0
+    with pytest.raises(ValueError, match=r"O.p must be a finite number in \[0, 1\), got 1"):
+        check_real("O", "p", 1, low=0, high=1, high_open=True)
+    with pytest.raises(ValueError, match=r"O.p must be a finite number in \(0, inf\], got 0"):
+        check_real("O", "p", 0, low=0, low_open=True)
+    with pytest.raises(ValueError, match="got nan"):
+        check_real("O", "p", float("nan"))
+
+
+def test_check_bool_refuses_strings():
+    assert check_bool("O", "strict", np.bool_(False)) is False
+    with pytest.raises(ValueError, match=r"O.strict must be a bool \(true / false\), got 'false'"):
+        check_bool("O", "strict", "false")
+
+
+def test_check_choice():
+    assert check_choice("O", "mode", "a", ("a", "b")) == "a"
+    with pytest.raises(ValueError, match=r"O.mode must be one of \('a', 'b'\), got 'c'"):
+        check_choice("O", "mode", "c", ("a", "b"))
+    with pytest.raises(ValueError, match="must be one of"):
+        check_choice("O", "mode", ["a"], ("a", "b"))
+
+
+def test_plain_unwraps_omegaconf_and_tuples():
+    cfg = OmegaConf.create({"a": [1, (2, 3)], "b": {"c": "x"}})
+    out = plain(cfg)
+    assert out == {"a": [1, [2, 3]], "b": {"c": "x"}} and type(out) is dict and type(out["a"]) is list
+    assert plain("abc") == "abc" and plain((1, 2)) == [1, 2]

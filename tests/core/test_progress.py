@@ -1,0 +1,76 @@
+"""Duration: one type for every length a technique is given; and the single source of training progress."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_effi.core.progress import Duration, progress_source, training_progress
+
+
+@pytest.mark.parametrize("value, unit, number, steps", [
+    (5, "step", 5, 5),
+    ("500st", "step", 500, 500),
+    ("500ba", "step", 500, 500),
+    ("2ep", "epoch", 2, 20),
+    ("0.3dur", "fraction", 0.3, 30),
+    ("0.999dur", "fraction", 0.999, 99),  # floor(0.999 * 100)
+    ("1e3tok", "token", 1000.0, 4),  # ceil(1000 / 300)
+    (Duration(1, "fraction"), "fraction", 1, 100),
+])
+def test_parse_and_resolve(value, unit, number, steps):
+    d = Duration.parse(value)
+    assert (d.unit, d.value) == (unit, number)
+    assert d.to_steps(steps_per_epoch=10, total_steps=100, tokens_per_step=300) == steps
+
+
+@pytest.mark.parametrize("value, match", [
+    (0.3, r"e_a must be an int \(optimizer steps\) or a string with a unit"),
+    (True, "e_a must be an int"),
+    (-1, "e_a must be >= 0 optimizer steps"),
+    ("2.5ep", "e_a: epochs must be whole"),
+    ("1.5dur", r"e_a: a duration in fractions must be a number in \[0, 1\]"),
+    ("10 minutes", "e_a: cannot read '10 minutes' as a duration"),
+])
+def test_parse_errors_name_the_argument(value, match):
+    with pytest.raises(ValueError, match=match):
+        Duration.parse(value, "e_a")
+
+
+def test_construction_checks_the_domain():
+    with pytest.raises(ValueError, match="Duration.unit must be one of"):
+        Duration(1, "second")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="in steps must be an int >= 0"):
+        Duration(1.5, "step")
+
+
+@pytest.mark.parametrize("d, kwargs, match", [
+    (Duration(2, "epoch"), {}, "epoch length in optimizer steps is unknown"),
+    (Duration(0.5, "fraction"), {"total_steps": math.inf}, "run's length is unknown"),
+    (Duration(10.0, "token"), {}, "tokens per optimizer step are unknown"),
+])
+def test_resolution_needs_its_quantity(d, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        d.to_steps(**kwargs)
+
+
+def test_str_round_trips():
+    for text in ("7st", "2ep", "0.25dur", "1000tok"):
+        assert str(Duration.parse(text)) == text
+        assert Duration.parse(str(Duration.parse(text))) == Duration.parse(text)
+
+
+def test_training_progress_has_one_source():
+    class Shortens:
+        def effi_progress(self) -> float:
+            return 0.75
+
+    plain = SimpleNamespace(callbacks=[object()], estimated_stepping_batches=40, global_step=10)
+    assert training_progress(plain) == 0.25
+    assert progress_source(plain.callbacks) is None
+    technique = Shortens()
+    with_technique = SimpleNamespace(callbacks=[object(), technique], estimated_stepping_batches=40, global_step=10)
+    assert training_progress(with_technique) == 0.75
+    assert progress_source(with_technique.callbacks)() == 0.75
+    unknown = SimpleNamespace(callbacks=[], estimated_stepping_batches=math.inf, global_step=10)
+    assert training_progress(unknown) == 0.0

@@ -1,0 +1,101 @@
+"""Requirements as data: every technique declares them, and one setup-time check rules on the Trainer."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from lightning.pytorch import Callback
+
+import lightning_effi
+from lightning_effi.core.requirements import (CONFLICTS, IncompatibleTechniques, Requirements, check_trainer,
+                                              technique_callbacks)
+
+TECHNIQUES = {
+    "InfoBatchCallback": "infobatch", "Curriculum": "curriculum", "RandomLTDCallback": "random_ltd",
+    "VCycleCallback": "vcycle",
+}
+
+
+def _fake(name: str, **req) -> Callback:
+    return type(name, (Callback,), {"requirements": Requirements(**req)})()
+
+
+class SingleDeviceStrategy:  # stands for Lightning's class of that name (matched by name)
+    pass
+
+
+def _trainer(*callbacks, strategy=SingleDeviceStrategy):
+    return SimpleNamespace(callbacks=list(callbacks), strategy=strategy())
+
+
+def test_every_technique_declares_requirements():
+    for name in TECHNIQUES:
+        cls = getattr(lightning_effi, name)
+        assert isinstance(getattr(cls, "requirements", None), Requirements), f"{name} declares no requirements"
+
+
+def test_declarations_are_checked():
+    with pytest.raises(TypeError, match="owns_train_sampler must be a bool"):
+        Requirements(owns_train_sampler="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"batch_structures: unknown \['ragged'\]"):
+        Requirements(batch_structures=("dict", "ragged"))
+
+
+def test_two_samplers_are_refused_naming_both():
+    a = _fake("SamplerA", owns_train_sampler=True)
+    b = _fake("SamplerB", owns_train_sampler=True)
+    with pytest.raises(IncompatibleTechniques, match=r"SamplerA and SamplerB cannot be combined \(two training "
+                                                     r"samplers\).*use one of them"):
+        check_trainer(_trainer(a, Callback(), b))
+
+
+def test_patching_across_shape_changes_is_refused_in_either_order():
+    shapes = _fake("Shapes", changes_model_shapes=True)
+    patch = _fake("Patch", patches_layers=True)
+    for order in ((shapes, patch), (patch, shapes)):
+        with pytest.raises(IncompatibleTechniques, match="layer patching across shape changes"):
+            check_trainer(_trainer(*order))
+
+
+def test_compatible_techniques_pass():
+    check_trainer(_trainer(_fake("A", owns_train_sampler=True), _fake("B", patches_layers=True),
+                           _fake("C", edits_batch=True)))
+    assert [type(c).__name__ for c in technique_callbacks([Callback(), _fake("A")])] == ["A"]
+
+
+def test_strategy_and_callback_declarations():
+    only_ddp = _fake("OnlyDDP", strategies=("DDPStrategy",), strategy_note="Use one fit per stage.")
+    with pytest.raises(IncompatibleTechniques,
+                       match=r"OnlyDDP supports the strategies \['DDPStrategy'\], not SingleDeviceStrategy. Use one"):
+        check_trainer(_trainer(only_ddp))
+    picky = _fake("Picky", incompatible_callbacks=(("EarlyStopping", "it stops mid-stage"),))
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    class MyStopping(EarlyStopping):  # subclasses are refused too
+        pass
+
+    with pytest.raises(IncompatibleTechniques, match="Picky cannot run with MyStopping: it stops mid-stage"):
+        check_trainer(_trainer(picky, MyStopping(monitor="x")))
+
+
+def test_shipped_techniques_today():
+    """The shipped rules: InfoBatch + curriculum and V-cycle + random-LTD are refused; the other pairs pass."""
+    req = {name: getattr(lightning_effi, name).requirements for name in TECHNIQUES}
+
+    def refused(a, b):
+        return any(r.applies(req[a], req[b]) or r.applies(req[b], req[a]) for r in CONFLICTS)
+
+    pairs = {(a, b): refused(a, b) for i, a in enumerate(TECHNIQUES) for b in list(TECHNIQUES)[i + 1:]}
+    assert {p for p, r in pairs.items() if r} == {("InfoBatchCallback", "Curriculum"),
+                                                  ("RandomLTDCallback", "VCycleCallback")}
+
+
+@pytest.mark.parametrize("name", list(TECHNIQUES))
+def test_metadata_json_matches_the_declaration(name):
+    folder = Path(lightning_effi.__file__).parent / TECHNIQUES[name]
+    meta = json.loads((folder / "metadata.json").read_text())
+    declared = json.loads(json.dumps(getattr(lightning_effi, name).requirements.as_dict()))
+    assert meta["requirements"] == declared
+    assert meta["class_name"] == name
+    assert (Path(lightning_effi.__file__).parent.parent / meta["card"]).is_file()
