@@ -1,10 +1,6 @@
-"""``InfoBatchCallback``: unbiased dynamic data pruning for any LightningModule (Qin et al., ICLR 2024).
-
-Each epoch, samples whose latest loss is below the mean ("well learned") are dropped with probability
-``prune_ratio``; the kept ones have their loss scaled by ``1 / (1 - prune_ratio)`` so the expected gradient is
-unchanged; the last ``1 - delta`` of the epochs train on the full data (annealing). The method itself lives in
-:mod:`lightning_effi.infobatch.functional`; this callback only wires it into Lightning
-(``shared/specs/infobatch.md`` §4):
+"""``InfoBatchCallback``: the Lightning layer of InfoBatch, unbiased dynamic data pruning (Qin et al., ICLR 2024).
+The method itself lives in :mod:`lightning_effi.infobatch.functional`; the method card ``README.md`` beside this file
+tells the long story.
 
 - ``setup``: validates the run, attaches itself to the :class:`~lightning_effi.data.InfoBatchDataModule` (which
   rebuilds the training loader from this callback's plan every epoch) and wraps the module's ``training_step`` at
@@ -31,8 +27,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_effi.infobatch.data import InfoBatchDataModule
+from lightning_effi.core.checks import check_int, check_real
+from lightning_effi.core.requirements import Requirements, check_trainer
 from lightning_effi.infobatch import functional as ib
+from lightning_effi.infobatch.data import InfoBatchDataModule
 
 CONTRACT = (
     'training_step must return {"loss": ..., "per_sample_loss": tensor of shape (B,)} '
@@ -42,7 +40,7 @@ CONTRACT = (
 
 class InfoBatchCallback(Callback):
     """InfoBatch (Qin et al., "InfoBatch: Lossless Training Speed Up by Unbiased Dynamic Data Pruning", ICLR 2024,
-    §3 and Algorithm 1; reference: NUS-HPC-AI-Lab/InfoBatch ``infobatch/infobatch.py``).
+    Sec. 3 and Algorithm 1; reference: NUS-HPC-AI-Lab/InfoBatch ``infobatch/infobatch.py``).
 
     Use with ``trainer.fit(model, datamodule=InfoBatchDataModule(your_datamodule))`` and a module whose
     ``training_step`` returns ``{"loss": per_sample.mean(), "per_sample_loss": per_sample}`` (shape ``(B,)``).
@@ -63,13 +61,23 @@ class InfoBatchCallback(Callback):
     ``padded_samples_epoch``. Summary (``result.json``): ``infobatch/saved_samples``, ``infobatch/saved_fraction``,
     ``infobatch/padded_samples``, ``infobatch/prune_epochs``.
 
+    Attributes:
+        requirements: what InfoBatch needs and changes (it owns the training sampler, shortens epochs, needs
+            ``per_sample_loss`` and dict batches), read by :func:`~lightning_effi.core.requirements.check_trainer`.
+
     Raises:
-        ValueError: (construction) ``prune_ratio``, ``delta``, ``num_epochs``, ``momentum`` out of range;
+        ValueError: (construction) ``prune_ratio``, ``delta``, ``num_epochs``, ``seed``, ``momentum`` invalid or out
+            of range;
             (``setup``) ``max_epochs=-1`` without ``num_epochs``, a run capped by ``max_steps``,
             ``reload_dataloaders_every_n_epochs > 1``, a DataModule that is not an ``InfoBatchDataModule``, an
             unsupported strategy (DeepSpeed/FSDP); (first batch) a batch without ``"index"`` or a
             ``training_step`` output that breaks the per-sample-loss contract.
+        IncompatibleTechniques: (``setup``) another technique callback in the Trainer that also owns the training
+            sampler (the curriculum), see :data:`~lightning_effi.core.requirements.CONFLICTS`.
     """
+
+    requirements = Requirements(owns_train_sampler=True, changes_epoch_length=True, needs_per_sample_loss=True,
+                                batch_structures=("dict",))
 
     def __init__(
         self,
@@ -81,15 +89,11 @@ class InfoBatchCallback(Callback):
         strict: bool = True,
     ) -> None:
         ib.validate_hparams(prune_ratio, delta, num_epochs)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"InfoBatchCallback.seed must be an int, got {seed!r}")
-        if not (isinstance(momentum, (int, float)) and 0 < momentum <= 1):
-            raise ValueError(f"InfoBatchCallback.momentum must be in (0, 1], got {momentum!r}")
         self.prune_ratio = float(prune_ratio)
         self.delta = float(delta)
-        self.num_epochs = num_epochs
-        self.seed = seed
-        self.momentum = float(momentum)
+        self.num_epochs = int(num_epochs) if num_epochs is not None else None
+        self.seed = check_int("InfoBatchCallback", "seed", seed)
+        self.momentum = check_real("InfoBatchCallback", "momentum", momentum, 0, 1, low_open=True)
         self.strict = strict
         self.epochs: int = 0  # resolved E
         self.dataset_size: int = 0
@@ -121,6 +125,7 @@ class InfoBatchCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        check_trainer(trainer)
         if trainer.strategy.restore_checkpoint_after_setup:
             raise ValueError(f"InfoBatchCallback does not support the {type(trainer.strategy).__name__} strategy; "
                              "use a single device or DDP")
@@ -132,9 +137,9 @@ class InfoBatchCallback(Callback):
             )
         if trainer.max_steps not in (-1, None) and not trainer.fast_dev_run:  # fast_dev_run sets max_steps itself
             raise ValueError(
-                f"InfoBatchCallback: the run is capped by trainer.max_steps={trainer.max_steps}; InfoBatch saves compute "
-                "by shortening epochs, so a step budget hides the saving (and the annealing point may never come). "
-                "Use max_epochs and leave max_steps=-1"
+                f"InfoBatchCallback: the run is capped by trainer.max_steps={trainer.max_steps}; InfoBatch saves "
+                "compute by shortening epochs, so a step budget hides the saving (and the annealing point may never "
+                "come). Use max_epochs and leave max_steps=-1"
             )
         if self.num_epochs is not None and trainer.max_epochs not in (None, -1) and trainer.max_epochs < epochs:
             rank_zero_warn(f"InfoBatchCallback: num_epochs={epochs} > max_epochs={trainer.max_epochs}: the annealing "
@@ -190,7 +195,8 @@ class InfoBatchCallback(Callback):
     # ----------------------------------------------------------------------------------------- per batch
     def rescale_output(self, output: Any, index: Tensor) -> dict[str, Any]:
         """Validate a ``training_step`` output, record the raw per-sample losses, and return it with ``"loss"``
-        replaced by ``mean(w · per_sample_loss)`` (spec §1.3). ``index``: int64 ``(B,)`` dataset positions."""
+        replaced by ``mean(w · per_sample_loss)`` (Qin et al. 2024, Eq. 4). ``index``: int64 ``(B,)`` dataset
+        positions."""
         if not isinstance(output, Mapping) or "per_sample_loss" not in output:
             raise ValueError(f"InfoBatchCallback: {CONTRACT}; got {type(output).__name__}"
                              + (f" with keys {sorted(output)}" if isinstance(output, Mapping) else ""))
@@ -212,7 +218,7 @@ class InfoBatchCallback(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.steps_in_epoch += 1  # before the LR scheduler steps: progress counts this step (spec §4.4)
+        self.steps_in_epoch += 1  # before the LR scheduler steps: progress counts this step
 
     # -------------------------------------------------------------------------------------------- plans
     def plan_for(self, epoch: int) -> ib.EpochPlan:
@@ -243,7 +249,7 @@ class InfoBatchCallback(Callback):
 
     def effi_progress(self) -> float:
         """Training progress in [0, 1] after the next optimizer step: ``(e + (j + 1) / L_e) / E`` with ``j`` the
-        steps done in epoch ``e`` and ``L_e`` its number of optimizer steps (spec §4.4). Drives progress-based LR
+        steps done in epoch ``e`` and ``L_e`` its number of optimizer steps. Drives progress-based LR
         schedules so they end exactly at the end of training whatever the epochs' lengths."""
         if self.plan is None or self.epochs < 1:
             return 0.0
@@ -251,7 +257,7 @@ class InfoBatchCallback(Callback):
         return min(max(p, 0.0), 1.0)
 
     def sync_scores(self, trainer: pl.Trainer) -> None:
-        """Sum the epoch's recorded losses over ranks (one collective, spec §4.3) into the score table, identical on
+        """Sum the epoch's recorded losses over ranks (one collective per epoch) into the score table, identical on
         every rank, and clear the accumulators."""
         sum_loss, count = self.sum_loss, self.count
         if trainer.world_size > 1:
@@ -302,7 +308,8 @@ class InfoBatchCallback(Callback):
         """Estimate of the run's optimizer steps from the current score table (before any score: the expected keep
         ratio of ``r/2`` pruned per prune epoch). For users who need one number; prefer progress-based schedules."""
         n, stop = self.dataset_size, ib.epoch_stop(self.epochs, self.delta)
-        frac = ib.expected_saving(self.score, self.seen, self.prune_ratio) if bool(self.seen.any()) else self.prune_ratio / 2
+        seen_any = bool(self.seen.any())
+        frac = ib.expected_saving(self.score, self.seen, self.prune_ratio) if seen_any else self.prune_ratio / 2
         steps = 0
         for e in range(self.epochs):
             size = n if e == 0 or e >= stop else round(n * (1 - frac))
@@ -329,7 +336,8 @@ class InfoBatchCallback(Callback):
         }
 
     @override
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
         """Detect a checkpoint written by an InfoBatch callback with other identity arguments (its state is stored
         under another ``state_key`` and would otherwise be ignored silently)."""
         prefix = type(self).__qualname__ + "{"
@@ -363,4 +371,4 @@ class InfoBatchCallback(Callback):
         self.nonfinite = int(state_dict["nonfinite"])
 
 
-InfoBatch = InfoBatchCallback  # the spec's name (``lightning_effi.callbacks.InfoBatch``)
+InfoBatch = InfoBatchCallback  # short alias (``lightning_effi.callbacks.InfoBatch``)

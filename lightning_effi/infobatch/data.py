@@ -1,8 +1,9 @@
-"""``InfoBatchDataModule``: wraps any DataModule so that InfoBatch can choose each epoch's training samples.
+"""``InfoBatchDataModule``: wraps any DataModule so that InfoBatch can choose each epoch's training samples. The
+method card ``README.md`` beside this file tells the long story.
 
 It holds no InfoBatch configuration: the :class:`~lightning_effi.callbacks.InfoBatchCallback` finds it on
 ``trainer.datamodule`` in ``setup`` and attaches itself; every ``train_dataloader()`` call then rebuilds the loader
-from the callback's plan for ``trainer.current_epoch`` (``shared/specs/infobatch.md`` §4.2):
+from the callback's plan for ``trainer.current_epoch``:
 
 ``ResumableDataLoader(IndexedDataset(dataset), sampler=InfoBatchSampler(plan, world, rank),
 collate_fn=indexed_collate(collate_fn), ...)``
@@ -20,9 +21,9 @@ import lightning.pytorch as pl
 
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.indexed import IndexedDataset, indexed_collate
-from lightning_effi.infobatch.sampler import InfoBatchSampler
 from lightning_effi.core.loader import ResumableDataLoader
 from lightning_effi.core.wrapping import WrappingDataModule
+from lightning_effi.infobatch.sampler import InfoBatchSampler
 
 
 class InfoBatchDataModule(WrappingDataModule):
@@ -71,7 +72,7 @@ class InfoBatchDataModule(WrappingDataModule):
             pin_memory=t["pin_memory"],
             worker_init_fn=t["worker_init_fn"],
             prefetch_factor=t["prefetch_factor"] if workers > 0 else None,
-            persistent_workers=False,  # rebuilt every epoch: persistence buys nothing (infobatch.md §4.2)
+            persistent_workers=False,  # rebuilt every epoch: persistence buys nothing
         )
         self.planner.record_loader(epoch, padded=sampler.padded, batches=len(loader))
         return loader

@@ -1,25 +1,17 @@
 """InfoBatch as pure functions (Qin et al., "InfoBatch: Lossless Training Speed Up by Unbiased Dynamic Data Pruning",
-ICLR 2024, arXiv 2303.04947; specification ``shared/specs/infobatch.md``).
+ICLR 2024, arXiv 2303.04947; reference implementation NUS-HPC-AI-Lab/InfoBatch ``infobatch/infobatch.py``): torch
+only, no Lightning, usable in any training loop. The method card ``README.md`` beside this file tells the long story.
 
-Every epoch ``e`` of ``E`` gets an :class:`EpochPlan`: the shuffled list of dataset indices to visit and a weight
-per sample. Before the annealing point ``E_stop = floor(delta * E)`` (and from epoch 1 on, once scores exist) a
-*prune* epoch randomly drops a fraction ``prune_ratio`` of the well-learned samples (score strictly below the mean
-score) and up-weights the kept ones by ``1 / (1 - prune_ratio)``, so the expected epoch gradient is unchanged
-(paper §3.2-3.3, spec §1.2-1.4). All other epochs are *full*: a fresh permutation of the data set, every weight 1.0.
-
-The pieces, each usable in any training loop:
-
-- :func:`plan_epoch` (with :func:`split_well_learned`, :func:`keep_count`, :func:`epoch_stop`): the plan.
+- :func:`plan_epoch` (with :func:`split_well_learned`, :func:`keep_count`, :func:`epoch_stop`): the
+  :class:`EpochPlan` of an epoch, i.e. the shuffled dataset indices to visit and a loss weight per sample.
 - :func:`rescale`: the weighted batch loss ``mean(w[index] * per_sample_loss)``, out of place.
 - :func:`update_scores` (per batch) or :func:`accumulate` / :func:`finalize` (per epoch, all-reduce friendly):
   the score table.
 - :func:`expected_saving`, :func:`validate_hparams`.
 
 Conventions: the score table is ``float32[N]`` with a ``bool[N]`` ``seen`` mask, the weight table ``float32[N]``;
-dataset indices are ``int64`` everywhere (never a floating-point tensor, exact beyond 2**24). Plans are computed on
-the CPU. Randomness comes from a private ``torch.Generator`` seeded with :func:`hash64` of ``(seed, purpose, epoch)``;
-the global python / numpy / torch generators are never read or reseeded. This module imports torch only (no
-Lightning).
+dataset indices are ``int64`` everywhere (exact beyond 2**24). Plans are computed on the CPU from a private
+``torch.Generator`` seeded with :func:`hash64` of ``(seed, purpose, epoch)``; the global RNGs are never touched.
 """
 
 from __future__ import annotations
@@ -36,6 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lightning_effi.core.checks import is_int
 from lightning_effi.core.rng import hash64
 
 __all__ = [
@@ -60,7 +53,7 @@ _PLAN_STATE_VERSION = 1
 
 
 def plan_generator(seed: int, epoch: int, stream: int = 0) -> torch.Generator:
-    """Private CPU generator for the plan of ``epoch``: ``manual_seed(hash64(seed, PURPOSE, epoch))`` (spec §1.2.4);
+    """Private CPU generator for the plan of ``epoch``: ``manual_seed(hash64(seed, PURPOSE, epoch))``;
     ``stream > 0`` gives further independent generators ``manual_seed(hash64(seed, PURPOSE, epoch, stream))``.
 
     ``PURPOSE`` is the constant ``int.from_bytes(b"InfoBat", "little")``.
@@ -111,7 +104,7 @@ def uniform_subset_of(mask: Tensor, k: int, generator: torch.Generator) -> Tenso
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
         raise ValueError(f"uniform_subset_of needs a 1-D bool mask, got {_describe(mask)}")
     m = int(mask.sum())
-    if not (_is_int(k) and 0 <= k <= m):
+    if not (is_int(k) and 0 <= k <= m):
         raise ValueError(f"uniform_subset needs 0 <= k <= m, got k={k!r}, m={m!r}")
     k = int(k)
     if k == 0 or k == m:
@@ -136,7 +129,7 @@ def uniform_subset(m: int, k: int, generator: torch.Generator) -> Tensor:
     Raises:
         ValueError: not ``0 <= k <= m``.
     """
-    if not (_is_int(m) and _is_int(k) and 0 <= k <= m):
+    if not (is_int(m) and is_int(k) and 0 <= k <= m):
         raise ValueError(f"uniform_subset needs 0 <= k <= m, got k={k!r}, m={m!r}")
     return uniform_subset_of(torch.ones(int(m), dtype=torch.bool), k, generator)
 
@@ -144,11 +137,6 @@ def uniform_subset(m: int, k: int, generator: torch.Generator) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # Exact arithmetic and validation
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _is_int(x: Any) -> bool:
-    """An integer (Python or numpy), not a bool."""
-    return isinstance(x, Integral) and not isinstance(x, bool)
 
 
 def _fraction(x: Any, name: str) -> Fraction:
@@ -184,13 +172,13 @@ def _check_delta(delta: Any) -> Fraction:
 
 
 def _check_num_epochs(num_epochs: Any) -> int:
-    if not _is_int(num_epochs) or num_epochs < 1:
+    if not is_int(num_epochs) or num_epochs < 1:
         raise ValueError(f"num_epochs must be a positive int, got {num_epochs!r}")
     return int(num_epochs)
 
 
 def validate_hparams(prune_ratio: float, delta: float, num_epochs: int | None = None) -> None:
-    """Check InfoBatch hyperparameters (spec §1.6). Values are never clamped.
+    """Check InfoBatch hyperparameters. Values are never clamped.
 
     Args:
         prune_ratio: fraction ``r`` of the well-learned set dropped per prune epoch, in ``[0, 1)``.
@@ -219,7 +207,7 @@ def validate_hparams(prune_ratio: float, delta: float, num_epochs: int | None = 
 
 
 def epoch_stop(num_epochs: int, delta: float) -> int:
-    """First annealing epoch ``E_stop = floor(delta * num_epochs)``, computed exactly (spec §1.2.1, R17).
+    """First annealing epoch ``E_stop = floor(delta * num_epochs)``, computed exactly.
 
     ``delta`` is read as the decimal it prints as (``Fraction(str(delta))``), so e.g. ``delta=0.57, num_epochs=100``
     gives 57 (binary floating point gives ``56.99999999999999``). Epochs ``e >= E_stop`` train on the full data.
@@ -232,7 +220,7 @@ def epoch_stop(num_epochs: int, delta: float) -> int:
 
 
 def keep_count(n_well_learned: int, prune_ratio: float) -> int:
-    """Number of well-learned samples kept in a prune epoch: ``k = floor((1 - r) * |D1|)``, exact (spec §1.2.3).
+    """Number of well-learned samples kept in a prune epoch: ``k = floor((1 - r) * |D1|)``, exact.
 
     The floor prunes tiny sets slightly more than ``r`` (``|D1| = 1, r = 0.5 -> 0``), as the reference does.
     Examples: ``keep_count(10, 0.9) == 1``, ``keep_count(100, 0.71) == 29``.
@@ -240,7 +228,7 @@ def keep_count(n_well_learned: int, prune_ratio: float) -> int:
     Raises:
         ValueError: ``n_well_learned`` not a non-negative int, ``prune_ratio`` outside ``[0, 1)``.
     """
-    if not _is_int(n_well_learned) or n_well_learned < 0:
+    if not is_int(n_well_learned) or n_well_learned < 0:
         raise ValueError(f"n_well_learned must be a non-negative int, got {n_well_learned!r}")
     return math.floor((1 - _check_prune_ratio(prune_ratio)) * int(n_well_learned))
 
@@ -266,7 +254,7 @@ def _describe(x: Any) -> str:
 
 
 def split_well_learned(score: Tensor, seen: Tensor) -> tuple[float, Tensor]:
-    """Threshold and well-learned set of a prune epoch (paper §3.2, spec §1.2.3).
+    """Threshold and well-learned set of a prune epoch (Qin et al. 2024, Sec. 3.2).
 
     Args:
         score: ``float32[N]``, the latest unweighted per-sample loss of every sample (any value where unseen).
@@ -309,7 +297,7 @@ def _largest_below(tau: float, dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class EpochPlan:
-    """The samples and weights of one epoch (spec §1.2, §1.5). Treat as immutable (tensors are not copied).
+    """The samples and weights of one epoch, with its saving. Treat as immutable (tensors are not copied).
 
     Attributes:
         epoch: 0-based epoch index.
@@ -337,7 +325,7 @@ class EpochPlan:
     saved: int
 
     def __post_init__(self) -> None:
-        if not _is_int(self.epoch) or self.epoch < 0:
+        if not is_int(self.epoch) or self.epoch < 0:
             raise ValueError(f"EpochPlan.epoch must be a non-negative int, got {self.epoch!r}")
         if not isinstance(self.indices, Tensor) or self.indices.dtype != torch.int64 or self.indices.dim() != 1:
             raise ValueError(f"EpochPlan.indices must be int64[L], got {_describe(self.indices)}")
@@ -432,7 +420,7 @@ def plan_epoch(
     delta: float = 0.875,
     seed: int = 0,
 ) -> EpochPlan:
-    """The :class:`EpochPlan` of ``epoch`` (spec §1.2; paper §3, Algorithm 1).
+    """The :class:`EpochPlan` of ``epoch`` (Qin et al. 2024, Sec. 3 and Algorithm 1).
 
     - **full** if ``epoch == 0``, no score is seen, or ``epoch >= epoch_stop(num_epochs, delta)``: a permutation of
       ``range(N)``, every weight exactly 1.0;
@@ -458,9 +446,9 @@ def plan_epoch(
     _check_tables(score, seen)
     if score.numel() == 0:
         raise ValueError("score table is empty: InfoBatch needs a training set with at least one sample")
-    if not _is_int(epoch) or epoch < 0:
+    if not is_int(epoch) or epoch < 0:
         raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
-    if not _is_int(seed):
+    if not is_int(seed):
         raise ValueError(f"seed must be an int, got {seed!r}")
     epoch, seed = int(epoch), int(seed)
     r = _check_prune_ratio(prune_ratio)
@@ -505,7 +493,7 @@ def plan_epoch(
 
 def expected_saving(score: Tensor, seen: Tensor, prune_ratio: float) -> float:
     """Expected fraction of N not visited in a prune epoch planned from these tables: ``r * |D1| / N``
-    (spec §1.5; about 0.316 for exponential(1) scores and r = 0.5). The realised saving
+    (about 0.316 for exponential(1) scores and r = 0.5). The realised saving
     ``|D1| - floor((1 - r) |D1|)`` is at most one sample larger.
 
     Raises:
@@ -560,7 +548,7 @@ def _gather(table: Tensor, index: Tensor, device: torch.device) -> Tensor:
 
 
 def rescale(per_sample_loss: Tensor, index: Tensor, weights: Tensor) -> Tensor:
-    """InfoBatch batch loss ``mean_i(weights[index_i] * per_sample_loss_i)`` (paper Eq. 4, spec §1.3).
+    """InfoBatch batch loss ``mean_i(weights[index_i] * per_sample_loss_i)`` (Qin et al. 2024, Eq. 4).
 
     The mean is over the B samples, deliberately *not* normalised by ``sum(w)``: that is what makes the expected
     epoch update match full-data training. Computed out of place in float32 (``per_sample_loss.float()``): the
@@ -590,7 +578,7 @@ def rescale(per_sample_loss: Tensor, index: Tensor, weights: Tensor) -> Tensor:
 
 
 def update_scores(score: Tensor, seen: Tensor, index: Tensor, per_sample_loss: Tensor, momentum: float = 1.0) -> None:
-    """Record a batch's raw (unweighted) losses in the score table, in place (spec §1.3).
+    """Record a batch's raw (unweighted) losses in the score table, in place.
 
     ``score[index] <- loss`` (``momentum == 1``, the paper's overwrite) or, for samples already seen,
     ``score[index] <- m * loss + (1 - m) * score[index]`` (EMA, timm fork); a first observation is always a plain
@@ -614,7 +602,7 @@ def update_scores(score: Tensor, seen: Tensor, index: Tensor, per_sample_loss: T
     if index.numel() == 0:
         return
     idx = index.to(score.device)
-    assert idx.dtype == torch.int64  # indices are int64 at the table assignment (spec §1.3, R15)
+    assert idx.dtype == torch.int64  # indices stay int64 up to the table assignment (exact beyond 2**24)
     n = score.numel()
     if int(idx.min()) < 0 or int(idx.max()) >= n:
         raise IndexError(f"dataset index out of range for a table of {n} samples")
@@ -627,7 +615,7 @@ def update_scores(score: Tensor, seen: Tensor, index: Tensor, per_sample_loss: T
 
 
 def accumulate(sum_loss: Tensor, count: Tensor, index: Tensor, loss: Tensor) -> None:
-    """Epoch-level score accumulation, in place (spec §4.3): ``sum_loss[index] += loss``, ``count[index] += 1``.
+    """Epoch-level score accumulation, in place: ``sum_loss[index] += loss``, ``count[index] += 1``.
 
     Duplicates (DDP padding) are summed correctly (``index_add_``). An empty batch is a no-op. At the end of the
     epoch, ``all_reduce(SUM)`` both buffers across ranks, then call :func:`finalize`.
@@ -654,7 +642,7 @@ def accumulate(sum_loss: Tensor, count: Tensor, index: Tensor, loss: Tensor) -> 
 
 
 def finalize(sum_loss: Tensor, count: Tensor, score: Tensor, seen: Tensor, momentum: float = 1.0) -> None:
-    """Fold the (all-reduced) epoch accumulators into the score table, in place (spec §4.3).
+    """Fold the (all-reduced) epoch accumulators into the score table, in place.
 
     Where ``count > 0``: ``new = sum_loss / count`` (the mean over the epoch's observations, e.g. DDP padding
     duplicates), then ``score <- new`` (``momentum == 1``) or ``m * new + (1 - m) * score`` for already-seen

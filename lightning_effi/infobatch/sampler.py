@@ -1,19 +1,20 @@
-"""The per-epoch InfoBatch sampler (``shared/specs/infobatch.md`` §4.2).
+"""``InfoBatchSampler``: this rank's share of one epoch's frozen plan
+(:class:`~lightning_effi.infobatch.functional.EpochPlan`). The method card ``README.md`` beside this file tells the
+long story.
 
-:class:`InfoBatchSampler` serves one frozen :class:`~lightning_effi.infobatch.functional.EpochPlan`: the train loader
-is rebuilt every epoch with the plan of that epoch, so ``len()`` is right before iteration starts (Lightning caches
-it), and iteration never re-plans (reference defects R3, R4, R10, R14). It subclasses ``DistributedSampler`` so that
-Lightning leaves it alone under DDP, and shards itself by rank.
+The training loader is rebuilt every epoch with that epoch's plan, so ``len()`` is right before iteration starts
+(Lightning caches it), and iteration never re-plans (the reference's sampler re-plans in ``__iter__`` and builds a
+new plan at every access). It subclasses ``DistributedSampler`` so that Lightning leaves it alone under DDP.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from numbers import Integral
 
 from torch.utils.data import DistributedSampler
 
+from lightning_effi.core.checks import is_int
 from lightning_effi.infobatch.functional import EpochPlan
 
 __all__ = ["InfoBatchSampler"]
@@ -54,11 +55,11 @@ class InfoBatchSampler(DistributedSampler):
     ) -> None:
         if not isinstance(plan, EpochPlan):
             raise TypeError(f"InfoBatchSampler needs an EpochPlan, got {type(plan).__name__}")
-        if not _is_int(num_replicas) or num_replicas < 1:
+        if not is_int(num_replicas) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
-        if not _is_int(rank) or not 0 <= rank < num_replicas:
+        if not is_int(rank) or not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be an int in [0, {num_replicas}), got {rank!r}")
-        num_replicas, rank, start = int(num_replicas), int(rank), int(start) if _is_int(start) else start
+        num_replicas, rank, start = int(num_replicas), int(rank), int(start) if is_int(start) else start
         indices = plan.indices.detach().cpu().clone().contiguous()
         # DistributedSampler only takes len() of the dataset; ``shuffle=True`` is informational (the plan is shuffled).
         super().__init__(range(indices.numel()), num_replicas=num_replicas, rank=rank, shuffle=True, seed=0,
@@ -75,7 +76,7 @@ class InfoBatchSampler(DistributedSampler):
         self._check_start()
 
     def _check_start(self) -> None:
-        if not _is_int(self.start) or not 0 <= self.start <= self.num_samples:
+        if not is_int(self.start) or not 0 <= self.start <= self.num_samples:
             raise ValueError(f"start must be an int in [0, {self.num_samples}] (the per-rank length), "
                              f"got {self.start!r}")
 
@@ -109,8 +110,3 @@ class InfoBatchSampler(DistributedSampler):
         return (f"InfoBatchSampler(epoch={self.epoch}, L={self._indices.numel()}, num_replicas={self.num_replicas}, "
                 f"rank={self.rank}, drop_last={self.drop_last}, start={self.start}, len={self.num_samples}, "
                 f"padded={self.padded})")
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
-

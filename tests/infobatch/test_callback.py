@@ -1,21 +1,26 @@
 """InfoBatchCallback in Lightning: epoch lengths, the training_step wrapper, annealing, resume, DDP, LR progress,
-validation (``shared/specs/infobatch.md`` acceptance tests 15-20)."""
+validation, requirements and metadata (no processes except the DDP test)."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 
-from lightning_effi.core.accounting import EfficiencyMonitor
+import lightning_effi.infobatch
 from lightning_effi.callbacks import InfoBatchCallback
-from lightning_effi.infobatch.data import InfoBatchDataModule
-from lightning_effi.functional import infobatch as ib
+from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.core.lr_schedules import warmup_cosine
-from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
+from lightning_effi.core.requirements import IncompatibleTechniques, Requirements
+from lightning_effi.functional import infobatch as ib
+from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.tasks import GPT2CausalLM
+from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd, tiny_gpt2
 
 
@@ -24,7 +29,7 @@ def ib_data(n=40, batch_size=8, num_workers=0):
 
 
 class FixedLengths(InfoBatchCallback):
-    """Plans of prescribed lengths (acceptance test 15)."""
+    """Plans of prescribed lengths."""
 
     def __init__(self, lengths, **kw):
         super().__init__(**kw)
@@ -145,6 +150,40 @@ def test_repr_round_trips():
     cb = InfoBatchCallback(prune_ratio=0.3, delta=0.9, num_epochs=10, seed=4, momentum=0.5, strict=False)
     again = eval(repr(cb), {"InfoBatchCallback": InfoBatchCallback})
     assert repr(again) == repr(cb)
+    assert repr(InfoBatchCallback()) == ("InfoBatchCallback(prune_ratio=0.5, delta=0.875, num_epochs=None, seed=0, "
+                                         "momentum=1.0, strict=True)")
+    # every constructor argument appears, and numpy numbers are stored as plain Python numbers
+    code = InfoBatchCallback.__init__.__code__
+    names = list(code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount])
+    assert [part.split("=")[0] for part in repr(cb)[len("InfoBatchCallback("):-1].split(", ")] == names
+    numpy_cb = InfoBatchCallback(prune_ratio=np.float32(0.5), num_epochs=np.int64(8), seed=np.int64(3))
+    again = eval(repr(numpy_cb), {"InfoBatchCallback": InfoBatchCallback})
+    assert repr(again) == repr(numpy_cb) and type(again.seed) is int and type(again.num_epochs) is int
+
+
+def test_requirements_are_declared_and_match_metadata():
+    req = InfoBatchCallback.requirements
+    assert isinstance(req, Requirements)
+    assert req.owns_train_sampler and req.changes_epoch_length and req.needs_per_sample_loss
+    assert req.batch_structures == ("dict",) and not req.changes_model_shapes and not req.patches_layers
+    folder = Path(lightning_effi.infobatch.__file__).parent
+    metadata = json.loads((folder / "metadata.json").read_text())
+    assert metadata["requirements"] == json.loads(json.dumps(req.as_dict()))  # tuples as lists
+    assert metadata["class_name"] == InfoBatchCallback.__name__
+    root = folder.parent.parent
+    assert (root / metadata["card"]).is_file() and (root / metadata["hydra"]).is_file()
+
+
+class OtherSampler(pl.Callback):
+    """A stand-in technique that also owns the training sampler (as the curriculum does)."""
+
+    requirements = Requirements(owns_train_sampler=True, changes_epoch_length=True)
+
+
+def test_setup_refuses_another_technique_that_owns_the_training_sampler(tmp_path):
+    with pytest.raises(IncompatibleTechniques, match="InfoBatchCallback and OtherSampler cannot be combined"):
+        make_trainer(tmp_path, [InfoBatchCallback(), OtherSampler()], max_epochs=2).fit(tiny_gpt2(),
+                                                                                        datamodule=ib_data())
 
 
 class ProgressLR(GPT2CausalLM):

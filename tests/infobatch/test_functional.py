@@ -1,7 +1,8 @@
-"""Pure InfoBatch core (``lightning_effi.infobatch.functional``): spec ``shared/specs/infobatch.md`` §1 and the
-acceptance tests 1-10, 13, 14 as they apply to the functions (no Trainer)."""
+"""Pure InfoBatch core (``lightning_effi.infobatch.functional``): plans, annealing, keep counts, expected saving,
+unbiased weights, private RNG, int64 indices, rescaling and score updates (no Trainer)."""
 
 import ast
+import importlib
 import io
 import math
 import random
@@ -80,7 +81,8 @@ def test_strict_less_than():
 
 
 def test_threshold_over_seen_only_and_unseen_in_d2():
-    # an unseen +inf placeholder must not make tau infinite (R11); unseen samples are always visited with weight 1
+    # an unseen +inf placeholder (as in the latent-diffusion fork) must not make tau infinite; unseen samples are
+    # always visited with weight 1
     score, seen = tables([1.0, 2.0, 3.0, float("inf"), 0.0], seen=[True, True, True, False, False])
     tau, d1 = infobatch.split_well_learned(score, seen)
     assert tau == 2.0 and d1.tolist() == [True, False, False, False, False]
@@ -440,7 +442,7 @@ def test_plan_validation():
         EpochPlan(**good).epoch = 2  # frozen
 
 
-# ------------------------------------------------------------------------------------------------ validation (§1.6)
+# ------------------------------------------------------------------------------------------------------- validation
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -492,6 +494,9 @@ def test_plan_epoch_rejects_bad_tables():
         infobatch.plan_epoch(torch.zeros(0), torch.ones(0, dtype=torch.bool), 1, 10)
 
 
+PURE_CORE = ("lightning_effi.core.checks", "lightning_effi.core.rng")
+
+
 def test_module_imports_no_lightning():
     source = Path(infobatch.__file__).read_text()
     imported = set()
@@ -500,7 +505,13 @@ def test_module_imports_no_lightning():
             imported |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
-            # the functional core may use its own pure helpers (lightning_effi.functional.*), nothing else of ours
-            imported.add("<functional>" if module.startswith("lightning_effi.functional.") else module.split(".")[0])
-    stdlib = {"__future__", "math", "warnings", "dataclasses", "decimal", "fractions", "numbers", "typing", "concurrent"}
-    assert imported <= stdlib | {"torch", "<functional>"}
+            # the functional core may use the pure core helpers (seeds, argument checks), nothing else of ours
+            imported.add("<pure core>" if module in PURE_CORE else module.split(".")[0])
+    stdlib = {"__future__", "math", "warnings", "dataclasses", "decimal", "fractions", "numbers", "typing",
+              "concurrent", "collections"}
+    assert imported <= stdlib | {"torch", "<pure core>"}
+    for name in PURE_CORE:  # and those helpers import the standard library only
+        tree = ast.parse(Path(importlib.import_module(name).__file__).read_text())
+        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert {m.split(".")[0] for m in modules} <= stdlib, (name, modules)

@@ -1,5 +1,5 @@
-"""``InfoBatchSampler`` (spec ``shared/specs/infobatch.md`` §4.2; acceptance tests 11, 13 and the sharding part of
-16, without processes): pure iteration, exact lengths, sharding, padding, resume offset."""
+"""``InfoBatchSampler`` (``lightning_effi.infobatch.sampler``, without processes): pure iteration, exact lengths,
+sharding, padding, resume offset, int64 indices."""
 
 import copy
 import math
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_effi.infobatch.sampler import InfoBatchSampler
 from lightning_effi.functional import infobatch
 from lightning_effi.infobatch.functional import EpochPlan
+from lightning_effi.infobatch.sampler import InfoBatchSampler
 
 
 def prune_plan(n=100, seed=0, epoch=1):
