@@ -1,5 +1,5 @@
-"""Every config composes and instantiates; every experiment runs with fast_dev_run (acceptance tests 14-15 of
-``shared/specs/lightning_hydra.md``)."""
+"""Every config composes and instantiates; every experiment runs with fast_dev_run (lightning-hydra-template's
+``tests/test_configs.py`` and ``tests/test_sweeps.py``)."""
 
 from pathlib import Path
 

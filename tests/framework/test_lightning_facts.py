@@ -1,5 +1,6 @@
-"""Pins the Lightning 2.6 behaviour the technique callbacks rely on (``shared/specs/lightning_hydra.md``, acceptance
-tests 1, 3, 5, 6, 10, 11, 12, 17). An upgrade that changes one of these facts fails here first."""
+"""Pins the Lightning 2.6 behaviour the technique callbacks rely on (hook order, loader reloading, mid-epoch resume,
+checkpointed callback state, ...). An upgrade that changes one of these facts fails here first; the non-public calls
+themselves are all in ``lightning_effi/core/compat.py``."""
 
 from __future__ import annotations
 
