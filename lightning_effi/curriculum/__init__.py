@@ -5,12 +5,13 @@
 - :mod:`~lightning_effi.curriculum.config` (DeepSpeed-keyed schema) and :mod:`~lightning_effi.curriculum.stream`
   (the deterministic per-rank sample stream);
 - :class:`CurriculumDataModule` and :class:`Curriculum`: the Lightning layer;
-- :mod:`~lightning_effi.curriculum.analysis`: the offline :class:`DataAnalyzer` and DeepSpeed's index files.
+- :mod:`~lightning_effi.curriculum.analysis`: the offline :class:`DataAnalyzer`, DeepSpeed's index files and the
+  in-memory :func:`analyze_in_memory`.
 """
 
 from lightning_effi.curriculum import functional, schedules
-from lightning_effi.curriculum.analysis import DataAnalyzer, MetricIndex
-from lightning_effi.curriculum.callback import Curriculum, CurriculumCallback, analyze_in_memory
+from lightning_effi.curriculum.analysis import DataAnalyzer, MetricIndex, analyze_in_memory
+from lightning_effi.curriculum.callback import Curriculum, CurriculumCallback
 from lightning_effi.curriculum.config import (
     CLUSTERING_TYPES,
     TRANSFORM_METRICS,

@@ -1,115 +1,71 @@
-"""``Curriculum``: DeepSpeed-style curriculum learning (data sampling by difficulty) for any LightningModule.
-
-Li et al., "DeepSpeed Data Efficiency" (arXiv 2212.03597) and "The Stability-Efficiency Dilemma" (arXiv 2108.06084);
-reference ``deepspeed/runtime/data_pipeline/``. Specification ``shared/specs/curriculum.md`` §5.7-§5.8.
-
-The method lives in :mod:`lightning_effi.curriculum.schedules`, :mod:`lightning_effi.curriculum.functional` and
-:class:`lightning_effi.curriculum.CurriculumController`; this callback wires it into Lightning:
-
-- ``setup("fit")``: resolves the configuration (given here or to the
-  :class:`~lightning_effi.data.CurriculumDataModule`),
-  loads or computes the analysis indexes of the ``schedule_based`` metrics (validated against the training set),
-  compares their hash across ranks, checks that the first step selects data, and attaches the controller (batch
-  geometry from the loader's batch size, ``trainer.world_size`` and ``accumulate_grad_batches``). Under DDP it
-  requires ``Trainer(use_distributed_sampler=False)``: the sampler shards by rank itself.
-- ``on_train_batch_start``: removes ``cl_step``/``cl_micro``/``cl_difficulty`` from the batch (the user's
-  ``training_step`` sees its own structure) and counts the batch's tokens (summed over ranks) so a token-based LR
-  schedule (:meth:`token_progress`) already includes the current batch when the scheduler steps.
-- ``on_train_batch_end``: commits the batch (the resume position) and logs ``effi/curriculum/{metric}_difficulty``,
-  ``effi/curriculum/eligible_samples``, ``effi/curriculum/num_clusters``, ``effi/curriculum/consumed_tokens``.
-- ``state_dict``: the committed stream position (safe-loadable ints, lists and dicts) and a configuration
-  fingerprint; resuming continues the exact same sample stream.
+"""``Curriculum``: the Lightning callback of DeepSpeed-style curriculum learning (Li et al. 2022): hook wiring,
+checkpoint state and logging. The method lives in :mod:`~lightning_effi.curriculum.schedules`,
+:mod:`~lightning_effi.curriculum.functional` and :class:`~lightning_effi.curriculum.CurriculumController`; the
+in-memory analysis in :func:`~lightning_effi.curriculum.analysis.analyze_in_memory`. The method card is
+``lightning_effi/curriculum/README.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_effi.core.accounting import batch_size_of, tokens_of
-from lightning_effi.curriculum.config import CurriculumConfig, CurriculumConfigError, to_plain
-from lightning_effi.curriculum.stream import CurriculumController, indexes_fingerprint
+from lightning_effi.core.accounting import tokens_of
+from lightning_effi.core.checks import is_int
+from lightning_effi.core.compat import uses_distributed_sampler
+from lightning_effi.core.requirements import Requirements, check_trainer
+from lightning_effi.curriculum import functional as F
+from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
+from lightning_effi.curriculum.config import CurriculumConfig, CurriculumConfigError, MetricConfig
 from lightning_effi.curriculum.data import BATCH_KEYS, CurriculumDataModule
+from lightning_effi.curriculum.stream import CurriculumController, indexes_fingerprint
+
+__all__ = ["Curriculum", "CurriculumCallback"]
+
+#: the defaults of the options that go with the metrics (DeepSpeed's seed and num_epochs)
+_OPTION_DEFAULTS: dict[str, Any] = dict(seed=1234, num_epochs=1000, rounding="clamped", percentile_rounding="deepspeed",
+                                        dp_split="balanced", drop_last=False, truncate_keys=None,
+                                        causal_label_shift=False)
 
 
-def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_fn: Any = None,
-                      batch_size: int = 256) -> np.ndarray:
-    """Per-sample values of a registered analyzer metric over ``dataset`` (int64 ``[N]``), in this process: the map
-    step of :class:`~lightning_effi.curriculum.analysis.DataAnalyzer` without files (every rank computes the same values).
-
-    Args:
-        analysis: a metric name (:func:`lightning_effi.curriculum.analysis.registered_metrics`), ``{"name": ...,
-            **options}`` passed to the metric factory, or a callable ``fn(batch) -> int[B]``. ``vocab_rarity`` /
-            ``seqlen_vocab_rarity`` without a ``freq`` option run the two passes of spec §3.1: ``total_vocab_freq``
-            (needs ``vocab_size`` >= the largest token id + 1), then the rarity. ``seqlen`` uses the dataset's vectorised ``sequence_lengths()`` when it has one
-            and no options are given.
-        collate_fn: the training loader's collate function. batch_size: analysis batch size.
-
-    Raises:
-        CurriculumConfigError: unknown metric or options; a metric returning floats or a wrong shape.
-    """
-    from lightning_effi.core.indexed import sequence_lengths
-    from lightning_effi.curriculum.analysis.metrics import get_metric
-
-    if callable(analysis):
-        options, name = {}, getattr(analysis, "__name__", repr(analysis))
-    else:
-        options = dict(to_plain(analysis)) if isinstance(analysis, Mapping) else {"name": analysis}
-        name = options.pop("name", None)
-    if not isinstance(name, str):
-        raise CurriculumConfigError(f"curriculum analysis: expected a metric name or {{name: ..., **options}}, got "
-                                    f"{analysis!r}")
-    if name == "seqlen" and not options and not callable(analysis):
-        lengths = sequence_lengths(dataset)
-        if lengths is not None:
-            return np.asarray(lengths, dtype=np.int64)
-
-    def loader() -> Any:
-        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
-
-    try:
-        if name in ("vocab_rarity", "seqlen_vocab_rarity") and "freq" not in options:
-            if "vocab_size" not in options:
-                raise CurriculumConfigError(f"curriculum analysis {name}: give vocab_size (>= largest token id + 1) "
-                                            "for the total_vocab_freq pass, or a precomputed freq")
-            counter = get_metric("total_vocab_freq", vocab_size=options.pop("vocab_size"),
-                                 **{k: options[k] for k in ("key", "mask_key", "pad_token_id") if k in options})
-            freq = None
-            for batch in loader():
-                v = np.asarray(counter(batch), dtype=np.int64)
-                freq = v if freq is None else freq + v
-            options["freq"] = freq
-        fn = analysis if callable(analysis) else get_metric(name, **options)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CurriculumConfigError(f"curriculum analysis {name!r}: {e}") from None
-    out = []
-    for batch in loader():
-        v = fn(batch)
-        v = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
-        if not np.issubdtype(v.dtype, np.integer):
-            raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned {v.dtype} values; metric "
-                                        "values must be integers (scale floats explicitly)")
-        if v.dtype == np.uint64 and v.size and v.max() > np.iinfo(np.int64).max:
-            raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned values above the int64 "
-                                        "maximum; scale them down")
-        if v.shape != (batch_size_of(batch),):
-            raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned shape {v.shape} for a batch "
-                                        f"of {batch_size_of(batch)}; a per-sample metric returns [B]")
-        out.append(v.astype(np.int64))
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
+def _metric_arguments(metric: MetricConfig) -> dict[str, Any]:
+    """A parsed metric as the ``curriculum_metrics`` dict that builds it again (unset optional keys left out)."""
+    out = {}
+    for f in dataclasses.fields(metric):
+        value = getattr(metric, f.name)
+        if f.name != "name" and value is not None:
+            out[f.name] = value
+    return out
 
 
 class Curriculum(Callback):
     """Curriculum learning: each optimizer step trains on a global batch drawn from the samples whose difficulty the
     schedule allows, and ``seqlen_truncate``/``seqlen_reshape`` shorten the batches early in training.
+
+    Li et al., "DeepSpeed Data Efficiency" (arXiv 2212.03597) and "The Stability-Efficiency Dilemma" (arXiv
+    2108.06084); reference ``deepspeed/runtime/data_pipeline/``. The hooks:
+
+    - ``setup("fit")``: resolves the configuration (given here or to the
+      :class:`~lightning_effi.data.CurriculumDataModule`), loads or computes the analysis indexes of the
+      ``schedule_based`` metrics (validated against the training set), compares their hash across ranks, checks that
+      the first step selects data, and attaches the controller (batch geometry from the loader's batch size,
+      ``trainer.world_size`` and ``accumulate_grad_batches``). Under DDP it requires
+      ``Trainer(use_distributed_sampler=False)``: the sampler shards by rank itself.
+    - ``on_train_batch_start``: removes ``cl_step``/``cl_micro``/``cl_difficulty`` from the batch (the user's
+      ``training_step`` sees its own structure) and counts the batch's tokens (summed over ranks) so a token-based LR
+      schedule (:meth:`token_progress`) already includes the current batch when the scheduler steps.
+    - ``on_train_batch_end``: commits the batch (the resume position) and logs ``effi/curriculum/{metric}_difficulty``,
+      ``effi/curriculum/eligible_samples``, ``effi/curriculum/num_clusters``, ``effi/curriculum/consumed_tokens``.
+    - ``state_dict``: the committed stream position (safe-loadable ints, lists and dicts) and a configuration
+      fingerprint; resuming continues the exact same sample stream.
 
     Args:
         metrics: ``{name: {difficulty_type, clustering_type, min_difficulty, max_difficulty, schedule_type,
@@ -124,11 +80,19 @@ class Curriculum(Callback):
             (token-based LR decay, recommended with ``seqlen_truncate`` by the DeepSpeed tutorial).
         strict: a checkpoint written with another configuration raises on resume (``False``: warn and continue).
 
+    ``repr()`` lists every argument; ``eval`` of it builds an equal callback when the metrics hold no callables
+    (``custom_schedule``, a callable ``analysis``) or arrays.
+
     Raises:
         CurriculumConfigError: at construction, a bad configuration; at ``setup``, a configuration given twice or
             not at all, index files that do not match the training set, an empty first eligible set, DDP with
             ``use_distributed_sampler=True``, index files that differ between ranks.
+        IncompatibleTechniques: at ``setup``, another technique that owns the training sampler (InfoBatch); see
+            :data:`lightning_effi.core.requirements.CONFLICTS`.
     """
+
+    #: rebuilds the training loader (its own batch sampler) and edits each dict batch (truncation, ``cl_*`` keys)
+    requirements = Requirements(owns_train_sampler=True, edits_batch=True, batch_structures=("dict",))
 
     def __init__(self, metrics: Mapping[str, Any] | None = None, seed: int = 1234, num_epochs: int = 1000,
                  rounding: str = "clamped", percentile_rounding: str = "deepspeed", dp_split: str = "balanced",
@@ -144,22 +108,22 @@ class Curriculum(Callback):
         if metrics:
             self.config = CurriculumConfig(metrics=metrics, **opts)
         else:
-            defaults = dict(seed=1234, num_epochs=1000, rounding="clamped", percentile_rounding="deepspeed",
-                            dp_split="balanced", drop_last=False, causal_label_shift=False)
-            changed = sorted(k for k, v in opts.items() if k == "truncate_keys" or v != defaults[k])
+            changed = sorted(k for k, v in opts.items() if k == "truncate_keys" or v != _OPTION_DEFAULTS[k])
             if changed:
                 raise CurriculumConfigError(f"Curriculum: options {changed} given without metrics; pass them with "
                                             "the metrics (to Curriculum or to CurriculumDataModule)")
         if not isinstance(strict, bool):
             raise CurriculumConfigError(f"Curriculum.strict must be a bool, got {strict!r}")
-        if not isinstance(analysis_batch_size, int) or analysis_batch_size < 1:
+        if not is_int(analysis_batch_size) or analysis_batch_size < 1:
             raise CurriculumConfigError(f"Curriculum.analysis_batch_size must be an int >= 1, got "
                                         f"{analysis_batch_size!r}")
-        self.analysis_batch_size, self.strict = analysis_batch_size, strict
+        self.analysis_batch_size, self.strict = int(analysis_batch_size), strict
+        self.total_tokens: int | None = None
         if total_tokens is not None:
-            if not isinstance(total_tokens, int) or isinstance(total_tokens, bool) or total_tokens < 1:
+            if not is_int(total_tokens) or total_tokens < 1:
                 raise CurriculumConfigError(f"Curriculum.total_tokens must be a positive int, got {total_tokens!r}")
-            self.effi_progress = functools.partial(self.token_progress, total_tokens)  # picklable (ddp_spawn)
+            self.total_tokens = int(total_tokens)
+            self.effi_progress = functools.partial(self.token_progress, self.total_tokens)  # picklable (ddp_spawn)
         self.controller: CurriculumController | None = None
         self.consumed_tokens = 0
         self._pending: tuple[int, int, dict[str, int], int] | None = None
@@ -167,9 +131,21 @@ class Curriculum(Callback):
         self._loaded: dict[str, Any] | None = None
         self.last_difficulties: dict[str, int] = {}
 
+    def _arguments(self) -> dict[str, Any]:
+        """The constructor arguments of this callback, in order (the metrics as parsed, unset optional keys left
+        out; ``truncate_keys`` ``None`` when it is the default)."""
+        c = self.config
+        if c is None:
+            out: dict[str, Any] = {"metrics": None, **_OPTION_DEFAULTS}
+        else:
+            out = {"metrics": {name: _metric_arguments(m) for name, m in c.metrics.items()}}
+            out.update({k: getattr(c, k) for k in _OPTION_DEFAULTS})
+            out["truncate_keys"] = None if tuple(c.truncate_keys) == F.SEQUENCE_KEYS else list(c.truncate_keys)
+        out.update(analysis_batch_size=self.analysis_batch_size, total_tokens=self.total_tokens, strict=self.strict)
+        return out
+
     def __repr__(self) -> str:
-        names = list(self.config.metrics) if self.config else "from the DataModule"
-        return f"Curriculum(metrics={names})"
+        return f"Curriculum({', '.join(f'{k}={v!r}' for k, v in self._arguments().items())})"
 
     @property
     @override
@@ -185,6 +161,7 @@ class Curriculum(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        check_trainer(trainer)
         dm = trainer.datamodule
         if not isinstance(dm, CurriculumDataModule):
             raise CurriculumConfigError(
@@ -197,10 +174,10 @@ class Curriculum(Callback):
         if config is None:
             raise CurriculumConfigError("curriculum has no metrics: pass metrics={...} to Curriculum(...) or to "
                                         "CurriculumDataModule(...)")
-        if trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
+        if trainer.world_size > 1 and uses_distributed_sampler(trainer):
             raise CurriculumConfigError(
                 "Curriculum under DDP needs Trainer(use_distributed_sampler=False): its batch sampler shards by rank "
-                "itself, and Lightning would inject a DistributedSampler into it (curriculum.md §5.8)")
+                "itself, and Lightning would inject a DistributedSampler into it")
         # a fresh fit starts from a fresh stream; a checkpoint's state arrives later through load_state_dict
         self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
         self._pending = None

@@ -1,18 +1,12 @@
-"""Curriculum learning configuration (DeepSpeed Data Efficiency style).
+"""Curriculum learning configuration (DeepSpeed Data Efficiency style): a strict frozen schema with DeepSpeed's key
+names. The method card is ``lightning_effi/curriculum/README.md``.
 
-Specification ``shared/specs/curriculum.md`` §1 (schema), §3 (difficulty and clustering types), §5 (sampler);
-reference ``deepspeed/runtime/data_pipeline/{config.py, data_sampling/data_sampler.py}``.
+- :class:`MetricConfig`, :class:`CurriculumConfig`: unknown or missing keys raise at parse time and the input is never
+  mutated. :func:`parse_deepspeed_config` reads a DeepSpeed ``data_efficiency`` block (and rejects the legacy
+  top-level ``curriculum_learning`` block).
 
-- :class:`MetricConfig`, :class:`CurriculumConfig`: strict frozen schema with DeepSpeed's key names; unknown or
-  missing keys raise at parse time and the input is never mutated. :func:`parse_deepspeed_config` reads a DeepSpeed
-  ``data_efficiency`` block (and rejects the legacy top-level ``curriculum_learning`` block).
-- :class:`CurriculumController`: owns the per-rank view of the stream. Every quantity is a pure function of the
-  configuration, the analysis indexes and the curriculum step: the global batch of step ``s`` is drawn with a
-  generator from ``(seed, s)``, cluster permutations from ``(seed, cluster, pass)``, so all ranks compute the same
-  global batches locally (no broadcast) and the state to checkpoint is a handful of ints.
-- Commit protocol (§5.7): iterators may run ahead of training (prefetching workers); only batches reported by
-  :meth:`CurriculumController.commit` (from ``on_train_batch_end``) move the resume position, and every new iterator
-  restarts from the committed position.
+Reference ``deepspeed/runtime/data_pipeline/{config.py, data_sampling/data_sampler.py}``; the stream these settings
+drive is :mod:`lightning_effi.curriculum.stream`.
 """
 
 from __future__ import annotations
@@ -24,11 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_effi.core.checks import is_int, plain
 from lightning_effi.curriculum import functional as F
-from lightning_effi.curriculum.schedules import CurriculumSchedule, ROUNDING_MODES, ScheduleConfigError
+from lightning_effi.curriculum.schedules import ROUNDING_MODES, CurriculumSchedule, ScheduleConfigError
 
 CLUSTERING_TYPES = ("schedule_based", "single_cluster")
-#: metric names whose difficulty drives a batch transform (Megatron-DeepSpeed convention, spec §3.1)
+#: metric names whose difficulty drives a batch transform (Megatron-DeepSpeed ``pretrain_{gpt,bert}.py`` convention)
 TRANSFORM_METRICS = ("seqlen_truncate", "seqlen_reshape")
 
 
@@ -42,20 +37,14 @@ _METRIC_KEYS = {"index_to_sample_path", "index_to_metric_path", "difficulty_type
 _METRIC_EXTRA = {"analysis", "custom_schedule"}  # lightning_effi additions
 
 
-def to_plain(obj: Any) -> Any:
-    """OmegaConf containers -> plain python (without importing omegaconf when it is not used)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-        if isinstance(obj, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(obj, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return obj
+#: OmegaConf containers (Hydra) to plain dicts and lists (:func:`lightning_effi.core.checks.plain`)
+to_plain = plain
 
 
 @dataclass(frozen=True)
 class MetricConfig:
-    """One entry of ``curriculum_metrics`` (spec §1.1), DeepSpeed key names.
+    """One entry of DeepSpeed's ``data_efficiency.data_sampling.curriculum_learning.curriculum_metrics``, DeepSpeed
+    key names.
 
     Args:
         name: the metric's name. ``seqlen_truncate`` / ``seqlen_reshape`` (``single_cluster``, ``value``) make the
@@ -71,7 +60,7 @@ class MetricConfig:
         analysis: (lightning_effi) instead of index files, a registered analyzer metric (a name, or
             ``{name: ..., **factory options}``; :func:`lightning_effi.curriculum.analysis.get_metric`) or any callable
             ``fn(batch) -> int[B]`` (Hydra: a ``_partial_: true`` target), computed in memory
-            over the training set at setup by every rank (:func:`lightning_effi.curriculum.callback
+            over the training set at setup by every rank (:func:`lightning_effi.curriculum.analysis
             .analyze_in_memory`).
         custom_schedule: (lightning_effi) ``fn(step) -> int`` for ``schedule_type: custom``.
     """
@@ -155,26 +144,30 @@ class MetricConfig:
         if missing:
             raise CurriculumConfigError(f"{where}: missing required key(s) {missing}")
         for k in ("min_difficulty", "max_difficulty"):
-            if not isinstance(raw[k], int) or isinstance(raw[k], bool):
+            if not is_int(raw[k]):
                 raise CurriculumConfigError(f"{where}.{k} must be an int, got {raw[k]!r}")
-        cfg = cls(name=name, **copy.deepcopy({k: v for k, v in raw.items() if k != "custom_schedule"}),
-                  custom_schedule=raw.get("custom_schedule"))
+        kwargs = copy.deepcopy({k: v for k, v in raw.items() if k != "custom_schedule"})
+        kwargs.update(min_difficulty=int(raw["min_difficulty"]), max_difficulty=int(raw["max_difficulty"]))
+        cfg = cls(name=name, **kwargs, custom_schedule=raw.get("custom_schedule"))
         cfg.schedule("clamped")  # validates the schedule keys now (parse time)
         return cfg
 
 
 @dataclass(frozen=True)
 class CurriculumConfig:
-    """The whole curriculum (spec §1.3).
+    """The whole curriculum: the metrics and the options shared by them (the ``Curriculum`` callback's arguments).
 
     Args:
         metrics: ``{name: MetricConfig | dict | None}`` (DeepSpeed ``curriculum_metrics``), at least one; order
             kept; a ``None`` entry is dropped (so a Hydra override can remove a metric of a composed config).
         seed: seeds every draw (global batches, cluster permutations). num_epochs: the sample budget is
             ``N × num_epochs`` (DeepSpeed default 1000: effectively endless; training length is set by ``max_steps``).
-        rounding: schedule rounding, ``clamped`` (default) | ``deepspeed`` | ``deepspeed_legacy`` (§2.3).
-        percentile_rounding: ``deepspeed`` (``N // max`` samples per percentile) | ``proportional`` (§3.2).
-        dp_split: per-rank slicing of a micro-chunk, ``balanced`` | ``deepspeed`` (§5.5).
+        rounding: schedule rounding, ``clamped`` (default) | ``deepspeed`` | ``deepspeed_legacy``
+            (:mod:`~lightning_effi.curriculum.schedules`).
+        percentile_rounding: ``deepspeed`` (``N // max`` samples per percentile) | ``proportional``
+            (:func:`~lightning_effi.curriculum.functional.eligible_end`).
+        dp_split: per-rank slicing of a micro-chunk, ``balanced`` | ``deepspeed``
+            (:func:`~lightning_effi.curriculum.functional.dp_slice`).
         drop_last: drop a short final micro-chunk at the end of the budget.
         truncate_keys: batch fields cut by ``seqlen_truncate`` (default: the usual sequence fields).
         causal_label_shift: ``seqlen_truncate`` keeps ``d + 1`` tokens (Megatron GPT samples carry their shifted
@@ -222,9 +215,10 @@ class CurriculumConfig:
             raise CurriculumConfigError(f"curriculum dp_split must be one of {F.DP_SPLITS}, got {self.dp_split!r}")
         for key in ("seed", "num_epochs"):
             v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "seed" else 1):
+            if not is_int(v) or v < (0 if key == "seed" else 1):
                 raise CurriculumConfigError(f"curriculum {key} must be an int >= {0 if key == 'seed' else 1}, "
                                             f"got {v!r}")
+            object.__setattr__(self, key, int(v))
         if self.seed >= 2**32:
             raise CurriculumConfigError(f"curriculum seed must be < 2**32, got {self.seed}")
         if "seqlen_truncate" in parsed and "seqlen_reshape" in parsed:
@@ -274,7 +268,8 @@ _DS_KEYS = {
 
 
 def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> CurriculumConfig | None:
-    """Read a DeepSpeed config's ``data_efficiency`` block (spec §1.1) into a :class:`CurriculumConfig`.
+    """Read a DeepSpeed config's ``data_efficiency`` block (parsed by DeepSpeed in
+    ``deepspeed/runtime/data_pipeline/config.py``) into a :class:`CurriculumConfig`.
 
     Args:
         ds_config: a whole DeepSpeed config dict (other engine keys are ignored) or just its ``data_efficiency``

@@ -1,6 +1,5 @@
 """``CurriculumDataModule``: wraps any DataModule so that the curriculum decides which samples each step trains on.
-
-Specification ``shared/specs/curriculum.md`` §5.6-§5.8. The training loader is rebuilt as
+The method card is ``lightning_effi/curriculum/README.md``. The training loader is rebuilt as
 
 ``DataLoader(CurriculumDataset(dataset), batch_sampler=CurriculumSampler(controller),
 collate_fn=CurriculumCollate(collate_fn, ...), num_workers=..., ...)``
@@ -25,11 +24,11 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from lightning_effi.curriculum.config import CurriculumConfig
-from lightning_effi.curriculum.stream import CurriculumController
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.wrapping import WrappingDataModule
 from lightning_effi.curriculum import functional as F
+from lightning_effi.curriculum.config import CurriculumConfig
+from lightning_effi.curriculum.stream import CurriculumController
 
 #: keys the collate wrapper adds to every training batch
 BATCH_KEYS = ("cl_step", "cl_micro", "cl_difficulty")
@@ -93,7 +92,8 @@ class CurriculumCollate:
 
 class CurriculumSampler:
     """Batch sampler over the controller's stream (this rank's micro-batches of the current data epoch, from the
-    committed position). ``len()`` is the full per-epoch count (spec §5.7)."""
+    committed position). ``len()`` is the full per-epoch count, also after a mid-epoch resume (a shorter ``len()``
+    would make Lightning end the resumed epoch early)."""
 
     def __init__(self, controller: CurriculumController) -> None:
         self.controller = controller

@@ -1,8 +1,8 @@
 """Curriculum data sampling (DeepSpeed Data Efficiency) as pure functions: eligible sets, clusters, draws, DP
-slices, and the sequence-length batch transforms.
+slices, and the sequence-length batch transforms. The method card is ``lightning_effi/curriculum/README.md``.
 
 Reference: ``deepspeed/runtime/data_pipeline/data_sampling/data_sampler.py`` (``DeepSpeedDataSampler``) and
-Megatron-DeepSpeed ``pretrain_{gpt,bert}.py``; specification ``shared/specs/curriculum.md`` §3.2, §5.3-§5.5, §3.1.
+Megatron-DeepSpeed ``pretrain_{gpt,bert}.py`` (the sequence-length transforms).
 
 An analysis index is given as ``(ids, offsets, values)`` (see
 :class:`lightning_effi.curriculum.analysis.MetricIndex`): ``ids`` int64 ``[N]`` are the ``index_to_sample`` rows
@@ -33,7 +33,7 @@ def eligible_end(difficulty: int, *, difficulty_type: str, num_samples: int, max
                  percentile_rounding: str = "deepspeed") -> int:
     """Number of leading entries of the concatenated ``index_to_sample`` ids eligible at ``difficulty``.
 
-    - ``value`` (§3.2): samples with ``metric <= difficulty``: ``offsets[searchsorted(values, d, "right")]``.
+    - ``value``: samples with ``metric <= difficulty``: ``offsets[searchsorted(values, d, "right")]``.
     - ``percentile``: ``deepspeed`` rounding: ``spp = N // max_difficulty``, end ``spp·p`` (``N`` at
       ``p == max_difficulty``); ``proportional``: ``floor(N·p / max_difficulty)``. ``p <= 0`` selects nothing.
 
@@ -69,12 +69,12 @@ def eligible_end(difficulty: int, *, difficulty_type: str, num_samples: int, max
 
 def percentile_ids(rows: Sequence[Sequence[int]], p_start: int, p_end: int, max_difficulty: int,
                    percentile_rounding: str = "deepspeed") -> np.ndarray:
-    """DeepSpeed's percentile window (§3.2): ids at cumulative positions ``[start(p_start), end(p_end))`` of the
+    """DeepSpeed's percentile window: ids at cumulative positions ``[start(p_start), end(p_end))`` of the
     rows walked in order (the increment from ``p_start`` to ``p_end``), int64, row order kept."""
     ids = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]) if len(rows) else np.zeros(0, np.int64)
     n = len(ids)
-    kw = dict(difficulty_type="percentile", num_samples=n, max_difficulty=max_difficulty,
-              percentile_rounding=percentile_rounding)
+    kw: dict[str, Any] = dict(difficulty_type="percentile", num_samples=n, max_difficulty=max_difficulty,
+                         percentile_rounding=percentile_rounding)
     return ids[eligible_end(p_start, **kw):eligible_end(p_end, **kw)]
 
 
@@ -86,9 +86,10 @@ def eligible_mask(ids: np.ndarray, end: int, num_samples: int) -> np.ndarray:
 
 
 def new_cluster(eligible: np.ndarray, assigned: np.ndarray) -> np.ndarray:
-    """The newly eligible samples (§5.3): ``eligible & ~assigned`` as sorted int64 ids. ``eligible`` is the
-    intersection of the ``schedule_based`` metrics' cumulative sets (all ``True`` without such a metric); clusters
-    are therefore pairwise disjoint, their union is the eligible set, and a lower difficulty adds nothing."""
+    """The newly eligible samples (DeepSpeed's cluster construction): ``eligible & ~assigned`` as sorted int64 ids.
+    ``eligible`` is the intersection of the ``schedule_based`` metrics' cumulative sets (all ``True`` without such a
+    metric); clusters are therefore pairwise disjoint, their union is the eligible set, and a lower difficulty adds
+    nothing."""
     return np.flatnonzero(eligible & ~assigned).astype(np.int64)
 
 
@@ -99,18 +100,19 @@ def _rng(*words: int) -> np.random.Generator:
 
 def cluster_permutation(seed: int, cluster_key: int, pass_: int, ids: np.ndarray) -> np.ndarray:
     """Pass ``pass_`` of cluster ``cluster_key`` (its ordinal in creation order): a permutation of ``ids`` that is a
-    pure function of ``(seed, cluster_key, pass_)`` (§5.4)."""
+    pure function of ``(seed, cluster_key, pass_)``."""
     return _rng(seed, 0xC1, cluster_key, pass_).permutation(ids)
 
 
 def batch_generator(seed: int, step: int) -> np.random.Generator:
-    """The generator of global batch ``step`` (counter-based, §5.7: ``SeedSequence([seed, step])``)."""
+    """The generator of global batch ``step`` (counter-based: ``SeedSequence([seed, step])``, nothing to checkpoint)."""
     return _rng(seed, 0xB0, step)
 
 
 def draw_from_cluster(ids: np.ndarray, n: int, seed: int, cluster_key: int, pass_: int, position: int,
                       perm: np.ndarray | None = None) -> tuple[np.ndarray, int, int, np.ndarray]:
-    """Exactly ``n`` ids from a cluster walked along its per-pass permutations (§5.4; fixes DeepSpeed PR #8520).
+    """Exactly ``n`` ids from a cluster walked along its per-pass permutations (fixes DeepSpeed PR #8520, where a
+    request larger than the cluster returned fewer ids).
 
     Args:
         ids: the cluster's ids (int64 ``[C]``, ``C >= 1``). n: ids to draw (>= 0).
@@ -140,7 +142,7 @@ def draw_from_cluster(ids: np.ndarray, n: int, seed: int, cluster_key: int, pass
 
 # ------------------------------------------------------------------------------------------------ DP slices
 def dp_slice(length: int, dp_size: int, rank: int, mode: str = "balanced") -> tuple[int, int]:
-    """``[start, end)`` of rank ``rank``'s share of a chunk of ``length`` samples (§5.5).
+    """``[start, end)`` of rank ``rank``'s share of a chunk of ``length`` samples.
 
     ``balanced`` (default, ``np.array_split``): the first ``length mod dp`` ranks get one more. ``deepspeed``:
     Python ``round`` (banker's rounding) of ``r·length/dp``. Sizes differ by at most one either way.
@@ -165,10 +167,11 @@ def _seq_len(batch: Mapping[str, Any], keys: Sequence[str]) -> int | None:
 
 def truncate_batch(batch: dict[str, Any], difficulty: int, keys: Sequence[str] = SEQUENCE_KEYS,
                    causal_label_shift: bool = False) -> dict[str, Any]:
-    """``seqlen_truncate`` (§3.1): keep the first ``L`` columns of every ``keys`` tensor with a sequence dimension
-    (``[B, S, ...]``, ``S`` taken from the first such key), ``L = d + 1`` with ``causal_label_shift`` (Megatron GPT:
-    a sample holds ``seq_length + 1`` tokens, the extra one being the shifted label) else ``L = d``. Nothing changes
-    when ``L >= S``. Returns a new dict (tensors are views); other keys are kept as they are.
+    """``seqlen_truncate`` (Megatron-DeepSpeed ``pretrain_{gpt,bert}.py``): keep the first ``L`` columns of every
+    ``keys`` tensor with a sequence dimension (``[B, S, ...]``, ``S`` taken from the first such key), ``L = d + 1``
+    with ``causal_label_shift`` (Megatron GPT: a sample holds ``seq_length + 1`` tokens, the extra one being the
+    shifted label) else ``L = d``. Nothing changes when ``L >= S``. Returns a new dict (tensors are views); other keys
+    are kept as they are.
 
     Raises:
         ValueError: ``difficulty < 1``.
@@ -190,11 +193,11 @@ def truncate_batch(batch: dict[str, Any], difficulty: int, keys: Sequence[str] =
 
 
 def reshape_batch(batch: dict[str, Any], difficulty: int, key: str = "input_ids") -> dict[str, Any]:
-    """``seqlen_reshape`` (GPT, §3.1): re-chunk ``batch[key]`` (``[B, S]``) into rows of ``d + 1`` tokens instead of
-    discarding: ``floor(S/(d+1))·(d+1)`` columns viewed as rows of ``d+1``, plus the last ``d+1`` tokens of each
-    sample as an extra row; keep ``min(ceil(B·S/(d+1)), rows)`` rows, minus one if that is odd and > 1 (Megatron's
-    rule). The micro-batch size changes. Only ``key`` is kept (other sequence fields have no meaning after
-    re-chunking; non-sequence keys are dropped too).
+    """``seqlen_reshape`` (GPT, Megatron-DeepSpeed ``pretrain_gpt.py``): re-chunk ``batch[key]`` (``[B, S]``) into
+    rows of ``d + 1`` tokens instead of discarding: ``floor(S/(d+1))·(d+1)`` columns viewed as rows of ``d+1``, plus
+    the last ``d+1`` tokens of each sample as an extra row; keep ``min(ceil(B·S/(d+1)), rows)`` rows, minus one if
+    that is odd and > 1 (Megatron's rule). The micro-batch size changes. Only ``key`` is kept (other sequence fields
+    have no meaning after re-chunking; non-sequence keys are dropped too).
 
     Raises:
         ValueError: ``difficulty < 1`` or ``key`` missing / not 2-D.
@@ -219,9 +222,9 @@ def reshape_batch(batch: dict[str, Any], difficulty: int, key: str = "input_ids"
 
 def trim_padding(batch: dict[str, Any], multiple: int = 8, mask_key: str = "attention_mask",
                  keys: Sequence[str] = SEQUENCE_KEYS, length: int | None = None) -> dict[str, Any]:
-    """BERT "seqlen reorder" post-process (§3.1): cut every sequence field to the longest non-padding length of
-    the batch rounded **up** to a multiple of ``multiple`` (``length`` overrides, e.g. the MAX all-reduced over DP
-    ranks)."""
+    """BERT "seqlen reorder" post-process (Megatron-DeepSpeed ``pretrain_bert.py``): cut every sequence field to the
+    longest non-padding length of the batch rounded **up** to a multiple of ``multiple`` (``length`` overrides, e.g.
+    the MAX all-reduced over DP ranks)."""
     mask = batch.get(mask_key)
     if length is None:
         if not isinstance(mask, torch.Tensor):

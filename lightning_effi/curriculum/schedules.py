@@ -1,11 +1,12 @@
-"""Curriculum difficulty schedules (DeepSpeed Data Efficiency), as pure functions of the curriculum step.
+"""Curriculum difficulty schedules (DeepSpeed Data Efficiency), as pure functions of the curriculum step. The method
+card is ``lightning_effi/curriculum/README.md``.
 
-Reference: ``deepspeed/runtime/data_pipeline/curriculum_scheduler.py`` (``CurriculumScheduler``); specification
-``shared/specs/curriculum.md`` §2. Config keys are DeepSpeed's: ``schedule_type`` one of ``fixed_linear``,
-``fixed_root``, ``fixed_discrete``, ``custom``; ``schedule_config`` with ``total_curriculum_step``,
-``difficulty_step``, ``root_degree`` (root/linear) or ``difficulty``, ``max_step`` (discrete).
+Reference: ``deepspeed/runtime/data_pipeline/curriculum_scheduler.py`` (``CurriculumScheduler``). Config keys are
+DeepSpeed's: ``schedule_type`` one of ``fixed_linear``, ``fixed_root``, ``fixed_discrete``, ``custom``;
+``schedule_config`` with ``total_curriculum_step``, ``difficulty_step``, ``root_degree`` (root/linear) or
+``difficulty``, ``max_step`` (discrete).
 
-Rounding modes (§2.3), which only differ in how the rounded value is bounded:
+Rounding modes, which only differ in how the rounded value is bounded:
 
 - ``"deepspeed"``: current DeepSpeed (0.19.x, PR #8334): floor to an absolute multiple of ``difficulty_step``, raise
   to the first multiple at or above ``min_difficulty``, cap at ``max_difficulty``.
@@ -13,7 +14,7 @@ Rounding modes (§2.3), which only differ in how the rounded value is bounded:
 - ``"clamped"`` (default): ``max(d, min_difficulty)`` after rounding and ``max_difficulty`` for every step
   ``>= total_curriculum_step`` (so a ``max_difficulty`` that is not a multiple of the step is still reached).
 
-The update rule (§2.2) is :func:`update_difficulty`: the value freezes once ``max_difficulty`` is reached.
+DeepSpeed's update rule is :func:`update_difficulty`: the value freezes once ``max_difficulty`` is reached.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from lightning_effi.core.checks import is_int
 
 SCHEDULE_TYPES = ("fixed_linear", "fixed_root", "fixed_discrete", "custom")
 ROUNDING_MODES = ("clamped", "deepspeed", "deepspeed_legacy")
@@ -38,12 +41,8 @@ class ScheduleConfigError(ValueError):
     """A curriculum schedule configuration that cannot run (unknown type, missing/unknown keys, bad values)."""
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _int(where: str, key: str, value: Any, minimum: int | None = None) -> int:
-    if not _is_int(value):
+    if not is_int(value):
         raise ScheduleConfigError(f"{where}.{key} must be an int, got {value!r}")
     if minimum is not None and value < minimum:
         raise ScheduleConfigError(f"{where}.{key} must be >= {minimum}, got {value}")
@@ -52,7 +51,7 @@ def _int(where: str, key: str, value: Any, minimum: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class CurriculumSchedule:
-    """One metric's difficulty schedule (spec §2.1).
+    """One metric's difficulty schedule (DeepSpeed ``CurriculumScheduler``).
 
     Args:
         schedule_type: ``fixed_linear`` | ``fixed_root`` | ``fixed_discrete`` | ``custom``.
@@ -89,6 +88,8 @@ class CurriculumSchedule:
         hi = _int(where, "max_difficulty", self.max_difficulty)
         if lo > hi:
             raise ScheduleConfigError(f"{where}: min_difficulty ({lo}) > max_difficulty ({hi})")
+        object.__setattr__(self, "min_difficulty", lo)
+        object.__setattr__(self, "max_difficulty", hi)
         cfg = dict(self.schedule_config or {})
         object.__setattr__(self, "schedule_config", cfg)
         needed = SCHEDULE_KEYS[self.schedule_type]
@@ -102,10 +103,8 @@ class CurriculumSchedule:
                                       f"{self.schedule_type!r}")
         sc = f"{where}.schedule_config"
         if self.schedule_type in ("fixed_linear", "fixed_root"):
-            _int(sc, "total_curriculum_step", cfg["total_curriculum_step"], 1)
-            _int(sc, "difficulty_step", cfg["difficulty_step"], 1)
-            if self.schedule_type == "fixed_root":
-                _int(sc, "root_degree", cfg["root_degree"], 1)
+            for key in SCHEDULE_KEYS[self.schedule_type]:
+                cfg[key] = _int(sc, key, cfg[key], 1)
         elif self.schedule_type == "fixed_discrete":
             diff, steps = cfg["difficulty"], cfg["max_step"]
             if not isinstance(diff, Sequence) or isinstance(diff, str) or not isinstance(steps, Sequence) \
@@ -149,7 +148,7 @@ class CurriculumSchedule:
         value = self.custom_fn(step)  # type: ignore[misc]
         if hasattr(value, "item"):
             value = value.item()
-        if not _is_int(value):
+        if not is_int(value):
             raise ScheduleConfigError(f"curriculum_metrics.{self.name}: custom schedule returned {value!r} at step "
                                       f"{step}; it must return an int")
         if self.rounding == "clamped" and not lo <= value <= hi:
@@ -158,14 +157,14 @@ class CurriculumSchedule:
         return int(value)
 
     def update(self, current: int, step: int) -> int:
-        """DeepSpeed's update rule (§2.2): ``current`` if it already reached ``max_difficulty``, else the value at
+        """DeepSpeed's update rule: ``current`` if it already reached ``max_difficulty``, else the value at
         ``step``."""
         return update_difficulty(current, self.max_difficulty, lambda: self(step))
 
 
 def root_difficulty(step: int, min_difficulty: int, max_difficulty: int, total_curriculum_step: int,
                     difficulty_step: int, root_degree: int = 1, rounding: str = "clamped") -> int:
-    """``fixed_root`` (``fixed_linear`` with ``root_degree=1``), spec §2.1/§2.3.
+    """``fixed_root`` (``fixed_linear`` with ``root_degree=1``; DeepSpeed ``__fixed_root_get_difficulty``).
 
     ``d = floor((s/T)^(1/k)·(max−min) + min)``, ``d −= d mod q``, then the rounding mode's lower bound, then
     ``min(d, max)``. The arithmetic (float64, same order of operations) is DeepSpeed's, so the ``deepspeed`` modes
@@ -186,8 +185,8 @@ def root_difficulty(step: int, min_difficulty: int, max_difficulty: int, total_c
 
 
 def discrete_difficulty(step: int, difficulty: Sequence[int], max_step: Sequence[int]) -> int:
-    """``fixed_discrete`` (spec §2.1): ``difficulty[n]`` after the last ``max_step``, else the first ``i`` with
-    ``step <= max_step[i]``."""
+    """``fixed_discrete`` (DeepSpeed ``__fixed_discrete_get_difficulty``): ``difficulty[n]`` after the last
+    ``max_step``, else the first ``i`` with ``step <= max_step[i]``."""
     if step > max_step[-1]:
         return int(difficulty[-1])
     for i, m in enumerate(max_step):

@@ -1,4 +1,5 @@
-"""The deterministic curriculum sample stream: clusters, global batches and the per-rank controller.
+"""The deterministic curriculum sample stream: clusters, global batches and the per-rank controller. The method card
+is ``lightning_effi/curriculum/README.md``.
 
 Reference ``deepspeed/runtime/data_pipeline/data_sampling/data_sampler.py`` (``DeepSpeedDataSampler``).
 
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_effi.core.checks import is_int
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig, CurriculumConfigError, MetricConfig
 
@@ -73,7 +75,8 @@ class GlobalBatch:
 
 
 class CurriculumStream:
-    """One walk along the global-batch stream (§5.2): difficulties, clusters, exact draws. Cheap to create and to
+    """One walk along the global-batch stream (DeepSpeed ``DeepSpeedDataSampler.get_next_global_batch``): per global
+    batch, the difficulties, the newly eligible cluster and exact draws from the clusters. Cheap to create and to
     restore (clusters come from the shared :class:`ClusterBook`)."""
 
     def __init__(self, config: CurriculumConfig, book: ClusterBook, total_samples: int, global_batch: int) -> None:
@@ -155,7 +158,8 @@ Key = tuple  # (sample index, curriculum step, micro index, difficulties tuple)
 
 
 class CurriculumController:
-    """Per-rank curriculum stream with the commit protocol (spec §5.5-§5.7).
+    """Per-rank curriculum stream with the commit protocol (DP slicing of each micro-chunk, exact ``len()``,
+    resume from the last committed micro-batch).
 
     Args:
         config: the :class:`CurriculumConfig`.
@@ -174,8 +178,10 @@ class CurriculumController:
                  micro_batch_size: int, dp_size: int = 1, dp_rank: int = 0, grad_accum: int = 1) -> None:
         for key, v, lo in (("num_samples", num_samples, 1), ("micro_batch_size", micro_batch_size, 1),
                            ("dp_size", dp_size, 1), ("grad_accum", grad_accum, 1)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            if not is_int(v) or v < lo:
                 raise CurriculumConfigError(f"curriculum: {key} must be an int >= {lo}, got {v!r}")
+        num_samples, micro_batch_size, dp_size, grad_accum = (int(v) for v in (num_samples, micro_batch_size,
+                                                                                dp_size, grad_accum))
         if not 0 <= dp_rank < dp_size:
             raise CurriculumConfigError(f"curriculum: dp_rank must be in [0, {dp_size}), got {dp_rank}")
         self.config, self.indexes, self.n = config, dict(indexes), num_samples

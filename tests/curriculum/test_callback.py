@@ -1,9 +1,9 @@
 """Curriculum in a Trainer: difficulty attached to each batch with prefetching workers, exact resume, evaluation
-untouched, token-based LR progress, DDP sharding and setup errors (shared/specs/curriculum.md acceptance tests 13, 14,
-16, 25)."""
+untouched, token-based LR progress, DDP sharding and setup errors, the repr, the requirements and the metadata."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_effi.callbacks import Curriculum
+import lightning_effi.curriculum
+from lightning_effi.callbacks import Curriculum, InfoBatchCallback
+from lightning_effi.core.requirements import IncompatibleTechniques, Requirements
 from lightning_effi.curriculum import CurriculumConfig, CurriculumConfigError, CurriculumController
-from lightning_effi.data import CurriculumDataModule
 from lightning_effi.curriculum.analysis.index import MetricIndex
 from lightning_effi.curriculum.analysis.metrics import register_metric
 from lightning_effi.curriculum.schedules import difficulties
+from lightning_effi.data import CurriculumDataModule
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import TinyDataModule, TokenBlocks, tiny_gpt2, tiny_lm_data
 
@@ -189,10 +191,62 @@ def test_setup_errors(tmp_path):
 
 def test_ddp_needs_use_distributed_sampler_false():
     dm = CurriculumDataModule(tiny_lm_data(), metrics={"seqlen_truncate": TRUNC})
-    trainer = SimpleNamespace(world_size=2, datamodule=dm,
+    trainer = SimpleNamespace(world_size=2, datamodule=dm, callbacks=[],
                               _accelerator_connector=SimpleNamespace(use_distributed_sampler=True))
     with pytest.raises(CurriculumConfigError, match="use_distributed_sampler=False"):
         Curriculum().setup(trainer, None, "fit")
+
+
+def test_setup_refuses_another_technique_that_owns_the_training_sampler():
+    cb = Curriculum(metrics={"seqlen_truncate": TRUNC})
+    trainer = SimpleNamespace(callbacks=[cb, InfoBatchCallback()], strategy=None)
+    with pytest.raises(IncompatibleTechniques, match=r"Curriculum and InfoBatchCallback cannot be combined \(two "
+                       r"training samplers\)"):
+        cb.setup(trainer, None, "fit")
+
+
+def test_requirements_are_declared_and_match_metadata():
+    req = Curriculum.requirements
+    assert isinstance(req, Requirements)
+    assert req.owns_train_sampler and req.edits_batch and req.batch_structures == ("dict",)
+    assert not (req.changes_epoch_length or req.changes_model_shapes or req.patches_layers
+                or req.needs_per_sample_loss)
+    folder = Path(lightning_effi.curriculum.__file__).parent
+    metadata = json.loads((folder / "metadata.json").read_text())
+    assert metadata["requirements"] == json.loads(json.dumps(req.as_dict()))  # tuples as lists
+    assert metadata["class_name"] == Curriculum.__name__
+    root = folder.parent.parent
+    assert (root / metadata["card"]).is_file() and (root / metadata["hydra"]).is_file()
+
+
+def test_repr_round_trips():
+    cb = Curriculum(metrics=METRICS, seed=np.int64(3), num_epochs=50, rounding="deepspeed",
+                    percentile_rounding="proportional", dp_split="deepspeed", drop_last=True,
+                    truncate_keys=("input_ids", "labels"), causal_label_shift=True, analysis_batch_size=np.int64(64),
+                    total_tokens=1000, strict=False)
+    again = eval(repr(cb), {"Curriculum": Curriculum})
+    assert repr(again) == repr(cb)
+    assert again.config.describe() == cb.config.describe() and type(again.config.seed) is int
+    assert (again.analysis_batch_size, again.total_tokens, again.strict) == (64, 1000, False)
+    # every constructor argument appears, in order
+    code = Curriculum.__init__.__code__
+    names = list(code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount])
+    assert [kw.arg for kw in ast.parse(repr(cb), mode="eval").body.keywords] == names
+    bare = Curriculum()  # configured on the DataModule
+    assert repr(bare).startswith("Curriculum(metrics=None, seed=1234, num_epochs=1000, ")
+    assert repr(eval(repr(bare), {"Curriculum": Curriculum})) == repr(bare)
+    default_keys = Curriculum(metrics={"seqlen_truncate": TRUNC})
+    assert "truncate_keys=None" in repr(default_keys) and "index_to_sample_path" not in repr(default_keys)
+
+
+def test_in_memory_analysis_import_paths():
+    from lightning_effi.curriculum.analysis import analyze_in_memory
+    from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory as in_memory
+
+    assert lightning_effi.curriculum.analyze_in_memory is analyze_in_memory is in_memory
+    data = TokenBlocks()
+    values = analyze_in_memory(data, "curriculum_test_first_token", batch_size=16)
+    assert values.dtype == np.int64 and values.tolist() == data.data[:, 0].tolist()
 
 
 def test_empty_first_eligible_set_fails_in_setup(tmp_path):

@@ -1,5 +1,5 @@
 """Curriculum functional core: eligible sets, percentile windows, clusters, exact draws, DP slices and the
-sequence-length transforms (shared/specs/curriculum.md §3, §5; acceptance tests 5-7, 10, 11)."""
+sequence-length transforms (DeepSpeed ``data_sampling/data_sampler.py`` semantics, Megatron-DeepSpeed transforms)."""
 
 from __future__ import annotations
 

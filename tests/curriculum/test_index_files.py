@@ -1,5 +1,5 @@
-"""The curriculum reading DataAnalyzer index files (spec acceptance test 23 and §3.2): the clusters the sampler
-derives from the files equal those derived from the ``index_to_sample`` rows by the §3.2 formulas, the
+"""The curriculum reading DataAnalyzer index files: the clusters the sampler derives from the files equal those
+derived from the ``index_to_sample`` rows by DeepSpeed's value / percentile rules, the
 ``_percentile_merged`` file gives the same percentile sets, and a fit runs from files."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from lightning_effi.callbacks import Curriculum
 from lightning_effi.curriculum import CurriculumConfig, CurriculumController, CurriculumStream
-from lightning_effi.data import CurriculumDataModule
 from lightning_effi.curriculum.analysis import DataAnalyzer, IndexFileError, MetricIndex, MMapIndexedDataset
+from lightning_effi.data import CurriculumDataModule
 from lightning_effi.functional import curriculum as F
 from tests.helpers.harness import make_trainer
 from tests.helpers.tiny import TokenBlocks, tiny_gpt2, tiny_lm_data

@@ -1,5 +1,5 @@
-"""Curriculum schedules: golden vectors of shared/specs/curriculum.md §2.3-§2.4 (reproduced on deepspeed 0.19.8),
-the clamped mode's bounds, the freeze rule and validation (acceptance tests 1-4)."""
+"""Curriculum schedules: golden vectors of DeepSpeed's ``CurriculumScheduler`` (reproduced on deepspeed 0.19.8), the
+clamped mode's bounds, the freeze rule and validation."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def root(lo, hi, total, q, k, rounding="clamped"):
                                                          root_degree=k), rounding)
 
 
-# §2.3 table: max 1024, T 100, linear, s = 0..5 -> (deepspeed_legacy, deepspeed, clamped)
+# rounding modes: max 1024, T 100, linear, s = 0..5 -> (deepspeed_legacy, deepspeed, clamped)
 TABLE = {
     (8, 8): ([8, 16, 24, 32, 48, 56],) * 3,
     (8, 16): ([0, 16, 16, 32, 48, 48], [16, 16, 16, 32, 48, 48], [8, 16, 16, 32, 48, 48]),

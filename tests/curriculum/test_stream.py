@@ -1,5 +1,5 @@
 """The curriculum stream without a Trainer: length, clusters, multi-metric semantics, DP sharding, commit/resume,
-configuration strictness (shared/specs/curriculum.md §1, §5; acceptance tests 8, 9, 12, 14, 15, 24, 25)."""
+configuration strictness (DeepSpeed ``data_efficiency`` keys)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import copy
 import numpy as np
 import pytest
 
-from lightning_effi.curriculum import (ClusterBook, CurriculumConfig, CurriculumConfigError, CurriculumController,
-                                       CurriculumStream, MetricConfig, parse_deepspeed_config)
+from lightning_effi.curriculum import (
+    CurriculumConfig,
+    CurriculumConfigError,
+    CurriculumController,
+    CurriculumStream,
+    parse_deepspeed_config,
+)
 from lightning_effi.curriculum.analysis.index import MetricIndex
 
 TRUNC = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=4, max_difficulty=16,

@@ -1,4 +1,6 @@
-"""DataAnalyzer map/reduce (spec §4.1-§4.4, §4.7; acceptance tests 19-22; faults C5-C11, C24, C25, C28)."""
+"""DataAnalyzer map/reduce: sample ids for every batch structure, partitions, the reduce's files, accumulate metrics,
+re-runnable partitions, and the DeepSpeed analyzer defects it avoids (ragged accumulate batches, float metrics, tuple
+batches, a reduce before the maps finished, invalid splits, fewer than 100 distinct values)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,14 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from lightning_effi.curriculum.analysis import (AnalyzerError, DataAnalyzer, MetricIndex, MMapIndexedDataset,
-                                          split_dataset, split_index)
+from lightning_effi.curriculum.analysis import (
+    AnalyzerError,
+    DataAnalyzer,
+    MetricIndex,
+    MMapIndexedDataset,
+    split_dataset,
+    split_index,
+)
 
 N = 50
 SINGLE = "single_value_per_sample"
@@ -123,7 +131,7 @@ STRUCTURES = [
 @pytest.mark.parametrize("batch_size", [1, 3, 7, 16, 64])
 @pytest.mark.parametrize("structure", STRUCTURES, ids=lambda s: f"{s[0].__name__}-{s[1].__name__}")
 def test_ids_equal_positions_for_every_batch_structure(tmp_path, structure, batch_size):
-    """Test 19: sample_to_metric[i] == metric(dataset[i]) for all i; index_to_sample rows form a permutation."""
+    """sample_to_metric[i] == metric(dataset[i]) for all i; index_to_sample rows form a permutation."""
     cls, fn, collate = structure
     ds = cls()
     a = _analyzer(ds, fn, tmp_path, batch_size=batch_size, collate_fn=collate)
@@ -160,7 +168,7 @@ def test_index_field_and_sample_indices_remap(tmp_path):
 
 
 def test_partitions_golden_and_n_smaller_than_workers(tmp_path):
-    """Test 20."""
+    """DeepSpeed's ``split_index`` boundaries; fewer samples than partitions works."""
     assert split_index(0, 20, 4) == [(0, 5), (5, 10), (10, 15), (15, 20)]
     _, threads = split_dataset(20, 4, 1, 8)
     assert threads == [(5, 5), (5, 6), (6, 6), (6, 7), (7, 8), (8, 8), (8, 9), (9, 10)]
@@ -177,7 +185,8 @@ def test_partitions_golden_and_n_smaller_than_workers(tmp_path):
 
 
 def test_worker_processes_and_specific_threads(tmp_path):
-    """C24: arbitrary subsets re-runnable; two workers × three local processes give the single-process result."""
+    """Arbitrary partition subsets are re-runnable (``specific_threads``); two workers × three local processes give
+    the single-process result."""
     ds = DictDS(101)
     _analyzer(ds, metric_dict, tmp_path, num_workers=2, worker_id=0, num_threads=3, batch_size=5).run_map()
     # worker 1: run thread 2 first, then the rest
@@ -202,7 +211,7 @@ def test_spawn_start_method(tmp_path):
 
 
 def test_reduce_merge_step_and_rows(tmp_path):
-    """Test 21: 3 distinct values -> 3 merged rows; 250 distinct values -> merge_step 2, 125 rows."""
+    """3 distinct values -> 3 merged rows; 250 distinct values -> merge_step 2, 125 rows."""
     ds3 = DictDS(60)
     _analyzer(ds3, lambda b: b["input_ids"][:, 0] % 3, tmp_path / "a", batch_size=9).run_map()
     _analyzer(ds3, lambda b: b["input_ids"][:, 0] % 3, tmp_path / "a").run_reduce()
@@ -269,7 +278,7 @@ def test_per_sample_shape_and_dtype_range_validated(tmp_path):
 
 
 def test_accumulate_histogram(tmp_path):
-    """Test 22: 1004 samples, batch 3, (V+1,) histogram == full-data histogram; per-sample return raises."""
+    """Accumulate metric: 1004 samples, batch 3, (V+1,) histogram == full-data histogram; per-sample return raises."""
     V = 19
     ds = DictDS(1004)
 

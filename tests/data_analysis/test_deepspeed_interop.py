@@ -1,4 +1,4 @@
-"""Acceptance test 23 (and the DeepSpeed part of 17): files made by lightning_effi and by deepspeed 0.19.8's
+"""DeepSpeed interoperability: files made by lightning_effi and by deepspeed 0.19.8's
 DataAnalyzer / MMapIndexedDatasetBuilder for the same small synthetic data set are byte-identical and read back the
 same. Skipped when deepspeed is not importable (it is not a project dependency; e.g. run with
 ``PYTHONPATH=/path/to/a/deepspeed/site``)."""
@@ -16,8 +16,13 @@ ds_an = pytest.importorskip("deepspeed.runtime.data_pipeline.data_sampling.data_
                             reason="deepspeed not importable")
 ds_idx = pytest.importorskip("deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset")
 
-from lightning_effi.curriculum.analysis import (DTYPES_CURRENT, DataAnalyzer, MetricIndex,  # noqa: E402
-                                          MMapIndexedDataset, MMapIndexedDatasetBuilder)
+from lightning_effi.curriculum.analysis import (  # noqa: E402
+    DTYPES_CURRENT,
+    DataAnalyzer,
+    MetricIndex,
+    MMapIndexedDataset,
+    MMapIndexedDatasetBuilder,
+)
 
 FILES = ("sample_to_metric", "index_to_sample", "index_to_metric", "index_to_sample_percentile_merged")
 
@@ -85,7 +90,7 @@ def test_analyzer_outputs_identical(tmp_path, threads, reduce_threads):
     for ext in ("bin", "idx"):
         assert ((tmp_path / "ds" / "hist" / f"hist_metric_value.{ext}").read_bytes()
                 == (tmp_path / "le" / "hist" / f"hist_metric_value.{ext}").read_bytes())
-    # the index the sampler derives from DeepSpeed's files equals ours and the §3.2 formulas on the raw rows
+    # the index the sampler derives from DeepSpeed's files equals ours and the value / percentile rules on the raw rows
     theirs = MetricIndex.load(tmp_path / "ds" / "seqlen" / "seqlen_index_to_sample",
                               tmp_path / "ds" / "seqlen" / "seqlen_index_to_metric", num_samples=len(data))
     ours = MetricIndex.load(tmp_path / "le" / "seqlen" / "seqlen_index_to_sample",

@@ -1,4 +1,4 @@
-"""MetricIndex: in-memory construction, validated loading, stale-file detection (spec §3.2, §4.4, §7 C23)."""
+"""MetricIndex: in-memory construction, validated loading (ids of another split), stale-file detection."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ import os
 import numpy as np
 import pytest
 
-from lightning_effi.curriculum.analysis import (INPROGRESS_NAME, METADATA_NAME, DataAnalyzer, IndexFileError,
-                                          MetricIndex, MMapIndexedDataset, MMapIndexedDatasetBuilder)
+from lightning_effi.curriculum.analysis import (
+    INPROGRESS_NAME,
+    METADATA_NAME,
+    DataAnalyzer,
+    IndexFileError,
+    MetricIndex,
+    MMapIndexedDataset,
+    MMapIndexedDatasetBuilder,
+)
 
 
 def _write_rows(prefix, rows, dtype=np.uint8):
@@ -22,7 +29,7 @@ def _write_rows(prefix, rows, dtype=np.uint8):
 
 
 def test_from_sample_to_metric_value_example():
-    """§3.2 example: metric [3,1,4,1,5,9,2,6] -> rows by ascending value, ids ascending within a row."""
+    """Value difficulty example: metric [3,1,4,1,5,9,2,6] -> rows by ascending value, ids ascending within a row."""
     idx = MetricIndex.from_sample_to_metric([3, 1, 4, 1, 5, 9, 2, 6])
     assert idx.values.tolist() == [1, 2, 3, 4, 5, 6, 9]
     assert [r.tolist() for r in idx.rows()] == [[1, 3], [6], [0], [2], [4], [7], [5]]

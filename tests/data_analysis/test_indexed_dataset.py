@@ -1,4 +1,4 @@
-"""MMapIndexedDataset format (spec curriculum.md §4.5; acceptance tests 17 and 18)."""
+"""MMapIndexedDataset format (DeepSpeed ``data_sampling/indexed_dataset.py``): round trip, header, dtype tables."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_effi.curriculum.analysis import (DTYPES_CURRENT, DTYPES_LEGACY, IndexFileError, MMapIndexedDataset,
-                                          MMapIndexedDatasetBuilder, find_fit_int_dtype)
+from lightning_effi.curriculum.analysis import (
+    DTYPES_CURRENT,
+    DTYPES_LEGACY,
+    IndexFileError,
+    MMapIndexedDataset,
+    MMapIndexedDatasetBuilder,
+    find_fit_int_dtype,
+)
 
 ITEMS = [[1, 2, 3], [4], []]
 
@@ -25,7 +31,7 @@ def _write(prefix, dtype, items=ITEMS, table="current"):
 
 @pytest.mark.parametrize("code", sorted(DTYPES_CURRENT))
 def test_round_trip_and_golden_header_every_current_dtype(tmp_path, code):
-    """Test 17: items [1,2,3], [4], [] for every dtype of the current table; header bytes at 0/9/17/18/26."""
+    """Round trip: items [1,2,3], [4], [] for every dtype of the current table; header bytes at 0/9/17/18/26."""
     dtype = DTYPES_CURRENT[code]
     prefix = _write(tmp_path / "x", dtype)
     ds = MMapIndexedDataset(prefix)
@@ -100,7 +106,7 @@ def test_add_items_flat_equals_add_item(tmp_path):
 
 
 def test_dtype_tables_code_8_and_9(tmp_path):
-    """Test 18: code 8 is uint64 (current) and uint16 (legacy); code 9 under the current table is a clear error."""
+    """Dtype tables: code 8 is uint64 (current) and uint16 (legacy); code 9 under the current table is a clear error."""
     assert DTYPES_CURRENT[8] == np.uint64 and DTYPES_LEGACY[8] == np.uint16
     assert sorted(DTYPES_CURRENT) == list(range(1, 9)) and 9 not in DTYPES_CURRENT
     cur = _write(tmp_path / "cur", np.uint64)

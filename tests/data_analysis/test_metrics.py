@@ -1,4 +1,4 @@
-"""Analyzer metrics (spec §3.1) and the metric registry."""
+"""Analyzer metrics (Megatron-DeepSpeed ``analyze_data.py``) and the metric registry."""
 
 from __future__ import annotations
 
@@ -8,9 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_effi.curriculum.analysis import (DataAnalyzer, MMapIndexedDataset, SeqLen, get_metric, register_metric,
-                                          registered_metrics, seqlen, seqlen_vocab_rarity, total_vocab_freq,
-                                          vocab_rarity, vocab_rarity_table)
+from lightning_effi.curriculum.analysis import (
+    DataAnalyzer,
+    MMapIndexedDataset,
+    SeqLen,
+    get_metric,
+    register_metric,
+    registered_metrics,
+    seqlen,
+    seqlen_vocab_rarity,
+    total_vocab_freq,
+    vocab_rarity,
+    vocab_rarity_table,
+)
 
 TOKENS = torch.tensor([[1, 1, 2, 0], [2, 0, 0, 0]])
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])

@@ -1,8 +1,9 @@
-"""Hydra entry of the DataAnalyzer: ``python -m lightning_effi.curriculum.analysis [overrides]`` (repository checkout) or
-``python experiments/analyze.py [overrides]``; configuration ``conf/analyze.yaml``.
+"""Hydra entry of the DataAnalyzer: ``python -m lightning_effi.curriculum.analysis [overrides]`` (repository
+checkout) or ``python experiments/analyze.py [overrides]``; configuration ``conf/analyze.yaml``. The method card is
+``lightning_effi/curriculum/README.md``.
 
 Instantiates the ``data`` config group (``conf/data/*.yaml``), runs ``prepare_data()`` / ``setup("fit")`` and
-analyzes ``dm.train_dataset`` with ``dm.collate_fn`` (the training order and length, spec §4.7), with the metrics
+analyzes ``dm.train_dataset`` with ``dm.collate_fn`` (the training order and length), with the metrics
 named in ``analyzer.metrics`` (registry names, :func:`lightning_effi.curriculum.analysis.get_metric`). ``stage`` selects
 ``map``, ``reduce`` or ``map_reduce``; ``analyzer.worker_id`` / ``num_workers`` / ``num_threads`` shard the work.
 Writes ``analysis.json`` (what ran, where the files are) to the run's output folder.

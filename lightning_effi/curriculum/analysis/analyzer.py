@@ -1,38 +1,9 @@
-"""Offline data analyzer of DeepSpeed Data Efficiency curriculum learning (map / reduce).
+"""Offline data analyzer of DeepSpeed Data Efficiency curriculum learning (map / reduce): :class:`DataAnalyzer` and
+the partitioning helpers :func:`split_index` / :func:`split_dataset`. It writes DeepSpeed's file names and
+byte-identical ``MMapIndexedDataset`` files. The method card is ``lightning_effi/curriculum/README.md``.
 
-Source: spec ``curriculum.md`` §4.1-§4.4 and §4.7, faults §7 C5-C11, C23-C25, C28; reference DeepSpeed 0.19.8
-``deepspeed/runtime/data_pipeline/data_sampling/{data_analyzer,utils}.py``.
-
-**Partitioning** (§4.1, :func:`split_index`): ``[0, N)`` is split into ``num_workers`` contiguous worker ranges
-(machines; any launcher sets ``worker_id``), each split into ``num_threads`` thread ranges (local worker processes);
-boundaries ``np.linspace(a, b, n + 1, dtype=int)``; empty ranges are legal (N smaller than the partitions works).
-
-**Map** (:meth:`DataAnalyzer.run_map`): each partition fetches its samples in order (``dataset.__getitems__`` when
-defined, else ``dataset[i]``), collates them (``collate_fn``, default ``torch.utils.data.default_collate``), calls
-every metric and writes, per metric, to ``save_path/{m}/worker{w}_thread{t}/``: ``{m}_ids.npy`` (int64 sample ids)
-and ``{m}_values.npy`` (declared dtype) for a ``single_value_per_sample`` metric, ``{m}_metric_value.npy`` for an
-``accumulate_value_over_samples`` metric, then the completion marker ``map_done.json`` (run fingerprint, range,
-count). A failing partition writes ``map_failed.json`` instead. Sample ids are the fetched positions (independent of
-the batch structure: tensor, tuple, list, dict, custom collate; §4.7 / C8 / C28), replaced by a dict batch's
-``index_key`` field (Megatron ``--return-data-index``) or remapped by ``sample_indices`` (§4.1).
-
-**Reduce** (:meth:`DataAnalyzer.run_reduce`, once, after every partition finished; C9): the markers of all
-``num_workers × num_threads`` partitions must exist and carry this run's fingerprint (stale, partial, missing or
-failed partitions raise :class:`AnalyzerError` naming them). Values are scattered by id (every id in ``[0, N)``
-exactly once), sorted stably by ``(value, id)`` in memory, and written with DeepSpeed's names, fitted dtypes
-(:func:`find_fit_int_dtype`), the current dtype table and DeepSpeed's ``doc_idx`` (``num_threads_reduce`` only sets
-the ``doc_idx`` chunk boundaries DeepSpeed's reduce threads would produce; the reduce itself is one vectorised pass):
-
-- ``{m}_sample_to_metric``: N items ``[value of sample i]``;
-- ``{m}_index_to_sample``: one row of ids per distinct value (ascending), ids ascending within a row;
-- ``{m}_index_to_metric``: one ``[value]`` per row, strictly increasing;
-- ``{m}_index_to_sample_percentile_merged``: rows merged by ``merge_step = max(1, rows // 100)`` (C11);
-- ``{m}_metric_value`` (accumulate metrics): the summed vector.
-
-Files are written under temporary names, verified (:meth:`MetricIndex.load`), fsync'ed and renamed; a
-``reduce.inprogress`` marker guards the renames and ``analysis_metadata.json`` (data-set length, fingerprint, file
-digests) is written last, so a killed run never leaves files that load as valid. Temp files are deleted after a
-verified reduce unless ``keep_temp``.
+Reference DeepSpeed 0.19.8 ``deepspeed/runtime/data_pipeline/data_sampling/{data_analyzer,utils}.py``; the DeepSpeed
+defects it avoids are named by their pull request where the code handles them.
 """
 
 from __future__ import annotations
@@ -54,9 +25,17 @@ from typing import Any
 
 import numpy as np
 
+from lightning_effi.core.checks import check_int
+
 from .index import INPROGRESS_NAME, METADATA_NAME, MetricIndex, _load_validated, file_digest
-from .indexed_dataset import (MMapIndexedDataset, data_file_path, find_fit_int_dtype, index_file_path,
-                              normalize_int_dtype, write_index_file)
+from .indexed_dataset import (
+    MMapIndexedDataset,
+    data_file_path,
+    find_fit_int_dtype,
+    index_file_path,
+    normalize_int_dtype,
+    write_index_file,
+)
 from .metrics import METRIC_TYPES, get_metric
 
 __all__ = ["AnalyzerError", "DataAnalyzer", "split_dataset", "split_index"]
@@ -73,7 +52,8 @@ class AnalyzerError(RuntimeError):
 
 def split_index(start_idx: int, end_idx: int, num_partitions: int) -> list[tuple[int, int]]:
     """Contiguous partitions of ``[start_idx, end_idx)``: boundaries ``np.linspace(a, b, n+1, dtype=int)``
-    (DeepSpeed ``utils.split_index``, PR #5292; spec §4.1, C10). Sizes differ by at most one; empty allowed.
+    (DeepSpeed ``utils.split_index``, PR #5292, which replaced a split that produced invalid ranges). Sizes differ by
+    at most one; empty allowed.
 
     >>> split_index(0, 20, 4)
     [(0, 5), (5, 10), (10, 15), (15, 20)]
@@ -90,12 +70,6 @@ def split_dataset(num_samples: int, num_workers: int, worker_id: int, num_thread
     worker_splits = split_index(0, num_samples, num_workers)
     thread_splits = split_index(worker_splits[worker_id][0], worker_splits[worker_id][1], num_threads)
     return worker_splits, thread_splits
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
-    return int(value)
 
 
 def _metric_signature(fn: Callable) -> str:
@@ -361,7 +335,41 @@ def _child_run(thread_id: int) -> dict:
 
 
 class DataAnalyzer:
-    """Map/reduce analysis of a map-style data set (DeepSpeed-compatible argument names; spec §4.1, §4.7).
+    """Map/reduce analysis of a map-style data set (DeepSpeed ``DataAnalyzer`` argument names).
+
+    **Partitioning** (:func:`split_index`): ``[0, N)`` is split into ``num_workers`` contiguous worker ranges (machines;
+    any launcher sets ``worker_id``), each split into ``num_threads`` thread ranges (local worker processes); boundaries
+    ``np.linspace(a, b, n + 1, dtype=int)``; empty ranges are legal (N smaller than the partitions works).
+
+    **Map** (:meth:`DataAnalyzer.run_map`): each partition fetches its samples in order (``dataset.__getitems__`` when
+    defined, else ``dataset[i]``), collates them (``collate_fn``, default ``torch.utils.data.default_collate``), calls
+    every metric and writes, per metric, to ``save_path/{m}/worker{w}_thread{t}/``: ``{m}_ids.npy`` (int64 sample ids)
+    and ``{m}_values.npy`` (declared dtype) for a ``single_value_per_sample`` metric, ``{m}_metric_value.npy`` for an
+    ``accumulate_value_over_samples`` metric, then the completion marker ``map_done.json`` (run fingerprint, range,
+    count). A failing partition writes ``map_failed.json`` instead. Sample ids are the fetched positions (independent of
+    the batch structure: tensor, tuple, list, dict, custom collate; DeepSpeed counted the fields of a tuple batch and
+    required an ``index`` field before PRs #5112 and #5142), replaced by a dict batch's ``index_key`` field (Megatron
+    ``--return-data-index``) or remapped by ``sample_indices``.
+
+    **Reduce** (:meth:`DataAnalyzer.run_reduce`, once, after every partition finished; DeepSpeed PR #5131): the markers
+    of all ``num_workers × num_threads`` partitions must exist and carry this run's fingerprint (stale, partial, missing
+    or failed partitions raise :class:`AnalyzerError` naming them). Values are scattered by id (every id in ``[0, N)``
+    exactly once), sorted stably by ``(value, id)`` in memory, and written with DeepSpeed's names, fitted dtypes
+    (:func:`find_fit_int_dtype`), the current dtype table and DeepSpeed's ``doc_idx`` (``num_threads_reduce`` only sets
+    the ``doc_idx`` chunk boundaries DeepSpeed's reduce threads would produce; the reduce itself is one vectorised
+    pass):
+
+    - ``{m}_sample_to_metric``: N items ``[value of sample i]``;
+    - ``{m}_index_to_sample``: one row of ids per distinct value (ascending), ids ascending within a row;
+    - ``{m}_index_to_metric``: one ``[value]`` per row, strictly increasing;
+    - ``{m}_index_to_sample_percentile_merged``: rows merged by ``merge_step = max(1, rows // 100)`` (DeepSpeed PR
+      #3609: fewer than 100 distinct values crashed the merge);
+    - ``{m}_metric_value`` (accumulate metrics): the summed vector.
+
+    Files are written under temporary names, verified (:meth:`MetricIndex.load`), fsync'ed and renamed; a
+    ``reduce.inprogress`` marker guards the renames and ``analysis_metadata.json`` (data-set length, fingerprint, file
+    digests) is written last, so a killed run never leaves files that load as valid. Temp files are deleted after a
+    verified reduce unless ``keep_temp``.
 
     Args:
         dataset: map-style data set (``__len__``, ``__getitem__``; ``__getitems__`` used when defined). Must be
@@ -409,13 +417,13 @@ class DataAnalyzer:
         self.num_samples = len(dataset)
         if self.num_samples < 1:
             raise ValueError("dataset is empty; nothing to analyze")
-        self.num_workers = _check_int("num_workers", num_workers, 1)
-        self.worker_id = _check_int("worker_id", worker_id, 0)
+        self.num_workers = check_int("DataAnalyzer", "num_workers", num_workers, 1)
+        self.worker_id = check_int("DataAnalyzer", "worker_id", worker_id, 0)
         if self.worker_id >= self.num_workers:
             raise ValueError(f"worker_id must be in [0, num_workers={self.num_workers}); got {worker_id}")
-        self.num_threads = _check_int("num_threads", num_threads, 1)
-        self.num_threads_reduce = _check_int("num_threads_reduce", num_threads_reduce, 1)
-        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.num_threads = check_int("DataAnalyzer", "num_threads", num_threads, 1)
+        self.num_threads_reduce = check_int("DataAnalyzer", "num_threads_reduce", num_threads_reduce, 1)
+        self.batch_size = check_int("DataAnalyzer", "batch_size", batch_size, 1)
         threads = list(range(self.num_threads)) if not specific_threads else [int(t) for t in specific_threads]
         bad = [t for t in threads if not 0 <= t < self.num_threads]
         if bad or len(set(threads)) != len(threads):
@@ -696,7 +704,7 @@ class DataAnalyzer:
         final = {k: os.path.join(folder, f"{m}_{k}") for k in
                  ("sample_to_metric", "index_to_sample", "index_to_metric", "index_to_sample_percentile_merged")}
         tmp = {k: v + tag for k, v in final.items()}
-        # doc_idx as DeepSpeed's reduce threads produce them (spec §4.5)
+        # doc_idx as DeepSpeed's reduce threads produce them (``MMapIndexedDatasetBuilder.merge_file_``)
         part_sizes = [e - s for _, _, s, e in self._all_partitions()]
         s2m_chunks = [sum(part_sizes[a:b]) for a, b in split_index(0, len(part_sizes), self.num_threads_reduce)]
         row_chunks = [b - a for a, b in split_index(0, rows, self.num_threads_reduce)]
@@ -789,7 +797,8 @@ class DataAnalyzer:
     # ---- both ----
     def run_map_reduce(self, comm_group: Any = None, wait_timeout: float = 3600.0, poll_interval: float = 1.0
                        ) -> dict[str, dict] | None:
-        """Map, then one reduce on ``worker_id == 0`` after every partition finished (DeepSpeed PR #5131, C9).
+        """Map, then one reduce on ``worker_id == 0`` after every partition finished (DeepSpeed PR #5131: the reduce
+        ran before the maps finished, or on every node).
 
         With ``torch.distributed`` initialized: barrier (``comm_group``), reduce on worker 0, barrier. Otherwise
         (e.g. independent Slurm/submitit jobs sharing ``save_path``) worker 0 waits for the completion markers of all

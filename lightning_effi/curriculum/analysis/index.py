@@ -1,8 +1,9 @@
-"""In-memory form of a difficulty index (what the curriculum sampler consumes) and its validated loader.
+"""In-memory form of a difficulty index (what the curriculum sampler consumes) and its validated loader. The method
+card is ``lightning_effi/curriculum/README.md``.
 
-Source: spec ``curriculum.md`` §3.2 (row semantics for value and percentile difficulty), §4.3-§4.4 (the analyzer's
-``{m}_index_to_sample`` / ``{m}_index_to_metric`` / ``{m}_index_to_sample_percentile_merged`` files), §7 C23 (ids of
-another split) and §5.8 (an index hash compared across DDP ranks).
+It reads the analyzer's ``{m}_index_to_sample`` / ``{m}_index_to_metric`` / ``{m}_index_to_sample_percentile_merged``
+files (DeepSpeed ``data_sampling/data_analyzer.py`` output), rejects ids out of range (e.g. an analysis of another
+split), and gives the digest the curriculum compares across DDP ranks.
 
 The analyzer (:mod:`lightning_effi.curriculum.analysis.analyzer`) writes, next to its final files, a metadata file
 (:data:`METADATA_NAME`) with the data-set length and a digest of every final file; :meth:`MetricIndex.load` uses it to
@@ -106,7 +107,7 @@ class MetricIndex:
         offsets: ``int64[R+1]``, row ``j`` is ``ids[offsets[j]:offsets[j+1]]``; ``offsets[0] == 0``,
             ``offsets[-1] == N``.
         values: ``int64[R]`` metric value of each row (strictly increasing), or ``None`` for a
-            ``_percentile_merged`` index (row ↔ value lost: valid only for percentile difficulty, spec §4.3 step 5).
+            ``_percentile_merged`` index (row ↔ value lost: valid only for percentile difficulty).
     """
 
     ids: np.ndarray

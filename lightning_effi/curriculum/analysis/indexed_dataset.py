@@ -1,7 +1,7 @@
 """DeepSpeed/Megatron ``MMapIndexedDataset`` files: a zero-copy reader and a byte-exact builder.
 
-Source: spec ``curriculum.md`` §4.5 and DeepSpeed 0.19.8 ``deepspeed/runtime/data_pipeline/data_sampling/
-indexed_dataset.py`` (itself from Megatron-LM / fairseq).
+Source: DeepSpeed 0.19.8 ``deepspeed/runtime/data_pipeline/data_sampling/indexed_dataset.py`` (itself from
+Megatron-LM / fairseq), layout verified on files it wrote. The method card is ``lightning_effi/curriculum/README.md``.
 
 A dataset is a pair of files sharing a path prefix:
 
@@ -34,6 +34,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from lightning_effi.core.checks import is_int
 
 __all__ = [
     "DTYPES_CURRENT", "DTYPES_LEGACY", "HDR_MAGIC", "HEADER_SIZE", "IndexFileError", "MMapIndexedDataset",
@@ -85,7 +87,8 @@ def _table(dtype_table: str | dict) -> dict[int, np.dtype]:
 def normalize_int_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
     """``dtype`` (NumPy type or dtype, ``torch`` dtype, or a string such as ``"int64"``) as a NumPy integer dtype.
 
-    NumPy and torch integer dtypes are equivalent (``torch.int64`` == ``np.int64``; spec §7 C7).
+    NumPy and torch integer dtypes are equivalent (``torch.int64`` == ``np.int64``; DeepSpeed 0.19.8 asserts that the
+    metric's output dtype object equals the declared one, so a ``torch.int64`` result declared ``np.int64`` fails).
 
     Raises:
         TypeError: ``dtype`` is not an integer dtype (floats, bool, complex, objects), naming ``name``.
@@ -136,7 +139,7 @@ def _table_str(table: dict[int, np.dtype]) -> str:
 
 def find_fit_int_dtype(min_value: int, max_value: int) -> type:
     """Smallest integer NumPy type holding ``[min_value, max_value]`` (DeepSpeed ``utils.find_fit_int_dtype``,
-    spec §4.3): ``min >= 0`` -> uint8 / uint16 / uint32 / uint64, else the smallest of int8/16/32/64."""
+    used by its reduce): ``min >= 0`` -> uint8 / uint16 / uint32 / uint64, else the smallest of int8/16/32/64."""
     min_value, max_value = int(min_value), int(max_value)
     if min_value > max_value:
         raise ValueError(f"find_fit_int_dtype: min_value {min_value} > max_value {max_value}")
@@ -170,7 +173,7 @@ def _pointer_chunks(sizes: np.ndarray, itemsize: int) -> Iterable[np.ndarray]:
 
 def write_index_file(path: str | os.PathLike, dtype: Any, sizes: Sequence[int] | np.ndarray,
                      doc_idx: Sequence[int] | np.ndarray, dtype_table: str = "current") -> None:
-    """Write a ``.idx`` file byte-identical to DeepSpeed's ``MMapIndexedDataset.Index.writer`` (spec §4.5).
+    """Write a ``.idx`` file byte-identical to DeepSpeed's ``MMapIndexedDataset.Index.writer``.
 
     Args:
         path: the ``.idx`` file (overwritten).
@@ -296,7 +299,7 @@ class MMapIndexedDataset:
             if step != 1:
                 raise ValueError("slices into an MMapIndexedDataset must be contiguous (step 1)")
             return [self._view(i) for i in range(start, stop)]
-        if isinstance(idx, (bool, np.bool_)) or not isinstance(idx, (int, np.integer)):
+        if not is_int(idx):
             raise TypeError(f"MMapIndexedDataset index must be an int or a slice; got {type(idx).__name__}")
         i = int(idx)
         if not -self._len <= i < self._len:
@@ -436,7 +439,8 @@ class MMapIndexedDatasetBuilder:
     def merge_file_(self, other_prefix: str | os.PathLike) -> None:
         """Append the dataset at ``other_prefix`` (same dtype): its items, and ``offset + doc_idx[1:]``.
 
-        The ``.bin`` is flushed and its size checked afterwards (DeepSpeed PR #5106, spec §7 C6).
+        The ``.bin`` is flushed and its size checked afterwards (DeepSpeed PR #5106: an unflushed merge left an empty
+        memory map).
 
         Raises:
             IndexFileError: the other file is unreadable or has another dtype; the merged size is wrong.

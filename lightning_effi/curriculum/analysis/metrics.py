@@ -1,5 +1,5 @@
-"""Analyzer metrics (spec ``curriculum.md`` §3.1; Megatron-DeepSpeed ``examples_deepspeed/data_efficiency/
-{bert,gpt}/analyze_data.py``) and a name registry usable from Hydra configs.
+"""Analyzer metrics (Megatron-DeepSpeed ``examples_deepspeed/data_efficiency/{bert,gpt}/analyze_data.py``) and a
+name registry usable from Hydra configs. The method card is ``lightning_effi/curriculum/README.md``.
 
 A metric is a callable ``fn(batch) -> values``:
 
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from lightning_effi.core.checks import is_int
 
 __all__ = [
     "METRIC_TYPES", "SeqLen", "SeqLenVocabRarity", "TotalVocabFreq", "VocabRarity", "get_metric", "load_vocab_freq",
@@ -105,8 +107,9 @@ class TotalVocabFreq:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, (int, np.integer)) or self.vocab_size < 1:
+        if not is_int(self.vocab_size) or self.vocab_size < 1:
             raise ValueError(f"total_vocab_freq: vocab_size must be a positive int; got {self.vocab_size!r}")
+        object.__setattr__(self, "vocab_size", int(self.vocab_size))
 
     def __call__(self, batch: Any) -> np.ndarray:
         tokens, mask = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id)
@@ -175,7 +178,7 @@ class SeqLenVocabRarity(VocabRarity):
     def __init__(self, freq: Any, seq_length: int, key: str = "input_ids", mask_key: str | None = "attention_mask",
                  pad_token_id: int | None = 0):
         super().__init__(freq, key, mask_key, pad_token_id)
-        if isinstance(seq_length, bool) or not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
+        if not is_int(seq_length) or seq_length < 1:
             raise ValueError(f"seqlen_vocab_rarity: seq_length must be a positive int; got {seq_length!r}")
         self.seq_length = int(seq_length)
         max_possible = self.seq_length * float(self.rarity.max())

@@ -1,0 +1,101 @@
+"""In-memory data analysis: per-sample metric values over a data set, computed in this process at ``setup`` (the
+``analysis:`` key of a curriculum metric) instead of read from :class:`~lightning_effi.curriculum.analysis.DataAnalyzer`
+index files. The method card is ``lightning_effi/curriculum/README.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_effi.core.accounting import batch_size_of
+from lightning_effi.core.indexed import sequence_lengths
+from lightning_effi.curriculum.config import CurriculumConfigError, to_plain
+
+from .metrics import get_metric
+
+__all__ = ["analyze_in_memory"]
+
+#: metrics computed in two passes (a ``total_vocab_freq`` histogram first) unless a ``freq`` option is given
+_TWO_PASS = ("vocab_rarity", "seqlen_vocab_rarity")
+
+
+def _metric_name(analysis: Any) -> tuple[str, dict[str, Any]]:
+    """``(name, factory options)`` of an ``analysis`` entry (a name, ``{name: ..., **options}`` or a callable)."""
+    if callable(analysis):
+        return getattr(analysis, "__name__", repr(analysis)), {}
+    options = dict(to_plain(analysis)) if isinstance(analysis, Mapping) else {"name": analysis}
+    name = options.pop("name", None)
+    if not isinstance(name, str):
+        raise CurriculumConfigError(f"curriculum analysis: expected a metric name or {{name: ..., **options}}, got "
+                                    f"{analysis!r}")
+    return name, options
+
+
+def _vocab_freq(name: str, options: dict[str, Any], loader: Any) -> np.ndarray | None:
+    """First pass of a rarity metric: the ``total_vocab_freq`` histogram summed over the data set."""
+    if "vocab_size" not in options:
+        raise CurriculumConfigError(f"curriculum analysis {name}: give vocab_size (>= largest token id + 1) "
+                                    "for the total_vocab_freq pass, or a precomputed freq")
+    counter = get_metric("total_vocab_freq", vocab_size=options.pop("vocab_size"),
+                         **{k: options[k] for k in ("key", "mask_key", "pad_token_id") if k in options})
+    freq = None
+    for batch in loader():
+        v = np.asarray(counter(batch), dtype=np.int64)
+        freq = v if freq is None else freq + v
+    return freq
+
+
+def _per_sample(name: str, values: Any, batch: Any) -> np.ndarray:
+    """One batch's metric values as int64 ``[B]``, checked."""
+    v = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+    if not np.issubdtype(v.dtype, np.integer):
+        raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned {v.dtype} values; metric "
+                                    "values must be integers (scale floats explicitly)")
+    if v.dtype == np.uint64 and v.size and v.max() > np.iinfo(np.int64).max:
+        raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned values above the int64 "
+                                    "maximum; scale them down")
+    if v.shape != (batch_size_of(batch),):
+        raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned shape {v.shape} for a batch "
+                                    f"of {batch_size_of(batch)}; a per-sample metric returns [B]")
+    return v.astype(np.int64)
+
+
+def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_fn: Any = None,
+                      batch_size: int = 256) -> np.ndarray:
+    """Per-sample values of a registered analyzer metric over ``dataset`` (int64 ``[N]``), in this process: the map
+    step of :class:`~lightning_effi.curriculum.analysis.DataAnalyzer` without files (every rank computes the same
+    values).
+
+    Args:
+        analysis: a metric name (:func:`lightning_effi.curriculum.analysis.registered_metrics`), ``{"name": ...,
+            **options}`` passed to the metric factory, or a callable ``fn(batch) -> int[B]``. ``vocab_rarity`` /
+            ``seqlen_vocab_rarity`` without a ``freq`` option run two passes (as Megatron-DeepSpeed's
+            ``analyze_data.py``): ``total_vocab_freq`` (needs ``vocab_size`` >= the largest token id + 1), then the
+            rarity. ``seqlen`` uses the dataset's vectorised ``sequence_lengths()`` when it has one and no options
+            are given.
+        collate_fn: the training loader's collate function. batch_size: analysis batch size.
+
+    Raises:
+        CurriculumConfigError: unknown metric or options; a metric returning floats or a wrong shape.
+    """
+    name, options = _metric_name(analysis)
+    if name == "seqlen" and not options and not callable(analysis):
+        lengths = sequence_lengths(dataset)
+        if lengths is not None:
+            return np.asarray(lengths, dtype=np.int64)
+
+    def loader() -> Any:
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
+
+    try:
+        if name in _TWO_PASS and "freq" not in options:
+            options["freq"] = _vocab_freq(name, options, loader)
+        fn = analysis if callable(analysis) else get_metric(name, **options)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CurriculumConfigError(f"curriculum analysis {name!r}: {e}") from None
+    out = [_per_sample(name, fn(batch), batch) for batch in loader()]
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
