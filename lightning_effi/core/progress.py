@@ -99,14 +99,17 @@ class Duration:
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
 
-    def to_steps(self, steps_per_epoch: int | None = None, total_steps: int | None = None,
-                 tokens_per_step: float | None = None, name: str = "duration") -> int:
+    def to_steps(self, steps_per_epoch: int | None = None, total_steps: float | None = None,
+                 tokens_per_step: float | None = None, name: str = "duration",
+                 rounding: Literal["floor", "ceil"] = "floor") -> int:
         """Optimizer steps of this duration.
 
         Args:
             steps_per_epoch: optimizer steps of one epoch (needed for ``epoch``).
             total_steps: optimizer steps of the whole run (needed for ``fraction``).
             tokens_per_step: tokens of one optimizer step (needed for ``token``).
+            name: the argument's name, for the error message.
+            rounding: how a ``fraction`` of the run rounds to whole steps (``token`` durations always round up).
 
         Raises:
             ValueError: the quantity the unit needs is unknown (None, or not finite).
@@ -122,7 +125,8 @@ class Duration:
             if total_steps is None or not math.isfinite(total_steps):
                 raise ValueError(f"{name}={self} is a fraction of the run, but the run's length is unknown: set "
                                  "trainer.max_steps or trainer.max_epochs")
-            return math.floor(float(self.value) * int(total_steps))
+            steps = float(self.value) * int(total_steps)
+            return math.ceil(steps) if rounding == "ceil" else math.floor(steps)
         if tokens_per_step is None or not tokens_per_step > 0:
             raise ValueError(f"{name}={self} is in tokens, but the tokens per optimizer step are unknown")
         return math.ceil(float(self.value) / tokens_per_step)

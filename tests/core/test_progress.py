@@ -54,6 +54,12 @@ def test_resolution_needs_its_quantity(d, kwargs, match):
         d.to_steps(**kwargs)
 
 
+def test_fraction_rounding():
+    assert Duration.parse("0.25dur").to_steps(total_steps=10) == 2
+    assert Duration.parse("0.25dur").to_steps(total_steps=10, rounding="ceil") == 3
+    assert Duration.parse("0.3dur").to_steps(total_steps=10, rounding="ceil") == 3  # 0.3 * 10 is exactly 3.0
+
+
 def test_str_round_trips():
     for text in ("7st", "2ep", "0.25dur", "1000tok"):
         assert str(Duration.parse(text)) == text
