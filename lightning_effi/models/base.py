@@ -1,10 +1,11 @@
-"""Adapter protocol: what a technique needs to know about a transformer family.
+"""random-LTD's adapter protocol: what token dropping needs to know about a transformer family.
 
 An adapter wraps one *model root* (e.g. an HF ``GPT2Model``, a timm ``VisionTransformer``) found inside a
 LightningModule, and answers: where the layer list is, how long a sequence can be, the hidden and MLP sizes, how many
-prefix tokens precede the patches/tokens, and — for random-LTD — which arguments of a layer's ``forward`` carry a
-sequence axis (spec ``random_ltd.md`` §4.3). Adapters are registered by name (:func:`register_adapter`) and found by
-:func:`find_adapter` (``"auto"``: the first registered adapter that matches a submodule, in module order).
+prefix tokens precede the patches/tokens, and which arguments of a layer's ``forward`` carry a sequence axis (see
+"Models" in ``lightning_effi/random_ltd/README.md``). Adapters are registered by family name
+(:func:`register_adapter`, a view over :mod:`lightning_effi.models.registry`) and found by :func:`find_adapter`
+(``"auto"``: the first registered adapter that matches a submodule, in module order).
 
 To support another transformer, subclass :class:`TransformerAdapter`, implement :meth:`~TransformerAdapter.matches`
 and :meth:`~TransformerAdapter.layers`, declare :attr:`~TransformerAdapter.layer_arguments`, and register it — or
@@ -19,12 +20,14 @@ from typing import Any, ClassVar, Literal
 
 from torch import nn
 
+from lightning_effi.models import registry
+
 HiddenStateOrder = Literal["batch_seq", "seq_batch"]
 
 
 @dataclass(frozen=True)
 class SeqArg:
-    """A layer argument with sequence axes, gathered with the layer's token indices (spec §4.1).
+    """A layer argument with sequence axes, gathered per sample with the layer's token indices (never sliced).
 
     Attributes:
         axes: the axes that index the sequence (negative allowed), e.g. ``(-2, -1)`` for a ``[B, 1, S, S]`` mask,
@@ -110,27 +113,23 @@ class TransformerAdapter:
         return f"{type(self).__name__}({type(self.root).__name__})"
 
 
-_REGISTRY: dict[str, Callable[..., TransformerAdapter]] = {}
-
-
 def register_adapter(name: str, factory: Callable[..., TransformerAdapter] | None = None) -> Any:
-    """Register an adapter class (or factory) under ``name``; usable as a decorator.
+    """Register a random-LTD adapter class (or factory) for the model family ``name``; usable as a decorator.
 
     Raises:
         ValueError: ``name`` is already registered to another class.
     """
 
     def deco(f: Callable[..., TransformerAdapter]) -> Callable[..., TransformerAdapter]:
-        if name in _REGISTRY and _REGISTRY[name] is not f:
-            raise ValueError(f"adapter {name!r} is already registered ({_REGISTRY[name]!r})")
-        _REGISTRY[name] = f
+        registry.register("random_ltd", name, f, what="adapter")
         return f
 
     return deco(factory) if factory is not None else deco
 
 
 def registered_adapters() -> list[str]:
-    return sorted(_REGISTRY)
+    """The family names with a random-LTD adapter, sorted."""
+    return sorted(registry.adapters("random_ltd"))
 
 
 def find_adapter(module: nn.Module, adapter: str | TransformerAdapter = "auto",
@@ -148,13 +147,14 @@ def find_adapter(module: nn.Module, adapter: str | TransformerAdapter = "auto",
         return adapter.bind(module)
     if not isinstance(adapter, str):
         raise ValueError(f"adapter must be 'auto', a registered name or a TransformerAdapter, got {adapter!r}")
-    if adapter != "auto" and adapter not in _REGISTRY:
+    known: dict[str, Callable[..., TransformerAdapter]] = registry.adapters("random_ltd")
+    if adapter != "auto" and adapter not in known:
         raise ValueError(f"adapter: unknown adapter {adapter!r}; registered: {', '.join(registered_adapters())} "
                          "(or pass a lightning_effi.adapters.GenericAdapter)")
-    names = [adapter] if adapter != "auto" else list(candidates or _REGISTRY)
+    names = [adapter] if adapter != "auto" else list(candidates or known)
     for sub in module.modules():
         for name in names:
-            cls = _REGISTRY[name]
+            cls = known[name]
             matches = getattr(cls, "matches", None)
             if matches is not None and matches(sub):
                 return cls(sub)

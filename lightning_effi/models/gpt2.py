@@ -1,10 +1,24 @@
-"""HF GPT-2 (``transformers`` 5.x ``GPT2Model`` inside ``GPT2LMHeadModel`` and friends)."""
+"""HF GPT-2 (``transformers`` 5.x ``GPT2Model`` inside ``GPT2LMHeadModel`` and friends): the random-LTD adapter
+(:class:`HFGPT2Adapter`) and the V-cycle parameter map (:class:`HFGPT2VCycleAdapter`), both registered as the family
+``hf_gpt2``. The method cards are ``lightning_effi/random_ltd/README.md`` and ``lightning_effi/vcycle/README.md``."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from lightning_effi.models.base import MUST_BE_NONE, PASS, ArgSpec, SeqArg, TransformerAdapter, register_adapter
+from lightning_effi.models.vcycle_base import (
+    ArchSizes,
+    ParamSpec,
+    TableContext,
+    VCycleAdapter,
+    conv1d,
+    hf_build_small,
+    input_only,
+    register_vcycle_adapter,
+    vector,
+)
+from lightning_effi.vcycle.operators import VCyclePlan
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 
@@ -66,3 +80,61 @@ class HFGPT2Adapter(TransformerAdapter):
     def on_teardown(self) -> None:
         if hasattr(self, "_use_cache"):
             self.root.config.use_cache = self._use_cache
+
+
+@register_vcycle_adapter
+class HFGPT2VCycleAdapter(VCycleAdapter):
+    """V-cycle map of HF GPT-2: ``Conv1D`` weights (in × out), fused ``c_attn`` = ``[Q; K; V]``, ``lm_head``
+    tied to ``wte`` (alias) or untied (Linear input rule). ``exact`` convention: ``ln_f`` γ, β ×c when the head is
+    tied."""
+
+    name = "hf_gpt2"
+    default_alpha_original = 0.25
+    models = "transformers GPT2LMHeadModel (tied or untied lm_head), GPT2Model, GPT2ForSequenceClassification"
+    KEYS = ("n_embd", "n_head", "n_inner", "n_layer")
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        try:
+            from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
+        except ImportError:  # pragma: no cover
+            return False
+        return type(model) in (GPT2LMHeadModel, GPT2Model, GPT2ForSequenceClassification)
+
+    def sizes(self, model: nn.Module) -> ArchSizes:
+        c = model.config
+        if getattr(c, "add_cross_attention", False):
+            raise ValueError("hf_gpt2: add_cross_attention=True is not supported by the V-cycle maps")
+        return ArchSizes(int(c.n_embd), int(c.n_head), int(c.n_inner or 4 * c.n_embd), int(c.n_layer), self.KEYS)
+
+    @staticmethod
+    def _prefix(model: nn.Module) -> str:
+        return "transformer." if hasattr(model, "transformer") else ""
+
+    def layer_prefix(self, model: nn.Module) -> str:
+        return self._prefix(model) + "h."
+
+    def param_table(self, model: nn.Module, ctx: TableContext) -> tuple[dict[str, ParamSpec], dict[str, ParamSpec]]:
+        p = self._prefix(model)
+        head_tied = ctx.tied("lm_head.weight")
+        ln_f_scale = ctx.exact_scale if head_tied else 1.0
+        glob = {
+            f"{p}wte.weight": vector("E", 1, ctx.embedding_scale),
+            f"{p}wpe.weight": vector("E", 1, ctx.embedding_scale),
+            f"{p}ln_f.weight": vector("E", 0, ln_f_scale),
+            f"{p}ln_f.bias": vector("E", 0, ln_f_scale),
+            "lm_head.weight": input_only("E"),
+            "score.weight": input_only("E"),
+        }
+        block = {
+            "ln_1.weight": vector("E"), "ln_1.bias": vector("E"),
+            "attn.c_attn.weight": conv1d("QKV", "E"), "attn.c_attn.bias": vector("QKV"),
+            "attn.c_proj.weight": conv1d("E", "V"), "attn.c_proj.bias": vector("E"),
+            "ln_2.weight": vector("E"), "ln_2.bias": vector("E"),
+            "mlp.c_fc.weight": conv1d("I", "E"), "mlp.c_fc.bias": vector("I"),
+            "mlp.c_proj.weight": conv1d("E", "I"), "mlp.c_proj.bias": vector("E"),
+        }
+        return glob, block
+
+    def build_small(self, model: nn.Module, plan: VCyclePlan) -> nn.Module:
+        return self._finish(model, hf_build_small(model, plan, self.KEYS), plan)

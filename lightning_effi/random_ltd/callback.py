@@ -1,16 +1,17 @@
 """``RandomLTDCallback``: random layerwise token dropping for any transformer LightningModule.
 
 Yao et al., "Random-LTD: Random and Layerwise Token Dropping Brings Efficient Training for Large-scale Transformers"
-(NeurIPS 2022, arXiv 2211.11586) §3; DeepSpeed Data Efficiency (Li et al., arXiv 2212.03597); reference
-``deepspeed/runtime/data_pipeline/data_routing/``. Specification: ``shared/specs/random_ltd.md``.
+(NeurIPS 2022, arXiv 2211.11586), Sec. 3; DeepSpeed Data Efficiency (Li et al., arXiv 2212.03597); reference
+``deepspeed/runtime/data_pipeline/data_routing/``. The method card is ``README.md`` beside this file.
 
 The method lives in :mod:`lightning_effi.random_ltd.functional` (selection, gather/scatter, schedule, accounting) and
 :mod:`lightning_effi.random_ltd` (layer patching); this callback wires them into Lightning:
 
-- ``setup("fit")``: finds the model through an adapter (``hf_gpt2``, ``hf_bert``, ``timm_vit``, or a
-  :class:`~lightning_effi.adapters.GenericAdapter`), validates ``layer_ids`` and the schedule, and patches the selected
-  layers' ``forward`` on the instance (before DDP wrapping and before checkpoint weights load; ``state_dict`` keys
-  are unchanged). ``teardown`` restores them.
+- ``setup("fit")``: checks the combination with the other technique callbacks
+  (:func:`~lightning_effi.core.requirements.check_trainer`), finds the model through an adapter (``hf_gpt2``,
+  ``hf_bert``, ``timm_vit``, or a :class:`~lightning_effi.adapters.GenericAdapter`), validates ``layer_ids`` and the
+  schedule, and patches the selected layers' ``forward`` on the instance (before DDP wrapping and before checkpoint
+  weights load; ``state_dict`` keys are unchanged). ``teardown`` restores them.
 - ``on_train_batch_start``: reserved length ``r`` for ``trainer.global_step`` (all micro-batches of one optimizer step
   share it) and a fresh index context keyed by ``(global_step, batch_idx)``, seeded with ``(seed, step, batch_idx,
   rank)``.
@@ -34,14 +35,12 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_effi.core.accounting import BatchStats
+from lightning_effi.core.checks import check_choice, check_int, is_int, is_real
+from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
+from lightning_effi.core.state import config_mismatch
 from lightning_effi.models.base import TransformerAdapter, find_adapter
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import LTDController, PatchedLayers, convert, resolve_layer_ids, restore
-from lightning_effi.core.state import config_mismatch
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class RandomLTDCallback(Callback):
@@ -67,6 +66,10 @@ class RandomLTDCallback(Callback):
         seed: seeds the token draws with the step, micro-batch and rank (global RNGs untouched).
         strict: a checkpoint written with other settings raises on load (False: warns, keeps this configuration).
 
+    Attributes:
+        requirements: what random-LTD needs and changes (it patches the selected layers' ``forward``; it never reads
+            the batch, so any batch structure), read by :func:`~lightning_effi.core.requirements.check_trainer`.
+
     Logged every step: ``effi/random_ltd/reserved_length``, ``effi/random_ltd/consumed_layer_tokens``,
     ``effi/random_ltd/flops_saved_frac``. Summary keys ``random_ltd/*`` (``result.json``).
 
@@ -76,7 +79,11 @@ class RandomLTDCallback(Callback):
             ``max_value`` larger than the model's sequence length, a layer whose ``forward`` takes arguments the
             adapter does not know, an unsupported attention implementation; (train start) ``require_steps`` cannot be
             derived (a run of unknown length).
+        IncompatibleTechniques: (``setup``) combined with a technique that changes the model's shapes (the V-cycle:
+            the patched layers belong to one model), see :data:`~lightning_effi.core.requirements.CONFLICTS`.
     """
+
+    requirements = Requirements(patches_layers=True, batch_structures=BATCH_STRUCTURES)
 
     def __init__(
         self,
@@ -94,47 +101,49 @@ class RandomLTDCallback(Callback):
         strict: bool = True,
     ) -> None:
         name = type(self).__name__
-        for key, v in (("min_value", min_value), ("seq_per_step", seq_per_step)):
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"{name}.{key} must be an int >= 1, got {v!r}")
-        if max_value is not None and (not _is_int(max_value) or max_value < 1):
+        min_value = check_int(name, "min_value", min_value, minimum=1)
+        seq_per_step = check_int(name, "seq_per_step", seq_per_step, minimum=1)
+        if max_value is not None and (not is_int(max_value) or max_value < 1):
             raise ValueError(f"{name}.max_value must be an int >= 1 or None (the model's length), got {max_value!r}")
         if max_value is not None and min_value > max_value:
             raise ValueError(f"{name}: min_value ({min_value}) must be <= max_value ({max_value})")
-        if require_steps is not None and (not _is_int(require_steps) or require_steps < 1):
+        if require_steps is not None and (not is_int(require_steps) or require_steps < 1):
             raise ValueError(f"{name}.require_steps must be an int >= 1 or None, got {require_steps!r}")
         if require_steps is not None and require_fraction is not None:
             raise ValueError(f"{name}: give require_steps or require_fraction, not both")
-        if require_fraction is not None and not (isinstance(require_fraction, (int, float))
-                                                 and not isinstance(require_fraction, bool)
-                                                 and 0 < require_fraction <= 1):
+        if require_fraction is not None and not (is_real(require_fraction) and 0 < require_fraction <= 1):
             raise ValueError(f"{name}.require_fraction must be in (0, 1], got {require_fraction!r}")
         if layer_ids is not None:
             if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Sequence):
                 raise ValueError(f"{name}.layer_ids must be a list of ints or None, got {layer_ids!r}")
-            bad = [i for i in layer_ids if not _is_int(i) or i < 0]
+            bad = [i for i in layer_ids if not is_int(i) or i < 0]
             if bad or not layer_ids:
                 raise ValueError(f"{name}.layer_ids must be a non-empty list of layer indices >= 0, got "
                                  f"{list(layer_ids)!r}")
             if len(set(layer_ids)) != len(layer_ids) or list(layer_ids) != sorted(layer_ids):
                 raise ValueError(f"{name}.layer_ids must be sorted and unique, got {list(layer_ids)!r}")
-        if rounding not in F.ROUNDINGS:
-            raise ValueError(f"{name}.rounding must be one of {F.ROUNDINGS}, got {rounding!r}")
-        if keep_prefix_tokens != "auto" and (not _is_int(keep_prefix_tokens) or keep_prefix_tokens < 0):
+        check_choice(name, "rounding", rounding, F.ROUNDINGS)
+        if keep_prefix_tokens != "auto" and (not is_int(keep_prefix_tokens) or keep_prefix_tokens < 0):
             raise ValueError(f"{name}.keep_prefix_tokens must be an int >= 0 or 'auto', got {keep_prefix_tokens!r}")
         if accounting not in ("actual", "deepspeed"):
             raise ValueError(f"{name}.accounting must be 'actual' or 'deepspeed', got {accounting!r}")
-        if not _is_int(seed):
-            raise ValueError(f"{name}.seed must be an int, got {seed!r}")
+        seed = check_int(name, "seed", seed)
         if not isinstance(adapter, (str, TransformerAdapter)):
             raise ValueError(f"{name}.adapter must be 'auto', a registered name or a TransformerAdapter, "
                              f"got {adapter!r}")
+        if max_value is not None:
+            max_value = int(max_value)
+        if require_steps is not None:
+            require_steps = int(require_steps)
+        if keep_prefix_tokens != "auto":
+            keep_prefix_tokens = int(keep_prefix_tokens)
         self.min_value = min_value
         self.max_value_arg = max_value
         self.require_steps_arg = require_steps
+        self.require_fraction_arg = None if require_fraction is None else float(require_fraction)
         self.require_fraction = 1.0 if require_fraction is None else float(require_fraction)
         self.seq_per_step = seq_per_step
-        self.layer_ids_arg = None if layer_ids is None else tuple(layer_ids)
+        self.layer_ids_arg = None if layer_ids is None else tuple(int(i) for i in layer_ids)
         self.adapter_arg = adapter
         self.rounding = rounding
         self.keep_prefix_arg = keep_prefix_tokens
@@ -164,9 +173,14 @@ class RandomLTDCallback(Callback):
         self._folded = True
 
     def __repr__(self) -> str:
-        return (f"RandomLTDCallback(min_value={self.min_value}, max_value={self.max_value_arg}, "
-                f"require_steps={self.require_steps_arg}, seq_per_step={self.seq_per_step}, "
-                f"layer_ids={self.layer_ids_arg}, rounding={self.rounding!r}, seed={self.seed})")
+        """Every constructor argument, so that ``eval(repr(cb))`` builds an equal callback. An adapter passed as an
+        instance shows as its own ``repr`` (e.g. ``GenericAdapter(Module)``), which cannot be evaluated."""
+        layer_ids = None if self.layer_ids_arg is None else list(self.layer_ids_arg)
+        return (f"{type(self).__name__}(min_value={self.min_value!r}, max_value={self.max_value_arg!r}, "
+                f"require_steps={self.require_steps_arg!r}, require_fraction={self.require_fraction_arg!r}, "
+                f"seq_per_step={self.seq_per_step!r}, layer_ids={layer_ids!r}, adapter={self.adapter_arg!r}, "
+                f"rounding={self.rounding!r}, keep_prefix_tokens={self.keep_prefix_arg!r}, "
+                f"accounting={self.accounting!r}, seed={self.seed!r}, strict={self.strict!r})")
 
     @property
     @override
@@ -178,7 +192,10 @@ class RandomLTDCallback(Callback):
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self.patched is not None:
+        if stage != "fit":
+            return
+        check_trainer(trainer)
+        if self.patched is not None:
             return
         adapter = find_adapter(pl_module, self.adapter_arg)
         layers = adapter.layers()
@@ -228,7 +245,7 @@ class RandomLTDCallback(Callback):
         return F.ltd_value(step, self.min_value, self.max_value, self.require_steps, self.seq_per_step, self.rounding)
 
     def total_layer_tokens(self, train_steps: int, global_batch_size: int) -> int:
-        """Layer-tokens of ``train_steps`` optimizer steps of full-length batches (pure, spec §6)."""
+        """Layer-tokens of ``train_steps`` optimizer steps of full-length batches (pure: the state is untouched)."""
         if self.max_value is None or self.require_steps is None:
             raise RuntimeError("RandomLTDCallback: the schedule is resolved in setup / on_train_start")
         return F.total_layer_tokens(train_steps, global_batch_size, self.num_layers, len(self.layer_ids),
@@ -397,4 +414,4 @@ class RandomLTDCallback(Callback):
         self.global_batch_size = int(state_dict.get("global_batch_size", 0))
 
 
-RandomLTD = RandomLTDCallback  # the spec's name (``lightning_effi.callbacks.RandomLTD``)
+RandomLTD = RandomLTDCallback  # the short name (``lightning_effi.callbacks.RandomLTD``, Hydra configs)

@@ -2,8 +2,8 @@
 
 Yao et al., "Random-LTD: Random and Layerwise Token Dropping Brings Efficient Training for Large-scale Transformers"
 (arXiv 2211.11586) and "DeepSpeed Data Efficiency" (Li et al., arXiv 2212.03597); reference code
-``deepspeed/runtime/data_pipeline/data_routing/{basic_layer,scheduler}.py``; specification
-``shared/specs/random_ltd.md``.
+``deepspeed/runtime/data_pipeline/data_routing/{basic_layer,scheduler}.py``. The method card is ``README.md`` beside
+this file.
 
 Every selected ("LTD") transformer layer runs, in training, on a random sorted subset of ``r`` token positions per
 sample (``r`` = the *reserved length*); dropped positions skip the layer unchanged:
@@ -23,11 +23,12 @@ out-of-place ``torch.scatter`` (autograd saves only the indices). This module im
 from __future__ import annotations
 
 from collections.abc import Sequence
-from numbers import Integral
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from lightning_effi.core.checks import is_int
 
 __all__ = [
     "ROUNDINGS", "flops_per_layer", "gather_seq_tensor", "gather_tokens", "layer_tokens", "ltd_value",
@@ -36,10 +37,6 @@ __all__ = [
 
 Rounding = Literal["clamped", "deepspeed"]
 ROUNDINGS = ("clamped", "deepspeed")
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -56,7 +53,7 @@ def sample_token_indices(
     keep_prefix_tokens: int = 0,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """Independent uniform ``r``-subsets of ``range(S)`` per (layer, sample), sorted ascending (spec §2).
+    """Independent uniform ``r``-subsets of ``range(S)`` per (layer, sample), sorted ascending (Yao et al. 2022).
 
     Each row is uniform over all ``r``-subsets without replacement (``argsort`` of i.i.d. float64 uniforms). With
     ``keep_prefix_tokens = k`` positions ``0..k-1`` are always kept and the other ``r - k`` are uniform over
@@ -75,7 +72,7 @@ def sample_token_indices(
     """
     for name, v in (("num_layers", num_layers), ("batch_size", batch_size), ("seq_len", seq_len),
                     ("reserved_length", reserved_length), ("keep_prefix_tokens", keep_prefix_tokens)):
-        if not _is_int(v) or v < 0:
+        if not is_int(v) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     if reserved_length > seq_len:
         raise ValueError(f"reserved_length ({reserved_length}) is larger than the sequence length ({seq_len})")
@@ -126,7 +123,7 @@ def gather_tokens(x: Tensor, idx: Tensor, seq_dim: int = 1) -> Tensor:
 
 
 def scatter_tokens(x: Tensor, idx: Tensor, part: Tensor, seq_dim: int = 1) -> Tensor:
-    """``x`` with the kept rows replaced by ``part`` (out of place; spec §3).
+    """``x`` with the kept rows replaced by ``part`` (out of place: dropped rows skip the layer unchanged).
 
     Gradients: dropped positions pass ``grad_out`` straight to ``x``; kept positions of ``x`` receive nothing through
     this op (their identity path is overwritten); ``part`` receives the kept rows of ``grad_out``.
@@ -147,7 +144,7 @@ def scatter_tokens(x: Tensor, idx: Tensor, part: Tensor, seq_dim: int = 1) -> Te
 
 
 def gather_seq_tensor(t: Tensor, idx: Tensor, axes: Sequence[int], batch_axis: int = 0) -> Tensor:
-    """Gather every sequence axis of a mask, bias or position tensor with the per-sample indices (spec §4.1).
+    """Gather every sequence axis of a mask, bias or position tensor with the per-sample indices (never sliced).
 
     Axes of size 1 are broadcast axes and are left alone; a batch axis of size 1 is expanded to ``B`` before a
     per-sample gather. Examples: a ``[B, 1, S, S]`` mask with ``axes=(-2, -1)`` gives ``[B, 1, r, r]``; a
@@ -200,7 +197,7 @@ def validate_schedule(min_value: int, max_value: int, require_steps: int, seq_pe
     """
     for name, v in (("min_value", min_value), ("max_value", max_value), ("require_steps", require_steps),
                     ("seq_per_step", seq_per_step)):
-        if not _is_int(v) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if min_value > max_value:
         raise ValueError(f"min_value ({min_value}) must be <= max_value ({max_value})")
@@ -210,7 +207,8 @@ def validate_schedule(min_value: int, max_value: int, require_steps: int, seq_pe
 
 def ltd_value(step: int, min_value: int, max_value: int, require_steps: int, seq_per_step: int,
               rounding: Rounding = "clamped") -> int:
-    """Reserved length ``r`` at optimizer step ``step`` (0-based), spec §5 (DeepSpeed ``fixed_linear``)::
+    """Reserved length ``r`` at optimizer step ``step`` (0-based), DeepSpeed's ``fixed_linear`` schedule
+    (``deepspeed/runtime/data_pipeline/data_routing/scheduler.py``)::
 
         value = floor(step / require_steps * (max_value - min_value) + min_value)
         value -= value % seq_per_step;  value = min(value, max_value)
@@ -224,7 +222,7 @@ def ltd_value(step: int, min_value: int, max_value: int, require_steps: int, seq
         ValueError: invalid schedule values (see :func:`validate_schedule`) or a negative / non-int ``step``.
     """
     validate_schedule(min_value, max_value, require_steps, seq_per_step, rounding)
-    if not _is_int(step) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     value = (step * (max_value - min_value)) // require_steps + min_value
     value -= value % seq_per_step
@@ -235,7 +233,7 @@ def ltd_value(step: int, min_value: int, max_value: int, require_steps: int, seq
 
 
 def layer_tokens(batch_size: int, seq_len: int, reserved_length: int, num_layers: int, num_ltd_layers: int) -> int:
-    """Layer-tokens one batch consumes: ``B * (min(r, S) * L_ltd + S * (L - L_ltd))`` (spec §6, actual accounting).
+    """Layer-tokens one batch consumes: ``B * (min(r, S) * L_ltd + S * (L - L_ltd))`` (actual accounting).
 
     With ``seq_len = max_value`` this is DeepSpeed's per-step increment (``global_batch_size * (r * L_ltd +
     max_value * (L - L_ltd))``).
@@ -251,7 +249,7 @@ def total_layer_tokens(train_steps: int, global_batch_size: int, num_layers: int
                        rounding: Rounding = "clamped") -> int:
     """Layer-tokens of ``train_steps`` optimizer steps at full-length (``max_value``) sequences: the sum of
     :func:`layer_tokens` over the schedule. Pure (DeepSpeed's ``get_total_layer_tokens`` mutates its scheduler)."""
-    if not _is_int(train_steps) or train_steps < 0:
+    if not is_int(train_steps) or train_steps < 0:
         raise ValueError(f"train_steps must be a non-negative int, got {train_steps!r}")
     total = 0
     full = max(0, train_steps - require_steps)  # steps from require_steps on all use max_value (both roundings)
@@ -266,8 +264,8 @@ def total_layer_tokens(train_steps: int, global_batch_size: int, num_layers: int
 
 def flops_per_layer(batch_size: int, tokens: int, hidden: int, intermediate: int | None = None) -> int:
     """Training FLOPs (forward + backward = 3 x forward) of one transformer layer on ``tokens`` tokens per sample:
-    ``3 * (B*T*(8*H^2 + 4*H*I) + 4*B*T^2*H)`` (QKV/output projections, MLP, attention scores and mixing; spec §6,
-    the same convention as :func:`lightning_effi.core.flops.transformer_forward_flops`)."""
+    ``3 * (B*T*(8*H^2 + 4*H*I) + 4*B*T^2*H)`` (QKV/output projections, MLP, attention scores and mixing; the
+    same convention as :func:`lightning_effi.core.flops.transformer_forward_flops`)."""
     inter = 4 * hidden if intermediate is None else intermediate
     b, t = int(batch_size), int(tokens)
     return 3 * (b * t * (8 * hidden * hidden + 4 * hidden * inter) + 4 * b * t * t * hidden)

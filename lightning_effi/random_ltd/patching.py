@@ -9,7 +9,7 @@ No Lightning here (the callback :class:`lightning_effi.callbacks.RandomLTDCallba
     ctl.end()
     restore(patched)
 
-Design (spec ``shared/specs/random_ltd.md`` §2-§4, §8):
+Design (the method card ``README.md`` beside this file has the long story):
 
 - **No wrapper modules.** Each selected layer gets an instance-level ``forward`` (:class:`LTDForward`) that wraps the
   bound method it replaces (for HF layers, the class-level ``forward`` that holds the activation-checkpointing
@@ -38,9 +38,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_effi.core.checks import is_int
+from lightning_effi.core.rng import hash64
 from lightning_effi.models.base import MUST_BE_NONE, PASS, SeqArg, TransformerAdapter
 from lightning_effi.random_ltd import functional as F
-from lightning_effi.core.rng import hash64
 
 __all__ = ["LTDController", "LTDForward", "PatchedLayers", "convert", "resolve_layer_ids", "restore",
            "strip_random_ltd_keys"]
@@ -50,7 +51,7 @@ _PURPOSE = int.from_bytes(b"RandLTD", "little")
 
 
 def resolve_layer_ids(layer_ids: Iterable[int] | None, num_layers: int) -> tuple[int, ...]:
-    """The LTD layer ids: default ``1 .. L-2`` (all but the first and the last, spec §1).
+    """The LTD layer ids: default ``1 .. L-2`` (all but the first and the last, the paper's setting).
 
     Raises:
         ValueError: an id that is not an int, out of ``[0, L)``, duplicated or unsorted; an empty selection.
@@ -63,7 +64,7 @@ def resolve_layer_ids(layer_ids: Iterable[int] | None, num_layers: int) -> tuple
         return ids
     ids = tuple(layer_ids)
     for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int):
+        if not is_int(i):
             raise ValueError(f"layer_ids: ids must be ints, got {i!r}")
         if not 0 <= i < num_layers:
             raise ValueError(f"layer_ids: id {i} is out of range for a model with {num_layers} layers "
@@ -74,7 +75,7 @@ def resolve_layer_ids(layer_ids: Iterable[int] | None, num_layers: int) -> tuple
         raise ValueError(f"layer_ids: ids must be sorted ascending, got {list(ids)}")
     if not ids:
         raise ValueError("layer_ids: select at least one layer")
-    return ids
+    return tuple(int(i) for i in ids)
 
 
 @dataclass
@@ -220,20 +221,20 @@ class LTDForward:
         return self.original.__self__
 
     def _gather_arg(self, name: str, value: Any, idx: Tensor, seq_len: int) -> Any:
-        spec = self.arguments.get(name)
-        if value is None or spec == PASS:
+        decl = self.arguments.get(name)
+        if value is None or decl == PASS:
             return value
-        if spec == MUST_BE_NONE:
+        if decl == MUST_BE_NONE:
             raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) received "
                                f"{name}={type(value).__name__} while dropping tokens; it must be None in training "
                                "(turn the KV cache off: use_cache=False)")
-        if isinstance(spec, SeqArg):
+        if isinstance(decl, SeqArg):
             if isinstance(value, (tuple, list)):
                 return type(value)(self._gather_arg(name, v, idx, seq_len) for v in value)
             if not isinstance(value, Tensor):
                 return value
-            axes = spec.axes
-            if spec.only_matching:
+            axes = decl.axes
+            if decl.only_matching:
                 axes = tuple(a for a in axes if value.shape[a] == seq_len)
             nd = value.dim()
             for a in axes:
@@ -241,10 +242,10 @@ class LTDForward:
                     raise RuntimeError(f"random-LTD layer {self.index}: argument {name!r} of shape "
                                        f"{tuple(value.shape)} has size {value.shape[a]} on sequence axis {a}, "
                                        f"expected {seq_len} or 1")
-            if spec.batch_axis % nd in {a % nd for a in axes}:
+            if decl.batch_axis % nd in {a % nd for a in axes}:
                 raise RuntimeError(f"random-LTD layer {self.index}: argument {name!r} of shape {tuple(value.shape)} "
                                    "has fewer axes than the adapter declares")
-            return F.gather_seq_tensor(value, idx, axes, spec.batch_axis)
+            return F.gather_seq_tensor(value, idx, axes, decl.batch_axis)
         # undeclared (only reachable through **kwargs): reject tensors that carry this sequence
         if isinstance(value, Tensor) and seq_len > 1 and seq_len in value.shape[1:]:
             raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) received a tensor argument "
@@ -298,8 +299,8 @@ class PatchedLayers:
 
 
 def convert(module: nn.Module, adapter: TransformerAdapter, controller: LTDController) -> PatchedLayers:
-    """Patch ``controller.layer_ids`` of ``adapter.layers()`` with :class:`LTDForward` (spec §8: no wrapper modules,
-    ``state_dict`` unchanged). ``module`` is the object a :class:`GenericAdapter` path starts from.
+    """Patch ``controller.layer_ids`` of ``adapter.layers()`` with :class:`LTDForward` (no wrapper modules, so
+    ``state_dict`` keys are unchanged). ``module`` is the object a :class:`GenericAdapter` path starts from.
 
     Raises:
         ValueError: the adapter rejects the model (:meth:`TransformerAdapter.check`), bad ``layer_ids`` (see

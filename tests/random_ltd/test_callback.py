@@ -1,32 +1,36 @@
 """RandomLTDCallback in Lightning: fit with each adapter, the schedule's step axis under gradient accumulation,
-accounting, resume, the layer-token LR schedule, DDP and setup errors (``shared/specs/random_ltd.md`` acceptance
-tests 2, 15, 18-21)."""
+accounting, resume, the layer-token LR schedule, DDP, setup errors, the repr and the declared requirements."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_effi.core.accounting import EfficiencyMonitor
+import lightning_effi.random_ltd
+from lightning_effi.adapters import GenericAdapter
 from lightning_effi.callbacks import RandomLTDCallback
+from lightning_effi.core.accounting import EfficiencyMonitor
+from lightning_effi.core.lr_schedules import layer_token_lr, layer_token_multiplier
+from lightning_effi.core.requirements import BATCH_STRUCTURES, IncompatibleTechniques, Requirements
 from lightning_effi.functional import random_ltd as F
 from lightning_effi.random_ltd import is_converted
-from lightning_effi.core.lr_schedules import layer_token_lr, layer_token_multiplier
 from lightning_effi.tasks import ImageClassifier
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import (
     TinyDataModule,
     TokenBlocks,
+    sgd,
     tiny_bert_cls,
     tiny_bert_mlm,
     tiny_gpt2,
     tiny_image_data,
     tiny_lm_data,
-    sgd,
     tiny_sentence_data,
 )
 
@@ -65,7 +69,7 @@ def ltd(**kw):
     return RandomLTDCallback(**kw)
 
 
-# ------------------------------------------------------------------------------------------------ 20: fit per adapter
+# ------------------------------------------------------------------------------------------------ fit per adapter
 
 
 @pytest.mark.parametrize(("model_fn", "data_fn", "seq"), [
@@ -121,7 +125,7 @@ def test_logged_metrics_and_accounting_adjustment(tmp_path):
     assert summary["random_ltd/layer_token_saving"] == pytest.approx(1 - expected / (5 * 8 * 16 * 4))
 
 
-# ------------------------------------------------------------------------------------------------ 2, 15: step axis
+# ------------------------------------------------------------------------------------------------ step axis
 
 
 def test_gradient_accumulation_shares_r_and_counts_once_per_step(tmp_path):
@@ -157,7 +161,7 @@ def test_truncated_batches_count_their_real_length(tmp_path):
     assert cb.consumed_layer_tokens == 2 * 8 * 6 * 4
 
 
-# ------------------------------------------------------------------------------------------------ 18: resume
+# ------------------------------------------------------------------------------------------------ resume
 
 
 def test_resume_mid_run_equals_uninterrupted(tmp_path):
@@ -222,7 +226,7 @@ def test_fit_again_continues_the_schedule(tmp_path):
     assert [r["r"] for r in watch.rows] == [F.ltd_value(s, 4, 16, 4, 4) for s in (2, 3)] == [8, 12]
 
 
-# ------------------------------------------------------------------------------------------------ 19: layer-token LR
+# ------------------------------------------------------------------------------------------------ layer-token LR
 
 
 def test_layer_token_multiplier_golden():
@@ -309,7 +313,68 @@ def test_require_fraction_of_the_run(tmp_path):
     assert cb.require_steps == math.ceil(0.5 * 10)  # 40 samples / batch 8 = 5 steps per epoch, 2 epochs
 
 
-# ------------------------------------------------------------------------------------------------ 21: DDP
+# ------------------------------------------------------------------------------------------------ repr, requirements
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    dict(min_value=8, max_value=64, require_steps=100, seq_per_step=8, layer_ids=[1, 2], adapter="hf_gpt2",
+         rounding="deepspeed", keep_prefix_tokens="auto", accounting="deepspeed", seed=3, strict=False),
+    dict(require_fraction=0.5, layer_ids=[2], keep_prefix_tokens=1),
+])
+def test_repr_evaluates_to_an_equal_callback(kwargs):
+    cb = RandomLTDCallback(**kwargs)
+    text = repr(cb)
+    for name in ("min_value", "max_value", "require_steps", "require_fraction", "seq_per_step", "layer_ids", "adapter",
+                 "rounding", "keep_prefix_tokens", "accounting", "seed", "strict"):
+        assert f"{name}=" in text
+    again = eval(text, {"RandomLTDCallback": RandomLTDCallback})
+    assert repr(again) == text and again.state_key == cb.state_key and again.config() == cb.config()
+
+
+def test_repr_of_numpy_arguments_is_plain():
+    import numpy as np
+
+    cb = RandomLTDCallback(min_value=np.int64(8), max_value=np.int64(16), layer_ids=np.array([1, 2]).tolist(),
+                           seed=np.int64(5), require_fraction=np.float64(0.5))
+    again = eval(repr(cb), {"RandomLTDCallback": RandomLTDCallback})
+    assert repr(again) == repr(cb) and type(again.seed) is int and type(again.min_value) is int
+
+
+def test_repr_with_an_adapter_instance_shows_the_adapter():
+    cb = RandomLTDCallback(adapter=GenericAdapter("model.blocks", max_sequence_length=16, hidden_size=8))
+    assert "adapter=GenericAdapter(" in repr(cb)  # not evaluable: documented
+
+
+def test_requirements_are_declared_and_match_metadata():
+    req = RandomLTDCallback.requirements
+    assert isinstance(req, Requirements)
+    assert req.patches_layers and req.batch_structures == BATCH_STRUCTURES
+    assert not (req.owns_train_sampler or req.changes_epoch_length or req.changes_model_shapes
+                or req.needs_per_sample_loss or req.edits_batch)
+    folder = Path(lightning_effi.random_ltd.__file__).parent
+    metadata = json.loads((folder / "metadata.json").read_text())
+    assert metadata["requirements"] == json.loads(json.dumps(req.as_dict()))  # tuples as lists
+    assert metadata["class_name"] == RandomLTDCallback.__name__
+    root = folder.parent.parent
+    assert (root / metadata["card"]).is_file() and (root / metadata["hydra"]).is_file()
+
+
+class ShapeChanger(Callback):
+    """A stand-in technique that changes the model's shapes during fit (as the V-cycle does)."""
+
+    requirements = Requirements(changes_model_shapes=True)
+
+
+def test_setup_refuses_a_technique_that_changes_model_shapes(tmp_path):
+    trainer = make_trainer(tmp_path, [ltd(max_value=16), ShapeChanger()], max_steps=1, max_epochs=-1)
+    model = deep_gpt2()
+    with pytest.raises(IncompatibleTechniques, match="layer patching across shape changes"):
+        trainer.fit(model, datamodule=tiny_lm_data())
+    assert not is_converted(model)
+
+
+# ------------------------------------------------------------------------------------------------ DDP
 
 
 class _RankDump(Callback):

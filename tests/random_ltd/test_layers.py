@@ -1,6 +1,6 @@
 """random-LTD on real model layers without a Trainer: layer equivalence for every adapter and mask form, causality,
 bitwise identity at r >= S, eval pass-through, exact binding, key stability, recomputation, rotary positions, bad
-input (``shared/specs/random_ltd.md`` acceptance tests 6, 7, 10-14, 17)."""
+input, and the model-family registry."""
 
 from __future__ import annotations
 
@@ -11,7 +11,22 @@ import timm
 import torch
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from lightning_effi.adapters import GenericAdapter, find_adapter
+from lightning_effi.adapters import (
+    GenericAdapter,
+    HFBertAdapter,
+    HFBertVCycleAdapter,
+    HFGPT2Adapter,
+    HFGPT2VCycleAdapter,
+    TimmViTAdapter,
+    TimmViTVCycleAdapter,
+    find_adapter,
+    register_adapter,
+    register_vcycle_adapter,
+    registered_adapters,
+    registered_families,
+    registered_vcycle_adapters,
+)
+from lightning_effi.models import registry
 from lightning_effi.random_ltd import LTDController, LTDForward, convert, restore, strip_random_ltd_keys
 
 VOCAB = 50
@@ -103,7 +118,7 @@ def gathered_mask(mask, idx):
     return rows(m, idx, -1)
 
 
-# ------------------------------------------------------------------------------------------------ 7: layer equivalence
+# ------------------------------------------------------------------------------------------------ layer equivalence
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
@@ -256,7 +271,7 @@ def test_bert_all_padding_subset_is_finite():
             pytest.fail("no draw kept only padding tokens")
 
 
-# ------------------------------------------------------------------------------------------------ 12, 13: binding, keys
+# ------------------------------------------------------------------------------------------------ binding, keys
 
 
 def test_exact_layer_binding_and_teardown():
@@ -304,7 +319,7 @@ def test_deepcopy_of_a_converted_model_patches_the_copy():
     assert torch.equal(clone(tokens()).logits, model(tokens()).logits)
 
 
-# ------------------------------------------------------------------------------------------------ 14: recomputation
+# ------------------------------------------------------------------------------------------------ recomputation
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -406,3 +421,40 @@ def test_cache_while_dropping_is_an_error():
     ctl.begin(0, 0, 4)
     with pytest.raises(RuntimeError, match="use_cache=False"):
         model(tokens(), use_cache=True)
+
+
+# ------------------------------------------------------------------------------------------------ family registry
+
+
+def test_registered_families_list_what_each_supports():
+    families = registered_families()
+    assert {name: families[name] for name in ("hf_gpt2", "hf_bert", "timm_vit")} == {
+        "hf_gpt2": ("random_ltd", "vcycle"), "hf_bert": ("random_ltd", "vcycle"), "timm_vit": ("random_ltd", "vcycle")}
+    assert list(families) == sorted(families)
+    expected = {"hf_gpt2": (HFGPT2Adapter, HFGPT2VCycleAdapter), "hf_bert": (HFBertAdapter, HFBertVCycleAdapter),
+                "timm_vit": (TimmViTAdapter, TimmViTVCycleAdapter)}
+    for name, (ltd_cls, vcycle_cls) in expected.items():
+        fam = registry.family(name)
+        assert fam.adapter("random_ltd") is ltd_cls and fam.adapter("vcycle") is vcycle_cls
+        assert vcycle_cls.name == name
+    # the four per-technique functions are views over the one registry
+    assert registered_adapters() == sorted(n for n, t in families.items() if "random_ltd" in t)
+    assert registered_vcycle_adapters() == sorted(n for n, t in families.items() if "vcycle" in t)
+    with pytest.raises(KeyError, match="unknown model family 'gpt3'"):
+        registry.family("gpt3")
+
+
+def test_registering_a_family_adapter_twice_raises_and_a_new_family_is_listed():
+    with pytest.raises(ValueError, match="adapter 'hf_gpt2' is already registered"):
+        register_adapter("hf_gpt2", TimmViTAdapter)
+    with pytest.raises(ValueError, match="V-cycle adapter 'hf_bert' is already registered"):
+        register_vcycle_adapter(type("Other", (HFBertVCycleAdapter,), {}))
+    assert register_adapter("hf_gpt2", HFGPT2Adapter) is HFGPT2Adapter  # the same class again is a no-op
+    name = "test_only_family"
+    try:
+        register_adapter(name, HFGPT2Adapter)
+        assert registered_families()[name] == ("random_ltd",)
+        assert name in registered_adapters() and name not in registered_vcycle_adapters()
+    finally:
+        registry._FAMILIES.pop(name, None)
+    assert name not in registered_families()
