@@ -9,6 +9,7 @@ its method card; the shared core in ``core/``. See ``docs/architecture.md``.
 __version__ = "0.1.0"
 
 from lightning_effi.core.accounting import BatchStats, EfficiencyMonitor  # noqa: E402
+from lightning_effi.core.progress import Duration  # noqa: E402
 from lightning_effi.curriculum import (  # noqa: E402
     Curriculum,
     CurriculumCallback,
@@ -23,7 +24,7 @@ from lightning_effi.random_ltd import RandomLTD, RandomLTDCallback  # noqa: E402
 from lightning_effi.vcycle import VCycle, VCycleCallback  # noqa: E402
 
 __all__ = [
-    "BatchStats", "Curriculum", "CurriculumCallback", "CurriculumConfig", "CurriculumDataModule", "DataAnalyzer",
+    "BatchStats", "Curriculum", "Duration", "CurriculumCallback", "CurriculumConfig", "CurriculumDataModule", "DataAnalyzer",
     "EfficiencyMonitor", "GenericAdapter", "InfoBatch", "InfoBatchCallback", "InfoBatchDataModule", "RandomLTD",
     "RandomLTDCallback", "VCycle", "VCycleCallback", "__version__", "parse_deepspeed_config",
 ]

@@ -159,6 +159,13 @@ class EfficiencyMonitor(Callback):
         return stats
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # a new fit counts from zero; a resumed one gets its totals back from the checkpoint after setup
+        if stage == "fit":
+            self.totals = dict.fromkeys(self.totals, 0.0)
+            self.summary = {}
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start = time.perf_counter()
         self._fit_total_before = self.totals["time_total"]
