@@ -8,7 +8,7 @@ Two tasks, each with both arms built from the same seed and trained for the same
   (``--vit-subset``, 20,000 images); random-LTD on blocks 1-4 with the class token kept, r from ``--vit-min`` (17)
   to 65 (multiples of 8).
 
-r grows linearly over the first ``--require-fraction`` (0.75) of the steps, then stays at the full length (the
+r grows linearly over ``--require-steps`` (``0.75dur``: the first 75% of the steps), then stays at the full length (the
 papers' recipes also end with full-length training: GPT-3 pre-training grows r over 200k of ~286k steps).
 
 Reported per arm: training wall time (EfficiencyMonitor train + data time; evaluation excluded), layer-tokens and
@@ -46,6 +46,11 @@ from lightning_effi.tasks import GPT2CausalLM, ImageClassifier
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def duration(text: str) -> int | str:
+    """``--require-steps``: an int of optimizer steps, else a duration string (``"0.75dur"``, ``"2ep"``)."""
+    return int(text) if text.strip().isdigit() else text
+
+
 def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningModule, pl.LightningDataModule, dict]:
     data_root = Path(args.data_root)
     if task == "gpt":
@@ -81,7 +86,7 @@ def run_arm(task: str, args: argparse.Namespace, seed: int, with_ltd: bool) -> d
     callbacks: list[pl.Callback] = [monitor]
     cb = None
     if with_ltd:
-        cb = RandomLTDCallback(**spec["ltd"], require_fraction=args.require_fraction, seed=seed)
+        cb = RandomLTDCallback(**spec["ltd"], require_steps=args.require_steps, seed=seed)
         callbacks.append(cb)
     steps = spec["steps"]
     trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accelerator="cpu", logger=False,
@@ -162,8 +167,9 @@ def main() -> None:
     p.add_argument("--vit-layers", type=int, default=6)
     p.add_argument("--vit-min", type=int, default=17)
     p.add_argument("--vit-subset", type=int, default=20000)
-    p.add_argument("--require-fraction", type=float, default=0.75,
-                   help="share of the run over which r grows to the full length (then full-length training)")
+    p.add_argument("--require-steps", type=duration, default="0.75dur",
+                   help="how long r grows to the full length (then full-length training): optimizer steps (an int) "
+                        "or a duration such as 0.75dur (of the run) or 2ep")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "experiments" / "bench" / "results"))
     p.add_argument("--tag", default="")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -36,11 +37,46 @@ from typing_extensions import override
 
 from lightning_effi.core.accounting import BatchStats
 from lightning_effi.core.checks import check_choice, check_int, is_int, is_real
+from lightning_effi.core.progress import Duration
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch
 from lightning_effi.models.base import TransformerAdapter, find_adapter
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import LTDController, PatchedLayers, convert, resolve_layer_ids, restore
+
+_SUFFIX = {"step": "st", "epoch": "ep", "fraction": "dur", "token": "tok"}
+
+
+def _duration_text(duration: Duration) -> str:
+    """``duration`` as a string that ``Duration.parse`` reads back to an equal Duration (``"0.8dur"``, ``"2ep"``)."""
+    text = str(duration)
+    if Duration.parse(text) == duration:
+        return text
+    value = repr(float(duration.value)) if duration.unit in ("fraction", "token") else str(int(duration.value))
+    return f"{value}{_SUFFIX[duration.unit]}"
+
+
+def _require_duration(owner: str, value: Any) -> Duration:
+    """``require_steps`` as a Duration of at least one step: an int (optimizer steps, DeepSpeed's key), a string
+    such as ``"0.8dur"`` / ``"2ep"`` / ``"500st"``, or a Duration; floats and token durations are refused."""
+    where = f"{owner}.require_steps"
+    if is_real(value) and not is_int(value):
+        v = float(value)
+        text = _duration_text(Duration(v, "fraction")) if 0 < v <= 1 else ""
+        hint = f"'{text}' for a fraction of the run" if text else "a fraction of the run such as '0.8dur'"
+        raise ValueError(f"{where}: a float is ambiguous (a fraction of the run or a number of steps?), got {value!r}; "
+                         f"write {hint}, or an int of optimizer steps")
+    if is_int(value) and value < 1:
+        raise ValueError(f"{where} must be an int >= 1 (optimizer steps), a duration or None, got {value!r}")
+    duration = Duration.parse(value, where)
+    if duration.unit == "token":
+        raise ValueError(f"{where}={_duration_text(duration)} is in tokens, which random-LTD's schedule cannot "
+                         "resolve (its tokens per optimizer step are not known in advance); give optimizer steps, "
+                         "epochs ('2ep') or a fraction of the run ('0.8dur')")
+    if duration.value <= 0:
+        raise ValueError(f"{where} must be at least one step: >= 1 steps or epochs, a fraction > 0, got "
+                         f"{_duration_text(duration)!r}")
+    return duration
 
 
 class RandomLTDCallback(Callback):
@@ -50,10 +86,15 @@ class RandomLTDCallback(Callback):
         min_value: reserved length at step 0 (tokens, >= 1). DeepSpeed key ``random_ltd_schedule.min_value``.
         max_value: reserved length at the end of the schedule; default: the model's sequence length (HF
             ``n_positions`` / ``max_position_embeddings``, ViT patches + prefix tokens).
-        require_steps: optimizer steps of the linear growth (``schedule_config.require_steps``); default
-            ``require_fraction`` of the run's optimizer steps.
-        require_fraction: fraction in ``(0, 1]`` of ``trainer.estimated_stepping_batches`` used when
-            ``require_steps`` is not given (default 1.0).
+        require_steps: length of the linear growth: an int of optimizer steps, exactly as DeepSpeed's
+            ``schedule_config.require_steps`` (>= 1), or a :class:`~lightning_effi.core.progress.Duration` or what
+            ``Duration.parse`` reads: ``"500st"``, ``"0.8dur"`` (a fraction in ``(0, 1]`` of the run's ``T``
+            optimizer steps, ``max(1, ceil(f · T))``, ``T`` = ``trainer.max_steps`` when set, else
+            ``trainer.estimated_stepping_batches``), ``"2ep"`` (``n · ceil(num_training_batches /
+            accumulate_grad_batches)`` steps, read at train start). No floats (write ``"0.8dur"``), no tokens.
+            Default: the whole run (``"1dur"``).
+        require_fraction: deprecated (one release, ``DeprecationWarning``): ``require_fraction=f`` is
+            ``require_steps="<f>dur"``.
         seq_per_step: ``r`` is a multiple of this (``schedule_config.seq_per_step``).
         layer_ids: exact indices into the adapter's layer list; default all but the first and the last.
         adapter: ``"auto"``, a registered name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an adapter instance.
@@ -78,7 +119,7 @@ class RandomLTDCallback(Callback):
             adapter matches the model, ``layer_ids`` out of range / duplicated / unsorted, ``min_value`` or
             ``max_value`` larger than the model's sequence length, a layer whose ``forward`` takes arguments the
             adapter does not know, an unsupported attention implementation; (train start) ``require_steps`` cannot be
-            derived (a run of unknown length).
+            derived (a fraction of a run of unknown length, epochs of a train dataloader without a length).
         IncompatibleTechniques: (``setup``) combined with a technique that changes the model's shapes (the V-cycle:
             the patched layers belong to one model), see :data:`~lightning_effi.core.requirements.CONFLICTS`.
     """
@@ -89,7 +130,7 @@ class RandomLTDCallback(Callback):
         self,
         min_value: int = 128,
         max_value: int | None = None,
-        require_steps: int | None = None,
+        require_steps: int | str | Duration | None = None,
         require_fraction: float | None = None,
         seq_per_step: int = 16,
         layer_ids: Sequence[int] | None = None,
@@ -107,12 +148,16 @@ class RandomLTDCallback(Callback):
             raise ValueError(f"{name}.max_value must be an int >= 1 or None (the model's length), got {max_value!r}")
         if max_value is not None and min_value > max_value:
             raise ValueError(f"{name}: min_value ({min_value}) must be <= max_value ({max_value})")
-        if require_steps is not None and (not is_int(require_steps) or require_steps < 1):
-            raise ValueError(f"{name}.require_steps must be an int >= 1 or None, got {require_steps!r}")
+        duration = None if require_steps is None else _require_duration(name, require_steps)
         if require_steps is not None and require_fraction is not None:
             raise ValueError(f"{name}: give require_steps or require_fraction, not both")
-        if require_fraction is not None and not (is_real(require_fraction) and 0 < require_fraction <= 1):
-            raise ValueError(f"{name}.require_fraction must be in (0, 1], got {require_fraction!r}")
+        if require_fraction is not None:
+            if not (is_real(require_fraction) and 0 < require_fraction <= 1):
+                raise ValueError(f"{name}.require_fraction must be in (0, 1], got {require_fraction!r}")
+            require_fraction = float(require_fraction)
+            duration = Duration(require_fraction, "fraction")
+            warnings.warn(f"{name}.require_fraction is deprecated and will be removed in the next release: write "
+                          f"require_steps={_duration_text(duration)!r}", DeprecationWarning, stacklevel=2)
         if layer_ids is not None:
             if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Sequence):
                 raise ValueError(f"{name}.layer_ids must be a list of ints or None, got {layer_ids!r}")
@@ -133,15 +178,19 @@ class RandomLTDCallback(Callback):
                              f"got {adapter!r}")
         if max_value is not None:
             max_value = int(max_value)
-        if require_steps is not None:
-            require_steps = int(require_steps)
         if keep_prefix_tokens != "auto":
             keep_prefix_tokens = int(keep_prefix_tokens)
         self.min_value = min_value
         self.max_value_arg = max_value
-        self.require_steps_arg = require_steps
-        self.require_fraction_arg = None if require_fraction is None else float(require_fraction)
-        self.require_fraction = 1.0 if require_fraction is None else float(require_fraction)
+        # require_steps as given (repr), the Duration it means (default: the whole run), and the fixed step count
+        # (None: derived from the run; the checkpoint fingerprint keeps its pre-Duration form)
+        self.require_steps_given: int | str | None = None
+        if duration is not None and require_fraction is None:
+            self.require_steps_given = int(duration.value) if is_int(require_steps) else _duration_text(duration)
+        self.require_fraction_arg: float | None = require_fraction
+        self.require_duration: Duration = Duration(1.0, "fraction") if duration is None else duration
+        self.require_steps_arg: int | None = (
+            int(self.require_duration.value) if self.require_duration.unit == "step" else None)
         self.seq_per_step = seq_per_step
         self.layer_ids_arg = None if layer_ids is None else tuple(int(i) for i in layer_ids)
         self.adapter_arg = adapter
@@ -157,11 +206,15 @@ class RandomLTDCallback(Callback):
         self.num_layers = 0
         self.layer_ids: tuple[int, ...] = ()
         self.max_value: int | None = max_value
-        self.require_steps: int | None = require_steps
         self.keep_prefix_tokens = 0 if keep_prefix_tokens == "auto" else keep_prefix_tokens
+        self._reset_progress()
+
+    def _reset_progress(self) -> None:
+        """A new fit starts from step 0 with no tokens consumed (a resumed one restores these from its checkpoint)."""
+        self.require_steps: int | None = self.require_steps_arg
         # counters (global: summed over ranks at every optimizer step)
         self.current_step = -1
-        self.current_value = min_value
+        self.current_value = self.min_value
         self.consumed_layer_tokens = 0
         self.full_layer_tokens = 0  # what the same batches cost without dropping
         self.consumed_samples = 0
@@ -173,11 +226,14 @@ class RandomLTDCallback(Callback):
         self._folded = True
 
     def __repr__(self) -> str:
-        """Every constructor argument, so that ``eval(repr(cb))`` builds an equal callback. An adapter passed as an
-        instance shows as its own ``repr`` (e.g. ``GenericAdapter(Module)``), which cannot be evaluated."""
+        """Every constructor argument, so that ``eval(repr(cb))`` builds an equal callback: ``require_steps`` as
+        given (an int, or a duration's string such as ``'0.8dur'``), ``require_fraction`` only when it was given. An
+        adapter passed as an instance shows as its own ``repr`` (e.g. ``GenericAdapter(Module)``), which cannot be
+        evaluated."""
         layer_ids = None if self.layer_ids_arg is None else list(self.layer_ids_arg)
+        fraction = "" if self.require_fraction_arg is None else f"require_fraction={self.require_fraction_arg!r}, "
         return (f"{type(self).__name__}(min_value={self.min_value!r}, max_value={self.max_value_arg!r}, "
-                f"require_steps={self.require_steps_arg!r}, require_fraction={self.require_fraction_arg!r}, "
+                f"require_steps={self.require_steps_given!r}, {fraction}"
                 f"seq_per_step={self.seq_per_step!r}, layer_ids={layer_ids!r}, adapter={self.adapter_arg!r}, "
                 f"rounding={self.rounding!r}, keep_prefix_tokens={self.keep_prefix_arg!r}, "
                 f"accounting={self.accounting!r}, seed={self.seed!r}, strict={self.strict!r})")
@@ -185,6 +241,7 @@ class RandomLTDCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
+        # require_steps: the fixed step count or None (derived from the run), as before durations existed
         return self._generate_state_key(min_value=self.min_value, max_value=self.max_value_arg,
                                         require_steps=self.require_steps_arg, seq_per_step=self.seq_per_step,
                                         layer_ids=self.layer_ids_arg)
@@ -195,6 +252,7 @@ class RandomLTDCallback(Callback):
         if stage != "fit":
             return
         check_trainer(trainer)
+        self._reset_progress()
         if self.patched is not None:
             return
         adapter = find_adapter(pl_module, self.adapter_arg)
@@ -214,8 +272,10 @@ class RandomLTDCallback(Callback):
         if self.keep_prefix_tokens > self.min_value:
             raise ValueError(f"{name}.keep_prefix_tokens ({self.keep_prefix_tokens}) must be <= min_value "
                              f"({self.min_value})")
-        if self.require_steps is None and trainer.max_steps is not None and trainer.max_steps > 0:
-            self.require_steps = max(1, math.ceil(self.require_fraction * trainer.max_steps))
+        if (self.require_steps is None and self.require_duration.unit == "fraction" and trainer.max_steps is not None
+                and trainer.max_steps > 0):
+            self.require_steps = max(1, self.require_duration.to_steps(
+                total_steps=trainer.max_steps, name=f"{name}.require_steps", rounding="ceil"))
         self.controller = LTDController(self.num_layers, self.layer_ids, seed=self.seed, rank=trainer.global_rank,
                                         keep_prefix_tokens=self.keep_prefix_tokens)
         self.patched = convert(pl_module, adapter, self.controller)
@@ -232,10 +292,24 @@ class RandomLTDCallback(Callback):
         total = trainer.estimated_stepping_batches
         self.total_steps = int(total) if math.isfinite(total) else None
         if self.require_steps is None:
-            if not math.isfinite(total) or total <= 0:
-                raise ValueError(f"{type(self).__name__}.require_steps: the run's length is unknown (max_epochs=-1 and "
-                                 "max_steps=-1); set require_steps")
-            self.require_steps = max(1, math.ceil(self.require_fraction * int(total)))
+            self.require_steps = self._resolve_require_steps(trainer, total)
+
+    def _resolve_require_steps(self, trainer: pl.Trainer, total: float) -> int:
+        """``require_steps`` in optimizer steps, when training starts: a fraction of the run's ``total`` optimizer
+        steps (rounded up), or epochs of ``ceil(num_training_batches / accumulate_grad_batches)`` steps."""
+        where = f"{type(self).__name__}.require_steps"
+        duration = self.require_duration
+        if duration.unit == "epoch":
+            batches = trainer.num_training_batches
+            if not math.isfinite(batches) or batches <= 0:
+                raise ValueError(f"{where}={_duration_text(duration)} is in epochs, but the train dataloader has no "
+                                 "length; give optimizer steps")
+            steps_per_epoch = math.ceil(int(batches) / trainer.accumulate_grad_batches)
+            return max(1, duration.to_steps(steps_per_epoch=steps_per_epoch, name=where))
+        if not math.isfinite(total) or total <= 0:
+            raise ValueError(f"{where}: the run's length is unknown (max_epochs=-1 and max_steps=-1); set "
+                             "require_steps")
+        return max(1, duration.to_steps(total_steps=int(total), name=where, rounding="ceil"))
 
     # ------------------------------------------------------------------------------------------------ schedule
     def value_at(self, step: int) -> int:

@@ -21,10 +21,6 @@ from tests.helpers.harness import _drop, assert_nested_equal, assert_resume_equa
 #: (test name, callback class) -> the exact defect that makes that check fail today (strict xfail: remove the entry
 #: once the defect is fixed, the check then passes)
 KNOWN_DEFECTS: dict[tuple[str, type], str] = {
-    ("test_fit_twice_carries_no_stale_state", RandomLTDCallback):
-        "RandomLTDCallback.setup does not reset its counters: a second fit with the same instance starts from the "
-        "first fit's consumed_layer_tokens/full_layer_tokens/consumed_samples/saved_flops/full_layer_flops "
-        "(consumed_layer_tokens 1984 != 992), which a layer_token_lr schedule would also read",
 }
 
 

@@ -1,5 +1,6 @@
 """RandomLTDCallback in Lightning: fit with each adapter, the schedule's step axis under gradient accumulation,
-accounting, resume, the layer-token LR schedule, DDP, setup errors, the repr and the declared requirements."""
+accounting, resume, the layer-token LR schedule, DDP, setup errors, require_steps as a Duration (and the deprecated
+require_fraction), the repr and the declared requirements."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from lightning_effi.adapters import GenericAdapter
 from lightning_effi.callbacks import RandomLTDCallback
 from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.core.lr_schedules import layer_token_lr, layer_token_multiplier
+from lightning_effi.core.progress import Duration
 from lightning_effi.core.requirements import BATCH_STRUCTURES, IncompatibleTechniques, Requirements
 from lightning_effi.functional import random_ltd as F
 from lightning_effi.random_ltd import is_converted
@@ -270,6 +272,15 @@ def test_layer_token_lr_in_a_fit_reads_the_tokens_of_finished_steps(tmp_path):
     (dict(min_value=0), "min_value"), (dict(min_value=20, max_value=10), "min_value .* <= max_value"),
     (dict(layer_ids=[2, 1]), "sorted"), (dict(layer_ids=[-1]), "layer_ids"), (dict(rounding="up"), "rounding"),
     (dict(require_steps=3, require_fraction=0.5), "not both"), (dict(require_fraction=1.5), "require_fraction"),
+    (dict(require_steps="0.5dur", require_fraction=0.5), "not both"),
+    (dict(require_steps=0.8), r"require_steps: a float .* write '0\.8dur'"),
+    (dict(require_steps=0.25), r"require_steps: a float .* write '0\.25dur'"),
+    (dict(require_steps=100.0), r"require_steps: a float .* int of optimizer steps"),
+    (dict(require_steps=0), "require_steps must be an int >= 1"), (dict(require_steps=True), "require_steps"),
+    (dict(require_steps="0dur"), "require_steps must be at least one step"),
+    (dict(require_steps="0ep"), "require_steps must be at least one step"),
+    (dict(require_steps="1.5dur"), "require_steps"), (dict(require_steps="1e6tok"), "require_steps=.* in tokens"),
+    (dict(require_steps="500"), "require_steps: cannot read"),
     (dict(accounting="max"), "accounting"), (dict(keep_prefix_tokens=-1), "keep_prefix_tokens"),
     (dict(seq_per_step=2.5), "seq_per_step"), (dict(adapter=3), "adapter"),
 ])
@@ -307,10 +318,106 @@ def test_unknown_run_length_needs_require_steps(tmp_path):
 
 
 def test_require_fraction_of_the_run(tmp_path):
-    cb = RandomLTDCallback(min_value=4, require_fraction=0.5)
+    with pytest.warns(DeprecationWarning, match="require_fraction"):
+        cb = RandomLTDCallback(min_value=4, require_fraction=0.5)
     trainer = make_trainer(tmp_path, [cb], max_epochs=2)
     trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
     assert cb.require_steps == math.ceil(0.5 * 10)  # 40 samples / batch 8 = 5 steps per epoch, 2 epochs
+
+
+# ------------------------------------------------------------------------------------------------ require_steps
+
+
+def _fit_schedule(tmp_path, cb_kwargs, **trainer_kwargs):
+    """Fit a 4-layer GPT-2 with random-LTD; returns the callback and the reserved length of every batch."""
+    pl.seed_everything(0)
+    cb = RandomLTDCallback(**({"min_value": 4, "max_value": 16, "seq_per_step": 4, "seed": 7} | cb_kwargs))
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [cb, watch], **trainer_kwargs)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    return cb, [row["r"] for row in watch.rows]
+
+
+@pytest.mark.parametrize(("new", "fraction", "trainer_kwargs", "expected"), [
+    ("0.5dur", 0.5, dict(max_epochs=2), 5),  # T = estimated_stepping_batches = 10, at train start
+    (Duration(0.3, "fraction"), 0.3, dict(max_steps=7, max_epochs=-1), 3),  # ceil(0.3 * 7), T = max_steps, in setup
+    ("0.01dur", 0.01, dict(max_steps=7, max_epochs=-1), 1),  # at least 1
+    ("1dur", None, dict(max_epochs=1), 5),  # None: neither given, the default (the whole run)
+])
+def test_require_steps_fraction_equals_require_fraction(tmp_path, new, fraction, trainer_kwargs, expected):
+    cb_new, rs_new = _fit_schedule(tmp_path / "new", dict(require_steps=new), **trainer_kwargs)
+    if fraction is None:
+        cb_old, rs_old = _fit_schedule(tmp_path / "old", {}, **trainer_kwargs)
+    else:
+        with pytest.warns(DeprecationWarning, match="require_steps="):
+            cb_old, rs_old = _fit_schedule(tmp_path / "old", dict(require_fraction=fraction), **trainer_kwargs)
+    assert cb_new.require_steps == cb_old.require_steps == expected
+    assert rs_new == rs_old == [F.ltd_value(s, 4, 16, expected, 4) for s in range(len(rs_new))]
+    assert cb_new.config() == cb_old.config() and cb_new.state_key == cb_old.state_key
+
+
+def test_require_steps_step_spellings_are_the_int(tmp_path):
+    cb_int, rs_int = _fit_schedule(tmp_path / "int", dict(require_steps=3), max_steps=5, max_epochs=-1)
+    for spelling in ("3st", "3ba", Duration(3)):
+        cb = RandomLTDCallback(min_value=4, max_value=16, seq_per_step=4, seed=7, require_steps=spelling)
+        assert cb.require_steps == 3 and cb.state_key == cb_int.state_key
+    cb, rs = _fit_schedule(tmp_path / "st", dict(require_steps="3st"), max_steps=5, max_epochs=-1)
+    assert rs == rs_int == [4, 8, 12, 16, 16] and cb.config() == cb_int.config()
+
+
+@pytest.mark.parametrize(("epochs", "accumulate", "expected"), [
+    (1, 1, 5),  # 40 samples / batch 8 = 5 batches = 5 optimizer steps per epoch
+    (2, 2, 6),  # ceil(5 / 2) = 3 optimizer steps per epoch
+])
+def test_require_steps_in_epochs(tmp_path, epochs, accumulate, expected):
+    cb, rs = _fit_schedule(tmp_path / "ep", dict(require_steps=f"{epochs}ep"), max_epochs=3,
+                           accumulate_grad_batches=accumulate)
+    cb_steps, rs_steps = _fit_schedule(tmp_path / "st", dict(require_steps=expected), max_epochs=3,
+                                       accumulate_grad_batches=accumulate)
+    assert cb.require_steps == expected
+    assert rs == rs_steps and cb.config() == cb_steps.config()
+    assert repr(cb).count(f"require_steps='{epochs}ep'") == 1
+
+
+def test_require_fraction_is_deprecated():
+    with pytest.warns(DeprecationWarning, match=r"require_fraction is deprecated.*require_steps='0\.5dur'"):
+        cb = RandomLTDCallback(require_fraction=0.5)
+    new = RandomLTDCallback(require_steps="0.5dur")
+    assert cb.require_duration == new.require_duration == Duration(0.5, "fraction")
+    assert cb.state_key == new.state_key and cb.config() == new.config()
+
+
+def test_state_key_keeps_its_pre_duration_form():
+    """The checkpoint key of a run written before require_steps took durations: a fixed step count or None."""
+    key = ("RandomLTDCallback{{'min_value': 4, 'max_value': 16, 'require_steps': {}, 'seq_per_step': 4, "
+           "'layer_ids': None}}")
+    kw = dict(min_value=4, max_value=16, seq_per_step=4)
+    for spelling in ("0.5dur", "2ep", Duration(0.8, "fraction"), None):
+        assert RandomLTDCallback(**kw, require_steps=spelling).state_key == key.format("None")
+    for spelling in (6, "6st"):
+        assert RandomLTDCallback(**kw, require_steps=spelling).state_key == key.format("6")
+
+
+def test_resume_a_require_fraction_checkpoint_with_require_steps_dur(tmp_path):
+    """A checkpoint written with require_fraction (the pre-Duration spelling; the state is unchanged) resumes with
+    require_steps='0.5dur' in a longer run: the schedule continues with the checkpoint's require_steps."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    with pytest.warns(DeprecationWarning):
+        old = ltd(max_value=16, require_steps=None, require_fraction=0.5)
+    trainer = make_trainer(tmp_path, [old, ckpt], max_steps=4, max_epochs=-1)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    state = torch.load(tmp_path / "ck" / "step=2.ckpt", weights_only=True)["callbacks"]
+    assert state[old.state_key]["config"]["require_steps"] == old.require_steps == 2
+    cb = ltd(max_value=16, require_steps="0.5dur")
+    assert cb.state_key == old.state_key
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [cb, watch], max_steps=6, max_epochs=-1)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+    assert cb.require_steps == 2  # not ceil(0.5 * 6): the resumed run continues its schedule
+    assert [r["r"] for r in watch.rows] == [F.ltd_value(s, 4, 16, 2, 4) for s in range(2, 6)] == [16] * 4
 
 
 # ------------------------------------------------------------------------------------------------ repr, requirements
@@ -321,17 +428,30 @@ def test_require_fraction_of_the_run(tmp_path):
     dict(min_value=8, max_value=64, require_steps=100, seq_per_step=8, layer_ids=[1, 2], adapter="hf_gpt2",
          rounding="deepspeed", keep_prefix_tokens="auto", accounting="deepspeed", seed=3, strict=False),
     dict(require_fraction=0.5, layer_ids=[2], keep_prefix_tokens=1),
+    dict(require_steps="0.8dur"), dict(require_steps="2ep"), dict(require_steps="500st"),
+    dict(require_steps=Duration(0.123456789, "fraction")),
 ])
+@pytest.mark.filterwarnings("ignore:.*require_fraction is deprecated:DeprecationWarning")
 def test_repr_evaluates_to_an_equal_callback(kwargs):
     cb = RandomLTDCallback(**kwargs)
     text = repr(cb)
-    for name in ("min_value", "max_value", "require_steps", "require_fraction", "seq_per_step", "layer_ids", "adapter",
+    for name in ("min_value", "max_value", "require_steps", "seq_per_step", "layer_ids", "adapter",
                  "rounding", "keep_prefix_tokens", "accounting", "seed", "strict"):
         assert f"{name}=" in text
+    assert ("require_fraction=" in text) == ("require_fraction" in kwargs)  # shown only when given (deprecated)
     again = eval(text, {"RandomLTDCallback": RandomLTDCallback})
     assert repr(again) == text and again.state_key == cb.state_key and again.config() == cb.config()
+    assert again.require_duration == cb.require_duration
 
 
+def test_repr_shows_require_steps_as_given():
+    assert "require_steps=100," in repr(RandomLTDCallback(require_steps=100))
+    assert "require_steps='0.8dur'," in repr(RandomLTDCallback(require_steps="0.8dur"))
+    assert "require_steps='0.5dur'," in repr(RandomLTDCallback(require_steps=Duration(0.5, "fraction")))
+    assert "require_steps=None, seq_per_step" in repr(RandomLTDCallback())
+
+
+@pytest.mark.filterwarnings("ignore:.*require_fraction is deprecated:DeprecationWarning")
 def test_repr_of_numpy_arguments_is_plain():
     import numpy as np
 
