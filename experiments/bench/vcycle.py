@@ -95,8 +95,9 @@ import torch
 
 from lightning_effi import EfficiencyMonitor
 from lightning_effi.callbacks import VCycleCallback
-from lightning_effi.data import CausalLMDataModule, CIFAR10DataModule
 from lightning_effi.core.lr_schedules import warmup_cosine, warmup_cosine_multiplier
+from lightning_effi.core.progress import Duration
+from lightning_effi.data import CausalLMDataModule, CIFAR10DataModule
 from lightning_effi.tasks import GPT2CausalLM, ImageClassifier
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,12 +144,12 @@ class SwitchTrace(pl.Callback):
 
 
 class StageLR:
-    """The official recipe's per-stage LR (spec section 4.2: every stage a fresh schedule, no re-warmup after a
-    switch): stage 1 warms up linearly over its whole length, every later stage decays from its peak (the level's
-    multiplier applied by the callback) to ``min_lr_ratio`` x peak by cosine over its own length. Used with
-    ``lr_schedule="restart"`` (the rebuilt scheduler's counter starts at 0 at every switch); the n-th call builds
-    the n-th stage's scheduler, its length read from the callback's resolved stages (set in its ``setup``, before
-    Lightning first calls ``configure_optimizers``)."""
+    """The official GPT-2 example's per-stage LR (every stage a fresh schedule, no re-warmup after a switch): stage 1
+    warms up linearly over its whole length, every later stage decays from its peak (the level's multiplier applied
+    by the callback) to ``min_lr_ratio`` x peak by cosine over its own length. Used with ``lr_schedule="restart"``
+    (the rebuilt scheduler's counter starts at 0 at every switch); the n-th call builds the n-th stage's scheduler,
+    its length read from the callback's resolved stages (set in its ``setup``, before Lightning first calls
+    ``configure_optimizers``)."""
 
     def __init__(self, vcycle: VCycleCallback, min_lr_ratio: float) -> None:
         self.vcycle, self.min_lr_ratio, self.calls = vcycle, min_lr_ratio, 0
@@ -197,13 +198,14 @@ def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningM
 
 
 def make_vcycle(task: str, args: argparse.Namespace) -> VCycleCallback:
-    extra = {"up_leg_fraction": args.up_leg_fraction} if args.levels >= 3 else {}
+    """The V-cycle arm's callback; the ``--*-fraction`` flags are fractions of the arm's optimizer steps."""
+    up_leg = Duration(args.up_leg_fraction, "fraction") if args.levels >= 3 else None
     mult = args.gpt_lr_mult if task == "gpt" else args.vit_lr_mult
-    return VCycleCallback(levels=args.levels, e_a_fraction=args.e_a_fraction, e_small_fraction=args.e_small_fraction,
+    return VCycleCallback(levels=args.levels, e_a=Duration(args.e_a_fraction, "fraction"),
+                          e_small=Duration(args.e_small_fraction, "fraction"), up_leg=up_leg,
                           alpha_original=args.alpha, lr_multiplier={k: mult for k in range(2, args.levels + 1)},
                           lr_schedule=args.lr_schedule, depth_scheme=args.depth_scheme,
-                          embedding_convention=args.embedding_convention or ("exact" if task == "gpt" else "official"),
-                          **extra)
+                          embedding_convention=args.embedding_convention or ("exact" if task == "gpt" else "official"))
 
 
 def run_arm(task: str, args: argparse.Namespace, seed: int, vcycle: bool, steps: int | None = None) -> dict:

@@ -1,45 +1,11 @@
-"""Multi-level V-cycle operators as pure functions (Zou, Zhang, Deng, "A Multi-Level Framework for Accelerating
-Training Transformer Models", ICLR 2024, arXiv 2404.07999; specification ``shared/specs/vcycle.md``; official code
-``Photooon/Multi-Level-Training-Framework``, ``map_tools/mapper.py``).
+"""The V-cycle's operators as pure functions of state dicts (torch only, no Lightning): :func:`coalesce` (large →
+small), :func:`decoalesce` (small → large) and :func:`interpolate`; the width and depth partitions and
+:class:`VCyclePlan` that say which tensor gets which map; and the model-level steps the callback takes at a level
+change (:func:`snapshot`, :func:`plan_levels`, :func:`coalesce_model`, :func:`decoalesce_model`, :func:`build_levels`).
 
-The three operators act on state dicts (``dict[str, Tensor]``) and never modify their inputs:
-
-- :func:`coalesce` (large → small): width maps F (average, output side) / S (sum, input side) per tensor axis, then
-  depth averaging of grouped layers (spec §2.2-§2.4).
-- :func:`decoalesce` (small → large): depth copy, then width maps T (copy, output side) / H (split, input side).
-  ``coalesce(decoalesce(sd, plan), plan)`` returns ``sd`` bit for bit (see "Exactness" below).
-- :func:`interpolate`: ``θ = (1 − alpha_original)·θ_decoalesced + alpha_original·θ_saved`` (spec §2.6).
-
-Which tensor gets which map is described by a :class:`VCyclePlan`: one :class:`TensorRule` per state-dict key of the
-large model (per-axis maps, a power-of-two scale for the embedding conventions of spec §2.5, the layer index for the
-depth step) plus the aliases of tied tensors. Plans are built by the per-architecture adapters in
-:mod:`lightning_effi.models.vcycle_base` (GPT-2, BERT, timm ViT/DeiT); the building blocks here
-(:func:`width_groups`, :func:`transformer_width_maps`, :func:`depth_groups`, :meth:`VCyclePlan.create`) let other
-architectures write their own tables.
-
-Maps are partitions, not dense matrices. A :class:`WidthMap` partitions the large index set ``{0..D−1}`` into ``d``
-non-empty groups; small index ``i`` corresponds to ``groups[i]``. In matrix form (:meth:`WidthMap.matrices`,
-spec §2.2)::
-
-    F (d×D) = 1/|g(i)| on g(i)   coalesce, output side   (average)
-    S (D×d) = 1        on g(i)   coalesce, input side    (sum)
-    T (D×d) = 1        on g(i)   de-coalesce, output side (copy)
-    H (d×D) = 1/|g(i)| on g(i)   de-coalesce, input side (split)
-    F·T = I,  H·S = I (as maps: S-sum of an H-split is the identity),  H·T = I
-
-Exactness: the tensor operations are formulated so that the round trip is exact in floating point, not only in real
-arithmetic. Averages of a pair are ``(a + b)·0.5`` (exact on two equal values); averages of ``n ≥ 3`` values are
-``x₀ + Σ_k (x_k − x₀) / n`` (exact on equal values). Splitting ``w`` over ``n`` inputs gives ``q = w/n`` to the first
-``n − 1`` members and ``w − (n−1)q`` (computed exactly, Sterbenz lemma) to the last one, so the sequential sum of the
-pieces is ``w`` exactly; for pairs this is exactly ``w/2`` twice. Convention scales are powers of two. Hence
-``coalesce(decoalesce(sd)) == sd`` bit for bit in every floating dtype (barring overflow), for any partition
-including groups of 3.
-
-Function preservation (spec §2.3, §2.5): width de-coalescing with uniform pair groups is exactly function-preserving
-for post-LN BERT (``official`` convention), ViT, and pre-LN GPT-2 with the ``exact`` convention; not for GPT-2 with
-``official``. Depth de-coalescing is never function-preserving (spec §2.4, V3).
-
-This module imports torch only (no Lightning).
+Zou, Zhang, Deng, "A Multi-Level Framework for Accelerating Training Transformer Models", ICLR 2024; official code
+``Photooon/Multi-Level-Training-Framework``, ``map_tools/mapper.py``. The map matrices, exactness and function
+preservation are described in the method card, ``README.md`` beside this file ("Operators").
 """
 
 from __future__ import annotations
@@ -57,8 +23,8 @@ from torch import Tensor, nn
 
 __all__ = [
     "DepthScheme", "Side", "TensorRule", "TransformerWidthMaps", "VCyclePlan", "WidthMap", "WidthScheme",
-    "coalesce", "convention_scale", "decoalesce", "depth_groups", "interpolate", "layer_key", "transformer_width_maps",
-    "width_groups",
+    "build_levels", "coalesce", "coalesce_model", "convention_scale", "decoalesce", "decoalesce_model", "depth_groups",
+    "interpolate", "layer_key", "plan_levels", "snapshot", "transformer_width_maps", "width_groups",
 ]
 
 #: ``"half"`` (official pairing: unit ``u`` ↔ ``u + U/2``) or explicit groups of units (a partition of ``range(U)``).
@@ -105,14 +71,14 @@ def _validate_partition(groups: object, count: int, what: str, name: str) -> tup
 
 
 def width_groups(size: int, scheme: WidthScheme = "half", unit: int = 1, *, name: str = "size") -> WidthMap:
-    """The width map of a partition of ``range(size)``, built at the granularity of ``unit`` (spec §2.2).
+    """The width map of a partition of ``range(size)``, built at the granularity of ``unit``.
 
     Args:
         size: the large dimension ``D``. unit: block size; ``size`` is ``U = size / unit`` units (e.g. ``unit =
             head_dim`` for attention output dims: whole heads are merged). scheme: ``"half"`` pairs unit ``u`` with
-            ``u + U/2`` (official ``config/L6-H6.json``: dim ``j`` ↔ ``j + D/2``); an explicit list gives, per small
-            unit, the large units merged into it (a partition of ``range(U)``; groups of 3 or more allowed, weight
-            ``1/|g|``). name: the configuration key named in error messages.
+            ``u + U/2`` (the official 6-layer config in ``map_tools/config``: dim ``j`` ↔ ``j + D/2``); an explicit
+            list gives, per small unit, the large units merged into it (a partition of ``range(U)``; groups of 3 or
+            more allowed, weight ``1/|g|``). name: the configuration key named in error messages.
 
     Returns:
         A :class:`WidthMap` with ``d = len(groups) · unit`` small indices: element ``t`` of small unit ``i`` is the
@@ -135,7 +101,7 @@ def width_groups(size: int, scheme: WidthScheme = "half", unit: int = 1, *, name
             what = f"{units} units of {unit}" if unit > 1 else f"{size}"
             raise ValueError(f"{name}: width scheme 'half' needs an even size, got {what}; pass explicit groups "
                              "(a group of 3 is allowed) or change the model size")
-        ugroups = tuple((u, u + units // 2) for u in range(units // 2))
+        ugroups: tuple[tuple[int, ...], ...] = tuple((u, u + units // 2) for u in range(units // 2))
     else:
         what = "unit" if unit > 1 else "index"
         ugroups = _validate_partition(scheme, units, what, name)
@@ -145,7 +111,7 @@ def width_groups(size: int, scheme: WidthScheme = "half", unit: int = 1, *, name
 
 def depth_groups(num_layers: int, scheme: DepthScheme = "adjacent", *, name: str = "num_layers"
                  ) -> tuple[tuple[int, ...], ...]:
-    """Depth partition: for every small layer, the large layers averaged into it (spec §2.4).
+    """Depth partition: for every small layer, the large layers averaged into it.
 
     ``"adjacent"``: (0,1), (2,3), …; ``"half"``: (0, L/2), (1, L/2+1), …; explicit list: a partition of
     ``range(num_layers)`` (odd depths, e.g. ``[[0, 1], [2, 3, 4]]``: weights 1/2 and 1/3).
@@ -203,7 +169,7 @@ def _mean_list(tensors: Sequence[Tensor]) -> Tensor:
 
 @dataclass(frozen=True)
 class WidthMap:
-    """A partition of the large index set ``range(large)``; small index ``i`` ↔ ``groups[i]`` (spec §2.2).
+    """A partition of the large index set ``range(large)``; small index ``i`` ↔ ``groups[i]``.
 
     Tensor methods map one axis (``dim``) and return new tensors: :meth:`average` (F), :meth:`sum` (S) go large →
     small; :meth:`copy` (T), :meth:`split` (H) go small → large. Build with :func:`width_groups` or
@@ -324,8 +290,8 @@ class WidthMap:
         return out.movedim(-1, dim)
 
     def matrices(self, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Dense ``(F [d×D], S [D×d], T [D×d], H [d×D])`` of spec §2.2 (for inspection and tests; the tensor methods
-        do not use them)."""
+        """Dense ``(F [d×D], S [D×d], T [D×d], H [d×D])``: the map matrices of the method card (for tests and
+        debugging; the tensor methods do not use them)."""
         F = torch.zeros(self.small, self.large, dtype=dtype)
         for i, g in enumerate(self.groups):
             F[i, list(g)] = 1.0 / len(g)
@@ -341,9 +307,9 @@ class WidthMap:
 
 @dataclass(frozen=True)
 class TransformerWidthMaps:
-    """The maps of one width level of a transformer (spec §2.2, §3): ``hidden`` (E: residual stream, embeddings,
-    LayerNorms), ``qk`` (Q and K outputs, whole heads), ``v`` (V output = attention output projection input),
-    ``ffn`` (I: FFN intermediate). ``small_heads``: number of heads of the small model."""
+    """The maps of one width level of a transformer (official ``MapMatrix``): ``hidden`` (E: residual stream,
+    embeddings, LayerNorms), ``qk`` (Q and K outputs, whole heads), ``v`` (V output = attention output projection
+    input), ``ffn`` (I: FFN intermediate). ``small_heads``: number of heads of the small model."""
 
     hidden: WidthMap
     qk: WidthMap
@@ -360,7 +326,7 @@ class TransformerWidthMaps:
 def transformer_width_maps(hidden: int, heads: int, ffn: int, scheme: WidthScheme | None = "half", *,
                            names: tuple[str, str, str] = ("hidden_size", "num_heads", "ffn_size")
                            ) -> TransformerWidthMaps:
-    """Width maps of a standard transformer for one level (official ``MapMatrix.get_F``, spec §2.2).
+    """Width maps of a standard transformer for one level (official ``MapMatrix.get_F``).
 
     ``scheme="half"``: head ``h`` ↔ ``h + H/2`` for Q/K/V, dim ``j`` ↔ ``j + D/2``, FFN neuron ``n`` ↔ ``n + F/2``.
     Explicit ``scheme``: groups of heads (a partition of ``range(heads)``), applied to whole heads for Q/K/V, to
@@ -400,8 +366,8 @@ def transformer_width_maps(hidden: int, heads: int, ffn: int, scheme: WidthSchem
 
 
 def convention_scale(hidden: WidthMap) -> float:
-    """Power-of-two factor of the tied-embedding conventions (spec §2.5): ``2^round(log2(D/d))`` — 2 for the halving
-    schemes, 1 for a width-identity (depth-only) level. Powers of two keep ``×c`` / ``×1/c`` exact."""
+    """Power-of-two factor of the tied-embedding conventions (``official`` / ``exact``): ``2^round(log2(D/d))`` — 2
+    for the halving schemes, 1 for a width-identity (depth-only) level. Powers of two keep ``×c`` / ``×1/c`` exact."""
     return float(2.0 ** round(math.log2(hidden.large / hidden.small)))
 
 
@@ -418,7 +384,7 @@ class TensorRule:
             is ``((0, out_map, "out"), (1, in_map, "in"))``; an HF ``Conv1D`` weight (in × out) swaps the dims; an
             embedding table ``((1, hidden, "out"),)``; ``cls_token``/``pos_embed`` ``((-1, hidden, "out"),)``.
             Empty: copied unchanged.
-        scale: multiplies the coalesced tensor (de-coalescing divides first); a power of two (spec §2.5).
+        scale: multiplies the coalesced tensor (de-coalescing divides first); a power of two.
         layer: index of the block the tensor belongs to (depth step), or ``None``.
         template: the key with the layer index replaced by ``{}`` (``"h.{}.attn.c_attn.weight"``); tensors of
             different layers with the same template are averaged / copied by the depth step.
@@ -436,7 +402,7 @@ class TensorRule:
         return tuple(out)
 
 
-def _storage_key(t: Tensor) -> tuple:
+def _storage_key(t: Tensor) -> tuple[object, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
@@ -518,11 +484,11 @@ class VCyclePlan:
         if not layers and depth is not None and len(groups):
             raise ValueError("VCyclePlan: depth groups given but no rule has a layer index")
         small_shapes: dict[str, tuple[int, ...]] = {}
-        for k, shp in shapes.items():
+        for k, large_shape in shapes.items():
             r = rules[aliases.get(k, k)]
             if r.layer is not None and r.layer >= len(groups):
                 continue
-            small_shapes[k] = r.small_shape(shp)
+            small_shapes[k] = r.small_shape(large_shape)
         return cls(dict(rules), aliases, groups, {k: tuple(v) for k, v in shapes.items()}, small_shapes,
                    dict(info or {}))
 
@@ -553,7 +519,7 @@ def _state_dict(obj: Mapping[str, Tensor] | nn.Module, which: str) -> Mapping[st
 
 @torch.no_grad()
 def coalesce(model_or_state_dict: Mapping[str, Tensor] | nn.Module, plan: VCyclePlan) -> dict[str, Tensor]:
-    """Large → small (spec §2.3-§2.5; official ``mapper.py --opt C``): width maps F/S per axis and the rule's scale,
+    """Large → small (official ``mapper.py --opt C``): width maps F/S per axis and the rule's scale,
     then depth averaging (small layer ``i`` = mean of large layers ``plan.depth[i]``, parameter by parameter).
 
     Args:
@@ -591,7 +557,7 @@ def coalesce(model_or_state_dict: Mapping[str, Tensor] | nn.Module, plan: VCycle
 
 @torch.no_grad()
 def decoalesce(small_state_dict: Mapping[str, Tensor] | nn.Module, plan: VCyclePlan) -> dict[str, Tensor]:
-    """Small → large (spec §2.3-§2.5; official ``mapper.py --opt D``): depth copy (large layer ``s`` = copy of the
+    """Small → large (official ``mapper.py --opt D``): depth copy (large layer ``s`` = copy of the
     small layer whose group contains ``s``), then width maps T/H per axis with the rule's scale divided out.
 
     Returns:
@@ -627,7 +593,7 @@ def _check_alpha(alpha: object) -> float:
 @torch.no_grad()
 def interpolate(decoalesced: Mapping[str, Tensor] | nn.Module, saved_original: Mapping[str, Tensor] | nn.Module,
                 alpha_original: float) -> dict[str, Tensor]:
-    """``θ = (1 − alpha_original)·θ_decoalesced + alpha_original·θ_saved`` for every floating tensor (spec §2.6; the
+    """``θ = (1 − alpha_original)·θ_decoalesced + alpha_original·θ_saved`` for every floating tensor (the
     official ``interpolate(alpha)`` with one unambiguous orientation: ``alpha_original`` weights the snapshot taken
     before coalescing). Non-floating tensors are taken from ``decoalesced`` unchanged.
 
@@ -649,7 +615,7 @@ def interpolate(decoalesced: Mapping[str, Tensor] | nn.Module, saved_original: M
     wrong = {k: (tuple(da[k].shape), tuple(db[k].shape)) for k in da if da[k].shape != db[k].shape}
     if wrong:
         raise ValueError(f"interpolate: shape mismatch (decoalesced, saved_original): {wrong}")
-    done: dict[tuple, tuple[str, Tensor]] = {}
+    done: dict[tuple[object, ...], tuple[str, Tensor]] = {}
     out: dict[str, Tensor] = {}
     for k, x in da.items():
         sk = _storage_key(x)
@@ -676,6 +642,81 @@ def interpolate(decoalesced: Mapping[str, Tensor] | nn.Module, saved_original: M
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# model-level steps (what the callback does at a level change)
+
+
+def snapshot(model_or_state_dict: Mapping[str, Tensor] | nn.Module) -> dict[str, Tensor]:
+    """A CPU float32 copy of a state dict (floating tensors; other tensors copied as they are), tied tensors kept as one
+    shared tensor: the copy of a level's model taken before coalescing, for :func:`interpolate` on the way up."""
+    out: dict[str, Tensor] = {}
+    seen: dict[tuple[object, ...], Tensor] = {}
+    for k, t in _state_dict(model_or_state_dict, "snapshot").items():
+        key = _storage_key(t)
+        if key not in seen:
+            t = t.detach()
+            seen[key] = t.to("cpu", torch.float32, copy=True) if t.is_floating_point() else t.to("cpu", copy=True)
+        out[k] = seen[key]
+    return out
+
+
+def plan_levels(model: nn.Module, adapter: object, levels: int, width_scheme: WidthScheme | None = "half",
+                depth_scheme: DepthScheme | None = "adjacent", embedding_convention: str = "official"
+                ) -> list[VCyclePlan]:
+    """The plans of levels 1 → 2, ..., K−1 → K (``levels`` = K), from the full ``model``: ``adapter.plan`` on each
+    level's model, the intermediate small models built with ``adapter.build_small`` (global RNG untouched).
+
+    Raises:
+        ValueError: from the adapter: sizes a scheme cannot halve, unmapped parameters.
+    """
+    plans: list[VCyclePlan] = []
+    current = model
+    for k in range(1, levels):
+        plan = adapter.plan(current, width_scheme, depth_scheme, embedding_convention)  # type: ignore[attr-defined]
+        plans.append(plan)
+        if k < levels - 1:
+            with torch.random.fork_rng(devices=[]):
+                current = adapter.build_small(current, plan)  # type: ignore[attr-defined]
+    return plans
+
+
+def build_levels(model: nn.Module, adapter: object, plans: Sequence[VCyclePlan], level: int
+                 ) -> tuple[nn.Module, dict[int, nn.Module]]:
+    """Fresh models of levels 2..``level`` from the full ``model`` (random weights, global RNG untouched; resume
+    loads the checkpoint's weights into them): ``(model of level, {k: model of level k for k < level, on the CPU})``.
+    """
+    current, larger = model, {}
+    for k in range(1, level):
+        with torch.random.fork_rng(devices=[]):
+            small = adapter.build_small(current, plans[k - 1])  # type: ignore[attr-defined]
+        larger[k] = current.to("cpu")
+        current = small
+    return current, larger
+
+
+@torch.no_grad()
+def coalesce_model(model: nn.Module, plan: VCyclePlan, adapter: object) -> nn.Module:
+    """The small model of ``plan`` (``adapter.build_small``, global RNG untouched) holding ``coalesce(model, plan)``
+    (strict load; ties re-established by the adapter). ``model`` is not modified."""
+    with torch.random.fork_rng(devices=[]):
+        small: nn.Module = adapter.build_small(model, plan)  # type: ignore[attr-defined]
+    small.load_state_dict(coalesce(model, plan))
+    return small
+
+
+@torch.no_grad()
+def decoalesce_model(small: nn.Module, large: nn.Module, plan: VCyclePlan, saved_original: Mapping[str, Tensor],
+                     alpha_original: float) -> nn.Module:
+    """Load ``interpolate(decoalesce(small, plan), saved_original, alpha_original)`` into ``large`` (moved to the
+    device of ``small`` and set to its train / eval mode; its own tensors are replaced in place, so ties stay) and
+    return ``large``."""
+    merged = interpolate(decoalesce(small, plan), saved_original, alpha_original)
+    large = large.to(next(small.parameters()).device)
+    large.load_state_dict(merged)
+    large.train(small.training)
+    return large
+
+
 _LAYER_RE_CACHE: dict[str, re.Pattern[str]] = {}
 
 
@@ -688,5 +729,8 @@ def layer_key(key: str, prefix: str) -> tuple[int, str] | None:
     m = pat.match(key)
     if m is None:
         return None
-    esc = lambda s: s.replace("{", "{{").replace("}", "}}")  # noqa: E731
+
+    def esc(s: str) -> str:
+        return s.replace("{", "{{").replace("}", "}}")
+
     return int(m.group(1)), esc(prefix) + "{}." + esc(m.group(2))

@@ -1,10 +1,12 @@
-"""VCycleCallback: the whole V-cycle inside one ``trainer.fit`` (spec ``shared/specs/vcycle.md`` §4, §5, §7.1;
-acceptance tests 15-17)."""
+"""VCycleCallback: the whole V-cycle inside one ``trainer.fit``: level changes on GPT-2, BERT and ViT, learning rates,
+exact resume, stage lengths, FLOPs accounting, refused configurations, DDP."""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import warnings
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,21 +15,33 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_effi.models.vcycle_base import find_vcycle_adapter
 from lightning_effi.callbacks import VCycleCallback
-from lightning_effi.vcycle.callback import stage_plan, vcycle_flops_fraction
 from lightning_effi.core.flops import transformer_training_flops
-from lightning_effi.functional import vcycle as V
 from lightning_effi.core.lr_schedules import warmup_cosine, warmup_cosine_multiplier
+from lightning_effi.core.progress import Duration
+from lightning_effi.core.requirements import IncompatibleTechniques, Requirements
+from lightning_effi.functional import vcycle as V
+from lightning_effi.models.vcycle_base import find_vcycle_adapter
+from lightning_effi.random_ltd.callback import RandomLTDCallback
+from lightning_effi.vcycle.stages import stage_plan, vcycle_flops_fraction
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
-from tests.helpers.tiny import (TinyDataModule, TokenBlocks, tiny_bert_cls, tiny_bert_mlm, tiny_gpt2, tiny_image_data,
-                                tiny_lm_data, tiny_sentence_data, tiny_vit)
+from tests.helpers.tiny import (
+    TinyDataModule,
+    TokenBlocks,
+    tiny_bert_cls,
+    tiny_bert_mlm,
+    tiny_gpt2,
+    tiny_image_data,
+    tiny_lm_data,
+    tiny_sentence_data,
+    tiny_vit,
+)
 
 GPT4 = dict(n_layer=4, n_head=4)  # 3 levels: (4 layers, 32) -> (2, 16) -> (1, 8)
 
@@ -63,7 +77,7 @@ def run(callbacks, max_steps, model=None, **kw):
 def test_stage_plan_and_flops_fraction():
     assert stage_plan(2, 5, 50) == [(1, 5), (2, 50)]
     assert stage_plan(3, 2, 4, [3]) == [(1, 2), (2, 2), (3, 4), (2, 3)]
-    # acceptance test 17: official GPT-2 example, L12/768 -> L6/384, T 512, V 50257; 55K large + 50K small vs 100K
+    # official GPT-2 example: 12 layers x 768 -> 6 x 384, T 512, V 50257; 55K large + 50K small steps vs 100K
     big = transformer_training_flops(1, 512, 12, 768, None, 50257)
     small = transformer_training_flops(1, 512, 6, 384, None, 50257)
     assert vcycle_flops_fraction([(55_000, big), (50_000, small)], 100_000, big) == pytest.approx(0.671, abs=0.002)
@@ -97,7 +111,7 @@ def test_two_level_switch(tmp_path):
     assert model.model.lm_head.weight is model.model.transformer.wte.weight
     assert cb.snapshots == {} and cb.level == 1 and cb.switches == 2 and model.effi_num_layers == 2
     assert "on_load_checkpoint" not in vars(model)  # teardown removed the resume wrapper
-    # FLOPs (spec §5): 4 large + 3 small steps vs 7 large, batches (8, 16)
+    # FLOPs: 4 large + 3 small steps vs 7 large, batches (8, 16)
     c1 = transformer_training_flops(8, 16, 2, 32, None, 64)
     c2 = transformer_training_flops(8, 16, 1, 16, None, 64)
     summary = cb.effi_summary()
@@ -106,7 +120,7 @@ def test_two_level_switch(tmp_path):
 
 
 def test_baseline_steps_sets_the_accounting_baseline(tmp_path):
-    """A V-cycle of 7 steps (4 large, 3 small) against a 5-step baseline (spec §5): the saving may be negative."""
+    """A V-cycle of 7 steps (4 large, 3 small) against a 5-step baseline: the saving may be negative."""
     cb = VCycleCallback(e_a_steps=2, e_small_steps=3, baseline_steps=5)
     run([cb], 7, root=tmp_path)
     c1 = transformer_training_flops(8, 16, 2, 32, None, 64)
@@ -273,7 +287,7 @@ def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch
 # ------------------------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("kwargs, match", [
     (dict(levels=1, e_a_steps=1, e_small_steps=1), "levels must be an int >= 2"),
-    (dict(e_small_steps=1), "e_a_steps .* is required"),
+    (dict(e_small_steps=1), "e_a is required"),
     (dict(e_a_steps=1, e_a_fraction=0.1, e_small_steps=1), "not e_a_steps and e_a_fraction"),
     (dict(e_a_steps=1, e_small_steps=1, e_small_epochs=1), "not e_small_steps and e_small_epochs"),
     (dict(e_a_epochs=0, e_small_steps=1), "e_a_epochs must be an int >= 1"),
@@ -281,7 +295,7 @@ def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch
     (dict(levels=3, e_a_epochs=1, e_small_epochs=1, up_leg_epochs=[1, 1]), "up_leg_epochs must be .* list of 1"),
     (dict(e_a_epochs=1, e_small_epochs=1, up_leg_epochs=1), "levels >= 3 only"),
     (dict(e_a_steps=0, e_small_steps=1), "e_a_steps must be an int >= 1"),
-    (dict(levels=3, e_a_steps=1, e_small_steps=1), "requires up_leg_steps"),
+    (dict(levels=3, e_a_steps=1, e_small_steps=1), "requires up_leg"),
     (dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[1, 2]), "list of 1 ints"),
     (dict(e_a_steps=1, e_small_steps=1, up_leg_steps=1), "levels >= 3 only"),
     (dict(e_a_steps=1, e_small_steps=1, alpha_original=1.5), "alpha_original must be in"),
@@ -297,9 +311,114 @@ def test_bad_arguments(kwargs, match):
         VCycleCallback(**kwargs)
 
 
+# ------------------------------------------------------------------------------------------------------ durations
+def _fake_trainer(**kw):
+    return SimpleNamespace(**{"strategy": make_trainer(Path("."), []).strategy, "callbacks": [], "max_steps": -1,
+                              "num_training_batches": 5, "accumulate_grad_batches": 1,
+                              "estimated_stepping_batches": 20, **kw})
+
+
+@pytest.mark.parametrize("new, old, max_steps, ends", [
+    (dict(e_a=2, e_small=3), dict(e_a_steps=2, e_small_steps=3), 10, [2, 5]),
+    (dict(e_a="2st", e_small="3st"), dict(e_a_steps=2, e_small_steps=3), 10, [2, 5]),
+    (dict(e_a="0.3dur", e_small="0.5dur"), dict(e_a_fraction=0.3, e_small_fraction=0.5), 7, [2, 5]),
+    (dict(e_a="0.01dur", e_small="0dur"), dict(e_a_fraction=0.01, e_small_fraction=0.0), 7, [1, 1]),
+    (dict(e_a="1ep", e_small="2ep"), dict(e_a_epochs=1, e_small_epochs=2), -1, [5, 15]),  # 5 steps per epoch
+    (dict(levels=3, e_a=1, e_small="1ep", up_leg=["0.25dur"]),
+     dict(levels=3, e_a_steps=1, e_small_epochs=1, up_leg_fraction=0.25), -1, [1, 2, 7, 12]),
+    (dict(levels=3, e_a=1, e_small=1, up_leg=[3]), dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[3]), 9,
+     [1, 2, 3, 6]),
+])
+def test_duration_lengths_resolve_like_the_old_spelling(new, old, max_steps, ends):
+    """Each unit of the new ``e_a`` / ``e_small`` / ``up_leg`` gives the stages of its deprecated spelling, in
+    ``setup`` (``max_steps`` set) or at train start (epochs, or a run bounded by epochs: 20 steps, 5 per epoch)."""
+    levels = new.get("levels", 2)
+    model = lambda: tiny_gpt2(**(GPT4 if levels == 3 else {}))  # noqa: E731
+    with pytest.warns(DeprecationWarning):
+        callbacks = [VCycleCallback(**new), VCycleCallback(**old)]
+    for cb in callbacks:
+        cb.setup(_fake_trainer(max_steps=max_steps), model(), "fit")
+        cb.on_train_start(_fake_trainer(max_steps=max_steps, global_step=0), None)
+        assert cb.stage_ends == ends
+    assert callbacks[0].config() == callbacks[1].config()
+
+
+def test_new_spelling_in_a_run(tmp_path):
+    """Three levels with every unit: e_a in epochs, e_small in steps, up_leg as a list of one fraction (6 epochs of 2
+    batches = 12 steps)."""
+    cb = VCycleCallback(levels=3, e_a="1ep", e_small="2st", up_leg=["0.25dur"])
+    pl.seed_everything(0)
+    trainer = make_trainer(tmp_path, [cb], max_epochs=6, limit_train_batches=2)
+    trainer.fit(tiny_gpt2(**GPT4), datamodule=tiny_lm_data())
+    assert cb.stages == [(1, 2), (2, 2), (3, 2), (2, 3)] and cb.stage_ends == [2, 4, 6, 9]
+    assert cb.switches == 4 and cb.level == 1 and trainer.global_step == 12
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(e_a=0.05, e_small=1), r"VCycleCallback\.e_a must be an int \(optimizer steps\) or a string"),
+    (dict(e_a=1, e_small=0.5), r"VCycleCallback\.e_small must be an int"),
+    (dict(levels=3, e_a=1, e_small=1, up_leg=[0.1]), r"VCycleCallback\.up_leg\[0\] must be an int"),
+    (dict(e_a=2, e_a_steps=2, e_small=1), r"give one of e_a, e_a_steps, e_a_fraction or e_a_epochs, not e_a and "
+                                          r"e_a_steps"),
+    (dict(e_a=2, e_small="0.5dur", e_small_fraction=0.5), r"not e_small and e_small_fraction"),
+    (dict(levels=3, e_a=1, e_small=1, up_leg=[2], up_leg_steps=[2]), r"not up_leg and up_leg_steps"),
+    (dict(e_a=1, e_small=1, e_small_step=1), r"unexpected keyword arguments \['e_small_step'\]"),
+])
+def test_new_spelling_refused(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        VCycleCallback(**kwargs)
+
+
+def test_old_spelling_warns_with_its_replacement():
+    with pytest.warns(DeprecationWarning, match=r"e_a_steps is deprecated .*use e_a=5") as record:
+        VCycleCallback(e_a_steps=5, e_small="0.5dur")
+    assert len(record) == 1 and record[0].filename == __file__  # the warning points at the caller
+    with pytest.warns(DeprecationWarning, match=r"up_leg_fraction is deprecated .*use up_leg='0.1dur'"):
+        VCycleCallback(levels=3, e_a=1, e_small=1, up_leg_fraction=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        VCycleCallback(levels=3, e_a="1ep", e_small="0.5dur", up_leg=["500st"])  # the new spelling does not warn
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(e_a=2, e_small=3),
+    dict(levels=3, e_a="1ep", e_small=Duration(0.5, "fraction"), up_leg=["0.1dur"], width_scheme=[[0, 1], [2, 3]],
+         depth_scheme="half", alpha_original=0.25, lr_multiplier={2: 4.0, 3: 2}, embedding_convention="exact",
+         model_attr="net", adapter="hf_gpt2", lr_schedule="restart", strict=False, baseline_steps=100),
+    dict(levels=4, e_a="0.05dur", e_small=7, up_leg="2ep", depth_scheme=None),
+])
+def test_repr_evaluates_to_an_equal_callback(kwargs):
+    cb = VCycleCallback(**kwargs)
+    again = eval(repr(cb), {"VCycleCallback": VCycleCallback, "Duration": Duration})
+    assert repr(again) == repr(cb) and again.config() == cb.config()
+    assert (again.e_a, again.e_small, again.up_leg) == (cb.e_a, cb.e_small, cb.up_leg)
+    for name in ("levels", "alpha_original", "lr_multiplier", "model_attr", "adapter_arg", "lr_schedule", "strict",
+                 "baseline_steps", "width_scheme", "depth_scheme", "embedding_convention"):
+        assert getattr(again, name) == getattr(cb, name), name
+    with pytest.warns(DeprecationWarning):
+        old = VCycleCallback(e_a_fraction=0.05, e_small_steps=3)
+    assert repr(old).startswith("VCycleCallback(levels=2, e_a=Duration(value=0.05, unit='fraction'), "
+                                "e_small=Duration(value=3, unit='step'), up_leg=None,")
+
+
+def test_checkpoint_of_the_old_spelling_resumes_with_the_new(tmp_path):
+    """The checkpoint format does not depend on the spelling: a run written with ``e_a_steps`` / ``e_small_steps``
+    resumes inside its small stage with ``e_a`` / ``e_small`` (strict: a configuration mismatch would raise)."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}",
+                           save_on_train_epoch_end=False)
+    with pytest.warns(DeprecationWarning):
+        old = VCycleCallback(e_a_steps=2, e_small_steps=3)
+    run([old, ckpt], 7, root=tmp_path / "a")
+    new = VCycleCallback(e_a=2, e_small=3)
+    assert new.state_key == old.state_key
+    trainer = make_trainer(tmp_path / "b", [new], max_steps=7, max_epochs=-1)
+    trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data(), ckpt_path=tmp_path / "ckpts" / "step=3.ckpt")
+    assert trainer.global_step == 7 and new.switches == 2 and new.level == 1
+
+
 def test_stages_must_fit(tmp_path):
     trainer = make_trainer(tmp_path, [VCycleCallback(e_a_steps=2, e_small_steps=3)], max_steps=4, max_epochs=-1)
-    with pytest.raises(ValueError, match=r"need 5 optimizer steps .*e_small_steps = 3.* run has 4.*max_steps"):
+    with pytest.raises(ValueError, match=r"need 5 optimizer steps .*e_small = 3.* run has 4.*max_steps"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
 
 
@@ -321,12 +440,55 @@ def test_unknown_architecture_and_odd_sizes():
 
 def test_unsupported_strategy_and_callbacks(tmp_path):
     fake = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[], max_steps=10)
-    with pytest.raises(MisconfigurationException, match="single-device and DDP.*FSDPStrategy"):
+    with pytest.raises(MisconfigurationException, match="supports the strategies .*not FSDPStrategy"):
         VCycleCallback(e_a_steps=1, e_small_steps=1).setup(fake, tiny_gpt2(), "fit")
     trainer = make_trainer(tmp_path, [VCycleCallback(e_a_steps=1, e_small_steps=1),
                                       StochasticWeightAveraging(swa_lrs=0.01)], max_steps=4, max_epochs=-1)
     with pytest.raises(MisconfigurationException, match="StochasticWeightAveraging"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+
+
+def test_requirements_refuse_deepspeed_weight_averaging_and_layer_patching():
+    """The strategies are matched by exact class name: DeepSpeed (a DDPStrategy subclass) is refused; weight averaging
+    callbacks and techniques that patch layers (random-LTD) are refused by ``check_trainer``."""
+    assert issubclass(DeepSpeedStrategy, DDPStrategy)
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # constructing one needs the deepspeed package
+    fake = SimpleNamespace(strategy=deepspeed, callbacks=[], max_steps=10)
+    with pytest.raises(IncompatibleTechniques, match="not DeepSpeedStrategy. Use strategy='auto'.*one fit per stage"):
+        VCycleCallback(e_a=1, e_small=1).setup(fake, tiny_gpt2(), "fit")
+    single = make_trainer(Path("."), []).strategy
+    for other in (StochasticWeightAveraging(swa_lrs=0.01), WeightAveraging()):
+        fake = SimpleNamespace(strategy=single, callbacks=[other], max_steps=10)
+        with pytest.raises(IncompatibleTechniques, match=f"cannot run with {type(other).__name__}: its averaged"):
+            VCycleCallback(e_a=1, e_small=1).setup(fake, tiny_gpt2(), "fit")
+
+    class PatchesLayers(Callback):
+        requirements = Requirements(patches_layers=True)
+
+    cb = VCycleCallback(e_a=1, e_small=1)
+    fake = SimpleNamespace(strategy=single, callbacks=[cb, PatchesLayers()], max_steps=10)
+    with pytest.raises(IncompatibleTechniques, match=r"VCycleCallback and PatchesLayers cannot be combined \(layer "
+                                                     r"patching across shape changes\)"):
+        cb.setup(fake, tiny_gpt2(), "fit")
+
+
+def test_random_ltd_refused(tmp_path):
+    """Random-LTD patches the layers of one model (``patches_layers``): the conflict rule refuses it."""
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a=1, e_small=1), RandomLTDCallback(require_steps=2)],
+                           max_steps=4, max_epochs=-1)
+    with pytest.raises(IncompatibleTechniques, match="RandomLTDCallback.*layer patching across shape changes"):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+
+
+def test_metadata_json_matches_the_class():
+    root = Path(__file__).resolve().parents[2]
+    meta = json.loads((root / "lightning_effi" / "vcycle" / "metadata.json").read_text())
+    infobatch = json.loads((root / "lightning_effi" / "infobatch" / "metadata.json").read_text())
+    assert list(meta) == list(infobatch)
+    assert meta["requirements"] == json.loads(json.dumps(VCycleCallback.requirements.as_dict()))
+    assert meta["class_name"] == "VCycleCallback" and meta["card"] == "lightning_effi/vcycle/README.md"
+    assert (root / meta["card"]).is_file() and (root / meta["hydra"]).is_file()
+    assert importlib.import_module(meta["functional"]) is V
 
 
 def test_stages_must_fit_an_epoch_based_run(tmp_path):
@@ -390,7 +552,7 @@ def test_epoch_stages_must_fit_and_need_a_length(tmp_path):
     data.train_dataloader = lambda: torch.utils.data.DataLoader(NoLength(), batch_size=8)
     trainer = make_trainer(tmp_path / "b", [VCycleCallback(e_a_epochs=1, e_small_steps=2)], max_steps=10,
                            max_epochs=-1)
-    with pytest.raises(ValueError, match="_epochs stage lengths need a train dataloader with a length"):
+    with pytest.raises(ValueError, match="in epochs .*need a train dataloader with a length"):
         trainer.fit(tiny_gpt2(), datamodule=data)
 
 

@@ -1,4 +1,6 @@
-"""Coalesce / de-coalesce / interpolate on GPT-2, BERT and timm ViT/DeiT (spec §2-§3, acceptance tests 2-12)."""
+"""Coalesce / de-coalesce / interpolate on GPT-2, BERT and timm ViT/DeiT: round trips, function preservation, tied
+weights, embedding conventions, odd sizes and unmapped parameters (expected values as in the official
+``map_tools/testbench.py``), and the model-level steps the callback uses."""
 
 from __future__ import annotations
 
@@ -8,13 +10,13 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_effi.functional import vcycle as V
 from lightning_effi.models.vcycle_base import (
     HFBertVCycleAdapter,
     HFGPT2VCycleAdapter,
     TimmViTVCycleAdapter,
     find_vcycle_adapter,
 )
-from lightning_effi.functional import vcycle as V
 from tests.vcycle import models as M
 
 ALL = list(M.MODELS)
@@ -273,7 +275,7 @@ def test_small_model_halves_config_and_loads_strictly(name):
 
 
 def test_non_embedding_parameter_count_ratio():
-    # acceptance geometry (hidden 64): width-only ≈ 1/4, width + depth ≈ 1/8 of the non-embedding parameters
+    # hidden 64: width-only ≈ 1/4, width + depth ≈ 1/8 of the non-embedding parameters
     m = M.gpt2(n_embd=64, n_head=4)
     ad = find_vcycle_adapter(m)
 
@@ -473,3 +475,34 @@ def test_plan_create_validates_rules():
              "l.1.b": V.TensorRule((), 1.0, 1, "l.{}.b")}
     with pytest.raises(ValueError, match=r"different parameter sets.*'l.\{\}.b': \[0\]"):
         V.VCyclePlan.create({"l.0.w": (1,), "l.1.w": (1,), "l.1.b": (1,)}, rules)
+
+
+def test_model_level_steps():
+    """The steps the callback takes at a level change, on models: a CPU fp32 snapshot with ties kept, the plans of
+    every level, coalescing into a fresh small model, de-coalescing + interpolation back into the large one, and the
+    fresh models of a level (resume); the global RNG is untouched."""
+    m = M.model("gpt2_tied")
+    ad = find_vcycle_adapter(m)
+    before = copy.deepcopy(m.state_dict())
+    saved = V.snapshot(m)
+    assert saved["lm_head.weight"] is saved["transformer.wte.weight"]
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in saved.values() if t.is_floating_point())
+    assert V.snapshot(m.half())["transformer.wte.weight"].dtype == torch.float32
+    m.float().load_state_dict(before)
+    rng = torch.random.get_rng_state()
+    plans = V.plan_levels(m, ad, 3)
+    assert [p.num_layers for p in plans] == [(4, 2), (2, 1)] and torch.equal(rng, torch.random.get_rng_state())
+    small = V.coalesce_model(m, plans[0], ad)
+    assert torch.equal(rng, torch.random.get_rng_state())
+    for k, v in V.coalesce(m, plans[0]).items():
+        assert torch.equal(small.state_dict()[k], v), k
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())  # the large model is not modified
+    large, parked = V.build_levels(m, ad, plans, 3)  # fresh models of levels 2 and 3
+    assert large.config.n_layer == 1 and sorted(parked) == [1, 2] and parked[1] is m
+    assert parked[2].config.n_layer == 2 and torch.equal(rng, torch.random.get_rng_state())
+    small.train()
+    back = V.decoalesce_model(small, m, plans[0], saved, 0.25)
+    assert back is m and back.training and back.lm_head.weight is back.transformer.wte.weight
+    expected = V.interpolate(V.decoalesce(small, plans[0]), saved, 0.25)
+    for k, v in expected.items():
+        assert torch.equal(back.state_dict()[k], v), k

@@ -1,0 +1,367 @@
+"""The V-cycle's stage arithmetic, without Lightning: the checks of :class:`~lightning_effi.vcycle.VCycleCallback`'s
+arguments, the stage list, the stage lengths (:class:`~lightning_effi.core.progress.Duration`) resolved into optimizer
+steps, the check that the stages fit the run, the FLOPs fraction of a planned cycle, and the learning-rate changes at
+a level change.
+
+The schedule and its parameters are described in the method card, ``README.md`` beside this file.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from lightning_effi.core.checks import check_bool, check_choice, check_int, is_int, is_real, plain
+from lightning_effi.core.progress import Duration
+from lightning_effi.vcycle.operators import EMBEDDING_CONVENTIONS
+
+__all__ = ["DEPRECATED_LENGTHS", "LENGTHS", "VCycleArgs", "advance_schedulers", "baseline_flops", "check_arguments",
+           "resolve_stages", "run_length", "scale_learning_rates", "stage_ends", "stage_plan", "steps_per_epoch",
+           "up_leg_lengths", "vcycle_flops_fraction"]
+
+#: The stage lengths: every down-leg stage (the paper's E_a), the coarsest level (E_small), the up-leg stages.
+LENGTHS = ("e_a", "e_small", "up_leg")
+#: Deprecated keyword arguments (one release): ``name -> (replacement, the Duration unit it maps to)``.
+DEPRECATED_LENGTHS: dict[str, tuple[str, str]] = {
+    f"{key}_{kind}": (key, unit) for key in LENGTHS
+    for kind, unit in (("steps", "step"), ("fraction", "fraction"), ("epochs", "epoch"))
+}
+#: ``up_leg``: one length for every up-leg stage, or one per level ``(level 2, level 3, ...)``.
+UpLeg = Union[Duration, tuple[Duration, ...], None]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the cycle
+
+
+def stage_plan(levels: int, e_a: int, e_small: int, up_leg: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """The V-cycle's non-final stages as ``(level, steps)`` (Zou et al., ICLR 2024): ``e_a`` steps
+    on each of the levels 1..K−1, ``e_small`` on level K, then ``up_leg[i]`` steps on level ``i + 2`` going up. The
+    final stage (level 1, the rest of the run) is not listed.
+
+    >>> stage_plan(3, 2, 4, [3])
+    [(1, 2), (2, 2), (3, 4), (2, 3)]
+    """
+    down = [(k, e_a) for k in range(1, levels)]
+    up = [(k, up_leg[k - 2]) for k in range(levels - 1, 1, -1)]
+    return [*down, (levels, e_small), *up]
+
+
+def stage_ends(stages: Sequence[tuple[int, int]]) -> list[int]:
+    """The optimizer step at which each stage ends (cumulative lengths).
+
+    >>> stage_ends([(1, 2), (2, 2), (3, 4), (2, 3)])
+    [2, 4, 8, 11]
+    """
+    ends, acc = [], 0
+    for _, steps in stages:
+        acc += int(steps)
+        ends.append(acc)
+    return ends
+
+
+def vcycle_flops_fraction(stages: Sequence[tuple[int, float]], baseline_steps: int, baseline_cost: float) -> float:
+    """``Σ steps_s · C_s / (baseline_steps · C_1)``: the V-cycle's training FLOPs as a fraction of the baseline's
+    (``stages`` = ``(steps, per-step cost)``; the saving is ``1 −`` this). For the official GPT-2 example (55K steps
+    of 12 × 768 and 50K of 6 × 384 against 100K) it is 0.671.
+
+    Raises:
+        ValueError: ``baseline_steps`` or ``baseline_cost`` not > 0.
+    """
+    if baseline_steps <= 0 or baseline_cost <= 0:
+        raise ValueError("vcycle_flops_fraction: baseline_steps and baseline_cost must be > 0")
+    return sum(s * c for s, c in stages) / (baseline_steps * baseline_cost)
+
+
+def baseline_flops(full_model_flops: float, flops_steps: int, baseline_steps: int | None = None) -> float:
+    """Training FLOPs of the baseline the saving is measured against: ``full_model_flops`` (the full model on the
+    run's own batches, ``flops_steps`` optimizer steps) or, with ``baseline_steps``, its mean per step times
+    ``baseline_steps`` (0 before any step)."""
+    if baseline_steps is None:
+        return full_model_flops
+    return full_model_flops / flops_steps * baseline_steps if flops_steps else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# arguments
+
+
+@dataclass(frozen=True)
+class VCycleArgs:
+    """The checked constructor arguments of :class:`~lightning_effi.vcycle.VCycleCallback` (see
+    :func:`check_arguments`); ``alpha_original=None`` means the adapter's default."""
+
+    levels: int
+    e_a: Duration
+    e_small: Duration
+    up_leg: UpLeg
+    width_scheme: Any
+    depth_scheme: Any
+    alpha_original: float | None
+    lr_multiplier: dict[int, float]
+    embedding_convention: str
+    lr_schedule: str
+    model_attr: str
+    strict: bool
+    baseline_steps: int | None
+
+
+def _duration(owner: str, key: str, value: Any) -> Duration:
+    """A new-style stage length: steps or epochs >= 1, or a fraction of the run in [0, 1]."""
+    d = Duration.parse(value, f"{owner}.{key}")
+    if d.unit == "token":
+        raise ValueError(f"{owner}.{key}: a stage length in tokens is not supported (stages end at optimizer steps); "
+                         f"give steps, epochs ('2ep') or a fraction of the run ('0.05dur'), got {value!r}")
+    if d.unit in ("step", "epoch") and d.value < 1:
+        raise ValueError(f"{owner}.{key} must be at least 1 {d.unit}, got {value!r}")
+    return d
+
+
+def _new_length(owner: str, key: str, value: Any, levels: int) -> Duration | tuple[Duration, ...]:
+    if key == "up_leg" and isinstance(value, list):
+        if len(value) != levels - 2:
+            raise ValueError(f"{owner}.up_leg must be one duration or a list of {levels - 2} (levels 2..{levels - 1}),"
+                             f" got {value!r}")
+        return tuple(_duration(owner, f"up_leg[{i}]", v) for i, v in enumerate(value))
+    return _duration(owner, key, value)
+
+
+def _old_length(owner: str, name: str, value: Any, levels: int) -> Duration | tuple[Duration, ...]:
+    """A deprecated ``*_steps`` / ``*_fraction`` / ``*_epochs`` value as the same Duration (checks as before)."""
+    key, unit = DEPRECATED_LENGTHS[name]
+    if unit == "fraction":
+        if not (is_real(value) and 0 <= value <= 1):
+            raise ValueError(f"{owner}.{name} must be a number in [0, 1], got {value!r}")
+        return Duration(float(value), "fraction")
+    if key == "up_leg" and isinstance(value, list):
+        if len(value) != levels - 2 or not all(is_int(s) and s >= 1 for s in value):
+            raise ValueError(f"{owner}.{name} must be one int >= 1 or a list of {levels - 2} ints >= 1 (levels "
+                             f"2..{levels - 1}), got {value!r}")
+        return tuple(Duration(int(s), unit) for s in value)  # type: ignore[arg-type]
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{owner}.{name} must be an int >= 1, got {value!r}")
+    return Duration(int(value), unit)  # type: ignore[arg-type]
+
+
+def _spelled(length: Duration | tuple[Duration, ...]) -> Any:
+    """How the new argument writes ``length`` (for the deprecation message)."""
+    if isinstance(length, tuple):
+        return [_spelled(d) for d in length]
+    if length.unit == "step":
+        return int(length.value)
+    return f"{int(length.value)}ep" if length.unit == "epoch" else f"{float(length.value)!r}dur"
+
+
+def _length(owner: str, key: str, new: Any, deprecated: Mapping[str, Any], levels: int, stacklevel: int
+            ) -> Duration | tuple[Duration, ...] | None:
+    """The one length given for ``key``: the new argument or one deprecated spelling (which warns)."""
+    olds = [f"{key}_{kind}" for kind in ("steps", "fraction", "epochs")]
+    given = ([key] if new is not None else []) + [n for n in olds if deprecated.get(n) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{owner}: give one of {key}, {', '.join(olds[:2])} or {olds[2]}, not {' and '.join(given)}")
+    if not given:
+        return None
+    if new is not None:
+        return _new_length(owner, key, plain(new), levels)
+    name = given[0]
+    length = _old_length(owner, name, plain(deprecated[name]), levels)
+    warnings.warn(f"{owner}: {name} is deprecated and will be removed in the next release; use "
+                  f"{key}={_spelled(length)!r}", DeprecationWarning, stacklevel=stacklevel + 1)
+    return length
+
+
+def check_arguments(
+    owner: str = "VCycleCallback",
+    *,
+    levels: Any = 2,
+    e_a: Any = None,
+    e_small: Any = None,
+    up_leg: Any = None,
+    width_scheme: Any = "half",
+    depth_scheme: Any = "adjacent",
+    alpha_original: Any = None,
+    lr_multiplier: Any = None,
+    embedding_convention: Any = "official",
+    lr_schedule: Any = "continue",
+    model_attr: Any = "model",
+    strict: Any = True,
+    baseline_steps: Any = None,
+    deprecated: Mapping[str, Any] | None = None,
+    stacklevel: int = 2,
+) -> VCycleArgs:
+    """Check and normalise the V-cycle's arguments (see :class:`~lightning_effi.vcycle.VCycleCallback`).
+
+    ``e_a``, ``e_small`` and ``up_leg`` are anything :meth:`Duration.parse` reads (int = optimizer steps, ``"2ep"``,
+    ``"0.05dur"``, ``"500st"``); steps and epochs are >= 1, fractions in [0, 1]; ``up_leg`` may be a list ordered by
+    level. ``deprecated`` holds the old ``*_steps`` / ``*_fraction`` / ``*_epochs`` keywords (None = not given):
+    each maps to the same Duration and emits a ``DeprecationWarning`` (``stacklevel`` as if ``warnings.warn`` were
+    called here: 2 points at the caller).
+
+    Raises:
+        ValueError: naming the argument: a wrong type or range, a missing ``e_a`` / ``e_small``, two spellings of one
+            length, ``levels >= 3`` without ``up_leg`` (the paper gives no length for it) or ``up_leg`` with
+            ``levels = 2``, a float or a token count as a length.
+    """
+    deprecated = {k: v for k, v in (deprecated or {}).items() if v is not None}
+    unknown = sorted(set(deprecated) - set(DEPRECATED_LENGTHS))
+    if unknown:
+        raise TypeError(f"{owner}: unexpected keyword arguments {unknown}")
+    levels = check_int(owner, "levels", levels, minimum=2)
+    lengths: dict[str, Any] = {}
+    for key, new in (("e_a", e_a), ("e_small", e_small)):
+        lengths[key] = _length(owner, key, new, deprecated, levels, stacklevel)
+        if lengths[key] is None:
+            raise ValueError(f"{owner}: {key} is required (an int of optimizer steps, '2ep' or '0.05dur'; formerly "
+                             f"{key}_steps / {key}_fraction / {key}_epochs)")
+    up_given = up_leg is not None or any(f"up_leg_{kind}" in deprecated for kind in ("steps", "fraction", "epochs"))
+    if levels >= 3:
+        if not up_given:
+            raise ValueError(f"{owner}: levels={levels} requires up_leg (or the deprecated up_leg_steps / "
+                             "up_leg_fraction / up_leg_epochs): the paper does not give the length of the intermediate "
+                             "up-leg stages")
+        lengths["up_leg"] = _length(owner, "up_leg", up_leg, deprecated, levels, stacklevel)
+    elif up_given:
+        raise ValueError(f"{owner}: up_leg (or up_leg_steps / up_leg_fraction / up_leg_epochs) applies to levels >= 3 "
+                         f"only (levels={levels})")
+    if alpha_original is not None and not (is_real(alpha_original) and 0.0 <= float(alpha_original) <= 1.0):
+        raise ValueError(f"{owner}.alpha_original must be in [0, 1] (None = the adapter's default), got "
+                         f"{alpha_original!r}")
+    mult: dict[int, float] = {}
+    for k, v in dict(plain(lr_multiplier) or {}).items():
+        try:
+            level = int(k)
+        except (TypeError, ValueError):
+            level = -1
+        if not 1 <= level <= levels or str(level) != str(k).strip():
+            raise ValueError(f"{owner}.lr_multiplier: keys must be levels in 1..{levels}, got {k!r}")
+        if not is_real(v) or v <= 0:
+            raise ValueError(f"{owner}.lr_multiplier[{level}] must be a number > 0, got {v!r}")
+        mult[level] = float(v)
+    check_choice(owner, "embedding_convention", embedding_convention, EMBEDDING_CONVENTIONS)
+    check_choice(owner, "lr_schedule", lr_schedule, ("continue", "restart"))
+    if not isinstance(model_attr, str) or not model_attr.isidentifier():
+        raise ValueError(f"{owner}.model_attr must be an attribute name, got {model_attr!r}")
+    if baseline_steps is not None and (not is_int(baseline_steps) or baseline_steps < 1):
+        raise ValueError(f"{owner}.baseline_steps must be an int >= 1 or None (a baseline as long as this run), "
+                         f"got {baseline_steps!r}")
+    return VCycleArgs(
+        levels=levels, e_a=lengths["e_a"], e_small=lengths["e_small"], up_leg=lengths.get("up_leg"),
+        width_scheme=plain(width_scheme), depth_scheme=plain(depth_scheme),
+        alpha_original=None if alpha_original is None else float(alpha_original), lr_multiplier=mult,
+        embedding_convention=embedding_convention, lr_schedule=lr_schedule, model_attr=model_attr,
+        strict=check_bool(owner, "strict", strict),
+        baseline_steps=None if baseline_steps is None else int(baseline_steps),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# resolution into optimizer steps
+
+
+def up_leg_lengths(levels: int, up_leg: UpLeg) -> list[Duration]:
+    """The length of each up-leg stage, ordered by level ``[level 2, ..., level K−1]`` (empty for K = 2)."""
+    if levels < 3 or up_leg is None:
+        return []
+    return list(up_leg) if isinstance(up_leg, tuple) else [up_leg] * (levels - 2)
+
+
+def run_length(max_steps: int | None, estimated_steps: float | None = None) -> int | None:
+    """Optimizer steps of the run: ``max_steps`` when set (> 0), else ``estimated_steps`` (Lightning's
+    ``estimated_stepping_batches``) when finite and > 0, else None (unknown)."""
+    if max_steps is not None and max_steps > 0:
+        return int(max_steps)
+    if estimated_steps is None or not math.isfinite(estimated_steps) or estimated_steps <= 0:
+        return None
+    return int(estimated_steps)
+
+
+def steps_per_epoch(num_training_batches: float, accumulate_grad_batches: int, owner: str = "VCycleCallback") -> int:
+    """Optimizer steps of one epoch: ``ceil(num_training_batches / accumulate_grad_batches)``, as Lightning's
+    ``estimated_stepping_batches`` counts them (``limit_train_batches`` applies).
+
+    Raises:
+        ValueError: the number of batches is not finite and > 0 (a train dataloader without a length).
+    """
+    if not math.isfinite(num_training_batches) or num_training_batches <= 0:
+        raise ValueError(f"{owner}: stage lengths in epochs ('1ep', e_a_epochs, ...) need a train dataloader with a "
+                         f"length (trainer.num_training_batches = {num_training_batches}); give them in steps instead")
+    return math.ceil(int(num_training_batches) / max(1, int(accumulate_grad_batches)))
+
+
+def resolve_stages(levels: int, e_a: Duration, e_small: Duration, up_leg: UpLeg, total_steps: int | None,
+                   num_training_batches: float | None = None, accumulate_grad_batches: int = 1,
+                   owner: str = "VCycleCallback") -> list[tuple[int, int]]:
+    """The non-final stages ``(level, optimizer steps)`` of a run of ``total_steps`` (None: unknown).
+
+    Steps are taken as given, ``n`` epochs are ``n · steps_per_epoch(num_training_batches, accumulate_grad_batches)``
+    (so a switch falls on an epoch boundary) and a fraction ``f`` is ``floor(f · total_steps)`` (``e_a`` at least 1).
+
+    Raises:
+        ValueError: fractions in a run of unknown length, epochs without a finite number of batches, or stages that
+            need more than ``total_steps`` optimizer steps.
+    """
+    ups = up_leg_lengths(levels, up_leg)
+    units = {d.unit for d in (e_a, e_small, *ups)}
+    if total_steps is None and "fraction" in units:
+        raise ValueError(f"{owner}: the run's length is unknown (max_steps=-1 and max_epochs=-1, or a train dataloader "
+                         "without a length), so stage lengths given as fractions of the run ('0.05dur', *_fraction) "
+                         "cannot resolve; set trainer.max_steps or give the stage lengths in steps or epochs ('2ep')")
+    spe = None
+    if "epoch" in units:
+        spe = steps_per_epoch(num_training_batches if num_training_batches is not None else math.inf,
+                              accumulate_grad_batches, owner)
+
+    def steps(d: Duration, at_least: int) -> int:
+        n = d.to_steps(steps_per_epoch=spe, total_steps=total_steps)
+        return max(at_least, n) if d.unit == "fraction" else n
+
+    a, small, up = steps(e_a, 1), steps(e_small, 0), [steps(d, 0) for d in ups]
+    stages = stage_plan(levels, a, small, up)
+    need = sum(s for _, s in stages)
+    if total_steps is not None and need > total_steps:
+        detail = f"e_a × (levels − 1) = {a} × {levels - 1}, e_small = {small}"
+        if up:
+            detail += f", up_leg = {up}"
+        if spe is not None:
+            detail += f"; {spe} optimizer steps per epoch"
+        raise ValueError(f"{owner}: the V-cycle's stages need {need} optimizer steps ({detail}) but the run has "
+                         f"{total_steps} (trainer.max_steps or the epochs' optimizer steps); lower e_a / e_small / "
+                         "up_leg or raise trainer.max_steps / max_epochs")
+    return stages
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# learning rate at a level change
+
+
+def scale_learning_rates(optimizers: Sequence[Any], scheduler_configs: Sequence[Any], factor: float) -> None:
+    """Multiply the peak learning rate of freshly built optimizers by ``factor`` (a level's ``lr_multiplier``): the
+    param groups' ``lr`` and ``initial_lr`` and the schedulers' ``base_lrs`` (so a ``LambdaLR`` scales its whole
+    curve). ``scheduler_configs``: objects with a ``scheduler`` (Lightning's ``LRSchedulerConfig``)."""
+    if factor == 1.0:
+        return
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * factor
+            if "initial_lr" in group:
+                group["initial_lr"] = group["initial_lr"] * factor
+    for cfg in scheduler_configs:
+        if hasattr(cfg.scheduler, "base_lrs"):
+            cfg.scheduler.base_lrs = [b * factor for b in cfg.scheduler.base_lrs]
+
+
+def advance_schedulers(scheduler_configs: Sequence[Any], global_step: int, current_epoch: int) -> None:
+    """Step freshly built schedulers to the current optimizer step (``interval="step"``) or epoch, every
+    ``frequency`` of them, so the run follows one LR curve across level changes (``lr_schedule="continue"``);
+    ``ReduceLROnPlateau`` schedulers are left alone. ``scheduler_configs``: Lightning's ``LRSchedulerConfig``."""
+    for cfg in scheduler_configs:
+        if cfg.reduce_on_plateau:
+            continue
+        count = global_step if cfg.interval == "step" else current_epoch
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(count // max(1, cfg.frequency)):
+                cfg.scheduler.step()
