@@ -12,8 +12,8 @@ written                 unit                       resolves to optimizer steps a
 ======================  =========================  ==============================================================
 
 A Python ``int`` is steps; a ``float`` is refused (``0.3`` could mean a fraction or 0.3 steps): write ``"0.3dur"``
-or ``Duration(0.3, "fraction")``. DeepSpeed config keys (``total_curriculum_step``, ``require_steps``) stay plain
-step counts, exactly as DeepSpeed spells them.
+or ``Duration(0.3, "fraction")``. DeepSpeed config keys (``total_curriculum_step``, random-LTD's ``require_steps``)
+keep their meaning: an int is a step count, exactly as DeepSpeed spells it.
 """
 
 from __future__ import annotations
@@ -132,8 +132,11 @@ class Duration:
         return math.ceil(float(self.value) / tokens_per_step)
 
     def __str__(self) -> str:
+        """The parseable spelling, exact: ``"2ep"``, ``"0.123456789dur"``, ``"1000000tok"``."""
         suffix = {"step": "st", "epoch": "ep", "fraction": "dur", "token": "tok"}[self.unit]
-        return f"{self.value:g}{suffix}"
+        v = self.value
+        text = str(int(v)) if is_int(v) or float(v).is_integer() else repr(float(v))
+        return f"{text}{suffix}"
 
 
 def progress_source(callbacks: Iterable[Any]) -> Callable[[], float] | None:

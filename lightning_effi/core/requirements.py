@@ -37,8 +37,10 @@ class Requirements:
         needs_per_sample_loss: ``training_step`` must return ``per_sample_loss`` next to ``loss``.
         edits_batch: the batch is edited before ``training_step`` (e.g. truncated).
         batch_structures: batch structures the technique accepts (a subset of :data:`BATCH_STRUCTURES`).
-        strategies: exact names of the strategy classes supported (``None``: any strategy); ``DDPStrategy`` covers
-            ``"ddp"``, ``"ddp_spawn"`` and ``"ddp_find_unused_parameters_true"``.
+        strategies: names of the strategy classes supported, subclasses included (``None``: any strategy);
+            ``DDPStrategy`` covers ``"ddp"``, ``"ddp_spawn"`` and ``"ddp_find_unused_parameters_true"``.
+        refused_strategies: names of strategy classes refused even though they subclass a supported one (e.g.
+            ``DeepSpeedStrategy``, a ``DDPStrategy`` subclass).
         strategy_note: what to do instead, appended to the refusal of another strategy.
         incompatible_callbacks: names of (non-technique) callback classes the technique cannot run with, and why.
     """
@@ -51,6 +53,7 @@ class Requirements:
     edits_batch: bool = False
     batch_structures: tuple[str, ...] = ("dict",)
     strategies: tuple[str, ...] | None = None
+    refused_strategies: tuple[str, ...] = ()
     strategy_note: str = ""
     incompatible_callbacks: tuple[tuple[str, str], ...] = ()
 
@@ -118,10 +121,13 @@ def check_trainer(trainer: Any, callbacks: Sequence[Any] | None = None) -> None:
     """
     all_callbacks = list(trainer.callbacks if callbacks is None else callbacks)
     techniques = technique_callbacks(all_callbacks)
-    strategy = type(getattr(trainer, "strategy", None)).__name__
+    strategy_cls = type(getattr(trainer, "strategy", None))
+    strategy = strategy_cls.__name__
+    lineage = {k.__name__ for k in strategy_cls.__mro__}
     for t in techniques:
         req: Requirements = type(t).requirements
-        if req.strategies is not None and strategy not in req.strategies:
+        supported = req.strategies is None or bool(lineage & set(req.strategies))
+        if not supported or lineage & set(req.refused_strategies):
             note = f" {req.strategy_note}" if req.strategy_note else ""
             raise IncompatibleTechniques(f"{_name(t)} supports the strategies {list(req.strategies)}, not "
                                          f"{strategy}.{note}")

@@ -1,20 +1,41 @@
-"""Shared handling of a checkpoint written with another configuration (technique callbacks' ``strict`` option)."""
+"""A checkpoint written with other settings: one way for every technique to find and report it.
+
+Each technique keeps a fingerprint of its identity-defining settings in its checkpointed state (plain values only).
+On resume, :func:`settings_diff` lists what differs and :func:`config_mismatch` raises (``strict=True``, the default
+of every technique) or warns and continues (``strict=False``).
+"""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["config_mismatch", "settings_diff"]
 
 
-def config_mismatch(owner: str, message: str, strict: bool) -> None:
-    """Raise ``ValueError`` (``strict``) or warn that a checkpoint's configuration differs from the current one.
+def settings_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{key: (checkpoint value, current value)}`` for every key whose value differs (a missing key reads None)."""
+    saved = saved or {}
+    keys = sorted(set(saved) | set(current), key=str)
+    return {k: (saved.get(k), current.get(k)) for k in keys if saved.get(k) != current.get(k)}
+
+
+def config_mismatch(owner: str, message: str, strict: bool, *, fix: str = "resume with this configuration",
+                    error: type[Exception] = ValueError) -> None:
+    """Raise (``strict``) or warn that a checkpoint was written with other settings.
 
     Args:
-        owner: the callback's class name, prefixed to the message. message: what differs. strict: raise or warn.
+        owner: the callback's class name, prefixed to the message.
+        message: what differs.
+        strict: raise, or warn and continue.
+        fix: what ``strict=False`` does instead (an imperative: "resume with this configuration").
+        error: the exception class raised when ``strict`` (a ``ValueError`` subclass of the technique).
 
     Raises:
-        ValueError: when ``strict``; the message says to pass ``strict=False`` to resume anyway.
+        ValueError: (or ``error``) when ``strict``; the message says what ``strict=False`` would do.
     """
     message = f"{owner}: {message}"
     if strict:
-        raise ValueError(message + "; pass strict=False to resume with this configuration")
-    warnings.warn(message + "; resuming with this configuration", stacklevel=3)
+        raise error(f"{message}; pass strict=False to {fix}")
+    warnings.warn(f"{message} (strict=False: {fix})", stacklevel=3)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from lightning_effi.core.checks import is_int
+from lightning_effi.core.state import config_mismatch, settings_diff
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig, CurriculumConfigError, MetricConfig
 
@@ -301,15 +302,11 @@ class CurriculumController:
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Restore the committed position (idempotent; callable before or after iteration started)."""
-        saved, mine = state.get("config"), self.fingerprint()
-        if saved != mine:
-            diff = sorted(k for k in set(mine) | set(saved or {}) if (saved or {}).get(k) != mine.get(k))
-            msg = (f"curriculum: the checkpoint was written with another configuration (differs in {diff}); "
-                   "resume with the same metrics, schedules, seed, index files and batch geometry")
-            if strict:
-                raise CurriculumConfigError(msg)
-            import warnings
-            warnings.warn(msg + " (strict=False: continuing)", stacklevel=2)
+        diff = settings_diff(state.get("config"), self.fingerprint())
+        if diff:
+            config_mismatch("Curriculum", f"the checkpoint was written with another configuration (differs in "
+                            f"{sorted(diff)}): resume with the same metrics, schedules, seed, index files and batch "
+                            "geometry", strict, fix="continue with this configuration", error=CurriculumConfigError)
         pre = copy.deepcopy(dict(state["pre_state"]))
         CurriculumStream(self.config, self.book, self.total_samples, self.global_batch).restore(pre)  # validates
         self.committed = {"pre": pre, "skip": int(state["micro_offset"]), "micro": int(state["committed_micro"])}

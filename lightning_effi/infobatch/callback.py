@@ -16,7 +16,6 @@ tells the long story.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +28,7 @@ from typing_extensions import override
 
 from lightning_effi.core.checks import check_int, check_real
 from lightning_effi.core.requirements import Requirements, check_trainer
+from lightning_effi.core.state import config_mismatch, settings_diff
 from lightning_effi.infobatch import functional as ib
 from lightning_effi.infobatch.data import InfoBatchDataModule
 
@@ -343,21 +343,15 @@ class InfoBatchCallback(Callback):
         prefix = type(self).__qualname__ + "{"
         others = [k for k in checkpoint.get("callbacks", {}) if k.startswith(prefix) and k != self.state_key]
         if others and self.state_key not in checkpoint.get("callbacks", {}):
-            message = (f"InfoBatchCallback: the checkpoint was written with other settings ({others[0]}), "
-                       f"not {self.state_key}")
-            if self.strict:
-                raise ValueError(message + "; pass strict=False to start InfoBatch afresh")
-            warnings.warn(message + "; starting InfoBatch afresh")
+            config_mismatch(type(self).__name__, f"the checkpoint was written with other settings ({others[0]}), "
+                            f"not {self.state_key}", self.strict, fix="start InfoBatch afresh")
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved, mine = state_dict["config"], self.config()
-        if saved != mine:
-            diff = {k: (saved.get(k), mine.get(k)) for k in mine if saved.get(k) != mine.get(k)}
-            message = f"InfoBatchCallback: the checkpoint was written with other settings (checkpoint, now): {diff}"
-            if self.strict:
-                raise ValueError(message + "; pass strict=False to resume anyway")
-            warnings.warn(message)
+        diff = settings_diff(state_dict["config"], self.config())
+        if diff:
+            config_mismatch(type(self).__name__, f"the checkpoint was written with other settings (checkpoint, now): "
+                            f"{diff}", self.strict, fix="resume anyway")
         if len(state_dict["score"]) != self.dataset_size:
             raise ValueError(f"InfoBatchCallback: the checkpoint's score table has {len(state_dict['score'])} entries, "
                              f"the training set {self.dataset_size}")

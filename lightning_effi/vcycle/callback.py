@@ -96,6 +96,7 @@ class VCycleCallback(Callback):
     requirements = Requirements(
         changes_model_shapes=True, batch_structures=BATCH_STRUCTURES,
         strategies=("SingleDeviceStrategy", "DDPStrategy"),
+        refused_strategies=("DeepSpeedStrategy",),
         strategy_note=("Use strategy='auto' on one device, 'ddp', 'ddp_spawn' or 'ddp_find_unused_parameters_true': "
                        "FSDP / DeepSpeed / model-parallel wrappers cannot be rebuilt mid-fit. Run one fit per stage "
                        "instead, with the functional operators in lightning_effi.vcycle.operators."),

@@ -61,7 +61,8 @@ def test_fraction_rounding():
 
 
 def test_str_round_trips():
-    for text in ("7st", "2ep", "0.25dur", "1000tok"):
+    assert str(Duration(1e6, "token")) == "1000000tok" and str(Duration(0.123456789, "fraction")) == "0.123456789dur"
+    for text in ("7st", "2ep", "0.25dur", "1000tok", "0.123456789dur", "1e-07dur"):
         assert str(Duration.parse(text)) == text
         assert Duration.parse(str(Duration.parse(text))) == Duration.parse(text)
 

@@ -69,6 +69,19 @@ def test_strategy_and_callback_declarations():
     with pytest.raises(IncompatibleTechniques,
                        match=r"OnlyDDP supports the strategies \['DDPStrategy'\], not SingleDeviceStrategy. Use one"):
         check_trainer(_trainer(only_ddp))
+    class DDPStrategy:
+        pass
+
+    class MyDDP(DDPStrategy):  # a subclass of a supported strategy is supported ...
+        pass
+
+    class DeepSpeedStrategy(DDPStrategy):  # ... unless refused by name
+        pass
+
+    check_trainer(_trainer(only_ddp, strategy=MyDDP))
+    no_ds = _fake("NoDS", strategies=("DDPStrategy",), refused_strategies=("DeepSpeedStrategy",))
+    with pytest.raises(IncompatibleTechniques, match=r"NoDS supports the strategies \['DDPStrategy'\], not Deep"):
+        check_trainer(_trainer(no_ds, strategy=DeepSpeedStrategy))
     picky = _fake("Picky", incompatible_callbacks=(("EarlyStopping", "it stops mid-stage"),))
     from lightning.pytorch.callbacks import EarlyStopping
 

@@ -1,4 +1,4 @@
-"""Width/depth partitions and map identities (spec §2.2, §2.4; acceptance tests 1 and 9)."""
+"""Width/depth partitions and map identities: coalescing after de-coalescing returns the original, per adapter."""
 
 from __future__ import annotations
 
