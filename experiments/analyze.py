@@ -1,7 +1,7 @@
 """Analyze a DataModule's training set for curriculum learning (DataAnalyzer, conf/analyze.yaml). From the repo root:
 
-    python experiments/analyze.py data=shakespeare_mlm analyzer.metrics='{seqlen: {}}' analyzer.num_threads=2
-    python experiments/analyze.py stage=map analyzer.num_workers=2 analyzer.worker_id=1   # one machine's share
+python experiments/analyze.py data=shakespeare_mlm analyzer.metrics='{seqlen: {}}' analyzer.num_threads=2
+python experiments/analyze.py stage=map analyzer.num_workers=2 analyzer.worker_id=1   # one machine's share
 """
 
 import hydra

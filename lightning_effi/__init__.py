@@ -24,7 +24,22 @@ from lightning_effi.random_ltd import RandomLTD, RandomLTDCallback  # noqa: E402
 from lightning_effi.vcycle import VCycle, VCycleCallback  # noqa: E402
 
 __all__ = [
-    "BatchStats", "Curriculum", "Duration", "CurriculumCallback", "CurriculumConfig", "CurriculumDataModule", "DataAnalyzer",
-    "EfficiencyMonitor", "GenericAdapter", "InfoBatch", "InfoBatchCallback", "InfoBatchDataModule", "RandomLTD",
-    "RandomLTDCallback", "VCycle", "VCycleCallback", "__version__", "parse_deepspeed_config",
+    "BatchStats",
+    "Curriculum",
+    "Duration",
+    "CurriculumCallback",
+    "CurriculumConfig",
+    "CurriculumDataModule",
+    "DataAnalyzer",
+    "EfficiencyMonitor",
+    "GenericAdapter",
+    "InfoBatch",
+    "InfoBatchCallback",
+    "InfoBatchDataModule",
+    "RandomLTD",
+    "RandomLTDCallback",
+    "VCycle",
+    "VCycleCallback",
+    "__version__",
+    "parse_deepspeed_config",
 ]

@@ -7,5 +7,14 @@ from lightning_effi.infobatch.callback import InfoBatch, InfoBatchCallback
 from lightning_effi.random_ltd.callback import RandomLTD, RandomLTDCallback
 from lightning_effi.vcycle.callback import VCycle, VCycleCallback
 
-__all__ = ["Curriculum", "CurriculumCallback", "EfficiencyMonitor", "InfoBatch", "InfoBatchCallback", "RandomLTD",
-           "RandomLTDCallback", "VCycle", "VCycleCallback"]
+__all__ = [
+    "Curriculum",
+    "CurriculumCallback",
+    "EfficiencyMonitor",
+    "InfoBatch",
+    "InfoBatchCallback",
+    "RandomLTD",
+    "RandomLTDCallback",
+    "VCycle",
+    "VCycleCallback",
+]

@@ -91,18 +91,32 @@ def check_checkpoint(path: str, model: pl.LightningModule) -> None:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         weights = checkpoint["state_dict"]
     except Exception as err:  # torch raises many types for a damaged file
-        raise ConfigError(f"ckpt_path: '{path}' is not a readable Lightning checkpoint ({type(err).__name__}: {err})") from err
+        raise ConfigError(
+            f"ckpt_path: '{path}' is not a readable Lightning checkpoint ({type(err).__name__}: {err})"
+        ) from err
     mine = model.state_dict()
     missing = sorted(set(mine) - set(weights))
     unexpected = sorted(set(weights) - set(mine))
-    shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in mine.items()
-              if k in weights and tuple(weights[k].shape) != tuple(v.shape)]
+    shapes = [
+        f"{k} {tuple(weights[k].shape)} vs {tuple(v.shape)}"
+        for k, v in mine.items()
+        if k in weights and tuple(weights[k].shape) != tuple(v.shape)
+    ]
     if missing or unexpected or shapes:
-        detail = "; ".join(filter(None, [
-            f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
-            f"shape (checkpoint vs model) {shapes[:3]}" if shapes else ""]))
-        raise ConfigError(f"ckpt_path: '{path}' holds weights of a different model ({detail}); resume with the "
-                          "model and data settings it was written with")
+        detail = "; ".join(
+            filter(
+                None,
+                [
+                    f"missing {missing[:3]}" if missing else "",
+                    f"unexpected {unexpected[:3]}" if unexpected else "",
+                    f"shape (checkpoint vs model) {shapes[:3]}" if shapes else "",
+                ],
+            )
+        )
+        raise ConfigError(
+            f"ckpt_path: '{path}' holds weights of a different model ({detail}); resume with the "
+            "model and data settings it was written with"
+        )
 
 
 def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -178,8 +192,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         with open(output_dir / "result.json", "w") as f:
             json.dump(_json_safe(result), f, indent=2, default=str)  # strict JSON: NaN/inf become null
         shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith(("val/", "test/")))
-        print(f"Final metrics: {shown or 'none (no validation ran)'}\nResults: {output_dir / 'result.json'}",
-              flush=True)
+        print(
+            f"Final metrics: {shown or 'none (no validation ran)'}\nResults: {output_dir / 'result.json'}", flush=True
+        )
     return result
 
 

@@ -4,14 +4,13 @@ import csv
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_effi.core.accounting import BatchStats, EfficiencyMonitor, batch_size_of, format_summary, tokens_of
-from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_steps
-from tests.helpers.tiny import TINY_GPT2, tiny_gpt2, tiny_lm_data, tiny_sentence_data, tiny_bert_cls
 from lightning_effi.core.flops import transformer_training_flops
-
-import torch
+from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_steps
+from tests.helpers.tiny import TINY_GPT2, tiny_bert_cls, tiny_gpt2, tiny_lm_data, tiny_sentence_data
 
 
 class HalveLayerTokens(pl.Callback):
@@ -44,28 +43,45 @@ def test_tokens_count_real_tokens_only_with_padding(tmp_path):
 
 
 def test_extension_protocol_adjusts_counts_and_adds_summary(tmp_path):
-    trainer, _ = fit_steps(tiny_gpt2, tiny_lm_data, 3, tmp_path,
-                           callbacks_fn=lambda: [EfficiencyMonitor(), HalveLayerTokens()])
+    trainer, _ = fit_steps(
+        tiny_gpt2, tiny_lm_data, 3, tmp_path, callbacks_fn=lambda: [EfficiencyMonitor(), HalveLayerTokens()]
+    )
     s = trainer.callbacks[0].summary
     assert s["layer_tokens"] == 3 * 8 * 16 * 2 // 2 and s["halver/active"] == 1
 
 
 def test_metrics_are_logged(tmp_path):
     pl.seed_everything(0)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=4, logger=CSVLogger(tmp_path, name="csv", version=""),
-                         callbacks=[EfficiencyMonitor(log_every_n_steps=2)], enable_progress_bar=False,
-                         enable_checkpointing=False, limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        logger=CSVLogger(tmp_path, name="csv", version=""),
+        callbacks=[EfficiencyMonitor(log_every_n_steps=2)],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    )
     trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
     with open(tmp_path / "csv" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("effi/samples")]
     assert [float(r["effi/samples"]) for r in rows][:2] == [16.0, 32.0]
-    assert {"effi/tokens", "effi/layer_tokens", "effi/flops", "effi/time/train", "effi/time/data",
-            "effi/time/eval"} <= set(rows[0])
+    assert {
+        "effi/tokens",
+        "effi/layer_tokens",
+        "effi/flops",
+        "effi/time/train",
+        "effi/time/data",
+        "effi/time/eval",
+    } <= set(rows[0])
 
 
 def test_resume_mid_epoch_keeps_exact_counts(tmp_path):
     assert_resume_equals_uninterrupted(
-        tiny_gpt2, tiny_lm_data, tmp_path, total_steps=8, resume_step=3,
+        tiny_gpt2,
+        tiny_lm_data,
+        tmp_path,
+        total_steps=8,
+        resume_step=3,
         callbacks_fn=lambda: [EfficiencyMonitor(print_summary=False)],
         ignore_state=["totals.time_train", "totals.time_data", "totals.time_eval", "totals.time_total"],
     )
@@ -75,7 +91,11 @@ def test_resume_from_the_last_batch_of_an_epoch(tmp_path):
     """A checkpoint taken after an epoch's last batch (before its epoch end) resumes into the next epoch with that
     epoch's data (regression: the loader skipped the whole next epoch)."""
     assert_resume_equals_uninterrupted(
-        tiny_gpt2, tiny_lm_data, tmp_path, total_steps=8, resume_step=5,  # 5 batches per epoch
+        tiny_gpt2,
+        tiny_lm_data,
+        tmp_path,
+        total_steps=8,
+        resume_step=5,  # 5 batches per epoch
         callbacks_fn=lambda: [EfficiencyMonitor(print_summary=False)],
         ignore_state=["totals.time_train", "totals.time_data", "totals.time_eval", "totals.time_total"],
     )
@@ -101,5 +121,6 @@ def test_resume_check_detects_a_non_resumable_loader(tmp_path):
             return torch.utils.data.DataLoader(self.train_dataset, batch_size=8, shuffle=True)
 
     with pytest.raises(AssertionError):
-        assert_resume_equals_uninterrupted(tiny_gpt2, lambda: PlainLoaderData(TokenBlocks()), tmp_path,
-                                           total_steps=4, resume_step=2)
+        assert_resume_equals_uninterrupted(
+            tiny_gpt2, lambda: PlainLoaderData(TokenBlocks()), tmp_path, total_steps=4, resume_step=2
+        )

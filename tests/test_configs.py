@@ -13,13 +13,21 @@ from lightning_effi.train import build
 from lightning_effi.utils.instantiate import instantiate_callbacks, instantiate_loggers
 from tests.helpers.hydra import CONF, compose_train, run_train_script
 
-GROUP_FILES = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in
-               ("data", "model", "trainer", "callbacks", "logger", "experiment", "debug")}
+GROUP_FILES = {
+    g: sorted(p.stem for p in (CONF / g).glob("*.yaml"))
+    for g in ("data", "model", "trainer", "callbacks", "logger", "experiment", "debug")
+}
 
 
 def test_every_group_has_configs():
-    assert set(GROUP_FILES["experiment"]) >= {"gpt_stdlib", "gpt_shakespeare", "cifar10_cnn", "cifar10_vit",
-                                              "sst2_bert", "mlm_bert"}
+    assert set(GROUP_FILES["experiment"]) >= {
+        "gpt_stdlib",
+        "gpt_shakespeare",
+        "cifar10_cnn",
+        "cifar10_vit",
+        "sst2_bert",
+        "mlm_bert",
+    }
     assert set(GROUP_FILES["trainer"]) >= {"cpu", "gpu", "ddp", "ddp_sim"}
 
 
@@ -56,8 +64,11 @@ def test_experiments_build(name, tmp_path):
 
 @pytest.mark.slow
 def test_every_experiment_runs_with_fast_dev_run(tmp_path: Path):
-    proc = run_train_script(["-m", "experiment=glob(*)", "++trainer.fast_dev_run=true",
-                             "trainer.accelerator=cpu", "data.num_workers=0"], tmp_path, timeout=900)
+    proc = run_train_script(
+        ["-m", "experiment=glob(*)", "++trainer.fast_dev_run=true", "trainer.accelerator=cpu", "data.num_workers=0"],
+        tmp_path,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = sorted(tmp_path.glob("logs/*/multiruns/*/*/result.json"))
     assert len(results) == len(GROUP_FILES["experiment"]), proc.stdout[-2000:]

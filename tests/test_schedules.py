@@ -29,8 +29,9 @@ def test_lambda_lr_ends_at_min_and_never_errors(total):
     assert not any(math.isnan(x) for x in lrs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(total_steps=0), dict(total_steps=5, warmup_fraction=1.0),
-                                    dict(total_steps=5, min_lr_ratio=-0.1)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(total_steps=0), dict(total_steps=5, warmup_fraction=1.0), dict(total_steps=5, min_lr_ratio=-0.1)]
+)
 def test_bad_arguments_raise(kwargs):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError):

@@ -16,7 +16,7 @@ def lm_batch(b=3, t=12):
 def mlm_batch(b=3, t=12):
     ids = lm_batch(b, t)["input_ids"]
     labels = torch.full_like(ids, -100)
-    labels[0, 2], labels[1, 3], labels[1, 5] = 7, 8, 9   # sample 2 has no masked token
+    labels[0, 2], labels[1, 3], labels[1, 5] = 7, 8, 9  # sample 2 has no masked token
     return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
 
 

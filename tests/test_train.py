@@ -17,18 +17,26 @@ def test_main_job_writes_result_json(tmp_path):
     assert 0 < saved["metric"] < 20
     eff = saved["efficiency"]
     bs, block, layers = cfg.data.batch_size, cfg.data.block_size, cfg.model.n_layer
-    assert eff["samples"] == 3 * bs and eff["tokens"] == 3 * bs * block and eff["layer_tokens"] == 3 * bs * block * layers
+    assert (
+        eff["samples"] == 3 * bs and eff["tokens"] == 3 * bs * block and eff["layer_tokens"] == 3 * bs * block * layers
+    )
     assert eff["flops"] > 0 and saved["flops"] == eff["flops"]
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "checkpoints" / "last.ckpt").exists()
     assert (tmp_path / "csv" / "metrics.csv").exists()
 
 
 def test_resume_from_last_checkpoint_continues(tmp_path):
-    first = run(compose_train(["trainer.max_steps=3", "trainer.max_epochs=-1", "++trainer.limit_train_batches=null"], tmp_path / "a"))
+    first = run(
+        compose_train(
+            ["trainer.max_steps=3", "trainer.max_epochs=-1", "++trainer.limit_train_batches=null"], tmp_path / "a"
+        )
+    )
     ckpt = first["last_checkpoint"]
     torch.load(ckpt, weights_only=True)
-    cfg = compose_train(["trainer.max_steps=5", "trainer.max_epochs=-1", "++trainer.limit_train_batches=null", f"ckpt_path={ckpt}"],
-                        tmp_path / "b")
+    cfg = compose_train(
+        ["trainer.max_steps=5", "trainer.max_epochs=-1", "++trainer.limit_train_batches=null", f"ckpt_path={ckpt}"],
+        tmp_path / "b",
+    )
     second = run(cfg)
     assert second["efficiency"]["optimizer_steps"] == 5
     assert second["efficiency"]["batches"] == 5  # accounting totals continue across the resume
@@ -58,8 +66,15 @@ def test_multirun_sweep_writes_one_result_per_job(tmp_path):
         (["optimized_metric=val/los"], "optimized_metric: 'val/los' is not logged"),
         (["seed=-1"], "seed: expected an int"),
         (["model.n_layer=abc"], "model.n_layer"),
-        (["experiment=sst2_infobatch", "trainer.max_epochs=-1", "++trainer.fast_dev_run=false", "trainer.max_steps=2"],
-         "InfoBatchCallback needs a finite number of epochs"),
+        (
+            [
+                "experiment=sst2_infobatch",
+                "trainer.max_epochs=-1",
+                "++trainer.fast_dev_run=false",
+                "trainer.max_steps=2",
+            ],
+            "InfoBatchCallback needs a finite number of epochs",
+        ),
         (["ckpt_path=/nonexistent.ckpt"], "ckpt_path: '/nonexistent.ckpt' does not exist"),
     ],
 )

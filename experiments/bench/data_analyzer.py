@@ -17,8 +17,8 @@ Same batch size for all arms (``--batch-size``). Peak memory: ``resource.getrusa
 process (``RUSAGE_SELF``; also its high-water mark right after the imports, and the increase over it) and of its
 child processes (``RUSAGE_CHILDREN``: the largest child, including subprocesses started by imports), in MiB; it
 includes the memory-mapped data pages each process touched (128 MiB for all 1M rows). ``import lightning_effi``
-imports lightning (~750 MiB RSS), DeepSpeed's arm imports torch only. The final index files of ours2 and DeepSpeed are compared:
-byte-identical ``.bin``/``.idx`` and identical contents (``sample_to_metric``, ``index_to_sample`` rows,
+imports lightning (~750 MiB RSS), DeepSpeed's arm imports torch only. The final index files of ours2 and DeepSpeed
+are compared: byte-identical ``.bin``/``.idx`` and identical contents (``sample_to_metric``, ``index_to_sample`` rows,
 ``index_to_metric`` values, ``_percentile_merged`` rows).
 
     python experiments/bench/data_analyzer.py                      # 1M samples, all arms (~2 min on 2 CPUs)
@@ -66,7 +66,7 @@ class TokenRows:
 
         idx = np.asarray(indices, dtype=np.int64)
         if len(idx) and idx[-1] - idx[0] == len(idx) - 1 and np.all(np.diff(idx) == 1):
-            block = np.array(self.rows[idx[0]:idx[-1] + 1])
+            block = np.array(self.rows[idx[0] : idx[-1] + 1])
         else:
             block = self.rows[idx]
         return torch.from_numpy(block)
@@ -107,8 +107,14 @@ def build_data(path: Path, n: int, width: int, min_len: int, seed: int) -> dict:
         block[cols[None, :] >= lengths[:, None]] = 0
         out[s:e] = block
     out.flush()
-    return {"num_samples": n, "width": width, "min_len": min_len, "vocab": len(chars), "seed": seed,
-            "bytes": int(os.path.getsize(path))}
+    return {
+        "num_samples": n,
+        "width": width,
+        "min_len": min_len,
+        "vocab": len(chars),
+        "seed": seed,
+        "bytes": int(os.path.getsize(path)),
+    }
 
 
 def run_arm(arm: str, data_path: str, save_path: str, batch_size: int) -> dict:
@@ -119,9 +125,18 @@ def run_arm(arm: str, data_path: str, save_path: str, batch_size: int) -> dict:
 
         threads = int(arm[-1])
         import_s = time.perf_counter() - t_import
-        a = DataAnalyzer(ds, num_threads=threads, batch_size=batch_size, metric_names=["seqlen"],
-                         metric_functions=[seqlen(pad_token_id=0)], metric_types=["single_value_per_sample"],
-                         metric_dtypes=[np.int64], save_path=save_path, collate_fn=passthrough, progress=False)
+        a = DataAnalyzer(
+            ds,
+            num_threads=threads,
+            batch_size=batch_size,
+            metric_names=["seqlen"],
+            metric_functions=[seqlen(pad_token_id=0)],
+            metric_types=["single_value_per_sample"],
+            metric_dtypes=[np.int64],
+            save_path=save_path,
+            collate_fn=passthrough,
+            progress=False,
+        )
         base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
         a.run_map()
@@ -131,14 +146,21 @@ def run_arm(arm: str, data_path: str, save_path: str, batch_size: int) -> dict:
     else:
         import logging
 
-        from deepspeed.runtime.data_pipeline.data_sampling.data_analyzer import DataAnalyzer as DSAnalyzer
         import torch
+        from deepspeed.runtime.data_pipeline.data_sampling.data_analyzer import DataAnalyzer as DSAnalyzer
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         import_s = time.perf_counter() - t_import
-        kw = dict(num_threads=2, batch_size=batch_size, metric_names=["seqlen"], metric_functions=[ds_seqlen],
-                  metric_types=["single_value_per_sample"], metric_dtypes=[torch.int64], save_path=save_path,
-                  collate_fn=passthrough)
+        kw = dict(
+            num_threads=2,
+            batch_size=batch_size,
+            metric_names=["seqlen"],
+            metric_functions=[ds_seqlen],
+            metric_types=["single_value_per_sample"],
+            metric_dtypes=[torch.int64],
+            save_path=save_path,
+            collate_fn=passthrough,
+        )
         base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
         DSAnalyzer(ds, **kw).run_map()
@@ -148,10 +170,19 @@ def run_arm(arm: str, data_path: str, save_path: str, batch_size: int) -> dict:
     self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     child_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     n = len(ds)
-    return {"arm": arm, "map_s": t1 - t0, "reduce_s": t2 - t1, "total_s": t2 - t0, "samples_per_s": n / (t2 - t0),
-            "map_samples_per_s": n / (t1 - t0), "import_s": import_s, "peak_rss_self_mib": self_kb / 1024,
-            "rss_after_imports_mib": base_kb / 1024, "peak_rss_increase_mib": (self_kb - base_kb) / 1024,
-            "peak_rss_largest_child_mib": child_kb / 1024}
+    return {
+        "arm": arm,
+        "map_s": t1 - t0,
+        "reduce_s": t2 - t1,
+        "total_s": t2 - t0,
+        "samples_per_s": n / (t2 - t0),
+        "map_samples_per_s": n / (t1 - t0),
+        "import_s": import_s,
+        "peak_rss_self_mib": self_kb / 1024,
+        "rss_after_imports_mib": base_kb / 1024,
+        "peak_rss_increase_mib": (self_kb - base_kb) / 1024,
+        "peak_rss_largest_child_mib": child_kb / 1024,
+    }
 
 
 def compare(ours: str, theirs: str) -> dict:
@@ -162,12 +193,14 @@ def compare(ours: str, theirs: str) -> dict:
     out = {"bytes_identical": {}, "contents_identical": {}}
     for f in files:
         a, b = Path(ours) / "seqlen" / f"seqlen_{f}", Path(theirs) / "seqlen" / f"seqlen_{f}"
-        out["bytes_identical"][f] = all(Path(f"{a}.{e}").read_bytes() == Path(f"{b}.{e}").read_bytes()
-                                        for e in ("bin", "idx"))
+        out["bytes_identical"][f] = all(
+            Path(f"{a}.{e}").read_bytes() == Path(f"{b}.{e}").read_bytes() for e in ("bin", "idx")
+        )
         da, db = MMapIndexedDataset(a), MMapIndexedDataset(b)
-        out["contents_identical"][f] = bool(np.array_equal(da.sizes, db.sizes)
-                                            and np.array_equal(np.asarray(da.flat, np.int64),
-                                                               np.asarray(db.flat, np.int64)))
+        out["contents_identical"][f] = bool(
+            np.array_equal(da.sizes, db.sizes)
+            and np.array_equal(np.asarray(da.flat, np.int64), np.asarray(db.flat, np.int64))
+        )
     out["all_identical"] = all(out["bytes_identical"].values()) and all(out["contents_identical"].values())
     return out
 
@@ -181,7 +214,7 @@ def plot(results: dict, path: Path) -> None:
     arms = [r for r in results["arms"] if "total_s" in r]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     names = [r["arm"] for r in arms]
-    ax[0].bar(names, [r["samples_per_s"] for r in arms], color=["C0", "C0", "C3"][:len(arms)])
+    ax[0].bar(names, [r["samples_per_s"] for r in arms], color=["C0", "C0", "C3"][: len(arms)])
     ax[0].set_ylabel("samples / s (map + reduce)")
     ax[0].set_yscale("log")
     ax[0].set_title(f"seqlen over {results['data']['num_samples']:,} samples")
@@ -220,18 +253,34 @@ def main() -> None:
     t0 = time.perf_counter()
     data = build_data(data_path, args.num_samples, args.width, args.min_len, args.seed)
     data["build_s"] = time.perf_counter() - t0
-    results = {"data": data, "batch_size": args.batch_size, "metric": "seqlen", "arms": [],
-               "memory_note": "ru_maxrss (MiB) of the arm process and of its largest child process; includes the "
-                              "memory-mapped data pages touched", "cpus": os.cpu_count(),
-               "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+    results = {
+        "data": data,
+        "batch_size": args.batch_size,
+        "metric": "seqlen",
+        "arms": [],
+        "memory_note": "ru_maxrss (MiB) of the arm process and of its largest child process; includes the "
+        "memory-mapped data pages touched",
+        "cpus": os.cpu_count(),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
     for arm in args.arms:
         env = dict(os.environ)
         if arm == "deepspeed":
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.ds_site, str(ROOT), env.get("PYTHONPATH")]))
             env["DS_ACCELERATOR"] = "cpu"
         save = work / f"out_{arm}"
-        cmd = [sys.executable, __file__, "--arm", arm, "--data-path", str(data_path), "--save-path", str(save),
-               "--batch-size", str(args.batch_size)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--arm",
+            arm,
+            "--data-path",
+            str(data_path),
+            "--save-path",
+            str(save),
+            "--batch-size",
+            str(args.batch_size),
+        ]
         print(f"[bench] running {arm} ...", flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
         if proc.returncode != 0:
@@ -242,10 +291,13 @@ def main() -> None:
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         res["save_path"] = str(save)
         results["arms"].append(res)
-        print(f"[bench] {arm}: {res['total_s']:.2f} s ({res['samples_per_s']:,.0f} samples/s; map "
-              f"{res['map_s']:.2f} s, reduce {res['reduce_s']:.2f} s), peak RSS {res['peak_rss_self_mib']:.0f} MiB "
-              f"(+{res['peak_rss_increase_mib']:.0f} MiB over the imports; largest child "
-              f"{res['peak_rss_largest_child_mib']:.0f} MiB)", flush=True)
+        print(
+            f"[bench] {arm}: {res['total_s']:.2f} s ({res['samples_per_s']:,.0f} samples/s; map "
+            f"{res['map_s']:.2f} s, reduce {res['reduce_s']:.2f} s), peak RSS {res['peak_rss_self_mib']:.0f} MiB "
+            f"(+{res['peak_rss_increase_mib']:.0f} MiB over the imports; largest child "
+            f"{res['peak_rss_largest_child_mib']:.0f} MiB)",
+            flush=True,
+        )
     by = {r["arm"]: r for r in results["arms"] if "total_s" in r}
     if "deepspeed" in by:
         for arm in ("ours1", "ours2"):
@@ -257,7 +309,8 @@ def main() -> None:
         results["target_5x_met"] = results.get("speedup_ours2_vs_deepspeed", 0) >= 5
     if "ours1" in by and "ours2" in by:
         results["ours1_vs_ours2_identical"] = compare(by["ours1"]["save_path"], by["ours2"]["save_path"])[
-            "all_identical"]
+            "all_identical"
+        ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"data_analyzer{args.tag}.json").write_text(json.dumps(results, indent=1))

@@ -29,9 +29,9 @@ import torch
 
 from lightning_effi import EfficiencyMonitor
 from lightning_effi.callbacks import InfoBatchCallback
+from lightning_effi.core.lr_schedules import warmup_cosine
 from lightning_effi.data import CIFAR10DataModule, InfoBatchDataModule
 from lightning_effi.functional import infobatch as ib
-from lightning_effi.core.lr_schedules import warmup_cosine
 from lightning_effi.tasks import ImageClassifier
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,17 +47,30 @@ class Curve(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or "val/acc" not in trainer.callback_metrics:
             return
-        self.points.append({"epoch": trainer.current_epoch, "samples": self.monitor.totals["samples"],
-                            "val_acc": float(trainer.callback_metrics["val/acc"])})
+        self.points.append(
+            {
+                "epoch": trainer.current_epoch,
+                "samples": self.monitor.totals["samples"],
+                "val_acc": float(trainer.callback_metrics["val/acc"]),
+            }
+        )
 
 
 def run_arm(args: argparse.Namespace, seed: int, infobatch: bool) -> dict:
     pl.seed_everything(seed, workers=True)
     torch.set_num_threads(args.threads)
-    data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, num_workers=args.num_workers,
-                             train_subset=args.train_subset, val_subset=args.val_subset, seed=seed)
+    data = CIFAR10DataModule(
+        args.data_root,
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        train_subset=args.train_subset,
+        val_subset=args.val_subset,
+        seed=seed,
+    )
     model = ImageClassifier(
-        "effi_cnn_small", model_kwargs={"widths": args.widths}, weight_decay=5e-4,
+        "effi_cnn_small",
+        model_kwargs={"widths": args.widths},
+        weight_decay=5e-4,
         optimizer=lambda p: torch.optim.SGD(p, lr=args.lr, momentum=0.9, nesterov=True),
         scheduler=lambda opt, total_steps, progress=None: warmup_cosine(opt, total_steps, 0.02, 0.0, progress),
     )
@@ -68,22 +81,33 @@ def run_arm(args: argparse.Namespace, seed: int, infobatch: bool) -> dict:
         cb = InfoBatchCallback(prune_ratio=args.prune_ratio, delta=args.delta, seed=seed)
         callbacks.append(cb)
         datamodule = InfoBatchDataModule(data)
-    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=callbacks)
+    trainer = pl.Trainer(
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
     trainer.fit(model, datamodule=datamodule)
     test = trainer.test(model, datamodule=data, verbose=False)[0]
     s = monitor.summary
     result = {
-        "arm": "infobatch" if infobatch else "baseline", "seed": seed,
-        "sample_forwards": s["samples"], "optimizer_steps": s["optimizer_steps"],
-        "train_wall_s": s["time_train_s"] + s["time_data_s"], "eval_wall_s": s["time_eval_s"],
+        "arm": "infobatch" if infobatch else "baseline",
+        "seed": seed,
+        "sample_forwards": s["samples"],
+        "optimizer_steps": s["optimizer_steps"],
+        "train_wall_s": s["time_train_s"] + s["time_data_s"],
+        "eval_wall_s": s["time_eval_s"],
         "train_s_per_step": (s["time_train_s"] + s["time_data_s"]) / max(s["optimizer_steps"], 1),
-        "flops": s["flops"], "test_acc": float(test["test/acc"]), "curve": callbacks[1].points,
+        "flops": s["flops"],
+        "test_acc": float(test["test/acc"]),
+        "curve": callbacks[1].points,
     }
     if infobatch:
-        result["epochs"] = [{k: h[k] for k in ("epoch", "kind", "size", "saved", "well_learned")}
-                            for h in cb.history]
+        result["epochs"] = [{k: h[k] for k in ("epoch", "kind", "size", "saved", "well_learned")} for h in cb.history]
         result["kept_fraction"] = [h["size"] / cb.dataset_size for h in cb.history]
         result["saved_fraction"] = s["infobatch/saved_fraction"]
     return result
@@ -99,8 +123,13 @@ def planning_overhead(n: int = 10_000_000, repeats: int = 7) -> dict:
         t0 = time.perf_counter()
         plan = ib.plan_epoch(score, seen, epoch=1 + r, num_epochs=10, prune_ratio=0.5, delta=0.875, seed=0)
         times.append(time.perf_counter() - t0)
-    return {"n": n, "seconds": min(times), "median_seconds": statistics.median(times), "all_seconds": times,
-            "saved_fraction": plan.saved / n}
+    return {
+        "n": n,
+        "seconds": min(times),
+        "median_seconds": statistics.median(times),
+        "all_seconds": times,
+        "saved_fraction": plan.saved / n,
+    }
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -112,8 +141,13 @@ def plot(results: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
         style = "-" if r["arm"] == "baseline" else "--"
-        ax1.plot([p["samples"] for p in r["curve"]], [p["val_acc"] for p in r["curve"]], style, marker="o",
-                 label=f"{r['arm']} seed {r['seed']}")
+        ax1.plot(
+            [p["samples"] for p in r["curve"]],
+            [p["val_acc"] for p in r["curve"]],
+            style,
+            marker="o",
+            label=f"{r['arm']} seed {r['seed']}",
+        )
         if r["arm"] == "infobatch":
             ax2.plot(range(len(r["kept_fraction"])), r["kept_fraction"], marker="o", label=f"seed {r['seed']}")
     ax1.set_xlabel("cumulative training sample-forwards")
@@ -131,8 +165,9 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-root", default=os.environ.get("EFFI_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-                   + "/cifar10")
+    p.add_argument(
+        "--data-root", default=os.environ.get("EFFI_DATA_DIR", str(ROOT.parent / "shared" / "data")) + "/cifar10"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--train-subset", type=int, default=20000, help="training images (of 45,000); null = all")
@@ -146,8 +181,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "experiments" / "bench" / "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names, e.g. _subset20k")
-    p.add_argument("--planning-only", action="store_true",
-                   help="only time the planning of one epoch for 10M samples; writes infobatch_planning<tag>.json")
+    p.add_argument(
+        "--planning-only",
+        action="store_true",
+        help="only time the planning of one epoch for 10M samples; writes infobatch_planning<tag>.json",
+    )
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,11 +199,14 @@ def main() -> None:
     results = []
     for i, seed in enumerate(args.seeds):
         # alternate which arm runs first, so a slow drift of the machine's speed does not favour one arm
-        for infobatch in ((False, True) if i % 2 == 0 else (True, False)):
+        for infobatch in (False, True) if i % 2 == 0 else (True, False):
             results.append(run_arm(args, seed, infobatch))
             r = results[-1]
-            print(f"seed {seed} {r['arm']:9s}: {r['sample_forwards']} sample-forwards, {r['train_wall_s']:.1f} s, "
-                  f"test acc {r['test_acc']:.4f}", flush=True)
+            print(
+                f"seed {seed} {r['arm']:9s}: {r['sample_forwards']} sample-forwards, {r['train_wall_s']:.1f} s, "
+                f"test acc {r['test_acc']:.4f}",
+                flush=True,
+            )
     results.sort(key=lambda r: (r["seed"], r["arm"] != "baseline"))
     base = [r for r in results if r["arm"] == "baseline"]
     ibr = [r for r in results if r["arm"] == "infobatch"]

@@ -39,8 +39,8 @@ import torch
 
 from lightning_effi import EfficiencyMonitor
 from lightning_effi.callbacks import RandomLTDCallback
-from lightning_effi.data import CausalLMDataModule, CIFAR10DataModule
 from lightning_effi.core.lr_schedules import warmup_cosine
+from lightning_effi.data import CausalLMDataModule, CIFAR10DataModule
 from lightning_effi.tasks import GPT2CausalLM, ImageClassifier
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,22 +54,37 @@ def duration(text: str) -> int | str:
 def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningModule, pl.LightningDataModule, dict]:
     data_root = Path(args.data_root)
     if task == "gpt":
-        data = CausalLMDataModule(data_root / "tinyshakespeare" / "input.txt", corpus="file", tokenizer="char",
-                                  block_size=128, batch_size=32, seed=seed)
+        data = CausalLMDataModule(
+            data_root / "tinyshakespeare" / "input.txt",
+            corpus="file",
+            tokenizer="char",
+            block_size=128,
+            batch_size=32,
+            seed=seed,
+        )
         data.prepare_data()
         data.setup("fit")
         model = GPT2CausalLM(
-            vocab_size=data.model_hints()["vocab_size"], n_positions=128, n_layer=args.gpt_layers, n_embd=128,
-            n_head=4, dropout=0.0, attn_implementation="sdpa", weight_decay=0.1,
+            vocab_size=data.model_hints()["vocab_size"],
+            n_positions=128,
+            n_layer=args.gpt_layers,
+            n_embd=128,
+            n_head=4,
+            dropout=0.0,
+            attn_implementation="sdpa",
+            weight_decay=0.1,
             optimizer=lambda p: torch.optim.AdamW(p, lr=2e-3, betas=(0.9, 0.95)),
             scheduler=lambda opt, total_steps, progress=None: warmup_cosine(opt, total_steps, 0.05, 0.1, progress),
         )
         ltd = dict(min_value=args.gpt_min, seq_per_step=16)
         return model, data, {"steps": args.gpt_steps, "metric": "val/loss", "ltd": ltd}
-    data = CIFAR10DataModule(data_root / "cifar10", batch_size=128, num_workers=0, train_subset=args.vit_subset,
-                             seed=seed)
+    data = CIFAR10DataModule(
+        data_root / "cifar10", batch_size=128, num_workers=0, train_subset=args.vit_subset, seed=seed
+    )
     model = ImageClassifier(
-        "vit_tiny_patch16_224", num_classes=10, weight_decay=0.05,
+        "vit_tiny_patch16_224",
+        num_classes=10,
+        weight_decay=0.05,
         model_kwargs={"img_size": 32, "patch_size": 4, "embed_dim": 128, "depth": args.vit_layers, "num_heads": 4},
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
         scheduler=lambda opt, total_steps, progress=None: warmup_cosine(opt, total_steps, 0.05, 0.0, progress),
@@ -89,9 +104,18 @@ def run_arm(task: str, args: argparse.Namespace, seed: int, with_ltd: bool) -> d
         cb = RandomLTDCallback(**spec["ltd"], require_steps=args.require_steps, seed=seed)
         callbacks.append(cb)
     steps = spec["steps"]
-    trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accelerator="cpu", logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        max_epochs=-1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
     t0 = time.perf_counter()
     trainer.fit(model, datamodule=data)
     fit_s = time.perf_counter() - t0
@@ -99,16 +123,27 @@ def run_arm(task: str, args: argparse.Namespace, seed: int, with_ltd: bool) -> d
     val = validator.validate(model, datamodule=data, verbose=False)[0]
     s = monitor.summary
     result = {
-        "task": task, "arm": "random_ltd" if with_ltd else "baseline", "seed": seed, "steps": trainer.global_step,
-        "train_wall_s": s["time_train_s"] + s["time_data_s"], "fit_wall_s": fit_s,
-        "layer_tokens": s["layer_tokens"], "flops": s["flops"], "samples": s["samples"],
+        "task": task,
+        "arm": "random_ltd" if with_ltd else "baseline",
+        "seed": seed,
+        "steps": trainer.global_step,
+        "train_wall_s": s["time_train_s"] + s["time_data_s"],
+        "fit_wall_s": fit_s,
+        "layer_tokens": s["layer_tokens"],
+        "flops": s["flops"],
+        "samples": s["samples"],
         spec["metric"]: float(val[spec["metric"]]),
     }
     if cb is not None:
         result.update({k.split("/", 1)[1]: v for k, v in cb.effi_summary().items()})
-        result["schedule"] = {"min_value": cb.min_value, "max_value": cb.max_value, "require_steps": cb.require_steps,
-                              "seq_per_step": cb.seq_per_step, "layer_ids": list(cb.layer_ids),
-                              "num_layers": cb.num_layers}
+        result["schedule"] = {
+            "min_value": cb.min_value,
+            "max_value": cb.max_value,
+            "require_steps": cb.require_steps,
+            "seq_per_step": cb.seq_per_step,
+            "layer_ids": list(cb.layer_ids),
+            "num_layers": cb.num_layers,
+        }
     return result
 
 
@@ -145,10 +180,19 @@ def plot(results: list[dict], tasks: list[str], path: Path) -> None:
         for r in results:
             if r["task"] != task:
                 continue
-            ax.bar(f"{r['arm']}\nseed {r['seed']}", r["train_wall_s"],
-                   color="tab:blue" if r["arm"] == "baseline" else "tab:orange")
-            ax.text(f"{r['arm']}\nseed {r['seed']}", r["train_wall_s"], f"{metric} {r[metric]:.4f}", ha="center",
-                    va="bottom", fontsize=8)
+            ax.bar(
+                f"{r['arm']}\nseed {r['seed']}",
+                r["train_wall_s"],
+                color="tab:blue" if r["arm"] == "baseline" else "tab:orange",
+            )
+            ax.text(
+                f"{r['arm']}\nseed {r['seed']}",
+                r["train_wall_s"],
+                f"{metric} {r[metric]:.4f}",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_ylabel("training wall time (s)")
         ax.set_title({"gpt": "GPT-2 / Tiny Shakespeare", "vit": "ViT / CIFAR-10"}[task])
     fig.tight_layout()
@@ -167,9 +211,13 @@ def main() -> None:
     p.add_argument("--vit-layers", type=int, default=6)
     p.add_argument("--vit-min", type=int, default=17)
     p.add_argument("--vit-subset", type=int, default=20000)
-    p.add_argument("--require-steps", type=duration, default="0.75dur",
-                   help="how long r grows to the full length (then full-length training): optimizer steps (an int) "
-                        "or a duration such as 0.75dur (of the run) or 2ep")
+    p.add_argument(
+        "--require-steps",
+        type=duration,
+        default="0.75dur",
+        help="how long r grows to the full length (then full-length training): optimizer steps (an int) "
+        "or a duration such as 0.75dur (of the run) or 2ep",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "experiments" / "bench" / "results"))
     p.add_argument("--tag", default="")
@@ -180,12 +228,14 @@ def main() -> None:
     results = []
     for task in args.tasks:
         for i, seed in enumerate(args.seeds):
-            for with_ltd in ((False, True) if i % 2 == 0 else (True, False)):
+            for with_ltd in (False, True) if i % 2 == 0 else (True, False):
                 results.append(run_arm(task, args, seed, with_ltd))
                 r = results[-1]
                 metric = "val/loss" if task == "gpt" else "val/acc"
-                print(f"{task} seed {seed} {r['arm']:10s}: {r['train_wall_s']:.1f} s, {metric} {r[metric]:.4f}",
-                      flush=True)
+                print(
+                    f"{task} seed {seed} {r['arm']:10s}: {r['train_wall_s']:.1f} s, {metric} {r[metric]:.4f}",
+                    flush=True,
+                )
     summary = {task: summarise(results, task, "val/loss" if task == "gpt" else "val/acc") for task in args.tasks}
     report = {"config": vars(args), "summary": summary, "runs": results}
     with open(out / f"random_ltd{args.tag}.json", "w") as f:

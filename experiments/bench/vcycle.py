@@ -120,12 +120,21 @@ class ValCurve(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        self.points.append({"step": trainer.global_step, "flops": float(self.monitor.totals["flops"]),
-                            "train_wall_s": _wall(self.monitor), "metric": float(trainer.callback_metrics[self.metric]),
-                            "level": self.vcycle.level if self.vcycle is not None else 1})
+        self.points.append(
+            {
+                "step": trainer.global_step,
+                "flops": float(self.monitor.totals["flops"]),
+                "train_wall_s": _wall(self.monitor),
+                "metric": float(trainer.callback_metrics[self.metric]),
+                "level": self.vcycle.level if self.vcycle is not None else 1,
+            }
+        )
         q = self.points[-1]
-        print(f"  step {q['step']}: {self.metric} {q['metric']:.4f} (level {q['level']}, {q['flops'] / 1e12:.2f} "
-              f"TFLOPs, {q['train_wall_s']:.0f} s train)", flush=True)
+        print(
+            f"  step {q['step']}: {self.metric} {q['metric']:.4f} (level {q['level']}, {q['flops'] / 1e12:.2f} "
+            f"TFLOPs, {q['train_wall_s']:.0f} s train)",
+            flush=True,
+        )
 
 
 class SwitchTrace(pl.Callback):
@@ -137,9 +146,15 @@ class SwitchTrace(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         if self.vcycle.level != self._level:
-            self.switches.append({"step": trainer.global_step, "flops": float(self.monitor.totals["flops"]),
-                                  "train_wall_s": _wall(self.monitor), "from_level": self._level,
-                                  "to_level": self.vcycle.level})
+            self.switches.append(
+                {
+                    "step": trainer.global_step,
+                    "flops": float(self.monitor.totals["flops"]),
+                    "train_wall_s": _wall(self.monitor),
+                    "from_level": self._level,
+                    "to_level": self.vcycle.level,
+                }
+            )
             self._level = self.vcycle.level
 
 
@@ -174,22 +189,36 @@ def arm_steps(task: str, args: argparse.Namespace, vcycle: bool) -> int:
 def build(task: str, args: argparse.Namespace, seed: int) -> tuple[pl.LightningModule, pl.LightningDataModule]:
     data_root = Path(args.data_root)
     if task == "gpt":
-        data = CausalLMDataModule(data_root / "tinyshakespeare" / "input.txt", corpus="file", tokenizer="char",
-                                  block_size=128, batch_size=32, seed=seed)
+        data = CausalLMDataModule(
+            data_root / "tinyshakespeare" / "input.txt",
+            corpus="file",
+            tokenizer="char",
+            block_size=128,
+            batch_size=32,
+            seed=seed,
+        )
         data.prepare_data()
         data.setup("fit")
         model = GPT2CausalLM(
-            vocab_size=data.model_hints()["vocab_size"], n_positions=128, n_layer=args.gpt_layers,
-            n_embd=args.gpt_width, n_head=args.gpt_width // 32, dropout=0.0, attn_implementation="sdpa",
+            vocab_size=data.model_hints()["vocab_size"],
+            n_positions=128,
+            n_layer=args.gpt_layers,
+            n_embd=args.gpt_width,
+            n_head=args.gpt_width // 32,
+            dropout=0.0,
+            attn_implementation="sdpa",
             weight_decay=0.1,
             optimizer=lambda p: torch.optim.AdamW(p, lr=args.gpt_lr, betas=(0.9, 0.95)),
             scheduler=lambda opt, total_steps, progress=None: warmup_cosine(opt, total_steps, 0.05, 0.1, progress),
         )
         return model, data
-    data = CIFAR10DataModule(data_root / "cifar10", batch_size=128, num_workers=0, train_subset=args.vit_subset,
-                             seed=seed)
+    data = CIFAR10DataModule(
+        data_root / "cifar10", batch_size=128, num_workers=0, train_subset=args.vit_subset, seed=seed
+    )
     model = ImageClassifier(
-        "vit_tiny_patch16_224", num_classes=10, weight_decay=0.05,
+        "vit_tiny_patch16_224",
+        num_classes=10,
+        weight_decay=0.05,
         model_kwargs={"img_size": 32, "patch_size": 4, "embed_dim": 128, "depth": args.vit_layers, "num_heads": 4},
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
         scheduler=lambda opt, total_steps, progress=None: warmup_cosine(opt, total_steps, 0.05, 0.0, progress),
@@ -201,11 +230,17 @@ def make_vcycle(task: str, args: argparse.Namespace) -> VCycleCallback:
     """The V-cycle arm's callback; the ``--*-fraction`` flags are fractions of the arm's optimizer steps."""
     up_leg = Duration(args.up_leg_fraction, "fraction") if args.levels >= 3 else None
     mult = args.gpt_lr_mult if task == "gpt" else args.vit_lr_mult
-    return VCycleCallback(levels=args.levels, e_a=Duration(args.e_a_fraction, "fraction"),
-                          e_small=Duration(args.e_small_fraction, "fraction"), up_leg=up_leg,
-                          alpha_original=args.alpha, lr_multiplier={k: mult for k in range(2, args.levels + 1)},
-                          lr_schedule=args.lr_schedule, depth_scheme=args.depth_scheme,
-                          embedding_convention=args.embedding_convention or ("exact" if task == "gpt" else "official"))
+    return VCycleCallback(
+        levels=args.levels,
+        e_a=Duration(args.e_a_fraction, "fraction"),
+        e_small=Duration(args.e_small_fraction, "fraction"),
+        up_leg=up_leg,
+        alpha_original=args.alpha,
+        lr_multiplier={k: mult for k in range(2, args.levels + 1)},
+        lr_schedule=args.lr_schedule,
+        depth_scheme=args.depth_scheme,
+        embedding_convention=args.embedding_convention or ("exact" if task == "gpt" else "official"),
+    )
 
 
 def run_arm(task: str, args: argparse.Namespace, seed: int, vcycle: bool, steps: int | None = None) -> dict:
@@ -227,23 +262,49 @@ def run_arm(task: str, args: argparse.Namespace, seed: int, vcycle: bool, steps:
         trace = SwitchTrace(monitor, cb)
         callbacks += [cb, trace]
     eval_every = min(args.eval_every, steps)
-    trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accelerator=args.accelerator, devices=1,
-                         precision=args.precision, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=args.eval_batches, val_check_interval=eval_every,
-                         check_val_every_n_epoch=None, callbacks=callbacks)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        max_epochs=-1,
+        accelerator=args.accelerator,
+        devices=1,
+        precision=args.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=args.eval_batches,
+        val_check_interval=eval_every,
+        check_val_every_n_epoch=None,
+        callbacks=callbacks,
+    )
     t0 = time.perf_counter()
     trainer.fit(model, datamodule=data)
     fit_s = time.perf_counter() - t0
-    validator = pl.Trainer(accelerator=args.accelerator, devices=1, precision=args.precision, logger=False,
-                           enable_progress_bar=False, enable_model_summary=False)
+    validator = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        precision=args.precision,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     val = validator.validate(model, datamodule=data, verbose=False)[0]
     s = monitor.summary
     result = {
-        "task": task, "arm": "vcycle" if vcycle else "baseline", "seed": seed, "steps": trainer.global_step,
-        "train_wall_s": s["time_train_s"] + s["time_data_s"], "eval_wall_s": s["time_eval_s"], "fit_wall_s": fit_s,
-        "flops": s["flops"], "samples": s["samples"], "tokens": s["tokens"], "metric": metric,
-        "final_metric_full_split": float(val[metric]), "curve": curve.points,
+        "task": task,
+        "arm": "vcycle" if vcycle else "baseline",
+        "seed": seed,
+        "steps": trainer.global_step,
+        "train_wall_s": s["time_train_s"] + s["time_data_s"],
+        "eval_wall_s": s["time_eval_s"],
+        "fit_wall_s": fit_s,
+        "flops": s["flops"],
+        "samples": s["samples"],
+        "tokens": s["tokens"],
+        "metric": metric,
+        "final_metric_full_split": float(val[metric]),
+        "curve": curve.points,
     }
     if cb is not None:
         result.update({k.split("/", 1)[1]: v for k, v in cb.effi_summary().items()})
@@ -259,27 +320,43 @@ def _better(m: float, target: float, lower: bool) -> bool:
 def reach(curve: list[dict], target: float, lower: bool, base_flops: float, base_wall: float) -> dict:
     """First curve point at least as good as ``target`` (``first_point``) and the linear interpolation in metric
     between it and the previous point (``interpolated``); savings vs the baseline's totals."""
+
     def point(step: float, flops: float, wall: float) -> dict:
-        return {"step": step, "flops": flops, "train_wall_s": wall, "flops_saving": 1 - flops / base_flops,
-                "train_wall_saving": 1 - wall / base_wall}
+        return {
+            "step": step,
+            "flops": flops,
+            "train_wall_s": wall,
+            "flops_saving": 1 - flops / base_flops,
+            "train_wall_saving": 1 - wall / base_wall,
+        }
 
     for i, p in enumerate(curve):
         if not _better(p["metric"], target, lower):
             continue
-        out = {"reached": True, "target": target, "metric_at_point": p["metric"],
-               "first_point": point(p["step"], p["flops"], p["train_wall_s"])}
+        out = {
+            "reached": True,
+            "target": target,
+            "metric_at_point": p["metric"],
+            "first_point": point(p["step"], p["flops"], p["train_wall_s"]),
+        }
         if i == 0 or p["metric"] == curve[i - 1]["metric"]:
             out["interpolated"] = dict(out["first_point"], note="no previous point: not interpolated")
         else:
             q = curve[i - 1]
             f = (target - q["metric"]) / (p["metric"] - q["metric"])  # in (0, 1]: q is short of the target, p is not
-            out["interpolated"] = point(q["step"] + f * (p["step"] - q["step"]),
-                                        q["flops"] + f * (p["flops"] - q["flops"]),
-                                        q["train_wall_s"] + f * (p["train_wall_s"] - q["train_wall_s"]))
+            out["interpolated"] = point(
+                q["step"] + f * (p["step"] - q["step"]),
+                q["flops"] + f * (p["flops"] - q["flops"]),
+                q["train_wall_s"] + f * (p["train_wall_s"] - q["train_wall_s"]),
+            )
         return out
     last = curve[-1]["metric"] if curve else math.nan
-    return {"reached": False, "target": target, "final_curve_metric": last,
-            "gap": (last - target) if lower else (target - last)}
+    return {
+        "reached": False,
+        "target": target,
+        "final_curve_metric": last,
+        "gap": (last - target) if lower else (target - last),
+    }
 
 
 def at_vcycle_final(b: dict, v: dict, lower: bool) -> dict:
@@ -290,9 +367,15 @@ def at_vcycle_final(b: dict, v: dict, lower: bool) -> dict:
     if not r["reached"]:
         return {"reached": False, "note": "the V-cycle ended better than the baseline's final metric"}
     p = r["interpolated"]
-    return {"reached": True, "metric": v["curve"][-1]["metric"], "baseline_step": p["step"],
-            "baseline_flops": p["flops"], "baseline_train_wall_s": p["train_wall_s"],
-            "flops_saving": 1 - v["flops"] / p["flops"], "train_wall_saving": 1 - v["train_wall_s"] / p["train_wall_s"]}
+    return {
+        "reached": True,
+        "metric": v["curve"][-1]["metric"],
+        "baseline_step": p["step"],
+        "baseline_flops": p["flops"],
+        "baseline_train_wall_s": p["train_wall_s"],
+        "flops_saving": 1 - v["flops"] / p["flops"],
+        "train_wall_saving": 1 - v["train_wall_s"] / p["train_wall_s"],
+    }
 
 
 def analyse(results: list[dict], task: str) -> dict:
@@ -308,7 +391,8 @@ def analyse(results: list[dict], task: str) -> dict:
         target = b["curve"][-1]["metric"]
         per_seed[str(seed)] = {
             "whole_run": {
-                "steps_baseline": b["steps"], "steps_vcycle": v["steps"],
+                "steps_baseline": b["steps"],
+                "steps_vcycle": v["steps"],
                 "flops_saving": 1 - v["flops"] / b["flops"],
                 "flops_saved_frac_callback": v["flops_saved_frac"],
                 "train_wall_saving": 1 - v["train_wall_s"] / b["train_wall_s"],
@@ -318,8 +402,9 @@ def analyse(results: list[dict], task: str) -> dict:
                 f"{metric}_curve_final_vcycle": v["curve"][-1]["metric"],
             },
             "reach": reach(v["curve"], target, lower, b["flops"], b["train_wall_s"]),
-            "reach_full_split_target": reach(v["curve"], b["final_metric_full_split"], lower, b["flops"],
-                                             b["train_wall_s"]),
+            "reach_full_split_target": reach(
+                v["curve"], b["final_metric_full_split"], lower, b["flops"], b["train_wall_s"]
+            ),
             "baseline_self_reach": reach(b["curve"], target, lower, b["flops"], b["train_wall_s"]),
             "at_vcycle_final_metric": at_vcycle_final(b, v, lower),
             "map_seconds": v["map_seconds"],
@@ -331,8 +416,9 @@ def analyse(results: list[dict], task: str) -> dict:
     out: dict = {"seeds": seeds, "whole_run": {k: mean(d[k] for d in whole) for k in whole[0]}}
     w = out["whole_run"]
     if metric == "val/loss":
-        w["val/loss_full_split_relative_change"] = (w["val/loss_full_split_vcycle"]
-                                                    / w["val/loss_full_split_baseline"] - 1)
+        w["val/loss_full_split_relative_change"] = (
+            w["val/loss_full_split_vcycle"] / w["val/loss_full_split_baseline"] - 1
+        )
     else:
         w["val/acc_full_split_delta_points"] = 100 * (w["val/acc_full_split_vcycle"] - w["val/acc_full_split_baseline"])
     reached = [per_seed[str(s)]["reach"] for s in seeds if per_seed[str(s)]["reach"]["reached"]]
@@ -344,7 +430,8 @@ def analyse(results: list[dict], task: str) -> dict:
         ok = len(reached) == len(seeds)
         to_target[f"meets_targets_{kind}"] = {
             "flops": ok and to_target[kind]["flops_saving"] >= TARGETS["flops_saving_to_target"],
-            "train_wall": ok and to_target[kind]["train_wall_saving"] >= TARGETS["train_wall_saving_to_target"]}
+            "train_wall": ok and to_target[kind]["train_wall_saving"] >= TARGETS["train_wall_saving_to_target"],
+        }
     if len(reached) < len(seeds):
         gaps = [per_seed[str(s)]["reach"]["gap"] for s in seeds if not per_seed[str(s)]["reach"]["reached"]]
         to_target["mean_gap_not_reached"] = mean(gaps)
@@ -367,35 +454,60 @@ def plot(results: list[dict], summary: dict, tasks: list[str], path: Path) -> No
     styles = ["-", "--", ":", "-."]
     for col, task in enumerate(tasks):
         metric = METRIC[task]
-        for row, (key, scale, label) in enumerate([("flops", 1e12, "cumulative training FLOPs (TFLOPs)"),
-                                                   ("train_wall_s", 1.0, "cumulative training wall time (s)")]):
+        for row, (key, scale, label) in enumerate(
+            [
+                ("flops", 1e12, "cumulative training FLOPs (TFLOPs)"),
+                ("train_wall_s", 1.0, "cumulative training wall time (s)"),
+            ]
+        ):
             ax = axes[row][col]
             for r in results:
                 if r["task"] != task:
                     continue
                 color = "tab:blue" if r["arm"] == "baseline" else "tab:orange"
                 ls = styles[seeds.index(r["seed"]) % len(styles)]
-                ax.plot([p[key] / scale for p in r["curve"]], [p["metric"] for p in r["curve"]], marker=".",
-                        color=color, linestyle=ls, label=f"{r['arm']} seed {r['seed']}")
+                ax.plot(
+                    [p[key] / scale for p in r["curve"]],
+                    [p["metric"] for p in r["curve"]],
+                    marker=".",
+                    color=color,
+                    linestyle=ls,
+                    label=f"{r['arm']} seed {r['seed']}",
+                )
                 for sw in r.get("switch_trace", []):
                     x = sw[key] / scale
                     ax.axvline(x, color=color, linestyle=":", linewidth=1)
                     if r["seed"] == seeds[0]:  # the switch steps (and FLOPs) are the same for every seed
-                        ax.annotate(f"L{sw['from_level']}→L{sw['to_level']}\n@{sw['step']}", (x, 1.0),
-                                    xycoords=("data", "axes fraction"), fontsize=7, ha="left", va="top", color=color)
+                        ax.annotate(
+                            f"L{sw['from_level']}→L{sw['to_level']}\n@{sw['step']}",
+                            (x, 1.0),
+                            xycoords=("data", "axes fraction"),
+                            fontsize=7,
+                            ha="left",
+                            va="top",
+                            color=color,
+                        )
                 if r["arm"] == "baseline":
                     ax.axhline(r["curve"][-1]["metric"], color="grey", linestyle=ls, linewidth=0.8)
             for seed_key, d in summary.get(task, {}).get("per_seed", {}).items():
                 rc = d["reach"]
                 if rc["reached"]:
                     pt = rc["interpolated"]
-                    ax.plot(pt[key] / scale, rc["target"], marker="*", markersize=12, color="tab:red",
-                            label=f"reach seed {seed_key}: -{100 * pt['flops_saving']:.0f}% FLOPs, "
-                                  f"-{100 * pt['train_wall_saving']:.0f}% wall")
+                    ax.plot(
+                        pt[key] / scale,
+                        rc["target"],
+                        marker="*",
+                        markersize=12,
+                        color="tab:red",
+                        label=f"reach seed {seed_key}: -{100 * pt['flops_saving']:.0f}% FLOPs, "
+                        f"-{100 * pt['train_wall_saving']:.0f}% wall",
+                    )
             ax.set_xlabel(label)
             ax.set_ylabel(f"{metric} (first eval batches)")
-            ax.set_title({"gpt": "GPT-2 / Tiny Shakespeare", "vit": "ViT / CIFAR-10"}[task]
-                         + (": metric vs FLOPs" if row == 0 else ": metric vs wall time"))
+            ax.set_title(
+                {"gpt": "GPT-2 / Tiny Shakespeare", "vit": "ViT / CIFAR-10"}[task]
+                + (": metric vs FLOPs" if row == 0 else ": metric vs wall time")
+            )
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -412,8 +524,10 @@ def write_report(results: list[dict], args: argparse.Namespace, out: Path) -> di
 
 # config keys that define a task's baseline and its metric subset: the runs merged into one report must agree on them
 # (eval_every may differ: it sets the curve's resolution only)
-_RUN_KEYS = {"gpt": ("gpt_steps", "gpt_layers", "gpt_width", "gpt_lr", "eval_batches"),
-             "vit": ("vit_steps", "vit_layers", "vit_subset", "eval_batches")}
+_RUN_KEYS = {
+    "gpt": ("gpt_steps", "gpt_layers", "gpt_width", "gpt_lr", "eval_batches"),
+    "vit": ("vit_steps", "vit_layers", "vit_subset", "eval_batches"),
+}
 
 
 def merge_reports(paths: list[Path], seeds: list[int] | None) -> tuple[dict, list[dict]]:
@@ -442,8 +556,13 @@ def merge_reports(paths: list[Path], seeds: list[int] | None) -> tuple[dict, lis
             values = {(c.get(key) if task in c["tasks"] else None) for c in configs} - {None}
             if len(values) > 1:
                 raise SystemExit(f"--merge: the files disagree on {key} for {task}: {sorted(values)}")
-    config = {**configs[-1], "tasks": tasks, "seeds": sorted({r["seed"] for r in merged}),
-              "arms": sorted({r["arm"] for r in merged}), "merged_from": [str(p) for p in paths]}
+    config = {
+        **configs[-1],
+        "tasks": tasks,
+        "seeds": sorted({r["seed"] for r in merged}),
+        "arms": sorted({r["arm"] for r in merged}),
+        "merged_from": [str(p) for p in paths],
+    }
     return config, merged
 
 
@@ -466,34 +585,66 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=None, help="alpha_original (None: the adapter's default, 0.25)")
     p.add_argument("--gpt-lr-mult", type=float, default=2.0, help="peak-LR multiplier of the coarse levels (GPT)")
     p.add_argument("--vit-lr-mult", type=float, default=2.0, help="peak-LR multiplier of the coarse levels (ViT)")
-    p.add_argument("--vcycle-steps-factor", type=float, default=1.6,
-                   help="the V-cycle arm trains for this times the baseline's steps (stage fractions and its LR "
-                        "schedule follow its own length): > 1 lets its curve reach a target it misses at equal steps")
+    p.add_argument(
+        "--vcycle-steps-factor",
+        type=float,
+        default=1.6,
+        help="the V-cycle arm trains for this times the baseline's steps (stage fractions and its LR "
+        "schedule follow its own length): > 1 lets its curve reach a target it misses at equal steps",
+    )
     p.add_argument("--lr-schedule", default="continue", choices=["continue", "restart"])
-    p.add_argument("--depth-scheme", default="half", choices=["adjacent", "half"],
-                   help="VCycleCallback.depth_scheme (half: the official GPT-2 config's stacking)")
-    p.add_argument("--stage-lr", action="store_true",
-                   help="V-cycle arm: the official recipe's per-stage LR (StageLR; implies --lr-schedule restart)")
-    p.add_argument("--embedding-convention", default=None, choices=["official", "exact"],
-                   help="VCycleCallback.embedding_convention (default: exact for GPT, official for ViT)")
-    p.add_argument("--arms", nargs="+", default=["baseline", "vcycle"], choices=["baseline", "vcycle"],
-                   help="arms to run (tuning: vcycle only; the analysis needs both)")
+    p.add_argument(
+        "--depth-scheme",
+        default="half",
+        choices=["adjacent", "half"],
+        help="VCycleCallback.depth_scheme (half: the official GPT-2 config's stacking)",
+    )
+    p.add_argument(
+        "--stage-lr",
+        action="store_true",
+        help="V-cycle arm: the official recipe's per-stage LR (StageLR; implies --lr-schedule restart)",
+    )
+    p.add_argument(
+        "--embedding-convention",
+        default=None,
+        choices=["official", "exact"],
+        help="VCycleCallback.embedding_convention (default: exact for GPT, official for ViT)",
+    )
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        default=["baseline", "vcycle"],
+        choices=["baseline", "vcycle"],
+        help="arms to run (tuning: vcycle only; the analysis needs both)",
+    )
     p.add_argument("--eval-every", type=int, default=40)
     p.add_argument("--eval-batches", type=int, default=10, help="validation batches per curve point")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
-                   help="Lightning accelerator (one device); gpu is meant for long-horizon runs (--gpt-steps 5000+)")
+    p.add_argument(
+        "--accelerator",
+        default="cpu",
+        choices=["cpu", "gpu"],
+        help="Lightning accelerator (one device); gpu is meant for long-horizon runs (--gpt-steps 5000+)",
+    )
     p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed on a GPU")
     p.add_argument("--warmup-steps", type=int, default=5, help="throwaway V-cycle fit per task first (0: none)")
     p.add_argument("--out", default=str(ROOT / "experiments" / "bench" / "results"))
     p.add_argument("--tag", default="")
-    p.add_argument("--reanalyse", action="store_true",
-                   help="recompute the summary and plot of <out>/vcycle<tag>.json from its runs (no training)")
-    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="with --reanalyse: build <out>/vcycle<tag>.json from the runs of these benchmark JSONs "
-                        "(a later file's run replaces an earlier one of the same task, arm and seed; --seeds keeps "
-                        "only those seeds) with the last file's config; e.g. a committed baseline + a tuning run of "
-                        "the V-cycle arm alone")
+    p.add_argument(
+        "--reanalyse",
+        action="store_true",
+        help="recompute the summary and plot of <out>/vcycle<tag>.json from its runs (no training)",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="with --reanalyse: build <out>/vcycle<tag>.json from the runs of these benchmark JSONs "
+        "(a later file's run replaces an earlier one of the same task, arm and seed; --seeds keeps "
+        "only those seeds) with the last file's config; e.g. a committed baseline + a tuning run of "
+        "the V-cycle arm alone",
+    )
     args = p.parse_args()
     if args.merge and not args.reanalyse:
         p.error("--merge needs --reanalyse")
@@ -511,8 +662,10 @@ def main() -> None:
     for task in args.tasks:  # every curve must end at its arm's last step (the reach search reads the last point)
         lengths = (arm_steps(task, args, False), arm_steps(task, args, True))
         if any(n % args.eval_every for n in lengths):
-            p.error(f"--eval-every ({args.eval_every}) must divide both arms' step counts for {task} {lengths}, so "
-                    "that each validation curve ends at its arm's last step")
+            p.error(
+                f"--eval-every ({args.eval_every}) must divide both arms' step counts for {task} {lengths}, so "
+                "that each validation curve ends at its arm's last step"
+            )
     args.seeds = args.seeds or [0]
     if args.stage_lr:
         args.lr_schedule = "restart"
@@ -524,17 +677,25 @@ def main() -> None:
     t_start = time.perf_counter()
     for task in args.tasks:
         if args.warmup_steps:  # first-use costs (thread pools, allocator, FLOP measurement) hit neither arm
-            run_arm(task, argparse.Namespace(**{**vars(args), "eval_every": args.warmup_steps, "eval_batches": 1}),
-                    args.seeds[0], True, steps=args.warmup_steps)
+            run_arm(
+                task,
+                argparse.Namespace(**{**vars(args), "eval_every": args.warmup_steps, "eval_batches": 1}),
+                args.seeds[0],
+                True,
+                steps=args.warmup_steps,
+            )
         for i, seed in enumerate(args.seeds):
-            for vcycle in ((False, True) if i % 2 == 0 else (True, False)):
+            for vcycle in (False, True) if i % 2 == 0 else (True, False):
                 if ("vcycle" if vcycle else "baseline") not in args.arms:
                     continue
                 results.append(run_arm(task, args, seed, vcycle))
                 r = results[-1]
-                print(f"{task} seed {seed} {r['arm']:8s}: {r['train_wall_s']:.1f} s train, {r['flops'] / 1e12:.2f} "
-                      f"TFLOPs, {r['metric']} {r['final_metric_full_split']:.4f} (full split), curve final "
-                      f"{r['curve'][-1]['metric']:.4f} [{time.perf_counter() - t_start:.0f} s elapsed]", flush=True)
+                print(
+                    f"{task} seed {seed} {r['arm']:8s}: {r['train_wall_s']:.1f} s train, {r['flops'] / 1e12:.2f} "
+                    f"TFLOPs, {r['metric']} {r['final_metric_full_split']:.4f} (full split), curve final "
+                    f"{r['curve'][-1]['metric']:.4f} [{time.perf_counter() - t_start:.0f} s elapsed]",
+                    flush=True,
+                )
                 summary = write_report(results, args, out)  # after every arm: a crash keeps the arms done
     print(json.dumps({t: {k: v for k, v in s.items() if k != "per_seed"} for t, s in summary.items()}, indent=2))
     print(f"total {time.perf_counter() - t_start:.0f} s")

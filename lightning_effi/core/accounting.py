@@ -118,7 +118,9 @@ class EfficiencyMonitor(Callback):
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
-            raise ValueError(f"EfficiencyMonitor.log_every_n_steps must be a positive int or None, got {log_every_n_steps!r}")
+            raise ValueError(
+                f"EfficiencyMonitor.log_every_n_steps must be a positive int or None, got {log_every_n_steps!r}"
+            )
         if not isinstance(print_summary, bool):
             raise ValueError(f"EfficiencyMonitor.print_summary must be true or false, got {print_summary!r}")
         self.log_every_n_steps = log_every_n_steps
@@ -132,7 +134,9 @@ class EfficiencyMonitor(Callback):
         self._flops_warned = False
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(log_every_n_steps={self.log_every_n_steps!r}, print_summary={self.print_summary!r})"
+        return (
+            f"{type(self).__name__}(log_every_n_steps={self.log_every_n_steps!r}, print_summary={self.print_summary!r})"
+        )
 
     # ----------------------------------------------------------------------------------------- per batch
     def batch_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> BatchStats:
@@ -175,7 +179,9 @@ class EfficiencyMonitor(Callback):
         self._mark = self._now(pl_module)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         now = self._now(pl_module)
         if self._mark is not None:
             self.totals["time_data"] += now - self._mark

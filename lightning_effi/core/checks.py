@@ -45,8 +45,15 @@ def check_int(owner: str, name: str, value: Any, minimum: int | None = None, max
     return int(value)
 
 
-def check_real(owner: str, name: str, value: Any, low: float | None = None, high: float | None = None,
-               low_open: bool = False, high_open: bool = False) -> float:
+def check_real(
+    owner: str,
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
     """``value`` as a finite Python ``float`` in the interval given by ``low`` / ``high`` (closed unless ``*_open``).
 
     Raises:
@@ -55,8 +62,9 @@ def check_real(owner: str, name: str, value: Any, low: float | None = None, high
     ok = is_real(value)
     if ok:
         v = float(value)
-        ok = ((low is None or (v > low if low_open else v >= low))
-              and (high is None or (v < high if high_open else v <= high)))
+        ok = (low is None or (v > low if low_open else v >= low)) and (
+            high is None or (v < high if high_open else v <= high)
+        )
     if not ok:
         interval = ""
         if low is not None or high is not None:

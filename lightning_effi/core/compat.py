@@ -13,8 +13,13 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 
-__all__ = ["SUPPORTED_LIGHTNING", "lightning_version_supported", "optimizers_to_device", "rewrap_ddp",
-           "uses_distributed_sampler"]
+__all__ = [
+    "SUPPORTED_LIGHTNING",
+    "lightning_version_supported",
+    "optimizers_to_device",
+    "rewrap_ddp",
+    "uses_distributed_sampler",
+]
 
 #: Lightning versions whose non-public APIs are used below (the ``lightning`` requirement in ``pyproject.toml``).
 SUPPORTED_LIGHTNING = ">=2.6.1,<2.7"
@@ -48,6 +53,6 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
 
 
 def uses_distributed_sampler(trainer: pl.Trainer) -> bool:
-    """Whether Lightning injects a ``DistributedSampler`` into the training loader (``Trainer(use_distributed_sampler)``,
-    read from the trainer's non-public accelerator connector)."""
+    """Whether Lightning injects a ``DistributedSampler`` into the training loader
+    (``Trainer(use_distributed_sampler)``, read from the trainer's non-public accelerator connector)."""
     return bool(trainer._accelerator_connector.use_distributed_sampler)

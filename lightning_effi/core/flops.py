@@ -2,8 +2,8 @@
 
 Conventions: one multiply-add = 2 FLOPs; training = forward + backward = 3 x forward (the backward of a matmul costs
 two matmuls). Only matrix products are counted (the convention of ``torch.utils.flop_counter`` and of the papers:
-Kaplan et al. 2020 Sec. 2.1, Megatron-LM, Yao et al. 2022 for random-LTD, Zou et al. 2024 for the V-cycle); norms, activations and softmax are
-ignored.
+Kaplan et al. 2020 Sec. 2.1, Megatron-LM, Yao et al. 2022 for random-LTD, Zou et al. 2024 for the V-cycle); norms,
+activations and softmax are ignored.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def transformer_forward_flops(
         raise ValueError("transformer_forward_flops: sizes must be >= 0")
     inter = 4 * hidden if intermediate is None else intermediate
     tokens = batch_size * seq_len
-    per_layer = tokens * (2 * 4 * hidden * hidden + 2 * 2 * hidden * inter) + batch_size * 4 * seq_len * seq_len * hidden
+    per_layer = (
+        tokens * (2 * 4 * hidden * hidden + 2 * 2 * hidden * inter) + batch_size * 4 * seq_len * seq_len * hidden
+    )
     total = n_layer * per_layer
     if head == "lm":
         total += tokens * 2 * hidden * vocab_size

@@ -88,8 +88,9 @@ class IndexedDataset(Dataset[dict[str, Any]]):
         getitems = getattr(self.dataset, "__getitems__", None)
         samples = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
         if len(samples) != len(indices):
-            raise TypeError(f"{type(self.dataset).__name__}.__getitems__ returned {len(samples)} samples "
-                            f"for {len(indices)} indices")
+            raise TypeError(
+                f"{type(self.dataset).__name__}.__getitems__ returned {len(samples)} samples for {len(indices)} indices"
+            )
         return [self._with_index(s, i) for s, i in zip(samples, indices)]
 
     def sequence_lengths(self) -> np.ndarray | None:

@@ -93,8 +93,13 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "batches" (handed out in this epoch), "batch_size", "samples" (per-rank epoch length)}``."""
-        return {"epoch": int(self.sampler.epoch), "batches": int(self._batches),  # type: ignore[attr-defined]
-                "batch_size": int(self.batch_size or 1), "samples": len(self.sampler)}  # type: ignore[arg-type]
+        sampler: Any = self.sampler
+        return {
+            "epoch": int(sampler.epoch),
+            "batches": int(self._batches),
+            "batch_size": int(self.batch_size or 1),
+            "samples": len(sampler),
+        }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Resume at ``state_dict["batches"]`` of epoch ``state_dict["epoch"]`` on the next iteration.
@@ -111,7 +116,9 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
                     f"run now {now}; resume with the same data settings (batch size, subset, number of devices)"
                 )
         if not 0 <= batches <= len(self):
-            raise ValueError(f"cannot resume the training loader: {batches} consumed batches is outside [0, {len(self)}]")
+            raise ValueError(
+                f"cannot resume the training loader: {batches} consumed batches is outside [0, {len(self)}]"
+            )
         if batches == len(self):
             # the checkpoint was taken after the epoch's last batch: Lightning resumes in the next epoch (and calls
             # set_epoch for it), so there is nothing to skip. Skipping here would empty that epoch and lose its data.

@@ -74,7 +74,9 @@ def warmup_cosine(
         raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
     _check(warmup_fraction, min_lr_ratio)
     if progress is not None:
-        return progress_lambda(optimizer, lambda p: warmup_cosine_multiplier(p, warmup_fraction, min_lr_ratio), progress)
+        return progress_lambda(
+            optimizer, lambda p: warmup_cosine_multiplier(p, warmup_fraction, min_lr_ratio), progress
+        )
     return LambdaLR(
         optimizer, lambda step: warmup_cosine_multiplier((step + 1) / total_steps, warmup_fraction, min_lr_ratio)
     )
@@ -85,8 +87,13 @@ def constant(optimizer: Optimizer, total_steps: int, progress: Progress | None =
     return LambdaLR(optimizer, lambda step: 1.0)
 
 
-def layer_token_multiplier(consumed: float, warmup_layer_tokens: float, total_layer_tokens: float,
-                           decay: str = "cosine", min_lr_ratio: float = 0.0) -> float:
+def layer_token_multiplier(
+    consumed: float,
+    warmup_layer_tokens: float,
+    total_layer_tokens: float,
+    decay: str = "cosine",
+    min_lr_ratio: float = 0.0,
+) -> float:
     """LR multiplier at ``consumed`` layer-tokens (Yao et al. 2022, Sec. 3: the paper's layer-token LR schedule, which
     DeepSpeed never finished): linear warmup ``t / warmup`` over the first ``warmup_layer_tokens``, then ``cosine``
     or ``linear`` decay to ``min_lr_ratio`` at ``total_layer_tokens``, constant afterwards (never raises for overrun).
@@ -98,8 +105,9 @@ def layer_token_multiplier(consumed: float, warmup_layer_tokens: float, total_la
     if consumed < 0 or warmup_layer_tokens < 0:
         raise ValueError(f"consumed and warmup_layer_tokens must be >= 0, got {consumed}, {warmup_layer_tokens}")
     if total_layer_tokens <= warmup_layer_tokens:
-        raise ValueError(f"total_layer_tokens ({total_layer_tokens}) must exceed warmup_layer_tokens "
-                         f"({warmup_layer_tokens})")
+        raise ValueError(
+            f"total_layer_tokens ({total_layer_tokens}) must exceed warmup_layer_tokens ({warmup_layer_tokens})"
+        )
     if decay not in ("cosine", "linear"):
         raise ValueError(f"decay must be 'cosine' or 'linear', got {decay!r}")
     if not 0.0 <= min_lr_ratio <= 1.0:
@@ -112,9 +120,14 @@ def layer_token_multiplier(consumed: float, warmup_layer_tokens: float, total_la
     return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * p))
 
 
-def layer_token_lr(optimizer: Optimizer, callback: object, warmup_layer_tokens: float,
-                   total_layer_tokens: float | None = None, decay: str = "cosine",
-                   min_lr_ratio: float = 0.0) -> LambdaLR:
+def layer_token_lr(
+    optimizer: Optimizer,
+    callback: object,
+    warmup_layer_tokens: float,
+    total_layer_tokens: float | None = None,
+    decay: str = "cosine",
+    min_lr_ratio: float = 0.0,
+) -> LambdaLR:
     """A ``LambdaLR`` (``interval="step"``) driven by ``callback.consumed_layer_tokens`` (a
     :class:`~lightning_effi.callbacks.RandomLTDCallback`), see :func:`layer_token_multiplier`.
 
@@ -123,8 +136,9 @@ def layer_token_lr(optimizer: Optimizer, callback: object, warmup_layer_tokens: 
     ``callback.expected_total_layer_tokens()`` (the schedule over the run's optimizer steps at the observed global
     batch size), read once the warmup is over.
     """
-    layer_token_multiplier(0, warmup_layer_tokens, (total_layer_tokens or warmup_layer_tokens + 1), decay,
-                           min_lr_ratio)  # validate now
+    layer_token_multiplier(
+        0, warmup_layer_tokens, (total_layer_tokens or warmup_layer_tokens + 1), decay, min_lr_ratio
+    )  # validate now
     state: dict[str, float] = {}
 
     def fn(_: int) -> float:
@@ -132,8 +146,10 @@ def layer_token_lr(optimizer: Optimizer, callback: object, warmup_layer_tokens: 
         if consumed < warmup_layer_tokens:
             return consumed / warmup_layer_tokens
         if "total" not in state:
-            state["total"] = float(total_layer_tokens if total_layer_tokens is not None
-                                   else callback.expected_total_layer_tokens())  # type: ignore[attr-defined]
+            expected = total_layer_tokens
+            if expected is None:
+                expected = callback.expected_total_layer_tokens()  # type: ignore[attr-defined]
+            state["total"] = float(expected)
         return layer_token_multiplier(consumed, warmup_layer_tokens, state["total"], decay, min_lr_ratio)
 
     return LambdaLR(optimizer, fn)

@@ -59,8 +59,12 @@ class Duration:
         else:
             ok = is_real(v) and v > 0
         if not ok:
-            domain = {"step": "an int >= 0", "epoch": "an int >= 0", "fraction": "a number in [0, 1]",
-                      "token": "a number > 0"}[self.unit]
+            domain = {
+                "step": "an int >= 0",
+                "epoch": "an int >= 0",
+                "fraction": "a number in [0, 1]",
+                "token": "a number > 0",
+            }[self.unit]
             raise ValueError(f"a duration in {self.unit}s must be {domain}, got {v!r}")
 
     @classmethod
@@ -80,8 +84,10 @@ class Duration:
         if isinstance(value, str):
             m = _PATTERN.match(value)
             if m is None:
-                raise ValueError(f"{name}: cannot read {value!r} as a duration; write an int (optimizer steps) or a "
-                                 "number with a unit: '500st', '2ep', '0.3dur', '1e6tok'")
+                raise ValueError(
+                    f"{name}: cannot read {value!r} as a duration; write an int (optimizer steps) or a "
+                    "number with a unit: '500st', '2ep', '0.3dur', '1e6tok'"
+                )
             number, unit = m.group(1), _SUFFIX[m.group(2)]
             if unit in ("step", "epoch"):
                 f = float(number)
@@ -89,8 +95,10 @@ class Duration:
                     raise ValueError(f"{name}: {unit}s must be whole, got {value!r}")
                 return cls._checked(int(f), unit, name)
             return cls._checked(float(number), unit, name)
-        raise ValueError(f"{name} must be an int (optimizer steps) or a string with a unit ('500st', '2ep', "
-                         f"'0.3dur', '1e6tok'), got {value!r}")
+        raise ValueError(
+            f"{name} must be an int (optimizer steps) or a string with a unit ('500st', '2ep', "
+            f"'0.3dur', '1e6tok'), got {value!r}"
+        )
 
     @classmethod
     def _checked(cls, value: float, unit: str, name: str) -> Duration:
@@ -99,9 +107,14 @@ class Duration:
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
 
-    def to_steps(self, steps_per_epoch: int | None = None, total_steps: float | None = None,
-                 tokens_per_step: float | None = None, name: str = "duration",
-                 rounding: Literal["floor", "ceil"] = "floor") -> int:
+    def to_steps(
+        self,
+        steps_per_epoch: int | None = None,
+        total_steps: float | None = None,
+        tokens_per_step: float | None = None,
+        name: str = "duration",
+        rounding: Literal["floor", "ceil"] = "floor",
+    ) -> int:
         """Optimizer steps of this duration.
 
         Args:
@@ -118,13 +131,17 @@ class Duration:
             return int(self.value)
         if self.unit == "epoch":
             if steps_per_epoch is None:
-                raise ValueError(f"{name}={self} is in epochs, but the epoch length in optimizer steps is unknown "
-                                 "(a train dataloader without a length?)")
+                raise ValueError(
+                    f"{name}={self} is in epochs, but the epoch length in optimizer steps is unknown "
+                    "(a train dataloader without a length?)"
+                )
             return int(self.value) * int(steps_per_epoch)
         if self.unit == "fraction":
             if total_steps is None or not math.isfinite(total_steps):
-                raise ValueError(f"{name}={self} is a fraction of the run, but the run's length is unknown: set "
-                                 "trainer.max_steps or trainer.max_epochs")
+                raise ValueError(
+                    f"{name}={self} is a fraction of the run, but the run's length is unknown: set "
+                    "trainer.max_steps or trainer.max_epochs"
+                )
             steps = float(self.value) * int(total_steps)
             return math.ceil(steps) if rounding == "ceil" else math.floor(steps)
         if tokens_per_step is None or not tokens_per_step > 0:

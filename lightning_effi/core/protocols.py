@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["AdjustsBatchStats", "CountsTokens", "HasNumLayers", "ProvidesProgress", "ReportsSummary",
-           "TrainingFlops"]
+__all__ = ["AdjustsBatchStats", "CountsTokens", "HasNumLayers", "ProvidesProgress", "ReportsSummary", "TrainingFlops"]
 
 
 @runtime_checkable

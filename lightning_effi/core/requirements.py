@@ -14,8 +14,15 @@ from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-__all__ = ["CONFLICTS", "BATCH_STRUCTURES", "Conflict", "IncompatibleTechniques", "Requirements", "check_trainer",
-           "technique_callbacks"]
+__all__ = [
+    "CONFLICTS",
+    "BATCH_STRUCTURES",
+    "Conflict",
+    "IncompatibleTechniques",
+    "Requirements",
+    "check_trainer",
+    "technique_callbacks",
+]
 
 #: batch structures a technique may declare it accepts
 BATCH_STRUCTURES = ("dict", "tuple", "list", "tensor", "dataclass")
@@ -129,17 +136,22 @@ def check_trainer(trainer: Any, callbacks: Sequence[Any] | None = None) -> None:
         supported = req.strategies is None or bool(lineage & set(req.strategies))
         if not supported or lineage & set(req.refused_strategies):
             note = f" {req.strategy_note}" if req.strategy_note else ""
-            raise IncompatibleTechniques(f"{_name(t)} supports the strategies {list(req.strategies)}, not "
-                                         f"{strategy}.{note}")
+            if req.strategies is None:
+                raise IncompatibleTechniques(f"{_name(t)} does not support the {strategy} strategy.{note}")
+            raise IncompatibleTechniques(
+                f"{_name(t)} supports the strategies {list(req.strategies)}, not {strategy}.{note}"
+            )
         for other in all_callbacks:
             for cls_name, why in req.incompatible_callbacks:
                 if any(k.__name__ == cls_name for k in type(other).__mro__):
-                    raise IncompatibleTechniques(f"{_name(t)} cannot run with {_name(other)}: {why}; remove "
-                                                 f"{_name(other)}")
+                    raise IncompatibleTechniques(
+                        f"{_name(t)} cannot run with {_name(other)}: {why}; remove {_name(other)}"
+                    )
     for i, a in enumerate(techniques):
-        for b in techniques[i + 1:]:
+        for b in techniques[i + 1 :]:
             ra, rb = type(a).requirements, type(b).requirements
             for rule in CONFLICTS:
                 if rule.applies(ra, rb) or rule.applies(rb, ra):
-                    raise IncompatibleTechniques(f"{_name(a)} and {_name(b)} cannot be combined ({rule.name}): "
-                                                 f"{rule.why}; {rule.fix}")
+                    raise IncompatibleTechniques(
+                        f"{_name(a)} and {_name(b)} cannot be combined ({rule.name}): {rule.why}; {rule.fix}"
+                    )

@@ -21,8 +21,14 @@ def settings_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -
     return {k: (saved.get(k), current.get(k)) for k in keys if saved.get(k) != current.get(k)}
 
 
-def config_mismatch(owner: str, message: str, strict: bool, *, fix: str = "resume with this configuration",
-                    error: type[Exception] = ValueError) -> None:
+def config_mismatch(
+    owner: str,
+    message: str,
+    strict: bool,
+    *,
+    fix: str = "resume with this configuration",
+    error: type[Exception] = ValueError,
+) -> None:
     """Raise (``strict``) or warn that a checkpoint was written with other settings.
 
     Args:

@@ -10,9 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-
-from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
-                              SequentialSampler)
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.loader import EpochShuffleSampler
@@ -33,7 +38,8 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
     """
     if not isinstance(loader, DataLoader):
         raise DataConfigError(
-            f"{technique}: the wrapped train_dataloader() must return one DataLoader, got {type(loader).__name__}")
+            f"{technique}: the wrapped train_dataloader() must return one DataLoader, got {type(loader).__name__}"
+        )
     if isinstance(loader.dataset, IterableDataset):
         raise DataConfigError(f"{technique}: the training dataset must be map-style; IterableDataset is not supported")
     batch_sampler = loader.batch_sampler
@@ -42,7 +48,8 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
         raise DataConfigError(
             f"{technique}: the wrapped training loader uses {type(sampler).__name__} / "
             f"{type(batch_sampler).__name__}; {technique} owns the sampler and accepts only plain shuffling "
-            "loaders (shuffle=True/False, no custom sampler or batch_sampler)")
+            "loaders (shuffle=True/False, no custom sampler or batch_sampler)"
+        )
     return dict(
         dataset=loader.dataset,
         batch_size=loader.batch_size,

@@ -31,9 +31,16 @@ from lightning_effi.curriculum.stream import CurriculumController, indexes_finge
 __all__ = ["Curriculum", "CurriculumCallback"]
 
 #: the defaults of the options that go with the metrics (DeepSpeed's seed and num_epochs)
-_OPTION_DEFAULTS: dict[str, Any] = dict(seed=1234, num_epochs=1000, rounding="clamped", percentile_rounding="deepspeed",
-                                        dp_split="balanced", drop_last=False, truncate_keys=None,
-                                        causal_label_shift=False)
+_OPTION_DEFAULTS: dict[str, Any] = dict(
+    seed=1234,
+    num_epochs=1000,
+    rounding="clamped",
+    percentile_rounding="deepspeed",
+    dp_split="balanced",
+    drop_last=False,
+    truncate_keys=None,
+    causal_label_shift=False,
+)
 
 
 def _metric_arguments(metric: MetricConfig) -> dict[str, Any]:
@@ -94,15 +101,32 @@ class Curriculum(Callback):
     #: rebuilds the training loader (its own batch sampler) and edits each dict batch (truncation, ``cl_*`` keys)
     requirements = Requirements(owns_train_sampler=True, edits_batch=True, batch_structures=("dict",))
 
-    def __init__(self, metrics: Mapping[str, Any] | None = None, seed: int = 1234, num_epochs: int = 1000,
-                 rounding: str = "clamped", percentile_rounding: str = "deepspeed", dp_split: str = "balanced",
-                 drop_last: bool = False, truncate_keys: Sequence[str] | None = None, causal_label_shift: bool = False,
-                 analysis_batch_size: int = 256, total_tokens: int | None = None, strict: bool = True) -> None:
+    def __init__(
+        self,
+        metrics: Mapping[str, Any] | None = None,
+        seed: int = 1234,
+        num_epochs: int = 1000,
+        rounding: str = "clamped",
+        percentile_rounding: str = "deepspeed",
+        dp_split: str = "balanced",
+        drop_last: bool = False,
+        truncate_keys: Sequence[str] | None = None,
+        causal_label_shift: bool = False,
+        analysis_batch_size: int = 256,
+        total_tokens: int | None = None,
+        strict: bool = True,
+    ) -> None:
         super().__init__()
         self.config: CurriculumConfig | None = None
-        opts: dict[str, Any] = dict(seed=seed, num_epochs=num_epochs, rounding=rounding,
-                                    percentile_rounding=percentile_rounding, dp_split=dp_split,
-                                    drop_last=drop_last, causal_label_shift=causal_label_shift)
+        opts: dict[str, Any] = dict(
+            seed=seed,
+            num_epochs=num_epochs,
+            rounding=rounding,
+            percentile_rounding=percentile_rounding,
+            dp_split=dp_split,
+            drop_last=drop_last,
+            causal_label_shift=causal_label_shift,
+        )
         if truncate_keys is not None:
             opts["truncate_keys"] = truncate_keys
         if metrics:
@@ -110,13 +134,16 @@ class Curriculum(Callback):
         else:
             changed = sorted(k for k, v in opts.items() if k == "truncate_keys" or v != _OPTION_DEFAULTS[k])
             if changed:
-                raise CurriculumConfigError(f"Curriculum: options {changed} given without metrics; pass them with "
-                                            "the metrics (to Curriculum or to CurriculumDataModule)")
+                raise CurriculumConfigError(
+                    f"Curriculum: options {changed} given without metrics; pass them with "
+                    "the metrics (to Curriculum or to CurriculumDataModule)"
+                )
         if not isinstance(strict, bool):
             raise CurriculumConfigError(f"Curriculum.strict must be a bool, got {strict!r}")
         if not is_int(analysis_batch_size) or analysis_batch_size < 1:
-            raise CurriculumConfigError(f"Curriculum.analysis_batch_size must be an int >= 1, got "
-                                        f"{analysis_batch_size!r}")
+            raise CurriculumConfigError(
+                f"Curriculum.analysis_batch_size must be an int >= 1, got {analysis_batch_size!r}"
+            )
         self.analysis_batch_size, self.strict = int(analysis_batch_size), strict
         self.total_tokens: int | None = None
         if total_tokens is not None:
@@ -166,18 +193,22 @@ class Curriculum(Callback):
         if not isinstance(dm, CurriculumDataModule):
             raise CurriculumConfigError(
                 "Curriculum needs trainer.fit(..., datamodule=CurriculumDataModule(your_datamodule)); got "
-                f"{type(dm).__name__ if dm is not None else 'no datamodule'}")
+                f"{type(dm).__name__ if dm is not None else 'no datamodule'}"
+            )
         if self.config is not None and dm.config is not None:
-            raise CurriculumConfigError("curriculum configured twice: give metrics to Curriculum(...) or to "
-                                        "CurriculumDataModule(...), not both")
+            raise CurriculumConfigError(
+                "curriculum configured twice: give metrics to Curriculum(...) or to CurriculumDataModule(...), not both"
+            )
         config = self.config or dm.config
         if config is None:
-            raise CurriculumConfigError("curriculum has no metrics: pass metrics={...} to Curriculum(...) or to "
-                                        "CurriculumDataModule(...)")
+            raise CurriculumConfigError(
+                "curriculum has no metrics: pass metrics={...} to Curriculum(...) or to CurriculumDataModule(...)"
+            )
         if trainer.world_size > 1 and uses_distributed_sampler(trainer):
             raise CurriculumConfigError(
                 "Curriculum under DDP needs Trainer(use_distributed_sampler=False): its batch sampler shards by rank "
-                "itself, and Lightning would inject a DistributedSampler into it")
+                "itself, and Lightning would inject a DistributedSampler into it"
+            )
         # a fresh fit starts from a fresh stream; a checkpoint's state arrives later through load_state_dict
         self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
         self._pending = None
@@ -188,9 +219,15 @@ class Curriculum(Callback):
         indexes = self._indexes(config, dataset, template["collate_fn"], n)
         if trainer.world_size > 1:
             self._check_same_indexes(trainer, indexes)
-        self.controller = CurriculumController(config, indexes, n, micro_batch_size=int(template["batch_size"]),
-                                               dp_size=trainer.world_size, dp_rank=trainer.global_rank,
-                                               grad_accum=trainer.accumulate_grad_batches)
+        self.controller = CurriculumController(
+            config,
+            indexes,
+            n,
+            micro_batch_size=int(template["batch_size"]),
+            dp_size=trainer.world_size,
+            dp_rank=trainer.global_rank,
+            grad_accum=trainer.accumulate_grad_batches,
+        )
         dm.controller = self.controller
         if self._loaded is not None:  # load_state_dict called before this fit's setup (by hand)
             self._apply(self._loaded)
@@ -200,9 +237,12 @@ class Curriculum(Callback):
             raise CurriculumConfigError(
                 f"curriculum: trainer.max_steps={trainer.max_steps} exceeds the sample budget N x num_epochs = "
                 f"{c.n} x {config.num_epochs} = {c.total_samples} samples = {c.total_steps} optimizer steps of "
-                f"{c.global_batch}; raise num_epochs or lower max_steps")
-        rank_zero_info(f"Curriculum: N={n}, global batch {c.global_batch} ({c.mbs} x {c.dp} ranks x {c.ga} "
-                       f"accumulation), {len(c)} micro-batches per data epoch, metrics {list(config.metrics)}")
+                f"{c.global_batch}; raise num_epochs or lower max_steps"
+            )
+        rank_zero_info(
+            f"Curriculum: N={n}, global batch {c.global_batch} ({c.mbs} x {c.dp} ranks x {c.ga} "
+            f"accumulation), {len(c)} micro-batches per data epoch, metrics {list(config.metrics)}"
+        )
 
     def _indexes(self, config: CurriculumConfig, dataset: Any, collate_fn: Any, n: int) -> dict[str, Any]:
         from lightning_effi.curriculum.analysis.index import MetricIndex
@@ -214,15 +254,18 @@ class Curriculum(Callback):
             if m.analysis is not None:
                 values = analyze_in_memory(dataset, m.analysis, collate_fn, self.analysis_batch_size)
                 if len(values) != n:
-                    raise CurriculumConfigError(f"curriculum_metrics.{name}: analysis returned {len(values)} values "
-                                                f"for {n} samples")
+                    raise CurriculumConfigError(
+                        f"curriculum_metrics.{name}: analysis returned {len(values)} values for {n} samples"
+                    )
                 idx = MetricIndex.from_sample_to_metric(values)
             else:
                 idx = MetricIndex.load(m.index_to_sample_path, m.index_to_metric_path, num_samples=n)
             if m.difficulty_type == "value" and idx.values is None:
-                raise CurriculumConfigError(f"curriculum_metrics.{name}: difficulty_type 'value' needs per-row values "
-                                            "(index_to_metric); a _percentile_merged index is only valid for "
-                                            "'percentile'")
+                raise CurriculumConfigError(
+                    f"curriculum_metrics.{name}: difficulty_type 'value' needs per-row values "
+                    "(index_to_metric); a _percentile_merged index is only valid for "
+                    "'percentile'"
+                )
             out[name] = idx
         return out
 
@@ -232,18 +275,23 @@ class Curriculum(Callback):
         local = torch.tensor([digest], dtype=torch.int64, device=trainer.strategy.root_device)
         everyone = trainer.strategy.all_gather(local).reshape(-1).tolist()
         if len(set(everyone)) != 1:
-            raise CurriculumConfigError(f"curriculum: the analysis indexes differ between ranks (hashes {everyone}); "
-                                        "every rank must read the same index files")
+            raise CurriculumConfigError(
+                f"curriculum: the analysis indexes differ between ranks (hashes {everyone}); "
+                "every rank must read the same index files"
+            )
 
     # ---------------------------------------------------------------------------------------------- batches
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.controller is None:
             return
         if not isinstance(batch, dict) or any(k not in batch for k in BATCH_KEYS):
-            raise CurriculumConfigError("Curriculum: the training batch does not come from the CurriculumDataModule's "
-                                        "loader (no cl_step/cl_micro/cl_difficulty keys)")
+            raise CurriculumConfigError(
+                "Curriculum: the training batch does not come from the CurriculumDataModule's "
+                "loader (no cl_step/cl_micro/cl_difficulty keys)"
+            )
         step, micro, difficulty = (batch.pop(k) for k in BATCH_KEYS)
         tokens = tokens_of(batch)
         if trainer.world_size > 1:
@@ -253,16 +301,18 @@ class Curriculum(Callback):
         self._tokens_through_current = self.consumed_tokens + int(tokens)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.controller is None or self._pending is None:
             return
         step, micro, difficulty, tokens = self._pending
         self._pending = None
         self.controller.commit(step, micro)
         if self.controller.exhausted:
-            rank_zero_info(f"Curriculum: the sample budget ({self.controller.total_samples} samples) is spent; "
-                           "stopping the fit")
+            rank_zero_info(
+                f"Curriculum: the sample budget ({self.controller.total_samples} samples) is spent; stopping the fit"
+            )
             trainer.should_stop = True
         self.consumed_tokens += tokens
         self.last_difficulties = difficulty
@@ -293,8 +343,11 @@ class Curriculum(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.controller is None:
             return dict(self._loaded) if self._loaded is not None else {}
-        return {"stream": self.controller.state_dict(), "consumed_tokens": int(self.consumed_tokens),
-                "last_difficulties": dict(self.last_difficulties)}
+        return {
+            "stream": self.controller.state_dict(),
+            "consumed_tokens": int(self.consumed_tokens),
+            "last_difficulties": dict(self.last_difficulties),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

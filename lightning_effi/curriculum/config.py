@@ -32,8 +32,16 @@ class CurriculumConfigError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------------ schema
-_METRIC_KEYS = {"index_to_sample_path", "index_to_metric_path", "difficulty_type", "clustering_type",
-                "min_difficulty", "max_difficulty", "schedule_type", "schedule_config"}
+_METRIC_KEYS = {
+    "index_to_sample_path",
+    "index_to_metric_path",
+    "difficulty_type",
+    "clustering_type",
+    "min_difficulty",
+    "max_difficulty",
+    "schedule_type",
+    "schedule_config",
+}
 _METRIC_EXTRA = {"analysis", "custom_schedule"}  # lightning_effi additions
 
 
@@ -80,40 +88,56 @@ class MetricConfig:
     def __post_init__(self) -> None:
         where = f"curriculum_metrics.{self.name}"
         if self.difficulty_type not in F.DIFFICULTY_TYPES:
-            raise CurriculumConfigError(f"{where}.difficulty_type must be one of {F.DIFFICULTY_TYPES}, got "
-                                        f"{self.difficulty_type!r}")
+            raise CurriculumConfigError(
+                f"{where}.difficulty_type must be one of {F.DIFFICULTY_TYPES}, got {self.difficulty_type!r}"
+            )
         if self.clustering_type not in CLUSTERING_TYPES:
-            raise CurriculumConfigError(f"{where}.clustering_type must be one of {CLUSTERING_TYPES}, got "
-                                        f"{self.clustering_type!r}")
+            raise CurriculumConfigError(
+                f"{where}.clustering_type must be one of {CLUSTERING_TYPES}, got {self.clustering_type!r}"
+            )
         object.__setattr__(self, "schedule_config", dict(to_plain(self.schedule_config) or {}))
         object.__setattr__(self, "analysis", to_plain(self.analysis))
-        if self.name in TRANSFORM_METRICS and (self.clustering_type, self.difficulty_type) != ("single_cluster",
-                                                                                               "value"):
-            raise CurriculumConfigError(f"{where}: {self.name} must be clustering_type single_cluster and "
-                                        "difficulty_type value")
+        if self.name in TRANSFORM_METRICS and (self.clustering_type, self.difficulty_type) != (
+            "single_cluster",
+            "value",
+        ):
+            raise CurriculumConfigError(
+                f"{where}: {self.name} must be clustering_type single_cluster and difficulty_type value"
+            )
         if self.name in TRANSFORM_METRICS and self.min_difficulty < 1:
-            raise CurriculumConfigError(f"{where}.min_difficulty must be >= 1 token for {self.name}, got "
-                                        f"{self.min_difficulty}")
+            raise CurriculumConfigError(
+                f"{where}.min_difficulty must be >= 1 token for {self.name}, got {self.min_difficulty}"
+            )
         if self.custom_schedule is not None and self.schedule_type != "custom":
-            raise CurriculumConfigError(f"{where}: custom_schedule is only used with schedule_type 'custom' (got "
-                                        f"{self.schedule_type!r})")
+            raise CurriculumConfigError(
+                f"{where}: custom_schedule is only used with schedule_type 'custom' (got {self.schedule_type!r})"
+            )
         if not self.schedule_based and (self.index_to_sample_path or self.index_to_metric_path or self.analysis):
-            raise CurriculumConfigError(f"{where}: a single_cluster metric never filters data; remove "
-                                        "index_to_sample_path / index_to_metric_path / analysis (or use "
-                                        "clustering_type schedule_based)")
+            raise CurriculumConfigError(
+                f"{where}: a single_cluster metric never filters data; remove "
+                "index_to_sample_path / index_to_metric_path / analysis (or use "
+                "clustering_type schedule_based)"
+            )
         if self.schedule_based:
             if self.index_to_sample_path is None and self.analysis is None:
-                raise CurriculumConfigError(f"{where}: a schedule_based metric needs index_to_sample_path (analysis "
-                                            "files) or analysis (a registered metric computed at setup)")
+                raise CurriculumConfigError(
+                    f"{where}: a schedule_based metric needs index_to_sample_path (analysis "
+                    "files) or analysis (a registered metric computed at setup)"
+                )
             if self.index_to_sample_path is not None and self.analysis is not None:
                 raise CurriculumConfigError(f"{where}: give index_to_sample_path or analysis, not both")
-            if self.difficulty_type == "value" and self.index_to_sample_path is not None \
-                    and self.index_to_metric_path is None:
-                raise CurriculumConfigError(f"{where}: difficulty_type 'value' with schedule_based clustering needs "
-                                            "index_to_metric_path")
+            if (
+                self.difficulty_type == "value"
+                and self.index_to_sample_path is not None
+                and self.index_to_metric_path is None
+            ):
+                raise CurriculumConfigError(
+                    f"{where}: difficulty_type 'value' with schedule_based clustering needs index_to_metric_path"
+                )
             if self.difficulty_type == "percentile" and self.min_difficulty < 0:
-                raise CurriculumConfigError(f"{where}: percentile difficulties must be >= 0, got min_difficulty "
-                                            f"{self.min_difficulty}")
+                raise CurriculumConfigError(
+                    f"{where}: percentile difficulties must be >= 0, got min_difficulty {self.min_difficulty}"
+                )
 
     @property
     def schedule_based(self) -> bool:
@@ -121,8 +145,15 @@ class MetricConfig:
 
     def schedule(self, rounding: str) -> CurriculumSchedule:
         try:
-            return CurriculumSchedule(self.schedule_type, self.min_difficulty, self.max_difficulty,
-                                      self.schedule_config, rounding, self.custom_schedule, self.name)
+            return CurriculumSchedule(
+                self.schedule_type,
+                self.min_difficulty,
+                self.max_difficulty,
+                self.schedule_config,
+                rounding,
+                self.custom_schedule,
+                self.name,
+            )
         except ScheduleConfigError as e:
             raise CurriculumConfigError(str(e)) from None
 
@@ -190,18 +221,25 @@ class CurriculumConfig:
     def __post_init__(self) -> None:
         metrics = to_plain(self.metrics)
         if not isinstance(metrics, Mapping) or not metrics:
-            raise CurriculumConfigError("curriculum metrics: need at least one metric, e.g. "
-                                        "{'seqlen_truncate': {...}}")
-        parsed = {name: (m if isinstance(m, MetricConfig) else MetricConfig.from_dict(name, m))
-                  for name, m in metrics.items() if m is not None}  # None removes a metric composed by Hydra
+            raise CurriculumConfigError("curriculum metrics: need at least one metric, e.g. {'seqlen_truncate': {...}}")
+        parsed = {
+            name: (m if isinstance(m, MetricConfig) else MetricConfig.from_dict(name, m))
+            for name, m in metrics.items()
+            if m is not None
+        }  # None removes a metric composed by Hydra
         if not parsed:
             raise CurriculumConfigError("curriculum metrics: every metric is null; need at least one")
         object.__setattr__(self, "metrics", parsed)
         keys = to_plain(self.truncate_keys)
-        if isinstance(keys, str) or not isinstance(keys, Sequence) or not keys or \
-                not all(isinstance(k, str) for k in keys):
-            raise CurriculumConfigError(f"curriculum truncate_keys must be a non-empty list of batch keys, got "
-                                        f"{keys!r}")
+        if (
+            isinstance(keys, str)
+            or not isinstance(keys, Sequence)
+            or not keys
+            or not all(isinstance(k, str) for k in keys)
+        ):
+            raise CurriculumConfigError(
+                f"curriculum truncate_keys must be a non-empty list of batch keys, got {keys!r}"
+            )
         object.__setattr__(self, "truncate_keys", tuple(keys))
         for key in ("drop_last", "causal_label_shift"):
             if not isinstance(getattr(self, key), bool):
@@ -209,15 +247,18 @@ class CurriculumConfig:
         if self.rounding not in ROUNDING_MODES:
             raise CurriculumConfigError(f"curriculum rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}")
         if self.percentile_rounding not in F.PERCENTILE_ROUNDING:
-            raise CurriculumConfigError(f"curriculum percentile_rounding must be one of {F.PERCENTILE_ROUNDING}, "
-                                        f"got {self.percentile_rounding!r}")
+            raise CurriculumConfigError(
+                f"curriculum percentile_rounding must be one of {F.PERCENTILE_ROUNDING}, "
+                f"got {self.percentile_rounding!r}"
+            )
         if self.dp_split not in F.DP_SPLITS:
             raise CurriculumConfigError(f"curriculum dp_split must be one of {F.DP_SPLITS}, got {self.dp_split!r}")
         for key in ("seed", "num_epochs"):
             v = getattr(self, key)
             if not is_int(v) or v < (0 if key == "seed" else 1):
-                raise CurriculumConfigError(f"curriculum {key} must be an int >= {0 if key == 'seed' else 1}, "
-                                            f"got {v!r}")
+                raise CurriculumConfigError(
+                    f"curriculum {key} must be an int >= {0 if key == 'seed' else 1}, got {v!r}"
+                )
             object.__setattr__(self, key, int(v))
         if self.seed >= 2**32:
             raise CurriculumConfigError(f"curriculum seed must be < 2**32, got {self.seed}")
@@ -231,17 +272,30 @@ class CurriculumConfig:
                     raise CurriculumConfigError(
                         f"curriculum_metrics.{m.name}: with rounding={self.rounding!r} the first difficulty is {first} "
                         f"tokens (difficulty_step {schedule.difficulty_step} > min_difficulty {m.min_difficulty}); "
-                        "use rounding 'clamped' or 'deepspeed', or a min_difficulty >= difficulty_step")
+                        "use rounding 'clamped' or 'deepspeed', or a min_difficulty >= difficulty_step"
+                    )
 
     def schedules(self) -> dict[str, CurriculumSchedule]:
         return {name: m.schedule(self.rounding) for name, m in self.metrics.items()}
 
     def describe(self) -> dict[str, Any]:
         """Safe-loadable description (no callables) used as the checkpoint fingerprint."""
-        out: dict[str, Any] = {k: getattr(self, k) for k in ("seed", "num_epochs", "rounding", "percentile_rounding",
-                                                              "dp_split", "drop_last", "causal_label_shift")}
-        out["metrics"] = {name: {f.name: _describe(getattr(m, f.name)) for f in dataclasses.fields(m)}
-                          for name, m in self.metrics.items()}
+        out: dict[str, Any] = {
+            k: getattr(self, k)
+            for k in (
+                "seed",
+                "num_epochs",
+                "rounding",
+                "percentile_rounding",
+                "dp_split",
+                "drop_last",
+                "causal_label_shift",
+            )
+        }
+        out["metrics"] = {
+            name: {f.name: _describe(getattr(m, f.name)) for f in dataclasses.fields(m)}
+            for name, m in self.metrics.items()
+        }
         return json.loads(json.dumps(out, default=str))
 
 
@@ -261,8 +315,7 @@ def _describe(value: Any) -> Any:
 
 _DS_KEYS = {
     "data_efficiency": {"enabled", "seed", "data_sampling", "data_routing"},
-    "data_sampling": {"enabled", "num_epochs", "num_workers", "curriculum_learning", "pin_memory",
-                      "dynamic_batching"},
+    "data_sampling": {"enabled", "num_epochs", "num_workers", "curriculum_learning", "pin_memory", "dynamic_batching"},
     "curriculum_learning": {"enabled", "data_cluster_path", "curriculum_metrics"},
 }
 
@@ -286,25 +339,32 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
     """
     ds_config = copy.deepcopy(to_plain(ds_config))
     if not isinstance(ds_config, Mapping):
-        raise CurriculumConfigError(f"parse_deepspeed_config: expected a DeepSpeed config dict, got "
-                                    f"{type(ds_config).__name__}")
+        raise CurriculumConfigError(
+            f"parse_deepspeed_config: expected a DeepSpeed config dict, got {type(ds_config).__name__}"
+        )
     clash = sorted(set(overrides) & {"metrics", "seed", "num_epochs"})
     if clash:
-        raise CurriculumConfigError(f"parse_deepspeed_config: {clash} come from the DeepSpeed config; override only "
-                                    "the lightning_effi options (rounding, percentile_rounding, dp_split, ...)")
+        raise CurriculumConfigError(
+            f"parse_deepspeed_config: {clash} come from the DeepSpeed config; override only "
+            "the lightning_effi options (rounding, percentile_rounding, dp_split, ...)"
+        )
     if "data_efficiency" in ds_config:  # a whole DeepSpeed config
         if "curriculum_learning" in ds_config:
             raise CurriculumConfigError(
                 "the legacy top-level 'curriculum_learning' block has been removed (DeepSpeed PR #8566); use "
-                "'data_efficiency.data_sampling.curriculum_learning' instead")
+                "'data_efficiency.data_sampling.curriculum_learning' instead"
+            )
         if "data_sampling" in ds_config:
-            raise CurriculumConfigError("'data_sampling' must sit under 'data_efficiency' (DeepSpeedExamples #696: "
-                                        "a misplaced block is silently ignored by DeepSpeed)")
+            raise CurriculumConfigError(
+                "'data_sampling' must sit under 'data_efficiency' (DeepSpeedExamples #696: "
+                "a misplaced block is silently ignored by DeepSpeed)"
+            )
         block = ds_config["data_efficiency"]
     elif "curriculum_learning" in ds_config:
         raise CurriculumConfigError(
             "the legacy top-level 'curriculum_learning' block has been removed (DeepSpeed PR #8566); use "
-            "'data_efficiency.data_sampling.curriculum_learning' instead")
+            "'data_efficiency.data_sampling.curriculum_learning' instead"
+        )
     elif set(ds_config) and set(ds_config) <= _DS_KEYS["data_efficiency"]:  # just the data_efficiency block
         block = ds_config
     else:
@@ -324,14 +384,19 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
     if not cl.get("enabled", False):
         return None
     if not de.get("enabled", False) or not ds.get("enabled", False):
-        raise CurriculumConfigError("curriculum_learning.enabled is true but its parent "
-                                    f"{'data_efficiency' if not de.get('enabled', False) else 'data_sampling'}"
-                                    ".enabled is false; enable the parents or disable curriculum_learning")
+        raise CurriculumConfigError(
+            "curriculum_learning.enabled is true but its parent "
+            f"{'data_efficiency' if not de.get('enabled', False) else 'data_sampling'}"
+            ".enabled is false; enable the parents or disable curriculum_learning"
+        )
     if not isinstance(cl.get("curriculum_metrics"), Mapping):
-        raise CurriculumConfigError("curriculum_learning.curriculum_metrics: required, a dict {metric name: metric "
-                                    f"config}}; got {cl.get('curriculum_metrics')!r}")
+        raise CurriculumConfigError(
+            "curriculum_learning.curriculum_metrics: required, a dict {metric name: metric "
+            f"config}}; got {cl.get('curriculum_metrics')!r}"
+        )
     if "data_cluster_path" not in cl:
         raise CurriculumConfigError("curriculum_learning: missing required key 'data_cluster_path'")
     metrics = {name: MetricConfig.from_dict(name, m, extras=False) for name, m in cl["curriculum_metrics"].items()}
-    return CurriculumConfig(metrics=metrics, seed=de.get("seed", 1234), num_epochs=ds.get("num_epochs", 1000),
-                            **overrides)
+    return CurriculumConfig(
+        metrics=metrics, seed=de.get("seed", 1234), num_epochs=ds.get("num_epochs", 1000), **overrides
+    )

@@ -60,8 +60,13 @@ class CurriculumCollate:
         DataConfigError: the collated batch is not a dict; the samples of one batch carry different steps.
     """
 
-    def __init__(self, collate_fn: Callable | None, metric_names: Sequence[str],
-                 truncate_keys: Sequence[str] = F.SEQUENCE_KEYS, causal_label_shift: bool = False) -> None:
+    def __init__(
+        self,
+        collate_fn: Callable | None,
+        metric_names: Sequence[str],
+        truncate_keys: Sequence[str] = F.SEQUENCE_KEYS,
+        causal_label_shift: bool = False,
+    ) -> None:
         self.collate_fn = collate_fn or default_collate
         self.metric_names = tuple(metric_names)
         self.truncate_keys = tuple(truncate_keys)
@@ -74,15 +79,19 @@ class CurriculumCollate:
             raise DataConfigError("curriculum: one batch mixes samples of different curriculum steps")
         batch = self.collate_fn([s for s, _ in items])
         if not isinstance(batch, Mapping):
-            raise DataConfigError(f"curriculum needs dict batches (got {type(batch).__name__}): the transforms and "
-                                  "the step/difficulty keys are added by name")
+            raise DataConfigError(
+                f"curriculum needs dict batches (got {type(batch).__name__}): the transforms and "
+                "the step/difficulty keys are added by name"
+            )
         batch = dict(batch)
         difficulty = dict(zip(self.metric_names, diffs))
         if "seqlen_truncate" in difficulty:
             if not any(isinstance(batch.get(k), torch.Tensor) and batch[k].ndim >= 2 for k in self.truncate_keys):
-                raise DataConfigError(f"seqlen_truncate: the batch has none of truncate_keys "
-                                      f"{list(self.truncate_keys)} "
-                                      f"as a [B, S, ...] tensor (batch keys: {sorted(batch)})")
+                raise DataConfigError(
+                    f"seqlen_truncate: the batch has none of truncate_keys "
+                    f"{list(self.truncate_keys)} "
+                    f"as a [B, S, ...] tensor (batch keys: {sorted(batch)})"
+                )
             batch = F.truncate_batch(batch, difficulty["seqlen_truncate"], self.truncate_keys, self.causal_label_shift)
         if "seqlen_reshape" in difficulty:
             batch = F.reshape_batch(batch, difficulty["seqlen_reshape"])
@@ -150,8 +159,9 @@ class CurriculumDataModule(WrappingDataModule):
 
     technique = "curriculum"
 
-    def __init__(self, datamodule: pl.LightningDataModule, metrics: Mapping[str, Any] | None = None,
-                 **options: Any) -> None:
+    def __init__(
+        self, datamodule: pl.LightningDataModule, metrics: Mapping[str, Any] | None = None, **options: Any
+    ) -> None:
         super().__init__(datamodule)
         if metrics is None and options:
             raise DataConfigError(f"CurriculumDataModule: options {sorted(options)} given without metrics")
@@ -160,19 +170,22 @@ class CurriculumDataModule(WrappingDataModule):
 
     def train_dataloader(self) -> CurriculumDataLoader:
         if self.controller is None:
-            raise DataConfigError("CurriculumDataModule needs the Curriculum callback in Trainer(callbacks=[...]); "
-                                  "without it use the wrapped DataModule directly")
+            raise DataConfigError(
+                "CurriculumDataModule needs the Curriculum callback in Trainer(callbacks=[...]); "
+                "without it use the wrapped DataModule directly"
+            )
         t = self.template()
         if len(t["dataset"]) != t["length"]:
-            raise DataConfigError(f"curriculum: the training dataset's length changed from {t['length']} to "
-                                  f"{len(t['dataset'])}; it must stay constant during a run")
+            raise DataConfigError(
+                f"curriculum: the training dataset's length changed from {t['length']} to "
+                f"{len(t['dataset'])}; it must stay constant during a run"
+            )
         cfg = self.controller.config
         workers = t["num_workers"]
         return CurriculumDataLoader(
             CurriculumDataset(t["dataset"]),
             batch_sampler=CurriculumSampler(self.controller),
-            collate_fn=CurriculumCollate(t["collate_fn"], list(cfg.metrics), cfg.truncate_keys,
-                                         cfg.causal_label_shift),
+            collate_fn=CurriculumCollate(t["collate_fn"], list(cfg.metrics), cfg.truncate_keys, cfg.causal_label_shift),
             num_workers=workers,
             pin_memory=t["pin_memory"],
             worker_init_fn=t["worker_init_fn"],

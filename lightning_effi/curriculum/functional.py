@@ -23,14 +23,28 @@ DIFFICULTY_TYPES = ("value", "percentile")
 PERCENTILE_ROUNDING = ("deepspeed", "proportional")
 DP_SPLITS = ("balanced", "deepspeed")
 #: batch keys truncated by :func:`truncate_batch` when present with a sequence dimension (Megatron GPT/BERT fields)
-SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels", "token_type_ids", "position_ids", "loss_mask",
-                 "special_tokens_mask")
+SEQUENCE_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "labels",
+    "token_type_ids",
+    "position_ids",
+    "loss_mask",
+    "special_tokens_mask",
+)
 
 
 # --------------------------------------------------------------------------------------------- eligible sets
-def eligible_end(difficulty: int, *, difficulty_type: str, num_samples: int, max_difficulty: int,
-                 offsets: np.ndarray | None = None, values: np.ndarray | None = None,
-                 percentile_rounding: str = "deepspeed") -> int:
+def eligible_end(
+    difficulty: int,
+    *,
+    difficulty_type: str,
+    num_samples: int,
+    max_difficulty: int,
+    offsets: np.ndarray | None = None,
+    values: np.ndarray | None = None,
+    percentile_rounding: str = "deepspeed",
+) -> int:
     """Number of leading entries of the concatenated ``index_to_sample`` ids eligible at ``difficulty``.
 
     - ``value``: samples with ``metric <= difficulty``: ``offsets[searchsorted(values, d, "right")]``.
@@ -50,8 +64,10 @@ def eligible_end(difficulty: int, *, difficulty_type: str, num_samples: int, max
     """
     if difficulty_type == "value":
         if values is None or offsets is None:
-            raise ValueError("difficulty_type 'value' needs index_to_metric (per-row values); a _percentile_merged "
-                             "index is only valid for difficulty_type 'percentile'")
+            raise ValueError(
+                "difficulty_type 'value' needs index_to_metric (per-row values); a _percentile_merged "
+                "index is only valid for difficulty_type 'percentile'"
+            )
         return int(offsets[int(np.searchsorted(values, difficulty, side="right"))])
     if difficulty_type != "percentile":
         raise ValueError(f"difficulty_type must be one of {DIFFICULTY_TYPES}, got {difficulty_type!r}")
@@ -67,15 +83,20 @@ def eligible_end(difficulty: int, *, difficulty_type: str, num_samples: int, max
     raise ValueError(f"percentile_rounding must be one of {PERCENTILE_ROUNDING}, got {percentile_rounding!r}")
 
 
-def percentile_ids(rows: Sequence[Sequence[int]], p_start: int, p_end: int, max_difficulty: int,
-                   percentile_rounding: str = "deepspeed") -> np.ndarray:
+def percentile_ids(
+    rows: Sequence[Sequence[int]], p_start: int, p_end: int, max_difficulty: int, percentile_rounding: str = "deepspeed"
+) -> np.ndarray:
     """DeepSpeed's percentile window: ids at cumulative positions ``[start(p_start), end(p_end))`` of the
     rows walked in order (the increment from ``p_start`` to ``p_end``), int64, row order kept."""
     ids = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]) if len(rows) else np.zeros(0, np.int64)
     n = len(ids)
-    kw: dict[str, Any] = dict(difficulty_type="percentile", num_samples=n, max_difficulty=max_difficulty,
-                         percentile_rounding=percentile_rounding)
-    return ids[eligible_end(p_start, **kw):eligible_end(p_end, **kw)]
+    kw: dict[str, Any] = dict(
+        difficulty_type="percentile",
+        num_samples=n,
+        max_difficulty=max_difficulty,
+        percentile_rounding=percentile_rounding,
+    )
+    return ids[eligible_end(p_start, **kw) : eligible_end(p_end, **kw)]
 
 
 def eligible_mask(ids: np.ndarray, end: int, num_samples: int) -> np.ndarray:
@@ -109,8 +130,9 @@ def batch_generator(seed: int, step: int) -> np.random.Generator:
     return _rng(seed, 0xB0, step)
 
 
-def draw_from_cluster(ids: np.ndarray, n: int, seed: int, cluster_key: int, pass_: int, position: int,
-                      perm: np.ndarray | None = None) -> tuple[np.ndarray, int, int, np.ndarray]:
+def draw_from_cluster(
+    ids: np.ndarray, n: int, seed: int, cluster_key: int, pass_: int, position: int, perm: np.ndarray | None = None
+) -> tuple[np.ndarray, int, int, np.ndarray]:
     """Exactly ``n`` ids from a cluster walked along its per-pass permutations (fixes DeepSpeed PR #8520, where a
     request larger than the cluster returned fewer ids).
 
@@ -131,7 +153,7 @@ def draw_from_cluster(ids: np.ndarray, n: int, seed: int, cluster_key: int, pass
     out = []
     while n > 0:
         take = min(n, size - position)
-        out.append(perm[position:position + take])
+        out.append(perm[position : position + take])
         position, n = position + take, n - take
         if position == size:
             pass_, position = pass_ + 1, 0
@@ -165,8 +187,9 @@ def _seq_len(batch: Mapping[str, Any], keys: Sequence[str]) -> int | None:
     return None
 
 
-def truncate_batch(batch: dict[str, Any], difficulty: int, keys: Sequence[str] = SEQUENCE_KEYS,
-                   causal_label_shift: bool = False) -> dict[str, Any]:
+def truncate_batch(
+    batch: dict[str, Any], difficulty: int, keys: Sequence[str] = SEQUENCE_KEYS, causal_label_shift: bool = False
+) -> dict[str, Any]:
     """``seqlen_truncate`` (Megatron-DeepSpeed ``pretrain_{gpt,bert}.py``): keep the first ``L`` columns of every
     ``keys`` tensor with a sequence dimension (``[B, S, ...]``, ``S`` taken from the first such key), ``L = d + 1``
     with ``causal_label_shift`` (Megatron GPT: a sample holds ``seq_length + 1`` tokens, the extra one being the
@@ -220,8 +243,13 @@ def reshape_batch(batch: dict[str, Any], difficulty: int, key: str = "input_ids"
     return {key: rows[:num_row].contiguous()}
 
 
-def trim_padding(batch: dict[str, Any], multiple: int = 8, mask_key: str = "attention_mask",
-                 keys: Sequence[str] = SEQUENCE_KEYS, length: int | None = None) -> dict[str, Any]:
+def trim_padding(
+    batch: dict[str, Any],
+    multiple: int = 8,
+    mask_key: str = "attention_mask",
+    keys: Sequence[str] = SEQUENCE_KEYS,
+    length: int | None = None,
+) -> dict[str, Any]:
     """BERT "seqlen reorder" post-process (Megatron-DeepSpeed ``pretrain_bert.py``): cut every sequence field to the
     longest non-padding length of the batch rounded **up** to a multiple of ``multiple`` (``length`` overrides, e.g.
     the MAX all-reduced over DP ranks)."""

@@ -80,8 +80,9 @@ class CurriculumSchedule:
     def __post_init__(self) -> None:
         where = f"curriculum_metrics.{self.name}"
         if self.schedule_type not in SCHEDULE_TYPES:
-            raise ScheduleConfigError(f"{where}.schedule_type must be one of {SCHEDULE_TYPES}, got "
-                                      f"{self.schedule_type!r}")
+            raise ScheduleConfigError(
+                f"{where}.schedule_type must be one of {SCHEDULE_TYPES}, got {self.schedule_type!r}"
+            )
         if self.rounding not in ROUNDING_MODES:
             raise ScheduleConfigError(f"curriculum rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}")
         lo = _int(where, "min_difficulty", self.min_difficulty)
@@ -95,30 +96,39 @@ class CurriculumSchedule:
         needed = SCHEDULE_KEYS[self.schedule_type]
         unknown = sorted(set(cfg) - set(needed))
         if unknown:
-            raise ScheduleConfigError(f"{where}.schedule_config: unknown key(s) {unknown} for schedule_type "
-                                      f"{self.schedule_type!r}; allowed: {list(needed)}")
+            raise ScheduleConfigError(
+                f"{where}.schedule_config: unknown key(s) {unknown} for schedule_type "
+                f"{self.schedule_type!r}; allowed: {list(needed)}"
+            )
         missing = [k for k in needed if k not in cfg]
         if missing:
-            raise ScheduleConfigError(f"{where}.schedule_config: missing key(s) {missing} for schedule_type "
-                                      f"{self.schedule_type!r}")
+            raise ScheduleConfigError(
+                f"{where}.schedule_config: missing key(s) {missing} for schedule_type {self.schedule_type!r}"
+            )
         sc = f"{where}.schedule_config"
         if self.schedule_type in ("fixed_linear", "fixed_root"):
             for key in SCHEDULE_KEYS[self.schedule_type]:
                 cfg[key] = _int(sc, key, cfg[key], 1)
         elif self.schedule_type == "fixed_discrete":
             diff, steps = cfg["difficulty"], cfg["max_step"]
-            if not isinstance(diff, Sequence) or isinstance(diff, str) or not isinstance(steps, Sequence) \
-                    or isinstance(steps, str):
+            if (
+                not isinstance(diff, Sequence)
+                or isinstance(diff, str)
+                or not isinstance(steps, Sequence)
+                or isinstance(steps, str)
+            ):
                 raise ScheduleConfigError(f"{sc}: difficulty and max_step must be lists of ints")
             if len(diff) == 0 or len(steps) == 0 or len(diff) != len(steps) + 1:
                 raise ScheduleConfigError(
                     f"{sc}: fixed_discrete needs non-empty lists with len(difficulty) == len(max_step) + 1; got "
-                    f"{len(diff)} difficulties and {len(steps)} max_steps")
+                    f"{len(diff)} difficulties and {len(steps)} max_steps"
+                )
             for i, d in enumerate(diff):
                 _int(sc, f"difficulty[{i}]", d)
                 if not lo <= d <= hi:
-                    raise ScheduleConfigError(f"{sc}.difficulty[{i}] = {d} is outside [min_difficulty, "
-                                              f"max_difficulty] = [{lo}, {hi}]")
+                    raise ScheduleConfigError(
+                        f"{sc}.difficulty[{i}] = {d} is outside [min_difficulty, max_difficulty] = [{lo}, {hi}]"
+                    )
             for i, m in enumerate(steps):
                 _int(sc, f"max_step[{i}]", m, 0)
             if any(b <= a for a, b in zip(steps, steps[1:])):
@@ -128,7 +138,8 @@ class CurriculumSchedule:
             if not callable(self.custom_fn):
                 raise ScheduleConfigError(
                     f"{where}: schedule_type 'custom' needs a callable custom_fn(step) -> int at construction "
-                    "(Hydra: a target with _partial_: true)")
+                    "(Hydra: a target with _partial_: true)"
+                )
 
     @property
     def difficulty_step(self) -> int:
@@ -149,11 +160,15 @@ class CurriculumSchedule:
         if hasattr(value, "item"):
             value = value.item()
         if not is_int(value):
-            raise ScheduleConfigError(f"curriculum_metrics.{self.name}: custom schedule returned {value!r} at step "
-                                      f"{step}; it must return an int")
+            raise ScheduleConfigError(
+                f"curriculum_metrics.{self.name}: custom schedule returned {value!r} at step "
+                f"{step}; it must return an int"
+            )
         if self.rounding == "clamped" and not lo <= value <= hi:
-            raise ScheduleConfigError(f"curriculum_metrics.{self.name}: custom schedule returned {value} at step "
-                                      f"{step}, outside [min_difficulty, max_difficulty] = [{lo}, {hi}]")
+            raise ScheduleConfigError(
+                f"curriculum_metrics.{self.name}: custom schedule returned {value} at step "
+                f"{step}, outside [min_difficulty, max_difficulty] = [{lo}, {hi}]"
+            )
         return int(value)
 
     def update(self, current: int, step: int) -> int:
@@ -162,8 +177,15 @@ class CurriculumSchedule:
         return update_difficulty(current, self.max_difficulty, lambda: self(step))
 
 
-def root_difficulty(step: int, min_difficulty: int, max_difficulty: int, total_curriculum_step: int,
-                    difficulty_step: int, root_degree: int = 1, rounding: str = "clamped") -> int:
+def root_difficulty(
+    step: int,
+    min_difficulty: int,
+    max_difficulty: int,
+    total_curriculum_step: int,
+    difficulty_step: int,
+    root_degree: int = 1,
+    rounding: str = "clamped",
+) -> int:
     """``fixed_root`` (``fixed_linear`` with ``root_degree=1``; DeepSpeed ``__fixed_root_get_difficulty``).
 
     ``d = floor((s/T)^(1/k)·(max−min) + min)``, ``d −= d mod q``, then the rounding mode's lower bound, then

@@ -35,8 +35,9 @@ class ClusterBook:
     function of the schedules, so every iterator (and every rank) walks the same entries.
     """
 
-    def __init__(self, metrics: Sequence[MetricConfig], indexes: Mapping[str, Any], num_samples: int,
-                 percentile_rounding: str) -> None:
+    def __init__(
+        self, metrics: Sequence[MetricConfig], indexes: Mapping[str, Any], num_samples: int, percentile_rounding: str
+    ) -> None:
         self.metrics = [m for m in metrics if m.schedule_based]
         self.indexes = indexes
         self.n = num_samples
@@ -49,9 +50,15 @@ class ClusterBook:
         mask = np.ones(self.n, dtype=bool)
         for m in self.metrics:
             idx = self.indexes[m.name]
-            end = F.eligible_end(difficulties[m.name], difficulty_type=m.difficulty_type, num_samples=self.n,
-                                 max_difficulty=m.max_difficulty, offsets=idx.offsets, values=idx.values,
-                                 percentile_rounding=self.percentile_rounding)
+            end = F.eligible_end(
+                difficulties[m.name],
+                difficulty_type=m.difficulty_type,
+                num_samples=self.n,
+                max_difficulty=m.max_difficulty,
+                offsets=idx.offsets,
+                values=idx.values,
+                percentile_rounding=self.percentile_rounding,
+            )
             mask &= F.eligible_mask(idx.ids, end, self.n)
         return mask
 
@@ -89,15 +96,24 @@ class CurriculumStream:
 
     @staticmethod
     def initial_state(config: CurriculumConfig) -> dict[str, Any]:
-        return {"step": 0, "difficulties": {n: m.min_difficulty for n, m in config.metrics.items()},
-                "history": [], "clusters": []}
+        return {
+            "step": 0,
+            "difficulties": {n: m.min_difficulty for n, m in config.metrics.items()},
+            "history": [],
+            "clusters": [],
+        }
 
     def state(self) -> dict[str, Any]:
         """Safe-loadable position *before* the next global batch."""
-        return {"step": self.step, "difficulties": dict(self.difficulties),
-                "history": [list(self.book.entries[j][0]) for j in range(self.n_history)],
-                "clusters": [{"key": k, "size": int(len(c)), "pass": int(p), "position": int(q)}
-                             for k, (c, p, q) in enumerate(zip(self.clusters, self.passes, self.positions))]}
+        return {
+            "step": self.step,
+            "difficulties": dict(self.difficulties),
+            "history": [list(self.book.entries[j][0]) for j in range(self.n_history)],
+            "clusters": [
+                {"key": k, "size": int(len(c)), "pass": int(p), "position": int(q)}
+                for k, (c, p, q) in enumerate(zip(self.clusters, self.passes, self.positions))
+            ],
+        }
 
     def restore(self, state: Mapping[str, Any]) -> None:
         self.step = int(state["step"])
@@ -109,10 +125,11 @@ class CurriculumStream:
             if ids is not None:
                 self.clusters.append(ids)
         saved = state["clusters"]
-        if len(saved) != len(self.clusters) or any(int(c["size"]) != len(ids) for c, ids in zip(saved,
-                                                                                                self.clusters)):
-            raise CurriculumConfigError("curriculum state: the saved clusters do not match the ones rebuilt from the "
-                                        "analysis index (different index files or configuration?)")
+        if len(saved) != len(self.clusters) or any(int(c["size"]) != len(ids) for c, ids in zip(saved, self.clusters)):
+            raise CurriculumConfigError(
+                "curriculum state: the saved clusters do not match the ones rebuilt from the "
+                "analysis index (different index files or configuration?)"
+            )
         self.passes = [int(c["pass"]) for c in saved]
         self.positions = [int(c["position"]) for c in saved]
         self.perms: list[np.ndarray | None] = [None] * len(self.clusters)
@@ -140,7 +157,8 @@ class CurriculumStream:
         if not self.clusters:
             raise CurriculumConfigError(
                 f"curriculum: no eligible sample at step {self.step} with difficulties {self.difficulties} "
-                f"(N = {self.book.n})")
+                f"(N = {self.book.n})"
+            )
         rng = F.batch_generator(self.config.seed, self.step)
         sizes = np.array([len(c) for c in self.clusters], dtype=np.float64)
         counts = rng.multinomial(size, sizes / sizes.sum())
@@ -149,7 +167,8 @@ class CurriculumStream:
             if n == 0:
                 continue
             drawn, self.passes[k], self.positions[k], self.perms[k] = F.draw_from_cluster(
-                self.clusters[k], int(n), self.config.seed, k, self.passes[k], self.positions[k], self.perms[k])
+                self.clusters[k], int(n), self.config.seed, k, self.passes[k], self.positions[k], self.perms[k]
+            )
             parts.append(drawn)
         ids = rng.permutation(np.concatenate(parts))
         return GlobalBatch(self.step, tuple(self.difficulties[n] for n in self.names), ids)
@@ -175,14 +194,27 @@ class CurriculumController:
             ``drop_last``); an empty eligible set at the first step (names metric, difficulty and ``N``).
     """
 
-    def __init__(self, config: CurriculumConfig, indexes: Mapping[str, Any], num_samples: int,
-                 micro_batch_size: int, dp_size: int = 1, dp_rank: int = 0, grad_accum: int = 1) -> None:
-        for key, v, lo in (("num_samples", num_samples, 1), ("micro_batch_size", micro_batch_size, 1),
-                           ("dp_size", dp_size, 1), ("grad_accum", grad_accum, 1)):
+    def __init__(
+        self,
+        config: CurriculumConfig,
+        indexes: Mapping[str, Any],
+        num_samples: int,
+        micro_batch_size: int,
+        dp_size: int = 1,
+        dp_rank: int = 0,
+        grad_accum: int = 1,
+    ) -> None:
+        for key, v, lo in (
+            ("num_samples", num_samples, 1),
+            ("micro_batch_size", micro_batch_size, 1),
+            ("dp_size", dp_size, 1),
+            ("grad_accum", grad_accum, 1),
+        ):
             if not is_int(v) or v < lo:
                 raise CurriculumConfigError(f"curriculum: {key} must be an int >= {lo}, got {v!r}")
-        num_samples, micro_batch_size, dp_size, grad_accum = (int(v) for v in (num_samples, micro_batch_size,
-                                                                                dp_size, grad_accum))
+        num_samples, micro_batch_size, dp_size, grad_accum = (
+            int(v) for v in (num_samples, micro_batch_size, dp_size, grad_accum)
+        )
         if not 0 <= dp_rank < dp_size:
             raise CurriculumConfigError(f"curriculum: dp_rank must be in [0, {dp_size}), got {dp_rank}")
         self.config, self.indexes, self.n = config, dict(indexes), num_samples
@@ -196,7 +228,8 @@ class CurriculumController:
             raise CurriculumConfigError(
                 f"curriculum: the sample budget N × num_epochs = {self.total_samples} ends with a micro-chunk of "
                 f"{tail_rem} samples for {dp_size} ranks (a rank would get none); set drop_last=true or change "
-                "num_epochs")
+                "num_epochs"
+            )
         self.total_micro = full * grad_accum + tail_full + (1 if tail_rem and not config.drop_last else 0)
         self.epoch_micro = -(-num_samples // self.global_batch) * grad_accum
         self.names = list(config.metrics)
@@ -215,14 +248,17 @@ class CurriculumController:
         per_metric = []
         for m in self.book.metrics:
             single = ClusterBook([m], self.indexes, self.n, self.config.percentile_rounding)
-            per_metric.append(f"{m.name} ({m.difficulty_type}) at difficulty {first[m.name]}: "
-                              f"{int(single.eligible(first).sum())} eligible")
+            per_metric.append(
+                f"{m.name} ({m.difficulty_type}) at difficulty {first[m.name]}: "
+                f"{int(single.eligible(first).sum())} eligible"
+            )
         raise CurriculumConfigError(
             "curriculum: the first difficulties select no training sample (N = "
             f"{self.n}): " + "; ".join(per_metric) + ". Raise min_difficulty (or use a schedule whose first value "
             "selects data); with several schedule_based metrics the eligible set is their intersection; with "
             "N < max_difficulty, percentile_rounding 'deepspeed' gives N // max_difficulty = 0 samples per "
-            "percentile below the maximum: use percentile_rounding 'proportional'")
+            "percentile below the maximum: use percentile_rounding 'proportional'"
+        )
 
     # -------------------------------------------------------------------------------------------- iteration
     def __len__(self) -> int:
@@ -261,7 +297,7 @@ class CurriculumController:
             for micro_idx, start in enumerate(range(0, len(gb.ids), self.chunk)):
                 if micro_idx < skip:
                     continue
-                chunk = gb.ids[start:start + self.chunk]
+                chunk = gb.ids[start : start + self.chunk]
                 if len(chunk) < self.chunk and self.config.drop_last:
                     continue
                 if m >= end:
@@ -287,26 +323,44 @@ class CurriculumController:
     # --------------------------------------------------------------------------------------------------- state
     def fingerprint(self) -> dict[str, Any]:
         idx = {name: getattr(i, "fingerprint", lambda: None)() for name, i in sorted(self.indexes.items())}
-        return {"config": self.config.describe(), "num_samples": self.n, "micro_batch_size": self.mbs,
-                "dp_size": self.dp, "grad_accum": self.ga, "indexes": idx}
+        return {
+            "config": self.config.describe(),
+            "num_samples": self.n,
+            "micro_batch_size": self.mbs,
+            "dp_size": self.dp,
+            "grad_accum": self.ga,
+            "indexes": idx,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         c = self.committed
         pre = copy.deepcopy(c["pre"])
-        consumed = min(self.total_samples, (c["micro"] // self.ga) * self.global_batch + (c["micro"] % self.ga)
-                       * self.chunk)
-        return {"curriculum_step": int(pre["step"]) + (1 if c["skip"] else 0), "micro_offset": int(c["skip"]),
-                "consumed_samples": int(consumed), "committed_micro": int(c["micro"]),
-                "current_difficulties": dict(pre["difficulties"]), "pre_state": pre,
-                "config": self.fingerprint()}
+        consumed = min(
+            self.total_samples, (c["micro"] // self.ga) * self.global_batch + (c["micro"] % self.ga) * self.chunk
+        )
+        return {
+            "curriculum_step": int(pre["step"]) + (1 if c["skip"] else 0),
+            "micro_offset": int(c["skip"]),
+            "consumed_samples": int(consumed),
+            "committed_micro": int(c["micro"]),
+            "current_difficulties": dict(pre["difficulties"]),
+            "pre_state": pre,
+            "config": self.fingerprint(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Restore the committed position (idempotent; callable before or after iteration started)."""
         diff = settings_diff(state.get("config"), self.fingerprint())
         if diff:
-            config_mismatch("Curriculum", f"the checkpoint was written with another configuration (differs in "
-                            f"{sorted(diff)}): resume with the same metrics, schedules, seed, index files and batch "
-                            "geometry", strict, fix="continue with this configuration", error=CurriculumConfigError)
+            config_mismatch(
+                "Curriculum",
+                f"the checkpoint was written with another configuration (differs in "
+                f"{sorted(diff)}): resume with the same metrics, schedules, seed, index files and batch "
+                "geometry",
+                strict,
+                fix="continue with this configuration",
+                error=CurriculumConfigError,
+            )
         pre = copy.deepcopy(dict(state["pre_state"]))
         CurriculumStream(self.config, self.book, self.total_samples, self.global_batch).restore(pre)  # validates
         self.committed = {"pre": pre, "skip": int(state["micro_offset"]), "micro": int(state["committed_micro"])}

@@ -76,8 +76,9 @@ class InfoBatchCallback(Callback):
             sampler (the curriculum), see :data:`~lightning_effi.core.requirements.CONFLICTS`.
     """
 
-    requirements = Requirements(owns_train_sampler=True, changes_epoch_length=True, needs_per_sample_loss=True,
-                                batch_structures=("dict",))
+    requirements = Requirements(
+        owns_train_sampler=True, changes_epoch_length=True, needs_per_sample_loss=True, batch_structures=("dict",)
+    )
 
     def __init__(
         self,
@@ -107,9 +108,11 @@ class InfoBatchCallback(Callback):
         self._trainer: pl.Trainer | None = None
 
     def __repr__(self) -> str:
-        return (f"InfoBatchCallback(prune_ratio={self.prune_ratio!r}, delta={self.delta!r}, "
-                f"num_epochs={self.num_epochs!r}, seed={self.seed!r}, momentum={self.momentum!r}, "
-                f"strict={self.strict!r})")
+        return (
+            f"InfoBatchCallback(prune_ratio={self.prune_ratio!r}, delta={self.delta!r}, "
+            f"num_epochs={self.num_epochs!r}, seed={self.seed!r}, momentum={self.momentum!r}, "
+            f"strict={self.strict!r})"
+        )
 
     @property
     @override
@@ -127,8 +130,10 @@ class InfoBatchCallback(Callback):
             return
         check_trainer(trainer)
         if trainer.strategy.restore_checkpoint_after_setup:
-            raise ValueError(f"InfoBatchCallback does not support the {type(trainer.strategy).__name__} strategy; "
-                             "use a single device or DDP")
+            raise ValueError(
+                f"InfoBatchCallback does not support the {type(trainer.strategy).__name__} strategy; "
+                "use a single device or DDP"
+            )
         epochs = self.num_epochs if self.num_epochs is not None else trainer.max_epochs
         if epochs is None or epochs < 1:
             raise ValueError(
@@ -142,12 +147,16 @@ class InfoBatchCallback(Callback):
                 "come). Use max_epochs and leave max_steps=-1"
             )
         if self.num_epochs is not None and trainer.max_epochs not in (None, -1) and trainer.max_epochs < epochs:
-            rank_zero_warn(f"InfoBatchCallback: num_epochs={epochs} > max_epochs={trainer.max_epochs}: the annealing "
-                           "epochs will not run")
+            rank_zero_warn(
+                f"InfoBatchCallback: num_epochs={epochs} > max_epochs={trainer.max_epochs}: the annealing "
+                "epochs will not run"
+            )
         reload = trainer.reload_dataloaders_every_n_epochs
         if reload > 1:
-            raise ValueError(f"InfoBatchCallback needs the training loader rebuilt every epoch; "
-                             f"reload_dataloaders_every_n_epochs={reload} is not supported (use 0 or 1)")
+            raise ValueError(
+                f"InfoBatchCallback needs the training loader rebuilt every epoch; "
+                f"reload_dataloaders_every_n_epochs={reload} is not supported (use 0 or 1)"
+            )
         if reload == 0:
             rank_zero_info("InfoBatchCallback: setting trainer.reload_dataloaders_every_n_epochs = 1")
         trainer.reload_dataloaders_every_n_epochs = 1
@@ -185,8 +194,10 @@ class InfoBatchCallback(Callback):
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             if not isinstance(batch, dict) or "index" not in batch:
-                raise ValueError("InfoBatchCallback: the training batch has no 'index'; train with "
-                                 "datamodule=InfoBatchDataModule(...) (dict samples)")
+                raise ValueError(
+                    "InfoBatchCallback: the training batch has no 'index'; train with "
+                    "datamodule=InfoBatchDataModule(...) (dict samples)"
+                )
             index = batch.pop("index")
             return self.rescale_output(original(batch, *args, **kwargs), index)
 
@@ -198,8 +209,10 @@ class InfoBatchCallback(Callback):
         replaced by ``mean(w · per_sample_loss)`` (Qin et al. 2024, Eq. 4). ``index``: int64 ``(B,)`` dataset
         positions."""
         if not isinstance(output, Mapping) or "per_sample_loss" not in output:
-            raise ValueError(f"InfoBatchCallback: {CONTRACT}; got {type(output).__name__}"
-                             + (f" with keys {sorted(output)}" if isinstance(output, Mapping) else ""))
+            raise ValueError(
+                f"InfoBatchCallback: {CONTRACT}; got {type(output).__name__}"
+                + (f" with keys {sorted(output)}" if isinstance(output, Mapping) else "")
+            )
         per_sample = output["per_sample_loss"]
         weights = self.current_weights()
         loss = ib.rescale(per_sample, index, weights)  # validates shape/dtype against the contract
@@ -207,8 +220,10 @@ class InfoBatchCallback(Callback):
         finite = torch.isfinite(values)
         if not bool(finite.all()):
             self.nonfinite += int((~finite).sum())
-            rank_zero_warn("InfoBatchCallback: non-finite per-sample losses are not recorded (their samples keep their "
-                           "previous score); the training loss itself is non-finite")
+            rank_zero_warn(
+                "InfoBatchCallback: non-finite per-sample losses are not recorded (their samples keep their "
+                "previous score); the training loss itself is non-finite"
+            )
         ib.accumulate(self.sum_loss, self.count, index.cpu()[finite], values[finite])
         return {**output, "loss": loss, "per_sample_loss": per_sample.detach(), "index": index}
 
@@ -230,12 +245,22 @@ class InfoBatchCallback(Callback):
         if self.plan is None or self.plan.epoch != epoch:
             if bool(self.count.any()) and self._trainer is not None:
                 self.sync_scores(self._trainer)
-            self.plan = ib.plan_epoch(self.score, self.seen, epoch, self.epochs, self.prune_ratio, self.delta,
-                                      self.seed)
+            self.plan = ib.plan_epoch(
+                self.score, self.seen, epoch, self.epochs, self.prune_ratio, self.delta, self.seed
+            )
             self.steps_in_epoch = 0
-            self.history.append({"epoch": epoch, "kind": self.plan.kind, "saved": self.plan.saved, "padded": 0,
-                                 "threshold": self.plan.threshold, "well_learned": self.plan.num_well_learned,
-                                 "kept_well_learned": self.plan.num_kept_well_learned, "size": self.plan.epoch_size})
+            self.history.append(
+                {
+                    "epoch": epoch,
+                    "kind": self.plan.kind,
+                    "saved": self.plan.saved,
+                    "padded": 0,
+                    "threshold": self.plan.threshold,
+                    "well_learned": self.plan.num_well_learned,
+                    "kept_well_learned": self.plan.num_kept_well_learned,
+                    "size": self.plan.epoch_size,
+                }
+            )
         return self.plan
 
     def record_loader(self, epoch: int, padded: int, batches: int) -> None:
@@ -318,8 +343,14 @@ class InfoBatchCallback(Callback):
 
     # ---------------------------------------------------------------------------------------------- state
     def config(self) -> dict[str, Any]:
-        return {"dataset_size": self.dataset_size, "prune_ratio": self.prune_ratio, "delta": self.delta,
-                "num_epochs": self.epochs, "seed": self.seed, "momentum": self.momentum}
+        return {
+            "dataset_size": self.dataset_size,
+            "prune_ratio": self.prune_ratio,
+            "delta": self.delta,
+            "num_epochs": self.epochs,
+            "seed": self.seed,
+            "momentum": self.momentum,
+        }
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -336,25 +367,36 @@ class InfoBatchCallback(Callback):
         }
 
     @override
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """Detect a checkpoint written by an InfoBatch callback with other identity arguments (its state is stored
         under another ``state_key`` and would otherwise be ignored silently)."""
         prefix = type(self).__qualname__ + "{"
         others = [k for k in checkpoint.get("callbacks", {}) if k.startswith(prefix) and k != self.state_key]
         if others and self.state_key not in checkpoint.get("callbacks", {}):
-            config_mismatch(type(self).__name__, f"the checkpoint was written with other settings ({others[0]}), "
-                            f"not {self.state_key}", self.strict, fix="start InfoBatch afresh")
+            config_mismatch(
+                type(self).__name__,
+                f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}",
+                self.strict,
+                fix="start InfoBatch afresh",
+            )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         diff = settings_diff(state_dict["config"], self.config())
         if diff:
-            config_mismatch(type(self).__name__, f"the checkpoint was written with other settings (checkpoint, now): "
-                            f"{diff}", self.strict, fix="resume anyway")
+            config_mismatch(
+                type(self).__name__,
+                f"the checkpoint was written with other settings (checkpoint, now): {diff}",
+                self.strict,
+                fix="resume anyway",
+            )
         if len(state_dict["score"]) != self.dataset_size:
-            raise ValueError(f"InfoBatchCallback: the checkpoint's score table has {len(state_dict['score'])} entries, "
-                             f"the training set {self.dataset_size}")
+            raise ValueError(
+                f"InfoBatchCallback: the checkpoint's score table has {len(state_dict['score'])} entries, "
+                f"the training set {self.dataset_size}"
+            )
         self.score = state_dict["score"].clone()
         self.seen = state_dict["seen"].clone()
         self.sum_loss = state_dict["sum_loss"].clone()

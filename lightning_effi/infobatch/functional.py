@@ -32,8 +32,19 @@ from lightning_effi.core.checks import is_int
 from lightning_effi.core.rng import hash64
 
 __all__ = [
-    "PER_SAMPLE_LOSS_CONTRACT", "EpochPlan", "accumulate", "epoch_stop", "expected_saving", "finalize", "hash64",
-    "keep_count", "plan_epoch", "plan_generator", "rescale", "split_well_learned", "update_scores",
+    "PER_SAMPLE_LOSS_CONTRACT",
+    "EpochPlan",
+    "accumulate",
+    "epoch_stop",
+    "expected_saving",
+    "finalize",
+    "hash64",
+    "keep_count",
+    "plan_epoch",
+    "plan_generator",
+    "rescale",
+    "split_well_learned",
+    "update_scores",
     "validate_hparams",
 ]
 
@@ -158,16 +169,18 @@ def _fraction(x: Any, name: str) -> Fraction:
 def _check_prune_ratio(prune_ratio: Any) -> Fraction:
     r = _fraction(prune_ratio, "prune_ratio")
     if not 0 <= r < 1:
-        raise ValueError(f"prune_ratio must be in [0, 1) (the fraction of well-learned samples dropped), "
-                         f"got {prune_ratio!r}")
+        raise ValueError(
+            f"prune_ratio must be in [0, 1) (the fraction of well-learned samples dropped), got {prune_ratio!r}"
+        )
     return r
 
 
 def _check_delta(delta: Any) -> Fraction:
     d = _fraction(delta, "delta")
     if not 0 < d <= 1:
-        raise ValueError(f"delta must be in (0, 1] (annealing starts at epoch floor(delta * num_epochs)), "
-                         f"got {delta!r}")
+        raise ValueError(
+            f"delta must be in (0, 1] (annealing starts at epoch floor(delta * num_epochs)), got {delta!r}"
+        )
     return d
 
 
@@ -198,12 +211,19 @@ def validate_hparams(prune_ratio: float, delta: float, num_epochs: int | None = 
     if num_epochs is not None:
         _check_num_epochs(num_epochs)
     if r > Fraction(9, 10):
-        warnings.warn(f"prune_ratio={prune_ratio} > 0.9: kept well-learned samples get weight "
-                      f"{float(1 / (1 - r)):.3g} (> 10), which makes the gradient noisy; the reference clamps to 0.9",
-                      UserWarning, stacklevel=2)
+        warnings.warn(
+            f"prune_ratio={prune_ratio} > 0.9: kept well-learned samples get weight "
+            f"{float(1 / (1 - r)):.3g} (> 10), which makes the gradient noisy; the reference clamps to 0.9",
+            UserWarning,
+            stacklevel=2,
+        )
     if d == 1:
-        warnings.warn("delta=1 disables annealing: pruning continues until the last epoch, whose residual bias is "
-                      "then never removed (the paper uses delta=0.875)", UserWarning, stacklevel=2)
+        warnings.warn(
+            "delta=1 disables annealing: pruning continues until the last epoch, whose residual bias is "
+            "then never removed (the paper uses delta=0.875)",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def epoch_stop(num_epochs: int, delta: float) -> int:
@@ -235,11 +255,11 @@ def keep_count(n_well_learned: int, prune_ratio: float) -> int:
 
 def _check_tables(score: Tensor, seen: Tensor) -> None:
     if not isinstance(score, Tensor) or score.dim() != 1 or not score.is_floating_point():
-        raise ValueError(f"score must be a 1-D floating-point tensor (float32[N]), got "
-                         f"{_describe(score)}")
+        raise ValueError(f"score must be a 1-D floating-point tensor (float32[N]), got {_describe(score)}")
     if not isinstance(seen, Tensor) or seen.dtype != torch.bool or seen.shape != score.shape:
-        raise ValueError(f"seen must be a bool tensor of the same shape as score {tuple(score.shape)}, got "
-                         f"{_describe(seen)}")
+        raise ValueError(
+            f"seen must be a bool tensor of the same shape as score {tuple(score.shape)}, got {_describe(seen)}"
+        )
 
 
 def _describe(x: Any) -> str:
@@ -280,8 +300,10 @@ def split_well_learned(score: Tensor, seen: Tensor) -> tuple[float, Tensor]:
     if not math.isfinite(total):
         finite = torch.isfinite(observed)
         bad = int(seen.nonzero().flatten()[~finite][0])
-        raise ValueError(f"score of sample {bad} is {float(score[bad])}: seen scores must be finite "
-                         "(a NaN/inf loss, or a placeholder left in the table)")
+        raise ValueError(
+            f"score of sample {bad} is {float(score[bad])}: seen scores must be finite "
+            "(a NaN/inf loss, or a placeholder left in the table)"
+        )
     tau = total / observed.numel()
     below = score <= _largest_below(tau, score.dtype)  # == (score < tau) exactly, in the table's own dtype
     return tau, below if all_seen else seen & below
@@ -339,8 +361,10 @@ class EpochPlan:
         if length and (int(self.indices.min()) < 0 or int(self.indices.max()) >= n):
             raise ValueError(f"EpochPlan.indices must lie in [0, {n})")
         if not 0 <= self.num_kept_well_learned <= self.num_well_learned <= n:
-            raise ValueError("EpochPlan needs 0 <= num_kept_well_learned <= num_well_learned <= N, got "
-                             f"{self.num_kept_well_learned}, {self.num_well_learned}, {n}")
+            raise ValueError(
+                "EpochPlan needs 0 <= num_kept_well_learned <= num_well_learned <= N, got "
+                f"{self.num_kept_well_learned}, {self.num_well_learned}, {n}"
+            )
         if self.kind == "full" and (length != n or not bool((self.weights == 1.0).all())):
             raise ValueError("a full EpochPlan visits all N samples with every weight exactly 1.0")
 
@@ -396,19 +420,26 @@ class EpochPlan:
         """Exact equality of every field (tensors element-wise; two NaN thresholds are equal)."""
         if not isinstance(other, EpochPlan):
             return NotImplemented
-        same_tau = (self.threshold == other.threshold
-                    or (math.isnan(self.threshold) and math.isnan(other.threshold)))
-        return (self.epoch == other.epoch and self.kind == other.kind and same_tau
-                and self.num_well_learned == other.num_well_learned
-                and self.num_kept_well_learned == other.num_kept_well_learned and self.saved == other.saved
-                and torch.equal(self.indices, other.indices) and torch.equal(self.weights, other.weights))
+        same_tau = self.threshold == other.threshold or (math.isnan(self.threshold) and math.isnan(other.threshold))
+        return (
+            self.epoch == other.epoch
+            and self.kind == other.kind
+            and same_tau
+            and self.num_well_learned == other.num_well_learned
+            and self.num_kept_well_learned == other.num_kept_well_learned
+            and self.saved == other.saved
+            and torch.equal(self.indices, other.indices)
+            and torch.equal(self.weights, other.weights)
+        )
 
     __hash__ = None  # type: ignore[assignment]  # mutable tensors inside
 
     def __repr__(self) -> str:
-        return (f"EpochPlan(epoch={self.epoch}, kind={self.kind!r}, N={self.dataset_size}, L={self.epoch_size}, "
-                f"saved={self.saved}, threshold={self.threshold:.6g}, num_well_learned={self.num_well_learned}, "
-                f"num_kept_well_learned={self.num_kept_well_learned})")
+        return (
+            f"EpochPlan(epoch={self.epoch}, kind={self.kind!r}, N={self.dataset_size}, L={self.epoch_size}, "
+            f"saved={self.saved}, threshold={self.threshold:.6g}, num_well_learned={self.num_well_learned}, "
+            f"num_kept_well_learned={self.num_kept_well_learned})"
+        )
 
 
 def plan_epoch(
@@ -458,9 +489,16 @@ def plan_epoch(
     seen_cpu = seen.detach().cpu()
 
     if epoch == 0 or epoch >= stop or not bool(seen_cpu.any()):
-        return EpochPlan(epoch=epoch, indices=torch.randperm(n, generator=gen),
-                         weights=torch.ones(n, dtype=torch.float32), kind="full", threshold=math.nan,
-                         num_well_learned=0, num_kept_well_learned=0, saved=0)
+        return EpochPlan(
+            epoch=epoch,
+            indices=torch.randperm(n, generator=gen),
+            weights=torch.ones(n, dtype=torch.float32),
+            kind="full",
+            threshold=math.nan,
+            num_well_learned=0,
+            num_kept_well_learned=0,
+            saved=0,
+        )
 
     tau, well_learned = split_well_learned(score, seen_cpu)
     m = int(well_learned.sum())
@@ -474,21 +512,33 @@ def plan_epoch(
     if length >= _PARALLEL_FROM:
         first = torch.rand(length, generator=order_gen) < 0.5
         c0 = int(first.sum())
-        halves = [_submit(torch.randperm, c, generator=plan_generator(seed, epoch, stream=st))
-                  for c, st in ((c0, 2), (length - c0, 3))]
+        halves = [
+            _submit(torch.randperm, c, generator=plan_generator(seed, epoch, stream=st))
+            for c, st in ((c0, 2), (length - c0, 3))
+        ]
     else:
         order = torch.randperm(length, generator=order_gen)
     kept = uniform_subset_of(well_learned, k, gen)  # bool[N]
     members = (kept | ~well_learned).nonzero().flatten()  # D2 ∪ K in index order
     weights = torch.ones(n, dtype=torch.float32).masked_fill_(kept, float(1 / (1 - r)))
     if length >= _PARALLEL_FROM:
-        parts = [_submit(torch.index_select, group, 0, half.result())
-                 for group, half in zip((members[first], members[~first]), halves)]
+        parts = [
+            _submit(torch.index_select, group, 0, half.result())
+            for group, half in zip((members[first], members[~first]), halves)
+        ]
         indices = torch.cat([part.result() for part in parts])
     else:
         indices = members.index_select(0, order)
-    return EpochPlan(epoch=epoch, indices=indices, weights=weights, kind="prune", threshold=tau,
-                     num_well_learned=m, num_kept_well_learned=k, saved=n - length)
+    return EpochPlan(
+        epoch=epoch,
+        indices=indices,
+        weights=weights,
+        kind="prune",
+        threshold=tau,
+        num_well_learned=m,
+        num_kept_well_learned=k,
+        saved=n - length,
+    )
 
 
 def expected_saving(score: Tensor, seen: Tensor, prune_ratio: float) -> float:
@@ -516,23 +566,29 @@ def _check_index(index: Any, what: str) -> None:
     if not isinstance(index, Tensor):
         raise TypeError(f"{what}: index must be an int64 tensor of dataset indices, got {type(index).__name__}")
     if index.dtype != torch.int64:
-        raise TypeError(f"{what}: index must be int64 (dataset indices never pass through another dtype), "
-                        f"got {index.dtype}")
+        raise TypeError(
+            f"{what}: index must be int64 (dataset indices never pass through another dtype), got {index.dtype}"
+        )
     if index.dim() != 1:
         raise ValueError(f"{what}: index must be 1-D (B,), got shape {tuple(index.shape)}")
 
 
 def _check_per_sample_loss(per_sample_loss: Any, index: Tensor, what: str, allow_empty: bool = False) -> None:
     if not isinstance(per_sample_loss, Tensor):
-        raise ValueError(f"{what}: per_sample_loss is a {type(per_sample_loss).__name__}, not a tensor. "
-                         f"{PER_SAMPLE_LOSS_CONTRACT}")
+        raise ValueError(
+            f"{what}: per_sample_loss is a {type(per_sample_loss).__name__}, not a tensor. {PER_SAMPLE_LOSS_CONTRACT}"
+        )
     if not per_sample_loss.is_floating_point():
-        raise ValueError(f"{what}: per_sample_loss has dtype {per_sample_loss.dtype}, expected a float dtype. "
-                         f"{PER_SAMPLE_LOSS_CONTRACT}")
+        raise ValueError(
+            f"{what}: per_sample_loss has dtype {per_sample_loss.dtype}, expected a float dtype. "
+            f"{PER_SAMPLE_LOSS_CONTRACT}"
+        )
     b = index.numel()
     if per_sample_loss.dim() != 1 or per_sample_loss.numel() != b:
-        raise ValueError(f"{what}: per_sample_loss has shape {tuple(per_sample_loss.shape)} but the batch has "
-                         f"{b} samples (expected shape ({b},)). {PER_SAMPLE_LOSS_CONTRACT}")
+        raise ValueError(
+            f"{what}: per_sample_loss has shape {tuple(per_sample_loss.shape)} but the batch has "
+            f"{b} samples (expected shape ({b},)). {PER_SAMPLE_LOSS_CONTRACT}"
+        )
     if b == 0 and not allow_empty:
         raise ValueError(f"{what}: empty batch (B = 0)")
 
@@ -668,6 +724,11 @@ def finalize(sum_loss: Tensor, count: Tensor, score: Tensor, seen: Tensor, momen
 def _check_buffers(sum_loss: Tensor, count: Tensor) -> None:
     if not isinstance(sum_loss, Tensor) or sum_loss.dim() != 1 or not sum_loss.is_floating_point():
         raise ValueError(f"sum_loss must be a 1-D float tensor [N], got {_describe(sum_loss)}")
-    if (not isinstance(count, Tensor) or count.shape != sum_loss.shape or count.is_floating_point()
-            or count.dtype == torch.bool or count.is_complex()):
+    if (
+        not isinstance(count, Tensor)
+        or count.shape != sum_loss.shape
+        or count.is_floating_point()
+        or count.dtype == torch.bool
+        or count.is_complex()
+    ):
         raise ValueError(f"count must be an integer tensor of shape {tuple(sum_loss.shape)}, got {_describe(count)}")

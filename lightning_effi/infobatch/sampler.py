@@ -62,8 +62,14 @@ class InfoBatchSampler(DistributedSampler):
         num_replicas, rank, start = int(num_replicas), int(rank), int(start) if is_int(start) else start
         indices = plan.indices.detach().cpu().clone().contiguous()
         # DistributedSampler only takes len() of the dataset; ``shuffle=True`` is informational (the plan is shuffled).
-        super().__init__(range(indices.numel()), num_replicas=num_replicas, rank=rank, shuffle=True, seed=0,
-                         drop_last=bool(drop_last))
+        super().__init__(
+            range(indices.numel()),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=True,
+            seed=0,
+            drop_last=bool(drop_last),
+        )
         length = indices.numel()
         self.num_samples = length // num_replicas if drop_last else math.ceil(length / num_replicas)
         self.total_size = self.num_samples * num_replicas
@@ -77,8 +83,9 @@ class InfoBatchSampler(DistributedSampler):
 
     def _check_start(self) -> None:
         if not is_int(self.start) or not 0 <= self.start <= self.num_samples:
-            raise ValueError(f"start must be an int in [0, {self.num_samples}] (the per-rank length), "
-                             f"got {self.start!r}")
+            raise ValueError(
+                f"start must be an int in [0, {self.num_samples}] (the per-rank length), got {self.start!r}"
+            )
 
     def __iter__(self) -> Iterator[int]:
         self._check_start()
@@ -102,11 +109,15 @@ class InfoBatchSampler(DistributedSampler):
             ValueError: ``epoch != plan.epoch`` (a loader served with a stale plan).
         """
         if int(epoch) != self.plan.epoch:
-            raise ValueError(f"InfoBatchSampler holds the plan of epoch {self.plan.epoch} but set_epoch({epoch}) "
-                             "was called: the train loader must be rebuilt with the plan of each epoch "
-                             "(reload_dataloaders_every_n_epochs=1)")
+            raise ValueError(
+                f"InfoBatchSampler holds the plan of epoch {self.plan.epoch} but set_epoch({epoch}) "
+                "was called: the train loader must be rebuilt with the plan of each epoch "
+                "(reload_dataloaders_every_n_epochs=1)"
+            )
 
     def __repr__(self) -> str:
-        return (f"InfoBatchSampler(epoch={self.epoch}, L={self._indices.numel()}, num_replicas={self.num_replicas}, "
-                f"rank={self.rank}, drop_last={self.drop_last}, start={self.start}, len={self.num_samples}, "
-                f"padded={self.padded})")
+        return (
+            f"InfoBatchSampler(epoch={self.epoch}, L={self._indices.numel()}, num_replicas={self.num_replicas}, "
+            f"rank={self.rank}, drop_last={self.drop_last}, start={self.start}, len={self.num_samples}, "
+            f"padded={self.padded})"
+        )

@@ -30,8 +30,24 @@ from lightning_effi.models.vcycle_base import (
 from lightning_effi.models.vit import TimmViTAdapter, TimmViTVCycleAdapter
 
 __all__ = [
-    "MUST_BE_NONE", "PASS", "GenericAdapter", "HFBertAdapter", "HFBertVCycleAdapter", "HFGPT2Adapter",
-    "HFGPT2VCycleAdapter", "ModelFamily", "SeqArg", "TimmViTAdapter", "TimmViTVCycleAdapter", "TransformerAdapter",
-    "VCycleAdapter", "find_adapter", "find_vcycle_adapter", "register_adapter", "register_vcycle_adapter",
-    "registered_adapters", "registered_families", "registered_vcycle_adapters",
+    "MUST_BE_NONE",
+    "PASS",
+    "GenericAdapter",
+    "HFBertAdapter",
+    "HFBertVCycleAdapter",
+    "HFGPT2Adapter",
+    "HFGPT2VCycleAdapter",
+    "ModelFamily",
+    "SeqArg",
+    "TimmViTAdapter",
+    "TimmViTVCycleAdapter",
+    "TransformerAdapter",
+    "VCycleAdapter",
+    "find_adapter",
+    "find_vcycle_adapter",
+    "register_adapter",
+    "register_vcycle_adapter",
+    "registered_adapters",
+    "registered_families",
+    "registered_vcycle_adapters",
 ]

@@ -132,8 +132,9 @@ def registered_adapters() -> list[str]:
     return sorted(registry.adapters("random_ltd"))
 
 
-def find_adapter(module: nn.Module, adapter: str | TransformerAdapter = "auto",
-                 candidates: Iterable[str] | None = None) -> TransformerAdapter:
+def find_adapter(
+    module: nn.Module, adapter: str | TransformerAdapter = "auto", candidates: Iterable[str] | None = None
+) -> TransformerAdapter:
     """The adapter for the first matching model root inside ``module`` (``module`` itself included).
 
     Args:
@@ -149,8 +150,10 @@ def find_adapter(module: nn.Module, adapter: str | TransformerAdapter = "auto",
         raise ValueError(f"adapter must be 'auto', a registered name or a TransformerAdapter, got {adapter!r}")
     known: dict[str, Callable[..., TransformerAdapter]] = registry.adapters("random_ltd")
     if adapter != "auto" and adapter not in known:
-        raise ValueError(f"adapter: unknown adapter {adapter!r}; registered: {', '.join(registered_adapters())} "
-                         "(or pass a lightning_effi.adapters.GenericAdapter)")
+        raise ValueError(
+            f"adapter: unknown adapter {adapter!r}; registered: {', '.join(registered_adapters())} "
+            "(or pass a lightning_effi.adapters.GenericAdapter)"
+        )
     names = [adapter] if adapter != "auto" else list(candidates or known)
     for sub in module.modules():
         for name in names:

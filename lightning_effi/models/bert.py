@@ -96,8 +96,13 @@ class HFBertVCycleAdapter(VCycleAdapter):
         c = model.config
         if getattr(c, "add_cross_attention", False):
             raise ValueError("hf_bert: add_cross_attention=True is not supported by the V-cycle maps")
-        return ArchSizes(int(c.hidden_size), int(c.num_attention_heads), int(c.intermediate_size),
-                         int(c.num_hidden_layers), self.KEYS)
+        return ArchSizes(
+            int(c.hidden_size),
+            int(c.num_attention_heads),
+            int(c.intermediate_size),
+            int(c.num_hidden_layers),
+            self.KEYS,
+        )
 
     @staticmethod
     def _prefix(model: nn.Module) -> str:
@@ -114,26 +119,39 @@ class HFBertVCycleAdapter(VCycleAdapter):
             f"{p}embeddings.word_embeddings.weight": vector("E", 1, e),
             f"{p}embeddings.position_embeddings.weight": vector("E", 1, e),
             f"{p}embeddings.token_type_embeddings.weight": vector("E", 1, e),
-            f"{p}embeddings.LayerNorm.weight": vector("E"), f"{p}embeddings.LayerNorm.bias": vector("E"),
-            f"{p}pooler.dense.weight": linear("E", "E"), f"{p}pooler.dense.bias": vector("E"),
+            f"{p}embeddings.LayerNorm.weight": vector("E"),
+            f"{p}embeddings.LayerNorm.bias": vector("E"),
+            f"{p}pooler.dense.weight": linear("E", "E"),
+            f"{p}pooler.dense.bias": vector("E"),
             "cls.predictions.transform.dense.weight": linear("E", "E"),
             "cls.predictions.transform.dense.bias": vector("E"),
             "cls.predictions.transform.LayerNorm.weight": vector("E", 0, head_scale),
             "cls.predictions.transform.LayerNorm.bias": vector("E", 0, head_scale),
             "cls.predictions.decoder.weight": input_only("E"),
-            "cls.predictions.decoder.bias": COPY, "cls.predictions.bias": COPY,
-            "cls.seq_relationship.weight": input_only("E"), "cls.seq_relationship.bias": COPY,
-            "classifier.weight": input_only("E"), "classifier.bias": COPY,
+            "cls.predictions.decoder.bias": COPY,
+            "cls.predictions.bias": COPY,
+            "cls.seq_relationship.weight": input_only("E"),
+            "cls.seq_relationship.bias": COPY,
+            "classifier.weight": input_only("E"),
+            "classifier.bias": COPY,
         }
         block = {
-            "attention.self.query.weight": linear("QK", "E"), "attention.self.query.bias": vector("QK"),
-            "attention.self.key.weight": linear("QK", "E"), "attention.self.key.bias": vector("QK"),
-            "attention.self.value.weight": linear("V", "E"), "attention.self.value.bias": vector("V"),
-            "attention.output.dense.weight": linear("E", "V"), "attention.output.dense.bias": vector("E"),
-            "attention.output.LayerNorm.weight": vector("E"), "attention.output.LayerNorm.bias": vector("E"),
-            "intermediate.dense.weight": linear("I", "E"), "intermediate.dense.bias": vector("I"),
-            "output.dense.weight": linear("E", "I"), "output.dense.bias": vector("E"),
-            "output.LayerNorm.weight": vector("E"), "output.LayerNorm.bias": vector("E"),
+            "attention.self.query.weight": linear("QK", "E"),
+            "attention.self.query.bias": vector("QK"),
+            "attention.self.key.weight": linear("QK", "E"),
+            "attention.self.key.bias": vector("QK"),
+            "attention.self.value.weight": linear("V", "E"),
+            "attention.self.value.bias": vector("V"),
+            "attention.output.dense.weight": linear("E", "V"),
+            "attention.output.dense.bias": vector("E"),
+            "attention.output.LayerNorm.weight": vector("E"),
+            "attention.output.LayerNorm.bias": vector("E"),
+            "intermediate.dense.weight": linear("I", "E"),
+            "intermediate.dense.bias": vector("I"),
+            "output.dense.weight": linear("E", "I"),
+            "output.dense.bias": vector("E"),
+            "output.LayerNorm.weight": vector("E"),
+            "output.LayerNorm.bias": vector("E"),
         }
         return glob, block
 

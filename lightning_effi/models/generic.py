@@ -37,18 +37,28 @@ class GenericAdapter(TransformerAdapter):
 
     name = "generic"
 
-    def __init__(self, layers: str, max_sequence_length: int, hidden_size: int, intermediate_size: int | None = None,
-                 seq_args: Mapping[str, Sequence[int]] | None = None, passthrough: Iterable[str] = (),
-                 must_be_none: Iterable[str] = (), hidden_state_order: HiddenStateOrder = "batch_seq",
-                 num_prefix_tokens: int = 0, root: nn.Module | None = None):
+    def __init__(
+        self,
+        layers: str,
+        max_sequence_length: int,
+        hidden_size: int,
+        intermediate_size: int | None = None,
+        seq_args: Mapping[str, Sequence[int]] | None = None,
+        passthrough: Iterable[str] = (),
+        must_be_none: Iterable[str] = (),
+        hidden_state_order: HiddenStateOrder = "batch_seq",
+        num_prefix_tokens: int = 0,
+        root: nn.Module | None = None,
+    ):
         if not isinstance(layers, str) or not layers:
             raise ValueError(f"GenericAdapter.layers must be a dotted attribute path, got {layers!r}")
         for key, v in (("max_sequence_length", max_sequence_length), ("hidden_size", hidden_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"GenericAdapter.{key} must be an int >= 1, got {v!r}")
         if hidden_state_order not in ("batch_seq", "seq_batch"):
-            raise ValueError(f"GenericAdapter.hidden_state_order must be 'batch_seq' or 'seq_batch', got "
-                             f"{hidden_state_order!r}")
+            raise ValueError(
+                f"GenericAdapter.hidden_state_order must be 'batch_seq' or 'seq_batch', got {hidden_state_order!r}"
+            )
         self.path = layers
         self._max = max_sequence_length
         self._hidden = hidden_size
@@ -77,12 +87,15 @@ class GenericAdapter(TransformerAdapter):
         target: Any = module
         for part in self.path.split("."):
             if not hasattr(target, part):
-                raise ValueError(f"GenericAdapter.layers: {type(target).__name__} has no attribute {part!r} "
-                                 f"(path {self.path!r})")
+                raise ValueError(
+                    f"GenericAdapter.layers: {type(target).__name__} has no attribute {part!r} (path {self.path!r})"
+                )
             target = getattr(target, part)
         if not isinstance(target, (nn.ModuleList, nn.Sequential)):
-            raise ValueError(f"GenericAdapter.layers: {self.path!r} is a {type(target).__name__}, expected a "
-                             "ModuleList or Sequential of layers")
+            raise ValueError(
+                f"GenericAdapter.layers: {self.path!r} is a {type(target).__name__}, expected a "
+                "ModuleList or Sequential of layers"
+            )
         self.root, self._layers, self._bound = module, target, True
         return self
 

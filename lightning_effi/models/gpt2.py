@@ -26,8 +26,10 @@ SUPPORTED_ATTENTION = ("eager", "sdpa")
 def check_attention(config: object, model: str) -> None:
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
-        raise ValueError(f"{model}: attn_implementation={impl!r} is not supported by random-LTD (its masks are not "
-                         f"gatherable tensors); use one of {SUPPORTED_ATTENTION}")
+        raise ValueError(
+            f"{model}: attn_implementation={impl!r} is not supported by random-LTD (its masks are not "
+            f"gatherable tensors); use one of {SUPPORTED_ATTENTION}"
+        )
 
 
 @register_adapter("hf_gpt2")
@@ -127,12 +129,18 @@ class HFGPT2VCycleAdapter(VCycleAdapter):
             "score.weight": input_only("E"),
         }
         block = {
-            "ln_1.weight": vector("E"), "ln_1.bias": vector("E"),
-            "attn.c_attn.weight": conv1d("QKV", "E"), "attn.c_attn.bias": vector("QKV"),
-            "attn.c_proj.weight": conv1d("E", "V"), "attn.c_proj.bias": vector("E"),
-            "ln_2.weight": vector("E"), "ln_2.bias": vector("E"),
-            "mlp.c_fc.weight": conv1d("I", "E"), "mlp.c_fc.bias": vector("I"),
-            "mlp.c_proj.weight": conv1d("E", "I"), "mlp.c_proj.bias": vector("E"),
+            "ln_1.weight": vector("E"),
+            "ln_1.bias": vector("E"),
+            "attn.c_attn.weight": conv1d("QKV", "E"),
+            "attn.c_attn.bias": vector("QKV"),
+            "attn.c_proj.weight": conv1d("E", "V"),
+            "attn.c_proj.bias": vector("E"),
+            "ln_2.weight": vector("E"),
+            "ln_2.bias": vector("E"),
+            "mlp.c_fc.weight": conv1d("I", "E"),
+            "mlp.c_fc.bias": vector("I"),
+            "mlp.c_proj.weight": conv1d("E", "I"),
+            "mlp.c_proj.bias": vector("E"),
         }
         return glob, block
 

@@ -53,9 +53,20 @@ from lightning_effi.vcycle.operators import (
 )
 
 __all__ = [
-    "COPY", "ArchSizes", "ParamSpec", "TableContext", "VCycleAdapter", "conv1d", "find_vcycle_adapter",
-    "hf_build_small", "hf_small_config", "input_only", "linear", "register_vcycle_adapter",
-    "registered_vcycle_adapters", "vector",
+    "COPY",
+    "ArchSizes",
+    "ParamSpec",
+    "TableContext",
+    "VCycleAdapter",
+    "conv1d",
+    "find_vcycle_adapter",
+    "hf_build_small",
+    "hf_small_config",
+    "input_only",
+    "linear",
+    "register_vcycle_adapter",
+    "registered_vcycle_adapters",
+    "vector",
 ]
 
 #: the per-family maps that moved to the family files, still importable from here (resolved by ``__getattr__``)
@@ -156,8 +167,13 @@ class VCycleAdapter:
 
     # -- concrete ----------------------------------------------------------------------------------------------------
 
-    def plan(self, model: nn.Module, width_scheme: WidthScheme | None = "half",
-             depth_scheme: DepthScheme | None = "adjacent", embedding_convention: str = "official") -> VCyclePlan:
+    def plan(
+        self,
+        model: nn.Module,
+        width_scheme: WidthScheme | None = "half",
+        depth_scheme: DepthScheme | None = "adjacent",
+        embedding_convention: str = "official",
+    ) -> VCyclePlan:
         """The plan of one level for ``model``: width and depth maps, embedding convention, the parameter table.
 
         Args:
@@ -172,8 +188,9 @@ class VCycleAdapter:
                 partition; parameters the adapter does not map (listed).
         """
         if embedding_convention not in EMBEDDING_CONVENTIONS:
-            raise ValueError(f"embedding_convention must be one of {EMBEDDING_CONVENTIONS}, got "
-                             f"{embedding_convention!r}")
+            raise ValueError(
+                f"embedding_convention must be one of {EMBEDDING_CONVENTIONS}, got {embedding_convention!r}"
+            )
         s = self.sizes(model)
         kh, kn, kf, kl = s.keys
         maps = transformer_width_maps(s.hidden, s.heads, s.ffn, width_scheme, names=(kh, kn, kf))
@@ -189,9 +206,13 @@ class VCycleAdapter:
                 canon = next((k for k in keys if k in named), keys[0])
                 aliases.update({k: canon for k in keys if k != canon})
         c = convention_scale(maps.hidden)
-        ctx = TableContext(maps, embedding_convention, aliases,
-                           embedding_scale=c if embedding_convention == "official" else 1.0,
-                           exact_scale=c if embedding_convention == "exact" else 1.0)
+        ctx = TableContext(
+            maps,
+            embedding_convention,
+            aliases,
+            embedding_scale=c if embedding_convention == "official" else 1.0,
+            exact_scale=c if embedding_convention == "exact" else 1.0,
+        )
         global_table, block_table = self.param_table(model, ctx)
         named_maps = {"E": maps.hidden, "QK": maps.qk, "V": maps.v, "QKV": maps.qkv, "I": maps.ffn}
         prefix = self.layer_prefix(model)
@@ -202,7 +223,7 @@ class VCycleAdapter:
                 continue
             lk = layer_key(k, prefix)
             if lk is not None:
-                row = block_table.get(k[len(prefix) + len(str(lk[0])) + 1:])
+                row = block_table.get(k[len(prefix) + len(str(lk[0])) + 1 :])
             else:
                 row = global_table.get(k)
             if row is None:
@@ -211,14 +232,25 @@ class VCycleAdapter:
             axes = tuple((d, named_maps[m], side) for d, m, side in row.axes)
             rules[k] = TensorRule(axes, row.scale, *(lk if lk is not None else (None, "")))
         if unmapped:
-            raise ValueError(f"{self.name}: the V-cycle adapter does not map {len(unmapped)} parameter(s) of "
-                             f"{type(model).__name__}: {unmapped}; these options are unsupported — "
-                             "subclass the adapter to map them")
-        info = {"adapter": self.name, "model": type(model).__name__, "width_scheme": width_scheme,
-                "depth_scheme": depth_scheme, "embedding_convention": embedding_convention,
-                "large": {"hidden": s.hidden, "heads": s.heads, "ffn": s.ffn, "layers": s.layers},
-                "small": {"hidden": maps.hidden.small, "heads": maps.small_heads, "ffn": maps.ffn.small,
-                          "layers": len(depth) if depth is not None else s.layers}}
+            raise ValueError(
+                f"{self.name}: the V-cycle adapter does not map {len(unmapped)} parameter(s) of "
+                f"{type(model).__name__}: {unmapped}; these options are unsupported — "
+                "subclass the adapter to map them"
+            )
+        info = {
+            "adapter": self.name,
+            "model": type(model).__name__,
+            "width_scheme": width_scheme,
+            "depth_scheme": depth_scheme,
+            "embedding_convention": embedding_convention,
+            "large": {"hidden": s.hidden, "heads": s.heads, "ffn": s.ffn, "layers": s.layers},
+            "small": {
+                "hidden": maps.hidden.small,
+                "heads": maps.small_heads,
+                "ffn": maps.ffn.small,
+                "layers": len(depth) if depth is not None else s.layers,
+            },
+        }
         return VCyclePlan.create({k: tuple(t.shape) for k, t in sd.items()}, rules, aliases, depth, info)
 
     @staticmethod
@@ -230,8 +262,10 @@ class VCycleAdapter:
         got = {k: tuple(t.shape) for k, t in small.state_dict().items()}
         if got != dict(plan.small_shapes):
             diff = sorted(set(got.items()) ^ set(plan.small_shapes.items()))
-            raise RuntimeError(f"build_small: the rebuilt {type(small).__name__} does not match the plan's small "
-                               f"shapes; differing (key, shape) entries: {diff[:20]}")
+            raise RuntimeError(
+                f"build_small: the rebuilt {type(small).__name__} does not match the plan's small "
+                f"shapes; differing (key, shape) entries: {diff[:20]}"
+            )
         return small
 
     def __repr__(self) -> str:
@@ -278,8 +312,9 @@ def find_vcycle_adapter(model: nn.Module, adapter: str | VCycleAdapter = "auto")
         if adapter not in known:
             raise ValueError(f"adapter: unknown V-cycle adapter {adapter!r}; registered: {_supported(known)}")
         if not known[adapter].matches(model):
-            raise ValueError(f"adapter: {adapter!r} does not handle {type(model).__name__} "
-                             f"(supports {known[adapter].models})")
+            raise ValueError(
+                f"adapter: {adapter!r} does not handle {type(model).__name__} (supports {known[adapter].models})"
+            )
         return known[adapter]()
     for cls in known.values():
         if cls.matches(model):
@@ -289,9 +324,11 @@ def find_vcycle_adapter(model: nn.Module, adapter: str | VCycleAdapter = "auto")
         if name and any(cls.matches(sub) for cls in known.values()):
             hint = f" Its submodule {name!r} ({type(sub).__name__}) is supported: pass that module instead."
             break
-    raise ValueError(f"no V-cycle adapter for {type(model).__name__}; supported architectures: {_supported(known)}."
-                     f"{hint} Other architectures: subclass lightning_effi.models.vcycle_base.VCycleAdapter and "
-                     "register it with register_vcycle_adapter.")
+    raise ValueError(
+        f"no V-cycle adapter for {type(model).__name__}; supported architectures: {_supported(known)}."
+        f"{hint} Other architectures: subclass lightning_effi.models.vcycle_base.VCycleAdapter and "
+        "register it with register_vcycle_adapter."
+    )
 
 
 def hf_small_config(model: nn.Module, plan: VCyclePlan, keys: tuple[str, str, str, str]) -> Any:

@@ -91,9 +91,11 @@ class TimmViTVCycleAdapter(VCycleAdapter):
             raise ValueError("timm_vit: the model has no blocks (depth=0)")
         b0 = blocks[0]
         if type(getattr(b0, "mlp", None)) is not Mlp:
-            raise ValueError(f"timm_vit: mlp_layer {type(getattr(b0, 'mlp', None)).__name__} is not supported by the "
-                             "V-cycle maps (only timm.layers.Mlp; gated FFNs such as SwiGLU/GluMlp need their own "
-                             "adapter)")
+            raise ValueError(
+                f"timm_vit: mlp_layer {type(getattr(b0, 'mlp', None)).__name__} is not supported by the "
+                "V-cycle maps (only timm.layers.Mlp; gated FFNs such as SwiGLU/GluMlp need their own "
+                "adapter)"
+            )
         heads = int(b0.attn.num_heads)
         ffn = int(b0.mlp.fc1.out_features)
         for i, b in enumerate(blocks):
@@ -106,26 +108,44 @@ class TimmViTVCycleAdapter(VCycleAdapter):
 
     def param_table(self, model: nn.Module, ctx: TableContext) -> tuple[dict[str, ParamSpec], dict[str, ParamSpec]]:
         glob = {
-            "cls_token": vector("E", -1), "dist_token": vector("E", -1), "reg_token": vector("E", -1),
+            "cls_token": vector("E", -1),
+            "dist_token": vector("E", -1),
+            "reg_token": vector("E", -1),
             "pos_embed": vector("E", -1),
-            "patch_embed.proj.weight": vector("E", 0), "patch_embed.proj.bias": vector("E"),
-            "patch_embed.norm.weight": vector("E"), "patch_embed.norm.bias": vector("E"),
-            "norm_pre.weight": vector("E"), "norm_pre.bias": vector("E"),
-            "norm.weight": vector("E"), "norm.bias": vector("E"),
-            "fc_norm.weight": vector("E"), "fc_norm.bias": vector("E"),
-            "head.weight": input_only("E"), "head.bias": COPY,
-            "head_dist.weight": input_only("E"), "head_dist.bias": COPY,
+            "patch_embed.proj.weight": vector("E", 0),
+            "patch_embed.proj.bias": vector("E"),
+            "patch_embed.norm.weight": vector("E"),
+            "patch_embed.norm.bias": vector("E"),
+            "norm_pre.weight": vector("E"),
+            "norm_pre.bias": vector("E"),
+            "norm.weight": vector("E"),
+            "norm.bias": vector("E"),
+            "fc_norm.weight": vector("E"),
+            "fc_norm.bias": vector("E"),
+            "head.weight": input_only("E"),
+            "head.bias": COPY,
+            "head_dist.weight": input_only("E"),
+            "head_dist.bias": COPY,
         }
         block = {
-            "norm1.weight": vector("E"), "norm1.bias": vector("E"),
-            "attn.qkv.weight": linear("QKV", "E"), "attn.qkv.bias": vector("QKV"),
-            "attn.q_norm.weight": COPY, "attn.q_norm.bias": COPY,
-            "attn.k_norm.weight": COPY, "attn.k_norm.bias": COPY,
-            "attn.proj.weight": linear("E", "V"), "attn.proj.bias": vector("E"),
-            "ls1.gamma": vector("E"), "ls2.gamma": vector("E"),
-            "norm2.weight": vector("E"), "norm2.bias": vector("E"),
-            "mlp.fc1.weight": linear("I", "E"), "mlp.fc1.bias": vector("I"),
-            "mlp.fc2.weight": linear("E", "I"), "mlp.fc2.bias": vector("E"),
+            "norm1.weight": vector("E"),
+            "norm1.bias": vector("E"),
+            "attn.qkv.weight": linear("QKV", "E"),
+            "attn.qkv.bias": vector("QKV"),
+            "attn.q_norm.weight": COPY,
+            "attn.q_norm.bias": COPY,
+            "attn.k_norm.weight": COPY,
+            "attn.k_norm.bias": COPY,
+            "attn.proj.weight": linear("E", "V"),
+            "attn.proj.bias": vector("E"),
+            "ls1.gamma": vector("E"),
+            "ls2.gamma": vector("E"),
+            "norm2.weight": vector("E"),
+            "norm2.bias": vector("E"),
+            "mlp.fc1.weight": linear("I", "E"),
+            "mlp.fc1.bias": vector("I"),
+            "mlp.fc2.weight": linear("E", "I"),
+            "mlp.fc2.bias": vector("E"),
         }
         return glob, block
 
@@ -137,28 +157,43 @@ class TimmViTVCycleAdapter(VCycleAdapter):
         b0 = model.blocks[0]
         norm = b0.norm1
         kw: dict[str, Any] = dict(
-            img_size=model.patch_embed.img_size, patch_size=model.patch_embed.patch_size,
-            in_chans=model.patch_embed.proj.in_channels, num_classes=model.num_classes,
-            global_pool=model.global_pool, embed_dim=small["hidden"], depth=small["layers"],
-            num_heads=small["heads"], mlp_ratio=small["ffn"] / small["hidden"],
-            qkv_bias=b0.attn.qkv.bias is not None, qk_norm=not _is_identity(getattr(b0.attn, "q_norm", None)),
+            img_size=model.patch_embed.img_size,
+            patch_size=model.patch_embed.patch_size,
+            in_chans=model.patch_embed.proj.in_channels,
+            num_classes=model.num_classes,
+            global_pool=model.global_pool,
+            embed_dim=small["hidden"],
+            depth=small["layers"],
+            num_heads=small["heads"],
+            mlp_ratio=small["ffn"] / small["hidden"],
+            qkv_bias=b0.attn.qkv.bias is not None,
+            qk_norm=not _is_identity(getattr(b0.attn, "q_norm", None)),
             proj_bias=b0.attn.proj.bias is not None,
             init_values=1e-5 if not _is_identity(getattr(b0, "ls1", None)) else None,
-            class_token=bool(model.has_class_token), no_embed_class=bool(model.no_embed_class),
-            reg_tokens=int(model.num_reg_tokens), pos_embed="learn" if model.pos_embed is not None else "none",
+            class_token=bool(model.has_class_token),
+            no_embed_class=bool(model.no_embed_class),
+            reg_tokens=int(model.num_reg_tokens),
+            pos_embed="learn" if model.pos_embed is not None else "none",
             pre_norm=not _is_identity(model.norm_pre),
             final_norm=not (_is_identity(model.norm) and _is_identity(model.fc_norm)),
-            fc_norm=not _is_identity(model.fc_norm), pool_include_prefix=bool(model.pool_include_prefix),
+            fc_norm=not _is_identity(model.fc_norm),
+            pool_include_prefix=bool(model.pool_include_prefix),
             dynamic_img_size=bool(model.dynamic_img_size),
-            drop_rate=float(getattr(model.head_drop, "p", 0.0)), pos_drop_rate=float(getattr(model.pos_drop, "p", 0.0)),
+            drop_rate=float(getattr(model.head_drop, "p", 0.0)),
+            pos_drop_rate=float(getattr(model.pos_drop, "p", 0.0)),
             patch_drop_rate=float(getattr(model.patch_drop, "prob", 0.0)),
             proj_drop_rate=float(getattr(b0.attn.proj_drop, "p", 0.0)),
             attn_drop_rate=float(getattr(b0.attn.attn_drop, "p", 0.0)),
             drop_path_rate=float(getattr(model.blocks[-1].drop_path1, "drop_prob", 0.0)),
             norm_layer=partial(type(norm), eps=norm.eps) if hasattr(norm, "eps") else type(norm),
-            act_layer=(partial(nn.GELU, approximate=b0.mlp.act.approximate) if type(b0.mlp.act) is nn.GELU
-                       else type(b0.mlp.act)),
-            block_fn=type(b0), mlp_layer=type(b0.mlp), attn_layer=type(b0.attn),
+            act_layer=(
+                partial(nn.GELU, approximate=b0.mlp.act.approximate)
+                if type(b0.mlp.act) is nn.GELU
+                else type(b0.mlp.act)
+            ),
+            block_fn=type(b0),
+            mlp_layer=type(b0.mlp),
+            attn_layer=type(b0.attn),
         )
         pn = getattr(model.patch_embed, "norm", None)
         if not _is_identity(pn):

@@ -20,6 +20,15 @@ from lightning_effi.random_ltd.patching import (
 )
 
 __all__ = [
-    "LTDController", "LTDForward", "PatchedLayers", "RandomLTD", "RandomLTDCallback", "convert", "functional",
-    "is_converted", "resolve_layer_ids", "restore", "strip_random_ltd_keys",
+    "LTDController",
+    "LTDForward",
+    "PatchedLayers",
+    "RandomLTD",
+    "RandomLTDCallback",
+    "convert",
+    "functional",
+    "is_converted",
+    "resolve_layer_ids",
+    "restore",
+    "strip_random_ltd_keys",
 ]

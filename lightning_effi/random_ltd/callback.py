@@ -64,18 +64,23 @@ def _require_duration(owner: str, value: Any) -> Duration:
         v = float(value)
         text = _duration_text(Duration(v, "fraction")) if 0 < v <= 1 else ""
         hint = f"'{text}' for a fraction of the run" if text else "a fraction of the run such as '0.8dur'"
-        raise ValueError(f"{where}: a float is ambiguous (a fraction of the run or a number of steps?), got {value!r}; "
-                         f"write {hint}, or an int of optimizer steps")
+        raise ValueError(
+            f"{where}: a float is ambiguous (a fraction of the run or a number of steps?), got {value!r}; "
+            f"write {hint}, or an int of optimizer steps"
+        )
     if is_int(value) and value < 1:
         raise ValueError(f"{where} must be an int >= 1 (optimizer steps), a duration or None, got {value!r}")
     duration = Duration.parse(value, where)
     if duration.unit == "token":
-        raise ValueError(f"{where}={_duration_text(duration)} is in tokens, which random-LTD's schedule cannot "
-                         "resolve (its tokens per optimizer step are not known in advance); give optimizer steps, "
-                         "epochs ('2ep') or a fraction of the run ('0.8dur')")
+        raise ValueError(
+            f"{where}={_duration_text(duration)} is in tokens, which random-LTD's schedule cannot "
+            "resolve (its tokens per optimizer step are not known in advance); give optimizer steps, "
+            "epochs ('2ep') or a fraction of the run ('0.8dur')"
+        )
     if duration.value <= 0:
-        raise ValueError(f"{where} must be at least one step: >= 1 steps or epochs, a fraction > 0, got "
-                         f"{_duration_text(duration)!r}")
+        raise ValueError(
+            f"{where} must be at least one step: >= 1 steps or epochs, a fraction > 0, got {_duration_text(duration)!r}"
+        )
     return duration
 
 
@@ -156,15 +161,20 @@ class RandomLTDCallback(Callback):
                 raise ValueError(f"{name}.require_fraction must be in (0, 1], got {require_fraction!r}")
             require_fraction = float(require_fraction)
             duration = Duration(require_fraction, "fraction")
-            warnings.warn(f"{name}.require_fraction is deprecated and will be removed in the next release: write "
-                          f"require_steps={_duration_text(duration)!r}", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"{name}.require_fraction is deprecated and will be removed in the next release: write "
+                f"require_steps={_duration_text(duration)!r}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if layer_ids is not None:
             if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Sequence):
                 raise ValueError(f"{name}.layer_ids must be a list of ints or None, got {layer_ids!r}")
             bad = [i for i in layer_ids if not is_int(i) or i < 0]
             if bad or not layer_ids:
-                raise ValueError(f"{name}.layer_ids must be a non-empty list of layer indices >= 0, got "
-                                 f"{list(layer_ids)!r}")
+                raise ValueError(
+                    f"{name}.layer_ids must be a non-empty list of layer indices >= 0, got {list(layer_ids)!r}"
+                )
             if len(set(layer_ids)) != len(layer_ids) or list(layer_ids) != sorted(layer_ids):
                 raise ValueError(f"{name}.layer_ids must be sorted and unique, got {list(layer_ids)!r}")
         check_choice(name, "rounding", rounding, F.ROUNDINGS)
@@ -174,8 +184,9 @@ class RandomLTDCallback(Callback):
             raise ValueError(f"{name}.accounting must be 'actual' or 'deepspeed', got {accounting!r}")
         seed = check_int(name, "seed", seed)
         if not isinstance(adapter, (str, TransformerAdapter)):
-            raise ValueError(f"{name}.adapter must be 'auto', a registered name or a TransformerAdapter, "
-                             f"got {adapter!r}")
+            raise ValueError(
+                f"{name}.adapter must be 'auto', a registered name or a TransformerAdapter, got {adapter!r}"
+            )
         if max_value is not None:
             max_value = int(max_value)
         if keep_prefix_tokens != "auto":
@@ -190,7 +201,8 @@ class RandomLTDCallback(Callback):
         self.require_fraction_arg: float | None = require_fraction
         self.require_duration: Duration = Duration(1.0, "fraction") if duration is None else duration
         self.require_steps_arg: int | None = (
-            int(self.require_duration.value) if self.require_duration.unit == "step" else None)
+            int(self.require_duration.value) if self.require_duration.unit == "step" else None
+        )
         self.seq_per_step = seq_per_step
         self.layer_ids_arg = None if layer_ids is None else tuple(int(i) for i in layer_ids)
         self.adapter_arg = adapter
@@ -232,19 +244,25 @@ class RandomLTDCallback(Callback):
         evaluated."""
         layer_ids = None if self.layer_ids_arg is None else list(self.layer_ids_arg)
         fraction = "" if self.require_fraction_arg is None else f"require_fraction={self.require_fraction_arg!r}, "
-        return (f"{type(self).__name__}(min_value={self.min_value!r}, max_value={self.max_value_arg!r}, "
-                f"require_steps={self.require_steps_given!r}, {fraction}"
-                f"seq_per_step={self.seq_per_step!r}, layer_ids={layer_ids!r}, adapter={self.adapter_arg!r}, "
-                f"rounding={self.rounding!r}, keep_prefix_tokens={self.keep_prefix_arg!r}, "
-                f"accounting={self.accounting!r}, seed={self.seed!r}, strict={self.strict!r})")
+        return (
+            f"{type(self).__name__}(min_value={self.min_value!r}, max_value={self.max_value_arg!r}, "
+            f"require_steps={self.require_steps_given!r}, {fraction}"
+            f"seq_per_step={self.seq_per_step!r}, layer_ids={layer_ids!r}, adapter={self.adapter_arg!r}, "
+            f"rounding={self.rounding!r}, keep_prefix_tokens={self.keep_prefix_arg!r}, "
+            f"accounting={self.accounting!r}, seed={self.seed!r}, strict={self.strict!r})"
+        )
 
     @property
     @override
     def state_key(self) -> str:
         # require_steps: the fixed step count or None (derived from the run), as before durations existed
-        return self._generate_state_key(min_value=self.min_value, max_value=self.max_value_arg,
-                                        require_steps=self.require_steps_arg, seq_per_step=self.seq_per_step,
-                                        layer_ids=self.layer_ids_arg)
+        return self._generate_state_key(
+            min_value=self.min_value,
+            max_value=self.max_value_arg,
+            require_steps=self.require_steps_arg,
+            seq_per_step=self.seq_per_step,
+            layer_ids=self.layer_ids_arg,
+        )
 
     # ------------------------------------------------------------------------------------------------ setup
     @override
@@ -265,19 +283,35 @@ class RandomLTDCallback(Callback):
         if self.max_value > seq:
             raise ValueError(f"{name}.max_value ({self.max_value}) is larger than the model's sequence length ({seq})")
         if self.min_value > self.max_value:
-            raise ValueError(f"{name}: min_value ({self.min_value}) must be <= max_value ({self.max_value}, "
-                             f"{'the model length' if self.max_value_arg is None else 'given'})")
+            raise ValueError(
+                f"{name}: min_value ({self.min_value}) must be <= max_value ({self.max_value}, "
+                f"{'the model length' if self.max_value_arg is None else 'given'})"
+            )
         if self.keep_prefix_arg == "auto":
             self.keep_prefix_tokens = adapter.num_prefix_tokens()
         if self.keep_prefix_tokens > self.min_value:
-            raise ValueError(f"{name}.keep_prefix_tokens ({self.keep_prefix_tokens}) must be <= min_value "
-                             f"({self.min_value})")
-        if (self.require_steps is None and self.require_duration.unit == "fraction" and trainer.max_steps is not None
-                and trainer.max_steps > 0):
-            self.require_steps = max(1, self.require_duration.to_steps(
-                total_steps=trainer.max_steps, name=f"{name}.require_steps", rounding="ceil"))
-        self.controller = LTDController(self.num_layers, self.layer_ids, seed=self.seed, rank=trainer.global_rank,
-                                        keep_prefix_tokens=self.keep_prefix_tokens)
+            raise ValueError(
+                f"{name}.keep_prefix_tokens ({self.keep_prefix_tokens}) must be <= min_value ({self.min_value})"
+            )
+        if (
+            self.require_steps is None
+            and self.require_duration.unit == "fraction"
+            and trainer.max_steps is not None
+            and trainer.max_steps > 0
+        ):
+            self.require_steps = max(
+                1,
+                self.require_duration.to_steps(
+                    total_steps=trainer.max_steps, name=f"{name}.require_steps", rounding="ceil"
+                ),
+            )
+        self.controller = LTDController(
+            self.num_layers,
+            self.layer_ids,
+            seed=self.seed,
+            rank=trainer.global_rank,
+            keep_prefix_tokens=self.keep_prefix_tokens,
+        )
         self.patched = convert(pl_module, adapter, self.controller)
         self.adapter = adapter
 
@@ -302,13 +336,16 @@ class RandomLTDCallback(Callback):
         if duration.unit == "epoch":
             batches = trainer.num_training_batches
             if not math.isfinite(batches) or batches <= 0:
-                raise ValueError(f"{where}={_duration_text(duration)} is in epochs, but the train dataloader has no "
-                                 "length; give optimizer steps")
+                raise ValueError(
+                    f"{where}={_duration_text(duration)} is in epochs, but the train dataloader has no "
+                    "length; give optimizer steps"
+                )
             steps_per_epoch = math.ceil(int(batches) / trainer.accumulate_grad_batches)
             return max(1, duration.to_steps(steps_per_epoch=steps_per_epoch, name=where))
         if not math.isfinite(total) or total <= 0:
-            raise ValueError(f"{where}: the run's length is unknown (max_epochs=-1 and max_steps=-1); set "
-                             "require_steps")
+            raise ValueError(
+                f"{where}: the run's length is unknown (max_epochs=-1 and max_steps=-1); set require_steps"
+            )
         return max(1, duration.to_steps(total_steps=int(total), name=where, rounding="ceil"))
 
     # ------------------------------------------------------------------------------------------------ schedule
@@ -322,9 +359,17 @@ class RandomLTDCallback(Callback):
         """Layer-tokens of ``train_steps`` optimizer steps of full-length batches (pure: the state is untouched)."""
         if self.max_value is None or self.require_steps is None:
             raise RuntimeError("RandomLTDCallback: the schedule is resolved in setup / on_train_start")
-        return F.total_layer_tokens(train_steps, global_batch_size, self.num_layers, len(self.layer_ids),
-                                    self.min_value, self.max_value, self.require_steps, self.seq_per_step,
-                                    self.rounding)
+        return F.total_layer_tokens(
+            train_steps,
+            global_batch_size,
+            self.num_layers,
+            len(self.layer_ids),
+            self.min_value,
+            self.max_value,
+            self.require_steps,
+            self.seq_per_step,
+            self.rounding,
+        )
 
     def expected_total_layer_tokens(self) -> int:
         """Layer-tokens the whole run will consume at full-length batches: :meth:`total_layer_tokens` over the run's
@@ -334,13 +379,16 @@ class RandomLTDCallback(Callback):
             RuntimeError: before the first optimizer step, or for a run of unknown length.
         """
         if self.total_steps is None or not self.global_batch_size:
-            raise RuntimeError("RandomLTDCallback.expected_total_layer_tokens: needs a run of known length and one "
-                               "finished optimizer step; pass total_layer_tokens explicitly")
+            raise RuntimeError(
+                "RandomLTDCallback.expected_total_layer_tokens: needs a run of known length and one "
+                "finished optimizer step; pass total_layer_tokens explicitly"
+            )
         return self.total_layer_tokens(self.total_steps, self.global_batch_size)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         assert self.controller is not None
         step = trainer.global_step
         self.current_step = step
@@ -397,8 +445,9 @@ class RandomLTDCallback(Callback):
         self._fold_step(trainer)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._fold_batch()  # micro-batches before the last one of an accumulation window
         if not pl_module.automatic_optimization and any(self._pending):
             self._fold_step(trainer)
@@ -408,13 +457,24 @@ class RandomLTDCallback(Callback):
         frac = 0.0
         if records and self.adapter is not None:
             r = records[0]
-            frac = F.saved_flops_fraction(r.seq_len, r.reserved_length, self.num_layers, len(self.layer_ids),
-                                          self.adapter.hidden_size(), self.adapter.intermediate_size())
-        pl_module.log_dict({
-            "effi/random_ltd/reserved_length": float(self.current_value),
-            "effi/random_ltd/consumed_layer_tokens": float(self.consumed_layer_tokens),
-            "effi/random_ltd/flops_saved_frac": frac,
-        }, on_step=True, on_epoch=False, batch_size=1)
+            frac = F.saved_flops_fraction(
+                r.seq_len,
+                r.reserved_length,
+                self.num_layers,
+                len(self.layer_ids),
+                self.adapter.hidden_size(),
+                self.adapter.intermediate_size(),
+            )
+        pl_module.log_dict(
+            {
+                "effi/random_ltd/reserved_length": float(self.current_value),
+                "effi/random_ltd/consumed_layer_tokens": float(self.consumed_layer_tokens),
+                "effi/random_ltd/flops_saved_frac": frac,
+            },
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
 
     # ------------------------------------------------------------------------------------------------ accounting
     def effi_adjust(self, stats: BatchStats, batch: Any, pl_module: pl.LightningModule) -> BatchStats:
@@ -430,16 +490,26 @@ class RandomLTDCallback(Callback):
             "random_ltd/consumed_layer_tokens": int(self.consumed_layer_tokens),
             "random_ltd/full_layer_tokens": int(self.full_layer_tokens),
             "random_ltd/layer_token_saving": 1 - self.consumed_layer_tokens / self.full_layer_tokens
-            if self.full_layer_tokens else 0.0,
+            if self.full_layer_tokens
+            else 0.0,
             "random_ltd/layer_flops_saved_fraction": self.saved_flops / self.full_layer_flops
-            if self.full_layer_flops else 0.0,
+            if self.full_layer_flops
+            else 0.0,
         }
 
     # ------------------------------------------------------------------------------------------------ state
     def config(self) -> dict[str, Any]:
-        return {"min_value": self.min_value, "max_value": self.max_value, "require_steps": self.require_steps,
-                "seq_per_step": self.seq_per_step, "layer_ids": list(self.layer_ids), "rounding": self.rounding,
-                "seed": self.seed, "keep_prefix_tokens": self.keep_prefix_tokens, "accounting": self.accounting}
+        return {
+            "min_value": self.min_value,
+            "max_value": self.max_value,
+            "require_steps": self.require_steps,
+            "seq_per_step": self.seq_per_step,
+            "layer_ids": list(self.layer_ids),
+            "rounding": self.rounding,
+            "seed": self.seed,
+            "keep_prefix_tokens": self.keep_prefix_tokens,
+            "accounting": self.accounting,
+        }
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -456,8 +526,9 @@ class RandomLTDCallback(Callback):
         }
 
     @override
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         prefix = type(self).__qualname__ + "{"
         stored = checkpoint.get("callbacks", {})
         others = [k for k in stored if k.startswith(prefix) and k != self.state_key]

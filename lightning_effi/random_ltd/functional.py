@@ -31,8 +31,17 @@ from torch import Tensor
 from lightning_effi.core.checks import is_int
 
 __all__ = [
-    "ROUNDINGS", "flops_per_layer", "gather_seq_tensor", "gather_tokens", "layer_tokens", "ltd_value",
-    "sample_token_indices", "saved_flops_fraction", "scatter_tokens", "total_layer_tokens", "validate_schedule",
+    "ROUNDINGS",
+    "flops_per_layer",
+    "gather_seq_tensor",
+    "gather_tokens",
+    "layer_tokens",
+    "ltd_value",
+    "sample_token_indices",
+    "saved_flops_fraction",
+    "scatter_tokens",
+    "total_layer_tokens",
+    "validate_schedule",
 ]
 
 Rounding = Literal["clamped", "deepspeed"]
@@ -70,8 +79,13 @@ def sample_token_indices(
     Raises:
         ValueError: a size that is not a non-negative int, ``r > S`` or ``r < k``.
     """
-    for name, v in (("num_layers", num_layers), ("batch_size", batch_size), ("seq_len", seq_len),
-                    ("reserved_length", reserved_length), ("keep_prefix_tokens", keep_prefix_tokens)):
+    for name, v in (
+        ("num_layers", num_layers),
+        ("batch_size", batch_size),
+        ("seq_len", seq_len),
+        ("reserved_length", reserved_length),
+        ("keep_prefix_tokens", keep_prefix_tokens),
+    ):
         if not is_int(v) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     if reserved_length > seq_len:
@@ -138,8 +152,10 @@ def scatter_tokens(x: Tensor, idx: Tensor, part: Tensor, seq_dim: int = 1) -> Te
     expected = list(x.shape)
     expected[seq_dim] = idx.shape[1]
     if list(part.shape) != expected:
-        raise ValueError(f"layer output has shape {tuple(part.shape)}, expected {tuple(expected)} (the gathered "
-                         "input's shape): a layer under random-LTD must keep the sequence length")
+        raise ValueError(
+            f"layer output has shape {tuple(part.shape)}, expected {tuple(expected)} (the gathered "
+            "input's shape): a layer under random-LTD must keep the sequence length"
+        )
     return x.scatter(seq_dim, _expand_index(x, idx, seq_dim), part.to(x.dtype))
 
 
@@ -162,8 +178,10 @@ def gather_seq_tensor(t: Tensor, idx: Tensor, axes: Sequence[int], batch_axis: i
     nd = t.dim()
     batch_axis %= nd
     if t.shape[batch_axis] not in (1, b):
-        raise ValueError(f"tensor of shape {tuple(t.shape)}: batch axis {batch_axis} has size "
-                         f"{t.shape[batch_axis]}, expected 1 or {b}")
+        raise ValueError(
+            f"tensor of shape {tuple(t.shape)}: batch axis {batch_axis} has size "
+            f"{t.shape[batch_axis]}, expected 1 or {b}"
+        )
     for axis in sorted({a % nd for a in axes}):
         if axis == batch_axis:
             raise ValueError(f"axis {axis} is the batch axis of a tensor of shape {tuple(t.shape)}")
@@ -187,16 +205,21 @@ def gather_seq_tensor(t: Tensor, idx: Tensor, axes: Sequence[int], batch_axis: i
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def validate_schedule(min_value: int, max_value: int, require_steps: int, seq_per_step: int,
-                      rounding: str = "clamped") -> None:
+def validate_schedule(
+    min_value: int, max_value: int, require_steps: int, seq_per_step: int, rounding: str = "clamped"
+) -> None:
     """Check MSLG schedule values (DeepSpeed config names).
 
     Raises:
         ValueError: ``min_value``/``max_value`` not ints ``>= 1``, ``min_value > max_value``, ``require_steps`` not an
             int ``>= 1``, ``seq_per_step`` not an int ``>= 1``, ``rounding`` not ``clamped``/``deepspeed``.
     """
-    for name, v in (("min_value", min_value), ("max_value", max_value), ("require_steps", require_steps),
-                    ("seq_per_step", seq_per_step)):
+    for name, v in (
+        ("min_value", min_value),
+        ("max_value", max_value),
+        ("require_steps", require_steps),
+        ("seq_per_step", seq_per_step),
+    ):
         if not is_int(v) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if min_value > max_value:
@@ -205,8 +228,9 @@ def validate_schedule(min_value: int, max_value: int, require_steps: int, seq_pe
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
 
 
-def ltd_value(step: int, min_value: int, max_value: int, require_steps: int, seq_per_step: int,
-              rounding: Rounding = "clamped") -> int:
+def ltd_value(
+    step: int, min_value: int, max_value: int, require_steps: int, seq_per_step: int, rounding: Rounding = "clamped"
+) -> int:
     """Reserved length ``r`` at optimizer step ``step`` (0-based), DeepSpeed's ``fixed_linear`` schedule
     (``deepspeed/runtime/data_pipeline/data_routing/scheduler.py``)::
 
@@ -240,13 +264,22 @@ def layer_tokens(batch_size: int, seq_len: int, reserved_length: int, num_layers
     """
     if not 0 <= num_ltd_layers <= num_layers:
         raise ValueError(f"need 0 <= num_ltd_layers <= num_layers, got {num_ltd_layers}, {num_layers}")
-    return int(batch_size) * (min(int(reserved_length), int(seq_len)) * num_ltd_layers
-                              + int(seq_len) * (num_layers - num_ltd_layers))
+    return int(batch_size) * (
+        min(int(reserved_length), int(seq_len)) * num_ltd_layers + int(seq_len) * (num_layers - num_ltd_layers)
+    )
 
 
-def total_layer_tokens(train_steps: int, global_batch_size: int, num_layers: int, num_ltd_layers: int,
-                       min_value: int, max_value: int, require_steps: int, seq_per_step: int,
-                       rounding: Rounding = "clamped") -> int:
+def total_layer_tokens(
+    train_steps: int,
+    global_batch_size: int,
+    num_layers: int,
+    num_ltd_layers: int,
+    min_value: int,
+    max_value: int,
+    require_steps: int,
+    seq_per_step: int,
+    rounding: Rounding = "clamped",
+) -> int:
     """Layer-tokens of ``train_steps`` optimizer steps at full-length (``max_value``) sequences: the sum of
     :func:`layer_tokens` over the schedule. Pure (DeepSpeed's ``get_total_layer_tokens`` mutates its scheduler)."""
     if not is_int(train_steps) or train_steps < 0:
@@ -271,13 +304,20 @@ def flops_per_layer(batch_size: int, tokens: int, hidden: int, intermediate: int
     return 3 * (b * t * (8 * hidden * hidden + 4 * hidden * inter) + 4 * b * t * t * hidden)
 
 
-def saved_flops_fraction(seq_len: int, reserved_length: int, num_layers: int, num_ltd_layers: int, hidden: int,
-                         intermediate: int | None = None) -> float:
+def saved_flops_fraction(
+    seq_len: int,
+    reserved_length: int,
+    num_layers: int,
+    num_ltd_layers: int,
+    hidden: int,
+    intermediate: int | None = None,
+) -> float:
     """Fraction of the transformer layers' training FLOPs that random-LTD skips at reserved length ``r``."""
     full = num_layers * flops_per_layer(1, seq_len, hidden, intermediate)
     if full == 0:
         return 0.0
     r = min(reserved_length, seq_len)
-    saved = num_ltd_layers * (flops_per_layer(1, seq_len, hidden, intermediate)
-                              - flops_per_layer(1, r, hidden, intermediate))
+    saved = num_ltd_layers * (
+        flops_per_layer(1, seq_len, hidden, intermediate) - flops_per_layer(1, r, hidden, intermediate)
+    )
     return saved / full

@@ -43,8 +43,15 @@ from lightning_effi.core.rng import hash64
 from lightning_effi.models.base import MUST_BE_NONE, PASS, SeqArg, TransformerAdapter
 from lightning_effi.random_ltd import functional as F
 
-__all__ = ["LTDController", "LTDForward", "PatchedLayers", "convert", "resolve_layer_ids", "restore",
-           "strip_random_ltd_keys"]
+__all__ = [
+    "LTDController",
+    "LTDForward",
+    "PatchedLayers",
+    "convert",
+    "resolve_layer_ids",
+    "restore",
+    "strip_random_ltd_keys",
+]
 
 #: Purpose key mixed into every random-LTD seed (another technique with the same user seed gets another stream).
 _PURPOSE = int.from_bytes(b"RandLTD", "little")
@@ -59,16 +66,19 @@ def resolve_layer_ids(layer_ids: Iterable[int] | None, num_layers: int) -> tuple
     if layer_ids is None:
         ids = tuple(range(1, num_layers - 1))
         if not ids:
-            raise ValueError(f"layer_ids: the model has {num_layers} layers, so the default (all but the first and "
-                             "the last) selects none; pass layer_ids explicitly")
+            raise ValueError(
+                f"layer_ids: the model has {num_layers} layers, so the default (all but the first and "
+                "the last) selects none; pass layer_ids explicitly"
+            )
         return ids
     ids = tuple(layer_ids)
     for i in ids:
         if not is_int(i):
             raise ValueError(f"layer_ids: ids must be ints, got {i!r}")
         if not 0 <= i < num_layers:
-            raise ValueError(f"layer_ids: id {i} is out of range for a model with {num_layers} layers "
-                             f"(valid: 0..{num_layers - 1})")
+            raise ValueError(
+                f"layer_ids: id {i} is out of range for a model with {num_layers} layers (valid: 0..{num_layers - 1})"
+            )
     if len(set(ids)) != len(ids):
         raise ValueError(f"layer_ids: duplicate ids in {list(ids)}")
     if list(ids) != sorted(ids):
@@ -150,12 +160,19 @@ class LTDController:
                 self._indices[shape_key] = torch.empty(0)
             else:
                 if r < self.keep_prefix_tokens:
-                    raise ValueError(f"reserved length {r} is smaller than keep_prefix_tokens "
-                                     f"({self.keep_prefix_tokens})")
+                    raise ValueError(
+                        f"reserved length {r} is smaller than keep_prefix_tokens ({self.keep_prefix_tokens})"
+                    )
                 self.draws += 1
                 self._indices[shape_key] = F.sample_token_indices(
-                    self.num_ltd_layers, batch_size, seq_len, r, self.generator(device),
-                    keep_prefix_tokens=self.keep_prefix_tokens, device=device)
+                    self.num_ltd_layers,
+                    batch_size,
+                    seq_len,
+                    r,
+                    self.generator(device),
+                    keep_prefix_tokens=self.keep_prefix_tokens,
+                    device=device,
+                )
         idx = self._indices[shape_key]
         return None if idx.numel() == 0 else idx[ordinal]
 
@@ -179,15 +196,18 @@ def _check_signature(layer: nn.Module, index: int, sig: inspect.Signature, adapt
         if p.name == hidden or p.kind == p.VAR_KEYWORD:
             continue
         if p.kind == p.VAR_POSITIONAL:
-            raise ValueError(f"layer {index} ({type(layer).__name__}) takes *{p.name}: random-LTD cannot tell which "
-                             f"extra positional arguments have a sequence axis; adapter {adapter.name or adapter!r} "
-                             "must name them (use GenericAdapter(seq_args=..., passthrough=...) or a registered "
-                             "adapter)")
+            raise ValueError(
+                f"layer {index} ({type(layer).__name__}) takes *{p.name}: random-LTD cannot tell which "
+                f"extra positional arguments have a sequence axis; adapter {adapter.name or adapter!r} "
+                "must name them (use GenericAdapter(seq_args=..., passthrough=...) or a registered "
+                "adapter)"
+            )
         if p.name not in known:
             raise ValueError(
                 f"layer {index} ({type(layer).__name__}) takes an argument {p.name!r} that adapter "
                 f"{adapter.name or adapter!r} does not know; declare whether it has a sequence axis "
-                "(GenericAdapter(seq_args={...}, passthrough=[...], must_be_none=[...]) or a registered adapter)")
+                "(GenericAdapter(seq_args={...}, passthrough=[...], must_be_none=[...]) or a registered adapter)"
+            )
     return hidden
 
 
@@ -199,8 +219,15 @@ class LTDForward:
     subset, and its output (a tensor, or the first element of a tuple) is scattered back into the full sequence.
     """
 
-    def __init__(self, layer: nn.Module, original: Any, controller: LTDController, ordinal: int, index: int,
-                 adapter: TransformerAdapter):
+    def __init__(
+        self,
+        layer: nn.Module,
+        original: Any,
+        controller: LTDController,
+        ordinal: int,
+        index: int,
+        adapter: TransformerAdapter,
+    ):
         self.original = original
         self.controller = controller
         self.ordinal = ordinal
@@ -225,9 +252,11 @@ class LTDForward:
         if value is None or decl == PASS:
             return value
         if decl == MUST_BE_NONE:
-            raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) received "
-                               f"{name}={type(value).__name__} while dropping tokens; it must be None in training "
-                               "(turn the KV cache off: use_cache=False)")
+            raise RuntimeError(
+                f"random-LTD layer {self.index} ({self.layer_type}) received "
+                f"{name}={type(value).__name__} while dropping tokens; it must be None in training "
+                "(turn the KV cache off: use_cache=False)"
+            )
         if isinstance(decl, SeqArg):
             if isinstance(value, (tuple, list)):
                 return type(value)(self._gather_arg(name, v, idx, seq_len) for v in value)
@@ -239,25 +268,35 @@ class LTDForward:
             nd = value.dim()
             for a in axes:
                 if value.shape[a] not in (1, seq_len):
-                    raise RuntimeError(f"random-LTD layer {self.index}: argument {name!r} of shape "
-                                       f"{tuple(value.shape)} has size {value.shape[a]} on sequence axis {a}, "
-                                       f"expected {seq_len} or 1")
+                    raise RuntimeError(
+                        f"random-LTD layer {self.index}: argument {name!r} of shape "
+                        f"{tuple(value.shape)} has size {value.shape[a]} on sequence axis {a}, "
+                        f"expected {seq_len} or 1"
+                    )
             if decl.batch_axis % nd in {a % nd for a in axes}:
-                raise RuntimeError(f"random-LTD layer {self.index}: argument {name!r} of shape {tuple(value.shape)} "
-                                   "has fewer axes than the adapter declares")
+                raise RuntimeError(
+                    f"random-LTD layer {self.index}: argument {name!r} of shape {tuple(value.shape)} "
+                    "has fewer axes than the adapter declares"
+                )
             return F.gather_seq_tensor(value, idx, axes, decl.batch_axis)
         # undeclared (only reachable through **kwargs): reject tensors that carry this sequence
         if isinstance(value, Tensor) and seq_len > 1 and seq_len in value.shape[1:]:
-            raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) received a tensor argument "
-                               f"{name!r} of shape {tuple(value.shape)} that the adapter does not declare; it may "
-                               "have a sequence axis, so it cannot be passed unchanged (declare it in the adapter)")
+            raise RuntimeError(
+                f"random-LTD layer {self.index} ({self.layer_type}) received a tensor argument "
+                f"{name!r} of shape {tuple(value.shape)} that the adapter does not declare; it may "
+                "have a sequence axis, so it cannot be passed unchanged (declare it in the adapter)"
+            )
         return value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs.get(self.hidden)
         owner = self._owner()
-        if (not owner.training or not self.controller.armed or not isinstance(hidden, Tensor)
-                or hidden.device.type == "meta"):
+        if (
+            not owner.training
+            or not self.controller.armed
+            or not isinstance(hidden, Tensor)
+            or hidden.device.type == "meta"
+        ):
             return self.original(*args, **kwargs)
         seq_len = hidden.shape[self.seq_dim]
         batch = hidden.shape[1 - self.seq_dim]
@@ -280,12 +319,16 @@ class LTDForward:
             for extra in out[1:]:
                 nested = isinstance(extra, tuple) and any(isinstance(e, Tensor) for e in extra)
                 if isinstance(extra, Tensor) or nested:
-                    raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) returned extra tensors "
-                                       "(attention weights or a cache) computed on the kept tokens only; turn them "
-                                       "off in training (output_attentions=False, use_cache=False)")
+                    raise RuntimeError(
+                        f"random-LTD layer {self.index} ({self.layer_type}) returned extra tensors "
+                        "(attention weights or a cache) computed on the kept tokens only; turn them "
+                        "off in training (output_attentions=False, use_cache=False)"
+                    )
             return (F.scatter_tokens(hidden, idx, out[0], self.seq_dim), *out[1:])
-        raise RuntimeError(f"random-LTD layer {self.index} ({self.layer_type}) returned {type(out).__name__}; "
-                           "expected a tensor or a tuple whose first element is the hidden states")
+        raise RuntimeError(
+            f"random-LTD layer {self.index} ({self.layer_type}) returned {type(out).__name__}; "
+            "expected a tensor or a tuple whose first element is the hidden states"
+        )
 
 
 @dataclass
@@ -317,8 +360,10 @@ def convert(module: nn.Module, adapter: TransformerAdapter, controller: LTDContr
     for i, layer in zip(ids, selected):
         if isinstance(layer.__dict__.get("forward"), LTDForward):
             raise ValueError(f"layer {i} ({type(layer).__name__}) is already converted to random-LTD")
-    forwards = [LTDForward(layer, layer.forward, controller, ordinal, i, adapter)
-                for ordinal, (i, layer) in enumerate(zip(ids, selected))]  # validate every layer before patching
+    forwards = [
+        LTDForward(layer, layer.forward, controller, ordinal, i, adapter)
+        for ordinal, (i, layer) in enumerate(zip(ids, selected))
+    ]  # validate every layer before patching
     previous = [layer.__dict__.get("forward") for layer in selected]
     for layer, fwd in zip(selected, forwards):
         layer.forward = fwd

@@ -14,7 +14,6 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
 # ``${effi_cwd:}``: the launch folder, usable everywhere in the config (``${hydra:runtime.cwd}`` is not set yet when
 # a multirun resolves ``hydra.sweep.dir``)
 if not OmegaConf.has_resolver("effi_cwd"):

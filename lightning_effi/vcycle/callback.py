@@ -43,8 +43,16 @@ def rebuild_training_state(trainer: pl.Trainer, pl_module: pl.LightningModule) -
 
 
 #: the callback's checkpointed counters and their types (the rest of the state: stage ends, snapshots, config)
-_COUNTERS: dict[str, type] = {"level": int, "stage_index": int, "stage_start_step": int, "flops": float,
-                              "full_model_flops": float, "flops_steps": int, "map_seconds": float, "switches": int}
+_COUNTERS: dict[str, type] = {
+    "level": int,
+    "stage_index": int,
+    "stage_start_step": int,
+    "flops": float,
+    "full_model_flops": float,
+    "flops_steps": int,
+    "map_seconds": float,
+    "switches": int,
+}
 _SHAPES_WHY = "its averaged weights belong to one model, which the V-cycle replaces at every level change"
 
 
@@ -94,12 +102,15 @@ class VCycleCallback(Callback):
     """
 
     requirements = Requirements(
-        changes_model_shapes=True, batch_structures=BATCH_STRUCTURES,
+        changes_model_shapes=True,
+        batch_structures=BATCH_STRUCTURES,
         strategies=("SingleDeviceStrategy", "DDPStrategy"),
         refused_strategies=("DeepSpeedStrategy",),
-        strategy_note=("Use strategy='auto' on one device, 'ddp', 'ddp_spawn' or 'ddp_find_unused_parameters_true': "
-                       "FSDP / DeepSpeed / model-parallel wrappers cannot be rebuilt mid-fit. Run one fit per stage "
-                       "instead, with the functional operators in lightning_effi.vcycle.operators."),
+        strategy_note=(
+            "Use strategy='auto' on one device, 'ddp', 'ddp_spawn' or 'ddp_find_unused_parameters_true': "
+            "FSDP / DeepSpeed / model-parallel wrappers cannot be rebuilt mid-fit. Run one fit per stage "
+            "instead, with the functional operators in lightning_effi.vcycle.operators."
+        ),
         incompatible_callbacks=(("StochasticWeightAveraging", _SHAPES_WHY), ("WeightAveraging", _SHAPES_WHY)),
     )
 
@@ -123,10 +134,23 @@ class VCycleCallback(Callback):
     ) -> None:
         name = type(self).__name__
         args = S.check_arguments(
-            name, levels=levels, e_a=e_a, e_small=e_small, up_leg=up_leg, width_scheme=width_scheme,
-            depth_scheme=depth_scheme, alpha_original=alpha_original, lr_multiplier=lr_multiplier,
-            embedding_convention=embedding_convention, lr_schedule=lr_schedule, model_attr=model_attr, strict=strict,
-            baseline_steps=baseline_steps, deprecated=deprecated, stacklevel=3)
+            name,
+            levels=levels,
+            e_a=e_a,
+            e_small=e_small,
+            up_leg=up_leg,
+            width_scheme=width_scheme,
+            depth_scheme=depth_scheme,
+            alpha_original=alpha_original,
+            lr_multiplier=lr_multiplier,
+            embedding_convention=embedding_convention,
+            lr_schedule=lr_schedule,
+            model_attr=model_attr,
+            strict=strict,
+            baseline_steps=baseline_steps,
+            deprecated=deprecated,
+            stacklevel=3,
+        )
         from lightning_effi.models.vcycle_base import VCycleAdapter
 
         if not isinstance(adapter, (str, VCycleAdapter)):
@@ -160,12 +184,14 @@ class VCycleCallback(Callback):
         """Every constructor argument (new spelling): ``eval`` with ``VCycleCallback`` and ``Duration`` in scope
         builds an equal callback (an adapter instance needs its class in scope too)."""
         up_leg = list(self.up_leg) if isinstance(self.up_leg, tuple) else self.up_leg
-        return (f"{type(self).__name__}(levels={self.levels!r}, e_a={self.e_a!r}, e_small={self.e_small!r}, "
-                f"up_leg={up_leg!r}, width_scheme={self.width_scheme!r}, depth_scheme={self.depth_scheme!r}, "
-                f"alpha_original={self.alpha_arg!r}, lr_multiplier={self.lr_multiplier!r}, "
-                f"embedding_convention={self.embedding_convention!r}, model_attr={self.model_attr!r}, "
-                f"adapter={self.adapter_arg!r}, lr_schedule={self.lr_schedule!r}, strict={self.strict!r}, "
-                f"baseline_steps={self.baseline_steps!r})")
+        return (
+            f"{type(self).__name__}(levels={self.levels!r}, e_a={self.e_a!r}, e_small={self.e_small!r}, "
+            f"up_leg={up_leg!r}, width_scheme={self.width_scheme!r}, depth_scheme={self.depth_scheme!r}, "
+            f"alpha_original={self.alpha_arg!r}, lr_multiplier={self.lr_multiplier!r}, "
+            f"embedding_convention={self.embedding_convention!r}, model_attr={self.model_attr!r}, "
+            f"adapter={self.adapter_arg!r}, lr_schedule={self.lr_schedule!r}, strict={self.strict!r}, "
+            f"baseline_steps={self.baseline_steps!r})"
+        )
 
     @property
     @override
@@ -179,28 +205,36 @@ class VCycleCallback(Callback):
             return
         name = type(self).__name__
         if self.level != 1 or self._parked:
-            raise RuntimeError(f"{name}: a previous fit with this callback stopped at level {self.level} (the coarse "
-                               "model is still in its module); resume from a checkpoint with a new module and callback")
+            raise RuntimeError(
+                f"{name}: a previous fit with this callback stopped at level {self.level} (the coarse "
+                "model is still in its module); resume from a checkpoint with a new module and callback"
+            )
         self._reset_progress()
         callbacks = list(trainer.callbacks)
         check_trainer(trainer, callbacks if any(c is self for c in callbacks) else [*callbacks, self])
         model = getattr(pl_module, self.model_attr, None)
         if not isinstance(model, nn.Module):
-            raise ValueError(f"{name}.model_attr: {type(pl_module).__name__} has no nn.Module attribute "
-                             f"{self.model_attr!r}")
+            raise ValueError(
+                f"{name}.model_attr: {type(pl_module).__name__} has no nn.Module attribute {self.model_attr!r}"
+            )
         if type(model).__name__ == "OptimizedModule":
-            raise MisconfigurationException(f"{name}: pl_module.{self.model_attr} is torch.compile'd; compile inside "
-                                            "the module's forward or not at all (the model is replaced mid-fit)")
+            raise MisconfigurationException(
+                f"{name}: pl_module.{self.model_attr} is torch.compile'd; compile inside "
+                "the module's forward or not at all (the model is replaced mid-fit)"
+            )
         from lightning_effi.models.vcycle_base import find_vcycle_adapter
 
         self.adapter = find_vcycle_adapter(model, self.adapter_arg)
         if self.alpha_arg is None:
             self.alpha_original = float(self.adapter.default_alpha_original)
         if self.alpha_original == 0.0:
-            rank_zero_warn(f"{name}: alpha_original=0 keeps the de-coalesced copies symmetric; without dropout they "
-                           "never separate: use alpha_original > 0")
-        self.plans = V.plan_levels(model, self.adapter, self.levels, self.width_scheme, self.depth_scheme,
-                                    self.embedding_convention)
+            rank_zero_warn(
+                f"{name}: alpha_original=0 keeps the de-coalesced copies symmetric; without dropout they "
+                "never separate: use alpha_original > 0"
+            )
+        self.plans = V.plan_levels(
+            model, self.adapter, self.levels, self.width_scheme, self.depth_scheme, self.embedding_convention
+        )
         self._resolve_stages(trainer, at_setup=True)
         self._parked = {}
         self._install_load_hook(pl_module)
@@ -213,9 +247,16 @@ class VCycleCallback(Callback):
         epochs = any(d.unit == "epoch" for d in (self.e_a, self.e_small, *S.up_leg_lengths(self.levels, self.up_leg)))
         total = S.run_length(trainer.max_steps, None if at_setup else trainer.estimated_stepping_batches)
         if not (at_setup and (epochs or total is None)):
-            self.stages = S.resolve_stages(self.levels, self.e_a, self.e_small, self.up_leg, total,
-                                           trainer.num_training_batches if epochs else None,
-                                           trainer.accumulate_grad_batches, type(self).__name__)
+            self.stages = S.resolve_stages(
+                self.levels,
+                self.e_a,
+                self.e_small,
+                self.up_leg,
+                total,
+                trainer.num_training_batches if epochs else None,
+                trainer.accumulate_grad_batches,
+                type(self).__name__,
+            )
             self.stage_ends = S.stage_ends(self.stages)
 
     @override
@@ -260,8 +301,10 @@ class VCycleCallback(Callback):
         self._resolve_stages(trainer, at_setup=False)
         self._last_step = trainer.global_step
         if (expected := self.current_stage_level()) != self.level:
-            raise RuntimeError(f"{type(self).__name__}: stage {self.stage_index} trains level {expected} but the model "
-                               f"is at level {self.level}")
+            raise RuntimeError(
+                f"{type(self).__name__}: stage {self.stage_index} trains level {expected} but the model "
+                f"is at level {self.level}"
+            )
 
     def current_stage_level(self) -> int:
         """The level the current stage trains (1 after the last listed stage)."""
@@ -283,8 +326,9 @@ class VCycleCallback(Callback):
                 base = float(fn(batch))
         except (NotImplementedError, TypeError, KeyError) as err:
             self._flops_ok = False
-            warnings.warn(f"{type(self).__name__}: FLOPs accounting disabled ({type(err).__name__}: {err})",
-                          stacklevel=2)
+            warnings.warn(
+                f"{type(self).__name__}: FLOPs accounting disabled ({type(err).__name__}: {err})", stacklevel=2
+            )
             return
         finally:
             pl_module._modules[self.model_attr] = current
@@ -301,14 +345,23 @@ class VCycleCallback(Callback):
         return 1.0 - self.flops / self.baseline_flops if self.baseline_flops else 0.0
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._count_flops(pl_module, batch)
         self.flops_steps = trainer.global_step
-        pl_module.log_dict({"effi/vcycle/level": float(self.level), "effi/vcycle/stage": float(self.stage_index),
-                            "effi/vcycle/flops_cum": float(self.flops), "effi/vcycle/flops_saved_frac":
-                            self.flops_saved_frac(), "effi/vcycle/map_seconds": float(self.map_seconds)},
-                           on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log_dict(
+            {
+                "effi/vcycle/level": float(self.level),
+                "effi/vcycle/stage": float(self.stage_index),
+                "effi/vcycle/flops_cum": float(self.flops),
+                "effi/vcycle/flops_saved_frac": self.flops_saved_frac(),
+                "effi/vcycle/map_seconds": float(self.map_seconds),
+            },
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
         step = trainer.global_step
         stepped, self._last_step = step != self._last_step, step
         if not stepped or self.stage_index >= len(self.stages) or step < self.stage_ends[self.stage_index]:
@@ -326,9 +379,11 @@ class VCycleCallback(Callback):
             S.advance_schedulers(trainer.lr_scheduler_configs, trainer.global_step, trainer.current_epoch)
         self.map_seconds += time.perf_counter() - start
         self.switches += 1
-        rank_zero_info(f"VCycle: step {step}: level {' -> '.join(map(str, path))} (stage {self.stage_index}/"
-                       f"{len(self.stages)}, {sum(p.numel() for p in getattr(pl_module, self.model_attr).parameters())}"
-                       f" parameters, lr x{self.lr_factor(self.level)}, map {time.perf_counter() - start:.2f}s)")
+        rank_zero_info(
+            f"VCycle: step {step}: level {' -> '.join(map(str, path))} (stage {self.stage_index}/"
+            f"{len(self.stages)}, {sum(p.numel() for p in getattr(pl_module, self.model_attr).parameters())}"
+            f" parameters, lr x{self.lr_factor(self.level)}, map {time.perf_counter() - start:.2f}s)"
+        )
 
     def _change_level(self, pl_module: pl.LightningModule, target: int) -> None:
         """One level down (snapshot, coalesce; the large model waits on the CPU) or up (de-coalesce, interpolate
@@ -340,8 +395,13 @@ class VCycleCallback(Callback):
             new = V.coalesce_model(current, self.plans[self.level - 1], self.adapter)
             self._parked[self.level] = current.to("cpu")
         elif target == self.level - 1:
-            new = V.decoalesce_model(current, self._parked.pop(target), self.plans[target - 1],
-                                     self.snapshots.pop(target), self.alpha_original)
+            new = V.decoalesce_model(
+                current,
+                self._parked.pop(target),
+                self.plans[target - 1],
+                self.snapshots.pop(target),
+                self.alpha_original,
+            )
         else:
             raise RuntimeError(f"{type(self).__name__}: cannot go from level {self.level} to {target}")
         self._set_level(pl_module, new, target)
@@ -356,24 +416,38 @@ class VCycleCallback(Callback):
 
     # ------------------------------------------------------------------------------------------------ accounting
     def effi_summary(self) -> dict[str, Any]:
-        return {"vcycle/levels": int(self.levels), "vcycle/switches": int(self.switches),
-                "vcycle/final_level": int(self.level), "vcycle/flops": float(self.flops),
-                "vcycle/baseline_flops": float(self.baseline_flops), "vcycle/flops_saved_frac": self.flops_saved_frac(),
-                "vcycle/map_seconds": float(self.map_seconds)}
+        return {
+            "vcycle/levels": int(self.levels),
+            "vcycle/switches": int(self.switches),
+            "vcycle/final_level": int(self.level),
+            "vcycle/flops": float(self.flops),
+            "vcycle/baseline_flops": float(self.baseline_flops),
+            "vcycle/flops_saved_frac": self.flops_saved_frac(),
+            "vcycle/map_seconds": float(self.map_seconds),
+        }
 
     # ------------------------------------------------------------------------------------------------ state
     def config(self) -> dict[str, Any]:
-        return {"levels": self.levels, "stages": [list(s) for s in self.stages], "width_scheme": self.width_scheme,
-                "depth_scheme": self.depth_scheme, "alpha_original": self.alpha_original,
-                "embedding_convention": self.embedding_convention, "model_attr": self.model_attr,
-                "lr_multiplier": {str(k): v for k, v in sorted(self.lr_multiplier.items())},
-                "lr_schedule": self.lr_schedule}
+        return {
+            "levels": self.levels,
+            "stages": [list(s) for s in self.stages],
+            "width_scheme": self.width_scheme,
+            "depth_scheme": self.depth_scheme,
+            "alpha_original": self.alpha_original,
+            "embedding_convention": self.embedding_convention,
+            "model_attr": self.model_attr,
+            "lr_multiplier": {str(k): v for k, v in sorted(self.lr_multiplier.items())},
+            "lr_schedule": self.lr_schedule,
+        }
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**{k: kind(getattr(self, k)) for k, kind in _COUNTERS.items()},
-                "stage_ends": [int(e) for e in self.stage_ends],
-                "snapshots": {str(k): dict(v) for k, v in self.snapshots.items()}, "config": self.config()}
+        return {
+            **{k: kind(getattr(self, k)) for k, kind in _COUNTERS.items()},
+            "stage_ends": [int(e) for e in self.stage_ends],
+            "snapshots": {str(k): dict(v) for k, v in self.snapshots.items()},
+            "config": self.config(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -383,12 +457,15 @@ class VCycleCallback(Callback):
             mine.pop("stages", None)
         diff = {k: (saved.get(k), mine.get(k)) for k in mine if saved.get(k) != mine.get(k)}
         if diff:
-            config_mismatch(type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}",
-                            self.strict)
+            config_mismatch(
+                type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict
+            )
         if int(state_dict["level"]) != self.level:
-            raise RuntimeError(f"{type(self).__name__}: the checkpoint is at level {state_dict['level']} but the model "
-                               f"is at level {self.level}: the on_load_checkpoint wrapper installed in setup did not "
-                               "run (was the module's on_load_checkpoint replaced?)")
+            raise RuntimeError(
+                f"{type(self).__name__}: the checkpoint is at level {state_dict['level']} but the model "
+                f"is at level {self.level}: the on_load_checkpoint wrapper installed in setup did not "
+                "run (was the module's on_load_checkpoint replaced?)"
+            )
         if not self.stages:
             self.stages = [(int(k), int(n)) for k, n in state_dict["config"]["stages"]]
             self.stage_ends = [int(e) for e in state_dict["stage_ends"]]

@@ -16,21 +16,38 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from numbers import Real
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "DepthScheme", "Side", "TensorRule", "TransformerWidthMaps", "VCyclePlan", "WidthMap", "WidthScheme",
-    "build_levels", "coalesce", "coalesce_model", "convention_scale", "decoalesce", "decoalesce_model", "depth_groups",
-    "interpolate", "layer_key", "plan_levels", "snapshot", "transformer_width_maps", "width_groups",
+    "DepthScheme",
+    "Side",
+    "TensorRule",
+    "TransformerWidthMaps",
+    "VCyclePlan",
+    "WidthMap",
+    "WidthScheme",
+    "build_levels",
+    "coalesce",
+    "coalesce_model",
+    "convention_scale",
+    "decoalesce",
+    "decoalesce_model",
+    "depth_groups",
+    "interpolate",
+    "layer_key",
+    "plan_levels",
+    "snapshot",
+    "transformer_width_maps",
+    "width_groups",
 ]
 
 #: ``"half"`` (official pairing: unit ``u`` ↔ ``u + U/2``) or explicit groups of units (a partition of ``range(U)``).
-WidthScheme = Union[Literal["half"], Sequence[Sequence[int]]]
+WidthScheme = Literal["half"] | Sequence[Sequence[int]]
 #: ``"adjacent"`` (paper: (0,1), (2,3), …), ``"half"`` (official config: (0, L/2), (1, L/2+1), …) or explicit groups.
-DepthScheme = Union[Literal["adjacent", "half"], Sequence[Sequence[int]]]
+DepthScheme = Literal["adjacent", "half"] | Sequence[Sequence[int]]
 #: ``"out"``: coalesce F (average) / de-coalesce T (copy) — output dims, LayerNorm, biases, embedding and token
 #: tables on their hidden axis. ``"in"``: coalesce S (sum) / de-coalesce H (split) — input dims of linear maps.
 Side = Literal["out", "in"]
@@ -99,8 +116,10 @@ def width_groups(size: int, scheme: WidthScheme = "half", unit: int = 1, *, name
             raise ValueError(f"{name}: unknown width scheme {scheme!r}; use 'half' or a list of groups")
         if units % 2:
             what = f"{units} units of {unit}" if unit > 1 else f"{size}"
-            raise ValueError(f"{name}: width scheme 'half' needs an even size, got {what}; pass explicit groups "
-                             "(a group of 3 is allowed) or change the model size")
+            raise ValueError(
+                f"{name}: width scheme 'half' needs an even size, got {what}; pass explicit groups "
+                "(a group of 3 is allowed) or change the model size"
+            )
         ugroups: tuple[tuple[int, ...], ...] = tuple((u, u + units // 2) for u in range(units // 2))
     else:
         what = "unit" if unit > 1 else "index"
@@ -109,8 +128,9 @@ def width_groups(size: int, scheme: WidthScheme = "half", unit: int = 1, *, name
     return WidthMap(groups, size)
 
 
-def depth_groups(num_layers: int, scheme: DepthScheme = "adjacent", *, name: str = "num_layers"
-                 ) -> tuple[tuple[int, ...], ...]:
+def depth_groups(
+    num_layers: int, scheme: DepthScheme = "adjacent", *, name: str = "num_layers"
+) -> tuple[tuple[int, ...], ...]:
     """Depth partition: for every small layer, the large layers averaged into it.
 
     ``"adjacent"``: (0,1), (2,3), …; ``"half"``: (0, L/2), (1, L/2+1), …; explicit list: a partition of
@@ -126,8 +146,10 @@ def depth_groups(num_layers: int, scheme: DepthScheme = "adjacent", *, name: str
         if scheme not in ("adjacent", "half"):
             raise ValueError(f"{name}: unknown depth scheme {scheme!r}; use 'adjacent', 'half' or a list of groups")
         if num_layers % 2:
-            raise ValueError(f"{name}: depth scheme {scheme!r} needs an even number of layers, got {num_layers}; pass "
-                             "explicit groups, e.g. [[0, 1], ..., [L-3, L-2, L-1]]")
+            raise ValueError(
+                f"{name}: depth scheme {scheme!r} needs an even number of layers, got {num_layers}; pass "
+                "explicit groups, e.g. [[0, 1], ..., [L-3, L-2, L-1]]"
+            )
         half = num_layers // 2
         if scheme == "adjacent":
             return tuple((2 * i, 2 * i + 1) for i in range(half))
@@ -216,9 +238,14 @@ class WidthMap:
         by_size: dict[int, list[int]] = {}
         for i, g in enumerate(self.groups):
             by_size.setdefault(len(g), []).append(i)
-        return tuple((n, torch.tensor(pos, dtype=torch.long),
-                      torch.tensor([self.groups[i] for i in pos], dtype=torch.long).reshape(len(pos), n))
-                     for n, pos in sorted(by_size.items()))
+        return tuple(
+            (
+                n,
+                torch.tensor(pos, dtype=torch.long),
+                torch.tensor([self.groups[i] for i in pos], dtype=torch.long).reshape(len(pos), n),
+            )
+            for n, pos in sorted(by_size.items())
+        )
 
     @cached_property
     def _owner(self) -> Tensor:
@@ -230,8 +257,10 @@ class WidthMap:
 
     def _check(self, x: Tensor, dim: int, size: int, op: str) -> None:
         if x.shape[dim] != size:
-            raise ValueError(f"WidthMap.{op}: axis {dim} of a tensor of shape {tuple(x.shape)} has size "
-                             f"{x.shape[dim]}, expected {size}")
+            raise ValueError(
+                f"WidthMap.{op}: axis {dim} of a tensor of shape {tuple(x.shape)} has size "
+                f"{x.shape[dim]}, expected {size}"
+            )
 
     def average(self, x: Tensor, dim: int) -> Tensor:
         """F: small[i] = mean of large[g(i)] along ``dim`` (size ``large`` → ``small``)."""
@@ -323,9 +352,14 @@ class TransformerWidthMaps:
         return WidthMap.concat(self.qk, self.qk, self.v)
 
 
-def transformer_width_maps(hidden: int, heads: int, ffn: int, scheme: WidthScheme | None = "half", *,
-                           names: tuple[str, str, str] = ("hidden_size", "num_heads", "ffn_size")
-                           ) -> TransformerWidthMaps:
+def transformer_width_maps(
+    hidden: int,
+    heads: int,
+    ffn: int,
+    scheme: WidthScheme | None = "half",
+    *,
+    names: tuple[str, str, str] = ("hidden_size", "num_heads", "ffn_size"),
+) -> TransformerWidthMaps:
     """Width maps of a standard transformer for one level (official ``MapMatrix.get_F``).
 
     ``scheme="half"``: head ``h`` ↔ ``h + H/2`` for Q/K/V, dim ``j`` ↔ ``j + D/2``, FFN neuron ``n`` ↔ ``n + F/2``.
@@ -352,15 +386,20 @@ def transformer_width_maps(hidden: int, heads: int, ffn: int, scheme: WidthSchem
         if scheme != "half":
             raise ValueError(f"width_scheme: unknown scheme {scheme!r}; use 'half', a list of head groups or None")
         if heads % 2:
-            raise ValueError(f"{kn}={heads} cannot be halved (width scheme 'half' needs an even number of heads); "
-                             "pass explicit head groups, e.g. with a group of 3")
+            raise ValueError(
+                f"{kn}={heads} cannot be halved (width scheme 'half' needs an even number of heads); "
+                "pass explicit head groups, e.g. with a group of 3"
+            )
         qk = width_groups(hidden, "half", head_dim, name=kn)
-        return TransformerWidthMaps(width_groups(hidden, "half", 1, name=kh), qk, qk,
-                                    width_groups(ffn, "half", 1, name=kf), heads // 2)
+        return TransformerWidthMaps(
+            width_groups(hidden, "half", 1, name=kh), qk, qk, width_groups(ffn, "half", 1, name=kf), heads // 2
+        )
     groups = _validate_partition(scheme, heads, "head", f"width_scheme (groups of the {heads} heads, {kn})")
     if ffn % heads:
-        raise ValueError(f"{kf}={ffn} is not divisible by {kn}={heads}: explicit head groups map the FFN in chunks "
-                         f"of {kf}/{kn} neurons; use width_scheme='half'")
+        raise ValueError(
+            f"{kf}={ffn} is not divisible by {kn}={heads}: explicit head groups map the FFN in chunks "
+            f"of {kf}/{kn} neurons; use width_scheme='half'"
+        )
     qk = width_groups(hidden, groups, head_dim, name=kn)
     return TransformerWidthMaps(qk, qk, qk, width_groups(ffn, groups, ffn // heads, name=kf), len(groups))
 
@@ -433,9 +472,14 @@ class VCyclePlan:
         return sum(len(g) for g in self.depth), len(self.depth)
 
     @classmethod
-    def create(cls, shapes: Mapping[str, Sequence[int]], rules: Mapping[str, TensorRule],
-               aliases: Mapping[str, str] | None = None, depth: Sequence[Sequence[int]] | None = None,
-               info: Mapping[str, object] | None = None) -> VCyclePlan:
+    def create(
+        cls,
+        shapes: Mapping[str, Sequence[int]],
+        rules: Mapping[str, TensorRule],
+        aliases: Mapping[str, str] | None = None,
+        depth: Sequence[Sequence[int]] | None = None,
+        info: Mapping[str, object] | None = None,
+    ) -> VCyclePlan:
         """Validate and build a plan.
 
         Args:
@@ -455,8 +499,9 @@ class VCyclePlan:
         unknown = [k for k in list(rules) + list(aliases) if k not in shapes]
         bad_alias = [a for a, c in aliases.items() if c not in rules]
         if unknown or bad_alias:
-            raise ValueError(f"VCyclePlan: rules/aliases for unknown keys {unknown}; aliases of keys without a rule "
-                             f"{bad_alias}")
+            raise ValueError(
+                f"VCyclePlan: rules/aliases for unknown keys {unknown}; aliases of keys without a rule {bad_alias}"
+            )
         for k, r in rules.items():
             shp = tuple(shapes[k])
             for dim, m, side in r.axes:
@@ -477,10 +522,14 @@ class VCyclePlan:
                 by_template.setdefault(r.template, set()).add(r.layer)
         incomplete = {t: sorted(set(layers) - s) for t, s in by_template.items() if s != set(layers)}
         if incomplete:
-            raise ValueError(f"VCyclePlan: layers with different parameter sets (template: missing layers) "
-                             f"{incomplete}")
-        groups = (tuple((i,) for i in layers) if depth is None
-                  else _validate_partition(depth, len(layers), "layer", "depth_scheme"))
+            raise ValueError(
+                f"VCyclePlan: layers with different parameter sets (template: missing layers) {incomplete}"
+            )
+        groups = (
+            tuple((i,) for i in layers)
+            if depth is None
+            else _validate_partition(depth, len(layers), "layer", "depth_scheme")
+        )
         if not layers and depth is not None and len(groups):
             raise ValueError("VCyclePlan: depth groups given but no rule has a layer index")
         small_shapes: dict[str, tuple[int, ...]] = {}
@@ -489,8 +538,9 @@ class VCyclePlan:
             if r.layer is not None and r.layer >= len(groups):
                 continue
             small_shapes[k] = r.small_shape(large_shape)
-        return cls(dict(rules), aliases, groups, {k: tuple(v) for k, v in shapes.items()}, small_shapes,
-                   dict(info or {}))
+        return cls(
+            dict(rules), aliases, groups, {k: tuple(v) for k, v in shapes.items()}, small_shapes, dict(info or {})
+        )
 
     # -- helpers used by the operators -------------------------------------------------------------------------------
 
@@ -591,8 +641,11 @@ def _check_alpha(alpha: object) -> float:
 
 
 @torch.no_grad()
-def interpolate(decoalesced: Mapping[str, Tensor] | nn.Module, saved_original: Mapping[str, Tensor] | nn.Module,
-                alpha_original: float) -> dict[str, Tensor]:
+def interpolate(
+    decoalesced: Mapping[str, Tensor] | nn.Module,
+    saved_original: Mapping[str, Tensor] | nn.Module,
+    alpha_original: float,
+) -> dict[str, Tensor]:
     """``θ = (1 − alpha_original)·θ_decoalesced + alpha_original·θ_saved`` for every floating tensor (the
     official ``interpolate(alpha)`` with one unambiguous orientation: ``alpha_original`` weights the snapshot taken
     before coalescing). Non-floating tensors are taken from ``decoalesced`` unchanged.
@@ -623,8 +676,9 @@ def interpolate(decoalesced: Mapping[str, Tensor] | nn.Module, saved_original: M
             first, res = done[sk]
             y0, y = db[first], db[k]
             if _storage_key(y0) != _storage_key(y) and not torch.equal(y0, y.to(y0.device)):
-                raise ValueError(f"interpolate: {k!r} and {first!r} are tied in decoalesced but differ in "
-                                 "saved_original")
+                raise ValueError(
+                    f"interpolate: {k!r} and {first!r} are tied in decoalesced but differ in saved_original"
+                )
             out[k] = res
             continue
         y = db[k].to(device=x.device)
@@ -660,9 +714,14 @@ def snapshot(model_or_state_dict: Mapping[str, Tensor] | nn.Module) -> dict[str,
     return out
 
 
-def plan_levels(model: nn.Module, adapter: object, levels: int, width_scheme: WidthScheme | None = "half",
-                depth_scheme: DepthScheme | None = "adjacent", embedding_convention: str = "official"
-                ) -> list[VCyclePlan]:
+def plan_levels(
+    model: nn.Module,
+    adapter: object,
+    levels: int,
+    width_scheme: WidthScheme | None = "half",
+    depth_scheme: DepthScheme | None = "adjacent",
+    embedding_convention: str = "official",
+) -> list[VCyclePlan]:
     """The plans of levels 1 → 2, ..., K−1 → K (``levels`` = K), from the full ``model``: ``adapter.plan`` on each
     level's model, the intermediate small models built with ``adapter.build_small`` (global RNG untouched).
 
@@ -680,8 +739,9 @@ def plan_levels(model: nn.Module, adapter: object, levels: int, width_scheme: Wi
     return plans
 
 
-def build_levels(model: nn.Module, adapter: object, plans: Sequence[VCyclePlan], level: int
-                 ) -> tuple[nn.Module, dict[int, nn.Module]]:
+def build_levels(
+    model: nn.Module, adapter: object, plans: Sequence[VCyclePlan], level: int
+) -> tuple[nn.Module, dict[int, nn.Module]]:
     """Fresh models of levels 2..``level`` from the full ``model`` (random weights, global RNG untouched; resume
     loads the checkpoint's weights into them): ``(model of level, {k: model of level k for k < level, on the CPU})``.
     """
@@ -705,8 +765,9 @@ def coalesce_model(model: nn.Module, plan: VCyclePlan, adapter: object) -> nn.Mo
 
 
 @torch.no_grad()
-def decoalesce_model(small: nn.Module, large: nn.Module, plan: VCyclePlan, saved_original: Mapping[str, Tensor],
-                     alpha_original: float) -> nn.Module:
+def decoalesce_model(
+    small: nn.Module, large: nn.Module, plan: VCyclePlan, saved_original: Mapping[str, Tensor], alpha_original: float
+) -> nn.Module:
     """Load ``interpolate(decoalesce(small, plan), saved_original, alpha_original)`` into ``large`` (moved to the
     device of ``small`` and set to its train / eval mode; its own tensors are replaced in place, so ties stay) and
     return ``large``."""

@@ -12,25 +12,39 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from lightning_effi.core.checks import check_bool, check_choice, check_int, is_int, is_real, plain
 from lightning_effi.core.progress import Duration
 from lightning_effi.vcycle.operators import EMBEDDING_CONVENTIONS
 
-__all__ = ["DEPRECATED_LENGTHS", "LENGTHS", "VCycleArgs", "advance_schedulers", "baseline_flops", "check_arguments",
-           "resolve_stages", "run_length", "scale_learning_rates", "stage_ends", "stage_plan", "steps_per_epoch",
-           "up_leg_lengths", "vcycle_flops_fraction"]
+__all__ = [
+    "DEPRECATED_LENGTHS",
+    "LENGTHS",
+    "VCycleArgs",
+    "advance_schedulers",
+    "baseline_flops",
+    "check_arguments",
+    "resolve_stages",
+    "run_length",
+    "scale_learning_rates",
+    "stage_ends",
+    "stage_plan",
+    "steps_per_epoch",
+    "up_leg_lengths",
+    "vcycle_flops_fraction",
+]
 
 #: The stage lengths: every down-leg stage (the paper's E_a), the coarsest level (E_small), the up-leg stages.
 LENGTHS = ("e_a", "e_small", "up_leg")
 #: Deprecated keyword arguments (one release): ``name -> (replacement, the Duration unit it maps to)``.
 DEPRECATED_LENGTHS: dict[str, tuple[str, str]] = {
-    f"{key}_{kind}": (key, unit) for key in LENGTHS
+    f"{key}_{kind}": (key, unit)
+    for key in LENGTHS
     for kind, unit in (("steps", "step"), ("fraction", "fraction"), ("epochs", "epoch"))
 }
 #: ``up_leg``: one length for every up-leg stage, or one per level ``(level 2, level 3, ...)``.
-UpLeg = Union[Duration, tuple[Duration, ...], None]
+UpLeg = Duration | tuple[Duration, ...] | None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -113,8 +127,10 @@ def _duration(owner: str, key: str, value: Any) -> Duration:
     """A new-style stage length: steps or epochs >= 1, or a fraction of the run in [0, 1]."""
     d = Duration.parse(value, f"{owner}.{key}")
     if d.unit == "token":
-        raise ValueError(f"{owner}.{key}: a stage length in tokens is not supported (stages end at optimizer steps); "
-                         f"give steps, epochs ('2ep') or a fraction of the run ('0.05dur'), got {value!r}")
+        raise ValueError(
+            f"{owner}.{key}: a stage length in tokens is not supported (stages end at optimizer steps); "
+            f"give steps, epochs ('2ep') or a fraction of the run ('0.05dur'), got {value!r}"
+        )
     if d.unit in ("step", "epoch") and d.value < 1:
         raise ValueError(f"{owner}.{key} must be at least 1 {d.unit}, got {value!r}")
     return d
@@ -123,8 +139,9 @@ def _duration(owner: str, key: str, value: Any) -> Duration:
 def _new_length(owner: str, key: str, value: Any, levels: int) -> Duration | tuple[Duration, ...]:
     if key == "up_leg" and isinstance(value, list):
         if len(value) != levels - 2:
-            raise ValueError(f"{owner}.up_leg must be one duration or a list of {levels - 2} (levels 2..{levels - 1}),"
-                             f" got {value!r}")
+            raise ValueError(
+                f"{owner}.up_leg must be one duration or a list of {levels - 2} (levels 2..{levels - 1}), got {value!r}"
+            )
         return tuple(_duration(owner, f"up_leg[{i}]", v) for i, v in enumerate(value))
     return _duration(owner, key, value)
 
@@ -138,8 +155,10 @@ def _old_length(owner: str, name: str, value: Any, levels: int) -> Duration | tu
         return Duration(float(value), "fraction")
     if key == "up_leg" and isinstance(value, list):
         if len(value) != levels - 2 or not all(is_int(s) and s >= 1 for s in value):
-            raise ValueError(f"{owner}.{name} must be one int >= 1 or a list of {levels - 2} ints >= 1 (levels "
-                             f"2..{levels - 1}), got {value!r}")
+            raise ValueError(
+                f"{owner}.{name} must be one int >= 1 or a list of {levels - 2} ints >= 1 (levels "
+                f"2..{levels - 1}), got {value!r}"
+            )
         return tuple(Duration(int(s), unit) for s in value)  # type: ignore[arg-type]
     if not is_int(value) or value < 1:
         raise ValueError(f"{owner}.{name} must be an int >= 1, got {value!r}")
@@ -155,8 +174,9 @@ def _spelled(length: Duration | tuple[Duration, ...]) -> Any:
     return f"{int(length.value)}ep" if length.unit == "epoch" else f"{float(length.value)!r}dur"
 
 
-def _length(owner: str, key: str, new: Any, deprecated: Mapping[str, Any], levels: int, stacklevel: int
-            ) -> Duration | tuple[Duration, ...] | None:
+def _length(
+    owner: str, key: str, new: Any, deprecated: Mapping[str, Any], levels: int, stacklevel: int
+) -> Duration | tuple[Duration, ...] | None:
     """The one length given for ``key``: the new argument or one deprecated spelling (which warns)."""
     olds = [f"{key}_{kind}" for kind in ("steps", "fraction", "epochs")]
     given = ([key] if new is not None else []) + [n for n in olds if deprecated.get(n) is not None]
@@ -168,8 +188,11 @@ def _length(owner: str, key: str, new: Any, deprecated: Mapping[str, Any], level
         return _new_length(owner, key, plain(new), levels)
     name = given[0]
     length = _old_length(owner, name, plain(deprecated[name]), levels)
-    warnings.warn(f"{owner}: {name} is deprecated and will be removed in the next release; use "
-                  f"{key}={_spelled(length)!r}", DeprecationWarning, stacklevel=stacklevel + 1)
+    warnings.warn(
+        f"{owner}: {name} is deprecated and will be removed in the next release; use {key}={_spelled(length)!r}",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
     return length
 
 
@@ -214,21 +237,28 @@ def check_arguments(
     for key, new in (("e_a", e_a), ("e_small", e_small)):
         lengths[key] = _length(owner, key, new, deprecated, levels, stacklevel)
         if lengths[key] is None:
-            raise ValueError(f"{owner}: {key} is required (an int of optimizer steps, '2ep' or '0.05dur'; formerly "
-                             f"{key}_steps / {key}_fraction / {key}_epochs)")
+            raise ValueError(
+                f"{owner}: {key} is required (an int of optimizer steps, '2ep' or '0.05dur'; formerly "
+                f"{key}_steps / {key}_fraction / {key}_epochs)"
+            )
     up_given = up_leg is not None or any(f"up_leg_{kind}" in deprecated for kind in ("steps", "fraction", "epochs"))
     if levels >= 3:
         if not up_given:
-            raise ValueError(f"{owner}: levels={levels} requires up_leg (or the deprecated up_leg_steps / "
-                             "up_leg_fraction / up_leg_epochs): the paper does not give the length of the intermediate "
-                             "up-leg stages")
+            raise ValueError(
+                f"{owner}: levels={levels} requires up_leg (or the deprecated up_leg_steps / "
+                "up_leg_fraction / up_leg_epochs): the paper does not give the length of the intermediate "
+                "up-leg stages"
+            )
         lengths["up_leg"] = _length(owner, "up_leg", up_leg, deprecated, levels, stacklevel)
     elif up_given:
-        raise ValueError(f"{owner}: up_leg (or up_leg_steps / up_leg_fraction / up_leg_epochs) applies to levels >= 3 "
-                         f"only (levels={levels})")
+        raise ValueError(
+            f"{owner}: up_leg (or up_leg_steps / up_leg_fraction / up_leg_epochs) applies to levels >= 3 "
+            f"only (levels={levels})"
+        )
     if alpha_original is not None and not (is_real(alpha_original) and 0.0 <= float(alpha_original) <= 1.0):
-        raise ValueError(f"{owner}.alpha_original must be in [0, 1] (None = the adapter's default), got "
-                         f"{alpha_original!r}")
+        raise ValueError(
+            f"{owner}.alpha_original must be in [0, 1] (None = the adapter's default), got {alpha_original!r}"
+        )
     mult: dict[int, float] = {}
     for k, v in dict(plain(lr_multiplier) or {}).items():
         try:
@@ -245,13 +275,22 @@ def check_arguments(
     if not isinstance(model_attr, str) or not model_attr.isidentifier():
         raise ValueError(f"{owner}.model_attr must be an attribute name, got {model_attr!r}")
     if baseline_steps is not None and (not is_int(baseline_steps) or baseline_steps < 1):
-        raise ValueError(f"{owner}.baseline_steps must be an int >= 1 or None (a baseline as long as this run), "
-                         f"got {baseline_steps!r}")
+        raise ValueError(
+            f"{owner}.baseline_steps must be an int >= 1 or None (a baseline as long as this run), "
+            f"got {baseline_steps!r}"
+        )
     return VCycleArgs(
-        levels=levels, e_a=lengths["e_a"], e_small=lengths["e_small"], up_leg=lengths.get("up_leg"),
-        width_scheme=plain(width_scheme), depth_scheme=plain(depth_scheme),
-        alpha_original=None if alpha_original is None else float(alpha_original), lr_multiplier=mult,
-        embedding_convention=embedding_convention, lr_schedule=lr_schedule, model_attr=model_attr,
+        levels=levels,
+        e_a=lengths["e_a"],
+        e_small=lengths["e_small"],
+        up_leg=lengths.get("up_leg"),
+        width_scheme=plain(width_scheme),
+        depth_scheme=plain(depth_scheme),
+        alpha_original=None if alpha_original is None else float(alpha_original),
+        lr_multiplier=mult,
+        embedding_convention=embedding_convention,
+        lr_schedule=lr_schedule,
+        model_attr=model_attr,
         strict=check_bool(owner, "strict", strict),
         baseline_steps=None if baseline_steps is None else int(baseline_steps),
     )
@@ -286,14 +325,23 @@ def steps_per_epoch(num_training_batches: float, accumulate_grad_batches: int, o
         ValueError: the number of batches is not finite and > 0 (a train dataloader without a length).
     """
     if not math.isfinite(num_training_batches) or num_training_batches <= 0:
-        raise ValueError(f"{owner}: stage lengths in epochs ('1ep', e_a_epochs, ...) need a train dataloader with a "
-                         f"length (trainer.num_training_batches = {num_training_batches}); give them in steps instead")
+        raise ValueError(
+            f"{owner}: stage lengths in epochs ('1ep', e_a_epochs, ...) need a train dataloader with a "
+            f"length (trainer.num_training_batches = {num_training_batches}); give them in steps instead"
+        )
     return math.ceil(int(num_training_batches) / max(1, int(accumulate_grad_batches)))
 
 
-def resolve_stages(levels: int, e_a: Duration, e_small: Duration, up_leg: UpLeg, total_steps: int | None,
-                   num_training_batches: float | None = None, accumulate_grad_batches: int = 1,
-                   owner: str = "VCycleCallback") -> list[tuple[int, int]]:
+def resolve_stages(
+    levels: int,
+    e_a: Duration,
+    e_small: Duration,
+    up_leg: UpLeg,
+    total_steps: int | None,
+    num_training_batches: float | None = None,
+    accumulate_grad_batches: int = 1,
+    owner: str = "VCycleCallback",
+) -> list[tuple[int, int]]:
     """The non-final stages ``(level, optimizer steps)`` of a run of ``total_steps`` (None: unknown).
 
     Steps are taken as given, ``n`` epochs are ``n · steps_per_epoch(num_training_batches, accumulate_grad_batches)``
@@ -306,13 +354,16 @@ def resolve_stages(levels: int, e_a: Duration, e_small: Duration, up_leg: UpLeg,
     ups = up_leg_lengths(levels, up_leg)
     units = {d.unit for d in (e_a, e_small, *ups)}
     if total_steps is None and "fraction" in units:
-        raise ValueError(f"{owner}: the run's length is unknown (max_steps=-1 and max_epochs=-1, or a train dataloader "
-                         "without a length), so stage lengths given as fractions of the run ('0.05dur', *_fraction) "
-                         "cannot resolve; set trainer.max_steps or give the stage lengths in steps or epochs ('2ep')")
+        raise ValueError(
+            f"{owner}: the run's length is unknown (max_steps=-1 and max_epochs=-1, or a train dataloader "
+            "without a length), so stage lengths given as fractions of the run ('0.05dur', *_fraction) "
+            "cannot resolve; set trainer.max_steps or give the stage lengths in steps or epochs ('2ep')"
+        )
     spe = None
     if "epoch" in units:
-        spe = steps_per_epoch(num_training_batches if num_training_batches is not None else math.inf,
-                              accumulate_grad_batches, owner)
+        spe = steps_per_epoch(
+            num_training_batches if num_training_batches is not None else math.inf, accumulate_grad_batches, owner
+        )
 
     def steps(d: Duration, at_least: int) -> int:
         n = d.to_steps(steps_per_epoch=spe, total_steps=total_steps)
@@ -327,9 +378,11 @@ def resolve_stages(levels: int, e_a: Duration, e_small: Duration, up_leg: UpLeg,
             detail += f", up_leg = {up}"
         if spe is not None:
             detail += f"; {spe} optimizer steps per epoch"
-        raise ValueError(f"{owner}: the V-cycle's stages need {need} optimizer steps ({detail}) but the run has "
-                         f"{total_steps} (trainer.max_steps or the epochs' optimizer steps); lower e_a / e_small / "
-                         "up_leg or raise trainer.max_steps / max_epochs")
+        raise ValueError(
+            f"{owner}: the V-cycle's stages need {need} optimizer steps ({detail}) but the run has "
+            f"{total_steps} (trainer.max_steps or the epochs' optimizer steps); lower e_a / e_small / "
+            "up_leg or raise trainer.max_steps / max_epochs"
+        )
     return stages
 
 

@@ -10,7 +10,14 @@ from lightning_effi.core.checks import check_bool, check_choice, check_int, chec
 def test_is_int_and_is_real():
     assert [is_int(x) for x in (3, np.int64(3), True, 3.0, "3", None)] == [True, True, False, False, False, False]
     assert [is_real(x) for x in (3, 0.5, np.float32(0.5), True, float("nan"), float("inf"), "1")] == [
-        True, True, True, False, False, False, False]
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
 
 
 def test_check_int_returns_python_int():
@@ -18,12 +25,15 @@ def test_check_int_returns_python_int():
     assert v == 7 and type(v) is int
 
 
-@pytest.mark.parametrize("value, match", [
-    (0, r"Owner.steps must be an int >= 1 and <= 9, got 0"),
-    (10, r"Owner.steps must be an int >= 1 and <= 9, got 10"),
-    (2.0, r"Owner.steps must be an int >= 1 and <= 9, got 2.0"),
-    (True, r"got True"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (0, r"Owner.steps must be an int >= 1 and <= 9, got 0"),
+        (10, r"Owner.steps must be an int >= 1 and <= 9, got 10"),
+        (2.0, r"Owner.steps must be an int >= 1 and <= 9, got 2.0"),
+        (True, r"got True"),
+    ],
+)
 def test_check_int_errors(value, match):
     with pytest.raises(ValueError, match=match):
         check_int("Owner", "steps", value, minimum=1, maximum=9)

@@ -19,6 +19,9 @@ def test_no_private_lightning_access_outside_compat():
     root = Path(lightning_effi.__file__).parent
     out = subprocess.run(
         ["git", "grep", "-nE", r"from lightning[a-z._]* import .*\b_[a-z]|trainer\._|strategy\._", "--", "."],
-        cwd=root, capture_output=True, text=True).stdout
+        cwd=root,
+        capture_output=True,
+        text=True,
+    ).stdout
     offenders = [line for line in out.splitlines() if not line.startswith("core/compat.py")]
     assert offenders == []

@@ -8,30 +8,36 @@ import pytest
 from lightning_effi.core.progress import Duration, progress_source, training_progress
 
 
-@pytest.mark.parametrize("value, unit, number, steps", [
-    (5, "step", 5, 5),
-    ("500st", "step", 500, 500),
-    ("500ba", "step", 500, 500),
-    ("2ep", "epoch", 2, 20),
-    ("0.3dur", "fraction", 0.3, 30),
-    ("0.999dur", "fraction", 0.999, 99),  # floor(0.999 * 100)
-    ("1e3tok", "token", 1000.0, 4),  # ceil(1000 / 300)
-    (Duration(1, "fraction"), "fraction", 1, 100),
-])
+@pytest.mark.parametrize(
+    "value, unit, number, steps",
+    [
+        (5, "step", 5, 5),
+        ("500st", "step", 500, 500),
+        ("500ba", "step", 500, 500),
+        ("2ep", "epoch", 2, 20),
+        ("0.3dur", "fraction", 0.3, 30),
+        ("0.999dur", "fraction", 0.999, 99),  # floor(0.999 * 100)
+        ("1e3tok", "token", 1000.0, 4),  # ceil(1000 / 300)
+        (Duration(1, "fraction"), "fraction", 1, 100),
+    ],
+)
 def test_parse_and_resolve(value, unit, number, steps):
     d = Duration.parse(value)
     assert (d.unit, d.value) == (unit, number)
     assert d.to_steps(steps_per_epoch=10, total_steps=100, tokens_per_step=300) == steps
 
 
-@pytest.mark.parametrize("value, match", [
-    (0.3, r"e_a must be an int \(optimizer steps\) or a string with a unit"),
-    (True, "e_a must be an int"),
-    (-1, "e_a must be >= 0 optimizer steps"),
-    ("2.5ep", "e_a: epochs must be whole"),
-    ("1.5dur", r"e_a: a duration in fractions must be a number in \[0, 1\]"),
-    ("10 minutes", "e_a: cannot read '10 minutes' as a duration"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (0.3, r"e_a must be an int \(optimizer steps\) or a string with a unit"),
+        (True, "e_a must be an int"),
+        (-1, "e_a must be >= 0 optimizer steps"),
+        ("2.5ep", "e_a: epochs must be whole"),
+        ("1.5dur", r"e_a: a duration in fractions must be a number in \[0, 1\]"),
+        ("10 minutes", "e_a: cannot read '10 minutes' as a duration"),
+    ],
+)
 def test_parse_errors_name_the_argument(value, match):
     with pytest.raises(ValueError, match=match):
         Duration.parse(value, "e_a")
@@ -44,11 +50,14 @@ def test_construction_checks_the_domain():
         Duration(1.5, "step")
 
 
-@pytest.mark.parametrize("d, kwargs, match", [
-    (Duration(2, "epoch"), {}, "epoch length in optimizer steps is unknown"),
-    (Duration(0.5, "fraction"), {"total_steps": math.inf}, "run's length is unknown"),
-    (Duration(10.0, "token"), {}, "tokens per optimizer step are unknown"),
-])
+@pytest.mark.parametrize(
+    "d, kwargs, match",
+    [
+        (Duration(2, "epoch"), {}, "epoch length in optimizer steps is unknown"),
+        (Duration(0.5, "fraction"), {"total_steps": math.inf}, "run's length is unknown"),
+        (Duration(10.0, "token"), {}, "tokens per optimizer step are unknown"),
+    ],
+)
 def test_resolution_needs_its_quantity(d, kwargs, match):
     with pytest.raises(ValueError, match=match):
         d.to_steps(**kwargs)

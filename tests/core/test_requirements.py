@@ -8,11 +8,18 @@ import pytest
 from lightning.pytorch import Callback
 
 import lightning_effi
-from lightning_effi.core.requirements import (CONFLICTS, IncompatibleTechniques, Requirements, check_trainer,
-                                              technique_callbacks)
+from lightning_effi.core.requirements import (
+    CONFLICTS,
+    IncompatibleTechniques,
+    Requirements,
+    check_trainer,
+    technique_callbacks,
+)
 
 TECHNIQUES = {
-    "InfoBatchCallback": "infobatch", "Curriculum": "curriculum", "RandomLTDCallback": "random_ltd",
+    "InfoBatchCallback": "infobatch",
+    "Curriculum": "curriculum",
+    "RandomLTDCallback": "random_ltd",
     "VCycleCallback": "vcycle",
 }
 
@@ -45,8 +52,11 @@ def test_declarations_are_checked():
 def test_two_samplers_are_refused_naming_both():
     a = _fake("SamplerA", owns_train_sampler=True)
     b = _fake("SamplerB", owns_train_sampler=True)
-    with pytest.raises(IncompatibleTechniques, match=r"SamplerA and SamplerB cannot be combined \(two training "
-                                                     r"samplers\).*use one of them"):
+    with pytest.raises(
+        IncompatibleTechniques,
+        match=r"SamplerA and SamplerB cannot be combined \(two training "
+        r"samplers\).*use one of them",
+    ):
         check_trainer(_trainer(a, Callback(), b))
 
 
@@ -59,16 +69,20 @@ def test_patching_across_shape_changes_is_refused_in_either_order():
 
 
 def test_compatible_techniques_pass():
-    check_trainer(_trainer(_fake("A", owns_train_sampler=True), _fake("B", patches_layers=True),
-                           _fake("C", edits_batch=True)))
+    check_trainer(
+        _trainer(_fake("A", owns_train_sampler=True), _fake("B", patches_layers=True), _fake("C", edits_batch=True))
+    )
     assert [type(c).__name__ for c in technique_callbacks([Callback(), _fake("A")])] == ["A"]
 
 
 def test_strategy_and_callback_declarations():
     only_ddp = _fake("OnlyDDP", strategies=("DDPStrategy",), strategy_note="Use one fit per stage.")
-    with pytest.raises(IncompatibleTechniques,
-                       match=r"OnlyDDP supports the strategies \['DDPStrategy'\], not SingleDeviceStrategy. Use one"):
+    with pytest.raises(
+        IncompatibleTechniques,
+        match=r"OnlyDDP supports the strategies \['DDPStrategy'\], not SingleDeviceStrategy. Use one",
+    ):
         check_trainer(_trainer(only_ddp))
+
     class DDPStrategy:
         pass
 
@@ -79,6 +93,10 @@ def test_strategy_and_callback_declarations():
         pass
 
     check_trainer(_trainer(only_ddp, strategy=MyDDP))
+    any_but_ds = _fake("AnyButDS", refused_strategies=("DeepSpeedStrategy",))
+    check_trainer(_trainer(any_but_ds, strategy=MyDDP))
+    with pytest.raises(IncompatibleTechniques, match="AnyButDS does not support the DeepSpeedStrategy strategy"):
+        check_trainer(_trainer(any_but_ds, strategy=DeepSpeedStrategy))
     no_ds = _fake("NoDS", strategies=("DDPStrategy",), refused_strategies=("DeepSpeedStrategy",))
     with pytest.raises(IncompatibleTechniques, match=r"NoDS supports the strategies \['DDPStrategy'\], not Deep"):
         check_trainer(_trainer(no_ds, strategy=DeepSpeedStrategy))
@@ -99,9 +117,11 @@ def test_shipped_techniques_today():
     def refused(a, b):
         return any(r.applies(req[a], req[b]) or r.applies(req[b], req[a]) for r in CONFLICTS)
 
-    pairs = {(a, b): refused(a, b) for i, a in enumerate(TECHNIQUES) for b in list(TECHNIQUES)[i + 1:]}
-    assert {p for p, r in pairs.items() if r} == {("InfoBatchCallback", "Curriculum"),
-                                                  ("RandomLTDCallback", "VCycleCallback")}
+    pairs = {(a, b): refused(a, b) for i, a in enumerate(TECHNIQUES) for b in list(TECHNIQUES)[i + 1 :]}
+    assert {p for p, r in pairs.items() if r} == {
+        ("InfoBatchCallback", "Curriculum"),
+        ("RandomLTDCallback", "VCycleCallback"),
+    }
 
 
 @pytest.mark.parametrize("name", list(TECHNIQUES))

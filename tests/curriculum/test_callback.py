@@ -31,11 +31,23 @@ def first_token(batch):
 
 register_metric("curriculum_test_first_token", first_token)
 
-TRUNC = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=2, max_difficulty=16,
-             schedule_type="fixed_linear", schedule_config=dict(total_curriculum_step=14, difficulty_step=1))
-PCT = dict(difficulty_type="percentile", clustering_type="schedule_based", analysis="curriculum_test_first_token",
-           min_difficulty=20, max_difficulty=100, schedule_type="fixed_linear",
-           schedule_config=dict(total_curriculum_step=16, difficulty_step=20))
+TRUNC = dict(
+    difficulty_type="value",
+    clustering_type="single_cluster",
+    min_difficulty=2,
+    max_difficulty=16,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=14, difficulty_step=1),
+)
+PCT = dict(
+    difficulty_type="percentile",
+    clustering_type="schedule_based",
+    analysis="curriculum_test_first_token",
+    min_difficulty=20,
+    max_difficulty=100,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=16, difficulty_step=20),
+)
 METRICS = {"first_token": PCT, "seqlen_truncate": TRUNC}
 
 
@@ -50,9 +62,15 @@ class Record(pl.Callback):
         self.train, self.val, self.out_dir = [], [], out_dir
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.train.append({"global_step": trainer.global_step, "cl_step": batch["cl_step"],
-                           "cl_micro": batch["cl_micro"], "difficulty": dict(batch["cl_difficulty"]),
-                           "input_ids": batch["input_ids"].tolist()})
+        self.train.append(
+            {
+                "global_step": trainer.global_step,
+                "cl_step": batch["cl_step"],
+                "cl_micro": batch["cl_micro"],
+                "difficulty": dict(batch["cl_difficulty"]),
+                "input_ids": batch["input_ids"].tolist(),
+            }
+        )
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         self.val.append(tuple(batch["input_ids"].shape))
@@ -90,14 +108,15 @@ def test_each_batch_carries_its_own_difficulty(tmp_path, num_workers):
 def test_batches_come_from_the_eligible_set(tmp_path):
     rec = Record()
     make_trainer(tmp_path, [rec, curriculum()], max_steps=16, max_epochs=-1).fit(
-        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4))
+    )
     data = TokenBlocks().data
     index = MetricIndex.from_sample_to_metric(data[:, 0].numpy())
     for r in rec.train:
         p = r["difficulty"]["first_token"]
-        eligible = data[index.ids[:len(data) * p // 100]]
+        eligible = data[index.ids[: len(data) * p // 100]]
         for row in r["input_ids"]:
-            assert any(torch.equal(torch.tensor(row), e[:len(row)]) for e in eligible)
+            assert any(torch.equal(torch.tensor(row), e[: len(row)]) for e in eligible)
 
 
 @pytest.mark.parametrize("num_workers,resume_step", [(0, 10), (0, 13), (2, 7)])
@@ -105,8 +124,13 @@ def test_resume_continues_the_exact_stream(tmp_path, num_workers, resume_step):
     # N = 40, 4 per batch: 10 batches per data epoch; percentile clusters of 8-40 samples reshuffle every few steps;
     # difficulties change before and after the checkpoint
     a, b = assert_resume_equals_uninterrupted(
-        tiny_gpt2, lambda: CurriculumDataModule(tiny_lm_data(batch_size=4, num_workers=num_workers)), tmp_path,
-        total_steps=24, resume_step=resume_step, callbacks_fn=lambda: [Record(), curriculum()])
+        tiny_gpt2,
+        lambda: CurriculumDataModule(tiny_lm_data(batch_size=4, num_workers=num_workers)),
+        tmp_path,
+        total_steps=24,
+        resume_step=resume_step,
+        callbacks_fn=lambda: [Record(), curriculum()],
+    )
     rec_a = next(c for c in a.callbacks if isinstance(c, Record)).train
     rec_b = next(c for c in b.callbacks if isinstance(c, Record)).train
     assert len(rec_b) == 24 - resume_step
@@ -118,7 +142,8 @@ def test_resume_continues_the_exact_stream(tmp_path, num_workers, resume_step):
 def test_gradient_accumulation_shares_one_step(tmp_path):
     rec = Record()
     make_trainer(tmp_path, [rec, curriculum()], max_steps=5, max_epochs=-1, accumulate_grad_batches=2).fit(
-        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4))
+    )
     assert [(r["cl_step"], r["cl_micro"]) for r in rec.train] == [(s, m) for s in range(1, 6) for m in (0, 1)]
     for x, y in zip(rec.train[::2], rec.train[1::2]):
         assert x["difficulty"] == y["difficulty"]
@@ -126,8 +151,9 @@ def test_gradient_accumulation_shares_one_step(tmp_path):
 
 def test_validation_is_never_truncated(tmp_path):
     rec = Record()
-    trainer = make_trainer(tmp_path, [rec, curriculum()], max_steps=6, max_epochs=-1, limit_val_batches=2,
-                           val_check_interval=3)
+    trainer = make_trainer(
+        tmp_path, [rec, curriculum()], max_steps=6, max_epochs=-1, limit_val_batches=2, val_check_interval=3
+    )
     trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
     assert max(len(r["input_ids"][0]) for r in rec.train) < 16
     assert rec.val and all(shape[1] == 16 for shape in rec.val)
@@ -146,7 +172,8 @@ def test_user_step_sees_its_own_batch_and_tokens_are_counted(tmp_path):
     model.training_step = step
     rec = Record()
     make_trainer(tmp_path, [rec, cb], max_steps=6, max_epochs=-1).fit(
-        model, datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+        model, datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4))
+    )
     assert seen == [["input_ids"]] * 6
     assert cb.consumed_tokens == sum(4 * r["difficulty"]["seqlen_truncate"] for r in rec.train)
     assert cb.effi_summary()["curriculum/consumed_tokens"] == cb.consumed_tokens
@@ -163,11 +190,11 @@ def test_token_progress_drives_the_lr(tmp_path):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
-    model = tiny_gpt2(scheduler=lambda opt, total_steps, progress=None: progress_lambda(opt, lambda p: 1 - p,
-                                                                                       progress))
+    model = tiny_gpt2(scheduler=lambda opt, total_steps, progress=None: progress_lambda(opt, lambda p: 1 - p, progress))
     rec = Record()
     make_trainer(tmp_path, [rec, cb, LR()], max_steps=6, max_epochs=-1).fit(
-        model, datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+        model, datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4))
+    )
     base = 0.05  # tests.helpers.tiny.sgd
     through = np.cumsum([4 * r["difficulty"]["seqlen_truncate"] for r in rec.train])
     assert lrs == pytest.approx([base * (1 - t / total) for t in through])  # the scheduler saw the current batch
@@ -178,21 +205,25 @@ def test_setup_errors(tmp_path):
         make_trainer(tmp_path, [curriculum()], max_steps=1).fit(tiny_gpt2(), datamodule=tiny_lm_data())
     with pytest.raises(CurriculumConfigError, match="configured twice"):
         make_trainer(tmp_path, [curriculum()], max_steps=1).fit(
-            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(), metrics={"seqlen_truncate": TRUNC}))
+            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(), metrics={"seqlen_truncate": TRUNC})
+        )
     with pytest.raises(CurriculumConfigError, match="has no metrics"):
         make_trainer(tmp_path, [Curriculum()], max_steps=1).fit(
-            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data()))
+            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data())
+        )
     # configured on the DataModule only: works
     cb = Curriculum()
     make_trainer(tmp_path, [cb], max_steps=2).fit(
-        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(), metrics={"seqlen_truncate": TRUNC}))
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(), metrics={"seqlen_truncate": TRUNC})
+    )
     assert cb.consumed_tokens == 8 * 3 + 8 * 4  # steps 1, 2: d = floor(s / 14 * 14 + 2)
 
 
 def test_ddp_needs_use_distributed_sampler_false():
     dm = CurriculumDataModule(tiny_lm_data(), metrics={"seqlen_truncate": TRUNC})
-    trainer = SimpleNamespace(world_size=2, datamodule=dm, callbacks=[],
-                              _accelerator_connector=SimpleNamespace(use_distributed_sampler=True))
+    trainer = SimpleNamespace(
+        world_size=2, datamodule=dm, callbacks=[], _accelerator_connector=SimpleNamespace(use_distributed_sampler=True)
+    )
     with pytest.raises(CurriculumConfigError, match="use_distributed_sampler=False"):
         Curriculum().setup(trainer, None, "fit")
 
@@ -200,8 +231,11 @@ def test_ddp_needs_use_distributed_sampler_false():
 def test_setup_refuses_another_technique_that_owns_the_training_sampler():
     cb = Curriculum(metrics={"seqlen_truncate": TRUNC})
     trainer = SimpleNamespace(callbacks=[cb, InfoBatchCallback()], strategy=None)
-    with pytest.raises(IncompatibleTechniques, match=r"Curriculum and InfoBatchCallback cannot be combined \(two "
-                       r"training samplers\)"):
+    with pytest.raises(
+        IncompatibleTechniques,
+        match=r"Curriculum and InfoBatchCallback cannot be combined \(two "
+        r"training samplers\)",
+    ):
         cb.setup(trainer, None, "fit")
 
 
@@ -209,8 +243,7 @@ def test_requirements_are_declared_and_match_metadata():
     req = Curriculum.requirements
     assert isinstance(req, Requirements)
     assert req.owns_train_sampler and req.edits_batch and req.batch_structures == ("dict",)
-    assert not (req.changes_epoch_length or req.changes_model_shapes or req.patches_layers
-                or req.needs_per_sample_loss)
+    assert not (req.changes_epoch_length or req.changes_model_shapes or req.patches_layers or req.needs_per_sample_loss)
     folder = Path(lightning_effi.curriculum.__file__).parent
     metadata = json.loads((folder / "metadata.json").read_text())
     assert metadata["requirements"] == json.loads(json.dumps(req.as_dict()))  # tuples as lists
@@ -220,17 +253,27 @@ def test_requirements_are_declared_and_match_metadata():
 
 
 def test_repr_round_trips():
-    cb = Curriculum(metrics=METRICS, seed=np.int64(3), num_epochs=50, rounding="deepspeed",
-                    percentile_rounding="proportional", dp_split="deepspeed", drop_last=True,
-                    truncate_keys=("input_ids", "labels"), causal_label_shift=True, analysis_batch_size=np.int64(64),
-                    total_tokens=1000, strict=False)
+    cb = Curriculum(
+        metrics=METRICS,
+        seed=np.int64(3),
+        num_epochs=50,
+        rounding="deepspeed",
+        percentile_rounding="proportional",
+        dp_split="deepspeed",
+        drop_last=True,
+        truncate_keys=("input_ids", "labels"),
+        causal_label_shift=True,
+        analysis_batch_size=np.int64(64),
+        total_tokens=1000,
+        strict=False,
+    )
     again = eval(repr(cb), {"Curriculum": Curriculum})
     assert repr(again) == repr(cb)
     assert again.config.describe() == cb.config.describe() and type(again.config.seed) is int
     assert (again.analysis_batch_size, again.total_tokens, again.strict) == (64, 1000, False)
     # every constructor argument appears, in order
     code = Curriculum.__init__.__code__
-    names = list(code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount])
+    names = list(code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount])
     assert [kw.arg for kw in ast.parse(repr(cb), mode="eval").body.keywords] == names
     bare = Curriculum()  # configured on the DataModule
     assert repr(bare).startswith("Curriculum(metrics=None, seed=1234, num_epochs=1000, ")
@@ -250,20 +293,31 @@ def test_in_memory_analysis_import_paths():
 
 
 def test_empty_first_eligible_set_fails_in_setup(tmp_path):
-    metrics = {"first_token": dict(PCT, min_difficulty=1, schedule_config=dict(total_curriculum_step=1000,
-                                                                              difficulty_step=1))}
-    with pytest.raises(CurriculumConfigError, match=r"first_token \(percentile\) at difficulty 1: 0 eligible.*N = 40"
-                       r"|N = 40.*first_token \(percentile\) at difficulty 1: 0 eligible"):
+    metrics = {
+        "first_token": dict(PCT, min_difficulty=1, schedule_config=dict(total_curriculum_step=1000, difficulty_step=1))
+    }
+    with pytest.raises(
+        CurriculumConfigError,
+        match=r"first_token \(percentile\) at difficulty 1: 0 eligible.*N = 40"
+        r"|N = 40.*first_token \(percentile\) at difficulty 1: 0 eligible",
+    ):
         make_trainer(tmp_path, [Curriculum(metrics=metrics)], max_steps=1).fit(
-            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data()))  # deepspeed rounding: 40 // 100 = 0
+            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data())
+        )  # deepspeed rounding: 40 // 100 = 0
 
 
 @pytest.mark.slow
 def test_ddp_ranks_share_global_batches(tmp_path):
     steps = 6
-    _, _ = fit_ddp(tiny_gpt2(), CurriculumDataModule(tiny_lm_data(batch_size=4)), tmp_path,
-                   callbacks=[Record(tmp_path / "cl"), curriculum()], use_distributed_sampler=False,
-                   max_steps=steps, max_epochs=-1)
+    _, _ = fit_ddp(
+        tiny_gpt2(),
+        CurriculumDataModule(tiny_lm_data(batch_size=4)),
+        tmp_path,
+        callbacks=[Record(tmp_path / "cl"), curriculum()],
+        use_distributed_sampler=False,
+        max_steps=steps,
+        max_epochs=-1,
+    )
     ranks = [json.loads((tmp_path / "cl" / f"cl_rank{r}.json").read_text()) for r in range(2)]
     assert [len(r) for r in ranks] == [steps, steps]
     # the same global batches computed by one process with the whole global batch (8 = 4 x 2 ranks)
@@ -287,19 +341,35 @@ def test_hydra_instantiated_callables(tmp_path):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create({"_target_": "lightning_effi.callbacks.Curriculum", "percentile_rounding": "proportional",
-                            "metrics": {"first": dict(
-                                PCT, schedule_type="custom", schedule_config={},
-                                analysis={"_target_": "tests.curriculum.test_callback.first_token", "_partial_": True},
-                                custom_schedule={"_target_": "tests.curriculum.test_callback.growing",
-                                                 "_partial_": True, "start": 30})}})
+    cfg = OmegaConf.create(
+        {
+            "_target_": "lightning_effi.callbacks.Curriculum",
+            "percentile_rounding": "proportional",
+            "metrics": {
+                "first": dict(
+                    PCT,
+                    schedule_type="custom",
+                    schedule_config={},
+                    analysis={"_target_": "tests.curriculum.test_callback.first_token", "_partial_": True},
+                    custom_schedule={
+                        "_target_": "tests.curriculum.test_callback.growing",
+                        "_partial_": True,
+                        "start": 30,
+                    },
+                )
+            },
+        }
+    )
     rec = Record()
     cb = instantiate(cfg)
     make_trainer(tmp_path, [rec, cb], max_steps=4, max_epochs=-1).fit(
-        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4))
+    )
     assert [r["difficulty"]["first"] for r in rec.train] == [40, 50, 60, 70]
     assert cb.state_dict()["stream"]["config"]["config"]["metrics"]["first"]["custom_schedule"] == {
-        "callable": "tests.curriculum.test_callback.growing", "keywords": {"start": 30}}
+        "callable": "tests.curriculum.test_callback.growing",
+        "keywords": {"start": 30},
+    }
 
 
 def test_options_without_metrics_raise_and_the_callback_pickles():
@@ -315,7 +385,8 @@ def test_seqlen_reshape_rechunks_each_batch_at_its_difficulty(tmp_path):
     reshape = dict(TRUNC, min_difficulty=3, max_difficulty=15)  # rows of d + 1 tokens; 16 = no change
     rec = Record()
     make_trainer(tmp_path, [rec, Curriculum(metrics={"seqlen_reshape": reshape})], max_steps=8, max_epochs=-1).fit(
-        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4))
+    )
     for r in rec.train:
         d = r["difficulty"]["seqlen_reshape"]
         rows = np.array(r["input_ids"])
@@ -336,7 +407,8 @@ def test_spent_budget_stops_the_fit_instead_of_hanging(tmp_path):
     assert trainer.global_step == 2 and cb.controller.exhausted
     with pytest.raises(CurriculumConfigError, match=r"max_steps=3 exceeds the sample budget .* = 2 optimizer steps"):
         make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=1)], max_steps=3).fit(
-            tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=8), batch_size=4)))
+            tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=8), batch_size=4))
+        )
 
 
 def test_a_reused_callback_starts_a_fresh_stream(tmp_path):
@@ -344,7 +416,8 @@ def test_a_reused_callback_starts_a_fresh_stream(tmp_path):
     for run in ("a", "b"):
         rec.train.clear()
         make_trainer(tmp_path / run, [rec, cb], max_steps=3, max_epochs=-1).fit(
-            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4))
+        )
         assert [r["cl_step"] for r in rec.train] == [1, 2, 3]
         assert cb.consumed_tokens == sum(4 * r["difficulty"]["seqlen_truncate"] for r in rec.train)
 
@@ -364,8 +437,11 @@ def test_resume_from_a_checkpoint_without_curriculum(tmp_path):
     make_trainer(tmp_path, [ckpt], max_steps=3, max_epochs=-1).fit(tiny_gpt2(), datamodule=tiny_lm_data(batch_size=4))
     rec = Record()
     trainer = make_trainer(tmp_path, [rec, curriculum()], max_steps=6, max_epochs=-1)
-    trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)),
-                ckpt_path=tmp_path / "old" / "step=3.ckpt")
+    trainer.fit(
+        tiny_gpt2(),
+        datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)),
+        ckpt_path=tmp_path / "old" / "step=3.ckpt",
+    )
     assert trainer.global_step == 6 and [r["cl_step"] for r in rec.train] == [1, 2, 3]  # the curriculum starts over
 
 

@@ -12,8 +12,14 @@ from lightning_effi.functional import curriculum as F
 
 
 def value_set(index: MetricIndex, d: int) -> set[int]:
-    end = F.eligible_end(d, difficulty_type="value", num_samples=index.num_samples, max_difficulty=10**9,
-                         offsets=index.offsets, values=index.values)
+    end = F.eligible_end(
+        d,
+        difficulty_type="value",
+        num_samples=index.num_samples,
+        max_difficulty=10**9,
+        offsets=index.offsets,
+        values=index.values,
+    )
     return set(index.ids[:end].tolist())
 
 
@@ -59,8 +65,8 @@ def test_exact_draws_wrap_passes():
     drawn, pass_, pos, _ = F.draw_from_cluster(ids, 8, seed=3, cluster_key=0, pass_=0, position=0)
     assert len(drawn) == 8 and (pass_, pos) == (4, 0)
     for p in range(4):
-        assert sorted(drawn[2 * p:2 * p + 2].tolist()) == [10, 20]
-        assert drawn[2 * p:2 * p + 2].tolist() == F.cluster_permutation(3, 0, p, ids).tolist()
+        assert sorted(drawn[2 * p : 2 * p + 2].tolist()) == [10, 20]
+        assert drawn[2 * p : 2 * p + 2].tolist() == F.cluster_permutation(3, 0, p, ids).tolist()
 
 
 def test_draws_continue_a_pass_across_calls():
@@ -90,8 +96,11 @@ def test_dp_slices():
 
 
 def test_truncate_batch():
-    batch = {"input_ids": torch.arange(20).view(2, 10), "attention_mask": torch.ones(2, 10, dtype=torch.long),
-             "labels": torch.tensor([0, 1])}
+    batch = {
+        "input_ids": torch.arange(20).view(2, 10),
+        "attention_mask": torch.ones(2, 10, dtype=torch.long),
+        "labels": torch.tensor([0, 1]),
+    }
     out = F.truncate_batch(batch, 4)
     assert out["input_ids"].tolist() == [[0, 1, 2, 3], [10, 11, 12, 13]] and out["attention_mask"].shape == (2, 4)
     assert out["labels"].tolist() == [0, 1] and batch["input_ids"].shape == (2, 10)  # input untouched

@@ -25,16 +25,28 @@ def first_token(batch):
 @pytest.fixture(scope="module")
 def analysis(tmp_path_factory):
     path = tmp_path_factory.mktemp("analysis")
-    DataAnalyzer(TokenBlocks(), batch_size=7, metric_names=["first"], metric_functions=[first_token],
-                 metric_types=["single_value_per_sample"], metric_dtypes=[np.int64], save_path=str(path),
-                 progress=False).run_map_reduce()
+    DataAnalyzer(
+        TokenBlocks(),
+        batch_size=7,
+        metric_names=["first"],
+        metric_functions=[first_token],
+        metric_types=["single_value_per_sample"],
+        metric_dtypes=[np.int64],
+        save_path=str(path),
+        progress=False,
+    ).run_map_reduce()
     return path / "first"
 
 
 def metric(path, kind, lo, total=8, q=10, merged=False):
-    m = dict(difficulty_type=kind, clustering_type="schedule_based", min_difficulty=lo,
-             max_difficulty=100 if kind == "percentile" else 63, schedule_type="fixed_linear",
-             schedule_config=dict(total_curriculum_step=total, difficulty_step=q))
+    m = dict(
+        difficulty_type=kind,
+        clustering_type="schedule_based",
+        min_difficulty=lo,
+        max_difficulty=100 if kind == "percentile" else 63,
+        schedule_type="fixed_linear",
+        schedule_config=dict(total_curriculum_step=total, difficulty_step=q),
+    )
     m["index_to_sample_path"] = str(path / ("first_index_to_sample" + ("_percentile_merged" if merged else "")))
     if kind == "value":
         m["index_to_metric_path"] = str(path / "first_index_to_metric")
@@ -53,12 +65,15 @@ def clusters_over(config, index, steps):
 
 @pytest.mark.parametrize("merged", [False, True])
 def test_percentile_clusters_match_the_formula_on_the_rows(analysis, merged):
-    cfg = CurriculumConfig(metrics={"first": metric(analysis, "percentile", 20, merged=merged)},
-                           percentile_rounding="proportional")
+    cfg = CurriculumConfig(
+        metrics={"first": metric(analysis, "percentile", 20, merged=merged)}, percentile_rounding="proportional"
+    )
     m = cfg.metrics["first"]
     index = MetricIndex.load(m.index_to_sample_path, None, num_samples=N)
-    rows = [MMapIndexedDataset(m.index_to_sample_path)[j].tolist()
-            for j in range(len(MMapIndexedDataset(m.index_to_sample_path)))]
+    rows = [
+        MMapIndexedDataset(m.index_to_sample_path)[j].tolist()
+        for j in range(len(MMapIndexedDataset(m.index_to_sample_path)))
+    ]
     prev = 0
     for d, clusters in clusters_over(cfg, index, 9):
         if d != prev:
@@ -80,14 +95,17 @@ def test_value_clusters_match_the_metric(analysis):
 def test_fit_from_index_files(analysis, tmp_path):
     cb = Curriculum(metrics={"first": metric(analysis, "percentile", 50)}, percentile_rounding="proportional")
     make_trainer(tmp_path, [cb], max_steps=3, max_epochs=-1).fit(
-        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4))
+    )
     assert cb.controller.committed["micro"] == 3
 
 
 def test_index_files_of_another_dataset_raise_in_setup(analysis, tmp_path):
     from lightning_effi.data import CurriculumDataModule as DM
     from tests.helpers.tiny import TinyDataModule
+
     cb = Curriculum(metrics={"first": metric(analysis, "percentile", 50)})
     with pytest.raises(IndexFileError, match="first_index_to_sample"):
         make_trainer(tmp_path, [cb], max_steps=1).fit(
-            tiny_gpt2(), datamodule=DM(TinyDataModule(TokenBlocks(n=30), batch_size=4)))
+            tiny_gpt2(), datamodule=DM(TinyDataModule(TokenBlocks(n=30), batch_size=4))
+        )

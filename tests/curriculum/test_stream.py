@@ -17,20 +17,38 @@ from lightning_effi.curriculum import (
 )
 from lightning_effi.curriculum.analysis.index import MetricIndex
 
-TRUNC = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=4, max_difficulty=16,
-             schedule_type="fixed_linear", schedule_config=dict(total_curriculum_step=10, difficulty_step=4))
+TRUNC = dict(
+    difficulty_type="value",
+    clustering_type="single_cluster",
+    min_difficulty=4,
+    max_difficulty=16,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=10, difficulty_step=4),
+)
 
 
 def pct_metric(total=12, lo=10, q=10):
-    return dict(difficulty_type="percentile", clustering_type="schedule_based", analysis="seqlen", min_difficulty=lo,
-                max_difficulty=100, schedule_type="fixed_linear",
-                schedule_config=dict(total_curriculum_step=total, difficulty_step=q))
+    return dict(
+        difficulty_type="percentile",
+        clustering_type="schedule_based",
+        analysis="seqlen",
+        min_difficulty=lo,
+        max_difficulty=100,
+        schedule_type="fixed_linear",
+        schedule_config=dict(total_curriculum_step=total, difficulty_step=q),
+    )
 
 
 def value_metric(lo, hi, total):
-    return dict(difficulty_type="value", clustering_type="schedule_based", analysis="seqlen", min_difficulty=lo,
-                max_difficulty=hi, schedule_type="fixed_linear",
-                schedule_config=dict(total_curriculum_step=total, difficulty_step=1))
+    return dict(
+        difficulty_type="value",
+        clustering_type="schedule_based",
+        analysis="seqlen",
+        min_difficulty=lo,
+        max_difficulty=hi,
+        schedule_type="fixed_linear",
+        schedule_config=dict(total_curriculum_step=total, difficulty_step=1),
+    )
 
 
 def controller(metrics, n=64, values=None, mbs=4, dp=1, rank=0, ga=1, **opts):
@@ -57,8 +75,9 @@ def drain(c: CurriculumController, commit: bool = True) -> list[list[tuple]]:
 def test_length_and_budget():
     c = controller({"seqlen_truncate": TRUNC}, n=64, mbs=4, dp=2, num_epochs=1)
     assert len(c) == 8
-    per_rank = [drain(controller({"seqlen_truncate": TRUNC}, n=64, mbs=4, dp=2, rank=r, num_epochs=1))
-                for r in range(2)]
+    per_rank = [
+        drain(controller({"seqlen_truncate": TRUNC}, n=64, mbs=4, dp=2, rank=r, num_epochs=1)) for r in range(2)
+    ]
     assert [len(b) for b in per_rank] == [8, 8]
     assert sum(len(mb) for rank in per_rank for mb in rank) == 64  # no extra batch (DeepSpeed's <=)
     assert drain(c) and list(c.micro_batches()) == []  # budget spent
@@ -119,8 +138,9 @@ def test_multi_metric_intersection_invariants():
         last = (da, db)
         union = np.concatenate(stream.clusters)
         assert len(union) == len(set(union.tolist()))  # pairwise disjoint
-        expected = set(np.flatnonzero(a <= da).tolist()) & set(b_index.ids[:(200 // 100) * db if db < 100 else 200]
-                                                               .tolist())
+        expected = set(np.flatnonzero(a <= da).tolist()) & set(
+            b_index.ids[: (200 // 100) * db if db < 100 else 200].tolist()
+        )
         assert set(union.tolist()) == expected
         assert set(gb.ids.tolist()) <= expected
 
@@ -221,6 +241,7 @@ def test_state_is_plain_python():
                 walk(v)
         else:
             assert isinstance(x, allowed), type(x)
+
     walk(a.state_dict())
     s = a.state_dict()
     assert s["committed_micro"] == len(a) and s["consumed_samples"] == len(a) * 4
@@ -230,17 +251,30 @@ def test_state_is_plain_python():
 DS = {
     "train_batch_size": 8,
     "data_efficiency": {
-        "enabled": True, "seed": 7,
+        "enabled": True,
+        "seed": 7,
         "data_sampling": {
-            "enabled": True, "num_epochs": 2,
+            "enabled": True,
+            "num_epochs": 2,
             "curriculum_learning": {
-                "enabled": True, "data_cluster_path": "/tmp/clusters",
+                "enabled": True,
+                "data_cluster_path": "/tmp/clusters",
                 "curriculum_metrics": {
-                    "vocabularyrarity": {"index_to_sample_path": "a", "index_to_metric_path": "b",
-                                         "difficulty_type": "percentile", "clustering_type": "schedule_based",
-                                         "min_difficulty": 1, "max_difficulty": 100, "schedule_type": "fixed_root",
-                                         "schedule_config": {"total_curriculum_step": 110000, "difficulty_step": 1,
-                                                             "root_degree": 2}}}}}}}
+                    "vocabularyrarity": {
+                        "index_to_sample_path": "a",
+                        "index_to_metric_path": "b",
+                        "difficulty_type": "percentile",
+                        "clustering_type": "schedule_based",
+                        "min_difficulty": 1,
+                        "max_difficulty": 100,
+                        "schedule_type": "fixed_root",
+                        "schedule_config": {"total_curriculum_step": 110000, "difficulty_step": 1, "root_degree": 2},
+                    }
+                },
+            },
+        },
+    },
+}
 
 
 def test_parse_deepspeed_config():
@@ -252,20 +286,39 @@ def test_parse_deepspeed_config():
     assert m.schedule("deepspeed")(27500) == 50 and m.index_to_sample_path == "a"
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda d: d["data_efficiency"].update(bogus=1), "unknown key"),
-    (lambda d: d.update(data_sampling={"enabled": True}), "must sit under 'data_efficiency'"),
-    (lambda d: d.update(curriculum_learning={"enabled": True, "curriculum_type": "seqlen"}), "legacy top-level"),
-    (lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["vocabularyrarity"]
-     .pop("schedule_config"), "missing required key"),
-    (lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["vocabularyrarity"]
-     ["schedule_config"].pop("root_degree"), "root_degree"),
-    (lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["vocabularyrarity"]
-     .update(schedule_type="cosine"), "schedule_type must be one of"),
-    (lambda d: d["data_efficiency"]["data_sampling"].update(enabled=False), "parent data_sampling.enabled"),
-    (lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["vocabularyrarity"]
-     .update(min_difficulty=200), "min_difficulty \\(200\\) > max_difficulty"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda d: d["data_efficiency"].update(bogus=1), "unknown key"),
+        (lambda d: d.update(data_sampling={"enabled": True}), "must sit under 'data_efficiency'"),
+        (lambda d: d.update(curriculum_learning={"enabled": True, "curriculum_type": "seqlen"}), "legacy top-level"),
+        (
+            lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"][
+                "vocabularyrarity"
+            ].pop("schedule_config"),
+            "missing required key",
+        ),
+        (
+            lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"][
+                "vocabularyrarity"
+            ]["schedule_config"].pop("root_degree"),
+            "root_degree",
+        ),
+        (
+            lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"][
+                "vocabularyrarity"
+            ].update(schedule_type="cosine"),
+            "schedule_type must be one of",
+        ),
+        (lambda d: d["data_efficiency"]["data_sampling"].update(enabled=False), "parent data_sampling.enabled"),
+        (
+            lambda d: d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"][
+                "vocabularyrarity"
+            ].update(min_difficulty=200),
+            "min_difficulty \\(200\\) > max_difficulty",
+        ),
+    ],
+)
 def test_deepspeed_config_errors(edit, match):
     d = copy.deepcopy(DS)
     edit(d)
@@ -281,13 +334,16 @@ def test_disabled_curriculum_parses_to_none():
     assert parse_deepspeed_config(d) is None
 
 
-@pytest.mark.parametrize("metric,match", [
-    (dict(TRUNC, bogus=1), "unknown key"),
-    (dict(TRUNC, min_difficulty=4.0), "min_difficulty must be an int"),
-    (dict(TRUNC, clustering_type="schedule_based"), "single_cluster"),
-    ({k: v for k, v in TRUNC.items() if k != "difficulty_type"}, "missing required key"),
-    (dict(TRUNC, difficulty_type="rank"), "difficulty_type must be one of"),
-])
+@pytest.mark.parametrize(
+    "metric,match",
+    [
+        (dict(TRUNC, bogus=1), "unknown key"),
+        (dict(TRUNC, min_difficulty=4.0), "min_difficulty must be an int"),
+        (dict(TRUNC, clustering_type="schedule_based"), "single_cluster"),
+        ({k: v for k, v in TRUNC.items() if k != "difficulty_type"}, "missing required key"),
+        (dict(TRUNC, difficulty_type="rank"), "difficulty_type must be one of"),
+    ],
+)
 def test_metric_config_errors(metric, match):
     with pytest.raises(CurriculumConfigError, match=match):
         CurriculumConfig(metrics={"seqlen_truncate": metric})
@@ -311,11 +367,14 @@ def test_bare_data_efficiency_block_parses():
     assert cfg.seed == 7 and list(cfg.metrics) == ["vocabularyrarity"]
 
 
-@pytest.mark.parametrize("bad,match", [
-    (None, "expected a DeepSpeed config dict"),
-    ([1, 2], "expected a DeepSpeed config dict"),
-    ({"train_batch_size": 8}, "no 'data_efficiency' block"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (None, "expected a DeepSpeed config dict"),
+        ([1, 2], "expected a DeepSpeed config dict"),
+        ({"train_batch_size": 8}, "no 'data_efficiency' block"),
+    ],
+)
 def test_deepspeed_config_input_errors(bad, match):
     with pytest.raises(CurriculumConfigError, match=match):
         parse_deepspeed_config(bad)
@@ -330,13 +389,16 @@ def test_deepspeed_config_override_clash_and_bad_metrics():
         parse_deepspeed_config(d)
 
 
-@pytest.mark.parametrize("opts,match", [
-    (dict(truncate_keys="input_ids"), "truncate_keys must be a non-empty list"),
-    (dict(truncate_keys=[]), "truncate_keys must be a non-empty list"),
-    (dict(drop_last="false"), "drop_last must be a bool"),
-    (dict(causal_label_shift=1), "causal_label_shift must be a bool"),
-    (dict(seed=2**32), "seed must be < 2\\*\\*32"),
-])
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        (dict(truncate_keys="input_ids"), "truncate_keys must be a non-empty list"),
+        (dict(truncate_keys=[]), "truncate_keys must be a non-empty list"),
+        (dict(drop_last="false"), "drop_last must be a bool"),
+        (dict(causal_label_shift=1), "causal_label_shift must be a bool"),
+        (dict(seed=2**32), "seed must be < 2\\*\\*32"),
+    ],
+)
 def test_option_types(opts, match):
     with pytest.raises(CurriculumConfigError, match=match):
         CurriculumConfig(metrics={"seqlen_truncate": TRUNC}, **opts)
@@ -350,12 +412,15 @@ def test_metric_keys_that_would_be_ignored_raise():
 
 
 def test_truncation_to_zero_tokens_raises_at_construction():
-    legacy = dict(TRUNC, min_difficulty=8, max_difficulty=16,
-                  schedule_config=dict(total_curriculum_step=20, difficulty_step=16))
+    legacy = dict(
+        TRUNC, min_difficulty=8, max_difficulty=16, schedule_config=dict(total_curriculum_step=20, difficulty_step=16)
+    )
     with pytest.raises(CurriculumConfigError, match="rounding='deepspeed_legacy' the first difficulty is 0 tokens"):
         CurriculumConfig(metrics={"seqlen_truncate": legacy}, rounding="deepspeed_legacy")
-    assert CurriculumConfig(metrics={"seqlen_truncate": legacy}, rounding="deepspeed").schedules()[
-        "seqlen_truncate"](1) == 16
+    assert (
+        CurriculumConfig(metrics={"seqlen_truncate": legacy}, rounding="deepspeed").schedules()["seqlen_truncate"](1)
+        == 16
+    )
 
 
 def test_length_is_zero_once_the_budget_is_spent():

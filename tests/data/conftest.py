@@ -1,6 +1,7 @@
 """Shared fixtures of the data-layer tests: a session-wide cache directory and the real datasets.
 
-The session cache directory and ``data_root`` come from ``tests/conftest.py``. Expensive preparation (the one CIFAR-10 decode, tokenizer training) happens once per session.
+The session cache directory and ``data_root`` come from ``tests/conftest.py``. Expensive preparation (the one
+CIFAR-10 decode, tokenizer training) happens once per session.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 
 @pytest.fixture(scope="session")
 def cifar_dm(data_root):

@@ -8,9 +8,20 @@ import warnings
 import numpy as np
 import pytest
 
-from lightning_effi.data import (CausalLMDataModule, CIFAR10DataModule, DataConfigError, NpyFile, SST2DataModule,
-                                 atomic_dir, atomic_write, cache_key, default_cache_dir, file_md5, resolve_cache_dir,
-                                 train_bpe_tokenizer)
+from lightning_effi.data import (
+    CausalLMDataModule,
+    CIFAR10DataModule,
+    DataConfigError,
+    NpyFile,
+    SST2DataModule,
+    atomic_dir,
+    atomic_write,
+    cache_key,
+    default_cache_dir,
+    file_md5,
+    resolve_cache_dir,
+    train_bpe_tokenizer,
+)
 from lightning_effi.reference.data import text as text_module
 
 
@@ -134,12 +145,18 @@ def _cifar10_source(tmp, cache):
     return lambda: CIFAR10DataModule(tmp / "tree", val_size=2, num_workers=0, cache_dir=cache)
 
 
-SOURCES = {"text": (_text_source, "train.npy"), "sst2": (_sst2_source, "train_ids.npy"),
-           "cifar10": (_cifar10_source, "test_images.npy")}  # cache subfolder -> (source, a file of its entry)
+SOURCES = {
+    "text": (_text_source, "train.npy"),
+    "sst2": (_sst2_source, "train_ids.npy"),
+    "cifar10": (_cifar10_source, "test_images.npy"),
+}  # cache subfolder -> (source, a file of its entry)
 
 
-@pytest.mark.parametrize("module,damage", [(m, d) for m in sorted(SOURCES) for d in ("truncate", "empty", "missing")]
-                         + [("sst2", "tokenizer"), ("text", "tokenizer")])
+@pytest.mark.parametrize(
+    "module,damage",
+    [(m, d) for m in sorted(SOURCES) for d in ("truncate", "empty", "missing")]
+    + [("sst2", "tokenizer"), ("text", "tokenizer")],
+)
 def test_damaged_entry_is_rebuilt(tmp_path, module, damage):
     """A damaged file in an existing entry folder: warn naming the entry, rebuild it once, then work."""
     source, name = SOURCES[module]
@@ -155,7 +172,7 @@ def test_damaged_entry_is_rebuilt(tmp_path, module, damage):
     if damage == "missing":
         target.unlink()
     else:
-        target.write_bytes(target.read_bytes()[:target.stat().st_size // 2 if damage == "truncate" else 0])
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2 if damage == "truncate" else 0])
     again = make()
     with pytest.warns(RuntimeWarning, match=rf"cache entry '{entry}' is damaged"):
         again.setup()
@@ -171,9 +188,14 @@ def test_entry_unreadable_after_rebuild(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     dm = _text_source(tmp_path, cache)()
     monkeypatch.setattr(text_module, "load_tokenizer", lambda path: (_ for _ in ()).throw(ValueError("broken")))
-    with pytest.warns(RuntimeWarning, match="is damaged"), \
-            pytest.raises(DataConfigError, match=r"data.cache_dir: the cache entry '.*' cannot be read even after "
-                                                 r"rebuilding it \(ValueError: broken\); delete the folder"):
+    with (
+        pytest.warns(RuntimeWarning, match="is damaged"),
+        pytest.raises(
+            DataConfigError,
+            match=r"data.cache_dir: the cache entry '.*' cannot be read even after "
+            r"rebuilding it \(ValueError: broken\); delete the folder",
+        ),
+    ):
         dm.setup()
 
 

@@ -12,9 +12,17 @@ import pytest
 import torch
 from PIL import Image
 
+from lightning_effi.data import (
+    CIFAR10_CLASSES,
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    CIFAR10DataModule,
+    DataConfigError,
+    IndexedDataset,
+    indexed_collate,
+    sequence_lengths,
+)
 from lightning_effi.reference.data import cifar10
-from lightning_effi.data import (CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, DataConfigError,
-                                 IndexedDataset, indexed_collate, sequence_lengths)
 
 
 def _raw(dataset, i):
@@ -64,16 +72,18 @@ def test_samples_augmentation_and_normalisation(cifar_dm):
 
 
 def test_dataloader_and_subsets(data_root):
-    dm = CIFAR10DataModule(data_root / "cifar10", batch_size=16, num_workers=0, train_subset=40, val_subset=20,
-                           test_subset=10)
+    dm = CIFAR10DataModule(
+        data_root / "cifar10", batch_size=16, num_workers=0, train_subset=40, val_subset=20, test_subset=10
+    )
     dm.setup()
     assert (len(dm.train_dataset), len(dm.val_dataset), len(dm.test_dataset)) == (40, 20, 10)
     assert sequence_lengths(dm.train_dataset) is None
     batches = list(dm.train_dataloader())
     assert [b["pixel_values"].shape[0] for b in batches] == [16, 16, 8]
     assert batches[0]["labels"].dtype == torch.int64
-    loader = torch.utils.data.DataLoader(IndexedDataset(dm.val_dataset), batch_size=20,
-                                         collate_fn=indexed_collate(dm.collate_fn))
+    loader = torch.utils.data.DataLoader(
+        IndexedDataset(dm.val_dataset), batch_size=20, collate_fn=indexed_collate(dm.collate_fn)
+    )
     batch = next(iter(loader))
     assert batch["index"].tolist() == list(range(20)) and batch["pixel_values"].shape == (20, 3, 32, 32)
     pickle.loads(pickle.dumps(dm.train_dataset))[0]
@@ -158,8 +168,10 @@ def _archive(path, per_class=(1, 1), skip=()):
 @pytest.fixture
 def per_class(monkeypatch):
     """Make the exact-count check of archives expect (train, test) images per class instead of (5000, 1000)."""
+
     def set_counts(train, test):
         monkeypatch.setattr(cifar10, "_PER_CLASS", {"train": train, "test": test})
+
     return set_counts
 
 
@@ -181,13 +193,19 @@ def test_archive_needs_exact_counts(tmp_path, per_class):
     per_class(2, 2)
     archive = _archive(tmp_path / "cifar10-jpeg.tar.gz", per_class=(2, 2), skip={"test/truck/0001.jpg"})
     cache = tmp_path / "c"
-    with pytest.raises(DataConfigError, match=r"cifar10-jpeg.tar.gz' holds 19 test images \(truck: 1\); expected 20 "
-                                              r"\(2 per class\): the archive is incomplete or corrupt"):
+    with pytest.raises(
+        DataConfigError,
+        match=r"cifar10-jpeg.tar.gz' holds 19 test images \(truck: 1\); expected 20 "
+        r"\(2 per class\): the archive is incomplete or corrupt",
+    ):
         CIFAR10DataModule(archive, val_size=2, cache_dir=cache, num_workers=0).prepare_data()
     assert _no_cached_file(cache)
     per_class(5000, 1000)  # the real CIFAR-10 counts, with thousands separators
-    with pytest.raises(DataConfigError, match=r"holds 20 train images \(airplane: 2, .*truck: 2\); expected 50,000 "
-                                              r"\(5,000 per class\)"):
+    with pytest.raises(
+        DataConfigError,
+        match=r"holds 20 train images \(airplane: 2, .*truck: 2\); expected 50,000 "
+        r"\(5,000 per class\)",
+    ):
         CIFAR10DataModule(archive, val_size=2, cache_dir=cache, num_workers=0).prepare_data()
     assert _no_cached_file(cache)
 
@@ -200,7 +218,7 @@ def test_archive_gzip_crc_checked(tmp_path, per_class):
     bad_crc = bytearray(data)
     bad_crc[-8] ^= 0xFF  # gzip trailer: CRC32, then ISIZE
     flipped = bytearray(data)
-    flipped[len(data) // 2:len(data) // 2 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 16])
+    flipped[len(data) // 2 : len(data) // 2 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 16])
     for name, content in (("crc", bad_crc), ("flipped", flipped)):
         path = tmp_path / name / "cifar10-jpeg.tar.gz"
         path.parent.mkdir()
@@ -222,8 +240,11 @@ def test_archive_missing_split_may_be_truncated(tmp_path, per_class):
     _image_folder(tmp_path / "tree", per_class=1)  # a user's tree: no word about archives
     for f in (tmp_path / "tree" / "test" / "cat").iterdir():
         f.unlink()  # an empty class folder counts as a missing class
-    with pytest.raises(DataConfigError, match=r"'cat', 'deer'.* under test/; expected .*at least one image each"
-                                              r"(?!.*archive)"):
+    with pytest.raises(
+        DataConfigError,
+        match=r"'cat', 'deer'.* under test/; expected .*at least one image each"
+        r"(?!.*archive)",
+    ):
         CIFAR10DataModule(tmp_path / "tree", cache_dir=tmp_path / "c", num_workers=0).prepare_data()
     assert _no_cached_file(tmp_path / "c")
 
@@ -243,12 +264,15 @@ def test_download_needs_exact_counts(tmp_path, monkeypatch, per_class):
         def __init__(self, root, train, download):
             n = 2 if train else 1
             self.data = np.zeros((10 * n - (0 if train else 1), 32, 32, 3), np.uint8)
-            self.targets = np.repeat(np.arange(10), n)[:len(self.data)].tolist()
+            self.targets = np.repeat(np.arange(10), n)[: len(self.data)].tolist()
 
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
     per_class(2, 1)
-    with pytest.raises(DataConfigError, match=r"holds 9 test images \(truck: 0\); expected 10 \(1 per class\): "
-                                              "the torchvision download is incomplete or corrupt"):
+    with pytest.raises(
+        DataConfigError,
+        match=r"holds 9 test images \(truck: 0\); expected 10 \(1 per class\): "
+        "the torchvision download is incomplete or corrupt",
+    ):
         CIFAR10DataModule(tmp_path / "tv", download=True, val_size=2, cache_dir=tmp_path / "c").prepare_data()
     assert _no_cached_file(tmp_path / "c")
 

@@ -87,8 +87,14 @@ def test_rejects_iterable_and_non_dict():
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_dataloader_indices(num_workers):
     ds = IndexedDataset(Squares(50))
-    loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=num_workers, collate_fn=indexed_collate(),
-                        generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(
+        ds,
+        batch_size=8,
+        shuffle=True,
+        num_workers=num_workers,
+        collate_fn=indexed_collate(),
+        generator=torch.Generator().manual_seed(0),
+    )
     seen = []
     for batch in loader:
         assert batch["index"].dtype == torch.int64 and batch["index"].shape == batch["x"].shape

@@ -2,8 +2,15 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_effi.data import (DataConfigError, IndexedDataset, PaddingCollate, SST2DataModule, indexed_collate,
-                                 read_sst2_tsv, sequence_lengths)
+from lightning_effi.data import (
+    DataConfigError,
+    IndexedDataset,
+    PaddingCollate,
+    SST2DataModule,
+    indexed_collate,
+    read_sst2_tsv,
+    sequence_lengths,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +36,9 @@ def test_counts_and_hints(sst2_dm):
 def test_padding_collate_matches_lengths(sst2_dm):
     dev = sst2_dm.val_dataset
     lengths = sequence_lengths(dev)
-    loader = torch.utils.data.DataLoader(IndexedDataset(dev), batch_size=50, shuffle=True,
-                                         collate_fn=indexed_collate(sst2_dm.collate_fn))
+    loader = torch.utils.data.DataLoader(
+        IndexedDataset(dev), batch_size=50, shuffle=True, collate_fn=indexed_collate(sst2_dm.collate_fn)
+    )
     for batch in loader:
         idx = batch["index"].numpy()
         assert batch["input_ids"].shape == batch["attention_mask"].shape
@@ -49,8 +57,12 @@ def test_subsets_and_loader(data_root):
 
 
 def test_collate_pads_labels():
-    out = PaddingCollate(0)([{"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([1, -100, 2])},
-                             {"input_ids": torch.tensor([8]), "labels": torch.tensor([-100])}])
+    out = PaddingCollate(0)(
+        [
+            {"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([1, -100, 2])},
+            {"input_ids": torch.tensor([8]), "labels": torch.tensor([-100])},
+        ]
+    )
     assert out["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert out["labels"].tolist() == [[1, -100, 2], [-100, -100, -100]]

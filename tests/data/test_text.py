@@ -2,8 +2,15 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_effi.data import (CausalLMDataModule, CharTokenizer, DataConfigError, IndexedDataset,
-                                 MaskedLMDataModule, indexed_collate, sequence_lengths)
+from lightning_effi.data import (
+    CausalLMDataModule,
+    CharTokenizer,
+    DataConfigError,
+    IndexedDataset,
+    MaskedLMDataModule,
+    indexed_collate,
+    sequence_lengths,
+)
 
 N_CHARS, N_TRAIN = 1_115_394, 1_003_854
 
@@ -22,14 +29,15 @@ def test_char_causal_lm(shakespeare):
     assert dm.tokenizer.decode(train_tokens) == text[:N_TRAIN]
     assert dm.tokenizer.decode(val_tokens) == text[N_TRAIN:]
     sample = dm.val_dataset[1]["input_ids"]
-    assert sample.dtype == torch.int64 and dm.tokenizer.decode(sample.tolist()) == text[N_TRAIN + 256:N_TRAIN + 512]
+    assert sample.dtype == torch.int64 and dm.tokenizer.decode(sample.tolist()) == text[N_TRAIN + 256 : N_TRAIN + 512]
     assert sequence_lengths(dm.train_dataset).tolist() == [256] * len(dm.train_dataset)
 
 
 def test_bpe_causal_lm(shakespeare):
     text = shakespeare.read_text()
-    dm = CausalLMDataModule(shakespeare, tokenizer="bpe", vocab_size=2048, block_size=128, batch_size=8,
-                            train_subset=20)
+    dm = CausalLMDataModule(
+        shakespeare, tokenizer="bpe", vocab_size=2048, block_size=128, batch_size=8, train_subset=20
+    )
     dm.setup()
     assert dm.model_hints() == {"vocab_size": 2048, "max_length": 128}
     val_tokens = dm.val_dataset.tokens.array
@@ -116,8 +124,9 @@ def test_mlm_val_masks_deterministic_train_random(mlm_dm):
         a, b = val[i], val[i]
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
     assert any(not torch.equal(train[3]["labels"], train[3]["labels"]) for _ in range(5))
-    loader = torch.utils.data.DataLoader(IndexedDataset(val), batch_size=8, num_workers=2,
-                                         collate_fn=indexed_collate(mlm_dm.collate_fn))
+    loader = torch.utils.data.DataLoader(
+        IndexedDataset(val), batch_size=8, num_workers=2, collate_fn=indexed_collate(mlm_dm.collate_fn)
+    )
     batch = next(iter(loader))
     assert torch.equal(batch["labels"][3], val[3]["labels"]) and batch["index"].tolist() == list(range(8))
 
@@ -125,8 +134,9 @@ def test_mlm_val_masks_deterministic_train_random(mlm_dm):
 def test_no_token_in_a_split_message_is_consistent(tmp_path):
     """A whitespace-only text gives no WordPiece token: the error must not ask for a block_size below the minimum."""
     (tmp_path / "blank.txt").write_text(" \n\t  \n" * 50)
-    with pytest.raises(DataConfigError,
-                       match=r"data.text_path: .*blank.txt' gives no token in the training split") as err:
+    with pytest.raises(
+        DataConfigError, match=r"data.text_path: .*blank.txt' gives no token in the training split"
+    ) as err:
         MaskedLMDataModule(tmp_path / "blank.txt", block_size=3, cache_dir=tmp_path / "c").setup()
     assert "at most" not in str(err.value)
     (tmp_path / "short.txt").write_text("a" * 9 + " ")  # the validation part is one space

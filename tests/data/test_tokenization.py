@@ -1,8 +1,16 @@
 import pytest
 
-from lightning_effi.data import (CharTokenizer, DataConfigError, STDLIB_CORPUS_FILES, load_tokenizer,
-                                 save_tokenizer, stdlib_corpus, stdlib_corpus_files, train_bpe_tokenizer,
-                                 train_wordpiece_tokenizer)
+from lightning_effi.data import (
+    STDLIB_CORPUS_FILES,
+    CharTokenizer,
+    DataConfigError,
+    load_tokenizer,
+    save_tokenizer,
+    stdlib_corpus,
+    stdlib_corpus_files,
+    train_bpe_tokenizer,
+    train_wordpiece_tokenizer,
+)
 
 TEXT = "The quick brown fox jumps over the lazy dog.\n  Émile's café costs 3,50 €!\n\n\tdef f(x): return x ** 2\n" * 30
 

@@ -103,8 +103,15 @@ def _expected(ds):
 
 
 def _analyzer(ds, fn, tmp_path, **kw):
-    args = dict(batch_size=4, metric_names=["v"], metric_functions=[fn], metric_types=[SINGLE],
-                metric_dtypes=[np.int64], save_path=str(tmp_path), progress=False)
+    args = dict(
+        batch_size=4,
+        metric_names=["v"],
+        metric_functions=[fn],
+        metric_types=[SINGLE],
+        metric_dtypes=[np.int64],
+        save_path=str(tmp_path),
+        progress=False,
+    )
     args.update(kw)
     return DataAnalyzer(ds, **args)
 
@@ -141,8 +148,12 @@ def test_ids_equal_positions_for_every_batch_structure(tmp_path, structure, batc
     assert _read_s2m(tmp_path).tolist() == expected.tolist()
     rows = _rows(tmp_path)
     assert sorted(sum(rows, [])) == list(range(N))
-    assert MetricIndex.load(tmp_path / "v" / "v_index_to_sample", tmp_path / "v" / "v_index_to_metric",
-                            num_samples=N).fingerprint() == MetricIndex.from_sample_to_metric(expected).fingerprint()
+    assert (
+        MetricIndex.load(
+            tmp_path / "v" / "v_index_to_sample", tmp_path / "v" / "v_index_to_metric", num_samples=N
+        ).fingerprint()
+        == MetricIndex.from_sample_to_metric(expected).fingerprint()
+    )
 
 
 def test_index_field_and_sample_indices_remap(tmp_path):
@@ -236,8 +247,9 @@ def test_reduce_merge_step_and_rows(tmp_path):
     assert len(merged) == 125
     assert merged[0] == [0, 250, 1, 251]
     assert sum(len(r) for r in merged) == 500
-    idx = MetricIndex.load(tmp_path / "b" / "v" / "v_index_to_sample", tmp_path / "b" / "v" / "v_index_to_metric",
-                           num_samples=500)
+    idx = MetricIndex.load(
+        tmp_path / "b" / "v" / "v_index_to_sample", tmp_path / "b" / "v" / "v_index_to_metric", num_samples=500
+    )
     assert idx.values.tolist() == list(range(250))
     assert np.all(np.diff(idx.values) > 0)
     assert idx.row(7).tolist() == [7, 257]
@@ -308,11 +320,13 @@ def test_accumulate_shapes_compared_across_partitions(tmp_path):
     a.run_map()
     meta = a.run_reduce()  # shapes (4,) everywhere: undetectable, documented limitation
     assert meta["v"]["shape"] == [4]
-    b = _analyzer(ds, rows_as_accumulate, tmp_path / "b", batch_size=12, metric_types=[ACC], num_threads=2,
-                  specific_threads=[0])
+    b = _analyzer(
+        ds, rows_as_accumulate, tmp_path / "b", batch_size=12, metric_types=[ACC], num_threads=2, specific_threads=[0]
+    )
     b.run_map()
-    c = _analyzer(ds, rows_as_accumulate, tmp_path / "b", batch_size=8, metric_types=[ACC], num_threads=2,
-                  specific_threads=[1])
+    c = _analyzer(
+        ds, rows_as_accumulate, tmp_path / "b", batch_size=8, metric_types=[ACC], num_threads=2, specific_threads=[1]
+    )
     c.run_map()
     with pytest.raises(AnalyzerError, match="produced shape"):
         _analyzer(ds, rows_as_accumulate, tmp_path / "b", metric_types=[ACC], num_threads=2).run_reduce()
@@ -410,9 +424,14 @@ def test_deepspeed_file_names_and_doc_idx(tmp_path):
     a.run_map()
     a.run_reduce()
     files = sorted(os.listdir(tmp_path / "v"))
-    assert files == sorted(["analysis_metadata.json"] + [f"v_{k}.{e}" for k in (
-        "sample_to_metric", "index_to_sample", "index_to_metric", "index_to_sample_percentile_merged")
-        for e in ("bin", "idx")])
+    assert files == sorted(
+        ["analysis_metadata.json"]
+        + [
+            f"v_{k}.{e}"
+            for k in ("sample_to_metric", "index_to_sample", "index_to_metric", "index_to_sample_percentile_merged")
+            for e in ("bin", "idx")
+        ]
+    )
     s2m = MMapIndexedDataset(tmp_path / "v" / "v_sample_to_metric")
     assert s2m.doc_idx.tolist() == [0, 15, 30, 30]  # two reduce chunks of the two map partitions
     rows = len(MMapIndexedDataset(tmp_path / "v" / "v_index_to_metric"))

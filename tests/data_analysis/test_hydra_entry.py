@@ -20,8 +20,13 @@ from lightning_effi.utils.instantiate import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR = ROOT.parent / "shared" / "data"
-TINY = ["data=shakespeare", "data.max_chars=20000", "data.block_size=32", "analyzer.progress=false",
-        "analyzer.batch_size=16"]
+TINY = [
+    "data=shakespeare",
+    "data.max_chars=20000",
+    "data.block_size=32",
+    "analyzer.progress=false",
+    "analyzer.batch_size=16",
+]
 
 
 def _compose(overrides, out_dir):
@@ -45,8 +50,9 @@ def _train_tokens(save):
     """Token blocks of the training set, re-derived from the DataModule for the expected values."""
     from lightning_effi.data import CausalLMDataModule
 
-    dm = CausalLMDataModule(DATA_DIR / "tinyshakespeare" / "input.txt", tokenizer="char", block_size=32,
-                            max_chars=20000, seed=42)
+    dm = CausalLMDataModule(
+        DATA_DIR / "tinyshakespeare" / "input.txt", tokenizer="char", block_size=32, max_chars=20000, seed=42
+    )
     dm.prepare_data()
     dm.setup("fit")
     return np.stack([dm.train_dataset[i]["input_ids"].numpy() for i in range(len(dm.train_dataset))]), dm
@@ -55,9 +61,16 @@ def _train_tokens(save):
 @pytest.mark.slow
 def test_script_end_to_end_then_two_pass_and_sharded(_data, tmp_path):
     save = tmp_path / "analysis"
-    cmd = [sys.executable, str(ROOT / "experiments" / "analyze.py"), f"paths.data_dir={DATA_DIR}",
-           f"save_path={save}", f"hydra.run.dir={tmp_path / 'run'}", *TINY,
-           "analyzer.metrics=[seqlen,total_vocab_freq]", "analyzer.num_threads=2"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "experiments" / "analyze.py"),
+        f"paths.data_dir={DATA_DIR}",
+        f"save_path={save}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *TINY,
+        "analyzer.metrics=[seqlen,total_vocab_freq]",
+        "analyzer.num_threads=2",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "analysis.json").read_text())
@@ -82,8 +95,11 @@ def test_script_end_to_end_then_two_pass_and_sharded(_data, tmp_path):
     f[f == 0] = 1
     rho = -np.log(f / f.sum())
     expected = rho[tokens].sum(1).astype(np.int64)
-    idx = MetricIndex.load(save / "vocab_rarity" / "vocab_rarity_index_to_sample",
-                           save / "vocab_rarity" / "vocab_rarity_index_to_metric", num_samples=n)
+    idx = MetricIndex.load(
+        save / "vocab_rarity" / "vocab_rarity_index_to_sample",
+        save / "vocab_rarity" / "vocab_rarity_index_to_metric",
+        num_samples=n,
+    )
     assert idx.fingerprint() == MetricIndex.from_sample_to_metric(expected).fingerprint()
 
 

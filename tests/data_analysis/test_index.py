@@ -35,7 +35,7 @@ def test_from_sample_to_metric_value_example():
     assert [r.tolist() for r in idx.rows()] == [[1, 3], [6], [0], [2], [4], [7], [5]]
     assert idx.offsets.tolist() == [0, 2, 3, 4, 5, 6, 7, 8]
     assert idx.ids.dtype == np.int64 and idx.offsets.dtype == np.int64 and idx.values.dtype == np.int64
-    eligible = idx.ids[:idx.offsets[np.searchsorted(idx.values, 3, side="right")]]
+    eligible = idx.ids[: idx.offsets[np.searchsorted(idx.values, 3, side="right")]]
     assert sorted(eligible.tolist()) == [0, 1, 3, 6]
     assert idx.num_samples == 8 and idx.num_rows == 7
     assert not idx.ids.flags.writeable
@@ -89,9 +89,16 @@ def test_load_rejects_bad_files(tmp_path, case):
     name = {"rows": "m", "itemlen": "m", "order": "m"}.get(case, "s")
     if case == "missing":
         os.remove(f"{m}.bin")
-    match = {"length": "holds 3 sample ids but the data set has 4", "range": r"out of range \[0, 3\)",
-             "dup": "duplicated", "rows": "3 rows", "itemlen": "one \\[value\\]", "order": "strictly increasing",
-             "missing": "m.bin.*not found", "suffix": "without"}[case]
+    match = {
+        "length": "holds 3 sample ids but the data set has 4",
+        "range": r"out of range \[0, 3\)",
+        "dup": "duplicated",
+        "rows": "3 rows",
+        "itemlen": "one \\[value\\]",
+        "order": "strictly increasing",
+        "missing": "m.bin.*not found",
+        "suffix": "without",
+    }[case]
     with pytest.raises(IndexFileError, match=match) as err:
         MetricIndex.load(f"{s}.bin" if case == "suffix" else s, m, num_samples=n)
     assert (name in str(err.value)) or case in ("missing", "suffix")
@@ -113,9 +120,16 @@ def _metric(batch):
 
 
 def _analyze(tmp_path, n):
-    a = DataAnalyzer(_Rows(n), batch_size=4, metric_names=["v"], metric_functions=[_metric],
-                     metric_types=["single_value_per_sample"], metric_dtypes=[np.int64], save_path=tmp_path,
-                     progress=False)
+    a = DataAnalyzer(
+        _Rows(n),
+        batch_size=4,
+        metric_names=["v"],
+        metric_functions=[_metric],
+        metric_types=["single_value_per_sample"],
+        metric_dtypes=[np.int64],
+        save_path=tmp_path,
+        progress=False,
+    )
     a.run_map()
     a.run_reduce()
     return str(tmp_path / "v" / "v_index_to_sample"), str(tmp_path / "v" / "v_index_to_metric")

@@ -71,9 +71,16 @@ def test_vocab_rarity_from_analyzer_file(tmp_path):
         def __getitem__(self, i):
             return {"input_ids": self.x[i]}
 
-    DataAnalyzer(DS(), batch_size=4, metric_names=["total_vocab_freq"], metric_functions=[total_vocab_freq(9)],
-                 metric_types=["accumulate_value_over_samples"], metric_dtypes=[np.int64], save_path=tmp_path,
-                 progress=False).run_map_reduce()
+    DataAnalyzer(
+        DS(),
+        batch_size=4,
+        metric_names=["total_vocab_freq"],
+        metric_functions=[total_vocab_freq(9)],
+        metric_types=["accumulate_value_over_samples"],
+        metric_dtypes=[np.int64],
+        save_path=tmp_path,
+        progress=False,
+    ).run_map_reduce()
     prefix = tmp_path / "total_vocab_freq" / "total_vocab_freq_metric_value"
     freq = np.bincount(DS.x.reshape(-1).numpy(), minlength=10)
     assert MMapIndexedDataset(prefix)[0].tolist() == freq.tolist()

@@ -13,8 +13,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader, Sampler
 
-QUIET = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-             num_sanity_val_steps=0, limit_val_batches=0)
+QUIET = dict(
+    accelerator="cpu",
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    limit_val_batches=0,
+)
 
 
 class Recorder(pl.Callback):
@@ -58,18 +64,33 @@ def test_hook_order_and_scheduler_timing(tmp_path):
         def configure_optimizers(self):
             log.append("configure_optimizers")
             opt = torch.optim.SGD(self.parameters(), lr=0.1)
-            return [opt], [{"scheduler": LoggingScheduler(opt, log, "sched_step"), "interval": "step"},
-                           {"scheduler": LoggingScheduler(opt, log, "sched_epoch"), "interval": "epoch"}]
+            return [opt], [
+                {"scheduler": LoggingScheduler(opt, log, "sched_step"), "interval": "step"},
+                {"scheduler": LoggingScheduler(opt, log, "sched_epoch"), "interval": "epoch"},
+            ]
 
-    trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, callbacks=[Recorder(log)], default_root_dir=tmp_path,
-                         enable_checkpointing=False, **QUIET)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        limit_train_batches=2,
+        callbacks=[Recorder(log)],
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        **QUIET,
+    )
     trainer.fit(Model())
     assert log[:3] == ["setup", "configure_optimizers", "on_fit_start"]
-    body = log[log.index("on_train_epoch_start"):]
-    assert body == ["on_train_epoch_start",
-                    "on_train_batch_start", "sched_step", "on_train_batch_end",
-                    "on_train_batch_start", "sched_step", "sched_epoch", "on_train_batch_end",
-                    "on_train_epoch_end"]
+    body = log[log.index("on_train_epoch_start") :]
+    assert body == [
+        "on_train_epoch_start",
+        "on_train_batch_start",
+        "sched_step",
+        "on_train_batch_end",
+        "on_train_batch_start",
+        "sched_step",
+        "sched_epoch",
+        "on_train_batch_end",
+        "on_train_epoch_end",
+    ]
 
 
 def test_empty_callback_state_is_never_loaded_and_state_arrives_deep_copied(tmp_path):
@@ -140,8 +161,9 @@ def test_length_caching_and_reload_attribute(tmp_path, reload, expected):
             if reload:
                 trainer.reload_dataloaders_every_n_epochs = 1
 
-    trainer = pl.Trainer(max_epochs=2, callbacks=[SetReload()], default_root_dir=tmp_path,
-                         enable_checkpointing=False, **QUIET)
+    trainer = pl.Trainer(
+        max_epochs=2, callbacks=[SetReload()], default_root_dir=tmp_path, enable_checkpointing=False, **QUIET
+    )
     trainer.fit(Model())
     assert batches == expected
     assert epochs_seen == ([0, 1] if reload else [0])
@@ -182,8 +204,9 @@ def test_batch_edits_in_place_and_the_loss_channel(tmp_path):
             seen["loss_detached"] = not outputs["loss"].requires_grad
             seen["index"] = outputs["index"].tolist()
 
-    pl.Trainer(max_steps=1, callbacks=[Edit()], default_root_dir=tmp_path, enable_checkpointing=False,
-               **QUIET).fit(Model())
+    pl.Trainer(max_steps=1, callbacks=[Edit()], default_root_dir=tmp_path, enable_checkpointing=False, **QUIET).fit(
+        Model()
+    )
     assert seen == {"edited": True, "requires_grad": True, "loss_detached": True, "index": [0, 1]}
 
 

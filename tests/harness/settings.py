@@ -77,8 +77,9 @@ class CallbackSettings:
         """A quiet CPU trainer (:func:`tests.helpers.harness.make_trainer`) for this entry's run."""
         return make_trainer(root, callbacks, **{**self.limits(), **self.trainer_kwargs, **kwargs})
 
-    def fit(self, root: Path, callback: Callback | None = None, seed: int = 0,
-            extra: list[Callback] | None = None) -> tuple[pl.Trainer, pl.LightningModule]:
+    def fit(
+        self, root: Path, callback: Callback | None = None, seed: int = 0, extra: list[Callback] | None = None
+    ) -> tuple[pl.Trainer, pl.LightningModule]:
         """Seed, then fit a fresh module and DataModule with ``callback`` (default: a fresh one) for the whole run."""
         pl.seed_everything(seed, workers=True)
         model = self.model()
@@ -103,47 +104,82 @@ def seeded(build: Callable[..., pl.LightningModule], seed: int = 0, **kw: Any) -
 # reshuffled clusters; a built-in analyzer metric given by name, so the callback's repr stays eval-able and
 # ddp_spawn needs no registration) and seqlen truncation, both changing over the first steps.
 CURRICULUM_METRICS = {
-    "rarity": dict(difficulty_type="percentile", clustering_type="schedule_based",
-                   analysis={"name": "vocab_rarity", "vocab_size": 64}, min_difficulty=20, max_difficulty=100,
-                   schedule_type="fixed_linear", schedule_config=dict(total_curriculum_step=6, difficulty_step=20)),
-    "seqlen_truncate": dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=4,
-                            max_difficulty=16, schedule_type="fixed_linear",
-                            schedule_config=dict(total_curriculum_step=6, difficulty_step=2)),
+    "rarity": dict(
+        difficulty_type="percentile",
+        clustering_type="schedule_based",
+        analysis={"name": "vocab_rarity", "vocab_size": 64},
+        min_difficulty=20,
+        max_difficulty=100,
+        schedule_type="fixed_linear",
+        schedule_config=dict(total_curriculum_step=6, difficulty_step=20),
+    ),
+    "seqlen_truncate": dict(
+        difficulty_type="value",
+        clustering_type="single_cluster",
+        min_difficulty=4,
+        max_difficulty=16,
+        schedule_type="fixed_linear",
+        schedule_config=dict(total_curriculum_step=6, difficulty_step=2),
+    ),
 }
 
 # V-cycle stage lengths: ``e_a``/``e_small`` (durations) where the callback has them, else the older ``*_steps``
-VCYCLE_STAGES = (dict(e_a=1, e_small=2) if "e_a" in inspect.signature(VCycleCallback).parameters
-                 else dict(e_a_steps=1, e_small_steps=2))
+VCYCLE_STAGES = (
+    dict(e_a=1, e_small=2)
+    if "e_a" in inspect.signature(VCycleCallback).parameters
+    else dict(e_a_steps=1, e_small_steps=2)
+)
 
 SETTINGS: dict[type[Callback], CallbackSettings] = {
     EfficiencyMonitor: CallbackSettings(
         callback=lambda: EfficiencyMonitor(log_every_n_steps=2, print_summary=False),
-        model=seeded(tiny_gpt2), datamodule=lambda: tiny_lm_data(batch_size=4), steps=4, resume_step=2,
-        ignore_state=MONITOR_TIMES),
+        model=seeded(tiny_gpt2),
+        datamodule=lambda: tiny_lm_data(batch_size=4),
+        steps=4,
+        resume_step=2,
+        ignore_state=MONITOR_TIMES,
+    ),
     # tests/infobatch/test_callback.py: 16 samples, batch 4 -> 4 batches in full epochs; E = 3, delta = 2/3: epochs
     # full, prune, full (annealing from epoch 2). The step count is what the seeded run takes (4 + 3 + 4).
     InfoBatchCallback: CallbackSettings(
         callback=lambda: InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7, momentum=0.5),
         model=seeded(tiny_gpt2),
         datamodule=lambda: InfoBatchDataModule(TinyDataModule(TokenBlocks(n=16), batch_size=4)),
-        steps=11, resume_step=6, max_epochs=3),
+        steps=11,
+        resume_step=6,
+        max_epochs=3,
+    ),
     # 40 samples, batch 4: 10 micro-batches per data epoch; resume while both difficulties still grow
     Curriculum: CallbackSettings(
-        callback=lambda: Curriculum(metrics=CURRICULUM_METRICS, percentile_rounding="proportional", seed=3,
-                                    total_tokens=1000),
-        model=seeded(tiny_gpt2), datamodule=lambda: CurriculumDataModule(tiny_lm_data(batch_size=4)),
-        steps=6, resume_step=3, trainer_kwargs=dict(use_distributed_sampler=False)),
+        callback=lambda: Curriculum(
+            metrics=CURRICULUM_METRICS, percentile_rounding="proportional", seed=3, total_tokens=1000
+        ),
+        model=seeded(tiny_gpt2),
+        datamodule=lambda: CurriculumDataModule(tiny_lm_data(batch_size=4)),
+        steps=6,
+        resume_step=3,
+        trainer_kwargs=dict(use_distributed_sampler=False),
+    ),
     # tests/random_ltd/test_callback.py: 4 layers (2 LTD layers), r = 4, 8, 12, 16 over the run
     RandomLTDCallback: CallbackSettings(
-        callback=lambda: RandomLTDCallback(min_value=4, max_value=16, require_steps=4, seq_per_step=4, seed=7,
-                                           accounting="deepspeed"),
-        model=seeded(tiny_gpt2, n_layer=4), datamodule=lambda: tiny_lm_data(batch_size=4), steps=5, resume_step=3),
+        callback=lambda: RandomLTDCallback(
+            min_value=4, max_value=16, require_steps=4, seq_per_step=4, seed=7, accounting="deepspeed"
+        ),
+        model=seeded(tiny_gpt2, n_layer=4),
+        datamodule=lambda: tiny_lm_data(batch_size=4),
+        steps=5,
+        resume_step=3,
+    ),
     # tests/vcycle/test_callback.py: level 1 for step 1, level 2 for steps 2-3, level 1 again from step 4: the run
     # crosses both switches; the resume checkpoint (step 2) is inside the small stage (a snapshot is pending)
     VCycleCallback: CallbackSettings(
         callback=lambda: VCycleCallback(**VCYCLE_STAGES, alpha_original=0.3, lr_multiplier={2: 4.0}),
-        model=seeded(tiny_gpt2), datamodule=lambda: tiny_lm_data(batch_size=4), steps=5, resume_step=2,
-        ignore_state=("map_seconds",)),
+        model=seeded(tiny_gpt2),
+        datamodule=lambda: tiny_lm_data(batch_size=4),
+        steps=5,
+        resume_step=2,
+        ignore_state=("map_seconds",),
+    ),
 }
 
 

@@ -14,14 +14,12 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from lightning_effi import EfficiencyMonitor, RandomLTDCallback, VCycleCallback
 from tests.harness.settings import SETTINGS, CallbackSettings, public_namespace
 from tests.helpers.harness import _drop, assert_nested_equal, assert_resume_equals_uninterrupted, fit_ddp
 
 #: (test name, callback class) -> the exact defect that makes that check fail today (strict xfail: remove the entry
 #: once the defect is fixed, the check then passes)
-KNOWN_DEFECTS: dict[tuple[str, type], str] = {
-}
+KNOWN_DEFECTS: dict[tuple[str, type], str] = {}
 
 
 def entries(test: str) -> list[Any]:
@@ -61,9 +59,11 @@ def fit_twice(cls: type, settings: CallbackSettings, root: Path) -> dict[str, An
         second, model_second = settings.fit(root / "second", cb)
         fresh_cb = settings.callback()
         fresh, model_fresh = settings.fit(root / "fresh", fresh_cb)
-        _TWICE[cls] = dict(steps=(first.global_step, second.global_step, fresh.global_step),
-                           params=(model_second.state_dict(), model_fresh.state_dict()),
-                           states=(first_state, cb.state_dict(), fresh_cb.state_dict()))
+        _TWICE[cls] = dict(
+            steps=(first.global_step, second.global_step, fresh.global_step),
+            params=(model_second.state_dict(), model_fresh.state_dict()),
+            states=(first_state, cb.state_dict(), fresh_cb.state_dict()),
+        )
     return _TWICE[cls]
 
 
@@ -90,10 +90,17 @@ def test_fit_twice_carries_no_stale_state(tmp_path_factory, cls, settings):
 def test_resume_equals_uninterrupted(tmp_path, cls, settings):
     """A run resumed from the checkpoint of ``resume_step`` ends with the same parameters, optimizer state, learning
     rates and callback state as the uninterrupted run."""
-    assert_resume_equals_uninterrupted(settings.model, settings.datamodule, tmp_path, total_steps=settings.steps,
-                                       resume_step=settings.resume_step, callbacks_fn=lambda: [settings.callback()],
-                                       ignore_state=settings.ignore_state, max_epochs=settings.max_epochs,
-                                       **settings.trainer_kwargs)
+    assert_resume_equals_uninterrupted(
+        settings.model,
+        settings.datamodule,
+        tmp_path,
+        total_steps=settings.steps,
+        resume_step=settings.resume_step,
+        callbacks_fn=lambda: [settings.callback()],
+        ignore_state=settings.ignore_state,
+        max_epochs=settings.max_epochs,
+        **settings.trainer_kwargs,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------- DDP
@@ -115,9 +122,14 @@ def test_ddp_two_processes(tmp_path, cls, settings):
     """Under DDP (2 processes, gloo) the run completes on both ranks at the same step, and a stateful callback ends
     with the same state on both ranks."""
     pl.seed_everything(0, workers=True)
-    _, ranks = fit_ddp(settings.model(), settings.datamodule(), tmp_path,
-                       [settings.callback(), DumpState(cls, tmp_path / "states")], **settings.limits(),
-                       **settings.trainer_kwargs)
+    _, ranks = fit_ddp(
+        settings.model(),
+        settings.datamodule(),
+        tmp_path,
+        [settings.callback(), DumpState(cls, tmp_path / "states")],
+        **settings.limits(),
+        **settings.trainer_kwargs,
+    )
     steps = [r["global_step"] for r in ranks]
     assert steps[0] == steps[1] > 0
     if settings.max_epochs is None:
@@ -195,8 +207,9 @@ class CaptureState(Callback):
         self.target, self.step = target, step
         self.state: dict[str, Any] | None = None
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self.step and self.state is None:
             self.state = copy.deepcopy(self.target.state_dict())
 

@@ -16,8 +16,10 @@ def test_public_callbacks_are_found():
 
 def test_every_public_callback_has_settings():
     missing = [f"{cls.__module__}.{cls.__qualname__}" for cls in public_callbacks() if cls not in SETTINGS]
-    assert not missing, (f"public callbacks without a harness entry: {missing}; add a CallbackSettings for each to "
-                         "SETTINGS in tests/harness/settings.py")
+    assert not missing, (
+        f"public callbacks without a harness entry: {missing}; add a CallbackSettings for each to "
+        "SETTINGS in tests/harness/settings.py"
+    )
 
 
 def test_every_entry_is_a_public_callback():

@@ -25,16 +25,30 @@ CallbacksFn = Callable[[], Sequence[Callback]]
 def make_trainer(root: Path, callbacks: Sequence[Callback] = (), **kwargs: Any) -> pl.Trainer:
     """A quiet, deterministic CPU trainer writing under ``root``."""
     defaults: dict[str, Any] = dict(
-        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, deterministic=True, default_root_dir=str(root), limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+        default_root_dir=str(root),
+        limit_val_batches=0,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
     )
     defaults.update(kwargs)
     return pl.Trainer(callbacks=list(callbacks), **defaults)
 
 
-def fit_steps(model_fn: ModelFn, data_fn: DataFn, steps: int, root: Path, callbacks_fn: CallbacksFn = lambda: (),
-              seed: int = 0, **trainer_kwargs: Any) -> tuple[pl.Trainer, pl.LightningModule]:
+def fit_steps(
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    steps: int,
+    root: Path,
+    callbacks_fn: CallbacksFn = lambda: (),
+    seed: int = 0,
+    **trainer_kwargs: Any,
+) -> tuple[pl.Trainer, pl.LightningModule]:
     """Seed, build and fit for ``steps`` optimizer steps; returns ``(trainer, model)``."""
     pl.seed_everything(seed, workers=True)
     model = model_fn()
@@ -51,8 +65,9 @@ def assert_nested_equal(a: Any, b: Any, path: str = "") -> None:
     """Exact equality of nested dicts/lists/tensors/numbers (tensors with ``torch.equal``; NaN equals NaN)."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype, f"tensors differ at {path}"
-        same = torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
-                                     and torch.equal(a.nan_to_num(), b.nan_to_num()))
+        same = torch.equal(a, b) or (
+            a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+        )
         assert same, f"tensors differ at {path}"
     elif isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return
@@ -91,8 +106,13 @@ def assert_resume_equals_uninterrupted(
     rates and callback states (minus ``ignore_state`` keys, e.g. wall-time counters) are exactly equal, and that the
     checkpoint loads with ``torch.load(weights_only=True)``. Returns ``(uninterrupted, resumed)`` trainers."""
     ckpt_dir = root / "ckpts"
-    checkpoint = lambda: ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1,  # noqa: E731
-                                         filename="{step}", save_on_train_epoch_end=False)
+    checkpoint = lambda: ModelCheckpoint(
+        dirpath=ckpt_dir,
+        every_n_train_steps=1,
+        save_top_k=-1,  # noqa: E731
+        filename="{step}",
+        save_on_train_epoch_end=False,
+    )
     limits = dict(max_steps=total_steps, max_epochs=-1) if max_epochs is None else dict(max_epochs=max_epochs)
     pl.seed_everything(0, workers=True)
     model_a = model_fn()
@@ -141,10 +161,14 @@ class RecordBatches(Callback):
         self.out_dir = str(out_dir)
         self.batches: list[dict[str, Any]] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        record: dict[str, Any] = {"batch_idx": batch_idx, "epoch": trainer.current_epoch,
-                                  "loss": float(outputs["loss"])}
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        record: dict[str, Any] = {
+            "batch_idx": batch_idx,
+            "epoch": trainer.current_epoch,
+            "loss": float(outputs["loss"]),
+        }
         index = outputs.get("index") if isinstance(outputs, dict) else None
         if index is None and isinstance(batch, dict):
             index = batch.get("index")
@@ -161,17 +185,29 @@ class RecordBatches(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
         summaries = [getattr(cb, "summary", None) for cb in trainer.callbacks if hasattr(cb, "compute_summary")]
-        scores = {type(cb).__name__: cb.score.tolist() for cb in trainer.callbacks
-                  if isinstance(getattr(cb, "score", None), torch.Tensor)}
-        record = {"batches": self.batches, "global_step": trainer.global_step, "summary": (summaries or [None])[0],
-                  "scores": scores}
+        scores = {
+            type(cb).__name__: cb.score.tolist()
+            for cb in trainer.callbacks
+            if isinstance(getattr(cb, "score", None), torch.Tensor)
+        }
+        record = {
+            "batches": self.batches,
+            "global_step": trainer.global_step,
+            "summary": (summaries or [None])[0],
+            "scores": scores,
+        }
         with open(Path(self.out_dir) / f"rank{trainer.global_rank}.json", "w") as f:
             json.dump(record, f)
 
 
-def fit_ddp(model: pl.LightningModule, datamodule: pl.LightningDataModule, root: Path,
-            callbacks: Sequence[Callback] = (), ckpt_path: str | Path | None = None,
-            **kwargs: Any) -> tuple[pl.Trainer, list[dict[str, Any]]]:
+def fit_ddp(
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule,
+    root: Path,
+    callbacks: Sequence[Callback] = (),
+    ckpt_path: str | Path | None = None,
+    **kwargs: Any,
+) -> tuple[pl.Trainer, list[dict[str, Any]]]:
     """Fit under DDP on CPU with 2 spawned processes (gloo). Returns the trainer and, per rank, what a
     :class:`RecordBatches` callback added here recorded: ``{"batches": [...], "global_step": int, "summary": the
     EfficiencyMonitor summary or None}``. ``ckpt_path`` resumes from that checkpoint. (With ``ddp_spawn`` the parent's

@@ -19,9 +19,15 @@ TRAIN_SCRIPT = ROOT / "experiments" / "train.py"
 
 
 FAST = {
-    "trainer.accelerator": "cpu", "trainer.devices": 1, "trainer.max_epochs": 1, "trainer.limit_train_batches": 3,
-    "trainer.limit_val_batches": 2, "trainer.limit_test_batches": 2, "trainer.num_sanity_val_steps": 0,
-    "trainer.enable_progress_bar": False, "data.num_workers": 0,
+    "trainer.accelerator": "cpu",
+    "trainer.devices": 1,
+    "trainer.max_epochs": 1,
+    "trainer.limit_train_batches": 3,
+    "trainer.limit_val_batches": 2,
+    "trainer.limit_test_batches": 2,
+    "trainer.num_sanity_val_steps": 0,
+    "trainer.enable_progress_bar": False,
+    "data.num_workers": 0,
 }
 
 

@@ -8,8 +8,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset
 
-from lightning_effi.reference.data.base import PaddingCollate
 from lightning_effi.core.loader import EpochShuffleSampler, ResumableDataLoader
+from lightning_effi.reference.data.base import PaddingCollate
 from lightning_effi.tasks import BertMaskedLM, BertSequenceClassifier, GPT2CausalLM, ImageClassifier
 
 TINY_GPT2 = dict(vocab_size=64, n_positions=32, n_layer=2, n_embd=32, n_head=2, attn_implementation="eager")
@@ -93,8 +93,15 @@ class Images(Dataset):
 class TinyDataModule(pl.LightningDataModule):
     """Wraps in-memory datasets; the train loader is a :class:`ResumableDataLoader` sharded by the trainer's rank."""
 
-    def __init__(self, train: Dataset, val: Dataset | None = None, batch_size: int = 8, collate_fn: Any = None,
-                 num_workers: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        train: Dataset,
+        val: Dataset | None = None,
+        batch_size: int = 8,
+        collate_fn: Any = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ):
         super().__init__()
         self.train_dataset, self.val_dataset = train, val if val is not None else train
         self.batch_size, self.collate_fn, self.num_workers, self.seed = batch_size, collate_fn, num_workers, seed
@@ -102,8 +109,13 @@ class TinyDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> ResumableDataLoader:
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
         sampler = EpochShuffleSampler(self.train_dataset, num_replicas=world, rank=rank, seed=self.seed)
-        return ResumableDataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler,
-                                   collate_fn=self.collate_fn, num_workers=self.num_workers)
+        return ResumableDataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+        )
 
     def val_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(self.val_dataset, batch_size=self.batch_size, collate_fn=self.collate_fn)

@@ -39,10 +39,28 @@ class FixedLengths(InfoBatchCallback):
         if self.plan is None or self.plan.epoch != epoch:
             n, length = self.dataset_size, self.lengths[epoch]
             weights = torch.ones(n)
-            self.plan = ib.EpochPlan(epoch, torch.arange(length), weights, "prune" if length < n else "full",
-                                     0.0 if length < n else math.nan, n - length if length < n else 0, 0, n - length)
-            self.history.append({"epoch": epoch, "kind": self.plan.kind, "saved": n - length, "padded": 0,
-                                 "threshold": 0.0, "well_learned": 0, "kept_well_learned": 0, "size": length})
+            self.plan = ib.EpochPlan(
+                epoch,
+                torch.arange(length),
+                weights,
+                "prune" if length < n else "full",
+                0.0 if length < n else math.nan,
+                n - length if length < n else 0,
+                0,
+                n - length,
+            )
+            self.history.append(
+                {
+                    "epoch": epoch,
+                    "kind": self.plan.kind,
+                    "saved": n - length,
+                    "padded": 0,
+                    "threshold": 0.0,
+                    "well_learned": 0,
+                    "kept_well_learned": 0,
+                    "size": length,
+                }
+            )
         return self.plan
 
 
@@ -117,11 +135,17 @@ def test_annealing_epochs_are_full_with_unit_weights(tmp_path):
 
 def test_resume_at_an_epoch_boundary_and_mid_epoch_equals_uninterrupted(tmp_path):
     # E = 8, delta = 0.875: 40 samples, bs 8 -> 5 batches in full epochs, fewer in prune epochs.
-    common = dict(model_fn=tiny_gpt2, data_fn=ib_data, total_steps=0, max_epochs=8,
-                  callbacks_fn=lambda: [InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=7)])
+    common = dict(
+        model_fn=tiny_gpt2,
+        data_fn=ib_data,
+        total_steps=0,
+        max_epochs=8,
+        callbacks_fn=lambda: [InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=7)],
+    )
     pl.seed_everything(0, workers=True)  # as the harness does: the probe's run length equals run A's
-    trainer_a = make_trainer(tmp_path / "probe", [InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=7)],
-                             max_epochs=8)
+    trainer_a = make_trainer(
+        tmp_path / "probe", [InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=7)], max_epochs=8
+    )
     trainer_a.fit(tiny_gpt2(), datamodule=ib_data())
     total = trainer_a.global_step
     for name, step in (("boundary", 5), ("mid", 7), ("late", total - 6)):
@@ -150,12 +174,13 @@ def test_repr_round_trips():
     cb = InfoBatchCallback(prune_ratio=0.3, delta=0.9, num_epochs=10, seed=4, momentum=0.5, strict=False)
     again = eval(repr(cb), {"InfoBatchCallback": InfoBatchCallback})
     assert repr(again) == repr(cb)
-    assert repr(InfoBatchCallback()) == ("InfoBatchCallback(prune_ratio=0.5, delta=0.875, num_epochs=None, seed=0, "
-                                         "momentum=1.0, strict=True)")
+    assert repr(InfoBatchCallback()) == (
+        "InfoBatchCallback(prune_ratio=0.5, delta=0.875, num_epochs=None, seed=0, momentum=1.0, strict=True)"
+    )
     # every constructor argument appears, and numpy numbers are stored as plain Python numbers
     code = InfoBatchCallback.__init__.__code__
-    names = list(code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount])
-    assert [part.split("=")[0] for part in repr(cb)[len("InfoBatchCallback("):-1].split(", ")] == names
+    names = list(code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount])
+    assert [part.split("=")[0] for part in repr(cb)[len("InfoBatchCallback(") : -1].split(", ")] == names
     numpy_cb = InfoBatchCallback(prune_ratio=np.float32(0.5), num_epochs=np.int64(8), seed=np.int64(3))
     again = eval(repr(numpy_cb), {"InfoBatchCallback": InfoBatchCallback})
     assert repr(again) == repr(numpy_cb) and type(again.seed) is int and type(again.num_epochs) is int
@@ -182,8 +207,9 @@ class OtherSampler(pl.Callback):
 
 def test_setup_refuses_another_technique_that_owns_the_training_sampler(tmp_path):
     with pytest.raises(IncompatibleTechniques, match="InfoBatchCallback and OtherSampler cannot be combined"):
-        make_trainer(tmp_path, [InfoBatchCallback(), OtherSampler()], max_epochs=2).fit(tiny_gpt2(),
-                                                                                        datamodule=ib_data())
+        make_trainer(tmp_path, [InfoBatchCallback(), OtherSampler()], max_epochs=2).fit(
+            tiny_gpt2(), datamodule=ib_data()
+        )
 
 
 class ProgressLR(GPT2CausalLM):
@@ -209,7 +235,8 @@ class ProgressLR(GPT2CausalLM):
 def test_progress_based_lr_ends_exactly_at_its_end_value_with_shrinking_epochs(tmp_path):
     module = ProgressLR()
     make_trainer(tmp_path, [InfoBatchCallback(prune_ratio=0.7, delta=1.0)], max_epochs=4).fit(
-        module, datamodule=ib_data())
+        module, datamodule=ib_data()
+    )
     assert module.lrs[-1] == pytest.approx(0.0, abs=1e-8)  # cosine to 0 at progress 1, no scheduler error
     # after the first step the LR is the schedule at progress (0 + 2/5)/4 = 0.1 (5 batches in the full epoch 0, 4
     # epochs). (The LR of the very first step is evaluated when the scheduler is built; this module builds it before
@@ -219,18 +246,30 @@ def test_progress_based_lr_ends_exactly_at_its_end_value_with_shrinking_epochs(t
     assert all(b <= a + 1e-12 for a, b in zip(module.lrs, module.lrs[1:]))  # monotone decay
 
 
-@pytest.mark.parametrize("kwargs", [dict(prune_ratio=1.0), dict(prune_ratio=-0.1), dict(delta=0.0),
-                                    dict(delta=1.5), dict(num_epochs=0), dict(momentum=0.0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(prune_ratio=1.0),
+        dict(prune_ratio=-0.1),
+        dict(delta=0.0),
+        dict(delta=1.5),
+        dict(num_epochs=0),
+        dict(momentum=0.0),
+    ],
+)
 def test_bad_hyperparameters_raise_at_construction(kwargs):
     with pytest.raises(ValueError):
         InfoBatchCallback(**kwargs)
 
 
-@pytest.mark.parametrize("trainer_kwargs, match", [
-    (dict(max_epochs=-1, max_steps=10), "finite number of epochs"),
-    (dict(max_epochs=3, max_steps=10), "max_steps"),
-    (dict(max_epochs=3, reload_dataloaders_every_n_epochs=2), "reload_dataloaders_every_n_epochs"),
-])
+@pytest.mark.parametrize(
+    "trainer_kwargs, match",
+    [
+        (dict(max_epochs=-1, max_steps=10), "finite number of epochs"),
+        (dict(max_epochs=3, max_steps=10), "max_steps"),
+        (dict(max_epochs=3, reload_dataloaders_every_n_epochs=2), "reload_dataloaders_every_n_epochs"),
+    ],
+)
 def test_bad_runs_raise_at_setup(tmp_path, trainer_kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_trainer(tmp_path, [InfoBatchCallback()], **trainer_kwargs).fit(tiny_gpt2(), datamodule=ib_data())
@@ -239,7 +278,8 @@ def test_bad_runs_raise_at_setup(tmp_path, trainer_kwargs, match):
 def test_unwrapped_datamodule_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="InfoBatchDataModule"):
         make_trainer(tmp_path, [InfoBatchCallback()], max_epochs=2).fit(
-            tiny_gpt2(), datamodule=TinyDataModule(TokenBlocks()))
+            tiny_gpt2(), datamodule=TinyDataModule(TokenBlocks())
+        )
 
 
 class NoPerSampleLoss(GPT2CausalLM):
@@ -253,8 +293,9 @@ class NoPerSampleLoss(GPT2CausalLM):
 def test_missing_per_sample_loss_fails_on_the_first_batch_naming_the_contract(tmp_path):
     counter = CountBatches()
     with pytest.raises(ValueError, match="per_sample_loss"):
-        make_trainer(tmp_path, [InfoBatchCallback(), counter], max_epochs=2).fit(NoPerSampleLoss(),
-                                                                               datamodule=ib_data())
+        make_trainer(tmp_path, [InfoBatchCallback(), counter], max_epochs=2).fit(
+            NoPerSampleLoss(), datamodule=ib_data()
+        )
     assert counter.per_epoch == [0]
 
 
@@ -264,8 +305,10 @@ def test_nonfinite_losses_never_enter_the_score_table():
     cb.score, cb.seen = torch.zeros(4), torch.zeros(4, dtype=torch.bool)
     cb.sum_loss, cb.count = torch.zeros(4), torch.zeros(4, dtype=torch.int32)
     with pytest.warns(UserWarning, match="non-finite"):
-        cb.rescale_output({"loss": None, "per_sample_loss": torch.tensor([1.0, float("nan"), float("inf"), 2.0])},
-                          torch.tensor([0, 1, 2, 3]))
+        cb.rescale_output(
+            {"loss": None, "per_sample_loss": torch.tensor([1.0, float("nan"), float("inf"), 2.0])},
+            torch.tensor([0, 1, 2, 3]),
+        )
     ib.finalize(cb.sum_loss, cb.count, cb.score, cb.seen)
     assert cb.seen.tolist() == [True, False, False, True] and cb.nonfinite == 2
     assert torch.isfinite(cb.score).all()

@@ -24,8 +24,16 @@ def prune_plan(n=100, seed=0, epoch=1):
 def plan_of(indices, n=None, epoch=1):
     indices = torch.as_tensor(indices, dtype=torch.int64)
     n = int(indices.max()) + 1 if n is None else n
-    return EpochPlan(epoch=epoch, indices=indices, weights=torch.ones(1).expand(n), kind="prune", threshold=0.0,
-                     num_well_learned=0, num_kept_well_learned=0, saved=n - indices.numel())
+    return EpochPlan(
+        epoch=epoch,
+        indices=indices,
+        weights=torch.ones(1).expand(n),
+        kind="prune",
+        threshold=0.0,
+        num_well_learned=0,
+        num_kept_well_learned=0,
+        saved=n - indices.numel(),
+    )
 
 
 def test_is_a_distributed_sampler_with_plan_epoch():
@@ -123,8 +131,17 @@ def test_set_epoch_checks_the_plan():
         s.set_epoch(5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_replicas=0), dict(num_replicas=2, rank=2), dict(rank=-1),
-                                    dict(num_replicas=2.0), dict(num_replicas=True), dict(rank=0.0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_replicas=0),
+        dict(num_replicas=2, rank=2),
+        dict(rank=-1),
+        dict(num_replicas=2.0),
+        dict(num_replicas=True),
+        dict(rank=0.0),
+    ],
+)
 def test_rejects_bad_world(kwargs):
     with pytest.raises(ValueError):
         InfoBatchSampler(prune_plan(), **kwargs)

@@ -60,10 +60,16 @@ class Watch(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         idx = self.ltd.controller.last_indices()
-        self.rows.append({"step": trainer.global_step, "batch_idx": batch_idx, "r": self.ltd.current_value,
-                          "records": list(self.ltd.controller.records),
-                          "indices": None if idx is None else idx.clone(),
-                          "consumed": self.ltd.consumed_layer_tokens})
+        self.rows.append(
+            {
+                "step": trainer.global_step,
+                "batch_idx": batch_idx,
+                "r": self.ltd.current_value,
+                "records": list(self.ltd.controller.records),
+                "indices": None if idx is None else idx.clone(),
+                "consumed": self.ltd.consumed_layer_tokens,
+            }
+        )
 
 
 def ltd(**kw):
@@ -74,13 +80,23 @@ def ltd(**kw):
 # ------------------------------------------------------------------------------------------------ fit per adapter
 
 
-@pytest.mark.parametrize(("model_fn", "data_fn", "seq"), [
-    (deep_gpt2, tiny_lm_data, 16),
-    (lambda: tiny_bert_mlm(n_layer=4), lambda: TinyDataModule(MLMBlocks()), 16),
-    (lambda: tiny_bert_cls(n_layer=4), tiny_sentence_data, None),
-    (lambda: ImageClassifier("vit_tiny_patch16_224", optimizer=sgd, model_kwargs={
-        "img_size": 32, "patch_size": 8, "depth": 4, "embed_dim": 32, "num_heads": 2}), tiny_image_data, 17),
-])
+@pytest.mark.parametrize(
+    ("model_fn", "data_fn", "seq"),
+    [
+        (deep_gpt2, tiny_lm_data, 16),
+        (lambda: tiny_bert_mlm(n_layer=4), lambda: TinyDataModule(MLMBlocks()), 16),
+        (lambda: tiny_bert_cls(n_layer=4), tiny_sentence_data, None),
+        (
+            lambda: ImageClassifier(
+                "vit_tiny_patch16_224",
+                optimizer=sgd,
+                model_kwargs={"img_size": 32, "patch_size": 8, "depth": 4, "embed_dim": 32, "num_heads": 2},
+            ),
+            tiny_image_data,
+            17,
+        ),
+    ],
+)
 def test_fit_each_adapter_follows_the_schedule(tmp_path, model_fn, data_fn, seq):
     pl.seed_everything(0)
     model = model_fn()
@@ -97,8 +113,9 @@ def test_fit_each_adapter_follows_the_schedule(tmp_path, model_fn, data_fn, seq)
         if rec.reserved_length < rec.seq_len:
             assert row["indices"].shape == (2, rec.batch_size, rec.reserved_length)
     assert not is_converted(model)  # teardown restored the layers
-    assert cb.consumed_layer_tokens == sum(F.layer_tokens(r.batch_size, r.seq_len, r.reserved_length, 4, 2)
-                                           for row in watch.rows for r in row["records"])
+    assert cb.consumed_layer_tokens == sum(
+        F.layer_tokens(r.batch_size, r.seq_len, r.reserved_length, 4, 2) for row in watch.rows for r in row["records"]
+    )
 
 
 def test_logged_metrics_and_accounting_adjustment(tmp_path):
@@ -108,8 +125,14 @@ def test_logged_metrics_and_accounting_adjustment(tmp_path):
     watch = Watch(cb)
     from lightning.pytorch.loggers import CSVLogger
 
-    trainer = make_trainer(tmp_path, [monitor, cb, watch], max_steps=5, max_epochs=-1, log_every_n_steps=1,
-                           logger=CSVLogger(tmp_path, name="log"))
+    trainer = make_trainer(
+        tmp_path,
+        [monitor, cb, watch],
+        max_steps=5,
+        max_epochs=-1,
+        log_every_n_steps=1,
+        logger=CSVLogger(tmp_path, name="log"),
+    )
     model = deep_gpt2()
     trainer.fit(model, datamodule=tiny_lm_data())
     import csv
@@ -168,8 +191,9 @@ def test_truncated_batches_count_their_real_length(tmp_path):
 
 def test_resume_mid_run_equals_uninterrupted(tmp_path):
     cbs = lambda: [ltd(max_value=16, require_steps=8)]  # noqa: E731
-    a, b = assert_resume_equals_uninterrupted(deep_gpt2, tiny_lm_data, tmp_path, total_steps=8, resume_step=5,
-                                              callbacks_fn=cbs)
+    a, b = assert_resume_equals_uninterrupted(
+        deep_gpt2, tiny_lm_data, tmp_path, total_steps=8, resume_step=5, callbacks_fn=cbs
+    )
     cb_a = next(c for c in a.callbacks if isinstance(c, RandomLTDCallback))
     cb_b = next(c for c in b.callbacks if isinstance(c, RandomLTDCallback))
     assert cb_a.consumed_layer_tokens == cb_b.consumed_layer_tokens > 0
@@ -185,10 +209,12 @@ def test_resume_draws_the_same_indices(tmp_path):
         cb = ltd(max_value=16, require_steps=20)
         watch = Watch(cb)
         ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-        trainer = make_trainer(tmp_path / str(resume), [cb, watch] + ([] if resume else [ckpt]), max_steps=7,
-                               max_epochs=-1)
-        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(),
-                    ckpt_path=str(tmp_path / "ck" / "step=5.ckpt") if resume else None)
+        trainer = make_trainer(
+            tmp_path / str(resume), [cb, watch] + ([] if resume else [ckpt]), max_steps=7, max_epochs=-1
+        )
+        trainer.fit(
+            deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=5.ckpt") if resume else None
+        )
         runs.append(watch.rows)
     full, resumed = runs
     assert [r["step"] for r in resumed] == [6, 7]  # global_step after each step
@@ -268,34 +294,48 @@ def test_layer_token_lr_in_a_fit_reads_the_tokens_of_finished_steps(tmp_path):
 # ------------------------------------------------------------------------------------------------ bad input
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(min_value=0), "min_value"), (dict(min_value=20, max_value=10), "min_value .* <= max_value"),
-    (dict(layer_ids=[2, 1]), "sorted"), (dict(layer_ids=[-1]), "layer_ids"), (dict(rounding="up"), "rounding"),
-    (dict(require_steps=3, require_fraction=0.5), "not both"), (dict(require_fraction=1.5), "require_fraction"),
-    (dict(require_steps="0.5dur", require_fraction=0.5), "not both"),
-    (dict(require_steps=0.8), r"require_steps: a float .* write '0\.8dur'"),
-    (dict(require_steps=0.25), r"require_steps: a float .* write '0\.25dur'"),
-    (dict(require_steps=100.0), r"require_steps: a float .* int of optimizer steps"),
-    (dict(require_steps=0), "require_steps must be an int >= 1"), (dict(require_steps=True), "require_steps"),
-    (dict(require_steps="0dur"), "require_steps must be at least one step"),
-    (dict(require_steps="0ep"), "require_steps must be at least one step"),
-    (dict(require_steps="1.5dur"), "require_steps"), (dict(require_steps="1e6tok"), "require_steps=.* in tokens"),
-    (dict(require_steps="500"), "require_steps: cannot read"),
-    (dict(accounting="max"), "accounting"), (dict(keep_prefix_tokens=-1), "keep_prefix_tokens"),
-    (dict(seq_per_step=2.5), "seq_per_step"), (dict(adapter=3), "adapter"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(min_value=0), "min_value"),
+        (dict(min_value=20, max_value=10), "min_value .* <= max_value"),
+        (dict(layer_ids=[2, 1]), "sorted"),
+        (dict(layer_ids=[-1]), "layer_ids"),
+        (dict(rounding="up"), "rounding"),
+        (dict(require_steps=3, require_fraction=0.5), "not both"),
+        (dict(require_fraction=1.5), "require_fraction"),
+        (dict(require_steps="0.5dur", require_fraction=0.5), "not both"),
+        (dict(require_steps=0.8), r"require_steps: a float .* write '0\.8dur'"),
+        (dict(require_steps=0.25), r"require_steps: a float .* write '0\.25dur'"),
+        (dict(require_steps=100.0), r"require_steps: a float .* int of optimizer steps"),
+        (dict(require_steps=0), "require_steps must be an int >= 1"),
+        (dict(require_steps=True), "require_steps"),
+        (dict(require_steps="0dur"), "require_steps must be at least one step"),
+        (dict(require_steps="0ep"), "require_steps must be at least one step"),
+        (dict(require_steps="1.5dur"), "require_steps"),
+        (dict(require_steps="1e6tok"), "require_steps=.* in tokens"),
+        (dict(require_steps="500"), "require_steps: cannot read"),
+        (dict(accounting="max"), "accounting"),
+        (dict(keep_prefix_tokens=-1), "keep_prefix_tokens"),
+        (dict(seq_per_step=2.5), "seq_per_step"),
+        (dict(adapter=3), "adapter"),
+    ],
+)
 def test_construction_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RandomLTDCallback(**kwargs)
 
 
-@pytest.mark.parametrize(("cb_kwargs", "model_fn", "match"), [
-    (dict(layer_ids=[1, 4]), deep_gpt2, "out of range"),
-    (dict(max_value=64), deep_gpt2, "larger than the model's sequence length"),
-    (dict(min_value=40), deep_gpt2, "min_value .* <= max_value"),
-    (dict(), tiny_gpt2, "default .* selects none"),
-    (dict(adapter="timm_vit"), deep_gpt2, "no model inside"),
-])
+@pytest.mark.parametrize(
+    ("cb_kwargs", "model_fn", "match"),
+    [
+        (dict(layer_ids=[1, 4]), deep_gpt2, "out of range"),
+        (dict(max_value=64), deep_gpt2, "larger than the model's sequence length"),
+        (dict(min_value=40), deep_gpt2, "min_value .* <= max_value"),
+        (dict(), tiny_gpt2, "default .* selects none"),
+        (dict(adapter="timm_vit"), deep_gpt2, "no model inside"),
+    ],
+)
 def test_setup_errors(tmp_path, cb_kwargs, model_fn, match):
     cb = RandomLTDCallback(**({"min_value": 4, "require_steps": 4} | cb_kwargs))
     trainer = make_trainer(tmp_path, [cb], max_steps=2, max_epochs=-1)
@@ -338,12 +378,15 @@ def _fit_schedule(tmp_path, cb_kwargs, **trainer_kwargs):
     return cb, [row["r"] for row in watch.rows]
 
 
-@pytest.mark.parametrize(("new", "fraction", "trainer_kwargs", "expected"), [
-    ("0.5dur", 0.5, dict(max_epochs=2), 5),  # T = estimated_stepping_batches = 10, at train start
-    (Duration(0.3, "fraction"), 0.3, dict(max_steps=7, max_epochs=-1), 3),  # ceil(0.3 * 7), T = max_steps, in setup
-    ("0.01dur", 0.01, dict(max_steps=7, max_epochs=-1), 1),  # at least 1
-    ("1dur", None, dict(max_epochs=1), 5),  # None: neither given, the default (the whole run)
-])
+@pytest.mark.parametrize(
+    ("new", "fraction", "trainer_kwargs", "expected"),
+    [
+        ("0.5dur", 0.5, dict(max_epochs=2), 5),  # T = estimated_stepping_batches = 10, at train start
+        (Duration(0.3, "fraction"), 0.3, dict(max_steps=7, max_epochs=-1), 3),  # ceil(0.3 * 7), T = max_steps, in setup
+        ("0.01dur", 0.01, dict(max_steps=7, max_epochs=-1), 1),  # at least 1
+        ("1dur", None, dict(max_epochs=1), 5),  # None: neither given, the default (the whole run)
+    ],
+)
 def test_require_steps_fraction_equals_require_fraction(tmp_path, new, fraction, trainer_kwargs, expected):
     cb_new, rs_new = _fit_schedule(tmp_path / "new", dict(require_steps=new), **trainer_kwargs)
     if fraction is None:
@@ -365,15 +408,20 @@ def test_require_steps_step_spellings_are_the_int(tmp_path):
     assert rs == rs_int == [4, 8, 12, 16, 16] and cb.config() == cb_int.config()
 
 
-@pytest.mark.parametrize(("epochs", "accumulate", "expected"), [
-    (1, 1, 5),  # 40 samples / batch 8 = 5 batches = 5 optimizer steps per epoch
-    (2, 2, 6),  # ceil(5 / 2) = 3 optimizer steps per epoch
-])
+@pytest.mark.parametrize(
+    ("epochs", "accumulate", "expected"),
+    [
+        (1, 1, 5),  # 40 samples / batch 8 = 5 batches = 5 optimizer steps per epoch
+        (2, 2, 6),  # ceil(5 / 2) = 3 optimizer steps per epoch
+    ],
+)
 def test_require_steps_in_epochs(tmp_path, epochs, accumulate, expected):
-    cb, rs = _fit_schedule(tmp_path / "ep", dict(require_steps=f"{epochs}ep"), max_epochs=3,
-                           accumulate_grad_batches=accumulate)
-    cb_steps, rs_steps = _fit_schedule(tmp_path / "st", dict(require_steps=expected), max_epochs=3,
-                                       accumulate_grad_batches=accumulate)
+    cb, rs = _fit_schedule(
+        tmp_path / "ep", dict(require_steps=f"{epochs}ep"), max_epochs=3, accumulate_grad_batches=accumulate
+    )
+    cb_steps, rs_steps = _fit_schedule(
+        tmp_path / "st", dict(require_steps=expected), max_epochs=3, accumulate_grad_batches=accumulate
+    )
     assert cb.require_steps == expected
     assert rs == rs_steps and cb.config() == cb_steps.config()
     assert repr(cb).count(f"require_steps='{epochs}ep'") == 1
@@ -389,8 +437,10 @@ def test_require_fraction_is_deprecated():
 
 def test_state_key_keeps_its_pre_duration_form():
     """The checkpoint key of a run written before require_steps took durations: a fixed step count or None."""
-    key = ("RandomLTDCallback{{'min_value': 4, 'max_value': 16, 'require_steps': {}, 'seq_per_step': 4, "
-           "'layer_ids': None}}")
+    key = (
+        "RandomLTDCallback{{'min_value': 4, 'max_value': 16, 'require_steps': {}, 'seq_per_step': 4, "
+        "'layer_ids': None}}"
+    )
     kw = dict(min_value=4, max_value=16, seq_per_step=4)
     for spelling in ("0.5dur", "2ep", Duration(0.8, "fraction"), None):
         assert RandomLTDCallback(**kw, require_steps=spelling).state_key == key.format("None")
@@ -423,20 +473,47 @@ def test_resume_a_require_fraction_checkpoint_with_require_steps_dur(tmp_path):
 # ------------------------------------------------------------------------------------------------ repr, requirements
 
 
-@pytest.mark.parametrize("kwargs", [
-    {},
-    dict(min_value=8, max_value=64, require_steps=100, seq_per_step=8, layer_ids=[1, 2], adapter="hf_gpt2",
-         rounding="deepspeed", keep_prefix_tokens="auto", accounting="deepspeed", seed=3, strict=False),
-    dict(require_fraction=0.5, layer_ids=[2], keep_prefix_tokens=1),
-    dict(require_steps="0.8dur"), dict(require_steps="2ep"), dict(require_steps="500st"),
-    dict(require_steps=Duration(0.123456789, "fraction")),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        dict(
+            min_value=8,
+            max_value=64,
+            require_steps=100,
+            seq_per_step=8,
+            layer_ids=[1, 2],
+            adapter="hf_gpt2",
+            rounding="deepspeed",
+            keep_prefix_tokens="auto",
+            accounting="deepspeed",
+            seed=3,
+            strict=False,
+        ),
+        dict(require_fraction=0.5, layer_ids=[2], keep_prefix_tokens=1),
+        dict(require_steps="0.8dur"),
+        dict(require_steps="2ep"),
+        dict(require_steps="500st"),
+        dict(require_steps=Duration(0.123456789, "fraction")),
+    ],
+)
 @pytest.mark.filterwarnings("ignore:.*require_fraction is deprecated:DeprecationWarning")
 def test_repr_evaluates_to_an_equal_callback(kwargs):
     cb = RandomLTDCallback(**kwargs)
     text = repr(cb)
-    for name in ("min_value", "max_value", "require_steps", "seq_per_step", "layer_ids", "adapter",
-                 "rounding", "keep_prefix_tokens", "accounting", "seed", "strict"):
+    for name in (
+        "min_value",
+        "max_value",
+        "require_steps",
+        "seq_per_step",
+        "layer_ids",
+        "adapter",
+        "rounding",
+        "keep_prefix_tokens",
+        "accounting",
+        "seed",
+        "strict",
+    ):
         assert f"{name}=" in text
     assert ("require_fraction=" in text) == ("require_fraction" in kwargs)  # shown only when given (deprecated)
     again = eval(text, {"RandomLTDCallback": RandomLTDCallback})
@@ -455,8 +532,13 @@ def test_repr_shows_require_steps_as_given():
 def test_repr_of_numpy_arguments_is_plain():
     import numpy as np
 
-    cb = RandomLTDCallback(min_value=np.int64(8), max_value=np.int64(16), layer_ids=np.array([1, 2]).tolist(),
-                           seed=np.int64(5), require_fraction=np.float64(0.5))
+    cb = RandomLTDCallback(
+        min_value=np.int64(8),
+        max_value=np.int64(16),
+        layer_ids=np.array([1, 2]).tolist(),
+        seed=np.int64(5),
+        require_fraction=np.float64(0.5),
+    )
     again = eval(repr(cb), {"RandomLTDCallback": RandomLTDCallback})
     assert repr(again) == repr(cb) and type(again.seed) is int and type(again.min_value) is int
 
@@ -470,8 +552,13 @@ def test_requirements_are_declared_and_match_metadata():
     req = RandomLTDCallback.requirements
     assert isinstance(req, Requirements)
     assert req.patches_layers and req.batch_structures == BATCH_STRUCTURES
-    assert not (req.owns_train_sampler or req.changes_epoch_length or req.changes_model_shapes
-                or req.needs_per_sample_loss or req.edits_batch)
+    assert not (
+        req.owns_train_sampler
+        or req.changes_epoch_length
+        or req.changes_model_shapes
+        or req.needs_per_sample_loss
+        or req.edits_batch
+    )
     folder = Path(lightning_effi.random_ltd.__file__).parent
     metadata = json.loads((folder / "metadata.json").read_text())
     assert metadata["requirements"] == json.loads(json.dumps(req.as_dict()))  # tuples as lists
@@ -505,8 +592,13 @@ class _RankDump(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         params = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
-        self.rows.append({"indices": self.ltd.controller.last_indices().tolist(), "params": params[::97].tolist(),
-                          "consumed": self.ltd.consumed_layer_tokens})
+        self.rows.append(
+            {
+                "indices": self.ltd.controller.last_indices().tolist(),
+                "params": params[::97].tolist(),
+                "consumed": self.ltd.consumed_layer_tokens,
+            }
+        )
 
     def on_fit_end(self, trainer, pl_module):
         import json
@@ -521,8 +613,9 @@ def test_ddp_two_processes(tmp_path):
     import json
 
     cb = ltd(max_value=16, require_steps=4)
-    fit_ddp(deep_gpt2(), tiny_lm_data(), tmp_path, [cb, _RankDump(cb, tmp_path / "dump")], max_steps=3,
-            max_epochs=-1)  # DDP default: find_unused_parameters=False
+    fit_ddp(
+        deep_gpt2(), tiny_lm_data(), tmp_path, [cb, _RankDump(cb, tmp_path / "dump")], max_steps=3, max_epochs=-1
+    )  # DDP default: find_unused_parameters=False
     rank0, rank1 = (json.loads((tmp_path / "dump" / f"rank{r}.json").read_text()) for r in (0, 1))
     assert len(rank0) == len(rank1) == 3
     for a, b in zip(rank0, rank1):

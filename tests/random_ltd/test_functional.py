@@ -39,11 +39,17 @@ def test_schedule_is_monotonic_and_bounded():
         assert min(values) >= cfg[0] and max(values) == cfg[1] == values[-1]
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(min_value=0), "min_value"), (dict(min_value=10, max_value=5), "min_value .* <= max_value"),
-    (dict(require_steps=0), "require_steps"), (dict(seq_per_step=0), "seq_per_step"),
-    (dict(rounding="floor"), "rounding"), (dict(min_value=2.0), "min_value"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(min_value=0), "min_value"),
+        (dict(min_value=10, max_value=5), "min_value .* <= max_value"),
+        (dict(require_steps=0), "require_steps"),
+        (dict(seq_per_step=0), "seq_per_step"),
+        (dict(rounding="floor"), "rounding"),
+        (dict(min_value=2.0), "min_value"),
+    ],
+)
 def test_schedule_rejects_bad_values(kwargs, match):
     cfg = dict(min_value=2, max_value=8, require_steps=4, seq_per_step=2) | kwargs
     rounding = cfg.pop("rounding", "clamped")
@@ -87,10 +93,15 @@ def test_keep_prefix_tokens():
     assert bool(((counts - 3 / 9).abs() < 0.02).all())
 
 
-@pytest.mark.parametrize(("args", "match"), [
-    ((1, 2, 8, 9), "larger than the sequence"), ((1, 2, 8, 1, None, 2), "keep_prefix_tokens"),
-    ((1, -1, 8, 4), "batch_size"), ((1, 2, 8.0, 4), "seq_len"),
-])
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((1, 2, 8, 9), "larger than the sequence"),
+        ((1, 2, 8, 1, None, 2), "keep_prefix_tokens"),
+        ((1, -1, 8, 4), "batch_size"),
+        ((1, 2, 8.0, 4), "seq_len"),
+    ],
+)
 def test_index_bad_sizes(args, match):
     with pytest.raises(ValueError, match=match):
         F.sample_token_indices(*args)
@@ -190,8 +201,10 @@ def test_gather_seq_tensor_forms():
     for i in range(b):
         assert torch.equal(g[i, 0], full[i, 0][idx[i]][:, idx[i]])
     key_only = torch.randn(b, 1, 1, s)
-    assert torch.equal(F.gather_seq_tensor(key_only, idx, (-2, -1))[:, 0, 0], torch.stack(
-        [key_only[i, 0, 0, idx[i]] for i in range(b)]))
+    assert torch.equal(
+        F.gather_seq_tensor(key_only, idx, (-2, -1))[:, 0, 0],
+        torch.stack([key_only[i, 0, 0, idx[i]] for i in range(b)]),
+    )
     shared = torch.randn(1, 1, s, s)  # broadcast batch axis is expanded per sample
     gs = F.gather_seq_tensor(shared, idx, (-2, -1))
     assert gs.shape == (b, 1, 3, 3) and torch.equal(gs[1, 0], shared[0, 0][idx[1]][:, idx[1]])
@@ -217,8 +230,15 @@ def test_layer_tokens_golden():
 
 
 def test_total_layer_tokens_is_pure_and_sums_the_schedule():
-    cfg = dict(global_batch_size=4, num_layers=12, num_ltd_layers=10, min_value=128, max_value=1024,
-               require_steps=400, seq_per_step=8)
+    cfg = dict(
+        global_batch_size=4,
+        num_layers=12,
+        num_ltd_layers=10,
+        min_value=128,
+        max_value=1024,
+        require_steps=400,
+        seq_per_step=8,
+    )
     a = F.total_layer_tokens(450, **cfg)
     b = F.total_layer_tokens(450, **cfg)
     brute = sum(F.layer_tokens(4, 1024, F.ltd_value(s, 128, 1024, 400, 8), 12, 10) for s in range(450))

@@ -34,16 +34,34 @@ VOCAB = 50
 
 def gpt2(impl="sdpa"):
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=4, n_embd=32, n_head=2, n_positions=64, vocab_size=VOCAB, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation=impl)
+    cfg = GPT2Config(
+        n_layer=4,
+        n_embd=32,
+        n_head=2,
+        n_positions=64,
+        vocab_size=VOCAB,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation=impl,
+    )
     return GPT2LMHeadModel(cfg).train()
 
 
 def bert(impl="sdpa"):
     torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-                     vocab_size=VOCAB, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                     attn_implementation=impl)
+    cfg = BertConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation=impl,
+    )
     return BertForMaskedLM(cfg).train()
 
 
@@ -54,16 +72,33 @@ def vit():
 
 def llama():
     torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
-                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0,
-                      eos_token_id=0, pad_token_id=0, use_cache=False, attn_implementation="eager")
+    cfg = LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        use_cache=False,
+        attn_implementation="eager",
+    )
     return LlamaForCausalLM(cfg).train()
 
 
 def llama_adapter():
-    return GenericAdapter("model.layers", max_sequence_length=64, hidden_size=32, intermediate_size=64,
-                          seq_args={"attention_mask": [-2, -1], "position_ids": [-1], "position_embeddings": [-2]},
-                          passthrough=["use_cache"], must_be_none=["cache"])
+    return GenericAdapter(
+        "model.layers",
+        max_sequence_length=64,
+        hidden_size=32,
+        intermediate_size=64,
+        seq_args={"attention_mask": [-2, -1], "position_ids": [-1], "position_embeddings": [-2]},
+        passthrough=["use_cache"],
+        must_be_none=["cache"],
+    )
 
 
 def converted(model, layer_ids=(1, 2), adapter="auto", **kw):
@@ -88,8 +123,10 @@ class Recorder:
 
     def __init__(self, layer):
         self.calls = []
-        self.handles = [layer.register_forward_pre_hook(self.pre, with_kwargs=True),
-                        layer.register_forward_hook(self.post, with_kwargs=True)]
+        self.handles = [
+            layer.register_forward_pre_hook(self.pre, with_kwargs=True),
+            layer.register_forward_hook(self.post, with_kwargs=True),
+        ]
 
     def pre(self, module, args, kwargs):
         self.calls.append({"args": args, "kwargs": dict(kwargs)})
@@ -195,8 +232,9 @@ def test_rotary_positions_are_gathered():
     hidden = call["args"][0]
     with torch.no_grad():
         ref = type(layer).forward(layer, rows(hidden, idx, 1), **kwargs)
-        wrong = type(layer).forward(layer, rows(hidden, idx, 1), **{
-            **kwargs, "position_embeddings": (cos[:, :5], sin[:, :5])})  # positions 0..r-1 (DeepSpeed's fault)
+        wrong = type(layer).forward(
+            layer, rows(hidden, idx, 1), **{**kwargs, "position_embeddings": (cos[:, :5], sin[:, :5])}
+        )  # positions 0..r-1 (DeepSpeed's fault)
     torch.testing.assert_close(rows(call["output"], idx, 1), ref, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(ref, wrong)
 
@@ -213,7 +251,7 @@ def test_gpt2_output_at_t_never_depends_on_later_tokens(impl):
     base = model(x).logits
     for t in (0, 7, 15, 22):
         y = x.clone()
-        y[:, t + 1:] = (y[:, t + 1:] + 7) % VOCAB
+        y[:, t + 1 :] = (y[:, t + 1 :] + 7) % VOCAB
         assert torch.equal(model(y).logits[:, : t + 1], base[:, : t + 1])
 
 
@@ -287,8 +325,9 @@ def test_exact_layer_binding_and_teardown():
     assert [b.forward for b in blocks] == originals
 
 
-@pytest.mark.parametrize(("ids", "match"), [((1, 4), "out of range"), ((2, 2), "duplicate"), ((2, 1), "sorted"),
-                                            ((), "at least one")])
+@pytest.mark.parametrize(
+    ("ids", "match"), [((1, 4), "out of range"), ((2, 2), "duplicate"), ((2, 1), "sorted"), ((), "at least one")]
+)
 def test_bad_layer_ids(ids, match):
     with pytest.raises(ValueError, match=match):
         converted(gpt2(), layer_ids=ids)
@@ -429,10 +468,16 @@ def test_cache_while_dropping_is_an_error():
 def test_registered_families_list_what_each_supports():
     families = registered_families()
     assert {name: families[name] for name in ("hf_gpt2", "hf_bert", "timm_vit")} == {
-        "hf_gpt2": ("random_ltd", "vcycle"), "hf_bert": ("random_ltd", "vcycle"), "timm_vit": ("random_ltd", "vcycle")}
+        "hf_gpt2": ("random_ltd", "vcycle"),
+        "hf_bert": ("random_ltd", "vcycle"),
+        "timm_vit": ("random_ltd", "vcycle"),
+    }
     assert list(families) == sorted(families)
-    expected = {"hf_gpt2": (HFGPT2Adapter, HFGPT2VCycleAdapter), "hf_bert": (HFBertAdapter, HFBertVCycleAdapter),
-                "timm_vit": (TimmViTAdapter, TimmViTVCycleAdapter)}
+    expected = {
+        "hf_gpt2": (HFGPT2Adapter, HFGPT2VCycleAdapter),
+        "hf_bert": (HFBertAdapter, HFBertVCycleAdapter),
+        "timm_vit": (TimmViTAdapter, TimmViTVCycleAdapter),
+    }
     for name, (ltd_cls, vcycle_cls) in expected.items():
         fam = registry.family(name)
         assert fam.adapter("random_ltd") is ltd_cls and fam.adapter("vcycle") is vcycle_cls

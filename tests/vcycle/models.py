@@ -25,9 +25,21 @@ def perturb(model: nn.Module, seed: int = 0, std: float = 0.1) -> nn.Module:
 def gpt2(tied: bool = True, n_layer: int = 4, n_embd: int = 32, n_head: int = 4, **kw: Any) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=32, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
-                     tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, **kw)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+        **kw,
+    )
     torch.manual_seed(0)
     return perturb(GPT2LMHeadModel(cfg).eval())
 
@@ -35,9 +47,21 @@ def gpt2(tied: bool = True, n_layer: int = 4, n_embd: int = 32, n_head: int = 4,
 def gpt2_cls() -> nn.Module:
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=32, n_layer=4, n_embd=32, n_head=4, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", num_labels=3, pad_token_id=0,
-                     bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_layer=4,
+        n_embd=32,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+        num_labels=3,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     return perturb(GPT2ForSequenceClassification(cfg).eval())
 
@@ -45,9 +69,17 @@ def gpt2_cls() -> nn.Module:
 def _bert_cfg(**kw: Any) -> Any:
     from transformers import BertConfig
 
-    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
-                max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                attn_implementation="eager")
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
     return BertConfig(**{**base, **kw})
 
 

@@ -18,26 +18,48 @@ def bench():
 
 
 def _write(path: Path, config: dict, runs: list[tuple[str, int, float]]) -> Path:
-    base = {"tasks": ["vit"], "vit_steps": 1200, "vit_layers": 6, "vit_subset": 20000, "eval_every": 40,
-            "eval_batches": 10, "vit_lr_mult": 2.0}
-    path.write_text(json.dumps({"config": {**base, **config},
-                                "runs": [{"task": "vit", "arm": a, "seed": s, "metric_value": m} for a, s, m in runs]}))
+    base = {
+        "tasks": ["vit"],
+        "vit_steps": 1200,
+        "vit_layers": 6,
+        "vit_subset": 20000,
+        "eval_every": 40,
+        "eval_batches": 10,
+        "vit_lr_mult": 2.0,
+    }
+    path.write_text(
+        json.dumps(
+            {
+                "config": {**base, **config},
+                "runs": [{"task": "vit", "arm": a, "seed": s, "metric_value": m} for a, s, m in runs],
+            }
+        )
+    )
     return path
 
 
 def test_later_file_replaces_same_task_arm_seed(bench, tmp_path):
-    committed = _write(tmp_path / "a.json", {}, [("baseline", 0, 0.56), ("vcycle", 0, 0.54),
-                                                  ("baseline", 1, 0.55), ("vcycle", 1, 0.53)])
+    committed = _write(
+        tmp_path / "a.json",
+        {},
+        [("baseline", 0, 0.56), ("vcycle", 0, 0.54), ("baseline", 1, 0.55), ("vcycle", 1, 0.53)],
+    )
     tuning = _write(tmp_path / "b.json", {"vit_lr_mult": 4.0, "arms": ["vcycle"]}, [("vcycle", 0, 0.57)])
     config, runs = bench.merge_reports([committed, tuning], seeds=[0])
-    assert sorted((r["arm"], r["seed"], r["metric_value"]) for r in runs) == [("baseline", 0, 0.56),
-                                                                            ("vcycle", 0, 0.57)]
+    assert sorted((r["arm"], r["seed"], r["metric_value"]) for r in runs) == [
+        ("baseline", 0, 0.56),
+        ("vcycle", 0, 0.57),
+    ]
     assert config["vit_lr_mult"] == 4.0  # the last file's config describes the merged V-cycle arm
     assert config["seeds"] == [0] and config["arms"] == ["baseline", "vcycle"] and config["tasks"] == ["vit"]
     assert config["merged_from"] == [str(committed), str(tuning)]
     _, all_seeds = bench.merge_reports([committed, tuning], seeds=None)
     assert sorted((r["arm"], r["seed"], r["metric_value"]) for r in all_seeds) == [
-        ("baseline", 0, 0.56), ("baseline", 1, 0.55), ("vcycle", 0, 0.57), ("vcycle", 1, 0.53)]
+        ("baseline", 0, 0.56),
+        ("baseline", 1, 0.55),
+        ("vcycle", 0, 0.57),
+        ("vcycle", 1, 0.53),
+    ]
 
 
 def test_files_with_different_baselines_are_refused(bench, tmp_path):

@@ -90,8 +90,15 @@ def test_two_level_switch(tmp_path):
     original = pre.steps[1]["model"]
     assert trainer.global_step == 7 and sorted(post.steps) == list(range(1, 8))
     sizes = {s: post.steps[s]["sizes"] for s in post.steps}
-    assert sizes == {1: (32, 2, 2), 2: (16, 1, 1), 3: (16, 1, 1), 4: (16, 1, 1), 5: (32, 2, 2), 6: (32, 2, 2),
-                     7: (32, 2, 2)}
+    assert sizes == {
+        1: (32, 2, 2),
+        2: (16, 1, 1),
+        3: (16, 1, 1),
+        4: (16, 1, 1),
+        5: (32, 2, 2),
+        6: (32, 2, 2),
+        7: (32, 2, 2),
+    }
     for s, rec in post.steps.items():  # the optimizer holds exactly the current model's parameters
         assert len(rec["opt_ids"]) == len(set(rec["opt_ids"])) and set(rec["opt_ids"]) == rec["module_ids"]
         assert rec["module_ids"] == {id(p) for p in rec["model"].parameters()}
@@ -141,6 +148,7 @@ def test_callback_reused_for_a_second_fit_starts_a_fresh_cycle(tmp_path):
     assert cb.stage_ends == [3, 6] and cb.switches == 2 and cb.level == 1
     fresh = VCycleCallback(e_a_fraction=0.3, e_small_steps=3)
     run([fresh], 10, root=tmp_path / "c")
+
     def counts(summary):  # map_seconds is a wall time
         return {k: v for k, v in summary.items() if k != "vcycle/map_seconds"}
 
@@ -172,8 +180,9 @@ class StateRecorder(Callback):
         opt_ids = [id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]]
         self.steps[trainer.global_step] = {
             "state": copy.deepcopy(pl_module.model.state_dict()),
-            "opt_is_module": len(opt_ids) == len(set(opt_ids)) and set(opt_ids) == {id(p) for p in
-                                                                                     pl_module.parameters()}}
+            "opt_is_module": len(opt_ids) == len(set(opt_ids))
+            and set(opt_ids) == {id(p) for p in pl_module.parameters()},
+        }
 
 
 class MaskedBlocks(torch.utils.data.Dataset):
@@ -192,9 +201,15 @@ class MaskedBlocks(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
 
 
-@pytest.mark.parametrize("build, data", [(tiny_vit, tiny_image_data), (tiny_bert_cls, tiny_sentence_data),
-                                         (tiny_bert_mlm, lambda: TinyDataModule(MaskedBlocks()))],
-                         ids=["timm_vit", "hf_bert_cls", "hf_bert_mlm"])
+@pytest.mark.parametrize(
+    "build, data",
+    [
+        (tiny_vit, tiny_image_data),
+        (tiny_bert_cls, tiny_sentence_data),
+        (tiny_bert_mlm, lambda: TinyDataModule(MaskedBlocks())),
+    ],
+    ids=["timm_vit", "hf_bert_cls", "hf_bert_mlm"],
+)
 def test_two_level_switch_vit_and_bert(tmp_path, build, data):
     """The callback on the other adapters: the weights at both switches equal the operators computed by hand."""
     pre, post = StateRecorder(), StateRecorder()
@@ -227,7 +242,7 @@ def test_three_levels_with_gradient_accumulation(tmp_path):
     sizes = [post.steps[s]["sizes"] for s in range(1, 10)]
     large, mid, small = (32, 4, 4), (16, 2, 2), (8, 1, 1)
     assert sizes == [large, mid, mid, small, small, mid, mid, large, large]
-    for s, rec in post.steps.items():
+    for _s, rec in post.steps.items():
         assert set(rec["opt_ids"]) == rec["module_ids"] == {id(p) for p in rec["model"].parameters()}
         assert rec["lrs"][0] == pytest.approx(0.05 * {large: 1, mid: 2, small: 4}[rec["sizes"]])
     assert post.steps[2]["model"] is post.steps[6]["model"] is not post.steps[4]["model"]  # level 2 comes back
@@ -242,8 +257,7 @@ def test_lr_schedule_after_switch(tmp_path, lr_schedule):
     run([cb, post], 7, model=model, root=tmp_path)
     # LambdaLR at progress (k + 1) / 7 for scheduler step k; "continue": k = global step, "restart": k from 0
     lr = lambda base, k: base * warmup_cosine_multiplier((k + 1) / 7, 0.5, 0.1)  # noqa: E731
-    for step, k in ((2, 2), (3, 3), (5, 5), (6, 6)) if lr_schedule == "continue" else ((2, 0), (3, 1), (5, 0),
-                                                                                        (6, 1)):
+    for step, k in ((2, 2), (3, 3), (5, 5), (6, 6)) if lr_schedule == "continue" else ((2, 0), (3, 1), (5, 0), (6, 1)):
         base = 0.2 if step < 5 else 0.05
         assert post.steps[step]["lrs"] == pytest.approx([lr(base, k)] * 2, rel=1e-12), step
 
@@ -255,22 +269,40 @@ def _vcycle(levels: int = 2):
 
 
 @pytest.mark.parametrize("resume_step", [1, 2, 3, 5])  # first large stage, right after the down-switch, inside the
-def test_resume_two_levels(tmp_path, resume_step):      # small stage, right after the up-switch
+def test_resume_two_levels(tmp_path, resume_step):  # small stage, right after the up-switch
     model_fn = partial(tiny_gpt2, scheduler=partial(warmup_cosine, warmup_fraction=0.3))
-    assert_resume_equals_uninterrupted(model_fn, tiny_lm_data, tmp_path, total_steps=7, resume_step=resume_step,
-                                       callbacks_fn=_vcycle, ignore_state=("map_seconds",))
+    assert_resume_equals_uninterrupted(
+        model_fn,
+        tiny_lm_data,
+        tmp_path,
+        total_steps=7,
+        resume_step=resume_step,
+        callbacks_fn=_vcycle,
+        ignore_state=("map_seconds",),
+    )
 
 
 @pytest.mark.parametrize("resume_step", [5, 7])  # inside level 3; inside the up-leg at level 2
 def test_resume_three_levels(tmp_path, resume_step):
-    assert_resume_equals_uninterrupted(partial(tiny_gpt2, **GPT4), tiny_lm_data, tmp_path, total_steps=9,
-                                       resume_step=resume_step, callbacks_fn=partial(_vcycle, 3),
-                                       ignore_state=("map_seconds",))
+    assert_resume_equals_uninterrupted(
+        partial(tiny_gpt2, **GPT4),
+        tiny_lm_data,
+        tmp_path,
+        total_steps=9,
+        resume_step=resume_step,
+        callbacks_fn=partial(_vcycle, 3),
+        ignore_state=("map_seconds",),
+    )
 
 
 def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch):
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}",
-                           save_on_train_epoch_end=False)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "ckpts",
+        every_n_train_steps=1,
+        save_top_k=-1,
+        filename="{step}",
+        save_on_train_epoch_end=False,
+    )
     run([*_vcycle(), ckpt], 5, root=tmp_path / "a")
     path = tmp_path / "ckpts" / "step=3.ckpt"
     checkpoint = torch.load(path, weights_only=True)
@@ -285,27 +317,30 @@ def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(levels=1, e_a_steps=1, e_small_steps=1), "levels must be an int >= 2"),
-    (dict(e_small_steps=1), "e_a is required"),
-    (dict(e_a_steps=1, e_a_fraction=0.1, e_small_steps=1), "not e_a_steps and e_a_fraction"),
-    (dict(e_a_steps=1, e_small_steps=1, e_small_epochs=1), "not e_small_steps and e_small_epochs"),
-    (dict(e_a_epochs=0, e_small_steps=1), "e_a_epochs must be an int >= 1"),
-    (dict(e_a_epochs=1.5, e_small_steps=1), "e_a_epochs must be an int >= 1"),
-    (dict(levels=3, e_a_epochs=1, e_small_epochs=1, up_leg_epochs=[1, 1]), "up_leg_epochs must be .* list of 1"),
-    (dict(e_a_epochs=1, e_small_epochs=1, up_leg_epochs=1), "levels >= 3 only"),
-    (dict(e_a_steps=0, e_small_steps=1), "e_a_steps must be an int >= 1"),
-    (dict(levels=3, e_a_steps=1, e_small_steps=1), "requires up_leg"),
-    (dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[1, 2]), "list of 1 ints"),
-    (dict(e_a_steps=1, e_small_steps=1, up_leg_steps=1), "levels >= 3 only"),
-    (dict(e_a_steps=1, e_small_steps=1, alpha_original=1.5), "alpha_original must be in"),
-    (dict(e_a_steps=1, e_small_steps=1, alpha_original=-0.1), "alpha_original must be in"),
-    (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={3: 2.0}), "keys must be levels"),
-    (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={2: 0.0}), "must be a number > 0"),
-    (dict(e_a_steps=1, e_small_steps=1, embedding_convention="nope"), "embedding_convention"),
-    (dict(e_a_steps=1, e_small_steps=1, baseline_steps=0), "baseline_steps must be an int >= 1"),
-    (dict(e_a_steps=1, e_small_steps=1, baseline_steps=2.5), "baseline_steps must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(levels=1, e_a_steps=1, e_small_steps=1), "levels must be an int >= 2"),
+        (dict(e_small_steps=1), "e_a is required"),
+        (dict(e_a_steps=1, e_a_fraction=0.1, e_small_steps=1), "not e_a_steps and e_a_fraction"),
+        (dict(e_a_steps=1, e_small_steps=1, e_small_epochs=1), "not e_small_steps and e_small_epochs"),
+        (dict(e_a_epochs=0, e_small_steps=1), "e_a_epochs must be an int >= 1"),
+        (dict(e_a_epochs=1.5, e_small_steps=1), "e_a_epochs must be an int >= 1"),
+        (dict(levels=3, e_a_epochs=1, e_small_epochs=1, up_leg_epochs=[1, 1]), "up_leg_epochs must be .* list of 1"),
+        (dict(e_a_epochs=1, e_small_epochs=1, up_leg_epochs=1), "levels >= 3 only"),
+        (dict(e_a_steps=0, e_small_steps=1), "e_a_steps must be an int >= 1"),
+        (dict(levels=3, e_a_steps=1, e_small_steps=1), "requires up_leg"),
+        (dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[1, 2]), "list of 1 ints"),
+        (dict(e_a_steps=1, e_small_steps=1, up_leg_steps=1), "levels >= 3 only"),
+        (dict(e_a_steps=1, e_small_steps=1, alpha_original=1.5), "alpha_original must be in"),
+        (dict(e_a_steps=1, e_small_steps=1, alpha_original=-0.1), "alpha_original must be in"),
+        (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={3: 2.0}), "keys must be levels"),
+        (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={2: 0.0}), "must be a number > 0"),
+        (dict(e_a_steps=1, e_small_steps=1, embedding_convention="nope"), "embedding_convention"),
+        (dict(e_a_steps=1, e_small_steps=1, baseline_steps=0), "baseline_steps must be an int >= 1"),
+        (dict(e_a_steps=1, e_small_steps=1, baseline_steps=2.5), "baseline_steps must be an int >= 1"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         VCycleCallback(**kwargs)
@@ -313,22 +348,41 @@ def test_bad_arguments(kwargs, match):
 
 # ------------------------------------------------------------------------------------------------------ durations
 def _fake_trainer(**kw):
-    return SimpleNamespace(**{"strategy": make_trainer(Path("."), []).strategy, "callbacks": [], "max_steps": -1,
-                              "num_training_batches": 5, "accumulate_grad_batches": 1,
-                              "estimated_stepping_batches": 20, **kw})
+    return SimpleNamespace(
+        **{
+            "strategy": make_trainer(Path("."), []).strategy,
+            "callbacks": [],
+            "max_steps": -1,
+            "num_training_batches": 5,
+            "accumulate_grad_batches": 1,
+            "estimated_stepping_batches": 20,
+            **kw,
+        }
+    )
 
 
-@pytest.mark.parametrize("new, old, max_steps, ends", [
-    (dict(e_a=2, e_small=3), dict(e_a_steps=2, e_small_steps=3), 10, [2, 5]),
-    (dict(e_a="2st", e_small="3st"), dict(e_a_steps=2, e_small_steps=3), 10, [2, 5]),
-    (dict(e_a="0.3dur", e_small="0.5dur"), dict(e_a_fraction=0.3, e_small_fraction=0.5), 7, [2, 5]),
-    (dict(e_a="0.01dur", e_small="0dur"), dict(e_a_fraction=0.01, e_small_fraction=0.0), 7, [1, 1]),
-    (dict(e_a="1ep", e_small="2ep"), dict(e_a_epochs=1, e_small_epochs=2), -1, [5, 15]),  # 5 steps per epoch
-    (dict(levels=3, e_a=1, e_small="1ep", up_leg=["0.25dur"]),
-     dict(levels=3, e_a_steps=1, e_small_epochs=1, up_leg_fraction=0.25), -1, [1, 2, 7, 12]),
-    (dict(levels=3, e_a=1, e_small=1, up_leg=[3]), dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[3]), 9,
-     [1, 2, 3, 6]),
-])
+@pytest.mark.parametrize(
+    "new, old, max_steps, ends",
+    [
+        (dict(e_a=2, e_small=3), dict(e_a_steps=2, e_small_steps=3), 10, [2, 5]),
+        (dict(e_a="2st", e_small="3st"), dict(e_a_steps=2, e_small_steps=3), 10, [2, 5]),
+        (dict(e_a="0.3dur", e_small="0.5dur"), dict(e_a_fraction=0.3, e_small_fraction=0.5), 7, [2, 5]),
+        (dict(e_a="0.01dur", e_small="0dur"), dict(e_a_fraction=0.01, e_small_fraction=0.0), 7, [1, 1]),
+        (dict(e_a="1ep", e_small="2ep"), dict(e_a_epochs=1, e_small_epochs=2), -1, [5, 15]),  # 5 steps per epoch
+        (
+            dict(levels=3, e_a=1, e_small="1ep", up_leg=["0.25dur"]),
+            dict(levels=3, e_a_steps=1, e_small_epochs=1, up_leg_fraction=0.25),
+            -1,
+            [1, 2, 7, 12],
+        ),
+        (
+            dict(levels=3, e_a=1, e_small=1, up_leg=[3]),
+            dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[3]),
+            9,
+            [1, 2, 3, 6],
+        ),
+    ],
+)
 def test_duration_lengths_resolve_like_the_old_spelling(new, old, max_steps, ends):
     """Each unit of the new ``e_a`` / ``e_small`` / ``up_leg`` gives the stages of its deprecated spelling, in
     ``setup`` (``max_steps`` set) or at train start (epochs, or a run bounded by epochs: 20 steps, 5 per epoch)."""
@@ -354,16 +408,22 @@ def test_new_spelling_in_a_run(tmp_path):
     assert cb.switches == 4 and cb.level == 1 and trainer.global_step == 12
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(e_a=0.05, e_small=1), r"VCycleCallback\.e_a must be an int \(optimizer steps\) or a string"),
-    (dict(e_a=1, e_small=0.5), r"VCycleCallback\.e_small must be an int"),
-    (dict(levels=3, e_a=1, e_small=1, up_leg=[0.1]), r"VCycleCallback\.up_leg\[0\] must be an int"),
-    (dict(e_a=2, e_a_steps=2, e_small=1), r"give one of e_a, e_a_steps, e_a_fraction or e_a_epochs, not e_a and "
-                                          r"e_a_steps"),
-    (dict(e_a=2, e_small="0.5dur", e_small_fraction=0.5), r"not e_small and e_small_fraction"),
-    (dict(levels=3, e_a=1, e_small=1, up_leg=[2], up_leg_steps=[2]), r"not up_leg and up_leg_steps"),
-    (dict(e_a=1, e_small=1, e_small_step=1), r"unexpected keyword arguments \['e_small_step'\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(e_a=0.05, e_small=1), r"VCycleCallback\.e_a must be an int \(optimizer steps\) or a string"),
+        (dict(e_a=1, e_small=0.5), r"VCycleCallback\.e_small must be an int"),
+        (dict(levels=3, e_a=1, e_small=1, up_leg=[0.1]), r"VCycleCallback\.up_leg\[0\] must be an int"),
+        (
+            dict(e_a=2, e_a_steps=2, e_small=1),
+            r"give one of e_a, e_a_steps, e_a_fraction or e_a_epochs, not e_a and "
+            r"e_a_steps",
+        ),
+        (dict(e_a=2, e_small="0.5dur", e_small_fraction=0.5), r"not e_small and e_small_fraction"),
+        (dict(levels=3, e_a=1, e_small=1, up_leg=[2], up_leg_steps=[2]), r"not up_leg and up_leg_steps"),
+        (dict(e_a=1, e_small=1, e_small_step=1), r"unexpected keyword arguments \['e_small_step'\]"),
+    ],
+)
 def test_new_spelling_refused(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         VCycleCallback(**kwargs)
@@ -380,32 +440,66 @@ def test_old_spelling_warns_with_its_replacement():
         VCycleCallback(levels=3, e_a="1ep", e_small="0.5dur", up_leg=["500st"])  # the new spelling does not warn
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(e_a=2, e_small=3),
-    dict(levels=3, e_a="1ep", e_small=Duration(0.5, "fraction"), up_leg=["0.1dur"], width_scheme=[[0, 1], [2, 3]],
-         depth_scheme="half", alpha_original=0.25, lr_multiplier={2: 4.0, 3: 2}, embedding_convention="exact",
-         model_attr="net", adapter="hf_gpt2", lr_schedule="restart", strict=False, baseline_steps=100),
-    dict(levels=4, e_a="0.05dur", e_small=7, up_leg="2ep", depth_scheme=None),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(e_a=2, e_small=3),
+        dict(
+            levels=3,
+            e_a="1ep",
+            e_small=Duration(0.5, "fraction"),
+            up_leg=["0.1dur"],
+            width_scheme=[[0, 1], [2, 3]],
+            depth_scheme="half",
+            alpha_original=0.25,
+            lr_multiplier={2: 4.0, 3: 2},
+            embedding_convention="exact",
+            model_attr="net",
+            adapter="hf_gpt2",
+            lr_schedule="restart",
+            strict=False,
+            baseline_steps=100,
+        ),
+        dict(levels=4, e_a="0.05dur", e_small=7, up_leg="2ep", depth_scheme=None),
+    ],
+)
 def test_repr_evaluates_to_an_equal_callback(kwargs):
     cb = VCycleCallback(**kwargs)
     again = eval(repr(cb), {"VCycleCallback": VCycleCallback, "Duration": Duration})
     assert repr(again) == repr(cb) and again.config() == cb.config()
     assert (again.e_a, again.e_small, again.up_leg) == (cb.e_a, cb.e_small, cb.up_leg)
-    for name in ("levels", "alpha_original", "lr_multiplier", "model_attr", "adapter_arg", "lr_schedule", "strict",
-                 "baseline_steps", "width_scheme", "depth_scheme", "embedding_convention"):
+    for name in (
+        "levels",
+        "alpha_original",
+        "lr_multiplier",
+        "model_attr",
+        "adapter_arg",
+        "lr_schedule",
+        "strict",
+        "baseline_steps",
+        "width_scheme",
+        "depth_scheme",
+        "embedding_convention",
+    ):
         assert getattr(again, name) == getattr(cb, name), name
     with pytest.warns(DeprecationWarning):
         old = VCycleCallback(e_a_fraction=0.05, e_small_steps=3)
-    assert repr(old).startswith("VCycleCallback(levels=2, e_a=Duration(value=0.05, unit='fraction'), "
-                                "e_small=Duration(value=3, unit='step'), up_leg=None,")
+    assert repr(old).startswith(
+        "VCycleCallback(levels=2, e_a=Duration(value=0.05, unit='fraction'), "
+        "e_small=Duration(value=3, unit='step'), up_leg=None,"
+    )
 
 
 def test_checkpoint_of_the_old_spelling_resumes_with_the_new(tmp_path):
     """The checkpoint format does not depend on the spelling: a run written with ``e_a_steps`` / ``e_small_steps``
     resumes inside its small stage with ``e_a`` / ``e_small`` (strict: a configuration mismatch would raise)."""
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}",
-                           save_on_train_epoch_end=False)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "ckpts",
+        every_n_train_steps=1,
+        save_top_k=-1,
+        filename="{step}",
+        save_on_train_epoch_end=False,
+    )
     with pytest.warns(DeprecationWarning):
         old = VCycleCallback(e_a_steps=2, e_small_steps=3)
     run([old, ckpt], 7, root=tmp_path / "a")
@@ -442,8 +536,12 @@ def test_unsupported_strategy_and_callbacks(tmp_path):
     fake = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[], max_steps=10)
     with pytest.raises(MisconfigurationException, match="supports the strategies .*not FSDPStrategy"):
         VCycleCallback(e_a_steps=1, e_small_steps=1).setup(fake, tiny_gpt2(), "fit")
-    trainer = make_trainer(tmp_path, [VCycleCallback(e_a_steps=1, e_small_steps=1),
-                                      StochasticWeightAveraging(swa_lrs=0.01)], max_steps=4, max_epochs=-1)
+    trainer = make_trainer(
+        tmp_path,
+        [VCycleCallback(e_a_steps=1, e_small_steps=1), StochasticWeightAveraging(swa_lrs=0.01)],
+        max_steps=4,
+        max_epochs=-1,
+    )
     with pytest.raises(MisconfigurationException, match="StochasticWeightAveraging"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
 
@@ -467,15 +565,19 @@ def test_requirements_refuse_deepspeed_weight_averaging_and_layer_patching():
 
     cb = VCycleCallback(e_a=1, e_small=1)
     fake = SimpleNamespace(strategy=single, callbacks=[cb, PatchesLayers()], max_steps=10)
-    with pytest.raises(IncompatibleTechniques, match=r"VCycleCallback and PatchesLayers cannot be combined \(layer "
-                                                     r"patching across shape changes\)"):
+    with pytest.raises(
+        IncompatibleTechniques,
+        match=r"VCycleCallback and PatchesLayers cannot be combined \(layer "
+        r"patching across shape changes\)",
+    ):
         cb.setup(fake, tiny_gpt2(), "fit")
 
 
 def test_random_ltd_refused(tmp_path):
     """Random-LTD patches the layers of one model (``patches_layers``): the conflict rule refuses it."""
-    trainer = make_trainer(tmp_path, [VCycleCallback(e_a=1, e_small=1), RandomLTDCallback(require_steps=2)],
-                           max_steps=4, max_epochs=-1)
+    trainer = make_trainer(
+        tmp_path, [VCycleCallback(e_a=1, e_small=1), RandomLTDCallback(require_steps=2)], max_steps=4, max_epochs=-1
+    )
     with pytest.raises(IncompatibleTechniques, match="RandomLTDCallback.*layer patching across shape changes"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
 
@@ -499,8 +601,9 @@ def test_stages_must_fit_an_epoch_based_run(tmp_path):
 
 
 def test_fractions_need_a_known_length(tmp_path):
-    trainer = make_trainer(tmp_path, [VCycleCallback(e_a_fraction=0.1, e_small_fraction=0.5)], max_steps=-1,
-                           max_epochs=-1)
+    trainer = make_trainer(
+        tmp_path, [VCycleCallback(e_a_fraction=0.1, e_small_fraction=0.5)], max_steps=-1, max_epochs=-1
+    )
     with pytest.raises(ValueError, match="run's length is unknown.*_fraction"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
 
@@ -550,8 +653,7 @@ def test_epoch_stages_must_fit_and_need_a_length(tmp_path):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
     data = TinyDataModule(TokenBlocks())
     data.train_dataloader = lambda: torch.utils.data.DataLoader(NoLength(), batch_size=8)
-    trainer = make_trainer(tmp_path / "b", [VCycleCallback(e_a_epochs=1, e_small_steps=2)], max_steps=10,
-                           max_epochs=-1)
+    trainer = make_trainer(tmp_path / "b", [VCycleCallback(e_a_epochs=1, e_small_steps=2)], max_steps=10, max_epochs=-1)
     with pytest.raises(ValueError, match="in epochs .*need a train dataloader with a length"):
         trainer.fit(tiny_gpt2(), datamodule=data)
 
@@ -559,9 +661,16 @@ def test_epoch_stages_must_fit_and_need_a_length(tmp_path):
 def test_resume_epoch_stages(tmp_path):
     """Stage lengths in epochs, a run bounded by epochs: resuming inside the small stage (step 7 of 20) continues
     exactly."""
-    assert_resume_equals_uninterrupted(tiny_gpt2, tiny_lm_data, tmp_path, total_steps=20, resume_step=7,
-                                       callbacks_fn=lambda: [VCycleCallback(e_a_epochs=1, e_small_epochs=2)],
-                                       ignore_state=("map_seconds",), max_epochs=4)
+    assert_resume_equals_uninterrupted(
+        tiny_gpt2,
+        tiny_lm_data,
+        tmp_path,
+        total_steps=20,
+        resume_step=7,
+        callbacks_fn=lambda: [VCycleCallback(e_a_epochs=1, e_small_epochs=2)],
+        ignore_state=("map_seconds",),
+        max_epochs=4,
+    )
 
 
 def test_fractions_fast_dev_run(tmp_path):
@@ -587,9 +696,15 @@ class RankProbe(Callback):
         ddp = trainer.strategy.model
         params = {id(p) for p in pl_module.model.parameters()}
         opt = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
-        self.records.append([trainer.global_step, pl_module.model.config.n_embd,
-                             isinstance(ddp, DistributedDataParallel) and ddp.module is pl_module
-                             and {id(p) for p in ddp.parameters()} == params == opt])
+        self.records.append(
+            [
+                trainer.global_step,
+                pl_module.model.config.n_embd,
+                isinstance(ddp, DistributedDataParallel)
+                and ddp.module is pl_module
+                and {id(p) for p in ddp.parameters()} == params == opt,
+            ]
+        )
 
     def on_train_end(self, trainer, pl_module):
         r = trainer.global_rank
@@ -601,8 +716,9 @@ class RankProbe(Callback):
 def test_ddp_two_processes(tmp_path):
     cb = VCycleCallback(e_a_steps=1, e_small_steps=2, lr_multiplier={2: 4.0})
     pl.seed_everything(0)
-    _, ranks = fit_ddp(tiny_gpt2(), tiny_lm_data(batch_size=4), tmp_path, [cb, RankProbe(str(tmp_path))],
-                       max_steps=5, max_epochs=-1)
+    _, ranks = fit_ddp(
+        tiny_gpt2(), tiny_lm_data(batch_size=4), tmp_path, [cb, RankProbe(str(tmp_path))], max_steps=5, max_epochs=-1
+    )
     probes = [json.loads((tmp_path / f"probe{r}.json").read_text()) for r in range(2)]
     assert probes[0] == probes[1] == [[1, 16, True], [2, 16, True], [3, 32, True], [4, 32, True], [5, 32, True]]
     assert ranks[0]["global_step"] == ranks[1]["global_step"] == 5
@@ -618,18 +734,36 @@ def test_ddp_resume_equals_uninterrupted(tmp_path, resume_step):
     with the same weights on both ranks as the uninterrupted DDP run, and the same per-step sizes from the resume
     step on."""
     make_cb = lambda: VCycleCallback(e_a_steps=1, e_small_steps=2, lr_multiplier={2: 4.0})  # noqa: E731
-    ckpt = lambda: ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1,  # noqa: E731
-                                   filename="{step}", save_on_train_epoch_end=False)
+    ckpt = lambda: ModelCheckpoint(
+        dirpath=tmp_path / "ckpts",
+        every_n_train_steps=1,
+        save_top_k=-1,  # noqa: E731
+        filename="{step}",
+        save_on_train_epoch_end=False,
+    )
     for arm in ("a", "b"):
         (tmp_path / arm).mkdir()
     pl.seed_everything(0)
-    fit_ddp(tiny_gpt2(), tiny_lm_data(batch_size=4), tmp_path / "a", [make_cb(), RankProbe(str(tmp_path / "a")),
-                                                                      ckpt()], max_steps=5, max_epochs=-1)
+    fit_ddp(
+        tiny_gpt2(),
+        tiny_lm_data(batch_size=4),
+        tmp_path / "a",
+        [make_cb(), RankProbe(str(tmp_path / "a")), ckpt()],
+        max_steps=5,
+        max_epochs=-1,
+    )
     path = tmp_path / "ckpts" / f"step={resume_step}.ckpt"
     assert path.exists()
     pl.seed_everything(1234)
-    _, ranks = fit_ddp(tiny_gpt2(), tiny_lm_data(batch_size=4), tmp_path / "b",
-                       [make_cb(), RankProbe(str(tmp_path / "b"))], max_steps=5, max_epochs=-1, ckpt_path=path)
+    _, ranks = fit_ddp(
+        tiny_gpt2(),
+        tiny_lm_data(batch_size=4),
+        tmp_path / "b",
+        [make_cb(), RankProbe(str(tmp_path / "b"))],
+        max_steps=5,
+        max_epochs=-1,
+        ckpt_path=path,
+    )
     assert ranks[0]["global_step"] == ranks[1]["global_step"] == 5
     for r in range(2):
         probe_a = json.loads((tmp_path / "a" / f"probe{r}.json").read_text())

@@ -15,14 +15,15 @@ def random_partition(n: int, sizes: list[int], seed: int) -> list[list[int]]:
     random.Random(seed).shuffle(idx)
     out, i = [], 0
     for s in sizes:
-        out.append(idx[i:i + s])
+        out.append(idx[i : i + s])
         i += s
     assert i == n
     return out
 
 
-PARTITIONS = [random_partition(12, [2] * 6, s) for s in range(3)] + \
-    [random_partition(12, [3, 2, 1, 3, 2, 1], s) for s in range(3)]
+PARTITIONS = [random_partition(12, [2] * 6, s) for s in range(3)] + [
+    random_partition(12, [3, 2, 1, 3, 2, 1], s) for s in range(3)
+]
 
 
 @pytest.mark.parametrize("groups", PARTITIONS)
@@ -108,30 +109,44 @@ def test_convention_scale_is_power_of_two():
     assert V.convention_scale(V.WidthMap.identity(8)) == 1.0
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: V.width_groups(7, "half", name="n_embd"), r"n_embd: width scheme 'half' needs an even size, got 7"),
-    (lambda: V.width_groups(12, "half", unit=4, name="n_head"), r"n_head: .*3 units of 4"),
-    (lambda: V.width_groups(8, "quarter"), r"unknown width scheme 'quarter'"),
-    (lambda: V.width_groups(4, [[0, 1], [1, 2], [3]]), r"partition.*duplicated \[1\], missing \[\]"),
-    (lambda: V.width_groups(4, [[0, 1], [2]]), r"missing \[3\]"),
-    (lambda: V.width_groups(4, [[0, 1, 2, 3], []]), r"non-empty"),
-    (lambda: V.width_groups(4, [[0, 4], [1, 2], [3]]), r"out of range \[4\]"),
-    (lambda: V.width_groups(4, [[0, 1.5], [2, 3]]), r"integers"),
-    (lambda: V.width_groups(10, "half", unit=4), r"not a positive multiple of the unit 4"),
-    (lambda: V.depth_groups(5, "adjacent", name="n_layer"), r"n_layer: depth scheme 'adjacent' needs an even"),
-    (lambda: V.depth_groups(5, "half", name="depth"), r"depth: depth scheme 'half' needs an even"),
-    (lambda: V.depth_groups(4, "interleave"), r"unknown depth scheme"),
-    (lambda: V.depth_groups(4, [[0, 1], [1, 2, 3]], name="n_layer"), r"depth_scheme \(n_layer=4\).*duplicated \[1\]"),
-    (lambda: V.transformer_width_maps(24, 3, 96, "half", names=("n_embd", "n_head", "n_inner")),
-     r"n_head=3 cannot be halved"),
-    (lambda: V.transformer_width_maps(32, 4, 63, "half", names=("n_embd", "n_head", "n_inner")),
-     r"n_inner: width scheme 'half' needs an even size, got 63"),
-    (lambda: V.transformer_width_maps(32, 4, 66, [[0, 1], [2, 3]], names=("n_embd", "n_head", "n_inner")),
-     r"n_inner=66 is not divisible by n_head=4"),
-    (lambda: V.transformer_width_maps(30, 4, 64, "half", names=("n_embd", "n_head", "n_inner")),
-     r"n_embd=30 is not divisible by n_head=4"),
-    (lambda: V.transformer_width_maps(32, 4, 64, [[0, 1], [2]]), r"width_scheme.*missing \[3\]"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: V.width_groups(7, "half", name="n_embd"), r"n_embd: width scheme 'half' needs an even size, got 7"),
+        (lambda: V.width_groups(12, "half", unit=4, name="n_head"), r"n_head: .*3 units of 4"),
+        (lambda: V.width_groups(8, "quarter"), r"unknown width scheme 'quarter'"),
+        (lambda: V.width_groups(4, [[0, 1], [1, 2], [3]]), r"partition.*duplicated \[1\], missing \[\]"),
+        (lambda: V.width_groups(4, [[0, 1], [2]]), r"missing \[3\]"),
+        (lambda: V.width_groups(4, [[0, 1, 2, 3], []]), r"non-empty"),
+        (lambda: V.width_groups(4, [[0, 4], [1, 2], [3]]), r"out of range \[4\]"),
+        (lambda: V.width_groups(4, [[0, 1.5], [2, 3]]), r"integers"),
+        (lambda: V.width_groups(10, "half", unit=4), r"not a positive multiple of the unit 4"),
+        (lambda: V.depth_groups(5, "adjacent", name="n_layer"), r"n_layer: depth scheme 'adjacent' needs an even"),
+        (lambda: V.depth_groups(5, "half", name="depth"), r"depth: depth scheme 'half' needs an even"),
+        (lambda: V.depth_groups(4, "interleave"), r"unknown depth scheme"),
+        (
+            lambda: V.depth_groups(4, [[0, 1], [1, 2, 3]], name="n_layer"),
+            r"depth_scheme \(n_layer=4\).*duplicated \[1\]",
+        ),
+        (
+            lambda: V.transformer_width_maps(24, 3, 96, "half", names=("n_embd", "n_head", "n_inner")),
+            r"n_head=3 cannot be halved",
+        ),
+        (
+            lambda: V.transformer_width_maps(32, 4, 63, "half", names=("n_embd", "n_head", "n_inner")),
+            r"n_inner: width scheme 'half' needs an even size, got 63",
+        ),
+        (
+            lambda: V.transformer_width_maps(32, 4, 66, [[0, 1], [2, 3]], names=("n_embd", "n_head", "n_inner")),
+            r"n_inner=66 is not divisible by n_head=4",
+        ),
+        (
+            lambda: V.transformer_width_maps(30, 4, 64, "half", names=("n_embd", "n_head", "n_inner")),
+            r"n_embd=30 is not divisible by n_head=4",
+        ),
+        (lambda: V.transformer_width_maps(32, 4, 64, [[0, 1], [2]]), r"width_scheme.*missing \[3\]"),
+    ],
+)
 def test_partition_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()

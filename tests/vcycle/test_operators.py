@@ -46,9 +46,17 @@ ROUND_TRIPS = (
     # GPT-2 (tied): every width scheme x every depth scheme x both conventions
     [("gpt2_tied", w, d, c) for w in WIDTH_SCHEMES for d in DEPTH_SCHEMES for c in ("official", "exact")]
     # every other model: each width scheme and each depth scheme at least once, both conventions on the HF ones
-    + [(n, w, d, "official") for n in ALL[1:]
-       for w, d in (("half", "adjacent"), ("pairs", "half"), ("triple", "explicit"), ("none", "adjacent"),
-                    ("half", "none"))]
+    + [
+        (n, w, d, "official")
+        for n in ALL[1:]
+        for w, d in (
+            ("half", "adjacent"),
+            ("pairs", "half"),
+            ("triple", "explicit"),
+            ("none", "adjacent"),
+            ("half", "none"),
+        )
+    ]
     + [(n, "triple", "adjacent", "exact") for n in ALL[1:6]]
 )
 
@@ -90,8 +98,7 @@ def test_round_trip_odd_depth_and_mixing_weights():
     large = m.state_dict()
     key = "transformer.h.{}.mlp.c_fc.weight"
     assert torch.equal(sd[key.format(0)], (large[key.format(0)] + large[key.format(1)]) * 0.5)
-    torch.testing.assert_close(sd[key.format(1)], sum(large[key.format(s)] for s in (2, 3, 4)) / 3,
-                               atol=1e-7, rtol=0)
+    torch.testing.assert_close(sd[key.format(1)], sum(large[key.format(s)] for s in (2, 3, 4)) / 3, atol=1e-7, rtol=0)
     assert_sd_equal(V.coalesce(V.decoalesce(sd, plan), plan), sd)
     ad.build_small(m, plan).load_state_dict(sd)  # strict
 
@@ -111,12 +118,18 @@ def decoalesced_model(name: str, width="half", convention="official", depth=None
 
 
 PRESERVING = [
-    ("bert_mlm_tied", "official", "half"), ("bert_mlm_tied", "official", "pairs"),
+    ("bert_mlm_tied", "official", "half"),
+    ("bert_mlm_tied", "official", "pairs"),
     ("bert_mlm_untied", "official", "half"),
-    ("bert_cls", "official", "half"), ("bert_mlm_tied", "exact", "half"),
-    ("gpt2_tied", "exact", "half"), ("gpt2_tied", "exact", "pairs"), ("gpt2_untied", "exact", "half"),
+    ("bert_cls", "official", "half"),
+    ("bert_mlm_tied", "exact", "half"),
+    ("gpt2_tied", "exact", "half"),
+    ("gpt2_tied", "exact", "pairs"),
+    ("gpt2_untied", "exact", "half"),
     ("gpt2_cls", "exact", "half"),
-    ("vit", "official", "half"), ("vit", "official", "pairs"), ("deit_distilled", "official", "half"),
+    ("vit", "official", "half"),
+    ("vit", "official", "pairs"),
+    ("deit_distilled", "official", "half"),
     ("vit_rich", "official", "half"),
 ]
 
@@ -156,8 +169,9 @@ def test_depth_decoalesce_not_function_preserving(name):
     assert (M.logits(name, small) - M.logits(name, large)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("scheme, owner", [("adjacent", [0, 0, 1, 1]), ("half", [0, 1, 0, 1]),
-                                           ([[3, 0], [1], [2]], [0, 1, 2, 0])])
+@pytest.mark.parametrize(
+    "scheme, owner", [("adjacent", [0, 0, 1, 1]), ("half", [0, 1, 0, 1]), ([[3, 0], [1], [2]], [0, 1, 2, 0])]
+)
 def test_depth_decoalesce_layer_order(scheme, owner):
     m = M.model("vit")
     plan = find_vcycle_adapter(m).plan(m, None, scheme)
@@ -240,7 +254,9 @@ def test_bert_mlm_tied_decoder_and_shared_bias_are_aliases():
     plan = find_vcycle_adapter(m).plan(m)
     assert plan.aliases["cls.predictions.decoder.weight"] == "bert.embeddings.word_embeddings.weight"
     assert {plan.aliases.get("cls.predictions.decoder.bias"), plan.aliases.get("cls.predictions.bias")} & {
-        "cls.predictions.bias", "cls.predictions.decoder.bias"}
+        "cls.predictions.bias",
+        "cls.predictions.decoder.bias",
+    }
     sd = V.coalesce(m, plan)
     assert sd["cls.predictions.decoder.weight"] is sd["bert.embeddings.word_embeddings.weight"]
     assert sd["cls.predictions.decoder.bias"] is sd["cls.predictions.bias"]
@@ -287,11 +303,19 @@ def test_non_embedding_parameter_count_ratio():
         assert abs(count(small) / count(m) / ratio - 1) < 0.02
 
 
-@pytest.mark.parametrize("name, pairs", [
-    ("gpt2_tied", [("lm_head.weight", "transformer.wte.weight")]),
-    ("bert_mlm_tied", [("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"),
-                       ("cls.predictions.decoder.bias", "cls.predictions.bias")]),
-])
+@pytest.mark.parametrize(
+    "name, pairs",
+    [
+        ("gpt2_tied", [("lm_head.weight", "transformer.wte.weight")]),
+        (
+            "bert_mlm_tied",
+            [
+                ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"),
+                ("cls.predictions.decoder.bias", "cls.predictions.bias"),
+            ],
+        ),
+    ],
+)
 def test_ties_survive_build_load_and_interpolate(name, pairs):
     m = M.model(name)
     saved = {k: v.clone() for k, v in m.state_dict().items()}
@@ -385,24 +409,30 @@ def test_operators_do_not_modify_inputs():
 # 4. bad input
 
 
-@pytest.mark.parametrize("build, kw, match", [
-    (lambda: M.gpt2(n_embd=24, n_head=3), {}, r"n_head=3 cannot be halved"),
-    (lambda: M.gpt2(n_inner=62 + 1), {}, r"n_inner: width scheme 'half' needs an even size, got 63"),
-    (lambda: M.gpt2(n_inner=66), {"width_scheme": [[0, 1], [2, 3]]}, r"n_inner=66 is not divisible by n_head=4"),
-    (lambda: M.gpt2(n_layer=5), {}, r"n_layer: depth scheme 'adjacent' needs an even number of layers, got 5"),
-    (lambda: M.gpt2(n_layer=5), {"depth_scheme": "half"}, r"n_layer: depth scheme 'half'"),
-    (lambda: M.bert_cls(num_attention_heads=2, hidden_size=30, intermediate_size=60, num_hidden_layers=2),
-     {"width_scheme": [[0], [1]], "depth_scheme": [[0], [1]]}, None),
-    (lambda: M.bert_cls(num_attention_heads=1), {}, r"num_attention_heads=1 cannot be halved"),
-    (lambda: M.bert_cls(intermediate_size=63), {}, r"intermediate_size"),
-    (lambda: M.bert_cls(num_hidden_layers=3), {}, r"num_hidden_layers: depth scheme 'adjacent'"),
-    (lambda: M.vit(num_heads=2, embed_dim=24, depth=2), {"width_scheme": [[0, 1], [2]]}, r"width_scheme"),
-    (lambda: M.vit(num_heads=1, embed_dim=24, depth=2), {}, r"num_heads=1 cannot be halved"),
-    (lambda: M.vit(depth=3), {}, r"depth: depth scheme 'adjacent'"),
-    (lambda: M.vit(depth=4), {"depth_scheme": [[0, 1], [1, 2, 3]]}, r"depth_scheme \(depth=4\).*duplicated \[1\]"),
-    (lambda: M.vit(depth=2), {"width_scheme": [[0, 1], [2]]}, r"width_scheme.*missing \[3\]"),
-    (lambda: M.vit(depth=2), {"embedding_convention": "paper"}, r"embedding_convention"),
-])
+@pytest.mark.parametrize(
+    "build, kw, match",
+    [
+        (lambda: M.gpt2(n_embd=24, n_head=3), {}, r"n_head=3 cannot be halved"),
+        (lambda: M.gpt2(n_inner=62 + 1), {}, r"n_inner: width scheme 'half' needs an even size, got 63"),
+        (lambda: M.gpt2(n_inner=66), {"width_scheme": [[0, 1], [2, 3]]}, r"n_inner=66 is not divisible by n_head=4"),
+        (lambda: M.gpt2(n_layer=5), {}, r"n_layer: depth scheme 'adjacent' needs an even number of layers, got 5"),
+        (lambda: M.gpt2(n_layer=5), {"depth_scheme": "half"}, r"n_layer: depth scheme 'half'"),
+        (
+            lambda: M.bert_cls(num_attention_heads=2, hidden_size=30, intermediate_size=60, num_hidden_layers=2),
+            {"width_scheme": [[0], [1]], "depth_scheme": [[0], [1]]},
+            None,
+        ),
+        (lambda: M.bert_cls(num_attention_heads=1), {}, r"num_attention_heads=1 cannot be halved"),
+        (lambda: M.bert_cls(intermediate_size=63), {}, r"intermediate_size"),
+        (lambda: M.bert_cls(num_hidden_layers=3), {}, r"num_hidden_layers: depth scheme 'adjacent'"),
+        (lambda: M.vit(num_heads=2, embed_dim=24, depth=2), {"width_scheme": [[0, 1], [2]]}, r"width_scheme"),
+        (lambda: M.vit(num_heads=1, embed_dim=24, depth=2), {}, r"num_heads=1 cannot be halved"),
+        (lambda: M.vit(depth=3), {}, r"depth: depth scheme 'adjacent'"),
+        (lambda: M.vit(depth=4), {"depth_scheme": [[0, 1], [1, 2, 3]]}, r"depth_scheme \(depth=4\).*duplicated \[1\]"),
+        (lambda: M.vit(depth=2), {"width_scheme": [[0, 1], [2]]}, r"width_scheme.*missing \[3\]"),
+        (lambda: M.vit(depth=2), {"embedding_convention": "paper"}, r"embedding_convention"),
+    ],
+)
 def test_plan_errors_name_the_parameter(build, kw, match):
     m = build()
     ad = find_vcycle_adapter(m)
@@ -414,11 +444,14 @@ def test_plan_errors_name_the_parameter(build, kw, match):
         ad.plan(m, **kw)
 
 
-@pytest.mark.parametrize("kw, names", [
-    ({"scale_attn_norm": True}, ["blocks.0.attn.norm.weight", "blocks.0.attn.norm.bias"]),
-    ({"scale_mlp_norm": True}, ["blocks.0.mlp.norm.weight"]),
-    ({"global_pool": "map"}, ["attn_pool."]),
-])
+@pytest.mark.parametrize(
+    "kw, names",
+    [
+        ({"scale_attn_norm": True}, ["blocks.0.attn.norm.weight", "blocks.0.attn.norm.bias"]),
+        ({"scale_mlp_norm": True}, ["blocks.0.mlp.norm.weight"]),
+        ({"global_pool": "map"}, ["attn_pool."]),
+    ],
+)
 def test_unsupported_timm_options_raise_listing_parameters(kw, names):
     m = M.vit(depth=2, **kw)
     with pytest.raises(ValueError, match="does not map") as e:
@@ -434,8 +467,11 @@ def test_unknown_parameter_raises_listing_it():
 
 
 def test_unknown_architecture_names_supported_ones():
-    with pytest.raises(ValueError, match=r"no V-cycle adapter for Linear; supported architectures: hf_bert .*"
-                                         r"hf_gpt2 .*timm_vit"):
+    with pytest.raises(
+        ValueError,
+        match=r"no V-cycle adapter for Linear; supported architectures: hf_bert .*"
+        r"hf_gpt2 .*timm_vit",
+    ):
         find_vcycle_adapter(nn.Linear(2, 2))
     wrapper = nn.Module()
     wrapper.model = M.model("vit")
@@ -471,8 +507,11 @@ def test_plan_create_validates_rules():
         V.VCyclePlan.create({"a": (6,)}, {"a": V.TensorRule(((0, hidden, "out"),))})
     with pytest.raises(ValueError, match=r"power of two"):
         V.VCyclePlan.create({"a": (4,)}, {"a": V.TensorRule(((0, hidden, "out"),), scale=3.0)})
-    rules = {"l.0.w": V.TensorRule((), 1.0, 0, "l.{}.w"), "l.1.w": V.TensorRule((), 1.0, 1, "l.{}.w"),
-             "l.1.b": V.TensorRule((), 1.0, 1, "l.{}.b")}
+    rules = {
+        "l.0.w": V.TensorRule((), 1.0, 0, "l.{}.w"),
+        "l.1.w": V.TensorRule((), 1.0, 1, "l.{}.w"),
+        "l.1.b": V.TensorRule((), 1.0, 1, "l.{}.b"),
+    }
     with pytest.raises(ValueError, match=r"different parameter sets.*'l.\{\}.b': \[0\]"):
         V.VCyclePlan.create({"l.0.w": (1,), "l.1.w": (1,), "l.1.b": (1,)}, rules)
 

@@ -36,35 +36,45 @@ def test_stage_plan_ends_and_flops_fraction():
         vcycle_flops_fraction([(1, 1.0)], 0, 1.0)
 
 
-@pytest.mark.parametrize("kwargs, total, stages", [
-    (dict(e_a=2, e_small=3), 7, [(1, 2), (2, 3)]),                              # int = optimizer steps
-    (dict(e_a="2st", e_small="3ba"), None, [(1, 2), (2, 3)]),                    # steps, run length unknown
-    (dict(e_a="1ep", e_small="2ep", batches=5), 20, [(1, 5), (2, 10)]),          # epochs: n * steps per epoch
-    (dict(e_a="1ep", e_small="1ep", batches=5, accumulate=2), 9, [(1, 3), (2, 3)]),  # ceil(5 / 2) = 3 per epoch
-    (dict(e_a="0.3dur", e_small=3), 7, [(1, 2), (2, 3)]),                        # floor(0.3 * 7) = 2
-    (dict(e_a="0.3dur", e_small=3), 10, [(1, 3), (2, 3)]),
-    (dict(e_a="0.05dur", e_small="0.5dur"), 1, [(1, 1), (2, 0)]),                # e_a at least 1, e_small may be 0
-    (dict(e_a="0.2dur", e_small="0.5dur"), 10, [(1, 2), (2, 5)]),
-    (dict(e_a=Duration(2), e_small=Duration(0.5, "fraction")), 10, [(1, 2), (2, 5)]),
-    (dict(levels=3, e_a=2, e_small=2, up_leg=2), 9, [(1, 2), (2, 2), (3, 2), (2, 2)]),
-    (dict(levels=3, e_a="1ep", e_small="1ep", up_leg=["2ep"], batches=2), 12, [(1, 2), (2, 2), (3, 2), (2, 4)]),
-    (dict(levels=4, e_a=1, e_small=2, up_leg=[3, "0.1dur"]), 20, [(1, 1), (2, 1), (3, 1), (4, 2), (3, 2), (2, 3)]),
-    (dict(levels=3, e_a=1, e_small=1, up_leg="0.25dur"), 8, [(1, 1), (2, 1), (3, 1), (2, 2)]),
-])
+@pytest.mark.parametrize(
+    "kwargs, total, stages",
+    [
+        (dict(e_a=2, e_small=3), 7, [(1, 2), (2, 3)]),  # int = optimizer steps
+        (dict(e_a="2st", e_small="3ba"), None, [(1, 2), (2, 3)]),  # steps, run length unknown
+        (dict(e_a="1ep", e_small="2ep", batches=5), 20, [(1, 5), (2, 10)]),  # epochs: n * steps per epoch
+        (dict(e_a="1ep", e_small="1ep", batches=5, accumulate=2), 9, [(1, 3), (2, 3)]),  # ceil(5 / 2) = 3 per epoch
+        (dict(e_a="0.3dur", e_small=3), 7, [(1, 2), (2, 3)]),  # floor(0.3 * 7) = 2
+        (dict(e_a="0.3dur", e_small=3), 10, [(1, 3), (2, 3)]),
+        (dict(e_a="0.05dur", e_small="0.5dur"), 1, [(1, 1), (2, 0)]),  # e_a at least 1, e_small may be 0
+        (dict(e_a="0.2dur", e_small="0.5dur"), 10, [(1, 2), (2, 5)]),
+        (dict(e_a=Duration(2), e_small=Duration(0.5, "fraction")), 10, [(1, 2), (2, 5)]),
+        (dict(levels=3, e_a=2, e_small=2, up_leg=2), 9, [(1, 2), (2, 2), (3, 2), (2, 2)]),
+        (dict(levels=3, e_a="1ep", e_small="1ep", up_leg=["2ep"], batches=2), 12, [(1, 2), (2, 2), (3, 2), (2, 4)]),
+        (dict(levels=4, e_a=1, e_small=2, up_leg=[3, "0.1dur"]), 20, [(1, 1), (2, 1), (3, 1), (4, 2), (3, 2), (2, 3)]),
+        (dict(levels=3, e_a=1, e_small=1, up_leg="0.25dur"), 8, [(1, 1), (2, 1), (3, 1), (2, 2)]),
+    ],
+)
 def test_lengths_resolve_to_steps(kwargs, total, stages):
     assert resolve(total, **kwargs) == stages
 
 
-@pytest.mark.parametrize("old, new", [
-    (dict(e_a_steps=2, e_small_steps=3), dict(e_a=2, e_small=3)),
-    (dict(e_a_fraction=0.3, e_small_fraction=0.5), dict(e_a="0.3dur", e_small="0.5dur")),
-    (dict(e_a_epochs=1, e_small_epochs=2), dict(e_a="1ep", e_small="2ep")),
-    (dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[2]), dict(levels=3, e_a=1, e_small=1, up_leg=[2])),
-    (dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_fraction=0.2), dict(levels=3, e_a=1, e_small=1,
-                                                                             up_leg="0.2dur")),
-    (dict(levels=4, e_a_epochs=1, e_small_epochs=1, up_leg_epochs=2), dict(levels=4, e_a="1ep", e_small="1ep",
-                                                                           up_leg="2ep")),
-])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (dict(e_a_steps=2, e_small_steps=3), dict(e_a=2, e_small=3)),
+        (dict(e_a_fraction=0.3, e_small_fraction=0.5), dict(e_a="0.3dur", e_small="0.5dur")),
+        (dict(e_a_epochs=1, e_small_epochs=2), dict(e_a="1ep", e_small="2ep")),
+        (dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[2]), dict(levels=3, e_a=1, e_small=1, up_leg=[2])),
+        (
+            dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_fraction=0.2),
+            dict(levels=3, e_a=1, e_small=1, up_leg="0.2dur"),
+        ),
+        (
+            dict(levels=4, e_a_epochs=1, e_small_epochs=1, up_leg_epochs=2),
+            dict(levels=4, e_a="1ep", e_small="1ep", up_leg="2ep"),
+        ),
+    ],
+)
 def test_deprecated_spellings_map_to_the_same_duration(old, new):
     with pytest.warns(DeprecationWarning) as record:
         a = S.check_arguments(deprecated={k: v for k, v in old.items() if k != "levels"}, levels=old.get("levels", 2))
@@ -73,8 +83,9 @@ def test_deprecated_spellings_map_to_the_same_duration(old, new):
     b = S.check_arguments(**new)
     assert (a.e_a, a.e_small, a.up_leg) == (b.e_a, b.e_small, b.up_leg)
     for total in (53, 100, 1000):
-        assert (S.resolve_stages(a.levels, a.e_a, a.e_small, a.up_leg, total, 5, 1)
-                == S.resolve_stages(b.levels, b.e_a, b.e_small, b.up_leg, total, 5, 1))
+        assert S.resolve_stages(a.levels, a.e_a, a.e_small, a.up_leg, total, 5, 1) == S.resolve_stages(
+            b.levels, b.e_a, b.e_small, b.up_leg, total, 5, 1
+        )
 
 
 def test_deprecation_message_names_the_replacement():
@@ -86,30 +97,33 @@ def test_deprecation_message_names_the_replacement():
         S.check_arguments(e_a=1, deprecated=dict(e_small_steps=3))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(e_a=0.3, e_small=1), r"VCycleCallback\.e_a must be an int .*got 0\.3"),          # a float is ambiguous
-    (dict(e_a=1, e_small=2.0), r"VCycleCallback\.e_small must be an int .*got 2\.0"),
-    (dict(levels=3, e_a=1, e_small=1, up_leg=[0.5]), r"VCycleCallback\.up_leg\[0\] must be an int"),
-    (dict(e_a=True, e_small=1), r"VCycleCallback\.e_a must be an int"),
-    (dict(e_a="2 epochs", e_small=1), r"VCycleCallback\.e_a: cannot read '2 epochs'"),
-    (dict(e_a="1.5ep", e_small=1), r"VCycleCallback\.e_a: epochs must be whole"),
-    (dict(e_a="1.5dur", e_small=1), r"VCycleCallback\.e_a: .*\[0, 1\]"),
-    (dict(e_a=0, e_small=1), r"VCycleCallback\.e_a must be at least 1 step"),
-    (dict(e_a="0ep", e_small=1), r"VCycleCallback\.e_a must be at least 1 epoch"),
-    (dict(e_a="1e6tok", e_small=1), r"VCycleCallback\.e_a: a stage length in tokens is not supported"),
-    (dict(e_small=1), r"VCycleCallback: e_a is required"),
-    (dict(e_a=1), r"VCycleCallback: e_small is required"),
-    (dict(levels=3, e_a=1, e_small=1), r"levels=3 requires up_leg"),
-    (dict(levels=3, e_a=1, e_small=1, up_leg=[1, 2]), r"up_leg must be one duration or a list of 1"),
-    (dict(e_a=1, e_small=1, up_leg=1), r"levels >= 3 only"),
-    (dict(e_a=1, e_small=1, deprecated=dict(e_a_steps=1)), r"give one of e_a, .* not e_a and e_a_steps"),
-    (dict(e_a=1, e_small="1ep", deprecated=dict(e_small_fraction=0.5)), r"not e_small and e_small_fraction"),
-    (dict(levels=3, e_a=1, e_small=1, up_leg=1, deprecated=dict(up_leg_epochs=1)), r"not up_leg and up_leg_epochs"),
-    (dict(e_small=1, deprecated=dict(e_a_fraction=0.1, e_a_epochs=1)), r"not e_a_fraction and e_a_epochs"),
-    (dict(e_a=1, e_small=1, strict="false"), r"strict must be a bool"),
-    (dict(e_a=1, e_small=1, lr_schedule="cosine"), r"lr_schedule must be one of"),
-    (dict(e_a=1, e_small=1, lr_multiplier={"x": 2.0}), r"keys must be levels"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(e_a=0.3, e_small=1), r"VCycleCallback\.e_a must be an int .*got 0\.3"),  # a float is ambiguous
+        (dict(e_a=1, e_small=2.0), r"VCycleCallback\.e_small must be an int .*got 2\.0"),
+        (dict(levels=3, e_a=1, e_small=1, up_leg=[0.5]), r"VCycleCallback\.up_leg\[0\] must be an int"),
+        (dict(e_a=True, e_small=1), r"VCycleCallback\.e_a must be an int"),
+        (dict(e_a="2 epochs", e_small=1), r"VCycleCallback\.e_a: cannot read '2 epochs'"),
+        (dict(e_a="1.5ep", e_small=1), r"VCycleCallback\.e_a: epochs must be whole"),
+        (dict(e_a="1.5dur", e_small=1), r"VCycleCallback\.e_a: .*\[0, 1\]"),
+        (dict(e_a=0, e_small=1), r"VCycleCallback\.e_a must be at least 1 step"),
+        (dict(e_a="0ep", e_small=1), r"VCycleCallback\.e_a must be at least 1 epoch"),
+        (dict(e_a="1e6tok", e_small=1), r"VCycleCallback\.e_a: a stage length in tokens is not supported"),
+        (dict(e_small=1), r"VCycleCallback: e_a is required"),
+        (dict(e_a=1), r"VCycleCallback: e_small is required"),
+        (dict(levels=3, e_a=1, e_small=1), r"levels=3 requires up_leg"),
+        (dict(levels=3, e_a=1, e_small=1, up_leg=[1, 2]), r"up_leg must be one duration or a list of 1"),
+        (dict(e_a=1, e_small=1, up_leg=1), r"levels >= 3 only"),
+        (dict(e_a=1, e_small=1, deprecated=dict(e_a_steps=1)), r"give one of e_a, .* not e_a and e_a_steps"),
+        (dict(e_a=1, e_small="1ep", deprecated=dict(e_small_fraction=0.5)), r"not e_small and e_small_fraction"),
+        (dict(levels=3, e_a=1, e_small=1, up_leg=1, deprecated=dict(up_leg_epochs=1)), r"not up_leg and up_leg_epochs"),
+        (dict(e_small=1, deprecated=dict(e_a_fraction=0.1, e_a_epochs=1)), r"not e_a_fraction and e_a_epochs"),
+        (dict(e_a=1, e_small=1, strict="false"), r"strict must be a bool"),
+        (dict(e_a=1, e_small=1, lr_schedule="cosine"), r"lr_schedule must be one of"),
+        (dict(e_a=1, e_small=1, lr_multiplier={"x": 2.0}), r"keys must be levels"),
+    ],
+)
 def test_bad_lengths_and_arguments(kwargs, match):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -123,9 +137,16 @@ def test_unknown_keyword_is_a_type_error():
 
 
 def test_arguments_are_normalised():
-    a = S.check_arguments(levels=4, e_a="5st", e_small=Duration(2, "epoch"), up_leg=("0.1dur", 4),
-                          lr_multiplier={"2": 4, 3: 2.5}, alpha_original=1, baseline_steps=100,
-                          width_scheme=((0, 1), (2, 3)))
+    a = S.check_arguments(
+        levels=4,
+        e_a="5st",
+        e_small=Duration(2, "epoch"),
+        up_leg=("0.1dur", 4),
+        lr_multiplier={"2": 4, 3: 2.5},
+        alpha_original=1,
+        baseline_steps=100,
+        width_scheme=((0, 1), (2, 3)),
+    )
     assert a.e_a == Duration(5, "step") and a.e_small == Duration(2, "epoch")
     assert a.up_leg == (Duration(0.1, "fraction"), Duration(4, "step"))
     assert a.lr_multiplier == {2: 4.0, 3: 2.5} and a.alpha_original == 1.0 and a.baseline_steps == 100
@@ -142,16 +163,27 @@ def test_run_length_and_steps_per_epoch():
         S.steps_per_epoch(float("inf"), 1)
 
 
-@pytest.mark.parametrize("kwargs, total, match", [
-    (dict(e_a=2, e_small=3), 4, r"need 5 optimizer steps \(e_a × \(levels − 1\) = 2 × 1, e_small = 3\) but the run "
-                                r"has 4 .*max_steps"),
-    (dict(e_a=4, e_small=7), 10, r"need 11 optimizer steps .* run has 10"),
-    (dict(e_a="1ep", e_small="2ep", batches=5), 10, r"need 15 optimizer steps .*; 5 optimizer steps per epoch\) but "
-                                                    "the run has 10"),
-    (dict(levels=3, e_a=2, e_small=2, up_leg=[3]), 8, r"need 9 optimizer steps .*up_leg = \[3\]"),
-    (dict(e_a="0.1dur", e_small="0.5dur"), None, r"run's length is unknown.*_fraction"),
-    (dict(e_a="1ep", e_small=2), 10, r"in epochs .*need a train dataloader with a length"),
-])
+@pytest.mark.parametrize(
+    "kwargs, total, match",
+    [
+        (
+            dict(e_a=2, e_small=3),
+            4,
+            r"need 5 optimizer steps \(e_a × \(levels − 1\) = 2 × 1, e_small = 3\) but the run "
+            r"has 4 .*max_steps",
+        ),
+        (dict(e_a=4, e_small=7), 10, r"need 11 optimizer steps .* run has 10"),
+        (
+            dict(e_a="1ep", e_small="2ep", batches=5),
+            10,
+            r"need 15 optimizer steps .*; 5 optimizer steps per epoch\) but "
+            "the run has 10",
+        ),
+        (dict(levels=3, e_a=2, e_small=2, up_leg=[3]), 8, r"need 9 optimizer steps .*up_leg = \[3\]"),
+        (dict(e_a="0.1dur", e_small="0.5dur"), None, r"run's length is unknown.*_fraction"),
+        (dict(e_a="1ep", e_small=2), 10, r"in epochs .*need a train dataloader with a length"),
+    ],
+)
 def test_stages_that_cannot_resolve_or_fit(kwargs, total, match):
     with pytest.raises(ValueError, match=match):
         resolve(total, **kwargs)

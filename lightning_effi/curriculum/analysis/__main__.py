@@ -36,15 +36,18 @@ def _metric_options(name: str, options: dict, hints: dict, save_path: str) -> di
     if name == "total_vocab_freq":
         if "vocab_size" not in opts:
             if "vocab_size" not in hints:
-                raise ConfigError("analyzer.metrics.total_vocab_freq.vocab_size: not set and the DataModule gives no "
-                                  "vocab_size hint")
+                raise ConfigError(
+                    "analyzer.metrics.total_vocab_freq.vocab_size: not set and the DataModule gives no vocab_size hint"
+                )
             opts["vocab_size"] = int(hints["vocab_size"])
     if name in ("vocab_rarity", "seqlen_vocab_rarity"):
         freq = os.path.join(save_path, "total_vocab_freq", "total_vocab_freq_metric_value")
         opts.setdefault("freq", freq)
         if isinstance(opts["freq"], str) and not os.path.exists(opts["freq"] + ".idx"):
-            raise ConfigError(f"analyzer.metrics.{name}.freq: '{opts['freq']}' not found; run the total_vocab_freq "
-                              "analysis first (analyzer.metrics=[total_vocab_freq])")
+            raise ConfigError(
+                f"analyzer.metrics.{name}.freq: '{opts['freq']}' not found; run the total_vocab_freq "
+                "analysis first (analyzer.metrics=[total_vocab_freq])"
+            )
     if name == "seqlen_vocab_rarity":
         opts.setdefault("seq_length", hints.get("max_length"))
         opts.setdefault("pad_token_id", hints.get("pad_token_id", 0))
@@ -83,14 +86,31 @@ def analyze(cfg: DictConfig) -> dict[str, Any]:
     fns = [get_metric(name, **_metric_options(name, opts, hints, save_path)) for name, opts in metrics.items()]
     data_cfg = OmegaConf.to_yaml(cfg.data, resolve=True)
     analyzer = DataAnalyzer(
-        dm.train_dataset, num_workers=a.num_workers, worker_id=a.worker_id, num_threads=a.num_threads,
-        num_threads_reduce=a.num_threads_reduce, specific_threads=a.specific_threads, batch_size=a.batch_size,
-        metric_names=list(metrics), metric_functions=fns, metric_types=[known[n] for n in metrics],
-        metric_dtypes=[a.metric_dtype] * len(metrics), save_path=save_path, collate_fn=dm.collate_fn,
-        keep_temp=a.keep_temp, progress=a.progress,
-        run_tag=__import__("hashlib").sha256(data_cfg.encode()).hexdigest()[:16])
-    summary: dict[str, Any] = {"stage": stage, "save_path": save_path, "num_samples": analyzer.num_samples,
-                               "metrics": list(metrics), "worker_id": a.worker_id, "num_workers": a.num_workers}
+        dm.train_dataset,
+        num_workers=a.num_workers,
+        worker_id=a.worker_id,
+        num_threads=a.num_threads,
+        num_threads_reduce=a.num_threads_reduce,
+        specific_threads=a.specific_threads,
+        batch_size=a.batch_size,
+        metric_names=list(metrics),
+        metric_functions=fns,
+        metric_types=[known[n] for n in metrics],
+        metric_dtypes=[a.metric_dtype] * len(metrics),
+        save_path=save_path,
+        collate_fn=dm.collate_fn,
+        keep_temp=a.keep_temp,
+        progress=a.progress,
+        run_tag=__import__("hashlib").sha256(data_cfg.encode()).hexdigest()[:16],
+    )
+    summary: dict[str, Any] = {
+        "stage": stage,
+        "save_path": save_path,
+        "num_samples": analyzer.num_samples,
+        "metrics": list(metrics),
+        "worker_id": a.worker_id,
+        "num_workers": a.num_workers,
+    }
     if stage in ("map", "map_reduce"):
         summary["map"] = analyzer.run_map()
     if stage == "reduce" or (stage == "map_reduce" and a.worker_id == 0):

@@ -64,8 +64,9 @@ def split_index(start_idx: int, end_idx: int, num_partitions: int) -> list[tuple
     return [(int(b[i]), int(b[i + 1])) for i in range(num_partitions)]
 
 
-def split_dataset(num_samples: int, num_workers: int, worker_id: int, num_threads: int
-                  ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def split_dataset(
+    num_samples: int, num_workers: int, worker_id: int, num_threads: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """``(worker_splits, thread_splits of worker_id)`` (DeepSpeed ``utils.split_dataset``)."""
     worker_splits = split_index(0, num_samples, num_workers)
     thread_splits = split_index(worker_splits[worker_id][0], worker_splits[worker_id][1], num_threads)
@@ -90,13 +91,17 @@ def _to_numpy_result(x: Any, name: str) -> np.ndarray:
         import torch
 
         if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
-            raise TypeError(f"metric {name!r} returned a {x.dtype} tensor; metric values must be integers (scale "
-                            "float values explicitly, e.g. (x * 1000).long())")
+            raise TypeError(
+                f"metric {name!r} returned a {x.dtype} tensor; metric values must be integers (scale "
+                "float values explicitly, e.g. (x * 1000).long())"
+            )
         return x.detach().cpu().numpy()
     if isinstance(x, np.ndarray):
         if x.dtype.kind not in "iu":
-            raise TypeError(f"metric {name!r} returned {x.dtype} values; metric values must be integers (scale "
-                            "float values explicitly, e.g. (x * 1000).astype(np.int64))")
+            raise TypeError(
+                f"metric {name!r} returned {x.dtype} values; metric values must be integers (scale "
+                "float values explicitly, e.g. (x * 1000).astype(np.int64))"
+            )
         return x
     raise TypeError(f"metric {name!r} returned a {type(x).__name__}; expected a torch tensor or numpy array")
 
@@ -127,7 +132,7 @@ def _write_bin(path: str, flat: np.ndarray, dtype: Any) -> None:
     dt = np.dtype(dtype).newbyteorder("<")
     with open(path, "wb") as f:
         for start in range(0, len(flat), _CHUNK):
-            f.write(np.asarray(flat[start:start + _CHUNK]).astype(dt, copy=False).tobytes(order="C"))
+            f.write(np.asarray(flat[start : start + _CHUNK]).astype(dt, copy=False).tobytes(order="C"))
         f.flush()
         os.fsync(f.fileno())
 
@@ -209,10 +214,14 @@ def _run_partition(plan: _Plan, thread_id: int, progress: Callable[[int], None] 
         for m, mtype, dt in zip(plan.names, plan.types, plan.dtypes):
             if mtype == "single_value_per_sample":
                 d = dirs[m]
-                singles[m] = (open_memmap(os.path.join(d, f"{m}_ids.tmp.npy"), mode="w+", dtype=np.int64, shape=(n,))
-                              if n else np.zeros(0, np.int64),
-                              open_memmap(os.path.join(d, f"{m}_values.tmp.npy"), mode="w+", dtype=dt, shape=(n,))
-                              if n else np.zeros(0, dt))
+                singles[m] = (
+                    open_memmap(os.path.join(d, f"{m}_ids.tmp.npy"), mode="w+", dtype=np.int64, shape=(n,))
+                    if n
+                    else np.zeros(0, np.int64),
+                    open_memmap(os.path.join(d, f"{m}_values.tmp.npy"), mode="w+", dtype=dt, shape=(n,))
+                    if n
+                    else np.zeros(0, dt),
+                )
             else:
                 accs[m] = None
         pos = 0
@@ -227,23 +236,29 @@ def _run_partition(plan: _Plan, thread_id: int, progress: Callable[[int], None] 
             ids = _ids_of_batch(plan, batch, positions)
             if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= plan.num_samples):
                 bad = ids[(ids < 0) | (ids >= plan.num_samples)][:5].tolist()
-                raise ValueError(f"sample ids out of range [0, {plan.num_samples}) in the batch of positions "
-                                 f"[{b0}, {b1}): {bad} (from batch[{plan.index_key!r}] or sample_indices)")
+                raise ValueError(
+                    f"sample ids out of range [0, {plan.num_samples}) in the batch of positions "
+                    f"[{b0}, {b1}): {bad} (from batch[{plan.index_key!r}] or sample_indices)"
+                )
             for m, fn, mtype, dt in zip(plan.names, plan.functions, plan.types, plan.dtypes):
                 out = _to_numpy_result(fn(batch), m)
                 if mtype == "single_value_per_sample":
                     if out.shape != (bsz,):
-                        raise ValueError(f"metric {m!r} (single_value_per_sample) returned shape {tuple(out.shape)} "
-                                         f"for a batch of {bsz} samples; expected ({bsz},): one integer per sample")
+                        raise ValueError(
+                            f"metric {m!r} (single_value_per_sample) returned shape {tuple(out.shape)} "
+                            f"for a batch of {bsz} samples; expected ({bsz},): one integer per sample"
+                        )
                     if out.size:
                         info = np.iinfo(dt)
                         lo, hi = int(out.min()), int(out.max())
                         if lo < info.min or hi > info.max:
-                            raise ValueError(f"metric {m!r} returned values in [{lo}, {hi}], outside its declared "
-                                             f"metric_dtype {dt}; declare a wider dtype (e.g. int64)")
+                            raise ValueError(
+                                f"metric {m!r} returned values in [{lo}, {hi}], outside its declared "
+                                f"metric_dtype {dt}; declare a wider dtype (e.g. int64)"
+                            )
                     ids_mm, vals_mm = singles[m]
-                    ids_mm[pos:pos + bsz] = ids
-                    vals_mm[pos:pos + bsz] = out
+                    ids_mm[pos : pos + bsz] = ids
+                    vals_mm[pos : pos + bsz] = out
                 else:
                     shape = tuple(out.shape)
                     if m not in shapes:
@@ -251,13 +266,18 @@ def _run_partition(plan: _Plan, thread_id: int, progress: Callable[[int], None] 
                         accs[m] = out.astype(np.uint64 if dt == np.uint64 else np.int64, copy=True)
                     elif shape != shapes[m][0]:
                         first_shape, first_b = shapes[m]
-                        hint = (" It looks per-sample shaped (its first dimension follows the batch size): an "
-                                "accumulate metric must return one fixed-shape array per batch (e.g. a histogram); "
-                                "use metric_type 'single_value_per_sample' for per-sample values."
-                                if shape[:1] == (bsz,) and first_shape[:1] == (first_b,) else "")
-                        raise ValueError(f"metric {m!r} (accumulate_value_over_samples) returned shape {shape} for a "
-                                         f"batch of {bsz} samples after {first_shape} for a batch of {first_b}; the "
-                                         f"shape must be the same for every batch (DeepSpeed PR #5147).{hint}")
+                        hint = (
+                            " It looks per-sample shaped (its first dimension follows the batch size): an "
+                            "accumulate metric must return one fixed-shape array per batch (e.g. a histogram); "
+                            "use metric_type 'single_value_per_sample' for per-sample values."
+                            if shape[:1] == (bsz,) and first_shape[:1] == (first_b,)
+                            else ""
+                        )
+                        raise ValueError(
+                            f"metric {m!r} (accumulate_value_over_samples) returned shape {shape} for a "
+                            f"batch of {bsz} samples after {first_shape} for a batch of {first_b}; the "
+                            f"shape must be the same for every batch (DeepSpeed PR #5147).{hint}"
+                        )
                     else:
                         np.add(accs[m], out, out=accs[m], casting="unsafe")
             pos += bsz
@@ -284,18 +304,34 @@ def _run_partition(plan: _Plan, thread_id: int, progress: Callable[[int], None] 
                 os.remove(path)
         seconds = time.perf_counter() - t0
         for m in plan.names:
-            _atomic_json(os.path.join(dirs[m], _DONE), {
-                "fingerprint": plan.fingerprints[m], "worker_id": w, "thread_id": thread_id, "start": start,
-                "end": end, "count": n, "seconds": seconds,
-                "empty_accumulate": accs.get(m, 0) is None})
+            _atomic_json(
+                os.path.join(dirs[m], _DONE),
+                {
+                    "fingerprint": plan.fingerprints[m],
+                    "worker_id": w,
+                    "thread_id": thread_id,
+                    "start": start,
+                    "end": end,
+                    "count": n,
+                    "seconds": seconds,
+                    "empty_accumulate": accs.get(m, 0) is None,
+                },
+            )
         return {"worker_id": w, "thread_id": thread_id, "start": start, "end": end, "count": n, "seconds": seconds}
     except BaseException as err:
         msg = "".join(traceback.format_exception_only(type(err), err)).strip()
         for m in plan.names:
             try:
-                _atomic_json(os.path.join(dirs[m], _FAILED), {
-                    "fingerprint": plan.fingerprints[m], "worker_id": w, "thread_id": thread_id, "error": msg,
-                    "traceback": traceback.format_exc()})
+                _atomic_json(
+                    os.path.join(dirs[m], _FAILED),
+                    {
+                        "fingerprint": plan.fingerprints[m],
+                        "worker_id": w,
+                        "thread_id": thread_id,
+                        "error": msg,
+                        "traceback": traceback.format_exc(),
+                    },
+                )
             except OSError:  # pragma: no cover - best effort
                 pass
         raise
@@ -403,16 +439,32 @@ class DataAnalyzer:
         ValueError / TypeError: invalid arguments (the message names the parameter and what is allowed).
     """
 
-    def __init__(self, dataset: Any, num_workers: int = 1, worker_id: int = 0, num_threads: int = 1,
-                 num_threads_reduce: int = 1, specific_threads: Sequence[int] | None = None, batch_size: int = 1,
-                 metric_names: Sequence[str] = (), metric_functions: Sequence[Callable | str] = (),
-                 metric_types: Sequence[str] = (), metric_dtypes: Sequence[Any] = (), save_path: str = "./",
-                 collate_fn: Callable | None = None, sample_indices: Sequence[int] | np.ndarray | None = None,
-                 keep_temp: bool = False, progress: bool = True, index_key: str | None = "index",
-                 start_method: str | None = None, run_tag: str | None = None):
+    def __init__(
+        self,
+        dataset: Any,
+        num_workers: int = 1,
+        worker_id: int = 0,
+        num_threads: int = 1,
+        num_threads_reduce: int = 1,
+        specific_threads: Sequence[int] | None = None,
+        batch_size: int = 1,
+        metric_names: Sequence[str] = (),
+        metric_functions: Sequence[Callable | str] = (),
+        metric_types: Sequence[str] = (),
+        metric_dtypes: Sequence[Any] = (),
+        save_path: str = "./",
+        collate_fn: Callable | None = None,
+        sample_indices: Sequence[int] | np.ndarray | None = None,
+        keep_temp: bool = False,
+        progress: bool = True,
+        index_key: str | None = "index",
+        start_method: str | None = None,
+        run_tag: str | None = None,
+    ):
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise TypeError(f"dataset must be a map-style data set with __len__ and __getitem__; got "
-                            f"{type(dataset).__name__}")
+            raise TypeError(
+                f"dataset must be a map-style data set with __len__ and __getitem__; got {type(dataset).__name__}"
+            )
         self.dataset = dataset
         self.num_samples = len(dataset)
         if self.num_samples < 1:
@@ -427,16 +479,19 @@ class DataAnalyzer:
         threads = list(range(self.num_threads)) if not specific_threads else [int(t) for t in specific_threads]
         bad = [t for t in threads if not 0 <= t < self.num_threads]
         if bad or len(set(threads)) != len(threads):
-            raise ValueError(f"specific_threads must be distinct thread ids in [0, num_threads={self.num_threads}); "
-                             f"got {list(specific_threads or [])}")
+            raise ValueError(
+                f"specific_threads must be distinct thread ids in [0, num_threads={self.num_threads}); "
+                f"got {list(specific_threads or [])}"
+            )
         self.specific_threads = threads
-        names, fns, types, dts = (list(metric_names), list(metric_functions), list(metric_types),
-                                  list(metric_dtypes))
+        names, fns, types, dts = (list(metric_names), list(metric_functions), list(metric_types), list(metric_dtypes))
         if not names:
             raise ValueError("metric_names is empty; give at least one metric")
         if not len(names) == len(fns) == len(types) == len(dts):
-            raise ValueError(f"metric_names, metric_functions, metric_types and metric_dtypes must have the same "
-                             f"length; got {len(names)}, {len(fns)}, {len(types)}, {len(dts)}")
+            raise ValueError(
+                f"metric_names, metric_functions, metric_types and metric_dtypes must have the same "
+                f"length; got {len(names)}, {len(fns)}, {len(types)}, {len(dts)}"
+            )
         for m in names:
             if not isinstance(m, str) or not m or os.sep in m or m in (".", "..") or (os.altsep and os.altsep in m):
                 raise ValueError(f"metric_names: {m!r} is not a valid name (non-empty, no path separator)")
@@ -457,8 +512,10 @@ class DataAnalyzer:
         if sample_indices is not None:
             si = np.asarray(sample_indices)
             if si.shape != (self.num_samples,) or (si.size and si.dtype.kind not in "iu"):
-                raise ValueError(f"sample_indices must be integers of shape ({self.num_samples},) (one id per "
-                                 f"position); got {si.dtype} {si.shape}")
+                raise ValueError(
+                    f"sample_indices must be integers of shape ({self.num_samples},) (one id per "
+                    f"position); got {si.dtype} {si.shape}"
+                )
             si = si.astype(np.int64)
             if np.any(si < 0) or np.any(si >= self.num_samples) or len(np.unique(si)) != len(si):
                 raise ValueError(f"sample_indices must be a permutation of [0, {self.num_samples})")
@@ -472,22 +529,33 @@ class DataAnalyzer:
             raise ValueError(f"start_method must be one of {mp.get_all_start_methods()} or None; got {start_method!r}")
         self.start_method = start_method
         self.run_tag = run_tag
-        self.worker_splits, self.thread_splits = split_dataset(self.num_samples, self.num_workers, self.worker_id,
-                                                               self.num_threads)
+        self.worker_splits, self.thread_splits = split_dataset(
+            self.num_samples, self.num_workers, self.worker_id, self.num_threads
+        )
 
     # ---- fingerprint / partitions ----
     def fingerprint(self, metric_name: str) -> str:
         """Run fingerprint of one metric: data-set length and type, partitioning, the metric (name, type, dtype,
         function signature), ``sample_indices``, ``index_key`` and ``run_tag`` (16 hex digits)."""
         i = self.metric_names.index(metric_name)
-        si = (hashlib.blake2b(self.sample_indices.astype("<i8").tobytes(), digest_size=8).hexdigest()
-              if self.sample_indices is not None else None)
+        si = (
+            hashlib.blake2b(self.sample_indices.astype("<i8").tobytes(), digest_size=8).hexdigest()
+            if self.sample_indices is not None
+            else None
+        )
         payload = {
-            "format": _FORMAT, "num_samples": self.num_samples, "dataset": type(self.dataset).__qualname__,
-            "num_workers": self.num_workers, "num_threads": self.num_threads, "metric": metric_name,
-            "type": self.metric_types[i], "dtype": str(self.metric_dtypes[i]),
-            "function": _metric_signature(self.metric_functions[i]), "sample_indices": si,
-            "index_key": self.index_key, "run_tag": self.run_tag,
+            "format": _FORMAT,
+            "num_samples": self.num_samples,
+            "dataset": type(self.dataset).__qualname__,
+            "num_workers": self.num_workers,
+            "num_threads": self.num_threads,
+            "metric": metric_name,
+            "type": self.metric_types[i],
+            "dtype": str(self.metric_dtypes[i]),
+            "function": _metric_signature(self.metric_functions[i]),
+            "sample_indices": si,
+            "index_key": self.index_key,
+            "run_tag": self.run_tag,
         }
         return hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=8).hexdigest()
 
@@ -499,10 +567,22 @@ class DataAnalyzer:
         return out
 
     def _plan(self) -> _Plan:
-        return _Plan(self.dataset, self.collate_fn, self.batch_size, self.metric_names, self.metric_functions,
-                     self.metric_types, self.metric_dtypes, self.save_path, self.worker_id, self.num_samples,
-                     {m: self.fingerprint(m) for m in self.metric_names}, self.sample_indices, self.index_key,
-                     list(self.thread_splits))
+        return _Plan(
+            self.dataset,
+            self.collate_fn,
+            self.batch_size,
+            self.metric_names,
+            self.metric_functions,
+            self.metric_types,
+            self.metric_dtypes,
+            self.save_path,
+            self.worker_id,
+            self.num_samples,
+            {m: self.fingerprint(m) for m in self.metric_names},
+            self.sample_indices,
+            self.index_key,
+            list(self.thread_splits),
+        )
 
     # ---- map ----
     def run_map(self) -> list[dict]:
@@ -537,16 +617,22 @@ class DataAnalyzer:
             from tqdm.auto import tqdm
         except ImportError:  # pragma: no cover - tqdm ships with lightning
             return None
-        return tqdm(total=total, desc=f"analyze map (worker {self.worker_id})", unit="sample", dynamic_ncols=True,
-                    file=sys.stderr)
+        return tqdm(
+            total=total,
+            desc=f"analyze map (worker {self.worker_id})",
+            unit="sample",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
 
     def _run_pool(self, plan: _Plan, threads: list[int], bar: Any) -> list[dict]:
         method = self.start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         ctx = mp.get_context(method)
         q = ctx.Queue()
         results, failures = {}, {}
-        with cf.ProcessPoolExecutor(max_workers=len(threads), mp_context=ctx, initializer=_child_init,
-                                    initargs=(plan, q)) as pool:
+        with cf.ProcessPoolExecutor(
+            max_workers=len(threads), mp_context=ctx, initializer=_child_init, initargs=(plan, q)
+        ) as pool:
             futures = {pool.submit(_child_run, t): t for t in threads}
             pending = set(futures)
             while pending:
@@ -564,9 +650,11 @@ class DataAnalyzer:
         q.close()
         if failures:
             lines = "; ".join(f"worker{self.worker_id}_thread{t}: {msg}" for t, msg in sorted(failures.items()))
-            raise AnalyzerError(f"{len(failures)} of {len(threads)} map partitions failed: {lines}. Fix the cause "
-                                f"and re-run them with worker_id={self.worker_id}, "
-                                f"specific_threads={sorted(failures)}")
+            raise AnalyzerError(
+                f"{len(failures)} of {len(threads)} map partitions failed: {lines}. Fix the cause "
+                f"and re-run them with worker_id={self.worker_id}, "
+                f"specific_threads={sorted(failures)}"
+            )
         return [results[t] for t in threads]
 
     @staticmethod
@@ -606,8 +694,9 @@ class DataAnalyzer:
                 problems.append(f"{name}: unreadable marker {done}")
                 continue
             if info.get("fingerprint") != fp:
-                problems.append(f"{name}: stale (from another run: fingerprint {info.get('fingerprint')}, this run "
-                                f"{fp})")
+                problems.append(
+                    f"{name}: stale (from another run: fingerprint {info.get('fingerprint')}, this run {fp})"
+                )
                 continue
             if (info.get("start"), info.get("end"), info.get("count")) != (s, e, e - s):
                 problems.append(f"{name}: stale (range [{info.get('start')}, {info.get('end')}), expected [{s}, {e}))")
@@ -632,13 +721,16 @@ class DataAnalyzer:
                     ok.append((w, t, s, e, d, info))
         if problems:
             by_worker: dict[int, list[int]] = {}
-            for w, t, s, e in self._all_partitions():
+            for w, t, _s, _e in self._all_partitions():
                 if not any(o[0] == w and o[1] == t for o in ok):
                     by_worker.setdefault(w, []).append(t)
             rerun = "; ".join(f"worker_id={w} specific_threads={ts}" for w, ts in sorted(by_worker.items()))
-            raise AnalyzerError(f"metric {m!r}: cannot reduce: {len(problems)} of {len(self._all_partitions())} map "
-                                f"partitions are not usable (never merged): " + "; ".join(problems[:20]) +
-                                f". Re-run the map for: {rerun}")
+            raise AnalyzerError(
+                f"metric {m!r}: cannot reduce: {len(problems)} of {len(self._all_partitions())} map "
+                f"partitions are not usable (never merged): "
+                + "; ".join(problems[:20])
+                + f". Re-run the map for: {rerun}"
+            )
         return ok
 
     def _doc_idx_chunks(self, chunk_sizes: Sequence[int], total: int) -> list[int]:
@@ -676,17 +768,20 @@ class DataAnalyzer:
             vals = np.load(os.path.join(d, f"{m}_values.npy"), mmap_mode="r")
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= n:
-                raise AnalyzerError(f"metric {m!r}: worker{w}_thread{t} wrote sample ids outside [0, {n}) "
-                                    f"(min {lo}, max {hi})")
+                raise AnalyzerError(
+                    f"metric {m!r}: worker{w}_thread{t} wrote sample ids outside [0, {n}) (min {lo}, max {hi})"
+                )
             if vals.dtype == np.uint64 and int(vals.max()) > np.iinfo(np.int64).max:
                 raise AnalyzerError(f"metric {m!r}: values above int64 max are not supported")
             by_id[ids] = vals
             seen[ids] = True
         if not seen.all():
             missing = np.flatnonzero(~seen)[:5].tolist()
-            raise AnalyzerError(f"metric {m!r}: sample ids are not a permutation of [0, {n}): no value for ids "
-                                f"{missing}... (some ids appear more than once; check the batch "
-                                f"{self.index_key!r} field / sample_indices)")
+            raise AnalyzerError(
+                f"metric {m!r}: sample ids are not a permutation of [0, {n}): no value for ids "
+                f"{missing}... (some ids appear more than once; check the batch "
+                f"{self.index_key!r} field / sample_indices)"
+            )
         del seen
         order = np.argsort(by_id, kind="stable")  # ids sorted by (value, id): ids are the positions of by_id
         sorted_vals = by_id[order]
@@ -701,8 +796,10 @@ class DataAnalyzer:
         rows = len(uniq)
         folder = os.path.join(self.save_path, m)
         tag = f".tmp{os.getpid()}"
-        final = {k: os.path.join(folder, f"{m}_{k}") for k in
-                 ("sample_to_metric", "index_to_sample", "index_to_metric", "index_to_sample_percentile_merged")}
+        final = {
+            k: os.path.join(folder, f"{m}_{k}")
+            for k in ("sample_to_metric", "index_to_sample", "index_to_metric", "index_to_sample_percentile_merged")
+        }
         tmp = {k: v + tag for k, v in final.items()}
         # doc_idx as DeepSpeed's reduce threads produce them (``MMapIndexedDatasetBuilder.merge_file_``)
         part_sizes = [e - s for _, _, s, e in self._all_partitions()]
@@ -711,8 +808,13 @@ class DataAnalyzer:
         ones_n = np.broadcast_to(np.int32(1), (n,))
         _write_dataset(tmp["sample_to_metric"], by_id, ones_n, self._doc_idx_chunks(s2m_chunks, n), vdtype)
         _write_dataset(tmp["index_to_sample"], order, counts, self._doc_idx_chunks(row_chunks, rows), idtype)
-        _write_dataset(tmp["index_to_metric"], uniq, np.broadcast_to(np.int32(1), (rows,)),
-                       self._doc_idx_chunks(row_chunks, rows), vdtype)
+        _write_dataset(
+            tmp["index_to_metric"],
+            uniq,
+            np.broadcast_to(np.int32(1), (rows,)),
+            self._doc_idx_chunks(row_chunks, rows),
+            vdtype,
+        )
         merge_step = max(1, rows // 100)
         merged_sizes = np.add.reduceat(counts, np.arange(0, rows, merge_step))
         _write_dataset(tmp["index_to_sample_percentile_merged"], order, merged_sizes, [0, len(merged_sizes)], idtype)
@@ -727,12 +829,22 @@ class DataAnalyzer:
             raise AnalyzerError(f"metric {m!r}: written sample_to_metric does not read back identically")
         del s2m
         meta = {
-            "format": _FORMAT, "metric_name": m, "metric_type": "single_value_per_sample", "num_samples": n,
-            "run_fingerprint": self.fingerprint(m), "index_fingerprint": index.fingerprint(),
-            "merged_fingerprint": merged.fingerprint(), "num_distinct_values": rows, "merge_step": merge_step,
-            "merged_rows": len(merged_sizes), "value_dtype": np.dtype(vdtype).name,
-            "sample_idx_dtype": np.dtype(idtype).name, "min_value": int(uniq[0]), "max_value": int(uniq[-1]),
-            "num_workers": self.num_workers, "num_threads": self.num_threads,
+            "format": _FORMAT,
+            "metric_name": m,
+            "metric_type": "single_value_per_sample",
+            "num_samples": n,
+            "run_fingerprint": self.fingerprint(m),
+            "index_fingerprint": index.fingerprint(),
+            "merged_fingerprint": merged.fingerprint(),
+            "num_distinct_values": rows,
+            "merge_step": merge_step,
+            "merged_rows": len(merged_sizes),
+            "value_dtype": np.dtype(vdtype).name,
+            "sample_idx_dtype": np.dtype(idtype).name,
+            "min_value": int(uniq[0]),
+            "max_value": int(uniq[-1]),
+            "num_workers": self.num_workers,
+            "num_threads": self.num_threads,
             "num_threads_reduce": self.num_threads_reduce,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "files": {os.path.basename(final[k]): file_digest(tmp[k]) for k in final},
@@ -742,16 +854,18 @@ class DataAnalyzer:
 
     def _reduce_accumulate(self, m: str, parts: list) -> dict:
         total, shape, src = None, None, None
-        for w, t, s, e, d, info in parts:
+        for w, t, _s, _e, d, info in parts:
             if info.get("empty_accumulate"):
                 continue
             v = np.load(os.path.join(d, f"{m}_metric_value.npy"))
             if shape is None:
                 total, shape, src = v.astype(np.int64 if v.dtype != np.uint64 else np.uint64), v.shape, (w, t)
             elif v.shape != shape:
-                raise AnalyzerError(f"metric {m!r} (accumulate_value_over_samples): worker{w}_thread{t} produced "
-                                    f"shape {v.shape} but worker{src[0]}_thread{src[1]} produced {shape}; an "
-                                    "accumulate metric must return one fixed shape for every batch")
+                raise AnalyzerError(
+                    f"metric {m!r} (accumulate_value_over_samples): worker{w}_thread{t} produced "
+                    f"shape {v.shape} but worker{src[0]}_thread{src[1]} produced {shape}; an "
+                    "accumulate metric must return one fixed shape for every batch"
+                )
             else:
                 total += v
         if total is None:  # pragma: no cover - N >= 1 guarantees a non-empty partition
@@ -767,9 +881,15 @@ class DataAnalyzer:
             raise AnalyzerError(f"metric {m!r}: written metric_value does not read back identically")
         del back
         meta = {
-            "format": _FORMAT, "metric_name": m, "metric_type": "accumulate_value_over_samples",
-            "num_samples": self.num_samples, "run_fingerprint": self.fingerprint(m), "shape": list(shape),
-            "value_dtype": np.dtype(vdtype).name, "num_workers": self.num_workers, "num_threads": self.num_threads,
+            "format": _FORMAT,
+            "metric_name": m,
+            "metric_type": "accumulate_value_over_samples",
+            "num_samples": self.num_samples,
+            "run_fingerprint": self.fingerprint(m),
+            "shape": list(shape),
+            "value_dtype": np.dtype(vdtype).name,
+            "num_workers": self.num_workers,
+            "num_threads": self.num_threads,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "files": {os.path.basename(final["metric_value"]): file_digest(tmp["metric_value"])},
         }
@@ -795,8 +915,9 @@ class DataAnalyzer:
         _fsync_dir(folder)
 
     # ---- both ----
-    def run_map_reduce(self, comm_group: Any = None, wait_timeout: float = 3600.0, poll_interval: float = 1.0
-                       ) -> dict[str, dict] | None:
+    def run_map_reduce(
+        self, comm_group: Any = None, wait_timeout: float = 3600.0, poll_interval: float = 1.0
+    ) -> dict[str, dict] | None:
         """Map, then one reduce on ``worker_id == 0`` after every partition finished (DeepSpeed PR #5131: the reduce
         ran before the maps finished, or on every node).
 
@@ -850,11 +971,13 @@ class DataAnalyzer:
             if not waiting:
                 return
             if time.monotonic() > deadline:
-                raise AnalyzerError(f"timed out after {timeout} s waiting for map partitions "
-                                    f"{sorted(set(waiting))[:10]} to finish")
+                raise AnalyzerError(
+                    f"timed out after {timeout} s waiting for map partitions {sorted(set(waiting))[:10]} to finish"
+                )
             time.sleep(poll)
 
     def __repr__(self) -> str:
-        return (f"DataAnalyzer(N={self.num_samples}, metrics={self.metric_names}, num_workers={self.num_workers}, "
-                f"worker_id={self.worker_id}, num_threads={self.num_threads}, save_path='{self.save_path}')")
-
+        return (
+            f"DataAnalyzer(N={self.num_samples}, metrics={self.metric_names}, num_workers={self.num_workers}, "
+            f"worker_id={self.worker_id}, num_threads={self.num_threads}, save_path='{self.save_path}')"
+        )

@@ -30,18 +30,24 @@ def _metric_name(analysis: Any) -> tuple[str, dict[str, Any]]:
     options = dict(to_plain(analysis)) if isinstance(analysis, Mapping) else {"name": analysis}
     name = options.pop("name", None)
     if not isinstance(name, str):
-        raise CurriculumConfigError(f"curriculum analysis: expected a metric name or {{name: ..., **options}}, got "
-                                    f"{analysis!r}")
+        raise CurriculumConfigError(
+            f"curriculum analysis: expected a metric name or {{name: ..., **options}}, got {analysis!r}"
+        )
     return name, options
 
 
 def _vocab_freq(name: str, options: dict[str, Any], loader: Any) -> np.ndarray | None:
     """First pass of a rarity metric: the ``total_vocab_freq`` histogram summed over the data set."""
     if "vocab_size" not in options:
-        raise CurriculumConfigError(f"curriculum analysis {name}: give vocab_size (>= largest token id + 1) "
-                                    "for the total_vocab_freq pass, or a precomputed freq")
-    counter = get_metric("total_vocab_freq", vocab_size=options.pop("vocab_size"),
-                         **{k: options[k] for k in ("key", "mask_key", "pad_token_id") if k in options})
+        raise CurriculumConfigError(
+            f"curriculum analysis {name}: give vocab_size (>= largest token id + 1) "
+            "for the total_vocab_freq pass, or a precomputed freq"
+        )
+    counter = get_metric(
+        "total_vocab_freq",
+        vocab_size=options.pop("vocab_size"),
+        **{k: options[k] for k in ("key", "mask_key", "pad_token_id") if k in options},
+    )
     freq = None
     for batch in loader():
         v = np.asarray(counter(batch), dtype=np.int64)
@@ -53,19 +59,25 @@ def _per_sample(name: str, values: Any, batch: Any) -> np.ndarray:
     """One batch's metric values as int64 ``[B]``, checked."""
     v = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
     if not np.issubdtype(v.dtype, np.integer):
-        raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned {v.dtype} values; metric "
-                                    "values must be integers (scale floats explicitly)")
+        raise CurriculumConfigError(
+            f"curriculum analysis: metric {name!r} returned {v.dtype} values; metric "
+            "values must be integers (scale floats explicitly)"
+        )
     if v.dtype == np.uint64 and v.size and v.max() > np.iinfo(np.int64).max:
-        raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned values above the int64 "
-                                    "maximum; scale them down")
+        raise CurriculumConfigError(
+            f"curriculum analysis: metric {name!r} returned values above the int64 maximum; scale them down"
+        )
     if v.shape != (batch_size_of(batch),):
-        raise CurriculumConfigError(f"curriculum analysis: metric {name!r} returned shape {v.shape} for a batch "
-                                    f"of {batch_size_of(batch)}; a per-sample metric returns [B]")
+        raise CurriculumConfigError(
+            f"curriculum analysis: metric {name!r} returned shape {v.shape} for a batch "
+            f"of {batch_size_of(batch)}; a per-sample metric returns [B]"
+        )
     return v.astype(np.int64)
 
 
-def analyze_in_memory(dataset: Any, analysis: str | Mapping[str, Any], collate_fn: Any = None,
-                      batch_size: int = 256) -> np.ndarray:
+def analyze_in_memory(
+    dataset: Any, analysis: str | Mapping[str, Any], collate_fn: Any = None, batch_size: int = 256
+) -> np.ndarray:
     """Per-sample values of a registered analyzer metric over ``dataset`` (int64 ``[N]``), in this process: the map
     step of :class:`~lightning_effi.curriculum.analysis.DataAnalyzer` without files (every rank computes the same
     values).

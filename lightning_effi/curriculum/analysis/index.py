@@ -56,8 +56,10 @@ def read_metadata(folder: str | os.PathLike) -> dict | None:
     folder = os.fspath(folder)
     marker = os.path.join(folder, INPROGRESS_NAME)
     if os.path.exists(marker):
-        raise IndexFileError(f"'{marker}': a reduce was interrupted while publishing its files in '{folder}'; the "
-                             "files there may mix two analyses: run the reduce again")
+        raise IndexFileError(
+            f"'{marker}': a reduce was interrupted while publishing its files in '{folder}'; the "
+            "files there may mix two analyses: run the reduce again"
+        )
     path = os.path.join(folder, METADATA_NAME)
     if not os.path.isfile(path):
         return None
@@ -78,18 +80,22 @@ def _check_against_metadata(prefix: str, num_samples: int | None) -> None:
         return
     meta_path = os.path.join(folder, METADATA_NAME)
     if num_samples is not None and int(meta["num_samples"]) != int(num_samples):
-        raise IndexFileError(f"'{prefix}': stale analysis: '{meta_path}' says it was made for a data set of "
-                             f"{meta['num_samples']} samples, this data set has {num_samples}; run the analyzer on "
-                             "this data set (same split and order as training)")
+        raise IndexFileError(
+            f"'{prefix}': stale analysis: '{meta_path}' says it was made for a data set of "
+            f"{meta['num_samples']} samples, this data set has {num_samples}; run the analyzer on "
+            "this data set (same split and order as training)"
+        )
     stem = os.path.basename(prefix)
     recorded = meta["files"].get(stem)
     if recorded is None:
         return
     actual = file_digest(prefix)
     if actual != recorded:
-        raise IndexFileError(f"'{prefix}': stale or modified file: its content does not match '{meta_path}' "
-                             f"(recorded {recorded}, found {actual}); it was changed after the analysis or comes "
-                             "from another one: run the analyzer again")
+        raise IndexFileError(
+            f"'{prefix}': stale or modified file: its content does not match '{meta_path}' "
+            f"(recorded {recorded}, found {actual}); it was changed after the analysis or comes "
+            "from another one: run the analyzer again"
+        )
 
 
 def _as_int64(values: np.ndarray, what: str, path: str) -> np.ndarray:
@@ -121,12 +127,14 @@ class MetricIndex:
         if ids.ndim != 1 or offsets.ndim != 1 or len(offsets) < 1:
             raise ValueError("MetricIndex: ids must be 1-D and offsets 1-D with at least one entry")
         if offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
-            raise ValueError(f"MetricIndex: offsets must start at 0, be non-decreasing and end at len(ids) "
-                             f"= {len(ids)}")
+            raise ValueError(
+                f"MetricIndex: offsets must start at 0, be non-decreasing and end at len(ids) = {len(ids)}"
+            )
         if values is not None:
             if values.shape != (len(offsets) - 1,):
-                raise ValueError(f"MetricIndex: values must have one entry per row ({len(offsets) - 1}); "
-                                 f"got shape {values.shape}")
+                raise ValueError(
+                    f"MetricIndex: values must have one entry per row ({len(offsets) - 1}); got shape {values.shape}"
+                )
             if np.any(np.diff(values) <= 0):
                 raise ValueError("MetricIndex: values must be strictly increasing")
         for arr in (ids, offsets) + (() if values is None else (values,)):
@@ -145,7 +153,7 @@ class MetricIndex:
 
     def row(self, j: int) -> np.ndarray:
         """Ids of row ``j`` (a read-only view)."""
-        return self.ids[self.offsets[j]:self.offsets[j + 1]]
+        return self.ids[self.offsets[j] : self.offsets[j + 1]]
 
     def rows(self) -> list[np.ndarray]:
         return [self.row(j) for j in range(self.num_rows)]
@@ -187,8 +195,13 @@ class MetricIndex:
         return cls(order.astype(np.int64), offsets, sorted_v[starts])
 
     @classmethod
-    def load(cls, index_to_sample_path: str | os.PathLike, index_to_metric_path: str | os.PathLike | None = None,
-             num_samples: int | None = None, dtype_table: str = "current") -> MetricIndex:
+    def load(
+        cls,
+        index_to_sample_path: str | os.PathLike,
+        index_to_metric_path: str | os.PathLike | None = None,
+        num_samples: int | None = None,
+        dtype_table: str = "current",
+    ) -> MetricIndex:
         """Load and validate analyzer (or DeepSpeed) index files.
 
         Args:
@@ -205,16 +218,22 @@ class MetricIndex:
                 of length 1; values not strictly increasing; stale files (the analyzer metadata next to them names
                 another data-set length, or a file differs from the digest recorded there); an interrupted reduce.
         """
-        return _load_validated(index_to_sample_path, index_to_metric_path, num_samples, dtype_table,
-                               check_metadata=True)
+        return _load_validated(
+            index_to_sample_path, index_to_metric_path, num_samples, dtype_table, check_metadata=True
+        )
 
     def __repr__(self) -> str:
         kind = "merged" if self.values is None else "per-value"
         return f"MetricIndex(N={self.num_samples}, rows={self.num_rows}, {kind}, fingerprint={self.fingerprint()})"
 
 
-def _load_validated(index_to_sample_path: str | os.PathLike, index_to_metric_path: str | os.PathLike | None,
-                    num_samples: int | None, dtype_table: str, check_metadata: bool) -> MetricIndex:
+def _load_validated(
+    index_to_sample_path: str | os.PathLike,
+    index_to_metric_path: str | os.PathLike | None,
+    num_samples: int | None,
+    dtype_table: str,
+    check_metadata: bool,
+) -> MetricIndex:
     """:meth:`MetricIndex.load`; ``check_metadata=False`` skips the analyzer-metadata checks (used by the reduce to
     verify its temporary files before publishing them)."""
     s_path = os.fspath(index_to_sample_path)
@@ -233,14 +252,17 @@ def _load_validated(index_to_sample_path: str | os.PathLike, index_to_metric_pat
     np.cumsum(samples.sizes, out=offsets[1:])
     n = len(ids) if num_samples is None else int(num_samples)
     if len(ids) != n:
-        raise IndexFileError(f"'{s_path}': holds {len(ids)} sample ids but the data set has {n} samples (an "
-                             "analysis of another data set or split?)")
+        raise IndexFileError(
+            f"'{s_path}': holds {len(ids)} sample ids but the data set has {n} samples (an "
+            "analysis of another data set or split?)"
+        )
     if len(ids):
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= n:
             bad = ids[(ids < 0) | (ids >= n)][:5].tolist()
-            raise IndexFileError(f"'{s_path}': sample ids out of range [0, {n}): e.g. {bad} (an analysis of "
-                                 "another data set or split?)")
+            raise IndexFileError(
+                f"'{s_path}': sample ids out of range [0, {n}): e.g. {bad} (an analysis of another data set or split?)"
+            )
         counts = np.bincount(ids, minlength=n)
         if np.any(counts > 1):
             dup = np.flatnonzero(counts > 1)[:5].tolist()
@@ -252,17 +274,23 @@ def _load_validated(index_to_sample_path: str | os.PathLike, index_to_metric_pat
             _check_against_metadata(m_path, num_samples)
         metric = MMapIndexedDataset(m_path, dtype_table)
         if len(metric) != len(samples):
-            raise IndexFileError(f"'{m_path}': {len(metric)} rows but '{s_path}' has {len(samples)}; the two "
-                                 "files must come from the same analysis")
+            raise IndexFileError(
+                f"'{m_path}': {len(metric)} rows but '{s_path}' has {len(samples)}; the two "
+                "files must come from the same analysis"
+            )
         if len(metric) and np.any(metric.sizes != 1):
             j = int(np.flatnonzero(metric.sizes != 1)[0])
-            raise IndexFileError(f"'{m_path}': item {j} has {int(metric.sizes[j])} elements; every "
-                                 "index_to_metric item must be one [value]")
+            raise IndexFileError(
+                f"'{m_path}': item {j} has {int(metric.sizes[j])} elements; every "
+                "index_to_metric item must be one [value]"
+            )
         if metric.dtype.kind not in "iu":
             raise IndexFileError(f"'{m_path}': values stored as {metric.dtype}; expected an integer dtype")
         values = _as_int64(metric.flat, "values", m_path)
         if len(values) > 1 and np.any(values[1:] <= values[:-1]):
             j = int(np.flatnonzero(values[1:] <= values[:-1])[0])
-            raise IndexFileError(f"'{m_path}': values are not strictly increasing (row {j + 1}: "
-                                 f"{int(values[j + 1])} after {int(values[j])})")
+            raise IndexFileError(
+                f"'{m_path}': values are not strictly increasing (row {j + 1}: "
+                f"{int(values[j + 1])} after {int(values[j])})"
+            )
     return MetricIndex(ids, offsets, values)

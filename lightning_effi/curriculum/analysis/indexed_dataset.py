@@ -38,9 +38,19 @@ import numpy as np
 from lightning_effi.core.checks import is_int
 
 __all__ = [
-    "DTYPES_CURRENT", "DTYPES_LEGACY", "HDR_MAGIC", "HEADER_SIZE", "IndexFileError", "MMapIndexedDataset",
-    "MMapIndexedDatasetBuilder", "data_file_path", "dtype_code", "find_fit_int_dtype", "index_file_path",
-    "normalize_int_dtype", "write_index_file",
+    "DTYPES_CURRENT",
+    "DTYPES_LEGACY",
+    "HDR_MAGIC",
+    "HEADER_SIZE",
+    "IndexFileError",
+    "MMapIndexedDataset",
+    "MMapIndexedDatasetBuilder",
+    "data_file_path",
+    "dtype_code",
+    "find_fit_int_dtype",
+    "index_file_path",
+    "normalize_int_dtype",
+    "write_index_file",
 ]
 
 HDR_MAGIC = b"MMIDIDX\x00\x00"
@@ -48,15 +58,28 @@ HEADER_SIZE = 34  # magic 9 + version 8 + code 1 + len 8 + doc_count 8
 
 #: DeepSpeed >= 0.13.3 (PR #5108), verified on 0.19.8: exactly codes 1-8.
 DTYPES_CURRENT: dict[int, np.dtype] = {
-    1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
-    5: np.dtype(np.int64), 6: np.dtype(np.uint16), 7: np.dtype(np.uint32), 8: np.dtype(np.uint64),
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.uint16),
+    7: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
 }
 #: DeepSpeed <= 0.13.2 and Megatron-LM (6 = ``np.float``, 7 = ``np.double``: both float64 in those sources; some
 #: readers map one of them to float32 -- check the producing version). Floats are readable, never written.
 DTYPES_LEGACY: dict[int, np.dtype] = {
-    1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
-    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float64), 8: np.dtype(np.uint16),
-    9: np.dtype(np.uint32), 10: np.dtype(np.uint64),
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float64),
+    8: np.dtype(np.uint16),
+    9: np.dtype(np.uint32),
+    10: np.dtype(np.uint64),
 }
 _TABLES = {"current": DTYPES_CURRENT, "legacy": DTYPES_LEGACY}
 _INT32_MAX = 2**31 - 1
@@ -99,22 +122,27 @@ def normalize_int_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
 
         if isinstance(dtype, torch.dtype):
             if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-                raise TypeError(f"{name}: {dtype} is not an integer dtype; analyzer values must be integers "
-                                "(uint8/int8/int16/int32/int64/uint16/uint32/uint64)")
+                raise TypeError(
+                    f"{name}: {dtype} is not an integer dtype; analyzer values must be integers "
+                    "(uint8/int8/int16/int32/int64/uint16/uint32/uint64)"
+                )
             np_dtype = np.dtype(str(dtype).replace("torch.", ""))
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
     if np_dtype is None:
         if isinstance(dtype, str) and dtype.startswith("torch."):
-            dtype = dtype[len("torch."):]
+            dtype = dtype[len("torch.") :]
         try:
             np_dtype = np.dtype(dtype)
         except TypeError:
-            raise TypeError(f"{name}: {dtype!r} is not a dtype; expected an integer dtype such as np.int64, "
-                            "torch.int64 or 'int64'") from None
+            raise TypeError(
+                f"{name}: {dtype!r} is not a dtype; expected an integer dtype such as np.int64, torch.int64 or 'int64'"
+            ) from None
     if np_dtype.kind not in "iu":
-        raise TypeError(f"{name}: {np_dtype} is not an integer dtype; analyzer values must be integers "
-                        "(uint8/int8/int16/int32/int64/uint16/uint32/uint64); scale float values explicitly")
+        raise TypeError(
+            f"{name}: {np_dtype} is not an integer dtype; analyzer values must be integers "
+            "(uint8/int8/int16/int32/int64/uint16/uint32/uint64); scale float values explicitly"
+        )
     return np_dtype
 
 
@@ -129,8 +157,10 @@ def dtype_code(dtype: Any, dtype_table: str = "current", path: str | os.PathLike
     for code, table_dtype in _table(dtype_table).items():
         if table_dtype == np_dtype:
             return code
-    raise IndexFileError(f"cannot write dtype {np_dtype}{where}: not in the {dtype_table} dtype table "
-                         f"({_table_str(_table(dtype_table))})")
+    raise IndexFileError(
+        f"cannot write dtype {np_dtype}{where}: not in the {dtype_table} dtype table "
+        f"({_table_str(_table(dtype_table))})"
+    )
 
 
 def _table_str(table: dict[int, np.dtype]) -> str:
@@ -162,7 +192,7 @@ def _pointer_chunks(sizes: np.ndarray, itemsize: int) -> Iterable[np.ndarray]:
     """Exclusive cumsum of ``sizes * itemsize`` as int64, in chunks (bounded temporary memory)."""
     total = 0
     for start in range(0, len(sizes), _CHUNK):
-        chunk = np.asarray(sizes[start:start + _CHUNK], dtype=np.int64) * itemsize
+        chunk = np.asarray(sizes[start : start + _CHUNK], dtype=np.int64) * itemsize
         csum = np.cumsum(chunk)
         out = np.empty_like(csum)
         out[0:1] = total
@@ -171,8 +201,13 @@ def _pointer_chunks(sizes: np.ndarray, itemsize: int) -> Iterable[np.ndarray]:
         yield out
 
 
-def write_index_file(path: str | os.PathLike, dtype: Any, sizes: Sequence[int] | np.ndarray,
-                     doc_idx: Sequence[int] | np.ndarray, dtype_table: str = "current") -> None:
+def write_index_file(
+    path: str | os.PathLike,
+    dtype: Any,
+    sizes: Sequence[int] | np.ndarray,
+    doc_idx: Sequence[int] | np.ndarray,
+    dtype_table: str = "current",
+) -> None:
     """Write a ``.idx`` file byte-identical to DeepSpeed's ``MMapIndexedDataset.Index.writer``.
 
     Args:
@@ -191,8 +226,10 @@ def write_index_file(path: str | os.PathLike, dtype: Any, sizes: Sequence[int] |
     if len(sizes):
         lo, hi = int(sizes.min()), int(sizes.max())
         if lo < 0 or hi > _INT32_MAX:
-            raise IndexFileError(f"'{os.fspath(path)}': item sizes must be in [0, 2**31) (they are stored as int32); "
-                                 f"got min {lo}, max {hi}")
+            raise IndexFileError(
+                f"'{os.fspath(path)}': item sizes must be in [0, 2**31) (they are stored as int32); "
+                f"got min {lo}, max {hi}"
+            )
     with open(path, "wb") as f:
         f.write(HDR_MAGIC)
         f.write(struct.pack("<Q", 1))
@@ -200,7 +237,7 @@ def write_index_file(path: str | os.PathLike, dtype: Any, sizes: Sequence[int] |
         f.write(struct.pack("<Q", len(sizes)))
         f.write(struct.pack("<Q", len(doc)))
         for start in range(0, len(sizes), _CHUNK):
-            f.write(np.asarray(sizes[start:start + _CHUNK], dtype="<i4").tobytes(order="C"))
+            f.write(np.asarray(sizes[start : start + _CHUNK], dtype="<i4").tobytes(order="C"))
         for chunk in _pointer_chunks(sizes, itemsize):
             f.write(chunk.astype("<i8", copy=False).tobytes(order="C"))
         f.write(doc.astype("<i8", copy=False).tobytes(order="C"))
@@ -231,14 +268,17 @@ class MMapIndexedDataset:
         idx_path, bin_path = index_file_path(self.path_prefix), data_file_path(self.path_prefix)
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
-                raise IndexFileError(f"'{p}': file not found (an MMapIndexedDataset needs both "
-                                     f"'{self.path_prefix}.idx' and '{self.path_prefix}.bin')")
+                raise IndexFileError(
+                    f"'{p}': file not found (an MMapIndexedDataset needs both "
+                    f"'{self.path_prefix}.idx' and '{self.path_prefix}.bin')"
+                )
         idx_size = os.path.getsize(idx_path)
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_SIZE)
         if len(header) < 9 or header[:9] != HDR_MAGIC:
-            raise IndexFileError(f"'{idx_path}': not an MMapIndexedDataset index (magic {header[:9]!r}, expected "
-                                 f"{HDR_MAGIC!r})")
+            raise IndexFileError(
+                f"'{idx_path}': not an MMapIndexedDataset index (magic {header[:9]!r}, expected {HDR_MAGIC!r})"
+            )
         if len(header) < HEADER_SIZE:
             raise IndexFileError(f"'{idx_path}': truncated header ({len(header)} of {HEADER_SIZE} bytes)")
         (version,) = struct.unpack("<Q", header[9:17])
@@ -246,9 +286,11 @@ class MMapIndexedDataset:
             raise IndexFileError(f"'{idx_path}': unsupported version {version} (only version 1 exists)")
         code = header[17]
         if code not in table:
-            raise IndexFileError(f"'{idx_path}': unknown dtype code {code} for the {dtype_table} dtype table "
-                                 f"({_table_str(table)}); a file from another DeepSpeed/Megatron version may need "
-                                 f"dtype_table='{'legacy' if dtype_table == 'current' else 'current'}'")
+            raise IndexFileError(
+                f"'{idx_path}': unknown dtype code {code} for the {dtype_table} dtype table "
+                f"({_table_str(table)}); a file from another DeepSpeed/Megatron version may need "
+                f"dtype_table='{'legacy' if dtype_table == 'current' else 'current'}'"
+            )
         self._dtype = table[code]
         self.dtype_code = code
         (n,) = struct.unpack("<Q", header[18:26])
@@ -256,8 +298,10 @@ class MMapIndexedDataset:
         expected = HEADER_SIZE + 12 * n + 8 * doc_count
         if idx_size != expected:
             what = "truncated" if idx_size < expected else "longer than its header says"
-            raise IndexFileError(f"'{idx_path}': {what}: {idx_size} bytes, expected {expected} "
-                                 f"(34 + 12·len + 8·doc_count with len {n}, doc_count {doc_count})")
+            raise IndexFileError(
+                f"'{idx_path}': {what}: {idx_size} bytes, expected {expected} "
+                f"(34 + 12·len + 8·doc_count with len {n}, doc_count {doc_count})"
+            )
         self._len = int(n)
         idx_map = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self._idx_map = idx_map
@@ -269,19 +313,25 @@ class MMapIndexedDataset:
             raise IndexFileError(f"'{idx_path}': negative item size")
         start = 0
         for chunk in _pointer_chunks(self._sizes, itemsize):
-            if not np.array_equal(chunk, self._pointers[start:start + len(chunk)]):
-                raise IndexFileError(f"'{idx_path}': pointers are not the exclusive cumsum of size × itemsize "
-                                     "(damaged index)")
+            if not np.array_equal(chunk, self._pointers[start : start + len(chunk)]):
+                raise IndexFileError(
+                    f"'{idx_path}': pointers are not the exclusive cumsum of size × itemsize (damaged index)"
+                )
             start += len(chunk)
         total_elems = int(self._sizes.sum(dtype=np.int64)) if n else 0
         bin_size = os.path.getsize(bin_path)
         if bin_size != total_elems * itemsize:
             what = "truncated" if bin_size < total_elems * itemsize else "longer than its index says"
-            raise IndexFileError(f"'{bin_path}': {what}: {bin_size} bytes, expected {total_elems * itemsize} "
-                                 f"({total_elems} elements of {self._dtype}) from '{idx_path}'")
+            raise IndexFileError(
+                f"'{bin_path}': {what}: {bin_size} bytes, expected {total_elems * itemsize} "
+                f"({total_elems} elements of {self._dtype}) from '{idx_path}'"
+            )
         # an empty file cannot be memory-mapped (DeepSpeed PR #5106)
-        self._flat = (np.memmap(bin_path, mode="r", dtype=self._dtype.newbyteorder("<")) if bin_size
-                      else np.empty(0, dtype=self._dtype))
+        self._flat = (
+            np.memmap(bin_path, mode="r", dtype=self._dtype.newbyteorder("<"))
+            if bin_size
+            else np.empty(0, dtype=self._dtype)
+        )
 
     def __len__(self) -> int:
         return self._len
@@ -289,7 +339,7 @@ class MMapIndexedDataset:
     def _view(self, i: int) -> np.ndarray:
         itemsize = self._dtype.itemsize
         start = int(self._pointers[i]) // itemsize
-        view = np.asarray(self._flat[start:start + int(self._sizes[i])])
+        view = np.asarray(self._flat[start : start + int(self._sizes[i])])
         view.flags.writeable = False
         return view
 
@@ -397,8 +447,9 @@ class MMapIndexedDatasetBuilder:
         if arr.dtype == self._dtype:
             return arr
         if arr.size and arr.dtype.kind not in "iu":
-            raise IndexFileError(f"'{self.bin_path}': cannot store {arr.dtype} values in a {self._dtype} file; "
-                                 "items must be integers")
+            raise IndexFileError(
+                f"'{self.bin_path}': cannot store {arr.dtype} values in a {self._dtype} file; items must be integers"
+            )
         if arr.size:
             info = np.iinfo(self._dtype)
             lo, hi = arr.min(), arr.max()
@@ -426,7 +477,7 @@ class MMapIndexedDatasetBuilder:
         if int(sizes.sum()) != len(flat) or (len(sizes) and int(sizes.min()) < 0):
             raise ValueError(f"add_items_flat: sizes sum to {int(sizes.sum())} but flat has {len(flat)} elements")
         for start in range(0, len(flat), _CHUNK):
-            arr = self._cast(np.asarray(flat[start:start + _CHUNK]))
+            arr = self._cast(np.asarray(flat[start : start + _CHUNK]))
             self._data_file.write(arr.astype(self._dtype.newbyteorder("<"), copy=False).tobytes(order="C"))
             self._bytes += arr.nbytes
         self._flush_pending()
@@ -447,8 +498,10 @@ class MMapIndexedDatasetBuilder:
         """
         other = MMapIndexedDataset(other_prefix, self.dtype_table)
         if other.dtype != self._dtype:
-            raise IndexFileError(f"'{other.path_prefix}': dtype {other.dtype} differs from the builder's "
-                                 f"{self._dtype} ('{self.bin_path}')")
+            raise IndexFileError(
+                f"'{other.path_prefix}': dtype {other.dtype} differs from the builder's "
+                f"{self._dtype} ('{self.bin_path}')"
+            )
         offset = self._count
         self._flush_pending()
         self._sizes.append(np.asarray(other.sizes, dtype=np.int64))
@@ -464,8 +517,9 @@ class MMapIndexedDatasetBuilder:
         self._data_file.flush()
         actual = os.stat(self.bin_path).st_size
         if actual != self._bytes:
-            raise IndexFileError(f"'{self.bin_path}': {actual} bytes on disk after merging '{other.path_prefix}', "
-                                 f"expected {self._bytes}")
+            raise IndexFileError(
+                f"'{self.bin_path}': {actual} bytes on disk after merging '{other.path_prefix}', expected {self._bytes}"
+            )
 
     def _all_sizes(self) -> np.ndarray:
         self._flush_pending()
@@ -484,4 +538,3 @@ class MMapIndexedDatasetBuilder:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-

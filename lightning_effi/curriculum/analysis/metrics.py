@@ -30,8 +30,19 @@ import numpy as np
 from lightning_effi.core.checks import is_int
 
 __all__ = [
-    "METRIC_TYPES", "SeqLen", "SeqLenVocabRarity", "TotalVocabFreq", "VocabRarity", "get_metric", "load_vocab_freq",
-    "register_metric", "registered_metrics", "seqlen", "seqlen_vocab_rarity", "total_vocab_freq", "vocab_rarity",
+    "METRIC_TYPES",
+    "SeqLen",
+    "SeqLenVocabRarity",
+    "TotalVocabFreq",
+    "VocabRarity",
+    "get_metric",
+    "load_vocab_freq",
+    "register_metric",
+    "registered_metrics",
+    "seqlen",
+    "seqlen_vocab_rarity",
+    "total_vocab_freq",
+    "vocab_rarity",
     "vocab_rarity_table",
 ]
 
@@ -46,8 +57,9 @@ def _to_numpy(x: Any, what: str) -> np.ndarray:
     raise TypeError(f"{what}: expected a tensor or ndarray, got {type(x).__name__}")
 
 
-def _tokens_and_mask(batch: Any, key: str, mask_key: str | None, pad_token_id: int | None
-                     ) -> tuple[np.ndarray, np.ndarray | None]:
+def _tokens_and_mask(
+    batch: Any, key: str, mask_key: str | None, pad_token_id: int | None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """``(tokens[B,T], mask[B,T] bool or None)`` from a dict / tensor / tuple batch (module docstring)."""
     mask = None
     if isinstance(batch, dict):
@@ -115,8 +127,10 @@ class TotalVocabFreq:
         tokens, mask = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id)
         flat = tokens[mask] if mask is not None else tokens.reshape(-1)
         if flat.size and (int(flat.min()) < 0 or int(flat.max()) > self.vocab_size):
-            raise ValueError(f"total_vocab_freq: token ids must be in [0, vocab_size={self.vocab_size}]; got "
-                             f"[{int(flat.min())}, {int(flat.max())}]")
+            raise ValueError(
+                f"total_vocab_freq: token ids must be in [0, vocab_size={self.vocab_size}]; got "
+                f"[{int(flat.min())}, {int(flat.max())}]"
+            )
         return np.bincount(flat.astype(np.int64), minlength=self.vocab_size + 1).astype(np.int64)
 
 
@@ -151,8 +165,13 @@ class VocabRarity:
     to int64 (larger = harder). ``freq``: the ``total_vocab_freq`` vector or its file prefix (two-pass analysis).
     GPT data (fixed length, no mask, ``pad_token_id=None``) sums all tokens."""
 
-    def __init__(self, freq: Any, key: str = "input_ids", mask_key: str | None = "attention_mask",
-                 pad_token_id: int | None = None):
+    def __init__(
+        self,
+        freq: Any,
+        key: str = "input_ids",
+        mask_key: str | None = "attention_mask",
+        pad_token_id: int | None = None,
+    ):
         self.freq_source = freq if isinstance(freq, (str, os.PathLike)) else None
         self.rarity = vocab_rarity_table(freq)
         self.key, self.mask_key, self.pad_token_id = key, mask_key, pad_token_id
@@ -160,8 +179,10 @@ class VocabRarity:
     def _rarity_sum(self, batch: Any) -> tuple[np.ndarray, np.ndarray | None]:
         tokens, mask = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id)
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= len(self.rarity)):
-            raise ValueError(f"vocab_rarity: token ids must be in [0, {len(self.rarity)}) (the frequency vector's "
-                             f"length); got [{int(tokens.min())}, {int(tokens.max())}]")
+            raise ValueError(
+                f"vocab_rarity: token ids must be in [0, {len(self.rarity)}) (the frequency vector's "
+                f"length); got [{int(tokens.min())}, {int(tokens.max())}]"
+            )
         r = self.rarity[tokens]
         if mask is not None:
             r = r * mask
@@ -175,8 +196,14 @@ class SeqLenVocabRarity(VocabRarity):
     """``seqlen_vocab_rarity`` (BERT): ``seqlen·C + vocab_rarity`` with ``C = 10^(ceil(log10(seq_length · max ρ)) +
     1)`` so that length dominates and rarity breaks ties. ``seq_length``: the model's maximum sequence length."""
 
-    def __init__(self, freq: Any, seq_length: int, key: str = "input_ids", mask_key: str | None = "attention_mask",
-                 pad_token_id: int | None = 0):
+    def __init__(
+        self,
+        freq: Any,
+        seq_length: int,
+        key: str = "input_ids",
+        mask_key: str | None = "attention_mask",
+        pad_token_id: int | None = 0,
+    ):
         super().__init__(freq, key, mask_key, pad_token_id)
         if not is_int(seq_length) or seq_length < 1:
             raise ValueError(f"seqlen_vocab_rarity: seq_length must be a positive int; got {seq_length!r}")
@@ -187,8 +214,9 @@ class SeqLenVocabRarity(VocabRarity):
     def __call__(self, batch: Any) -> np.ndarray:
         rarity, mask = self._rarity_sum(batch)
         tokens, _ = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id)
-        lengths = (np.count_nonzero(mask, axis=1) if mask is not None
-                   else np.full(tokens.shape[0], tokens.shape[1])).astype(np.int64)
+        lengths = (
+            np.count_nonzero(mask, axis=1) if mask is not None else np.full(tokens.shape[0], tokens.shape[1])
+        ).astype(np.int64)
         return lengths * np.int64(self.coeff) + rarity.astype(np.int64)
 
 
@@ -197,20 +225,27 @@ def seqlen(pad_token_id: int | None = 0, key: str = "input_ids", mask_key: str |
     return SeqLen(pad_token_id, key, mask_key)
 
 
-def total_vocab_freq(vocab_size: int, key: str = "input_ids", mask_key: str | None = "attention_mask",
-                     pad_token_id: int | None = None) -> TotalVocabFreq:
+def total_vocab_freq(
+    vocab_size: int, key: str = "input_ids", mask_key: str | None = "attention_mask", pad_token_id: int | None = None
+) -> TotalVocabFreq:
     """Factory of the ``total_vocab_freq`` accumulate metric (:class:`TotalVocabFreq`)."""
     return TotalVocabFreq(vocab_size, key, mask_key, pad_token_id)
 
 
-def vocab_rarity(freq: Any, key: str = "input_ids", mask_key: str | None = "attention_mask",
-                 pad_token_id: int | None = None) -> VocabRarity:
+def vocab_rarity(
+    freq: Any, key: str = "input_ids", mask_key: str | None = "attention_mask", pad_token_id: int | None = None
+) -> VocabRarity:
     """Factory of the ``vocab_rarity`` metric (:class:`VocabRarity`)."""
     return VocabRarity(freq, key, mask_key, pad_token_id)
 
 
-def seqlen_vocab_rarity(freq: Any, seq_length: int, key: str = "input_ids", mask_key: str | None = "attention_mask",
-                        pad_token_id: int | None = 0) -> SeqLenVocabRarity:
+def seqlen_vocab_rarity(
+    freq: Any,
+    seq_length: int,
+    key: str = "input_ids",
+    mask_key: str | None = "attention_mask",
+    pad_token_id: int | None = 0,
+) -> SeqLenVocabRarity:
     """Factory of the ``seqlen_vocab_rarity`` metric (:class:`SeqLenVocabRarity`)."""
     return SeqLenVocabRarity(freq, seq_length, key, mask_key, pad_token_id)
 
@@ -225,8 +260,14 @@ class _Entry:
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register_metric(name: str, fn: Callable | None = None, *, metric_type: str = "single_value_per_sample",
-                    factory: bool = False, overwrite: bool = False) -> Callable:
+def register_metric(
+    name: str,
+    fn: Callable | None = None,
+    *,
+    metric_type: str = "single_value_per_sample",
+    factory: bool = False,
+    overwrite: bool = False,
+) -> Callable:
     """Register ``fn`` under ``name`` (returns ``fn``; without ``fn`` it is a decorator).
 
     Args:
@@ -264,8 +305,10 @@ def get_metric(name: str, **options: Any) -> Callable:
         KeyError: unknown name (the message lists the registered names).
     """
     if name not in _REGISTRY:
-        raise KeyError(f"unknown metric {name!r}; registered metrics: {sorted(_REGISTRY)} (add one with "
-                       "lightning_effi.curriculum.analysis.register_metric)")
+        raise KeyError(
+            f"unknown metric {name!r}; registered metrics: {sorted(_REGISTRY)} (add one with "
+            "lightning_effi.curriculum.analysis.register_metric)"
+        )
     entry = _REGISTRY[name]
     if entry.factory:
         return entry.fn(**options)

@@ -6,6 +6,13 @@ from lightning_effi.reference.data.sst2 import SST2DataModule, SST2Dataset
 from lightning_effi.reference.data.text import CausalLMDataModule, MaskedLMDataModule
 
 __all__ = [
-    "CIFAR10DataModule", "CIFAR10Dataset", "CausalLMDataModule", "EffiDataModule", "MaskedLMDataModule",
-    "PaddingCollate", "SST2DataModule", "SST2Dataset", "seeded_subset",
+    "CIFAR10DataModule",
+    "CIFAR10Dataset",
+    "CausalLMDataModule",
+    "EffiDataModule",
+    "MaskedLMDataModule",
+    "PaddingCollate",
+    "SST2DataModule",
+    "SST2Dataset",
+    "seeded_subset",
 ]

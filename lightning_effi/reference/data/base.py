@@ -13,12 +13,20 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
-from .cache import discard_entry
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.loader import EpochShuffleSampler, ResumableDataLoader
 
-__all__ = ["EffiDataModule", "PaddingCollate", "check_bool", "check_int", "check_choice", "check_fraction",
-           "seeded_subset"]
+from .cache import discard_entry
+
+__all__ = [
+    "EffiDataModule",
+    "PaddingCollate",
+    "check_bool",
+    "check_int",
+    "check_choice",
+    "check_fraction",
+    "seeded_subset",
+]
 
 
 def check_int(name: str, value: Any, minimum: int = 1, optional: bool = False) -> int | None:
@@ -90,9 +98,11 @@ class PaddingCollate:
         batch = {"input_ids": input_ids, "attention_mask": mask.to(torch.int64)}
         labels = [s["labels"] for s in samples] if "labels" in samples[0] else None
         if labels is not None:
-            batch["labels"] = (torch.stack(labels) if labels[0].dim() == 0 else
-                               torch.nn.utils.rnn.pad_sequence(labels, batch_first=True,
-                                                               padding_value=self.label_pad_id))
+            batch["labels"] = (
+                torch.stack(labels)
+                if labels[0].dim() == 0
+                else torch.nn.utils.rnn.pad_sequence(labels, batch_first=True, padding_value=self.label_pad_id)
+            )
         rest = [{k: v for k, v in s.items() if k not in batch} for s in samples]
         if rest[0]:
             batch.update(default_collate(rest))
@@ -116,8 +126,14 @@ class EffiDataModule(LightningDataModule):
     :class:`DataConfigError` naming the entry.
     """
 
-    def __init__(self, batch_size: int, num_workers: int, seed: int, cache_dir: str | os.PathLike | None,
-                 pin_memory: bool = False):
+    def __init__(
+        self,
+        batch_size: int,
+        num_workers: int,
+        seed: int,
+        cache_dir: str | os.PathLike | None,
+        pin_memory: bool = False,
+    ):
         super().__init__()
         self.batch_size = check_int("batch_size", batch_size)
         self.num_workers = check_int("num_workers", num_workers, minimum=0)
@@ -152,11 +168,16 @@ class EffiDataModule(LightningDataModule):
                 if not isinstance(entry, Path):
                     raise
                 if rebuilt:
-                    raise DataConfigError(f"data.cache_dir: the cache entry '{entry}' cannot be read even after "
-                                          f"rebuilding it ({type(err).__name__}: {err}); delete the folder '{entry}' "
-                                          "and run again, or use another cache_dir") from err
-                warnings.warn(f"cache entry '{entry}' is damaged ({type(err).__name__}: {err}); deleting and "
-                              "rebuilding it", RuntimeWarning, stacklevel=2)
+                    raise DataConfigError(
+                        f"data.cache_dir: the cache entry '{entry}' cannot be read even after "
+                        f"rebuilding it ({type(err).__name__}: {err}); delete the folder '{entry}' "
+                        "and run again, or use another cache_dir"
+                    ) from err
+                warnings.warn(
+                    f"cache entry '{entry}' is damaged ({type(err).__name__}: {err}); deleting and rebuilding it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 discard_entry(entry)
 
     def model_hints(self) -> dict:
@@ -164,9 +185,16 @@ class EffiDataModule(LightningDataModule):
         raise NotImplementedError
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=False,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                          pin_memory=self.pin_memory, collate_fn=self.collate_fn)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=False,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
+            collate_fn=self.collate_fn,
+        )
 
     def train_dataloader(self) -> ResumableDataLoader:
         """Shuffled per epoch (seeded by ``seed`` and the epoch), sharded by the trainer's rank under DDP, and
@@ -175,9 +203,15 @@ class EffiDataModule(LightningDataModule):
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         sampler = EpochShuffleSampler(self.train_dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.seed)
-        return ResumableDataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler,
-                                   num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                                   pin_memory=self.pin_memory, collate_fn=self.collate_fn)
+        return ResumableDataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
+            collate_fn=self.collate_fn,
+        )
 
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")

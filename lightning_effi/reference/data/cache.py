@@ -70,9 +70,11 @@ def resolve_cache_dir(cache_dir: str | os.PathLike | None = None, *subdirs: str)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise DataConfigError(f"data.cache_dir: '{base}' cannot be used as the cache directory "
-                              f"({type(err).__name__}: {err}); expected a writable directory (set paths.cache_dir "
-                              f"or ${CACHE_ENV})") from None
+        raise DataConfigError(
+            f"data.cache_dir: '{base}' cannot be used as the cache directory "
+            f"({type(err).__name__}: {err}); expected a writable directory (set paths.cache_dir "
+            f"or ${CACHE_ENV})"
+        ) from None
     _remove_stale_tmp(path)
     return path
 
@@ -105,8 +107,10 @@ def discard_entry(path: str | os.PathLike) -> None:
 
 
 def _no_space(err: OSError, directory: Path) -> DataConfigError:
-    return DataConfigError(f"data.cache_dir: not enough free space in '{directory}' ({err.strerror or err}); free "
-                           f"some space or point paths.cache_dir (${CACHE_ENV}) to another disk")
+    return DataConfigError(
+        f"data.cache_dir: not enough free space in '{directory}' ({err.strerror or err}); free "
+        f"some space or point paths.cache_dir (${CACHE_ENV}) to another disk"
+    )
 
 
 def file_md5(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:

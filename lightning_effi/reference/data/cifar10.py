@@ -40,12 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from .base import EffiDataModule, check_bool, check_int, seeded_subset
-from .cache import NpyFile, atomic_dir, cache_key, file_md5, load_npy, resolve_cache_dir, save_npy
 from lightning_effi.core.errors import DataConfigError
 
-__all__ = ["CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10DataModule", "CIFAR10Dataset",
-           "random_crop_flip"]
+from .base import EffiDataModule, check_bool, check_int, seeded_subset
+from .cache import NpyFile, atomic_dir, cache_key, file_md5, load_npy, resolve_cache_dir, save_npy
+
+__all__ = ["CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10DataModule", "CIFAR10Dataset", "random_crop_flip"]
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -54,8 +54,10 @@ ARCHIVE_NAME = "cifar10-jpeg.tar.gz"
 _CACHE_VERSION = 2  # 2: archive/torchvision sources checked for the exact CIFAR-10 counts
 _SPLITS = ("train", "test")
 _IMAGE_RE = re.compile(r"^(?:\./)?(train|test)/([^/]+)/([^/.][^/]*\.(?:jpe?g|png))$", re.IGNORECASE)
-_EXPECTED = (f"expected a directory containing {ARCHIVE_NAME} or an ImageFolder tree train/<class>/*.jpg "
-             "(+ test/<class>/*.jpg), or set download=true")
+_EXPECTED = (
+    f"expected a directory containing {ARCHIVE_NAME} or an ImageFolder tree train/<class>/*.jpg "
+    "(+ test/<class>/*.jpg), or set download=true"
+)
 _CHUNK = 2048  # images per decode task
 _PER_CLASS = {"train": 5000, "test": 1000}  # exact CIFAR-10 counts required of the archive and torchvision sources
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -66,7 +68,7 @@ def random_crop_flip(image: torch.Tensor, padding: int = 4) -> torch.Tensor:
     with probability 1/2. ``image``: ``[C,H,W]`` (any dtype); uses the torch default RNG (seeded per worker)."""
     _, h, w = image.shape
     dy, dx = torch.randint(0, 2 * padding + 1, (2,)).tolist()
-    out = F.pad(image, (padding, padding, padding, padding))[:, dy:dy + h, dx:dx + w]
+    out = F.pad(image, (padding, padding, padding, padding))[:, dy : dy + h, dx : dx + w]
     return out.flip(-1) if torch.randint(0, 2, ()).item() else out
 
 
@@ -114,8 +116,9 @@ def _decode_chunk(items: list[tuple[str, bytes]]) -> np.ndarray:
         except Exception as err:  # PIL raises many types for bad data
             raise DataConfigError(f"data.root: {name} cannot be decoded as an image ({err})") from None
         if array.shape != (32, 32, 3):
-            raise DataConfigError(f"data.root: {name} is {array.shape[1]}x{array.shape[0]} pixels; "
-                                  "expected a 32x32 CIFAR-10 image")
+            raise DataConfigError(
+                f"data.root: {name} is {array.shape[1]}x{array.shape[0]} pixels; expected a 32x32 CIFAR-10 image"
+            )
         out[k] = array
     return out
 
@@ -133,9 +136,15 @@ def _iter_archive(path: Path) -> Iterator[tuple[str, str, str, bytes]]:
 
 
 def _folder_files(root: Path) -> list[tuple[str, str, Path]]:
-    return [(split, cls.name, f) for split in _SPLITS if (root / split).is_dir()
-            for cls in sorted((root / split).iterdir()) if cls.is_dir()
-            for f in sorted(cls.iterdir()) if _IMAGE_RE.match(f"{split}/{cls.name}/{f.name}")]
+    return [
+        (split, cls.name, f)
+        for split in _SPLITS
+        if (root / split).is_dir()
+        for cls in sorted((root / split).iterdir())
+        if cls.is_dir()
+        for f in sorted(cls.iterdir())
+        if _IMAGE_RE.match(f"{split}/{cls.name}/{f.name}")
+    ]
 
 
 def _iter_folder(root: Path) -> Iterator[tuple[str, str, str, bytes]]:
@@ -159,8 +168,9 @@ def _pool() -> Executor | None:
     workers = min(2, os.cpu_count() or 1)
     if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
         return None  # decode in-process
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker,
-                               initargs=(os.getpid(),))
+    return ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker, initargs=(os.getpid(),)
+    )
 
 
 def _check_counts(labels: dict[str, np.ndarray], src: Path, what: str) -> None:
@@ -170,16 +180,21 @@ def _check_counts(labels: dict[str, np.ndarray], src: Path, what: str) -> None:
         per_class = _PER_CLASS[split]
         if len(counts) == len(CIFAR10_CLASSES) and (counts == per_class).all():
             continue
-        wrong = ", ".join(f"{CIFAR10_CLASSES[c] if c < len(CIFAR10_CLASSES) else c}: {n:,}"
-                          for c, n in enumerate(counts) if n != per_class)
+        wrong = ", ".join(
+            f"{CIFAR10_CLASSES[c] if c < len(CIFAR10_CLASSES) else c}: {n:,}"
+            for c, n in enumerate(counts)
+            if n != per_class
+        )
         raise DataConfigError(
             f"data.root: '{src}' holds {int(counts.sum()):,} {split} images ({wrong}); expected "
             f"{per_class * len(CIFAR10_CLASSES):,} ({per_class:,} per class): {what} is incomplete or corrupt "
-            "(re-copy or re-download it)")
+            "(re-copy or re-download it)"
+        )
 
 
-def _decode_source(items: Iterator[tuple[str, str, str, bytes]], src: Path, archive: bool = False
-                   ) -> dict[str, np.ndarray]:
+def _decode_source(
+    items: Iterator[tuple[str, str, str, bytes]], src: Path, archive: bool = False
+) -> dict[str, np.ndarray]:
     """Decode every image of ``items`` and return the arrays of both splits, sorted by (class, file name).
     ``archive``: ``src`` is an archive, which must hold the exact CIFAR-10 counts."""
     keys: list[tuple[str, str, str]] = []
@@ -208,7 +223,8 @@ def _decode_source(items: Iterator[tuple[str, str, str, bytes]], src: Path, arch
             f"data.root: '{src}' has classes {classes['train']} under train/ and {classes['test']} under test/; "
             f"expected train/<class>/*.jpg and test/<class>/*.jpg (at least one image each) for the ten CIFAR-10 "
             f"classes {' '.join(CIFAR10_CLASSES)}"
-            + ("; the archive may be truncated or corrupt (re-copy or re-download it)" if archive else ""))
+            + ("; the archive may be truncated or corrupt (re-copy or re-download it)" if archive else "")
+        )
     label_of = {c: i for i, c in enumerate(CIFAR10_CLASSES)}
     out = {}
     for split in _SPLITS:
@@ -241,10 +257,21 @@ class CIFAR10DataModule(EffiDataModule):
     num_classes = 10
     classes = list(CIFAR10_CLASSES)
 
-    def __init__(self, root: str | os.PathLike, batch_size: int = 128, num_workers: int = 2, val_size: int = 5000,
-                 train_subset: int | None = None, val_subset: int | None = None, test_subset: int | None = None,
-                 augment: bool = True, download: bool = False, seed: int = 0,
-                 cache_dir: str | os.PathLike | None = None, pin_memory: bool = False):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        batch_size: int = 128,
+        num_workers: int = 2,
+        val_size: int = 5000,
+        train_subset: int | None = None,
+        val_subset: int | None = None,
+        test_subset: int | None = None,
+        augment: bool = True,
+        download: bool = False,
+        seed: int = 0,
+        cache_dir: str | os.PathLike | None = None,
+        pin_memory: bool = False,
+    ):
         super().__init__(batch_size, num_workers, seed, cache_dir, pin_memory)
         if root is None:
             raise DataConfigError(f"data.root: not set; {_EXPECTED}")
@@ -274,16 +301,18 @@ class CIFAR10DataModule(EffiDataModule):
             return "download", root
         if not root.exists():
             raise DataConfigError(f"data.root: '{root}' does not exist; {_EXPECTED}")
-        raise DataConfigError(f"data.root: '{root}' contains neither {ARCHIVE_NAME} nor train/ and test/ "
-                              f"ImageFolder trees; {_EXPECTED}")
+        raise DataConfigError(
+            f"data.root: '{root}' contains neither {ARCHIVE_NAME} nor train/ and test/ ImageFolder trees; {_EXPECTED}"
+        )
 
     def _prepare(self) -> Path:
         kind, path = self._source()
         if kind == "archive":
             key = cache_key(source=kind, md5=file_md5(path), version=_CACHE_VERSION)
         elif kind == "folder":
-            listing = [(str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
-                       for _, _, f in _folder_files(path)]
+            listing = [
+                (str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns) for _, _, f in _folder_files(path)
+            ]
             key = cache_key(source=kind, listing=listing, version=_CACHE_VERSION)
         else:  # torchvision verifies its archive's md5, so the content is fixed
             key = cache_key(source=kind, md5="c58f30108f718f92721af3b95e74349a", version=_CACHE_VERSION)
@@ -311,10 +340,12 @@ class CIFAR10DataModule(EffiDataModule):
         try:
             return _decode_source(_iter_archive(path), path, archive=True)
         except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
-            raise DataConfigError(f"data.root: '{path}' is not a readable .tar.gz archive: it is incomplete or "
-                                  f"corrupt ({type(err).__name__}: {err}); expected {ARCHIVE_NAME} holding "
-                                  "train/<class>/NNNN.jpg and test/<class>/NNNN.jpg (re-copy or re-download the "
-                                  "file)") from err
+            raise DataConfigError(
+                f"data.root: '{path}' is not a readable .tar.gz archive: it is incomplete or "
+                f"corrupt ({type(err).__name__}: {err}); expected {ARCHIVE_NAME} holding "
+                "train/<class>/NNNN.jpg and test/<class>/NNNN.jpg (re-copy or re-download the "
+                "file)"
+            ) from err
 
     def _setup(self, entry: Path) -> None:
         images = {s: NpyFile(entry / f"{s}_images.npy") for s in _SPLITS}
@@ -324,15 +355,23 @@ class CIFAR10DataModule(EffiDataModule):
                 raise ValueError(f"'{images[s].path}' holds {len(images[s])} images for {len(labels[s])} labels")
         n_train = len(labels["train"])
         if self.val_size >= n_train:
-            raise DataConfigError(f"data.val_size: {self.val_size} is invalid; expected fewer than the "
-                                  f"{n_train} training images")
+            raise DataConfigError(
+                f"data.val_size: {self.val_size} is invalid; expected fewer than the {n_train} training images"
+            )
         perm = np.random.default_rng([self.seed, 0]).permutation(n_train)
-        val_idx, train_idx = perm[:self.val_size], perm[self.val_size:]
+        val_idx, train_idx = perm[: self.val_size], perm[self.val_size :]
         self.train_dataset = seeded_subset(
             CIFAR10Dataset(images["train"], labels["train"], train_idx, augment=self.augment),
-            self.train_subset, self.seed, 1)
-        self.val_dataset = seeded_subset(CIFAR10Dataset(images["train"], labels["train"], val_idx),
-                                         self.val_subset, self.seed, 2)
+            self.train_subset,
+            self.seed,
+            1,
+        )
+        self.val_dataset = seeded_subset(
+            CIFAR10Dataset(images["train"], labels["train"], val_idx), self.val_subset, self.seed, 2
+        )
         self.test_dataset = seeded_subset(
             CIFAR10Dataset(images["test"], labels["test"], np.arange(len(labels["test"]))),
-            self.test_subset, self.seed, 3)
+            self.test_subset,
+            self.seed,
+            3,
+        )

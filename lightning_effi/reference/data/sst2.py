@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_effi.core.errors import DataConfigError
+
 from .base import EffiDataModule, PaddingCollate, check_int, seeded_subset
 from .cache import NpyFile, atomic_dir, cache_key, file_md5, load_npy, resolve_cache_dir, save_npy
-from lightning_effi.core.errors import DataConfigError
 from .tokenization import BERT_SPECIAL_TOKENS, load_tokenizer, save_tokenizer, train_wordpiece_tokenizer
 
 __all__ = ["SST2DataModule", "SST2Dataset", "read_sst2_tsv"]
@@ -38,30 +39,37 @@ def read_sst2_tsv(path: str | os.PathLike) -> tuple[list[str], np.ndarray]:
     """
     path = Path(path)
     if not path.is_file():
-        raise DataConfigError(f"data.root: '{path}' does not exist; expected the GLUE SST-2 file {path.name} "
-                              "(label<TAB>sentence with a header row)")
+        raise DataConfigError(
+            f"data.root: '{path}' does not exist; expected the GLUE SST-2 file {path.name} "
+            "(label<TAB>sentence with a header row)"
+        )
     sentences, labels = [], []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as err:
-                raise DataConfigError(f"data.root: '{path}' line {lineno}: byte {err.object[err.start]:#04x} at "
-                                      f"position {err.start + 1} is not valid UTF-8 ({err.reason}); expected a UTF-8 "
-                                      "text file") from None
+                raise DataConfigError(
+                    f"data.root: '{path}' line {lineno}: byte {err.object[err.start]:#04x} at "
+                    f"position {err.start + 1} is not valid UTF-8 ({err.reason}); expected a UTF-8 "
+                    "text file"
+                ) from None
             if lineno == 1 or not line:  # the header row, an empty line
                 continue
             cols = line.split("\t")
             if len(cols) != 2:
-                raise DataConfigError(f"data.root: '{path}' line {lineno}: {len(cols)} tab-separated columns; "
-                                      "expected 2 (label, sentence)")
+                raise DataConfigError(
+                    f"data.root: '{path}' line {lineno}: {len(cols)} tab-separated columns; "
+                    "expected 2 (label, sentence)"
+                )
             if cols[0] not in ("0", "1"):
                 raise DataConfigError(f"data.root: '{path}' line {lineno}: label {cols[0]!r}; expected 0 or 1")
             labels.append(int(cols[0]))
             sentences.append(cols[1])
     if not labels:
-        raise DataConfigError(f"data.root: '{path}' has no data rows; expected a header row followed by "
-                              "label<TAB>sentence rows")
+        raise DataConfigError(
+            f"data.root: '{path}' has no data rows; expected a header row followed by label<TAB>sentence rows"
+        )
     return sentences, np.asarray(labels, dtype=np.int64)
 
 
@@ -79,9 +87,11 @@ class SST2Dataset(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         i = range(len(self))[i]  # bounds check and negative indices
-        ids = self.ids.array[self.offsets[i]:self.offsets[i + 1]]
-        return {"input_ids": torch.from_numpy(ids.astype(np.int64)),
-                "labels": torch.tensor(self.labels[i], dtype=torch.int64)}
+        ids = self.ids.array[self.offsets[i] : self.offsets[i + 1]]
+        return {
+            "input_ids": torch.from_numpy(ids.astype(np.int64)),
+            "labels": torch.tensor(self.labels[i], dtype=torch.int64),
+        }
 
     def sequence_lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
@@ -103,13 +113,24 @@ class SST2DataModule(EffiDataModule):
 
     num_classes = 2
 
-    def __init__(self, root: str | os.PathLike, vocab_size: int = 8192, max_length: int = 66, batch_size: int = 32,
-                 num_workers: int = 0, train_subset: int | None = None, val_subset: int | None = None,
-                 cache_dir: str | os.PathLike | None = None, seed: int = 0):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        vocab_size: int = 8192,
+        max_length: int = 66,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        train_subset: int | None = None,
+        val_subset: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        seed: int = 0,
+    ):
         super().__init__(batch_size, num_workers, seed, cache_dir)
         if root is None or not Path(root).expanduser().is_dir():
-            raise DataConfigError(f"data.root: '{root}' does not exist; expected a directory with the GLUE SST-2 "
-                                  "files train.tsv and dev.tsv")
+            raise DataConfigError(
+                f"data.root: '{root}' does not exist; expected a directory with the GLUE SST-2 "
+                "files train.tsv and dev.tsv"
+            )
         self.root = Path(root).expanduser()
         self.vocab_size = check_int("vocab_size", vocab_size)
         self.max_length = check_int("max_length", max_length, minimum=3)
@@ -123,10 +144,16 @@ class SST2DataModule(EffiDataModule):
         paths = {split: self.root / name for split, name in _SPLITS.items()}
         for path in paths.values():
             if not path.is_file():
-                raise DataConfigError(f"data.root: '{path}' does not exist; expected the GLUE SST-2 file "
-                                      f"{path.name} (label<TAB>sentence with a header row)")
-        key = cache_key(md5={s: file_md5(p) for s, p in paths.items()}, vocab_size=self.vocab_size,
-                        max_length=self.max_length, version=_CACHE_VERSION)
+                raise DataConfigError(
+                    f"data.root: '{path}' does not exist; expected the GLUE SST-2 file "
+                    f"{path.name} (label<TAB>sentence with a header row)"
+                )
+        key = cache_key(
+            md5={s: file_md5(p) for s, p in paths.items()},
+            vocab_size=self.vocab_size,
+            max_length=self.max_length,
+            version=_CACHE_VERSION,
+        )
         entry = resolve_cache_dir(self.cache_dir, "sst2") / key
         if entry.is_dir():
             return entry
@@ -135,8 +162,10 @@ class SST2DataModule(EffiDataModule):
         cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
         arrays = {}
         for split, (sentences, labels) in data.items():
-            seqs = [[cls_id, *e.ids[:self.max_length - 2], sep_id]
-                    for e in tokenizer.encode_batch(sentences, add_special_tokens=False)]
+            seqs = [
+                [cls_id, *e.ids[: self.max_length - 2], sep_id]
+                for e in tokenizer.encode_batch(sentences, add_special_tokens=False)
+            ]
             arrays[f"{split}_ids"] = np.fromiter((t for s in seqs for t in s), dtype=np.int32)
             arrays[f"{split}_offsets"] = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
             arrays[f"{split}_labels"] = labels
@@ -147,8 +176,14 @@ class SST2DataModule(EffiDataModule):
 
     def _setup(self, entry: Path) -> None:
         self.tokenizer = load_tokenizer(entry / "tokenizer.json")
-        train, dev = (SST2Dataset(NpyFile(entry / f"{s}_ids.npy"), load_npy(entry / f"{s}_offsets.npy"),
-                                  load_npy(entry / f"{s}_labels.npy")) for s in _SPLITS)
+        train, dev = (
+            SST2Dataset(
+                NpyFile(entry / f"{s}_ids.npy"),
+                load_npy(entry / f"{s}_offsets.npy"),
+                load_npy(entry / f"{s}_labels.npy"),
+            )
+            for s in _SPLITS
+        )
         for ds in (train, dev):  # open now: a damaged entry is found (and rebuilt) in setup, not in a worker
             if len(ds.offsets) != len(ds) + 1 or ds.offsets[-1] != len(ds.ids):
                 raise ValueError(f"'{ds.ids.path}' does not match its offsets and labels")
@@ -157,5 +192,9 @@ class SST2DataModule(EffiDataModule):
 
     def model_hints(self) -> dict:
         self.setup()
-        return {"vocab_size": self.tokenizer.get_vocab_size(), "pad_token_id": self.pad_token_id,
-                "num_classes": self.num_classes, "max_length": self.max_length}
+        return {
+            "vocab_size": self.tokenizer.get_vocab_size(),
+            "pad_token_id": self.pad_token_id,
+            "num_classes": self.num_classes,
+            "max_length": self.max_length,
+        }

@@ -1,7 +1,8 @@
 """Language-modelling DataModules over one plain-text corpus: causal LM (GPT-style) and masked LM (BERT-style).
 
-The text is a UTF-8 file (``text_path``, e.g. Tiny Shakespeare) or the embedded stdlib corpus (``corpus="stdlib"``,
-:mod:`lightning_effi.reference.data.corpus`), optionally cut to its first ``max_chars`` characters. It is split by characters:
+The text is a UTF-8 file (``text_path``, e.g. Tiny Shakespeare) or the embedded stdlib corpus
+(``corpus="stdlib"``, :mod:`lightning_effi.reference.data.corpus`), optionally cut to its first ``max_chars``
+characters. It is split by characters:
 the first ``1 - val_fraction`` for training, the rest for validation (the usual Tiny Shakespeare 90/10 split). The
 tokenizer is trained on the training part only; both parts are encoded once and cached as ``.npy`` token arrays
 (``uint16`` when the vocabulary has fewer than 65,536 entries, else ``int32``) under ``<cache_dir>/text/<key>/``,
@@ -19,12 +20,21 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_effi.core.errors import DataConfigError
+
 from .base import EffiDataModule, PaddingCollate, check_choice, check_file, check_fraction, check_int, seeded_subset
 from .cache import NpyFile, atomic_dir, cache_key, resolve_cache_dir, save_npy, texts_sha256
 from .corpus import stdlib_corpus, stdlib_corpus_files
-from lightning_effi.core.errors import DataConfigError
-from .tokenization import (BERT_SPECIAL_TOKENS, CharTokenizer, encode_text, load_tokenizer, save_tokenizer,
-                           token_dtype, train_bpe_tokenizer, train_wordpiece_tokenizer)
+from .tokenization import (
+    BERT_SPECIAL_TOKENS,
+    CharTokenizer,
+    encode_text,
+    load_tokenizer,
+    save_tokenizer,
+    token_dtype,
+    train_bpe_tokenizer,
+    train_wordpiece_tokenizer,
+)
 
 __all__ = ["CausalLMDataModule", "MaskedBlockDataset", "MaskedLMDataModule", "TokenBlockDataset", "mask_tokens"]
 
@@ -60,7 +70,7 @@ class TokenBlockDataset(Dataset):
 
     def _block(self, i: int) -> torch.Tensor:
         i = _check_index(i, self.num_blocks)
-        return torch.from_numpy(self.tokens.array[i * self._span:(i + 1) * self._span].astype(np.int64))
+        return torch.from_numpy(self.tokens.array[i * self._span : (i + 1) * self._span].astype(np.int64))
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self._block(i)}
@@ -69,9 +79,14 @@ class TokenBlockDataset(Dataset):
         return np.full(self.num_blocks, self.block_size, dtype=np.int64)
 
 
-def mask_tokens(input_ids: torch.Tensor, special_mask: torch.Tensor, mlm_probability: float, mask_token_id: int,
-                random_token_range: tuple[int, int], generator: torch.Generator | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def mask_tokens(
+    input_ids: torch.Tensor,
+    special_mask: torch.Tensor,
+    mlm_probability: float,
+    mask_token_id: int,
+    random_token_range: tuple[int, int],
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """BERT masking of a 1-D ``input_ids``: each non-special token is selected with probability
     ``mlm_probability`` (at least one is selected when any non-special token exists); a selected token becomes
     ``mask_token_id`` with probability 0.8, a uniform random id from ``random_token_range`` (``[low, high)``) with
@@ -102,8 +117,9 @@ class MaskedBlockDataset(TokenBlockDataset):
 
     specials_per_block = 2
 
-    def __init__(self, tokens: NpyFile, block_size: int, vocab_size: int, mlm_probability: float,
-                 mask_seed: int | None = None):
+    def __init__(
+        self, tokens: NpyFile, block_size: int, vocab_size: int, mlm_probability: float, mask_seed: int | None = None
+    ):
         super().__init__(tokens, block_size)
         self.vocab_size = vocab_size
         self.mlm_probability = mlm_probability
@@ -119,8 +135,9 @@ class MaskedBlockDataset(TokenBlockDataset):
         if self.mask_seed is not None:
             seed = np.random.SeedSequence([self.mask_seed, _check_index(i, self.num_blocks)]).generate_state(1)[0]
             generator = torch.Generator().manual_seed(int(seed))
-        input_ids, labels = mask_tokens(ids, special, self.mlm_probability, self.mask_id,
-                                        (len(BERT_SPECIAL_TOKENS), self.vocab_size), generator)
+        input_ids, labels = mask_tokens(
+            ids, special, self.mlm_probability, self.mask_id, (len(BERT_SPECIAL_TOKENS), self.vocab_size), generator
+        )
         return {"input_ids": input_ids, "labels": labels}
 
 
@@ -130,8 +147,22 @@ class _TextDataModule(EffiDataModule):
     tokenizers: tuple[str, ...] = ()
     specials_per_block = 0
 
-    def __init__(self, text_path, corpus, tokenizer, vocab_size, block_size, val_fraction, batch_size, num_workers,
-                 max_chars, train_subset, val_subset, cache_dir, seed):
+    def __init__(
+        self,
+        text_path,
+        corpus,
+        tokenizer,
+        vocab_size,
+        block_size,
+        val_fraction,
+        batch_size,
+        num_workers,
+        max_chars,
+        train_subset,
+        val_subset,
+        cache_dir,
+        seed,
+    ):
         super().__init__(batch_size, num_workers, seed, cache_dir)
         self.corpus = check_choice("corpus", corpus, ("file", "stdlib"))
         self.text_path = check_file("text_path", text_path) if corpus == "file" else None
@@ -153,7 +184,7 @@ class _TextDataModule(EffiDataModule):
             text = self.text_path.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
             raise DataConfigError(f"data.text_path: '{self.text_path}' is not UTF-8 text ({err})") from None
-        text = text[:self.max_chars] if self.max_chars else text
+        text = text[: self.max_chars] if self.max_chars else text
         if not text:
             raise DataConfigError(f"data.text_path: '{self.text_path}' is empty; expected a non-empty text file")
         return text
@@ -164,16 +195,22 @@ class _TextDataModule(EffiDataModule):
     def _prepare(self) -> Path:
         text = self._text()
         n_train = int(len(text) * (1 - self.val_fraction))
-        key = cache_key(text_sha256=texts_sha256(text), n_train=n_train, tokenizer=self.tokenizer_name,
-                        vocab_size=None if self.tokenizer_name == "char" else self.vocab_size,
-                        version=_CACHE_VERSION)
+        key = cache_key(
+            text_sha256=texts_sha256(text),
+            n_train=n_train,
+            tokenizer=self.tokenizer_name,
+            vocab_size=None if self.tokenizer_name == "char" else self.vocab_size,
+            version=_CACHE_VERSION,
+        )
         entry = resolve_cache_dir(self.cache_dir, "text") / key
         if not entry.is_dir():
             train_text, val_text = text[:n_train], text[n_train:]
             tokenizer = self._train_tokenizer(train_text, val_text)
             dtype = token_dtype(tokenizer.get_vocab_size())
-            arrays = {name: encode_text(tokenizer, part).astype(dtype)
-                      for name, part in (("train", train_text), ("val", val_text))}
+            arrays = {
+                name: encode_text(tokenizer, part).astype(dtype)
+                for name, part in (("train", train_text), ("val", val_text))
+            }
             with atomic_dir(entry) as tmp:
                 save_npy(tmp, **arrays)
                 save_tokenizer(tokenizer, tmp / "tokenizer.json")
@@ -188,17 +225,22 @@ class _TextDataModule(EffiDataModule):
         specials = self.specials_per_block
         for name, tokens in (("training", train), ("validation", val)):
             if len(tokens) == 0:  # no block_size (>= 1 + specials) fits: say what is wrong with the text instead
-                source = (f"text_path: '{self.text_path}'" if self.corpus == "file"
-                          else f"max_chars: {self.max_chars!r} (corpus=stdlib)")
+                source = (
+                    f"text_path: '{self.text_path}'"
+                    if self.corpus == "file"
+                    else f"max_chars: {self.max_chars!r} (corpus=stdlib)"
+                )
                 raise DataConfigError(
                     f"data.{source} gives no token in the {name} split (that part of the text is empty or only "
                     "whitespace); expected at least one token in each split: use a longer text or change "
-                    "max_chars/val_fraction")
+                    "max_chars/val_fraction"
+                )
             if len(tokens) + specials < self.block_size:
                 raise DataConfigError(
                     f"data.block_size: {self.block_size} is larger than the {name} split ({len(tokens)} tokens"
                     f"{' + [CLS]/[SEP]' if specials else ''}); expected at most {len(tokens) + specials}: lower "
-                    "block_size or max_chars/val_fraction, or use a longer text")
+                    "block_size or max_chars/val_fraction, or use a longer text"
+                )
         train_ds, val_ds = self._datasets(train, val)
         self.train_dataset = seeded_subset(train_ds, self.train_subset, self.seed, 1)
         self.val_dataset = self.test_dataset = seeded_subset(val_ds, self.val_subset, self.seed, 2)
@@ -226,12 +268,37 @@ class CausalLMDataModule(_TextDataModule):
 
     tokenizers = ("bpe", "char")
 
-    def __init__(self, text_path: str | os.PathLike | None = None, corpus: str = "file", tokenizer: str = "bpe",
-                 vocab_size: int = 2048, block_size: int = 128, val_fraction: float = 0.1, batch_size: int = 32,
-                 num_workers: int = 0, max_chars: int | None = None, train_subset: int | None = None,
-                 val_subset: int | None = None, cache_dir: str | os.PathLike | None = None, seed: int = 0):
-        super().__init__(text_path, corpus, tokenizer, vocab_size, block_size, val_fraction, batch_size, num_workers,
-                         max_chars, train_subset, val_subset, cache_dir, seed)
+    def __init__(
+        self,
+        text_path: str | os.PathLike | None = None,
+        corpus: str = "file",
+        tokenizer: str = "bpe",
+        vocab_size: int = 2048,
+        block_size: int = 128,
+        val_fraction: float = 0.1,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        max_chars: int | None = None,
+        train_subset: int | None = None,
+        val_subset: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        seed: int = 0,
+    ):
+        super().__init__(
+            text_path,
+            corpus,
+            tokenizer,
+            vocab_size,
+            block_size,
+            val_fraction,
+            batch_size,
+            num_workers,
+            max_chars,
+            train_subset,
+            val_subset,
+            cache_dir,
+            seed,
+        )
 
     def _train_tokenizer(self, train_text: str, val_text: str):
         if self.tokenizer_name == "char":
@@ -263,13 +330,38 @@ class MaskedLMDataModule(_TextDataModule):
     tokenizers = ("wordpiece",)
     specials_per_block = 2
 
-    def __init__(self, text_path: str | os.PathLike | None = None, corpus: str = "file",
-                 tokenizer: str = "wordpiece", vocab_size: int = 4096, block_size: int = 128,
-                 mlm_probability: float = 0.15, val_fraction: float = 0.1, batch_size: int = 32,
-                 num_workers: int = 0, max_chars: int | None = None, train_subset: int | None = None,
-                 val_subset: int | None = None, cache_dir: str | os.PathLike | None = None, seed: int = 0):
-        super().__init__(text_path, corpus, tokenizer, vocab_size, block_size, val_fraction, batch_size, num_workers,
-                         max_chars, train_subset, val_subset, cache_dir, seed)
+    def __init__(
+        self,
+        text_path: str | os.PathLike | None = None,
+        corpus: str = "file",
+        tokenizer: str = "wordpiece",
+        vocab_size: int = 4096,
+        block_size: int = 128,
+        mlm_probability: float = 0.15,
+        val_fraction: float = 0.1,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        max_chars: int | None = None,
+        train_subset: int | None = None,
+        val_subset: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        seed: int = 0,
+    ):
+        super().__init__(
+            text_path,
+            corpus,
+            tokenizer,
+            vocab_size,
+            block_size,
+            val_fraction,
+            batch_size,
+            num_workers,
+            max_chars,
+            train_subset,
+            val_subset,
+            cache_dir,
+            seed,
+        )
         self.mlm_probability = check_fraction("mlm_probability", mlm_probability)
         self.pad_token_id = BERT_SPECIAL_TOKENS.index("[PAD]")
         self.collate_fn = PaddingCollate(self.pad_token_id)
@@ -279,9 +371,10 @@ class MaskedLMDataModule(_TextDataModule):
 
     def _datasets(self, train: NpyFile, val: NpyFile) -> tuple[Dataset, Dataset]:
         vocab = self.tokenizer.get_vocab_size()
-        return (MaskedBlockDataset(train, self.block_size, vocab, self.mlm_probability),
-                MaskedBlockDataset(val, self.block_size, vocab, self.mlm_probability, mask_seed=self.seed))
+        return (
+            MaskedBlockDataset(train, self.block_size, vocab, self.mlm_probability),
+            MaskedBlockDataset(val, self.block_size, vocab, self.mlm_probability, mask_seed=self.seed),
+        )
 
     def model_hints(self) -> dict:
-        return {"vocab_size": self.actual_vocab_size, "pad_token_id": self.pad_token_id,
-                "max_length": self.block_size}
+        return {"vocab_size": self.actual_vocab_size, "pad_token_id": self.pad_token_id, "max_length": self.block_size}

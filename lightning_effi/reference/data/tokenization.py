@@ -16,11 +16,21 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from .cache import atomic_write, cache_key, resolve_cache_dir, texts_sha256
 from lightning_effi.core.errors import DataConfigError
 
-__all__ = ["BERT_SPECIAL_TOKENS", "EOT_TOKEN", "CharTokenizer", "encode_text", "load_tokenizer", "save_tokenizer",
-           "token_dtype", "train_bpe_tokenizer", "train_wordpiece_tokenizer"]
+from .cache import atomic_write, cache_key, resolve_cache_dir, texts_sha256
+
+__all__ = [
+    "BERT_SPECIAL_TOKENS",
+    "EOT_TOKEN",
+    "CharTokenizer",
+    "encode_text",
+    "load_tokenizer",
+    "save_tokenizer",
+    "token_dtype",
+    "train_bpe_tokenizer",
+    "train_wordpiece_tokenizer",
+]
 
 EOT_TOKEN = "<|endoftext|>"
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4
@@ -31,19 +41,23 @@ _LINES_PER_CHUNK = 256
 def _line_chunks(text: str) -> list[str]:
     """``text`` cut after line ends into chunks of whole lines (their concatenation is ``text``)."""
     lines = text.splitlines(keepends=True)
-    return ["".join(lines[i:i + _LINES_PER_CHUNK]) for i in range(0, len(lines), _LINES_PER_CHUNK)]
+    return ["".join(lines[i : i + _LINES_PER_CHUNK]) for i in range(0, len(lines), _LINES_PER_CHUNK)]
 
 
-def _cached_tokenizer(kind: str, texts: str | Sequence[str], cache_dir, params: dict,
-                      build: Callable[[], Tokenizer]) -> Tokenizer:
+def _cached_tokenizer(
+    kind: str, texts: str | Sequence[str], cache_dir, params: dict, build: Callable[[], Tokenizer]
+) -> Tokenizer:
     key = cache_key(kind=kind, text_sha256=texts_sha256(texts), version=_VERSION, **params)
     path = resolve_cache_dir(cache_dir, "tokenizers") / f"{kind}-{key}.json"
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a plain Exception for a damaged file
-            warnings.warn(f"cached tokenizer '{path}' is damaged ({err}); deleting and retraining it", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f"cached tokenizer '{path}' is damaged ({err}); deleting and retraining it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             path.unlink(missing_ok=True)
     tokenizer = build()
     with atomic_write(path, "w", encoding="utf-8") as f:
@@ -55,8 +69,9 @@ def _as_texts(texts: str | Iterable[str]) -> str | list[str]:
     return texts if isinstance(texts, str) else list(texts)
 
 
-def train_bpe_tokenizer(texts_or_text: str | Iterable[str], vocab_size: int,
-                        cache_dir: str | os.PathLike | None = None) -> Tokenizer:
+def train_bpe_tokenizer(
+    texts_or_text: str | Iterable[str], vocab_size: int, cache_dir: str | os.PathLike | None = None
+) -> Tokenizer:
     """Byte-level BPE (GPT-2 style, no prefix space) with the special token ``<|endoftext|>`` (id 0).
 
     ``vocab_size`` (>= 257: 256 bytes + the special token) is an upper bound; the trained vocabulary can be smaller
@@ -73,16 +88,21 @@ def train_bpe_tokenizer(texts_or_text: str | Iterable[str], vocab_size: int,
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TOKEN], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOT_TOKEN],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         tok.train_from_iterator(_line_chunks(texts) if isinstance(texts, str) else texts, trainer)
         return tok
 
     return _cached_tokenizer("bpe", texts, cache_dir, {"vocab_size": vocab_size}, build)
 
 
-def train_wordpiece_tokenizer(texts: str | Iterable[str], vocab_size: int,
-                              cache_dir: str | os.PathLike | None = None, lowercase: bool = True) -> Tokenizer:
+def train_wordpiece_tokenizer(
+    texts: str | Iterable[str], vocab_size: int, cache_dir: str | os.PathLike | None = None, lowercase: bool = True
+) -> Tokenizer:
     """BERT-style WordPiece: BERT normaliser (lower-casing and accent stripping if ``lowercase``), BERT
     pre-tokeniser, ``##`` continuation prefix, special tokens ``[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4``, and a
     post-processor adding ``[CLS] ... [SEP]`` (disable with ``add_special_tokens=False``).
@@ -99,15 +119,16 @@ def train_wordpiece_tokenizer(texts: str | Iterable[str], vocab_size: int,
         tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece()
-        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(BERT_SPECIAL_TOKENS),
-                                            show_progress=False)
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size, special_tokens=list(BERT_SPECIAL_TOKENS), show_progress=False
+        )
         tok.train_from_iterator(_line_chunks(texts) if isinstance(texts, str) else texts, trainer)
         tok.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+        )
         return tok
 
-    return _cached_tokenizer("wordpiece", texts, cache_dir, {"vocab_size": vocab_size, "lowercase": lowercase},
-                             build)
+    return _cached_tokenizer("wordpiece", texts, cache_dir, {"vocab_size": vocab_size, "lowercase": lowercase}, build)
 
 
 class CharTokenizer:

@@ -23,7 +23,9 @@ class SmallCNN(nn.Module):
     (``forward_features``, ``forward_head``, ``get_classifier``, ``reset_classifier``).
     """
 
-    def __init__(self, num_classes: int = 10, in_chans: int = 3, widths: Sequence[int] = (32, 64, 128), drop_rate: float = 0.0):
+    def __init__(
+        self, num_classes: int = 10, in_chans: int = 3, widths: Sequence[int] = (32, 64, 128), drop_rate: float = 0.0
+    ):
         super().__init__()
         if not widths or any(int(w) <= 0 for w in widths):
             raise ValueError(f"SmallCNN: widths must be a non-empty list of positive ints, got {list(widths)}")
@@ -110,8 +112,11 @@ class ImageClassifier(EffiTask):
             raise ValueError(f"model.model_name: expected a timm model name (a string), got {model_name!r}")
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"model.num_classes must be an int >= 2, got {num_classes!r}")
-        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
-                or not 0.0 <= label_smoothing < 1.0:
+        if (
+            isinstance(label_smoothing, bool)
+            or not isinstance(label_smoothing, (int, float))
+            or not 0.0 <= label_smoothing < 1.0
+        ):
             raise ValueError(f"model.label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.model = create_timm_model(model_name, int(num_classes), **dict(model_kwargs or {}))

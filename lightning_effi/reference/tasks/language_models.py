@@ -1,5 +1,6 @@
 """Hugging Face transformer tasks built from configs (no pretrained weights): GPT-2 causal LM, BERT masked LM and
-BERT sequence classification. All follow the per-sample-loss contract of :class:`~lightning_effi.reference.tasks.base.EffiTask`.
+BERT sequence classification. All follow the per-sample-loss contract of
+:class:`~lightning_effi.reference.tasks.base.EffiTask`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,17 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_transformer(vocab_size: Any, n_layer: Any, hidden: Any, n_head: Any, attn: Any, positions: Any,
-                       dropout: Any, positions_key: str, pad_token_id: Any = 0) -> None:
+def _check_transformer(
+    vocab_size: Any,
+    n_layer: Any,
+    hidden: Any,
+    n_head: Any,
+    attn: Any,
+    positions: Any,
+    dropout: Any,
+    positions_key: str,
+    pad_token_id: Any = 0,
+) -> None:
     _require(
         "vocab_size",
         vocab_size,
@@ -45,13 +55,25 @@ def _check_transformer(vocab_size: Any, n_layer: Any, hidden: Any, n_head: Any, 
     )
     _require("n_layer", n_layer, _is_int(n_layer) and n_layer >= 1, "an int >= 1")
     _require("n_embd", hidden, _is_int(hidden) and hidden >= 1, "an int >= 1")
-    _require("n_head", n_head, _is_int(n_head) and n_head >= 1 and hidden % n_head == 0,
-             f"a positive divisor of n_embd={hidden}")
+    _require(
+        "n_head",
+        n_head,
+        _is_int(n_head) and n_head >= 1 and hidden % n_head == 0,
+        f"a positive divisor of n_embd={hidden}",
+    )
     _require(positions_key, positions, _is_int(positions) and positions >= 2, "an int >= 2")
-    _require("dropout", dropout, isinstance(dropout, (int, float)) and not isinstance(dropout, bool)
-             and 0 <= dropout < 1, "a number in [0, 1)")
-    _require("pad_token_id", pad_token_id, _is_int(pad_token_id) and 0 <= pad_token_id < vocab_size,
-             f"an int in [0, vocab_size={vocab_size})")
+    _require(
+        "dropout",
+        dropout,
+        isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1,
+        "a number in [0, 1)",
+    )
+    _require(
+        "pad_token_id",
+        pad_token_id,
+        _is_int(pad_token_id) and 0 <= pad_token_id < vocab_size,
+        f"an int in [0, vocab_size={vocab_size})",
+    )
     _require("attn_implementation", attn, attn in ("eager", "sdpa"), "'eager' or 'sdpa'")
 
 
@@ -114,7 +136,9 @@ class GPT2CausalLM(_LanguageModelTask):
         weight_decay: float | None = 0.1,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay)
-        _check_transformer(vocab_size, n_layer, n_embd, n_head, attn_implementation, n_positions, dropout, "n_positions")
+        _check_transformer(
+            vocab_size, n_layer, n_embd, n_head, attn_implementation, n_positions, dropout, "n_positions"
+        )
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         config = GPT2Config(
             vocab_size=vocab_size,
@@ -158,8 +182,17 @@ class GPT2CausalLM(_LanguageModelTask):
         return {"vocab_size": self.model.config.vocab_size, "max_length": self.model.config.n_positions}
 
 
-def _bert_config(vocab_size: int, n_layer: int, hidden: int, n_head: int, max_length: int, pad_token_id: int,
-                 dropout: float, attn: str, **extra: Any) -> BertConfig:
+def _bert_config(
+    vocab_size: int,
+    n_layer: int,
+    hidden: int,
+    n_head: int,
+    max_length: int,
+    pad_token_id: int,
+    dropout: float,
+    attn: str,
+    **extra: Any,
+) -> BertConfig:
     return BertConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -201,8 +234,9 @@ class BertMaskedLM(_LanguageModelTask):
         weight_decay: float | None = 0.01,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay)
-        _check_transformer(vocab_size, n_layer, n_embd, n_head, attn_implementation, max_length, dropout, "max_length",
-                           pad_token_id)
+        _check_transformer(
+            vocab_size, n_layer, n_embd, n_head, attn_implementation, max_length, dropout, "max_length", pad_token_id
+        )
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.model = BertForMaskedLM(
             _bert_config(vocab_size, n_layer, n_embd, n_head, max_length, pad_token_id, dropout, attn_implementation)
@@ -257,12 +291,20 @@ class BertSequenceClassifier(EffiTask):
         weight_decay: float | None = 0.01,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay)
-        _check_transformer(vocab_size, n_layer, n_embd, n_head, attn_implementation, max_length, dropout, "max_length",
-                           pad_token_id)
+        _check_transformer(
+            vocab_size, n_layer, n_embd, n_head, attn_implementation, max_length, dropout, "max_length", pad_token_id
+        )
         _require("num_classes", num_classes, _is_int(num_classes) and num_classes >= 2, "an int >= 2")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         config = _bert_config(
-            vocab_size, n_layer, n_embd, n_head, max_length, pad_token_id, dropout, attn_implementation,
+            vocab_size,
+            n_layer,
+            n_embd,
+            n_head,
+            max_length,
+            pad_token_id,
+            dropout,
+            attn_implementation,
             num_labels=num_classes,
         )
         self.model = BertForSequenceClassification(config)
@@ -286,7 +328,13 @@ class BertSequenceClassifier(EffiTask):
         b, t = batch["input_ids"].shape
         cfg = self.model.config
         return transformer_training_flops(
-            b, t, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, 0, head="cls",
+            b,
+            t,
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            0,
+            head="cls",
             num_classes=cfg.num_labels,
         )
 
