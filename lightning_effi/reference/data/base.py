@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
+from lightning_effi.core.checks import is_int, is_real
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.loader import EpochShuffleSampler, ResumableDataLoader
 
@@ -33,7 +34,7 @@ def check_int(name: str, value: Any, minimum: int = 1, optional: bool = False) -
     """``value`` as an int >= ``minimum`` (``None`` allowed if ``optional``), else :class:`DataConfigError`."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not is_int(value) or value < minimum:
         none = " or null" if optional else ""
         raise DataConfigError(f"data.{name}: {value!r} is invalid; expected an integer >= {minimum}{none}")
     return int(value)
@@ -49,7 +50,7 @@ def check_bool(name: str, value: Any) -> bool:
 
 def check_fraction(name: str, value: Any) -> float:
     """``value`` as a float in the open interval (0, 1), else :class:`DataConfigError`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+    if not is_real(value) or not 0 < value < 1:
         raise DataConfigError(f"data.{name}: {value!r} is invalid; expected a number in the open interval (0, 1)")
     return float(value)
 

@@ -33,6 +33,7 @@ def _require(name: str, value: Any, cond: bool, allowed: str) -> None:
 
 
 def _is_int(x: Any) -> bool:
+    """A Python int (not numpy's, not a bool): these values go into HF configs and the saved hyperparameters."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
