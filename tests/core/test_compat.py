@@ -1,6 +1,6 @@
 """Every non-public Lightning call lives in core/compat.py, pinned to the supported Lightning range."""
 
-import subprocess
+import re
 from pathlib import Path
 
 import lightning
@@ -17,11 +17,12 @@ def test_installed_lightning_is_supported():
 
 def test_no_private_lightning_access_outside_compat():
     root = Path(lightning_effi.__file__).parent
-    out = subprocess.run(
-        ["git", "grep", "-nE", r"from lightning[a-z._]* import .*\b_[a-z]|trainer\._|strategy\._", "--", "."],
-        cwd=root,
-        capture_output=True,
-        text=True,
-    ).stdout
-    offenders = [line for line in out.splitlines() if not line.startswith("core/compat.py")]
+    private = re.compile(r"from lightning[a-z._]* import .*\b_[a-z]|trainer\._|strategy\._")
+    offenders = [
+        f"{path.relative_to(root)}:{i}"
+        for path in sorted(root.rglob("*.py"))
+        if path != root / "core" / "compat.py"
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if private.search(line)
+    ]
     assert offenders == []
