@@ -1,5 +1,6 @@
 """One set of argument checks for every public class: each returns the value in its plain Python type or raises a
-``ValueError`` that names the parameter (``Owner.name``) and what is allowed.
+``ValueError`` (or the technique's own subclass, ``error=``) that names the parameter (``Owner.name``) and what is
+allowed.
 
 Integers are :class:`numbers.Integral` (Python or numpy) but never ``bool``; reals are finite and never ``bool``.
 OmegaConf containers coming from Hydra are turned into plain ones with :func:`plain`.
@@ -31,7 +32,15 @@ def _where(owner: str, name: str) -> str:
     return f"{owner}.{name}" if owner else name
 
 
-def check_int(owner: str, name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+def check_int(
+    owner: str,
+    name: str,
+    value: Any,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    *,
+    error: type[Exception] = ValueError,
+) -> int:
     """``value`` as a Python ``int`` within ``[minimum, maximum]`` (either bound optional).
 
     Raises:
@@ -41,7 +50,7 @@ def check_int(owner: str, name: str, value: Any, minimum: int | None = None, max
     if not ok:
         bounds = [f">= {minimum}" if minimum is not None else "", f"<= {maximum}" if maximum is not None else ""]
         what = " and ".join(b for b in bounds if b)
-        raise ValueError(f"{_where(owner, name)} must be an int{' ' + what if what else ''}, got {value!r}")
+        raise error(f"{_where(owner, name)} must be an int{' ' + what if what else ''}, got {value!r}")
     return int(value)
 
 
@@ -53,6 +62,8 @@ def check_real(
     high: float | None = None,
     low_open: bool = False,
     high_open: bool = False,
+    *,
+    error: type[Exception] = ValueError,
 ) -> float:
     """``value`` as a finite Python ``float`` in the interval given by ``low`` / ``high`` (closed unless ``*_open``).
 
@@ -71,11 +82,11 @@ def check_real(
             lo = "(" if low_open else "["
             hi = ")" if high_open else "]"
             interval = f" in {lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
-        raise ValueError(f"{_where(owner, name)} must be a finite number{interval}, got {value!r}")
+        raise error(f"{_where(owner, name)} must be a finite number{interval}, got {value!r}")
     return float(value)
 
 
-def check_bool(owner: str, name: str, value: Any) -> bool:
+def check_bool(owner: str, name: str, value: Any, *, error: type[Exception] = ValueError) -> bool:
     """``value`` if it is a real boolean (Python ``bool`` or ``numpy.bool_``); a string such as ``"false"`` would
     otherwise be silently true.
 
@@ -83,11 +94,11 @@ def check_bool(owner: str, name: str, value: Any) -> bool:
         ValueError: anything else.
     """
     if type(value).__name__ not in ("bool", "bool_"):
-        raise ValueError(f"{_where(owner, name)} must be a bool (true / false), got {value!r}")
+        raise error(f"{_where(owner, name)} must be a bool (true / false), got {value!r}")
     return bool(value)
 
 
-def check_choice(owner: str, name: str, value: Any, choices: Iterable[T]) -> T:
+def check_choice(owner: str, name: str, value: Any, choices: Iterable[T], *, error: type[Exception] = ValueError) -> T:
     """``value`` if it is one of ``choices``.
 
     Raises:
@@ -95,7 +106,7 @@ def check_choice(owner: str, name: str, value: Any, choices: Iterable[T]) -> T:
     """
     allowed = tuple(choices)
     if not isinstance(value, (str, int, float, bool, type(None))) or value not in allowed:
-        raise ValueError(f"{_where(owner, name)} must be one of {allowed}, got {value!r}")
+        raise error(f"{_where(owner, name)} must be one of {allowed}, got {value!r}")
     return value
 
 

@@ -31,6 +31,7 @@ __all__ = ["UNITS", "Duration", "progress_source", "training_progress"]
 
 Unit = Literal["step", "epoch", "fraction", "token"]
 UNITS: tuple[str, ...] = ("step", "epoch", "fraction", "token")
+_EXAMPLES = {"step": "500st", "epoch": "2ep", "fraction": "0.3dur", "token": "1e6tok"}
 _SUFFIX = {"st": "step", "ba": "step", "ep": "epoch", "dur": "fraction", "tok": "token"}
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(st|ba|ep|dur|tok)\s*$")
 
@@ -52,6 +53,11 @@ class Duration:
         if self.unit not in UNITS:
             raise ValueError(f"Duration.unit must be one of {UNITS}, got {self.unit!r}")
         v = self.value
+        # numpy scalars become plain numbers, so the repr evaluates and the checkpoint holds plain values
+        if is_int(v) and self.unit in ("step", "epoch"):
+            object.__setattr__(self, "value", v := int(v))
+        elif is_real(v) and self.unit in ("fraction", "token"):
+            object.__setattr__(self, "value", v := float(v))
         if self.unit in ("step", "epoch"):
             ok = is_int(v) and v >= 0
         elif self.unit == "fraction":
@@ -68,13 +74,15 @@ class Duration:
             raise ValueError(f"a duration in {self.unit}s must be {domain}, got {v!r}")
 
     @classmethod
-    def parse(cls, value: Any, name: str = "duration") -> Duration:
+    def parse(cls, value: Any, name: str = "duration", units: tuple[str, ...] = UNITS) -> Duration:
         """A :class:`Duration` from an int (steps), a string such as ``"2ep"`` / ``"0.3dur"`` / ``"500st"`` /
-        ``"1e6tok"``, or a Duration.
+        ``"1e6tok"``, or a Duration. ``units``: the units the caller accepts, named in the error messages (a caller
+        refuses the others itself, with its own reason).
 
         Raises:
             ValueError: naming ``name``: a float, a bool, an unknown suffix or a value outside the unit's domain.
         """
+        examples = ", ".join(repr(e) for u, e in _EXAMPLES.items() if u in units)
         if isinstance(value, Duration):
             return value
         if is_int(value):
@@ -86,7 +94,7 @@ class Duration:
             if m is None:
                 raise ValueError(
                     f"{name}: cannot read {value!r} as a duration; write an int (optimizer steps) or a "
-                    "number with a unit: '500st', '2ep', '0.3dur', '1e6tok'"
+                    f"number with a unit: {examples}"
                 )
             number, unit = m.group(1), _SUFFIX[m.group(2)]
             if unit in ("step", "epoch"):
@@ -95,10 +103,7 @@ class Duration:
                     raise ValueError(f"{name}: {unit}s must be whole, got {value!r}")
                 return cls._checked(int(f), unit, name)
             return cls._checked(float(number), unit, name)
-        raise ValueError(
-            f"{name} must be an int (optimizer steps) or a string with a unit ('500st', '2ep', "
-            f"'0.3dur', '1e6tok'), got {value!r}"
-        )
+        raise ValueError(f"{name} must be an int (optimizer steps) or a string with a unit ({examples}), got {value!r}")
 
     @classmethod
     def _checked(cls, value: float, unit: str, name: str) -> Duration:
@@ -125,12 +130,32 @@ class Duration:
             rounding: how a ``fraction`` of the run rounds to whole steps (``token`` durations always round up).
 
         Raises:
-            ValueError: the quantity the unit needs is unknown (None, or not finite).
+            ValueError: the quantity the unit needs is unknown (None, or not finite), negative, or the result does
+                not fit in an int.
         """
+        for what, v in (("steps_per_epoch", steps_per_epoch), ("total_steps", total_steps)):
+            # None or inf: unknown (an error below only if the unit needs it)
+            if v is not None and v != math.inf and not (is_real(v) and v >= 0):
+                raise ValueError(f"{name}: {what} must be a number >= 0, got {v!r}")
+        if tokens_per_step is not None and not (is_real(tokens_per_step) and tokens_per_step > 0):
+            raise ValueError(f"{name}: tokens_per_step must be a finite number > 0, got {tokens_per_step!r}")
+        try:
+            return self._steps(steps_per_epoch, total_steps, tokens_per_step, name, rounding)
+        except OverflowError:
+            raise ValueError(f"{name}={self} is too large to count in optimizer steps") from None
+
+    def _steps(
+        self,
+        steps_per_epoch: int | None,
+        total_steps: float | None,
+        tokens_per_step: float | None,
+        name: str,
+        rounding: str,
+    ) -> int:
         if self.unit == "step":
             return int(self.value)
         if self.unit == "epoch":
-            if steps_per_epoch is None:
+            if steps_per_epoch is None or not math.isfinite(steps_per_epoch):
                 raise ValueError(
                     f"{name}={self} is in epochs, but the epoch length in optimizer steps is unknown "
                     "(a train dataloader without a length?)"

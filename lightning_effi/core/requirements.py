@@ -97,6 +97,18 @@ CONFLICTS: tuple[Conflict, ...] = (
         "use one of them",
     ),
     Conflict(
+        "two shape changes",
+        lambda a, b: a.changes_model_shapes and b.changes_model_shapes,
+        "each replaces the model at its own steps, so one works on the other's coarse model",
+        "keep one of them",
+    ),
+    Conflict(
+        "two layer patchers",
+        lambda a, b: a.patches_layers and b.patches_layers,
+        "both patch the same layers in place",
+        "keep one of them",
+    ),
+    Conflict(
         "layer patching across shape changes",
         lambda a, b: a.changes_model_shapes and b.patches_layers,
         "the patched layers belong to one model, which the shape change replaces",

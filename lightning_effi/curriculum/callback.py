@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_effi.core.accounting import tokens_of
-from lightning_effi.core.checks import is_int
+from lightning_effi.core.checks import check_bool, is_int
 from lightning_effi.core.compat import uses_distributed_sampler
 from lightning_effi.core.requirements import Requirements, check_trainer
 from lightning_effi.curriculum import functional as F
@@ -138,8 +138,7 @@ class Curriculum(Callback):
                     f"Curriculum: options {changed} given without metrics; pass them with "
                     "the metrics (to Curriculum or to CurriculumDataModule)"
                 )
-        if not isinstance(strict, bool):
-            raise CurriculumConfigError(f"Curriculum.strict must be a bool, got {strict!r}")
+        strict = check_bool("Curriculum", "strict", strict, error=CurriculumConfigError)
         if not is_int(analysis_batch_size) or analysis_batch_size < 1:
             raise CurriculumConfigError(
                 f"Curriculum.analysis_batch_size must be an int >= 1, got {analysis_batch_size!r}"

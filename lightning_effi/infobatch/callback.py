@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_effi.core.checks import check_int, check_real
+from lightning_effi.core.checks import check_bool, check_int, check_real
 from lightning_effi.core.requirements import Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch, settings_diff
 from lightning_effi.infobatch import functional as ib
@@ -95,7 +95,7 @@ class InfoBatchCallback(Callback):
         self.num_epochs = int(num_epochs) if num_epochs is not None else None
         self.seed = check_int("InfoBatchCallback", "seed", seed)
         self.momentum = check_real("InfoBatchCallback", "momentum", momentum, 0, 1, low_open=True)
-        self.strict = strict
+        self.strict = check_bool(type(self).__name__, "strict", strict)
         self.epochs: int = 0  # resolved E
         self.dataset_size: int = 0
         self.score = self.seen = self.sum_loss = self.count = torch.empty(0)

@@ -36,24 +36,13 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_effi.core.accounting import BatchStats
-from lightning_effi.core.checks import check_choice, check_int, is_int, is_real
+from lightning_effi.core.checks import check_bool, check_choice, check_int, is_int, is_real
 from lightning_effi.core.progress import Duration
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch
 from lightning_effi.models.base import TransformerAdapter, find_adapter
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import LTDController, PatchedLayers, convert, resolve_layer_ids, restore
-
-_SUFFIX = {"step": "st", "epoch": "ep", "fraction": "dur", "token": "tok"}
-
-
-def _duration_text(duration: Duration) -> str:
-    """``duration`` as a string that ``Duration.parse`` reads back to an equal Duration (``"0.8dur"``, ``"2ep"``)."""
-    text = str(duration)
-    if Duration.parse(text) == duration:
-        return text
-    value = repr(float(duration.value)) if duration.unit in ("fraction", "token") else str(int(duration.value))
-    return f"{value}{_SUFFIX[duration.unit]}"
 
 
 def _require_duration(owner: str, value: Any) -> Duration:
@@ -62,7 +51,7 @@ def _require_duration(owner: str, value: Any) -> Duration:
     where = f"{owner}.require_steps"
     if is_real(value) and not is_int(value):
         v = float(value)
-        text = _duration_text(Duration(v, "fraction")) if 0 < v <= 1 else ""
+        text = str(Duration(v, "fraction")) if 0 < v <= 1 else ""
         hint = f"'{text}' for a fraction of the run" if text else "a fraction of the run such as '0.8dur'"
         raise ValueError(
             f"{where}: a float is ambiguous (a fraction of the run or a number of steps?), got {value!r}; "
@@ -70,16 +59,16 @@ def _require_duration(owner: str, value: Any) -> Duration:
         )
     if is_int(value) and value < 1:
         raise ValueError(f"{where} must be an int >= 1 (optimizer steps), a duration or None, got {value!r}")
-    duration = Duration.parse(value, where)
+    duration = Duration.parse(value, where, units=("step", "epoch", "fraction"))
     if duration.unit == "token":
         raise ValueError(
-            f"{where}={_duration_text(duration)} is in tokens, which random-LTD's schedule cannot "
+            f"{where}={duration} is in tokens, which random-LTD's schedule cannot "
             "resolve (its tokens per optimizer step are not known in advance); give optimizer steps, "
             "epochs ('2ep') or a fraction of the run ('0.8dur')"
         )
     if duration.value <= 0:
         raise ValueError(
-            f"{where} must be at least one step: >= 1 steps or epochs, a fraction > 0, got {_duration_text(duration)!r}"
+            f"{where} must be at least one step: >= 1 steps or epochs, a fraction > 0, got {str(duration)!r}"
         )
     return duration
 
@@ -163,7 +152,7 @@ class RandomLTDCallback(Callback):
             duration = Duration(require_fraction, "fraction")
             warnings.warn(
                 f"{name}.require_fraction is deprecated and will be removed in the next release: write "
-                f"require_steps={_duration_text(duration)!r}",
+                f"require_steps={str(duration)!r}",
                 DeprecationWarning,
                 stacklevel=2,
             )
@@ -196,9 +185,8 @@ class RandomLTDCallback(Callback):
         # require_steps as given (repr), the Duration it means (default: the whole run), and the fixed step count
         # (None: derived from the run; the checkpoint fingerprint keeps its pre-Duration form)
         self.require_steps_given: int | str | None = None
-        if duration is not None and require_fraction is None:
-            self.require_steps_given = int(duration.value) if is_int(require_steps) else _duration_text(duration)
-        self.require_fraction_arg: float | None = require_fraction
+        if duration is not None:  # a deprecated require_fraction shows in its new spelling
+            self.require_steps_given = int(duration.value) if is_int(require_steps) else str(duration)
         self.require_duration: Duration = Duration(1.0, "fraction") if duration is None else duration
         self.require_steps_arg: int | None = (
             int(self.require_duration.value) if self.require_duration.unit == "step" else None
@@ -210,7 +198,7 @@ class RandomLTDCallback(Callback):
         self.keep_prefix_arg = keep_prefix_tokens
         self.accounting = accounting
         self.seed = seed
-        self.strict = strict
+        self.strict = check_bool(type(self).__name__, "strict", strict)
         # resolved in setup / on_train_start
         self.adapter: TransformerAdapter | None = None
         self.controller: LTDController | None = None
@@ -238,15 +226,14 @@ class RandomLTDCallback(Callback):
         self._folded = True
 
     def __repr__(self) -> str:
-        """Every constructor argument, so that ``eval(repr(cb))`` builds an equal callback: ``require_steps`` as
-        given (an int, or a duration's string such as ``'0.8dur'``), ``require_fraction`` only when it was given. An
-        adapter passed as an instance shows as its own ``repr`` (e.g. ``GenericAdapter(Module)``), which cannot be
-        evaluated."""
+        """Every constructor argument, so that ``eval(repr(cb))`` builds an equivalent callback (same settings):
+        ``require_steps`` as given (an int, or a duration's string such as ``'0.8dur'``; a deprecated
+        ``require_fraction`` in that new spelling). An adapter passed as an instance shows as its own ``repr`` (e.g.
+        ``GenericAdapter(Module)``), which cannot be evaluated."""
         layer_ids = None if self.layer_ids_arg is None else list(self.layer_ids_arg)
-        fraction = "" if self.require_fraction_arg is None else f"require_fraction={self.require_fraction_arg!r}, "
         return (
             f"{type(self).__name__}(min_value={self.min_value!r}, max_value={self.max_value_arg!r}, "
-            f"require_steps={self.require_steps_given!r}, {fraction}"
+            f"require_steps={self.require_steps_given!r}, "
             f"seq_per_step={self.seq_per_step!r}, layer_ids={layer_ids!r}, adapter={self.adapter_arg!r}, "
             f"rounding={self.rounding!r}, keep_prefix_tokens={self.keep_prefix_arg!r}, "
             f"accounting={self.accounting!r}, seed={self.seed!r}, strict={self.strict!r})"
@@ -337,8 +324,7 @@ class RandomLTDCallback(Callback):
             batches = trainer.num_training_batches
             if not math.isfinite(batches) or batches <= 0:
                 raise ValueError(
-                    f"{where}={_duration_text(duration)} is in epochs, but the train dataloader has no "
-                    "length; give optimizer steps"
+                    f"{where}={duration} is in epochs, but the train dataloader has no length; give optimizer steps"
                 )
             steps_per_epoch = math.ceil(int(batches) / trainer.accumulate_grad_batches)
             return max(1, duration.to_steps(steps_per_epoch=steps_per_epoch, name=where))

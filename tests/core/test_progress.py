@@ -63,6 +63,37 @@ def test_resolution_needs_its_quantity(d, kwargs, match):
         d.to_steps(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"total_steps": -5}, "total_steps must be a number >= 0, got -5"),
+        ({"steps_per_epoch": -3}, "steps_per_epoch must be a number >= 0, got -3"),
+        ({"steps_per_epoch": float("nan")}, "steps_per_epoch must be a number >= 0"),
+        ({"tokens_per_step": math.inf}, "tokens_per_step must be a finite number > 0"),
+        ({"tokens_per_step": 0}, "tokens_per_step must be a finite number > 0"),
+    ],
+)
+def test_resolution_refuses_bad_quantities(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Duration(1, "step").to_steps(**kwargs)
+
+
+def test_resolution_of_unknown_or_huge_quantities():
+    with pytest.raises(ValueError, match="epoch length in optimizer steps is unknown"):
+        Duration(2, "epoch").to_steps(steps_per_epoch=math.inf)
+    with pytest.raises(ValueError, match="too large to count in optimizer steps"):
+        Duration(1e308, "token").to_steps(tokens_per_step=1e-10)
+
+
+def test_numpy_values_become_plain_numbers():
+    import numpy as np
+
+    d = Duration(np.int64(3))
+    assert type(d.value) is int and repr(d) == "Duration(value=3, unit='step')"
+    assert type(Duration(np.float32(0.5), "fraction").value) is float
+    assert eval(repr(d), {"Duration": Duration}) == d
+
+
 def test_fraction_rounding():
     assert Duration.parse("0.25dur").to_steps(total_steps=10) == 2
     assert Duration.parse("0.25dur").to_steps(total_steps=10, rounding="ceil") == 3

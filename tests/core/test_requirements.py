@@ -68,6 +68,14 @@ def test_patching_across_shape_changes_is_refused_in_either_order():
             check_trainer(_trainer(*order))
 
 
+@pytest.mark.parametrize(
+    "flag, rule", [("changes_model_shapes", "two shape changes"), ("patches_layers", "two layer patchers")]
+)
+def test_a_technique_twice_is_refused(flag, rule):
+    with pytest.raises(IncompatibleTechniques, match=rf"A and B cannot be combined \({rule}\)"):
+        check_trainer(_trainer(_fake("A", **{flag: True}), _fake("B", **{flag: True})))
+
+
 def test_compatible_techniques_pass():
     check_trainer(
         _trainer(_fake("A", owns_train_sampler=True), _fake("B", patches_layers=True), _fake("C", edits_batch=True))

@@ -110,3 +110,12 @@ def test_config_errors(_data, tmp_path):
         analyze(_compose([*TINY, f"save_path={tmp_path}", "stage=both"], tmp_path))
     with pytest.raises(ConfigError, match="total_vocab_freq analysis first"):
         analyze(_compose([*TINY, f"save_path={tmp_path}", "analyzer.metrics=[vocab_rarity]"], tmp_path))
+
+
+@pytest.mark.slow
+def test_module_entry_finds_the_config(tmp_path):
+    """``python -m lightning_effi.curriculum.analysis`` reads the repository's conf/analyze.yaml, like the script."""
+    cmd = [sys.executable, "-m", "lightning_effi.curriculum.analysis", "--cfg", "job", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "analyzer:" in proc.stdout and "metrics:" in proc.stdout

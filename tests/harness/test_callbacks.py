@@ -230,3 +230,14 @@ def test_state_dict_round_trips(tmp_path, cls, settings):
     assert_nested_equal(state, safe, "state (saved vs loaded)")
     reloaded = load_after_setup(settings, tmp_path / "load", safe)
     assert_nested_equal(state, reloaded, "state (original vs loaded into a fresh callback)")
+
+
+@pytest.mark.parametrize("cls, settings", entries("test_strict_must_be_a_bool"))
+def test_strict_must_be_a_bool(cls, settings):
+    """``strict`` decides whether a changed configuration raises on resume: a string such as "false" is refused."""
+    text = repr(settings.callback())
+    if "strict=True" not in text:
+        pytest.skip(f"{cls.__name__} has no strict argument")
+    for bad in ("'false'", "0", "None"):
+        with pytest.raises(ValueError, match=r"\.strict must be a bool"):
+            eval(text.replace("strict=True", f"strict={bad}"), public_namespace())

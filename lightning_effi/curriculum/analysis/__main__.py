@@ -25,7 +25,7 @@ from .analyzer import DataAnalyzer
 from .metrics import get_metric, registered_metrics
 
 STAGES = ("map", "reduce", "map_reduce")
-_CONF = str(Path(__file__).resolve().parents[2] / "conf")
+_CONF = str(Path(__file__).resolve().parents[3] / "conf")  # the repository's conf/
 
 
 def _metric_options(name: str, options: dict, hints: dict, save_path: str) -> dict:
