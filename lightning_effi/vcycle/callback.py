@@ -1,7 +1,7 @@
 """``VCycleCallback``: the multi-level V-cycle of Zou et al. (ICLR 2024) inside one ``trainer.fit``: the Lightning
-hooks, the level changes, the callback's state and what it logs. The stage arithmetic is in
-:mod:`lightning_effi.vcycle.stages`, the operators in :mod:`lightning_effi.vcycle.operators`; the method card
-(``README.md`` beside this file) tells the long story.
+hooks, the callback's state and what it logs. The stage arithmetic is in :mod:`lightning_effi.vcycle.stages`, the
+models of the levels in :mod:`lightning_effi.vcycle.levels`, the operators in :mod:`lightning_effi.vcycle.operators`;
+the method card (``README.md`` beside this file) tells the long story.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
-from lightning_effi.core.checks import is_int
 from lightning_effi.core.compat import optimizers_to_device, rewrap_ddp
 from lightning_effi.core.progress import Duration
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch
 from lightning_effi.vcycle import operators as V
 from lightning_effi.vcycle import stages as S
+from lightning_effi.vcycle.levels import LevelStack
 from lightning_effi.vcycle.stages import stage_plan, vcycle_flops_fraction
 
 if TYPE_CHECKING:  # the model registry imports this package's operators; import it when used
@@ -164,8 +164,7 @@ class VCycleCallback(Callback):
         self.strict, self.baseline_steps = args.strict, args.baseline_steps
         # resolved in setup / on_train_start
         self.adapter: VCycleAdapter | None = None
-        self.plans: list[V.VCyclePlan] = []  # plans[k - 1]: level k → k + 1
-        self._parked: dict[int, nn.Module] = {}  # level → the module of that level (CPU) while a coarser one trains
+        self._stack = LevelStack(self.levels, name)  # the models of the levels: plans, parked modules, snapshots
         self._reset_progress()
 
     def _reset_progress(self) -> None:
@@ -173,9 +172,8 @@ class VCycleCallback(Callback):
         checkpoint's progress)."""
         self.stages: list[tuple[int, int]] = []  # non-final (level, steps), resolved against this fit's length
         self.stage_ends: list[int] = []  # cumulative end step of each non-final stage
-        # checkpointed: progress, snapshots pending interpolation (level → state dict), FLOPs counters
-        self.level, self.stage_index, self.stage_start_step, self.switches = 1, 0, 0, 0
-        self.snapshots: dict[int, dict[str, Tensor]] = {}
+        # checkpointed: progress, FLOPs counters (and the level and snapshots of the level stack)
+        self.stage_index, self.stage_start_step, self.switches = 0, 0, 0
         self.flops, self.map_seconds = 0.0, 0.0
         self.full_model_flops, self.flops_steps = 0.0, 0  # the full model's FLOPs on the batches of these steps
         self._last_step, self._flops_ok = -1, True  # runtime only
@@ -194,6 +192,21 @@ class VCycleCallback(Callback):
         )
 
     @property
+    def level(self) -> int:
+        """The level whose model is in ``pl_module.<model_attr>`` (1: the full model)."""
+        return self._stack.level
+
+    @property
+    def plans(self) -> list[V.VCyclePlan]:
+        """``plans[k - 1]``: the plan of level ``k`` → ``k + 1`` (made in ``setup``)."""
+        return self._stack.plans
+
+    @property
+    def snapshots(self) -> dict[int, dict[str, Tensor]]:
+        """Level → the state dict saved before coalescing it, pending interpolation (checkpointed)."""
+        return self._stack.snapshots
+
+    @property
     @override
     def state_key(self) -> str:
         return self._generate_state_key(levels=self.levels, model_attr=self.model_attr)
@@ -204,19 +217,11 @@ class VCycleCallback(Callback):
         if stage != "fit":
             return
         name = type(self).__name__
-        if self.level != 1 or self._parked:
-            raise RuntimeError(
-                f"{name}: a previous fit with this callback stopped at level {self.level} (the coarse "
-                "model is still in its module); resume from a checkpoint with a new module and callback"
-            )
+        self._stack.check_full_model()  # a previous fit that stopped at a coarse level raises
         self._reset_progress()
         callbacks = list(trainer.callbacks)
         check_trainer(trainer, callbacks if any(c is self for c in callbacks) else [*callbacks, self])
-        model = getattr(pl_module, self.model_attr, None)
-        if not isinstance(model, nn.Module):
-            raise ValueError(
-                f"{name}.model_attr: {type(pl_module).__name__} has no nn.Module attribute {self.model_attr!r}"
-            )
+        model = self._stack.bind(pl_module, self.model_attr)
         if type(model).__name__ == "OptimizedModule":
             raise MisconfigurationException(
                 f"{name}: pl_module.{self.model_attr} is torch.compile'd; compile inside "
@@ -232,68 +237,29 @@ class VCycleCallback(Callback):
                 f"{name}: alpha_original=0 keeps the de-coalesced copies symmetric; without dropout they "
                 "never separate: use alpha_original > 0"
             )
-        self.plans = V.plan_levels(
-            model, self.adapter, self.levels, self.width_scheme, self.depth_scheme, self.embedding_convention
-        )
+        self._stack.plan(self.adapter, self.width_scheme, self.depth_scheme, self.embedding_convention)
         self._resolve_stages(trainer, at_setup=True)
-        self._parked = {}
         self._install_load_hook(pl_module)
 
     def _resolve_stages(self, trainer: pl.Trainer, at_setup: bool) -> None:
         """Stage lengths in optimizer steps: in ``setup`` when ``trainer.max_steps`` is set and no length is in
         epochs, else when training starts (the train dataloader's length is known then)."""
-        if self.stage_ends:
-            return
-        epochs = any(d.unit == "epoch" for d in (self.e_a, self.e_small, *S.up_leg_lengths(self.levels, self.up_leg)))
-        total = S.run_length(trainer.max_steps, None if at_setup else trainer.estimated_stepping_batches)
-        if not (at_setup and (epochs or total is None)):
-            self.stages = S.resolve_stages(
-                self.levels,
-                self.e_a,
-                self.e_small,
-                self.up_leg,
-                total,
-                trainer.num_training_batches if epochs else None,
-                trainer.accumulate_grad_batches,
-                type(self).__name__,
-            )
-            self.stage_ends = S.stage_ends(self.stages)
+        if not self.stage_ends:
+            owner = type(self).__name__
+            stages = S.fit_stages(trainer, self.levels, self.e_a, self.e_small, self.up_leg, at_setup, owner)
+            if stages is not None:
+                self.stages, self.stage_ends = stages, S.stage_ends(stages)
+
+    def _install_load_hook(self, pl_module: pl.LightningModule) -> None:
+        """Resume: wrap ``pl_module.on_load_checkpoint`` (the bound host) so that it rebuilds the checkpoint's level
+        before the weights load (:meth:`~lightning_effi.vcycle.levels.LevelStack.install_resume_hook`)."""
+        self._stack.install_resume_hook(self.state_key)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        hook = pl_module.__dict__.get("on_load_checkpoint")
-        if getattr(hook, "_vcycle_owner", None) is self:
-            del pl_module.__dict__["on_load_checkpoint"]
-
-    # ------------------------------------------------------------------------------------------------ resume
-    def _install_load_hook(self, pl_module: pl.LightningModule) -> None:
-        """Wrap ``pl_module.on_load_checkpoint`` on the instance: before the weights load, rebuild the level saved in
-        the checkpoint (Lightning calls this hook before the strict ``load_state_dict``)."""
-        original = pl_module.on_load_checkpoint
-        if getattr(original, "_vcycle_owner", None) is self:
-            return
-
-        def on_load_checkpoint(checkpoint: dict[str, Any]) -> None:
-            state = checkpoint.get("callbacks", {}).get(self.state_key)
-            if state:
-                self._restore_level(pl_module, int(state["level"]))
-            original(checkpoint)
-
-        on_load_checkpoint._vcycle_owner = self  # type: ignore[attr-defined]
-        pl_module.on_load_checkpoint = on_load_checkpoint  # type: ignore[method-assign]
-
-    def _restore_level(self, pl_module: pl.LightningModule, level: int) -> None:
-        """Build fresh models down to ``level`` (random weights: the checkpoint's weights are loaded next)."""
-        if not 1 <= level <= self.levels:
-            raise ValueError(f"{type(self).__name__}: the checkpoint's level {level} is outside 1..{self.levels}")
-        if level == self.level:
-            return
-        if self.level != 1:
-            raise RuntimeError(f"{type(self).__name__}: cannot restore level {level} from level {self.level}")
-        model, self._parked = V.build_levels(getattr(pl_module, self.model_attr), self.adapter, self.plans, level)
-        self._set_level(pl_module, model, level)
+        self._stack.remove_resume_hook(pl_module)
 
     # ------------------------------------------------------------------------------------------------ training
     @override
@@ -318,20 +284,14 @@ class VCycleCallback(Callback):
         fn = getattr(pl_module, "effi_training_flops", None)
         if not callable(fn) or not self._flops_ok:
             return
-        current = pl_module._modules[self.model_attr]
         try:
-            cur = base = float(fn(batch))
-            if self.level != 1:  # the parked full model in place for the count (no forward runs)
-                pl_module._modules[self.model_attr] = self._parked[1]
-                base = float(fn(batch))
+            cur, base = self._stack.training_flops(fn, batch)  # the parked full model in place, no forward runs
         except (NotImplementedError, TypeError, KeyError) as err:
             self._flops_ok = False
             warnings.warn(
                 f"{type(self).__name__}: FLOPs accounting disabled ({type(err).__name__}: {err})", stacklevel=2
             )
             return
-        finally:
-            pl_module._modules[self.model_attr] = current
         self.flops += cur
         self.full_model_flops += base
 
@@ -370,7 +330,8 @@ class VCycleCallback(Callback):
         path = [self.level]
         while self.stage_index < len(self.stages) and step >= self.stage_ends[self.stage_index]:
             self.stage_index += 1
-            self._change_level(pl_module, self.current_stage_level())
+            assert self.alpha_original is not None  # resolved in setup
+            self._stack.change_to(self.current_stage_level(), self.alpha_original)
             path.append(self.level)
         self.stage_start_step = step
         rebuild_training_state(trainer, pl_module)
@@ -384,35 +345,6 @@ class VCycleCallback(Callback):
             f"{len(self.stages)}, {sum(p.numel() for p in getattr(pl_module, self.model_attr).parameters())}"
             f" parameters, lr x{self.lr_factor(self.level)}, map {time.perf_counter() - start:.2f}s)"
         )
-
-    def _change_level(self, pl_module: pl.LightningModule, target: int) -> None:
-        """One level down (snapshot, coalesce; the large model waits on the CPU) or up (de-coalesce, interpolate
-        with the snapshot, into the waiting large model)."""
-        assert self.adapter is not None and self.alpha_original is not None
-        current = getattr(pl_module, self.model_attr)
-        if target == self.level + 1:
-            self.snapshots[self.level] = V.snapshot(current)
-            new = V.coalesce_model(current, self.plans[self.level - 1], self.adapter)
-            self._parked[self.level] = current.to("cpu")
-        elif target == self.level - 1:
-            new = V.decoalesce_model(
-                current,
-                self._parked.pop(target),
-                self.plans[target - 1],
-                self.snapshots.pop(target),
-                self.alpha_original,
-            )
-        else:
-            raise RuntimeError(f"{type(self).__name__}: cannot go from level {self.level} to {target}")
-        self._set_level(pl_module, new, target)
-
-    def _set_level(self, pl_module: pl.LightningModule, model: nn.Module, level: int) -> None:
-        """Swap in the model of ``level``; a module's ``effi_num_layers`` (FLOPs accounting) follows it."""
-        setattr(pl_module, self.model_attr, model)
-        self.level = level
-        if is_int(getattr(pl_module, "effi_num_layers", None)) and self.plans:
-            plan, side = (self.plans[0], 0) if level == 1 else (self.plans[level - 2], 1)
-            pl_module.effi_num_layers = plan.num_layers[side]
 
     # ------------------------------------------------------------------------------------------------ accounting
     def effi_summary(self) -> dict[str, Any]:
@@ -445,7 +377,7 @@ class VCycleCallback(Callback):
         return {
             **{k: kind(getattr(self, k)) for k, kind in _COUNTERS.items()},
             "stage_ends": [int(e) for e in self.stage_ends],
-            "snapshots": {str(k): dict(v) for k, v in self.snapshots.items()},
+            **self._stack.state_dict(),  # "snapshots"
             "config": self.config(),
         }
 
@@ -460,19 +392,13 @@ class VCycleCallback(Callback):
             config_mismatch(
                 type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict
             )
-        if int(state_dict["level"]) != self.level:
-            raise RuntimeError(
-                f"{type(self).__name__}: the checkpoint is at level {state_dict['level']} but the model "
-                f"is at level {self.level}: the on_load_checkpoint wrapper installed in setup did not "
-                "run (was the module's on_load_checkpoint replaced?)"
-            )
+        self._stack.load_state_dict(state_dict)  # checks the level (rebuilt by the resume hook), loads the snapshots
         if not self.stages:
             self.stages = [(int(k), int(n)) for k, n in state_dict["config"]["stages"]]
             self.stage_ends = [int(e) for e in state_dict["stage_ends"]]
         for k, kind in _COUNTERS.items():
             if k != "level":  # rebuilt by the on_load_checkpoint wrapper, checked above
                 setattr(self, k, kind(state_dict[k]))
-        self.snapshots = {int(k): dict(v) for k, v in state_dict["snapshots"].items()}
 
 
 VCycle = VCycleCallback  # short name, like RandomLTD / InfoBatch

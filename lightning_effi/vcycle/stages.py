@@ -25,6 +25,7 @@ __all__ = [
     "advance_schedulers",
     "baseline_flops",
     "check_arguments",
+    "fit_stages",
     "resolve_stages",
     "run_length",
     "scale_learning_rates",
@@ -125,7 +126,7 @@ class VCycleArgs:
 
 def _duration(owner: str, key: str, value: Any) -> Duration:
     """A new-style stage length: steps or epochs >= 1, or a fraction of the run in [0, 1]."""
-    d = Duration.parse(value, f"{owner}.{key}")
+    d = Duration.parse(value, f"{owner}.{key}", units=("step", "epoch", "fraction"))
     if d.unit == "token":
         raise ValueError(
             f"{owner}.{key}: a stage length in tokens is not supported (stages end at optimizer steps); "
@@ -384,6 +385,31 @@ def resolve_stages(
             "up_leg or raise trainer.max_steps / max_epochs"
         )
     return stages
+
+
+def fit_stages(
+    trainer: Any,
+    levels: int,
+    e_a: Duration,
+    e_small: Duration,
+    up_leg: UpLeg,
+    at_setup: bool,
+    owner: str = "VCycleCallback",
+) -> list[tuple[int, int]] | None:
+    """:func:`resolve_stages` for a fit, from a Lightning trainer's ``max_steps``, ``estimated_stepping_batches``
+    (read when ``at_setup`` is False), ``num_training_batches`` (read when a length is in epochs) and
+    ``accumulate_grad_batches``. In ``setup`` (``at_setup``) None when a length is in epochs or ``max_steps`` is not
+    set: the train dataloader's length is known when training starts.
+
+    Raises:
+        ValueError: see :func:`resolve_stages`.
+    """
+    epochs = any(d.unit == "epoch" for d in (e_a, e_small, *up_leg_lengths(levels, up_leg)))
+    total = run_length(trainer.max_steps, None if at_setup else trainer.estimated_stepping_batches)
+    if at_setup and (epochs or total is None):
+        return None
+    batches = trainer.num_training_batches if epochs else None
+    return resolve_stages(levels, e_a, e_small, up_leg, total, batches, trainer.accumulate_grad_batches, owner)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

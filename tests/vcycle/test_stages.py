@@ -201,3 +201,25 @@ def test_learning_rate_at_a_level_change():
     assert sched.last_epoch == 3 and opt.param_groups[0]["lr"] == pytest.approx(0.4 / 4)
     S.scale_learning_rates([opt], [cfg], 1.0)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_fit_stages_reads_the_trainer_when_it_can():
+    """In ``setup`` only ``max_steps`` is read (None when a length is in epochs or the run's length is unknown); at
+    train start the estimated length and the batches per epoch resolve the rest."""
+
+    class Trainer(SimpleNamespace):
+        @property
+        def estimated_stepping_batches(self) -> float:
+            self.read = True
+            return 20.0
+
+    steps, epochs, fraction = Duration(2, "step"), Duration(1, "epoch"), Duration(0.25, "fraction")
+    t = Trainer(max_steps=10, num_training_batches=6, accumulate_grad_batches=2, read=False)
+    assert S.fit_stages(t, 2, steps, Duration(3, "step"), None, at_setup=True) == [(1, 2), (2, 3)] and not t.read
+    assert S.fit_stages(t, 2, epochs, steps, None, at_setup=True) is None
+    assert S.fit_stages(t, 2, epochs, steps, None, at_setup=False) == [(1, 3), (2, 2)]  # 6 batches / 2 per step
+    t = Trainer(max_steps=-1, num_training_batches=6, accumulate_grad_batches=1, read=False)
+    assert S.fit_stages(t, 2, fraction, steps, None, at_setup=True) is None and not t.read
+    assert S.fit_stages(t, 2, fraction, steps, None, at_setup=False) == [(1, 5), (2, 2)] and t.read
+    with pytest.raises(ValueError, match="Owner: the V-cycle's stages need 22"):
+        S.fit_stages(t, 2, steps, Duration(20, "step"), None, at_setup=False, owner="Owner")

@@ -1,0 +1,234 @@
+"""The models of the V-cycle's levels, without Lightning: :class:`LevelStack` holds the plans of every level change,
+the modules of the larger levels (parked on the CPU while a coarser one trains) and the snapshots taken before
+coalescing, and swaps the module of the current level into its host (``pl_module.<model_attr>`` for
+:class:`~lightning_effi.vcycle.VCycleCallback`). The tensor work is done by the model-level steps of
+:mod:`lightning_effi.vcycle.operators`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_effi.core.checks import is_int
+from lightning_effi.vcycle import operators as V
+
+__all__ = ["LevelStack"]
+
+
+class LevelStack:
+    """The levels 1 (the full model) .. K of one V-cycle; the module of the current level is ``host.<attr>``.
+
+    :meth:`coalesce_to` goes one level down (snapshot, coalesce into a fresh smaller module, the larger module waits
+    on the CPU), :meth:`decoalesce_to` one level up (de-coalesce, interpolate with the snapshot, into the waiting
+    module). :meth:`rebuild` makes fresh modules down to a level (resume: the checkpoint's weights are loaded next).
+    A host with an integer ``effi_num_layers`` (FLOPs accounting) gets the depth of the level in place.
+
+    Args:
+        levels: K >= 2.
+        owner: the name in error messages (the callback's class name).
+
+    Attributes:
+        level: the level whose module is in ``host.<attr>``.
+        plans: ``plans[k - 1]``: level ``k`` → ``k + 1`` (set by :meth:`plan`).
+        parked: level → the module of that level (on the CPU) while a coarser one trains.
+        snapshots: level → the CPU float32 state dict saved before coalescing it, pending interpolation.
+    """
+
+    def __init__(self, levels: int, owner: str = "VCycleCallback") -> None:
+        self.levels, self.owner = levels, owner
+        self.level = 1
+        self.plans: list[V.VCyclePlan] = []
+        self.parked: dict[int, nn.Module] = {}
+        self.snapshots: dict[int, dict[str, Tensor]] = {}
+        self.host: Any = None  # the object holding the module (a LightningModule)
+        self.attr = "model"
+        self.adapter: object = None
+
+    def check_full_model(self) -> None:
+        """Raises RuntimeError: a coarser level is in place (a fit stopped below level 1: its host holds the coarse
+        module), so the levels cannot be set up again."""
+        if self.level != 1 or self.parked:
+            raise RuntimeError(
+                f"{self.owner}: a previous fit with this callback stopped at level {self.level} (the coarse "
+                "model is still in its module); resume from a checkpoint with a new module and callback"
+            )
+
+    def bind(self, host: Any, attr: str) -> nn.Module:
+        """Hold ``host.<attr>``, the full model (level 1), and return it; :meth:`plan` comes next.
+
+        Raises:
+            ValueError: ``host.<attr>`` is not an ``nn.Module``.
+            RuntimeError: see :meth:`check_full_model`.
+        """
+        self.check_full_model()
+        model = getattr(host, attr, None)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"{self.owner}.model_attr: {type(host).__name__} has no nn.Module attribute {attr!r}")
+        self.host, self.attr = host, attr
+        return model
+
+    def plan(
+        self,
+        adapter: object,
+        width_scheme: Any = "half",
+        depth_scheme: Any = "adjacent",
+        embedding_convention: str = "official",
+    ) -> None:
+        """Plan every level change of the bound model with ``adapter``
+        (:func:`~lightning_effi.vcycle.operators.plan_levels`); nothing parked, no snapshot.
+
+        Raises:
+            ValueError: from the adapter: sizes a scheme cannot halve, unmapped parameters.
+        """
+        self.adapter = adapter
+        self.plans = V.plan_levels(self.model, adapter, self.levels, width_scheme, depth_scheme, embedding_convention)
+        self.parked, self.snapshots = {}, {}
+
+    @property
+    def model(self) -> nn.Module:
+        """The module of the current level (``host.<attr>``)."""
+        model: nn.Module = getattr(self.host, self.attr)
+        return model
+
+    def num_layers(self, level: int) -> int:
+        """The depth of the model of ``level`` (from the plans)."""
+        plan, side = (self.plans[0], 0) if level == 1 else (self.plans[level - 2], 1)
+        return plan.num_layers[side]
+
+    def _put(self, model: nn.Module, level: int) -> nn.Module:
+        """Swap in the model of ``level``; a host's integer ``effi_num_layers`` follows it."""
+        setattr(self.host, self.attr, model)
+        self.level = level
+        if is_int(getattr(self.host, "effi_num_layers", None)) and self.plans:
+            self.host.effi_num_layers = self.num_layers(level)
+        return model
+
+    def _check_step(self, level: int, expected: int) -> None:
+        if level != expected or not 1 <= level <= self.levels:
+            raise RuntimeError(f"{self.owner}: cannot go from level {self.level} to {level}")
+
+    def coalesce_to(self, level: int) -> nn.Module:
+        """One level down (``level`` = the current one + 1): snapshot the current module, coalesce it into a fresh
+        module of ``level`` (put in the host and returned), park the current one on the CPU."""
+        self._check_step(level, self.level + 1)
+        current = self.model
+        self.snapshots[self.level] = V.snapshot(current)
+        new = V.coalesce_model(current, self.plans[self.level - 1], self.adapter)
+        self.parked[self.level] = current.to("cpu")
+        return self._put(new, level)
+
+    def decoalesce_to(self, level: int, alpha_original: float) -> nn.Module:
+        """One level up (``level`` = the current one − 1): de-coalesce the current module, interpolate with the
+        snapshot of ``level`` (weight ``alpha_original``) into its parked module, which is put in the host (on the
+        device of the current one) and returned."""
+        self._check_step(level, self.level - 1)
+        new = V.decoalesce_model(
+            self.model, self.parked.pop(level), self.plans[level - 1], self.snapshots.pop(level), alpha_original
+        )
+        return self._put(new, level)
+
+    def change_to(self, level: int, alpha_original: float) -> nn.Module:
+        """One level down (:meth:`coalesce_to`) or up (:meth:`decoalesce_to`).
+
+        Raises:
+            RuntimeError: ``level`` is not next to the current one or outside 1..K.
+        """
+        if level == self.level + 1:
+            return self.coalesce_to(level)
+        return self.decoalesce_to(level, alpha_original)
+
+    def rebuild(self, level: int) -> nn.Module:
+        """Fresh modules of levels 2..``level`` from the full model in place (random weights, global RNG untouched:
+        the checkpoint's weights are loaded next); the module of ``level`` is put in the host and returned.
+
+        Raises:
+            ValueError: ``level`` outside 1..K.
+            RuntimeError: a coarser level than 1 is in place and ``level`` is another one.
+        """
+        if not 1 <= level <= self.levels:
+            raise ValueError(f"{self.owner}: the checkpoint's level {level} is outside 1..{self.levels}")
+        if level == self.level:
+            return self.model
+        if self.level != 1:
+            raise RuntimeError(f"{self.owner}: cannot restore level {level} from level {self.level}")
+        model, self.parked = V.build_levels(self.model, self.adapter, self.plans, level)
+        return self._put(model, level)
+
+    def training_flops(self, fn: Callable[[Any], float], batch: Any) -> tuple[float, float]:
+        """``(fn(batch), the same with the full model)``: a batch's training FLOPs with the current model and with the
+        full one (held in place by :meth:`holding` below level 1, no forward runs).
+
+        Raises:
+            what ``fn`` raises (``NotImplementedError`` when the host cannot count a batch).
+        """
+        cur = base = float(fn(batch))
+        if self.level != 1:
+            with self.holding(1):
+                base = float(fn(batch))
+        return cur, base
+
+    @contextmanager
+    def holding(self, level: int) -> Iterator[nn.Module]:
+        """Inside the block ``host.<attr>`` is the module of ``level`` (set in ``host._modules`` directly, nothing
+        else changes; for counting FLOPs only: a parked module is on the CPU, run no forward); the current one is
+        back after.
+
+        Raises:
+            KeyError: no module of ``level`` is parked.
+        """
+        modules = self.host._modules
+        current = modules[self.attr]
+        model = current if level == self.level else self.parked[level]
+        modules[self.attr] = model
+        try:
+            yield model
+        finally:
+            modules[self.attr] = current
+
+    # ------------------------------------------------------------------------------------------------ resume
+    def state_dict(self) -> dict[str, Any]:
+        """The snapshots pending interpolation, ``{"snapshots": {"<level>": state dict}}`` (the level itself is
+        saved by the owner)."""
+        return {"snapshots": {str(k): dict(v) for k, v in self.snapshots.items()}}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Check that the level saved in ``state_dict["level"]`` is in place (:meth:`rebuild` ran) and load the
+        snapshots of :meth:`state_dict`.
+
+        Raises:
+            RuntimeError: another level is in place.
+        """
+        if int(state_dict["level"]) != self.level:
+            raise RuntimeError(
+                f"{self.owner}: the checkpoint is at level {state_dict['level']} but the model "
+                f"is at level {self.level}: the on_load_checkpoint wrapper installed in setup did not "
+                "run (was the module's on_load_checkpoint replaced?)"
+            )
+        self.snapshots = {int(k): dict(v) for k, v in state_dict["snapshots"].items()}
+
+    def install_resume_hook(self, state_key: str) -> None:
+        """Wrap ``host.on_load_checkpoint`` on the instance: before the weights load, :meth:`rebuild` the level saved
+        in the checkpoint's ``callbacks[state_key]`` (Lightning calls this hook before the strict
+        ``load_state_dict``). Installed once per host; :meth:`remove_resume_hook` takes it off."""
+        original = self.host.on_load_checkpoint
+        if getattr(original, "_vcycle_owner", None) is self:
+            return
+
+        def on_load_checkpoint(checkpoint: dict[str, Any]) -> None:
+            state = checkpoint.get("callbacks", {}).get(state_key)
+            if state:
+                self.rebuild(int(state["level"]))
+            original(checkpoint)
+
+        on_load_checkpoint._vcycle_owner = self  # type: ignore[attr-defined]
+        self.host.on_load_checkpoint = on_load_checkpoint
+
+    def remove_resume_hook(self, host: Any) -> None:
+        """Take the wrapper of :meth:`install_resume_hook` off ``host`` (if it is there)."""
+        hook = vars(host).get("on_load_checkpoint")
+        if getattr(hook, "_vcycle_owner", None) is self:
+            del vars(host)["on_load_checkpoint"]
