@@ -99,7 +99,10 @@ class RandomLTDCallback(Callback):
         accounting: ``"actual"`` (layer-tokens from each batch's real length and ``min(r, S)``) or ``"deepspeed"``
             (``global_batch · (r · L_ltd + max_value · (L − L_ltd))`` per optimizer step).
         seed: seeds the token draws with the step, micro-batch and rank (global RNGs untouched).
-        strict: a checkpoint written with other settings raises on load (False: warns, keeps this configuration).
+        strict: a checkpoint written with other settings raises on load (False: warns, keeps this configuration). A
+            derived ``require_steps`` (a fraction or epochs) is compared when training starts: the current arguments
+            resolved in this run against the checkpoint's step count (a longer run with a fraction differs too);
+            False: warns and the schedule continues with the current arguments' step count.
 
     Attributes:
         requirements: what random-LTD needs and changes (it patches the selected layers' ``forward``; it never reads
@@ -113,7 +116,9 @@ class RandomLTDCallback(Callback):
             adapter matches the model, ``layer_ids`` out of range / duplicated / unsorted, ``min_value`` or
             ``max_value`` larger than the model's sequence length, a layer whose ``forward`` takes arguments the
             adapter does not know, an unsupported attention implementation; (train start) ``require_steps`` cannot be
-            derived (a fraction of a run of unknown length, epochs of a train dataloader without a length).
+            derived (a fraction of a run of unknown length, epochs of a train dataloader without a length); (train
+            start, ``strict``) a resumed run whose ``require_steps`` resolves to another step count than the
+            checkpoint's.
         IncompatibleTechniques: (``setup``) combined with a technique that changes the model's shapes (the V-cycle:
             the patched layers belong to one model), see :data:`~lightning_effi.core.requirements.CONFLICTS`.
     """
@@ -212,6 +217,7 @@ class RandomLTDCallback(Callback):
     def _reset_progress(self) -> None:
         """A new fit starts from step 0 with no tokens consumed (a resumed one restores these from its checkpoint)."""
         self.require_steps: int | None = self.require_steps_arg
+        self._saved_require_steps: int | None = None  # a resumed run's derived require_steps, checked at train start
         # counters (global: summed over ranks at every optimizer step)
         self.current_step = -1
         self.current_value = self.min_value
@@ -280,18 +286,8 @@ class RandomLTDCallback(Callback):
             raise ValueError(
                 f"{name}.keep_prefix_tokens ({self.keep_prefix_tokens}) must be <= min_value ({self.min_value})"
             )
-        if (
-            self.require_steps is None
-            and self.require_duration.unit == "fraction"
-            and trainer.max_steps is not None
-            and trainer.max_steps > 0
-        ):
-            self.require_steps = max(
-                1,
-                self.require_duration.to_steps(
-                    total_steps=trainer.max_steps, name=f"{name}.require_steps", rounding="ceil"
-                ),
-            )
+        if self.require_steps is None and self.require_duration.unit == "fraction" and (trainer.max_steps or 0) > 0:
+            self.require_steps = self._resolve_require_steps(trainer, math.inf)  # from max_steps, known now
         self.controller = LTDController(
             self.num_layers,
             self.layer_ids,
@@ -312,14 +308,25 @@ class RandomLTDCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         total = trainer.estimated_stepping_batches
         self.total_steps = int(total) if math.isfinite(total) else None
-        if self.require_steps is None:
-            self.require_steps = self._resolve_require_steps(trainer, total)
+        if self.require_steps_arg is not None:
+            return  # a fixed step count: compared with the checkpoint's in load_state_dict
+        saved, current = self._saved_require_steps, self._resolve_require_steps(trainer, total)
+        if saved is not None and saved != current:
+            self._mismatch(
+                f"require_steps={str(self.require_duration)!r} gives {current} optimizer steps in this run but the "
+                f"checkpoint's schedule has require_steps={saved} (another duration or another run length)",
+                fix=f"continue the schedule with require_steps={current}",
+            )
+        self.require_steps = current
 
     def _resolve_require_steps(self, trainer: pl.Trainer, total: float) -> int:
-        """``require_steps`` in optimizer steps, when training starts: a fraction of the run's ``total`` optimizer
-        steps (rounded up), or epochs of ``ceil(num_training_batches / accumulate_grad_batches)`` steps."""
+        """A derived ``require_steps`` in optimizer steps, as a fresh run resolves it: a fraction of
+        ``trainer.max_steps`` when set (in ``setup``), else of the run's ``total`` optimizer steps (at train start),
+        rounded up; or epochs of ``ceil(num_training_batches / accumulate_grad_batches)`` steps."""
         where = f"{type(self).__name__}.require_steps"
         duration = self.require_duration
+        if duration.unit == "fraction" and (trainer.max_steps or 0) > 0:
+            total = trainer.max_steps
         if duration.unit == "epoch":
             batches = trainer.num_training_batches
             if not math.isfinite(batches) or batches <= 0:
@@ -521,17 +528,17 @@ class RandomLTDCallback(Callback):
         if others and self.state_key not in stored:
             self._mismatch(f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}")
 
-    def _mismatch(self, message: str) -> None:
-        config_mismatch(type(self).__name__, message, self.strict)
+    def _mismatch(self, message: str, fix: str = "resume with this configuration") -> None:
+        config_mismatch(type(self).__name__, message, self.strict, fix=fix)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved, mine = dict(state_dict["config"]), self.config()
         if self.require_steps_arg is None:
-            # derived from the run length: the resumed run continues the schedule it started with
+            # derived from the run: on_train_start compares what the current arguments give in this run
             mine.pop("require_steps")
             if saved.get("require_steps") is not None:
-                self.require_steps = int(saved["require_steps"])
+                self.require_steps = self._saved_require_steps = int(saved["require_steps"])
         diff = {k: (saved.get(k), mine.get(k)) for k in mine if saved.get(k) != mine.get(k)}
         if diff:
             self._mismatch(f"the checkpoint's configuration differs (checkpoint, now): {diff}")

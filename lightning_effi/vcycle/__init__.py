@@ -4,11 +4,12 @@
   steps on models);
 - :mod:`~lightning_effi.vcycle.stages`: the stage arithmetic (arguments, stage lengths in optimizer steps, FLOPs);
 - :mod:`~lightning_effi.vcycle.levels`: the models of the levels (plans, parked modules, snapshots, resume);
+- :mod:`~lightning_effi.vcycle.accounting`: the training FLOPs of the cycle against the full model's;
 - :class:`VCycleCallback`: the Lightning layer (the 2- or 3-level cycle inside one ``fit``). Per-architecture
   parameter maps are in :mod:`lightning_effi.models`.
 """
 
-from lightning_effi.vcycle import levels, operators, stages
+from lightning_effi.vcycle import accounting, levels, operators, stages
 from lightning_effi.vcycle.callback import VCycle, VCycleCallback
 
-__all__ = ["VCycle", "VCycleCallback", "levels", "operators", "stages"]
+__all__ = ["VCycle", "VCycleCallback", "accounting", "levels", "operators", "stages"]

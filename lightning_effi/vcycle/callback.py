@@ -7,7 +7,6 @@ the method card (``README.md`` beside this file) tells the long story.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -24,6 +23,7 @@ from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, che
 from lightning_effi.core.state import config_mismatch
 from lightning_effi.vcycle import operators as V
 from lightning_effi.vcycle import stages as S
+from lightning_effi.vcycle.accounting import FlopsAccount
 from lightning_effi.vcycle.levels import LevelStack
 from lightning_effi.vcycle.stages import stage_plan, vcycle_flops_fraction
 
@@ -42,17 +42,8 @@ def rebuild_training_state(trainer: pl.Trainer, pl_module: pl.LightningModule) -
     optimizers_to_device(trainer.optimizers, trainer.strategy.root_device)
 
 
-#: the callback's checkpointed counters and their types (the rest of the state: stage ends, snapshots, config)
-_COUNTERS: dict[str, type] = {
-    "level": int,
-    "stage_index": int,
-    "stage_start_step": int,
-    "flops": float,
-    "full_model_flops": float,
-    "flops_steps": int,
-    "map_seconds": float,
-    "switches": int,
-}
+#: the callback's checkpointed counters and their types (the rest: FLOPs counters, stage ends, snapshots, config)
+_COUNTERS: dict[str, type] = dict(level=int, stage_index=int, stage_start_step=int, map_seconds=float, switches=int)
 _SHAPES_WHY = "its averaged weights belong to one model, which the V-cycle replaces at every level change"
 
 
@@ -68,7 +59,9 @@ class VCycleCallback(Callback):
         e_a: every down-leg stage (levels 1..K−1; the paper's :math:`E_a`): a
             :class:`~lightning_effi.core.progress.Duration` or what ``Duration.parse`` reads: an int of optimizer
             steps (>= 1), ``"500st"``, ``"2ep"`` (``n · ceil(num_training_batches / accumulate_grad_batches)`` steps,
-            read at train start), ``"0.05dur"`` (``floor(f · T)`` of the run's ``T`` steps, at least 1). No floats.
+            read at train start), ``"0.05dur"`` (``floor(f · T)``, at least 1, of the run's ``T`` optimizer steps:
+            ``trainer.estimated_stepping_batches`` at train start, so ``max_epochs`` and ``limit_train_batches``
+            count as well as ``max_steps``; the stages must end within ``T``). No floats.
         e_small: the coarsest level (paper: :math:`E_{small}`, half the baseline), same forms (a fraction may give 0).
         up_leg: required for K >= 3 (the paper gives no length): the up-leg stages of levels 2..K−1, one length for
             all or a list ordered by level (``[level 2, level 3, ...]``).
@@ -80,11 +73,14 @@ class VCycleCallback(Callback):
         adapter: ``"auto"``, a registered V-cycle adapter name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an instance.
         lr_schedule: ``"continue"``: the rebuilt scheduler is advanced to the current step (one LR curve, warmup in the
             first stage only); ``"restart"``: the module's schedule restarts from its step 0 at every level change.
-        strict: a checkpoint written with another configuration raises on resume (False: warns).
+        strict: a checkpoint written with another configuration raises on resume (False: warns and continues with
+            this one; other stages, from other lengths or another run length, are found at train start and the run
+            goes on with the current arguments' stages from the checkpoint's stage index).
         baseline_steps: optimizer steps of the baseline the FLOPs saving is measured against (the full model's mean
             training FLOPs per step on this run's batches times this); None: the full model on this run's batches.
         **deprecated: ``e_a_steps``, ``e_a_fraction``, ``e_a_epochs``, ``e_small_*``, ``up_leg_*``: the old spellings
-            of the three lengths, accepted for one release with a ``DeprecationWarning``.
+            of the three lengths, accepted for one release with a ``DeprecationWarning``; any other keyword raises
+            ``TypeError``.
 
     Logged every step: ``effi/vcycle/level``, ``effi/vcycle/stage``, ``effi/vcycle/flops_cum``,
     ``effi/vcycle/flops_saved_frac``, ``effi/vcycle/map_seconds``; summary keys ``vcycle/*``.
@@ -95,7 +91,9 @@ class VCycleCallback(Callback):
     Raises:
         ValueError: (construction) see :func:`~lightning_effi.vcycle.stages.check_arguments`; (``setup`` or train
             start) no adapter for the model, sizes the schemes cannot halve, stages longer than the run, fractions in
-            a run of unknown length, epochs with a train dataloader without a length.
+            a run of unknown length, epochs with a train dataloader without a length; (resume, ``strict``) a
+            checkpoint written with another configuration or other stages.
+        TypeError: (construction) an unknown keyword argument.
         IncompatibleTechniques: (``setup``) a strategy other than single device / DDP (FSDP, DeepSpeed, ...), weight
             averaging callbacks, a technique that patches the model's layers (random-LTD).
         MisconfigurationException: (``setup``) a ``torch.compile``'d network.
@@ -174,9 +172,9 @@ class VCycleCallback(Callback):
         self.stage_ends: list[int] = []  # cumulative end step of each non-final stage
         # checkpointed: progress, FLOPs counters (and the level and snapshots of the level stack)
         self.stage_index, self.stage_start_step, self.switches = 0, 0, 0
-        self.flops, self.map_seconds = 0.0, 0.0
-        self.full_model_flops, self.flops_steps = 0.0, 0  # the full model's FLOPs on the batches of these steps
-        self._last_step, self._flops_ok = -1, True  # runtime only
+        self.map_seconds, self.flops_account = 0.0, FlopsAccount(self.baseline_steps)
+        self._last_step = -1  # runtime only, like the checkpoint's stages (compared with this run's at train start)
+        self._saved_stages: list[tuple[int, int]] | None = None
 
     def __repr__(self) -> str:
         """Every constructor argument (new spelling): ``eval`` with ``VCycleCallback`` and ``Duration`` in scope
@@ -238,17 +236,12 @@ class VCycleCallback(Callback):
                 "never separate: use alpha_original > 0"
             )
         self._stack.plan(self.adapter, self.width_scheme, self.depth_scheme, self.embedding_convention)
-        self._resolve_stages(trainer, at_setup=True)
+        self._fit_stages(trainer, at_setup=True)  # a first check against max_steps; resolved at train start
         self._install_load_hook(pl_module)
 
-    def _resolve_stages(self, trainer: pl.Trainer, at_setup: bool) -> None:
-        """Stage lengths in optimizer steps: in ``setup`` when ``trainer.max_steps`` is set and no length is in
-        epochs, else when training starts (the train dataloader's length is known then)."""
-        if not self.stage_ends:
-            owner = type(self).__name__
-            stages = S.fit_stages(trainer, self.levels, self.e_a, self.e_small, self.up_leg, at_setup, owner)
-            if stages is not None:
-                self.stages, self.stage_ends = stages, S.stage_ends(stages)
+    def _fit_stages(self, trainer: pl.Trainer, at_setup: bool) -> list[tuple[int, int]] | None:
+        """:func:`~lightning_effi.vcycle.stages.fit_stages` with this callback's lengths."""
+        return S.fit_stages(trainer, self.levels, self.e_a, self.e_small, self.up_leg, at_setup, type(self).__name__)
 
     def _install_load_hook(self, pl_module: pl.LightningModule) -> None:
         """Resume: wrap ``pl_module.on_load_checkpoint`` (the bound host) so that it rebuilds the checkpoint's level
@@ -257,15 +250,18 @@ class VCycleCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        self._stack.remove_resume_hook(pl_module)
+        if stage == "fit":
+            self._stack.remove_resume_hook(pl_module)
 
     # ------------------------------------------------------------------------------------------------ training
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._resolve_stages(trainer, at_setup=False)
-        self._last_step = trainer.global_step
+        """Resolve the stages against the run's length (``estimated_stepping_batches``); on resume compare them with
+        the checkpoint's (other stages: raise when strict, else warn and continue with these)."""
+        stages = self._fit_stages(trainer, at_setup=False) or []
+        if self._saved_stages is not None and (diff := S.stages_mismatch(self._saved_stages, stages)):
+            config_mismatch(type(self).__name__, diff, self.strict, fix="continue with the current arguments' stages")
+        self.stages, self.stage_ends, self._last_step = stages, S.stage_ends(stages), trainer.global_step
         if (expected := self.current_stage_level()) != self.level:
             raise RuntimeError(
                 f"{type(self).__name__}: stage {self.stage_index} trains level {expected} but the model "
@@ -274,47 +270,33 @@ class VCycleCallback(Callback):
 
     def current_stage_level(self) -> int:
         """The level the current stage trains (1 after the last listed stage)."""
-        return self.stages[self.stage_index][0] if self.stage_index < len(self.stages) else 1
+        return S.stage_level(self.stages, self.stage_index)
 
     def lr_factor(self, level: int) -> float:
         return self.lr_multiplier.get(level, 1.0)
 
-    def _count_flops(self, pl_module: pl.LightningModule, batch: Any) -> None:
-        """This batch's training FLOPs (``pl_module.effi_training_flops``) with the current model and the full one."""
-        fn = getattr(pl_module, "effi_training_flops", None)
-        if not callable(fn) or not self._flops_ok:
-            return
-        try:
-            cur, base = self._stack.training_flops(fn, batch)  # the parked full model in place, no forward runs
-        except (NotImplementedError, TypeError, KeyError) as err:
-            self._flops_ok = False
-            warnings.warn(
-                f"{type(self).__name__}: FLOPs accounting disabled ({type(err).__name__}: {err})", stacklevel=2
-            )
-            return
-        self.flops += cur
-        self.full_model_flops += base
-
     @property
     def baseline_flops(self) -> float:
         """Training FLOPs of the baseline (:func:`~lightning_effi.vcycle.stages.baseline_flops`)."""
-        return S.baseline_flops(self.full_model_flops, self.flops_steps, self.baseline_steps)
+        return self.flops_account.baseline_flops
 
     def flops_saved_frac(self) -> float:
         """``1 - flops / baseline_flops``; 0 before any FLOPs are counted."""
-        return 1.0 - self.flops / self.baseline_flops if self.baseline_flops else 0.0
+        return self.flops_account.saved_frac()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._count_flops(pl_module, batch)
-        self.flops_steps = trainer.global_step
+        fn = getattr(pl_module, "effi_training_flops", None)
+        if callable(fn):  # the batch with the current model and the full one (held in place, no forward runs)
+            self.flops_account.count(lambda: self._stack.training_flops(fn, batch), type(self).__name__)
+        self.flops_account.flops_steps = trainer.global_step
         pl_module.log_dict(
             {
                 "effi/vcycle/level": float(self.level),
                 "effi/vcycle/stage": float(self.stage_index),
-                "effi/vcycle/flops_cum": float(self.flops),
+                "effi/vcycle/flops_cum": float(self.flops_account.flops),
                 "effi/vcycle/flops_saved_frac": self.flops_saved_frac(),
                 "effi/vcycle/map_seconds": float(self.map_seconds),
             },
@@ -324,16 +306,13 @@ class VCycleCallback(Callback):
         )
         step = trainer.global_step
         stepped, self._last_step = step != self._last_step, step
-        if not stepped or self.stage_index >= len(self.stages) or step < self.stage_ends[self.stage_index]:
+        if not stepped or not (path := S.levels_due(self.stages, self.stage_ends, self.stage_index, step)):
             return
-        start = time.perf_counter()
-        path = [self.level]
-        while self.stage_index < len(self.stages) and step >= self.stage_ends[self.stage_index]:
-            self.stage_index += 1
-            assert self.alpha_original is not None  # resolved in setup
-            self._stack.change_to(self.current_stage_level(), self.alpha_original)
-            path.append(self.level)
-        self.stage_start_step = step
+        start, path = time.perf_counter(), [self.level, *path]
+        assert self.alpha_original is not None  # resolved in setup
+        for level in path[1:]:
+            self._stack.change_to(level, self.alpha_original)
+        self.stage_index, self.stage_start_step = self.stage_index + len(path) - 1, step
         rebuild_training_state(trainer, pl_module)
         S.scale_learning_rates(trainer.optimizers, trainer.lr_scheduler_configs, self.lr_factor(self.level))
         if self.lr_schedule == "continue":  # no re-warmup: the fresh schedulers continue the run's curve
@@ -352,7 +331,7 @@ class VCycleCallback(Callback):
             "vcycle/levels": int(self.levels),
             "vcycle/switches": int(self.switches),
             "vcycle/final_level": int(self.level),
-            "vcycle/flops": float(self.flops),
+            "vcycle/flops": float(self.flops_account.flops),
             "vcycle/baseline_flops": float(self.baseline_flops),
             "vcycle/flops_saved_frac": self.flops_saved_frac(),
             "vcycle/map_seconds": float(self.map_seconds),
@@ -376,6 +355,7 @@ class VCycleCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             **{k: kind(getattr(self, k)) for k, kind in _COUNTERS.items()},
+            **self.flops_account.state_dict(),  # "flops", "full_model_flops", "flops_steps"
             "stage_ends": [int(e) for e in self.stage_ends],
             **self._stack.state_dict(),  # "snapshots"
             "config": self.config(),
@@ -383,19 +363,17 @@ class VCycleCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved, mine = dict(state_dict["config"]), self.config()
-        if not self.stages:  # lengths resolved in on_train_start: the checkpoint's resolution is kept
-            saved.pop("stages", None)
-            mine.pop("stages", None)
-        diff = {k: (saved.get(k), mine.get(k)) for k in mine if saved.get(k) != mine.get(k)}
-        if diff:
+        """The checkpoint's progress; its configuration is checked here but for the stages, which on_train_start
+        compares with those of the current arguments once the run's length is known."""
+        saved = state_dict["config"]
+        if diff := {k: (saved.get(k), v) for k, v in self.config().items() if k != "stages" and saved.get(k) != v}:
             config_mismatch(
                 type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict
             )
         self._stack.load_state_dict(state_dict)  # checks the level (rebuilt by the resume hook), loads the snapshots
-        if not self.stages:
-            self.stages = [(int(k), int(n)) for k, n in state_dict["config"]["stages"]]
-            self.stage_ends = [int(e) for e in state_dict["stage_ends"]]
+        self._saved_stages = [(int(k), int(n)) for k, n in state_dict["config"]["stages"]]
+        self.stages, self.stage_ends = self._saved_stages, [int(e) for e in state_dict["stage_ends"]]
+        self.flops_account.load_state_dict(state_dict)
         for k, kind in _COUNTERS.items():
             if k != "level":  # rebuilt by the on_load_checkpoint wrapper, checked above
                 setattr(self, k, kind(state_dict[k]))

@@ -26,11 +26,14 @@ __all__ = [
     "baseline_flops",
     "check_arguments",
     "fit_stages",
+    "levels_due",
     "resolve_stages",
     "run_length",
     "scale_learning_rates",
     "stage_ends",
+    "stage_level",
     "stage_plan",
+    "stages_mismatch",
     "steps_per_epoch",
     "up_leg_lengths",
     "vcycle_flops_fraction",
@@ -76,6 +79,24 @@ def stage_ends(stages: Sequence[tuple[int, int]]) -> list[int]:
         acc += int(steps)
         ends.append(acc)
     return ends
+
+
+def stage_level(stages: Sequence[tuple[int, int]], index: int) -> int:
+    """The level stage ``index`` trains: ``stages[index]``'s, 1 after the last listed stage (the rest of the run)."""
+    return stages[index][0] if index < len(stages) else 1
+
+
+def levels_due(stages: Sequence[tuple[int, int]], ends: Sequence[int], index: int, step: int) -> list[int]:
+    """The levels to change to, in order, once optimizer step ``step`` is done in stage ``index``: one per stage that
+    has ended (zero-length stages are passed through); the new stage index is ``index + len(result)``.
+
+    >>> levels_due([(1, 2), (2, 0)], [2, 2], 0, 2)
+    [2, 1]
+    """
+    path: list[int] = []
+    while index + len(path) < len(stages) and step >= ends[index + len(path)]:
+        path.append(stage_level(stages, index + len(path) + 1))
+    return path
 
 
 def vcycle_flops_fraction(stages: Sequence[tuple[int, float]], baseline_steps: int, baseline_cost: float) -> float:
@@ -227,12 +248,13 @@ def check_arguments(
     Raises:
         ValueError: naming the argument: a wrong type or range, a missing ``e_a`` / ``e_small``, two spellings of one
             length, ``levels >= 3`` without ``up_leg`` (the paper gives no length for it) or ``up_leg`` with
-            ``levels = 2``, a float or a token count as a length.
+            ``levels = 2``, a float or a token count as a length, an ``lr_multiplier`` that is not ``{level: factor}``.
+        TypeError: a key of ``deprecated`` that is not one of the nine old spellings (whatever its value).
     """
-    deprecated = {k: v for k, v in (deprecated or {}).items() if v is not None}
-    unknown = sorted(set(deprecated) - set(DEPRECATED_LENGTHS))
+    unknown = sorted(set(deprecated or {}) - set(DEPRECATED_LENGTHS))  # whatever the value, None included
     if unknown:
         raise TypeError(f"{owner}: unexpected keyword arguments {unknown}")
+    deprecated = {k: v for k, v in (deprecated or {}).items() if v is not None}
     levels = check_int(owner, "levels", levels, minimum=2)
     lengths: dict[str, Any] = {}
     for key, new in (("e_a", e_a), ("e_small", e_small)):
@@ -261,7 +283,12 @@ def check_arguments(
             f"{owner}.alpha_original must be in [0, 1] (None = the adapter's default), got {alpha_original!r}"
         )
     mult: dict[int, float] = {}
-    for k, v in dict(plain(lr_multiplier) or {}).items():
+    if lr_multiplier is not None and not isinstance(plain(lr_multiplier), Mapping):
+        raise ValueError(
+            f"{owner}.lr_multiplier must be a mapping {{level: factor}} such as {{2: 4.0}} (or None), "
+            f"got {lr_multiplier!r}"
+        )
+    for k, v in (plain(lr_multiplier) or {}).items():
         try:
             level = int(k)
         except (TypeError, ValueError):
@@ -309,13 +336,15 @@ def up_leg_lengths(levels: int, up_leg: UpLeg) -> list[Duration]:
 
 
 def run_length(max_steps: int | None, estimated_steps: float | None = None) -> int | None:
-    """Optimizer steps of the run: ``max_steps`` when set (> 0), else ``estimated_steps`` (Lightning's
-    ``estimated_stepping_batches``) when finite and > 0, else None (unknown)."""
-    if max_steps is not None and max_steps > 0:
-        return int(max_steps)
-    if estimated_steps is None or not math.isfinite(estimated_steps) or estimated_steps <= 0:
-        return None
-    return int(estimated_steps)
+    """Optimizer steps of the run: the smaller of ``max_steps`` (when > 0) and ``estimated_steps`` (Lightning's
+    ``estimated_stepping_batches``, which counts ``max_epochs`` and ``limit_train_batches`` too; when finite and > 0),
+    None when neither is known. With ``max_steps`` bounding the run both are ``max_steps``.
+
+    >>> run_length(100, 3.0), run_length(10), run_length(-1, 42.0), run_length(-1, float("inf"))
+    (3, 10, 42, None)
+    """
+    known = [int(n) for n in (max_steps, estimated_steps) if n is not None and math.isfinite(n) and n > 0]
+    return min(known) if known else None
 
 
 def steps_per_epoch(num_training_batches: float, accumulate_grad_batches: int, owner: str = "VCycleCallback") -> int:
@@ -381,8 +410,10 @@ def resolve_stages(
             detail += f"; {spe} optimizer steps per epoch"
         raise ValueError(
             f"{owner}: the V-cycle's stages need {need} optimizer steps ({detail}) but the run has "
-            f"{total_steps} (trainer.max_steps or the epochs' optimizer steps); lower e_a / e_small / "
-            "up_leg or raise trainer.max_steps / max_epochs"
+            f"{total_steps} (trainer.max_steps, or max_epochs × the optimizer steps of an epoch with "
+            "limit_train_batches, whichever ends the run first: trainer.estimated_stepping_batches); lower e_a / "
+            "e_small / up_leg or raise trainer.max_steps / max_epochs / limit_train_batches: the run would end "
+            "before the cycle is back on the full model"
         )
     return stages
 
@@ -398,8 +429,12 @@ def fit_stages(
 ) -> list[tuple[int, int]] | None:
     """:func:`resolve_stages` for a fit, from a Lightning trainer's ``max_steps``, ``estimated_stepping_batches``
     (read when ``at_setup`` is False), ``num_training_batches`` (read when a length is in epochs) and
-    ``accumulate_grad_batches``. In ``setup`` (``at_setup``) None when a length is in epochs or ``max_steps`` is not
-    set: the train dataloader's length is known when training starts.
+    ``accumulate_grad_batches``.
+
+    In ``setup`` (``at_setup``) the run's length is ``max_steps`` (a first check; None when a length is in epochs or
+    ``max_steps`` is not set). At train start it is :func:`run_length`: ``estimated_stepping_batches``, which is
+    ``max_steps`` when that bounds the run and fewer steps when ``max_epochs`` or ``limit_train_batches`` end it
+    sooner, so fractions resolve against the steps the run really has and stages that end after it raise.
 
     Raises:
         ValueError: see :func:`resolve_stages`.
@@ -410,6 +445,23 @@ def fit_stages(
         return None
     batches = trainer.num_training_batches if epochs else None
     return resolve_stages(levels, e_a, e_small, up_leg, total, batches, trainer.accumulate_grad_batches, owner)
+
+
+def stages_mismatch(saved: Sequence[Sequence[int]], current: Sequence[tuple[int, int]]) -> str | None:
+    """None when a checkpoint's stages (its ``config()["stages"]``) are the stages the current arguments resolve to
+    in this run (the same optimizer steps however they are spelled: ``2``, ``"2st"``, a fraction giving 2), else
+    what differs (for :func:`~lightning_effi.core.state.config_mismatch`).
+
+    >>> stages_mismatch([[1, 2], [2, 3]], [(1, 2), (2, 3)]) is None
+    True
+    """
+    saved = [(int(k), int(n)) for k, n in saved]
+    if saved == list(current):
+        return None
+    return (
+        f"the checkpoint's stages (level, optimizer steps) {saved} differ from those of the current e_a / e_small / "
+        f"up_leg in this run {list(current)}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

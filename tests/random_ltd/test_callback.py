@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -450,7 +451,8 @@ def test_state_key_keeps_its_pre_duration_form():
 
 def test_resume_a_require_fraction_checkpoint_with_require_steps_dur(tmp_path):
     """A checkpoint written with require_fraction (the pre-Duration spelling; the state is unchanged) resumes with
-    require_steps='0.5dur' in a longer run: the schedule continues with the checkpoint's require_steps."""
+    require_steps='0.5dur' in the same run: the schedule continues with the checkpoint's require_steps. In a longer
+    run the fraction gives other steps: strict raises, not strict continues with the current arguments' value."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     pl.seed_everything(0)
@@ -464,10 +466,66 @@ def test_resume_a_require_fraction_checkpoint_with_require_steps_dur(tmp_path):
     cb = ltd(max_value=16, require_steps="0.5dur")
     assert cb.state_key == old.state_key
     watch = Watch(cb)
-    trainer = make_trainer(tmp_path, [cb, watch], max_steps=6, max_epochs=-1)
+    trainer = make_trainer(tmp_path, [cb, watch], max_steps=4, max_epochs=-1)
     trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
-    assert cb.require_steps == 2  # not ceil(0.5 * 6): the resumed run continues its schedule
-    assert [r["r"] for r in watch.rows] == [F.ltd_value(s, 4, 16, 2, 4) for s in range(2, 6)] == [16] * 4
+    assert cb.require_steps == 2 and trainer.global_step == 4  # ceil(0.5 * 4): the schedule continues
+    assert [r["r"] for r in watch.rows] == [F.ltd_value(s, 4, 16, 2, 4) for s in range(2, 4)] == [16] * 2
+    trainer = make_trainer(tmp_path, [ltd(max_value=16, require_steps="0.5dur")], max_steps=6, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"require_steps='0\.5dur' gives 3 .*checkpoint's schedule has .*=2"):
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+    cb = ltd(max_value=16, require_steps="0.5dur", strict=False)
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [cb, watch], max_steps=6, max_epochs=-1)
+    with pytest.warns(UserWarning, match=r"gives 3 .*strict=False: continue the schedule with require_steps=3"):
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+    assert cb.require_steps == 3  # ceil(0.5 * 6), the current arguments' value
+    assert [r["r"] for r in watch.rows] == [F.ltd_value(s, 4, 16, 3, 4) for s in range(2, 6)]
+
+
+def _checkpoint_at_step_3(root):
+    """A run of 8 steps with require_steps='0.5dur' (4 steps), a checkpoint after every step."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    first = ltd(max_value=16, require_steps="0.5dur")
+    make_trainer(root / "a", [first, ckpt], max_steps=8, max_epochs=-1).fit(deep_gpt2(), datamodule=tiny_lm_data())
+    assert first.require_steps == 4
+    return str(root / "ck" / "step=3.ckpt")
+
+
+def _resume_ltd(root, cb, path):
+    watch = Watch(cb)
+    trainer = make_trainer(root, [cb, watch], max_steps=8, max_epochs=-1)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=path)
+    return trainer, [row["r"] for row in watch.rows]
+
+
+@pytest.mark.parametrize(("require_steps", "steps"), [("0.25dur", 2), ("1ep", 5), (Duration(1.0, "fraction"), 8)])
+def test_resume_with_another_derived_require_steps(tmp_path, require_steps, steps):
+    """Saved with require_steps='0.5dur' (4 of 8 steps), resumed with a fraction or epochs giving other steps:
+    strict raises when training starts; not strict warns and the schedule continues with the current arguments'
+    step count (the state key, without the derived count, is unchanged)."""
+    path = _checkpoint_at_step_3(tmp_path)
+    with pytest.raises(ValueError, match=rf"gives {steps} optimizer steps .*require_steps=4 .*strict=False"):
+        _resume_ltd(tmp_path / "strict", ltd(max_value=16, require_steps=require_steps), path)
+    cb = ltd(max_value=16, require_steps=require_steps, strict=False)
+    with pytest.warns(UserWarning, match=rf"strict=False: continue the schedule with require_steps={steps}\)"):
+        trainer, rs = _resume_ltd(tmp_path / "lenient", cb, path)
+    assert cb.require_steps == steps and trainer.global_step == 8
+    assert rs == [F.ltd_value(s, 4, 16, steps, 4) for s in range(3, 8)]
+    assert cb.state_dict()["config"]["require_steps"] == steps
+
+
+@pytest.mark.parametrize("require_steps", ["0.5dur", "0.45dur", Duration(0.5, "fraction")])  # ceil(0.45 * 8) = 4
+def test_resume_with_the_same_derived_require_steps(tmp_path, require_steps):
+    path = _checkpoint_at_step_3(tmp_path)
+    cb = ltd(max_value=16, require_steps=require_steps)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*RandomLTDCallback.*")
+        trainer, rs = _resume_ltd(tmp_path / "b", cb, path)
+    assert cb.require_steps == 4 and trainer.global_step == 8
+    assert rs == [F.ltd_value(s, 4, 16, 4, 4) for s in range(3, 8)]
 
 
 # ------------------------------------------------------------------------------------------------ repr, requirements

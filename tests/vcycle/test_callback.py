@@ -336,6 +336,7 @@ def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch
         (dict(e_a_steps=1, e_small_steps=1, alpha_original=-0.1), "alpha_original must be in"),
         (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={3: 2.0}), "keys must be levels"),
         (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={2: 0.0}), "must be a number > 0"),
+        (dict(e_a=1, e_small=1, lr_multiplier=[4.0]), r"lr_multiplier must be a mapping \{level: factor\}"),
         (dict(e_a_steps=1, e_small_steps=1, embedding_convention="nope"), "embedding_convention"),
         (dict(e_a_steps=1, e_small_steps=1, baseline_steps=0), "baseline_steps must be an int >= 1"),
         (dict(e_a_steps=1, e_small_steps=1, baseline_steps=2.5), "baseline_steps must be an int >= 1"),
@@ -427,6 +428,12 @@ def test_new_spelling_in_a_run(tmp_path):
 def test_new_spelling_refused(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         VCycleCallback(**kwargs)
+
+
+@pytest.mark.parametrize("value", [None, 2, "2ep"])
+def test_misspelled_keyword_raises_whatever_its_value(value):
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['e_a_stepz'\]"):
+        VCycleCallback(e_a=1, e_small=1, e_a_stepz=value)
 
 
 def test_old_spelling_warns_with_its_replacement():
@@ -600,6 +607,31 @@ def test_stages_must_fit_an_epoch_based_run(tmp_path):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
 
 
+def test_stages_must_fit_a_run_ended_by_epochs_before_max_steps(tmp_path):
+    """max_steps=100 but one epoch of 3 batches ends the run at step 3: the 4 steps of stages do not fit (before,
+    the run ended at step 3 on the coarse model, without a word)."""
+    cb = VCycleCallback(e_a=2, e_small=2)
+    trainer = make_trainer(tmp_path, [cb], max_steps=100, max_epochs=1, limit_train_batches=3)
+    with pytest.raises(ValueError, match=r"need 4 optimizer steps .* run has 3 .*max_epochs.*limit_train_batches"):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data(batch_size=8))
+    assert trainer.global_step == 0 and cb.level == 1
+
+
+def test_fractions_resolve_against_a_run_ended_by_epochs(tmp_path):
+    """max_steps=1000 but max_epochs=1 (5 steps): the fractions are of the 5 steps (before, of 1000: it never
+    switched)."""
+    cb = VCycleCallback(e_a="0.5dur", e_small="0.2dur")
+    model = tiny_gpt2()
+    trainer = make_trainer(tmp_path, [cb], max_steps=1000, max_epochs=1)
+    trainer.fit(model, datamodule=tiny_lm_data())
+    assert cb.stages == [(1, 2), (2, 1)] and cb.stage_ends == [2, 3] and trainer.global_step == 5
+    assert cb.switches == 2 and cb.level == 1 and model.model.config.n_embd == 32
+    cb = VCycleCallback(e_a="0.5dur", e_small="0.2dur")  # max_steps bounds the run: resolved as before
+    trainer = make_trainer(tmp_path / "b", [cb], max_steps=10, max_epochs=3)
+    trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    assert cb.stage_ends == [5, 7] and cb.level == 1 and trainer.global_step == 10
+
+
 def test_fractions_need_a_known_length(tmp_path):
     trainer = make_trainer(
         tmp_path, [VCycleCallback(e_a_fraction=0.1, e_small_fraction=0.5)], max_steps=-1, max_epochs=-1
@@ -671,6 +703,65 @@ def test_resume_epoch_stages(tmp_path):
         ignore_state=("map_seconds",),
         max_epochs=4,
     )
+
+
+def _epoch_checkpoints(root):
+    """A 3-epoch run (15 steps) with e_a='1ep' (5 steps) and e_small=3, a checkpoint after every step."""
+    ckpt = ModelCheckpoint(
+        dirpath=root / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}", save_on_train_epoch_end=False
+    )
+    pl.seed_everything(0)
+    cb = VCycleCallback(e_a="1ep", e_small=3)
+    make_trainer(root / "a", [cb, ckpt], max_steps=-1, max_epochs=3).fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    assert cb.stages == [(1, 5), (2, 3)] and cb.level == 1
+    return root / "ckpts" / "step=6.ckpt"  # inside the small stage, level 2
+
+
+def _resume(root, cb, path):
+    trainer = make_trainer(root, [cb], max_steps=-1, max_epochs=3)
+    trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data(), ckpt_path=path)
+    return trainer
+
+
+def test_resume_with_other_stages_in_a_run_bounded_by_epochs(tmp_path):
+    """A checkpoint of a run bounded by epochs, resumed with other stage lengths: strict raises at train start, not
+    strict warns and continues with the current arguments' stages; the same steps spelled otherwise resume."""
+    path = _epoch_checkpoints(tmp_path)
+    for i, kwargs in enumerate([dict(e_a="2ep", e_small=3), dict(e_a="1ep", e_small=1), dict(e_a=4, e_small=3)]):
+        cb = VCycleCallback(**kwargs)
+        with pytest.raises(ValueError, match=r"checkpoint's stages .*\[\(1, 5\), \(2, 3\)\] differ .*strict=False"):
+            _resume(tmp_path / f"strict{i}", cb, path)
+    for i, e_a in enumerate([5, "5st", "1ep", "0.34dur", Duration(5)]):  # 0.34 x 15 steps = 5
+        cb = VCycleCallback(e_a=e_a, e_small=3)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*VCycleCallback.*")
+            trainer = _resume(tmp_path / f"same{i}", cb, path)
+        assert trainer.global_step == 15 and cb.stage_ends == [5, 8] and cb.switches == 2 and cb.level == 1
+    cb = VCycleCallback(e_a="2ep", e_small=3, strict=False)  # stages [(1, 10), (2, 3)]: level 2 until step 13
+    with pytest.warns(UserWarning, match=r"differ .*strict=False: continue with the current arguments' stages"):
+        trainer = _resume(tmp_path / "lenient", cb, path)
+    assert cb.stages == [(1, 10), (2, 3)] and cb.stage_ends == [10, 13]
+    assert trainer.global_step == 15 and cb.switches == 2 and cb.level == 1
+
+
+def test_resume_with_a_longer_run_and_fractions(tmp_path):
+    """Fractions of a run bounded by max_steps, resumed in a longer run: other stages, reported the same way."""
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "ckpts",
+        every_n_train_steps=1,
+        save_top_k=-1,
+        filename="{step}",
+        save_on_train_epoch_end=False,
+    )
+    run([VCycleCallback(e_a="0.2dur", e_small="0.5dur"), ckpt], 10, root=tmp_path / "a")  # stages [(1, 2), (2, 5)]
+    path = tmp_path / "ckpts" / "step=3.ckpt"
+    trainer = make_trainer(tmp_path / "b", [VCycleCallback(e_a="0.2dur", e_small="0.5dur")], max_steps=20)
+    with pytest.raises(ValueError, match=r"\[\(1, 2\), \(2, 5\)\] differ .* \[\(1, 4\), \(2, 10\)\]"):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data(), ckpt_path=path)
+    cb = VCycleCallback(e_a=2, e_small=5)  # the same steps: resumes
+    trainer = make_trainer(tmp_path / "c", [cb], max_steps=10)
+    trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data(), ckpt_path=path)
+    assert trainer.global_step == 10 and cb.stage_ends == [2, 7] and cb.level == 1
 
 
 def test_fractions_fast_dev_run(tmp_path):

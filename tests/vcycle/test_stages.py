@@ -122,6 +122,9 @@ def test_deprecation_message_names_the_replacement():
         (dict(e_a=1, e_small=1, strict="false"), r"strict must be a bool"),
         (dict(e_a=1, e_small=1, lr_schedule="cosine"), r"lr_schedule must be one of"),
         (dict(e_a=1, e_small=1, lr_multiplier={"x": 2.0}), r"keys must be levels"),
+        (dict(e_a=1, e_small=1, lr_multiplier=[4.0]), r"lr_multiplier must be a mapping \{level: factor\}"),
+        (dict(e_a=1, e_small=1, lr_multiplier=[(2, 4.0)]), r"lr_multiplier must be a mapping .*got \[\(2, 4\.0\)\]"),
+        (dict(e_a=1, e_small=1, lr_multiplier=4.0), r"lr_multiplier must be a mapping"),
     ],
 )
 def test_bad_lengths_and_arguments(kwargs, match):
@@ -134,6 +137,10 @@ def test_bad_lengths_and_arguments(kwargs, match):
 def test_unknown_keyword_is_a_type_error():
     with pytest.raises(TypeError, match="e_a_step"):
         S.check_arguments(e_a=1, e_small=1, deprecated=dict(e_a_step=1))
+    for value in (None, 0, "2ep"):  # whatever its value, None included (a misspelling is never dropped)
+        with pytest.raises(TypeError, match=r"unexpected keyword arguments \['e_a_stepz'\]"):
+            S.check_arguments(e_a=1, e_small=1, deprecated=dict(e_a_stepz=value))
+    S.check_arguments(e_a=1, e_small=1, deprecated=dict(e_a_steps=None))  # a deprecated name given None: not given
 
 
 def test_arguments_are_normalised():
@@ -156,8 +163,11 @@ def test_arguments_are_normalised():
 
 
 def test_run_length_and_steps_per_epoch():
-    assert S.run_length(10) == 10 and S.run_length(10, 99.0) == 10
+    assert S.run_length(10) == 10 and S.run_length(10, 99.0) == 10 and S.run_length(10, 10.0) == 10
     assert S.run_length(-1) is None and S.run_length(-1, 42.0) == 42 and S.run_length(-1, float("inf")) is None
+    # epochs or limit_train_batches end the run before max_steps: the estimated length is the run's
+    assert S.run_length(100, 3.0) == 3 and S.run_length(1000, 5) == 5 and S.run_length(10, float("inf")) == 10
+    assert S.run_length(None, -1) is None and S.run_length(7, -1) == 7  # an iterable dataset: -1 is unknown
     assert S.steps_per_epoch(5, 1) == 5 and S.steps_per_epoch(5, 2) == 3 and S.steps_per_epoch(4, 4) == 1
     with pytest.raises(ValueError, match="in epochs .*need a train dataloader with a length"):
         S.steps_per_epoch(float("inf"), 1)
@@ -223,3 +233,39 @@ def test_fit_stages_reads_the_trainer_when_it_can():
     assert S.fit_stages(t, 2, fraction, steps, None, at_setup=False) == [(1, 5), (2, 2)] and t.read
     with pytest.raises(ValueError, match="Owner: the V-cycle's stages need 22"):
         S.fit_stages(t, 2, steps, Duration(20, "step"), None, at_setup=False, owner="Owner")
+
+
+def test_fit_stages_at_train_start_take_the_estimated_length():
+    """At train start the run's length is ``estimated_stepping_batches`` when epochs or ``limit_train_batches`` end
+    the run before ``max_steps``: fractions resolve against it and stages that end after it raise; in ``setup`` only
+    ``max_steps`` is checked, and a run bounded by ``max_steps`` resolves exactly as before."""
+    t = SimpleNamespace(max_steps=1000, estimated_stepping_batches=5, num_training_batches=5, accumulate_grad_batches=1)
+    half, fifth = Duration(0.5, "fraction"), Duration(0.2, "fraction")
+    assert S.fit_stages(t, 2, half, fifth, None, at_setup=True) == [(1, 500), (2, 200)]  # setup: max_steps only
+    assert S.fit_stages(t, 2, half, fifth, None, at_setup=False) == [(1, 2), (2, 1)]
+    t = SimpleNamespace(max_steps=100, estimated_stepping_batches=3, num_training_batches=3, accumulate_grad_batches=1)
+    two = Duration(2, "step")
+    assert S.fit_stages(t, 2, two, two, None, at_setup=True) == [(1, 2), (2, 2)]
+    with pytest.raises(ValueError, match=r"need 4 optimizer steps .* run has 3 \(trainer\.max_steps, or max_epochs"):
+        S.fit_stages(t, 2, two, two, None, at_setup=False)
+    t = SimpleNamespace(max_steps=10, estimated_stepping_batches=10, num_training_batches=4, accumulate_grad_batches=1)
+    assert S.fit_stages(t, 2, Duration(0.3, "fraction"), half, None, at_setup=False) == [(1, 3), (2, 5)]
+
+
+def test_stage_level_and_levels_due():
+    stages = [(1, 2), (2, 2), (3, 0), (2, 3)]  # ends [2, 4, 4, 7]
+    ends = S.stage_ends(stages)
+    assert [S.stage_level(stages, i) for i in range(5)] == [1, 2, 3, 2, 1]
+    assert S.levels_due(stages, ends, 0, 1) == [] and S.levels_due(stages, ends, 0, 2) == [2]
+    assert S.levels_due(stages, ends, 1, 4) == [3, 2]  # the zero-length stage of level 3 is passed through
+    assert S.levels_due(stages, ends, 3, 6) == [] and S.levels_due(stages, ends, 3, 7) == [1]
+    assert S.levels_due(stages, ends, 4, 100) == []  # after the last listed stage: level 1 to the end
+    assert S.levels_due([(1, 1), (2, 0)], [1, 1], 0, 1) == [2, 1]  # fast_dev_run: down and up at step 1
+
+
+def test_stages_mismatch():
+    assert S.stages_mismatch([[1, 2], [2, 3]], [(1, 2), (2, 3)]) is None
+    assert S.stages_mismatch([(1, 2), (2, 3)], [(1, 2), (2, 3)]) is None
+    message = S.stages_mismatch([[1, 5], [2, 3]], [(1, 10), (2, 3)])
+    assert message is not None and "[(1, 5), (2, 3)]" in message and "[(1, 10), (2, 3)]" in message
+    assert S.stages_mismatch([[1, 2], [2, 3]], [(1, 2), (2, 1)]) is not None
