@@ -27,7 +27,7 @@ from typing import Any, Literal
 from lightning_effi.core.checks import is_int, is_real
 from lightning_effi.core.protocols import ProvidesProgress
 
-__all__ = ["UNITS", "Duration", "progress_source", "training_progress"]
+__all__ = ["UNITS", "Duration", "progress_source", "run_length", "steps_per_epoch", "training_progress"]
 
 Unit = Literal["step", "epoch", "fraction", "token"]
 UNITS: tuple[str, ...] = ("step", "epoch", "fraction", "token")
@@ -200,3 +200,33 @@ def training_progress(trainer: Any) -> float:
     if not total or not math.isfinite(total):
         return 0.0
     return min(float(trainer.global_step) / float(total), 1.0)
+
+
+def run_length(max_steps: int | None, estimated_steps: float | None = None) -> int | None:
+    """Optimizer steps of the run: the smaller of ``max_steps`` (when > 0) and ``estimated_steps`` (Lightning's
+    ``trainer.estimated_stepping_batches``, which counts ``max_epochs`` and ``limit_train_batches`` too; when finite
+    and > 0); None when neither is known. With ``max_steps`` bounding the run both are ``max_steps``. A ``fraction``
+    :class:`Duration` is a fraction of this.
+
+    >>> run_length(100, 3.0), run_length(10), run_length(-1, 42.0), run_length(-1, float("inf"))
+    (3, 10, 42, None)
+    """
+    known = [int(n) for n in (max_steps, estimated_steps) if n is not None and math.isfinite(n) and n > 0]
+    return min(known) if known else None
+
+
+def steps_per_epoch(num_training_batches: float, accumulate_grad_batches: int, what: str = "an epoch length") -> int:
+    """Optimizer steps of one epoch: ``ceil(num_training_batches / accumulate_grad_batches)``, as Lightning's
+    ``estimated_stepping_batches`` counts them (``limit_train_batches`` applies). An ``epoch`` :class:`Duration` is
+    a multiple of this.
+
+    Raises:
+        ValueError: the number of batches is not finite and > 0 (a train dataloader without a length); ``what``
+            names what needed it.
+    """
+    if not math.isfinite(num_training_batches) or num_training_batches <= 0:
+        raise ValueError(
+            f"{what} needs a train dataloader with a length (trainer.num_training_batches = "
+            f"{num_training_batches}); give optimizer steps instead"
+        )
+    return math.ceil(int(num_training_batches) / accumulate_grad_batches)

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["config_mismatch", "settings_diff"]
+__all__ = ["config_mismatch", "other_state_keys", "settings_diff"]
 
 
 def settings_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -45,3 +45,14 @@ def config_mismatch(
     if strict:
         raise error(f"{message}; pass strict=False to {fix}")
     warnings.warn(f"{message} (strict=False: {fix})", stacklevel=3)
+
+
+def other_state_keys(callback: Any, checkpoint: Mapping[str, Any]) -> list[str]:
+    """The state keys of ``checkpoint`` written by a callback of the same class with other identity arguments, when
+    the checkpoint has no state under ``callback.state_key`` (Lightning would then skip the callback's state
+    silently): non-empty means "written with other settings". Call it from ``on_load_checkpoint``."""
+    stored = checkpoint.get("callbacks", {})
+    if callback.state_key in stored:
+        return []
+    prefix = type(callback).__qualname__ + "{"
+    return [k for k in stored if isinstance(k, str) and k.startswith(prefix)]

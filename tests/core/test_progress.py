@@ -121,3 +121,13 @@ def test_training_progress_has_one_source():
     assert progress_source(with_technique.callbacks)() == 0.75
     unknown = SimpleNamespace(callbacks=[], estimated_stepping_batches=math.inf, global_step=10)
     assert training_progress(unknown) == 0.0
+
+
+def test_run_length_and_steps_per_epoch():
+    from lightning_effi.core.progress import run_length, steps_per_epoch
+
+    assert (run_length(100, 3.0), run_length(10), run_length(-1, 42.0), run_length(-1, math.inf)) == (3, 10, 42, None)
+    assert run_length(None, None) is None and run_length(0, 0) is None
+    assert steps_per_epoch(10, 3) == 4 and steps_per_epoch(9, 3) == 3
+    with pytest.raises(ValueError, match="e_a needs a train dataloader with a length"):
+        steps_per_epoch(math.inf, 1, "e_a")
