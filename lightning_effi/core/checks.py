@@ -24,8 +24,13 @@ def is_int(x: Any) -> bool:
 
 
 def is_real(x: Any) -> bool:
-    """A finite real number (Python or numpy int / float), not a bool."""
-    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(float(x))
+    """A finite real number (Python or numpy int / float), not a bool, nor an int too large for a float."""
+    if not isinstance(x, Real) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an int beyond float range: the float arithmetic of every caller would overflow
+        return False
 
 
 def _where(owner: str, name: str) -> str:

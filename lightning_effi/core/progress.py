@@ -22,7 +22,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from lightning_effi.core.checks import is_int, is_real
 from lightning_effi.core.protocols import ProvidesProgress
@@ -30,9 +30,12 @@ from lightning_effi.core.protocols import ProvidesProgress
 __all__ = ["UNITS", "Duration", "progress_source", "run_length", "steps_per_epoch", "training_progress"]
 
 Unit = Literal["step", "epoch", "fraction", "token"]
-UNITS: tuple[str, ...] = ("step", "epoch", "fraction", "token")
+UNITS: tuple[str, ...] = get_args(Unit)
+#: per unit: its suffix when written, an example, and the values it takes
+_UNIT_SUFFIX = {"step": "st", "epoch": "ep", "fraction": "dur", "token": "tok"}
 _EXAMPLES = {"step": "500st", "epoch": "2ep", "fraction": "0.3dur", "token": "1e6tok"}
-_SUFFIX = {"st": "step", "ba": "step", "ep": "epoch", "dur": "fraction", "tok": "token"}
+_DOMAIN = {"step": "an int >= 0", "epoch": "an int >= 0", "fraction": "a number in [0, 1]", "token": "a number > 0"}
+_SUFFIX = {**{s: u for u, s in _UNIT_SUFFIX.items()}, "ba": "step"}  # "ba" (batches): Composer's spelling
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(st|ba|ep|dur|tok)\s*$")
 
 
@@ -65,12 +68,7 @@ class Duration:
         else:
             ok = is_real(v) and v > 0
         if not ok:
-            domain = {
-                "step": "an int >= 0",
-                "epoch": "an int >= 0",
-                "fraction": "a number in [0, 1]",
-                "token": "a number > 0",
-            }[self.unit]
+            domain = _DOMAIN[self.unit]
             raise ValueError(f"a duration in {self.unit}s must be {domain}, got {v!r}")
 
     @classmethod
@@ -97,6 +95,8 @@ class Duration:
                     f"number with a unit: {examples}"
                 )
             number, unit = m.group(1), _SUFFIX[m.group(2)]
+            if not math.isfinite(float(number)):
+                raise ValueError(f"{name}: {value!r} is too large to be a duration")
             if unit in ("step", "epoch"):
                 f = float(number)
                 if not f.is_integer():
@@ -175,7 +175,7 @@ class Duration:
 
     def __str__(self) -> str:
         """The parseable spelling, exact: ``"2ep"``, ``"0.123456789dur"``, ``"1000000tok"``."""
-        suffix = {"step": "st", "epoch": "ep", "fraction": "dur", "token": "tok"}[self.unit]
+        suffix = _UNIT_SUFFIX[self.unit]
         v = self.value
         text = str(int(v)) if is_int(v) or float(v).is_integer() else repr(float(v))
         return f"{text}{suffix}"

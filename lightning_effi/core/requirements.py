@@ -34,7 +34,10 @@ class IncompatibleTechniques(MisconfigurationException):
 
 @dataclass(frozen=True)
 class Requirements:
-    """A technique's needs and effects, read by :func:`check_trainer`.
+    """A technique's needs and effects. :func:`check_trainer` rules on ``owns_train_sampler``,
+    ``changes_model_shapes``, ``patches_layers`` (through :data:`CONFLICTS`), ``strategies`` /
+    ``refused_strategies`` and ``incompatible_callbacks``; the other fields are declarations for the method cards,
+    ``metadata.json`` and the rules still to come (the batch is known only at the first batch).
 
     Attributes:
         owns_train_sampler: the technique rebuilds the training loader and decides which samples each step trains on.
@@ -67,7 +70,7 @@ class Requirements:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "bool" and not isinstance(value, bool):
+            if isinstance(f.default, bool) and not isinstance(value, bool):
                 raise TypeError(f"Requirements.{f.name} must be a bool, got {value!r}")
         unknown = set(self.batch_structures) - set(BATCH_STRUCTURES)
         if unknown:

@@ -36,6 +36,7 @@ def test_parse_and_resolve(value, unit, number, steps):
         ("2.5ep", "e_a: epochs must be whole"),
         ("1.5dur", r"e_a: a duration in fractions must be a number in \[0, 1\]"),
         ("10 minutes", "e_a: cannot read '10 minutes' as a duration"),
+        ("1e400st", "e_a: '1e400st' is too large to be a duration"),
     ],
 )
 def test_parse_errors_name_the_argument(value, match):

@@ -123,12 +123,8 @@ CURRICULUM_METRICS = {
     ),
 }
 
-# V-cycle stage lengths: ``e_a``/``e_small`` (durations) where the callback has them, else the older ``*_steps``
-VCYCLE_STAGES = (
-    dict(e_a=1, e_small=2)
-    if "e_a" in inspect.signature(VCycleCallback).parameters
-    else dict(e_a_steps=1, e_small_steps=2)
-)
+# V-cycle stage lengths (durations; optimizer steps here)
+VCYCLE_STAGES = dict(e_a=1, e_small=2)
 
 SETTINGS: dict[type[Callback], CallbackSettings] = {
     EfficiencyMonitor: CallbackSettings(
