@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_effi.core.accounting import tokens_of
-from lightning_effi.core.checks import check_bool, is_int
+from lightning_effi.core.checks import check_bool, check_int
 from lightning_effi.core.compat import uses_distributed_sampler
 from lightning_effi.core.requirements import Requirements, check_trainer
 from lightning_effi.curriculum import functional as F
@@ -139,16 +139,13 @@ class Curriculum(Callback):
                     "the metrics (to Curriculum or to CurriculumDataModule)"
                 )
         strict = check_bool("Curriculum", "strict", strict, error=CurriculumConfigError)
-        if not is_int(analysis_batch_size) or analysis_batch_size < 1:
-            raise CurriculumConfigError(
-                f"Curriculum.analysis_batch_size must be an int >= 1, got {analysis_batch_size!r}"
-            )
-        self.analysis_batch_size, self.strict = int(analysis_batch_size), strict
+        self.analysis_batch_size = check_int(
+            "Curriculum", "analysis_batch_size", analysis_batch_size, 1, error=CurriculumConfigError
+        )
+        self.strict = strict
         self.total_tokens: int | None = None
         if total_tokens is not None:
-            if not is_int(total_tokens) or total_tokens < 1:
-                raise CurriculumConfigError(f"Curriculum.total_tokens must be a positive int, got {total_tokens!r}")
-            self.total_tokens = int(total_tokens)
+            self.total_tokens = check_int("Curriculum", "total_tokens", total_tokens, 1, error=CurriculumConfigError)
             self.effi_progress = functools.partial(self.token_progress, self.total_tokens)  # picklable (ddp_spawn)
         self.controller: CurriculumController | None = None
         self.consumed_tokens = 0

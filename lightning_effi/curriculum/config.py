@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_effi.core.checks import is_int, plain
+from lightning_effi.core.checks import check_bool, check_choice, check_int, plain
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.schedules import ROUNDING_MODES, CurriculumSchedule, ScheduleConfigError
 
@@ -87,14 +87,8 @@ class MetricConfig:
 
     def __post_init__(self) -> None:
         where = f"curriculum_metrics.{self.name}"
-        if self.difficulty_type not in F.DIFFICULTY_TYPES:
-            raise CurriculumConfigError(
-                f"{where}.difficulty_type must be one of {F.DIFFICULTY_TYPES}, got {self.difficulty_type!r}"
-            )
-        if self.clustering_type not in CLUSTERING_TYPES:
-            raise CurriculumConfigError(
-                f"{where}.clustering_type must be one of {CLUSTERING_TYPES}, got {self.clustering_type!r}"
-            )
+        check_choice(where, "difficulty_type", self.difficulty_type, F.DIFFICULTY_TYPES, error=CurriculumConfigError)
+        check_choice(where, "clustering_type", self.clustering_type, CLUSTERING_TYPES, error=CurriculumConfigError)
         object.__setattr__(self, "schedule_config", dict(to_plain(self.schedule_config) or {}))
         object.__setattr__(self, "analysis", to_plain(self.analysis))
         if self.name in TRANSFORM_METRICS and (self.clustering_type, self.difficulty_type) != (
@@ -174,11 +168,9 @@ class MetricConfig:
         missing = [k for k in required if k not in raw]
         if missing:
             raise CurriculumConfigError(f"{where}: missing required key(s) {missing}")
-        for k in ("min_difficulty", "max_difficulty"):
-            if not is_int(raw[k]):
-                raise CurriculumConfigError(f"{where}.{k} must be an int, got {raw[k]!r}")
         kwargs = copy.deepcopy({k: v for k, v in raw.items() if k != "custom_schedule"})
-        kwargs.update(min_difficulty=int(raw["min_difficulty"]), max_difficulty=int(raw["max_difficulty"]))
+        for k in ("min_difficulty", "max_difficulty"):
+            kwargs[k] = check_int(where, k, raw[k], error=CurriculumConfigError)
         cfg = cls(name=name, **kwargs, custom_schedule=raw.get("custom_schedule"))
         cfg.schedule("clamped")  # validates the schedule keys now (parse time)
         return cfg
@@ -241,25 +233,14 @@ class CurriculumConfig:
                 f"curriculum truncate_keys must be a non-empty list of batch keys, got {keys!r}"
             )
         object.__setattr__(self, "truncate_keys", tuple(keys))
+        err = CurriculumConfigError
         for key in ("drop_last", "causal_label_shift"):
-            if not isinstance(getattr(self, key), bool):
-                raise CurriculumConfigError(f"curriculum {key} must be a bool, got {getattr(self, key)!r}")
-        if self.rounding not in ROUNDING_MODES:
-            raise CurriculumConfigError(f"curriculum rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}")
-        if self.percentile_rounding not in F.PERCENTILE_ROUNDING:
-            raise CurriculumConfigError(
-                f"curriculum percentile_rounding must be one of {F.PERCENTILE_ROUNDING}, "
-                f"got {self.percentile_rounding!r}"
-            )
-        if self.dp_split not in F.DP_SPLITS:
-            raise CurriculumConfigError(f"curriculum dp_split must be one of {F.DP_SPLITS}, got {self.dp_split!r}")
-        for key in ("seed", "num_epochs"):
-            v = getattr(self, key)
-            if not is_int(v) or v < (0 if key == "seed" else 1):
-                raise CurriculumConfigError(
-                    f"curriculum {key} must be an int >= {0 if key == 'seed' else 1}, got {v!r}"
-                )
-            object.__setattr__(self, key, int(v))
+            object.__setattr__(self, key, check_bool("curriculum", key, getattr(self, key), error=err))
+        check_choice("curriculum", "rounding", self.rounding, ROUNDING_MODES, error=err)
+        check_choice("curriculum", "percentile_rounding", self.percentile_rounding, F.PERCENTILE_ROUNDING, error=err)
+        check_choice("curriculum", "dp_split", self.dp_split, F.DP_SPLITS, error=err)
+        object.__setattr__(self, "seed", check_int("curriculum", "seed", self.seed, 0, error=err))
+        object.__setattr__(self, "num_epochs", check_int("curriculum", "num_epochs", self.num_epochs, 1, error=err))
         if self.seed >= 2**32:
             raise CurriculumConfigError(f"curriculum seed must be < 2**32, got {self.seed}")
         if "seqlen_truncate" in parsed and "seqlen_reshape" in parsed:

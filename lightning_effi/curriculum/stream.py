@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_effi.core.checks import is_int
+from lightning_effi.core.checks import check_int
 from lightning_effi.core.state import config_mismatch, settings_diff
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig, CurriculumConfigError, MetricConfig
@@ -204,16 +204,14 @@ class CurriculumController:
         dp_rank: int = 0,
         grad_accum: int = 1,
     ) -> None:
-        for key, v, lo in (
-            ("num_samples", num_samples, 1),
-            ("micro_batch_size", micro_batch_size, 1),
-            ("dp_size", dp_size, 1),
-            ("grad_accum", grad_accum, 1),
-        ):
-            if not is_int(v) or v < lo:
-                raise CurriculumConfigError(f"curriculum: {key} must be an int >= {lo}, got {v!r}")
         num_samples, micro_batch_size, dp_size, grad_accum = (
-            int(v) for v in (num_samples, micro_batch_size, dp_size, grad_accum)
+            check_int("CurriculumController", key, v, 1, error=CurriculumConfigError)
+            for key, v in (
+                ("num_samples", num_samples),
+                ("micro_batch_size", micro_batch_size),
+                ("dp_size", dp_size),
+                ("grad_accum", grad_accum),
+            )
         )
         if not 0 <= dp_rank < dp_size:
             raise CurriculumConfigError(f"curriculum: dp_rank must be in [0, {dp_size}), got {dp_rank}")

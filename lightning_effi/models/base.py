@@ -129,7 +129,7 @@ def register_adapter(name: str, factory: Callable[..., TransformerAdapter] | Non
 
 def registered_adapters() -> list[str]:
     """The family names with a random-LTD adapter, sorted."""
-    return sorted(registry.adapters("random_ltd"))
+    return registry.names("random_ltd")
 
 
 def find_adapter(
@@ -149,11 +149,8 @@ def find_adapter(
     if not isinstance(adapter, str):
         raise ValueError(f"adapter must be 'auto', a registered name or a TransformerAdapter, got {adapter!r}")
     known: dict[str, Callable[..., TransformerAdapter]] = registry.adapters("random_ltd")
-    if adapter != "auto" and adapter not in known:
-        raise ValueError(
-            f"adapter: unknown adapter {adapter!r}; registered: {', '.join(registered_adapters())} "
-            "(or pass a lightning_effi.adapters.GenericAdapter)"
-        )
+    if adapter != "auto":
+        registry.lookup("random_ltd", adapter, "adapter", hint="(or pass a lightning_effi.models.GenericAdapter)")
     names = [adapter] if adapter != "auto" else list(candidates or known)
     for sub in module.modules():
         for name in names:
@@ -164,6 +161,6 @@ def find_adapter(
     raise ValueError(
         f"adapter: no model inside {type(module).__name__} matches "
         f"{'any registered adapter' if adapter == 'auto' else repr(adapter)} "
-        f"({', '.join(registered_adapters())}); register one with lightning_effi.adapters.register_adapter or pass "
-        "a lightning_effi.adapters.GenericAdapter(layers=..., ...)"
+        f"({', '.join(registered_adapters())}); register one with lightning_effi.models.register_adapter or pass "
+        "a lightning_effi.models.GenericAdapter(layers=..., ...)"
     )

@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TECHNIQUES", "ModelFamily", "adapters", "family", "register", "registered_families"]
+from lightning_effi.core.checks import check_choice
+
+__all__ = ["TECHNIQUES", "ModelFamily", "adapters", "family", "lookup", "names", "register", "registered_families"]
 
 #: techniques that take a per-family adapter, in the order :attr:`ModelFamily.supports` lists them
 TECHNIQUES = ("random_ltd", "vcycle")
@@ -41,8 +43,7 @@ _FAMILIES: dict[str, ModelFamily] = {}
 
 
 def _check_technique(technique: str) -> None:
-    if technique not in TECHNIQUES:
-        raise ValueError(f"technique must be one of {TECHNIQUES}, got {technique!r}")
+    check_choice("registry", "technique", technique, TECHNIQUES)
 
 
 def register(technique: str, name: str, adapter: Any, what: str = "adapter") -> Any:
@@ -65,6 +66,29 @@ def adapters(technique: str) -> dict[str, Any]:
     """``{family name: adapter}`` of the families with an adapter for ``technique``, in registration order."""
     _check_technique(technique)
     return {n: f.adapters[technique] for n, f in _FAMILIES.items() if technique in f.adapters}
+
+
+def names(technique: str) -> list[str]:
+    """The family names with an adapter for ``technique``, sorted."""
+    return sorted(adapters(technique))
+
+
+def lookup(technique: str, name: Any, what: str = "adapter", *, registered: str | None = None, hint: str = "") -> Any:
+    """Family ``name``'s adapter for ``technique``.
+
+    Args:
+        what: names the adapter kind in the message. registered: the list of registered adapters in the message
+            (default: :func:`names` comma-separated). hint: appended to the message (e.g. what to pass instead).
+
+    Raises:
+        ValueError: ``adapter: unknown {what} {name!r}; registered: ...`` when ``name`` is not a registered family
+            name with an adapter for ``technique``.
+    """
+    known = adapters(technique)
+    if not isinstance(name, str) or name not in known:
+        listing = ", ".join(sorted(known)) if registered is None else registered
+        raise ValueError(f"adapter: unknown {what} {name!r}; registered: {listing}{' ' + hint if hint else ''}")
+    return known[name]
 
 
 def family(name: str) -> ModelFamily:

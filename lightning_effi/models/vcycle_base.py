@@ -7,12 +7,12 @@ An adapter turns a live large model into a :class:`~lightning_effi.vcycle.operat
 and depth halving) and builds the small model from the large model's own configuration::
 
     from lightning_effi.models.vcycle_base import find_vcycle_adapter
-    from lightning_effi.functional import vcycle
+    from lightning_effi.vcycle import operators
 
     adapter = find_vcycle_adapter(model)                    # GPT2LMHeadModel, Bert*, timm VisionTransformer
     plan = adapter.plan(model, width_scheme="half", depth_scheme="adjacent", embedding_convention="official")
     small = adapter.build_small(model, plan)
-    small.load_state_dict(vcycle.coalesce(model, plan))     # strict; in-place copies keep HF ties
+    small.load_state_dict(operators.coalesce(model, plan))  # strict; in-place copies keep HF ties
 
 Registered: ``hf_gpt2`` (:class:`~lightning_effi.models.gpt2.HFGPT2VCycleAdapter`), ``hf_bert``
 (:class:`~lightning_effi.models.bert.HFBertVCycleAdapter`), ``timm_vit``
@@ -287,7 +287,7 @@ def register_vcycle_adapter(cls: type[VCycleAdapter]) -> type[VCycleAdapter]:
 
 def registered_vcycle_adapters() -> list[str]:
     """The family names with a V-cycle adapter, sorted."""
-    return sorted(registry.adapters("vcycle"))
+    return registry.names("vcycle")
 
 
 def _supported(known: Mapping[str, type[VCycleAdapter]]) -> str:
@@ -309,8 +309,7 @@ def find_vcycle_adapter(model: nn.Module, adapter: str | VCycleAdapter = "auto")
         return adapter
     known: dict[str, type[VCycleAdapter]] = registry.adapters("vcycle")
     if adapter != "auto":
-        if adapter not in known:
-            raise ValueError(f"adapter: unknown V-cycle adapter {adapter!r}; registered: {_supported(known)}")
+        registry.lookup("vcycle", adapter, "V-cycle adapter", registered=_supported(known))
         if not known[adapter].matches(model):
             raise ValueError(
                 f"adapter: {adapter!r} does not handle {type(model).__name__} (supports {known[adapter].models})"

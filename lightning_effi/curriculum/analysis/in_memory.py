@@ -12,9 +12,11 @@ import numpy as np
 import torch
 
 from lightning_effi.core.accounting import batch_size_of
+from lightning_effi.core.checks import plain
 from lightning_effi.core.indexed import sequence_lengths
-from lightning_effi.curriculum.config import CurriculumConfigError, to_plain
+from lightning_effi.curriculum.config import CurriculumConfigError
 
+from .analyzer import _to_numpy_result
 from .metrics import get_metric
 
 __all__ = ["analyze_in_memory"]
@@ -27,7 +29,7 @@ def _metric_name(analysis: Any) -> tuple[str, dict[str, Any]]:
     """``(name, factory options)`` of an ``analysis`` entry (a name, ``{name: ..., **options}`` or a callable)."""
     if callable(analysis):
         return getattr(analysis, "__name__", repr(analysis)), {}
-    options = dict(to_plain(analysis)) if isinstance(analysis, Mapping) else {"name": analysis}
+    options = dict(plain(analysis)) if isinstance(analysis, Mapping) else {"name": analysis}
     name = options.pop("name", None)
     if not isinstance(name, str):
         raise CurriculumConfigError(
@@ -56,13 +58,14 @@ def _vocab_freq(name: str, options: dict[str, Any], loader: Any) -> np.ndarray |
 
 
 def _per_sample(name: str, values: Any, batch: Any) -> np.ndarray:
-    """One batch's metric values as int64 ``[B]``, checked."""
-    v = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
-    if not np.issubdtype(v.dtype, np.integer):
-        raise CurriculumConfigError(
-            f"curriculum analysis: metric {name!r} returned {v.dtype} values; metric "
-            "values must be integers (scale floats explicitly)"
-        )
+    """One batch's metric values as int64 ``[B]``, checked (integers by the analyzer's check, then the shape and the
+    int64 range)."""
+    if not isinstance(values, (torch.Tensor, np.ndarray)):
+        values = np.asarray(values)  # a list of ints from a callable
+    try:
+        v = _to_numpy_result(values, name)
+    except TypeError as e:
+        raise CurriculumConfigError(f"curriculum analysis: {e}") from None
     if v.dtype == np.uint64 and v.size and v.max() > np.iinfo(np.int64).max:
         raise CurriculumConfigError(
             f"curriculum analysis: metric {name!r} returned values above the int64 maximum; scale them down"
