@@ -27,8 +27,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_effi.core.checks import check_bool, check_int, check_real
+from lightning_effi.core.progress import steps_per_epoch
 from lightning_effi.core.requirements import Requirements, check_trainer
-from lightning_effi.core.state import config_mismatch, settings_diff
+from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.infobatch import functional as ib
 from lightning_effi.infobatch.data import InfoBatchDataModule
 
@@ -270,7 +271,8 @@ class InfoBatchCallback(Callback):
         if self.history and self.history[-1]["epoch"] == epoch:
             self.history[-1]["padded"] = int(padded)
         accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
-        self.steps_per_epoch = max(1, math.ceil(batches / accumulate))
+        # an empty loader (0 batches on this rank) counts as one step, so progress stays finite
+        self.steps_per_epoch = steps_per_epoch(max(1, batches), accumulate, f"{type(self).__name__}.record_loader")
 
     def effi_progress(self) -> float:
         """Training progress in [0, 1] after the next optimizer step: ``(e + (j + 1) / L_e) / E`` with ``j`` the
@@ -372,9 +374,7 @@ class InfoBatchCallback(Callback):
     ) -> None:
         """Detect a checkpoint written by an InfoBatch callback with other identity arguments (its state is stored
         under another ``state_key`` and would otherwise be ignored silently)."""
-        prefix = type(self).__qualname__ + "{"
-        others = [k for k in checkpoint.get("callbacks", {}) if k.startswith(prefix) and k != self.state_key]
-        if others and self.state_key not in checkpoint.get("callbacks", {}):
+        if others := other_state_keys(self, checkpoint):
             config_mismatch(
                 type(self).__name__,
                 f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}",

@@ -36,10 +36,10 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_effi.core.accounting import BatchStats
-from lightning_effi.core.checks import check_bool, check_choice, check_int, is_int, is_real
-from lightning_effi.core.progress import Duration
+from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
+from lightning_effi.core.progress import Duration, run_length, steps_per_epoch
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
-from lightning_effi.core.state import config_mismatch
+from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.models.base import TransformerAdapter, find_adapter
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import LTDController, PatchedLayers, convert, resolve_layer_ids, restore
@@ -83,8 +83,9 @@ class RandomLTDCallback(Callback):
         require_steps: length of the linear growth: an int of optimizer steps, exactly as DeepSpeed's
             ``schedule_config.require_steps`` (>= 1), or a :class:`~lightning_effi.core.progress.Duration` or what
             ``Duration.parse`` reads: ``"500st"``, ``"0.8dur"`` (a fraction in ``(0, 1]`` of the run's ``T``
-            optimizer steps, ``max(1, ceil(f · T))``, ``T`` = ``trainer.max_steps`` when set, else
-            ``trainer.estimated_stepping_batches``), ``"2ep"`` (``n · ceil(num_training_batches /
+            optimizer steps, ``max(1, ceil(f · T))``, ``T`` = the smaller of ``trainer.max_steps`` and
+            ``trainer.estimated_stepping_batches`` (:func:`~lightning_effi.core.progress.run_length`, as the V-cycle
+            reads it), read at train start), ``"2ep"`` (``n · ceil(num_training_batches /
             accumulate_grad_batches)`` steps, read at train start). No floats (write ``"0.8dur"``), no tokens.
             Default: the whole run (``"1dur"``).
         require_fraction: deprecated (one release, ``DeprecationWarning``): ``require_fraction=f`` is
@@ -143,17 +144,15 @@ class RandomLTDCallback(Callback):
         name = type(self).__name__
         min_value = check_int(name, "min_value", min_value, minimum=1)
         seq_per_step = check_int(name, "seq_per_step", seq_per_step, minimum=1)
-        if max_value is not None and (not is_int(max_value) or max_value < 1):
-            raise ValueError(f"{name}.max_value must be an int >= 1 or None (the model's length), got {max_value!r}")
+        if max_value is not None:  # None: the model's length
+            max_value = check_int(name, "max_value", max_value, minimum=1)
         if max_value is not None and min_value > max_value:
             raise ValueError(f"{name}: min_value ({min_value}) must be <= max_value ({max_value})")
         duration = None if require_steps is None else _require_duration(name, require_steps)
         if require_steps is not None and require_fraction is not None:
             raise ValueError(f"{name}: give require_steps or require_fraction, not both")
         if require_fraction is not None:
-            if not (is_real(require_fraction) and 0 < require_fraction <= 1):
-                raise ValueError(f"{name}.require_fraction must be in (0, 1], got {require_fraction!r}")
-            require_fraction = float(require_fraction)
+            require_fraction = check_real(name, "require_fraction", require_fraction, 0, 1, low_open=True)
             duration = Duration(require_fraction, "fraction")
             warnings.warn(
                 f"{name}.require_fraction is deprecated and will be removed in the next release: write "
@@ -172,19 +171,14 @@ class RandomLTDCallback(Callback):
             if len(set(layer_ids)) != len(layer_ids) or list(layer_ids) != sorted(layer_ids):
                 raise ValueError(f"{name}.layer_ids must be sorted and unique, got {list(layer_ids)!r}")
         check_choice(name, "rounding", rounding, F.ROUNDINGS)
-        if keep_prefix_tokens != "auto" and (not is_int(keep_prefix_tokens) or keep_prefix_tokens < 0):
-            raise ValueError(f"{name}.keep_prefix_tokens must be an int >= 0 or 'auto', got {keep_prefix_tokens!r}")
-        if accounting not in ("actual", "deepspeed"):
-            raise ValueError(f"{name}.accounting must be 'actual' or 'deepspeed', got {accounting!r}")
+        if keep_prefix_tokens != "auto":  # "auto": the model's prefix tokens
+            keep_prefix_tokens = check_int(name, "keep_prefix_tokens", keep_prefix_tokens, minimum=0)
+        check_choice(name, "accounting", accounting, ("actual", "deepspeed"))
         seed = check_int(name, "seed", seed)
         if not isinstance(adapter, (str, TransformerAdapter)):
             raise ValueError(
                 f"{name}.adapter must be 'auto', a registered name or a TransformerAdapter, got {adapter!r}"
             )
-        if max_value is not None:
-            max_value = int(max_value)
-        if keep_prefix_tokens != "auto":
-            keep_prefix_tokens = int(keep_prefix_tokens)
         self.min_value = min_value
         self.max_value_arg = max_value
         # require_steps as given (repr), the Duration it means (default: the whole run), and the fixed step count
@@ -286,8 +280,6 @@ class RandomLTDCallback(Callback):
             raise ValueError(
                 f"{name}.keep_prefix_tokens ({self.keep_prefix_tokens}) must be <= min_value ({self.min_value})"
             )
-        if self.require_steps is None and self.require_duration.unit == "fraction" and (trainer.max_steps or 0) > 0:
-            self.require_steps = self._resolve_require_steps(trainer, math.inf)  # from max_steps, known now
         self.controller = LTDController(
             self.num_layers,
             self.layer_ids,
@@ -310,7 +302,7 @@ class RandomLTDCallback(Callback):
         self.total_steps = int(total) if math.isfinite(total) else None
         if self.require_steps_arg is not None:
             return  # a fixed step count: compared with the checkpoint's in load_state_dict
-        saved, current = self._saved_require_steps, self._resolve_require_steps(trainer, total)
+        saved, current = self._saved_require_steps, self._resolve_require_steps(trainer)
         if saved is not None and saved != current:
             self._mismatch(
                 f"require_steps={str(self.require_duration)!r} gives {current} optimizer steps in this run but the "
@@ -319,27 +311,22 @@ class RandomLTDCallback(Callback):
             )
         self.require_steps = current
 
-    def _resolve_require_steps(self, trainer: pl.Trainer, total: float) -> int:
-        """A derived ``require_steps`` in optimizer steps, as a fresh run resolves it: a fraction of
-        ``trainer.max_steps`` when set (in ``setup``), else of the run's ``total`` optimizer steps (at train start),
-        rounded up; or epochs of ``ceil(num_training_batches / accumulate_grad_batches)`` steps."""
+    def _resolve_require_steps(self, trainer: pl.Trainer) -> int:
+        """A derived ``require_steps`` in optimizer steps (at train start): a fraction of the run's optimizer steps
+        (:func:`~lightning_effi.core.progress.run_length` of ``max_steps`` and ``estimated_stepping_batches``, as the
+        V-cycle reads it), rounded up; or epochs of
+        :func:`~lightning_effi.core.progress.steps_per_epoch` optimizer steps."""
         where = f"{type(self).__name__}.require_steps"
         duration = self.require_duration
-        if duration.unit == "fraction" and (trainer.max_steps or 0) > 0:
-            total = trainer.max_steps
         if duration.unit == "epoch":
-            batches = trainer.num_training_batches
-            if not math.isfinite(batches) or batches <= 0:
-                raise ValueError(
-                    f"{where}={duration} is in epochs, but the train dataloader has no length; give optimizer steps"
-                )
-            steps_per_epoch = math.ceil(int(batches) / trainer.accumulate_grad_batches)
-            return max(1, duration.to_steps(steps_per_epoch=steps_per_epoch, name=where))
-        if not math.isfinite(total) or total <= 0:
+            spe = steps_per_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches, f"{where}={duration}")
+            return max(1, duration.to_steps(steps_per_epoch=spe, name=where))
+        total = run_length(trainer.max_steps, trainer.estimated_stepping_batches)
+        if total is None:
             raise ValueError(
                 f"{where}: the run's length is unknown (max_epochs=-1 and max_steps=-1); set require_steps"
             )
-        return max(1, duration.to_steps(total_steps=int(total), name=where, rounding="ceil"))
+        return max(1, duration.to_steps(total_steps=total, name=where, rounding="ceil"))
 
     # ------------------------------------------------------------------------------------------------ schedule
     def value_at(self, step: int) -> int:
@@ -522,10 +509,7 @@ class RandomLTDCallback(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        prefix = type(self).__qualname__ + "{"
-        stored = checkpoint.get("callbacks", {})
-        others = [k for k in stored if k.startswith(prefix) and k != self.state_key]
-        if others and self.state_key not in stored:
+        if others := other_state_keys(self, checkpoint):
             self._mismatch(f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}")
 
     def _mismatch(self, message: str, fix: str = "resume with this configuration") -> None:
@@ -537,9 +521,10 @@ class RandomLTDCallback(Callback):
         if self.require_steps_arg is None:
             # derived from the run: on_train_start compares what the current arguments give in this run
             mine.pop("require_steps")
-            if saved.get("require_steps") is not None:
-                self.require_steps = self._saved_require_steps = int(saved["require_steps"])
-        diff = {k: (saved.get(k), mine.get(k)) for k in mine if saved.get(k) != mine.get(k)}
+            saved_steps = saved.pop("require_steps", None)
+            if saved_steps is not None:
+                self.require_steps = self._saved_require_steps = int(saved_steps)
+        diff = settings_diff(saved, mine)
         if diff:
             self._mismatch(f"the checkpoint's configuration differs (checkpoint, now): {diff}")
         self.consumed_layer_tokens = int(state_dict["consumed_layer_tokens"])

@@ -10,12 +10,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_effi.vcycle.stages import baseline_flops
-
-__all__ = ["FlopsAccount"]
+__all__ = ["FlopsAccount", "baseline_flops"]
 
 #: what a module's ``effi_training_flops`` may raise when it cannot count a batch: the accounting stops, the fit goes on
 DISABLING_ERRORS = (NotImplementedError, TypeError, KeyError)
+
+
+def baseline_flops(full_model_flops: float, flops_steps: int, baseline_steps: int | None = None) -> float:
+    """Training FLOPs of the baseline the saving is measured against: ``full_model_flops`` (the full model on the
+    run's own batches, ``flops_steps`` optimizer steps) or, with ``baseline_steps``, its mean per step times
+    ``baseline_steps`` (0 before any step)."""
+    if baseline_steps is None:
+        return full_model_flops
+    return full_model_flops / flops_steps * baseline_steps if flops_steps else 0.0
 
 
 @dataclass
@@ -52,7 +59,7 @@ class FlopsAccount:
 
     @property
     def baseline_flops(self) -> float:
-        """Training FLOPs of the baseline (:func:`~lightning_effi.vcycle.stages.baseline_flops`)."""
+        """Training FLOPs of the baseline (:func:`baseline_flops`)."""
         return baseline_flops(self.full_model_flops, self.flops_steps, self.baseline_steps)
 
     def saved_frac(self) -> float:

@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_effi.core.compat import optimizers_to_device, rewrap_ddp
 from lightning_effi.core.progress import Duration
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
-from lightning_effi.core.state import config_mismatch
+from lightning_effi.core.state import config_mismatch, settings_diff
 from lightning_effi.vcycle import operators as V
 from lightning_effi.vcycle import stages as S
 from lightning_effi.vcycle.accounting import FlopsAccount
@@ -177,12 +177,13 @@ class VCycleCallback(Callback):
         self._saved_stages: list[tuple[int, int]] | None = None
 
     def __repr__(self) -> str:
-        """Every constructor argument (new spelling): ``eval`` with ``VCycleCallback`` and ``Duration`` in scope
-        builds an equal callback (an adapter instance needs its class in scope too)."""
-        up_leg = list(self.up_leg) if isinstance(self.up_leg, tuple) else self.up_leg
+        """Every constructor argument (new spelling; a length as random-LTD's ``require_steps``: an int of steps, else
+        the duration's string such as ``'0.5dur'``): ``eval`` with ``VCycleCallback`` in scope builds an equal
+        callback (an adapter instance needs its class in scope too)."""
         return (
-            f"{type(self).__name__}(levels={self.levels!r}, e_a={self.e_a!r}, e_small={self.e_small!r}, "
-            f"up_leg={up_leg!r}, width_scheme={self.width_scheme!r}, depth_scheme={self.depth_scheme!r}, "
+            f"{type(self).__name__}(levels={self.levels!r}, e_a={S.spelled(self.e_a)!r}, "
+            f"e_small={S.spelled(self.e_small)!r}, up_leg={S.spelled(self.up_leg)!r}, "
+            f"width_scheme={self.width_scheme!r}, depth_scheme={self.depth_scheme!r}, "
             f"alpha_original={self.alpha_arg!r}, lr_multiplier={self.lr_multiplier!r}, "
             f"embedding_convention={self.embedding_convention!r}, model_attr={self.model_attr!r}, "
             f"adapter={self.adapter_arg!r}, lr_schedule={self.lr_schedule!r}, strict={self.strict!r}, "
@@ -215,11 +216,9 @@ class VCycleCallback(Callback):
         if stage != "fit":
             return
         name = type(self).__name__
-        self._stack.check_full_model()  # a previous fit that stopped at a coarse level raises
         self._reset_progress()
-        callbacks = list(trainer.callbacks)
-        check_trainer(trainer, callbacks if any(c is self for c in callbacks) else [*callbacks, self])
-        model = self._stack.bind(pl_module, self.model_attr)
+        check_trainer(trainer)
+        model = self._stack.bind(pl_module, self.model_attr)  # a previous fit that stopped at a coarse level raises
         if type(model).__name__ == "OptimizedModule":
             raise MisconfigurationException(
                 f"{name}: pl_module.{self.model_attr} is torch.compile'd; compile inside "
@@ -251,7 +250,7 @@ class VCycleCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._stack.remove_resume_hook(pl_module)
+            self._stack.remove_resume_hook()  # and releases the module
 
     # ------------------------------------------------------------------------------------------------ training
     @override
@@ -277,7 +276,7 @@ class VCycleCallback(Callback):
 
     @property
     def baseline_flops(self) -> float:
-        """Training FLOPs of the baseline (:func:`~lightning_effi.vcycle.stages.baseline_flops`)."""
+        """Training FLOPs of the baseline (:func:`~lightning_effi.vcycle.accounting.baseline_flops`)."""
         return self.flops_account.baseline_flops
 
     def flops_saved_frac(self) -> float:
@@ -365,8 +364,8 @@ class VCycleCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The checkpoint's progress; its configuration is checked here but for the stages, which on_train_start
         compares with those of the current arguments once the run's length is known."""
-        saved = state_dict["config"]
-        if diff := {k: (saved.get(k), v) for k, v in self.config().items() if k != "stages" and saved.get(k) != v}:
+        saved = {k: v for k, v in state_dict["config"].items() if k != "stages"}
+        if diff := settings_diff(saved, {k: v for k, v in self.config().items() if k != "stages"}):
             config_mismatch(
                 type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict
             )

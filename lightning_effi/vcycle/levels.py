@@ -227,8 +227,12 @@ class LevelStack:
         on_load_checkpoint._vcycle_owner = self  # type: ignore[attr-defined]
         self.host.on_load_checkpoint = on_load_checkpoint
 
-    def remove_resume_hook(self, host: Any) -> None:
-        """Take the wrapper of :meth:`install_resume_hook` off ``host`` (if it is there)."""
+    def remove_resume_hook(self) -> None:
+        """At the end of a fit: take the wrapper of :meth:`install_resume_hook` off the bound host (if it is there)
+        and let the host go, so the stack keeps no reference to the LightningModule (:meth:`bind` binds it again)."""
+        host, self.host = self.host, None
+        if host is None:
+            return
         hook = vars(host).get("on_load_checkpoint")
         if getattr(hook, "_vcycle_owner", None) is self:
             del vars(host)["on_load_checkpoint"]

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_effi.core.checks import check_bool, check_choice, check_int, is_int, is_real, plain
-from lightning_effi.core.progress import Duration
+from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real, plain
+from lightning_effi.core.progress import Duration, run_length, steps_per_epoch
 from lightning_effi.vcycle.operators import EMBEDDING_CONVENTIONS
 
 __all__ = [
@@ -23,18 +23,16 @@ __all__ = [
     "LENGTHS",
     "VCycleArgs",
     "advance_schedulers",
-    "baseline_flops",
     "check_arguments",
     "fit_stages",
     "levels_due",
     "resolve_stages",
-    "run_length",
     "scale_learning_rates",
+    "spelled",
     "stage_ends",
     "stage_level",
     "stage_plan",
     "stages_mismatch",
-    "steps_per_epoch",
     "up_leg_lengths",
     "vcycle_flops_fraction",
 ]
@@ -112,15 +110,6 @@ def vcycle_flops_fraction(stages: Sequence[tuple[int, float]], baseline_steps: i
     return sum(s * c for s, c in stages) / (baseline_steps * baseline_cost)
 
 
-def baseline_flops(full_model_flops: float, flops_steps: int, baseline_steps: int | None = None) -> float:
-    """Training FLOPs of the baseline the saving is measured against: ``full_model_flops`` (the full model on the
-    run's own batches, ``flops_steps`` optimizer steps) or, with ``baseline_steps``, its mean per step times
-    ``baseline_steps`` (0 before any step)."""
-    if baseline_steps is None:
-        return full_model_flops
-    return full_model_flops / flops_steps * baseline_steps if flops_steps else 0.0
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # arguments
 
@@ -172,9 +161,7 @@ def _old_length(owner: str, name: str, value: Any, levels: int) -> Duration | tu
     """A deprecated ``*_steps`` / ``*_fraction`` / ``*_epochs`` value as the same Duration (checks as before)."""
     key, unit = DEPRECATED_LENGTHS[name]
     if unit == "fraction":
-        if not (is_real(value) and 0 <= value <= 1):
-            raise ValueError(f"{owner}.{name} must be a number in [0, 1], got {value!r}")
-        return Duration(float(value), "fraction")
+        return Duration(check_real(owner, name, value, 0, 1), "fraction")
     if key == "up_leg" and isinstance(value, list):
         if len(value) != levels - 2 or not all(is_int(s) and s >= 1 for s in value):
             raise ValueError(
@@ -182,18 +169,17 @@ def _old_length(owner: str, name: str, value: Any, levels: int) -> Duration | tu
                 f"2..{levels - 1}), got {value!r}"
             )
         return tuple(Duration(int(s), unit) for s in value)  # type: ignore[arg-type]
-    if not is_int(value) or value < 1:
-        raise ValueError(f"{owner}.{name} must be an int >= 1, got {value!r}")
-    return Duration(int(value), unit)  # type: ignore[arg-type]
+    return Duration(check_int(owner, name, value, minimum=1), unit)  # type: ignore[arg-type]
 
 
-def _spelled(length: Duration | tuple[Duration, ...]) -> Any:
-    """How the new argument writes ``length`` (for the deprecation message)."""
+def spelled(length: Duration | tuple[Duration, ...] | None) -> Any:
+    """How the new argument writes ``length``: an int for steps, else the duration's string (``'2ep'``,
+    ``'0.5dur'``), a list for one length per level (the deprecation message, the callback's ``repr``)."""
     if isinstance(length, tuple):
-        return [_spelled(d) for d in length]
-    if length.unit == "step":
-        return int(length.value)
-    return f"{int(length.value)}ep" if length.unit == "epoch" else f"{float(length.value)!r}dur"
+        return [spelled(d) for d in length]
+    if length is None or length.unit != "step":
+        return length if length is None else str(length)
+    return int(length.value)
 
 
 def _length(
@@ -211,7 +197,7 @@ def _length(
     name = given[0]
     length = _old_length(owner, name, plain(deprecated[name]), levels)
     warnings.warn(
-        f"{owner}: {name} is deprecated and will be removed in the next release; use {key}={_spelled(length)!r}",
+        f"{owner}: {name} is deprecated and will be removed in the next release; use {key}={spelled(length)!r}",
         DeprecationWarning,
         stacklevel=stacklevel + 1,
     )
@@ -295,18 +281,15 @@ def check_arguments(
             level = -1
         if not 1 <= level <= levels or str(level) != str(k).strip():
             raise ValueError(f"{owner}.lr_multiplier: keys must be levels in 1..{levels}, got {k!r}")
-        if not is_real(v) or v <= 0:
+        if not is_real(v) or v <= 0:  # kept: tests assert this message
             raise ValueError(f"{owner}.lr_multiplier[{level}] must be a number > 0, got {v!r}")
         mult[level] = float(v)
     check_choice(owner, "embedding_convention", embedding_convention, EMBEDDING_CONVENTIONS)
     check_choice(owner, "lr_schedule", lr_schedule, ("continue", "restart"))
     if not isinstance(model_attr, str) or not model_attr.isidentifier():
         raise ValueError(f"{owner}.model_attr must be an attribute name, got {model_attr!r}")
-    if baseline_steps is not None and (not is_int(baseline_steps) or baseline_steps < 1):
-        raise ValueError(
-            f"{owner}.baseline_steps must be an int >= 1 or None (a baseline as long as this run), "
-            f"got {baseline_steps!r}"
-        )
+    if baseline_steps is not None:  # None: a baseline as long as this run
+        baseline_steps = check_int(owner, "baseline_steps", baseline_steps, minimum=1)
     return VCycleArgs(
         levels=levels,
         e_a=lengths["e_a"],
@@ -333,33 +316,6 @@ def up_leg_lengths(levels: int, up_leg: UpLeg) -> list[Duration]:
     if levels < 3 or up_leg is None:
         return []
     return list(up_leg) if isinstance(up_leg, tuple) else [up_leg] * (levels - 2)
-
-
-def run_length(max_steps: int | None, estimated_steps: float | None = None) -> int | None:
-    """Optimizer steps of the run: the smaller of ``max_steps`` (when > 0) and ``estimated_steps`` (Lightning's
-    ``estimated_stepping_batches``, which counts ``max_epochs`` and ``limit_train_batches`` too; when finite and > 0),
-    None when neither is known. With ``max_steps`` bounding the run both are ``max_steps``.
-
-    >>> run_length(100, 3.0), run_length(10), run_length(-1, 42.0), run_length(-1, float("inf"))
-    (3, 10, 42, None)
-    """
-    known = [int(n) for n in (max_steps, estimated_steps) if n is not None and math.isfinite(n) and n > 0]
-    return min(known) if known else None
-
-
-def steps_per_epoch(num_training_batches: float, accumulate_grad_batches: int, owner: str = "VCycleCallback") -> int:
-    """Optimizer steps of one epoch: ``ceil(num_training_batches / accumulate_grad_batches)``, as Lightning's
-    ``estimated_stepping_batches`` counts them (``limit_train_batches`` applies).
-
-    Raises:
-        ValueError: the number of batches is not finite and > 0 (a train dataloader without a length).
-    """
-    if not math.isfinite(num_training_batches) or num_training_batches <= 0:
-        raise ValueError(
-            f"{owner}: stage lengths in epochs ('1ep', e_a_epochs, ...) need a train dataloader with a "
-            f"length (trainer.num_training_batches = {num_training_batches}); give them in steps instead"
-        )
-    return math.ceil(int(num_training_batches) / max(1, int(accumulate_grad_batches)))
 
 
 def resolve_stages(
@@ -392,7 +348,9 @@ def resolve_stages(
     spe = None
     if "epoch" in units:
         spe = steps_per_epoch(
-            num_training_batches if num_training_batches is not None else math.inf, accumulate_grad_batches, owner
+            num_training_batches if num_training_batches is not None else math.inf,
+            max(1, int(accumulate_grad_batches)),
+            f"{owner}: a stage length in epochs ('1ep', e_a_epochs, ...)",
         )
 
     def steps(d: Duration, at_least: int) -> int:

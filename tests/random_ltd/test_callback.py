@@ -400,6 +400,14 @@ def test_require_steps_fraction_equals_require_fraction(tmp_path, new, fraction,
     assert cb_new.config() == cb_old.config() and cb_new.state_key == cb_old.state_key
 
 
+def test_require_steps_fraction_of_an_epoch_bounded_run(tmp_path):
+    """max_steps set but max_epochs ends the run first: a fraction is of the steps the run has (run_length, as the
+    V-cycle reads it), not of max_steps, so the growth finishes within the run."""
+    cb, rs = _fit_schedule(tmp_path, dict(require_steps="0.5dur"), max_steps=1000, max_epochs=1)
+    assert cb.require_steps == 3  # ceil(0.5 * 5): 40 samples / batch 8 = 5 steps, not ceil(0.5 * 1000)
+    assert rs == [F.ltd_value(s, 4, 16, 3, 4) for s in range(5)] and rs[-1] == 16
+
+
 def test_require_steps_step_spellings_are_the_int(tmp_path):
     cb_int, rs_int = _fit_schedule(tmp_path / "int", dict(require_steps=3), max_steps=5, max_epochs=-1)
     for spelling in ("3st", "3ba", Duration(3)):

@@ -85,7 +85,7 @@ def test_stage_plan_and_flops_fraction():
 
 def test_two_level_switch(tmp_path):
     pre, post = Recorder(), Recorder()
-    cb = VCycleCallback(e_a_steps=2, e_small_steps=3, alpha_original=0.3, lr_multiplier={2: 4.0})
+    cb = VCycleCallback(e_a=2, e_small=3, alpha_original=0.3, lr_multiplier={2: 4.0})
     trainer, model = run([pre, cb, post], 7, root=tmp_path)
     original = pre.steps[1]["model"]
     assert trainer.global_step == 7 and sorted(post.steps) == list(range(1, 8))
@@ -128,7 +128,7 @@ def test_two_level_switch(tmp_path):
 
 def test_baseline_steps_sets_the_accounting_baseline(tmp_path):
     """A V-cycle of 7 steps (4 large, 3 small) against a 5-step baseline: the saving may be negative."""
-    cb = VCycleCallback(e_a_steps=2, e_small_steps=3, baseline_steps=5)
+    cb = VCycleCallback(e_a=2, e_small=3, baseline_steps=5)
     run([cb], 7, root=tmp_path)
     c1 = transformer_training_flops(8, 16, 2, 32, None, 64)
     c2 = transformer_training_flops(8, 16, 1, 16, None, 64)
@@ -140,13 +140,13 @@ def test_baseline_steps_sets_the_accounting_baseline(tmp_path):
 
 
 def test_callback_reused_for_a_second_fit_starts_a_fresh_cycle(tmp_path):
-    cb = VCycleCallback(e_a_fraction=0.3, e_small_steps=3)
+    cb = VCycleCallback(e_a="0.3dur", e_small=3)
     run([cb], 7, root=tmp_path / "a")
     first = cb.effi_summary()
     assert cb.stage_ends == [2, 5]
     trainer, model = run([cb], 10, root=tmp_path / "b")  # a longer second fit: its own stage lengths
     assert cb.stage_ends == [3, 6] and cb.switches == 2 and cb.level == 1
-    fresh = VCycleCallback(e_a_fraction=0.3, e_small_steps=3)
+    fresh = VCycleCallback(e_a="0.3dur", e_small=3)
     run([fresh], 10, root=tmp_path / "c")
 
     def counts(summary):  # map_seconds is a wall time
@@ -161,7 +161,7 @@ def test_callback_left_mid_cycle_refuses_a_new_fit(tmp_path):
             if trainer.global_step == 3:
                 raise ValueError("crash inside the small stage")
 
-    cb = VCycleCallback(e_a_steps=2, e_small_steps=3)
+    cb = VCycleCallback(e_a=2, e_small=3)
     with pytest.raises(ValueError, match="crash inside"):
         run([cb, Stop()], 7, root=tmp_path / "a")
     assert cb.level == 2
@@ -213,7 +213,7 @@ class MaskedBlocks(torch.utils.data.Dataset):
 def test_two_level_switch_vit_and_bert(tmp_path, build, data):
     """The callback on the other adapters: the weights at both switches equal the operators computed by hand."""
     pre, post = StateRecorder(), StateRecorder()
-    cb = VCycleCallback(e_a_steps=2, e_small_steps=2, alpha_original=0.4)
+    cb = VCycleCallback(e_a=2, e_small=2, alpha_original=0.4)
     pl.seed_everything(0)
     model = build()
     original = model.model
@@ -236,7 +236,7 @@ def test_two_level_switch_vit_and_bert(tmp_path, build, data):
 
 def test_three_levels_with_gradient_accumulation(tmp_path):
     post = Recorder()
-    cb = VCycleCallback(levels=3, e_a_steps=2, e_small_steps=2, up_leg_steps=2, lr_multiplier={2: 2.0, 3: 4.0})
+    cb = VCycleCallback(levels=3, e_a=2, e_small=2, up_leg=2, lr_multiplier={2: 2.0, 3: 4.0})
     trainer, model = run([cb, post], 9, model=tiny_gpt2(**GPT4), root=tmp_path, accumulate_grad_batches=2)
     assert cb.stage_ends == [2, 4, 6, 8] and trainer.global_step == 9
     sizes = [post.steps[s]["sizes"] for s in range(1, 10)]
@@ -252,7 +252,7 @@ def test_three_levels_with_gradient_accumulation(tmp_path):
 @pytest.mark.parametrize("lr_schedule", ["continue", "restart"])
 def test_lr_schedule_after_switch(tmp_path, lr_schedule):
     post = Recorder()
-    cb = VCycleCallback(e_a_steps=2, e_small_steps=3, lr_multiplier={2: 4.0}, lr_schedule=lr_schedule)
+    cb = VCycleCallback(e_a=2, e_small=3, lr_multiplier={2: 4.0}, lr_schedule=lr_schedule)
     model = tiny_gpt2(scheduler=partial(warmup_cosine, warmup_fraction=0.5, min_lr_ratio=0.1))
     run([cb, post], 7, model=model, root=tmp_path)
     # LambdaLR at progress (k + 1) / 7 for scheduler step k; "continue": k = global step, "restart": k from 0
@@ -264,8 +264,8 @@ def test_lr_schedule_after_switch(tmp_path, lr_schedule):
 
 def _vcycle(levels: int = 2):
     if levels == 2:
-        return [VCycleCallback(e_a_steps=2, e_small_steps=3, lr_multiplier={2: 4.0})]
-    return [VCycleCallback(levels=3, e_a_steps=2, e_small_steps=2, up_leg_steps=2, lr_multiplier={3: 4.0})]
+        return [VCycleCallback(e_a=2, e_small=3, lr_multiplier={2: 4.0})]
+    return [VCycleCallback(levels=3, e_a=2, e_small=2, up_leg=2, lr_multiplier={3: 4.0})]
 
 
 @pytest.mark.parametrize("resume_step", [1, 2, 3, 5])  # first large stage, right after the down-switch, inside the
@@ -320,8 +320,8 @@ def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(levels=1, e_a_steps=1, e_small_steps=1), "levels must be an int >= 2"),
-        (dict(e_small_steps=1), "e_a is required"),
+        (dict(levels=1, e_a=1, e_small=1), "levels must be an int >= 2"),
+        (dict(e_small=1), "e_a is required"),
         (dict(e_a_steps=1, e_a_fraction=0.1, e_small_steps=1), "not e_a_steps and e_a_fraction"),
         (dict(e_a_steps=1, e_small_steps=1, e_small_epochs=1), "not e_small_steps and e_small_epochs"),
         (dict(e_a_epochs=0, e_small_steps=1), "e_a_epochs must be an int >= 1"),
@@ -329,17 +329,17 @@ def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch
         (dict(levels=3, e_a_epochs=1, e_small_epochs=1, up_leg_epochs=[1, 1]), "up_leg_epochs must be .* list of 1"),
         (dict(e_a_epochs=1, e_small_epochs=1, up_leg_epochs=1), "levels >= 3 only"),
         (dict(e_a_steps=0, e_small_steps=1), "e_a_steps must be an int >= 1"),
-        (dict(levels=3, e_a_steps=1, e_small_steps=1), "requires up_leg"),
+        (dict(levels=3, e_a=1, e_small=1), "requires up_leg"),
         (dict(levels=3, e_a_steps=1, e_small_steps=1, up_leg_steps=[1, 2]), "list of 1 ints"),
         (dict(e_a_steps=1, e_small_steps=1, up_leg_steps=1), "levels >= 3 only"),
-        (dict(e_a_steps=1, e_small_steps=1, alpha_original=1.5), "alpha_original must be in"),
-        (dict(e_a_steps=1, e_small_steps=1, alpha_original=-0.1), "alpha_original must be in"),
-        (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={3: 2.0}), "keys must be levels"),
-        (dict(e_a_steps=1, e_small_steps=1, lr_multiplier={2: 0.0}), "must be a number > 0"),
+        (dict(e_a=1, e_small=1, alpha_original=1.5), "alpha_original must be in"),
+        (dict(e_a=1, e_small=1, alpha_original=-0.1), "alpha_original must be in"),
+        (dict(e_a=1, e_small=1, lr_multiplier={3: 2.0}), "keys must be levels"),
+        (dict(e_a=1, e_small=1, lr_multiplier={2: 0.0}), "must be a number > 0"),
         (dict(e_a=1, e_small=1, lr_multiplier=[4.0]), r"lr_multiplier must be a mapping \{level: factor\}"),
-        (dict(e_a_steps=1, e_small_steps=1, embedding_convention="nope"), "embedding_convention"),
-        (dict(e_a_steps=1, e_small_steps=1, baseline_steps=0), "baseline_steps must be an int >= 1"),
-        (dict(e_a_steps=1, e_small_steps=1, baseline_steps=2.5), "baseline_steps must be an int >= 1"),
+        (dict(e_a=1, e_small=1, embedding_convention="nope"), "embedding_convention"),
+        (dict(e_a=1, e_small=1, baseline_steps=0), "baseline_steps must be an int >= 1"),
+        (dict(e_a=1, e_small=1, baseline_steps=2.5), "baseline_steps must be an int >= 1"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -392,7 +392,7 @@ def test_duration_lengths_resolve_like_the_old_spelling(new, old, max_steps, end
     with pytest.warns(DeprecationWarning):
         callbacks = [VCycleCallback(**new), VCycleCallback(**old)]
     for cb in callbacks:
-        cb.setup(_fake_trainer(max_steps=max_steps), model(), "fit")
+        cb.setup(_fake_trainer(callbacks=[cb], max_steps=max_steps), model(), "fit")
         cb.on_train_start(_fake_trainer(max_steps=max_steps, global_step=0), None)
         assert cb.stage_ends == ends
     assert callbacks[0].config() == callbacks[1].config()
@@ -491,10 +491,7 @@ def test_repr_evaluates_to_an_equal_callback(kwargs):
         assert getattr(again, name) == getattr(cb, name), name
     with pytest.warns(DeprecationWarning):
         old = VCycleCallback(e_a_fraction=0.05, e_small_steps=3)
-    assert repr(old).startswith(
-        "VCycleCallback(levels=2, e_a=Duration(value=0.05, unit='fraction'), "
-        "e_small=Duration(value=3, unit='step'), up_leg=None,"
-    )
+    assert repr(old).startswith("VCycleCallback(levels=2, e_a='0.05dur', e_small=3, up_leg=None,")
 
 
 def test_checkpoint_of_the_old_spelling_resumes_with_the_new(tmp_path):
@@ -518,7 +515,7 @@ def test_checkpoint_of_the_old_spelling_resumes_with_the_new(tmp_path):
 
 
 def test_stages_must_fit(tmp_path):
-    trainer = make_trainer(tmp_path, [VCycleCallback(e_a_steps=2, e_small_steps=3)], max_steps=4, max_epochs=-1)
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a=2, e_small=3)], max_steps=4, max_epochs=-1)
     with pytest.raises(ValueError, match=r"need 5 optimizer steps .*e_small = 3.* run has 4.*max_steps"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
 
@@ -530,22 +527,27 @@ class Plain(pl.LightningModule):
 
 
 def test_unknown_architecture_and_odd_sizes():
-    fake = SimpleNamespace(strategy=make_trainer(Path("."), []).strategy, callbacks=[], max_steps=10)
+    strategy = make_trainer(Path("."), []).strategy
+
+    def setup(cb, module):  # the callback is one of the fake trainer's callbacks, as in a real fit
+        cb.setup(SimpleNamespace(strategy=strategy, callbacks=[cb], max_steps=10), module, "fit")
+
     with pytest.raises(ValueError, match="no V-cycle adapter for Linear"):
-        VCycleCallback(e_a_steps=1, e_small_steps=1).setup(fake, Plain(), "fit")
+        setup(VCycleCallback(e_a=1, e_small=1), Plain())
     with pytest.raises(ValueError, match="model_attr"):
-        VCycleCallback(e_a_steps=1, e_small_steps=1, model_attr="net").setup(fake, Plain(), "fit")
+        setup(VCycleCallback(e_a=1, e_small=1, model_attr="net"), Plain())
     with pytest.raises(ValueError, match="n_layer"):  # 3 layers cannot be paired by the default depth scheme
-        VCycleCallback(e_a_steps=1, e_small_steps=1).setup(fake, tiny_gpt2(n_layer=3), "fit")
+        setup(VCycleCallback(e_a=1, e_small=1), tiny_gpt2(n_layer=3))
 
 
 def test_unsupported_strategy_and_callbacks(tmp_path):
-    fake = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[], max_steps=10)
+    cb = VCycleCallback(e_a=1, e_small=1)
+    fake = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[cb], max_steps=10)
     with pytest.raises(MisconfigurationException, match="supports the strategies .*not FSDPStrategy"):
-        VCycleCallback(e_a_steps=1, e_small_steps=1).setup(fake, tiny_gpt2(), "fit")
+        cb.setup(fake, tiny_gpt2(), "fit")
     trainer = make_trainer(
         tmp_path,
-        [VCycleCallback(e_a_steps=1, e_small_steps=1), StochasticWeightAveraging(swa_lrs=0.01)],
+        [VCycleCallback(e_a=1, e_small=1), StochasticWeightAveraging(swa_lrs=0.01)],
         max_steps=4,
         max_epochs=-1,
     )
@@ -558,14 +560,16 @@ def test_requirements_refuse_deepspeed_weight_averaging_and_layer_patching():
     callbacks and techniques that patch layers (random-LTD) are refused by ``check_trainer``."""
     assert issubclass(DeepSpeedStrategy, DDPStrategy)
     deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # constructing one needs the deepspeed package
-    fake = SimpleNamespace(strategy=deepspeed, callbacks=[], max_steps=10)
+    cb = VCycleCallback(e_a=1, e_small=1)
+    fake = SimpleNamespace(strategy=deepspeed, callbacks=[cb], max_steps=10)
     with pytest.raises(IncompatibleTechniques, match="not DeepSpeedStrategy. Use strategy='auto'.*one fit per stage"):
-        VCycleCallback(e_a=1, e_small=1).setup(fake, tiny_gpt2(), "fit")
+        cb.setup(fake, tiny_gpt2(), "fit")
     single = make_trainer(Path("."), []).strategy
     for other in (StochasticWeightAveraging(swa_lrs=0.01), WeightAveraging()):
-        fake = SimpleNamespace(strategy=single, callbacks=[other], max_steps=10)
+        cb = VCycleCallback(e_a=1, e_small=1)
+        fake = SimpleNamespace(strategy=single, callbacks=[cb, other], max_steps=10)
         with pytest.raises(IncompatibleTechniques, match=f"cannot run with {type(other).__name__}: its averaged"):
-            VCycleCallback(e_a=1, e_small=1).setup(fake, tiny_gpt2(), "fit")
+            cb.setup(fake, tiny_gpt2(), "fit")
 
     class PatchesLayers(Callback):
         requirements = Requirements(patches_layers=True)
@@ -602,7 +606,7 @@ def test_metadata_json_matches_the_class():
 
 def test_stages_must_fit_an_epoch_based_run(tmp_path):
     """Step lengths in a run bounded by epochs are checked against its optimizer steps (2 epochs of 5 batches)."""
-    trainer = make_trainer(tmp_path, [VCycleCallback(e_a_steps=4, e_small_steps=7)], max_epochs=2)
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a=4, e_small=7)], max_epochs=2)
     with pytest.raises(ValueError, match=r"need 11 optimizer steps .* run has 10"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
 
@@ -633,9 +637,7 @@ def test_fractions_resolve_against_a_run_ended_by_epochs(tmp_path):
 
 
 def test_fractions_need_a_known_length(tmp_path):
-    trainer = make_trainer(
-        tmp_path, [VCycleCallback(e_a_fraction=0.1, e_small_fraction=0.5)], max_steps=-1, max_epochs=-1
-    )
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a="0.1dur", e_small="0.5dur")], max_steps=-1, max_epochs=-1)
     with pytest.raises(ValueError, match="run's length is unknown.*_fraction"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
 
@@ -653,21 +655,21 @@ def test_epoch_stage_lengths(tmp_path):
     """``*_epochs``: n epochs = n · ceil(batches / accumulate_grad_batches) optimizer steps (40 blocks, batch 8: 5
     batches per epoch), resolved at on_train_start; the switches fall on epoch boundaries and the run equals the same
     V-cycle given in steps."""
-    cb = VCycleCallback(e_a_epochs=1, e_small_epochs=2)
+    cb = VCycleCallback(e_a="1ep", e_small="2ep")
     trainer, model, rec = epoch_run(cb, tmp_path / "a", max_epochs=4)
     assert cb.stages == [(1, 5), (2, 10)] and cb.stage_ends == [5, 15] and trainer.global_step == 20
     assert [rec.steps[s]["sizes"][2] for s in (4, 5, 14, 15)] == [2, 1, 1, 2]  # switches after steps 5 and 15
-    same = VCycleCallback(e_a_steps=5, e_small_steps=10)
+    same = VCycleCallback(e_a=5, e_small=10)
     _, model_b, _ = epoch_run(same, tmp_path / "b", max_epochs=4)
     for (k, a), (_, b) in zip(model.state_dict().items(), model_b.state_dict().items()):
         assert torch.equal(a, b), k
     assert cb.config() == same.config()
 
-    cb = VCycleCallback(e_a_epochs=1, e_small_epochs=1)  # 5 batches, accumulate 2: ceil(5 / 2) = 3 steps per epoch
+    cb = VCycleCallback(e_a="1ep", e_small="1ep")  # 5 batches, accumulate 2: ceil(5 / 2) = 3 steps per epoch
     trainer, _, _ = epoch_run(cb, tmp_path / "c", max_epochs=3, accumulate_grad_batches=2)
     assert cb.stage_ends == [3, 6] and trainer.global_step == 9 and cb.switches == 2 and cb.level == 1
 
-    cb = VCycleCallback(levels=3, e_a_epochs=1, e_small_epochs=1, up_leg_epochs=[2])  # limit 2 batches per epoch
+    cb = VCycleCallback(levels=3, e_a="1ep", e_small="1ep", up_leg=["2ep"])  # limit 2 batches per epoch
     pl.seed_everything(0)
     trainer = make_trainer(tmp_path / "d", [cb], max_epochs=6, limit_train_batches=2)
     trainer.fit(tiny_gpt2(**GPT4), datamodule=tiny_lm_data())
@@ -680,13 +682,13 @@ class NoLength(torch.utils.data.IterableDataset):
 
 
 def test_epoch_stages_must_fit_and_need_a_length(tmp_path):
-    trainer = make_trainer(tmp_path, [VCycleCallback(e_a_epochs=1, e_small_epochs=2)], max_epochs=2)
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a="1ep", e_small="2ep")], max_epochs=2)
     with pytest.raises(ValueError, match=r"need 15 optimizer steps .*5 optimizer steps per epoch\) but the run has 10"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
     data = TinyDataModule(TokenBlocks())
     data.train_dataloader = lambda: torch.utils.data.DataLoader(NoLength(), batch_size=8)
-    trainer = make_trainer(tmp_path / "b", [VCycleCallback(e_a_epochs=1, e_small_steps=2)], max_steps=10, max_epochs=-1)
-    with pytest.raises(ValueError, match="in epochs .*need a train dataloader with a length"):
+    trainer = make_trainer(tmp_path / "b", [VCycleCallback(e_a="1ep", e_small=2)], max_steps=10, max_epochs=-1)
+    with pytest.raises(ValueError, match="in epochs .*needs a train dataloader with a length"):
         trainer.fit(tiny_gpt2(), datamodule=data)
 
 
@@ -699,7 +701,7 @@ def test_resume_epoch_stages(tmp_path):
         tmp_path,
         total_steps=20,
         resume_step=7,
-        callbacks_fn=lambda: [VCycleCallback(e_a_epochs=1, e_small_epochs=2)],
+        callbacks_fn=lambda: [VCycleCallback(e_a="1ep", e_small="2ep")],
         ignore_state=("map_seconds",),
         max_epochs=4,
     )
@@ -767,10 +769,10 @@ def test_resume_with_a_longer_run_and_fractions(tmp_path):
 def test_fractions_fast_dev_run(tmp_path):
     """Stage lengths as fractions of the run: with fast_dev_run (1 step) the cycle still runs (down and up at step
     1, a zero-length small stage) and ends on the full model."""
-    cb = VCycleCallback(e_a_fraction=0.05, e_small_fraction=0.5)
+    cb = VCycleCallback(e_a="0.05dur", e_small="0.5dur")
     trainer, model = run([cb], 1, root=tmp_path, fast_dev_run=True)
     assert cb.stage_ends == [1, 1] and cb.level == 1 and cb.switches == 1 and model.model.config.n_embd == 32
-    cb = VCycleCallback(e_a_fraction=0.2, e_small_fraction=0.5)
+    cb = VCycleCallback(e_a="0.2dur", e_small="0.5dur")
     run([cb], 10, root=tmp_path / "b")
     assert cb.stage_ends == [2, 7] and cb.level == 1
 
@@ -805,7 +807,7 @@ class RankProbe(Callback):
 
 @pytest.mark.slow
 def test_ddp_two_processes(tmp_path):
-    cb = VCycleCallback(e_a_steps=1, e_small_steps=2, lr_multiplier={2: 4.0})
+    cb = VCycleCallback(e_a=1, e_small=2, lr_multiplier={2: 4.0})
     pl.seed_everything(0)
     _, ranks = fit_ddp(
         tiny_gpt2(), tiny_lm_data(batch_size=4), tmp_path, [cb, RankProbe(str(tmp_path))], max_steps=5, max_epochs=-1
@@ -824,7 +826,7 @@ def test_ddp_resume_equals_uninterrupted(tmp_path, resume_step):
     """Under DDP (2 processes), resuming from a checkpoint taken inside the small stage or after the up-switch ends
     with the same weights on both ranks as the uninterrupted DDP run, and the same per-step sizes from the resume
     step on."""
-    make_cb = lambda: VCycleCallback(e_a_steps=1, e_small_steps=2, lr_multiplier={2: 4.0})  # noqa: E731
+    make_cb = lambda: VCycleCallback(e_a=1, e_small=2, lr_multiplier={2: 4.0})  # noqa: E731
     ckpt = lambda: ModelCheckpoint(
         dirpath=tmp_path / "ckpts",
         every_n_train_steps=1,

@@ -156,9 +156,13 @@ def test_resume_hook_rebuilds_the_saved_level_before_the_module_hook():
     host.on_load_checkpoint(checkpoint)
     assert stack.level == 3 and sizes(host.model) == (1, 8, 1) and host.loaded[-1] is checkpoint
     assert sorted(stack.parked) == [1, 2] and stack.snapshots == {}
-    stack.remove_resume_hook(Host(nn.Linear(2, 2)))  # not installed there: nothing happens
-    stack.remove_resume_hook(host)
-    assert "on_load_checkpoint" not in vars(host)
+    stack.remove_resume_hook()
+    assert "on_load_checkpoint" not in vars(host) and stack.host is None  # the module is let go
+    stack.remove_resume_hook()  # unbound: nothing happens
+    other = Host(nn.Linear(2, 2))
+    stack.host = other
+    stack.remove_resume_hook()  # not installed there: nothing happens
+    assert "on_load_checkpoint" not in vars(other) and stack.host is None
 
 
 def test_bind_refuses_a_missing_module_and_a_coarse_level():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_effi.core.flops import transformer_training_flops
-from lightning_effi.core.progress import Duration
+from lightning_effi.core.progress import Duration, run_length, steps_per_epoch
 from lightning_effi.vcycle import stages as S
 from lightning_effi.vcycle.stages import stage_plan, vcycle_flops_fraction
 
@@ -163,14 +163,17 @@ def test_arguments_are_normalised():
 
 
 def test_run_length_and_steps_per_epoch():
-    assert S.run_length(10) == 10 and S.run_length(10, 99.0) == 10 and S.run_length(10, 10.0) == 10
-    assert S.run_length(-1) is None and S.run_length(-1, 42.0) == 42 and S.run_length(-1, float("inf")) is None
+    """The V-cycle reads the run's length and an epoch's steps from ``core.progress`` (one reading for every
+    technique)."""
+    assert S.run_length is run_length and S.steps_per_epoch is steps_per_epoch
+    assert run_length(10) == 10 and run_length(10, 99.0) == 10 and run_length(10, 10.0) == 10
+    assert run_length(-1) is None and run_length(-1, 42.0) == 42 and run_length(-1, float("inf")) is None
     # epochs or limit_train_batches end the run before max_steps: the estimated length is the run's
-    assert S.run_length(100, 3.0) == 3 and S.run_length(1000, 5) == 5 and S.run_length(10, float("inf")) == 10
-    assert S.run_length(None, -1) is None and S.run_length(7, -1) == 7  # an iterable dataset: -1 is unknown
-    assert S.steps_per_epoch(5, 1) == 5 and S.steps_per_epoch(5, 2) == 3 and S.steps_per_epoch(4, 4) == 1
-    with pytest.raises(ValueError, match="in epochs .*need a train dataloader with a length"):
-        S.steps_per_epoch(float("inf"), 1)
+    assert run_length(100, 3.0) == 3 and run_length(1000, 5) == 5 and run_length(10, float("inf")) == 10
+    assert run_length(None, -1) is None and run_length(7, -1) == 7  # an iterable dataset: -1 is unknown
+    assert steps_per_epoch(5, 1) == 5 and steps_per_epoch(5, 2) == 3 and steps_per_epoch(4, 4) == 1
+    with pytest.raises(ValueError, match="in epochs .*needs a train dataloader with a length"):
+        S.resolve_stages(2, Duration(1, "epoch"), Duration(1), None, 10, float("inf"))
 
 
 @pytest.mark.parametrize(
@@ -191,7 +194,7 @@ def test_run_length_and_steps_per_epoch():
         ),
         (dict(levels=3, e_a=2, e_small=2, up_leg=[3]), 8, r"need 9 optimizer steps .*up_leg = \[3\]"),
         (dict(e_a="0.1dur", e_small="0.5dur"), None, r"run's length is unknown.*_fraction"),
-        (dict(e_a="1ep", e_small=2), 10, r"in epochs .*need a train dataloader with a length"),
+        (dict(e_a="1ep", e_small=2), 10, r"in epochs .*needs a train dataloader with a length"),
     ],
 )
 def test_stages_that_cannot_resolve_or_fit(kwargs, total, match):
