@@ -41,9 +41,13 @@ class Requirements:
 
     Attributes:
         owns_train_sampler: the technique rebuilds the training loader and decides which samples each step trains on.
+        thins_within_sampler: the technique can also act *inside* another technique's sampler: it keeps a subset of
+            the samples the other one draws and reweights them (InfoBatch inside the curriculum's stream).
         changes_epoch_length: an epoch has fewer (or more) optimizer steps than ``len(train_dataloader)`` says.
         changes_model_shapes: parameters change shape during ``fit`` (the optimizer and any wrapper are rebuilt).
         patches_layers: the model's layers are patched in place (instance-level ``forward``).
+        follows_model_changes: a layer patcher that re-binds to the new model after every shape change (it
+            implements ``effi_before_model_change`` / ``effi_after_model_change``).
         needs_per_sample_loss: ``training_step`` must return ``per_sample_loss`` next to ``loss``.
         edits_batch: the batch is edited before ``training_step`` (e.g. truncated).
         batch_structures: batch structures the technique accepts (a subset of :data:`BATCH_STRUCTURES`).
@@ -56,9 +60,11 @@ class Requirements:
     """
 
     owns_train_sampler: bool = False
+    thins_within_sampler: bool = False
     changes_epoch_length: bool = False
     changes_model_shapes: bool = False
     patches_layers: bool = False
+    follows_model_changes: bool = False
     needs_per_sample_loss: bool = False
     edits_batch: bool = False
     batch_structures: tuple[str, ...] = ("dict",)
@@ -91,12 +97,14 @@ class Conflict:
     fix: str
 
 
-#: The combinations refused today. The composition work removes rules from this list as it makes them work.
+#: The combinations refused. Every pair of the four shipped techniques composes; what stays refused is a technique
+#: twice (two samplers of the same kind, two shape changes, two layer patchers) and a layer patcher that cannot follow
+#: a shape change.
 CONFLICTS: tuple[Conflict, ...] = (
     Conflict(
         "two training samplers",
-        lambda a, b: a.owns_train_sampler and b.owns_train_sampler,
-        "both decide which samples each step trains on, and each needs its own wrapper around the DataModule",
+        lambda a, b: a.owns_train_sampler and b.owns_train_sampler and a.thins_within_sampler == b.thins_within_sampler,
+        "both decide which samples each step trains on, and neither can act inside the other's sampler",
         "use one of them",
     ),
     Conflict(
@@ -113,8 +121,8 @@ CONFLICTS: tuple[Conflict, ...] = (
     ),
     Conflict(
         "layer patching across shape changes",
-        lambda a, b: a.changes_model_shapes and b.patches_layers,
-        "the patched layers belong to one model, which the shape change replaces",
+        lambda a, b: a.changes_model_shapes and b.patches_layers and not b.follows_model_changes,
+        "the patched layers belong to one model, which the shape change replaces, and the patcher does not re-bind",
         "remove one of them",
     ),
 )

@@ -63,8 +63,24 @@ def test_patching_across_shape_changes_is_refused_in_either_order():
     shapes = _fake("Shapes", changes_model_shapes=True)
     patch = _fake("Patch", patches_layers=True)
     for order in ((shapes, patch), (patch, shapes)):
-        with pytest.raises(IncompatibleTechniques, match="layer patching across shape changes"):
+        with pytest.raises(IncompatibleTechniques, match="layer patching across shape changes.*does not re-bind"):
             check_trainer(_trainer(*order))
+    follower = _fake("Follower", patches_layers=True, follows_model_changes=True)
+    for order in ((shapes, follower), (follower, shapes)):
+        check_trainer(_trainer(*order))
+
+
+def test_a_thinning_sampler_composes_with_an_ordering_one():
+    order = _fake("Order", owns_train_sampler=True)
+    thin = _fake("Thin", owns_train_sampler=True, thins_within_sampler=True)
+    for pair in ((order, thin), (thin, order)):
+        check_trainer(_trainer(*pair))
+    for a, b in (
+        (order, _fake("Order2", owns_train_sampler=True)),
+        (thin, _fake("Thin2", owns_train_sampler=True, thins_within_sampler=True)),
+    ):
+        with pytest.raises(IncompatibleTechniques, match=r"cannot be combined \(two training samplers\)"):
+            check_trainer(_trainer(a, b))
 
 
 @pytest.mark.parametrize(
@@ -118,8 +134,8 @@ def test_strategy_and_callback_declarations():
 
 
 def test_shipped_techniques_today():
-    """The shipped rules, through check_trainer: InfoBatch + curriculum and V-cycle + random-LTD are refused; the
-    other pairs pass (each class stands in with its declared requirements)."""
+    """The shipped rules, through check_trainer: every pair of the four techniques passes, in both orders (each class
+    stands in with its declared requirements); each technique twice is refused."""
 
     def stand_in(name):
         return _fake(
@@ -141,7 +157,10 @@ def test_shipped_techniques_today():
                 except IncompatibleTechniques as err:
                     assert a in str(err) and b in str(err)
                     refused.add((a, b))
-    assert refused == {("InfoBatchCallback", "Curriculum"), ("RandomLTDCallback", "VCycleCallback")}
+    assert refused == set()
+    for name in names:
+        with pytest.raises(IncompatibleTechniques, match="cannot be combined"):
+            check_trainer(_trainer(stand_in(name), stand_in(name)))
 
 
 @pytest.mark.parametrize("name", list(TECHNIQUES))
