@@ -3,11 +3,15 @@
 A technique that owns the sampling order takes the user's loader apart (dataset, batch size, collate function,
 workers, ...) and builds its own loader from the pieces. Only plain loaders qualify: a custom sampler or batch
 sampler would be silently replaced, so it is rejected with a clear error instead.
+
+Technique DataModules may be nested (``CurriculumDataModule(InfoBatchDataModule(dm))`` when InfoBatch thins inside the
+curriculum's sampler): every wrapper reads the innermost (the user's) loader, and a callback finds its wrapper along
+the ``.datamodule`` chain with :func:`find_wrapper`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from torch.utils.data import (
@@ -21,6 +25,8 @@ from torch.utils.data import (
 
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.loader import EpochShuffleSampler
+
+W = TypeVar("W", bound="WrappingDataModule")
 
 #: samplers that only shuffle (or not): a technique may replace them without changing the semantics
 PLAIN_SAMPLERS = (RandomSampler, SequentialSampler, EpochShuffleSampler, DistributedSampler)
@@ -67,10 +73,29 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
     )
 
 
+def wrapper_chain(datamodule: Any) -> list[Any]:
+    """``[datamodule, datamodule.datamodule, ...]``: the DataModule and every DataModule it wraps, outermost first,
+    down to the first one that is not a :class:`WrappingDataModule` (the user's)."""
+    chain = [datamodule]
+    while isinstance(chain[-1], WrappingDataModule):
+        chain.append(chain[-1].datamodule)
+    return chain
+
+
+def find_wrapper(datamodule: Any, cls: type[W]) -> W | None:
+    """The outermost DataModule of class ``cls`` along ``datamodule``'s ``.datamodule`` chain (``datamodule`` itself
+    included); None when there is none (also for ``datamodule=None``)."""
+    for dm in wrapper_chain(datamodule):
+        if isinstance(dm, cls):
+            return dm
+    return None
+
+
 class WrappingDataModule(pl.LightningDataModule):
     """Base of the technique DataModules: wraps ``datamodule`` and delegates everything but ``train_dataloader``
     (``prepare_data``, ``setup``, ``teardown``, the evaluation loaders, ``state_dict``, ``model_hints``).
-    :meth:`template` reads the wrapped training loader once (:func:`loader_template`).
+    :meth:`template` reads the innermost (the user's) training loader once (:func:`loader_template`), also when
+    wrappers are nested.
 
     Raises:
         DataConfigError: ``datamodule`` is not a ``LightningDataModule``.
@@ -115,11 +140,23 @@ class WrappingDataModule(pl.LightningDataModule):
         return hints() if callable(hints) else {}
 
     def template(self) -> dict[str, Any]:
-        """The wrapped training loader's dataset and settings, read once (first call) and validated."""
+        """The user's training loader's dataset and settings, read once (first call) and validated: the loader of the
+        innermost DataModule of the ``.datamodule`` chain (nested technique wrappers are skipped; each wrapper of the
+        chain gets this one's ``trainer``)."""
         if self._template is None:
-            self.datamodule.trainer = self.trainer
-            self._template = loader_template(self.datamodule.train_dataloader(), self.technique)
+            chain = wrapper_chain(self)
+            for inner in chain[1:]:
+                inner.trainer = self.trainer
+            self._template = loader_template(chain[-1].train_dataloader(), self.technique)
         return self._template
+
+    def check_attached(self) -> None:
+        """Raise if this wrapper's technique callback is missing; called by an outer wrapper that builds the training
+        loader for the chain (a no-op here).
+
+        Raises:
+            DataConfigError: (in subclasses) the wrapper is used without its callback.
+        """
 
     @property
     def train_dataset(self) -> Any:

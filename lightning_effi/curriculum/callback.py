@@ -22,6 +22,7 @@ from lightning_effi.core.accounting import tokens_of
 from lightning_effi.core.checks import check_bool, check_int
 from lightning_effi.core.compat import uses_distributed_sampler
 from lightning_effi.core.requirements import Requirements, check_trainer
+from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
 from lightning_effi.curriculum.config import CurriculumConfig, CurriculumConfigError, MetricConfig
@@ -74,6 +75,13 @@ class Curriculum(Callback):
     - ``state_dict``: the committed stream position (safe-loadable ints, lists and dicts) and a configuration
       fingerprint; resuming continues the exact same sample stream.
 
+    With an :class:`~lightning_effi.callbacks.InfoBatchCallback` in the same Trainer the two form one data pipeline:
+    the curriculum decides which samples are eligible and draws every batch (stream, steps, difficulty schedule and
+    truncation unchanged); InfoBatch thins each drawn micro-batch and reweights what it keeps ("Composition" in the
+    method card). The DataModule is wrapped once, in either order (or only in a ``CurriculumDataModule``); this
+    callback finds its ``CurriculumDataModule`` along the ``.datamodule`` chain, and the callbacks' order does not
+    matter.
+
     Args:
         metrics: ``{name: {difficulty_type, clustering_type, min_difficulty, max_difficulty, schedule_type,
             schedule_config, index_to_sample_path, index_to_metric_path, analysis, custom_schedule}}`` (DeepSpeed
@@ -94,8 +102,8 @@ class Curriculum(Callback):
         CurriculumConfigError: at construction, a bad configuration; at ``setup``, a configuration given twice or
             not at all, index files that do not match the training set, an empty first eligible set, DDP with
             ``use_distributed_sampler=True``, index files that differ between ranks.
-        IncompatibleTechniques: at ``setup``, another technique that owns the training sampler (InfoBatch); see
-            :data:`lightning_effi.core.requirements.CONFLICTS`.
+        IncompatibleTechniques: at ``setup``, another technique that owns the training sampler and cannot act
+            inside this one's (InfoBatch can); see :data:`lightning_effi.core.requirements.CONFLICTS`.
     """
 
     #: rebuilds the training loader (its own batch sampler) and edits each dict batch (truncation, ``cl_*`` keys)
@@ -175,9 +183,11 @@ class Curriculum(Callback):
     def state_key(self) -> str:
         return self._generate_state_key()
 
-    def wrap_datamodule(self, datamodule: pl.LightningDataModule) -> CurriculumDataModule:
-        """``CurriculumDataModule(datamodule)`` unless it is one already (used by the Hydra app)."""
-        return datamodule if isinstance(datamodule, CurriculumDataModule) else CurriculumDataModule(datamodule)
+    def wrap_datamodule(self, datamodule: pl.LightningDataModule) -> pl.LightningDataModule:
+        """``CurriculumDataModule(datamodule)`` unless ``datamodule`` or a DataModule it wraps is one already (used by
+        the Hydra app, which calls every callback's ``wrap_datamodule`` in order: with InfoBatch either nesting
+        results, and both train identically)."""
+        return datamodule if find_wrapper(datamodule, CurriculumDataModule) else CurriculumDataModule(datamodule)
 
     # ------------------------------------------------------------------------------------------------- setup
     @override
@@ -185,11 +195,12 @@ class Curriculum(Callback):
         if stage != "fit":
             return
         check_trainer(trainer)
-        dm = trainer.datamodule
-        if not isinstance(dm, CurriculumDataModule):
+        dm = find_wrapper(trainer.datamodule, CurriculumDataModule)  # the outermost wrapper or a nested one
+        if dm is None:
+            got = trainer.datamodule
             raise CurriculumConfigError(
                 "Curriculum needs trainer.fit(..., datamodule=CurriculumDataModule(your_datamodule)); got "
-                f"{type(dm).__name__ if dm is not None else 'no datamodule'}"
+                f"{type(got).__name__ if got is not None else 'no datamodule'}"
             )
         if self.config is not None and dm.config is not None:
             raise CurriculumConfigError(

@@ -5,12 +5,16 @@ The method card is ``lightning_effi/curriculum/README.md``. The training loader 
 collate_fn=CurriculumCollate(collate_fn, ...), num_workers=..., ...)``
 
 - :class:`CurriculumSampler` (a batch sampler, rank-aware: it shards by rank itself) yields lists of keys
-  ``(index, curriculum_step, micro_idx, difficulties)`` from the controller's committed position.
+  ``(index, curriculum_step, micro_idx, difficulties)`` from the controller's committed position. With a thinner
+  attached (InfoBatch composed with the curriculum, see "Composition" in the method card), each micro-batch slice is
+  thinned and every kept key gets ``(weight, candidates)`` appended.
 - :class:`CurriculumDataset` returns ``(dataset[index], key)``, so the key travels with the sample into the worker.
 - :class:`CurriculumCollate` collates with the user's function, applies ``seqlen_truncate`` / ``seqlen_reshape`` with
   the difficulty **that batch was drawn at** (not whatever the sampler holds when a prefetched batch arrives), and adds
   ``batch["cl_step"]``, ``batch["cl_micro"]``, ``batch["cl_difficulty"]`` (dict metric -> int). The
   :class:`~lightning_effi.callbacks.Curriculum` callback removes these keys before the user's ``training_step``.
+  Thinned keys also give ``batch["index"]`` (int64 ``(B_kept,)``), ``batch["infobatch_weight"]`` (float32
+  ``(B_kept,)``) and ``batch["infobatch_candidates"]`` (int ``B``), which InfoBatch's ``training_step`` wrapper removes.
 
 Validation, test and predict loaders are delegated unchanged (never truncated).
 """
@@ -18,20 +22,35 @@ Validation, test and predict loaders are delegated unchanged (never truncated).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_effi.core.errors import DataConfigError
-from lightning_effi.core.wrapping import WrappingDataModule
+from lightning_effi.core.wrapping import WrappingDataModule, wrapper_chain
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig
 from lightning_effi.curriculum.stream import CurriculumController
 
 #: keys the collate wrapper adds to every training batch
 BATCH_KEYS = ("cl_step", "cl_micro", "cl_difficulty")
+#: keys it adds when a thinner is attached (InfoBatch composed with the curriculum)
+THINNED_KEYS = ("index", "infobatch_weight", "infobatch_candidates")
+
+
+class Thinner(Protocol):
+    """What :class:`CurriculumSampler` needs from a technique that thins the curriculum's micro-batches (InfoBatch).
+
+    ``thin_keys(keys, rank)`` receives one rank's micro-batch slice (keys ``(index, step, micro_idx, difficulties)``,
+    all of one step and micro-batch) and returns the kept keys, in order, each with ``(weight, candidates)`` appended:
+    its loss weight (float) and the slice's candidate count ``B = len(keys)`` (int). It must be a pure function of
+    its own frozen state, the keys and the rank (the sampler may run ahead of training), and never return an empty
+    list.
+    """
+
+    def thin_keys(self, keys: list[tuple], rank: int) -> list[tuple]: ...
 
 
 class CurriculumDataset(Dataset):
@@ -49,7 +68,9 @@ class CurriculumDataset(Dataset):
 
 class CurriculumCollate:
     """Collate ``(sample, key)`` pairs: the user's collate (``default_collate`` if None), then the sequence-length
-    transform of the batch's own difficulty, then the ``cl_*`` keys.
+    transform of the batch's own difficulty, then the ``cl_*`` keys; thinned keys (6 fields) also give
+    ``batch["index"]`` (int64 ``(B_kept,)``), ``batch["infobatch_weight"]`` (float32 ``(B_kept,)``) and
+    ``batch["infobatch_candidates"]`` (int).
 
     Args:
         collate_fn: the wrapped loader's collate function. metric_names: the curriculum's metric names, in order.
@@ -57,7 +78,8 @@ class CurriculumCollate:
             .truncate_batch`).
 
     Raises:
-        DataConfigError: the collated batch is not a dict; the samples of one batch carry different steps.
+        DataConfigError: the collated batch is not a dict or already has a key this collate adds; the samples of one
+            batch carry different steps (or, thinned, different candidate counts).
     """
 
     def __init__(
@@ -74,7 +96,7 @@ class CurriculumCollate:
 
     def __call__(self, items: Sequence[tuple[Any, tuple]]) -> dict[str, Any]:
         keys = [k for _, k in items]
-        _, step, micro, diffs = keys[0]
+        _, step, micro, diffs = keys[0][:4]
         if any(k[1] != step or k[2] != micro for k in keys):
             raise DataConfigError("curriculum: one batch mixes samples of different curriculum steps")
         batch = self.collate_fn([s for s, _ in items])
@@ -96,19 +118,47 @@ class CurriculumCollate:
         if "seqlen_reshape" in difficulty:
             batch = F.reshape_batch(batch, difficulty["seqlen_reshape"])
         batch["cl_step"], batch["cl_micro"], batch["cl_difficulty"] = int(step), int(micro), difficulty
+        if len(keys[0]) > 4:  # thinned by InfoBatch: (index, step, micro, difficulties, weight, candidates)
+            if any(k in batch for k in THINNED_KEYS):
+                raise DataConfigError(
+                    f"curriculum + InfoBatch: the collated batch already has one of the keys {list(THINNED_KEYS)} "
+                    f"that the thinning adds (batch keys: {sorted(batch)})"
+                )
+            candidates = int(keys[0][5])
+            if any(int(k[5]) != candidates for k in keys):
+                raise DataConfigError("curriculum + InfoBatch: one batch mixes samples of different slices")
+            batch["index"] = torch.tensor([int(k[0]) for k in keys], dtype=torch.int64)
+            batch["infobatch_weight"] = torch.tensor([float(k[4]) for k in keys], dtype=torch.float32)
+            batch["infobatch_candidates"] = candidates
         return batch
 
 
 class CurriculumSampler:
     """Batch sampler over the controller's stream (this rank's micro-batches of the current data epoch, from the
     committed position). ``len()`` is the full per-epoch count, also after a mid-epoch resume (a shorter ``len()``
-    would make Lightning end the resumed epoch early)."""
+    would make Lightning end the resumed epoch early).
 
-    def __init__(self, controller: CurriculumController) -> None:
+    Args:
+        controller: the :class:`~lightning_effi.curriculum.CurriculumController` (this rank's stream).
+        thinner: optional :class:`Thinner` (the InfoBatch callback): each micro-batch slice is passed through
+            ``thinner.thin_keys(keys, controller.rank)``, which keeps a subset and appends ``(weight, candidates)`` to
+            every kept key. The curriculum's stream, steps and ``len()`` are unchanged (a thinned micro-batch is still
+            one micro-batch).
+    """
+
+    def __init__(self, controller: CurriculumController, thinner: Thinner | None = None) -> None:
         self.controller = controller
+        self.thinner = thinner
 
     def __iter__(self) -> Iterator[list[tuple]]:
-        return self.controller.micro_batches()
+        if self.thinner is None:
+            return self.controller.micro_batches()
+        return self._thinned(self.thinner)
+
+    def _thinned(self, thinner: Thinner) -> Iterator[list[tuple]]:
+        rank = self.controller.rank
+        for keys in self.controller.micro_batches():
+            yield thinner.thin_keys(keys, rank)
 
     def __len__(self) -> int:
         return len(self.controller)
@@ -138,7 +188,11 @@ class CurriculumDataModule(WrappingDataModule):
             max_difficulty, schedule_type, schedule_config, ...}}``, ``seed``, ``num_epochs``, ``rounding``, ...).
             Give it here or to the :class:`~lightning_effi.callbacks.Curriculum` callback, not both.
 
-    The callback (required in ``Trainer(callbacks=...)``) builds the controller in its ``setup`` and attaches it. The
+    The callback (required in ``Trainer(callbacks=...)``) builds the controller in its ``setup`` and attaches it; an
+    :class:`~lightning_effi.callbacks.InfoBatchCallback` in the Trainer attaches itself as ``thinner`` (InfoBatch then
+    thins each drawn micro-batch, see "Composition" in the method card). Wrap the DataModule once, in either order
+    with an :class:`~lightning_effi.data.InfoBatchDataModule` (or without one): the callbacks find their wrapper along
+    the ``.datamodule`` chain, and the user's loader is read from the innermost DataModule. The
     rebuilt loader keeps the wrapped loader's workers, ``pin_memory``, ``prefetch_factor``, ``persistent_workers``,
     ``timeout``, ``multiprocessing_context`` and ``in_order``; its batch size is the micro-batch size. Batches are
     never dropped by the wrapped loader's ``drop_last``: the curriculum's own ``drop_last`` option governs the end of
@@ -147,7 +201,8 @@ class CurriculumDataModule(WrappingDataModule):
     Raises:
         CurriculumConfigError: a bad configuration (at construction).
         DataConfigError: (first ``train_dataloader()``) a custom sampler, an iterable dataset; used without the
-            callback.
+            callback (or a nested technique DataModule without its callback); a thinner with ``seqlen_reshape`` (its
+            rows are no longer samples, so per-sample weights cannot follow them).
 
     Example::
 
@@ -167,12 +222,30 @@ class CurriculumDataModule(WrappingDataModule):
             raise DataConfigError(f"CurriculumDataModule: options {sorted(options)} given without metrics")
         self.config: CurriculumConfig | None = CurriculumConfig(metrics=metrics, **options) if metrics else None
         self.controller: CurriculumController | None = None  # attached by the Curriculum callback's setup()
+        self.thinner: Thinner | None = None  # attached by an InfoBatch callback's setup() (composition)
 
-    def train_dataloader(self) -> CurriculumDataLoader:
+    def check_attached(self) -> None:
+        """Raise unless the Curriculum callback attached its controller.
+
+        Raises:
+            DataConfigError: no controller (the callback is missing from the Trainer).
+        """
         if self.controller is None:
             raise DataConfigError(
                 "CurriculumDataModule needs the Curriculum callback in Trainer(callbacks=[...]); "
                 "without it use the wrapped DataModule directly"
+            )
+
+    def train_dataloader(self) -> CurriculumDataLoader:
+        """The curriculum's training loader (see the module docstring), thinned when a thinner is attached."""
+        self.check_attached()
+        assert self.controller is not None
+        for inner in wrapper_chain(self)[1:-1]:  # nested technique wrappers need their callbacks too
+            inner.check_attached()
+        if self.thinner is not None and "seqlen_reshape" in self.controller.config.metrics:
+            raise DataConfigError(
+                "curriculum + InfoBatch: seqlen_reshape re-chunks each batch into rows that are no longer samples, so "
+                "InfoBatch cannot weight them per sample; use seqlen_truncate, or one of the two techniques"
             )
         t = self.template()
         if len(t["dataset"]) != t["length"]:
@@ -184,7 +257,7 @@ class CurriculumDataModule(WrappingDataModule):
         workers = t["num_workers"]
         return CurriculumDataLoader(
             CurriculumDataset(t["dataset"]),
-            batch_sampler=CurriculumSampler(self.controller),
+            batch_sampler=CurriculumSampler(self.controller, self.thinner),
             collate_fn=CurriculumCollate(t["collate_fn"], list(cfg.metrics), cfg.truncate_keys, cfg.causal_label_shift),
             num_workers=workers,
             pin_memory=t["pin_memory"],

@@ -11,6 +11,14 @@ tells the long story.
   on every rank, and logs the epoch's figures; the next epoch's plan is a pure function of
   ``(seed, epoch, score table)``;
 - ``state_dict``: tables, the current plan, accumulators, counters: a resumed run (mid-epoch too) continues exactly.
+
+Composed with the curriculum (a :class:`~lightning_effi.data.CurriculumDataModule` in the DataModule chain and the
+:class:`~lightning_effi.callbacks.Curriculum` callback in the Trainer), the curriculum draws every batch and this
+callback thins each drawn micro-batch inside the curriculum's sampler (it attaches itself as the
+``CurriculumDataModule``'s ``thinner``): the well-learned set of an epoch is frozen from the score table at the
+epoch's start (:meth:`InfoBatchCallback.prepare_epoch`), each rank's slice is thinned by
+:func:`~lightning_effi.infobatch.functional.thin_micro_batch` with a generator of ``(seed, step, micro, rank)``, and
+the loss is :func:`~lightning_effi.infobatch.functional.thinned_loss`. See "Composition" in the method card.
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_effi.core.checks import check_bool, check_int, check_real
-from lightning_effi.core.progress import steps_per_epoch
+from lightning_effi.core.progress import run_length, steps_per_epoch
 from lightning_effi.core.requirements import Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
+from lightning_effi.core.wrapping import find_wrapper
+from lightning_effi.curriculum.data import THINNED_KEYS, CurriculumDataModule
 from lightning_effi.infobatch import functional as ib
 from lightning_effi.infobatch.data import InfoBatchDataModule
 
@@ -47,11 +57,25 @@ class InfoBatchCallback(Callback):
     ``training_step`` returns ``{"loss": per_sample.mean(), "per_sample_loss": per_sample}`` (shape ``(B,)``).
     The Hydra app (``experiments/train.py``) wraps the DataModule itself when this callback is configured.
 
+    **With the curriculum** (:class:`~lightning_effi.callbacks.Curriculum` in the Trainer, the DataModule wrapped
+    once in a :class:`~lightning_effi.data.CurriculumDataModule`, with or without an ``InfoBatchDataModule`` inside
+    or outside it, callbacks in any order), the two are one data pipeline: the curriculum decides which samples are
+    eligible and draws every batch (its stream, steps, difficulty schedule and truncation are unchanged); InfoBatch
+    thins each drawn micro-batch and reweights what it keeps. The well-learned set of Lightning epoch ``e`` is
+    ``seen & (score < mean(score[seen]))`` of the table at the start of ``e`` (frozen for the epoch, the same on every
+    rank); each rank drops exactly ``m = floor(r·k) + Bernoulli(frac(r·k))`` of the ``k`` well-learned candidates of
+    its slice, chosen uniformly with a generator of ``(seed, curriculum step, micro index, rank)``, so each is kept
+    with probability exactly ``1 - r`` and weighted ``1 / (1 - r)``; the loss is ``sum(w · l over the kept) / B``
+    (``B`` candidates), unbiased for the plain mean (Qin et al., ICLR 2024, Sec. 3). Steps after
+    ``floor(δ·T)`` are not thinned (``T``: the run's optimizer steps, the smallest of ``max_steps``, the curriculum's
+    sample budget and ``max_epochs`` data epochs). ``num_epochs`` must stay ``None`` and ``max_steps`` is allowed
+    in this mode; ``effi_progress`` is not provided (the steps are the curriculum's). ``seqlen_reshape`` is refused.
+
     Args:
         prune_ratio: ``r``, fraction of the well-learned samples dropped per prune epoch, in ``[0, 1)``
             (the paper's default 0.5; above 0.9 warns: weights exceed 10).
         delta: ``δ`` in ``(0, 1]``: epochs ``>= floor(δ·E)`` use the full data (annealing). 1.0 = no annealing.
-        num_epochs: ``E``; default ``trainer.max_epochs``.
+        num_epochs: ``E``; default ``trainer.max_epochs`` (with the curriculum: not used, leave it ``None``).
         seed: seeds every plan (with the epoch); the global RNGs are never used.
         momentum: score update ``m·loss + (1-m)·score`` in ``(0, 1]``; 1.0 (default) = the paper's overwrite.
         strict: a checkpoint written with other ``prune_ratio/delta/seed/num_epochs/dataset size`` raises on load
@@ -60,7 +84,11 @@ class InfoBatchCallback(Callback):
     Logged every epoch (``effi/infobatch/...``): ``threshold``, ``well_learned_frac``, ``kept_well_learned``,
     ``pruned_fraction_epoch``, ``saved_samples_epoch``, ``saved_samples_total``, ``saved_fraction``,
     ``padded_samples_epoch``. Summary (``result.json``): ``infobatch/saved_samples``, ``infobatch/saved_fraction``,
-    ``infobatch/padded_samples``, ``infobatch/prune_epochs``.
+    ``infobatch/padded_samples``, ``infobatch/prune_epochs``. With the curriculum: ``threshold``,
+    ``well_learned_frac``, ``pruned_fraction_epoch`` (dropped / drawn), ``saved_samples_epoch``,
+    ``drawn_samples_epoch``, ``unpruned_tail_batches_epoch``, ``saved_samples_total``, ``saved_fraction`` (dropped /
+    drawn, summed over ranks); summary ``infobatch/saved_samples``, ``infobatch/saved_fraction``,
+    ``infobatch/drawn_samples``, ``infobatch/unpruned_tail_batches``, ``infobatch/thin_stop_step``.
 
     Attributes:
         requirements: what InfoBatch needs and changes (it owns the training sampler, shortens epochs, needs
@@ -71,14 +99,20 @@ class InfoBatchCallback(Callback):
             of range;
             (``setup``) ``max_epochs=-1`` without ``num_epochs``, a run capped by ``max_steps``,
             ``reload_dataloaders_every_n_epochs > 1``, a DataModule that is not an ``InfoBatchDataModule``, an
-            unsupported strategy (DeepSpeed/FSDP); (first batch) a batch without ``"index"`` or a
+            unsupported strategy (DeepSpeed/FSDP); with the curriculum: ``num_epochs`` set, or
+            ``prune_ratio > 1 - 1/micro_batch_size`` (a micro-batch could be emptied); (first batch) a batch without
+            ``"index"`` (with the curriculum: without ``"infobatch_weight"``/``"infobatch_candidates"``) or a
             ``training_step`` output that breaks the per-sample-loss contract.
         IncompatibleTechniques: (``setup``) another technique callback in the Trainer that also owns the training
-            sampler (the curriculum), see :data:`~lightning_effi.core.requirements.CONFLICTS`.
+            sampler and cannot host this one's thinning, see :data:`~lightning_effi.core.requirements.CONFLICTS`.
     """
 
     requirements = Requirements(
-        owns_train_sampler=True, changes_epoch_length=True, needs_per_sample_loss=True, batch_structures=("dict",)
+        owns_train_sampler=True,
+        thins_within_sampler=True,
+        changes_epoch_length=True,
+        needs_per_sample_loss=True,
+        batch_structures=("dict",),
     )
 
     def __init__(
@@ -105,6 +139,15 @@ class InfoBatchCallback(Callback):
         self.steps_per_epoch = 1
         self.history: list[dict[str, Any]] = []
         self.nonfinite = 0
+        # composed with the curriculum (attached in setup): the wrapper whose sampler this callback thins
+        self.curriculum_dm: CurriculumDataModule | None = None
+        self.micro_batch_size = 0
+        self.table_epoch = -1  # the Lightning epoch whose start the score table stands for (its losses are pending)
+        self.synced_epoch = -1  # the last epoch whose losses were merged into the table
+        self.thin_stats = torch.zeros(3, dtype=torch.int64)  # rank-local since the last merge: drawn, dropped, capped
+        self._mask: Tensor | None = None  # bool[N], the well-learned set of epoch _mask_epoch (recomputed, not saved)
+        self._mask_epoch = -1
+        self._stop_step: int | None = None
         self._original_step: Any = None
         self._trainer: pl.Trainer | None = None
 
@@ -121,9 +164,10 @@ class InfoBatchCallback(Callback):
         return self._generate_state_key(prune_ratio=self.prune_ratio, delta=self.delta, seed=self.seed)
 
     # ----------------------------------------------------------------------------------------------- setup
-    def wrap_datamodule(self, datamodule: pl.LightningDataModule) -> InfoBatchDataModule:
-        """``InfoBatchDataModule(datamodule)`` unless it is one already (used by the Hydra app)."""
-        return datamodule if isinstance(datamodule, InfoBatchDataModule) else InfoBatchDataModule(datamodule)
+    def wrap_datamodule(self, datamodule: pl.LightningDataModule) -> pl.LightningDataModule:
+        """``InfoBatchDataModule(datamodule)`` unless ``datamodule`` or a DataModule it wraps is one already (used by
+        the Hydra app; with the curriculum, either nesting trains identically)."""
+        return datamodule if find_wrapper(datamodule, InfoBatchDataModule) else InfoBatchDataModule(datamodule)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -135,6 +179,12 @@ class InfoBatchCallback(Callback):
                 f"InfoBatchCallback does not support the {type(trainer.strategy).__name__} strategy; "
                 "use a single device or DDP"
             )
+        self.__dict__.pop("effi_progress", None)  # a provider of progress again (composed mode hides it)
+        curriculum = find_wrapper(trainer.datamodule, CurriculumDataModule)
+        if curriculum is not None:
+            self._setup_within_curriculum(trainer, pl_module, curriculum)
+            return
+        self.curriculum_dm = None
         epochs = self.num_epochs if self.num_epochs is not None else trainer.max_epochs
         if epochs is None or epochs < 1:
             raise ValueError(
@@ -176,14 +226,59 @@ class InfoBatchCallback(Callback):
         self.seen = torch.zeros(n, dtype=torch.bool)
         self.sum_loss = torch.zeros(n, dtype=torch.float32)
         self.count = torch.zeros(n, dtype=torch.int32)
-        self.plan, self.history, self.steps_in_epoch, self.nonfinite = None, [], 0, 0
+        self._reset_run_state()
         self._trainer = trainer
+        self._wrap_training_step(pl_module)
+
+    def _reset_run_state(self) -> None:
+        self.plan, self.history, self.steps_in_epoch, self.nonfinite = None, [], 0, 0
+        self.table_epoch, self.synced_epoch = -1, -1
+        self.thin_stats = torch.zeros(3, dtype=torch.int64)
+        self._mask, self._mask_epoch, self._stop_step = None, -1, None
+
+    def _setup_within_curriculum(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, curriculum: CurriculumDataModule
+    ) -> None:
+        """Composed mode: attach as the curriculum's thinner (and as the planner of an ``InfoBatchDataModule`` in the
+        chain, which then delegates its loader to the curriculum). Independent of the callbacks' order: only the
+        user's loader is read here; the curriculum's controller is needed from the first batch on."""
+        if self.num_epochs is not None:
+            raise ValueError(
+                f"InfoBatchCallback: num_epochs={self.num_epochs} is not used with the curriculum: the curriculum "
+                "draws every batch and InfoBatch anneals after curriculum step floor(delta * T) (T: the run's "
+                "optimizer steps); leave num_epochs=None"
+            )
+        template = curriculum.template()
+        try:
+            ib.check_thinning_ratio(self.prune_ratio, template["batch_size"])
+        except ValueError as err:
+            raise ValueError(f"InfoBatchCallback with the curriculum: {err}") from None
+        n = int(template["length"])
+        if n < 1:
+            raise ValueError("InfoBatchCallback: the training set is empty")
+        outer = find_wrapper(trainer.datamodule, InfoBatchDataModule)
+        if outer is not None:
+            outer.planner = self
+        curriculum.thinner = self
+        self.curriculum_dm = curriculum
+        self.micro_batch_size = int(template["batch_size"])
+        self.epochs, self.dataset_size = 0, n
+        self.score = torch.zeros(n, dtype=torch.float32)
+        self.seen = torch.zeros(n, dtype=torch.bool)
+        self.sum_loss = torch.zeros(n, dtype=torch.float32)
+        self.count = torch.zeros(n, dtype=torch.int32)
+        self._reset_run_state()
+        self._trainer = trainer
+        self.effi_progress = None  # type: ignore[assignment]  # the run's steps are the curriculum's: no progress
         self._wrap_training_step(pl_module)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._original_step is not None and "training_step" in pl_module.__dict__:
             del pl_module.training_step  # back to the class's method
+        if self.curriculum_dm is not None and self.curriculum_dm.thinner is self:
+            self.curriculum_dm.thinner = None
+        self.__dict__.pop("effi_progress", None)
         self._original_step = None
         self._trainer = None
 
@@ -194,6 +289,15 @@ class InfoBatchCallback(Callback):
         self._original_step = original
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.curriculum_dm is not None:
+                if not isinstance(batch, dict) or any(k not in batch for k in THINNED_KEYS):
+                    raise ValueError(
+                        f"InfoBatchCallback: with the curriculum, the training batch must carry {list(THINNED_KEYS)} "
+                        "(added by the CurriculumDataModule's loader with InfoBatch attached); got "
+                        + (f"keys {sorted(batch)}" if isinstance(batch, dict) else type(batch).__name__)
+                    )
+                index, weights, candidates = (batch.pop(k) for k in THINNED_KEYS)
+                return self.thinned_output(original(batch, *args, **kwargs), index, weights, int(candidates))
             if not isinstance(batch, dict) or "index" not in batch:
                 raise ValueError(
                     "InfoBatchCallback: the training batch has no 'index'; train with "
@@ -217,6 +321,35 @@ class InfoBatchCallback(Callback):
         per_sample = output["per_sample_loss"]
         weights = self.current_weights()
         loss = ib.rescale(per_sample, index, weights)  # validates shape/dtype against the contract
+        self._record(per_sample, index)
+        return {**output, "loss": loss, "per_sample_loss": per_sample.detach(), "index": index}
+
+    def thinned_output(self, output: Any, index: Tensor, weights: Tensor, candidates: int) -> dict[str, Any]:
+        """Composed mode: validate a ``training_step`` output, record the raw per-sample losses and the thinning
+        figures, and return it with ``"loss"`` replaced by ``sum(w · per_sample_loss) / B``
+        (:func:`~lightning_effi.infobatch.functional.thinned_loss`). ``index``: int64 ``(B_kept,)``; ``weights``:
+        float32 ``(B_kept,)``; ``candidates``: ``B``, the slice's size before thinning."""
+        if not isinstance(output, Mapping) or "per_sample_loss" not in output:
+            raise ValueError(
+                f"InfoBatchCallback: {CONTRACT}; got {type(output).__name__}"
+                + (f" with keys {sorted(output)}" if isinstance(output, Mapping) else "")
+            )
+        per_sample = output["per_sample_loss"]
+        loss = ib.thinned_loss(per_sample, weights, candidates)  # validates shape/dtype against the contract
+        self._record(per_sample, index)
+        kept = int(index.numel())
+        # the tail cap kept one well-learned sample of an all-well-learned slice (see ib.cap_applies)
+        capped = kept == 1 and float(weights[0]) != 1.0 and ib.cap_applies(candidates, candidates, self.prune_ratio)
+        self.thin_stats += torch.tensor([candidates, candidates - kept, int(capped)], dtype=torch.int64)
+        return {
+            **output,
+            "loss": loss,
+            "per_sample_loss": per_sample.detach(),
+            "index": index,
+            "infobatch_weight": weights,
+        }
+
+    def _record(self, per_sample: Tensor, index: Tensor) -> None:
         values = per_sample.detach().float().cpu()
         finite = torch.isfinite(values)
         if not bool(finite.all()):
@@ -226,7 +359,6 @@ class InfoBatchCallback(Callback):
                 "previous score); the training loss itself is non-finite"
             )
         ib.accumulate(self.sum_loss, self.count, index.cpu()[finite], values[finite])
-        return {**output, "loss": loss, "per_sample_loss": per_sample.detach(), "index": index}
 
     def current_weights(self) -> Tensor:
         """``float32[N]`` loss weights of the current plan (all 1.0 before the first plan)."""
@@ -283,17 +415,107 @@ class InfoBatchCallback(Callback):
         p = (self.plan.epoch + (self.steps_in_epoch + 1) / self.steps_per_epoch) / self.epochs
         return min(max(p, 0.0), 1.0)
 
-    def sync_scores(self, trainer: pl.Trainer) -> None:
+    def sync_scores(self, trainer: pl.Trainer | None) -> None:
         """Sum the epoch's recorded losses over ranks (one collective per epoch) into the score table, identical on
-        every rank, and clear the accumulators."""
+        every rank, and clear the accumulators. With the curriculum the epoch's thinning figures (drawn, dropped,
+        capped slices) travel in the same reduction as the counts and are added to the epoch's history entry."""
         sum_loss, count = self.sum_loss, self.count
-        if trainer.world_size > 1:
+        composed = self.curriculum_dm is not None
+        stats = self.thin_stats
+        world = trainer.world_size if trainer is not None else 1
+        if world > 1:
+            assert trainer is not None
             device = trainer.strategy.root_device
             sum_loss = trainer.strategy.reduce(sum_loss.to(device), reduce_op="sum").cpu()
-            count = trainer.strategy.reduce(count.to(device), reduce_op="sum").cpu()
+            if composed:
+                both = trainer.strategy.reduce(torch.cat([count.long(), stats]).to(device), reduce_op="sum").cpu()
+                count, stats = both[: count.numel()], both[count.numel() :]
+            else:
+                count = trainer.strategy.reduce(count.to(device), reduce_op="sum").cpu()
         ib.finalize(sum_loss, count, self.score, self.seen, self.momentum)
         self.sum_loss.zero_()
         self.count.zero_()
+        if composed:
+            if self.history and self.history[-1]["epoch"] == self.table_epoch:
+                h = self.history[-1]
+                for key, value in zip(("drawn", "saved", "tail"), stats.tolist()):
+                    h[key] += int(value)
+            self.thin_stats = torch.zeros(3, dtype=torch.int64)
+            self.synced_epoch = self.table_epoch
+
+    # --------------------------------------------------------------------------- composed with the curriculum
+    def thin_stop(self) -> int | None:
+        """Composed mode: the last curriculum step that is thinned, ``floor(δ·T)``
+        (:func:`~lightning_effi.infobatch.functional.thin_stop_step`), ``T`` the run's optimizer steps: the smallest of
+        ``trainer.max_steps``, the curriculum's sample budget (``controller.total_steps``) and ``max_epochs`` data
+        epochs of the curriculum (:func:`~lightning_effi.core.progress.run_length`). None before the curriculum's
+        controller exists."""
+        if self._stop_step is None:
+            controller = self.curriculum_dm.controller if self.curriculum_dm is not None else None
+            if controller is None or self._trainer is None:
+                return None
+            budget = controller.total_steps
+            max_epochs = self._trainer.max_epochs
+            if max_epochs is not None and max_epochs > 0:
+                budget = min(budget, max_epochs * (controller.epoch_micro // controller.ga))
+            total = run_length(self._trainer.max_steps, budget)
+            assert total is not None  # the budget is at least one step
+            self._stop_step = ib.thin_stop_step(total, self.delta)
+        return self._stop_step
+
+    def prepare_epoch(self, epoch: int) -> Tensor:
+        """Composed mode: the well-learned set of Lightning epoch ``epoch``, ``bool[N]``: ``seen & (score <
+        mean(score[seen]))`` of the table as it stands at the epoch's start
+        (:func:`~lightning_effi.infobatch.functional.split_well_learned`, as the epoch plans use). Frozen for the
+        epoch: computed once (at ``on_train_epoch_start``, or at the epoch's first micro-batch after a mid-epoch
+        resume, where the table still is the one of the epoch's start).
+
+        Losses still pending from a finished epoch are merged first (after a resume from a checkpoint written at an
+        epoch's last batch, whose ``on_train_epoch_end`` Lightning does not run again): the same rule as
+        :meth:`plan_for`. The decision to merge depends on checkpointed state only (``table_epoch``,
+        ``synced_epoch``), so every rank takes the collective at the same point."""
+        if self._mask is not None and self._mask_epoch == epoch:
+            return self._mask
+        if self.table_epoch != epoch:
+            if self.table_epoch >= 0 and self.synced_epoch != self.table_epoch:
+                self.sync_scores(self._trainer)
+            self.table_epoch = epoch
+            tau, mask = ib.split_well_learned(self.score, self.seen)
+            self.history.append(
+                {"epoch": epoch, "kind": "thin", "threshold": tau, "well_learned": int(mask.sum())}
+                | {"drawn": 0, "saved": 0, "tail": 0}
+            )
+        else:  # resumed mid-epoch: the table has not changed since the epoch's start
+            _, mask = ib.split_well_learned(self.score, self.seen)
+        self._mask, self._mask_epoch = mask, epoch
+        return mask
+
+    def thin_keys(self, keys: list[tuple], rank: int) -> list[tuple]:
+        """Composed mode, called by the curriculum's sampler for each micro-batch slice of this rank: keys ``(index,
+        step, micro_idx, difficulties)`` in, the kept keys with ``(weight, candidates)`` appended out
+        (:func:`~lightning_effi.infobatch.functional.thin_micro_batch` with the epoch's well-learned set and
+        :func:`~lightning_effi.infobatch.functional.thin_generator` ``(seed, step, micro_idx, rank)``). Steps after
+        :meth:`thin_stop` keep every key with weight 1. Pure given the epoch's frozen set, so a sampler running ahead
+        of training (prefetch) and a resumed run thin identically; the figures are counted when a batch trains."""
+        if not keys:
+            return keys
+        b = len(keys)
+        step, micro = int(keys[0][1]), int(keys[0][2])
+        stop = self.thin_stop()
+        if stop is None:
+            raise RuntimeError("InfoBatchCallback: thin_keys called before the curriculum's controller was attached")
+        mask = self.prepare_epoch(self._trainer.current_epoch if self._trainer is not None else 0)
+        if step > stop or self.prune_ratio == 0:
+            return [(*k, 1.0, b) for k in keys]
+        ids = torch.tensor([int(k[0]) for k in keys], dtype=torch.int64)
+        thinned = ib.thin_micro_batch(ids, mask[ids], self.prune_ratio, ib.thin_generator(self.seed, step, micro, rank))
+        kept = [k for k, keep in zip(keys, thinned.keep.tolist()) if keep]
+        return [(*k, w, b) for k, w in zip(kept, thinned.weights.tolist())]
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.curriculum_dm is not None:
+            self.prepare_epoch(trainer.current_epoch)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -302,6 +524,9 @@ class InfoBatchCallback(Callback):
 
     def _log_epoch(self, pl_module: pl.LightningModule) -> None:
         if not self.history:
+            return
+        if self.curriculum_dm is not None:
+            self._log_thinned_epoch(pl_module)
             return
         h, n = self.history[-1], self.dataset_size
         metrics = {
@@ -316,13 +541,40 @@ class InfoBatchCallback(Callback):
         for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
             logger.log_metrics(metrics, step=pl_module.trainer.global_step)
 
+    def _log_thinned_epoch(self, pl_module: pl.LightningModule) -> None:
+        h, n = self.history[-1], self.dataset_size
+        metrics = {
+            "effi/infobatch/threshold": h["threshold"],
+            "effi/infobatch/well_learned_frac": h["well_learned"] / n,
+            "effi/infobatch/pruned_fraction_epoch": h["saved"] / max(1, h["drawn"]),
+            "effi/infobatch/saved_samples_epoch": float(h["saved"]),
+            "effi/infobatch/drawn_samples_epoch": float(h["drawn"]),
+            "effi/infobatch/unpruned_tail_batches_epoch": float(h["tail"]),
+            **{f"effi/infobatch/{k}": float(v) for k, v in self.totals().items()},
+        }
+        for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
+            logger.log_metrics(metrics, step=pl_module.trainer.global_step)
+
     def totals(self) -> dict[str, float]:
         saved = sum(h["saved"] for h in self.history)
+        if self.curriculum_dm is not None:  # over the samples the curriculum drew (all ranks)
+            drawn = sum(h["drawn"] for h in self.history)
+            return {"saved_samples_total": saved, "saved_fraction": saved / max(1, drawn)}
         return {"saved_samples_total": saved, "saved_fraction": saved / max(1, self.epochs * self.dataset_size)}
 
     def effi_summary(self) -> dict[str, Any]:
-        """Figures for :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s summary."""
+        """Figures for :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s summary (with the curriculum:
+        samples drawn by the curriculum and dropped by InfoBatch, summed over ranks and merged epochs)."""
         t = self.totals()
+        if self.curriculum_dm is not None:
+            return {
+                "infobatch/saved_samples": int(t["saved_samples_total"]),
+                "infobatch/saved_fraction": t["saved_fraction"],
+                "infobatch/drawn_samples": int(sum(h["drawn"] for h in self.history)),
+                "infobatch/unpruned_tail_batches": int(sum(h["tail"] for h in self.history)),
+                "infobatch/thin_stop_step": self.thin_stop(),
+                "infobatch/nonfinite_losses": self.nonfinite,
+            }
         return {
             "infobatch/saved_samples": int(t["saved_samples_total"]),
             "infobatch/saved_fraction": t["saved_fraction"],
@@ -333,7 +585,15 @@ class InfoBatchCallback(Callback):
 
     def expected_total_steps(self, batch_size: int, world_size: int = 1, accumulate_grad_batches: int = 1) -> int:
         """Estimate of the run's optimizer steps from the current score table (before any score: the expected keep
-        ratio of ``r/2`` pruned per prune epoch). For users who need one number; prefer progress-based schedules."""
+        ratio of ``r/2`` pruned per prune epoch). For users who need one number; prefer progress-based schedules.
+
+        Raises:
+            ValueError: composed with the curriculum (the curriculum's steps are the run's steps)."""
+        if self.curriculum_dm is not None:
+            raise ValueError(
+                "InfoBatchCallback.expected_total_steps: with the curriculum, thinning does not change the number of "
+                "steps; the curriculum's controller.total_steps and the Trainer's max_steps give it"
+            )
         n, stop = self.dataset_size, ib.epoch_stop(self.epochs, self.delta)
         seen_any = bool(self.seen.any())
         frac = ib.expected_saving(self.score, self.seen, self.prune_ratio) if seen_any else self.prune_ratio / 2
@@ -345,6 +605,18 @@ class InfoBatchCallback(Callback):
 
     # ---------------------------------------------------------------------------------------------- state
     def config(self) -> dict[str, Any]:
+        if self.curriculum_dm is not None:
+            return {
+                "dataset_size": self.dataset_size,
+                "prune_ratio": self.prune_ratio,
+                "delta": self.delta,
+                "num_epochs": None,
+                "seed": self.seed,
+                "momentum": self.momentum,
+                "within": "curriculum",
+                "micro_batch_size": self.micro_batch_size,
+                "thin_stop_step": self.thin_stop(),
+            }
         return {
             "dataset_size": self.dataset_size,
             "prune_ratio": self.prune_ratio,
@@ -366,6 +638,9 @@ class InfoBatchCallback(Callback):
             "steps_in_epoch": self.steps_in_epoch,
             "history": [dict(h) for h in self.history],
             "nonfinite": self.nonfinite,
+            "table_epoch": self.table_epoch,
+            "synced_epoch": self.synced_epoch,
+            "thin_stats": self.thin_stats.clone(),
         }
 
     @override
@@ -405,6 +680,10 @@ class InfoBatchCallback(Callback):
         self.steps_in_epoch = int(state_dict["steps_in_epoch"])
         self.history = [dict(h) for h in state_dict["history"]]
         self.nonfinite = int(state_dict["nonfinite"])
+        self.table_epoch = int(state_dict.get("table_epoch", -1))
+        self.synced_epoch = int(state_dict.get("synced_epoch", -1))
+        self.thin_stats = state_dict.get("thin_stats", torch.zeros(3, dtype=torch.int64)).clone()
+        self._mask, self._mask_epoch = None, -1  # recomputed from the restored table
 
 
 InfoBatch = InfoBatchCallback  # short alias (``lightning_effi.callbacks.InfoBatch``)

@@ -11,6 +11,11 @@ collate_fn=indexed_collate(collate_fn), ...)``
 so each batch carries ``batch["index"]`` (int64 dataset positions; the callback removes it before the user's
 ``training_step``), the epoch's length is right every epoch (Lightning reloads the loader each epoch), and a
 mid-epoch resume continues the saved plan where it stopped.
+
+Composed with the curriculum (a :class:`~lightning_effi.data.CurriculumDataModule` wraps this one or is wrapped by it,
+see "Composition" in the method card), the curriculum draws every batch and InfoBatch thins each micro-batch inside
+the curriculum's sampler: an ``InfoBatchDataModule`` whose chain holds a ``CurriculumDataModule`` delegates
+``train_dataloader()`` to it, and one nested inside a ``CurriculumDataModule`` is only checked for its callback.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import lightning.pytorch as pl
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.indexed import IndexedDataset, indexed_collate
 from lightning_effi.core.loader import ResumableDataLoader
-from lightning_effi.core.wrapping import WrappingDataModule
+from lightning_effi.core.wrapping import WrappingDataModule, find_wrapper
+from lightning_effi.curriculum.data import CurriculumDataLoader, CurriculumDataModule
 from lightning_effi.infobatch.sampler import InfoBatchSampler
 
 
@@ -35,7 +41,8 @@ class InfoBatchDataModule(WrappingDataModule):
 
     Raises:
         DataConfigError: (at the first ``train_dataloader()``) a custom sampler or batch sampler, an iterable
-            dataset, or a dataset whose length changed during the run; (without the callback) used alone.
+            dataset, or a dataset whose length changed during the run; (without the callback) used alone or nested
+            with a ``CurriculumDataModule``.
     """
 
     technique = "InfoBatch"
@@ -44,13 +51,25 @@ class InfoBatchDataModule(WrappingDataModule):
         super().__init__(datamodule)
         self.planner: Any = None  # the InfoBatchCallback, attached in its setup()
 
-    def train_dataloader(self) -> ResumableDataLoader:
-        """The loader of the current epoch, built from the attached callback's plan (see the module docstring)."""
+    def check_attached(self) -> None:
+        """Raise unless the InfoBatch callback attached itself.
+
+        Raises:
+            DataConfigError: no callback (InfoBatchCallback is missing from the Trainer).
+        """
         if self.planner is None:
             raise DataConfigError(
                 "InfoBatchDataModule needs an InfoBatchCallback in Trainer(callbacks=[...]); without it use the "
                 "wrapped DataModule directly"
             )
+
+    def train_dataloader(self) -> ResumableDataLoader | CurriculumDataLoader:
+        """The loader of the current epoch, built from the attached callback's plan (see the module docstring); the
+        curriculum's loader, thinned by the callback, when a ``CurriculumDataModule`` is nested inside this one."""
+        self.check_attached()
+        curriculum = find_wrapper(self.datamodule, CurriculumDataModule)
+        if curriculum is not None:
+            return curriculum.train_dataloader()
         t = self.template()
         if len(t["dataset"]) != t["length"]:
             raise DataConfigError(

@@ -8,6 +8,9 @@ only, no Lightning, usable in any training loop. The method card ``README.md`` b
 - :func:`update_scores` (per batch) or :func:`accumulate` / :func:`finalize` (per epoch, all-reduce friendly):
   the score table.
 - :func:`expected_saving`, :func:`validate_hparams`.
+- Composed with the curriculum (which draws every batch): :func:`thin_micro_batch` (with :func:`drop_count`,
+  :func:`keep_probabilities`, :func:`thin_generator`, :func:`check_thinning_ratio`, :func:`thin_stop_step`) thins
+  each drawn micro-batch slice and weights what it keeps; :func:`thinned_loss` is its unbiased loss.
 
 Conventions: the score table is ``float32[N]`` with a ``bool[N]`` ``seen`` mask, the weight table ``float32[N]``;
 dataset indices are ``int64`` everywhere (exact beyond 2**24). Plans are computed on the CPU from a private
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from numbers import Integral, Real
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,16 +37,25 @@ from lightning_effi.core.rng import hash64
 __all__ = [
     "PER_SAMPLE_LOSS_CONTRACT",
     "EpochPlan",
+    "ThinnedBatch",
     "accumulate",
+    "cap_applies",
+    "check_thinning_ratio",
+    "drop_count",
     "epoch_stop",
     "expected_saving",
     "finalize",
     "hash64",
     "keep_count",
+    "keep_probabilities",
     "plan_epoch",
     "plan_generator",
     "rescale",
     "split_well_learned",
+    "thin_generator",
+    "thin_micro_batch",
+    "thin_stop_step",
+    "thinned_loss",
     "update_scores",
     "validate_hparams",
 ]
@@ -732,3 +744,222 @@ def _check_buffers(sum_loss: Tensor, count: Tensor) -> None:
         or count.is_complex()
     ):
         raise ValueError(f"count must be an integer tensor of shape {tuple(sum_loss.shape)}, got {_describe(count)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Thinning inside another sampler's micro-batches (InfoBatch composed with the curriculum)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Purpose key of the thinning generators (another stream than the epoch plans' ``_PURPOSE``).
+_THIN_PURPOSE = int.from_bytes(b"IBthin", "little")
+
+
+class ThinnedBatch(NamedTuple):
+    """The result of :func:`thin_micro_batch`.
+
+    Attributes:
+        ids: ``int64[B_kept]``, the kept candidates, in their candidate order (``1 <= B_kept <= B``).
+        weights: ``float32[B_kept]``, ``1 / (1 - r)`` for a kept well-learned candidate, 1.0 for the others.
+        capped: the slice is one where dropping ``r·k`` rounded up could empty it (every candidate well-learned and
+            ``r·B > B - 1``, only possible in a slice smaller than the micro-batch size), so exactly one sample was
+            kept (see :func:`drop_count`).
+        keep: ``bool[B]``, which candidates were kept (``ids == candidates[keep]``).
+    """
+
+    ids: Tensor
+    weights: Tensor
+    capped: bool
+    keep: Tensor
+
+
+def thin_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
+    """Private CPU generator of one micro-batch slice's thinning:
+    ``manual_seed(hash64(seed, PURPOSE, step, micro, rank))`` with ``PURPOSE = int.from_bytes(b"IBthin", "little")``.
+
+    A pure function of the InfoBatch seed, the curriculum step (1-based), the micro-batch index within the step and
+    the data-parallel rank: the same slice is thinned identically in every run, after any resume, whatever the global
+    RNGs hold.
+
+    Raises:
+        TypeError: an argument is not an int.
+    """
+    keys = (seed, step, micro, rank)
+    if not all(is_int(k) for k in keys):
+        raise TypeError(f"thin_generator needs ints (seed, step, micro, rank), got {keys!r}")
+    return torch.Generator(device="cpu").manual_seed(hash64(int(seed), _THIN_PURPOSE, *(int(k) for k in keys[1:])))
+
+
+def check_thinning_ratio(prune_ratio: float, micro_batch_size: int) -> None:
+    """Check that thinning a full micro-batch can never empty it: ``r <= 1 - 1 / micro_batch_size`` (exact).
+
+    With ``B = micro_batch_size`` candidates, all well-learned, :func:`drop_count` drops ``floor(r·B)`` or one more;
+    ``r·B <= B - 1`` keeps at least one. (A smaller tail slice relies on the cap of :func:`drop_count`.)
+
+    Raises:
+        ValueError: ``micro_batch_size`` not a positive int, ``prune_ratio`` outside ``[0, 1)`` or above
+            ``1 - 1 / micro_batch_size`` (the message names both and the largest ratio allowed).
+    """
+    if not is_int(micro_batch_size) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    r = _check_prune_ratio(prune_ratio)
+    allowed = 1 - Fraction(1, int(micro_batch_size))
+    if r > allowed:
+        raise ValueError(
+            f"prune_ratio={prune_ratio} is too large for micro-batches of {int(micro_batch_size)} samples: InfoBatch "
+            f"thins each micro-batch drawn by the curriculum and must never empty one, so prune_ratio must be <= "
+            f"1 - 1/micro_batch_size = {float(allowed):.6g} (raise the batch size or lower prune_ratio)"
+        )
+
+
+def thin_stop_step(total_steps: int, delta: float) -> int:
+    """Last curriculum step that is thinned: ``floor(delta * total_steps)``, exact (``delta`` read as the decimal it
+    prints as, as in :func:`epoch_stop`). Steps ``s > floor(delta * T)`` (1-based) train on every drawn sample.
+
+    Raises:
+        ValueError: ``total_steps`` not a positive int, ``delta`` outside ``(0, 1]``.
+    """
+    if not is_int(total_steps) or total_steps < 1:
+        raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
+    return math.floor(_check_delta(delta) * int(total_steps))
+
+
+def _check_slice(num_candidates: int, num_well_learned: int) -> tuple[int, int]:
+    if not is_int(num_candidates) or num_candidates < 1:
+        raise ValueError(f"num_candidates must be a positive int (a slice is never empty), got {num_candidates!r}")
+    if not is_int(num_well_learned) or not 0 <= num_well_learned <= num_candidates:
+        raise ValueError(f"num_well_learned must be an int in [0, {num_candidates}], got {num_well_learned!r}")
+    return int(num_candidates), int(num_well_learned)
+
+
+def cap_applies(num_candidates: int, num_well_learned: int, prune_ratio: float) -> bool:
+    """Whether :func:`drop_count` can reach ``B`` (and is capped to ``B - 1``): ``k == B`` and ``r·B > B - 1``.
+
+    Never true for a full micro-batch that passed :func:`check_thinning_ratio`; possible for a smaller tail slice.
+
+    Raises:
+        ValueError: invalid counts or ``prune_ratio``.
+    """
+    b, k = _check_slice(num_candidates, num_well_learned)
+    return k == b and _check_prune_ratio(prune_ratio) * b > b - 1
+
+
+def drop_count(
+    num_candidates: int, num_well_learned: int, prune_ratio: float, generator: torch.Generator
+) -> tuple[int, bool]:
+    """How many of the ``k`` well-learned candidates of a slice of ``B`` are dropped.
+
+    ``m = floor(r·k) + Bernoulli(r·k - floor(r·k))`` (exact rational arithmetic; the Bernoulli is one float64
+    ``torch.rand`` from ``generator``, drawn only when the fractional part is not 0), so ``E[m] = r·k`` exactly and
+    each well-learned candidate, dropped as one of a uniform ``m``-subset, is kept with probability exactly ``1 - r``
+    (Qin et al., ICLR 2024, Sec. 3: the rescaled loss is then unbiased). A slice is never emptied: when ``m`` would
+    equal ``B`` (only if :func:`cap_applies`), ``m = B - 1``.
+
+    Returns:
+        ``(m, capped)`` with ``capped = cap_applies(B, k, r)``.
+
+    Raises:
+        ValueError: invalid counts or ``prune_ratio``.
+    """
+    b, k = _check_slice(num_candidates, num_well_learned)
+    rk = _check_prune_ratio(prune_ratio) * k
+    m = math.floor(rk)
+    frac = rk - m
+    if frac:
+        m += int(float(torch.rand((), dtype=torch.float64, generator=generator)) < frac)
+    capped = cap_applies(b, k, prune_ratio)
+    return min(m, b - 1), capped
+
+
+def _check_candidates(ids: Tensor, well_learned: Tensor, what: str) -> None:
+    _check_index(ids, what)
+    if not isinstance(well_learned, Tensor) or well_learned.dtype != torch.bool or well_learned.shape != ids.shape:
+        raise ValueError(
+            f"{what}: well_learned must be a bool tensor of the candidates' shape {tuple(ids.shape)}, got "
+            f"{_describe(well_learned)}"
+        )
+    if ids.numel() == 0:
+        raise ValueError(f"{what}: no candidates (B = 0)")
+
+
+def thin_micro_batch(ids: Tensor, well_learned: Tensor, prune_ratio: float, generator: torch.Generator) -> ThinnedBatch:
+    """Thin one rank's micro-batch slice drawn by another sampler (the curriculum) and weight what it keeps.
+
+    Of the ``B`` candidates, the ``k`` well-learned ones (``well_learned[i]``: the sample's score is below the mean of
+    the seen scores, :func:`split_well_learned`) lose a uniformly random subset of ``m`` (:func:`drop_count`, one
+    ``torch.randperm(k)`` from ``generator``); every well-learned candidate is kept with probability exactly ``1 - r``
+    (except in a capped tail slice, see :func:`keep_probabilities`) and weighted ``1 / (1 - r)``, the others are kept
+    with weight 1. With :func:`thinned_loss` (the weighted sum over the kept, divided by ``B``) the expected loss and
+    gradient equal the plain mean over the ``B`` candidates exactly: InfoBatch's unbiasedness (Qin et al., ICLR 2024,
+    Sec. 3) within the curriculum's eligible set.
+
+    A pure function: the inputs and the global RNGs are left untouched; the same generator state gives the same result.
+
+    Args:
+        ids: ``int64[B]``, the candidates' dataset indices (``B >= 1``). well_learned: ``bool[B]``.
+        prune_ratio: ``r`` in ``[0, 1)``. generator: a CPU ``torch.Generator`` (e.g. :func:`thin_generator`).
+
+    Returns:
+        :class:`ThinnedBatch` ``(ids, weights, capped, keep)``: the kept ids in candidate order (never empty), their
+        ``float32`` weights, whether the tail cap applied, and the ``bool[B]`` keep mask.
+
+    Raises:
+        TypeError: ``ids`` not int64. ValueError: shapes, an empty slice, ``prune_ratio`` outside ``[0, 1)``.
+    """
+    _check_candidates(ids, well_learned, "thin_micro_batch")
+    r = _check_prune_ratio(prune_ratio)
+    ids, well_learned = ids.detach().cpu(), well_learned.detach().cpu()
+    positions = well_learned.nonzero().flatten()
+    m, capped = drop_count(ids.numel(), positions.numel(), prune_ratio, generator)
+    keep = torch.ones_like(well_learned)
+    if m:
+        keep[positions[torch.randperm(positions.numel(), generator=generator)[:m]]] = False
+    weights = torch.ones(ids.numel(), dtype=torch.float32).masked_fill_(well_learned, float(1 / (1 - r)))
+    return ThinnedBatch(ids[keep].clone(), weights[keep], capped, keep)
+
+
+def keep_probabilities(well_learned: Tensor, prune_ratio: float) -> Tensor:
+    """Exact probability that :func:`thin_micro_batch` keeps each candidate, as ``float64[B]``.
+
+    1 for a candidate that is not well-learned; ``1 - E[m] / k`` for each of the ``k`` well-learned ones, which is
+    ``1 - r`` exactly, except in a slice where :func:`cap_applies` (all ``B`` well-learned and ``r·B > B - 1``): there
+    ``m = B - 1`` always and the keep probability is ``1 / B`` (its weight stays ``1 / (1 - r)``: a small bias,
+    counted by the callback as ``infobatch/unpruned_tail_batches``).
+
+    Raises:
+        ValueError: ``well_learned`` not a non-empty 1-D bool tensor, ``prune_ratio`` outside ``[0, 1)``.
+    """
+    if not isinstance(well_learned, Tensor) or well_learned.dtype != torch.bool or well_learned.dim() != 1:
+        raise ValueError(f"keep_probabilities needs a 1-D bool tensor, got {_describe(well_learned)}")
+    b, k = well_learned.numel(), int(well_learned.sum())
+    r = _check_prune_ratio(prune_ratio)
+    _check_slice(b, k)
+    expected_m = Fraction(b - 1) if cap_applies(b, k, prune_ratio) else r * k
+    p_keep = 1 - expected_m / k if k else Fraction(1)
+    return torch.ones(b, dtype=torch.float64).masked_fill_(well_learned.cpu(), float(p_keep))
+
+
+def thinned_loss(per_sample_loss: Tensor, weights: Tensor, num_candidates: int) -> Tensor:
+    """The loss of a thinned micro-batch: ``sum_i(w_i · l_i over the kept) / B``, divided by the candidate count
+    ``B``, not by the kept count (Qin et al., ICLR 2024, Sec. 3: with keep probabilities ``1 - r`` and weights
+    ``1 / (1 - r)``, its expectation is the plain mean over the ``B`` candidates). Computed out of place in float32.
+
+    Args:
+        per_sample_loss: ``float[B_kept]``, with grad (any device). weights: ``float[B_kept]`` (moved to the loss's
+            device). num_candidates: ``B >= B_kept``.
+
+    Returns:
+        A scalar float32 tensor on ``per_sample_loss.device``.
+
+    Raises:
+        ValueError: ``per_sample_loss`` not a 1-D float tensor of the weights' length (the message states the
+            ``training_step`` contract), an empty batch, ``num_candidates < B_kept``.
+    """
+    if not isinstance(weights, Tensor) or weights.dim() != 1 or not weights.is_floating_point():
+        raise ValueError(f"thinned_loss: weights must be a 1-D float tensor float32[B_kept], got {_describe(weights)}")
+    _check_per_sample_loss(per_sample_loss, weights, "thinned_loss")
+    if not is_int(num_candidates) or num_candidates < weights.numel():
+        raise ValueError(
+            f"thinned_loss: num_candidates must be an int >= the {weights.numel()} kept samples, got {num_candidates!r}"
+        )
+    w = weights.to(device=per_sample_loss.device, dtype=torch.float32)
+    return (per_sample_loss.float() * w).sum() / int(num_candidates)

@@ -228,13 +228,22 @@ def test_ddp_needs_use_distributed_sampler_false():
         Curriculum().setup(trainer, None, "fit")
 
 
-def test_setup_refuses_another_technique_that_owns_the_training_sampler():
+class OtherSampler(pl.Callback):
+    """A stand-in technique that owns the training sampler and cannot act inside another one's."""
+
+    requirements = Requirements(owns_train_sampler=True)
+
+
+def test_setup_refuses_a_sampler_that_cannot_thin_but_accepts_infobatch():
+    from lightning_effi.core.requirements import check_trainer
+
     cb = Curriculum(metrics={"seqlen_truncate": TRUNC})
-    trainer = SimpleNamespace(callbacks=[cb, InfoBatchCallback()], strategy=None)
+    # InfoBatch thins inside the curriculum's sampler (tests/composition): the rules accept the pair, in both orders
+    check_trainer(SimpleNamespace(callbacks=[cb, InfoBatchCallback()], strategy=None))
+    check_trainer(SimpleNamespace(callbacks=[InfoBatchCallback(), cb], strategy=None))
+    trainer = SimpleNamespace(callbacks=[cb, OtherSampler()], strategy=None)
     with pytest.raises(
-        IncompatibleTechniques,
-        match=r"Curriculum and InfoBatchCallback cannot be combined \(two "
-        r"training samplers\)",
+        IncompatibleTechniques, match=r"Curriculum and OtherSampler cannot be combined \(two training samplers\)"
     ):
         cb.setup(trainer, None, "fit")
 

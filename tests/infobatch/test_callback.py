@@ -199,15 +199,16 @@ def test_requirements_are_declared_and_match_metadata():
     assert (root / metadata["card"]).is_file() and (root / metadata["hydra"]).is_file()
 
 
-class OtherSampler(pl.Callback):
-    """A stand-in technique that also owns the training sampler (as the curriculum does)."""
+class OtherThinner(pl.Callback):
+    """A stand-in technique that, like InfoBatch, owns the training sampler or thins inside another one."""
 
-    requirements = Requirements(owns_train_sampler=True, changes_epoch_length=True)
+    requirements = Requirements(owns_train_sampler=True, thins_within_sampler=True, changes_epoch_length=True)
 
 
-def test_setup_refuses_another_technique_that_owns_the_training_sampler(tmp_path):
-    with pytest.raises(IncompatibleTechniques, match="InfoBatchCallback and OtherSampler cannot be combined"):
-        make_trainer(tmp_path, [InfoBatchCallback(), OtherSampler()], max_epochs=2).fit(
+def test_setup_refuses_another_technique_of_the_same_kind(tmp_path):
+    # the curriculum (a sampler that hosts InfoBatch's thinning) is accepted: tests/composition
+    with pytest.raises(IncompatibleTechniques, match="InfoBatchCallback and OtherThinner cannot be combined"):
+        make_trainer(tmp_path, [InfoBatchCallback(), OtherThinner()], max_epochs=2).fit(
             tiny_gpt2(), datamodule=ib_data()
         )
 
