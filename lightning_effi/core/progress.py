@@ -25,9 +25,19 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from lightning_effi.core.checks import is_int, is_real
-from lightning_effi.core.protocols import ProvidesProgress
+from lightning_effi.core.protocols import ProvidesProgress, ProvidesProgressClock
 
-__all__ = ["UNITS", "Duration", "progress_source", "run_length", "steps_per_epoch", "training_progress"]
+__all__ = [
+    "PROGRESS_TICKS",
+    "UNITS",
+    "Duration",
+    "progress_clock",
+    "progress_source",
+    "progress_ticks",
+    "run_length",
+    "steps_per_epoch",
+    "training_progress",
+]
 
 Unit = Literal["step", "epoch", "fraction", "token"]
 UNITS: tuple[str, ...] = get_args(Unit)
@@ -188,6 +198,40 @@ def progress_source(callbacks: Iterable[Any]) -> Callable[[], float] | None:
         if isinstance(callback, ProvidesProgress) and callable(callback.effi_progress):
             return callback.effi_progress
     return None
+
+
+def progress_clock(callbacks: Iterable[Any]) -> ProvidesProgressClock | None:
+    """The first callback that provides the run's clock (:class:`~lightning_effi.core.protocols.ProvidesProgressClock`:
+    ``effi_progress``, ``effi_progress_done`` and ``effi_min_total_steps``), a technique that changes the epoch
+    length; None when none does (a callback with ``effi_progress`` only, such as the Curriculum's token progress,
+    is not a clock: its run is as long as its optimizer steps say)."""
+    for callback in callbacks:
+        if isinstance(callback, ProvidesProgressClock) and all(
+            callable(getattr(callback, name, None))
+            for name in ("effi_progress", "effi_progress_done", "effi_min_total_steps")
+        ):
+            return callback
+    return None
+
+
+#: progress in [0, 1] read as an integer clock: ``progress_ticks(p) = round(p · PROGRESS_TICKS)``
+PROGRESS_TICKS = 10**9
+
+
+def progress_ticks(progress: float) -> int:
+    """``progress`` in [0, 1] as integer ticks of :data:`PROGRESS_TICKS` (1 tick = 1e-9 of the run; a run's step is
+    far longer), so that stage ends and checkpoints stay integers: ``round(p · 10⁹)``.
+
+    >>> progress_ticks(0.3), progress_ticks(1 / 3), progress_ticks(1.0)
+    (300000000, 333333333, 1000000000)
+
+    Raises:
+        ValueError: ``progress`` is not a number in [0, 1] (a progress source out of its range is a bug to report,
+            not a value to clamp).
+    """
+    if not (is_real(progress) and 0.0 <= float(progress) <= 1.0):
+        raise ValueError(f"training progress must be a number in [0, 1], got {progress!r}")
+    return round(float(progress) * PROGRESS_TICKS)
 
 
 def training_progress(trainer: Any) -> float:

@@ -69,6 +69,23 @@ class TransformerAdapter:
         (:class:`~lightning_effi.adapters.GenericAdapter`) resolve their layer path here. Idempotent."""
         return self
 
+    def rebind(self, module: nn.Module) -> TransformerAdapter:
+        """The adapter for the network now inside ``module`` (the LightningModule), after a technique replaced the one
+        this adapter was built around (the V-cycle's level changes; random-LTD calls this after each). Registered
+        adapters, built around their model root, return a new adapter of their class around the first submodule of
+        ``module`` that :meth:`matches` (a subclass whose constructor takes more than the root overrides this).
+
+        Raises:
+            ValueError: no submodule of ``module`` matches.
+        """
+        for sub in module.modules():
+            if type(self).matches(sub):
+                return type(self)(sub)
+        raise ValueError(
+            f"adapter {self.name or type(self).__name__}: no model inside {type(module).__name__} matches it any more "
+            "(the network was replaced by another kind)"
+        )
+
     @classmethod
     def matches(cls, module: nn.Module) -> bool:  # pragma: no cover - abstract
         """True if ``module`` is a model root this adapter handles."""

@@ -99,6 +99,17 @@ class GenericAdapter(TransformerAdapter):
         self.root, self._layers, self._bound = module, target, True
         return self
 
+    def rebind(self, module: nn.Module) -> GenericAdapter:
+        """Resolve :attr:`path` from ``module`` again (the network behind it was replaced, e.g. by the V-cycle);
+        returns ``self``. The declared sizes (``hidden_size``, ``intermediate_size``, ``max_sequence_length``) stay
+        as given: random-LTD's FLOPs figures at a narrower level use them (its layer-token counts do not).
+
+        Raises:
+            ValueError: ``layers`` not found / not a ``ModuleList``/``Sequential`` in ``module``.
+        """
+        self._bound = False
+        return self.bind(module)
+
     def layers(self) -> nn.ModuleList | nn.Sequential:
         if not self._bound:
             raise RuntimeError("GenericAdapter is not bound to a model yet (call bind(module))")

@@ -18,6 +18,11 @@ The method lives in :mod:`lightning_effi.random_ltd.functional` (selection, gath
 - ``on_before_optimizer_step``: adds the step's layer-tokens (summed over micro-batches and ranks) to
   ``consumed_layer_tokens``, before a step-interval LR scheduler reads it.
 - ``effi_adjust``: lowers the :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s layer-tokens and FLOPs.
+- ``effi_before_model_change`` / ``effi_after_model_change``
+  (:class:`~lightning_effi.core.protocols.FollowsModelChanges`): a technique that replaces the network (the V-cycle)
+  calls them around every change: the patched layers are restored, then the adapter is found again on the new
+  network, the LTD layer ids are resolved for its depth and its layers are patched; the schedule (a function of
+  ``global_step``) and the counters go on.
 - ``state_dict``: counters and the resolved configuration (safe-loadable); the schedule and the draws are pure
   functions of the step, so a resumed run continues exactly.
 """
@@ -38,6 +43,7 @@ from typing_extensions import override
 from lightning_effi.core.accounting import BatchStats
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
 from lightning_effi.core.progress import Duration, run_length, steps_per_epoch
+from lightning_effi.core.protocols import PlansModelChanges
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.models.base import TransformerAdapter, find_adapter
@@ -91,7 +97,11 @@ class RandomLTDCallback(Callback):
         require_fraction: deprecated (one release, ``DeprecationWarning``): ``require_fraction=f`` is
             ``require_steps="<f>dur"``.
         seq_per_step: ``r`` is a multiple of this (``schedule_config.seq_per_step``).
-        layer_ids: exact indices into the adapter's layer list; default all but the first and the last.
+        layer_ids: exact indices into the adapter's layer list; default all but the first and the last. With a
+            technique that replaces the network during fit (the V-cycle's levels have fewer layers), the ids are
+            resolved again for every network: the default is all but the first and the last layer of the network
+            in place (so every level needs >= 3 layers); explicit ids are kept as they are and must exist at every
+            level (ids < the smallest depth), checked in ``setup`` against the depths of all levels.
         adapter: ``"auto"``, a registered name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an adapter instance.
         rounding: ``"clamped"`` (default: never below ``min_value``, ``max_value`` from ``require_steps`` on) or
             ``"deepspeed"`` (DeepSpeed's arithmetic exactly).
@@ -109,6 +119,11 @@ class RandomLTDCallback(Callback):
         requirements: what random-LTD needs and changes (it patches the selected layers' ``forward``; it never reads
             the batch, so any batch structure), read by :func:`~lightning_effi.core.requirements.check_trainer`.
 
+    Composition: with the V-cycle (any :class:`~lightning_effi.core.protocols.PlansModelChanges` technique) the
+    patch follows every level change (the layers of the model in place are the patched ones, the reserved length
+    stays a function of ``global_step``, layer-tokens count the layers of the model each step trained). With the
+    Curriculum's ``seqlen_truncate`` (or ``seqlen_reshape``), a batch not longer than ``r`` passes through unchanged.
+
     Logged every step: ``effi/random_ltd/reserved_length``, ``effi/random_ltd/consumed_layer_tokens``,
     ``effi/random_ltd/flops_saved_frac``. Summary keys ``random_ltd/*`` (``result.json``).
 
@@ -116,15 +131,21 @@ class RandomLTDCallback(Callback):
         ValueError: (construction) a value of the wrong type or range, ``min_value > max_value``; (``setup``) no
             adapter matches the model, ``layer_ids`` out of range / duplicated / unsorted, ``min_value`` or
             ``max_value`` larger than the model's sequence length, a layer whose ``forward`` takes arguments the
-            adapter does not know, an unsupported attention implementation; (train start) ``require_steps`` cannot be
-            derived (a fraction of a run of unknown length, epochs of a train dataloader without a length); (train
-            start, ``strict``) a resumed run whose ``require_steps`` resolves to another step count than the
-            checkpoint's.
-        IncompatibleTechniques: (``setup``) combined with a technique that changes the model's shapes (the V-cycle:
-            the patched layers belong to one model), see :data:`~lightning_effi.core.requirements.CONFLICTS`.
+            adapter does not know, an unsupported attention implementation; ``layer_ids`` (explicit, or the default
+            selecting none) that do not exist at a level of a technique that replaces the network (the V-cycle;
+            every level's depth is checked); a reserved length that never drops a token under the Curriculum's
+            sequence-length truncation (``min_value`` not below its longest truncated length,
+            ``seqlen_truncate``'s ``max_difficulty``, + 1 with ``causal_label_shift``; ``seqlen_reshape``:
+            ``max_difficulty + 1``); (after a model change) no adapter matches the new network; (train start)
+            ``require_steps`` cannot be derived (a fraction of a run of unknown length, epochs of a train dataloader
+            without a length); (train start, ``strict``) a resumed run whose ``require_steps`` resolves to another
+            step count than the checkpoint's.
+        IncompatibleTechniques: (``setup``) combined with another technique that patches layers, see
+            :data:`~lightning_effi.core.requirements.CONFLICTS` (a shape change is followed:
+            ``follows_model_changes``).
     """
 
-    requirements = Requirements(patches_layers=True, batch_structures=BATCH_STRUCTURES)
+    requirements = Requirements(patches_layers=True, follows_model_changes=True, batch_structures=BATCH_STRUCTURES)
 
     def __init__(
         self,
@@ -224,6 +245,10 @@ class RandomLTDCallback(Callback):
         self.global_batch_size = 0
         self._pending = [0, 0, 0, 0.0, 0.0]  # samples, layer-tokens, full layer-tokens, saved flops, full flops
         self._folded = True
+        # the current micro-batch's costs and logged FLOPs fraction, fixed with the network it ran on when a model
+        # change comes before its on_train_batch_end (cleared at the next batch)
+        self._batch_costs_fixed: tuple[int, int, int, float, float] | None = None
+        self._frac_fixed: float | None = None
 
     def __repr__(self) -> str:
         """Every constructor argument, so that ``eval(repr(cb))`` builds an equivalent callback (same settings):
@@ -264,6 +289,7 @@ class RandomLTDCallback(Callback):
         layers = adapter.layers()
         self.num_layers = len(layers)
         self.layer_ids = resolve_layer_ids(self.layer_ids_arg, self.num_layers)
+        self._check_model_changes(trainer, pl_module)
         seq = adapter.max_sequence_length()
         self.max_value = seq if self.max_value_arg is None else self.max_value_arg
         name = type(self).__name__
@@ -280,6 +306,7 @@ class RandomLTDCallback(Callback):
             raise ValueError(
                 f"{name}.keep_prefix_tokens ({self.keep_prefix_tokens}) must be <= min_value ({self.min_value})"
             )
+        self._check_truncation(trainer)
         self.controller = LTDController(
             self.num_layers,
             self.layer_ids,
@@ -290,11 +317,99 @@ class RandomLTDCallback(Callback):
         self.patched = convert(pl_module, adapter, self.controller)
         self.adapter = adapter
 
+    def _check_model_changes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``layer_ids`` must resolve at the depth of every network a technique that replaces the model will put in
+        place (:class:`~lightning_effi.core.protocols.PlansModelChanges`, the V-cycle's levels)."""
+        name = type(self).__name__
+        for other in trainer.callbacks:
+            if other is self or not isinstance(other, PlansModelChanges):
+                continue
+            depths = [int(d) for d in other.effi_model_depths(pl_module)]
+            for level, depth in enumerate(depths, start=1):
+                try:
+                    resolve_layer_ids(self.layer_ids_arg, depth)
+                except ValueError as err:
+                    smallest = min(depths)
+                    fix = f"pass explicit layer_ids below {smallest} (the smallest depth), e.g. {[0, 1][:smallest]}"
+                    raise ValueError(
+                        f"{name}.layer_ids={None if self.layer_ids_arg is None else list(self.layer_ids_arg)}: "
+                        f"{type(other).__name__} trains a network of {depth} layers at level {level} (layers per "
+                        f"level: {depths}), where {err}; the ids are resolved again at every level (default: all but "
+                        f"the first and the last layer of the network in place, explicit ids kept as given): {fix}, "
+                        f"or use a deeper model or fewer levels"
+                    ) from None
+
+    def _check_truncation(self, trainer: pl.Trainer) -> None:
+        """Under the Curriculum's sequence-length truncation the longest batch has ``max_difficulty`` tokens (+ 1 with
+        ``causal_label_shift``; ``seqlen_reshape``: rows of ``max_difficulty + 1``): a reserved length that never goes
+        below it would never drop a token. The Curriculum is found by class name (techniques do not import each
+        other); its configuration is on the callback or on its DataModule."""
+        name = type(self).__name__
+        assert self.max_value is not None
+        smallest = F.ltd_value(0, self.min_value, self.max_value, 1, self.seq_per_step, self.rounding)
+        for other in trainer.callbacks:
+            if not any(k.__name__ == "Curriculum" for k in type(other).__mro__):
+                continue
+            config = getattr(other, "config", None) or getattr(getattr(trainer, "datamodule", None), "config", None)
+            metrics = getattr(config, "metrics", None) or {}
+            shift = 1 if getattr(config, "causal_label_shift", False) else 0
+            for metric, extra in (("seqlen_truncate", shift), ("seqlen_reshape", 1)):
+                m = metrics.get(metric)
+                if m is None:
+                    continue
+                longest = int(m.max_difficulty) + extra
+                if smallest >= longest:
+                    plus = f" + {extra} ({'causal_label_shift' if metric == 'seqlen_truncate' else 'reshaped rows'})"
+                    raise ValueError(
+                        f"{name}: its reserved length is never below {smallest} tokens (min_value={self.min_value}, "
+                        f"rounding={self.rounding!r}, seq_per_step={self.seq_per_step}) but {type(other).__name__}'s "
+                        f"{metric} makes every batch at most {longest} tokens long (max_difficulty="
+                        f"{m.max_difficulty}{plus if extra else ''}), so random-LTD would never drop a token: lower "
+                        f"RandomLTDCallback.min_value below {longest} or raise the curriculum's max_difficulty"
+                    )
+
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.patched is not None:
             restore(self.patched)
             self.patched = None
+
+    # ------------------------------------------------------------------------------------------------ model changes
+    def effi_before_model_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Another technique (the V-cycle) is about to replace the network (:class:`~lightning_effi.core.protocols.
+        FollowsModelChanges`): fix the current micro-batch's costs with the network it ran on (the layer-tokens of a
+        step count the layers of the network that trained it), fold a step not folded yet (manual optimization), and
+        restore the patched layers."""
+        if self.patched is None:
+            return
+        if self.controller is not None and self.adapter is not None and self.controller.records:
+            self._batch_costs_fixed = self._batch_costs()
+            self._frac_fixed = self._saved_frac()
+        self._fold_batch()
+        if not pl_module.automatic_optimization and any(self._pending):
+            self._fold_step(trainer)
+        restore(self.patched)
+        self.patched = None
+
+    def effi_after_model_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The new network is in place: find the adapter on it again, resolve the LTD layer ids for its depth (see
+        ``layer_ids``), patch its layers; the controller (schedule, seed, current context) goes on.
+
+        Raises:
+            ValueError: no adapter matches the new network, or ``layer_ids`` do not resolve at its depth.
+        """
+        if self.controller is None or self.patched is not None:
+            return
+        arg = self.adapter_arg
+        adapter = arg.rebind(pl_module) if isinstance(arg, TransformerAdapter) else find_adapter(pl_module, arg)
+        num_layers = len(adapter.layers())
+        try:
+            layer_ids = resolve_layer_ids(self.layer_ids_arg, num_layers)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: the new network has {num_layers} layers: {err}") from None
+        self.controller.num_layers, self.controller.layer_ids = num_layers, layer_ids
+        self.patched = convert(pl_module, adapter, self.controller)
+        self.adapter, self.num_layers, self.layer_ids = adapter, num_layers, layer_ids
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -375,6 +490,7 @@ class RandomLTDCallback(Callback):
         self.current_value = self.value_at(step)
         self.controller.begin(step, batch_idx, self.current_value)
         self._folded = False
+        self._batch_costs_fixed, self._frac_fixed = None, None
 
     def _fold_batch(self) -> None:
         """Add the current micro-batch's records to the pending step totals (once)."""
@@ -386,7 +502,10 @@ class RandomLTDCallback(Callback):
 
     def _batch_costs(self) -> tuple[int, int, int, float, float]:
         """What the current micro-batch cost, from the shapes its LTD layers saw: ``(samples, layer-tokens,
-        layer-tokens without dropping, layer FLOPs skipped, layer FLOPs without dropping)``."""
+        layer-tokens without dropping, layer FLOPs skipped, layer FLOPs without dropping)``, with the sizes of the
+        network it ran on (fixed by :meth:`effi_before_model_change` when the network changed since)."""
+        if self._batch_costs_fixed is not None:
+            return self._batch_costs_fixed
         assert self.controller is not None and self.adapter is not None
         L, L_ltd = self.num_layers, len(self.layer_ids)
         h, inter = self.adapter.hidden_size(), self.adapter.intermediate_size()
@@ -433,18 +552,7 @@ class RandomLTDCallback(Callback):
             self._fold_step(trainer)
         assert self.controller is not None
         self.controller.end()
-        records = self.controller.records
-        frac = 0.0
-        if records and self.adapter is not None:
-            r = records[0]
-            frac = F.saved_flops_fraction(
-                r.seq_len,
-                r.reserved_length,
-                self.num_layers,
-                len(self.layer_ids),
-                self.adapter.hidden_size(),
-                self.adapter.intermediate_size(),
-            )
+        frac = self._saved_frac() if self._frac_fixed is None else self._frac_fixed
         pl_module.log_dict(
             {
                 "effi/random_ltd/reserved_length": float(self.current_value),
@@ -454,6 +562,21 @@ class RandomLTDCallback(Callback):
             on_step=True,
             on_epoch=False,
             batch_size=1,
+        )
+
+    def _saved_frac(self) -> float:
+        """The share of the layers' FLOPs the current micro-batch skipped (its first forward's shapes), else 0."""
+        records = self.controller.records if self.controller is not None else []
+        if not records or self.adapter is None:
+            return 0.0
+        r = records[0]
+        return F.saved_flops_fraction(
+            r.seq_len,
+            r.reserved_length,
+            self.num_layers,
+            len(self.layer_ids),
+            self.adapter.hidden_size(),
+            self.adapter.intermediate_size(),
         )
 
     # ------------------------------------------------------------------------------------------------ accounting

@@ -14,23 +14,41 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_effi.core.compat import optimizers_to_device, rewrap_ddp
-from lightning_effi.core.progress import Duration
+from lightning_effi.core.progress import Duration, progress_clock, progress_ticks, run_length
+from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch, settings_diff
 from lightning_effi.vcycle import operators as V
 from lightning_effi.vcycle import stages as S
 from lightning_effi.vcycle.accounting import FlopsAccount
-from lightning_effi.vcycle.levels import LevelStack
+from lightning_effi.vcycle.levels import LevelStack, level_depths
 from lightning_effi.vcycle.stages import stage_plan, vcycle_flops_fraction
 
 if TYPE_CHECKING:  # the model registry imports this package's operators; import it when used
     from lightning_effi.models.vcycle_base import VCycleAdapter
 
-__all__ = ["VCycle", "VCycleCallback", "rebuild_training_state", "stage_plan", "vcycle_flops_fraction"]
+__all__ = [
+    "VCycle",
+    "VCycleCallback",
+    "notify_model_change",
+    "rebuild_training_state",
+    "stage_plan",
+    "vcycle_flops_fraction",
+]
+
+
+def notify_model_change(trainer: pl.Trainer, pl_module: pl.LightningModule, when: Literal["before", "after"]) -> None:
+    """Call ``effi_before_model_change`` (``when="before"``) or ``effi_after_model_change`` (``"after"``) on every
+    callback of ``trainer.callbacks`` that follows model changes
+    (:class:`~lightning_effi.core.protocols.FollowsModelChanges`, e.g. random-LTD), in the Trainer's order."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, FollowsModelChanges):
+            hook = callback.effi_before_model_change if when == "before" else callback.effi_after_model_change
+            hook(trainer, pl_module)
 
 
 def rebuild_training_state(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -62,6 +80,13 @@ class VCycleCallback(Callback):
             read at train start), ``"0.05dur"`` (``floor(f · T)``, at least 1, of the run's ``T`` optimizer steps:
             ``trainer.estimated_stepping_batches`` at train start, so ``max_epochs`` and ``limit_train_batches``
             count as well as ``max_steps``; the stages must end within ``T``). No floats.
+            With a technique that changes the epoch lengths (a callback providing the run's progress clock,
+            :class:`~lightning_effi.core.protocols.ProvidesProgressClock`, e.g. InfoBatch), fractions and epochs are
+            measured on its progress instead (:func:`~lightning_effi.vcycle.stages.resolve_progress_stages`: a stage
+            ends after the first optimizer step at which its ``effi_progress_done()`` has reached the sum of the
+            stage lengths so far; ``"2ep"`` is ``2 / max_epochs`` of the run), so the cycle completes however short
+            the epochs get; lengths in optimizer steps keep the step clock and must fit in its
+            ``effi_min_total_steps()``; steps mixed with fractions or epochs are refused.
         e_small: the coarsest level (paper: :math:`E_{small}`, half the baseline), same forms (a fraction may give 0).
         up_leg: required for K >= 3 (the paper gives no length): the up-leg stages of levels 2..K−1, one length for
             all or a list ordered by level (``[level 2, level 3, ...]``).
@@ -82,6 +107,15 @@ class VCycleCallback(Callback):
             of the three lengths, accepted for one release with a ``DeprecationWarning``; any other keyword raises
             ``TypeError``.
 
+    A run cut short at a coarse level (``max_time``, ``EarlyStopping``, ``trainer.should_stop``, a data budget that
+    ends early) is brought back to the full model in ``on_train_end``: de-coalesced and interpolated level by level
+    with the pending snapshots (the operators of a normal up-switch; the optimizer is rebuilt for the full model), with
+    a warning that the full model was not trained after it. Techniques bound to the network's layers follow every
+    level change (:class:`~lightning_effi.core.protocols.FollowsModelChanges`, e.g. random-LTD): they are told
+    before the network is replaced and after the new one is in place (before the optimizer is rebuilt), also when a
+    checkpoint's coarse level is rebuilt and at that final restore; :meth:`effi_model_depths` gives them the depth of
+    every level in their ``setup``.
+
     Logged every step: ``effi/vcycle/level``, ``effi/vcycle/stage``, ``effi/vcycle/flops_cum``,
     ``effi/vcycle/flops_saved_frac``, ``effi/vcycle/map_seconds``; summary keys ``vcycle/*``.
 
@@ -91,11 +125,14 @@ class VCycleCallback(Callback):
     Raises:
         ValueError: (construction) see :func:`~lightning_effi.vcycle.stages.check_arguments`; (``setup`` or train
             start) no adapter for the model, sizes the schemes cannot halve, stages longer than the run, fractions in
-            a run of unknown length, epochs with a train dataloader without a length; (resume, ``strict``) a
-            checkpoint written with another configuration or other stages.
+            a run of unknown length, epochs with a train dataloader without a length; with a progress clock (a
+            technique that changes the epoch lengths): stage lengths in optimizer steps mixed with fractions or
+            epochs, steps that do not fit in its ``effi_min_total_steps()``, fractions and epochs that add up to more
+            than the run, epochs without ``max_epochs``; (resume, ``strict``) a checkpoint written with another
+            configuration (another clock included) or other stages.
         TypeError: (construction) an unknown keyword argument.
         IncompatibleTechniques: (``setup``) a strategy other than single device / DDP (FSDP, DeepSpeed, ...), weight
-            averaging callbacks, a technique that patches the model's layers (random-LTD).
+            averaging callbacks, a technique that patches the model's layers without following model changes.
         MisconfigurationException: (``setup``) a ``torch.compile``'d network.
     """
 
@@ -175,6 +212,10 @@ class VCycleCallback(Callback):
         self.map_seconds, self.flops_account = 0.0, FlopsAccount(self.baseline_steps)
         self._last_step = -1  # runtime only, like the checkpoint's stages (compared with this run's at train start)
         self._saved_stages: list[tuple[int, int]] | None = None
+        # the clock the stage ends count (set in setup): "step", or "progress" of a technique's progress clock
+        self.clock: str = "step"
+        self._clock_source: ProvidesProgressClock | None = None
+        self.cut_short_level = 0  # the level a run cut short ended at, before on_train_end restored the full model
 
     def __repr__(self) -> str:
         """Every constructor argument (new spelling; a length as random-LTD's ``require_steps``: an int of steps, else
@@ -235,7 +276,11 @@ class VCycleCallback(Callback):
                 "never separate: use alpha_original > 0"
             )
         self._stack.plan(self.adapter, self.width_scheme, self.depth_scheme, self.embedding_convention)
-        self._fit_stages(trainer, at_setup=True)  # a first check against max_steps; resolved at train start
+        self._clock_source = progress_clock(trainer.callbacks)
+        source = None if self._clock_source is None else type(self._clock_source).__name__
+        self.clock = S.stage_clock(self.levels, self.e_a, self.e_small, self.up_leg, source, name)
+        if self._clock_source is None:
+            self._fit_stages(trainer, at_setup=True)  # a first check against max_steps; resolved at train start
         self._install_load_hook(pl_module)
 
     def _fit_stages(self, trainer: pl.Trainer, at_setup: bool) -> list[tuple[int, int]] | None:
@@ -244,20 +289,49 @@ class VCycleCallback(Callback):
 
     def _install_load_hook(self, pl_module: pl.LightningModule) -> None:
         """Resume: wrap ``pl_module.on_load_checkpoint`` (the bound host) so that it rebuilds the checkpoint's level
-        before the weights load (:meth:`~lightning_effi.vcycle.levels.LevelStack.install_resume_hook`)."""
-        self._stack.install_resume_hook(self.state_key)
+        before the weights load (:meth:`~lightning_effi.vcycle.levels.LevelStack.install_resume_hook`), telling the
+        techniques that follow model changes before and after."""
+        self._stack.install_resume_hook(
+            self.state_key,
+            before=lambda: notify_model_change(pl_module.trainer, pl_module, "before"),
+            after=lambda: notify_model_change(pl_module.trainer, pl_module, "after"),
+        )
+
+    def effi_model_depths(self, pl_module: pl.LightningModule) -> list[int]:
+        """The number of layers of the model of every level 1..K
+        (:class:`~lightning_effi.core.protocols.PlansModelChanges`): from the plans once this callback's ``setup``
+        ran on ``pl_module``, else planned from ``pl_module.<model_attr>`` now without changing anything (a
+        technique whose ``setup`` runs first checks its settings against them).
+
+        Raises:
+            ValueError: no V-cycle adapter for the network, sizes the schemes cannot halve.
+        """
+        if self._stack.host is pl_module and self._stack.plans:
+            return self._stack.depths()
+        model = getattr(pl_module, self.model_attr, None)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"{type(self).__name__}.model_attr: {type(pl_module).__name__} has no {self.model_attr!r}")
+        from lightning_effi.models.vcycle_base import find_vcycle_adapter
+
+        adapter = find_vcycle_adapter(model, self.adapter_arg)
+        plans = V.plan_levels(
+            model, adapter, self.levels, self.width_scheme, self.depth_scheme, self.embedding_convention
+        )
+        return level_depths(plans)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._stack.remove_resume_hook()  # and releases the module
+            self._clock_source = None
 
     # ------------------------------------------------------------------------------------------------ training
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Resolve the stages against the run's length (``estimated_stepping_batches``); on resume compare them with
-        the checkpoint's (other stages: raise when strict, else warn and continue with these)."""
-        stages = self._fit_stages(trainer, at_setup=False) or []
+        """Resolve the stages against the run's length (``estimated_stepping_batches``), or on a technique's progress
+        clock; on resume compare them with the checkpoint's (other stages: raise when strict, else warn and continue
+        with these)."""
+        stages = self._resolve_stages(trainer)
         if self._saved_stages is not None and (diff := S.stages_mismatch(self._saved_stages, stages)):
             config_mismatch(type(self).__name__, diff, self.strict, fix="continue with the current arguments' stages")
         self.stages, self.stage_ends, self._last_step = stages, S.stage_ends(stages), trainer.global_step
@@ -266,6 +340,31 @@ class VCycleCallback(Callback):
                 f"{type(self).__name__}: stage {self.stage_index} trains level {expected} but the model "
                 f"is at level {self.level}"
             )
+
+    def _resolve_stages(self, trainer: pl.Trainer) -> list[tuple[int, int]]:
+        """The non-final stages ``(level, length on self.clock)`` of this fit."""
+        source = self._clock_source
+        if source is None:
+            return self._fit_stages(trainer, at_setup=False) or []
+        name, source_name = type(self).__name__, type(source).__name__
+        if self.clock == "progress":
+            return S.resolve_progress_stages(
+                self.levels, self.e_a, self.e_small, self.up_leg, trainer.max_epochs, name, source_name
+            )
+        # all in optimizer steps: they must fit in the fewest steps the run can have (and in max_steps when set)
+        stages = S.resolve_stages(
+            self.levels, self.e_a, self.e_small, self.up_leg, run_length(trainer.max_steps), owner=name
+        )
+        S.check_min_steps(stages, source.effi_min_total_steps(), name, source_name)
+        return stages
+
+    def _clock_now(self, trainer: pl.Trainer) -> int:
+        """The current reading of the stages' clock: ``global_step``, or the progress source's
+        ``effi_progress_done()`` in ticks (:func:`~lightning_effi.core.progress.progress_ticks`)."""
+        if self.clock == "progress":
+            assert self._clock_source is not None
+            return progress_ticks(self._clock_source.effi_progress_done())
+        return int(trainer.global_step)
 
     def current_stage_level(self) -> int:
         """The level the current stage trains (1 after the last listed stage)."""
@@ -305,17 +404,18 @@ class VCycleCallback(Callback):
         )
         step = trainer.global_step
         stepped, self._last_step = step != self._last_step, step
-        if not stepped or not (path := S.levels_due(self.stages, self.stage_ends, self.stage_index, step)):
+        if not stepped:
+            return
+        if not (path := S.levels_due(self.stages, self.stage_ends, self.stage_index, self._clock_now(trainer))):
             return
         start, path = time.perf_counter(), [self.level, *path]
         assert self.alpha_original is not None  # resolved in setup
+        notify_model_change(trainer, pl_module, "before")
         for level in path[1:]:
             self._stack.change_to(level, self.alpha_original)
+        notify_model_change(trainer, pl_module, "after")
         self.stage_index, self.stage_start_step = self.stage_index + len(path) - 1, step
-        rebuild_training_state(trainer, pl_module)
-        S.scale_learning_rates(trainer.optimizers, trainer.lr_scheduler_configs, self.lr_factor(self.level))
-        if self.lr_schedule == "continue":  # no re-warmup: the fresh schedulers continue the run's curve
-            S.advance_schedulers(trainer.lr_scheduler_configs, trainer.global_step, trainer.current_epoch)
+        self._new_training_state(trainer, pl_module)
         self.map_seconds += time.perf_counter() - start
         self.switches += 1
         rank_zero_info(
@@ -324,12 +424,45 @@ class VCycleCallback(Callback):
             f" parameters, lr x{self.lr_factor(self.level)}, map {time.perf_counter() - start:.2f}s)"
         )
 
+    def _new_training_state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a level change: a fresh optimizer and schedulers for the level's model
+        (:func:`rebuild_training_state`), its ``lr_multiplier``, and with ``lr_schedule="continue"`` the schedulers
+        advanced to the current step."""
+        rebuild_training_state(trainer, pl_module)
+        S.scale_learning_rates(trainer.optimizers, trainer.lr_scheduler_configs, self.lr_factor(self.level))
+        if self.lr_schedule == "continue":  # no re-warmup: the fresh schedulers continue the run's curve
+            S.advance_schedulers(trainer.lr_scheduler_configs, trainer.global_step, trainer.current_epoch)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A run that ended at a coarse level (cut short) goes back up to the full model (see the class docstring)."""
+        if self.level == 1:
+            return
+        assert self.alpha_original is not None  # resolved in setup
+        level, stage = self.level, self.stage_index
+        start = time.perf_counter()
+        notify_model_change(trainer, pl_module, "before")
+        path = self._stack.up_to_full(self.alpha_original)
+        notify_model_change(trainer, pl_module, "after")
+        self._new_training_state(trainer, pl_module)  # an optimizer of the full model, as after any level change
+        self.map_seconds += time.perf_counter() - start
+        self.switches += 1
+        self.cut_short_level = level
+        rank_zero_warn(
+            f"{type(self).__name__}: the run ended at level {level} in stage {stage + 1} of {len(self.stages) + 1} "
+            f"(step {trainer.global_step}, before the cycle was back on the full model); the full model was restored "
+            f"(level {' -> '.join(map(str, path))}: de-coalesced and interpolated with the pending snapshots, "
+            f"alpha_original={self.alpha_original}) WITHOUT TRAINING after the up-switch. Lengthen the run or shorten "
+            "e_a / e_small / up_leg so that the cycle ends before the run does"
+        )
+
     # ------------------------------------------------------------------------------------------------ accounting
     def effi_summary(self) -> dict[str, Any]:
         return {
             "vcycle/levels": int(self.levels),
             "vcycle/switches": int(self.switches),
             "vcycle/final_level": int(self.level),
+            "vcycle/cut_short_level": int(self.cut_short_level),
             "vcycle/flops": float(self.flops_account.flops),
             "vcycle/baseline_flops": float(self.baseline_flops),
             "vcycle/flops_saved_frac": self.flops_saved_frac(),
@@ -348,6 +481,7 @@ class VCycleCallback(Callback):
             "model_attr": self.model_attr,
             "lr_multiplier": {str(k): v for k, v in sorted(self.lr_multiplier.items())},
             "lr_schedule": self.lr_schedule,
+            "clock": self.clock,
         }
 
     @override
@@ -364,7 +498,7 @@ class VCycleCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The checkpoint's progress; its configuration is checked here but for the stages, which on_train_start
         compares with those of the current arguments once the run's length is known."""
-        saved = {k: v for k, v in state_dict["config"].items() if k != "stages"}
+        saved = {"clock": "step", **{k: v for k, v in state_dict["config"].items() if k != "stages"}}
         if diff := settings_diff(saved, {k: v for k, v in self.config().items() if k != "stages"}):
             config_mismatch(
                 type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict

@@ -7,7 +7,7 @@ coalescing, and swaps the module of the current level into its host (``pl_module
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,7 +16,19 @@ from torch import Tensor, nn
 from lightning_effi.core.checks import is_int
 from lightning_effi.vcycle import operators as V
 
-__all__ = ["LevelStack"]
+__all__ = ["LevelStack", "level_depths"]
+
+
+def level_depths(plans: Sequence[V.VCyclePlan]) -> list[int]:
+    """The number of layers of the model of every level 1..K, from the plans of its level changes.
+
+    >>> from types import SimpleNamespace as P
+    >>> level_depths([P(num_layers=(12, 6)), P(num_layers=(6, 3))])
+    [12, 6, 3]
+    """
+    if not plans:
+        return []
+    return [int(plans[0].num_layers[0]), *(int(p.num_layers[1]) for p in plans)]
 
 
 class LevelStack:
@@ -99,6 +111,10 @@ class LevelStack:
         plan, side = (self.plans[0], 0) if level == 1 else (self.plans[level - 2], 1)
         return plan.num_layers[side]
 
+    def depths(self) -> list[int]:
+        """The depth of the model of every level 1..K (:func:`level_depths` of the plans; empty before :meth:`plan`)."""
+        return level_depths(self.plans)
+
     def _put(self, model: nn.Module, level: int) -> nn.Module:
         """Swap in the model of ``level``; a host's integer ``effi_num_layers`` follows it."""
         setattr(self.host, self.attr, model)
@@ -140,6 +156,16 @@ class LevelStack:
         if level == self.level + 1:
             return self.coalesce_to(level)
         return self.decoalesce_to(level, alpha_original)
+
+    def up_to_full(self, alpha_original: float) -> list[int]:
+        """From the current level up to level 1, one :meth:`decoalesce_to` per level (the operators of a normal
+        up-switch, with the pending snapshots); returns the levels passed through, ``[current, ..., 1]`` (``[1]``
+        when the full model is in place already)."""
+        path = [self.level]
+        while self.level > 1:
+            self.decoalesce_to(self.level - 1, alpha_original)
+            path.append(self.level)
+        return path
 
     def rebuild(self, level: int) -> nn.Module:
         """Fresh modules of levels 2..``level`` from the full model in place (random weights, global RNG untouched:
@@ -210,18 +236,29 @@ class LevelStack:
             )
         self.snapshots = {int(k): dict(v) for k, v in state_dict["snapshots"].items()}
 
-    def install_resume_hook(self, state_key: str) -> None:
+    def install_resume_hook(
+        self,
+        state_key: str,
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
         """Wrap ``host.on_load_checkpoint`` on the instance: before the weights load, :meth:`rebuild` the level saved
         in the checkpoint's ``callbacks[state_key]`` (Lightning calls this hook before the strict
-        ``load_state_dict``). Installed once per host; :meth:`remove_resume_hook` takes it off."""
+        ``load_state_dict``). ``before()`` / ``after()`` run around the rebuild when it changes the module (the
+        owner tells the techniques that follow model changes). Installed once per host; :meth:`remove_resume_hook`
+        takes it off."""
         original = self.host.on_load_checkpoint
         if getattr(original, "_vcycle_owner", None) is self:
             return
 
         def on_load_checkpoint(checkpoint: dict[str, Any]) -> None:
             state = checkpoint.get("callbacks", {}).get(state_key)
-            if state:
+            if state and int(state["level"]) != self.level:
+                if before is not None:
+                    before()
                 self.rebuild(int(state["level"]))
+                if after is not None:
+                    after()
             original(checkpoint)
 
         on_load_checkpoint._vcycle_owner = self  # type: ignore[attr-defined]

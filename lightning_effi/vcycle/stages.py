@@ -12,23 +12,28 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real, plain
-from lightning_effi.core.progress import Duration, run_length, steps_per_epoch
+from lightning_effi.core.progress import PROGRESS_TICKS, Duration, run_length, steps_per_epoch
 from lightning_effi.vcycle.operators import EMBEDDING_CONVENTIONS
 
 __all__ = [
     "DEPRECATED_LENGTHS",
     "LENGTHS",
     "VCycleArgs",
+    "CLOCKS",
     "advance_schedulers",
     "check_arguments",
+    "check_min_steps",
     "fit_stages",
     "levels_due",
+    "resolve_progress_stages",
     "resolve_stages",
     "scale_learning_rates",
     "spelled",
+    "stage_clock",
     "stage_ends",
     "stage_level",
     "stage_plan",
@@ -47,6 +52,9 @@ DEPRECATED_LENGTHS: dict[str, tuple[str, str]] = {
 }
 #: ``up_leg``: one length for every up-leg stage, or one per level ``(level 2, level 3, ...)``.
 UpLeg = Duration | tuple[Duration, ...] | None
+#: What the stage ends count: ``"step"`` (optimizer steps, ``trainer.global_step``) or ``"progress"`` (ticks of a
+#: progress source's ``effi_progress_done``, :func:`~lightning_effi.core.progress.progress_ticks`).
+CLOCKS = ("step", "progress")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -420,6 +428,129 @@ def stages_mismatch(saved: Sequence[Sequence[int]], current: Sequence[tuple[int,
         f"the checkpoint's stages (level, optimizer steps) {saved} differ from those of the current e_a / e_small / "
         f"up_leg in this run {list(current)}"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the progress clock: a technique that changes the epoch lengths (InfoBatch) is present
+
+
+def _stage_durations(levels: int, e_a: Duration, e_small: Duration, up_leg: UpLeg) -> list[Duration]:
+    """The length of each non-final stage, in the order of :func:`stage_plan`."""
+    ups = up_leg_lengths(levels, up_leg)
+    return [*([e_a] * (levels - 1)), e_small, *(ups[k - 2] for k in range(levels - 1, 1, -1))]
+
+
+def stage_clock(levels: int, e_a: Duration, e_small: Duration, up_leg: UpLeg, source: str | None, owner: str) -> str:
+    """The clock the stages are measured on (one of :data:`CLOCKS`).
+
+    Without a progress source (``source`` None: no callback changes the epoch lengths) it is ``"step"``, whatever
+    the units (epochs and fractions resolve into optimizer steps, :func:`resolve_stages`). With one (``source``: its
+    class name), lengths given as fractions (``"0.3dur"``) or epochs (``"2ep"``) are measured on its progress
+    (``"progress"``), lengths given in optimizer steps on the step clock (``"step"``; they must then fit in the
+    source's fewest steps, :func:`check_min_steps`).
+
+    Raises:
+        ValueError: with a progress source, optimizer steps mixed with fractions or epochs (the message names the
+            source and the fix).
+    """
+    durations = _stage_durations(levels, e_a, e_small, up_leg)
+    units = {d.unit for d in durations}
+    if source is None or units == {"step"}:
+        return "step"
+    if "step" not in units:
+        return "progress"
+    given = f"e_a={spelled(e_a)!r}, e_small={spelled(e_small)!r}" + (
+        f", up_leg={spelled(up_leg)!r}" if levels >= 3 else ""
+    )
+    raise ValueError(
+        f"{owner}: {source} changes the epoch lengths, so the stage lengths are measured on one clock: all in "
+        f"optimizer steps (which must fit in the fewest steps {source}'s run can have) or all as fractions ('0.3dur') "
+        f"or epochs ('2ep') of its training progress; got {given}. Give every stage length as a fraction of the run, "
+        "e.g. e_a='0.05dur', e_small='0.5dur'"
+    )
+
+
+def _progress_of(d: Duration, max_epochs: int | None) -> Fraction:
+    """A fraction or epoch duration as an exact share of the run: ``f``, or ``n / max_epochs``."""
+    if d.unit == "fraction":
+        return Fraction(repr(float(d.value)))  # the decimal written ("0.2dur" is 1/5), so shares add up exactly
+    assert max_epochs is not None
+    return Fraction(int(d.value), max_epochs)
+
+
+def resolve_progress_stages(
+    levels: int,
+    e_a: Duration,
+    e_small: Duration,
+    up_leg: UpLeg,
+    max_epochs: float | None,
+    owner: str = "VCycleCallback",
+    source: str = "the progress source",
+) -> list[tuple[int, int]]:
+    """The non-final stages ``(level, ticks)`` on the progress clock: a stage ends once the source's
+    ``effi_progress_done()`` (in ticks of :data:`~lightning_effi.core.progress.PROGRESS_TICKS`, 1e-9 of the run)
+    reaches the sum of the stage lengths so far. A fraction ``f`` is ``f`` of the run's progress; ``n`` epochs are
+    ``n / max_epochs`` of it, so a switch falls on an epoch boundary when the source's progress runs over
+    ``max_epochs`` epochs (InfoBatch's does with its default ``num_epochs``). The ends are rounded from the exact
+    cumulative share (``round(share · 10⁹)``); every ``e_a`` stage is at least one tick (it ends after the first
+    optimizer step that makes progress), as it is at least one step on the step clock. The switch therefore comes
+    after the first optimizer step at which the progress has reached the stage's end (a fraction of a run of ``T``
+    equal steps ends at ``ceil(f · T)``, where the step clock takes ``floor(f · T)``).
+
+    Raises:
+        ValueError: a length in optimizer steps (see :func:`stage_clock`); epochs without a finite
+            ``max_epochs`` >= 1; stages that need more than the whole run (the cycle would not be back on the full
+            model when the run ends).
+    """
+    durations = _stage_durations(levels, e_a, e_small, up_leg)
+    if any(d.unit not in ("fraction", "epoch") for d in durations):
+        raise ValueError(f"{owner}: the progress clock takes stage lengths as fractions or epochs only")
+    epochs: int | None = None
+    if any(d.unit == "epoch" for d in durations):
+        if max_epochs is None or not math.isfinite(max_epochs) or max_epochs < 1:
+            raise ValueError(
+                f"{owner}: stage lengths in epochs are measured on {source}'s training progress as n / max_epochs "
+                f"of the run, but trainer.max_epochs={max_epochs}; set Trainer(max_epochs=...) or give the stage "
+                "lengths as fractions of the run ('0.3dur')"
+            )
+        epochs = int(max_epochs)
+    kinds = [*(["e_a"] * (levels - 1)), "e_small", *(["up_leg"] * (levels - 2))]
+    stages, share, previous = [], Fraction(0), 0
+    for (level, _), kind, d in zip(stage_plan(levels, 0, 0, [0] * (levels - 2)), kinds, durations):
+        share += _progress_of(d, epochs)
+        end = max(previous + (1 if kind == "e_a" else 0), round(share * PROGRESS_TICKS))
+        stages.append((level, end - previous))
+        previous = end
+    if previous > PROGRESS_TICKS:
+        detail = ", ".join(f"{k}={d}" for k, d in zip(kinds, durations))
+        raise ValueError(
+            f"{owner}: the V-cycle's stages need {float(share):.6g} of the run on {source}'s progress clock ({detail}"
+            f"{f'; an epoch is 1/{epochs} of the run' if epochs else ''}) but the run is 1; lower e_a / e_small / "
+            "up_leg: the run would end before the cycle is back on the full model"
+        )
+    return stages
+
+
+def check_min_steps(
+    stages: Sequence[tuple[int, int]], min_total_steps: int, owner: str = "VCycleCallback", source: str = "the source"
+) -> None:
+    """Stages in optimizer steps must fit in the fewest optimizer steps a run whose epochs another technique shortens
+    can have (``source``'s ``effi_min_total_steps()``).
+
+    Raises:
+        ValueError: they need more; the message names both callbacks and the fix (fractions of the run).
+    """
+    need = sum(int(n) for _, n in stages)
+    if not is_int(min_total_steps) or min_total_steps < 1:
+        raise ValueError(f"{owner}: {source}.effi_min_total_steps() must be an int >= 1, got {min_total_steps!r}")
+    if need > min_total_steps:
+        raise ValueError(
+            f"{owner}: the V-cycle's stages need {need} optimizer steps ({[n for _, n in stages]}) but {source} "
+            f"shortens the epochs and its run can have as few as {min_total_steps} optimizer steps "
+            "(effi_min_total_steps), so the run could end before the cycle is back on the full model. Give the stage "
+            f"lengths as fractions of the run (e.g. e_a='0.05dur', e_small='0.5dur'; measured on {source}'s "
+            f"training progress) or lower them to fit in {min_total_steps} steps"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_effi.core.progress import Duration, progress_source, training_progress
+from lightning_effi.core.progress import (
+    PROGRESS_TICKS,
+    Duration,
+    progress_clock,
+    progress_source,
+    progress_ticks,
+    training_progress,
+)
+from lightning_effi.core.protocols import ProvidesProgress, ProvidesProgressClock
 
 
 @pytest.mark.parametrize(
@@ -132,3 +140,35 @@ def test_run_length_and_steps_per_epoch():
     assert steps_per_epoch(10, 3) == 4 and steps_per_epoch(9, 3) == 3
     with pytest.raises(ValueError, match="e_a needs a train dataloader with a length"):
         steps_per_epoch(math.inf, 1, "e_a")
+
+
+def test_progress_clock_needs_the_whole_protocol():
+    class Clock:
+        def effi_progress(self) -> float:
+            return 0.5
+
+        def effi_progress_done(self) -> float:
+            return 0.25
+
+        def effi_min_total_steps(self) -> int:
+            return 7
+
+    class TokensOnly:  # the Curriculum's token progress: for LR schedules, not a clock
+        def effi_progress(self) -> float:
+            return 0.5
+
+    clock = Clock()
+    assert isinstance(clock, ProvidesProgressClock) and isinstance(clock, ProvidesProgress)
+    assert not isinstance(TokensOnly(), ProvidesProgressClock)
+    assert progress_clock([object(), TokensOnly(), clock]) is clock
+    assert progress_clock([TokensOnly()]) is None and progress_clock([]) is None
+    assert progress_source([TokensOnly(), clock])() == 0.5  # LR schedules still read the first effi_progress
+
+
+def test_progress_ticks():
+    assert PROGRESS_TICKS == 10**9
+    assert progress_ticks(0.0) == 0 and progress_ticks(1) == PROGRESS_TICKS and progress_ticks(0.3) == 300_000_000
+    assert progress_ticks((2 + 1 / 1) / 10) == progress_ticks(0.3)  # an epoch boundary read as a float
+    for bad in (-0.1, 1.5, float("nan"), None, True):
+        with pytest.raises(ValueError, match="training progress must be a number in \\[0, 1\\]"):
+            progress_ticks(bad)

@@ -20,7 +20,7 @@ from lightning_effi.callbacks import RandomLTDCallback
 from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.core.lr_schedules import layer_token_lr, layer_token_multiplier
 from lightning_effi.core.progress import Duration
-from lightning_effi.core.requirements import BATCH_STRUCTURES, IncompatibleTechniques, Requirements
+from lightning_effi.core.requirements import BATCH_STRUCTURES, IncompatibleTechniques, Requirements, check_trainer
 from lightning_effi.functional import random_ltd as F
 from lightning_effi.random_ltd import is_converted
 from lightning_effi.tasks import ImageClassifier
@@ -619,7 +619,7 @@ def test_repr_with_an_adapter_instance_shows_the_adapter():
 def test_requirements_are_declared_and_match_metadata():
     req = RandomLTDCallback.requirements
     assert isinstance(req, Requirements)
-    assert req.patches_layers and req.batch_structures == BATCH_STRUCTURES
+    assert req.patches_layers and req.follows_model_changes and req.batch_structures == BATCH_STRUCTURES
     assert not (
         req.owns_train_sampler
         or req.changes_epoch_length
@@ -636,17 +636,85 @@ def test_requirements_are_declared_and_match_metadata():
 
 
 class ShapeChanger(Callback):
-    """A stand-in technique that changes the model's shapes during fit (as the V-cycle does)."""
+    """A stand-in technique that replaces the model's network during fit (as the V-cycle does): after step 2 the GPT-2
+    of 4 layers becomes a fresh one of 3 (``effi_model_depths`` says so in advance), telling the followers."""
 
     requirements = Requirements(changes_model_shapes=True)
 
+    def __init__(self, depths=(4, 3)):
+        self.depths = list(depths)
 
-def test_setup_refuses_a_technique_that_changes_model_shapes(tmp_path):
-    trainer = make_trainer(tmp_path, [ltd(max_value=16), ShapeChanger()], max_steps=1, max_epochs=-1)
+    def effi_model_depths(self, pl_module):
+        return self.depths
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 2:
+            from transformers import GPT2LMHeadModel
+
+            for cb in trainer.callbacks:
+                if hasattr(cb, "effi_before_model_change"):
+                    cb.effi_before_model_change(trainer, pl_module)
+            config = pl_module.model.config.to_dict() | {"n_layer": self.depths[1]}
+            pl_module.model = GPT2LMHeadModel(type(pl_module.model.config).from_dict(config))
+            for cb in trainer.callbacks:
+                if hasattr(cb, "effi_after_model_change"):
+                    cb.effi_after_model_change(trainer, pl_module)
+            trainer.strategy.setup_optimizers(trainer)
+
+
+def test_follows_a_technique_that_changes_model_shapes(tmp_path):
+    """Not refused (random-LTD follows model changes): the patch moves to the new network (default ids: all but the
+    first and the last of its 3 layers), the schedule and the counters go on (layer-tokens with each step's depth),
+    and nothing stays patched after the fit."""
+    cb = ltd(max_value=16, require_steps=4)
+    watch = Watch(cb)
     model = deep_gpt2()
-    with pytest.raises(IncompatibleTechniques, match="layer patching across shape changes"):
+    old = model.model
+    trainer = make_trainer(tmp_path, [cb, ShapeChanger(), watch], max_steps=4, max_epochs=-1)
+    trainer.fit(model, datamodule=tiny_lm_data())
+    assert model.model is not old and len(model.model.transformer.h) == 3
+    assert cb.num_layers == 3 and cb.layer_ids == (1,) and cb.controller.layer_ids == (1,)
+    assert [r["r"] for r in watch.rows] == [F.ltd_value(s, 4, 16, 4, 4) for s in range(4)]
+    depths = [4, 4, 3, 3]
+    assert cb.consumed_layer_tokens == sum(
+        F.layer_tokens(8, 16, min(r["r"], 16), d, d - 2) for r, d in zip(watch.rows, depths)
+    )
+    assert [None if r["indices"] is None else r["indices"].shape[0] for r in watch.rows][:3] == [2, 2, 1]
+    assert not is_converted(model) and not is_converted(old)
+
+
+def test_layer_ids_must_exist_at_every_depth_of_a_shape_change(tmp_path):
+    model = deep_gpt2()
+    trainer = make_trainer(tmp_path, [ltd(max_value=16, layer_ids=[2, 3]), ShapeChanger((4, 3))], max_steps=1)
+    with pytest.raises(ValueError, match=r"layer_ids=\[2, 3\]: ShapeChanger trains a network of 3 layers at level 2"):
         trainer.fit(model, datamodule=tiny_lm_data())
     assert not is_converted(model)
+
+
+def test_a_layer_patcher_that_does_not_follow_is_refused(tmp_path):
+    class Patcher(Callback):
+        requirements = Requirements(patches_layers=True)
+
+        def setup(self, trainer, pl_module, stage):
+            check_trainer(trainer)
+
+    trainer = make_trainer(tmp_path, [ShapeChanger(), Patcher()], max_steps=1, max_epochs=-1)
+    with pytest.raises(IncompatibleTechniques, match="layer patching across shape changes"):
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+
+
+def test_generic_adapter_rebinds_to_the_new_network():
+    from torch import nn
+
+    module = nn.Module()
+    module.model = nn.Module()
+    module.model.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+    adapter = GenericAdapter("model.blocks", max_sequence_length=8, hidden_size=4).bind(module)
+    first = adapter.layers()
+    module.model = nn.Module()
+    module.model.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+    assert adapter.bind(module).layers() is first  # binding the same module again is a no-op
+    assert adapter.rebind(module) is adapter and len(adapter.layers()) == 2 and adapter.layers() is not first
 
 
 # ------------------------------------------------------------------------------------------------ DDP

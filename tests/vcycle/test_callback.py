@@ -584,13 +584,27 @@ def test_requirements_refuse_deepspeed_weight_averaging_and_layer_patching():
         cb.setup(fake, tiny_gpt2(), "fit")
 
 
-def test_random_ltd_refused(tmp_path):
-    """Random-LTD patches the layers of one model (``patches_layers``): the conflict rule refuses it."""
-    trainer = make_trainer(
-        tmp_path, [VCycleCallback(e_a=1, e_small=1), RandomLTDCallback(require_steps=2)], max_steps=4, max_epochs=-1
-    )
-    with pytest.raises(IncompatibleTechniques, match="RandomLTDCallback.*layer patching across shape changes"):
-        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+def test_random_ltd_follows_the_level_changes(tmp_path):
+    """Random-LTD patches layers but follows model changes (``follows_model_changes``): no conflict; it is told
+    before and after every level change (the whole composition is tested in tests/composition/test_vcycle_stacks.py).
+    A layer patcher that does not follow is still refused (above)."""
+    assert RandomLTDCallback.requirements.follows_model_changes
+
+    class Told(Callback):
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, int, int]] = []
+
+        def effi_before_model_change(self, trainer, pl_module):
+            self.calls.append(("before", trainer.global_step, pl_module.model.config.n_layer))
+
+        def effi_after_model_change(self, trainer, pl_module):
+            self.calls.append(("after", trainer.global_step, pl_module.model.config.n_layer))
+
+    told, ltd = Told(), RandomLTDCallback(min_value=4, max_value=16, require_steps=2, seq_per_step=4)
+    cb = VCycleCallback(e_a=1, e_small=2)
+    run([cb, ltd, told], 4, model=tiny_gpt2(n_layer=6), root=tmp_path)
+    assert cb.level == 1 and cb.switches == 2 and ltd.num_layers == 6 and ltd.layer_ids == (1, 2, 3, 4)
+    assert told.calls == [("before", 1, 6), ("after", 1, 3), ("before", 3, 3), ("after", 3, 6)]
 
 
 def test_metadata_json_matches_the_class():

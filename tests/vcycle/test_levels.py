@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_effi.functional import vcycle as V
 from lightning_effi.models.vcycle_base import find_vcycle_adapter
-from lightning_effi.vcycle.levels import LevelStack
+from lightning_effi.vcycle.levels import LevelStack, level_depths
 from tests.vcycle import models as M
 
 
@@ -175,3 +175,39 @@ def test_bind_refuses_a_missing_module_and_a_coarse_level():
         stack.check_full_model()
     with pytest.raises(RuntimeError, match="stopped at level 2"):
         stack.bind(Host(M.gpt2()), "model")
+
+
+def test_up_to_full_goes_up_every_level_with_the_snapshots():
+    """A run cut short at level 3: up_to_full de-coalesces and interpolates 3 → 2 → 1 with the pending snapshots, as
+    two normal up-switches would."""
+    stack, host = stack_on(3)
+    full = host.model
+    assert stack.depths() == [4, 2, 1]
+    assert stack.up_to_full(0.25) == [1] and host.model is full  # already full: nothing changes
+    stack.change_to(2, 0.25)
+    level2 = host.model
+    snap2 = copy.deepcopy(level2.state_dict())
+    stack.change_to(3, 0.25)
+    M.perturb(host.model, seed=3)
+    mid = V.interpolate(V.decoalesce(host.model, stack.plans[1]), snap2, 0.25)
+    snap1 = stack.snapshots[1]
+    path = stack.up_to_full(0.25)
+    assert path == [3, 2, 1] and host.model is full and stack.level == 1 and host.effi_num_layers == 4
+    assert stack.parked == {} and stack.snapshots == {}
+    level2.load_state_dict(mid)
+    expected = V.interpolate(V.decoalesce(level2, stack.plans[0]), snap1, 0.25)
+    for k, v in expected.items():
+        assert torch.equal(full.state_dict()[k], v), k
+
+
+def test_level_depths_and_the_resume_hook_tells_the_followers():
+    assert level_depths([]) == []
+    stack, host = stack_on(2)
+    calls: list[tuple[str, int]] = []
+    stack.install_resume_hook(
+        "key", before=lambda: calls.append(("before", stack.level)), after=lambda: calls.append(("after", stack.level))
+    )
+    host.on_load_checkpoint({"callbacks": {"key": {"level": 1}}})  # the level in place: nobody is told
+    assert calls == []
+    host.on_load_checkpoint({"callbacks": {"key": {"level": 2}}})
+    assert calls == [("before", 1), ("after", 2)] and stack.level == 2

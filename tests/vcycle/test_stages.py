@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_effi.core.flops import transformer_training_flops
-from lightning_effi.core.progress import Duration, run_length, steps_per_epoch
+from lightning_effi.core.progress import PROGRESS_TICKS, Duration, progress_ticks, run_length, steps_per_epoch
 from lightning_effi.vcycle import stages as S
 from lightning_effi.vcycle.stages import stage_plan, vcycle_flops_fraction
 
@@ -272,3 +272,60 @@ def test_stages_mismatch():
     message = S.stages_mismatch([[1, 5], [2, 3]], [(1, 10), (2, 3)])
     assert message is not None and "[(1, 5), (2, 3)]" in message and "[(1, 10), (2, 3)]" in message
     assert S.stages_mismatch([[1, 2], [2, 3]], [(1, 2), (2, 1)]) is not None
+
+
+# ------------------------------------------------------------------------------------------------ progress clock
+def D(text):
+    return Duration.parse(text)
+
+
+def test_stage_clock_follows_the_units_and_a_progress_source():
+    assert S.stage_clock(2, D("0.3dur"), D("2ep"), None, None, "V") == "step"  # no source: resolved into steps
+    assert S.stage_clock(2, D("0.3dur"), D("2ep"), None, "Src", "V") == "progress"
+    assert S.stage_clock(2, D(3), D("4st"), None, "Src", "V") == "step"
+    with pytest.raises(ValueError, match=r"V: Src changes the epoch lengths.*got e_a=3, e_small='1ep'. Give every"):
+        S.stage_clock(2, D(3), D("1ep"), None, "Src", "V")
+    with pytest.raises(ValueError, match=r"got e_a='0.1dur', e_small='0.2dur', up_leg=\[2\]"):
+        S.stage_clock(3, D("0.1dur"), D("0.2dur"), (D(2),), "Src", "V")
+
+
+def test_progress_stages_are_exact_cumulative_ticks():
+    T = PROGRESS_TICKS
+    assert S.resolve_progress_stages(2, D("0.3dur"), D("0.5dur"), None, None) == [(1, 3 * T // 10), (2, T // 2)]
+    assert S.resolve_progress_stages(2, D("0.2dur"), D("0.8dur"), None, None) == [(1, T // 5), (2, 4 * T // 5)]  # = 1
+    # epochs are n / max_epochs; thirds round per cumulative end, so the ends are round(k / 3 · 10⁹)
+    stages = S.resolve_progress_stages(3, D("1ep"), D("0.1dur"), (D("1ep"),), 6)
+    assert S.stage_ends(stages) == [166_666_667, 333_333_333, 433_333_333, 600_000_000]
+    assert [level for level, _ in stages] == [1, 2, 3, 2]
+    assert S.resolve_progress_stages(2, D("0dur"), D("0dur"), None, None) == [(1, 1), (2, 0)]  # e_a: >= 1 tick
+    with pytest.raises(ValueError, match=r"need 1.1 of the run on Src's progress clock .*lower e_a"):
+        S.resolve_progress_stages(2, D("0.6dur"), D("0.5dur"), None, None, "V", "Src")
+    with pytest.raises(ValueError, match=r"1/3 of the run\) but the run is 1"):
+        S.resolve_progress_stages(2, D("2ep"), D("2ep"), None, 3, "V", "Src")
+    for epochs in (None, -1, float("inf")):
+        with pytest.raises(ValueError, match=r"epochs are measured on Src's training progress .*max_epochs="):
+            S.resolve_progress_stages(2, D("1ep"), D("0.5dur"), None, epochs, "V", "Src")
+    with pytest.raises(ValueError, match="fractions or epochs only"):
+        S.resolve_progress_stages(2, D(2), D("0.5dur"), None, None)
+
+
+def test_progress_ends_meet_the_source_at_epoch_boundaries():
+    """A source reading (e + j / L) / E: the step that ends epoch n reads exactly the end of an 'n ep' stage."""
+    lengths, E = [7, 3, 3, 3, 7, 7], 6
+    stages = S.resolve_progress_stages(3, D("1ep"), D("2ep"), (D("1ep"),), E)
+    ends = S.stage_ends(stages)
+    readings = []
+    for e, length in enumerate(lengths):
+        for j in range(1, length + 1):
+            readings.append(progress_ticks((e + j / length) / E))
+    switches = [next(i + 1 for i, t in enumerate(readings) if t >= end) for end in ends]
+    assert switches == [7, 10, 16, 23]  # the last steps of epochs 0, 1, 3, 4
+
+
+def test_step_stages_must_fit_the_fewest_steps():
+    S.check_min_steps([(1, 5), (2, 9)], 14, "V", "Src")
+    with pytest.raises(ValueError, match=r"V: .*need 15 optimizer steps \(\[5, 10\]\) but Src shortens .*as few as 14"):
+        S.check_min_steps([(1, 5), (2, 10)], 14, "V", "Src")
+    for bad in (0, 2.5, None):
+        with pytest.raises(ValueError, match="effi_min_total_steps\\(\\) must be an int >= 1"):
+            S.check_min_steps([(1, 1)], bad, "V", "Src")
