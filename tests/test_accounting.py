@@ -48,6 +48,46 @@ def test_extension_protocol_adjusts_counts_and_adds_summary(tmp_path):
     )
     s = trainer.callbacks[0].summary
     assert s["layer_tokens"] == 3 * 8 * 16 * 2 // 2 and s["halver/active"] == 1
+    # what an effi_adjust lowers is its callback's saving, of the baseline (the run without it)
+    assert s["baseline_layer_tokens"] == 3 * 8 * 16 * 2 and s["baseline_flops"] == 2 * s["flops"]
+    assert s["flops_saved_frac"] == s["saved/halve_layer_tokens/flops_frac"] == 0.5
+    assert s["tokens_saved_frac"] == s["saved/halve_layer_tokens/tokens_frac"] == 0.0
+
+
+class StaticFlops(pl.LightningModule):
+    """A module without effi_training_flops: its cost is the ``flops_per_batch`` attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_gpt2()
+        self.flops_per_batch = 1000
+
+    def training_step(self, batch, batch_idx):
+        return self.inner.per_sample_loss(batch)[0].mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_flops_per_batch_is_read_from_the_module_not_from_the_monitors_own_write(tmp_path):
+    """The monitor writes the adjusted FLOPs to ``flops_per_batch`` for ThroughputMonitor; the next batch still
+    counts the module's own value (regression: random-LTD's saving compounded batch after batch)."""
+    trainer, _ = fit_steps(
+        StaticFlops, tiny_lm_data, 4, tmp_path, callbacks_fn=lambda: [EfficiencyMonitor(), HalveLayerTokens()]
+    )
+    s = trainer.callbacks[0].summary
+    assert s["flops"] == 4 * 500 and s["baseline_flops"] == 4 * 1000
+
+
+def test_a_checkpoint_without_baseline_resumes_with_no_saving_before(tmp_path):
+    monitor = EfficiencyMonitor()
+    old = {"totals": {k: 10.0 for k in ("samples", "tokens", "layer_tokens", "flops", "batches")}}
+    monitor.load_state_dict(old)
+    assert monitor.totals["baseline_flops"] == 10.0 and monitor.totals["baseline_tokens"] == 10.0
+    monitor.load_state_dict({"totals": {"saved/gone/flops": 3.0}})  # a technique of the earlier run: kept
+    assert monitor.totals["saved/gone/flops"] == 3.0
+    with pytest.raises(KeyError, match="unknown"):
+        monitor.load_state_dict({"totals": {"bogus": 1.0}})
 
 
 def test_metrics_are_logged(tmp_path):

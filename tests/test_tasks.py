@@ -4,8 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_effi.core.flops import count_training_flops, transformer_forward_flops
+from lightning_effi.core.flops import (
+    attention_recompute_flops,
+    count_training_flops,
+    sdpa_recomputes,
+    transformer_forward_flops,
+    transformer_training_flops,
+)
 from lightning_effi.tasks import ImageClassifier
+from tests.helpers.flops import flop_counter
 from tests.helpers.tiny import tiny_bert_cls, tiny_bert_mlm, tiny_cnn, tiny_gpt2, tiny_vit
 
 
@@ -88,11 +95,42 @@ def test_padding_does_not_change_a_classifiers_per_sample_loss():
     torch.testing.assert_close(per_sample[1], model.per_sample_loss(alone)[0][0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", ["gpt2", "bert_mlm", "bert_cls"])
-def test_analytic_flops_equal_flop_counter(name):
+def test_analytic_flops_equal_flop_counter(name, attn):
+    """The analytic figure equals the meta-device count and the real training step's (forward + backward of the
+    per-sample loss), for eager attention and for the fused SDPA kernel (its backward recomputes the scores)."""
+    model_fn, batch_fn = CASES[name]
+    model, batch = model_fn(attn_implementation=attn, dropout=0.0), batch_fn()
+    analytic = model.effi_training_flops(batch)
+    assert analytic == count_training_flops(model.model, model.model_inputs(batch))
+    with flop_counter() as counter:
+        model.per_sample_loss(batch)[0].mean().backward()
+    assert analytic == counter.get_total_flops()
+    if name == "gpt2":
+        b, t = batch["input_ids"].shape
+        recompute = attention_recompute_flops(b, t, 2, 32) if attn == "sdpa" else 0
+        assert analytic == transformer_training_flops(b, t, 2, 32, None, 64, head="lm") + recompute
+
+
+def test_attention_dropout_on_the_cpu_runs_the_math_kernel():
+    """PyTorch's CPU flash kernel has no dropout: with attention dropout the math path runs (no recompute)."""
+    model, batch = tiny_bert_mlm(attn_implementation="sdpa", dropout=0.1), mlm_batch()
+    with flop_counter() as counter:
+        model.per_sample_loss(batch)[0].mean().backward()
+    assert model.effi_training_flops(batch) == counter.get_total_flops()
+    assert not sdpa_recomputes("cpu", 0.1) and sdpa_recomputes("cpu", 0.0) and sdpa_recomputes("cuda", 0.1)
+
+
+@pytest.mark.parametrize("name", ["vit", "cnn"])
+def test_measured_flops_equal_the_real_training_step(name):
+    """The meta-device measurement of a timm model equals the flop counter on its real training step (a ViT's SDPA
+    counted as its fused CPU kernel runs it; the first convolution has no input gradient)."""
     model_fn, batch_fn = CASES[name]
     model, batch = model_fn(), batch_fn()
-    assert model.effi_training_flops(batch) == count_training_flops(model.model, model.model_inputs(batch))
+    with flop_counter() as counter:
+        model.per_sample_loss(batch)[0].mean().backward()
+    assert model.effi_training_flops(batch) == counter.get_total_flops()
 
 
 def test_transformer_flops_golden():

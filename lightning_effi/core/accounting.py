@@ -7,24 +7,37 @@ Counts are summed over ranks; times are the maximum over ranks. Figures are logg
 (cumulative) and summarised at the end of ``fit`` as a table and in :attr:`EfficiencyMonitor.summary` (which
 ``lightning_effi.train`` writes to ``result.json``).
 
+Beside what was computed, the monitor counts the **baseline**: what the same run without any technique would have
+computed on the same data (the full model, full-length sequences, every sample the data pipeline drew before any
+pruning), and splits the difference between the techniques.
+
 Extension protocol (duck-typed, no base class needed; typed in :mod:`lightning_effi.core.protocols`): any callback
 in ``trainer.callbacks`` that defines
 
 - ``effi_adjust(stats: BatchStats, batch, pl_module) -> BatchStats`` is called for every training batch, in callback
-  order, and may lower or raise the counts (random-LTD lowers layer-tokens and FLOPs);
+  order, and may lower or raise the counts (random-LTD lowers layer-tokens and FLOPs); what it lowers is that
+  callback's saving;
+- ``effi_baseline(batch, pl_module) -> Baseline | None`` says what the technique changed in the batch outside
+  ``effi_adjust`` (the batch's length, the model, the samples drawn), so that the monitor can count the batch as it
+  would have been without it (:class:`Baseline`); the difference is that callback's saving;
 - ``effi_summary() -> dict[str, float | int]`` adds its figures (saved samples, ...) to the summary.
+
+A callback's savings are reported as ``saved/<name>/...`` with ``name`` its ``effi_name`` attribute if it has one
+(:func:`technique_name`).
 
 The module supplies the per-batch cost through optional hooks: ``effi_count_tokens(batch) -> int``,
 ``effi_num_layers: int`` and ``effi_training_flops(batch) -> float`` (else Lightning's ``flops_per_batch``
-attribute, as read by ``ThroughputMonitor``).
+attribute, as read by ``ThroughputMonitor``). Which operations the FLOPs include: :mod:`lightning_effi.core.flops`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -37,6 +50,13 @@ from typing_extensions import override
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
 TIME_KEYS = ("time_train", "time_data", "time_eval")
+#: the quantities of a batch (the fields of :class:`BatchStats`)
+QUANTITIES = ("samples", "tokens", "layer_tokens", "flops")
+BASELINE_KEYS = tuple(f"baseline_{q}" for q in QUANTITIES)
+#: one value per quantity, in the order of :data:`QUANTITIES`
+Counts = tuple[float, float, float, float]
+#: what a shipped technique's baseline reader may keep for the fit
+Memo = dict[str, Any]
 
 
 @dataclasses.dataclass
@@ -47,6 +67,60 @@ class BatchStats:
     tokens: int
     layer_tokens: int
     flops: float
+
+    def values(self) -> Counts:
+        """``(samples, tokens, layer_tokens, flops)`` as floats."""
+        return (float(self.samples), float(self.tokens), float(self.layer_tokens), float(self.flops))
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """What one technique changed in a training batch, returned by a callback's ``effi_baseline(batch, pl_module)``
+    so that :class:`EfficiencyMonitor` can count the batch as the run without the technique would have computed it.
+    The module's own hooks count it (``effi_count_tokens``, ``effi_num_layers``, ``effi_training_flops``), so the
+    technique needs no FLOPs formula.
+
+    Attributes:
+        batch: the batch as the data pipeline without the technique would have made it; only what the module's
+            counting hooks read matters (shapes, the attention mask). None: unchanged. Curriculum ``seqlen_truncate``:
+            the untruncated batch.
+        model: a context-manager factory; inside the context ``pl_module`` counts as the model without the technique
+            (``effi_training_flops`` and ``effi_num_layers`` of the full model), and no forward runs. None: unchanged.
+            V-cycle: the full model held in place of the coarse one.
+        samples: samples the pipeline drew per sample trained (a float > 0; above 1 for pruning): every count of the
+            batch is scaled by it. InfoBatch: ``(trained + pruned) / trained`` in the current epoch (the pruned
+            samples are never in a batch; they are charged at the mean cost of the trained ones).
+
+    Raises:
+        ValueError: ``samples`` not a finite number > 0.
+    """
+
+    batch: Any = None
+    model: Callable[[], AbstractContextManager[Any]] | None = None
+    samples: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.samples, bool) or not isinstance(self.samples, (int, float)):
+            raise ValueError(f"Baseline.samples must be a number, got {self.samples!r}")
+        if not (math.isfinite(self.samples) and self.samples > 0):
+            raise ValueError(f"Baseline.samples must be a finite number > 0, got {self.samples!r}")
+
+
+@dataclasses.dataclass
+class BatchAccount:
+    """One training batch's counts: what was computed, the baseline, and each technique's share of the difference.
+
+    Attributes:
+        actual: what was computed (the module's counts after every ``effi_adjust``).
+        baseline: ``(samples, tokens, layer_tokens, flops)`` the run without any technique would have computed for
+            this batch (floats: a :class:`Baseline`'s ``samples`` scales them).
+        saved: technique name -> the ``(samples, tokens, layer_tokens, flops)`` that technique saved (``baseline -
+            actual`` is their sum, up to float rounding).
+    """
+
+    actual: BatchStats
+    baseline: Counts
+    saved: dict[str, Counts]
 
 
 def batch_size_of(batch: Any) -> int:
@@ -96,20 +170,224 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     return f"{line}\nEfficiency summary\n{line}\n{body}\n{line}"
 
 
+#: the summary prefix of the shipped techniques (the one their ``effi_summary`` keys use)
+TECHNIQUE_NAMES = {
+    "RandomLTDCallback": "random_ltd",
+    "VCycleCallback": "vcycle",
+    "InfoBatchCallback": "infobatch",
+    "Curriculum": "curriculum",
+}
+
+
+def technique_name(callback: Any) -> str:
+    """The name a callback's saving is reported under (``saved/<name>/...``): its ``effi_name`` attribute if it has
+    one, the shipped techniques' summary prefix, else the snake-cased class name without ``Callback``."""
+    name = getattr(callback, "effi_name", None)
+    if isinstance(name, str) and name:
+        return name
+    cls = type(callback).__name__
+    if cls in TECHNIQUE_NAMES:
+        return TECHNIQUE_NAMES[cls]
+    cls = cls.removesuffix("Callback") or cls
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", cls).lower()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The shipped techniques' baselines, read from their public state until each defines ``effi_baseline`` itself (the
+# exact methods are in the docstrings below); a callback's own ``effi_baseline`` always wins.
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _scaled(counts: Counts, factor: float) -> Counts:
+    return (counts[0] * factor, counts[1] * factor, counts[2] * factor, counts[3] * factor)
+
+
+def _sequence_length(sample: Any, keys: Sequence[str]) -> int | None:
+    if not isinstance(sample, Mapping):
+        return None
+    for key in keys:
+        value = sample.get(key)
+        if isinstance(value, Tensor) and value.ndim >= 1:
+            return int(value.shape[0])
+        if isinstance(value, (list, tuple)):
+            return len(value)
+    return None
+
+
+def lengthen_batch(batch: Mapping[str, Any], keys: Sequence[str], length: int) -> dict[str, Any]:
+    """``batch`` with every ``keys`` tensor of the batch's sequence length (``[B, S, ...]``, ``S`` from the first such
+    key) widened to ``length`` columns: the attention mask with ones (real tokens), the others with zeros (broadcast
+    views: only their shapes are read). Nothing changes when ``length <= S``. The inverse, for counting, of the
+    curriculum's ``truncate_batch``."""
+    out = dict(batch)
+    seq = next((int(v.shape[1]) for k in keys if isinstance(v := batch.get(k), Tensor) and v.ndim >= 2), None)
+    if seq is None or length <= seq:
+        return out
+    for key in keys:
+        value = batch.get(key)
+        if not (isinstance(value, Tensor) and value.ndim >= 2 and value.shape[1] == seq):
+            continue
+        shape = (value.shape[0], length, *value.shape[2:])
+        if key == "attention_mask":
+            extra = value.new_ones((value.shape[0], length - seq, *value.shape[2:]))
+            out[key] = torch.cat([value, extra], dim=1)
+        else:
+            out[key] = value.new_zeros(()).expand(shape)
+    return out
+
+
+def _curriculum_baseline(callback: Any, batch: Any, pl_module: pl.LightningModule, memo: Memo) -> Baseline | None:
+    """Curriculum ``seqlen_truncate``: the batch at the training set's sequence length (read from its first sample,
+    so exact for fixed-length samples, the packed blocks the metric is made for). ``seqlen_reshape`` is not undone.
+
+    The exact method, for the Curriculum callback: have ``CurriculumCollate`` record the untruncated length
+    (``batch["cl_full_length"] = S`` before ``truncate_batch``), pop it with the other ``cl_*`` keys in
+    ``on_train_batch_start`` into ``self._full_length``, and define::
+
+        def effi_baseline(self, batch, pl_module):
+            if self.controller is None or "seqlen_truncate" not in self.controller.config.metrics:
+                return None
+            return Baseline(batch=lengthen_batch(batch, self.controller.config.truncate_keys, self._full_length))
+    """
+    controller = getattr(callback, "controller", None)
+    config = getattr(controller, "config", None)
+    if config is None or "seqlen_truncate" not in config.metrics or not isinstance(batch, Mapping):
+        return None
+    keys = tuple(config.truncate_keys)
+    if (length := memo.get("curriculum_length")) is None:  # read once per fit
+        dataset = getattr(getattr(pl_module.trainer, "datamodule", None), "train_dataset", None)
+        length = memo["curriculum_length"] = (_sequence_length(dataset[0], keys) if dataset else None) or 0
+    return Baseline(batch=lengthen_batch(batch, keys, length)) if length else None
+
+
+def _vcycle_baseline(callback: Any, batch: Any, pl_module: pl.LightningModule, memo: Memo) -> Baseline | None:
+    """V-cycle below level 1: the full model held in place (``LevelStack.holding(1)``, no forward runs) with the
+    host's ``effi_num_layers`` of the full model.
+
+    The exact method, for ``VCycleCallback``::
+
+        def effi_baseline(self, batch, pl_module):
+            return None if self.level == 1 else Baseline(model=self._stack.full_model)
+
+    with ``LevelStack.full_model()``: the context manager below (``holding(1)`` plus ``effi_num_layers``)."""
+    stack = getattr(callback, "_stack", None)
+    if stack is None or getattr(callback, "level", 1) == 1:
+        return None
+
+    @contextmanager
+    def full_model() -> Iterator[None]:
+        before = vars(pl_module).get("effi_num_layers")
+        with stack.holding(1):
+            if isinstance(before, int) and not isinstance(before, bool):
+                pl_module.effi_num_layers = stack.num_layers(1)
+            try:
+                yield
+            finally:
+                if isinstance(before, int) and not isinstance(before, bool):
+                    pl_module.effi_num_layers = before  # type: ignore[assignment]
+
+    return Baseline(model=full_model)
+
+
+def _infobatch_baseline(callback: Any, batch: Any, pl_module: pl.LightningModule, memo: Memo) -> Baseline | None:
+    """InfoBatch in a prune epoch: every trained sample stands for ``(trained + pruned) / trained`` drawn ones, with
+    ``trained`` = the plan's samples plus the DDP duplicates, ``pruned`` = the plan's ``saved``. Composed with the
+    curriculum (InfoBatch thins each micro-batch the curriculum drew): ``candidates / kept`` of this micro-batch, read
+    from the growth of the callback's ``thin_stats`` (drawn, dropped, ...) since the previous batch.
+
+    The exact method, for ``InfoBatchCallback`` (the same arithmetic; in the composed mode ``thinned_output`` keeps
+    ``self._last_thin = (candidates, kept)`` of the batch)::
+
+        def effi_baseline(self, batch, pl_module):
+            if self.curriculum_dm is not None:
+                candidates, kept = self._last_thin
+                return Baseline(samples=candidates / kept) if kept < candidates else None
+            if self.plan is None or not self.plan.saved:
+                return None
+            padded = self.history[-1]["padded"] if self.history and self.history[-1]["epoch"] == self.plan.epoch else 0
+            trained = int(self.plan.indices.numel()) + int(padded)
+            return Baseline(samples=(trained + self.plan.saved) / trained)
+    """
+    if getattr(callback, "curriculum_dm", None) is not None:
+        stats = getattr(callback, "thin_stats", None)
+        if not isinstance(stats, Tensor) or stats.numel() < 2:
+            return None
+        drawn, dropped = int(stats[0]), int(stats[1])
+        last_drawn, last_dropped = memo.get("thin", (0, 0))
+        memo["thin"] = (drawn, dropped)
+        if drawn < last_drawn or dropped < last_dropped:  # merged (and reset) since the previous batch
+            last_drawn = last_dropped = 0
+        candidates, kept = drawn - last_drawn, (drawn - dropped) - (last_drawn - last_dropped)
+        return Baseline(samples=candidates / kept) if 0 < kept < candidates else None
+    plan = getattr(callback, "plan", None)
+    if plan is None or not getattr(plan, "saved", 0):
+        return None
+    history = getattr(callback, "history", [])
+    padded = history[-1]["padded"] if history and history[-1].get("epoch") == plan.epoch else 0
+    trained = int(plan.indices.numel()) + int(padded)
+    return Baseline(samples=(trained + int(plan.saved)) / trained) if trained else None
+
+
+_SHIPPED_BASELINES: dict[str, Callable[[Any, Any, pl.LightningModule, Memo], Baseline | None]] = {
+    "Curriculum": _curriculum_baseline,
+    "VCycleCallback": _vcycle_baseline,
+    "InfoBatchCallback": _infobatch_baseline,
+}
+
+
+def baseline_hook(
+    callback: Any, memo: Memo | None = None
+) -> Callable[[Any, pl.LightningModule], Baseline | None] | None:
+    """The callback's ``effi_baseline``, else the shipped technique's reading of its state (``memo``: what it may keep
+    for the fit), else None."""
+    hook = getattr(callback, "effi_baseline", None)
+    if callable(hook):
+        return hook  # type: ignore[no-any-return]
+    shipped = _SHIPPED_BASELINES.get(type(callback).__name__)
+    if shipped is None:
+        return None
+    kept = {} if memo is None else memo
+    return lambda batch, pl_module: shipped(callback, batch, pl_module, kept)
+
+
 class EfficiencyMonitor(Callback):
-    """Counts samples, tokens, layer-tokens, FLOPs and wall time of a fit; logs ``effi/*``; writes a summary.
+    """Counts samples, tokens, layer-tokens, FLOPs and wall time of a fit, and the baseline without the techniques;
+    logs ``effi/*``; writes a summary.
+
+    Per training batch (in ``on_train_batch_end``): the module's counts (``effi_count_tokens``, ``effi_num_layers``,
+    ``effi_training_flops`` of the batch, with the model in place), lowered by every callback's ``effi_adjust`` in
+    callback order, are what was computed. The baseline undoes the techniques one at a time, in reverse callback
+    order: first every ``effi_adjust`` (each callback saved what it lowered), then, for every callback with an
+    ``effi_baseline`` (the shipped techniques are read from their state until they define it, see
+    :func:`baseline_hook`), the batch is counted again with that technique's :class:`Baseline` and those already
+    undone applied: the difference is that technique's saving. The savings add up to ``baseline - computed`` exactly;
+    where two techniques interact (random-LTD's saving on a truncated sequence) the share goes to the one undone
+    first.
 
     Args:
         log_every_n_steps: reduce across ranks and log every this many training batches (default: the trainer's
             ``log_every_n_steps``). Must be a positive int.
         print_summary: print the summary table on rank 0 at the end of ``fit``.
 
-    State (checkpointed, so a resumed run keeps cumulative figures): the totals below.
-    Summary keys: ``samples, tokens, layer_tokens, flops, batches, optimizer_steps, time_train_s, time_data_s,
-    time_eval_s, time_total_s, samples_per_s, tokens_per_s`` plus every ``effi_summary()`` of other callbacks.
+    State (checkpointed, so a resumed run keeps cumulative figures): the totals below, the baseline and the savings.
+
+    Summary keys (counts summed over ranks, times maxed):
+
+    - ``samples, tokens, layer_tokens, flops, batches, optimizer_steps``: what was computed (FLOPs: forward +
+      backward, :mod:`lightning_effi.core.flops`);
+    - ``time_train_s, time_data_s, time_eval_s, time_total_s, samples_per_s, tokens_per_s``;
+    - ``baseline_samples, baseline_tokens, baseline_layer_tokens, baseline_flops``: the same run without any
+      technique: the full model, full-length sequences, every sample the data pipeline drew before any pruning;
+    - ``samples_saved_frac, tokens_saved_frac, layer_tokens_saved_frac, flops_saved_frac``: the combined saving,
+      ``1 - computed / baseline`` (0.0 for an empty baseline);
+    - ``saved/<technique>/{samples,tokens,layer_tokens,flops}_frac``: each technique's share of the baseline
+      (``saved / baseline``; they sum to the combined saving), for every callback with ``effi_adjust`` or a baseline
+      (:func:`technique_name`: ``random_ltd``, ``vcycle``, ``infobatch``, ``curriculum``, ...);
+    - every ``effi_summary()`` of other callbacks.
 
     Raises:
         ValueError: ``log_every_n_steps`` not a positive int, ``print_summary`` not a bool.
+        KeyError: (``load_state_dict``) a checkpoint with totals this monitor does not know.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, print_summary: bool = True) -> None:
@@ -123,13 +401,16 @@ class EfficiencyMonitor(Callback):
             raise ValueError(f"EfficiencyMonitor.print_summary must be true or false, got {print_summary!r}")
         self.log_every_n_steps = log_every_n_steps
         self.print_summary = print_summary
-        self.totals: dict[str, float] = dict.fromkeys(COUNT_KEYS + TIME_KEYS + ("time_total",), 0.0)
+        self.totals: dict[str, float] = dict.fromkeys(COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS, 0.0)
         self.summary: dict[str, Any] = {}
         self._mark: float | None = None
         self._batch_start: float | None = None
         self._eval_start: float | None = None
         self._fit_start: float | None = None
         self._flops_warned = False
+        self._module_flops: float | None = None  # the module's own flops_per_batch (we overwrite the attribute)
+        self._written_flops: int | None = None
+        self._memo: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return (
@@ -137,8 +418,8 @@ class EfficiencyMonitor(Callback):
         )
 
     # ----------------------------------------------------------------------------------------- per batch
-    def batch_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> BatchStats:
-        """The cost of one training batch after every ``effi_adjust`` of the trainer's callbacks."""
+    def module_stats(self, pl_module: pl.LightningModule, batch: Any) -> BatchStats:
+        """The module's own counts of ``batch`` with the model in place (no ``effi_adjust``)."""
         samples = batch_size_of(batch)
         count_tokens = getattr(pl_module, "effi_count_tokens", None)
         tokens = int(count_tokens(batch)) if callable(count_tokens) else tokens_of(batch)
@@ -147,27 +428,83 @@ class EfficiencyMonitor(Callback):
         if callable(flops_fn):
             flops = float(flops_fn(batch))
         else:
-            flops = float(getattr(pl_module, "flops_per_batch", None) or 0.0)
+            value = getattr(pl_module, "flops_per_batch", None)
+            if value != self._written_flops or self._module_flops is None:  # the module's own, not our last write
+                self._module_flops = float(value or 0.0)
+            flops = self._module_flops
             if flops == 0.0 and not self._flops_warned:
                 self._flops_warned = True
                 rank_zero_warn(
                     "EfficiencyMonitor: FLOPs are not counted; define `effi_training_flops(batch)` or set "
                     "`flops_per_batch` on your LightningModule"
                 )
-        stats = BatchStats(samples, tokens, layer_tokens, flops)
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        return BatchStats(samples, tokens, layer_tokens, flops)
+
+    def account(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> BatchAccount:
+        """One training batch: what was computed, the baseline and each technique's saving (class docstring)."""
+        callbacks = [c for c in trainer.callbacks if c is not self]  # type: ignore[attr-defined]
+        raw = self.module_stats(pl_module, batch)
+        saved: dict[str, list[float]] = {}
+
+        def add(name: str, lower: Counts, higher: Counts) -> None:
+            row = saved.setdefault(name, [0.0] * len(QUANTITIES))
+            for i, (low, high) in enumerate(zip(lower, higher)):
+                row[i] += high - low
+
+        stats = raw
+        for callback in callbacks:
             # the AdjustsBatchStats hook, read with getattr: a Protocol isinstance check per batch costs ~40x more
             adjust = getattr(callback, "effi_adjust", None)
-            if callable(adjust) and callback is not self:
-                stats = adjust(stats, batch, pl_module)
-        return stats
+            if callable(adjust):
+                lowered = adjust(stats, batch, pl_module)
+                add(technique_name(callback), lowered.values(), stats.values())
+                stats = lowered
+        actual = stats
+        current: Counts = raw.values()
+        scale, changed_batch = 1.0, batch
+        models: list[Callable[[], AbstractContextManager[Any]]] = []
+        for callback in reversed(callbacks):
+            hook = baseline_hook(callback, self._memo.setdefault(technique_name(callback), {}))
+            change = hook(changed_batch, pl_module) if hook is not None else None
+            if change is None:
+                continue
+            scale *= float(change.samples)
+            if change.batch is None and change.model is None:
+                raised = _scaled(current, float(change.samples))
+            else:
+                changed_batch = changed_batch if change.batch is None else change.batch
+                models = models if change.model is None else [*models, change.model]
+                with ExitStack() as stack:
+                    for enter in models:
+                        stack.enter_context(enter())
+                    raised = _scaled(self.module_stats(pl_module, changed_batch).values(), scale)
+            add(technique_name(callback), current, raised)
+            current = raised
+        return BatchAccount(actual, current, {k: (v[0], v[1], v[2], v[3]) for k, v in saved.items()})
+
+    def batch_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> BatchStats:
+        """The cost of one training batch after every ``effi_adjust`` of the trainer's callbacks."""
+        return self.account(trainer, pl_module, batch).actual
+
+    def _technique_keys(self, trainer: pl.Trainer) -> list[str]:
+        """``saved/<technique>/<quantity>`` for every callback that can save (the same on every rank)."""
+        keys = []
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if callback is self:
+                continue
+            if callable(getattr(callback, "effi_adjust", None)) or baseline_hook(callback) is not None:
+                keys += [f"saved/{technique_name(callback)}/{q}" for q in QUANTITIES]
+        return keys
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # a new fit counts from zero; a resumed one gets its totals back from the checkpoint after setup
         if stage == "fit":
-            self.totals = dict.fromkeys(self.totals, 0.0)
+            base = COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS
+            self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
+            self._memo = {}
+            self._module_flops = self._written_flops = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -194,12 +531,18 @@ class EfficiencyMonitor(Callback):
         now = self._now(pl_module)
         if self._batch_start is not None:
             self.totals["time_train"] += now - self._batch_start
-        stats = self.batch_stats(trainer, pl_module, batch)
-        for key in ("samples", "tokens", "layer_tokens", "flops"):
-            self.totals[key] += getattr(stats, key)
+        account = self.account(trainer, pl_module, batch)
+        for q, actual, baseline in zip(QUANTITIES, account.actual.values(), account.baseline):
+            self.totals[q] += actual
+            self.totals[f"baseline_{q}"] += baseline
+        for name, values in account.saved.items():
+            for q, v in zip(QUANTITIES, values):
+                key = f"saved/{name}/{q}"
+                self.totals[key] = self.totals.get(key, 0.0) + v
         self.totals["batches"] += 1
         # for Lightning's ThroughputMonitor (listed after this one)
-        pl_module.flops_per_batch = int(stats.flops)  # type: ignore[assignment]
+        self._written_flops = int(account.actual.flops)
+        pl_module.flops_per_batch = self._written_flops  # type: ignore[assignment]
         every = self.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
         if int(self.totals["batches"]) % max(every, 1) == 0:
             self._log(trainer, pl_module)
@@ -232,16 +575,37 @@ class EfficiencyMonitor(Callback):
             return self.totals["time_total"]
         return self._fit_total_before + (time.perf_counter() - self._fit_start)
 
+    def _count_keys(self) -> list[str]:
+        return [k for k in self.totals if k not in TIME_KEYS and k != "time_total"]
+
     def reduced_totals(self, trainer: pl.Trainer) -> dict[str, float]:
-        """Totals summed (counts) or maxed (times) over ranks. A collective: every rank must call it."""
+        """Totals summed (counts, baseline, savings) or maxed (times) over ranks. A collective: every rank must call
+        it (with the same callbacks, so the same keys)."""
         self.totals["time_total"] = self._elapsed_total()
-        counts = torch.tensor([self.totals[k] for k in COUNT_KEYS], dtype=torch.float64)
-        times = torch.tensor([self.totals[k] for k in TIME_KEYS + ("time_total",)], dtype=torch.float64)
+        count_keys, time_keys = self._count_keys(), TIME_KEYS + ("time_total",)
+        counts = torch.tensor([self.totals[k] for k in count_keys], dtype=torch.float64)
+        times = torch.tensor([self.totals[k] for k in time_keys], dtype=torch.float64)
         if trainer.world_size > 1:
             counts = trainer.strategy.reduce(counts.to(trainer.strategy.root_device), reduce_op="sum").cpu()
             times = trainer.strategy.reduce(times.to(trainer.strategy.root_device), reduce_op=ReduceOp.MAX).cpu()  # type: ignore[arg-type]
-        out = dict(zip(COUNT_KEYS, counts.tolist()))
-        out.update(zip(TIME_KEYS + ("time_total",), times.tolist()))
+        out = dict(zip(count_keys, counts.tolist()))
+        out.update(zip(time_keys, times.tolist()))
+        return out
+
+    @staticmethod
+    def savings(totals: Mapping[str, float]) -> dict[str, float]:
+        """The combined and per-technique saving fractions of (reduced) totals: ``<quantity>_saved_frac`` and
+        ``saved/<technique>/<quantity>_frac`` (class docstring)."""
+
+        def frac(x: float, base: float) -> float:
+            return x / base if base else 0.0
+
+        out = {
+            f"{q}_saved_frac": frac(totals[f"baseline_{q}"] - totals[q], totals[f"baseline_{q}"]) for q in QUANTITIES
+        }
+        for key in sorted(k for k in totals if k.startswith("saved/")):
+            name, q = key[len("saved/") :].rsplit("/", 1)
+            out[f"saved/{name}/{q}_frac"] = frac(totals[key], totals[f"baseline_{q}"])
         return out
 
     def compute_summary(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -261,7 +625,12 @@ class EfficiencyMonitor(Callback):
             "time_total_s": t["time_total"],
             "samples_per_s": t["samples"] / busy if busy > 0 else math.nan,
             "tokens_per_s": t["tokens"] / busy if busy > 0 else math.nan,
+            "baseline_samples": round(t["baseline_samples"]),
+            "baseline_tokens": round(t["baseline_tokens"]),
+            "baseline_layer_tokens": round(t["baseline_layer_tokens"]),
+            "baseline_flops": float(t["baseline_flops"]),
         }
+        summary.update(self.savings(t))
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             extra = getattr(callback, "effi_summary", None)  # the ReportsSummary hook
             if callable(extra) and callback is not self:
@@ -273,6 +642,7 @@ class EfficiencyMonitor(Callback):
         if not trainer.loggers or not trainer.is_global_zero:
             return
         metrics = {"effi/" + k.replace("time_", "time/"): v for k, v in t.items() if k != "batches"}
+        metrics.update({"effi/" + k: v for k, v in self.savings(t).items()})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -290,11 +660,29 @@ class EfficiencyMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        unknown = set(state_dict.get("totals", {})) - set(self.totals)
+        """The checkpoint's totals. Savings of a technique this run does not have are kept (it saved them before);
+        a checkpoint written before the baseline was counted gets the baseline of its computed counts (no saving
+        before the resume)."""
+        totals = dict(state_dict.get("totals", {}))
+        unknown = {k for k in totals if not k.startswith("saved/")} - set(self.totals)
         if unknown:
             raise KeyError(f"EfficiencyMonitor state has unknown keys {sorted(unknown)}")
-        self.totals.update({k: float(v) for k, v in state_dict["totals"].items()})
+        for q in QUANTITIES:
+            totals.setdefault(f"baseline_{q}", totals.get(q, 0.0))
+        self.totals.update({k: float(v) for k, v in totals.items()})
         self._fit_total_before = self.totals["time_total"]
 
 
-__all__ = ["BatchStats", "EfficiencyMonitor", "batch_size_of", "format_summary", "tokens_of"]
+__all__ = [
+    "BASELINE_KEYS",
+    "Baseline",
+    "BatchAccount",
+    "BatchStats",
+    "EfficiencyMonitor",
+    "baseline_hook",
+    "batch_size_of",
+    "format_summary",
+    "lengthen_batch",
+    "technique_name",
+    "tokens_of",
+]

@@ -20,7 +20,7 @@ from transformers import (
     GPT2LMHeadModel,
 )
 
-from lightning_effi.core.flops import transformer_training_flops
+from lightning_effi.core.flops import sdpa_recomputes, transformer_training_flops
 from lightning_effi.reference.tasks.base import EffiTask, OptimizerFactory, SchedulerFactory
 
 IGNORE_INDEX = -100
@@ -92,7 +92,20 @@ def token_losses_per_sample(logits: Tensor, targets: Tensor) -> Tensor:
     return loss.sum(dim=1) / counted.clamp(min=1)
 
 
-class _LanguageModelTask(EffiTask):
+class _HFTransformerTask(EffiTask):
+    """Shared FLOPs bookkeeping of the Hugging Face tasks."""
+
+    def fused_attention(self, attention_dropout: float) -> bool:
+        """Whether the model's attention runs on a fused scaled-dot-product kernel in training, whose backward
+        recomputes the scores (:func:`~lightning_effi.core.flops.sdpa_recomputes`): ``attn_implementation="sdpa"``
+        on CUDA, or on the CPU without attention dropout. Read from the current model (a V-cycle level keeps the
+        implementation of the full model)."""
+        impl = getattr(self.model.config, "_attn_implementation", "eager")
+        dropout = attention_dropout if self.model.training else 0.0
+        return impl == "sdpa" and sdpa_recomputes(self.device, dropout)
+
+
+class _LanguageModelTask(_HFTransformerTask):
     """Shared perplexity bookkeeping for the two language-model tasks."""
 
     def _init_perplexity(self) -> None:
@@ -175,9 +188,22 @@ class GPT2CausalLM(_LanguageModelTask):
         return token_losses_per_sample(logits, targets), (logits, targets)
 
     def effi_training_flops(self, batch: Mapping[str, Tensor]) -> float:
+        """Training FLOPs of one batch ``{"input_ids": (B, T), ...}`` with the current model (its config: a V-cycle
+        level reads its own sizes): :func:`~lightning_effi.core.flops.transformer_training_flops` with the ``lm``
+        head on all T positions (the labels' causal shift happens after the head), padding included, plus the fused
+        attention kernels' recompute under ``sdpa``."""
         b, t = batch["input_ids"].shape
         cfg = self.model.config
-        return transformer_training_flops(b, t, cfg.n_layer, cfg.n_embd, cfg.n_inner, cfg.vocab_size, head="lm")
+        return transformer_training_flops(
+            b,
+            t,
+            cfg.n_layer,
+            cfg.n_embd,
+            cfg.n_inner,
+            cfg.vocab_size,
+            head="lm",
+            fused_attention=self.fused_attention(cfg.attn_pdrop),
+        )
 
     def effi_data_limits(self) -> dict[str, int]:
         return {"vocab_size": self.model.config.vocab_size, "max_length": self.model.config.n_positions}
@@ -256,10 +282,19 @@ class BertMaskedLM(_LanguageModelTask):
         return token_losses_per_sample(logits, batch["labels"]), (logits, batch["labels"])
 
     def effi_training_flops(self, batch: Mapping[str, Tensor]) -> float:
+        """Training FLOPs of one batch ``{"input_ids": (B, T), ...}``: the ``mlm`` head on all T positions (BERT
+        projects every token, masked or not), padding included, plus the fused attention kernels' recompute."""
         b, t = batch["input_ids"].shape
         cfg = self.model.config
         return transformer_training_flops(
-            b, t, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, head="mlm"
+            b,
+            t,
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+            head="mlm",
+            fused_attention=self.fused_attention(cfg.attention_probs_dropout_prob),
         )
 
     def effi_data_limits(self) -> dict[str, int]:
@@ -267,7 +302,7 @@ class BertMaskedLM(_LanguageModelTask):
         return {"vocab_size": cfg.vocab_size, "max_length": cfg.max_position_embeddings}
 
 
-class BertSequenceClassifier(EffiTask):
+class BertSequenceClassifier(_HFTransformerTask):
     """BERT sequence classifier (HF ``BertForSequenceClassification``) built from a config.
 
     Batch: ``{"input_ids": int64 (B, T), "attention_mask": (B, T), "labels": int64 (B,)}``. Per-sample loss:
@@ -326,6 +361,8 @@ class BertSequenceClassifier(EffiTask):
         self.log(f"{stage}/acc", metric, prog_bar=True, on_step=False, on_epoch=True)
 
     def effi_training_flops(self, batch: Mapping[str, Tensor]) -> float:
+        """Training FLOPs of one batch ``{"input_ids": (B, T), ...}``: the ``cls`` head (pooler and classifier on
+        the first token), padding included, plus the fused attention kernels' recompute."""
         b, t = batch["input_ids"].shape
         cfg = self.model.config
         return transformer_training_flops(
@@ -337,6 +374,7 @@ class BertSequenceClassifier(EffiTask):
             0,
             head="cls",
             num_classes=cfg.num_labels,
+            fused_attention=self.fused_attention(cfg.attention_probs_dropout_prob),
         )
 
     def effi_data_limits(self) -> dict[str, int]:
