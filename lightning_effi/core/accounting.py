@@ -14,13 +14,19 @@ pruning), and splits the difference between the techniques.
 Extension protocol (duck-typed, no base class needed; typed in :mod:`lightning_effi.core.protocols`): any callback
 in ``trainer.callbacks`` that defines
 
-- ``effi_adjust(stats: BatchStats, batch, pl_module) -> BatchStats`` is called for every training batch, in callback
-  order, and may lower or raise the counts (random-LTD lowers layer-tokens and FLOPs); what it lowers is that
-  callback's saving;
-- ``effi_baseline(batch, pl_module) -> Baseline | None`` says what the technique changed in the batch outside
-  ``effi_adjust`` (the batch's length, the model, the samples drawn), so that the monitor can count the batch as it
-  would have been without it (:class:`Baseline`); the difference is that callback's saving;
-- ``effi_summary() -> dict[str, float | int]`` adds its figures (saved samples, ...) to the summary.
+- ``effi_adjust(stats: BatchStats, batch, pl_module) -> BatchStats`` (``AdjustsBatchStats``) is called for every
+  training batch, in callback order, and may lower or raise the counts (random-LTD lowers layer-tokens and FLOPs);
+  what it lowers is that callback's saving;
+- ``effi_baseline(batch, pl_module) -> Baseline | None`` (``ProvidesBaseline``) says what the technique changed in
+  the batch outside ``effi_adjust`` (the batch's length, the model, the samples drawn), so that the monitor can count
+  the batch as it would have been without it (:class:`Baseline`; None: nothing to undo for this batch); the
+  difference is that callback's saving. It is called in ``on_train_batch_end`` (after every callback's
+  ``on_train_batch_start`` for the batch), in reverse callback order, with the batch as the callbacks after it have
+  already restored it. The shipped techniques define it: the curriculum gives the untruncated batch
+  (``Curriculum.effi_baseline``), the V-cycle the full model below level 1 (``VCycleCallback.effi_baseline``);
+  InfoBatch's pruned samples are read from its state until its callback defines the hook (:func:`baseline_hook`);
+- ``effi_summary() -> dict[str, float | int]`` (``ReportsSummary``) adds its figures (saved samples, ...) to the
+  summary.
 
 A callback's savings are reported as ``saved/<name>/...`` with ``name`` its ``effi_name`` attribute if it has one
 (:func:`technique_name`).
@@ -36,8 +42,8 @@ import dataclasses
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
@@ -55,7 +61,7 @@ QUANTITIES = ("samples", "tokens", "layer_tokens", "flops")
 BASELINE_KEYS = tuple(f"baseline_{q}" for q in QUANTITIES)
 #: one value per quantity, in the order of :data:`QUANTITIES`
 Counts = tuple[float, float, float, float]
-#: what a shipped technique's baseline reader may keep for the fit
+#: what the stopgap baseline reader (InfoBatch, :func:`baseline_hook`) may keep for the fit
 Memo = dict[str, Any]
 
 
@@ -192,33 +198,22 @@ def technique_name(callback: Any) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", cls).lower()
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The shipped techniques' baselines, read from their public state until each defines ``effi_baseline`` itself (the
-# exact methods are in the docstrings below); a callback's own ``effi_baseline`` always wins.
-# ------------------------------------------------------------------------------------------------------------------
-
-
 def _scaled(counts: Counts, factor: float) -> Counts:
     return (counts[0] * factor, counts[1] * factor, counts[2] * factor, counts[3] * factor)
 
 
-def _sequence_length(sample: Any, keys: Sequence[str]) -> int | None:
-    if not isinstance(sample, Mapping):
-        return None
-    for key in keys:
-        value = sample.get(key)
-        if isinstance(value, Tensor) and value.ndim >= 1:
-            return int(value.shape[0])
-        if isinstance(value, (list, tuple)):
-            return len(value)
-    return None
-
-
-def lengthen_batch(batch: Mapping[str, Any], keys: Sequence[str], length: int) -> dict[str, Any]:
+def lengthen_batch(
+    batch: Mapping[str, Any], keys: Sequence[str], length: int, mask: Tensor | None = None
+) -> dict[str, Any]:
     """``batch`` with every ``keys`` tensor of the batch's sequence length (``[B, S, ...]``, ``S`` from the first such
-    key) widened to ``length`` columns: the attention mask with ones (real tokens), the others with zeros (broadcast
-    views: only their shapes are read). Nothing changes when ``length <= S``. The inverse, for counting, of the
-    curriculum's ``truncate_batch``."""
+    key) widened to ``length`` columns: ``attention_mask`` with ``mask`` appended (its columns ``S..length``, e.g. the
+    ones a truncation cut), else with ones (real tokens); the others with zeros (broadcast views: only their shapes
+    are read). Nothing changes when ``length <= S``. The inverse, for counting, of the curriculum's
+    ``truncate_batch``: a new dict, ``batch`` is not modified.
+
+    Raises:
+        ValueError: ``mask`` is not ``[B, length - S, ...]`` like the batch's ``attention_mask``.
+    """
     out = dict(batch)
     seq = next((int(v.shape[1]) for k in keys if isinstance(v := batch.get(k), Tensor) and v.ndim >= 2), None)
     if seq is None or length <= seq:
@@ -229,64 +224,26 @@ def lengthen_batch(batch: Mapping[str, Any], keys: Sequence[str], length: int) -
             continue
         shape = (value.shape[0], length, *value.shape[2:])
         if key == "attention_mask":
-            extra = value.new_ones((value.shape[0], length - seq, *value.shape[2:]))
+            extra_shape = (value.shape[0], length - seq, *value.shape[2:])
+            if mask is None:
+                extra = value.new_ones(extra_shape)
+            elif tuple(mask.shape) == extra_shape:
+                extra = mask.to(device=value.device, dtype=value.dtype)
+            else:
+                raise ValueError(
+                    f"lengthen_batch: mask of shape {tuple(mask.shape)} cannot widen an attention_mask of shape "
+                    f"{tuple(value.shape)} to {length} columns (expected {extra_shape})"
+                )
             out[key] = torch.cat([value, extra], dim=1)
         else:
             out[key] = value.new_zeros(()).expand(shape)
     return out
 
 
-def _curriculum_baseline(callback: Any, batch: Any, pl_module: pl.LightningModule, memo: Memo) -> Baseline | None:
-    """Curriculum ``seqlen_truncate``: the batch at the training set's sequence length (read from its first sample,
-    so exact for fixed-length samples, the packed blocks the metric is made for). ``seqlen_reshape`` is not undone.
-
-    The exact method, for the Curriculum callback: have ``CurriculumCollate`` record the untruncated length
-    (``batch["cl_full_length"] = S`` before ``truncate_batch``), pop it with the other ``cl_*`` keys in
-    ``on_train_batch_start`` into ``self._full_length``, and define::
-
-        def effi_baseline(self, batch, pl_module):
-            if self.controller is None or "seqlen_truncate" not in self.controller.config.metrics:
-                return None
-            return Baseline(batch=lengthen_batch(batch, self.controller.config.truncate_keys, self._full_length))
-    """
-    controller = getattr(callback, "controller", None)
-    config = getattr(controller, "config", None)
-    if config is None or "seqlen_truncate" not in config.metrics or not isinstance(batch, Mapping):
-        return None
-    keys = tuple(config.truncate_keys)
-    if (length := memo.get("curriculum_length")) is None:  # read once per fit
-        dataset = getattr(getattr(pl_module.trainer, "datamodule", None), "train_dataset", None)
-        length = memo["curriculum_length"] = (_sequence_length(dataset[0], keys) if dataset else None) or 0
-    return Baseline(batch=lengthen_batch(batch, keys, length)) if length else None
-
-
-def _vcycle_baseline(callback: Any, batch: Any, pl_module: pl.LightningModule, memo: Memo) -> Baseline | None:
-    """V-cycle below level 1: the full model held in place (``LevelStack.holding(1)``, no forward runs) with the
-    host's ``effi_num_layers`` of the full model.
-
-    The exact method, for ``VCycleCallback``::
-
-        def effi_baseline(self, batch, pl_module):
-            return None if self.level == 1 else Baseline(model=self._stack.full_model)
-
-    with ``LevelStack.full_model()``: the context manager below (``holding(1)`` plus ``effi_num_layers``)."""
-    stack = getattr(callback, "_stack", None)
-    if stack is None or getattr(callback, "level", 1) == 1:
-        return None
-
-    @contextmanager
-    def full_model() -> Iterator[None]:
-        before = vars(pl_module).get("effi_num_layers")
-        with stack.holding(1):
-            if isinstance(before, int) and not isinstance(before, bool):
-                pl_module.effi_num_layers = stack.num_layers(1)
-            try:
-                yield
-            finally:
-                if isinstance(before, int) and not isinstance(before, bool):
-                    pl_module.effi_num_layers = before  # type: ignore[assignment]
-
-    return Baseline(model=full_model)
+# ------------------------------------------------------------------------------------------------------------------
+# InfoBatch's baseline, read from its public state until InfoBatchCallback defines ``effi_baseline`` itself (the
+# exact method is in the docstring below); a callback's own ``effi_baseline`` always wins (:func:`baseline_hook`).
+# ------------------------------------------------------------------------------------------------------------------
 
 
 def _infobatch_baseline(callback: Any, batch: Any, pl_module: pl.LightningModule, memo: Memo) -> Baseline | None:
@@ -329,8 +286,6 @@ def _infobatch_baseline(callback: Any, batch: Any, pl_module: pl.LightningModule
 
 
 _SHIPPED_BASELINES: dict[str, Callable[[Any, Any, pl.LightningModule, Memo], Baseline | None]] = {
-    "Curriculum": _curriculum_baseline,
-    "VCycleCallback": _vcycle_baseline,
     "InfoBatchCallback": _infobatch_baseline,
 }
 
@@ -338,8 +293,9 @@ _SHIPPED_BASELINES: dict[str, Callable[[Any, Any, pl.LightningModule, Memo], Bas
 def baseline_hook(
     callback: Any, memo: Memo | None = None
 ) -> Callable[[Any, pl.LightningModule], Baseline | None] | None:
-    """The callback's ``effi_baseline``, else the shipped technique's reading of its state (``memo``: what it may keep
-    for the fit), else None."""
+    """The callback's ``effi_baseline`` (:class:`~lightning_effi.core.protocols.ProvidesBaseline`, the contract),
+    else, for InfoBatch until its callback defines the hook, a reading of its state (``memo``: what it may keep for
+    the fit), else None."""
     hook = getattr(callback, "effi_baseline", None)
     if callable(hook):
         return hook  # type: ignore[no-any-return]
@@ -358,7 +314,8 @@ class EfficiencyMonitor(Callback):
     ``effi_training_flops`` of the batch, with the model in place), lowered by every callback's ``effi_adjust`` in
     callback order, are what was computed. The baseline undoes the techniques one at a time, in reverse callback
     order: first every ``effi_adjust`` (each callback saved what it lowered), then, for every callback with an
-    ``effi_baseline`` (the shipped techniques are read from their state until they define it, see
+    ``effi_baseline`` hook (:class:`~lightning_effi.core.protocols.ProvidesBaseline`: the curriculum's untruncated
+    batch, the V-cycle's full model; InfoBatch's pruned samples are read from its state until it defines the hook,
     :func:`baseline_hook`), the batch is counted again with that technique's :class:`Baseline` and those already
     undone applied: the difference is that technique's saving. The savings add up to ``baseline - computed`` exactly;
     where two techniques interact (random-LTD's saving on a truncated sequence) the share goes to the one undone

@@ -16,6 +16,7 @@ __all__ = [
     "FollowsModelChanges",
     "HasNumLayers",
     "PlansModelChanges",
+    "ProvidesBaseline",
     "ProvidesProgress",
     "ProvidesProgressClock",
     "ReportsSummary",
@@ -46,9 +47,19 @@ class HasNumLayers(Protocol):
 
 @runtime_checkable
 class AdjustsBatchStats(Protocol):
-    """Callback hook: lower (or raise) one batch's counted quantities, e.g. random-LTD's layer-tokens and FLOPs."""
+    """Callback hook: lower (or raise) one batch's counted quantities, e.g. random-LTD's layer-tokens and FLOPs; what
+    it lowers is counted as the callback's saving (``saved/<name>/...``)."""
 
     def effi_adjust(self, stats: Any, batch: Any, pl_module: Any) -> Any: ...
+
+
+@runtime_checkable
+class ProvidesBaseline(Protocol):
+    """Callback hook: what the technique changed in one training batch outside ``effi_adjust`` (the batch, the
+    model, the samples drawn) as a :class:`~lightning_effi.core.accounting.Baseline`, or None. The EfficiencyMonitor
+    counts the batch again with it (reverse callback order) for the baseline and the technique's saving."""
+
+    def effi_baseline(self, batch: Any, pl_module: Any) -> Any: ...
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_effi.core.accounting import tokens_of
+from lightning_effi.core.accounting import Baseline, lengthen_batch, tokens_of
 from lightning_effi.core.checks import check_bool, check_int
 from lightning_effi.core.compat import uses_distributed_sampler
 from lightning_effi.core.requirements import Requirements, check_trainer
@@ -67,11 +67,14 @@ class Curriculum(Callback):
       the first step selects data, and attaches the controller (batch geometry from the loader's batch size,
       ``trainer.world_size`` and ``accumulate_grad_batches``). Under DDP it requires
       ``Trainer(use_distributed_sampler=False)``: the sampler shards by rank itself.
-    - ``on_train_batch_start``: removes ``cl_step``/``cl_micro``/``cl_difficulty`` from the batch (the user's
-      ``training_step`` sees its own structure) and counts the batch's tokens (summed over ranks) so a token-based LR
-      schedule (:meth:`token_progress`) already includes the current batch when the scheduler steps.
+    - ``on_train_batch_start``: removes the ``cl_*`` keys (``cl_step``, ``cl_micro``, ``cl_difficulty``,
+      ``cl_full_length``, ``cl_cut_mask``) from the batch (the user's ``training_step`` sees its own structure) and
+      counts the batch's tokens (summed over ranks) so a token-based LR schedule (:meth:`token_progress`) already
+      includes the current batch when the scheduler steps.
     - ``on_train_batch_end``: commits the batch (the resume position) and logs ``effi/curriculum/{metric}_difficulty``,
       ``effi/curriculum/eligible_samples``, ``effi/curriculum/num_clusters``, ``effi/curriculum/consumed_tokens``.
+    - ``effi_baseline``: the batch before ``seqlen_truncate``, for the
+      :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s baseline and the saving ``saved/curriculum/...``.
     - ``state_dict``: the committed stream position (safe-loadable ints, lists and dicts) and a configuration
       fingerprint; resuming continues the exact same sample stream.
 
@@ -161,6 +164,9 @@ class Curriculum(Callback):
         self._tokens_through_current = 0
         self._loaded: dict[str, Any] | None = None
         self.last_difficulties: dict[str, int] = {}
+        # the current batch before seqlen_truncate (its cl_full_length and cl_cut_mask), for effi_baseline
+        self._full_length: int | None = None
+        self._cut_mask: torch.Tensor | None = None
 
     def _arguments(self) -> dict[str, Any]:
         """The constructor arguments of this callback, in order (the metrics as parsed, unset optional keys left
@@ -219,6 +225,7 @@ class Curriculum(Callback):
         # a fresh fit starts from a fresh stream; a checkpoint's state arrives later through load_state_dict
         self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
         self._pending = None
+        self._full_length, self._cut_mask = None, None
         template = dm.template()
         dataset, n = template["dataset"], template["length"]
         if n < 1:
@@ -297,9 +304,9 @@ class Curriculum(Callback):
         if not isinstance(batch, dict) or any(k not in batch for k in BATCH_KEYS):
             raise CurriculumConfigError(
                 "Curriculum: the training batch does not come from the CurriculumDataModule's "
-                "loader (no cl_step/cl_micro/cl_difficulty keys)"
+                f"loader (it lacks some of the keys {list(BATCH_KEYS)})"
             )
-        step, micro, difficulty = (batch.pop(k) for k in BATCH_KEYS)
+        step, micro, difficulty, self._full_length, self._cut_mask = (batch.pop(k) for k in BATCH_KEYS)
         tokens = tokens_of(batch)
         if trainer.world_size > 1:
             t = torch.tensor(float(tokens), device=trainer.strategy.root_device)
@@ -330,6 +337,28 @@ class Curriculum(Callback):
             logs["effi/curriculum/num_clusters"] = float(stats[1])
         logs["effi/curriculum/consumed_tokens"] = float(self.consumed_tokens)
         pl_module.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, logger=True, rank_zero_only=True)
+
+    def effi_baseline(self, batch: Any, pl_module: pl.LightningModule) -> Baseline | None:
+        """The current training batch as it would have been without ``seqlen_truncate``
+        (:class:`~lightning_effi.core.protocols.ProvidesBaseline`, read by the
+        :class:`~lightning_effi.core.accounting.EfficiencyMonitor` in ``on_train_batch_end``): the ``truncate_keys``
+        tensors at the untruncated length ``S`` recorded by the collate (``cl_full_length``), the attention mask with
+        the columns the truncation cut (``cl_cut_mask``), so the module's counting hooks count the untruncated batch
+        exactly, padding included (:func:`~lightning_effi.core.accounting.lengthen_batch`; only shapes and the mask
+        are real). The monitor's difference is the curriculum's saving (``saved/curriculum/...``).
+
+        Returns None when there is nothing to undo: no ``seqlen_truncate`` metric (``seqlen_reshape`` re-chunks
+        rather than drops tokens and is not undone; the other metrics only choose samples), before ``setup``, or a
+        batch the truncation left whole.
+        """
+        if self.controller is None or "seqlen_truncate" not in self.controller.config.metrics:
+            return None
+        if self._full_length is None or not isinstance(batch, Mapping):
+            return None
+        keys = tuple(self.controller.config.truncate_keys)
+        if (seq := F.sequence_length(batch, keys)) is None or seq >= self._full_length:
+            return None
+        return Baseline(batch=lengthen_batch(batch, keys, self._full_length, mask=self._cut_mask))
 
     def token_progress(self, total_tokens: float) -> float:
         """Training progress in ``[0, 1]`` on the consumed-token axis, including the batch being trained (read by a

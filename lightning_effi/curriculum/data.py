@@ -11,7 +11,9 @@ collate_fn=CurriculumCollate(collate_fn, ...), num_workers=..., ...)``
 - :class:`CurriculumDataset` returns ``(dataset[index], key)``, so the key travels with the sample into the worker.
 - :class:`CurriculumCollate` collates with the user's function, applies ``seqlen_truncate`` / ``seqlen_reshape`` with
   the difficulty **that batch was drawn at** (not whatever the sampler holds when a prefetched batch arrives), and adds
-  ``batch["cl_step"]``, ``batch["cl_micro"]``, ``batch["cl_difficulty"]`` (dict metric -> int). The
+  ``batch["cl_step"]``, ``batch["cl_micro"]``, ``batch["cl_difficulty"]`` (dict metric -> int) and, for the
+  ``EfficiencyMonitor``'s baseline, what the truncation removed: ``batch["cl_full_length"]`` (the sequence length
+  ``S`` before the transforms) and ``batch["cl_cut_mask"]`` (the attention-mask columns it cut). The
   :class:`~lightning_effi.callbacks.Curriculum` callback removes these keys before the user's ``training_step``.
   Thinned keys also give ``batch["index"]`` (int64 ``(B_kept,)``), ``batch["infobatch_weight"]`` (float32
   ``(B_kept,)``) and ``batch["infobatch_candidates"]`` (int ``B``), which InfoBatch's ``training_step`` wrapper removes.
@@ -34,8 +36,8 @@ from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig
 from lightning_effi.curriculum.stream import CurriculumController
 
-#: keys the collate wrapper adds to every training batch
-BATCH_KEYS = ("cl_step", "cl_micro", "cl_difficulty")
+#: keys the collate wrapper adds to every training batch (:class:`CurriculumCollate`)
+BATCH_KEYS = ("cl_step", "cl_micro", "cl_difficulty", "cl_full_length", "cl_cut_mask")
 #: keys it adds when a thinner is attached (InfoBatch composed with the curriculum)
 THINNED_KEYS = ("index", "infobatch_weight", "infobatch_candidates")
 
@@ -68,9 +70,19 @@ class CurriculumDataset(Dataset):
 
 class CurriculumCollate:
     """Collate ``(sample, key)`` pairs: the user's collate (``default_collate`` if None), then the sequence-length
-    transform of the batch's own difficulty, then the ``cl_*`` keys; thinned keys (6 fields) also give
-    ``batch["index"]`` (int64 ``(B_kept,)``), ``batch["infobatch_weight"]`` (float32 ``(B_kept,)``) and
-    ``batch["infobatch_candidates"]`` (int).
+    transform of the batch's own difficulty, then the ``cl_*`` keys (:data:`BATCH_KEYS`):
+
+    - ``cl_step``, ``cl_micro`` (int): the curriculum step and micro-batch the batch was drawn at;
+    - ``cl_difficulty``: metric name -> the difficulty (int) the batch was drawn at;
+    - ``cl_full_length``: the collated batch's sequence length ``S`` before ``seqlen_truncate`` / ``seqlen_reshape``
+      (int; dimension 1 of the first ``truncate_keys`` tensor with one), None when it has no such tensor;
+    - ``cl_cut_mask``: the ``[B, S - L]`` columns of ``attention_mask`` that ``seqlen_truncate`` removed (a view of
+      the collated mask), None when it removed none (or ``attention_mask`` is not a truncated key). With
+      ``cl_full_length`` it lets the callback count the untruncated batch exactly, padding included
+      (:meth:`~lightning_effi.callbacks.Curriculum.effi_baseline`).
+
+    Thinned keys (6 fields) also give ``batch["index"]`` (int64 ``(B_kept,)``), ``batch["infobatch_weight"]``
+    (float32 ``(B_kept,)``) and ``batch["infobatch_candidates"]`` (int).
 
     Args:
         collate_fn: the wrapped loader's collate function. metric_names: the curriculum's metric names, in order.
@@ -107,6 +119,8 @@ class CurriculumCollate:
             )
         batch = dict(batch)
         difficulty = dict(zip(self.metric_names, diffs))
+        full_length = F.sequence_length(batch, self.truncate_keys)
+        cut_mask = None
         if "seqlen_truncate" in difficulty:
             if not any(isinstance(batch.get(k), torch.Tensor) and batch[k].ndim >= 2 for k in self.truncate_keys):
                 raise DataConfigError(
@@ -114,10 +128,15 @@ class CurriculumCollate:
                     f"{list(self.truncate_keys)} "
                     f"as a [B, S, ...] tensor (batch keys: {sorted(batch)})"
                 )
+            mask = batch.get("attention_mask") if "attention_mask" in self.truncate_keys else None
             batch = F.truncate_batch(batch, difficulty["seqlen_truncate"], self.truncate_keys, self.causal_label_shift)
+            kept = batch.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.ndim >= 2 and kept is not mask:  # truncate_batch cut it
+                cut_mask = mask[:, kept.shape[1] :]
         if "seqlen_reshape" in difficulty:
             batch = F.reshape_batch(batch, difficulty["seqlen_reshape"])
         batch["cl_step"], batch["cl_micro"], batch["cl_difficulty"] = int(step), int(micro), difficulty
+        batch["cl_full_length"], batch["cl_cut_mask"] = full_length, cut_mask
         if len(keys[0]) > 4:  # thinned by InfoBatch: (index, step, micro, difficulties, weight, candidates)
             if any(k in batch for k in THINNED_KEYS):
                 raise DataConfigError(

@@ -179,7 +179,9 @@ def dp_slice(length: int, dp_size: int, rank: int, mode: str = "balanced") -> tu
 
 
 # ------------------------------------------------------------------------------------------- batch transforms
-def _seq_len(batch: Mapping[str, Any], keys: Sequence[str]) -> int | None:
+def sequence_length(batch: Mapping[str, Any], keys: Sequence[str] = SEQUENCE_KEYS) -> int | None:
+    """The batch's sequence length ``S``: dimension 1 of the first ``keys`` tensor with at least 2 dimensions
+    (``[B, S, ...]``), None when it has none. The length :func:`truncate_batch` cuts."""
     for k in keys:
         v = batch.get(k)
         if isinstance(v, torch.Tensor) and v.ndim >= 2:
@@ -202,7 +204,7 @@ def truncate_batch(
     if difficulty < 1:
         raise ValueError(f"seqlen_truncate: difficulty must be >= 1 token, got {difficulty}")
     out = dict(batch)
-    seq = _seq_len(batch, keys)
+    seq = sequence_length(batch, keys)
     if seq is None:
         return out
     length = difficulty + 1 if causal_label_shift else difficulty

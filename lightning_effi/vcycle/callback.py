@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.compat import optimizers_to_device, rewrap_ddp
 from lightning_effi.core.progress import Duration, progress_clock, progress_ticks, run_length
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
@@ -114,7 +115,9 @@ class VCycleCallback(Callback):
     level change (:class:`~lightning_effi.core.protocols.FollowsModelChanges`, e.g. random-LTD): they are told
     before the network is replaced and after the new one is in place (before the optimizer is rebuilt), also when a
     checkpoint's coarse level is rebuilt and at that final restore; :meth:`effi_model_depths` gives them the depth of
-    every level in their ``setup``.
+    every level in their ``setup``. For the :class:`~lightning_effi.core.accounting.EfficiencyMonitor`,
+    :meth:`effi_baseline` puts the full model in place of a coarse level while the monitor counts the batch, so the
+    monitor's ``saved/vcycle/...`` is the V-cycle's saving against the full model on the same batches.
 
     Logged every step: ``effi/vcycle/level``, ``effi/vcycle/stage``, ``effi/vcycle/flops_cum``,
     ``effi/vcycle/flops_saved_frac``, ``effi/vcycle/map_seconds``; summary keys ``vcycle/*``.
@@ -457,6 +460,19 @@ class VCycleCallback(Callback):
         )
 
     # ------------------------------------------------------------------------------------------------ accounting
+    def effi_baseline(self, batch: Any, pl_module: pl.LightningModule) -> Baseline | None:
+        """The model the run without the V-cycle would have trained on this batch
+        (:class:`~lightning_effi.core.protocols.ProvidesBaseline`, read by the
+        :class:`~lightning_effi.core.accounting.EfficiencyMonitor` in ``on_train_batch_end``): below level 1,
+        ``Baseline(model=...)`` with :meth:`~lightning_effi.vcycle.levels.LevelStack.full_model` (the full model held
+        in ``pl_module.<model_attr>`` and its depth in an integer ``effi_num_layers``, no forward runs), so the
+        module's ``effi_training_flops`` and layer-tokens count the full model on the batch; the difference is the
+        V-cycle's saving (``saved/vcycle/...``). None at level 1 (the full model trains) and before ``setup``.
+        """
+        if self.level == 1 or self._stack.host is not pl_module:
+            return None
+        return Baseline(model=self._stack.full_model)
+
     def effi_summary(self) -> dict[str, Any]:
         return {
             "vcycle/levels": int(self.levels),

@@ -215,6 +215,30 @@ class LevelStack:
         finally:
             modules[self.attr] = current
 
+    @contextmanager
+    def full_model(self) -> Iterator[nn.Module]:
+        """Inside the block the host counts as the full model: ``host.<attr>`` is the module of level 1
+        (:meth:`holding`: set in ``host._modules`` directly; for counting only, run no forward) and a host's integer
+        ``effi_num_layers`` instance attribute is the full model's depth; both are back after. At level 1 nothing
+        changes. Used as the V-cycle's ``Baseline(model=stack.full_model)`` for the
+        :class:`~lightning_effi.core.accounting.EfficiencyMonitor` (the full model's ``effi_training_flops`` and
+        layer-tokens on the batch).
+
+        Raises:
+            KeyError: below level 1, the full model is not parked (no :meth:`coalesce_to` or :meth:`rebuild` ran).
+        """
+        host = self.host
+        before = vars(host).get("effi_num_layers")
+        follows = is_int(before) and bool(self.plans)
+        with self.holding(1) as model:
+            if follows:
+                host.effi_num_layers = self.num_layers(1)
+            try:
+                yield model
+            finally:
+                if follows:
+                    host.effi_num_layers = before
+
     # ------------------------------------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
         """The snapshots pending interpolation, ``{"snapshots": {"<level>": state dict}}`` (the level itself is

@@ -119,6 +119,26 @@ def test_training_flops_hold_the_full_model_in_place():
     assert host.model is small
 
 
+def test_full_model_holds_the_full_model_and_its_depth():
+    stack, host = stack_on(3)
+    full = host.model
+    with stack.full_model() as held:  # level 1: nothing changes
+        assert held is full and host.model is full and host.effi_num_layers == 4
+    level2 = stack.coalesce_to(2)
+    level3 = stack.coalesce_to(3)
+    with stack.full_model() as held:
+        assert held is full and host.model is full and host.effi_num_layers == 4 and stack.level == 3
+    assert host.model is level3 and host.effi_num_layers == 1 and stack.parked == {1: full, 2: level2}
+    with pytest.raises(RuntimeError, match="inside"), stack.full_model():
+        raise RuntimeError("inside")
+    assert host.model is level3 and host.effi_num_layers == 1  # restored on an error too
+    bare, plain = stack_on(2, num_layers=None)  # a host without an integer effi_num_layers keeps what it has
+    bare.coalesce_to(2)
+    with bare.full_model() as held:
+        assert plain.model is held and plain.effi_num_layers is None
+    assert plain.effi_num_layers is None
+
+
 def test_rebuild_state_dict_and_load_state_dict():
     stack, host = stack_on(3)
     stack.coalesce_to(2)

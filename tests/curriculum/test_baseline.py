@@ -1,0 +1,200 @@
+"""The curriculum's baseline for the EfficiencyMonitor (``Curriculum.effi_baseline``): the collate records what
+``seqlen_truncate`` removed (``cl_full_length``, ``cl_cut_mask``), the callback gives the untruncated batch back, so
+the baseline and the curriculum's saving are exact for fixed-length blocks and for variable-length padded sentences
+alike."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_effi.callbacks import Curriculum
+from lightning_effi.core.accounting import Baseline, EfficiencyMonitor, baseline_hook, lengthen_batch
+from lightning_effi.core.protocols import ProvidesBaseline
+from lightning_effi.curriculum.analysis.metrics import register_metric
+from lightning_effi.curriculum.data import BATCH_KEYS, CurriculumCollate
+from lightning_effi.data import CurriculumDataModule
+from lightning_effi.reference.data.base import PaddingCollate
+from tests.helpers.harness import make_trainer
+from tests.helpers.tiny import Sentences, TinyDataModule, tiny_bert_cls, tiny_gpt2, tiny_lm_data
+
+B = 4
+TRUNC = dict(  # seqlen_truncate from 3 to 16 tokens over 14 steps (3, 4, 5, ...)
+    difficulty_type="value",
+    clustering_type="single_cluster",
+    min_difficulty=2,
+    max_difficulty=16,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=14, difficulty_step=1),
+)
+
+
+FIRST_TOKEN = dict(  # chooses samples only: from the 50% with the smallest first token to all of them
+    difficulty_type="percentile",
+    clustering_type="schedule_based",
+    analysis="curriculum_test_baseline_first_token",
+    min_difficulty=50,
+    max_difficulty=100,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=4, difficulty_step=10),
+)
+register_metric("curriculum_test_baseline_first_token", lambda batch: batch["input_ids"][:, 0].long())
+
+
+class IndexedSentences(Sentences):
+    """:class:`Sentences` (3..16 tokens) with each sample's index, to recompute its untruncated batch by hand."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {**super().__getitem__(i), "idx": torch.tensor(i)}
+
+
+def sentence_data() -> CurriculumDataModule:
+    return CurriculumDataModule(TinyDataModule(IndexedSentences(), batch_size=B, collate_fn=PaddingCollate(0)))
+
+
+def padded(dataset: IndexedSentences, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The batch the user's loader makes of the samples ``idx`` (no curriculum)."""
+    return PaddingCollate(0)([dataset[int(i)] for i in idx])
+
+
+class Before(pl.Callback):
+    """Before Curriculum: the ``cl_*`` keys and the samples of every training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(
+            {
+                "idx": batch["idx"].clone(),
+                "length": int(batch["input_ids"].shape[1]),
+                "full_length": batch["cl_full_length"],
+                "cut_mask": batch["cl_cut_mask"],
+            }
+        )
+
+
+class After(pl.Callback):
+    """After Curriculum (whose ``on_train_batch_start`` popped the ``cl_*`` keys): its ``effi_baseline`` of every
+    training batch, and the module's counts of it."""
+
+    def __init__(self, curriculum: Curriculum) -> None:
+        self.curriculum, self.baselines, self.keys_left = curriculum, [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.keys_left.append(sorted(k for k in batch if k.startswith("cl_")))
+        self.baselines.append(self.curriculum.effi_baseline(batch, pl_module))
+
+
+# ------------------------------------------------------------------------------------------------- the collate
+
+
+def test_the_collate_records_what_truncation_removed():
+    data = IndexedSentences()
+    lengths = [len(data.items[i]) for i in range(6)]
+    collate = CurriculumCollate(PaddingCollate(0), ["seqlen_truncate"])
+    batch = collate([(data[i], (i, 1, 0, (5,))) for i in range(6)])
+    full = padded(data, torch.arange(6))
+    s = max(lengths)
+    assert s > 5 and batch["cl_full_length"] == s and batch["input_ids"].shape == (6, 5)
+    assert torch.equal(batch["cl_cut_mask"], full["attention_mask"][:, 5:])
+    assert torch.equal(batch["attention_mask"], full["attention_mask"][:, :5])
+    assert batch["cl_step"] == 1 and batch["cl_micro"] == 0 and batch["cl_difficulty"] == {"seqlen_truncate": 5}
+    assert set(BATCH_KEYS) <= set(batch)
+    # a difficulty at or above the batch's length cuts nothing
+    whole = collate([(data[i], (i, 1, 0, (s,))) for i in range(6)])
+    assert whole["cl_full_length"] == s and whole["cl_cut_mask"] is None and whole["input_ids"].shape == (6, s)
+    # without an attention mask among the truncated keys: the length only; without truncation: the length too
+    ids_only = CurriculumCollate(PaddingCollate(0), ["seqlen_truncate"], truncate_keys=("input_ids",))
+    b = ids_only([(data[i], (i, 1, 0, (5,))) for i in range(6)])
+    assert b["cl_full_length"] == s and b["cl_cut_mask"] is None and b["attention_mask"].shape == (6, s)
+    other = CurriculumCollate(PaddingCollate(0), ["first_token"])([(data[i], (i, 1, 0, (50,))) for i in range(6)])
+    assert other["cl_full_length"] == s and other["cl_cut_mask"] is None
+
+
+def test_lengthen_batch_with_the_cut_mask():
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": mask[:, :3], "labels": torch.ones(2)}
+    long = lengthen_batch(batch, ("input_ids", "attention_mask"), 5, mask=mask[:, 3:])
+    assert torch.equal(long["attention_mask"], mask) and long["input_ids"].shape == (2, 5)
+    assert long["labels"] is batch["labels"] and batch["attention_mask"].shape == (2, 3)  # the input is unchanged
+    assert lengthen_batch(batch, ("input_ids", "attention_mask"), 5)["attention_mask"].sum() == 2 * 3 - 1 + 4
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 1\)"):
+        lengthen_batch(batch, ("input_ids", "attention_mask"), 5, mask=mask[:, 4:])
+
+
+# ------------------------------------------------------------------------------------------------- the hook
+
+
+def test_the_callback_provides_the_hook():
+    cb = Curriculum(metrics={"seqlen_truncate": TRUNC})
+    assert isinstance(cb, ProvidesBaseline) and baseline_hook(cb) == cb.effi_baseline  # the hook, not a stopgap
+    assert cb.effi_baseline({"input_ids": torch.ones(2, 3)}, None) is None  # before setup
+
+
+def test_a_truncated_batch_has_the_full_length_in_its_baseline(tmp_path):
+    """Variable-length padded sentences: every truncated batch's baseline is the user's own padded batch (its
+    length, its attention mask); a batch the truncation left whole has none; the cl_* keys are gone."""
+    cb = Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=4)
+    before, after = Before(), After(cb)
+    pl.seed_everything(0)
+    make_trainer(tmp_path, [before, cb, after], max_steps=12, max_epochs=-1).fit(
+        tiny_bert_cls(), datamodule=sentence_data()
+    )
+    data = IndexedSentences()
+    assert len(before.seen) == len(after.baselines) == 12 and after.keys_left == [[]] * 12
+    truncated = 0
+    for seen, baseline in zip(before.seen, after.baselines):
+        full = padded(data, seen["idx"])
+        assert seen["full_length"] == full["input_ids"].shape[1]
+        if seen["length"] == seen["full_length"]:
+            assert baseline is None and seen["cut_mask"] is None
+            continue
+        truncated += 1
+        assert isinstance(baseline, Baseline) and baseline.model is None and baseline.samples == 1.0
+        assert baseline.batch["input_ids"].shape == full["input_ids"].shape  # the full length
+        assert torch.equal(baseline.batch["attention_mask"], full["attention_mask"])  # its padding too
+        assert baseline.batch["labels"].shape == (B,)
+    assert truncated >= 6
+
+
+def test_the_monitor_counts_variable_length_sentences_exactly(tmp_path):
+    """The baseline is the user's untruncated padded batches: tokens = their real tokens (not the padded length,
+    not the first sample's length, as a reading of the data set would give), FLOPs = the model's count of them."""
+    cb = Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=4)
+    before, monitor = Before(), EfficiencyMonitor(print_summary=False)
+    pl.seed_everything(0)
+    model = tiny_bert_cls()
+    make_trainer(tmp_path, [monitor, before, cb], max_steps=12, max_epochs=-1).fit(model, datamodule=sentence_data())
+    data = IndexedSentences()
+    fulls = [padded(data, seen["idx"]) for seen in before.seen]
+    flops = lambda b, t: model.effi_training_flops({"input_ids": torch.zeros(b, t, dtype=torch.long)})  # noqa: E731
+    s = monitor.summary
+    tokens = sum(int(f["attention_mask"].sum()) for f in fulls)
+    assert s["baseline_tokens"] == tokens < 12 * B * 16 and s["baseline_samples"] == 12 * B
+    assert s["baseline_layer_tokens"] == 2 * tokens
+    assert s["baseline_flops"] == pytest.approx(sum(flops(B, f["input_ids"].shape[1]) for f in fulls), rel=1e-12)
+    trained = sum(int(f["attention_mask"][:, : seen["length"]].sum()) for f, seen in zip(fulls, before.seen))
+    assert s["tokens"] == trained < tokens
+    assert s["saved/curriculum/tokens_frac"] == pytest.approx(1 - trained / tokens)
+    assert s["flops_saved_frac"] > 0 and s["saved/curriculum/flops_frac"] == pytest.approx(s["flops_saved_frac"])
+
+
+def test_fixed_length_blocks_and_no_truncation(tmp_path):
+    """Token blocks of 16: the baseline is every batch at 16 tokens; a curriculum without seqlen_truncate has no
+    baseline of its own (it only chooses samples)."""
+    cb = Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=4)
+    monitor = EfficiencyMonitor(print_summary=False)
+    pl.seed_everything(0)
+    make_trainer(tmp_path, [monitor, cb], max_steps=4, max_epochs=-1).fit(
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=B))
+    )
+    assert monitor.summary["baseline_tokens"] == 4 * B * 16 and monitor.summary["tokens"] == B * (3 + 4 + 5 + 6)
+    plain = Curriculum(metrics={"first_token": FIRST_TOKEN}, percentile_rounding="proportional")
+    after, monitor = After(plain), EfficiencyMonitor(print_summary=False)
+    pl.seed_everything(0)
+    make_trainer(tmp_path / "plain", [monitor, plain, after], max_steps=3, max_epochs=-1).fit(
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=B))
+    )
+    assert after.baselines == [None] * 3 and monitor.summary["baseline_tokens"] == monitor.summary["tokens"]
