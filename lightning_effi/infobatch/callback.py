@@ -10,7 +10,10 @@ tells the long story.
 - ``on_train_epoch_end``: sums the records over ranks (one collective per epoch) into the score table, identical
   on every rank, and logs the epoch's figures; the next epoch's plan is a pure function of
   ``(seed, epoch, score table)``;
-- ``state_dict``: tables, the current plan, accumulators, counters: a resumed run (mid-epoch too) continues exactly.
+- ``state_dict``: tables, the current plan, accumulators, counters: a resumed run (mid-epoch too) continues exactly;
+- the run's progress clock (:class:`~lightning_effi.core.protocols.ProvidesProgressClock`: :meth:`effi_progress`,
+  :meth:`effi_progress_done`, :meth:`effi_min_total_steps`), so that the V-cycle's stages and random-LTD's schedule
+  follow the shortened epochs; :meth:`effi_baseline` tells the EfficiencyMonitor the samples each batch stands for.
 
 Composed with the curriculum (a :class:`~lightning_effi.data.CurriculumDataModule` in the DataModule chain and the
 :class:`~lightning_effi.callbacks.Curriculum` callback in the Trainer), the curriculum draws every batch and this
@@ -34,6 +37,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.checks import check_bool, check_int, check_real
 from lightning_effi.core.progress import run_length, steps_per_epoch
 from lightning_effi.core.requirements import Requirements, check_trainer
@@ -69,7 +73,15 @@ class InfoBatchCallback(Callback):
     (``B`` candidates), unbiased for the plain mean (Qin et al., ICLR 2024, Sec. 3). Steps after
     ``floor(δ·T)`` are not thinned (``T``: the run's optimizer steps, the smallest of ``max_steps``, the curriculum's
     sample budget and ``max_epochs`` data epochs). ``num_epochs`` must stay ``None`` and ``max_steps`` is allowed
-    in this mode; ``effi_progress`` is not provided (the steps are the curriculum's). ``seqlen_reshape`` is refused.
+    in this mode; ``effi_progress`` is not provided, nor the progress clock (the steps are the curriculum's).
+    ``seqlen_reshape`` is refused.
+
+    **The progress clock** (alone, not with the curriculum): the callback is the run's
+    :class:`~lightning_effi.core.protocols.ProvidesProgressClock`, found by
+    :func:`~lightning_effi.core.progress.progress_clock`: :meth:`effi_progress` (after the next optimizer step, for
+    LR schedules), :meth:`effi_progress_done` (after the steps taken, ``(e + j / L_e) / E``) and
+    :meth:`effi_min_total_steps` (the fewest steps the run can have). The V-cycle measures its fractions and epochs
+    on it, random-LTD its derived schedule.
 
     Args:
         prune_ratio: ``r``, fraction of the well-learned samples dropped per prune epoch, in ``[0, 1)``
@@ -148,8 +160,11 @@ class InfoBatchCallback(Callback):
         self._mask: Tensor | None = None  # bool[N], the well-learned set of epoch _mask_epoch (recomputed, not saved)
         self._mask_epoch = -1
         self._stop_step: int | None = None
+        self._run_steps: int | None = None  # composed mode: T, the run's optimizer steps (see thin_stop)
         self._original_step: Any = None
         self._trainer: pl.Trainer | None = None
+        self._datamodule: InfoBatchDataModule | None = None
+        self._last_thin: tuple[int, int] | None = None  # composed mode: (candidates, kept) of the latest micro-batch
 
     def __repr__(self) -> str:
         return (
@@ -179,7 +194,7 @@ class InfoBatchCallback(Callback):
                 f"InfoBatchCallback does not support the {type(trainer.strategy).__name__} strategy; "
                 "use a single device or DDP"
             )
-        self.__dict__.pop("effi_progress", None)  # a provider of progress again (composed mode hides it)
+        self._show_clock()  # a provider of progress again (composed mode hides it)
         curriculum = find_wrapper(trainer.datamodule, CurriculumDataModule)
         if curriculum is not None:
             self._setup_within_curriculum(trainer, pl_module, curriculum)
@@ -218,6 +233,7 @@ class InfoBatchCallback(Callback):
                 f"{type(datamodule).__name__ if datamodule is not None else 'no datamodule'}"
             )
         datamodule.planner = self
+        self._datamodule = datamodule
         n = len(datamodule.train_dataset)
         if n < 1:
             raise ValueError("InfoBatchCallback: the training set is empty")
@@ -232,9 +248,10 @@ class InfoBatchCallback(Callback):
 
     def _reset_run_state(self) -> None:
         self.plan, self.history, self.steps_in_epoch, self.nonfinite = None, [], 0, 0
+        self.steps_per_epoch, self._last_thin = 1, None
         self.table_epoch, self.synced_epoch = -1, -1
         self.thin_stats = torch.zeros(3, dtype=torch.int64)
-        self._mask, self._mask_epoch, self._stop_step = None, -1, None
+        self._mask, self._mask_epoch, self._stop_step, self._run_steps = None, -1, None, None
 
     def _setup_within_curriculum(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, curriculum: CurriculumDataModule
@@ -269,8 +286,18 @@ class InfoBatchCallback(Callback):
         self.count = torch.zeros(n, dtype=torch.int32)
         self._reset_run_state()
         self._trainer = trainer
-        self.effi_progress = None  # type: ignore[assignment]  # the run's steps are the curriculum's: no progress
+        self._datamodule = None
+        self._hide_clock()  # the run's steps are the curriculum's: no progress, no clock
         self._wrap_training_step(pl_module)
+
+    def _hide_clock(self) -> None:
+        """Composed mode: shadow ``effi_progress`` with None on the instance, so that
+        :func:`~lightning_effi.core.progress.progress_source` and :func:`~lightning_effi.core.progress.progress_clock`
+        (which needs all three hooks) do not take this callback for a progress source or the run's clock."""
+        self.effi_progress = None  # type: ignore[assignment]
+
+    def _show_clock(self) -> None:
+        self.__dict__.pop("effi_progress", None)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -278,7 +305,7 @@ class InfoBatchCallback(Callback):
             del pl_module.training_step  # back to the class's method
         if self.curriculum_dm is not None and self.curriculum_dm.thinner is self:
             self.curriculum_dm.thinner = None
-        self.__dict__.pop("effi_progress", None)
+        self._show_clock()
         self._original_step = None
         self._trainer = None
 
@@ -341,6 +368,7 @@ class InfoBatchCallback(Callback):
         # the tail cap kept one well-learned sample of an all-well-learned slice (see ib.cap_applies)
         capped = kept == 1 and float(weights[0]) != 1.0 and ib.cap_applies(candidates, candidates, self.prune_ratio)
         self.thin_stats += torch.tensor([candidates, candidates - kept, int(capped)], dtype=torch.int64)
+        self._last_thin = (int(candidates), kept)
         return {
             **output,
             "loss": loss,
@@ -399,10 +427,15 @@ class InfoBatchCallback(Callback):
     def record_loader(self, epoch: int, padded: int, batches: int) -> None:
         """Called by the DataModule for each loader it builds: the DDP duplicates added to the plan of ``epoch``
         (counted, not subtracted from the saving) and the loader's batches per rank, which give the epoch's
-        optimizer steps ``L_e`` for :meth:`effi_progress` (known before the scheduler is built)."""
+        optimizer steps ``L_e = ceil(batches / accumulate_grad_batches)`` for :meth:`effi_progress` and
+        :meth:`effi_progress_done` (known before the scheduler is built), with ``limit_train_batches`` applied as
+        Lightning applies it (:func:`~lightning_effi.infobatch.functional.limited_batches`)."""
         if self.history and self.history[-1]["epoch"] == epoch:
             self.history[-1]["padded"] = int(padded)
-        accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+        accumulate, limit = 1, 1.0
+        if self._trainer is not None:
+            accumulate, limit = self._trainer.accumulate_grad_batches, self._trainer.limit_train_batches
+        batches = ib.limited_batches(int(batches), limit)
         # an empty loader (0 batches on this rank) counts as one step, so progress stays finite
         self.steps_per_epoch = steps_per_epoch(max(1, batches), accumulate, f"{type(self).__name__}.record_loader")
 
@@ -414,6 +447,103 @@ class InfoBatchCallback(Callback):
             return 0.0
         p = (self.plan.epoch + (self.steps_in_epoch + 1) / self.steps_per_epoch) / self.epochs
         return min(max(p, 0.0), 1.0)
+
+    def effi_progress_done(self) -> float:
+        """Training progress in [0, 1] after the optimizer steps taken so far
+        (:class:`~lightning_effi.core.protocols.ProvidesProgressClock`): ``(e + j / L_e) / E``, clamped to [0, 1],
+        with ``e`` the current plan's epoch, ``j`` the optimizer steps taken in it (advanced in
+        ``on_before_optimizer_step``, so ``on_train_batch_end`` already counts its step), ``L_e`` its optimizer steps
+        (:meth:`record_loader`) and ``E`` the epochs. 0.0 before the first plan; exactly ``n / E`` after the last step
+        of epoch ``n - 1`` (``j = L_e``) and at the start of epoch ``n`` (``j = 0``), 1.0 after the run's last step.
+        Reads only checkpointed state (the plan, ``steps_in_epoch``) and the rebuilt loader's length, so a resumed run
+        (mid-epoch too) reads the same values as the uninterrupted one. (The clamp only guards ``j > L_e``, which a
+        loader of the plan cannot produce.)
+
+        With the curriculum the callback is not the run's clock (``effi_progress`` is None, so
+        :func:`~lightning_effi.core.progress.progress_clock` finds none after this callback's ``setup``); a technique
+        that looked for a clock before that ``setup`` (an earlier callback) reads the curriculum's steps here:
+        ``global_step / T`` (``T``: the run's optimizer steps, :meth:`thin_stop`), and ``T`` from
+        :meth:`effi_min_total_steps`."""
+        if self.curriculum_dm is not None:
+            total = self._composed_run_steps()
+            return 0.0 if total is None or self._trainer is None else min(self._trainer.global_step / total, 1.0)
+        if self.plan is None or self.epochs < 1:
+            return 0.0
+        p = (self.plan.epoch + self.steps_in_epoch / self.steps_per_epoch) / self.epochs
+        return min(max(p, 0.0), 1.0)
+
+    def _composed_run_steps(self) -> int | None:
+        """Composed mode: ``T``, the run's optimizer steps (:meth:`thin_stop`), None before the curriculum's
+        controller exists."""
+        self.thin_stop()
+        return self._run_steps
+
+    def effi_min_total_steps(self) -> int:
+        """The fewest optimizer steps the run can have, whatever the scores
+        (:class:`~lightning_effi.core.protocols.ProvidesProgressClock`; called at ``on_train_start``):
+        :func:`~lightning_effi.infobatch.functional.min_total_steps` over the ``E`` epochs, each at its fewest samples
+        (:func:`~lightning_effi.infobatch.functional.min_epoch_size`: ``N`` in the full epochs 0 and
+        ``>= floor(delta·E)``, ``1 + floor((1 - r)(N - 1))`` in the pruning epochs), per rank (padded as the sampler
+        pads, or dropped with the loader's ``drop_last``) at the loader's batch size, with ``limit_train_batches``
+        and ``accumulate_grad_batches`` applied as Lightning applies them.
+
+        With the curriculum (see :meth:`effi_progress_done`): ``T``, the run's optimizer steps (:meth:`thin_stop`).
+
+        Raises:
+            RuntimeError: before ``setup`` (with the curriculum: before its controller exists).
+            ValueError: the run can have no optimizer step at all (``drop_last`` with fewer samples than ranks or
+                than the batch size).
+        """
+        if self.curriculum_dm is not None and (total := self._composed_run_steps()) is not None:
+            return total
+        dm, trainer = self._datamodule, self._trainer
+        if dm is None or trainer is None:
+            raise RuntimeError(
+                "InfoBatchCallback.effi_min_total_steps: the callback is not set up yet (call it from on_train_start "
+                "on)"
+            )
+        t = dm.template()
+        steps = ib.min_total_steps(
+            self.dataset_size,
+            self.epochs,
+            self.prune_ratio,
+            self.delta,
+            int(t["batch_size"]),
+            trainer.world_size,
+            bool(t["drop_last"]),
+            trainer.accumulate_grad_batches,
+            trainer.limit_train_batches,
+        )
+        if steps < 1:
+            raise ValueError(
+                f"InfoBatchCallback: the run can have no optimizer step ({self.dataset_size} samples, batch size "
+                f"{t['batch_size']}, {trainer.world_size} ranks, drop_last={t['drop_last']}, limit_train_batches="
+                f"{trainer.limit_train_batches})"
+            )
+        return steps
+
+    def effi_baseline(self, batch: Any, pl_module: pl.LightningModule) -> Baseline | None:
+        """What InfoBatch changed in the current batch, for :class:`~lightning_effi.core.accounting.EfficiencyMonitor`
+        (:class:`~lightning_effi.core.accounting.Baseline`): the samples each trained one stands for.
+
+        - Alone, in a prune epoch: ``(trained + pruned) / trained`` with ``trained`` the plan's samples plus the DDP
+          duplicates (``padded``, summed over ranks) and ``pruned`` the plan's ``saved``: the pruned samples are
+          charged at the mean cost of the trained ones. None in a full epoch.
+        - With the curriculum: ``candidates / kept`` of the micro-batch slice this rank thinned last
+          (:meth:`thinned_output`); None when nothing was dropped.
+        """
+        if self.curriculum_dm is not None:
+            if self._last_thin is None:
+                return None
+            candidates, kept = self._last_thin
+            return Baseline(samples=candidates / kept) if 0 < kept < candidates else None
+        plan = self.plan
+        if plan is None or not plan.saved:
+            return None
+        history = self.history
+        padded = history[-1]["padded"] if history and history[-1]["epoch"] == plan.epoch else 0
+        trained = int(plan.indices.numel()) + int(padded)
+        return Baseline(samples=(trained + int(plan.saved)) / trained) if trained else None
 
     def sync_scores(self, trainer: pl.Trainer | None) -> None:
         """Sum the epoch's recorded losses over ranks (one collective per epoch) into the score table, identical on
@@ -460,7 +590,7 @@ class InfoBatchCallback(Callback):
                 budget = min(budget, max_epochs * (controller.epoch_micro // controller.ga))
             total = run_length(self._trainer.max_steps, budget)
             assert total is not None  # the budget is at least one step
-            self._stop_step = ib.thin_stop_step(total, self.delta)
+            self._stop_step, self._run_steps = ib.thin_stop_step(total, self.delta), total
         return self._stop_step
 
     def prepare_epoch(self, epoch: int) -> Tensor:

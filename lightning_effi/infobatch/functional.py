@@ -7,7 +7,9 @@ only, no Lightning, usable in any training loop. The method card ``README.md`` b
 - :func:`rescale`: the weighted batch loss ``mean(w[index] * per_sample_loss)``, out of place.
 - :func:`update_scores` (per batch) or :func:`accumulate` / :func:`finalize` (per epoch, all-reduce friendly):
   the score table.
-- :func:`expected_saving`, :func:`validate_hparams`.
+- :func:`expected_saving`, :func:`validate_hparams`; :func:`min_epoch_size`, :func:`rank_batches`,
+  :func:`limited_batches` and :func:`min_total_steps`: the fewest optimizer steps a run can have (for the run's
+  progress clock).
 - Composed with the curriculum (which draws every batch): :func:`thin_micro_batch` (with :func:`drop_count`,
   :func:`keep_probabilities`, :func:`thin_generator`, :func:`check_thinning_ratio`, :func:`thin_stop_step`) thins
   each drawn micro-batch slice and weights what it keeps; :func:`thinned_loss` is its unbiased loss.
@@ -48,8 +50,12 @@ __all__ = [
     "hash64",
     "keep_count",
     "keep_probabilities",
+    "limited_batches",
+    "min_epoch_size",
+    "min_total_steps",
     "plan_epoch",
     "plan_generator",
+    "rank_batches",
     "rescale",
     "split_well_learned",
     "thin_generator",
@@ -263,6 +269,106 @@ def keep_count(n_well_learned: int, prune_ratio: float) -> int:
     if not is_int(n_well_learned) or n_well_learned < 0:
         raise ValueError(f"n_well_learned must be a non-negative int, got {n_well_learned!r}")
     return math.floor((1 - _check_prune_ratio(prune_ratio)) * int(n_well_learned))
+
+
+def min_epoch_size(epoch: int, num_epochs: int, dataset_size: int, prune_ratio: float, delta: float) -> int:
+    """The fewest samples the plan of ``epoch`` can visit (:func:`plan_epoch`), whatever the scores.
+
+    A full epoch (``epoch == 0`` or ``epoch >= epoch_stop(num_epochs, delta)``) visits all ``N``. A prune epoch visits
+    ``N - |D1| + keep_count(|D1|, r)`` samples, which falls as ``|D1|`` grows; ``|D1| <= N - 1`` (the well-learned
+    set is strictly below the mean of the seen scores, so at least one sample is not in it), hence the fewest is
+    ``1 + keep_count(N - 1, r) = 1 + floor((1 - r)(N - 1))``. This can be one below ``ceil((1 - r) N)`` (``N = 10,
+    r = 0.15``: 8, not 9).
+
+    Raises:
+        ValueError: ``epoch`` not an int in ``[0, num_epochs)``, ``dataset_size`` not a positive int, invalid
+            ``num_epochs``, ``prune_ratio`` or ``delta``.
+    """
+    stop = epoch_stop(num_epochs, delta)
+    if not is_int(epoch) or not 0 <= epoch < num_epochs:
+        raise ValueError(f"epoch must be an int in [0, {num_epochs}), got {epoch!r}")
+    if not is_int(dataset_size) or dataset_size < 1:
+        raise ValueError(f"dataset_size must be a positive int, got {dataset_size!r}")
+    n = int(dataset_size)
+    if epoch == 0 or epoch >= stop:
+        return n
+    return 1 + keep_count(n - 1, prune_ratio)
+
+
+def rank_batches(
+    epoch_size: int,
+    batch_size: int,
+    world_size: int = 1,
+    drop_last: bool = False,
+    limit_batches: int | float = 1.0,
+) -> int:
+    """Batches one rank's training loader yields for an epoch of ``epoch_size`` samples, as Lightning counts them.
+
+    Each rank takes ``ceil(L / W)`` samples (the :class:`~lightning_effi.infobatch.sampler.InfoBatchSampler` pads the
+    stream by repeating its head), ``floor(L / W)`` with ``drop_last``; the loader makes ``ceil(share / B)`` batches
+    (``floor`` with ``drop_last``); ``limit_batches`` (``Trainer(limit_train_batches=...)``) applies as Lightning
+    applies it: an int caps the count, a float scales it (``int(batches · limit)``). Non-decreasing in ``L``.
+
+    Raises:
+        ValueError: a size that is not a positive int (``epoch_size`` may be 0), or ``limit_batches`` not a number
+            ``>= 0``.
+    """
+    if not is_int(epoch_size) or epoch_size < 0:
+        raise ValueError(f"epoch_size must be an int >= 0, got {epoch_size!r}")
+    for name, v in (("batch_size", batch_size), ("world_size", world_size)):
+        if not is_int(v) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    size, b, w = int(epoch_size), int(batch_size), int(world_size)
+    share = size // w if drop_last else -(-size // w)
+    return limited_batches(share // b if drop_last else -(-share // b), limit_batches)
+
+
+def limited_batches(batches: int, limit_batches: int | float = 1.0) -> int:
+    """``batches`` under ``Trainer(limit_train_batches=limit_batches)``, as Lightning applies it
+    (``lightning.pytorch.trainer.connectors.data_connector._parse_num_batches``): an int caps the count
+    (``min(batches, limit)``), a float scales it (``int(batches · limit)``).
+
+    Raises:
+        ValueError: ``batches`` not an int >= 0, ``limit_batches`` not a number >= 0.
+    """
+    if not is_int(batches) or batches < 0:
+        raise ValueError(f"batches must be an int >= 0, got {batches!r}")
+    if isinstance(limit_batches, bool) or not isinstance(limit_batches, (Integral, Real)) or limit_batches < 0:
+        raise ValueError(f"limit_batches must be an int or a float >= 0, got {limit_batches!r}")
+    if isinstance(limit_batches, Integral):
+        return min(int(batches), int(limit_batches))
+    return int(int(batches) * float(limit_batches))
+
+
+def min_total_steps(
+    dataset_size: int,
+    num_epochs: int,
+    prune_ratio: float,
+    delta: float,
+    batch_size: int,
+    world_size: int = 1,
+    drop_last: bool = False,
+    accumulate_grad_batches: int = 1,
+    limit_batches: int | float = 1.0,
+) -> int:
+    """The fewest optimizer steps a run of ``num_epochs`` InfoBatch epochs can have, whatever the scores: the sum over
+    the epochs of ``ceil(rank_batches(min_epoch_size(e), ...) / accumulate_grad_batches)`` (Lightning steps the
+    optimizer every ``accumulate_grad_batches`` batches and at an epoch's last batch). Exact: the steps of an epoch
+    do not decrease with its size, and each epoch can reach its fewest samples (:func:`min_epoch_size`).
+
+    Raises:
+        ValueError: invalid sizes or hyperparameters (see :func:`min_epoch_size` and :func:`rank_batches`),
+            ``accumulate_grad_batches`` not a positive int.
+    """
+    if not is_int(accumulate_grad_batches) or accumulate_grad_batches < 1:
+        raise ValueError(f"accumulate_grad_batches must be a positive int, got {accumulate_grad_batches!r}")
+    _check_num_epochs(num_epochs)
+    total = 0
+    for epoch in range(int(num_epochs)):
+        size = min_epoch_size(epoch, num_epochs, dataset_size, prune_ratio, delta)
+        batches = rank_batches(size, batch_size, world_size, drop_last, limit_batches)
+        total += -(-batches // int(accumulate_grad_batches))
+    return total
 
 
 def _check_tables(score: Tensor, seen: Tensor) -> None:

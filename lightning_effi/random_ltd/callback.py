@@ -12,9 +12,12 @@ The method lives in :mod:`lightning_effi.random_ltd.functional` (selection, gath
   ``hf_bert``, ``timm_vit``, or a :class:`~lightning_effi.adapters.GenericAdapter`), validates ``layer_ids`` and the
   schedule, and patches the selected layers' ``forward`` on the instance (before DDP wrapping and before checkpoint
   weights load; ``state_dict`` keys are unchanged). ``teardown`` restores them.
-- ``on_train_batch_start``: reserved length ``r`` for ``trainer.global_step`` (all micro-batches of one optimizer step
-  share it) and a fresh index context keyed by ``(global_step, batch_idx)``, seeded with ``(seed, step, batch_idx,
-  rank)``.
+- ``on_train_start``: resolves a derived ``require_steps`` (a fraction or epochs) in optimizer steps, or, when a
+  technique that shortens the epochs provides the run's progress clock (InfoBatch,
+  :func:`~lightning_effi.core.progress.progress_clock`), as a share of its training progress.
+- ``on_train_batch_start``: reserved length ``r`` for ``trainer.global_step`` (or the clock's progress; all
+  micro-batches of one optimizer step share it) and a fresh index context keyed by ``(global_step, batch_idx)``,
+  seeded with ``(seed, step, batch_idx, rank)``.
 - ``on_before_optimizer_step``: adds the step's layer-tokens (summed over micro-batches and ranks) to
   ``consumed_layer_tokens``, before a step-interval LR scheduler reads it.
 - ``effi_adjust``: lowers the :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s layer-tokens and FLOPs.
@@ -24,7 +27,7 @@ The method lives in :mod:`lightning_effi.random_ltd.functional` (selection, gath
   network, the LTD layer ids are resolved for its depth and its layers are patched; the schedule (a function of
   ``global_step``) and the counters go on.
 - ``state_dict``: counters and the resolved configuration (safe-loadable); the schedule and the draws are pure
-  functions of the step, so a resumed run continues exactly.
+  functions of the step (or of the clock's checkpointed progress), so a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -33,22 +36,42 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_effi.core.accounting import BatchStats
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
-from lightning_effi.core.progress import Duration, run_length, steps_per_epoch
-from lightning_effi.core.protocols import PlansModelChanges
+from lightning_effi.core.flops import sdpa_recomputes
+from lightning_effi.core.progress import (
+    PROGRESS_TICKS,
+    Duration,
+    progress_clock,
+    progress_ticks,
+    run_length,
+    steps_per_epoch,
+)
+from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.models.base import TransformerAdapter, find_adapter
 from lightning_effi.random_ltd import functional as F
-from lightning_effi.random_ltd.patching import LTDController, PatchedLayers, convert, resolve_layer_ids, restore
+from lightning_effi.random_ltd.patching import (
+    LTDController,
+    PatchedLayers,
+    convert,
+    observe,
+    resolve_layer_ids,
+    restore,
+)
+
+#: the clocks a derived schedule is measured on: optimizer steps, or a progress clock's training progress
+CLOCKS = ("step", "progress")
 
 
 def _require_duration(owner: str, value: Any) -> Duration:
@@ -93,15 +116,18 @@ class RandomLTDCallback(Callback):
             ``trainer.estimated_stepping_batches`` (:func:`~lightning_effi.core.progress.run_length`, as the V-cycle
             reads it), read at train start), ``"2ep"`` (``n · ceil(num_training_batches /
             accumulate_grad_batches)`` steps, read at train start). No floats (write ``"0.8dur"``), no tokens.
-            Default: the whole run (``"1dur"``).
+            Default: the whole run (``"1dur"``). A fraction or epochs with a technique that shortens the epochs
+            (InfoBatch: its progress clock, :func:`~lightning_effi.core.progress.progress_clock`) is measured on
+            its training progress instead of in steps: see "The progress clock" below.
         require_fraction: deprecated (one release, ``DeprecationWarning``): ``require_fraction=f`` is
             ``require_steps="<f>dur"``.
         seq_per_step: ``r`` is a multiple of this (``schedule_config.seq_per_step``).
-        layer_ids: exact indices into the adapter's layer list; default all but the first and the last. With a
-            technique that replaces the network during fit (the V-cycle's levels have fewer layers), the ids are
-            resolved again for every network: the default is all but the first and the last layer of the network
-            in place (so every level needs >= 3 layers); explicit ids are kept as they are and must exist at every
-            level (ids < the smallest depth), checked in ``setup`` against the depths of all levels.
+        layer_ids: exact indices into the adapter's layer list; default all but the first and the last (the model
+            needs >= 3 layers then). With a technique that replaces the network during fit (the V-cycle's levels
+            have fewer layers), the ids are resolved again for every network: the default is all but the first and
+            the last layer of the network in place; at a level whose network has <= 2 layers it selects none and
+            random-LTD **pauses** there (announced once at ``setup``); explicit ids are kept as they are and must
+            exist at every level (ids < the smallest depth), checked in ``setup`` against the depths of all levels.
         adapter: ``"auto"``, a registered name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an adapter instance.
         rounding: ``"clamped"`` (default: never below ``min_value``, ``max_value`` from ``require_steps`` on) or
             ``"deepspeed"`` (DeepSpeed's arithmetic exactly).
@@ -121,25 +147,48 @@ class RandomLTDCallback(Callback):
 
     Composition: with the V-cycle (any :class:`~lightning_effi.core.protocols.PlansModelChanges` technique) the
     patch follows every level change (the layers of the model in place are the patched ones, the reserved length
-    stays a function of ``global_step``, layer-tokens count the layers of the model each step trained). With the
-    Curriculum's ``seqlen_truncate`` (or ``seqlen_reshape``), a batch not longer than ``r`` passes through unchanged.
+    stays a function of ``global_step`` or of the progress clock, layer-tokens count the layers of the model each
+    step trained). With the default ``layer_ids``, a level whose network has <= 2 layers has no LTD layers:
+    random-LTD pauses there (nothing is patched or dropped; the steps trained there count their full layer-tokens
+    and FLOPs; ``effi/random_ltd/ltd_layers`` logs 0) and resumes at the next level with >= 3 layers; ``setup``
+    lists the paused levels (``rank_zero_info``). A model of <= 2 layers without such a technique still raises.
+    With the Curriculum's ``seqlen_truncate`` (or ``seqlen_reshape``), a batch not longer than ``r`` passes through
+    unchanged.
+
+    The progress clock: with a technique that shortens the epochs (InfoBatch alone provides
+    :class:`~lightning_effi.core.protocols.ProvidesProgressClock`), ``trainer.estimated_stepping_batches`` counts
+    full-length epochs, so a fraction or epochs resolved in steps would never finish growing. A derived
+    ``require_steps`` is then a share ``f`` of the run's training progress (``"0.8dur"``: 0.8; ``"2ep"``:
+    ``2 / max_epochs``), in integer ticks of :data:`~lightning_effi.core.progress.PROGRESS_TICKS`
+    (``F = max(1, round(f · 10⁹))``), and the batches of optimizer step ``s`` use the progress ``p`` the clock's
+    ``effi_progress_done()`` reads before that step (the ``s`` steps already taken, as the step schedule uses
+    ``global_step = s``; all micro-batches of a step share it) in ticks ``P = round(p · 10⁹)``:
+    ``r = ltd_value(P, min_value, max_value, F, seq_per_step, rounding)``, i.e. linear growth over progress
+    ``[0, f]``, ``min_value`` at progress 0 and ``max_value`` from progress ``f`` on, with the step schedule's
+    ``seq_per_step`` rounding and ``rounding`` modes (:func:`~lightning_effi.random_ltd.functional.ltd_value`). The
+    clock's progress is a function of its checkpointed state, so a resumed run uses the same ``r`` at every step.
+    ``config()`` records ``clock`` (``"step"`` or ``"progress"``) and ``require_progress`` (``F``); a checkpoint of
+    another clock or share is reported when training starts (``strict``). An int ``require_steps`` keeps the step
+    schedule.
 
     Logged every step: ``effi/random_ltd/reserved_length``, ``effi/random_ltd/consumed_layer_tokens``,
-    ``effi/random_ltd/flops_saved_frac``. Summary keys ``random_ltd/*`` (``result.json``).
+    ``effi/random_ltd/flops_saved_frac``, ``effi/random_ltd/ltd_layers`` (the LTD layers of the network that trained
+    the batch). Summary keys ``random_ltd/*`` (``result.json``).
 
     Raises:
         ValueError: (construction) a value of the wrong type or range, ``min_value > max_value``; (``setup``) no
             adapter matches the model, ``layer_ids`` out of range / duplicated / unsorted, ``min_value`` or
             ``max_value`` larger than the model's sequence length, a layer whose ``forward`` takes arguments the
-            adapter does not know, an unsupported attention implementation; ``layer_ids`` (explicit, or the default
-            selecting none) that do not exist at a level of a technique that replaces the network (the V-cycle;
-            every level's depth is checked); a reserved length that never drops a token under the Curriculum's
-            sequence-length truncation (``min_value`` not below its longest truncated length,
+            adapter does not know, an unsupported attention implementation; the default ``layer_ids`` on a model of
+            <= 2 layers; explicit ``layer_ids`` that do not exist at a level of a technique that replaces the network
+            (the V-cycle; every level's depth is checked); a reserved length that never drops a token under the
+            Curriculum's sequence-length truncation (``min_value`` not below its longest truncated length,
             ``seqlen_truncate``'s ``max_difficulty``, + 1 with ``causal_label_shift``; ``seqlen_reshape``:
             ``max_difficulty + 1``); (after a model change) no adapter matches the new network; (train start)
             ``require_steps`` cannot be derived (a fraction of a run of unknown length, epochs of a train dataloader
-            without a length); (train start, ``strict``) a resumed run whose ``require_steps`` resolves to another
-            step count than the checkpoint's.
+            without a length; epochs on a progress clock without a finite ``max_epochs``); (train start,
+            ``strict``) a resumed run whose ``require_steps`` resolves to another step count than the checkpoint's,
+            or to another clock or share of the progress.
         IncompatibleTechniques: (``setup``) combined with another technique that patches layers, see
             :data:`~lightning_effi.core.requirements.CONFLICTS` (a shape change is followed:
             ``follows_model_changes``).
@@ -232,7 +281,12 @@ class RandomLTDCallback(Callback):
     def _reset_progress(self) -> None:
         """A new fit starts from step 0 with no tokens consumed (a resumed one restores these from its checkpoint)."""
         self.require_steps: int | None = self.require_steps_arg
-        self._saved_require_steps: int | None = None  # a resumed run's derived require_steps, checked at train start
+        self.clock: str = "step"  # CLOCKS: resolved at train start
+        self.require_progress: int | None = None  # on the progress clock: the growth's end, in progress ticks
+        self._clock_source: ProvidesProgressClock | None = None
+        # a resumed run's derived schedule (clock, require_steps, require_progress), checked at train start
+        self._saved_schedule: dict[str, Any] | None = None
+        self.current_progress: int | None = None  # progress ticks the current batch's r was read at (progress clock)
         # counters (global: summed over ranks at every optimizer step)
         self.current_step = -1
         self.current_value = self.min_value
@@ -249,6 +303,8 @@ class RandomLTDCallback(Callback):
         # change comes before its on_train_batch_end (cleared at the next batch)
         self._batch_costs_fixed: tuple[int, int, int, float, float] | None = None
         self._frac_fixed: float | None = None
+        self._batch_ltd_layers = 0  # LTD layers of the network that trains the current batch (logged)
+        self._fused = False  # that network's attention recomputes the scores in the backward (fused sdpa)
 
     def __repr__(self) -> str:
         """Every constructor argument, so that ``eval(repr(cb))`` builds an equivalent callback (same settings):
@@ -317,17 +373,31 @@ class RandomLTDCallback(Callback):
         self.patched = convert(pl_module, adapter, self.controller)
         self.adapter = adapter
 
+    def _resolve_ids(self, num_layers: int) -> tuple[int, ...]:
+        """The LTD layer ids of a network of ``num_layers`` layers that a technique put in place (a V-cycle level):
+        :func:`~lightning_effi.random_ltd.patching.resolve_layer_ids`, except that the default ids select none (an
+        empty tuple: random-LTD pauses) in a network of <= 2 layers.
+
+        Raises:
+            ValueError: explicit ids that do not exist in the network (see ``resolve_layer_ids``).
+        """
+        if self.layer_ids_arg is None and num_layers <= 2:
+            return ()
+        return resolve_layer_ids(self.layer_ids_arg, num_layers)
+
     def _check_model_changes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``layer_ids`` must resolve at the depth of every network a technique that replaces the model will put in
-        place (:class:`~lightning_effi.core.protocols.PlansModelChanges`, the V-cycle's levels)."""
+        place (:class:`~lightning_effi.core.protocols.PlansModelChanges`, the V-cycle's levels); the default ids
+        pause at a level of <= 2 layers, announced here once (``rank_zero_info``)."""
         name = type(self).__name__
         for other in trainer.callbacks:
             if other is self or not isinstance(other, PlansModelChanges):
                 continue
             depths = [int(d) for d in other.effi_model_depths(pl_module)]
+            paused = [level for level, depth in enumerate(depths, start=1) if self.layer_ids_arg is None and depth <= 2]
             for level, depth in enumerate(depths, start=1):
                 try:
-                    resolve_layer_ids(self.layer_ids_arg, depth)
+                    self._resolve_ids(depth)
                 except ValueError as err:
                     smallest = min(depths)
                     fix = f"pass explicit layer_ids below {smallest} (the smallest depth), e.g. {[0, 1][:smallest]}"
@@ -338,6 +408,13 @@ class RandomLTDCallback(Callback):
                         f"the first and the last layer of the network in place, explicit ids kept as given): {fix}, "
                         f"or use a deeper model or fewer levels"
                     ) from None
+            if paused:
+                rank_zero_info(
+                    f"{name}: pauses at level{'s' if len(paused) > 1 else ''} {', '.join(map(str, paused))} of "
+                    f"{type(other).__name__} (layers per level: {depths}): the default layer_ids (all but the first "
+                    "and the last layer) select none in a network of <= 2 layers, so no token is dropped there and "
+                    "its steps count their full layer-tokens and FLOPs; pass explicit layer_ids to drop tokens there"
+                )
 
     def _check_truncation(self, trainer: pl.Trainer) -> None:
         """Under the Curriculum's sequence-length truncation the longest batch has ``max_difficulty`` tokens (+ 1 with
@@ -393,7 +470,8 @@ class RandomLTDCallback(Callback):
 
     def effi_after_model_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The new network is in place: find the adapter on it again, resolve the LTD layer ids for its depth (see
-        ``layer_ids``), patch its layers; the controller (schedule, seed, current context) goes on.
+        ``layer_ids``), patch its layers (none with the default ids at <= 2 layers: paused); the controller
+        (schedule, seed, current context) goes on.
 
         Raises:
             ValueError: no adapter matches the new network, or ``layer_ids`` do not resolve at its depth.
@@ -404,27 +482,73 @@ class RandomLTDCallback(Callback):
         adapter = arg.rebind(pl_module) if isinstance(arg, TransformerAdapter) else find_adapter(pl_module, arg)
         num_layers = len(adapter.layers())
         try:
-            layer_ids = resolve_layer_ids(self.layer_ids_arg, num_layers)
+            layer_ids = self._resolve_ids(num_layers)
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: the new network has {num_layers} layers: {err}") from None
         self.controller.num_layers, self.controller.layer_ids = num_layers, layer_ids
-        self.patched = convert(pl_module, adapter, self.controller)
+        # no LTD layer (the default ids at <= 2 layers): paused, the shapes are only observed for the accounting
+        self.patched = (convert if layer_ids else observe)(pl_module, adapter, self.controller)
         self.adapter, self.num_layers, self.layer_ids = adapter, num_layers, layer_ids
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Resolve a derived ``require_steps`` (a fraction or epochs): on the run's progress clock when a technique
+        provides one (found now, after every callback's ``setup``: InfoBatch hides its clock in its own ``setup``
+        when it thins inside the curriculum), else in optimizer steps; on resume compare with the checkpoint's
+        schedule (``strict``)."""
         total = trainer.estimated_stepping_batches
         self.total_steps = int(total) if math.isfinite(total) else None
         if self.require_steps_arg is not None:
+            self.clock, self._clock_source = "step", None
             return  # a fixed step count: compared with the checkpoint's in load_state_dict
-        saved, current = self._saved_require_steps, self._resolve_require_steps(trainer)
-        if saved is not None and saved != current:
-            self._mismatch(
-                f"require_steps={str(self.require_duration)!r} gives {current} optimizer steps in this run but the "
-                f"checkpoint's schedule has require_steps={saved} (another duration or another run length)",
-                fix=f"continue the schedule with require_steps={current}",
-            )
-        self.require_steps = current
+        source = progress_clock(trainer.callbacks)
+        if source is None:
+            current = {"clock": "step", "require_steps": self._resolve_require_steps(trainer), "require_progress": None}
+        else:
+            ticks = self._resolve_require_progress(trainer, type(source).__name__)
+            current = {"clock": "progress", "require_steps": None, "require_progress": ticks}
+        saved = self._saved_schedule
+        if saved is not None and (diff := settings_diff(saved, current)):
+            if saved["clock"] == current["clock"] == "step":
+                self._mismatch(
+                    f"require_steps={str(self.require_duration)!r} gives {current['require_steps']} optimizer steps "
+                    f"in this run but the checkpoint's schedule has require_steps={saved['require_steps']} (another "
+                    "duration or another run length)",
+                    fix=f"continue the schedule with require_steps={current['require_steps']}",
+                )
+            else:
+                on = "optimizer steps" if source is None else f"{type(source).__name__}'s training progress"
+                self._mismatch(
+                    f"the checkpoint's configuration differs (checkpoint, now): {diff} (require_steps="
+                    f"{str(self.require_duration)!r} on {on}; another clock, duration or run length)",
+                    fix="continue the schedule with this run's clock and length",
+                )
+        self.clock, self._clock_source = current["clock"], source
+        self.require_steps, self.require_progress = current["require_steps"], current["require_progress"]
+
+    def _resolve_require_progress(self, trainer: pl.Trainer, source: str) -> int:
+        """A derived ``require_steps`` on the progress clock, in ticks of
+        :data:`~lightning_effi.core.progress.PROGRESS_TICKS`: ``max(1, round(f · 10⁹))`` with ``f`` the fraction
+        (read as the decimal it is written as) or ``n / max_epochs`` for ``n`` epochs (a growth that ends on an epoch
+        boundary when the clock runs over ``max_epochs`` epochs, as InfoBatch's does by default; the V-cycle measures
+        its stages the same way). At least one tick, as the step schedule takes at least one step.
+
+        Raises:
+            ValueError: epochs without a finite ``trainer.max_epochs >= 1``.
+        """
+        duration = self.require_duration
+        if duration.unit == "fraction":
+            share = Fraction(repr(float(duration.value)))
+        else:
+            epochs = trainer.max_epochs
+            if epochs is None or not math.isfinite(epochs) or epochs < 1:
+                raise ValueError(
+                    f"{type(self).__name__}.require_steps={duration} is in epochs, measured on {source}'s training "
+                    f"progress as n / max_epochs of the run, but trainer.max_epochs={epochs}; set "
+                    "Trainer(max_epochs=...) or give a fraction of the run ('0.8dur')"
+                )
+            share = Fraction(int(duration.value), int(epochs))
+        return max(1, round(share * PROGRESS_TICKS))
 
     def _resolve_require_steps(self, trainer: pl.Trainer) -> int:
         """A derived ``require_steps`` in optimizer steps (at train start): a fraction of the run's optimizer steps
@@ -445,15 +569,50 @@ class RandomLTDCallback(Callback):
 
     # ------------------------------------------------------------------------------------------------ schedule
     def value_at(self, step: int) -> int:
-        """Reserved length at optimizer step ``step`` (pure; needs the resolved ``max_value`` and ``require_steps``)."""
-        if self.max_value is None or self.require_steps is None:
-            raise RuntimeError("RandomLTDCallback: the schedule is resolved in setup / on_train_start")
+        """Reserved length at optimizer step ``step`` (pure; needs the resolved ``max_value`` and ``require_steps``).
+
+        Raises:
+            RuntimeError: before the schedule is resolved, or on the progress clock (see :meth:`value_at_progress`).
+        """
+        self._check_step_schedule("value_at")
+        assert self.max_value is not None and self.require_steps is not None
         return F.ltd_value(step, self.min_value, self.max_value, self.require_steps, self.seq_per_step, self.rounding)
 
-    def total_layer_tokens(self, train_steps: int, global_batch_size: int) -> int:
-        """Layer-tokens of ``train_steps`` optimizer steps of full-length batches (pure: the state is untouched)."""
+    def value_at_progress(self, ticks: int) -> int:
+        """Reserved length at training progress ``ticks`` (in ticks of
+        :data:`~lightning_effi.core.progress.PROGRESS_TICKS`, :func:`~lightning_effi.core.progress.progress_ticks`)
+        on the progress clock: ``ltd_value(ticks, min_value, max_value, require_progress, seq_per_step, rounding)``
+        (pure).
+
+        Raises:
+            RuntimeError: not on the progress clock (resolved at train start).
+        """
+        if self.clock != "progress" or self.max_value is None or self.require_progress is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.value_at_progress: the schedule is not on a progress clock (clock="
+                f"{self.clock!r}; resolved at train start); use value_at(step)"
+            )
+        return F.ltd_value(
+            ticks, self.min_value, self.max_value, self.require_progress, self.seq_per_step, self.rounding
+        )
+
+    def _check_step_schedule(self, what: str) -> None:
+        if self.clock == "progress":
+            raise RuntimeError(
+                f"{type(self).__name__}.{what}: the schedule is on {type(self._clock_source).__name__}'s progress "
+                "clock (the epochs shorten), so it has no step count; use value_at_progress"
+            )
         if self.max_value is None or self.require_steps is None:
-            raise RuntimeError("RandomLTDCallback: the schedule is resolved in setup / on_train_start")
+            raise RuntimeError(f"{type(self).__name__}: the schedule is resolved in setup / on_train_start")
+
+    def total_layer_tokens(self, train_steps: int, global_batch_size: int) -> int:
+        """Layer-tokens of ``train_steps`` optimizer steps of full-length batches (pure: the state is untouched).
+
+        Raises:
+            RuntimeError: before the schedule is resolved, or on the progress clock (no step count).
+        """
+        self._check_step_schedule("total_layer_tokens")
+        assert self.max_value is not None and self.require_steps is not None
         return F.total_layer_tokens(
             train_steps,
             global_batch_size,
@@ -487,10 +646,45 @@ class RandomLTDCallback(Callback):
         assert self.controller is not None
         step = trainer.global_step
         self.current_step = step
-        self.current_value = self.value_at(step)
+        if self.clock == "progress":
+            assert self._clock_source is not None
+            # the progress of the steps taken before this one (every micro-batch of the step reads the same)
+            self.current_progress = progress_ticks(self._clock_source.effi_progress_done())
+            self.current_value = self.value_at_progress(self.current_progress)
+        else:
+            self.current_value = self.value_at(step)
         self.controller.begin(step, batch_idx, self.current_value)
         self._folded = False
         self._batch_costs_fixed, self._frac_fixed = None, None
+        self._batch_ltd_layers = len(self.layer_ids)
+        self._fused = self._fused_attention(pl_module)
+
+    def _fused_attention(self, pl_module: pl.LightningModule) -> bool:
+        """Whether the network in place runs its attention on a fused scaled-dot-product kernel in training, whose
+        backward recomputes the scores (:func:`~lightning_effi.core.flops.sdpa_recomputes`; the skipped FLOPs then
+        include that recompute, :func:`~lightning_effi.random_ltd.functional.flops_per_layer`):
+
+        - a module with ``fused_attention(dropout)`` (the reference Hugging Face tasks,
+          ``lightning_effi/reference/tasks/language_models.py``), asked with the network config's attention dropout
+          (``attn_pdrop``, ``attention_probs_dropout_prob`` or ``attention_dropout``);
+        - timm attention modules (``fused_attn``, ``attn_drop``): any with ``fused_attn``, and
+          ``sdpa_recomputes(device, attn_drop.p if training else 0)``;
+        - else False (eager attention, or a module that does not say)."""
+        if self.adapter is None:
+            return False
+        config = getattr(self.adapter.root, "config", None)
+        ask = getattr(pl_module, "fused_attention", None)
+        if config is not None and callable(ask):
+            for key in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout"):
+                if isinstance(dropout := getattr(config, key, None), (int, float)):
+                    return bool(ask(float(dropout)))
+            return bool(ask(0.0))
+        attention = [m for m in self.adapter.layers().modules() if isinstance(getattr(m, "fused_attn", None), bool)]
+        if not any(m.fused_attn for m in attention):
+            return False
+        drop = next((m.attn_drop for m in attention if m.fused_attn and hasattr(m, "attn_drop")), None)
+        p = float(getattr(drop, "p", 0.0)) if drop is not None and drop.training else 0.0
+        return sdpa_recomputes(pl_module.device, p)
 
     def _fold_batch(self) -> None:
         """Add the current micro-batch's records to the pending step totals (once)."""
@@ -515,8 +709,8 @@ class RandomLTDCallback(Callback):
             samples += rec.batch_size
             layer_tokens += F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
             full_layer_tokens += rec.batch_size * rec.seq_len * L
-            full = F.flops_per_layer(rec.batch_size, rec.seq_len, h, inter)
-            saved += L_ltd * (full - F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter))
+            full = F.flops_per_layer(rec.batch_size, rec.seq_len, h, inter, self._fused)
+            saved += L_ltd * (full - F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter, self._fused))
             full_flops += L * full
         return samples, layer_tokens, full_layer_tokens, saved, full_flops
 
@@ -558,6 +752,7 @@ class RandomLTDCallback(Callback):
                 "effi/random_ltd/reserved_length": float(self.current_value),
                 "effi/random_ltd/consumed_layer_tokens": float(self.consumed_layer_tokens),
                 "effi/random_ltd/flops_saved_frac": frac,
+                "effi/random_ltd/ltd_layers": float(self._batch_ltd_layers),
             },
             on_step=True,
             on_epoch=False,
@@ -577,6 +772,7 @@ class RandomLTDCallback(Callback):
             len(self.layer_ids),
             self.adapter.hidden_size(),
             self.adapter.intermediate_size(),
+            fused_attention=self._fused,
         )
 
     # ------------------------------------------------------------------------------------------------ accounting
@@ -612,6 +808,8 @@ class RandomLTDCallback(Callback):
             "seed": self.seed,
             "keep_prefix_tokens": self.keep_prefix_tokens,
             "accounting": self.accounting,
+            "clock": self.clock,
+            "require_progress": self.require_progress,
         }
 
     @override
@@ -641,12 +839,18 @@ class RandomLTDCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved, mine = dict(state_dict["config"]), self.config()
+        saved.setdefault("clock", "step")  # written before the progress clock existed
+        saved.setdefault("require_progress", None)
         if self.require_steps_arg is None:
-            # derived from the run: on_train_start compares what the current arguments give in this run
-            mine.pop("require_steps")
-            saved_steps = saved.pop("require_steps", None)
-            if saved_steps is not None:
-                self.require_steps = self._saved_require_steps = int(saved_steps)
+            # derived from the run: on_train_start compares what the current arguments give in this run (clock too)
+            schedule = {key: saved.pop(key) for key in ("clock", "require_steps", "require_progress")}
+            for key in schedule:
+                mine.pop(key)
+            if schedule["require_steps"] is not None:
+                schedule["require_steps"] = self.require_steps = int(schedule["require_steps"])
+            if schedule["require_progress"] is not None:
+                schedule["require_progress"] = self.require_progress = int(schedule["require_progress"])
+            self._saved_schedule = schedule
         diff = settings_diff(saved, mine)
         if diff:
             self._mismatch(f"the checkpoint's configuration differs (checkpoint, now): {diff}")

@@ -295,13 +295,19 @@ def total_layer_tokens(
     return total
 
 
-def flops_per_layer(batch_size: int, tokens: int, hidden: int, intermediate: int | None = None) -> int:
+def flops_per_layer(
+    batch_size: int, tokens: int, hidden: int, intermediate: int | None = None, fused_attention: bool = False
+) -> int:
     """Training FLOPs (forward + backward = 3 x forward) of one transformer layer on ``tokens`` tokens per sample:
     ``3 * (B*T*(8*H^2 + 4*H*I) + 4*B*T^2*H)`` (QKV/output projections, MLP, attention scores and mixing; the
-    same convention as :func:`lightning_effi.core.flops.transformer_forward_flops`)."""
+    same convention as :func:`lightning_effi.core.flops.transformer_forward_flops`), plus ``2*B*T^2*H`` when
+    ``fused_attention``: a fused scaled-dot-product kernel recomputes the scores ``Q K^T`` in the backward
+    (Dao et al. 2022, FlashAttention Sec. 3.1; :func:`lightning_effi.core.flops.attention_recompute_flops`, as
+    ``torch.utils.flop_counter`` counts the sdpa backward). ``I`` defaults to ``4*H``."""
     inter = 4 * hidden if intermediate is None else intermediate
     b, t = int(batch_size), int(tokens)
-    return 3 * (b * t * (8 * hidden * hidden + 4 * hidden * inter) + 4 * b * t * t * hidden)
+    recompute = 2 * b * t * t * hidden if fused_attention else 0
+    return 3 * (b * t * (8 * hidden * hidden + 4 * hidden * inter) + 4 * b * t * t * hidden) + recompute
 
 
 def saved_flops_fraction(
@@ -311,13 +317,14 @@ def saved_flops_fraction(
     num_ltd_layers: int,
     hidden: int,
     intermediate: int | None = None,
+    fused_attention: bool = False,
 ) -> float:
-    """Fraction of the transformer layers' training FLOPs that random-LTD skips at reserved length ``r``."""
-    full = num_layers * flops_per_layer(1, seq_len, hidden, intermediate)
+    """Fraction of the transformer layers' training FLOPs that random-LTD skips at reserved length ``r``
+    (:func:`flops_per_layer`, with the fused kernels' recompute of the scores when ``fused_attention``)."""
+    per_layer = flops_per_layer(1, seq_len, hidden, intermediate, fused_attention)
+    full = num_layers * per_layer
     if full == 0:
         return 0.0
     r = min(reserved_length, seq_len)
-    saved = num_ltd_layers * (
-        flops_per_layer(1, seq_len, hidden, intermediate) - flops_per_layer(1, r, hidden, intermediate)
-    )
+    saved = num_ltd_layers * (per_layer - flops_per_layer(1, r, hidden, intermediate, fused_attention))
     return saved / full

@@ -48,6 +48,7 @@ __all__ = [
     "LTDForward",
     "PatchedLayers",
     "convert",
+    "observe",
     "resolve_layer_ids",
     "restore",
     "strip_random_ltd_keys",
@@ -175,6 +176,16 @@ class LTDController:
                 )
         idx = self._indices[shape_key]
         return None if idx.numel() == 0 else idx[ordinal]
+
+    def observe(self, batch_size: int, seq_len: int, device: torch.device) -> None:
+        """Record the shapes of the current context's forward on a network without LTD layers (random-LTD paused
+        there, :func:`observe`): ``(B, S, r = S)``, once per shape, nothing drawn. A no-op when not armed."""
+        if not self.armed:
+            return
+        shape_key = (batch_size, seq_len, str(device))
+        if shape_key not in self._indices:
+            self.records.append(BatchRecord(batch_size, seq_len, seq_len))
+            self._indices[shape_key] = torch.empty(0)
 
     def last_indices(self) -> Tensor | None:
         """The ``[L_ltd, B, r]`` indices drawn last in the current context (``None`` if nothing was dropped)."""
@@ -333,12 +344,14 @@ class LTDForward:
 
 @dataclass
 class PatchedLayers:
-    """What :func:`convert` changed, for :func:`restore`."""
+    """What :func:`convert` (or :func:`observe`) changed, for :func:`restore`."""
 
     adapter: TransformerAdapter
     layers: list[nn.Module]
     previous: list[Any]  # the instance-level forward each layer had before (None: the class method)
     controller: LTDController
+    hooks: list[Any] = field(default_factory=list)  # forward pre-hook handles of :func:`observe`
+    set_up: bool = True  # the adapter's on_setup ran (convert), so restore runs its on_teardown
 
 
 def convert(module: nn.Module, adapter: TransformerAdapter, controller: LTDController) -> PatchedLayers:
@@ -371,16 +384,50 @@ def convert(module: nn.Module, adapter: TransformerAdapter, controller: LTDContr
     return PatchedLayers(adapter, selected, previous, controller)
 
 
+def observe(module: nn.Module, adapter: TransformerAdapter, controller: LTDController) -> PatchedLayers:
+    """Random-LTD paused on a network without LTD layers (``controller.layer_ids`` empty: the default ids at a depth
+    of <= 2 layers): nothing is patched; a forward pre-hook on the first layer records the shapes ``(B, S)`` of each
+    armed training forward (:meth:`LTDController.observe`), so that the steps trained there are counted at their full
+    layer-tokens and FLOPs. :func:`restore` removes the hook.
+
+    Raises:
+        ValueError: ``controller.layer_ids`` is not empty, or the network's layer count is not the controller's.
+    """
+    if controller.layer_ids:
+        raise ValueError(f"observe: the controller has LTD layers {list(controller.layer_ids)}; use convert")
+    adapter.bind(module)
+    layers = adapter.layers()
+    if len(layers) != controller.num_layers:
+        raise ValueError(f"the controller expects {controller.num_layers} layers, the model has {len(layers)}")
+    hooks = []
+    if len(layers):
+        first = layers[0]
+        seq_dim = 1 if adapter.hidden_state_order == "batch_seq" else 0
+        hidden_name = _hidden_name(inspect.signature(first.forward))
+
+        def record(layer: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs.get(hidden_name)
+            if layer.training and isinstance(hidden, Tensor) and hidden.device.type != "meta" and hidden.dim() >= 2:
+                controller.observe(hidden.shape[1 - seq_dim], hidden.shape[seq_dim], hidden.device)
+
+        hooks.append(first.register_forward_pre_hook(record, with_kwargs=True))
+    return PatchedLayers(adapter, [], [], controller, hooks, set_up=False)
+
+
 def restore(patched: PatchedLayers) -> None:
-    """Undo :func:`convert`: the layers get back the ``forward`` they had (idempotent)."""
+    """Undo :func:`convert` (the layers get back the ``forward`` they had) or :func:`observe` (its hook is removed);
+    idempotent."""
     for layer, prev in zip(patched.layers, patched.previous):
         if isinstance(layer.__dict__.get("forward"), LTDForward):
             if prev is None:
                 del layer.forward
             else:
                 layer.forward = prev
-    patched.adapter.on_teardown()
-    patched.layers, patched.previous = [], []
+    for hook in patched.hooks:
+        hook.remove()
+    if patched.set_up:
+        patched.adapter.on_teardown()
+    patched.layers, patched.previous, patched.hooks = [], [], []
 
 
 def is_converted(module: nn.Module) -> bool:

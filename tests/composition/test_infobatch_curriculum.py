@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_effi.callbacks import Curriculum, InfoBatchCallback
+from lightning_effi.callbacks import Curriculum, InfoBatchCallback, VCycleCallback
 from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.core.errors import DataConfigError
+from lightning_effi.core.progress import progress_clock, progress_source
 from lightning_effi.core.wrapping import find_wrapper, wrapper_chain
 from lightning_effi.curriculum import CurriculumConfig, CurriculumController
 from lightning_effi.curriculum.analysis.index import MetricIndex
@@ -297,6 +298,65 @@ def test_trained_samples_respect_the_difficulty_and_come_from_the_curriculums_dr
         drawn = rec_cl.stream[(r["step"], r["micro"])]  # what the curriculum alone drew at this step
         assert r["candidates"] == len(drawn) == MBS and r_cl["shape"] == (MBS, d["seqlen_truncate"])
         assert not Counter(r["index"]) - Counter(drawn)  # a sub-multiset of the curriculum-only draw
+
+
+class Baselines(pl.Callback):
+    """The progress clock the run sees at train start, and InfoBatch's ``effi_baseline`` of every batch."""
+
+    def __init__(self):
+        self.clock, self.samples = "unset", []
+
+    def on_train_start(self, trainer, pl_module):
+        self.clock = (progress_clock(trainer.callbacks), progress_source(trainer.callbacks))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        ib_cb = next(c for c in trainer.callbacks if isinstance(c, InfoBatchCallback))
+        baseline = ib_cb.effi_baseline(batch, pl_module)
+        self.samples.append(None if baseline is None else baseline.samples)
+
+
+@pytest.mark.parametrize("infobatch_first", [True, False])
+def test_no_progress_clock_and_each_slice_stands_for_its_candidates(tmp_path, infobatch_first):
+    """Thinning inside the curriculum changes no step: InfoBatch is no progress source or clock then (in either
+    callback order). Its baseline charges each micro-batch ``candidates / kept`` (None when nothing was dropped), so
+    the EfficiencyMonitor's baseline counts every sample the curriculum drew."""
+    rec, probe = Record(), Baselines()
+    techniques = [infobatch(), curriculum()] if infobatch_first else [curriculum(), infobatch()]
+    pl.seed_everything(0, workers=True)
+    monitor = EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path, [rec, monitor, *techniques, probe], max_steps=20, max_epochs=-1)
+    trainer.fit(tiny_gpt2(), datamodule=NESTINGS["infobatch_outside"](tiny_lm_data(batch_size=MBS)))
+    assert probe.clock == (None, None)
+    kept = [len(r["index"]) for r in rec.train]
+    assert probe.samples == [MBS / k if k < MBS else None for k in kept]
+    assert any(k < MBS for k in kept)
+    s = monitor.summary
+    assert s["samples"] == sum(kept) and s["baseline_samples"] == MBS * len(kept) == 80
+    assert s["saved/infobatch/samples_frac"] == pytest.approx(1 - sum(kept) / 80)
+
+
+class StepsAndLevels(pl.Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        ib_cb = next(c for c in trainer.callbacks if isinstance(c, InfoBatchCallback))
+        vc = next(c for c in trainer.callbacks if isinstance(c, VCycleCallback))
+        self.rows.append((trainer.global_step, ib_cb.effi_progress_done(), vc.level))
+
+
+def test_a_vcycle_before_infobatch_reads_the_curriculums_steps(tmp_path):
+    """A V-cycle earlier in the callback list looks for a progress clock in its setup, before InfoBatch's setup hides
+    it: for it InfoBatch's clock reads the curriculum's steps (``global_step / T``, ``T`` = 20), so the stages
+    ('0.2dur', '0.4dur') switch after steps 4 and 12 and the run ends on the full model."""
+    probe = StepsAndLevels()
+    vc = VCycleCallback(e_a="0.2dur", e_small="0.4dur")
+    pl.seed_everything(0, workers=True)
+    trainer = make_trainer(tmp_path, [vc, infobatch(), curriculum(), probe], max_steps=20, max_epochs=-1)
+    trainer.fit(tiny_gpt2(n_layer=4), datamodule=NESTINGS["infobatch_outside"](tiny_lm_data(batch_size=MBS)))
+    assert [p for _, p, _ in probe.rows] == [s / 20 for s in range(1, 21)]
+    assert [level for *_, level in probe.rows] == [1] * 3 + [2] * 8 + [1] * 9
+    assert trainer.global_step == 20 and vc.switches == 2 and vc.level == 1
 
 
 def test_later_epochs_train_fewer_samples_and_annealing_stops_the_thinning(runs):

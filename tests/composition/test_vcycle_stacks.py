@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,16 +21,19 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import Subset
 
-from lightning_effi.callbacks import Curriculum, RandomLTDCallback, VCycleCallback
+from lightning_effi.callbacks import Curriculum, InfoBatchCallback, RandomLTDCallback, VCycleCallback
+from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.core.loader import EpochShuffleSampler, ResumableDataLoader
 from lightning_effi.core.progress import PROGRESS_TICKS
 from lightning_effi.core.protocols import FollowsModelChanges, PlansModelChanges, ProvidesProgressClock
 from lightning_effi.data import CurriculumDataModule
 from lightning_effi.functional import random_ltd as F
 from lightning_effi.functional import vcycle as V
+from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.models.vcycle_base import find_vcycle_adapter
 from lightning_effi.random_ltd import is_converted
 from lightning_effi.tasks import ImageClassifier
+from tests.harness.settings import MONITOR_TIMES
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import TinyDataModule, TokenBlocks, sgd, tiny_gpt2, tiny_image_data, tiny_lm_data
 
@@ -161,11 +166,13 @@ def test_three_levels_and_explicit_layer_ids(tmp_path):
 
 @pytest.mark.parametrize("order", ["vcycle_first", "random_ltd_first"])
 def test_layer_ids_missing_at_a_coarse_level_fail_at_setup(tmp_path, order):
-    """Explicit ids beyond a coarse level's depth, or a default that selects none there, are refused in setup (either
-    setup order: random-LTD asks the V-cycle for every level's depth), before any step and with nothing patched."""
+    """Explicit ids beyond a coarse level's depth are refused in setup (either setup order: random-LTD asks the
+    V-cycle for every level's depth), before any step and with nothing patched; so is the default on a full model of
+    2 layers (it would select none at every level)."""
     for layer_ids, n_layer, match in (
         ([3, 4], 6, r"layer_ids=\[3, 4\]: VCycleCallback trains a network of 3 layers at level 2 .*\[6, 3\].*below 3"),
-        (None, 4, r"layer_ids=None: VCycleCallback trains a network of 2 layers at level 2 .*selects none"),
+        ([1, 2], 4, r"layer_ids=\[1, 2\]: VCycleCallback trains a network of 2 layers at level 2 .*\[4, 2\].*below 2"),
+        (None, 2, r"layer_ids: the model has 2 layers, so the default .* selects none"),
     ):
         vc, ltd = VCycleCallback(e_a=2, e_small=3), ltd_cb(max_value=16, layer_ids=layer_ids)
         model = tiny_gpt2(n_layer=n_layer)
@@ -173,6 +180,57 @@ def test_layer_ids_missing_at_a_coarse_level_fail_at_setup(tmp_path, order):
         with pytest.raises(ValueError, match=match):
             trainer.fit(model, datamodule=tiny_lm_data())
         assert trainer.global_step == 0 and not is_converted(model) and depth_of(model) == n_layer
+
+
+@pytest.mark.parametrize("order", ["vcycle_first", "random_ltd_first"])
+def test_default_layer_ids_pause_at_a_two_layer_level(tmp_path, order, caplog):
+    """GPT-2 of 4 layers, coarse level of 2: the default ids pause random-LTD there (announced once at setup): nothing
+    is patched or dropped at the coarse level, its steps count their full layer-tokens (the EfficiencyMonitor's
+    too), ``effi/random_ltd/ltd_layers`` logs 2, 2, 0, 0, 0, 2, 2, 2, and the run ends on the full model, unpatched."""
+    pl.seed_everything(0)
+    model = tiny_gpt2(n_layer=4)
+    vc, ltd, monitor = VCycleCallback(e_a=2, e_small=3), ltd_cb(max_value=16), EfficiencyMonitor(print_summary=False)
+    probe, logger = LTDProbe(ltd), CSVLogger(tmp_path, name="log")
+    stack = [vc, ltd] if order == "vcycle_first" else [ltd, vc]
+    with caplog.at_level(logging.INFO):
+        trainer = fit([monitor, *stack, probe], model, tiny_lm_data(), tmp_path, max_steps=8, logger=logger,
+                      log_every_n_steps=1)  # fmt: skip
+    announced = [r.getMessage() for r in caplog.records if "pauses" in r.getMessage()]
+    assert announced == [
+        "RandomLTDCallback: pauses at level 2 of VCycleCallback (layers per level: [4, 2]): the default layer_ids "
+        "(all but the first and the last layer) select none in a network of <= 2 layers, so no token is dropped "
+        "there and its steps count their full layer-tokens and FLOPs; pass explicit layer_ids to drop tokens there"
+    ]
+    assert trainer.global_step == 8 and vc.level == 1 and not is_converted(model) and depth_of(model) == 4
+    assert [row["depth"] for row in probe.rows] == [4, 4, 2, 2, 2, 4, 4, 4]
+    total = 0
+    for row in probe.rows:
+        paused = row["depth"] == 2
+        assert row["patched"] == row["really_patched"] == ([] if paused else [1, 2])
+        ((batch, seq_len, r),) = row["records"]
+        assert (batch, seq_len) == (8, 16) and r == (16 if paused else min(row["r"], 16))
+        assert row["drawn"] is None if paused or r == 16 else row["drawn"] == (2, 8, r)
+        total += F.layer_tokens(8, 16, r, row["depth"], 0 if paused else 2)
+        assert row["consumed"] == total
+    assert [row["r"] for row in probe.rows] == [F.ltd_value(s, 4, 16, 6, 4) for s in range(8)]  # the schedule goes on
+    assert ltd.consumed_layer_tokens == total and ltd.full_layer_tokens == sum(8 * 16 * r["depth"] for r in probe.rows)
+    assert monitor.summary["layer_tokens"] == total
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("effi/random_ltd/ltd_layers")]
+    assert [float(row["effi/random_ltd/ltd_layers"]) for row in rows] == [2, 2, 0, 0, 0, 2, 2, 2]
+
+
+@pytest.mark.parametrize("resume_step", [3, 6])  # at the paused coarse level; after the up-switch
+def test_resume_at_a_paused_level_equals_uninterrupted(tmp_path, resume_step):
+    assert_resume_equals_uninterrupted(
+        lambda: tiny_gpt2(n_layer=4),
+        tiny_lm_data,
+        tmp_path,
+        total_steps=8,
+        resume_step=resume_step,
+        callbacks_fn=lambda: [VCycleCallback(e_a=2, e_small=3), ltd_cb(max_value=16), EfficiencyMonitor()],
+        ignore_state=("map_seconds", *MONITOR_TIMES),
+    )
 
 
 def test_protocols_are_declared():
@@ -354,6 +412,53 @@ def test_a_checkpoint_of_another_clock_is_reported(tmp_path):
     )
     with pytest.raises(ValueError, match=r"configuration differs .*'clock': \('progress', 'step'\)"):
         trainer.fit(gpt2_6(), datamodule=ShortEpochData(), ckpt_path=tmp_path / "ckpts" / "step=7.ckpt")
+
+
+class Progress(Callback):
+    """InfoBatch's effi_progress_done() after every optimizer step (its on_before_optimizer_step counted the step)."""
+
+    def __init__(self, ib: InfoBatchCallback) -> None:
+        self.ib, self.done = ib, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.done.append(self.ib.effi_progress_done())
+
+
+def test_infobatch_is_the_vcycles_progress_clock(tmp_path):
+    """The real InfoBatch (40 blocks, batch 8, epochs of 5, <5, <5, 5 steps; estimated_stepping_batches says 20) is
+    the V-cycle's clock: '0.3dur' / '0.5dur' switch after the first steps at which its effi_progress_done() has
+    reached 0.3 and 0.8, and the run ends on the full model. Stage lengths in steps must fit in its
+    effi_min_total_steps(): 5 + 3 + 3 + 5 = 16 (a prune epoch keeps at least 1 + floor(0.5 · 39) = 20 samples)."""
+
+    def data() -> InfoBatchDataModule:
+        return InfoBatchDataModule(TinyDataModule(TokenBlocks(), batch_size=8))
+
+    pl.seed_everything(0)
+    ib, vc, levels = (
+        InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7),
+        VCycleCallback(e_a="0.3dur", e_small="0.5dur"),
+        Levels(),
+    )
+    progress = Progress(ib)
+    trainer = make_trainer(tmp_path / "a", [ib, vc, levels, progress], max_epochs=4)
+    trainer.fit(gpt2_6(), datamodule=data())
+    assert vc.clock == "progress" and vc.stage_ends == [300_000_000, 800_000_000]
+    assert trainer.global_step < trainer.estimated_stepping_batches == 20
+    lengths = [math.ceil(h["size"] / 8) for h in ib.history]
+    assert progress.done == [(e + j / n) / 4 for e, n in enumerate(lengths) for j in range(1, n + 1)]
+    first, second = (next(k for k, p in enumerate(progress.done) if p >= end) for end in (0.3, 0.8))
+    assert levels.depths == [3 if first <= k < second else 6 for k in range(trainer.global_step)]
+    assert vc.switches == 2 and vc.level == 1 and vc.cut_short_level == 0
+    stack = [InfoBatchCallback(prune_ratio=0.5, delta=0.75), VCycleCallback(e_a=5, e_small=12)]
+    trainer = make_trainer(tmp_path / "b", stack, max_epochs=4)
+    with pytest.raises(ValueError, match=r"need 17 optimizer steps .*InfoBatchCallback shortens .*as few as 16"):
+        trainer.fit(gpt2_6(), datamodule=data())
+    assert trainer.global_step == 0
+    vc = VCycleCallback(e_a=5, e_small=11)
+    make_trainer(tmp_path / "c", [InfoBatchCallback(prune_ratio=0.5, delta=0.75), vc], max_epochs=4).fit(
+        gpt2_6(), datamodule=data()
+    )
+    assert vc.clock == "step" and vc.stage_ends == [5, 16] and vc.level == 1
 
 
 # ------------------------------------------------------------------------------------------------ cut short

@@ -16,6 +16,8 @@ import lightning_effi.infobatch
 from lightning_effi.callbacks import InfoBatchCallback
 from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.core.lr_schedules import warmup_cosine
+from lightning_effi.core.progress import progress_clock, progress_source
+from lightning_effi.core.protocols import ProvidesProgressClock
 from lightning_effi.core.requirements import IncompatibleTechniques, Requirements
 from lightning_effi.functional import infobatch as ib
 from lightning_effi.infobatch.data import InfoBatchDataModule
@@ -245,6 +247,129 @@ def test_progress_based_lr_ends_exactly_at_its_end_value_with_shrinking_epochs(t
     cosine = lambda p: 0.5 * (1 + math.cos(math.pi * p))  # noqa: E731
     assert module.first_lr == pytest.approx(cosine(0.0)) and module.lrs[0] == pytest.approx(cosine(0.1))
     assert all(b <= a + 1e-12 for a, b in zip(module.lrs, module.lrs[1:]))  # monotone decay
+
+
+# ------------------------------------------------------------------------------------------------ the progress clock
+class ClockLog(pl.Callback):
+    """Per training batch: ``(epoch, global_step after it, effi_progress_done() at its start and at its end)``, and
+    ``effi_min_total_steps()`` at train start. Checkpointed, so a resumed run's final state holds both halves' rows."""
+
+    def __init__(self) -> None:
+        self.rows: list[list] = []
+        self.min_steps: int | None = None
+        self._start = -1.0
+
+    @staticmethod
+    def clock(trainer: pl.Trainer) -> InfoBatchCallback:
+        return next(cb for cb in trainer.callbacks if isinstance(cb, InfoBatchCallback))
+
+    def on_train_start(self, trainer, pl_module):
+        self.min_steps = self.clock(trainer).effi_min_total_steps()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = self.clock(trainer).effi_progress_done()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        done = self.clock(trainer).effi_progress_done()
+        self.rows.append([trainer.current_epoch, trainer.global_step, self._start, done])
+
+    def state_dict(self):
+        return {"rows": [list(r) for r in self.rows]}
+
+    def load_state_dict(self, state_dict):
+        self.rows = [list(r) for r in state_dict["rows"]]
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "min_steps"),
+    [
+        # N = 40, batch 8, E = 4, delta = 0.75: epochs 1 and 2 keep >= 1 + floor(0.5 * 39) = 20 samples
+        (dict(), 5 + 3 + 3 + 5),
+        (dict(accumulate_grad_batches=2), 3 + 2 + 2 + 3),  # ceil(batches / 2) optimizer steps
+        (dict(limit_train_batches=3), 3 + 3 + 3 + 3),  # at most 3 batches an epoch
+    ],
+)
+def test_progress_done_per_step_and_the_fewest_steps(tmp_path, trainer_kwargs, min_steps):
+    """``effi_progress_done()`` after every optimizer step is ``(e + j / L_e) / E`` with ``L_e`` the epoch's optimizer
+    steps (the plan's batches, limited and accumulated as Lightning does): exactly ``n / E`` at the end of epoch
+    ``n - 1`` and at the start of epoch ``n``, 1.0 after the last step; ``effi_min_total_steps()`` is the hand count,
+    and the run has at least that many steps."""
+    pl.seed_everything(0)
+    cb, log = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), ClockLog()
+    trainer = make_trainer(tmp_path, [cb, log], max_epochs=4, **trainer_kwargs)
+    trainer.fit(tiny_gpt2(), datamodule=ib_data())
+    accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
+    limit = trainer_kwargs.get("limit_train_batches", 10**9)
+    sizes = [h["size"] for h in cb.history]
+    assert [h["kind"] for h in cb.history] == ["full", "prune", "prune", "full"] and sizes[1] < 40 and sizes[2] < 40
+    steps = [math.ceil(min(math.ceil(size / 8), limit) / accumulate) for size in sizes]  # L_e
+    expected, step = [], 0
+    for epoch, length in enumerate(steps):
+        for j in range(1, length + 1):
+            step += 1
+            micro = min(math.ceil(sizes[epoch] / 8), limit) - (length - 1) * accumulate if j == length else accumulate
+            start, done = (epoch + (j - 1) / length) / 4, (epoch + j / length) / 4
+            expected += [[epoch, step - 1, start, start]] * (micro - 1) + [[epoch, step, start, done]]
+    assert log.rows == expected  # exact floats, every micro-batch
+    epochs = [[row for row in log.rows if row[0] == epoch] for epoch in range(4)]
+    assert [rows[-1][3] for rows in epochs] == [0.25, 0.5, 0.75, 1.0] == [n / 4 for n in range(1, 5)]
+    assert [rows[0][2] for rows in epochs] == [0.0, 0.25, 0.5, 0.75] and cb.effi_progress_done() == 1.0
+    assert log.min_steps == min_steps <= trainer.global_step == sum(steps)
+
+
+def test_progress_clock_resumes_exactly(tmp_path):
+    """A run resumed mid-epoch inside a prune epoch reads the same progress at every later step as the uninterrupted
+    run (the log is part of the compared callback states)."""
+    pl.seed_everything(0, workers=True)
+    probe = make_trainer(tmp_path / "probe", [InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7)], max_epochs=4)
+    probe.fit(tiny_gpt2(), datamodule=ib_data())
+    a, b = assert_resume_equals_uninterrupted(
+        tiny_gpt2,
+        ib_data,
+        tmp_path,
+        total_steps=probe.global_step,
+        resume_step=7,  # the second step of epoch 1 (5 full-epoch steps first)
+        callbacks_fn=lambda: [InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), ClockLog()],
+        max_epochs=4,
+    )
+    rows = next(cb for cb in b.callbacks if isinstance(cb, ClockLog)).rows
+    assert len(rows) == probe.global_step and rows[-1][3] == 1.0
+    assert next(cb for cb in b.callbacks if isinstance(cb, ClockLog)).min_steps == 16
+
+
+def test_the_callback_is_the_runs_progress_clock_alone_only(tmp_path):
+    cb = InfoBatchCallback()
+    assert isinstance(cb, ProvidesProgressClock) and progress_clock([cb]) is cb
+    assert cb.effi_progress_done() == 0.0  # before any plan
+    with pytest.raises(RuntimeError, match="not set up yet"):
+        cb.effi_min_total_steps()
+    cb._hide_clock()  # what setup does when the callback thins inside the curriculum
+    assert progress_clock([cb]) is None and progress_source([cb]) is None
+    cb._show_clock()
+    assert progress_clock([cb]) is cb
+
+
+def test_effi_baseline_charges_the_pruned_samples(tmp_path):
+    """In a prune epoch each trained sample stands for ``(L + padded + saved) / (L + padded)`` (the plan's length,
+    its DDP duplicates and its pruned samples); nothing in a full epoch."""
+
+    class Baselines(pl.Callback):
+        def __init__(self) -> None:
+            self.rows: list = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            base = cb.effi_baseline(batch, pl_module)
+            self.rows.append((trainer.current_epoch, None if base is None else base.samples))
+
+    pl.seed_everything(0)
+    cb, baselines = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), Baselines()
+    make_trainer(tmp_path, [cb, baselines], max_epochs=4).fit(tiny_gpt2(), datamodule=ib_data())
+    for epoch, samples in baselines.rows:
+        h = cb.history[epoch]
+        if h["kind"] == "full":
+            assert samples is None
+        else:
+            assert h["padded"] == 0 and samples == (h["size"] + h["saved"]) / h["size"] == 40 / h["size"] > 1
 
 
 @pytest.mark.parametrize(

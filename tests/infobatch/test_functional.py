@@ -574,3 +574,54 @@ def test_module_imports_no_lightning():
         modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert {m.split(".")[0] for m in modules} <= stdlib, (name, modules)
+
+
+# ------------------------------------------------------------------------------------------ the fewest steps of a run
+
+
+def test_min_epoch_size_is_reached_by_a_plan():
+    """A prune epoch visits ``N - |D1| + floor((1 - r)|D1|)`` samples, fewest at ``|D1| = N - 1`` (one sample above
+    the mean): ``1 + floor((1 - r)(N - 1))``; N = 10, r = 0.15 gives 8 (``ceil((1 - r) N)`` would say 9)."""
+    assert infobatch.min_epoch_size(1, 4, 10, 0.15, 0.75) == 1 + math.floor(0.85 * 9) == 8
+    assert infobatch.min_epoch_size(0, 4, 10, 0.15, 0.75) == infobatch.min_epoch_size(3, 4, 10, 0.15, 0.75) == 10
+    for n, r in ((10, 0.15), (40, 0.5), (7, 0.3), (1, 0.5), (25, 0.0)):
+        score, seen = tables([0.0] * (n - 1) + [1.0])  # N - 1 samples below the mean
+        plan = infobatch.plan_epoch(score, seen, 1, 4, r, 0.75, seed=3)
+        assert plan.epoch_size == infobatch.min_epoch_size(1, 4, n, r, 0.75)
+        g = torch.Generator().manual_seed(n)
+        for _ in range(20):  # any other table keeps at least as many
+            score, seen = torch.rand(n, generator=g), torch.rand(n, generator=g) < 0.8
+            plan = infobatch.plan_epoch(score, seen, 1, 4, r, 0.75, seed=3)
+            assert plan.epoch_size >= infobatch.min_epoch_size(1, 4, n, r, 0.75)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        # N = 40, E = 4, delta = 0.75: epochs 0 and 3 full (40 samples), 1 and 2 keep >= 1 + floor(0.5 * 39) = 20
+        (dict(), 5 + 3 + 3 + 5),  # batches of 8: ceil(40 / 8), ceil(20 / 8)
+        (dict(accumulate_grad_batches=2), 3 + 2 + 2 + 3),  # ceil(5 / 2), ceil(3 / 2)
+        (dict(limit_batches=4), 4 + 3 + 3 + 4),  # an int caps the batches
+        (dict(limit_batches=0.5), 2 + 1 + 1 + 2),  # a float scales them: int(5 * 0.5), int(3 * 0.5)
+        (dict(world_size=2), 3 + 2 + 2 + 3),  # per rank: ceil(40 / 2) = 20 -> 3 batches, ceil(20 / 2) = 10 -> 2
+        (dict(world_size=3, drop_last=True), 1 + 0 + 0 + 1),  # floor(40 / 3) = 13 -> 1, floor(20 / 3) = 6 -> 0
+        (dict(world_size=3), 2 + 1 + 1 + 2),  # padded: ceil(40 / 3) = 14 -> 2, ceil(20 / 3) = 7 -> 1
+    ],
+)
+def test_min_total_steps_by_hand(kwargs, expected):
+    assert infobatch.min_total_steps(40, 4, 0.5, 0.75, 8, **kwargs) == expected
+
+
+def test_rank_batches_and_limits():
+    assert infobatch.rank_batches(41, 5, world_size=2) == 5  # 21 per rank (one padded duplicate)
+    assert infobatch.rank_batches(41, 5, world_size=2, drop_last=True) == 4  # 20 per rank, 4 full batches
+    assert infobatch.rank_batches(0, 5) == 0
+    assert infobatch.limited_batches(5, 3) == 3 and infobatch.limited_batches(5, 1.0) == 5
+    assert infobatch.limited_batches(5, 0.3) == 1 and infobatch.limited_batches(2, 10) == 2
+    for bad in (dict(limit_batches=-1), dict(limit_batches=True), dict(batch_size=0), dict(world_size=0)):
+        with pytest.raises(ValueError, match="|".join(bad)):
+            infobatch.rank_batches(**{"epoch_size": 10, "batch_size": 2, **bad})
+    with pytest.raises(ValueError, match=r"epoch must be an int in \[0, 4\)"):
+        infobatch.min_epoch_size(4, 4, 10, 0.5, 0.75)
+    with pytest.raises(ValueError, match="accumulate_grad_batches"):
+        infobatch.min_total_steps(10, 4, 0.5, 0.75, 2, accumulate_grad_batches=0)

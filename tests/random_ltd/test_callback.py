@@ -16,12 +16,13 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_effi.random_ltd
 from lightning_effi.adapters import GenericAdapter
-from lightning_effi.callbacks import RandomLTDCallback
+from lightning_effi.callbacks import InfoBatchCallback, RandomLTDCallback
 from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.core.lr_schedules import layer_token_lr, layer_token_multiplier
 from lightning_effi.core.progress import Duration
 from lightning_effi.core.requirements import BATCH_STRUCTURES, IncompatibleTechniques, Requirements, check_trainer
 from lightning_effi.functional import random_ltd as F
+from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.random_ltd import is_converted
 from lightning_effi.tasks import ImageClassifier
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
@@ -759,3 +760,127 @@ def test_ddp_two_processes(tmp_path):
         assert a["params"] == b["params"]  # and stay in sync
         assert a["consumed"] == b["consumed"]  # layer-tokens are summed over ranks
     assert rank0[0]["consumed"] == 2 * F.layer_tokens(8, 16, 4, 4, 2)  # 2 ranks x batch 8
+
+
+# ------------------------------------------------------------------------------------------------ the progress clock
+def ib_lm_data():
+    return InfoBatchDataModule(TinyDataModule(TokenBlocks(n=40), batch_size=8))
+
+
+def infobatch():
+    return InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7)
+
+
+class ClockedR(Callback):
+    """Per training batch: ``[optimizer step, InfoBatch's effi_progress_done() at the batch's start, r]``.
+    Checkpointed, so a resumed run's final state holds the rows of both halves."""
+
+    def __init__(self) -> None:
+        self.rows: list[list] = []
+        self._progress = -1.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._progress = next(c for c in trainer.callbacks if isinstance(c, InfoBatchCallback)).effi_progress_done()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        ltd_cb = next(c for c in trainer.callbacks if isinstance(c, RandomLTDCallback))
+        self.rows.append([trainer.global_step - 1, self._progress, ltd_cb.current_value])
+
+    def state_dict(self):
+        return {"rows": [list(r) for r in self.rows]}
+
+    def load_state_dict(self, state_dict):
+        self.rows = [list(r) for r in state_dict["rows"]]
+
+
+def _fit_on_the_clock(root, **ltd_kwargs):
+    pl.seed_everything(0)
+    ib, cb, log = infobatch(), ltd(max_value=16, **ltd_kwargs), ClockedR()
+    trainer = make_trainer(root, [ib, cb, log], max_epochs=4)
+    trainer.fit(deep_gpt2(), datamodule=ib_lm_data())
+    return trainer, ib, cb, log
+
+
+@pytest.mark.parametrize(
+    ("require_steps", "rounding", "ticks"),
+    [
+        ("0.8dur", "clamped", 800_000_000),
+        ("0.8dur", "deepspeed", 800_000_000),
+        ("2ep", "clamped", 500_000_000),  # 2 of max_epochs = 4
+        (None, "clamped", 1_000_000_000),  # the default: the whole run
+    ],
+)
+def test_derived_schedule_follows_infobatchs_progress(tmp_path, require_steps, rounding, ticks):
+    """Under InfoBatch (epochs of 5, <5, <5, 5 steps where estimated_stepping_batches counts 20) a fraction or epochs
+    is a share of its training progress: the batches of each step use ``ltd_value(round(p · 1e9), min, max, F,
+    seq_per_step, rounding)`` with ``p`` the progress before the step, ``(e + j / L_e) / 4``, so the growth ends where
+    the share of the run ends, however short the epochs get."""
+    trainer, ib, cb, log = _fit_on_the_clock(tmp_path, require_steps=require_steps, rounding=rounding)
+    assert cb.clock == "progress" and cb.require_progress == ticks and cb.require_steps is None
+    assert cb.config()["clock"] == "progress" and cb.config()["require_progress"] == ticks
+    lengths = [math.ceil(h["size"] / 8) for h in ib.history]
+    assert lengths[0] == lengths[3] == 5 and lengths[1] < 5 and lengths[2] < 5
+    progress = [(e + j / length) / 4 for e, length in enumerate(lengths) for j in range(length)]
+    assert [row[0] for row in log.rows] == list(range(sum(lengths))) == list(range(trainer.global_step))
+    assert [row[1] for row in log.rows] == progress
+    expected = [F.ltd_value(round(p * 1e9), 4, 16, ticks, 4, rounding) for p in progress]
+    assert [row[2] for row in log.rows] == expected
+    assert expected[0] == 4 and len(set(expected)) > 2  # grows from min_value
+    assert trainer.global_step < trainer.estimated_stepping_batches == 20  # the epochs shortened
+    if require_steps == "0.8dur" and rounding == "clamped":  # max_value from progress 0.8 on, and only there
+        assert [r == 16 for r in expected] == [p >= 0.8 for p in progress] and expected[-1] == 16
+    if require_steps == "2ep":  # max_value from the start of epoch 2 on
+        assert [r for p, r in zip(progress, expected) if p >= 0.5] == [16] * (lengths[2] + lengths[3])
+        assert all(r < 16 for p, r in zip(progress, expected) if p < 0.5)
+
+
+def test_a_step_count_keeps_the_step_schedule_under_infobatch(tmp_path):
+    trainer, _, cb, log = _fit_on_the_clock(tmp_path, require_steps=6)
+    assert cb.clock == "step" and cb.require_steps == 6 and cb.require_progress is None
+    assert [row[2] for row in log.rows] == [F.ltd_value(s, 4, 16, 6, 4) for s in range(trainer.global_step)]
+    with pytest.raises(RuntimeError, match="not on a progress clock"):
+        cb.value_at_progress(0)
+
+
+def test_progress_schedule_resumes_exactly(tmp_path):
+    """Resumed mid-epoch inside InfoBatch's first prune epoch: the same reserved length at every later step."""
+    pl.seed_everything(0, workers=True)
+    probe = make_trainer(tmp_path / "probe", [infobatch()], max_epochs=4)
+    probe.fit(deep_gpt2(), datamodule=ib_lm_data())
+    _, b = assert_resume_equals_uninterrupted(
+        deep_gpt2,
+        ib_lm_data,
+        tmp_path,
+        total_steps=probe.global_step,
+        resume_step=6,
+        callbacks_fn=lambda: [infobatch(), ltd(max_value=16, require_steps="0.8dur"), ClockedR()],
+        max_epochs=4,
+    )
+    cb = next(c for c in b.callbacks if isinstance(c, RandomLTDCallback))
+    log = next(c for c in b.callbacks if isinstance(c, ClockedR))
+    assert cb.clock == "progress" and len(log.rows) == probe.global_step and log.rows[-1][2] == 16
+    with pytest.raises(RuntimeError, match="progress clock .* use value_at_progress"):
+        cb.value_at(0)
+
+
+def test_a_checkpoint_of_another_clock_is_reported_at_train_start(tmp_path):
+    """Written on InfoBatch's progress clock, resumed without InfoBatch (the step clock): strict raises before any
+    step, naming the clock; not strict warns and continues on the step clock."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = make_trainer(tmp_path / "a", [infobatch(), ltd(max_value=16, require_steps="0.8dur"), ckpt], max_epochs=4)
+    trainer.fit(deep_gpt2(), datamodule=ib_lm_data())
+    path = str(tmp_path / "ck" / "step=5.ckpt")  # the end of epoch 0
+    cb = ltd(max_value=16, require_steps="0.8dur")
+    trainer = make_trainer(tmp_path / "b", [cb], max_epochs=4)
+    match = r"configuration differs \(checkpoint, now\): .*'clock': \('progress', 'step'\).*'require_progress': \(8"
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=path)
+    assert trainer.global_step == 5  # restored, not trained
+    cb = ltd(max_value=16, require_steps="0.8dur", strict=False)
+    trainer = make_trainer(tmp_path / "c", [cb], max_epochs=4)
+    with pytest.warns(UserWarning, match="strict=False: continue the schedule with this run's clock"):
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=path)
+    assert cb.clock == "step" and cb.require_steps == 16 and trainer.global_step == 20  # ceil(0.8 * 20)

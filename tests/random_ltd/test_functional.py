@@ -255,6 +255,23 @@ def test_flops_per_layer_matches_the_foundation_convention():
     assert 0 < F.saved_flops_fraction(16, 8, 4, 2, 32) < 0.5
 
 
+def test_flops_per_layer_with_fused_attention_adds_the_recompute_of_the_scores():
+    """A fused sdpa kernel recomputes ``Q K^T`` in the backward: ``2·B·T²·H`` more per layer, the same as
+    ``transformer_training_flops(..., fused_attention=True)`` for one layer; the saved fraction counts it too."""
+    from lightning_effi.core.flops import attention_recompute_flops, transformer_training_flops
+
+    assert F.flops_per_layer(2, 16, 32, 64, True) - F.flops_per_layer(2, 16, 32, 64) == 2 * 2 * 16 * 16 * 32
+    assert F.flops_per_layer(2, 16, 32, 64, fused_attention=True) == transformer_training_flops(
+        2, 16, 1, 32, 64, 0, head="none", fused_attention=True
+    )
+    assert F.flops_per_layer(3, 8, 32, fused_attention=True) == F.flops_per_layer(3, 8, 32) + attention_recompute_flops(
+        3, 8, 1, 32
+    )
+    full, part = F.flops_per_layer(1, 16, 32, None, True), F.flops_per_layer(1, 8, 32, None, True)
+    assert F.saved_flops_fraction(16, 8, 4, 2, 32, fused_attention=True) == 2 * (full - part) / (4 * full)
+    assert F.saved_flops_fraction(16, 8, 4, 2, 32, fused_attention=True) > F.saved_flops_fraction(16, 8, 4, 2, 32)
+
+
 #: the pure core helpers the functional module may use (argument checks; they import the standard library only)
 PURE_CORE = ("lightning_effi.core.checks",)
 
