@@ -23,8 +23,8 @@ in ``trainer.callbacks`` that defines
   difference is that callback's saving. It is called in ``on_train_batch_end`` (after every callback's
   ``on_train_batch_start`` for the batch), in reverse callback order, with the batch as the callbacks after it have
   already restored it. The shipped techniques define it: the curriculum gives the untruncated batch
-  (``Curriculum.effi_baseline``), the V-cycle the full model below level 1 (``VCycleCallback.effi_baseline``);
-  InfoBatch's pruned samples are read from its state until its callback defines the hook (:func:`baseline_hook`);
+  (``Curriculum.effi_baseline``), the V-cycle the full model below level 1 (``VCycleCallback.effi_baseline``),
+  InfoBatch the samples drawn per sample trained (``InfoBatchCallback.effi_baseline``);
 - ``effi_summary() -> dict[str, float | int]`` (``ReportsSummary``) adds its figures (saved samples, ...) to the
   summary.
 
@@ -61,8 +61,6 @@ QUANTITIES = ("samples", "tokens", "layer_tokens", "flops")
 BASELINE_KEYS = tuple(f"baseline_{q}" for q in QUANTITIES)
 #: one value per quantity, in the order of :data:`QUANTITIES`
 Counts = tuple[float, float, float, float]
-#: what the stopgap baseline reader (InfoBatch, :func:`baseline_hook`) may keep for the fit
-Memo = dict[str, Any]
 
 
 @dataclasses.dataclass
@@ -240,70 +238,10 @@ def lengthen_batch(
     return out
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# InfoBatch's baseline, read from its public state until InfoBatchCallback defines ``effi_baseline`` itself (the
-# exact method is in the docstring below); a callback's own ``effi_baseline`` always wins (:func:`baseline_hook`).
-# ------------------------------------------------------------------------------------------------------------------
-
-
-def _infobatch_baseline(callback: Any, batch: Any, pl_module: pl.LightningModule, memo: Memo) -> Baseline | None:
-    """InfoBatch in a prune epoch: every trained sample stands for ``(trained + pruned) / trained`` drawn ones, with
-    ``trained`` = the plan's samples plus the DDP duplicates, ``pruned`` = the plan's ``saved``. Composed with the
-    curriculum (InfoBatch thins each micro-batch the curriculum drew): ``candidates / kept`` of this micro-batch, read
-    from the growth of the callback's ``thin_stats`` (drawn, dropped, ...) since the previous batch.
-
-    The exact method, for ``InfoBatchCallback`` (the same arithmetic; in the composed mode ``thinned_output`` keeps
-    ``self._last_thin = (candidates, kept)`` of the batch)::
-
-        def effi_baseline(self, batch, pl_module):
-            if self.curriculum_dm is not None:
-                candidates, kept = self._last_thin
-                return Baseline(samples=candidates / kept) if kept < candidates else None
-            if self.plan is None or not self.plan.saved:
-                return None
-            padded = self.history[-1]["padded"] if self.history and self.history[-1]["epoch"] == self.plan.epoch else 0
-            trained = int(self.plan.indices.numel()) + int(padded)
-            return Baseline(samples=(trained + self.plan.saved) / trained)
-    """
-    if getattr(callback, "curriculum_dm", None) is not None:
-        stats = getattr(callback, "thin_stats", None)
-        if not isinstance(stats, Tensor) or stats.numel() < 2:
-            return None
-        drawn, dropped = int(stats[0]), int(stats[1])
-        last_drawn, last_dropped = memo.get("thin", (0, 0))
-        memo["thin"] = (drawn, dropped)
-        if drawn < last_drawn or dropped < last_dropped:  # merged (and reset) since the previous batch
-            last_drawn = last_dropped = 0
-        candidates, kept = drawn - last_drawn, (drawn - dropped) - (last_drawn - last_dropped)
-        return Baseline(samples=candidates / kept) if 0 < kept < candidates else None
-    plan = getattr(callback, "plan", None)
-    if plan is None or not getattr(plan, "saved", 0):
-        return None
-    history = getattr(callback, "history", [])
-    padded = history[-1]["padded"] if history and history[-1].get("epoch") == plan.epoch else 0
-    trained = int(plan.indices.numel()) + int(padded)
-    return Baseline(samples=(trained + int(plan.saved)) / trained) if trained else None
-
-
-_SHIPPED_BASELINES: dict[str, Callable[[Any, Any, pl.LightningModule, Memo], Baseline | None]] = {
-    "InfoBatchCallback": _infobatch_baseline,
-}
-
-
-def baseline_hook(
-    callback: Any, memo: Memo | None = None
-) -> Callable[[Any, pl.LightningModule], Baseline | None] | None:
-    """The callback's ``effi_baseline`` (:class:`~lightning_effi.core.protocols.ProvidesBaseline`, the contract),
-    else, for InfoBatch until its callback defines the hook, a reading of its state (``memo``: what it may keep for
-    the fit), else None."""
+def baseline_hook(callback: Any) -> Callable[[Any, pl.LightningModule], Baseline | None] | None:
+    """The callback's ``effi_baseline`` (:class:`~lightning_effi.core.protocols.ProvidesBaseline`), else None."""
     hook = getattr(callback, "effi_baseline", None)
-    if callable(hook):
-        return hook  # type: ignore[no-any-return]
-    shipped = _SHIPPED_BASELINES.get(type(callback).__name__)
-    if shipped is None:
-        return None
-    kept = {} if memo is None else memo
-    return lambda batch, pl_module: shipped(callback, batch, pl_module, kept)
+    return hook if callable(hook) else None
 
 
 class EfficiencyMonitor(Callback):
@@ -315,11 +253,10 @@ class EfficiencyMonitor(Callback):
     callback order, are what was computed. The baseline undoes the techniques one at a time, in reverse callback
     order: first every ``effi_adjust`` (each callback saved what it lowered), then, for every callback with an
     ``effi_baseline`` hook (:class:`~lightning_effi.core.protocols.ProvidesBaseline`: the curriculum's untruncated
-    batch, the V-cycle's full model; InfoBatch's pruned samples are read from its state until it defines the hook,
-    :func:`baseline_hook`), the batch is counted again with that technique's :class:`Baseline` and those already
-    undone applied: the difference is that technique's saving. The savings add up to ``baseline - computed`` exactly;
-    where two techniques interact (random-LTD's saving on a truncated sequence) the share goes to the one undone
-    first.
+    batch, the V-cycle's full model, InfoBatch's pruned samples), the batch is counted again with that technique's
+    :class:`Baseline` and those already undone applied: the difference is that technique's saving. The savings add up
+    to ``baseline - computed`` exactly; where two techniques interact (random-LTD's saving on a truncated sequence)
+    the share goes to the one undone first.
 
     Args:
         log_every_n_steps: reduce across ranks and log every this many training batches (default: the trainer's
@@ -367,7 +304,6 @@ class EfficiencyMonitor(Callback):
         self._flops_warned = False
         self._module_flops: float | None = None  # the module's own flops_per_batch (we overwrite the attribute)
         self._written_flops: int | None = None
-        self._memo: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return (
@@ -421,7 +357,7 @@ class EfficiencyMonitor(Callback):
         scale, changed_batch = 1.0, batch
         models: list[Callable[[], AbstractContextManager[Any]]] = []
         for callback in reversed(callbacks):
-            hook = baseline_hook(callback, self._memo.setdefault(technique_name(callback), {}))
+            hook = baseline_hook(callback)
             change = hook(changed_batch, pl_module) if hook is not None else None
             if change is None:
                 continue
@@ -460,7 +396,6 @@ class EfficiencyMonitor(Callback):
             base = COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
-            self._memo = {}
             self._module_flops = self._written_flops = None
 
     @override

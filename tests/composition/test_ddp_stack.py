@@ -1,0 +1,82 @@
+"""All four techniques on one tiny GPT-2 under 2-process DDP (CPU, gloo): the ranks agree on everything the techniques
+decide (V-cycle level, InfoBatch's score table, the curriculum's position, random-LTD's counters, the final weights)
+and the EfficiencyMonitor's figures are the sums over ranks of what each rank computed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_effi import EfficiencyMonitor
+from tests.composition.test_matrix import Stack
+from tests.helpers.flops import MeasuredFlops
+from tests.helpers.harness import fit_ddp
+
+
+class RankReport(MeasuredFlops):
+    """Measures each batch's FLOPs on its rank (first in the callbacks) and, at the end of fit, writes the rank's
+    measured total, the technique callbacks' states and a digest of the final weights to ``rank<r>.report.json``."""
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__()
+        self.out_dir = str(out_dir)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        states: dict[str, Any] = {}
+        for cb in trainer.callbacks:
+            if getattr(type(cb), "requirements", None) is not None:
+                states[type(cb).__name__] = _plain(cb.state_dict())
+        weights = sum(float(p.double().abs().sum()) for p in pl_module.parameters())
+        report = {"measured": self.total, "states": states, "weights": weights, "level": _level(trainer)}
+        Path(self.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.out_dir) / f"rank{trainer.global_rank}.report.json").write_text(json.dumps(report))
+
+
+def _level(trainer: pl.Trainer) -> int | None:
+    return next((cb.level for cb in trainer.callbacks if hasattr(cb, "stage_index")), None)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _drop_rank_local(states: dict[str, Any]) -> dict[str, Any]:
+    """Per-rank quantities that legitimately differ: InfoBatch's unsynced accumulators of the last epoch (summed at the
+    next epoch's start) and the V-cycle's wall time spent mapping."""
+    out = json.loads(json.dumps(states))
+    for key in ("sum_loss", "count"):
+        out.get("InfoBatchCallback", {}).pop(key, None)
+    out.get("VCycleCallback", {}).pop("map_seconds", None)
+    return out
+
+
+@pytest.mark.slow
+def test_all_four_under_ddp(tmp_path):
+    stack = Stack(("infobatch", "curriculum", "random_ltd", "vcycle"), image=False)
+    callbacks = stack.callbacks()
+    report = RankReport(tmp_path / "reports")
+    monitor = EfficiencyMonitor(print_summary=False)
+    limits = {**stack.limits(), "max_steps": 6}  # the curriculum's budget on 2 ranks: 24 samples x 2 epochs / 8
+    _, per_rank = fit_ddp(stack.model(), stack.datamodule(callbacks), tmp_path, [report, monitor, *callbacks], **limits)
+    reports = [json.loads((tmp_path / "reports" / f"rank{r}.report.json").read_text()) for r in range(2)]
+    assert [r["global_step"] for r in per_rank] == [limits["max_steps"]] * 2
+    assert reports[0]["level"] == reports[1]["level"] == 1  # the cycle completed on both ranks
+    assert reports[0]["weights"] == reports[1]["weights"]
+    assert _drop_rank_local(reports[0]["states"]) == _drop_rank_local(reports[1]["states"])
+    summaries = [{k: v for k, v in r["summary"].items() if k != "vcycle/map_seconds"} for r in per_rank]
+    assert summaries[0] == summaries[1]  # counts summed, times maxed: identical on every rank (but mapping times)
+    measured = reports[0]["measured"] + reports[1]["measured"]
+    assert abs(summaries[0]["flops"] - measured) / measured < 0.03
+    ranks_batches = [len(r["batches"]) for r in per_rank]
+    assert summaries[0]["batches"] == sum(ranks_batches)
