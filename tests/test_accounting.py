@@ -164,3 +164,19 @@ def test_resume_check_detects_a_non_resumable_loader(tmp_path):
         assert_resume_equals_uninterrupted(
             tiny_gpt2, lambda: PlainLoaderData(TokenBlocks()), tmp_path, total_steps=4, resume_step=2
         )
+
+
+def test_the_monitor_must_come_before_a_technique_that_changes_model_shapes(tmp_path):
+    """The V-cycle replaces the model in its on_train_batch_end: a monitor listed after it would count the batch just
+    trained with the next level's model, so that order is refused at setup, naming both."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_effi import VCycleCallback
+    from tests.helpers.harness import make_trainer
+    from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+    trainer = make_trainer(
+        tmp_path, [VCycleCallback(e_a=1, e_small=1), EfficiencyMonitor(print_summary=False)], max_steps=3
+    )
+    with pytest.raises(MisconfigurationException, match="EfficiencyMonitor must come before VCycleCallback"):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data(batch_size=4))

@@ -13,8 +13,9 @@ Two stacks, each on its task, every arm built from the same seed:
 **The baseline frontier** (per task and seed): the plain model trained for ``--budgets`` (0.5, 0.75, 1.0) times the
 full run's optimizer steps (GPT: ``--gpt-steps``; ViT: ``--vit-epochs`` full epochs), each with its own warmup-cosine
 schedule decayed to its end. Each budget gives a point (training FLOPs, training wall time, final metric on the whole
-validation split). The stack trains as long as the full baseline (the V-cycle's coarse steps and the techniques' cheaper
-steps are where it saves).
+validation split). The stack trains ``--stack-factor`` (1.0) times as long as the full baseline, in steps (GPT) or
+epochs (ViT); its cheaper steps (coarse V-cycle level, truncated sequences, dropped tokens, pruned samples) are where
+it saves, and a longer stack arm can buy back the quality its cheaper steps lose.
 
 Reported per seed (``analysis``):
 
@@ -181,14 +182,16 @@ def run_arm(task: str, args: argparse.Namespace, seed: int, arm: str, budget: fl
     limits: dict[str, Any] = dict(max_steps=max(1, round(budget * full)), max_epochs=-1)
     techniques: list[pl.Callback] = []
     if arm == "stack":
-        techniques = stack_callbacks(task, args, full)
+        budget = args.stack_factor
+        limits["max_steps"] = max(1, round(budget * full))
+        techniques = stack_callbacks(task, args, limits["max_steps"])
         callbacks += techniques
         for cb in techniques:
             wrap = getattr(cb, "wrap_datamodule", None)
             if callable(wrap):
                 data = wrap(data)
         if task == "vit":  # InfoBatch plans by epochs
-            limits = dict(max_epochs=args.vit_epochs, max_steps=-1)
+            limits = dict(max_epochs=max(1, round(args.stack_factor * args.vit_epochs)), max_steps=-1)
     trainer = pl.Trainer(
         **limits,
         accelerator="cpu",
@@ -384,6 +387,12 @@ def main() -> None:
     p.add_argument("--gpt-layers", type=int, default=4)
     p.add_argument("--gpt-width", type=int, default=128)
     p.add_argument("--gpt-lr", type=float, default=2e-3)
+    p.add_argument(
+        "--stack-factor",
+        type=float,
+        default=1.0,
+        help="the stack arm's length, times the full baseline's (steps/epochs)",
+    )
     p.add_argument("--cl-fraction", type=float, default=0.4, help="curriculum growth, fraction of the GPT run")
     p.add_argument("--e-small", type=float, default=0.5, help="the V-cycle's coarse stage, fraction of the run")
     p.add_argument("--vit-epochs", type=int, default=6)
@@ -405,7 +414,7 @@ def main() -> None:
         warm = argparse.Namespace(**{**vars(args), "gpt_steps": 4, "vit_epochs": 1, "vit_subset": 256})
         run_arm(task, warm, args.seeds[0], "stack")
         for seed in args.seeds:
-            arms = [("stack", 1.0)] + [("baseline", b) for b in args.budgets]
+            arms = [("stack", args.stack_factor)] + [("baseline", b) for b in args.budgets]
             if seed % 2:  # alternate the order per seed
                 arms.reverse()
             for arm, budget in arms:

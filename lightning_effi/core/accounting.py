@@ -48,6 +48,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -393,10 +394,32 @@ class EfficiencyMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # a new fit counts from zero; a resumed one gets its totals back from the checkpoint after setup
         if stage == "fit":
+            self._check_order(trainer)
             base = COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
             self._module_flops = self._written_flops = None
+
+    def _check_order(self, trainer: pl.Trainer) -> None:
+        """A technique that changes the model's shapes (the V-cycle) switches models in its ``on_train_batch_end``;
+        listed before the monitor, the batch that trained on one level would be counted with the next level's model.
+
+        Raises:
+            MisconfigurationException: such a technique comes before the monitor in ``trainer.callbacks``.
+        """
+        callbacks = list(trainer.callbacks)  # type: ignore[attr-defined]
+        earlier = callbacks[: callbacks.index(self)] if self in callbacks else []
+        shapers = [
+            type(c).__name__
+            for c in earlier
+            if getattr(getattr(type(c), "requirements", None), "changes_model_shapes", False) is True
+        ]
+        if shapers:
+            raise MisconfigurationException(
+                f"{type(self).__name__} must come before {', '.join(shapers)} in Trainer(callbacks=[...]): "
+                f"{shapers[0]} replaces the model in on_train_batch_end, so a monitor listed after it would count the "
+                "batch just trained with the next level's model; list EfficiencyMonitor first"
+            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

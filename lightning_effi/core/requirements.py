@@ -43,6 +43,8 @@ class Requirements:
         owns_train_sampler: the technique rebuilds the training loader and decides which samples each step trains on.
         thins_within_sampler: the technique can also act *inside* another technique's sampler: it keeps a subset of
             the samples the other one draws and reweights them (InfoBatch inside the curriculum's stream).
+        hosts_thinning: the technique's sampler takes a thinner (a ``thins_within_sampler`` technique) inside it (the
+            curriculum's batch sampler).
         changes_epoch_length: an epoch has fewer (or more) optimizer steps than ``len(train_dataloader)`` says.
         changes_model_shapes: parameters change shape during ``fit`` (the optimizer and any wrapper are rebuilt).
         patches_layers: the model's layers are patched in place (instance-level ``forward``).
@@ -61,6 +63,7 @@ class Requirements:
 
     owns_train_sampler: bool = False
     thins_within_sampler: bool = False
+    hosts_thinning: bool = False
     changes_epoch_length: bool = False
     changes_model_shapes: bool = False
     patches_layers: bool = False
@@ -103,7 +106,12 @@ class Conflict:
 CONFLICTS: tuple[Conflict, ...] = (
     Conflict(
         "two training samplers",
-        lambda a, b: a.owns_train_sampler and b.owns_train_sampler and a.thins_within_sampler == b.thins_within_sampler,
+        lambda a, b: (
+            a.owns_train_sampler
+            and b.owns_train_sampler
+            and not (a.thins_within_sampler and b.hosts_thinning)
+            and not (b.thins_within_sampler and a.hosts_thinning)
+        ),
         "both decide which samples each step trains on, and neither can act inside the other's sampler",
         "use one of them",
     ),

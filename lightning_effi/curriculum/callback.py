@@ -110,7 +110,9 @@ class Curriculum(Callback):
     """
 
     #: rebuilds the training loader (its own batch sampler) and edits each dict batch (truncation, ``cl_*`` keys)
-    requirements = Requirements(owns_train_sampler=True, edits_batch=True, batch_structures=("dict",))
+    requirements = Requirements(
+        owns_train_sampler=True, hosts_thinning=True, edits_batch=True, batch_structures=("dict",)
+    )
 
     def __init__(
         self,

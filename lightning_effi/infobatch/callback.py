@@ -109,11 +109,11 @@ class InfoBatchCallback(Callback):
     Raises:
         ValueError: (construction) ``prune_ratio``, ``delta``, ``num_epochs``, ``seed``, ``momentum`` invalid or out
             of range;
-            (``setup``) ``max_epochs=-1`` without ``num_epochs``, a run capped by ``max_steps``,
-            ``reload_dataloaders_every_n_epochs > 1``, a DataModule that is not an ``InfoBatchDataModule``, an
-            unsupported strategy (DeepSpeed/FSDP); with the curriculum: ``num_epochs`` set, or
-            ``prune_ratio > 1 - 1/micro_batch_size`` (a micro-batch could be emptied); (first batch) a batch without
-            ``"index"`` (with the curriculum: without ``"infobatch_weight"``/``"infobatch_candidates"``) or a
+            (``setup``) ``max_epochs=-1`` without ``num_epochs``, ``num_epochs > max_epochs``, a run capped by
+            ``max_steps``, ``reload_dataloaders_every_n_epochs > 1``, a DataModule that is not an
+            ``InfoBatchDataModule``, an unsupported strategy (DeepSpeed/FSDP); with the curriculum: ``num_epochs``
+            set, or ``prune_ratio > 1 - 1/micro_batch_size`` (a micro-batch could be emptied); (first batch) a batch
+            without ``"index"`` (with the curriculum: without ``"infobatch_weight"``/``"infobatch_candidates"``) or a
             ``training_step`` output that breaks the per-sample-loss contract.
         IncompatibleTechniques: (``setup``) another technique callback in the Trainer that also owns the training
             sampler and cannot host this one's thinning, see :data:`~lightning_effi.core.requirements.CONFLICTS`.
@@ -213,9 +213,11 @@ class InfoBatchCallback(Callback):
                 "come). Use max_epochs and leave max_steps=-1"
             )
         if self.num_epochs is not None and trainer.max_epochs not in (None, -1) and trainer.max_epochs < epochs:
-            rank_zero_warn(
-                f"InfoBatchCallback: num_epochs={epochs} > max_epochs={trainer.max_epochs}: the annealing "
-                "epochs will not run"
+            raise ValueError(
+                f"InfoBatchCallback: num_epochs={epochs} > max_epochs={trainer.max_epochs}: the run would end before "
+                "InfoBatch's schedule does (its annealing epochs, and the progress that LR schedules, the V-cycle's "
+                "stages and random-LTD's growth follow would never reach the end); set num_epochs <= max_epochs or "
+                "leave it None (= max_epochs)"
             )
         reload = trainer.reload_dataloaders_every_n_epochs
         if reload > 1:
@@ -578,7 +580,8 @@ class InfoBatchCallback(Callback):
         """Composed mode: the last curriculum step that is thinned, ``floor(δ·T)``
         (:func:`~lightning_effi.infobatch.functional.thin_stop_step`), ``T`` the run's optimizer steps: the smallest of
         ``trainer.max_steps``, the curriculum's sample budget (``controller.total_steps``) and ``max_epochs`` data
-        epochs of the curriculum (:func:`~lightning_effi.core.progress.run_length`). None before the curriculum's
+        epochs of the curriculum (``limit_train_batches`` applied;
+        :func:`~lightning_effi.core.progress.run_length`). None before the curriculum's
         controller exists."""
         if self._stop_step is None:
             controller = self.curriculum_dm.controller if self.curriculum_dm is not None else None
@@ -586,8 +589,9 @@ class InfoBatchCallback(Callback):
                 return None
             budget = controller.total_steps
             max_epochs = self._trainer.max_epochs
-            if max_epochs is not None and max_epochs > 0:
-                budget = min(budget, max_epochs * (controller.epoch_micro // controller.ga))
+            if max_epochs is not None and max_epochs > 0:  # Lightning epochs of limit_train_batches micro-batches
+                micro = ib.limited_batches(controller.epoch_micro, self._trainer.limit_train_batches)
+                budget = min(budget, max_epochs * max(1, -(-micro // controller.ga)))
             total = run_length(self._trainer.max_steps, budget)
             assert total is not None  # the budget is at least one step
             self._stop_step, self._run_steps = ib.thin_stop_step(total, self.delta), total
@@ -774,6 +778,28 @@ class InfoBatchCallback(Callback):
         }
 
     @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Write the pending accumulators of ALL ranks (the losses recorded since the last score sync, and the
+        thinning counters): a checkpoint holds rank 0's callback state only, so each rank's own would be lost (and
+        rank 0's counted once per rank) on a mid-epoch resume. Summed over ranks here (Lightning builds the checkpoint
+        on every rank, before rank 0 writes it: the collectives run everywhere); on load rank 0 takes the sums and the
+        other ranks start from zero, so the next sync gives what the uninterrupted run's would have."""
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if not isinstance(state, dict):
+            return
+        if trainer.world_size > 1:
+            device = trainer.strategy.root_device
+            # a copy: the reduction is in place, and this rank goes on accumulating its own losses
+            state["sum_loss"] = trainer.strategy.reduce(self.sum_loss.clone().to(device), reduce_op="sum").cpu()
+            counts = torch.cat([self.count.long(), self.thin_stats.long()]).to(device)
+            counts = trainer.strategy.reduce(counts, reduce_op="sum").cpu()
+            state["count"] = counts[: self.count.numel()].to(self.count.dtype)
+            state["thin_stats"] = counts[self.count.numel() :].to(self.thin_stats.dtype)
+        state["pending_over_ranks"] = True
+
+    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -813,6 +839,10 @@ class InfoBatchCallback(Callback):
         self.table_epoch = int(state_dict.get("table_epoch", -1))
         self.synced_epoch = int(state_dict.get("synced_epoch", -1))
         self.thin_stats = state_dict.get("thin_stats", torch.zeros(3, dtype=torch.int64)).clone()
+        if state_dict.get("pending_over_ranks") and self._trainer is not None and self._trainer.global_rank > 0:
+            self.sum_loss.zero_()  # rank 0 holds every rank's pending sums (see on_save_checkpoint)
+            self.count.zero_()
+            self.thin_stats.zero_()
         self._mask, self._mask_epoch = None, -1  # recomputed from the restored table
 
 

@@ -427,7 +427,10 @@ class RandomLTDCallback(Callback):
         for other in trainer.callbacks:
             if not any(k.__name__ == "Curriculum" for k in type(other).__mro__):
                 continue
-            config = getattr(other, "config", None) or getattr(getattr(trainer, "datamodule", None), "config", None)
+            config = getattr(other, "config", None)
+            dm = getattr(trainer, "datamodule", None)
+            while config is None and dm is not None:  # along the wrappers (e.g. InfoBatchDataModule outside it)
+                config, dm = getattr(dm, "config", None), getattr(dm, "datamodule", None)
             metrics = getattr(config, "metrics", None) or {}
             shift = 1 if getattr(config, "causal_label_shift", False) else 0
             for metric, extra in (("seqlen_truncate", shift), ("seqlen_reshape", 1)):

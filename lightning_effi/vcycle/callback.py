@@ -21,7 +21,7 @@ from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.compat import optimizers_to_device, rewrap_ddp
 from lightning_effi.core.progress import Duration, progress_clock, progress_ticks, run_length
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
-from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
+from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer, technique_callbacks
 from lightning_effi.core.state import config_mismatch, settings_diff
 from lightning_effi.vcycle import operators as V
 from lightning_effi.vcycle import stages as S
@@ -215,7 +215,8 @@ class VCycleCallback(Callback):
         self.map_seconds, self.flops_account = 0.0, FlopsAccount(self.baseline_steps)
         self._last_step = -1  # runtime only, like the checkpoint's stages (compared with this run's at train start)
         self._saved_stages: list[tuple[int, int]] | None = None
-        # the clock the stage ends count (set in setup): "step", or "progress" of a technique's progress clock
+        self._saved_clock: str | None = None
+        # the clock the stage ends count (chosen at train start): "step", or "progress" of a technique's progress clock
         self.clock: str = "step"
         self._clock_source: ProvidesProgressClock | None = None
         self.cut_short_level = 0  # the level a run cut short ended at, before on_train_end restored the full model
@@ -279,11 +280,12 @@ class VCycleCallback(Callback):
                 "never separate: use alpha_original > 0"
             )
         self._stack.plan(self.adapter, self.width_scheme, self.depth_scheme, self.embedding_convention)
-        self._clock_source = progress_clock(trainer.callbacks)
-        source = None if self._clock_source is None else type(self._clock_source).__name__
-        self.clock = S.stage_clock(self.levels, self.e_a, self.e_small, self.up_leg, source, name)
-        if self._clock_source is None:
-            self._fit_stages(trainer, at_setup=True)  # a first check against max_steps; resolved at train start
+        # the clock is chosen at train start, once every callback's setup ran (a technique may publish a clock or
+        # withdraw it in its own setup, e.g. InfoBatch inside the curriculum); without a technique that changes the
+        # epoch length the stages are on the step clock: a first check against max_steps here
+        self.clock, self._clock_source = "step", None
+        if not any(type(c).requirements.changes_epoch_length for c in technique_callbacks(trainer.callbacks)):
+            self._fit_stages(trainer, at_setup=True)
         self._install_load_hook(pl_module)
 
     def _fit_stages(self, trainer: pl.Trainer, at_setup: bool) -> list[tuple[int, int]] | None:
@@ -334,6 +336,17 @@ class VCycleCallback(Callback):
         """Resolve the stages against the run's length (``estimated_stepping_batches``), or on a technique's progress
         clock; on resume compare them with the checkpoint's (other stages: raise when strict, else warn and continue
         with these)."""
+        self._clock_source = progress_clock(trainer.callbacks)
+        source = None if self._clock_source is None else type(self._clock_source).__name__
+        self.clock = S.stage_clock(self.levels, self.e_a, self.e_small, self.up_leg, source, type(self).__name__)
+        if self._saved_clock is not None and self._saved_clock != self.clock:
+            config_mismatch(
+                type(self).__name__,
+                f"the checkpoint's stages count the {self._saved_clock!r} clock, this run's the {self.clock!r} clock "
+                f"({'no technique publishes a progress clock' if source is None else source + ' publishes one'})",
+                self.strict,
+                fix="continue on this run's clock",
+            )
         stages = self._resolve_stages(trainer)
         if self._saved_stages is not None and (diff := S.stages_mismatch(self._saved_stages, stages)):
             config_mismatch(type(self).__name__, diff, self.strict, fix="continue with the current arguments' stages")
@@ -514,8 +527,10 @@ class VCycleCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The checkpoint's progress; its configuration is checked here but for the stages, which on_train_start
         compares with those of the current arguments once the run's length is known."""
-        saved = {"clock": "step", **{k: v for k, v in state_dict["config"].items() if k != "stages"}}
-        if diff := settings_diff(saved, {k: v for k, v in self.config().items() if k != "stages"}):
+        skip = ("stages", "clock")  # compared at train start, once the run's clock is known
+        saved = {k: v for k, v in state_dict["config"].items() if k not in skip}
+        self._saved_clock = str(state_dict["config"].get("clock", "step"))
+        if diff := settings_diff(saved, {k: v for k, v in self.config().items() if k not in skip}):
             config_mismatch(
                 type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict
             )

@@ -80,3 +80,49 @@ def test_all_four_under_ddp(tmp_path):
     assert abs(summaries[0]["flops"] - measured) / measured < 0.03
     ranks_batches = [len(r["batches"]) for r in per_rank]
     assert summaries[0]["batches"] == sum(ranks_batches)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("names", "resume_step", "limits"),
+    [
+        (("infobatch",), 4, dict(max_epochs=3, max_steps=-1)),  # 3 steps per rank and epoch: inside epoch 1
+        (("infobatch", "curriculum"), 5, dict(max_steps=6, max_epochs=-1)),  # the curriculum's data epoch 1: 4-6
+    ],
+    ids=["infobatch", "infobatch+curriculum"],
+)
+def test_ddp_mid_epoch_resume_keeps_every_ranks_pending_losses(tmp_path, names, resume_step, limits):
+    """A checkpoint holds rank 0's callback state only: InfoBatch writes the losses every rank recorded since the last
+    score sync, summed, so a DDP run resumed mid-epoch ends with the uninterrupted run's score table on both ranks."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    stack = Stack(names, image=False)
+    kwargs = {**stack.limits(), **limits}
+    scores = []
+    for arm in ("a", "b"):
+        callbacks = stack.callbacks()
+        extra: list[Any] = []
+        if arm == "a":
+            extra.append(
+                ModelCheckpoint(
+                    dirpath=tmp_path / "ckpts",
+                    every_n_train_steps=1,
+                    save_top_k=-1,
+                    filename="{step}",
+                    save_on_train_epoch_end=False,
+                )
+            )
+        pl.seed_everything(0 if arm == "a" else 1234)
+        _, per_rank = fit_ddp(
+            stack.model(),
+            stack.datamodule(callbacks),
+            tmp_path / arm,
+            [*callbacks, *extra],
+            ckpt_path=None if arm == "a" else tmp_path / "ckpts" / f"step={resume_step}.ckpt",
+            **kwargs,
+        )
+        ranks = [r["scores"]["InfoBatchCallback"] for r in per_rank]
+        assert ranks[0] == ranks[1]  # identical on both ranks
+        scores.append(torch.tensor(ranks[0]))
+    assert torch.count_nonzero(scores[0]) > 0
+    torch.testing.assert_close(scores[1], scores[0], rtol=1e-6, atol=1e-7)

@@ -71,8 +71,10 @@ def test_patching_across_shape_changes_is_refused_in_either_order():
 
 
 def test_a_thinning_sampler_composes_with_an_ordering_one():
-    order = _fake("Order", owns_train_sampler=True)
+    order = _fake("Order", owns_train_sampler=True, hosts_thinning=True)
     thin = _fake("Thin", owns_train_sampler=True, thins_within_sampler=True)
+    with pytest.raises(IncompatibleTechniques, match=r"cannot be combined \(two training samplers\)"):
+        check_trainer(_trainer(thin, _fake("NoHost", owns_train_sampler=True)))  # a sampler that takes no thinner
     for pair in ((order, thin), (thin, order)):
         check_trainer(_trainer(*pair))
     for a, b in (
