@@ -59,6 +59,7 @@ from lightning_effi.core.progress import (
 from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
+from lightning_effi.core.wrapping import wrapper_chain
 from lightning_effi.models.base import TransformerAdapter, find_adapter
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import (
@@ -427,10 +428,9 @@ class RandomLTDCallback(Callback):
         for other in trainer.callbacks:
             if not any(k.__name__ == "Curriculum" for k in type(other).__mro__):
                 continue
-            config = getattr(other, "config", None)
-            dm = getattr(trainer, "datamodule", None)
-            while config is None and dm is not None:  # along the wrappers (e.g. InfoBatchDataModule outside it)
-                config, dm = getattr(dm, "config", None), getattr(dm, "datamodule", None)
+            # on the callback, or on the CurriculumDataModule anywhere along the wrappers (InfoBatch's outside it)
+            configs = [getattr(dm, "config", None) for dm in wrapper_chain(getattr(trainer, "datamodule", None))]
+            config = getattr(other, "config", None) or next((c for c in configs if c is not None), None)
             metrics = getattr(config, "metrics", None) or {}
             shift = 1 if getattr(config, "causal_label_shift", False) else 0
             for metric, extra in (("seqlen_truncate", shift), ("seqlen_reshape", 1)):

@@ -577,17 +577,22 @@ def test_curriculum_truncation_with_random_ltd(tmp_path):
     assert not is_converted(model)
 
 
-@pytest.mark.parametrize("where", ["callback", "datamodule"])
+@pytest.mark.parametrize("where", ["callback", "datamodule", "nested datamodule"])
 def test_a_min_value_that_never_drops_under_truncation_is_refused(tmp_path, where):
+    """Wherever the curriculum's configuration lives: on the callback, on its DataModule, or on its DataModule wrapped
+    in InfoBatch's (the one pipeline of InfoBatch + curriculum)."""
     trunc = {**TRUNC, "max_difficulty": 8}
     for min_value, ok in ((12, False), (8, False), (4, True)):
         cur = Curriculum(metrics={"seqlen_truncate": trunc}) if where == "callback" else Curriculum()
         dm = CurriculumDataModule(
-            tiny_lm_data(batch_size=4), **({"metrics": {"seqlen_truncate": trunc}} if where == "datamodule" else {})
+            tiny_lm_data(batch_size=4), **({"metrics": {"seqlen_truncate": trunc}} if where != "callback" else {})
         )
+        extra: list[Callback] = []
+        if where == "nested datamodule":
+            dm, extra = InfoBatchDataModule(dm), [InfoBatchCallback(prune_ratio=0.5)]
         ltd = ltd_cb(max_value=16, min_value=min_value)
         model = tiny_gpt2(n_layer=4)
-        trainer = make_trainer(tmp_path / f"{min_value}", [cur, ltd], max_steps=2, max_epochs=-1)
+        trainer = make_trainer(tmp_path / f"{min_value}", [ltd, cur, *extra], max_steps=2, max_epochs=-1)
         if ok:
             trainer.fit(model, datamodule=dm)
             continue
