@@ -1,46 +1,40 @@
 """Index transport and the sample-length protocol (``docs/architecture.md``, "Stable index and sample length").
 
-A sample's index is its position in the DataModule's ``train_dataset``. :class:`IndexedDataset` adds it to every
-(dict) sample, :class:`indexed_collate` turns the indices into ``batch["index"]: int64[B]``. Indices stay Python
-ints until they become an int64 tensor, so they never pass through a float tensor (exact beyond 2**24 / 2**53).
+A sample's index is its position in the DataModule's ``train_dataset``. :class:`IndexedDataset` pairs every sample,
+of any structure, with it; :class:`indexed_collate` collates the samples with the user's collate function and returns
+an :class:`~lightning_effi.core.batch.EffiBatch`: the user's batch unchanged, and ``meta["index"]``: int64 ``[B]``.
+Indices stay Python ints until they become an int64 tensor, so they never pass through a float tensor (exact beyond
+2**24 / 2**53).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Subset, default_collate
 
+from lightning_effi.core.batch import EffiBatch
+
 __all__ = ["IndexedDataset", "indexed_collate", "sequence_lengths"]
 
-
-def _check_key(index_key: Any) -> str:
-    if not isinstance(index_key, str):
-        raise TypeError(f"index_key must be a str; got {index_key!r}")
-    return index_key
+#: the ``EffiBatch.meta`` key of the dataset indices
+INDEX_KEY = "index"
 
 
-def _check_sample(sample: Any, index: int) -> dict[str, Any]:
-    if not isinstance(sample, Mapping):
-        raise TypeError(f"IndexedDataset needs dict samples; sample {index} is a {type(sample).__name__}")
-    return dict(sample)
-
-
-class IndexedDataset(Dataset[dict[str, Any]]):
-    """Map-style wrapper returning ``{**dataset[i], index_key: i}`` (a copy; the wrapped sample is not mutated).
+class IndexedDataset(Dataset[tuple[int, Any]]):
+    """Map-style wrapper returning ``(i, dataset[i])``: the sample's index and the sample, of any structure (a
+    tensor, a tuple ``(x, y)``, a dict, a dataclass...), unchanged.
 
     Args:
-        dataset: a map-style dataset with ``__len__`` whose samples are dicts (``Mapping``).
-        index_key: key under which the index (a Python ``int``) is stored.
+        dataset: a map-style dataset with ``__len__``.
 
     Raises:
-        TypeError: ``dataset`` is an ``IterableDataset`` or has no ``__len__``; ``index_key`` is not a str; an index
-            is not an integer (``int``, NumPy or 0-dim torch integer; not ``bool`` or ``float``); a sample is not a
-            dict; the sample already contains ``index_key``.
+        TypeError: ``dataset`` is an ``IterableDataset`` or has no ``__len__``; an index is not an integer (``int``,
+            NumPy or 0-dim torch integer; not ``bool`` or ``float``).
         IndexError: an index outside ``[-len, len)``. A negative index is normalised first, so the stored index is
             always the sample's position in ``[0, len)``.
 
@@ -48,23 +42,15 @@ class IndexedDataset(Dataset[dict[str, Any]]):
     dataset's batched ``__getitems__`` when it has one, and pairs every sample with its own index.
     """
 
-    def __init__(self, dataset: Dataset[Any], index_key: str = "index") -> None:
+    def __init__(self, dataset: Dataset[Any]) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("IndexedDataset needs a map-style dataset; got an IterableDataset (no stable index)")
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise TypeError(f"IndexedDataset needs a map-style dataset with __len__; got {type(dataset).__name__}")
         self.dataset = dataset
-        self.index_key = _check_key(index_key)
 
     def __len__(self) -> int:
         return len(self.dataset)
-
-    def _with_index(self, sample: Any, index: int) -> dict[str, Any]:
-        out = _check_sample(sample, index)
-        if self.index_key in out:
-            raise TypeError(f"sample {index} already has a key {self.index_key!r}; choose another index_key")
-        out[self.index_key] = index
-        return out
 
     def _position(self, index: Any, n: int) -> int:
         """``index`` as the position in ``[0, n)``: integers only, negative ones counted from the end."""
@@ -78,11 +64,11 @@ class IndexedDataset(Dataset[dict[str, Any]]):
             raise IndexError(f"index {i} out of range for a dataset of {n} samples")
         return i + n if i < 0 else i
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> tuple[int, Any]:
         index = self._position(index, len(self.dataset))
-        return self._with_index(self.dataset[index], index)
+        return index, self.dataset[index]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[int, Any]]:
         n = len(self.dataset)
         indices = [self._position(i, n) for i in indices]
         getitems = getattr(self.dataset, "__getitems__", None)
@@ -91,44 +77,44 @@ class IndexedDataset(Dataset[dict[str, Any]]):
             raise TypeError(
                 f"{type(self.dataset).__name__}.__getitems__ returned {len(samples)} samples for {len(indices)} indices"
             )
-        return [self._with_index(s, i) for s, i in zip(samples, indices)]
+        return list(zip(indices, samples))
 
     def sequence_lengths(self) -> np.ndarray | None:
         return sequence_lengths(self.dataset)
 
     def __repr__(self) -> str:
-        return f"IndexedDataset({self.dataset!r}, index_key={self.index_key!r})"
+        return f"IndexedDataset({self.dataset!r})"
 
 
 class indexed_collate:  # noqa: N801 - used like a function: indexed_collate(collate_fn)
-    """Collate function for :class:`IndexedDataset` samples: pops ``index_key`` from each sample, collates the rest
-    with ``collate_fn`` (default ``torch.utils.data.default_collate``) and sets ``batch[index_key] = int64[B]``.
+    """Collate function for :class:`IndexedDataset` items ``(index, sample)``: collates the samples with
+    ``collate_fn`` (default ``torch.utils.data.default_collate``) and returns ``EffiBatch(batch, {"index":
+    int64[B]})`` (:class:`~lightning_effi.core.batch.EffiBatch`); the user's batch is whatever ``collate_fn`` returns.
 
     Picklable (a class, not a closure), so it works with DataLoader workers under any start method.
 
     Raises:
-        KeyError: a sample lacks ``index_key``.
-        TypeError: ``collate_fn`` does not return a dict; ``index_key`` is not a str.
+        TypeError: an item is not an ``(index, sample)`` pair of :class:`IndexedDataset`.
     """
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None = None, index_key: str = "index"):
+    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None = None):
         self.collate_fn = collate_fn
-        self.index_key = _check_key(index_key)
 
-    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        indices, rest = [], []
-        for sample in samples:
-            sample = dict(sample)
-            indices.append(int(sample.pop(self.index_key)))
-            rest.append(sample)
-        batch = (self.collate_fn or default_collate)(rest)
-        if not isinstance(batch, dict):
-            raise TypeError(f"indexed_collate needs collate_fn to return a dict batch; got {type(batch).__name__}")
-        batch[self.index_key] = torch.tensor(indices, dtype=torch.int64)
-        return batch
+    def __call__(self, items: Sequence[tuple[int, Any]]) -> EffiBatch:
+        indices, samples = [], []
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)):
+                raise TypeError(
+                    "indexed_collate needs the (index, sample) pairs of an IndexedDataset; got a "
+                    f"{type(item).__name__}"
+                )
+            indices.append(item[0])
+            samples.append(item[1])
+        batch = (self.collate_fn or default_collate)(samples)
+        return EffiBatch(batch, {INDEX_KEY: torch.tensor(indices, dtype=torch.int64)})
 
     def __repr__(self) -> str:
-        return f"indexed_collate({self.collate_fn!r}, index_key={self.index_key!r})"
+        return f"indexed_collate({self.collate_fn!r})"
 
 
 def sequence_lengths(dataset: Any) -> np.ndarray | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -23,10 +24,14 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from lightning_effi.core.batch import unwrap
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.loader import EpochShuffleSampler
 
 W = TypeVar("W", bound="WrappingDataModule")
+
+#: the batch hooks a LightningModule and a LightningDataModule share (Lightning's ``_DataHookSelector``)
+BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 #: samplers that only shuffle (or not): a technique may replace them without changing the semantics
 PLAIN_SAMPLERS = (RandomSampler, SequentialSampler, EpochShuffleSampler, DistributedSampler)
@@ -97,6 +102,13 @@ class WrappingDataModule(pl.LightningDataModule):
     :meth:`template` reads the innermost (the user's) training loader once (:func:`loader_template`), also when
     wrappers are nested.
 
+    The batch hooks (``on_before_batch_transfer``, ``transfer_batch_to_device``, ``on_after_batch_transfer``) go where
+    Lightning would send them without the wrapper: the user's DataModule's when it overrides the hook, else the
+    LightningModule's, else Lightning's default. Before that, ``on_before_batch_transfer`` takes a technique's
+    :class:`~lightning_effi.core.batch.EffiBatch` apart, keeps its ``meta`` in :attr:`effi_batch_meta` (read with
+    :func:`~lightning_effi.core.batch.batch_meta`) and passes on the user's batch, so no user hook ever sees the
+    techniques' metadata.
+
     Raises:
         DataConfigError: ``datamodule`` is not a ``LightningDataModule``.
     """
@@ -109,6 +121,8 @@ class WrappingDataModule(pl.LightningDataModule):
             raise DataConfigError(f"data.datamodule: expected a LightningDataModule, got {type(datamodule).__name__}")
         self.datamodule = datamodule
         self._template: dict[str, Any] | None = None
+        #: the ``meta`` of the training batch in flight (see the class docstring); None between runs
+        self.effi_batch_meta: dict[str, Any] | None = None
 
     def prepare_data(self) -> None:
         self.datamodule.prepare_data()
@@ -116,6 +130,61 @@ class WrappingDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         self.datamodule.trainer = self.trainer
         self.datamodule.setup(stage)
+        self._quiet_hook_warnings()
+
+    # ------------------------------------------------------------------------------------------- batch hooks
+    def _user_hook(self, name: str) -> Any:
+        """The hook ``name`` Lightning would call without the wrappers: the user's DataModule's if it overrides it,
+        else the LightningModule's if it does, else None (Lightning's default)."""
+        inner = wrapper_chain(self)[-1]
+        if is_overridden(name, inner, pl.LightningDataModule):
+            return getattr(inner, name)
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is not None and is_overridden(name, module, pl.LightningModule):
+            return getattr(module, name)
+        return None
+
+    def _quiet_hook_warnings(self) -> None:
+        """Lightning warns "overridden in both LightningModule and LightningDataModule ... will use the
+        LightningDataModule's" for every batch hook the user's LightningModule overrides, since this wrapper overrides
+        them all; the warning would be false (the wrapper calls the module's hook), so it is marked as already
+        shown, for those hooks only (the user's DataModule does not override them)."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is None:
+            return
+        try:
+            from lightning.pytorch.trainer.connectors import data_connector
+        except ImportError:  # pragma: no cover - Lightning moved it: the (harmless) warning shows
+            return
+        inner = wrapper_chain(self)[-1]
+        for name in BATCH_HOOKS:
+            by_module = is_overridden(name, module, pl.LightningModule)
+            if by_module and not is_overridden(name, inner, pl.LightningDataModule):
+                data_connector.warning_cache.add(
+                    f"You have overridden `{name}` in both `LightningModule` and `LightningDataModule`."
+                    " It will use the implementation from `LightningDataModule` instance."
+                )
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Take a technique's :class:`~lightning_effi.core.batch.EffiBatch` apart (its ``meta`` goes to
+        :attr:`effi_batch_meta`), then call the user's hook (class docstring) with the user's batch."""
+        batch, meta = unwrap(batch)
+        if meta is not None:
+            self.effi_batch_meta = meta
+        elif self.trainer is not None and self.trainer.training:
+            self.effi_batch_meta = None
+        hook = self._user_hook("on_before_batch_transfer")
+        return hook(batch, dataloader_idx) if hook is not None else batch
+
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        hook = self._user_hook("transfer_batch_to_device")
+        if hook is not None:
+            return hook(batch, device, dataloader_idx)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        hook = self._user_hook("on_after_batch_transfer")
+        return hook(batch, dataloader_idx) if hook is not None else batch
 
     def teardown(self, stage: str) -> None:
         self.datamodule.teardown(stage)

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, lengthen_batch, tokens_of
+from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int
 from lightning_effi.core.compat import uses_distributed_sampler
 from lightning_effi.core.requirements import Requirements, check_trainer
@@ -303,12 +304,13 @@ class Curriculum(Callback):
     ) -> None:
         if self.controller is None:
             return
-        if not isinstance(batch, dict) or any(k not in batch for k in BATCH_KEYS):
+        meta = batch_meta(trainer) or {}
+        if any(k not in meta for k in BATCH_KEYS):
             raise CurriculumConfigError(
-                "Curriculum: the training batch does not come from the CurriculumDataModule's "
-                f"loader (it lacks some of the keys {list(BATCH_KEYS)})"
+                "Curriculum: the training batch does not come from the CurriculumDataModule's loader (it carries "
+                f"none of the curriculum's batch metadata {list(BATCH_KEYS)})"
             )
-        step, micro, difficulty, self._full_length, self._cut_mask = (batch.pop(k) for k in BATCH_KEYS)
+        step, micro, difficulty, self._full_length, self._cut_mask = (meta[k] for k in BATCH_KEYS)
         tokens = tokens_of(batch)
         if trainer.world_size > 1:
             t = torch.tensor(float(tokens), device=trainer.strategy.root_device)

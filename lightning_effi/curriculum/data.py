@@ -10,13 +10,15 @@ collate_fn=CurriculumCollate(collate_fn, ...), num_workers=..., ...)``
   thinned and every kept key gets ``(weight, candidates)`` appended.
 - :class:`CurriculumDataset` returns ``(dataset[index], key)``, so the key travels with the sample into the worker.
 - :class:`CurriculumCollate` collates with the user's function, applies ``seqlen_truncate`` / ``seqlen_reshape`` with
-  the difficulty **that batch was drawn at** (not whatever the sampler holds when a prefetched batch arrives), and adds
-  ``batch["cl_step"]``, ``batch["cl_micro"]``, ``batch["cl_difficulty"]`` (dict metric -> int) and, for the
-  ``EfficiencyMonitor``'s baseline, what the truncation removed: ``batch["cl_full_length"]`` (the sequence length
-  ``S`` before the transforms) and ``batch["cl_cut_mask"]`` (the attention-mask columns it cut). The
-  :class:`~lightning_effi.callbacks.Curriculum` callback removes these keys before the user's ``training_step``.
-  Thinned keys also give ``batch["index"]`` (int64 ``(B_kept,)``), ``batch["infobatch_weight"]`` (float32
-  ``(B_kept,)``) and ``batch["infobatch_candidates"]`` (int ``B``), which InfoBatch's ``training_step`` wrapper removes.
+  the difficulty **that batch was drawn at** (not whatever the sampler holds when a prefetched batch arrives), and
+  returns an :class:`~lightning_effi.core.batch.EffiBatch`: the user's batch and the curriculum's metadata
+  (:data:`BATCH_KEYS`): ``cl_step``, ``cl_micro``, ``cl_difficulty`` (dict metric -> int) and, for the
+  ``EfficiencyMonitor``'s baseline, what the truncation removed: ``cl_full_length`` (the sequence length ``S`` before
+  the transforms) and ``cl_cut_mask`` (the attention-mask columns it cut). The DataModule takes the metadata off
+  before any user hook (:meth:`~lightning_effi.core.wrapping.WrappingDataModule.on_before_batch_transfer`); the
+  :class:`~lightning_effi.callbacks.Curriculum` callback reads it with :func:`~lightning_effi.core.batch.batch_meta`.
+  Thinned batches also carry ``index`` (int64 ``(B_kept,)``), ``infobatch_weight`` (float32 ``(B_kept,)``) and
+  ``infobatch_candidates`` (int ``B``), read by InfoBatch's ``training_step`` wrapper.
 
 Validation, test and predict loaders are delegated unchanged (never truncated).
 """
@@ -30,15 +32,16 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from lightning_effi.core.batch import EffiBatch
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.wrapping import WrappingDataModule, wrapper_chain
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig
 from lightning_effi.curriculum.stream import CurriculumController
 
-#: keys the collate wrapper adds to every training batch (:class:`CurriculumCollate`)
+#: the metadata the collate wrapper gives every training batch (:class:`CurriculumCollate`)
 BATCH_KEYS = ("cl_step", "cl_micro", "cl_difficulty", "cl_full_length", "cl_cut_mask")
-#: keys it adds when a thinner is attached (InfoBatch composed with the curriculum)
+#: the metadata it adds when a thinner is attached (InfoBatch composed with the curriculum)
 THINNED_KEYS = ("index", "infobatch_weight", "infobatch_candidates")
 
 
@@ -69,8 +72,9 @@ class CurriculumDataset(Dataset):
 
 
 class CurriculumCollate:
-    """Collate ``(sample, key)`` pairs: the user's collate (``default_collate`` if None), then the sequence-length
-    transform of the batch's own difficulty, then the ``cl_*`` keys (:data:`BATCH_KEYS`):
+    """Collate ``(sample, key)`` pairs into an :class:`~lightning_effi.core.batch.EffiBatch`: the user's collate
+    (``default_collate`` if None; any batch structure), then the sequence-length transform of the batch's own
+    difficulty; the metadata (:data:`BATCH_KEYS`):
 
     - ``cl_step``, ``cl_micro`` (int): the curriculum step and micro-batch the batch was drawn at;
     - ``cl_difficulty``: metric name -> the difficulty (int) the batch was drawn at;
@@ -81,8 +85,8 @@ class CurriculumCollate:
       ``cl_full_length`` it lets the callback count the untruncated batch exactly, padding included
       (:meth:`~lightning_effi.callbacks.Curriculum.effi_baseline`).
 
-    Thinned keys (6 fields) also give ``batch["index"]`` (int64 ``(B_kept,)``), ``batch["infobatch_weight"]``
-    (float32 ``(B_kept,)``) and ``batch["infobatch_candidates"]`` (int).
+    Thinned keys (6 fields) also give ``meta["index"]`` (int64 ``(B_kept,)``), ``meta["infobatch_weight"]``
+    (float32 ``(B_kept,)``) and ``meta["infobatch_candidates"]`` (int).
 
     Args:
         collate_fn: the wrapped loader's collate function. metric_names: the curriculum's metric names, in order.
@@ -90,8 +94,8 @@ class CurriculumCollate:
             .truncate_batch`).
 
     Raises:
-        DataConfigError: the collated batch is not a dict or already has a key this collate adds; the samples of one
-            batch carry different steps (or, thinned, different candidate counts).
+        DataConfigError: ``seqlen_truncate`` / ``seqlen_reshape`` with a batch that is not a dict or has none of
+            ``truncate_keys``; the samples of one batch carry different steps (or, thinned, different candidate counts).
     """
 
     def __init__(
@@ -106,21 +110,22 @@ class CurriculumCollate:
         self.truncate_keys = tuple(truncate_keys)
         self.causal_label_shift = causal_label_shift
 
-    def __call__(self, items: Sequence[tuple[Any, tuple]]) -> dict[str, Any]:
+    def __call__(self, items: Sequence[tuple[Any, tuple]]) -> EffiBatch:
         keys = [k for _, k in items]
         _, step, micro, diffs = keys[0][:4]
         if any(k[1] != step or k[2] != micro for k in keys):
             raise DataConfigError("curriculum: one batch mixes samples of different curriculum steps")
         batch = self.collate_fn([s for s, _ in items])
-        if not isinstance(batch, Mapping):
-            raise DataConfigError(
-                f"curriculum needs dict batches (got {type(batch).__name__}): the transforms and "
-                "the step/difficulty keys are added by name"
-            )
-        batch = dict(batch)
         difficulty = dict(zip(self.metric_names, diffs))
-        full_length = F.sequence_length(batch, self.truncate_keys)
+        full_length = F.sequence_length(batch, self.truncate_keys) if isinstance(batch, Mapping) else None
         cut_mask = None
+        if "seqlen_truncate" in difficulty or "seqlen_reshape" in difficulty:
+            if not isinstance(batch, Mapping):
+                raise DataConfigError(
+                    f"curriculum: seqlen_truncate / seqlen_reshape need dict batches (got {type(batch).__name__}): "
+                    "the sequence tensors are found by name (truncate_keys)"
+                )
+            batch = dict(batch)
         if "seqlen_truncate" in difficulty:
             if not any(isinstance(batch.get(k), torch.Tensor) and batch[k].ndim >= 2 for k in self.truncate_keys):
                 raise DataConfigError(
@@ -135,21 +140,17 @@ class CurriculumCollate:
                 cut_mask = mask[:, kept.shape[1] :]
         if "seqlen_reshape" in difficulty:
             batch = F.reshape_batch(batch, difficulty["seqlen_reshape"])
-        batch["cl_step"], batch["cl_micro"], batch["cl_difficulty"] = int(step), int(micro), difficulty
-        batch["cl_full_length"], batch["cl_cut_mask"] = full_length, cut_mask
+        meta: dict[str, Any] = dict(
+            zip(BATCH_KEYS, (int(step), int(micro), difficulty, full_length, cut_mask))
+        )
         if len(keys[0]) > 4:  # thinned by InfoBatch: (index, step, micro, difficulties, weight, candidates)
-            if any(k in batch for k in THINNED_KEYS):
-                raise DataConfigError(
-                    f"curriculum + InfoBatch: the collated batch already has one of the keys {list(THINNED_KEYS)} "
-                    f"that the thinning adds (batch keys: {sorted(batch)})"
-                )
             candidates = int(keys[0][5])
             if any(int(k[5]) != candidates for k in keys):
                 raise DataConfigError("curriculum + InfoBatch: one batch mixes samples of different slices")
-            batch["index"] = torch.tensor([int(k[0]) for k in keys], dtype=torch.int64)
-            batch["infobatch_weight"] = torch.tensor([float(k[4]) for k in keys], dtype=torch.float32)
-            batch["infobatch_candidates"] = candidates
-        return batch
+            meta["index"] = torch.tensor([int(k[0]) for k in keys], dtype=torch.int64)
+            meta["infobatch_weight"] = torch.tensor([float(k[4]) for k in keys], dtype=torch.float32)
+            meta["infobatch_candidates"] = candidates
+        return EffiBatch(batch, meta)
 
 
 class CurriculumSampler:

@@ -38,6 +38,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline
+from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real
 from lightning_effi.core.progress import run_length, steps_per_epoch
 from lightning_effi.core.requirements import Requirements, check_trainer
@@ -318,22 +319,22 @@ class InfoBatchCallback(Callback):
         self._original_step = original
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            meta = batch_meta(self._trainer) or {}
             if self.curriculum_dm is not None:
-                if not isinstance(batch, dict) or any(k not in batch for k in THINNED_KEYS):
+                if any(k not in meta for k in THINNED_KEYS):
                     raise ValueError(
                         f"InfoBatchCallback: with the curriculum, the training batch must carry {list(THINNED_KEYS)} "
                         "(added by the CurriculumDataModule's loader with InfoBatch attached); got "
-                        + (f"keys {sorted(batch)}" if isinstance(batch, dict) else type(batch).__name__)
+                        f"{sorted(meta)}"
                     )
-                index, weights, candidates = (batch.pop(k) for k in THINNED_KEYS)
+                index, weights, candidates = (meta[k] for k in THINNED_KEYS)
                 return self.thinned_output(original(batch, *args, **kwargs), index, weights, int(candidates))
-            if not isinstance(batch, dict) or "index" not in batch:
+            if "index" not in meta:
                 raise ValueError(
-                    "InfoBatchCallback: the training batch has no 'index'; train with "
-                    "datamodule=InfoBatchDataModule(...) (dict samples)"
+                    "InfoBatchCallback: the training batch carries no sample index; train with "
+                    "datamodule=InfoBatchDataModule(...)"
                 )
-            index = batch.pop("index")
-            return self.rescale_output(original(batch, *args, **kwargs), index)
+            return self.rescale_output(original(batch, *args, **kwargs), meta["index"])
 
         pl_module.training_step = training_step  # type: ignore[method-assign]
 

@@ -21,6 +21,7 @@ import torch
 
 from lightning_effi.callbacks import Curriculum, InfoBatchCallback, VCycleCallback
 from lightning_effi.core.accounting import EfficiencyMonitor
+from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.progress import progress_clock, progress_source
 from lightning_effi.core.wrapping import find_wrapper, wrapper_chain
@@ -220,8 +221,9 @@ def infobatch(**kw):
 
 
 class Record(pl.Callback):
-    """Put first: sees the ``cl_*`` and InfoBatch keys. Per batch: step, micro, difficulty, kept indices, weights,
-    candidates, shape; the loss; and the curriculum's own draws ``(step, micro) -> indices`` (a spy on the stream)."""
+    """Sees the ``cl_*`` and InfoBatch metadata (``batch_meta``). Per batch: step, micro, difficulty, kept
+    indices, weights, candidates, shape; the loss; and the curriculum's own draws ``(step, micro) -> indices`` (a spy
+    on the stream)."""
 
     def __init__(self):
         self.train, self.losses, self.stream = [], [], {}
@@ -238,6 +240,7 @@ class Record(pl.Callback):
         controller.micro_batches = spy
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch = {**batch, **batch_meta(trainer)}  # the user's batch and the techniques' metadata
         self.train.append(
             {
                 "epoch": trainer.current_epoch,

@@ -11,6 +11,7 @@ import torch
 
 from lightning_effi.callbacks import Curriculum
 from lightning_effi.core.accounting import Baseline, EfficiencyMonitor, baseline_hook, lengthen_batch
+from lightning_effi.core.batch import EffiBatch, batch_meta
 from lightning_effi.core.protocols import ProvidesBaseline
 from lightning_effi.curriculum.analysis.metrics import register_metric
 from lightning_effi.curriculum.data import BATCH_KEYS, CurriculumCollate
@@ -53,18 +54,25 @@ def sentence_data() -> CurriculumDataModule:
     return CurriculumDataModule(TinyDataModule(IndexedSentences(), batch_size=B, collate_fn=PaddingCollate(0)))
 
 
+def flat(collated: EffiBatch) -> dict:
+    """A collated curriculum batch as one dict: the user's batch and the metadata beside it."""
+    assert isinstance(collated, EffiBatch) and not set(collated.batch) & set(collated.meta)
+    return {**collated.batch, **collated.meta}
+
+
 def padded(dataset: IndexedSentences, idx: torch.Tensor) -> dict[str, torch.Tensor]:
     """The batch the user's loader makes of the samples ``idx`` (no curriculum)."""
     return PaddingCollate(0)([dataset[int(i)] for i in idx])
 
 
 class Before(pl.Callback):
-    """Before Curriculum: the ``cl_*`` keys and the samples of every training batch."""
+    """The curriculum's ``cl_*`` metadata (``batch_meta``) and the samples of every training batch."""
 
     def __init__(self) -> None:
         self.seen: list[dict] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch = {**batch, **batch_meta(trainer)}  # the user's batch and the curriculum's metadata
         self.seen.append(
             {
                 "idx": batch["idx"].clone(),
@@ -76,7 +84,7 @@ class Before(pl.Callback):
 
 
 class After(pl.Callback):
-    """After Curriculum (whose ``on_train_batch_start`` popped the ``cl_*`` keys): its ``effi_baseline`` of every
+    """After Curriculum (no ``cl_*`` key ever reaches a batch): its ``effi_baseline`` of every
     training batch, and the module's counts of it."""
 
     def __init__(self, curriculum: Curriculum) -> None:
@@ -94,7 +102,7 @@ def test_the_collate_records_what_truncation_removed():
     data = IndexedSentences()
     lengths = [len(data.items[i]) for i in range(6)]
     collate = CurriculumCollate(PaddingCollate(0), ["seqlen_truncate"])
-    batch = collate([(data[i], (i, 1, 0, (5,))) for i in range(6)])
+    batch = flat(collate([(data[i], (i, 1, 0, (5,))) for i in range(6)]))
     full = padded(data, torch.arange(6))
     s = max(lengths)
     assert s > 5 and batch["cl_full_length"] == s and batch["input_ids"].shape == (6, 5)
@@ -103,13 +111,13 @@ def test_the_collate_records_what_truncation_removed():
     assert batch["cl_step"] == 1 and batch["cl_micro"] == 0 and batch["cl_difficulty"] == {"seqlen_truncate": 5}
     assert set(BATCH_KEYS) <= set(batch)
     # a difficulty at or above the batch's length cuts nothing
-    whole = collate([(data[i], (i, 1, 0, (s,))) for i in range(6)])
+    whole = flat(collate([(data[i], (i, 1, 0, (s,))) for i in range(6)]))
     assert whole["cl_full_length"] == s and whole["cl_cut_mask"] is None and whole["input_ids"].shape == (6, s)
     # without an attention mask among the truncated keys: the length only; without truncation: the length too
     ids_only = CurriculumCollate(PaddingCollate(0), ["seqlen_truncate"], truncate_keys=("input_ids",))
-    b = ids_only([(data[i], (i, 1, 0, (5,))) for i in range(6)])
+    b = flat(ids_only([(data[i], (i, 1, 0, (5,))) for i in range(6)]))
     assert b["cl_full_length"] == s and b["cl_cut_mask"] is None and b["attention_mask"].shape == (6, s)
-    other = CurriculumCollate(PaddingCollate(0), ["first_token"])([(data[i], (i, 1, 0, (50,))) for i in range(6)])
+    other = flat(CurriculumCollate(PaddingCollate(0), ["first_token"])([(data[i], (i, 1, 0, (50,))) for i in range(6)]))
     assert other["cl_full_length"] == s and other["cl_cut_mask"] is None
 
 

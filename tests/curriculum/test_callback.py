@@ -15,6 +15,7 @@ import torch
 
 import lightning_effi.curriculum
 from lightning_effi.callbacks import Curriculum, InfoBatchCallback
+from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.requirements import IncompatibleTechniques, Requirements
 from lightning_effi.curriculum import CurriculumConfig, CurriculumConfigError, CurriculumController
 from lightning_effi.curriculum.analysis.index import MetricIndex
@@ -56,12 +57,13 @@ def curriculum(**kw):
 
 
 class Record(pl.Callback):
-    """Put before Curriculum: sees the cl_* keys. Records per training batch (step, difficulty, input_ids)."""
+    """Sees the curriculum's cl_* metadata (batch_meta). Records per training batch (step, difficulty, input_ids)."""
 
     def __init__(self, out_dir=None):
         self.train, self.val, self.out_dir = [], [], out_dir
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch = {**batch, **batch_meta(trainer)}  # the user's batch and the curriculum's metadata
         self.train.append(
             {
                 "global_step": trainer.global_step,

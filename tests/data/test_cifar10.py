@@ -84,7 +84,8 @@ def test_dataloader_and_subsets(data_root):
     loader = torch.utils.data.DataLoader(
         IndexedDataset(dm.val_dataset), batch_size=20, collate_fn=indexed_collate(dm.collate_fn)
     )
-    batch = next(iter(loader))
+    collated = next(iter(loader))
+    batch = {**collated.batch, **collated.meta}
     assert batch["index"].tolist() == list(range(20)) and batch["pixel_values"].shape == (20, 3, 32, 32)
     pickle.loads(pickle.dumps(dm.train_dataset))[0]
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
+from lightning_effi.core.batch import EffiBatch
 from lightning_effi.data import IndexedDataset, indexed_collate, sequence_lengths
 
 
@@ -39,7 +40,7 @@ class Huge(Dataset):
         return {"x": torch.tensor(float(i % 10))}
 
 
-def test_getitem_adds_index_without_mutation():
+def test_getitem_pairs_the_index_with_the_sample_unchanged():
     base = {"x": 1}
 
     class Const(Dataset):
@@ -50,22 +51,22 @@ def test_getitem_adds_index_without_mutation():
             return base
 
     ds = IndexedDataset(Const())
-    assert ds[2] == {"x": 1, "index": 2} and base == {"x": 1}
+    assert ds[2] == (2, {"x": 1}) and ds[2][1] is base and base == {"x": 1}
     assert len(ds) == 3 and isinstance(ds.dataset, Const)
     assert not hasattr(ds, "n")  # no attribute delegation
 
 
 def test_getitems_uses_wrapped_batch_fetch():
-    ds = IndexedDataset(Batched(), index_key="idx")
+    ds = IndexedDataset(Batched())
     before = Batched.calls
-    samples = ds.__getitems__([4, 1, 7])
+    items = ds.__getitems__([4, 1, 7])
     assert Batched.calls == before + 1
-    assert [s["idx"] for s in samples] == [4, 1, 7]
-    assert [int(s["x"]) for s in samples] == [16, 1, 49]
-    assert [s["index"] for s in IndexedDataset(Squares()).__getitems__([3, 0])] == [3, 0]
+    assert [i for i, _ in items] == [4, 1, 7]
+    assert [int(s["x"]) for _, s in items] == [16, 1, 49]
+    assert [i for i, _ in IndexedDataset(Squares()).__getitems__([3, 0])] == [3, 0]
 
 
-def test_rejects_iterable_and_non_dict():
+def test_rejects_iterable_datasets():
     class Stream(IterableDataset):
         def __iter__(self):
             yield {"x": 1}
@@ -73,15 +74,15 @@ def test_rejects_iterable_and_non_dict():
     with pytest.raises(TypeError, match="IterableDataset"):
         IndexedDataset(Stream())
 
-    class Tuples(Dataset):
-        def __len__(self):
-            return 2
 
-        def __getitem__(self, i):
-            return (i, i)
+class Tuples(Dataset):
+    """``(x, y)`` samples, as torchvision datasets give them."""
 
-    with pytest.raises(TypeError, match="dict samples"):
-        IndexedDataset(Tuples())[0]
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.full((3,), float(i)), i % 4
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -96,37 +97,54 @@ def test_dataloader_indices(num_workers):
         generator=torch.Generator().manual_seed(0),
     )
     seen = []
-    for batch in loader:
-        assert batch["index"].dtype == torch.int64 and batch["index"].shape == batch["x"].shape
-        assert torch.equal(batch["x"], batch["index"].double().pow(2).float())
-        assert torch.equal(batch["y"][:, 0], batch["index"])
-        seen += batch["index"].tolist()
+    for collated in loader:
+        assert isinstance(collated, EffiBatch) and set(collated.meta) == {"index"}
+        batch, index = collated.batch, collated.meta["index"]
+        assert set(batch) == {"x", "y"}  # the user's batch, without the index
+        assert index.dtype == torch.int64 and index.shape == batch["x"].shape
+        assert torch.equal(batch["x"], index.double().pow(2).float())
+        assert torch.equal(batch["y"][:, 0], index)
+        seen += index.tolist()
     assert sorted(seen) == list(range(50))
+
+
+def test_any_sample_structure_reaches_the_collate_unchanged():
+    loader = DataLoader(IndexedDataset(Tuples()), batch_size=5, sampler=[7, 2, 11, 0, 5], collate_fn=indexed_collate())
+    collated = next(iter(loader))
+    x, y = collated.batch  # default_collate of (x, y) tuples: [x, y]
+    assert collated.meta["index"].tolist() == [7, 2, 11, 0, 5]
+    assert x[:, 0].tolist() == [7.0, 2.0, 11.0, 0.0, 5.0] and y.tolist() == [3, 2, 3, 0, 1]
+
+
+def test_pin_memory_keeps_the_metadata():
+    collated = indexed_collate()([(1, torch.ones(2)), (4, torch.zeros(2))])
+    pinned = collated.pin_memory() if torch.cuda.is_available() else EffiBatch(collated.batch, collated.meta)
+    assert pinned.meta["index"].tolist() == [1, 4] and torch.equal(pinned.batch, collated.batch)
 
 
 def test_large_indices_round_trip():
     ds = IndexedDataset(Huge())
     wanted = [2**40, 2**40 + 1, 2**41 - 1, 3]
-    batch = next(iter(DataLoader(ds, batch_size=4, sampler=wanted, collate_fn=indexed_collate())))
-    assert batch["index"].dtype == torch.int64 and batch["index"].tolist() == wanted
+    collated = next(iter(DataLoader(ds, batch_size=4, sampler=wanted, collate_fn=indexed_collate())))
+    assert collated.meta["index"].dtype == torch.int64 and collated.meta["index"].tolist() == wanted
 
 
 def test_pickle_and_deepcopy():
-    ds = IndexedDataset(Squares(5), index_key="k")
+    ds = IndexedDataset(Squares(5))
     for clone in (pickle.loads(pickle.dumps(ds)), copy.deepcopy(ds)):
-        assert clone[4]["k"] == 4 and clone.index_key == "k" and len(clone) == 5
-    collate = pickle.loads(pickle.dumps(indexed_collate(index_key="k")))
-    assert collate([ds[1], ds[3]])["k"].tolist() == [1, 3]
+        assert clone[4][0] == 4 and len(clone) == 5
+    collate = pickle.loads(pickle.dumps(indexed_collate()))
+    assert collate([ds[1], ds[3]]).meta["index"].tolist() == [1, 3]
 
 
 def test_indexed_collate_custom_fn_and_errors():
     def stack_x(samples):
-        return {"x": torch.stack([s["x"] for s in samples])}
+        return [torch.stack([s["x"] for s in samples])]  # any structure: a list
 
-    batch = indexed_collate(stack_x)([{"x": torch.tensor(1.0), "index": 9}])
-    assert batch["index"].tolist() == [9] and batch["x"].tolist() == [1.0]
-    with pytest.raises(TypeError, match="dict batch"):
-        indexed_collate(lambda s: [1])([{"x": 1, "index": 0}])
+    collated = indexed_collate(stack_x)([(9, {"x": torch.tensor(1.0)})])
+    assert collated.meta["index"].tolist() == [9] and collated.batch[0].tolist() == [1.0]
+    with pytest.raises(TypeError, match="index, sample"):
+        indexed_collate()([{"x": 1, "index": 0}])
 
 
 def test_sequence_lengths_follows_subset_and_indexed():
@@ -147,18 +165,10 @@ def test_index_must_be_an_integer_and_is_the_true_position():
             ds[bad]
     with pytest.raises(TypeError, match="must be an integer"):
         ds.__getitems__([1, 2.5])
-    assert ds[-1]["index"] == 9 and int(ds[-1]["x"]) == 81
-    assert ds[-10]["index"] == 0
-    assert [s["index"] for s in ds.__getitems__([-1, 0, np.int64(-2), torch.tensor(3)])] == [9, 0, 8, 3]
-    assert type(ds[np.int32(4)]["index"]) is int
+    assert ds[-1][0] == 9 and int(ds[-1][1]["x"]) == 81
+    assert ds[-10][0] == 0
+    assert [i for i, _ in ds.__getitems__([-1, 0, np.int64(-2), torch.tensor(3)])] == [9, 0, 8, 3]
+    assert type(ds[np.int32(4)][0]) is int
     for out in (10, -11):
         with pytest.raises(IndexError):
             ds[out]
-
-
-@pytest.mark.parametrize("key", [None, 1, b"index"])
-def test_index_key_must_be_a_str(key):
-    with pytest.raises(TypeError, match="index_key must be a str"):
-        IndexedDataset(Squares(3), index_key=key)
-    with pytest.raises(TypeError, match="index_key must be a str"):
-        indexed_collate(index_key=key)

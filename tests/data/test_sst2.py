@@ -39,8 +39,8 @@ def test_padding_collate_matches_lengths(sst2_dm):
     loader = torch.utils.data.DataLoader(
         IndexedDataset(dev), batch_size=50, shuffle=True, collate_fn=indexed_collate(sst2_dm.collate_fn)
     )
-    for batch in loader:
-        idx = batch["index"].numpy()
+    for collated in loader:
+        batch, idx = collated.batch, collated.meta["index"].numpy()
         assert batch["input_ids"].shape == batch["attention_mask"].shape
         assert batch["input_ids"].shape[1] == lengths[idx].max()
         assert batch["attention_mask"].sum(1).tolist() == lengths[idx].tolist()

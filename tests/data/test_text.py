@@ -127,8 +127,9 @@ def test_mlm_val_masks_deterministic_train_random(mlm_dm):
     loader = torch.utils.data.DataLoader(
         IndexedDataset(val), batch_size=8, num_workers=2, collate_fn=indexed_collate(mlm_dm.collate_fn)
     )
-    batch = next(iter(loader))
-    assert torch.equal(batch["labels"][3], val[3]["labels"]) and batch["index"].tolist() == list(range(8))
+    collated = next(iter(loader))
+    batch = collated.batch
+    assert torch.equal(batch["labels"][3], val[3]["labels"]) and collated.meta["index"].tolist() == list(range(8))
 
 
 def test_no_token_in_a_split_message_is_consistent(tmp_path):
