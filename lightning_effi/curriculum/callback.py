@@ -18,11 +18,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_effi.core.accounting import Baseline, lengthen_batch, tokens_of
+from lightning_effi.core.accounting import Baseline, tokens_of
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int
 from lightning_effi.core.compat import uses_distributed_sampler
-from lightning_effi.core.requirements import Requirements, check_trainer
+from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
@@ -42,6 +42,7 @@ _OPTION_DEFAULTS: dict[str, Any] = dict(
     drop_last=False,
     truncate_keys=None,
     causal_label_shift=False,
+    keep_last_token=False,
 )
 
 
@@ -68,10 +69,11 @@ class Curriculum(Callback):
       the first step selects data, and attaches the controller (batch geometry from the loader's batch size,
       ``trainer.world_size`` and ``accumulate_grad_batches``). Under DDP it requires
       ``Trainer(use_distributed_sampler=False)``: the sampler shards by rank itself.
-    - ``on_train_batch_start``: removes the ``cl_*`` keys (``cl_step``, ``cl_micro``, ``cl_difficulty``,
-      ``cl_full_length``, ``cl_cut_mask``) from the batch (the user's ``training_step`` sees its own structure) and
-      counts the batch's tokens (summed over ranks) so a token-based LR schedule (:meth:`token_progress`) already
-      includes the current batch when the scheduler steps.
+    - ``on_train_batch_start``: reads the batch's curriculum metadata (``cl_step``, ``cl_micro``, ``cl_difficulty``,
+      ``cl_full_length``, ``cl_cut_mask``, ``cl_cut_left``; :func:`~lightning_effi.core.batch.batch_meta`, never in
+      the user's batch: ``training_step`` receives its own batch structure, only truncated) and counts the batch's
+      tokens (summed over ranks) so a token-based LR schedule (:meth:`token_progress`) already includes the current
+      batch when the scheduler steps.
     - ``on_train_batch_end``: commits the batch (the resume position) and logs ``effi/curriculum/{metric}_difficulty``,
       ``effi/curriculum/eligible_samples``, ``effi/curriculum/num_clusters``, ``effi/curriculum/consumed_tokens``.
     - ``effi_baseline``: the batch before ``seqlen_truncate``, for the
@@ -91,8 +93,10 @@ class Curriculum(Callback):
             schedule_config, index_to_sample_path, index_to_metric_path, analysis, custom_schedule}}`` (DeepSpeed
             ``curriculum_metrics`` keys; see :class:`~lightning_effi.curriculum.MetricConfig`). ``None``: take the
             configuration given to the ``CurriculumDataModule``.
-        seed, num_epochs, rounding, percentile_rounding, dp_split, drop_last, truncate_keys, causal_label_shift: see
-            :class:`~lightning_effi.curriculum.CurriculumConfig` (DeepSpeed defaults: seed 1234, num_epochs 1000).
+        seed, num_epochs, rounding, percentile_rounding, dp_split, drop_last, truncate_keys, causal_label_shift,
+            keep_last_token: see :class:`~lightning_effi.curriculum.CurriculumConfig` (DeepSpeed defaults: seed 1234,
+            num_epochs 1000). Given without ``metrics`` (the configuration on the ``CurriculumDataModule``) they must
+            keep their defaults.
         analysis_batch_size: batch size of the in-memory analysis (metrics with ``analysis: <name>``).
         total_tokens: the run's token budget. When set, the callback exposes ``effi_progress()`` = consumed tokens
             (including the batch being trained) / ``total_tokens``, which the reference tasks' LR schedules follow
@@ -110,9 +114,9 @@ class Curriculum(Callback):
             inside this one's (InfoBatch can); see :data:`lightning_effi.core.requirements.CONFLICTS`.
     """
 
-    #: rebuilds the training loader (its own batch sampler) and edits each dict batch (truncation, ``cl_*`` keys)
+    #: rebuilds the training loader (its own batch sampler) and edits each batch, of any structure (truncation)
     requirements = Requirements(
-        owns_train_sampler=True, hosts_thinning=True, edits_batch=True, batch_structures=("dict",)
+        owns_train_sampler=True, hosts_thinning=True, edits_batch=True, batch_structures=BATCH_STRUCTURES
     )
 
     def __init__(
@@ -126,6 +130,7 @@ class Curriculum(Callback):
         drop_last: bool = False,
         truncate_keys: Sequence[str] | None = None,
         causal_label_shift: bool = False,
+        keep_last_token: bool = False,
         analysis_batch_size: int = 256,
         total_tokens: int | None = None,
         strict: bool = True,
@@ -140,6 +145,7 @@ class Curriculum(Callback):
             dp_split=dp_split,
             drop_last=drop_last,
             causal_label_shift=causal_label_shift,
+            keep_last_token=keep_last_token,
         )
         if truncate_keys is not None:
             opts["truncate_keys"] = truncate_keys
@@ -167,9 +173,10 @@ class Curriculum(Callback):
         self._tokens_through_current = 0
         self._loaded: dict[str, Any] | None = None
         self.last_difficulties: dict[str, int] = {}
-        # the current batch before seqlen_truncate (its cl_full_length and cl_cut_mask), for effi_baseline
+        # the current batch before seqlen_truncate (its cl_full_length, cl_cut_mask, cl_cut_left), for effi_baseline
         self._full_length: int | None = None
         self._cut_mask: torch.Tensor | None = None
+        self._cut_left = False
 
     def _arguments(self) -> dict[str, Any]:
         """The constructor arguments of this callback, in order (the metrics as parsed, unset optional keys left
@@ -180,7 +187,7 @@ class Curriculum(Callback):
         else:
             out = {"metrics": {name: _metric_arguments(m) for name, m in c.metrics.items()}}
             out.update({k: getattr(c, k) for k in _OPTION_DEFAULTS})
-            out["truncate_keys"] = None if tuple(c.truncate_keys) == F.SEQUENCE_KEYS else list(c.truncate_keys)
+            out["truncate_keys"] = None if c.truncate_keys is None else list(c.truncate_keys)
         out.update(analysis_batch_size=self.analysis_batch_size, total_tokens=self.total_tokens, strict=self.strict)
         return out
 
@@ -228,7 +235,7 @@ class Curriculum(Callback):
         # a fresh fit starts from a fresh stream; a checkpoint's state arrives later through load_state_dict
         self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
         self._pending = None
-        self._full_length, self._cut_mask = None, None
+        self._full_length, self._cut_mask, self._cut_left = None, None, False
         template = dm.template()
         dataset, n = template["dataset"], template["length"]
         if n < 1:
@@ -310,7 +317,8 @@ class Curriculum(Callback):
                 "Curriculum: the training batch does not come from the CurriculumDataModule's loader (it carries "
                 f"none of the curriculum's batch metadata {list(BATCH_KEYS)})"
             )
-        step, micro, difficulty, self._full_length, self._cut_mask = (meta[k] for k in BATCH_KEYS)
+        step, micro, difficulty, self._full_length, self._cut_mask, cut_left = (meta[k] for k in BATCH_KEYS)
+        self._cut_left = bool(cut_left)
         tokens = tokens_of(batch)
         if trainer.world_size > 1:
             t = torch.tensor(float(tokens), device=trainer.strategy.root_device)
@@ -345,11 +353,13 @@ class Curriculum(Callback):
     def effi_baseline(self, batch: Any, pl_module: pl.LightningModule) -> Baseline | None:
         """The current training batch as it would have been without ``seqlen_truncate``
         (:class:`~lightning_effi.core.protocols.ProvidesBaseline`, read by the
-        :class:`~lightning_effi.core.accounting.EfficiencyMonitor` in ``on_train_batch_end``): the ``truncate_keys``
-        tensors at the untruncated length ``S`` recorded by the collate (``cl_full_length``), the attention mask with
-        the columns the truncation cut (``cl_cut_mask``), so the module's counting hooks count the untruncated batch
-        exactly, padding included (:func:`~lightning_effi.core.accounting.lengthen_batch`; only shapes and the mask
-        are real). The monitor's difference is the curriculum's saving (``saved/curriculum/...``).
+        :class:`~lightning_effi.core.accounting.EfficiencyMonitor` in ``on_train_batch_end``), any batch structure:
+        the tensors the truncation cut at the untruncated length ``S`` recorded by the collate (``cl_full_length``),
+        the attention mask with the values the truncation removed put back (``cl_cut_mask``, on the left for a
+        left-padded batch: ``cl_cut_left``), so the module's counting hooks count the untruncated batch exactly,
+        padding included (:func:`~lightning_effi.curriculum.functional.lengthen_batch`; only shapes and the mask are
+        real). A batch without an attention mask (a tuple ``(ids, labels)``) counts every position. The monitor's
+        difference is the curriculum's saving (``saved/curriculum/...``).
 
         Returns None when there is nothing to undo: no ``seqlen_truncate`` metric (``seqlen_reshape`` re-chunks
         rather than drops tokens and is not undone; the other metrics only choose samples), before ``setup``, or a
@@ -357,12 +367,13 @@ class Curriculum(Callback):
         """
         if self.controller is None or "seqlen_truncate" not in self.controller.config.metrics:
             return None
-        if self._full_length is None or not isinstance(batch, Mapping):
+        if self._full_length is None:
             return None
-        keys = tuple(self.controller.config.truncate_keys)
+        keys = self.controller.config.truncate_keys
         if (seq := F.sequence_length(batch, keys)) is None or seq >= self._full_length:
             return None
-        return Baseline(batch=lengthen_batch(batch, keys, self._full_length, mask=self._cut_mask))
+        long = F.lengthen_batch(batch, keys, self._full_length, mask=self._cut_mask, left=self._cut_left)
+        return Baseline(batch=long)
 
     def token_progress(self, total_tokens: float) -> float:
         """Training progress in ``[0, 1]`` on the consumed-token axis, including the batch being trained (read by a

@@ -192,9 +192,14 @@ class CurriculumConfig:
         dp_split: per-rank slicing of a micro-chunk, ``balanced`` | ``deepspeed``
             (:func:`~lightning_effi.curriculum.functional.dp_slice`).
         drop_last: drop a short final micro-chunk at the end of the budget.
-        truncate_keys: batch fields cut by ``seqlen_truncate`` (default: the usual sequence fields).
+        truncate_keys: names (dict keys, dataclass fields) of the tensors ``seqlen_truncate`` cuts; None (default):
+            every ``[B, T, ...]`` tensor of the batch's sequence length, whatever the batch structure
+            (:func:`~lightning_effi.curriculum.functional.truncate`).
         causal_label_shift: ``seqlen_truncate`` keeps ``d + 1`` tokens (Megatron GPT samples carry their shifted
             label); ``False`` (default) keeps ``d`` (HF models shift inside).
+        keep_last_token: ``seqlen_truncate`` keeps each row's last real token (``[SEP]`` / EOS) as the last token of
+            the cut row (Composer's ``preserve_end_of_sequence``; :func:`~lightning_effi.curriculum.functional
+            .truncate`).
 
     Raises:
         CurriculumConfigError: no metric, unknown option values, a metric config error.
@@ -207,8 +212,9 @@ class CurriculumConfig:
     percentile_rounding: str = "deepspeed"
     dp_split: str = "balanced"
     drop_last: bool = False
-    truncate_keys: Sequence[str] = F.SEQUENCE_KEYS
+    truncate_keys: Sequence[str] | None = None
     causal_label_shift: bool = False
+    keep_last_token: bool = False
 
     def __post_init__(self) -> None:
         metrics = to_plain(self.metrics)
@@ -223,18 +229,19 @@ class CurriculumConfig:
             raise CurriculumConfigError("curriculum metrics: every metric is null; need at least one")
         object.__setattr__(self, "metrics", parsed)
         keys = to_plain(self.truncate_keys)
-        if (
+        if keys is not None and (
             isinstance(keys, str)
             or not isinstance(keys, Sequence)
             or not keys
             or not all(isinstance(k, str) for k in keys)
         ):
             raise CurriculumConfigError(
-                f"curriculum truncate_keys must be a non-empty list of batch keys, got {keys!r}"
+                "curriculum truncate_keys must be a non-empty list of tensor names, or None (every [B, T, ...] "
+                f"tensor), got {keys!r}"
             )
-        object.__setattr__(self, "truncate_keys", tuple(keys))
+        object.__setattr__(self, "truncate_keys", None if keys is None else tuple(keys))
         err = CurriculumConfigError
-        for key in ("drop_last", "causal_label_shift"):
+        for key in ("drop_last", "causal_label_shift", "keep_last_token"):
             object.__setattr__(self, key, check_bool("curriculum", key, getattr(self, key), error=err))
         check_choice("curriculum", "rounding", self.rounding, ROUNDING_MODES, error=err)
         check_choice("curriculum", "percentile_rounding", self.percentile_rounding, F.PERCENTILE_ROUNDING, error=err)
@@ -260,7 +267,8 @@ class CurriculumConfig:
         return {name: m.schedule(self.rounding) for name, m in self.metrics.items()}
 
     def describe(self) -> dict[str, Any]:
-        """Safe-loadable description (no callables) used as the checkpoint fingerprint."""
+        """Safe-loadable description (no callables) used as the checkpoint fingerprint (``keep_last_token`` only when
+        set, so checkpoints written before the option existed still match)."""
         out: dict[str, Any] = {
             k: getattr(self, k)
             for k in (
@@ -273,6 +281,8 @@ class CurriculumConfig:
                 "causal_label_shift",
             )
         }
+        if self.keep_last_token:
+            out["keep_last_token"] = True
         out["metrics"] = {
             name: {f.name: _describe(getattr(m, f.name)) for f in dataclasses.fields(m)}
             for name, m in self.metrics.items()

@@ -9,12 +9,13 @@ collate_fn=CurriculumCollate(collate_fn, ...), num_workers=..., ...)``
   attached (InfoBatch composed with the curriculum, see "Composition" in the method card), each micro-batch slice is
   thinned and every kept key gets ``(weight, candidates)`` appended.
 - :class:`CurriculumDataset` returns ``(dataset[index], key)``, so the key travels with the sample into the worker.
-- :class:`CurriculumCollate` collates with the user's function, applies ``seqlen_truncate`` / ``seqlen_reshape`` with
-  the difficulty **that batch was drawn at** (not whatever the sampler holds when a prefetched batch arrives), and
-  returns an :class:`~lightning_effi.core.batch.EffiBatch`: the user's batch and the curriculum's metadata
-  (:data:`BATCH_KEYS`): ``cl_step``, ``cl_micro``, ``cl_difficulty`` (dict metric -> int) and, for the
-  ``EfficiencyMonitor``'s baseline, what the truncation removed: ``cl_full_length`` (the sequence length ``S`` before
-  the transforms) and ``cl_cut_mask`` (the attention-mask columns it cut). The DataModule takes the metadata off
+- :class:`CurriculumCollate` collates with the user's function (any batch structure), applies ``seqlen_truncate`` /
+  ``seqlen_reshape`` with the difficulty **that batch was drawn at** (not whatever the sampler holds when a prefetched
+  batch arrives), and returns an :class:`~lightning_effi.core.batch.EffiBatch`: the user's batch (truncated, same
+  structure and types) and the curriculum's metadata (:data:`BATCH_KEYS`): ``cl_step``, ``cl_micro``,
+  ``cl_difficulty`` (dict metric -> int) and, for the ``EfficiencyMonitor``'s baseline, what the truncation removed:
+  ``cl_full_length`` (the sequence length ``S`` before the transforms), ``cl_cut_mask`` (the attention-mask values it
+  cut) and ``cl_cut_left`` (a left-padded batch, cut on the left). The DataModule takes the metadata off
   before any user hook (:meth:`~lightning_effi.core.wrapping.WrappingDataModule.on_before_batch_transfer`); the
   :class:`~lightning_effi.callbacks.Curriculum` callback reads it with :func:`~lightning_effi.core.batch.batch_meta`.
   Thinned batches also carry ``index`` (int64 ``(B_kept,)``), ``infobatch_weight`` (float32 ``(B_kept,)``) and
@@ -40,7 +41,7 @@ from lightning_effi.curriculum.config import CurriculumConfig
 from lightning_effi.curriculum.stream import CurriculumController
 
 #: the metadata the collate wrapper gives every training batch (:class:`CurriculumCollate`)
-BATCH_KEYS = ("cl_step", "cl_micro", "cl_difficulty", "cl_full_length", "cl_cut_mask")
+BATCH_KEYS = ("cl_step", "cl_micro", "cl_difficulty", "cl_full_length", "cl_cut_mask", "cl_cut_left")
 #: the metadata it adds when a thinner is attached (InfoBatch composed with the curriculum)
 THINNED_KEYS = ("index", "infobatch_weight", "infobatch_candidates")
 
@@ -73,42 +74,52 @@ class CurriculumDataset(Dataset):
 
 class CurriculumCollate:
     """Collate ``(sample, key)`` pairs into an :class:`~lightning_effi.core.batch.EffiBatch`: the user's collate
-    (``default_collate`` if None; any batch structure), then the sequence-length transform of the batch's own
-    difficulty; the metadata (:data:`BATCH_KEYS`):
+    (``default_collate`` if None; any sample and batch structure: tensor, tuple, list, dict, dataclass, HF
+    ``BatchEncoding``), then the sequence-length transform of the batch's own difficulty; the metadata
+    (:data:`BATCH_KEYS`):
 
     - ``cl_step``, ``cl_micro`` (int): the curriculum step and micro-batch the batch was drawn at;
     - ``cl_difficulty``: metric name -> the difficulty (int) the batch was drawn at;
     - ``cl_full_length``: the collated batch's sequence length ``S`` before ``seqlen_truncate`` / ``seqlen_reshape``
-      (int; dimension 1 of the first ``truncate_keys`` tensor with one), None when it has no such tensor;
-    - ``cl_cut_mask``: the ``[B, S - L]`` columns of ``attention_mask`` that ``seqlen_truncate`` removed (a view of
-      the collated mask), None when it removed none (or ``attention_mask`` is not a truncated key). With
-      ``cl_full_length`` it lets the callback count the untruncated batch exactly, padding included
-      (:meth:`~lightning_effi.callbacks.Curriculum.effi_baseline`).
+      (int; :func:`~lightning_effi.curriculum.functional.sequence_length`), None when it has no sequence tensor;
+    - ``cl_cut_mask``: the attention-mask values ``seqlen_truncate`` removed, ``[B, S - L]`` (each row's in column
+      order), None when it removed none (or no tensor named ``attention_mask`` was cut); ``cl_cut_left``: the batch
+      was left-padded and its last ``L`` columns kept. With ``cl_full_length`` they let the callback count the
+      untruncated batch exactly, padding included (:meth:`~lightning_effi.callbacks.Curriculum.effi_baseline`).
+
+    ``seqlen_truncate`` cuts every ``[B, S, ...]`` tensor of the batch, in any structure, rebuilt with the same types
+    (:func:`~lightning_effi.curriculum.functional.truncate`); ``seqlen_reshape`` re-chunks a dict batch's
+    ``input_ids`` or a tensor batch (:func:`~lightning_effi.curriculum.functional.reshape_batch`).
 
     Thinned keys (6 fields) also give ``meta["index"]`` (int64 ``(B_kept,)``), ``meta["infobatch_weight"]``
     (float32 ``(B_kept,)``) and ``meta["infobatch_candidates"]`` (int).
 
     Args:
         collate_fn: the wrapped loader's collate function. metric_names: the curriculum's metric names, in order.
-        truncate_keys, causal_label_shift: ``seqlen_truncate`` options (:func:`~lightning_effi.curriculum.functional
-            .truncate_batch`).
+        truncate_keys, causal_label_shift, keep_last_token: ``seqlen_truncate`` options
+            (:func:`~lightning_effi.curriculum.functional.truncate`).
 
     Raises:
-        DataConfigError: ``seqlen_truncate`` / ``seqlen_reshape`` with a batch that is not a dict or has none of
-            ``truncate_keys``; the samples of one batch carry different steps (or, thinned, different candidate counts).
+        DataConfigError: ``seqlen_truncate`` with a batch that has no sequence tensor to cut (none of
+            ``truncate_keys``; without them no tensor named ``attention_mask`` / ``input_ids`` and no integer
+            ``[B, S]`` tensor), or padded on both sides; ``seqlen_reshape`` with a batch that is neither a dict with
+            ``input_ids`` nor a ``[B, S]`` tensor; the samples of one batch carry different steps (or, thinned,
+            different candidate counts). Raised at the first such batch, naming the metric and the tensors found.
     """
 
     def __init__(
         self,
         collate_fn: Callable | None,
         metric_names: Sequence[str],
-        truncate_keys: Sequence[str] = F.SEQUENCE_KEYS,
+        truncate_keys: Sequence[str] | None = None,
         causal_label_shift: bool = False,
+        keep_last_token: bool = False,
     ) -> None:
         self.collate_fn = collate_fn or default_collate
         self.metric_names = tuple(metric_names)
-        self.truncate_keys = tuple(truncate_keys)
+        self.truncate_keys = None if truncate_keys is None else tuple(truncate_keys)
         self.causal_label_shift = causal_label_shift
+        self.keep_last_token = keep_last_token
 
     def __call__(self, items: Sequence[tuple[Any, tuple]]) -> EffiBatch:
         keys = [k for _, k in items]
@@ -117,32 +128,37 @@ class CurriculumCollate:
             raise DataConfigError("curriculum: one batch mixes samples of different curriculum steps")
         batch = self.collate_fn([s for s, _ in items])
         difficulty = dict(zip(self.metric_names, diffs))
-        full_length = F.sequence_length(batch, self.truncate_keys) if isinstance(batch, Mapping) else None
-        cut_mask = None
-        if "seqlen_truncate" in difficulty or "seqlen_reshape" in difficulty:
-            if not isinstance(batch, Mapping):
-                raise DataConfigError(
-                    f"curriculum: seqlen_truncate / seqlen_reshape need dict batches (got {type(batch).__name__}): "
-                    "the sequence tensors are found by name (truncate_keys)"
-                )
-            batch = dict(batch)
+        full_length = F.sequence_length(batch, self.truncate_keys)
+        cut_mask, left = None, False
         if "seqlen_truncate" in difficulty:
-            if not any(isinstance(batch.get(k), torch.Tensor) and batch[k].ndim >= 2 for k in self.truncate_keys):
-                raise DataConfigError(
-                    f"seqlen_truncate: the batch has none of truncate_keys "
-                    f"{list(self.truncate_keys)} "
-                    f"as a [B, S, ...] tensor (batch keys: {sorted(batch)})"
+            if full_length is None:
+                which = (
+                    f"none of truncate_keys {list(self.truncate_keys)} as a [B, S, ...] tensor"
+                    if self.truncate_keys is not None
+                    else "no tensor named attention_mask or input_ids and no integer [B, S] tensor (token ids)"
                 )
-            mask = batch.get("attention_mask") if "attention_mask" in self.truncate_keys else None
-            batch = F.truncate_batch(batch, difficulty["seqlen_truncate"], self.truncate_keys, self.causal_label_shift)
-            kept = batch.get("attention_mask")
-            if isinstance(mask, torch.Tensor) and mask.ndim >= 2 and kept is not mask:  # truncate_batch cut it
-                cut_mask = mask[:, kept.shape[1] :]
+                raise DataConfigError(
+                    f"seqlen_truncate: nothing to truncate: the training batch has {which}; found a "
+                    f"{F.describe_batch(batch)}. Put the token ids in the batch as an integer [B, S] tensor (or name "
+                    "the sequence tensors with truncate_keys), or remove seqlen_truncate"
+                )
+            try:
+                cut = F.truncate(
+                    batch,
+                    difficulty["seqlen_truncate"],
+                    self.truncate_keys,
+                    self.causal_label_shift,
+                    self.keep_last_token,
+                )
+            except ValueError as e:
+                raise DataConfigError(str(e)) from None
+            batch, cut_mask, left = cut.batch, cut.cut_mask, cut.left
         if "seqlen_reshape" in difficulty:
-            batch = F.reshape_batch(batch, difficulty["seqlen_reshape"])
-        meta: dict[str, Any] = dict(
-            zip(BATCH_KEYS, (int(step), int(micro), difficulty, full_length, cut_mask))
-        )
+            try:
+                batch = F.reshape_batch(batch, difficulty["seqlen_reshape"])
+            except ValueError as e:
+                raise DataConfigError(f"curriculum: {e}") from None
+        meta: dict[str, Any] = dict(zip(BATCH_KEYS, (int(step), int(micro), difficulty, full_length, cut_mask, left)))
         if len(keys[0]) > 4:  # thinned by InfoBatch: (index, step, micro, difficulties, weight, candidates)
             candidates = int(keys[0][5])
             if any(int(k[5]) != candidates for k in keys):
@@ -202,11 +218,16 @@ class CurriculumDataModule(WrappingDataModule):
 
     Args:
         datamodule: any ``LightningDataModule`` whose ``train_dataloader()`` returns one ``DataLoader`` over a
-            map-style dataset with a plain (shuffling or sequential) sampler and **dict** batches.
-        metrics, **options: optionally the curriculum configuration (:class:`~lightning_effi.curriculum
-            .CurriculumConfig` arguments: ``metrics={name: {difficulty_type, clustering_type, min_difficulty,
-            max_difficulty, schedule_type, schedule_config, ...}}``, ``seed``, ``num_epochs``, ``rounding``, ...).
-            Give it here or to the :class:`~lightning_effi.callbacks.Curriculum` callback, not both.
+            map-style dataset with a plain (shuffling or sequential) sampler; samples and batches of any structure.
+        metrics: optionally the curriculum configuration (``{name: {difficulty_type, clustering_type,
+            min_difficulty, max_difficulty, schedule_type, schedule_config, ...}}``; see :class:`~lightning_effi
+            .curriculum.CurriculumConfig`). Give it here or to the :class:`~lightning_effi.callbacks.Curriculum`
+            callback, not both.
+        seed, num_epochs, rounding, percentile_rounding, dp_split, drop_last, truncate_keys, causal_label_shift,
+            keep_last_token: the :class:`~lightning_effi.curriculum.CurriculumConfig` options that go with
+            ``metrics``; ``None`` (the default) means "not given": the configuration's default. A LightningCLI or
+            any other tool that fills every argument with its default can therefore build this wrapper around a
+            configuration given to the callback.
 
     The callback (required in ``Trainer(callbacks=...)``) builds the controller in its ``setup`` and attaches it; an
     :class:`~lightning_effi.callbacks.InfoBatchCallback` in the Trainer attaches itself as ``thinner`` (InfoBatch then
@@ -220,9 +241,10 @@ class CurriculumDataModule(WrappingDataModule):
 
     Raises:
         CurriculumConfigError: a bad configuration (at construction).
-        DataConfigError: (first ``train_dataloader()``) a custom sampler, an iterable dataset; used without the
-            callback (or a nested technique DataModule without its callback); a thinner with ``seqlen_reshape`` (its
-            rows are no longer samples, so per-sample weights cannot follow them).
+        DataConfigError: (at construction) options given without ``metrics``; (first ``train_dataloader()``) a custom
+            sampler, an iterable dataset; used without the callback (or a nested technique DataModule without its
+            callback); a thinner with ``seqlen_reshape`` (its rows are no longer samples, so per-sample weights cannot
+            follow them).
 
     Example::
 
@@ -235,9 +257,32 @@ class CurriculumDataModule(WrappingDataModule):
     technique = "curriculum"
 
     def __init__(
-        self, datamodule: pl.LightningDataModule, metrics: Mapping[str, Any] | None = None, **options: Any
+        self,
+        datamodule: pl.LightningDataModule,
+        metrics: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        num_epochs: int | None = None,
+        rounding: str | None = None,
+        percentile_rounding: str | None = None,
+        dp_split: str | None = None,
+        drop_last: bool | None = None,
+        truncate_keys: Sequence[str] | None = None,
+        causal_label_shift: bool | None = None,
+        keep_last_token: bool | None = None,
     ) -> None:
         super().__init__(datamodule)
+        given = dict(
+            seed=seed,
+            num_epochs=num_epochs,
+            rounding=rounding,
+            percentile_rounding=percentile_rounding,
+            dp_split=dp_split,
+            drop_last=drop_last,
+            truncate_keys=truncate_keys,
+            causal_label_shift=causal_label_shift,
+            keep_last_token=keep_last_token,
+        )
+        options = {k: v for k, v in given.items() if v is not None}
         if metrics is None and options:
             raise DataConfigError(f"CurriculumDataModule: options {sorted(options)} given without metrics")
         self.config: CurriculumConfig | None = CurriculumConfig(metrics=metrics, **options) if metrics else None
@@ -278,7 +323,9 @@ class CurriculumDataModule(WrappingDataModule):
         return CurriculumDataLoader(
             CurriculumDataset(t["dataset"]),
             batch_sampler=CurriculumSampler(self.controller, self.thinner),
-            collate_fn=CurriculumCollate(t["collate_fn"], list(cfg.metrics), cfg.truncate_keys, cfg.causal_label_shift),
+            collate_fn=CurriculumCollate(
+                t["collate_fn"], list(cfg.metrics), cfg.truncate_keys, cfg.causal_label_shift, cfg.keep_last_token
+            ),
             num_workers=workers,
             pin_memory=t["pin_memory"],
             worker_init_fn=t["worker_init_fn"],

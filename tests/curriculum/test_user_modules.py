@@ -1,0 +1,420 @@
+"""The curriculum on LightningModules as users write them (issue #18): any batch structure (tensor, tuple, list, dict
+with any names, dataclass, HF ``BatchEncoding``), a plain ``loss`` return, HF models built from a config (never
+downloaded). ``seqlen_truncate`` cuts every ``[B, T, ...]`` tensor of the batch's sequence length, handles left
+padding, can keep each row's last real token, and fails clearly when there is nothing to cut."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from transformers import BatchEncoding, BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+from lightning_effi.callbacks import Curriculum
+from lightning_effi.core.accounting import Baseline, EfficiencyMonitor
+from lightning_effi.core.batch import EffiBatch, batch_meta
+from lightning_effi.core.errors import DataConfigError
+from lightning_effi.curriculum import functional as F
+from lightning_effi.curriculum.analysis.metrics import register_metric
+from lightning_effi.curriculum.data import CurriculumCollate
+from lightning_effi.data import CurriculumDataModule
+from tests.helpers.harness import make_trainer
+from tests.helpers.tiny import TinyDataModule
+
+B, T, V = 4, 16, 32
+TRUNC = dict(  # seqlen_truncate 3, 4, 5, ... tokens at steps 1, 2, 3, ... (16 from step 14 on)
+    difficulty_type="value",
+    clustering_type="single_cluster",
+    min_difficulty=2,
+    max_difficulty=16,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=14, difficulty_step=1),
+)
+SCHEDULE = [3, 4, 5, 6, 7, 8]  # the lengths of steps 1..6, by hand: min + (max - min) * s / 14 = 2 + s
+CLS, SEP, PAD = 1, 2, 0
+
+
+def ids_and_mask(lengths: list[int], side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of distinct token ids (row b: 100·b + column) and their attention mask, padded on ``side``."""
+    t = max(lengths)
+    ids = torch.arange(len(lengths))[:, None] * 100 + torch.arange(t)[None, :]
+    mask = torch.zeros(len(lengths), t, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if side == "right":
+            mask[b, :n] = 1
+        else:
+            mask[b, t - n :] = 1
+    return ids, mask
+
+
+# --------------------------------------------------------------------------------------- the functional core
+
+
+def test_a_dict_with_any_names_truncates_every_sequence_tensor():
+    ids = torch.arange(B * T).view(B, T)
+    batch = {"input_ids": ids, "targets": ids + 1, "emb": torch.ones(B, T, 3), "label": torch.arange(B), "n": 7}
+    out = F.truncate_batch(batch, 5)
+    assert torch.equal(out["input_ids"], ids[:, :5]) and torch.equal(out["targets"], ids[:, :5] + 1)
+    assert out["emb"].shape == (B, 5, 3) and out["label"] is batch["label"] and out["n"] == 7
+    assert batch["targets"].shape == (B, T)  # the input is not modified
+    # truncate_keys restricts the cut to the tensors of those names
+    only = F.truncate_batch(batch, 5, keys=["input_ids"])
+    assert only["input_ids"].shape == (B, 5) and only["targets"] is batch["targets"]
+    # causal_label_shift keeps d + 1 tokens; a difficulty at or above T changes nothing
+    assert F.truncate_batch(batch, 5, causal_label_shift=True)["targets"].shape == (B, 6)
+    assert F.truncate_batch(batch, T)["targets"] is batch["targets"]
+
+
+class Pair(NamedTuple):
+    ids: torch.Tensor
+    labels: torch.Tensor
+
+
+@pytest.mark.parametrize("kind", [tuple, list, Pair])
+def test_tuple_and_list_batches_truncate_every_entry(kind):
+    ids = torch.arange(B * T).view(B, T)
+    batch = kind([ids, ids.clone(), torch.arange(B)]) if kind is not Pair else Pair(ids, ids.clone())
+    out = F.truncate_batch(batch, 4)
+    assert type(out) is kind and len(out) == len(batch)
+    assert torch.equal(out[0], ids[:, :4]) and torch.equal(out[1], ids[:, :4])
+    if kind is not Pair:
+        assert out[2] is batch[2]  # the [B] labels stay
+    assert F.sequence_length(batch) == T and F.sequence_length(out) == 4
+
+
+@dataclasses.dataclass(frozen=True)
+class UserBatch:
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    label: torch.Tensor
+    note: str = "kept"
+
+
+def test_a_dataclass_and_a_batch_encoding_keep_their_type():
+    ids, mask = ids_and_mask([7, 5, 3])
+    user = UserBatch(ids, mask, torch.tensor([0, 1, 0]))
+    out = F.truncate_batch(user, 4)
+    assert type(out) is UserBatch and out.note == "kept" and out.label is user.label
+    assert torch.equal(out.tokens, ids[:, :4]) and torch.equal(out.mask, mask[:, :4]) and user.tokens.shape == (3, 7)
+    enc = BatchEncoding({"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1, 0])})
+    out = F.truncate_batch(enc, 4)
+    assert type(out) is BatchEncoding and out is not enc and enc["input_ids"].shape == (3, 7)
+    assert torch.equal(out.input_ids, ids[:, :4]) and torch.equal(out["attention_mask"], mask[:, :4])
+    assert out.labels is enc.labels
+
+
+def test_left_padding_keeps_every_rows_real_tokens_at_the_end():
+    lengths = [7, 2, 4, 5]
+    ids, mask = ids_and_mask(lengths, side="left")
+    cut = F.truncate({"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}, 3)
+    assert cut.left and cut.full_length == 7 and cut.length == 3
+    assert torch.equal(cut.batch["input_ids"], ids[:, 4:]) and torch.equal(cut.batch["labels"], ids[:, 4:])
+    kept = cut.batch["attention_mask"]
+    assert kept.sum(1).tolist() == [min(n, 3) for n in lengths] and bool(kept[:, -1].all())  # no empty row
+    for b, n in enumerate(lengths):  # each row's last min(n, 3) real tokens, in order
+        assert cut.batch["input_ids"][b, 3 - min(n, 3) :].tolist() == ids[b, 7 - min(n, 3) :].tolist()
+    # the right-padded cut of the same rows would have emptied row 1: it keeps the first 3 columns instead
+    right = F.truncate({"input_ids": ids, "attention_mask": ids_and_mask(lengths)[1]}, 3)
+    assert not right.left and torch.equal(right.batch["input_ids"], ids[:, :3])
+    # the baseline puts the removed mask columns back where they were
+    assert torch.equal(cut.cut_mask, mask[:, :4])
+    assert torch.equal(F.lengthen_batch(cut.batch, None, 7, cut.cut_mask, left=True)["attention_mask"], mask)
+
+
+def test_a_mask_padded_on_both_sides_is_refused():
+    ids, mask = ids_and_mask([6, 2, 4])
+    mask[1] = torch.tensor([0, 0, 0, 0, 1, 1])  # row 1 left-padded among right-padded rows
+    with pytest.raises(ValueError, match=r"seqlen_truncate: .* rows \[1\] without a real token.*both sides"):
+        F.truncate({"input_ids": ids, "attention_mask": mask}, 3)
+
+
+def test_keep_last_token_keeps_each_rows_last_real_token():
+    lengths = [9, 2, 4, 6]
+    ids, mask = ids_and_mask(lengths)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids + 1000}
+    cut = F.truncate(batch, 4, keep_last_token=True)
+    out = cut.batch
+    assert out["input_ids"].shape == (4, 4) and not cut.left
+    for b, n in enumerate(lengths):
+        last = min(n, 4) - 1
+        assert out["input_ids"][b, last] == ids[b, n - 1]  # the last real token ([SEP] / EOS) stays last
+        assert out["input_ids"][b, :last].tolist() == ids[b, :last].tolist()
+        assert int(out["attention_mask"][b].sum()) == min(n, 4)
+    assert torch.equal(out["labels"], out["input_ids"] + 1000)  # every cut tensor moves the same way
+    assert torch.equal(F.truncate_batch(batch, 4)["input_ids"], ids[:, :4])  # the default keeps the first 4
+    # the removed mask values go back after the kept ones: the user's mask exactly
+    assert torch.equal(F.lengthen_batch(out, None, 9, cut.cut_mask)["attention_mask"], mask)
+    # without a mask every position is real: the last column ends every cut row
+    tup = F.truncate_batch((ids, ids + 1000), 4, keep_last_token=True)
+    assert torch.equal(tup[0][:, :3], ids[:, :3]) and torch.equal(tup[0][:, 3], ids[:, -1])
+    assert torch.equal(tup[1], tup[0] + 1000)
+
+
+# --------------------------------------------------------------------------------------------- the collate
+
+
+def test_nothing_truncatable_is_a_clear_error_at_the_first_batch(tmp_path):
+    images = [(torch.randn(3, 8, 8), torch.tensor(i % 2)) for i in range(B)]
+    collate = CurriculumCollate(None, ["seqlen_truncate"])
+    with pytest.raises(DataConfigError, match=r"seqlen_truncate: nothing to truncate.*float32\[4, 3, 8, 8\]"):
+        collate([(s, (i, 1, 0, (4,))) for i, s in enumerate(images)])
+    named = CurriculumCollate(None, ["seqlen_truncate"], truncate_keys=["tokens"])
+    samples = [{"input_ids": torch.arange(T)} for _ in range(B)]
+    with pytest.raises(DataConfigError, match=r"none of truncate_keys \['tokens'\].*input_ids: int64\[4, 16\]"):
+        named([(s, (i, 1, 0, (4,))) for i, s in enumerate(samples)])
+    # through the Trainer: the first training batch raises, before any step
+    data = CurriculumDataModule(TinyDataModule(ImagePairs(), batch_size=B))
+    trainer = make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC})], max_steps=2, max_epochs=-1)
+    with pytest.raises(DataConfigError, match="seqlen_truncate: nothing to truncate"):
+        trainer.fit(TupleGPT2(), datamodule=data)
+    assert trainer.global_step == 0
+
+
+def test_the_collate_truncates_tuple_batches_and_records_the_full_length():
+    samples = [(torch.arange(T) + i, torch.arange(T) - i) for i in range(B)]
+    out = CurriculumCollate(stack_pairs, ["seqlen_truncate"])([(s, (i, 3, 0, (5,))) for i, s in enumerate(samples)])
+    assert isinstance(out, EffiBatch) and type(out.batch) is tuple
+    assert torch.equal(out.batch[0], torch.stack([s[0] for s in samples])[:, :5])
+    assert torch.equal(out.batch[1], torch.stack([s[1] for s in samples])[:, :5])
+    assert out.meta["cl_full_length"] == T and out.meta["cl_cut_mask"] is None and out.meta["cl_cut_left"] is False
+    assert out.meta["cl_step"] == 3 and out.meta["cl_difficulty"] == {"seqlen_truncate": 5}
+    # default_collate makes a list of tuple samples: cut too
+    listed = CurriculumCollate(None, ["seqlen_truncate"])([(s, (i, 3, 0, (5,))) for i, s in enumerate(samples)])
+    assert type(listed.batch) is list and [x.shape for x in listed.batch] == [(B, 5), (B, 5)]
+
+
+# ------------------------------------------------------------------------------------------- user modules
+
+
+def stack_pairs(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The user's collate function: a tuple ``(ids [B, T], labels [B, T])``."""
+    return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+
+
+class CharPairs(Dataset):
+    """Character-token blocks as tuple samples ``(ids, labels)`` (labels = ids: HF shifts inside)."""
+
+    def __init__(self, n: int = 32):
+        self.data = torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i], self.data[i].clone()
+
+
+class ImagePairs(Dataset):
+    """Image classification samples ``(x [3, 8, 8], y)``: nothing to truncate."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(3, 8, 8), torch.tensor(i % 2)
+
+
+class TupleGPT2(pl.LightningModule):
+    """An HF GPT-2 (from a config) on tuple batches ``(ids, labels)``; ``training_step`` returns the plain loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = GPT2Config(vocab_size=V, n_positions=T, n_embd=16, n_layer=1, n_head=2, attn_implementation="eager")
+        self.model = GPT2LMHeadModel(config)
+        self.seen: list[tuple[type, tuple[int, ...], tuple[int, ...]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        self.seen.append((type(batch), tuple(ids.shape), tuple(labels.shape)))
+        return self.model(input_ids=ids, labels=labels).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_plain_loss_module_with_tuple_batches_follows_the_schedule(tmp_path):
+    pl.seed_everything(0)
+    model = TupleGPT2()
+    data = CurriculumDataModule(TinyDataModule(CharPairs(), batch_size=B, collate_fn=stack_pairs))
+    curriculum = Curriculum(metrics={"seqlen_truncate": TRUNC})
+    make_trainer(tmp_path, [curriculum], max_steps=6, max_epochs=-1).fit(model, datamodule=data)
+    assert model.seen == [(tuple, (B, n), (B, n)) for n in SCHEDULE]
+    assert curriculum.consumed_tokens == B * sum(SCHEDULE)
+
+
+FIRST_TOKEN = dict(  # value-based, chooses samples: first token <= 10, 15, 20, 25, 31
+    difficulty_type="value",
+    clustering_type="schedule_based",
+    analysis="curriculum_test_user_first_token",
+    min_difficulty=10,
+    max_difficulty=31,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=4, difficulty_step=5),
+)
+register_metric("curriculum_test_user_first_token", lambda batch: batch[0][:, 0])  # a tuple batch (ids, labels)
+
+
+class Meta(pl.Callback):
+    """The curriculum's metadata of every training batch (``batch_meta``) and the batch's first tokens."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[dict[str, int], list[int]]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.rows.append((batch_meta(trainer)["cl_difficulty"], batch[0][:, 0].tolist()))
+
+
+def test_a_value_metric_chooses_tuple_samples(tmp_path):
+    """A value-based metric computed in memory over tuple batches, with seqlen_truncate: every batch holds only
+    samples whose first token is within the difficulty it was drawn at, and is cut to its length."""
+    pl.seed_everything(0)
+    model, meta = TupleGPT2(), Meta()
+    data = CurriculumDataModule(TinyDataModule(CharPairs(), batch_size=B, collate_fn=stack_pairs))
+    curriculum = Curriculum(metrics={"first_token": FIRST_TOKEN, "seqlen_truncate": TRUNC})
+    make_trainer(tmp_path, [meta, curriculum], max_steps=5, max_epochs=-1).fit(model, datamodule=data)
+    assert [d["first_token"] for d, _ in meta.rows] == [15, 20, 25, 31, 31]
+    assert [d["seqlen_truncate"] for d, _ in meta.rows] == SCHEDULE[:5]
+    for d, first in meta.rows:
+        assert max(first) <= d["first_token"]
+    assert int(CharPairs().data[:, 0].max()) > 15  # the first steps' filter did exclude samples
+    assert [s[1] for s in model.seen] == [(B, n) for n in SCHEDULE[:5]]
+
+
+class Tagger(pl.LightningModule):
+    """A hand-written ``nn.TransformerEncoder`` token tagger on dict batches ``{"input_ids", "targets"}`` (names the
+    old truncation did not know: ``targets`` stayed long and the loss failed with a shape error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 2)
+        self.lengths: list[int] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        self.lengths.append(int(batch["input_ids"].shape[1]))
+        logits = self.head(self.encoder(self.embed(batch["input_ids"])))
+        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Tagged(CharPairs):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {"input_ids": self.data[i], "targets": self.data[i] % 2}
+
+
+def test_a_dict_batch_with_its_own_names_trains(tmp_path):
+    pl.seed_everything(0)
+    model = Tagger()
+    data = CurriculumDataModule(TinyDataModule(Tagged(), batch_size=B))
+    make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC})], max_steps=4, max_epochs=-1).fit(
+        model, datamodule=data
+    )
+    assert model.lengths == SCHEDULE[:4]
+
+
+class Sentences(Dataset):
+    """``[CLS] w1 .. wk [SEP]`` sentences of 4..16 tokens with a binary label."""
+
+    def __init__(self, n: int = 32):
+        g = torch.Generator().manual_seed(1)
+        self.items = [torch.randint(3, V, (int(k),), generator=g) for k in torch.randint(2, T - 1, (n,), generator=g)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"ids": [CLS, *self.items[i].tolist(), SEP], "label": i % 2}
+
+
+class PadCollate:
+    """A tokenizer-style padding collate: an HF ``BatchEncoding`` padded on ``side``."""
+
+    def __init__(self, side: str) -> None:
+        self.side = side
+
+    def __call__(self, samples: list[dict[str, Any]]) -> BatchEncoding:
+        t = max(len(s["ids"]) for s in samples)
+        ids = torch.full((len(samples), t), PAD)
+        mask = torch.zeros(len(samples), t, dtype=torch.long)
+        for b, s in enumerate(samples):
+            cols = slice(0, len(s["ids"])) if self.side == "right" else slice(t - len(s["ids"]), t)
+            ids[b, cols], mask[b, cols] = torch.tensor(s["ids"]), 1
+        return BatchEncoding(
+            {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([s["label"] for s in samples])}
+        )
+
+
+class BertClassifier(pl.LightningModule):
+    """An HF BERT classifier (from a config) on ``BatchEncoding`` batches; records what ``training_step`` got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = BertConfig(
+            vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=T + 2, attn_implementation="eager",
+        )  # fmt: skip
+        self.model = BertForSequenceClassification(config)
+        self.batches: list[BatchEncoding] = []
+
+    def training_step(self, batch: BatchEncoding, batch_idx: int) -> torch.Tensor:
+        self.batches.append(batch)
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_bert_classifier_keeps_its_batch_encoding_and_every_sep(tmp_path, side):
+    """Right padding with keep_last_token, left padding (detected; without the option): every cut row keeps a real
+    token and ends with its [SEP]; the module receives a BatchEncoding."""
+    pl.seed_everything(0)
+    model = BertClassifier()
+    data = CurriculumDataModule(TinyDataModule(Sentences(), batch_size=B, collate_fn=PadCollate(side)))
+    curriculum = Curriculum(metrics={"seqlen_truncate": TRUNC}, keep_last_token=side == "right")
+    make_trainer(tmp_path, [curriculum], max_steps=4, max_epochs=-1).fit(model, datamodule=data)
+    assert len(model.batches) == 4
+    for batch, length in zip(model.batches, SCHEDULE):
+        assert type(batch) is BatchEncoding and batch["input_ids"].shape[1] <= length
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        n = mask.sum(1)
+        assert bool((n >= 1).all()) and batch["labels"].shape == (B,)
+        last = (n - 1) if side == "right" else torch.full_like(n, ids.shape[1] - 1)
+        assert ids[torch.arange(B), last].tolist() == [SEP] * B  # each row's last real token is its [SEP]
+        if side == "right":
+            assert ids[:, 0].tolist() == [CLS] * B  # the right-padded cut keeps the beginning
+
+
+# -------------------------------------------------------------------------------------------- the baseline
+
+
+class After(pl.Callback):
+    def __init__(self, curriculum: Curriculum) -> None:
+        self.curriculum, self.baselines = curriculum, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.baselines.append((batch, self.curriculum.effi_baseline(batch, pl_module)))
+
+
+def test_effi_baseline_counts_the_untruncated_tuple_batch(tmp_path):
+    pl.seed_everything(0)
+    curriculum = Curriculum(metrics={"seqlen_truncate": TRUNC})
+    after, monitor = After(curriculum), EfficiencyMonitor(print_summary=False)
+    data = CurriculumDataModule(TinyDataModule(CharPairs(), batch_size=B, collate_fn=stack_pairs))
+    make_trainer(tmp_path, [monitor, curriculum, after], max_steps=4, max_epochs=-1).fit(TupleGPT2(), datamodule=data)
+    for (batch, baseline), n in zip(after.baselines, SCHEDULE):
+        assert isinstance(baseline, Baseline) and type(baseline.batch) is tuple
+        assert [x.shape for x in batch] == [(B, n)] * 2 and [x.shape for x in baseline.batch] == [(B, T)] * 2
+    s = monitor.summary
+    assert s["baseline_tokens"] == 4 * B * T and s["tokens"] == B * sum(SCHEDULE[:4])  # no mask: every position
+    assert s["saved/curriculum/tokens_frac"] == pytest.approx(1 - sum(SCHEDULE[:4]) / (4 * T))
+    assert s["baseline_flops"] > s["flops"] > 0
