@@ -4,8 +4,12 @@ tells the long story.
 
 - ``setup``: validates the run, attaches itself to the :class:`~lightning_effi.data.InfoBatchDataModule` (which
   rebuilds the training loader from this callback's plan every epoch) and wraps the module's ``training_step`` at
-  the instance level: the wrapper removes ``batch["index"]``, calls the user's step, and replaces ``"loss"`` by the
-  weighted mean of ``"per_sample_loss"`` (the module never sees indices or weights);
+  the instance level: the wrapper reads the batch's sample index from the batch metadata
+  (:func:`~lightning_effi.core.batch.batch_meta`; the user's step receives its own batch, of any structure,
+  unchanged), calls the user's step, takes the per-sample loss (returned by the step, computed by
+  ``per_sample_loss=fn`` from the step's forward output, or the automatic cross-entropy of its logits, checked
+  against the step's loss) and returns the weighted mean as ``"loss"`` (the module never sees indices or weights);
+  with manual optimization the step calls :func:`weighted_loss` itself;
 - every batch: records the raw per-sample losses (rank-local sums and counts);
 - ``on_train_epoch_end``: sums the records over ranks (one collective per epoch) into the score table, identical
   on every rank, and logs the epoch's figures; the next epoch's plan is a pure function of
@@ -27,21 +31,23 @@ the loss is :func:`~lightning_effi.infobatch.functional.thinned_loss`. See "Comp
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real
 from lightning_effi.core.progress import run_length, steps_per_epoch
-from lightning_effi.core.requirements import Requirements, check_trainer
+from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum.data import THINNED_KEYS, CurriculumDataModule
@@ -49,18 +55,158 @@ from lightning_effi.infobatch import functional as ib
 from lightning_effi.infobatch.data import InfoBatchDataModule
 
 CONTRACT = (
-    'training_step must return {"loss": ..., "per_sample_loss": tensor of shape (B,)} '
-    "(see docs/architecture.md, per-sample-loss contract)"
+    'training_step must return a loss (a scalar tensor, or {"loss": ...}), and InfoBatch needs one loss per sample: '
+    'returned next to it ({"loss": ..., "per_sample_loss": float[B]}), computed by per_sample_loss=fn, or the '
+    "automatic cross-entropy of the forward output's logits against the batch's labels (see the method card, "
+    '"What it needs from your module")'
 )
+
+#: what a training_step with manual optimization does for InfoBatch
+MANUAL = (
+    "with manual optimization, training_step must compute its loss as lightning_effi.infobatch.weighted_loss(self, "
+    "per_sample_loss) (per_sample_loss: float[B], one loss per sample, with grad) and manual_backward that loss"
+)
+
+#: where a per-sample loss came from (:attr:`InfoBatchCallback.per_sample_source`), for the error messages
+SOURCES = {
+    "returned": 'the "per_sample_loss" returned by training_step',
+    "fn": "the per-sample loss returned by per_sample_loss=fn",
+    "auto": "the automatic per-sample cross-entropy",
+    "manual": "the per-sample loss passed to weighted_loss",
+}
+
+
+try:
+    from torchmetrics import Metric as _Metric
+except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
+    _Metric = ()  # type: ignore[assignment,misc]
+
+#: module types whose calls are never the forward output (a criterion ``self.loss_fn(logits, y)``, a metric
+#: ``self.train_acc(logits, y)``, both often called after the model in ``training_step``)
+NOT_FORWARD: tuple[type, ...] = (nn.modules.loss._Loss, *((_Metric,) if isinstance(_Metric, type) else ()))
+
+
+def _top_modules(module: nn.Module) -> list[nn.Module]:
+    """``module`` and the modules a ``training_step`` may call directly: its children, looking through
+    ``ModuleList`` / ``ModuleDict`` containers (which have no forward of their own), without loss and metric modules
+    (:data:`NOT_FORWARD`); each once."""
+    out, seen, queue = [module], {id(module)}, list(module.children())
+    while queue:
+        child = queue.pop(0)
+        if id(child) in seen or isinstance(child, NOT_FORWARD):
+            continue
+        seen.add(id(child))
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            queue.extend(child.children())
+        else:
+            out.append(child)
+    return out
+
+
+class ForwardCapture:
+    """Records the output of the last outermost module call made while it is active: the LightningModule's own
+    ``forward`` (``self(x)``) or, when ``training_step`` calls a submodule directly (``self.model(**batch)``), that
+    submodule's (children of the module, through ``ModuleList`` / ``ModuleDict``). Calls nested inside another
+    watched call are not recorded, nor calls of loss modules (``nn.CrossEntropyLoss()``...) and torchmetrics
+    metrics (:data:`NOT_FORWARD`). Forward hooks, registered on entry and removed on exit (so they follow a model
+    that changes between steps and cost nothing outside the step).
+
+    Attributes:
+        output: the recorded output (None before any call). captured: whether any watched call happened.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.output: Any = None
+        self.captured = False
+        self._depth = 0
+        self._handles: list[Any] = []
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.output, self.captured = output, True
+
+    def __enter__(self) -> ForwardCapture:
+        self._depth = 0
+        for m in _top_modules(self.module):
+            self._handles.append(m.register_forward_pre_hook(self._enter))
+            self._handles.append(m.register_forward_hook(self._exit))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+@dataclass
+class _Step:
+    """The training batch being processed: its dataset indices (int64 ``[B]``), with the curriculum its thinning
+    weights (float32 ``[B]``) and candidate count, and whether its loss was weighted (manual optimization)."""
+
+    index: Tensor
+    weights: Tensor | None = None
+    candidates: int = 0
+    weighted: bool = False
+
+
+def weighted_loss(pl_module: pl.LightningModule, per_sample_loss: Tensor) -> Tensor:
+    """InfoBatch's loss for a module with **manual optimization**: call it in ``training_step`` on the batch's
+    per-sample loss and ``manual_backward`` the result. With an :class:`InfoBatchCallback` in the module's Trainer it
+    is :meth:`InfoBatchCallback.weighted_loss` (the weighted mean, Qin et al. 2024, Eq. 4, and the scores recorded);
+    without one (the same module trained without InfoBatch), ``per_sample_loss.mean()``.
+
+    Args:
+        pl_module: the LightningModule being trained. per_sample_loss: ``float[B]``, with grad, one loss per sample
+            of the batch ``training_step`` received.
+
+    Returns:
+        A scalar tensor.
+
+    Raises:
+        ValueError, RuntimeError: see :meth:`InfoBatchCallback.weighted_loss`.
+    """
+    trainer = getattr(pl_module, "_trainer", None)
+    callback = next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, InfoBatchCallback)), None)
+    if callback is None:
+        return per_sample_loss.mean()
+    return callback.weighted_loss(per_sample_loss)
 
 
 class InfoBatchCallback(Callback):
     """InfoBatch (Qin et al., "InfoBatch: Lossless Training Speed Up by Unbiased Dynamic Data Pruning", ICLR 2024,
     Sec. 3 and Algorithm 1; reference: NUS-HPC-AI-Lab/InfoBatch ``infobatch/infobatch.py``).
 
-    Use with ``trainer.fit(model, datamodule=InfoBatchDataModule(your_datamodule))`` and a module whose
-    ``training_step`` returns ``{"loss": per_sample.mean(), "per_sample_loss": per_sample}`` (shape ``(B,)``).
-    The Hydra app (``experiments/train.py``) wraps the DataModule itself when this callback is configured.
+    Use with ``trainer.fit(model, datamodule=InfoBatchDataModule(your_datamodule))``, any batch structure (the
+    module's hooks and ``training_step`` receive their batch as their collate function made it; the sample index
+    travels in the batch metadata). The Hydra app (``experiments/train.py``) wraps the DataModule itself when this
+    callback is configured.
+
+    **The per-sample loss** ``l`` (``float[B]``, with grad, one loss per sample of the batch), first of:
+
+    1. ``per_sample_loss=fn``: ``fn(outputs, batch)``, with ``outputs`` the forward output captured during
+       ``training_step`` (:class:`ForwardCapture`: the output of the last outermost module call, the module's own
+       ``self(x)`` or a submodule called directly such as ``self.model(**batch)``; None when no module was called)
+       and ``batch`` the user's batch. A warning on the first batch when ``mean(l)`` differs from the step's loss.
+    2. ``training_step`` returns ``{"loss": ..., "per_sample_loss": l}``.
+    3. Automatic (a module that returns a plain cross-entropy loss, a tensor or ``{"loss": ...}``): the cross-entropy
+       of the forward output's logits (a tensor ``[B, C]`` / ``[B, T, V]``, ``outputs["logits"]`` or
+       ``outputs.logits``) against the batch's labels (``labels``/``label``/``targets``/``target``/``y`` key or
+       attribute, or the last element of a tuple batch), ``ignore_index=-100``, token losses averaged per sample over
+       the non-ignored tokens; for ``[B, T, V]`` the causal shift of Hugging Face's ``*ForCausalLM`` losses is
+       detected on the first batch (:func:`~lightning_effi.infobatch.functional.auto_per_sample_loss`). On every
+       batch ``mean(l)`` must reproduce the step's loss (relative tolerance
+       :func:`~lightning_effi.infobatch.functional.loss_tolerance`), else a ``ValueError`` asks for
+       ``per_sample_loss=fn``: InfoBatch never trains on another loss than the module's.
+
+    The step's ``"loss"`` is then replaced by ``mean(w · l)`` (Qin et al. 2024, Eq. 4; with the curriculum
+    ``sum(w · l) / B``, see below). **Manual optimization** (``automatic_optimization = False``): the step computes
+    ``loss = lightning_effi.infobatch.weighted_loss(self, per_sample)`` and calls ``manual_backward(loss)``; a step
+    that does not call it exactly once raises.
 
     **With the curriculum** (:class:`~lightning_effi.callbacks.Curriculum` in the Trainer, the DataModule wrapped
     once in a :class:`~lightning_effi.data.CurriculumDataModule`, with or without an ``InfoBatchDataModule`` inside
@@ -93,6 +239,8 @@ class InfoBatchCallback(Callback):
         momentum: score update ``m·loss + (1-m)·score`` in ``(0, 1]``; 1.0 (default) = the paper's overwrite.
         strict: a checkpoint written with other ``prune_ratio/delta/seed/num_epochs/dataset size`` raises on load
             (False: warns and uses the checkpoint's tables anyway).
+        per_sample_loss: ``fn(outputs, batch) -> float[B]`` (see above), or None (the loss returned by
+            ``training_step``, else the automatic cross-entropy).
 
     Logged every epoch (``effi/infobatch/...``): ``threshold``, ``well_learned_frac``, ``kept_well_learned``,
     ``pruned_fraction_epoch``, ``saved_samples_epoch``, ``saved_samples_total``, ``saved_fraction``,
@@ -104,18 +252,22 @@ class InfoBatchCallback(Callback):
     ``infobatch/drawn_samples``, ``infobatch/unpruned_tail_batches``, ``infobatch/thin_stop_step``.
 
     Attributes:
-        requirements: what InfoBatch needs and changes (it owns the training sampler, shortens epochs, needs
-            ``per_sample_loss`` and dict batches), read by :func:`~lightning_effi.core.requirements.check_trainer`.
+        requirements: what InfoBatch needs and changes (it owns the training sampler and shortens epochs; any batch
+            structure, no ``per_sample_loss`` needed from a module that returns a plain cross-entropy loss), read by
+            :func:`~lightning_effi.core.requirements.check_trainer`.
 
     Raises:
         ValueError: (construction) ``prune_ratio``, ``delta``, ``num_epochs``, ``seed``, ``momentum`` invalid or out
-            of range;
+            of range, ``per_sample_loss`` not callable;
             (``setup``) ``max_epochs=-1`` without ``num_epochs``, ``num_epochs > max_epochs``, a run capped by
             ``max_steps``, ``reload_dataloaders_every_n_epochs > 1``, a DataModule that is not an
-            ``InfoBatchDataModule``, an unsupported strategy (DeepSpeed/FSDP); with the curriculum: ``num_epochs``
-            set, or ``prune_ratio > 1 - 1/micro_batch_size`` (a micro-batch could be emptied); (first batch) a batch
-            without ``"index"`` (with the curriculum: without ``"infobatch_weight"``/``"infobatch_candidates"``) or a
-            ``training_step`` output that breaks the per-sample-loss contract.
+            ``InfoBatchDataModule``, an unsupported strategy (DeepSpeed/FSDP), ``per_sample_loss=fn`` with manual
+            optimization; with the curriculum: ``num_epochs`` set, or ``prune_ratio > 1 - 1/micro_batch_size`` (a
+            micro-batch could be emptied); (a batch) metadata without ``"index"`` (with the curriculum: without
+            ``"infobatch_weight"``/``"infobatch_candidates"``), a ``training_step`` output without a loss, a
+            per-sample loss that is not ``float[B]`` with grad, ``per_sample_loss=fn`` together with a returned
+            ``"per_sample_loss"``, an automatic per-sample loss that cannot be computed or does not reproduce the
+            step's loss, a manual-optimization step that does not call :func:`weighted_loss` once.
         IncompatibleTechniques: (``setup``) another technique callback in the Trainer that also owns the training
             sampler and cannot host this one's thinning, see :data:`~lightning_effi.core.requirements.CONFLICTS`.
     """
@@ -124,8 +276,7 @@ class InfoBatchCallback(Callback):
         owns_train_sampler=True,
         thins_within_sampler=True,
         changes_epoch_length=True,
-        needs_per_sample_loss=True,
-        batch_structures=("dict",),
+        batch_structures=BATCH_STRUCTURES,
     )
 
     def __init__(
@@ -136,8 +287,15 @@ class InfoBatchCallback(Callback):
         seed: int = 0,
         momentum: float = 1.0,
         strict: bool = True,
+        per_sample_loss: Callable[[Any, Any], Tensor] | None = None,
     ) -> None:
         ib.validate_hparams(prune_ratio, delta, num_epochs)
+        if per_sample_loss is not None and not callable(per_sample_loss):
+            raise ValueError(
+                "InfoBatchCallback: per_sample_loss must be a function fn(outputs, batch) -> float[B] or None, got "
+                f"{type(per_sample_loss).__name__}"
+            )
+        self.per_sample_loss = per_sample_loss
         self.prune_ratio = float(prune_ratio)
         self.delta = float(delta)
         self.num_epochs = int(num_epochs) if num_epochs is not None else None
@@ -166,12 +324,17 @@ class InfoBatchCallback(Callback):
         self._trainer: pl.Trainer | None = None
         self._datamodule: InfoBatchDataModule | None = None
         self._last_thin: tuple[int, int] | None = None  # composed mode: (candidates, kept) of the latest micro-batch
+        #: where the run's per-sample losses come from ("fn", "returned", "auto"; "manual"), decided at the first batch
+        self.per_sample_source: str | None = None
+        self._shift: bool | None = None  # automatic path: the causal shift detected at the first batch
+        self._step: _Step | None = None  # the batch being trained (set by the training_step wrapper)
 
     def __repr__(self) -> str:
+        fn = self.per_sample_loss
         return (
             f"InfoBatchCallback(prune_ratio={self.prune_ratio!r}, delta={self.delta!r}, "
             f"num_epochs={self.num_epochs!r}, seed={self.seed!r}, momentum={self.momentum!r}, "
-            f"strict={self.strict!r})"
+            f"strict={self.strict!r}, per_sample_loss={getattr(fn, '__qualname__', fn)!s})"
         )
 
     @property
@@ -190,6 +353,12 @@ class InfoBatchCallback(Callback):
         if stage != "fit":
             return
         check_trainer(trainer)
+        if self.per_sample_loss is not None and not pl_module.automatic_optimization:
+            raise ValueError(
+                "InfoBatchCallback: per_sample_loss=fn does not apply with manual optimization (the step "
+                "backpropagates its own loss); leave it None and compute the loss as "
+                "lightning_effi.infobatch.weighted_loss(self, per_sample) in training_step"
+            )
         if trainer.strategy.restore_checkpoint_after_setup:
             raise ValueError(
                 f"InfoBatchCallback does not support the {type(trainer.strategy).__name__} strategy; "
@@ -255,6 +424,7 @@ class InfoBatchCallback(Callback):
         self.table_epoch, self.synced_epoch = -1, -1
         self.thin_stats = torch.zeros(3, dtype=torch.int64)
         self._mask, self._mask_epoch, self._stop_step, self._run_steps = None, -1, None, None
+        self.per_sample_source, self._shift, self._step = None, None, None
 
     def _setup_within_curriculum(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, curriculum: CurriculumDataModule
@@ -319,24 +489,170 @@ class InfoBatchCallback(Callback):
         self._original_step = original
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
-            meta = batch_meta(self._trainer) or {}
-            if self.curriculum_dm is not None:
-                if any(k not in meta for k in THINNED_KEYS):
-                    raise ValueError(
-                        f"InfoBatchCallback: with the curriculum, the training batch must carry {list(THINNED_KEYS)} "
-                        "(added by the CurriculumDataModule's loader with InfoBatch attached); got "
-                        f"{sorted(meta)}"
-                    )
-                index, weights, candidates = (meta[k] for k in THINNED_KEYS)
-                return self.thinned_output(original(batch, *args, **kwargs), index, weights, int(candidates))
-            if "index" not in meta:
-                raise ValueError(
-                    "InfoBatchCallback: the training batch carries no sample index; train with "
-                    "datamodule=InfoBatchDataModule(...)"
-                )
-            return self.rescale_output(original(batch, *args, **kwargs), meta["index"])
+            self._step = self._current_step()
+            try:
+                if not pl_module.automatic_optimization:
+                    return self._manual_step(original, batch, *args, **kwargs)
+                capture = self.per_sample_loss is not None or self.per_sample_source in (None, "auto")
+                with ForwardCapture(pl_module) if capture else nullcontext() as forward:
+                    output = original(batch, *args, **kwargs)
+                if output is None:  # the step skipped the batch (Lightning's automatic optimization allows it)
+                    return None
+                output = self._with_per_sample_loss(output, batch, forward)
+                return self._weigh(output, self._step)
+            finally:
+                self._step = None
 
         pl_module.training_step = training_step  # type: ignore[method-assign]
+
+    def _current_step(self) -> _Step:
+        """The batch's sample index (and, with the curriculum, its thinning) from the batch metadata."""
+        meta = batch_meta(self._trainer) or {}
+        if self.curriculum_dm is not None:
+            if any(k not in meta for k in THINNED_KEYS):
+                raise ValueError(
+                    f"InfoBatchCallback: with the curriculum, the training batch must carry {list(THINNED_KEYS)} "
+                    "(added by the CurriculumDataModule's loader with InfoBatch attached); got "
+                    f"{sorted(meta)}"
+                )
+            index, weights, candidates = (meta[k] for k in THINNED_KEYS)
+            return _Step(index, weights, int(candidates))
+        if "index" not in meta:
+            raise ValueError(
+                "InfoBatchCallback: the training batch carries no sample index; train with "
+                "datamodule=InfoBatchDataModule(...)"
+            )
+        return _Step(meta["index"])
+
+    def _manual_step(self, original: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Manual optimization: the step weights its own loss with :meth:`weighted_loss` (checked before its
+        backward, :meth:`on_before_backward`, and after it)."""
+        self.per_sample_source = "manual"
+        output = original(batch, *args, **kwargs)
+        assert self._step is not None
+        if not self._step.weighted:
+            raise ValueError(
+                f"InfoBatchCallback: {MANUAL}; this step did not call it (no score recorded for its samples)"
+            )
+        return output
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """Manual optimization: refuse a ``manual_backward`` before :meth:`weighted_loss` in the step (it would train
+        on unweighted losses)."""
+        step = self._step
+        if step is not None and not step.weighted and not pl_module.automatic_optimization:
+            raise ValueError(
+                f"InfoBatchCallback: {MANUAL}; this step calls manual_backward before weighted_loss (it would train "
+                "on unweighted losses)"
+            )
+
+    def _with_per_sample_loss(self, output: Any, batch: Any, forward: ForwardCapture | None) -> dict[str, Any]:
+        """The step's output as a dict with its ``"loss"`` and the batch's ``"per_sample_loss"`` (class docstring:
+        from ``per_sample_loss=fn``, the step's output or the automatic cross-entropy), checked."""
+        if isinstance(output, Tensor):
+            output = {"loss": output}
+        if not isinstance(output, Mapping) or "loss" not in output:
+            raise ValueError(
+                f"InfoBatchCallback: {CONTRACT}; got {type(output).__name__}"
+                + (f" with keys {sorted(output)}" if isinstance(output, Mapping) else "")
+            )
+        output, loss = dict(output), output["loss"]
+        returned = output.get("per_sample_loss")
+        outputs = forward.output if forward is not None else None
+        first = self.per_sample_source is None
+        if self.per_sample_loss is not None:
+            if returned is not None:
+                raise ValueError(
+                    'InfoBatchCallback: training_step returns "per_sample_loss" and per_sample_loss=fn is given; use '
+                    "one of them"
+                )
+            source, per_sample = "fn", self.per_sample_loss(outputs, batch)
+        elif returned is not None:
+            source, per_sample = "returned", returned
+        elif self.per_sample_source == "returned":
+            raise ValueError(
+                'InfoBatchCallback: training_step returned "per_sample_loss" on the first batch but not on this one; '
+                + CONTRACT
+            )
+        else:
+            source = "auto"
+            if forward is None or not forward.captured:
+                raise ValueError(
+                    "InfoBatchCallback: training_step returns a plain loss and called no module (no forward output "
+                    f"to take logits from); {ib.PER_SAMPLE_LOSS_HINT}"
+                )
+            try:
+                if first or not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all()):
+                    per_sample, self._shift = ib.auto_per_sample_loss(outputs, batch, loss, self._shift)
+                else:  # a non-finite loss cannot be checked (and its losses are not recorded, see _record)
+                    per_sample, _ = ib.auto_per_sample_loss(outputs, batch, loss, self._shift, verify=False)
+            except ValueError as err:
+                raise ValueError(f"InfoBatchCallback: {err}") from None
+        self._check_per_sample(per_sample, source)
+        if first and source == "fn" and isinstance(loss, Tensor) and not ib.losses_agree(per_sample, loss):
+            rank_zero_warn(
+                f"InfoBatchCallback: the mean of per_sample_loss=fn's values ({float(per_sample.detach().mean()):.6g}) "
+                f"differs from the loss training_step returned ({float(loss.detach()):.6g}); InfoBatch trains on the "
+                "weighted mean of fn's values, not on that loss"
+            )
+        self.per_sample_source = source
+        output["per_sample_loss"] = per_sample
+        return output
+
+    def _check_per_sample(self, per_sample: Any, source: str) -> None:
+        """Raise unless ``per_sample`` is a float tensor ``[B]`` (``B``: the batch's samples) with grad."""
+        assert self._step is not None
+        b = int(self._step.index.numel())
+        what = SOURCES[source]
+        contract = (
+            f"a per-sample loss is a float tensor of shape ({b},), one loss per sample of the batch, with grad "
+            f"(not detached); {ib.PER_SAMPLE_LOSS_HINT if source != 'manual' else 'see weighted_loss'}"
+        )
+        if not isinstance(per_sample, Tensor) or not per_sample.is_floating_point():
+            kind = f"{per_sample.dtype} tensor" if isinstance(per_sample, Tensor) else type(per_sample).__name__
+            raise ValueError(f"InfoBatchCallback: {what} is a {kind}; {contract}")
+        if per_sample.dim() != 1 or per_sample.numel() != b:
+            raise ValueError(
+                f"InfoBatchCallback: {what} has shape {tuple(per_sample.shape)} for a batch of {b} samples; {contract}"
+            )
+        if torch.is_grad_enabled() and not per_sample.requires_grad:
+            raise ValueError(f"InfoBatchCallback: {what} has no grad (detached, or computed under no_grad); {contract}")
+
+    def _weigh(self, output: dict[str, Any], step: _Step) -> dict[str, Any]:
+        if self.curriculum_dm is not None:
+            assert step.weights is not None
+            return self.thinned_output(output, step.index, step.weights, step.candidates)
+        return self.rescale_output(output, step.index)
+
+    def weighted_loss(self, per_sample_loss: Tensor) -> Tensor:
+        """Manual optimization: InfoBatch's loss of the batch being trained, to ``manual_backward``: ``mean(w · l)``
+        (Qin et al. 2024, Eq. 4; with the curriculum ``sum(w · l) / B``); the raw losses are recorded as the batch's
+        scores. Call it once per ``training_step`` (:func:`weighted_loss` finds this callback from the module).
+
+        Args:
+            per_sample_loss: ``float[B]``, with grad, one loss per sample of the batch ``training_step`` received.
+
+        Returns:
+            A scalar float32 tensor on ``per_sample_loss.device``.
+
+        Raises:
+            RuntimeError: called outside the ``training_step`` of a fit with this callback.
+            ValueError: ``per_sample_loss`` not ``float[B]`` with grad; a second call in the same step.
+        """
+        step = self._step
+        if step is None:
+            raise RuntimeError(
+                "InfoBatchCallback.weighted_loss: call it inside training_step, during trainer.fit with this callback"
+            )
+        if step.weighted:
+            raise ValueError(
+                "InfoBatchCallback.weighted_loss: called twice in one training_step; call it once, on the whole "
+                "batch's per-sample loss"
+            )
+        self._check_per_sample(per_sample_loss, "manual")
+        step.weighted = True
+        return self._weigh({"per_sample_loss": per_sample_loss}, step)["loss"]
 
     # ----------------------------------------------------------------------------------------- per batch
     def rescale_output(self, output: Any, index: Tensor) -> dict[str, Any]:

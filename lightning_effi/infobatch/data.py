@@ -8,9 +8,11 @@ from the callback's plan for ``trainer.current_epoch``:
 ``ResumableDataLoader(IndexedDataset(dataset), sampler=InfoBatchSampler(plan, world, rank),
 collate_fn=indexed_collate(collate_fn), ...)``
 
-so each batch carries ``batch["index"]`` (int64 dataset positions; the callback removes it before the user's
-``training_step``), the epoch's length is right every epoch (Lightning reloads the loader each epoch), and a
-mid-epoch resume continues the saved plan where it stopped.
+so each batch is an :class:`~lightning_effi.core.batch.EffiBatch`: the user's batch, of any structure, as their
+collate function made it, and ``meta["index"]`` (int64 dataset positions), which the DataModule takes apart before
+any user hook (the callback reads it with :func:`~lightning_effi.core.batch.batch_meta`); the epoch's length is right
+every epoch (Lightning reloads the loader each epoch), and a mid-epoch resume continues the saved plan where it
+stopped.
 
 Composed with the curriculum (a :class:`~lightning_effi.data.CurriculumDataModule` wraps this one or is wrapped by it,
 see "Composition" in the method card), the curriculum draws every batch and InfoBatch thins each micro-batch inside
@@ -37,7 +39,8 @@ class InfoBatchDataModule(WrappingDataModule):
 
     Args:
         datamodule: any ``LightningDataModule`` whose ``train_dataloader()`` returns a ``DataLoader`` over a
-            map-style dataset of **dict** samples, with a plain (shuffling or sequential) sampler.
+            map-style dataset (samples and batches of any structure), with a plain (shuffling or sequential)
+            sampler.
 
     Raises:
         DataConfigError: (at the first ``train_dataloader()``) a custom sampler or batch sampler, an iterable

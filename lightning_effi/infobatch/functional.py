@@ -7,6 +7,9 @@ only, no Lightning, usable in any training loop. The method card ``README.md`` b
 - :func:`rescale`: the weighted batch loss ``mean(w[index] * per_sample_loss)``, out of place.
 - :func:`update_scores` (per batch) or :func:`accumulate` / :func:`finalize` (per epoch, all-reduce friendly):
   the score table.
+- :func:`auto_per_sample_loss` (with :func:`find_logits`, :func:`find_labels`, :func:`per_sample_cross_entropy`,
+  :func:`losses_agree`): the per-sample loss of a module that returns a plain cross-entropy ``loss``, checked
+  against it.
 - :func:`expected_saving`, :func:`validate_hparams`; :func:`min_epoch_size`, :func:`rank_batches`,
   :func:`limited_batches` and :func:`min_total_steps`: the fewest optimizer steps a run can have (for the run's
   progress clock).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
@@ -31,28 +35,38 @@ from numbers import Integral, Real
 from typing import Any, Literal, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_effi.core.checks import is_int
 from lightning_effi.core.rng import hash64
 
 __all__ = [
+    "IGNORE_INDEX",
+    "LABEL_KEYS",
     "PER_SAMPLE_LOSS_CONTRACT",
+    "PER_SAMPLE_LOSS_HINT",
     "EpochPlan",
     "ThinnedBatch",
     "accumulate",
+    "auto_per_sample_loss",
     "cap_applies",
     "check_thinning_ratio",
     "drop_count",
     "epoch_stop",
     "expected_saving",
+    "find_labels",
+    "find_logits",
     "finalize",
     "hash64",
     "keep_count",
     "keep_probabilities",
     "limited_batches",
+    "loss_tolerance",
+    "losses_agree",
     "min_epoch_size",
     "min_total_steps",
+    "per_sample_cross_entropy",
     "plan_epoch",
     "plan_generator",
     "rank_batches",
@@ -68,7 +82,8 @@ __all__ = [
 
 PER_SAMPLE_LOSS_CONTRACT = (
     'training_step must return {"loss": ..., "per_sample_loss": tensor of shape (B,)} '
-    "(one float loss per sample of the batch, with grad)"
+    "(one float loss per sample of the batch, with grad), or InfoBatchCallback must compute it "
+    "(per_sample_loss=fn, or the automatic cross-entropy of the forward output's logits and the batch's labels)"
 )
 
 #: Purpose key mixed into every InfoBatch seed, so another technique using the same user seed gets another stream.
@@ -850,6 +865,211 @@ def _check_buffers(sum_loss: Tensor, count: Tensor) -> None:
         or count.is_complex()
     ):
         raise ValueError(f"count must be an integer tensor of shape {tuple(sum_loss.shape)}, got {_describe(count)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-sample loss of a module that returns a plain loss (the automatic path)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: the label value cross-entropy ignores (PyTorch's and Hugging Face's default)
+IGNORE_INDEX = -100
+#: batch keys (or attributes) that hold the labels, in the order they are looked up
+LABEL_KEYS = ("labels", "label", "targets", "target", "y")
+#: what a user whose module the automatic path cannot serve does instead
+PER_SAMPLE_LOSS_HINT = (
+    "pass InfoBatchCallback(per_sample_loss=fn) with fn(outputs, batch) -> float[B] (outputs: the forward output "
+    'captured during training_step, batch: your batch), or return {"loss": ..., "per_sample_loss": ...} from '
+    "training_step"
+)
+
+
+def find_logits(outputs: Any) -> Tensor | None:
+    """The logits in a forward output: the output itself when it is a tensor, ``outputs["logits"]`` for a mapping
+    (a dict, a Hugging Face ``ModelOutput``), else ``outputs.logits`` (a dataclass or any object); None otherwise
+    (a tuple output is ambiguous and gives None)."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        logits = outputs.get("logits")
+    else:
+        logits = getattr(outputs, "logits", None)
+    return logits if isinstance(logits, Tensor) else None
+
+
+def find_labels(batch: Any) -> Tensor | None:
+    """The labels in a batch: the first of :data:`LABEL_KEYS` that is a tensor key of a mapping (a dict, an HF
+    ``BatchEncoding``) or a tensor attribute (a dataclass, a named tuple, any object), else the last element of a
+    tuple or list batch of at least two elements (``(x, y)``); None otherwise (a bare tensor batch)."""
+    if isinstance(batch, Mapping):
+        for key in LABEL_KEYS:
+            value = batch.get(key)
+            if isinstance(value, Tensor):
+                return value
+        return None
+    for key in LABEL_KEYS:
+        value = getattr(batch, key, None)
+        if isinstance(value, Tensor):
+            return value
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], Tensor):
+        return batch[-1]
+    return None
+
+
+def per_sample_cross_entropy(
+    logits: Tensor, labels: Tensor, shift: bool = False, ignore_index: int = IGNORE_INDEX
+) -> Tensor:
+    """Cross-entropy per sample, computed in float32 (out of place, with grad through ``logits``).
+
+    - ``logits [B, C]`` with class indices ``labels [B]`` (``ignore_index`` gives 0), or class probabilities
+      ``labels [B, C]`` (float): ``F.cross_entropy(..., reduction="none")``, shape ``[B]``;
+    - ``logits [B, T, V]`` with ``labels [B, T]``: the token losses averaged over each sample's tokens whose label is
+      not ``ignore_index`` (a sample without one gives 0). ``shift=True`` is the causal-LM shift of Hugging Face's
+      ``*ForCausalLM`` losses: ``logits[:, :-1]`` against ``labels[:, 1:]``.
+
+    Returns:
+        ``float32[B]`` on ``logits.device``.
+
+    Raises:
+        ValueError: other ranks or shapes, integer logits, float labels for ``[B, T, V]`` logits, ``shift`` with
+            ``[B, C]`` logits.
+    """
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        raise ValueError(f"per_sample_cross_entropy: logits must be a float tensor, got {_describe(logits)}")
+    if not isinstance(labels, Tensor):
+        raise ValueError(f"per_sample_cross_entropy: labels must be a tensor, got {_describe(labels)}")
+    if logits.dim() == 2:
+        if shift:
+            raise ValueError("per_sample_cross_entropy: shift applies to [B, T, V] logits, got [B, C]")
+        if labels.is_floating_point() and labels.shape == logits.shape:  # class probabilities
+            return F.cross_entropy(logits.float(), labels.float(), reduction="none")
+        if labels.shape != logits.shape[:1] or labels.is_floating_point() or labels.dtype == torch.bool:
+            raise ValueError(
+                f"per_sample_cross_entropy: logits [B, C] = {tuple(logits.shape)} need integer labels [B] "
+                f"or float probabilities [B, C]; got {_describe(labels)}"
+            )
+        return F.cross_entropy(logits.float(), labels.long(), reduction="none", ignore_index=ignore_index)
+    if logits.dim() == 3:
+        if labels.shape != logits.shape[:2] or labels.is_floating_point() or labels.dtype == torch.bool:
+            raise ValueError(
+                f"per_sample_cross_entropy: logits [B, T, V] = {tuple(logits.shape)} need integer labels [B, T] "
+                f"= {tuple(logits.shape[:2])}; got {_describe(labels)}"
+            )
+        if shift:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        b, t = labels.shape
+        labels = labels.long()
+        tokens = F.cross_entropy(
+            logits.reshape(b * t, -1).float(), labels.reshape(b * t), reduction="none", ignore_index=ignore_index
+        ).view(b, t)
+        counts = (labels != ignore_index).sum(1)
+        return tokens.sum(1) / counts.clamp(min=1)
+    raise ValueError(f"per_sample_cross_entropy: logits must be [B, C] or [B, T, V], got shape {tuple(logits.shape)}")
+
+
+def loss_tolerance(*tensors: Tensor) -> float:
+    """Relative tolerance of :func:`losses_agree`: ``max(1e-4, 4 eps)`` of the least precise float dtype among
+    ``tensors`` (float32: 1e-4; float16: 3.9e-3; bfloat16: 3.1e-2)."""
+    eps = max((torch.finfo(t.dtype).eps for t in tensors if t.is_floating_point()), default=0.0)
+    return max(1e-4, 4 * eps)
+
+
+def losses_agree(per_sample_loss: Tensor, loss: Tensor, rtol: float | None = None) -> bool:
+    """``|mean(per_sample_loss) - loss| <= 1e-6 + rtol · |loss|`` (float64; ``rtol``: :func:`loss_tolerance` of
+    both by default). Synchronises with the device (two scalars are read)."""
+    rtol = loss_tolerance(per_sample_loss, loss) if rtol is None else rtol
+    mean, value = float(per_sample_loss.detach().double().mean()), float(loss.detach().double())
+    return abs(mean - value) <= 1e-6 + rtol * abs(value)
+
+
+def _token_counts(labels: Tensor, shift: bool) -> Tensor:
+    labels = labels[:, 1:] if shift else labels
+    return (labels != IGNORE_INDEX).sum(1)
+
+
+def auto_per_sample_loss(
+    outputs: Any, batch: Any, loss: Tensor, shift: bool | None = None, verify: bool = True
+) -> tuple[Tensor, bool]:
+    """The per-sample loss of a module whose ``training_step`` returns a plain cross-entropy ``loss``: the logits of
+    its forward output (:func:`find_logits`) against the batch's labels (:func:`find_labels`), per sample
+    (:func:`per_sample_cross_entropy`, ``ignore_index=-100``), checked against ``loss``: their mean must reproduce it
+    (:func:`losses_agree`), so that InfoBatch never trains on another loss than the one the module wrote.
+
+    With ``[B, T, V]`` logits and ``shift=None`` both alignments are tried (labels as given, and the causal-LM shift
+    of Hugging Face's ``*ForCausalLM``): the one that reproduces ``loss`` is returned with its ``shift``, to pass on
+    the next batches.
+
+    Args:
+        outputs: the forward output (a tensor, a mapping or object with ``logits``). batch: the user's batch.
+        loss: the scalar loss ``training_step`` returned for this batch. shift: None (detect), True or False.
+        verify: False skips the check against ``loss`` (for a non-finite loss, which cannot be checked); then
+            ``shift`` must be given for ``[B, T, V]`` logits.
+
+    Returns:
+        ``(per_sample_loss float32[B] with grad, shift)``.
+
+    Raises:
+        ValueError: no logits or no labels found, shapes that are not ``[B, C]`` / ``[B, T, V]`` with matching
+            labels, or a mean that does not reproduce ``loss`` (label smoothing, class weights, a loss over the
+            batch's tokens with padding, an extra term...); each message says what to pass instead
+            (:data:`PER_SAMPLE_LOSS_HINT`).
+    """
+    logits = find_logits(outputs)
+    if logits is None:
+        raise ValueError(
+            "the automatic per-sample loss needs the forward output's logits (a tensor, outputs['logits'] or "
+            f"outputs.logits); the forward output captured during training_step is {_describe(outputs)}; "
+            + PER_SAMPLE_LOSS_HINT
+        )
+    labels = find_labels(batch)
+    if labels is None:
+        raise ValueError(
+            f"the automatic per-sample loss needs labels in the batch (a key or attribute {list(LABEL_KEYS)}, or the "
+            f"last element of a tuple batch); the batch is a {type(batch).__name__}; " + PER_SAMPLE_LOSS_HINT
+        )
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ValueError(f"the automatic per-sample loss needs the step's scalar loss, got {_describe(loss)}")
+    if not verify and shift is None and logits.dim() == 3:
+        raise ValueError("auto_per_sample_loss: verify=False needs shift (True or False) for [B, T, V] logits")
+    try:
+        shifts = [False] if logits.dim() == 2 else [False, True] if shift is None else [shift]
+        candidates = [(s, per_sample_cross_entropy(logits, labels, s)) for s in shifts]
+    except ValueError as err:
+        raise ValueError(f"the automatic per-sample loss failed: {err}; " + PER_SAMPLE_LOSS_HINT) from None
+    if not verify:
+        return candidates[0][1], candidates[0][0]
+    if not bool(torch.isfinite(loss.detach())):
+        raise ValueError(
+            f"the automatic per-sample loss cannot be checked against a non-finite loss ({float(loss.detach())}); "
+            + PER_SAMPLE_LOSS_HINT
+        )
+    for s, per_sample in candidates:
+        if losses_agree(per_sample, loss):
+            return per_sample, s
+    found = "; ".join(
+        f"{'with' if s else 'without'} the causal shift: mean {float(p.detach().double().mean()):.6g}"
+        if logits.dim() == 3
+        else f"mean {float(p.detach().double().mean()):.6g}"
+        for s, p in candidates
+    )
+    note = ""
+    if logits.dim() == 3:
+        for s, per_sample in candidates:
+            counts = _token_counts(labels, s).to(per_sample)
+            token_mean = (per_sample.detach() * counts).sum() / counts.sum().clamp(min=1)
+            if losses_agree(token_mean.reshape(1), loss):
+                note = (
+                    " Your loss is the mean over the batch's tokens, in which samples with more labelled tokens "
+                    "weigh more (padding or -100 labels); InfoBatch weighs samples, so give it a per-sample loss "
+                    "whose mean is your loss."
+                )
+    raise ValueError(
+        f"the automatic per-sample loss (cross-entropy of logits {tuple(logits.shape)} against labels "
+        f"{tuple(labels.shape)}, ignore_index={IGNORE_INDEX}, averaged per sample) does not reproduce the loss "
+        f"training_step returned ({float(loss.detach()):.6g}; {found}; relative tolerance "
+        f"{loss_tolerance(candidates[0][1], loss):.2g}): your loss is not plain cross-entropy of these logits "
+        f"(label smoothing, class weights, an extra term, other logits...).{note} InfoBatch will not train on "
+        "another loss than yours: " + PER_SAMPLE_LOSS_HINT
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

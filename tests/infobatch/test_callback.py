@@ -18,7 +18,7 @@ from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.core.lr_schedules import warmup_cosine
 from lightning_effi.core.progress import progress_clock, progress_source
 from lightning_effi.core.protocols import ProvidesProgressClock
-from lightning_effi.core.requirements import IncompatibleTechniques, Requirements
+from lightning_effi.core.requirements import BATCH_STRUCTURES, IncompatibleTechniques, Requirements
 from lightning_effi.functional import infobatch as ib
 from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.tasks import GPT2CausalLM
@@ -177,7 +177,8 @@ def test_repr_round_trips():
     again = eval(repr(cb), {"InfoBatchCallback": InfoBatchCallback})
     assert repr(again) == repr(cb)
     assert repr(InfoBatchCallback()) == (
-        "InfoBatchCallback(prune_ratio=0.5, delta=0.875, num_epochs=None, seed=0, momentum=1.0, strict=True)"
+        "InfoBatchCallback(prune_ratio=0.5, delta=0.875, num_epochs=None, seed=0, momentum=1.0, strict=True, "
+        "per_sample_loss=None)"
     )
     # every constructor argument appears, and numpy numbers are stored as plain Python numbers
     code = InfoBatchCallback.__init__.__code__
@@ -191,8 +192,8 @@ def test_repr_round_trips():
 def test_requirements_are_declared_and_match_metadata():
     req = InfoBatchCallback.requirements
     assert isinstance(req, Requirements)
-    assert req.owns_train_sampler and req.changes_epoch_length and req.needs_per_sample_loss
-    assert req.batch_structures == ("dict",) and not req.changes_model_shapes and not req.patches_layers
+    assert req.owns_train_sampler and req.changes_epoch_length and not req.needs_per_sample_loss
+    assert req.batch_structures == BATCH_STRUCTURES and not req.changes_model_shapes and not req.patches_layers
     folder = Path(lightning_effi.infobatch.__file__).parent
     metadata = json.loads((folder / "metadata.json").read_text())
     assert metadata["requirements"] == json.loads(json.dumps(req.as_dict()))  # tuples as lists
@@ -416,9 +417,11 @@ class NoPerSampleLoss(GPT2CausalLM):
         return super().training_step(batch, batch_idx)["loss"]
 
 
-def test_missing_per_sample_loss_fails_on_the_first_batch_naming_the_contract(tmp_path):
+def test_a_plain_loss_without_labels_fails_on_the_first_batch_asking_for_fn(tmp_path):
+    """A plain loss (no ``per_sample_loss``) on a batch without labels: the automatic cross-entropy has nothing to
+    compare the logits with (tests/infobatch/test_user_modules.py covers the modules it serves)."""
     counter = CountBatches()
-    with pytest.raises(ValueError, match="per_sample_loss"):
+    with pytest.raises(ValueError, match=r"needs labels in the batch.*per_sample_loss=fn"):
         make_trainer(tmp_path, [InfoBatchCallback(), counter], max_epochs=2).fit(
             NoPerSampleLoss(), datamodule=ib_data()
         )

@@ -1,6 +1,6 @@
 """Base class of the reference tasks: the per-sample-loss contract, optimizers and accounting hooks.
 
-Contract (``docs/architecture.md``, "Per-sample-loss contract"):
+Contract (``docs/architecture.md``, "Per-sample losses"):
 ``training_step`` returns ``{"loss": per_sample_loss.mean(), "per_sample_loss": per_sample_loss}`` where
 ``per_sample_loss`` has shape ``(B,)``. A plain ``Trainer`` only uses ``"loss"``; loss-driven callbacks read
 ``"per_sample_loss"``. Batches are dicts; unknown keys (for example ``"index"``) are ignored.

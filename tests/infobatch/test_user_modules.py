@@ -1,0 +1,767 @@
+"""InfoBatch on LightningModules as users write them: a plain ``loss`` return, any batch structure.
+
+Four user modules (tiny, seeded, built from configs, never downloaded): a Hugging Face GPT-2 on character tokens with
+tuple samples (list batches from ``default_collate``, or dict batches from a collate function), a timm ViT on ``(x, y)``
+tuple batches, a BERT classifier with a padding collate returning a ``BatchEncoding``, and a hand-written
+``nn.TransformerEncoder`` classifier on dataclass batches. Each trains with InfoBatch unchanged: pruned epochs are
+shorter, ``training_step`` receives exactly the batch its own collate function makes, and the loss trained on is
+``mean(w_i * l_i)`` with ``l_i`` the hand-computed ``F.cross_entropy(..., reduction="none")`` per sample. Then
+``per_sample_loss=fn``, the automatic path's functions without a Trainer, the errors (mismatch, detached, wrong
+shape), manual optimization through ``weighted_loss``, and InfoBatch inside the curriculum on tuple batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import namedtuple
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, default_collate
+from transformers import BatchEncoding, BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers.modeling_outputs import CausalLMOutput
+
+from lightning_effi.callbacks import Curriculum, InfoBatchCallback
+from lightning_effi.core.batch import batch_meta
+from lightning_effi.data import CurriculumDataModule, InfoBatchDataModule
+from lightning_effi.infobatch import functional as ib
+from lightning_effi.infobatch import weighted_loss
+from lightning_effi.infobatch.callback import ForwardCapture
+from tests.helpers.harness import make_trainer
+
+N, BS, EPOCHS = 24, 4, 3  # E = 3, delta = 0.875: epoch 0 full, epoch 1 pruned, epoch 2 full (annealing)
+TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. "
+
+
+# ------------------------------------------------------------------------------------------------- user data
+class CharBlocks(Dataset):
+    """Character tokens of ``TEXT``, ``N`` blocks of 12: tuple samples ``(input_ids, labels)`` (labels = inputs, as
+    for a causal LM whose model shifts them)."""
+
+    def __init__(self) -> None:
+        vocab = sorted(set(TEXT))
+        ids = torch.tensor([vocab.index(c) for c in TEXT * 4])
+        self.blocks = [ids[3 * i : 3 * i + 12] for i in range(N)]
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.blocks[i], self.blocks[i].clone()
+
+
+class SmallImages(Dataset):
+    """``(image float[3, 8, 8], label)`` tuples, 3 classes."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(N, 3, 8, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.x[i], self.y[i]
+
+
+class Sentences(Dataset):
+    """Variable-length token sequences with a binary label: ``{"input_ids": int64[L], "label": int}``."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(2)
+        lengths = torch.randint(3, 11, (N,), generator=g)
+        self.items = [torch.randint(1, 32, (int(n),), generator=g) for n in lengths]
+        self.labels = [int(x.sum()) % 2 for x in self.items]
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.items[i], "label": self.labels[i]}
+
+
+@dataclasses.dataclass
+class TokenBatch:
+    """A user's dataclass batch."""
+
+    tokens: Tensor
+    y: Tensor
+
+
+class Tokens(Dataset):
+    """``(tokens int64[8], class)`` tuples, 3 classes (the class is the first token's residue: learnable)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randint(0, 64, (N, 8), generator=g)
+        self.y = self.x[:, 0] % 3
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.x[i], self.y[i]
+
+
+def dict_collate(samples: list[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+    """Tuple samples in, a dict batch out."""
+    x, y = default_collate(samples)
+    return {"input_ids": x, "labels": y}
+
+
+def tuple_collate(samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    x, y = default_collate(samples)
+    return x, y
+
+
+def padding_collate(samples: list[dict[str, Any]]) -> BatchEncoding:
+    """Pads to the longest sequence (id 0) and returns a Hugging Face ``BatchEncoding``."""
+    length = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), length, dtype=torch.int64)
+    mask = torch.zeros(len(samples), length, dtype=torch.int64)
+    for row, s in enumerate(samples):
+        ids[row, : len(s["input_ids"])] = s["input_ids"]
+        mask[row, : len(s["input_ids"])] = 1
+    labels = torch.tensor([s["label"] for s in samples])
+    return BatchEncoding({"input_ids": ids, "attention_mask": mask, "labels": labels})
+
+
+def dataclass_collate(samples: list[tuple[Tensor, Tensor]]) -> TokenBatch:
+    x, y = default_collate(samples)
+    return TokenBatch(x, y)
+
+
+class UserData(pl.LightningDataModule):
+    """A DataModule as users write it: a plain shuffling DataLoader with their collate function."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable | None = None, batch_size: int = BS) -> None:
+        super().__init__()
+        self.train_dataset, self.collate_fn, self.batch_size = dataset, collate_fn, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, collate_fn=self.collate_fn)
+
+
+# ---------------------------------------------------------------------------------------------- user modules
+class UserModule(pl.LightningModule):
+    """Records what its ``training_step`` received and computed (for the tests only; the step returns a plain
+    loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[dict[str, Any]] = []
+
+    def remember(self, batch: Any, logits: Tensor, loss: Tensor) -> None:
+        meta = batch_meta(self._trainer) or {}
+        index = meta["index"].clone() if "index" in meta else None
+        self.steps.append({"batch": batch, "logits": logits.detach(), "loss": loss.detach(), "index": index})
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class CharGPT2(UserModule):
+    """A Hugging Face GPT-2 (from a config) on character tokens; the model shifts the labels itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2, use_cache=False)
+        self.model = GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if isinstance(batch, Mapping):
+            out = self.model(**batch)
+        else:
+            x, y = batch
+            out = self.model(input_ids=x, labels=y)
+        self.remember(batch, out.logits, out.loss)
+        return out.loss
+
+
+class ViT(UserModule):
+    """A timm ViT (``pretrained=False``) on ``(x, y)`` batches."""
+
+    def __init__(self, label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.model = timm.create_model(
+            "vit_tiny_patch16_224",
+            pretrained=False,
+            img_size=8,
+            patch_size=4,
+            embed_dim=16,
+            depth=1,
+            num_heads=2,
+            num_classes=3,
+        )
+        self.label_smoothing = label_smoothing
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
+        self.remember(batch, logits, loss)
+        return loss
+
+
+class BertClassifier(UserModule):
+    """A Hugging Face BERT sequence classifier (from a config) on padded ``BatchEncoding`` batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = BertConfig(
+            vocab_size=32,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=16,
+            num_labels=2,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        self.model = BertForSequenceClassification(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        out = self.model(**batch)
+        self.remember(batch, out.logits, out.loss)
+        return out.loss
+
+
+class EncoderClassifier(UserModule):
+    """A hand-written ``nn.TransformerEncoder`` classifier on dataclass batches; returns ``{"loss": ...}``."""
+
+    def __init__(self, penalty: float = 0.0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+        self.penalty = penalty
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+        tokens, y = (batch.tokens, batch.y) if isinstance(batch, TokenBatch) else batch
+        logits = self(tokens)
+        loss = F.cross_entropy(logits, y) + self.penalty * self.head.weight.pow(2).sum()
+        self.remember(batch, logits, loss)
+        return {"loss": loss}
+
+
+def gpt2_hand(logits: Tensor, batch: Any) -> Tensor:
+    """Per-sample causal-LM loss by hand: token cross-entropy of ``logits[:, :-1]`` against ``labels[:, 1:]``,
+    averaged per sample."""
+    labels = batch["labels"] if isinstance(batch, Mapping) else batch[1]
+    b = labels.shape[0]
+    tokens = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="none")
+    return tokens.view(b, -1).mean(1)
+
+
+def classifier_hand(logits: Tensor, batch: Any) -> Tensor:
+    if isinstance(batch, TokenBatch):
+        labels = batch.y
+    else:
+        labels = batch["labels"] if isinstance(batch, Mapping) else batch[-1]
+    return F.cross_entropy(logits, labels, reduction="none")
+
+
+#: name -> (module, dataset, collate_fn, the batch type the module receives, the hand per-sample loss)
+CASES: dict[str, tuple[Callable[[], UserModule], Callable[[], Dataset], Any, type, Callable]] = {
+    "gpt2-list": (CharGPT2, CharBlocks, None, list, gpt2_hand),
+    "gpt2-dict": (CharGPT2, CharBlocks, dict_collate, dict, gpt2_hand),
+    "vit-tuple": (ViT, SmallImages, tuple_collate, tuple, classifier_hand),
+    "bert-batchencoding": (BertClassifier, Sentences, padding_collate, BatchEncoding, classifier_hand),
+    "encoder-dataclass": (EncoderClassifier, Tokens, dataclass_collate, TokenBatch, classifier_hand),
+}
+
+
+class Outputs(pl.Callback):
+    """Per training batch: the epoch, the loss Lightning optimised, the per-sample losses InfoBatch used and the
+    weights of the batch's samples."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        cb = next(c for c in trainer.callbacks if isinstance(c, InfoBatchCallback))
+        index = batch_meta(trainer)["index"]
+        self.rows.append(
+            {
+                "epoch": trainer.current_epoch,
+                "loss": outputs["loss"],
+                "per_sample": outputs["per_sample_loss"],
+                "weights": cb.current_weights()[index],
+            }
+        )
+
+
+def assert_same_batch(a: Any, b: Any) -> None:
+    """Same structure (types included) and equal tensors."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, Mapping):
+        assert list(a) == list(b)
+        for key in a:
+            assert_same_batch(a[key], b[key])
+    elif dataclasses.is_dataclass(a):
+        for field in dataclasses.fields(a):
+            assert_same_batch(getattr(a, field.name), getattr(b, field.name))
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_batch(x, y)
+    else:
+        assert a == b
+
+
+def fit(tmp_path, module: pl.LightningModule, data: pl.LightningDataModule, *callbacks, **kw) -> InfoBatchCallback:
+    cb = next((c for c in callbacks if isinstance(c, InfoBatchCallback)), None)
+    if cb is None:
+        cb = InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0)
+        callbacks = (cb, *callbacks)
+    pl.seed_everything(0)
+    make_trainer(tmp_path, list(callbacks), max_epochs=EPOCHS, **kw).fit(module, datamodule=InfoBatchDataModule(data))
+    return cb
+
+
+# ----------------------------------------------------------------------------------- plain-loss modules train
+@pytest.mark.parametrize("case", list(CASES))
+def test_plain_loss_modules_train_with_infobatch(tmp_path, case):
+    make_module, make_data, collate, batch_type, hand = CASES[case]
+    pl.seed_everything(0)
+    module, dataset, outputs = make_module(), make_data(), Outputs()
+    cb = fit(tmp_path, module, UserData(dataset, collate), outputs)
+    assert cb.per_sample_source == "auto"
+    # pruned epochs have fewer steps: the plan's samples in batches of BS
+    steps = [sum(r["epoch"] == e for r in outputs.rows) for e in range(EPOCHS)]
+    sizes = [h["size"] for h in cb.history]
+    assert [h["kind"] for h in cb.history] == ["full", "prune", "full"]
+    assert steps == [math.ceil(size / BS) for size in sizes] and steps[1] < steps[0] == steps[2] == N // BS
+    # training_step received exactly what the user's own collate function makes of the batch's samples
+    assert len(module.steps) == len(outputs.rows) == sum(steps)
+    for step in module.steps:
+        assert type(step["batch"]) is batch_type
+        assert_same_batch(step["batch"], (collate or default_collate)([dataset[int(i)] for i in step["index"]]))
+    # the loss trained on is mean(w_i * l_i), l_i = F.cross_entropy(..., reduction="none") per sample, by hand
+    for step, row in zip(module.steps, outputs.rows):
+        per_sample = hand(step["logits"], step["batch"])
+        torch.testing.assert_close(row["per_sample"], per_sample, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(row["loss"], (row["weights"] * per_sample).mean(), rtol=1e-5, atol=1e-6)
+        if row["epoch"] != 1:  # full epochs: unit weights, the user's own loss
+            assert torch.equal(row["weights"], torch.ones_like(row["weights"]))
+            torch.testing.assert_close(row["loss"], step["loss"], rtol=1e-5, atol=1e-6)
+    pruned = [r for r in outputs.rows if r["epoch"] == 1]
+    assert any(bool((r["weights"] == 2.0).any()) for r in pruned)  # kept well-learned samples weigh 1 / (1 - r)
+    assert all(set(r["weights"].tolist()) <= {1.0, 2.0} for r in pruned)
+    assert bool(cb.seen.all())  # every sample scored
+
+
+def test_the_step_still_returns_per_sample_loss_path(tmp_path):
+    """A module that returns ``{"loss", "per_sample_loss"}`` keeps its contract (no forward capture after the first
+    batch)."""
+
+    class Returns(EncoderClassifier):
+        def training_step(self, batch, batch_idx):
+            self.hooks.append(len(self._forward_hooks))  # the capture's hook on the module during the step
+            per_sample = F.cross_entropy(self(batch.tokens), batch.y, reduction="none")
+            return {"loss": per_sample.mean(), "per_sample_loss": per_sample * 2}  # a score of the user's choice
+
+    pl.seed_everything(0)
+    outputs, module = Outputs(), Returns()
+    module.hooks = []
+    cb = fit(tmp_path, module, UserData(Tokens(), dataclass_collate), outputs)
+    assert cb.per_sample_source == "returned"
+    assert module.hooks == [1] + [0] * (len(outputs.rows) - 1) and not module._forward_hooks
+    for row in outputs.rows:
+        torch.testing.assert_close(row["loss"], (row["weights"] * row["per_sample"]).mean())
+
+
+# ------------------------------------------------------------------------------------------ per_sample_loss=fn
+def smoothed(outputs: Tensor, batch: tuple[Tensor, Tensor]) -> Tensor:
+    """The user's per-sample loss for a label-smoothed ViT: ``outputs`` is the module's forward output."""
+    return F.cross_entropy(outputs, batch[1], reduction="none", label_smoothing=0.2)
+
+
+def test_per_sample_loss_fn_trains_on_the_weighted_mean_of_fn(tmp_path):
+    pl.seed_everything(0)
+    module, outputs = ViT(label_smoothing=0.2), Outputs()
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.875, per_sample_loss=smoothed)
+    fit(tmp_path, module, UserData(SmallImages(), tuple_collate), cb, outputs)
+    assert cb.per_sample_source == "fn" and "per_sample_loss=smoothed" in repr(cb)
+    assert [h["kind"] for h in cb.history] == ["full", "prune", "full"] and cb.history[1]["size"] < N
+    for step, row in zip(module.steps, outputs.rows, strict=True):
+        per_sample = F.cross_entropy(step["logits"], step["batch"][1], reduction="none", label_smoothing=0.2)
+        torch.testing.assert_close(row["per_sample"], per_sample)
+        torch.testing.assert_close(row["loss"], (row["weights"] * per_sample).mean())
+        if row["epoch"] == 0:
+            torch.testing.assert_close(row["loss"], step["loss"])  # fn's mean is the module's own loss
+
+
+def test_a_fn_whose_mean_is_not_the_loss_warns(tmp_path):
+    pl.seed_everything(0)
+    plain = lambda outputs, batch: F.cross_entropy(outputs, batch.y, reduction="none")  # noqa: E731
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.875, per_sample_loss=plain)
+    with pytest.warns(UserWarning, match=r"mean of per_sample_loss=fn's values .* differs from the loss"):
+        fit(tmp_path, EncoderClassifier(penalty=1.0), UserData(Tokens(), dataclass_collate), cb)
+
+
+class Steps(pl.Callback):
+    def __init__(self) -> None:
+        self.done = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.done += 1
+
+
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        (lambda o, b: F.cross_entropy(o, b[1], reduction="none").detach(), r"has no grad .*float tensor of shape"),
+        (lambda o, b: F.cross_entropy(o, b[1]), r"has shape \(\) for a batch of 4 samples"),
+        (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:2], r"has shape \(2,\) for a batch of 4"),
+        (lambda o, b: b[1], r"is a torch.int64 tensor; a per-sample loss is a float tensor of shape \(4,\)"),
+    ],
+)
+def test_bad_fn_outputs_fail_on_the_first_batch_naming_the_contract(tmp_path, fn, match):
+    steps = Steps()
+    with pytest.raises(ValueError, match="per_sample_loss=fn.*" + match):
+        fit(tmp_path, ViT(), UserData(SmallImages(), tuple_collate), InfoBatchCallback(per_sample_loss=fn), steps)
+    assert steps.done == 0
+
+
+def test_token_losses_from_fn_are_refused(tmp_path):
+    """A ``[B, T]`` token-loss tensor (a common slip with language models) is not a per-sample loss."""
+
+    def tokens(outputs, batch):
+        logits, labels = outputs.logits[:, :-1], batch[1][:, 1:]
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # [B, T - 1]
+
+    with pytest.raises(ValueError, match=r"has shape \(4, 11\) for a batch of 4 samples"):
+        fit(tmp_path, CharGPT2(), UserData(CharBlocks()), InfoBatchCallback(per_sample_loss=tokens))
+
+
+def test_fn_and_a_returned_per_sample_loss_are_ambiguous(tmp_path):
+    class Returns(ViT):
+        def training_step(self, batch, batch_idx):
+            per_sample = F.cross_entropy(self(batch[0]), batch[1], reduction="none")
+            return {"loss": per_sample.mean(), "per_sample_loss": per_sample}
+
+    with pytest.raises(ValueError, match='returns "per_sample_loss" and per_sample_loss=fn is given'):
+        fit(tmp_path, Returns(), UserData(SmallImages(), tuple_collate), InfoBatchCallback(per_sample_loss=smoothed))
+
+
+def test_a_returned_per_sample_loss_without_grad_is_refused(tmp_path):
+    class Detached(ViT):
+        def training_step(self, batch, batch_idx):
+            per_sample = F.cross_entropy(self(batch[0]), batch[1], reduction="none")
+            return {"loss": per_sample.mean(), "per_sample_loss": per_sample.detach()}
+
+    with pytest.raises(ValueError, match='"per_sample_loss" returned by training_step has no grad'):
+        fit(tmp_path, Detached(), UserData(SmallImages(), tuple_collate))
+
+
+def test_per_sample_loss_must_be_callable():
+    with pytest.raises(ValueError, match="per_sample_loss must be a function fn"):
+        InfoBatchCallback(per_sample_loss="cross_entropy")
+
+
+# ------------------------------------------------------------------------------------------ the automatic path
+def test_mismatched_loss_fails_on_the_first_batch_asking_for_fn(tmp_path):
+    """A loss with an extra term (an L2 penalty) is not the plain cross-entropy of the logits: refused before any
+    optimizer step, with the way out."""
+    steps = Steps()
+    with pytest.raises(ValueError, match=r"does not reproduce the loss training_step returned.*per_sample_loss=fn"):
+        fit(tmp_path, EncoderClassifier(penalty=1.0), UserData(Tokens(), dataclass_collate), steps)
+    assert steps.done == 0
+
+
+def test_a_batch_without_labels_or_a_step_without_module_call_asks_for_fn(tmp_path):
+    class Unlabelled(ViT):
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return self(x).logsumexp(-1).mean()
+
+    bare = torch.utils.data.TensorDataset(SmallImages().x)  # samples (x,): list batches [x]
+    with pytest.raises(ValueError, match=r"needs labels in the batch.*the batch is a list.*per_sample_loss=fn"):
+        fit(tmp_path, Unlabelled(), UserData(bare))
+
+    class NoCall(UserModule):  # computes its logits without calling a module
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(3 * 8 * 8, 3))
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(batch[0].flatten(1) @ self.w, batch[1])
+
+    with pytest.raises(ValueError, match=r"returns a plain loss and called no module.*per_sample_loss=fn"):
+        fit(tmp_path / "b", NoCall(), UserData(SmallImages(), tuple_collate))
+
+
+class Split(UserModule):
+    """Calls its parts from ``training_step`` (no ``forward``), then a criterion module and a torchmetrics metric."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 3)
+        self.criterion = nn.CrossEntropyLoss()
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        h = self.embed(x).mean(1)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        logits = self.head(h)
+        loss = self.criterion(logits, y)
+        self.accuracy(logits, y)
+        self.remember(batch, logits, loss)
+        return loss
+
+
+def test_the_forward_output_is_the_last_outermost_module_call(tmp_path):
+    """The head's output, not the criterion's nor the metric's; a call nested in another watched call (the
+    encoder's layers inside ``self(x)``) is not recorded; the hooks are gone after the step."""
+    module = Split()
+    x, y = Tokens().x[:4], Tokens().y[:4]
+    with ForwardCapture(module) as capture:
+        out = module.training_step((x, y), 0)
+    assert capture.captured and torch.equal(capture.output, module.steps[-1]["logits"])
+    assert float(out.detach()) == float(F.cross_entropy(capture.output, y).detach())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+    encoder = EncoderClassifier()
+    with ForwardCapture(encoder) as capture:
+        logits = encoder(x)
+        encoder.embed(x)  # a later outermost call wins
+    assert capture.output.shape == (4, 8, 16) and logits.shape == (4, 3)
+    with ForwardCapture(encoder) as capture:
+        encoder.training_step(TokenBatch(x, y), 0)
+    assert torch.equal(capture.output, encoder.steps[-1]["logits"])  # self(x): its parts are nested
+    # and through a Trainer: the automatic path finds the head's logits
+    outputs = Outputs()
+    cb = fit(tmp_path, Split(), UserData(Tokens()), outputs)
+    assert cb.per_sample_source == "auto" and [h["kind"] for h in cb.history] == ["full", "prune", "full"]
+    for row in outputs.rows:
+        torch.testing.assert_close(row["loss"], (row["weights"] * row["per_sample"]).mean())
+
+
+def test_find_logits_and_labels_in_every_structure():
+    logits = torch.randn(2, 3)
+    labels = torch.tensor([0, 2])
+    assert ib.find_logits(logits) is logits
+    assert ib.find_logits({"logits": logits, "loss": 0}) is logits
+    assert ib.find_logits(CausalLMOutput(logits=logits)) is logits
+    assert ib.find_logits(dataclasses.make_dataclass("Out", ["logits"])(logits)) is logits
+    assert ib.find_logits((torch.tensor(0.0), logits)) is None and ib.find_logits({"scores": logits}) is None
+    Pair = namedtuple("Pair", ["x", "target"])  # noqa: PYI024
+    for batch in (
+        (torch.randn(2, 5), labels),
+        [torch.randn(2, 5), labels],
+        {"x": torch.randn(2, 5), "labels": labels},
+        {"label": labels},
+        BatchEncoding({"input_ids": torch.ones(2, 4), "labels": labels}),
+        TokenBatch(torch.ones(2, 4), labels),
+        Pair(torch.randn(2, 5), labels),
+    ):
+        assert ib.find_labels(batch) is labels, type(batch)
+    assert ib.find_labels(torch.randn(2, 5)) is None and ib.find_labels({"input_ids": labels}) is None
+    assert ib.find_labels((labels,)) is None  # one element: no (x, y) pair
+
+
+def test_per_sample_cross_entropy_equals_the_hand_computation():
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(4, 5, generator=g), torch.tensor([0, 4, -100, 2])
+    expected = torch.stack(
+        [F.cross_entropy(logits[i : i + 1], labels[i : i + 1], ignore_index=-100, reduction="sum") for i in range(4)]
+    )
+    assert torch.allclose(ib.per_sample_cross_entropy(logits, labels), expected) and float(expected[2]) == 0.0
+    probs = torch.softmax(torch.randn(4, 5, generator=g), -1)
+    assert torch.allclose(
+        ib.per_sample_cross_entropy(logits, probs), -(probs * logits.log_softmax(-1)).sum(-1)
+    )  # soft labels
+    # [B, T, V]: token losses averaged over each sample's non-ignored tokens, with and without the causal shift
+    logits, labels = torch.randn(3, 6, 7, generator=g), torch.randint(0, 7, (3, 6), generator=g)
+    labels[0, 3:] = -100
+    labels[2, :] = -100  # no label at all: 0
+    for shift in (False, True):
+        lg, lb = (logits[:, :-1], labels[:, 1:]) if shift else (logits, labels)
+        hand = []
+        for i in range(3):
+            keep = lb[i] != -100
+            hand.append(F.cross_entropy(lg[i][keep], lb[i][keep]) if keep.any() else torch.tensor(0.0))
+        assert torch.allclose(ib.per_sample_cross_entropy(logits, labels, shift=shift), torch.stack(hand))
+    with pytest.raises(ValueError, match=r"need integer labels \[B, T\]"):
+        ib.per_sample_cross_entropy(logits, labels[:, :4])
+    with pytest.raises(ValueError, match=r"logits must be \[B, C\] or \[B, T, V\]"):
+        ib.per_sample_cross_entropy(torch.randn(4), labels)
+
+
+def test_the_causal_shift_is_detected_and_a_mismatch_is_explained():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    ids = torch.randint(0, 32, (3, 10))
+    out = model(input_ids=ids, labels=ids)
+    per_sample, shift = ib.auto_per_sample_loss(out, {"input_ids": ids, "labels": ids}, out.loss)
+    assert shift is True and torch.allclose(per_sample, gpt2_hand(out.logits, {"labels": ids}))
+    aligned = F.cross_entropy(out.logits.transpose(1, 2), ids)  # a loss without the shift
+    assert ib.auto_per_sample_loss(out.logits, (ids, ids), aligned)[1] is False
+    # padding: HF's loss is the mean over the batch's tokens, not the mean of per-sample means
+    padded = ids.clone()
+    padded[0, 4:] = -100
+    out = model(input_ids=ids, labels=padded)
+    with pytest.raises(ValueError, match=r"mean over the batch's tokens.*per_sample_loss=fn"):
+        ib.auto_per_sample_loss(out, {"labels": padded}, out.loss)
+    with pytest.raises(ValueError, match=r"non-finite loss"):
+        ib.auto_per_sample_loss(out, {"labels": ids}, torch.tensor(float("nan")))
+    assert ib.loss_tolerance(torch.ones(1)) == 1e-4 and ib.loss_tolerance(torch.ones(1, dtype=torch.bfloat16)) > 0.03
+
+
+# --------------------------------------------------------------------------------------- manual optimization
+class ManualViT(ViT):
+    def __init__(self, call_weighted: int = 1) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.call_weighted = call_weighted
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        logits = self(x)
+        per_sample = F.cross_entropy(logits, y, reduction="none")
+        loss = per_sample.mean()
+        for _ in range(self.call_weighted):
+            loss = weighted_loss(self, per_sample)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.remember(batch, logits, loss)
+        return loss
+
+
+class ManualRows(pl.Callback):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        cb = next(c for c in trainer.callbacks if isinstance(c, InfoBatchCallback))
+        self.rows.append(
+            {"epoch": trainer.current_epoch, "weights": cb.current_weights()[batch_meta(trainer)["index"]]}
+        )
+
+
+def test_manual_optimization_trains_through_weighted_loss(tmp_path):
+    pl.seed_everything(0)
+    module, rows = ManualViT(), ManualRows()
+    cb = fit(tmp_path, module, UserData(SmallImages(), tuple_collate), rows)
+    assert cb.per_sample_source == "manual" and bool(cb.seen.all())
+    assert [h["kind"] for h in cb.history] == ["full", "prune", "full"] and cb.history[1]["size"] < N
+    steps = [sum(r["epoch"] == e for r in rows.rows) for e in range(EPOCHS)]
+    assert steps[1] < steps[0] and cb.steps_in_epoch == steps[2]  # the optimizer steps are counted
+    for step, row in zip(module.steps, rows.rows, strict=True):
+        per_sample = F.cross_entropy(step["logits"], step["batch"][1], reduction="none")
+        torch.testing.assert_close(step["loss"], (row["weights"] * per_sample).mean())
+    assert any(bool((r["weights"] == 2.0).any()) for r in rows.rows)
+
+
+def test_weighted_loss_without_infobatch_is_the_plain_mean(tmp_path):
+    pl.seed_everything(0)
+    module = ManualViT()
+    make_trainer(tmp_path, max_epochs=1).fit(module, datamodule=UserData(SmallImages(), tuple_collate))
+    assert len(module.steps) == N // BS
+    for step in module.steps:
+        per_sample = F.cross_entropy(step["logits"], step["batch"][1], reduction="none")
+        torch.testing.assert_close(step["loss"], per_sample.mean())
+
+
+@pytest.mark.parametrize(
+    "calls, match",
+    [(0, "calls manual_backward before weighted_loss"), (2, "called twice in one training_step")],
+)
+def test_manual_optimization_must_call_weighted_loss_once(tmp_path, calls, match):
+    with pytest.raises(ValueError, match=match):
+        fit(tmp_path, ManualViT(call_weighted=calls), UserData(SmallImages(), tuple_collate))
+
+
+def test_manual_optimization_refuses_fn_at_setup_and_a_step_that_never_weights(tmp_path):
+    with pytest.raises(ValueError, match="per_sample_loss=fn does not apply with manual optimization"):
+        fit(tmp_path, ManualViT(), UserData(SmallImages(), tuple_collate), InfoBatchCallback(per_sample_loss=smoothed))
+
+    class Idle(ManualViT):  # neither weights nor backpropagates
+        def training_step(self, batch, batch_idx):
+            return None
+
+    with pytest.raises(ValueError, match="this step did not call it"):
+        fit(tmp_path / "b", Idle(), UserData(SmallImages(), tuple_collate))
+    with pytest.raises(RuntimeError, match="call it inside training_step"):
+        InfoBatchCallback().weighted_loss(torch.ones(2, requires_grad=True))
+
+
+# ---------------------------------------------------------------------------------- with the curriculum, tuples
+def first_value(batch: Any) -> Tensor:
+    """The curriculum's difficulty: a sample's first token, read from a ``(tokens, y)`` tuple batch."""
+    return batch[0][:, 0].long()
+
+
+CL_METRICS = {
+    "first": dict(
+        difficulty_type="value",
+        clustering_type="schedule_based",
+        analysis=first_value,
+        min_difficulty=16,
+        max_difficulty=63,
+        schedule_type="fixed_linear",
+        schedule_config=dict(total_curriculum_step=10, difficulty_step=1),
+    )
+}
+
+
+class ThinRows(pl.Callback):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        meta = batch_meta(trainer)
+        self.rows.append(
+            {
+                "loss": outputs["loss"],
+                "weights": meta["infobatch_weight"],
+                "candidates": meta["infobatch_candidates"],
+                "difficulty": meta["cl_difficulty"]["first"],
+            }
+        )
+
+
+def test_infobatch_thins_inside_the_curriculum_on_tuple_batches(tmp_path):
+    """Tuple batches ``(tokens, y)`` from ``default_collate`` (a list), a value-based difficulty read from the
+    tuple; 24 samples in micro-batches of 4: steps 1-6 are data epoch 0 (never thinned), thinning until step
+    floor(0.75 * 16) = 12."""
+    pl.seed_everything(0)
+    module, rows, dataset = EncoderClassifier(), ThinRows(), Tokens()
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=1)
+    trainer = make_trainer(tmp_path, [cb, Curriculum(metrics=CL_METRICS, seed=3), rows], max_steps=16, max_epochs=-1)
+    trainer.fit(module, datamodule=CurriculumDataModule(UserData(dataset)))
+    assert cb.per_sample_source == "auto" and trainer.global_step == 16 and cb.thin_stop() == 12
+    kept = [len(s["index"]) for s in module.steps]
+    assert kept[:6] == [BS] * 6 and kept[12:] == [BS] * 4 and sum(kept[6:12]) < BS * 6 and min(kept) >= 1
+    for step, row in zip(module.steps, rows.rows, strict=True):
+        batch = step["batch"]
+        assert type(batch) is list  # the user's batch, as default_collate makes it
+        assert_same_batch(batch, default_collate([dataset[int(i)] for i in step["index"]]))
+        assert all(int(t) <= row["difficulty"] for t in batch[0][:, 0])  # eligible at the batch's difficulty
+        per_sample = F.cross_entropy(step["logits"], batch[1], reduction="none")
+        assert row["candidates"] == BS
+        torch.testing.assert_close(row["loss"], (row["weights"] * per_sample).sum() / BS)  # thinned_loss
