@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_effi.train import run
+from lightning_effi.utils.instantiate import ConfigError
 from tests.helpers.hydra import compose_train, run_train_script
 
 
@@ -96,3 +97,47 @@ def test_checkpoint_of_another_model_or_a_damaged_file_is_named(tmp_path):
     damaged.write_bytes(open(ckpt, "rb").read()[:1000])
     proc = run_train_script(["debug=fdr", f"ckpt_path={damaged}"], tmp_path)
     assert proc.returncode != 0 and "is not a readable Lightning checkpoint" in proc.stderr, proc.stderr[-2000:]
+
+
+VCYCLE_APP = [  # a tiny GPT-2 (4 layers x 32, 4 heads) with the V-cycle: level 2 trains steps 3 to 5 of 6
+    "callbacks=vcycle",
+    "callbacks.vcycle.e_a=2",
+    "callbacks.vcycle.e_small=3",
+    "model.n_layer=4",
+    "model.n_embd=32",
+    "model.n_head=4",
+    "data.batch_size=4",
+    "data.block_size=32",
+    "trainer.max_steps=6",
+    "trainer.max_epochs=-1",
+    "++trainer.limit_train_batches=null",
+    "callbacks.model_checkpoint.every_n_train_steps=1",
+    "callbacks.model_checkpoint.every_n_epochs=null",
+    "callbacks.model_checkpoint.save_top_k=-1",
+    "callbacks.model_checkpoint.monitor=null",
+]
+
+
+@pytest.mark.slow
+def test_resume_from_a_coarse_vcycle_checkpoint(tmp_path):
+    """The app resumed from a checkpoint written while the V-cycle's level 2 trains (step 3) ends with the weights of
+    the uninterrupted run; the checkpoint holds the full model's shapes (it passes the app's check against the
+    configured model). Resuming it with another number of levels is one clear configuration error."""
+    first = run(compose_train(VCYCLE_APP, tmp_path / "a"))
+    coarse = tmp_path / "a" / "checkpoints" / "epoch000-step000003.ckpt"
+    checkpoint = torch.load(coarse, weights_only=True)
+    assert checkpoint["state_dict"]["model.transformer.wte.weight"].shape[1] == 32
+    assert checkpoint["callbacks"]["VCycleCallback{'levels': 2, 'model_attr': 'model'}"]["level"] == 2
+    second = run(compose_train([*VCYCLE_APP, f"ckpt_path={coarse}"], tmp_path / "b"))
+    a, b = (torch.load(r["last_checkpoint"], weights_only=True) for r in (first, second))
+    assert a["global_step"] == b["global_step"] == 6 and a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    assert second["efficiency"]["vcycle/switches"] == 2 and second["efficiency"]["vcycle/final_level"] == 1
+    other = [
+        "callbacks.vcycle.levels=3",
+        "callbacks.vcycle.e_a=1",
+        "callbacks.vcycle.e_small=1",
+        "callbacks.vcycle.up_leg=1",
+    ]
+    with pytest.raises(ConfigError, match=r"written by a V-cycle with levels=2, .*this callback has levels=3"):
+        run(compose_train([*VCYCLE_APP, *other, f"ckpt_path={coarse}"], tmp_path / "c"))

@@ -60,6 +60,7 @@ __all__ = [
     "VCycleAdapter",
     "conv1d",
     "find_vcycle_adapter",
+    "find_vcycle_network",
     "hf_build_small",
     "hf_small_config",
     "input_only",
@@ -328,6 +329,109 @@ def find_vcycle_adapter(model: nn.Module, adapter: str | VCycleAdapter = "auto")
         f"{hint} Other architectures: subclass lightning_effi.models.vcycle_base.VCycleAdapter and "
         "register it with register_vcycle_adapter."
     )
+
+
+def _handles(adapter: str | VCycleAdapter, known: Mapping[str, type[VCycleAdapter]], model: nn.Module) -> bool:
+    """Whether ``adapter`` (``"auto"``: any registered one, a registered name, or an instance) handles ``model``."""
+    if isinstance(adapter, VCycleAdapter):
+        return bool(adapter.matches(model))
+    classes = known.values() if adapter == "auto" else [known[adapter]] if adapter in known else []
+    return any(cls.matches(model) for cls in classes)
+
+
+def _trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _children(host: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every direct submodule of ``host`` under every name (``named_children`` yields a module held twice once)."""
+    return [(n, m) for n, m in host._modules.items() if m is not None]
+
+
+def find_vcycle_network(
+    host: nn.Module,
+    model_attr: str | None = None,
+    adapter: str | VCycleAdapter = "auto",
+    owner: str = "VCycleCallback",
+) -> tuple[str, VCycleAdapter]:
+    """The attribute of ``host`` (a LightningModule) holding the network the V-cycle coalesces, and its adapter.
+
+    With ``model_attr`` None the attribute is found: the direct submodules of ``host`` that ``adapter`` handles
+    (:func:`find_vcycle_adapter`; ``"auto"``: any registered adapter) and that have a trainable parameter (a frozen
+    module, every parameter ``requires_grad=False``, such as a distillation teacher, is not a candidate); a module held
+    under two names counts once per name. Exactly one candidate is taken; several or none raise. With ``model_attr``
+    given, ``host.<model_attr>`` is taken (its adapter must exist). Either way no other direct submodule of ``host``
+    may share a parameter with the network: the V-cycle replaces ``host.<model_attr>`` at every level change, and a
+    second reference (e.g. ``self.head = self.net.lm_head``) would keep the old model's layers.
+
+    Returns:
+        ``(attribute name, adapter instance)``.
+
+    Raises:
+        ValueError (naming ``owner.model_attr``): several candidates (listed; pass ``model_attr``), none (the message
+            names the supported architectures, the submodules seen and a deeper submodule an adapter would handle),
+            ``host.<model_attr>`` missing or not an ``nn.Module``, no adapter for it, another attribute sharing its
+            parameters; an unknown adapter name.
+    """
+    name = f"{owner}.model_attr"
+    known: dict[str, type[VCycleAdapter]] = registry.adapters("vcycle")
+    if isinstance(adapter, str) and adapter != "auto":
+        registry.lookup("vcycle", adapter, "V-cycle adapter", registered=_supported(known))
+    host_name = type(host).__name__
+    if model_attr is None:
+        handled = [(n, m) for n, m in _children(host) if _handles(adapter, known, m)]
+        candidates = [(n, m) for n, m in handled if _trainable(m)]
+        if len(candidates) > 1:
+            listed = ", ".join(f"{n!r} ({type(m).__name__})" for n, m in candidates)
+            raise ValueError(
+                f"{name}: {host_name} holds several networks the V-cycle can coalesce: {listed}; pass "
+                f"model_attr='<attribute>' to say which one changes size (frozen modules, every parameter "
+                "requires_grad=False, are not candidates)"
+            )
+        if not candidates:
+            seen = "; ".join(
+                f"{n!r}: {type(m).__name__}, every parameter frozen"
+                if _handles(adapter, known, m)
+                else f"{n!r}: no V-cycle adapter for {type(m).__name__}"
+                for n, m in _children(host)
+            )
+            deeper = next(
+                (
+                    f"{n!r} ({type(m).__name__})"
+                    for n, m in host.named_modules()
+                    if "." in n and _handles(adapter, known, m) and _trainable(m)
+                ),
+                None,
+            )
+            hint = (
+                f" The submodule {deeper} is supported: hold it as an attribute of {host_name} (the V-cycle replaces "
+                "one attribute)."
+                if deeper
+                else ""
+            )
+            which = "a registered V-cycle adapter" if adapter == "auto" else f"the V-cycle adapter {adapter!r}"
+            raise ValueError(
+                f"{name}: no attribute of {host_name} holds a trainable network {which} handles "
+                f"({seen or 'it has no submodule'}).{hint} Supported: {_supported(known)}. Pass "
+                "model_attr='<attribute>' if the network is held elsewhere, or subclass "
+                "lightning_effi.models.vcycle_base.VCycleAdapter and register it with register_vcycle_adapter"
+            )
+        attr, model = candidates[0]
+        chosen = adapter if isinstance(adapter, VCycleAdapter) else find_vcycle_adapter(model, adapter)
+    else:
+        model = getattr(host, model_attr, None)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"{name}: {host_name} has no nn.Module attribute {model_attr!r}")
+        attr, chosen = model_attr, find_vcycle_adapter(model, adapter)
+    own = {id(p) for p in model.parameters()}
+    sharing = [n for n, m in _children(host) if n != attr and any(id(p) in own for p in m.parameters())]
+    if sharing:
+        raise ValueError(
+            f"{name}: {host_name}.{', '.join(sharing)} share(s) parameters with {host_name}.{attr}, the network the "
+            f"V-cycle replaces at every level change; the other reference would keep the old model's layers. Reach "
+            f"the network through self.{attr} only (e.g. self.{attr}.lm_head, not a second attribute)"
+        )
+    return attr, chosen
 
 
 def hf_small_config(model: nn.Module, plan: VCyclePlan, keys: tuple[str, str, str, str]) -> Any:

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline
@@ -95,7 +95,9 @@ class VCycleCallback(Callback):
             ``"adjacent"``, ``"official"``; explicit groups apply to level 1 → 2 only when K = 2).
         alpha_original: weight of the snapshot in the interpolation, in [0, 1]; None: the adapter's default.
         lr_multiplier: ``{level: factor}`` on the level's peak LR, e.g. ``{2: 4.0}`` (official GPT-2 example).
-        model_attr: the LightningModule attribute holding the network (swapped at every level change).
+        model_attr: the LightningModule attribute holding the network (swapped at every level change); None (default):
+            found in ``setup`` (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`): the one direct
+            submodule an adapter handles that has a trainable parameter (a frozen teacher is not a candidate).
         adapter: ``"auto"``, a registered V-cycle adapter name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an instance.
         lr_schedule: ``"continue"``: the rebuilt scheduler is advanced to the current step (one LR curve, warmup in the
             first stage only); ``"restart"``: the module's schedule restarts from its step 0 at every level change.
@@ -119,6 +121,15 @@ class VCycleCallback(Callback):
     :meth:`effi_baseline` puts the full model in place of a coarse level while the monitor counts the batch, so the
     monitor's ``saved/vcycle/...`` is the V-cycle's saving against the full model on the same batches.
 
+    Checkpoints hold the full model's weights at every level: below level 1 the ``state_dict`` holds the level's
+    network de-coalesced up to the full shapes (:meth:`~lightning_effi.vcycle.levels.LevelStack.full_state_dict`, no
+    interpolation; also in ``save_weights_only`` checkpoints), so ``load_from_checkpoint`` and
+    ``trainer.validate/test/predict(ckpt_path=...)`` need neither the V-cycle nor user code; it computes the coarse
+    model's function where de-coalescing preserves it (widths halved with pairs under a function-preserving
+    convention, not depths: the method card's "Checkpoints and resume"). The level's exact weights are in this
+    callback's state (``"weights"``, with the pending snapshots): a fit resumed from the checkpoint rebuilds the level
+    and loads them, and continues exactly like the uninterrupted run.
+
     Logged every step: ``effi/vcycle/level``, ``effi/vcycle/stage``, ``effi/vcycle/flops_cum``,
     ``effi/vcycle/flops_saved_frac``, ``effi/vcycle/map_seconds``; summary keys ``vcycle/*``.
 
@@ -127,11 +138,15 @@ class VCycleCallback(Callback):
 
     Raises:
         ValueError: (construction) see :func:`~lightning_effi.vcycle.stages.check_arguments`; (``setup`` or train
-            start) no adapter for the model, sizes the schemes cannot halve, stages longer than the run, fractions in
-            a run of unknown length, epochs with a train dataloader without a length; with a progress clock (a
-            technique that changes the epoch lengths): stage lengths in optimizer steps mixed with fractions or
-            epochs, steps that do not fit in its ``effi_min_total_steps()``, fractions and epochs that add up to more
-            than the run, epochs without ``max_epochs``; (resume, ``strict``) a checkpoint written with another
+            start) no network found or several candidates without ``model_attr``, no adapter for ``model_attr``'s
+            network, another attribute sharing its parameters
+            (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`), sizes the schemes cannot halve,
+            stages longer than the run, fractions in a run of unknown length, epochs with a train dataloader without
+            a length; with a progress clock (a technique that changes the epoch lengths): stage lengths in optimizer
+            steps mixed with fractions or epochs, steps that do not fit in its ``effi_min_total_steps()``, fractions
+            and epochs that add up to more than the run, epochs without ``max_epochs``; (resume, before the weights
+            load) a checkpoint written by a V-cycle with another number of levels or network attribute, level
+            weights that do not fit the rebuilt level; (resume, ``strict``) a checkpoint written with another
             configuration (another clock included) or other stages.
         TypeError: (construction) an unknown keyword argument.
         IncompatibleTechniques: (``setup``) a strategy other than single device / DDP (FSDP, DeepSpeed, ...), weight
@@ -163,7 +178,7 @@ class VCycleCallback(Callback):
         alpha_original: float | None = None,
         lr_multiplier: Mapping[int, float] | None = None,
         embedding_convention: str = "official",
-        model_attr: str = "model",
+        model_attr: str | None = None,
         adapter: str | VCycleAdapter = "auto",
         lr_schedule: Literal["continue", "restart"] = "continue",
         strict: bool = True,
@@ -198,7 +213,9 @@ class VCycleCallback(Callback):
         self.embedding_convention, self.lr_multiplier = args.embedding_convention, args.lr_multiplier
         self.alpha_arg: float | None = args.alpha_original  # None: the adapter's default, resolved in setup
         self.alpha_original: float | None = self.alpha_arg
-        self.model_attr, self.adapter_arg, self.lr_schedule = args.model_attr, adapter, args.lr_schedule
+        self.adapter_arg, self.lr_schedule = adapter, args.lr_schedule
+        self.model_attr_arg: str | None = args.model_attr  # None: found in setup
+        self.model_attr: str | None = args.model_attr  # the attribute in use (resolved in setup)
         self.strict, self.baseline_steps = args.strict, args.baseline_steps
         # resolved in setup / on_train_start
         self.adapter: VCycleAdapter | None = None
@@ -216,6 +233,7 @@ class VCycleCallback(Callback):
         self._last_step = -1  # runtime only, like the checkpoint's stages (compared with this run's at train start)
         self._saved_stages: list[tuple[int, int]] | None = None
         self._saved_clock: str | None = None
+        self._config_checked = False  # the resume hook compared the checkpoint's configuration before the weights
         # the clock the stage ends count (chosen at train start): "step", or "progress" of a technique's progress clock
         self.clock: str = "step"
         self._clock_source: ProvidesProgressClock | None = None
@@ -230,7 +248,7 @@ class VCycleCallback(Callback):
             f"e_small={S.spelled(self.e_small)!r}, up_leg={S.spelled(self.up_leg)!r}, "
             f"width_scheme={self.width_scheme!r}, depth_scheme={self.depth_scheme!r}, "
             f"alpha_original={self.alpha_arg!r}, lr_multiplier={self.lr_multiplier!r}, "
-            f"embedding_convention={self.embedding_convention!r}, model_attr={self.model_attr!r}, "
+            f"embedding_convention={self.embedding_convention!r}, model_attr={self.model_attr_arg!r}, "
             f"adapter={self.adapter_arg!r}, lr_schedule={self.lr_schedule!r}, strict={self.strict!r}, "
             f"baseline_steps={self.baseline_steps!r})"
         )
@@ -253,7 +271,11 @@ class VCycleCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(levels=self.levels, model_attr=self.model_attr)
+        """``VCycleCallback{'levels': K, 'model_attr': name}`` with the attribute in use (found in ``setup`` when
+        ``model_attr`` is None; before that, ``"model"``, the attribute of every ``lightning_effi.tasks`` module). A
+        checkpoint written with another K or attribute has another key, which the resume hook refuses
+        (:meth:`_check_checkpoint`)."""
+        return self._generate_state_key(levels=self.levels, model_attr=self.model_attr or "model")
 
     # ------------------------------------------------------------------------------------------------ setup
     @override
@@ -263,15 +285,15 @@ class VCycleCallback(Callback):
         name = type(self).__name__
         self._reset_progress()
         check_trainer(trainer)
-        model = self._stack.bind(pl_module, self.model_attr)  # a previous fit that stopped at a coarse level raises
-        if type(model).__name__ == "OptimizedModule":
-            raise MisconfigurationException(
-                f"{name}: pl_module.{self.model_attr} is torch.compile'd; compile inside "
-                "the module's forward or not at all (the model is replaced mid-fit)"
-            )
-        from lightning_effi.models.vcycle_base import find_vcycle_adapter
-
-        self.adapter = find_vcycle_adapter(model, self.adapter_arg)
+        self._stack.check_full_model()  # a previous fit that stopped at a coarse level raises
+        for attr, child in pl_module._modules.items():
+            if type(child).__name__ == "OptimizedModule" and self.model_attr_arg in (None, attr):
+                raise MisconfigurationException(
+                    f"{name}: pl_module.{attr} is torch.compile'd; compile inside "
+                    "the module's forward or not at all (the model is replaced mid-fit)"
+                )
+        self.model_attr, self.adapter = self._find_network(pl_module)
+        self._stack.bind(pl_module, self.model_attr)
         if self.alpha_arg is None:
             self.alpha_original = float(self.adapter.default_alpha_original)
         if self.alpha_original == 0.0:
@@ -292,15 +314,64 @@ class VCycleCallback(Callback):
         """:func:`~lightning_effi.vcycle.stages.fit_stages` with this callback's lengths."""
         return S.fit_stages(trainer, self.levels, self.e_a, self.e_small, self.up_leg, at_setup, type(self).__name__)
 
+    def _find_network(self, pl_module: pl.LightningModule) -> tuple[str, VCycleAdapter]:
+        """``(attribute, adapter)`` of the network: :func:`~lightning_effi.models.vcycle_base.find_vcycle_network`
+        with ``model_attr`` (None: found) and ``adapter``."""
+        from lightning_effi.models.vcycle_base import find_vcycle_network
+
+        return find_vcycle_network(pl_module, self.model_attr_arg, self.adapter_arg, type(self).__name__)
+
     def _install_load_hook(self, pl_module: pl.LightningModule) -> None:
-        """Resume: wrap ``pl_module.on_load_checkpoint`` (the bound host) so that it rebuilds the checkpoint's level
-        before the weights load (:meth:`~lightning_effi.vcycle.levels.LevelStack.install_resume_hook`), telling the
-        techniques that follow model changes before and after."""
+        """Checkpoints: wrap ``pl_module.on_load_checkpoint`` and ``on_save_checkpoint`` (the bound host;
+        :meth:`~lightning_effi.vcycle.levels.LevelStack.install_resume_hook`). Saving below level 1 writes the
+        network's weights at full size (de-coalesced), the exact ones go in this callback's state; loading checks the
+        checkpoint (:meth:`_check_checkpoint`), rebuilds its level and puts the exact weights back before the strict
+        load, telling the techniques that follow model changes before and after the rebuild."""
         self._stack.install_resume_hook(
             self.state_key,
             before=lambda: notify_model_change(pl_module.trainer, pl_module, "before"),
             after=lambda: notify_model_change(pl_module.trainer, pl_module, "after"),
+            check=self._check_checkpoint,
         )
+
+    def _check_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+        """Before a resumed fit loads the weights: refuse a checkpoint written by a V-cycle with another number of
+        levels or network attribute (another state key: its state would not be loaded and the run would start a new
+        cycle on the checkpoint's weights), and compare the configuration (but for the stages, compared at train
+        start) as :meth:`load_state_dict` would, before the level is rebuilt.
+
+        Raises:
+            ValueError: a V-cycle state under another key (always); another configuration (with ``strict``; else
+                a warning).
+        """
+        states = checkpoint.get("callbacks") or {}
+        name = type(self).__name__
+        mine = states.get(self.state_key)
+        if mine is None:
+            others = {k: v for k, v in states.items() if _is_vcycle_state(v)}
+            if others:
+                key, state = next(iter(others.items()))
+                cfg = state.get("config", {})
+                raise ValueError(
+                    f"{name}: the checkpoint was written by a V-cycle with levels={cfg.get('levels')!r}, "
+                    f"model_attr={cfg.get('model_attr')!r} (state {key!r}, at level {state.get('level')}), this "
+                    f"callback has levels={self.levels}, model_attr={self.model_attr!r}: its weights and cycle cannot "
+                    "be continued with another number of levels or network; resume with the configuration it was "
+                    "written with"
+                )
+            return
+        self._compare_config(mine)
+        self._config_checked = True
+
+    def _compare_config(self, state: Mapping[str, Any]) -> None:
+        """The checkpoint's configuration against this callback's, but for the stages and the clock (compared at train
+        start, once the run's length and clock are known): :func:`~lightning_effi.core.state.config_mismatch`."""
+        skip = ("stages", "clock")
+        saved = {k: v for k, v in state["config"].items() if k not in skip}
+        if diff := settings_diff(saved, {k: v for k, v in self.config().items() if k not in skip}):
+            config_mismatch(
+                type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict
+            )
 
     def effi_model_depths(self, pl_module: pl.LightningModule) -> list[int]:
         """The number of layers of the model of every level 1..K
@@ -309,16 +380,13 @@ class VCycleCallback(Callback):
         technique whose ``setup`` runs first checks its settings against them).
 
         Raises:
-            ValueError: no V-cycle adapter for the network, sizes the schemes cannot halve.
+            ValueError: no network found (see :func:`~lightning_effi.models.vcycle_base.find_vcycle_network`), sizes
+                the schemes cannot halve.
         """
         if self._stack.host is pl_module and self._stack.plans:
             return self._stack.depths()
-        model = getattr(pl_module, self.model_attr, None)
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"{type(self).__name__}.model_attr: {type(pl_module).__name__} has no {self.model_attr!r}")
-        from lightning_effi.models.vcycle_base import find_vcycle_adapter
-
-        adapter = find_vcycle_adapter(model, self.adapter_arg)
+        attr, adapter = self._find_network(pl_module)
+        model = getattr(pl_module, attr)
         plans = V.plan_levels(
             model, adapter, self.levels, self.width_scheme, self.depth_scheme, self.embedding_convention
         )
@@ -525,15 +593,13 @@ class VCycleCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The checkpoint's progress; its configuration is checked here but for the stages, which on_train_start
-        compares with those of the current arguments once the run's length is known."""
-        skip = ("stages", "clock")  # compared at train start, once the run's clock is known
-        saved = {k: v for k, v in state_dict["config"].items() if k not in skip}
+        """The checkpoint's progress; its configuration was checked by the resume hook before the weights loaded
+        (here when the hook did not run) but for the stages, which on_train_start compares with those of the current
+        arguments once the run's length is known."""
         self._saved_clock = str(state_dict["config"].get("clock", "step"))
-        if diff := settings_diff(saved, {k: v for k, v in self.config().items() if k not in skip}):
-            config_mismatch(
-                type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict
-            )
+        if not self._config_checked:
+            self._compare_config(state_dict)
+        self._config_checked = False
         self._stack.load_state_dict(state_dict)  # checks the level (rebuilt by the resume hook), loads the snapshots
         self._saved_stages = [(int(k), int(n)) for k, n in state_dict["config"]["stages"]]
         self.stages, self.stage_ends = self._saved_stages, [int(e) for e in state_dict["stage_ends"]]
@@ -541,6 +607,11 @@ class VCycleCallback(Callback):
         for k, kind in _COUNTERS.items():
             if k != "level":  # rebuilt by the on_load_checkpoint wrapper, checked above
                 setattr(self, k, kind(state_dict[k]))
+
+
+def _is_vcycle_state(state: object) -> bool:
+    """Whether a checkpoint's callback state is a V-cycle's (:meth:`VCycleCallback.state_dict`), whatever its key."""
+    return isinstance(state, Mapping) and {"level", "stage_index", "snapshots", "config"} <= set(state)
 
 
 VCycle = VCycleCallback  # short name, like RandomLTD / InfoBatch

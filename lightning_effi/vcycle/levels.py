@@ -7,7 +7,7 @@ coalescing, and swaps the module of the current level into its host (``pl_module
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -239,15 +239,90 @@ class LevelStack:
                 if follows:
                     host.effi_num_layers = before
 
-    # ------------------------------------------------------------------------------------------------ resume
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The state dict of the current module de-coalesced level by level up to the full model's shapes
+        (:func:`~lightning_effi.vcycle.operators.decoalesce` with the plans of levels ``level − 1``, ..., 1; no
+        interpolation): what a checkpoint written below level 1 holds as the network's weights. De-coalescing widths
+        with pairs preserves the function (GPT-2 under ``embedding_convention="exact"``, BERT, ViT: the method card's
+        "What is and is not function-preserving"); de-coalescing depths does not (a duplicated block applied twice).
+        At level 1, the module's own state dict. New tensors on the module's device and dtype; tied keys share one
+        tensor."""
+        state: dict[str, Tensor] = dict(self.model.state_dict())
+        for level in range(self.level, 1, -1):
+            state = V.decoalesce(state, self.plans[level - 2])
+        return state
+
+    def _replace_network(self, state_dict: MutableMapping[str, Tensor], network: Mapping[str, Tensor]) -> None:
+        """Replace the entries ``<attr>.*`` of a host's state dict by ``network`` (keys relative to the network), in
+        place (the mapping object and the position of the block are kept)."""
+        prefix = self.attr + "."
+        items = list(state_dict.items())
+        state_dict.clear()
+        placed = False
+        for key, value in items:
+            if not key.startswith(prefix):
+                state_dict[key] = value
+            elif not placed:
+                state_dict.update({prefix + k: v for k, v in network.items()})
+                placed = True
+        if not placed:
+            state_dict.update({prefix + k: v for k, v in network.items()})
+
+    def write_full_size(self, state_dict: MutableMapping[str, Tensor]) -> None:
+        """In a host's state dict about to be saved (``checkpoint["state_dict"]``, keys ``<attr>.<key>``), replace the
+        current level's weights by :meth:`full_state_dict`, so the checkpoint loads into the full model without the
+        V-cycle (``load_from_checkpoint``, ``trainer.validate(ckpt_path=...)``). Nothing changes at level 1.
+
+        Raises:
+            RuntimeError: the network's entries in ``state_dict`` are not the current module's state-dict keys.
+        """
+        if self.level == 1:
+            return
+        prefix = self.attr + "."
+        saved = {k[len(prefix) :] for k in state_dict if k.startswith(prefix)}
+        if saved != set(self.model.state_dict()):
+            raise RuntimeError(
+                f"{self.owner}: the checkpoint's entries {prefix}* are not the level-{self.level} network's state-dict "
+                f"keys (differing: {sorted(saved ^ set(self.model.state_dict()))[:5]}); was the state dict changed "
+                "before the V-cycle's on_save_checkpoint?"
+            )
+        self._replace_network(state_dict, self.full_state_dict())
+
+    def put_weights(self, state_dict: MutableMapping[str, Tensor], weights: Mapping[str, Tensor]) -> None:
+        """In a checkpoint's state dict about to be loaded, replace the network's (full-size) entries by ``weights``,
+        the exact weights of the current level saved in the owner's state (:meth:`state_dict`), so the strict load
+        that follows restores them.
+
+        Raises:
+            ValueError: ``weights`` do not fit the module in place (other keys or shapes: the checkpoint was written
+                with another configuration of the levels, e.g. another ``depth_scheme``).
+        """
+        mine = {k: tuple(t.shape) for k, t in self.model.state_dict().items()}
+        theirs = {k: tuple(t.shape) for k, t in weights.items()}
+        if mine != theirs:
+            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:6]
+            raise ValueError(
+                f"{self.owner}: the checkpoint's level-{self.level} weights do not fit the level-{self.level} model of "
+                f"this configuration (differing (key, shape) entries: {diff}); resume with the width_scheme, "
+                "depth_scheme and model the checkpoint was written with"
+            )
+        self._replace_network(state_dict, weights)
+
     def state_dict(self) -> dict[str, Any]:
-        """The snapshots pending interpolation, ``{"snapshots": {"<level>": state dict}}`` (the level itself is
-        saved by the owner)."""
-        return {"snapshots": {str(k): dict(v) for k, v in self.snapshots.items()}}
+        """The snapshots pending interpolation, ``{"snapshots": {"<level>": state dict}}``, and below level 1 the exact
+        weights of the current module, ``"weights"`` (keys relative to the network; the checkpoint's own
+        ``state_dict`` holds their full-size de-coalesced form, :meth:`write_full_size`). The level itself is saved by
+        the owner."""
+        state: dict[str, Any] = {"snapshots": {str(k): dict(v) for k, v in self.snapshots.items()}}
+        if self.level != 1:
+            state["weights"] = dict(self.model.state_dict())
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Check that the level saved in ``state_dict["level"]`` is in place (:meth:`rebuild` ran) and load the
-        snapshots of :meth:`state_dict`.
+        snapshots of :meth:`state_dict` (its ``"weights"`` were loaded into the module before, by the hook of
+        :meth:`install_resume_hook`).
 
         Raises:
             RuntimeError: another level is in place.
@@ -265,35 +340,61 @@ class LevelStack:
         state_key: str,
         before: Callable[[], None] | None = None,
         after: Callable[[], None] | None = None,
+        check: Callable[[Mapping[str, Any]], None] | None = None,
     ) -> None:
-        """Wrap ``host.on_load_checkpoint`` on the instance: before the weights load, :meth:`rebuild` the level saved
-        in the checkpoint's ``callbacks[state_key]`` (Lightning calls this hook before the strict
-        ``load_state_dict``). ``before()`` / ``after()`` run around the rebuild when it changes the module (the
-        owner tells the techniques that follow model changes). Installed once per host; :meth:`remove_resume_hook`
-        takes it off."""
-        original = self.host.on_load_checkpoint
-        if getattr(original, "_vcycle_owner", None) is self:
+        """Wrap ``host.on_load_checkpoint`` and ``host.on_save_checkpoint`` on the instance (Lightning looks the hooks
+        up on the instance; installed once per host, :meth:`remove_resume_hook` takes them off).
+
+        Load (Lightning calls this hook before the strict ``load_state_dict``): ``check(checkpoint)`` first (the
+        owner refuses a checkpoint of another configuration), then :meth:`rebuild` the level saved in the
+        checkpoint's ``callbacks[state_key]`` and :meth:`put_weights` its exact ``"weights"`` in place of the
+        full-size ones; ``before()`` / ``after()`` run around the rebuild when it changes the module (the owner tells
+        the techniques that follow model changes). A checkpoint without ``"weights"`` (written before they existed)
+        holds the level's weights in its state dict and loads as it is.
+
+        Save (called last when Lightning writes a checkpoint, also one of weights only): below level 1,
+        :meth:`write_full_size` on ``checkpoint["state_dict"]`` before the host's own hook runs.
+        """
+        original_load = self.host.on_load_checkpoint
+        original_save = getattr(self.host, "on_save_checkpoint", None)  # every LightningModule has one
+        if getattr(original_load, "_vcycle_owner", None) is self:
             return
 
         def on_load_checkpoint(checkpoint: dict[str, Any]) -> None:
-            state = checkpoint.get("callbacks", {}).get(state_key)
-            if state and int(state["level"]) != self.level:
-                if before is not None:
-                    before()
-                self.rebuild(int(state["level"]))
-                if after is not None:
-                    after()
-            original(checkpoint)
+            if check is not None:
+                check(checkpoint)
+            state = (checkpoint.get("callbacks") or {}).get(state_key)
+            if state:
+                if int(state["level"]) != self.level:
+                    if before is not None:
+                        before()
+                    self.rebuild(int(state["level"]))
+                    if after is not None:
+                        after()
+                weights = state.get("weights")
+                if weights is not None and "state_dict" in checkpoint:
+                    self.put_weights(checkpoint["state_dict"], weights)
+            original_load(checkpoint)
 
-        on_load_checkpoint._vcycle_owner = self  # type: ignore[attr-defined]
+        def on_save_checkpoint(checkpoint: dict[str, Any]) -> None:
+            if "state_dict" in checkpoint:
+                self.write_full_size(checkpoint["state_dict"])
+            if original_save is not None:
+                original_save(checkpoint)
+
+        for hook in (on_load_checkpoint, on_save_checkpoint):
+            hook._vcycle_owner = self  # type: ignore[attr-defined]
         self.host.on_load_checkpoint = on_load_checkpoint
+        self.host.on_save_checkpoint = on_save_checkpoint
 
     def remove_resume_hook(self) -> None:
-        """At the end of a fit: take the wrapper of :meth:`install_resume_hook` off the bound host (if it is there)
-        and let the host go, so the stack keeps no reference to the LightningModule (:meth:`bind` binds it again)."""
+        """At the end of a fit: take the wrappers of :meth:`install_resume_hook` off the bound host (those that are
+        there) and let the host go, so the stack keeps no reference to the LightningModule (:meth:`bind` binds it
+        again)."""
         host, self.host = self.host, None
         if host is None:
             return
-        hook = vars(host).get("on_load_checkpoint")
-        if getattr(hook, "_vcycle_owner", None) is self:
-            del vars(host)["on_load_checkpoint"]
+        for name in ("on_load_checkpoint", "on_save_checkpoint"):
+            hook = vars(host).get(name)
+            if getattr(hook, "_vcycle_owner", None) is self:
+                del vars(host)[name]

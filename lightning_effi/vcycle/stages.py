@@ -137,7 +137,7 @@ class VCycleArgs:
     lr_multiplier: dict[int, float]
     embedding_convention: str
     lr_schedule: str
-    model_attr: str
+    model_attr: str | None
     strict: bool
     baseline_steps: int | None
 
@@ -225,7 +225,7 @@ def check_arguments(
     lr_multiplier: Any = None,
     embedding_convention: Any = "official",
     lr_schedule: Any = "continue",
-    model_attr: Any = "model",
+    model_attr: Any = None,
     strict: Any = True,
     baseline_steps: Any = None,
     deprecated: Mapping[str, Any] | None = None,
@@ -294,8 +294,8 @@ def check_arguments(
         mult[level] = float(v)
     check_choice(owner, "embedding_convention", embedding_convention, EMBEDDING_CONVENTIONS)
     check_choice(owner, "lr_schedule", lr_schedule, ("continue", "restart"))
-    if not isinstance(model_attr, str) or not model_attr.isidentifier():
-        raise ValueError(f"{owner}.model_attr must be an attribute name, got {model_attr!r}")
+    if model_attr is not None and (not isinstance(model_attr, str) or not model_attr.isidentifier()):
+        raise ValueError(f"{owner}.model_attr must be an attribute name or None (found in setup), got {model_attr!r}")
     if baseline_steps is not None:  # None: a baseline as long as this run
         baseline_steps = check_int(owner, "baseline_steps", baseline_steps, minimum=1)
     return VCycleArgs(

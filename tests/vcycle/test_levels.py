@@ -231,3 +231,46 @@ def test_level_depths_and_the_resume_hook_tells_the_followers():
     assert calls == []
     host.on_load_checkpoint({"callbacks": {"key": {"level": 2}}})
     assert calls == [("before", 1), ("after", 2)] and stack.level == 2
+
+
+def test_checkpoint_hooks_write_the_full_model_and_restore_the_level_weights():
+    """Saved at level 3, the host's state dict holds the level-3 weights de-coalesced twice (the full shapes) and the
+    stack's state the exact ones; loaded into a fresh host, the hook rebuilds level 3 and puts the exact weights back
+    for the strict load. Weights of other shapes and a state dict of other keys are refused."""
+    stack, host = stack_on(3)
+    stack.install_resume_hook("key")
+    stack.coalesce_to(2)
+    stack.coalesce_to(3)
+    M.perturb(host.model, seed=3)  # as if level 3 had trained
+    level3 = copy.deepcopy(host.model.state_dict())
+    at_level_1 = {"state_dict": {"model.x": torch.zeros(1)}}
+    checkpoint = {"state_dict": host.state_dict(), "callbacks": {"key": {"level": 3, **stack.state_dict()}}}
+    host.on_save_checkpoint(checkpoint)
+    expected = V.decoalesce(V.decoalesce(level3, stack.plans[1]), stack.plans[0])
+    assert list(checkpoint["state_dict"]) == ["model." + k for k in expected]
+    for k, v in expected.items():
+        assert torch.equal(checkpoint["state_dict"]["model." + k], v), k
+    weights = checkpoint["callbacks"]["key"]["weights"]
+    assert weights.keys() == level3.keys() and all(torch.equal(weights[k], v) for k, v in level3.items())
+    assert sorted(checkpoint["callbacks"]["key"]["snapshots"]) == ["1", "2"]
+    full_size = M.gpt2(n_layer=4, n_embd=32, n_head=4)
+    full_size.load_state_dict({k[6:]: v for k, v in checkpoint["state_dict"].items()})  # loads without the V-cycle
+
+    fresh, other = stack_on(3)
+    fresh.install_resume_hook("key")
+    other.on_load_checkpoint(checkpoint)
+    assert fresh.level == 3 and other.loaded[-1] is checkpoint
+    other.load_state_dict(checkpoint["state_dict"])  # strict: the level-3 weights are back in the state dict
+    for k, v in level3.items():
+        assert torch.equal(other.model.state_dict()[k], v), k
+
+    with pytest.raises(ValueError, match=r"level-3 weights do not fit the level-3 model of this configuration"):
+        fresh.put_weights({}, {"transformer.wte.weight": torch.zeros(64, 16)})
+    with pytest.raises(RuntimeError, match=r"entries model\.\* are not the level-3 network's state-dict keys"):
+        fresh.write_full_size({"model.transformer.wte.weight": torch.zeros(64, 8)})
+    level_1, host_1 = stack_on(2)
+    level_1.install_resume_hook("key")
+    host_1.on_save_checkpoint(at_level_1)  # the full model in place: nothing changes
+    assert list(at_level_1["state_dict"]) == ["model.x"] and "weights" not in level_1.state_dict()
+    level_1.remove_resume_hook()
+    assert "on_load_checkpoint" not in vars(host_1) and "on_save_checkpoint" not in vars(host_1)
