@@ -11,14 +11,17 @@ registered adapter subclass. Shared pieces: ``base.py`` (random-LTD) and ``vcycl
 from lightning_effi.models.base import (
     MUST_BE_NONE,
     PASS,
+    AttentionMask,
     SeqArg,
     TransformerAdapter,
     find_adapter,
+    find_candidates,
     register_adapter,
     registered_adapters,
+    resolve_attr,
 )
 from lightning_effi.models.bert import HFBertAdapter, HFBertVCycleAdapter
-from lightning_effi.models.generic import GenericAdapter
+from lightning_effi.models.generic import GenericAdapter, TorchTransformerAdapter
 from lightning_effi.models.gpt2 import HFGPT2Adapter, HFGPT2VCycleAdapter
 from lightning_effi.models.registry import ModelFamily, registered_families
 from lightning_effi.models.vcycle_base import (
@@ -32,6 +35,7 @@ from lightning_effi.models.vit import TimmViTAdapter, TimmViTVCycleAdapter
 __all__ = [
     "MUST_BE_NONE",
     "PASS",
+    "AttentionMask",
     "GenericAdapter",
     "HFBertAdapter",
     "HFBertVCycleAdapter",
@@ -41,13 +45,16 @@ __all__ = [
     "SeqArg",
     "TimmViTAdapter",
     "TimmViTVCycleAdapter",
+    "TorchTransformerAdapter",
     "TransformerAdapter",
     "VCycleAdapter",
     "find_adapter",
+    "find_candidates",
     "find_vcycle_adapter",
     "register_adapter",
     "register_vcycle_adapter",
     "registered_adapters",
     "registered_families",
     "registered_vcycle_adapters",
+    "resolve_attr",
 ]

@@ -5,7 +5,8 @@ LightningModule, and answers: where the layer list is, how long a sequence can b
 prefix tokens precede the patches/tokens, and which arguments of a layer's ``forward`` carry a sequence axis (see
 "Models" in ``lightning_effi/random_ltd/README.md``). Adapters are registered by family name
 (:func:`register_adapter`, a view over :mod:`lightning_effi.models.registry`) and found by :func:`find_adapter`
-(``"auto"``: the first registered adapter that matches a submodule, in module order).
+(``"auto"``: the one trainable model root inside the module that a registered adapter matches; frozen roots are
+skipped, and two trainable ones are an error that asks which, :func:`find_candidates`).
 
 To support another transformer, subclass :class:`TransformerAdapter`, implement :meth:`~TransformerAdapter.matches`
 and :meth:`~TransformerAdapter.layers`, declare :attr:`~TransformerAdapter.layer_arguments`, and register it — or
@@ -44,12 +45,34 @@ class SeqArg:
     only_matching: bool = False
 
 
-#: The argument passes through unchanged (no sequence axis, or an axis that is not this sequence's).
-PASS = "pass"
-#: The argument must be ``None`` while tokens are dropped (e.g. a KV cache that would store r-length keys).
-MUST_BE_NONE = "must_be_none"
+@dataclass(frozen=True)
+class AttentionMask:
+    """A PyTorch attention-mask argument, gathered by the layout it arrives in (read at every call):
 
-ArgSpec = SeqArg | Literal["pass", "must_be_none"]
+    - ``kind="self"``: a self-attention mask, query and key axes the sequence: ``[S, S]``, ``[B*num_heads, S, S]``
+      (``torch.nn.MultiheadAttention``), ``[B|1, S, S]`` or ``[B|1, 1|H, S, S]`` (broadcast against the scores);
+    - ``kind="cross"``: a cross-attention mask, query axis the sequence, key axis another one (a decoder's memory):
+      the same layouts with ``M`` keys, only the query axis is gathered;
+    - ``kind="key_padding"``: ``[B, S]`` (``True`` / ``-inf`` = ignored key).
+
+    Boolean and additive float masks alike; a layer holding a ``torch.nn.MultiheadAttention`` gets its layouts back
+    (``[B*num_heads, r, r]``; a shared ``[S, S]`` mask becomes per-sample). Another layout is an error naming the
+    adapter, the shape and the layouts allowed (:func:`lightning_effi.random_ltd.functional.gather_attention_mask`).
+    """
+
+    kind: Literal["self", "cross", "key_padding"] = "self"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("self", "cross", "key_padding"):
+            raise ValueError(f"AttentionMask.kind must be 'self', 'cross' or 'key_padding', got {self.kind!r}")
+
+
+#: The argument passes through unchanged (no sequence axis, or an axis that is not this sequence's).
+PASS: Literal["pass"] = "pass"
+#: The argument must be ``None`` while tokens are dropped (e.g. a KV cache that would store r-length keys).
+MUST_BE_NONE: Literal["must_be_none"] = "must_be_none"
+
+ArgSpec = SeqArg | AttentionMask | Literal["pass", "must_be_none"]
 
 
 class TransformerAdapter:
@@ -102,8 +125,9 @@ class TransformerAdapter:
         ``**kwargs`` with an axis of the sequence's length is rejected at the call."""
         return {}
 
-    def max_sequence_length(self) -> int:  # pragma: no cover - abstract
-        """Longest sequence the model takes (tokens, prefix tokens included)."""
+    def max_sequence_length(self) -> int | None:  # pragma: no cover - abstract
+        """Longest sequence the model takes (tokens, prefix tokens included), or ``None`` when the model has no such
+        bound (random-LTD then only checks an explicit ``max_value`` against the sequences the layers see)."""
         raise NotImplementedError
 
     def num_prefix_tokens(self) -> int:
@@ -149,17 +173,78 @@ def registered_adapters() -> list[str]:
     return registry.names("random_ltd")
 
 
-def find_adapter(
-    module: nn.Module, adapter: str | TransformerAdapter = "auto", candidates: Iterable[str] | None = None
-) -> TransformerAdapter:
-    """The adapter for the first matching model root inside ``module`` (``module`` itself included).
+def _is_frozen(module: nn.Module) -> bool:
+    """Every parameter has ``requires_grad=False`` (a module without parameters is not frozen)."""
+    params = list(module.parameters())
+    return bool(params) and not any(p.requires_grad for p in params)
 
-    Args:
-        module: usually the LightningModule. adapter: ``"auto"``, a registered name, or an adapter instance
-            (returned bound to ``module``). candidates: names tried by ``"auto"`` (default: all registered).
+
+def resolve_attr(module: nn.Module, path: str, what: str = "model_attr") -> nn.Module:
+    """The submodule at the dotted attribute ``path`` of ``module`` (e.g. ``"student"``, ``"model.encoder"``).
 
     Raises:
-        ValueError: unknown adapter name, or no submodule matches (the message lists the registered adapters).
+        ValueError: ``path`` is empty or not a string, an attribute is missing, or the target is not an ``nn.Module``
+            (``what`` names the parameter in the message).
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{what} must be a dotted attribute path such as 'student' or 'model.encoder', got {path!r}")
+    target: Any = module
+    for part in path.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"{what}={path!r}: {type(target).__name__} has no attribute {part!r}")
+        target = getattr(target, part)
+    if not isinstance(target, nn.Module):
+        raise ValueError(f"{what}={path!r} is a {type(target).__name__}, not an nn.Module")
+    return target
+
+
+def find_candidates(
+    module: nn.Module, names: Iterable[str] | None = None, include_frozen: bool = False
+) -> list[tuple[str, str, nn.Module]]:
+    """The model roots inside ``module`` (itself included) that a registered adapter matches, outermost first:
+    ``(dotted name, adapter name, root)``; a root inside another one is not listed again, nor (unless
+    ``include_frozen``) a root whose parameters all have ``requires_grad=False`` (a frozen teacher, an EMA copy:
+    random-LTD trains nothing there).
+
+    Args:
+        names: the adapter names tried (default: all registered, in registration order).
+    """
+    known: dict[str, Callable[..., TransformerAdapter]] = registry.adapters("random_ltd")
+    tried = list(names) if names is not None else list(known)
+    found: list[tuple[str, str, nn.Module]] = []
+    inside: list[str] = []
+    for path, sub in module.named_modules():
+        if any(path == p or path.startswith(p + ".") for p in inside):
+            continue
+        for name in tried:
+            matches = getattr(known[name], "matches", None)
+            if matches is not None and matches(sub):
+                inside.append(path)
+                if include_frozen or not _is_frozen(sub):
+                    found.append((path, name, sub))
+                break
+    return found
+
+
+def find_adapter(
+    module: nn.Module,
+    adapter: str | TransformerAdapter = "auto",
+    candidates: Iterable[str] | None = None,
+    include_frozen: bool = False,
+) -> TransformerAdapter:
+    """The adapter for the one model root inside ``module`` (``module`` itself included) that a registered adapter
+    matches (:func:`find_candidates`: frozen roots are skipped unless ``include_frozen``).
+
+    Args:
+        module: usually the LightningModule (or the submodule random-LTD's ``model_attr`` names). adapter:
+            ``"auto"``, a registered name, or an adapter instance (returned bound to ``module``). candidates: names
+            tried by ``"auto"`` (default: all registered). include_frozen: frozen roots are candidates too.
+
+    Raises:
+        ValueError: unknown adapter name; no submodule matches (the message lists the registered adapters, and any
+            frozen roots that were skipped); more than one root matches (a teacher and a student, two towers, an EMA
+            copy that trains): the message names them and asks which one (random-LTD's ``model_attr``, or an adapter
+            instance).
     """
     if isinstance(adapter, TransformerAdapter):
         return adapter.bind(module)
@@ -169,15 +254,32 @@ def find_adapter(
     if adapter != "auto":
         registry.lookup("random_ltd", adapter, "adapter", hint="(or pass a lightning_effi.models.GenericAdapter)")
     names = [adapter] if adapter != "auto" else list(candidates or known)
-    for sub in module.modules():
-        for name in names:
-            cls = known[name]
-            matches = getattr(cls, "matches", None)
-            if matches is not None and matches(sub):
-                return cls(sub)
+    found = find_candidates(module, names, include_frozen)
+    label = "any registered adapter" if adapter == "auto" else repr(adapter)
+    if len(found) > 1:
+        listing = ", ".join(
+            f"{path or '<the module itself>'!r} ({name}: {type(sub).__name__})" for path, name, sub in found
+        )
+        raise ValueError(
+            f"adapter: {type(module).__name__} holds {len(found)} trainable transformers that {label} matches: "
+            f"{listing}; random-LTD patches one: say which with RandomLTDCallback(model_attr={found[-1][0]!r}) (a "
+            "dotted attribute path from the LightningModule), or pass an adapter instance "
+            "(lightning_effi.adapters.GenericAdapter(layers=...)); freeze the other one (requires_grad=False) if it "
+            "does not train"
+        )
+    if found:
+        _, name, sub = found[0]
+        return known[name](sub)
+    frozen = [] if include_frozen else find_candidates(module, names, include_frozen=True)
+    skipped = (
+        " except frozen ones (all parameters requires_grad=False, skipped: "
+        f"{', '.join(repr(p) for p, _, _ in frozen)}; name one with RandomLTDCallback(model_attr=...) to patch it "
+        "anyway)"
+        if frozen
+        else ""
+    )
     raise ValueError(
-        f"adapter: no model inside {type(module).__name__} matches "
-        f"{'any registered adapter' if adapter == 'auto' else repr(adapter)} "
-        f"({', '.join(registered_adapters())}); register one with lightning_effi.models.register_adapter or pass "
-        "a lightning_effi.models.GenericAdapter(layers=..., ...)"
+        f"adapter: no model inside {type(module).__name__} matches {label}{skipped} "
+        f"({', '.join(registered_adapters())}); register one with lightning_effi.models.register_adapter "
+        "or pass a lightning_effi.models.GenericAdapter(layers=...)"
     )

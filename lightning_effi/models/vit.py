@@ -44,7 +44,11 @@ class TimmViTAdapter(TransformerAdapter):
     def layer_arguments(self) -> dict[str, ArgSpec]:
         return {"attn_mask": SeqArg((-2, -1)), "is_causal": PASS}
 
-    def max_sequence_length(self) -> int:
+    def max_sequence_length(self) -> int | None:
+        """Patch tokens plus prefix tokens at the model's image size; None with ``dynamic_img_size=True`` (any image
+        size: the length is the one random-LTD sees at the first batch)."""
+        if getattr(self.root, "dynamic_img_size", False):
+            return None
         return int(self.root.patch_embed.num_patches) + self.num_prefix_tokens()
 
     def num_prefix_tokens(self) -> int:

@@ -8,16 +8,18 @@ The method lives in :mod:`lightning_effi.random_ltd.functional` (selection, gath
 :mod:`lightning_effi.random_ltd` (layer patching); this callback wires them into Lightning:
 
 - ``setup("fit")``: checks the combination with the other technique callbacks
-  (:func:`~lightning_effi.core.requirements.check_trainer`), finds the model through an adapter (``hf_gpt2``,
-  ``hf_bert``, ``timm_vit``, or a :class:`~lightning_effi.adapters.GenericAdapter`), validates ``layer_ids`` and the
+  (:func:`~lightning_effi.core.requirements.check_trainer`), finds the one trainable transformer through an adapter
+  (``hf_gpt2``, ``hf_bert``, ``timm_vit``, ``torch_transformer``, or a
+  :class:`~lightning_effi.adapters.GenericAdapter`; under ``model_attr`` when given), validates ``layer_ids`` and the
   schedule, and patches the selected layers' ``forward`` on the instance (before DDP wrapping and before checkpoint
   weights load; ``state_dict`` keys are unchanged). ``teardown`` restores them.
 - ``on_train_start``: resolves a derived ``require_steps`` (a fraction or epochs) in optimizer steps, or, when a
   technique that shortens the epochs provides the run's progress clock (InfoBatch,
   :func:`~lightning_effi.core.progress.progress_clock`), as a share of its training progress.
-- ``on_train_batch_start``: reserved length ``r`` for ``trainer.global_step`` (or the clock's progress; all
-  micro-batches of one optimizer step share it) and a fresh index context keyed by ``(global_step, batch_idx)``,
-  seeded with ``(seed, step, batch_idx, rank)``.
+- ``on_train_batch_start``: a fresh index context keyed by ``(global_step, batch_idx)``, seeded with ``(seed, step,
+  batch_idx, rank)``; its reserved length ``r`` for ``trainer.global_step`` (or the clock's progress; all
+  micro-batches of one optimizer step share it) is read by the first LTD layer of the forward, with the sequence
+  length it sees (``max_value=None``: the schedule ends at the length the layers see).
 - ``on_before_optimizer_step``: adds the step's layer-tokens (summed over micro-batches and ranks) to
   ``consumed_layer_tokens``, before a step-interval LR scheduler reads it.
 - ``effi_adjust``: lowers the :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s layer-tokens and FLOPs.
@@ -43,6 +45,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 from typing_extensions import override
 
 from lightning_effi.core.accounting import BatchStats
@@ -60,7 +63,7 @@ from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClo
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import wrapper_chain
-from lightning_effi.models.base import TransformerAdapter, find_adapter
+from lightning_effi.models.base import TransformerAdapter, find_adapter, resolve_attr
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import (
     LTDController,
@@ -108,8 +111,13 @@ class RandomLTDCallback(Callback):
 
     Args:
         min_value: reserved length at step 0 (tokens, >= 1). DeepSpeed key ``random_ltd_schedule.min_value``.
-        max_value: reserved length at the end of the schedule; default: the model's sequence length (HF
-            ``n_positions`` / ``max_position_embeddings``, ViT patches + prefix tokens).
+        max_value: reserved length at the end of the schedule (tokens). Default ``None``: the sequence length the
+            patched layers actually see, read from the hidden states entering the first LTD layer at the first
+            training batch (announced; a later, longer batch raises it to that length, so variable-length batches end
+            the growth at their longest sequence; synchronised over data-parallel ranks at every optimizer step and
+            checkpointed; logged as ``effi/random_ltd/max_value``); with a Curriculum's sequence-length truncation,
+            its longest batch. An explicit value is checked against that first length (it must not be larger: the
+            schedule would stop dropping tokens early) and, where the model has one, its maximum length.
         require_steps: length of the linear growth: an int of optimizer steps, exactly as DeepSpeed's
             ``schedule_config.require_steps`` (>= 1), or a :class:`~lightning_effi.core.progress.Duration` or what
             ``Duration.parse`` reads: ``"500st"``, ``"0.8dur"`` (a fraction in ``(0, 1]`` of the run's ``T``
@@ -129,11 +137,13 @@ class RandomLTDCallback(Callback):
             the last layer of the network in place; at a level whose network has <= 2 layers it selects none and
             random-LTD **pauses** there (announced once at ``setup``); explicit ids are kept as they are and must
             exist at every level (ids < the smallest depth), checked in ``setup`` against the depths of all levels.
-        adapter: ``"auto"``, a registered name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an adapter instance.
+        adapter: ``"auto"``, a registered name (``hf_gpt2``, ``hf_bert``, ``timm_vit``, ``torch_transformer``) or an
+            adapter instance (:class:`~lightning_effi.adapters.GenericAdapter`).
         rounding: ``"clamped"`` (default: never below ``min_value``, ``max_value`` from ``require_steps`` on) or
             ``"deepspeed"`` (DeepSpeed's arithmetic exactly).
-        keep_prefix_tokens: positions always kept (counted inside ``r``); ``"auto"`` = the model's prefix tokens
-            (ViT class token).
+        keep_prefix_tokens: positions always kept (counted inside ``r``); ``"auto"`` (default) = the model's prefix
+            tokens (timm's ``num_prefix_tokens``: class, register and distillation tokens; 0 for language models;
+            ``GenericAdapter(num_prefix_tokens=...)``).
         accounting: ``"actual"`` (layer-tokens from each batch's real length and ``min(r, S)``) or ``"deepspeed"``
             (``global_batch · (r · L_ltd + max_value · (L − L_ltd))`` per optimizer step).
         seed: seeds the token draws with the step, micro-batch and rank (global RNGs untouched).
@@ -141,6 +151,10 @@ class RandomLTDCallback(Callback):
             derived ``require_steps`` (a fraction or epochs) is compared when training starts: the current arguments
             resolved in this run against the checkpoint's step count (a longer run with a fraction differs too);
             False: warns and the schedule continues with the current arguments' step count.
+        model_attr: dotted attribute path from the LightningModule to the module that holds the transformer to patch
+            (e.g. ``"student"``), for a module that holds more than one (a teacher and a student, two towers, an EMA
+            copy that trains); a frozen transformer there is patched too. Default: the one trainable transformer
+            anywhere in the module (transformers whose parameters all have ``requires_grad=False`` are skipped).
 
     Attributes:
         requirements: what random-LTD needs and changes (it patches the selected layers' ``forward``; it never reads
@@ -172,17 +186,28 @@ class RandomLTDCallback(Callback):
     another clock or share is reported when training starts (``strict``). An int ``require_steps`` keeps the step
     schedule.
 
+    Attention weights: a dropped layer computes them on its ``r`` kept tokens; with ``output_attentions=True`` they
+    come back on the full sequence, ``[B, H, S, S]`` with zeros in the rows and columns of the tokens that layer
+    dropped (Hugging Face's captured ``attentions``, or a layer's own extra output;
+    :func:`~lightning_effi.random_ltd.functional.expand_attention`). Other extra tensor outputs (a KV cache) are errors.
+
     Logged every step: ``effi/random_ltd/reserved_length``, ``effi/random_ltd/consumed_layer_tokens``,
     ``effi/random_ltd/flops_saved_frac``, ``effi/random_ltd/ltd_layers`` (the LTD layers of the network that trained
-    the batch). Summary keys ``random_ltd/*`` (``result.json``).
+    the batch), ``effi/random_ltd/max_value`` (the schedule's end). Summary keys ``random_ltd/*`` (``result.json``).
 
     Raises:
-        ValueError: (construction) a value of the wrong type or range, ``min_value > max_value``; (``setup``) no
-            adapter matches the model, ``layer_ids`` out of range / duplicated / unsorted, ``min_value`` or
-            ``max_value`` larger than the model's sequence length, a layer whose ``forward`` takes arguments the
-            adapter does not know, an unsupported attention implementation; the default ``layer_ids`` on a model of
-            <= 2 layers; explicit ``layer_ids`` that do not exist at a level of a technique that replaces the network
-            (the V-cycle; every level's depth is checked); a reserved length that never drops a token under the
+        ValueError: (construction) a value of the wrong type or range, ``min_value > max_value``, ``model_attr`` not
+            a dotted path; (``setup``) no adapter matches the model, more than one trainable transformer matches
+            (the message names them and asks for ``model_attr``), ``model_attr`` not found, ``layer_ids`` out of
+            range / duplicated / unsorted, an explicit ``max_value`` larger than the model's maximum length (where it
+            has one), ``keep_prefix_tokens > min_value``, a layer whose ``forward`` takes arguments the adapter does
+            not know, an unsupported attention implementation; the default ``layer_ids`` on a model of <= 2 layers;
+            (first training batch, not with a Curriculum, whose first batches are short by design) an explicit
+            ``max_value`` larger than the sequence length the patched layers see, ``min_value`` larger than that
+            length with ``max_value=None``;
+            (a training forward) an attention mask of a layout the adapter cannot gather; explicit ``layer_ids``
+            that do not exist at a level of a technique that replaces the network (the V-cycle; every level's depth
+            is checked); a reserved length that never drops a token under the
             Curriculum's sequence-length truncation (``min_value`` not below its longest truncated length,
             ``seqlen_truncate``'s ``max_difficulty``, + 1 with ``causal_label_shift``; ``seqlen_reshape``:
             ``max_difficulty + 1``); (after a model change) no adapter matches the new network; (train start)
@@ -207,15 +232,16 @@ class RandomLTDCallback(Callback):
         layer_ids: Sequence[int] | None = None,
         adapter: str | TransformerAdapter = "auto",
         rounding: Literal["clamped", "deepspeed"] = "clamped",
-        keep_prefix_tokens: int | Literal["auto"] = 0,
+        keep_prefix_tokens: int | Literal["auto"] = "auto",
         accounting: Literal["actual", "deepspeed"] = "actual",
         seed: int = 1234,
         strict: bool = True,
+        model_attr: str | None = None,
     ) -> None:
         name = type(self).__name__
         min_value = check_int(name, "min_value", min_value, minimum=1)
         seq_per_step = check_int(name, "seq_per_step", seq_per_step, minimum=1)
-        if max_value is not None:  # None: the model's length
+        if max_value is not None:  # None: the sequence length the patched layers see
             max_value = check_int(name, "max_value", max_value, minimum=1)
         if max_value is not None and min_value > max_value:
             raise ValueError(f"{name}: min_value ({min_value}) must be <= max_value ({max_value})")
@@ -250,6 +276,12 @@ class RandomLTDCallback(Callback):
             raise ValueError(
                 f"{name}.adapter must be 'auto', a registered name or a TransformerAdapter, got {adapter!r}"
             )
+        if model_attr is not None and (not isinstance(model_attr, str) or not model_attr.strip(".")):
+            raise ValueError(
+                f"{name}.model_attr must be a dotted attribute path from the LightningModule (e.g. 'student' or "
+                f"'model.encoder') or None, got {model_attr!r}"
+            )
+        self.model_attr = model_attr
         self.min_value = min_value
         self.max_value_arg = max_value
         # require_steps as given (repr), the Duration it means (default: the whole run), and the fixed step count
@@ -277,10 +309,15 @@ class RandomLTDCallback(Callback):
         self.layer_ids: tuple[int, ...] = ()
         self.max_value: int | None = max_value
         self.keep_prefix_tokens = 0 if keep_prefix_tokens == "auto" else keep_prefix_tokens
+        self._seqlen_curriculum: tuple[str, int] | None = None  # (metric, longest batch) of a truncating curriculum
+        self._curriculum: str | None = None  # a Curriculum in the run: its first batches may be short by design
         self._reset_progress()
 
     def _reset_progress(self) -> None:
         """A new fit starts from step 0 with no tokens consumed (a resumed one restores these from its checkpoint)."""
+        self.max_value = self.max_value_arg  # None: derived again from this run's data (or restored on resume)
+        self._seen = False  # the first training forward's sequence length was checked
+        self._grown = False  # a derived max_value grew to a longer batch (announced once)
         self.require_steps: int | None = self.require_steps_arg
         self.clock: str = "step"  # CLOCKS: resolved at train start
         self.require_progress: int | None = None  # on the progress clock: the growth's end, in progress ticks
@@ -318,7 +355,8 @@ class RandomLTDCallback(Callback):
             f"require_steps={self.require_steps_given!r}, "
             f"seq_per_step={self.seq_per_step!r}, layer_ids={layer_ids!r}, adapter={self.adapter_arg!r}, "
             f"rounding={self.rounding!r}, keep_prefix_tokens={self.keep_prefix_arg!r}, "
-            f"accounting={self.accounting!r}, seed={self.seed!r}, strict={self.strict!r})"
+            f"accounting={self.accounting!r}, seed={self.seed!r}, strict={self.strict!r}, "
+            f"model_attr={self.model_attr!r})"
         )
 
     @property
@@ -342,28 +380,38 @@ class RandomLTDCallback(Callback):
         self._reset_progress()
         if self.patched is not None:
             return
-        adapter = find_adapter(pl_module, self.adapter_arg)
+        adapter = self._find_adapter(pl_module)
         layers = adapter.layers()
         self.num_layers = len(layers)
         self.layer_ids = resolve_layer_ids(self.layer_ids_arg, self.num_layers)
         self._check_model_changes(trainer, pl_module)
-        seq = adapter.max_sequence_length()
-        self.max_value = seq if self.max_value_arg is None else self.max_value_arg
         name = type(self).__name__
-        if self.max_value > seq:
-            raise ValueError(f"{name}.max_value ({self.max_value}) is larger than the model's sequence length ({seq})")
-        if self.min_value > self.max_value:
+        seq = adapter.max_sequence_length()
+        if self.max_value_arg is not None and seq is not None and self.max_value_arg > seq:
             raise ValueError(
-                f"{name}: min_value ({self.min_value}) must be <= max_value ({self.max_value}, "
-                f"{'the model length' if self.max_value_arg is None else 'given'})"
+                f"{name}.max_value ({self.max_value_arg}) is larger than the model's sequence length ({seq})"
             )
         if self.keep_prefix_arg == "auto":
             self.keep_prefix_tokens = adapter.num_prefix_tokens()
         if self.keep_prefix_tokens > self.min_value:
             raise ValueError(
-                f"{name}.keep_prefix_tokens ({self.keep_prefix_tokens}) must be <= min_value ({self.min_value})"
+                f"{name}.keep_prefix_tokens ({self.keep_prefix_tokens}"
+                f"{', the model' + chr(39) + 's prefix tokens' if self.keep_prefix_arg == 'auto' else ''}) must be <= "
+                f"min_value ({self.min_value})"
             )
-        self._check_truncation(trainer)
+        self._seqlen_curriculum = self._check_truncation(trainer)
+        self._curriculum = next(
+            (type(c).__name__ for c in trainer.callbacks if any(k.__name__ == "Curriculum" for k in type(c).__mro__)),
+            None,
+        )
+        if self.max_value_arg is None and self._seqlen_curriculum is not None:
+            # the curriculum truncates the first batches by design: the schedule ends at its longest batch
+            metric, longest = self._seqlen_curriculum
+            self.max_value = longest
+            rank_zero_info(
+                f"{name}: max_value = {longest} tokens, the longest batch of the curriculum's {metric} (the first "
+                "batches are shorter by design); pass max_value to set another end of the schedule"
+            )
         self.controller = LTDController(
             self.num_layers,
             self.layer_ids,
@@ -373,6 +421,19 @@ class RandomLTDCallback(Callback):
         )
         self.patched = convert(pl_module, adapter, self.controller)
         self.adapter = adapter
+
+    def _search_root(self, pl_module: pl.LightningModule) -> nn.Module:
+        """Where the transformer is looked for: the LightningModule, or the submodule ``model_attr`` names."""
+        if self.model_attr is None:
+            return pl_module
+        return resolve_attr(pl_module, self.model_attr, f"{type(self).__name__}.model_attr")
+
+    def _find_adapter(self, pl_module: pl.LightningModule) -> TransformerAdapter:
+        """The adapter of the one transformer random-LTD patches: :func:`~lightning_effi.models.base.find_adapter` in
+        the module (frozen transformers are skipped, two trainable ones are an error asking for ``model_attr``), or
+        under ``model_attr`` (where a frozen one is patched too: the user named it)."""
+        root = self._search_root(pl_module)
+        return find_adapter(root, self.adapter_arg, include_frozen=self.model_attr is not None)
 
     def _resolve_ids(self, num_layers: int) -> tuple[int, ...]:
         """The LTD layer ids of a network of ``num_layers`` layers that a technique put in place (a V-cycle level):
@@ -417,14 +478,16 @@ class RandomLTDCallback(Callback):
                     "its steps count their full layer-tokens and FLOPs; pass explicit layer_ids to drop tokens there"
                 )
 
-    def _check_truncation(self, trainer: pl.Trainer) -> None:
+    def _check_truncation(self, trainer: pl.Trainer) -> tuple[str, int] | None:
         """Under the Curriculum's sequence-length truncation the longest batch has ``max_difficulty`` tokens (+ 1 with
         ``causal_label_shift``; ``seqlen_reshape``: rows of ``max_difficulty + 1``): a reserved length that never goes
         below it would never drop a token. The Curriculum is found by class name (techniques do not import each
-        other); its configuration is on the callback or on its DataModule."""
+        other); its configuration is on the callback or on its DataModule. Returns ``(metric, longest batch)`` of
+        such a curriculum (``None`` without one)."""
         name = type(self).__name__
-        assert self.max_value is not None
-        smallest = F.ltd_value(0, self.min_value, self.max_value, 1, self.seq_per_step, self.rounding)
+        bound = self.min_value if self.max_value is None else self.max_value  # the smallest value ignores it
+        smallest = F.ltd_value(0, self.min_value, bound, 1, self.seq_per_step, self.rounding)
+        found: tuple[str, int] | None = None
         for other in trainer.callbacks:
             if not any(k.__name__ == "Curriculum" for k in type(other).__mro__):
                 continue
@@ -438,6 +501,7 @@ class RandomLTDCallback(Callback):
                 if m is None:
                     continue
                 longest = int(m.max_difficulty) + extra
+                found = (metric, max(longest, found[1]) if found is not None else longest)
                 if smallest >= longest:
                     plus = f" + {extra} ({'causal_label_shift' if metric == 'seqlen_truncate' else 'reshaped rows'})"
                     raise ValueError(
@@ -447,6 +511,7 @@ class RandomLTDCallback(Callback):
                         f"{m.max_difficulty}{plus if extra else ''}), so random-LTD would never drop a token: lower "
                         f"RandomLTDCallback.min_value below {longest} or raise the curriculum's max_difficulty"
                     )
+        return found
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -482,7 +547,11 @@ class RandomLTDCallback(Callback):
         if self.controller is None or self.patched is not None:
             return
         arg = self.adapter_arg
-        adapter = arg.rebind(pl_module) if isinstance(arg, TransformerAdapter) else find_adapter(pl_module, arg)
+        adapter = (
+            arg.rebind(self._search_root(pl_module))
+            if isinstance(arg, TransformerAdapter)
+            else self._find_adapter(pl_module)
+        )
         num_layers = len(adapter.layers())
         try:
             layer_ids = self._resolve_ids(num_layers)
@@ -590,10 +659,15 @@ class RandomLTDCallback(Callback):
         Raises:
             RuntimeError: not on the progress clock (resolved at train start).
         """
-        if self.clock != "progress" or self.max_value is None or self.require_progress is None:
+        if self.clock != "progress" or self.require_progress is None:
             raise RuntimeError(
                 f"{type(self).__name__}.value_at_progress: the schedule is not on a progress clock (clock="
                 f"{self.clock!r}; resolved at train start); use value_at(step)"
+            )
+        if self.max_value is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.value_at_progress: max_value=None is resolved at the first training batch (the "
+                "sequence length the patched layers see)"
             )
         return F.ltd_value(
             ticks, self.min_value, self.max_value, self.require_progress, self.seq_per_step, self.rounding
@@ -606,7 +680,10 @@ class RandomLTDCallback(Callback):
                 "clock (the epochs shorten), so it has no step count; use value_at_progress"
             )
         if self.max_value is None or self.require_steps is None:
-            raise RuntimeError(f"{type(self).__name__}: the schedule is resolved in setup / on_train_start")
+            raise RuntimeError(
+                f"{type(self).__name__}.{what}: the schedule is resolved at train start (require_steps) and, with "
+                "max_value=None, at the first training batch (max_value: the sequence length the patched layers see)"
+            )
 
     def total_layer_tokens(self, train_steps: int, global_batch_size: int) -> int:
         """Layer-tokens of ``train_steps`` optimizer steps of full-length batches (pure: the state is untouched).
@@ -653,14 +730,91 @@ class RandomLTDCallback(Callback):
             assert self._clock_source is not None
             # the progress of the steps taken before this one (every micro-batch of the step reads the same)
             self.current_progress = progress_ticks(self._clock_source.effi_progress_done())
-            self.current_value = self.value_at_progress(self.current_progress)
-        else:
-            self.current_value = self.value_at(step)
-        self.controller.begin(step, batch_idx, self.current_value)
+        if self.max_value is not None:
+            self.current_value = self._scheduled_value()
+        # r is read again by the first LTD layer of the forward, with the sequence length it sees (max_value=None)
+        self.controller.begin(step, batch_idx, self._reserved_length)
         self._folded = False
         self._batch_costs_fixed, self._frac_fixed = None, None
         self._batch_ltd_layers = len(self.layer_ids)
         self._fused = self._fused_attention(pl_module)
+
+    def _scheduled_value(self) -> int:
+        """The reserved length of the current step (or progress) with the current ``max_value``."""
+        if self.clock == "progress":
+            assert self.current_progress is not None
+            return self.value_at_progress(self.current_progress)
+        return self.value_at(self.current_step)
+
+    def _reserved_length(self, seq_len: int) -> int:
+        """``r`` of the current batch, called by the first LTD layer of a forward with the sequence length ``S`` it
+        sees (:meth:`~lightning_effi.random_ltd.patching.LTDController.begin`): checks or resolves ``max_value``
+        against ``S`` (:meth:`_see`), then the schedule's value."""
+        self._see(int(seq_len))
+        self.current_value = self._scheduled_value()
+        return self.current_value
+
+    def _see(self, seq_len: int) -> None:
+        """``max_value`` against the sequence length the patched layers see.
+
+        - ``max_value=None``: the first training forward of the run sets it to its length ``S`` (announced); a later,
+          longer batch raises it to that length (variable-length batches: the schedule ends at the longest sequence
+          seen, so the end of the growth drops nothing; announced once, logged as ``effi/random_ltd/max_value``;
+          synchronised over data-parallel ranks at every optimizer step and checkpointed).
+        - an explicit ``max_value``: checked once against the first training forward's length.
+
+        With a Curriculum in the run (its first batches are shorter by design: truncated, or the shortest samples
+        first) neither check applies, and a first batch shorter than ``min_value`` passes through (``max_value`` is
+        then ``min_value`` until a longer batch raises it; announced).
+
+        Raises:
+            ValueError: ``min_value`` larger than the first derived length (no token would ever be dropped); an
+                explicit ``max_value`` larger than the first training forward's length (the schedule would stop
+                dropping early); neither with a Curriculum.
+        """
+        name = type(self).__name__
+        first, self._seen = not self._seen, True
+        if self.max_value_arg is not None:
+            if first and self._curriculum is None and self.max_value_arg > seq_len:
+                raise ValueError(
+                    f"{name}.max_value ({self.max_value_arg}) is larger than the sequence length the patched layers "
+                    f"see ({seq_len} tokens at the first training batch): the reserved length would reach {seq_len} "
+                    f"before the end of its growth and drop nothing from then on (a smaller saving than the schedule "
+                    f"says); leave max_value=None (the schedule then ends at the length the layers see) or pass "
+                    f"max_value <= {seq_len}"
+                )
+            return
+        if self.max_value is None:
+            if self.min_value > seq_len and self._curriculum is not None:
+                self.max_value = self.min_value
+                rank_zero_info(
+                    f"{name}: the first training batch has {seq_len} tokens, fewer than min_value={self.min_value} "
+                    f"({self._curriculum} starts with short batches): nothing is dropped until batches are longer; "
+                    "max_value follows the longest batch seen (logged as effi/random_ltd/max_value)"
+                )
+                return
+            if self.min_value > seq_len:
+                raise ValueError(
+                    f"{name}.min_value ({self.min_value}) is larger than the sequence length the patched layers see "
+                    f"({seq_len} tokens at the first training batch; max_value=None ends the schedule there): "
+                    f"random-LTD would never drop a token; lower min_value below {seq_len} (e.g. {max(1, seq_len // 4)}"
+                    " to start at a quarter of the sequence)"
+                )
+            self.max_value = seq_len
+            rank_zero_info(
+                f"{name}: max_value = {seq_len} tokens, the sequence length the patched layers see at the first "
+                f"training batch: the reserved length grows from min_value={self.min_value} to {seq_len}; pass "
+                "max_value to set another end of the schedule"
+            )
+        elif seq_len > self.max_value:
+            if not self._grown:
+                rank_zero_info(
+                    f"{name}: a batch of {seq_len} tokens is longer than max_value={self.max_value} (derived from the "
+                    "batches seen so far): the batches vary in length, so max_value follows the longest one seen "
+                    "(logged as effi/random_ltd/max_value); pass max_value to fix it"
+                )
+                self._grown = True
+            self.max_value = seq_len
 
     def _fused_attention(self, pl_module: pl.LightningModule) -> bool:
         """Whether the network in place runs its attention on a fused scaled-dot-product kernel in training, whose
@@ -723,8 +877,12 @@ class RandomLTDCallback(Callback):
         total = trainer.strategy.reduce(local, reduce_op="sum") if trainer.world_size > 1 else local
         samples, actual, full, saved, full_flops = (float(x) for x in total.cpu())
         self._pending = [0, 0, 0, 0.0, 0.0]
-        if self.accounting == "deepspeed":
-            assert self.max_value is not None
+        if self.max_value_arg is None and trainer.world_size > 1:
+            # a derived max_value follows each rank's longest batch: every rank continues with the longest of all
+            seen = torch.tensor([self.max_value or 0], dtype=torch.int64, device=trainer.strategy.root_device)
+            longest = int(trainer.strategy.reduce(seen, reduce_op="max").item())
+            self.max_value = longest or None
+        if self.accounting == "deepspeed" and self.max_value is not None:
             L, L_ltd = self.num_layers, len(self.layer_ids)
             self.consumed_layer_tokens += int(samples) * (self.current_value * L_ltd + self.max_value * (L - L_ltd))
         else:
@@ -756,6 +914,7 @@ class RandomLTDCallback(Callback):
                 "effi/random_ltd/consumed_layer_tokens": float(self.consumed_layer_tokens),
                 "effi/random_ltd/flops_saved_frac": frac,
                 "effi/random_ltd/ltd_layers": float(self._batch_ltd_layers),
+                "effi/random_ltd/max_value": float(self.max_value or 0),
             },
             on_step=True,
             on_epoch=False,
@@ -844,6 +1003,12 @@ class RandomLTDCallback(Callback):
         saved, mine = dict(state_dict["config"]), self.config()
         saved.setdefault("clock", "step")  # written before the progress clock existed
         saved.setdefault("require_progress", None)
+        if self.max_value_arg is None:
+            # derived from the data: the run goes on with the checkpoint's value (it only grows from there)
+            restored, _ = saved.pop("max_value", None), mine.pop("max_value", None)
+            if restored is not None:
+                self.max_value = max(int(restored), self.max_value or 0)
+                self._seen = True
         if self.require_steps_arg is None:
             # derived from the run: on_train_start compares what the current arguments give in this run (clock too)
             schedule = {key: saved.pop(key) for key in ("clock", "require_steps", "require_progress")}

@@ -31,12 +31,17 @@ from torch import Tensor
 from lightning_effi.core.checks import is_int
 
 __all__ = [
+    "MASK_KINDS",
     "ROUNDINGS",
+    "MaskLayoutError",
+    "expand_attention",
     "flops_per_layer",
+    "gather_attention_mask",
     "gather_seq_tensor",
     "gather_tokens",
     "layer_tokens",
     "ltd_value",
+    "mask_layouts",
     "sample_token_indices",
     "saved_flops_fraction",
     "scatter_tokens",
@@ -46,6 +51,11 @@ __all__ = [
 
 Rounding = Literal["clamped", "deepspeed"]
 ROUNDINGS = ("clamped", "deepspeed")
+MaskKind = Literal["self", "cross", "key_padding"]
+#: the attention-mask arguments :func:`gather_attention_mask` knows: a self-attention mask (query and key axes are the
+#: sequence), a cross-attention mask (query axis the sequence, key axis another one, e.g. a decoder's memory), a
+#: key-padding mask ``[B, S]``
+MASK_KINDS = ("self", "cross", "key_padding")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,6 +208,122 @@ def gather_seq_tensor(t: Tensor, idx: Tensor, axes: Sequence[int], batch_axis: i
         target[axis] = r
         t = t.gather(axis, index.expand(*target))
     return t
+
+
+class MaskLayoutError(ValueError):
+    """An attention mask whose layout :func:`gather_attention_mask` cannot read (the message names the shape seen and
+    the layouts allowed)."""
+
+
+def mask_layouts(kind: MaskKind, num_heads: int | None = None) -> str:
+    """The layouts :func:`gather_attention_mask` accepts for ``kind`` (text for error messages and docs)."""
+    key = "S" if kind == "self" else "M"
+    if kind == "key_padding":
+        return "[B, S] (or [1, S])"
+    if num_heads is not None:  # the torch.nn.MultiheadAttention conventions
+        return f"[S, {key}] or [B*num_heads, S, {key}] (num_heads={num_heads}, nn.MultiheadAttention)"
+    return f"[S, {key}], [B|1, S, {key}] or [B|1, 1|H, S, {key}]"
+
+
+def gather_attention_mask(
+    mask: Tensor, idx: Tensor, seq_len: int, kind: MaskKind = "self", num_heads: int | None = None
+) -> Tensor:
+    """The rows (and, for a self-attention mask, the columns) of the kept tokens of a PyTorch attention mask, per
+    sample, in a layout the same attention accepts (boolean and additive float masks alike; never sliced).
+
+    Layouts (``S`` = ``seq_len``, ``M`` = a cross-attention's key length, ``B`` = ``idx.shape[0]``, ``r`` =
+    ``idx.shape[1]``; ``K`` = ``S`` for ``kind="self"``, ``M`` for ``"cross"``):
+
+    - ``"self"`` / ``"cross"`` with ``num_heads`` (the attention is a ``torch.nn.MultiheadAttention``, whose
+      ``attn_mask`` is ``[L, K]`` or ``[B*num_heads, L, K]``): ``[S, K]`` (shared by the batch) and
+      ``[B*num_heads, S, K]`` give ``[B*num_heads, r, K']`` (a shared mask becomes per-sample once each sample keeps
+      other tokens);
+    - ``"self"`` / ``"cross"`` without ``num_heads`` (any attention that broadcasts the mask against
+      ``[B, H, S, K]`` scores, e.g. ``F.scaled_dot_product_attention``): ``[S, K]`` gives ``[B, 1, r, K']``,
+      ``[B|1, S, K]`` gives ``[B, r, K']``, ``[B|1, 1|H, S, K]`` gives ``[B, 1|H, r, K']``;
+    - ``"key_padding"``: ``[B|1, S]`` gives ``[B, r]``.
+
+    ``K' = r`` for a self-attention mask (both axes gathered), ``M`` for a cross-attention mask (query axis only).
+    The layouts are those ``torch.nn.MultiheadAttention`` and ``F.scaled_dot_product_attention`` document
+    (``attn_mask``, ``key_padding_mask``); every sequence axis is gathered per sample with the layer's kept tokens,
+    never sliced (Yao et al. 2022, Sec. 3: each layer attends among its kept tokens only).
+
+    Args:
+        mask: the mask. idx: int64 ``[B, r]`` kept positions per sample. seq_len: ``S``. kind: see above.
+        num_heads: the heads of a ``torch.nn.MultiheadAttention`` consumer, or ``None``.
+
+    Returns:
+        the gathered mask, same dtype.
+
+    Raises:
+        MaskLayoutError: (a ``ValueError``) a layout not listed above for ``kind`` (the message gives the shape seen
+            and the layouts allowed), or an unknown ``kind``.
+    """
+    if kind not in MASK_KINDS:
+        raise MaskLayoutError(f"mask kind must be one of {MASK_KINDS}, got {kind!r}")
+    b, r = idx.shape
+    shape = tuple(mask.shape)
+
+    def bad() -> MaskLayoutError:
+        return MaskLayoutError(
+            f"a {kind} attention mask of shape {list(shape)} for S={seq_len}, B={b} is not a layout random-LTD can "
+            f"gather; allowed: {mask_layouts(kind, num_heads)}"
+        )
+
+    if kind == "key_padding":
+        if mask.dim() != 2 or shape[1] != seq_len or shape[0] not in (1, b):
+            raise bad()
+        return gather_seq_tensor(mask, idx, (-1,), batch_axis=0)
+    if mask.dim() not in (2, 3, 4) or shape[-2] != seq_len or (kind == "self" and shape[-1] != seq_len):
+        raise bad()
+    axes = (-2, -1) if kind == "self" else (-2,)
+    if mask.dim() == 2:  # [S, K], shared by every sample
+        out = gather_seq_tensor(mask.unsqueeze(0), idx, axes, batch_axis=0)  # [B, r, K']
+        return out.repeat_interleave(num_heads, dim=0) if num_heads is not None else out.unsqueeze(1)
+    if mask.dim() == 3:
+        if num_heads is not None:
+            if shape[0] != b * num_heads:
+                raise bad()
+            per_head = gather_seq_tensor(mask.reshape(b, num_heads, *shape[1:]), idx, axes, batch_axis=0)
+            return per_head.reshape(b * num_heads, *per_head.shape[2:])
+        if shape[0] not in (1, b):
+            raise bad()
+        return gather_seq_tensor(mask, idx, axes, batch_axis=0)
+    if num_heads is not None or shape[0] not in (1, b):  # 4-D: not an nn.MultiheadAttention layout
+        raise bad()
+    return gather_seq_tensor(mask, idx, axes, batch_axis=0)
+
+
+def expand_attention(weights: Tensor, idx: Tensor, seq_len: int, keys: bool = True) -> Tensor:
+    """Attention weights computed on the kept tokens, put back on the full sequence: the kept rows (and, with
+    ``keys``, the kept columns) at their original positions, zeros for the dropped tokens (which attended nothing and
+    were attended by nobody in that layer).
+
+    Args:
+        weights: ``[B, ..., r, K]`` (e.g. ``[B, H, r, r]``, or ``[B, r, r]`` averaged over heads). idx: int64
+            ``[B, r]``. seq_len: ``S``. keys: the last axis is the kept tokens too (self-attention; ``K = r``);
+            ``False`` for a cross-attention's weights (``K`` = the memory's length, left alone).
+
+    Returns:
+        ``[B, ..., S, S]`` (or ``[B, ..., S, K]``), same dtype, differentiable w.r.t. ``weights``.
+
+    Raises:
+        ValueError: ``weights`` has fewer than 3 axes, another batch size, or an axis of length ``r`` missing.
+    """
+    b, r = idx.shape
+    if weights.dim() < 3 or weights.shape[0] != b or weights.shape[-2] != r or (keys and weights.shape[-1] != r):
+        raise ValueError(
+            f"attention weights of shape {tuple(weights.shape)} are not [B={b}, ..., r={r}, {'r' if keys else 'K'}]"
+        )
+    middle = [1] * (weights.dim() - 3)
+    rows_shape = (*weights.shape[:-2], seq_len, weights.shape[-1])
+    rows = weights.new_zeros(rows_shape).scatter(
+        -2, idx.view(b, *middle, r, 1).expand(*weights.shape), weights
+    )  # [B, ..., S, K]
+    if not keys:
+        return rows
+    full = weights.new_zeros((*weights.shape[:-2], seq_len, seq_len))
+    return full.scatter(-1, idx.view(b, *middle, 1, r).expand(*rows.shape), rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------

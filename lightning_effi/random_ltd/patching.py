@@ -19,7 +19,14 @@ Design (the method card ``README.md`` beside this file has the long story):
   recomputation of activation checkpointing) returns the same rows. The global RNGs are never used.
 - **Pass-through** when the layer is in ``eval()`` mode, the controller is not armed (outside a training batch), or
   ``r >= S`` (e.g. after curriculum truncation). Hidden states on the ``meta`` device (FLOP counting on a meta copy)
-  also pass through.
+  and nested tensors (PyTorch's padded fast path) also pass through.
+- **Reserved length from the data.** :meth:`LTDController.begin` takes ``r``, or a function of the sequence length
+  ``S`` that the first LTD layer of a forward calls with the ``S`` it sees (random-LTD's ``max_value`` derived from
+  the data).
+- **Attention weights** of a dropped layer (``output_attentions=True``: a layer's extra ``[B, H, r, r]`` output, or
+  Hugging Face's captured ``attentions`` / ``cross_attentions``) are put back on the full sequence, ``[B, H, S, S]``
+  with zeros in the dropped tokens' rows and columns
+  (:func:`~lightning_effi.random_ltd.functional.expand_attention`); any other extra tensor output is an error.
 - **Arguments.** The adapter declares, by name, which layer arguments have sequence axes (gathered per sample with
   the layer's indices, never sliced), which pass through, and which must be ``None`` (KV caches). Positional and
   keyword arguments are matched to names through the layer's signature. A signature argument the adapter does not
@@ -31,7 +38,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +48,7 @@ from torch import Tensor, nn
 
 from lightning_effi.core.checks import is_int
 from lightning_effi.core.rng import hash64
-from lightning_effi.models.base import MUST_BE_NONE, PASS, SeqArg, TransformerAdapter
+from lightning_effi.models.base import MUST_BE_NONE, PASS, AttentionMask, SeqArg, TransformerAdapter
 from lightning_effi.random_ltd import functional as F
 
 __all__ = [
@@ -106,6 +114,9 @@ class LTDController:
         num_layers: ``L``, layers in the adapter's list. layer_ids: the LTD layers (exact indices, sorted).
         seed: user seed. rank: data-parallel rank (ranks draw different tokens).
         keep_prefix_tokens: positions ``0..k-1`` always kept.
+
+    Attributes:
+        reserved_length: ``r`` of the current context (``None`` before a schedule function resolved it).
     """
 
     num_layers: int
@@ -119,17 +130,33 @@ class LTDController:
     draws: int = 0
     lookups: int = 0
     _indices: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
+    _schedule: Callable[[int], int] | None = field(default=None, repr=False)
 
     @property
     def num_ltd_layers(self) -> int:
         return len(self.layer_ids)
 
-    def begin(self, step: int, micro_batch: int, reserved_length: int) -> None:
-        """Arm the controller for the forward(s) of one training micro-batch."""
+    def begin(self, step: int, micro_batch: int, reserved_length: int | Callable[[int], int]) -> None:
+        """Arm the controller for the forward(s) of one training micro-batch.
+
+        Args:
+            reserved_length: ``r``, or a function ``S -> r`` called with the sequence length of the first forward the
+                LTD layers see in this context (once per shape; the last value is :attr:`reserved_length`).
+        """
         self.key = (int(step), int(micro_batch))
-        self.reserved_length = int(reserved_length)
+        if callable(reserved_length):
+            self._schedule, self.reserved_length = reserved_length, None
+        else:
+            self._schedule, self.reserved_length = None, int(reserved_length)
         self._indices.clear()
         self.records = []
+
+    def _resolve(self, seq_len: int) -> int:
+        """``r`` for a forward of ``seq_len`` tokens (calls the schedule function of :meth:`begin`, if any)."""
+        if self._schedule is not None:
+            self.reserved_length = int(self._schedule(seq_len))
+        assert self.reserved_length is not None
+        return self.reserved_length
 
     def end(self) -> None:
         """Disarm (the records and indices of the last context stay readable until the next :meth:`begin`)."""
@@ -137,7 +164,7 @@ class LTDController:
 
     @property
     def armed(self) -> bool:
-        return self.key is not None and self.reserved_length is not None
+        return self.key is not None and (self.reserved_length is not None or self._schedule is not None)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The private generator of the current context on ``device``."""
@@ -151,11 +178,10 @@ class LTDController:
         not armed, or ``r >= S``). Drawn once per context and shape; a repeated lookup never redraws."""
         if not self.armed:
             return None
-        assert self.reserved_length is not None
         self.lookups += 1
-        r = min(self.reserved_length, seq_len)
         shape_key = (batch_size, seq_len, str(device))
         if shape_key not in self._indices:
+            r = min(self._resolve(seq_len), seq_len)
             self.records.append(BatchRecord(batch_size, seq_len, r))
             if r >= seq_len:
                 self._indices[shape_key] = torch.empty(0)
@@ -184,6 +210,7 @@ class LTDController:
             return
         shape_key = (batch_size, seq_len, str(device))
         if shape_key not in self._indices:
+            self._resolve(seq_len)  # a schedule function follows the data even where nothing is dropped
             self.records.append(BatchRecord(batch_size, seq_len, seq_len))
             self._indices[shape_key] = torch.empty(0)
 
@@ -248,6 +275,10 @@ class LTDForward:
         self.signature = inspect.signature(original)
         self.hidden = _check_signature(layer, index, self.signature, adapter)
         self.layer_type = type(layer).__name__
+        self.adapter_name = adapter.name or repr(adapter)
+        # masks in nn.MultiheadAttention layouts ([B*num_heads, S, S]) when the layer attends with one
+        attention = next((m for m in layer.modules() if isinstance(m, nn.MultiheadAttention)), None)
+        self.num_heads: int | None = None if attention is None else int(attention.num_heads)
 
     def __deepcopy__(self, memo: dict) -> LTDForward:
         # a deep copy of the model (e.g. FLOP counting on a meta copy) patches the copied layer, sharing the controller
@@ -262,6 +293,16 @@ class LTDForward:
         decl = self.arguments.get(name)
         if value is None or decl == PASS:
             return value
+        if isinstance(decl, AttentionMask):
+            if not isinstance(value, Tensor):
+                return value
+            try:
+                return F.gather_attention_mask(value, idx, seq_len, decl.kind, self.num_heads)
+            except F.MaskLayoutError as err:
+                raise F.MaskLayoutError(
+                    f"random-LTD layer {self.index} ({self.layer_type}), adapter {self.adapter_name}: argument "
+                    f"{name!r}: {err}"
+                ) from None
         if decl == MUST_BE_NONE:
             raise RuntimeError(
                 f"random-LTD layer {self.index} ({self.layer_type}) received "
@@ -307,6 +348,7 @@ class LTDForward:
             or not self.controller.armed
             or not isinstance(hidden, Tensor)
             or hidden.device.type == "meta"
+            or hidden.is_nested
         ):
             return self.original(*args, **kwargs)
         seq_len = hidden.shape[self.seq_dim]
@@ -323,23 +365,68 @@ class LTDForward:
                 bound.arguments[name] = {k: self._gather_arg(k, v, idx, seq_len) for k, v in value.items()}
             else:
                 bound.arguments[name] = self._gather_arg(name, value, idx, seq_len)
+        captured = _hf_collector()
+        before = {k: len(v) for k, v in captured.items() if isinstance(v, list)} if captured is not None else {}
         out = self.original(*bound.args, **bound.kwargs)
+        if captured is not None:
+            self._expand_captured(captured, before, idx, seq_len)
         if isinstance(out, Tensor):
             return F.scatter_tokens(hidden, idx, out, self.seq_dim)
         if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
-            for extra in out[1:]:
-                nested = isinstance(extra, tuple) and any(isinstance(e, Tensor) for e in extra)
-                if isinstance(extra, Tensor) or nested:
-                    raise RuntimeError(
-                        f"random-LTD layer {self.index} ({self.layer_type}) returned extra tensors "
-                        "(attention weights or a cache) computed on the kept tokens only; turn them "
-                        "off in training (output_attentions=False, use_cache=False)"
-                    )
-            return (F.scatter_tokens(hidden, idx, out[0], self.seq_dim), *out[1:])
+            extras = tuple(self._expand_extra(extra, idx, seq_len) for extra in out[1:])
+            return (F.scatter_tokens(hidden, idx, out[0], self.seq_dim), *extras)
         raise RuntimeError(
             f"random-LTD layer {self.index} ({self.layer_type}) returned {type(out).__name__}; "
             "expected a tensor or a tuple whose first element is the hidden states"
         )
+
+    def _is_attention(self, t: Any, idx: Tensor, keys: bool = True) -> bool:
+        b, r = idx.shape
+        return (
+            isinstance(t, Tensor)
+            and t.dim() >= 3
+            and t.shape[0] == b
+            and t.shape[-2] == r
+            and (not keys or t.shape[-1] == r)
+        )
+
+    def _expand_extra(self, extra: Any, idx: Tensor, seq_len: int) -> Any:
+        """An extra output of the layer: attention weights ``[B, ..., r, r]`` go back on the full sequence (zeros for
+        the dropped tokens); any other tensor (a cache, a tensor of another shape) is an error."""
+        if self._is_attention(extra, idx):
+            return F.expand_attention(extra, idx, seq_len)
+        nested = isinstance(extra, tuple) and any(isinstance(e, Tensor) for e in extra)
+        if isinstance(extra, Tensor) or nested:
+            shape = f"of shape {list(extra.shape)}" if isinstance(extra, Tensor) else "(a tuple of tensors)"
+            raise RuntimeError(
+                f"random-LTD layer {self.index} ({self.layer_type}) returned an extra tensor output {shape} "
+                "computed on the kept tokens only, which is not attention weights [B, ..., r, r] that random-LTD can "
+                "put back on the full sequence; turn it off in training (use_cache=False)"
+            )
+        return extra
+
+    def _expand_captured(self, captured: dict, before: dict[str, int], idx: Tensor, seq_len: int) -> None:
+        """Hugging Face models (transformers 5) collect ``output_attentions`` with forward hooks on the attention
+        modules, inside this layer's call: the entries it added to ``attentions`` (``[B, H, r, r]``) and
+        ``cross_attentions`` (``[B, H, r, M]``, rows only) are put back on the full sequence."""
+        for key, values in captured.items():
+            if not isinstance(values, list) or "attentions" not in key:
+                continue
+            keys = not key.startswith("cross")
+            for i in range(before.get(key, 0), len(values)):
+                if self._is_attention(values[i], idx, keys):
+                    values[i] = F.expand_attention(values[i], idx, seq_len, keys=keys)
+
+
+def _hf_collector() -> dict | None:
+    """The output collector of a Hugging Face forward in progress (``transformers.utils.output_capturing``), if
+    transformers is loaded and one is active."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    var = getattr(module, "_active_collector", None) if module is not None else None
+    if var is None:
+        return None
+    collected = var.get()
+    return collected if isinstance(collected, dict) else None
 
 
 @dataclass

@@ -174,18 +174,22 @@ def test_gradient_accumulation_shares_r_and_counts_once_per_step(tmp_path):
 
 
 def test_truncated_batches_count_their_real_length(tmp_path):
+    """The first batch has the full 16 tokens (an explicit max_value is checked against it); the later ones are
+    truncated to 6 <= r: they pass through and count 6 tokens in every layer."""
+
     class Truncate(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            batch["input_ids"] = batch["input_ids"][:, :6]
+            if batch_idx > 0:
+                batch["input_ids"] = batch["input_ids"][:, :6]
 
     pl.seed_everything(0)
     cb = ltd(min_value=8, max_value=16, require_steps=2)
     watch = Watch(cb)
-    trainer = make_trainer(tmp_path, [Truncate(), cb, watch], max_steps=2, max_epochs=-1)
+    trainer = make_trainer(tmp_path, [Truncate(), cb, watch], max_steps=3, max_epochs=-1)
     trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
-    assert all(r.seq_len == 6 and r.reserved_length == 6 for row in watch.rows for r in row["records"])
-    assert cb.controller.draws == 0  # r >= S: no dropping
-    assert cb.consumed_layer_tokens == 2 * 8 * 6 * 4
+    assert [(r.seq_len, r.reserved_length) for row in watch.rows for r in row["records"]] == [(16, 8), (6, 6), (6, 6)]
+    assert cb.controller.draws == 1  # only the first batch (r = 8 < 16) drew indices
+    assert cb.consumed_layer_tokens == F.layer_tokens(8, 16, 8, 4, 2) + 2 * 8 * 6 * 4
 
 
 # ------------------------------------------------------------------------------------------------ resume
@@ -333,7 +337,11 @@ def test_construction_errors(kwargs, match):
     [
         (dict(layer_ids=[1, 4]), deep_gpt2, "out of range"),
         (dict(max_value=64), deep_gpt2, "larger than the model's sequence length"),
-        (dict(min_value=40), deep_gpt2, "min_value .* <= max_value"),
+        (
+            dict(min_value=40),
+            deep_gpt2,
+            r"min_value \(40\) is larger than the sequence length the patched layers see \(16",
+        ),
         (dict(), tiny_gpt2, "default .* selects none"),
         (dict(adapter="timm_vit"), deep_gpt2, "no model inside"),
     ],

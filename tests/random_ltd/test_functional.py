@@ -218,6 +218,80 @@ def test_gather_seq_tensor_forms():
         F.gather_seq_tensor(torch.randn(3, 1, s, s), idx, (-2, -1))
 
 
+def _per_sample(mask, idx, both=True):
+    """Reference gather by advanced indexing: ``mask[..., idx_b, :][..., idx_b]`` per sample (batch axis 0)."""
+    out = []
+    for b in range(idx.shape[0]):
+        m = mask[b if mask.shape[0] > 1 else 0][..., idx[b], :]
+        out.append(m[..., idx[b]] if both else m)
+    return torch.stack(out)
+
+
+def test_gather_attention_mask_layouts():
+    b, s, h = 2, 6, 3
+    idx = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randn(s, s, generator=g)
+    # nn.MultiheadAttention layouts: [S, S] and [B*H, S, S] give [B*H, r, r] (batch-major, as MHA reads them)
+    mha = F.gather_attention_mask(shared, idx, s, "self", num_heads=h)
+    assert torch.equal(mha, _per_sample(shared[None], idx).repeat_interleave(h, dim=0))
+    per_head = torch.randn(b * h, s, s, generator=g)
+    got = F.gather_attention_mask(per_head, idx, s, "self", num_heads=h).view(b, h, 3, 3)
+    assert torch.equal(got, _per_sample(per_head.view(b, h, s, s), idx))
+    # broadcast layouts (F.scaled_dot_product_attention): [S, S] -> [B, 1, r, r], [B|1, S, S], [B|1, 1|H, S, S]
+    assert torch.equal(F.gather_attention_mask(shared, idx, s), _per_sample(shared[None, None], idx))
+    three = torch.randn(b, s, s, generator=g)
+    assert torch.equal(F.gather_attention_mask(three, idx, s), _per_sample(three, idx))
+    four = torch.ones(1, 1, s, s, dtype=torch.bool).tril()
+    got = F.gather_attention_mask(four, idx, s)
+    assert got.dtype == torch.bool and torch.equal(got, _per_sample(four, idx))
+    # cross-attention: the query axis only (7 memory keys)
+    cross = torch.randn(s, 7, generator=g)
+    got = F.gather_attention_mask(cross, idx, s, "cross", num_heads=h)
+    assert got.shape == (b * h, 3, 7) and torch.equal(got[h], cross[idx[1]])
+    # key padding [B, S] -> [B, r]
+    pad = torch.tensor([[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(
+        F.gather_attention_mask(pad, idx, s, "key_padding"), torch.stack([pad[i, idx[i]] for i in range(b)])
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "kind", "heads", "allowed"),
+    [
+        ((2, 6, 6), "self", 3, r"\[S, S\] or \[B\*num_heads, S, S\] \(num_heads=3"),  # [B, S, S] is not MHA's
+        ((2, 1, 6, 6), "self", 3, r"\[B\*num_heads, S, S\]"),  # nn.MultiheadAttention takes no 4-D mask
+        ((6, 5), "self", None, r"\[S, S\], \[B\|1, S, S\] or \[B\|1, 1\|H, S, S\]"),  # not square
+        ((5, 7), "cross", None, r"\[S, M\]"),  # the query axis is not the sequence
+        ((3, 6, 6), "self", None, r"\[B\|1, S, S\]"),  # a batch of 3 for 2 samples
+        ((2, 1, 1, 6, 6), "self", None, r"\[B\|1, 1\|H, S, S\]"),
+        ((2, 5), "key_padding", None, r"\[B, S\]"),
+    ],
+)
+def test_gather_attention_mask_rejects_unknown_layouts(shape, kind, heads, allowed):
+    idx = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    with pytest.raises(F.MaskLayoutError, match=rf"a {kind} attention mask of shape \[.*\] for S=6, B=2 .*{allowed}"):
+        F.gather_attention_mask(torch.zeros(shape), idx, 6, kind, num_heads=heads)
+
+
+def test_expand_attention_puts_the_kept_rows_and_columns_back():
+    idx = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    w = torch.rand(2, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    full = F.expand_attention(w, idx, 6)
+    assert full.shape == (2, 4, 6, 6)
+    for b in range(2):
+        assert torch.equal(full[b][:, idx[b]][:, :, idx[b]], w[b])
+        dropped = torch.ones(6, dtype=torch.bool)
+        dropped[idx[b]] = False
+        assert not full[b][:, dropped].any() and not full[b][:, :, dropped].any()
+    full.sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(w))
+    rows = F.expand_attention(torch.rand(2, 3, 7), idx, 6, keys=False)  # cross-attention: 7 memory keys stay
+    assert rows.shape == (2, 6, 7) and not rows[0, 1].any() and rows[0, 2].all()
+    with pytest.raises(ValueError, match="not \\[B=2, ..., r=3, r\\]"):
+        F.expand_attention(torch.rand(2, 3, 4), idx, 6)
+
+
 # ------------------------------------------------------------------------------------------------ accounting
 
 

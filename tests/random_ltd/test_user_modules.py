@@ -1,0 +1,743 @@
+"""random-LTD on LightningModules as users write them (issue #18): an HF GPT-2 built with a long ``n_positions`` on
+short character blocks, a timm ViT on ``(x, y)`` batches at a dynamic image size, a module with a teacher and a
+student (or an EMA copy), PyTorch's own ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` with every standard mask
+layout, hand-written blocks on ``F.scaled_dot_product_attention``, and ``output_attentions`` inside dropped layers."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import timm
+import torch
+import torch.nn.functional as TF
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from lightning_effi.adapters import GenericAdapter, find_adapter
+from lightning_effi.callbacks import RandomLTDCallback
+from lightning_effi.models.generic import TorchTransformerAdapter
+from lightning_effi.random_ltd import LTDController, convert, is_converted
+from lightning_effi.random_ltd import functional as F
+from tests.helpers.harness import assert_resume_equals_uninterrupted, make_trainer
+from tests.helpers.tiny import TinyDataModule
+
+VOCAB = 40
+
+
+# ------------------------------------------------------------------------------------------------ user modules
+
+
+def gpt2_config(n_positions: int = 256, impl: str = "eager") -> GPT2Config:
+    return GPT2Config(
+        n_layer=4,
+        n_embd=32,
+        n_head=2,
+        n_positions=n_positions,
+        vocab_size=VOCAB,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation=impl,
+    )
+
+
+class CharGPT(pl.LightningModule):
+    """A user's character-level GPT-2: an HF model from a config, tensor batches ``[B, T]``, its own loss."""
+
+    def __init__(self, n_positions: int = 256):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT2LMHeadModel(gpt2_config(n_positions))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Blocks(torch.utils.data.Dataset):
+    def __init__(self, n: int = 32, seq_len: int = 64, seed: int = 0):
+        self.data = torch.randint(0, VOCAB, (n, seq_len), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+def loader(dataset, batch_size: int = 4):
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+class Watch(Callback):
+    """Per training batch: the reserved length, the max_value, the records and the drawn indices."""
+
+    def __init__(self, ltd: RandomLTDCallback):
+        self.ltd, self.rows = ltd, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        idx = self.ltd.controller.last_indices()
+        self.rows.append(
+            {
+                "r": self.ltd.current_value,
+                "max_value": self.ltd.max_value,
+                "records": list(self.ltd.controller.records),
+                "indices": None if idx is None else idx.clone(),
+            }
+        )
+
+
+# ------------------------------------------------------------------------------------------------ max_value
+
+
+def test_gpt2_with_a_long_n_positions_ends_the_schedule_at_the_seen_length(tmp_path, caplog):
+    """n_positions=256 on 64-token blocks: the schedule ends at 64, not at 256 (which would reach 64 after a quarter
+    of the growth and save a fraction of the layer-tokens, silently)."""
+    cb = RandomLTDCallback(min_value=16, seq_per_step=16, require_steps=6, seed=3)
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [cb, watch], max_steps=8, max_epochs=-1)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(CharGPT(256), train_dataloaders=loader(Blocks()))
+    assert cb.max_value == 64
+    assert "max_value = 64 tokens, the sequence length the patched layers see" in caplog.text
+    # r = floor(s / 6 * 48 + 16) rounded down to a multiple of 16, then 64 from step 6 on
+    expected_r = [16, 16, 32, 32, 48, 48, 64, 64]
+    assert [row["r"] for row in watch.rows] == expected_r
+    assert [row["records"][0].reserved_length for row in watch.rows] == expected_r
+    assert all(row["indices"].shape == (2, 4, r) for row, r in zip(watch.rows, expected_r) if r < 64)
+    # layer-tokens by hand: B = 4, S = 64, layers 0 and 3 see 64 tokens, layers 1 and 2 see r
+    consumed = sum(4 * (2 * r + 2 * 64) for r in expected_r)
+    full = 8 * 4 * 64 * 4
+    assert cb.consumed_layer_tokens == consumed == 6656
+    assert cb.effi_summary()["random_ltd/layer_token_saving"] == pytest.approx(1 - consumed / full) == 0.1875
+
+
+def test_an_explicit_max_value_above_the_seen_length_is_refused(tmp_path):
+    cb = RandomLTDCallback(min_value=16, max_value=256, seq_per_step=16, require_steps=6)
+    trainer = make_trainer(tmp_path, [cb], max_steps=2, max_epochs=-1)
+    with pytest.raises(
+        ValueError,
+        match=r"RandomLTDCallback.max_value \(256\) is larger than the sequence length the patched layers see "
+        r"\(64 tokens at the first training batch\).*max_value=None",
+    ):
+        trainer.fit(CharGPT(256), train_dataloaders=loader(Blocks()))
+    assert trainer.global_step == 0
+
+
+def test_a_min_value_above_the_seen_length_is_refused(tmp_path):
+    trainer = make_trainer(tmp_path, [RandomLTDCallback(min_value=128, require_steps=4)], max_steps=2, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"min_value \(128\) is larger than .* \(64 tokens .*never drop a token"):
+        trainer.fit(CharGPT(256), train_dataloaders=loader(Blocks()))
+
+
+class Lengths(Callback):
+    """Cuts the blocks of successive batches to the given lengths (variable-length batches)."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch.data = batch.data[:, : self.lengths[batch_idx]].clone()
+
+
+def test_variable_lengths_end_the_schedule_at_the_longest_batch_seen(tmp_path):
+    lengths = [24, 40, 32, 64, 48]
+    cb = RandomLTDCallback(min_value=8, seq_per_step=8, require_steps=4, seed=1)
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [Lengths(lengths), cb, watch], max_steps=5, max_epochs=-1)
+    trainer.fit(CharGPT(256), train_dataloaders=loader(Blocks()))
+    maxima = [24, 40, 40, 64, 64]  # the longest batch seen so far
+    assert [row["max_value"] for row in watch.rows] == maxima
+    assert [row["r"] for row in watch.rows] == [F.ltd_value(s, 8, m, 4, 8) for s, m in enumerate(maxima)]
+    assert [row["r"] for row in watch.rows] == [8, 16, 24, 48, 64]
+    assert [row["records"][0].reserved_length for row in watch.rows] == [8, 16, 24, 48, 48]
+    assert watch.rows[-1]["indices"] is None  # the end of the schedule drops nothing from the 48-token batch
+
+
+class Curriculum(Callback):
+    """Stands for a curriculum that starts with short batches (random-LTD finds a Curriculum by its class name)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            batch.data = batch.data[:, :4].clone()
+
+
+@pytest.mark.parametrize("max_value", [None, 64])
+def test_a_curriculums_short_first_batches_are_not_refused(tmp_path, max_value):
+    cb = RandomLTDCallback(min_value=8, max_value=max_value, seq_per_step=8, require_steps=4, seed=1)
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [Curriculum(), cb, watch], max_steps=3, max_epochs=-1)
+    trainer.fit(CharGPT(256), train_dataloaders=loader(Blocks()))
+    # the 4-token batch passes through (r >= S), then the schedule follows the 64-token batches
+    assert [row["records"][0].seq_len for row in watch.rows] == [4, 64, 64]
+    assert [row["indices"] is None for row in watch.rows] == [True, False, False]
+    assert [row["max_value"] for row in watch.rows] == ([8, 64, 64] if max_value is None else [64, 64, 64])
+    assert [row["r"] for row in watch.rows] == [
+        F.ltd_value(0, 8, 8 if max_value is None else 64, 4, 8),
+        F.ltd_value(1, 8, 64, 4, 8),
+        F.ltd_value(2, 8, 64, 4, 8),
+    ]
+
+
+def test_a_derived_max_value_resumes_exactly(tmp_path):
+    a, b = assert_resume_equals_uninterrupted(
+        lambda: CharGPT(256),
+        lambda: TinyDataModule(Blocks(), batch_size=4),
+        tmp_path,
+        total_steps=6,
+        resume_step=3,
+        callbacks_fn=lambda: [RandomLTDCallback(min_value=16, seq_per_step=16, require_steps=6, seed=3)],
+    )
+    for trainer in (a, b):
+        (cb,) = [c for c in trainer.callbacks if isinstance(c, RandomLTDCallback)]
+        assert cb.max_value == 64 and cb.current_value == 48
+
+
+# ------------------------------------------------------------------------------------------------ timm ViT, prefix
+
+
+class ViTClassifier(pl.LightningModule):
+    """A user's timm ViT on ``(x, y)`` batches, at a dynamic image size (24 x 24 images into a 32 x 32 model)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = timm.create_model(
+            "vit_tiny_patch16_224",
+            pretrained=False,
+            img_size=32,
+            patch_size=4,
+            depth=4,
+            embed_dim=64,
+            num_heads=2,
+            num_classes=10,
+            dynamic_img_size=True,
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return TF.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def images(n: int = 32, size: int = 24):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(
+        torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
+    )
+
+
+@pytest.mark.parametrize("keep", ["default", 0])
+def test_timm_vit_keeps_its_class_token_in_every_patched_layer(tmp_path, keep):
+    kw = {} if keep == "default" else {"keep_prefix_tokens": keep}
+    cb = RandomLTDCallback(min_value=9, seq_per_step=4, require_steps=6, seed=0, **kw)
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [cb, watch], max_steps=5, max_epochs=-1)
+    trainer.fit(ViTClassifier(), train_dataloaders=loader(images(), batch_size=8))
+    assert cb.max_value == 37  # 6 x 6 patches of a 24 x 24 image + the class token (not the adapter's 65)
+    # position 0 of every kept row, over the steps (r grows), the LTD layers and the samples
+    firsts = torch.cat([row["indices"][..., 0].flatten() for row in watch.rows])
+    assert len(firsts) == 5 * 2 * 8
+    if keep == "default":
+        assert cb.keep_prefix_tokens == 1
+        assert (firsts == 0).all()  # the class token is kept by every patched layer, for every sample
+    else:
+        assert cb.keep_prefix_tokens == 0
+        assert not (firsts == 0).all()  # without it, layers drop the class token
+
+
+# ------------------------------------------------------------------------------------------------ several transformers
+
+
+class Distill(pl.LightningModule):
+    """A teacher and a student GPT-2 (or a model and its EMA copy) in one module."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = GPT2LMHeadModel(gpt2_config(64))
+        if kind == "ema":
+            self.ema = copy.deepcopy(self.student).requires_grad_(False)
+        else:
+            self.teacher = GPT2LMHeadModel(gpt2_config(64))
+            if kind in ("frozen", "all_frozen"):
+                self.teacher.requires_grad_(False)
+            if kind == "all_frozen":
+                self.student.requires_grad_(False)
+                self.head = nn.Linear(1, 1)  # something trains
+
+    def other(self):
+        return self.ema if hasattr(self, "ema") else self.teacher
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            target = self.other()(batch).logits.softmax(-1)
+        logits = self.student(batch).logits
+        loss = TF.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
+        return loss + (self.head.weight.sum() * 0 if hasattr(self, "head") else 0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
+class Patched(Callback):
+    """Which of the module's transformers are converted while training."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((is_converted(pl_module.student), is_converted(pl_module.other())))
+
+
+def test_two_trainable_transformers_are_refused_naming_model_attr(tmp_path):
+    trainer = make_trainer(tmp_path, [RandomLTDCallback(min_value=4, require_steps=2)], max_steps=1, max_epochs=-1)
+    with pytest.raises(
+        ValueError,
+        match=r"holds 2 trainable transformers .*'student.transformer' .*'teacher.transformer' .*"
+        r"RandomLTDCallback\(model_attr='teacher.transformer'\)",
+    ):
+        trainer.fit(Distill("teacher"), train_dataloaders=loader(Blocks(seq_len=16)))
+
+
+@pytest.mark.parametrize(("kind", "model_attr"), [("teacher", "student"), ("frozen", None), ("ema", None)])
+def test_the_one_trained_transformer_is_patched(tmp_path, kind, model_attr):
+    cb, probe = RandomLTDCallback(min_value=4, seq_per_step=4, require_steps=2, model_attr=model_attr), Patched()
+    trainer = make_trainer(tmp_path, [cb, probe], max_steps=2, max_epochs=-1)
+    module = Distill(kind)
+    trainer.fit(module, train_dataloaders=loader(Blocks(seq_len=16)))
+    assert probe.seen == [(True, False)] * 2
+    assert cb.adapter.root is module.student.transformer and cb.controller.draws == 2
+
+
+def test_only_frozen_transformers_are_refused_unless_named(tmp_path):
+    trainer = make_trainer(tmp_path, [RandomLTDCallback(min_value=4, require_steps=2)], max_steps=1, max_epochs=-1)
+    with pytest.raises(
+        ValueError, match=r"no model inside Distill .*except frozen ones .*'student.transformer'.*model_attr"
+    ):
+        trainer.fit(Distill("all_frozen"), train_dataloaders=loader(Blocks(seq_len=16)))
+    cb = RandomLTDCallback(min_value=4, require_steps=2, model_attr="student")
+    trainer = make_trainer(tmp_path, [cb, Patched()], max_steps=1, max_epochs=-1)
+    trainer.fit(Distill("all_frozen"), train_dataloaders=loader(Blocks(seq_len=16)))
+    assert cb.controller.draws == 1
+
+
+def test_a_model_attr_that_is_not_there_is_refused(tmp_path):
+    trainer = make_trainer(tmp_path, [RandomLTDCallback(min_value=4, model_attr="pupil")], max_steps=1, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"RandomLTDCallback.model_attr='pupil': Distill has no attribute 'pupil'"):
+        trainer.fit(Distill("teacher"), train_dataloaders=loader(Blocks(seq_len=16)))
+    with pytest.raises(ValueError, match="model_attr"):
+        RandomLTDCallback(model_attr="")
+
+
+# ------------------------------------------------------------------------------------------------ output_attentions
+
+
+def test_output_attentions_of_dropped_layers_cover_the_full_sequence():
+    """HF collects the attentions with hooks on the attention modules, inside the dropped layers: they come back as
+    [B, H, S, S], the kept rows and columns at their positions, zeros elsewhere."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config(64)).train()
+    raw = {}
+    for i in (1, 2):  # what the attention modules computed on the kept tokens
+        model.transformer.h[i].attn.register_forward_hook(lambda m, a, out, i=i: raw.__setitem__(i, out[1].detach()))
+    ctl = LTDController(4, (1, 2), seed=0)
+    convert(model, find_adapter(model), ctl)
+    ctl.begin(0, 0, 5)
+    x = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(1))
+    attentions = model(x, output_attentions=True).attentions
+    assert [tuple(a.shape) for a in attentions] == [(3, 2, 12, 12)] * 4
+    idx = ctl.last_indices()  # [2, 3, 5]
+    for ordinal, layer in enumerate((1, 2)):
+        full, kept = attentions[layer], raw[layer]
+        assert kept.shape == (3, 2, 5, 5)
+        for b in range(3):
+            keep = idx[ordinal, b]
+            assert torch.equal(full[b][:, keep][:, :, keep], kept[b])
+            dropped = torch.ones(12, dtype=torch.bool)
+            dropped[keep] = False
+            assert full[b][:, dropped].abs().sum() == 0 and full[b][:, :, dropped].abs().sum() == 0
+        torch.testing.assert_close(full[0].sum(-1)[:, idx[ordinal, 0]], torch.ones(2, 5))  # kept rows: softmax
+    ctl.end()
+
+
+class WeightsBlock(nn.Module):
+    """A hand-written block that returns its (head-averaged) attention weights, or another extra tensor."""
+
+    def __init__(self, extra: str = "weights"):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.extra = extra
+
+    def forward(self, x):
+        y, w = self.attn(x, x, x, need_weights=True)
+        return x + y, (w if self.extra == "weights" else y[..., :3])
+
+
+def test_attention_weights_a_layer_returns_are_expanded_and_other_extras_refused():
+    net = nn.Module()
+    net.blocks = nn.ModuleList(WeightsBlock() for _ in range(3))
+    ctl = LTDController(3, (1,), seed=0)
+    convert(net, GenericAdapter("blocks"), ctl)  # hidden_size read from the nn.MultiheadAttention
+    ctl.begin(0, 0, 4)
+    x = torch.randn(2, 9, 16)
+    y, w = net.blocks[1](x)
+    idx = ctl.last_indices()[0]
+    assert w.shape == (2, 9, 9) and y.shape == (2, 9, 16)
+    for b in range(2):
+        torch.testing.assert_close(w[b][idx[b]][:, idx[b]].sum(-1), torch.ones(4))
+    assert w.abs().sum().item() == pytest.approx(8.0)  # 2 samples x 4 kept rows summing to 1, zeros elsewhere
+    net.blocks[1].extra = "other"
+    with pytest.raises(RuntimeError, match=r"extra tensor output of shape \[2, 4, 3\] .*not attention weights"):
+        net.blocks[1](x)
+
+
+# ------------------------------------------------------------------------------------------------ PyTorch layers
+
+B, S, E, H = 3, 10, 16, 2
+
+
+def encoder(batch_first: bool = True, layers: int = 4) -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, 2 * E, dropout=0.0, batch_first=batch_first)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).train()
+
+
+def masks(layout: str) -> dict:
+    """The masks of one layout, for B = 3 samples of S = 10 tokens and H = 2 heads."""
+    g = torch.Generator().manual_seed(4)
+    causal = nn.Transformer.generate_square_subsequent_mask(S)  # additive float [S, S]
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, 7:], pad[2, 4:] = True, True
+    per_head = torch.randn(B * H, S, S, generator=g).masked_fill(torch.rand(B * H, S, S, generator=g) < 0.3, -1e9)
+    per_head.diagonal(dim1=-2, dim2=-1).zero_()  # every query keeps itself
+    return {
+        "none": {},
+        "2d_bool": {"mask": causal.isinf()},
+        "2d_float": {"mask": causal},
+        "3d_per_head": {"mask": per_head},
+        "key_padding": {"src_key_padding_mask": pad},
+        "2d_and_padding": {"mask": causal.isinf(), "src_key_padding_mask": pad},
+        "is_causal": {"mask": causal, "is_causal": True},
+    }[layout]
+
+
+LAYOUTS = ["none", "2d_bool", "2d_float", "3d_per_head", "key_padding", "2d_and_padding", "is_causal"]
+
+
+def rows_of(t: torch.Tensor, idx: torch.Tensor, axis: int) -> torch.Tensor:
+    """Reference per-sample gather by index_select (independent of the implementation): ``t[b]`` along ``axis``."""
+    return torch.stack([t[b].index_select(axis, idx[b]) for b in range(idx.shape[0])])
+
+
+def reference_mask(mask, idx):
+    """The mask the layer must receive for the kept tokens, built by hand in nn.MultiheadAttention's layouts."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:
+        m = torch.stack([mask[i][:, i] for i in idx])  # [B, r, r]
+        return m.repeat_interleave(H, dim=0)
+    per = mask.view(B, H, S, S)
+    return torch.stack([per[b][:, idx[b]][:, :, idx[b]] for b in range(B)]).flatten(0, 1)
+
+
+class Recorder:
+    """What one layer receives (full length, before the patch) and returns (after the scatter)."""
+
+    def __init__(self, layer):
+        self.calls = []
+        layer.register_forward_pre_hook(
+            lambda m, a, kw: self.calls.append({"args": a, "kwargs": dict(kw)}), with_kwargs=True
+        )
+        layer.register_forward_hook(lambda m, a, kw, out: self.calls[-1].__setitem__("out", out), with_kwargs=True)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_torch_encoder_layer_equivalence(layout, batch_first):
+    """Kept tokens: the unpatched layer on the gathered tokens with the masks gathered by hand; dropped tokens: the
+    layer's input unchanged."""
+    enc = encoder(batch_first)
+    adapter = find_adapter(enc)
+    assert isinstance(adapter, TorchTransformerAdapter)
+    assert adapter.hidden_state_order == ("batch_seq" if batch_first else "seq_batch")
+    assert (adapter.hidden_size(), adapter.intermediate_size(), adapter.max_sequence_length()) == (E, 2 * E, None)
+    ctl = LTDController(4, (1, 2), seed=0)
+    convert(enc, adapter, ctl)
+    rec = Recorder(enc.layers[2])
+    ctl.begin(0, 0, 6)
+    x = torch.randn(B, S, E, generator=torch.Generator().manual_seed(2))
+    enc(x if batch_first else x.transpose(0, 1), **masks(layout))
+    (call,) = rec.calls
+    hidden, out, kw = call["args"][0], call["out"], call["kwargs"]
+    if not batch_first:
+        hidden, out = hidden.transpose(0, 1), out.transpose(0, 1)
+    idx = ctl.last_indices()[1]
+    keep = torch.zeros(B, S, dtype=torch.bool).scatter_(1, idx, True)
+    assert torch.equal(out[~keep], hidden[~keep])
+    padding = kw.get("src_key_padding_mask")
+    gathered = rows_of(hidden, idx, 0)
+    layer = enc.layers[2]
+    with torch.no_grad():
+        ref = type(layer).forward(
+            layer,
+            gathered if batch_first else gathered.transpose(0, 1),
+            src_mask=reference_mask(kw.get("src_mask"), idx),
+            src_key_padding_mask=None if padding is None else rows_of(padding, idx, 0),
+            is_causal=kw.get("is_causal", False),
+        )
+    torch.testing.assert_close(rows_of(out, idx, 0), ref if batch_first else ref.transpose(0, 1), rtol=0, atol=1e-6)
+
+
+class KeepAll(LTDController):
+    """Runs the gather / scatter path with every token kept (r = S): the identity indices."""
+
+    def indices(self, ordinal, batch_size, seq_len, device):
+        if not self.armed:
+            return None
+        self.lookups += 1
+        return torch.arange(seq_len, device=device).expand(batch_size, seq_len).contiguous()
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_torch_encoder_with_nothing_dropped_equals_the_unpatched_model_exactly(layout, batch_first):
+    """Every mask gathered with r = S (a shared [S, S] mask turned per sample, [B*H, S, S] per head): outputs and
+    gradients equal the unpatched encoder's bit for bit."""
+    model, ref = encoder(batch_first), encoder(batch_first)
+    ctl = KeepAll(4, (1, 2))
+    convert(model, find_adapter(model), ctl)
+    ctl.begin(0, 0, S)
+    x = torch.randn(B, S, E, generator=torch.Generator().manual_seed(3))
+    x = x if batch_first else x.transpose(0, 1)
+    y, y_ref = model(x, **masks(layout)), ref(x, **masks(layout))
+    assert ctl.lookups == 2 and torch.equal(y, y_ref)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_torch_decoder_layer_equivalence():
+    """nn.TransformerDecoderLayer: the target's masks on both axes, the memory mask on its query axis, the memory and
+    its padding mask unchanged."""
+    torch.manual_seed(0)
+    dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, 2 * E, dropout=0.0, batch_first=True), 3).train()
+    ctl = LTDController(3, (1,), seed=0)
+    convert(dec, find_adapter(dec), ctl)
+    rec = Recorder(dec.layers[1])
+    g = torch.Generator().manual_seed(5)
+    tgt, memory = torch.randn(B, S, E, generator=g), torch.randn(B, 7, E, generator=g)
+    memory_mask = torch.rand(S, 7, generator=g) < 0.2
+    memory_mask[:, 0] = False
+    memory_pad = torch.zeros(B, 7, dtype=torch.bool)
+    memory_pad[0, 5:] = True
+    tgt_pad = torch.zeros(B, S, dtype=torch.bool)
+    tgt_pad[2, 8:] = True
+    ctl.begin(0, 0, 4)
+    dec(
+        tgt,
+        memory,
+        tgt_mask=nn.Transformer.generate_square_subsequent_mask(S).isinf(),
+        memory_mask=memory_mask,
+        tgt_key_padding_mask=tgt_pad,
+        memory_key_padding_mask=memory_pad,
+    )
+    (call,) = rec.calls
+    kw, idx = call["kwargs"], ctl.last_indices()[0]
+    hidden = call["args"][0]
+    mem_ref = torch.stack([kw["memory_mask"][i] for i in idx]).repeat_interleave(H, dim=0)  # [B*H, r, 7]
+    layer = dec.layers[1]
+    with torch.no_grad():
+        ref = type(layer).forward(
+            layer,
+            rows_of(hidden, idx, 0),
+            call["args"][1],
+            tgt_mask=reference_mask(kw["tgt_mask"], idx),
+            memory_mask=mem_ref,
+            tgt_key_padding_mask=rows_of(kw["tgt_key_padding_mask"], idx, 0),
+            memory_key_padding_mask=kw["memory_key_padding_mask"],
+        )
+    torch.testing.assert_close(rows_of(call["out"], idx, 0), ref, rtol=0, atol=1e-6)
+
+
+def test_an_unknown_mask_layout_names_the_adapter_the_shape_and_the_layouts():
+    enc = encoder()
+    ctl = LTDController(4, (1, 2), seed=0)
+    convert(enc, find_adapter(enc), ctl)
+    ctl.begin(0, 0, 4)
+    x = torch.randn(B, S, E)
+    with pytest.raises(
+        ValueError,
+        match=r"random-LTD layer 1 \(TransformerEncoderLayer\), adapter torch_transformer: argument 'src_mask': a self "
+        r"attention mask of shape \[3, 10, 10\].*allowed: \[S, S\] or \[B\*num_heads, S, S\] \(num_heads=2",
+    ):
+        enc.layers[1](x, src_mask=torch.zeros(B, S, S))
+    with pytest.raises(
+        ValueError, match=r"argument 'src_key_padding_mask': a key_padding .*\[3, 9\].*allowed: \[B, S\]"
+    ):
+        enc.layers[1](x, src_key_padding_mask=torch.zeros(B, S - 1, dtype=torch.bool))
+
+
+def test_nn_transformer_holds_two_candidates():
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.transformer = nn.Transformer(E, H, 2, 2, 2 * E, dropout=0.0, batch_first=True)
+    with pytest.raises(ValueError, match=r"'transformer.encoder'.*'transformer.decoder'.*model_attr="):
+        find_adapter(module)
+    adapter = find_adapter(module.transformer.encoder)
+    assert adapter.layers() is module.transformer.encoder.layers
+
+
+class SDPABlock(nn.Module):
+    """A hand-written pre-norm block on F.scaled_dot_product_attention with a broadcastable mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.qkv, self.proj = nn.LayerNorm(E), nn.Linear(E, 3 * E), nn.Linear(E, E)
+
+    def forward(self, x, attn_mask=None):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, H, E // H).permute(2, 0, 3, 1, 4)
+        o = TF.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return x + self.proj(o.transpose(1, 2).reshape(b, s, E))
+
+
+@pytest.mark.parametrize("layout", ["[S,S] bool", "[B,1,S,S] float", "[1,1,S,S] bool", "[B,H,S,S] float"])
+def test_generic_adapter_gathers_broadcast_masks_of_hand_written_blocks(layout):
+    torch.manual_seed(0)
+    net = nn.Module()
+    net.blocks = nn.ModuleList(SDPABlock() for _ in range(3))
+    ctl = LTDController(3, (1,), seed=0)
+    convert(net, GenericAdapter("blocks", hidden_size=E, masks={"attn_mask": "self"}), ctl)
+    g = torch.Generator().manual_seed(6)
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    mask = {
+        "[S,S] bool": causal,
+        "[B,1,S,S] float": torch.randn(B, 1, S, S, generator=g),
+        "[1,1,S,S] bool": causal[None, None],
+        "[B,H,S,S] float": torch.randn(B, H, S, S, generator=g),
+    }[layout]
+    x = torch.randn(B, S, E, generator=g)
+    ctl.begin(0, 0, 5)
+    out = net.blocks[1](x, attn_mask=mask)
+    idx = ctl.last_indices()[0]
+    full = mask.expand(B, -1, S, S) if mask.dim() == 4 else mask.expand(B, 1, S, S)
+    ref_mask = torch.stack([full[b][:, idx[b]][:, :, idx[b]] for b in range(B)])
+    with torch.no_grad():
+        ref = SDPABlock.forward(net.blocks[1], rows_of(x, idx, 0), attn_mask=ref_mask)
+    torch.testing.assert_close(rows_of(out, idx, 0), ref, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"adapter generic: argument 'attn_mask'.*\[3, 10, 9\]"):
+        net.blocks[1](x, attn_mask=torch.ones(B, S, S - 1, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------------------------------------ nn.Transformer fit
+
+
+class TinyTagger(pl.LightningModule):
+    """A hand-written model on PyTorch's TransformerEncoder, (x, y) batches, the masks of one layout."""
+
+    def __init__(self, layout: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layout = layout
+        self.embed = nn.Embedding(VOCAB, E)
+        self.encoder = encoder(True)
+        self.head = nn.Linear(E, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.head(self.encoder(self.embed(x), **masks(self.layout)))
+        return TF.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def tagging_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, VOCAB, (4 * B, S), generator=g)
+    return loader(torch.utils.data.TensorDataset(x, (x + 1) % VOCAB), batch_size=B)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_torch_encoder_model_trains_with_each_mask_layout(tmp_path, layout):
+    """Trains with dropping (the schedule ends at S = 10, read from the data); with r = S the weights after 3 steps
+    equal those of a run without random-LTD exactly."""
+    cb = RandomLTDCallback(min_value=4, seq_per_step=2, require_steps=3, seed=0)
+    watch = Watch(cb)
+    model = TinyTagger(layout)
+    make_trainer(tmp_path / "a", [cb, watch], max_steps=3, max_epochs=-1).fit(model, train_dataloaders=tagging_data())
+    assert cb.max_value == S and [row["r"] for row in watch.rows] == [4, 6, 8]
+    assert cb.controller.draws == 3 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert cb.consumed_layer_tokens == sum(B * (2 * r + 2 * S) for r in (4, 6, 8))
+
+    runs = []
+    for callbacks in ([RandomLTDCallback(min_value=S, seq_per_step=2, require_steps=3)], []):
+        model = TinyTagger(layout)
+        make_trainer(tmp_path / str(len(runs)), callbacks, max_steps=3, max_epochs=-1).fit(
+            model, train_dataloaders=tagging_data()
+        )
+        runs.append(model.state_dict())
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[1])
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+
+
+class RankLengths(Callback):
+    """Cuts each rank's batches to its own lengths (rank 0 sees shorter batches first)."""
+
+    LENGTHS = {0: [8, 12, 12], 1: [16, 10, 12]}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch.data = batch.data[:, : self.LENGTHS[trainer.global_rank][batch_idx]].clone()
+
+
+class RankRows(Callback):
+    def __init__(self, out: str):
+        self.out, self.rows = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        cb = next(c for c in trainer.callbacks if isinstance(c, RandomLTDCallback))
+        self.rows.append([cb.max_value, cb.current_value, cb.controller.records[0].seq_len])
+
+    def on_fit_end(self, trainer, pl_module):
+        import json
+        from pathlib import Path
+
+        Path(self.out).mkdir(parents=True, exist_ok=True)
+        (Path(self.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
+
+
+@pytest.mark.slow
+def test_ddp_ranks_share_the_longest_length_seen(tmp_path):
+    """Each rank derives max_value from its own batches; at every optimizer step they continue with the longest of
+    all ranks, so the schedule (and a checkpoint of rank 0) is the same everywhere."""
+    import json
+
+    from tests.helpers.harness import fit_ddp
+
+    cb = RandomLTDCallback(min_value=4, seq_per_step=4, require_steps=4, seed=0)
+    fit_ddp(
+        CharGPT(64),
+        TinyDataModule(Blocks(n=48, seq_len=16), batch_size=4),
+        tmp_path,
+        [RankLengths(), cb, RankRows(str(tmp_path / "rows"))],
+        max_steps=3,
+        max_epochs=-1,
+    )
+    rank0, rank1 = (json.loads((tmp_path / "rows" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert [row[2] for row in rank0] == [8, 12, 12] and [row[2] for row in rank1] == [16, 10, 12]
+    assert [row[0] for row in rank0] == [row[0] for row in rank1] == [16, 16, 16]
+    assert [row[1] for row in rank0] == [row[1] for row in rank1] == [F.ltd_value(s, 4, 16, 4, 4) for s in range(3)]
