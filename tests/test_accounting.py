@@ -1,11 +1,14 @@
 """EfficiencyMonitor: exact counts, the extension protocol, logging, and exact resume of its totals."""
 
 import csv
+import dataclasses
+import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from transformers import BatchEncoding
 
 from lightning_effi.core.accounting import BatchStats, EfficiencyMonitor, batch_size_of, format_summary, tokens_of
 from lightning_effi.core.flops import transformer_training_flops
@@ -146,9 +149,36 @@ def test_helpers_and_validation():
     assert batch_size_of((torch.zeros(4, 2), torch.zeros(4))) == 4
     assert tokens_of({"input_ids": torch.zeros(2, 5), "attention_mask": torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])}) == 7
     assert tokens_of({"pixel_values": torch.zeros(2, 3)}) == 0
+    # any batch structure: dataclasses, nested tuples of dicts, BatchEncoding, text beside the tensors
+    batch = Pair(text=["a", "b", "c"], ids=torch.ones(3, 6, dtype=torch.long))
+    assert batch_size_of(batch) == 3 and tokens_of(batch) == 18
+    nested = (["x"], {"enc": BatchEncoding({"input_ids": torch.ones(2, 4, dtype=torch.long)})})
+    assert batch_size_of(nested) == 2 and tokens_of(nested) == 8
+    assert tokens_of((torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))) == 0  # images: no token ids
+    with pytest.raises(TypeError, match="no tensor"):
+        batch_size_of(["some", "text"])
     assert "samples" in format_summary({"samples": 3, "flops": 1.5e12})
     with pytest.raises(ValueError, match="log_every_n_steps"):
         EfficiencyMonitor(log_every_n_steps=0)
+
+
+@dataclasses.dataclass
+class Pair:
+    text: list[str]
+    ids: torch.Tensor
+
+
+def test_what_cannot_be_counted_reads_zero_with_one_warning_per_quantity():
+    """A batch of strings on a module with no network: samples, tokens and FLOPs read 0, each warned once."""
+    monitor = EfficiencyMonitor()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert monitor.module_stats(pl.LightningModule(), ["some", "text"]) == BatchStats(0, 0, 0, 0.0)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 3
+    assert "samples cannot be counted" in messages[0]
+    assert "`effi_count_tokens(batch) -> int`" in messages[1] and "`effi_training_flops(batch)`" in messages[2]
 
 
 def test_resume_check_detects_a_non_resumable_loader(tmp_path):

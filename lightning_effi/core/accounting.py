@@ -33,7 +33,21 @@ A callback's savings are reported as ``saved/<name>/...`` with ``name`` its ``ef
 
 The module supplies the per-batch cost through optional hooks: ``effi_count_tokens(batch) -> int``,
 ``effi_num_layers: int`` and ``effi_training_flops(batch) -> float`` (else Lightning's ``flops_per_batch``
-attribute, as read by ``ThroughputMonitor``). Which operations the FLOPs include: :mod:`lightning_effi.core.flops`.
+attribute, as read by ``ThroughputMonitor``). A module without them (any LightningModule as users write it, any batch
+structure) is counted by :mod:`lightning_effi.core.measure`:
+
+- samples: the batch's first dimension (:func:`batch_size_of`);
+- tokens: the batch's ``attention_mask`` sum, else its ``input_ids`` / first integer ``[B, T]`` tensor's size
+  (:func:`tokens_of`), else the tokens in the hidden states the network's first transformer block was called with in
+  the training step (``[B, T, H]``: a ViT's patches and prefix tokens);
+- layer-tokens: tokens x the network's transformer blocks (:func:`lightning_effi.core.measure.find_blocks`: a
+  registered random-LTD adapter's layer list, else the ``nn.ModuleList`` / ``nn.Sequential`` of identical blocks that
+  holds the most parameters);
+- FLOPs: the network's calls in the training step replayed on a fake-tensor copy under ``FlopCounterMode``, once per
+  input shape (:class:`lightning_effi.core.measure.FlopsMeter`; forward + backward, no forward on real data).
+
+A figure that cannot be found reads 0 with one warning per quantity that names the hook to define; never a silent 0.
+Which operations the FLOPs include: :mod:`lightning_effi.core.flops`.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ import dataclasses
 import math
 import re
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -51,9 +66,22 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
+
+from lightning_effi.core.measure import (
+    CallRecord,
+    CallRecorder,
+    FlopsMeter,
+    MeasureError,
+    find_batch_size,
+    find_blocks,
+    find_tokens,
+    hidden_tokens,
+    tensor_leaves,
+    token_source,
+)
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
 TIME_KEYS = ("time_train", "time_data", "time_eval")
@@ -82,8 +110,10 @@ class BatchStats:
 class Baseline:
     """What one technique changed in a training batch, returned by a callback's ``effi_baseline(batch, pl_module)``
     so that :class:`EfficiencyMonitor` can count the batch as the run without the technique would have computed it.
-    The module's own hooks count it (``effi_count_tokens``, ``effi_num_layers``, ``effi_training_flops``), so the
-    technique needs no FLOPs formula.
+    The module's own hooks count it (``effi_count_tokens``, ``effi_num_layers``, ``effi_training_flops``), or, for a
+    module without them, the monitor's measurement (the network's recorded calls replayed with ``batch``'s shapes and
+    on ``model``'s network, the block list found again inside ``model``'s context), so the technique needs no FLOPs
+    formula.
 
     Attributes:
         batch: the batch as the data pipeline without the technique would have made it; only what the module's
@@ -129,35 +159,25 @@ class BatchAccount:
 
 
 def batch_size_of(batch: Any) -> int:
-    """Number of samples in a batch: the first dimension of ``labels``, ``input_ids`` or ``pixel_values`` (in that
-    order) of a dict batch, else of its first tensor; for a tuple/list batch, of its first element."""
-    if isinstance(batch, Mapping):
-        for key in ("labels", "input_ids", "pixel_values"):
-            value = batch.get(key)
-            if isinstance(value, Tensor) and value.ndim > 0:
-                return int(value.shape[0])
-        values: Sequence[Any] = list(batch.values())
-    elif isinstance(batch, (tuple, list)):
-        values = batch
-    else:
-        values = [batch]
-    for value in values:
-        if isinstance(value, Tensor) and value.ndim > 0:
-            return int(value.shape[0])
-        if isinstance(value, (Mapping, tuple, list)):
-            return batch_size_of(value)
-    raise TypeError(f"cannot infer the batch size of a {type(batch).__name__} batch")
+    """Number of samples in a batch of any structure (dicts, HF ``BatchEncoding``, tuples, lists, dataclasses,
+    nested): the first dimension of ``labels``, ``input_ids`` or ``pixel_values`` (in that order) of a dict batch,
+    else of its first tensor with a dimension (:func:`lightning_effi.core.measure.find_batch_size`).
+
+    Raises:
+        TypeError: the batch has no tensor with a dimension.
+    """
+    size = find_batch_size(batch)
+    if size is None:
+        raise TypeError(f"cannot infer the batch size of a {type(batch).__name__} batch (no tensor with a dimension)")
+    return size
 
 
 def tokens_of(batch: Any) -> int:
-    """Non-padding tokens in a dict batch: ``attention_mask.sum()`` if present, else ``input_ids.numel()``, else 0."""
-    if not isinstance(batch, Mapping):
-        return 0
-    mask = batch.get("attention_mask")
-    if isinstance(mask, Tensor):
-        return int(mask.sum().item())
-    ids = batch.get("input_ids")
-    return int(ids.numel()) if isinstance(ids, Tensor) else 0
+    """Tokens in a batch of any structure: ``attention_mask.sum()`` if it has one (padding excluded), else the size
+    of ``input_ids``, else of its first integer ``[B, T]`` tensor (token ids), else 0
+    (:func:`lightning_effi.core.measure.find_tokens`)."""
+    tokens = find_tokens(batch)
+    return 0 if tokens is None else tokens
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -195,6 +215,15 @@ def technique_name(callback: Any) -> str:
         return TECHNIQUE_NAMES[cls]
     cls = cls.removesuffix("Callback") or cls
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", cls).lower()
+
+
+#: a network's transformer block list
+Blocks = nn.ModuleList | nn.Sequential
+
+
+def _shapes(batch: Any) -> list[tuple[Any, tuple[int, ...]]]:
+    """The paths and shapes of a batch's tensors (:func:`lightning_effi.core.measure.leaves`)."""
+    return [(path, tuple(value.shape)) for path, value in tensor_leaves(batch)]
 
 
 def _scaled(counts: Counts, factor: float) -> Counts:
@@ -250,8 +279,9 @@ class EfficiencyMonitor(Callback):
     logs ``effi/*``; writes a summary.
 
     Per training batch (in ``on_train_batch_end``): the module's counts (``effi_count_tokens``, ``effi_num_layers``,
-    ``effi_training_flops`` of the batch, with the model in place), lowered by every callback's ``effi_adjust`` in
-    callback order, are what was computed. The baseline undoes the techniques one at a time, in reverse callback
+    ``effi_training_flops`` of the batch, with the model in place; where the module lacks a hook, the figure found or
+    measured as the module docstring says), lowered by every callback's ``effi_adjust`` in callback order, are what
+    was computed. The baseline undoes the techniques one at a time, in reverse callback
     order: first every ``effi_adjust`` (each callback saved what it lowered), then, for every callback with an
     ``effi_baseline`` hook (:class:`~lightning_effi.core.protocols.ProvidesBaseline`: the curriculum's untruncated
     batch, the V-cycle's full model, InfoBatch's pruned samples), the batch is counted again with that technique's
@@ -280,6 +310,16 @@ class EfficiencyMonitor(Callback):
       (:func:`technique_name`: ``random_ltd``, ``vcycle``, ``infobatch``, ``curriculum``, ...);
     - every ``effi_summary()`` of other callbacks.
 
+    A figure that cannot be found (no hook, nothing in the batch, no transformer blocks, a network that cannot be
+    replayed) reads 0 and warns once per quantity, naming the hook to define. In a baseline (a technique's
+    :class:`Baseline` with another batch or model), a figure that cannot be found keeps the value before that
+    technique was undone (no saving claimed), with the same warning.
+
+    Measuring FLOPs (a module without ``effi_training_flops`` and ``flops_per_batch``) records the network's calls
+    between ``on_train_batch_start`` and ``on_train_batch_end`` with process-wide module forward hooks, present only
+    in that window (:class:`~lightning_effi.core.measure.CallRecorder`); finding tokens in the hidden states puts a
+    forward pre-hook on the first transformer block for the same window.
+
     Raises:
         ValueError: ``log_every_n_steps`` not a positive int, ``print_summary`` not a bool.
         KeyError: (``load_state_dict``) a checkpoint with totals this monitor does not know.
@@ -302,9 +342,16 @@ class EfficiencyMonitor(Callback):
         self._batch_start: float | None = None
         self._eval_start: float | None = None
         self._fit_start: float | None = None
-        self._flops_warned = False
         self._module_flops: float | None = None  # the module's own flops_per_batch (we overwrite the attribute)
         self._written_flops: int | None = None
+        self._warned: set[str] = set()  # the quantities already warned about
+        self._recorder = CallRecorder()
+        self._meter = FlopsMeter()
+        self._calls: list[CallRecord] | None = None  # the network's calls in the current batch (None: not recorded)
+        self._batch_shapes: list[tuple[Any, tuple[int, ...]]] | None = None  # the shapes of the recorded batch
+        self._observed_tokens: int | None = None  # tokens in the first block's hidden states in the current batch
+        self._block_hook: Any = None
+        self._blocks: dict[tuple[int, ...], tuple[list[weakref.ref[nn.Module]], weakref.ref[Blocks] | None]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -312,27 +359,120 @@ class EfficiencyMonitor(Callback):
         )
 
     # ----------------------------------------------------------------------------------------- per batch
-    def module_stats(self, pl_module: pl.LightningModule, batch: Any) -> BatchStats:
-        """The module's own counts of ``batch`` with the model in place (no ``effi_adjust``)."""
-        samples = batch_size_of(batch)
+    def _warn(self, quantity: str, message: str) -> None:
+        if quantity not in self._warned:
+            self._warned.add(quantity)
+            rank_zero_warn(f"{type(self).__name__}: {message}")
+
+    def _own_flops(self, pl_module: pl.LightningModule) -> float:
+        """The module's own ``flops_per_batch`` (0.0 if none), not the value this monitor wrote there last."""
+        value = getattr(pl_module, "flops_per_batch", None)
+        if value != self._written_flops or self._module_flops is None:
+            self._module_flops = (
+                float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+            )
+        return self._module_flops
+
+    def find_blocks(self, pl_module: nn.Module) -> Blocks | None:
+        """The transformer block list of the network now in ``pl_module``
+        (:func:`lightning_effi.core.measure.find_blocks`), cached per set of ``pl_module``'s direct children (a
+        technique that swaps the network, the V-cycle, gets the new one's)."""
+        children = list(pl_module.children())
+        key = (id(pl_module), *map(id, children))
+        cached = self._blocks.get(key)
+        if cached is not None and all(r() is c for r, c in zip(cached[0], children)):
+            return None if cached[1] is None else cached[1]()
+        blocks = find_blocks(pl_module)
+        if len(self._blocks) >= 16:
+            self._blocks.clear()
+        self._blocks[key] = ([weakref.ref(c) for c in children], None if blocks is None else weakref.ref(blocks))
+        return blocks
+
+    def num_layers(self, pl_module: pl.LightningModule) -> int | None:
+        """The module's ``effi_num_layers``, else the length of the network's block list (:meth:`find_blocks`),
+        else None."""
+        value = getattr(pl_module, "effi_num_layers", None)
+        if value is not None:
+            return int(value)
+        blocks = self.find_blocks(pl_module)
+        return None if blocks is None else len(blocks)
+
+    def training_flops(self, pl_module: pl.LightningModule, batch: Any) -> float:
+        """Training FLOPs (forward + backward) of ``batch`` on the network now in ``pl_module``, before any
+        ``effi_adjust``: the module's ``effi_training_flops(batch)``, else its own ``flops_per_batch``, else the
+        network's calls recorded in the current training batch replayed (module docstring), with the shapes of
+        ``batch`` where they differ from the trained batch's. Valid from this monitor's ``on_train_batch_end`` until
+        the next batch starts (inside a technique's ``Baseline.model`` context: that model's FLOPs).
+
+        Raises:
+            NotImplementedError: the FLOPs cannot be counted (the message says why and names the hook to define).
+        """
+        fn = getattr(pl_module, "effi_training_flops", None)
+        if callable(fn):
+            return float(fn(batch))
+        own = self._own_flops(pl_module)
+        if own:
+            return own
+        hint = "define `effi_training_flops(batch)` on your LightningModule (or set `flops_per_batch`)"
+        if self._calls is None:
+            raise NotImplementedError(f"no training step was recorded for this batch; {hint}")
+        if not self._calls:
+            raise NotImplementedError(
+                f"no call of {type(pl_module).__name__} or of a submodule was seen in the training step; {hint}"
+            )
+        calls = self._calls
+        try:
+            if self._batch_shapes is not None and _shapes(batch) != self._batch_shapes:
+                calls = [call.on_batch(batch) for call in calls]
+            return float(self._meter.flops(pl_module, calls))
+        except MeasureError as err:
+            raise NotImplementedError(f"{err}; {hint}") from err
+
+    def module_stats(self, pl_module: pl.LightningModule, batch: Any, fallback: BatchStats | None = None) -> BatchStats:
+        """The module's own counts of ``batch`` with the model in place (no ``effi_adjust``); a figure that cannot
+        be found is ``fallback``'s (0 without one), with a warning (class docstring)."""
+
+        def missing(quantity: str, message: str) -> int:
+            self._warn(quantity, message)
+            return 0 if fallback is None else int(getattr(fallback, quantity))
+
+        kind = type(batch).__name__
+        size = find_batch_size(batch)
+        if size is None:
+            size = missing("samples", f"samples cannot be counted: the {kind} batch has no tensor with a dimension")
         count_tokens = getattr(pl_module, "effi_count_tokens", None)
-        tokens = int(count_tokens(batch)) if callable(count_tokens) else tokens_of(batch)
-        layer_tokens = tokens * int(getattr(pl_module, "effi_num_layers", 0) or 0)
-        flops_fn = getattr(pl_module, "effi_training_flops", None)
-        if callable(flops_fn):
-            flops = float(flops_fn(batch))
+        if callable(count_tokens):
+            found: int | None = int(count_tokens(batch))
         else:
-            value = getattr(pl_module, "flops_per_batch", None)
-            if value != self._written_flops or self._module_flops is None:  # the module's own, not our last write
-                self._module_flops = float(value or 0.0)
-            flops = self._module_flops
-            if flops == 0.0 and not self._flops_warned:
-                self._flops_warned = True
-                rank_zero_warn(
-                    "EfficiencyMonitor: FLOPs are not counted; define `effi_training_flops(batch)` or set "
-                    "`flops_per_batch` on your LightningModule"
-                )
-        return BatchStats(samples, tokens, layer_tokens, flops)
+            found = find_tokens(batch)
+            if found is None and self._batch_shapes is not None and _shapes(batch) == self._batch_shapes:
+                found = self._observed_tokens
+        tokens = found
+        if tokens is None:
+            tokens = missing(
+                "tokens",
+                f"tokens (and layer-tokens) cannot be counted: the {kind} batch has no `attention_mask`, `input_ids` "
+                "or integer [B, T] tensor, and no transformer block of the network was called with [B, T, H] hidden "
+                "states; define `effi_count_tokens(batch) -> int` on your LightningModule",
+            )
+        layers = self.num_layers(pl_module)
+        if layers is not None:
+            layer_tokens = tokens * layers
+        elif found is None:  # already warned about tokens
+            layer_tokens = 0 if fallback is None else fallback.layer_tokens
+        else:
+            layer_tokens = missing(
+                "layer_tokens",
+                f"layer-tokens cannot be counted: no transformer block list was found in {type(pl_module).__name__} "
+                "(no registered adapter matches, no nn.ModuleList / nn.Sequential of identical blocks); set "
+                "`effi_num_layers` (int) on your LightningModule",
+            )
+        try:
+            flops = self.training_flops(pl_module, batch)
+        except NotImplementedError as err:
+            self._warn("flops", f"training FLOPs cannot be counted: {err}")
+            flops = 0.0 if fallback is None else fallback.flops
+        return BatchStats(size, tokens, layer_tokens, flops)
 
     def account(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> BatchAccount:
         """One training batch: what was computed, the baseline and each technique's saving (class docstring)."""
@@ -355,7 +495,7 @@ class EfficiencyMonitor(Callback):
                 stats = lowered
         actual = stats
         current: Counts = raw.values()
-        scale, changed_batch = 1.0, batch
+        scale, changed_batch, before = 1.0, batch, raw
         models: list[Callable[[], AbstractContextManager[Any]]] = []
         for callback in reversed(callbacks):
             hook = baseline_hook(callback)
@@ -371,7 +511,8 @@ class EfficiencyMonitor(Callback):
                 with ExitStack() as stack:
                     for enter in models:
                         stack.enter_context(enter())
-                    raised = _scaled(self.module_stats(pl_module, changed_batch).values(), scale)
+                    before = self.module_stats(pl_module, changed_batch, fallback=before)
+                raised = _scaled(before.values(), scale)
             add(technique_name(callback), current, raised)
             current = raised
         return BatchAccount(actual, current, {k: (v[0], v[1], v[2], v[3]) for k, v in saved.items()})
@@ -398,7 +539,7 @@ class EfficiencyMonitor(Callback):
             base = COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
-            self._module_flops = self._written_flops = None
+            self._module_flops = None  # _written_flops stays: the module may still hold what we wrote in a last fit
 
     def _check_order(self, trainer: pl.Trainer) -> None:
         """A technique that changes the model's shapes (the V-cycle) switches models in its ``on_train_batch_end``;
@@ -434,10 +575,39 @@ class EfficiencyMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._watch(pl_module, batch)
         now = self._now(pl_module)
         if self._mark is not None:
             self.totals["time_data"] += now - self._mark
         self._batch_start = now
+
+    def _watch(self, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Before the training step: record the network's calls when FLOPs must be measured, and the first
+        transformer block's hidden states when the batch does not tell the tokens (class docstring)."""
+        self._unwatch(None)
+        self._calls, self._batch_shapes, self._observed_tokens = None, None, None
+        if not callable(getattr(pl_module, "effi_training_flops", None)) and not self._own_flops(pl_module):
+            self._recorder.start(pl_module)
+        if not callable(getattr(pl_module, "effi_count_tokens", None)) and token_source(batch) is None:
+            blocks = self.find_blocks(pl_module)
+            first = next(iter(blocks.children()), None) if blocks is not None else None
+            if first is not None:
+                self._block_hook = first.register_forward_pre_hook(self._observe, with_kwargs=True)
+
+    def _observe(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._observed_tokens is None:
+            self._observed_tokens = hidden_tokens(args, kwargs)
+
+    def _unwatch(self, batch: Any) -> None:
+        """After the training step (``batch``: the trained batch) or on an error (None): remove the hooks."""
+        if self._recorder.active:
+            self._recorder.stop(batch)
+            self._calls = self._recorder.calls
+        if self._block_hook is not None:
+            self._block_hook.remove()
+            self._block_hook = None
+        if batch is not None:
+            self._batch_shapes = _shapes(batch)
 
     @override
     def on_train_batch_end(
@@ -446,6 +616,7 @@ class EfficiencyMonitor(Callback):
         now = self._now(pl_module)
         if self._batch_start is not None:
             self.totals["time_train"] += now - self._batch_start
+        self._unwatch(batch)
         account = self.account(trainer, pl_module, batch)
         for q, actual, baseline in zip(QUANTITIES, account.actual.values(), account.baseline):
             self.totals[q] += actual
@@ -462,6 +633,14 @@ class EfficiencyMonitor(Callback):
         if int(self.totals["batches"]) % max(every, 1) == 0:
             self._log(trainer, pl_module)
         self._mark = self._now(pl_module)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._unwatch(None)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._unwatch(None)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -15,7 +15,8 @@ Conventions (those of ``torch.utils.flop_counter`` and of the papers: Kaplan et 
   on the CPU with attention dropout) and eager attention do not.
 
 These are the counts ``torch.utils.flop_counter.FlopCounterMode`` reports for a real training step, once PyTorch's CPU
-flash-attention kernels (which it has no formula for) are given the formulas of the CUDA ones, as the tests do.
+flash-attention kernels (which it has no formula for) are given the formulas of the CUDA ones
+(:data:`CPU_SDPA_FORMULAS`, :func:`flop_counter`).
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 Head = Literal["lm", "mlm", "cls", "none"]
 
 __all__ = [
+    "CPU_SDPA_FORMULAS",
     "attention_recompute_flops",
     "count_training_flops",
+    "flop_counter",
     "measured_training_flops",
     "sdpa_recomputes",
     "transformer_forward_flops",
@@ -121,6 +124,30 @@ def sdpa_recomputes(device: torch.device | str, dropout_p: float = 0.0) -> bool:
     recomputes the scores: PyTorch picks flash / memory-efficient / cuDNN on CUDA and its flash kernel on the CPU, but
     the math fallback on the CPU when attention dropout is on (``dropout_p > 0``)."""
     return not (torch.device(device).type == "cpu" and dropout_p > 0)
+
+
+def _cpu_flash_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return int(sdpa_flop_count(query, key, value))  # type: ignore[no-untyped-call]
+
+
+def _cpu_flash_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return int(sdpa_backward_flop_count(grad_out, query, key, value))  # type: ignore[no-untyped-call]
+
+
+#: ``FlopCounterMode`` formulas for PyTorch's CPU flash-attention kernels of ``F.scaled_dot_product_attention``, which
+#: it has none for (it registers the CUDA flash / memory-efficient / cuDNN ones): those of the CUDA kernels,
+#: ``4·B·h·S·S·d`` forward (the full square, causal or not) and 2.5x that backward (the scores recomputed, Dao et al.
+#: 2022). The math fallback (the CPU with attention dropout) decomposes into ``bmm`` and is counted anyway.
+CPU_SDPA_FORMULAS: dict[Any, Any] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+}
+
+
+def flop_counter() -> FlopCounterMode:
+    """``FlopCounterMode(display=False)`` that also counts the CPU kernels of scaled-dot-product attention
+    (:data:`CPU_SDPA_FORMULAS`): on any device, the FLOPs of the attention kernel that device runs."""
+    return FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FORMULAS)
 
 
 def _sdpa_math(

@@ -1,0 +1,617 @@
+"""What a training batch computed, found without the module's help: the batch size and tokens of any batch
+structure, the transformer blocks of a network, and training FLOPs measured by replaying the network's calls.
+
+Used by :class:`~lightning_effi.core.accounting.EfficiencyMonitor` for a LightningModule that does not define the
+counting hooks (``effi_count_tokens``, ``effi_num_layers``, ``effi_training_flops``). No Lightning here.
+
+**Batches** (:func:`leaves`): dicts and other mappings (HF ``BatchEncoding``), tuples, lists, named tuples and
+dataclasses, nested; a leaf's *path* is the keys, indices and field names leading to it.
+
+**FLOPs** (:class:`CallRecorder`, :class:`FlopsMeter`): during the real training step the recorder notes every
+outermost call of a module inside the LightningModule (the LightningModule itself when ``training_step`` calls
+``self(...)``, else its submodules: ``self.model(**batch)``, ``self.backbone.forward_features(x)``'s blocks, a head
+called on the features; not the calls autograd makes in the backward, activation checkpointing's recompute, which the
+replay of the outer call repeats): the argument shapes, dtypes, ``requires_grad``, the grad mode, and which outputs
+received a gradient in the backward. Nothing of the data is kept. The meter then replays each call on a copy of the
+module whose parameters, buffers and tensor attributes are ``FakeTensor`` s on the call's device (no memory, no
+compute) under ``torch.utils.flop_counter.FlopCounterMode``: the forward, then a backward from the outputs that had
+a gradient (none: forward only, e.g. a frozen teacher under ``no_grad``). FLOPs are counted as
+:mod:`lightning_effi.core.flops` says, by its :func:`~lightning_effi.core.flops.flop_counter` (matrix products,
+convolutions, and the attention kernel the call's device picks for fake tensors of its device, as for real ones).
+The copy keeps every module's training mode (so gradient checkpointing recomputes and attention dropout picks the
+kernel as in the real step), has no hooks (no user hook, random-LTD's or anybody's, runs) and has random-LTD's token
+dropping undone (its layers run their original ``forward``: the FLOPs are those of the unpatched network, which
+random-LTD's ``effi_adjust`` lowers); the RNG states are restored after it, and the copy is dropped. Nothing runs on
+the real module or data. ``FakeTensor`` rather than the ``meta`` device: HF models skip their data-dependent mask
+checks on fake tensors (they fail on ``meta``). A call is measured once per (argument shapes, grad mode, outputs
+used, the module's type, training mode and parameter shapes / ``requires_grad``) and cached.
+
+What is not measured: matrix products in the LightningModule's own code outside any module call (``x @ self.weight``
+in ``training_step``); a module whose forward needs real values (data-dependent shapes or control flow) fails to
+replay and is reported (:class:`MeasureError`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import math
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_effi.core.flops import flop_counter
+
+__all__ = [
+    "CallRecord",
+    "CallRecorder",
+    "FlopsMeter",
+    "MeasureError",
+    "TensorInfo",
+    "find_batch_size",
+    "find_blocks",
+    "find_tokens",
+    "hidden_tokens",
+    "leaves",
+    "tensor_leaves",
+    "token_source",
+]
+
+Path = tuple[Any, ...]
+
+
+class MeasureError(RuntimeError):
+    """A figure that cannot be measured (the message says why)."""
+
+
+# --------------------------------------------------------------------------------------------------- batches
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """``(path, leaf)`` of every leaf of a nested batch, depth first in order: mappings by key (HF ``BatchEncoding``,
+    HF ``ModelOutput`` included), tuples and lists by index, dataclass instances by field name; anything else is a
+    leaf (tensors, numbers, strings, ``None``)."""
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from leaves(value, (*path, key))
+    elif isinstance(obj, (tuple, list)):
+        for i, value in enumerate(obj):
+            yield from leaves(value, (*path, i))
+    elif _is_dataclass_instance(obj):
+        for f in dataclasses.fields(obj):
+            yield from leaves(getattr(obj, f.name), (*path, f.name))
+    else:
+        yield path, obj
+
+
+def tensor_leaves(obj: Any) -> Iterator[tuple[Path, Tensor]]:
+    """The tensor leaves of :func:`leaves`."""
+    return ((p, v) for p, v in leaves(obj) if isinstance(v, Tensor))
+
+
+def find_batch_size(batch: Any) -> int | None:
+    """Samples in a batch: the first dimension of the ``labels``, ``input_ids`` or ``pixel_values`` entry (in that
+    order) of a mapping batch, else of its first tensor leaf with at least one dimension (:func:`leaves` order);
+    None when the batch has no such tensor."""
+    if isinstance(batch, Mapping):
+        for key in ("labels", "input_ids", "pixel_values"):
+            value = batch.get(key)
+            if isinstance(value, Tensor) and value.ndim > 0:
+                return int(value.shape[0])
+    for _, value in tensor_leaves(batch):
+        if value.ndim > 0:
+            return int(value.shape[0])
+    return None
+
+
+def _named(batch: Any, name: str) -> Tensor | None:
+    for path, value in tensor_leaves(batch):
+        if path and path[-1] == name:
+            return value
+    return None
+
+
+def token_source(batch: Any) -> tuple[str, Tensor] | None:
+    """Where :func:`find_tokens` reads a batch's tokens: ``("mask", attention_mask)`` or ``("ids", tensor)``; None
+    when the batch has no such tensor. Reads no values (no device synchronization)."""
+    mask = _named(batch, "attention_mask")
+    if mask is not None:
+        return "mask", mask
+    ids = _named(batch, "input_ids")
+    if ids is not None:
+        return "ids", ids
+    for _, value in tensor_leaves(batch):
+        if value.ndim == 2 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
+            return "ids", value
+    return None
+
+
+def find_tokens(batch: Any) -> int | None:
+    """Tokens of a batch, found in its tensors (:func:`leaves`, any structure): the sum of the first leaf named
+    ``attention_mask`` (padding excluded), else the size of the first leaf named ``input_ids``, else of the first
+    integer (not bool) tensor of shape ``[B, T]`` (token ids; in a tuple batch, whose tensors have no names, padding is
+    counted); None when the batch has none of these (images, float features)."""
+    source = token_source(batch)
+    if source is None:
+        return None
+    kind, tensor = source
+    return int(tensor.sum().item()) if kind == "mask" else int(tensor.numel())
+
+
+def hidden_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    """Tokens in the hidden states a transformer block is called with: the product of all but the last dimension of
+    its first tensor argument when that is 3-D (``[B, T, H]`` or ``[T, B, H]``); None otherwise."""
+    hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+    if hidden is None or hidden.ndim != 3:
+        return None
+    return int(math.prod(hidden.shape[:-1]))
+
+
+# ---------------------------------------------------------------------------------------------------- blocks
+def _has_params(module: nn.Module) -> bool:
+    return next(iter(module.parameters()), None) is not None
+
+
+def find_blocks(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
+    """The transformer block list of a network: the layer list of the first registered random-LTD adapter that matches
+    a submodule (:func:`lightning_effi.models.base.find_adapter`: HF GPT-2, HF BERT, timm ViT), else, of every
+    ``nn.ModuleList`` (at least 1 entry) and ``nn.Sequential`` (at least 2) whose entries are modules of one class,
+    each with submodules and parameters, the one holding the most parameters (the layer stack rather than, say, the
+    experts inside one layer), longer first on a tie. None when there is none (an MLP of ``Linear`` layers, a CNN of
+    mixed layers). Read only: nothing is bound or changed."""
+    try:
+        from lightning_effi.models import find_adapter
+
+        layers = find_adapter(module, "auto").layers()
+        if len(layers):
+            return layers
+    except Exception:  # no registered adapter matches (ValueError) or one cannot read this model: use the shapes
+        pass
+    best: tuple[int, int, nn.ModuleList | nn.Sequential] | None = None
+    for sub in module.modules():
+        if not isinstance(sub, (nn.ModuleList, nn.Sequential)):
+            continue
+        entries = list(sub.children())
+        if len(entries) < (1 if isinstance(sub, nn.ModuleList) else 2) or len(entries) != len(sub):
+            continue
+        kind = type(entries[0])
+        if not all(type(e) is kind and next(e.children(), None) is not None and _has_params(e) for e in entries):
+            continue
+        score = (sum(p.numel() for p in sub.parameters()), len(entries))
+        if best is None or score > best[:2]:
+            best = (*score, sub)
+    return None if best is None else best[2]
+
+
+# ------------------------------------------------------------------------------------------------------ calls
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """A tensor argument of a recorded call, without its values.
+
+    Attributes:
+        shape, dtype, device, requires_grad: of the real tensor.
+        path: where the same tensor object sits in the training batch (:func:`leaves`), None if it is not a batch
+            tensor (set by :meth:`CallRecorder.stop`; not part of the cache key).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    requires_grad: bool
+    path: Path | None = dataclasses.field(default=None, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+    """A dataclass instance or named tuple among the arguments: its class and its described fields."""
+
+    cls: type
+    fields: tuple[tuple[str, Any], ...]
+    positional: bool = False  # a named tuple: built as cls(*values)
+
+    def build(self) -> Any:
+        if self.positional:
+            return self.cls(*(value for _, value in self.fields))
+        out: Any = object.__new__(self.cls)
+        for name, value in self.fields:
+            object.__setattr__(out, name, value)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opaque:
+    """An argument the replay cannot rebuild (not a tensor, container or plain value)."""
+
+    kind: str
+
+
+#: argument values passed to the replay as they are
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, slice)
+
+
+def _describe(value: Any, refs: list[tuple[TensorInfo, weakref.ref[Tensor]]]) -> Any:
+    """``value`` with every tensor replaced by a :class:`TensorInfo` (and its weak reference appended to
+    ``refs``), containers rebuilt (mappings as dicts, dataclass instances as :class:`_Fields`), plain values kept,
+    anything else an :class:`_Opaque`."""
+    if isinstance(value, Tensor):
+        info = TensorInfo(tuple(value.shape), value.dtype, str(value.device), bool(value.requires_grad))
+        refs.append((info, weakref.ref(value)))
+        return info
+    if isinstance(value, Mapping):
+        return {k: _describe(v, refs) for k, v in value.items()}
+    names = getattr(type(value), "_fields", None)
+    if isinstance(value, tuple) and isinstance(names, tuple):  # a named tuple
+        return _Fields(type(value), tuple((f, _describe(v, refs)) for f, v in zip(names, value)), True)
+    if isinstance(value, tuple):
+        return tuple(_describe(v, refs) for v in value)
+    if isinstance(value, list):
+        return [_describe(v, refs) for v in value]
+    if _is_dataclass_instance(value):
+        return _Fields(
+            type(value), tuple((f.name, _describe(getattr(value, f.name), refs)) for f in dataclasses.fields(value))
+        )
+    if isinstance(value, _PLAIN) or value is Ellipsis:
+        return value
+    return _Opaque(type(value).__name__)
+
+
+def _freeze(info: Any) -> Any:
+    """A hashable key of described arguments."""
+    if isinstance(info, _Fields):
+        return (info.cls, tuple((k, _freeze(v)) for k, v in info.fields), info.positional)
+    if isinstance(info, dict):
+        return ("dict", tuple((k, _freeze(v)) for k, v in info.items()))
+    if isinstance(info, (tuple, list)):
+        return (type(info).__name__, tuple(_freeze(v) for v in info))
+    try:
+        hash(info)
+    except TypeError:
+        return ("unhashable", type(info).__name__, id(info))
+    return info
+
+
+def _map_tensors(info: Any, fn: Callable[[TensorInfo], Any]) -> Any:
+    if isinstance(info, TensorInfo):
+        return fn(info)
+    if isinstance(info, dict):
+        return {k: _map_tensors(v, fn) for k, v in info.items()}
+    if isinstance(info, tuple):
+        return tuple(_map_tensors(v, fn) for v in info)
+    if isinstance(info, list):
+        return [_map_tensors(v, fn) for v in info]
+    if isinstance(info, _Fields):
+        return _Fields(info.cls, tuple((k, _map_tensors(v, fn)) for k, v in info.fields), info.positional)
+    return info
+
+
+def _described_leaves(info: Any) -> Iterator[Any]:
+    if isinstance(info, dict):
+        for v in info.values():
+            yield from _described_leaves(v)
+    elif isinstance(info, (tuple, list)):
+        for v in info:
+            yield from _described_leaves(v)
+    elif isinstance(info, _Fields):
+        for _, v in info.fields:
+            yield from _described_leaves(v)
+    else:
+        yield info
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """One outermost module call of a training step, as :meth:`FlopsMeter.flops` replays it.
+
+    Attributes:
+        target: the module's name in the LightningModule (``""``: the LightningModule itself), resolved again at
+            replay (so a technique that holds another network in place, the V-cycle's full model, is measured).
+        args, kwargs: the arguments, tensors as :class:`TensorInfo`.
+        grad: whether grad mode was on.
+        used: the paths (:func:`leaves`) of the outputs that received a gradient in the real backward.
+    """
+
+    target: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    grad: bool
+    used: set[Path] = dataclasses.field(default_factory=set)
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.target, _freeze(self.args), _freeze(self.kwargs), self.grad, tuple(sorted(map(repr, self.used))))
+
+    def opaque(self) -> list[str]:
+        """The kinds of the arguments the replay cannot rebuild."""
+        return [v.kind for v in _described_leaves((self.args, self.kwargs)) if isinstance(v, _Opaque)]
+
+    def tensors(self) -> list[TensorInfo]:
+        return [v for v in _described_leaves((self.args, self.kwargs)) if isinstance(v, TensorInfo)]
+
+    def on_batch(self, batch: Any) -> CallRecord:
+        """This call with every batch tensor argument (``path`` set) given the shape of ``batch`` at that path (the
+        baseline's batch of a technique that changed the batch's shapes, e.g. the curriculum's untruncated batch).
+
+        Raises:
+            MeasureError: a tensor argument that is not a batch tensor (its shape may depend on the batch's), or a
+                path that ``batch`` lacks.
+        """
+        found = dict(tensor_leaves(batch))
+
+        def reshape(info: TensorInfo) -> TensorInfo:
+            if info.path is None:
+                raise MeasureError(
+                    f"an argument of {self.target or 'the LightningModule'} is not a tensor of the batch, so its "
+                    "shape on a batch of other shapes is unknown"
+                )
+            value = found.get(info.path)
+            if value is None:
+                raise MeasureError(f"the batch has no tensor at {info.path}")
+            return dataclasses.replace(info, shape=tuple(value.shape))
+
+        return dataclasses.replace(
+            self, args=_map_tensors(self.args, reshape), kwargs=_map_tensors(self.kwargs, reshape), used=set(self.used)
+        )
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward (e.g. activation checkpointing recomputing a forward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and int(task()) != -1
+
+
+class CallRecorder:
+    """Records the outermost module calls inside ``root`` between :meth:`start` and :meth:`stop` (module docstring),
+    with process-wide module forward hooks (``torch.nn.modules.module.register_module_forward_pre_hook``) that do
+    nothing for modules outside ``root``. Calls made by the autograd engine during a backward (activation
+    checkpointing's recompute, already part of the replayed call) are not recorded.
+
+    Attributes:
+        calls: the calls recorded since the last :meth:`start`.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[CallRecord] = []
+        self._names: dict[int, str] = {}
+        self._stack: list[tuple[nn.Module, bool]] = []
+        self._refs: list[tuple[TensorInfo, weakref.ref[Tensor]]] = []
+        self._handles: list[Any] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def start(self, root: nn.Module) -> None:
+        """Start recording the calls of ``root`` and its submodules (a new list of :attr:`calls`)."""
+        self.stop(None)
+        self.calls, self._refs, self._stack = [], [], []
+        self._names = {id(m): name for name, m in root.named_modules()}
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [
+            register_module_forward_pre_hook(self._before),
+            register_module_forward_hook(self._after, with_kwargs=True, always_call=True),
+        ]
+
+    def stop(self, batch: Any) -> None:
+        """Stop recording; the tensor arguments that are tensors of ``batch`` get their path (:class:`TensorInfo`)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._stack = [], []
+        if batch is None or not self._refs:
+            self._refs = []
+            return
+        paths = {id(v): (p, v) for p, v in tensor_leaves(batch)}
+        found: dict[int, Path] = {}
+        for info, ref in self._refs:
+            tensor = ref()
+            entry = paths.get(id(tensor)) if tensor is not None else None
+            if entry is not None and entry[1] is tensor:
+                found[id(info)] = entry[0]
+        self._refs = []
+
+        def with_path(info: TensorInfo) -> TensorInfo:
+            return dataclasses.replace(info, path=found.get(id(info)))
+
+        for call in self.calls:
+            call.args = _map_tensors(call.args, with_path)
+            call.kwargs = _map_tensors(call.kwargs, with_path)
+
+    def _before(self, module: nn.Module, args: Any) -> None:
+        if id(module) in self._names and not _in_backward():
+            self._stack.append((module, torch.is_grad_enabled()))
+
+    def _after(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        if not self._stack or self._stack[-1][0] is not module:
+            return
+        _, grad = self._stack.pop()
+        if self._stack or len(rest) != 2:  # a nested call, or the forward raised (hook(module, args, result))
+            return
+        kwargs, output = rest
+        call = CallRecord(
+            self._names[id(module)], _describe(tuple(args), self._refs), _describe(dict(kwargs), self._refs), grad
+        )
+        self.calls.append(call)
+        if not grad:
+            return
+        for path, value in tensor_leaves(output):
+            if value.requires_grad and value.grad_fn is None:  # a leaf (a parameter returned): a hook would stay on it
+                call.used.add(path)
+            elif value.requires_grad:
+                value.register_hook(_MarkUsed(call.used, path))  # type: ignore[no-untyped-call]
+
+
+class _MarkUsed:
+    """Tensor hook: the output at ``path`` received a gradient (adds it to ``used``; the gradient is unchanged)."""
+
+    def __init__(self, used: set[Path], path: Path) -> None:
+        self.used, self.path = used, path
+
+    def __call__(self, grad: Tensor) -> None:
+        self.used.add(self.path)
+
+
+# ------------------------------------------------------------------------------------------------------ replay
+_SHARED_ATTRIBUTES = ("_modules", "_parameters", "_buffers")
+
+
+def fake_copy(
+    module: nn.Module, mode: Any, share_attributes: bool = False, device: torch.device | None = None
+) -> nn.Module:
+    """A deep copy of ``module`` whose parameters, buffers and tensor attributes are fake tensors of ``mode`` (a
+    ``FakeTensorMode``) on their real devices, or on ``device`` if given (tied parameters stay tied), with no hooks,
+    and with random-LTD's patched layers back on their original ``forward``. ``share_attributes``: the copy shares
+    ``module``'s own non-module attributes instead of copying them (for a LightningModule: its data; its trainer
+    reference is None)."""
+
+    def fake(tensor: Tensor) -> Tensor:
+        out = mode.from_tensor(tensor.detach())
+        if device is not None and out.device != device:
+            with mode:
+                out = out.to(device)
+        return out  # type: ignore[no-any-return]
+
+    memo: dict[int, Any] = {}
+    for sub in module.modules():
+        for name, value in vars(sub).items():
+            if "hooks" in name and isinstance(value, dict):  # _forward_hooks, _state_dict_pre_hooks, ...
+                memo[id(value)] = type(value)()
+            elif isinstance(value, Tensor) and id(value) not in memo:
+                memo[id(value)] = fake(value)
+        for p in sub._parameters.values():
+            if p is not None and id(p) not in memo:
+                memo[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
+        for b in sub._buffers.values():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = fake(b)
+    if share_attributes:
+        for name, value in vars(module).items():
+            if name not in _SHARED_ATTRIBUTES and id(value) not in memo:
+                memo[id(value)] = value
+    clone = copy.deepcopy(module, memo)
+    try:
+        from lightning_effi.random_ltd.patching import LTDForward
+    except ImportError:  # pragma: no cover - the package ships random-LTD
+        return clone
+    for sub in clone.modules():
+        forward = sub.__dict__.get("forward")
+        if isinstance(forward, LTDForward):
+            sub.__dict__["forward"] = forward.original
+    return clone
+
+
+def _fake_tensor_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _materialize(info: Any) -> Any:
+    """Build the replay arguments (inside the fake mode: ``torch.empty`` makes fake tensors, nothing is allocated)."""
+
+    def build(t: TensorInfo) -> Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        return out.requires_grad_(True) if t.requires_grad and (out.is_floating_point() or out.is_complex()) else out
+
+    def rebuild(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: rebuild(v) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(rebuild(v) for v in value)
+        if isinstance(value, _Fields):
+            return _Fields(value.cls, tuple((k, rebuild(v)) for k, v in value.fields), value.positional).build()
+        return value
+
+    return rebuild(_map_tensors(info, build))
+
+
+def structure_key(module: nn.Module) -> tuple[Any, ...]:
+    """What the training FLOPs of a call depend on besides its arguments: the module's class and training mode, and
+    its parameters' shapes and ``requires_grad``."""
+    return (
+        type(module).__qualname__,
+        module.training,
+        tuple((tuple(p.shape), p.requires_grad) for p in module.parameters()),
+    )
+
+
+def replay_flops(root: nn.Module, call: CallRecord) -> int:
+    """Training FLOPs of ``call`` replayed on a fake copy of its target inside ``root`` (module docstring).
+
+    Raises:
+        MeasureError: the target is gone, an argument cannot be rebuilt, or the replay fails (the message has the
+            error).
+    """
+    if opaque := call.opaque():
+        raise MeasureError(f"{call.target or 'the LightningModule'} was called with {', '.join(opaque)} arguments")
+    try:
+        target = root.get_submodule(call.target) if call.target else root
+    except AttributeError as err:
+        raise MeasureError(f"no module {call.target!r} in {type(root).__name__}") from err
+    # the device the call ran on: its arguments'; a module held elsewhere for counting (the V-cycle's parked full
+    # model, on the CPU) is measured as if it were there
+    own = {t.device for t in (*target.parameters(), *target.buffers())}
+    given = {torch.device(t.device) for t in call.tensors()}
+    device = next(iter(given)) if len(given) == 1 else next(iter(own), torch.device("cpu"))
+    move = device if len(own) == 1 and device not in own else None
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mode = _fake_tensor_mode()
+            clone = fake_copy(target, mode, share_attributes=target is root, device=move)
+            with mode, flop_counter() as counter:
+                args, kwargs = _materialize(call.args), _materialize(call.kwargs)
+                with torch.set_grad_enabled(call.grad):
+                    output = clone(*args, **kwargs)
+                used = [v for p, v in tensor_leaves(output) if p in call.used and v.requires_grad]
+                if used:
+                    loss = used[0].float().sum()
+                    for value in used[1:]:
+                        loss = loss + value.float().sum().to(loss.device)
+                    loss.backward()  # type: ignore[no-untyped-call]
+            return int(counter.get_total_flops())
+    except Exception as err:
+        raise MeasureError(f"replaying {type(target).__name__} failed ({type(err).__name__}: {err})") from err
+
+
+class FlopsMeter:
+    """Training FLOPs of recorded calls (:class:`CallRecorder`), each replayed once per cache key
+    (:meth:`CallRecord.key` and :func:`structure_key` of its target) and cached, failures included."""
+
+    def __init__(self) -> None:
+        self._cache: OrderedDict[tuple[Any, ...], int | MeasureError] = OrderedDict()
+        self.max_entries = 4096
+
+    def flops(self, root: nn.Module, calls: Sequence[CallRecord]) -> int:
+        """The sum over ``calls`` of their training FLOPs on the modules now inside ``root``.
+
+        Raises:
+            MeasureError: a call cannot be replayed (:func:`replay_flops`).
+        """
+        total = 0
+        for call in calls:
+            try:
+                target = root.get_submodule(call.target) if call.target else root
+            except AttributeError as err:
+                raise MeasureError(f"no module {call.target!r} in {type(root).__name__}") from err
+            key = (call.key(), structure_key(target))
+            result = self._cache.get(key)
+            if result is None:
+                try:
+                    result = replay_flops(root, call)
+                except MeasureError as err:
+                    result = err
+                self._cache[key] = result
+                if len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)
+            if isinstance(result, MeasureError):
+                raise result
+            total += result
+        return total

@@ -1,0 +1,483 @@
+"""EfficiencyMonitor on LightningModules as users write them (issue #18, item 4): no ``effi_*`` hooks, plain ``loss``
+returns, tuple / ``BatchEncoding`` batches. Tokens, layer-tokens and FLOPs are found or measured
+(:mod:`lightning_effi.core.measure`) and equal hand counts and the flop counter on the real training step; what
+cannot be found warns once, naming the hook to define."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import lightning.pytorch as pl
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+import transformers
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_effi.callbacks import RandomLTDCallback, VCycleCallback
+from lightning_effi.core.accounting import Baseline, EfficiencyMonitor, lengthen_batch
+from lightning_effi.core.flops import attention_recompute_flops, transformer_forward_flops, transformer_training_flops
+from lightning_effi.core.measure import CallRecorder, FlopsMeter, find_blocks, find_tokens, leaves
+from tests.helpers.flops import MeasuredFlops
+from tests.helpers.harness import make_trainer
+
+B, T, V = 4, 16, 64
+QUANTITIES = (
+    "samples",
+    "tokens",
+    "layer_tokens",
+    "flops",
+    "baseline_tokens",
+    "baseline_layer_tokens",
+    "baseline_flops",
+)
+
+
+# ------------------------------------------------------------------------------------------- user modules
+class UserModule(pl.LightningModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class UserGPT2(UserModule):
+    """``(input_ids, labels)`` tuples, the HF loss."""
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__()
+        cfg = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=V, n_positions=64, bos_token_id=0, eos_token_id=0)
+        self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**cfg, **config}))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        return self.model(input_ids=ids, labels=labels).loss
+
+
+class UserViT(UserModule):
+    """``(images, labels)`` tuples, cross-entropy on the timm model's logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = timm.create_model(
+            "vit_tiny_patch16_224",
+            pretrained=False,
+            img_size=32,
+            patch_size=8,
+            depth=2,
+            embed_dim=32,
+            num_heads=2,
+            num_classes=10,
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+class UserBert(UserModule):
+    """``BatchEncoding`` batches from a padding collate, ``self.model(**batch).loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = transformers.BertConfig(
+            vocab_size=V,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=2,
+        )
+        self.model = transformers.BertForSequenceClassification(cfg)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+class UserEncoder(UserModule):
+    """A hand-written ``nn.TransformerEncoder`` classifier called as ``self(ids)``."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 32)
+        block = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, batch_first=True)
+        self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)).mean(dim=1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, y = batch
+        return F.cross_entropy(self(ids), y)
+
+
+class UserMLP(UserModule):
+    """Float features: no tokens anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.mlp(x), y)
+
+
+class BagOfWords(UserModule):
+    """Token ids but no transformer blocks; its forward drops the padding id 0 with a data-dependent index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids[ids > 0]).mean(dim=0, keepdim=True)).expand(ids.shape[0], -1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, y = batch
+        return F.cross_entropy(self(ids), y)
+
+
+# -------------------------------------------------------------------------------------------------- data
+def token_loader(n: int = 3 * B, seq: int = T, labels: str = "lm") -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V, (n, seq), generator=g)
+    y = ids if labels == "lm" else torch.randint(0, 10, (n,), generator=g)
+    return DataLoader(TensorDataset(ids, y), batch_size=B)
+
+
+def image_loader(n: int = 3 * B) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,))), batch_size=B)
+
+
+def sentences(n: int = 3 * B) -> list[tuple[torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, T + 1, (n,), generator=g)
+    return [(torch.randint(1, V, (int(k),), generator=g), i % 2) for i, k in enumerate(lengths)]
+
+
+def pad_collate(items: list[tuple[torch.Tensor, int]]) -> transformers.BatchEncoding:
+    """Pads to the longest sentence of the batch, as ``DataCollatorWithPadding`` does."""
+    longest = max(len(ids) for ids, _ in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (x, _) in enumerate(items):
+        ids[i, : len(x)], mask[i, : len(x)] = x, 1
+    labels = torch.tensor([label for _, label in items])
+    return transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask, "labels": labels})
+
+
+class PerBatch(Callback):
+    """After the monitor: what it added to its totals for each training batch."""
+
+    def __init__(self, monitor: EfficiencyMonitor) -> None:
+        self.monitor, self.rows = monitor, []
+        self._last: dict[str, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        totals = dict(self.monitor.totals)
+        self.rows.append({q: totals[q] - self._last.get(q, 0.0) for q in QUANTITIES})
+        self._last = totals
+
+
+def fit(
+    module: pl.LightningModule, loader: DataLoader, root: Path, steps: int = 3, extra: tuple[Callback, ...] = ()
+) -> tuple[EfficiencyMonitor, MeasuredFlops, PerBatch]:
+    """Fit ``steps`` batches with [MeasuredFlops (the flop counter on the real step), EfficiencyMonitor, PerBatch,
+    *extra]."""
+    measured, monitor = MeasuredFlops(), EfficiencyMonitor(print_summary=False)
+    per_batch = PerBatch(monitor)
+    make_trainer(root, [measured, monitor, per_batch, *extra], max_steps=steps, max_epochs=-1).fit(module, loader)
+    return monitor, measured, per_batch
+
+
+def monitor_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("EfficiencyMonitor:")]
+
+
+# --------------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gpt2_on_tuple_batches(tmp_path: Path, checkpointing: bool) -> None:
+    """With activation checkpointing the blocks' forward runs twice: the replay repeats it (not recorded twice)."""
+    pl.seed_everything(0)
+    module = UserGPT2()
+    if checkpointing:
+        module.model.activation_checkpointing_enable()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, measured, per_batch = fit(module, token_loader(), tmp_path)
+    assert monitor_warnings(caught) == []
+    # sdpa with attention dropout on the CPU: the math kernel, no recompute of the scores
+    hand = transformer_training_flops(B, T, 2, 32, None, V, head="lm")
+    if checkpointing:
+        hand += transformer_forward_flops(B, T, 2, 32, None, head="none")
+    for row, real in zip(per_batch.rows, measured.per_batch, strict=True):
+        assert row["tokens"] == B * T and row["layer_tokens"] == 2 * B * T and row["samples"] == B
+        assert row["flops"] == hand == real
+
+
+def test_timm_vit_on_tuple_batches(tmp_path: Path) -> None:
+    """Tokens are the patches and the class token the first block was called with; layers the ViT's blocks."""
+    pl.seed_everything(0)
+    monitor, measured, per_batch = fit(UserViT(), image_loader(), tmp_path)
+    tokens = B * ((32 // 8) ** 2 + 1)
+    patch_embed = 2 * B * 16 * (3 * 8 * 8) * 32  # a convolution on the images: no input gradient, 2x its forward
+    hand = (
+        3 * transformer_forward_flops(B, 17, 2, 32, None, head="none")
+        + attention_recompute_flops(B, 17, 2, 32)  # timm's fused attention, no dropout: the CPU flash kernel
+        + 2 * patch_embed
+        + 3 * 2 * B * 32 * 10  # the classifier on the class token
+    )
+    for row, real in zip(per_batch.rows, measured.per_batch, strict=True):
+        assert row["tokens"] == tokens and row["layer_tokens"] == 2 * tokens
+        assert row["flops"] == hand == real
+
+
+def test_bert_with_a_padding_collate(tmp_path: Path) -> None:
+    """``BatchEncoding`` batches padded per batch: tokens are the attention mask's, the FLOPs each padded length's
+    (HF's data-dependent mask checks are skipped on fake tensors)."""
+    pl.seed_everything(0)
+    loader = DataLoader(sentences(), batch_size=B, collate_fn=pad_collate)
+    batches = list(loader)
+    monitor, measured, per_batch = fit(UserBert(), loader, tmp_path)
+    assert len({b["input_ids"].shape[1] for b in batches}) > 1  # the padded lengths differ
+    for row, real, batch in zip(per_batch.rows, measured.per_batch, batches, strict=True):
+        tokens = int(batch["attention_mask"].sum())
+        assert tokens < batch["input_ids"].numel()
+        assert row["tokens"] == tokens and row["layer_tokens"] == 2 * tokens
+        length = batch["input_ids"].shape[1]
+        assert row["flops"] == transformer_training_flops(B, length, 2, 32, 64, head="cls", num_classes=2) == real
+
+
+def test_hand_written_transformer_encoder_called_as_self(tmp_path: Path) -> None:
+    """``training_step`` calls ``self(ids)``: the LightningModule's own call is replayed."""
+    pl.seed_everything(0)
+    monitor, measured, per_batch = fit(UserEncoder(), token_loader(labels="cls"), tmp_path)
+    hand = 3 * (transformer_forward_flops(B, T, 3, 32, 64, head="none") + 2 * B * 32 * 10)
+    for row, real in zip(per_batch.rows, measured.per_batch, strict=True):
+        assert row["tokens"] == B * T and row["layer_tokens"] == 3 * B * T
+        assert row["flops"] == hand == real
+    assert monitor.summary["flops"] == 3 * hand
+
+
+def test_what_cannot_be_found_warns_once_naming_the_hook(tmp_path: Path) -> None:
+    """An MLP on float features: tokens (and so layer-tokens) read 0 with one warning naming effi_count_tokens, the
+    FLOPs are still measured. Token ids without transformer blocks and a forward that cannot be replayed: the
+    layer-tokens and FLOPs warnings name effi_num_layers and effi_training_flops; the fit goes on."""
+    g = torch.Generator().manual_seed(0)
+    features = DataLoader(TensorDataset(torch.randn(3 * B, 8, generator=g), torch.randint(0, 3, (3 * B,))), B)
+    pl.seed_everything(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, measured, per_batch = fit(UserMLP(), features, tmp_path / "mlp")
+    messages = monitor_warnings(caught)
+    assert len(messages) == 1 and "tokens" in messages[0] and "`effi_count_tokens(batch) -> int`" in messages[0]
+    hand = 2 * (2 * B * 8 * 16) + 3 * (2 * B * 16 * 3)  # the first layer's input needs no gradient
+    assert [r["flops"] for r in per_batch.rows] == [hand] * 3 == measured.per_batch
+    assert monitor.summary["tokens"] == monitor.summary["layer_tokens"] == 0 and monitor.summary["samples"] == 3 * B
+
+    pl.seed_everything(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, _, _ = fit(BagOfWords(), token_loader(labels="cls"), tmp_path / "bow")
+    messages = monitor_warnings(caught)
+    assert len(messages) == 2
+    layers, flops = sorted(messages)
+    assert layers.startswith("EfficiencyMonitor: layer-tokens") and "`effi_num_layers`" in layers
+    assert flops.startswith("EfficiencyMonitor: training FLOPs") and "`effi_training_flops(batch)`" in flops
+    s = monitor.summary
+    assert s["tokens"] == 3 * B * T and s["layer_tokens"] == 0 and s["flops"] == 0.0 and s["batches"] == 3
+
+
+class Lengthen(Callback):
+    """A technique that trained ``batch`` truncated: its baseline is the batch widened to ``length``."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def effi_baseline(self, batch: Any, pl_module: pl.LightningModule) -> Baseline:
+        return Baseline(batch=lengthen_batch(batch, ["input_ids", "labels"], self.length))
+
+
+class DictGPT2(UserGPT2):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+def test_a_baseline_batch_of_other_shapes_is_measured_with_its_shapes(tmp_path: Path) -> None:
+    """The network was called with the batch's own tensors: a technique's baseline batch (the curriculum's
+    untruncated one) is measured with its shapes."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V, (3 * B, T), generator=g)
+    loader = DataLoader([{"input_ids": x, "labels": x} for x in ids], batch_size=B)
+    pl.seed_everything(0)
+    monitor, measured, per_batch = fit(DictGPT2(), loader, tmp_path, extra=(Lengthen(24),))
+    full = transformer_training_flops(B, 24, 2, 32, None, V)
+    for row, real in zip(per_batch.rows, measured.per_batch, strict=True):
+        assert row["flops"] == transformer_training_flops(B, T, 2, 32, None, V) == real
+        assert row["baseline_flops"] == full and row["baseline_tokens"] == B * 24
+        assert row["baseline_layer_tokens"] == 2 * B * 24
+
+
+class Probe(Callback):
+    """After the monitor, before the V-cycle: the monitor's training_flops of the batch, with the V-cycle's baseline
+    model in place too (what the V-cycle could read for a module without effi_training_flops)."""
+
+    def __init__(self, monitor: EfficiencyMonitor, vcycle: VCycleCallback) -> None:
+        self.monitor, self.vcycle, self.rows = monitor, vcycle, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        row = [self.vcycle.level, self.monitor.training_flops(pl_module, batch)]
+        baseline = self.vcycle.effi_baseline(batch, pl_module)
+        if baseline is not None:
+            with baseline.model():
+                row.append(self.monitor.training_flops(pl_module, batch))
+        self.rows.append(tuple(row))
+
+
+def test_vcycle_saving_on_a_user_gpt2(tmp_path: Path) -> None:
+    """Levels 1, 2, 2, 1 (as tests/vcycle/test_baseline.py, shorter): the monitor measures the coarse model that
+    trained and the full model the V-cycle holds in place for the baseline; the saving is the hand figure."""
+    vcycle, monitor = VCycleCallback(e_a=1, e_small=2), EfficiencyMonitor(print_summary=False)
+    probe = Probe(monitor, vcycle)
+    pl.seed_everything(0)
+    loader = DataLoader(token_loader(n=8 * 4).dataset, batch_size=8)
+    make_trainer(tmp_path, [monitor, probe, vcycle], max_steps=4, max_epochs=-1).fit(UserGPT2(), loader)
+    c1 = transformer_training_flops(8, T, 2, 32, None, V)  # the full model
+    c2 = transformer_training_flops(8, T, 1, 16, None, V)  # level 2: 1 layer, 16 wide
+    assert probe.rows == [(1, c1), (2, c2, c1), (2, c2, c1), (1, c1)]
+    s = monitor.summary
+    assert s["flops"] == 2 * c1 + 2 * c2 and s["baseline_flops"] == 4 * c1
+    assert s["flops_saved_frac"] > 0
+    assert s["flops_saved_frac"] == pytest.approx(1 - (2 * c1 + 2 * c2) / (4 * c1)) == s["saved/vcycle/flops_frac"]
+    assert s["layer_tokens"] == (2 * 2 + 2 * 1) * 8 * T and s["baseline_layer_tokens"] == 4 * 2 * 8 * T
+
+
+def test_random_ltd_lowers_the_unpatched_networks_flops(tmp_path: Path) -> None:
+    """The replayed copy runs random-LTD's layers unpatched: the raw (baseline) FLOPs are the full network's and
+    random-LTD's effi_adjust lowers them (a 4-layer GPT-2, layers 1-2 keep 8 of 16 tokens)."""
+    ltd = RandomLTDCallback(min_value=8, max_value=16, require_steps=100, seq_per_step=8)
+    pl.seed_everything(0)
+    monitor, measured, per_batch = fit(
+        UserGPT2(n_layer=4, attn_implementation="eager"), token_loader(), tmp_path, 2, (ltd,)
+    )
+    full = transformer_training_flops(B, T, 4, 32, None, V)
+    for row, real in zip(per_batch.rows, measured.per_batch, strict=True):
+        assert row["baseline_flops"] == full
+        assert row["flops"] < full and row["flops"] == pytest.approx(real, rel=0.01)
+        assert row["baseline_layer_tokens"] == 4 * B * T and row["layer_tokens"] < 4 * B * T
+
+
+# ------------------------------------------------------------------------------------- the functional core
+def test_find_tokens_and_blocks_on_any_structure() -> None:
+    ids, mask = torch.ones(2, 5, dtype=torch.long), torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])
+    assert find_tokens(transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask})) == 7
+    assert find_tokens([torch.randn(2, 3), (ids, torch.zeros(2, dtype=torch.long))]) == 10  # the first int [B, T]
+    assert find_tokens((torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))) is None  # images
+    assert find_tokens((mask.bool(),)) is None  # a bool mask alone is not token ids
+    assert [p for p, _ in leaves({"a": [1, {"b": 2}]})] == [("a", 0), ("a", 1, "b")]
+
+    class Mixture(nn.Module):  # 8 experts inside each of 2 layers: the layer stack holds more parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(4, 4)) for _ in range(8))
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe, self.proj = Mixture(), nn.Linear(4, 4)
+
+    net = nn.Sequential(nn.Embedding(4, 4), nn.ModuleList(Layer() for _ in range(2)))
+    assert find_blocks(net) is net[1]
+    assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))) is None
+
+
+def test_replay_has_no_side_effects_and_counts_what_the_step_computed() -> None:
+    """A student trained on a frozen teacher's output under no_grad (forward only), with dropout and batch norm:
+    the replay equals the flop counter on the real step, and leaves the RNG, the statistics and the gradients alone."""
+
+    class Distill(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.teacher = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Linear(32, 4))
+            self.student = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.BatchNorm1d(16), nn.Linear(16, 4))
+
+    torch.manual_seed(0)
+    root, x = Distill().train(), torch.randn(6, 8)
+    recorder = CallRecorder()
+    recorder.start(root)
+    with FlopCounterMode(display=False) as counter:
+        with torch.no_grad():
+            target = root.teacher(x)
+        F.mse_loss(root.student(x), target).backward()
+    recorder.stop((x,))
+    assert [(c.target, c.grad, c.args[0].path) for c in recorder.calls] == [
+        ("teacher", False, (0,)),
+        ("student", True, (0,)),
+    ]
+    state = {k: v.clone() for k, v in root.state_dict().items()}
+    grads = [p.grad.clone() for p in root.student.parameters()]
+    rng = torch.get_rng_state()
+    flops = FlopsMeter().flops(root, recorder.calls)
+    assert flops == counter.get_total_flops() == 2 * 6 * (8 * 32 + 32 * 4) + 2 * 2 * 6 * 8 * 16 + 3 * 2 * 6 * 16 * 4
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(torch.equal(v, root.state_dict()[k]) for k, v in state.items())
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, root.student.parameters()))
+
+
+def test_a_module_held_on_another_device_is_measured_on_the_device_of_the_call() -> None:
+    """The V-cycle holds its parked full model (on the CPU) in place for the baseline while the batch is on the
+    accelerator: the copy goes to the call's device (here: a network moved to ``meta`` after a CPU call)."""
+    root, x = nn.Module(), torch.randn(3, 8)
+    root.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    recorder = CallRecorder()
+    recorder.start(root)
+    root.net(x).sum().backward()
+    recorder.stop((x,))
+    hand = 2 * 2 * 3 * 8 * 16 + 3 * 2 * 3 * 16 * 4
+    assert FlopsMeter().flops(root, recorder.calls) == hand
+    root.net = root.net.to("meta")
+    assert FlopsMeter().flops(root, recorder.calls) == hand
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    x: torch.Tensor
+    scale: float
+
+
+class NamedInputs(NamedTuple):
+    x: torch.Tensor
+    scale: float
+
+
+class ScaledLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+
+    def forward(self, inputs: Inputs | NamedInputs) -> torch.Tensor:
+        return self.linear(inputs.x) * inputs.scale
+
+
+@pytest.mark.parametrize("kind", [Inputs, NamedInputs])
+def test_dataclass_and_named_tuple_arguments_are_rebuilt_for_the_replay(kind: type) -> None:
+    root = nn.Module()
+    root.net = ScaledLinear()
+    x = torch.randn(5, 8)
+    recorder = CallRecorder()
+    recorder.start(root)
+    root.net(kind(x, 2.0)).sum().backward()
+    recorder.stop({"inputs": kind(x, 2.0)})
+    path = ("inputs", "x") if kind is Inputs else ("inputs", 0)  # where the argument's tensor sits in the batch
+    assert recorder.calls[0].args[0].fields[0][1].path == path
+    assert FlopsMeter().flops(root, recorder.calls) == 2 * 2 * 5 * 8 * 4  # no input gradient: 2x the forward
