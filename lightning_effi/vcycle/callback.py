@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_effi.core.accounting import Baseline
+from lightning_effi.core.accounting import Baseline, EfficiencyMonitor
 from lightning_effi.core.compat import optimizers_to_device, rewrap_ddp
 from lightning_effi.core.progress import Duration, progress_clock, progress_ticks, run_length
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
@@ -231,6 +231,7 @@ class VCycleCallback(Callback):
         self.stage_index, self.stage_start_step, self.switches = 0, 0, 0
         self.map_seconds, self.flops_account = 0.0, FlopsAccount(self.baseline_steps)
         self._last_step = -1  # runtime only, like the checkpoint's stages (compared with this run's at train start)
+        self._flops_warned = False  # the "FLOPs not counted" warning, once per fit
         self._saved_stages: list[tuple[int, int]] | None = None
         self._saved_clock: str | None = None
         self._config_checked = False  # the resume hook compared the checkpoint's configuration before the weights
@@ -466,12 +467,31 @@ class VCycleCallback(Callback):
         """``1 - flops / baseline_flops``; 0 before any FLOPs are counted."""
         return self.flops_account.saved_frac()
 
+    def _flops_counter(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+        """What counts a batch's training FLOPs with the model in place: the module's ``effi_training_flops``, else
+        the :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s measurement (``torch.utils.flop_counter``
+        on the step's recorded calls; the monitor precedes this callback, so its figures of the batch are ready);
+        None, with one warning, when there is neither."""
+        fn = getattr(pl_module, "effi_training_flops", None)
+        if callable(fn):
+            return fn
+        monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
+        if monitor is not None:
+            return lambda batch: monitor.training_flops(pl_module, batch)
+        if not self._flops_warned:
+            self._flops_warned = True
+            rank_zero_warn(
+                "VCycleCallback: the FLOPs saving is not counted (vcycle/flops_saved_frac stays 0): define "
+                "`effi_training_flops(batch)` on your LightningModule or add an EfficiencyMonitor to the callbacks"
+            )
+        return None
+
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        fn = getattr(pl_module, "effi_training_flops", None)
-        if callable(fn):  # the batch with the current model and the full one (held in place, no forward runs)
+        fn = self._flops_counter(trainer, pl_module)
+        if fn is not None:  # the batch with the current model and the full one (held in place, no forward runs)
             self.flops_account.count(lambda: self._stack.training_flops(fn, batch), type(self).__name__)
         self.flops_account.flops_steps = trainer.global_step
         pl_module.log_dict(

@@ -360,6 +360,8 @@ def test_vcycle_saving_on_a_user_gpt2(tmp_path: Path) -> None:
     assert s["flops_saved_frac"] > 0
     assert s["flops_saved_frac"] == pytest.approx(1 - (2 * c1 + 2 * c2) / (4 * c1)) == s["saved/vcycle/flops_frac"]
     assert s["layer_tokens"] == (2 * 2 + 2 * 1) * 8 * T and s["baseline_layer_tokens"] == 4 * 2 * 8 * T
+    # the V-cycle's own figure (logged as effi/vcycle/flops_saved_frac) measures through the monitor too
+    assert vcycle.flops_saved_frac() == pytest.approx(s["flops_saved_frac"]) and s["vcycle/flops_saved_frac"] > 0
 
 
 def test_random_ltd_lowers_the_unpatched_networks_flops(tmp_path: Path) -> None:
