@@ -32,6 +32,10 @@ from lightning_effi.models.vcycle_base import (
 )
 from lightning_effi.models.vit import TimmViTAdapter, TimmViTVCycleAdapter
 
+# isort: split
+# registered after the HF / timm families: "auto" look-ups try them first
+from lightning_effi.models.torch_transformer import TorchBlocksVCycleAdapter
+
 __all__ = [
     "MUST_BE_NONE",
     "PASS",
@@ -45,6 +49,7 @@ __all__ = [
     "SeqArg",
     "TimmViTAdapter",
     "TimmViTVCycleAdapter",
+    "TorchBlocksVCycleAdapter",
     "TorchTransformerAdapter",
     "TransformerAdapter",
     "VCycleAdapter",
