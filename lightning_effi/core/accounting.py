@@ -79,6 +79,7 @@ from lightning_effi.core.measure import (
     find_blocks,
     find_tokens,
     hidden_tokens,
+    mask_is_additive,
     tensor_leaves,
     token_source,
 )
@@ -90,6 +91,9 @@ QUANTITIES = ("samples", "tokens", "layer_tokens", "flops")
 BASELINE_KEYS = tuple(f"baseline_{q}" for q in QUANTITIES)
 #: one value per quantity, in the order of :data:`QUANTITIES`
 Counts = tuple[float, float, float, float]
+#: the module attribute (in its ``__dict__``) where :class:`EfficiencyMonitor` keeps ``(the module's own
+#: flops_per_batch, the value it wrote to flops_per_batch)``: the written value is never read back as the module's own
+WRITTEN_FLOPS = "_effi_written_flops_per_batch"
 
 
 @dataclasses.dataclass
@@ -173,9 +177,18 @@ def batch_size_of(batch: Any) -> int:
 
 
 def tokens_of(batch: Any) -> int:
-    """Tokens in a batch of any structure: ``attention_mask.sum()`` if it has one (padding excluded), else the size
-    of ``input_ids``, else of its first integer ``[B, T]`` tensor (token ids), else 0
-    (:func:`lightning_effi.core.measure.find_tokens`)."""
+    """Tokens in a batch of any structure (:func:`lightning_effi.core.measure.find_tokens`): the real tokens of its
+    ``attention_mask`` if it has one (padding excluded), else the size of ``input_ids``, else of its first integer
+    ``[B, T]`` tensor (token ids), else 0.
+
+    Which tokens of an ``attention_mask`` are real (:func:`lightning_effi.core.measure.mask_tokens`), summed over the
+    samples: a ``bool`` mask: ``True``; a numeric (integer or floating) mask with no negative value: the positive
+    entries (HF ``0 / 1`` masks: ``1``); a numeric mask with a negative value (``-inf``, ``torch.finfo(dtype).min``)
+    or with none positive: additive, the entries ``>= 0`` (an all-zero additive mask: every token). Layout
+    (:func:`lightning_effi.core.measure.key_padding_mask`): ``[B, T]`` as it is; ``[B, 1, 1, T]`` (and ``[B, 1, T]``):
+    the broadcast key-padding row; ``[B, 1, T, T]`` / ``[B, T, T]`` (heads beyond the first ignored): the diagonal,
+    a token is real when it may attend to itself. A mask that says neither (``[B, 1, Q, T]`` with ``1 != Q != T``, a
+    complex dtype) counts the ids, padding included, with one warning. Never raises on the mask's values."""
     tokens = find_tokens(batch)
     return 0 if tokens is None else tokens
 
@@ -235,7 +248,8 @@ def lengthen_batch(
 ) -> dict[str, Any]:
     """``batch`` with every ``keys`` tensor of the batch's sequence length (``[B, S, ...]``, ``S`` from the first such
     key) widened to ``length`` columns: ``attention_mask`` with ``mask`` appended (its columns ``S..length``, e.g. the
-    ones a truncation cut), else with ones (real tokens); the others with zeros (broadcast views: only their shapes
+    ones a truncation cut), else with real tokens (ones; zeros in an additive mask,
+    :func:`lightning_effi.core.measure.mask_is_additive`); the others with zeros (broadcast views: only their shapes
     are read). Nothing changes when ``length <= S``. The inverse, for counting, of the curriculum's
     ``truncate_batch``: a new dict, ``batch`` is not modified.
 
@@ -253,8 +267,8 @@ def lengthen_batch(
         shape = (value.shape[0], length, *value.shape[2:])
         if key == "attention_mask":
             extra_shape = (value.shape[0], length - seq, *value.shape[2:])
-            if mask is None:
-                extra = value.new_ones(extra_shape)
+            if mask is None:  # real tokens: ones in a keep mask, zeros in an additive one
+                extra = value.new_zeros(extra_shape) if mask_is_additive(value) else value.new_ones(extra_shape)
             elif tuple(mask.shape) == extra_shape:
                 extra = mask.to(device=value.device, dtype=value.dtype)
             else:
@@ -318,7 +332,15 @@ class EfficiencyMonitor(Callback):
     Measuring FLOPs (a module without ``effi_training_flops`` and ``flops_per_batch``) records the network's calls
     between ``on_train_batch_start`` and ``on_train_batch_end`` with process-wide module forward hooks, present only
     in that window (:class:`~lightning_effi.core.measure.CallRecorder`); finding tokens in the hidden states puts a
-    forward pre-hook on the first transformer block for the same window.
+    forward pre-hook on the first transformer block for the same window. Only the work of those module calls is
+    counted: arithmetic in ``training_step``'s own code outside any module call (``h @ self.weight`` on a
+    parameter, a loss's matrix product) is not in the measured FLOPs and is not detected (no warning); a module with
+    such work defines ``effi_training_flops(batch)``.
+
+    The monitor writes each batch's FLOPs (after every ``effi_adjust``) to ``pl_module.flops_per_batch`` for
+    Lightning's ``ThroughputMonitor``, and keeps on the module which value it wrote and the module's own value it
+    replaced (:data:`WRITTEN_FLOPS`), so that no later batch, fit or monitor takes the written value for the
+    module's own.
 
     Raises:
         ValueError: ``log_every_n_steps`` not a positive int, ``print_summary`` not a bool.
@@ -342,8 +364,6 @@ class EfficiencyMonitor(Callback):
         self._batch_start: float | None = None
         self._eval_start: float | None = None
         self._fit_start: float | None = None
-        self._module_flops: float | None = None  # the module's own flops_per_batch (we overwrite the attribute)
-        self._written_flops: int | None = None
         self._warned: set[str] = set()  # the quantities already warned about
         self._recorder = CallRecorder()
         self._meter = FlopsMeter()
@@ -364,14 +384,26 @@ class EfficiencyMonitor(Callback):
             self._warned.add(quantity)
             rank_zero_warn(f"{type(self).__name__}: {message}")
 
-    def _own_flops(self, pl_module: pl.LightningModule) -> float:
-        """The module's own ``flops_per_batch`` (0.0 if none), not the value this monitor wrote there last."""
+    @staticmethod
+    def _own_flops(pl_module: pl.LightningModule) -> float:
+        """The module's own ``flops_per_batch`` (0.0 if none), not a value an EfficiencyMonitor wrote there: while the
+        attribute still holds the value last written (:data:`WRITTEN_FLOPS`, kept on the module instance, so across
+        batches, fits and monitor instances), the module's own value from before that write."""
         value = getattr(pl_module, "flops_per_batch", None)
-        if value != self._written_flops or self._module_flops is None:
-            self._module_flops = (
-                float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-            )
-        return self._module_flops
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return 0.0
+        written = pl_module.__dict__.get(WRITTEN_FLOPS)
+        if written is not None and value == written[1]:
+            return float(written[0])
+        return float(value)
+
+    @classmethod
+    def _write_flops(cls, pl_module: pl.LightningModule, flops: int) -> None:
+        """Set ``pl_module.flops_per_batch`` (for Lightning's ``ThroughputMonitor``), remembering on the module the
+        module's own value it replaces."""
+        own = cls._own_flops(pl_module)
+        pl_module.flops_per_batch = flops  # type: ignore[assignment]
+        pl_module.__dict__[WRITTEN_FLOPS] = (own, flops)
 
     def find_blocks(self, pl_module: nn.Module) -> Blocks | None:
         """The transformer block list of the network now in ``pl_module``
@@ -539,7 +571,6 @@ class EfficiencyMonitor(Callback):
             base = COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
-            self._module_flops = None  # _written_flops stays: the module may still hold what we wrote in a last fit
 
     def _check_order(self, trainer: pl.Trainer) -> None:
         """A technique that changes the model's shapes (the V-cycle) switches models in its ``on_train_batch_end``;
@@ -627,8 +658,7 @@ class EfficiencyMonitor(Callback):
                 self.totals[key] = self.totals.get(key, 0.0) + v
         self.totals["batches"] += 1
         # for Lightning's ThroughputMonitor (listed after this one)
-        self._written_flops = int(account.actual.flops)
-        pl_module.flops_per_batch = self._written_flops  # type: ignore[assignment]
+        self._write_flops(pl_module, int(account.actual.flops))
         every = self.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
         if int(self.totals["batches"]) % max(every, 1) == 0:
             self._log(trainer, pl_module)

@@ -58,7 +58,10 @@ __all__ = [
     "find_blocks",
     "find_tokens",
     "hidden_tokens",
+    "key_padding_mask",
     "leaves",
+    "mask_is_additive",
+    "mask_tokens",
     "tensor_leaves",
     "token_source",
 ]
@@ -119,31 +122,109 @@ def _named(batch: Any, name: str) -> Tensor | None:
     return None
 
 
+def _ids(batch: Any) -> Tensor | None:
+    """The batch's token ids: the first leaf named ``input_ids``, else its first integer (not bool) ``[B, T]``
+    tensor; None when it has neither."""
+    ids = _named(batch, "input_ids")
+    if ids is not None:
+        return ids
+    for _, value in tensor_leaves(batch):
+        if value.ndim == 2 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
+            return value
+    return None
+
+
 def token_source(batch: Any) -> tuple[str, Tensor] | None:
     """Where :func:`find_tokens` reads a batch's tokens: ``("mask", attention_mask)`` or ``("ids", tensor)``; None
     when the batch has no such tensor. Reads no values (no device synchronization)."""
     mask = _named(batch, "attention_mask")
     if mask is not None:
         return "mask", mask
-    ids = _named(batch, "input_ids")
-    if ids is not None:
-        return "ids", ids
-    for _, value in tensor_leaves(batch):
-        if value.ndim == 2 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
-            return "ids", value
+    ids = _ids(batch)
+    return None if ids is None else ("ids", ids)
+
+
+def key_padding_mask(mask: Tensor) -> Tensor | None:
+    """The per-token rows (``[B, T]``) of an attention mask: a 0-D to 2-D mask as it is; a mask of 3 or more
+    dimensions (``[B, Q, T]``, ``[B, 1, Q, T]``, ``[B, H, Q, T]``) at index 0 of every dimension between the first
+    and the last two (heads share the padding), then the query row when ``Q == 1`` (``[B, 1, 1, T]``: the broadcast
+    key-padding row), else, when ``Q == T``, the diagonal (token ``t`` is real when it may attend to itself: true of
+    causal, bidirectional and ``mask[:, :, None] * mask[:, None, :]`` masks); None when ``Q`` is neither ``1`` nor
+    ``T`` (a query block of another length, as with a KV cache: no row says which tokens are real)."""
+    if mask.ndim <= 2:
+        return mask
+    while mask.ndim > 3:
+        mask = mask.select(1, 0)
+    queries, keys = int(mask.shape[1]), int(mask.shape[2])
+    if queries == 1:
+        return mask[:, 0]
+    if queries == keys:
+        return mask.diagonal(dim1=1, dim2=2)
     return None
 
 
+def mask_is_additive(mask: Tensor) -> bool:
+    """Whether an attention mask is additive (``0`` real, negative or ``-inf`` masked) rather than a keep mask
+    (``True`` / non-zero real): a non-bool mask with a negative value or without a positive one (an additive mask of
+    a batch without padding is all zeros). Reads the values (one device synchronization)."""
+    if mask.dtype == torch.bool or mask.is_complex():
+        return False
+    negative, positive = torch.stack([(mask < 0).any(), (mask > 0).any()]).tolist()
+    return bool(negative) or not positive
+
+
+def mask_tokens(mask: Tensor) -> int | None:
+    """Real tokens in an attention mask of any dtype and layout (:func:`key_padding_mask`), summed over the batch:
+
+    - ``bool``: ``True`` is real;
+    - numbers (integer or floating) with no negative value and some positive one: a keep mask, positive is real
+      (HF ``0 / 1`` masks);
+    - numbers with a negative value (``-inf``, ``torch.finfo(dtype).min``), or none positive: an additive mask,
+      ``>= 0`` is real (``0`` added to the score), negative masked (an all-zero mask: every token real);
+    - ``NaN`` never counts. None for a complex mask or a ``[B, ..., Q, T]`` mask with ``1 != Q != T``.
+
+    One device synchronization; never raises on the mask's values."""
+    rows = key_padding_mask(mask)
+    if rows is None or rows.is_complex():
+        return None
+    if rows.dtype == torch.bool:
+        return int(rows.sum().item())
+    positive, non_negative, negative = torch.stack([(rows > 0).sum(), (rows >= 0).sum(), (rows < 0).sum()]).tolist()
+    return int(non_negative if negative or not positive else positive)
+
+
+_warned_masks: set[tuple[int, ...]] = set()  # the mask layouts already warned about (one warning each)
+
+
 def find_tokens(batch: Any) -> int | None:
-    """Tokens of a batch, found in its tensors (:func:`leaves`, any structure): the sum of the first leaf named
-    ``attention_mask`` (padding excluded), else the size of the first leaf named ``input_ids``, else of the first
-    integer (not bool) tensor of shape ``[B, T]`` (token ids; in a tuple batch, whose tensors have no names, padding is
-    counted); None when the batch has none of these (images, float features)."""
+    """Tokens of a batch, found in its tensors (:func:`leaves`, any structure): the real tokens of the first leaf
+    named ``attention_mask`` (padding excluded; any dtype, keep or additive, ``[B, T]``, ``[B, 1, 1, T]``,
+    ``[B, 1, T, T]``, ``[B, T, T]``: :func:`mask_tokens`), else the size of the first leaf named ``input_ids``, else
+    of the first integer (not bool) tensor of shape ``[B, T]`` (token ids; in a tuple batch, whose tensors have no
+    names, padding is counted); None when the batch has none of these (images, float features). A mask whose real
+    tokens cannot be read (``[B, 1, Q, T]`` with ``1 != Q != T``, complex) counts the ids instead, with one warning
+    per mask layout."""
     source = token_source(batch)
     if source is None:
         return None
     kind, tensor = source
-    return int(tensor.sum().item()) if kind == "mask" else int(tensor.numel())
+    if kind == "ids":
+        return int(tensor.numel())
+    tokens = mask_tokens(tensor)
+    if tokens is not None:
+        return tokens
+    ids = _ids(batch)
+    layout = (tensor.ndim, *tensor.shape[1:])
+    if layout not in _warned_masks:
+        _warned_masks.add(layout)
+        warnings.warn(
+            f"token counting: the attention_mask of shape {tuple(tensor.shape)} and dtype {tensor.dtype} does not say "
+            "which tokens are real (expected [B, T], [B, 1, 1, T], or [B, 1, T, T] / [B, T, T]); counting "
+            + ("the size of the token ids, padding included" if ids is not None else "nothing: the batch has no ids")
+            + "; define `effi_count_tokens(batch) -> int` on your LightningModule",
+            stacklevel=2,
+        )
+    return None if ids is None else int(ids.numel())
 
 
 def hidden_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:

@@ -379,6 +379,108 @@ def test_random_ltd_lowers_the_unpatched_networks_flops(tmp_path: Path) -> None:
         assert row["baseline_layer_tokens"] == 4 * B * T and row["layer_tokens"] < 4 * B * T
 
 
+class HalveFlops(Callback):
+    """A technique that lowers every batch's FLOPs to half (``effi_adjust``)."""
+
+    def effi_adjust(self, stats, batch, pl_module):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(stats, flops=stats.flops / 2)
+
+
+@pytest.mark.parametrize("same_monitor", [True, False])
+def test_a_second_fit_of_the_same_module_counts_the_same(tmp_path: Path, same_monitor: bool) -> None:
+    """The monitor writes each batch's FLOPs to ``flops_per_batch`` (for ThroughputMonitor); a later fit of the same
+    module, with the same monitor or a new one, must not read that back as the module's own FLOPs (regression: fit 2
+    charged every batch the halved FLOPs of fit 1's last batch, a saving of 0 against a wrong baseline)."""
+    module, hand = UserEncoder(), 3 * (transformer_forward_flops(B, T, 3, 32, 64, head="none") + 2 * B * 32 * 10)
+    monitor = EfficiencyMonitor(print_summary=False)
+    summaries = []
+    for k in range(2):
+        if k and not same_monitor:
+            monitor = EfficiencyMonitor(print_summary=False)
+        pl.seed_everything(0)
+        make_trainer(tmp_path / str(k), [monitor, HalveFlops()], max_steps=2, max_epochs=-1).fit(
+            module, token_loader(labels="cls")
+        )
+        summaries.append({q: monitor.summary[q] for q in ("flops", "baseline_flops", "flops_saved_frac")})
+        assert module.flops_per_batch == hand // 2  # what ThroughputMonitor reads
+    assert summaries[0] == summaries[1] == {"flops": hand, "baseline_flops": 2 * hand, "flops_saved_frac": 0.5}
+
+
+def test_the_modules_own_flops_per_batch_survives_the_monitors_writes(tmp_path: Path) -> None:
+    """A module's own ``flops_per_batch`` is its cost in every fit; one the user sets between fits replaces it."""
+    module = UserEncoder()
+    module.flops_per_batch = 1000
+    for k, own in enumerate((1000, 1000, 600)):
+        if own == 600:
+            module.flops_per_batch = 600
+        monitor = EfficiencyMonitor(print_summary=False)
+        make_trainer(tmp_path / str(k), [monitor, HalveFlops()], max_steps=2, max_epochs=-1).fit(
+            module, token_loader(labels="cls")
+        )
+        assert (monitor.summary["flops"], monitor.summary["baseline_flops"]) == (own, 2 * own)
+
+
+def test_tokens_of_any_attention_mask() -> None:
+    """Keep masks (bool, 0/1 integer or float), additive masks (0 real, -inf or finfo.min masked, all-zero: no
+    padding) and 4-D / 3-D layouts count the same real tokens; a mask that does not say falls back to the ids with
+    one warning; never an error from the mask's values."""
+    lengths = torch.tensor([5, 2, 3])
+    real = torch.arange(5)[None] < lengths[:, None]  # [3, 5], right padding: 10 real tokens
+    ids = torch.ones(3, 5, dtype=torch.long)
+    neg = torch.finfo(torch.float16).min
+    masks = {
+        "bool": real,
+        "long": real.long(),
+        "float": real.float(),
+        "additive -inf": torch.where(real, 0.0, float("-inf")),
+        "additive finfo.min fp16": torch.where(real, 0.0, neg).half(),
+        "[B, 1, 1, T]": real.long()[:, None, None, :],
+        "[B, 1, 1, T] additive": torch.where(real, 0.0, float("-inf"))[:, None, None, :],
+        "[B, 1, T, T] causal": (real[:, None, None, :] & torch.ones(5, 5, dtype=torch.bool).tril()),
+        "[B, 1, T, T] causal additive": torch.where(
+            real[:, None, None, :] & torch.ones(5, 5, dtype=torch.bool).tril(), 0.0, float("-inf")
+        ),
+        "[B, T, T] outer": real.long()[:, :, None] * real.long()[:, None, :],
+        "[B, H, T, T] broadcast": real[:, None, None, :].expand(3, 2, 5, 5),
+        "left padded": real.flip(1).long(),
+    }
+    for name, mask in masks.items():
+        assert find_tokens({"input_ids": ids, "attention_mask": mask}) == 10, name
+    assert find_tokens({"input_ids": ids, "attention_mask": torch.zeros(3, 5)}) == 15  # additive, no padding
+    assert find_tokens({"attention_mask": torch.full((3, 5), float("nan"))}) == 0
+    assert find_tokens({"attention_mask": torch.zeros(0, 5, dtype=torch.long)}) == 0
+    odd = {"input_ids": ids, "attention_mask": torch.ones(3, 1, 2, 5)}  # 2 queries of 5 keys: says nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert find_tokens(odd) == 15 and find_tokens(odd) == 15
+    assert len(caught) == 1 and "attention_mask of shape (3, 1, 2, 5)" in str(caught[0].message)
+    # the curriculum's baseline widens an additive mask with real (0) columns
+    short = {"input_ids": ids[:, :3], "attention_mask": torch.where(real[:, :3], 0.0, float("-inf"))}
+    assert find_tokens(lengthen_batch(short, ["input_ids", "attention_mask"], 5)) == 8 + 2 * 3
+
+
+def test_the_monitor_counts_an_additive_float_mask(tmp_path: Path) -> None:
+    """A padding collate with an additive float mask (0 / -inf): the monitor counts the same tokens as with the
+    0/1 mask (regression: OverflowError converting -inf to int)."""
+    loader = DataLoader(sentences(), batch_size=B, collate_fn=pad_collate)
+    expected = sum(int(b["attention_mask"].sum()) for b in loader)
+
+    def additive(items: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+        batch = dict(pad_collate(items))
+        batch["attention_mask"] = torch.zeros(batch["attention_mask"].shape).masked_fill(
+            batch["attention_mask"] == 0, float("-inf")
+        )
+        return batch
+
+    class Counted(UserEncoder):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.cross_entropy(self(batch["input_ids"]), batch["labels"])
+
+    pl.seed_everything(0)
+    monitor, _, _ = fit(Counted(), DataLoader(sentences(), batch_size=B, collate_fn=additive), tmp_path)
+    assert monitor.summary["tokens"] == expected < 3 * B * T
+
+
 # ------------------------------------------------------------------------------------- the functional core
 def test_find_tokens_and_blocks_on_any_structure() -> None:
     ids, mask = torch.ones(2, 5, dtype=torch.long), torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])
