@@ -105,8 +105,7 @@ class indexed_collate:  # noqa: N801 - used like a function: indexed_collate(col
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)):
                 raise TypeError(
-                    "indexed_collate needs the (index, sample) pairs of an IndexedDataset; got a "
-                    f"{type(item).__name__}"
+                    f"indexed_collate needs the (index, sample) pairs of an IndexedDataset; got a {type(item).__name__}"
                 )
             indices.append(item[0])
             samples.append(item[1])

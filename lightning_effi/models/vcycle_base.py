@@ -360,9 +360,10 @@ def find_vcycle_network(
     (:func:`find_vcycle_adapter`; ``"auto"``: any registered adapter) and that have a trainable parameter (a frozen
     module, every parameter ``requires_grad=False``, such as a distillation teacher, is not a candidate); a module held
     under two names counts once per name. Exactly one candidate is taken; several or none raise. With ``model_attr``
-    given, ``host.<model_attr>`` is taken (its adapter must exist). Either way no other direct submodule of ``host``
-    may share a parameter with the network: the V-cycle replaces ``host.<model_attr>`` at every level change, and a
-    second reference (e.g. ``self.head = self.net.lm_head``) would keep the old model's layers.
+    given, ``host.<model_attr>`` is taken (its adapter must exist and it must have a trainable parameter: a frozen
+    module is not trained, so a V-cycle on it is meaningless). Either way no other direct submodule of ``host`` may
+    share a parameter with the network: the V-cycle replaces ``host.<model_attr>`` at every level change, and a second
+    reference (e.g. ``self.head = self.net.lm_head``) would keep the old model's layers.
 
     Returns:
         ``(attribute name, adapter instance)``.
@@ -370,8 +371,8 @@ def find_vcycle_network(
     Raises:
         ValueError (naming ``owner.model_attr``): several candidates (listed; pass ``model_attr``), none (the message
             names the supported architectures, the submodules seen and a deeper submodule an adapter would handle),
-            ``host.<model_attr>`` missing or not an ``nn.Module``, no adapter for it, another attribute sharing its
-            parameters; an unknown adapter name.
+            ``host.<model_attr>`` missing, not an ``nn.Module`` or frozen (no parameter with ``requires_grad``), no
+            adapter for it, another attribute sharing its parameters; an unknown adapter name.
     """
     name = f"{owner}.model_attr"
     known: dict[str, type[VCycleAdapter]] = registry.adapters("vcycle")
@@ -422,6 +423,12 @@ def find_vcycle_network(
         model = getattr(host, model_attr, None)
         if not isinstance(model, nn.Module):
             raise ValueError(f"{name}: {host_name} has no nn.Module attribute {model_attr!r}")
+        if not _trainable(model):
+            raise ValueError(
+                f"{name}: {host_name}.{model_attr} ({type(model).__name__}) has no trainable parameter (every "
+                "parameter requires_grad=False): a frozen module is not trained, so a V-cycle on it is meaningless "
+                "(and coalescing would change its weights); name the network that trains, or unfreeze it"
+            )
         attr, chosen = model_attr, find_vcycle_adapter(model, adapter)
     own = {id(p) for p in model.parameters()}
     sharing = [n for n, m in _children(host) if n != attr and any(id(p) in own for p in m.parameters())]

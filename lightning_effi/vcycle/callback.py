@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
@@ -61,6 +62,8 @@ def rebuild_training_state(trainer: pl.Trainer, pl_module: pl.LightningModule) -
     optimizers_to_device(trainer.optimizers, trainer.strategy.root_device)
 
 
+#: the configuration entries whose argument None means "resolved in setup" (the adapter's default, the network found)
+_AUTO_ARGUMENTS = ("alpha_original", "model_attr")
 #: the callback's checkpointed counters and their types (the rest: FLOPs counters, stage ends, snapshots, config)
 _COUNTERS: dict[str, type] = dict(level=int, stage_index=int, stage_start_step=int, map_seconds=float, switches=int)
 _SHAPES_WHY = "its averaged weights belong to one model, which the V-cycle replaces at every level change"
@@ -97,7 +100,9 @@ class VCycleCallback(Callback):
         lr_multiplier: ``{level: factor}`` on the level's peak LR, e.g. ``{2: 4.0}`` (official GPT-2 example).
         model_attr: the LightningModule attribute holding the network (swapped at every level change); None (default):
             found in ``setup`` (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`): the one direct
-            submodule an adapter handles that has a trainable parameter (a frozen teacher is not a candidate).
+            submodule an adapter handles that has a trainable parameter (a frozen teacher is not a candidate); a
+            ``model_attr`` naming a frozen module is refused. Each parameter's ``requires_grad`` is kept at every level
+            (a partly frozen network: :func:`~lightning_effi.vcycle.operators.coalesced_requires_grad`).
         adapter: ``"auto"``, a registered V-cycle adapter name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an instance.
         lr_schedule: ``"continue"``: the rebuilt scheduler is advanced to the current step (one LR curve, warmup in the
             first stage only); ``"restart"``: the module's schedule restarts from its step 0 at every level change.
@@ -139,7 +144,8 @@ class VCycleCallback(Callback):
     Raises:
         ValueError: (construction) see :func:`~lightning_effi.vcycle.stages.check_arguments`; (``setup`` or train
             start) no network found or several candidates without ``model_attr``, no adapter for ``model_attr``'s
-            network, another attribute sharing its parameters
+            network, ``model_attr`` naming a frozen module (no trainable parameter), another attribute sharing its
+            parameters
             (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`), sizes the schemes cannot halve,
             stages longer than the run, fractions in a run of unknown length, epochs with a train dataloader without
             a length; with a progress clock (a technique that changes the epoch lengths): stage lengths in optimizer
@@ -235,6 +241,7 @@ class VCycleCallback(Callback):
         self._saved_stages: list[tuple[int, int]] | None = None
         self._saved_clock: str | None = None
         self._config_checked = False  # the resume hook compared the checkpoint's configuration before the weights
+        self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
         # the clock the stage ends count (chosen at train start): "step", or "progress" of a technique's progress clock
         self.clock: str = "step"
         self._clock_source: ProvidesProgressClock | None = None
@@ -366,10 +373,13 @@ class VCycleCallback(Callback):
 
     def _compare_config(self, state: Mapping[str, Any]) -> None:
         """The checkpoint's configuration against this callback's, but for the stages and the clock (compared at train
-        start, once the run's length and clock are known): :func:`~lightning_effi.core.state.config_mismatch`."""
-        skip = ("stages", "clock")
+        start, once the run's length and clock are known): :func:`~lightning_effi.core.state.config_mismatch`. An
+        argument left to be resolved automatically (``alpha_original`` or ``model_attr`` None) and not resolved yet
+        (before ``setup("fit")``) matches any value: None stands for the value it will resolve to, not for None."""
+        now = self.config()
+        skip = {"stages", "clock", *(k for k in _AUTO_ARGUMENTS if now[k] is None)}
         saved = {k: v for k, v in state["config"].items() if k not in skip}
-        if diff := settings_diff(saved, {k: v for k, v in self.config().items() if k not in skip}):
+        if diff := settings_diff(saved, {k: v for k, v in now.items() if k not in skip}):
             config_mismatch(
                 type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict
             )
@@ -612,10 +622,44 @@ class VCycleCallback(Callback):
         }
 
     @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Below level 1, the exact weights of the coarse level beside this callback's state (``"weights"``; a resumed
+        fit puts them back, the checkpoint's ``state_dict`` holds the full-size de-coalesced model). Kept out of
+        :meth:`state_dict`, which holds the callback's own progress only."""
+        weights = self._stack.exact_weights()
+        state = (checkpoint.get("callbacks") or {}).get(self.state_key)
+        if weights is not None and state is not None:
+            state["weights"] = weights
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Lightning calls this right before :meth:`load_state_dict` whenever a checkpoint is restored: note whether
+        it is restored for ``fit`` (a resumed cycle) or for ``validate`` / ``test`` / ``predict`` (the callback does
+        nothing outside ``fit``: the checkpoint's full-size ``state_dict`` loads into the full model as it is)."""
+        self._evaluating = trainer.state.fn != TrainerFn.FITTING
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The checkpoint's progress; its configuration was checked by the resume hook before the weights loaded
         (here when the hook did not run) but for the stages, which on_train_start compares with those of the current
-        arguments once the run's length is known."""
+        arguments once the run's length is known.
+
+        Outside ``fit`` (``trainer.validate/test/predict(ckpt_path=...)``, told by :meth:`on_load_checkpoint`) the
+        state is ignored, whatever its level or configuration: the checkpoint's ``state_dict`` holds the full model
+        (de-coalesced below level 1) and loads into the full model in place; no coarse level is rebuilt and this
+        callback's state (e.g. of the fit that ran before on the same Trainer) is left as it is.
+
+        Raises:
+            ValueError: (``fit``, ``strict``) another configuration, when the resume hook did not compare it.
+            RuntimeError: (``fit``) the checkpoint's level is not in place (the module's resume hook did not run).
+        """
+        if self._evaluating:
+            self._evaluating = False
+            return
         self._saved_clock = str(state_dict["config"].get("clock", "step"))
         if not self._config_checked:
             self._compare_config(state_dict)

@@ -310,14 +310,16 @@ class LevelStack:
         self._replace_network(state_dict, weights)
 
     def state_dict(self) -> dict[str, Any]:
-        """The snapshots pending interpolation, ``{"snapshots": {"<level>": state dict}}``, and below level 1 the exact
-        weights of the current module, ``"weights"`` (keys relative to the network; the checkpoint's own
-        ``state_dict`` holds their full-size de-coalesced form, :meth:`write_full_size`). The level itself is saved by
-        the owner."""
-        state: dict[str, Any] = {"snapshots": {str(k): dict(v) for k, v in self.snapshots.items()}}
-        if self.level != 1:
-            state["weights"] = dict(self.model.state_dict())
-        return state
+        """The snapshots pending interpolation, ``{"snapshots": {"<level>": state dict}}``. The level itself is saved by
+        the owner; the exact weights of a coarse level go into a checkpoint beside this state
+        (:meth:`exact_weights`)."""
+        return {"snapshots": {str(k): dict(v) for k, v in self.snapshots.items()}}
+
+    def exact_weights(self) -> dict[str, Any] | None:
+        """Below level 1, the exact weights of the current module (keys relative to the network), which the owner
+        writes into a checkpoint's callback state as ``"weights"`` (the checkpoint's own ``state_dict`` holds their
+        full-size de-coalesced form, :meth:`write_full_size`); None at level 1."""
+        return dict(self.model.state_dict()) if self.level != 1 else None
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Check that the level saved in ``state_dict["level"]`` is in place (:meth:`rebuild` ran) and load the

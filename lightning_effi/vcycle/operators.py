@@ -32,6 +32,7 @@ __all__ = [
     "build_levels",
     "coalesce",
     "coalesce_model",
+    "coalesced_requires_grad",
     "convention_scale",
     "decoalesce",
     "decoalesce_model",
@@ -39,6 +40,8 @@ __all__ = [
     "interpolate",
     "layer_key",
     "plan_levels",
+    "requires_grad_flags",
+    "set_requires_grad",
     "snapshot",
     "transformer_width_maps",
     "width_groups",
@@ -739,16 +742,59 @@ def plan_levels(
     return plans
 
 
+def requires_grad_flags(model: nn.Module) -> dict[str, bool]:
+    """``{state-dict key: requires_grad}`` of every parameter of ``model`` (tied parameters under each name)."""
+    return {k: p.requires_grad for k, p in model.named_parameters(remove_duplicate=False)}
+
+
+def coalesced_requires_grad(flags: Mapping[str, bool], plan: VCyclePlan) -> dict[str, bool]:
+    """The ``requires_grad`` of the small model's parameters from the large model's ``flags``
+    (:func:`requires_grad_flags`): a small tensor is trainable when one of the large tensors :func:`coalesce` makes it
+    from (the same key, or that key in every layer of its depth group) is; frozen when they all are (a frozen
+    embedding stays frozen at every level). Keys of ``plan.small_shapes`` whose sources are not in ``flags``
+    (buffers) are left out.
+
+    >>> plan = VCyclePlan.create({"a": (2,), "b": (2,)}, {"a": TensorRule(), "b": TensorRule()})
+    >>> coalesced_requires_grad({"a": False, "b": True}, plan)
+    {'a': False, 'b': True}
+    """
+    out: dict[str, bool] = {}
+    for k in plan.small_shapes:
+        c = plan.aliases.get(k, k)
+        r = plan.rules[c]
+        sources = [c] if r.layer is None else [r.template.format(s) for s in plan.depth[r.layer]]
+        known = [flags[s] for s in sources if s in flags]
+        if known:
+            out[k] = any(known)
+    return out
+
+
+def set_requires_grad(model: nn.Module, flags: Mapping[str, bool]) -> None:
+    """``requires_grad_(flags[name])`` on every parameter of ``model`` named in ``flags``."""
+    for k, p in model.named_parameters(remove_duplicate=False):
+        if k in flags:
+            p.requires_grad_(flags[k])
+
+
+def _build_small(model: nn.Module, plan: VCyclePlan, adapter: object) -> nn.Module:
+    """``adapter.build_small`` (global RNG untouched) with the ``requires_grad`` of ``model``'s parameters carried
+    over (:func:`coalesced_requires_grad`; a fresh module's parameters all require grad)."""
+    with torch.random.fork_rng(devices=[]):
+        small: nn.Module = adapter.build_small(model, plan)  # type: ignore[attr-defined]
+    set_requires_grad(small, coalesced_requires_grad(requires_grad_flags(model), plan))
+    return small
+
+
 def build_levels(
     model: nn.Module, adapter: object, plans: Sequence[VCyclePlan], level: int
 ) -> tuple[nn.Module, dict[int, nn.Module]]:
     """Fresh models of levels 2..``level`` from the full ``model`` (random weights, global RNG untouched; resume
-    loads the checkpoint's weights into them): ``(model of level, {k: model of level k for k < level, on the CPU})``.
+    loads the checkpoint's weights into them; each parameter's ``requires_grad`` as :func:`coalesce_model` sets it):
+    ``(model of level, {k: model of level k for k < level, on the CPU})``.
     """
     current, larger = model, {}
     for k in range(1, level):
-        with torch.random.fork_rng(devices=[]):
-            small = adapter.build_small(current, plans[k - 1])  # type: ignore[attr-defined]
+        small = _build_small(current, plans[k - 1], adapter)
         larger[k] = current.to("cpu")
         current = small
     return current, larger
@@ -757,9 +803,9 @@ def build_levels(
 @torch.no_grad()
 def coalesce_model(model: nn.Module, plan: VCyclePlan, adapter: object) -> nn.Module:
     """The small model of ``plan`` (``adapter.build_small``, global RNG untouched) holding ``coalesce(model, plan)``
-    (strict load; ties re-established by the adapter). ``model`` is not modified."""
-    with torch.random.fork_rng(devices=[]):
-        small: nn.Module = adapter.build_small(model, plan)  # type: ignore[attr-defined]
+    (strict load; ties re-established by the adapter). Its parameters keep the large ones' ``requires_grad``
+    (:func:`coalesced_requires_grad`: frozen when every source is frozen). ``model`` is not modified."""
+    small = _build_small(model, plan, adapter)
     small.load_state_dict(coalesce(model, plan))
     return small
 
@@ -770,8 +816,13 @@ def decoalesce_model(
 ) -> nn.Module:
     """Load ``interpolate(decoalesce(small, plan), saved_original, alpha_original)`` into ``large`` (moved to the
     device of ``small`` and set to its train / eval mode; its own tensors are replaced in place, so ties stay) and
-    return ``large``."""
+    return ``large``. A frozen parameter of ``large`` (``requires_grad=False``, kept since it was coalesced) gets its
+    value of ``saved_original`` back exactly: it was not trained, and coalescing then de-coalescing it would change
+    it (averaged pairs and layers)."""
     merged = interpolate(decoalesce(small, plan), saved_original, alpha_original)
+    for k, trainable in requires_grad_flags(large).items():
+        if not trainable and k in saved_original:
+            merged[k] = saved_original[k]
     large = large.to(next(small.parameters()).device)
     large.load_state_dict(merged)
     large.train(small.training)

@@ -882,3 +882,102 @@ def test_ddp_resume_equals_uninterrupted(tmp_path, resume_step):
         assert probe_b == probe_a[resume_step:]
         wa, wb = (torch.load(tmp_path / arm / f"rank{r}.pt", weights_only=True) for arm in ("a", "b"))
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# ------------------------------------------------------------------------------------------------ frozen parameters
+class PartlyFrozen(pl.LightningModule):
+    """A 4-layer GPT-2 (3 levels: 4 x 32 -> 2 x 16 -> 1 x 8) under ``net`` with frozen token and position embeddings
+    (the tied ``lm_head`` with them), optionally a frozen teacher; the optimizer holds the trainable parameters."""
+
+    FROZEN = ("transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight")
+
+    def __init__(self, teacher: bool = False) -> None:
+        super().__init__()
+        self.net = tiny_gpt2(**GPT4).model
+        for name in ("wte", "wpe"):
+            getattr(self.net.transformer, name).requires_grad_(False)
+        if teacher:
+            self.teacher = tiny_gpt2(**GPT4).model.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+
+
+class GradFlags(Callback):
+    """Per optimizer step: the level's depth and ``{name: requires_grad}`` of ``pl_module.net``'s parameters."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, tuple[int, dict[str, bool]]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        net = pl_module.net
+        flags = {k: p.requires_grad for k, p in net.named_parameters(remove_duplicate=False)}
+        self.steps[trainer.global_step] = (net.config.n_layer, flags)
+
+
+def test_model_attr_naming_a_frozen_module_is_refused(tmp_path):
+    """Issue #18: ``model_attr`` naming a frozen teacher raises in setup, before any step, and the teacher is left
+    as it is (it used to go through the cycle: made trainable at the coarse levels and its weights changed)."""
+    module = PartlyFrozen(teacher=True)
+    teacher = {k: v.clone() for k, v in module.teacher.state_dict().items()}
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a=1, e_small=2, model_attr="teacher")], max_steps=4)
+    with pytest.raises(
+        ValueError,
+        match=r"VCycleCallback\.model_attr: PartlyFrozen\.teacher \(GPT2LMHeadModel\) has no trainable parameter .*"
+        r"a frozen module is not trained, so a V-cycle on it is meaningless",
+    ):
+        trainer.fit(module, datamodule=tiny_lm_data())
+    assert trainer.global_step == 0 and all(p.requires_grad is False for p in module.teacher.parameters())
+    assert all(torch.equal(v, module.teacher.state_dict()[k]) for k, v in teacher.items())
+
+
+def test_frozen_parameters_stay_frozen_at_every_level(tmp_path):
+    """Issue #18: a partly frozen network keeps each parameter's ``requires_grad`` at every level of a 3-level
+    cycle (the frozen embeddings stay frozen, the rest trains), and the frozen weights come back from the cycle
+    exactly as they were (restored from the snapshots on the way up; they were never trained)."""
+    flags = GradFlags()
+    cb = VCycleCallback(levels=3, e_a=1, e_small=2, up_leg=1)
+    pl.seed_everything(0)
+    module = PartlyFrozen()
+    before = {k: v.clone() for k, v in module.net.state_dict().items()}
+    trainer = make_trainer(tmp_path, [cb, flags], max_steps=6, max_epochs=-1)
+    trainer.fit(module, datamodule=tiny_lm_data())
+    assert cb.switches == 4 and cb.level == 1
+    # the model in place after each step's switch: levels 2, 3, 3, 2, 1, 1
+    assert [flags.steps[s][0] for s in sorted(flags.steps)] == [2, 1, 1, 2, 4, 4]
+    for step, (_, requires_grad) in flags.steps.items():
+        assert {k for k, v in requires_grad.items() if not v} == set(PartlyFrozen.FROZEN), step
+        assert len(requires_grad) > 10 and all(v for k, v in requires_grad.items() if k not in PartlyFrozen.FROZEN)
+    after = module.net.state_dict()
+    for k in PartlyFrozen.FROZEN:
+        assert torch.equal(after[k], before[k]), k
+    assert not torch.equal(after["transformer.h.0.attn.c_attn.weight"], before["transformer.h.0.attn.c_attn.weight"])
+    assert module.net.lm_head.weight is module.net.transformer.wte.weight
+
+
+def test_requires_grad_through_coalescing_and_rebuilt_levels():
+    """The functional rule: a small tensor is frozen when every large tensor it is made from is (depth groups
+    included), trainable otherwise; ``coalesce_model`` and ``build_levels`` (the resume rebuild) apply it."""
+    net = tiny_gpt2(**GPT4).model
+    net.transformer.wte.requires_grad_(False)
+    for i in (0, 2, 3):  # depth groups (0, 1), (2, 3): layer 1 trains, so small layer 0 does; small layer 1 is frozen
+        net.transformer.h[i].mlp.c_fc.weight.requires_grad_(False)
+    adapter = find_vcycle_adapter(net)
+    plans = V.plan_levels(net, adapter, 3)
+    small = V.coalesced_requires_grad(V.requires_grad_flags(net), plans[0])
+    assert {k for k, v in small.items() if not v} == {
+        "transformer.wte.weight",
+        "lm_head.weight",
+        "transformer.h.1.mlp.c_fc.weight",
+    }
+    coalesced = V.coalesce_model(net, plans[0], adapter)
+    assert V.requires_grad_flags(coalesced) == small
+    level_3, larger = V.build_levels(net, adapter, plans, 3)
+    assert V.requires_grad_flags(larger[2]) == small
+    assert {k for k, v in V.requires_grad_flags(level_3).items() if not v} == {
+        "transformer.wte.weight",
+        "lm_head.weight",
+    }

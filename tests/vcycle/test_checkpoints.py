@@ -188,6 +188,72 @@ def test_validate_test_predict_run_the_de_coalesced_model(tmp_path, default_run)
         assert validate(tmp_path / f"v{step}", root / "ckpts" / f"step={step}.ckpt") == scores[step]
 
 
+def evaluate(trainer: pl.Trainer, fn: str, model: UserLM, path: Path) -> Any:
+    """``trainer.<fn>(model, ckpt_path=path)`` on the 2 validation batches: the logged loss, or the logits."""
+    loader = user_data().val_dataloader()
+    if fn == "predict":
+        return torch.cat(trainer.predict(model, dataloaders=loader, ckpt_path=path))
+    out = getattr(trainer, fn)(model, dataloaders=loader, ckpt_path=path, verbose=False)
+    return float(out[0][f"{'test' if fn == 'test' else 'val'}_loss"])
+
+
+@pytest.fixture(scope="module")
+def named_run(tmp_path_factory) -> tuple[Path, pl.Trainer, UserLM, VCycleCallback]:
+    """As ``default_run`` with ``model_attr="net"`` given (so that a new callback of the same arguments has the
+    fit's state key and its state is handed to it): the fit's Trainer, module and callback."""
+    root = tmp_path_factory.mktemp("named")
+    cb = VCycleCallback(e_a=2, e_small=3, model_attr="net")
+    trainer, model, *_ = fit_with_checkpoints(root, cb)
+    return root, trainer, model, cb
+
+
+@pytest.mark.parametrize("fn", ["validate", "test", "predict"])
+@pytest.mark.parametrize("step", [3, 5], ids=["level_2", "level_1"])
+def test_evaluating_a_checkpoint_with_the_callback_in_the_trainer(tmp_path, named_run, fn, step):
+    """Issue #18: ``trainer.validate/test/predict(ckpt_path=...)`` of a level-2 checkpoint with a V-cycle in the
+    Trainer (the fit's own Trainer after the fit, whose callback holds the checkpoint's state key; a new Trainer with
+    an identical callback, whose ``alpha_original`` is still unresolved) loads the full-size weights into the full
+    model and gives exactly what a Trainer without the callback gives; the fit's callback and level are untouched
+    (outside ``fit`` the callback does nothing). Before the fix: a RuntimeError (level 2 checkpoint, model at level
+    1), and a ValueError "configuration differs: alpha_original (0.25, None)"."""
+    root, trainer, model, cb = named_run
+    path = root / "ckpts" / f"step={step}.ckpt"
+    state = torch.load(path, weights_only=True)
+    assert state["callbacks"][cb.state_key]["level"] == (2 if step == 3 else 1)
+    reference = evaluate(make_trainer(tmp_path / "plain", [], limit_val_batches=2), fn, UserLM(), path)
+    fresh = VCycleCallback(e_a=2, e_small=3, model_attr="net")
+    assert fresh.state_key == cb.state_key and fresh.alpha_original is None
+    for got in (
+        evaluate(trainer, fn, model, path),
+        evaluate(make_trainer(tmp_path / "new", [fresh], limit_val_batches=2), fn, UserLM(), path),
+    ):
+        if fn == "predict":
+            assert torch.equal(got, reference)
+        else:
+            assert got == reference
+    assert cb.level == 1 and cb.switches == 2 and cb.stage_index == 2 and fresh.level == 1
+    assert model.net.transformer.wte.weight.shape == (64, 32) and len(model.net.transformer.h) == 2
+    for k, v in state["state_dict"].items():  # the fit's module holds the checkpoint's full-size weights
+        assert torch.equal(model.state_dict()[k], v), k
+    assert "on_load_checkpoint" not in vars(model)  # no resume wrapper outside fit
+
+
+def test_configuration_compared_with_unresolved_automatic_arguments(named_run):
+    """``alpha_original`` / ``model_attr`` left None (resolved in ``setup``) match the checkpoint's resolved values;
+    any other difference is still refused."""
+    root, _, _, cb = named_run
+    state = torch.load(root / "ckpts" / "step=3.ckpt", weights_only=True)["callbacks"][cb.state_key]
+    assert state["config"]["alpha_original"] == 0.25 and state["config"]["model_attr"] == "net"
+    VCycleCallback(e_a=2, e_small=3)._compare_config(state)  # no raise
+    VCycleCallback(e_a=2, e_small=3, alpha_original=0.25, model_attr="net")._compare_config(state)
+    with pytest.raises(ValueError, match=r"configuration differs.*alpha_original"):
+        VCycleCallback(e_a=2, e_small=3, alpha_original=0.5)._compare_config(state)
+    with pytest.raises(ValueError, match=r"configuration differs.*model_attr"):
+        VCycleCallback(e_a=2, e_small=3, model_attr="other")._compare_config(state)
+    with pytest.raises(ValueError, match=r"configuration differs.*depth_scheme"):
+        VCycleCallback(e_a=2, e_small=3, depth_scheme=None)._compare_config(state)
+
+
 def test_width_only_checkpoints_reproduce_the_logged_validation_loss(tmp_path):
     """Width-only levels (``depth_scheme=None``) under ``embedding_convention="exact"``: de-coalescing preserves
     GPT-2's function, so every checkpoint, the level-2 ones and ``ckpt_path="best"`` included, validates to the loss

@@ -244,7 +244,8 @@ def test_checkpoint_hooks_write_the_full_model_and_restore_the_level_weights():
     M.perturb(host.model, seed=3)  # as if level 3 had trained
     level3 = copy.deepcopy(host.model.state_dict())
     at_level_1 = {"state_dict": {"model.x": torch.zeros(1)}}
-    checkpoint = {"state_dict": host.state_dict(), "callbacks": {"key": {"level": 3, **stack.state_dict()}}}
+    state = {"level": 3, **stack.state_dict(), "weights": stack.exact_weights()}  # as VCycleCallback writes it
+    checkpoint = {"state_dict": host.state_dict(), "callbacks": {"key": state}}
     host.on_save_checkpoint(checkpoint)
     expected = V.decoalesce(V.decoalesce(level3, stack.plans[1]), stack.plans[0])
     assert list(checkpoint["state_dict"]) == ["model." + k for k in expected]
