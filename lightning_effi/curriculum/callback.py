@@ -70,8 +70,9 @@ class Curriculum(Callback):
       ``trainer.world_size`` and ``accumulate_grad_batches``). Under DDP it requires
       ``Trainer(use_distributed_sampler=False)``: the sampler shards by rank itself.
     - ``on_train_batch_start``: reads the batch's curriculum metadata (``cl_step``, ``cl_micro``, ``cl_difficulty``,
-      ``cl_full_length``, ``cl_cut_mask``, ``cl_cut_left``; :func:`~lightning_effi.core.batch.batch_meta`, never in
-      the user's batch: ``training_step`` receives its own batch structure, only truncated) and counts the batch's
+      ``cl_full_length``, ``cl_cut_mask``, ``cl_cut_left``, ``cl_cut_axes``;
+      :func:`~lightning_effi.core.batch.batch_meta`, never in the user's batch: ``training_step`` receives its own
+      batch structure, only truncated) and counts the batch's
       tokens (summed over ranks) so a token-based LR schedule (:meth:`token_progress`) already includes the current
       batch when the scheduler steps.
     - ``on_train_batch_end``: commits the batch (the resume position) and logs ``effi/curriculum/{metric}_difficulty``,
@@ -173,10 +174,12 @@ class Curriculum(Callback):
         self._tokens_through_current = 0
         self._loaded: dict[str, Any] | None = None
         self.last_difficulties: dict[str, int] = {}
-        # the current batch before seqlen_truncate (its cl_full_length, cl_cut_mask, cl_cut_left), for effi_baseline
+        # the current batch before seqlen_truncate (its cl_full_length, cl_cut_mask, cl_cut_left, cl_cut_axes), for
+        # effi_baseline
         self._full_length: int | None = None
         self._cut_mask: torch.Tensor | None = None
         self._cut_left = False
+        self._cut_axes: dict[Any, tuple[int, ...]] | None = None
 
     def _arguments(self) -> dict[str, Any]:
         """The constructor arguments of this callback, in order (the metrics as parsed, unset optional keys left
@@ -235,7 +238,7 @@ class Curriculum(Callback):
         # a fresh fit starts from a fresh stream; a checkpoint's state arrives later through load_state_dict
         self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
         self._pending = None
-        self._full_length, self._cut_mask, self._cut_left = None, None, False
+        self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
         template = dm.template()
         dataset, n = template["dataset"], template["length"]
         if n < 1:
@@ -317,7 +320,9 @@ class Curriculum(Callback):
                 "Curriculum: the training batch does not come from the CurriculumDataModule's loader (it carries "
                 f"none of the curriculum's batch metadata {list(BATCH_KEYS)})"
             )
-        step, micro, difficulty, self._full_length, self._cut_mask, cut_left = (meta[k] for k in BATCH_KEYS)
+        step, micro, difficulty, self._full_length, self._cut_mask, cut_left, self._cut_axes = (
+            meta[k] for k in BATCH_KEYS
+        )
         self._cut_left = bool(cut_left)
         tokens = tokens_of(batch)
         if trainer.world_size > 1:
@@ -356,9 +361,10 @@ class Curriculum(Callback):
         :class:`~lightning_effi.core.accounting.EfficiencyMonitor` in ``on_train_batch_end``), any batch structure:
         the tensors the truncation cut at the untruncated length ``S`` recorded by the collate (``cl_full_length``),
         the attention mask with the values the truncation removed put back (``cl_cut_mask``, on the left for a
-        left-padded batch: ``cl_cut_left``), so the module's counting hooks count the untruncated batch exactly,
-        padding included (:func:`~lightning_effi.curriculum.functional.lengthen_batch`; only shapes and the mask are
-        real). A batch without an attention mask (a tuple ``(ids, labels)``) counts every position. The monitor's
+        left-padded batch: ``cl_cut_left``), each tensor widened on the axes it was cut (``cl_cut_axes``), so the
+        module's counting hooks count the untruncated batch exactly, padding included
+        (:func:`~lightning_effi.curriculum.functional.lengthen_batch`; only shapes and the mask are real). A batch
+        without an attention mask (a tuple ``(ids, labels)``) counts every position. The monitor's
         difference is the curriculum's saving (``saved/curriculum/...``).
 
         Returns None when there is nothing to undo: no ``seqlen_truncate`` metric (``seqlen_reshape`` re-chunks
@@ -372,7 +378,9 @@ class Curriculum(Callback):
         keys = self.controller.config.truncate_keys
         if (seq := F.sequence_length(batch, keys)) is None or seq >= self._full_length:
             return None
-        long = F.lengthen_batch(batch, keys, self._full_length, mask=self._cut_mask, left=self._cut_left)
+        long = F.lengthen_batch(
+            batch, keys, self._full_length, mask=self._cut_mask, left=self._cut_left, axes=self._cut_axes or None
+        )
         return Baseline(batch=long)
 
     def token_progress(self, total_tokens: float) -> float:

@@ -15,7 +15,8 @@ collate_fn=CurriculumCollate(collate_fn, ...), num_workers=..., ...)``
   structure and types) and the curriculum's metadata (:data:`BATCH_KEYS`): ``cl_step``, ``cl_micro``,
   ``cl_difficulty`` (dict metric -> int) and, for the ``EfficiencyMonitor``'s baseline, what the truncation removed:
   ``cl_full_length`` (the sequence length ``S`` before the transforms), ``cl_cut_mask`` (the attention-mask values it
-  cut) and ``cl_cut_left`` (a left-padded batch, cut on the left). The DataModule takes the metadata off
+  cut), ``cl_cut_left`` (a left-padded batch, cut on the left) and ``cl_cut_axes`` (the tensors and axes cut). The
+  DataModule takes the metadata off
   before any user hook (:meth:`~lightning_effi.core.wrapping.WrappingDataModule.on_before_batch_transfer`); the
   :class:`~lightning_effi.callbacks.Curriculum` callback reads it with :func:`~lightning_effi.core.batch.batch_meta`.
   Thinned batches also carry ``index`` (int64 ``(B_kept,)``), ``infobatch_weight`` (float32 ``(B_kept,)``) and
@@ -41,7 +42,15 @@ from lightning_effi.curriculum.config import CurriculumConfig
 from lightning_effi.curriculum.stream import CurriculumController
 
 #: the metadata the collate wrapper gives every training batch (:class:`CurriculumCollate`)
-BATCH_KEYS = ("cl_step", "cl_micro", "cl_difficulty", "cl_full_length", "cl_cut_mask", "cl_cut_left")
+BATCH_KEYS = (
+    "cl_step",
+    "cl_micro",
+    "cl_difficulty",
+    "cl_full_length",
+    "cl_cut_mask",
+    "cl_cut_left",
+    "cl_cut_axes",
+)
 #: the metadata it adds when a thinner is attached (InfoBatch composed with the curriculum)
 THINNED_KEYS = ("index", "infobatch_weight", "infobatch_candidates")
 
@@ -84,11 +93,15 @@ class CurriculumCollate:
       (int; :func:`~lightning_effi.curriculum.functional.sequence_length`), None when it has no sequence tensor;
     - ``cl_cut_mask``: the attention-mask values ``seqlen_truncate`` removed, ``[B, S - L]`` (each row's in column
       order), None when it removed none (or no tensor named ``attention_mask`` was cut); ``cl_cut_left``: the batch
-      was left-padded and its last ``L`` columns kept. With ``cl_full_length`` they let the callback count the
-      untruncated batch exactly, padding included (:meth:`~lightning_effi.callbacks.Curriculum.effi_baseline`).
+      was left-padded and its last ``L`` columns kept; ``cl_cut_axes``: dict path -> the axes cut of every tensor
+      cut (:attr:`~lightning_effi.curriculum.functional.Truncation.axes`; empty when nothing was cut). With
+      ``cl_full_length`` they let the callback count the untruncated batch exactly, padding included
+      (:meth:`~lightning_effi.callbacks.Curriculum.effi_baseline`).
 
-    ``seqlen_truncate`` cuts every ``[B, S, ...]`` tensor of the batch, in any structure, rebuilt with the same types
-    (:func:`~lightning_effi.curriculum.functional.truncate`); ``seqlen_reshape`` re-chunks a dict batch's
+    ``seqlen_truncate`` cuts every ``[B, S, ...]`` tensor of the batch (pairwise ``[B, S, S]`` ones and masks
+    ``[B, 1, 1, S]`` on every sequence axis), in any structure, rebuilt with the same types
+    (:func:`~lightning_effi.curriculum.functional.truncate`; left padding read from the batch's padding mask,
+    :func:`~lightning_effi.curriculum.functional.padding_mask`); ``seqlen_reshape`` re-chunks a dict batch's
     ``input_ids`` or a tensor batch (:func:`~lightning_effi.curriculum.functional.reshape_batch`).
 
     Thinned keys (6 fields) also give ``meta["index"]`` (int64 ``(B_kept,)``), ``meta["infobatch_weight"]``
@@ -103,7 +116,9 @@ class CurriculumCollate:
         DataConfigError: ``seqlen_truncate`` with a batch that has no sequence tensor to cut (none of
             ``truncate_keys``; without them no tensor named ``attention_mask`` / ``input_ids`` and no integer
             ``[B, S]`` tensor), or padded on both sides; ``seqlen_reshape`` with a batch that is neither a dict with
-            ``input_ids`` nor a ``[B, S]`` tensor; the samples of one batch carry different steps (or, thinned,
+            ``input_ids`` nor a ``[B, S]`` tensor; either with a sequence-first batch (the sequence tensor is
+            ``[S, B]``: its dimension 1 is the number of samples collated, ``batch_first=False``); a float mask that
+            is neither additive nor 0/1; the samples of one batch carry different steps (or, thinned,
             different candidate counts). Raised at the first such batch, naming the metric and the tensors found.
     """
 
@@ -129,7 +144,7 @@ class CurriculumCollate:
         batch = self.collate_fn([s for s, _ in items])
         difficulty = dict(zip(self.metric_names, diffs))
         full_length = F.sequence_length(batch, self.truncate_keys)
-        cut_mask, left = None, False
+        cut_mask, left, axes = None, False, {}
         if "seqlen_truncate" in difficulty:
             if full_length is None:
                 which = (
@@ -149,16 +164,20 @@ class CurriculumCollate:
                     self.truncate_keys,
                     self.causal_label_shift,
                     self.keep_last_token,
+                    batch_size=len(items),
                 )
             except ValueError as e:
                 raise DataConfigError(str(e)) from None
-            batch, cut_mask, left = cut.batch, cut.cut_mask, cut.left
+            batch, cut_mask, left, axes = cut.batch, cut.cut_mask, cut.left, dict(zip(cut.cut, cut.axes))
         if "seqlen_reshape" in difficulty:
             try:
+                F.check_batch_first(batch, len(items), technique="seqlen_reshape")
                 batch = F.reshape_batch(batch, difficulty["seqlen_reshape"])
             except ValueError as e:
                 raise DataConfigError(f"curriculum: {e}") from None
-        meta: dict[str, Any] = dict(zip(BATCH_KEYS, (int(step), int(micro), difficulty, full_length, cut_mask, left)))
+        meta: dict[str, Any] = dict(
+            zip(BATCH_KEYS, (int(step), int(micro), difficulty, full_length, cut_mask, left, axes))
+        )
         if len(keys[0]) > 4:  # thinned by InfoBatch: (index, step, micro, difficulties, weight, candidates)
             candidates = int(keys[0][5])
             if any(int(k[5]) != candidates for k in keys):

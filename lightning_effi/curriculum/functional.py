@@ -241,48 +241,212 @@ def _is_integer(v: Tensor) -> bool:
     return not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool)
 
 
+#: mask names that do not mark padding: never read as a padding mask (:func:`padding_mask`)
+NON_PADDING_MASKS = ("loss_mask", "special_tokens_mask")
+
+
+def _is_mask_name(name: str | None) -> bool:
+    """A padding-mask name: contains ``mask`` (any case), not one of :data:`NON_PADDING_MASKS`."""
+    return name is not None and "mask" in name.lower() and name.lower() not in NON_PADDING_MASKS
+
+
+def _reference(batch: Any, keys: Sequence[str] | None) -> tuple[Path, Tensor] | None:
+    found = [(p, v) for p, v in tensor_leaves(batch) if v.ndim >= 2]
+    for name in keys if keys is not None else ("attention_mask", "input_ids"):
+        for path, value in found:
+            if _name(path) == name:
+                return path, value
+    if keys is None:
+        for path, value in found:
+            if value.ndim == 2 and _is_integer(value):
+                return path, value
+    return None
+
+
+def _sizes(path: Path, ref: Tensor) -> tuple[int, int]:
+    """``(B, T)`` of the reference: its dimensions 0 and 1, or 0 and -1 for a mask of more than 2 dimensions."""
+    if ref.ndim > 2 and _is_mask_name(_name(path)):
+        return int(ref.shape[0]), int(ref.shape[-1])
+    return int(ref.shape[0]), int(ref.shape[1])
+
+
 def sequence_reference(batch: Any, keys: Sequence[str] | None = None) -> Tensor | None:
-    """The tensor that gives the batch's size ``B`` and sequence length ``T`` (its dimensions 0 and 1), any batch
-    structure:
+    """The tensor that gives the batch's size ``B`` (its dimension 0) and sequence length ``T`` (its dimension 1;
+    its last dimension for a mask of more than 2 dimensions: ``[B, 1, 1, T]``, ``[B, 1, T, T]``, ``[B, T, T]``), any
+    batch structure:
 
     - ``keys`` given: the first tensor named ``keys[0]``, else ``keys[1]``, ... with at least 2 dimensions;
     - ``keys`` None (automatic): the first tensor named ``attention_mask``, else ``input_ids``, with at least 2
       dimensions, else the first integer (not bool) tensor of exactly 2 dimensions (token ids ``[B, T]``; in a tuple
       batch ``(ids, labels)``, ``ids``).
 
-    None when there is none (images, float features only)."""
-    found = [(p, v) for p, v in tensor_leaves(batch) if v.ndim >= 2]
-    for name in keys if keys is not None else ("attention_mask", "input_ids"):
-        for path, value in found:
-            if _name(path) == name:
-                return value
-    if keys is None:
-        for _, value in found:
-            if value.ndim == 2 and _is_integer(value):
-                return value
-    return None
+    The batch must be batch-first (``[B, T]``, ``batch_first=True``): a sequence-first ``[T, B]`` tensor reads as
+    ``B = T`` (:func:`truncate` refuses it when given the batch size). None when there is none (images, float
+    features only)."""
+    found = _reference(batch, keys)
+    return None if found is None else found[1]
 
 
 def sequence_length(batch: Any, keys: Sequence[str] | None = None) -> int | None:
-    """The batch's sequence length ``T``: dimension 1 of :func:`sequence_reference`; None when it has none. The
-    length :func:`truncate_batch` cuts."""
-    ref = sequence_reference(batch, keys)
-    return None if ref is None else int(ref.shape[1])
+    """The batch's sequence length ``T`` of :func:`sequence_reference` (its dimension 1, the last one for a mask of
+    more than 2 dimensions); None when it has none. The length :func:`truncate_batch` cuts."""
+    found = _reference(batch, keys)
+    return None if found is None else _sizes(*found)[1]
 
 
-def _cuttable(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None) -> bool:
-    """A ``[B, T, ...]`` tensor of the batch's size and sequence length, named in ``keys`` when ``keys`` is given."""
-    if v.ndim < 2 or v.shape[0] != b or v.shape[1] != t:
+def cut_axes(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None = None) -> tuple[int, ...]:
+    """The axes of ``v`` (at ``path`` in a batch of size ``b`` and sequence length ``t``) that :func:`truncate` cuts;
+    ``()`` for a tensor it leaves alone (fewer than 2 dimensions, another batch size, not named in ``keys`` when
+    ``keys`` is given, no axis of length ``t`` where one is looked for):
+
+    - ``[B, T, ...]``: axis 1, and axis 2 too when it has length ``T`` (a pairwise ``[B, T, T, ...]`` tensor: an
+      attention bias, a 3-D mask). A ``[B, T, D]`` feature tensor whose width ``D`` happens to equal ``T`` is
+      therefore cut on both axes.
+    - otherwise, with at least 3 dimensions and the last of length ``T``, a tensor named like a mask
+      (``*mask*``: ``[B, 1, 1, T]``) or whose last two axes have length ``T`` (``[B, 1, T, T]``, ``[B, H, T, T]``):
+      the last axis, and the one before it when it has length ``T``.
+    """
+    if v.ndim < 2 or v.shape[0] != b or (keys is not None and _name(path) not in keys):
+        return ()
+    if v.shape[1] == t:
+        return (1, 2) if v.ndim >= 3 and v.shape[2] == t else (1,)
+    if v.ndim >= 3 and v.shape[-1] == t:
+        if v.shape[-2] == t:
+            return (v.ndim - 2, v.ndim - 1)
+        if _is_mask_name(_name(path)):
+            return (v.ndim - 1,)
+    return ()
+
+
+def _real_named(path: Path, v: Tensor) -> Tensor:
+    """``[B, T]`` bool: the real (non-padding) positions of a named mask (``[B, T]``, or ``[B, ..., T]``: a key
+    position is real when any query may attend to it)."""
+    name = str(_name(path))
+    pad_convention = "padding_mask" in name.lower()  # PyTorch key_padding_mask: True / nonzero = padding
+    if v.is_floating_point():
+        additive = bool((v < 0).any()) or not bool((v != 0).any())  # 0 = attend, negative = masked
+        if additive:
+            if bool((v > 0).any()):
+                raise ValueError(
+                    f"seqlen_truncate: the float mask {'.'.join(map(str, path))!r} mixes positive and negative "
+                    "values: a float mask must be additive (0 = attend, negative / -inf = masked) or hold only 0 and 1"
+                )
+            allowed = v == 0
+        elif bool(((v != 0) & (v != 1)).any()):
+            raise ValueError(
+                f"seqlen_truncate: the float mask {'.'.join(map(str, path))!r} holds values other than 0 and 1: a "
+                "float mask must be additive (0 = attend, negative / -inf = masked) or hold only 0 and 1"
+            )
+        else:
+            allowed = v == 0 if pad_convention else v != 0
+    else:
+        allowed = v == 0 if pad_convention else v != 0
+    return allowed.flatten(1, -2).any(1) if v.ndim > 2 else allowed
+
+
+def _plausible_padding(real: Tensor, ids: Tensor | None) -> bool:
+    """Every row's real positions are one run touching an end (a prefix or a suffix), and the ids at the padding
+    positions all hold one value (the pad id)."""
+    if real.shape[1] > 1 and bool(((real[:, 1:] != real[:, :-1]).sum(1) > 1).any()):
         return False
-    return keys is None or _name(path) in keys
+    if ids is None:
+        return True
+    pads = ids[~real]
+    return pads.numel() == 0 or bool((pads == pads[0]).all())
 
 
-def _attention_mask(batch: Any, b: int, t: int) -> Tensor | None:
-    """The first tensor named ``attention_mask`` of shape ``[B, T]``, None without one."""
-    for path, value in tensor_leaves(batch):
-        if _name(path) == "attention_mask" and tuple(value.shape) == (b, t):
-            return value
+def padding_mask(batch: Any, keys: Sequence[str] | None = None) -> tuple[Path, Tensor, Tensor] | None:
+    """The batch's padding mask, which :func:`truncate` reads, as ``(path, mask, real)``: ``real`` is bool ``[B, T]``,
+    True at the real (non-padding) tokens. The first of, in this order:
+
+    1. a tensor named ``attention_mask``; 2. a tensor whose name contains ``padding_mask`` (``padding_mask``,
+       ``key_padding_mask``, ``src_key_padding_mask``); 3. any other tensor whose name contains ``mask`` (any case;
+       not ``loss_mask`` / ``special_tokens_mask``, :data:`NON_PADDING_MASKS`). Of shape ``[B, T]`` or ``[B, ..., T]``
+       (a key position is real when any query may attend to it). Read by name: ``*padding_mask*`` follows PyTorch's
+       ``key_padding_mask`` (True / nonzero = padding), every other name HF's ``attention_mask`` (nonzero = real).
+       A float mask is additive when it has a negative value or is all zero (0 = real, negative / ``-inf`` =
+       masked, either name), else it must hold only 0 and 1 (read as above).
+    4. in a tuple or list batch (entries have no name): a bool or 0/1 integer ``[B, T]`` entry other than the token
+       ids (:func:`sequence_reference`) whose every row is padded on one side, with one pad id in the ids at the
+       padding positions. Its convention (1 = real or 1 = padding) is the one for which that holds (1 = real when
+       both do).
+
+    None when there is none: then every position counts as real (so a left-padded tuple batch needs its mask in the
+    batch).
+
+    Raises:
+        ValueError: a float mask that is neither additive nor 0/1; a named ``[B, T]`` mask whose reading by name
+            contradicts the token ids (its padding positions hold varying ids, every row padded on one side with one
+            pad id under the opposite reading: a ``padding_mask`` holding 1 at the real tokens).
+    """
+    keys = None if keys is None else tuple(keys)
+    found = _reference(batch, keys)
+    if found is None:
+        return None
+    b, t = _sizes(*found)
+    ref = found[1]
+    leaves = [
+        (p, v)
+        for p, v in tensor_leaves(batch)
+        if v.ndim >= 2 and v.shape[0] == b and v.shape[-1] == t and (v.ndim > 2 or v.shape[1] == t)
+    ]
+    named = [(p, v) for p, v in leaves if _is_mask_name(_name(p))]
+
+    def rank(p: Path) -> int:
+        name = str(_name(p)).lower()
+        return 0 if name == "attention_mask" else 1 if "padding_mask" in name else 2
+
+    ids = ref if ref.ndim == 2 and _is_integer(ref) and tuple(ref.shape) == (b, t) else None
+    if named:
+        path, value = min(named, key=lambda pv: rank(pv[0]))  # min is stable: the first of the best rank
+        real = _real_named(path, value)
+        if (
+            ids is not None
+            and value is not ids
+            and not _plausible_padding(real, ids)
+            and _plausible_padding(~real, ids)
+        ):
+            where = ".".join(map(str, path))
+            raise ValueError(
+                f"seqlen_truncate: the mask {where!r} reads, by its name, as "
+                + (
+                    "True / nonzero = padding (a *padding_mask* name: PyTorch's key_padding_mask convention)"
+                    if "padding_mask" in where.lower()
+                    else "nonzero = real token (HF's attention_mask convention)"
+                )
+                + ", but the token ids at its padding positions vary while the opposite reading fits the ids: "
+                "invert the mask or rename it (attention_mask for 1 = real, padding_mask for 1 = padding)"
+            )
+        return path, value, real
+    for path, value in leaves:
+        if not path or isinstance(path[-1], str) or value is ref or value.ndim != 2:
+            continue
+        if value.dtype != torch.bool and not (_is_integer(value) and bool(((value == 0) | (value == 1)).all())):
+            continue
+        for real in (value != 0, value == 0):
+            if _plausible_padding(real, ids):
+                return path, value, real
     return None
+
+
+def check_batch_first(batch: Any, batch_size: int, keys: Sequence[str] | None = None, technique: str = "") -> None:
+    """Refuse a sequence-first batch: the reference tensor (:func:`sequence_reference`) is ``[T, B]`` (its dimension 1,
+    not 0, is the number of samples collated, ``batch_size``; PyTorch's ``batch_first=False`` layout).
+
+    Raises:
+        ValueError: naming ``technique``, the tensors found and ``batch_first=True``.
+    """
+    found = _reference(batch, keys)
+    if found is None:
+        return
+    b, t = _sizes(*found)
+    if b != batch_size and t == batch_size:
+        raise ValueError(
+            f"{technique or 'curriculum'}: the batch is sequence-first: {batch_size} samples were collated, but the "
+            f"sequence tensor {'.'.join(map(str, found[0])) or 'batch'} has shape {list(found[1].shape)} ([T, B]); "
+            f"found a {describe_batch(batch)}. The curriculum cuts dimension 1 of [B, T] tensors: collate "
+            "batch-first tensors (batch_first=True; transpose inside training_step if the model wants [T, B])"
+        )
 
 
 def describe_batch(batch: Any) -> str:
@@ -294,6 +458,15 @@ def describe_batch(batch: Any) -> str:
     return f"{type(batch).__name__} with " + (", ".join(parts) if parts else "no tensor")
 
 
+def _take(v: Tensor, axis: int, window: slice, index: Tensor | None) -> Tensor:
+    """``v`` cut on ``axis`` to ``window`` (a view), or to each row's columns ``index`` (``[B, L]``, a copy)."""
+    if index is None:
+        return v.narrow(axis, window.start, window.stop - window.start)
+    moved = v.movedim(axis, 1)
+    rows = torch.arange(v.shape[0], device=v.device)[:, None]
+    return moved[rows, index.to(v.device)].movedim(1, axis)
+
+
 class Truncation(NamedTuple):
     """What :func:`truncate` did to a batch.
 
@@ -301,11 +474,13 @@ class Truncation(NamedTuple):
         batch: the truncated batch (same structure and types as the input).
         full_length: ``T``, the sequence length before (None: no sequence tensor was found, nothing was cut).
         length: the sequence length after (``min(L, T)``; None with ``full_length``).
-        cut_mask: the values of the attention mask at the removed positions, ``[B, T - L]``, each row's in column
-            order; None when nothing was removed or the attention mask was not cut (no tensor named
-            ``attention_mask`` among the cut ones). :func:`lengthen_batch` puts them back.
+        cut_mask: the values of the tensor named ``attention_mask`` at the removed positions (``[B, T - L]`` for a
+            ``[B, T]`` mask; its shape with ``T - L`` on the cut axis for ``[B, 1, 1, T]``), each row's in column
+            order; None when nothing was removed, no tensor named ``attention_mask`` was cut, or it was cut on two
+            axes (a pairwise ``[B, ..., T, T]`` mask). :func:`lengthen_batch` puts them back.
         left: the batch was left-padded and its last ``L`` columns were kept.
         cut: the paths of the tensors cut (:func:`lightning_effi.core.measure.leaves` paths).
+        axes: the axes cut of each of ``cut`` (:func:`cut_axes`), in the same order.
     """
 
     batch: Any
@@ -314,6 +489,7 @@ class Truncation(NamedTuple):
     cut_mask: Tensor | None
     left: bool
     cut: tuple[Path, ...]
+    axes: tuple[tuple[int, ...], ...] = ()
 
 
 def truncate(
@@ -322,21 +498,26 @@ def truncate(
     keys: Sequence[str] | None = None,
     causal_label_shift: bool = False,
     keep_last_token: bool = False,
+    batch_size: int | None = None,
 ) -> Truncation:
     """``seqlen_truncate`` of a batch of any structure (Li et al. 2022, "DeepSpeed Data Efficiency", and the
-    Megatron-DeepSpeed ``pretrain_{gpt,bert}.py`` post-process): cut every ``[B, T, ...]`` tensor of the batch's size
-    ``B`` and sequence length ``T`` (:func:`sequence_reference`; with ``keys``, only tensors of those names) to ``L``
-    columns, ``L = d + 1`` with ``causal_label_shift`` (Megatron GPT: a sample holds ``seq_length + 1`` tokens, the
-    extra one being the shifted label) else ``L = d``. Nothing changes when ``L >= T``. Other tensors (labels
-    ``[B]``, images) and leaves are kept as they are.
+    Megatron-DeepSpeed ``pretrain_{gpt,bert}.py`` post-process): cut every tensor of the batch's size ``B`` and
+    sequence length ``T`` (:func:`sequence_reference`; with ``keys``, only tensors of those names) to ``L`` positions
+    on its sequence axes (:func:`cut_axes`: axis 1 of ``[B, T, ...]``, both axes of a pairwise ``[B, T, T, ...]``,
+    the last axis (two for ``[.., T, T]``) of a mask ``[B, 1, 1, T]`` / ``[B, 1, T, T]``), ``L = d + 1`` with
+    ``causal_label_shift`` (Megatron GPT: a sample holds ``seq_length + 1`` tokens, the extra one being the shifted
+    label) else ``L = d``. Nothing changes when ``L >= T``. Other tensors (labels ``[B]``, images) and leaves are kept
+    as they are. Tensors must be batch-first (``[B, T]``): pass ``batch_size`` to have a sequence-first ``[T, B]``
+    batch refused (:func:`check_batch_first`).
 
-    Which ``L`` columns (the *real* tokens are the nonzero entries of the tensor named ``attention_mask`` of shape
-    ``[B, T]``; without one every position is real):
+    Which ``L`` columns (the *real* tokens are those of the batch's padding mask, :func:`padding_mask`: a tensor named
+    ``attention_mask``, ``*padding_mask*`` (True = padding) or ``*mask*``, bool, 0/1 or additive float (0 = real,
+    negative = masked), or an unnamed mask entry of a tuple batch; without one every position is real):
 
     - **right padding or none** (default): the first ``L`` columns (views of the input).
     - **left padding**, detected from the mask: every row's real tokens end at the last column and some row starts
       with padding. The last ``L`` columns are kept: every row keeps its last ``min(n_b, L)`` real tokens, so no row
-      loses all of them.
+      loses all of them. Without a mask in the batch left padding cannot be seen.
     - ``keep_last_token=True`` (right padding; Composer's ``SeqLengthWarmup(preserve_end_of_sequence=True)``,
       ``composer/algorithms/seq_length_warmup``): a row whose last real token (its ``[SEP]`` / EOS, at column
       ``n_b - 1``) lies beyond the cut keeps its first ``L - 1`` columns followed by column ``n_b - 1``; shorter rows
@@ -346,14 +527,16 @@ def truncate(
 
     Args:
         batch: the collated batch (any structure); not modified. difficulty: ``d`` in tokens (>= 1).
-        keys: names of the tensors to cut (dict keys, dataclass fields); None: every ``[B, T, ...]`` tensor.
+        keys: names of the tensors to cut (dict keys, dataclass fields); None: every tensor of the batch's sequence
+            length. batch_size: the number of samples collated, when known (refuses a ``[T, B]`` layout).
 
     Returns:
-        a :class:`Truncation` (the batch, ``T``, the new length, the removed attention-mask values, the side).
+        a :class:`Truncation` (the batch, ``T``, the new length, the removed attention-mask values, the side, the
+        tensors and axes cut).
 
     Raises:
-        ValueError: ``difficulty < 1``; the cut would leave a row that has real tokens without any (an attention mask
-            padded on both sides).
+        ValueError: ``difficulty < 1``; the cut would leave a row that has real tokens without any (a mask padded on
+            both sides); a float mask neither additive nor 0/1; a sequence-first batch (with ``batch_size``).
     """
     try:
         difficulty = operator.index(difficulty)
@@ -362,15 +545,18 @@ def truncate(
     if isinstance(difficulty, bool) or difficulty < 1:
         raise ValueError(f"seqlen_truncate: difficulty must be an int >= 1 token, got {difficulty!r}")
     keys = None if keys is None else tuple(keys)
-    ref = sequence_reference(batch, keys)
-    if ref is None:
+    found = _reference(batch, keys)
+    if found is None:
         return Truncation(batch, None, None, None, False, ())
-    b, t = int(ref.shape[0]), int(ref.shape[1])
+    if batch_size is not None:
+        check_batch_first(batch, batch_size, keys, "seqlen_truncate")
+    ref = found[1]
+    b, t = _sizes(*found)
     length = difficulty + 1 if causal_label_shift else difficulty
     if length >= t:
         return Truncation(batch, t, t, None, False, ())
-    mask = _attention_mask(batch, b, t)
-    real = None if mask is None else mask != 0
+    pm = padding_mask(batch, keys)
+    real = None if pm is None else pm[2]
     left = real is not None and bool(real[:, -1].all()) and not bool(real[:, 0].all())
     index: Tensor | None = None  # [B, L] columns kept per row; None: the slice `window`
     window = slice(t - length, t) if left else slice(0, length)
@@ -383,39 +569,38 @@ def truncate(
         if bool((column != length - 1).any()):
             index = torch.arange(length, device=ref.device).repeat(b, 1)
             index[:, -1] = column
-    rows = torch.arange(b, device=ref.device)[:, None]
-    cut: list[Path] = []
+    cut: dict[Path, tuple[int, ...]] = {}
 
     def cut_tensor(path: Path, v: Tensor) -> Tensor:
-        if not _cuttable(path, v, b, t, keys):
+        axes = cut_axes(path, v, b, t, keys)
+        if not axes:
             return v
-        cut.append(path)
-        return v[:, window] if index is None else v[rows, index.to(v.device)]
+        cut[path] = axes
+        for axis in axes:
+            v = _take(v, axis, window, index)
+        return v
 
     out = map_tensors(batch, cut_tensor)
     cut_mask = None
-    if real is not None and mask is not None:
-        kept = torch.zeros(b, t, dtype=torch.bool, device=mask.device)
+    if real is not None and pm is not None:
+        kept = torch.zeros(b, t, dtype=torch.bool, device=real.device)
         if index is None:
             kept[:, window] = True
         else:
-            kept.scatter_(1, index.to(mask.device), True)
+            kept.scatter_(1, index.to(real.device), True)
         emptied = real.any(1) & ~(real & kept).any(1)
         if bool(emptied.any()):
             raise ValueError(
                 f"seqlen_truncate: cutting the batch from {t} to {length} tokens would leave rows "
-                f"{emptied.nonzero().flatten().tolist()} without a real token: the attention mask is padded on both "
-                "sides (left padding is recognised when every row's real tokens end at the last column); pad every "
-                "row on the same side"
+                f"{emptied.nonzero().flatten().tolist()} without a real token: the mask "
+                f"{'.'.join(map(str, pm[0])) or 'batch'} is padded on both sides (left padding is recognised when "
+                "every row's real tokens end at the last column); pad every row on the same side"
             )
-        if any(_name(p) == "attention_mask" for p in cut):
-            if left:
-                cut_mask = mask[:, : t - length]
-            elif index is None:
-                cut_mask = mask[:, length:]
-            else:  # each row's removed columns, in column order
-                cut_mask = mask[~kept].view(b, t - length)
-    return Truncation(out, t, length, cut_mask, left, tuple(cut))
+        path, mask = pm[0], pm[1]
+        if _name(path) == "attention_mask" and len(cut.get(path, ())) == 1:
+            removed = (~kept).nonzero()[:, 1].view(b, t - length)  # each row's removed columns, in column order
+            cut_mask = _take(mask, cut[path][0], window, removed)
+    return Truncation(out, t, length, cut_mask, left, tuple(cut), tuple(cut.values()))
 
 
 def truncate_batch(
@@ -433,46 +618,78 @@ def truncate_batch(
     return truncate(batch, difficulty, keys, causal_label_shift, keep_last_token).batch
 
 
+def _real_fill(v: Tensor) -> float:
+    """The value of a real token in an attention mask: 0 in an additive float mask, else 1."""
+    additive = v.is_floating_point() and (bool((v < 0).any()) or not bool((v != 0).any()))
+    return 0.0 if additive else 1.0
+
+
+def _widen(v: Tensor, axes: Sequence[int], length: int, left: bool, fill: float | None) -> Tensor:
+    shape = list(v.shape)
+    for a in axes:
+        shape[a] = length
+    if fill is None:  # shapes only: a broadcast view
+        return v.new_zeros(()).expand(shape)
+    out = v.new_full(shape, fill)
+    block = tuple(
+        (slice(length - v.shape[a], length) if left else slice(0, v.shape[a])) if a in axes else slice(None)
+        for a in range(v.ndim)
+    )
+    out[block] = v
+    return out
+
+
 def lengthen_batch(
-    batch: Any, keys: Sequence[str] | None, length: int, mask: Tensor | None = None, left: bool = False
+    batch: Any,
+    keys: Sequence[str] | None,
+    length: int,
+    mask: Tensor | None = None,
+    left: bool = False,
+    axes: Mapping[Path, Sequence[int]] | None = None,
 ) -> Any:
-    """The inverse, for counting, of :func:`truncate`: every tensor :func:`truncate` would cut (``[B, S, ...]`` of
-    the batch's size and sequence length ``S``, named in ``keys`` when given) widened to ``length`` columns; any batch
-    structure, same types back, ``batch`` not modified. The tensor named ``attention_mask`` gets ``mask`` (the removed
-    values, :attr:`Truncation.cut_mask`) appended after its columns (before them with ``left``: a left-padded cut),
-    else ones (real tokens); the others zeros (broadcast views: only their shapes are meant to be read). Nothing
+    """The inverse, for counting, of :func:`truncate`: every tensor :func:`truncate` cut widened to ``length`` on the
+    axes it cut (``axes``: path -> axes, :attr:`Truncation.cut` / :attr:`Truncation.axes`; without it, the tensors
+    and axes :func:`cut_axes` finds at the batch's sequence length ``S``, named in ``keys`` when given, which guesses
+    wrong for a ``[B, S, D]`` tensor with ``D == S``); any batch structure, same types back, ``batch`` not modified.
+    The tensor named ``attention_mask`` gets ``mask`` (the removed values, :attr:`Truncation.cut_mask`) appended after
+    its kept positions on its cut axis (before them with ``left``: a left-padded cut), else real tokens (1; 0 in an
+    additive float mask); the others zeros (broadcast views: only their shapes are meant to be read). Nothing
     changes when ``length <= S``.
 
     With the ``cut_mask`` of a right-padded cut (``keep_last_token`` too) or a left-padded one, the mask is the
     original one exactly; the other tensors have its shapes.
 
     Raises:
-        ValueError: ``mask`` is not ``[B, length - S, ...]`` like the batch's ``attention_mask``.
+        ValueError: ``mask`` does not fit the batch's ``attention_mask`` (its shape with ``length - S`` on the cut
+            axis).
     """
     keys = None if keys is None else tuple(keys)
-    ref = sequence_reference(batch, keys)
-    if ref is None or length <= ref.shape[1]:
+    found = _reference(batch, keys)
+    if found is None:
         return batch
-    b, s = int(ref.shape[0]), int(ref.shape[1])
+    b, s = _sizes(*found)
+    if length <= s:
+        return batch
     done: list[Path] = []
 
     def grow(path: Path, v: Tensor) -> Tensor:
-        if not _cuttable(path, v, b, s, keys):
+        where = cut_axes(path, v, b, s, keys) if axes is None else tuple(axes.get(path, ()))
+        if not where:
             return v
         if _name(path) == "attention_mask" and not done:
             done.append(path)
-            extra_shape = (b, length - s, *v.shape[2:])
-            if mask is None:
-                extra = v.new_ones(extra_shape)
-            elif tuple(mask.shape) == extra_shape:
-                extra = mask.to(device=v.device, dtype=v.dtype)
-            else:
+            if mask is None or len(where) != 1:
+                return _widen(v, where, length, left, _real_fill(v))
+            extra_shape = list(v.shape)
+            extra_shape[where[0]] = length - s
+            if list(mask.shape) != extra_shape:
                 raise ValueError(
                     f"lengthen_batch: mask of shape {tuple(mask.shape)} cannot widen an attention_mask of shape "
-                    f"{tuple(v.shape)} to {length} columns (expected {extra_shape})"
+                    f"{tuple(v.shape)} to {length} positions (expected {tuple(extra_shape)})"
                 )
-            return torch.cat([extra, v] if left else [v, extra], dim=1)
-        return v.new_zeros(()).expand(b, length, *v.shape[2:])
+            extra = mask.to(device=v.device, dtype=v.dtype)
+            return torch.cat([extra, v] if left else [v, extra], dim=where[0])
+        return _widen(v, where, length, left, None)
 
     return map_tensors(batch, grow)
 

@@ -418,3 +418,183 @@ def test_effi_baseline_counts_the_untruncated_tuple_batch(tmp_path):
     assert s["baseline_tokens"] == 4 * B * T and s["tokens"] == B * sum(SCHEDULE[:4])  # no mask: every position
     assert s["saved/curriculum/tokens_frac"] == pytest.approx(1 - sum(SCHEDULE[:4]) / (4 * T))
     assert s["baseline_flops"] > s["flops"] > 0
+
+
+# ------------------------------------------------- masks, layouts and tensors the first truncation did not know
+
+
+def left_rows(lengths: list[int], t: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded token ids (pad 0; row b's real tokens 10·(b+1) + column) and their 0/1 mask."""
+    ids, mask = ids_and_mask(lengths, side="left")
+    ids = torch.where(mask.bool(), (torch.arange(len(lengths))[:, None] + 1) * 10 + torch.arange(t), PAD)
+    return ids, mask
+
+
+def assert_kept_last(ids: torch.Tensor, out: torch.Tensor, lengths: list[int], length: int) -> None:
+    """Every row kept its last ``min(n, length)`` real tokens (the last ``length`` columns)."""
+    assert torch.equal(out, ids[:, -length:])
+    for b, n in enumerate(lengths):
+        assert (out[b] != PAD).sum() == min(n, length) and out[b, -1] == ids[b, -1] != PAD
+
+
+def test_left_padding_is_read_from_a_tuple_mask_and_from_padding_mask_names():
+    lengths = [8, 2, 5, 1]
+    ids, mask = left_rows(lengths)
+    y = torch.tensor([0, 1, 0, 1])
+    # a tuple (ids, mask, y): the 0/1 entry is the mask (before: cut from the right, rows 1 and 3 all padding)
+    cut = F.truncate((ids, mask, y), 3)
+    assert cut.left and cut.batch[2] is y
+    assert_kept_last(ids, cut.batch[0], lengths, 3)
+    assert torch.equal(cut.batch[1], mask[:, -3:])
+    # a bool tuple mask in PyTorch's convention (True = padding): its reading is the one the pad ids fit
+    assert_kept_last(ids, F.truncate((ids, mask == 0, y), 3).batch[0], lengths, 3)
+    # PyTorch names: *padding_mask* is True = padding
+    for name in ("src_key_padding_mask", "padding_mask"):
+        cut = F.truncate({"src": ids, name: mask == 0, "y": y}, 3)
+        assert cut.left and torch.equal(cut.batch[name], (mask == 0)[:, -3:])
+        assert_kept_last(ids, cut.batch["src"], lengths, 3)
+    # any other *mask* name is read like attention_mask (nonzero = real): a dataclass field `mask`
+    user = F.truncate(UserBatch(ids, mask, y), 3)
+    assert user.left and torch.equal(user.batch.tokens, ids[:, -3:])
+    # a padding_mask holding 1 at the real tokens contradicts its name: refused, not cut from the wrong side
+    with pytest.raises(ValueError, match=r"mask 'padding_mask' reads.*True / nonzero = padding.*invert the mask"):
+        F.truncate({"input_ids": ids, "padding_mask": mask, "labels": y}, 3)
+    # a 0/1 [B, T] tuple entry that is not a padding mask (token tags, varying ids under its zeros) is not taken
+    tags = torch.tensor([[0, 1, 0, 0, 1, 1, 0, 1]] * 4)
+    right = F.truncate((ids.flip(1), tags, y), 3)
+    assert not right.left and torch.equal(right.batch[0], ids.flip(1)[:, :3])
+    assert F.padding_mask((ids.flip(1), tags, y)) is None
+
+
+def test_4d_3d_and_pairwise_tensors_are_cut_on_every_sequence_axis():
+    lengths = [8, 2, 5, 1]
+    ids, mask = left_rows(lengths)
+    m4 = mask[:, None, None, :]  # HF's expanded [B, 1, 1, T]
+    pair = torch.arange(4 * 8 * 8, dtype=torch.float32).view(4, 8, 8)
+    batch = {"input_ids": ids, "attention_mask": m4, "pair_bias": pair, "sq": mask[:, None, :] * mask[:, :, None]}
+    assert F.sequence_length(batch) == 8  # before: 1 (dimension 1 of the 4-D mask), nothing was ever cut
+    cut = F.truncate(batch, 3)
+    assert cut.left and cut.full_length == 8 and cut.length == 3
+    assert_kept_last(ids, cut.batch["input_ids"], lengths, 3)
+    assert torch.equal(cut.batch["attention_mask"], m4[..., -3:])
+    assert torch.equal(cut.batch["pair_bias"], pair[:, -3:, -3:])  # before: (4, 3, 8)
+    assert torch.equal(cut.batch["sq"], batch["sq"][:, -3:, -3:])
+    assert dict(zip(cut.cut, cut.axes)) == {
+        ("input_ids",): (1,),
+        ("attention_mask",): (3,),
+        ("pair_bias",): (1, 2),
+        ("sq",): (1, 2),
+    }
+    # the baseline gets the 4-D mask back exactly, and every tensor its shape, on the axes that were cut
+    assert torch.equal(cut.cut_mask, m4[..., :5])
+    long = F.lengthen_batch(cut.batch, None, 8, cut.cut_mask, left=True, axes=dict(zip(cut.cut, cut.axes)))
+    assert torch.equal(long["attention_mask"], m4)
+    assert long["pair_bias"].shape == (4, 8, 8) and long["sq"].shape == (4, 8, 8)
+    # a [B, 1, T, T] mask (HF 4-D, causal) is cut on its last two axes
+    causal = torch.ones(8, 8).tril().expand(4, 1, 8, 8)
+    out = F.truncate_batch({"input_ids": ids.flip(1), "attention_mask": causal}, 3)
+    assert out["input_ids"].shape == (4, 3) and torch.equal(out["attention_mask"], causal[..., :3, :3])
+    # lengthen_batch given the axes widens a [B, L, D] feature tensor with D == L on its sequence axis only
+    feats = {"input_ids": ids[:, :3], "h": torch.ones(4, 3, 3)}
+    assert F.lengthen_batch(feats, None, 8, axes={("input_ids",): (1,), ("h",): (1,)})["h"].shape == (4, 8, 3)
+
+
+def test_an_additive_float_mask_is_read_as_0_real_and_negative_masked():
+    lengths = [8, 2, 5, 1]
+    ids, mask = left_rows(lengths)
+    additive = torch.zeros(4, 8).masked_fill(mask == 0, float("-inf"))
+    cut = F.truncate({"input_ids": ids, "attention_mask": additive}, 3)
+    assert cut.left and torch.equal(cut.cut_mask, additive[:, :5])  # before: read as all real, cut on the right
+    assert_kept_last(ids, cut.batch["input_ids"], lengths, 3)
+    # keep_last_token on a right-padded additive mask: each row's last real token ends its cut row
+    r_ids, r_mask = ids_and_mask([8, 2, 6, 4])
+    r_add = torch.zeros(4, 8).masked_fill(r_mask == 0, torch.finfo(torch.float32).min)
+    out = F.truncate({"input_ids": r_ids, "attention_mask": r_add}, 3, keep_last_token=True)
+    kept = out.batch["input_ids"]  # rows of 8, 2, 6, 4 real tokens: the last one at column min(n, 3) - 1
+    assert [kept[0, 2], kept[1, 1], kept[2, 2], kept[3, 2]] == [7, 101, 205, 303] and kept[:, 0].tolist() == [
+        0,
+        100,
+        200,
+        300,
+    ]
+    assert (out.batch["attention_mask"] == 0).sum(1).tolist() == [3, 2, 3, 3]
+    # all zeros: additive, every token real (not "all padding")
+    assert bool(F.padding_mask({"input_ids": r_ids, "attention_mask": torch.zeros(4, 8)})[2].all())
+    # a float mask that is neither additive nor 0/1 is refused, naming it
+    for bad in (torch.full((4, 8), 0.5), torch.ones(4, 8).masked_fill(r_mask == 0, -1.0)):
+        with pytest.raises(ValueError, match=r"float mask 'attention_mask'"):
+            F.truncate({"input_ids": r_ids, "attention_mask": bad}, 3)
+
+
+def test_a_sequence_first_batch_is_refused_at_the_first_batch(tmp_path):
+    samples = [torch.arange(T) + i for i in range(8)]
+
+    def seq_first(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # [T, B] (batch_first=False)
+        x = torch.stack(xs).t().contiguous()
+        return x, x.roll(-1, 0)
+
+    for metric in ("seqlen_truncate", "seqlen_reshape"):
+        collate = CurriculumCollate(seq_first, [metric])
+        with pytest.raises(
+            DataConfigError, match=rf"{metric}: the batch is sequence-first.*\[16, 8\].*batch_first=True"
+        ):
+            collate([(s, (i, 1, 0, (4,))) for i, s in enumerate(samples)])
+    # the batch-first layout of the same samples is cut (a [B, T] batch is never mistaken for [T, B])
+    ok = CurriculumCollate(stack_pairs, ["seqlen_truncate"])([((s, s), (i, 1, 0, (4,))) for i, s in enumerate(samples)])
+    assert [x.shape for x in ok.batch] == [(8, 4), (8, 4)]
+    with pytest.raises(ValueError, match="sequence-first"):
+        F.truncate(seq_first(samples), 4, batch_size=8)
+    # through the Trainer: before any step
+    data = CurriculumDataModule(
+        TinyDataModule(CharPairs(), batch_size=B, collate_fn=lambda xs: seq_first([x for x, _ in xs]))
+    )
+    trainer = make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC})], max_steps=2, max_epochs=-1)
+    with pytest.raises(DataConfigError, match="sequence-first"):
+        trainer.fit(TupleGPT2(), datamodule=data)
+    assert trainer.global_step == 0
+
+
+class PairBiasModel(pl.LightningModule):
+    """Attention with a ``[B, T, T]`` pairwise bias and an HF-style ``[B, 1, 1, T]`` mask from the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(V, 8), nn.Linear(8, 2)
+        self.shapes: list[tuple[tuple[int, ...], ...]] = []
+        self.real: list[tuple[int, int]] = []  # (real tokens kept, real tokens of the whole samples) per batch
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.shapes.append(tuple(tuple(batch[k].shape) for k in ("input_ids", "pair_bias", "attention_mask")))
+        self.real.append((int(batch["attention_mask"].sum()), int(batch["n"].sum())))
+        h = self.embed(batch["input_ids"])
+        mask = batch["attention_mask"][:, 0]  # [B, 1, T]
+        scores = (h @ h.transpose(1, 2) + batch["pair_bias"]).masked_fill(mask == 0, -1e9)
+        return nn.functional.cross_entropy(self.head((scores.softmax(-1) @ h).mean(1)), batch["labels"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class PairSamples(CharPairs):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        n = 3 + i % (T - 3)  # right-padded: n real tokens
+        real = torch.arange(T) < n
+        return {
+            "input_ids": torch.where(real, self.data[i], PAD),
+            "attention_mask": real.long()[None, None, :],
+            "pair_bias": torch.zeros(T, T),
+            "labels": torch.tensor(i % 2),
+            "n": torch.tensor(n),
+        }
+
+
+def test_a_module_with_a_pairwise_bias_and_a_4d_mask_trains_and_counts_its_real_tokens(tmp_path):
+    pl.seed_everything(0)
+    model, monitor = PairBiasModel(), EfficiencyMonitor(print_summary=False)
+    curriculum = Curriculum(metrics={"seqlen_truncate": TRUNC})
+    data = CurriculumDataModule(TinyDataModule(PairSamples(), batch_size=B))
+    make_trainer(tmp_path, [monitor, curriculum], max_steps=3, max_epochs=-1).fit(model, datamodule=data)
+    assert model.shapes == [((B, n), (B, n, n), (B, 1, 1, n)) for n in SCHEDULE[:3]]
+    s = monitor.summary  # the mask's real tokens, cut and whole (the 4-D mask put back on its last axis)
+    assert s["tokens"] == sum(kept for kept, _ in model.real)
+    assert s["baseline_tokens"] == sum(whole for _, whole in model.real) > s["tokens"]
