@@ -199,9 +199,11 @@ class InfoBatchCallback(Callback):
        attribute, or the last element of a tuple batch), ``ignore_index=-100``, token losses averaged per sample over
        the non-ignored tokens; for ``[B, T, V]`` the causal shift of Hugging Face's ``*ForCausalLM`` losses is
        detected on the first batch (:func:`~lightning_effi.infobatch.functional.auto_per_sample_loss`). On every
-       batch ``mean(l)`` must reproduce the step's loss (relative tolerance
-       :func:`~lightning_effi.infobatch.functional.loss_tolerance`), else a ``ValueError`` asks for
-       ``per_sample_loss=fn``: InfoBatch never trains on another loss than the module's.
+       batch ``mean(l)`` must reproduce the step's loss (computed in float32 from the logits; relative tolerance
+       :func:`~lightning_effi.infobatch.functional.loss_tolerance` of the loss's dtype), else a ``ValueError`` asks
+       for ``per_sample_loss=fn``: InfoBatch never trains on another loss than the module's. Labels outside the
+       logits' classes (other than -100) and a bfloat16 loss (``precision="bf16-true"``: its rounding hides an extra
+       term of a percent) are refused the same way.
 
     The step's ``"loss"`` is then replaced by ``mean(w · l)`` (Qin et al. 2024, Eq. 4; with the curriculum
     ``sum(w · l) / B``, see below). **Manual optimization** (``automatic_optimization = False``): the step computes
@@ -262,12 +264,14 @@ class InfoBatchCallback(Callback):
             (``setup``) ``max_epochs=-1`` without ``num_epochs``, ``num_epochs > max_epochs``, a run capped by
             ``max_steps``, ``reload_dataloaders_every_n_epochs > 1``, a DataModule that is not an
             ``InfoBatchDataModule``, an unsupported strategy (DeepSpeed/FSDP), ``per_sample_loss=fn`` with manual
-            optimization; with the curriculum: ``num_epochs`` set, or ``prune_ratio > 1 - 1/micro_batch_size`` (a
-            micro-batch could be emptied); (a batch) metadata without ``"index"`` (with the curriculum: without
-            ``"infobatch_weight"``/``"infobatch_candidates"``), a ``training_step`` output without a loss, a
-            per-sample loss that is not ``float[B]`` with grad, ``per_sample_loss=fn`` together with a returned
-            ``"per_sample_loss"``, an automatic per-sample loss that cannot be computed or does not reproduce the
-            step's loss, a manual-optimization step that does not call :func:`weighted_loss` once.
+            optimization, an int ``val_check_interval`` above the fewest batches an epoch can have
+            (:func:`~lightning_effi.infobatch.functional.fewest_epoch_batches`); with the curriculum: ``num_epochs``
+            set, or ``prune_ratio > 1 - 1/micro_batch_size`` (a micro-batch could be emptied); (a batch) metadata
+            without ``"index"`` (with the curriculum: without ``"infobatch_weight"``/``"infobatch_candidates"``), a
+            ``training_step`` output without a loss, a per-sample loss that is not ``float[B]`` with grad (a
+            ``grad_fn``), ``per_sample_loss=fn`` together with a returned ``"per_sample_loss"``, an automatic
+            per-sample loss that cannot be computed or does not reproduce the step's loss, a manual-optimization step
+            that does not call :func:`weighted_loss` once.
         IncompatibleTechniques: (``setup``) another technique callback in the Trainer that also owns the training
             sampler and cannot host this one's thinning, see :data:`~lightning_effi.core.requirements.CONFLICTS`.
     """
@@ -414,9 +418,38 @@ class InfoBatchCallback(Callback):
         self.seen = torch.zeros(n, dtype=torch.bool)
         self.sum_loss = torch.zeros(n, dtype=torch.float32)
         self.count = torch.zeros(n, dtype=torch.int32)
+        self._check_val_check_interval(trainer, datamodule)
         self._reset_run_state()
         self._trainer = trainer
         self._wrap_training_step(pl_module)
+
+    def _check_val_check_interval(self, trainer: pl.Trainer, datamodule: InfoBatchDataModule) -> None:
+        """Refuse ``Trainer(val_check_interval=<int>)`` above the fewest training batches an epoch of this run can
+        have (:func:`~lightning_effi.infobatch.functional.fewest_epoch_batches`): Lightning requires it to be at most
+        each epoch's batches (when ``check_val_every_n_epoch`` is set and validation runs) and would stop the run at
+        the first pruned epoch that is shorter."""
+        interval = trainer.val_check_interval
+        if (
+            not isinstance(interval, int)
+            or isinstance(interval, bool)
+            or trainer.check_val_every_n_epoch is None
+            or not trainer.limit_val_batches > 0
+        ):
+            return
+        t = datamodule.template()
+        args = (int(t["batch_size"]), trainer.world_size, bool(t["drop_last"]), trainer.limit_train_batches)
+        fewest = ib.fewest_epoch_batches(self.dataset_size, self.epochs, self.prune_ratio, self.delta, *args)
+        if interval > max(1, fewest):
+            full = ib.rank_batches(self.dataset_size, *args)
+            raise ValueError(
+                f"InfoBatchCallback: Trainer(val_check_interval={interval}) counts training batches within an epoch, "
+                f"but InfoBatch's epochs can have as few as {fewest} batches per rank (prune_ratio="
+                f"{self.prune_ratio}, {self.dataset_size} samples, batch size {args[0]}; a full epoch has {full}), "
+                "and Lightning raises at the first epoch shorter than val_check_interval; use "
+                "val_check_interval=<float> (a fraction of each epoch), check_val_every_n_epoch=<int> with the "
+                f"default val_check_interval, or val_check_interval <= {max(1, fewest)} (or "
+                "check_val_every_n_epoch=None to count batches across epochs)"
+            )
 
     def _reset_run_state(self) -> None:
         self.plan, self.history, self.steps_in_epoch, self.nonfinite = None, [], 0, 0
@@ -601,7 +634,8 @@ class InfoBatchCallback(Callback):
         return output
 
     def _check_per_sample(self, per_sample: Any, source: str) -> None:
-        """Raise unless ``per_sample`` is a float tensor ``[B]`` (``B``: the batch's samples) with grad."""
+        """Raise unless ``per_sample`` is a float tensor ``[B]`` (``B``: the batch's samples) with grad: computed
+        from the model (a ``grad_fn``; a detached tensor or a fresh leaf with ``requires_grad=True`` is refused)."""
         assert self._step is not None
         b = int(self._step.index.numel())
         what = SOURCES[source]
@@ -618,6 +652,11 @@ class InfoBatchCallback(Callback):
             )
         if torch.is_grad_enabled() and not per_sample.requires_grad:
             raise ValueError(f"InfoBatchCallback: {what} has no grad (detached, or computed under no_grad); {contract}")
+        if torch.is_grad_enabled() and per_sample.grad_fn is None:
+            raise ValueError(
+                f"InfoBatchCallback: {what} is a leaf tensor (requires_grad=True but no grad_fn: a fresh tensor, not "
+                f"computed from the model's output, so no gradient would reach the model); {contract}"
+            )
 
     def _weigh(self, output: dict[str, Any], step: _Step) -> dict[str, Any]:
         if self.curriculum_dm is not None:

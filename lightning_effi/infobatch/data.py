@@ -6,7 +6,9 @@ It holds no InfoBatch configuration: the :class:`~lightning_effi.callbacks.InfoB
 from the callback's plan for ``trainer.current_epoch``:
 
 ``ResumableDataLoader(IndexedDataset(dataset), sampler=InfoBatchSampler(plan, world, rank),
-collate_fn=indexed_collate(collate_fn), ...)``
+collate_fn=indexed_collate(collate_fn), ...)``, with the user's loader's ``batch_size``, ``drop_last``,
+``num_workers``, ``pin_memory``, ``worker_init_fn``, ``prefetch_factor``, ``timeout``, ``multiprocessing_context``
+and ``in_order`` (``persistent_workers`` is off: the loader is rebuilt every epoch),
 
 so each batch is an :class:`~lightning_effi.core.batch.EffiBatch`: the user's batch, of any structure, as their
 collate function made it, and ``meta["index"]`` (int64 dataset positions), which the DataModule takes apart before
@@ -95,6 +97,9 @@ class InfoBatchDataModule(WrappingDataModule):
             worker_init_fn=t["worker_init_fn"],
             prefetch_factor=t["prefetch_factor"] if workers > 0 else None,
             persistent_workers=False,  # rebuilt every epoch: persistence buys nothing
+            timeout=t["timeout"],
+            multiprocessing_context=t["multiprocessing_context"],
+            in_order=t["in_order"],
         )
         self.planner.record_loader(epoch, padded=sampler.padded, batches=len(loader))
         return loader

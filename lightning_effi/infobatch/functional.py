@@ -12,7 +12,7 @@ only, no Lightning, usable in any training loop. The method card ``README.md`` b
   against it.
 - :func:`expected_saving`, :func:`validate_hparams`; :func:`min_epoch_size`, :func:`rank_batches`,
   :func:`limited_batches` and :func:`min_total_steps`: the fewest optimizer steps a run can have (for the run's
-  progress clock).
+  progress clock); :func:`fewest_epoch_batches`: the fewest batches an epoch can have (for ``val_check_interval``).
 - Composed with the curriculum (which draws every batch): :func:`thin_micro_batch` (with :func:`drop_count`,
   :func:`keep_probabilities`, :func:`thin_generator`, :func:`check_thinning_ratio`, :func:`thin_stop_step`) thins
   each drawn micro-batch slice and weights what it keeps; :func:`thinned_loss` is its unbiased loss.
@@ -42,6 +42,7 @@ from lightning_effi.core.checks import is_int
 from lightning_effi.core.rng import hash64
 
 __all__ = [
+    "CHECKABLE_EPS",
     "IGNORE_INDEX",
     "LABEL_KEYS",
     "PER_SAMPLE_LOSS_CONTRACT",
@@ -55,6 +56,7 @@ __all__ = [
     "drop_count",
     "epoch_stop",
     "expected_saving",
+    "fewest_epoch_batches",
     "find_labels",
     "find_logits",
     "finalize",
@@ -353,6 +355,30 @@ def limited_batches(batches: int, limit_batches: int | float = 1.0) -> int:
     if isinstance(limit_batches, Integral):
         return min(int(batches), int(limit_batches))
     return int(int(batches) * float(limit_batches))
+
+
+def fewest_epoch_batches(
+    dataset_size: int,
+    num_epochs: int,
+    prune_ratio: float,
+    delta: float,
+    batch_size: int,
+    world_size: int = 1,
+    drop_last: bool = False,
+    limit_batches: int | float = 1.0,
+) -> int:
+    """The fewest training batches one rank's loader can yield in any epoch of the run, whatever the scores:
+    ``min_e rank_batches(min_epoch_size(e), ...)`` (``rank_batches`` is non-decreasing in the epoch size; the full
+    epochs give ``rank_batches(N)``). Every count between it and ``rank_batches(N)`` can occur: a prune epoch's size
+    falls by at most one sample as its well-learned set grows by one. Lightning's ``Trainer(val_check_interval=<int>)``
+    must not exceed it (``lightning.pytorch.loops.fit_loop``, ``setup_data``).
+
+    Raises:
+        ValueError: invalid sizes or hyperparameters (see :func:`min_epoch_size` and :func:`rank_batches`).
+    """
+    _check_num_epochs(num_epochs)
+    size = min(min_epoch_size(e, num_epochs, dataset_size, prune_ratio, delta) for e in range(int(num_epochs)))
+    return rank_batches(size, batch_size, world_size, drop_last, limit_batches)
 
 
 def min_total_steps(
@@ -915,6 +941,29 @@ def find_labels(batch: Any) -> Tensor | None:
     return None
 
 
+def _check_class_indices(labels: Tensor, classes: int, ignore_index: int, shape: torch.Size) -> None:
+    """Raise unless every label other than ``ignore_index`` is a class index in ``[0, classes)``: checked before the
+    cross-entropy, which otherwise fails deep in torch (``IndexError: Target 1 is out of bounds`` on the CPU, a
+    device-side assert that kills the process on CUDA). One device synchronisation (a flag is read)."""
+    labelled = labels != ignore_index
+    if not bool((labelled & ((labels < 0) | (labels >= classes))).any()):
+        return
+    valid = labels[labelled]
+    lo, hi = int(valid.min()), int(valid.max())
+    guess = (
+        " ([B, 1] logits with 0/1 labels: a binary cross-entropy?)"
+        if classes == 1
+        else f" (negative labels: an ignore_index other than {ignore_index}?)"
+        if lo < 0
+        else ""
+    )
+    raise ValueError(
+        f"the labels (other than ignore_index={ignore_index}) range over [{lo}, {hi}], outside the {classes} "
+        f"class(es) [0, {classes}) of the logits {tuple(shape)}{guess}: the loss is not a cross-entropy over the "
+        "logits' classes"
+    )
+
+
 def per_sample_cross_entropy(
     logits: Tensor, labels: Tensor, shift: bool = False, ignore_index: int = IGNORE_INDEX
 ) -> Tensor:
@@ -931,7 +980,8 @@ def per_sample_cross_entropy(
 
     Raises:
         ValueError: other ranks or shapes, integer logits, float labels for ``[B, T, V]`` logits, ``shift`` with
-            ``[B, C]`` logits.
+            ``[B, C]`` logits, integer labels (other than ``ignore_index``) outside ``[0, C)`` / ``[0, V)`` (checked
+            before the cross-entropy: e.g. a binary cross-entropy on ``[B, 1]`` logits, or a loss ignoring ``-1``).
     """
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise ValueError(f"per_sample_cross_entropy: logits must be a float tensor, got {_describe(logits)}")
@@ -947,6 +997,7 @@ def per_sample_cross_entropy(
                 f"per_sample_cross_entropy: logits [B, C] = {tuple(logits.shape)} need integer labels [B] "
                 f"or float probabilities [B, C]; got {_describe(labels)}"
             )
+        _check_class_indices(labels, logits.shape[-1], ignore_index, logits.shape)
         return F.cross_entropy(logits.float(), labels.long(), reduction="none", ignore_index=ignore_index)
     if logits.dim() == 3:
         if labels.shape != logits.shape[:2] or labels.is_floating_point() or labels.dtype == torch.bool:
@@ -954,6 +1005,7 @@ def per_sample_cross_entropy(
                 f"per_sample_cross_entropy: logits [B, T, V] = {tuple(logits.shape)} need integer labels [B, T] "
                 f"= {tuple(logits.shape[:2])}; got {_describe(labels)}"
             )
+        _check_class_indices(labels, logits.shape[-1], ignore_index, logits.shape)
         if shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
         b, t = labels.shape
@@ -966,9 +1018,17 @@ def per_sample_cross_entropy(
     raise ValueError(f"per_sample_cross_entropy: logits must be [B, C] or [B, T, V], got shape {tuple(logits.shape)}")
 
 
+#: the machine epsilon of the least precise loss dtype :func:`auto_per_sample_loss` checks: float16's, ``2**-10``
+#: (a bfloat16 loss, with ``2**-7``, is refused, see there)
+CHECKABLE_EPS = torch.finfo(torch.float16).eps
+
+
 def loss_tolerance(*tensors: Tensor) -> float:
     """Relative tolerance of :func:`losses_agree`: ``max(1e-4, 4 eps)`` of the least precise float dtype among
-    ``tensors`` (float32: 1e-4; float16: 3.9e-3; bfloat16: 3.1e-2)."""
+    ``tensors`` (float32: 1e-4; float16: 3.9e-3; bfloat16: 3.1e-2, which is why :func:`auto_per_sample_loss` refuses
+    a bfloat16 loss). With the automatic path's float32 per-sample loss, the step loss's dtype sets it: a plain
+    cross-entropy computed in float16 differs from the float32 one by its rounding, measured at most 1.7e-3 (2.9
+    units in the last place) over random ``[B, C]`` logits, so an extra term above 0.4% of the loss is refused."""
     eps = max((torch.finfo(t.dtype).eps for t in tensors if t.is_floating_point()), default=0.0)
     return max(1e-4, 4 * eps)
 
@@ -1007,11 +1067,18 @@ def auto_per_sample_loss(
     Returns:
         ``(per_sample_loss float32[B] with grad, shift)``.
 
+    The per-sample losses and the comparison are computed in float32 / float64 from the logits, whatever their
+    dtype; the tolerance is :func:`loss_tolerance`, set by the loss's dtype. A bfloat16 ``loss`` (``precision=
+    "bf16-true"`` with the loss computed in bfloat16) is refused: its rounding alone reaches about 1% of a plain
+    cross-entropy (measured up to 1.1% against the float32 one over random ``[B, C]`` logits, 2.2 units in the last
+    place), so an auxiliary term of a few percent could not be told from rounding and would be silently dropped.
+
     Raises:
         ValueError: no logits or no labels found, shapes that are not ``[B, C]`` / ``[B, T, V]`` with matching
-            labels, or a mean that does not reproduce ``loss`` (label smoothing, class weights, a loss over the
-            batch's tokens with padding, an extra term...); each message says what to pass instead
-            (:data:`PER_SAMPLE_LOSS_HINT`).
+            labels, labels outside the logits' classes (a binary cross-entropy on ``[B, 1]`` logits, a loss ignoring
+            ``-1``...), a bfloat16 ``loss`` (or any loss dtype coarser than float16, :data:`CHECKABLE_EPS`), or a
+            mean that does not reproduce ``loss`` (label smoothing, class weights, a loss over the batch's tokens
+            with padding, an extra term...); each message says what to pass instead (:data:`PER_SAMPLE_LOSS_HINT`).
     """
     logits = find_logits(outputs)
     if logits is None:
@@ -1028,13 +1095,22 @@ def auto_per_sample_loss(
         )
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise ValueError(f"the automatic per-sample loss needs the step's scalar loss, got {_describe(loss)}")
+    if loss.is_floating_point() and torch.finfo(loss.dtype).eps > CHECKABLE_EPS:
+        bits = round(1 - math.log2(torch.finfo(loss.dtype).eps))
+        raise ValueError(
+            f"the automatic per-sample loss cannot check a {loss.dtype} loss (precision='bf16-true' with the loss "
+            f"computed in bfloat16): with {bits} significant bits, the rounding of a plain cross-entropy alone "
+            "reaches about 1% of its value, so an extra term of that size (an auxiliary loss, a regulariser) could "
+            "not be told apart and InfoBatch would silently train without it; compute the loss in float32 (e.g. "
+            "F.cross_entropy(logits.float(), labels) + aux, then checked to 1e-4), or " + PER_SAMPLE_LOSS_HINT
+        )
     if not verify and shift is None and logits.dim() == 3:
         raise ValueError("auto_per_sample_loss: verify=False needs shift (True or False) for [B, T, V] logits")
     try:
         shifts = [False] if logits.dim() == 2 else [False, True] if shift is None else [shift]
         candidates = [(s, per_sample_cross_entropy(logits, labels, s)) for s in shifts]
     except ValueError as err:
-        raise ValueError(f"the automatic per-sample loss failed: {err}; " + PER_SAMPLE_LOSS_HINT) from None
+        raise ValueError(f"the automatic per-sample loss does not apply: {err}; " + PER_SAMPLE_LOSS_HINT) from None
     if not verify:
         return candidates[0][1], candidates[0][0]
     if not bool(torch.isfinite(loss.detach())):

@@ -402,6 +402,87 @@ def test_bad_runs_raise_at_setup(tmp_path, trainer_kwargs, match):
         make_trainer(tmp_path, [InfoBatchCallback()], **trainer_kwargs).fit(tiny_gpt2(), datamodule=ib_data())
 
 
+@pytest.mark.parametrize("interval", [4, 5])
+def test_an_int_val_check_interval_above_the_shortest_epoch_is_refused_at_setup(tmp_path, interval):
+    """N = 40, batches of 8, E = 3, delta = 0.875: epoch 1 prunes and can have as few as ceil(20 / 8) = 3 batches;
+    Lightning raises (without naming InfoBatch) at the first epoch shorter than ``val_check_interval``."""
+    counter = CountBatches()
+    trainer = make_trainer(
+        tmp_path, [InfoBatchCallback(), counter], max_epochs=3, val_check_interval=interval, limit_val_batches=1
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"InfoBatchCallback: Trainer\(val_check_interval={interval}\).*as few as 3 "
+        r"batches per rank .*a full epoch has 5.*val_check_interval=<float>.*val_check_interval <= 3",
+    ):
+        trainer.fit(tiny_gpt2(), datamodule=ib_data())
+    assert counter.per_epoch == []
+
+
+@pytest.mark.parametrize(
+    "trainer_kwargs",
+    [
+        dict(val_check_interval=2),  # N = 24: the fewest batches an epoch can have, ceil((1 + 11) / 8)
+        dict(val_check_interval=0.5),  # a fraction of each epoch
+        dict(val_check_interval=3, check_val_every_n_epoch=None),  # counted across epochs
+        dict(val_check_interval=3, limit_val_batches=0),  # no validation
+    ],
+)
+def test_val_check_intervals_every_epoch_can_hold_are_accepted(tmp_path, trainer_kwargs):
+    counter = CountBatches()
+    cb = InfoBatchCallback()
+    kw = dict(limit_val_batches=1) | trainer_kwargs
+    make_trainer(tmp_path, [cb, counter], max_epochs=3, **kw).fit(tiny_gpt2(), datamodule=ib_data(n=24))
+    assert [h["kind"] for h in cb.history] == ["full", "prune", "full"]
+    assert counter.per_epoch == [math.ceil(h["size"] / 8) for h in cb.history] and cb.history[1]["size"] < 24
+
+
+class StopAtTrainStart(Exception):
+    pass
+
+
+class PeekLoader(pl.Callback):
+    """Reads the rebuilt training loader's settings, then stops the run before any worker starts."""
+
+    def on_train_start(self, trainer, pl_module):
+        loader = trainer.train_dataloader
+        context = loader.multiprocessing_context
+        self.settings = dict(
+            num_workers=loader.num_workers,
+            timeout=loader.timeout,
+            multiprocessing_context=context.get_start_method() if context is not None else None,
+            prefetch_factor=loader.prefetch_factor,
+            in_order=loader.in_order,
+            pin_memory=loader.pin_memory,
+        )
+        raise StopAtTrainStart
+
+
+class LoaderOptions(TinyDataModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            shuffle=True,
+            num_workers=1,
+            timeout=30,
+            multiprocessing_context="spawn",
+            in_order=False,
+            prefetch_factor=3,
+        )
+
+
+def test_the_rebuilt_loader_keeps_the_users_loader_settings(tmp_path):
+    """``timeout``, ``multiprocessing_context`` and ``in_order`` (with the other settings) survive the rebuild."""
+    peek = PeekLoader()
+    trainer = make_trainer(tmp_path, [InfoBatchCallback(), peek], max_epochs=2)
+    with pytest.raises(StopAtTrainStart):
+        trainer.fit(tiny_gpt2(), datamodule=InfoBatchDataModule(LoaderOptions(TokenBlocks(n=16))))
+    assert peek.settings == dict(
+        num_workers=1, timeout=30, multiprocessing_context="spawn", prefetch_factor=3, in_order=False, pin_memory=False
+    )
+
+
 def test_unwrapped_datamodule_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="InfoBatchDataModule"):
         make_trainer(tmp_path, [InfoBatchCallback()], max_epochs=2).fit(

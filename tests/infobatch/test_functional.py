@@ -612,6 +612,24 @@ def test_min_total_steps_by_hand(kwargs, expected):
     assert infobatch.min_total_steps(40, 4, 0.5, 0.75, 8, **kwargs) == expected
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "expected"),
+    [
+        # N = 40, E = 4, delta = 0.75: epochs 1 and 2 keep >= 1 + floor(0.5 * 39) = 20 samples
+        ((40, 4, 0.5, 0.75, 8), dict(), 3),  # ceil(20 / 8)
+        ((40, 4, 0.5, 0.75, 8), dict(world_size=2), 2),  # ceil(20 / 2) = 10 per rank -> 2
+        ((40, 4, 0.5, 0.75, 8), dict(world_size=3, drop_last=True), 0),  # floor(20 / 3) = 6 -> 0
+        ((40, 4, 0.5, 0.75, 8), dict(limit_batches=2), 2),  # an int caps every epoch
+        ((40, 4, 0.5, 0.75, 8), dict(limit_batches=0.5), 1),  # int(3 * 0.5)
+        ((40, 4, 0.9, 0.75, 8), dict(), 1),  # 1 + floor(0.1 * 39) = 4 samples
+        ((40, 4, 0.0, 0.75, 8), dict(), 5),  # nothing pruned: every epoch has 40
+        ((40, 2, 0.5, 0.5, 8), dict(), 5),  # floor(0.5 * 2) = 1: epoch 1 anneals, no prune epoch
+    ],
+)
+def test_fewest_epoch_batches_by_hand(args, kwargs, expected):
+    assert infobatch.fewest_epoch_batches(*args, **kwargs) == expected
+
+
 def test_rank_batches_and_limits():
     assert infobatch.rank_batches(41, 5, world_size=2) == 5  # 21 per rank (one padded duplicate)
     assert infobatch.rank_batches(41, 5, world_size=2, drop_last=True) == 4  # 20 per rank, 4 full batches

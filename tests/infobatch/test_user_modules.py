@@ -433,6 +433,8 @@ class Steps(pl.Callback):
         (lambda o, b: F.cross_entropy(o, b[1]), r"has shape \(\) for a batch of 4 samples"),
         (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:2], r"has shape \(2,\) for a batch of 4"),
         (lambda o, b: b[1], r"is a torch.int64 tensor; a per-sample loss is a float tensor of shape \(4,\)"),
+        # a fresh tensor with requires_grad=True but no graph: the model would not train
+        (lambda o, b: torch.rand(len(b[1]), requires_grad=True), r"is a leaf tensor .*no grad_fn.*shape \(4,\)"),
     ],
 )
 def test_bad_fn_outputs_fail_on_the_first_batch_naming_the_contract(tmp_path, fn, match):
@@ -471,6 +473,20 @@ def test_a_returned_per_sample_loss_without_grad_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match='"per_sample_loss" returned by training_step has no grad'):
         fit(tmp_path, Detached(), UserData(SmallImages(), tuple_collate))
+
+
+def test_a_returned_leaf_per_sample_loss_is_refused(tmp_path):
+    """``requires_grad=True`` alone is not "with grad": a leaf (no ``grad_fn``) carries no gradient to the model."""
+
+    class Leaf(ViT):
+        def training_step(self, batch, batch_idx):
+            per_sample = F.cross_entropy(self(batch[0]), batch[1], reduction="none")
+            return {"loss": per_sample.mean(), "per_sample_loss": per_sample.detach().requires_grad_()}
+
+    steps = Steps()
+    with pytest.raises(ValueError, match=r'"per_sample_loss" returned by training_step is a leaf tensor'):
+        fit(tmp_path, Leaf(), UserData(SmallImages(), tuple_collate), steps)
+    assert steps.done == 0
 
 
 def test_per_sample_loss_must_be_callable():
@@ -628,6 +644,133 @@ def test_the_causal_shift_is_detected_and_a_mismatch_is_explained():
     with pytest.raises(ValueError, match=r"non-finite loss"):
         ib.auto_per_sample_loss(out, {"labels": ids}, torch.tensor(float("nan")))
     assert ib.loss_tolerance(torch.ones(1)) == 1e-4 and ib.loss_tolerance(torch.ones(1, dtype=torch.bfloat16)) > 0.03
+
+
+def test_labels_outside_the_classes_are_refused_before_the_cross_entropy():
+    """Labels outside ``[0, C)`` (other than -100) raise a ValueError naming the shapes and the label range, before
+    ``F.cross_entropy`` (whose IndexError, or CUDA device-side assert, says nothing about ``per_sample_loss``)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 1, generator=g)  # a binary classifier's single logit
+    with pytest.raises(
+        ValueError,
+        match=r"range over \[0, 1\], outside the 1 class\(es\) \[0, 1\) of the logits "
+        r"\(4, 1\) \(\[B, 1\] logits with 0/1 labels: a binary cross-entropy\?\)",
+    ):
+        ib.per_sample_cross_entropy(logits, torch.tensor([0, 1, 1, 0]))
+    logits = torch.randn(4, 3, generator=g)
+    with pytest.raises(ValueError, match=r"range over \[-1, 2\].*an ignore_index other than -100"):
+        ib.per_sample_cross_entropy(logits, torch.tensor([0, -1, 2, 1]))
+    with pytest.raises(ValueError, match=r"range over \[0, 3\], outside the 3 class"):
+        ib.per_sample_cross_entropy(logits, torch.tensor([0, 3, 2, 1]))
+    tokens = torch.randn(2, 5, 7, generator=g)
+    with pytest.raises(ValueError, match=r"range over \[0, 7\], outside the 7 class\(es\) \[0, 7\) of the logits"):
+        ib.per_sample_cross_entropy(tokens, torch.tensor([[1, 2, 3, 4, 7], [0, 0, 0, -100, -100]]), shift=True)
+    # -100 is ignored, not out of range (the hand value is checked in the test above)
+    assert float(ib.per_sample_cross_entropy(logits, torch.tensor([0, -100, 2, 1]))[1]) == 0.0
+    y = torch.tensor([0, 1, 1, 0])
+    bce = F.binary_cross_entropy_with_logits(logits[:, 0], y.float())
+    with pytest.raises(ValueError, match=r"automatic per-sample loss does not apply: the labels .*per_sample_loss=fn"):
+        ib.auto_per_sample_loss(logits[:, :1], (logits, y), bce)
+
+
+class BinaryHead(EncoderClassifier):
+    """One logit per sample and a binary cross-entropy loss on 0/1 labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        tokens, y = batch
+        return F.binary_cross_entropy_with_logits(self(tokens).squeeze(1), (y > 0).float())
+
+
+class IgnoresMinusOne(EncoderClassifier):
+    """Cross-entropy with ``ignore_index=-1``: every fourth label is -1."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        tokens, y = batch
+        return F.cross_entropy(self(tokens), y, ignore_index=-1)
+
+
+class MinusOneLabels(Tokens):
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.x[i], self.y[i] if i % 4 else torch.tensor(-1)
+
+
+@pytest.mark.parametrize(
+    "module, dataset, match",
+    [
+        (BinaryHead, Tokens, r"outside the 1 class\(es\) \[0, 1\) of the logits \(4, 1\).*binary cross-entropy"),
+        (IgnoresMinusOne, MinusOneLabels, r"range over \[-1, \d\], outside the 3 class.*ignore_index other than"),
+    ],
+)
+def test_losses_over_other_labels_ask_for_fn_on_the_first_batch(tmp_path, module, dataset, match):
+    steps = Steps()
+    match = r"automatic per-sample loss does not apply: .*" + match + ".*per_sample_loss=fn"
+    with pytest.raises(ValueError, match=match):
+        fit(tmp_path, module(), UserData(dataset(), tuple_collate), steps)
+    assert steps.done == 0
+
+
+def test_a_bfloat16_loss_is_refused_and_a_float16_one_checked_to_its_rounding():
+    """A bfloat16 loss's rounding alone reaches ~1% of a plain cross-entropy, so a 1% auxiliary term cannot be told
+    from it: the automatic path refuses a bfloat16 loss. A float16 loss is checked (relative tolerance 4 eps =
+    3.9e-3): its plain cross-entropy passes, a 1% extra term does not."""
+    g = torch.Generator().manual_seed(0)
+    logits, y = torch.randn(16, 5, generator=g), torch.randint(0, 5, (16,), generator=g)
+    batch = (logits, y)
+    bf16 = logits.bfloat16()
+    with pytest.raises(ValueError, match=r"cannot check a torch.bfloat16 loss.*8 significant bits.*per_sample_loss=fn"):
+        ib.auto_per_sample_loss(bf16, batch, F.cross_entropy(bf16, y))
+    half = logits.half()
+    ce = F.cross_entropy(half, y)
+    per_sample, _ = ib.auto_per_sample_loss(half, batch, ce)
+    assert per_sample.dtype == torch.float32
+    torch.testing.assert_close(per_sample, F.cross_entropy(half.float(), y, reduction="none"))
+    with pytest.raises(ValueError, match="does not reproduce the loss"):
+        ib.auto_per_sample_loss(half, batch, ce + 0.01 * ce)
+
+
+class ZLoss(EncoderClassifier):
+    """Cross-entropy plus ``coef`` times a z-loss (the squared log-partition, an auxiliary term with its own
+    gradient: about 1% of the loss at ``coef=0.01``), in the module's dtype or (``upcast``) in float32."""
+
+    def __init__(self, coef: float, upcast: bool) -> None:
+        super().__init__()
+        self.coef, self.upcast = coef, upcast
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        logits = self(batch.tokens)
+        logits = logits.float() if self.upcast else logits
+        loss = F.cross_entropy(logits, batch.y) + self.coef * logits.logsumexp(-1).pow(2).mean()
+        self.remember(batch, logits, loss)
+        return loss
+
+
+@pytest.mark.parametrize(
+    "coef, upcast, match",
+    [
+        (0.01, False, r"cannot check a torch.bfloat16 loss"),  # accepted before (tolerance 3.1%): z-loss dropped
+        (0.0, False, r"cannot check a torch.bfloat16 loss"),  # even a plain one: no check possible in bfloat16
+        (0.01, True, r"does not reproduce the loss training_step returned"),  # the float32 check sees the 1%
+        (0.0, True, None),  # a float32 loss of bfloat16 logits: checked to 1e-4, trains
+    ],
+)
+def test_bf16_true_never_drops_an_auxiliary_term(tmp_path, coef, upcast, match):
+    steps, outputs, module = Steps(), Outputs(), ZLoss(coef, upcast)
+    kw = dict(precision="bf16-true")
+    if match is not None:
+        with pytest.raises(ValueError, match=match + ".*per_sample_loss=fn"):
+            fit(tmp_path, module, UserData(Tokens(), dataclass_collate), steps, **kw)
+        assert steps.done == 0
+        return
+    cb = fit(tmp_path, module, UserData(Tokens(), dataclass_collate), outputs, **kw)
+    assert cb.per_sample_source == "auto" and [h["kind"] for h in cb.history] == ["full", "prune", "full"]
+    for step, row in zip(module.steps, outputs.rows, strict=True):
+        per_sample = F.cross_entropy(step["logits"], step["batch"].y, reduction="none")
+        assert step["logits"].dtype == torch.float32 and torch.equal(row["per_sample"], per_sample)
+        torch.testing.assert_close(row["loss"], (row["weights"] * per_sample).mean())
 
 
 # --------------------------------------------------------------------------------------- manual optimization
