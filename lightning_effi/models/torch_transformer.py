@@ -21,6 +21,13 @@ network's ``forward`` must iterate the list (not a stored count of blocks).
 Width (``width_scheme`` other than None) only where every tensor can be mapped with certainty, otherwise a
 ``ValueError`` at plan time (the callback's ``setup``) that lists the tensors and says to pass ``width_scheme=None``:
 
+- the network makes its own hidden stream and reads it (:func:`stream_ends`): it holds an input projection to
+  ``d_model`` (an ``nn.Embedding`` of width ``d_model``, an ``nn.Linear`` or ``groups=1`` convolution writing
+  ``d_model`` features from another number) and a head reading it (an ``nn.Linear`` from ``d_model`` to another
+  number of features), outside the block list. A network whose ``forward`` takes ``d_model``-wide hidden states from
+  outside or returns them to code outside it (a bare ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` or list of
+  blocks held by a LightningModule that owns the embedding and the head) is refused: the small network would be fed,
+  or would feed, tensors of the full width;
 - the blocks are exactly ``nn.TransformerEncoderLayer`` or ``nn.TransformerDecoderLayer`` (:data:`TORCH_LAYER_TABLE`:
   packed ``in_proj_weight [3·d_model, d_model]`` = ``[Q; K; V]``, ``out_proj``, ``linear1`` / ``linear2``,
   ``norm1`` / ``norm2`` / ``norm3``; heads of ``d_model / nhead`` merged whole, the head size kept);
@@ -91,6 +98,7 @@ __all__ = [
     "TorchBlocksVCycleAdapter",
     "block_lists",
     "find_block_list",
+    "stream_ends",
 ]
 
 #: the registered family name
@@ -306,12 +314,13 @@ class TorchBlocksVCycleAdapter(VCycleAdapter):
 
         Raises:
             ValueError: no block list or several equally long ones; width coalescing (``width_scheme`` not None) of
-                blocks other than PyTorch's layers, of layers with different head counts, or of a network with
-                tensors that cannot be mapped with certainty (listed; the message says to pass
-                ``width_scheme=None``); ``embedding_convention="exact"`` with a tied embedding / head under width
-                coalescing; tensors shared between blocks or between a block and the rest; the errors of
-                :meth:`VCycleAdapter.plan` (sizes a scheme cannot halve, named ``nhead``, ``d_model``,
-                ``dim_feedforward`` or ``len(<list>)``).
+                blocks other than PyTorch's layers, of layers with different head counts, of a network without an
+                input projection to ``d_model`` or a head reading it (:func:`stream_ends`: its hidden states come from
+                or go to code outside it), or of a network with tensors that cannot be mapped with certainty (listed;
+                the messages say to pass ``width_scheme=None``); ``embedding_convention="exact"`` with a tied
+                embedding / head under width coalescing; tensors shared between blocks or between a block and the
+                rest; the errors of :meth:`VCycleAdapter.plan` (sizes a scheme cannot halve, named ``nhead``,
+                ``d_model``, ``dim_feedforward`` or ``len(<list>)``).
         """
         found = self.block_list(model)
         torch_layers = type(found.blocks[0]) in TORCH_LAYERS
@@ -356,9 +365,35 @@ class TorchBlocksVCycleAdapter(VCycleAdapter):
         """The width rules of the tensors outside the block list (module docstring), keyed by state-dict key.
 
         Raises:
-            ValueError: tensors that cannot be mapped with certainty (listed), ``"exact"`` with a tied embedding /
-                head; the message says to pass ``width_scheme=None``.
+            ValueError: no input projection to ``d_model`` or no head reading it outside the blocks
+                (:func:`stream_ends`); tensors that cannot be mapped with certainty (listed), ``"exact"`` with a tied
+                embedding / head; the messages say to pass ``width_scheme=None``.
         """
+        hidden = ctx.maps.hidden.large
+        inputs, heads = stream_ends(model, found, hidden)
+        if not inputs or not heads:
+            missing = []
+            if not inputs:
+                missing.append(
+                    f"no input projection to d_model={hidden} (an nn.Embedding of width {hidden}, an nn.Linear or "
+                    f"convolution writing {hidden} features), so its forward takes {hidden}-wide hidden states from "
+                    "outside it"
+                )
+            if not heads:
+                missing.append(
+                    f"no head reading d_model={hidden} (an nn.Linear with in_features={hidden}), so its "
+                    f"{hidden}-wide output is read by code outside it"
+                )
+            raise ValueError(
+                f"{FAMILY}: width coalescing of {type(model).__name__} (the network the V-cycle coalesces, blocks "
+                f"{found.describe()}) is refused: it has {'; and it has '.join(missing)}. The small network (d_model="
+                f"{ctx.maps.hidden.small}) would be fed or would feed tensors of the full width (PyTorch's 'was "
+                "expecting embedding dimension' error at the first coarse step), e.g. a LightningModule holding the "
+                "embedding and the head around self.encoder = nn.TransformerEncoder(...). Pass width_scheme=None "
+                "(VCycleCallback(width_scheme=None)) to coalesce the depth only, or move the embedding and the head "
+                "into one nn.Module with the blocks and let the V-cycle coalesce that one (VCycleCallback(model_attr="
+                "'<its attribute>'))"
+            )
         rows, problems = _outside_rows(model, found, ctx)
         if problems:
             listed = "".join(f"\n  - {p}" for p in problems)
@@ -435,6 +470,37 @@ def _named_tensors(model: nn.Module) -> dict[str, Tensor]:
     out: dict[str, Tensor] = dict(model.named_parameters(remove_duplicate=False))
     out.update(model.named_buffers(remove_duplicate=False))
     return out
+
+
+def stream_ends(model: nn.Module, found: BlockList, hidden: int) -> tuple[list[str], list[str]]:
+    """Where the network's hidden stream of width ``hidden`` (``d_model``) starts and ends, outside the block list
+    ``found``: ``(inputs, heads)``, the module paths of
+
+    - inputs: an ``nn.Embedding`` with ``embedding_dim == hidden``, an ``nn.Linear`` with ``out_features == hidden !=
+      in_features``, an ``nn.Conv1d/2d/3d`` with ``out_channels == hidden != in_channels`` and ``groups == 1``;
+    - heads: an ``nn.Linear`` with ``in_features == hidden != out_features``.
+
+    Width coalescing needs both (module docstring): without an input the network's ``forward`` reads ``hidden``-wide
+    states made outside it, without a head its ``hidden``-wide output is read outside it, and neither side is resized.
+    Module paths are relative to ``model`` (``"<root>"`` for the network itself)."""
+    inputs: list[str] = []
+    heads: list[str] = []
+    for path, module in model.named_modules():
+        if found.owns(path):
+            continue
+        name = path or "<root>"
+        if isinstance(module, nn.Embedding) and module.embedding_dim == hidden:
+            inputs.append(name)
+        elif isinstance(module, nn.Linear):
+            if module.out_features == hidden != module.in_features:
+                inputs.append(name)
+            elif module.in_features == hidden != module.out_features:
+                heads.append(name)
+        elif type(module) in _CONVS:
+            conv: Any = module
+            if conv.out_channels == hidden != conv.in_channels and conv.groups == 1:
+                inputs.append(name)
+    return inputs, heads
 
 
 def _token_shaped(shape: tuple[int, ...], hidden: int) -> bool:

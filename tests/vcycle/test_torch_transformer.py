@@ -23,6 +23,7 @@ from lightning_effi.models.torch_transformer import (
     TorchBlocksVCycleAdapter,
     block_lists,
     find_block_list,
+    stream_ends,
 )
 from lightning_effi.models.vcycle_base import (
     HFGPT2VCycleAdapter,
@@ -358,6 +359,111 @@ def test_width_refuses_custom_blocks_and_shared_tensors():
     model.last = model.encoder.layers[3].norm2  # a block's tensors reachable from outside
     with pytest.raises(ValueError, match=r"shares tensors .*'last\.weight = encoder\.layers\.3\.norm2\.weight'"):
         ADAPTER.plan(model, None)
+
+
+class EmbedOnly(nn.Module):
+    """An embedding and the blocks, no head: the 32-wide output is read outside the network."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 32)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True), 4, enable_nested_tensor=False
+        )
+
+
+def _bare_encoder() -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+
+
+def test_stream_ends_found_outside_the_blocks():
+    found = find_block_list(Encoder())
+    assert stream_ends(Encoder(), found, 32) == (["embed"], ["head"])
+    gpt = TinyGPT()  # positions are an nn.Embedding of the width too; ln_f is neither
+    assert stream_ends(gpt, find_block_list(gpt), 24) == (["tok", "pos"], ["head"])
+    seq = Seq2Seq()
+    assert stream_ends(seq, find_block_list(seq), 32) == (["src", "tgt"], ["head"])
+    bare = _bare_encoder()  # the layers' own Linear / LayerNorm modules are inside the list: not counted
+    assert stream_ends(bare, find_block_list(bare), 32) == ([], [])
+    model = Encoder()
+    model.proj = nn.Linear(32, 32)  # d_model on both sides: neither an input nor a head
+    assert stream_ends(model, find_block_list(model), 32) == (["embed"], ["head"])
+
+
+@pytest.mark.parametrize(
+    "build, missing",
+    [
+        (_bare_encoder, r"no input projection to d_model=32 .*; and it has no head reading d_model=32"),
+        (EmbedOnly, r"no head reading d_model=32 \(an nn\.Linear with in_features=32\), so its 32-wide output is read"),
+    ],
+)
+def test_width_refuses_a_network_fed_hidden_states_from_outside(build, missing):
+    """A bare nn.TransformerEncoder (the LightningModule holds the embedding and the head) is refused for width at
+    plan time with what to do; depth only coalesces it and keeps its width."""
+    torch.manual_seed(0)
+    model = build()
+    name = type(model).__name__
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s)torch_blocks: width coalescing of {name} \(the network the V-cycle coalesces, blocks .*\) is "
+        rf"refused: it has {missing}.*Pass width_scheme=None \(VCycleCallback\(width_scheme=None\)\)",
+    ):
+        ADAPTER.plan(model)
+    plan = ADAPTER.plan(model, None)
+    small = V.coalesce_model(model, plan, ADAPTER)
+    assert len(find_block_list(small).blocks) == 2
+    assert find_block_list(small).blocks[0].self_attn.embed_dim == 32
+
+
+class OuterLM(pl.LightningModule):
+    """A causal LM whose embedding, positions and head belong to the LightningModule and whose encoder is
+    ``self.encoder = nn.TransformerEncoder(...)`` (the V-cycle finds ``encoder``, fed 32-wide states from outside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 32)
+        self.pos = nn.Parameter(torch.zeros(1, 64, 32))
+        self.encoder = _bare_encoder()
+        self.head = nn.Linear(32, 32)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1] - 1)
+        h = self.encoder(self.emb(x[:, :-1]) + self.pos[:, : x.shape[1] - 1], mask=mask, is_causal=True)
+        return F.cross_entropy(self.head(h).transpose(1, 2), x[:, 1:])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_callback_refuses_width_on_an_encoder_fed_from_outside_at_setup(tmp_path):
+    class Steps(Callback):
+        def __init__(self) -> None:
+            self.layers: list[int] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.layers.append(len(pl_module.encoder.layers))
+
+    steps = Steps()
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a=1, e_small=2), steps], max_steps=4, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"width coalescing of TransformerEncoder .*no input projection to d_model=32"):
+        trainer.fit(OuterLM(), datamodule=UserData(TokenLabels()))
+    assert trainer.global_step == 0 and steps.layers == []  # at setup: no step ran
+    pl.seed_everything(0)
+    module = OuterLM()
+    shapes = {k: v.shape for k, v in module.state_dict().items()}
+    cb = VCycleCallback(e_a=1, e_small=2, width_scheme=None)
+    trainer = make_trainer(tmp_path, [cb, steps], max_steps=4, max_epochs=-1)
+    trainer.fit(module, datamodule=UserData(TokenLabels()))
+    assert cb.model_attr == "encoder" and trainer.global_step == 4
+    assert steps.layers == [
+        2,
+        2,
+        4,
+        4,
+    ]  # seen after each step: down at the end of step 1 (e_a=1), up at the end of step 3
+    assert {k: v.shape for k, v in module.state_dict().items()} == shapes
 
 
 # ----------------------------------------------------------------------------------------------------- the callback

@@ -95,7 +95,8 @@ def analyze_in_memory(
         collate_fn: the training loader's collate function. batch_size: analysis batch size.
 
     Raises:
-        CurriculumConfigError: unknown metric or options; a metric returning floats or a wrong shape.
+        CurriculumConfigError: unknown metric or options; a metric that cannot read a batch (its ``KeyError`` /
+            ``TypeError`` / ``ValueError``, chained) or returning floats or a wrong shape.
     """
     name, options = _metric_name(analysis)
     if name == "seqlen" and not options and not callable(analysis):
@@ -112,5 +113,20 @@ def analyze_in_memory(
         fn = analysis if callable(analysis) else get_metric(name, **options)
     except (KeyError, TypeError, ValueError) as e:
         raise CurriculumConfigError(f"curriculum analysis {name!r}: {e}") from None
-    out = [_per_sample(name, fn(batch), batch) for batch in loader()]
+    out = [_per_sample(name, _run(name, fn, batch), batch) for batch in loader()]
     return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _run(name: str, fn: Any, batch: Any) -> Any:
+    """``fn(batch)``; its ``KeyError`` / ``TypeError`` / ``ValueError`` re-raised as a :class:`CurriculumConfigError`
+    naming the analysis and the batch's type (the original chained)."""
+    try:
+        return fn(batch)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, CurriculumConfigError):
+            raise
+        msg = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else str(e)
+        raise CurriculumConfigError(
+            f"curriculum analysis {name!r} on a {type(batch).__name__} batch of the training loader (its collate_fn): "
+            f"{msg}"
+        ) from e

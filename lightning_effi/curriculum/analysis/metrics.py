@@ -6,10 +6,14 @@ A metric is a callable ``fn(batch) -> values``:
 - ``single_value_per_sample``: integer array/tensor of shape ``(B,)``, one value per sample;
 - ``accumulate_value_over_samples``: integer array/tensor of a fixed shape (e.g. ``(V+1,)``), summed over batches.
 
-Batch convention (``key`` argument, default ``"input_ids"``): a dict batch gives ``batch[key]`` (the house default);
-a tensor/ndarray batch is the token matrix itself; a tuple/list batch gives its first field. Token matrices are
-``[B, T]`` integers. Padding: when the dict batch has ``mask_key`` (default ``"attention_mask"``, 1 = real token) it
-is used; otherwise tokens equal to ``pad_token_id`` are padding (``pad_token_id=None``: no padding).
+Batch convention (``key`` argument, default ``"input_ids"``), the batch structures the curriculum accepts
+(:func:`lightning_effi.core.measure.leaves`): a tensor/ndarray batch is the token matrix itself; a batch with names
+(any ``Mapping``: ``dict``, HF ``BatchEncoding``, which is a ``UserDict``; a dataclass; nested in tuples) gives its
+entry named ``key`` (the house default); a tuple/list batch without that name gives its first integer (not bool)
+``[B, T]`` tensor/ndarray (the token ids of ``(ids, labels)``). Token matrices are ``[B, T]`` integers. Padding: when
+the batch has an entry named ``mask_key`` (default ``"attention_mask"``, 1 = real token) it is used; otherwise tokens
+equal to ``pad_token_id`` are padding (``pad_token_id=None``: no padding). A batch with no such tokens raises a
+``KeyError`` (a mapping or dataclass without ``key``) or a ``TypeError`` naming the metric and what the batch holds.
 
 Built-in metrics are picklable classes (they work with spawned worker processes). Registry: ``register_metric(name,
 fn)`` (or as a decorator), ``get_metric(name, **options)``, ``registered_metrics()``; the built-ins are registered as
@@ -18,16 +22,18 @@ factories, so ``get_metric("seqlen", pad_token_id=0)`` builds ``SeqLen(pad_token
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from lightning_effi.core.checks import is_int
+from lightning_effi.core.measure import leaves
 
 __all__ = [
     "METRIC_TYPES",
@@ -57,29 +63,98 @@ def _to_numpy(x: Any, what: str) -> np.ndarray:
     raise TypeError(f"{what}: expected a tensor or ndarray, got {type(x).__name__}")
 
 
-def _tokens_and_mask(
-    batch: Any, key: str, mask_key: str | None, pad_token_id: int | None
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """``(tokens[B,T], mask[B,T] bool or None)`` from a dict / tensor / tuple batch (module docstring)."""
-    mask = None
-    if isinstance(batch, dict):
-        if key not in batch:
-            raise KeyError(f"metric: batch has no key {key!r} (keys: {sorted(batch)}); set key=...")
-        tokens = _to_numpy(batch[key], f"batch[{key!r}]")
-        if mask_key is not None and mask_key in batch:
-            mask = _to_numpy(batch[mask_key], f"batch[{mask_key!r}]").astype(bool)
+def _is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or (hasattr(x, "detach") and hasattr(x, "cpu") and hasattr(x, "shape"))
+
+
+def _is_id_matrix(x: Any) -> bool:
+    """An integer (not bool) ``[B, T]`` tensor / ndarray."""
+    if not _is_array(x) or len(x.shape) != 2:
+        return False
+    if isinstance(x, np.ndarray):
+        return x.dtype.kind in "iu"
+    return not x.is_floating_point() and not x.is_complex() and str(x.dtype) != "torch.bool"
+
+
+def _describe(batch: Any) -> str:
+    """What a batch holds, for error messages: its leaves' paths with their types and shapes (at most 8)."""
+    found = []
+    for path, value in leaves(batch):
+        where = "".join(f"[{p!r}]" for p in path) or "<batch>"
+        shape = f" {list(value.shape)} {value.dtype}" if _is_array(value) else ""
+        found.append(f"{where}: {type(value).__name__}{shape}")
+    more = f", ... ({len(found) - 8} more)" if len(found) > 8 else ""
+    return ", ".join(found[:8]) + more if found else "nothing"
+
+
+def _named_leaf(batch: Any, name: str) -> tuple[bool, Any]:
+    """``(found, value)`` of the entry named ``name``: a key of a mapping or a field of a dataclass, the outermost
+    first, then nested ones in order (inside mappings, dataclasses, tuples and lists)."""
+    if isinstance(batch, Mapping):
+        if name in batch:
+            return True, batch[name]
+        children: Any = batch.values()
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        if name in {f.name for f in dataclasses.fields(batch)}:
+            return True, getattr(batch, name)
+        children = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     elif isinstance(batch, (tuple, list)):
-        if not batch:
-            raise ValueError("metric: empty tuple/list batch")
-        tokens = _to_numpy(batch[0], "batch[0]")
+        children = batch
     else:
-        tokens = _to_numpy(batch, "batch")
+        return False, None
+    for child in children:
+        found, value = _named_leaf(child, name)
+        if found:
+            return True, value
+    return False, None
+
+
+def _tokens_and_mask(
+    batch: Any, key: str, mask_key: str | None, pad_token_id: int | None, metric: str = "metric"
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(tokens[B,T], mask[B,T] bool or None)`` from a batch of any structure the curriculum accepts (module
+    docstring); errors name ``metric`` and what the batch holds."""
+    mask = None
+    kind = type(batch).__name__
+    if _is_array(batch):
+        tokens = _to_numpy(batch, f"{metric}: batch")
+    else:
+        has_key, value = _named_leaf(batch, key)
+        if has_key:
+            tokens = _to_numpy(value, f"{metric}: batch[{key!r}] of the {kind} batch")
+        elif isinstance(batch, (tuple, list)):
+            ids = next((v for _, v in leaves(batch) if _is_id_matrix(v)), None)
+            if ids is None:
+                raise TypeError(
+                    f"{metric}: the {kind} batch has no entry named {key!r} and no integer [B, T] tensor of token ids "
+                    f"(found {_describe(batch)}); pass the metric key=<the name of the token ids> or collate them "
+                    "into the batch"
+                )
+            tokens = _to_numpy(ids, f"{metric}: the token ids of the {kind} batch")
+        elif isinstance(batch, Mapping) or (dataclasses.is_dataclass(batch) and not isinstance(batch, type)):
+            names = (
+                sorted(map(str, batch)) if isinstance(batch, Mapping) else [f.name for f in dataclasses.fields(batch)]
+            )
+            raise KeyError(
+                f"{metric}: the {kind} batch has no key {key!r} (keys: {names}); set the metric's key=... to the name "
+                "of the token ids"
+            )
+        else:
+            raise TypeError(
+                f"{metric}: expected a batch of token ids (a tensor / ndarray [B, T], a mapping such as a dict or "
+                f"BatchEncoding, a dataclass, or a tuple / list holding an integer [B, T] tensor); got a {kind} "
+                f"(found {_describe(batch)})"
+            )
+        if mask_key is not None:
+            has_mask, value = _named_leaf(batch, mask_key)
+            if has_mask:
+                mask = _to_numpy(value, f"{metric}: batch[{mask_key!r}] of the {kind} batch").astype(bool)
     if tokens.ndim != 2:
-        raise ValueError(f"metric: token batch must be [B, T]; got shape {tokens.shape}")
+        raise ValueError(f"{metric}: token batch must be [B, T]; got shape {tokens.shape}")
     if tokens.dtype.kind not in "iu":
-        raise TypeError(f"metric: token ids must be integers; got {tokens.dtype}")
+        raise TypeError(f"{metric}: token ids must be integers; got {tokens.dtype}")
     if mask is not None and mask.shape != tokens.shape:
-        raise ValueError(f"metric: {mask_key} shape {mask.shape} differs from {key} shape {tokens.shape}")
+        raise ValueError(f"{metric}: {mask_key} shape {mask.shape} differs from {key} shape {tokens.shape}")
     if mask is None and pad_token_id is not None:
         mask = tokens != pad_token_id
     return tokens, mask
@@ -93,12 +168,13 @@ class SeqLen:
     the full width ``T``.
     """
 
+    metric_name: ClassVar[str] = "seqlen"
     pad_token_id: int | None = 0
     key: str = "input_ids"
     mask_key: str | None = "attention_mask"
 
     def __call__(self, batch: Any) -> np.ndarray:
-        tokens, mask = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id)
+        tokens, mask = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id, self.metric_name)
         if mask is None:
             return np.full(tokens.shape[0], tokens.shape[1], dtype=np.int64)
         return np.count_nonzero(mask, axis=1).astype(np.int64)
@@ -113,6 +189,7 @@ class TotalVocabFreq:
         ValueError: a token id outside ``[0, vocab_size]`` (the vector would change shape).
     """
 
+    metric_name: ClassVar[str] = "total_vocab_freq"
     vocab_size: int
     key: str = "input_ids"
     mask_key: str | None = "attention_mask"
@@ -124,7 +201,7 @@ class TotalVocabFreq:
         object.__setattr__(self, "vocab_size", int(self.vocab_size))
 
     def __call__(self, batch: Any) -> np.ndarray:
-        tokens, mask = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id)
+        tokens, mask = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id, self.metric_name)
         flat = tokens[mask] if mask is not None else tokens.reshape(-1)
         if flat.size and (int(flat.min()) < 0 or int(flat.max()) > self.vocab_size):
             raise ValueError(
@@ -165,6 +242,8 @@ class VocabRarity:
     to int64 (larger = harder). ``freq``: the ``total_vocab_freq`` vector or its file prefix (two-pass analysis).
     GPT data (fixed length, no mask, ``pad_token_id=None``) sums all tokens."""
 
+    metric_name: ClassVar[str] = "vocab_rarity"
+
     def __init__(
         self,
         freq: Any,
@@ -177,7 +256,7 @@ class VocabRarity:
         self.key, self.mask_key, self.pad_token_id = key, mask_key, pad_token_id
 
     def _rarity_sum(self, batch: Any) -> tuple[np.ndarray, np.ndarray | None]:
-        tokens, mask = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id)
+        tokens, mask = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id, self.metric_name)
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= len(self.rarity)):
             raise ValueError(
                 f"vocab_rarity: token ids must be in [0, {len(self.rarity)}) (the frequency vector's "
@@ -196,6 +275,8 @@ class SeqLenVocabRarity(VocabRarity):
     """``seqlen_vocab_rarity`` (BERT): ``seqlen·C + vocab_rarity`` with ``C = 10^(ceil(log10(seq_length · max ρ)) +
     1)`` so that length dominates and rarity breaks ties. ``seq_length``: the model's maximum sequence length."""
 
+    metric_name: ClassVar[str] = "seqlen_vocab_rarity"
+
     def __init__(
         self,
         freq: Any,
@@ -213,7 +294,7 @@ class SeqLenVocabRarity(VocabRarity):
 
     def __call__(self, batch: Any) -> np.ndarray:
         rarity, mask = self._rarity_sum(batch)
-        tokens, _ = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id)
+        tokens, _ = _tokens_and_mask(batch, self.key, self.mask_key, self.pad_token_id, self.metric_name)
         lengths = (
             np.count_nonzero(mask, axis=1) if mask is not None else np.full(tokens.shape[0], tokens.shape[1])
         ).astype(np.int64)
