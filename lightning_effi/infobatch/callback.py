@@ -34,11 +34,13 @@ import math
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
@@ -86,55 +88,70 @@ except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
 NOT_FORWARD: tuple[type, ...] = (nn.modules.loss._Loss, *((_Metric,) if isinstance(_Metric, type) else ()))
 
 
-def _top_modules(module: nn.Module) -> list[nn.Module]:
+def _top_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """``module`` and the modules a ``training_step`` may call directly: its children, looking through
     ``ModuleList`` / ``ModuleDict`` containers (which have no forward of their own), without loss and metric modules
-    (:data:`NOT_FORWARD`); each once."""
-    out, seen, queue = [module], {id(module)}, list(module.children())
+    (:data:`NOT_FORWARD`); each once, with its attribute path from ``module`` (``""`` for ``module`` itself)."""
+    out, seen, queue = [("", module)], {id(module)}, list(module.named_children())
     while queue:
-        child = queue.pop(0)
+        name, child = queue.pop(0)
         if id(child) in seen or isinstance(child, NOT_FORWARD):
             continue
         seen.add(id(child))
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            queue.extend(child.children())
+            queue.extend((f"{name}.{sub}", grandchild) for sub, grandchild in child.named_children())
         else:
-            out.append(child)
+            out.append((name, child))
     return out
+
+
+def _trainable(module: nn.Module) -> bool:
+    """Whether ``module`` has a parameter with ``requires_grad`` (a frozen teacher, an EMA copy, a parameterless
+    activation or dropout module have none)."""
+    return any(p.requires_grad for p in module.parameters())
 
 
 class ForwardCapture:
     """Records the output of the last outermost module call made while it is active: the LightningModule's own
     ``forward`` (``self(x)``) or, when ``training_step`` calls a submodule directly (``self.model(**batch)``), that
-    submodule's (children of the module, through ``ModuleList`` / ``ModuleDict``). Calls nested inside another
-    watched call are not recorded, nor calls of loss modules (``nn.CrossEntropyLoss()``...) and torchmetrics
-    metrics (:data:`NOT_FORWARD`). Forward hooks, registered on entry and removed on exit (so they follow a model
-    that changes between steps and cost nothing outside the step).
+    submodule's (children of the module, through ``ModuleList`` / ``ModuleDict``). Not recorded: calls nested inside
+    another watched call, calls of loss modules (``nn.CrossEntropyLoss()``...) and torchmetrics metrics
+    (:data:`NOT_FORWARD`), and calls of modules without a trainable parameter when the capture starts (a frozen
+    teacher ``self.teacher(x)`` called before or after the student, an EMA copy, a parameterless ``nn.Dropout``):
+    their output carries no gradient to the model, so it is never the output a per-sample loss is computed from.
+    Forward hooks, registered on entry and removed on exit (so they follow a model that changes, or is frozen or
+    unfrozen, between steps and cost nothing outside the step).
 
     Attributes:
         output: the recorded output (None before any call). captured: whether any watched call happened.
+        source: which module's output was recorded, for error messages: ``"self (ClassName)"`` for the module's own
+            forward, ``"self.<path> (ClassName)"`` for a submodule (None before any call).
     """
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.output: Any = None
         self.captured = False
+        self.source: str | None = None
         self._depth = 0
         self._handles: list[Any] = []
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         self._depth += 1
 
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         self._depth -= 1
         if self._depth == 0:
             self.output, self.captured = output, True
+            self.source = f"self{'.' + name if name else ''} ({type(module).__name__})"
 
     def __enter__(self) -> ForwardCapture:
         self._depth = 0
-        for m in _top_modules(self.module):
+        for name, m in _top_modules(self.module):
+            if not _trainable(m):
+                continue
             self._handles.append(m.register_forward_pre_hook(self._enter))
-            self._handles.append(m.register_forward_hook(self._exit))
+            self._handles.append(m.register_forward_hook(partial(self._exit, name)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -190,7 +207,8 @@ class InfoBatchCallback(Callback):
 
     1. ``per_sample_loss=fn``: ``fn(outputs, batch)``, with ``outputs`` the forward output captured during
        ``training_step`` (:class:`ForwardCapture`: the output of the last outermost module call, the module's own
-       ``self(x)`` or a submodule called directly such as ``self.model(**batch)``; None when no module was called)
+       ``self(x)`` or a submodule called directly such as ``self.model(**batch)``, skipping modules without a
+       trainable parameter such as a frozen teacher; None when no such module was called)
        and ``batch`` the user's batch. A warning on the first batch when ``mean(l)`` differs from the step's loss.
     2. ``training_step`` returns ``{"loss": ..., "per_sample_loss": l}``.
     3. Automatic (a module that returns a plain cross-entropy loss, a tensor or ``{"loss": ...}``): the cross-entropy
@@ -332,6 +350,7 @@ class InfoBatchCallback(Callback):
         self.per_sample_source: str | None = None
         self._shift: bool | None = None  # automatic path: the causal shift detected at the first batch
         self._step: _Step | None = None  # the batch being trained (set by the training_step wrapper)
+        self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
 
     def __repr__(self) -> str:
         fn = self.per_sample_loss
@@ -612,8 +631,8 @@ class InfoBatchCallback(Callback):
             source = "auto"
             if forward is None or not forward.captured:
                 raise ValueError(
-                    "InfoBatchCallback: training_step returns a plain loss and called no module (no forward output "
-                    f"to take logits from); {ib.PER_SAMPLE_LOSS_HINT}"
+                    "InfoBatchCallback: training_step returns a plain loss and called no module with a trainable "
+                    f"parameter (no forward output to take logits from); {ib.PER_SAMPLE_LOSS_HINT}"
                 )
             try:
                 if first or not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all()):
@@ -622,7 +641,7 @@ class InfoBatchCallback(Callback):
                     per_sample, _ = ib.auto_per_sample_loss(outputs, batch, loss, self._shift, verify=False)
             except ValueError as err:
                 raise ValueError(f"InfoBatchCallback: {err}") from None
-        self._check_per_sample(per_sample, source)
+        self._check_per_sample(per_sample, source, forward)
         if first and source == "fn" and isinstance(loss, Tensor) and not ib.losses_agree(per_sample, loss):
             rank_zero_warn(
                 f"InfoBatchCallback: the mean of per_sample_loss=fn's values ({float(per_sample.detach().mean()):.6g}) "
@@ -633,12 +652,21 @@ class InfoBatchCallback(Callback):
         output["per_sample_loss"] = per_sample
         return output
 
-    def _check_per_sample(self, per_sample: Any, source: str) -> None:
+    def _check_per_sample(self, per_sample: Any, source: str, forward: ForwardCapture | None = None) -> None:
         """Raise unless ``per_sample`` is a float tensor ``[B]`` (``B``: the batch's samples) with grad: computed
-        from the model (a ``grad_fn``; a detached tensor or a fresh leaf with ``requires_grad=True`` is refused)."""
+        from the model (a ``grad_fn``; a detached tensor or a fresh leaf with ``requires_grad=True`` is refused).
+        For ``fn`` and the automatic path the "no grad" error names the module whose forward output was used
+        (``forward.source``)."""
         assert self._step is not None
         b = int(self._step.index.numel())
         what = SOURCES[source]
+        used = ""
+        if source in ("fn", "auto") and forward is not None:
+            used = (
+                f"; it was computed from the output of {forward.source}, the last trainable module training_step called"
+                if forward.captured
+                else "; training_step called no trainable module (outputs=None)"
+            )
         contract = (
             f"a per-sample loss is a float tensor of shape ({b},), one loss per sample of the batch, with grad "
             f"(not detached); {ib.PER_SAMPLE_LOSS_HINT if source != 'manual' else 'see weighted_loss'}"
@@ -651,7 +679,9 @@ class InfoBatchCallback(Callback):
                 f"InfoBatchCallback: {what} has shape {tuple(per_sample.shape)} for a batch of {b} samples; {contract}"
             )
         if torch.is_grad_enabled() and not per_sample.requires_grad:
-            raise ValueError(f"InfoBatchCallback: {what} has no grad (detached, or computed under no_grad); {contract}")
+            raise ValueError(
+                f"InfoBatchCallback: {what} has no grad (detached, or computed under no_grad{used}); {contract}"
+            )
         if torch.is_grad_enabled() and per_sample.grad_fn is None:
             raise ValueError(
                 f"InfoBatchCallback: {what} is a leaf tensor (requires_grad=True but no grad_fn: a fresh tensor, not "
@@ -1159,8 +1189,19 @@ class InfoBatchCallback(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Detect a checkpoint written by an InfoBatch callback with other identity arguments (its state is stored
-        under another ``state_key`` and would otherwise be ignored silently)."""
+        """Lightning calls this right before :meth:`load_state_dict` whenever a checkpoint is restored, for ``fit``
+        (a resumed run) and for ``validate`` / ``test`` / ``predict`` (``ckpt_path=...``). Outside ``fit`` note it
+        (the state is then ignored, see :meth:`load_state_dict`) and check nothing: InfoBatch changes only training,
+        so the checkpoint's weights evaluate as they are, whatever InfoBatch settings wrote it. For ``fit``, detect
+        a checkpoint written by an InfoBatch callback with other identity arguments (its state is stored under
+        another ``state_key`` and would otherwise be ignored silently).
+
+        Raises:
+            ValueError: (``fit``, ``strict``) the checkpoint holds an InfoBatch state under another ``state_key``.
+        """
+        self._evaluating = trainer.state.fn != TrainerFn.FITTING
+        if self._evaluating:
+            return
         if others := other_state_keys(self, checkpoint):
             config_mismatch(
                 type(self).__name__,
@@ -1171,6 +1212,22 @@ class InfoBatchCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the tables, plan, accumulators and counters of a resumed ``fit`` (mid-epoch too).
+
+        Outside ``fit`` (``trainer.validate/test/predict(ckpt_path=...)``, told by :meth:`on_load_checkpoint`) the
+        state is ignored entirely: no configuration comparison (the evaluating Trainer never ran this callback's
+        ``setup``, so its dataset size and epochs are unknown) and no change to this callback's state (e.g. that of
+        the fit that ran before on the same Trainer). Evaluation does not involve InfoBatch, so the numbers are
+        those of a Trainer without it.
+
+        Raises:
+            ValueError: (``fit``, ``strict``) the checkpoint was written with other settings (``prune_ratio``,
+                ``delta``, ``seed``, ``num_epochs``, dataset size, ...); (``fit``) its score table's size is not
+                the training set's.
+        """
+        if self._evaluating:
+            self._evaluating = False
+            return
         diff = settings_diff(state_dict["config"], self.config())
         if diff:
             config_mismatch(

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
@@ -311,6 +312,7 @@ class RandomLTDCallback(Callback):
         self.keep_prefix_tokens = 0 if keep_prefix_tokens == "auto" else keep_prefix_tokens
         self._seqlen_curriculum: tuple[str, int] | None = None  # (metric, longest batch) of a truncating curriculum
         self._curriculum: str | None = None  # a Curriculum in the run: its first batches may be short by design
+        self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
         self._reset_progress()
 
     def _reset_progress(self) -> None:
@@ -992,6 +994,18 @@ class RandomLTDCallback(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        """Lightning calls this right before :meth:`load_state_dict` whenever a checkpoint is restored, for ``fit``
+        (a resumed run) and for ``validate`` / ``test`` / ``predict`` (``ckpt_path=...``). Outside ``fit`` note it
+        (the state is then ignored, see :meth:`load_state_dict`) and check nothing: random-LTD drops tokens in
+        training only, so the checkpoint's weights evaluate as they are. For ``fit``, detect a checkpoint written by
+        a random-LTD callback with other identity arguments (stored under another ``state_key``).
+
+        Raises:
+            ValueError: (``fit``, ``strict``) the checkpoint holds a random-LTD state under another ``state_key``.
+        """
+        self._evaluating = trainer.state.fn != TrainerFn.FITTING
+        if self._evaluating:
+            return
         if others := other_state_keys(self, checkpoint):
             self._mismatch(f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}")
 
@@ -1000,6 +1014,22 @@ class RandomLTDCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the schedule's position and the token / FLOPs counters of a resumed ``fit``; the configuration is
+        compared with this callback's (a derived ``max_value`` and a derived schedule are taken from the checkpoint,
+        the latter compared at ``on_train_start``).
+
+        Outside ``fit`` (``trainer.validate/test/predict(ckpt_path=...)``, told by :meth:`on_load_checkpoint`) the
+        state is ignored entirely: no configuration comparison (the evaluating Trainer never ran this callback's
+        ``setup``, so its layer ids are unresolved; a checkpoint written at a V-cycle's coarse level has other
+        ones) and no change to this callback's state (e.g. that of the fit that ran before on the same Trainer).
+        The evaluation runs the full model, as without random-LTD.
+
+        Raises:
+            ValueError: (``fit``, ``strict``) the checkpoint's configuration differs.
+        """
+        if self._evaluating:
+            self._evaluating = False
+            return
         saved, mine = dict(state_dict["config"]), self.config()
         saved.setdefault("clock", "step")  # written before the progress clock existed
         saved.setdefault("require_progress", None)

@@ -12,6 +12,7 @@ shape), manual optimization through ``weighted_loss``, and InfoBatch inside the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections import namedtuple
@@ -24,6 +25,7 @@ import timm
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 from transformers import BatchEncoding, BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
@@ -908,3 +910,197 @@ def test_infobatch_thins_inside_the_curriculum_on_tuple_batches(tmp_path):
         per_sample = F.cross_entropy(step["logits"], batch[1], reduction="none")
         assert row["candidates"] == BS
         torch.testing.assert_close(row["loss"], (row["weights"] * per_sample).sum() / BS)  # thinned_loss
+
+
+# ------------------------------------------------------------------------------- frozen teachers, EMA copies
+class Distill(UserModule):
+    """A trainable student and a frozen teacher (``requires_grad_(False)``) in one module; the teacher is called
+    before (``order="ts"``) or after (``"st"``) the student, for a logged agreement; the loss is the student's
+    cross-entropy. An ``nn.Dropout`` (no parameter) is applied to the teacher's logits last."""
+
+    def __init__(self, order: str = "st") -> None:
+        super().__init__()
+        self.order = order
+        self.student = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3))
+        self.teacher = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3)).requires_grad_(False)
+        self.dropout = nn.Dropout(0.1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        if self.order == "ts":
+            with torch.no_grad():
+                teacher = self.dropout(self.teacher(x))
+        logits = self.student(x)
+        if self.order == "st":
+            with torch.no_grad():
+                teacher = self.dropout(self.teacher(x))
+        self.agreement = (logits.argmax(-1) == teacher.argmax(-1)).float().mean()
+        loss = F.cross_entropy(logits, y)
+        self.remember(batch, logits, loss)
+        return loss
+
+
+def student_loss(outputs: Tensor, batch: tuple[Tensor, Tensor]) -> Tensor:
+    return F.cross_entropy(outputs, batch[1], reduction="none")
+
+
+def test_the_capture_skips_modules_without_a_trainable_parameter():
+    """A frozen teacher (and a parameterless dropout) called after the student: the student's logits are captured,
+    named by their attribute path; unfreezing the teacher between steps makes it watched again."""
+    module = Distill("st")
+    x, y = SmallImages().x[:4], SmallImages().y[:4]
+    with ForwardCapture(module) as capture:
+        module.training_step((x, y), 0)
+    assert capture.captured and torch.equal(capture.output, module.steps[-1]["logits"])
+    assert capture.output.requires_grad and capture.source == "self.student (Sequential)"
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+    module.teacher.requires_grad_(True)
+    with ForwardCapture(module) as capture:
+        module.training_step((x, y), 0)
+    assert capture.source == "self.teacher (Sequential)" and not capture.output.requires_grad
+    with ForwardCapture(ViT()) as capture:
+        capture.module(x)
+    assert capture.source == "self (ViT)"
+
+
+@pytest.mark.parametrize("fn", [None, student_loss], ids=["auto", "fn"])
+@pytest.mark.parametrize("order", ["ts", "st"])
+def test_a_frozen_teacher_called_before_or_after_the_student(tmp_path, order, fn):
+    """The per-sample loss is the student's, whichever order (before the fix, ``order="st"`` took the teacher's
+    output: "has no grad" with fn, a mismatch on the automatic path)."""
+    pl.seed_everything(0)
+    module, outputs = Distill(order), Outputs()
+    teacher = copy_state(module.teacher)
+    cb = fit(tmp_path, module, UserData(SmallImages(), tuple_collate), InfoBatchCallback(per_sample_loss=fn), outputs)
+    assert cb.per_sample_source == ("auto" if fn is None else "fn")
+    assert [h["kind"] for h in cb.history] == ["full", "prune", "full"] and cb.history[1]["size"] < N
+    for step, row in zip(module.steps, outputs.rows, strict=True):
+        per_sample = F.cross_entropy(step["logits"], step["batch"][1], reduction="none")
+        torch.testing.assert_close(row["per_sample"], per_sample)
+        torch.testing.assert_close(row["loss"], (row["weights"] * per_sample).mean())
+    assert all(torch.equal(v, module.teacher.state_dict()[k]) for k, v in teacher.items())  # still frozen
+
+
+def copy_state(module: nn.Module) -> dict[str, Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "module, source", [(ViT, r"self \(ViT\)"), (lambda: Distill("st"), r"self\.student \(Sequential\)")]
+)
+def test_a_per_sample_loss_without_grad_names_the_module_whose_output_was_used(tmp_path, module, source):
+    detached = lambda outputs, batch: student_loss(outputs.detach(), batch)  # noqa: E731
+    with pytest.raises(ValueError, match=r"per_sample_loss=fn has no grad .*the output of " + source):
+        fit(tmp_path, module(), UserData(SmallImages(), tuple_collate), InfoBatchCallback(per_sample_loss=detached))
+
+
+# ------------------------------------------------------------------------------ checkpoints: evaluation, resume
+class EvalViT(ViT):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self(batch[0])
+
+
+class EvalData(UserData):
+    """``UserData`` on ``SmallImages`` with validation / test / predict loaders (in order)."""
+
+    def __init__(self) -> None:
+        super().__init__(SmallImages(), tuple_collate)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_dataset, batch_size=8, collate_fn=tuple_collate)
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal nested states: tensors equal, NaN equal to NaN (an epoch's threshold without well-learned samples)."""
+    if isinstance(a, Tensor):
+        return isinstance(b, Tensor) and torch.equal(a, b)
+    if isinstance(a, Mapping):
+        return isinstance(b, Mapping) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return a == b
+
+
+def evaluate(trainer: pl.Trainer, fn: str, path: Any, module: pl.LightningModule | None = None) -> Any:
+    """``trainer.<fn>(module, datamodule=InfoBatchDataModule(EvalData()), ckpt_path=path)``: the logged loss, or
+    the logits."""
+    module = module or EvalViT()
+    datamodule = InfoBatchDataModule(EvalData())
+    if fn == "predict":
+        return torch.cat(trainer.predict(module, datamodule=datamodule, ckpt_path=path))
+    out = getattr(trainer, fn)(module, datamodule=datamodule, ckpt_path=path, verbose=False)
+    return out[0]["test_loss" if fn == "test" else "val_loss"]
+
+
+@pytest.fixture(scope="module")
+def infobatch_run(tmp_path_factory):
+    """A 3-epoch InfoBatch fit with a checkpoint after every epoch: its Trainer, module, callback and root."""
+    root = tmp_path_factory.mktemp("ib_ckpt")
+    ckpt = ModelCheckpoint(dirpath=root / "ckpts", save_top_k=-1, filename="{epoch}")
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0)
+    pl.seed_everything(0)
+    module = EvalViT()
+    trainer = make_trainer(root, [cb, ckpt], max_epochs=EPOCHS, limit_val_batches=1.0)
+    trainer.fit(module, datamodule=InfoBatchDataModule(EvalData()))
+    return trainer, module, cb, root
+
+
+@pytest.mark.parametrize("fn", ["validate", "test", "predict"])
+def test_evaluating_a_checkpoint_with_infobatch_in_the_trainer(tmp_path, infobatch_run, fn):
+    """``trainer.validate/test/predict(ckpt_path=...)`` with InfoBatch in the Trainer (a new Trainer with the same
+    callback, one with other InfoBatch settings, the fit's own Trainer) gives exactly what a Trainer without it
+    gives; the fit's callback state is untouched. Before the fix: "written with other settings (checkpoint, now):
+    {'dataset_size': (24, 0), 'num_epochs': (3, 0)}"."""
+    trainer, module, cb, root = infobatch_run
+    path = root / "ckpts" / "epoch=1.ckpt"  # mid-run: the score table and plan of a pruned epoch
+    state = torch.load(path, weights_only=True)["callbacks"][cb.state_key]
+    assert state["config"]["dataset_size"] == N and state["config"]["num_epochs"] == EPOCHS
+    before = copy.deepcopy(cb.state_dict())
+    reference = evaluate(make_trainer(tmp_path / "plain", [], limit_val_batches=1.0), fn, path)
+    results = [
+        evaluate(
+            make_trainer(
+                tmp_path / "new", [InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0)], limit_val_batches=1.0
+            ),
+            fn,
+            path,
+        ),
+        evaluate(
+            make_trainer(tmp_path / "other", [InfoBatchCallback(prune_ratio=0.3)], limit_val_batches=1.0), fn, path
+        ),
+        evaluate(trainer, fn, path, module),
+    ]
+    for got in results:
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(reference))
+    assert same(cb.state_dict(), before)
+    assert cb.history[-1]["epoch"] == EPOCHS - 1 and not cb._evaluating
+
+
+def test_a_resumed_fit_still_refuses_other_settings(tmp_path, infobatch_run):
+    """``fit(ckpt_path=...)`` keeps its checks: another run length (same state key) and other identity
+    arguments (another state key) are refused; the same settings resume."""
+    _, _, cb, root = infobatch_run
+    path = root / "ckpts" / "epoch=0.ckpt"
+
+    def resume(callback: InfoBatchCallback, epochs: int = EPOCHS) -> pl.Trainer:
+        trainer = make_trainer(tmp_path, [callback], max_epochs=epochs)
+        trainer.fit(EvalViT(), datamodule=InfoBatchDataModule(EvalData()), ckpt_path=path)
+        return trainer
+
+    with pytest.raises(ValueError, match=r"other settings \(checkpoint, now\): \{'num_epochs': \(3, 4\)\}"):
+        resume(InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0), epochs=4)
+    with pytest.raises(ValueError, match=r"written with other settings \(InfoBatchCallback\{"):
+        resume(InfoBatchCallback(prune_ratio=0.3, delta=0.875, seed=0))
+    resumed = InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0)
+    assert resume(resumed).current_epoch == EPOCHS
+    assert same(resumed.history, cb.history) and torch.equal(resumed.score, cb.score)

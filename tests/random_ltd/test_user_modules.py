@@ -13,17 +13,17 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as TF
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_effi.adapters import GenericAdapter, find_adapter
-from lightning_effi.callbacks import RandomLTDCallback
+from lightning_effi.callbacks import RandomLTDCallback, VCycleCallback
 from lightning_effi.models.generic import TorchTransformerAdapter
 from lightning_effi.random_ltd import LTDController, convert, is_converted
 from lightning_effi.random_ltd import functional as F
 from tests.helpers.harness import assert_resume_equals_uninterrupted, make_trainer
-from tests.helpers.tiny import TinyDataModule
+from tests.helpers.tiny import TinyDataModule, TokenBlocks
 
 VOCAB = 40
 
@@ -741,3 +741,100 @@ def test_ddp_ranks_share_the_longest_length_seen(tmp_path):
     assert [row[2] for row in rank0] == [8, 12, 12] and [row[2] for row in rank1] == [16, 10, 12]
     assert [row[0] for row in rank0] == [row[0] for row in rank1] == [16, 16, 16]
     assert [row[1] for row in rank0] == [row[1] for row in rank1] == [F.ltd_value(s, 4, 16, 4, 4) for s in range(3)]
+
+
+# ------------------------------------------------------------------------------ checkpoints: evaluation, resume
+class EvalGPT(pl.LightningModule):
+    """A user's GPT-2 (4 layers, under ``model``) on ``{"input_ids"}`` blocks, with validation / test / predict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT2LMHeadModel(gpt2_config(32))
+
+    def loss(self, batch):
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.loss(batch))
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"]).logits
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def eval_data() -> TinyDataModule:
+    """16 blocks of 16 tokens (2 training batches of 8 per epoch), 8 validation blocks."""
+    return TinyDataModule(TokenBlocks(n=16, vocab_size=VOCAB), TokenBlocks(n=8, vocab_size=VOCAB, seed=1))
+
+
+def ltd_callbacks(vcycle: bool) -> list[Callback]:
+    ltd: list[Callback] = [RandomLTDCallback(min_value=8, seq_per_step=8, require_steps=6, seed=3)]
+    return ltd + ([VCycleCallback(e_a=2, e_small=3, model_attr="model")] if vcycle else [])
+
+
+def evaluate(trainer: pl.Trainer, fn: str, path, module: pl.LightningModule | None = None):
+    """``trainer.<fn>(module, datamodule=eval_data(), ckpt_path=path)``: the logged loss, or the logits."""
+    module = module or EvalGPT()
+    if fn == "predict":
+        loader = eval_data().val_dataloader()
+        return torch.cat(trainer.predict(module, dataloaders=loader, ckpt_path=path))
+    out = getattr(trainer, fn)(module, dataloaders=eval_data().val_dataloader(), ckpt_path=path, verbose=False)
+    return out[0]["test_loss" if fn == "test" else "val_loss"]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["ltd", "ltd+vcycle"])
+def ltd_run(request, tmp_path_factory):
+    """A 6-step fit with random-LTD (with a V-cycle: level 2, 2 layers, trains steps 3 to 5, where random-LTD's
+    default layer ids resolve to none), a checkpoint after every step: the Trainer, module, callback, checkpoint."""
+    root = tmp_path_factory.mktemp("ltd_ckpt")
+    ckpt = ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    callbacks = ltd_callbacks(request.param)
+    pl.seed_everything(0)
+    module = EvalGPT()
+    trainer = make_trainer(root, [*callbacks, ckpt], max_steps=6, max_epochs=-1, limit_val_batches=1.0)
+    trainer.fit(module, datamodule=eval_data())
+    path = root / "ckpts" / ("step=3.ckpt" if request.param else "step=6.ckpt")
+    return trainer, module, callbacks[0], path, request.param
+
+
+@pytest.mark.parametrize("fn", ["validate", "test", "predict"])
+def test_evaluating_a_checkpoint_with_random_ltd_in_the_trainer(tmp_path, ltd_run, fn):
+    """``trainer.validate/test/predict(ckpt_path=...)`` with random-LTD in the Trainer (a new Trainer with the same
+    callbacks, and the fit's own Trainer after the fit) gives exactly what a Trainer without it gives; the fit's
+    callback state is untouched. Before the fix: "the checkpoint's configuration differs (checkpoint, now):
+    {'layer_ids': ([1, 2], [])}" in a new Trainer (layer ids resolved in ``setup`` only), and ``([], [1, 2])`` in
+    the fit's Trainer for a checkpoint written at the V-cycle's 2-layer level."""
+    trainer, module, cb, path, vcycle = ltd_run
+    saved = torch.load(path, weights_only=True)["callbacks"][cb.state_key]
+    assert saved["config"]["layer_ids"] == ([] if vcycle else [1, 2]) and cb.layer_ids == (1, 2)
+    before = cb.state_dict()
+    reference = evaluate(make_trainer(tmp_path / "plain", [], limit_val_batches=1.0), fn, path)
+    fresh = ltd_callbacks(vcycle)
+    assert fresh[0].state_key == cb.state_key
+    for got in (
+        evaluate(make_trainer(tmp_path / "new", fresh, limit_val_batches=1.0), fn, path),
+        evaluate(trainer, fn, path, module),
+    ):
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(reference))
+    assert cb.state_dict() == before and fresh[0].layer_ids == () and fresh[0].consumed_layer_tokens == 0
+    assert not cb._evaluating and not is_converted(module)
+
+
+def test_a_resumed_fit_still_compares_the_configuration(tmp_path):
+    """``fit(ckpt_path=...)`` keeps its check: another ``rounding`` (same state key) is refused."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    make_trainer(tmp_path, [*ltd_callbacks(False), ckpt], max_steps=2, max_epochs=-1).fit(EvalGPT(), eval_data())
+    other = RandomLTDCallback(min_value=8, seq_per_step=8, require_steps=6, seed=3, rounding="deepspeed")
+    assert other.state_key == ltd_callbacks(False)[0].state_key
+    trainer = make_trainer(tmp_path / "resume", [other], max_steps=4, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"configuration differs \(checkpoint, now\): \{'rounding'"):
+        trainer.fit(EvalGPT(), eval_data(), ckpt_path=tmp_path / "ckpts" / "step=2.ckpt")
