@@ -1,5 +1,7 @@
 """The Hydra training task: build DataModule, model, callbacks, loggers and Trainer from the config, fit (and
-test), and write ``result.json`` (final metrics plus the efficiency summary) to the run's output folder.
+test), and write ``result.json`` to the run's output folder: the arm, budget, techniques and their settings, the
+overrides, the seed, the final metrics, the efficiency summary, the validation curve against cumulative compute and
+each technique's schedule (:func:`run` documents the keys; ``python -m lightning_effi.report`` compares runs).
 
 Entry point: ``python experiments/train.py [overrides]`` (see ``conf/train.yaml`` and the README).
 """
@@ -15,11 +17,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_class
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_effi.core.accounting import EfficiencyMonitor
+from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.utils.instantiate import (
     ConfigError,
@@ -139,12 +143,120 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+#: the hooks that make a callback a technique (it changes what is computed, or has a schedule)
+TECHNIQUE_HOOKS = ("effi_adjust", "effi_baseline", "effi_schedule_state")
+
+#: ``result.json``'s format version (2: arm, budget, techniques, overrides, length, curve, schedule, relative paths)
+RESULT_SCHEMA = 2
+
+#: the compute quantities an objective may read (``efficiency[<q>_saved_frac]``)
+OBJECTIVE_COMPUTE = ("flops", "tokens", "samples", "layer_tokens")
+
+
+def techniques_of(callbacks_cfg: Any) -> dict[str, dict[str, Any]]:
+    """The technique callbacks of a ``callbacks`` config (a dict of ``_target_`` nodes), ``{name: resolved
+    settings}``, named as the EfficiencyMonitor names their savings (``infobatch``, ``curriculum``, ``random_ltd``,
+    ``vcycle``). A technique is a callback class with an ``effi_adjust``, ``effi_baseline`` or ``effi_schedule_state``
+    hook; the EfficiencyMonitor and Lightning's own callbacks are not."""
+    out: dict[str, dict[str, Any]] = {}
+    if not callbacks_cfg:
+        return out
+    for node in callbacks_cfg.values():
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        try:
+            cls = get_class(str(node._target_))
+        except Exception:  # instantiation already succeeded; a target that is a function is not a technique
+            continue
+        if issubclass(cls, EfficiencyMonitor) or not any(hasattr(cls, h) for h in TECHNIQUE_HOOKS):
+            continue
+        out[technique_name(cls)] = OmegaConf.to_container(node, resolve=True)  # type: ignore[assignment]
+    return out
+
+
+def _overrides() -> list[str]:
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _relative(path: str | os.PathLike[str] | None, start: str | os.PathLike[str]) -> str | None:
+    return os.path.relpath(path, start) if path else None
+
+
+def check_objective(cfg: DictConfig) -> tuple[str, float] | None:
+    """``cfg.objective`` checked before training: None for the metric, else ``(compute, floor)`` of
+    ``saving_at_floor`` (:func:`objective`).
+
+    Raises:
+        ConfigError: an unknown key, ``kind`` or ``compute``, or a ``floor`` that is not a finite number.
+    """
+    spec = cfg.get("objective")
+    if spec is None:
+        return None
+    if not isinstance(spec, DictConfig):
+        raise ConfigError(f"objective: expected a mapping with kind, compute, floor; got {spec!r}")
+    unknown = sorted(set(spec) - {"kind", "compute", "floor"})
+    if unknown:
+        raise ConfigError(f"objective: unknown keys {unknown}; allowed: kind, compute, floor")
+    kind = spec.get("kind", "metric")
+    if kind == "metric":
+        return None
+    if kind != "saving_at_floor":
+        raise ConfigError(f"objective.kind: expected 'metric' or 'saving_at_floor', got {kind!r}")
+    compute = spec.get("compute", "flops")
+    if compute not in OBJECTIVE_COMPUTE:
+        raise ConfigError(f"objective.compute: expected one of {list(OBJECTIVE_COMPUTE)}, got {compute!r}")
+    floor = spec.get("floor")
+    if isinstance(floor, bool) or not isinstance(floor, int | float) or not math.isfinite(floor):
+        metric = cfg.get("optimized_metric")
+        raise ConfigError(f"objective.floor: expected a finite number (in {metric}'s units), got {floor!r}")
+    return str(compute), float(floor)
+
+
+def objective(cfg: DictConfig, result: dict[str, Any]) -> float:
+    """The value returned to a Hydra sweeper, as ``cfg.objective`` says:
+
+    - absent, or ``kind: metric``: the final ``optimized_metric`` (NaN when it was not logged);
+    - ``kind: saving_at_floor``: the run's ``efficiency["<compute>_saved_frac"]`` (its saving against the same run
+      without the techniques, ``compute`` one of :data:`OBJECTIVE_COMPUTE`, default ``flops``) when the final
+      metric meets ``floor`` (``<= floor`` for ``optimized_mode: min``, ``>= floor`` for ``max``), else -1.0: for a
+      sweeper maximizing the saving at a quality floor (``conf/sweep/``).
+
+    Raises:
+        ConfigError: an unknown ``kind`` or ``compute``, a ``floor`` that is not a number, or a run without an
+            EfficiencyMonitor (no saving to read).
+    """
+    spec = check_objective(cfg)
+    if spec is None:
+        return float(result["metric"])
+    compute, floor = spec
+    key = f"{compute}_saved_frac"
+    if key not in result["efficiency"]:
+        raise ConfigError("objective: saving_at_floor reads the EfficiencyMonitor's summary; add callbacks.efficiency")
+    metric = float(result["metric"])
+    met = metric <= floor if cfg.get("optimized_mode", "min") == "min" else metric >= floor
+    return float(result["efficiency"][key]) if met else -1.0
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train (and optionally test) as configured; returns the result dict that is also written to
-    ``<paths.output_dir>/result.json`` on rank 0."""
+    ``<paths.output_dir>/result.json`` on rank 0.
+
+    Keys: ``schema`` (:data:`RESULT_SCHEMA`), ``task_name``, ``tags``, ``seed``, ``arm`` (``cfg.arm``; default
+    ``"baseline"`` without a technique, else the techniques' names joined by ``+``), ``budget`` (``cfg.budget``, the
+    fraction of the experiment's reference length; default 1.0), ``techniques`` (:func:`techniques_of`),
+    ``overrides`` (Hydra's task overrides), ``optimized_metric``, ``optimized_mode``, ``metric`` (its final value),
+    ``metrics``, ``efficiency`` (the EfficiencyMonitor's summary), ``length`` (``max_steps``, ``max_epochs``,
+    ``optimizer_steps``), ``curve`` and ``schedule`` (the monitor's records: metrics and technique states against
+    cumulative samples, tokens, layer-tokens, FLOPs and train wall time), ``output_dir`` (relative to
+    ``paths.root_dir``), ``last_checkpoint`` and ``best_checkpoint`` (relative to ``output_dir``). Non-finite
+    numbers are written as null."""
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ConfigError(f"seed: expected an int in [0, 2**32), got {seed!r}")
+    budget = cfg.get("budget", 1.0)
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0):
+        raise ConfigError(f"budget: expected a number > 0 (a fraction of the reference length), got {budget!r}")
+    check_objective(cfg)
     pl.seed_everything(seed, workers=True)
     datamodule, model, trainer = build(cfg)
     if cfg.get("ckpt_path"):
@@ -174,19 +286,36 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)  # type: ignore[attr-defined]
     name = cfg.get("optimized_metric")
     value = metrics.get(name, math.nan) if name else math.nan
+    techniques = techniques_of(cfg.get("callbacks"))
+    arm = cfg.get("arm") or ("+".join(techniques) if techniques else "baseline")
+    budget = cfg.get("budget", 1.0)
+    root = cfg.paths.get("root_dir") or os.getcwd()
     result = {
+        "schema": RESULT_SCHEMA,
         "task_name": cfg.get("task_name"),
         "tags": list(cfg.get("tags") or []),
         "seed": cfg.get("seed"),
+        "arm": str(arm),
+        "budget": float(budget) if budget is not None else 1.0,
+        "techniques": techniques,
+        "overrides": _overrides(),
         "optimized_metric": name,
+        "optimized_mode": cfg.get("optimized_mode", "min"),
         "metric": value,
         "wall_clock": efficiency.get("time_total_s"),
         "flops": efficiency.get("flops"),
         "metrics": metrics,
         "efficiency": efficiency,
-        "output_dir": str(output_dir),
-        "last_checkpoint": getattr(checkpoint, "last_model_path", "") or None,
-        "best_checkpoint": getattr(checkpoint, "best_model_path", "") or None,
+        "length": {
+            "max_steps": cfg.trainer.get("max_steps"),
+            "max_epochs": cfg.trainer.get("max_epochs"),
+            "optimizer_steps": int(trainer.global_step),
+        },
+        "curve": list(monitor.curve) if monitor is not None else [],
+        "schedule": list(monitor.schedule) if monitor is not None else [],
+        "output_dir": _relative(output_dir, root),
+        "last_checkpoint": _relative(getattr(checkpoint, "last_model_path", "") or None, output_dir),
+        "best_checkpoint": _relative(getattr(checkpoint, "best_model_path", "") or None, output_dir),
     }
     if trainer.is_global_zero:
         with open(output_dir / "result.json", "w") as f:
@@ -200,11 +329,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 def main(cfg: DictConfig) -> float:
     """Hydra task function: :func:`run`, with configuration mistakes reported as one line (exit status 1).
-    Returns the optimized metric for sweepers."""
+    Returns :func:`objective` (by default the optimized metric) for sweepers."""
     try:
         result = run(cfg)
+        return objective(cfg, result)
     except USER_ERRORS as exc:
         if os.environ.get("EFFI_FULL_ERROR") == "1":
             raise
         raise SystemExit(f"error: {exc}\n(set EFFI_FULL_ERROR=1 for the traceback)") from None
-    return float(result["metric"])

@@ -32,7 +32,7 @@ def test_resume_from_last_checkpoint_continues(tmp_path):
             ["trainer.max_steps=3", "trainer.max_epochs=-1", "++trainer.limit_train_batches=null"], tmp_path / "a"
         )
     )
-    ckpt = first["last_checkpoint"]
+    ckpt = tmp_path / "a" / first["last_checkpoint"]  # relative to the run's folder
     torch.load(ckpt, weights_only=True)
     cfg = compose_train(
         ["trainer.max_steps=5", "trainer.max_epochs=-1", "++trainer.limit_train_batches=null", f"ckpt_path={ckpt}"],
@@ -89,7 +89,7 @@ def test_bad_input_stops_with_one_clear_line(tmp_path, args, message):
 @pytest.mark.slow
 def test_checkpoint_of_another_model_or_a_damaged_file_is_named(tmp_path):
     first = run(compose_train(["trainer.max_steps=1", "trainer.max_epochs=-1"], tmp_path / "a"))
-    ckpt = first["last_checkpoint"]
+    ckpt = tmp_path / "a" / first["last_checkpoint"]
     proc = run_train_script(["debug=fdr", f"ckpt_path={ckpt}", "model.n_layer=3"], tmp_path)
     assert proc.returncode != 0 and "holds weights of a different model" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
@@ -129,7 +129,7 @@ def test_resume_from_a_coarse_vcycle_checkpoint(tmp_path):
     assert checkpoint["state_dict"]["model.transformer.wte.weight"].shape[1] == 32
     assert checkpoint["callbacks"]["VCycleCallback{'levels': 2, 'model_attr': 'model'}"]["level"] == 2
     second = run(compose_train([*VCYCLE_APP, f"ckpt_path={coarse}"], tmp_path / "b"))
-    a, b = (torch.load(r["last_checkpoint"], weights_only=True) for r in (first, second))
+    a, b = (torch.load(tmp_path / d / r["last_checkpoint"], weights_only=True) for d, r in zip("ab", (first, second)))
     assert a["global_step"] == b["global_step"] == 6 and a["state_dict"].keys() == b["state_dict"].keys()
     assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
     assert second["efficiency"]["vcycle/switches"] == 2 and second["efficiency"]["vcycle/final_level"] == 1

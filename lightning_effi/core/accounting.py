@@ -219,15 +219,36 @@ TECHNIQUE_NAMES = {
 
 def technique_name(callback: Any) -> str:
     """The name a callback's saving is reported under (``saved/<name>/...``): its ``effi_name`` attribute if it has
-    one, the shipped techniques' summary prefix, else the snake-cased class name without ``Callback``."""
+    one, the shipped techniques' summary prefix, else the snake-cased class name without ``Callback``. A class
+    gives the name of its instances (when ``effi_name`` is a class attribute)."""
     name = getattr(callback, "effi_name", None)
     if isinstance(name, str) and name:
         return name
-    cls = type(callback).__name__
+    cls = (callback if isinstance(callback, type) else type(callback)).__name__
     if cls in TECHNIQUE_NAMES:
         return TECHNIQUE_NAMES[cls]
     cls = cls.removesuffix("Callback") or cls
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", cls).lower()
+
+
+def schedule_states(trainer: pl.Trainer) -> dict[str, float]:
+    """Every technique's schedule state now, ``{"<technique>/<key>": value}`` (e.g. ``infobatch/kept_fraction``,
+    ``curriculum/difficulty``, ``random_ltd/reserved_length``, ``vcycle/level``), from the callbacks'
+    ``effi_schedule_state()`` hooks (:class:`~lightning_effi.core.protocols.ReportsScheduleState`)."""
+    out: dict[str, float] = {}
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        hook = getattr(callback, "effi_schedule_state", None)
+        if callable(hook):
+            name = technique_name(callback)
+            out.update({f"{name}/{key}": float(value) for key, value in hook().items()})
+    return out
+
+
+def _progress_bar_names(states: Mapping[str, float]) -> dict[str, float]:
+    """The progress bar's short names for :func:`schedule_states`: the key without the technique, unless two
+    techniques share it."""
+    short = [key.rsplit("/", 1)[-1] for key in states]
+    return {(s if short.count(s) == 1 else key): v for s, (key, v) in zip(short, states.items())}
 
 
 #: a network's transformer block list
@@ -308,7 +329,19 @@ class EfficiencyMonitor(Callback):
             ``log_every_n_steps``). Must be a positive int.
         print_summary: print the summary table on rank 0 at the end of ``fit``.
 
-    State (checkpointed, so a resumed run keeps cumulative figures): the totals below, the baseline and the savings.
+    State (checkpointed, so a resumed run keeps cumulative figures): the totals below, the baseline and the savings,
+    the curve and the schedule.
+
+    Records (lists of dicts, for reports and notebooks; written to ``result.json`` by the Hydra app):
+
+    - :attr:`curve`: one point per validation run during ``fit`` (the sanity check excluded): ``step, epoch,
+      samples, tokens, layer_tokens, flops`` (cumulative, summed over ranks), ``train_wall_s`` (training + data
+      time so far, seconds, evaluation excluded) and ``metrics`` (every ``val*`` scalar logged);
+    - :attr:`schedule`: every ``log_every_n_steps`` training batches and at every validation, the same cumulative
+      figures and each technique's schedule state ``"<technique>/<key>"`` from its ``effi_schedule_state()``
+      (:func:`schedule_states`): ``infobatch/kept_fraction``, ``curriculum/difficulty``,
+      ``random_ltd/reserved_length``, ``vcycle/level``. The same states are shown in the progress bar on every
+      batch under their short names (``kept_fraction``, ``difficulty``, ...; logged with ``logger=False``).
 
     Summary keys (counts summed over ranks, times maxed):
 
@@ -360,6 +393,8 @@ class EfficiencyMonitor(Callback):
         self.print_summary = print_summary
         self.totals: dict[str, float] = dict.fromkeys(COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS, 0.0)
         self.summary: dict[str, Any] = {}
+        self.curve: list[dict[str, Any]] = []
+        self.schedule: list[dict[str, Any]] = []
         self._mark: float | None = None
         self._batch_start: float | None = None
         self._eval_start: float | None = None
@@ -571,6 +606,7 @@ class EfficiencyMonitor(Callback):
             base = COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
+            self.curve, self.schedule = [], []
 
     def _check_order(self, trainer: pl.Trainer) -> None:
         """A technique that changes the model's shapes (the V-cycle) switches models in its ``on_train_batch_end``;
@@ -659,9 +695,14 @@ class EfficiencyMonitor(Callback):
         self.totals["batches"] += 1
         # for Lightning's ThroughputMonitor (listed after this one)
         self._write_flops(pl_module, int(account.actual.flops))
+        states = schedule_states(trainer)
+        for name, value in _progress_bar_names(states).items():  # the techniques' state in the progress bar
+            pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         every = self.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
         if int(self.totals["batches"]) % max(every, 1) == 0:
-            self._log(trainer, pl_module)
+            totals = self._log(trainer, pl_module)
+            if states:
+                self._add_schedule(self._point(trainer, totals) | states)
         self._mark = self._now(pl_module)
 
     @override
@@ -681,6 +722,13 @@ class EfficiencyMonitor(Callback):
         if self._eval_start is not None:
             self.totals["time_eval"] += self._now(pl_module) - self._eval_start
             self._eval_start = None
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            totals = self.reduced_totals(trainer)  # a collective: every rank validates
+            logged = trainer.callback_metrics.items()
+            metrics = {k: float(v) for k, v in logged if k.startswith("val") and v.numel() == 1}
+            self.curve.append(self._point(trainer, totals) | {"metrics": dict(sorted(metrics.items()))})
+            if states := schedule_states(trainer):
+                self._add_schedule(self._point(trainer, totals) | states)
         self._mark = self._now(pl_module)
 
     @override
@@ -761,14 +809,36 @@ class EfficiencyMonitor(Callback):
                 summary.update(extra())
         return summary
 
-    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _add_schedule(self, point: dict[str, Any]) -> None:
+        """One schedule point per optimizer step: a second one at the same step (a validation right after a logging
+        step) replaces the first."""
+        if self.schedule and self.schedule[-1]["step"] == point["step"]:
+            self.schedule[-1] = point
+        else:
+            self.schedule.append(point)
+
+    @staticmethod
+    def _point(trainer: pl.Trainer, totals: Mapping[str, float]) -> dict[str, Any]:
+        """The cumulative figures of a curve or schedule point (:attr:`curve`)."""
+        return {
+            "step": int(trainer.global_step),
+            "epoch": int(trainer.current_epoch),
+            "samples": int(totals["samples"]),
+            "tokens": int(totals["tokens"]),
+            "layer_tokens": int(totals["layer_tokens"]),
+            "flops": float(totals["flops"]),
+            "train_wall_s": float(totals["time_train"] + totals["time_data"]),
+        }
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         t = self.reduced_totals(trainer)
         if not trainer.loggers or not trainer.is_global_zero:
-            return
+            return t
         metrics = {"effi/" + k.replace("time_", "time/"): v for k, v in t.items() if k != "batches"}
         metrics.update({"effi/" + k: v for k, v in self.savings(t).items()})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+        return t
 
     @staticmethod
     def _now(pl_module: pl.LightningModule) -> float:
@@ -780,7 +850,11 @@ class EfficiencyMonitor(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         self.totals["time_total"] = self._elapsed_total()
-        return {"totals": {k: float(v) for k, v in self.totals.items()}}
+        return {
+            "totals": {k: float(v) for k, v in self.totals.items()},
+            "curve": [dict(p) for p in self.curve],
+            "schedule": [dict(p) for p in self.schedule],
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -795,6 +869,8 @@ class EfficiencyMonitor(Callback):
             totals.setdefault(f"baseline_{q}", totals.get(q, 0.0))
         self.totals.update({k: float(v) for k, v in totals.items()})
         self._fit_total_before = self.totals["time_total"]
+        self.curve = [dict(p) for p in state_dict.get("curve", [])]
+        self.schedule = [dict(p) for p in state_dict.get("schedule", [])]
 
 
 __all__ = [
@@ -807,6 +883,7 @@ __all__ = [
     "batch_size_of",
     "format_summary",
     "lengthen_batch",
+    "schedule_states",
     "technique_name",
     "tokens_of",
 ]

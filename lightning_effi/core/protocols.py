@@ -19,6 +19,7 @@ __all__ = [
     "ProvidesBaseline",
     "ProvidesProgress",
     "ProvidesProgressClock",
+    "ReportsScheduleState",
     "ReportsSummary",
     "TrainingFlops",
 ]
@@ -67,6 +68,15 @@ class ReportsSummary(Protocol):
     """Callback hook: the technique's figures for the final efficiency summary and ``result.json``."""
 
     def effi_summary(self) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class ReportsScheduleState(Protocol):
+    """Callback hook: the technique's schedule state now, ``{key: number}`` (e.g. ``{"reserved_length": 48}``);
+    recorded by the EfficiencyMonitor in its ``schedule`` and shown in the progress bar. Empty before the technique
+    has a state (before the first batch)."""
+
+    def effi_schedule_state(self) -> Mapping[str, float]: ...
 
 
 @runtime_checkable

@@ -391,6 +391,15 @@ class Curriculum(Callback):
             raise ValueError(f"token_progress: total_tokens must be > 0, got {total_tokens}")
         return min(1.0, max(0.0, self._tokens_through_current / float(total_tokens)))
 
+    def effi_schedule_state(self) -> dict[str, float]:
+        """The difficulty of the batch being trained (else of the last one): ``{"difficulty": d}`` with one metric,
+        ``{"<metric>_difficulty": d}`` with several (a sequence length in tokens for ``seqlen_truncate``). Empty
+        before the first batch."""
+        current = self._pending[2] if self._pending is not None else self.last_difficulties
+        if len(current) == 1:
+            return {"difficulty": float(next(iter(current.values())))}
+        return {f"{name}_difficulty": float(d) for name, d in current.items()}
+
     def effi_summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"curriculum/consumed_tokens": int(self.consumed_tokens)}
         for name, d in self.last_difficulties.items():

@@ -1082,6 +1082,17 @@ class InfoBatchCallback(Callback):
             return {"saved_samples_total": saved, "saved_fraction": saved / max(1, drawn)}
         return {"saved_samples_total": saved, "saved_fraction": saved / max(1, self.epochs * self.dataset_size)}
 
+    def effi_schedule_state(self) -> dict[str, float]:
+        """``{"kept_fraction": f}``: the fraction of the current epoch's samples that are trained (1.0 in a full
+        epoch; with the curriculum, of the samples drawn so far this epoch). Empty before the first epoch's plan."""
+        if not self.history:
+            return {}
+        h = self.history[-1]
+        if h["kind"] == "thin":
+            return {"kept_fraction": 1.0 - h["saved"] / h["drawn"] if h["drawn"] else 1.0}
+        drawn = h["saved"] + h["size"]
+        return {"kept_fraction": h["size"] / drawn if drawn else 1.0}
+
     def effi_summary(self) -> dict[str, Any]:
         """Figures for :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s summary (with the curriculum:
         samples drawn by the curriculum and dropped by InfoBatch, summed over ranks and merged epochs)."""

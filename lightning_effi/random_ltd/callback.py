@@ -948,6 +948,10 @@ class RandomLTDCallback(Callback):
         layer_tokens = round(stats.layer_tokens * ltd_lt / full_lt) if full_lt else stats.layer_tokens
         return dataclasses.replace(stats, layer_tokens=int(layer_tokens), flops=max(0.0, stats.flops - saved))
 
+    def effi_schedule_state(self) -> dict[str, float]:
+        """``{"reserved_length": r}``: the tokens each random-LTD layer keeps now (Yao et al. 2022, Sec. 3.1)."""
+        return {"reserved_length": float(self.current_value)}
+
     def effi_summary(self) -> dict[str, Any]:
         return {
             "random_ltd/consumed_layer_tokens": int(self.consumed_layer_tokens),

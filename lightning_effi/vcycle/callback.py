@@ -584,6 +584,10 @@ class VCycleCallback(Callback):
             return None
         return Baseline(model=self._stack.full_model)
 
+    def effi_schedule_state(self) -> dict[str, float]:
+        """``{"level": k}``: the level being trained (1 = the full model, ``levels`` = the coarsest)."""
+        return {"level": float(self.level)}
+
     def effi_summary(self) -> dict[str, Any]:
         return {
             "vcycle/levels": int(self.levels),

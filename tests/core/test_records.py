@@ -1,0 +1,218 @@
+"""The EfficiencyMonitor's records (validation curve, technique schedules, progress bar) and the app's result.json
+(schema 2: arm, budget, techniques, overrides, length, curve, schedule, relative paths; the sweep objective)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import OmegaConf
+
+from lightning_effi import Curriculum, EfficiencyMonitor, InfoBatchCallback, RandomLTDCallback, VCycleCallback
+from lightning_effi.core.accounting import schedule_states
+from lightning_effi.train import check_objective, objective, run, techniques_of
+from lightning_effi.utils.instantiate import ConfigError
+from tests.helpers.harness import make_trainer
+from tests.helpers.hydra import compose_train
+from tests.helpers.tiny import TinyDataModule, TokenBlocks, tiny_gpt2
+
+STEPS = 6
+
+
+class ValRecorder(pl.Callback):
+    """What Lightning itself reports at each validation (the monitor's curve must say the same)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.seen.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
+
+
+def _fit(tmp_path, callbacks, steps=STEPS, ckpt_path=None, extra=()):
+    pl.seed_everything(0, workers=True)
+    monitor = EfficiencyMonitor(log_every_n_steps=1, print_summary=False)
+    recorder = ValRecorder()
+    trainer = make_trainer(
+        tmp_path,
+        [monitor, *callbacks, recorder, *extra],
+        max_steps=steps,
+        max_epochs=-1,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        limit_val_batches=2,
+    )
+    dm = TinyDataModule(TokenBlocks(n=64), batch_size=8)
+    for cb in callbacks:  # as lightning_effi.train.build wraps it
+        wrap = getattr(cb, "wrap_datamodule", None)
+        dm = wrap(dm) if callable(wrap) else dm
+    trainer.fit(tiny_gpt2(n_layer=4), datamodule=dm, ckpt_path=ckpt_path)
+    return trainer, monitor, recorder
+
+
+def _stack():
+    return [
+        RandomLTDCallback(min_value=4, max_value=16, seq_per_step=4, seed=7),
+        VCycleCallback(e_a=1, e_small=2, alpha_original=0.3),
+    ]
+
+
+def test_curve_has_one_point_per_validation_with_cumulative_figures(tmp_path):
+    trainer, monitor, recorder = _fit(tmp_path, _stack())
+    curve = monitor.curve
+    assert [p["step"] for p in curve] == [2, 4, 6] == [s for s, _ in recorder.seen]
+    assert [p["metrics"]["val/loss"] for p in curve] == pytest.approx([v for _, v in recorder.seen])
+    for key in ("samples", "tokens", "layer_tokens", "flops", "train_wall_s"):
+        values = [p[key] for p in curve]
+        assert all(b > a for a, b in zip(values, values[1:])), (key, values)
+    assert [p["samples"] for p in curve] == [16, 32, 48]  # batch 8, cumulative
+    last, summary = curve[-1], monitor.summary
+    assert last["flops"] == pytest.approx(summary["flops"]) and last["tokens"] == summary["tokens"]
+    assert last["train_wall_s"] <= summary["time_train_s"] + summary["time_data_s"] + 1e-9
+
+
+def test_schedule_records_each_technique_state_and_the_progress_bar_shows_it(tmp_path):
+    trainer, monitor, _ = _fit(tmp_path, _stack())
+    schedule = monitor.schedule
+    assert [p["step"] for p in schedule] == list(range(1, STEPS + 1))  # one point per step (log every step)
+    levels = [p["vcycle/level"] for p in schedule]
+    # e_a = 1 step on the full model, e_small = 2 on level 2; the monitor records before the switch at the step end
+    assert levels == [1.0, 2.0, 2.0, 1.0, 1.0, 1.0]
+    reserved = [p["random_ltd/reserved_length"] for p in schedule]
+    assert reserved == sorted(reserved) and reserved[0] >= 4 and reserved[-1] <= 16
+    assert schedule[-1]["flops"] == pytest.approx(monitor.summary["flops"])
+    bar = trainer.progress_bar_metrics
+    assert bar["level"] == 1.0 and bar["reserved_length"] == reserved[-1]
+
+
+def test_infobatch_and_curriculum_states(tmp_path):
+    infobatch = InfoBatchCallback(prune_ratio=0.3, delta=0.75, num_epochs=4, seed=7)
+    pl.seed_everything(0, workers=True)
+    monitor = EfficiencyMonitor(log_every_n_steps=1, print_summary=False)
+    trainer = make_trainer(tmp_path, [monitor, infobatch], max_epochs=4, max_steps=-1)
+    dm = infobatch.wrap_datamodule(TinyDataModule(TokenBlocks(n=64), batch_size=8))
+    trainer.fit(tiny_gpt2(), datamodule=dm)
+    by_epoch: dict[int, set[float]] = {}
+    for p in monitor.schedule:
+        by_epoch.setdefault(p["epoch"], set()).add(round(p["infobatch/kept_fraction"], 9))
+    expected = [round(1.0 - h["saved"] / 64, 9) for h in infobatch.history]  # the plan's kept share of 64 samples
+    assert [by_epoch[e] for e in sorted(by_epoch)] == [{k} for k in expected]
+    assert expected[0] == 1.0 and min(expected) < 1.0  # epoch 0 trains everything, a later one prunes
+
+    curriculum = Curriculum(
+        metrics={
+            "seqlen_truncate": dict(
+                difficulty_type="value",
+                clustering_type="single_cluster",
+                min_difficulty=8,
+                max_difficulty=16,
+                schedule_type="fixed_linear",
+                schedule_config=dict(total_curriculum_step=4, difficulty_step=4),
+            )
+        },
+        seed=3,
+    )
+    trainer, monitor, _ = _fit(tmp_path / "cl", [curriculum], extra=())
+    difficulties = [p["curriculum/difficulty"] for p in monitor.schedule]
+    assert difficulties == sorted(difficulties) and difficulties[0] == 8 and difficulties[-1] == 16
+    assert schedule_states(trainer)["curriculum/difficulty"] == 16
+
+
+def test_records_resume_exactly(tmp_path):
+    every = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, monitor=None)
+    _, full, _ = _fit(tmp_path / "full", _stack(), extra=[every])
+    ckpt = next((tmp_path / "ck").glob("*step=3*.ckpt"))  # inside the coarse V-cycle stage
+    _, resumed, _ = _fit(tmp_path / "second", _stack(), ckpt_path=str(ckpt))
+
+    def strip(points):  # wall times differ between runs
+        return [{k: v for k, v in p.items() if k != "train_wall_s"} for p in points]
+
+    assert len(resumed.curve) == 3 and strip(resumed.curve) == strip(full.curve)
+    assert len(resumed.schedule) == STEPS and strip(resumed.schedule) == strip(full.schedule)
+
+
+def test_result_json_schema_2(tmp_path):
+    overrides = ["callbacks=random_ltd", "callbacks.random_ltd.min_value=32", "seed=3"]
+    cfg = compose_train(overrides, tmp_path)
+    result = run(cfg)
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["schema"] == 2 and saved["seed"] == 3 and saved["budget"] == 1.0
+    assert saved["arm"] == "random_ltd" and list(saved["techniques"]) == ["random_ltd"]
+    assert saved["techniques"]["random_ltd"]["min_value"] == 32
+    assert saved["techniques"]["random_ltd"]["_target_"] == "lightning_effi.callbacks.RandomLTDCallback"
+    assert saved["optimized_mode"] == "min" and saved["length"]["optimizer_steps"] == 3
+    assert len(saved["curve"]) == 1 and saved["curve"][0]["metrics"]["val/loss"] == pytest.approx(saved["metric"])
+    assert saved["schedule"] and all("random_ltd/reserved_length" in p for p in saved["schedule"])
+    # no absolute path of the machine: the checkpoint is named relative to the run's folder
+    assert saved["last_checkpoint"] == "checkpoints/last.ckpt" and (tmp_path / saved["last_checkpoint"]).exists()
+    assert not os.path.isabs(saved["output_dir"])
+    assert (Path(cfg.paths.root_dir) / saved["output_dir"]).resolve() == tmp_path.resolve()
+    assert result["arm"] == saved["arm"]
+
+
+def test_baseline_arm_and_explicit_labels(tmp_path):
+    saved = run(compose_train(["++arm=plain", "++budget=0.5", "trainer.max_steps=2"], tmp_path))
+    assert saved["arm"] == "plain" and saved["budget"] == 0.5 and saved["techniques"] == {}
+    default = run(compose_train(["trainer.max_steps=2"], tmp_path / "b"))
+    assert default["arm"] == "baseline" and default["techniques"] == {}
+
+
+def test_techniques_of_skips_lightning_callbacks_and_the_monitor():
+    cfg = OmegaConf.create(
+        {
+            "efficiency": {"_target_": "lightning_effi.core.accounting.EfficiencyMonitor"},
+            "lr_monitor": {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor"},
+            "vcycle": {"_target_": "lightning_effi.callbacks.VCycleCallback", "levels": 2},
+            "curriculum": {"_target_": "lightning_effi.callbacks.Curriculum", "seed": 1},
+        }
+    )
+    assert techniques_of(cfg) == {
+        "vcycle": {"_target_": "lightning_effi.callbacks.VCycleCallback", "levels": 2},
+        "curriculum": {"_target_": "lightning_effi.callbacks.Curriculum", "seed": 1},
+    }
+
+
+def _cfg(**objective_spec):
+    return OmegaConf.create({"optimized_metric": "val/loss", "optimized_mode": "min", "objective": objective_spec})
+
+
+def test_objective_saving_at_floor():
+    result = {"metric": 1.9, "efficiency": {"flops_saved_frac": 0.31, "tokens_saved_frac": 0.12}}
+    assert objective(_cfg(kind="saving_at_floor", floor=2.0), result) == 0.31
+    assert objective(_cfg(kind="saving_at_floor", floor=2.0, compute="tokens"), result) == 0.12
+    assert objective(_cfg(kind="saving_at_floor", floor=1.5), result) == -1.0  # above a loss floor: missed
+    maxed = OmegaConf.create(
+        {"optimized_metric": "val/acc", "optimized_mode": "max", "objective": {"kind": "saving_at_floor", "floor": 0.5}}
+    )
+    assert objective(maxed, {"metric": 0.6, "efficiency": {"flops_saved_frac": 0.2}}) == 0.2
+    assert objective(maxed, {"metric": 0.4, "efficiency": {"flops_saved_frac": 0.2}}) == -1.0
+    assert objective(OmegaConf.create({}), {"metric": 1.25}) == 1.25
+    assert math.isnan(objective(_cfg(kind="metric"), {"metric": math.nan}))
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (dict(kind="best"), "objective.kind"),
+        (dict(kind="saving_at_floor", floor=1.0, compute="watts"), "objective.compute"),
+        (dict(kind="saving_at_floor"), "objective.floor"),
+        (dict(kind="saving_at_floor", floor="low"), "objective.floor"),
+        (dict(kind="saving_at_floor", floor=True), "objective.floor"),
+        (dict(kind="saving_at_floor", floor=1.0, floors=2), "unknown keys"),
+    ],
+)
+def test_objective_bad_input_is_named_before_training(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        check_objective(_cfg(**spec))
+
+
+@pytest.mark.parametrize("budget", [0, -0.5, "half", True])
+def test_bad_budget_is_named(tmp_path, budget):
+    with pytest.raises(ConfigError, match="budget"):
+        run(compose_train([f"++budget={budget}"], tmp_path))
