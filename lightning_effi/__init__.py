@@ -8,20 +8,59 @@ its method card; the shared core in ``core/``. See ``docs/architecture.md``.
 
 __version__ = "0.1.0"
 
-from lightning_effi.core.accounting import BatchStats, EfficiencyMonitor  # noqa: E402
-from lightning_effi.core.progress import Duration  # noqa: E402
-from lightning_effi.curriculum import (  # noqa: E402
-    Curriculum,
-    CurriculumCallback,
-    CurriculumConfig,
-    CurriculumDataModule,
-    DataAnalyzer,
-    parse_deepspeed_config,
-)
-from lightning_effi.infobatch import InfoBatch, InfoBatchCallback, InfoBatchDataModule  # noqa: E402
-from lightning_effi.models import GenericAdapter  # noqa: E402
-from lightning_effi.random_ltd import RandomLTD, RandomLTDCallback  # noqa: E402
-from lightning_effi.vcycle import VCycle, VCycleCallback  # noqa: E402
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+#: the public names and the module each comes from; imported on first use (PEP 562), so that the report
+#: (``python -m lightning_effi.report``) and the config tools start without importing torch and Lightning
+_EXPORTS = {
+    "BatchStats": "lightning_effi.core.accounting",
+    "EfficiencyMonitor": "lightning_effi.core.accounting",
+    "Duration": "lightning_effi.core.progress",
+    "Curriculum": "lightning_effi.curriculum",
+    "CurriculumCallback": "lightning_effi.curriculum",
+    "CurriculumConfig": "lightning_effi.curriculum",
+    "CurriculumDataModule": "lightning_effi.curriculum",
+    "DataAnalyzer": "lightning_effi.curriculum",
+    "parse_deepspeed_config": "lightning_effi.curriculum",
+    "InfoBatch": "lightning_effi.infobatch",
+    "InfoBatchCallback": "lightning_effi.infobatch",
+    "InfoBatchDataModule": "lightning_effi.infobatch",
+    "GenericAdapter": "lightning_effi.models",
+    "RandomLTD": "lightning_effi.random_ltd",
+    "RandomLTDCallback": "lightning_effi.random_ltd",
+    "VCycle": "lightning_effi.vcycle",
+    "VCycleCallback": "lightning_effi.vcycle",
+}
+
+if TYPE_CHECKING:
+    from lightning_effi.core.accounting import BatchStats, EfficiencyMonitor
+    from lightning_effi.core.progress import Duration
+    from lightning_effi.curriculum import (
+        Curriculum,
+        CurriculumCallback,
+        CurriculumConfig,
+        CurriculumDataModule,
+        DataAnalyzer,
+        parse_deepspeed_config,
+    )
+    from lightning_effi.infobatch import InfoBatch, InfoBatchCallback, InfoBatchDataModule
+    from lightning_effi.models import GenericAdapter
+    from lightning_effi.random_ltd import RandomLTD, RandomLTDCallback
+    from lightning_effi.vcycle import VCycle, VCycleCallback
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_effi' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "BatchStats",

@@ -189,23 +189,23 @@ def check_objective(cfg: DictConfig) -> tuple[str, float] | None:
     Raises:
         ConfigError: an unknown key, ``kind`` or ``compute``, or a ``floor`` that is not a finite number.
     """
-    spec = cfg.get("objective")
-    if spec is None:
+    setting = cfg.get("objective")
+    if setting is None:
         return None
-    if not isinstance(spec, DictConfig):
-        raise ConfigError(f"objective: expected a mapping with kind, compute, floor; got {spec!r}")
-    unknown = sorted(set(spec) - {"kind", "compute", "floor"})
+    if not isinstance(setting, DictConfig):
+        raise ConfigError(f"objective: expected a mapping with kind, compute, floor; got {setting!r}")
+    unknown = sorted(set(setting) - {"kind", "compute", "floor"})
     if unknown:
         raise ConfigError(f"objective: unknown keys {unknown}; allowed: kind, compute, floor")
-    kind = spec.get("kind", "metric")
+    kind = setting.get("kind", "metric")
     if kind == "metric":
         return None
     if kind != "saving_at_floor":
         raise ConfigError(f"objective.kind: expected 'metric' or 'saving_at_floor', got {kind!r}")
-    compute = spec.get("compute", "flops")
+    compute = setting.get("compute", "flops")
     if compute not in OBJECTIVE_COMPUTE:
         raise ConfigError(f"objective.compute: expected one of {list(OBJECTIVE_COMPUTE)}, got {compute!r}")
-    floor = spec.get("floor")
+    floor = setting.get("floor")
     if isinstance(floor, bool) or not isinstance(floor, int | float) or not math.isfinite(floor):
         metric = cfg.get("optimized_metric")
         raise ConfigError(f"objective.floor: expected a finite number (in {metric}'s units), got {floor!r}")
@@ -225,10 +225,10 @@ def objective(cfg: DictConfig, result: dict[str, Any]) -> float:
         ConfigError: an unknown ``kind`` or ``compute``, a ``floor`` that is not a number, or a run without an
             EfficiencyMonitor (no saving to read).
     """
-    spec = check_objective(cfg)
-    if spec is None:
+    setting = check_objective(cfg)
+    if setting is None:
         return float(result["metric"])
-    compute, floor = spec
+    compute, floor = setting
     key = f"{compute}_saved_frac"
     if key not in result["efficiency"]:
         raise ConfigError("objective: saving_at_floor reads the EfficiencyMonitor's summary; add callbacks.efficiency")

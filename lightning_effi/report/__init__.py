@@ -1,0 +1,38 @@
+"""Sweep reports: compare the runs of a Hydra multirun against the same-length baseline and the baseline frontier.
+
+``python -m lightning_effi.report <run or sweep folders...> [--out DIR] [--metric NAME] [--compute flops|tokens|
+samples|layer_tokens]`` reads every ``result.json`` (schema 2, written by ``experiments/train.py``) below the
+folders and writes ``report.md``, ``report.csv``, ``report.json`` and figures. From Python::
+
+    from lightning_effi.report import write_report
+    report = write_report(["logs/gpt_stack/multiruns/2026-12-01_22-00-00_123456"])
+    print(report.to_markdown())
+
+Or after every multirun, with the Hydra callback: ``hydra.callbacks.report._target_:
+lightning_effi.report.hydra_callback.ReportCallback``.
+
+Protocol: Kaddour et al. 2023, "No Train No Gain: Revisiting Efficient Training Algorithms For Transformer-based
+Language Models", NeurIPS, Sec. 3: an efficient-training method's saving is read against baselines trained at
+several budgets, each with its learning-rate schedule fully decayed (the frontier), next to the saving against the
+baseline of the same length. Units: FLOPs are forward + backward training FLOPs as the ``EfficiencyMonitor`` counts
+them; times are seconds.
+"""
+
+from lightning_effi.report.frontier import Reach, Saving, compute_to_reach, pareto_front, saving
+from lightning_effi.report.load import ReportError, Run, load_runs
+from lightning_effi.report.table import COLUMNS, Report, build_report, write_report
+
+__all__ = [
+    "COLUMNS",
+    "Reach",
+    "Report",
+    "ReportError",
+    "Run",
+    "Saving",
+    "build_report",
+    "compute_to_reach",
+    "load_runs",
+    "pareto_front",
+    "saving",
+    "write_report",
+]

@@ -1,0 +1,84 @@
+"""A Hydra callback that writes the sweep report when a multirun ends.
+
+Enable it for a sweep (or in ``conf/hydra/default.yaml`` under ``callbacks:``)::
+
+    python experiments/train.py -m seed=0,1 budget=0.25,0.5,1.0 \\
+        +hydra.callbacks.report._target_=lightning_effi.report.hydra_callback.ReportCallback
+
+Hydra 1.3 instantiates it when the multirun starts (so a bad argument fails before any job runs) and calls
+:meth:`ReportCallback.on_multirun_end` after the last job, on the launching machine (``hydra.experimental.callback.
+Callback``). Hydra calls it only when the sweep returned: a failed job makes the sweeper raise first (Hydra's
+``BasicSweeper`` reads every job's return value), so no report is written; ``python -m lightning_effi.report
+<sweep folder>`` then reports the jobs that finished (and lists the job folders without a ``result.json``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from lightning_effi.report.frontier import check_mode
+from lightning_effi.report.load import COMPUTE_KEYS
+
+
+class ReportCallback(Callback):
+    """Write :func:`lightning_effi.report.write_report` for the sweep folder (``hydra.sweep.dir``) and print its
+    table when the multirun ends. A report that cannot be written (no job wrote a result.json, runs that cannot be
+    compared) is printed as a warning on stderr and never raises: the jobs' results stand as they are.
+
+    Args:
+        out_dir: where to write (default: the sweep folder).
+        metric: the quality metric (default: the runs' ``optimized_metric``).
+        compute: ``flops`` (forward + backward training FLOPs), ``tokens``, ``samples`` or ``layer_tokens``.
+        mode: ``"min"`` or ``"max"`` (default: the runs' ``optimized_mode``).
+        print_table: print the Markdown table to stdout.
+
+    Raises:
+        ValueError: (at construction) an unknown ``compute`` or ``mode``, ``print_table`` not a bool.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | None = None,
+        metric: str | None = None,
+        compute: str = "flops",
+        mode: str | None = None,
+        print_table: bool = True,
+    ) -> None:
+        if compute not in COMPUTE_KEYS:
+            raise ValueError(f"ReportCallback compute: expected one of {list(COMPUTE_KEYS)}, got {compute!r}")
+        if mode is not None:
+            try:
+                check_mode(mode)
+            except ValueError as err:
+                raise ValueError(f"ReportCallback {err}") from err
+        if not isinstance(print_table, bool):
+            raise ValueError(f"ReportCallback print_table: expected a bool, got {print_table!r}")
+        self.out_dir = out_dir
+        self.metric = metric
+        self.compute = compute
+        self.mode = mode
+        self.print_table = print_table
+        self.report: Any = None
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Report on ``config.hydra.sweep.dir``; a failure is printed as a warning, never raised."""
+        from lightning_effi.report.table import write_report
+
+        self.report = None
+        try:
+            sweep_dir = Path(str(config.hydra.sweep.dir))
+            report = write_report(
+                [sweep_dir], out_dir=self.out_dir, metric=self.metric, compute=self.compute, mode=self.mode
+            )
+        except Exception as err:  # a report is a by-product: never mask the jobs' results
+            print(f"warning: lightning_effi.report: no sweep report ({type(err).__name__}: {err})", file=sys.stderr)
+            return
+        self.report = report
+        if self.print_table:
+            print(report.to_markdown())
+        print("Sweep report: " + ", ".join(str(p) for p in report.files.values()), flush=True)

@@ -1,0 +1,252 @@
+"""Read the ``result.json`` run records (schema 2) that ``experiments/train.py`` writes into each Hydra run folder.
+
+A record holds the run's label (``arm``), its length as a fraction of the experiment's reference length
+(``budget``), the seed, each technique callback's resolved config, the final optimized metric, the
+``EfficiencyMonitor`` summary (``flops``: forward + backward training FLOPs; ``tokens``, ``samples``,
+``layer_tokens``; times in seconds), the validation curve and the techniques' schedules (see
+``lightning_effi.train``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_effi.report.frontier import Mode, check_mode
+
+SCHEMA = 2
+RESULT_FILE = "result.json"
+#: cumulative compute quantities of the EfficiencyMonitor summary (and of each curve point)
+COMPUTE_KEYS: tuple[str, ...] = ("flops", "tokens", "samples", "layer_tokens")
+
+
+class ReportError(ValueError):
+    """Run records that cannot be read or compared (the message names the file or the runs at fault)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run, as recorded in its ``result.json``.
+
+    Attributes:
+        arm: the run's label (``"baseline"`` for the plain model, else e.g. ``"curriculum+random_ltd"``).
+        budget: the fraction of the experiment's reference length this run trained (1.0: the full length).
+        seed: the run's seed.
+        techniques: technique name -> the technique callback's resolved config (``{}`` for a baseline).
+        metric_name: the optimized metric (e.g. ``"val/loss"``); ``mode``: ``"min"`` or ``"max"``.
+        metric: its final value (NaN when the record holds ``null``: no validation ran, or it diverged).
+        metrics: every final scalar metric.
+        efficiency: the ``EfficiencyMonitor`` summary (FLOPs: forward + backward training FLOPs; seconds).
+        curve: one dict per validation during fit (cumulative ``step, samples, tokens, layer_tokens, flops,
+            train_wall_s`` and ``metrics``).
+        schedule: the techniques' schedule states (``step``, compute so far, ``<technique>/<key>`` values).
+        length: ``max_steps``, ``max_epochs``, ``optimizer_steps``.
+        task_name: the run's task label; ``overrides``: its Hydra task overrides.
+        path: the run folder (the one holding ``result.json``).
+    """
+
+    arm: str
+    budget: float
+    seed: int
+    techniques: Mapping[str, Any] = field(hash=False)
+    metric_name: str
+    mode: Mode
+    metric: float
+    metrics: Mapping[str, float] = field(hash=False)
+    efficiency: Mapping[str, Any] = field(hash=False)
+    curve: tuple[Mapping[str, Any], ...] = field(hash=False)
+    schedule: tuple[Mapping[str, Any], ...] = field(hash=False)
+    length: Mapping[str, Any] = field(hash=False)
+    task_name: str
+    overrides: tuple[str, ...]
+    path: Path
+
+    @property
+    def is_baseline(self) -> bool:
+        """A run without any technique (its ``techniques`` is empty)."""
+        return not self.techniques
+
+    @property
+    def train_wall_s(self) -> float:
+        """Training wall time in seconds: the monitor's train + data time (evaluation excluded)."""
+        return float(self.efficiency["time_train_s"]) + float(self.efficiency["time_data_s"])
+
+    def compute(self, quantity: str) -> float:
+        """The run's total of ``quantity`` (``flops``, ``tokens``, ``samples``, ``layer_tokens``; ``train_wall_s``:
+        seconds). Raises ``ReportError`` for an unknown quantity."""
+        if quantity == "train_wall_s":
+            return self.train_wall_s
+        if quantity not in COMPUTE_KEYS:
+            raise ReportError(f"compute: expected one of {list(COMPUTE_KEYS)}, got {quantity!r}")
+        return float(self.efficiency[quantity])
+
+    def quality(self, metric: str | None = None) -> float:
+        """The final value of ``metric`` (default: the optimized one); NaN for a ``null`` value. Raises
+        ``ReportError`` naming the file when the run did not log it."""
+        if metric is None or metric == self.metric_name:
+            return self.metric
+        if metric not in self.metrics:
+            raise ReportError(
+                f"{self.path / RESULT_FILE}: no final {metric!r} among its metrics {sorted(self.metrics)}"
+            )
+        return _number(self.metrics[metric])
+
+    @property
+    def label(self) -> str:
+        """``arm@budget seed N``: how figures and messages name the run."""
+        return f"{self.arm}@{self.budget:g} seed {self.seed}"
+
+
+def _number(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _require(record: Mapping[str, Any], key: str, types: type | tuple[type, ...], file: Path, what: str) -> Any:
+    if key not in record:
+        raise ReportError(f"{file}: no {key!r} ({what}); not a schema-{SCHEMA} run record")
+    value = record[key]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ReportError(f"{file}: {key!r} must be {what}, got {value!r}")
+    if not isinstance(value, types):
+        raise ReportError(f"{file}: {key!r} must be {what}, got {value!r}")
+    return value
+
+
+def read_run(file: Path) -> Run:
+    """One :class:`Run` from a ``result.json`` file.
+
+    Raises:
+        ReportError: the file is not JSON, has no ``"schema"`` or one other than 2 (a record written by an older
+            version of ``lightning_effi.train``: rerun it), or lacks a field of the record or holds a wrong type
+            there (the message names the file and the field).
+    """
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ReportError(f"{file}: unreadable run record ({type(err).__name__}: {err})") from err
+    if not isinstance(record, dict):
+        raise ReportError(f"{file}: a run record is a JSON object, got {type(record).__name__}")
+    schema = record.get("schema")
+    if schema is None:
+        raise ReportError(
+            f"{file}: no 'schema' (no arm, budget or curve): written by an older version of lightning_effi.train; "
+            "rerun the job to compare it"
+        )
+    if schema != SCHEMA:
+        raise ReportError(f"{file}: run record schema {schema!r}; this report reads schema {SCHEMA}")
+    number = (int, float)
+    arm = _require(record, "arm", str, file, "the arm label, a string")
+    budget = float(_require(record, "budget", number, file, "the budget, a number"))
+    if not (math.isfinite(budget) and budget > 0):
+        raise ReportError(f"{file}: 'budget' must be a positive number, got {budget!r}")
+    seed = _require(record, "seed", int, file, "the seed, an int")
+    techniques = _require(record, "techniques", dict, file, "technique name -> config, an object")
+    metric_name = _require(record, "optimized_metric", str, file, "the optimized metric's name, a string")
+    mode = _require(record, "optimized_mode", str, file, "'min' or 'max'")
+    try:
+        checked_mode = check_mode(mode)
+    except ValueError as err:
+        raise ReportError(f"{file}: 'optimized_mode' {err}") from err
+    metric = _require(record, "metric", (int, float, type(None)), file, "the final metric, a number or null")
+    metrics = _require(record, "metrics", dict, file, "name -> final value, an object")
+    efficiency = _require(record, "efficiency", dict, file, "the EfficiencyMonitor summary, an object")
+    missing = [k for k in (*COMPUTE_KEYS, "time_train_s", "time_data_s") if k not in efficiency]
+    if missing:
+        raise ReportError(
+            f"{file}: 'efficiency' lacks {missing} (was the EfficiencyMonitor among the callbacks? "
+            "callbacks=default has it)"
+        )
+    curve = _require(record, "curve", list, file, "the validation curve, a list")
+    schedule = _require(record, "schedule", list, file, "the schedule states, a list")
+    for key, points in (("curve", curve), ("schedule", schedule)):
+        for i, point in enumerate(points):
+            if not isinstance(point, dict):
+                raise ReportError(f"{file}: {key}[{i}] must be an object, got {point!r}")
+    length = record.get("length") or {}
+    return Run(
+        arm=arm,
+        budget=budget,
+        seed=seed,
+        techniques=techniques,
+        metric_name=metric_name,
+        mode=checked_mode,
+        metric=_number(metric),
+        metrics={k: _number(v) for k, v in metrics.items() if v is None or isinstance(v, (int, float))},
+        efficiency=efficiency,
+        curve=tuple(curve),
+        schedule=tuple(schedule),
+        length=length if isinstance(length, dict) else {},
+        task_name=str(record.get("task_name") or ""),
+        overrides=tuple(str(o) for o in record.get("overrides") or ()),
+        path=file.parent,
+    )
+
+
+def find_results(path: str | Path) -> list[Path]:
+    """The ``result.json`` files at ``path``: the file itself, the one in a run folder, or every one below a sweep
+    (or any) folder, sorted by path (job numbers in numeric order).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, or holds no ``result.json`` (named in the message).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file or folder")
+    if p.is_file():
+        if p.name != RESULT_FILE:
+            raise FileNotFoundError(f"{p}: not a {RESULT_FILE}; give a run folder or a sweep folder")
+        return [p]
+    files = sorted(p.rglob(RESULT_FILE), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"{p}: no {RESULT_FILE} in this folder or below (is it a run or sweep folder?)")
+    return files
+
+
+def _natural_key(path: Path) -> list[tuple[int, int | str]]:
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in path.parts]
+
+
+def jobs_without_result(paths: Iterable[str | Path]) -> list[Path]:
+    """Hydra job folders (holding ``.hydra/``) below ``paths`` without a ``result.json``: jobs that failed or are
+    still running."""
+    out = []
+    for path in paths:
+        p = Path(path)
+        if not p.is_dir():
+            continue
+        for hydra_dir in sorted(p.rglob(".hydra"), key=_natural_key):
+            job = hydra_dir.parent
+            if hydra_dir.is_dir() and not (job / RESULT_FILE).exists():
+                out.append(job)
+    return out
+
+
+def load_runs(paths: Iterable[str | Path]) -> list[Run]:
+    """The runs recorded under ``paths`` (each a run folder, a sweep folder or any folder above, searched
+    recursively for ``result.json``; a file found twice is read once), in path order.
+
+    Raises:
+        FileNotFoundError: a path that does not exist or holds no ``result.json`` (named).
+        ReportError: an unreadable record, one without a schema (an older version wrote it: rerun), or one lacking
+            a field (the file and the field named).
+    """
+    seen: set[Path] = set()
+    runs = []
+    paths = list(paths)
+    if not paths:
+        raise FileNotFoundError("no run or sweep folder given")
+    for path in paths:
+        for file in find_results(path):
+            key = file.resolve()
+            if key in seen:
+                continue
+            seen.add(key)
+            runs.append(read_run(file))
+    return runs
+
+
+__all__ = ["COMPUTE_KEYS", "RESULT_FILE", "SCHEMA", "ReportError", "Run", "find_results", "load_runs", "read_run"]

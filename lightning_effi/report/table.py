@@ -1,0 +1,671 @@
+"""The sweep report: every arm against the same-length baseline and against the baseline frontier.
+
+Protocol (Kaddour et al. 2023, "No Train No Gain", NeurIPS, Sec. 3): the plain model (the *baseline*, no technique)
+is trained at several budgets, each with its learning-rate schedule decayed to the end of that budget; per seed,
+these runs' ``(compute, quality)`` points give the baseline frontier (:func:`~lightning_effi.report.frontier.
+pareto_front`). An efficient-training arm is then read twice:
+
+- against the *same-length baseline* (the baseline run of the same seed and budget): the compute saving
+  ``1 - arm / baseline`` and the quality difference ``arm - baseline``;
+- against the *frontier* (same seed): the compute the frontier needs to reach the arm's final quality
+  (:func:`~lightning_effi.report.frontier.compute_to_reach`) and the saving ``1 - arm / that``; ``beyond``: the arm
+  is better than every baseline budget (the saving is a lower bound), ``below``: worse than the smallest budget
+  (an upper bound).
+
+The same reading on training wall time (seconds of train + data time, evaluation excluded) gives the wall-time
+frontier saving. Figures are aggregated over seeds as mean, sample standard deviation and count.
+
+Units: FLOPs are forward + backward training FLOPs as the ``EfficiencyMonitor`` counts them; ``tokens``,
+``samples`` and ``layer_tokens`` are its counts of what was trained; times are seconds.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_effi.report.frontier import (
+    Mode,
+    Reach,
+    Spread,
+    better,
+    check_mode,
+    compute_to_reach,
+    pareto_indices,
+    saving,
+    spread,
+)
+from lightning_effi.report.load import COMPUTE_KEYS, ReportError, Run, jobs_without_result, load_runs
+
+PAPER = (
+    'Kaddour et al. 2023, "No Train No Gain: Revisiting Efficient Training Algorithms For Transformer-based '
+    'Language Models", NeurIPS, Sec. 3'
+)
+#: the CSV's columns, in order (``report.rows`` dicts have these keys)
+COLUMNS: tuple[str, ...] = (
+    "arm",
+    "budget",
+    "baseline",
+    "n_seeds",
+    "seeds",
+    "quality_mean",
+    "quality_std",
+    "quality_n",
+    "flops_mean",
+    "flops_std",
+    "tokens_mean",
+    "samples_mean",
+    "layer_tokens_mean",
+    "train_wall_s_mean",
+    "train_wall_s_std",
+    "same_length_saving_mean",
+    "same_length_saving_std",
+    "same_length_n",
+    "same_length_quality_delta_mean",
+    "same_length_quality_delta_std",
+    "same_length_wall_saving_mean",
+    "same_length_wall_saving_std",
+    "frontier_compute_mean",
+    "frontier_compute_std",
+    "frontier_saving_mean",
+    "frontier_saving_std",
+    "frontier_factor_mean",
+    "frontier_n",
+    "frontier_flag",
+    "frontier_wall_s_mean",
+    "frontier_wall_saving_mean",
+    "frontier_wall_saving_std",
+    "frontier_wall_n",
+    "frontier_wall_flag",
+    "note",
+)
+
+
+@dataclass(frozen=True)
+class SeedFrontier:
+    """One seed's baseline frontier on one axis (``compute`` or ``train_wall_s``).
+
+    Attributes:
+        seed: the seed.
+        axis: the compute quantity (``flops``, ``tokens``, ...) or ``train_wall_s`` (seconds).
+        points: every usable baseline run of the seed: ``(compute, quality)``.
+        runs: the runs behind ``points`` (same order).
+        front: the Pareto front of ``points`` (sorted by compute).
+        front_runs: the runs on the front.
+        budgets: the distinct budgets among ``points``.
+        why: why the frontier cannot be read (``""`` when it can): fewer than 2 budgets, no usable baseline.
+    """
+
+    seed: int
+    axis: str
+    points: tuple[tuple[float, float], ...]
+    runs: tuple[Run, ...]
+    front: tuple[tuple[float, float], ...]
+    front_runs: tuple[Run, ...]
+    budgets: tuple[float, ...]
+    why: str
+
+    @property
+    def usable(self) -> bool:
+        return not self.why
+
+
+@dataclass
+class Report:
+    """The result of :func:`build_report`.
+
+    Attributes:
+        rows: one dict per arm (``(arm, budget)`` group) with the keys of :data:`COLUMNS`: baselines first, by
+            budget, then the technique arms by name and budget. Savings are fractions (0.25: 25% less); NaN or
+            ``""`` where a figure cannot be read (``note`` says why).
+        readings: one dict per run: its quality, compute, wall time and the per-seed savings behind the rows.
+        frontiers: seed -> axis (the compute quantity and ``"train_wall_s"``) -> :class:`SeedFrontier`.
+        runs: every run reported.
+        metric, mode: the quality metric and its direction; ``compute``: the compute quantity of the savings.
+        notes: what the report left out or could not read (runs without a finite metric, seeds without a
+            frontier, failed jobs).
+    """
+
+    rows: list[dict[str, Any]]
+    readings: list[dict[str, Any]]
+    frontiers: dict[int, dict[str, SeedFrontier]]
+    runs: list[Run]
+    metric: str
+    mode: Mode
+    compute: str
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, Path] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------------------------------ the frontier
+    def frontier_summary(self) -> str:
+        """A short paragraph: what the frontier is, its budgets and seeds, and how to read the flags."""
+        usable = {s: f[self.compute] for s, f in sorted(self.frontiers.items()) if f[self.compute].usable}
+        budgets = sorted({b for f in usable.values() for b in f.budgets})
+        direction = "lower" if self.mode == "min" else "higher"
+        text = (
+            f"**Baseline frontier** ({PAPER}): per seed, the baseline (no technique) trained at each budget, each "
+            f"with its learning-rate schedule decayed to the end of its own budget; its Pareto points "
+            f"({self.compute}, {self.metric}) are joined linearly in {self.metric} and in log-{self.compute}. "
+            f"*Frontier {self.compute} needed* is what that frontier spends to reach an arm's final {self.metric} "
+            f"({direction} is better); *saving vs frontier* is 1 - arm / that (and the same on training wall time). "
+            f"'>=' (beyond): the arm is better than every baseline budget, so the saving is a lower bound; '<=' "
+            f"(below): worse than the smallest budget, an upper bound. *Same-length* columns compare with the "
+            f"baseline run of the same seed and budget (quality delta: arm - baseline). Figures are mean ± sample "
+            f"std over seeds. "
+        )
+        if usable:
+            fronts = "; ".join(
+                f"seed {s}: {len(f.front)} of {len(f.points)} baseline runs on the front" for s, f in usable.items()
+            )
+            text += (
+                f"This sweep's frontier: {len(budgets)} budgets ({', '.join(f'{b:g}' for b in budgets)}), "
+                f"{len(usable)} seed{'s' if len(usable) != 1 else ''} ({', '.join(str(s) for s in usable)}); {fronts}."
+            )
+        else:
+            text += "This sweep has no usable frontier: " + (
+                "; ".join(f[self.compute].why for _, f in sorted(self.frontiers.items())) or "no baseline runs"
+            )
+            text += "."
+        return text
+
+    # ------------------------------------------------------------------------------------------ the table
+    def to_markdown(self) -> str:
+        """The Markdown table, the frontier paragraph and the notes."""
+        q = self.metric
+        c = self.compute
+        count = "tokens" if any(r.compute("tokens") > 0 for r in self.runs) else "samples"
+        header = [
+            "arm",
+            "budget",
+            "seeds",
+            f"{q} ({self.mode})",
+            "FLOPs",
+            count,
+            "train wall (s)",
+            f"saving vs same-length ({c})",
+            f"Δ {q} vs same-length",
+            f"frontier {c} needed",
+            f"saving vs frontier ({c})",
+            "saving vs frontier (wall)",
+        ]
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        for row in self.rows:
+            cells = [
+                str(row["arm"]),
+                f"{row['budget']:g}",
+                str(row["n_seeds"]),
+                _pm(row["quality_mean"], row["quality_std"], "{:.4g}", n=row["quality_n"], of=row["n_seeds"]),
+                _num(row["flops_mean"], "{:.3g}"),
+                _num(row[f"{count}_mean"], "{:.4g}"),
+                _num(row["train_wall_s_mean"], "{:.1f}"),
+            ]
+            if row["baseline"]:
+                cells += ["(baseline)"] + ["—"] * 4
+            else:
+                cells += [
+                    _pct(row["same_length_saving_mean"], row["same_length_saving_std"], ""),
+                    _pm(row["same_length_quality_delta_mean"], row["same_length_quality_delta_std"], "{:+.4g}"),
+                    _num(row["frontier_compute_mean"], "{:.3g}"),
+                    _pct(
+                        row["frontier_saving_mean"],
+                        row["frontier_saving_std"],
+                        row["frontier_flag"],
+                        row["frontier_factor_mean"],
+                    ),
+                    _pct(row["frontier_wall_saving_mean"], row["frontier_wall_saving_std"], row["frontier_wall_flag"]),
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
+        out = "\n".join(lines) + "\n\n" + self.frontier_summary() + "\n"
+        if self.notes:
+            out += "\nNotes:\n" + "\n".join(f"- {n}" for n in self.notes) + "\n"
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: metric, mode, compute, rows, readings, frontiers (points, front, budgets, why), notes;
+        NaN as ``null``."""
+        frontiers = {
+            str(seed): {
+                axis: {
+                    "points": [list(p) for p in f.points],
+                    "runs": [str(r.path) for r in f.runs],
+                    "front": [list(p) for p in f.front],
+                    "front_runs": [str(r.path) for r in f.front_runs],
+                    "budgets": list(f.budgets),
+                    "why": f.why,
+                }
+                for axis, f in by_axis.items()
+            }
+            for seed, by_axis in sorted(self.frontiers.items())
+        }
+        out: dict[str, Any] = _json_safe(
+            {
+                "metric": self.metric,
+                "mode": self.mode,
+                "compute": self.compute,
+                "protocol": PAPER,
+                "rows": self.rows,
+                "readings": self.readings,
+                "frontiers": frontiers,
+                "notes": self.notes,
+            }
+        )
+        return out
+
+    def write_csv(self, path: Path) -> None:
+        """``rows`` as CSV (:data:`COLUMNS`; floats at full precision; NaN as an empty cell)."""
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(COLUMNS))
+            writer.writeheader()
+            for row in self.rows:
+                writer.writerow({k: _csv_cell(row[k]) for k in COLUMNS})
+
+
+def _csv_cell(value: Any) -> Any:
+    if isinstance(value, float):
+        return "" if not math.isfinite(value) else repr(value)
+    return value
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _num(value: float, fmt: str) -> str:
+    return "—" if value is None or not math.isfinite(value) else fmt.format(value)
+
+
+def _pm(mean: float, std: float, fmt: str, n: int | None = None, of: int | None = None) -> str:
+    if not math.isfinite(mean):
+        return "—"
+    text = fmt.format(mean)
+    if math.isfinite(std):
+        std = 0.0 if std <= 1e-12 * max(1.0, abs(mean)) else std  # rounding noise of equal values
+        text += " ± " + fmt.replace("+", "").format(std)
+    if n is not None and of is not None and n < of:
+        text += f" (n={n})"
+    return text
+
+
+def _pct(mean: float, std: float, flag: str, factor: float = math.nan) -> str:
+    if not math.isfinite(mean):
+        return "—"
+    text = f"{100 * mean:+.1f}%"
+    if math.isfinite(std):
+        text += f" ± {100 * std:.1f}%"
+    if math.isfinite(factor):
+        text += f" ({factor:.2f}x)"
+    if flag == "beyond":
+        text = ">= " + text
+    elif flag == "below":
+        text = "<= " + text
+    elif flag and flag != "inside":
+        text += f" ({flag})"
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- building
+def _resolve_metric(runs: Sequence[Run], metric: str | None, mode: str | None) -> tuple[str, Mode]:
+    if metric is None:
+        names: dict[str, list[Run]] = defaultdict(list)
+        for run in runs:
+            names[run.metric_name].append(run)
+        if len(names) > 1:
+            listing = ", ".join(f"{name!r} ({len(rs)} runs, e.g. {rs[0].path})" for name, rs in sorted(names.items()))
+            raise ReportError(
+                f"runs optimize different metrics: {listing}; choose one to compare with metric= (--metric)"
+            )
+        metric = next(iter(names))
+    for run in runs:
+        run.quality(metric)  # ReportError naming the file of a run that did not log it
+    if mode is not None:
+        return metric, check_mode(mode)
+    modes = {run.mode for run in runs if run.metric_name == metric}
+    if len(modes) > 1:
+        raise ReportError(f"runs optimize {metric!r} in both directions (min and max); choose one with mode= (--mode)")
+    if not modes:
+        raise ReportError(
+            f"no run optimizes {metric!r}, so its direction is unknown; give mode='min' or 'max' (--mode)"
+        )
+    return metric, modes.pop()
+
+
+def _check_runs(runs: Sequence[Run]) -> None:
+    tasks: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        tasks[run.task_name].append(run)
+    if len(tasks) > 1:
+        listing = ", ".join(f"{t!r} ({len(rs)} runs, e.g. {rs[0].path})" for t, rs in sorted(tasks.items()))
+        raise ReportError(f"runs of several tasks: {listing}; report each task's sweep folder separately")
+    for run in runs:
+        if run.arm == "baseline" and run.techniques:
+            raise ReportError(
+                f"{run.path}: arm 'baseline' but techniques {sorted(run.techniques)}; a baseline has no technique "
+                "(label this run with +arm=<name>)"
+            )
+    groups: dict[tuple[str, float, int], list[Run]] = defaultdict(list)
+    for run in runs:
+        groups[(run.arm, run.budget, run.seed)].append(run)
+    for (arm, budget, seed), same in groups.items():
+        if len(same) > 1:
+            raise ReportError(
+                f"{len(same)} runs of arm {arm!r}, budget {budget:g}, seed {seed}: "
+                f"{', '.join(str(r.path) for r in same)}; a report compares one run per arm, budget and seed "
+                "(label variants with +arm=<name>, or report their folders separately)"
+            )
+
+
+def _seed_frontier(
+    seed: int, baselines: Sequence[Run], axis: str, quality: dict[int, float], mode: Mode
+) -> SeedFrontier:
+    usable = [
+        r for r in baselines if math.isfinite(quality[id(r)]) and math.isfinite(r.compute(axis)) and r.compute(axis) > 0
+    ]
+    points = tuple((r.compute(axis), quality[id(r)]) for r in usable)
+    budgets = tuple(sorted({r.budget for r in usable}))
+    why = ""
+    unit = "training wall time" if axis == "train_wall_s" else axis
+    if not baselines:
+        why = f"seed {seed}: no baseline run"
+    elif not usable:
+        why = f"seed {seed}: no baseline run with a finite metric and a positive {unit}"
+    elif len(budgets) < 2:
+        why = (
+            f"seed {seed}: baselines at {len(budgets)} budget ({budgets[0]:g}); the frontier needs >= 2 budgets "
+            "(add baseline runs with budget=<fraction>)"
+        )
+    front_idx = pareto_indices(points, mode) if usable else []
+    return SeedFrontier(
+        seed=seed,
+        axis=axis,
+        points=points,
+        runs=tuple(usable),
+        front=tuple(points[i] for i in front_idx),
+        front_runs=tuple(usable[i] for i in front_idx),
+        budgets=budgets,
+        why=why,
+    )
+
+
+def _flag(flags: Sequence[str]) -> str:
+    if not flags:
+        return ""
+    distinct = sorted(set(flags), key=["inside", "beyond", "below"].index)
+    if len(distinct) == 1:
+        return distinct[0]
+    return ", ".join(f"{f} {flags.count(f)}" for f in distinct)
+
+
+def build_report(
+    runs: Sequence[Run], metric: str | None = None, compute: str = "flops", mode: str | None = None
+) -> Report:
+    """Compare every arm of a sweep with the same-length baseline and with the baseline frontier (per seed;
+    protocol: Kaddour et al. 2023, "No Train No Gain", Sec. 3; see the module docstring).
+
+    Arms are the runs grouped by ``(arm, budget)``; baseline runs are those without techniques (``arm ==
+    "baseline"``). With several baseline arms (e.g. a learning-rate sweep of the plain model, each labelled with
+    ``+arm=``), every one of them enters the seed's frontier, and the same-length reference is the best of them at
+    that budget: the tuned baseline. A seed's frontier needs baselines at >= 2 budgets; otherwise its frontier
+    columns are empty and ``notes`` says why.
+
+    Args:
+        runs: the runs (:func:`~lightning_effi.report.load.load_runs`).
+        metric: the quality metric (default: the runs' ``optimized_metric``, which must then be the same for all).
+        compute: the compute quantity of the savings: ``flops`` (forward + backward training FLOPs), ``tokens``,
+            ``samples`` or ``layer_tokens``.
+        mode: ``"min"`` or ``"max"`` (default: the ``optimized_mode`` of the runs optimizing ``metric``).
+
+    Returns:
+        the :class:`Report`.
+
+    Raises:
+        ReportError: no runs; runs optimizing different metrics with no ``metric`` chosen; a ``metric`` some run
+            did not log (the file named), or whose direction is unknown with no ``mode``; an unknown ``compute``;
+            runs of several tasks; two runs with the same arm, budget and seed (named); a run labelled
+            ``baseline`` that has techniques.
+    """
+    runs = list(runs)
+    if not runs:
+        raise ReportError("no runs to report")
+    if compute not in COMPUTE_KEYS:
+        raise ReportError(f"compute: expected one of {list(COMPUTE_KEYS)}, got {compute!r}")
+    metric_name, m = _resolve_metric(runs, metric, mode)
+    _check_runs(runs)
+    quality = {id(r): r.quality(metric_name) for r in runs}
+    notes = [
+        f"{r.path}: {metric_name} is not finite (no validation, or the run diverged); left out of means and frontier"
+        for r in runs
+        if not math.isfinite(quality[id(r)])
+    ]
+    for r in runs:
+        if r.compute(compute) <= 0:
+            notes.append(f"{r.path}: {compute} = 0 (the EfficiencyMonitor could not count it); no saving read")
+
+    seeds = sorted({r.seed for r in runs})
+    axes = (compute, "train_wall_s")
+    frontiers: dict[int, dict[str, SeedFrontier]] = {}
+    for seed in seeds:
+        baselines = [r for r in runs if r.seed == seed and r.is_baseline]
+        frontiers[seed] = {axis: _seed_frontier(seed, baselines, axis, quality, m) for axis in axes}
+        if frontiers[seed][compute].why:
+            notes.append("frontier of " + frontiers[seed][compute].why)
+
+    readings = [_reading(r, runs, quality, frontiers, compute, m, metric_name) for r in runs]
+    by_run = {id(r): reading for r, reading in zip(runs, readings)}
+
+    groups: dict[tuple[str, float], list[Run]] = defaultdict(list)
+    for r in runs:
+        groups[(r.arm, r.budget)].append(r)
+    baseline_keys = sorted((k for k in groups if groups[k][0].is_baseline), key=lambda k: (k[1], k[0]))
+    order = baseline_keys + sorted(k for k in groups if not groups[k][0].is_baseline)
+    rows = [_row(arm, budget, sorted(groups[(arm, budget)], key=lambda r: r.seed), by_run) for arm, budget in order]
+    for r in runs:
+        if not r.is_baseline and math.isfinite(quality[id(r)]) and by_run[id(r)]["same_length_baseline"] is None:
+            notes.append(f"{r.label}: no baseline run of seed {r.seed} at budget {r.budget:g}; no same-length reading")
+    return Report(
+        rows=rows,
+        readings=readings,
+        frontiers=frontiers,
+        runs=runs,
+        metric=metric_name,
+        mode=m,
+        compute=compute,
+        notes=list(dict.fromkeys(notes)),
+    )
+
+
+def _reading(
+    run: Run,
+    runs: Sequence[Run],
+    quality: dict[int, float],
+    frontiers: dict[int, dict[str, SeedFrontier]],
+    compute: str,
+    mode: Mode,
+    metric: str,
+) -> dict[str, Any]:
+    q = quality[id(run)]
+    c = run.compute(compute)
+    wall = run.train_wall_s
+    out: dict[str, Any] = {
+        "arm": run.arm,
+        "budget": run.budget,
+        "seed": run.seed,
+        "path": str(run.path),
+        "baseline": run.is_baseline,
+        "quality": q,
+        "compute": c,
+        "flops": run.compute("flops"),
+        "tokens": run.compute("tokens"),
+        "samples": run.compute("samples"),
+        "layer_tokens": run.compute("layer_tokens"),
+        "train_wall_s": wall,
+        "same_length_baseline": None,
+        "same_length_saving": math.nan,
+        "same_length_factor": math.nan,
+        "same_length_quality_delta": math.nan,
+        "same_length_wall_saving": math.nan,
+        "frontier_compute": math.nan,
+        "frontier_saving": math.nan,
+        "frontier_factor": math.nan,
+        "frontier_flag": "",
+        "frontier_wall_s": math.nan,
+        "frontier_wall_saving": math.nan,
+        "frontier_wall_factor": math.nan,
+        "frontier_wall_flag": "",
+        "note": "",
+    }
+    if run.is_baseline:
+        front = frontiers[run.seed][compute]
+        out["on_frontier"] = any(r is run for r in front.front_runs)
+        return out
+    why: list[str] = []
+    if not math.isfinite(q):
+        out["note"] = f"no finite {metric} to compare"
+        return out
+    same = [
+        r
+        for r in runs
+        if r.is_baseline and r.seed == run.seed and r.budget == run.budget and math.isfinite(quality[id(r)])
+    ]
+    if same:
+        best = same[0]
+        for r in same[1:]:
+            if better(quality[id(r)], quality[id(best)], mode):
+                best = r
+        out["same_length_baseline"] = str(best.path)
+        out["same_length_quality_delta"] = q - quality[id(best)]
+        if c > 0 and best.compute(compute) > 0:
+            s = saving(c, best.compute(compute))
+            out["same_length_saving"], out["same_length_factor"] = s.fraction, s.factor
+        if wall > 0 and best.train_wall_s > 0:
+            out["same_length_wall_saving"] = saving(wall, best.train_wall_s).fraction
+    else:
+        why.append(f"no baseline at budget {run.budget:g} for seed {run.seed}")
+    for axis, value, prefix in ((compute, c, "frontier"), ("train_wall_s", wall, "frontier_wall")):
+        front = frontiers[run.seed][axis]
+        if not front.usable:
+            if axis == compute:
+                why.append("no frontier (" + front.why + ")")
+            continue
+        reach: Reach = compute_to_reach(front.front, q, mode)
+        key = "frontier_compute" if axis == compute else "frontier_wall_s"
+        out[key] = reach.compute
+        out[f"{prefix}_flag"] = reach.flag
+        if value > 0:
+            s = saving(value, reach.compute)
+            out[f"{prefix}_saving"], out[f"{prefix}_factor"] = s.fraction, s.factor
+    out["note"] = "; ".join(why)
+    return out
+
+
+def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    readings = [by_run[id(r)] for r in runs]
+
+    def agg(key: str) -> Spread:
+        return spread(rd[key] for rd in readings)
+
+    quality, flops, wall = agg("quality"), agg("flops"), agg("train_wall_s")
+    same, delta, same_wall = agg("same_length_saving"), agg("same_length_quality_delta"), agg("same_length_wall_saving")
+    fc, fs, ff = agg("frontier_compute"), agg("frontier_saving"), agg("frontier_factor")
+    fw, fws = agg("frontier_wall_s"), agg("frontier_wall_saving")
+    notes = list(dict.fromkeys(rd["note"] for rd in readings if rd["note"]))
+    return {
+        "arm": arm,
+        "budget": budget,
+        "baseline": runs[0].is_baseline,
+        "n_seeds": len(runs),
+        "seeds": ";".join(str(r.seed) for r in runs),
+        "quality_mean": quality.mean,
+        "quality_std": quality.std,
+        "quality_n": quality.n,
+        "flops_mean": flops.mean,
+        "flops_std": flops.std,
+        "tokens_mean": agg("tokens").mean,
+        "samples_mean": agg("samples").mean,
+        "layer_tokens_mean": agg("layer_tokens").mean,
+        "train_wall_s_mean": wall.mean,
+        "train_wall_s_std": wall.std,
+        "same_length_saving_mean": same.mean,
+        "same_length_saving_std": same.std,
+        "same_length_n": same.n,
+        "same_length_quality_delta_mean": delta.mean,
+        "same_length_quality_delta_std": delta.std,
+        "same_length_wall_saving_mean": same_wall.mean,
+        "same_length_wall_saving_std": same_wall.std,
+        "frontier_compute_mean": fc.mean,
+        "frontier_compute_std": fc.std,
+        "frontier_saving_mean": fs.mean,
+        "frontier_saving_std": fs.std,
+        "frontier_factor_mean": ff.mean,
+        "frontier_n": fs.n,
+        "frontier_flag": _flag([rd["frontier_flag"] for rd in readings if rd["frontier_flag"]]),
+        "frontier_wall_s_mean": fw.mean,
+        "frontier_wall_saving_mean": fws.mean,
+        "frontier_wall_saving_std": fws.std,
+        "frontier_wall_n": fws.n,
+        "frontier_wall_flag": _flag([rd["frontier_wall_flag"] for rd in readings if rd["frontier_wall_flag"]]),
+        "note": "; ".join(notes),
+    }
+
+
+def write_report(
+    paths: Iterable[str | Path],
+    out_dir: str | Path | None = None,
+    metric: str | None = None,
+    compute: str = "flops",
+    mode: str | None = None,
+) -> Report:
+    """Load the runs under ``paths``, :func:`build_report` them and write into ``out_dir`` (default: the first
+    path; a ``result.json`` path: its folder):
+
+    - ``report.md``: the Markdown table, the frontier paragraph and the notes;
+    - ``report.csv``: :attr:`Report.rows` (:data:`COLUMNS`); ``report.json``: :meth:`Report.to_dict`;
+    - ``quality_vs_compute.png``, ``quality_vs_wall.png``, ``curves.png`` and, when a run recorded one,
+      ``schedules.png`` (:mod:`lightning_effi.report.plots`).
+
+    Returns the :class:`Report` (``report.files``: name -> path of what was written).
+
+    Raises:
+        FileNotFoundError: a path that does not exist or holds no ``result.json``.
+        ReportError: see :func:`~lightning_effi.report.load.load_runs` and :func:`build_report`.
+    """
+    from lightning_effi.report import plots  # matplotlib only when writing
+
+    paths = list(paths)
+    runs = load_runs(paths)
+    report = build_report(runs, metric=metric, compute=compute, mode=mode)
+    failed = jobs_without_result(paths)
+    report.notes.extend(
+        f"{job}: a Hydra job folder without result.json (the job failed or is running)" for job in failed
+    )
+    out = Path(out_dir) if out_dir is not None else Path(paths[0])
+    if out.is_file():
+        out = out.parent
+    out.mkdir(parents=True, exist_ok=True)
+    files = {
+        "report.md": out / "report.md",
+        "report.csv": out / "report.csv",
+        "report.json": out / "report.json",
+    }
+    files["report.md"].write_text(f"# Sweep report: {report.metric} vs {report.compute}\n\n" + report.to_markdown())
+    report.write_csv(files["report.csv"])
+    files["report.json"].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    files.update(plots.write_plots(report, out))
+    report.files = files
+    return report
+
+
+__all__ = ["COLUMNS", "Report", "SeedFrontier", "build_report", "write_report"]

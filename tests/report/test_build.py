@@ -1,0 +1,223 @@
+"""load_runs and build_report on synthetic result.json files: savings against the frontier and the same-length
+baseline equal hand computations; the spread is the sample std."""
+
+import json
+import math
+
+import pytest
+
+from lightning_effi.report import ReportError, build_report, load_runs
+from tests.report import ARM, BASELINES, write_record, write_sweep
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    return write_sweep(tmp_path / "sweep")
+
+
+def _row(report, arm, budget):
+    (row,) = [r for r in report.rows if r["arm"] == arm and r["budget"] == budget]
+    return row
+
+
+def test_load_runs_reads_every_job_of_a_sweep(sweep):
+    runs = load_runs([sweep])
+    assert len(runs) == 10
+    assert [r.path.name for r in runs] == [str(i) for i in range(10)]  # job order, not string order (10 jobs)
+    first = runs[0]
+    assert (first.arm, first.budget, first.seed, first.metric, first.mode) == ("baseline", 0.25, 0, 3.0, "min")
+    assert first.is_baseline and first.compute("flops") == 1e12 and first.train_wall_s == 10.0
+    assert not runs[-1].is_baseline and runs[-1].techniques["random_ltd"]["min_value"] == 32
+    assert len(runs[-1].curve) == 2 and runs[-1].schedule[-1]["random_ltd/reserved_length"] == 128
+    assert load_runs([sweep / "3"])[0].path == sweep / "3"  # a run folder
+    assert len(load_runs([sweep, sweep / "3"])) == 10  # a file found twice is read once
+
+
+def test_frontier_and_same_length_savings_equal_hand_computations(sweep):
+    report = build_report(load_runs([sweep]))
+    assert (report.metric, report.mode, report.compute) == ("val/loss", "min", "flops")
+    assert [(r["arm"], r["budget"]) for r in report.rows] == [
+        ("baseline", 0.25),
+        ("baseline", 0.5),
+        ("baseline", 0.75),
+        ("baseline", 1.0),
+        ("random_ltd", 1.0),
+    ]
+    row = _row(report, "random_ltd", 1.0)
+    # seed 0: loss 2.5 lies halfway (in loss) between the baselines (2e12, 2.6) and (3e12, 2.4): sqrt(2e12 * 3e12)
+    # seed 1: loss 2.55 lies 3/4 of the way from (2e12, 2.7) to (3e12, 2.5): 2e12^(1/4) * 3e12^(3/4)
+    need = [math.sqrt(2e12 * 3e12), 2e12**0.25 * 3e12**0.75]
+    assert need[0] == pytest.approx(2.449489742783178e12)
+    savings = [1 - 2e12 / need[0], 1 - 2e12 / need[1]]
+    assert savings[0] == pytest.approx(0.18350341907227397)
+    assert row["frontier_compute_mean"] == pytest.approx(sum(need) / 2)
+    assert row["frontier_saving_mean"] == pytest.approx(sum(savings) / 2)
+    assert row["frontier_saving_std"] == pytest.approx(abs(savings[0] - savings[1]) / math.sqrt(2))  # n - 1 = 1
+    assert row["frontier_factor_mean"] == pytest.approx((need[0] / 2e12 + need[1] / 2e12) / 2)
+    assert row["frontier_flag"] == "inside" and row["frontier_n"] == 2
+    # wall time: seed 0 between (20 s, 2.6) and (30 s, 2.4) -> sqrt(600); seed 1 between (21, 2.7) and (31, 2.5)
+    wall_need = [math.sqrt(20 * 30), 21**0.25 * 31**0.75]
+    wall_savings = [1 - 15 / wall_need[0], 1 - 16 / wall_need[1]]
+    assert row["frontier_wall_s_mean"] == pytest.approx(sum(wall_need) / 2)
+    assert row["frontier_wall_saving_mean"] == pytest.approx(sum(wall_savings) / 2)
+    assert row["frontier_wall_saving_std"] == pytest.approx(abs(wall_savings[0] - wall_savings[1]) / math.sqrt(2))
+    # same length: the budget-1.0 baselines, 4e12 FLOPs, 40 / 41 s, loss 2.3 / 2.35
+    assert row["same_length_saving_mean"] == pytest.approx(0.5) and row["same_length_saving_std"] == pytest.approx(0)
+    assert row["same_length_quality_delta_mean"] == pytest.approx(((2.5 - 2.3) + (2.55 - 2.35)) / 2)
+    assert row["same_length_wall_saving_mean"] == pytest.approx(((1 - 15 / 40) + (1 - 16 / 41)) / 2)
+    assert row["same_length_n"] == 2
+    # quality: mean and sample std over the two seeds
+    assert row["quality_mean"] == pytest.approx(2.525) and row["quality_std"] == pytest.approx(0.05 / math.sqrt(2))
+    assert (row["n_seeds"], row["seeds"], row["note"]) == (2, "0;1", "")
+    base = _row(report, "baseline", 0.5)
+    assert base["baseline"] and base["quality_mean"] == pytest.approx(2.65) and math.isnan(base["frontier_saving_mean"])
+    assert base["flops_mean"] == 2e12 and base["train_wall_s_mean"] == pytest.approx(20.5)
+    assert [len(report.frontiers[s]["flops"].front) for s in (0, 1)] == [4, 4]
+
+
+def test_beyond_and_below_the_frontier_are_flagged_as_bounds(tmp_path):
+    sweep = write_sweep(tmp_path / "s", arm={0: (3e12, 2.2, 30.0), 1: (1e12, 3.3, 9.0)})
+    report = build_report(load_runs([sweep]))
+    seed0, seed1 = [r for r in report.readings if r["arm"] == "random_ltd"]
+    assert (seed0["frontier_flag"], seed0["frontier_compute"]) == ("beyond", 4e12)  # better than loss 2.3
+    assert seed0["frontier_saving"] == pytest.approx(1 - 3 / 4)  # a lower bound
+    assert (seed1["frontier_flag"], seed1["frontier_compute"]) == ("below", 1e12)  # worse than loss 3.1
+    assert seed1["frontier_saving"] == pytest.approx(0.0)  # an upper bound
+    row = _row(report, "random_ltd", 1.0)
+    assert row["frontier_flag"] == "beyond 1, below 1"
+    assert "(beyond 1, below 1)" in report.to_markdown()
+    one = build_report(load_runs([sweep / "8"] + [sweep / str(i) for i in range(4)]))  # seed 0 only: all beyond
+    assert _row(one, "random_ltd", 1.0)["frontier_flag"] == "beyond"
+    assert ">= +25.0%" in one.to_markdown()
+
+
+def test_a_dominated_baseline_budget_leaves_the_frontier(tmp_path):
+    # budget 0.75 (3e12, 2.7) is worse than budget 0.5 (2e12, 2.6): the front skips it
+    for i, (budget, flops, loss) in enumerate([(0.25, 1e12, 3.0), (0.5, 2e12, 2.6), (0.75, 3e12, 2.7), (1, 4e12, 2.2)]):
+        write_record(tmp_path / str(i), budget=budget, flops=flops, loss=loss)
+    write_record(tmp_path / "arm", arm="random_ltd", flops=2e12, loss=2.4)
+    report = build_report(load_runs([tmp_path]))
+    front = report.frontiers[0]["flops"]
+    assert front.front == ((1e12, 3.0), (2e12, 2.6), (4e12, 2.2))
+    assert [r.budget for r in front.front_runs] == [0.25, 0.5, 1.0]
+    # 2.4 is halfway between (2e12, 2.6) and (4e12, 2.2): sqrt(8e24)
+    (reading,) = [r for r in report.readings if r["arm"] == "random_ltd"]
+    assert reading["frontier_compute"] == pytest.approx(math.sqrt(8) * 1e12)
+    on_front = {r["budget"]: r["on_frontier"] for r in report.readings if r["baseline"]}
+    assert on_front == {0.25: True, 0.5: True, 0.75: False, 1.0: True}
+
+
+def test_max_mode_metric(tmp_path):
+    for i, (budget, flops, acc) in enumerate([(0.5, 10.0, 0.5), (1.0, 1000.0, 0.7)]):
+        write_record(tmp_path / str(i), budget=budget, flops=flops, loss=acc, metric="val/acc", mode="max")
+    write_record(tmp_path / "arm", arm="random_ltd", flops=50.0, loss=0.6, metric="val/acc", mode="max")
+    report = build_report(load_runs([tmp_path]))
+    (reading,) = [r for r in report.readings if r["arm"] == "random_ltd"]
+    assert reading["frontier_compute"] == pytest.approx(100.0)  # 10^(1 + 0.5 * 2)
+    assert reading["frontier_saving"] == pytest.approx(0.5) and reading["frontier_factor"] == pytest.approx(2.0)
+    assert reading["same_length_quality_delta"] == pytest.approx(0.6 - 0.7)
+    assert reading["same_length_saving"] == pytest.approx(1 - 50 / 1000)
+
+
+def test_one_budget_gives_empty_frontier_columns_and_says_why(tmp_path):
+    write_record(tmp_path / "0", seed=0, flops=4e12, loss=2.3)
+    write_record(tmp_path / "1", arm="random_ltd", seed=0, flops=2e12, loss=2.5)
+    report = build_report(load_runs([tmp_path]))
+    row = _row(report, "random_ltd", 1.0)
+    assert math.isnan(row["frontier_saving_mean"]) and row["frontier_flag"] == "" and row["frontier_n"] == 0
+    assert row["same_length_saving_mean"] == pytest.approx(0.5)
+    assert "the frontier needs >= 2 budgets" in row["note"]
+    assert any("frontier of seed 0: baselines at 1 budget (1)" in n for n in report.notes)
+    assert "no usable frontier" in report.to_markdown()
+
+
+def test_compute_tokens_reads_the_token_counts(tmp_path):
+    write_record(tmp_path / "0", budget=0.5, tokens=500, loss=2.6)
+    write_record(tmp_path / "1", budget=1.0, tokens=1000, loss=2.2)
+    write_record(tmp_path / "2", arm="random_ltd", tokens=400, loss=2.4)
+    report = build_report(load_runs([tmp_path]), compute="tokens")
+    (reading,) = [r for r in report.readings if r["arm"] == "random_ltd"]
+    assert reading["frontier_compute"] == pytest.approx(math.sqrt(500 * 1000))
+    assert reading["same_length_saving"] == pytest.approx(1 - 400 / 1000)
+
+
+def test_mixed_metrics_need_a_chosen_metric(tmp_path):
+    write_record(tmp_path / "a", loss=2.0)
+    write_record(tmp_path / "b", arm="random_ltd", metric="val/acc", mode="max", loss=0.5)
+    runs = load_runs([tmp_path])
+    with pytest.raises(ReportError, match=r"runs optimize different metrics: 'val/acc' \(1 runs.*'val/loss'"):
+        build_report(runs)
+    with pytest.raises(ReportError, match=r"b/result.json: no final 'val/loss' among its metrics \['train/loss'"):
+        build_report(runs, metric="val/loss")
+    # a metric both runs logged: train/loss, optimized by neither, so its direction must be given
+    with pytest.raises(ReportError, match="direction is unknown; give mode="):
+        build_report(runs, metric="train/loss")
+    report = build_report(runs, metric="train/loss", mode="min")
+    assert report.metric == "train/loss" and [r["quality"] for r in report.readings] == [2.5, 2.5]
+
+
+def test_errors_name_the_file_or_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere: no such file or folder"):
+        load_runs([tmp_path / "nowhere"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty: no result.json in this folder or below"):
+        load_runs([tmp_path / "empty"])
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "result.json").write_text(json.dumps({"seed": 0, "metric": 2.0, "optimized_metric": "val/loss"}))
+    with pytest.raises(ReportError, match=r"old/result.json: no 'schema'.*older version.*rerun"):
+        load_runs([old])
+    (old / "result.json").write_text("{not json")
+    with pytest.raises(ReportError, match=r"old/result.json: unreadable run record \(JSONDecodeError"):
+        load_runs([old])
+    write_record(tmp_path / "noarm", arm="baseline")
+    record = json.loads((tmp_path / "noarm" / "result.json").read_text())
+    del record["curve"]
+    (tmp_path / "noarm" / "result.json").write_text(json.dumps(record))
+    with pytest.raises(ReportError, match=r"noarm/result.json: no 'curve'"):
+        load_runs([tmp_path / "noarm"])
+    write_record(tmp_path / "mode", optimized_mode="lower")
+    with pytest.raises(ReportError, match=r"mode/result.json: 'optimized_mode' mode: expected 'min'"):
+        load_runs([tmp_path / "mode"])
+
+
+def test_runs_that_cannot_be_compared_are_refused(tmp_path):
+    write_record(tmp_path / "a", seed=0)
+    write_record(tmp_path / "b", seed=0)
+    with pytest.raises(ReportError, match=r"2 runs of arm 'baseline', budget 1, seed 0: .*a, .*b; .*\+arm="):
+        build_report(load_runs([tmp_path]))
+    write_record(tmp_path / "b", seed=1, techniques={"random_ltd": {}})
+    with pytest.raises(ReportError, match=r"b: arm 'baseline' but techniques \['random_ltd'\]"):
+        build_report(load_runs([tmp_path]))
+    write_record(tmp_path / "b", seed=1, task_name="vit_stack")
+    with pytest.raises(ReportError, match=r"runs of several tasks: 'gpt_stack' \(1 runs"):
+        build_report(load_runs([tmp_path]))
+    with pytest.raises(ReportError, match="compute: expected one of"):
+        build_report(load_runs([tmp_path / "a"]), compute="steps")
+
+
+def test_a_run_without_a_finite_metric_is_left_out_and_noted(tmp_path):
+    sweep = write_sweep(tmp_path / "s")
+    write_record(sweep / "3", budget=1.0, seed=0, loss=None, flops=4e12)  # seed 0's full baseline diverged
+    report = build_report(load_runs([sweep]))
+    assert any("3: val/loss is not finite" in n for n in report.notes)
+    assert _row(report, "baseline", 1.0)["quality_n"] == 1
+    assert "(n=1)" in report.to_markdown()
+    seed0 = [r for r in report.readings if r["arm"] == "random_ltd"][0]
+    assert math.isnan(seed0["same_length_saving"])  # no usable same-length baseline for seed 0
+    assert any("random_ltd@1 seed 0: no baseline run of seed 0 at budget 1" in n for n in report.notes)
+    assert seed0["frontier_compute"] == pytest.approx(math.sqrt(6) * 1e12)  # the 3 other budgets still frame it
+
+
+def test_several_baseline_arms_use_the_best_at_each_budget(tmp_path):
+    write_record(tmp_path / "0", budget=0.5, flops=2e12, loss=2.6)
+    write_record(tmp_path / "1", budget=1.0, flops=4e12, loss=2.3)
+    write_record(tmp_path / "2", arm="baseline_lr_high", techniques={}, budget=1.0, flops=4e12, loss=2.2)
+    write_record(tmp_path / "3", arm="random_ltd", budget=1.0, flops=2e12, loss=2.4)
+    report = build_report(load_runs([tmp_path]))
+    (reading,) = [r for r in report.readings if r["arm"] == "random_ltd"]
+    assert reading["same_length_baseline"].endswith("2")
+    assert reading["same_length_quality_delta"] == pytest.approx(2.4 - 2.2)
+    assert report.frontiers[0]["flops"].front == ((2e12, 2.6), (4e12, 2.2))
+    assert [r["arm"] for r in report.rows] == ["baseline", "baseline", "baseline_lr_high", "random_ltd"]
+    assert ARM and BASELINES  # the shared sweep constants are importable

@@ -1,0 +1,138 @@
+"""write_report's files, the CLI (in process and as ``python -m lightning_effi.report``) and the Hydra callback."""
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import hydra.utils
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_effi.report import COLUMNS, write_report
+from lightning_effi.report.__main__ import main
+from lightning_effi.report.hydra_callback import ReportCallback
+from tests.report import write_record, write_sweep
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    return write_sweep(tmp_path / "sweep")
+
+
+def _png(path: Path) -> bool:
+    return path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG
+
+
+def test_write_report_writes_md_csv_json_and_figures(sweep, tmp_path):
+    (sweep / "10" / ".hydra").mkdir(parents=True)  # a job that wrote no result.json
+    report = write_report([sweep], out_dir=tmp_path / "out")
+    out = tmp_path / "out"
+    names = ["report.md", "report.csv", "report.json", "quality_vs_compute.png", "quality_vs_wall.png", "curves.png"]
+    assert sorted(report.files) == sorted([*names, "schedules.png"])
+    assert all(report.files[n] == out / n for n in report.files)
+    assert all(_png(out / n) for n in report.files if n.endswith(".png"))
+
+    with open(out / "report.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames or ()) == COLUMNS
+        rows = list(reader)
+    assert [(r["arm"], r["budget"], r["baseline"], r["n_seeds"]) for r in rows] == [
+        ("baseline", "0.25", "True", "2"),
+        ("baseline", "0.5", "True", "2"),
+        ("baseline", "0.75", "True", "2"),
+        ("baseline", "1.0", "True", "2"),
+        ("random_ltd", "1.0", "False", "2"),
+    ]
+    arm = rows[-1]
+    savings = [1 - 2e12 / math.sqrt(2e12 * 3e12), 1 - 2e12 / (2e12**0.25 * 3e12**0.75)]  # test_build's hand values
+    assert float(arm["frontier_saving_mean"]) == pytest.approx(sum(savings) / 2, rel=1e-12)
+    assert float(arm["same_length_saving_mean"]) == pytest.approx(0.5)
+    assert float(arm["quality_mean"]) == pytest.approx(2.525) and arm["frontier_flag"] == "inside"
+    assert rows[0]["frontier_saving_mean"] == "" and float(rows[0]["flops_mean"]) == 1e12  # NaN: an empty cell
+
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["metric"] == "val/loss" and saved["mode"] == "min" and saved["compute"] == "flops"
+    assert saved["rows"][-1]["frontier_saving_mean"] == pytest.approx(sum(savings) / 2)
+    assert saved["rows"][0]["frontier_saving_mean"] is None  # NaN as null: strict JSON
+    assert saved["frontiers"]["0"]["flops"]["front"][0] == [1e12, 3.0]
+    assert any("10: a Hydra job folder without result.json" in n for n in saved["notes"])
+
+    md = (out / "report.md").read_text()
+    assert "| random_ltd | 1 | 2 | 2.525 ± 0.03536 |" in md
+    assert "Kaddour et al. 2023" in md and "4 budgets (0.25, 0.5, 0.75, 1), 2 seeds (0, 1)" in md
+    assert md.count("\n| ") == 6  # header + 5 rows
+
+
+def test_write_report_defaults_to_the_first_path_and_skips_schedules_when_none(tmp_path):
+    write_record(tmp_path / "a", budget=0.5, flops=1e12, loss=2.5)
+    write_record(tmp_path / "b", budget=1.0, flops=2e12, loss=2.0)
+    report = write_report([tmp_path])
+    assert (tmp_path / "report.md").is_file() and _png(tmp_path / "quality_vs_wall.png")
+    assert "schedules.png" not in report.files and not (tmp_path / "schedules.png").exists()
+    assert len(report.rows) == 2 and all(r["baseline"] for r in report.rows)
+
+
+def test_cli_in_process(sweep, tmp_path, capsys):
+    assert main([str(sweep), "--out", str(tmp_path / "o"), "--compute", "tokens"]) == 0
+    printed = capsys.readouterr().out
+    assert "| arm | budget | seeds |" in printed and "saving vs same-length (tokens)" in printed
+    assert f"Wrote: {tmp_path / 'o' / 'report.md'}" in printed
+    assert main([str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path / 'missing'}: no such file or folder\n"
+
+
+def test_cli_metric_error_is_one_line(sweep, capsys):
+    assert main([str(sweep), "--metric", "val/acc"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no final 'val/acc' among its metrics" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_cli_subprocess(sweep, tmp_path):
+    cmd = [sys.executable, "-m", "lightning_effi.report"]
+    ok = subprocess.run([*cmd, str(sweep), "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "| random_ltd | 1 | 2 | 2.525 ± 0.03536 |" in ok.stdout and (tmp_path / "o" / "report.csv").is_file()
+    bad = subprocess.run([*cmd, str(tmp_path / "missing")], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip() == f"error: {tmp_path / 'missing'}: no such file or folder"
+
+
+def test_hydra_callback_reports_on_the_sweep_dir(sweep, capsys):
+    callback = hydra.utils.instantiate({"_target_": "lightning_effi.report.hydra_callback.ReportCallback"})
+    assert isinstance(callback, ReportCallback)
+    callback.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}), config_name="train")
+    out = capsys.readouterr().out
+    assert "| random_ltd | 1 | 2 |" in out and f"Sweep report: {sweep / 'report.md'}" in out
+    assert (sweep / "report.csv").is_file() and callback.report.rows[-1]["arm"] == "random_ltd"
+
+
+def test_hydra_callback_warns_instead_of_raising(tmp_path, capsys):
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)  # the only job failed before writing result.json
+    callback = ReportCallback()
+    callback.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    err = capsys.readouterr().err
+    assert err == (
+        f"warning: lightning_effi.report: no sweep report (FileNotFoundError: {tmp_path}: no result.json in this "
+        "folder or below (is it a run or sweep folder?))\n"
+    )
+    assert callback.report is None and not (tmp_path / "report.md").exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"compute": "steps"}, "ReportCallback compute: expected one of"),
+        ({"mode": "lower"}, "ReportCallback mode: expected 'min'"),
+        ({"print_table": "yes"}, "ReportCallback print_table: expected a bool"),
+    ],
+)
+def test_hydra_callback_refuses_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ReportCallback(**kwargs)
