@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from lightning_effi.core.console import print_block
 from lightning_effi.core.measure import (
     CallRecord,
     CallRecorder,
@@ -739,7 +740,7 @@ class EfficiencyMonitor(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.summary = self.compute_summary(trainer)
         if self.print_summary and trainer.is_global_zero:
-            print(format_summary(self.summary), flush=True)
+            print_block(format_summary(self.summary))  # one write: safe under a live rich display (console.py)
 
     # ------------------------------------------------------------------------------------------- summary
     def _elapsed_total(self) -> float:
