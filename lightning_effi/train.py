@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -337,3 +338,15 @@ def main(cfg: DictConfig) -> float:
         if os.environ.get("EFFI_FULL_ERROR") == "1":
             raise
         raise SystemExit(f"error: {exc}\n(set EFFI_FULL_ERROR=1 for the traceback)") from None
+    finally:
+        _finish_wandb()
+
+
+def _finish_wandb() -> None:
+    """Close the W&B run of this job: Lightning's WandbLogger reuses an open run, so without this every later job of
+    a multirun would log into the first job's run."""
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()

@@ -12,6 +12,18 @@ DATA_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session", autouse=True)
+def offline_loggers():
+    """Weights & Biases offline and MLflow without telemetry for the whole session (subprocesses inherit it): no
+    test may reach the network."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_SILENT", "true")
+        mp.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+        mp.setenv("DO_NOT_TRACK", "1")
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def effi_cache_dir(tmp_path_factory) -> Path:
     """``EFFI_CACHE_DIR`` for the whole session, inherited by subprocesses. An existing ``EFFI_CACHE_DIR`` is kept
     (reuse a warm cache with ``EFFI_CACHE_DIR=... pytest``)."""

@@ -1,0 +1,298 @@
+"""The Optuna sweep configs (``conf/sweep/``) and the W&B / MLflow logger configs (``conf/logger/``), all offline:
+each sweep's search space names real keys with values its technique accepts, the app returns the saving at the
+quality floor, a tiny Optuna sweep writes ``optimization_results.yaml`` with its best trial, and each logger writes
+the same metrics as the CSV logger into the run folder (W&B: an offline run; MLflow: an SQLite store)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sqlite3
+import struct
+from collections import defaultdict
+from pathlib import Path
+
+import hydra
+import pytest
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep
+from hydra.types import RunMode
+from omegaconf import OmegaConf, open_dict
+
+from lightning_effi.train import main
+from tests.helpers.hydra import CONF, compose_train, run_train_script
+
+SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("optuna_*.yaml"))
+
+#: GPT-2 (4 layers x 32, 4 heads) on the stdlib corpus: 2 training batches of 4 x 128 tokens, 2 validation batches,
+#: every step logged
+TINY = [
+    "model.n_layer=4",
+    "model.n_embd=32",
+    "model.n_head=4",
+    "data.batch_size=4",
+    "trainer.max_epochs=1",
+    "++trainer.limit_train_batches=2",
+    "++trainer.limit_val_batches=2",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.log_every_n_steps=1",
+    "++trainer.enable_progress_bar=false",
+]
+
+#: per sweep: the overrides of a tiny sweep. InfoBatch prunes from the second epoch until floor(delta * 3): 3 epochs
+#: of 8 samples (delta 0.8 prunes the second epoch), validated after the last
+TINY_SWEEP = {
+    "optuna_random_ltd": TINY,
+    "optuna_infobatch": [
+        *[o for o in TINY if "limit_train_batches" not in o and "max_epochs" not in o],
+        "trainer.max_epochs=3",
+        "data.train_subset=8",
+        "trainer.check_val_every_n_epoch=3",
+    ],
+}
+
+#: metrics every logger must hold, with the same (step, value) pairs as the CSV logger: the losses, the cumulative
+#: FLOPs and random-LTD's schedule
+LOGGED = ("train/loss", "val/loss", "effi/flops", "effi/random_ltd/reserved_length")
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """No network and nothing outside ``tmp_path``: W&B offline with its folders in tmp, no MLflow telemetry or
+    tracking server from the environment, for this process and the app's subprocesses."""
+    home = tmp_path / "home"
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_ERROR_REPORTING": "false",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_DIR": str(home / "wandb"),
+        "WANDB_CONFIG_DIR": str(home / "wandb_config"),
+        "WANDB_CACHE_DIR": str(home / "wandb_cache"),
+        "WANDB_DATA_DIR": str(home / "wandb_data"),
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "true",
+    }.items():
+        monkeypatch.setenv(name, value)
+    for name in ("WANDB_API_KEY", "MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    return home
+
+
+# --- the sweep configs ----------------------------------------------------------------------------------------------
+
+
+def search_space(cfg) -> dict[str, tuple[str, list]]:
+    """``hydra.sweeper.params`` as ``{key: ("choice", values) or ("interval", [low, high])}``."""
+    space = {}
+    params = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()]
+    for override in OverridesParser.create().parse_overrides(params):
+        value = override.value()
+        if isinstance(value, ChoiceSweep):
+            space[override.get_key_element()] = ("choice", list(value.list))
+        elif isinstance(value, IntervalSweep):
+            space[override.get_key_element()] = ("interval", [value.start, value.end])
+        else:
+            raise AssertionError(f"{override.input_line}: neither choice() nor interval()")
+    return space
+
+
+def in_space(space: dict[str, tuple[str, list]], key: str, value) -> bool:
+    kind, values = space[key]
+    return value in values if kind == "choice" else values[0] <= value <= values[1]
+
+
+def test_sweep_configs_exist():
+    assert {"optuna_random_ltd", "optuna_infobatch"} <= set(SWEEPS)
+
+
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_sweep_config_is_an_optuna_search_of_its_technique(sweep, tmp_path):
+    """The sweep composes into an Optuna TPE search (seeded, maximizing the saving at the floor) whose every key is a
+    key of the composed config and whose every value (choices, interval ends) is accepted by the technique."""
+    cfg = compose_train([f"+sweep={sweep}"], tmp_path)
+    sweeper = cfg.hydra.sweeper
+    assert sweeper._target_ == "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+    assert sweeper.direction == "maximize" and sweeper.n_trials >= 8 and sweeper.n_jobs == 1
+    assert sweeper.sampler._target_ == "optuna.samplers.TPESampler" and sweeper.sampler.seed == 0
+    assert cfg.hydra.mode == RunMode.MULTIRUN and cfg.task_name == sweep
+    assert cfg.objective.kind == "saving_at_floor" and cfg.objective.compute == "flops"
+    assert cfg.optimized_metric == "val/loss" and cfg.optimized_mode == "min" and 4.0 < cfg.objective.floor < 5.0
+    technique = sweep.removeprefix("optuna_")
+    space = search_space(cfg)
+    assert space and all(key.startswith(f"callbacks.{technique}.") for key in space)
+    for key, (_, values) in space.items():
+        assert OmegaConf.select(cfg, key, default="missing") != "missing", f"{sweep}: {key} is not a config key"
+        for value in values:
+            trial = cfg.copy()
+            with open_dict(trial):
+                OmegaConf.update(trial, key, value)
+            callback = hydra.utils.instantiate(trial.callbacks[technique])  # validates its arguments
+            assert f"{key.rsplit('.', 1)[1]}={value!r}" in repr(callback), (key, value, callback)
+
+
+@pytest.mark.parametrize("floor, met", [(100.0, True), (1.0, False)])
+def test_app_returns_the_saving_when_the_floor_is_met(floor, met, tmp_path):
+    """``main`` (the value the sweeper maximizes), with the random-LTD sweep's objective: the run's
+    ``flops_saved_frac`` from result.json when val/loss <= floor, else -1.0 (a 2-step model is at val/loss ~7.6)."""
+    cfg = compose_train(["+sweep=optuna_random_ltd", "callbacks.random_ltd.min_value=16", *TINY], tmp_path)
+    with open_dict(cfg):
+        cfg.objective.floor = floor
+    value = main(cfg)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert 5.0 < result["metric"] < 10.0 and result["techniques"].keys() == {"random_ltd"}
+    saving = result["efficiency"]["flops_saved_frac"]
+    assert 0.05 < saving < 0.5  # 2 of 4 layers on 16 to 128 tokens of 128
+    assert value == (saving if met else -1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_tiny_optuna_sweep_reports_its_best_trial(sweep, tmp_path):
+    """3 trials through the app: ``optimization_results.yaml`` names the trial with the largest saving (each job's
+    result.json), with parameters from the search space; the floor (100) is met by every trial."""
+    proc = run_train_script(
+        ["-m", f"+sweep={sweep}", "hydra.sweeper.n_trials=3", "objective.floor=100", *TINY_SWEEP[sweep]], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep_dir,) = tmp_path.glob(f"logs/{sweep}/multiruns/*")
+    best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    space = search_space(compose_train([f"+sweep={sweep}"], tmp_path / "compose"))
+    trials = []
+    for job in sorted(sweep_dir.glob("[0-9]*")):
+        result = json.loads((job / "result.json").read_text())
+        assert result["metric"] <= 100
+        params = {k: v for k, v in (o.split("=", 1) for o in result["overrides"]) if k in space}
+        trials.append((result["efficiency"]["flops_saved_frac"], params))
+    assert len(trials) == 3
+    assert best["best_value"] == max(v for v, _ in trials)
+    assert best["best_params"].keys() == space.keys()
+    assert all(in_space(space, key, value) for key, value in best["best_params"].items()), best
+    assert any(v == best["best_value"] and p == {k: str(x) for k, x in best["best_params"].items()} for v, p in trials)
+
+
+# --- the logger configs ---------------------------------------------------------------------------------------------
+
+
+def test_many_loggers_is_the_four_logger_configs(tmp_path):
+    cfg = compose_train(["logger=many_loggers"], tmp_path)
+    assert list(cfg.logger) == ["csv", "tensorboard", "wandb", "mlflow"]
+    for name in cfg.logger:
+        assert cfg.logger[name] == compose_train([f"logger={name}"], tmp_path).logger[name]
+
+
+def test_wandb_and_mlflow_are_local_by_default(tmp_path):
+    cfg = compose_train(["logger=[wandb,mlflow]"], tmp_path)
+    wandb, mlflow = cfg.logger.wandb, cfg.logger.mlflow
+    assert wandb._target_ == "lightning.pytorch.loggers.WandbLogger" and wandb.offline is True
+    assert wandb.save_dir == str(tmp_path) and wandb.project == "lightning-effi" and wandb.name == cfg.task_name
+    assert mlflow._target_ == "lightning.pytorch.loggers.MLFlowLogger" and mlflow.run_name == cfg.task_name
+    assert mlflow.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
+    assert mlflow.artifact_location == f"{tmp_path}/mlartifacts"
+
+
+def csv_series(run_dir: Path) -> dict[str, set[tuple[int, float]]]:
+    series: dict[str, set[tuple[int, float]]] = defaultdict(set)
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if key != "step" and value != "":
+                    series[key].add((int(row["step"]), float(value)))
+    return series
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of a W&B run file (``run-<id>.wandb``): a 7-byte file header, then records in 32 KiB
+    blocks, each chunk behind a 7-byte header (crc32, uint16 length, type 1 full / 2 first / 3 middle / 4 last),
+    the LevelDB log format W&B writes (wandb/core ``pkg/leveldb``)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path}: not a W&B run file"
+    block, pos, chunk, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room for a header: the block's tail is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    return records
+
+
+def wandb_series(run_file: Path) -> tuple[dict[str, set[tuple[int, float]]], list]:
+    """``{metric: {(trainer/global_step, value)}}`` from a run file's history records, and all its records."""
+    records = wandb_records(run_file)
+    series: dict[str, set[tuple[int, float]]] = defaultdict(set)
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
+            for key, value in row.items():
+                if not key.startswith("_") and key != "trainer/global_step":
+                    series[key].add((int(row["trainer/global_step"]), float(value)))
+    return series, records
+
+
+def mlflow_runs(db: Path) -> tuple[list[tuple[str, str, str]], dict[str, set[tuple[int, float]]]]:
+    """The runs ``(id, name, status)`` of an MLflow SQLite store and ``{metric: {(step, value)}}`` of its runs."""
+    with sqlite3.connect(db) as con:
+        runs = con.execute("SELECT run_uuid, name, status FROM runs").fetchall()
+        series: dict[str, set[tuple[int, float]]] = defaultdict(set)
+        for key, step, value in con.execute("SELECT key, step, value FROM metrics"):
+            series[key].add((int(step), float(value)))
+    return runs, series
+
+
+def assert_same_series(got: dict, want: dict, where: str) -> None:
+    for key in LOGGED:
+        assert want[key], f"{key} not in metrics.csv"
+        mine, csvs = sorted(got[key]), sorted(want[key])
+        assert [step for step, _ in mine] == [step for step, _ in csvs], f"{where}: {key}"
+        assert [v for _, v in mine] == pytest.approx([v for _, v in csvs], rel=1e-6), f"{where}: {key}"
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_holds_the_logged_metrics(offline, tmp_path):
+    """``logger=[csv,wandb]``: one offline W&B run in the run folder, named after the task, whose history holds the
+    same (step, value) pairs as metrics.csv, and ends with a clean exit; no run in WANDB_DIR or the launch folder."""
+    proc = run_train_script(
+        ["logger=[csv,wandb]", "callbacks=random_ltd", "callbacks.random_ltd.min_value=16", *TINY], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = tmp_path.glob("logs/train/runs/*")
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    series, records = wandb_series(run_file)
+    assert_same_series(series, csv_series(run_dir), "wandb")
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.display_name == "train" and run.project == "lightning-effi"
+    assert records[-1].WhichOneof("record_type") == "exit" and records[-1].exit.exit_code == 0
+    assert not list(offline.rglob("offline-run-*")) and not (tmp_path / "wandb").exists()  # not in WANDB_DIR or cwd
+
+
+@pytest.mark.slow
+def test_multirun_jobs_log_to_their_own_stores(offline, tmp_path):
+    """``-m seed=1,2 logger=many_loggers``: each job's folder holds its own MLflow store with one finished run (a
+    store named by the environment would collect every job: MLFlowLogger sets MLFLOW_TRACKING_URI) whose metrics
+    are the job's metrics.csv, and its own offline W&B run."""
+    proc = run_train_script(
+        ["-m", "seed=1,2", "logger=many_loggers", "callbacks=random_ltd", "callbacks.random_ltd.min_value=16", *TINY],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(tmp_path.glob("logs/train/multiruns/*/[0-9]*"))
+    assert [j.name for j in jobs] == ["0", "1"]
+    for job in jobs:
+        runs, series = mlflow_runs(job / "mlflow.db")
+        assert [(name, status) for _, name, status in runs] == [("train", "FINISHED")], job
+        assert_same_series(series, csv_series(job), f"mlflow, job {job.name}")
+        assert (job / "tensorboard").is_dir()
+    wandb_runs = [sorted(job.glob("wandb/offline-run-*/run-*.wandb")) for job in jobs]
+    for job, files in zip(jobs, wandb_runs):
+        assert len(files) == 1, job
+        assert_same_series(wandb_series(files[0])[0], csv_series(job), f"wandb, job {job.name}")
