@@ -7,13 +7,20 @@ sampler would be silently replaced, so it is rejected with a clear error instead
 Technique DataModules may be nested (``CurriculumDataModule(InfoBatchDataModule(dm))`` when InfoBatch thins inside the
 curriculum's sampler): every wrapper reads the innermost (the user's) loader, and a callback finds its wrapper along
 the ``.datamodule`` chain with :func:`find_wrapper`.
+
+A technique that changes a module or a Trainer for the length of a fit marks what it left with :func:`live_fit`, so
+that the ``setup`` of a later fit can tell the leftovers of a fit that ended without undoing them (one whose
+``on_exception`` never ran) from those of a fit that is still running on the same module.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import (
     BatchSampler,
@@ -78,6 +85,24 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
     )
 
 
+def live_fit(trainer: Any) -> Callable[[Any], bool]:
+    """``running(current)``: whether the fit ``trainer`` runs now is still going, seen from the ``setup`` of a fit on
+    the Trainer ``current``: True while ``trainer``'s status is ``RUNNING``, unless ``current`` is ``trainer`` itself
+    (a Trainer runs one fit at a time, so its earlier fit is over) or ``trainer`` is gone (held weakly where it can
+    be)."""
+    try:
+        ref: Callable[[], Any] = weakref.ref(trainer)
+    except TypeError:  # a stand-in without weak references (tests)
+        ref = lambda: trainer  # noqa: E731
+
+    def running(current: Any) -> bool:
+        owner = ref()
+        status = getattr(getattr(owner, "state", None), "status", None)
+        return owner is not None and owner is not current and status == TrainerStatus.RUNNING
+
+    return running
+
+
 def wrapper_chain(datamodule: Any) -> list[Any]:
     """``[datamodule, datamodule.datamodule, ...]``: the DataModule and every DataModule it wraps, outermost first,
     down to the first one that is not a :class:`WrappingDataModule` (the user's)."""
@@ -98,7 +123,8 @@ def find_wrapper(datamodule: Any, cls: type[W]) -> W | None:
 
 class WrappingDataModule(pl.LightningDataModule):
     """Base of the technique DataModules: wraps ``datamodule`` and delegates everything but ``train_dataloader``
-    (``prepare_data``, ``setup``, ``teardown``, the evaluation loaders, ``state_dict``, ``model_hints``).
+    (``prepare_data``, ``setup``, ``teardown``, ``on_exception``, the evaluation loaders, ``state_dict``,
+    ``model_hints``).
     :meth:`template` reads the innermost (the user's) training loader once (:func:`loader_template`), also when
     wrappers are nested.
 
@@ -187,7 +213,14 @@ class WrappingDataModule(pl.LightningDataModule):
         return hook(batch, dataloader_idx) if hook is not None else batch
 
     def teardown(self, stage: str) -> None:
+        self.effi_batch_meta = None
         self.datamodule.teardown(stage)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A run raised (Lightning calls this hook of the outermost DataModule only, after the callbacks'
+        ``on_exception``): forget the batch in flight and pass the exception on to the wrapped DataModule."""
+        self.effi_batch_meta = None
+        self.datamodule.on_exception(exception)
 
     def val_dataloader(self) -> Any:
         return self.datamodule.val_dataloader()

@@ -81,6 +81,10 @@ class Curriculum(Callback):
       :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s baseline and the saving ``saved/curriculum/...``.
     - ``state_dict``: the committed stream position (safe-loadable ints, lists and dicts) and a configuration
       fingerprint; resuming continues the exact same sample stream.
+    - ``on_exception``: the fit raised (Lightning skips ``teardown`` then): the batch in flight is dropped (never
+      committed nor counted). The curriculum changes neither the module nor the Trainer (it truncates batches in its
+      DataModule's collate function), so nothing else is left to undo; a later fit, with or without it, trains the
+      module as a fresh one.
 
     With an :class:`~lightning_effi.callbacks.InfoBatchCallback` in the same Trainer the two form one data pipeline:
     the curriculum decides which samples are eligible and draws every batch (stream, steps, difficulty schedule and
@@ -354,6 +358,14 @@ class Curriculum(Callback):
             logs["effi/curriculum/num_clusters"] = float(stats[1])
         logs["effi/curriculum/consumed_tokens"] = float(self.consumed_tokens)
         pl_module.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, logger=True, rank_zero_only=True)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """The fit raised: forget the batch in flight (not committed: its tokens are not counted, its difficulty is not
+        the last one; the stream position stays the last committed batch's, as a checkpoint written then records)."""
+        self._pending = None
+        self._tokens_through_current = self.consumed_tokens
+        self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
 
     def effi_baseline(self, batch: Any, pl_module: pl.LightningModule) -> Baseline | None:
         """The current training batch as it would have been without ``seqlen_truncate``

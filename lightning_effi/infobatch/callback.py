@@ -9,7 +9,10 @@ tells the long story.
   unchanged), calls the user's step, takes the per-sample loss (returned by the step, computed by
   ``per_sample_loss=fn`` from the step's forward output, or the automatic cross-entropy of its logits, checked
   against the step's loss) and returns the weighted mean as ``"loss"`` (the module never sees indices or weights);
-  with manual optimization the step calls :func:`weighted_loss` itself;
+  with manual optimization the step calls :func:`weighted_loss` itself; ``teardown``, and ``on_exception`` when the fit
+  raises (Lightning skips ``teardown`` then), undo all of it: the module's own ``training_step``, the DataModules
+  detached, the Trainer's ``reload_dataloaders_every_n_epochs`` as it was; a module whose ``training_step`` an
+  earlier fit left wrapped (its ``on_exception`` never ran) is unwrapped at ``setup``, with a warning;
 - every batch: records the raw per-sample losses (rank-local sums and counts);
 - ``on_train_epoch_end``: sums the records over ranks (one collective per epoch) into the score table, identical
   on every rank, and logs the epoch's figures; the next epoch's plan is a pure function of
@@ -51,7 +54,7 @@ from lightning_effi.core.checks import check_bool, check_int, check_real
 from lightning_effi.core.progress import run_length, steps_per_epoch
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
-from lightning_effi.core.wrapping import find_wrapper
+from lightning_effi.core.wrapping import find_wrapper, live_fit, wrapper_chain
 from lightning_effi.curriculum.data import THINNED_KEYS, CurriculumDataModule
 from lightning_effi.infobatch import functional as ib
 from lightning_effi.infobatch.data import InfoBatchDataModule
@@ -289,7 +292,9 @@ class InfoBatchCallback(Callback):
             ``training_step`` output without a loss, a per-sample loss that is not ``float[B]`` with grad (a
             ``grad_fn``), ``per_sample_loss=fn`` together with a returned ``"per_sample_loss"``, an automatic
             per-sample loss that cannot be computed or does not reproduce the step's loss, a manual-optimization step
-            that does not call :func:`weighted_loss` once.
+            that does not call :func:`weighted_loss` once; (``setup``) a ``training_step`` wrapped by another
+            InfoBatch callback whose fit is still running (another Trainer's, on the same module, or a second
+            InfoBatch callback in this Trainer).
         IncompatibleTechniques: (``setup``) another technique callback in the Trainer that also owns the training
             sampler and cannot host this one's thinning, see :data:`~lightning_effi.core.requirements.CONFLICTS`.
     """
@@ -343,6 +348,10 @@ class InfoBatchCallback(Callback):
         self._stop_step: int | None = None
         self._run_steps: int | None = None  # composed mode: T, the run's optimizer steps (see thin_stop)
         self._original_step: Any = None
+        self._previous_step: Any = None  # an instance-level training_step of the module's own, put back at the end
+        self._module: pl.LightningModule | None = None  # the module whose training_step is wrapped
+        self._running: Callable[[Any], bool] | None = None  # live_fit of the fit in progress
+        self._reload_before: int | None = None  # the Trainer's reload_dataloaders_every_n_epochs before setup
         self._trainer: pl.Trainer | None = None
         self._datamodule: InfoBatchDataModule | None = None
         self._last_thin: tuple[int, int] | None = None  # composed mode: (candidates, kept) of the latest micro-batch
@@ -387,6 +396,8 @@ class InfoBatchCallback(Callback):
                 f"InfoBatchCallback does not support the {type(trainer.strategy).__name__} strategy; "
                 "use a single device or DDP"
             )
+        self._clear_leftovers(trainer, pl_module)
+        self._running = live_fit(trainer)
         self._show_clock()  # a provider of progress again (composed mode hides it)
         curriculum = find_wrapper(trainer.datamodule, CurriculumDataModule)
         if curriculum is not None:
@@ -418,15 +429,16 @@ class InfoBatchCallback(Callback):
                 f"InfoBatchCallback needs the training loader rebuilt every epoch; "
                 f"reload_dataloaders_every_n_epochs={reload} is not supported (use 0 or 1)"
             )
-        if reload == 0:
-            rank_zero_info("InfoBatchCallback: setting trainer.reload_dataloaders_every_n_epochs = 1")
-        trainer.reload_dataloaders_every_n_epochs = 1
         datamodule = trainer.datamodule
         if not isinstance(datamodule, InfoBatchDataModule):
             raise ValueError(
                 "InfoBatchCallback needs trainer.fit(..., datamodule=InfoBatchDataModule(your_datamodule)); got "
                 f"{type(datamodule).__name__ if datamodule is not None else 'no datamodule'}"
             )
+        if reload == 0:
+            rank_zero_info("InfoBatchCallback: setting trainer.reload_dataloaders_every_n_epochs = 1")
+        self._trainer, self._reload_before = trainer, reload  # put back at the end of the fit
+        trainer.reload_dataloaders_every_n_epochs = 1
         datamodule.planner = self
         self._datamodule = datamodule
         n = len(datamodule.train_dataset)
@@ -526,19 +538,79 @@ class InfoBatchCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._original_step is not None and "training_step" in pl_module.__dict__:
-            del pl_module.training_step  # back to the class's method
+        self._release()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """The fit raised (any exception, ``KeyboardInterrupt`` included; Lightning skips ``teardown`` then): undo what
+        ``setup`` did, as ``teardown`` does (:meth:`_release`), so a later fit of the module, with or without
+        InfoBatch, runs as on a module that never met it. Never raises (a failure is a warning: the fit's own
+        exception is the one that propagates)."""
+        try:
+            self._release()
+        except Exception as err:  # noqa: BLE001 - on_exception must not replace the fit's exception
+            rank_zero_warn(f"InfoBatchCallback: could not undo its changes after the fit raised ({err!r})")
+
+    def _release(self) -> None:
+        """The end of a fit, normal or not: the module's ``training_step`` back to what it was (the class's method, or
+        the module's own instance-level one), this callback detached from the DataModules it planned or thinned
+        for, the Trainer's ``reload_dataloaders_every_n_epochs`` back to its value before ``setup``, the progress
+        clock shown again. The score tables, history and counters stay readable. Idempotent."""
+        module = self._module
+        if module is not None and getattr(module.__dict__.get("training_step"), "_infobatch_owner", None) is self:
+            if self._previous_step is not None:
+                module.training_step = self._previous_step  # type: ignore[method-assign]
+            else:
+                del module.training_step  # back to the class's method
         if self.curriculum_dm is not None and self.curriculum_dm.thinner is self:
             self.curriculum_dm.thinner = None
+        trainer = self._trainer
+        for dm in wrapper_chain(trainer.datamodule if trainer is not None else self._datamodule):
+            if isinstance(dm, InfoBatchDataModule) and dm.planner is self:
+                dm.planner = None
+        if trainer is not None and self._reload_before is not None:
+            trainer.reload_dataloaders_every_n_epochs = self._reload_before
         self._show_clock()
-        self._original_step = None
-        self._trainer = None
+        self._original_step = self._previous_step = self._module = self._reload_before = None
+        self._trainer, self._step = None, None
+
+    def _clear_leftovers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before wrapping: undo what an earlier InfoBatch fit left on this module (its wrapped ``training_step``, its
+        DataModules and Trainer settings) when that fit is over but never undid it (its ``teardown`` and
+        ``on_exception`` did not run, e.g. an earlier callback's ``on_exception`` raised), with a warning.
+
+        Raises:
+            ValueError: the ``training_step`` is wrapped by another InfoBatch callback whose fit is still running
+                (another Trainer's fit on the same module), or by another InfoBatch callback of this Trainer.
+        """
+        if self._module is not None and self._module is not pl_module:
+            self._release()  # this callback's earlier fit, on another module, did not end: let it go
+        owner = getattr(pl_module.__dict__.get("training_step"), "_infobatch_owner", None)
+        if owner is None:
+            return
+        if owner is not self and owner in trainer.callbacks:
+            raise ValueError(
+                "InfoBatchCallback: two InfoBatch callbacks in one Trainer wrap this module's training_step; keep one"
+            )
+        if owner is not self and owner._running is not None and owner._running(trainer):
+            raise ValueError(
+                "InfoBatchCallback: this module's training_step is wrapped by another InfoBatchCallback whose fit is "
+                "still running (another Trainer's fit on the same module); a module is trained by one fit at a time: "
+                "wait until that fit ends or train a copy of the module (copy.deepcopy before either fit)"
+            )
+        owner._release()
+        rank_zero_warn(
+            "InfoBatchCallback: this module's training_step was still wrapped by an earlier InfoBatch fit that did "
+            "not end (interrupted before its on_exception ran?); put back the module's own training_step (and "
+            "detached that fit's DataModules) before wrapping it again"
+        )
 
     def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
-        if "training_step" in pl_module.__dict__:
-            raise ValueError("InfoBatchCallback: training_step is already wrapped (two InfoBatch callbacks?)")
+        previous = pl_module.__dict__.get("training_step")
+        if getattr(previous, "_infobatch_owner", None) is not None:  # _clear_leftovers let a live one through
+            raise ValueError("InfoBatchCallback: training_step is already wrapped by another InfoBatchCallback")
         original = pl_module.training_step
-        self._original_step = original
+        self._original_step, self._previous_step, self._module = original, previous, pl_module
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             self._step = self._current_step()
@@ -555,6 +627,7 @@ class InfoBatchCallback(Callback):
             finally:
                 self._step = None
 
+        training_step._infobatch_owner = self  # type: ignore[attr-defined]
         pl_module.training_step = training_step  # type: ignore[method-assign]
 
     def _current_step(self) -> _Step:

@@ -12,7 +12,11 @@ The method lives in :mod:`lightning_effi.random_ltd.functional` (selection, gath
   (``hf_gpt2``, ``hf_bert``, ``timm_vit``, ``torch_transformer``, or a
   :class:`~lightning_effi.adapters.GenericAdapter`; under ``model_attr`` when given), validates ``layer_ids`` and the
   schedule, and patches the selected layers' ``forward`` on the instance (before DDP wrapping and before checkpoint
-  weights load; ``state_dict`` keys are unchanged). ``teardown`` restores them.
+  weights load; ``state_dict`` keys are unchanged). ``teardown`` restores them, and so does ``on_exception`` when the
+  fit raises (Lightning skips ``teardown`` then). A module that an earlier fit left patched (one whose
+  ``on_exception`` never ran) is restored at ``setup``, with a warning; one patched by a fit still running (another
+  Trainer's) or by hand is an error. Before reading the network, ``setup`` lets a technique that replaces it put back
+  a full-size network an earlier fit of it left coarse (the V-cycle's ``effi_restore_network``).
 - ``on_train_start``: resolves a derived ``require_steps`` (a fraction or epochs) in optimizer steps, or, when a
   technique that shortens the epochs provides the run's progress clock (InfoBatch,
   :func:`~lightning_effi.core.progress.progress_clock`), as a share of its training progress.
@@ -45,7 +49,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -63,16 +67,18 @@ from lightning_effi.core.progress import (
 from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
-from lightning_effi.core.wrapping import wrapper_chain
+from lightning_effi.core.wrapping import live_fit, wrapper_chain
 from lightning_effi.models.base import TransformerAdapter, find_adapter, resolve_attr
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import (
     LTDController,
     PatchedLayers,
     convert,
+    find_patches,
     observe,
     resolve_layer_ids,
     restore,
+    restore_module,
 )
 
 #: the clocks a derived schedule is measured on: optimizer steps, or a progress clock's training progress
@@ -215,7 +221,9 @@ class RandomLTDCallback(Callback):
             ``require_steps`` cannot be derived (a fraction of a run of unknown length, epochs of a train dataloader
             without a length; epochs on a progress clock without a finite ``max_epochs``); (train start,
             ``strict``) a resumed run whose ``require_steps`` resolves to another step count than the checkpoint's,
-            or to another clock or share of the progress.
+            or to another clock or share of the progress; (``setup``) a module whose layers are patched by a
+            random-LTD fit that is still running (another Trainer's, on the same module) or by hand (``convert``
+            without ``restore``): the message names the layers.
         IncompatibleTechniques: (``setup``) combined with another technique that patches layers, see
             :data:`~lightning_effi.core.requirements.CONFLICTS` (a shape change is followed:
             ``follows_model_changes``).
@@ -313,6 +321,8 @@ class RandomLTDCallback(Callback):
         self._seqlen_curriculum: tuple[str, int] | None = None  # (metric, longest batch) of a truncating curriculum
         self._curriculum: str | None = None  # a Curriculum in the run: its first batches may be short by design
         self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
+        self._active = False  # between setup("fit") and the end of that fit (teardown or on_exception)
+        self._running: Any = None  # live_fit of the fit in progress, stored on every patch it makes
         self._reset_progress()
 
     def _reset_progress(self) -> None:
@@ -380,8 +390,13 @@ class RandomLTDCallback(Callback):
             return
         check_trainer(trainer)
         self._reset_progress()
-        if self.patched is not None:
-            return
+        self._active = False  # (an earlier fit of this callback that did not end left it set)
+        for other in trainer.callbacks:  # a network an earlier fit left coarse goes back to full size first (V-cycle)
+            restore_network = getattr(other, "effi_restore_network", None)
+            if other is not self and callable(restore_network):
+                restore_network(trainer, pl_module)
+        self._clear_leftovers(trainer, pl_module)
+        self._active, self._running = True, live_fit(trainer)
         adapter = self._find_adapter(pl_module)
         layers = adapter.layers()
         self.num_layers = len(layers)
@@ -422,7 +437,66 @@ class RandomLTDCallback(Callback):
             keep_prefix_tokens=self.keep_prefix_tokens,
         )
         self.patched = convert(pl_module, adapter, self.controller)
+        self.patched.running = self._running
         self.adapter = adapter
+
+    def _clear_leftovers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before patching: undo what an earlier fit left (this callback's, or another random-LTD callback's on the same
+        module) when that fit is over but never undid it (its ``teardown`` and ``on_exception`` did not run, e.g. an
+        earlier callback's ``on_exception`` raised), with a warning naming the layers.
+
+        Raises:
+            ValueError: the module's layers are patched by a random-LTD fit that is still running (another Trainer's
+                fit on the same module) or by hand (:func:`~lightning_effi.random_ltd.patching.convert` without
+                ``restore``); the message names the layers.
+        """
+        name = type(self).__name__
+        found = find_patches(pl_module)
+        own = self.patched  # this callback's earlier fit did not end: its layers may be in another module
+        live = sorted({n for n, p in found if p is not None and p is not own and p.running and p.running(trainer)})
+        if live:
+            raise ValueError(
+                f"{name}: layer{'s' if len(live) > 1 else ''} {', '.join(live)} of this module "
+                f"{'are' if len(live) > 1 else 'is'} patched by another random-LTD fit that is still running (another "
+                "Trainer's fit on the same module); a module is trained by one fit at a time: wait until that fit ends "
+                "or train a copy of the module (copy.deepcopy before either fit)"
+            )
+        manual = sorted({n for n, p in found if p is not own and (p is None or p.running is None)})
+        if manual:
+            raise ValueError(
+                f"{name}: layer{'s' if len(manual) > 1 else ''} {', '.join(manual)} of this module "
+                f"{'are' if len(manual) > 1 else 'is'} already patched by random-LTD outside a fit (convert() without "
+                "restore(), or a copy of a patched module); undo it first with restore(<what convert returned>) or "
+                "lightning_effi.random_ltd.patching.restore_module(module)"
+            )
+        if own is None and not found:
+            return
+        names = list(dict.fromkeys(n for n, _ in found))
+        if own is not None:
+            restore(own)
+            self.patched = None
+        restore_module(pl_module)
+        what = (
+            f"layer{'s' if len(names) > 1 else ''} {', '.join(names)} of this module"
+            if names
+            else "the layers of the module of its earlier fit"
+        )
+        rank_zero_warn(
+            f"{name}: {what} {'were' if len(names) > 1 else 'was'} still patched by an earlier random-LTD fit that "
+            "did not end (interrupted before its on_exception ran?); restored the original forward before patching "
+            "again"
+        )
+
+    def _release(self) -> None:
+        """The end of a fit, normal (``teardown``) or not (``on_exception``): disarm the controller and restore the
+        patched layers (:func:`~lightning_effi.random_ltd.patching.restore`); the counters and the controller's last
+        records stay readable. Idempotent."""
+        self._active = False
+        if self.controller is not None:
+            self.controller.end()
+        if self.patched is not None:
+            restore(self.patched)
+            self.patched = None
 
     def _search_root(self, pl_module: pl.LightningModule) -> nn.Module:
         """Where the transformer is looked for: the LightningModule, or the submodule ``model_attr`` names."""
@@ -517,9 +591,21 @@ class RandomLTDCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.patched is not None:
-            restore(self.patched)
-            self.patched = None
+        if stage == "fit":
+            self._release()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """The fit raised (any exception, ``KeyboardInterrupt`` included; Lightning skips ``teardown`` then): restore
+        the patched layers as ``teardown`` does, so the module trains and evaluates as it did before the fit. Never
+        raises (a failure to restore is a warning: the fit's own exception is the one that propagates)."""
+        try:
+            self._release()
+        except Exception as err:  # noqa: BLE001 - on_exception must not replace the fit's exception
+            rank_zero_warn(
+                f"{type(self).__name__}: could not restore the patched layers after the fit raised ({err!r}); "
+                "undo it with lightning_effi.random_ltd.patching.restore_module(module)"
+            )
 
     # ------------------------------------------------------------------------------------------------ model changes
     def effi_before_model_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -546,7 +632,7 @@ class RandomLTDCallback(Callback):
         Raises:
             ValueError: no adapter matches the new network, or ``layer_ids`` do not resolve at its depth.
         """
-        if self.controller is None or self.patched is not None:
+        if self.controller is None or self.patched is not None or not self._active:
             return
         arg = self.adapter_arg
         adapter = (
@@ -562,6 +648,7 @@ class RandomLTDCallback(Callback):
         self.controller.num_layers, self.controller.layer_ids = num_layers, layer_ids
         # no LTD layer (the default ids at <= 2 layers): paused, the shapes are only observed for the accounting
         self.patched = (convert if layer_ids else observe)(pl_module, adapter, self.controller)
+        self.patched.running = self._running
         self.adapter, self.num_layers, self.layer_ids = adapter, num_layers, layer_ids
 
     @override

@@ -56,9 +56,11 @@ __all__ = [
     "LTDForward",
     "PatchedLayers",
     "convert",
+    "find_patches",
     "observe",
     "resolve_layer_ids",
     "restore",
+    "restore_module",
     "strip_random_ltd_keys",
 ]
 
@@ -268,6 +270,8 @@ class LTDForward:
     ):
         self.original = original
         self.controller = controller
+        #: the :class:`PatchedLayers` this forward belongs to (set by :func:`convert`; None in a deep copy)
+        self.patch: PatchedLayers | None = None
         self.ordinal = ordinal
         self.index = index
         self.arguments = adapter.layer_arguments
@@ -284,6 +288,7 @@ class LTDForward:
         # a deep copy of the model (e.g. FLOP counting on a meta copy) patches the copied layer, sharing the controller
         new = copy.copy(self)
         new.original = copy.deepcopy(self.original, memo)
+        new.patch = None  # the record of what convert changed is the original model's
         return new
 
     def _owner(self) -> nn.Module:
@@ -431,7 +436,13 @@ def _hf_collector() -> dict | None:
 
 @dataclass
 class PatchedLayers:
-    """What :func:`convert` (or :func:`observe`) changed, for :func:`restore`."""
+    """What :func:`convert` (or :func:`observe`) changed, for :func:`restore`.
+
+    Attributes:
+        running: set by the owner of a patch made for a fit (the callback,
+            :func:`~lightning_effi.core.wrapping.live_fit`): ``running(trainer)`` tells whether that fit is still
+            going, seen from a fit on ``trainer``; None for a patch made outside a fit (by hand).
+    """
 
     adapter: TransformerAdapter
     layers: list[nn.Module]
@@ -439,6 +450,27 @@ class PatchedLayers:
     controller: LTDController
     hooks: list[Any] = field(default_factory=list)  # forward pre-hook handles of :func:`observe`
     set_up: bool = True  # the adapter's on_setup ran (convert), so restore runs its on_teardown
+    running: Callable[[Any], bool] | None = None
+
+
+class _ObserveHook:
+    """The forward pre-hook of :func:`observe`: records the shapes of each armed training forward; ``patch`` tells
+    :func:`find_patches` which :class:`PatchedLayers` it belongs to."""
+
+    def __init__(self, controller: LTDController, seq_dim: int, hidden_name: str) -> None:
+        self.controller, self.seq_dim, self.hidden_name = controller, seq_dim, hidden_name
+        self.patch: PatchedLayers | None = None
+
+    def __deepcopy__(self, memo: dict) -> _ObserveHook:
+        # a deep copy of the model (e.g. FLOP counting) keeps the hook, sharing the controller, as LTDForward does
+        new = copy.copy(self)
+        new.patch = None
+        return new
+
+    def __call__(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.get(self.hidden_name)
+        if layer.training and isinstance(hidden, Tensor) and hidden.device.type != "meta" and hidden.dim() >= 2:
+            self.controller.observe(hidden.shape[1 - self.seq_dim], hidden.shape[self.seq_dim], hidden.device)
 
 
 def convert(module: nn.Module, adapter: TransformerAdapter, controller: LTDController) -> PatchedLayers:
@@ -468,7 +500,10 @@ def convert(module: nn.Module, adapter: TransformerAdapter, controller: LTDContr
     for layer, fwd in zip(selected, forwards):
         layer.forward = fwd
     adapter.on_setup()
-    return PatchedLayers(adapter, selected, previous, controller)
+    patched = PatchedLayers(adapter, selected, previous, controller)
+    for fwd in forwards:
+        fwd.patch = patched
+    return patched
 
 
 def observe(module: nn.Module, adapter: TransformerAdapter, controller: LTDController) -> PatchedLayers:
@@ -486,19 +521,14 @@ def observe(module: nn.Module, adapter: TransformerAdapter, controller: LTDContr
     layers = adapter.layers()
     if len(layers) != controller.num_layers:
         raise ValueError(f"the controller expects {controller.num_layers} layers, the model has {len(layers)}")
-    hooks = []
+    patched = PatchedLayers(adapter, [], [], controller, set_up=False)
     if len(layers):
         first = layers[0]
         seq_dim = 1 if adapter.hidden_state_order == "batch_seq" else 0
-        hidden_name = _hidden_name(inspect.signature(first.forward))
-
-        def record(layer: nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden = args[0] if args else kwargs.get(hidden_name)
-            if layer.training and isinstance(hidden, Tensor) and hidden.device.type != "meta" and hidden.dim() >= 2:
-                controller.observe(hidden.shape[1 - seq_dim], hidden.shape[seq_dim], hidden.device)
-
-        hooks.append(first.register_forward_pre_hook(record, with_kwargs=True))
-    return PatchedLayers(adapter, [], [], controller, hooks, set_up=False)
+        record = _ObserveHook(controller, seq_dim, _hidden_name(inspect.signature(first.forward)))
+        record.patch = patched
+        patched.hooks.append(first.register_forward_pre_hook(record, with_kwargs=True))
+    return patched
 
 
 def restore(patched: PatchedLayers) -> None:
@@ -514,12 +544,56 @@ def restore(patched: PatchedLayers) -> None:
         hook.remove()
     if patched.set_up:
         patched.adapter.on_teardown()
+        patched.set_up = False
     patched.layers, patched.previous, patched.hooks = [], [], []
 
 
 def is_converted(module: nn.Module) -> bool:
     """True if any submodule of ``module`` has a random-LTD ``forward``."""
     return any(isinstance(m.__dict__.get("forward"), LTDForward) for m in module.modules())
+
+
+def _observe_hooks(module: nn.Module) -> list[tuple[int, _ObserveHook]]:
+    return [(key, hook) for key, hook in module._forward_pre_hooks.items() if isinstance(hook, _ObserveHook)]
+
+
+def find_patches(module: nn.Module) -> list[tuple[str, PatchedLayers | None]]:
+    """Every submodule of ``module`` (``module`` included, named as in ``named_modules``; ``""`` for ``module``)
+    that random-LTD changed: a layer with an :class:`LTDForward` (:func:`convert`) or with the shape-recording hook
+    of :func:`observe`, with the :class:`PatchedLayers` it belongs to (None when not known: a deep copy)."""
+    found: list[tuple[str, PatchedLayers | None]] = []
+    for name, sub in module.named_modules():
+        fwd = sub.__dict__.get("forward")
+        if isinstance(fwd, LTDForward):
+            found.append((name, fwd.patch))
+        found.extend((name, hook.patch) for _, hook in _observe_hooks(sub))
+    return found
+
+
+def restore_module(module: nn.Module) -> list[str]:
+    """Undo every random-LTD change found in ``module`` (:func:`find_patches`), whoever made it: each
+    :class:`PatchedLayers` is restored whole (:func:`restore`: every layer it patched, its hooks, the adapter's
+    ``on_teardown``); a patched layer whose record is not known gets back the ``forward`` its :class:`LTDForward`
+    wraps. For a module that a fit left patched without undoing it (a fit whose ``on_exception`` did not run), or one
+    patched by hand with :func:`convert`. Returns the names of the submodules found (empty: nothing to undo)."""
+    found = find_patches(module)
+    for patch in {id(p): p for _, p in found if p is not None}.values():
+        restore(patch)
+    for sub in module.modules():  # what no record restored
+        fwd = sub.__dict__.get("forward")
+        if isinstance(fwd, LTDForward):
+            original = fwd.original
+            bound_to_class = getattr(original, "__self__", None) is sub and getattr(
+                original, "__func__", None
+            ) is getattr(type(sub), "forward", None)
+            if bound_to_class:
+                del sub.forward
+            else:
+                sub.forward = original
+        for key, _ in _observe_hooks(sub):
+            sub._forward_pre_hooks.pop(key, None)
+            sub._forward_pre_hooks_with_kwargs.pop(key, None)
+    return list(dict.fromkeys(name for name, _ in found))
 
 
 def strip_random_ltd_keys(state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from lightning_effi.core.progress import Duration, progress_clock, progress_tick
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer, technique_callbacks
 from lightning_effi.core.state import config_mismatch, settings_diff
+from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
 from lightning_effi.vcycle import stages as S
 from lightning_effi.vcycle.accounting import FlopsAccount
@@ -115,16 +116,25 @@ class VCycleCallback(Callback):
             of the three lengths, accepted for one release with a ``DeprecationWarning``; any other keyword raises
             ``TypeError``.
 
-    A run cut short at a coarse level (``max_time``, ``EarlyStopping``, ``trainer.should_stop``, a data budget that
-    ends early) is brought back to the full model in ``on_train_end``: de-coalesced and interpolated level by level
-    with the pending snapshots (the operators of a normal up-switch; the optimizer is rebuilt for the full model), with
-    a warning that the full model was not trained after it. Techniques bound to the network's layers follow every
-    level change (:class:`~lightning_effi.core.protocols.FollowsModelChanges`, e.g. random-LTD): they are told
-    before the network is replaced and after the new one is in place (before the optimizer is rebuilt), also when a
-    checkpoint's coarse level is rebuilt and at that final restore; :meth:`effi_model_depths` gives them the depth of
-    every level in their ``setup``. For the :class:`~lightning_effi.core.accounting.EfficiencyMonitor`,
-    :meth:`effi_baseline` puts the full model in place of a coarse level while the monitor counts the batch, so the
-    monitor's ``saved/vcycle/...`` is the V-cycle's saving against the full model on the same batches.
+    A run cut short at a coarse level (``max_time``, ``EarlyStopping``, ``trainer.should_stop``, a data budget that ends
+    early) is brought back to the full model in ``on_train_end``: de-coalesced and interpolated level by level with the
+    pending snapshots (the operators of a normal up-switch; the optimizer is rebuilt for the full model), with a warning
+    that the full model was not trained after it. A fit that raises (any exception, ``KeyboardInterrupt`` included;
+    Lightning skips ``teardown`` then) is ended in ``on_exception``: below level 1, a full-size network is put back in
+    the module, the coarse level's weights de-coalesced up to the full shapes without interpolation (the weights a
+    checkpoint written at that moment holds; on the CPU, where Lightning's teardown puts the module next;
+    :meth:`LevelStack.restore_full_size <lightning_effi.vcycle.levels.LevelStack.restore_full_size>`), with one warning
+    naming the levels; the resume hooks come off the module. The callback's ``state_dict`` and checkpoint weights keep
+    describing the interrupted level, so a checkpoint written after the exception (``OnExceptionCheckpoint``) is the one
+    written just before it and resumes the cycle exactly. A module that an earlier fit left at a coarse level (its
+    ``on_exception`` never ran) is put back at full size the same way in ``setup``, with a warning; one held by a
+    V-cycle fit that is still running is an error. Techniques bound to the network's layers follow every level change
+    (:class:`~lightning_effi.core.protocols.FollowsModelChanges`, e.g. random-LTD): they are told before the network is
+    replaced and after the new one is in place (before the optimizer is rebuilt), also when a checkpoint's coarse level
+    is rebuilt and at that final restore; :meth:`effi_model_depths` gives them the depth of every level in their
+    ``setup``. For the :class:`~lightning_effi.core.accounting.EfficiencyMonitor`, :meth:`effi_baseline` puts the full
+    model in place of a coarse level while the monitor counts the batch, so the monitor's ``saved/vcycle/...`` is the
+    V-cycle's saving against the full model on the same batches.
 
     Checkpoints hold the full model's weights at every level: below level 1 the ``state_dict`` holds the level's
     network de-coalesced up to the full shapes (:meth:`~lightning_effi.vcycle.levels.LevelStack.full_state_dict`, no
@@ -153,7 +163,8 @@ class VCycleCallback(Callback):
             and epochs that add up to more than the run, epochs without ``max_epochs``; (resume, before the weights
             load) a checkpoint written by a V-cycle with another number of levels or network attribute, level
             weights that do not fit the rebuilt level; (resume, ``strict``) a checkpoint written with another
-            configuration (another clock included) or other stages.
+            configuration (another clock included) or other stages; (``setup``) a module whose network is held by
+            another V-cycle fit that is still running (another Trainer's, on the same module).
         TypeError: (construction) an unknown keyword argument.
         IncompatibleTechniques: (``setup``) a strategy other than single device / DDP (FSDP, DeepSpeed, ...), weight
             averaging callbacks, a technique that patches the model's layers without following model changes.
@@ -246,6 +257,9 @@ class VCycleCallback(Callback):
         self.clock: str = "step"
         self._clock_source: ProvidesProgressClock | None = None
         self.cut_short_level = 0  # the level a run cut short ended at, before on_train_end restored the full model
+        # a fit that raised below level 1: the level, its exact weights and the snapshots, still reported by state_dict
+        # and on_save_checkpoint after on_exception put the full-size network back (OnExceptionCheckpoint)
+        self._interrupted: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         """Every constructor argument (new spelling; a length as random-LTD's ``require_steps``: an int of steps, else
@@ -293,7 +307,7 @@ class VCycleCallback(Callback):
         name = type(self).__name__
         self._reset_progress()
         check_trainer(trainer)
-        self._stack.check_full_model()  # a previous fit that stopped at a coarse level raises
+        self._clear_leftovers(trainer, pl_module)
         for attr, child in pl_module._modules.items():
             if type(child).__name__ == "OptimizedModule" and self.model_attr_arg in (None, attr):
                 raise MisconfigurationException(
@@ -302,6 +316,7 @@ class VCycleCallback(Callback):
                 )
         self.model_attr, self.adapter = self._find_network(pl_module)
         self._stack.bind(pl_module, self.model_attr)
+        self._stack.running = live_fit(trainer)
         if self.alpha_arg is None:
             self.alpha_original = float(self.adapter.default_alpha_original)
         if self.alpha_original == 0.0:
@@ -317,6 +332,71 @@ class VCycleCallback(Callback):
         if not any(type(c).requirements.changes_epoch_length for c in technique_callbacks(trainer.callbacks)):
             self._fit_stages(trainer, at_setup=True)
         self._install_load_hook(pl_module)
+
+    def _leftover_stacks(self, pl_module: pl.LightningModule) -> list[LevelStack]:
+        """This callback's stack when still bound (its earlier fit did not end, or this fit's setup ran), and the stack
+        of another V-cycle whose resume hooks are on ``pl_module``."""
+        stacks = [self._stack] if self._stack.host is not None else []
+        other = getattr(vars(pl_module).get("on_load_checkpoint"), "_vcycle_owner", None)
+        if isinstance(other, LevelStack) and other is not self._stack and other.host is pl_module:
+            stacks.append(other)
+        return stacks
+
+    def _check_not_running(self, stack: LevelStack, trainer: pl.Trainer) -> None:
+        if stack is not self._stack and stack.running is not None and stack.running(trainer):
+            raise ValueError(
+                f"{type(self).__name__}: this module's network (pl_module.{stack.attr}) is held by another V-cycle fit "
+                "that is still running (another Trainer's fit on the same module); a module is trained by one fit at "
+                "a time: wait until that fit ends or train a copy of the module (copy.deepcopy before either fit)"
+            )
+
+    def effi_restore_network(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put a full-size network back where an earlier V-cycle fit that did not end (its ``teardown`` and
+        ``on_exception`` never ran, e.g. an earlier callback's ``on_exception`` raised) left a coarse level: in
+        ``pl_module`` (this callback's stack or another V-cycle's bound to it) or in the module of this callback's
+        earlier fit, as ``on_exception`` does (:meth:`~lightning_effi.vcycle.levels.LevelStack.restore_full_size`; the
+        techniques that follow model changes are told before and after), with a warning naming the levels.
+        Called by this callback's ``setup`` and by a technique that reads the network in its own ``setup``
+        (random-LTD), whichever runs first; a no-op at level 1 (a fit's setup never finds its own V-cycle below level
+        1, so a coarse level found then is a leftover).
+
+        Raises:
+            ValueError: the module is held by another V-cycle fit that is still running (another Trainer's fit on the
+                same module).
+            RuntimeError: the full-size network cannot be put back (a level change failed half-way).
+        """
+        name = type(self).__name__
+        for stack in self._leftover_stacks(pl_module):
+            if stack.level == 1:
+                continue
+            self._check_not_running(stack, trainer)
+            host, level = stack.host, stack.level
+            if host is pl_module:
+                notify_model_change(trainer, pl_module, "before")
+            path = stack.restore_full_size()
+            if host is pl_module:
+                notify_model_change(trainer, pl_module, "after")
+            where = "this module" if host is pl_module else f"the module of its earlier fit ({type(host).__name__})"
+            rank_zero_warn(
+                f"{name}: an earlier V-cycle fit that did not end (interrupted before its on_exception ran?) left "
+                f"{where} at level {level}; put a full-size network back in pl_module.{stack.attr} (level "
+                f"{' -> '.join(map(str, path))}: the level-{level} weights de-coalesced to the full shapes, no "
+                "interpolation, not trained after) before starting a new cycle"
+            )
+
+    def _clear_leftovers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before binding: end what an earlier V-cycle fit that did not end left (this callback's, or another V-cycle's
+        bound to this module): a full-size network back in place (:meth:`effi_restore_network`), the resume hooks off.
+
+        Raises:
+            ValueError: the module is held by another V-cycle fit that is still running.
+            RuntimeError: the full-size network cannot be put back.
+        """
+        self.effi_restore_network(trainer, pl_module)
+        for stack in self._leftover_stacks(pl_module):
+            self._check_not_running(stack, trainer)
+            stack.remove_resume_hook()
+            stack.running = None
 
     def _fit_stages(self, trainer: pl.Trainer, at_setup: bool) -> list[tuple[int, int]] | None:
         """:func:`~lightning_effi.vcycle.stages.fit_stages` with this callback's lengths."""
@@ -406,8 +486,52 @@ class VCycleCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._stack.remove_resume_hook()  # and releases the module
-            self._clock_source = None
+            self._release()
+
+    def _release(self) -> None:
+        """The end of a fit: the resume hooks come off the module and the stack lets it go; the clock source too."""
+        self._stack.remove_resume_hook()  # and releases the module
+        self._stack.running = None
+        self._clock_source = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """The fit raised (any exception, ``KeyboardInterrupt`` included; Lightning skips ``teardown`` then): below
+        level 1, put a full-size network back in the module (the class docstring; one warning naming the levels),
+        then end the fit as ``teardown`` does. The techniques that follow model changes are not told (they undo their
+        own changes in their ``on_exception``), and the optimizer is not rebuilt (a new fit builds its own; the one
+        in place matches the interrupted level that this callback's state still describes). Never raises (a failure
+        is a warning: the fit's own exception is the one that propagates)."""
+        name = type(self).__name__
+        try:
+            stack = self._stack
+            if stack.host is pl_module and stack.level != 1:
+                level, stage = stack.level, self.stage_index
+                interrupted = {
+                    "level": level,
+                    "weights": stack.exact_weights(device="cpu"),
+                    "snapshots": stack.state_dict()["snapshots"],
+                }
+                path = stack.restore_full_size()
+                self._interrupted = interrupted
+                rank_zero_warn(
+                    f"{name}: the fit raised {type(exception).__name__} at step {trainer.global_step}, at level "
+                    f"{level} (stage {stage + 1} of {len(self.stages) + 1}); put a full-size network back in "
+                    f"pl_module.{stack.attr} (level {' -> '.join(map(str, path))}: the level-{level} weights "
+                    "de-coalesced to the full shapes, no interpolation: the weights a checkpoint of this step holds; "
+                    "the pending snapshots were dropped). A new fit starts a new cycle on these weights; to continue "
+                    "the interrupted cycle exactly, resume from a checkpoint"
+                )
+        except Exception as err:  # noqa: BLE001 - on_exception must not replace the fit's exception
+            rank_zero_warn(
+                f"{name}: could not put a full-size network back after the fit raised ({err!r}); the module holds the "
+                f"level-{self._stack.level} network"
+            )
+        finally:
+            try:
+                self._release()
+            except Exception as err:  # noqa: BLE001
+                rank_zero_warn(f"{name}: could not remove its resume hooks after the fit raised ({err!r})")
 
     # ------------------------------------------------------------------------------------------------ training
     @override
@@ -617,13 +741,19 @@ class VCycleCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """Progress, FLOPs counters, stage ends, pending snapshots and configuration. After a fit raised below level 1
+        (:meth:`on_exception`), the level and snapshots of the interrupted fit (a checkpoint written then resumes
+        it)."""
+        state = {
             **{k: kind(getattr(self, k)) for k, kind in _COUNTERS.items()},
             **self.flops_account.state_dict(),  # "flops", "full_model_flops", "flops_steps"
             "stage_ends": [int(e) for e in self.stage_ends],
             **self._stack.state_dict(),  # "snapshots"
             "config": self.config(),
         }
+        if self._interrupted is not None:
+            state["level"], state["snapshots"] = self._interrupted["level"], self._interrupted["snapshots"]
+        return state
 
     @override
     def on_save_checkpoint(
@@ -632,7 +762,7 @@ class VCycleCallback(Callback):
         """Below level 1, the exact weights of the coarse level beside this callback's state (``"weights"``; a resumed
         fit puts them back, the checkpoint's ``state_dict`` holds the full-size de-coalesced model). Kept out of
         :meth:`state_dict`, which holds the callback's own progress only."""
-        weights = self._stack.exact_weights()
+        weights = self._stack.exact_weights() if self._interrupted is None else self._interrupted["weights"]
         state = (checkpoint.get("callbacks") or {}).get(self.state_key)
         if weights is not None and state is not None:
             state["weights"] = weights

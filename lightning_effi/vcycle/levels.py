@@ -19,6 +19,18 @@ from lightning_effi.vcycle import operators as V
 __all__ = ["LevelStack", "level_depths"]
 
 
+def _copy_to(state: Mapping[str, Tensor], device: Any) -> dict[str, Tensor]:
+    """Detached copies of ``state``'s tensors on ``device``; keys that share a tensor (tied weights) share the copy."""
+    copies: dict[tuple[Any, ...], Tensor] = {}
+    out = {}
+    for key, value in state.items():
+        same = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+        if same not in copies:
+            copies[same] = value.detach().to(device, copy=True)
+        out[key] = copies[same]
+    return out
+
+
 def level_depths(plans: Sequence[V.VCyclePlan]) -> list[int]:
     """The number of layers of the model of every level 1..K, from the plans of its level changes.
 
@@ -48,6 +60,8 @@ class LevelStack:
         plans: ``plans[k - 1]``: level ``k`` → ``k + 1`` (set by :meth:`plan`).
         parked: level → the module of that level (on the CPU) while a coarser one trains.
         snapshots: level → the CPU float32 state dict saved before coalescing it, pending interpolation.
+        running: set by the owner while a fit uses the stack (:func:`~lightning_effi.core.wrapping.live_fit`):
+            ``running(trainer)`` tells whether that fit is still going, seen from a fit on ``trainer``; None outside.
     """
 
     def __init__(self, levels: int, owner: str = "VCycleCallback") -> None:
@@ -59,6 +73,7 @@ class LevelStack:
         self.host: Any = None  # the object holding the module (a LightningModule)
         self.attr = "model"
         self.adapter: object = None
+        self.running: Callable[[Any], bool] | None = None
 
     def check_full_model(self) -> None:
         """Raises RuntimeError: a coarser level is in place (a fit stopped below level 1: its host holds the coarse
@@ -240,18 +255,48 @@ class LevelStack:
                     host.effi_num_layers = before
 
     # ------------------------------------------------------------------------------------------------ checkpoints
-    def full_state_dict(self) -> dict[str, Tensor]:
+    def full_state_dict(self, device: Any = None) -> dict[str, Tensor]:
         """The state dict of the current module de-coalesced level by level up to the full model's shapes
         (:func:`~lightning_effi.vcycle.operators.decoalesce` with the plans of levels ``level − 1``, ..., 1; no
         interpolation): what a checkpoint written below level 1 holds as the network's weights. De-coalescing widths
         with pairs preserves the function (GPT-2 under ``embedding_convention="exact"``, BERT, ViT: the method card's
         "What is and is not function-preserving"); de-coalescing depths does not (a duplicated block applied twice).
-        At level 1, the module's own state dict. New tensors on the module's device and dtype; tied keys share one
-        tensor."""
+        At level 1, the module's own state dict. New tensors in the module's dtype, on its device (``device``: copied
+        there first; the values are the same); tied keys share one tensor."""
         state: dict[str, Tensor] = dict(self.model.state_dict())
+        if device is not None:
+            state = _copy_to(state, device)
         for level in range(self.level, 1, -1):
             state = V.decoalesce(state, self.plans[level - 2])
         return state
+
+    def restore_full_size(self) -> list[int]:
+        """Put a full-size network back in the host from below level 1 without training it: the parked module of level
+        1 gets :meth:`full_state_dict` (the current level's weights de-coalesced up to the full shapes, no
+        interpolation: the weights a checkpoint written now holds; computed on the CPU) and goes in the host, on the
+        CPU, in the current module's train / eval mode; the parked modules and pending snapshots are dropped. For a fit
+        that ends abnormally at a coarse level (an exception), where the up-switch of :meth:`up_to_full` (which
+        needs the snapshots and a fresh optimizer) does not apply. Returns the levels passed ``[current, ..., 1]``
+        (``[1]`` at level 1: nothing changes).
+
+        Raises:
+            RuntimeError: below level 1 and the full model is not parked (a level change failed half-way).
+        """
+        if self.level == 1:
+            return [1]
+        if 1 not in self.parked:
+            raise RuntimeError(
+                f"{self.owner}: the full model is not parked at level {self.level} (a level change failed half-way), "
+                "so no full-size network can be put back"
+            )
+        path = list(range(self.level, 0, -1))
+        current = self.model
+        full = self.parked[1]
+        full.load_state_dict(self.full_state_dict(device="cpu"))
+        full.train(current.training)
+        self.parked, self.snapshots = {}, {}
+        self._put(full, 1)
+        return path
 
     def _replace_network(self, state_dict: MutableMapping[str, Tensor], network: Mapping[str, Tensor]) -> None:
         """Replace the entries ``<attr>.*`` of a host's state dict by ``network`` (keys relative to the network), in
@@ -315,11 +360,15 @@ class LevelStack:
         (:meth:`exact_weights`)."""
         return {"snapshots": {str(k): dict(v) for k, v in self.snapshots.items()}}
 
-    def exact_weights(self) -> dict[str, Any] | None:
+    def exact_weights(self, device: Any = None) -> dict[str, Any] | None:
         """Below level 1, the exact weights of the current module (keys relative to the network), which the owner
         writes into a checkpoint's callback state as ``"weights"`` (the checkpoint's own ``state_dict`` holds their
-        full-size de-coalesced form, :meth:`write_full_size`); None at level 1."""
-        return dict(self.model.state_dict()) if self.level != 1 else None
+        full-size de-coalesced form, :meth:`write_full_size`); copies on ``device`` when given (tied keys share one
+        copy); None at level 1."""
+        if self.level == 1:
+            return None
+        weights = dict(self.model.state_dict())
+        return _copy_to(weights, device) if device is not None else weights
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Check that the level saved in ``state_dict["level"]`` is in place (:meth:`rebuild` ran) and load the

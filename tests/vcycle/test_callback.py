@@ -155,18 +155,19 @@ def test_callback_reused_for_a_second_fit_starts_a_fresh_cycle(tmp_path):
     assert counts(cb.effi_summary()) == counts(fresh.effi_summary()) != counts(first)
 
 
-def test_callback_left_mid_cycle_refuses_a_new_fit(tmp_path):
+def test_callback_left_mid_cycle_is_ended_by_on_exception(tmp_path):
     class Stop(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 3:
                 raise ValueError("crash inside the small stage")
 
     cb = VCycleCallback(e_a=2, e_small=3)
-    with pytest.raises(ValueError, match="crash inside"):
-        run([cb, Stop()], 7, root=tmp_path / "a")
-    assert cb.level == 2
-    with pytest.raises(RuntimeError, match="stopped at level 2"):
-        run([cb], 7, root=tmp_path / "b")
+    with pytest.warns(UserWarning, match="put a full-size network back in pl_module.model"):
+        with pytest.raises(ValueError, match="crash inside"):
+            run([cb, Stop()], 7, root=tmp_path / "a")
+    assert cb.level == 1 and cb.state_dict()["level"] == 2  # the state still describes the interrupted level
+    run([cb], 7, root=tmp_path / "b")  # a new cycle on the full-size network
+    assert cb.level == 1 and cb.switches == 2 and cb.state_dict()["level"] == 1
 
 
 class StateRecorder(Callback):
