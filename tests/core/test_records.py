@@ -157,7 +157,9 @@ def test_result_json_schema_2(tmp_path):
 
 
 def test_baseline_arm_and_explicit_labels(tmp_path):
-    saved = run(compose_train(["++arm=plain", "++budget=0.5", "trainer.max_steps=2"], tmp_path))
+    cfg = compose_train(["budget=0.5", "trainer.max_steps=2"], tmp_path)
+    cfg.arm = "plain"  # a label set in a config file (on the command line, arm=<name> picks a conf/arm/ file)
+    saved = run(cfg)
     assert saved["arm"] == "plain" and saved["budget"] == 0.5 and saved["techniques"] == {}
     default = run(compose_train(["trainer.max_steps=2"], tmp_path / "b"))
     assert default["arm"] == "baseline" and default["techniques"] == {}
@@ -215,4 +217,4 @@ def test_objective_bad_input_is_named_before_training(spec, message):
 @pytest.mark.parametrize("budget", [0, -0.5, "half", True])
 def test_bad_budget_is_named(tmp_path, budget):
     with pytest.raises(ConfigError, match="budget"):
-        run(compose_train([f"++budget={budget}"], tmp_path))
+        run(compose_train([f"budget={budget}"], tmp_path))
