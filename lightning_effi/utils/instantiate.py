@@ -3,6 +3,7 @@ and turn configuration mistakes into one readable line (lightning-hydra-template
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,80 @@ if not OmegaConf.has_resolver("effi_cwd"):
 
 class ConfigError(ValueError):
     """A configuration mistake, reported as one line naming the key (raised before training starts)."""
+
+
+def scale_length(reference: Any, budget: Any) -> int:
+    """The training length of a run given ``budget`` (a fraction of the experiment's reference length):
+    ``round(reference * budget)`` (half up), in the reference's unit (optimizer steps or epochs).
+
+    The frontier protocol of Kaddour et al., "No Train No Gain" (NeurIPS 2023, Sec. 3): the baseline is trained at
+    several budgets, each a complete run whose LR schedule decays over its own length (the reference tasks size
+    their schedules by ``trainer.estimated_stepping_batches``, so scaling ``trainer.max_steps`` or
+    ``trainer.max_epochs`` scales the schedule too). Used in configs as ``${effi_scale:${ref_steps},${budget}}``.
+
+    Raises:
+        ConfigError: ``budget`` is not a finite number > 0 (booleans and strings refused), ``reference`` is not an
+            int >= 1, or the product rounds to less than 1 step/epoch (names ``budget`` and both values).
+    """
+    if isinstance(reference, bool) or not isinstance(reference, int) or reference < 1:
+        raise ConfigError(
+            f"budget: the reference length must be an int >= 1 (steps or epochs, e.g. ref_steps), got {reference!r}"
+        )
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+        raise ConfigError(
+            f"budget: expected a number > 0 (the fraction of the reference length this run trains, e.g. 0.5), "
+            f"got {budget!r}"
+        )
+    length = math.floor(reference * budget + 0.5)
+    if length < 1:
+        raise ConfigError(
+            f"budget: {budget} x the reference length {reference} = {reference * budget:g} rounds to 0; "
+            f"use a budget >= {0.5 / reference:g}"
+        )
+    return int(length)
+
+
+# ``${effi_scale:<reference length>,<budget>}``: see scale_length
+if not OmegaConf.has_resolver("effi_scale"):
+    OmegaConf.register_new_resolver("effi_scale", scale_length)
+
+
+def bench_techniques(bench: Any) -> str:
+    """The option of ``conf/arm/techniques/`` the technique arm includes: the bench's name. Without a bench the
+    returned name states the mistake, so Hydra's "Could not find 'arm/techniques/...'" error explains it (an
+    exception raised here would be swallowed by Hydra's defaults-list interpolation)."""
+    if bench is None:
+        return "(none: arm=technique trains the techniques of a bench; add bench=<name>, one of conf/bench/)"
+    return str(bench)
+
+
+# ``${effi_bench:${bench}}`` in conf/arm/technique.yaml's defaults list: see bench_techniques
+if not OmegaConf.has_resolver("effi_bench"):
+    OmegaConf.register_new_resolver("effi_bench", bench_techniques)
+
+
+def check_budget(cfg: DictConfig) -> None:
+    """Refuse a ``budget`` other than 1.0 that the config does not use: the run would train its full length while
+    its record says otherwise. ``budget`` must reach ``trainer.max_steps`` or ``trainer.max_epochs`` through an
+    interpolation (the bench configs: ``${effi_scale:${ref_steps},${budget}}``); a length typed on the command
+    line replaces it.
+
+    Raises:
+        ConfigError: naming ``budget`` and what to do.
+    """
+    budget = cfg.get("budget", 1.0)
+    if budget is None or budget == 1.0:
+        return
+    trainer = cfg.get("trainer")
+    raw = OmegaConf.to_container(trainer, resolve=False) if isinstance(trainer, DictConfig) else {}
+    lengths = {key: raw.get(key) for key in ("max_steps", "max_epochs")}  # type: ignore[union-attr]
+    if not any(isinstance(v, str) and "budget" in v for v in lengths.values()):
+        raise ConfigError(
+            f"budget: {budget} does not scale this run's length (trainer.max_steps={lengths['max_steps']!r}, "
+            f"trainer.max_epochs={lengths['max_epochs']!r}); set trainer.max_steps to "
+            "'${effi_scale:<reference steps>,${budget}}' (the bench configs do, e.g. bench=gpt_stack) or leave "
+            "budget at 1.0"
+        )
 
 
 def _instantiate_group(cfg: DictConfig | None, group: str, kind: type) -> list[Any]:
