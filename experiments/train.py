@@ -1,6 +1,6 @@
 """Train a model as configured in conf/ (Hydra). Run from the repository root.
 
-python experiments/train.py                                  # main job: GPT-2 on the stdlib corpus
+python experiments/train.py                                  # one run: GPT-2, stdlib corpus (main job: compare.py)
 python experiments/train.py experiment=cifar10_cnn           # another experiment (conf/experiment/)
 python experiments/train.py -m seed=0,1 trainer.max_epochs=1 # multirun sweep
 python experiments/train.py ckpt_path=logs/.../checkpoints/last.ckpt   # resume

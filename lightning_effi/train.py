@@ -28,6 +28,7 @@ from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.utils.instantiate import (
     ConfigError,
+    check_budget,
     instantiate,
     instantiate_callbacks,
     instantiate_loggers,
@@ -257,6 +258,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     budget = cfg.get("budget", 1.0)
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0):
         raise ConfigError(f"budget: expected a number > 0 (a fraction of the reference length), got {budget!r}")
+    check_budget(cfg)  # a budget the config does not use would train the full length under a budget's label
     check_objective(cfg)
     pl.seed_everything(seed, workers=True)
     datamodule, model, trainer = build(cfg)

@@ -157,10 +157,14 @@ def test_result_json_schema_2(tmp_path):
 
 
 def test_baseline_arm_and_explicit_labels(tmp_path):
-    cfg = compose_train(["budget=0.5", "trainer.max_steps=2"], tmp_path)
+    cfg = compose_train(["budget=0.5", "trainer.max_epochs=-1"], tmp_path)
     cfg.arm = "plain"  # a label set in a config file (on the command line, arm=<name> picks a conf/arm/ file)
+    cfg.trainer.max_steps = "${effi_scale:4,${budget}}"  # as the bench configs scale the length
     saved = run(cfg)
     assert saved["arm"] == "plain" and saved["budget"] == 0.5 and saved["techniques"] == {}
+    assert saved["length"]["optimizer_steps"] == 2
+    with pytest.raises(ConfigError, match="budget: 0.5 does not scale this run's length"):
+        run(compose_train(["budget=0.5", "trainer.max_steps=2"], tmp_path / "c"))
     default = run(compose_train(["trainer.max_steps=2"], tmp_path / "b"))
     assert default["arm"] == "baseline" and default["techniques"] == {}
 
