@@ -20,6 +20,7 @@ __all__ = [
     "Conflict",
     "IncompatibleTechniques",
     "Requirements",
+    "check_started",
     "check_trainer",
     "technique_callbacks",
 ]
@@ -59,6 +60,9 @@ class Requirements:
             ``DeepSpeedStrategy``, a ``DDPStrategy`` subclass).
         strategy_note: what to do instead, appended to the refusal of another strategy.
         incompatible_callbacks: names of (non-technique) callback classes the technique cannot run with, and why.
+        refused_features: Lightning features the technique cannot run with: pairs of a feature name of
+            :data:`lightning_effi.core.features.FEATURES` and why, with what to do instead (checked by
+            :func:`lightning_effi.core.features.check_features` in ``setup`` and ``on_train_start``).
     """
 
     owns_train_sampler: bool = False
@@ -75,6 +79,7 @@ class Requirements:
     refused_strategies: tuple[str, ...] = ()
     strategy_note: str = ""
     incompatible_callbacks: tuple[tuple[str, str], ...] = ()
+    refused_features: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -84,6 +89,11 @@ class Requirements:
         unknown = set(self.batch_structures) - set(BATCH_STRUCTURES)
         if unknown:
             raise ValueError(f"Requirements.batch_structures: unknown {sorted(unknown)}; allowed {BATCH_STRUCTURES}")
+        from lightning_effi.core.features import FEATURES
+
+        unknown = {name for name, _ in self.refused_features} - set(FEATURES)
+        if unknown:
+            raise ValueError(f"Requirements.refused_features: unknown {sorted(unknown)}; allowed {sorted(FEATURES)}")
 
     def as_dict(self) -> dict[str, Any]:
         """The declaration as plain values (for ``metadata.json`` and the method cards)."""
@@ -150,12 +160,15 @@ def _name(callback: Any) -> str:
 
 
 def check_trainer(trainer: Any, callbacks: Sequence[Any] | None = None) -> None:
-    """Rule on the technique callbacks of ``trainer`` (or ``callbacks``) and the Trainer they run in.
+    """Rule on the technique callbacks of ``trainer`` (or ``callbacks``) and the Trainer they run in (called in each
+    technique's ``setup``; the features visible only later are checked in ``on_train_start`` by
+    :func:`check_started`).
 
     Raises:
         IncompatibleTechniques: a technique's strategy is not supported, a technique runs with a callback it declares
-            incompatible, or two techniques conflict (a rule of :data:`CONFLICTS`); the message names both sides, the
-            conflict and what to change.
+            incompatible, two techniques conflict (a rule of :data:`CONFLICTS`), or the run uses a Lightning feature a
+            technique refuses (``Requirements.refused_features``); the message names both sides, the conflict and
+            what to change.
     """
     all_callbacks = list(trainer.callbacks if callbacks is None else callbacks)
     techniques = technique_callbacks(all_callbacks)
@@ -186,3 +199,18 @@ def check_trainer(trainer: Any, callbacks: Sequence[Any] | None = None) -> None:
                     raise IncompatibleTechniques(
                         f"{_name(a)} and {_name(b)} cannot be combined ({rule.name}): {rule.why}; {rule.fix}"
                     )
+    from lightning_effi.core.features import check_features
+
+    check_features(trainer, "setup", techniques)
+
+
+def check_started(trainer: Any, callbacks: Sequence[Any] | None = None) -> None:
+    """The second half of :func:`check_trainer`, called in each technique's ``on_train_start``: the Lightning
+    features visible only once the optimizers, LR schedulers and the other callbacks' own state exist.
+
+    Raises:
+        IncompatibleTechniques: the run uses a feature a technique refuses (``Requirements.refused_features``).
+    """
+    from lightning_effi.core.features import check_features
+
+    check_features(trainer, "train_start", trainer.callbacks if callbacks is None else callbacks)

@@ -22,7 +22,7 @@ from lightning_effi.core.accounting import Baseline, tokens_of
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int
 from lightning_effi.core.compat import uses_distributed_sampler
-from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
+from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
 from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
@@ -312,6 +312,11 @@ class Curriculum(Callback):
             )
 
     # ---------------------------------------------------------------------------------------------- batches
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Refuse the Lightning features visible only now (``core.requirements.check_started``)."""
+        check_started(trainer)
+
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

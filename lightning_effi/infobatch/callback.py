@@ -52,7 +52,7 @@ from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real
 from lightning_effi.core.progress import run_length, steps_per_epoch
-from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
+from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import find_wrapper, live_fit, wrapper_chain
 from lightning_effi.curriculum.data import THINNED_KEYS, CurriculumDataModule
@@ -1104,6 +1104,11 @@ class InfoBatchCallback(Callback):
         thinned = ib.thin_micro_batch(ids, mask[ids], self.prune_ratio, ib.thin_generator(self.seed, step, micro, rank))
         kept = [k for k, keep in zip(keys, thinned.keep.tolist()) if keep]
         return [(*k, w, b) for k, w in zip(kept, thinned.weights.tolist())]
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Refuse the Lightning features visible only now (``core.requirements.check_started``)."""
+        check_started(trainer)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -65,7 +65,7 @@ from lightning_effi.core.progress import (
     steps_per_epoch,
 )
 from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
-from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer
+from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import live_fit, wrapper_chain
 from lightning_effi.models.base import TransformerAdapter, find_adapter, resolve_attr
@@ -657,6 +657,7 @@ class RandomLTDCallback(Callback):
         provides one (found now, after every callback's ``setup``: InfoBatch hides its clock in its own ``setup``
         when it thins inside the curriculum), else in optimizer steps; on resume compare with the checkpoint's
         schedule (``strict``)."""
+        check_started(trainer)
         total = trainer.estimated_stepping_batches
         self.total_steps = int(total) if math.isfinite(total) else None
         if self.require_steps_arg is not None:

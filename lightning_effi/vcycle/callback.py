@@ -22,7 +22,13 @@ from lightning_effi.core.accounting import Baseline, EfficiencyMonitor
 from lightning_effi.core.compat import optimizers_to_device, rewrap_ddp
 from lightning_effi.core.progress import Duration, progress_clock, progress_ticks, run_length
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
-from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_trainer, technique_callbacks
+from lightning_effi.core.requirements import (
+    BATCH_STRUCTURES,
+    Requirements,
+    check_started,
+    check_trainer,
+    technique_callbacks,
+)
 from lightning_effi.core.state import config_mismatch, settings_diff
 from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
@@ -539,6 +545,7 @@ class VCycleCallback(Callback):
         """Resolve the stages against the run's length (``estimated_stepping_batches``), or on a technique's progress
         clock; on resume compare them with the checkpoint's (other stages: raise when strict, else warn and continue
         with these)."""
+        check_started(trainer)
         self._clock_source = progress_clock(trainer.callbacks)
         source = None if self._clock_source is None else type(self._clock_source).__name__
         self.clock = S.stage_clock(self.levels, self.e_a, self.e_small, self.up_leg, source, type(self).__name__)
