@@ -27,7 +27,7 @@ import numpy as np
 
 from lightning_effi.core.checks import check_int
 
-from .index import INPROGRESS_NAME, METADATA_NAME, MetricIndex, _load_validated, file_digest
+from .index import INPROGRESS_NAME, METADATA_NAME, MetricIndex, _load_validated, dataset_fingerprint, file_digest
 from .indexed_dataset import (
     MMapIndexedDataset,
     data_file_path,
@@ -834,6 +834,7 @@ class DataAnalyzer:
             "metric_type": "single_value_per_sample",
             "num_samples": n,
             "run_fingerprint": self.fingerprint(m),
+            "dataset_fingerprint": dataset_fingerprint(self.dataset),
             "index_fingerprint": index.fingerprint(),
             "merged_fingerprint": merged.fingerprint(),
             "num_distinct_values": rows,
@@ -886,6 +887,7 @@ class DataAnalyzer:
             "metric_type": "accumulate_value_over_samples",
             "num_samples": self.num_samples,
             "run_fingerprint": self.fingerprint(m),
+            "dataset_fingerprint": dataset_fingerprint(self.dataset),
             "shape": list(shape),
             "value_dtype": np.dtype(vdtype).name,
             "num_workers": self.num_workers,

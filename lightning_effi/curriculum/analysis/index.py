@@ -8,8 +8,10 @@ split), and gives the digest the curriculum compares across DDP ranks.
 The analyzer (:mod:`lightning_effi.curriculum.analysis.analyzer`) writes, next to its final files, a metadata file
 (:data:`METADATA_NAME`) with the data-set length and a digest of every final file; :meth:`MetricIndex.load` uses it to
 reject stale files (an earlier analysis of a data set of another length, or files changed after the analysis), and
-refuses a folder whose reduce was interrupted while publishing (:data:`INPROGRESS_NAME` present). Files without
-metadata (e.g. made by DeepSpeed) are validated by content only.
+refuses a folder whose reduce was interrupted while publishing (:data:`INPROGRESS_NAME` present). The metadata also
+holds :func:`dataset_fingerprint` of the analysed data set, so files analysed from another data set of the same
+length are refused when the training data set is given. Files without metadata (e.g. made by DeepSpeed) are
+validated by content only.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ import numpy as np
 
 from .indexed_dataset import IndexFileError, MMapIndexedDataset, data_file_path, index_file_path
 
-__all__ = ["INPROGRESS_NAME", "METADATA_NAME", "MetricIndex", "file_digest", "read_metadata"]
+__all__ = ["INPROGRESS_NAME", "METADATA_NAME", "MetricIndex", "dataset_fingerprint", "file_digest", "read_metadata"]
+
+#: samples read by :func:`dataset_fingerprint` (evenly spaced over the data set)
+FINGERPRINT_SAMPLES = 16
 
 #: metadata written by the analyzer next to a metric's final files (``save_path/{m}/analysis_metadata.json``)
 METADATA_NAME = "analysis_metadata.json"
@@ -45,6 +50,62 @@ def file_digest(prefix: str | os.PathLike) -> dict[str, Any]:
                     break
                 h.update(buf)
     return {**sizes, "blake2b": h.hexdigest()}
+
+
+def _hash_item(h: Any, item: Any) -> bool:
+    """Fold one sample into ``h``; False when it holds a leaf that cannot be hashed by content."""
+    if isinstance(item, dict):
+        for key in sorted(item, key=str):
+            h.update(repr(key).encode())
+            if not _hash_item(h, item[key]):
+                return False
+        return True
+    if isinstance(item, (list, tuple)):
+        h.update(f"{type(item).__name__}{len(item)}".encode())
+        return all(_hash_item(h, x) for x in item)
+    if hasattr(item, "detach") and hasattr(item, "cpu"):  # a torch tensor
+        item = item.detach().cpu().numpy()
+    if isinstance(item, np.ndarray) or isinstance(item, np.generic):
+        arr = np.ascontiguousarray(item)
+        h.update(f"{arr.dtype.str}{arr.shape}".encode())
+        h.update(arr.tobytes())
+        return True
+    if isinstance(item, (str, bytes, int, float, bool)) or item is None:
+        h.update(repr(item).encode())
+        return True
+    return False
+
+
+def _fingerprint_once(dataset: Any, positions: np.ndarray) -> str | None:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(str(len(dataset)).encode())
+    for i in positions:
+        h.update(int(i).to_bytes(8, "little"))
+        if not _hash_item(h, dataset[int(i)]):
+            return None
+    return h.hexdigest()
+
+
+def dataset_fingerprint(dataset: Any, samples: int = FINGERPRINT_SAMPLES) -> str | None:
+    """A content fingerprint of a map-style data set: BLAKE2b of its length and of ``samples`` items at evenly spaced
+    indices (first and last included; tensors, arrays, numbers and strings, through dicts, lists and tuples).
+
+    Two data sets of the same length with different contents (another split, another order, another tokenizer) get
+    different fingerprints with near certainty when the differences reach the items read. Returns ``None`` when the
+    data set cannot be fingerprinted: it is empty, an item holds a leaf of another type, or reading the items twice
+    gives two fingerprints (random augmentations in ``__getitem__``); the check is then skipped.
+    """
+    try:
+        n = len(dataset)
+    except TypeError:
+        return None
+    if n == 0:
+        return None
+    positions = np.unique(np.linspace(0, n - 1, min(n, samples)).round().astype(np.int64))
+    first = _fingerprint_once(dataset, positions)
+    if first is None or _fingerprint_once(dataset, positions) != first:
+        return None
+    return first
 
 
 def read_metadata(folder: str | os.PathLike) -> dict | None:
@@ -73,7 +134,7 @@ def read_metadata(folder: str | os.PathLike) -> dict | None:
     return meta
 
 
-def _check_against_metadata(prefix: str, num_samples: int | None) -> None:
+def _check_against_metadata(prefix: str, num_samples: int | None, dataset: Any = None) -> None:
     folder = os.path.dirname(os.path.abspath(prefix))
     meta = read_metadata(folder)
     if meta is None:
@@ -85,6 +146,15 @@ def _check_against_metadata(prefix: str, num_samples: int | None) -> None:
             f"{meta['num_samples']} samples, this data set has {num_samples}; run the analyzer on "
             "this data set (same split and order as training)"
         )
+    recorded_data = meta.get("dataset_fingerprint")
+    if dataset is not None and recorded_data is not None:
+        found = dataset_fingerprint(dataset)
+        if found is not None and found != recorded_data:
+            raise IndexFileError(
+                f"'{prefix}': analysis of another data set: '{meta_path}' records the data set fingerprint "
+                f"{recorded_data}, the training data set has {found} (same length, other contents: another split, "
+                "order or tokenization?); run the analyzer on this data set"
+            )
     stem = os.path.basename(prefix)
     recorded = meta["files"].get(stem)
     if recorded is None:
@@ -201,6 +271,7 @@ class MetricIndex:
         index_to_metric_path: str | os.PathLike | None = None,
         num_samples: int | None = None,
         dtype_table: str = "current",
+        dataset: Any = None,
     ) -> MetricIndex:
         """Load and validate analyzer (or DeepSpeed) index files.
 
@@ -211,15 +282,18 @@ class MetricIndex:
                 ``values=None`` (percentile difficulty only).
             num_samples: the training data set's length ``N``; ``None`` takes the number of ids in the file.
             dtype_table: ``"current"`` or ``"legacy"`` (:mod:`.indexed_dataset`).
+            dataset: the training data set; when given and the analyzer metadata records a
+                :func:`dataset_fingerprint`, the two must match.
 
         Raises:
             IndexFileError (naming the file): missing or damaged files; total ids != ``num_samples``; an id outside
                 ``[0, N)`` or duplicated; row counts differing between the two files; an ``index_to_metric`` item not
                 of length 1; values not strictly increasing; stale files (the analyzer metadata next to them names
-                another data-set length, or a file differs from the digest recorded there); an interrupted reduce.
+                another data-set length or another data-set fingerprint, or a file differs from the digest recorded
+                there); an interrupted reduce.
         """
         return _load_validated(
-            index_to_sample_path, index_to_metric_path, num_samples, dtype_table, check_metadata=True
+            index_to_sample_path, index_to_metric_path, num_samples, dtype_table, check_metadata=True, dataset=dataset
         )
 
     def __repr__(self) -> str:
@@ -233,6 +307,7 @@ def _load_validated(
     num_samples: int | None,
     dtype_table: str,
     check_metadata: bool,
+    dataset: Any = None,
 ) -> MetricIndex:
     """:meth:`MetricIndex.load`; ``check_metadata=False`` skips the analyzer-metadata checks (used by the reduce to
     verify its temporary files before publishing them)."""
@@ -243,7 +318,7 @@ def _load_validated(
     if num_samples is not None and (isinstance(num_samples, bool) or int(num_samples) < 0):
         raise ValueError(f"num_samples must be a non-negative int or None; got {num_samples!r}")
     if check_metadata:
-        _check_against_metadata(s_path, num_samples)
+        _check_against_metadata(s_path, num_samples, dataset)
     samples = MMapIndexedDataset(s_path, dtype_table)
     if samples.dtype.kind not in "iu":
         raise IndexFileError(f"'{s_path}': ids stored as {samples.dtype}; expected an integer dtype")
@@ -271,7 +346,7 @@ def _load_validated(
     if index_to_metric_path is not None:
         m_path = os.fspath(index_to_metric_path)
         if check_metadata:
-            _check_against_metadata(m_path, num_samples)
+            _check_against_metadata(m_path, num_samples, dataset)
         metric = MMapIndexedDataset(m_path, dtype_table)
         if len(metric) != len(samples):
             raise IndexFileError(
