@@ -26,7 +26,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -343,6 +343,46 @@ def _resolve_metric(runs: Sequence[Run], metric: str | None, mode: str | None) -
     return metric, modes.pop()
 
 
+#: override keys that never tell variants of an arm apart (the seed is a column; the arm and budget are the label)
+_NOT_VARIANT_KEYS = ("seed", "arm", "budget", "bench")
+
+
+def _override_items(run: Run) -> dict[str, str]:
+    items = {}
+    for override in run.overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        if sep and key not in _NOT_VARIANT_KEYS and not key.startswith("hydra."):
+            items[key] = value
+    return items
+
+
+def label_variants(runs: Sequence[Run]) -> list[Run]:
+    """Tell apart the variants of an arm that a sweep trained at the same budget and seed (an Optuna or grid sweep
+    over a technique's settings): where two runs share arm, budget and seed, each run of that arm is relabelled
+    ``arm[key=value, ...]`` with the overrides whose values differ among the arm's runs (``seed``, ``arm``, ``budget``,
+    ``bench`` and ``hydra.*`` left out; ``key=default`` where a run does not override ``key``), so the trials of one
+    setting over several seeds form one arm. Runs of other
+    arms, and arms without such duplicates, keep their labels."""
+    runs = list(runs)
+    counts: dict[tuple[str, float, int], int] = defaultdict(int)
+    for run in runs:
+        counts[(run.arm, run.budget, run.seed)] += 1
+    duplicated = {arm for (arm, _, _), n in counts.items() if n > 1}
+    out = []
+    for arm in duplicated:
+        members = [r for r in runs if r.arm == arm]
+        items = [_override_items(r) for r in members]
+        keys = sorted({k for it in items for k in it})
+        varying = [k for k in keys if len({it.get(k) for it in items}) > 1]
+        if not varying:
+            continue
+        for r, it in zip(members, items):
+            label = ", ".join(f"{k}={it.get(k, 'default')}" for k in varying)
+            out.append((id(r), replace(r, arm=f"{arm}[{label}]")))
+    relabelled = dict(out)
+    return [relabelled.get(id(r), r) for r in runs]
+
+
 def _check_runs(runs: Sequence[Run]) -> None:
     tasks: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
@@ -434,7 +474,8 @@ def build_report(
     Raises:
         ReportError: no runs; runs optimizing different metrics with no ``metric`` chosen; a ``metric`` some run
             did not log (the file named), or whose direction is unknown with no ``mode``; an unknown ``compute``;
-            runs of several tasks; two runs with the same arm, budget and seed (named); a run labelled
+            runs of several tasks; two runs with the same arm, budget, seed and overrides (named; runs that differ in
+            overrides are told apart by :func:`label_variants`); a run labelled
             ``baseline`` that has techniques.
     """
     runs = list(runs)
@@ -443,6 +484,7 @@ def build_report(
     if compute not in COMPUTE_KEYS:
         raise ReportError(f"compute: expected one of {list(COMPUTE_KEYS)}, got {compute!r}")
     metric_name, m = _resolve_metric(runs, metric, mode)
+    runs = label_variants(runs)
     _check_runs(runs)
     quality = {id(r): r.quality(metric_name) for r in runs}
     notes = [

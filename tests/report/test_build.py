@@ -221,3 +221,24 @@ def test_several_baseline_arms_use_the_best_at_each_budget(tmp_path):
     assert report.frontiers[0]["flops"].front == ((2e12, 2.6), (4e12, 2.2))
     assert [r["arm"] for r in report.rows] == ["baseline", "baseline", "baseline_lr_high", "random_ltd"]
     assert ARM and BASELINES  # the shared sweep constants are importable
+
+
+def test_variants_of_an_arm_from_a_settings_sweep_are_told_apart(sweep):
+    """An Optuna or grid sweep trains the same arm at the same budget and seed with other settings: each setting is
+    its own arm, ``arm[key=value]``, and its seeds are aggregated together."""
+    for job, (seed, min_value, loss) in enumerate(((0, 32, 2.5), (1, 32, 2.55), (0, 64, 2.4), (1, 64, 2.45))):
+        write_record(
+            sweep / f"trial{job}",
+            arm="random_ltd",
+            seed=seed,
+            loss=loss,
+            flops=2e12,
+            overrides=[f"seed={seed}", f"callbacks.random_ltd.min_value={min_value}", "hydra.sweeper.n_trials=4"],
+        )
+    # the sweep's own random_ltd runs have the default overrides (no min_value): a third variant
+    report = build_report(load_runs([sweep]))
+    arms = {r["arm"] for r in report.rows}
+    assert {"random_ltd[callbacks.random_ltd.min_value=32]", "random_ltd[callbacks.random_ltd.min_value=64]"} <= arms
+    row = _row(report, "random_ltd[callbacks.random_ltd.min_value=64]", 1.0)
+    assert row["seeds"] == "0;1" and math.isclose(row["quality_mean"], 2.425)
+    assert "random_ltd[callbacks.random_ltd.min_value=default]" in arms  # the sweep's runs without the override
