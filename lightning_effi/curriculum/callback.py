@@ -290,7 +290,9 @@ class Curriculum(Callback):
                     )
                 idx = MetricIndex.from_sample_to_metric(values)
             else:
-                idx = MetricIndex.load(m.index_to_sample_path, m.index_to_metric_path, num_samples=n)
+                idx = MetricIndex.load(
+                    m.index_to_sample_path, m.index_to_metric_path, num_samples=n, dataset=dataset
+                )
             if m.difficulty_type == "value" and idx.values is None:
                 raise CurriculumConfigError(
                     f"curriculum_metrics.{name}: difficulty_type 'value' needs per-row values "
