@@ -1,6 +1,11 @@
 """Offline data analyzer of DeepSpeed Data Efficiency curriculum learning (map / reduce): :class:`DataAnalyzer` and
 the partitioning helpers :func:`split_index` / :func:`split_dataset`. It writes DeepSpeed's file names and
-byte-identical ``MMapIndexedDataset`` files. The method card is ``lightning_effi/curriculum/README.md``.
+byte-identical ``MMapIndexedDataset`` files, with one intended difference: with ``sample_indices`` (ids that are not
+the positions) ``{m}_sample_to_metric`` holds item ``i`` = the metric of sample id ``i`` and each
+``{m}_index_to_sample`` row lists its ids ascending, where DeepSpeed 0.19.8 writes both in position order (item ``k``
+= the sample at position ``k``); the curriculum reads the files by sample id
+(``tests/data_analysis/test_deepspeed_files.py`` pins the relation against files DeepSpeed wrote). The method card is
+``lightning_effi/curriculum/README.md``.
 
 Reference DeepSpeed 0.19.8 ``deepspeed/runtime/data_pipeline/data_sampling/{data_analyzer,utils}.py``; the DeepSpeed
 defects it avoids are named by their pull request where the code handles them.
