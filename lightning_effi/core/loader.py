@@ -11,14 +11,21 @@ stay the full epoch length. :class:`ResumableDataLoader` does this:
   (plain ints: safe for ``torch.load(weights_only=True)``);
 - after ``load_state_dict`` the next iteration skips the consumed samples *in the sampler* (no sample is loaded
   twice) and still reports the full length.
+
+Lightning rebuilds a training loader with another sampler in a few places (``Trainer(overfit_batches=...)`` puts a
+``SequentialSampler`` in, so that every epoch trains the same first batches): a sampler without a skippable start is
+wrapped in a :class:`SkippableSampler`, which skips in the index stream, so such a loader resumes exactly too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sized
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+__all__ = ["EpochShuffleSampler", "ResumableDataLoader", "SkippableSampler", "skippable"]
 
 
 class EpochShuffleSampler(DistributedSampler):  # type: ignore[type-arg]
@@ -53,25 +60,75 @@ class EpochShuffleSampler(DistributedSampler):  # type: ignore[type-arg]
         return iter(indices[self.start :])
 
 
+class SkippableSampler(Sampler[Any]):
+    """Any sized sampler with a skippable start: yields ``sampler``'s stream without its first ``start`` entries (the
+    skipped indices are drawn, never loaded); ``len()`` is always ``len(sampler)``. ``set_epoch`` is passed on to a
+    sampler that has one and recorded in ``epoch`` (read by :meth:`ResumableDataLoader.state_dict`).
+
+    :class:`ResumableDataLoader` wraps a sampler in it when the sampler has no ``start`` / ``epoch`` / ``set_epoch``
+    of its own, e.g. the ``SequentialSampler`` that ``Trainer(overfit_batches=...)`` puts into the training loader
+    (Lightning's ``_resolve_overfit_batches``).
+
+    Args:
+        sampler: a sampler (or any sized iterable of indices).
+
+    Raises:
+        TypeError: ``sampler`` has no ``len()`` (an epoch's length must be known to resume within it).
+    """
+
+    def __init__(self, sampler: Any) -> None:
+        if not isinstance(sampler, Sized):
+            raise TypeError(
+                f"ResumableDataLoader needs a sampler with a length, got {type(sampler).__name__} (no __len__)"
+            )
+        self.sampler: Any = sampler
+        self.start = 0
+        self.epoch = int(getattr(sampler, "epoch", 0))
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.sampler), self.start, None)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    def __repr__(self) -> str:
+        return f"SkippableSampler({self.sampler!r}, start={self.start}, epoch={self.epoch})"
+
+
+def skippable(sampler: Any) -> Any:
+    """``sampler`` itself when it has a skippable start (``start``, ``epoch`` and ``set_epoch``: an
+    :class:`EpochShuffleSampler`, InfoBatch's sampler, a :class:`SkippableSampler`), else ``SkippableSampler(sampler)``.
+
+    Raises:
+        TypeError: ``sampler`` has no ``len()``.
+    """
+    if all(hasattr(sampler, a) for a in ("start", "epoch", "set_epoch")):
+        return sampler
+    return SkippableSampler(sampler)
+
+
 class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
     """``DataLoader`` whose mid-epoch position is checkpointed by Lightning (see the module docstring).
 
-    Built like a ``DataLoader`` but with a *skippable* ``sampler`` (required) and no ``batch_sampler``: a sampler
-    with an int attribute ``start`` (entries of its per-rank stream to leave out, ``len()`` unchanged), an ``epoch``
-    attribute and ``set_epoch`` — :class:`EpochShuffleSampler` or InfoBatch's sampler. Iteration is lazy: the sampler
-    is read at the first ``next()``, after Lightning's ``set_epoch``.
+    Built like a ``DataLoader`` but with a ``sampler`` (required) and no ``batch_sampler``. The sampler should have a
+    *skippable* start: an int attribute ``start`` (entries of its per-rank stream to leave out, ``len()``
+    unchanged), an ``epoch`` attribute and ``set_epoch`` — :class:`EpochShuffleSampler` or InfoBatch's sampler. Any
+    other sized sampler (a ``SequentialSampler``, e.g. the one ``Trainer(overfit_batches=...)`` puts in when Lightning
+    rebuilds the loader) is wrapped in a :class:`SkippableSampler` (:func:`skippable`), so the loader stays resumable.
+    Iteration is lazy: the sampler is read at the first ``next()``, after Lightning's ``set_epoch``.
 
     Raises:
-        TypeError: the sampler has no ``start``/``epoch``/``set_epoch``.
+        TypeError: the sampler has no ``len()``.
     """
 
     def __init__(self, dataset: Dataset[Any], *args: Any, sampler: Any, **kwargs: Any) -> None:
-        if not all(hasattr(sampler, a) for a in ("start", "epoch", "set_epoch")):
-            raise TypeError(
-                f"ResumableDataLoader needs a skippable sampler (with start, epoch and set_epoch), e.g. "
-                f"EpochShuffleSampler; got {type(sampler).__name__}"
-            )
-        super().__init__(dataset, *args, sampler=sampler, **kwargs)  # type: ignore[misc]
+        super().__init__(dataset, *args, sampler=skippable(sampler), **kwargs)  # type: ignore[misc]
         self._batches = 0
         self._resume_batches = 0
 

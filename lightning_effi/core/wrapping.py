@@ -33,7 +33,7 @@ from torch.utils.data import (
 
 from lightning_effi.core.batch import unwrap
 from lightning_effi.core.errors import DataConfigError
-from lightning_effi.core.loader import EpochShuffleSampler
+from lightning_effi.core.loader import EpochShuffleSampler, SkippableSampler
 
 W = TypeVar("W", bound="WrappingDataModule")
 
@@ -62,6 +62,8 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
         raise DataConfigError(f"{technique}: the training dataset must be map-style; IterableDataset is not supported")
     batch_sampler = loader.batch_sampler
     sampler = getattr(batch_sampler, "sampler", loader.sampler)
+    if isinstance(sampler, SkippableSampler):  # a ResumableDataLoader's wrapper of a plain sampler
+        sampler = sampler.sampler
     if type(batch_sampler) is not BatchSampler or not isinstance(sampler, PLAIN_SAMPLERS):
         raise DataConfigError(
             f"{technique}: the wrapped training loader uses {type(sampler).__name__} / "
@@ -154,9 +156,37 @@ class WrappingDataModule(pl.LightningDataModule):
         self.datamodule.prepare_data()
 
     def setup(self, stage: str) -> None:
+        """Delegated (the wrapped DataModule gets this one's ``trainer``); for ``fit``, the user's training loader is
+        read afresh at the next :meth:`template` (a batch size changed between fits applies)."""
         self.datamodule.trainer = self.trainer
         self.datamodule.setup(stage)
+        if stage == "fit":
+            self._template = None
         self._quiet_hook_warnings()
+
+    @property
+    def batch_size(self) -> Any:
+        """The user's DataModule's ``batch_size`` (the innermost of the ``.datamodule`` chain), so that Lightning's
+        tuner (``lightning_hasattr(model, "batch_size")``, which looks at ``trainer.datamodule``) and the user read
+        the value the training loader is built with. Setting it sets the user's DataModule's and makes every wrapper
+        of the chain read the user's loader afresh.
+
+        Raises:
+            AttributeError: the user's DataModule has no ``batch_size`` attribute.
+        """
+        chain = wrapper_chain(self)
+        if not hasattr(chain[-1], "batch_size"):
+            raise AttributeError(f"{type(chain[-1]).__name__} (wrapped by {type(self).__name__}) has no batch_size")
+        return chain[-1].batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: Any) -> None:
+        chain = wrapper_chain(self)
+        if not hasattr(chain[-1], "batch_size"):
+            raise AttributeError(f"{type(chain[-1]).__name__} (wrapped by {type(self).__name__}) has no batch_size")
+        chain[-1].batch_size = value
+        for wrapper in chain[:-1]:
+            wrapper._template = None
 
     # ------------------------------------------------------------------------------------------- batch hooks
     def _user_hook(self, name: str) -> Any:

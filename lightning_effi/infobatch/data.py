@@ -16,6 +16,14 @@ any user hook (the callback reads it with :func:`~lightning_effi.core.batch.batc
 every epoch (Lightning reloads the loader each epoch), and a mid-epoch resume continues the saved plan where it
 stopped.
 
+The callback sets ``reload_dataloaders_every_n_epochs = 1`` for the training loader's sake, and Lightning then rebuilds
+the validation loader every epoch too (one ``Trainer`` setting drives both). Unless the user asked for reloads
+(``reload_dataloaders_every_n_epochs`` was 0 when the fit started), ``val_dataloader()`` therefore returns, for the
+rest of the fit, the loader the wrapped DataModule returned at its first call: the user's ``val_dataloader()`` runs
+once per fit, as without InfoBatch, and a loader with ``persistent_workers=True`` keeps its workers across epochs
+(under DDP with Lightning's ``use_distributed_sampler``, Lightning still rebuilds that loader around a
+``DistributedSampler`` at every reload, unless the loader has a ``DistributedSampler`` of its own).
+
 Composed with the curriculum (a :class:`~lightning_effi.data.CurriculumDataModule` wraps this one or is wrapped by it,
 see "Composition" in the method card), the curriculum draws every batch and InfoBatch thins each micro-batch inside
 the curriculum's sampler: an ``InfoBatchDataModule`` whose chain holds a ``CurriculumDataModule`` delegates
@@ -27,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.indexed import IndexedDataset, indexed_collate
@@ -55,6 +64,33 @@ class InfoBatchDataModule(WrappingDataModule):
     def __init__(self, datamodule: pl.LightningDataModule) -> None:
         super().__init__(datamodule)
         self.planner: Any = None  # the InfoBatchCallback, attached in its setup()
+        #: the validation loader served for the rest of the fit (see the module docstring); None outside a fit
+        self._val_loader: Any = None
+        #: whether the user's Trainer reloads loaders itself (reload_dataloaders_every_n_epochs > 0 before the fit)
+        self._user_reloads = True
+
+    def setup(self, stage: str) -> None:
+        """Delegated; for ``fit``, also note the Trainer's ``reload_dataloaders_every_n_epochs`` before the InfoBatch
+        callback sets it to 1 (Lightning runs the DataModule's ``setup`` before the callbacks')."""
+        self._val_loader = None
+        if stage == "fit":
+            self._user_reloads = bool(self.trainer is None or self.trainer.reload_dataloaders_every_n_epochs)
+        super().setup(stage)
+
+    def teardown(self, stage: str) -> None:
+        self._val_loader = None
+        super().teardown(stage)
+
+    def val_dataloader(self) -> Any:
+        """The wrapped DataModule's validation loader; during a fit whose Trainer did not ask for reloads, the one
+        its first call returned (the module docstring says why)."""
+        trainer = self.trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if not fitting or self._user_reloads or self.planner is None:
+            return self.datamodule.val_dataloader()
+        if self._val_loader is None:
+            self._val_loader = self.datamodule.val_dataloader()
+        return self._val_loader
 
     def check_attached(self) -> None:
         """Raise unless the InfoBatch callback attached itself.
