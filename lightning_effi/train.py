@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
+from lightning_effi.core.checks import check_bool, check_choice, check_int, check_str
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.utils.instantiate import (
     ConfigError,
@@ -239,6 +240,45 @@ def objective(cfg: DictConfig, result: dict[str, Any]) -> float:
     return float(result["efficiency"][key]) if met else -1.0
 
 
+#: the Trainer's integer settings checked before anything is built: ``key: (minimum, None allowed)`` (Lightning
+#: compares them with ints, so a string such as ``ten`` would fail with a TypeError that names no key)
+TRAINER_INTS: dict[str, tuple[int, bool]] = {
+    "max_steps": (-1, False),
+    "max_epochs": (-1, True),
+    "min_steps": (0, True),
+    "min_epochs": (0, True),
+    "check_val_every_n_epoch": (1, True),
+    "log_every_n_steps": (1, True),
+    "accumulate_grad_batches": (1, False),
+    "num_sanity_val_steps": (-1, True),
+}
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """The run's own keys and the Trainer's lengths, checked at the start of :func:`run` (before anything is built):
+    ``train`` and ``test`` are bools (a string ``'no'`` or ``'false'`` would be true), ``optimized_mode`` is ``min``
+    or ``max``, ``optimized_metric`` a string (or null), and the integer settings of ``trainer`` (:data:`TRAINER_INTS`:
+    ``max_steps``, ``max_epochs``, ...) are ints in range.
+
+    Raises:
+        ConfigError: naming the key, the value and what is allowed.
+    """
+    for key, default in (("train", True), ("test", False)):
+        check_bool("", key, cfg.get(key, default), error=ConfigError)
+    check_choice("", "optimized_mode", cfg.get("optimized_mode", "min"), ("min", "max"), error=ConfigError)
+    check_str("", "optimized_metric", cfg.get("optimized_metric"), none_ok=True, error=ConfigError)
+    trainer = cfg.get("trainer")
+    if not isinstance(trainer, DictConfig):
+        return  # build() names the missing group
+    for key, (minimum, none_ok) in TRAINER_INTS.items():
+        if key not in trainer:
+            continue
+        value = trainer.get(key)
+        if value is None and none_ok:
+            continue
+        check_int("trainer", key, value, minimum, error=ConfigError)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train (and optionally test) as configured; returns the result dict that is also written to
     ``<paths.output_dir>/result.json`` on rank 0.
@@ -251,7 +291,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ``optimizer_steps``), ``curve`` and ``schedule`` (the monitor's records: metrics and technique states against
     cumulative samples, tokens, layer-tokens, FLOPs and train wall time), ``output_dir`` (relative to
     ``paths.root_dir``), ``last_checkpoint`` and ``best_checkpoint`` (relative to ``output_dir``). Non-finite
-    numbers are written as null."""
+    numbers are written as null.
+
+    Raises:
+        ConfigError: before anything is built: a ``seed`` or ``budget`` out of range, an unused ``budget``, a bad
+            ``objective``, or a setting :func:`check_settings` refuses; then what :func:`build` and the Trainer's
+            setup refuse (naming the key)."""
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ConfigError(f"seed: expected an int in [0, 2**32), got {seed!r}")
@@ -260,6 +305,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"budget: expected a number > 0 (a fraction of the reference length), got {budget!r}")
     check_budget(cfg)  # a budget the config does not use would train the full length under a budget's label
     check_objective(cfg)
+    check_settings(cfg)
     pl.seed_everything(seed, workers=True)
     datamodule, model, trainer = build(cfg)
     if cfg.get("ckpt_path"):

@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from lightning_effi.core.checks import check_bool, check_int, is_real
 from lightning_effi.core.console import print_block
 from lightning_effi.core.measure import (
     CallRecord,
@@ -379,19 +380,15 @@ class EfficiencyMonitor(Callback):
     Raises:
         ValueError: ``log_every_n_steps`` not a positive int, ``print_summary`` not a bool.
         KeyError: (``load_state_dict``) a checkpoint with totals this monitor does not know.
+        ValueError: (``load_state_dict``) a checkpoint total that is not a finite number, or a negative count or
+            time (only a ``saved/...`` total may be negative).
     """
 
     def __init__(self, log_every_n_steps: int | None = None, print_summary: bool = True) -> None:
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"EfficiencyMonitor.log_every_n_steps must be a positive int or None, got {log_every_n_steps!r}"
-            )
-        if not isinstance(print_summary, bool):
-            raise ValueError(f"EfficiencyMonitor.print_summary must be true or false, got {print_summary!r}")
-        self.log_every_n_steps = log_every_n_steps
-        self.print_summary = print_summary
+        if log_every_n_steps is not None:
+            log_every_n_steps = check_int("EfficiencyMonitor", "log_every_n_steps", log_every_n_steps, 1)
+        self.log_every_n_steps: int | None = log_every_n_steps
+        self.print_summary = check_bool("EfficiencyMonitor", "print_summary", print_summary)
         self.totals: dict[str, float] = dict.fromkeys(COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS, 0.0)
         self.summary: dict[str, Any] = {}
         self.curve: list[dict[str, Any]] = []
@@ -866,6 +863,16 @@ class EfficiencyMonitor(Callback):
         unknown = {k for k in totals if not k.startswith("saved/")} - set(self.totals)
         if unknown:
             raise KeyError(f"EfficiencyMonitor state has unknown keys {sorted(unknown)}")
+        for key, value in totals.items():
+            # counts, baseline counts and times are sums of non-negative amounts; a saving may be negative (a
+            # technique that raised a count) but is finite
+            saving = key.startswith("saved/")
+            if not is_real(value) or (not saving and value < 0):
+                allowed = "a finite number" if saving else "a finite number >= 0"
+                raise ValueError(
+                    f"EfficiencyMonitor.load_state_dict: the checkpoint's totals.{key} is {value!r}; it must be "
+                    f"{allowed} (a damaged or edited checkpoint: resume from another one)"
+                )
         for q in QUANTITIES:
             totals.setdefault(f"baseline_{q}", totals.get(q, 0.0))
         self.totals.update({k: float(v) for k, v in totals.items()})

@@ -13,7 +13,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from numbers import Integral, Real
 from typing import Any, TypeVar
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_real", "is_int", "is_real", "plain"]
+__all__ = [
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_list",
+    "check_non_decreasing",
+    "check_real",
+    "check_str",
+    "is_int",
+    "is_real",
+    "plain",
+]
 
 T = TypeVar("T")
 
@@ -113,6 +124,57 @@ def check_choice(owner: str, name: str, value: Any, choices: Iterable[T], *, err
     if not isinstance(value, (str, int, float, bool, type(None))) or value not in allowed:
         raise error(f"{_where(owner, name)} must be one of {allowed}, got {value!r}")
     return value
+
+
+def check_list(
+    owner: str, name: str, value: Any, *, what: str = "values", error: type[Exception] = ValueError
+) -> list[Any]:
+    """``value`` as a plain ``list`` when it is a list or tuple (an OmegaConf ``ListConfig`` included, via
+    :func:`plain`). A string, a mapping, a set, a generator or a single value is refused: ``list("first")`` or a
+    function passed for a list of functions would otherwise turn into something else. ``what`` says what the entries
+    are (``"metric names"``), for the message.
+
+    Raises:
+        ValueError: anything else.
+    """
+    value = plain(value)
+    if not isinstance(value, list):
+        raise error(f"{_where(owner, name)} must be a list of {what}, got {value!r}")
+    return value
+
+
+def check_str(
+    owner: str, name: str, value: Any, *, none_ok: bool = False, error: type[Exception] = ValueError
+) -> str | None:
+    """``value`` if it is a ``str`` (or ``None`` with ``none_ok``).
+
+    Raises:
+        ValueError: anything else (a number, a list, ``None`` without ``none_ok``).
+    """
+    if value is None and none_ok:
+        return None
+    if not isinstance(value, str):
+        raise error(f"{_where(owner, name)} must be a str{' or None' if none_ok else ''}, got {value!r}")
+    return value
+
+
+def check_non_decreasing(
+    owner: str, name: str, values: Sequence[Any], *, strict: bool = False, error: type[Exception] = ValueError
+) -> None:
+    """Refuse ``values`` (numbers) that decrease somewhere (``strict``: that do not increase everywhere); the
+    message names the first offending position.
+
+    Raises:
+        ValueError: naming the position and both values.
+    """
+    for i in range(1, len(values)):
+        a, b = values[i - 1], values[i]
+        if b < a or (strict and b == a):
+            order = "strictly ascending" if strict else "non-decreasing"
+            raise error(
+                f"{_where(owner, name)} must be {order}, got {list(values)!r} ({name}[{i}] = {b!r} after "
+                f"{name}[{i - 1}] = {a!r})"
+            )
 
 
 def plain(x: Any) -> Any:

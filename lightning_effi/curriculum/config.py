@@ -14,11 +14,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_effi.core.checks import check_bool, check_choice, check_int, plain
+from lightning_effi.core.checks import check_bool, check_choice, check_int, check_non_decreasing, plain
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.schedules import ROUNDING_MODES, CurriculumSchedule, ScheduleConfigError
 
@@ -89,7 +90,13 @@ class MetricConfig:
         where = f"curriculum_metrics.{self.name}"
         check_choice(where, "difficulty_type", self.difficulty_type, F.DIFFICULTY_TYPES, error=CurriculumConfigError)
         check_choice(where, "clustering_type", self.clustering_type, CLUSTERING_TYPES, error=CurriculumConfigError)
-        object.__setattr__(self, "schedule_config", dict(to_plain(self.schedule_config) or {}))
+        schedule_config = to_plain(self.schedule_config)
+        if schedule_config is not None and not isinstance(schedule_config, Mapping):
+            raise CurriculumConfigError(
+                f"{where}.schedule_config must be a dict of the schedule's keys (e.g. {{total_curriculum_step: 1000, "
+                f"difficulty_step: 8}} for {self.schedule_type!r}), got {schedule_config!r}"
+            )
+        object.__setattr__(self, "schedule_config", dict(schedule_config or {}))
         object.__setattr__(self, "analysis", to_plain(self.analysis))
         if self.name in TRANSFORM_METRICS and (self.clustering_type, self.difficulty_type) != (
             "single_cluster",
@@ -138,8 +145,18 @@ class MetricConfig:
         return self.clustering_type == "schedule_based"
 
     def schedule(self, rounding: str) -> CurriculumSchedule:
+        """The metric's :class:`~lightning_effi.curriculum.schedules.CurriculumSchedule` under ``rounding``.
+
+        Raises:
+            CurriculumConfigError: what ``CurriculumSchedule`` refuses, and two schedules that can run but do not
+                make a curriculum: ``fixed_discrete`` difficulties that decrease (DeepSpeed's update rule freezes a
+                difficulty once it reaches ``max_difficulty``, so a decreasing list either freezes at its first
+                value or trains easier data later), and a ``difficulty_step`` above ``max_difficulty`` (every
+                difficulty rounds down to a multiple of it: the schedule stays at ``min_difficulty`` and jumps to
+                ``max_difficulty``).
+        """
         try:
-            return CurriculumSchedule(
+            schedule = CurriculumSchedule(
                 self.schedule_type,
                 self.min_difficulty,
                 self.max_difficulty,
@@ -150,6 +167,20 @@ class MetricConfig:
             )
         except ScheduleConfigError as e:
             raise CurriculumConfigError(str(e)) from None
+        where = f"curriculum_metrics.{self.name}.schedule_config"
+        cfg = schedule.schedule_config
+        if schedule.schedule_type == "fixed_discrete":
+            check_non_decreasing(where, "difficulty", cfg["difficulty"], error=CurriculumConfigError)
+        elif schedule.schedule_type in ("fixed_linear", "fixed_root"):
+            q, hi = cfg["difficulty_step"], schedule.max_difficulty
+            if q > hi:
+                raise CurriculumConfigError(
+                    f"{where}.difficulty_step ({q}) must be <= max_difficulty ({hi}): every difficulty rounds down to "
+                    f"a multiple of {q}, so the schedule would stay at min_difficulty ({schedule.min_difficulty}) and "
+                    f"jump to max_difficulty at total_curriculum_step; use a difficulty_step that divides the range "
+                    f"(e.g. 8 for token lengths, 1 for percentiles)"
+                )
+        return schedule
 
     @classmethod
     def from_dict(cls, name: str, raw: Mapping[str, Any], extras: bool = True) -> MetricConfig:
@@ -325,8 +356,12 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
 
     Raises:
         CurriculumConfigError: the legacy top-level ``curriculum_learning`` block (removed in DeepSpeed PR #8566), a
-            misplaced top-level ``data_sampling`` block, unknown keys, missing required keys, a child enabled under a
-            disabled parent.
+            misplaced top-level ``data_sampling`` block, unknown keys, missing required keys, an ``enabled`` that is
+            not a bool (a string ``"false"`` would be true), a child enabled under a disabled parent.
+
+    Warns:
+        UserWarning: ``data_efficiency.data_routing.random_ltd`` is enabled: it is not read here (random-LTD is
+            :class:`lightning_effi.RandomLTDCallback`).
     """
     ds_config = copy.deepcopy(to_plain(ds_config))
     if not isinstance(ds_config, Mapping):
@@ -372,12 +407,25 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
     de = check("data_efficiency", block)
     ds = check("data_sampling", de.get("data_sampling", {}))
     cl = check("curriculum_learning", ds.get("curriculum_learning", {}))
-    if not cl.get("enabled", False):
+
+    def enabled(section: str, d: Mapping[str, Any]) -> bool:
+        # DeepSpeed reads ``enabled`` with a default of false; a string "false" would be truthy
+        if "enabled" not in d:
+            return False
+        return check_bool(section, "enabled", d["enabled"], error=CurriculumConfigError)
+
+    de_on, ds_on, cl_on = (
+        enabled("data_efficiency", de),
+        enabled("data_efficiency.data_sampling", ds),
+        enabled("data_efficiency.data_sampling.curriculum_learning", cl),
+    )
+    _warn_data_routing(de.get("data_routing"))
+    if not cl_on:
         return None
-    if not de.get("enabled", False) or not ds.get("enabled", False):
+    if not de_on or not ds_on:
         raise CurriculumConfigError(
             "curriculum_learning.enabled is true but its parent "
-            f"{'data_efficiency' if not de.get('enabled', False) else 'data_sampling'}"
+            f"{'data_efficiency' if not de_on else 'data_sampling'}"
             ".enabled is false; enable the parents or disable curriculum_learning"
         )
     if not isinstance(cl.get("curriculum_metrics"), Mapping):
@@ -391,3 +439,20 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
     return CurriculumConfig(
         metrics=metrics, seed=de.get("seed", 1234), num_epochs=ds.get("num_epochs", 1000), **overrides
     )
+
+
+def _warn_data_routing(routing: Any) -> None:
+    """Warn when the DeepSpeed config enables random-LTD (``data_efficiency.data_routing.random_ltd``), which
+    :func:`parse_deepspeed_config` does not read: in Lightning, random-LTD is its own callback."""
+    if not isinstance(routing, Mapping):
+        return
+    ltd = routing.get("random_ltd")
+    if isinstance(ltd, Mapping) and ltd.get("enabled") not in (None, False) and routing.get("enabled") is not False:
+        warnings.warn(
+            "parse_deepspeed_config: data_efficiency.data_routing.random_ltd is enabled in the DeepSpeed config but "
+            "is not read here (this returns the curriculum only); random-LTD is configured with "
+            "lightning_effi.RandomLTDCallback (min_value, max_value, require_steps, ...), add it to the Trainer's "
+            "callbacks",
+            UserWarning,
+            stacklevel=3,
+        )

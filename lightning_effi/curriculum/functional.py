@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_effi.core.checks import check_int, is_int
 from lightning_effi.core.measure import Path, tensor_leaves
 
 DIFFICULTY_TYPES = ("value", "percentile")
@@ -67,8 +68,12 @@ def eligible_end(
 
     Raises:
         ValueError: unknown ``difficulty_type``/``percentile_rounding``; ``value`` without per-row values (a
-            ``_percentile_merged`` index).
+            ``_percentile_merged`` index); a ``difficulty`` or ``num_samples`` that is not an int; ``max_difficulty``
+            not an int >= 1 for ``percentile``; a ``percentile`` difficulty above ``max_difficulty`` (a percentile
+            is at most ``max_difficulty``: a schedule that goes past it is misconfigured, not clamped).
     """
+    difficulty = check_int("eligible_end", "difficulty", difficulty)
+    num_samples = check_int("eligible_end", "num_samples", num_samples, 0)
     if difficulty_type == "value":
         if values is None or offsets is None:
             raise ValueError(
@@ -78,7 +83,13 @@ def eligible_end(
         return int(offsets[int(np.searchsorted(values, difficulty, side="right"))])
     if difficulty_type != "percentile":
         raise ValueError(f"difficulty_type must be one of {DIFFICULTY_TYPES}, got {difficulty_type!r}")
-    p = min(int(difficulty), int(max_difficulty))
+    max_difficulty = check_int("eligible_end", "max_difficulty", max_difficulty, 1)
+    if difficulty > max_difficulty:
+        raise ValueError(
+            f"eligible_end: percentile difficulty {difficulty} is above max_difficulty {max_difficulty} (a percentile "
+            f"difficulty is in [0, max_difficulty]); keep the schedule within [min_difficulty, max_difficulty]"
+        )
+    p = difficulty
     if p <= 0:
         return 0
     if p >= max_difficulty:
@@ -175,7 +186,14 @@ def dp_slice(length: int, dp_size: int, rank: int, mode: str = "balanced") -> tu
 
     ``balanced`` (default, ``np.array_split``): the first ``length mod dp`` ranks get one more. ``deepspeed``:
     Python ``round`` (banker's rounding) of ``r·length/dp``. Sizes differ by at most one either way.
+
+    Raises:
+        ValueError: ``length`` not an int >= 0, ``dp_size`` not an int >= 1, ``rank`` not in ``[0, dp_size)``, an
+            unknown ``mode``.
     """
+    length = check_int("dp_slice", "length", length, 0)
+    dp_size = check_int("dp_slice", "dp_size", dp_size, 1)
+    rank = check_int("dp_slice", "rank", rank, 0, dp_size - 1)
     if mode == "balanced":
         base, extra = divmod(length, dp_size)
         start = rank * base + min(rank, extra)
@@ -702,12 +720,15 @@ def reshape_batch(batch: Any, difficulty: int, key: str = "input_ids") -> Any:
     rule). The micro-batch size changes. A mapping batch comes back as ``{key: rows}`` (other sequence fields have no
     meaning after re-chunking; non-sequence keys are dropped too); a tensor batch as the rows.
 
+    Any ``d`` works: when ``d + 1`` does not divide ``S`` the tail columns come back through the extra rows.
+
     Raises:
-        ValueError: ``difficulty < 1``; the batch is neither a mapping with a 2-D tensor ``batch[key]`` nor a 2-D
-            tensor.
+        ValueError: ``difficulty`` not an int >= 1; the batch is neither a mapping with a 2-D tensor ``batch[key]``
+            nor a 2-D tensor.
     """
-    if difficulty < 1:
-        raise ValueError(f"seqlen_reshape: difficulty must be >= 1 token, got {difficulty}")
+    if not is_int(difficulty) or difficulty < 1:
+        raise ValueError(f"seqlen_reshape: difficulty must be an int >= 1 token, got {difficulty!r}")
+    difficulty = int(difficulty)
     x = batch if isinstance(batch, Tensor) else batch.get(key) if isinstance(batch, Mapping) else None
     if not isinstance(x, Tensor) or x.ndim != 2:
         raise ValueError(

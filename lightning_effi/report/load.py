@@ -122,7 +122,8 @@ def read_run(file: Path) -> Run:
     Raises:
         ReportError: the file is not JSON, has no ``"schema"`` or one other than 2 (a record written by an older
             version of ``lightning_effi.train``: rerun it), or lacks a field of the record or holds a wrong type
-            there (the message names the file and the field).
+            there, or an ``efficiency`` total (``flops``, ``tokens``, ``samples``, ``layer_tokens``, ``time_train_s``,
+            ``time_data_s``) that is not a finite number >= 0 (the message names the file and the field).
     """
     try:
         record = json.loads(file.read_text(encoding="utf-8"))
@@ -160,6 +161,13 @@ def read_run(file: Path) -> Run:
             f"{file}: 'efficiency' lacks {missing} (was the EfficiencyMonitor among the callbacks? "
             "callbacks=default has it)"
         )
+    for key in (*COMPUTE_KEYS, "time_train_s", "time_data_s"):
+        value = efficiency[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ReportError(
+                f"{file}: 'efficiency.{key}' must be a finite number >= 0 (the EfficiencyMonitor's total), "
+                f"got {value!r}"
+            )
     curve = _require(record, "curve", list, file, "the validation curve, a list")
     schedule = _require(record, "schedule", list, file, "the schedule states, a list")
     for key, points in (("curve", curve), ("schedule", schedule)):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -331,9 +332,21 @@ def _resolve_metric(runs: Sequence[Run], metric: str | None, mode: str | None) -
         metric = next(iter(names))
     for run in runs:
         run.quality(metric)  # ReportError naming the file of a run that did not log it
-    if mode is not None:
-        return metric, check_mode(mode)
     modes = {run.mode for run in runs if run.metric_name == metric}
+    if mode is not None:
+        try:
+            chosen = check_mode(mode)
+        except ValueError as err:
+            raise ReportError(str(err)) from None
+        if modes and chosen not in modes:
+            warnings.warn(
+                f"report: mode={chosen!r} (--mode) for {metric!r}, but the runs optimized {metric!r} with "
+                f"optimized_mode={sorted(modes)[0]!r}; the report ranks the runs as {chosen!r} says "
+                f"({'lower' if chosen == 'min' else 'higher'} is better). Leave mode out to use the runs' own",
+                UserWarning,
+                stacklevel=3,
+            )
+        return metric, chosen
     if len(modes) > 1:
         raise ReportError(f"runs optimize {metric!r} in both directions (min and max); choose one with mode= (--mode)")
     if not modes:
@@ -476,7 +489,11 @@ def build_report(
             did not log (the file named), or whose direction is unknown with no ``mode``; an unknown ``compute``;
             runs of several tasks; two runs with the same arm, budget, seed and overrides (named; runs that differ in
             overrides are told apart by :func:`label_variants`); a run labelled
-            ``baseline`` that has techniques.
+            ``baseline`` that has techniques; a ``mode`` other than ``"min"`` / ``"max"``.
+
+    Warns:
+        UserWarning: ``mode`` contradicts the ``optimized_mode`` of the runs optimizing ``metric`` (both named; the
+            given ``mode`` is used).
     """
     runs = list(runs)
     if not runs:

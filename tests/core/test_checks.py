@@ -4,7 +4,18 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real, plain
+from lightning_effi.core.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_list,
+    check_non_decreasing,
+    check_real,
+    check_str,
+    is_int,
+    is_real,
+    plain,
+)
 
 
 def test_is_int_and_is_real():
@@ -68,3 +79,31 @@ def test_plain_unwraps_omegaconf_and_tuples():
     out = plain(cfg)
     assert out == {"a": [1, [2, 3]], "b": {"c": "x"}} and type(out) is dict and type(out["a"]) is list
     assert plain("abc") == "abc" and plain((1, 2)) == [1, 2]
+
+
+def test_check_list_takes_lists_tuples_and_listconfigs_only():
+    assert check_list("O", "names", ("a", "b")) == ["a", "b"]
+    out = check_list("O", "names", OmegaConf.create(["a", {"k": 1}]))
+    assert out == ["a", {"k": 1}] and type(out) is list and type(out[1]) is dict
+    for bad in ("ab", {"a": 1}, {"a"}, 3, None, (x for x in "ab")):
+        with pytest.raises(ValueError, match=r"^O\.names must be a list of metric names, got "):
+            check_list("O", "names", bad, what="metric names")
+
+
+def test_check_str():
+    assert check_str("O", "key", "index") == "index" and check_str("O", "key", None, none_ok=True) is None
+    with pytest.raises(ValueError, match=r"^O\.key must be a str or None, got 3$"):
+        check_str("O", "key", 3, none_ok=True)
+    with pytest.raises(ValueError, match=r"^O\.key must be a str, got None$"):
+        check_str("O", "key", None)
+
+
+def test_check_non_decreasing_names_the_first_offending_position():
+    check_non_decreasing("O", "d", [1, 1, 2])
+    check_non_decreasing("O", "d", [])
+    with pytest.raises(
+        ValueError, match=r"^O\.d must be non-decreasing, got \[1, 3, 2\] \(d\[2\] = 2 after d\[1\] = 3\)$"
+    ):
+        check_non_decreasing("O", "d", [1, 3, 2])
+    with pytest.raises(ValueError, match=r"must be strictly ascending, got \[1, 1\]"):
+        check_non_decreasing("O", "d", [1, 1], strict=True)

@@ -451,7 +451,8 @@ def test_bad_arguments(tmp_path):
         _analyzer(ds, metric_tensor, tmp_path, metric_types=["per_sample"])
     with pytest.raises(ValueError, match="same length"):
         _analyzer(ds, metric_tensor, tmp_path, metric_names=["a", "b"])
-    with pytest.raises(KeyError, match="registered metrics"):
+    # an unknown registered name: a ValueError naming the parameter and the metric (was a bare KeyError)
+    with pytest.raises(ValueError, match=r"DataAnalyzer\.metric_functions \(metric 'v'\): unknown metric 'nope'; "):
         _analyzer(ds, "nope", tmp_path)
     with pytest.raises(ValueError, match="empty"):
         _analyzer(TensorDS(0), metric_tensor, tmp_path)

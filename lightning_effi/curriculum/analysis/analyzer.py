@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_effi.core.checks import check_int
+from lightning_effi.core.checks import check_bool, check_int, check_list, check_str, is_int
 
 from .index import INPROGRESS_NAME, METADATA_NAME, MetricIndex, _load_validated, dataset_fingerprint, file_digest
 from .indexed_dataset import (
@@ -49,6 +49,16 @@ _DONE = "map_done.json"
 _FAILED = "map_failed.json"
 _FORMAT = "lightning_effi.curriculum.analysis/1"
 _CHUNK = 1 << 22
+
+
+def _metric_function(name: str, fn: Any) -> Any:
+    """The function of metric ``name``: ``fn`` itself, or the registered metric ``fn`` names (a str)."""
+    if not isinstance(fn, str):
+        return fn
+    try:
+        return get_metric(fn)
+    except KeyError as err:
+        raise ValueError(f"DataAnalyzer.metric_functions (metric {name!r}): {err.args[0]}") from None
 
 
 class AnalyzerError(RuntimeError):
@@ -420,7 +430,8 @@ class DataAnalyzer:
         num_threads: local worker processes of this machine (one partition each; 1 = run in this process).
         num_threads_reduce: only sets the ``doc_idx`` chunk boundaries of the merged files as DeepSpeed's reduce
             threads would, for byte-identical output.
-        specific_threads: run only these thread ids of this worker (re-run failed partitions); ``None``/``[]``: all.
+        specific_threads: a list of the thread ids of this worker to run (re-run failed partitions); ``None``/``[]``:
+            all.
         batch_size: samples per collated batch (does not change the results).
         metric_names: output directory / file names (unique, no path separators).
         metric_functions: callables ``fn(batch) -> values`` or registry names (:func:`.metrics.get_metric`).
@@ -432,16 +443,18 @@ class DataAnalyzer:
         collate_fn: batch collation (default ``torch.utils.data.default_collate``).
         sample_indices: ``int[N]``: the id of the sample at position ``k`` is ``sample_indices[k]`` (a permutation of
             ``[0, N)``); a dict batch's ``index_key`` field takes precedence (DeepSpeed semantics).
-        keep_temp: keep the per-partition map files after a verified reduce.
-        progress: show a tqdm progress bar during the map.
-        index_key: dict-batch field holding sample ids (``None`` disables).
+        keep_temp: (bool) keep the per-partition map files after a verified reduce.
+        progress: (bool) show a tqdm progress bar during the map.
+        index_key: (str) dict-batch field holding sample ids (``None`` disables).
         start_method: multiprocessing start method for ``num_threads > 1`` (``None``: ``"fork"`` where available,
             else ``"spawn"``). Workers run ``torch.set_num_threads(1)``.
-        run_tag: optional string folded into the run fingerprint (e.g. a hash of the data config), so partitions of a
+        run_tag: optional str folded into the run fingerprint (e.g. a hash of the data config), so partitions of a
             run over other data of the same length are rejected as stale.
 
     Raises:
-        ValueError / TypeError: invalid arguments (the message names the parameter and what is allowed).
+        ValueError / TypeError: invalid arguments (the message names the parameter and what is allowed): e.g. a
+            string where a list (``metric_names``, ``specific_threads``, ...) or a bool (``keep_temp``,
+            ``progress``) is expected, an unknown registered metric name, a ``save_path`` that is not a path.
     """
 
     def __init__(
@@ -481,15 +494,23 @@ class DataAnalyzer:
         self.num_threads = check_int("DataAnalyzer", "num_threads", num_threads, 1)
         self.num_threads_reduce = check_int("DataAnalyzer", "num_threads_reduce", num_threads_reduce, 1)
         self.batch_size = check_int("DataAnalyzer", "batch_size", batch_size, 1)
-        threads = list(range(self.num_threads)) if not specific_threads else [int(t) for t in specific_threads]
-        bad = [t for t in threads if not 0 <= t < self.num_threads]
-        if bad or len(set(threads)) != len(threads):
+        owner = "DataAnalyzer"
+        chosen = (
+            [] if specific_threads is None else check_list(owner, "specific_threads", specific_threads, what="ints")
+        )
+        bad = [t for t in chosen if not is_int(t) or not 0 <= t < self.num_threads]
+        if bad or len(set(chosen)) != len(chosen):
             raise ValueError(
-                f"specific_threads must be distinct thread ids in [0, num_threads={self.num_threads}); "
-                f"got {list(specific_threads or [])}"
+                f"DataAnalyzer.specific_threads must be distinct int thread ids in [0, num_threads={self.num_threads}) "
+                f"or None (every thread); got {chosen!r}"
             )
-        self.specific_threads = threads
-        names, fns, types, dts = (list(metric_names), list(metric_functions), list(metric_types), list(metric_dtypes))
+        self.specific_threads = [int(t) for t in chosen] if chosen else list(range(self.num_threads))
+        names, fns, types, dts = (
+            check_list(owner, "metric_names", metric_names, what="metric names (str)"),
+            check_list(owner, "metric_functions", metric_functions, what="functions fn(batch) or registered names"),
+            check_list(owner, "metric_types", metric_types, what=f"metric types {METRIC_TYPES}"),
+            check_list(owner, "metric_dtypes", metric_dtypes, what="integer dtypes"),
+        )
         if not names:
             raise ValueError("metric_names is empty; give at least one metric")
         if not len(names) == len(fns) == len(types) == len(dts):
@@ -506,12 +527,14 @@ class DataAnalyzer:
             if t not in METRIC_TYPES:
                 raise ValueError(f"metric_types: {t!r} for metric {m!r} is not one of {METRIC_TYPES}")
         self.metric_names = names
-        self.metric_functions = [get_metric(f) if isinstance(f, str) else f for f in fns]
+        self.metric_functions = [_metric_function(m, f) for m, f in zip(names, fns)]
         for m, f in zip(names, self.metric_functions):
             if not callable(f):
                 raise TypeError(f"metric_functions: the function of metric {m!r} is not callable ({f!r})")
         self.metric_types = types
         self.metric_dtypes = [normalize_int_dtype(d, f"metric_dtypes[{m!r}]") for m, d in zip(names, dts)]
+        if not isinstance(save_path, (str, os.PathLike)):
+            raise TypeError(f"DataAnalyzer.save_path must be a folder path (str or os.PathLike), got {save_path!r}")
         self.save_path = os.fspath(save_path)
         self.collate_fn = collate_fn
         if sample_indices is not None:
@@ -527,13 +550,13 @@ class DataAnalyzer:
             self.sample_indices = si
         else:
             self.sample_indices = None
-        self.keep_temp = bool(keep_temp)
-        self.progress = bool(progress)
-        self.index_key = index_key
+        self.keep_temp = check_bool(owner, "keep_temp", keep_temp)
+        self.progress = check_bool(owner, "progress", progress)
+        self.index_key = check_str(owner, "index_key", index_key, none_ok=True)
         if start_method is not None and start_method not in mp.get_all_start_methods():
             raise ValueError(f"start_method must be one of {mp.get_all_start_methods()} or None; got {start_method!r}")
         self.start_method = start_method
-        self.run_tag = run_tag
+        self.run_tag = check_str(owner, "run_tag", run_tag, none_ok=True)
         self.worker_splits, self.thread_splits = split_dataset(
             self.num_samples, self.num_workers, self.worker_id, self.num_threads
         )

@@ -350,22 +350,26 @@ def _load_validated(
         metric = MMapIndexedDataset(m_path, dtype_table)
         if len(metric) != len(samples):
             raise IndexFileError(
-                f"'{m_path}': {len(metric)} rows but '{s_path}' has {len(samples)}; the two "
-                "files must come from the same analysis"
+                f"index_to_metric_path '{m_path}': {len(metric)} rows but index_to_sample_path '{s_path}' has "
+                f"{len(samples)}; the two files must come from the same analysis (index_to_metric_path is the "
+                "<metric>_index_to_metric file, one row per distinct value; <metric>_sample_to_metric has one row per "
+                "sample)"
             )
         if len(metric) and np.any(metric.sizes != 1):
             j = int(np.flatnonzero(metric.sizes != 1)[0])
             raise IndexFileError(
-                f"'{m_path}': item {j} has {int(metric.sizes[j])} elements; every "
+                f"index_to_metric_path '{m_path}': item {j} has {int(metric.sizes[j])} elements; every "
                 "index_to_metric item must be one [value]"
             )
         if metric.dtype.kind not in "iu":
-            raise IndexFileError(f"'{m_path}': values stored as {metric.dtype}; expected an integer dtype")
+            raise IndexFileError(
+                f"index_to_metric_path '{m_path}': values stored as {metric.dtype}; expected an integer dtype"
+            )
         values = _as_int64(metric.flat, "values", m_path)
         if len(values) > 1 and np.any(values[1:] <= values[:-1]):
             j = int(np.flatnonzero(values[1:] <= values[:-1])[0])
             raise IndexFileError(
-                f"'{m_path}': values are not strictly increasing (row {j + 1}: "
+                f"index_to_metric_path '{m_path}': values are not strictly increasing (row {j + 1}: "
                 f"{int(values[j + 1])} after {int(values[j])})"
             )
     return MetricIndex(ids, offsets, values)

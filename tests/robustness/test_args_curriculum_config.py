@@ -1,0 +1,164 @@
+"""Bad inputs to the curriculum's configuration (``parse_deepspeed_config``, ``MetricConfig``) and its functional core
+(``dp_slice``, ``eligible_end``, ``reshape_batch``) refused at once, naming the key and what is allowed (issue #21);
+the valid inputs next to them still accepted with their exact values."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_effi.curriculum import functional as F
+from lightning_effi.curriculum.config import (
+    CurriculumConfig,
+    CurriculumConfigError,
+    MetricConfig,
+    parse_deepspeed_config,
+)
+
+TRUNC: dict[str, Any] = dict(
+    difficulty_type="value",
+    clustering_type="single_cluster",
+    min_difficulty=8,
+    max_difficulty=16,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=6, difficulty_step=4),
+)
+
+
+def ds_config(enabled: Any = True, de: Any = True, dsamp: Any = True) -> dict[str, Any]:
+    return {
+        "train_batch_size": 4,
+        "data_efficiency": {
+            "enabled": de,
+            "seed": 1234,
+            "data_sampling": {
+                "enabled": dsamp,
+                "num_epochs": 1000,
+                "curriculum_learning": {
+                    "enabled": enabled,
+                    "data_cluster_path": "/tmp/data_clusters",
+                    "curriculum_metrics": {"seqlen_truncate": dict(TRUNC)},
+                },
+            },
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------------ parse_deepspeed_config
+@pytest.mark.parametrize("flag", ["enabled", "de", "dsamp"])
+@pytest.mark.parametrize("value", ["false", "true", None, 1])
+def test_enabled_must_be_a_bool(flag, value):
+    section = {
+        "enabled": "data_efficiency.data_sampling.curriculum_learning",
+        "de": "data_efficiency",
+        "dsamp": "data_efficiency.data_sampling",
+    }[flag]
+    with pytest.raises(CurriculumConfigError, match=rf"{section}\.enabled must be a bool .*got {value!r}"):
+        parse_deepspeed_config(ds_config(**{flag: value}))
+
+
+def test_enabled_bools_and_numpy_bools_parse():
+    cfg = parse_deepspeed_config(ds_config(enabled=np.bool_(True)))
+    assert cfg is not None and list(cfg.metrics) == ["seqlen_truncate"] and cfg.seed == 1234
+    assert parse_deepspeed_config(ds_config(enabled=False)) is None
+    missing = ds_config()
+    del missing["data_efficiency"]["data_sampling"]["curriculum_learning"]["enabled"]  # DeepSpeed's default: off
+    assert parse_deepspeed_config(missing) is None
+
+
+def test_random_ltd_in_the_deepspeed_config_is_named_not_dropped():
+    cfg = ds_config()
+    cfg["data_efficiency"]["data_routing"] = {"enabled": True, "random_ltd": {"enabled": True}}
+    before = copy.deepcopy(cfg)
+    with pytest.warns(UserWarning, match=r"data_routing\.random_ltd .*RandomLTDCallback"):
+        parsed = parse_deepspeed_config(cfg)
+    assert parsed is not None and cfg == before  # the curriculum is still parsed; the input is not mutated
+    cfg["data_efficiency"]["data_routing"]["random_ltd"]["enabled"] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a disabled random-LTD block: nothing to say
+        parse_deepspeed_config(cfg)
+
+
+# --------------------------------------------------------------------------------------------------- MetricConfig
+def metric(**changes: Any) -> MetricConfig:
+    return MetricConfig.from_dict("seqlen_truncate", {**TRUNC, **changes})
+
+
+@pytest.mark.parametrize("value", [[6, 4], "fixed", 3])
+def test_schedule_config_must_be_a_dict(value):
+    with pytest.raises(CurriculumConfigError, match=r"seqlen_truncate\.schedule_config must be a dict"):
+        metric(schedule_config=value)
+
+
+def test_difficulty_step_above_max_difficulty_is_refused():
+    with pytest.raises(CurriculumConfigError, match=r"difficulty_step \(64\) must be <= max_difficulty \(16\)"):
+        metric(schedule_config=dict(total_curriculum_step=6, difficulty_step=64))
+    with pytest.raises(CurriculumConfigError, match="difficulty_step"):  # through the callback's config too
+        CurriculumConfig(
+            metrics={
+                "seqlen_truncate": {**TRUNC, "schedule_config": {**TRUNC["schedule_config"], "difficulty_step": 17}}
+            }
+        )
+    assert metric(schedule_config=dict(total_curriculum_step=6, difficulty_step=16)).schedule("clamped")(6) == 16
+
+
+@pytest.mark.parametrize(
+    "difficulty, max_step, match",
+    [
+        ([16, 12, 8], [2, 4], r"difficulty must be non-decreasing, got \[16, 12, 8\] \(difficulty\[1\] = 12 after"),
+        ([8, 16, 12], [2, 4], r"difficulty\[2\] = 12 after difficulty\[1\] = 16"),
+        ([8, 12, 16], [4, 2], r"max_step must be strictly ascending"),
+        ([8, 16], [2, 4], r"len\(difficulty\) == len\(max_step\) \+ 1"),
+        ([], [], r"non-empty lists"),
+    ],
+)
+def test_fixed_discrete_lists_in_order_and_of_matching_sizes(difficulty, max_step, match):
+    with pytest.raises(CurriculumConfigError, match=match):
+        metric(schedule_type="fixed_discrete", schedule_config={"difficulty": difficulty, "max_step": max_step})
+
+
+def test_fixed_discrete_non_decreasing_lists_run_as_given():
+    m = metric(schedule_type="fixed_discrete", schedule_config={"difficulty": [8, 8, 16], "max_step": [2, 4]})
+    assert [m.schedule("clamped")(s) for s in range(7)] == [8, 8, 8, 8, 8, 16, 16]
+
+
+# ------------------------------------------------------------------------------------------------ functional core
+def test_dp_slice_refuses_a_rank_outside_the_group_and_an_empty_group():
+    with pytest.raises(ValueError, match=r"dp_slice\.rank must be an int >= 0 and <= 1, got 5"):
+        F.dp_slice(8, 2, 5)
+    with pytest.raises(ValueError, match=r"dp_slice\.dp_size must be an int >= 1, got 0"):
+        F.dp_slice(8, 0, 0)
+    with pytest.raises(ValueError, match=r"dp_slice\.length must be an int >= 0"):
+        F.dp_slice(-1, 2, 0)
+    # the shares of every rank tile [0, length) exactly (numpy ints accepted)
+    for mode in F.DP_SPLITS:
+        shares = [F.dp_slice(np.int64(11), 3, r, mode) for r in range(3)]
+        assert shares[0][0] == 0 and shares[-1][1] == 11
+        assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+    assert [F.dp_slice(11, 3, r) for r in range(3)] == [(0, 4), (4, 8), (8, 11)]
+
+
+def test_eligible_end_refuses_a_percentile_above_max_difficulty():
+    kw = dict(difficulty_type="percentile", num_samples=40, max_difficulty=100)
+    with pytest.raises(ValueError, match=r"percentile difficulty 150 is above max_difficulty 100"):
+        F.eligible_end(150, **kw)
+    with pytest.raises(ValueError, match=r"eligible_end\.difficulty must be an int, got 2\.5"):
+        F.eligible_end(2.5, **kw)
+    with pytest.raises(ValueError, match=r"eligible_end\.max_difficulty must be an int >= 1, got 0"):
+        F.eligible_end(0, difficulty_type="percentile", num_samples=40, max_difficulty=0)
+    assert F.eligible_end(100, **kw) == 40 and F.eligible_end(50, **kw) == 0  # deepspeed rounding: 40 // 100 = 0
+    assert F.eligible_end(np.int64(50), **{**kw, "percentile_rounding": "proportional"}) == 20
+
+
+def test_reshape_batch_needs_an_int_difficulty_and_rechunks_any_one():
+    x = torch.arange(16).view(2, 8)
+    for bad in (2.5, True, 0, "2"):
+        with pytest.raises(ValueError, match=r"seqlen_reshape: difficulty must be an int >= 1 token"):
+            F.reshape_batch({"input_ids": x}, bad)
+    rows = F.reshape_batch(x, np.int64(2))  # d + 1 = 3 does not divide 8: Megatron's extra rows of the last 3
+    assert rows.tolist() == [[0, 1, 2], [3, 4, 5], [8, 9, 10], [11, 12, 13], [5, 6, 7], [13, 14, 15]]

@@ -1,0 +1,64 @@
+"""The sweep report's inputs (issue #21): an ``efficiency`` total of ``result.json`` that is not a finite number
+>= 0 refused naming the file and key; a ``--mode`` contradicting the runs' ``optimized_mode`` warned about, naming
+both."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+
+from lightning_effi.report import build_report, load_runs
+from lightning_effi.report.load import ReportError
+from tests.report import write_record, write_sweep
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("flops", "1e12"), ("flops", -1.0), ("tokens", None), ("samples", True), ("time_train_s", -0.5)],
+)
+def test_an_efficiency_total_must_be_a_finite_number_at_least_zero(tmp_path, key, value):
+    folder = write_record(tmp_path / "run")
+    record = json.loads((folder / "result.json").read_text())
+    record["efficiency"][key] = value
+    (folder / "result.json").write_text(json.dumps(record))
+    with pytest.raises(ReportError, match=rf"run/result.json: 'efficiency\.{key}' must be a finite number >= 0"):
+        load_runs([folder])
+
+
+def test_a_nan_total_is_refused_and_valid_totals_load_as_written(tmp_path):
+    folder = write_record(tmp_path / "run", flops=2.5e12, tokens=0)
+    (run,) = load_runs([folder])
+    assert run.compute("flops") == 2.5e12 and run.compute("tokens") == 0.0
+    record = json.loads((folder / "result.json").read_text())
+    record["efficiency"]["flops"] = math.nan
+    (folder / "result.json").write_text(json.dumps(record))  # written as NaN, which Python's json reads back
+    with pytest.raises(ReportError, match=r"'efficiency\.flops' must be a finite number >= 0 .*got nan"):
+        load_runs([folder])
+
+
+def test_a_mode_against_the_runs_optimized_mode_is_warned_about(tmp_path):
+    runs = load_runs([write_sweep(tmp_path / "sweep")])  # every run optimizes val/loss with mode min
+    with pytest.warns(
+        UserWarning,
+        match=r"mode='max' \(--mode\) for 'val/loss', but the runs optimized 'val/loss' "
+        r"with optimized_mode='min'",
+    ):
+        report = build_report(runs, mode="max")
+    assert report.mode == "max"  # the user's choice is applied
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert build_report(runs, mode="min").mode == "min" and build_report(runs).mode == "min"
+    with pytest.raises(ReportError, match=r"mode: expected 'min' \(lower is better\) or 'max'"):
+        build_report(runs, mode="maximize")
+
+
+def test_the_cli_warns_on_a_contradicting_mode_and_still_writes_the_report(tmp_path):
+    from lightning_effi.report.__main__ import main
+
+    sweep = write_sweep(tmp_path / "sweep")
+    with pytest.warns(UserWarning, match=r"optimized_mode='min'"):
+        assert main([str(sweep), "--mode", "max", "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report.md").is_file()

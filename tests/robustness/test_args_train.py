@@ -1,0 +1,58 @@
+"""The Hydra app's own keys and the Trainer's integer settings checked at the start of ``lightning_effi.train.run``,
+before anything is built (issue #21): a string for a flag (``train='no'`` would be true), an unknown
+``optimized_mode``, ``trainer.max_steps=ten``."""
+
+from __future__ import annotations
+
+import pytest
+
+import lightning_effi.train as train
+from lightning_effi.utils.instantiate import ConfigError
+from tests.helpers.hydra import compose_train
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    """``train.build`` that fails the test: the checks must refuse the config before anything is built."""
+
+    def build(cfg):
+        raise AssertionError("build() was reached: the config was not checked first")
+
+    monkeypatch.setattr(train, "build", build)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("train='no'", r"^train must be a bool \(true / false\), got 'no'$"),
+        ("train='false'", r"^train must be a bool \(true / false\), got 'false'$"),
+        ("test='false'", r"^test must be a bool \(true / false\), got 'false'$"),
+        ("test=1", r"^test must be a bool \(true / false\), got 1$"),
+        ("optimized_mode=maximize", r"^optimized_mode must be one of \('min', 'max'\), got 'maximize'$"),
+        ("optimized_metric=3", r"^optimized_metric must be a str or None, got 3$"),
+        ("trainer.max_steps=ten", r"^trainer\.max_steps must be an int >= -1, got 'ten'$"),
+        ("trainer.max_steps=2.5", r"^trainer\.max_steps must be an int >= -1, got 2\.5$"),
+        ("trainer.max_epochs=-2", r"^trainer\.max_epochs must be an int >= -1, got -2$"),
+        ("+trainer.accumulate_grad_batches=0", r"^trainer\.accumulate_grad_batches must be an int >= 1, got 0$"),
+        ("trainer.log_every_n_steps=often", r"^trainer\.log_every_n_steps must be an int >= 1, got 'often'$"),
+    ],
+)
+def test_bad_settings_are_refused_before_anything_is_built(tmp_path, no_build, override, match):
+    cfg = compose_train([override], tmp_path)
+    with pytest.raises(ConfigError, match=match):
+        train.run(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["train=false", "test=true", "optimized_mode=max", "optimized_metric=null", "trainer.max_epochs=null"],
+        ["bench=gpt_stack", "arm=baseline_50", "trainer.check_val_every_n_epoch=null"],  # max_steps interpolated
+    ],
+)
+def test_valid_settings_pass_the_checks(tmp_path, overrides):
+    cfg = compose_train(overrides, tmp_path)
+    train.check_settings(cfg)  # raises nothing
+    if "bench=gpt_stack" in overrides:
+        assert cfg.trainer.max_steps == 1000  # round(2000 x 0.5): the interpolation was resolved and checked
