@@ -23,9 +23,36 @@ import itertools
 from collections.abc import Iterator, Sized
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
-__all__ = ["EpochShuffleSampler", "ResumableDataLoader", "SkippableSampler", "skippable"]
+__all__ = ["EpochShuffleSampler", "ResumableDataLoader", "SkippableSampler", "check_map_style", "skippable"]
+
+
+def check_map_style(owner: str, dataset: Any) -> None:
+    """Refuse a dataset a sampler cannot draw indices into: an ``IterableDataset`` (it yields its samples itself, in
+    its own order) or any object without ``len()``.
+
+    Args:
+        owner: who asks, for the message (``"EpochShuffleSampler"``, ``"ResumableDataLoader"``).
+        dataset: the dataset to check.
+
+    Raises:
+        TypeError: naming ``owner``, the dataset's class and what is needed (a map-style dataset: ``__len__`` and
+            ``__getitem__``, e.g. a ``torch.utils.data.Dataset`` subclass).
+    """
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(
+            f"{owner}.dataset: {type(dataset).__name__} is an IterableDataset (it yields its samples itself, in its "
+            f"own order), but {owner} draws sample indices, so it needs a map-style dataset with __len__ and "
+            "__getitem__ (a torch.utils.data.Dataset); load the samples into one (a list, a Dataset over them), or "
+            "pass the IterableDataset to a plain DataLoader without a sampler (InfoBatch and the curriculum, which "
+            "choose the samples, need a map-style training set)"
+        )
+    if not isinstance(dataset, Sized):
+        raise TypeError(
+            f"{owner}.dataset: {type(dataset).__name__} has no __len__; {owner} draws sample indices, so it needs a "
+            "map-style dataset with __len__ and __getitem__ (a torch.utils.data.Dataset that defines __len__)"
+        )
 
 
 class EpochShuffleSampler(DistributedSampler):  # type: ignore[type-arg]
@@ -37,6 +64,10 @@ class EpochShuffleSampler(DistributedSampler):  # type: ignore[type-arg]
         dataset: the map-style dataset (only ``len()`` is used).
         num_replicas, rank: world size and this process's rank (1, 0 for a single process).
         shuffle: permute per epoch (False: dataset order). seed: base seed. drop_last: as ``DistributedSampler``.
+
+    Raises:
+        TypeError: ``dataset`` is an ``IterableDataset`` or has no ``len()`` (:func:`check_map_style`).
+        ValueError: ``num_replicas`` not a positive int, ``rank`` not an int in ``[0, num_replicas)``.
     """
 
     def __init__(
@@ -48,6 +79,7 @@ class EpochShuffleSampler(DistributedSampler):  # type: ignore[type-arg]
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        check_map_style("EpochShuffleSampler", dataset)
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"EpochShuffleSampler.num_replicas must be a positive int, got {num_replicas!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
@@ -124,10 +156,12 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
     Iteration is lazy: the sampler is read at the first ``next()``, after Lightning's ``set_epoch``.
 
     Raises:
-        TypeError: the sampler has no ``len()``.
+        TypeError: the sampler has no ``len()``; the dataset is an ``IterableDataset`` or has no ``len()``
+            (:func:`check_map_style`).
     """
 
     def __init__(self, dataset: Dataset[Any], *args: Any, sampler: Any, **kwargs: Any) -> None:
+        check_map_style("ResumableDataLoader", dataset)
         super().__init__(dataset, *args, sampler=skippable(sampler), **kwargs)  # type: ignore[misc]
         self._batches = 0
         self._resume_batches = 0

@@ -16,7 +16,7 @@ that the ``setup`` of a later fit can tell the leftovers of a fit that ended wit
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
@@ -40,36 +40,108 @@ W = TypeVar("W", bound="WrappingDataModule")
 #: the batch hooks a LightningModule and a LightningDataModule share (Lightning's ``_DataHookSelector``)
 BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
-#: samplers that only shuffle (or not): a technique may replace them without changing the semantics
+#: samplers that only shuffle (or not): a technique may replace them without changing the semantics. A subclass
+#: counts as one of them only if it keeps their ``__iter__`` and ``__len__`` (:func:`custom_order`)
 PLAIN_SAMPLERS = (RandomSampler, SequentialSampler, EpochShuffleSampler, DistributedSampler)
+
+#: the settings a technique's refusal message recommends instead
+_PLAIN_LOADER = (
+    "accepts only plain shuffling loaders: DataLoader(dataset, batch_size=..., shuffle=True/False, drop_last=...), "
+    "no custom sampler or batch_sampler"
+)
+
+
+def custom_order(sampler: Any) -> str | None:
+    """Why ``sampler`` is not a plain shuffling (or sequential) sampler that a technique may replace without changing
+    what the run trains on; None when it is one.
+
+    Plain: an instance of :data:`PLAIN_SAMPLERS` (``RandomSampler``, ``SequentialSampler``, ``DistributedSampler``,
+    lightning_effi's :class:`~lightning_effi.core.loader.EpochShuffleSampler`) whose class keeps one of their
+    ``__iter__`` and ``__len__`` (a subclass that only adds attributes is plain), and, for a ``RandomSampler``, one
+    that draws every sample once per epoch (no ``replacement``, ``num_samples == len(data_source)``). A
+    :class:`~lightning_effi.core.loader.SkippableSampler` (the resumable loader's wrapper, e.g. of the
+    ``SequentialSampler`` that ``overfit_batches`` puts in) is judged by the sampler it wraps.
+
+    Returns:
+        None, or a short reason (``"a RandomSampler subclass that overrides __iter__"``, ...).
+    """
+    while isinstance(sampler, SkippableSampler):
+        sampler = sampler.sampler
+    cls = type(sampler)
+    base = next((b for b in PLAIN_SAMPLERS if isinstance(sampler, b)), None)
+    if base is None:
+        return "a custom sampler"
+    overridden = [
+        name for name in ("__iter__", "__len__") if getattr(cls, name) not in {getattr(b, name) for b in PLAIN_SAMPLERS}
+    ]
+    if overridden:
+        return f"a {base.__name__} subclass that overrides {' and '.join(overridden)} (its own order)"
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement:
+            return "a RandomSampler that draws with replacement"
+        if sampler.num_samples != len(sampler.data_source):
+            return (
+                f"a RandomSampler that draws num_samples={sampler.num_samples} of the dataset's "
+                f"{len(sampler.data_source)} samples per epoch"
+            )
+    return None
 
 
 def loader_template(loader: Any, technique: str) -> dict[str, Any]:
-    """The settings of ``loader`` a technique needs to rebuild it.
+    """The settings of ``loader`` a technique needs to rebuild it. Only a plain loader qualifies (its sampler and batch
+    sampler would be replaced, so anything else would silently train another order): ``DataLoader(dataset,
+    batch_size=B, shuffle=..., drop_last=...)`` over a map-style dataset, or one whose sampler is plain
+    (:func:`custom_order`) and batched by a ``BatchSampler`` that the loader built itself from its ``batch_size``.
 
     Returns:
         ``{dataset, batch_size, drop_last, collate_fn, num_workers, pin_memory, worker_init_fn, prefetch_factor,
         persistent_workers, timeout, multiprocessing_context, in_order, length}``.
 
     Raises:
-        DataConfigError: not one ``DataLoader``, an ``IterableDataset``, a custom sampler or batch sampler.
+        DataConfigError: (naming ``technique`` and what was found) not one ``DataLoader``; an ``IterableDataset`` or
+            a dataset without ``len()``; a custom sampler, a subclass of a plain sampler with its own ``__iter__`` /
+            ``__len__``, a ``RandomSampler`` with ``replacement`` or another ``num_samples``; a custom batch sampler;
+            an explicit ``batch_sampler=BatchSampler(...)`` (the loader's ``batch_size`` is then None); no automatic
+            batching (``batch_size=None``).
     """
     if not isinstance(loader, DataLoader):
         raise DataConfigError(
             f"{technique}: the wrapped train_dataloader() must return one DataLoader, got {type(loader).__name__}"
         )
-    if isinstance(loader.dataset, IterableDataset):
-        raise DataConfigError(f"{technique}: the training dataset must be map-style; IterableDataset is not supported")
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise DataConfigError(
+            f"{technique}: the training dataset must be map-style; IterableDataset is not supported (got "
+            f"{type(dataset).__name__}): {technique} chooses the samples by index, so the dataset needs __len__ and "
+            "__getitem__ (a torch.utils.data.Dataset)"
+        )
+    if not isinstance(dataset, Sized):
+        raise DataConfigError(
+            f"{technique}: the training dataset must be map-style with a length; {type(dataset).__name__} has no "
+            f"__len__ ({technique} chooses the samples by index among len(dataset))"
+        )
     batch_sampler = loader.batch_sampler
     sampler = getattr(batch_sampler, "sampler", loader.sampler)
-    if isinstance(sampler, SkippableSampler):  # a ResumableDataLoader's wrapper of a plain sampler
+    while isinstance(sampler, SkippableSampler):  # a ResumableDataLoader's wrapper of a plain sampler
         sampler = sampler.sampler
-    if type(batch_sampler) is not BatchSampler or not isinstance(sampler, PLAIN_SAMPLERS):
+    found = f"{technique}: the wrapped training loader uses {type(sampler).__name__} / {type(batch_sampler).__name__}"
+    if batch_sampler is None:
         raise DataConfigError(
-            f"{technique}: the wrapped training loader uses {type(sampler).__name__} / "
-            f"{type(batch_sampler).__name__}; {technique} owns the sampler and accepts only plain shuffling "
-            "loaders (shuffle=True/False, no custom sampler or batch_sampler)"
+            f"{found}: batch_size=None (no automatic batching: every sample is a batch); {technique} owns the "
+            f"sampler and {_PLAIN_LOADER}"
         )
+    if type(batch_sampler) is not BatchSampler:
+        raise DataConfigError(f"{found}; {technique} owns the sampler and {_PLAIN_LOADER}")
+    if loader.batch_size is None:
+        raise DataConfigError(
+            f"{found} given as DataLoader(batch_sampler=...) (the loader's batch_size is None); {technique} owns "
+            f"the sampler and the batch sampler and rebuilds the loader from its batch_size, so it {_PLAIN_LOADER}"
+            f" (here DataLoader(dataset, batch_size={batch_sampler.batch_size}, "
+            f"drop_last={batch_sampler.drop_last}, shuffle=...))"
+        )
+    why = custom_order(sampler)
+    if why is not None:
+        raise DataConfigError(f"{found} ({why}); {technique} owns the sampler and {_PLAIN_LOADER}")
     return dict(
         dataset=loader.dataset,
         batch_size=loader.batch_size,

@@ -119,7 +119,9 @@ class CurriculumCollate:
             ``input_ids`` nor a ``[B, S]`` tensor; either with a sequence-first batch (the sequence tensor is
             ``[S, B]``: its dimension 1 is the number of samples collated, ``batch_first=False``); a float mask that
             is neither additive nor 0/1; the samples of one batch carry different steps (or, thinned,
-            different candidate counts). Raised at the first such batch, naming the metric and the tensors found.
+            different candidate counts). Raised at the first such batch, naming the metric and the tensors found;
+            :meth:`check` raises them before training for a batch of the training set's first samples (at setup, so
+            a batch structure the transforms cannot work with never reaches the training loop).
     """
 
     def __init__(
@@ -141,7 +143,36 @@ class CurriculumCollate:
         _, step, micro, diffs = keys[0][:4]
         if any(k[1] != step or k[2] != micro for k in keys):
             raise DataConfigError("curriculum: one batch mixes samples of different curriculum steps")
-        batch = self.collate_fn([s for s, _ in items])
+        return self._transform(self.collate_fn([s for s, _ in items]), keys)
+
+    def check(self, samples: Sequence[Any], difficulties: Sequence[int]) -> None:
+        """Run the sequence-length transforms on the user's collated batch of ``samples`` at ``difficulties`` (one
+        int per metric, in :attr:`metric_names` order), so that a batch structure the transforms cannot work with is
+        refused before training (:meth:`CurriculumDataModule.train_dataloader` calls this with the training set's
+        first samples and the first step's difficulties) instead of at the first batch.
+
+        A collate function that raises here (e.g. one that needs a worker's state) is left to the training loader,
+        which reports its error at the first batch.
+
+        Raises:
+            DataConfigError: what :meth:`__call__` raises for that batch (see the class docstring), the message
+                ending with where it was found (``at setup, on a batch of the training set's first k samples``).
+        """
+        try:
+            batch = self.collate_fn(list(samples))
+        except Exception:  # the user's collate: left to the loader, which raises it in context
+            return
+        keys = [(i, 1, 0, tuple(difficulties)) for i in range(len(samples))]
+        try:
+            self._transform(batch, keys)
+        except DataConfigError as e:
+            raise DataConfigError(
+                f"{e} [found at setup, on a batch of the training set's first {len(samples)} samples]"
+            ) from None
+
+    def _transform(self, batch: Any, keys: Sequence[tuple]) -> EffiBatch:
+        """The transforms and metadata of :meth:`__call__` on the user's collated ``batch`` of samples ``keys``."""
+        _, step, micro, diffs = keys[0][:4]
         difficulty = dict(zip(self.metric_names, diffs))
         full_length = F.sequence_length(batch, self.truncate_keys)
         cut_mask, left, axes = None, False, {}
@@ -164,14 +195,14 @@ class CurriculumCollate:
                     self.truncate_keys,
                     self.causal_label_shift,
                     self.keep_last_token,
-                    batch_size=len(items),
+                    batch_size=len(keys),
                 )
             except ValueError as e:
                 raise DataConfigError(str(e)) from None
             batch, cut_mask, left, axes = cut.batch, cut.cut_mask, cut.left, dict(zip(cut.cut, cut.axes))
         if "seqlen_reshape" in difficulty:
             try:
-                F.check_batch_first(batch, len(items), technique="seqlen_reshape")
+                F.check_batch_first(batch, len(keys), technique="seqlen_reshape")
                 batch = F.reshape_batch(batch, difficulty["seqlen_reshape"])
             except ValueError as e:
                 raise DataConfigError(f"curriculum: {e}") from None
@@ -188,6 +219,23 @@ class CurriculumCollate:
         return EffiBatch(batch, meta)
 
 
+def check_length(dataset: Any, length: int) -> None:
+    """Refuse a training set whose length is no longer ``length`` (the ``N`` of the fit's stream).
+
+    Raises:
+        DataConfigError: ``curriculum: the training dataset's length changed from {length} to {len(dataset)}``.
+    """
+    if len(dataset) != length:
+        raise DataConfigError(
+            f"curriculum: the training dataset's length changed from {length} to {len(dataset)}; it must stay "
+            "constant during a run"
+        )
+
+
+#: training samples :meth:`CurriculumDataModule.train_dataloader` reads, at most, to check the batch structure
+PROBE_SAMPLES = 4
+
+
 class CurriculumSampler:
     """Batch sampler over the controller's stream (this rank's micro-batches of the current data epoch, from the
     committed position). ``len()`` is the full per-epoch count, also after a mid-epoch resume (a shorter ``len()``
@@ -199,13 +247,22 @@ class CurriculumSampler:
             ``thinner.thin_keys(keys, controller.rank)``, which keeps a subset and appends ``(weight, candidates)`` to
             every kept key. The curriculum's stream, steps and ``len()`` are unchanged (a thinned micro-batch is still
             one micro-batch).
+        dataset: optionally the training set the keys index: its length is checked against the controller's ``N``
+            at every ``iter()``, i.e. at every epoch's start (the curriculum's loader is built once per fit, so a
+            check when it is built would see only the first epoch).
+
+    Raises:
+        DataConfigError: (``iter()``) ``len(dataset)`` is no longer the ``N`` the stream was laid out for.
     """
 
-    def __init__(self, controller: CurriculumController, thinner: Thinner | None = None) -> None:
+    def __init__(self, controller: CurriculumController, thinner: Thinner | None = None, dataset: Any = None) -> None:
         self.controller = controller
         self.thinner = thinner
+        self.dataset = dataset
 
     def __iter__(self) -> Iterator[list[tuple]]:
+        if self.dataset is not None:
+            check_length(self.dataset, self.controller.n)
         if self.thinner is None:
             return self.controller.micro_batches()
         return self._thinned(self.thinner)
@@ -261,9 +318,12 @@ class CurriculumDataModule(WrappingDataModule):
     Raises:
         CurriculumConfigError: a bad configuration (at construction).
         DataConfigError: (at construction) options given without ``metrics``; (first ``train_dataloader()``) a custom
-            sampler, an iterable dataset; used without the callback (or a nested technique DataModule without its
-            callback); a thinner with ``seqlen_reshape`` (its rows are no longer samples, so per-sample weights cannot
-            follow them).
+            sampler or batch sampler, an iterable dataset (:func:`~lightning_effi.core.wrapping.loader_template`);
+            used without the callback (or a nested technique DataModule without its callback); a thinner with
+            ``seqlen_reshape`` (its rows are no longer samples, so per-sample weights cannot follow them); with
+            ``seqlen_truncate`` / ``seqlen_reshape``, a batch of the training set's first samples the transforms
+            cannot work with, e.g. ``truncate_keys`` that name no tensor of the batch (:meth:`_check_batches`); (at
+            every epoch's start) a training set whose length changed during the run (:class:`CurriculumSampler`).
 
     Example::
 
@@ -307,6 +367,7 @@ class CurriculumDataModule(WrappingDataModule):
         self.config: CurriculumConfig | None = CurriculumConfig(metrics=metrics, **options) if metrics else None
         self.controller: CurriculumController | None = None  # attached by the Curriculum callback's setup()
         self.thinner: Thinner | None = None  # attached by an InfoBatch callback's setup() (composition)
+        self._checked: dict[str, Any] | None = None  # the template whose batch structure was checked
 
     def check_attached(self) -> None:
         """Raise unless the Curriculum callback attached its controller.
@@ -332,19 +393,19 @@ class CurriculumDataModule(WrappingDataModule):
                 "InfoBatch cannot weight them per sample; use seqlen_truncate, or one of the two techniques"
             )
         t = self.template()
-        if len(t["dataset"]) != t["length"]:
-            raise DataConfigError(
-                f"curriculum: the training dataset's length changed from {t['length']} to "
-                f"{len(t['dataset'])}; it must stay constant during a run"
-            )
+        check_length(t["dataset"], t["length"])
         cfg = self.controller.config
+        collate = CurriculumCollate(
+            t["collate_fn"], list(cfg.metrics), cfg.truncate_keys, cfg.causal_label_shift, cfg.keep_last_token
+        )
+        if self._checked is not t:  # once per fit (the template is read afresh at every setup("fit"))
+            self._check_batches(t, collate)
+            self._checked = t
         workers = t["num_workers"]
         return CurriculumDataLoader(
             CurriculumDataset(t["dataset"]),
-            batch_sampler=CurriculumSampler(self.controller, self.thinner),
-            collate_fn=CurriculumCollate(
-                t["collate_fn"], list(cfg.metrics), cfg.truncate_keys, cfg.causal_label_shift, cfg.keep_last_token
-            ),
+            batch_sampler=CurriculumSampler(self.controller, self.thinner, t["dataset"]),
+            collate_fn=collate,
             num_workers=workers,
             pin_memory=t["pin_memory"],
             worker_init_fn=t["worker_init_fn"],
@@ -354,3 +415,24 @@ class CurriculumDataModule(WrappingDataModule):
             multiprocessing_context=t["multiprocessing_context"],
             in_order=t["in_order"],
         )
+
+    def _check_batches(self, t: dict[str, Any], collate: CurriculumCollate) -> None:
+        """With ``seqlen_truncate`` or ``seqlen_reshape`` configured, collate the training set's first samples (at
+        most :data:`PROBE_SAMPLES` and the micro-batch size) with the user's collate function and run the transforms
+        on them at the first step's difficulties (:meth:`CurriculumCollate.check`), so that a batch they cannot work
+        with (``truncate_keys`` that name no tensor of the batch, no sequence tensor, a sequence-first batch, ...) is
+        refused before training. The samples are read in this process; without a transform nothing is read.
+
+        Raises:
+            DataConfigError: as :meth:`CurriculumCollate.check`.
+        """
+        assert self.controller is not None
+        if not {"seqlen_truncate", "seqlen_reshape"} & set(self.controller.config.metrics):
+            return
+        k = min(PROBE_SAMPLES, self.controller.mbs, t["length"])
+        try:
+            samples = [t["dataset"][i] for i in range(k)]
+        except Exception:  # e.g. a dataset that opens its files in the loader's workers: left to the loader
+            return
+        first = self.controller.first_difficulties()
+        collate.check(samples, [first[name] for name in collate.metric_names])

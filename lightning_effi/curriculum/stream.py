@@ -16,16 +16,23 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lightning_effi.core.checks import check_int
+from lightning_effi.core.checks import check_int, is_int
 from lightning_effi.core.state import config_mismatch, settings_diff
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig, CurriculumConfigError, MetricConfig
+
+#: what to do about a checkpoint whose curriculum state is invalid (every error of ``_check_state`` ends with it)
+_CORRUPT = (
+    "the checkpoint is corrupt or was edited (a stream state is written only by Curriculum.state_dict): resume from "
+    "another checkpoint, or start the run afresh"
+)
 
 
 class ClusterBook:
@@ -192,6 +199,10 @@ class CurriculumController:
     Raises:
         CurriculumConfigError: bad geometry; a sample budget whose final micro-chunk would leave a rank empty (set
             ``drop_last``); an empty eligible set at the first step (names metric, difficulty and ``N``).
+
+    Warns:
+        UserWarning: (rank 0) a ``value`` metric whose ``max_difficulty`` is below some samples' values: those samples
+            are never eligible, so the run never trains on them (:meth:`never_eligible`).
     """
 
     def __init__(
@@ -233,14 +244,49 @@ class CurriculumController:
         self.names = list(config.metrics)
         self.book = ClusterBook(list(config.metrics.values()), self.indexes, num_samples, config.percentile_rounding)
         self._check_first_step()
+        if dp_rank == 0:
+            self._warn_never_eligible()
         self.committed: dict[str, Any] = {"pre": CurriculumStream.initial_state(config), "skip": 0, "micro": 0}
         self._snapshots: dict[int, dict[str, Any]] = {}
         self._stats: dict[int, tuple[int, int]] = {}
 
     # ---------------------------------------------------------------------------------------------- checks
+    def first_difficulties(self) -> dict[str, int]:
+        """``{metric: difficulty}`` of the first global batch (curriculum step 1): each schedule's update of its
+        ``min_difficulty`` (the stream's starting difficulties) at step 1."""
+        return {n: s.update(s.min_difficulty, 1) for n, s in self.config.schedules().items()}
+
+    def never_eligible(self) -> dict[str, tuple[int, int]]:
+        """``{metric: (samples, largest value)}`` for every ``schedule_based`` metric of ``difficulty_type`` ``value``
+        whose ``max_difficulty`` is below some samples' metric value: those samples never become eligible (a sample
+        is eligible at difficulty ``d`` when its value is ``<= d``, DeepSpeed ``data_sampler.py``), so the run never
+        trains on them. Empty when every sample can be drawn (``percentile`` metrics reach every sample at
+        ``max_difficulty``)."""
+        out: dict[str, tuple[int, int]] = {}
+        for m in self.book.metrics:
+            idx = self.indexes[m.name]
+            if m.difficulty_type != "value" or idx.values is None or len(idx.values) == 0:
+                continue
+            at_max = ClusterBook([m], self.indexes, self.n, self.config.percentile_rounding)
+            left_out = self.n - int(at_max.eligible({m.name: m.max_difficulty}).sum())
+            if left_out > 0:
+                out[m.name] = (left_out, int(np.max(idx.values)))
+        return out
+
+    def _warn_never_eligible(self) -> None:
+        for name, (left_out, largest) in self.never_eligible().items():
+            m = self.config.metrics[name]
+            warnings.warn(
+                f"curriculum_metrics.{name}: {left_out} of the {self.n} training samples have a {name} value above "
+                f"max_difficulty ({m.max_difficulty}), up to {largest}: they never become eligible, so the run never "
+                f"trains on them; raise max_difficulty to {largest} to include every sample (or remove those "
+                "samples from the training set)",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def _check_first_step(self) -> None:
-        schedules = self.config.schedules()
-        first = {n: s.update(s.min_difficulty, 1) for n, s in schedules.items()}
+        first = self.first_difficulties()
         if self.book.eligible(first).any():
             return
         per_metric = []
@@ -347,7 +393,20 @@ class CurriculumController:
         }
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        """Restore the committed position (idempotent; callable before or after iteration started)."""
+        """Restore the committed position (idempotent; callable before or after iteration started).
+
+        The position is ``pre_state`` (the stream before the global batch in progress), ``micro_offset`` (its
+        micro-batches trained) and ``committed_micro``; the other entries of :meth:`state_dict` follow from them
+        and are checked against them (:meth:`_check_state`), so an edited or corrupt checkpoint is refused rather
+        than resumed at a position it does not describe.
+
+        Raises:
+            CurriculumConfigError: (``strict``; else a warning) the checkpoint was written with another configuration
+                or batch geometry; (always) an invalid state: a missing entry, a negative or non-int position, a
+                ``committed_micro`` that is not ``pre_state.step × grad_accum + micro_offset`` or beyond the sample
+                budget, a ``curriculum_step`` / ``consumed_samples`` / ``current_difficulties`` that does not match the
+                position, clusters that the analysis index does not rebuild.
+        """
         diff = settings_diff(state.get("config"), self.fingerprint())
         if diff:
             config_mismatch(
@@ -359,10 +418,78 @@ class CurriculumController:
                 fix="continue with this configuration",
                 error=CurriculumConfigError,
             )
-        pre = copy.deepcopy(dict(state["pre_state"]))
-        CurriculumStream(self.config, self.book, self.total_samples, self.global_batch).restore(pre)  # validates
-        self.committed = {"pre": pre, "skip": int(state["micro_offset"]), "micro": int(state["committed_micro"])}
+        pre, skip, micro = self._check_state(state, same_config=not diff)
+        try:  # validates the history and the clusters against the analysis index
+            CurriculumStream(self.config, self.book, self.total_samples, self.global_batch).restore(pre)
+        except CurriculumConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise CurriculumConfigError(
+                f"Curriculum: the checkpoint's stream state pre_state is malformed ({type(e).__name__}: {e}); "
+                f"{_CORRUPT}"
+            ) from None
+        self.committed = {"pre": pre, "skip": skip, "micro": micro}
         self._snapshots.clear()
+
+    def _check_state(self, state: Mapping[str, Any], same_config: bool) -> tuple[dict[str, Any], int, int]:
+        """``(pre_state, micro_offset, committed_micro)`` of a checkpoint's stream ``state``, checked: ints where
+        ints belong, ``committed_micro = pre_state.step × grad_accum + micro_offset`` (the invariant
+        :meth:`commit` keeps, with the checkpoint's own ``grad_accum``), ``micro_offset`` in ``[0, grad_accum]``,
+        ``curriculum_step = pre_state.step + (1 if micro_offset else 0)``, ``current_difficulties =
+        pre_state.difficulties`` (an int per metric) and, when the configuration is the same (``same_config``),
+        ``committed_micro <= `` the budget's micro-batches and ``consumed_samples`` as :meth:`state_dict` computes
+        it.
+
+        Raises:
+            CurriculumConfigError: naming the entry, its value and what it should be.
+        """
+
+        def bad(key: str, value: Any, why: str) -> CurriculumConfigError:
+            return CurriculumConfigError(
+                f"Curriculum: the checkpoint's stream state has {key}={value!r}, {why}; {_CORRUPT}"
+            )
+
+        for key in ("pre_state", "micro_offset", "committed_micro"):
+            if key not in state:
+                raise CurriculumConfigError(f"Curriculum: the checkpoint's stream state has no {key!r}; {_CORRUPT}")
+        raw = state["pre_state"]
+        if not isinstance(raw, Mapping) or not {"step", "difficulties", "history", "clusters"} <= set(raw):
+            raise bad("pre_state", raw, "expected a dict with step, difficulties, history and clusters")
+        pre = copy.deepcopy(dict(raw))
+        step = pre["step"]
+        if not is_int(step) or step < 0:
+            raise bad("pre_state.step", step, "expected an int >= 0 (global batches drawn)")
+        diffs = pre["difficulties"]
+        if not isinstance(diffs, Mapping) or any(not is_int(diffs.get(n)) for n in self.names):
+            raise bad("pre_state.difficulties", diffs, f"expected an int difficulty for each metric {self.names}")
+        saved = state.get("config")
+        ga = saved.get("grad_accum") if isinstance(saved, Mapping) else None
+        ga = int(ga) if is_int(ga) and ga >= 1 else self.ga
+        skip, micro = state["micro_offset"], state["committed_micro"]
+        if not is_int(skip) or not 0 <= skip <= ga:
+            raise bad("micro_offset", skip, f"expected an int in [0, {ga}] (micro-batches of a global batch)")
+        if not is_int(micro) or micro != step * ga + skip:
+            raise bad(
+                "committed_micro",
+                micro,
+                f"expected pre_state.step x grad_accum + micro_offset = {step} x {ga} + {skip} = {step * ga + skip}",
+            )
+        if same_config and micro > self.total_micro:
+            raise bad("committed_micro", micro, f"beyond the sample budget's {self.total_micro} micro-batches")
+        expected: dict[str, Any] = {
+            "curriculum_step": int(step) + (1 if skip else 0),
+            "current_difficulties": dict(diffs),
+        }
+        if same_config:
+            expected["consumed_samples"] = min(
+                self.total_samples, (micro // ga) * self.global_batch + (micro % ga) * self.chunk
+            )
+        for key, value in expected.items():
+            if key in state and state[key] != value:
+                raise bad(key, state[key], f"but the position (pre_state, micro_offset) gives {value!r}")
+        if "consumed_samples" in state and (not is_int(state["consumed_samples"]) or state["consumed_samples"] < 0):
+            raise bad("consumed_samples", state["consumed_samples"], "expected an int >= 0")
+        return pre, int(skip), int(micro)
 
     def stats(self, step: int) -> tuple[int, int] | None:
         """``(eligible_samples, num_clusters)`` when global batch ``step`` was drawn (None if not drawn here)."""

@@ -7,9 +7,10 @@ curriculum), each checked by the error it promises; the message must name the ca
   during a run ("the training dataset's length changed from A to B"); ``WrappingDataModule.setup``: each fit reads the
   user's training loader afresh (a refit trains on that fit's training set);
 - ``Curriculum._check_same_indexes``: index files that differ between DDP ranks raise a ``CurriculumConfigError``;
-- ``InfoBatchCallback.load_state_dict``: a checkpoint of a training set of another size is refused.
-
-Tests marked ``xfail(strict=True)`` document a guarantee the code does not keep (see their reasons).
+- ``InfoBatchCallback.load_state_dict``: a checkpoint of a training set of another size is refused;
+- ``loader_template`` also refuses an explicit ``DataLoader(batch_sampler=BatchSampler(...))`` (naming
+  ``batch_sampler``) and a subclass of a plain sampler with its own order; the curriculum checks the training set's
+  length at every epoch's start (its loader is built once per fit). More loader checks: ``test_loader_checks.py``.
 """
 
 from __future__ import annotations
@@ -134,28 +135,16 @@ def test_an_iterable_dataset_is_refused_at_setup(tmp_path, technique):
         fit(tmp_path, technique, lambda: DataLoader(Stream(), batch_size=BATCH))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(TypeError, AssertionError),
-    reason="bug: a plain BatchSampler passed as DataLoader(batch_sampler=...) passes loader_template's check "
-    "(core/wrapping.py: type(batch_sampler) is BatchSampler) with loader.batch_size None; then the curriculum fails in "
-    "setup (int(None), curriculum/callback.py) and InfoBatch on the first batch (indexed_collate), both with an "
-    "unrelated TypeError instead of a DataConfigError naming batch_sampler",
-)
 @pytest.mark.parametrize("technique", sorted(TECHNIQUES))
 def test_an_explicit_batch_sampler_is_refused_naming_it(tmp_path, technique):
     data, name = TokenBlocks(), TECHNIQUES[technique][2]
     explicit = lambda: DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), BATCH, drop_last=False))
-    with pytest.raises(DataConfigError, match=rf"^{name}: .*batch_sampler"):
-        fit(tmp_path, technique, explicit)
+    batches = Batches()
+    with pytest.raises(DataConfigError, match=rf"^{name}: .*batch_sampler") as err:
+        batches = fit(tmp_path, technique, explicit)
+    assert f"DataLoader(dataset, batch_size={BATCH}, drop_last=False" in str(err.value) and batches.count == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: loader_template (core/wrapping.py) accepts any subclass of RandomSampler / SequentialSampler / "
-    "DistributedSampler (isinstance against PLAIN_SAMPLERS), so a user sampler with its own order is silently "
-    "replaced by the technique's",
-)
 @pytest.mark.parametrize("technique", sorted(TECHNIQUES))
 def test_a_plain_sampler_subclass_with_its_own_order_is_refused(tmp_path, technique):
     data, name = TokenBlocks(), TECHNIQUES[technique][2]
@@ -193,17 +182,12 @@ def test_infobatch_refuses_a_training_set_whose_length_changes_between_epochs(tm
     assert batches.count == 5  # epoch 0 trained, epoch 1's loader refused
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: CurriculumDataModule.train_dataloader checks the length only when Lightning builds the loader, once "
-    "per fit (the curriculum does not reload it), so a training set that shrinks between epochs is never noticed: "
-    "the sampler keeps drawing ids of the old length",
-)
 def test_curriculum_refuses_a_training_set_whose_length_changes_between_epochs(tmp_path):
-    data = Resizable()
-    trainer = make_trainer(tmp_path, [Curriculum(metrics=TRUNCATE), ShrinkAfterFirstEpoch(data)], max_steps=6)
+    data, batches = Resizable(), Batches()
+    trainer = make_trainer(tmp_path, [Curriculum(metrics=TRUNCATE), ShrinkAfterFirstEpoch(data), batches], max_steps=6)
     with pytest.raises(DataConfigError, match=r"^curriculum: the training dataset's length changed from 40 to 30"):
         trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(data, batch_size=BATCH)))
+    assert batches.count == 5  # epoch 0 (40 samples / 8) trained, refused at epoch 1's start
 
 
 class SetupBuildsData(TinyDataModule):

@@ -1,0 +1,440 @@
+"""Checks of the data-loading layer (issue #21, "Nothing silent"), each with the error it promises:
+
+- ``core/wrapping.py`` :func:`~lightning_effi.core.wrapping.custom_order` / ``loader_template``: which samplers a
+  technique may replace (plain ones, subclasses that keep their order, lightning_effi's own and the resumable
+  loader's wrapper) and which it refuses (a subclass with its own ``__iter__`` / ``__len__``, a ``RandomSampler``
+  with replacement or another ``num_samples``, an explicit ``batch_sampler=``, no automatic batching, a dataset
+  without ``len()``);
+- ``core/loader.py``: ``EpochShuffleSampler`` / ``ResumableDataLoader`` over an ``IterableDataset`` (the campaign's
+  ``infobatch_dm.datamodule.iterable_dataset``) refused naming it and what is needed;
+- ``curriculum/data.py``: the batch-structure check at setup (``truncate_keys`` that name no tensor, the campaign's
+  ``curriculum.truncate_keys.unknown_key``), which reads at most ``PROBE_SAMPLES`` samples and leaves the run
+  unchanged; the per-epoch length check of :class:`~lightning_effi.curriculum.data.CurriculumSampler`;
+- ``curriculum/stream.py``: a checkpoint's stream state checked against its own position (the campaign's
+  ``checkpoint.curriculum.*``), and the warning for samples a ``value`` metric's ``max_difficulty`` never reaches.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from lightning_effi.callbacks import Curriculum, InfoBatchCallback
+from lightning_effi.core.errors import DataConfigError
+from lightning_effi.core.loader import EpochShuffleSampler, ResumableDataLoader, SkippableSampler
+from lightning_effi.core.wrapping import custom_order, loader_template
+from lightning_effi.curriculum import CurriculumConfig, CurriculumConfigError, CurriculumController
+from lightning_effi.curriculum.analysis.index import MetricIndex
+from lightning_effi.curriculum.data import PROBE_SAMPLES, CurriculumCollate, CurriculumDataModule, CurriculumSampler
+from lightning_effi.infobatch.data import InfoBatchDataModule
+from lightning_effi.infobatch.functional import EpochPlan
+from lightning_effi.infobatch.sampler import InfoBatchSampler
+from tests.helpers.harness import make_trainer
+from tests.helpers.tiny import TinyDataModule, TokenBlocks, tiny_gpt2
+
+N, BATCH = 40, 8
+TRUNCATE = dict(
+    difficulty_type="value",
+    clustering_type="single_cluster",
+    min_difficulty=8,
+    max_difficulty=16,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=4, difficulty_step=8),
+)
+
+
+# ------------------------------------------------------------------------------------------------ samplers
+class OwnOrder(RandomSampler):
+    """A plain sampler's subclass with its own order (reversed)."""
+
+    def __iter__(self):
+        return iter(range(len(self.data_source) - 1, -1, -1))
+
+
+class OwnLength(SequentialSampler):
+    """A plain sampler's subclass that changes only the epoch's length."""
+
+    def __len__(self) -> int:
+        return 3
+
+
+class Tagged(RandomSampler):
+    """A plain sampler's subclass that only adds an attribute: it still only shuffles."""
+
+    tag = "mine"
+
+
+class TaggedEpochShuffle(EpochShuffleSampler):
+    pass
+
+
+def test_custom_order_accepts_exactly_the_samplers_that_only_shuffle():
+    data = list(range(10))
+    plain = [
+        RandomSampler(data),
+        SequentialSampler(data),
+        DistributedSampler(data, num_replicas=1, rank=0),
+        EpochShuffleSampler(data),
+        TaggedEpochShuffle(data),
+        Tagged(data),
+        SkippableSampler(SequentialSampler(data)),  # overfit_batches' sampler inside the resumable loader
+        SkippableSampler(SkippableSampler(RandomSampler(data))),
+    ]
+    assert [custom_order(s) for s in plain] == [None] * len(plain)
+    assert custom_order(OwnOrder(data)) == "a RandomSampler subclass that overrides __iter__ (its own order)"
+    assert custom_order(OwnLength(data)) == "a SequentialSampler subclass that overrides __len__ (its own order)"
+    assert custom_order(SkippableSampler(OwnOrder(data))) == custom_order(OwnOrder(data))
+    assert custom_order(RandomSampler(data, replacement=True)) == "a RandomSampler that draws with replacement"
+    assert custom_order(RandomSampler(data, num_samples=4)) == (
+        "a RandomSampler that draws num_samples=4 of the dataset's 10 samples per epoch"
+    )
+    assert custom_order(torch.utils.data.WeightedRandomSampler([1.0] * 10, 10)) == "a custom sampler"
+    plan = EpochPlan(
+        epoch=0,
+        indices=torch.arange(10),
+        weights=torch.ones(10),
+        kind="full",
+        threshold=float("nan"),
+        num_well_learned=0,
+        num_kept_well_learned=0,
+        saved=0,
+    )
+    assert (
+        custom_order(InfoBatchSampler(plan))
+        == "a DistributedSampler subclass that overrides __iter__ and __len__ (its own order)"
+    )
+
+
+def test_loader_template_reads_a_plain_loader():
+    data = TokenBlocks(n=N)
+    for loader in (
+        DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True),
+        DataLoader(data, batch_size=BATCH, sampler=Tagged(data), drop_last=True),
+        ResumableDataLoader(data, batch_size=BATCH, sampler=EpochShuffleSampler(data), drop_last=True),
+    ):
+        t = loader_template(loader, "InfoBatch")
+        assert (t["dataset"], t["batch_size"], t["drop_last"], t["length"]) == (data, BATCH, True, N)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda d: DataLoader(d, batch_sampler=BatchSampler(RandomSampler(d), 5, drop_last=True)),
+            "InfoBatch: the wrapped training loader uses RandomSampler / BatchSampler given as "
+            "DataLoader(batch_sampler=...) (the loader's batch_size is None); InfoBatch owns the sampler and the batch "
+            "sampler and rebuilds the loader from its batch_size, so it accepts only plain shuffling loaders: "
+            "DataLoader(dataset, batch_size=..., shuffle=True/False, drop_last=...), no custom sampler or "
+            "batch_sampler (here DataLoader(dataset, batch_size=5, drop_last=True, shuffle=...))",
+        ),
+        (
+            lambda d: DataLoader(d, batch_size=None),
+            "InfoBatch: the wrapped training loader uses SequentialSampler / NoneType: batch_size=None (no automatic "
+            "batching: every sample is a batch); InfoBatch owns the sampler and accepts only plain shuffling loaders",
+        ),
+        (
+            lambda d: DataLoader(d, batch_size=BATCH, sampler=OwnOrder(d)),
+            "InfoBatch: the wrapped training loader uses OwnOrder / BatchSampler (a RandomSampler subclass that "
+            "overrides __iter__ (its own order)); InfoBatch owns the sampler",
+        ),
+        (
+            lambda d: DataLoader(d, batch_size=BATCH, sampler=RandomSampler(d, replacement=True)),
+            "InfoBatch: the wrapped training loader uses RandomSampler / BatchSampler (a RandomSampler that draws "
+            "with replacement); InfoBatch owns the sampler",
+        ),
+    ],
+    ids=["explicit_batch_sampler", "no_auto_batching", "own_order", "replacement"],
+)
+def test_loader_template_refuses_what_it_would_silently_replace(make, message):
+    with pytest.raises(DataConfigError) as err:
+        loader_template(make(TokenBlocks(n=N)), "InfoBatch")
+    assert str(err.value).startswith(message), str(err.value)
+
+
+class NoLength(Dataset):
+    def __getitem__(self, i):
+        return torch.zeros(2)
+
+
+def test_loader_template_refuses_a_dataset_without_a_length():
+    loader = DataLoader(NoLength(), batch_size=2, sampler=[0, 1])
+    with pytest.raises(DataConfigError, match=r"^curriculum: the training dataset must be map-style with a length; "):
+        loader_template(loader, "curriculum")
+
+
+# ---------------------------------------------------------------------------------------- iterable datasets
+class Stream(IterableDataset):
+    def __iter__(self):
+        blocks = TokenBlocks(n=N)
+        return iter(blocks[i] for i in range(N))
+
+
+def test_the_resumable_loader_and_its_sampler_refuse_an_iterable_dataset():
+    for build, owner in (
+        (lambda: EpochShuffleSampler(Stream()), "EpochShuffleSampler"),
+        (lambda: ResumableDataLoader(Stream(), batch_size=2, sampler=[0, 1]), "ResumableDataLoader"),
+    ):
+        with pytest.raises(TypeError, match=rf"^{owner}\.dataset: Stream is an IterableDataset .*map-style dataset"):
+            build()
+    with pytest.raises(TypeError, match=r"^EpochShuffleSampler\.dataset: NoLength has no __len__"):
+        EpochShuffleSampler(NoLength())
+
+
+class Batches(pl.Callback):
+    def __init__(self) -> None:
+        self.epochs_started = 0
+        self.batches: list[torch.Tensor] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs_started += 1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append(batch["input_ids"].clone())
+
+
+def test_infobatch_with_an_iterable_dataset_is_refused_at_setup_naming_it(tmp_path):
+    """The campaign's ``infobatch_dm.datamodule.iterable_dataset``: the user's loader (a ``ResumableDataLoader`` with
+    an ``EpochShuffleSampler``) over an ``IterableDataset`` raised ``TypeError: object of type 'Stream' has no len()``;
+    now the sampler names the IterableDataset and what is needed, before any epoch."""
+    seen = Batches()
+    trainer = make_trainer(tmp_path, [InfoBatchCallback(delta=0.75), seen], max_epochs=1)
+    with pytest.raises(TypeError, match=r"^EpochShuffleSampler\.dataset: Stream is an IterableDataset") as err:
+        trainer.fit(tiny_gpt2(), datamodule=InfoBatchDataModule(TinyDataModule(Stream(), batch_size=BATCH)))
+    assert "InfoBatch and the curriculum, which choose the samples, need a map-style training set" in str(err.value)
+    assert seen.epochs_started == 0
+
+
+# ------------------------------------------------------------------------------- curriculum: batch structure
+class Counted(TokenBlocks):
+    """TokenBlocks that counts the samples read."""
+
+    def __init__(self) -> None:
+        super().__init__(n=N)
+        self.reads = 0
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return super().__getitem__(i)
+
+
+class ReadsAtEpochStart(Batches):
+    def __init__(self, data: Counted) -> None:
+        super().__init__()
+        self.data, self.reads = data, None
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        super().on_train_epoch_start(trainer, pl_module)
+        if self.reads is None:
+            self.reads = self.data.reads
+
+
+def test_truncate_keys_that_name_no_tensor_are_refused_at_setup(tmp_path):
+    """The campaign's ``curriculum.truncate_keys.unknown_key``: refused before the first epoch starts (it was refused
+    at the first batch), with the message the first batch gives plus where it was found."""
+    seen = Batches()
+    trainer = make_trainer(
+        tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNCATE}, truncate_keys=["token_ids"]), seen]
+    )
+    with pytest.raises(DataConfigError) as err:
+        trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=N), batch_size=BATCH)))
+    assert str(err.value) == (
+        "seqlen_truncate: nothing to truncate: the training batch has none of truncate_keys ['token_ids'] as a "
+        "[B, S, ...] tensor; found a dict with input_ids: int64[4, 16]. Put the token ids in the batch as an integer "
+        "[B, S] tensor (or name the sequence tensors with truncate_keys), or remove seqlen_truncate [found at setup, "
+        f"on a batch of the training set's first {PROBE_SAMPLES} samples]"
+    )
+    assert seen.epochs_started == 0 and seen.batches == []
+
+
+def test_the_setup_check_reads_a_few_samples_and_leaves_the_run_unchanged(tmp_path, monkeypatch):
+    """The check reads ``min(PROBE_SAMPLES, micro-batch, N)`` samples before the first epoch, and the batches trained
+    are those of a run without it (it consumes no randomness and moves no stream position)."""
+
+    def run(root: Path) -> ReadsAtEpochStart:
+        data = Counted()
+        seen = ReadsAtEpochStart(data)
+        pl.seed_everything(0)
+        trainer = make_trainer(root, [Curriculum(metrics={"seqlen_truncate": TRUNCATE}), seen], max_steps=6)
+        trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(data, batch_size=BATCH)))
+        return seen
+
+    checked = run(tmp_path / "checked")
+    monkeypatch.setattr(CurriculumDataModule, "_check_batches", lambda self, t, collate: None)
+    unchecked = run(tmp_path / "unchecked")
+    assert (checked.reads, unchecked.reads) == (min(PROBE_SAMPLES, BATCH, N), 0)
+    assert len(checked.batches) == 6
+    # fixed_linear from 8 to 16 over 4 steps, in steps of 8: d(s) = 8 + 8 s / 4 rounded down to a multiple of 8
+    assert [tuple(b.shape) for b in checked.batches] == [(BATCH, 8)] * 3 + [(BATCH, 16)] * 3
+    assert all(torch.equal(a, b) for a, b in zip(checked.batches, unchecked.batches, strict=True))
+
+
+def test_the_check_leaves_a_collate_that_fails_outside_the_workers_to_the_loader():
+    def needs_a_worker(samples):
+        if torch.utils.data.get_worker_info() is None:
+            raise RuntimeError("opened in the worker only")
+        return torch.stack([s["input_ids"] for s in samples])
+
+    samples = [TokenBlocks(n=4)[i] for i in range(4)]
+    assert CurriculumCollate(needs_a_worker, ["seqlen_truncate"]).check(samples, [8]) is None
+    assert CurriculumCollate(None, ["seqlen_truncate"]).check(samples, [8]) is None  # a truncatable batch passes
+    with pytest.raises(DataConfigError, match=r"sequence-first.*\[found at setup, on a batch of the training set's"):
+        CurriculumCollate(lambda xs: torch.stack([x["input_ids"] for x in xs]).t(), ["seqlen_truncate"]).check(
+            samples, [8]
+        )
+
+
+def test_the_curriculum_sampler_checks_the_length_at_every_iteration():
+    data = list(range(40))
+    controller = SimpleNamespace(n=40, rank=0, micro_batches=lambda: iter([[(0, 1, 0, (8,))]]))
+    sampler = CurriculumSampler(controller, dataset=data)  # type: ignore[arg-type]
+    assert list(sampler) == [[(0, 1, 0, (8,))]]
+    data.pop()
+    with pytest.raises(DataConfigError, match=r"^curriculum: the training dataset's length changed from 40 to 39;"):
+        iter(sampler)  # raised at iter(), i.e. at the epoch's start, not at the first batch
+
+
+# ---------------------------------------------------------------------------------- curriculum: checkpoints
+PCT = dict(
+    difficulty_type="percentile",
+    clustering_type="schedule_based",
+    analysis="seqlen",
+    min_difficulty=10,
+    max_difficulty=100,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=12, difficulty_step=10),
+)
+
+
+def controller(n: int = 64, ga: int = 1, values=None, metric=PCT) -> CurriculumController:
+    config = CurriculumConfig(metrics={"m": metric}, percentile_rounding="proportional")
+    v = np.random.default_rng(0).integers(0, 50, n) if values is None else np.asarray(values)
+    return CurriculumController(config, {"m": MetricIndex.from_sample_to_metric(v)}, n, 4, 1, 0, ga)
+
+
+def trained_state(ga: int, micro_batches: int) -> dict:
+    """The stream state after ``micro_batches`` committed micro-batches."""
+    c = controller(ga=ga)
+    for i, batch in enumerate(c.micro_batches()):
+        if i == micro_batches:
+            break
+        c.commit(batch[0][1], batch[0][2])
+    return copy.deepcopy(c.state_dict())
+
+
+@pytest.mark.parametrize(("ga", "micro"), [(1, 0), (1, 5), (2, 3), (2, 4), (3, 7)])
+def test_a_checkpoint_written_by_the_stream_loads(ga, micro):
+    state = trained_state(ga, micro)
+    assert state["committed_micro"] == micro and state["micro_offset"] == ((micro - 1) % ga + 1 if micro else 0)
+    fresh = controller(ga=ga)
+    fresh.load_state_dict(state)
+    assert fresh.committed["micro"] == micro and fresh.state_dict() == state
+
+
+def edit(key: str, value, within: str | None = None):
+    def change(state: dict) -> None:
+        (state[within] if within else state)[key] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (edit("curriculum_step", -2), "curriculum_step=-2, but the position (pre_state, micro_offset) gives 3"),
+        (
+            edit("committed_micro", -3),
+            "committed_micro=-3, expected pre_state.step x grad_accum + micro_offset = 2 x 2",
+        ),
+        (edit("committed_micro", 6), "committed_micro=6, expected pre_state.step x grad_accum + micro_offset"),
+        (edit("micro_offset", 3), "micro_offset=3, expected an int in [0, 2]"),
+        (
+            edit("consumed_samples", 10**9),
+            "consumed_samples=1000000000, but the position (pre_state, micro_offset) gives 20",
+        ),
+        (edit("current_difficulties", {"m": float("nan")}), "current_difficulties={'m': nan}, but the position"),
+        (edit("step", -1, "pre_state"), "pre_state.step=-1, expected an int >= 0"),
+        (edit("difficulties", {"m": float("nan")}, "pre_state"), "pre_state.difficulties={'m': nan}, expected an int"),
+        (lambda s: s.pop("committed_micro"), "the checkpoint's stream state has no 'committed_micro'"),
+        (edit("history", [["x"]], "pre_state"), "pre_state is malformed (ValueError"),
+    ],
+    ids=[
+        "step",
+        "micro_neg",
+        "micro_off",
+        "offset",
+        "consumed",
+        "difficulty_nan",
+        "pre_step",
+        "pre_nan",
+        "missing",
+        "history",
+    ],
+)
+@pytest.mark.parametrize("strict", [True, False])
+def test_an_edited_checkpoint_is_refused_naming_the_entry(change, message, strict):
+    """``trained_state(2, 5)``: 5 micro-batches of ``grad_accum=2``, i.e. pre_state.step 2, micro_offset 1, 20
+    samples consumed (4 per micro-batch). Refused with or without ``strict`` (an invalid state is not a setting)."""
+    state = trained_state(2, 5)
+    assert (state["pre_state"]["step"], state["micro_offset"], state["consumed_samples"]) == (2, 1, 20)
+    change(state)
+    fresh = controller(ga=2)
+    before = copy.deepcopy(fresh.committed)
+    with pytest.raises(CurriculumConfigError) as err:
+        fresh.load_state_dict(state, strict=strict)
+    assert message in str(err.value) and str(err.value).startswith("Curriculum: the checkpoint's stream state ")
+    assert "resume from another checkpoint, or start the run afresh" in str(err.value)
+    assert fresh.committed == before  # nothing was applied
+
+
+def test_a_checkpoint_of_another_geometry_still_loads_without_strict():
+    """strict=False keeps resuming a consistent checkpoint written with another ``grad_accum`` (its own geometry is
+    used for the position's invariant)."""
+    state = trained_state(2, 5)
+    fresh = controller(ga=1)
+    with pytest.warns(UserWarning, match="another configuration"):
+        fresh.load_state_dict(state, strict=False)
+    assert fresh.committed["micro"] == 5
+
+
+# -------------------------------------------------------------------------- curriculum: never-eligible samples
+VALUE = dict(
+    difficulty_type="value",
+    clustering_type="schedule_based",
+    analysis="seqlen",
+    min_difficulty=4,
+    max_difficulty=8,
+    schedule_type="fixed_linear",
+    schedule_config=dict(total_curriculum_step=3, difficulty_step=1),
+)
+
+
+def test_samples_above_a_value_metrics_max_difficulty_are_warned_about():
+    values = [3, 4, 8, 9, 16, 5, 12, 8]  # 9, 16, 12 never reach max_difficulty 8
+    with pytest.warns(UserWarning) as record:
+        c = controller(n=8, values=values, metric=VALUE)
+    assert c.never_eligible() == {"m": (3, 16)}
+    assert [str(w.message) for w in record if "never become eligible" in str(w.message)] == [
+        "curriculum_metrics.m: 3 of the 8 training samples have a m value above max_difficulty (8), up to 16: they "
+        "never become eligible, so the run never trains on them; raise max_difficulty to 16 to include every sample "
+        "(or remove those samples from the training set)"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        every = controller(n=8, values=values, metric={**VALUE, "max_difficulty": 16})
+        assert every.never_eligible() == {} and controller().never_eligible() == {}  # percentile: all at max
