@@ -229,7 +229,17 @@ class RandomLTDCallback(Callback):
             ``follows_model_changes``).
     """
 
-    requirements = Requirements(patches_layers=True, follows_model_changes=True, batch_structures=BATCH_STRUCTURES)
+    requirements = Requirements(
+        patches_layers=True,
+        follows_model_changes=True,
+        batch_structures=BATCH_STRUCTURES,
+        refused_strategies=("DeepSpeedStrategy",),
+        strategy_note=(
+            "DeepSpeed's engine (ZeRO partitioning, its own precision and gradient steps) is not validated with "
+            "random-LTD's layer patches; use strategy='ddp' or 'fsdp', or DeepSpeed's own random-LTD (the "
+            "data_efficiency.data_routing section of its config)."
+        ),
+    )
 
     def __init__(
         self,

@@ -17,6 +17,9 @@ Design (the method card ``README.md`` beside this file has the long story):
 - **Indices per forward.** The first LTD layer of a forward draws ``[L_ltd, B, r]`` indices for all LTD layers from a
   generator seeded with ``(seed, step, micro_batch, rank)``; every later lookup in the same context (including the
   recomputation of activation checkpointing) returns the same rows. The global RNGs are never used.
+- **torch.compile.** The index lookup (:meth:`LTDForward.select`) and the shape recorder of a paused network run
+  eagerly (``torch.compiler.disable``): compiled code never reads the controller's per-step state, and the reserved
+  length is a dynamic axis of the indices, so neither a new step nor a new ``r`` recompiles the layers.
 - **Pass-through** when the layer is in ``eval()`` mode, the controller is not armed (outside a training batch), or
   ``r >= S`` (e.g. after curriculum truncation). Hidden states on the ``meta`` device (FLOP counting on a meta copy)
   and nested tensors (PyTorch's padded fast path) also pass through.
@@ -345,22 +348,41 @@ class LTDForward:
             )
         return value
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else kwargs.get(self.hidden)
-        owner = self._owner()
-        if (
-            not owner.training
-            or not self.controller.armed
-            or not isinstance(hidden, Tensor)
-            or hidden.device.type == "meta"
-            or hidden.is_nested
-        ):
-            return self.original(*args, **kwargs)
+    @torch.compiler.disable
+    def select(self, hidden: Tensor) -> Tensor | None:
+        """This layer's kept-token indices ``int64 [B, r]`` for ``hidden`` (``[B, S, ...]``; ``[S, B, ...]`` for an
+        adapter whose ``hidden_state_order`` is ``"seq_batch"``) in the controller's current context
+        (:meth:`LTDController.indices`: drawn once per context and shape, recorded for the accounting), or ``None``
+        (pass through: the controller is not armed, or ``r >= S``).
+
+        Under ``torch.compile`` this runs eagerly (``torch.compiler.disable``: one graph break per LTD layer), so the
+        compiled code never reads the controller's per-step state (step, micro-batch, draw counts, records), which
+        would otherwise be guarded and recompiled at every step; the reserved-length axis of the returned indices is
+        marked dynamic (``torch._dynamo.maybe_mark_dynamic``), so a new ``r`` of the schedule reuses the compiled
+        layer (``tests/compat/test_runtime.py``: ``test_random_ltd_compiles_once_for_every_reserved_length``,
+        ``test_torch_compile``).
+
+        Raises:
+            ValueError: the reserved length is below ``keep_prefix_tokens``.
+        """
+        if not self.controller.armed:
+            return None
         seq_len = hidden.shape[self.seq_dim]
         batch = hidden.shape[1 - self.seq_dim]
         idx = self.controller.indices(self.ordinal, batch, seq_len, hidden.device)
+        if idx is not None:
+            torch._dynamo.maybe_mark_dynamic(idx, 1)
+        return idx
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs.get(self.hidden)
+        owner = self._owner()
+        if not owner.training or not isinstance(hidden, Tensor) or hidden.device.type == "meta" or hidden.is_nested:
+            return self.original(*args, **kwargs)
+        idx = self.select(hidden)
         if idx is None:
             return self.original(*args, **kwargs)
+        seq_len = hidden.shape[self.seq_dim]
         bound = self.signature.bind(*args, **kwargs)
         for name, value in list(bound.arguments.items()):
             param = self.signature.parameters[name]
@@ -467,6 +489,7 @@ class _ObserveHook:
         new.patch = None
         return new
 
+    @torch.compiler.disable  # the controller's per-step state stays out of compiled code (see LTDForward.select)
     def __call__(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs.get(self.hidden_name)
         if layer.training and isinstance(hidden, Tensor) and hidden.device.type != "meta" and hidden.dim() >= 2:
