@@ -82,6 +82,91 @@ def warmup_cosine(
     )
 
 
+def _cos(start: float, end: float, pct: float) -> float:
+    return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1.0)
+
+
+def _check_one_cycle(pct_start: float, div_factor: float, final_div_factor: float) -> None:
+    if not 0.0 < pct_start < 1.0:
+        raise ValueError(f"pct_start must be in (0, 1), got {pct_start}")
+    for name, value in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value}")
+
+
+def one_cycle_multiplier(
+    progress: float, pct_start: float = 0.3, div_factor: float = 25.0, final_div_factor: float = 1e4
+) -> float:
+    """LR multiplier (of the peak LR) at training ``progress`` in [0, 1] (values above 1 are clamped to 1): the
+    one-cycle policy of torch's ``OneCycleLR`` (Smith & Topin 2019; ``anneal_strategy="cos"``, two phases) on the
+    progress axis: cosine from ``1 / div_factor`` up to 1 over the first ``pct_start`` of training, then cosine down to
+    ``1 / (div_factor · final_div_factor)`` at progress 1.
+
+    Raises:
+        ValueError: ``progress < 0``, ``pct_start`` outside (0, 1), a factor that is not a finite number > 0.
+    """
+    if progress < 0:
+        raise ValueError(f"progress must be >= 0, got {progress}")
+    _check_one_cycle(pct_start, div_factor, final_div_factor)
+    p, initial = min(progress, 1.0), 1.0 / div_factor
+    if p <= pct_start:
+        return _cos(initial, 1.0, p / pct_start)
+    return _cos(1.0, initial / final_div_factor, (p - pct_start) / (1.0 - pct_start))
+
+
+def one_cycle_step_multiplier(
+    step: int, total_steps: int, pct_start: float = 0.3, div_factor: float = 25.0, final_div_factor: float = 1e4
+) -> float:
+    """LR multiplier (of the peak LR) of optimizer step ``step`` (0-based) of ``total_steps``: exactly torch's
+    ``OneCycleLR(max_lr, total_steps, pct_start, anneal_strategy="cos", div_factor, final_div_factor,
+    three_phase=False)`` (its ``get_lr``: the warmup ends at step ``pct_start · total_steps − 1``, the annealing at
+    ``total_steps − 1``), but clamped at its end value past the last step instead of raising.
+
+    Raises:
+        ValueError: ``step < 0``, ``total_steps < 2``, or the arguments of :func:`one_cycle_multiplier`.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if total_steps < 2:
+        raise ValueError(f"total_steps must be >= 2, got {total_steps}")
+    _check_one_cycle(pct_start, div_factor, final_div_factor)
+    k, initial = min(step, total_steps - 1), 1.0 / div_factor
+    warm_end, last = float(pct_start * total_steps) - 1.0, float(total_steps - 1)
+    if k <= warm_end:
+        return _cos(initial, 1.0, k / warm_end)
+    return _cos(1.0, initial / final_div_factor, (k - warm_end) / (last - warm_end))
+
+
+def one_cycle(
+    optimizer: Optimizer,
+    total_steps: int,
+    pct_start: float = 0.3,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+    progress: Progress | None = None,
+) -> LambdaLR:
+    """The one-cycle LR policy as a ``LambdaLR`` (``interval="step"``) of the optimizer's LR (the peak, torch's
+    ``max_lr``): at each step :func:`one_cycle_step_multiplier` (torch's ``OneCycleLR`` values, clamped past
+    ``total_steps``), or with a progress source :func:`one_cycle_multiplier` at ``progress()`` (see
+    :func:`progress_lambda`; e.g. ``InfoBatchCallback.effi_progress``, whose epochs are shorter than
+    ``trainer.estimated_stepping_batches`` counts: the cycle ends exactly at the run's last step).
+
+    Raises:
+        ValueError: ``total_steps`` not an int >= 2, or invalid policy arguments.
+    """
+    if not isinstance(total_steps, int) or total_steps < 2:
+        raise ValueError(f"total_steps must be an int >= 2, got {total_steps!r}")
+    _check_one_cycle(pct_start, div_factor, final_div_factor)
+    if progress is not None:
+        return progress_lambda(
+            optimizer, lambda p: one_cycle_multiplier(p, pct_start, div_factor, final_div_factor), progress
+        )
+    return LambdaLR(
+        optimizer,
+        lambda step: one_cycle_step_multiplier(step, total_steps, pct_start, div_factor, final_div_factor),
+    )
+
+
 def constant(optimizer: Optimizer, total_steps: int, progress: Progress | None = None) -> LambdaLR:
     """A constant multiplier of 1 (``total_steps`` and ``progress`` accepted for a uniform factory signature)."""
     return LambdaLR(optimizer, lambda step: 1.0)

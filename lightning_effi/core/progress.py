@@ -31,6 +31,10 @@ __all__ = [
     "PROGRESS_TICKS",
     "UNITS",
     "Duration",
+    "accumulate_grad_batches_at",
+    "accumulation_changes",
+    "accumulation_scheduler",
+    "estimated_optimizer_steps",
     "progress_clock",
     "progress_source",
     "progress_ticks",
@@ -274,3 +278,58 @@ def steps_per_epoch(num_training_batches: float, accumulate_grad_batches: int, w
             f"{num_training_batches}); give optimizer steps instead"
         )
     return math.ceil(int(num_training_batches) / accumulate_grad_batches)
+
+
+def accumulation_scheduler(callbacks: Iterable[Any]) -> Any | None:
+    """The run's ``GradientAccumulationScheduler`` (Lightning's callback, or a subclass) among ``callbacks``; None
+    when there is none."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    return next((c for c in callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+
+
+def accumulate_grad_batches_at(trainer: Any, epoch: int) -> int:
+    """The gradient accumulation factor Lightning applies in ``epoch`` (0-based): the
+    ``GradientAccumulationScheduler``'s factor for that epoch when the Trainer has one, else
+    ``trainer.accumulate_grad_batches``.
+
+    The scheduler sets ``trainer.accumulate_grad_batches`` only in ``on_train_epoch_start``: in ``setup``, in
+    ``on_train_start`` and while an epoch's training loader is built (Lightning reloads it before
+    ``on_train_epoch_start``) the Trainer still shows the previous epoch's factor (1 before the first epoch), so a
+    technique that plans by the factor reads it here.
+    """
+    scheduler = accumulation_scheduler(getattr(trainer, "callbacks", ()))
+    if scheduler is not None:
+        return int(scheduler.get_accumulate_grad_batches(int(epoch)))
+    return int(getattr(trainer, "accumulate_grad_batches", 1))
+
+
+def accumulation_changes(trainer: Any) -> bool:
+    """Whether the gradient accumulation factor changes during the run: the Trainer's
+    ``GradientAccumulationScheduler`` gives more than one factor over the epochs ``0 .. max_epochs - 1`` (over all
+    the epochs of its schedule when ``max_epochs`` is unbounded). A scheduler with one factor for the whole run (e.g.
+    ``{0: 4}``) does not change it."""
+    scheduler = accumulation_scheduler(getattr(trainer, "callbacks", ()))
+    if scheduler is None:
+        return False
+    max_epochs = getattr(trainer, "max_epochs", None)
+    starts = [int(e) for e in scheduler.scheduling]
+    if max_epochs is not None and max_epochs >= 0:
+        starts = [e for e in starts if e < max_epochs] or [0]
+    return len({scheduler.get_accumulate_grad_batches(e) for e in [0, *starts]}) > 1
+
+
+def estimated_optimizer_steps(trainer: Any) -> float:
+    """``trainer.estimated_stepping_batches`` with a ``GradientAccumulationScheduler``'s factors counted: Lightning's
+    estimate divides every epoch's batches by the Trainer's current factor (1 before the first epoch, when a
+    technique reads it), so with a scheduler that raises the factor it counts too many steps. With a scheduler, a
+    finite ``max_epochs`` and a training loader with a length: the sum over the epochs of
+    ``ceil(num_training_batches / factor_e)``, capped by ``max_steps`` when set; otherwise Lightning's estimate."""
+    estimate = float(trainer.estimated_stepping_batches)
+    scheduler = accumulation_scheduler(getattr(trainer, "callbacks", ()))
+    batches, max_epochs = getattr(trainer, "num_training_batches", math.inf), getattr(trainer, "max_epochs", None)
+    if scheduler is None or max_epochs is None or max_epochs < 0 or not math.isfinite(batches) or batches <= 0:
+        return estimate
+    steps = sum(math.ceil(int(batches) / scheduler.get_accumulate_grad_batches(e)) for e in range(int(max_epochs)))
+    max_steps = getattr(trainer, "max_steps", -1)
+    return float(min(steps, max_steps) if max_steps is not None and max_steps > 0 else steps)

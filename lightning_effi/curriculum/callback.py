@@ -22,6 +22,7 @@ from lightning_effi.core.accounting import Baseline, tokens_of
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int
 from lightning_effi.core.compat import uses_distributed_sampler
+from lightning_effi.core.progress import accumulate_grad_batches_at
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
 from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
@@ -67,7 +68,8 @@ class Curriculum(Callback):
       :class:`~lightning_effi.data.CurriculumDataModule`), loads or computes the analysis indexes of the
       ``schedule_based`` metrics (validated against the training set), compares their hash across ranks, checks that
       the first step selects data, and attaches the controller (batch geometry from the loader's batch size,
-      ``trainer.world_size`` and ``accumulate_grad_batches``). Under DDP it requires
+      ``trainer.world_size`` and the accumulation factor: ``accumulate_grad_batches``, or the one factor of a
+      ``GradientAccumulationScheduler``). Under DDP it requires
       ``Trainer(use_distributed_sampler=False)``: the sampler shards by rank itself.
     - ``on_train_batch_start``: reads the batch's curriculum metadata (``cl_step``, ``cl_micro``, ``cl_difficulty``,
       ``cl_full_length``, ``cl_cut_mask``, ``cl_cut_left``, ``cl_cut_axes``;
@@ -116,12 +118,48 @@ class Curriculum(Callback):
             not at all, index files that do not match the training set, an empty first eligible set, DDP with
             ``use_distributed_sampler=True``, index files that differ between ranks.
         IncompatibleTechniques: at ``setup``, another technique that owns the training sampler and cannot act
-            inside this one's (InfoBatch can); see :data:`lightning_effi.core.requirements.CONFLICTS`.
+            inside this one's (InfoBatch can); see :data:`lightning_effi.core.requirements.CONFLICTS`; a
+            ``GradientAccumulationScheduler`` whose factor changes during the run (``requirements.refused_features``:
+            the stream's steps are laid out with one factor; a scheduler with one factor is read at ``setup``).
     """
 
     #: rebuilds the training loader (its own batch sampler) and edits each batch, of any structure (truncation)
     requirements = Requirements(
-        owns_train_sampler=True, hosts_thinning=True, edits_batch=True, batch_structures=BATCH_STRUCTURES
+        owns_train_sampler=True,
+        hosts_thinning=True,
+        edits_batch=True,
+        batch_structures=BATCH_STRUCTURES,
+        refused_strategies=("DeepSpeedStrategy",),
+        strategy_note=(
+            "DeepSpeed's engine is not validated with the curriculum's batch sampler (it reads one micro-batch size "
+            "from the training loader and owns the gradient accumulation); use strategy='ddp' or 'fsdp', or "
+            "DeepSpeed's own curriculum learning (the data_efficiency section of its config)."
+        ),
+        refused_features=(
+            (
+                "gradient_accumulation_scheduler",
+                "the curriculum draws each optimizer step's global batch (micro-batch x ranks x accumulation "
+                "micro-batches, one difficulty) from a stream laid out once, at setup; when the factor changes, "
+                "Lightning's accumulation windows no longer match the stream's steps and one optimizer step mixes "
+                "micro-batches of different difficulties. Use one factor for the whole run "
+                "(Trainer(accumulate_grad_batches=k) or a scheduler with a single factor)",
+            ),
+            (
+                "overfit_batches",
+                "overfit_batches repeats the same first batches every epoch, while the curriculum draws every "
+                "step's batch from its stream (new samples, at a difficulty that grows with the steps): its loader "
+                "would go on drawing new batches and the run would not overfit. Check that the model overfits "
+                "without the curriculum, then train with it",
+            ),
+            (
+                "batch_size_finder",
+                "the curriculum lays out its stream once, at setup, for the DataModule's batch size (micro-batch x "
+                "ranks x accumulation = one curriculum step), so the finder's trial sizes never reach its sampler "
+                "(every trial would run the setup's size), and its first batches are the run's shortest "
+                "(seqlen_truncate) or easiest, so a size that fits them can run out of memory later. Find the batch "
+                "size without the curriculum (on the unwrapped DataModule: full-length batches), then fit with it",
+            ),
+        ),
     )
 
     def __init__(
@@ -257,7 +295,9 @@ class Curriculum(Callback):
             micro_batch_size=int(template["batch_size"]),
             dp_size=trainer.world_size,
             dp_rank=trainer.global_rank,
-            grad_accum=trainer.accumulate_grad_batches,
+            # a GradientAccumulationScheduler's factor (one for the whole run: a changing one is refused) is set on
+            # the Trainer only at the first epoch's start
+            grad_accum=accumulate_grad_batches_at(trainer, 0),
         )
         dm.controller = self.controller
         if self._loaded is not None:  # load_state_dict called before this fit's setup (by hand)
@@ -290,9 +330,7 @@ class Curriculum(Callback):
                     )
                 idx = MetricIndex.from_sample_to_metric(values)
             else:
-                idx = MetricIndex.load(
-                    m.index_to_sample_path, m.index_to_metric_path, num_samples=n, dataset=dataset
-                )
+                idx = MetricIndex.load(m.index_to_sample_path, m.index_to_metric_path, num_samples=n, dataset=dataset)
             if m.difficulty_type == "value" and idx.values is None:
                 raise CurriculumConfigError(
                     f"curriculum_metrics.{name}: difficulty_type 'value' needs per-row values "

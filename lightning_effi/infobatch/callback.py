@@ -51,7 +51,7 @@ from typing_extensions import override
 from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real
-from lightning_effi.core.progress import run_length, steps_per_epoch
+from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import find_wrapper, live_fit, wrapper_chain
@@ -166,12 +166,14 @@ class ForwardCapture:
 @dataclass
 class _Step:
     """The training batch being processed: its dataset indices (int64 ``[B]``), with the curriculum its thinning
-    weights (float32 ``[B]``) and candidate count, and whether its loss was weighted (manual optimization)."""
+    weights (float32 ``[B]``) and candidate count, and whether its loss was weighted (manual optimization: the
+    weighted loss, whose graph every ``manual_backward`` of the step must contain)."""
 
     index: Tensor
     weights: Tensor | None = None
     candidates: int = 0
     weighted: bool = False
+    loss: Tensor | None = None
 
 
 def weighted_loss(pl_module: pl.LightningModule, per_sample_loss: Tensor) -> Tensor:
@@ -229,7 +231,8 @@ class InfoBatchCallback(Callback):
     The step's ``"loss"`` is then replaced by ``mean(w · l)`` (Qin et al. 2024, Eq. 4; with the curriculum
     ``sum(w · l) / B``, see below). **Manual optimization** (``automatic_optimization = False``): the step computes
     ``loss = lightning_effi.infobatch.weighted_loss(self, per_sample)`` and calls ``manual_backward(loss)``; a step
-    that does not call it exactly once raises.
+    that does not call it exactly once raises, and so does a ``manual_backward`` of a loss not computed from it (the
+    plain mean with the weighted loss computed beside it would train on unweighted losses).
 
     **With the curriculum** (:class:`~lightning_effi.callbacks.Curriculum` in the Trainer, the DataModule wrapped
     once in a :class:`~lightning_effi.data.CurriculumDataModule`, with or without an ``InfoBatchDataModule`` inside
@@ -296,7 +299,10 @@ class InfoBatchCallback(Callback):
             InfoBatch callback whose fit is still running (another Trainer's, on the same module, or a second
             InfoBatch callback in this Trainer).
         IncompatibleTechniques: (``setup``) another technique callback in the Trainer that also owns the training
-            sampler and cannot host this one's thinning, see :data:`~lightning_effi.core.requirements.CONFLICTS`.
+            sampler and cannot host this one's thinning, see :data:`~lightning_effi.core.requirements.CONFLICTS`;
+            (``on_train_start``, alone) a step-interval ``OneCycleLR`` (``requirements.refused_features``: its fixed
+            ``total_steps`` cannot match the pruned run; use :func:`lightning_effi.core.lr_schedules.one_cycle` with
+            ``progress=callback.effi_progress``).
     """
 
     requirements = Requirements(
@@ -304,6 +310,39 @@ class InfoBatchCallback(Callback):
         thins_within_sampler=True,
         changes_epoch_length=True,
         batch_structures=BATCH_STRUCTURES,
+        refused_strategies=("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"),
+        strategy_note=(
+            "Lightning restores a checkpoint under these strategies only after setup and on_fit_start "
+            "(restore_checkpoint_after_setup), later than InfoBatch's resume relies on; use a single device, "
+            "strategy='ddp' or 'ddp_spawn'."
+        ),
+        refused_features=(
+            (
+                "one_cycle_lr",
+                "OneCycleLR counts a fixed total_steps, but alone InfoBatch prunes epochs by the scores, so the "
+                "run's optimizer steps are known only at its end: sized with trainer.estimated_stepping_batches "
+                "(full epochs) the cycle never finishes its annealing, sized with expected_total_steps() (an "
+                "estimate) the run can take more steps and OneCycleLR raises 'Tried to step'. Use the one-cycle "
+                "schedule on InfoBatch's progress: lightning_effi.core.lr_schedules.one_cycle(optimizer, "
+                "total_steps, progress=callback.effi_progress) (ends exactly at the run's end), or step the "
+                "scheduler every epoch (interval='epoch', total_steps=max_epochs)",
+            ),
+            (
+                "overfit_batches",
+                "overfit_batches trains the dataset's first batches, in order, every epoch (Lightning puts a "
+                "SequentialSampler into the training loader), while InfoBatch chooses each epoch's samples from "
+                "their losses (it prunes well-learned ones): Lightning's sampler would replace InfoBatch's plan and "
+                "nothing would be pruned. Check that the model overfits without InfoBatch, then train with it",
+            ),
+            (
+                "batch_size_finder",
+                "the finder resets Lightning's epoch to 0 between its trials without rebuilding the training loader, "
+                "whose InfoBatch plan belongs to the epoch it was built for, so a trial runs a stale plan. InfoBatch "
+                "changes neither the batches' shape nor the model, so the size found without it is the one to use: "
+                "run Tuner(trainer).scale_batch_size on the unwrapped DataModule in a Trainer without InfoBatch, "
+                "then fit with InfoBatch at that batch size",
+            ),
+        ),
     )
 
     def __init__(
@@ -663,13 +702,22 @@ class InfoBatchCallback(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """Manual optimization: refuse a ``manual_backward`` before :meth:`weighted_loss` in the step (it would train
-        on unweighted losses)."""
+        """Manual optimization: refuse a ``manual_backward`` before :meth:`weighted_loss` in the step, and one of a
+        loss not computed from :meth:`weighted_loss`'s result (e.g. the plain mean, with the weighted loss computed
+        for logging only): either would train on unweighted losses."""
         step = self._step
-        if step is not None and not step.weighted and not pl_module.automatic_optimization:
+        if step is None or pl_module.automatic_optimization:
+            return
+        if not step.weighted:
             raise ValueError(
                 f"InfoBatchCallback: {MANUAL}; this step calls manual_backward before weighted_loss (it would train "
                 "on unweighted losses)"
+            )
+        if step.loss is not None and isinstance(loss, Tensor) and not ib.computed_from(loss, step.loss):
+            raise ValueError(
+                f"InfoBatchCallback: {MANUAL}; this step backpropagates a loss that is not computed from the result "
+                "of weighted_loss (e.g. per_sample_loss.mean(), with the weighted loss computed beside it): it would "
+                "train on unweighted losses"
             )
 
     def _with_per_sample_loss(self, output: Any, batch: Any, forward: ForwardCapture | None) -> dict[str, Any]:
@@ -778,6 +826,10 @@ class InfoBatchCallback(Callback):
         Returns:
             A scalar float32 tensor on ``per_sample_loss.device``.
 
+        Every ``manual_backward`` of the step must then backpropagate a loss computed from the result (scaled,
+        summed with other terms: anything whose autograd graph contains it); another loss raises in
+        :meth:`on_before_backward` (it would train on the unweighted losses).
+
         Raises:
             RuntimeError: called outside the ``training_step`` of a fit with this callback.
             ValueError: ``per_sample_loss`` not ``float[B]`` with grad; a second call in the same step.
@@ -794,7 +846,8 @@ class InfoBatchCallback(Callback):
             )
         self._check_per_sample(per_sample_loss, "manual")
         step.weighted = True
-        return self._weigh({"per_sample_loss": per_sample_loss}, step)["loss"]
+        step.loss = self._weigh({"per_sample_loss": per_sample_loss}, step)["loss"]
+        return step.loss
 
     # ----------------------------------------------------------------------------------------- per batch
     def rescale_output(self, output: Any, index: Tensor) -> dict[str, Any]:
@@ -888,14 +941,17 @@ class InfoBatchCallback(Callback):
     def record_loader(self, epoch: int, padded: int, batches: int) -> None:
         """Called by the DataModule for each loader it builds: the DDP duplicates added to the plan of ``epoch``
         (counted, not subtracted from the saving) and the loader's batches per rank, which give the epoch's
-        optimizer steps ``L_e = ceil(batches / accumulate_grad_batches)`` for :meth:`effi_progress` and
-        :meth:`effi_progress_done` (known before the scheduler is built), with ``limit_train_batches`` applied as
-        Lightning applies it (:func:`~lightning_effi.infobatch.functional.limited_batches`)."""
+        optimizer steps ``L_e = ceil(batches / a_e)`` for :meth:`effi_progress` and :meth:`effi_progress_done`
+        (known before the scheduler is built), with ``limit_train_batches`` applied as Lightning applies it
+        (:func:`~lightning_effi.infobatch.functional.limited_batches`) and ``a_e`` the accumulation factor of
+        ``epoch`` (:func:`~lightning_effi.core.progress.accumulate_grad_batches_at`: a
+        ``GradientAccumulationScheduler`` sets the Trainer's only after the epoch's loader is built)."""
         if self.history and self.history[-1]["epoch"] == epoch:
             self.history[-1]["padded"] = int(padded)
         accumulate, limit = 1, 1.0
         if self._trainer is not None:
-            accumulate, limit = self._trainer.accumulate_grad_batches, self._trainer.limit_train_batches
+            accumulate = accumulate_grad_batches_at(self._trainer, epoch)
+            limit = self._trainer.limit_train_batches
         batches = ib.limited_batches(int(batches), limit)
         # an empty loader (0 batches on this rank) counts as one step, so progress stays finite
         self.steps_per_epoch = steps_per_epoch(max(1, batches), accumulate, f"{type(self).__name__}.record_loader")
@@ -946,7 +1002,8 @@ class InfoBatchCallback(Callback):
         (:func:`~lightning_effi.infobatch.functional.min_epoch_size`: ``N`` in the full epochs 0 and
         ``>= floor(delta·E)``, ``1 + floor((1 - r)(N - 1))`` in the pruning epochs), per rank (padded as the sampler
         pads, or dropped with the loader's ``drop_last``) at the loader's batch size, with ``limit_train_batches``
-        and ``accumulate_grad_batches`` applied as Lightning applies them.
+        and each epoch's accumulation factor (``accumulate_grad_batches``, or a ``GradientAccumulationScheduler``'s
+        factor of the epoch) applied as Lightning applies them.
 
         With the curriculum (see :meth:`effi_progress_done`): ``T``, the run's optimizer steps (:meth:`thin_stop`).
 
@@ -972,7 +1029,7 @@ class InfoBatchCallback(Callback):
             int(t["batch_size"]),
             trainer.world_size,
             bool(t["drop_last"]),
-            trainer.accumulate_grad_batches,
+            [accumulate_grad_batches_at(trainer, e) for e in range(self.epochs)],
             trainer.limit_train_batches,
         )
         if steps < 1:
@@ -1193,8 +1250,13 @@ class InfoBatchCallback(Callback):
         }
 
     def expected_total_steps(self, batch_size: int, world_size: int = 1, accumulate_grad_batches: int = 1) -> int:
-        """Estimate of the run's optimizer steps from the current score table (before any score: the expected keep
-        ratio of ``r/2`` pruned per prune epoch). For users who need one number; prefer progress-based schedules.
+        """An estimate of the run's optimizer steps from the current score table (before any score: ``r/2`` of each
+        prune epoch pruned). An estimate, not a bound: the scores decide each prune epoch's size, so the run can take
+        more steps than this (up to ``trainer.estimated_stepping_batches``, its full epochs) or fewer (down to
+        :meth:`effi_min_total_steps`). Never size a schedule that fails past its end with it (torch's ``OneCycleLR``
+        raises "Tried to step"; a step-interval ``OneCycleLR`` is refused at train start): use a schedule on
+        InfoBatch's progress (:meth:`effi_progress`, e.g. :func:`lightning_effi.core.lr_schedules.one_cycle`), which
+        ends exactly at the run's end.
 
         Raises:
             ValueError: composed with the curriculum (the curriculum's steps are the run's steps)."""

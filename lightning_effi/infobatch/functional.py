@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
@@ -389,26 +390,37 @@ def min_total_steps(
     batch_size: int,
     world_size: int = 1,
     drop_last: bool = False,
-    accumulate_grad_batches: int = 1,
+    accumulate_grad_batches: int | Sequence[int] = 1,
     limit_batches: int | float = 1.0,
 ) -> int:
     """The fewest optimizer steps a run of ``num_epochs`` InfoBatch epochs can have, whatever the scores: the sum over
-    the epochs of ``ceil(rank_batches(min_epoch_size(e), ...) / accumulate_grad_batches)`` (Lightning steps the
-    optimizer every ``accumulate_grad_batches`` batches and at an epoch's last batch). Exact: the steps of an epoch
-    do not decrease with its size, and each epoch can reach its fewest samples (:func:`min_epoch_size`).
+    the epochs of ``ceil(rank_batches(min_epoch_size(e), ...) / a_e)`` (Lightning steps the optimizer every ``a_e``
+    batches and at an epoch's last batch), with ``a_e`` the accumulation factor of epoch ``e``:
+    ``accumulate_grad_batches``, or its ``e``-th item when it is a sequence of one factor per epoch (a
+    ``GradientAccumulationScheduler``'s). Exact: the steps of an epoch do not decrease with its size, and each epoch
+    can reach its fewest samples (:func:`min_epoch_size`).
 
     Raises:
-        ValueError: invalid sizes or hyperparameters (see :func:`min_epoch_size` and :func:`rank_batches`),
-            ``accumulate_grad_batches`` not a positive int.
+        ValueError: invalid sizes or hyperparameters (see :func:`min_epoch_size` and :func:`rank_batches`), a factor
+            that is not a positive int, a sequence of factors that is not one per epoch.
     """
-    if not is_int(accumulate_grad_batches) or accumulate_grad_batches < 1:
-        raise ValueError(f"accumulate_grad_batches must be a positive int, got {accumulate_grad_batches!r}")
     _check_num_epochs(num_epochs)
+    given: Any = accumulate_grad_batches
+    factors: list[Any] = (
+        [given] * int(num_epochs) if is_int(given) else list(given) if isinstance(given, Sequence) else []
+    )
+    if len(factors) != int(num_epochs):
+        raise ValueError(
+            f"accumulate_grad_batches must be a positive int or one per epoch ({num_epochs}), got {given!r}"
+        )
+    for factor in factors:
+        if not is_int(factor) or factor < 1:
+            raise ValueError(f"accumulate_grad_batches must be a positive int, got {factor!r}")
     total = 0
-    for epoch in range(int(num_epochs)):
+    for epoch, factor in enumerate(factors):
         size = min_epoch_size(epoch, num_epochs, dataset_size, prune_ratio, delta)
         batches = rank_batches(size, batch_size, world_size, drop_last, limit_batches)
-        total += -(-batches // int(accumulate_grad_batches))
+        total += -(-batches // int(factor))
     return total
 
 
@@ -1338,6 +1350,29 @@ def keep_probabilities(well_learned: Tensor, prune_ratio: float) -> Tensor:
     expected_m = Fraction(b - 1) if cap_applies(b, k, prune_ratio) else r * k
     p_keep = 1 - expected_m / k if k else Fraction(1)
     return torch.ones(b, dtype=torch.float64).masked_fill_(well_learned.cpu(), float(p_keep))
+
+
+def computed_from(tensor: Tensor, source: Tensor) -> bool:
+    """Whether ``tensor`` was computed from ``source``: ``source`` is ``tensor`` or its autograd node is one of the
+    nodes ``tensor``'s backward passes through (a breadth-first walk of ``tensor.grad_fn``'s graph, each node once;
+    stops at the first match, so a loss built right on ``source`` is found at once). A ``source`` without a
+    ``grad_fn`` (a leaf, or computed without grad) is found only as ``tensor`` itself. Used by InfoBatch to check
+    that a manual-optimization step backpropagates its weighted loss."""
+    if tensor is source:
+        return True
+    target = source.grad_fn
+    if target is None or tensor.grad_fn is None:
+        return False
+    queue, seen = deque([tensor.grad_fn]), {id(tensor.grad_fn)}
+    while queue:
+        node = queue.popleft()
+        if node is target:
+            return True
+        for parent, _ in node.next_functions:
+            if parent is not None and id(parent) not in seen:
+                seen.add(id(parent))
+                queue.append(parent)
+    return False
 
 
 def thinned_loss(per_sample_loss: Tensor, weights: Tensor, num_candidates: int) -> Tensor:

@@ -1150,7 +1150,10 @@ class RandomLTDCallback(Callback):
                 schedule["require_steps"] = self.require_steps = int(schedule["require_steps"])
             if schedule["require_progress"] is not None:
                 schedule["require_progress"] = self.require_progress = int(schedule["require_progress"])
-            self._saved_schedule = schedule
+            # a checkpoint written before the schedule was resolved (LearningRateFinder / BatchSizeFinder save one at
+            # on_fit_start and restore it after their search) has nothing to compare: on_train_start resolves it
+            unresolved = schedule["require_steps"] is None and schedule["require_progress"] is None
+            self._saved_schedule = None if unresolved else schedule
         diff = settings_diff(saved, mine)
         if diff:
             self._mismatch(f"the checkpoint's configuration differs (checkpoint, now): {diff}")

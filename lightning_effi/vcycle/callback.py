@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -20,10 +20,12 @@ from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, EfficiencyMonitor
 from lightning_effi.core.compat import optimizers_to_device, rewrap_ddp
+from lightning_effi.core.features import parameter_copy_holders
 from lightning_effi.core.progress import Duration, progress_clock, progress_ticks, run_length
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import (
     BATCH_STRUCTURES,
+    IncompatibleTechniques,
     Requirements,
     check_started,
     check_trainer,
@@ -74,6 +76,13 @@ _AUTO_ARGUMENTS = ("alpha_original", "model_attr")
 #: the callback's checkpointed counters and their types (the rest: FLOPs counters, stage ends, snapshots, config)
 _COUNTERS: dict[str, type] = dict(level=int, stage_index=int, stage_start_step=int, map_seconds=float, switches=int)
 _SHAPES_WHY = "its averaged weights belong to one model, which the V-cycle replaces at every level change"
+_COPIES_WHY = (
+    "its copy has the parameter shapes of one level's model, and the V-cycle replaces the model with one of other "
+    "shapes at every level change (the copy then fails to update, or averages weights of different models); average "
+    "after the cycle (a second fit from the V-cycle's final weights), or make the callback follow the level changes "
+    "(implement effi_before_model_change / effi_after_model_change, lightning_effi.core.protocols."
+    "FollowsModelChanges, and rebuild its copy there)"
+)
 
 
 class VCycleCallback(Callback):
@@ -111,8 +120,11 @@ class VCycleCallback(Callback):
             ``model_attr`` naming a frozen module is refused. Each parameter's ``requires_grad`` is kept at every level
             (a partly frozen network: :func:`~lightning_effi.vcycle.operators.coalesced_requires_grad`).
         adapter: ``"auto"``, a registered V-cycle adapter name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an instance.
-        lr_schedule: ``"continue"``: the rebuilt scheduler is advanced to the current step (one LR curve, warmup in the
-            first stage only); ``"restart"``: the module's schedule restarts from its step 0 at every level change.
+        lr_schedule: ``"continue"``: each rebuilt scheduler continues the one it replaces (stepped as often as it was:
+            one LR curve, warmup in the first stage only, step- and epoch-interval alike; a ``ReduceLROnPlateau``
+            keeps its best value, bad epochs, cooldown and reduced learning rates, times the ratio of the levels'
+            ``lr_multiplier``); ``"restart"``: the module's schedule restarts from its step 0 at every level change
+            (a plateau scheduler afresh).
         strict: a checkpoint written with another configuration raises on resume (False: warns and continues with
             this one; other stages, from other lengths or another run length, are found at train start and the run
             goes on with the current arguments' stages from the checkpoint's stage index).
@@ -173,7 +185,10 @@ class VCycleCallback(Callback):
             another V-cycle fit that is still running (another Trainer's, on the same module).
         TypeError: (construction) an unknown keyword argument.
         IncompatibleTechniques: (``setup``) a strategy other than single device / DDP (FSDP, DeepSpeed, ...), weight
-            averaging callbacks, a technique that patches the model's layers without following model changes.
+            averaging callbacks, a technique that patches the model's layers without following model changes;
+            (``on_train_start``, or before a level change when it made its copy later) a callback that keeps its own
+            copy of the model's parameters (a third-party EMA; :func:`~lightning_effi.core.features.
+            parameter_copy_holders`) without following model changes.
         MisconfigurationException: (``setup``) a ``torch.compile``'d network.
     """
 
@@ -188,6 +203,16 @@ class VCycleCallback(Callback):
             "instead, with the functional operators in lightning_effi.vcycle.operators."
         ),
         incompatible_callbacks=(("StochasticWeightAveraging", _SHAPES_WHY), ("WeightAveraging", _SHAPES_WHY)),
+        refused_features=(
+            ("third_party_ema", _COPIES_WHY),
+            (
+                "compiled_submodule",
+                "the V-cycle replaces the network at every level change, so a compiled network would be dropped (the "
+                "levels would train uncompiled, and back at level 1 a plain full network would replace the compiled "
+                "one); compile the whole module instead, trainer.fit(torch.compile(model)), which recompiles once "
+                "per level",
+            ),
+        ),
     )
 
     def __init__(
@@ -544,8 +569,10 @@ class VCycleCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the stages against the run's length (``estimated_stepping_batches``), or on a technique's progress
         clock; on resume compare them with the checkpoint's (other stages: raise when strict, else warn and continue
-        with these)."""
+        with these). Warns when a ``ModelCheckpoint`` ranks checkpoints by a monitored metric and the levels change
+        the depth (:meth:`_warn_monitored_checkpoints`)."""
         check_started(trainer)
+        self._warn_monitored_checkpoints(trainer)
         self._clock_source = progress_clock(trainer.callbacks)
         source = None if self._clock_source is None else type(self._clock_source).__name__
         self.clock = S.stage_clock(self.levels, self.e_a, self.e_small, self.up_leg, source, type(self).__name__)
@@ -566,6 +593,25 @@ class VCycleCallback(Callback):
                 f"{type(self).__name__}: stage {self.stage_index} trains level {expected} but the model "
                 f"is at level {self.level}"
             )
+
+    def _warn_monitored_checkpoints(self, trainer: pl.Trainer) -> None:
+        """One warning when a ``ModelCheckpoint(monitor=...)`` ranks the checkpoints and the levels halve the depth:
+        below level 1 the monitored score is the coarse model's, while a checkpoint written then holds its weights
+        de-coalesced to the full shapes, which compute another function (a duplicated block runs twice), so a "best"
+        checkpoint written below level 1 is not the model that scored (the method card, "Checkpoints and resume")."""
+        checkpoints = [c for c in getattr(trainer, "callbacks", ()) if isinstance(c, ModelCheckpoint)]
+        monitored = sorted({str(c.monitor) for c in checkpoints if c.monitor})
+        if not monitored or self.depth_scheme is None:
+            return
+        rank_zero_warn(
+            f"{type(self).__name__}: ModelCheckpoint(monitor={', '.join(map(repr, monitored))}) ranks checkpoints by "
+            "a score that, below level 1, is the coarse model's, while a checkpoint written then holds the level's "
+            f"weights de-coalesced to the full model's shapes, which with depth_scheme={self.depth_scheme!r} compute "
+            "another function (a duplicated block runs twice): a 'best' checkpoint written below level 1 is not the "
+            "model that scored (fit(ckpt_path=...) from it resumes that level exactly; checkpoints written at level 1 "
+            "hold the model that scored). depth_scheme=None with a function-preserving width convention keeps them "
+            "equal"
+        )
 
     def _resolve_stages(self, trainer: pl.Trainer) -> list[tuple[int, int]]:
         """The non-final stages ``(level, length on self.clock)`` of this fit."""
@@ -653,6 +699,7 @@ class VCycleCallback(Callback):
             return
         if not (path := S.levels_due(self.stages, self.stage_ends, self.stage_index, self._clock_now(trainer))):
             return
+        self._refuse_parameter_copies(trainer, pl_module, step)
         start, path = time.perf_counter(), [self.level, *path]
         assert self.alpha_original is not None  # resolved in setup
         notify_model_change(trainer, pl_module, "before")
@@ -660,7 +707,7 @@ class VCycleCallback(Callback):
             self._stack.change_to(level, self.alpha_original)
         notify_model_change(trainer, pl_module, "after")
         self.stage_index, self.stage_start_step = self.stage_index + len(path) - 1, step
-        self._new_training_state(trainer, pl_module)
+        self._new_training_state(trainer, pl_module, path[0])
         self.map_seconds += time.perf_counter() - start
         self.switches += 1
         rank_zero_info(
@@ -669,14 +716,37 @@ class VCycleCallback(Callback):
             f" parameters, lr x{self.lr_factor(self.level)}, map {time.perf_counter() - start:.2f}s)"
         )
 
-    def _new_training_state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After a level change: a fresh optimizer and schedulers for the level's model
+    def _refuse_parameter_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        """Before a level change: refuse a callback that made its own copy of the model's parameters after train start
+        (a third-party EMA that builds its shadow lazily, at its first batch; one built by ``on_train_start`` is
+        refused there, ``Requirements.refused_features``), naming it, before the change leaves its copy with the old
+        shapes.
+
+        Raises:
+            IncompatibleTechniques: such a callback (:func:`~lightning_effi.core.features.parameter_copy_holders`).
+        """
+        holders = parameter_copy_holders(trainer, pl_module)
+        if holders:
+            names = ", ".join(sorted({type(c).__name__ for c in holders}))
+            raise IncompatibleTechniques(
+                f"{type(self).__name__} cannot run with {names}: at step {step}, before the level change, it holds "
+                f"its own copy of the model's parameters (a third-party EMA or weight average): {_COPIES_WHY}"
+            )
+
+    def _new_training_state(self, trainer: pl.Trainer, pl_module: pl.LightningModule, previous_level: int) -> None:
+        """After a level change (from ``previous_level``): a fresh optimizer and schedulers for the level's model
         (:func:`rebuild_training_state`), its ``lr_multiplier``, and with ``lr_schedule="continue"`` the schedulers
-        advanced to the current step."""
+        continuing the old ones (:func:`~lightning_effi.vcycle.stages.continue_schedulers`: stepped as often as the
+        old ones were; a ``ReduceLROnPlateau`` keeps its progress and reduced learning rates, rescaled by the ratio
+        of the two levels' ``lr_multiplier``)."""
+        previous = S.scheduler_progress(trainer.lr_scheduler_configs)
         rebuild_training_state(trainer, pl_module)
         S.scale_learning_rates(trainer.optimizers, trainer.lr_scheduler_configs, self.lr_factor(self.level))
         if self.lr_schedule == "continue":  # no re-warmup: the fresh schedulers continue the run's curve
-            S.advance_schedulers(trainer.lr_scheduler_configs, trainer.global_step, trainer.current_epoch)
+            ratio = self.lr_factor(self.level) / self.lr_factor(previous_level)
+            S.continue_schedulers(
+                trainer.lr_scheduler_configs, previous, trainer.global_step, trainer.current_epoch, ratio
+            )
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -689,7 +759,7 @@ class VCycleCallback(Callback):
         notify_model_change(trainer, pl_module, "before")
         path = self._stack.up_to_full(self.alpha_original)
         notify_model_change(trainer, pl_module, "after")
-        self._new_training_state(trainer, pl_module)  # an optimizer of the full model, as after any level change
+        self._new_training_state(trainer, pl_module, level)  # an optimizer of the full model, as after any change
         self.map_seconds += time.perf_counter() - start
         self.switches += 1
         self.cut_short_level = level
@@ -808,6 +878,10 @@ class VCycleCallback(Callback):
         self._stack.load_state_dict(state_dict)  # checks the level (rebuilt by the resume hook), loads the snapshots
         self._saved_stages = [(int(k), int(n)) for k, n in state_dict["config"]["stages"]]
         self.stages, self.stage_ends = self._saved_stages, [int(e) for e in state_dict["stage_ends"]]
+        if not self._saved_stages:
+            # written before on_train_start resolved the stages (LearningRateFinder / BatchSizeFinder save a checkpoint
+            # at on_fit_start and restore it after their search): nothing to compare, on_train_start resolves them
+            self._saved_stages = self._saved_clock = None
         self.flops_account.load_state_dict(state_dict)
         for k, kind in _COUNTERS.items():
             if k != "level":  # rebuilt by the on_load_checkpoint wrapper, checked above

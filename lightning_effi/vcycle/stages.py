@@ -16,7 +16,13 @@ from fractions import Fraction
 from typing import Any
 
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real, plain
-from lightning_effi.core.progress import PROGRESS_TICKS, Duration, run_length, steps_per_epoch
+from lightning_effi.core.progress import (
+    PROGRESS_TICKS,
+    Duration,
+    estimated_optimizer_steps,
+    run_length,
+    steps_per_epoch,
+)
 from lightning_effi.vcycle.operators import EMBEDDING_CONVENTIONS
 
 __all__ = [
@@ -27,11 +33,14 @@ __all__ = [
     "advance_schedulers",
     "check_arguments",
     "check_min_steps",
+    "continue_schedulers",
     "fit_stages",
     "levels_due",
     "resolve_progress_stages",
     "resolve_stages",
     "scale_learning_rates",
+    "scheduler_progress",
+    "SchedulerProgress",
     "spelled",
     "stage_clock",
     "stage_ends",
@@ -394,8 +403,9 @@ def fit_stages(
     owner: str = "VCycleCallback",
 ) -> list[tuple[int, int]] | None:
     """:func:`resolve_stages` for a fit, from a Lightning trainer's ``max_steps``, ``estimated_stepping_batches``
-    (read when ``at_setup`` is False), ``num_training_batches`` (read when a length is in epochs) and
-    ``accumulate_grad_batches``.
+    (read when ``at_setup`` is False; a ``GradientAccumulationScheduler``'s factors counted:
+    :func:`~lightning_effi.core.progress.estimated_optimizer_steps`), ``num_training_batches`` (read when a length is
+    in epochs) and ``accumulate_grad_batches``.
 
     In ``setup`` (``at_setup``) the run's length is ``max_steps`` (a first check; None when a length is in epochs or
     ``max_steps`` is not set). At train start it is :func:`run_length`: ``estimated_stepping_batches``, which is
@@ -406,7 +416,7 @@ def fit_stages(
         ValueError: see :func:`resolve_stages`.
     """
     epochs = any(d.unit == "epoch" for d in (e_a, e_small, *up_leg_lengths(levels, up_leg)))
-    total = run_length(trainer.max_steps, None if at_setup else trainer.estimated_stepping_batches)
+    total = run_length(trainer.max_steps, None if at_setup else estimated_optimizer_steps(trainer))
     if at_setup and (epochs or total is None):
         return None
     batches = trainer.num_training_batches if epochs else None
@@ -557,26 +567,131 @@ def check_min_steps(
 # learning rate at a level change
 
 
+def _schedulers_within(scheduler: Any) -> list[Any]:
+    """``scheduler`` and the schedulers it drives (``SequentialLR`` / ``ChainedScheduler``'s ``_schedulers``)."""
+    out = [scheduler]
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        out.extend(_schedulers_within(inner))
+    return out
+
+
+#: per-group learning rates a scheduler keeps in the optimizer's param groups (``initial_lr``: every ``LRScheduler``;
+#: ``max_lr`` / ``min_lr``: ``OneCycleLR``), scaled with the group's ``lr``
+_GROUP_LRS = ("initial_lr", "max_lr", "min_lr")
+#: per-group learning rates a scheduler keeps as lists (``base_lrs``: every ``LRScheduler``; ``max_lrs``: ``CyclicLR``)
+_SCHEDULER_LRS = ("base_lrs", "max_lrs")
+
+
 def scale_learning_rates(optimizers: Sequence[Any], scheduler_configs: Sequence[Any], factor: float) -> None:
     """Multiply the peak learning rate of freshly built optimizers by ``factor`` (a level's ``lr_multiplier``): the
-    param groups' ``lr`` and ``initial_lr`` and the schedulers' ``base_lrs`` (so a ``LambdaLR`` scales its whole
-    curve). ``scheduler_configs``: objects with a ``scheduler`` (Lightning's ``LRSchedulerConfig``)."""
+    param groups' ``lr`` and the learning rates schedulers keep in them (``initial_lr``; ``OneCycleLR``'s ``max_lr``
+    and ``min_lr``), and the schedulers' own lists (``base_lrs``, ``CyclicLR``'s ``max_lrs``; also of the schedulers
+    a ``SequentialLR`` / ``ChainedScheduler`` drives), so the whole curve is scaled (a ``LambdaLR``'s, a
+    ``OneCycleLR``'s: its start, peak and end). A ``ReduceLROnPlateau``'s ``min_lrs`` (an absolute floor) and a
+    ``CosineAnnealingLR``'s ``eta_min`` are kept. ``scheduler_configs``: objects with a ``scheduler`` (Lightning's
+    ``LRSchedulerConfig``)."""
     if factor == 1.0:
         return
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["lr"] * factor
-            if "initial_lr" in group:
-                group["initial_lr"] = group["initial_lr"] * factor
+            for key in _GROUP_LRS:
+                if key in group:
+                    group[key] = group[key] * factor
     for cfg in scheduler_configs:
-        if hasattr(cfg.scheduler, "base_lrs"):
-            cfg.scheduler.base_lrs = [b * factor for b in cfg.scheduler.base_lrs]
+        for scheduler in _schedulers_within(cfg.scheduler):
+            for key in _SCHEDULER_LRS:
+                values = getattr(scheduler, key, None)
+                if isinstance(values, (list, tuple)):
+                    setattr(scheduler, key, [v * factor for v in values])
+
+
+@dataclass(frozen=True)
+class SchedulerProgress:
+    """Where a scheduler was when its level's training state was replaced (:func:`scheduler_progress`).
+
+    Attributes:
+        kind: the scheduler's class. steps: its ``last_epoch`` (the steps it took, the advance of the initial
+            ``last_epoch`` included). plateau: a ``ReduceLROnPlateau``'s progress (``best``, ``num_bad_epochs``,
+            ``cooldown_counter``, ``last_epoch``), else None. lrs: the learning rate of each param group of its
+            optimizer.
+    """
+
+    kind: type
+    steps: int
+    plateau: dict[str, Any] | None
+    lrs: tuple[float, ...]
+
+
+#: the entries of a ``ReduceLROnPlateau``'s state that are its progress (the rest is its configuration)
+_PLATEAU_PROGRESS = ("best", "num_bad_epochs", "cooldown_counter", "last_epoch")
+
+
+def scheduler_progress(scheduler_configs: Sequence[Any]) -> list[SchedulerProgress]:
+    """The progress of every scheduler of ``scheduler_configs`` (Lightning's ``LRSchedulerConfig``), read before a
+    level change replaces them (:func:`continue_schedulers` hands it to the new ones)."""
+    out = []
+    for cfg in scheduler_configs:
+        scheduler = cfg.scheduler
+        plateau = None
+        if cfg.reduce_on_plateau:
+            state = scheduler.state_dict()
+            plateau = {k: state[k] for k in _PLATEAU_PROGRESS if k in state}
+        lrs = tuple(float(g["lr"]) for g in scheduler.optimizer.param_groups)
+        out.append(SchedulerProgress(type(scheduler), int(getattr(scheduler, "last_epoch", 0)), plateau, lrs))
+    return out
+
+
+def continue_schedulers(
+    scheduler_configs: Sequence[Any],
+    previous: Sequence[SchedulerProgress],
+    global_step: int,
+    current_epoch: int,
+    lr_ratio: float = 1.0,
+) -> None:
+    """Make freshly built schedulers continue where the ones they replace were (``lr_schedule="continue"``), so the
+    run follows one LR curve across level changes. ``previous``: :func:`scheduler_progress` of the old schedulers,
+    matched by position (a scheduler of another class counts as new).
+
+    - A scheduler that replaces one of its class is stepped as many times as the old one was (its ``last_epoch``):
+      exact whatever its ``interval`` and ``frequency`` (an epoch-interval scheduler already stepped at the end of
+      the epoch whose last batch triggers the change is not stepped once too few). Without a match:
+      :func:`advance_schedulers`' count.
+    - A ``ReduceLROnPlateau`` gets its predecessor's progress (best value, bad epochs, cooldown) and its reduced
+      learning rates times ``lr_ratio`` (the new level's ``lr_multiplier`` over the old one's; per param group, when
+      the optimizers have as many groups), so a plateau's reductions are kept across the change. Without a match it
+      starts afresh.
+
+    Steps run with warnings silenced (a fresh scheduler stepped before its optimizer).
+    """
+    for i, cfg in enumerate(scheduler_configs):
+        prev = previous[i] if i < len(previous) and previous[i].kind is type(cfg.scheduler) else None
+        scheduler = cfg.scheduler
+        if cfg.reduce_on_plateau:
+            if prev is None or prev.plateau is None:
+                continue
+            scheduler.load_state_dict({**scheduler.state_dict(), **prev.plateau})
+            groups = scheduler.optimizer.param_groups
+            if len(groups) == len(prev.lrs):
+                for group, lr in zip(groups, prev.lrs):
+                    group["lr"] = lr * lr_ratio
+                scheduler._last_lr = [float(g["lr"]) for g in groups]
+            continue
+        if prev is not None:
+            count = prev.steps - int(getattr(scheduler, "last_epoch", 0))
+        else:
+            count = (global_step if cfg.interval == "step" else current_epoch) // max(1, cfg.frequency)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(max(0, count)):
+                scheduler.step()
 
 
 def advance_schedulers(scheduler_configs: Sequence[Any], global_step: int, current_epoch: int) -> None:
     """Step freshly built schedulers to the current optimizer step (``interval="step"``) or epoch, every
-    ``frequency`` of them, so the run follows one LR curve across level changes (``lr_schedule="continue"``);
-    ``ReduceLROnPlateau`` schedulers are left alone. ``scheduler_configs``: Lightning's ``LRSchedulerConfig``."""
+    ``frequency`` of them; ``ReduceLROnPlateau`` schedulers are left alone. ``scheduler_configs``: Lightning's
+    ``LRSchedulerConfig``. (A level change uses :func:`continue_schedulers`, which counts the old schedulers' own
+    steps; this is its fallback.)"""
     for cfg in scheduler_configs:
         if cfg.reduce_on_plateau:
             continue

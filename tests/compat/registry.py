@@ -104,8 +104,10 @@ def readme_table(text: str | None = None) -> str:
 def write_readme() -> None:
     """Replace the README's table with :func:`render`'s."""
     text = README.read_text()
-    old = readme_table(text)
-    README.write_text(text.replace(f"{BEGIN}\n{old}\n{END}", f"{BEGIN}\n{render()}\n{END}", 1))
+    readme_table(text)  # the markers are there
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    README.write_text(f"{head}{BEGIN}\n{render()}\n{END}{tail}")
 
 
 if __name__ == "__main__":

@@ -464,17 +464,6 @@ def test_max_time(technique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 LR_SEARCH: dict[str, Any] = dict(min_lr=1e-4, max_lr=1.0, early_stop_threshold=None)
 LR_STEPS = 16
 
-#: Lightning's tuners as callbacks search inside the fit (``on_fit_start``) and then restore the checkpoint they wrote
-#: there, before the techniques' ``on_train_start`` resolved their schedules; random-LTD's and the V-cycle's
-#: ``load_state_dict`` then take that unresolved schedule for a resumed run's and refuse the run's own (a fix in their
-#: ``load_state_dict``: a checkpoint without a resolved schedule has none to compare). ``Tuner(trainer)`` searches in
-#: a fit of its own and works.
-TUNER_CALLBACK_RESTORE = pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="random-LTD / V-cycle compare the unresolved schedule of the tuner's on_fit_start checkpoint",
-)
-
 
 def assert_same_fit(a: Run, b: Run) -> None:
     """Two fits trained the same batches (shapes, steps) to the same weights."""
@@ -506,7 +495,7 @@ def test_lr_find(technique: str, tmp_path: Path) -> None:
 @pytest.mark.slow  # a tuner's search and two fits
 @pytest.mark.parametrize(
     "technique",
-    [t if t in ("infobatch", "curriculum") else pytest.param(t, marks=TUNER_CALLBACK_RESTORE) for t in TECHNIQUES],
+    TECHNIQUES,
 )
 def test_lr_find_as_a_callback(technique: str, tmp_path: Path) -> None:
     """A ``LearningRateFinder`` callback searches at the start of the fit and the fit goes on: the module's ``lr`` is
@@ -562,7 +551,7 @@ def test_batch_size_finder(technique: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # a tuner's search and two fits
-@pytest.mark.parametrize("technique", [pytest.param(t, marks=TUNER_CALLBACK_RESTORE) for t in ("random_ltd", "vcycle")])
+@pytest.mark.parametrize("technique", ["random_ltd", "vcycle"])
 def test_batch_size_finder_as_a_callback(technique: str, tmp_path: Path) -> None:
     """A ``BatchSizeFinder`` callback searches at the start of the fit and the fit goes on at the suggested size,
     equal to a fresh fit at that size."""
