@@ -52,7 +52,13 @@ from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
-from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
+from lightning_effi.core.requirements import (
+    BATCH_STRUCTURES,
+    IncompatibleTechniques,
+    Requirements,
+    check_started,
+    check_trainer,
+)
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import find_wrapper, live_fit, wrapper_chain
 from lightning_effi.curriculum.data import THINNED_KEYS, CurriculumDataModule
@@ -283,21 +289,20 @@ class InfoBatchCallback(Callback):
             :func:`~lightning_effi.core.requirements.check_trainer`.
 
     Raises:
-        ValueError: (construction) ``prune_ratio``, ``delta``, ``num_epochs``, ``seed``, ``momentum`` invalid or out
-            of range, ``per_sample_loss`` not callable;
-            (``setup``) ``max_epochs=-1`` without ``num_epochs``, ``num_epochs > max_epochs``, a run capped by
-            ``max_steps``, ``reload_dataloaders_every_n_epochs > 1``, a DataModule that is not an
-            ``InfoBatchDataModule``, an unsupported strategy (DeepSpeed/FSDP), ``per_sample_loss=fn`` with manual
-            optimization, an int ``val_check_interval`` above the fewest batches an epoch can have
-            (:func:`~lightning_effi.infobatch.functional.fewest_epoch_batches`); with the curriculum: ``num_epochs``
-            set, or ``prune_ratio > 1 - 1/micro_batch_size`` (a micro-batch could be emptied); (a batch) metadata
-            without ``"index"`` (with the curriculum: without ``"infobatch_weight"``/``"infobatch_candidates"``), a
-            ``training_step`` output without a loss, a per-sample loss that is not ``float[B]`` with grad (a
-            ``grad_fn``), ``per_sample_loss=fn`` together with a returned ``"per_sample_loss"``, an automatic
-            per-sample loss that cannot be computed or does not reproduce the step's loss, a manual-optimization step
-            that does not call :func:`weighted_loss` once; (``setup``) a ``training_step`` wrapped by another
-            InfoBatch callback whose fit is still running (another Trainer's, on the same module, or a second
-            InfoBatch callback in this Trainer).
+        ValueError: (construction) ``prune_ratio``, ``delta``, ``num_epochs``, ``seed``, ``momentum`` invalid or out of
+            range, ``per_sample_loss`` not callable; (``setup``) ``max_epochs=-1`` without ``num_epochs``, ``num_epochs
+            > max_epochs``, a run capped by ``max_steps``, ``reload_dataloaders_every_n_epochs > 1``, a DataModule that
+            is not an ``InfoBatchDataModule``, an unsupported strategy (DeepSpeed, model-parallel; resuming under FSDP),
+            ``per_sample_loss=fn`` with manual optimization, an int ``val_check_interval`` above the fewest batches an
+            epoch can have (:func:`~lightning_effi.infobatch.functional.fewest_epoch_batches`); with the curriculum:
+            ``num_epochs`` set, or ``prune_ratio > 1 - 1/micro_batch_size`` (a micro-batch could be emptied); (a batch)
+            metadata without ``"index"`` (with the curriculum: without
+            ``"infobatch_weight"``/``"infobatch_candidates"``), a ``training_step`` output without a loss, a per-sample
+            loss that is not ``float[B]`` with grad (a ``grad_fn``), ``per_sample_loss=fn`` together with a returned
+            ``"per_sample_loss"``, an automatic per-sample loss that cannot be computed or does not reproduce the step's
+            loss, a manual-optimization step that does not call :func:`weighted_loss` once; (``setup``) a
+            ``training_step`` wrapped by another InfoBatch callback whose fit is still running (another Trainer's, on
+            the same module, or a second InfoBatch callback in this Trainer).
         IncompatibleTechniques: (``setup``) another technique callback in the Trainer that also owns the training
             sampler and cannot host this one's thinning, see :data:`~lightning_effi.core.requirements.CONFLICTS`;
             (``on_train_start``, alone) a step-interval ``OneCycleLR`` (``requirements.refused_features``: its fixed
@@ -310,11 +315,10 @@ class InfoBatchCallback(Callback):
         thins_within_sampler=True,
         changes_epoch_length=True,
         batch_structures=BATCH_STRUCTURES,
-        refused_strategies=("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"),
+        refused_strategies=("DeepSpeedStrategy", "ModelParallelStrategy"),
         strategy_note=(
-            "Lightning restores a checkpoint under these strategies only after setup and on_fit_start "
-            "(restore_checkpoint_after_setup), later than InfoBatch's resume relies on; use a single device, "
-            "strategy='ddp' or 'ddp_spawn'."
+            "DeepSpeed's engine and model-parallel wrappers are not validated with InfoBatch's sampler and loss "
+            "weights; use a single device, strategy='ddp', 'ddp_spawn' or 'fsdp' (FSDP: fresh fits only)."
         ),
         refused_features=(
             (
@@ -429,11 +433,6 @@ class InfoBatchCallback(Callback):
                 "InfoBatchCallback: per_sample_loss=fn does not apply with manual optimization (the step "
                 "backpropagates its own loss); leave it None and compute the loss as "
                 "lightning_effi.infobatch.weighted_loss(self, per_sample) in training_step"
-            )
-        if trainer.strategy.restore_checkpoint_after_setup:
-            raise ValueError(
-                f"InfoBatchCallback does not support the {type(trainer.strategy).__name__} strategy; "
-                "use a single device or DDP"
             )
         self._clear_leftovers(trainer, pl_module)
         self._running = live_fit(trainer)
@@ -1349,10 +1348,19 @@ class InfoBatchCallback(Callback):
 
         Raises:
             ValueError: (``fit``, ``strict``) the checkpoint holds an InfoBatch state under another ``state_key``.
+            IncompatibleTechniques: (``fit``) a resume under a strategy that restores checkpoints after setup (FSDP).
         """
         self._evaluating = trainer.state.fn != TrainerFn.FITTING
         if self._evaluating:
             return
+        if trainer.strategy.restore_checkpoint_after_setup:
+            raise IncompatibleTechniques(
+                f"InfoBatchCallback cannot resume a fit under the {type(trainer.strategy).__name__} strategy: "
+                "Lightning restores its checkpoints only after setup and on_fit_start "
+                "(restore_checkpoint_after_setup), later than InfoBatch's resume needs (its epoch plan is built "
+                "from the restored scores at setup); resume on a single device or with strategy='ddp', or start a "
+                "fresh fit (fresh FSDP fits are supported)"
+            )
         if others := other_state_keys(self, checkpoint):
             config_mismatch(
                 type(self).__name__,

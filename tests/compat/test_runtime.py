@@ -117,11 +117,11 @@ ROWS: list[Row] = [
     Row(
         "fsdp",
         'Trainer(strategy="fsdp")',
-        works(infobatch=REFUSED, vcycle=REFUSED, stack=REFUSED),
+        works(vcycle=REFUSED, stack=REFUSED),
         "2 CPU processes (Lightning's FSDPStrategy, with torch's FSDP told the CPU device; Lightning itself asks "
         "for a GPU), each holding half the parameters, identical full weights at the end. The V-cycle refuses FSDP "
-        "(the sharded wrapper cannot be rebuilt at a level change); InfoBatch refuses strategies that restore "
-        "checkpoints after setup (FSDP, DeepSpeed, model-parallel).",
+        "(the sharded wrapper cannot be rebuilt at a level change), and so the stack; InfoBatch trains fresh FSDP "
+        "fits and refuses to resume one (FSDP restores checkpoints after setup, later than its resume needs).",
     ),
     Row(
         "deepspeed",
@@ -697,3 +697,24 @@ def test_deepspeed(tmp_path, technique):
 
 if __name__ == "__main__":  # the worker of the ``ddp`` and ``fsdp`` cells
     _worker(sys.argv[1], Path(sys.argv[2]), sys.argv[3:])
+
+
+def test_infobatch_refuses_to_resume_under_a_strategy_that_restores_after_setup():
+    """InfoBatch's resume needs its state before ``setup`` builds the epoch plan; FSDP restores checkpoints after
+    ``setup`` and ``on_fit_start`` (``restore_checkpoint_after_setup``), so a resumed FSDP fit is refused when the
+    checkpoint is loaded, before any step (a fresh FSDP fit works: ``test_fsdp``)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_effi import InfoBatchCallback
+    from lightning_effi.core.requirements import IncompatibleTechniques
+
+    class FSDPLike:
+        restore_checkpoint_after_setup = True
+
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), strategy=FSDPLike())
+    with pytest.raises(IncompatibleTechniques, match=r"cannot resume a fit under the FSDPLike strategy.*fresh"):
+        InfoBatchCallback().on_load_checkpoint(trainer, None, {"callbacks": {}})  # type: ignore[arg-type]
+    trainer.state.fn = TrainerFn.VALIDATING  # evaluating from a checkpoint is unaffected
+    InfoBatchCallback().on_load_checkpoint(trainer, None, {"callbacks": {}})  # type: ignore[arg-type]
