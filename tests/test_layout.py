@@ -17,6 +17,7 @@ CARD_SECTIONS = [
     "Suggested hyperparameters",
     "Technical details",
     "Results",
+    "Guarantees",
     "Composition",
     "Attribution",
     "API",
