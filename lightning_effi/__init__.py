@@ -17,6 +17,7 @@ _EXPORTS = {
     "BatchStats": "lightning_effi.core.accounting",
     "EfficiencyMonitor": "lightning_effi.core.accounting",
     "Duration": "lightning_effi.core.progress",
+    "NonFiniteLossError": "lightning_effi.core.nonfinite",
     "Curriculum": "lightning_effi.curriculum",
     "CurriculumCallback": "lightning_effi.curriculum",
     "CurriculumConfig": "lightning_effi.curriculum",
@@ -35,6 +36,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from lightning_effi.core.accounting import BatchStats, EfficiencyMonitor
+    from lightning_effi.core.nonfinite import NonFiniteLossError
     from lightning_effi.core.progress import Duration
     from lightning_effi.curriculum import (
         Curriculum,
@@ -75,6 +77,7 @@ __all__ = [
     "InfoBatch",
     "InfoBatchCallback",
     "InfoBatchDataModule",
+    "NonFiniteLossError",
     "RandomLTD",
     "RandomLTDCallback",
     "VCycle",

@@ -65,7 +65,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
@@ -85,6 +85,7 @@ from lightning_effi.core.measure import (
     tensor_leaves,
     token_source,
 )
+from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
 TIME_KEYS = ("time_train", "time_data", "time_eval")
@@ -330,6 +331,14 @@ class EfficiencyMonitor(Callback):
         log_every_n_steps: reduce across ranks and log every this many training batches (default: the trainer's
             ``log_every_n_steps``). Must be a positive int.
         print_summary: print the summary table on rank 0 at the end of ``fit``.
+        nonfinite_loss: what a NaN or infinite training loss does (:mod:`lightning_effi.core.nonfinite`; the monitor
+            is in every run, baselines included, so a baseline without any technique stops on NaN too):
+            ``"raise"`` (default) stops the fit at that step, before its backward pass, with a
+            :class:`~lightning_effi.core.nonfinite.NonFiniteLossError` naming the step; ``"warn"`` warns once,
+            counts them (logged as ``effi/nonfinite_losses``: the run's count, :func:`nonfinite_count`; checkpointed,
+            reported at the end of fit) and lets the run go on. With technique callbacks in the Trainer, one check
+            runs per backward pass (by the first of them and the monitor in ``trainer.callbacks``), with the
+            strictest policy among them.
 
     State (checkpointed, so a resumed run keeps cumulative figures): the totals below, the baseline and the savings,
     the curve and the schedule.
@@ -378,17 +387,23 @@ class EfficiencyMonitor(Callback):
     module's own.
 
     Raises:
-        ValueError: ``log_every_n_steps`` not a positive int, ``print_summary`` not a bool.
+        ValueError: ``log_every_n_steps`` not a positive int, ``print_summary`` not a bool, ``nonfinite_loss`` not
+            ``"raise"`` or ``"warn"``.
+        NonFiniteLossError: (a training batch, ``nonfinite_loss="raise"``) the training loss is NaN or infinite.
         KeyError: (``load_state_dict``) a checkpoint with totals this monitor does not know.
         ValueError: (``load_state_dict``) a checkpoint total that is not a finite number, or a negative count or
-            time (only a ``saved/...`` total may be negative).
+            time (only a ``saved/...`` total may be negative); a non-finite loss count that is not an int >= 0.
     """
 
-    def __init__(self, log_every_n_steps: int | None = None, print_summary: bool = True) -> None:
+    def __init__(
+        self, log_every_n_steps: int | None = None, print_summary: bool = True, nonfinite_loss: str = "raise"
+    ) -> None:
         if log_every_n_steps is not None:
             log_every_n_steps = check_int("EfficiencyMonitor", "log_every_n_steps", log_every_n_steps, 1)
         self.log_every_n_steps: int | None = log_every_n_steps
         self.print_summary = check_bool("EfficiencyMonitor", "print_summary", print_summary)
+        #: the non-finite loss policy (lightning_effi.core.nonfinite) and its count, checkpointed as "nonfinite_loss"
+        self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, nonfinite_loss)
         self.totals: dict[str, float] = dict.fromkeys(COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS, 0.0)
         self.summary: dict[str, Any] = {}
         self.curve: list[dict[str, Any]] = []
@@ -408,7 +423,8 @@ class EfficiencyMonitor(Callback):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(log_every_n_steps={self.log_every_n_steps!r}, print_summary={self.print_summary!r})"
+            f"{type(self).__name__}(log_every_n_steps={self.log_every_n_steps!r}, "
+            f"print_summary={self.print_summary!r}, nonfinite_loss={self.nonfinite_guard.policy!r})"
         )
 
     # ----------------------------------------------------------------------------------------- per batch
@@ -605,6 +621,7 @@ class EfficiencyMonitor(Callback):
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
             self.curve, self.schedule = [], []
+            self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
 
     def _check_order(self, trainer: pl.Trainer) -> None:
         """A technique that changes the model's shapes (the V-cycle) switches models in its ``on_train_batch_end``;
@@ -704,6 +721,15 @@ class EfficiencyMonitor(Callback):
         self._mark = self._now(pl_module)
 
     @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """The non-finite loss policy (``nonfinite_loss``; :class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`).
+
+        Raises:
+            NonFiniteLossError: ``loss`` is NaN or infinite and the policy is ``"raise"``.
+        """
+        self.nonfinite_guard.check(trainer, loss)
+
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._unwatch(None)
 
@@ -738,6 +764,8 @@ class EfficiencyMonitor(Callback):
         self.summary = self.compute_summary(trainer)
         if self.print_summary and trainer.is_global_zero:
             print_block(format_summary(self.summary))  # one write: safe under a live rich display (console.py)
+        if (report := self.nonfinite_guard.report()) is not None:
+            rank_zero_info(report)
 
     # ------------------------------------------------------------------------------------------- summary
     def _elapsed_total(self) -> float:
@@ -834,6 +862,8 @@ class EfficiencyMonitor(Callback):
             return t
         metrics = {"effi/" + k.replace("time_", "time/"): v for k, v in t.items() if k != "batches"}
         metrics.update({"effi/" + k: v for k, v in self.savings(t).items()})
+        if self.nonfinite_guard.policy == "warn":  # with "raise" the first one stops the fit
+            metrics["effi/nonfinite_losses"] = float(nonfinite_count(trainer.callbacks))  # type: ignore[attr-defined]
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         return t
@@ -852,13 +882,15 @@ class EfficiencyMonitor(Callback):
             "totals": {k: float(v) for k, v in self.totals.items()},
             "curve": [dict(p) for p in self.curve],
             "schedule": [dict(p) for p in self.schedule],
+            "nonfinite_loss": self.nonfinite_guard.state_dict(),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The checkpoint's totals. Savings of a technique this run does not have are kept (it saved them before);
         a checkpoint written before the baseline was counted gets the baseline of its computed counts (no saving
-        before the resume)."""
+        before the resume); one written before the non-finite loss policy (no ``"nonfinite_loss"``) counts none.
+        Everything is checked before anything is restored (see Raises in the class docstring)."""
         totals = dict(state_dict.get("totals", {}))
         unknown = {k for k in totals if not k.startswith("saved/")} - set(self.totals)
         if unknown:
@@ -873,8 +905,18 @@ class EfficiencyMonitor(Callback):
                     f"EfficiencyMonitor.load_state_dict: the checkpoint's totals.{key} is {value!r}; it must be "
                     f"{allowed} (a damaged or edited checkpoint: resume from another one)"
                 )
+        guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_guard.policy)
+        nonfinite = state_dict.get("nonfinite_loss")
+        if nonfinite is not None:
+            if not isinstance(nonfinite, Mapping):
+                raise ValueError(
+                    f"EfficiencyMonitor.load_state_dict: the checkpoint's nonfinite_loss must be a dict (the "
+                    f"non-finite loss count), got {type(nonfinite).__name__} (a damaged or edited checkpoint)"
+                )
+            guard.load_state_dict(dict(nonfinite))
         for q in QUANTITIES:
             totals.setdefault(f"baseline_{q}", totals.get(q, 0.0))
+        self.nonfinite_guard.count, self.nonfinite_guard.first_step = guard.count, guard.first_step
         self.totals.update({k: float(v) for k, v in totals.items()})
         self._fit_total_before = self.totals["time_total"]
         self.curve = [dict(p) for p in state_dict.get("curve", [])]
@@ -891,6 +933,7 @@ __all__ = [
     "batch_size_of",
     "format_summary",
     "lengthen_batch",
+    "nonfinite_count",
     "schedule_states",
     "technique_name",
     "tokens_of",

@@ -1,14 +1,17 @@
 """The non-finite loss policy, the same for every technique.
 
-Every technique callback takes ``nonfinite_loss``: ``"raise"`` (default) stops the fit at the first non-finite
-training loss (NaN or infinite), before its backward pass, with a :class:`NonFiniteLossError` naming the step, the
-batch and the techniques; ``"warn"`` lets the run go on (the user's own handling, e.g. a ``training_step`` that
-returns ``None`` to skip, or a loss scaler), warns once at the first one and counts them: logged as
-``effi/nonfinite_losses`` and reported at the end of fit. A technique never acts on non-finite values either way
+Every technique callback and the ``EfficiencyMonitor`` take ``nonfinite_loss``: ``"raise"`` (default) stops the
+fit at the first non-finite training loss (NaN or infinite), before its backward pass, with a
+:class:`NonFiniteLossError` naming the step, the batch and the techniques; ``"warn"`` lets the run go on (the user's
+own handling, e.g. a ``training_step`` that returns ``None`` to skip, or a loss scaler), warns once at the first one
+and counts them: logged as ``effi/nonfinite_losses`` and reported at the end of fit. A technique never acts on
+non-finite values either way
 (InfoBatch does not score them, the V-cycle refuses to map non-finite weights).
 
-With several techniques in one Trainer, one check runs per backward pass (by the first technique callback in the
-Trainer's list) with the strictest policy among them: ``"raise"`` if any technique asks for it.
+With several techniques in one Trainer, one check runs per backward pass (by the first guarded callback in the
+Trainer's list) with the strictest policy among them: ``"raise"`` if any technique asks for it. The check runs in
+``on_before_backward``, so it sees the loss actually backpropagated (InfoBatch's reweighted loss, a manual
+optimization's ``manual_backward`` argument).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_effi.core.checks import check_choice
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "NonFiniteLossGuard", "is_finite_loss"]
+__all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "NonFiniteLossGuard", "is_finite_loss", "nonfinite_count"]
 
 Policy = Literal["raise", "warn"]
 #: the values of every technique's ``nonfinite_loss`` argument
@@ -41,6 +44,13 @@ def is_finite_loss(loss: Any) -> bool:
     if isinstance(loss, torch.Tensor):
         return bool(torch.isfinite(loss.detach()).all())
     return math.isfinite(float(loss))
+
+
+def nonfinite_count(callbacks: Sequence[Any]) -> int:
+    """The run's non-finite training losses counted so far (``nonfinite_loss="warn"``): one check runs per backward
+    pass, by the first callback of ``callbacks`` (``trainer.callbacks``) that has a ``nonfinite_guard``, so the
+    run's count is the sum over their guards, whichever of them counted."""
+    return sum(g.count for g in NonFiniteLossGuard._guards(callbacks))
 
 
 class NonFiniteLossGuard:
@@ -94,6 +104,22 @@ class NonFiniteLossGuard:
                 f"{owners}: the training loss is {value} at {where} (nonfinite_loss='warn': the run goes on; "
                 "later ones are counted in effi/nonfinite_losses and reported at the end of fit)"
             )
+
+    def log_count(self, trainer: Any) -> None:
+        """Write ``effi/nonfinite_losses`` (the run's count, :func:`nonfinite_count`) to the Trainer's loggers at the
+        current step, on rank zero. Every technique calls it from ``on_train_batch_end``; only the checking guard
+        (the first of ``trainer.callbacks``) writes, and only when no guard asks ``"raise"`` (then the first
+        non-finite loss stops the fit and the count stays 0). Written to the loggers directly rather than through
+        ``LightningModule.log``: several callbacks share the key, and Lightning refuses one key logged twice in a
+        hook."""
+        guards = self._guards(trainer.callbacks)
+        if not guards or guards[0] is not self or any(g.policy == "raise" for g in guards):
+            return
+        if getattr(trainer, "global_rank", 0) != 0:
+            return
+        metrics = {"effi/nonfinite_losses": float(sum(g.count for g in guards))}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=int(trainer.global_step))
 
     def report(self) -> str | None:
         """The end-of-fit line (``None`` when no non-finite loss was seen)."""

@@ -50,7 +50,8 @@ from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
-from lightning_effi.core.checks import check_bool, check_int, check_real
+from lightning_effi.core.checks import check_bool, check_int, check_real, is_int
+from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
 from lightning_effi.core.requirements import (
     BATCH_STRUCTURES,
@@ -273,6 +274,13 @@ class InfoBatchCallback(Callback):
             (False: warns and uses the checkpoint's tables anyway).
         per_sample_loss: ``fn(outputs, batch) -> float[B]`` (see above), or None (the loss returned by
             ``training_step``, else the automatic cross-entropy).
+        nonfinite_loss: what a NaN or infinite training loss does (:mod:`lightning_effi.core.nonfinite`):
+            ``"raise"`` (default) stops the fit at that step, before its backward pass, with a
+            :class:`~lightning_effi.core.nonfinite.NonFiniteLossError` naming the step; ``"warn"`` warns once, counts
+            them (``effi/nonfinite_losses``, checkpointed, reported at the end of fit) and lets the run go on (your
+            own handling: a skipped step, a loss scaler). Either way a non-finite per-sample loss never enters the
+            score table (the sample keeps its previous score). With several techniques, one check runs per backward
+            pass, with the strictest policy among them.
 
     Logged every epoch (``effi/infobatch/...``): ``threshold``, ``well_learned_frac``, ``kept_well_learned``,
     ``pruned_fraction_epoch``, ``saved_samples_epoch``, ``saved_samples_total``, ``saved_fraction``,
@@ -281,7 +289,10 @@ class InfoBatchCallback(Callback):
     ``well_learned_frac``, ``pruned_fraction_epoch`` (dropped / drawn), ``saved_samples_epoch``,
     ``drawn_samples_epoch``, ``unpruned_tail_batches_epoch``, ``saved_samples_total``, ``saved_fraction`` (dropped /
     drawn, summed over ranks); summary ``infobatch/saved_samples``, ``infobatch/saved_fraction``,
-    ``infobatch/drawn_samples``, ``infobatch/unpruned_tail_batches``, ``infobatch/thin_stop_step``.
+    ``infobatch/drawn_samples``, ``infobatch/unpruned_tail_batches``, ``infobatch/thin_stop_step``. Both modes:
+    ``effi/nonfinite_losses`` every epoch with ``nonfinite_loss="warn"``, and the summary's
+    ``infobatch/nonfinite_losses`` (the run's non-finite training losses, counted by the Trainer's first guarded
+    callback).
 
     Attributes:
         requirements: what InfoBatch needs and changes (it owns the training sampler and shortens epochs; any batch
@@ -290,9 +301,10 @@ class InfoBatchCallback(Callback):
 
     Raises:
         ValueError: (construction) ``prune_ratio``, ``delta``, ``num_epochs``, ``seed``, ``momentum`` invalid or out of
-            range, ``per_sample_loss`` not callable; (``setup``) ``max_epochs=-1`` without ``num_epochs``, ``num_epochs
-            > max_epochs``, a run capped by ``max_steps``, ``reload_dataloaders_every_n_epochs > 1``, a DataModule that
-            is not an ``InfoBatchDataModule``, an unsupported strategy (DeepSpeed, model-parallel; resuming under FSDP),
+            range, ``per_sample_loss`` not callable, ``nonfinite_loss`` not ``"raise"`` or ``"warn"``; (``setup``)
+            ``max_epochs=-1`` without ``num_epochs``, ``num_epochs > max_epochs``, a run capped by ``max_steps``,
+            ``reload_dataloaders_every_n_epochs > 1``, a DataModule that is not an ``InfoBatchDataModule``, an
+            unsupported strategy (DeepSpeed, model-parallel; resuming under FSDP),
             ``per_sample_loss=fn`` with manual optimization, an int ``val_check_interval`` above the fewest batches an
             epoch can have (:func:`~lightning_effi.infobatch.functional.fewest_epoch_batches`); with the curriculum:
             ``num_epochs`` set, or ``prune_ratio > 1 - 1/micro_batch_size`` (a micro-batch could be emptied); (a batch)
@@ -302,7 +314,9 @@ class InfoBatchCallback(Callback):
             ``"per_sample_loss"``, an automatic per-sample loss that cannot be computed or does not reproduce the step's
             loss, a manual-optimization step that does not call :func:`weighted_loss` once; (``setup``) a
             ``training_step`` wrapped by another InfoBatch callback whose fit is still running (another Trainer's, on
-            the same module, or a second InfoBatch callback in this Trainer).
+            the same module, or a second InfoBatch callback in this Trainer); (resuming a ``fit``) a checkpoint state
+            field missing, of the wrong type or size, or out of range (:func:`validate_state`).
+        NonFiniteLossError: (a batch, ``nonfinite_loss="raise"``) the training loss is NaN or infinite.
         IncompatibleTechniques: (``setup``) another technique callback in the Trainer that also owns the training
             sampler and cannot host this one's thinning, see :data:`~lightning_effi.core.requirements.CONFLICTS`;
             (``on_train_start``, alone) a step-interval ``OneCycleLR`` (``requirements.refused_features``: its fixed
@@ -358,6 +372,7 @@ class InfoBatchCallback(Callback):
         momentum: float = 1.0,
         strict: bool = True,
         per_sample_loss: Callable[[Any, Any], Tensor] | None = None,
+        nonfinite_loss: str = "raise",
     ) -> None:
         ib.validate_hparams(prune_ratio, delta, num_epochs)
         if per_sample_loss is not None and not callable(per_sample_loss):
@@ -372,6 +387,8 @@ class InfoBatchCallback(Callback):
         self.seed = check_int("InfoBatchCallback", "seed", seed)
         self.momentum = check_real("InfoBatchCallback", "momentum", momentum, 0, 1, low_open=True)
         self.strict = check_bool(type(self).__name__, "strict", strict)
+        #: the non-finite loss policy (lightning_effi.core.nonfinite) and its count, checkpointed as "nonfinite_loss"
+        self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, nonfinite_loss)
         self.epochs: int = 0  # resolved E
         self.dataset_size: int = 0
         self.score = self.seen = self.sum_loss = self.count = torch.empty(0)
@@ -379,7 +396,6 @@ class InfoBatchCallback(Callback):
         self.steps_in_epoch = 0
         self.steps_per_epoch = 1
         self.history: list[dict[str, Any]] = []
-        self.nonfinite = 0
         # composed with the curriculum (attached in setup): the wrapper whose sampler this callback thins
         self.curriculum_dm: CurriculumDataModule | None = None
         self.micro_batch_size = 0
@@ -403,13 +419,15 @@ class InfoBatchCallback(Callback):
         self._shift: bool | None = None  # automatic path: the causal shift detected at the first batch
         self._step: _Step | None = None  # the batch being trained (set by the training_step wrapper)
         self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
+        self._checkpoint_epoch: int | None = None  # the Lightning epoch of the checkpoint being restored (fit)
 
     def __repr__(self) -> str:
         fn = self.per_sample_loss
         return (
             f"InfoBatchCallback(prune_ratio={self.prune_ratio!r}, delta={self.delta!r}, "
             f"num_epochs={self.num_epochs!r}, seed={self.seed!r}, momentum={self.momentum!r}, "
-            f"strict={self.strict!r}, per_sample_loss={getattr(fn, '__qualname__', fn)!s})"
+            f"strict={self.strict!r}, per_sample_loss={getattr(fn, '__qualname__', fn)!s}, "
+            f"nonfinite_loss={self.nonfinite_guard.policy!r})"
         )
 
     @property
@@ -521,7 +539,8 @@ class InfoBatchCallback(Callback):
             )
 
     def _reset_run_state(self) -> None:
-        self.plan, self.history, self.steps_in_epoch, self.nonfinite = None, [], 0, 0
+        self.plan, self.history, self.steps_in_epoch = None, [], 0
+        self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
         self.steps_per_epoch, self._last_thin = 1, None
         self.table_epoch, self.synced_epoch = -1, -1
         self.thin_stats = torch.zeros(3, dtype=torch.int64)
@@ -701,9 +720,17 @@ class InfoBatchCallback(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """Manual optimization: refuse a ``manual_backward`` before :meth:`weighted_loss` in the step, and one of a
+        """First the non-finite loss policy (:class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`: with
+        ``nonfinite_loss="raise"`` a NaN or infinite loss stops the fit here, before its backward pass). Then, with
+        manual optimization: refuse a ``manual_backward`` before :meth:`weighted_loss` in the step, and one of a
         loss not computed from :meth:`weighted_loss`'s result (e.g. the plain mean, with the weighted loss computed
-        for logging only): either would train on unweighted losses."""
+        for logging only): either would train on unweighted losses.
+
+        Raises:
+            NonFiniteLossError: ``loss`` is not finite and the policy is ``"raise"``.
+            ValueError: (manual optimization) see above.
+        """
+        self.nonfinite_guard.check(trainer, loss)
         step = self._step
         if step is None or pl_module.automatic_optimization:
             return
@@ -755,14 +782,26 @@ class InfoBatchCallback(Callback):
                     f"parameter (no forward output to take logits from); {ib.PER_SAMPLE_LOSS_HINT}"
                 )
             try:
-                if first or not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all()):
+                if not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all()):
                     per_sample, self._shift = ib.auto_per_sample_loss(outputs, batch, loss, self._shift)
-                else:  # a non-finite loss cannot be checked (and its losses are not recorded, see _record)
-                    per_sample, _ = ib.auto_per_sample_loss(outputs, batch, loss, self._shift, verify=False)
+                else:  # a non-finite loss cannot be checked (a causal shift not yet detected is detected at the
+                    # next finite loss). The per-sample losses carry it (NaN), so that the weighted loss is as
+                    # non-finite as the module's: the non-finite policy (on_before_backward) stops the fit or counts
+                    # the step, never a finite cross-entropy trained in place of the module's NaN loss; nothing of
+                    # the batch is scored (_record)
+                    shift = self._shift if self._shift is not None else False
+                    per_sample, _ = ib.auto_per_sample_loss(outputs, batch, loss, shift, verify=False)
+                    per_sample = per_sample + loss.detach().reshape(()).to(per_sample.dtype) * 0
             except ValueError as err:
                 raise ValueError(f"InfoBatchCallback: {err}") from None
         self._check_per_sample(per_sample, source, forward)
-        if first and source == "fn" and isinstance(loss, Tensor) and not ib.losses_agree(per_sample, loss):
+        if (
+            first
+            and source == "fn"
+            and isinstance(loss, Tensor)
+            and bool(torch.isfinite(per_sample.detach()).all())  # non-finite: the non-finite policy's business
+            and not ib.losses_agree(per_sample, loss)
+        ):
             rank_zero_warn(
                 f"InfoBatchCallback: the mean of per_sample_loss=fn's values ({float(per_sample.detach().mean()):.6g}) "
                 f"differs from the loss training_step returned ({float(loss.detach()):.6g}); InfoBatch trains on the "
@@ -891,14 +930,11 @@ class InfoBatchCallback(Callback):
         }
 
     def _record(self, per_sample: Tensor, index: Tensor) -> None:
+        """Accumulate the batch's raw per-sample losses for the score table. A non-finite one is never recorded (its
+        sample keeps its previous score); it makes the step's training loss non-finite too, which the non-finite
+        policy (:meth:`on_before_backward`, ``nonfinite_loss``) stops or warns about and counts."""
         values = per_sample.detach().float().cpu()
         finite = torch.isfinite(values)
-        if not bool(finite.all()):
-            self.nonfinite += int((~finite).sum())
-            rank_zero_warn(
-                "InfoBatchCallback: non-finite per-sample losses are not recorded (their samples keep their "
-                "previous score); the training loss itself is non-finite"
-            )
         ib.accumulate(self.sum_loss, self.count, index.cpu()[finite], values[finite])
 
     def current_weights(self) -> Tensor:
@@ -911,7 +947,9 @@ class InfoBatchCallback(Callback):
 
     # -------------------------------------------------------------------------------------------- plans
     def plan_for(self, epoch: int) -> ib.EpochPlan:
-        """The plan of ``epoch``: cached if already made (or restored), else computed from the score table.
+        """The plan of ``epoch``: cached if already made (or restored), else computed from the score table
+        (:func:`~lightning_effi.infobatch.functional.plan_epoch`; an epoch at or after ``E``, in a run of
+        ``max_epochs > num_epochs``, is a full epoch: :func:`~lightning_effi.infobatch.functional.full_plan`).
 
         Losses still pending from the previous epoch are merged first: this happens after resuming from a checkpoint
         written at an epoch's last batch, whose ``on_train_epoch_end`` Lightning does not run again. Called on every
@@ -919,9 +957,12 @@ class InfoBatchCallback(Callback):
         if self.plan is None or self.plan.epoch != epoch:
             if bool(self.count.any()) and self._trainer is not None:
                 self.sync_scores(self._trainer)
-            self.plan = ib.plan_epoch(
-                self.score, self.seen, epoch, self.epochs, self.prune_ratio, self.delta, self.seed
-            )
+            if epoch < self.epochs:
+                self.plan = ib.plan_epoch(
+                    self.score, self.seen, epoch, self.epochs, self.prune_ratio, self.delta, self.seed
+                )
+            else:  # num_epochs < max_epochs: the epochs after InfoBatch's schedule train on the full data
+                self.plan = ib.full_plan(self.dataset_size, epoch, self.seed)
             self.steps_in_epoch = 0
             self.history.append(
                 {
@@ -1191,6 +1232,7 @@ class InfoBatchCallback(Callback):
             "effi/infobatch/saved_samples_epoch": float(h["saved"]),
             "effi/infobatch/padded_samples_epoch": float(h["padded"]),
             **{f"effi/infobatch/{k}": float(v) for k, v in self.totals().items()},
+            **self._nonfinite_metrics(),
         }
         for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
             logger.log_metrics(metrics, step=pl_module.trainer.global_step)
@@ -1205,9 +1247,21 @@ class InfoBatchCallback(Callback):
             "effi/infobatch/drawn_samples_epoch": float(h["drawn"]),
             "effi/infobatch/unpruned_tail_batches_epoch": float(h["tail"]),
             **{f"effi/infobatch/{k}": float(v) for k, v in self.totals().items()},
+            **self._nonfinite_metrics(),
         }
         for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
             logger.log_metrics(metrics, step=pl_module.trainer.global_step)
+
+    def _nonfinite_metrics(self) -> dict[str, float]:
+        """``effi/nonfinite_losses`` (the run's non-finite training losses so far, :meth:`_run_nonfinite`) with
+        ``nonfinite_loss="warn"``; nothing with ``"raise"`` (the first one stops the fit)."""
+        return {"effi/nonfinite_losses": float(self._run_nonfinite())} if self.nonfinite_guard.policy == "warn" else {}
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Report the non-finite training losses counted (``nonfinite_loss="warn"``), on rank 0."""
+        if (report := self.nonfinite_guard.report()) is not None:
+            rank_zero_info(report)
 
     def totals(self) -> dict[str, float]:
         saved = sum(h["saved"] for h in self.history)
@@ -1238,15 +1292,21 @@ class InfoBatchCallback(Callback):
                 "infobatch/drawn_samples": int(sum(h["drawn"] for h in self.history)),
                 "infobatch/unpruned_tail_batches": int(sum(h["tail"] for h in self.history)),
                 "infobatch/thin_stop_step": self.thin_stop(),
-                "infobatch/nonfinite_losses": self.nonfinite,
+                "infobatch/nonfinite_losses": self._run_nonfinite(),
             }
         return {
             "infobatch/saved_samples": int(t["saved_samples_total"]),
             "infobatch/saved_fraction": t["saved_fraction"],
             "infobatch/padded_samples": int(sum(h["padded"] for h in self.history)),
             "infobatch/prune_epochs": sum(h["kind"] == "prune" for h in self.history),
-            "infobatch/nonfinite_losses": self.nonfinite,
+            "infobatch/nonfinite_losses": self._run_nonfinite(),
         }
+
+    def _run_nonfinite(self) -> int:
+        """The run's non-finite training losses (``nonfinite_loss="warn"``): one check runs per backward pass, by the
+        first guarded callback of the Trainer (maybe not this one), so the count is the sum over the Trainer's
+        guards (this callback's own before setup or after teardown)."""
+        return nonfinite_count(getattr(self._trainer, "callbacks", None) or [self])
 
     def expected_total_steps(self, batch_size: int, world_size: int = 1, accumulate_grad_batches: int = 1) -> int:
         """An estimate of the run's optimizer steps from the current score table (before any score: ``r/2`` of each
@@ -1307,7 +1367,7 @@ class InfoBatchCallback(Callback):
             "plan": self.plan.to_state() if self.plan is not None else {},
             "steps_in_epoch": self.steps_in_epoch,
             "history": [dict(h) for h in self.history],
-            "nonfinite": self.nonfinite,
+            "nonfinite_loss": self.nonfinite_guard.state_dict(),
             "table_epoch": self.table_epoch,
             "synced_epoch": self.synced_epoch,
             "thin_stats": self.thin_stats.clone(),
@@ -1353,6 +1413,8 @@ class InfoBatchCallback(Callback):
         self._evaluating = trainer.state.fn != TrainerFn.FITTING
         if self._evaluating:
             return
+        epoch = checkpoint.get("epoch")
+        self._checkpoint_epoch = int(epoch) if is_int(epoch) and epoch >= 0 else None
         if trainer.strategy.restore_checkpoint_after_setup:
             raise IncompatibleTechniques(
                 f"InfoBatchCallback cannot resume a fit under the {type(trainer.strategy).__name__} strategy: "
@@ -1379,14 +1441,24 @@ class InfoBatchCallback(Callback):
         the fit that ran before on the same Trainer). Evaluation does not involve InfoBatch, so the numbers are
         those of a Trainer without it.
 
+        Every field is validated before anything is restored (:func:`validate_state`; a damaged or edited
+        checkpoint changes nothing). A checkpoint written before the non-finite loss policy carries the count as
+        ``"nonfinite"`` (an int): it becomes the count of ``nonfinite_guard``.
+
         Raises:
             ValueError: (``fit``, ``strict``) the checkpoint was written with other settings (``prune_ratio``,
-                ``delta``, ``seed``, ``num_epochs``, dataset size, ...); (``fit``) its score table's size is not
-                the training set's.
+                ``delta``, ``seed``, ``num_epochs``, dataset size, ...); (``fit``) a field that is missing, of the
+                wrong type, shape or size, or out of range (:func:`validate_state`, naming the field).
         """
         if self._evaluating:
             self._evaluating = False
             return
+        checkpoint_epoch, self._checkpoint_epoch = self._checkpoint_epoch, None
+        if not isinstance(state_dict.get("config"), Mapping):
+            raise ValueError(
+                f"InfoBatchCallback: the checkpoint's config must be a dict of settings, got "
+                f"{_brief(state_dict.get('config'))} (a damaged or edited checkpoint: resume from another one)"
+            )
         diff = settings_diff(state_dict["config"], self.config())
         if diff:
             config_mismatch(
@@ -1395,11 +1467,12 @@ class InfoBatchCallback(Callback):
                 self.strict,
                 fix="resume anyway",
             )
-        if len(state_dict["score"]) != self.dataset_size:
-            raise ValueError(
-                f"InfoBatchCallback: the checkpoint's score table has {len(state_dict['score'])} entries, "
-                f"the training set {self.dataset_size}"
-            )
+        validate_state(state_dict, self.dataset_size, checkpoint_epoch)
+        guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_guard.policy)
+        if isinstance(state_dict.get("nonfinite_loss"), Mapping):
+            guard.load_state_dict(dict(state_dict["nonfinite_loss"]))
+        elif "nonfinite" in state_dict:  # a checkpoint written before the non-finite loss policy
+            guard.count = int(state_dict["nonfinite"])
         self.score = state_dict["score"].clone()
         self.seen = state_dict["seen"].clone()
         self.sum_loss = state_dict["sum_loss"].clone()
@@ -1407,7 +1480,7 @@ class InfoBatchCallback(Callback):
         self.plan = ib.EpochPlan.from_state(state_dict["plan"]) if state_dict["plan"] else None
         self.steps_in_epoch = int(state_dict["steps_in_epoch"])
         self.history = [dict(h) for h in state_dict["history"]]
-        self.nonfinite = int(state_dict["nonfinite"])
+        self.nonfinite_guard.count, self.nonfinite_guard.first_step = guard.count, guard.first_step
         self.table_epoch = int(state_dict.get("table_epoch", -1))
         self.synced_epoch = int(state_dict.get("synced_epoch", -1))
         self.thin_stats = state_dict.get("thin_stats", torch.zeros(3, dtype=torch.int64)).clone()
@@ -1416,6 +1489,111 @@ class InfoBatchCallback(Callback):
             self.count.zero_()
             self.thin_stats.zero_()
         self._mask, self._mask_epoch = None, -1  # recomputed from the restored table
+
+
+def _brief(value: Any) -> str:
+    """``value`` for an error message: a tensor by its shape and dtype, anything else by its (short) repr."""
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch: int | None = None) -> None:
+    """Check an :class:`InfoBatchCallback` checkpoint state (:meth:`InfoBatchCallback.state_dict`) field by field, as
+    the constructor checks its arguments, before anything is restored. A pure function.
+
+    Args:
+        state: the state as loaded. dataset_size: ``N``, the training set of the resumed fit.
+        checkpoint_epoch: the Lightning epoch the checkpoint was written in (its ``"epoch"``), or None (unknown: the
+            epoch fields are then only checked to be ``>= -1``).
+
+    Fields (``N`` = ``dataset_size``; ``e`` = ``checkpoint_epoch``): ``score`` float ``[N]``, finite where seen;
+    ``seen`` bool ``[N]``; ``sum_loss`` float ``[N]``, finite; ``count`` integer ``[N]``, ``>= 0``; ``plan`` ``{}``
+    or an :class:`~lightning_effi.infobatch.functional.EpochPlan` state over ``N`` samples of an epoch ``<= e``;
+    ``steps_in_epoch`` int ``>= 0``; ``history`` a list of dicts; ``table_epoch`` int in ``[-1, e]`` (the epoch whose
+    start the score table stands for: never after the checkpoint's own); ``synced_epoch`` int in ``[-1,
+    table_epoch]``; ``thin_stats`` integer ``[3]``, ``>= 0``; ``nonfinite`` (checkpoints written before the
+    non-finite loss policy) int ``>= 0``; ``nonfinite_loss`` a dict (checked by
+    :meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`). The last five may be absent (older
+    checkpoints).
+
+    Raises:
+        ValueError: a field missing, of the wrong type, shape or size, or out of range; the message names the field
+            (``InfoBatchCallback: the checkpoint's <field> ...``) and what is allowed.
+    """
+    owner, damaged = "InfoBatchCallback", " (a damaged or edited checkpoint: resume from another one)"
+
+    def refuse(field: str, allowed: str, value: Any) -> ValueError:
+        return ValueError(f"{owner}: the checkpoint's {field} must be {allowed}, got {_brief(value)}{damaged}")
+
+    n = int(dataset_size)
+    missing = [k for k in ("score", "seen", "sum_loss", "count", "plan", "steps_in_epoch", "history") if k not in state]
+    if missing:
+        raise ValueError(f"{owner}: the checkpoint's state lacks {missing}{damaged}")
+    score, seen, sum_loss, count = (state[k] for k in ("score", "seen", "sum_loss", "count"))
+    if not isinstance(score, Tensor) or score.dim() != 1 or not score.is_floating_point():
+        raise refuse("score", f"a float tensor of shape ({n},)", score)
+    if len(score) != n:
+        raise ValueError(f"{owner}: the checkpoint's score table has {len(score)} entries, the training set {n}")
+    if not isinstance(seen, Tensor) or seen.dtype != torch.bool or tuple(seen.shape) != (n,):
+        raise refuse("seen", f"a bool tensor of shape ({n},)", seen)
+    bad = seen & ~torch.isfinite(score)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{owner}: the checkpoint's score of seen sample {i} is {float(score[i])}; a seen score must be finite "
+            f"({int(bad.sum())} are not){damaged}"
+        )
+    if not isinstance(sum_loss, Tensor) or not sum_loss.is_floating_point() or tuple(sum_loss.shape) != (n,):
+        raise refuse("sum_loss", f"a float tensor of shape ({n},)", sum_loss)
+    if not bool(torch.isfinite(sum_loss).all()):
+        raise refuse("sum_loss", "finite everywhere (pending losses are finite)", sum_loss)
+    integer = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    if not isinstance(count, Tensor) or count.dtype not in integer or tuple(count.shape) != (n,):
+        raise refuse("count", f"an integer tensor of shape ({n},)", count)
+    if bool((count < 0).any()):
+        raise refuse("count", "an integer tensor >= 0 everywhere", count)
+    top = "" if checkpoint_epoch is None else f", <= the checkpoint's epoch {checkpoint_epoch}"
+    plan_state = state["plan"]
+    if not isinstance(plan_state, Mapping):
+        raise refuse("plan", "an epoch plan's state or {}", plan_state)
+    if plan_state:
+        try:
+            plan = ib.EpochPlan.from_state(dict(plan_state))
+        except (KeyError, ValueError, TypeError, AttributeError) as err:
+            raise ValueError(f"{owner}: the checkpoint's plan is not a valid epoch plan ({err!r}){damaged}") from None
+        if plan.dataset_size != n:
+            raise refuse("plan", f"a plan over the {n} samples of the training set", f"{plan.dataset_size} samples")
+        if checkpoint_epoch is not None and plan.epoch > checkpoint_epoch:
+            raise refuse("plan", f"the plan of an epoch{top}", f"the plan of epoch {plan.epoch}")
+    steps = state["steps_in_epoch"]
+    if not is_int(steps) or steps < 0:
+        raise refuse("steps_in_epoch", "an int >= 0 (optimizer steps taken in the plan's epoch)", steps)
+    history = state["history"]
+    if not isinstance(history, list) or not all(isinstance(h, Mapping) for h in history):
+        raise refuse("history", "a list of dicts (one per planned epoch)", history)
+    table_epoch = state.get("table_epoch", -1)
+    if not is_int(table_epoch) or table_epoch < -1 or (checkpoint_epoch is not None and table_epoch > checkpoint_epoch):
+        raise refuse("table_epoch", f"an int >= -1{top} (-1: no epoch yet)", table_epoch)
+    synced = state.get("synced_epoch", -1)
+    if not is_int(synced) or not -1 <= synced <= table_epoch:
+        raise refuse("synced_epoch", f"an int in [-1, table_epoch={table_epoch}]", synced)
+    stats = state.get("thin_stats")
+    if stats is not None and (
+        not isinstance(stats, Tensor)
+        or stats.dtype not in integer
+        or tuple(stats.shape) != (3,)
+        or bool((stats < 0).any())
+    ):
+        raise refuse("thin_stats", "an integer tensor of shape (3,), >= 0 (drawn, dropped, capped)", stats)
+    if "nonfinite" in state and (not is_int(state["nonfinite"]) or state["nonfinite"] < 0):
+        raise refuse("nonfinite", "an int >= 0 (the non-finite losses counted)", state["nonfinite"])
+    guard = state.get("nonfinite_loss")
+    if guard is not None:
+        if not isinstance(guard, Mapping):
+            raise refuse("nonfinite_loss", "a dict (the non-finite loss count)", guard)
+        NonFiniteLossGuard(owner).load_state_dict(dict(guard))
 
 
 InfoBatch = InfoBatchCallback  # short alias (``lightning_effi.callbacks.InfoBatch``)

@@ -3,7 +3,8 @@ ICLR 2024, arXiv 2303.04947; reference implementation NUS-HPC-AI-Lab/InfoBatch `
 only, no Lightning, usable in any training loop. The method card ``README.md`` beside this file tells the long story.
 
 - :func:`plan_epoch` (with :func:`split_well_learned`, :func:`keep_count`, :func:`epoch_stop`): the
-  :class:`EpochPlan` of an epoch, i.e. the shuffled dataset indices to visit and a loss weight per sample.
+  :class:`EpochPlan` of an epoch, i.e. the shuffled dataset indices to visit and a loss weight per sample;
+  :func:`full_plan`: the plan of a full epoch (epoch 0, the annealing epochs, epochs after the schedule).
 - :func:`rescale`: the weighted batch loss ``mean(w[index] * per_sample_loss)``, out of place.
 - :func:`update_scores` (per batch) or :func:`accumulate` / :func:`finalize` (per epoch, all-reduce friendly):
   the score table.
@@ -61,6 +62,7 @@ __all__ = [
     "find_labels",
     "find_logits",
     "finalize",
+    "full_plan",
     "hash64",
     "keep_count",
     "keep_probabilities",
@@ -613,6 +615,38 @@ class EpochPlan:
         )
 
 
+def full_plan(dataset_size: int, epoch: int, seed: int = 0) -> EpochPlan:
+    """The :class:`EpochPlan` of a full epoch: a uniform permutation of ``range(dataset_size)`` drawn from
+    :func:`plan_generator` ``(seed, epoch)``, every weight exactly 1.0. It is what :func:`plan_epoch` returns for
+    epoch 0, for an epoch without any seen score and for the annealing epochs ``>= epoch_stop(num_epochs, delta)``
+    (Qin et al. 2024, Sec. 3.3), and what a run longer than its schedule (``InfoBatchCallback(num_epochs=E)`` with
+    ``max_epochs > E``) trains in its epochs ``>= E``.
+
+    Args:
+        dataset_size: ``N``, a positive int. epoch: 0-based epoch index (``>= 0``). seed: any int.
+
+    Raises:
+        ValueError: ``dataset_size`` not a positive int, ``epoch`` not a non-negative int, ``seed`` not an int.
+    """
+    if not is_int(dataset_size) or dataset_size < 1:
+        raise ValueError(f"dataset_size must be a positive int, got {dataset_size!r}")
+    if not is_int(epoch) or epoch < 0:
+        raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+    if not is_int(seed):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    n = int(dataset_size)
+    return EpochPlan(
+        epoch=int(epoch),
+        indices=torch.randperm(n, generator=plan_generator(int(seed), int(epoch))),
+        weights=torch.ones(n, dtype=torch.float32),
+        kind="full",
+        threshold=math.nan,
+        num_well_learned=0,
+        num_kept_well_learned=0,
+        saved=0,
+    )
+
+
 def plan_epoch(
     score: Tensor,
     seen: Tensor,
@@ -625,7 +659,7 @@ def plan_epoch(
     """The :class:`EpochPlan` of ``epoch`` (Qin et al. 2024, Sec. 3 and Algorithm 1).
 
     - **full** if ``epoch == 0``, no score is seen, or ``epoch >= epoch_stop(num_epochs, delta)``: a permutation of
-      ``range(N)``, every weight exactly 1.0;
+      ``range(N)``, every weight exactly 1.0 (:func:`full_plan`);
     - **prune** otherwise: ``tau, D1 = split_well_learned(score, seen)``; ``k = keep_count(|D1|, prune_ratio)``;
       ``K`` = ``k`` samples of D1 drawn uniformly *without replacement* (:func:`uniform_subset_of`); the epoch visits
       ``D2 ∪ K`` (``D2`` = all other samples, including unseen ones) in a uniformly random order; weights
@@ -638,12 +672,15 @@ def plan_epoch(
 
     Args:
         score: ``float[N]`` score table (latest unweighted per-sample loss). seen: ``bool[N]``.
-        epoch: 0-based epoch index (``>= 0``). num_epochs: total epochs ``E``.
+        epoch: 0-based epoch index, in ``[0, num_epochs)``. num_epochs: total epochs ``E`` of the schedule.
         prune_ratio: ``r`` in ``[0, 1)``. delta: ``δ`` in ``(0, 1]``. seed: any int (the user's seed).
 
     Raises:
         ValueError: invalid tables (shape, dtype, empty, non-finite seen score) or hyperparameters
-            (see :func:`validate_hparams`, which also warns; this function does not warn).
+            (see :func:`validate_hparams`, which also warns; this function does not warn); ``epoch`` not an int in
+            ``[0, num_epochs)``: an epoch past the schedule has no InfoBatch plan (it would be a full epoch, the
+            annealing rule's ``epoch >= floor(delta * num_epochs)``, but asking for one usually means a wrong
+            ``num_epochs``; :func:`full_plan` gives it explicitly).
     """
     _check_tables(score, seen)
     if score.numel() == 0:
@@ -655,21 +692,18 @@ def plan_epoch(
     epoch, seed = int(epoch), int(seed)
     r = _check_prune_ratio(prune_ratio)
     stop = epoch_stop(num_epochs, delta)
+    if epoch >= num_epochs:
+        raise ValueError(
+            f"epoch={epoch} is past the schedule of num_epochs={num_epochs}: epoch must be an int in [0, "
+            f"{num_epochs}) (0-based); pass the run's total epochs as num_epochs, or full_plan(N, epoch, seed) for "
+            "an epoch after the schedule (it trains on the full data)"
+        )
     n = score.numel()
     gen = plan_generator(seed, epoch)
     seen_cpu = seen.detach().cpu()
 
     if epoch == 0 or epoch >= stop or not bool(seen_cpu.any()):
-        return EpochPlan(
-            epoch=epoch,
-            indices=torch.randperm(n, generator=gen),
-            weights=torch.ones(n, dtype=torch.float32),
-            kind="full",
-            threshold=math.nan,
-            num_well_learned=0,
-            num_kept_well_learned=0,
-            saved=0,
-        )
+        return full_plan(n, epoch, seed)
 
     tau, well_learned = split_well_learned(score, seen_cpu)
     m = int(well_learned.sum())
@@ -764,6 +798,21 @@ def _check_per_sample_loss(per_sample_loss: Any, index: Tensor, what: str, allow
         raise ValueError(f"{what}: empty batch (B = 0)")
 
 
+def _check_finite_scores(per_sample_loss: Tensor, what: str) -> None:
+    """Refuse a non-finite value among the losses about to enter the score table: one NaN seen score would make
+    every later threshold NaN (:func:`split_well_learned`)."""
+    finite = torch.isfinite(per_sample_loss.detach())
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten()
+        first = int(bad[0])
+        raise ValueError(
+            f"{what}: per_sample_loss has {bad.numel()} non-finite value(s) (the first, at position {first}, is "
+            f"{float(per_sample_loss.detach()[first])}); a NaN or infinite loss never becomes a score: drop those "
+            "samples first (e.g. mask = torch.isfinite(loss); pass index[mask], loss[mask]: they keep their "
+            "previous score), as InfoBatchCallback does"
+        )
+
+
 def _gather(table: Tensor, index: Tensor, device: torch.device) -> Tensor:
     """``table[index]`` moved to ``device``; ``index`` stays int64 (bounds-checked, IndexError otherwise)."""
     idx = index.to(table.device)
@@ -818,12 +867,14 @@ def update_scores(score: Tensor, seen: Tensor, index: Tensor, per_sample_loss: T
         momentum: ``m`` in ``(0, 1]``.
 
     Raises:
-        TypeError: ``index`` is not int64. ValueError: shapes, dtypes or ``momentum`` invalid.
+        TypeError: ``index`` is not int64. ValueError: shapes, dtypes or ``momentum`` invalid; a NaN or infinite
+            ``per_sample_loss`` (naming its position: filter non-finite losses out first, they never become scores).
         IndexError: an index outside ``[0, N)``.
     """
     _check_tables(score, seen)
     _check_index(index, "update_scores")
     _check_per_sample_loss(per_sample_loss, index, "update_scores", allow_empty=True)
+    _check_finite_scores(per_sample_loss, "update_scores")
     if not 0 < momentum <= 1:
         raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
     if index.numel() == 0:
@@ -852,11 +903,13 @@ def accumulate(sum_loss: Tensor, count: Tensor, index: Tensor, loss: Tensor) -> 
         index: ``int64[B]``. loss: ``float[B]`` raw per-sample losses (detached here).
 
     Raises:
-        TypeError: ``index`` is not int64. ValueError: shapes or dtypes invalid. IndexError: index out of range.
+        TypeError: ``index`` is not int64. ValueError: shapes or dtypes invalid; a NaN or infinite ``loss`` (filter
+            non-finite losses out first: they never become scores). IndexError: index out of range.
     """
     _check_buffers(sum_loss, count)
     _check_index(index, "accumulate")
     _check_per_sample_loss(loss, index, "accumulate", allow_empty=True)
+    _check_finite_scores(loss, "accumulate")
     if index.numel() == 0:
         return
     idx = index.to(sum_loss.device)

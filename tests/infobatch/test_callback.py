@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import numpy as np
@@ -135,6 +136,21 @@ def test_annealing_epochs_are_full_with_unit_weights(tmp_path):
     assert cb.effi_summary()["infobatch/saved_samples"] == sum(h["saved"] for h in cb.history) > 0
 
 
+def test_epochs_after_a_shorter_schedule_are_full(tmp_path):
+    """num_epochs=4 < max_epochs=5: epochs 1-2 prune, 3 anneals, and epoch 4, past the schedule (which
+    functional.plan_epoch refuses), trains the full data set with weight 1 (functional.full_plan)."""
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.75, num_epochs=4, seed=3)
+    make_trainer(tmp_path, [cb], max_epochs=5).fit(tiny_gpt2(), datamodule=ib_data(n=16))
+    assert [(h["epoch"], h["kind"]) for h in cb.history] == [
+        (0, "full"),
+        (1, "prune"),
+        (2, "prune"),
+        (3, "full"),
+        (4, "full"),
+    ]
+    assert cb.plan == ib.full_plan(16, 4, seed=3)
+
+
 def test_resume_at_an_epoch_boundary_and_mid_epoch_equals_uninterrupted(tmp_path):
     # E = 8, delta = 0.875: 40 samples, bs 8 -> 5 batches in full epochs, fewer in prune epochs.
     common = dict(
@@ -173,12 +189,14 @@ def test_state_keys_differ_by_identity_arguments():
 
 
 def test_repr_round_trips():
-    cb = InfoBatchCallback(prune_ratio=0.3, delta=0.9, num_epochs=10, seed=4, momentum=0.5, strict=False)
+    cb = InfoBatchCallback(
+        prune_ratio=0.3, delta=0.9, num_epochs=10, seed=4, momentum=0.5, strict=False, nonfinite_loss="warn"
+    )
     again = eval(repr(cb), {"InfoBatchCallback": InfoBatchCallback})
-    assert repr(again) == repr(cb)
+    assert repr(again) == repr(cb) and again.nonfinite_guard.policy == "warn"
     assert repr(InfoBatchCallback()) == (
         "InfoBatchCallback(prune_ratio=0.5, delta=0.875, num_epochs=None, seed=0, momentum=1.0, strict=True, "
-        "per_sample_loss=None)"
+        "per_sample_loss=None, nonfinite_loss='raise')"
     )
     # every constructor argument appears, and numpy numbers are stored as plain Python numbers
     code = InfoBatchCallback.__init__.__code__
@@ -510,18 +528,22 @@ def test_a_plain_loss_without_labels_fails_on_the_first_batch_asking_for_fn(tmp_
 
 
 def test_nonfinite_losses_never_enter_the_score_table():
-    cb = InfoBatchCallback()
+    cb = InfoBatchCallback(nonfinite_loss="warn")
     cb.dataset_size, cb.epochs = 4, 2
     cb.score, cb.seen = torch.zeros(4), torch.zeros(4, dtype=torch.bool)
     cb.sum_loss, cb.count = torch.zeros(4), torch.zeros(4, dtype=torch.int32)
-    with pytest.warns(UserWarning, match="non-finite"):
-        cb.rescale_output(
-            {"loss": None, "per_sample_loss": torch.tensor([1.0, float("nan"), float("inf"), 2.0])},
-            torch.tensor([0, 1, 2, 3]),
-        )
+    out = cb.rescale_output(
+        {"loss": None, "per_sample_loss": torch.tensor([1.0, float("nan"), float("inf"), 2.0])},
+        torch.tensor([0, 1, 2, 3]),
+    )
     ib.finalize(cb.sum_loss, cb.count, cb.score, cb.seen)
-    assert cb.seen.tolist() == [True, False, False, True] and cb.nonfinite == 2
-    assert torch.isfinite(cb.score).all()
+    assert cb.seen.tolist() == [True, False, False, True] and cb.score.tolist() == [1.0, 0.0, 0.0, 2.0]
+    # the batch's training loss is non-finite too: the "warn" policy warns once and counts the step (once)
+    assert math.isnan(float(out["loss"]))
+    trainer = SimpleNamespace(callbacks=[cb], global_step=5)
+    with pytest.warns(UserWarning, match=r"InfoBatchCallback: the training loss is nan at step 5"):
+        cb.on_before_backward(trainer, SimpleNamespace(automatic_optimization=True), out["loss"])
+    assert (cb.nonfinite_guard.count, cb.nonfinite_guard.first_step) == (1, 5)
 
 
 @pytest.mark.slow

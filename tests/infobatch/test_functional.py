@@ -177,6 +177,12 @@ def test_annealing_grid(delta):
         stop = exact_stop(num_epochs, delta)
         epochs = {0, 1, stop - 1, stop, stop + 1, num_epochs - 1, num_epochs}
         for e in sorted(x for x in epochs if x >= 0):
+            if e >= num_epochs:  # past the schedule: no InfoBatch plan; the run's later epochs are full_plan's
+                with pytest.raises(ValueError, match=rf"epoch={e} is past the schedule of num_epochs={num_epochs}"):
+                    infobatch.plan_epoch(score, seen, e, num_epochs, prune_ratio=0.5, delta=delta, seed=e)
+                plan = infobatch.full_plan(n, e, seed=e)
+                assert is_full(plan, n) and plan.epoch == e
+                continue
             plan = infobatch.plan_epoch(score, seen, e, num_epochs, prune_ratio=0.5, delta=delta, seed=e)
             if e == 0 or e >= stop:
                 assert is_full(plan, n), (num_epochs, delta, e)
@@ -532,6 +538,56 @@ def test_plan_epoch_rejects_bad_arguments(kwargs):
     args = dict(score=score, seen=seen, epoch=1, num_epochs=10, prune_ratio=0.5, delta=0.875, seed=0)
     with pytest.raises(ValueError):
         infobatch.plan_epoch(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("epoch, num_epochs", [(9, 4), (4, 4), (10, 10)])
+def test_an_epoch_past_the_schedule_is_refused_naming_epoch_and_num_epochs(epoch, num_epochs):
+    """The campaign's ``functional.infobatch.plan_epoch.epoch_beyond``: epochs are 0-based in ``[0, num_epochs)``;
+    a later one (a wrong ``num_epochs``, or a 1-based epoch) is an error, not a silent full epoch."""
+    score, seen = tables(GOLDEN)
+    with pytest.raises(
+        ValueError,
+        match=rf"epoch={epoch} is past the schedule of num_epochs={num_epochs}: epoch must be an int in "
+        rf"\[0, {num_epochs}\)",
+    ):
+        infobatch.plan_epoch(score, seen, epoch, num_epochs)
+    # the last epoch of the schedule is planned (full: epochs >= floor(delta * E) anneal)
+    assert is_full(infobatch.plan_epoch(score, seen, num_epochs - 1, num_epochs), len(GOLDEN))
+
+
+def test_full_plan_is_plan_epochs_full_epoch():
+    score, seen = tables(GOLDEN)
+    n = len(GOLDEN)
+    for epoch, num_epochs in ((0, 10), (9, 10), (5, 6)):  # epoch 0 and annealing epochs (floor(0.875 E) <= e)
+        assert infobatch.plan_epoch(score, seen, epoch, num_epochs, seed=3) == infobatch.full_plan(n, epoch, seed=3)
+    plan = infobatch.full_plan(n, 12, seed=3)  # an epoch after the schedule: full, keyed by (seed, epoch)
+    assert is_full(plan, n) and plan.epoch == 12 and plan != infobatch.full_plan(n, 13, seed=3)
+    for bad in (dict(dataset_size=0), dict(epoch=-1), dict(seed=1.5), dict(epoch=2.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            infobatch.full_plan(**{"dataset_size": n, "epoch": 1, "seed": 0, **bad})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_nonfinite_loss_never_becomes_a_score(bad):
+    """The campaign's ``functional.infobatch.update_scores.loss_nan``: refused, naming the per-sample loss and the
+    position, with the tables untouched (also by :func:`accumulate`, the per-epoch path)."""
+    score, seen = tables([0.5, 0.5, 0.5, 0.5], seen=[False] * 4)
+    index, loss = torch.tensor([0, 2]), torch.tensor([1.0, bad])
+    with pytest.raises(
+        ValueError,
+        match=rf"update_scores: per_sample_loss has 1 non-finite value\(s\) \(the first, at "
+        rf"position 1, is {bad}\)",
+    ):
+        infobatch.update_scores(score, seen, index, loss)
+    assert score.tolist() == [0.5] * 4 and seen.tolist() == [False] * 4
+    sum_loss, count = torch.zeros(4), torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"accumulate: per_sample_loss has 1 non-finite value"):
+        infobatch.accumulate(sum_loss, count, index, loss)
+    assert sum_loss.tolist() == [0.0] * 4 and count.tolist() == [0] * 4
+    # the finite part, filtered as the callback filters, is scored
+    keep = torch.isfinite(loss)
+    infobatch.update_scores(score, seen, index[keep], loss[keep])
+    assert score.tolist() == [1.0, 0.5, 0.5, 0.5] and seen.tolist() == [True, False, False, False]
 
 
 def test_plan_epoch_rejects_bad_tables():
