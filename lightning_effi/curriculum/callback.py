@@ -20,15 +20,16 @@ from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, tokens_of
 from lightning_effi.core.batch import batch_meta
-from lightning_effi.core.checks import check_bool, check_int
+from lightning_effi.core.checks import check_bool, check_int, is_int
 from lightning_effi.core.compat import uses_distributed_sampler
+from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import accumulate_grad_batches_at
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
 from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
-from lightning_effi.curriculum.config import CurriculumConfig, CurriculumConfigError, MetricConfig
-from lightning_effi.curriculum.data import BATCH_KEYS, CurriculumDataModule
+from lightning_effi.curriculum.config import TRANSFORM_METRICS, CurriculumConfig, CurriculumConfigError, MetricConfig
+from lightning_effi.curriculum.data import BATCH_KEYS, CurriculumDataModule, data_sequence_length
 from lightning_effi.curriculum.stream import CurriculumController, indexes_fingerprint
 
 __all__ = ["Curriculum", "CurriculumCallback"]
@@ -83,6 +84,9 @@ class Curriculum(Callback):
       :class:`~lightning_effi.core.accounting.EfficiencyMonitor`'s baseline and the saving ``saved/curriculum/...``.
     - ``state_dict``: the committed stream position (safe-loadable ints, lists and dicts) and a configuration
       fingerprint; resuming continues the exact same sample stream.
+    - ``on_before_backward``: the non-finite loss policy (``nonfinite_loss``,
+      :class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`), before the backward pass.
+    - ``on_train_end``: (rank zero) reports the non-finite losses counted under ``nonfinite_loss="warn"``.
     - ``on_exception``: the fit raised (Lightning skips ``teardown`` then): the batch in flight is dropped (never
       committed nor counted). The curriculum changes neither the module nor the Trainer (it truncates batches in its
       DataModule's collate function), so nothing else is left to undo; a later fit, with or without it, trains the
@@ -109,6 +113,13 @@ class Curriculum(Callback):
             (including the batch being trained) / ``total_tokens``, which the reference tasks' LR schedules follow
             (token-based LR decay, recommended with ``seqlen_truncate`` by the DeepSpeed tutorial).
         strict: a checkpoint written with another configuration raises on resume (``False``: warn and continue).
+        nonfinite_loss: ``"raise"`` (default) stops the fit at the first NaN / infinite training loss, before its
+            backward pass (the module's parameters unchanged by that step), with a
+            :class:`~lightning_effi.core.nonfinite.NonFiniteLossError` naming the step; ``"warn"`` warns once, counts
+            them (logged as ``effi/nonfinite_losses``, checkpointed, reported at the end of fit) and lets the run go
+            on (your own handling, e.g. a loss scaler). The curriculum's stream is unaffected either way. With
+            several techniques in the Trainer one check runs, with the strictest policy
+            (:mod:`lightning_effi.core.nonfinite`).
 
     ``repr()`` lists every argument; ``eval`` of it builds an equal callback when the metrics hold no callables
     (``custom_schedule``, a callable ``analysis``) or arrays.
@@ -116,7 +127,15 @@ class Curriculum(Callback):
     Raises:
         CurriculumConfigError: at construction, a bad configuration; at ``setup``, a configuration given twice or
             not at all, index files that do not match the training set, an empty first eligible set, DDP with
-            ``use_distributed_sampler=True``, index files that differ between ranks.
+            ``use_distributed_sampler=True``, index files that differ between ranks, a ``seqlen_truncate`` /
+            ``seqlen_reshape`` range that does not fit the training data's sequence length (``max_difficulty`` above
+            it, or ``min_difficulty`` at or above it: :meth:`~lightning_effi.curriculum.CurriculumConfig
+            .check_data_length`, when every batch of the data has one length); at a checkpoint's load, an invalid
+            state (a ``consumed_tokens`` that is not an int >= 0, ``last_difficulties`` that are not an int per metric
+            name, an invalid stream position), naming the entry.
+        ValueError: at construction, ``nonfinite_loss`` not ``"raise"`` or ``"warn"``; at a checkpoint's load, a
+            non-finite loss count that is not an int >= 0.
+        NonFiniteLossError: during the fit, a non-finite training loss under ``nonfinite_loss="raise"``.
         IncompatibleTechniques: at ``setup``, another technique that owns the training sampler and cannot act
             inside this one's (InfoBatch can); see :data:`lightning_effi.core.requirements.CONFLICTS`; a
             ``GradientAccumulationScheduler`` whose factor changes during the run (``requirements.refused_features``:
@@ -177,8 +196,10 @@ class Curriculum(Callback):
         analysis_batch_size: int = 256,
         total_tokens: int | None = None,
         strict: bool = True,
+        nonfinite_loss: str = "raise",
     ) -> None:
         super().__init__()
+        self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, nonfinite_loss)
         self.config: CurriculumConfig | None = None
         opts: dict[str, Any] = dict(
             seed=seed,
@@ -233,7 +254,12 @@ class Curriculum(Callback):
             out = {"metrics": {name: _metric_arguments(m) for name, m in c.metrics.items()}}
             out.update({k: getattr(c, k) for k in _OPTION_DEFAULTS})
             out["truncate_keys"] = None if c.truncate_keys is None else list(c.truncate_keys)
-        out.update(analysis_batch_size=self.analysis_batch_size, total_tokens=self.total_tokens, strict=self.strict)
+        out.update(
+            analysis_batch_size=self.analysis_batch_size,
+            total_tokens=self.total_tokens,
+            strict=self.strict,
+            nonfinite_loss=self.nonfinite_guard.policy,
+        )
         return out
 
     def __repr__(self) -> str:
@@ -281,10 +307,15 @@ class Curriculum(Callback):
         self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
         self._pending = None
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
+        self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
         template = dm.template()
         dataset, n = template["dataset"], template["length"]
         if n < 1:
             raise CurriculumConfigError("curriculum: the training set is empty")
+        if set(TRANSFORM_METRICS) & set(config.metrics):
+            length = data_sequence_length(dataset, template["collate_fn"], n, config.truncate_keys)
+            if length is not None:  # every batch has this length (else, e.g. per-batch padding: nothing to compare)
+                config.check_data_length(length)
         indexes = self._indexes(config, dataset, template["collate_fn"], n)
         if trainer.world_size > 1:
             self._check_same_indexes(trainer, indexes)
@@ -381,6 +412,16 @@ class Curriculum(Callback):
         self._tokens_through_current = self.consumed_tokens + int(tokens)
 
     @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """The non-finite loss policy (``nonfinite_loss``): stop before the backward pass of a NaN / infinite loss
+        (``"raise"``), or count it (``"warn"``).
+
+        Raises:
+            NonFiniteLossError: a non-finite loss under ``"raise"``.
+        """
+        self.nonfinite_guard.check(trainer, loss)
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -403,6 +444,14 @@ class Curriculum(Callback):
             logs["effi/curriculum/num_clusters"] = float(stats[1])
         logs["effi/curriculum/consumed_tokens"] = float(self.consumed_tokens)
         pl_module.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, logger=True, rank_zero_only=True)
+        self.nonfinite_guard.log_count(trainer)  # effi/nonfinite_losses, by the stack's checking guard only
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """(Rank zero) report the non-finite losses counted under ``nonfinite_loss="warn"``."""
+        report = self.nonfinite_guard.report()
+        if report is not None:
+            rank_zero_info(report)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -472,23 +521,74 @@ class Curriculum(Callback):
             "stream": self.controller.state_dict(),
             "consumed_tokens": int(self.consumed_tokens),
             "last_difficulties": dict(self.last_difficulties),
+            "nonfinite_loss": self.nonfinite_guard.state_dict(),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the committed stream position, the token count, the last difficulties and the non-finite loss
+        count (a checkpoint written before the count existed restores 0). Before ``setup`` (by hand) the state is
+        checked now and applied in ``setup``.
+
+        Raises:
+            CurriculumConfigError: an invalid entry, named: no ``stream``, a ``consumed_tokens`` that is not an int
+                >= 0, ``last_difficulties`` that are not an int per configured metric; the stream position's own
+                errors (:meth:`~lightning_effi.curriculum.CurriculumController.load_state_dict`).
+            ValueError: an invalid non-finite loss count
+                (:meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`).
+        """
         if not state_dict:
             return
+        self._check_loaded(state_dict)
         if self.controller is not None:
             self._apply(state_dict)
         else:  # before setup: applied there
             self._loaded = dict(state_dict)
 
+    def _check_loaded(self, state: Mapping[str, Any]) -> NonFiniteLossGuard:
+        """Check a checkpoint state's own entries (the stream position is the controller's to check) before anything
+        is restored; returns a guard holding the checkpoint's non-finite loss count.
+
+        Raises:
+            CurriculumConfigError: naming the entry, its value and what it must be.
+            ValueError: an invalid non-finite loss count (:class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`).
+        """
+        fix = "the checkpoint is corrupt or was edited: resume from another checkpoint, or start the run afresh"
+        if not isinstance(state, Mapping) or not isinstance(state.get("stream"), Mapping):
+            got = state.get("stream") if isinstance(state, Mapping) else state
+            raise CurriculumConfigError(
+                f"Curriculum: the checkpoint's stream must be a dict (the stream position), got {got!r}; {fix}"
+            )
+        tokens = state.get("consumed_tokens", 0)
+        if not is_int(tokens) or tokens < 0:
+            raise CurriculumConfigError(
+                f"Curriculum: the checkpoint's consumed_tokens must be an int >= 0 (tokens trained so far), got "
+                f"{tokens!r}; {fix}"
+            )
+        last = state.get("last_difficulties", {})
+        if not isinstance(last, Mapping) or any(not isinstance(k, str) or not is_int(v) for k, v in last.items()):
+            raise CurriculumConfigError(
+                f"Curriculum: the checkpoint's last_difficulties must be a dict metric name -> int difficulty, got "
+                f"{last!r}; {fix}"
+            )
+        counted = state.get("nonfinite_loss", {})  # absent from checkpoints written before the policy existed
+        if not isinstance(counted, Mapping):
+            raise CurriculumConfigError(
+                f"Curriculum: the checkpoint's nonfinite_loss must be a dict {{count, first_step}}, got {counted!r}; "
+                f"{fix}"
+            )
+        guard = NonFiniteLossGuard(self.nonfinite_guard.owner, self.nonfinite_guard.policy)
+        guard.load_state_dict(dict(counted))
+        return guard
+
     def _apply(self, state: Mapping[str, Any]) -> None:
         assert self.controller is not None
+        guard = self._check_loaded(state)  # every entry checked before anything changes
         self.controller.load_state_dict(state["stream"], strict=self.strict)
         self.consumed_tokens = int(state.get("consumed_tokens", 0))
         self._tokens_through_current = self.consumed_tokens
-        self.last_difficulties = dict(state.get("last_difficulties", {}))
+        self.last_difficulties = {k: int(v) for k, v in state.get("last_difficulties", {}).items()}
+        self.nonfinite_guard.count, self.nonfinite_guard.first_step = guard.count, guard.first_step
 
 
 CurriculumCallback = Curriculum

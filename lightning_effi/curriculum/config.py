@@ -21,7 +21,7 @@ from typing import Any
 
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_non_decreasing, plain
 from lightning_effi.curriculum import functional as F
-from lightning_effi.curriculum.schedules import ROUNDING_MODES, CurriculumSchedule, ScheduleConfigError
+from lightning_effi.curriculum.schedules import ROUNDING_MODES, CurriculumSchedule, ScheduleConfigError, reach_step
 
 CLUSTERING_TYPES = ("schedule_based", "single_cluster")
 #: metric names whose difficulty drives a batch transform (Megatron-DeepSpeed ``pretrain_{gpt,bert}.py`` convention)
@@ -293,6 +293,79 @@ class CurriculumConfig:
                         f"tokens (difficulty_step {schedule.difficulty_step} > min_difficulty {m.min_difficulty}); "
                         "use rounding 'clamped' or 'deepspeed', or a min_difficulty >= difficulty_step"
                     )
+
+    def full_difficulty(self, name: str, length: int) -> int:
+        """The ``seqlen_truncate`` / ``seqlen_reshape`` difficulty that keeps all ``length`` tokens of a batch:
+        ``length`` (``length - 1`` with ``causal_label_shift``, a difficulty ``d`` keeping ``d + 1`` tokens, and for
+        ``seqlen_reshape``, whose rows hold ``d + 1`` tokens)."""
+        return length - (1 if name == "seqlen_reshape" or self.causal_label_shift else 0)
+
+    def check_data_length(self, length: int) -> None:
+        """Refuse a ``seqlen_truncate`` / ``seqlen_reshape`` range that does not fit the training data, whose batches
+        hold ``length`` tokens (``Curriculum.setup`` reads it from the training set:
+        :func:`~lightning_effi.curriculum.data.data_sequence_length`). Let ``full`` be the difficulty that keeps
+        every token (:meth:`full_difficulty`; DeepSpeed's seqlen curriculum ends at the full sequence length: its
+        GPT-2 example runs ``seqlen_truncate`` from 80 to ``max_difficulty`` 2048 = ``seq_length``, and
+        Megatron-DeepSpeed ``pretrain_gpt.py`` truncates only while the difficulty is below ``seq_length``):
+
+        - ``max_difficulty > full``: the schedule reaches the full length before its end (the step is in the
+          message) and then spends its remaining steps on lengths the data does not have, logging difficulties no
+          batch has;
+        - ``min_difficulty >= full`` (or a first difficulty that is): no batch is ever shortened, the metric does
+          nothing.
+
+        Raises:
+            CurriculumConfigError: naming ``curriculum_metrics.<metric>.max_difficulty`` / ``min_difficulty``, the
+                data's length and the consequence.
+        """
+        for name in TRANSFORM_METRICS:
+            m = self.metrics.get(name)
+            if m is None:
+                continue
+            full = self.full_difficulty(name, length)
+            where = f"curriculum_metrics.{name}"
+            if name == "seqlen_reshape":
+                how = f"{length} tokens (seqlen_reshape: a difficulty d makes rows of d + 1 tokens)"
+            elif self.causal_label_shift:
+                how = f"{length} tokens (causal_label_shift: a difficulty d keeps d + 1 tokens)"
+            else:
+                how = f"{length} tokens"
+            schedule = m.schedule(self.rounding)
+            if m.max_difficulty > full:
+                reach = reach_step(schedule, full)
+                cfg = schedule.schedule_config
+                end = (
+                    f" instead of at total_curriculum_step ({cfg['total_curriculum_step']})"
+                    if "total_curriculum_step" in cfg
+                    else f" instead of after its last max_step ({cfg['max_step'][-1]})"
+                    if "max_step" in cfg
+                    else ""
+                )
+                if reach is not None:
+                    consequence = (
+                        f"the schedule would reach the full length at step {reach}{end} and spend the rest on lengths "
+                        f"the data does not have (logging difficulties up to {m.max_difficulty} that no batch has)"
+                    )
+                else:
+                    consequence = (
+                        f"the schedule's range goes past the full length (difficulties up to {m.max_difficulty} that "
+                        "no batch has)"
+                    )
+                raise CurriculumConfigError(
+                    f"{where}.max_difficulty ({m.max_difficulty}) is above the training data's sequence length: its "
+                    f"batches hold {how}, so a difficulty of {full} already keeps every token; {consequence}. Set "
+                    f"max_difficulty to {full}, the data's full length (as DeepSpeed's seqlen curriculum does), or "
+                    "train on longer samples"
+                )
+            lowest = min(m.min_difficulty, schedule.update(m.min_difficulty, 1))
+            if lowest >= full:
+                raise CurriculumConfigError(
+                    f"{where}.min_difficulty ({m.min_difficulty}) is at or above the training data's sequence length: "
+                    f"its batches hold {how}, so a difficulty of {full} already keeps every token and {name} would "
+                    f"never shorten a batch (the curriculum would do nothing to the sequence length). Set "
+                    f"min_difficulty below {full} (DeepSpeed's tutorial starts at 8 tokens for M-scale models, 64 "
+                    f"for B-scale ones), or remove the {name} metric"
+                )
 
     def schedules(self) -> dict[str, CurriculumSchedule]:
         return {name: m.schedule(self.rounding) for name, m in self.metrics.items()}

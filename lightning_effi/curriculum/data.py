@@ -232,6 +232,45 @@ def check_length(dataset: Any, length: int) -> None:
         )
 
 
+#: training samples :func:`data_sequence_length` reads, at most (spread over the training set)
+LENGTH_PROBES = 8
+
+
+def data_sequence_length(
+    dataset: Any, collate_fn: Callable | None, num_samples: int, keys: Sequence[str] | None = None
+) -> int | None:
+    """The sequence length ``S`` (tokens, :func:`~lightning_effi.curriculum.functional.sequence_length`) of every
+    batch the user's collate makes from ``dataset``, when it is one length: up to :data:`LENGTH_PROBES` samples spread
+    evenly over the training set (the first and the last included) are collated each alone and all together, and
+    ``S`` is returned when every one of these batches has the same length (fixed-length samples, such as LM blocks,
+    or a collate that pads to a fixed length). Used by ``Curriculum.setup`` to check a ``seqlen_truncate`` /
+    ``seqlen_reshape`` range against the data (:meth:`~lightning_effi.curriculum.CurriculumConfig
+    .check_data_length`).
+
+    Returns None when the lengths differ (a collate that pads each batch to its longest sample: the data's length is
+    not one number), when no sequence tensor is found, or when reading or collating raises (e.g. a data set that opens
+    its files in the loader's workers; the training loader reports such errors itself).
+
+    Args:
+        dataset: the map-style training set. collate_fn: the training loader's (``None``: ``default_collate``).
+        num_samples: ``len(dataset)``. keys: ``truncate_keys`` (None: automatic).
+    """
+    if num_samples < 1:
+        return None
+    k = min(LENGTH_PROBES, num_samples)
+    ids = sorted({(i * (num_samples - 1)) // max(1, k - 1) for i in range(k)})
+    collate = collate_fn or default_collate
+    try:
+        samples = [dataset[i] for i in ids]
+        lengths = {F.sequence_length(collate([x]), keys) for x in samples}
+        lengths.add(F.sequence_length(collate(samples), keys))
+    except Exception:  # the user's data or collate: left to the training loader, which raises it in context
+        return None
+    if len(lengths) != 1:
+        return None
+    return lengths.pop()
+
+
 #: training samples :meth:`CurriculumDataModule.train_dataloader` reads, at most, to check the batch structure
 PROBE_SAMPLES = 4
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_effi.core.checks import is_int
+from lightning_effi.core.checks import check_int, check_list, check_non_decreasing, is_int
 
 SCHEDULE_TYPES = ("fixed_linear", "fixed_root", "fixed_discrete", "custom")
 ROUNDING_MODES = ("clamped", "deepspeed", "deepspeed_legacy")
@@ -110,30 +110,13 @@ class CurriculumSchedule:
             for key in SCHEDULE_KEYS[self.schedule_type]:
                 cfg[key] = _int(sc, key, cfg[key], 1)
         elif self.schedule_type == "fixed_discrete":
-            diff, steps = cfg["difficulty"], cfg["max_step"]
-            if (
-                not isinstance(diff, Sequence)
-                or isinstance(diff, str)
-                or not isinstance(steps, Sequence)
-                or isinstance(steps, str)
-            ):
-                raise ScheduleConfigError(f"{sc}: difficulty and max_step must be lists of ints")
-            if len(diff) == 0 or len(steps) == 0 or len(diff) != len(steps) + 1:
-                raise ScheduleConfigError(
-                    f"{sc}: fixed_discrete needs non-empty lists with len(difficulty) == len(max_step) + 1; got "
-                    f"{len(diff)} difficulties and {len(steps)} max_steps"
-                )
+            diff, steps = check_discrete(cfg["difficulty"], cfg["max_step"], sc)
             for i, d in enumerate(diff):
-                _int(sc, f"difficulty[{i}]", d)
                 if not lo <= d <= hi:
                     raise ScheduleConfigError(
                         f"{sc}.difficulty[{i}] = {d} is outside [min_difficulty, max_difficulty] = [{lo}, {hi}]"
                     )
-            for i, m in enumerate(steps):
-                _int(sc, f"max_step[{i}]", m, 0)
-            if any(b <= a for a, b in zip(steps, steps[1:])):
-                raise ScheduleConfigError(f"{sc}.max_step must be strictly ascending, got {list(steps)}")
-            cfg["difficulty"], cfg["max_step"] = [int(d) for d in diff], [int(m) for m in steps]
+            cfg["difficulty"], cfg["max_step"] = diff, steps
         else:  # custom
             if not callable(self.custom_fn):
                 raise ScheduleConfigError(
@@ -146,16 +129,23 @@ class CurriculumSchedule:
         return int(self.schedule_config.get("difficulty_step", 1))
 
     def __call__(self, step: int) -> int:
-        """The schedule's difficulty at curriculum step ``step`` (>= 0), before the freeze rule."""
+        """The schedule's difficulty at curriculum step ``step`` (>= 0), before the freeze rule.
+
+        Raises:
+            ScheduleConfigError: ``step`` is not an int >= 0; a ``custom`` function's value is not an int or (with
+                ``rounding="clamped"``) outside ``[min_difficulty, max_difficulty]``.
+        """
+        if not is_int(step) or step < 0:  # the configuration was checked at construction: O(1) per step
+            raise ScheduleConfigError(f"curriculum_metrics.{self.name}: step must be an int >= 0, got {step!r}")
         cfg = self.schedule_config
         lo, hi = self.min_difficulty, self.max_difficulty
         t = self.schedule_type
         if t in ("fixed_linear", "fixed_root"):
             total, q = cfg["total_curriculum_step"], cfg["difficulty_step"]
             k = cfg["root_degree"] if t == "fixed_root" else 1
-            return root_difficulty(step, lo, hi, total, q, k, self.rounding)
+            return _root(int(step), lo, hi, total, q, k, self.rounding)
         if t == "fixed_discrete":
-            return discrete_difficulty(step, cfg["difficulty"], cfg["max_step"])
+            return _discrete(int(step), cfg["difficulty"], cfg["max_step"])
         value = self.custom_fn(step)  # type: ignore[misc]
         if hasattr(value, "item"):
             value = value.item()
@@ -186,29 +176,106 @@ def root_difficulty(
     root_degree: int = 1,
     rounding: str = "clamped",
 ) -> int:
-    """``fixed_root`` (``fixed_linear`` with ``root_degree=1``; DeepSpeed ``__fixed_root_get_difficulty``).
+    """``fixed_root`` (``fixed_linear`` with ``root_degree=1``; DeepSpeed ``__fixed_root_get_difficulty``,
+    ``deepspeed/runtime/data_pipeline/curriculum_scheduler.py``).
 
     ``d = floor((s/T)^(1/k)·(max−min) + min)``, ``d −= d mod q``, then the rounding mode's lower bound, then
     ``min(d, max)``. The arithmetic (float64, same order of operations) is DeepSpeed's, so the ``deepspeed`` modes
     reproduce its values exactly.
+
+    Args:
+        step: the curriculum step ``s`` (an int >= 0; optimizer steps, the first global batch is step 1).
+        min_difficulty, max_difficulty: ints, ``min <= max`` (tokens for ``seqlen_*``, else the metric's unit).
+        total_curriculum_step: ``T``, the step at which the schedule reaches ``max`` (an int >= 1).
+        difficulty_step: ``q``, difficulties are multiples of it (an int >= 1).
+        root_degree: ``k`` (an int >= 1; 1 is ``fixed_linear``).
+        rounding: one of :data:`ROUNDING_MODES` (module docstring).
+
+    Returns:
+        the difficulty, an int in ``[min, max]`` (``deepspeed_legacy``: possibly below ``min``).
+
+    Raises:
+        ScheduleConfigError: (a ``ValueError``) naming the argument: a ``step`` that is not an int >= 0, a
+            ``total_curriculum_step`` / ``difficulty_step`` / ``root_degree`` that is not an int >= 1 (each would
+            divide by zero), ``min_difficulty`` / ``max_difficulty`` that are not ints or with ``min > max``, an
+            unknown ``rounding``. The checks are O(1); :class:`CurriculumSchedule` validates its configuration once
+            and skips them on every step.
     """
+    where, err = "root_difficulty", ScheduleConfigError
+    step = check_int(where, "step", step, 0, error=err)
+    lo = check_int(where, "min_difficulty", min_difficulty, error=err)
+    hi = check_int(where, "max_difficulty", max_difficulty, error=err)
+    if lo > hi:
+        raise ScheduleConfigError(f"{where}: min_difficulty ({lo}) must be <= max_difficulty ({hi})")
+    total = check_int(where, "total_curriculum_step", total_curriculum_step, 1, error=err)
+    q = check_int(where, "difficulty_step", difficulty_step, 1, error=err)
+    k = check_int(where, "root_degree", root_degree, 1, error=err)
     if rounding not in ROUNDING_MODES:
-        raise ScheduleConfigError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
-    ratio = (float(step) / total_curriculum_step) ** (1.0 / root_degree)
-    d = math.floor(ratio * (max_difficulty - min_difficulty) + min_difficulty)
-    d -= d % difficulty_step
+        raise ScheduleConfigError(f"{where}.rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
+    return _root(step, lo, hi, total, q, k, rounding)
+
+
+def _root(step: int, lo: int, hi: int, total: int, q: int, k: int, rounding: str) -> int:
+    """:func:`root_difficulty` on validated arguments (the per-step path of :class:`CurriculumSchedule`)."""
+    ratio = (float(step) / total) ** (1.0 / k)
+    d = math.floor(ratio * (hi - lo) + lo)
+    d -= d % q
     if rounding == "deepspeed":
-        d = max(d, -(-min_difficulty // difficulty_step) * difficulty_step)
+        d = max(d, -(-lo // q) * q)
     elif rounding == "clamped":
-        d = max(d, min_difficulty)
-        if step >= total_curriculum_step:
-            d = max_difficulty
-    return int(min(d, max_difficulty))
+        d = max(d, lo)
+        if step >= total:
+            d = hi
+    return int(min(d, hi))
+
+
+def check_discrete(
+    difficulty: Any, max_step: Any, owner: str = "discrete_difficulty", error: type[Exception] = ScheduleConfigError
+) -> tuple[list[int], list[int]]:
+    """``(difficulty, max_step)`` of a ``fixed_discrete`` schedule as lists of ints, checked as DeepSpeed's
+    ``CurriculumScheduler`` asserts them: both non-empty, ``len(max_step) == len(difficulty) - 1`` (the last
+    difficulty holds after the last ``max_step``), ints, ``max_step`` entries ``>= 0`` and strictly ascending.
+
+    Raises:
+        ScheduleConfigError: (or ``error``) naming the argument (``<owner>.difficulty`` / ``<owner>.max_step``) and
+            what is allowed.
+    """
+    diff = check_list(owner, "difficulty", difficulty, what="ints (one per stage)", error=error)
+    steps = check_list(owner, "max_step", max_step, what="ints (the last step of each stage but the last)", error=error)
+    if not diff or not steps or len(steps) != len(diff) - 1:
+        raise error(
+            f"{owner}: difficulty and max_step must be non-empty lists with len(difficulty) == len(max_step) + 1 "
+            f"(the last difficulty holds after the last max_step; DeepSpeed fixed_discrete), got {len(diff)} "
+            f"difficulties {diff!r} and {len(steps)} max_steps {steps!r}"
+        )
+    diff = [check_int(owner, f"difficulty[{i}]", d, error=error) for i, d in enumerate(diff)]
+    steps = [check_int(owner, f"max_step[{i}]", m, 0, error=error) for i, m in enumerate(steps)]
+    check_non_decreasing(owner, "max_step", steps, strict=True, error=error)
+    return diff, steps
 
 
 def discrete_difficulty(step: int, difficulty: Sequence[int], max_step: Sequence[int]) -> int:
-    """``fixed_discrete`` (DeepSpeed ``__fixed_discrete_get_difficulty``): ``difficulty[n]`` after the last
-    ``max_step``, else the first ``i`` with ``step <= max_step[i]``."""
+    """``fixed_discrete`` (DeepSpeed ``__fixed_discrete_get_difficulty``,
+    ``deepspeed/runtime/data_pipeline/curriculum_scheduler.py``): ``difficulty[n]`` after the last ``max_step``,
+    else ``difficulty[i]`` for the first ``i`` with ``step <= max_step[i]``.
+
+    Args:
+        step: the curriculum step (an int >= 0).
+        difficulty: ``n + 1`` ints, one per stage. max_step: ``n >= 1`` strictly ascending ints >= 0, the last step
+            of each stage but the last.
+
+    Raises:
+        ScheduleConfigError: (a ``ValueError``) naming the argument: a ``step`` that is not an int >= 0, empty lists,
+            ``len(max_step) != len(difficulty) - 1``, non-int entries, a ``max_step`` that is negative or not strictly
+            ascending (:func:`check_discrete`; O(n) per call: :class:`CurriculumSchedule` checks its lists once).
+    """
+    step = check_int("discrete_difficulty", "step", step, 0, error=ScheduleConfigError)
+    diff, steps = check_discrete(difficulty, max_step)
+    return _discrete(step, diff, steps)
+
+
+def _discrete(step: int, difficulty: Sequence[int], max_step: Sequence[int]) -> int:
+    """:func:`discrete_difficulty` on validated arguments."""
     if step > max_step[-1]:
         return int(difficulty[-1])
     for i, m in enumerate(max_step):
@@ -220,6 +287,29 @@ def discrete_difficulty(step: int, difficulty: Sequence[int], max_step: Sequence
 def update_difficulty(current: int, max_difficulty: int, compute: Callable[[], int]) -> int:
     """DeepSpeed's ``update_difficulty``: freeze at ``max_difficulty``, else take the computed value."""
     return current if current >= max_difficulty else int(compute())
+
+
+def reach_step(schedule: CurriculumSchedule, difficulty: int, limit: int = 2**40) -> int | None:
+    """The first curriculum step ``s >= 1`` at which ``schedule`` gives at least ``difficulty`` (an exponential then
+    binary search: O(log s) evaluations, the schedules ``fixed_linear`` / ``fixed_root`` / ``fixed_discrete`` being
+    non-decreasing in the step; ``fixed_discrete`` lists are checked non-decreasing by
+    :meth:`~lightning_effi.curriculum.MetricConfig.schedule`). ``None`` for a ``custom`` schedule (any shape), or
+    when no step up to ``limit`` reaches it."""
+    if schedule.schedule_type == "custom":
+        return None
+    hi = 1
+    while schedule(hi) < difficulty:
+        if hi >= limit:
+            return None
+        hi *= 2
+    lo = hi // 2 + 1 if hi > 1 else 1  # schedule(hi // 2) < difficulty (or hi == 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if schedule(mid) >= difficulty:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 def difficulties(schedule: CurriculumSchedule, steps: Sequence[int] | range) -> list[int]:

@@ -40,8 +40,15 @@ from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.loader import EpochShuffleSampler, ResumableDataLoader, SkippableSampler
 from lightning_effi.core.wrapping import custom_order, loader_template
 from lightning_effi.curriculum import CurriculumConfig, CurriculumConfigError, CurriculumController
+from lightning_effi.curriculum import callback as curriculum_callback
 from lightning_effi.curriculum.analysis.index import MetricIndex
-from lightning_effi.curriculum.data import PROBE_SAMPLES, CurriculumCollate, CurriculumDataModule, CurriculumSampler
+from lightning_effi.curriculum.data import (
+    LENGTH_PROBES,
+    PROBE_SAMPLES,
+    CurriculumCollate,
+    CurriculumDataModule,
+    CurriculumSampler,
+)
 from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.infobatch.functional import EpochPlan
 from lightning_effi.infobatch.sampler import InfoBatchSampler
@@ -263,8 +270,9 @@ def test_truncate_keys_that_name_no_tensor_are_refused_at_setup(tmp_path):
 
 
 def test_the_setup_check_reads_a_few_samples_and_leaves_the_run_unchanged(tmp_path, monkeypatch):
-    """The check reads ``min(PROBE_SAMPLES, micro-batch, N)`` samples before the first epoch, and the batches trained
-    are those of a run without it (it consumes no randomness and moves no stream position)."""
+    """The checks read ``min(PROBE_SAMPLES, micro-batch, N)`` samples (the batch structure) plus ``min(LENGTH_PROBES,
+    N)`` (the data's sequence length against the difficulty range) before the first epoch, and the batches trained
+    are those of a run without them (they consume no randomness and move no stream position)."""
 
     def run(root: Path) -> ReadsAtEpochStart:
         data = Counted()
@@ -276,8 +284,9 @@ def test_the_setup_check_reads_a_few_samples_and_leaves_the_run_unchanged(tmp_pa
 
     checked = run(tmp_path / "checked")
     monkeypatch.setattr(CurriculumDataModule, "_check_batches", lambda self, t, collate: None)
+    monkeypatch.setattr(curriculum_callback, "data_sequence_length", lambda *args: None)
     unchecked = run(tmp_path / "unchecked")
-    assert (checked.reads, unchecked.reads) == (min(PROBE_SAMPLES, BATCH, N), 0)
+    assert (checked.reads, unchecked.reads) == (min(PROBE_SAMPLES, BATCH, N) + min(LENGTH_PROBES, N), 0)
     assert len(checked.batches) == 6
     # fixed_linear from 8 to 16 over 4 steps, in steps of 8: d(s) = 8 + 8 s / 4 rounded down to a multiple of 8
     assert [tuple(b.shape) for b in checked.batches] == [(BATCH, 8)] * 3 + [(BATCH, 16)] * 3
