@@ -15,11 +15,11 @@ use :class:`lightning_effi.adapters.GenericAdapter` from a config without code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_effi.models import registry
 
@@ -75,15 +75,40 @@ MUST_BE_NONE: Literal["must_be_none"] = "must_be_none"
 ArgSpec = SeqArg | AttentionMask | Literal["pass", "must_be_none"]
 
 
+def _overrides_matches(cls: type[TransformerAdapter]) -> bool:
+    """Whether ``cls`` implements :meth:`TransformerAdapter.matches` (config-declared adapters do not)."""
+    return getattr(cls.matches, "__func__", None) is not getattr(TransformerAdapter.matches, "__func__", None)
+
+
 class TransformerAdapter:
-    """Base class of model adapters. Subclasses set :attr:`name` and implement the methods marked below."""
+    """Base class of model adapters. Subclasses set :attr:`name` and implement the methods marked below.
+
+    Args:
+        root: the model root the adapter serves (e.g. a ``transformers`` ``GPT2Model``). An adapter that implements
+            :meth:`matches` checks it at construction.
+
+    Raises:
+        ValueError: ``root`` is not an ``nn.Module``, or (an adapter implementing :meth:`matches`) a model it does
+            not serve: the message names the adapter, what it expects (:attr:`expects`), the model given and, when
+            one is inside it, the submodule to pass instead (e.g. ``HFBertAdapter(model.bert)``).
+    """
 
     #: registry name (``hf_gpt2``, ...)
     name: ClassVar[str] = ""
+    #: what model root the adapter serves, for messages (e.g. "a BERT-style model with .encoder.layer")
+    expects: ClassVar[str] = ""
     #: ``batch_seq`` = hidden states ``[B, S, H]`` (HF, timm); ``seq_batch`` = ``[S, B, H]`` (Megatron)
     hidden_state_order: HiddenStateOrder = "batch_seq"
 
     def __init__(self, root: nn.Module):
+        cls = type(self)
+        if not isinstance(root, nn.Module):
+            raise ValueError(f"{cls.__name__}.root must be an nn.Module (the model), got {type(root).__name__}")
+        if _overrides_matches(cls) and not cls.matches(root):
+            expects = cls.expects or f"a model its matches() accepts (registered as {cls.name or cls.__name__!r})"
+            inside = next((path for path, sub in root.named_modules() if path and cls.matches(sub)), None)
+            hint = f"; pass the one inside it: {cls.__name__}(model.{inside})" if inside else ""
+            raise ValueError(f"{cls.__name__} expects {expects}; got {type(root).__name__}{hint}")
         self.root = root
 
     def bind(self, module: nn.Module) -> TransformerAdapter:
@@ -137,6 +162,13 @@ class TransformerAdapter:
     def hidden_size(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def sequence_length(self, batch: Any) -> int | None:
+        """The sequence length (tokens, prefix tokens included) the layers see for a training ``batch`` as the user's
+        collate function makes it, or ``None`` when the adapter cannot tell from the batch alone (the default: a
+        module may embed, prepend or cut tokens before its layers). Random-LTD reads it at ``on_train_start`` from a
+        peek at the training data, to refuse a ``min_value`` that would never drop a token before the first batch."""
+        return None
+
     def intermediate_size(self) -> int:
         """MLP width (default 4H)."""
         return 4 * self.hidden_size()
@@ -152,6 +184,20 @@ class TransformerAdapter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.root).__name__})"
+
+
+def input_ids_length(batch: Any) -> int | None:
+    """``S`` of a Hugging Face style batch: a mapping with ``input_ids [B, S]`` (or ``inputs_embeds [B, S, H]``);
+    ``None`` for any other structure. The models of ``hf_gpt2`` / ``hf_bert`` run their layers on exactly these
+    ``S`` tokens."""
+    if not isinstance(batch, Mapping):
+        return None
+    ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
+    if isinstance(ids, Tensor) and ids.dim() >= 1:
+        return int(ids.shape[-1])
+    if isinstance(embeds, Tensor) and embeds.dim() >= 2:
+        return int(embeds.shape[-2])
+    return None
 
 
 def register_adapter(name: str, factory: Callable[..., TransformerAdapter] | None = None) -> Any:

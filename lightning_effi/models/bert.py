@@ -5,9 +5,19 @@ registered as the family ``hf_bert``. The method cards are ``lightning_effi/rand
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
-from lightning_effi.models.base import MUST_BE_NONE, PASS, ArgSpec, SeqArg, TransformerAdapter, register_adapter
+from lightning_effi.models.base import (
+    MUST_BE_NONE,
+    PASS,
+    ArgSpec,
+    SeqArg,
+    TransformerAdapter,
+    input_ids_length,
+    register_adapter,
+)
 from lightning_effi.models.gpt2 import check_attention
 from lightning_effi.models.vcycle_base import (
     COPY,
@@ -30,7 +40,13 @@ class HFBertAdapter(TransformerAdapter):
     ``layer(hidden, attention_mask, encoder_hidden_states, encoder_attention_mask=, cache=, **kwargs)``. The mask is
     ``None`` without padding and ``[B, 1, S, S]`` with it (a ``[B, 1, 1, S]`` form is gathered on its key axis only);
     ``position_ids`` (when passed) on its last axis; the cache must be ``None``. Heads (MLM, pooler + classifier)
-    run on the full sequence."""
+    run on the full sequence.
+
+    Raises:
+        ValueError: (construction) ``root`` is not a ``BertModel`` (naming the adapter, what it expects, the model
+            given and a ``BertModel`` inside it if there is one)."""
+
+    expects = "a BERT-style model with .encoder.layer (a transformers BertModel)"
 
     @classmethod
     def matches(cls, module: nn.Module) -> bool:
@@ -56,6 +72,10 @@ class HFBertAdapter(TransformerAdapter):
 
     def max_sequence_length(self) -> int:
         return int(self.root.config.max_position_embeddings)
+
+    def sequence_length(self, batch: Any) -> int | None:
+        """``S`` of a batch ``{"input_ids": [B, S], ...}`` (or ``inputs_embeds``): the layers see those tokens."""
+        return input_ids_length(batch)
 
     def hidden_size(self) -> int:
         return int(self.root.config.hidden_size)

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_effi.core.checks import check_int, is_int, plain
 from lightning_effi.models.base import (
     MUST_BE_NONE,
     PASS,
@@ -53,11 +54,50 @@ _MASK_KINDS = ("self", "cross", "key_padding")
 
 
 def _positive_int(key: str, value: Any, optional: bool = True) -> int | None:
+    """``value`` as a Python int >= 1 (Python or numpy integer; ``None`` when ``optional``)."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"GenericAdapter.{key} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
     return int(value)
+
+
+def _names(key: str, value: Any) -> list[str]:
+    """``passthrough`` / ``must_be_none``: a list or tuple (an OmegaConf ``ListConfig`` too) of argument names. A bare
+    string is refused (it would be read as its characters), and so is any other single value."""
+    value = plain(value)
+    if isinstance(value, (set, frozenset)):
+        value = sorted(value, key=str)
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(
+            f"GenericAdapter.{key} must be a list of argument names (strings), e.g. [{value!r}] for one, got {value!r}"
+            if isinstance(value, str)
+            else f"GenericAdapter.{key} must be a list of argument names (strings), got {value!r}"
+        )
+    return list(value)
+
+
+def _mapping(key: str, value: Any, what: str) -> dict[str, Any]:
+    """``seq_args`` / ``masks``: a mapping (an OmegaConf ``DictConfig`` too) of argument name -> ``what``."""
+    value = plain(value)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and k for k in value):
+        raise ValueError(f"GenericAdapter.{key} must be a mapping of argument name -> {what}, got {value!r}")
+    return dict(value)
+
+
+def _axes(name: str, axes: Any) -> tuple[int, ...]:
+    """The sequence axes of ``seq_args[name]``: an int or a list of ints (Python or numpy)."""
+    listed = [axes] if is_int(axes) else axes
+    if not isinstance(listed, list) or not all(is_int(a) for a in listed):
+        raise ValueError(
+            f"GenericAdapter.seq_args[{name!r}] must be an int axis or a list of int axes (negative allowed, e.g. "
+            f"[-2, -1] for a [B, 1, S, S] mask), got {axes!r}"
+        )
+    if not listed:
+        raise ValueError(f"GenericAdapter.seq_args[{name!r}]: give at least one sequence axis, got {axes!r}")
+    return tuple(int(a) for a in listed)
 
 
 def _attention_of(layer: nn.Module) -> nn.MultiheadAttention | None:
@@ -98,10 +138,21 @@ class GenericAdapter(TransformerAdapter):
           hidden_size: 128
           masks: {attn_mask: self, padding_mask: key_padding}
 
+    Integers may be Python or numpy ints; ``seq_args`` / ``masks`` are mappings (an OmegaConf ``DictConfig`` too),
+    ``passthrough`` / ``must_be_none`` lists of names (a ``ListConfig`` too; a bare string is refused, not split into
+    its characters).
+
     Raises:
-        ValueError: bad values (named); at bind time: ``layers`` not found / not a ``ModuleList``/``Sequential``,
+        ValueError: bad values, naming the parameter and what is allowed (an int below its minimum or not an int;
+            ``seq_args`` not a mapping of name -> int axis or list of int axes; ``masks`` not a mapping of name ->
+            kind; ``passthrough`` / ``must_be_none`` not a list of strings; ``root`` not an ``nn.Module``); at bind
+            time (``RandomLTDCallback.setup``): ``layers`` not found / not a ``ModuleList``/``Sequential``,
             ``hidden_state_order`` contradicting the layers' ``batch_first`` (or layers that disagree), no
-            ``hidden_size`` and no ``nn.MultiheadAttention`` to read it from.
+            ``hidden_size`` and no ``nn.MultiheadAttention`` to read it from, a declared ``hidden_size`` the layers
+            contradict (their ``nn.MultiheadAttention``'s ``embed_dim``; without one, a width no normalisation or
+            linear layer of the first layer has), a declared ``intermediate_size`` other than PyTorch's layers'
+            ``linear1`` width. ``RandomLTDCallback`` refuses a ``max_sequence_length`` below its ``max_value`` or the
+            data's length, and ``num_prefix_tokens`` above its ``min_value``, naming them.
     """
 
     name = "generic"
@@ -122,6 +173,11 @@ class GenericAdapter(TransformerAdapter):
     ):
         if not isinstance(layers, str) or not layers:
             raise ValueError(f"GenericAdapter.layers must be a dotted attribute path, got {layers!r}")
+        if root is not None and not isinstance(root, nn.Module):
+            raise ValueError(
+                f"{type(self).__name__}.root must be the nn.Module that layers starts from (or None: bound to the "
+                f"LightningModule at setup), got {type(root).__name__} {root!r}"
+            )
         self._max = _positive_int("max_sequence_length", max_sequence_length)
         self._hidden_arg = _positive_int("hidden_size", hidden_size)
         self._inter_arg = _positive_int("intermediate_size", intermediate_size)
@@ -130,26 +186,21 @@ class GenericAdapter(TransformerAdapter):
                 "GenericAdapter.hidden_state_order must be 'batch_seq', 'seq_batch' or None (from the layers), got "
                 f"{hidden_state_order!r}"
             )
-        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-            raise ValueError(f"GenericAdapter.num_prefix_tokens must be an int >= 0, got {num_prefix_tokens!r}")
         self.path = layers
-        self._prefix = int(num_prefix_tokens)
+        self._prefix = check_int("GenericAdapter", "num_prefix_tokens", num_prefix_tokens, minimum=0)
         self._order_arg: HiddenStateOrder | None = hidden_state_order
         self.hidden_state_order = hidden_state_order or "batch_seq"
         args: dict[str, ArgSpec] = {}
-        for name, axes in (seq_args or {}).items():
-            axes = tuple(int(a) for a in (axes if isinstance(axes, Sequence) else [axes]))
-            if not axes:
-                raise ValueError(f"GenericAdapter.seq_args[{name!r}]: give at least one sequence axis")
-            args[str(name)] = SeqArg(axes)
-        for name, kind in (masks or {}).items():
+        for name, axes in _mapping("seq_args", seq_args, "sequence axes (an int or a list of ints)").items():
+            args[name] = SeqArg(_axes(name, axes))
+        for name, kind in _mapping("masks", masks, f"mask kind (one of {_MASK_KINDS})").items():
             if kind not in _MASK_KINDS:
                 raise ValueError(f"GenericAdapter.masks[{name!r}] must be one of {_MASK_KINDS}, got {kind!r}")
-            args[str(name)] = AttentionMask(kind)  # type: ignore[arg-type]
-        for name in passthrough:
-            args[str(name)] = PASS
-        for name in must_be_none:
-            args[str(name)] = MUST_BE_NONE
+            args[name] = AttentionMask(kind)
+        for name in _names("passthrough", passthrough):
+            args[name] = PASS
+        for name in _names("must_be_none", must_be_none):
+            args[name] = MUST_BE_NONE
         self._declared = args
         self._args = dict(args)
         self._hidden = self._hidden_arg
@@ -157,6 +208,7 @@ class GenericAdapter(TransformerAdapter):
         self._layers: nn.ModuleList | nn.Sequential | None = None
         super().__init__(root if root is not None else nn.Module())
         self._bound = False
+        self._rebinding = False  # rebind(): the declared widths are not compared with a (narrower) level's layers
         if root is not None:
             self.bind(root)
 
@@ -181,12 +233,14 @@ class GenericAdapter(TransformerAdapter):
                 f"GenericAdapter.layers: {self.path!r} is a {type(target).__name__}, expected a "
                 "ModuleList or Sequential of layers"
             )
-        self._read_layers(target)
+        self._read_layers(target, check=not self._rebinding)
         self.root, self._layers, self._bound = module, target, True
         return self
 
-    def _read_layers(self, layers: nn.ModuleList | nn.Sequential) -> None:
-        """Argument handling, hidden-state order and widths from the layers (PyTorch's layers declare them)."""
+    def _read_layers(self, layers: nn.ModuleList | nn.Sequential, check: bool = True) -> None:
+        """Argument handling, hidden-state order and widths from the layers (PyTorch's layers declare them);
+        ``check``: the declared widths are compared with the layers' (not after :meth:`rebind`: a V-cycle level is
+        narrower, and the declared sizes stay as given)."""
         torch_layers = [layer for layer in layers if isinstance(layer, TORCH_LAYERS)]
         self._args = {**TORCH_LAYER_ARGUMENTS, **self._declared} if torch_layers else dict(self._declared)
         order = self._order_arg or "batch_seq"
@@ -213,9 +267,54 @@ class GenericAdapter(TransformerAdapter):
                     "to read the width from; pass hidden_size (H, for the FLOPs figures)"
                 )
             self._hidden = int(attention.embed_dim)
+        elif check and len(layers):
+            self._check_hidden_size(layers[0], attention)
         self._inter = self._inter_arg
-        if self._inter is None and len(layers) and isinstance(layers[0], TORCH_LAYERS):
-            self._inter = int(layers[0].linear1.out_features)
+        if len(layers) and isinstance(layers[0], TORCH_LAYERS):
+            width = int(layers[0].linear1.out_features)
+            if self._inter is None:
+                self._inter = width
+            elif check and self._inter != width:
+                raise ValueError(
+                    f"GenericAdapter.intermediate_size={self._inter}, but the layers of {self.path!r} are "
+                    f"{type(layers[0]).__name__} with an MLP of width {width} (linear1.out_features); pass "
+                    f"intermediate_size={width} or leave it None (read from the layers)"
+                )
+
+    def _check_hidden_size(self, layer: nn.Module, attention: nn.MultiheadAttention | None) -> None:
+        """A declared ``hidden_size`` against what the first layer's modules say about its width: the
+        ``embed_dim`` of its ``nn.MultiheadAttention``; else its normalisation layers (``normalized_shape``: a
+        layer of width ``H`` normalises ``H``-wide vectors, pre- or post-norm), or without any its linear layers
+        (``in_features``: one of them projects the ``H``-wide input), so a declared width that none of them has is
+        wrong. A layer with neither says nothing (no check).
+
+        Raises:
+            ValueError: naming ``hidden_size``, the declared value and the width found.
+        """
+        declared = self._hidden_arg
+        if attention is not None:
+            if int(attention.embed_dim) != declared:
+                raise ValueError(
+                    f"GenericAdapter.hidden_size={declared}, but the layers of {self.path!r} are "
+                    f"{int(attention.embed_dim)} wide (their nn.MultiheadAttention's embed_dim); pass "
+                    f"hidden_size={int(attention.embed_dim)} or leave it None (read from the layers)"
+                )
+            return
+        norms: set[int] = set()
+        for m in layer.modules():
+            shape: Any = getattr(m, "normalized_shape", None)
+            if isinstance(shape, (tuple, list)) and shape:
+                shape = shape[-1]
+            if is_int(shape):
+                norms.add(int(shape))
+        inputs = {int(m.in_features) for m in layer.modules() if isinstance(m, nn.Linear)}
+        widths, what = (norms, "normalisation layers normalise") if norms else (inputs, "linear layers take")
+        if widths and declared not in widths:
+            raise ValueError(
+                f"GenericAdapter.hidden_size={declared}, but no module of the first layer of {self.path!r} "
+                f"({type(layer).__name__}) is that wide: its {what} {sorted(widths)} features; pass the width of the "
+                "hidden states (H of [B, S, H])"
+            )
 
     def rebind(self, module: nn.Module) -> GenericAdapter:
         """Resolve :attr:`path` from ``module`` again (the network behind it was replaced, e.g. by the V-cycle);
@@ -226,8 +325,11 @@ class GenericAdapter(TransformerAdapter):
         Raises:
             ValueError: ``layers`` not found / not a ``ModuleList``/``Sequential`` in ``module``.
         """
-        self._bound = False
-        return self.bind(module)
+        self._bound, self._rebinding = False, True
+        try:
+            return self.bind(module)
+        finally:
+            self._rebinding = False
 
     def layers(self) -> nn.ModuleList | nn.Sequential:
         if not self._bound or self._layers is None:
@@ -266,6 +368,10 @@ class TorchTransformerAdapter(GenericAdapter):
     ``RandomLTDCallback(model_attr=...)``."""
 
     name = "torch_transformer"
+    expects = (
+        "a PyTorch nn.TransformerEncoder / nn.TransformerDecoder (layers .layers of nn.TransformerEncoderLayer / "
+        "nn.TransformerDecoderLayer)"
+    )
 
     def __init__(self, root: nn.Module):
         super().__init__("layers", root=root)

@@ -4,9 +4,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
-from lightning_effi.models.base import MUST_BE_NONE, PASS, ArgSpec, SeqArg, TransformerAdapter, register_adapter
+from lightning_effi.models.base import (
+    MUST_BE_NONE,
+    PASS,
+    ArgSpec,
+    SeqArg,
+    TransformerAdapter,
+    input_ids_length,
+    register_adapter,
+)
 from lightning_effi.models.vcycle_base import (
     ArchSizes,
     ParamSpec,
@@ -38,7 +48,13 @@ class HFGPT2Adapter(TransformerAdapter):
     ``block(hidden, cache, causal_mask, encoder_hidden_states, encoder_attention_mask=, use_cache=, position_ids=)``.
     The mask (``None`` + causal flag under ``sdpa`` without padding; ``[B, 1, S, S]`` bool or additive float
     otherwise) is gathered on both axes; ``position_ids [1, S]`` on its last axis; the cache must be ``None``
-    (``config.use_cache`` is switched off during fit and restored at teardown)."""
+    (``config.use_cache`` is switched off during fit and restored at teardown).
+
+    Raises:
+        ValueError: (construction) ``root`` is not a ``GPT2Model`` (naming the adapter, what it expects, the model
+            given and the ``GPT2Model`` inside it if there is one, e.g. ``GPT2LMHeadModel.transformer``)."""
+
+    expects = "a GPT-2 model with .h (a transformers GPT2Model)"
 
     @classmethod
     def matches(cls, module: nn.Module) -> bool:
@@ -64,6 +80,10 @@ class HFGPT2Adapter(TransformerAdapter):
 
     def max_sequence_length(self) -> int:
         return int(self.root.config.n_positions)
+
+    def sequence_length(self, batch: Any) -> int | None:
+        """``S`` of a batch ``{"input_ids": [B, S], ...}`` (or ``inputs_embeds``): the layers see those tokens."""
+        return input_ids_length(batch)
 
     def hidden_size(self) -> int:
         return int(self.root.config.n_embd)

@@ -29,7 +29,13 @@ from lightning_effi.vcycle.operators import VCyclePlan
 class TimmViTAdapter(TransformerAdapter):
     """Layers ``blocks`` (``Block``, called as ``blocks(x)``; ``Block.forward(x, attn_mask=None, is_causal=False)``).
     No mask by default (an ``attn_mask`` keyword is gathered on both axes). Sequence length = patches + prefix tokens
-    (class, distillation and register tokens: ``model.num_prefix_tokens``)."""
+    (class, distillation and register tokens: ``model.num_prefix_tokens``).
+
+    Raises:
+        ValueError: (construction) ``root`` is not a timm ``VisionTransformer`` (naming the adapter, what it expects,
+            the model given and a ``VisionTransformer`` inside it if there is one)."""
+
+    expects = "a timm VisionTransformer with .blocks (ViT, DeiT)"
 
     @classmethod
     def matches(cls, module: nn.Module) -> bool:
@@ -53,6 +59,11 @@ class TimmViTAdapter(TransformerAdapter):
 
     def num_prefix_tokens(self) -> int:
         return int(getattr(self.root, "num_prefix_tokens", 0))
+
+    def sequence_length(self, batch: Any) -> int | None:
+        """Every batch of a ViT of fixed image size has :meth:`max_sequence_length` tokens (patches + prefix);
+        ``None`` with ``dynamic_img_size=True``."""
+        return self.max_sequence_length()
 
     def hidden_size(self) -> int:
         return int(self.root.embed_dim)

@@ -17,9 +17,13 @@ The method lives in :mod:`lightning_effi.random_ltd.functional` (selection, gath
   ``on_exception`` never ran) is restored at ``setup``, with a warning; one patched by a fit still running (another
   Trainer's) or by hand is an error. Before reading the network, ``setup`` lets a technique that replaces it put back
   a full-size network an earlier fit of it left coarse (the V-cycle's ``effi_restore_network``).
-- ``on_train_start``: resolves a derived ``require_steps`` (a fraction or epochs) in optimizer steps, or, when a
+- ``on_train_start``: checks ``min_value`` / ``max_value`` / ``seq_per_step`` against the sequence length the patched
+  layers will see, peeked from the training data where the adapter can tell it (else at the first training batch);
+  resolves a derived ``require_steps`` (a fraction or epochs) in optimizer steps, or, when a
   technique that shortens the epochs provides the run's progress clock (InfoBatch,
-  :func:`~lightning_effi.core.progress.progress_clock`), as a share of its training progress.
+  :func:`~lightning_effi.core.progress.progress_clock`), as a share of its training progress; warns when the growth
+  is longer than the run.
+- ``on_before_backward``: the non-finite loss policy (``nonfinite_loss``, :mod:`lightning_effi.core.nonfinite`).
 - ``on_train_batch_start``: a fresh index context keyed by ``(global_step, batch_idx)``, seeded with ``(seed, step,
   batch_idx, rank)``; its reserved length ``r`` for ``trainer.global_step`` (or the clock's progress; all
   micro-batches of one optimizer step share it) is read by the first LTD layer of the forward, with the sequence
@@ -38,24 +42,30 @@ The method lives in :mod:`lightning_effi.random_ltd.functional` (selection, gath
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import random
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_effi.core.accounting import BatchStats
+from lightning_effi.core.batch import unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
 from lightning_effi.core.flops import sdpa_recomputes
+from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     PROGRESS_TICKS,
     Duration,
@@ -83,6 +93,19 @@ from lightning_effi.random_ltd.patching import (
 
 #: the clocks a derived schedule is measured on: optimizer steps, or a progress clock's training progress
 CLOCKS = ("step", "progress")
+
+
+@contextlib.contextmanager
+def _random_states_kept() -> Iterator[None]:
+    """Restore the global random states (Python's ``random``, numpy's legacy generator, torch's CPU generator) on
+    exit: code run inside (a dataset's random augmentation) leaves the run's draws as they were."""
+    python, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
 
 
 def _require_duration(owner: str, value: Any) -> Duration:
@@ -134,7 +157,9 @@ class RandomLTDCallback(Callback):
             accumulate_grad_batches)`` steps, read at train start). No floats (write ``"0.8dur"``), no tokens.
             Default: the whole run (``"1dur"``). A fraction or epochs with a technique that shortens the epochs
             (InfoBatch: its progress clock, :func:`~lightning_effi.core.progress.progress_clock`) is measured on
-            its training progress instead of in steps: see "The progress clock" below.
+            its training progress instead of in steps: see "The progress clock" below. A growth longer than the run
+            (e.g. ``require_steps=1000`` in a run of 300 steps) warns at train start, naming the reserved length the
+            run ends at; it is not an error, since a longer resumed run continues the schedule.
         require_fraction: deprecated (one release, ``DeprecationWarning``): ``require_fraction=f`` is
             ``require_steps="<f>dur"``.
         seq_per_step: ``r`` is a multiple of this (``schedule_config.seq_per_step``).
@@ -162,6 +187,12 @@ class RandomLTDCallback(Callback):
             (e.g. ``"student"``), for a module that holds more than one (a teacher and a student, two towers, an EMA
             copy that trains); a frozen transformer there is patched too. Default: the one trainable transformer
             anywhere in the module (transformers whose parameters all have ``requires_grad=False`` are skipped).
+        nonfinite_loss: ``"raise"`` (default) stops the fit with a
+            :class:`~lightning_effi.core.nonfinite.NonFiniteLossError` at the first NaN / infinite training loss,
+            before its backward pass (the parameters are those of the step before); ``"warn"`` warns once, counts
+            them (logged as ``effi/nonfinite_losses``, checkpointed, reported at the end of fit) and lets the run go
+            on. With several techniques in the Trainer one check runs per backward pass, with the strictest policy
+            (:mod:`lightning_effi.core.nonfinite`).
 
     Attributes:
         requirements: what random-LTD needs and changes (it patches the selected layers' ``forward``; it never reads
@@ -200,18 +231,27 @@ class RandomLTDCallback(Callback):
 
     Logged every step: ``effi/random_ltd/reserved_length``, ``effi/random_ltd/consumed_layer_tokens``,
     ``effi/random_ltd/flops_saved_frac``, ``effi/random_ltd/ltd_layers`` (the LTD layers of the network that trained
-    the batch), ``effi/random_ltd/max_value`` (the schedule's end). Summary keys ``random_ltd/*`` (``result.json``).
+    the batch), ``effi/random_ltd/max_value`` (the schedule's end); with ``nonfinite_loss="warn"``,
+    ``effi/nonfinite_losses`` (the run's non-finite training losses so far, counted by the Trainer's first guarded
+    callback: :func:`~lightning_effi.core.nonfinite.nonfinite_count`; written to the loggers directly, on rank
+    zero). Summary keys ``random_ltd/*`` (``result.json``).
 
     Raises:
-        ValueError: (construction) a value of the wrong type or range, ``min_value > max_value``, ``model_attr`` not
-            a dotted path; (``setup``) no adapter matches the model, more than one trainable transformer matches
-            (the message names them and asks for ``model_attr``), ``model_attr`` not found, ``layer_ids`` out of
-            range / duplicated / unsorted, an explicit ``max_value`` larger than the model's maximum length (where it
-            has one), ``keep_prefix_tokens > min_value``, a layer whose ``forward`` takes arguments the adapter does
-            not know, an unsupported attention implementation; the default ``layer_ids`` on a model of <= 2 layers;
-            (first training batch, not with a Curriculum, whose first batches are short by design) an explicit
-            ``max_value`` larger than the sequence length the patched layers see, ``min_value`` larger than that
-            length with ``max_value=None``;
+        ValueError: (construction) a value of the wrong type or range, ``min_value > max_value``, ``seq_per_step >
+            max_value`` (the reserved length would never grow), ``model_attr`` not a dotted path, ``nonfinite_loss``
+            not ``"raise"`` / ``"warn"``; (``setup``) no adapter matches the model, more than one trainable
+            transformer matches (the message names them and asks for ``model_attr``), ``model_attr`` not found or
+            naming a module that holds no transformer, ``layer_ids`` out of range / duplicated / unsorted, an
+            explicit ``max_value`` larger than the model's maximum length (the adapter's ``max_sequence_length``,
+            where it has one), ``keep_prefix_tokens`` (with ``"auto"``: the adapter's ``num_prefix_tokens``) above
+            ``min_value``, a layer whose ``forward`` takes arguments the adapter does not know, an unsupported
+            attention implementation; the default ``layer_ids`` on a model of <= 2 layers; (``on_train_start``, from
+            the sequence length the patched layers will see, peeked from the training data where the adapter can
+            tell it, see :meth:`_peek_sequence_length`; else at the first training batch; neither with a Curriculum,
+            whose first batches are short by design) ``min_value`` equal to or larger than that length (no token
+            would ever be dropped), an explicit ``max_value`` larger than it, ``seq_per_step`` larger than it with
+            ``max_value=None``, a length above the adapter's ``max_sequence_length``; (checkpoint load) a state
+            field of the wrong type or range, naming it;
             (a training forward) an attention mask of a layout the adapter cannot gather; explicit ``layer_ids``
             that do not exist at a level of a technique that replaces the network (the V-cycle; every level's depth
             is checked); a reserved length that never drops a token under the
@@ -224,6 +264,8 @@ class RandomLTDCallback(Callback):
             or to another clock or share of the progress; (``setup``) a module whose layers are patched by a
             random-LTD fit that is still running (another Trainer's, on the same module) or by hand (``convert``
             without ``restore``): the message names the layers.
+        NonFiniteLossError: (before a backward pass) the training loss is NaN or infinite and ``nonfinite_loss`` is
+            ``"raise"`` (here or on another technique of the Trainer).
         IncompatibleTechniques: (``setup``) combined with another technique that patches layers, see
             :data:`~lightning_effi.core.requirements.CONFLICTS` (a shape change is followed:
             ``follows_model_changes``).
@@ -256,14 +298,22 @@ class RandomLTDCallback(Callback):
         seed: int = 1234,
         strict: bool = True,
         model_attr: str | None = None,
+        nonfinite_loss: str = "raise",
     ) -> None:
         name = type(self).__name__
+        self.nonfinite_guard = NonFiniteLossGuard(name, nonfinite_loss)
         min_value = check_int(name, "min_value", min_value, minimum=1)
         seq_per_step = check_int(name, "seq_per_step", seq_per_step, minimum=1)
         if max_value is not None:  # None: the sequence length the patched layers see
             max_value = check_int(name, "max_value", max_value, minimum=1)
         if max_value is not None and min_value > max_value:
             raise ValueError(f"{name}: min_value ({min_value}) must be <= max_value ({max_value})")
+        if max_value is not None and seq_per_step > max_value:
+            raise ValueError(
+                f"{name}.seq_per_step ({seq_per_step}) must be <= max_value ({max_value}): the reserved length is "
+                f"rounded down to a multiple of seq_per_step, so below {seq_per_step} it never grows (it stays at "
+                f"min_value until require_steps, then jumps to max_value); pass seq_per_step <= {max_value}"
+            )
         duration = None if require_steps is None else _require_duration(name, require_steps)
         if require_steps is not None and require_fraction is not None:
             raise ValueError(f"{name}: give require_steps or require_fraction, not both")
@@ -365,6 +415,8 @@ class RandomLTDCallback(Callback):
         self._frac_fixed: float | None = None
         self._batch_ltd_layers = 0  # LTD layers of the network that trains the current batch (logged)
         self._fused = False  # that network's attention recomputes the scores in the backward (fused sdpa)
+        self._data_length: int | None = None  # the sequence length peeked from the training data at train start
+        self.nonfinite_guard.load_state_dict({})  # no non-finite loss seen in this fit (a resume restores the count)
 
     def __repr__(self) -> str:
         """Every constructor argument, so that ``eval(repr(cb))`` builds an equivalent callback (same settings):
@@ -378,7 +430,7 @@ class RandomLTDCallback(Callback):
             f"seq_per_step={self.seq_per_step!r}, layer_ids={layer_ids!r}, adapter={self.adapter_arg!r}, "
             f"rounding={self.rounding!r}, keep_prefix_tokens={self.keep_prefix_arg!r}, "
             f"accounting={self.accounting!r}, seed={self.seed!r}, strict={self.strict!r}, "
-            f"model_attr={self.model_attr!r})"
+            f"model_attr={self.model_attr!r}, nonfinite_loss={self.nonfinite_guard.policy!r})"
         )
 
     @property
@@ -416,15 +468,22 @@ class RandomLTDCallback(Callback):
         seq = adapter.max_sequence_length()
         if self.max_value_arg is not None and seq is not None and self.max_value_arg > seq:
             raise ValueError(
-                f"{name}.max_value ({self.max_value_arg}) is larger than the model's sequence length ({seq})"
+                f"{name}.max_value ({self.max_value_arg}) is larger than the longest sequence the model takes ({seq} "
+                f"tokens, {type(adapter).__name__}'s max_sequence_length): pass max_value <= {seq}, or, if the model "
+                "takes longer sequences, declare them (GenericAdapter(max_sequence_length=...))"
             )
         if self.keep_prefix_arg == "auto":
             self.keep_prefix_tokens = adapter.num_prefix_tokens()
         if self.keep_prefix_tokens > self.min_value:
+            source = (
+                f"keep_prefix_tokens='auto': the model's prefix tokens, {type(adapter).__name__}'s num_prefix_tokens"
+                if self.keep_prefix_arg == "auto"
+                else "keep_prefix_tokens"
+            )
             raise ValueError(
-                f"{name}.keep_prefix_tokens ({self.keep_prefix_tokens}"
-                f"{', the model' + chr(39) + 's prefix tokens' if self.keep_prefix_arg == 'auto' else ''}) must be <= "
-                f"min_value ({self.min_value})"
+                f"{name}: {self.keep_prefix_tokens} prefix tokens are always kept ({source}), more than min_value "
+                f"({self.min_value}), the reserved length they are counted in: raise min_value to at least "
+                f"{self.keep_prefix_tokens} or keep fewer prefix tokens"
             )
         self._seqlen_curriculum = self._check_truncation(trainer)
         self._curriculum = next(
@@ -519,7 +578,15 @@ class RandomLTDCallback(Callback):
         the module (frozen transformers are skipped, two trainable ones are an error asking for ``model_attr``), or
         under ``model_attr`` (where a frozen one is patched too: the user named it)."""
         root = self._search_root(pl_module)
-        return find_adapter(root, self.adapter_arg, include_frozen=self.model_attr is not None)
+        try:
+            return find_adapter(root, self.adapter_arg, include_frozen=self.model_attr is not None)
+        except ValueError as err:
+            if self.model_attr is None:
+                raise
+            raise ValueError(
+                f"{type(self).__name__}.model_attr={self.model_attr!r} (a {type(root).__name__}): {err}; model_attr "
+                "must name the submodule that holds the one transformer to patch"
+            ) from None
 
     def _resolve_ids(self, num_layers: int) -> tuple[int, ...]:
         """The LTD layer ids of a network of ``num_layers`` layers that a technique put in place (a V-cycle level):
@@ -663,13 +730,34 @@ class RandomLTDCallback(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Resolve a derived ``require_steps`` (a fraction or epochs): on the run's progress clock when a technique
+        """Check the sequence length the patched layers will see, peeked from the training data
+        (:meth:`_peek_sequence_length`; not with a Curriculum, whose first batches are short by design), against
+        ``min_value``, ``max_value``, ``seq_per_step`` and the model's ``max_sequence_length`` (:meth:`_check_length`);
+        resolve a derived ``require_steps`` (a fraction or epochs): on the run's progress clock when a technique
         provides one (found now, after every callback's ``setup``: InfoBatch hides its clock in its own ``setup``
         when it thins inside the curriculum), else in optimizer steps; on resume compare with the checkpoint's
-        schedule (``strict``)."""
+        schedule (``strict``); warn when the growth is longer than the run (:meth:`_warn_beyond_run`).
+
+        Raises:
+            ValueError: see :meth:`_check_length`; a derived ``require_steps`` that cannot be resolved, or
+                (``strict``) differs from the checkpoint's.
+        """
         check_started(trainer)
         total = trainer.estimated_stepping_batches
         self.total_steps = int(total) if math.isfinite(total) else None
+        self._data_length = None
+        if self._curriculum is None and not self._seen:
+            self._data_length = self._peek_sequence_length(trainer)
+            if self._data_length is not None:
+                self._check_length(self._data_length, self._PEEKED)
+        self._resolve_schedule(trainer)
+        self._warn_beyond_run(trainer)
+
+    #: where a peeked sequence length comes from, for messages
+    _PEEKED = "in the training data, read at train start"
+
+    def _resolve_schedule(self, trainer: pl.Trainer) -> None:
+        """The derived ``require_steps`` of :meth:`on_train_start` (a fixed one only sets the step clock)."""
         if self.require_steps_arg is not None:
             self.clock, self._clock_source = "step", None
             return  # a fixed step count: compared with the checkpoint's in load_state_dict
@@ -697,6 +785,119 @@ class RandomLTDCallback(Callback):
                 )
         self.clock, self._clock_source = current["clock"], source
         self.require_steps, self.require_progress = current["require_steps"], current["require_progress"]
+
+    def _warn_beyond_run(self, trainer: pl.Trainer) -> None:
+        """Warn (``rank_zero_warn``) when the growth of the reserved length is longer than the run: an int (or
+        epochs) ``require_steps`` beyond the run's optimizer steps (:func:`~lightning_effi.core.progress.run_length`),
+        or on the progress clock a share above 1. The run still drops tokens as the schedule says for the steps it
+        has (a longer resumed run continues the schedule), so this is a warning, not an error; it names
+        ``require_steps``, the run's length and the reserved length the run ends at."""
+        name = type(self).__name__
+        given = str(self.require_duration) if self.require_steps_given is None else repr(self.require_steps_given)
+        if self.clock == "progress":
+            if self.require_progress is not None and self.require_progress > PROGRESS_TICKS:
+                share = self.require_progress / PROGRESS_TICKS
+                rank_zero_warn(
+                    f"{name}.require_steps={given} is longer than the run: {share:g} of its training progress on "
+                    f"{type(self._clock_source).__name__}'s clock, so the reserved length ends the run at "
+                    f"{1 / share:.0%} of its growth from min_value={self.min_value} to max_value, never reaching "
+                    "max_value; give a share <= 1 ('1dur': the whole run) to reach it"
+                )
+            return
+        total = run_length(trainer.max_steps, trainer.estimated_stepping_batches)
+        if total is None or self.require_steps is None or self.require_steps <= total:
+            return
+        end = self.max_value_arg if self.max_value_arg is not None else self.max_value or self._data_length
+        if end is not None and end >= self.min_value:
+            last = F.ltd_value(total - 1, self.min_value, end, self.require_steps, self.seq_per_step, self.rounding)
+            reached = f"{last} tokens at the run's last step (step {total - 1}), of max_value={end}"
+        else:
+            reached = (
+                f"{(total - 1) / self.require_steps:.0%} of its growth from min_value={self.min_value} to max_value "
+                f"at the run's last step (step {total - 1})"
+            )
+        rank_zero_warn(
+            f"{name}.require_steps={given} ({self.require_steps} optimizer steps) is longer than the run ({total} "
+            f"optimizer steps): the reserved length grows only to {reached}, never reaching max_value, so the run "
+            f"drops more tokens than a schedule ending at max_value; pass require_steps <= {total} (or '1dur': the "
+            "whole run) to reach it, or keep it when a longer resumed run continues the schedule"
+        )
+
+    def _peek_sequence_length(self, trainer: pl.Trainer) -> int | None:
+        """The sequence length the patched layers will see, from the training data, before the first batch: samples
+        ``0``, ``n // 2`` and ``n - 1`` of the training ``DataLoader``'s map-style dataset, each collated alone by its
+        ``collate_fn`` (a technique's :class:`~lightning_effi.core.batch.EffiBatch` unwrapped) and measured by the
+        adapter (:meth:`~lightning_effi.models.base.TransformerAdapter.sequence_length`: ``input_ids`` for the HF
+        adapters, the patch count for timm). The Trainer's loader is neither iterated nor re-created, and the
+        global random states (Python, numpy, torch CPU) are restored afterwards, so a random augmentation in the
+        dataset does not change the run.
+
+        Returns ``None`` (nothing to check before the first batch, which :meth:`_see` checks) when there is no
+        single ``DataLoader`` over a map-style dataset, the adapter cannot tell the length from a batch (a
+        ``GenericAdapter``, ``nn.TransformerEncoder``: a module may embed or prepend tokens), the samples differ in
+        length (variable-length data: the first batch decides), or reading them fails (the loop reads the data
+        anyway and reports it)."""
+        if self.adapter is None:
+            return None
+        loader = trainer.train_dataloader
+        dataset = getattr(loader, "dataset", None)
+        if not isinstance(loader, DataLoader) or dataset is None or isinstance(dataset, IterableDataset):
+            return None
+        lengths: set[int] = set()
+        try:
+            n = len(dataset)
+            with _random_states_kept():
+                for i in sorted({0, n // 2, n - 1} if n else set()):
+                    sample = dataset[i]
+                    batch = loader.collate_fn(sample if loader.batch_sampler is None else [sample])
+                    seq_len = self.adapter.sequence_length(unwrap(batch)[0])
+                    if seq_len is None:
+                        return None
+                    lengths.add(int(seq_len))
+        except Exception:  # noqa: BLE001 - a peek that cannot read the data checks nothing; the loop reports it
+            return None
+        return lengths.pop() if len(lengths) == 1 else None
+
+    def _check_length(self, seq_len: int, where: str) -> None:
+        """The settings against the sequence length ``S`` the patched layers see (``where``: peeked from the
+        training data at train start, or the first training batch).
+
+        Raises:
+            ValueError: ``S`` above the model's ``max_sequence_length`` (a declared ``GenericAdapter`` bound that the
+                data contradicts); an explicit ``max_value > S`` (the schedule would stop dropping before its end);
+                ``min_value >= S`` (the reserved length is never below ``S``: no token is ever dropped); with
+                ``max_value=None`` (it becomes ``S``), ``seq_per_step > S`` (the reserved length never grows).
+        """
+        name = type(self).__name__
+        longest = None if self.adapter is None else self.adapter.max_sequence_length()
+        if longest is not None and seq_len > longest:
+            raise ValueError(
+                f"{name}: the sequences the patched layers see are {seq_len} tokens long ({where}), longer than the "
+                f"model's max_sequence_length ({longest}, {type(self.adapter).__name__}); declare the model's real "
+                "bound (GenericAdapter(max_sequence_length=...), or None when it has none) or feed shorter sequences"
+            )
+        if self.max_value_arg is not None and self.max_value_arg > seq_len:
+            raise ValueError(
+                f"{name}.max_value ({self.max_value_arg}) is larger than the sequence length the patched layers "
+                f"see ({seq_len} tokens {where}): the reserved length would reach {seq_len} before the end of its "
+                f"growth and drop nothing from then on (a smaller saving than the schedule says); leave "
+                f"max_value=None (the schedule then ends at the length the layers see) or pass max_value <= {seq_len}"
+            )
+        if self.min_value >= seq_len:
+            relation = "equal to" if self.min_value == seq_len else "larger than"
+            raise ValueError(
+                f"{name}.min_value ({self.min_value}) is {relation} the sequence length the patched layers see "
+                f"({seq_len} tokens {where}): the reserved length is never below {seq_len}, so random-LTD would never "
+                f"drop a token; lower min_value below {seq_len} (e.g. {max(1, seq_len // 4)} to start at a quarter of "
+                "the sequence)"
+            )
+        if self.max_value_arg is None and self.seq_per_step > seq_len:
+            raise ValueError(
+                f"{name}.seq_per_step ({self.seq_per_step}) is larger than max_value=None's end of the schedule, the "
+                f"sequence length the patched layers see ({seq_len} tokens {where}): the reserved length is rounded "
+                f"down to a multiple of seq_per_step, so it never grows (min_value until require_steps, then "
+                f"{seq_len}); pass seq_per_step <= {seq_len}"
+            )
 
     def _resolve_require_progress(self, trainer: pl.Trainer, source: str) -> int:
         """A derived ``require_steps`` on the progress clock, in ticks of
@@ -874,15 +1075,9 @@ class RandomLTDCallback(Callback):
         """
         name = type(self).__name__
         first, self._seen = not self._seen, True
+        if first and self._curriculum is None and seq_len != self._data_length:
+            self._check_length(seq_len, "at the first training batch")
         if self.max_value_arg is not None:
-            if first and self._curriculum is None and self.max_value_arg > seq_len:
-                raise ValueError(
-                    f"{name}.max_value ({self.max_value_arg}) is larger than the sequence length the patched layers "
-                    f"see ({seq_len} tokens at the first training batch): the reserved length would reach {seq_len} "
-                    f"before the end of its growth and drop nothing from then on (a smaller saving than the schedule "
-                    f"says); leave max_value=None (the schedule then ends at the length the layers see) or pass "
-                    f"max_value <= {seq_len}"
-                )
             return
         if self.max_value is None:
             if self.min_value > seq_len and self._curriculum is not None:
@@ -893,13 +1088,6 @@ class RandomLTDCallback(Callback):
                     "max_value follows the longest batch seen (logged as effi/random_ltd/max_value)"
                 )
                 return
-            if self.min_value > seq_len:
-                raise ValueError(
-                    f"{name}.min_value ({self.min_value}) is larger than the sequence length the patched layers see "
-                    f"({seq_len} tokens at the first training batch; max_value=None ends the schedule there): "
-                    f"random-LTD would never drop a token; lower min_value below {seq_len} (e.g. {max(1, seq_len // 4)}"
-                    " to start at a quarter of the sequence)"
-                )
             self.max_value = seq_len
             rank_zero_info(
                 f"{name}: max_value = {seq_len} tokens, the sequence length the patched layers see at the first "
@@ -995,6 +1183,16 @@ class RandomLTDCallback(Callback):
         self.full_layer_flops += full_flops
 
     @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """The non-finite loss policy (``nonfinite_loss``, :class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`):
+        before the backward pass of a NaN / infinite training loss, raise or count it.
+
+        Raises:
+            NonFiniteLossError: the loss is not finite and ``nonfinite_loss="raise"`` (here or on another technique).
+        """
+        self.nonfinite_guard.check(trainer, loss)
+
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._fold_step(trainer)
 
@@ -1008,18 +1206,22 @@ class RandomLTDCallback(Callback):
         assert self.controller is not None
         self.controller.end()
         frac = self._saved_frac() if self._frac_fixed is None else self._frac_fixed
-        pl_module.log_dict(
-            {
-                "effi/random_ltd/reserved_length": float(self.current_value),
-                "effi/random_ltd/consumed_layer_tokens": float(self.consumed_layer_tokens),
-                "effi/random_ltd/flops_saved_frac": frac,
-                "effi/random_ltd/ltd_layers": float(self._batch_ltd_layers),
-                "effi/random_ltd/max_value": float(self.max_value or 0),
-            },
-            on_step=True,
-            on_epoch=False,
-            batch_size=1,
-        )
+        metrics = {
+            "effi/random_ltd/reserved_length": float(self.current_value),
+            "effi/random_ltd/consumed_layer_tokens": float(self.consumed_layer_tokens),
+            "effi/random_ltd/flops_saved_frac": frac,
+            "effi/random_ltd/ltd_layers": float(self._batch_ltd_layers),
+            "effi/random_ltd/max_value": float(self.max_value or 0),
+        }
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        self.nonfinite_guard.log_count(trainer)  # effi/nonfinite_losses, by the stack's checking guard only
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Report the non-finite training losses the run went on after (``nonfinite_loss="warn"``), if any."""
+        report = self.nonfinite_guard.report()
+        if report is not None:
+            rank_zero_info(report)
 
     def _saved_frac(self) -> float:
         """The share of the layers' FLOPs the current micro-batch skipped (its first forward's shapes), else 0."""
@@ -1090,6 +1292,7 @@ class RandomLTDCallback(Callback):
             "current_value": int(self.current_value),
             "global_batch_size": int(self.global_batch_size),
             "config": self.config(),
+            "nonfinite_loss": self.nonfinite_guard.state_dict(),
         }
 
     @override
@@ -1126,12 +1329,16 @@ class RandomLTDCallback(Callback):
         ones) and no change to this callback's state (e.g. that of the fit that ran before on the same Trainer).
         The evaluation runs the full model, as without random-LTD.
 
+        Every field is validated like a constructor argument before anything is restored (:meth:`_checked_state`).
+
         Raises:
-            ValueError: (``fit``, ``strict``) the checkpoint's configuration differs.
+            ValueError: a field of the wrong type or range, naming it (:meth:`_checked_state`); (``fit``, ``strict``)
+                the checkpoint's configuration differs.
         """
         if self._evaluating:
             self._evaluating = False
             return
+        fields = self._checked_state(state_dict)
         saved, mine = dict(state_dict["config"]), self.config()
         saved.setdefault("clock", "step")  # written before the progress clock existed
         saved.setdefault("require_progress", None)
@@ -1157,14 +1364,58 @@ class RandomLTDCallback(Callback):
         diff = settings_diff(saved, mine)
         if diff:
             self._mismatch(f"the checkpoint's configuration differs (checkpoint, now): {diff}")
-        self.consumed_layer_tokens = int(state_dict["consumed_layer_tokens"])
-        self.full_layer_tokens = int(state_dict["full_layer_tokens"])
-        self.consumed_samples = int(state_dict["consumed_samples"])
-        self.saved_flops = float(state_dict["saved_flops"])
-        self.full_layer_flops = float(state_dict["full_layer_flops"])
-        self.current_step = int(state_dict["current_step"])
-        self.current_value = int(state_dict["current_value"])
-        self.global_batch_size = int(state_dict.get("global_batch_size", 0))
+        for key, value in fields.items():
+            setattr(self, key, value)
+        if "nonfinite_loss" in state_dict:  # written before the non-finite policy existed: nothing to restore
+            self.nonfinite_guard.load_state_dict(state_dict["nonfinite_loss"])
+
+    def _checked_state(self, state: Any) -> dict[str, Any]:
+        """The counters of a checkpoint's state, validated: ``consumed_layer_tokens``, ``full_layer_tokens``,
+        ``consumed_samples``, ``global_batch_size`` (optional, default 0) ints >= 0; ``saved_flops``,
+        ``full_layer_flops`` finite floats >= 0; ``current_step`` an int >= -1 (-1: saved before the first training
+        batch); ``current_value`` an int in ``[lowest, max_value]`` of the checkpoint's own configuration (``lowest``:
+        ``min_value``, or with ``rounding="deepspeed"`` ``min_value`` rounded down to a multiple of ``seq_per_step``;
+        ``max_value`` when it was resolved); ``config`` a mapping; ``nonfinite_loss`` a mapping the guard accepts
+        (:meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`).
+
+        Raises:
+            ValueError: a missing key or a value of the wrong type or range, naming the field.
+        """
+        owner = f"{type(self).__name__} checkpoint"
+        if not isinstance(state, dict):
+            raise ValueError(f"{owner}: the state must be a dict, got {type(state).__name__}")
+        required: tuple[str, ...] = ("consumed_layer_tokens", "full_layer_tokens", "consumed_samples", "saved_flops")
+        required += ("full_layer_flops", "current_step", "current_value", "config")
+        missing = [key for key in required if key not in state]
+        if missing:
+            raise ValueError(
+                f"{owner}: the state lacks {', '.join(missing)} (not a random-LTD state, or a damaged one)"
+            )
+        config = state["config"]
+        if not isinstance(config, dict):
+            raise ValueError(f"{owner}.config must be a dict of the callback's settings, got {config!r}")
+        if not isinstance(guard := state.get("nonfinite_loss", {}), dict):
+            raise ValueError(f"{owner}.nonfinite_loss must be a dict (count, first_step), got {guard!r}")
+        NonFiniteLossGuard(type(self).__name__).load_state_dict(guard)  # validates it (restored after the rest)
+        out: dict[str, Any] = {
+            key: check_int(owner, key, state[key], minimum=0)
+            for key in ("consumed_layer_tokens", "full_layer_tokens", "consumed_samples")
+        }
+        out["global_batch_size"] = check_int(owner, "global_batch_size", state.get("global_batch_size", 0), minimum=0)
+        for key in ("saved_flops", "full_layer_flops"):
+            out[key] = check_real(owner, key, state[key], low=0)
+        out["current_step"] = check_int(owner, "current_step", state["current_step"], minimum=-1)
+        # the bounds of the reserved length under the checkpoint's own settings (this callback's where they are bad)
+        low_cfg: Any = config.get("min_value")
+        high_cfg: Any = config.get("max_value")
+        sps_cfg: Any = config.get("seq_per_step")
+        min_value = int(low_cfg) if is_int(low_cfg) and low_cfg >= 1 else self.min_value
+        sps = int(sps_cfg) if is_int(sps_cfg) and sps_cfg >= 1 else self.seq_per_step
+        lowest = min_value - min_value % sps if config.get("rounding", self.rounding) == "deepspeed" else min_value
+        highest = int(high_cfg) if is_int(high_cfg) and high_cfg >= min_value else None
+        value = state["current_value"]
+        out["current_value"] = check_int(owner, "current_value", value, minimum=lowest, maximum=highest)
+        return out
 
 
 RandomLTD = RandomLTDCallback  # the short name (``lightning_effi.callbacks.RandomLTD``, Hydra configs)

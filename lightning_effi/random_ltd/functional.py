@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_effi.core.checks import is_int
+from lightning_effi.core.checks import check_int, is_int
 
 __all__ = [
     "MASK_KINDS",
@@ -386,13 +386,26 @@ def layer_tokens(batch_size: int, seq_len: int, reserved_length: int, num_layers
     """Layer-tokens one batch consumes: ``B * (min(r, S) * L_ltd + S * (L - L_ltd))`` (actual accounting).
 
     With ``seq_len = max_value`` this is DeepSpeed's per-step increment (``global_batch_size * (r * L_ltd +
-    max_value * (L - L_ltd))``).
+    max_value * (L - L_ltd))``; Yao et al. 2022, Sec. 3; DeepSpeed ``data_routing/scheduler.py``).
+
+    Args:
+        batch_size: ``B``, samples (>= 0). seq_len: ``S``, tokens per sample (>= 0). reserved_length: ``r``, tokens
+            each LTD layer keeps (>= 0; counted as ``min(r, S)``). num_layers: ``L`` (>= 0). num_ltd_layers:
+            ``L_ltd``, in ``[0, L]``.
+
+    Raises:
+        ValueError: an argument that is not an int (Python or numpy) or is negative (naming it), or
+            ``num_ltd_layers > num_layers``.
     """
-    if not 0 <= num_ltd_layers <= num_layers:
+    owner = "layer_tokens"
+    b = check_int(owner, "batch_size", batch_size, minimum=0)
+    s = check_int(owner, "seq_len", seq_len, minimum=0)
+    r = check_int(owner, "reserved_length", reserved_length, minimum=0)
+    n = check_int(owner, "num_layers", num_layers, minimum=0)
+    n_ltd = check_int(owner, "num_ltd_layers", num_ltd_layers, minimum=0)
+    if n_ltd > n:
         raise ValueError(f"need 0 <= num_ltd_layers <= num_layers, got {num_ltd_layers}, {num_layers}")
-    return int(batch_size) * (
-        min(int(reserved_length), int(seq_len)) * num_ltd_layers + int(seq_len) * (num_layers - num_ltd_layers)
-    )
+    return b * (min(r, s) * n_ltd + s * (n - n_ltd))
 
 
 def total_layer_tokens(

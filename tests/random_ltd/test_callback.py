@@ -336,7 +336,7 @@ def test_construction_errors(kwargs, match):
     ("cb_kwargs", "model_fn", "match"),
     [
         (dict(layer_ids=[1, 4]), deep_gpt2, "out of range"),
-        (dict(max_value=64), deep_gpt2, "larger than the model's sequence length"),
+        (dict(max_value=64), deep_gpt2, "larger than the longest sequence the model takes .*max_sequence_length"),
         (
             dict(min_value=40),
             deep_gpt2,

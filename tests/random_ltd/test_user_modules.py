@@ -20,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from lightning_effi.adapters import GenericAdapter, find_adapter
 from lightning_effi.callbacks import RandomLTDCallback, VCycleCallback
 from lightning_effi.models.generic import TorchTransformerAdapter
-from lightning_effi.random_ltd import LTDController, convert, is_converted
+from lightning_effi.random_ltd import LTDController, convert, is_converted, restore
 from lightning_effi.random_ltd import functional as F
 from tests.helpers.harness import assert_resume_equals_uninterrupted, make_trainer
 from tests.helpers.tiny import TinyDataModule, TokenBlocks
@@ -683,13 +683,35 @@ def test_a_torch_encoder_model_trains_with_each_mask_layout(tmp_path, layout):
     assert cb.consumed_layer_tokens == sum(B * (2 * r + 2 * S) for r in (4, 6, 8))
 
     runs = []
-    for callbacks in ([RandomLTDCallback(min_value=S, seq_per_step=2, require_steps=3)], []):
+    for callbacks in ([PassThrough()], []):
         model = TinyTagger(layout)
         make_trainer(tmp_path / str(len(runs)), callbacks, max_steps=3, max_epochs=-1).fit(
             model, train_dataloaders=tagging_data()
         )
         runs.append(model.state_dict())
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[1])
+
+
+class PassThrough(Callback):
+    """The LTD layers patched as random-LTD patches them, with r = S at every batch: every layer passes through
+    (RandomLTDCallback itself refuses a min_value that never drops a token)."""
+
+    def setup(self, trainer, pl_module, stage):
+        adapter = find_adapter(pl_module)
+        n = len(adapter.layers())
+        self.ctl = LTDController(num_layers=n, layer_ids=tuple(range(1, n - 1)), seed=0)
+        self.patched = convert(pl_module, adapter, self.ctl)
+        assert is_converted(pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.ctl.begin(trainer.global_step, batch_idx, S)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        assert [rec.reserved_length for rec in self.ctl.records] == [S]
+        self.ctl.end()
+
+    def teardown(self, trainer, pl_module, stage):
+        restore(self.patched)
 
 
 # ------------------------------------------------------------------------------------------------ DDP

@@ -1,0 +1,543 @@
+"""Random-LTD's argument, data and checkpoint checks (issue #21, "nothing silent"), and its non-finite loss policy:
+the adapters' arguments (numpy ints, mappings and lists of names, the model they serve, widths the layers
+contradict), settings the training data makes a no-op refused before the first batch (a peek at the data, which
+leaves the loader and the random states alone), a growth longer than the run, the checkpoint's fields, and
+``nonfinite_loss``."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from omegaconf import OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_effi.adapters import (
+    GenericAdapter,
+    HFBertAdapter,
+    HFGPT2Adapter,
+    TimmViTAdapter,
+    TorchTransformerAdapter,
+    find_adapter,
+)
+from lightning_effi.callbacks import RandomLTDCallback
+from lightning_effi.core.nonfinite import NonFiniteLossError
+from lightning_effi.functional import random_ltd as F
+from lightning_effi.models.base import MUST_BE_NONE, PASS, AttentionMask, SeqArg
+from lightning_effi.random_ltd.callback import _random_states_kept
+from lightning_effi.tasks import GPT2CausalLM
+from tests.helpers.harness import make_trainer
+from tests.helpers.tiny import (
+    TINY_GPT2,
+    TinyDataModule,
+    TokenBlocks,
+    sgd,
+    tiny_gpt2,
+    tiny_lm_data,
+    tiny_sentence_data,
+)
+from tests.user_modules.modules import CharBlocks, CharGPT2, EncoderClassifier, TokenLabels, UserData
+
+
+def ltd(**kw):
+    return RandomLTDCallback(**{"min_value": 4, "require_steps": 6, "seq_per_step": 4, "seed": 7} | kw)
+
+
+def deep_gpt2(**kw):
+    return tiny_gpt2(n_layer=4, **kw)
+
+
+class Seen(Callback):
+    """Records whether the training loop reached its first epoch and batch."""
+
+    def __init__(self):
+        self.epochs = self.batches = 0
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs += 1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches += 1
+
+
+# ------------------------------------------------------------------------------------------------ functional
+
+
+def test_layer_tokens_refuses_negative_and_non_int_sizes_naming_them():
+    with pytest.raises(ValueError, match=r"layer_tokens.batch_size must be an int >= 0, got -4"):
+        F.layer_tokens(-4, 16, 8, 4, 2)
+    with pytest.raises(ValueError, match=r"layer_tokens.seq_len must be an int >= 0, got 16.0"):
+        F.layer_tokens(4, 16.0, 8, 4, 2)
+    with pytest.raises(ValueError, match=r"layer_tokens.reserved_length must be an int >= 0, got -1"):
+        F.layer_tokens(4, 16, -1, 4, 2)
+    # numpy ints are ints: 4 * (8 * 2 + 16 * 2)
+    assert F.layer_tokens(np.int64(4), np.int64(16), np.int64(8), np.int64(4), np.int64(2)) == 192
+    assert F.layer_tokens(0, 16, 8, 4, 2) == 0
+
+
+# ------------------------------------------------------------------------------------------------ GenericAdapter
+
+
+def test_generic_adapter_takes_numpy_ints():
+    adapter = GenericAdapter(
+        "net.encoder.layers",
+        max_sequence_length=np.int64(32),
+        hidden_size=np.int64(32),
+        intermediate_size=np.int64(64),
+        num_prefix_tokens=np.int64(1),
+    ).bind(EncoderClassifier(depth=4))
+    values = (adapter.max_sequence_length(), adapter.hidden_size(), adapter.intermediate_size())
+    assert values == (32, 32, 64) and adapter.num_prefix_tokens() == 1
+    assert all(type(v) is int for v in (*values, adapter.num_prefix_tokens()))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(seq_args=["attention_mask"]), r"GenericAdapter.seq_args must be a mapping of argument name -> sequence"),
+        (dict(seq_args="attention_mask"), r"GenericAdapter.seq_args must be a mapping"),
+        (dict(seq_args={"attention_mask": ["x"]}), r"seq_args\['attention_mask'\] must be an int axis or a list"),
+        (dict(seq_args={"attention_mask": 1.0}), r"seq_args\['attention_mask'\] must be an int axis or a list"),
+        (dict(seq_args={"attention_mask": []}), r"seq_args\['attention_mask'\]: give at least one sequence axis"),
+        (dict(masks=["self"]), r"GenericAdapter.masks must be a mapping of argument name -> mask kind"),
+        (dict(masks={"src_mask": "causal"}), r"GenericAdapter.masks\['src_mask'\] must be one of"),
+        (dict(passthrough="is_causal"), r"GenericAdapter.passthrough must be a list of .*\['is_causal'\] for one"),
+        (dict(passthrough=3), r"GenericAdapter.passthrough must be a list of argument names \(strings\), got 3"),
+        (dict(passthrough=["a", 3]), r"GenericAdapter.passthrough must be a list of argument names"),
+        (dict(must_be_none="memory"), r"GenericAdapter.must_be_none must be a list of .*\['memory'\] for one"),
+        (dict(must_be_none=3), r"GenericAdapter.must_be_none must be a list of argument names"),
+        (dict(root="model"), r"GenericAdapter.root must be the nn.Module that layers starts from .* got str 'model'"),
+        (dict(num_prefix_tokens=-1), r"GenericAdapter.num_prefix_tokens must be an int >= 0, got -1"),
+        (dict(num_prefix_tokens=1.5), r"GenericAdapter.num_prefix_tokens must be an int >= 0, got 1.5"),
+        (dict(hidden_size="32"), r"GenericAdapter.hidden_size must be an int >= 1 or None, got '32'"),
+        (dict(max_sequence_length=True), r"GenericAdapter.max_sequence_length must be an int >= 1 or None"),
+    ],
+)
+def test_generic_adapter_refuses_bad_declarations_naming_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GenericAdapter("net.encoder.layers", **kwargs)
+
+
+def test_generic_adapter_reads_hydra_containers_and_lists():
+    adapter = GenericAdapter(
+        "layers",
+        hidden_size=8,
+        seq_args=OmegaConf.create({"position_ids": [-1], "rotary": -2}),
+        masks=OmegaConf.create({"attn_mask": "self"}),
+        passthrough=OmegaConf.create(["use_cache"]),
+        must_be_none=("cache",),
+    )
+    assert adapter.layer_arguments == {
+        "position_ids": SeqArg((-1,)),
+        "rotary": SeqArg((-2,)),
+        "attn_mask": AttentionMask("self"),
+        "use_cache": PASS,
+        "cache": MUST_BE_NONE,
+    }
+
+
+class NormBlock(nn.Module):
+    """A layer without nn.MultiheadAttention: a pre-norm MLP of width 32 (inner 48)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 48), nn.Linear(48, width)
+
+    def forward(self, x):
+        return x + self.down(self.up(self.norm(x)))
+
+
+def test_a_hidden_size_the_layers_contradict_is_refused_at_bind():
+    with pytest.raises(
+        ValueError, match=r"GenericAdapter.hidden_size=64, but the layers of 'net.encoder.layers' are 32"
+    ):
+        GenericAdapter("net.encoder.layers", hidden_size=64).bind(EncoderClassifier(depth=4))
+    with pytest.raises(ValueError, match=r"GenericAdapter.intermediate_size=128, .* MLP of width 64 \(linear1"):
+        GenericAdapter("net.encoder.layers", intermediate_size=128).bind(EncoderClassifier(depth=4))
+    blocks = nn.Module()
+    blocks.layers = nn.ModuleList([NormBlock(), NormBlock()])
+    # no attention: the normalisation width says 32 (48, the MLP's inner width, is not the hidden width)
+    with pytest.raises(ValueError, match=r"hidden_size=48, .*normalisation layers normalise \[32\] features"):
+        GenericAdapter("layers", hidden_size=48).bind(blocks)
+    assert GenericAdapter("layers", hidden_size=32).bind(blocks).hidden_size() == 32
+
+
+def test_rebind_keeps_the_declared_widths_of_a_narrower_level():
+    """The V-cycle's coarse level is narrower: the declared sizes stay as given there, no error."""
+    adapter = GenericAdapter("net.encoder.layers", hidden_size=32, intermediate_size=64)
+    adapter.bind(EncoderClassifier(depth=4))
+    narrow = nn.Module()
+    narrow.net = nn.Module()
+    layer = nn.TransformerEncoderLayer(16, nhead=2, dim_feedforward=32, batch_first=True)
+    narrow.net.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    adapter.rebind(narrow)
+    assert (len(adapter.layers()), adapter.hidden_size(), adapter.intermediate_size()) == (2, 32, 64)
+
+
+def fit_user(tmp_path, cb, **trainer_kwargs):
+    torch.manual_seed(0)
+    trainer = make_trainer(tmp_path, [cb], **({"max_steps": 2, "max_epochs": -1} | trainer_kwargs))
+    trainer.fit(EncoderClassifier(depth=4), datamodule=UserData(TokenLabels(n=16)))
+    return trainer
+
+
+def test_a_declared_max_sequence_length_below_the_data_is_named(tmp_path):
+    adapter = GenericAdapter("net.encoder.layers", max_sequence_length=8)
+    with pytest.raises(ValueError, match=r"max_value \(16\) is larger than .* \(8 tokens, GenericAdapter's max_seq"):
+        fit_user(tmp_path / "a", ltd(max_value=16, adapter=adapter))
+    # max_value=None: the 16-token batches the layers see contradict the declaration (at the first batch: a
+    # GenericAdapter cannot tell the length from the data)
+    adapter = GenericAdapter("net.encoder.layers", max_sequence_length=8)
+    with pytest.raises(
+        ValueError, match=r"are 16 tokens long \(at the first training batch\), longer than the model's "
+    ):
+        fit_user(tmp_path / "b", ltd(adapter=adapter))
+
+
+def test_prefix_tokens_above_min_value_name_num_prefix_tokens(tmp_path):
+    adapter = GenericAdapter("net.encoder.layers", num_prefix_tokens=8)
+    with pytest.raises(ValueError, match=r"8 prefix tokens are always kept \(keep_prefix_tokens='auto': .*"
+                       r"GenericAdapter's num_prefix_tokens\), more than min_value \(4\)"):  # fmt: skip
+        fit_user(tmp_path, ltd(adapter=adapter))
+
+
+# ------------------------------------------------------------------------------------------------ registered adapters
+
+
+@pytest.mark.parametrize(
+    ("cls", "expects"),
+    [
+        (HFBertAdapter, r"HFBertAdapter expects a BERT-style model with .encoder.layer .*; got GPT2LMHeadModel$"),
+        (TimmViTAdapter, r"TimmViTAdapter expects a timm VisionTransformer with .blocks .*; got GPT2LMHeadModel$"),
+        (TorchTransformerAdapter, r"TorchTransformerAdapter expects a PyTorch nn.TransformerEncoder .*got GPT2LMHead"),
+        (
+            HFGPT2Adapter,
+            r"HFGPT2Adapter expects a GPT-2 .*; got GPT2LMHeadModel; .*: HFGPT2Adapter\(model.transformer\)",
+        ),
+    ],
+)
+def test_an_adapter_given_a_model_of_another_family_names_what_it_expects(cls, expects):
+    model = tiny_gpt2().model  # a GPT2LMHeadModel
+    with pytest.raises(ValueError, match=expects):
+        cls(model)
+    with pytest.raises(ValueError, match=rf"{cls.__name__}.root must be (an|the) nn.Module .*got str"):
+        cls("model")
+
+
+def test_a_registered_adapter_serves_the_model_it_matches():
+    model = tiny_gpt2().model
+    adapter = HFGPT2Adapter(model.transformer)
+    assert adapter.root is model.transformer and len(adapter.layers()) == 2
+    assert adapter.sequence_length({"input_ids": torch.zeros(3, 12, dtype=torch.long)}) == 12
+    assert adapter.sequence_length((torch.zeros(3, 12),)) is None  # another structure: cannot tell
+
+
+def test_a_model_attr_without_a_transformer_names_model_attr(tmp_path):
+    trainer = make_trainer(tmp_path, [ltd(model_attr="model.lm_head")], max_steps=1, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"RandomLTDCallback.model_attr='model.lm_head' \(a Linear\): adapter: no "
+                       r"model inside Linear matches .*; model_attr must name the submodule"):  # fmt: skip
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+
+
+# ------------------------------------------------------------------------------------------------ the data's length
+
+
+def test_seq_per_step_above_max_value_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"RandomLTDCallback.seq_per_step \(64\) must be <= max_value \(16\)"):
+        RandomLTDCallback(min_value=4, max_value=16, seq_per_step=64)
+    assert RandomLTDCallback(min_value=4, max_value=16, seq_per_step=16).seq_per_step == 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            dict(min_value=16),
+            r"min_value \(16\) is equal to the sequence length the patched layers see \(16 tokens in "
+            r"the training data, read at train start\): the reserved length is never below 16, so random-LTD "
+            r"would never drop a token",
+        ),  # fmt: skip
+        (
+            dict(min_value=32),
+            r"min_value \(32\) is larger than the sequence length .* \(16 tokens in the training data",
+        ),
+        (dict(min_value=16, max_value=16, seq_per_step=16), r"min_value \(16\) is equal to the sequence length"),
+        (
+            dict(max_value=24),
+            r"max_value \(24\) is larger than the sequence length .* \(16 tokens in the training data",
+        ),
+        (dict(seq_per_step=32), r"seq_per_step \(32\) is larger than max_value=None's end .* \(16 tokens in the train"),
+    ],
+)
+def test_no_op_settings_are_refused_before_the_first_batch(tmp_path, kwargs, match):
+    seen = Seen()
+    trainer = make_trainer(tmp_path, [ltd(**kwargs), seen], max_steps=2, max_epochs=-1)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    assert (seen.epochs, seen.batches, trainer.global_step) == (0, 0, 0)  # raised in on_train_start
+
+
+def test_data_it_cannot_peek_is_checked_at_the_first_batch(tmp_path):
+    """A user module on (x, y) tuples: the adapter cannot tell the length from the batch, the first batch decides."""
+    seen = Seen()
+    trainer = make_trainer(tmp_path, [ltd(min_value=32, seq_per_step=8), seen], max_steps=2, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"min_value \(32\) is equal to .* \(32 tokens at the first training batch"):
+        trainer.fit(CharGPT2(n_layer=4), datamodule=UserData(CharBlocks(n=8, block=32)))
+    assert (seen.epochs, seen.batches) == (1, 1)
+
+
+class Noisy(TokenBlocks):
+    """Token blocks whose samples draw from every global generator (a random augmentation)."""
+
+    def __getitem__(self, i):
+        random.random(), np.random.rand(), torch.rand(1)
+        return super().__getitem__(i)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield {"input_ids": torch.zeros(16, dtype=torch.long)}
+
+
+def peek(dataset, adapter, **loader_kwargs):
+    cb = ltd()
+    cb.adapter = adapter
+    return cb._peek_sequence_length(SimpleNamespace(train_dataloader=DataLoader(dataset, **loader_kwargs)))
+
+
+def test_the_peek_reads_samples_through_the_adapter_and_leaves_the_random_states_alone():
+    gpt2 = find_adapter(deep_gpt2())
+    before = random.getstate(), np.random.get_state()[1].copy(), torch.random.get_rng_state()
+    assert peek(Noisy(n=8, seq_len=12), gpt2, batch_size=4, shuffle=True) == 12
+    after = random.getstate(), np.random.get_state()[1], torch.random.get_rng_state()
+    assert before[0] == after[0] and np.array_equal(before[1], after[1]) and torch.equal(before[2], after[2])
+    # variable-length samples (the first batch decides), a stream, a tuple batch GPT-2's adapter cannot read
+    assert peek(tiny_sentence_data().train_dataset, gpt2, collate_fn=tiny_sentence_data().collate_fn) is None
+    assert peek(Stream(), gpt2, batch_size=2) is None
+    assert peek(TokenLabels(n=4), gpt2, batch_size=2) is None
+    assert peek(TokenLabels(n=4), GenericAdapter("net.encoder.layers").bind(EncoderClassifier()), batch_size=2) is None
+    state = torch.random.get_rng_state()
+    with _random_states_kept():
+        torch.rand(3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_the_peek_does_not_change_the_run(tmp_path, monkeypatch):
+    """A dataset that draws from the global generators: the same weights with the peek as without it (its reads
+    of the dataset are outside the run's random stream, and the loader is not iterated)."""
+    weights, peeked = [], []
+    for n in range(2):
+        if n:
+            monkeypatch.setattr(RandomLTDCallback, "_peek_sequence_length", lambda self, trainer: None)
+        torch.manual_seed(0)
+        model, cb = deep_gpt2(), ltd(max_value=16)
+        make_trainer(tmp_path / str(n), [cb], max_steps=3, max_epochs=-1).fit(
+            model, datamodule=TinyDataModule(Noisy(n=16), batch_size=4)
+        )
+        weights.append(model.state_dict())
+        peeked.append(cb._data_length)
+    assert peeked == [16, None]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+# ------------------------------------------------------------------------------------------------ require_steps
+
+
+def test_a_growth_longer_than_the_run_warns_naming_where_it_ends(tmp_path):
+    """require_steps=6 in a run of 4 steps: r = ltd_value(3, 4, 16, 6, 2) = 3 * 12 // 6 + 4 = 10 at the last step."""
+    cb = ltd(require_steps=6, seq_per_step=2)
+    rs = []
+
+    class Rs(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            rs.append(cb.current_value)
+
+    trainer = make_trainer(tmp_path / "a", [cb, Rs()], max_steps=4, max_epochs=-1)
+    with pytest.warns(
+        UserWarning,
+        match=r"RandomLTDCallback.require_steps=6 \(6 optimizer steps\) is longer than the run \(4 optimizer steps\): "
+        r"the reserved length grows only to 10 tokens at the run's last step \(step 3\), of max_value=16",
+    ):
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    assert rs == [4, 6, 8, 10] and trainer.global_step == 4  # the run does what was asked for its steps
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*require_steps.*longer than the run")
+        make_trainer(tmp_path / "b", [ltd(require_steps=4)], max_steps=4, max_epochs=-1).fit(
+            deep_gpt2(), datamodule=tiny_lm_data()
+        )
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint state
+
+
+def valid_state(**kw):
+    cb = ltd(max_value=16, **kw)
+    state = cb.state_dict()
+    state.update(current_step=5, current_value=12, consumed_layer_tokens=640, full_layer_tokens=1024)
+    state.update(consumed_samples=40, saved_flops=1.5e6, full_layer_flops=4.0e6, global_batch_size=8)
+    return state
+
+
+def test_a_valid_state_loads_exactly():
+    state = valid_state()
+    cb = ltd(max_value=16)
+    cb.load_state_dict(copy.deepcopy(state))
+    assert cb.state_dict() == state
+    old = {k: v for k, v in state.items() if k != "nonfinite_loss"}  # written before the non-finite policy
+    cb = ltd(max_value=16)
+    cb.load_state_dict(old)
+    assert cb.nonfinite_guard.count == 0 and cb.current_value == 12
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("current_step", -5, r"RandomLTDCallback checkpoint.current_step must be an int >= -1, got -5"),
+        ("current_step", 2.0, r"checkpoint.current_step must be an int >= -1, got 2.0"),
+        ("current_value", 0, r"checkpoint.current_value must be an int >= 4 and <= 16, got 0"),
+        ("current_value", 17, r"checkpoint.current_value must be an int >= 4 and <= 16, got 17"),
+        ("saved_flops", math.nan, r"checkpoint.saved_flops must be a finite number in \[0, inf\], got nan"),
+        ("full_layer_flops", -1.0, r"checkpoint.full_layer_flops must be a finite number in \[0, inf\], got -1.0"),
+        ("consumed_layer_tokens", -64, r"checkpoint.consumed_layer_tokens must be an int >= 0, got -64"),
+        ("full_layer_tokens", "1024", r"checkpoint.full_layer_tokens must be an int >= 0, got '1024'"),
+        ("consumed_samples", True, r"checkpoint.consumed_samples must be an int >= 0, got True"),
+        ("global_batch_size", -8, r"checkpoint.global_batch_size must be an int >= 0, got -8"),
+        ("config", [], r"checkpoint.config must be a dict of the callback's settings, got \[\]"),
+        ("nonfinite_loss", 3, r"checkpoint.nonfinite_loss must be a dict \(count, first_step\), got 3"),
+        ("nonfinite_loss", {"count": -1}, r"checkpoint nonfinite count must be an int >= 0, got -1"),
+        ("saved_flops", None, r"checkpoint: the state lacks saved_flops"),
+    ],
+)
+def test_a_bad_checkpoint_field_is_refused_naming_it(field, value, match):
+    state = valid_state()
+    if value is None:
+        del state[field]
+    else:
+        state[field] = value
+    cb = ltd(max_value=16)
+    before = cb.state_dict()
+    with pytest.raises(ValueError, match=match):
+        cb.load_state_dict(state)
+    assert cb.state_dict() == before  # refused before anything is restored
+
+
+def test_deepspeed_rounding_may_start_below_min_value():
+    """rounding='deepspeed': r at step 0 is min_value rounded down to a multiple of seq_per_step (6 -> 4)."""
+    assert F.ltd_value(0, 6, 16, 6, 4, "deepspeed") == 4
+    state = valid_state(min_value=6, rounding="deepspeed") | {"current_value": 4}
+    cb = ltd(max_value=16, min_value=6, rounding="deepspeed")
+    cb.load_state_dict(state)
+    assert cb.current_value == 4
+    with pytest.raises(ValueError, match=r"checkpoint.current_value must be an int >= 4 and <= 16, got 3"):
+        cb.load_state_dict(state | {"current_value": 3})
+
+
+# ------------------------------------------------------------------------------------------------ non-finite losses
+
+
+class NaNAt(GPT2CausalLM):
+    """The tiny 4-layer GPT-2 whose training loss is NaN at the given steps: ``loss * nan`` (``times``: NaN
+    gradients too) or ``loss + nan`` (the gradients stay those of the loss, so a run that goes on stays finite)."""
+
+    def __init__(self, steps, times=True):
+        super().__init__(**{**TINY_GPT2, "n_layer": 4, "optimizer": sgd})
+        self.nan_steps, self.times = set(steps), times
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        if self.global_step in self.nan_steps:
+            out["loss"] = out["loss"] * math.nan if self.times else out["loss"] + math.nan
+        return out
+
+
+class Rows(Logger):
+    """A logger that keeps every ``log_metrics`` call: ``(step, metrics)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    @property
+    def name(self):
+        return "rows"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+
+class Snapshot(Callback):
+    """The module's parameters at the start of the batch of ``step``."""
+
+    def __init__(self, step):
+        self.step, self.params = step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.params = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+def test_a_nan_loss_stops_the_fit_before_its_backward(tmp_path):
+    torch.manual_seed(0)
+    model, snap = NaNAt({2}), Snapshot(2)
+    trainer = make_trainer(tmp_path, [ltd(max_value=16), snap], max_steps=5, max_epochs=-1)
+    with pytest.raises(NonFiniteLossError, match=r"^RandomLTDCallback: the training loss is nan at step 2; stopped"):
+        trainer.fit(model, datamodule=tiny_lm_data())
+    assert trainer.global_step == 2 and snap.params is not None
+    state = model.state_dict()
+    assert all(torch.equal(state[k], snap.params[k]) for k in state)  # the NaN step changed nothing
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_warn_counts_each_nan_step_logs_reports_and_resumes_exactly(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+
+    def fit(root, ckpt_path=None):
+        torch.manual_seed(0)
+        cb, rows = ltd(max_value=16, nonfinite_loss="warn"), Rows()
+        every = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, monitor=None)
+        callbacks = [cb] if ckpt_path else [cb, every]
+        trainer = make_trainer(root, callbacks, max_steps=5, max_epochs=-1, logger=rows)
+        trainer.fit(NaNAt({1, 3}, times=False), datamodule=tiny_lm_data(), ckpt_path=ckpt_path)
+        key = "effi/nonfinite_losses"
+        return trainer, cb, [(step, m[key]) for step, m in rows.rows if key in m]
+
+    with pytest.warns(UserWarning, match=r"RandomLTDCallback: the training loss is nan at step 1 \(nonfinite_loss="):
+        trainer, cb, logged = fit(tmp_path / "full")
+    assert trainer.global_step == 5 and (cb.nonfinite_guard.count, cb.nonfinite_guard.first_step) == (2, 1)
+    # logged after each optimizer step (the logger's step = steps taken): NaN losses at steps 1 and 3
+    assert logged == [(1, 0.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0)]
+    assert "RandomLTDCallback: 2 non-finite training losses (the first at step 1)" in caplog.text
+    ckpt = next((tmp_path / "ck").glob("*step=2.ckpt"))
+    saved = torch.load(ckpt, weights_only=True)["callbacks"]
+    assert [s["nonfinite_loss"] for k, s in saved.items() if k.startswith("RandomLTD")] == [
+        {"count": 1, "first_step": 1}
+    ]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*training loss is nan.*")  # the first one was before the resume
+        resumed, cb2, logged = fit(tmp_path / "resumed", ckpt_path=str(ckpt))
+    assert resumed.global_step == 5 and cb2.nonfinite_guard.state_dict() == cb.nonfinite_guard.state_dict()
+    assert logged == [(3, 1.0), (4, 2.0), (5, 2.0)]
+
+
+def test_a_bad_nonfinite_policy_is_refused():
+    with pytest.raises(ValueError, match=r"RandomLTDCallback.nonfinite_loss must be one of \('raise', 'warn'\)"):
+        RandomLTDCallback(nonfinite_loss="skip")
+    assert "nonfinite_loss='warn'" in repr(RandomLTDCallback(nonfinite_loss="warn"))
