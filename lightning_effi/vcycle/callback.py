@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_effi.core.accounting import Baseline, EfficiencyMonitor
 from lightning_effi.core.compat import optimizers_to_device, rewrap_ddp
 from lightning_effi.core.features import parameter_copy_holders
+from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import Duration, progress_clock, progress_ticks, run_length
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import (
@@ -36,6 +37,7 @@ from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
 from lightning_effi.vcycle import stages as S
 from lightning_effi.vcycle.accounting import FlopsAccount
+from lightning_effi.vcycle.checks import check_state, optimizer_mismatch
 from lightning_effi.vcycle.levels import LevelStack, level_depths
 from lightning_effi.vcycle.stages import stage_plan, vcycle_flops_fraction
 
@@ -130,6 +132,13 @@ class VCycleCallback(Callback):
             goes on with the current arguments' stages from the checkpoint's stage index).
         baseline_steps: optimizer steps of the baseline the FLOPs saving is measured against (the full model's mean
             training FLOPs per step on this run's batches times this); None: the full model on this run's batches.
+        nonfinite_loss: the non-finite loss policy (:mod:`lightning_effi.core.nonfinite`): ``"raise"`` (default)
+            stops the fit at the first NaN / infinite training loss, before its backward pass, with a
+            :class:`~lightning_effi.core.nonfinite.NonFiniteLossError`; ``"warn"`` warns once, counts them
+            (``effi/nonfinite_losses``, checkpointed, reported at the end of fit) and lets the run go on. Either way
+            a level change never maps non-finite weights: it raises
+            :class:`~lightning_effi.vcycle.levels.NonFiniteWeightsError` naming the switch, the stage and the first
+            non-finite parameter.
         **deprecated: ``e_a_steps``, ``e_a_fraction``, ``e_a_epochs``, ``e_small_*``, ``up_leg_*``: the old spellings
             of the three lengths, accepted for one release with a ``DeprecationWarning``; any other keyword raises
             ``TypeError``.
@@ -164,7 +173,9 @@ class VCycleCallback(Callback):
     and loads them, and continues exactly like the uninterrupted run.
 
     Logged every step: ``effi/vcycle/level``, ``effi/vcycle/stage``, ``effi/vcycle/flops_cum``,
-    ``effi/vcycle/flops_saved_frac``, ``effi/vcycle/map_seconds``; summary keys ``vcycle/*``.
+    ``effi/vcycle/flops_saved_frac``, ``effi/vcycle/map_seconds``, and with ``nonfinite_loss="warn"``
+    ``effi/nonfinite_losses`` (the run's non-finite training losses so far, counted by the Trainer's first guarded
+    callback: :func:`~lightning_effi.core.nonfinite.nonfinite_count`); summary keys ``vcycle/*``.
 
     Attributes:
         requirements: shapes change; single device or DDP; no weight averaging (``core.requirements``).
@@ -175,21 +186,32 @@ class VCycleCallback(Callback):
             network, ``model_attr`` naming a frozen module (no trainable parameter), another attribute sharing its
             parameters
             (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`), sizes the schemes cannot halve,
+            ``levels`` deeper than the model allows (naming the level that cannot be coalesced, why, and the deepest
+            ``levels`` allowed; :func:`~lightning_effi.vcycle.operators.plan_levels`),
             stages longer than the run, fractions in a run of unknown length, epochs with a train dataloader without
             a length; with a progress clock (a technique that changes the epoch lengths): stage lengths in optimizer
             steps mixed with fractions or epochs, steps that do not fit in its ``effi_min_total_steps()``, fractions
             and epochs that add up to more than the run, epochs without ``max_epochs``; (resume, before the weights
-            load) a checkpoint written by a V-cycle with another number of levels or network attribute, level
-            weights that do not fit the rebuilt level; (resume, ``strict``) a checkpoint written with another
-            configuration (another clock included) or other stages; (``setup``) a module whose network is held by
-            another V-cycle fit that is still running (another Trainer's, on the same module).
+            load) a checkpoint written by a V-cycle with another number of levels or network attribute, a state
+            field out of range (naming it: :func:`~lightning_effi.vcycle.checks.check_state`), level weights that
+            do not fit the rebuilt level; (``on_train_start``) the callback added on resume (the checkpoint holds no
+            V-cycle state) at a step its first switch has already passed; (resume, ``strict``) a checkpoint written
+            with another configuration (another clock included) or other stages; (``setup``) a module whose
+            network is held by another V-cycle fit that is still running (another Trainer's, on the same module).
         TypeError: (construction) an unknown keyword argument.
+        NonFiniteLossError: (training, ``nonfinite_loss="raise"``) a NaN or infinite training loss, before its
+            backward pass (:class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`).
+        NonFiniteWeightsError: (a level change, any ``nonfinite_loss``) a NaN or infinite weight in the network or the
+            snapshot the change would map (:meth:`~lightning_effi.vcycle.levels.LevelStack.check_finite`).
         IncompatibleTechniques: (``setup``) a strategy other than single device / DDP (FSDP, DeepSpeed, ...), weight
             averaging callbacks, a technique that patches the model's layers without following model changes;
             (``on_train_start``, or before a level change when it made its copy later) a callback that keeps its own
             copy of the model's parameters (a third-party EMA; :func:`~lightning_effi.core.features.
             parameter_copy_holders`) without following model changes.
-        MisconfigurationException: (``setup``) a ``torch.compile``'d network.
+        MisconfigurationException: (``setup``) a ``torch.compile``'d network; (the first level change, during
+            training: the earliest the cause exists) optimizers from ``configure_optimizers`` that do not hold the new
+            network's trainable parameters or hold parameters that are not the module's (one built before and
+            returned again, e.g. cached at its first call; :func:`~lightning_effi.vcycle.checks.optimizer_mismatch`).
     """
 
     requirements = Requirements(
@@ -231,9 +253,11 @@ class VCycleCallback(Callback):
         lr_schedule: Literal["continue", "restart"] = "continue",
         strict: bool = True,
         baseline_steps: int | None = None,
+        nonfinite_loss: str = "raise",
         **deprecated: Any,
     ) -> None:
         name = type(self).__name__
+        self.nonfinite_guard = NonFiniteLossGuard(name, nonfinite_loss)  # checks the policy first
         args = S.check_arguments(
             name,
             levels=levels,
@@ -268,6 +292,7 @@ class VCycleCallback(Callback):
         # resolved in setup / on_train_start
         self.adapter: VCycleAdapter | None = None
         self._stack = LevelStack(self.levels, name)  # the models of the levels: plans, parked modules, snapshots
+        self.nonfinite_loss: str = self.nonfinite_guard.policy
         self._reset_progress()
 
     def _reset_progress(self) -> None:
@@ -279,6 +304,9 @@ class VCycleCallback(Callback):
         self.stage_index, self.stage_start_step, self.switches = 0, 0, 0
         self.map_seconds, self.flops_account = 0.0, FlopsAccount(self.baseline_steps)
         self._last_step = -1  # runtime only, like the checkpoint's stages (compared with this run's at train start)
+        self._restored = False  # this fit loaded a V-cycle state from a checkpoint
+        # the non-finite losses of this fit (checkpointed: a resumed fit loads the count)
+        self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_loss)
         self._flops_warned = False  # the "FLOPs not counted" warning, once per fit
         self._saved_stages: list[tuple[int, int]] | None = None
         self._saved_clock: str | None = None
@@ -303,7 +331,7 @@ class VCycleCallback(Callback):
             f"alpha_original={self.alpha_arg!r}, lr_multiplier={self.lr_multiplier!r}, "
             f"embedding_convention={self.embedding_convention!r}, model_attr={self.model_attr_arg!r}, "
             f"adapter={self.adapter_arg!r}, lr_schedule={self.lr_schedule!r}, strict={self.strict!r}, "
-            f"baseline_steps={self.baseline_steps!r})"
+            f"baseline_steps={self.baseline_steps!r}, nonfinite_loss={self.nonfinite_loss!r})"
         )
 
     @property
@@ -460,8 +488,9 @@ class VCycleCallback(Callback):
         start) as :meth:`load_state_dict` would, before the level is rebuilt.
 
         Raises:
-            ValueError: a V-cycle state under another key (always); another configuration (with ``strict``; else
-                a warning).
+            ValueError: a V-cycle state under another key (always); a field of its state out of range
+                (:func:`~lightning_effi.vcycle.checks.check_state`, naming it); another configuration (with
+                ``strict``; else a warning).
         """
         states = checkpoint.get("callbacks") or {}
         name = type(self).__name__
@@ -479,6 +508,7 @@ class VCycleCallback(Callback):
                     "written with"
                 )
             return
+        check_state(mine, self.levels, name)  # every field, before the level is rebuilt from it
         self._compare_config(mine)
         self._config_checked = True
 
@@ -510,7 +540,13 @@ class VCycleCallback(Callback):
         attr, adapter = self._find_network(pl_module)
         model = getattr(pl_module, attr)
         plans = V.plan_levels(
-            model, adapter, self.levels, self.width_scheme, self.depth_scheme, self.embedding_convention
+            model,
+            adapter,
+            self.levels,
+            self.width_scheme,
+            self.depth_scheme,
+            self.embedding_convention,
+            owner=type(self).__name__,
         )
         return level_depths(plans)
 
@@ -588,11 +624,42 @@ class VCycleCallback(Callback):
         if self._saved_stages is not None and (diff := S.stages_mismatch(self._saved_stages, stages)):
             config_mismatch(type(self).__name__, diff, self.strict, fix="continue with the current arguments' stages")
         self.stages, self.stage_ends, self._last_step = stages, S.stage_ends(stages), trainer.global_step
+        if not self._restored and trainer.global_step > 0:
+            self._refuse_late_start(trainer)
         if (expected := self.current_stage_level()) != self.level:
             raise RuntimeError(
                 f"{type(self).__name__}: stage {self.stage_index} trains level {expected} but the model "
                 f"is at level {self.level}"
             )
+
+    def _refuse_late_start(self, trainer: pl.Trainer) -> None:
+        """A fit that starts at ``global_step > 0`` without V-cycle state (resumed from a checkpoint written by a fit
+        without this callback, or a Trainer that trained before), while the stages count from step 0: refuse it when
+        the first switch is already due (its step, or its progress on a progress clock, is reached), since it would
+        come late and the rest of the plan with it.
+
+        Raises:
+            ValueError: naming the callback, the start step, the switch steps and the fixes.
+        """
+        now, step = self._clock_now(trainer), int(trainer.global_step)
+        if not self.stage_ends or now < self.stage_ends[0]:
+            return
+        unit = "optimizer step" if self.clock == "step" else "progress tick"
+        how = (
+            "added on resume at step {step}, from a checkpoint without V-cycle state (written by a fit without this "
+            "callback)"
+            if getattr(trainer, "ckpt_path", None)
+            else "this fit starts at step {step} without V-cycle state (its Trainer trained before)"
+        ).format(step=step)
+        raise ValueError(
+            f"{type(self).__name__}: {how}, but its stages count from the start of the run: the switch out of "
+            f"stage 1 (level 1 -> 2) was due at {unit} {self.stage_ends[0]} and the last switch back to the full "
+            f"model at {self.stage_ends[-1]} (stages {self.stages}); at {now} those switches would never happen on "
+            "time: the stage plan is out of reach. Start the V-cycle in a fresh fit (a new Trainer, no ckpt_path; "
+            "load the checkpoint's weights into the module, e.g. with LightningModule.load_from_checkpoint), resume "
+            "from a checkpoint written with the V-cycle, or give e_a / e_small / up_leg whose first stage ends after "
+            f"step {step}"
+        )
 
     def _warn_monitored_checkpoints(self, trainer: pl.Trainer) -> None:
         """One warning when a ``ModelCheckpoint(monitor=...)`` ranks the checkpoints and the levels halve the depth:
@@ -674,6 +741,16 @@ class VCycleCallback(Callback):
         return None
 
     @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """The non-finite loss policy (:class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`), before the
+        backward pass.
+
+        Raises:
+            NonFiniteLossError: ``loss`` is NaN or infinite and the policy is ``"raise"``.
+        """
+        self.nonfinite_guard.check(trainer, loss)
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -681,18 +758,20 @@ class VCycleCallback(Callback):
         if fn is not None:  # the batch with the current model and the full one (held in place, no forward runs)
             self.flops_account.count(lambda: self._stack.training_flops(fn, batch), type(self).__name__)
         self.flops_account.flops_steps = trainer.global_step
+        metrics = {
+            "effi/vcycle/level": float(self.level),
+            "effi/vcycle/stage": float(self.stage_index),
+            "effi/vcycle/flops_cum": float(self.flops_account.flops),
+            "effi/vcycle/flops_saved_frac": self.flops_saved_frac(),
+            "effi/vcycle/map_seconds": float(self.map_seconds),
+        }
         pl_module.log_dict(
-            {
-                "effi/vcycle/level": float(self.level),
-                "effi/vcycle/stage": float(self.stage_index),
-                "effi/vcycle/flops_cum": float(self.flops_account.flops),
-                "effi/vcycle/flops_saved_frac": self.flops_saved_frac(),
-                "effi/vcycle/map_seconds": float(self.map_seconds),
-            },
+            metrics,
             on_step=True,
             on_epoch=False,
             batch_size=1,
         )
+        self.nonfinite_guard.log_count(trainer)  # effi/nonfinite_losses, by the stack's checking guard only
         step = trainer.global_step
         stepped, self._last_step = step != self._last_step, step
         if not stepped:
@@ -702,12 +781,15 @@ class VCycleCallback(Callback):
         self._refuse_parameter_copies(trainer, pl_module, step)
         start, path = time.perf_counter(), [self.level, *path]
         assert self.alpha_original is not None  # resolved in setup
+        first, total = self.stage_index + 1, len(self.stages) + 1
+        where = f"at step {step}, the switch from stage {first} to stage {first + len(path) - 1} of {total}"
+        self._stack.check_finite(path[1:], where)  # before anything changes (the techniques are told next)
         notify_model_change(trainer, pl_module, "before")
         for level in path[1:]:
-            self._stack.change_to(level, self.alpha_original)
+            self._stack.change_to(level, self.alpha_original, where)
         notify_model_change(trainer, pl_module, "after")
         self.stage_index, self.stage_start_step = self.stage_index + len(path) - 1, step
-        self._new_training_state(trainer, pl_module, path[0])
+        self._new_training_state(trainer, pl_module, path[0], where)
         self.map_seconds += time.perf_counter() - start
         self.switches += 1
         rank_zero_info(
@@ -733,14 +815,24 @@ class VCycleCallback(Callback):
                 f"its own copy of the model's parameters (a third-party EMA or weight average): {_COPIES_WHY}"
             )
 
-    def _new_training_state(self, trainer: pl.Trainer, pl_module: pl.LightningModule, previous_level: int) -> None:
-        """After a level change (from ``previous_level``): a fresh optimizer and schedulers for the level's model
-        (:func:`rebuild_training_state`), its ``lr_multiplier``, and with ``lr_schedule="continue"`` the schedulers
-        continuing the old ones (:func:`~lightning_effi.vcycle.stages.continue_schedulers`: stepped as often as the
-        old ones were; a ``ReduceLROnPlateau`` keeps its progress and reduced learning rates, rescaled by the ratio
-        of the two levels' ``lr_multiplier``)."""
+    def _new_training_state(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, previous_level: int, where: str
+    ) -> None:
+        """After a level change (from ``previous_level``; ``where`` says when, for messages): a fresh optimizer and
+        schedulers for the level's model (:func:`rebuild_training_state`), checked to hold the new network's
+        parameters (:meth:`_check_optimizers`), its ``lr_multiplier``, and with ``lr_schedule="continue"`` the
+        schedulers continuing the old ones (:func:`~lightning_effi.vcycle.stages.continue_schedulers`: stepped as
+        often as the old ones were; a ``ReduceLROnPlateau`` keeps its progress and reduced learning rates, rescaled by
+        the ratio of the two levels' ``lr_multiplier``).
+
+        Raises:
+            MisconfigurationException: see :meth:`_check_optimizers`.
+        """
         previous = S.scheduler_progress(trainer.lr_scheduler_configs)
+        module_ids = {id(p) for p in pl_module.parameters()}
+        kept = {id(p) for o in trainer.optimizers for g in o.param_groups for p in g["params"]} & module_ids
         rebuild_training_state(trainer, pl_module)
+        self._check_optimizers(trainer, pl_module, previous_level, where, kept)
         S.scale_learning_rates(trainer.optimizers, trainer.lr_scheduler_configs, self.lr_factor(self.level))
         if self.lr_schedule == "continue":  # no re-warmup: the fresh schedulers continue the run's curve
             ratio = self.lr_factor(self.level) / self.lr_factor(previous_level)
@@ -748,18 +840,55 @@ class VCycleCallback(Callback):
                 trainer.lr_scheduler_configs, previous, trainer.global_step, trainer.current_epoch, ratio
             )
 
+    def _check_optimizers(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, previous_level: int, where: str, kept: set[int]
+    ) -> None:
+        """The optimizers ``configure_optimizers`` returned after a level change must hold the new network's
+        trainable parameters and only the module's (by identity, every param group;
+        :func:`~lightning_effi.vcycle.checks.optimizer_mismatch`), ``kept``: the ids of the module's parameters
+        the old optimizers held (those outside the network must stay held).
+
+        Raises:
+            MisconfigurationException: naming ``configure_optimizers``, the level change and what was found. Raised
+                at the first level change, during training: the earliest moment the cause exists (before it, the
+                optimizer built at the first call holds the right parameters).
+        """
+        network = getattr(pl_module, self.model_attr or "model")
+        known = {
+            id(p): (f"the level-{k} network (parked)", n)
+            for k, m in self._stack.parked.items()
+            for n, p in m.named_parameters()
+        }
+        problem = optimizer_mismatch(trainer.optimizers, pl_module, network, kept, known)
+        if problem is None:
+            return
+        raise MisconfigurationException(
+            f"{type(self).__name__}: {where} (level {previous_level} -> {self.level}), the optimizers "
+            f"configure_optimizers returned hold {problem}. The V-cycle replaces pl_module.{self.model_attr} at every "
+            "level change and calls configure_optimizers again: it must build new optimizers (and schedulers) from "
+            "self.parameters() at every call, not return ones built before (e.g. cached at its first call) nor a "
+            "stored list of parameters. Raised at the first level change, during training: the earliest moment the "
+            "cause exists (until then the optimizer holds the full model's parameters)"
+        )
+
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A run that ended at a coarse level (cut short) goes back up to the full model (see the class docstring)."""
+        """A run that ended at a coarse level (cut short) goes back up to the full model (see the class docstring);
+        the non-finite losses counted (``nonfinite_loss="warn"``) are reported (rank zero)."""
+        if (report := self.nonfinite_guard.report()) is not None:
+            rank_zero_info(report)
         if self.level == 1:
             return
         assert self.alpha_original is not None  # resolved in setup
         level, stage = self.level, self.stage_index
         start = time.perf_counter()
+        where = f"at the end of the run (step {trainer.global_step}, cut short in stage {stage + 1} of "
+        where += f"{len(self.stages) + 1}), going back up to the full model"
+        self._stack.check_finite(list(range(level - 1, 0, -1)), where)
         notify_model_change(trainer, pl_module, "before")
-        path = self._stack.up_to_full(self.alpha_original)
+        path = self._stack.up_to_full(self.alpha_original, where)
         notify_model_change(trainer, pl_module, "after")
-        self._new_training_state(trainer, pl_module, level)  # an optimizer of the full model, as after any change
+        self._new_training_state(trainer, pl_module, level, where)  # an optimizer of the full model
         self.map_seconds += time.perf_counter() - start
         self.switches += 1
         self.cut_short_level = level
@@ -827,6 +956,7 @@ class VCycleCallback(Callback):
             "stage_ends": [int(e) for e in self.stage_ends],
             **self._stack.state_dict(),  # "snapshots"
             "config": self.config(),
+            "nonfinite_loss": self.nonfinite_guard.state_dict(),
         }
         if self._interrupted is not None:
             state["level"], state["snapshots"] = self._interrupted["level"], self._interrupted["snapshots"]
@@ -865,12 +995,16 @@ class VCycleCallback(Callback):
         callback's state (e.g. of the fit that ran before on the same Trainer) is left as it is.
 
         Raises:
-            ValueError: (``fit``, ``strict``) another configuration, when the resume hook did not compare it.
+            ValueError: (``fit``) a field out of range (:func:`~lightning_effi.vcycle.checks.check_state`, naming it;
+                also the non-finite loss count); (``fit``, ``strict``) another configuration, when the resume hook
+                did not compare it.
             RuntimeError: (``fit``) the checkpoint's level is not in place (the module's resume hook did not run).
         """
         if self._evaluating:
             self._evaluating = False
             return
+        check_state(state_dict, self.levels, type(self).__name__)
+        self._restored = True
         self._saved_clock = str(state_dict["config"].get("clock", "step"))
         if not self._config_checked:
             self._compare_config(state_dict)
@@ -886,6 +1020,7 @@ class VCycleCallback(Callback):
         for k, kind in _COUNTERS.items():
             if k != "level":  # rebuilt by the on_load_checkpoint wrapper, checked above
                 setattr(self, k, kind(state_dict[k]))
+        self.nonfinite_guard.load_state_dict(state_dict.get("nonfinite_loss") or {})  # older checkpoints: none
 
 
 def _is_vcycle_state(state: object) -> bool:

@@ -16,7 +16,13 @@ from torch import Tensor, nn
 from lightning_effi.core.checks import is_int
 from lightning_effi.vcycle import operators as V
 
-__all__ = ["LevelStack", "level_depths"]
+__all__ = ["LevelStack", "NonFiniteWeightsError", "level_depths"]
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """A level change found a NaN or infinite weight in what it would map (the current network, or the snapshot it
+    would interpolate with): the V-cycle never coalesces, de-coalesces or interpolates non-finite weights, whatever
+    the techniques' ``nonfinite_loss`` policy."""
 
 
 def _copy_to(state: Mapping[str, Tensor], device: Any) -> dict[str, Tensor]:
@@ -109,10 +115,13 @@ class LevelStack:
         (:func:`~lightning_effi.vcycle.operators.plan_levels`); nothing parked, no snapshot.
 
         Raises:
-            ValueError: from the adapter: sizes a scheme cannot halve, unmapped parameters.
+            ValueError: from the adapter: sizes a scheme cannot halve, unmapped parameters; ``levels`` deeper than the
+                model allows (naming ``levels``, the level that cannot be coalesced and why, the deepest allowed).
         """
         self.adapter = adapter
-        self.plans = V.plan_levels(self.model, adapter, self.levels, width_scheme, depth_scheme, embedding_convention)
+        self.plans = V.plan_levels(
+            self.model, adapter, self.levels, width_scheme, depth_scheme, embedding_convention, owner=self.owner
+        )
         self.parked, self.snapshots = {}, {}
 
     @property
@@ -142,43 +151,92 @@ class LevelStack:
         if level != expected or not 1 <= level <= self.levels:
             raise RuntimeError(f"{self.owner}: cannot go from level {self.level} to {level}")
 
-    def coalesce_to(self, level: int) -> nn.Module:
+    def check_finite(self, path: Sequence[int], where: str = "") -> None:
+        """Before going through the levels ``path`` (each next to the one before, starting next to the current one):
+        the current module's parameters and the snapshots the up-moves of ``path`` interpolate with must be finite.
+        The models in between are made from these by averages and copies, so checking the sources covers the path.
+        ``where`` (e.g. ``"at step 5, the switch from stage 2 to stage 3 of 3"``) starts the message.
+
+        Raises:
+            NonFiniteWeightsError: naming ``where``, the level change, the tensor (the network's parameter or the
+                snapshot's entry) and what it holds.
+        """
+        found, source = V.first_nonfinite(self.model), f"the level-{self.level} network's parameter"
+        for k in [k for k in path if k < self.level] if found is None else []:  # the snapshots the up-moves use
+            params = {n for n, _ in self.parked[k].named_parameters()} if k in self.parked else None
+            snapshot = {n: t for n, t in self.snapshots.get(k, {}).items() if params is None or n in params}
+            if (found := V.first_nonfinite(snapshot)) is not None:
+                source = f"the level-{k} snapshot's parameter (taken before coalescing level {k})"
+                break
+        if found is None:
+            return
+        name, what = found
+        change = " -> ".join(map(str, [self.level, *path]))
+        raise NonFiniteWeightsError(
+            f"{self.owner}: {where or 'at a level change'} (level {change}): {source} {name!r} holds {what}; the "
+            "V-cycle never coalesces, de-coalesces or interpolates non-finite weights (the maps would spread them "
+            "into every tensor they mix), whatever nonfinite_loss says. The run diverged before the switch: lower the "
+            "learning rate, clip gradients, or resume from an earlier checkpoint"
+        )
+
+    def coalesce_to(self, level: int, where: str = "") -> nn.Module:
         """One level down (``level`` = the current one + 1): snapshot the current module, coalesce it into a fresh
-        module of ``level`` (put in the host and returned), park the current one on the CPU."""
+        module of ``level`` (put in the host and returned), park the current one on the CPU.
+
+        Raises:
+            RuntimeError: ``level`` is not the next one down.
+            NonFiniteWeightsError: the current module has a non-finite parameter (:meth:`check_finite`; ``where``
+                starts the message).
+        """
         self._check_step(level, self.level + 1)
+        self.check_finite([level], where)
         current = self.model
         self.snapshots[self.level] = V.snapshot(current)
         new = V.coalesce_model(current, self.plans[self.level - 1], self.adapter)
         self.parked[self.level] = current.to("cpu")
         return self._put(new, level)
 
-    def decoalesce_to(self, level: int, alpha_original: float) -> nn.Module:
+    def decoalesce_to(self, level: int, alpha_original: float, where: str = "") -> nn.Module:
         """One level up (``level`` = the current one − 1): de-coalesce the current module, interpolate with the
         snapshot of ``level`` (weight ``alpha_original``) into its parked module, which is put in the host (on the
-        device of the current one) and returned."""
+        device of the current one) and returned.
+
+        Raises:
+            RuntimeError: ``level`` is not the next one up.
+            NonFiniteWeightsError: the current module or the snapshot of ``level`` has a non-finite parameter
+                (:meth:`check_finite`; ``where`` starts the message).
+        """
         self._check_step(level, self.level - 1)
+        self.check_finite([level], where)
         new = V.decoalesce_model(
             self.model, self.parked.pop(level), self.plans[level - 1], self.snapshots.pop(level), alpha_original
         )
         return self._put(new, level)
 
-    def change_to(self, level: int, alpha_original: float) -> nn.Module:
+    def change_to(self, level: int, alpha_original: float, where: str = "") -> nn.Module:
         """One level down (:meth:`coalesce_to`) or up (:meth:`decoalesce_to`).
 
         Raises:
             RuntimeError: ``level`` is not next to the current one or outside 1..K.
+            NonFiniteWeightsError: a non-finite weight in what the change maps (:meth:`check_finite`).
         """
         if level == self.level + 1:
-            return self.coalesce_to(level)
-        return self.decoalesce_to(level, alpha_original)
+            return self.coalesce_to(level, where)
+        return self.decoalesce_to(level, alpha_original, where)
 
-    def up_to_full(self, alpha_original: float) -> list[int]:
+    def up_to_full(self, alpha_original: float, where: str = "") -> list[int]:
         """From the current level up to level 1, one :meth:`decoalesce_to` per level (the operators of a normal
         up-switch, with the pending snapshots); returns the levels passed through, ``[current, ..., 1]`` (``[1]``
-        when the full model is in place already)."""
+        when the full model is in place already).
+
+        Raises:
+            NonFiniteWeightsError: a non-finite weight in the current module or a pending snapshot, found before
+                anything changes (:meth:`check_finite`).
+        """
         path = [self.level]
+        self.check_finite(list(range(self.level - 1, 0, -1)), where)
         while self.level > 1:
-            self.decoalesce_to(self.level - 1, alpha_original)
+            self.decoalesce_to(self.level - 1, alpha_original, where)
             path.append(self.level)
         return path
 

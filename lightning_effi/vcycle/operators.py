@@ -21,6 +21,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_effi.core.checks import is_int
+
 __all__ = [
     "DepthScheme",
     "Side",
@@ -37,6 +39,7 @@ __all__ = [
     "decoalesce",
     "decoalesce_model",
     "depth_groups",
+    "first_nonfinite",
     "interpolate",
     "layer_key",
     "plan_levels",
@@ -71,7 +74,7 @@ def _validate_partition(groups: object, count: int, what: str, name: str) -> tup
             raise ValueError(f"{name}: every group must be a non-empty list of {what} indices, got {g!r}")
         idx = []
         for j in g:
-            if isinstance(j, bool) or not isinstance(j, int) and not (isinstance(j, Tensor) and j.ndim == 0):
+            if not is_int(j) and not (isinstance(j, Tensor) and j.ndim == 0 and not j.is_floating_point()):
                 raise ValueError(f"{name}: {what} indices must be integers, got {j!r} in group {list(g)!r}")
             idx.append(int(j))
         out.append(tuple(idx))
@@ -94,11 +97,12 @@ def width_groups(size: int, scheme: WidthScheme = "half", unit: int = 1, *, name
     """The width map of a partition of ``range(size)``, built at the granularity of ``unit``.
 
     Args:
-        size: the large dimension ``D``. unit: block size; ``size`` is ``U = size / unit`` units (e.g. ``unit =
-            head_dim`` for attention output dims: whole heads are merged). scheme: ``"half"`` pairs unit ``u`` with
-            ``u + U/2`` (the official 6-layer config in ``map_tools/config``: dim ``j`` ↔ ``j + D/2``); an explicit
-            list gives, per small unit, the large units merged into it (a partition of ``range(U)``; groups of 3 or
-            more allowed, weight ``1/|g|``). name: the configuration key named in error messages.
+        size: the large dimension ``D`` (an int, Python or numpy). unit: block size; ``size`` is
+            ``U = size / unit`` units (e.g. ``unit = head_dim`` for attention output dims: whole heads are merged).
+            scheme: ``"half"`` pairs unit ``u`` with ``u + U/2`` (the official 6-layer config in ``map_tools/config``:
+            dim ``j`` ↔ ``j + D/2``); an explicit list gives, per small unit, the large units merged into it (a
+            partition of ``range(U)``; groups of 3 or more allowed, weight ``1/|g|``). name: the configuration key
+            named in error messages.
 
     Returns:
         A :class:`WidthMap` with ``d = len(groups) · unit`` small indices: element ``t`` of small unit ``i`` is the
@@ -109,10 +113,11 @@ def width_groups(size: int, scheme: WidthScheme = "half", unit: int = 1, *, name
             groups that are not a partition of ``range(U)`` (duplicates, missing or out-of-range indices, empty
             groups); an unknown scheme string.
     """
-    if not isinstance(unit, int) or unit < 1:
+    if not is_int(unit) or unit < 1:
         raise ValueError(f"{name}: unit must be a positive integer, got {unit!r}")
-    if not isinstance(size, int) or size < 1 or size % unit:
+    if not is_int(size) or size < 1 or size % unit:
         raise ValueError(f"{name}: size {size!r} is not a positive multiple of the unit {unit}")
+    size, unit = int(size), int(unit)
     units = size // unit
     if isinstance(scheme, str):
         if scheme != "half":
@@ -137,14 +142,16 @@ def depth_groups(
     """Depth partition: for every small layer, the large layers averaged into it.
 
     ``"adjacent"``: (0,1), (2,3), …; ``"half"``: (0, L/2), (1, L/2+1), …; explicit list: a partition of
-    ``range(num_layers)`` (odd depths, e.g. ``[[0, 1], [2, 3, 4]]``: weights 1/2 and 1/3).
+    ``range(num_layers)`` (odd depths, e.g. ``[[0, 1], [2, 3, 4]]``: weights 1/2 and 1/3). ``num_layers``: an int,
+    Python or numpy.
 
     Raises:
         ValueError (naming ``name``): odd ``num_layers`` with ``"adjacent"``/``"half"``, an unknown scheme string, or
             explicit groups that are not a partition.
     """
-    if not isinstance(num_layers, int) or num_layers < 1:
+    if not is_int(num_layers) or num_layers < 1:
         raise ValueError(f"{name}: expected a positive number of layers, got {num_layers!r}")
+    num_layers = int(num_layers)
     if isinstance(scheme, str):
         if scheme not in ("adjacent", "half"):
             raise ValueError(f"{name}: unknown depth scheme {scheme!r}; use 'adjacent', 'half' or a list of groups")
@@ -377,8 +384,9 @@ def transformer_width_maps(
     """
     kh, kn, kf = names
     for key, val in ((kh, hidden), (kn, heads), (kf, ffn)):
-        if not isinstance(val, int) or val < 1:
+        if not is_int(val) or val < 1:
             raise ValueError(f"{key}: expected a positive integer, got {val!r}")
+    hidden, heads, ffn = int(hidden), int(heads), int(ffn)
     if hidden % heads:
         raise ValueError(f"{kh}={hidden} is not divisible by {kn}={heads}")
     head_dim = hidden // heads
@@ -724,22 +732,66 @@ def plan_levels(
     width_scheme: WidthScheme | None = "half",
     depth_scheme: DepthScheme | None = "adjacent",
     embedding_convention: str = "official",
+    *,
+    owner: str = "plan_levels",
 ) -> list[VCyclePlan]:
-    """The plans of levels 1 → 2, ..., K−1 → K (``levels`` = K), from the full ``model``: ``adapter.plan`` on each
-    level's model, the intermediate small models built with ``adapter.build_small`` (global RNG untouched).
+    """The plans of levels 1 → 2, ..., K−1 → K (``levels`` = K >= 2, an int), from the full ``model``:
+    ``adapter.plan`` on each level's model, the intermediate small models built with ``adapter.build_small`` (global
+    RNG untouched). ``owner`` prefixes the messages (the callback's class name).
 
     Raises:
-        ValueError: from the adapter: sizes a scheme cannot halve, unmapped parameters.
+        ValueError: ``levels`` not an int >= 2; from the adapter for the full model: sizes a scheme cannot halve
+            (naming the configuration key, e.g. ``n_head``), unmapped parameters; a coarser level that cannot be
+            coalesced once more (``levels`` deeper than the model allows): naming ``levels``, the level, its model's
+            sizes, the adapter's reason (heads, width or depth that the scheme cannot halve) and the deepest
+            ``levels`` the model allows with these schemes.
     """
+    if not is_int(levels) or levels < 2:
+        raise ValueError(f"{owner}.levels must be an int >= 2 (levels=1 has no coarser level to train), got {levels!r}")
     plans: list[VCyclePlan] = []
     current = model
-    for k in range(1, levels):
-        plan = adapter.plan(current, width_scheme, depth_scheme, embedding_convention)  # type: ignore[attr-defined]
+    for k in range(1, int(levels)):
+        try:
+            plan = adapter.plan(current, width_scheme, depth_scheme, embedding_convention)  # type: ignore[attr-defined]
+        except ValueError as err:
+            if k == 1:  # the full model itself: the scheme or the model is at fault, not the number of levels
+                raise
+            raise ValueError(
+                f"{owner}.levels={levels} is deeper than this model allows: level {k} cannot be coalesced into a "
+                f"level {k + 1} ({err}); the level-{k} model is {_sizes(plans[-1])}, the full model halved "
+                f"{k - 1} time(s) with width_scheme={width_scheme!r}, depth_scheme={depth_scheme!r}. The deepest "
+                f"V-cycle this model allows with these schemes is levels={k}: pass levels <= {k}, or other schemes "
+                "(width_scheme=None keeps the width, depth_scheme=None the depth)"
+            ) from err
         plans.append(plan)
         if k < levels - 1:
             with torch.random.fork_rng(devices=[]):
                 current = adapter.build_small(current, plan)  # type: ignore[attr-defined]
     return plans
+
+
+def _sizes(plan: VCyclePlan) -> str:
+    """The small model of ``plan`` in words (its sizes from the adapter's ``info``, else its depth)."""
+    small = plan.info.get("small")
+    if isinstance(small, Mapping):
+        return (
+            f"{small.get('hidden')} wide, {small.get('heads')} head(s), FFN {small.get('ffn')}, "
+            f"{small.get('layers')} layer(s)"
+        )
+    return f"{plan.num_layers[1]} layer(s) deep"
+
+
+def first_nonfinite(tensors: Mapping[str, Tensor] | nn.Module) -> tuple[str, str] | None:
+    """The first floating tensor of ``tensors`` (a state dict, or a module's parameters, in their order) holding a NaN
+    or an infinite value, as ``(name, what)`` with ``what`` one of ``"NaN"``, ``"inf"`` (``"NaN and inf"`` when both);
+    None when all are finite. Used before a level change: the V-cycle never maps non-finite weights."""
+    items = tensors.named_parameters() if isinstance(tensors, nn.Module) else tensors.items()
+    for name, t in items:
+        if not isinstance(t, Tensor) or not t.is_floating_point() or bool(torch.isfinite(t.detach()).all()):
+            continue
+        nan, inf = bool(torch.isnan(t.detach()).any()), bool(torch.isinf(t.detach()).any())
+        return name, " and ".join(w for w, has in (("NaN", nan), ("inf", inf)) if has)
+    return None
 
 
 def requires_grad_flags(model: nn.Module) -> dict[str, bool]:

@@ -75,12 +75,39 @@ def stage_plan(levels: int, e_a: int, e_small: int, up_leg: Sequence[int] = ()) 
     on each of the levels 1..K−1, ``e_small`` on level K, then ``up_leg[i]`` steps on level ``i + 2`` going up. The
     final stage (level 1, the rest of the run) is not listed.
 
+    Args:
+        levels: K, an int >= 2 (Python or numpy). e_a, e_small: ints >= 0 (optimizer steps, or ticks of a progress
+            clock; a zero-length stage is passed through at once). up_leg: K − 2 ints >= 0 ordered by level
+            ``[level 2, ..., level K−1]`` (empty for K = 2).
+
+    Raises:
+        ValueError: naming the argument: ``levels`` not an int >= 2 (levels=1 is a cycle without a coarser level),
+            a length that is not an int >= 0, ``up_leg`` not a list of K − 2 lengths.
+
     >>> stage_plan(3, 2, 4, [3])
     [(1, 2), (2, 2), (3, 4), (2, 3)]
     """
+    owner = "stage_plan"
+    if not is_int(levels) or levels < 2:
+        raise ValueError(
+            f"{owner}.levels must be an int >= 2 (levels=1 has no coarser level: a V-cycle that changes nothing), "
+            f"got {levels!r}"
+        )
+    levels = int(levels)
+    e_a, e_small = check_int(owner, "e_a", e_a, minimum=0), check_int(owner, "e_small", e_small, minimum=0)
+    ups = plain(up_leg)
+    if not isinstance(ups, list) or len(ups) != levels - 2:
+        need = (
+            "empty (levels=2 has no up-leg stage)"
+            if levels == 2
+            else f"a list of levels - 2 = {levels - 2} length(s), one per up-leg stage "
+            + ("(level 2)" if levels == 3 else f"(levels 2 to {levels - 1}, in that order)")
+        )
+        raise ValueError(f"{owner}.up_leg must be {need} with levels={levels}, got {up_leg!r}")
+    up = [check_int(owner, f"up_leg[{i}]", v, minimum=0) for i, v in enumerate(ups)]
     down = [(k, e_a) for k in range(1, levels)]
-    up = [(k, up_leg[k - 2]) for k in range(levels - 1, 1, -1)]
-    return [*down, (levels, e_small), *up]
+    up_stages = [(k, up[k - 2]) for k in range(levels - 1, 1, -1)]
+    return [*down, (levels, e_small), *up_stages]
 
 
 def stage_ends(stages: Sequence[tuple[int, int]]) -> list[int]:

@@ -1,0 +1,445 @@
+"""VCycleCallback refuses what would run wrong without a word (issue #21): ``levels`` deeper than the model allows, a
+callback added on resume after its switches, a ``configure_optimizers`` that returns a cached optimizer, checkpoint
+fields out of range, bad arguments to the functional core; the non-finite loss policy and non-finite weights at a
+level change."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+import lightning_effi.vcycle.callback as vcycle_callback
+from lightning_effi.callbacks import VCycleCallback
+from lightning_effi.core.nonfinite import NonFiniteLossError
+from lightning_effi.functional import vcycle as V
+from lightning_effi.models.vcycle_base import find_vcycle_adapter
+from lightning_effi.reference.tasks.language_models import GPT2CausalLM
+from lightning_effi.vcycle.checks import check_state, optimizer_mismatch
+from lightning_effi.vcycle.levels import LevelStack, NonFiniteWeightsError
+from lightning_effi.vcycle.stages import stage_plan
+from tests.helpers.harness import assert_resume_equals_uninterrupted, make_trainer
+from tests.helpers.tiny import TINY_GPT2, sgd, tiny_gpt2, tiny_lm_data
+from tests.vcycle import models as M
+
+
+def fit(root: Path, callbacks: list[Callback], max_steps: int, model: Any = None, **kw: Any) -> tuple[Any, Any]:
+    pl.seed_everything(0, verbose=False)
+    model = model if model is not None else tiny_gpt2()
+    trainer = make_trainer(root, callbacks, max_steps=max_steps, max_epochs=-1, **kw.pop("trainer", {}))
+    trainer.fit(model, datamodule=tiny_lm_data(), **kw)
+    return trainer, model
+
+
+class Steps(Callback):
+    """The global steps whose batch started."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.started.append(trainer.global_step)
+
+
+# ------------------------------------------------------------------------------------------------ levels too deep
+def test_levels_deeper_than_the_model_is_refused_at_setup_naming_the_level_and_the_deepest(tmp_path):
+    """4 layers, 32 wide, 2 heads: level 2 has 1 head, which 'half' cannot halve, so levels=4 (or 3) is refused in
+    setup, before any step, naming levels, the level, why, and levels=2 as the deepest."""
+    steps = Steps()
+    cb = VCycleCallback(levels=4, e_a=1, e_small=1, up_leg=1)
+    with pytest.raises(ValueError) as err:
+        fit(tmp_path, [steps, cb], 10, model=tiny_gpt2(n_layer=4))
+    msg = str(err.value)
+    assert msg.startswith("VCycleCallback.levels=4 is deeper than this model allows: level 2 cannot be coalesced")
+    assert "n_head=1 cannot be halved" in msg  # the reason: the heads
+    assert "16 wide, 1 head(s)" in msg and "2 layer(s)" in msg  # the level-2 model
+    assert "The deepest V-cycle this model allows with these schemes is levels=2" in msg
+    assert steps.started == []  # at setup
+
+
+def test_plan_levels_names_the_deepest_levels_the_model_allows():
+    """4 heads, 4 layers: levels 1..3 are (32, 4 heads, 4 layers), (16, 2, 2), (8, 1, 1); level 3 cannot be halved
+    again (1 head, 1 layer), so levels=3 plans and levels=4 is refused naming levels=3. A scheme that fails on the full
+    model keeps the adapter's own message (the number of levels is not the cause); levels=1 is refused."""
+    net = M.gpt2(n_layer=4, n_head=4)
+    adapter = find_vcycle_adapter(net)
+    assert [p.num_layers for p in V.plan_levels(net, adapter, 3)] == [(4, 2), (2, 1)]
+    with pytest.raises(ValueError, match=r"^plan_levels.levels=4 .* level 3 cannot be coalesced .*levels=3: pass"):
+        V.plan_levels(net, adapter, 4)
+    with pytest.raises(ValueError, match=r"^n_head=3 cannot be halved"):
+        V.plan_levels(M.gpt2(n_embd=24, n_head=3), adapter, 2)
+    for bad in (1, 0, 2.0, True):
+        with pytest.raises(ValueError, match=r"plan_levels.levels must be an int >= 2"):
+            V.plan_levels(net, adapter, bad)
+    assert [p.num_layers for p in V.plan_levels(net, adapter, np.int64(2))] == [(4, 2)]
+
+
+# ------------------------------------------------------------------------------------------------ added on resume
+@pytest.fixture(scope="module")
+def plain_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints of a fit without the V-cycle after every step 1..8 (``step=<n>.ckpt``)."""
+    root = tmp_path_factory.mktemp("plain")
+    ckpt = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    fit(root / "fit", [ckpt], 8)
+    return root
+
+
+def test_added_on_resume_after_its_first_switch_is_refused_at_train_start(tmp_path, plain_checkpoints):
+    """A checkpoint of a fit without the V-cycle at step 8 (or 2: the first switch is due at step 2) resumed with a
+    V-cycle whose switches are at steps 2 and 5: refused at train start, before any step, naming the situation."""
+    for at in (8, 2):
+        steps = Steps()
+        with pytest.raises(ValueError) as err:
+            path = plain_checkpoints / f"step={at}.ckpt"
+            fit(tmp_path / f"r{at}", [steps, VCycleCallback(e_a=2, e_small=3)], 12, ckpt_path=path)
+        msg = str(err.value)
+        assert msg.startswith(f"VCycleCallback: added on resume at step {at}, from a checkpoint without V-cycle state")
+        assert "was due at optimizer step 2 and the last switch back to the full model at 5" in msg
+        assert "the stage plan is out of reach" in msg
+        assert steps.started == []
+
+
+def test_added_on_resume_before_its_first_switch_runs_the_whole_cycle(tmp_path, plain_checkpoints):
+    """Resumed at step 1 (before the switch at step 2): accepted; both switches happen at their steps."""
+    levels = {}
+
+    class Levels(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            levels[trainer.global_step] = pl_module.model.config.n_layer
+
+    cb = VCycleCallback(e_a=2, e_small=3)
+    fit(tmp_path, [Levels(), cb], 7, ckpt_path=plain_checkpoints / "step=1.ckpt")
+    assert levels == {1: 2, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2} and cb.switches == 2 and cb.level == 1
+
+
+# ------------------------------------------------------------------------------------------------ the optimizers
+class CachedOptimizer(GPT2CausalLM):
+    """``configure_optimizers`` returns the optimizer built at its first call."""
+
+    def configure_optimizers(self) -> Any:
+        if getattr(self, "_cached", None) is None:
+            self._cached = super().configure_optimizers()
+        return self._cached
+
+
+def test_cached_configure_optimizers_is_refused_at_the_first_switch(tmp_path):
+    pl.seed_everything(0)
+    model = CachedOptimizer(**TINY_GPT2, optimizer=sgd)
+    steps = Steps()
+    with pytest.raises(MisconfigurationException) as err:
+        fit(tmp_path, [steps, VCycleCallback(e_a=2, e_small=3)], 8, model=model)
+    msg = str(err.value)
+    n_full = len(list(model.model.parameters()))  # on_exception put the full model back: the optimizer's
+    assert msg.startswith("VCycleCallback: at step 2, the switch from stage 1 to stage 2 of 3 (level 1 -> 2), the ")
+    assert f"optimizers configure_optimizers returned hold {n_full} parameter(s) that are not the module's" in msg
+    assert f"({n_full} of the level-1 network (parked): transformer.wte.weight, transformer.wpe.weight, " in msg
+    assert "16 of the new network's 16 trainable parameters are in no optimizer (model.transformer.wte.weight, " in msg
+    assert n_full == 28  # 2 layers of 12 tensors, the embeddings and ln_f; the level-2 network: 1 layer, 16
+    assert "Raised at the first level change, during training: the earliest moment the cause exists" in msg
+    assert steps.started == [0, 1]
+
+
+def test_optimizer_mismatch_by_identity_over_every_group():
+    """Hand-built cases: fresh optimizers pass (frozen parameters in them too); a stale parameter, a trainable
+    parameter of the network in no optimizer, a parameter outside the network held before and not now are named;
+    trainable parameters outside the network that were not held before, and no optimizer at all, pass."""
+    host = nn.Module()
+    host.net, host.head = nn.Linear(2, 2), nn.Linear(2, 1)
+    host.net.bias.requires_grad_(False)
+    old = nn.Linear(2, 2)
+    sgd_ = lambda *groups: torch.optim.SGD([{"params": list(g)} for g in groups], lr=0.1)  # noqa: E731
+    assert optimizer_mismatch([sgd_(host.parameters())], host, host.net) is None
+    assert optimizer_mismatch([sgd_([host.net.weight])], host, host.net) is None  # frozen bias, head not held before
+    assert optimizer_mismatch([], host, host.net) is None
+    kept = {id(host.head.weight)}
+    assert optimizer_mismatch([sgd_([host.net.weight], [host.head.weight])], host, host.net, kept) is None
+    found = optimizer_mismatch(
+        [sgd_([host.net.weight]), sgd_(old.parameters())], host, host.net, kept, {id(old.weight): ("the old one", "w")}
+    )
+    assert found == (
+        "2 parameter(s) that are not the module's (1 of the old one: w); 1 parameter(s) outside the network that "
+        "the optimizers held before the change are in none now (head.weight)"
+    )
+    found = optimizer_mismatch([sgd_([host.net.bias], [host.head.weight])], host, host.net)
+    assert found == "1 of the new network's 1 trainable parameters are in no optimizer (net.weight)"
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint fields
+def _state(**changes: Any) -> dict[str, Any]:
+    """A V-cycle state of 2 levels in stage 2 (level 2) at step 3, as state_dict writes it."""
+    state: dict[str, Any] = {
+        "level": 2,
+        "stage_index": 1,
+        "stage_start_step": 2,
+        "map_seconds": 0.5,
+        "switches": 1,
+        "flops": 10.0,
+        "full_model_flops": 30.0,
+        "flops_steps": 3,
+        "stage_ends": [2, 5],
+        "snapshots": {"1": {"w": torch.zeros(2)}},
+        "config": {"levels": 2, "stages": [[1, 2], [2, 3]], "clock": "step"},
+        "nonfinite_loss": {"count": 0, "first_step": None},
+    }
+    state.update(changes)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        (dict(stage_index=-1), r"checkpoint.stage_index must be an int >= 0 and <= 2, got -1"),
+        (dict(stage_index=3), r"checkpoint.stage_index must be an int >= 0 and <= 2, got 3"),
+        (dict(stage_index=2.0), r"checkpoint.stage_index must be an int"),
+        (dict(stage_index=0), r"checkpoint.stage_index=0 is a stage of level 1 .* the checkpoint's level is 2"),
+        (dict(switches=-2), r"checkpoint.switches must be an int >= 0, got -2"),
+        (dict(stage_start_step=-1), r"checkpoint.stage_start_step must be an int >= 0"),
+        (dict(flops_steps="3"), r"checkpoint.flops_steps must be an int >= 0"),
+        (dict(level=0), r"checkpoint.level must be an int >= 1 and <= 2, got 0"),
+        (dict(level=7), r"checkpoint.level must be an int >= 1 and <= 2, got 7"),
+        (dict(map_seconds=math.nan), r"checkpoint.map_seconds must be a finite number in \[0.0, inf\]"),
+        (dict(flops=-1.0), r"checkpoint.flops must be a finite number"),
+        (dict(full_model_flops=math.inf), r"checkpoint.full_model_flops must be a finite number"),
+        (dict(stage_ends=[2, 6]), r"checkpoint.stage_ends must be the cumulative lengths .* \[2, 5\], got \[2, 6\]"),
+        (dict(stage_ends="2,5"), r"checkpoint.stage_ends must be a list of ints"),
+        (dict(snapshots={}), r"checkpoint.snapshots must hold the snapshots of the levels above level 2"),
+        (dict(snapshots={"x": {}}), r"checkpoint.snapshots: keys must be levels"),
+        (dict(snapshots={"1": [1]}), r"checkpoint.snapshots\['1'\] must be a state dict"),
+        (dict(config={"stages": [[2, 2], [1, 3]]}), r"checkpoint.config.stages must go through the levels \[1, 2\]"),
+        (dict(config={"stages": [[1, -2], [2, 3]]}), r"checkpoint.config.stages\[0\]\[1\] \(a length\) must be"),
+        (dict(config={"stages": [[1, 2, 3]]}), r"checkpoint.config.stages\[0\] must be a \[level, length\] pair"),
+        (dict(config=[1]), r"checkpoint.config must be a mapping"),
+        (dict(weights=[1]), r"checkpoint.weights must be a mapping of tensors"),
+        (dict(nonfinite_loss=3), r"checkpoint.nonfinite_loss must be a mapping"),
+    ],
+)
+def test_checkpoint_fields_are_checked_like_arguments(changes, match):
+    with pytest.raises(ValueError, match=r"^VCycleCallback: " + match):
+        check_state(_state(**changes), 2)
+
+
+def test_checkpoint_state_checks_pass_valid_states_and_name_missing_fields():
+    assert check_state(_state(), 2) == [(1, 2), (2, 3)]
+    back = _state(level=1, stage_index=2, snapshots={}, weights=None)  # the cycle over, back on the full model
+    assert check_state(back, 2) == [(1, 2), (2, 3)]
+    tuner = _state(level=1, stage_index=0, snapshots={}, stage_ends=[], config={"stages": []})  # before train start
+    assert check_state(tuner, 2) == []
+    state = _state()
+    del state["nonfinite_loss"]  # a checkpoint written before the policy
+    assert check_state(state, 2) == [(1, 2), (2, 3)]
+    del state["switches"]
+    with pytest.raises(ValueError, match=r"the V-cycle's state lacks the field\(s\) \['switches'\]"):
+        check_state(state, 2)
+    with pytest.raises(ValueError, match=r"must be a mapping of its fields, got list"):
+        check_state([], 2)
+
+
+def _checkpoint_at_level_2(root: Path) -> Path:
+    """A checkpoint of a V-cycle fit (switches at steps 2 and 4) written after step 3, at level 2."""
+    ckpt = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    fit(root / "a", [VCycleCallback(e_a=2, e_small=2), ckpt], 6)
+    return root / "ckpt" / "step=3.ckpt"
+
+
+def test_a_checkpoint_field_out_of_range_is_refused_when_it_loads(tmp_path):
+    """The campaign's checkpoint case: stage_index=-1 is refused when the checkpoint loads, before any step; a
+    checkpoint written before the non-finite policy (no "nonfinite_loss") resumes with a count of 0."""
+    path = _checkpoint_at_level_2(tmp_path)
+    checkpoint = torch.load(path, weights_only=True)
+    (key,) = [k for k in checkpoint["callbacks"] if k.startswith("VCycleCallback")]
+    state = checkpoint["callbacks"][key]
+    assert check_state(state, 2) == [(1, 2), (2, 2)] and state["level"] == 2
+    bad = copy.deepcopy(checkpoint)
+    bad["callbacks"][key]["stage_index"] = -1
+    torch.save(bad, tmp_path / "bad.ckpt")
+    steps = Steps()
+    with pytest.raises(ValueError, match=r"^VCycleCallback: checkpoint.stage_index must be an int >= 0 and <= 2"):
+        fit(tmp_path / "b", [steps, VCycleCallback(e_a=2, e_small=2)], 6, ckpt_path=tmp_path / "bad.ckpt")
+    assert steps.started == []
+    del checkpoint["callbacks"][key]["nonfinite_loss"]
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    cb = VCycleCallback(e_a=2, e_small=2, nonfinite_loss="warn")
+    trainer, _ = fit(tmp_path / "c", [cb], 6, ckpt_path=tmp_path / "old.ckpt")
+    assert trainer.global_step == 6 and cb.level == 1 and cb.switches == 2 and cb.nonfinite_guard.count == 0
+
+
+# ------------------------------------------------------------------------------------------------ functional core
+def test_functional_partitions_take_numpy_ints():
+    assert V.width_groups(np.int64(8)).groups == V.width_groups(8).groups
+    assert V.width_groups(np.int64(8), "half", np.int32(2)).groups == V.width_groups(8, "half", 2).groups
+    assert V.width_groups(4, [[np.int64(0), np.int64(3)], [1, 2]]).groups == ((0, 3), (1, 2))
+    assert V.depth_groups(np.int64(4)) == ((0, 1), (2, 3))
+    assert V.depth_groups(4, [[np.int64(0), 1], [2, 3]]) == ((0, 1), (2, 3))
+    maps = V.transformer_width_maps(np.int64(32), np.int64(4), np.int64(64))
+    assert (maps.hidden.small, maps.small_heads, maps.ffn.small) == (16, 2, 32)
+    for bad in (8.0, True, "8", 0):
+        with pytest.raises(ValueError, match=r"size"):
+            V.width_groups(bad)
+        with pytest.raises(ValueError, match=r"num_layers: expected a positive number of layers"):
+            V.depth_groups(bad)
+    with pytest.raises(ValueError, match=r"indices must be integers, got 1.0"):
+        V.width_groups(4, [[0, 1.0], [2, 3]])
+
+
+def test_stage_plan_refuses_what_it_cannot_plan():
+    assert stage_plan(np.int64(3), np.int64(2), 4, (np.int64(3),)) == [(1, 2), (2, 2), (3, 4), (2, 3)]
+    assert stage_plan(2, 0, 0) == [(1, 0), (2, 0)]  # zero-length stages pass through (the progress clock's plan)
+    cases = [
+        ((3, 2, 4, []), r"stage_plan.up_leg must be a list of levels - 2 = 1 length\(s\), one per up-leg stage"),
+        ((4, 2, 4, [1]), r"stage_plan.up_leg must be a list of levels - 2 = 2 length\(s\).*\(levels 2 to 3"),
+        ((2, 2, 4, [1]), r"stage_plan.up_leg must be empty \(levels=2 has no up-leg stage\)"),
+        ((3, 2, 4, 3), r"stage_plan.up_leg must be a list"),
+        ((1, 2, 4), r"stage_plan.levels must be an int >= 2 \(levels=1 has no coarser level"),
+        ((2.0, 2, 4), r"stage_plan.levels must be an int >= 2"),
+        ((2, -2, 4), r"stage_plan.e_a must be an int >= 0, got -2"),
+        ((2, 2, -1), r"stage_plan.e_small must be an int >= 0, got -1"),
+        ((2, 2.5, 4), r"stage_plan.e_a must be an int >= 0, got 2.5"),
+        ((3, 2, 4, [-1]), r"stage_plan.up_leg\[0\] must be an int >= 0, got -1"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            stage_plan(*args)
+
+
+# ------------------------------------------------------------------------------------------------ non-finite losses
+class NaNLoss(GPT2CausalLM):
+    """The training loss is NaN at the steps ``nan_steps``: ``loss + nan`` (the gradients stay finite) or, with
+    ``nan_grads``, ``loss * nan`` (a backward pass would make every gradient NaN)."""
+
+    nan_steps: tuple[int, ...] = ()
+    nan_grads = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        if self.global_step in self.nan_steps:
+            out["loss"] = out["loss"] * math.nan if self.nan_grads else out["loss"] + math.nan
+        return out
+
+
+def nan_model(*steps: int, nan_grads: bool = False) -> NaNLoss:
+    model = NaNLoss(**TINY_GPT2, optimizer=sgd)
+    model.nan_steps, model.nan_grads = steps, nan_grads
+    return model
+
+
+def test_nan_loss_raise_stops_before_its_backward(tmp_path):
+    """nonfinite_loss="raise" (the default): the NaN loss at step 2 stops the fit with NonFiniteLossError naming the
+    technique and step 2; the step did not change the weights."""
+    before: dict[str, torch.Tensor] = {}
+
+    class Copy(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2:
+                before.update(copy.deepcopy(pl_module.model.state_dict()))
+
+    pl.seed_everything(0)
+    model = nan_model(2, nan_grads=True)
+    cb = VCycleCallback(e_a=3, e_small=2)
+    with pytest.raises(NonFiniteLossError, match=r"^VCycleCallback: the training loss is nan at step 2; stopped"):
+        fit(tmp_path, [Copy(), cb], 8, model=model)
+    after = model.model.state_dict()
+    assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert cb.nonfinite_guard.count == 0
+
+
+def test_nan_loss_warn_counts_logs_and_reports(tmp_path, monkeypatch):
+    """nonfinite_loss="warn": one warning at the first NaN loss, the fit runs the whole cycle, the count (one per NaN
+    step) is logged as effi/nonfinite_losses and reported once at the end of fit."""
+    infos: list[str] = []
+    monkeypatch.setattr(vcycle_callback, "rank_zero_info", lambda msg, *a, **k: infos.append(str(msg)))
+    pl.seed_everything(0)
+    cb = VCycleCallback(e_a=2, e_small=2, nonfinite_loss="warn")
+    with pytest.warns(UserWarning, match=r"VCycleCallback: the training loss is nan at step 2 \(nonfinite_loss='warn'"):
+        trainer, _ = fit(tmp_path, [cb], 6, model=nan_model(2, 4))
+    assert trainer.global_step == 6 and cb.switches == 2 and cb.level == 1
+    assert (cb.nonfinite_guard.count, cb.nonfinite_guard.first_step) == (2, 2)
+    assert trainer.callback_metrics["effi/nonfinite_losses"].item() == 2.0
+    assert infos.count("VCycleCallback: 2 non-finite training losses (the first at step 2)") == 1
+    assert cb.state_dict()["nonfinite_loss"] == {"count": 2, "first_step": 2}
+    assert repr(cb).endswith("nonfinite_loss='warn')")
+
+
+def test_nan_loss_count_is_restored_exactly_on_resume(tmp_path):
+    """NaN losses at steps 2 and 4 with "warn": the run resumed from step 3 (count 1 in the checkpoint) ends with the
+    uninterrupted run's state, count 2 first at step 2."""
+    _, resumed = assert_resume_equals_uninterrupted(
+        lambda: nan_model(2, 4),
+        tiny_lm_data,
+        tmp_path,
+        total_steps=6,
+        resume_step=3,
+        callbacks_fn=lambda: [VCycleCallback(e_a=2, e_small=2, nonfinite_loss="warn")],
+        ignore_state=("map_seconds",),
+    )
+    (cb,) = [c for c in resumed.callbacks if isinstance(c, VCycleCallback)]
+    assert (cb.nonfinite_guard.count, cb.nonfinite_guard.first_step) == (2, 2)
+
+
+def test_bad_nonfinite_policy_is_refused():
+    for bad in ("ignore", None, 1, "RAISE"):
+        with pytest.raises(ValueError, match=r"^VCycleCallback.nonfinite_loss must be one of \('raise', 'warn'\)"):
+            VCycleCallback(e_a=1, e_small=1, nonfinite_loss=bad)
+    default = VCycleCallback(e_a=1, e_small=1)
+    assert default.nonfinite_guard.policy == "raise" and repr(default).endswith("nonfinite_loss='raise')")
+    assert "nonfinite_loss" not in default.config()  # the policy may change on resume: not compared
+
+
+# ------------------------------------------------------------------------------------------------ non-finite weights
+def test_warn_run_with_nan_weights_stops_at_the_switch(tmp_path):
+    """A "warn" run whose NaN loss at step 1 made the weights NaN (SGD on NaN gradients) reaches the switch at step 2:
+    the V-cycle stops there, naming the switch, the stage and the first non-finite parameter, without mapping."""
+    pl.seed_everything(0)
+    model = nan_model(1, nan_grads=True)
+    original = model.model
+    cb = VCycleCallback(e_a=2, e_small=2, nonfinite_loss="warn")
+    with pytest.warns(UserWarning, match=r"nonfinite_loss='warn'"):
+        with pytest.raises(NonFiniteWeightsError) as err:
+            fit(tmp_path, [cb], 6, model=model)
+    assert str(err.value).startswith(
+        "VCycleCallback: at step 2, the switch from stage 1 to stage 2 of 3 (level 1 -> 2): the level-1 network's "
+        "parameter 'transformer.wte.weight' holds NaN; the V-cycle never coalesces, de-coalesces or interpolates "
+        "non-finite weights"
+    )
+    assert model.model is original and cb.level == 1 and cb.switches == 0 and cb.snapshots == {}
+
+
+def test_level_stack_refuses_non_finite_sources_and_changes_nothing():
+    """The functional core: coalescing a NaN network, de-coalescing an inf one or interpolating with a NaN snapshot
+    raise before anything changes; once finite, the same change runs."""
+    host = nn.Module()
+    host.model = M.gpt2(n_layer=2, n_head=2)
+    stack = LevelStack(2)
+    stack.bind(host, "model")
+    stack.plan(find_vcycle_adapter(host.model))
+    with torch.no_grad():
+        host.model.transformer.h[1].mlp.c_fc.bias[3] = math.nan
+    with pytest.raises(NonFiniteWeightsError, match=r"^VCycleCallback: here \(level 1 -> 2\): the level-1 network's "):
+        stack.coalesce_to(2, "here")
+    assert stack.level == 1 and stack.snapshots == {} and stack.parked == {}
+    with torch.no_grad():
+        host.model.transformer.h[1].mlp.c_fc.bias[3] = 0.0
+    stack.coalesce_to(2)
+    small = host.model
+    with torch.no_grad():
+        small.transformer.ln_f.weight[0] = -math.inf
+    with pytest.raises(NonFiniteWeightsError, match=r"'transformer.ln_f.weight' holds inf"):
+        stack.decoalesce_to(1, 0.25)
+    with torch.no_grad():
+        small.transformer.ln_f.weight[0] = 1.0
+        stack.snapshots[1]["transformer.wpe.weight"][0, 0] = math.nan
+    with pytest.raises(NonFiniteWeightsError, match=r"the level-1 snapshot's parameter .* 'transformer.wpe.weight'"):
+        stack.up_to_full(0.25)
+    assert stack.level == 2 and host.model is small and 1 in stack.parked and 1 in stack.snapshots
+    stack.snapshots[1]["transformer.wpe.weight"][0, 0] = 0.0
+    assert stack.up_to_full(0.25) == [2, 1] and stack.level == 1
+    assert V.first_nonfinite({"a": torch.ones(2), "b": torch.tensor([math.nan, math.inf])}) == ("b", "NaN and inf")
+    assert V.first_nonfinite({"mask": torch.tensor([True]), "a": torch.zeros(1)}) is None
