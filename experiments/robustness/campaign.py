@@ -74,8 +74,10 @@ OUTCOMES = (
     "rejected_valid",
     "harness_error",
 )
-#: the outcomes campaign.md does not list (``clear_late`` is listed: right for its case, but after training started)
-GOOD = ("clear_early", "warned", "accepted_valid")
+#: the outcomes that are the right answer for their case (``clear_late`` is only given to ``runtime`` cases: a cause
+#: that first exists during training, named when it happens); campaign.md lists every other outcome under "Cases to
+#: fix" and the ``clear_late`` cases in a section of their own
+GOOD = ("clear_early", "warned", "accepted_valid", "clear_late")
 #: the stages of a case: construction and setup are "early"; "loop" (the first epoch started) and "batch" are late
 EARLY_STAGES = ("construct", "setup")
 EXCERPT = 400
@@ -513,6 +515,21 @@ def write_reports(
                 f"{_md_cell(msg)[:300]}{where} |"
             )
         lines.append("")
+    late = [r for r in recs if r["outcome"] == "clear_late"]
+    lines += [
+        f"## Raised during training ({len(late)}: causes that first exist then, named when they happen)",
+        "",
+        "| case | value | stage | message seen |",
+        "|---|---|---|---|",
+    ]
+    for r in late:
+        stage = r["stage"] or ""
+        if r.get("steps") is not None:
+            stage = f"{stage} (step {r['steps']})"
+        lines.append(
+            f"| `{r['id']}` | `{_md_cell(r['value'])[:110]}` | {stage} | {_md_cell(r['message'] or '')[:300]} |"
+        )
+    lines.append("")
     md_path = out / "campaign.md"
     md_path.write_text("\n".join(lines))
     return json_path, md_path

@@ -336,7 +336,9 @@ def infobatch_cases() -> None:
             _runner(_ib("per_sample_loss"), fit_user, fn),
             words=(("per_sample_loss", "nan", "finite") if tag == "returns_nan" else "per_sample_loss",),
             shown=shown,
-            note="a user module (tests/user_modules: EncoderClassifier); the output is known at the first batch only",
+            note="a user module (tests/user_modules: EncoderClassifier); what fn returns exists at the first batch "
+            "only, so it is checked there, before that batch's backward pass",
+            runtime=True,
         )
     # a run the callback cannot plan (Trainer settings, checked at setup)
     add(
@@ -1423,8 +1425,9 @@ def vcycle_cases() -> None:
         "noop",
         cached_optimizer,
         words=("configure_optimizers",),
-        warn_ok=True,
-        note="after a level change the optimizer holds the replaced network's parameters: nothing trains",
+        note="after a level change the optimizer holds the replaced network's parameters: nothing trains; the "
+        "optimizer the V-cycle gets back exists at its first level change only, so it is checked there",
+        runtime=True,
     )
 
 
@@ -1503,15 +1506,17 @@ def adapter_cases() -> None:
             oor("not_a_list", "net.encoder"),
         ],
     )
-    for name in ("max_sequence_length", "hidden_size", "intermediate_size"):
+    # the user module (tests/user_modules) is 32 wide with a 64-wide feed-forward, 16-token sequences: the valid
+    # values are the model's own sizes (a declared size the layers contradict is refused)
+    for name, size in (("max_sequence_length", 32), ("hidden_size", 32), ("intermediate_size", 64)):
         sweep(
             api,
             p,
             name,
             arg(name),
             fit_adapter,
-            [oor("zero", 0), oor("neg", -1), wt("str", "32"), wt("float", 32.5)],
-            [("np_int64", np.int64(32))],
+            [oor("zero", 0), oor("neg", -1), wt("str", str(size)), wt("float", size + 0.5)],
+            [("np_int64", np.int64(size))],
         )
     add(
         f"{p}.max_sequence_length.below_data",

@@ -41,14 +41,14 @@ STEPS, EPOCHS = 10, 3
 WORKS, REFUSED = "works", "refused"
 
 
-def callback(name: str, stacked: bool = False) -> Callback:
+def callback(name: str, stacked: bool = False, **kw: Any) -> Callback:
     """A fresh technique callback with tiny settings whose effect shows within :data:`STEPS` steps (``stacked``: the
-    settings of the all-four stack)."""
+    settings of the all-four stack; ``kw``: more constructor arguments, e.g. ``nonfinite_loss``)."""
     if name == "infobatch":
         if stacked:  # thins the curriculum's batches of epoch 1 (scored in epoch 0) up to step floor(0.9 x 10)
-            return InfoBatchCallback(prune_ratio=0.5, delta=0.9, seed=7)
+            return InfoBatchCallback(prune_ratio=0.5, delta=0.9, seed=7, **kw)
         # prunes epoch 1 of 3 (delta = 0.67): half the well-learned samples dropped
-        return InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7)
+        return InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7, **kw)
     if name == "curriculum":  # truncate to 8 tokens, growing to 16 over 6 steps
         return Curriculum(
             metrics={
@@ -63,11 +63,12 @@ def callback(name: str, stacked: bool = False) -> Callback:
             },
             seed=3,
             num_epochs=2,
+            **kw,
         )
     if name == "random_ltd":  # blocks 1 and 2 see 4 -> 16 tokens
-        return RandomLTDCallback(min_value=4, max_value=SEQ, seq_per_step=4, seed=7)
+        return RandomLTDCallback(min_value=4, max_value=SEQ, seq_per_step=4, seed=7, **kw)
     if name == "vcycle":  # level 2 (2 blocks) for the 2nd and 3rd fifths of the run, then back to level 1
-        return VCycleCallback(e_a="0.2dur", e_small="0.4dur", alpha_original=0.3, lr_multiplier={2: 2.0})
+        return VCycleCallback(e_a="0.2dur", e_small="0.4dur", alpha_original=0.3, lr_multiplier={2: 2.0}, **kw)
     raise KeyError(name)
 
 
@@ -102,13 +103,14 @@ def build(
     seed: int = 0,
     dataset: torch.utils.data.Dataset | None = None,
     batch_size: int = BATCH,
+    options: dict[str, dict[str, Any]] | None = None,
 ) -> Run:
     """A fresh, seeded run of ``technique`` (a name of :data:`TECHNIQUES`): the DataModule wrapped as the Hydra app
     wraps it (each technique's ``wrap_datamodule``, in callback order). ``model_fn`` replaces the tiny GPT-2 (e.g. a
-    subclass with manual optimization)."""
+    subclass with manual optimization); ``options``: more constructor arguments per technique name."""
     pl.seed_everything(seed, workers=True)
     names = STACK if technique == "stack" else (technique,)
-    callbacks = [callback(n, stacked=technique == "stack") for n in names]
+    callbacks = [callback(n, stacked=technique == "stack", **(options or {}).get(n, {})) for n in names]
     model = (model_fn or seeded(tiny_gpt2, n_layer=LAYERS))()
     dm: pl.LightningDataModule = TinyDataModule(
         dataset if dataset is not None else TokenBlocks(n=N, seq_len=SEQ), batch_size=batch_size
