@@ -107,11 +107,12 @@ class NonFiniteLossGuard:
 
     def log_count(self, trainer: Any) -> None:
         """Write ``effi/nonfinite_losses`` (the run's count, :func:`nonfinite_count`) to the Trainer's loggers at the
-        current step, on rank zero. Every technique calls it from ``on_train_batch_end``; only the checking guard
-        (the first of ``trainer.callbacks``) writes, and only when no guard asks ``"raise"`` (then the first
-        non-finite loss stops the fit and the count stays 0). Written to the loggers directly rather than through
-        ``LightningModule.log``: several callbacks share the key, and Lightning refuses one key logged twice in a
-        hook."""
+        current step, on rank zero. The curriculum, random-LTD and the V-cycle call it from ``on_train_batch_end``;
+        only the checking guard (the first of ``trainer.callbacks``) writes, and only when no guard asks ``"raise"``
+        (then the first non-finite loss stops the fit and the count stays 0). InfoBatch (every epoch) and the
+        ``EfficiencyMonitor`` (every ``log_every_n_steps``) also write the same run count with their own metrics.
+        Written to the loggers directly rather than through ``LightningModule.log``: several callbacks share the key,
+        and Lightning refuses one key logged twice in a hook."""
         guards = self._guards(trainer.callbacks)
         if not guards or guards[0] is not self or any(g.policy == "raise" for g in guards):
             return

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_effi.core.nonfinite import NonFiniteLossError, NonFiniteLossGuard, is_finite_loss
+from lightning_effi.core.nonfinite import NonFiniteLossError, NonFiniteLossGuard, is_finite_loss, nonfinite_count
+from tests.helpers.harness import MetricsCapture
 
 
 class Technique:
@@ -18,8 +19,8 @@ class Technique:
         self.nonfinite_guard = NonFiniteLossGuard(name, policy)
 
 
-def trainer_of(*callbacks, step=3):
-    return SimpleNamespace(callbacks=[object(), *callbacks], global_step=step)
+def trainer_of(*callbacks, step=3, loggers=()):
+    return SimpleNamespace(callbacks=[object(), *callbacks], global_step=step, global_rank=0, loggers=list(loggers))
 
 
 def test_is_finite_loss():
@@ -63,6 +64,25 @@ def test_the_strictest_policy_of_a_stack_applies():
     a, b = Technique("Curriculum", "warn"), Technique("VCycleCallback", "raise")
     with pytest.raises(NonFiniteLossError, match="Curriculum, VCycleCallback"):
         a.nonfinite_guard.check(trainer_of(a, b), torch.tensor(float("nan")))
+
+
+def test_only_the_checking_guard_logs_the_run_count_and_only_under_warn():
+    a, b = Technique("Curriculum", "warn"), Technique("VCycleCallback", "warn")
+    capture = MetricsCapture()
+    trainer = trainer_of(a, b, step=4, loggers=[capture])
+    a.nonfinite_guard.count, b.nonfinite_guard.count = 2, 1  # e.g. b counted before it was moved behind a
+    assert nonfinite_count(trainer.callbacks) == 3
+    b.nonfinite_guard.log_count(trainer)  # not the checking guard: writes nothing
+    assert capture.logged == []
+    a.nonfinite_guard.log_count(trainer)
+    assert capture.logged == [(4, {"effi/nonfinite_losses": 3.0})]
+    raising = Technique("RandomLTDCallback", "raise")
+    strict = trainer_of(a, raising, loggers=[capture])
+    a.nonfinite_guard.log_count(strict)  # a "raise" in the stack: the first non-finite loss stops, nothing to count
+    assert len(capture.logged) == 1
+    trainer.global_rank = 1
+    a.nonfinite_guard.log_count(trainer)  # rank zero only
+    assert len(capture.logged) == 1
 
 
 @pytest.mark.parametrize("policy", ["skip", "Raise", None, True])

@@ -27,7 +27,7 @@ from lightning_effi.curriculum.schedules import (
 from lightning_effi.data import CurriculumDataModule
 from lightning_effi.reference.data.base import PaddingCollate
 from lightning_effi.tasks import GPT2CausalLM
-from tests.helpers.harness import make_trainer
+from tests.helpers.harness import MetricsCapture, make_trainer
 from tests.helpers.tiny import TINY_GPT2, Images, Sentences, TinyDataModule, TokenBlocks, sgd, tiny_lm_data
 
 TRUNC = dict(
@@ -354,7 +354,8 @@ def test_raise_stops_before_the_backward_of_a_nan_loss(tmp_path):
 
 def test_warn_counts_each_nan_step_logs_and_reports_it(tmp_path, caplog):
     curriculum = Curriculum(metrics=trunc(), nonfinite_loss="warn")
-    trainer = make_trainer(tmp_path, [curriculum], max_steps=6)
+    capture = MetricsCapture()
+    trainer = make_trainer(tmp_path, [curriculum], max_steps=6, logger=capture)
     with (
         pytest.warns(UserWarning, match=r"Curriculum: the training loss is nan at step 2 \(nonfinite_loss='warn'"),
         caplog.at_level(logging.INFO),
@@ -362,15 +363,19 @@ def test_warn_counts_each_nan_step_logs_and_reports_it(tmp_path, caplog):
         trainer.fit(tiny_gpt2_nan((2, 4)), datamodule=data())
     assert trainer.global_step == 6
     assert curriculum.state_dict()["nonfinite_loss"] == {"count": 2, "first_step": 2}
-    assert float(trainer.callback_metrics["effi/nonfinite_losses"]) == 2.0
+    # the running count, once per step (written straight to the loggers by the checking guard)
+    # (logged after each optimizer step: the global step is already the next one)
+    assert capture.series("effi/nonfinite_losses") == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0), (5, 2.0), (6, 2.0)]
     assert "Curriculum: 2 non-finite training losses (the first at step 2)" in caplog.text
 
 
 def test_raise_does_not_log_the_count(tmp_path):
     curriculum = Curriculum(metrics=trunc())
-    trainer = make_trainer(tmp_path, [curriculum], max_steps=2)
+    capture = MetricsCapture()
+    trainer = make_trainer(tmp_path, [curriculum], max_steps=2, logger=capture, log_every_n_steps=1)
     trainer.fit(tiny_gpt2_nan(), datamodule=data())
-    assert "effi/nonfinite_losses" not in trainer.callback_metrics
+    assert capture.series("effi/curriculum/consumed_tokens")  # the curriculum's own metrics are logged
+    assert capture.series("effi/nonfinite_losses") == []
     assert curriculum.state_dict()["nonfinite_loss"] == {"count": 0, "first_step": None}
 
 

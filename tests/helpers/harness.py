@@ -17,11 +17,40 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from torch.multiprocessing.spawn import ProcessExitedException
 
 ModelFn = Callable[[], pl.LightningModule]
 DataFn = Callable[[], pl.LightningDataModule]
 CallbacksFn = Callable[[], Sequence[Callback]]
+
+
+class MetricsCapture(Logger):
+    """A logger that keeps every ``log_metrics`` call: ``logged`` is a list of ``(step, metrics)``; :meth:`series`
+    reads one key's values in order (for metrics written straight to the loggers, which ``callback_metrics`` never
+    holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def series(self, key: str) -> list[tuple[int | None, float]]:
+        """``(step, value)`` of every logged ``key``, in order."""
+        return [(step, float(m[key])) for step, m in self.logged if key in m]
 
 
 def make_trainer(root: Path, callbacks: Sequence[Callback] = (), **kwargs: Any) -> pl.Trainer:

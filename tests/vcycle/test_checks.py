@@ -27,7 +27,7 @@ from lightning_effi.reference.tasks.language_models import GPT2CausalLM
 from lightning_effi.vcycle.checks import check_state, optimizer_mismatch
 from lightning_effi.vcycle.levels import LevelStack, NonFiniteWeightsError
 from lightning_effi.vcycle.stages import stage_plan
-from tests.helpers.harness import assert_resume_equals_uninterrupted, make_trainer
+from tests.helpers.harness import MetricsCapture, assert_resume_equals_uninterrupted, make_trainer
 from tests.helpers.tiny import TINY_GPT2, sgd, tiny_gpt2, tiny_lm_data
 from tests.vcycle import models as M
 
@@ -358,11 +358,12 @@ def test_nan_loss_warn_counts_logs_and_reports(tmp_path, monkeypatch):
     monkeypatch.setattr(vcycle_callback, "rank_zero_info", lambda msg, *a, **k: infos.append(str(msg)))
     pl.seed_everything(0)
     cb = VCycleCallback(e_a=2, e_small=2, nonfinite_loss="warn")
+    capture = MetricsCapture()
     with pytest.warns(UserWarning, match=r"VCycleCallback: the training loss is nan at step 2 \(nonfinite_loss='warn'"):
-        trainer, _ = fit(tmp_path, [cb], 6, model=nan_model(2, 4))
+        trainer, _ = fit(tmp_path, [cb], 6, model=nan_model(2, 4), trainer=dict(logger=capture))
     assert trainer.global_step == 6 and cb.switches == 2 and cb.level == 1
     assert (cb.nonfinite_guard.count, cb.nonfinite_guard.first_step) == (2, 2)
-    assert trainer.callback_metrics["effi/nonfinite_losses"].item() == 2.0
+    assert capture.series("effi/nonfinite_losses")[-1] == (6, 2.0)  # after the last optimizer step
     assert infos.count("VCycleCallback: 2 non-finite training losses (the first at step 2)") == 1
     assert cb.state_dict()["nonfinite_loss"] == {"count": 2, "first_step": 2}
     assert repr(cb).endswith("nonfinite_loss='warn')")
