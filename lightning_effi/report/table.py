@@ -546,6 +546,16 @@ def build_report(
     )
 
 
+def shown_path(path: Path | str) -> str:
+    """A run folder as the report records it: relative to the current directory when it lies below it (the
+    repository root of a Hydra sweep: ``logs/<task>/multiruns/<time>/<job>``), so that a committed report names no
+    machine's absolute paths; else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def _reading(
     run: Run,
     runs: Sequence[Run],
@@ -562,7 +572,7 @@ def _reading(
         "arm": run.arm,
         "budget": run.budget,
         "seed": run.seed,
-        "path": str(run.path),
+        "path": shown_path(run.path),
         "baseline": run.is_baseline,
         "quality": q,
         "compute": c,
@@ -604,7 +614,7 @@ def _reading(
         for r in same[1:]:
             if better(quality[id(r)], quality[id(best)], mode):
                 best = r
-        out["same_length_baseline"] = str(best.path)
+        out["same_length_baseline"] = shown_path(best.path)
         out["same_length_quality_delta"] = q - quality[id(best)]
         if c > 0 and best.compute(compute) > 0:
             s = saving(c, best.compute(compute))

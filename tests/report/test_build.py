@@ -242,3 +242,20 @@ def test_variants_of_an_arm_from_a_settings_sweep_are_told_apart(sweep):
     row = _row(report, "random_ltd[callbacks.random_ltd.min_value=64]", 1.0)
     assert row["seeds"] == "0;1" and math.isclose(row["quality_mean"], 2.425)
     assert "random_ltd[callbacks.random_ltd.min_value=default]" in arms  # the sweep's runs without the override
+
+
+def test_run_folders_below_the_current_directory_are_recorded_relative_to_it(tmp_path, monkeypatch):
+    """A sweep under the repository (the Hydra report callback passes its absolute folder): the readings name the
+    runs relative to the current directory, so a committed report.json holds no machine's paths."""
+    sweep = tmp_path / "logs" / "sweep"
+    write_record(sweep / "0", budget=0.5, flops=2e12, loss=2.6)
+    write_record(sweep / "1", budget=1.0, flops=4e12, loss=2.3)
+    write_record(sweep / "2", arm="random_ltd", budget=1.0, flops=2e12, loss=2.4)
+    monkeypatch.chdir(tmp_path)
+    report = build_report(load_runs([sweep.resolve()]))
+    (reading,) = [r for r in report.readings if r["arm"] == "random_ltd"]
+    assert (reading["path"], reading["same_length_baseline"]) == ("logs/sweep/2", "logs/sweep/1")
+    monkeypatch.chdir(tmp_path / "logs" / "sweep" / "0")  # the runs are not below it: kept as given
+    report = build_report(load_runs([sweep.resolve()]))
+    (reading,) = [r for r in report.readings if r["arm"] == "random_ltd"]
+    assert reading["path"] == str(sweep.resolve() / "2")

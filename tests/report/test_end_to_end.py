@@ -82,4 +82,5 @@ def test_multirun_with_the_report_callback(tmp_path):
     for seed in (0, 1):  # each technique run has a frontier reading with a flag
         (reading,) = [r for r in report["readings"] if (r["arm"], r["budget"], r["seed"]) == ("random_ltd", 1.0, seed)]
         assert reading["frontier_flag"] in ("inside", "beyond", "below") and reading["frontier_compute"] > 0
-        assert Path(reading["path"]).parent == sweep
+        assert not Path(reading["path"]).is_absolute()  # relative to the job's directory (the repository root)
+        assert (tmp_path / reading["path"]).parent == sweep
