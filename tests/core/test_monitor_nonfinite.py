@@ -15,14 +15,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 
 from lightning_effi.callbacks import InfoBatchCallback
 from lightning_effi.core.accounting import EfficiencyMonitor, nonfinite_count
 from lightning_effi.core.nonfinite import NonFiniteLossError
 from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.tasks import GPT2CausalLM
-from tests.helpers.harness import make_trainer
+from tests.helpers.harness import MetricsCapture, make_trainer
 from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd
 
 STEPS = 6
@@ -63,26 +62,6 @@ class Snapshot(pl.Callback):
         self.before[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
 
-class Capture(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "capture"
-
-    @property
-    def version(self) -> str:
-        return "0"
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append(dict(metrics))
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
 def test_a_baseline_run_stops_at_the_nan_step_before_its_backward(tmp_path: Path) -> None:
     monitor, snap, model = EfficiencyMonitor(print_summary=False), Snapshot(), Poisoned(nan_steps=(2,))
     assert monitor.nonfinite_guard.policy == "raise"
@@ -97,7 +76,10 @@ def test_a_baseline_run_stops_at_the_nan_step_before_its_backward(tmp_path: Path
 
 
 def test_warn_goes_on_counts_logs_and_reports(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    monitor, logger = EfficiencyMonitor(log_every_n_steps=1, print_summary=False, nonfinite_loss="warn"), Capture()
+    monitor, logger = (
+        EfficiencyMonitor(log_every_n_steps=1, print_summary=False, nonfinite_loss="warn"),
+        MetricsCapture(),
+    )
     trainer = make_trainer(tmp_path, [monitor], max_steps=STEPS, max_epochs=-1, logger=logger)
     with (
         pytest.warns(
@@ -110,17 +92,17 @@ def test_warn_goes_on_counts_logs_and_reports(tmp_path: Path, caplog: pytest.Log
     assert (monitor.nonfinite_guard.count, monitor.nonfinite_guard.first_step) == (2, 2)
     # logged with the monitor's figures (after every batch, and at the epoch's end): 0 before step 2, 1 from it,
     # 2 from step 4
-    counts = [m["effi/nonfinite_losses"] for m in logger.logged if "effi/samples" in m]
+    counts = [m["effi/nonfinite_losses"] for m in logger.metrics if "effi/samples" in m]
     assert counts[:3] == [0.0, 0.0, 1.0] and counts[-1] == 2.0 and counts == sorted(counts)
     assert sorted(set(counts)) == [0.0, 1.0, 2.0]
     assert "EfficiencyMonitor: 2 non-finite training losses (the first at step 2)" in caplog.text
 
 
 def test_raise_logs_no_count(tmp_path: Path) -> None:
-    logger = Capture()
+    logger = MetricsCapture()
     monitor = EfficiencyMonitor(log_every_n_steps=1, print_summary=False)
     make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1, logger=logger).fit(Poisoned(), datamodule=data())
-    assert logger.logged and not any("effi/nonfinite_losses" in m for m in logger.logged)
+    assert logger.metrics and not any("effi/nonfinite_losses" in m for m in logger.metrics)
 
 
 @pytest.mark.slow  # two fits with checkpoints
@@ -160,7 +142,7 @@ def test_the_strictest_policy_of_monitor_and_technique_wins(tmp_path: Path) -> N
 def test_with_warn_everywhere_every_figure_is_the_runs_count(tmp_path: Path) -> None:
     """The monitor (first) counts the NaN step; InfoBatch, which never saw it, reports and logs the run's count all
     the same (``nonfinite_count``): one value under one key."""
-    monitor, logger = EfficiencyMonitor(print_summary=False, nonfinite_loss="warn"), Capture()
+    monitor, logger = EfficiencyMonitor(print_summary=False, nonfinite_loss="warn"), MetricsCapture()
     cb = InfoBatchCallback(nonfinite_loss="warn")
     trainer = make_trainer(tmp_path, [monitor, cb], max_epochs=1, logger=logger)
     with pytest.warns(UserWarning, match=r"^EfficiencyMonitor, InfoBatchCallback: the training loss is nan at step 1"):
@@ -168,8 +150,8 @@ def test_with_warn_everywhere_every_figure_is_the_runs_count(tmp_path: Path) -> 
     assert (monitor.nonfinite_guard.count, cb.nonfinite_guard.count) == (1, 0)
     assert monitor.summary["infobatch/nonfinite_losses"] == 1
     assert nonfinite_count(trainer.callbacks) == 1
-    by_infobatch = [m["effi/nonfinite_losses"] for m in logger.logged if "effi/infobatch/saved_fraction" in m]
-    by_monitor = [m["effi/nonfinite_losses"] for m in logger.logged if "effi/samples" in m]
+    by_infobatch = [m["effi/nonfinite_losses"] for m in logger.metrics if "effi/infobatch/saved_fraction" in m]
+    by_monitor = [m["effi/nonfinite_losses"] for m in logger.metrics if "effi/samples" in m]
     assert by_infobatch == [1.0] and by_monitor[-1] == 1.0
 
 

@@ -48,6 +48,11 @@ class MetricsCapture(Logger):
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass
 
+    @property
+    def metrics(self) -> list[dict[str, float]]:
+        """The logged metric dicts, in order (without their steps)."""
+        return [m for _, m in self.logged]
+
     def series(self, key: str) -> list[tuple[int | None, float]]:
         """``(step, value)`` of every logged ``key``, in order."""
         return [(step, float(m[key])) for step, m in self.logged if key in m]

@@ -16,14 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 
 from lightning_effi.callbacks import InfoBatchCallback
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.nonfinite import NonFiniteLossError
 from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.tasks import GPT2CausalLM
-from tests.helpers.harness import make_trainer
+from tests.helpers.harness import MetricsCapture, make_trainer
 from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd
 
 N, BATCH = 24, 8  # 3 batches per epoch
@@ -79,28 +78,6 @@ class Snapshot(pl.Callback):
         self.seen_after_epoch.append(cb.seen.clone())  # listed after InfoBatch: its epoch's scores are merged
 
 
-class Capture(Logger):
-    """Every ``log_metrics`` call, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "capture"
-
-    @property
-    def version(self) -> str:
-        return "0"
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append(dict(metrics))
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
 def test_raise_is_the_default_and_stops_at_the_nan_step_before_its_backward(tmp_path: Path) -> None:
     model, snap, cb = PlainLoss(nan_steps=(2,)), Snapshot(), InfoBatchCallback()
     assert cb.nonfinite_guard.policy == "raise"
@@ -119,7 +96,7 @@ def test_raise_is_the_default_and_stops_at_the_nan_step_before_its_backward(tmp_
 
 
 def test_warn_goes_on_counts_each_nan_step_once_and_never_scores_it(tmp_path: Path) -> None:
-    model, snap, logger = PlainLoss(nan_steps=(2,), clean_grads=True), Snapshot(), Capture()
+    model, snap, logger = PlainLoss(nan_steps=(2,), clean_grads=True), Snapshot(), MetricsCapture()
     cb = InfoBatchCallback(nonfinite_loss="warn")
     trainer = make_trainer(tmp_path, [cb, snap], max_epochs=2, logger=logger)
     with pytest.warns(
@@ -136,14 +113,14 @@ def test_warn_goes_on_counts_each_nan_step_once_and_never_scores_it(tmp_path: Pa
     assert torch.equal(snap.seen_after_epoch[0], expected)
     assert torch.isfinite(cb.score).all()
     # logged with InfoBatch's epoch figures, once per epoch, only with "warn"
-    counts = [m["effi/nonfinite_losses"] for m in logger.logged if "effi/infobatch/saved_fraction" in m]
+    counts = [m["effi/nonfinite_losses"] for m in logger.metrics if "effi/infobatch/saved_fraction" in m]
     assert counts == [1.0, 1.0]
 
 
 def test_raise_logs_no_nonfinite_count(tmp_path: Path) -> None:
-    logger = Capture()
+    logger = MetricsCapture()
     make_trainer(tmp_path, [InfoBatchCallback()], max_epochs=1, logger=logger).fit(PlainLoss(), datamodule=ib_data())
-    epoch_logs = [m for m in logger.logged if "effi/infobatch/saved_fraction" in m]
+    epoch_logs = [m for m in logger.metrics if "effi/infobatch/saved_fraction" in m]
     assert len(epoch_logs) == 1 and "effi/nonfinite_losses" not in epoch_logs[0]
 
 
