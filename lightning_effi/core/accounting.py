@@ -65,7 +65,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
@@ -764,8 +764,7 @@ class EfficiencyMonitor(Callback):
         self.summary = self.compute_summary(trainer)
         if self.print_summary and trainer.is_global_zero:
             print_block(format_summary(self.summary))  # one write: safe under a live rich display (console.py)
-        if (report := self.nonfinite_guard.report()) is not None:
-            rank_zero_info(report)
+        self.nonfinite_guard.report_at_end()
 
     # ------------------------------------------------------------------------------------------- summary
     def _elapsed_total(self) -> float:

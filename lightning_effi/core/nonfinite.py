@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_effi.core.checks import check_choice
 
@@ -127,6 +127,11 @@ class NonFiniteLossGuard:
         if not self.count:
             return None
         return f"{self.owner}: {self.count} non-finite training losses (the first at step {self.first_step})"
+
+    def report_at_end(self) -> None:
+        """Print :meth:`report` on rank zero, if any non-finite loss was seen (call at the end of fit)."""
+        if (report := self.report()) is not None:
+            rank_zero_info(report)
 
     def state_dict(self) -> dict[str, Any]:
         return {"count": self.count, "first_step": self.first_step}

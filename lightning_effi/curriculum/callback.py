@@ -449,9 +449,7 @@ class Curriculum(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """(Rank zero) report the non-finite losses counted under ``nonfinite_loss="warn"``."""
-        report = self.nonfinite_guard.report()
-        if report is not None:
-            rank_zero_info(report)
+        self.nonfinite_guard.report_at_end()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

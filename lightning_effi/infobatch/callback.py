@@ -1260,8 +1260,7 @@ class InfoBatchCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Report the non-finite training losses counted (``nonfinite_loss="warn"``), on rank 0."""
-        if (report := self.nonfinite_guard.report()) is not None:
-            rank_zero_info(report)
+        self.nonfinite_guard.report_at_end()
 
     def totals(self) -> dict[str, float]:
         saved = sum(h["saved"] for h in self.history)

@@ -1219,9 +1219,7 @@ class RandomLTDCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Report the non-finite training losses the run went on after (``nonfinite_loss="warn"``), if any."""
-        report = self.nonfinite_guard.report()
-        if report is not None:
-            rank_zero_info(report)
+        self.nonfinite_guard.report_at_end()
 
     def _saved_frac(self) -> float:
         """The share of the layers' FLOPs the current micro-batch skipped (its first forward's shapes), else 0."""

@@ -875,8 +875,7 @@ class VCycleCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A run that ended at a coarse level (cut short) goes back up to the full model (see the class docstring);
         the non-finite losses counted (``nonfinite_loss="warn"``) are reported (rank zero)."""
-        if (report := self.nonfinite_guard.report()) is not None:
-            rank_zero_info(report)
+        self.nonfinite_guard.report_at_end()
         if self.level == 1:
             return
         assert self.alpha_original is not None  # resolved in setup

@@ -21,6 +21,7 @@ import torch
 from lightning_effi.core.nonfinite import NonFiniteLossError, NonFiniteLossGuard
 from tests.compat.setups import LAYERS, STACK, STEPS, build
 from tests.harness.settings import seeded
+from tests.helpers.nonfinite import WeightsAtBatchStart, assert_weights_unchanged, zero_nonfinite_grads
 from tests.helpers.tiny import tiny_gpt2
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -44,24 +45,12 @@ def poisoned(at_step: int, clean_grads: bool = False) -> Any:
         if clean_grads:
 
             def on_before_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-                for p in model.parameters():
-                    if p.grad is not None:
-                        torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+                zero_nonfinite_grads(model)
 
             model.on_before_optimizer_step = on_before_optimizer_step  # type: ignore[method-assign]
         return model
 
     return make
-
-
-class Snapshot(pl.Callback):
-    """The module's parameters at the start of each training batch (the weights a step starts from)."""
-
-    def __init__(self) -> None:
-        self.before: dict[int, dict[str, torch.Tensor]] = {}
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self.before[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
 
 def policies(**by_name: str) -> dict[str, dict[str, Any]]:
@@ -71,7 +60,7 @@ def policies(**by_name: str) -> dict[str, dict[str, Any]]:
 def test_stack_stops_at_the_first_nan_loss_naming_every_technique(tmp_path: Path) -> None:
     # step 1: before the V-cycle's first switch (step 2), so the module holds the full model throughout
     run = build("stack", model_fn=poisoned(1))
-    snap = Snapshot()
+    snap = WeightsAtBatchStart()
     trainer = run.trainer(tmp_path, extra=[snap])
     with pytest.raises(NonFiniteLossError) as err:
         trainer.fit(run.model, datamodule=run.datamodule)
@@ -81,11 +70,7 @@ def test_stack_stops_at_the_first_nan_loss_naming_every_technique(tmp_path: Path
     assert "step 1" in message and "nan" in message.lower()
     assert trainer.global_step == 1  # the NaN step took no optimizer step
     # the weights are those the NaN step started from (its backward never ran)
-    after = run.model.state_dict()
-    before = snap.before[1]
-    assert before.keys() == after.keys()
-    for k in before:
-        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0, msg=k)
+    assert_weights_unchanged(run.model, snap.before[1])
 
 
 def test_the_strictest_policy_of_the_stack_wins(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from lightning_effi.core.nonfinite import NonFiniteLossError
 from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.tasks import GPT2CausalLM
 from tests.helpers.harness import MetricsCapture, make_trainer
+from tests.helpers.nonfinite import WeightsAtBatchStart, assert_weights_unchanged, zero_nonfinite_grads
 from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd
 
 STEPS = 6
@@ -45,34 +46,22 @@ class Poisoned(GPT2CausalLM):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         if self.clean_grads:
-            for p in self.parameters():
-                if p.grad is not None:
-                    torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+            zero_nonfinite_grads(self)
 
 
 def data() -> TinyDataModule:
     return TinyDataModule(TokenBlocks(n=16), batch_size=4)  # 4 batches per epoch
 
 
-class Snapshot(pl.Callback):
-    def __init__(self) -> None:
-        self.before: dict[int, dict[str, torch.Tensor]] = {}
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self.before[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-
-
 def test_a_baseline_run_stops_at_the_nan_step_before_its_backward(tmp_path: Path) -> None:
-    monitor, snap, model = EfficiencyMonitor(print_summary=False), Snapshot(), Poisoned(nan_steps=(2,))
+    monitor, snap, model = EfficiencyMonitor(print_summary=False), WeightsAtBatchStart(), Poisoned(nan_steps=(2,))
     assert monitor.nonfinite_guard.policy == "raise"
     trainer = make_trainer(tmp_path, [monitor, snap], max_steps=STEPS, max_epochs=-1)
     with pytest.raises(NonFiniteLossError) as err:
         trainer.fit(model, datamodule=data())
     assert str(err.value).startswith("EfficiencyMonitor: the training loss is nan at step 2;"), str(err.value)
     assert trainer.global_step == 2
-    after = model.state_dict()
-    for k, v in snap.before[2].items():  # the weights the NaN step started from: its backward never ran
-        torch.testing.assert_close(after[k], v, rtol=0, atol=0, msg=k)
+    assert_weights_unchanged(model, snap.before[2])  # the weights the NaN step started from: no backward ran
 
 
 def test_warn_goes_on_counts_logs_and_reports(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

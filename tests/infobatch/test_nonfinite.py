@@ -23,6 +23,7 @@ from lightning_effi.core.nonfinite import NonFiniteLossError
 from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.tasks import GPT2CausalLM
 from tests.helpers.harness import MetricsCapture, make_trainer
+from tests.helpers.nonfinite import WeightsAtBatchStart, assert_weights_unchanged, zero_nonfinite_grads
 from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd
 
 N, BATCH = 24, 8  # 3 batches per epoch
@@ -56,21 +57,19 @@ class PlainLoss(GPT2CausalLM):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         if self.clean_grads:
-            for p in self.parameters():
-                if p.grad is not None:
-                    torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+            zero_nonfinite_grads(self)
 
 
-class Snapshot(pl.Callback):
+class Snapshot(WeightsAtBatchStart):
     """The module's parameters at the start of each training batch, and the sample indices of each step's batch."""
 
     def __init__(self) -> None:
-        self.before: dict[int, dict[str, torch.Tensor]] = {}
+        super().__init__()
         self.index: dict[int, torch.Tensor] = {}
         self.seen_after_epoch: list[torch.Tensor] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self.before[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        super().on_train_batch_start(trainer, pl_module, batch, idx)
         self.index[trainer.global_step] = batch_meta(trainer)["index"].clone()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -88,9 +87,7 @@ def test_raise_is_the_default_and_stops_at_the_nan_step_before_its_backward(tmp_
     assert message.startswith("InfoBatchCallback: the training loss is nan at step 2;"), message
     assert "nonfinite_loss='warn'" in message
     assert trainer.global_step == 2  # the NaN step took no optimizer step
-    after = model.state_dict()
-    for k, v in snap.before[2].items():  # the weights the NaN step started from: its backward never ran
-        torch.testing.assert_close(after[k], v, rtol=0, atol=0, msg=k)
+    assert_weights_unchanged(model, snap.before[2])  # the weights the NaN step started from: no backward ran
     assert "training_step" not in model.__dict__  # on_exception put the module's own step back
     assert cb.nonfinite_guard.count == 0
 
