@@ -85,7 +85,7 @@ from lightning_effi.core.measure import (
     tensor_leaves,
     token_source,
 )
-from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count
+from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
 TIME_KEYS = ("time_train", "time_data", "time_eval")
@@ -861,8 +861,7 @@ class EfficiencyMonitor(Callback):
             return t
         metrics = {"effi/" + k.replace("time_", "time/"): v for k, v in t.items() if k != "batches"}
         metrics.update({"effi/" + k: v for k, v in self.savings(t).items()})
-        if self.nonfinite_guard.policy == "warn":  # with "raise" the first one stops the fit
-            metrics["effi/nonfinite_losses"] = float(nonfinite_count(trainer.callbacks))  # type: ignore[attr-defined]
+        metrics.update(nonfinite_metrics(trainer.callbacks))  # type: ignore[attr-defined]  # {} if one asks "raise"
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         return t

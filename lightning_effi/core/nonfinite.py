@@ -25,7 +25,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_effi.core.checks import check_choice
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "NonFiniteLossGuard", "is_finite_loss", "nonfinite_count"]
+__all__ = [
+    "NONFINITE_POLICIES",
+    "NonFiniteLossError",
+    "NonFiniteLossGuard",
+    "is_finite_loss",
+    "nonfinite_count",
+    "nonfinite_metrics",
+]
 
 Policy = Literal["raise", "warn"]
 #: the values of every technique's ``nonfinite_loss`` argument
@@ -51,6 +58,17 @@ def nonfinite_count(callbacks: Sequence[Any]) -> int:
     pass, by the first callback of ``callbacks`` (``trainer.callbacks``) that has a ``nonfinite_guard``, so the
     run's count is the sum over their guards, whichever of them counted."""
     return sum(g.count for g in NonFiniteLossGuard._guards(callbacks))
+
+
+def nonfinite_metrics(callbacks: Sequence[Any]) -> dict[str, float]:
+    """The metric every writer of the count logs: ``{"effi/nonfinite_losses": n}`` with ``n`` the run's count
+    (:func:`nonfinite_count`) when every guarded callback of ``callbacks`` (``trainer.callbacks``) has
+    ``nonfinite_loss="warn"``; ``{}`` when one asks ``"raise"`` (the first non-finite loss stops the fit, so there is
+    no count to show) or none is guarded."""
+    guards = NonFiniteLossGuard._guards(callbacks)
+    if not guards or any(g.policy == "raise" for g in guards):
+        return {}
+    return {"effi/nonfinite_losses": float(sum(g.count for g in guards))}
 
 
 class NonFiniteLossGuard:
@@ -110,15 +128,14 @@ class NonFiniteLossGuard:
         current step, on rank zero. The curriculum, random-LTD and the V-cycle call it from ``on_train_batch_end``;
         only the checking guard (the first of ``trainer.callbacks``) writes, and only when no guard asks ``"raise"``
         (then the first non-finite loss stops the fit and the count stays 0). InfoBatch (every epoch) and the
-        ``EfficiencyMonitor`` (every ``log_every_n_steps``) also write the same run count with their own metrics.
-        Written to the loggers directly rather than through ``LightningModule.log``: several callbacks share the key,
-        and Lightning refuses one key logged twice in a hook."""
+        ``EfficiencyMonitor`` (every ``log_every_n_steps``) add the same :func:`nonfinite_metrics` to their own
+        metrics. Written to the loggers directly rather than through ``LightningModule.log``: several callbacks share
+        the key, and Lightning refuses one key logged twice in a hook."""
         guards = self._guards(trainer.callbacks)
-        if not guards or guards[0] is not self or any(g.policy == "raise" for g in guards):
+        if not guards or guards[0] is not self or getattr(trainer, "global_rank", 0) != 0:
             return
-        if getattr(trainer, "global_rank", 0) != 0:
+        if not (metrics := nonfinite_metrics(trainer.callbacks)):
             return
-        metrics = {"effi/nonfinite_losses": float(sum(g.count for g in guards))}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=int(trainer.global_step))
 

@@ -51,7 +51,7 @@ from typing_extensions import override
 from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real, is_int
-from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count
+from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
 from lightning_effi.core.requirements import (
     BATCH_STRUCTURES,
@@ -1253,9 +1253,9 @@ class InfoBatchCallback(Callback):
             logger.log_metrics(metrics, step=pl_module.trainer.global_step)
 
     def _nonfinite_metrics(self) -> dict[str, float]:
-        """``effi/nonfinite_losses`` (the run's non-finite training losses so far, :meth:`_run_nonfinite`) with
-        ``nonfinite_loss="warn"``; nothing with ``"raise"`` (the first one stops the fit)."""
-        return {"effi/nonfinite_losses": float(self._run_nonfinite())} if self.nonfinite_guard.policy == "warn" else {}
+        """``effi/nonfinite_losses`` (the run's non-finite training losses so far) when every technique of the run
+        has ``nonfinite_loss="warn"``; nothing when one asks ``"raise"`` (the first one stops the fit)."""
+        return nonfinite_metrics(getattr(self._trainer, "callbacks", None) or [self])
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

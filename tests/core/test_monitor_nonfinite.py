@@ -6,7 +6,6 @@ the fit at the first NaN training loss, before its backward pass; ``"warn"`` war
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,33 +19,11 @@ from lightning_effi.callbacks import InfoBatchCallback
 from lightning_effi.core.accounting import EfficiencyMonitor, nonfinite_count
 from lightning_effi.core.nonfinite import NonFiniteLossError
 from lightning_effi.infobatch.data import InfoBatchDataModule
-from lightning_effi.tasks import GPT2CausalLM
 from tests.helpers.harness import MetricsCapture, make_trainer
-from tests.helpers.nonfinite import WeightsAtBatchStart, assert_weights_unchanged, zero_nonfinite_grads
-from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd
+from tests.helpers.nonfinite import PoisonedGPT2, WeightsAtBatchStart, assert_weights_unchanged
+from tests.helpers.tiny import TinyDataModule, TokenBlocks
 
 STEPS = 6
-
-
-class Poisoned(GPT2CausalLM):
-    """A tiny GPT-2 whose loss is NaN at the global steps ``nan_steps``; ``clean_grads``: the user's own handling
-    (non-finite gradients zeroed before each optimizer step)."""
-
-    def __init__(self, nan_steps: tuple[int, ...] = (), clean_grads: bool = False) -> None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            super().__init__(**TINY_GPT2, optimizer=sgd)
-        self.nan_steps, self.clean_grads = set(nan_steps), clean_grads
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        out = super().training_step(batch, batch_idx)
-        if self.global_step in self.nan_steps:
-            out = {"loss": out["loss"] * math.nan, "per_sample_loss": out["per_sample_loss"] * math.nan}
-        return out
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        if self.clean_grads:
-            zero_nonfinite_grads(self)
 
 
 def data() -> TinyDataModule:
@@ -54,7 +31,7 @@ def data() -> TinyDataModule:
 
 
 def test_a_baseline_run_stops_at_the_nan_step_before_its_backward(tmp_path: Path) -> None:
-    monitor, snap, model = EfficiencyMonitor(print_summary=False), WeightsAtBatchStart(), Poisoned(nan_steps=(2,))
+    monitor, snap, model = EfficiencyMonitor(print_summary=False), WeightsAtBatchStart(), PoisonedGPT2(nan_steps=(2,))
     assert monitor.nonfinite_guard.policy == "raise"
     trainer = make_trainer(tmp_path, [monitor, snap], max_steps=STEPS, max_epochs=-1)
     with pytest.raises(NonFiniteLossError) as err:
@@ -76,7 +53,7 @@ def test_warn_goes_on_counts_logs_and_reports(tmp_path: Path, caplog: pytest.Log
         ),
         caplog.at_level(logging.INFO),
     ):
-        trainer.fit(Poisoned(nan_steps=(2, 4), clean_grads=True), datamodule=data())
+        trainer.fit(PoisonedGPT2(nan_steps=(2, 4), clean_grads=True), datamodule=data())
     assert trainer.global_step == STEPS
     assert (monitor.nonfinite_guard.count, monitor.nonfinite_guard.first_step) == (2, 2)
     # logged with the monitor's figures (after every batch, and at the epoch's end): 0 before step 2, 1 from it,
@@ -90,7 +67,7 @@ def test_warn_goes_on_counts_logs_and_reports(tmp_path: Path, caplog: pytest.Log
 def test_raise_logs_no_count(tmp_path: Path) -> None:
     logger = MetricsCapture()
     monitor = EfficiencyMonitor(log_every_n_steps=1, print_summary=False)
-    make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1, logger=logger).fit(Poisoned(), datamodule=data())
+    make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1, logger=logger).fit(PoisonedGPT2(), datamodule=data())
     assert logger.metrics and not any("effi/nonfinite_losses" in m for m in logger.metrics)
 
 
@@ -104,7 +81,7 @@ def test_warn_count_is_restored_exactly_on_resume(tmp_path: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             trainer = make_trainer(root, [monitor, *extra], max_steps=STEPS, max_epochs=-1)
-            trainer.fit(Poisoned(nan_steps=(1, 4), clean_grads=True), datamodule=data(), ckpt_path=ckpt_path)
+            trainer.fit(PoisonedGPT2(nan_steps=(1, 4), clean_grads=True), datamodule=data(), ckpt_path=ckpt_path)
         return monitor
 
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
@@ -124,7 +101,7 @@ def test_the_strictest_policy_of_monitor_and_technique_wins(tmp_path: Path) -> N
     cb = InfoBatchCallback(nonfinite_loss="warn")
     trainer = make_trainer(tmp_path, [EfficiencyMonitor(print_summary=False), cb], max_epochs=1)
     with pytest.raises(NonFiniteLossError, match=r"^EfficiencyMonitor, InfoBatchCallback: the training loss is nan"):
-        trainer.fit(Poisoned(nan_steps=(1,)), datamodule=InfoBatchDataModule(data()))
+        trainer.fit(PoisonedGPT2(nan_steps=(1,)), datamodule=InfoBatchDataModule(data()))
     assert trainer.global_step == 1 and cb.nonfinite_guard.count == 0
 
 
@@ -135,7 +112,7 @@ def test_with_warn_everywhere_every_figure_is_the_runs_count(tmp_path: Path) -> 
     cb = InfoBatchCallback(nonfinite_loss="warn")
     trainer = make_trainer(tmp_path, [monitor, cb], max_epochs=1, logger=logger)
     with pytest.warns(UserWarning, match=r"^EfficiencyMonitor, InfoBatchCallback: the training loss is nan at step 1"):
-        trainer.fit(Poisoned(nan_steps=(1,), clean_grads=True), datamodule=InfoBatchDataModule(data()))
+        trainer.fit(PoisonedGPT2(nan_steps=(1,), clean_grads=True), datamodule=InfoBatchDataModule(data()))
     assert (monitor.nonfinite_guard.count, cb.nonfinite_guard.count) == (1, 0)
     assert monitor.summary["infobatch/nonfinite_losses"] == 1
     assert nonfinite_count(trainer.callbacks) == 1

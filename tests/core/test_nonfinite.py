@@ -10,7 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_effi.core.nonfinite import NonFiniteLossError, NonFiniteLossGuard, is_finite_loss, nonfinite_count
+from lightning_effi.core.nonfinite import (
+    NonFiniteLossError,
+    NonFiniteLossGuard,
+    is_finite_loss,
+    nonfinite_count,
+    nonfinite_metrics,
+)
 from tests.helpers.harness import MetricsCapture
 
 
@@ -83,6 +89,14 @@ def test_only_the_checking_guard_logs_the_run_count_and_only_under_warn():
     trainer.global_rank = 1
     a.nonfinite_guard.log_count(trainer)  # rank zero only
     assert len(capture.logged) == 1
+
+
+def test_every_writer_of_the_count_logs_the_same_metric_and_nothing_when_one_asks_raise():
+    a, b = Technique("InfoBatchCallback", "warn"), Technique("EfficiencyMonitor", "warn")
+    a.nonfinite_guard.count = 2
+    assert nonfinite_metrics([object(), a, b]) == {"effi/nonfinite_losses": 2.0}
+    assert nonfinite_metrics([a, b, Technique("VCycleCallback", "raise")]) == {}
+    assert nonfinite_metrics([object()]) == {}  # no guarded callback
 
 
 @pytest.mark.parametrize("policy", ["skip", "Raise", None, True])

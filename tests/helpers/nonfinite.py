@@ -1,13 +1,47 @@
-"""Shared pieces of the non-finite loss tests (``lightning_effi.core.nonfinite``): the weights each training step
-starts from, the user's own handling of a NaN step, and the check that a stopped step left the weights untouched."""
+"""Shared pieces of the non-finite loss tests (``lightning_effi.core.nonfinite``): a tiny GPT-2 whose loss is NaN at
+chosen steps, the weights each training step starts from, the user's own handling of a NaN step, and the check that a
+stopped step left the weights untouched."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
+
+from lightning_effi.tasks import GPT2CausalLM
+from tests.helpers.tiny import TINY_GPT2, sgd
+
+
+class PoisonedGPT2(GPT2CausalLM):
+    """A tiny seeded GPT-2 (``TINY_GPT2``, SGD) whose training loss is NaN at the global steps ``nan_steps``.
+
+    Args:
+        nan_steps: the global steps whose loss (and per-sample loss) is multiplied by NaN.
+        plain_loss: ``training_step`` returns the loss tensor alone, as a user's module does (InfoBatch then computes
+            the per-sample loss itself); else the task's ``{"loss", "per_sample_loss"}``.
+        clean_grads: the user's own handling: non-finite gradients zeroed before each optimizer step, so that one
+            NaN step leaves the weights finite.
+    """
+
+    def __init__(self, nan_steps: tuple[int, ...] = (), plain_loss: bool = False, clean_grads: bool = False) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            super().__init__(**TINY_GPT2, optimizer=sgd)
+        self.nan_steps, self.plain_loss, self.clean_grads = set(nan_steps), plain_loss, clean_grads
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        scale = math.nan if self.global_step in self.nan_steps else 1.0
+        if self.plain_loss:
+            return out["loss"] * scale
+        return {"loss": out["loss"] * scale, "per_sample_loss": out["per_sample_loss"] * scale}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.clean_grads:
+            zero_nonfinite_grads(self)
 
 
 class WeightsAtBatchStart(pl.Callback):

@@ -21,10 +21,9 @@ from lightning_effi.callbacks import InfoBatchCallback
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.nonfinite import NonFiniteLossError
 from lightning_effi.infobatch.data import InfoBatchDataModule
-from lightning_effi.tasks import GPT2CausalLM
 from tests.helpers.harness import MetricsCapture, make_trainer
-from tests.helpers.nonfinite import WeightsAtBatchStart, assert_weights_unchanged, zero_nonfinite_grads
-from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd
+from tests.helpers.nonfinite import PoisonedGPT2, WeightsAtBatchStart, assert_weights_unchanged
+from tests.helpers.tiny import TinyDataModule, TokenBlocks
 
 N, BATCH = 24, 8  # 3 batches per epoch
 
@@ -38,26 +37,6 @@ class LabeledBlocks(TokenBlocks):
 
 def ib_data() -> InfoBatchDataModule:
     return InfoBatchDataModule(TinyDataModule(LabeledBlocks(n=N), batch_size=BATCH))
-
-
-class PlainLoss(GPT2CausalLM):
-    """A module that returns a plain loss (InfoBatch's automatic per-sample cross-entropy), multiplied by NaN at the
-    global steps ``nan_steps``; ``clean_grads``: the user's own handling (non-finite gradients zeroed before each
-    optimizer step), so that one NaN step leaves the weights finite."""
-
-    def __init__(self, nan_steps: tuple[int, ...] = (), clean_grads: bool = False) -> None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            super().__init__(**TINY_GPT2, optimizer=sgd)
-        self.nan_steps, self.clean_grads = set(nan_steps), clean_grads
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        loss = super().training_step(batch, batch_idx)["loss"]
-        return loss * math.nan if self.global_step in self.nan_steps else loss
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        if self.clean_grads:
-            zero_nonfinite_grads(self)
 
 
 class Snapshot(WeightsAtBatchStart):
@@ -78,7 +57,7 @@ class Snapshot(WeightsAtBatchStart):
 
 
 def test_raise_is_the_default_and_stops_at_the_nan_step_before_its_backward(tmp_path: Path) -> None:
-    model, snap, cb = PlainLoss(nan_steps=(2,)), Snapshot(), InfoBatchCallback()
+    model, snap, cb = PoisonedGPT2(plain_loss=True, nan_steps=(2,)), Snapshot(), InfoBatchCallback()
     assert cb.nonfinite_guard.policy == "raise"
     trainer = make_trainer(tmp_path, [cb, snap], max_epochs=2)
     with pytest.raises(NonFiniteLossError) as err:
@@ -93,7 +72,7 @@ def test_raise_is_the_default_and_stops_at_the_nan_step_before_its_backward(tmp_
 
 
 def test_warn_goes_on_counts_each_nan_step_once_and_never_scores_it(tmp_path: Path) -> None:
-    model, snap, logger = PlainLoss(nan_steps=(2,), clean_grads=True), Snapshot(), MetricsCapture()
+    model, snap, logger = PoisonedGPT2(plain_loss=True, nan_steps=(2,), clean_grads=True), Snapshot(), MetricsCapture()
     cb = InfoBatchCallback(nonfinite_loss="warn")
     trainer = make_trainer(tmp_path, [cb, snap], max_epochs=2, logger=logger)
     with pytest.warns(
@@ -116,7 +95,9 @@ def test_warn_goes_on_counts_each_nan_step_once_and_never_scores_it(tmp_path: Pa
 
 def test_raise_logs_no_nonfinite_count(tmp_path: Path) -> None:
     logger = MetricsCapture()
-    make_trainer(tmp_path, [InfoBatchCallback()], max_epochs=1, logger=logger).fit(PlainLoss(), datamodule=ib_data())
+    make_trainer(tmp_path, [InfoBatchCallback()], max_epochs=1, logger=logger).fit(
+        PoisonedGPT2(plain_loss=True), datamodule=ib_data()
+    )
     epoch_logs = [m for m in logger.metrics if "effi/infobatch/saved_fraction" in m]
     assert len(epoch_logs) == 1 and "effi/nonfinite_losses" not in epoch_logs[0]
 
@@ -126,7 +107,7 @@ def test_warn_reports_the_count_at_the_end_of_fit(tmp_path: Path, caplog: pytest
     with caplog.at_level(logging.INFO), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         make_trainer(tmp_path, [cb], max_epochs=1).fit(
-            PlainLoss(nan_steps=(0, 2), clean_grads=True), datamodule=ib_data()
+            PoisonedGPT2(plain_loss=True, nan_steps=(0, 2), clean_grads=True), datamodule=ib_data()
         )
     assert "InfoBatchCallback: 2 non-finite training losses (the first at step 0)" in caplog.text
 
@@ -141,7 +122,11 @@ def test_warn_count_is_restored_exactly_on_resume(tmp_path: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             trainer = make_trainer(root, [cb, *extra], max_epochs=2)
-            trainer.fit(PlainLoss(nan_steps=(2, 4), clean_grads=True), datamodule=ib_data(), ckpt_path=ckpt_path)
+            trainer.fit(
+                PoisonedGPT2(plain_loss=True, nan_steps=(2, 4), clean_grads=True),
+                datamodule=ib_data(),
+                ckpt_path=ckpt_path,
+            )
         return cb
 
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
@@ -161,7 +146,7 @@ def test_a_nan_first_batch_with_warn_detects_the_causal_shift_at_the_next_one(tm
     cb, snap = InfoBatchCallback(nonfinite_loss="warn"), Snapshot()
     with pytest.warns(UserWarning, match="the training loss is nan at step 0"):
         make_trainer(tmp_path, [cb, snap], max_epochs=1).fit(
-            PlainLoss(nan_steps=(0,), clean_grads=True), datamodule=ib_data()
+            PoisonedGPT2(plain_loss=True, nan_steps=(0,), clean_grads=True), datamodule=ib_data()
         )
     assert (cb.nonfinite_guard.count, cb.nonfinite_guard.first_step) == (1, 0)
     assert cb.per_sample_source == "auto" and cb._shift is True  # GPT-2's causal-LM loss
