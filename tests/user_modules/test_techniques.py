@@ -27,11 +27,11 @@ SEQ = {"gpt2_chars": (8, 32), "bert_cls": (8, 24), "torch_encoder": (4, 16)}
 VIT_TOKENS = 17
 
 
-def infobatch() -> InfoBatchCallback:
-    return InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=0)
+def infobatch(**kw: Any) -> InfoBatchCallback:
+    return InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=0, **kw)
 
 
-def curriculum(name: str) -> Curriculum:
+def curriculum(name: str, **kw: Any) -> Curriculum:
     low, high = SEQ[name]
     return Curriculum(
         metrics={
@@ -45,16 +45,17 @@ def curriculum(name: str) -> Curriculum:
             )
         },
         seed=3,
+        **kw,
     )
 
 
-def random_ltd(name: str) -> RandomLTDCallback:
+def random_ltd(name: str, **kw: Any) -> RandomLTDCallback:
     low = 5 if name == "timm_vit" else SEQ[name][0]
-    return RandomLTDCallback(min_value=low, seq_per_step=4, seed=0)  # max_value: from the data
+    return RandomLTDCallback(min_value=low, seq_per_step=4, seed=0, **kw)  # max_value: from the data
 
 
-def vcycle() -> VCycleCallback:
-    return VCycleCallback(e_a="0.2dur", e_small="0.4dur", alpha_original=0.3)
+def vcycle(**kw: Any) -> VCycleCallback:
+    return VCycleCallback(e_a="0.2dur", e_small="0.4dur", alpha_original=0.3, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +67,15 @@ class Cell:
     def id(self) -> str:
         return f"{self.module}:{'+'.join(self.techniques)}"
 
-    def callbacks(self) -> list[pl.Callback]:
-        build: dict[str, Callable[[], pl.Callback]] = {
+    def callbacks(self, **common: Any) -> list[pl.Callback]:
+        """The cell's technique callbacks; ``common``: arguments every one of them takes (e.g. ``nonfinite_loss``)."""
+        build: dict[str, Callable[..., pl.Callback]] = {
             "infobatch": infobatch,
-            "curriculum": lambda: curriculum(self.module),
-            "random_ltd": lambda: random_ltd(self.module),
+            "curriculum": lambda **kw: curriculum(self.module, **kw),
+            "random_ltd": lambda **kw: random_ltd(self.module, **kw),
             "vcycle": vcycle,
         }
-        return [build[t]() for t in self.techniques]
+        return [build[t](**common) for t in self.techniques]
 
     def limits(self) -> dict[str, Any]:
         if "infobatch" in self.techniques and "curriculum" not in self.techniques:
