@@ -38,7 +38,7 @@ EXPECTED = {
     "vcycle_gpt": ({"vcycle"}, "max_steps", 1200, 1920),
     "vcycle_vit": ({"vcycle"}, "max_steps", 1200, 1920),
     "gpt_stack": ({"curriculum", "random_ltd", "vcycle"}, "max_steps", 2000, 3000),
-    "gpt_stack_6l": ({"curriculum", "random_ltd", "vcycle"}, "max_steps", 1200, 1800),
+    "gpt_stack_6l": ({"curriculum", "random_ltd", "vcycle"}, "max_steps", 1200, 1560),
     "vit_stack": ({"infobatch", "random_ltd", "vcycle"}, "max_epochs", 12, 18),
     "gpt_stdlib_stack": ({"curriculum", "random_ltd", "vcycle"}, "max_steps", 1000, 1500),
 }
