@@ -18,12 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_effi import EfficiencyMonitor
 from lightning_effi.core.nonfinite import NonFiniteLossError, nonfinite_count
-from tests.helpers.harness import make_trainer
 from tests.helpers.nonfinite import WeightsAtBatchStart, assert_weights_unchanged, zero_nonfinite_grads
-from tests.user_modules.modules import USER_MODULES, CharGPT2
-from tests.user_modules.test_techniques import STACKS
+from tests.user_modules.modules import CharGPT2
+from tests.user_modules.test_techniques import STACKS, prepare
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -50,15 +48,14 @@ class NaNAtStep(CharGPT2):
 
 
 def fit(tmp_path: Path, at_step: int, policy: str | None, clean_grads: bool = False) -> tuple[Any, ...]:
-    torch.manual_seed(0)
-    module, dm = NaNAtStep(at_step, clean_grads), USER_MODULES[CELL.module][1]()
-    callbacks = CELL.callbacks(**({} if policy is None else {"nonfinite_loss": policy}))
-    for cb in callbacks:
-        if callable(wrap := getattr(cb, "wrap_datamodule", None)):
-            dm = wrap(dm)
-    monitor = EfficiencyMonitor(print_summary=False, **({} if policy is None else {"nonfinite_loss": policy}))
     snap = WeightsAtBatchStart()
-    trainer = make_trainer(tmp_path, callbacks=[monitor, *callbacks, snap], **CELL.limits())
+    trainer, module, dm, _, _ = prepare(
+        CELL,
+        tmp_path,
+        make_module=lambda: NaNAtStep(at_step, clean_grads),
+        common=None if policy is None else {"nonfinite_loss": policy},
+        extra=[snap],
+    )
     return trainer, module, dm, snap
 
 

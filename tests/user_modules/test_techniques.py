@@ -8,7 +8,7 @@ levels visited), ends on the full model with nothing patched, and the Efficiency
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -111,17 +111,34 @@ class Spy(pl.Callback):
         self.shapes.append(tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)))
 
 
-def run(cell: Cell, root) -> tuple[pl.Trainer, EfficiencyMonitor, Spy, list[pl.Callback]]:
+def prepare(
+    cell: Cell,
+    root,
+    *,
+    make_module: Callable[[], pl.LightningModule] | None = None,
+    common: dict[str, Any] | None = None,
+    extra: Sequence[pl.Callback] = (),
+) -> tuple[pl.Trainer, pl.LightningModule, Any, EfficiencyMonitor, list[pl.Callback]]:
+    """The cell's user module (``make_module`` in its place, built after the same seed) and DataModule, the DataModule
+    wrapped by each technique that owns the loader, and a Trainer with ``[monitor, *techniques, *extra]``;
+    ``common``: arguments the monitor and every technique take (e.g. ``nonfinite_loss``)."""
     module_fn, data_fn = USER_MODULES[cell.module]
+    common = common or {}
     torch.manual_seed(0)
-    module, dm = module_fn(), data_fn()
-    callbacks = cell.callbacks()
+    module, dm = (make_module or module_fn)(), data_fn()
+    callbacks = cell.callbacks(**common)
     for cb in callbacks:  # each technique that owns the loader wraps the user's DataModule
         wrap = getattr(cb, "wrap_datamodule", None)
         if callable(wrap):
             dm = wrap(dm)
-    monitor, spy = EfficiencyMonitor(print_summary=False), Spy()
-    trainer = make_trainer(root, callbacks=[monitor, *callbacks, spy], **cell.limits())
+    monitor = EfficiencyMonitor(print_summary=False, **common)
+    trainer = make_trainer(root, callbacks=[monitor, *callbacks, *extra], **cell.limits())
+    return trainer, module, dm, monitor, callbacks
+
+
+def run(cell: Cell, root) -> tuple[pl.Trainer, EfficiencyMonitor, Spy, list[pl.Callback]]:
+    spy = Spy()
+    trainer, module, dm, monitor, callbacks = prepare(cell, root, extra=[spy])
     trainer.fit(module, datamodule=dm)
     spy.patched_after = [n for n, m in module.named_modules() if "forward" in m.__dict__]  # after teardown
     return trainer, monitor, spy, callbacks
