@@ -40,8 +40,11 @@ EXPECTED = {
     "gpt_stack": ({"curriculum", "random_ltd", "vcycle"}, "max_steps", 2000, 3000),
     "gpt_stack_6l": ({"curriculum", "random_ltd", "vcycle"}, "max_steps", 1200, 1560),
     "vit_stack": ({"infobatch", "random_ltd", "vcycle"}, "max_epochs", 12, 18),
+    "vit_stack_ib_ltd": ({"infobatch", "random_ltd"}, "max_epochs", 12, 12),
     "gpt_stdlib_stack": ({"curriculum", "random_ltd", "vcycle"}, "max_steps", 1000, 1500),
 }
+#: benches that share another bench's task (its baseline runs, read in one report), bench -> the task's bench
+SHARED_TASK = {"vit_stack_ib_ltd": "vit_stack"}
 
 
 def _compose(tmp_path: Path, bench: str, *overrides: str):
@@ -71,9 +74,27 @@ def test_bench_sweeps_a_baseline_frontier_and_the_technique_arm(bench, tmp_path)
     baselines = [a for a in arms if a.startswith("baseline_")]
     assert set(baselines) <= set(BASELINE_ARMS) and len(set(baselines)) >= 4
     assert "technique" in arms and len(set(seeds)) >= 2
-    assert cfg.task_name == f"bench_{bench}"
+    assert cfg.task_name == f"bench_{SHARED_TASK.get(bench, bench)}"
     header = (CONF / "bench" / f"{bench}.yaml").read_text()
     assert f"python experiments/train.py bench={bench}" in header and "about" in header  # command and CPU time
+
+
+@pytest.mark.parametrize(("bench", "owner"), sorted(SHARED_TASK.items()))
+def test_a_bench_sharing_a_task_trains_the_same_baselines(bench, owner, tmp_path):
+    """The report reads runs of one task against each other: a bench whose task_name is another bench's must compose
+    the very same baseline runs (only the tags and the technique arm's budget may differ)."""
+    arms, seeds = _sweep(_compose(tmp_path, bench))
+    owner_arms, owner_seeds = _sweep(_compose(tmp_path, owner))
+    baselines = [a for a in arms if a.startswith("baseline_")]
+    assert len(baselines) >= 4 and set(baselines) <= set(owner_arms) and set(seeds) <= set(owner_seeds)
+    for arm in baselines:
+        mine, theirs = (OmegaConf.to_container(_compose(tmp_path, b, f"arm={arm}", "seed=1")) for b in (bench, owner))
+        for cfg in (mine, theirs):
+            for key in ("hydra", "tags", "technique_budget"):
+                cfg.pop(key)
+        assert mine == theirs, arm
+    arm_of = {b: _compose(tmp_path, b, "arm=technique") for b in (bench, owner)}
+    assert len({(c.technique_budget, frozenset(_technique_targets(c.callbacks))) for c in arm_of.values()}) == 2
 
 
 @pytest.mark.parametrize("bench", BENCHES)
