@@ -32,6 +32,7 @@ TECHNIQUE_TARGETS = {f"lightning_effi.callbacks.{cls.__name__}": name for cls, n
 EXPECTED = {
     "infobatch_cifar10": ({"infobatch"}, "max_epochs", 40, 40),
     "infobatch_cifar10_fit": ({"infobatch"}, "max_epochs", 100, 100),
+    "infobatch_cifar10_1k": ({"infobatch"}, "max_epochs", 200, 200),
     "curriculum_seqlen": ({"curriculum"}, "max_steps", 400, 400),
     "random_ltd_gpt": ({"random_ltd"}, "max_steps", 400, 400),
     "random_ltd_vit": ({"random_ltd"}, "max_steps", 400, 400),
