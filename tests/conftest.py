@@ -8,6 +8,15 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist (the default, see pyproject.toml) each worker is one of several processes sharing the cores:
+    # one intra-op thread each, also for the subprocesses and DDP ranks the tests start. Oversubscribed OpenMP
+    # threads make the suite several times slower.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
 DATA_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
