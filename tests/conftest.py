@@ -11,7 +11,7 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under pytest-xdist (the default, see pyproject.toml) each worker is one of several processes sharing the cores:
     # one intra-op thread each, also for the subprocesses and DDP ranks the tests start. Oversubscribed OpenMP
-    # threads make the suite several times slower.
+    # threads made the suite slower than one process.
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
