@@ -209,17 +209,22 @@ class Report:
             if row["baseline"]:
                 cells += ["(baseline)"] + ["—"] * 4
             else:
+                seeds = row["n_seeds"]
                 cells += [
-                    _pct(row["same_length_saving_mean"], row["same_length_saving_std"], ""),
-                    _pm(row["same_length_quality_delta_mean"], row["same_length_quality_delta_std"], "{:+.4g}"),
-                    _num(row["frontier_compute_mean"], "{:.3g}"),
+                    _pct(row["same_length_saving_mean"], row["same_length_saving_std"], "")
+                    + _of(row["same_length_n"], seeds),
+                    _pm(row["same_length_quality_delta_mean"], row["same_length_quality_delta_std"], "{:+.4g}")
+                    + _of(row["same_length_n"], seeds),
+                    _num(row["frontier_compute_mean"], "{:.3g}") + _of(row["frontier_n"], seeds),
                     _pct(
                         row["frontier_saving_mean"],
                         row["frontier_saving_std"],
                         row["frontier_flag"],
                         row["frontier_factor_mean"],
-                    ),
-                    _pct(row["frontier_wall_saving_mean"], row["frontier_wall_saving_std"], row["frontier_wall_flag"]),
+                    )
+                    + _of(row["frontier_n"], seeds),
+                    _pct(row["frontier_wall_saving_mean"], row["frontier_wall_saving_std"], row["frontier_wall_flag"])
+                    + _of(row["frontier_wall_n"], seeds),
                 ]
             lines.append("| " + " | ".join(cells) + " |")
         out = "\n".join(lines) + "\n\n" + self.frontier_summary() + "\n"
@@ -299,6 +304,12 @@ def _pm(mean: float, std: float, fmt: str, n: int | None = None, of: int | None 
     if n is not None and of is not None and n < of:
         text += f" (n={n})"
     return text
+
+
+def _of(n: int, seeds: int) -> str:
+    """`` (n=2)`` after a figure read from fewer of the row's seeds (the others lacked what it needs: a same-length
+    baseline, a frontier), else nothing; nothing either where no seed gave one (the cell reads —)."""
+    return f" (n={n})" if 0 < n < seeds else ""
 
 
 def _pct(mean: float, std: float, flag: str, factor: float = math.nan) -> str:

@@ -207,6 +207,13 @@ def test_a_run_without_a_finite_metric_is_left_out_and_noted(tmp_path):
     assert math.isnan(seed0["same_length_saving"])  # no usable same-length baseline for seed 0
     assert any("random_ltd@1 seed 0: no baseline run of seed 0 at budget 1" in n for n in report.notes)
     assert seed0["frontier_compute"] == pytest.approx(math.sqrt(6) * 1e12)  # the 3 other budgets still frame it
+    # the arm's same-length figures come from seed 1 alone: its cells say so; its frontier reading has both seeds
+    arm = _row(report, "random_ltd", 1.0)
+    assert (arm["n_seeds"], arm["same_length_n"], arm["frontier_n"]) == (2, 1, 2)
+    line = next(x for x in report.to_markdown().splitlines() if x.startswith("| random_ltd | 1 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[7].endswith("(n=1)") and cells[8].endswith("(n=1)")  # same-length saving and quality delta
+    assert "(n=" not in cells[9] and "(n=" not in cells[10]  # frontier compute and saving: every seed
 
 
 def test_several_baseline_arms_use_the_best_at_each_budget(tmp_path):
