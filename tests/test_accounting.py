@@ -210,3 +210,26 @@ def test_the_monitor_must_come_before_a_technique_that_changes_model_shapes(tmp_
     )
     with pytest.raises(MisconfigurationException, match="EfficiencyMonitor must come before VCycleCallback"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data(batch_size=4))
+
+
+def test_a_further_fit_of_the_same_trainer_goes_on_counting(tmp_path):
+    """Fit 3 steps, raise max_steps to 7, fit again on the same Trainer: the totals are those of 7 steps (before the
+    fix they covered only the second fit's 4 while optimizer_steps said 7). A monitor that did not count a Trainer's
+    earlier training refuses a further fit of it, naming the remedies."""
+    from tests.helpers.harness import make_trainer
+
+    monitor = EfficiencyMonitor(print_summary=False)
+    model, data = tiny_gpt2(), tiny_lm_data()
+    trainer = make_trainer(tmp_path / "a", [monitor], max_steps=3)
+    trainer.fit(model, datamodule=data)
+    trainer.fit_loop.epoch_loop.max_steps = 7
+    trainer.fit(model, datamodule=data)
+    s = monitor.summary
+    per_batch = transformer_training_flops(8, 16, 2, 32, None, 64, head="lm")
+    assert (s["optimizer_steps"], s["batches"], s["samples"], s["flops"]) == (7, 7, 56, 7 * per_batch)
+    first = make_trainer(tmp_path / "c", max_steps=2)
+    first.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    first.callbacks.append(EfficiencyMonitor(print_summary=False))
+    first.fit_loop.epoch_loop.max_steps = 4
+    with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match="starts at step 2 of a Trainer"):
+        first.fit(tiny_gpt2(), datamodule=tiny_lm_data())

@@ -390,6 +390,9 @@ class EfficiencyMonitor(Callback):
         ValueError: ``log_every_n_steps`` not a positive int, ``print_summary`` not a bool, ``nonfinite_loss`` not
             ``"raise"`` or ``"warn"``.
         NonFiniteLossError: (a training batch, ``nonfinite_loss="raise"``) the training loss is NaN or infinite.
+        MisconfigurationException: (``setup``) the monitor listed after a technique that changes the model's
+            shapes; a fit that starts at a step > 0 of a Trainer whose earlier training this monitor did not count
+            to its end (a further fit of a Trainer it counted goes on counting: the totals are cumulative).
         KeyError: (``load_state_dict``) a checkpoint with totals this monitor does not know.
         ValueError: (``load_state_dict``) a checkpoint total that is not a finite number, or a negative count or
             time (only a ``saved/...`` total may be negative); a non-finite loss count that is not an int >= 0.
@@ -412,6 +415,8 @@ class EfficiencyMonitor(Callback):
         self._batch_start: float | None = None
         self._eval_start: float | None = None
         self._fit_start: float | None = None
+        #: (id of the Trainer, its global_step) at the end of the last fit this monitor counted completely
+        self._ended_at: tuple[int, int] | None = None
         self._warned: set[str] = set()  # the quantities already warned about
         self._recorder = CallRecorder()
         self._meter = FlopsMeter()
@@ -614,9 +619,20 @@ class EfficiencyMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # a new fit counts from zero; a resumed one gets its totals back from the checkpoint after setup
+        # a new fit counts from zero; a resumed one gets its totals back from the checkpoint after setup; a further
+        # fit of the Trainer whose last fit this monitor counted to its end goes on counting
         if stage == "fit":
             self._check_order(trainer)
+            if trainer.global_step > 0:
+                if self._ended_at == (id(trainer), trainer.global_step):
+                    return
+                raise MisconfigurationException(
+                    f"{type(self).__name__}: this fit starts at step {trainer.global_step} of a Trainer that has "
+                    "trained before, but the monitor did not count that training to its end (it was not in that fit, "
+                    "or the fit stopped on an error), so its totals (samples, tokens, FLOPs, time) would cover only "
+                    "this fit while optimizer_steps counts them all; add the monitor to the first fit, resume from a "
+                    "checkpoint with trainer.fit(..., ckpt_path=...), or train on a fresh Trainer"
+                )
             base = COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
@@ -761,6 +777,7 @@ class EfficiencyMonitor(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ended_at = (id(trainer), int(trainer.global_step))
         self.summary = self.compute_summary(trainer)
         if self.print_summary and trainer.is_global_zero:
             print_block(format_summary(self.summary))  # one write: safe under a live rich display (console.py)
