@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import (
     BatchSampler,
@@ -97,6 +98,9 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
         ``{dataset, batch_size, drop_last, collate_fn, num_workers, pin_memory, worker_init_fn, prefetch_factor,
         persistent_workers, timeout, multiprocessing_context, in_order, length}``.
 
+    Warns:
+        UserWarning: a sequential loader (``shuffle=False``): the technique's own random order replaces it.
+
     Raises:
         DataConfigError: (naming ``technique`` and what was found) not one ``DataLoader``; an ``IterableDataset`` or
             a dataset without ``len()``; a custom sampler, a subclass of a plain sampler with its own ``__iter__`` /
@@ -142,6 +146,12 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
     why = custom_order(sampler)
     if why is not None:
         raise DataConfigError(f"{found} ({why}); {technique} owns the sampler and {_PLAIN_LOADER}")
+    if isinstance(sampler, SequentialSampler) or getattr(sampler, "shuffle", True) is False:
+        rank_zero_warn(
+            f"{technique}: the wrapped training loader keeps its samples in order ({type(sampler).__name__}, "
+            f"shuffle=False), but {technique} owns the sampler and draws each epoch's samples in its own random "
+            "order (seeded, as its reference does): the sequential order is not kept"
+        )
     return dict(
         dataset=loader.dataset,
         batch_size=loader.batch_size,
@@ -159,22 +169,39 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
     )
 
 
+class LiveFit:
+    """``running(current)`` of :func:`live_fit`: a callable object, so that a technique callback holding one can be
+    pickled after a fit (``strategy="ddp_spawn"`` pickles the callbacks to start its processes). A pickled copy (in
+    another process) refers to no fit; a deep copy shares the original's reference, as a function would."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._ref: Callable[[], Any] | None
+        try:
+            self._ref, self._strong = weakref.ref(trainer), None
+        except TypeError:  # a stand-in without weak references (tests)
+            self._ref, self._strong = None, trainer
+
+    def __call__(self, current: Any) -> bool:
+        owner = self._ref() if self._ref is not None else self._strong
+        status = getattr(getattr(owner, "state", None), "status", None)
+        return owner is not None and owner is not current and status == TrainerStatus.RUNNING
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._ref, self._strong = None, None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LiveFit:
+        return self
+
+
 def live_fit(trainer: Any) -> Callable[[Any], bool]:
     """``running(current)``: whether the fit ``trainer`` runs now is still going, seen from the ``setup`` of a fit on
     the Trainer ``current``: True while ``trainer``'s status is ``RUNNING``, unless ``current`` is ``trainer`` itself
     (a Trainer runs one fit at a time, so its earlier fit is over) or ``trainer`` is gone (held weakly where it can
-    be)."""
-    try:
-        ref: Callable[[], Any] = weakref.ref(trainer)
-    except TypeError:  # a stand-in without weak references (tests)
-        ref = lambda: trainer  # noqa: E731
-
-    def running(current: Any) -> bool:
-        owner = ref()
-        status = getattr(getattr(owner, "state", None), "status", None)
-        return owner is not None and owner is not current and status == TrainerStatus.RUNNING
-
-    return running
+    be). A :class:`LiveFit`: picklable (its pickled copy refers to no fit)."""
+    return LiveFit(trainer)
 
 
 def wrapper_chain(datamodule: Any) -> list[Any]:

@@ -51,7 +51,8 @@ class InfoBatchDataModule(WrappingDataModule):
     Args:
         datamodule: any ``LightningDataModule`` whose ``train_dataloader()`` returns a ``DataLoader`` over a
             map-style dataset (samples and batches of any structure), with a plain (shuffling or sequential)
-            sampler.
+            sampler. Each epoch's samples come in a seeded random order (a sequential loader's order is not kept:
+            a warning says so).
 
     Raises:
         DataConfigError: (at the first ``train_dataloader()``) a custom sampler or batch sampler, an iterable

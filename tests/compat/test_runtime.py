@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -650,6 +651,20 @@ def test_ddp_spawn(tmp_path, technique):
     run, state, limits = _distributed_run(technique, tmp_path)
     fit_ddp(run.model, run.datamodule, tmp_path, [*run.callbacks, state, run.probe], **limits)  # + RecordBatches
     _check_distributed(technique, tmp_path, "DDPStrategy", "spawn", records="ddp_records")
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_callbacks_pickle_after_a_fit(tmp_path, technique):
+    """A callback that has run one fit pickles (``ddp_spawn`` pickles the callbacks to start its processes; the
+    InfoBatch and random-LTD callbacks failed on the closure that tells a finished fit from a running one). The
+    pickled copy refers to no fit."""
+    run = build(technique)
+    run.fit(tmp_path)
+    for cb in run.callbacks:
+        twin = pickle.loads(pickle.dumps(cb))
+        running = getattr(twin, "_running", None) or getattr(getattr(twin, "_stack", None), "running", None)
+        if callable(running):
+            assert running(None) is False
 
 
 @pytest.mark.slow

@@ -140,6 +140,28 @@ def test_loader_template_reads_a_plain_loader():
 
 
 @pytest.mark.parametrize(
+    ("make", "sequential"),
+    [
+        (lambda d: DataLoader(d, batch_size=BATCH, shuffle=False), "SequentialSampler"),
+        (lambda d: DataLoader(d, batch_size=BATCH, sampler=DistributedSampler(d, 1, 0, shuffle=False)), "Distributed"),
+        (lambda d: DataLoader(d, batch_size=BATCH, shuffle=True), None),
+        (lambda d: DataLoader(d, batch_size=BATCH, sampler=DistributedSampler(d, 1, 0, shuffle=True)), None),
+    ],
+)
+def test_loader_template_warns_that_a_sequential_order_is_not_kept(make, sequential):
+    """A ``shuffle=False`` loader is accepted, but the technique draws its own random order: a warning naming the
+    sampler says the order is not kept; a shuffling loader reads without one."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader_template(make(TokenBlocks(n=N)), "InfoBatch")
+    messages = [str(w.message) for w in caught if "order is not kept" in str(w.message)]
+    if sequential is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and sequential in messages[0] and messages[0].startswith("InfoBatch: ")
+
+
+@pytest.mark.parametrize(
     ("make", "message"),
     [
         (
