@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_str
 from lightning_effi.core.errors import DataConfigError
+from lightning_effi.report.record import TECHNIQUE_HOOKS
 from lightning_effi.utils.instantiate import (
     ConfigError,
     check_budget,
@@ -145,9 +146,6 @@ def _json_safe(value: Any) -> Any:
         return [_json_safe(v) for v in value]
     return value
 
-
-#: the hooks that make a callback a technique (it changes what is computed, or has a schedule)
-TECHNIQUE_HOOKS = ("effi_adjust", "effi_baseline", "effi_schedule_state")
 
 #: ``result.json``'s format version (2: arm, budget, techniques, overrides, length, curve, schedule, relative paths)
 RESULT_SCHEMA = 2

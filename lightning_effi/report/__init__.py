@@ -8,6 +8,10 @@ folders and writes ``report.md``, ``report.csv``, ``report.json`` and figures. F
     report = write_report(["logs/gpt_stack/multiruns/2026-12-01_22-00-00_123456"])
     print(report.to_markdown())
 
+From your own ``Trainer`` (no Hydra app), write each run's record with :func:`write_result` after its fit
+(``write_result(trainer, "runs/baseline_0.5_seed0", metric="val/loss", seed=0, budget=0.5)``), then report the
+folder.
+
 Or after every multirun, with the Hydra callback: ``hydra.callbacks.report._target_:
 lightning_effi.report.hydra_callback.ReportCallback``.
 
@@ -20,6 +24,7 @@ them; times are seconds.
 
 from lightning_effi.report.frontier import Reach, Saving, compute_to_reach, pareto_front, saving
 from lightning_effi.report.load import ReportError, Run, load_runs
+from lightning_effi.report.record import write_result
 from lightning_effi.report.table import COLUMNS, Report, build_report, write_report
 
 __all__ = [
@@ -35,4 +40,5 @@ __all__ = [
     "pareto_front",
     "saving",
     "write_report",
+    "write_result",
 ]

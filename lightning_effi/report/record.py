@@ -1,0 +1,164 @@
+"""Write a run record (``result.json``, schema 2) from your own ``Trainer``, so that ``python -m
+lightning_effi.report`` compares runs that did not go through ``experiments/train.py``.
+
+After ``trainer.fit(...)`` with an :class:`~lightning_effi.core.accounting.EfficiencyMonitor` among the callbacks::
+
+    from lightning_effi.report import write_result
+    write_result(trainer, "runs/ltd_seed0", metric="val/loss", seed=0, budget=1.0)
+
+Run it for the baseline at several budgets (each a complete run with its LR decayed over its own length) and for
+the technique runs, each into its own folder, then ``python -m lightning_effi.report runs/`` reads the frontier
+(Kaddour et al. 2023, "No Train No Gain", NeurIPS, Sec. 3). The record holds the same fields as the Hydra app's
+(``lightning_effi.train.run``): the techniques (callbacks with an ``effi_adjust``, ``effi_baseline`` or
+``effi_schedule_state`` hook, each with its ``config()``), the monitor's summary, curve and schedule, the final
+metrics and the run's length; ``overrides`` is empty and paths are relative to ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
+from lightning_effi.report.frontier import check_mode
+from lightning_effi.report.load import SCHEMA
+
+__all__ = ["TECHNIQUE_HOOKS", "write_result"]
+
+#: the hooks that make a callback a technique (it changes what is computed, or has a schedule)
+TECHNIQUE_HOOKS = ("effi_adjust", "effi_baseline", "effi_schedule_state")
+
+
+def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        try:
+            out[str(key)] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return dict(sorted(out.items()))
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _techniques(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, EfficiencyMonitor) or not any(hasattr(callback, h) for h in TECHNIQUE_HOOKS):
+            continue
+        config = getattr(callback, "config", None)
+        settings = config() if callable(config) else {}
+        out[technique_name(callback)] = json.loads(json.dumps(_json_safe(dict(settings)), default=str))
+    return out
+
+
+def write_result(
+    trainer: pl.Trainer,
+    out_dir: str | os.PathLike[str],
+    metric: str,
+    mode: str = "min",
+    seed: int | None = None,
+    budget: float = 1.0,
+    arm: str | None = None,
+    task_name: str = "",
+    metrics: Mapping[str, float] | None = None,
+) -> Path:
+    """Write ``<out_dir>/result.json`` for the fit ``trainer`` just ran (on rank 0; other ranks write nothing).
+
+    Args:
+        trainer: a Trainer after ``fit`` (and ``test`` if you want test metrics), with an ``EfficiencyMonitor``.
+        out_dir: the run's folder (created); one folder per run, e.g. ``runs/<arm>_<budget>_seed<s>``.
+        metric: the quality the report compares (a key of ``trainer.callback_metrics`` or of ``metrics``, e.g.
+            ``"val/loss"``). mode: ``"min"`` (lower is better) or ``"max"``.
+        seed: the run's seed; None reads the one ``pl.seed_everything`` set (``PL_GLOBAL_SEED``).
+        budget: the fraction of the experiment's reference length this run trained (> 0; the baseline frontier
+            is its runs at several budgets). arm: the run's label; None: ``"baseline"`` without a technique, else the
+            techniques' names joined by ``+``. task_name: runs of one comparison share it (the report refuses to
+            mix tasks). metrics: more final scalar metrics (e.g. ``trainer.test(...)[0]``), added to the Trainer's.
+
+    Returns:
+        The path of the written ``result.json``.
+
+    Raises:
+        ValueError: no ``EfficiencyMonitor`` in ``trainer.callbacks`` (or it has no summary: the fit did not end),
+            ``mode`` not ``"min"``/``"max"``, ``budget`` not a number > 0, ``seed`` None while
+            ``pl.seed_everything`` was never called, or ``metric`` in neither the Trainer's metrics nor ``metrics``
+            (the message lists those there are).
+    """
+    monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
+    if monitor is None or not monitor.summary:
+        raise ValueError(
+            "write_result: the Trainer has no EfficiencyMonitor with a summary; add EfficiencyMonitor() to "
+            "Trainer(callbacks=[...]) and call write_result after trainer.fit(...) ends"
+        )
+    try:
+        checked_mode = check_mode(mode)
+    except ValueError as err:
+        raise ValueError(f"write_result: mode {err}") from None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (math.isfinite(budget) and budget > 0):
+        raise ValueError(
+            f"write_result: budget must be a number > 0 (a fraction of the reference length), got {budget!r}"
+        )
+    if seed is None:
+        env = os.environ.get("PL_GLOBAL_SEED")
+        if env is None:
+            raise ValueError("write_result: seed=None, and pl.seed_everything was never called; pass seed=<int>")
+        seed = int(env)
+    values = {**_scalars(dict(trainer.callback_metrics)), **_scalars(dict(metrics or {}))}
+    if metric not in values:
+        raise ValueError(f"write_result: metric {metric!r} was not logged; the run's final metrics: {sorted(values)}")
+    techniques = _techniques(trainer)
+    out = Path(out_dir)
+    checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)  # type: ignore[attr-defined]
+
+    def relative(path: str | None) -> str | None:
+        return os.path.relpath(path, out) if path else None
+
+    efficiency = dict(monitor.summary)
+    record = {
+        "schema": SCHEMA,
+        "task_name": task_name,
+        "tags": [],
+        "seed": int(seed),
+        "arm": str(arm) if arm else ("+".join(techniques) if techniques else "baseline"),
+        "budget": float(budget),
+        "techniques": techniques,
+        "overrides": [],
+        "optimized_metric": metric,
+        "optimized_mode": checked_mode,
+        "metric": values[metric],
+        "wall_clock": efficiency.get("time_total_s"),
+        "flops": efficiency.get("flops"),
+        "metrics": values,
+        "efficiency": efficiency,
+        "length": {
+            "max_steps": trainer.max_steps,
+            "max_epochs": trainer.max_epochs,
+            "optimizer_steps": int(trainer.global_step),
+        },
+        "curve": list(monitor.curve),
+        "schedule": list(monitor.schedule),
+        "output_dir": ".",
+        "last_checkpoint": relative(getattr(checkpoint, "last_model_path", "") or None),
+        "best_checkpoint": relative(getattr(checkpoint, "best_model_path", "") or None),
+    }
+    file = out / "result.json"
+    if trainer.is_global_zero:
+        out.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps(_json_safe(record), indent=2, default=str), encoding="utf-8")
+    return file
