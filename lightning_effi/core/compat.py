@@ -17,6 +17,8 @@ __all__ = [
     "SUPPORTED_LIGHTNING",
     "lightning_version_supported",
     "optimizers_to_device",
+    "rebuild_train_loader_after_restore",
+    "restart_next_epoch_at_its_start",
     "rewrap_ddp",
     "uses_distributed_sampler",
 ]
@@ -56,3 +58,50 @@ def uses_distributed_sampler(trainer: pl.Trainer) -> bool:
     """Whether Lightning injects a ``DistributedSampler`` into the training loader
     (``Trainer(use_distributed_sampler)``, read from the trainer's non-public accelerator connector)."""
     return bool(trainer._accelerator_connector.use_distributed_sampler)
+
+
+def rebuild_train_loader_after_restore(trainer: pl.Trainer) -> bool:
+    """In a fit resumed from a checkpoint, drop a training loader built before the checkpoint's loop state was
+    restored, so that the fit loop builds it again afterwards and loads the checkpoint's loader state into it.
+
+    A ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (of an epoch-bounded fit) builds the
+    training loader during the strategy's setup, before ``restore_training_state``; the fit loop then keeps that
+    loader in the resumed epoch and never loads the saved loader state (``_FitLoop.setup_data`` returns early), so a
+    mid-epoch resume replays the epoch from its start (Lightning issue #20550). Call from ``on_fit_start``, which
+    runs between the two. Clears the fit loop's non-public ``_combined_loader`` and tears down its data fetcher.
+    Returns whether a loader was dropped (False in a fresh fit, or when nothing was built early).
+    """
+    loop = trainer.fit_loop
+    if trainer.ckpt_path is None or loop._combined_loader is None:
+        return False
+    if loop._data_fetcher is not None:
+        loop._data_fetcher.teardown()
+        loop._data_fetcher = None
+    loop._combined_loader = None
+    return True
+
+
+def restart_next_epoch_at_its_start(trainer: pl.Trainer) -> bool:
+    """In a fit resumed from a checkpoint written at the last batch of an epoch, start the next epoch at its first
+    batch, whatever its length.
+
+    Lightning resumes such a checkpoint (``ModelCheckpoint(every_n_train_steps=...)`` firing at an epoch's last
+    batch) by advancing to the next epoch while keeping the finished epoch's batch count; ``_TrainingEpochLoop.reset``
+    clears that count only when it reaches the *new* epoch's ``num_training_batches``. With epochs of different
+    lengths (InfoBatch's pruned epochs), a new epoch longer than the finished one is entered at the finished one's
+    count: the resumed run skips its first batches. This does what Lightning does for equal lengths: the epoch
+    loop's progress ``reset_on_run`` and its restart stage cleared (so its ``reset`` restarts at batch 0, still
+    counting the step that was taken before the checkpoint). Call from ``on_train_start``, which runs after the fit
+    loop's ``reset`` (the epoch advanced) and before the epoch loop's. Reads the loops' non-public restart stages.
+    Returns whether the progress was reset (False unless resumed at an epoch's last batch).
+    """
+    fit_loop = trainer.fit_loop
+    loop = fit_loop.epoch_loop
+    if not (fit_loop.restarted_mid_epoch and loop.restarted_on_train_batch_end and loop.batch_progress.is_last_batch):
+        return False
+    loop.batch_progress.reset_on_run()
+    loop.scheduler_progress.reset_on_run()
+    loop.automatic_optimization.optim_progress.reset_on_run()
+    loop.val_loop.batch_progress.total.reset()
+    loop.reset_restart_stage()
+    return True

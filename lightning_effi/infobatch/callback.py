@@ -33,6 +33,7 @@ the loss is :func:`~lightning_effi.infobatch.functional.thinned_loss`. See "Comp
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -51,6 +52,7 @@ from typing_extensions import override
 from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real, is_int
+from lightning_effi.core.compat import rebuild_train_loader_after_restore, restart_next_epoch_at_its_start
 from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
 from lightning_effi.core.requirements import (
@@ -501,6 +503,7 @@ class InfoBatchCallback(Callback):
         if n < 1:
             raise ValueError("InfoBatchCallback: the training set is empty")
         self.epochs, self.dataset_size = int(epochs), n
+        self._warn_no_prune_epoch(trainer)
         self.score = torch.zeros(n, dtype=torch.float32)
         self.seen = torch.zeros(n, dtype=torch.bool)
         self.sum_loss = torch.zeros(n, dtype=torch.float32)
@@ -509,6 +512,22 @@ class InfoBatchCallback(Callback):
         self._reset_run_state()
         self._trainer = trainer
         self._wrap_training_step(pl_module)
+
+    def _warn_no_prune_epoch(self, trainer: pl.Trainer) -> None:
+        """Warn when the schedule has no pruning epoch: epochs ``1 .. floor(delta·E) - 1`` prune (epoch 0 has no
+        scores yet, the annealing epochs from ``floor(delta·E)`` train on the full data), so with
+        ``floor(delta·E) <= 1`` the run trains every sample of every epoch and InfoBatch saves nothing (not under
+        ``fast_dev_run``, whose single epoch is a smoke test)."""
+        stop = ib.epoch_stop(self.epochs, self.delta)
+        if stop > 1 or self.prune_ratio == 0 or trainer.fast_dev_run:
+            return
+        fewest = next(e for e in itertools.count(self.epochs + 1) if ib.epoch_stop(e, self.delta) > 1)
+        rank_zero_warn(
+            f"InfoBatchCallback: no epoch of this run prunes: with {self.epochs} epoch(s) and delta={self.delta}, "
+            f"annealing (full data) starts at epoch floor(delta * epochs) = {stop}, and epoch 0 trains on the full "
+            f"data to score every sample, so InfoBatch saves nothing; train at least {fewest} epochs at this delta "
+            "(the paper's runs: 200 epochs, delta=0.875)"
+        )
 
     def _check_val_check_interval(self, trainer: pl.Trainer, datamodule: InfoBatchDataModule) -> None:
         """Refuse ``Trainer(val_check_interval=<int>)`` above the fewest training batches an epoch of this run can
@@ -953,7 +972,15 @@ class InfoBatchCallback(Callback):
 
         Losses still pending from the previous epoch are merged first: this happens after resuming from a checkpoint
         written at an epoch's last batch, whose ``on_train_epoch_end`` Lightning does not run again. Called on every
-        rank at the same point (``train_dataloader()``), so the merge's collective is safe."""
+        rank at the same point (``train_dataloader()``), so the merge's collective is safe.
+
+        A resumed fit whose ``configure_optimizers`` reads ``trainer.estimated_stepping_batches`` builds the training
+        loader before Lightning restores its loops, at ``trainer.current_epoch == 0``, while this callback already
+        holds the checkpoint's later plan: epoch 0 is then answered with the full plan a fresh fit makes there
+        (:func:`~lightning_effi.infobatch.functional.full_plan`, so the estimate equals the uninterrupted run's) and
+        the state (plan, scores, history) is left as restored."""
+        if epoch == 0 and self.plan is not None and self.plan.epoch > 0:
+            return ib.full_plan(self.dataset_size, 0, self.seed)
         if self.plan is None or self.plan.epoch != epoch:
             if bool(self.count.any()) and self._trainer is not None:
                 self.sync_scores(self._trainer)
@@ -985,7 +1012,10 @@ class InfoBatchCallback(Callback):
         (known before the scheduler is built), with ``limit_train_batches`` applied as Lightning applies it
         (:func:`~lightning_effi.infobatch.functional.limited_batches`) and ``a_e`` the accumulation factor of
         ``epoch`` (:func:`~lightning_effi.core.progress.accumulate_grad_batches_at`: a
-        ``GradientAccumulationScheduler`` sets the Trainer's only after the epoch's loader is built)."""
+        ``GradientAccumulationScheduler`` sets the Trainer's only after the epoch's loader is built). A loader of
+        another epoch than the current plan's (the provisional one of :meth:`plan_for`) changes nothing."""
+        if self.plan is not None and self.plan.epoch != epoch:
+            return
         if self.history and self.history[-1]["epoch"] == epoch:
             self.history[-1]["padded"] = int(padded)
         accumulate, limit = 1, 1.0
@@ -1203,9 +1233,20 @@ class InfoBatchCallback(Callback):
         return [(*k, w, b) for k, w in zip(kept, thinned.weights.tolist())]
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """In a resumed fit, have the training loader built again once Lightning has restored the loops (one built
+        earlier, by ``configure_optimizers`` reading ``trainer.estimated_stepping_batches``, would miss the
+        checkpoint's mid-epoch position: :func:`~lightning_effi.core.compat.rebuild_train_loader_after_restore`)."""
+        rebuild_train_loader_after_restore(trainer)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Refuse the Lightning features visible only now (``core.requirements.check_started``)."""
+        """Refuse the Lightning features visible only now (``core.requirements.check_started``). Resumed from a
+        checkpoint written at an epoch's last batch, start the next epoch (of another length than the finished one)
+        at its first batch (:func:`~lightning_effi.core.compat.restart_next_epoch_at_its_start`)."""
         check_started(trainer)
+        if self.curriculum_dm is None:
+            restart_next_epoch_at_its_start(trainer)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

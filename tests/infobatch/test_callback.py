@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -418,6 +419,31 @@ def test_bad_hyperparameters_raise_at_construction(kwargs):
 def test_bad_runs_raise_at_setup(tmp_path, trainer_kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_trainer(tmp_path, [InfoBatchCallback()], **trainer_kwargs).fit(tiny_gpt2(), datamodule=ib_data())
+
+
+@pytest.mark.parametrize(
+    "epochs, delta, warns, fewest",
+    [(1, 0.875, True, 3), (2, 0.875, True, 3), (3, 0.875, False, None), (5, 0.3, True, 7), (7, 0.3, False, None)],
+)
+def test_a_schedule_without_a_pruning_epoch_warns_with_its_figures(tmp_path, epochs, delta, warns, fewest):
+    """floor(delta * E) <= 1 leaves no pruning epoch (epoch 0 scores, the annealing epochs train on the full data):
+    the run trains every sample and InfoBatch saves nothing. A warning at setup gives the annealing epoch and the
+    fewest epochs that prune at this delta; a schedule with a pruning epoch does not warn, and does prune."""
+    cb = InfoBatchCallback(delta=delta)
+    trainer = make_trainer(tmp_path, [cb], max_epochs=epochs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(tiny_gpt2(), datamodule=ib_data())
+    messages = [str(w.message) for w in caught if "no epoch of this run prunes" in str(w.message)]
+    saved = sum(h["saved"] for h in cb.history)
+    if warns:
+        stop = math.floor(delta * epochs)
+        assert len(messages) == 1 and f"floor(delta * epochs) = {stop}" in messages[0]
+        assert f"train at least {fewest} epochs" in messages[0]
+        assert ib.epoch_stop(fewest, delta) == 2 and ib.epoch_stop(fewest - 1, delta) <= 1
+        assert saved == 0
+    else:
+        assert messages == [] and saved > 0
 
 
 @pytest.mark.parametrize("interval", [4, 5])
