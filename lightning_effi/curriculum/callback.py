@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, tokens_of
@@ -23,7 +23,7 @@ from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, is_int
 from lightning_effi.core.compat import uses_distributed_sampler
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
-from lightning_effi.core.progress import accumulate_grad_batches_at
+from lightning_effi.core.progress import accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
 from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
@@ -72,6 +72,12 @@ class Curriculum(Callback):
       ``trainer.world_size`` and the accumulation factor: ``accumulate_grad_batches``, or the one factor of a
       ``GradientAccumulationScheduler``). Under DDP it requires
       ``Trainer(use_distributed_sampler=False)``: the sampler shards by rank itself.
+    - ``on_train_start``: refuses a fit that starts at ``global_step > 0`` without curriculum state (a second
+      ``trainer.fit()`` on the same Trainer would train the stream's first batches again; a checkpoint written
+      without the curriculum resumes with a warning, the curriculum starting at its step 1), and warns (rank zero)
+      about a schedule that does nothing (at ``max_difficulty`` from the first step) or does not reach
+      ``max_difficulty`` within the run, with the figures
+      (:meth:`~lightning_effi.curriculum.CurriculumConfig.reach_warnings`).
     - ``on_train_batch_start``: reads the batch's curriculum metadata (``cl_step``, ``cl_micro``, ``cl_difficulty``,
       ``cl_full_length``, ``cl_cut_mask``, ``cl_cut_left``, ``cl_cut_axes``;
       :func:`~lightning_effi.core.batch.batch_meta`, never in the user's batch: ``training_step`` receives its own
@@ -90,7 +96,7 @@ class Curriculum(Callback):
     - ``on_exception``: the fit raised (Lightning skips ``teardown`` then): the batch in flight is dropped (never
       committed nor counted). The curriculum changes neither the module nor the Trainer (it truncates batches in its
       DataModule's collate function), so nothing else is left to undo; a later fit, with or without it, trains the
-      module as a fresh one.
+      module as a fresh one (with it: a new Trainer, or the same one resumed from a checkpoint with ``ckpt_path``).
 
     With an :class:`~lightning_effi.callbacks.InfoBatchCallback` in the same Trainer the two form one data pipeline:
     the curriculum decides which samples are eligible and draws every batch (stream, steps, difficulty schedule and
@@ -121,12 +127,21 @@ class Curriculum(Callback):
             several techniques in the Trainer one check runs, with the strictest policy
             (:mod:`lightning_effi.core.nonfinite`).
 
+    Warns (``on_train_start``, rank zero; UserWarning, with the figures): a schedule at ``max_difficulty`` from the
+    first curriculum step (the curriculum does nothing for that metric); a schedule that reaches ``max_difficulty``
+    only after the run's last step (e.g. ``total_curriculum_step`` longer than the run: the difficulty at the last
+    step and the step that reaches the maximum); a ``percentile`` metric's ``fixed_discrete`` list that ends below
+    ``max_difficulty``; a resume from a checkpoint written without the curriculum (it starts at its step 1).
+
     ``repr()`` lists every argument; ``eval`` of it builds an equal callback when the metrics hold no callables
     (``custom_schedule``, a callable ``analysis``) or arrays.
 
     Raises:
-        CurriculumConfigError: at construction, a bad configuration; at ``setup``, a configuration given twice or
-            not at all, index files that do not match the training set, an empty first eligible set, DDP with
+        CurriculumConfigError: at construction, a bad configuration (e.g. a ``value`` metric's ``fixed_discrete``
+            list that ends below ``max_difficulty``); at ``on_train_start``, a fit that starts at ``global_step > 0``
+            with no curriculum state restored and no ``ckpt_path`` (a second ``trainer.fit()`` on the same Trainer:
+            resume with ``ckpt_path``, or use a fresh Trainer and callback); at ``setup``, a configuration given
+            twice or not at all, index files that do not match the training set, an empty first eligible set, DDP with
             ``use_distributed_sampler=True``, index files that differ between ranks, a ``seqlen_truncate`` /
             ``seqlen_reshape`` range that does not fit the training data's sequence length (``max_difficulty`` above
             it, or ``min_difficulty`` at or above it: :meth:`~lightning_effi.curriculum.CurriculumConfig
@@ -136,6 +151,10 @@ class Curriculum(Callback):
         ValueError: at construction, ``nonfinite_loss`` not ``"raise"`` or ``"warn"``; at a checkpoint's load, a
             non-finite loss count that is not an int >= 0.
         NonFiniteLossError: during the fit, a non-finite training loss under ``nonfinite_loss="raise"``.
+        DataConfigError: (the ``CurriculumDataModule``'s loader: when it is built, on a batch of the training set's
+            first samples, else at the first batch) a batch the sequence-length transforms cannot work with
+            (:class:`~lightning_effi.curriculum.data.CurriculumCollate`), e.g. a key of ``truncate_keys`` that names
+            no tensor of the batch (the message names ``truncate_keys``, the missing keys and the batch's tensors).
         IncompatibleTechniques: at ``setup``, another technique that owns the training sampler and cannot act
             inside this one's (InfoBatch can); see :data:`lightning_effi.core.requirements.CONFLICTS`; a
             ``GradientAccumulationScheduler`` whose factor changes during the run (``requirements.refused_features``:
@@ -236,6 +255,7 @@ class Curriculum(Callback):
         self._pending: tuple[int, int, dict[str, int], int] | None = None
         self._tokens_through_current = 0
         self._loaded: dict[str, Any] | None = None
+        self._restored = False  # this fit restored a curriculum state (a checkpoint, or load_state_dict by hand)
         self.last_difficulties: dict[str, int] = {}
         # the current batch before seqlen_truncate (its cl_full_length, cl_cut_mask, cl_cut_left, cl_cut_axes), for
         # effi_baseline
@@ -308,6 +328,7 @@ class Curriculum(Callback):
         self._pending = None
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
+        self._restored = False
         template = dm.template()
         dataset, n = template["dataset"], template["length"]
         if n < 1:
@@ -385,8 +406,80 @@ class Curriculum(Callback):
     # ---------------------------------------------------------------------------------------------- batches
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Refuse the Lightning features visible only now (``core.requirements.check_started``)."""
+        """Refuse the Lightning features visible only now (``core.requirements.check_started``); refuse a fit that
+        starts at ``global_step > 0`` without curriculum state (:meth:`_check_start`); warn (rank zero) about
+        schedules that do nothing or do not reach ``max_difficulty`` within the run (:meth:`_warn_schedules`).
+
+        Raises:
+            CurriculumConfigError: see :meth:`_check_start`.
+        """
         check_started(trainer)
+        self._check_start(trainer)
+        self._warn_schedules(trainer)
+
+    def _check_start(self, trainer: pl.Trainer) -> None:
+        """A fit that starts at ``global_step > 0`` with no curriculum state restored (the checkpoint's state and the
+        global step are both restored before ``on_train_start``):
+
+        - without ``ckpt_path`` (a second ``trainer.fit()`` on a Trainer that trained before, e.g. with a raised
+          ``max_steps``): refused. ``setup`` lays the stream out afresh, so the fit would draw again, from
+          curriculum step 1, the batches and difficulties its earlier steps trained (the stream is a function of the
+          seed and the curriculum step), while ``global_step`` goes on.
+        - with ``ckpt_path`` (a checkpoint written by a fit without the curriculum): the curriculum starts at its
+          step 1 (min difficulty) on the resumed weights, as documented; a warning says so, with the steps.
+
+        Raises:
+            CurriculumConfigError: the first case, naming the step and the remedies (resume from a checkpoint with
+                ``ckpt_path``, or a fresh Trainer and callback).
+        """
+        step = int(trainer.global_step)
+        if self.controller is None or self._restored or step == 0:
+            return
+        first = self.controller.first_difficulties()
+        if getattr(trainer, "ckpt_path", None):
+            rank_zero_warn(
+                f"Curriculum: resumed at optimizer step {step} from a checkpoint without curriculum state (written by "
+                f"a fit without this callback): the curriculum starts at its step 1 (difficulties {first}) on the "
+                f"resumed weights, its schedules counting from this resume (curriculum step s = optimizer step "
+                f"{step} + s - 1), not from optimizer step 0. Resume from a checkpoint written with the Curriculum to "
+                "continue its stream"
+            )
+            return
+        raise CurriculumConfigError(
+            f"Curriculum: this fit starts at optimizer step {step} without curriculum state (its Trainer trained "
+            f"before: a second trainer.fit() on the same Trainer), but the curriculum's stream is laid out afresh at "
+            f"every fit: from optimizer step {step} on it would train again the samples and difficulties (from "
+            f"{first}) that optimizer steps 0, 1, ... trained, while global_step goes on. Resume "
+            "from a checkpoint instead (trainer.fit(..., ckpt_path=...) with a checkpoint this run wrote, e.g. "
+            "ckpt_path='last' with ModelCheckpoint(save_last=True)), or fit with a fresh Trainer and a fresh "
+            "Curriculum callback (the curriculum then starts over at step 0)"
+        )
+
+    def _warn_schedules(self, trainer: pl.Trainer) -> None:
+        """Warn (rank zero) once per metric about a schedule that does nothing or does not reach ``max_difficulty``
+        within the run (:meth:`~lightning_effi.curriculum.CurriculumConfig.reach_warnings`). The run's optimizer
+        steps are :func:`~lightning_effi.core.progress.run_length` of ``max_steps`` and
+        ``estimated_stepping_batches`` (the sample budget's steps at most); its last optimizer step trains curriculum
+        step ``s0 + (run - global_step)``, with ``s0`` the curriculum steps already trained (a resumed stream)."""
+        c = self.controller
+        if c is None:
+            return
+        total = run_length(trainer.max_steps, trainer.estimated_stepping_batches)
+        done = int(c.committed["micro"]) // c.ga  # curriculum steps already trained in full (a resumed stream)
+        last, run = None, ""
+        if total is not None and not trainer.fast_dev_run:
+            last = done + max(0, total - int(trainer.global_step))
+            run = f"the last of a run of {total} optimizer steps"
+            if trainer.global_step:
+                run += f" resumed at optimizer step {trainer.global_step}"
+            if last > c.total_steps:
+                last = c.total_steps
+                run = (
+                    f"the sample budget N x num_epochs = {c.total_samples} samples ends the run there, at "
+                    f"{c.total_steps} steps of {c.global_batch}"
+                )
+        for message in c.config.reach_warnings(done + 1, last, run):
+            rank_zero_warn(f"Curriculum: {message}")
 
     @override
     def on_train_batch_start(
@@ -587,6 +680,7 @@ class Curriculum(Callback):
         self._tokens_through_current = self.consumed_tokens
         self.last_difficulties = {k: int(v) for k, v in state.get("last_difficulties", {}).items()}
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = guard.count, guard.first_step
+        self._restored = True
 
 
 CurriculumCallback = Curriculum

@@ -148,10 +148,14 @@ class MetricConfig:
         """The metric's :class:`~lightning_effi.curriculum.schedules.CurriculumSchedule` under ``rounding``.
 
         Raises:
-            CurriculumConfigError: what ``CurriculumSchedule`` refuses, and two schedules that can run but do not
-                make a curriculum: ``fixed_discrete`` difficulties that decrease (DeepSpeed's update rule freezes a
-                difficulty once it reaches ``max_difficulty``, so a decreasing list either freezes at its first
-                value or trains easier data later), and a ``difficulty_step`` above ``max_difficulty`` (every
+            CurriculumConfigError: what ``CurriculumSchedule`` refuses, and three schedules that can run but do not
+                make the curriculum they describe: ``fixed_discrete`` difficulties that decrease (DeepSpeed's update
+                rule freezes a difficulty once it reaches ``max_difficulty``, so a decreasing list either freezes at
+                its first value or trains easier data later); a ``value`` metric's ``fixed_discrete`` list that ends
+                below ``max_difficulty`` (it never reaches it in any run, and a ``value`` metric's
+                ``max_difficulty`` has no other meaning: ``max_difficulty`` = the last difficulty is the same run; a
+                ``percentile`` metric's ``max_difficulty`` is its scale, so there it is a warning at train start:
+                :meth:`CurriculumConfig.reach_warnings`); and a ``difficulty_step`` above ``max_difficulty`` (every
                 difficulty rounds down to a multiple of it: the schedule stays at ``min_difficulty`` and jumps to
                 ``max_difficulty``).
         """
@@ -171,6 +175,15 @@ class MetricConfig:
         cfg = schedule.schedule_config
         if schedule.schedule_type == "fixed_discrete":
             check_non_decreasing(where, "difficulty", cfg["difficulty"], error=CurriculumConfigError)
+            last, hi = cfg["difficulty"][-1], schedule.max_difficulty
+            if self.difficulty_type == "value" and last < hi:
+                raise CurriculumConfigError(
+                    f"{where}.difficulty ends at {last}, below max_difficulty ({hi}): the last difficulty holds after "
+                    f"the last max_step, so the schedule never reaches max_difficulty in any run, while for a value "
+                    f"metric max_difficulty is nothing but the schedule's end (DeepSpeed's update rule freezes the "
+                    f"difficulty there). End the list at {hi} (difficulty={[*cfg['difficulty'][:-1], hi]!r}), or set "
+                    f"max_difficulty to {last} if the curriculum is meant to stop at {last} (the same run)"
+                )
         elif schedule.schedule_type in ("fixed_linear", "fixed_root"):
             q, hi = cfg["difficulty_step"], schedule.max_difficulty
             if q > hi:
@@ -366,6 +379,86 @@ class CurriculumConfig:
                     f"min_difficulty below {full} (DeepSpeed's tutorial starts at 8 tokens for M-scale models, 64 "
                     f"for B-scale ones), or remove the {name} metric"
                 )
+
+    def reach_warnings(self, first_step: int, last_step: int | None, run: str = "") -> list[str]:
+        """What a run training curriculum steps ``first_step`` .. ``last_step`` (the step of its last optimizer
+        step; None: the run's length is unknown) misses of each metric's schedule, one message per metric (empty:
+        every schedule ends at its ``max_difficulty`` within the run). ``Curriculum.on_train_start`` warns them.
+        ``run``: what makes ``last_step`` the last (e.g. ``"the last of a run of 8 optimizer steps"``), for the
+        message. ``custom`` schedules (any shape) are not read.
+
+        - Nothing to do (only when the run starts the curriculum, ``first_step == 1``): the first step's difficulty
+          is already ``max_difficulty`` (``min_difficulty == max_difficulty``, ``total_curriculum_step=1``, a
+          ``fixed_discrete`` whose first stage ends at ``max_step[0] = 0``, before the first step: DeepSpeed's
+          curriculum steps also start at 1), so the metric never trains below its maximum: the curriculum does
+          nothing for it.
+        - Never reached: a ``percentile`` metric's ``fixed_discrete`` list that ends below ``max_difficulty`` (the
+          samples ranked above that percentile never become eligible, in any run). DeepSpeed's
+          ``CurriculumScheduler`` runs it as given, and it is the only way to write a curriculum that stops at a
+          share of the data (``max_difficulty`` being the percentile scale), so it runs, with this warning (the
+          same list for a ``value`` metric is refused: :meth:`MetricConfig.schedule`).
+        - Not reached within the run: the schedule reaches ``max_difficulty`` only after ``last_step`` (e.g.
+          ``total_curriculum_step`` longer than the run): the message gives the difficulty at the run's last step
+          and the step that reaches the maximum. A longer resumed run continues the schedule, so this is a warning.
+        """
+        out = []
+        run = f": {run}" if run else ""
+        for name, schedule in self.schedules().items():
+            if schedule.schedule_type == "custom":
+                continue
+            where, hi, cfg = f"curriculum_metrics.{name}", schedule.max_difficulty, schedule.schedule_config
+            discrete = schedule.schedule_type == "fixed_discrete"
+            first = schedule(first_step)
+            if first_step == 1 and first >= hi:
+                if schedule.min_difficulty >= hi:
+                    why, fix = f"min_difficulty = max_difficulty = {hi}", "lower min_difficulty"
+                elif discrete:
+                    why = (
+                        f"schedule_config.max_step[0] = {cfg['max_step'][0]} ends the first stage (difficulty "
+                        f"{cfg['difficulty'][0]}) before curriculum step 1, the first one (DeepSpeed's curriculum "
+                        "steps start at 1 too), and the next stage is at max_difficulty"
+                    )
+                    fix = "give max_step entries >= 1 (max_step[i] is the last step of stage i)"
+                else:
+                    why = f"schedule_config.total_curriculum_step = {cfg['total_curriculum_step']}"
+                    fix = "give a total_curriculum_step > 1, e.g. a share of the run's steps"
+                out.append(
+                    f"{where}: the schedule is at max_difficulty ({hi}) from the first curriculum step ({why}), so "
+                    f"every step trains at max_difficulty and the curriculum does nothing for {name}; {fix}, or "
+                    f"remove the {name} metric"
+                )
+                continue
+            if last_step is None or last_step < first_step or schedule(last_step) >= hi:
+                continue
+            reach = reach_step(schedule, hi)
+            end = schedule(last_step)
+            if reach is None:  # a percentile fixed_discrete list that ends below max_difficulty
+                out.append(
+                    f"{where}: schedule_config.difficulty ends at {end}, below max_difficulty ({hi}): the schedule "
+                    f"never reaches max_difficulty in any run, so the samples ranked above percentile {end} of {hi} "
+                    f"never become eligible and the run never trains on them; end the list at {hi} to train on "
+                    "every sample (or keep it to train on the easier share only)"
+                )
+                continue
+            if discrete:
+                how = (
+                    f"schedule_config.max_step = {cfg['max_step']}: the stage at max_difficulty starts at step {reach}"
+                )
+                fix = f"end the earlier stages by max_step {last_step - 1}"
+            else:
+                how = f"schedule_config.total_curriculum_step = {cfg['total_curriculum_step']}"
+                fix = (
+                    f"pass total_curriculum_step <= {last_step}"
+                    if self.rounding == "clamped"  # reaches max_difficulty at total_curriculum_step exactly
+                    else f"pass a shorter total_curriculum_step (one whose schedule reaches it by step {last_step})"
+                )
+            out.append(
+                f"{where}: the schedule reaches max_difficulty ({hi}) only at curriculum step {reach} ({how}), after "
+                f"the run's last step (curriculum step {last_step}{run}): the run ends at difficulty {end} and never "
+                f"trains at max_difficulty; {fix} to reach it within the run, or keep it when a longer resumed run "
+                "continues the schedule"
+            )
+        return out
 
     def schedules(self) -> dict[str, CurriculumSchedule]:
         return {name: m.schedule(self.rounding) for name, m in self.metrics.items()}

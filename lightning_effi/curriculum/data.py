@@ -114,14 +114,15 @@ class CurriculumCollate:
 
     Raises:
         DataConfigError: ``seqlen_truncate`` with a batch that has no sequence tensor to cut (none of
-            ``truncate_keys``; without them no tensor named ``attention_mask`` / ``input_ids`` and no integer
-            ``[B, S]`` tensor), or padded on both sides; ``seqlen_reshape`` with a batch that is neither a dict with
-            ``input_ids`` nor a ``[B, S]`` tensor; either with a sequence-first batch (the sequence tensor is
-            ``[S, B]``: its dimension 1 is the number of samples collated, ``batch_first=False``); a float mask that
-            is neither additive nor 0/1; the samples of one batch carry different steps (or, thinned,
+            ``truncate_keys``; without them no tensor named ``attention_mask`` / ``input_ids`` and no integer ``[B, S]``
+            tensor), a key of ``truncate_keys`` that names no tensor of the batch (the message names ``truncate_keys``,
+            the missing keys and the batch's tensors), or padded on both sides; ``seqlen_reshape`` with a batch that is
+            neither a dict with ``input_ids`` nor a ``[B, S]`` tensor; either with a sequence-first batch (the sequence
+            tensor is ``[S, B]``: its dimension 1 is the number of samples collated, ``batch_first=False``); a float
+            mask that is neither additive nor 0/1; the samples of one batch carry different steps (or, thinned,
             different candidate counts). Raised at the first such batch, naming the metric and the tensors found;
-            :meth:`check` raises them before training for a batch of the training set's first samples (at setup, so
-            a batch structure the transforms cannot work with never reaches the training loop).
+            :meth:`check` raises them before training for a batch of the training set's first samples (at setup, so a
+            batch structure the transforms cannot work with never reaches the training loop).
     """
 
     def __init__(
@@ -188,6 +189,17 @@ class CurriculumCollate:
                     f"{F.describe_batch(batch)}. Put the token ids in the batch as an integer [B, S] tensor (or name "
                     "the sequence tensors with truncate_keys), or remove seqlen_truncate"
                 )
+            if self.truncate_keys is not None:
+                names = F.tensor_names(batch)
+                missing = [k for k in self.truncate_keys if k not in names]
+                if missing:
+                    raise DataConfigError(
+                        f"curriculum truncate_keys {list(self.truncate_keys)}: {missing} name no tensor of the "
+                        f"training batch, whose tensors are {names} (a {F.describe_batch(batch)}); seqlen_truncate "
+                        "cuts only the tensors named, so the one a misspelt key means would stay at full length "
+                        "(e.g. labels longer than the inputs). Name only tensors of the batch in truncate_keys "
+                        "(check the spelling), or pass truncate_keys=None to cut every [B, S, ...] tensor"
+                    )
             try:
                 cut = F.truncate(
                     batch,

@@ -467,6 +467,17 @@ def check_batch_first(batch: Any, batch_size: int, keys: Sequence[str] | None = 
         )
 
 
+def tensor_names(batch: Any) -> list[str]:
+    """The names (dict keys, dataclass fields) of the batch's tensors, in batch order, each once: what
+    ``truncate_keys`` can name (an unnamed tuple entry has none)."""
+    names: list[str] = []
+    for path, _ in tensor_leaves(batch):
+        name = _name(path)
+        if name is not None and name not in names:
+            names.append(name)
+    return names
+
+
 def describe_batch(batch: Any) -> str:
     """The tensors of a batch as ``path: dtype[shape]`` (for error messages)."""
     parts = [

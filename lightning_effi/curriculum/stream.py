@@ -402,18 +402,19 @@ class CurriculumController:
 
         Raises:
             CurriculumConfigError: (``strict``; else a warning) the checkpoint was written with another configuration
-                or batch geometry; (always) an invalid state: a missing entry, a negative or non-int position, a
-                ``committed_micro`` that is not ``pre_state.step × grad_accum + micro_offset`` or beyond the sample
-                budget, a ``curriculum_step`` / ``consumed_samples`` / ``current_difficulties`` that does not match the
-                position, clusters that the analysis index does not rebuild.
+                or batch geometry, naming each setting that differs with the checkpoint's and the current value
+                (:func:`fingerprint_diff`, e.g. ``{'seed': (3, 4)}``); (always) an invalid state: a missing entry, a
+                negative or non-int position, a ``committed_micro`` that is not ``pre_state.step × grad_accum +
+                micro_offset`` or beyond the sample budget, a ``curriculum_step`` / ``consumed_samples`` /
+                ``current_difficulties`` that does not match the position, clusters that the analysis index does not
+                rebuild.
         """
-        diff = settings_diff(state.get("config"), self.fingerprint())
+        diff = fingerprint_diff(state.get("config"), self.fingerprint())
         if diff:
             config_mismatch(
                 "Curriculum",
-                f"the checkpoint was written with another configuration (differs in "
-                f"{sorted(diff)}): resume with the same metrics, schedules, seed, index files and batch "
-                "geometry",
+                f"the checkpoint was written with another configuration (checkpoint, now): {diff}; resume with the "
+                "same metrics, schedules, seed, index files and batch geometry",
                 strict,
                 fix="continue with this configuration",
                 error=CurriculumConfigError,
@@ -494,6 +495,38 @@ class CurriculumController:
     def stats(self, step: int) -> tuple[int, int] | None:
         """``(eligible_samples, num_clusters)`` when global batch ``step`` was drawn (None if not drawn here)."""
         return self._stats.get(step)
+
+
+def fingerprint_diff(saved: Any, current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{setting: (checkpoint value, current value)}`` for every setting of two :meth:`CurriculumController
+    .fingerprint` dicts that differs, named by its path: the configuration's options at the top (``seed``,
+    ``num_epochs``, ...), a metric's keys as ``metrics.<name>.<key>`` (``metrics.seqlen_truncate.schedule_config
+    .total_curriculum_step``), then the geometry (``micro_batch_size``, ``dp_size``, ``grad_accum``, ``num_samples``)
+    and ``indexes.<metric>``. A subtree on one side only (a metric added or removed) is one entry, ``None`` on the
+    other side. A saved fingerprint that is not a dict reads as empty (every setting differs). Built on
+    :func:`~lightning_effi.core.state.settings_diff`, level by level."""
+
+    def settings(fingerprint: Any) -> dict[str, Any]:
+        if not isinstance(fingerprint, Mapping):
+            return {}
+        config = fingerprint.get("config")
+        out = {k: v for k, v in fingerprint.items() if k != "config"}
+        if isinstance(config, Mapping):
+            out.update(config)
+        elif "config" in fingerprint:
+            out["config"] = config
+        return out
+
+    def nested(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str) -> dict[str, tuple[Any, Any]]:
+        out: dict[str, tuple[Any, Any]] = {}
+        for key, (x, y) in settings_diff(a, b).items():
+            if isinstance(x, Mapping) and isinstance(y, Mapping):
+                out.update(nested(x, y, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = (x, y)
+        return out
+
+    return nested(settings(saved), settings(current), "")
 
 
 def indexes_fingerprint(indexes: Mapping[str, Any]) -> str:
