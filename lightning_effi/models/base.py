@@ -244,6 +244,38 @@ def resolve_attr(module: nn.Module, path: str, what: str = "model_attr") -> nn.M
     return target
 
 
+#: the LightningModule hooks Lightning runs after the callbacks' ``setup`` in which a network may be built
+_DEFERRED_HOOKS = ("setup", "configure_model", "configure_sharded_model")
+
+
+def deferred_network_hint(module: nn.Module, owner: str, why: str) -> str:
+    """The cause to report when a callback finds no network in ``module`` in its ``setup`` and ``module`` is a
+    LightningModule that overrides ``setup`` or ``configure_model`` (``configure_sharded_model``): Lightning runs those
+    after every callback's ``setup``, so a network built there does not exist yet. Empty when ``module`` overrides
+    neither.
+
+    Args:
+        module: the LightningModule. owner: the callback's class name. why: why the callback needs the network in
+            its ``setup`` (a clause, e.g. "it patches the layers before the checkpoint's state is restored").
+    """
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:  # pragma: no cover - lightning is a dependency
+        return ""
+    if not isinstance(module, LightningModule):
+        return ""
+    hooks = [h for h in _DEFERRED_HOOKS if getattr(type(module), h, None) is not getattr(LightningModule, h, None)]
+    if not hooks:
+        return ""
+    host = type(module).__name__
+    named = " / ".join(f"{host}.{h}()" for h in hooks)
+    return (
+        f"{owner}: no network in {host} at the callback's setup, and {host} overrides {named}: Lightning runs every "
+        f"callback's setup before LightningModule.setup and configure_model, so a network built there does not exist "
+        f"yet when {owner} looks for it ({owner} needs it in its setup: {why}). Build the network in {host}.__init__"
+    )
+
+
 def find_candidates(
     module: nn.Module, names: Iterable[str] | None = None, include_frozen: bool = False
 ) -> list[tuple[str, str, nn.Module]]:

@@ -348,6 +348,13 @@ def _children(host: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in host._modules.items() if m is not None]
 
 
+def holds_vcycle_network(host: nn.Module, adapter: str | VCycleAdapter = "auto") -> bool:
+    """Whether any module inside ``host`` (itself included, frozen or not, at any depth) is a network ``adapter``
+    (``"auto"``: any registered V-cycle adapter) handles."""
+    known: dict[str, type[VCycleAdapter]] = registry.adapters("vcycle")
+    return any(_handles(adapter, known, m) for m in host.modules())
+
+
 def find_vcycle_network(
     host: nn.Module,
     model_attr: str | None = None,

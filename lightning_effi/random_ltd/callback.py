@@ -64,6 +64,7 @@ from typing_extensions import override
 from lightning_effi.core.accounting import BatchStats
 from lightning_effi.core.batch import unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
+from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.flops import sdpa_recomputes
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
@@ -78,7 +79,13 @@ from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClo
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
 from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import live_fit, wrapper_chain
-from lightning_effi.models.base import TransformerAdapter, find_adapter, resolve_attr
+from lightning_effi.models.base import (
+    TransformerAdapter,
+    deferred_network_hint,
+    find_adapter,
+    find_candidates,
+    resolve_attr,
+)
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import (
     LTDController,
@@ -155,11 +162,18 @@ class RandomLTDCallback(Callback):
             ``trainer.estimated_stepping_batches`` (:func:`~lightning_effi.core.progress.run_length`, as the V-cycle
             reads it), read at train start), ``"2ep"`` (``n · ceil(num_training_batches /
             accumulate_grad_batches)`` steps, read at train start). No floats (write ``"0.8dur"``), no tokens.
-            Default: the whole run (``"1dur"``). A fraction or epochs with a technique that shortens the epochs
-            (InfoBatch: its progress clock, :func:`~lightning_effi.core.progress.progress_clock`) is measured on
-            its training progress instead of in steps: see "The progress clock" below. A growth longer than the run
-            (e.g. ``require_steps=1000`` in a run of 300 steps) warns at train start, naming the reserved length the
-            run ends at; it is not an error, since a longer resumed run continues the schedule.
+            Default: the whole run (``"1dur"``, ``T`` steps). A fraction or epochs with a technique that shortens the
+            epochs (InfoBatch: its progress clock, :func:`~lightning_effi.core.progress.progress_clock`) is measured
+            on its training progress instead of in steps: see "The progress clock" below. DeepSpeed's
+            ``fixed_linear`` schedule gives ``max_value`` first at ``global_step == require_steps`` and a run of
+            ``T`` optimizer steps trains steps ``0 .. T - 1``, so ``max_value`` is reached within the run only for
+            ``require_steps <= T - 1``: the default ``"1dur"`` (DeepSpeed's convention, ``require_steps`` = the
+            run's steps) reaches it at step ``T``, after the last trained step, which runs at most
+            ``ceil((max_value - min_value) / T) + seq_per_step - 1`` tokens below it (12 of 16 in a 6-step run from
+            4 with ``seq_per_step=4``; 2032 of 2048 in 10,000 steps from 128 with 16); not warned. An int or epochs
+            ``>= T`` (e.g. ``require_steps=1000`` in a run of 300 steps, or ``300``) warns at train start, naming the
+            reserved length the run ends at and ``T - 1``; it is not an error, since a longer resumed run continues
+            the schedule.
         require_fraction: deprecated (one release, ``DeprecationWarning``): ``require_fraction=f`` is
             ``require_steps="<f>dur"``.
         seq_per_step: ``r`` is a multiple of this (``schedule_config.seq_per_step``).
@@ -261,7 +275,10 @@ class RandomLTDCallback(Callback):
             ``require_steps`` cannot be derived (a fraction of a run of unknown length, epochs of a train dataloader
             without a length; epochs on a progress clock without a finite ``max_epochs``); (train start,
             ``strict``) a resumed run whose ``require_steps`` resolves to another step count than the checkpoint's,
-            or to another clock or share of the progress; (``setup``) a module whose layers are patched by a
+            or to another clock or share of the progress; (train start) a fit that starts at ``global_step > 0``
+            without random-LTD state from a checkpoint (a second ``trainer.fit`` on the same Trainer, or random-LTD
+            added on resume from a checkpoint written without it: the schedule counts from step 0 of the run, see
+            :meth:`_refuse_late_start`); (``setup``) a module whose layers are patched by a
             random-LTD fit that is still running (another Trainer's, on the same module) or by hand (``convert``
             without ``restore``): the message names the layers.
         NonFiniteLossError: (before a backward pass) the training loss is NaN or infinite and ``nonfinite_loss`` is
@@ -416,6 +433,9 @@ class RandomLTDCallback(Callback):
         self._batch_ltd_layers = 0  # LTD layers of the network that trains the current batch (logged)
         self._fused = False  # that network's attention recomputes the scores in the backward (fused sdpa)
         self._data_length: int | None = None  # the sequence length peeked from the training data at train start
+        # this fit resumes a random-LTD schedule from a checkpoint (its state loaded, or one of another configuration
+        # accepted with strict=False): a fit starting at global_step > 0 without it is refused at train start
+        self._resumed = False
         self.nonfinite_guard.load_state_dict({})  # no non-finite loss seen in this fit (a resume restores the count)
 
     def __repr__(self) -> str:
@@ -459,7 +479,7 @@ class RandomLTDCallback(Callback):
                 restore_network(trainer, pl_module)
         self._clear_leftovers(trainer, pl_module)
         self._active, self._running = True, live_fit(trainer)
-        adapter = self._find_adapter(pl_module)
+        adapter = self._find_adapter_at_setup(pl_module)
         layers = adapter.layers()
         self.num_layers = len(layers)
         self.layer_ids = resolve_layer_ids(self.layer_ids_arg, self.num_layers)
@@ -587,6 +607,30 @@ class RandomLTDCallback(Callback):
                 f"{type(self).__name__}.model_attr={self.model_attr!r} (a {type(root).__name__}): {err}; model_attr "
                 "must name the submodule that holds the one transformer to patch"
             ) from None
+
+    def _find_adapter_at_setup(self, pl_module: pl.LightningModule) -> TransformerAdapter:
+        """:meth:`_find_adapter` in ``setup``; when the module holds no transformer any registered adapter matches
+        and overrides ``LightningModule.setup`` / ``configure_model`` (which Lightning runs after the callbacks'
+        ``setup``), the error says so and asks for the network in ``__init__``
+        (:func:`~lightning_effi.models.base.deferred_network_hint`).
+
+        Raises:
+            ValueError: see :meth:`_find_adapter`.
+        """
+        try:
+            return self._find_adapter(pl_module)
+        except ValueError as err:
+            if find_candidates(pl_module, include_frozen=True):
+                raise
+            hint = deferred_network_hint(
+                pl_module,
+                type(self).__name__,
+                "it patches the layers' forward and resolves layer_ids before the checkpoint's weights and its own "
+                "state are restored and before DDP wraps the module",
+            )
+            if not hint:
+                raise
+            raise ValueError(f"{hint} (the search for it: {err})") from None
 
     def _resolve_ids(self, num_layers: int) -> tuple[int, ...]:
         """The LTD layer ids of a network of ``num_layers`` layers that a technique put in place (a V-cycle level):
@@ -729,6 +773,14 @@ class RandomLTDCallback(Callback):
         self.adapter, self.num_layers, self.layer_ids = adapter, num_layers, layer_ids
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """In a resumed fit, have the training loader built again once Lightning has restored the loops: one built
+        earlier, by ``configure_optimizers`` reading ``trainer.estimated_stepping_batches``, would miss the
+        checkpoint's mid-epoch position and replay the epoch from its start
+        (:func:`~lightning_effi.core.compat.rebuild_train_loader_after_restore`, Lightning issue #20550)."""
+        rebuild_train_loader_after_restore(trainer)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the sequence length the patched layers will see, peeked from the training data
         (:meth:`_peek_sequence_length`; not with a Curriculum, whose first batches are short by design), against
@@ -736,11 +788,14 @@ class RandomLTDCallback(Callback):
         resolve a derived ``require_steps`` (a fraction or epochs): on the run's progress clock when a technique
         provides one (found now, after every callback's ``setup``: InfoBatch hides its clock in its own ``setup``
         when it thins inside the curriculum), else in optimizer steps; on resume compare with the checkpoint's
-        schedule (``strict``); warn when the growth is longer than the run (:meth:`_warn_beyond_run`).
+        schedule (``strict``); refuse a fit that starts at ``global_step > 0`` without random-LTD state from a
+        checkpoint (:meth:`_refuse_late_start`); warn when the growth does not end within the run
+        (:meth:`_warn_beyond_run`).
 
         Raises:
             ValueError: see :meth:`_check_length`; a derived ``require_steps`` that cannot be resolved, or
-                (``strict``) differs from the checkpoint's.
+                (``strict``) differs from the checkpoint's; a fit starting at ``global_step > 0`` without random-LTD
+                state (a second ``trainer.fit`` on the same Trainer, or random-LTD added on resume).
         """
         check_started(trainer)
         total = trainer.estimated_stepping_batches
@@ -751,7 +806,46 @@ class RandomLTDCallback(Callback):
             if self._data_length is not None:
                 self._check_length(self._data_length, self._PEEKED)
         self._resolve_schedule(trainer)
+        if not self._resumed and trainer.global_step > 0:
+            self._refuse_late_start(trainer)
         self._warn_beyond_run(trainer)
+
+    def _refuse_late_start(self, trainer: pl.Trainer) -> None:
+        """A fit that starts at ``global_step > 0`` without random-LTD state from a checkpoint: a second
+        ``trainer.fit`` on a Trainer that trained before, or random-LTD added on resume from a checkpoint written
+        without it. The schedule counts from step 0 of the run and a derived one is resolved for this fit's length,
+        so it would start part-way (above ``min_value``) and, on a refit, lower than where the earlier fit left it
+        (the schedule never decreases within a run), with the counters restarting at 0. The V-cycle refuses the same
+        case (``VCycleCallback._refuse_late_start``).
+
+        Raises:
+            ValueError: naming the callback, the start step, the schedule this fit would use and the fixes.
+        """
+        name, step = type(self).__name__, int(trainer.global_step)
+        how = (
+            f"added on resume at step {step}, from a checkpoint without random-LTD state (written by a fit without "
+            "this callback)"
+            if getattr(trainer, "ckpt_path", None)
+            else f"this fit starts at step {step} without random-LTD state (its Trainer trained before: a second "
+            "trainer.fit on the same Trainer)"
+        )
+        given = repr(str(self.require_duration) if self.require_steps_given is None else self.require_steps_given)
+        if self.clock == "progress":
+            schedule = f"require_steps={given} on {type(self._clock_source).__name__}'s progress clock"
+        else:
+            schedule = f"require_steps={given}, {self.require_steps} optimizer steps in this fit"
+            end = self.max_value_arg if self.max_value_arg is not None else self._data_length
+            if end is not None and end >= self.min_value and self.require_steps is not None:
+                r = F.ltd_value(step, self.min_value, end, self.require_steps, self.seq_per_step, self.rounding)
+                schedule += f": r = {r} tokens at step {step}, not min_value={self.min_value}"
+        raise ValueError(
+            f"{name}: {how}; its schedule counts from step 0 of the run ({schedule}) and its token counters would "
+            "restart at 0, so the run would continue on another schedule than the one it started (on a refit with a "
+            "derived require_steps the reserved length can drop below where the earlier fit left it). Resume from a "
+            "checkpoint written with random-LTD (trainer.fit(..., ckpt_path=...), e.g. ModelCheckpoint(save_last="
+            "True) and ckpt_path='last'), or start random-LTD in a fresh fit (a new Trainer without ckpt_path; load "
+            "the weights into the module, e.g. with LightningModule.load_from_checkpoint)"
+        )
 
     #: where a peeked sequence length comes from, for messages
     _PEEKED = "in the training data, read at train start"
@@ -787,40 +881,63 @@ class RandomLTDCallback(Callback):
         self.require_steps, self.require_progress = current["require_steps"], current["require_progress"]
 
     def _warn_beyond_run(self, trainer: pl.Trainer) -> None:
-        """Warn (``rank_zero_warn``) when the growth of the reserved length is longer than the run: an int (or
-        epochs) ``require_steps`` beyond the run's optimizer steps (:func:`~lightning_effi.core.progress.run_length`),
-        or on the progress clock a share above 1. The run still drops tokens as the schedule says for the steps it
-        has (a longer resumed run continues the schedule), so this is a warning, not an error; it names
-        ``require_steps``, the run's length and the reserved length the run ends at."""
+        """Warn (``rank_zero_warn``) when an explicit growth does not end within the run, so that no trained step
+        runs at ``max_value``: DeepSpeed's ``fixed_linear`` schedule (:func:`~lightning_effi.random_ltd.functional.
+        ltd_value`) first gives ``max_value`` at ``global_step == require_steps``, and a run of ``T`` optimizer steps
+        (:func:`~lightning_effi.core.progress.run_length`) trains steps ``0 .. T - 1``, so it warns for
+        ``require_steps >= T`` given as an int or in epochs, naming ``T - 1``, the largest ``require_steps`` that
+        reaches ``max_value`` at the last trained step. On the progress clock it warns for a share above 1.
+
+        A fraction (``"0.8dur"``, and the default ``"1dur"``) does not warn: it is a share of this run by definition,
+        and ``"1dur"`` is DeepSpeed's convention (``require_steps`` = the run's steps), documented to reach
+        ``max_value`` only at step ``T``, after the last trained step (which runs at most
+        ``ceil((max_value - min_value) / T) + seq_per_step - 1`` tokens below it). The run still drops tokens as the
+        schedule says for the steps it has (a longer resumed run continues the schedule), so this is a warning, not
+        an error; it names ``require_steps``, the run's length and the reserved length the run ends at."""
         name = type(self).__name__
-        given = str(self.require_duration) if self.require_steps_given is None else repr(self.require_steps_given)
+        given = repr(str(self.require_duration) if self.require_steps_given is None else self.require_steps_given)
+        if self.require_duration.unit == "fraction" and self.clock == "step":
+            return
         if self.clock == "progress":
             if self.require_progress is not None and self.require_progress > PROGRESS_TICKS:
                 share = self.require_progress / PROGRESS_TICKS
                 rank_zero_warn(
                     f"{name}.require_steps={given} is longer than the run: {share:g} of its training progress on "
-                    f"{type(self._clock_source).__name__}'s clock, so the reserved length ends the run at "
+                    f"{type(self._clock_source).__name__}'s clock, so the reserved length ends the run below "
                     f"{1 / share:.0%} of its growth from min_value={self.min_value} to max_value, never reaching "
-                    "max_value; give a share <= 1 ('1dur': the whole run) to reach it"
+                    "max_value; give a share below 1 to reach it within the run (a step's reserved length is read at "
+                    "the progress made before it, so '1dur' reaches max_value only at the end of the run)"
                 )
             return
         total = run_length(trainer.max_steps, trainer.estimated_stepping_batches)
-        if total is None or self.require_steps is None or self.require_steps <= total:
+        if total is None or self.require_steps is None or self.require_steps < total:
             return
         end = self.max_value_arg if self.max_value_arg is not None else self.max_value or self._data_length
         if end is not None and end >= self.min_value:
             last = F.ltd_value(total - 1, self.min_value, end, self.require_steps, self.seq_per_step, self.rounding)
-            reached = f"{last} tokens at the run's last step (step {total - 1}), of max_value={end}"
+            reached = f"{last} tokens at the run's last step (step {total - 1}), {end - last} below max_value={end}"
         else:
             reached = (
                 f"{(total - 1) / self.require_steps:.0%} of its growth from min_value={self.min_value} to max_value "
                 f"at the run's last step (step {total - 1})"
             )
+        fix = (
+            f"pass require_steps <= {total - 1} (max_value from that step on, the run's last step being {total - 1})"
+            if total > 1
+            else "no require_steps reaches it in a run of one optimizer step (step 0 runs at min_value)"
+        )
+        if end is not None and self.rounding == "deepspeed" and end % self.seq_per_step:
+            top = end - end % self.seq_per_step
+            fix += (
+                f" (with rounding='deepspeed' the schedule stops at {top} tokens, max_value rounded down to a "
+                f"multiple of seq_per_step={self.seq_per_step}, whatever require_steps)"
+            )
         rank_zero_warn(
-            f"{name}.require_steps={given} ({self.require_steps} optimizer steps) is longer than the run ({total} "
-            f"optimizer steps): the reserved length grows only to {reached}, never reaching max_value, so the run "
-            f"drops more tokens than a schedule ending at max_value; pass require_steps <= {total} (or '1dur': the "
-            "whole run) to reach it, or keep it when a longer resumed run continues the schedule"
+            f"{name}.require_steps={given} ({self.require_steps} optimizer steps) does not end within the run "
+            f"({total} optimizer steps, steps 0..{total - 1}; DeepSpeed's fixed_linear schedule reaches max_value at "
+            f"step require_steps): the reserved length grows only to {reached}, never reaching max_value, so the "
+            f"run drops more tokens than a schedule ending at max_value; {fix} to reach it, or keep it when a longer "
+            "resumed run continues the schedule"
         )
 
     def _peek_sequence_length(self, trainer: pl.Trainer) -> int | None:
@@ -1311,6 +1428,7 @@ class RandomLTDCallback(Callback):
             return
         if others := other_state_keys(self, checkpoint):
             self._mismatch(f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}")
+            self._resumed = True  # strict=False: the run goes on from the checkpoint's step with this configuration
 
     def _mismatch(self, message: str, fix: str = "resume with this configuration") -> None:
         config_mismatch(type(self).__name__, message, self.strict, fix=fix)
@@ -1364,6 +1482,7 @@ class RandomLTDCallback(Callback):
             self._mismatch(f"the checkpoint's configuration differs (checkpoint, now): {diff}")
         for key, value in fields.items():
             setattr(self, key, value)
+        self._resumed = True
         if "nonfinite_loss" in state_dict:  # written before the non-finite policy existed: nothing to restore
             self.nonfinite_guard.load_state_dict(state_dict["nonfinite_loss"])
 

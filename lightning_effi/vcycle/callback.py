@@ -6,6 +6,7 @@ the method card (``README.md`` beside this file) tells the long story.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,10 +20,16 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, EfficiencyMonitor
-from lightning_effi.core.compat import optimizers_to_device, rewrap_ddp
+from lightning_effi.core.compat import optimizers_to_device, rebuild_train_loader_after_restore, rewrap_ddp
 from lightning_effi.core.features import parameter_copy_holders
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
-from lightning_effi.core.progress import Duration, progress_clock, progress_ticks, run_length
+from lightning_effi.core.progress import (
+    Duration,
+    estimated_optimizer_steps,
+    progress_clock,
+    progress_ticks,
+    run_length,
+)
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import (
     BATCH_STRUCTURES,
@@ -109,9 +116,12 @@ class VCycleCallback(Callback):
             stage lengths so far; ``"2ep"`` is ``2 / max_epochs`` of the run), so the cycle completes however short
             the epochs get; lengths in optimizer steps keep the step clock and must fit in its
             ``effi_min_total_steps()``; steps mixed with fractions or epochs are refused.
-        e_small: the coarsest level (paper: :math:`E_{small}`, half the baseline), same forms (a fraction may give 0).
+        e_small: the coarsest level (paper: :math:`E_{small}`, half the baseline), same forms; a fraction that gives 0
+            steps (``floor(f · T) = 0``, e.g. ``"0.05dur"`` of 10 steps, or ``"0dur"``) is refused outside
+            ``fast_dev_run`` (the level would never train while the switches into and out of it still map the
+            weights); with ``fast_dev_run`` (``T = 1``) it keeps the smoke test of the switches.
         up_leg: required for K >= 3 (the paper gives no length): the up-leg stages of levels 2..K−1, one length for
-            all or a list ordered by level (``[level 2, level 3, ...]``).
+            all or a list ordered by level (``[level 2, level 3, ...]``); 0 steps refused as for ``e_small``.
         width_scheme, depth_scheme, embedding_convention: the adapter's ``plan`` arguments (``"half"``,
             ``"adjacent"``, ``"official"``; explicit groups apply to level 1 → 2 only when K = 2).
         alpha_original: weight of the snapshot in the interpolation, in [0, 1]; None: the adapter's default.
@@ -120,7 +130,10 @@ class VCycleCallback(Callback):
             found in ``setup`` (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`): the one direct
             submodule an adapter handles that has a trainable parameter (a frozen teacher is not a candidate); a
             ``model_attr`` naming a frozen module is refused. Each parameter's ``requires_grad`` is kept at every level
-            (a partly frozen network: :func:`~lightning_effi.vcycle.operators.coalesced_requires_grad`).
+            (a partly frozen network: :func:`~lightning_effi.vcycle.operators.coalesced_requires_grad`). The network
+            must exist at this callback's ``setup``: built in ``__init__`` (Lightning runs ``LightningModule.setup``
+            and ``configure_model`` after the callbacks' ``setup``); when the width changes it must hold its own head
+            (trainable parameters of the module outside it with an axis of its hidden size are refused).
         adapter: ``"auto"``, a registered V-cycle adapter name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an instance.
         lr_schedule: ``"continue"``: each rebuilt scheduler continues the one it replaces (stepped as often as it was:
             one LR curve, warmup in the first stage only, step- and epoch-interval alike; a ``ReduceLROnPlateau``
@@ -181,23 +194,28 @@ class VCycleCallback(Callback):
         requirements: shapes change; single device or DDP; no weight averaging (``core.requirements``).
 
     Raises:
-        ValueError: (construction) see :func:`~lightning_effi.vcycle.stages.check_arguments`; (``setup`` or train
-            start) no network found or several candidates without ``model_attr``, no adapter for ``model_attr``'s
-            network, ``model_attr`` naming a frozen module (no trainable parameter), another attribute sharing its
-            parameters
-            (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`), sizes the schemes cannot halve,
-            ``levels`` deeper than the model allows (naming the level that cannot be coalesced, why, and the deepest
-            ``levels`` allowed; :func:`~lightning_effi.vcycle.operators.plan_levels`),
-            stages longer than the run, fractions in a run of unknown length, epochs with a train dataloader without
-            a length; with a progress clock (a technique that changes the epoch lengths): stage lengths in optimizer
-            steps mixed with fractions or epochs, steps that do not fit in its ``effi_min_total_steps()``, fractions
-            and epochs that add up to more than the run, epochs without ``max_epochs``; (resume, before the weights
-            load) a checkpoint written by a V-cycle with another number of levels or network attribute, a state
-            field out of range (naming it: :func:`~lightning_effi.vcycle.checks.check_state`), level weights that
-            do not fit the rebuilt level; (``on_train_start``) the callback added on resume (the checkpoint holds no
-            V-cycle state) at a step its first switch has already passed; (resume, ``strict``) a checkpoint written
-            with another configuration (another clock included) or other stages; (``setup``) a module whose
-            network is held by another V-cycle fit that is still running (another Trainer's, on the same module).
+        ValueError: (construction) see :func:`~lightning_effi.vcycle.stages.check_arguments`; (``setup`` or train start)
+            no network found or several candidates without ``model_attr`` (a module that overrides ``setup`` /
+            ``configure_model`` and holds no network then: the message names the hook order and asks for the network in
+            ``__init__``), no adapter for ``model_attr``'s network, ``model_attr`` naming a frozen module (no trainable
+            parameter), another attribute sharing its parameters
+            (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`), sizes the schemes cannot halve, ``levels``
+            deeper than the model allows (naming the level that cannot be coalesced, why, and the deepest ``levels``
+            allowed; :func:`~lightning_effi.vcycle.operators.plan_levels`), stages longer than the run, fractions in a
+            run of unknown length, epochs with a train dataloader without a length, a coarse stage (``e_small``,
+            ``up_leg``) given as a fraction that resolves to 0 steps outside ``fast_dev_run``
+            (:meth:`_refuse_untrained_levels`), with ``width_scheme`` changing the width: trainable parameters of the
+            module outside the network with an axis of its hidden size (a head of the module's own over a ``GPT2Model``:
+            :meth:`_check_outside_width`); with a progress clock (a technique that changes the epoch lengths): stage
+            lengths in optimizer steps mixed with fractions or epochs, steps that do not fit in its
+            ``effi_min_total_steps()``, fractions and epochs that add up to more than the run, epochs without
+            ``max_epochs``; (resume, before the weights load) a checkpoint written by a V-cycle with another number of
+            levels or network attribute, a state field out of range (naming it:
+            :func:`~lightning_effi.vcycle.checks.check_state`), level weights that do not fit the rebuilt level;
+            (``on_train_start``) the callback added on resume (the checkpoint holds no V-cycle state) at a step its
+            first switch has already passed; (resume, ``strict``) a checkpoint written with another configuration
+            (another clock included) or other stages; (``setup``) a module whose network is held by another V-cycle fit
+            that is still running (another Trainer's, on the same module).
         TypeError: (construction) an unknown keyword argument.
         NonFiniteLossError: (training, ``nonfinite_loss="raise"``) a NaN or infinite training loss, before its
             backward pass (:class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`).
@@ -389,7 +407,8 @@ class VCycleCallback(Callback):
         # epoch length the stages are on the step clock: a first check against max_steps here
         self.clock, self._clock_source = "step", None
         if not any(type(c).requirements.changes_epoch_length for c in technique_callbacks(trainer.callbacks)):
-            self._fit_stages(trainer, at_setup=True)
+            self._refuse_untrained_levels(trainer, self._fit_stages(trainer, at_setup=True), at_setup=True)
+        self._check_outside_width(pl_module)
         self._install_load_hook(pl_module)
 
     def _leftover_stacks(self, pl_module: pl.LightningModule) -> list[LevelStack]:
@@ -457,16 +476,140 @@ class VCycleCallback(Callback):
             stack.remove_resume_hook()
             stack.running = None
 
+    def _check_outside_width(self, pl_module: pl.LightningModule) -> None:
+        """When the levels change the width (``width_scheme`` not None and the plan's hidden size changes), refuse
+        trainable parameters of the LightningModule outside the network the V-cycle coalesces that have an axis of the
+        network's hidden size (a head such as ``self.head = nn.Linear(hidden, vocab)`` over a ``GPT2Model``, an input
+        embedding feeding it, a norm over its output): the V-cycle replaces only ``pl_module.<model_attr>``, so at
+        level 2 they would read or feed states of the coarse width (a shape error at the first level change). Other
+        networks an adapter handles (a teacher, a second tower trained alongside) make and read their own hidden
+        states and are not counted; frozen parameters are not counted.
+
+        Raises:
+            ValueError: naming the parameters and their shapes, the widths, and the remedies (the head inside the
+                network, or ``width_scheme=None``).
+        """
+        from lightning_effi.models.vcycle_base import holds_vcycle_network
+
+        if self.width_scheme is None or not self._stack.plans or self.model_attr is None:
+            return
+        info = self._stack.plans[0].info
+        large, small = info.get("large"), info.get("small")
+        if not isinstance(large, Mapping) or not isinstance(small, Mapping):
+            return  # an adapter that does not describe its sizes
+        hidden, coarse = large.get("hidden"), small.get("hidden")
+        if not isinstance(hidden, int) or hidden == coarse:
+            return
+        attr = self.model_attr
+        network = getattr(pl_module, attr)
+        own = {id(p) for p in network.parameters()}
+        others = {n for n, m in pl_module.named_children() if n != attr and holds_vcycle_network(m)}
+        outside = [
+            f"{n} {list(p.shape)}"
+            for n, p in pl_module.named_parameters()
+            if id(p) not in own and p.requires_grad and n.split(".")[0] not in others and hidden in p.shape
+        ]
+        if not outside:
+            return
+        host, name = type(pl_module).__name__, type(self).__name__
+        listed = ", ".join(outside[:5]) + (f" and {len(outside) - 5} more" if len(outside) > 5 else "")
+        raise ValueError(
+            f"{name}: width_scheme={self.width_scheme!r} changes the hidden size of pl_module.{attr} "
+            f"({type(network).__name__}) from {hidden} to {coarse} at level 2, but {host} holds trainable parameters "
+            f"outside that network with a {hidden}-wide axis, which read or feed its hidden states: {listed}. The "
+            f"V-cycle coalesces only pl_module.{attr}: at level 2 these would meet {coarse}-wide states (a shape error "
+            "at the first level change, e.g. 'mat1 and mat2 shapes cannot be multiplied'). Put the head inside the "
+            "network (a model with its own head, e.g. GPT2LMHeadModel, GPT2ForSequenceClassification, "
+            f"BertForSequenceClassification, a timm ViT with num_classes), or pass width_scheme=None (depth only: the "
+            f"width stays {hidden})"
+        )
+
+    def _refuse_untrained_levels(
+        self, trainer: pl.Trainer, stages: Sequence[tuple[int, int]] | None, at_setup: bool
+    ) -> None:
+        """A coarse stage (``e_small``, or an ``up_leg`` stage) given as a fraction that resolves to 0 optimizer steps
+        (``floor(f · T)``; or 0 ticks of a progress clock) in a run that is not ``fast_dev_run``: the level would
+        never train, while the level change into it and out of it still maps the weights (coalesce, then de-coalesce
+        and interpolate with the snapshot), which changes the full model for nothing. ``fast_dev_run`` (a smoke test
+        of the switches, ``T = 1``) keeps zero-length coarse stages.
+
+        Raises:
+            ValueError: naming the argument, what it resolved to in this run, the step of the switch and the
+                smallest fraction that gives one step.
+        """
+        if not stages or getattr(trainer, "fast_dev_run", False):
+            return
+        ends = S.stage_ends(stages)
+        ups = S.up_leg_lengths(self.levels, self.up_leg)
+        for index, (level, length) in enumerate(stages):
+            if level == 1 or length > 0:
+                continue
+            if index == self.levels - 1:
+                key, given = "e_small", self.e_small
+            else:
+                key = f"up_leg[{level - 2}]" if isinstance(self.up_leg, tuple) else "up_leg"
+                given = ups[level - 2]
+            at = ends[index]
+            name = type(self).__name__
+            what = f"{name}.{key}={S.spelled(given)!r}"
+            if self.clock == "progress":
+                source = type(self._clock_source).__name__ if self._clock_source is not None else "the progress source"
+                raise ValueError(
+                    f"{what} resolves to 0 of the run's training progress on {source}'s clock: level {level} would "
+                    f"never train, while the cycle still changes to it and out of it at once (coalesce, then "
+                    "de-coalesce and interpolate with the snapshot), which changes the model's weights for nothing; "
+                    f"give {key} a share > 0 (e.g. '0.05dur'). Zero-length coarse stages are kept only with "
+                    "fast_dev_run (a smoke test of the switches)"
+                )
+            total = run_length(trainer.max_steps, None if at_setup else estimated_optimizer_steps(trainer))
+            smallest = ""
+            if total:
+                f = math.ceil(10_000 / total) / 10_000
+                while Duration(f, "fraction").to_steps(total_steps=total) < 1:
+                    f += 1e-4
+                smallest = f" a fraction >= 1/{total} (e.g. '{round(f, 4):g}dur'), or"
+            figures = f"floor(f · T) = 0 in this run of T = {total} optimizer steps" if total else "0 steps"
+            raise ValueError(
+                f"{what} resolves to 0 optimizer steps ({figures}): level {level} would never train, while the "
+                f"cycle still changes to it and out of it at step {at} (coalesce, then de-coalesce and interpolate "
+                "with the snapshot taken before coalescing), which changes the full model's weights without the coarse "
+                f"model training a step. Give {key}{smallest} an int of optimizer steps >= 1; zero-length coarse "
+                "stages are kept only with fast_dev_run (a smoke test of the switches)"
+            )
+
     def _fit_stages(self, trainer: pl.Trainer, at_setup: bool) -> list[tuple[int, int]] | None:
         """:func:`~lightning_effi.vcycle.stages.fit_stages` with this callback's lengths."""
         return S.fit_stages(trainer, self.levels, self.e_a, self.e_small, self.up_leg, at_setup, type(self).__name__)
 
     def _find_network(self, pl_module: pl.LightningModule) -> tuple[str, VCycleAdapter]:
         """``(attribute, adapter)`` of the network: :func:`~lightning_effi.models.vcycle_base.find_vcycle_network`
-        with ``model_attr`` (None: found) and ``adapter``."""
-        from lightning_effi.models.vcycle_base import find_vcycle_network
+        with ``model_attr`` (None: found) and ``adapter``. When the module holds no network an adapter handles and
+        overrides ``LightningModule.setup`` / ``configure_model`` (which Lightning runs after the callbacks'
+        ``setup``), the error says so and asks for the network in ``__init__``
+        (:func:`~lightning_effi.models.base.deferred_network_hint`).
 
-        return find_vcycle_network(pl_module, self.model_attr_arg, self.adapter_arg, type(self).__name__)
+        Raises:
+            ValueError: see :func:`~lightning_effi.models.vcycle_base.find_vcycle_network`.
+        """
+        from lightning_effi.models.base import deferred_network_hint
+        from lightning_effi.models.vcycle_base import find_vcycle_network, holds_vcycle_network
+
+        name = type(self).__name__
+        try:
+            return find_vcycle_network(pl_module, self.model_attr_arg, self.adapter_arg, name)
+        except ValueError as err:
+            adapter = "auto" if isinstance(self.adapter_arg, str) else self.adapter_arg
+            if holds_vcycle_network(pl_module, adapter):  # a network is there: the error is about it, not hook order
+                raise
+            hint = deferred_network_hint(
+                pl_module,
+                name,
+                "it plans the levels from the network, and a resumed fit rebuilds the checkpoint's coarse level "
+                "before the weights load, which Lightning does right after configure_model",
+            )
+            if not hint:
+                raise
+            raise ValueError(f"{hint} (the search for it: {err})") from None
 
     def _install_load_hook(self, pl_module: pl.LightningModule) -> None:
         """Checkpoints: wrap ``pl_module.on_load_checkpoint`` and ``on_save_checkpoint`` (the bound host;
@@ -602,6 +745,14 @@ class VCycleCallback(Callback):
 
     # ------------------------------------------------------------------------------------------------ training
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """In a resumed fit, have the training loader built again once Lightning has restored the loops: one built
+        earlier, by ``configure_optimizers`` reading ``trainer.estimated_stepping_batches``, would miss the
+        checkpoint's mid-epoch position and replay the epoch from its start
+        (:func:`~lightning_effi.core.compat.rebuild_train_loader_after_restore`, Lightning issue #20550)."""
+        rebuild_train_loader_after_restore(trainer)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the stages against the run's length (``estimated_stepping_batches``), or on a technique's progress
         clock; on resume compare them with the checkpoint's (other stages: raise when strict, else warn and continue
@@ -621,6 +772,7 @@ class VCycleCallback(Callback):
                 fix="continue on this run's clock",
             )
         stages = self._resolve_stages(trainer)
+        self._refuse_untrained_levels(trainer, stages, at_setup=False)
         if self._saved_stages is not None and (diff := S.stages_mismatch(self._saved_stages, stages)):
             config_mismatch(type(self).__name__, diff, self.strict, fix="continue with the current arguments' stages")
         self.stages, self.stage_ends, self._last_step = stages, S.stage_ends(stages), trainer.global_step

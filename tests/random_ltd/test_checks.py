@@ -13,6 +13,7 @@ import random
 import warnings
 from types import SimpleNamespace
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -21,6 +22,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_effi.adapters import (
     GenericAdapter,
@@ -34,6 +36,7 @@ from lightning_effi.callbacks import RandomLTDCallback
 from lightning_effi.core.nonfinite import NonFiniteLossError
 from lightning_effi.functional import random_ltd as F
 from lightning_effi.models.base import MUST_BE_NONE, PASS, AttentionMask, SeqArg
+from lightning_effi.random_ltd import is_converted
 from lightning_effi.random_ltd.callback import _random_states_kept
 from lightning_effi.tasks import GPT2CausalLM
 from tests.helpers.harness import make_trainer
@@ -354,28 +357,126 @@ def test_the_peek_does_not_change_the_run(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------ require_steps
 
 
+class Reserved(Callback):
+    """The reserved length of every training batch (``cb.current_value`` after its forward)."""
+
+    def __init__(self, cb: RandomLTDCallback) -> None:
+        self.cb, self.rs = cb, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rs.append(self.cb.current_value)
+
+
 def test_a_growth_longer_than_the_run_warns_naming_where_it_ends(tmp_path):
-    """require_steps=6 in a run of 4 steps: r = ltd_value(3, 4, 16, 6, 2) = 3 * 12 // 6 + 4 = 10 at the last step."""
-    cb = ltd(require_steps=6, seq_per_step=2)
-    rs = []
+    """DeepSpeed's fixed_linear schedule first gives max_value at global_step == require_steps, and a run of T = 4
+    optimizer steps trains steps 0..3, so require_steps >= 4 never reaches max_value=16 (the data's 16 tokens) and
+    warns with the reserved length of step 3 and the largest require_steps that reaches it, 3:
+    ltd_value(3, 4, 16, 6, 2) = 3 * 12 // 6 + 4 = 10; ltd_value(3, 4, 16, 4, 2) = 13 rounded down to 12. With
+    require_steps=3, step 3 runs at 16: no warning (the threshold named is true)."""
+    cases = {6: [4, 6, 8, 10], 4: [4, 6, 10, 12], 3: [4, 8, 12, 16]}
+    for require_steps, expected in cases.items():
+        cb = ltd(require_steps=require_steps, seq_per_step=2)
+        reserved = Reserved(cb)
+        rs = reserved.rs
 
-    class Rs(Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            rs.append(cb.current_value)
+        trainer = make_trainer(tmp_path / str(require_steps), [cb, reserved], max_steps=4, max_epochs=-1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+        assert rs == expected and trainer.global_step == 4  # the run does what was asked for its steps
+        messages = [str(w.message) for w in caught if "RandomLTDCallback.require_steps" in str(w.message)]
+        if require_steps == 3:
+            assert messages == [] and rs[-1] == 16
+            continue
+        (msg,) = messages
+        assert msg.startswith(
+            f"RandomLTDCallback.require_steps={require_steps} ({require_steps} optimizer steps) does not end within "
+            "the run (4 optimizer steps, steps 0..3; DeepSpeed's fixed_linear schedule reaches max_value at step "
+            f"require_steps): the reserved length grows only to {expected[-1]} tokens at the run's last step "
+            f"(step 3), {16 - expected[-1]} below max_value=16, never reaching max_value"
+        )
+        assert "pass require_steps <= 3 (max_value from that step on, the run's last step being 3) to reach it" in msg
+        assert "'1dur'" not in msg  # the whole run does not reach it either
 
-    trainer = make_trainer(tmp_path / "a", [cb, Rs()], max_steps=4, max_epochs=-1)
-    with pytest.warns(
-        UserWarning,
-        match=r"RandomLTDCallback.require_steps=6 \(6 optimizer steps\) is longer than the run \(4 optimizer steps\): "
-        r"the reserved length grows only to 10 tokens at the run's last step \(step 3\), of max_value=16",
-    ):
-        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
-    assert rs == [4, 6, 8, 10] and trainer.global_step == 4  # the run does what was asked for its steps
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*require_steps.*longer than the run")
-        make_trainer(tmp_path / "b", [ltd(require_steps=4)], max_steps=4, max_epochs=-1).fit(
+
+def test_the_default_whole_run_growth_ends_one_step_after_the_run_without_a_warning(tmp_path):
+    """``require_steps=None`` ("1dur", DeepSpeed's convention) resolves to T = 6 steps: max_value=16 is reached at
+    step 6, after the last trained step 5, which runs at ltd_value(5, 4, 16, 6, 4) = floor(5/6 * 12 + 4) = 14
+    rounded down to 12, within the documented gap ceil((16 - 4) / 6) + 4 - 1 = 5 tokens. Not warned: the default
+    follows the reference; a fraction of the run never warns."""
+    for require_steps in (None, "1dur", "0.9dur"):
+        cb = ltd(require_steps=require_steps, max_value=16)
+        reserved = Reserved(cb)
+        rs = reserved.rs
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*RandomLTDCallback.require_steps")
+            make_trainer(tmp_path / str(require_steps), [cb, reserved], max_steps=6, max_epochs=-1).fit(
+                deep_gpt2(), datamodule=tiny_lm_data()
+            )
+        assert cb.require_steps == 6  # "0.9dur": ceil(0.9 * 6) = 6
+        assert rs == [F.ltd_value(s, 4, 16, 6, 4) for s in range(6)] == [4, 4, 8, 8, 12, 12]
+        assert 16 - rs[-1] <= math.ceil((16 - 4) / 6) + 4 - 1
+
+
+def test_a_second_fit_on_the_same_trainer_is_refused_and_a_checkpoint_resume_is_not(tmp_path):
+    """A second ``trainer.fit`` on a Trainer that trained 5 steps (max_steps raised to 10) would re-derive
+    ``require_steps='1dur'`` for 10 steps: r = ltd_value(5, 4, 16, 10, 4) = 8 at step 5, below the 12 of the first
+    fit's last step (ltd_value(4, 4, 16, 5, 4)). Refused at train start, before any step, naming the situation and the
+    fixes; the layers are restored and the weights unchanged. The same Trainer refitted from the first fit's
+    checkpoint (``ckpt_path``) goes on exactly as an uninterrupted run of 10 steps (require_steps=5: a schedule both
+    runs share): the same r at every step and the same layer-tokens."""
+    for require_steps in (None, 5):
+        ckpt = ModelCheckpoint(dirpath=tmp_path / f"ck{require_steps}", every_n_train_steps=5, filename="{step}")
+        cb = ltd(require_steps=require_steps, max_value=16)
+        reserved = Reserved(cb)
+        rs = reserved.rs
+
+        model = deep_gpt2()
+        trainer = make_trainer(tmp_path / f"a{require_steps}", [cb, ckpt, reserved], max_steps=5, max_epochs=-1)
+        trainer.fit(model, datamodule=tiny_lm_data())
+        assert rs == [F.ltd_value(s, 4, 16, 5, 4) for s in range(5)] == [4, 4, 8, 8, 12]
+        trainer.fit_loop.epoch_loop.max_steps = 10
+        if require_steps is None:
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+            with pytest.raises(ValueError) as err:
+                trainer.fit(model, datamodule=tiny_lm_data())
+            msg = str(err.value)
+            assert msg.startswith(
+                "RandomLTDCallback: this fit starts at step 5 without random-LTD state (its Trainer trained before: a "
+                "second trainer.fit on the same Trainer); its schedule counts from step 0 of the run "
+                "(require_steps='1dur', 10 optimizer steps in this fit: r = 8 tokens at step 5, not min_value=4)"
+            )
+            assert "Resume from a checkpoint written with random-LTD (trainer.fit(..., ckpt_path=...)" in msg
+            assert "start random-LTD in a fresh fit (a new Trainer without ckpt_path" in msg
+            assert trainer.global_step == 5 and len(rs) == 5 and cb.patched is None and not is_converted(model)
+            assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())  # no step taken
+            continue
+        trainer.fit(model, datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck5" / "step=5.ckpt"))
+        assert trainer.global_step == 10 and rs == [F.ltd_value(s, 4, 16, 5, 4) for s in range(10)]
+        straight = ltd(require_steps=5, max_value=16)
+        make_trainer(tmp_path / "straight", [straight], max_steps=10, max_epochs=-1).fit(
             deep_gpt2(), datamodule=tiny_lm_data()
         )
+        assert cb.consumed_layer_tokens == straight.consumed_layer_tokens > 0
+
+
+def test_random_ltd_added_on_resume_from_a_checkpoint_without_its_state_is_refused(tmp_path):
+    """A checkpoint of a fit without random-LTD at step 2, resumed with random-LTD (require_steps=6): its schedule
+    would start at r = ltd_value(2, 4, 16, 6, 4) = 8, not min_value. Refused at train start, naming the checkpoint;
+    resumed from a checkpoint written with random-LTD the schedule goes on (test_fit_again_continues_the_schedule)."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    make_trainer(tmp_path, [ckpt], max_steps=2, max_epochs=-1).fit(deep_gpt2(), datamodule=tiny_lm_data())
+    seen = Seen()
+    trainer = make_trainer(tmp_path / "r", [ltd(max_value=16), seen], max_steps=4, max_epochs=-1)
+    with pytest.raises(ValueError) as err:
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+    assert str(err.value).startswith(
+        "RandomLTDCallback: added on resume at step 2, from a checkpoint without random-LTD state (written by a fit "
+        "without this callback); its schedule counts from step 0 of the run (require_steps=6, 6 optimizer steps in "
+        "this fit: r = 8 tokens at step 2, not min_value=4)"
+    )
+    assert seen.batches == 0
 
 
 # ------------------------------------------------------------------------------------------------ checkpoint state
@@ -541,3 +642,57 @@ def test_a_bad_nonfinite_policy_is_refused():
     with pytest.raises(ValueError, match=r"RandomLTDCallback.nonfinite_loss must be one of \('raise', 'warn'\)"):
         RandomLTDCallback(nonfinite_loss="skip")
     assert "nonfinite_loss='warn'" in repr(RandomLTDCallback(nonfinite_loss="warn"))
+
+
+# ------------------------------------------------------------------------------------------------ hook order
+class Lazy(pl.LightningModule):
+    """Builds its GPT-2 in ``configure_model`` or ``setup`` (``hook``), after the callbacks' setup."""
+
+    def __init__(self, hook: str) -> None:
+        super().__init__()
+        self.hook, self.net = hook, None
+
+    def _build(self) -> None:
+        if self.net is None:
+            self.net = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_layer=4, n_embd=32, n_head=2))
+
+    def configure_model(self) -> None:
+        if self.hook == "configure_model":
+            self._build()
+
+    def setup(self, stage: str) -> None:
+        if self.hook == "setup":
+            self._build()
+
+    def training_step(self, batch, batch_idx):
+        return self.net(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("hook", ["configure_model", "setup"])
+def test_a_network_built_after_the_callbacks_setup_is_named_with_the_hook_order(tmp_path, hook):
+    """A network built in ``configure_model`` / ``setup`` does not exist at random-LTD's setup (Lightning runs the
+    callbacks' setup first): refused there naming the hooks the module overrides, the order and the remedy, with the
+    adapter search's own message after it. A module overriding neither keeps the search's message alone."""
+    seen = Seen()
+    trainer = make_trainer(tmp_path, [ltd(), seen], max_steps=4, max_epochs=-1)
+    with pytest.raises(ValueError) as err:
+        trainer.fit(Lazy(hook), datamodule=tiny_lm_data())
+    msg = str(err.value)
+    assert msg.startswith(
+        "RandomLTDCallback: no network in Lazy at the callback's setup, and Lazy overrides Lazy.setup() / "
+        "Lazy.configure_model(): Lightning runs every callback's setup before LightningModule.setup and "
+        "configure_model, so a network built there does not exist yet when RandomLTDCallback looks for it"
+    )
+    assert "Build the network in Lazy.__init__ (the search for it: adapter: no model inside Lazy matches" in msg
+    assert seen.batches == 0
+
+    class Empty(pl.LightningModule):
+        pass
+
+    trainer = make_trainer(tmp_path / "b", [ltd()], max_steps=4, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"^adapter: no model inside Empty matches any registered adapter") as err:
+        ltd().setup(trainer, Empty(), "fit")
+    assert "overrides" not in str(err.value)

@@ -373,7 +373,7 @@ def _fake_trainer(**kw):
         (dict(e_a=2, e_small=3), dict(e_a_steps=2, e_small_steps=3), 10, [2, 5]),
         (dict(e_a="2st", e_small="3st"), dict(e_a_steps=2, e_small_steps=3), 10, [2, 5]),
         (dict(e_a="0.3dur", e_small="0.5dur"), dict(e_a_fraction=0.3, e_small_fraction=0.5), 7, [2, 5]),
-        (dict(e_a="0.01dur", e_small="0dur"), dict(e_a_fraction=0.01, e_small_fraction=0.0), 7, [1, 1]),
+        (dict(e_a="0.01dur", e_small="0.15dur"), dict(e_a_fraction=0.01, e_small_fraction=0.15), 7, [1, 2]),
         (dict(e_a="1ep", e_small="2ep"), dict(e_a_epochs=1, e_small_epochs=2), -1, [5, 15]),  # 5 steps per epoch
         (
             dict(levels=3, e_a=1, e_small="1ep", up_leg=["0.25dur"]),

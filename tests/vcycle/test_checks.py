@@ -446,3 +446,148 @@ def test_level_stack_refuses_non_finite_sources_and_changes_nothing():
     assert stack.up_to_full(0.25) == [2, 1] and stack.level == 1
     assert V.first_nonfinite({"a": torch.ones(2), "b": torch.tensor([math.nan, math.inf])}) == ("b", "NaN and inf")
     assert V.first_nonfinite({"mask": torch.tensor([True]), "a": torch.zeros(1)}) is None
+
+
+# ------------------------------------------------------------------------------------------------ zero-length levels
+def test_a_coarse_stage_that_resolves_to_zero_steps_is_refused_naming_it(tmp_path):
+    """e_small='0.05dur' (or '0dur') in a run of 10 steps is floor(0.05 * 10) = 0 steps: the cycle would coalesce and
+    de-coalesce at step 2 without training level 2, changing the weights for nothing. Refused in setup (max_steps
+    known), before any step, naming e_small, T and the smallest fraction that gives a step; '0.1dur' gives 1 step and
+    runs. An up-leg stage of 0 steps is refused the same way, and so is e_small in a run bounded by epochs (2 epochs
+    of 5 steps: at train start, when the run's length is known)."""
+    for given in ("0.05dur", "0dur"):
+        steps, model = Steps(), tiny_gpt2()
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError) as err:
+            fit(tmp_path / given, [steps, VCycleCallback(e_a="0.2dur", e_small=given)], 10, model=model)
+        assert str(err.value) == (
+            f"VCycleCallback.e_small='{given}' resolves to 0 optimizer steps (floor(f · T) = 0 in this run of T = 10 "
+            "optimizer steps): level 2 would never train, while the cycle still changes to it and out of it at step "
+            "2 (coalesce, then de-coalesce and interpolate with the snapshot taken before coalescing), which changes "
+            "the full model's weights without the coarse model training a step. Give e_small a fraction >= 1/10 (e.g. "
+            "'0.1dur'), or an int of optimizer steps >= 1; zero-length coarse stages are kept only with fast_dev_run "
+            "(a smoke test of the switches)"
+        )
+        assert steps.started == [] and all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
+    cb = VCycleCallback(e_a="0.2dur", e_small="0.1dur")
+    fit(tmp_path / "one", [cb], 10)
+    assert cb.stage_ends == [2, 3] and cb.switches == 2 and cb.level == 1
+    with pytest.raises(ValueError, match=r"^VCycleCallback\.up_leg='0\.05dur' resolves to 0 optimizer steps .*T = 10 "):
+        cb = VCycleCallback(levels=3, e_a=1, e_small=2, up_leg="0.05dur")
+        fit(tmp_path / "up", [cb], 10, model=tiny_gpt2(n_layer=4, n_head=4))
+    steps = Steps()
+    trainer = make_trainer(tmp_path / "ep", [steps, VCycleCallback(e_a=1, e_small="0.05dur")], max_epochs=2)
+    with pytest.raises(ValueError, match=r"e_small='0\.05dur' resolves to 0 .*T = 10 optimizer steps\): .*at step 1 "):
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    assert steps.started == []
+
+
+def test_zero_length_coarse_stages_stay_allowed_with_fast_dev_run(tmp_path):
+    """fast_dev_run (1 step) keeps its smoke test of the switches: down and up at step 1, e_small 0 steps."""
+    cb = VCycleCallback(e_a="0.05dur", e_small="0.05dur")
+    fit(tmp_path, [cb], 1, trainer={"fast_dev_run": True})
+    assert cb.stage_ends == [1, 1] and cb.switches == 1 and cb.level == 1
+
+
+# ------------------------------------------------------------------------------------------------ a head outside
+class BackboneHead(pl.LightningModule):
+    """A ``GPT2Model`` backbone and the module's own LM head (outside the network the V-cycle coalesces)."""
+
+    def __init__(self, extra: str = "head") -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2Model
+
+        self.backbone = GPT2Model(GPT2Config(vocab_size=64, n_positions=32, n_layer=2, n_embd=32, n_head=2))
+        if extra == "head":
+            self.head = nn.Linear(32, 64)
+        else:  # a scalar outside the network, and a frozen table of the hidden width: neither is a trainable head
+            self.temperature = nn.Parameter(torch.ones(()))
+            self.frozen = nn.Embedding(64, 32).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        x = batch["input_ids"]
+        h = self.backbone(input_ids=x).last_hidden_state
+        # without a head of its own: the network's input table as the output layer (read through self.backbone)
+        logits = self.head(h) if hasattr(self, "head") else h @ self.backbone.wte.weight.T * self.temperature
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), x[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_head_outside_a_network_whose_width_changes_is_refused_at_setup(tmp_path):
+    """``self.head = nn.Linear(32, 64)`` over a 32-wide ``GPT2Model``: width_scheme='half' makes level 2 16 wide, so
+    the head would fail at the first level change ('mat1 and mat2 shapes cannot be multiplied'). Refused in setup,
+    before any step, naming the head, the widths and the remedies; width_scheme=None (depth only) runs the cycle with
+    the same head; a trainable scalar and a frozen table of the hidden width are not counted (the output layer there is
+    the network's own input table, read through ``self.backbone``)."""
+    steps = Steps()
+    with pytest.raises(ValueError) as err:
+        fit(tmp_path / "a", [steps, VCycleCallback(e_a=2, e_small=3)], 8, model=BackboneHead())
+    msg = str(err.value)
+    assert msg.startswith(
+        "VCycleCallback: width_scheme='half' changes the hidden size of pl_module.backbone (GPT2Model) from 32 to 16 "
+        "at level 2, but BackboneHead holds trainable parameters outside that network with a 32-wide axis, which "
+        "read or feed its hidden states: head.weight [64, 32]. The V-cycle coalesces only pl_module.backbone"
+    )
+    assert "Put the head inside the network (a model with its own head, e.g. GPT2LMHeadModel" in msg
+    assert msg.endswith("or pass width_scheme=None (depth only: the width stays 32)")
+    assert steps.started == []
+    cb = VCycleCallback(e_a=2, e_small=3, width_scheme=None)
+    _, model = fit(tmp_path / "b", [cb], 8, model=BackboneHead())
+    assert cb.switches == 2 and cb.level == 1 and model.backbone.config.n_layer == 2
+    cb = VCycleCallback(e_a=2, e_small=3)
+    _, model = fit(tmp_path / "c", [cb], 8, model=BackboneHead(extra="other"))
+    assert cb.switches == 2 and model.backbone.config.n_embd == 32
+
+
+# ------------------------------------------------------------------------------------------------ hook order
+class Lazy(pl.LightningModule):
+    """Builds its GPT-2 in ``configure_model`` or ``setup`` (``hook``), after the callbacks' setup."""
+
+    def __init__(self, hook: str | None) -> None:
+        super().__init__()
+        self.hook, self.net = hook, None
+
+    def _build(self) -> None:
+        if self.net is None:
+            self.net = M.gpt2(n_layer=4, n_head=2)
+
+    def configure_model(self) -> None:
+        if self.hook == "configure_model":
+            self._build()
+
+    def setup(self, stage: str) -> None:
+        if self.hook == "setup":
+            self._build()
+
+    def training_step(self, batch, batch_idx):
+        return self.net(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("hook", ["configure_model", "setup"])
+def test_a_network_built_after_the_callbacks_setup_is_named_with_the_hook_order(tmp_path, hook):
+    """A network built in ``configure_model`` / ``setup`` does not exist at the callback's setup (Lightning runs the
+    callbacks' setup first): refused there naming the hooks the module overrides, the order and the remedy, with the
+    search's own message after it. A module overriding neither keeps the search's message alone."""
+    steps = Steps()
+    with pytest.raises(ValueError) as err:
+        fit(tmp_path, [steps, VCycleCallback(e_a=2, e_small=3)], 8, model=Lazy(hook))
+    msg = str(err.value)
+    assert msg.startswith(
+        "VCycleCallback: no network in Lazy at the callback's setup, and Lazy overrides Lazy.setup() / "
+        "Lazy.configure_model(): Lightning runs every callback's setup before LightningModule.setup and "
+        "configure_model, so a network built there does not exist yet when VCycleCallback looks for it"
+    )
+    assert "Build the network in Lazy.__init__ (the search for it: VCycleCallback.model_attr: no attribute of" in msg
+    assert steps.started == []
+
+    class Empty(pl.LightningModule):
+        pass
+
+    with pytest.raises(ValueError, match=r"^VCycleCallback\.model_attr: no attribute of Empty holds") as err:
+        VCycleCallback(e_a=2, e_small=3)._find_network(Empty())
+    assert "overrides" not in str(err.value)
