@@ -139,7 +139,11 @@ ROWS: list[Row] = [
         "checkpoint_periodic",
         "ModelCheckpoint(every_n_train_steps / every_n_epochs), then resume from one",
         works(),
-        "the resumed fit ends with the uninterrupted run's weights and trains the same shapes after the resume",
+        "the resumed fit ends with the uninterrupted run's weights and trains the same shapes after the resume; "
+        "InfoBatch from every step (its epochs have different lengths), and every technique with an LR schedule "
+        "sized from trainer.estimated_stepping_batches, which builds the training loader before the checkpoint is "
+        "restored (the technique has it rebuilt, so the saved mid-epoch position is not lost: Lightning issue "
+        "#20550)",
     ),
     Row(
         "weight_averaging",
@@ -738,6 +742,72 @@ def test_checkpoint_periodic(tmp_path: Path, technique: str) -> None:
     assert [b["blocks"] for b in second.probe.batches] == [b["blocks"] for b in after]
     for k, v in params(first.model).items():
         assert torch.equal(params(second.model)[k], v), k
+
+
+def cosine_over_estimate(opt: torch.optim.Optimizer, module: pl.LightningModule) -> dict[str, Any]:
+    """A step-interval cosine LambdaLR sized with ``trainer.estimated_stepping_batches``, Lightning's documented
+    recipe: reading it builds the training loader inside ``configure_optimizers``, before a resumed fit's loops are
+    restored."""
+    total = max(1, int(module.trainer.estimated_stepping_batches))
+    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total))  # noqa: E731
+    return {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, cosine), "interval": "step"}
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_checkpoint_periodic_estimated_steps(tmp_path: Path, technique: str) -> None:
+    """``checkpoint_periodic`` with an LR schedule sized from ``trainer.estimated_stepping_batches``: resumed from a
+    checkpoint in the middle of epoch 0 (step 2 of 6) and from one in the middle of a later epoch (InfoBatch: its
+    pruned epoch 1), the fit ends with the uninterrupted run's weights after training the same shapes. Before the
+    fix, InfoBatch planned epoch 0 again over the restored plan (a mid-epoch resume then raised, or trained other
+    samples), and in epoch 0 the checkpoint's loader state was dropped (Lightning issue #20550), so the epoch was
+    replayed from its start."""
+    assert expect("checkpoint_periodic", technique) == WORKS
+    periodic = ModelCheckpoint(tmp_path / "ckpts", save_top_k=-1, filename="{step}", every_n_train_steps=1)
+    # epoch-bounded (a step-bounded fit's estimate is max_steps, read without building the loader)
+    limits = {} if technique == "infobatch" else dict(max_epochs=2, max_steps=-1)
+    first = build(technique, scheduled(cosine_over_estimate))
+    trainer = first.fit(tmp_path / "first", [periodic], **limits)
+    assert_effect(first)
+    epochs = {b["step"]: b["epoch"] for b in first.probe.batches}
+    later = next(s for s in sorted(epochs) if epochs[s] == 1 and epochs.get(s + 1) == 1 and s > 0)
+    for resume_step in (2, later):
+        assert 0 < resume_step < trainer.global_step
+        second = build(technique, scheduled(cosine_over_estimate))
+        second.trainer(tmp_path / f"second{resume_step}", **limits).fit(
+            second.model, datamodule=second.datamodule, ckpt_path=tmp_path / "ckpts" / f"step={resume_step}.ckpt"
+        )
+        after = [b for b in first.probe.batches if b["step"] > resume_step]
+        assert [b["blocks"] for b in second.probe.batches] == [b["blocks"] for b in after], resume_step
+        for k, v in params(first.model).items():
+            assert torch.equal(params(second.model)[k], v), (resume_step, k)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_infobatch_resume_from_every_step(tmp_path: Path, accumulate: int) -> None:
+    """InfoBatch alone, resumed from the checkpoint of every optimizer step (``every_n_train_steps=1``), ends with
+    the uninterrupted run's weights after training the same batches. Among them the last batch of the pruned epoch 1,
+    after which a longer epoch follows: Lightning entered that epoch at the finished one's batch count (it compares
+    it with the new epoch's length) and skipped all but its last batch(es), silently, before the fix."""
+    periodic = ModelCheckpoint(tmp_path / "ckpts", save_top_k=-1, filename="{step}", every_n_train_steps=1)
+    first = build("infobatch")
+    trainer = first.fit(tmp_path / "first", [periodic], accumulate_grad_batches=accumulate)
+    assert_effect(first)
+    per_epoch = defaultdict(int)
+    for b in first.probe.batches:
+        per_epoch[b["epoch"]] += 1
+    assert per_epoch[1] < per_epoch[2] == per_epoch[0]  # a pruned epoch, then a longer full one
+    for step in range(1, trainer.global_step):
+        second = build("infobatch")
+        second.trainer(tmp_path / f"second{step}", accumulate_grad_batches=accumulate).fit(
+            second.model, datamodule=second.datamodule, ckpt_path=tmp_path / "ckpts" / f"step={step}.ckpt"
+        )
+        trained = [(b["epoch"], b["batch_idx"]) for b in second.probe.batches]
+        # the checkpoint is written at the batch that took optimizer step `step`; the resume trains what followed
+        at = next(i for i, b in enumerate(first.probe.batches) if b["step"] == step)
+        expected = [(b["epoch"], b["batch_idx"]) for b in first.probe.batches[at + 1 :]]
+        assert trained == expected, step
+        for k, v in params(first.model).items():
+            assert torch.equal(params(second.model)[k], v), (step, k)
 
 
 # ---------------------------------------------------------------------------------------------- weight averaging
