@@ -8,7 +8,6 @@ Entry point: ``python experiments/train.py [overrides]`` (see ``conf/train.yaml`
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -21,13 +20,13 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_str
 from lightning_effi.core.errors import DataConfigError
-from lightning_effi.report.record import TECHNIQUE_HOOKS
+from lightning_effi.report.load import SCHEMA
+from lightning_effi.report.record import TECHNIQUE_HOOKS, make_record, save_record, scalar_metrics
 from lightning_effi.utils.instantiate import (
     ConfigError,
     check_budget,
@@ -127,28 +126,8 @@ def check_checkpoint(path: str, model: pl.LightningModule) -> None:
         )
 
 
-def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for key, value in metrics.items():
-        try:
-            out[key] = float(value)
-        except (TypeError, ValueError):
-            continue
-    return dict(sorted(out.items()))
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 #: ``result.json``'s format version (2: arm, budget, techniques, overrides, length, curve, schedule, relative paths)
-RESULT_SCHEMA = 2
+RESULT_SCHEMA = SCHEMA
 
 #: the compute quantities an objective may read (``efficiency[<q>_saved_frac]``)
 OBJECTIVE_COMPUTE = ("flops", "tokens", "samples", "layer_tokens")
@@ -322,51 +301,33 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 raise
             # raised while setting up (callback/strategy checks, configure_optimizers), before any optimizer step
             raise ConfigError(str(err)) from err
-    metrics = _scalar_metrics(dict(trainer.callback_metrics))
+    metrics = scalar_metrics(dict(trainer.callback_metrics))
     if cfg.get("test", False):
         test_results = trainer.test(model, datamodule=datamodule, verbose=False)
         for results in test_results:
-            metrics.update(_scalar_metrics(results))
+            metrics.update(scalar_metrics(results))
 
-    monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
-    efficiency = monitor.summary if monitor is not None else {}
-    checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)  # type: ignore[attr-defined]
-    name = cfg.get("optimized_metric")
-    value = metrics.get(name, math.nan) if name else math.nan
     techniques = techniques_of(cfg.get("callbacks"))
-    arm = cfg.get("arm") or ("+".join(techniques) if techniques else "baseline")
     budget = cfg.get("budget", 1.0)
     root = cfg.paths.get("root_dir") or os.getcwd()
-    result = {
-        "schema": RESULT_SCHEMA,
-        "task_name": cfg.get("task_name"),
-        "tags": list(cfg.get("tags") or []),
-        "seed": cfg.get("seed"),
-        "arm": str(arm),
-        "budget": float(budget) if budget is not None else 1.0,
-        "techniques": techniques,
-        "overrides": _overrides(),
-        "optimized_metric": name,
-        "optimized_mode": cfg.get("optimized_mode", "min"),
-        "metric": value,
-        "wall_clock": efficiency.get("time_total_s"),
-        "flops": efficiency.get("flops"),
-        "metrics": metrics,
-        "efficiency": efficiency,
-        "length": {
-            "max_steps": cfg.trainer.get("max_steps"),
-            "max_epochs": cfg.trainer.get("max_epochs"),
-            "optimizer_steps": int(trainer.global_step),
-        },
-        "curve": list(monitor.curve) if monitor is not None else [],
-        "schedule": list(monitor.schedule) if monitor is not None else [],
-        "output_dir": _relative(output_dir, root),
-        "last_checkpoint": _relative(getattr(checkpoint, "last_model_path", "") or None, output_dir),
-        "best_checkpoint": _relative(getattr(checkpoint, "best_model_path", "") or None, output_dir),
-    }
+    result = make_record(
+        trainer,
+        run_dir=output_dir,
+        output_dir=_relative(output_dir, root),
+        task_name=cfg.get("task_name"),
+        tags=list(cfg.get("tags") or []),
+        seed=cfg.get("seed"),
+        arm=str(cfg.get("arm") or ("+".join(techniques) if techniques else "baseline")),
+        budget=float(budget) if budget is not None else 1.0,
+        techniques=techniques,
+        overrides=_overrides(),
+        metric=cfg.get("optimized_metric"),
+        mode=cfg.get("optimized_mode", "min"),
+        metrics=metrics,
+        length={"max_steps": cfg.trainer.get("max_steps"), "max_epochs": cfg.trainer.get("max_epochs")},
+    )
+    save_record(trainer, result, output_dir)  # strict JSON: NaN/inf become null
     if trainer.is_global_zero:
-        with open(output_dir / "result.json", "w") as f:
-            json.dump(_json_safe(result), f, indent=2, default=str)  # strict JSON: NaN/inf become null
         shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith(("val/", "test/")))
         print(
             f"Final metrics: {shown or 'none (no validation ran)'}\nResults: {output_dir / 'result.json'}", flush=True

@@ -24,6 +24,20 @@ RESULT_FILE = "result.json"
 COMPUTE_KEYS: tuple[str, ...] = ("flops", "tokens", "samples", "layer_tokens")
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` made strict JSON: non-finite floats become None (``null``), mapping keys strings, tuples lists,
+    paths strings (nested containers converted throughout)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
 class ReportError(ValueError):
     """Run records that cannot be read or compared (the message names the file or the runs at fault)."""
 

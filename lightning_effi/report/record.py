@@ -28,15 +28,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.report.frontier import check_mode
-from lightning_effi.report.load import SCHEMA
+from lightning_effi.report.load import SCHEMA, json_safe
 
-__all__ = ["TECHNIQUE_HOOKS", "write_result"]
+__all__ = ["TECHNIQUE_HOOKS", "make_record", "save_record", "scalar_metrics", "write_result"]
 
 #: the hooks that make a callback a technique (it changes what is computed, or has a schedule)
 TECHNIQUE_HOOKS = ("effi_adjust", "effi_baseline", "effi_schedule_state")
 
 
-def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The entries of ``metrics`` that convert to a float (tensors of one element, numbers), sorted by key."""
     out = {}
     for key, value in metrics.items():
         try:
@@ -46,16 +47,6 @@ def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def _techniques(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -63,7 +54,7 @@ def _techniques(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
             continue
         config = getattr(callback, "config", None)
         settings = config() if callable(config) else {}
-        out[technique_name(callback)] = json.loads(json.dumps(_json_safe(dict(settings)), default=str))
+        out[technique_name(callback)] = json.loads(json.dumps(json_safe(dict(settings)), default=str))
     return out
 
 
@@ -119,46 +110,90 @@ def write_result(
         if env is None:
             raise ValueError("write_result: seed=None, and pl.seed_everything was never called; pass seed=<int>")
         seed = int(env)
-    values = {**_scalars(dict(trainer.callback_metrics)), **_scalars(dict(metrics or {}))}
+    values = {**scalar_metrics(dict(trainer.callback_metrics)), **scalar_metrics(dict(metrics or {}))}
     if metric not in values:
         raise ValueError(f"write_result: metric {metric!r} was not logged; the run's final metrics: {sorted(values)}")
     techniques = _techniques(trainer)
-    out = Path(out_dir)
+    record = make_record(
+        trainer,
+        run_dir=out_dir,
+        output_dir=".",
+        task_name=task_name,
+        seed=int(seed),
+        arm=str(arm) if arm else ("+".join(techniques) if techniques else "baseline"),
+        budget=float(budget),
+        techniques=techniques,
+        metric=metric,
+        mode=checked_mode,
+        metrics=values,
+    )
+    return save_record(trainer, record, out_dir)
+
+
+def make_record(
+    trainer: pl.Trainer,
+    *,
+    run_dir: str | os.PathLike[str],
+    output_dir: str | None,
+    task_name: str | None,
+    seed: int | None,
+    arm: str,
+    budget: float,
+    techniques: Mapping[str, Any],
+    metric: str | None,
+    mode: str,
+    metrics: Mapping[str, float],
+    tags: list[str] | None = None,
+    overrides: list[str] | None = None,
+    length: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The schema-2 run record of the fit ``trainer`` ran (the one :func:`write_result` and the Hydra app write).
+
+    The efficiency summary, curve and schedule come from the Trainer's ``EfficiencyMonitor`` (empty without one);
+    ``metric`` is ``metrics[metric]`` (NaN when absent or ``metric`` is None); ``length`` defaults to the Trainer's
+    ``max_steps`` and ``max_epochs``, with ``optimizer_steps`` always the Trainer's ``global_step``; the checkpoint
+    paths of its first ``ModelCheckpoint`` are relative to ``run_dir``. ``output_dir`` is the run folder as the
+    record names it (relative to a root the caller chooses).
+    """
+    monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
+    efficiency = dict(monitor.summary) if monitor is not None else {}
     checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)  # type: ignore[attr-defined]
 
     def relative(path: str | None) -> str | None:
-        return os.path.relpath(path, out) if path else None
+        return os.path.relpath(path, run_dir) if path else None
 
-    efficiency = dict(monitor.summary)
-    record = {
+    if length is None:
+        length = {"max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs}
+    return {
         "schema": SCHEMA,
         "task_name": task_name,
-        "tags": [],
-        "seed": int(seed),
-        "arm": str(arm) if arm else ("+".join(techniques) if techniques else "baseline"),
-        "budget": float(budget),
-        "techniques": techniques,
-        "overrides": [],
+        "tags": list(tags or []),
+        "seed": seed,
+        "arm": arm,
+        "budget": budget,
+        "techniques": dict(techniques),
+        "overrides": list(overrides or []),
         "optimized_metric": metric,
-        "optimized_mode": checked_mode,
-        "metric": values[metric],
+        "optimized_mode": mode,
+        "metric": metrics.get(metric, math.nan) if metric else math.nan,
         "wall_clock": efficiency.get("time_total_s"),
         "flops": efficiency.get("flops"),
-        "metrics": values,
+        "metrics": dict(metrics),
         "efficiency": efficiency,
-        "length": {
-            "max_steps": trainer.max_steps,
-            "max_epochs": trainer.max_epochs,
-            "optimizer_steps": int(trainer.global_step),
-        },
-        "curve": list(monitor.curve),
-        "schedule": list(monitor.schedule),
-        "output_dir": ".",
+        "length": {**length, "optimizer_steps": int(trainer.global_step)},
+        "curve": list(monitor.curve) if monitor is not None else [],
+        "schedule": list(monitor.schedule) if monitor is not None else [],
+        "output_dir": output_dir,
         "last_checkpoint": relative(getattr(checkpoint, "last_model_path", "") or None),
         "best_checkpoint": relative(getattr(checkpoint, "best_model_path", "") or None),
     }
-    file = out / "result.json"
+
+
+def save_record(trainer: pl.Trainer, record: Mapping[str, Any], run_dir: str | os.PathLike[str]) -> Path:
+    """Write ``record`` to ``<run_dir>/result.json`` as strict JSON (non-finite numbers as null) on rank 0 (the
+    folder is created); other ranks write nothing. Returns the file's path."""
+    file = Path(run_dir) / "result.json"
     if trainer.is_global_zero:
-        out.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps(_json_safe(record), indent=2, default=str), encoding="utf-8")
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps(json_safe(record), indent=2, default=str), encoding="utf-8")
     return file

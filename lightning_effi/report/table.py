@@ -42,7 +42,7 @@ from lightning_effi.report.frontier import (
     saving,
     spread,
 )
-from lightning_effi.report.load import COMPUTE_KEYS, ReportError, Run, jobs_without_result, load_runs
+from lightning_effi.report.load import COMPUTE_KEYS, ReportError, Run, jobs_without_result, json_safe, load_runs
 
 PAPER = (
     'Kaddour et al. 2023, "No Train No Gain: Revisiting Efficient Training Algorithms For Transformer-based '
@@ -249,7 +249,7 @@ class Report:
             }
             for seed, by_axis in sorted(self.frontiers.items())
         }
-        out: dict[str, Any] = _json_safe(
+        out: dict[str, Any] = json_safe(
             {
                 "metric": self.metric,
                 "mode": self.mode,
@@ -275,18 +275,6 @@ class Report:
 def _csv_cell(value: Any) -> Any:
     if isinstance(value, float):
         return "" if not math.isfinite(value) else repr(value)
-    return value
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
     return value
 
 
