@@ -133,7 +133,8 @@ class VCycleCallback(Callback):
             (a partly frozen network: :func:`~lightning_effi.vcycle.operators.coalesced_requires_grad`). The network
             must exist at this callback's ``setup``: built in ``__init__`` (Lightning runs ``LightningModule.setup``
             and ``configure_model`` after the callbacks' ``setup``); when the width changes it must hold its own head
-            (trainable parameters of the module outside it with an axis of its hidden size are refused).
+            (trainable parameters of the module outside it with an axis of its hidden size are refused, frozen ones
+            warned of).
         adapter: ``"auto"``, a registered V-cycle adapter name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an instance.
         lr_schedule: ``"continue"``: each rebuilt scheduler continues the one it replaces (stepped as often as it was:
             one LR curve, warmup in the first stage only, step- and epoch-interval alike; a ``ReduceLROnPlateau``
@@ -337,6 +338,7 @@ class VCycleCallback(Callback):
         # a fit that raised below level 1: the level, its exact weights and the snapshots, still reported by state_dict
         # and on_save_checkpoint after on_exception put the full-size network back (OnExceptionCheckpoint)
         self._interrupted: dict[str, Any] | None = None
+        self._frozen_outside: tuple[list[str], int, Any] | None = None
 
     def __repr__(self) -> str:
         """Every constructor argument (new spelling; a length as random-LTD's ``require_steps``: an int of steps, else
@@ -483,7 +485,9 @@ class VCycleCallback(Callback):
         embedding feeding it, a norm over its output): the V-cycle replaces only ``pl_module.<model_attr>``, so at
         level 2 they would read or feed states of the coarse width (a shape error at the first level change). Other
         networks an adapter handles (a teacher, a second tower trained alongside) make and read their own hidden
-        states and are not counted; frozen parameters are not counted.
+        states and are not counted. Frozen parameters of that width outside the network get a warning naming them
+        (a frozen head would fail the same way; a frozen table the forward does not use is fine), and are remembered
+        so that a shape error at a coarse level names them (:meth:`on_exception`).
 
         Raises:
             ValueError: naming the parameters and their shapes, the widths, and the remedies (the head inside the
@@ -491,6 +495,7 @@ class VCycleCallback(Callback):
         """
         from lightning_effi.models.vcycle_base import holds_vcycle_network
 
+        self._frozen_outside = None
         if self.width_scheme is None or not self._stack.plans or self.model_attr is None:
             return
         info = self._stack.plans[0].info
@@ -504,14 +509,25 @@ class VCycleCallback(Callback):
         network = getattr(pl_module, attr)
         own = {id(p) for p in network.parameters()}
         others = {n for n, m in pl_module.named_children() if n != attr and holds_vcycle_network(m)}
-        outside = [
-            f"{n} {list(p.shape)}"
+        wide = [
+            (f"{n} {list(p.shape)}", p.requires_grad)
             for n, p in pl_module.named_parameters()
-            if id(p) not in own and p.requires_grad and n.split(".")[0] not in others and hidden in p.shape
+            if id(p) not in own and n.split(".")[0] not in others and hidden in p.shape
         ]
+        outside = [n for n, trainable in wide if trainable]
+        frozen = [n for n, trainable in wide if not trainable]
+        host, name = type(pl_module).__name__, type(self).__name__
+        self._frozen_outside = (frozen, hidden, coarse) if frozen else None
+        if frozen and not outside:
+            listed = ", ".join(frozen[:5]) + (f" and {len(frozen) - 5} more" if len(frozen) > 5 else "")
+            rank_zero_warn(
+                f"{name}: width_scheme={self.width_scheme!r} changes the hidden size of pl_module.{attr} from {hidden} "
+                f"to {coarse} at level 2, and {host} holds frozen parameters outside that network with a {hidden}-wide "
+                f"axis: {listed}. If they read or feed the network's hidden states (a frozen head), level 2 fails at "
+                "its first step with a shape error: put the head inside the network, or pass width_scheme=None"
+            )
         if not outside:
             return
-        host, name = type(pl_module).__name__, type(self).__name__
         listed = ", ".join(outside[:5]) + (f" and {len(outside) - 5} more" if len(outside) > 5 else "")
         raise ValueError(
             f"{name}: width_scheme={self.width_scheme!r} changes the hidden size of pl_module.{attr} "
@@ -698,6 +714,19 @@ class VCycleCallback(Callback):
         if stage == "fit":
             self._release()
 
+    def _explain_shape_error(self, exception: BaseException) -> None:
+        """Add a note to a ``RuntimeError`` raised below level 1 when frozen parameters of the full width sit outside
+        the network (:meth:`_check_outside_width` warned of them): the likely cause of a shape mismatch there."""
+        if self._frozen_outside is None or self._stack.level == 1 or not isinstance(exception, RuntimeError):
+            return
+        frozen, hidden, coarse = self._frozen_outside
+        exception.add_note(
+            f"{type(self).__name__}: this step ran at level {self._stack.level}, where pl_module.{self.model_attr} is "
+            f"{coarse} wide (full width {hidden}); the frozen parameters outside it with a {hidden}-wide axis "
+            f"({', '.join(frozen[:5])}) cannot read its states. Put the head inside the network, or pass "
+            "width_scheme=None (depth only)"
+        )
+
     def _release(self) -> None:
         """The end of a fit: the resume hooks come off the module and the stack lets it go; the clock source too."""
         self._stack.remove_resume_hook()  # and releases the module
@@ -713,6 +742,7 @@ class VCycleCallback(Callback):
         in place matches the interrupted level that this callback's state still describes). Never raises (a failure
         is a warning: the fit's own exception is the one that propagates)."""
         name = type(self).__name__
+        self._explain_shape_error(exception)
         try:
             stack = self._stack
             if stack.host is pl_module and stack.level != 1:

@@ -498,8 +498,8 @@ class BackboneHead(pl.LightningModule):
         from transformers import GPT2Config, GPT2Model
 
         self.backbone = GPT2Model(GPT2Config(vocab_size=64, n_positions=32, n_layer=2, n_embd=32, n_head=2))
-        if extra == "head":
-            self.head = nn.Linear(32, 64)
+        if extra in ("head", "frozen_head"):
+            self.head = nn.Linear(32, 64).requires_grad_(extra == "head")
         else:  # a scalar outside the network, and a frozen table of the hidden width: neither is a trainable head
             self.temperature = nn.Parameter(torch.ones(()))
             self.frozen = nn.Embedding(64, 32).requires_grad_(False)
@@ -519,8 +519,8 @@ def test_a_head_outside_a_network_whose_width_changes_is_refused_at_setup(tmp_pa
     """``self.head = nn.Linear(32, 64)`` over a 32-wide ``GPT2Model``: width_scheme='half' makes level 2 16 wide, so
     the head would fail at the first level change ('mat1 and mat2 shapes cannot be multiplied'). Refused in setup,
     before any step, naming the head, the widths and the remedies; width_scheme=None (depth only) runs the cycle with
-    the same head; a trainable scalar and a frozen table of the hidden width are not counted (the output layer there is
-    the network's own input table, read through ``self.backbone``)."""
+    the same head; a trainable scalar is not counted, a frozen table of the hidden width only warns (the output layer
+    there is the network's own input table, read through ``self.backbone``, and the table is unused)."""
     steps = Steps()
     with pytest.raises(ValueError) as err:
         fit(tmp_path / "a", [steps, VCycleCallback(e_a=2, e_small=3)], 8, model=BackboneHead())
@@ -537,8 +537,25 @@ def test_a_head_outside_a_network_whose_width_changes_is_refused_at_setup(tmp_pa
     _, model = fit(tmp_path / "b", [cb], 8, model=BackboneHead())
     assert cb.switches == 2 and cb.level == 1 and model.backbone.config.n_layer == 2
     cb = VCycleCallback(e_a=2, e_small=3)
-    _, model = fit(tmp_path / "c", [cb], 8, model=BackboneHead(extra="other"))
+    with pytest.warns(UserWarning, match=r"holds frozen parameters outside that network with a 32-wide axis: "):
+        _, model = fit(tmp_path / "c", [cb], 8, model=BackboneHead(extra="other"))
     assert cb.switches == 2 and model.backbone.config.n_embd == 32
+
+
+def test_a_frozen_head_outside_a_network_whose_width_changes_is_named_at_setup_and_in_the_shape_error(tmp_path):
+    """A frozen ``nn.Linear(32, 64)`` head over a 32-wide ``GPT2Model``: setup cannot tell a frozen head (fails at
+    level 2) from a frozen table the forward never uses (fine), so it warns, naming it; the shape error of level 2's
+    first step then carries a note naming the head, the widths and the remedies."""
+    steps = Steps()
+    with pytest.warns(UserWarning, match=r"frozen parameters outside that network with a 32-wide axis: head\.weight"):
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as err:
+            fit(tmp_path, [steps, VCycleCallback(e_a=2, e_small=3)], 8, model=BackboneHead(extra="frozen_head"))
+    assert steps.started == [0, 1, 2]  # level 1 trained; the first level-2 step failed
+    assert err.value.__notes__ == [
+        "VCycleCallback: this step ran at level 2, where pl_module.backbone is 16 wide (full width 32); the frozen "
+        "parameters outside it with a 32-wide axis (head.weight [64, 32]) cannot read its states. Put the head inside "
+        "the network, or pass width_scheme=None (depth only)"
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ hook order
