@@ -36,3 +36,49 @@ def test_bad_arguments_raise(kwargs):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError):
         warmup_cosine(opt, **kwargs)
+
+
+def _stepped(scheduler_factory, steps):
+    """The LR multiplier torch's scheduler gives after ``steps`` steps (stepped for real)."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=2.0)
+    sched = scheduler_factory(opt)
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+    return opt.param_groups[0]["lr"] / 2.0, sched
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, 20) / 20))),
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=20, eta_min=0.2),
+        lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=1.0, end_factor=0.1, total_iters=20),
+        lambda o: torch.optim.lr_scheduler.PolynomialLR(o, total_iters=20, power=2.0),
+    ],
+    ids=["lambda", "cosine", "linear", "polynomial"],
+)
+def test_multipliers_between_match_the_stepped_scheduler_and_see_an_unfinished_schedule(factory):
+    """Read without stepping, the multipliers at steps 14 and 20 equal those torch gives when stepped there; a
+    schedule of 20 steps still changes between 14 and 20, and no longer between 20 and 30."""
+    from lightning_effi.core.lr_schedules import multipliers_between
+
+    at_14, sched = _stepped(factory, 14)
+    at_20, _ = _stepped(factory, 20)
+    a, b = multipliers_between(sched, 14, 20)
+    assert a == pytest.approx(at_14, rel=1e-6) and b == pytest.approx(at_20, rel=1e-6, abs=1e-9) and a != b
+    assert multipliers_between(sched, 20, 30) is None
+
+
+def test_multipliers_between_is_none_for_schedules_without_a_length_to_read():
+    """A schedule on a technique's progress ignores the step (one value at both steps); StepLR has no end to read;
+    a lambda that raises is not read; start >= end is a programming error."""
+    from lightning_effi.core.lr_schedules import multipliers_between, progress_lambda
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    assert multipliers_between(progress_lambda(opt, lambda p: 1.0 - p, lambda: 0.3), 10, 20) is None
+    assert multipliers_between(torch.optim.lr_scheduler.StepLR(opt, step_size=5), 10, 20) is None
+    assert multipliers_between(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s - 10)), 10, 20) is None
+    with pytest.raises(ValueError, match="expected 0 <= start < end, got start=5, end=5"):
+        multipliers_between(torch.optim.lr_scheduler.StepLR(opt, step_size=5), 5, 5)

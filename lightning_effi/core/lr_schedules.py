@@ -238,3 +238,49 @@ def layer_token_lr(
         return layer_token_multiplier(consumed, warmup_layer_tokens, state["total"], decay, min_lr_ratio)
 
     return LambdaLR(optimizer, fn)
+
+
+def multipliers_between(scheduler: object, start: int, end: int) -> tuple[float, float] | None:
+    """The LR multiplier (of the first param group, relative to its initial LR) that ``scheduler`` gives at its steps
+    ``start`` and ``end`` (``0 <= start < end``) when the schedule still changes between them, else None.
+
+    Read without stepping: a ``LambdaLR``'s lambda called at both steps (a schedule on a technique's progress ignores
+    the step and gives one value); ``CosineAnnealingLR``, ``LinearLR`` and ``PolynomialLR`` from their closed forms.
+    None for other schedulers (their length is not a number to read) and for a lambda that raises. Used to tell a
+    step-interval schedule sized for more steps than the run will take (InfoBatch's shortened epochs).
+    """
+    from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, PolynomialLR
+
+    if not 0 <= start < end:
+        raise ValueError(f"multipliers_between: expected 0 <= start < end, got start={start}, end={end}")
+    if isinstance(scheduler, LambdaLR):
+        fn = scheduler.lr_lambdas[0]
+
+        def at(step: int) -> float:
+            return float(fn(step))
+    elif isinstance(scheduler, CosineAnnealingLR):
+        base = float(scheduler.base_lrs[0])
+        floor = float(scheduler.eta_min) / base if base else 0.0
+        t_max = int(scheduler.T_max)
+
+        def at(step: int) -> float:
+            return floor + (1.0 - floor) * (1.0 + math.cos(math.pi * min(step, t_max) / t_max)) / 2.0
+    elif isinstance(scheduler, LinearLR):
+        first, last, total = float(scheduler.start_factor), float(scheduler.end_factor), int(scheduler.total_iters)
+
+        def at(step: int) -> float:
+            return first + (last - first) * min(step, total) / total
+    elif isinstance(scheduler, PolynomialLR):
+        total, power = int(scheduler.total_iters), float(scheduler.power)
+
+        def at(step: int) -> float:
+            return (1.0 - min(step, total) / total) ** power
+    else:
+        return None
+    try:
+        a, b = at(start), at(end)
+    except Exception:  # noqa: BLE001 - a user's lambda may need state it does not have yet: nothing to read
+        return None
+    if not (math.isfinite(a) and math.isfinite(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9):
+        return None
+    return a, b

@@ -1243,10 +1243,56 @@ class InfoBatchCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse the Lightning features visible only now (``core.requirements.check_started``). Resumed from a
         checkpoint written at an epoch's last batch, start the next epoch (of another length than the finished one)
-        at its first batch (:func:`~lightning_effi.core.compat.restart_next_epoch_at_its_start`)."""
+        at its first batch (:func:`~lightning_effi.core.compat.restart_next_epoch_at_its_start`). Warn of step-interval
+        LR schedules that still change after the steps the pruned run is expected to take
+        (:meth:`_warn_unfinished_lr_schedules`)."""
         check_started(trainer)
         if self.curriculum_dm is None:
             restart_next_epoch_at_its_start(trainer)
+            self._warn_unfinished_lr_schedules(trainer)
+
+    def _warn_unfinished_lr_schedules(self, trainer: pl.Trainer) -> None:
+        """Warn, naming it and the multipliers, of each step-interval LR scheduler that still changes between the
+        optimizer steps this run is expected to take (:meth:`expected_total_steps`, scaled to the Trainer's batches
+        per epoch, capped by ``max_steps``) and ``trainer.estimated_stepping_batches`` (full epochs): the usual
+        schedule sized with that estimate (a cosine to ``estimated_stepping_batches``) would stop before its end, the
+        LR not decayed. Read without stepping (:func:`~lightning_effi.core.lr_schedules.multipliers_between`): a
+        schedule on InfoBatch's progress (``effi_progress``) does not change with the step and is not warned of."""
+        from lightning_effi.core.lr_schedules import multipliers_between
+
+        configs = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
+        estimate = trainer.estimated_stepping_batches
+        batches = trainer.num_training_batches
+        if not configs or not math.isfinite(estimate) or not math.isfinite(batches) or batches < 1:
+            return
+        t = self._datamodule.template() if self._datamodule is not None else None
+        if t is None:
+            return
+        world, accumulate = trainer.world_size, accumulate_grad_batches_at(trainer, 0)
+        pruned = self.expected_total_steps(int(t["batch_size"]), world, accumulate)
+        full = self.epochs * math.ceil(
+            math.ceil(math.ceil(self.dataset_size / world) / int(t["batch_size"])) / accumulate
+        )
+        expected = int(pruned * self.epochs * math.ceil(batches / accumulate) / full)
+        if trainer.max_steps != -1:
+            expected = min(expected, trainer.max_steps)
+        estimate = int(estimate)
+        if expected >= estimate:
+            return
+        for config in configs:
+            every = max(1, int(config.frequency))
+            ends = multipliers_between(config.scheduler, expected // every, estimate // every)
+            if ends is None:
+                continue
+            rank_zero_warn(
+                f"{type(self).__name__}: the step-interval LR scheduler {type(config.scheduler).__name__} still "
+                f"changes after the about {expected} optimizer steps this run is expected to take (pruned epochs; "
+                f"trainer.estimated_stepping_batches counts {estimate}, full epochs): sized with that estimate, its "
+                f"LR multiplier would end near {ends[0]:.3g} instead of {ends[1]:.3g}. Put it on InfoBatch's "
+                "progress, which ends exactly at the run's last step: lightning_effi.core.lr_schedules."
+                "warmup_cosine(optimizer, total_steps, progress=callback.effi_progress) or progress_lambda(optimizer, "
+                "fn, callback.effi_progress); or step it every epoch (interval='epoch')"
+            )
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -269,6 +269,46 @@ def test_progress_based_lr_ends_exactly_at_its_end_value_with_shrinking_epochs(t
     assert all(b <= a + 1e-12 for a, b in zip(module.lrs, module.lrs[1:]))  # monotone decay
 
 
+class EstimatedCosineLR(ProgressLR):
+    """The usual recipe: a cosine ``LambdaLR`` to 0 over ``trainer.estimated_stepping_batches`` (full epochs)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        total = self.trainer.estimated_stepping_batches
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_step_schedule_sized_with_estimated_stepping_batches_warns_at_train_start(tmp_path):
+    """Pruned epochs end the run before the step count ``estimated_stepping_batches`` gives (20: 4 epochs of 5 batches
+    of 8 of 40 samples): a cosine sized with it stops short of 0, and a warning at train start says so, with the
+    steps and the multipliers (estimate: epoch 0 and the last full, the two prune epochs ``0.7/2`` pruned: 5 + 4 + 4 +
+    5 = 18 steps, cosine(18/20) = 0.0245). A schedule on InfoBatch's progress ends at 0 and is not warned of."""
+    module = EstimatedCosineLR()
+    with pytest.warns(UserWarning) as record:
+        make_trainer(tmp_path / "a", [InfoBatchCallback(prune_ratio=0.7, delta=0.75)], max_epochs=4).fit(
+            module, datamodule=ib_data()
+        )
+    warned = [str(w.message) for w in record if "still changes after" in str(w.message)]
+    assert warned == [
+        "InfoBatchCallback: the step-interval LR scheduler LambdaLR still changes after the about 18 optimizer steps "
+        "this run is expected to take (pruned epochs; trainer.estimated_stepping_batches counts 20, full epochs): "
+        "sized with that estimate, its LR multiplier would end near 0.0245 instead of 0. Put it on InfoBatch's "
+        "progress, which ends exactly at the run's last step: lightning_effi.core.lr_schedules.warmup_cosine("
+        "optimizer, total_steps, progress=callback.effi_progress) or progress_lambda(optimizer, fn, "
+        "callback.effi_progress); or step it every epoch (interval='epoch')"
+    ]
+    assert module.trainer.global_step < 20 and module.lrs[-1] > 1e-3  # what it warned of: the cosine did not end
+    progress = ProgressLR()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path / "b", [InfoBatchCallback(prune_ratio=0.7, delta=0.75)], max_epochs=4).fit(
+            progress, datamodule=ib_data()
+        )
+    assert not [w for w in record if "still changes after" in str(w.message)]
+    assert progress.lrs[-1] == pytest.approx(0.0, abs=1e-8)
+
+
 # ------------------------------------------------------------------------------------------------ the progress clock
 class ClockLog(pl.Callback):
     """Per training batch: ``(epoch, global_step after it, effi_progress_done() at its start and at its end)``, and
