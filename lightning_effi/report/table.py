@@ -156,9 +156,10 @@ class Report:
             f"*Frontier {self.compute} needed* is what that frontier spends to reach an arm's final {self.metric} "
             f"({direction} is better); *saving vs frontier* is 1 - arm / that (and the same on training wall time). "
             f"'>=' (beyond): the arm is better than every baseline budget, so the saving is a lower bound; '<=' "
-            f"(below): worse than the smallest budget, an upper bound. *Same-length* columns compare with the "
-            f"baseline run of the same seed and budget (quality delta: arm - baseline). Figures are mean ± sample "
-            f"std over seeds. "
+            f"(below): worse than the smallest budget, an upper bound (also on a mean over seeds where some read "
+            f"inside, the counts in brackets). *Same-length* columns compare with the baseline run of the same seed "
+            f"and budget (quality delta: arm - baseline). Figures are mean ± sample std over seeds; the factor in "
+            f"brackets is that of the mean saving, 1 / (1 - mean). "
         )
         if usable:
             fronts = "; ".join(
@@ -308,11 +309,12 @@ def _pct(mean: float, std: float, flag: str, factor: float = math.nan) -> str:
         text += f" ± {100 * std:.1f}%"
     if math.isfinite(factor):
         text += f" ({factor:.2f}x)"
-    if flag == "beyond":
-        text = ">= " + text
-    elif flag == "below":
-        text = "<= " + text
-    elif flag and flag != "inside":
+    kinds = {part.split()[0] for part in flag.split(", ")} if flag else set()
+    if kinds and kinds <= {"inside", "beyond"} and "beyond" in kinds:
+        text = ">= " + text  # exact readings and lower bounds: their mean is a lower bound
+    elif kinds and kinds <= {"inside", "below"} and "below" in kinds:
+        text = "<= " + text  # exact readings and upper bounds: an upper bound
+    if len(kinds) > 1:
         text += f" ({flag})"
     return text
 
@@ -647,7 +649,7 @@ def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[st
 
     quality, flops, wall = agg("quality"), agg("flops"), agg("train_wall_s")
     same, delta, same_wall = agg("same_length_saving"), agg("same_length_quality_delta"), agg("same_length_wall_saving")
-    fc, fs, ff = agg("frontier_compute"), agg("frontier_saving"), agg("frontier_factor")
+    fc, fs = agg("frontier_compute"), agg("frontier_saving")
     fw, fws = agg("frontier_wall_s"), agg("frontier_wall_saving")
     notes = list(dict.fromkeys(rd["note"] for rd in readings if rd["note"]))
     return {
@@ -677,7 +679,9 @@ def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[st
         "frontier_compute_std": fc.std,
         "frontier_saving_mean": fs.mean,
         "frontier_saving_std": fs.std,
-        "frontier_factor_mean": ff.mean,
+        # the factor of the mean saving (1 / (1 - mean)): the mean of per-seed factors can read above 1x while the
+        # mean saving is negative (1 / (1 - s) is convex), and the cell shows both
+        "frontier_factor_mean": 1.0 / (1.0 - fs.mean) if math.isfinite(fs.mean) and fs.mean < 1.0 else math.nan,
         "frontier_n": fs.n,
         "frontier_flag": _flag([rd["frontier_flag"] for rd in readings if rd["frontier_flag"]]),
         "frontier_wall_s_mean": fw.mean,

@@ -53,7 +53,7 @@ def test_frontier_and_same_length_savings_equal_hand_computations(sweep):
     assert row["frontier_compute_mean"] == pytest.approx(sum(need) / 2)
     assert row["frontier_saving_mean"] == pytest.approx(sum(savings) / 2)
     assert row["frontier_saving_std"] == pytest.approx(abs(savings[0] - savings[1]) / math.sqrt(2))  # n - 1 = 1
-    assert row["frontier_factor_mean"] == pytest.approx((need[0] / 2e12 + need[1] / 2e12) / 2)
+    assert row["frontier_factor_mean"] == pytest.approx(1 / (1 - sum(savings) / 2))  # the mean saving's factor
     assert row["frontier_flag"] == "inside" and row["frontier_n"] == 2
     # wall time: seed 0 between (20 s, 2.6) and (30 s, 2.4) -> sqrt(600); seed 1 between (21, 2.7) and (31, 2.5)
     wall_need = [math.sqrt(20 * 30), 21**0.25 * 31**0.75]
@@ -89,6 +89,20 @@ def test_beyond_and_below_the_frontier_are_flagged_as_bounds(tmp_path):
     one = build_report(load_runs([sweep / "8"] + [sweep / str(i) for i in range(4)]))  # seed 0 only: all beyond
     assert _row(one, "random_ltd", 1.0)["frontier_flag"] == "beyond"
     assert ">= +25.0%" in one.to_markdown()
+
+
+def test_a_mean_over_exact_readings_and_upper_bounds_is_an_upper_bound_with_the_mean_savings_factor(tmp_path):
+    """Seed 0 inside the frontier (2e12 FLOPs at loss 2.5: needs sqrt(2e12 * 3e12), saving 0.1835, 1.22x), seed 1
+    below it (3e12 at loss 3.3, worse than the smallest budget's 1e12: saving 1 - 3 = -2, an upper bound, 0.33x). The
+    mean saving -0.908 is an upper bound ('<='), and the factor shown is the mean saving's, 1 / 1.908 = 0.52x, not the
+    mean of the factors (0.78x, which reads as if the two agreed less than they do)."""
+    sweep = write_sweep(tmp_path / "s", arm={0: (2e12, 2.5, 20.0), 1: (3e12, 3.3, 30.0)})
+    report = build_report(load_runs([sweep]))
+    row = _row(report, "random_ltd", 1.0)
+    mean = (1 - 2e12 / math.sqrt(2e12 * 3e12) + (1 - 3)) / 2
+    assert row["frontier_saving_mean"] == pytest.approx(mean) and mean == pytest.approx(-0.9082482904638631)
+    assert row["frontier_factor_mean"] == pytest.approx(1 / (1 - mean)) and row["frontier_flag"] == "inside 1, below 1"
+    assert "| <= -90.8% ± 154.4% (0.52x) (inside 1, below 1) |" in report.to_markdown()
 
 
 def test_a_dominated_baseline_budget_leaves_the_frontier(tmp_path):
