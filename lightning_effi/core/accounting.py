@@ -37,9 +37,10 @@ attribute, as read by ``ThroughputMonitor``). A module without them (any Lightni
 structure) is counted by :mod:`lightning_effi.core.measure`:
 
 - samples: the batch's first dimension (:func:`batch_size_of`);
-- tokens: the batch's ``attention_mask`` sum, else its ``input_ids`` / first integer ``[B, T]`` tensor's size
-  (:func:`tokens_of`), else the tokens in the hidden states the network's first transformer block was called with in
-  the training step (``[B, T, H]``: a ViT's patches and prefix tokens);
+- tokens: the batch's ``attention_mask`` sum, else the real tokens of another padding mask (a tuple batch's 0/1
+  entry), else its ``input_ids`` / first integer ``[B, T]`` tensor's size (:func:`tokens_of`), else the tokens in
+  the hidden states the network's first transformer block was called with in the training step (``[B, T, H]``: a
+  ViT's patches and prefix tokens);
 - layer-tokens: tokens x the network's transformer blocks (:func:`lightning_effi.core.measure.find_blocks`: a
   registered random-LTD adapter's layer list, else the ``nn.ModuleList`` / ``nn.Sequential`` of identical blocks that
   holds the most parameters);
@@ -181,7 +182,8 @@ def batch_size_of(batch: Any) -> int:
 
 def tokens_of(batch: Any) -> int:
     """Tokens in a batch of any structure (:func:`lightning_effi.core.measure.find_tokens`): the real tokens of its
-    ``attention_mask`` if it has one (padding excluded), else the size of ``input_ids``, else of its first integer
+    ``attention_mask`` if it has one (padding excluded), else of another padding mask (a tuple batch's 0/1 or bool
+    ``[B, T]`` entry, as the curriculum reads it), else the size of ``input_ids``, else of its first integer
     ``[B, T]`` tensor (token ids), else 0.
 
     Which tokens of an ``attention_mask`` are real (:func:`lightning_effi.core.measure.mask_tokens`), summed over the

@@ -200,16 +200,26 @@ def find_tokens(batch: Any) -> int | None:
     """Tokens of a batch, found in its tensors (:func:`leaves`, any structure): the real tokens of the first leaf
     named ``attention_mask`` (padding excluded; any dtype, keep or additive, ``[B, T]``, ``[B, 1, 1, T]``,
     ``[B, 1, T, T]``, ``[B, T, T]``: :func:`mask_tokens`), else the size of the first leaf named ``input_ids``, else
-    of the first integer (not bool) tensor of shape ``[B, T]`` (token ids; in a tuple batch, whose tensors have no
-    names, padding is counted); None when the batch has none of these (images, float features). A mask whose real
-    tokens cannot be read (``[B, 1, Q, T]`` with ``1 != Q != T``, complex) counts the ids instead, with one warning
-    per mask layout."""
+    of the first integer (not bool) tensor of shape ``[B, T]`` (token ids); None when the batch has none of these
+    (images, float features). Without ``attention_mask`` the padding mask the curriculum truncates by is read as
+    well (:func:`lightning_effi.curriculum.functional.padding_mask`: another tensor whose name holds ``mask``, or, in
+    a tuple batch ``(ids, mask, y)``, a bool or 0/1 ``[B, T]`` entry padded on one side of each row with one pad id
+    in the ids): its real tokens are counted, else the ids' size (padding included). A mask whose real tokens cannot
+    be read (``[B, 1, Q, T]`` with ``1 != Q != T``, complex) counts the ids instead, with one warning per mask
+    layout."""
     source = token_source(batch)
     if source is None:
         return None
     kind, tensor = source
     if kind == "ids":
-        return int(tensor.numel())
+        from lightning_effi.curriculum.functional import padding_mask  # the curriculum's reading of padding
+
+        try:
+            found = padding_mask(batch)
+        except ValueError:  # a mask the curriculum refuses to read: count the ids
+            found = None
+        real = int(found[2].sum()) if found is not None and tuple(found[2].shape) == tuple(tensor.shape) else 0
+        return real if real > 0 else int(tensor.numel())  # no real token: not a padding mask (a placeholder batch)
     tokens = mask_tokens(tensor)
     if tokens is not None:
         return tokens

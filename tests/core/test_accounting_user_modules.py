@@ -505,6 +505,22 @@ def test_find_tokens_and_blocks_on_any_structure() -> None:
     assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))) is None
 
 
+def test_find_tokens_reads_the_padding_mask_of_a_tuple_batch() -> None:
+    """A tuple ``(ids, mask, y)`` has no ``attention_mask`` name: the 0/1 entry that pads each row on one side, with
+    one pad id in the ids there, is read as the curriculum reads it (right or left padding, bool or int); without
+    such an entry, or with a placeholder batch of zeros (no real token), the ids are counted, padding included."""
+    ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
+    mask = (ids != 0).long()
+    y = torch.tensor([1, 0])
+    assert find_tokens((ids, mask, y)) == 5 and find_tokens([ids, mask.bool(), y]) == 5
+    assert find_tokens((ids.flip(1), mask.flip(1), y)) == 5  # left padding
+    assert find_tokens((ids, y)) == 10  # no mask: every position
+    tags = torch.tensor([[1, 0, 1, 0, 1], [0, 1, 1, 0, 1]])  # 0/1 token labels, not a padding pattern
+    assert find_tokens((ids.clamp(min=3), tags)) == 10
+    zeros = torch.zeros(2, 5, dtype=torch.long)
+    assert find_tokens((zeros, zeros.clone())) == 10  # shapes only (a curriculum's untruncated placeholder)
+
+
 def test_replay_has_no_side_effects_and_counts_what_the_step_computed() -> None:
     """A student trained on a frozen teacher's output under no_grad (forward only), with dropout and batch norm:
     the replay equals the flop counter on the real step, and leaves the RNG, the statistics and the gradients alone."""
