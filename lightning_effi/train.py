@@ -317,7 +317,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         task_name=cfg.get("task_name"),
         tags=list(cfg.get("tags") or []),
         seed=cfg.get("seed"),
-        arm=str(cfg.get("arm") or ("+".join(techniques) if techniques else "baseline")),
+        arm=str(cfg.get("arm")) if cfg.get("arm") else None,
         budget=float(budget) if budget is not None else 1.0,
         techniques=techniques,
         overrides=_overrides(),

@@ -903,6 +903,31 @@ class EfficiencyMonitor(Callback):
         }
 
     @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A resumed ``fit`` whose checkpoint holds the state of a shipped technique (:data:`TECHNIQUE_NAMES`) that
+        this Trainer does not have warns, naming it: the run goes on without it (Lightning only says that callback
+        states were not loaded), its savings so far stay in the totals, and the run's record names the technique
+        (:func:`~lightning_effi.report.record.make_record`), so that the report never takes it for a baseline."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        present = {type(c).__qualname__ for c in trainer.callbacks}  # type: ignore[attr-defined]
+        dropped = sorted(
+            {key.split("{", 1)[0] for key in checkpoint.get("callbacks", {}) if isinstance(key, str)}
+            & set(TECHNIQUE_NAMES) - present
+        )
+        if dropped:
+            rank_zero_warn(
+                f"EfficiencyMonitor: this fit resumes a checkpoint trained with {', '.join(dropped)}, which this "
+                f"Trainer does not have: the run goes on without {'it' if len(dropped) == 1 else 'them'}. Its "
+                "savings so far stay in the totals, and the run's record names it as a technique of the run (not a "
+                "baseline); to continue the technique, resume with the same callbacks"
+            )
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The checkpoint's totals. Savings of a technique this run does not have are kept (it saved them before);
         a checkpoint written before the baseline was counted gets the baseline of its computed counts (no saving

@@ -25,12 +25,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
+from lightning_effi.core.checks import is_int
 from lightning_effi.report.frontier import check_mode
 from lightning_effi.report.load import SCHEMA, json_safe
 
-__all__ = ["TECHNIQUE_HOOKS", "make_record", "save_record", "scalar_metrics", "write_result"]
+__all__ = ["TECHNIQUE_HOOKS", "make_record", "save_record", "scalar_metrics", "stopped_early", "write_result"]
 
 #: the hooks that make a callback a technique (it changes what is computed, or has a schedule)
 TECHNIQUE_HOOKS = ("effi_adjust", "effi_baseline", "effi_schedule_state")
@@ -76,20 +78,26 @@ def write_result(
         out_dir: the run's folder (created); one folder per run, e.g. ``runs/<arm>_<budget>_seed<s>``.
         metric: the quality the report compares (a key of ``trainer.callback_metrics`` or of ``metrics``, e.g.
             ``"val/loss"``). mode: ``"min"`` (lower is better) or ``"max"``.
-        seed: the run's seed; None reads the one ``pl.seed_everything`` set (``PL_GLOBAL_SEED``).
+        seed: the run's seed (an int in ``[0, 2**32)``); None reads the one ``pl.seed_everything`` set
+            (``PL_GLOBAL_SEED``).
         budget: the fraction of the experiment's reference length this run trained (> 0; the baseline frontier
             is its runs at several budgets). arm: the run's label; None: ``"baseline"`` without a technique, else the
             techniques' names joined by ``+``. task_name: runs of one comparison share it (the report refuses to
-            mix tasks). metrics: more final scalar metrics (e.g. ``trainer.test(...)[0]``), added to the Trainer's.
+            mix tasks). metrics: more final scalar metrics (e.g. ``trainer.test(...)[0]``), added to the Trainer's
+            (its ``callback_metrics``) and to the fit's last validation metrics (the monitor's curve: kept when a
+            ``trainer.test`` after the fit replaced the Trainer's).
 
     Returns:
         The path of the written ``result.json``.
 
     Raises:
         ValueError: no ``EfficiencyMonitor`` in ``trainer.callbacks`` (or it has no summary: the fit did not end),
-            ``mode`` not ``"min"``/``"max"``, ``budget`` not a number > 0, ``seed`` None while
-            ``pl.seed_everything`` was never called, or ``metric`` in neither the Trainer's metrics nor ``metrics``
-            (the message lists those there are).
+            ``mode`` not ``"min"``/``"max"``, ``budget`` not a number > 0, ``seed`` not an int in ``[0, 2**32)``
+            or None while ``pl.seed_everything`` was never called, or ``metric`` in none of the fit's last
+            validation, the Trainer's metrics and ``metrics`` (the message lists those there are).
+
+    Warns when the fit stopped early (``EarlyStopping``, ``max_time``): the record marks it
+    (``length.stopped_early``) and the report leaves such a baseline out of its frontier (:func:`make_record`).
     """
     monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
     if monitor is None or not monitor.summary:
@@ -110,7 +118,15 @@ def write_result(
         if env is None:
             raise ValueError("write_result: seed=None, and pl.seed_everything was never called; pass seed=<int>")
         seed = int(env)
-    values = {**scalar_metrics(dict(trainer.callback_metrics)), **scalar_metrics(dict(metrics or {}))}
+    if isinstance(seed, bool) or not is_int(seed) or not 0 <= seed < 2**32:
+        raise ValueError(f"write_result: seed must be an int in [0, 2**32), got {seed!r}")
+    # the fit's last validation (a later trainer.test() replaces the Trainer's metrics), then the Trainer's, then yours
+    last = monitor.curve[-1].get("metrics", {}) if monitor.curve else {}
+    values = {
+        **scalar_metrics(dict(last)),
+        **scalar_metrics(dict(trainer.callback_metrics)),
+        **scalar_metrics(dict(metrics or {})),
+    }
     if metric not in values:
         raise ValueError(f"write_result: metric {metric!r} was not logged; the run's final metrics: {sorted(values)}")
     techniques = _techniques(trainer)
@@ -120,7 +136,7 @@ def write_result(
         output_dir=".",
         task_name=task_name,
         seed=int(seed),
-        arm=str(arm) if arm else ("+".join(techniques) if techniques else "baseline"),
+        arm=str(arm) if arm else None,
         budget=float(budget),
         techniques=techniques,
         metric=metric,
@@ -137,7 +153,7 @@ def make_record(
     output_dir: str | None,
     task_name: str | None,
     seed: int | None,
-    arm: str,
+    arm: str | None,
     budget: float,
     techniques: Mapping[str, Any],
     metric: str | None,
@@ -148,6 +164,11 @@ def make_record(
     length: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The schema-2 run record of the fit ``trainer`` ran (the one :func:`write_result` and the Hydra app write).
+
+    ``arm`` None: ``"baseline"`` without a technique, else the techniques' names joined by ``+``. A technique whose
+    savings the monitor counted (``saved/<name>/..._frac`` not 0) but that is not in ``techniques`` (the run resumed
+    a checkpoint of a fit that had it, without it) is added as ``{name: {"resumed_without": True}}``: such a run is
+    not a baseline.
 
     The efficiency summary, curve and schedule come from the Trainer's ``EfficiencyMonitor`` (empty without one);
     ``metric`` is ``metrics[metric]`` (NaN when absent or ``metric`` is None); ``length`` defaults to the Trainer's
@@ -164,6 +185,21 @@ def make_record(
 
     if length is None:
         length = {"max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs}
+    techniques = dict(techniques)
+    for key, value in efficiency.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "saved" and parts[2].endswith("_frac") and value:
+            techniques.setdefault(parts[1], {"resumed_without": True})
+    if not arm:
+        arm = "+".join(techniques) if techniques else "baseline"
+    early = stopped_early(trainer)
+    if early and trainer.is_global_zero:
+        rank_zero_warn(
+            f"the fit stopped early, at optimizer step {trainer.global_step} (epoch {trainer.current_epoch}; "
+            f"max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}): EarlyStopping, max_time or "
+            f"trainer.should_stop. Its record keeps budget={budget:g} as a label, with length.stopped_early = true; "
+            "the report notes it. A frontier baseline should train its whole budget"
+        )
     return {
         "schema": SCHEMA,
         "task_name": task_name,
@@ -171,7 +207,7 @@ def make_record(
         "seed": seed,
         "arm": arm,
         "budget": budget,
-        "techniques": dict(techniques),
+        "techniques": techniques,
         "overrides": list(overrides or []),
         "optimized_metric": metric,
         "optimized_mode": mode,
@@ -180,13 +216,24 @@ def make_record(
         "flops": efficiency.get("flops"),
         "metrics": dict(metrics),
         "efficiency": efficiency,
-        "length": {**length, "optimizer_steps": int(trainer.global_step)},
+        "length": {**length, "optimizer_steps": int(trainer.global_step), "stopped_early": early},
         "curve": list(monitor.curve) if monitor is not None else [],
         "schedule": list(monitor.schedule) if monitor is not None else [],
         "output_dir": output_dir,
         "last_checkpoint": relative(getattr(checkpoint, "last_model_path", "") or None),
         "best_checkpoint": relative(getattr(checkpoint, "best_model_path", "") or None),
     }
+
+
+def stopped_early(trainer: pl.Trainer) -> bool:
+    """Whether the fit ended before its length (``max_steps``, else ``max_epochs``) because something set
+    ``trainer.should_stop`` (``EarlyStopping``, ``max_time``'s ``Timer``, a callback or the module)."""
+    if not trainer.should_stop:
+        return False
+    if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+        return False
+    epochs = trainer.max_epochs
+    return not (epochs is not None and epochs != -1 and trainer.current_epoch >= epochs)
 
 
 def save_record(trainer: pl.Trainer, record: Mapping[str, Any], run_dir: str | os.PathLike[str]) -> Path:

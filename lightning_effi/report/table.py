@@ -513,6 +513,18 @@ def build_report(
     for r in runs:
         if r.compute(compute) <= 0:
             notes.append(f"{r.path}: {compute} = 0 (the EfficiencyMonitor could not count it); no saving read")
+        if r.length.get("stopped_early") is True:
+            steps = r.length.get("optimizer_steps")
+            notes.append(
+                f"{r.label}: the fit stopped early, at optimizer step {steps} (EarlyStopping, max_time or "
+                f"should_stop), short of its budget {r.budget:g}; "
+                + (
+                    "left out of the frontier and the same-length readings (its LR schedule did not decay)"
+                    if r.is_baseline
+                    else "its readings are those of the compute it trained"
+                )
+            )
+    runs = [r for r in runs if not (r.is_baseline and r.length.get("stopped_early") is True)]
 
     seeds = sorted({r.seed for r in runs})
     axes = (compute, "train_wall_s")

@@ -61,3 +61,85 @@ def test_what_cannot_make_a_record_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match="no EfficiencyMonitor"):
         write_result(plain, tmp_path / "r", metric="val/loss")
     assert not (tmp_path / "r").exists()
+
+
+def test_seed_is_checked_and_the_fits_validation_metric_survives_a_later_test(tmp_path):
+    """``trainer.test`` after the fit replaces the Trainer's metrics with the test ones: the record still reads
+    ``val/loss`` from the fit's last validation (the monitor's curve), next to ``test/loss``. A seed that is not an int
+    in [0, 2**32) is refused, naming it (1.7 and True were recorded as 1, '5' as 5)."""
+    trainer = fit(tmp_path / "fit", 4, ltd=False)
+    val_loss = float(trainer.callback_metrics["val/loss"])
+    data = tiny_lm_data()
+    data.test_dataloader = data.val_dataloader  # type: ignore[method-assign]
+    trainer.test(trainer.lightning_module, datamodule=data, verbose=False)
+    assert "val/loss" not in trainer.callback_metrics
+    record = json.loads(write_result(trainer, tmp_path / "r", metric="val/loss").read_text())
+    assert record["metric"] == pytest.approx(val_loss) and "test/loss" in record["metrics"]
+    for seed in (1.7, True, "5", -1, 2**32):
+        with pytest.raises(ValueError, match=r"write_result: seed must be an int in \[0, 2\*\*32\), got "):
+            write_result(trainer, tmp_path / "bad", metric="val/loss", seed=seed)
+    assert not (tmp_path / "bad").exists()
+
+
+class StopAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def test_a_fit_stopped_early_is_marked_and_its_baseline_left_out_of_the_frontier(tmp_path):
+    """A baseline stopped at step 3 of 8 (what EarlyStopping and max_time do: ``trainer.should_stop``): write_result
+    warns, the record says ``stopped_early``, and the report leaves it out of the frontier (its LR did not decay),
+    with a note; the same run to its end is not marked."""
+    for budget, steps in ((0.5, 4), (1.0, 8)):
+        trainer = fit(tmp_path / f"b{budget}", steps, ltd=False)
+        record = json.loads(
+            write_result(trainer, tmp_path / "runs" / f"b{budget}", metric="val/loss", budget=budget).read_text()
+        )
+        assert record["length"]["stopped_early"] is False
+    pl.seed_everything(0)
+    early = make_trainer(
+        tmp_path / "early",
+        [EfficiencyMonitor(print_summary=False), StopAt(3)],
+        max_steps=8,
+        limit_val_batches=2,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+    )
+    early.fit(tiny_gpt2(n_layer=4), datamodule=tiny_lm_data())
+    assert early.global_step == 3
+    with pytest.warns(UserWarning, match=r"the fit stopped early, at optimizer step 3 .*budget=1\.5 as a label"):
+        file = write_result(early, tmp_path / "runs" / "early", metric="val/loss", budget=1.5)
+    assert json.loads(file.read_text())["length"]["stopped_early"] is True
+    report = build_report(load_runs([tmp_path / "runs"]))
+    assert sorted(r["budget"] for r in report.rows) == [0.5, 1.0]
+    assert any(
+        "baseline@1.5 seed 0: the fit stopped early, at optimizer step 3" in n and "left out of the frontier" in n
+        for n in report.notes
+    )
+
+
+def test_resuming_without_a_technique_warns_and_the_record_is_not_a_baseline(tmp_path):
+    """A random-LTD fit checkpointed at step 4, resumed to step 8 without random-LTD: the monitor warns, naming it,
+    and the record names random-LTD (``resumed_without``) and its arm, so the report never reads it as a baseline."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    ltd = RandomLTDCallback(min_value=4, max_value=16, seq_per_step=4, seed=0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    first = make_trainer(tmp_path / "a", [EfficiencyMonitor(print_summary=False), ltd, ckpt], max_steps=4)
+    first.fit(tiny_gpt2(n_layer=4), datamodule=tiny_lm_data())
+    pl.seed_everything(0)
+    second = make_trainer(tmp_path / "b", [EfficiencyMonitor(print_summary=False)], max_steps=8, limit_val_batches=2)
+    with pytest.warns(UserWarning, match=r"resumes a checkpoint trained with RandomLTDCallback, which this Trainer"):
+        second.fit(
+            tiny_gpt2(n_layer=4),
+            datamodule=tiny_lm_data(),
+            ckpt_path=ckpt.last_model_path or str(next((tmp_path / "ckpt").glob("*.ckpt"))),
+        )
+    record = json.loads(write_result(second, tmp_path / "r", metric="val/loss").read_text())
+    assert record["arm"] == "random_ltd" and record["techniques"] == {"random_ltd": {"resumed_without": True}}
+    assert record["efficiency"]["saved/random_ltd/flops_frac"] > 0
