@@ -188,8 +188,9 @@ def check_trainer(trainer: Any, callbacks: Sequence[Any] | None = None) -> None:
         for other in all_callbacks:
             for cls_name, why in req.incompatible_callbacks:
                 if any(k.__name__ == cls_name for k in type(other).__mro__):
+                    kind = "" if _name(other) == cls_name else f" (subclass of {cls_name})"
                     raise IncompatibleTechniques(
-                        f"{_name(t)} cannot run with {_name(other)}: {why}; remove {_name(other)}"
+                        f"{_name(t)} cannot run with {_name(other)}{kind}: {why}; remove {_name(other)}"
                     )
     for i, a in enumerate(techniques):
         for b in techniques[i + 1 :]:

@@ -92,6 +92,18 @@ _COPIES_WHY = (
     "(implement effi_before_model_change / effi_after_model_change, lightning_effi.core.protocols."
     "FollowsModelChanges, and rebuild its copy there)"
 )
+_FINETUNING_WHY = (
+    "it freezes modules before training and later unfreezes them into the optimizer as a new param group, but the "
+    "V-cycle rebuilds the optimizer from configure_optimizers at every level change (dropping that group) and keeps "
+    "each parameter's requires_grad across levels, so the unfrozen modules would not train; freeze and unfreeze in "
+    "your module (configure_optimizers builds its groups from requires_grad), or fine-tune after the cycle (a second "
+    "fit from the V-cycle's final weights)"
+)
+_PRUNING_WHY = (
+    "its pruning re-parametrizes the weights (weight_orig and a weight_mask buffer), which the V-cycle's coalescing "
+    "and de-coalescing do not map (the first level change would fail loading the state_dict); prune after the cycle "
+    "(a second fit from the V-cycle's final weights)"
+)
 
 
 class VCycleCallback(Callback):
@@ -223,7 +235,8 @@ class VCycleCallback(Callback):
         NonFiniteWeightsError: (a level change, any ``nonfinite_loss``) a NaN or infinite weight in the network or the
             snapshot the change would map (:meth:`~lightning_effi.vcycle.levels.LevelStack.check_finite`).
         IncompatibleTechniques: (``setup``) a strategy other than single device / DDP (FSDP, DeepSpeed, ...), weight
-            averaging callbacks, a technique that patches the model's layers without following model changes;
+            averaging callbacks, a ``BaseFinetuning`` callback (``BackboneFinetuning``), ``ModelPruning``, a
+            technique that patches the model's layers without following model changes;
             (``on_train_start``, or before a level change when it made its copy later) a callback that keeps its own
             copy of the model's parameters (a third-party EMA; :func:`~lightning_effi.core.features.
             parameter_copy_holders`) without following model changes.
@@ -243,7 +256,12 @@ class VCycleCallback(Callback):
             "FSDP / DeepSpeed / model-parallel wrappers cannot be rebuilt mid-fit. Run one fit per stage "
             "instead, with the functional operators in lightning_effi.vcycle.operators."
         ),
-        incompatible_callbacks=(("StochasticWeightAveraging", _SHAPES_WHY), ("WeightAveraging", _SHAPES_WHY)),
+        incompatible_callbacks=(
+            ("StochasticWeightAveraging", _SHAPES_WHY),
+            ("WeightAveraging", _SHAPES_WHY),
+            ("BaseFinetuning", _FINETUNING_WHY),
+            ("ModelPruning", _PRUNING_WHY),
+        ),
         refused_features=(
             ("third_party_ema", _COPIES_WHY),
             (

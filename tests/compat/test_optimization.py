@@ -24,10 +24,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import (
+    BaseFinetuning,
     EarlyStopping,
     GradientAccumulationScheduler,
     LambdaCallback,
     ModelCheckpoint,
+    ModelPruning,
     StochasticWeightAveraging,
     WeightAveraging,
 )
@@ -151,6 +153,21 @@ ROWS: list[Row] = [
         works(vcycle=REFUSED, stack=REFUSED),
         "the module ends with the average of the weights recorded at each update; the V-cycle replaces the model "
         "at every level change, so an average of its weights is refused",
+    ),
+    Row(
+        "finetuning",
+        "BackboneFinetuning / a BaseFinetuning callback (freeze, then unfreeze into the optimizer)",
+        works(vcycle=REFUSED, stack=REFUSED),
+        "the frozen blocks keep their initial weights through epoch 0 and train from epoch 1 while the rest trains "
+        "throughout; the V-cycle rebuilds the optimizer (dropping the unfrozen group) and keeps requires_grad across "
+        "levels, so the blocks would never train: refused at setup",
+    ),
+    Row(
+        "model_pruning",
+        "ModelPruning (l1_unstructured, made permanent at the end)",
+        works(vcycle=REFUSED, stack=REFUSED),
+        "half the pruned weights are exactly zero at the end and the rest trained; the V-cycle's coalescing does not "
+        "map the pruning re-parametrization (weight_orig, weight_mask): refused at setup",
     ),
     Row(
         "third_party_ema",
@@ -989,3 +1006,69 @@ def test_parameter_copy_detector() -> None:
     assert parameter_copy_holders(trainer, module, [lazy, reference]) == []
     assert FEATURES["third_party_ema"].when == "train_start"
     assert detect_features(SimpleNamespace(callbacks=[shadow], lr_scheduler_configs=[]), module) == ["third_party_ema"]
+
+
+# ------------------------------------------------------------------------------------ fine-tuning and pruning
+class UnfreezeBlocks(BaseFinetuning):
+    """A fine-tuning callback as users write it (``BackboneFinetuning`` does the same for a ``backbone``): the
+    transformer blocks frozen before training, unfrozen into the optimizer at epoch 1."""
+
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.model.transformer.h)
+
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.transformer.h, optimizer)
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_finetuning(tmp_path: Path, technique: str) -> None:
+    """Through epoch 0 the blocks keep their initial weights while the embeddings train; from epoch 1 the blocks
+    train too. The V-cycle refuses the callback at setup: its level changes rebuild the
+    optimizer and keep each parameter's requires_grad, so the unfrozen blocks would not train."""
+    run = build(technique)
+    if expect("finetuning", technique) == REFUSED:
+        assert_refused(run, run.trainer(tmp_path, [UnfreezeBlocks()]), "BaseFinetuning")
+        return
+    initial, snaps = params(run.model), Snapshots()
+    run.fit(tmp_path, [UnfreezeBlocks(), snaps])
+    assert_effect(run)
+    epochs = [b["epoch"] for b in run.probe.batches]
+    first_epoch = epochs.count(0)
+    blocks = [k for k in initial if ".transformer.h." in k]
+    assert blocks and len(snaps.steps) == len(epochs)
+    for step in snaps.steps[:first_epoch]:
+        assert all(torch.equal(step[k], initial[k]) for k in blocks)
+    assert not torch.equal(snaps.steps[0]["model.transformer.wte.weight"], initial["model.transformer.wte.weight"])
+    assert first_epoch < len(epochs)  # every column reaches epoch 1: the blocks trained from there
+    assert any(not torch.equal(snaps.steps[-1][k], initial[k]) for k in blocks)
+    assert all(p.requires_grad for p in run.model.model.transformer.h.parameters())
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_model_pruning(tmp_path: Path, technique: str) -> None:
+    """Lightning's ModelPruning (global l1_unstructured over the blocks' MLP input weights, amount 0.5 at every
+    epoch end, made permanent at the end): at least half of those weights end exactly zero, the rest trained. The
+    V-cycle refuses it at setup (its coalescing does not map weight_orig / weight_mask)."""
+    run = build(technique)
+
+    def pruning() -> ModelPruning:
+        targets = [(block.mlp.c_fc, "weight") for block in run.model.model.transformer.h]
+        return ModelPruning(
+            "l1_unstructured", parameters_to_prune=targets, amount=0.5, use_lottery_ticket_hypothesis=False
+        )
+
+    if expect("model_pruning", technique) == REFUSED:
+        assert_refused(run, run.trainer(tmp_path, [pruning()]), "ModelPruning")
+        return
+    initial = params(run.model)
+    run.fit(tmp_path, [pruning()])
+    assert_effect(run)
+    weights = [block.mlp.c_fc.weight for block in run.model.model.transformer.h]
+    zeros = sum(int((w == 0).sum()) for w in weights)
+    total = sum(w.numel() for w in weights)
+    assert zeros >= total // 2 and zeros < total
+    assert not any(n.endswith("_orig") for n, _ in run.model.named_parameters())  # made permanent
+    trained = [w[w != 0] for w in weights]
+    before = [initial[f"model.transformer.h.{i}.mlp.c_fc.weight"][w != 0] for i, w in enumerate(weights)]
+    assert any(not torch.equal(a, b) for a, b in zip(trained, before))

@@ -131,7 +131,10 @@ def test_strategy_and_callback_declarations():
     class MyStopping(EarlyStopping):  # subclasses are refused too
         pass
 
-    with pytest.raises(IncompatibleTechniques, match="Picky cannot run with MyStopping: it stops mid-stage"):
+    with pytest.raises(
+        IncompatibleTechniques,
+        match="Picky cannot run with MyStopping \\(subclass of EarlyStopping\\): it stops mid-stage",
+    ):
         check_trainer(_trainer(picky, MyStopping(monitor="x")))
 
 
