@@ -197,8 +197,17 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
 
         Raises:
             ValueError: the checkpoint was written with another batch size or epoch length (the skipped samples
-                would not be the consumed ones), or its batch count is out of range.
+                would not be the consumed ones), its batch count is out of range, or it holds another loader's
+                state (no ``"batches"``: e.g. the curriculum's loader, whose position lives in its callback).
         """
+        if "batches" not in state_dict:
+            raise ValueError(
+                "cannot resume the training loader: the checkpoint holds another loader's state (keys "
+                f"{sorted(state_dict)}, not this loader's epoch, batches, batch_size and samples), e.g. the "
+                "curriculum's, whose position "
+                "lives in the Curriculum callback's state. Resume with the callbacks and DataModule the checkpoint was "
+                "written with (a Curriculum and a CurriculumDataModule), or start a new fit from its weights"
+            )
         batches = int(state_dict["batches"])
         for key, now in (("batch_size", int(self.batch_size or 1)), ("samples", len(self.sampler))):  # type: ignore[arg-type]
             if key in state_dict and int(state_dict[key]) != now:

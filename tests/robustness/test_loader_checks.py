@@ -214,6 +214,33 @@ class Stream(IterableDataset):
         return iter(blocks[i] for i in range(N))
 
 
+def test_a_checkpoint_of_another_loader_is_refused_naming_it(tmp_path):
+    """A curriculum checkpoint resumed without the curriculum: its training-loader state is the curriculum loader's
+    (empty; the position lives in the Curriculum callback), which the plain resumable loader refuses, naming both
+    remedies, instead of a raw KeyError."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_effi import Curriculum, CurriculumDataModule
+    from tests.helpers.harness import make_trainer
+    from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+    metric = dict(
+        difficulty_type="value",
+        clustering_type="single_cluster",
+        min_difficulty=4,
+        max_difficulty=16,
+        schedule_type="fixed_linear",
+        schedule_config=dict(total_curriculum_step=20, difficulty_step=4),
+    )
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    first = make_trainer(tmp_path / "a", [Curriculum(metrics={"seqlen_truncate": metric}), ckpt], max_steps=3)
+    first.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data()))
+    second = make_trainer(tmp_path / "b", max_steps=6)
+    with pytest.raises(ValueError, match=r"the checkpoint holds another loader's state \(keys \[\], not this loader's"):
+        second.fit(tiny_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert second.global_step == 3  # restored, not trained further
+
+
 def test_the_resumable_loader_and_its_sampler_refuse_an_iterable_dataset():
     for build, owner in (
         (lambda: EpochShuffleSampler(Stream()), "EpochShuffleSampler"),
