@@ -509,9 +509,28 @@ class InfoBatchCallback(Callback):
         self.sum_loss = torch.zeros(n, dtype=torch.float32)
         self.count = torch.zeros(n, dtype=torch.int32)
         self._check_val_check_interval(trainer, datamodule)
+        self._warn_single_sample_batches(pl_module, datamodule)
         self._reset_run_state()
         self._trainer = trainer
         self._wrap_training_step(pl_module)
+
+    def _warn_single_sample_batches(self, pl_module: pl.LightningModule, datamodule: InfoBatchDataModule) -> None:
+        """Warn when the module has ``BatchNorm1d`` layers and the training loader keeps partial batches: a pruned
+        epoch's size varies, so its last batch can hold a single sample (your loader's may never), on which
+        ``BatchNorm1d`` over ``[B, C]`` features raises in training. ``drop_last=True`` (kept by the rebuilt loader)
+        avoids it."""
+        t = datamodule.template()
+        if bool(t["drop_last"]) or int(t["batch_size"]) < 2 or self.prune_ratio == 0:
+            return
+        norms = [n for n, m in pl_module.named_modules() if isinstance(m, nn.BatchNorm1d)]
+        if norms:
+            rank_zero_warn(
+                f"InfoBatchCallback: {type(pl_module).__name__} has BatchNorm1d layers ({', '.join(norms[:3])}) and "
+                "the training loader keeps partial batches (drop_last=False): a pruned epoch's size varies, so its "
+                "last batch can hold a single sample, on which BatchNorm1d over [B, C] features raises 'Expected more "
+                "than 1 value per channel when training'. If your model cannot train on one sample, set "
+                "drop_last=True on your training loader (InfoBatch keeps it)"
+            )
 
     def _warn_no_prune_epoch(self, trainer: pl.Trainer) -> None:
         """Warn when the schedule has no pruning epoch: epochs ``1 .. floor(delta·E) - 1`` prune (epoch 0 has no
@@ -621,7 +640,13 @@ class InfoBatchCallback(Callback):
         """The fit raised (any exception, ``KeyboardInterrupt`` included; Lightning skips ``teardown`` then): undo what
         ``setup`` did, as ``teardown`` does (:meth:`_release`), so a later fit of the module, with or without
         InfoBatch, runs as on a module that never met it. Never raises (a failure is a warning: the fit's own
-        exception is the one that propagates)."""
+        exception is the one that propagates). BatchNorm's error on a batch of one sample gets a note naming the
+        cause (a pruned epoch's last batch) and the remedy."""
+        if isinstance(exception, ValueError) and "Expected more than 1 value per channel" in str(exception):
+            exception.add_note(
+                "InfoBatchCallback: a pruned epoch's size varies, so its last batch can hold a single sample; set "
+                "drop_last=True on your training loader (InfoBatch keeps it)"
+            )
         try:
             self._release()
         except Exception as err:  # noqa: BLE001 - on_exception must not replace the fit's exception

@@ -633,3 +633,51 @@ def test_ddp_ranks_share_plans_and_scores_and_shard_disjointly(tmp_path):
     assert per_rank[0]["scores"] == per_rank[1]["scores"]  # identical score tables after the last epoch
     summaries = [r["summary"] for r in per_rank]
     assert summaries[0]["infobatch/saved_samples"] == summaries[1]["infobatch/saved_samples"] > 0
+
+
+class BatchNormClassifier(pl.LightningModule):
+    """A user's MLP with BatchNorm1d on ``[B, C]`` features, tuple batches ``(x, y)``, a plain loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Vectors(torch.utils.data.Dataset):
+    def __init__(self, n: int = 24) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_batchnorm1d_with_partial_batches_warns_at_setup_and_its_error_names_the_cause(tmp_path):
+    """24 samples in batches of 8 (no partial batch in the user's loader); epoch 1 planned at 17 samples ends with a
+    batch of one, on which BatchNorm1d raises. Setup warns (BatchNorm1d, drop_last=False), and the error carries a
+    note naming the pruned epoch's last batch and drop_last=True."""
+    data = InfoBatchDataModule(TinyDataModule(Vectors(), batch_size=8))
+    with pytest.warns(UserWarning, match=r"has BatchNorm1d layers \(net\.1\) and the training loader keeps partial"):
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel") as err:
+            make_trainer(tmp_path, [FixedLengths([24, 17, 24], prune_ratio=0.5, delta=0.67)], max_epochs=3).fit(
+                BatchNormClassifier(), datamodule=data
+            )
+    assert err.value.__notes__ == [
+        "InfoBatchCallback: a pruned epoch's size varies, so its last batch can hold a single sample; set "
+        "drop_last=True on your training loader (InfoBatch keeps it)"
+    ]
