@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -264,6 +265,14 @@ class CurriculumConfig:
         metrics = to_plain(self.metrics)
         if not isinstance(metrics, Mapping) or not metrics:
             raise CurriculumConfigError("curriculum metrics: need at least one metric, e.g. {'seqlen_truncate': {...}}")
+        ds_keys = sorted(set(metrics) & {"data_efficiency", "data_sampling", "curriculum_learning", "train_batch_size"})
+        if ds_keys:
+            raise CurriculumConfigError(
+                f"curriculum metrics: got a DeepSpeed config (keys {ds_keys}), not its curriculum_metrics; pass "
+                "ds_config['data_efficiency']['data_sampling']['curriculum_learning']['curriculum_metrics'], or read "
+                "the whole config with lightning_effi.parse_deepspeed_config(ds_config) and pass its metrics, seed "
+                "and num_epochs"
+            )
         parsed = {
             name: (m if isinstance(m, MetricConfig) else MetricConfig.from_dict(name, m))
             for name, m in metrics.items()
@@ -503,6 +512,7 @@ def _describe(value: Any) -> Any:
 
 _DS_KEYS = {
     "data_efficiency": {"enabled", "seed", "data_sampling", "data_routing"},
+    "data_routing": {"enabled", "random_ltd"},
     "data_sampling": {"enabled", "num_epochs", "num_workers", "curriculum_learning", "pin_memory", "dynamic_batching"},
     "curriculum_learning": {"enabled", "data_cluster_path", "curriculum_metrics"},
 }
@@ -534,6 +544,10 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
         raise CurriculumConfigError(
             f"parse_deepspeed_config: expected a DeepSpeed config dict, got {type(ds_config).__name__}"
         )
+    options = sorted(set(inspect.signature(CurriculumConfig).parameters) - {"metrics", "seed", "num_epochs"})
+    unknown = sorted(set(overrides) - set(options) - {"metrics", "seed", "num_epochs"})
+    if unknown:
+        raise CurriculumConfigError(f"parse_deepspeed_config: unknown option(s) {unknown}; allowed: {options}")
     clash = sorted(set(overrides) & {"metrics", "seed", "num_epochs"})
     if clash:
         raise CurriculumConfigError(
@@ -571,6 +585,7 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
         return d
 
     de = check("data_efficiency", block)
+    check("data_routing", de.get("data_routing", {}))
     ds = check("data_sampling", de.get("data_sampling", {}))
     cl = check("curriculum_learning", ds.get("curriculum_learning", {}))
 

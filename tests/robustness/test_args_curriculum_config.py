@@ -84,6 +84,21 @@ def test_random_ltd_in_the_deepspeed_config_is_named_not_dropped():
         parse_deepspeed_config(cfg)
 
 
+def test_typos_in_data_routing_and_in_the_options_and_a_whole_deepspeed_config_as_metrics_are_named():
+    """A typo under data_routing is refused like one anywhere else (it was accepted silently); a typo in an option
+    override lists the options (it was a raw TypeError); a whole DeepSpeed config passed as the metrics names the
+    block to pass instead."""
+    cfg = ds_config()
+    cfg["data_efficiency"]["data_routing"] = {"enabled": True, "randm_ltd": {"enabled": True}}
+    with pytest.raises(CurriculumConfigError, match=r"data_routing: unknown key\(s\) \['randm_ltd'\]; allowed: \["):
+        parse_deepspeed_config(cfg)
+    with pytest.raises(CurriculumConfigError, match=r"unknown option\(s\) \['dp_splt'\]; allowed: \[.*'dp_split'"):
+        parse_deepspeed_config(ds_config(), dp_splt="balanced")
+    assert parse_deepspeed_config(ds_config(), dp_split="deepspeed").dp_split == "deepspeed"
+    with pytest.raises(CurriculumConfigError, match=r"got a DeepSpeed config \(keys \['data_efficiency', 'train_batch"):
+        CurriculumConfig(metrics=ds_config())
+
+
 # --------------------------------------------------------------------------------------------------- MetricConfig
 def metric(**changes: Any) -> MetricConfig:
     return MetricConfig.from_dict("seqlen_truncate", {**TRUNC, **changes})
