@@ -199,7 +199,7 @@ class Report:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         for row in self.rows:
             cells = [
-                str(row["arm"]),
+                str(row["arm"]).replace("|", "\\|"),  # a label with a pipe would add a column
                 f"{row['budget']:g}",
                 str(row["n_seeds"]),
                 _pm(row["quality_mean"], row["quality_std"], "{:.4g}", n=row["quality_n"], of=row["n_seeds"]),
@@ -724,7 +724,8 @@ def write_report(
 
     Raises:
         FileNotFoundError: a path that does not exist or holds no ``result.json``.
-        ReportError: see :func:`~lightning_effi.report.load.load_runs` and :func:`build_report`.
+        ReportError: ``out_dir`` is an existing file; see :func:`~lightning_effi.report.load.load_runs` and
+            :func:`build_report`.
     """
     from lightning_effi.report import plots  # matplotlib only when writing
 
@@ -735,8 +736,10 @@ def write_report(
     report.notes.extend(
         f"{job}: a Hydra job folder without result.json (the job failed or is running)" for job in failed
     )
+    if out_dir is not None and Path(out_dir).is_file():
+        raise ReportError(f"out_dir: '{out_dir}' is a file; give a folder (created if missing) for the report")
     out = Path(out_dir) if out_dir is not None else Path(paths[0])
-    if out.is_file():
+    if out.is_file():  # the first path is a result.json: its run folder
         out = out.parent
     out.mkdir(parents=True, exist_ok=True)
     files = {

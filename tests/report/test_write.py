@@ -94,6 +94,23 @@ def test_cli_metric_error_is_one_line(sweep, capsys):
     assert err.startswith("error: ") and "no final 'val/acc' among its metrics" in err and err.count("\n") == 1
 
 
+def test_cli_out_that_is_a_file_is_refused_and_a_pipe_in_an_arm_label_is_escaped(sweep, tmp_path, capsys):
+    """``--out`` naming an existing file is one error line (the report went to its folder); an arm labelled
+    ``ltd|lr=1e-3`` keeps its table row at the header's column count."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    assert main([str(sweep), "--out", str(taken)]) == 1
+    assert (
+        capsys.readouterr().err
+        == f"error: out_dir: '{taken}' is a file; give a folder (created if missing) for the report\n"
+    )
+    assert taken.read_text() == "mine" and not (tmp_path / "report.md").exists()
+    write_record(sweep / "99", arm="ltd|lr=1e-3", budget=1.0, seed=0, loss=2.5, flops=2e12)
+    table = write_report([sweep], out_dir=tmp_path / "o").to_markdown().split("\n\n")[0].splitlines()
+    row = next(line for line in table if line.startswith("| ltd"))
+    assert row.startswith("| ltd\\|lr=1e-3 |") and row.replace("\\|", "").count("|") == table[0].count("|")
+
+
 @pytest.mark.slow
 def test_cli_subprocess(sweep, tmp_path):
     cmd = [sys.executable, "-m", "lightning_effi.report"]
