@@ -68,8 +68,20 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, 
     loggers = instantiate_loggers(cfg.get("logger"))
     if cfg.get("optimized_metric"):
         callbacks.append(MetricCheck(cfg.optimized_metric))
+    callbacks.append(TrainingStarted())
     trainer = instantiate(cfg.trainer, key="trainer", callbacks=callbacks, logger=loggers or False)
     return datamodule, model, trainer
+
+
+class TrainingStarted(pl.Callback):
+    """Whether this fit reached its first training batch: an error before it is a setup error (one line, exit 1),
+    also in a resumed fit (whose ``global_step`` starts above 0)."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.started = True
 
 
 class MetricCheck(pl.Callback):
@@ -294,12 +306,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         OmegaConf.save(job_cfg, output_dir / "config.yaml", resolve=True)
 
     if cfg.get("train", True):
+        started = next(c for c in trainer.callbacks if isinstance(c, TrainingStarted))  # type: ignore[attr-defined]
         try:
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         except (ValueError, TypeError, MisconfigurationException) as err:
-            if trainer.global_step > 0 or isinstance(err, ConfigError):
+            if started.started or isinstance(err, ConfigError):
                 raise
-            # raised while setting up (callback/strategy checks, configure_optimizers), before any optimizer step
+            # raised while setting up (callback/strategy checks, configure_optimizers, a resume's checks), before
+            # this fit's first training batch
             raise ConfigError(str(err)) from err
     metrics = scalar_metrics(dict(trainer.callback_metrics))
     if cfg.get("test", False):

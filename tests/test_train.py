@@ -43,6 +43,17 @@ def test_resume_from_last_checkpoint_continues(tmp_path):
     assert second["efficiency"]["batches"] == 5  # accounting totals continue across the resume
 
 
+def test_a_refusal_at_a_resumed_fits_start_is_a_config_error(tmp_path):
+    """random-LTD added to a resumed run is refused in on_train_start, before this fit's first batch but at
+    global_step 3: a ConfigError (one line from the app), not a traceback."""
+    base = ["trainer.max_epochs=-1", "++trainer.limit_train_batches=null", "model.n_layer=4"]
+    first = run(compose_train([*base, "trainer.max_steps=3"], tmp_path / "a"))
+    ckpt = tmp_path / "a" / first["last_checkpoint"]
+    ltd = ["callbacks=[default,random_ltd]", "callbacks.random_ltd.min_value=8", f"ckpt_path={ckpt}"]
+    with pytest.raises(ConfigError, match="RandomLTDCallback"):
+        run(compose_train([*base, "trainer.max_steps=5", *ltd], tmp_path / "b"))
+
+
 @pytest.mark.slow
 def test_multirun_sweep_writes_one_result_per_job(tmp_path):
     proc = run_train_script(["-m", "seed=1,2", "debug=fdr"], tmp_path)
