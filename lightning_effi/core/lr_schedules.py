@@ -274,7 +274,7 @@ def multipliers_between(scheduler: object, start: int, end: int) -> tuple[float,
         total, power = int(scheduler.total_iters), float(scheduler.power)
 
         def at(step: int) -> float:
-            return (1.0 - min(step, total) / total) ** power
+            return float((1.0 - min(step, total) / total) ** power)
     else:
         return None
     try:
