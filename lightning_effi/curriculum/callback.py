@@ -588,6 +588,12 @@ class Curriculum(Callback):
             raise ValueError(f"token_progress: total_tokens must be > 0, got {total_tokens}")
         return min(1.0, max(0.0, self._tokens_through_current / float(total_tokens)))
 
+    @property
+    def effi_run_complete(self) -> bool:
+        """Whether the sample budget (``num_epochs`` of data) is spent: the fit then stops at this run's configured
+        end, not early (read by :func:`lightning_effi.report.record.stopped_early`)."""
+        return self.controller is not None and bool(self.controller.exhausted)
+
     def effi_schedule_state(self) -> dict[str, float]:
         """The difficulty of the batch being trained (else of the last one): ``{"difficulty": d}`` with one metric,
         ``{"<metric>_difficulty": d}`` with several (a sequence length in tokens for ``seqlen_truncate``). Empty

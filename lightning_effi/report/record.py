@@ -227,8 +227,11 @@ def make_record(
 
 def stopped_early(trainer: pl.Trainer) -> bool:
     """Whether the fit ended before its length (``max_steps``, else ``max_epochs``) because something set
-    ``trainer.should_stop`` (``EarlyStopping``, ``max_time``'s ``Timer``, a callback or the module)."""
+    ``trainer.should_stop`` (``EarlyStopping``, ``max_time``'s ``Timer``, a callback or the module); not when a
+    callback says the run reached its configured end (``effi_run_complete``: the curriculum's sample budget)."""
     if not trainer.should_stop:
+        return False
+    if any(getattr(c, "effi_run_complete", False) for c in trainer.callbacks):  # type: ignore[attr-defined]
         return False
     if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
         return False

@@ -143,3 +143,18 @@ def test_resuming_without_a_technique_warns_and_the_record_is_not_a_baseline(tmp
     record = json.loads(write_result(second, tmp_path / "r", metric="val/loss").read_text())
     assert record["arm"] == "random_ltd" and record["techniques"] == {"random_ltd": {"resumed_without": True}}
     assert record["efficiency"]["saved/random_ltd/flops_frac"] > 0
+
+
+def test_a_curriculum_run_that_spends_its_sample_budget_is_not_stopped_early(tmp_path, monkeypatch):
+    """The curriculum stops the fit when its data budget (2 epochs of 24 samples, 12 steps of 4) is spent, in a run
+    bounded by neither max_steps nor its 50 epochs: that is the run's configured end (``effi_run_complete``), not an
+    early stop."""
+    from lightning_effi.report.record import stopped_early
+    from tests.compat.setups import build
+
+    run = build("curriculum")
+    trainer = run.fit(tmp_path, max_steps=-1, max_epochs=50)
+    assert trainer.should_stop and trainer.global_step == 12
+    assert not stopped_early(trainer)
+    monkeypatch.setattr(type(run.callbacks[0]), "effi_run_complete", property(lambda self: False))
+    assert stopped_early(trainer)  # the same stop without the spent budget would be early
