@@ -1306,6 +1306,8 @@ class InfoBatchCallback(Callback):
             return
         for config in configs:
             every = max(1, int(config.frequency))
+            if expected // every >= estimate // every:
+                continue  # the scheduler steps every `every` optimizer steps: the same step count either way
             ends = multipliers_between(config.scheduler, expected // every, estimate // every)
             if ends is None:
                 continue

@@ -270,13 +270,16 @@ def test_progress_based_lr_ends_exactly_at_its_end_value_with_shrinking_epochs(t
 
 
 class EstimatedCosineLR(ProgressLR):
-    """The usual recipe: a cosine ``LambdaLR`` to 0 over ``trainer.estimated_stepping_batches`` (full epochs)."""
+    """The usual recipe: a cosine ``LambdaLR`` to 0 over ``trainer.estimated_stepping_batches`` (full epochs),
+    stepped every ``frequency`` optimizer steps."""
+
+    frequency = 1
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=1.0)
         total = self.trainer.estimated_stepping_batches
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": self.frequency}}
 
 
 def test_a_step_schedule_sized_with_estimated_stepping_batches_warns_at_train_start(tmp_path):
@@ -307,6 +310,14 @@ def test_a_step_schedule_sized_with_estimated_stepping_batches_warns_at_train_st
         )
     assert not [w for w in record if "still changes after" in str(w.message)]
     assert progress.lrs[-1] == pytest.approx(0.0, abs=1e-8)
+    rare = EstimatedCosineLR()
+    rare.frequency = 25  # stepped never within 18 or 20 steps: nothing to warn of
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path / "c", [InfoBatchCallback(prune_ratio=0.7, delta=0.75)], max_epochs=4).fit(
+            rare, datamodule=ib_data()
+        )
+    assert not [w for w in record if "still changes after" in str(w.message)]
 
 
 # ------------------------------------------------------------------------------------------------ the progress clock
