@@ -733,10 +733,12 @@ class VCycleCallback(Callback):
             self._release()
 
     def _explain_shape_error(self, exception: BaseException) -> None:
-        """Add a note to a ``RuntimeError`` raised below level 1 when frozen parameters of the full width sit outside
-        the network (:meth:`_check_outside_width` warned of them): the likely cause of a shape mismatch there."""
+        """Add a note to a shape or size ``RuntimeError`` raised below level 1 when frozen parameters of the full width
+        sit outside the network (:meth:`_check_outside_width` warned of them): the likely cause of the mismatch."""
         if self._frozen_outside is None or self._stack.level == 1 or not isinstance(exception, RuntimeError):
             return
+        if not any(word in str(exception) for word in ("shape", "size")):
+            return  # not a shape mismatch (e.g. out of memory)
         frozen, hidden, coarse = self._frozen_outside
         exception.add_note(
             f"{type(self).__name__}: this step ran at level {self._stack.level}, where pl_module.{self.model_attr} is "
