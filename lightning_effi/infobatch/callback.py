@@ -1141,7 +1141,9 @@ class InfoBatchCallback(Callback):
 
         - Alone, in a prune epoch: ``(trained + pruned) / trained`` with ``trained`` the plan's samples plus the DDP
           duplicates (``padded``, summed over ranks) and ``pruned`` the plan's ``saved``: the pruned samples are
-          charged at the mean cost of the trained ones. None in a full epoch.
+          charged at the mean cost of the trained ones. With the loader's ``drop_last``, the samples a full epoch
+          trains over those the pruned one trains, each rank's last partial batch dropped from both. None in a full
+          epoch.
         - With the curriculum: ``candidates / kept`` of the micro-batch slice this rank thinned last
           (:meth:`thinned_output`); None when nothing was dropped.
         """
@@ -1156,6 +1158,14 @@ class InfoBatchCallback(Callback):
         history = self.history
         padded = history[-1]["padded"] if history and history[-1]["epoch"] == plan.epoch else 0
         trained = int(plan.indices.numel()) + int(padded)
+        t = self._datamodule.template() if self._datamodule is not None else None
+        if t is not None and bool(t["drop_last"]) and self._trainer is not None:
+            # the loader drops each rank's last partial batch, of the full epoch and of the pruned one alike: the
+            # samples a full epoch trains over those this pruned epoch trains (all ranks)
+            world, size = self._trainer.world_size, int(t["batch_size"])
+            full = (math.ceil(self.dataset_size / world) // size) * size * world
+            kept = (math.ceil(trained / world) // size) * size * world
+            return Baseline(samples=full / kept) if kept else None
         return Baseline(samples=(trained + int(plan.saved)) / trained) if trained else None
 
     def sync_scores(self, trainer: pl.Trainer | None) -> None:

@@ -692,3 +692,32 @@ def test_batchnorm1d_with_partial_batches_warns_at_setup_and_its_error_names_the
         "InfoBatchCallback: a pruned epoch's size varies, so its last batch can hold a single sample; set "
         "drop_last=True on your training loader (InfoBatch keeps it)"
     ]
+
+
+class DropLastData(TinyDataModule):
+    """The tiny DataModule's loader with ``drop_last=True``."""
+
+    def train_dataloader(self):
+        from lightning_effi.core.loader import EpochShuffleSampler, ResumableDataLoader
+
+        sampler = EpochShuffleSampler(self.train_dataset, num_replicas=1, rank=0, seed=self.seed)
+        return ResumableDataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+
+
+def test_with_drop_last_the_baseline_is_what_the_plain_loader_trains(tmp_path):
+    """40 samples in batches of 6 with drop_last: a full epoch trains 36. The monitor's baseline over 4 epochs is
+    exactly the 144 samples the same run without InfoBatch trains (the pruned epochs' dropped remainders were counted
+    as pruned-sample stand-ins before: 727 of 768 in the helper's run)."""
+    monitor = EfficiencyMonitor(print_summary=False)
+    pl.seed_everything(0)
+    make_trainer(tmp_path / "ib", [InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), monitor], max_epochs=4).fit(
+        tiny_gpt2(), datamodule=InfoBatchDataModule(DropLastData(TokenBlocks(n=40), batch_size=6))
+    )
+    plain = EfficiencyMonitor(print_summary=False)
+    pl.seed_everything(0)
+    make_trainer(tmp_path / "plain", [plain], max_epochs=4).fit(
+        tiny_gpt2(), datamodule=DropLastData(TokenBlocks(n=40), batch_size=6)
+    )
+    assert plain.summary["samples"] == 4 * 36
+    assert monitor.summary["baseline_samples"] == 4 * 36 and monitor.summary["samples"] < 4 * 36
+    assert monitor.summary["samples_saved_frac"] == pytest.approx(1 - monitor.summary["samples"] / 144)
