@@ -81,8 +81,11 @@ class Run:
 
     @property
     def is_baseline(self) -> bool:
-        """A run without any technique (its ``techniques`` is empty)."""
-        return not self.techniques
+        """A run without any technique (its ``techniques`` is empty) whose label starts with ``baseline``
+        (``baseline``, ``baseline_lr_high``, ``baseline[lr=...]``: the baseline and its variants, all on the frontier).
+        A run without a library technique under another label (``arm="mytrick"``: the user's own method) is an arm,
+        compared with the frontier, not part of it."""
+        return not self.techniques and self.arm.startswith("baseline")
 
     @property
     def train_wall_s(self) -> float:

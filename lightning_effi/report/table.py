@@ -469,11 +469,12 @@ def build_report(
     """Compare every arm of a sweep with the same-length baseline and with the baseline frontier (per seed;
     protocol: Kaddour et al. 2023, "No Train No Gain", Sec. 3; see the module docstring).
 
-    Arms are the runs grouped by ``(arm, budget)``; baseline runs are those without techniques (``arm ==
-    "baseline"``). With several baseline arms (e.g. a learning-rate sweep of the plain model, each labelled with
-    ``+arm=``), every one of them enters the seed's frontier, and the same-length reference is the best of them at
-    that budget: the tuned baseline. A seed's frontier needs baselines at >= 2 budgets; otherwise its frontier
-    columns are empty and ``notes`` says why.
+    Arms are the runs grouped by ``(arm, budget)``; baseline runs are those without techniques whose arm starts with
+    ``baseline`` (:attr:`~lightning_effi.report.load.Run.is_baseline`; another label without a technique is the
+    user's own method, an arm). With several baseline arms (e.g. a learning-rate sweep of the plain model, each
+    labelled ``+arm=baseline_<name>``), every one of them enters the seed's frontier, and the same-length reference
+    is the best of them at that budget: the tuned baseline. A seed's frontier needs baselines at >= 2 budgets;
+    otherwise its frontier columns are empty and ``notes`` says why.
 
     Args:
         runs: the runs (:func:`~lightning_effi.report.load.load_runs`).
@@ -523,6 +524,12 @@ def build_report(
                     if r.is_baseline
                     else "its readings are those of the compute it trained"
                 )
+            )
+        resumed = sorted(n for n, c in r.techniques.items() if isinstance(c, dict) and c.get("resumed_without"))
+        if resumed:
+            notes.append(
+                f"{r.label}: resumed from a checkpoint without {', '.join(resumed)}, which trained only up to that "
+                "checkpoint; its readings mix the two"
             )
     runs = [r for r in runs if not (r.is_baseline and r.length.get("stopped_early") is True)]
 

@@ -280,3 +280,26 @@ def test_run_folders_below_the_current_directory_are_recorded_relative_to_it(tmp
     report = build_report(load_runs([sweep.resolve()]))
     (reading,) = [r for r in report.readings if r["arm"] == "random_ltd"]
     assert reading["path"] == str(sweep.resolve() / "2")
+
+
+def test_a_users_own_method_without_a_library_technique_is_an_arm_and_a_resume_without_one_is_noted(tmp_path):
+    """``arm="mytrick"`` with no technique callback is the user's own method: read against the frontier, not part of
+    it (it was a third baseline point). A record whose technique was dropped on resume is noted."""
+    write_record(tmp_path / "0", budget=0.5, flops=2e12, loss=2.6)
+    write_record(tmp_path / "1", budget=1.0, flops=4e12, loss=2.3)
+    write_record(tmp_path / "2", arm="mytrick", techniques={}, budget=1.0, flops=3e12, loss=2.2)
+    write_record(
+        tmp_path / "3",
+        arm="random_ltd",
+        budget=1.0,
+        flops=2e12,
+        loss=2.4,
+        techniques={"random_ltd": {"resumed_without": True}},
+    )
+    report = build_report(load_runs([tmp_path]))
+    assert report.frontiers[0]["flops"].points == ((2e12, 2.6), (4e12, 2.3))
+    (mine,) = [r for r in report.readings if r["arm"] == "mytrick"]
+    assert (
+        not mine["baseline"] and mine["frontier_flag"] == "beyond" and mine["same_length_saving"] == pytest.approx(0.25)
+    )
+    assert any(n.startswith("random_ltd@1 seed 0: resumed from a checkpoint without random_ltd") for n in report.notes)
