@@ -56,12 +56,21 @@ def _stepped(scheduler_factory, steps):
         lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=20, eta_min=0.2),
         lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=1.0, end_factor=0.1, total_iters=20),
         lambda o: torch.optim.lr_scheduler.PolynomialLR(o, total_iters=20, power=2.0),
+        lambda o: torch.optim.lr_scheduler.SequentialLR(
+            o,
+            [
+                torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, end_factor=1.0, total_iters=5),
+                torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=15, eta_min=0.0),
+            ],
+            milestones=[5],
+        ),
     ],
-    ids=["lambda", "cosine", "linear", "polynomial"],
+    ids=["lambda", "cosine", "linear", "polynomial", "warmup_then_cosine"],
 )
 def test_multipliers_between_match_the_stepped_scheduler_and_see_an_unfinished_schedule(factory):
     """Read without stepping, the multipliers at steps 14 and 20 equal those torch gives when stepped there; a
-    schedule of 20 steps still changes between 14 and 20, and no longer between 20 and 30."""
+    schedule of 20 steps (a warmup of 5 then a cosine of 15 too) still changes between 14 and 20, and no longer
+    between 20 and 30."""
     from lightning_effi.core.lr_schedules import multipliers_between
 
     at_14, sched = _stepped(factory, 14)

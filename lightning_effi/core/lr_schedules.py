@@ -240,42 +240,57 @@ def layer_token_lr(
     return LambdaLR(optimizer, fn)
 
 
+def _multiplier_fn(scheduler: object) -> Callable[[int], float] | None:
+    """The LR multiplier of ``scheduler`` (first param group) as a function of its step, or None (see
+    :func:`multipliers_between`)."""
+    import bisect
+
+    from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, PolynomialLR, SequentialLR
+
+    if isinstance(scheduler, LambdaLR):
+        fn = scheduler.lr_lambdas[0]
+        return lambda step: float(fn(step))
+    if isinstance(scheduler, CosineAnnealingLR):
+        base = float(scheduler.base_lrs[0])
+        floor = float(scheduler.eta_min) / base if base else 0.0
+        t_max = int(scheduler.T_max)
+        return lambda step: floor + (1.0 - floor) * (1.0 + math.cos(math.pi * min(step, t_max) / t_max)) / 2.0
+    if isinstance(scheduler, LinearLR):
+        first, last, total = float(scheduler.start_factor), float(scheduler.end_factor), int(scheduler.total_iters)
+        return lambda step: first + (last - first) * min(step, total) / total
+    if isinstance(scheduler, PolynomialLR):
+        total, power = int(scheduler.total_iters), float(scheduler.power)
+        return lambda step: float((1.0 - min(step, total) / total) ** power)
+    if isinstance(scheduler, SequentialLR):  # each child restarts at its milestone (torch steps it with 0 there)
+        milestones = [int(m) for m in scheduler._milestones]
+        children = [_multiplier_fn(child) for child in scheduler._schedulers]
+        if any(child is None for child in children):
+            return None
+
+        def sequential(step: int) -> float:
+            index = bisect.bisect_right(milestones, step)
+            child = children[index]
+            assert child is not None
+            return child(step - (milestones[index - 1] if index else 0))
+
+        return sequential
+    return None
+
+
 def multipliers_between(scheduler: object, start: int, end: int) -> tuple[float, float] | None:
     """The LR multiplier (of the first param group, relative to its initial LR) that ``scheduler`` gives at its steps
     ``start`` and ``end`` (``0 <= start < end``) when the schedule still changes between them, else None.
 
     Read without stepping: a ``LambdaLR``'s lambda called at both steps (a schedule on a technique's progress ignores
-    the step and gives one value); ``CosineAnnealingLR``, ``LinearLR`` and ``PolynomialLR`` from their closed forms.
-    None for other schedulers (their length is not a number to read) and for a lambda that raises. Used to tell a
+    the step and gives one value); ``CosineAnnealingLR``, ``LinearLR`` and ``PolynomialLR`` from their closed forms; a
+    ``SequentialLR`` of these (e.g. a linear warmup then a cosine) through the child in charge at each step. None for
+    other schedulers (their length is not a number to read) and for a lambda that raises. Used to tell a
     step-interval schedule sized for more steps than the run will take (InfoBatch's shortened epochs).
     """
-    from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, PolynomialLR
-
     if not 0 <= start < end:
         raise ValueError(f"multipliers_between: expected 0 <= start < end, got start={start}, end={end}")
-    if isinstance(scheduler, LambdaLR):
-        fn = scheduler.lr_lambdas[0]
-
-        def at(step: int) -> float:
-            return float(fn(step))
-    elif isinstance(scheduler, CosineAnnealingLR):
-        base = float(scheduler.base_lrs[0])
-        floor = float(scheduler.eta_min) / base if base else 0.0
-        t_max = int(scheduler.T_max)
-
-        def at(step: int) -> float:
-            return floor + (1.0 - floor) * (1.0 + math.cos(math.pi * min(step, t_max) / t_max)) / 2.0
-    elif isinstance(scheduler, LinearLR):
-        first, last, total = float(scheduler.start_factor), float(scheduler.end_factor), int(scheduler.total_iters)
-
-        def at(step: int) -> float:
-            return first + (last - first) * min(step, total) / total
-    elif isinstance(scheduler, PolynomialLR):
-        total, power = int(scheduler.total_iters), float(scheduler.power)
-
-        def at(step: int) -> float:
-            return float((1.0 - min(step, total) / total) ** power)
-    else:
+    at = _multiplier_fn(scheduler)
+    if at is None:
         return None
     try:
         a, b = at(start), at(end)
