@@ -91,3 +91,18 @@ def test_multipliers_between_is_none_for_schedules_without_a_length_to_read():
     assert multipliers_between(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s - 10)), 10, 20) is None
     with pytest.raises(ValueError, match="expected 0 <= start < end, got start=5, end=5"):
         multipliers_between(torch.optim.lr_scheduler.StepLR(opt, step_size=5), 5, 5)
+
+
+def test_total_steps_is_needed_only_without_a_progress_source():
+    """On a progress source (InfoBatch's ``effi_progress``) ``total_steps`` is not read: it may be left out; without
+    one it must be an int (a bool is refused)."""
+    from lightning_effi.core.lr_schedules import one_cycle
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    on_progress = warmup_cosine(opt, progress=lambda: 1.0, warmup_fraction=0.0, min_lr_ratio=0.0)
+    assert on_progress.lr_lambdas[0](0) == pytest.approx(0.0)  # progress 1: the cosine's end
+    assert one_cycle(opt, progress=lambda: 0.0).lr_lambdas[0](0) == pytest.approx(1 / 25)
+    with pytest.raises(ValueError, match=r"total_steps must be a positive int \(or pass progress=\.\.\.\), got None"):
+        warmup_cosine(opt)
+    with pytest.raises(ValueError, match=r"total_steps must be an int >= 2 \(or pass progress=\.\.\.\), got True"):
+        one_cycle(opt, True)

@@ -56,7 +56,7 @@ def progress_lambda(optimizer: Optimizer, fn: Callable[[float], float], progress
 
 def warmup_cosine(
     optimizer: Optimizer,
-    total_steps: int,
+    total_steps: int | None = None,
     warmup_fraction: float = 0.05,
     min_lr_ratio: float = 0.1,
     progress: Progress | None = None,
@@ -66,20 +66,20 @@ def warmup_cosine(
     ``effi_progress`` of a technique callback that changes the epoch length, e.g. InfoBatch).
 
     The scheduler's step counter counts optimizer steps; the first step already runs at a non-zero LR.
+    ``total_steps`` is not read with a progress source (None allowed then).
 
     Raises:
-        ValueError: ``total_steps < 1`` or invalid fractions.
+        ValueError: ``total_steps`` not an int >= 1 without a progress source, or invalid fractions.
     """
-    if not isinstance(total_steps, int) or total_steps < 1:
-        raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
+    if progress is None and (isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1):
+        raise ValueError(f"total_steps must be a positive int (or pass progress=...), got {total_steps!r}")
     _check(warmup_fraction, min_lr_ratio)
     if progress is not None:
         return progress_lambda(
             optimizer, lambda p: warmup_cosine_multiplier(p, warmup_fraction, min_lr_ratio), progress
         )
-    return LambdaLR(
-        optimizer, lambda step: warmup_cosine_multiplier((step + 1) / total_steps, warmup_fraction, min_lr_ratio)
-    )
+    steps = int(total_steps)  # type: ignore[arg-type]  # checked above
+    return LambdaLR(optimizer, lambda step: warmup_cosine_multiplier((step + 1) / steps, warmup_fraction, min_lr_ratio))
 
 
 def _cos(start: float, end: float, pct: float) -> float:
@@ -139,7 +139,7 @@ def one_cycle_step_multiplier(
 
 def one_cycle(
     optimizer: Optimizer,
-    total_steps: int,
+    total_steps: int | None = None,
     pct_start: float = 0.3,
     div_factor: float = 25.0,
     final_div_factor: float = 1e4,
@@ -151,19 +151,21 @@ def one_cycle(
     :func:`progress_lambda`; e.g. ``InfoBatchCallback.effi_progress``, whose epochs are shorter than
     ``trainer.estimated_stepping_batches`` counts: the cycle ends exactly at the run's last step).
 
+    ``total_steps`` is not read with a progress source (None allowed then).
+
     Raises:
-        ValueError: ``total_steps`` not an int >= 2, or invalid policy arguments.
+        ValueError: ``total_steps`` not an int >= 2 without a progress source, or invalid policy arguments.
     """
-    if not isinstance(total_steps, int) or total_steps < 2:
-        raise ValueError(f"total_steps must be an int >= 2, got {total_steps!r}")
+    if progress is None and (isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 2):
+        raise ValueError(f"total_steps must be an int >= 2 (or pass progress=...), got {total_steps!r}")
     _check_one_cycle(pct_start, div_factor, final_div_factor)
     if progress is not None:
         return progress_lambda(
             optimizer, lambda p: one_cycle_multiplier(p, pct_start, div_factor, final_div_factor), progress
         )
+    steps = int(total_steps)  # type: ignore[arg-type]  # checked above
     return LambdaLR(
-        optimizer,
-        lambda step: one_cycle_step_multiplier(step, total_steps, pct_start, div_factor, final_div_factor),
+        optimizer, lambda step: one_cycle_step_multiplier(step, steps, pct_start, div_factor, final_div_factor)
     )
 
 
