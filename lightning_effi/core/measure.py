@@ -193,7 +193,7 @@ def mask_tokens(mask: Tensor) -> int | None:
     return int(non_negative if negative or not positive else positive)
 
 
-_warned_masks: set[tuple[int, ...]] = set()  # the mask layouts already warned about (one warning each)
+_warned_masks: set[Any] = set()  # the mask layouts (and unreadable masks) already warned about (one warning each)
 
 
 def find_tokens(batch: Any) -> int | None:
@@ -216,8 +216,15 @@ def find_tokens(batch: Any) -> int | None:
 
         try:
             found = padding_mask(batch)
-        except ValueError:  # a mask the curriculum refuses to read: count the ids
+        except ValueError as err:  # a mask the curriculum refuses to read: count the ids, once said
             found = None
+            if str(err) not in _warned_masks:
+                _warned_masks.add(str(err))
+                warnings.warn(
+                    f"token counting: {err}; counting the size of the token ids, padding included (or define "
+                    "`effi_count_tokens(batch) -> int` on your LightningModule)",
+                    stacklevel=2,
+                )
         real = int(found[2].sum()) if found is not None and tuple(found[2].shape) == tuple(tensor.shape) else 0
         return real if real > 0 else int(tensor.numel())  # no real token: not a padding mask (a placeholder batch)
     tokens = mask_tokens(tensor)

@@ -384,10 +384,10 @@ def padding_mask(batch: Any, keys: Sequence[str] | None = None) -> tuple[Path, T
        ``key_padding_mask`` (True / nonzero = padding), every other name HF's ``attention_mask`` (nonzero = real).
        A float mask is additive when it has a negative value or is all zero (0 = real, negative / ``-inf`` =
        masked, either name), else it must hold only 0 and 1 (read as above).
-    4. in a tuple or list batch (entries have no name): a bool or 0/1 integer ``[B, T]`` entry other than the token
-       ids (:func:`sequence_reference`) whose every row is padded on one side, with one pad id in the ids at the
-       padding positions. Its convention (1 = real or 1 = padding) is the one for which that holds (1 = real when
-       both do).
+    4. in a tuple or list batch (entries have no name): a bool or 0/1 (integer or float) ``[B, T]`` entry other than
+       the token ids (:func:`sequence_reference`) whose every row is padded on one side, with one pad id in the ids
+       at the padding positions. Its convention (1 = real or 1 = padding) is the one for which that holds (1 = real
+       when both do).
 
     None when there is none: then every position counts as real (so a left-padded tuple batch needs its mask in the
     batch).
@@ -439,7 +439,8 @@ def padding_mask(batch: Any, keys: Sequence[str] | None = None) -> tuple[Path, T
     for path, value in leaves:
         if not path or isinstance(path[-1], str) or value is ref or value.ndim != 2:
             continue
-        if value.dtype != torch.bool and not (_is_integer(value) and bool(((value == 0) | (value == 1)).all())):
+        binary = (_is_integer(value) or value.is_floating_point()) and bool(((value == 0) | (value == 1)).all())
+        if value.dtype != torch.bool and not binary:
             continue
         for real in (value != 0, value == 0):
             if _plausible_padding(real, ids):

@@ -513,12 +513,16 @@ def test_find_tokens_reads_the_padding_mask_of_a_tuple_batch() -> None:
     mask = (ids != 0).long()
     y = torch.tensor([1, 0])
     assert find_tokens((ids, mask, y)) == 5 and find_tokens([ids, mask.bool(), y]) == 5
+    assert find_tokens((ids, mask.float(), y)) == 5  # a float 0/1 mask too
     assert find_tokens((ids.flip(1), mask.flip(1), y)) == 5  # left padding
     assert find_tokens((ids, y)) == 10  # no mask: every position
     tags = torch.tensor([[1, 0, 1, 0, 1], [0, 1, 1, 0, 1]])  # 0/1 token labels, not a padding pattern
     assert find_tokens((ids.clamp(min=3), tags)) == 10
     zeros = torch.zeros(2, 5, dtype=torch.long)
     assert find_tokens((zeros, zeros.clone())) == 10  # shapes only (a curriculum's untruncated placeholder)
+    # a mask named against its convention (True at the padding, a name read as 1 = real): the ids, with a warning
+    with pytest.warns(UserWarning, match=r"token counting: seqlen_truncate: the mask 'pad_mask' reads, by its name"):
+        assert find_tokens({"input_ids": ids, "pad_mask": ids == 0}) == 10
 
 
 def test_replay_has_no_side_effects_and_counts_what_the_step_computed() -> None:
