@@ -378,6 +378,7 @@ def find_vcycle_network(
     Raises:
         ValueError (naming ``owner.model_attr``): several candidates (listed; pass ``model_attr``), none (the message
             names the supported architectures, the submodules seen and a deeper submodule an adapter would handle),
+            one network held under two names (make the alias a property),
             ``host.<model_attr>`` missing, not an ``nn.Module`` or frozen (no parameter with ``requires_grad``), no
             adapter for it, another attribute sharing its parameters; an unknown adapter name.
     """
@@ -389,6 +390,14 @@ def find_vcycle_network(
     if model_attr is None:
         handled = [(n, m) for n, m in _children(host) if _handles(adapter, known, m)]
         candidates = [(n, m) for n, m in handled if _trainable(m)]
+        if len(candidates) > 1 and len({id(m) for _, m in candidates}) == 1:
+            names = " and ".join(f"{host_name}.{n}" for n, _ in candidates)
+            raise ValueError(
+                f"{name}: {names} are the same {type(candidates[0][1]).__name__}, held under two names; the V-cycle "
+                "replaces the network at every level change and can update one attribute only, so the other would "
+                "keep the old model. Hold it once and make the alias a property (e.g. "
+                f"@property def {candidates[1][0]}(self): return self.{candidates[0][0]})"
+            )
         if len(candidates) > 1:
             listed = ", ".join(f"{n!r} ({type(m).__name__})" for n, m in candidates)
             raise ValueError(

@@ -608,3 +608,24 @@ def test_a_network_built_after_the_callbacks_setup_is_named_with_the_hook_order(
     with pytest.raises(ValueError, match=r"^VCycleCallback\.model_attr: no attribute of Empty holds") as err:
         VCycleCallback(e_a=2, e_small=3)._find_network(Empty())
     assert "overrides" not in str(err.value)
+
+
+class Aliased(BackboneHead):
+    """One ``GPT2Model`` under two names (``self.net = self.backbone``), as users write it for BackboneFinetuning."""
+
+    def __init__(self) -> None:
+        super().__init__(extra="other")
+        self.net = self.backbone
+
+
+def test_one_network_held_under_two_names_is_named_as_such(tmp_path):
+    """The V-cycle can update one attribute: the error says the two names hold one network and how to alias it (it
+    said the module held several networks, then, with model_attr, that they share parameters)."""
+    with pytest.raises(ValueError) as err:
+        fit(tmp_path, [VCycleCallback(e_a=2, e_small=3)], 8, model=Aliased())
+    assert str(err.value) == (
+        "VCycleCallback.model_attr: Aliased.backbone and Aliased.net are the same GPT2Model, held under two names; the "
+        "V-cycle replaces the network at every level change and can update one attribute only, so the other would "
+        "keep the old model. Hold it once and make the alias a property (e.g. @property def net(self): return "
+        "self.backbone)"
+    )
