@@ -421,8 +421,8 @@ def test_a_second_reference_to_the_network_is_refused():
     with pytest.raises(ValueError, match=r"UserLM\.head share\(s\) parameters with UserLM\.net.* through self\.net"):
         find_vcycle_network(module)
     module = UserLM()
-    module.alias = module.net  # the same network under two names: two candidates, and sharing once one is chosen
-    with pytest.raises(ValueError, match="several networks"):
+    module.alias = module.net  # the same network under two names: named as such, and sharing once one is chosen
+    with pytest.raises(ValueError, match=r"UserLM\.net and UserLM\.alias are the same GPT2LMHeadModel, held under"):
         find_vcycle_network(module)
     with pytest.raises(ValueError, match=r"UserLM\.alias share\(s\) parameters with UserLM\.net"):
         find_vcycle_network(module, "net")
