@@ -418,7 +418,8 @@ def _check_runs(runs: Sequence[Run]) -> None:
             raise ReportError(
                 f"{len(same)} runs of arm {arm!r}, budget {budget:g}, seed {seed}: "
                 f"{', '.join(str(r.path) for r in same)}; a report compares one run per arm, budget and seed "
-                "(label variants with +arm=<name>, or report their folders separately)"
+                "(label variants with +arm=<name>, a baseline's with +arm=baseline_<name> to keep them on the "
+                "frontier, or report their folders separately)"
             )
 
 
