@@ -220,20 +220,10 @@ def test_a_checkpoint_of_another_loader_is_refused_naming_it(tmp_path):
     remedies, instead of a raw KeyError."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_effi import Curriculum, CurriculumDataModule
-    from tests.helpers.harness import make_trainer
-    from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+    from tests.helpers.tiny import tiny_lm_data
 
-    metric = dict(
-        difficulty_type="value",
-        clustering_type="single_cluster",
-        min_difficulty=4,
-        max_difficulty=16,
-        schedule_type="fixed_linear",
-        schedule_config=dict(total_curriculum_step=20, difficulty_step=4),
-    )
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    first = make_trainer(tmp_path / "a", [Curriculum(metrics={"seqlen_truncate": metric}), ckpt], max_steps=3)
+    first = make_trainer(tmp_path / "a", [Curriculum(metrics={"seqlen_truncate": TRUNCATE}), ckpt], max_steps=3)
     first.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data()))
     second = make_trainer(tmp_path / "b", max_steps=6)
     with pytest.raises(ValueError, match=r"the checkpoint holds another loader's state \(keys \[\], not this loader's"):
