@@ -146,7 +146,7 @@ class VCycleCallback(Callback):
             must exist at this callback's ``setup``: built in ``__init__`` (Lightning runs ``LightningModule.setup``
             and ``configure_model`` after the callbacks' ``setup``); when the width changes it must hold its own head
             (trainable parameters of the module outside it with an axis of its hidden size are refused, frozen ones
-            warned of).
+            warned of, unless named in ``unrelated_params``).
         adapter: ``"auto"``, a registered V-cycle adapter name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an instance.
         lr_schedule: ``"continue"``: each rebuilt scheduler continues the one it replaces (stepped as often as it was:
             one LR curve, warmup in the first stage only, step- and epoch-interval alike; a ``ReduceLROnPlateau``
@@ -165,6 +165,13 @@ class VCycleCallback(Callback):
             a level change never maps non-finite weights: it raises
             :class:`~lightning_effi.vcycle.levels.NonFiniteWeightsError` naming the switch, the stage and the first
             non-finite parameter.
+        unrelated_params: names of the LightningModule's parameters outside the network, or ``fnmatch`` patterns
+            (``["side.*"]``), that neither read nor feed the network's hidden states (a side branch over other
+            features that happens to share the hidden width). The check for a head outside a network whose width
+            changes goes by shape (an axis of the hidden size), so such a branch would be refused; the parameters
+            named here are left out of that check and are trained as they are at every level. Each entry must match a
+            parameter outside the network (else ``ValueError`` at ``setup``). A parameter named here that does read the
+            hidden states fails at the first coarse step with a shape error, which then names it.
         **deprecated: ``e_a_steps``, ``e_a_fraction``, ``e_a_epochs``, ``e_small_*``, ``up_leg_*``: the old spellings
             of the three lengths, accepted for one release with a ``DeprecationWarning``; any other keyword raises
             ``TypeError``.
@@ -219,7 +226,8 @@ class VCycleCallback(Callback):
             ``up_leg``) given as a fraction that resolves to 0 steps outside ``fast_dev_run``
             (:meth:`_refuse_untrained_levels`), with ``width_scheme`` changing the width: trainable parameters of the
             module outside the network with an axis of its hidden size (a head of the module's own over a ``GPT2Model``:
-            :meth:`_check_outside_width`); with a progress clock (a technique that changes the epoch lengths): stage
+            :meth:`_check_outside_width`), an ``unrelated_params`` entry that matches no parameter outside the network;
+            with a progress clock (a technique that changes the epoch lengths): stage
             lengths in optimizer steps mixed with fractions or epochs, steps that do not fit in its
             ``effi_min_total_steps()``, fractions and epochs that add up to more than the run, epochs without
             ``max_epochs``; (resume, before the weights load) a checkpoint written by a V-cycle with another number of
@@ -291,6 +299,7 @@ class VCycleCallback(Callback):
         strict: bool = True,
         baseline_steps: int | None = None,
         nonfinite_loss: str = "raise",
+        unrelated_params: Sequence[str] = (),
         **deprecated: Any,
     ) -> None:
         name = type(self).__name__
@@ -310,6 +319,7 @@ class VCycleCallback(Callback):
             model_attr=model_attr,
             strict=strict,
             baseline_steps=baseline_steps,
+            unrelated_params=unrelated_params,
             deprecated=deprecated,
             stacklevel=3,
         )
@@ -326,6 +336,7 @@ class VCycleCallback(Callback):
         self.model_attr_arg: str | None = args.model_attr  # None: found in setup
         self.model_attr: str | None = args.model_attr  # the attribute in use (resolved in setup)
         self.strict, self.baseline_steps = args.strict, args.baseline_steps
+        self.unrelated_params: tuple[str, ...] = args.unrelated_params
         # resolved in setup / on_train_start
         self.adapter: VCycleAdapter | None = None
         self._stack = LevelStack(self.levels, name)  # the models of the levels: plans, parked modules, snapshots
@@ -356,7 +367,7 @@ class VCycleCallback(Callback):
         # a fit that raised below level 1: the level, its exact weights and the snapshots, still reported by state_dict
         # and on_save_checkpoint after on_exception put the full-size network back (OnExceptionCheckpoint)
         self._interrupted: dict[str, Any] | None = None
-        self._frozen_outside: tuple[list[str], int, Any] | None = None
+        self._frozen_outside: tuple[list[str], list[str], int, Any] | None = None
 
     def __repr__(self) -> str:
         """Every constructor argument (new spelling; a length as random-LTD's ``require_steps``: an int of steps, else
@@ -505,16 +516,26 @@ class VCycleCallback(Callback):
         networks an adapter handles (a teacher, a second tower trained alongside) make and read their own hidden
         states and are not counted. Frozen parameters of that width outside the network get a warning naming them
         (a frozen head would fail the same way; a frozen table the forward does not use is fine), and are remembered
-        so that a shape error at a coarse level names them (:meth:`on_exception`).
+        so that a shape error at a coarse level names them (:meth:`on_exception`). The check goes by shape, so the
+        parameters named in ``unrelated_params`` (a side branch that shares the width) are left out of it; those of
+        the hidden width are remembered for the shape error's note too.
 
         Raises:
             ValueError: naming the parameters and their shapes, the widths, and the remedies (the head inside the
-                network, or ``width_scheme=None``).
+                network, ``width_scheme=None``, or ``unrelated_params``); an ``unrelated_params`` entry that matches
+                no parameter outside the network (:meth:`_match_unrelated`).
         """
         from lightning_effi.models.vcycle_base import holds_vcycle_network
 
         self._frozen_outside = None
-        if self.width_scheme is None or not self._stack.plans or self.model_attr is None:
+        if self.model_attr is None:
+            return
+        attr = self.model_attr
+        network = getattr(pl_module, attr)
+        own = {id(p) for p in network.parameters()}
+        names = {n: p for n, p in pl_module.named_parameters() if id(p) not in own}
+        declared = self._match_unrelated(pl_module, names)
+        if self.width_scheme is None or not self._stack.plans:
             return
         info = self._stack.plans[0].info
         large, small = info.get("large"), info.get("small")
@@ -523,26 +544,25 @@ class VCycleCallback(Callback):
         hidden, coarse = large.get("hidden"), small.get("hidden")
         if not isinstance(hidden, int) or hidden == coarse:
             return
-        attr = self.model_attr
-        network = getattr(pl_module, attr)
-        own = {id(p) for p in network.parameters()}
         others = {n for n, m in pl_module.named_children() if n != attr and holds_vcycle_network(m)}
         wide = [
             (f"{n} {list(p.shape)}", p.requires_grad)
-            for n, p in pl_module.named_parameters()
-            if id(p) not in own and n.split(".")[0] not in others and hidden in p.shape
+            for n, p in names.items()
+            if n.split(".")[0] not in others and hidden in p.shape and n not in declared
         ]
+        unrelated = [f"{n} {list(p.shape)}" for n, p in names.items() if n in declared and hidden in p.shape]
         outside = [n for n, trainable in wide if trainable]
         frozen = [n for n, trainable in wide if not trainable]
         host, name = type(pl_module).__name__, type(self).__name__
-        self._frozen_outside = (frozen, hidden, coarse) if frozen else None
+        self._frozen_outside = (frozen, unrelated, hidden, coarse) if frozen or unrelated else None
         if frozen and not outside:
             listed = ", ".join(frozen[:5]) + (f" and {len(frozen) - 5} more" if len(frozen) > 5 else "")
             rank_zero_warn(
                 f"{name}: width_scheme={self.width_scheme!r} changes the hidden size of pl_module.{attr} from {hidden} "
                 f"to {coarse} at level 2, and {host} holds frozen parameters outside that network with a {hidden}-wide "
                 f"axis: {listed}. If they read or feed the network's hidden states (a frozen head), level 2 fails at "
-                "its first step with a shape error: put the head inside the network, or pass width_scheme=None"
+                "its first step with a shape error: put the head inside the network, or pass width_scheme=None; if "
+                "they do not (a table the forward never uses), name them in unrelated_params to silence this"
             )
         if not outside:
             return
@@ -555,8 +575,41 @@ class VCycleCallback(Callback):
             "at the first level change, e.g. 'mat1 and mat2 shapes cannot be multiplied'). Put the head inside the "
             "network (a model with its own head, e.g. GPT2LMHeadModel, GPT2ForSequenceClassification, "
             f"BertForSequenceClassification, a timm ViT with num_classes), or pass width_scheme=None (depth only: the "
-            f"width stays {hidden})"
+            f"width stays {hidden}); parameters that do not touch its hidden states (a side branch over other features "
+            f"of the same width) can be named in unrelated_params=[...] (names or patterns such as 'side.*')"
         )
+
+    def _match_unrelated(self, pl_module: pl.LightningModule, outside: Mapping[str, Any]) -> set[str]:
+        """The names of the parameters outside the network that ``unrelated_params`` names (exact names or
+        ``fnmatch`` patterns).
+
+        Raises:
+            ValueError: an entry that matches no parameter outside the network (naming it, and whether it matches
+                parameters of the network itself, with the names it could mean).
+        """
+        import fnmatch
+
+        declared: set[str] = set()
+        for pattern in self.unrelated_params:
+            hits = {n for n in outside if n == pattern or fnmatch.fnmatchcase(n, pattern)}
+            if hits:
+                declared |= hits
+                continue
+            host, name = type(pl_module).__name__, type(self).__name__
+            inside = [
+                f"{self.model_attr}.{n}"
+                for n, _ in getattr(pl_module, str(self.model_attr)).named_parameters()
+                if fnmatch.fnmatchcase(f"{self.model_attr}.{n}", pattern)
+            ]
+            where = (
+                f"it matches only parameters of the network pl_module.{self.model_attr} itself ({inside[0]}, ...), "
+                "which the V-cycle coalesces"
+                if inside
+                else f"the parameters of {host} outside pl_module.{self.model_attr} are: "
+                + (", ".join(list(outside)[:8]) + (f" and {len(outside) - 8} more" if len(outside) > 8 else "") or "none")
+            )
+            raise ValueError(f"{name}.unrelated_params: {pattern!r} matches no parameter of {host} outside the network; {where}")
+        return declared
 
     def _refuse_untrained_levels(
         self, trainer: pl.Trainer, stages: Sequence[tuple[int, int]] | None, at_setup: bool
@@ -739,12 +792,17 @@ class VCycleCallback(Callback):
             return
         if not any(word in str(exception) for word in ("shape", "size")):
             return  # not a shape mismatch (e.g. out of memory)
-        frozen, hidden, coarse = self._frozen_outside
+        frozen, unrelated, hidden, coarse = self._frozen_outside
+        named = []
+        if frozen:
+            named.append(f"the frozen parameters outside it with a {hidden}-wide axis ({', '.join(frozen[:5])})")
+        if unrelated:
+            named.append(f"the {hidden}-wide parameters named in unrelated_params ({', '.join(unrelated[:5])})")
         exception.add_note(
             f"{type(self).__name__}: this step ran at level {self._stack.level}, where pl_module.{self.model_attr} is "
-            f"{coarse} wide (full width {hidden}); the frozen parameters outside it with a {hidden}-wide axis "
-            f"({', '.join(frozen[:5])}) cannot read its states. Put the head inside the network, or pass "
-            "width_scheme=None (depth only)"
+            f"{coarse} wide (full width {hidden}); {' and '.join(named)} cannot read its states. Put the head inside "
+            "the network, or pass width_scheme=None (depth only)"
+            + ("; take from unrelated_params what reads or feeds its hidden states" if unrelated else "")
         )
 
     def _release(self) -> None:

@@ -176,6 +176,7 @@ class VCycleArgs:
     model_attr: str | None
     strict: bool
     baseline_steps: int | None
+    unrelated_params: tuple[str, ...] = ()
 
 
 def _duration(owner: str, key: str, value: Any) -> Duration:
@@ -264,6 +265,7 @@ def check_arguments(
     model_attr: Any = None,
     strict: Any = True,
     baseline_steps: Any = None,
+    unrelated_params: Any = (),
     deprecated: Mapping[str, Any] | None = None,
     stacklevel: int = 2,
 ) -> VCycleArgs:
@@ -334,6 +336,14 @@ def check_arguments(
         raise ValueError(f"{owner}.model_attr must be an attribute name or None (found in setup), got {model_attr!r}")
     if baseline_steps is not None:  # None: a baseline as long as this run
         baseline_steps = check_int(owner, "baseline_steps", baseline_steps, minimum=1)
+    unrelated = plain(unrelated_params if unrelated_params is not None else ())
+    if isinstance(unrelated, str):
+        unrelated = [unrelated]
+    if not isinstance(unrelated, (list, tuple)) or not all(isinstance(u, str) and u.strip() for u in unrelated):
+        raise ValueError(
+            f"{owner}.unrelated_params must be a list of parameter names of the LightningModule or fnmatch patterns "
+            f"(e.g. ['side.*']), got {unrelated_params!r}"
+        )
     return VCycleArgs(
         levels=levels,
         e_a=lengths["e_a"],
@@ -348,6 +358,7 @@ def check_arguments(
         model_attr=model_attr,
         strict=check_bool(owner, "strict", strict),
         baseline_steps=None if baseline_steps is None else int(baseline_steps),
+        unrelated_params=tuple(u.strip() for u in unrelated),
     )
 
 

@@ -531,7 +531,8 @@ def test_a_head_outside_a_network_whose_width_changes_is_refused_at_setup(tmp_pa
         "read or feed its hidden states: head.weight [64, 32]. The V-cycle coalesces only pl_module.backbone"
     )
     assert "Put the head inside the network (a model with its own head, e.g. GPT2LMHeadModel" in msg
-    assert msg.endswith("or pass width_scheme=None (depth only: the width stays 32)")
+    assert "or pass width_scheme=None (depth only: the width stays 32); parameters that do not touch its hidden " in msg
+    assert msg.endswith("can be named in unrelated_params=[...] (names or patterns such as 'side.*')")
     assert steps.started == []
     cb = VCycleCallback(e_a=2, e_small=3, width_scheme=None)
     _, model = fit(tmp_path / "b", [cb], 8, model=BackboneHead())
@@ -556,6 +557,89 @@ def test_a_frozen_head_outside_a_network_whose_width_changes_is_named_at_setup_a
         "parameters outside it with a 32-wide axis (head.weight [64, 32]) cannot read its states. Put the head inside "
         "the network, or pass width_scheme=None (depth only)"
     ]
+
+
+class SideBranch(pl.LightningModule):
+    """A ``GPT2LMHeadModel`` (32 wide, its own head) and a side branch of the module's own over other features that
+    happens to share the width: ``side = nn.Linear(8, 32)`` then ``side_out = nn.Linear(32, 1)``, an auxiliary loss on
+    features that never meet the network's hidden states. ``wired=True``: the branch reads the network's last hidden
+    state instead (``side_out`` over the network's output), which a coarse level cannot feed."""
+
+    def __init__(self, wired: bool = False) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        self.net = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_layer=2, n_embd=32, n_head=2))
+        self.side, self.side_out, self.wired = nn.Linear(8, 32), nn.Linear(32, 1), wired
+
+    def training_step(self, batch, batch_idx):
+        x = batch["input_ids"]
+        out = self.net(input_ids=x, labels=x, output_hidden_states=self.wired)
+        feats = out.hidden_states[-1].mean(1) if self.wired else self.side(x[:, :8].float() / 64)
+        return out.loss + self.side_out(torch.relu(feats)).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_side_branch_of_the_hidden_width_is_refused_by_shape_and_trains_when_named_unrelated(tmp_path):
+    """The head check goes by shape: a side branch of the module's own that shares the network's width (32) but never
+    touches its hidden states is refused at setup, naming it and the way out (``unrelated_params``). Named there (by
+    name and by pattern) the V-cycle runs the whole cycle: the network is back at 32 wide and the branch trained at
+    every level (its weights moved, shapes unchanged). A branch named there that does read the hidden states fails at
+    the first coarse step with the shape error, whose note names it."""
+    with pytest.raises(ValueError) as err:
+        fit(tmp_path / "a", [VCycleCallback(e_a=2, e_small=3)], 8, model=SideBranch())
+    assert "outside that network with a 32-wide axis, which read or feed its hidden states: side.weight [32, 8], " \
+        "side.bias [32], side_out.weight [1, 32]" in str(err.value)
+    assert "unrelated_params=[...]" in str(err.value)
+    for names in (["side.weight", "side.bias", "side_out.weight"], ["side*"]):
+        model = SideBranch()
+        before = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("side")}
+        cb = VCycleCallback(e_a=2, e_small=3, unrelated_params=names)
+        fit(tmp_path / str(len(names)), [cb], 8, model=model)
+        assert cb.switches == 2 and cb.level == 1 and model.net.config.n_embd == 32
+        after = {k: v for k, v in model.state_dict().items() if k.startswith("side")}
+        assert all(after[k].shape == before[k].shape and not torch.equal(after[k], before[k]) for k in before)
+    steps = Steps()
+    with pytest.raises(RuntimeError) as err:
+        fit(tmp_path / "w", [steps, VCycleCallback(e_a=2, e_small=3, unrelated_params=["side*"])], 8,
+            model=SideBranch(wired=True))
+    assert steps.started == [0, 1, 2]  # level 1 trained; the first level-2 step failed
+    assert err.value.__notes__ == [
+        "VCycleCallback: this step ran at level 2, where pl_module.net is 16 wide (full width 32); the 32-wide "
+        "parameters named in unrelated_params (side.weight [32, 8], side.bias [32], side_out.weight [1, 32]) cannot read its states. Put the head inside "
+        "the network, or pass width_scheme=None (depth only); take from unrelated_params what reads or feeds its "
+        "hidden states"
+    ]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (["sied.*"], r"^VCycleCallback\.unrelated_params: 'sied\.\*' matches no parameter of SideBranch outside the "
+         r"network; the parameters of SideBranch outside pl_module\.net are: side\.weight, side\.bias, "
+         r"side_out\.weight, side_out\.bias$"),
+        (["net.transformer.h.*"], r"^VCycleCallback\.unrelated_params: 'net\.transformer\.h\.\*' matches no parameter "
+         r"of SideBranch outside the network; it matches only parameters of the network pl_module\.net itself "
+         r"\(net\.transformer\.h\.0\.ln_1\.weight, \.\.\.\), which the V-cycle coalesces$"),
+    ],
+)
+def test_an_unrelated_params_entry_that_names_nothing_outside_the_network_is_refused_at_setup(tmp_path, value, message):
+    """A typo, or a pattern that names the network's own parameters, is refused at setup before any step (it would
+    otherwise leave the head check in force, or claim to exempt what the V-cycle coalesces)."""
+    steps = Steps()
+    with pytest.raises(ValueError, match=message):
+        fit(tmp_path, [steps, VCycleCallback(e_a=2, e_small=3, unrelated_params=value)], 8, model=SideBranch())
+    assert steps.started == []
+
+
+@pytest.mark.parametrize("value", [[""], [3], {"side": 1}, 5])
+def test_unrelated_params_must_be_a_list_of_names(value):
+    with pytest.raises(ValueError, match=r"^VCycleCallback\.unrelated_params must be a list of parameter names"):
+        VCycleCallback(e_a=2, e_small=3, unrelated_params=value)
+    assert VCycleCallback(e_a=2, e_small=3, unrelated_params="side.*").unrelated_params == ("side.*",)
 
 
 # ------------------------------------------------------------------------------------------------ hook order
