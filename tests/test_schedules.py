@@ -64,8 +64,20 @@ def _stepped(scheduler_factory, steps):
             ],
             milestones=[5],
         ),
+        lambda o: torch.optim.lr_scheduler.ChainedScheduler(
+            [
+                torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, end_factor=1.0, total_iters=5),
+                torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=20, eta_min=0.0),
+            ]
+        ),
+        lambda o: torch.optim.lr_scheduler.ChainedScheduler(
+            [
+                torch.optim.lr_scheduler.PolynomialLR(o, total_iters=20, power=1.0),
+                torch.optim.lr_scheduler.LinearLR(o, start_factor=1.0, end_factor=0.5, total_iters=10),
+            ]
+        ),
     ],
-    ids=["lambda", "cosine", "linear", "polynomial", "warmup_then_cosine"],
+    ids=["lambda", "cosine", "linear", "polynomial", "warmup_then_cosine", "chained_warmup_cosine", "chained_polynomial_linear"],
 )
 def test_multipliers_between_match_the_stepped_scheduler_and_see_an_unfinished_schedule(factory):
     """Read without stepping, the multipliers at steps 14 and 20 equal those torch gives when stepped there; a
@@ -89,6 +101,15 @@ def test_multipliers_between_is_none_for_schedules_without_a_length_to_read():
     assert multipliers_between(progress_lambda(opt, lambda p: 1.0 - p, lambda: 0.3), 10, 20) is None
     assert multipliers_between(torch.optim.lr_scheduler.StepLR(opt, step_size=5), 10, 20) is None
     assert multipliers_between(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s - 10)), 10, 20) is None
+    # a chain with a member that is not read, or one that does not scale by ratios (a LambdaLR resets the LR at every
+    # step, a cosine's floor adds) is not read either
+    lin = lambda: torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.1, total_iters=20)  # noqa: E731
+    for other in (
+        torch.optim.lr_scheduler.StepLR(opt, step_size=5),
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20, eta_min=0.1),
+    ):
+        assert multipliers_between(torch.optim.lr_scheduler.ChainedScheduler([lin(), other]), 10, 20) is None
     with pytest.raises(ValueError, match="expected 0 <= start < end, got start=5, end=5"):
         multipliers_between(torch.optim.lr_scheduler.StepLR(opt, step_size=5), 5, 5)
 

@@ -247,7 +247,7 @@ def _multiplier_fn(scheduler: object) -> Callable[[int], float] | None:
     :func:`multipliers_between`)."""
     import bisect
 
-    from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, PolynomialLR, SequentialLR
+    from torch.optim.lr_scheduler import ChainedScheduler, CosineAnnealingLR, LinearLR, PolynomialLR, SequentialLR
 
     if isinstance(scheduler, LambdaLR):
         fn = scheduler.lr_lambdas[0]
@@ -276,6 +276,21 @@ def _multiplier_fn(scheduler: object) -> Callable[[int], float] | None:
             return child(step - (milestones[index - 1] if index else 0))
 
         return sequential
+    if isinstance(scheduler, ChainedScheduler):  # all step together, each scaling the LR the one before it set
+        members = list(scheduler._schedulers)
+        chainable = all(
+            isinstance(m, (LinearLR, PolynomialLR)) or (isinstance(m, CosineAnnealingLR) and float(m.eta_min) == 0.0)
+            for m in members
+        )  # these step by ratios of the LR they find, so they multiply; a LambdaLR resets it to base_lr * lambda at
+        # every step and a cosine's eta_min adds a floor: neither is a product
+        factors = [_multiplier_fn(m) for m in members]
+        if not members or not chainable or any(f is None for f in factors):
+            return None
+
+        def chained(step: int) -> float:
+            return math.prod(f(step) for f in factors if f is not None)
+
+        return chained
     return None
 
 
@@ -285,7 +300,9 @@ def multipliers_between(scheduler: object, start: int, end: int) -> tuple[float,
 
     Read without stepping: a ``LambdaLR``'s lambda called at both steps (a schedule on a technique's progress ignores
     the step and gives one value); ``CosineAnnealingLR``, ``LinearLR`` and ``PolynomialLR`` from their closed forms; a
-    ``SequentialLR`` of these (e.g. a linear warmup then a cosine) through the child in charge at each step. None for
+    ``SequentialLR`` of these (e.g. a linear warmup then a cosine) through the child in charge at each step; a
+    ``ChainedScheduler`` as the product of its members' multipliers when they scale the LR by ratios (``LinearLR``,
+    ``PolynomialLR``, ``CosineAnnealingLR`` with ``eta_min=0``; not a ``LambdaLR``, which resets the LR). None for
     other schedulers (their length is not a number to read) and for a lambda that raises. Used to tell a
     step-interval schedule sized for more steps than the run will take (InfoBatch's shortened epochs).
     """
