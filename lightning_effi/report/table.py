@@ -82,6 +82,7 @@ COLUMNS: tuple[str, ...] = (
     "frontier_wall_s_mean",
     "frontier_wall_saving_mean",
     "frontier_wall_saving_std",
+    "frontier_wall_factor_mean",
     "frontier_wall_n",
     "frontier_wall_flag",
     "note",
@@ -224,7 +225,12 @@ class Report:
                         row["frontier_factor_mean"],
                     )
                     + _of(row["frontier_n"], seeds),
-                    _pct(row["frontier_wall_saving_mean"], row["frontier_wall_saving_std"], row["frontier_wall_flag"])
+                    _pct(
+                        row["frontier_wall_saving_mean"],
+                        row["frontier_wall_saving_std"],
+                        row["frontier_wall_flag"],
+                        row["frontier_wall_factor_mean"],
+                    )
                     + _of(row["frontier_wall_n"], seeds),
                 ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -661,6 +667,11 @@ def _reading(
     return out
 
 
+def _factor(mean_saving: float) -> float:
+    """The factor of a mean saving, ``1 / (1 - mean)`` (NaN when the mean is NaN or a saving of 100% or more)."""
+    return 1.0 / (1.0 - mean_saving) if math.isfinite(mean_saving) and mean_saving < 1.0 else math.nan
+
+
 def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[str, Any]]) -> dict[str, Any]:
     readings = [by_run[id(r)] for r in runs]
 
@@ -701,12 +712,13 @@ def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[st
         "frontier_saving_std": fs.std,
         # the factor of the mean saving (1 / (1 - mean)): the mean of per-seed factors can read above 1x while the
         # mean saving is negative (1 / (1 - s) is convex), and the cell shows both
-        "frontier_factor_mean": 1.0 / (1.0 - fs.mean) if math.isfinite(fs.mean) and fs.mean < 1.0 else math.nan,
+        "frontier_factor_mean": _factor(fs.mean),
         "frontier_n": fs.n,
         "frontier_flag": _flag([rd["frontier_flag"] for rd in readings if rd["frontier_flag"]]),
         "frontier_wall_s_mean": fw.mean,
         "frontier_wall_saving_mean": fws.mean,
         "frontier_wall_saving_std": fws.std,
+        "frontier_wall_factor_mean": _factor(fws.mean),
         "frontier_wall_n": fws.n,
         "frontier_wall_flag": _flag([rd["frontier_wall_flag"] for rd in readings if rd["frontier_wall_flag"]]),
         "note": "; ".join(notes),
