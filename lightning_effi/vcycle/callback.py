@@ -380,7 +380,8 @@ class VCycleCallback(Callback):
             f"alpha_original={self.alpha_arg!r}, lr_multiplier={self.lr_multiplier!r}, "
             f"embedding_convention={self.embedding_convention!r}, model_attr={self.model_attr_arg!r}, "
             f"adapter={self.adapter_arg!r}, lr_schedule={self.lr_schedule!r}, strict={self.strict!r}, "
-            f"baseline_steps={self.baseline_steps!r}, nonfinite_loss={self.nonfinite_loss!r})"
+            f"baseline_steps={self.baseline_steps!r}, nonfinite_loss={self.nonfinite_loss!r}, "
+            f"unrelated_params={list(self.unrelated_params)!r})"
         )
 
     @property
@@ -744,11 +745,12 @@ class VCycleCallback(Callback):
 
     def _compare_config(self, state: Mapping[str, Any]) -> None:
         """The checkpoint's configuration against this callback's, but for the stages and the clock (compared at train
-        start, once the run's length and clock are known): :func:`~lightning_effi.core.state.config_mismatch`. An
+        start, once the run's length and clock are known) and ``unrelated_params`` (a check at setup, free to change
+        on resume): :func:`~lightning_effi.core.state.config_mismatch`. An
         argument left to be resolved automatically (``alpha_original`` or ``model_attr`` None) and not resolved yet
         (before ``setup("fit")``) matches any value: None stands for the value it will resolve to, not for None."""
         now = self.config()
-        skip = {"stages", "clock", *(k for k in _AUTO_ARGUMENTS if now[k] is None)}
+        skip = {"stages", "clock", "unrelated_params", *(k for k in _AUTO_ARGUMENTS if now[k] is None)}
         saved = {k: v for k, v in state["config"].items() if k not in skip}
         if diff := settings_diff(saved, {k: v for k, v in now.items() if k not in skip}):
             config_mismatch(
@@ -1202,6 +1204,7 @@ class VCycleCallback(Callback):
             "lr_multiplier": {str(k): v for k, v in sorted(self.lr_multiplier.items())},
             "lr_schedule": self.lr_schedule,
             "clock": self.clock,
+            "unrelated_params": list(self.unrelated_params),  # recorded; not compared on resume (a setup check only)
         }
 
     @override

@@ -471,6 +471,7 @@ def test_old_spelling_warns_with_its_replacement():
             lr_schedule="restart",
             strict=False,
             baseline_steps=100,
+            unrelated_params=["side.*", "aux.weight"],
         ),
         dict(levels=4, e_a="0.05dur", e_small=7, up_leg="2ep", depth_scheme=None),
     ],
@@ -492,6 +493,7 @@ def test_repr_evaluates_to_an_equal_callback(kwargs):
         "width_scheme",
         "depth_scheme",
         "embedding_convention",
+        "unrelated_params",
     ):
         assert getattr(again, name) == getattr(cb, name), name
     with pytest.warns(DeprecationWarning):

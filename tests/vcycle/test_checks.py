@@ -368,7 +368,7 @@ def test_nan_loss_warn_counts_logs_and_reports(tmp_path, monkeypatch):
     assert capture.series("effi/nonfinite_losses")[-1] == (6, 2.0)  # after the last optimizer step
     assert infos.count("VCycleCallback: 2 non-finite training losses (the first at step 2)") == 1
     assert cb.state_dict()["nonfinite_loss"] == {"count": 2, "first_step": 2}
-    assert repr(cb).endswith("nonfinite_loss='warn')")
+    assert repr(cb).endswith("nonfinite_loss='warn', unrelated_params=[])")
 
 
 def test_nan_loss_count_is_restored_exactly_on_resume(tmp_path):
@@ -602,6 +602,10 @@ def test_a_side_branch_of_the_hidden_width_is_refused_by_shape_and_trains_when_n
         assert cb.switches == 2 and cb.level == 1 and model.net.config.n_embd == 32
         after = {k: v for k, v in model.state_dict().items() if k.startswith("side")}
         assert all(after[k].shape == before[k].shape and not torch.equal(after[k], before[k]) for k in before)
+        assert cb.config()["unrelated_params"] == names  # recorded with the technique's settings (result.json)
+    # a check at setup, not a setting of the cycle: a resume with other names is not a configuration change
+    other = VCycleCallback(e_a=2, e_small=3, unrelated_params=["side_out.*"])
+    other._compare_config({"config": cb.config()})  # strict: raises on any compared difference
     steps = Steps()
     with pytest.raises(RuntimeError) as err:
         fit(tmp_path / "w", [steps, VCycleCallback(e_a=2, e_small=3, unrelated_params=["side*"])], 8,
