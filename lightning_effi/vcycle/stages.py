@@ -179,6 +179,30 @@ class VCycleArgs:
     unrelated_params: tuple[str, ...] = ()
 
 
+def _scheme(owner: str, key: str, value: Any, names: tuple[str, ...]) -> Any:
+    """A width or depth scheme: None, one of ``names``, or explicit groups (a list of non-empty lists of integer
+    indices; whether they partition the model's units is checked in ``setup``, against its sizes)."""
+    value = plain(value)
+    if value is None or (isinstance(value, str) and value in names):
+        return value
+    groups = (
+        not isinstance(value, (str, bytes))
+        and isinstance(value, Sequence)
+        and len(value) > 0
+        and all(
+            not isinstance(g, (str, bytes)) and isinstance(g, Sequence) and len(g) > 0 and all(is_int(j) for j in g)
+            for g in value
+        )
+    )
+    if not groups:
+        allowed = " | ".join(repr(n) for n in names)
+        raise ValueError(
+            f"{owner}.{key} must be {allowed}, None (keep the model's {key.split('_')[0]}) or explicit groups of "
+            f"indices such as [[0, 1], [2, 3]], got {value!r}"
+        )
+    return value
+
+
 def _duration(owner: str, key: str, value: Any) -> Duration:
     """A new-style stage length: steps or epochs >= 1, or a fraction of the run in [0, 1]."""
     d = Duration.parse(value, f"{owner}.{key}", units=("step", "epoch", "fraction"))
@@ -330,6 +354,8 @@ def check_arguments(
         if not is_real(v) or v <= 0:  # kept: tests assert this message
             raise ValueError(f"{owner}.lr_multiplier[{level}] must be a number > 0, got {v!r}")
         mult[level] = float(v)
+    width_scheme = _scheme(owner, "width_scheme", width_scheme, ("half",))
+    depth_scheme = _scheme(owner, "depth_scheme", depth_scheme, ("adjacent", "half"))
     check_choice(owner, "embedding_convention", embedding_convention, EMBEDDING_CONVENTIONS)
     check_choice(owner, "lr_schedule", lr_schedule, ("continue", "restart"))
     if model_attr is not None and (not isinstance(model_attr, str) or not model_attr.isidentifier()):
@@ -349,8 +375,8 @@ def check_arguments(
         e_a=lengths["e_a"],
         e_small=lengths["e_small"],
         up_leg=lengths.get("up_leg"),
-        width_scheme=plain(width_scheme),
-        depth_scheme=plain(depth_scheme),
+        width_scheme=width_scheme,
+        depth_scheme=depth_scheme,
         alpha_original=None if alpha_original is None else float(alpha_original),
         lr_multiplier=mult,
         embedding_convention=embedding_convention,
