@@ -161,6 +161,7 @@ def read_run(file: Path) -> Run:
     budget = float(_require(record, "budget", number, file, "the budget, a number"))
     if not (math.isfinite(budget) and budget > 0):
         raise ReportError(f"{file}: 'budget' must be a positive number, got {budget!r}")
+    budget = budget_key(budget)
     seed = _require(record, "seed", int, file, "the seed, an int")
     techniques = _require(record, "techniques", dict, file, "technique name -> config, an object")
     metric_name = _require(record, "optimized_metric", str, file, "the optimized metric's name, a string")
@@ -248,6 +249,12 @@ def jobs_without_result(paths: Iterable[str | Path]) -> list[Path]:
             if hydra_dir.is_dir() and not (job / RESULT_FILE).exists():
                 out.append(job)
     return out
+
+
+def budget_key(budget: float) -> float:
+    """``budget`` rounded to 12 significant digits: runs group by ``(arm, budget)``, and one budget reached by two
+    float computations (``0.1 * 3`` and ``3 / 10``) must be one budget."""
+    return float(f"{float(budget):.12g}")
 
 
 def load_runs(paths: Iterable[str | Path]) -> list[Run]:

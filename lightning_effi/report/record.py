@@ -28,9 +28,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
-from lightning_effi.core.checks import is_int
+from lightning_effi.core.checks import is_int, is_real
 from lightning_effi.report.frontier import check_mode
-from lightning_effi.report.load import SCHEMA, json_safe
+from lightning_effi.report.load import SCHEMA, budget_key, json_safe
 
 __all__ = ["TECHNIQUE_HOOKS", "make_record", "save_record", "scalar_metrics", "stopped_early", "write_result"]
 
@@ -81,9 +81,10 @@ def write_result(
         seed: the run's seed (an int in ``[0, 2**32)``); None reads the one ``pl.seed_everything`` set
             (``PL_GLOBAL_SEED``).
         budget: the fraction of the experiment's reference length this run trained (> 0; the baseline frontier
-            is its runs at several budgets). arm: the run's label; None: ``"baseline"`` without a technique, else the
-            techniques' names joined by ``+``. task_name: runs of one comparison share it (the report refuses to
-            mix tasks). metrics: more final scalar metrics (e.g. ``trainer.test(...)[0]``), added to the Trainer's
+            is its runs at several budgets; recorded to 12 significant digits, so ``0.1 * 3`` and ``0.3`` are one
+            budget). arm: the run's label, one line; None: ``"baseline"`` without a technique, else the techniques'
+            names, sorted, joined by ``+`` (one label for one stack, whatever the callbacks' order). task_name: runs
+            of one comparison share it (the report refuses to mix tasks). metrics: more final scalar metrics (e.g. ``trainer.test(...)[0]``), added to the Trainer's
             (its ``callback_metrics``) and to the fit's last validation metrics (the monitor's curve: kept when a
             ``trainer.test`` after the fit replaced the Trainer's).
 
@@ -92,7 +93,9 @@ def write_result(
 
     Raises:
         ValueError: no ``EfficiencyMonitor`` in ``trainer.callbacks`` (or it has no summary: the fit did not end),
-            ``mode`` not ``"min"``/``"max"``, ``budget`` not a number > 0, ``seed`` not an int in ``[0, 2**32)``
+            ``mode`` not ``"min"``/``"max"``, ``budget`` not a number > 0, ``out_dir`` an existing file, ``arm``
+            not a one-line string or ``"baseline"`` on a run with a technique, ``task_name`` not a string,
+            ``metrics`` not a mapping, ``seed`` not an int in ``[0, 2**32)``
             or None while ``pl.seed_everything`` was never called, or ``metric`` in none of the fit's last
             validation, the Trainer's metrics and ``metrics`` (the message lists those there are).
 
@@ -108,10 +111,22 @@ def write_result(
     try:
         checked_mode = check_mode(mode)
     except ValueError as err:
-        raise ValueError(f"write_result: mode {err}") from None
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"write_result: {err}") from None
+    if not is_real(budget) or not (math.isfinite(float(budget)) and float(budget) > 0):
         raise ValueError(
             f"write_result: budget must be a number > 0 (a fraction of the reference length), got {budget!r}"
+        )
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ValueError(f"write_result: out_dir must be a folder (the run's; created if missing), got the file {out_dir}")
+    if arm is not None and (not isinstance(arm, str) or not arm.strip() or not arm.isprintable()):
+        raise ValueError(
+            f"write_result: arm must be None (named after the techniques) or a one-line label, got {arm!r}"
+        )
+    if not isinstance(task_name, str):
+        raise ValueError(f"write_result: task_name must be a string (runs of one comparison share it), got {task_name!r}")
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise ValueError(
+            f"write_result: metrics must be a mapping name -> value (e.g. trainer.test(...)[0]) or None, got {metrics!r}"
         )
     if seed is None:
         env = os.environ.get("PL_GLOBAL_SEED")
@@ -130,13 +145,18 @@ def write_result(
     if metric not in values:
         raise ValueError(f"write_result: metric {metric!r} was not logged; the run's final metrics: {sorted(values)}")
     techniques = _techniques(trainer)
+    if arm is not None and arm.strip() == "baseline" and techniques:
+        raise ValueError(
+            f"write_result: arm='baseline', but the run has techniques {sorted(techniques)}; a baseline has no "
+            "technique (the report would refuse it). Label it after the technique, or leave arm=None"
+        )
     record = make_record(
         trainer,
         run_dir=out_dir,
         output_dir=".",
         task_name=task_name,
         seed=int(seed),
-        arm=str(arm) if arm else None,
+        arm=arm.strip() if arm else None,
         budget=float(budget),
         techniques=techniques,
         metric=metric,
@@ -165,7 +185,8 @@ def make_record(
 ) -> dict[str, Any]:
     """The schema-2 run record of the fit ``trainer`` ran (the one :func:`write_result` and the Hydra app write).
 
-    ``arm`` None: ``"baseline"`` without a technique, else the techniques' names joined by ``+``. A technique whose
+    ``arm`` None: ``"baseline"`` without a technique, else the techniques' names, sorted, joined by ``+``. ``budget``
+    is recorded to 12 significant digits (:func:`~lightning_effi.report.load.budget_key`). A technique whose
     savings the monitor counted (``saved/<name>/..._frac`` not 0) but that is not in ``techniques`` (the run resumed
     a checkpoint of a fit that had it, without it) is added as ``{name: {"resumed_without": True}}``: such a run is
     not a baseline.
@@ -190,8 +211,8 @@ def make_record(
         parts = key.split("/")
         if len(parts) == 3 and parts[0] == "saved" and parts[2].endswith("_frac") and value:
             techniques.setdefault(parts[1], {"resumed_without": True})
-    if not arm:
-        arm = "+".join(techniques) if techniques else "baseline"
+    if not arm:  # sorted: one stack gets one label whatever the order of its callbacks
+        arm = "+".join(sorted(techniques)) if techniques else "baseline"
     early = stopped_early(trainer)
     if early and trainer.is_global_zero:
         rank_zero_warn(
@@ -206,7 +227,7 @@ def make_record(
         "tags": list(tags or []),
         "seed": seed,
         "arm": arm,
-        "budget": budget,
+        "budget": budget_key(budget),
         "techniques": techniques,
         "overrides": list(overrides or []),
         "optimized_metric": metric,

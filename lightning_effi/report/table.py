@@ -200,7 +200,8 @@ class Report:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         for row in self.rows:
             cells = [
-                str(row["arm"]).replace("|", "\\|"),  # a label with a pipe would add a column
+                # a pipe would add a column, a line break end the row
+                str(row["arm"]).replace("|", "\\|").replace("\r", "\\r").replace("\n", "\\n"),
                 f"{row['budget']:g}",
                 str(row["n_seeds"]),
                 _pm(row["quality_mean"], row["quality_std"], "{:.4g}", n=row["quality_n"], of=row["n_seeds"]),

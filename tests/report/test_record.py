@@ -52,15 +52,61 @@ def test_what_cannot_make_a_record_is_refused_naming_it(tmp_path):
     trainer = fit(tmp_path / "fit", 2, ltd=False)
     with pytest.raises(ValueError, match=r"metric 'val/acc' was not logged; the run's final metrics: \[.*'val/loss'"):
         write_result(trainer, tmp_path / "r", metric="val/acc")
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(ValueError, match=r"^write_result: mode: expected 'min' \(lower is better\) or 'max'"):
         write_result(trainer, tmp_path / "r", metric="val/loss", mode="lower")
     with pytest.raises(ValueError, match="budget must be a number > 0"):
         write_result(trainer, tmp_path / "r", metric="val/loss", budget=0)
+    (tmp_path / "file").write_text("mine")
+    bad = [
+        (dict(out_dir=tmp_path / "file"), r"out_dir must be a folder \(the run's; created if missing\), got the file "),
+        (dict(arm="my\nstack"), r"arm must be None \(named after the techniques\) or a one-line label, got 'my\\nstack'"),
+        (dict(arm=" "), r"arm must be None .* one-line label, got ' '"),
+        (dict(task_name=3), r"task_name must be a string \(runs of one comparison share it\), got 3"),
+        (dict(metrics=[1.0]), r"metrics must be a mapping name -> value \(e\.g\. trainer\.test\(\.\.\.\)\[0\]\) or None"),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(ValueError, match="^write_result: " + match):
+            write_result(trainer, **{"out_dir": tmp_path / "r", "metric": "val/loss", **kwargs})
+    assert (tmp_path / "file").read_text() == "mine"
     plain = make_trainer(tmp_path / "plain", max_steps=1)
     plain.fit(tiny_gpt2(), datamodule=tiny_lm_data())
     with pytest.raises(ValueError, match="no EfficiencyMonitor"):
         write_result(plain, tmp_path / "r", metric="val/loss")
     assert not (tmp_path / "r").exists()
+
+
+def test_one_stack_one_label_and_one_budget_however_they_were_computed(tmp_path):
+    """The default arm label sorts the techniques (callbacks listed in another order gave another arm, so one stack
+    split into two 1-seed rows); a numpy budget is a budget; budgets reached by two float computations (``0.1 * 3``
+    and ``3 / 10``) are one, so the arm finds its same-length baseline; ``arm='baseline'`` on a run with a technique
+    is refused when written (the report would refuse the record later); a label with a line break read from a record
+    is escaped in the Markdown table (it split the row)."""
+    import numpy as np
+
+    from lightning_effi.report.record import make_record
+
+    base = fit(tmp_path / "fit_b", 4, ltd=False)
+    write_result(base, tmp_path / "runs" / "b", metric="val/loss", budget=0.1 * 3)
+    ltd = fit(tmp_path / "fit_l", 4, ltd=True)
+    record = json.loads(write_result(ltd, tmp_path / "runs" / "l", metric="val/loss", budget=np.float64(3 / 10)).read_text())
+    assert record["budget"] == 0.3 and json.loads((tmp_path / "runs/b/result.json").read_text())["budget"] == 0.3
+    for budget in (np.float32(0.5), np.int64(1)):  # numpy scalars were refused as "not a number > 0"
+        assert json.loads(write_result(base, tmp_path / "np", metric="val/loss", budget=budget).read_text())[
+            "budget"
+        ] == float(budget)
+    row = next(r for r in build_report(load_runs([tmp_path / "runs"])).rows if r["arm"] == "random_ltd")
+    assert row["budget"] == 0.3 and row["same_length_n"] == 1 and row["same_length_saving_mean"] > 0
+    kwargs = dict(run_dir=tmp_path, output_dir=".", task_name="", seed=0, arm=None, budget=1.0, metric=None)
+    for order in (["vcycle", "random_ltd"], ["random_ltd", "vcycle"]):
+        techniques = {name: {} for name in order}
+        assert make_record(ltd, techniques=techniques, mode="min", metrics={}, **kwargs)["arm"] == "random_ltd+vcycle"
+    with pytest.raises(ValueError, match=r"^write_result: arm='baseline', but the run has techniques \['random_ltd'\]"):
+        write_result(ltd, tmp_path / "bad", metric="val/loss", arm="baseline")
+    assert not (tmp_path / "bad").exists()
+    file = tmp_path / "runs" / "l" / "result.json"
+    file.write_text(file.read_text().replace('"arm": "random_ltd"', '"arm": "my\\nstack|x"'))
+    table = build_report(load_runs([tmp_path / "runs"])).to_markdown()
+    assert "\n| my\\nstack\\|x | 0.3 | 1 | " in table
 
 
 def test_seed_is_checked_and_the_fits_validation_metric_survives_a_later_test(tmp_path):
