@@ -305,6 +305,7 @@ class CurriculumConfig:
             raise CurriculumConfigError(f"curriculum seed must be < 2**32, got {self.seed}")
         if "seqlen_truncate" in parsed and "seqlen_reshape" in parsed:
             raise CurriculumConfigError("curriculum metrics: use seqlen_truncate or seqlen_reshape, not both")
+        _check_inert_metrics(parsed)
         for m in parsed.values():
             schedule = m.schedule(self.rounding)
             if m.name in TRANSFORM_METRICS and m.schedule_type != "custom":
@@ -620,6 +621,41 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
     return CurriculumConfig(
         metrics=metrics, seed=de.get("seed", 1234), num_epochs=ds.get("num_epochs", 1000), **overrides
     )
+
+
+def _check_inert_metrics(metrics: Mapping[str, MetricConfig]) -> None:
+    """A ``single_cluster`` metric filters no data, and only ``seqlen_truncate`` / ``seqlen_reshape`` change the
+    batches (in the reference, Megatron-DeepSpeed's ``pretrain_gpt.py`` / ``pretrain_bert.py`` post-process the batch
+    for these two names alone); any other ``single_cluster`` metric only exposes its difficulty (logged, and
+    ``Curriculum.last_difficulties``).
+
+    Raises:
+        CurriculumConfigError: a ``single_cluster`` metric whose name is a near miss of those two (``seqlen_truncat``,
+            ``seqlen-truncate``): it would run as a plain loader, naming the intended metric.
+
+    Warns when no metric changes training (none ``schedule_based``, none of the two transforms).
+    """
+    import difflib
+
+    inert = [n for n, m in metrics.items() if not m.schedule_based and n not in TRANSFORM_METRICS]
+    for name in inert:
+        close = difflib.get_close_matches(name.replace("-", "_").lower(), TRANSFORM_METRICS, n=1, cutoff=0.8)
+        if close:
+            raise CurriculumConfigError(
+                f"curriculum_metrics.{name}: not a metric name the curriculum acts on; did you mean {close[0]!r}? "
+                f"A single_cluster metric filters no data, and only {' / '.join(TRANSFORM_METRICS)} change the "
+                f"batches, so {name!r} would train every batch as the plain loader does"
+            )
+    if inert and len(inert) == len(metrics):
+        warnings.warn(
+            f"curriculum: no metric changes training: {', '.join(inert)} "
+            f"{'is a single_cluster metric' if len(inert) == 1 else 'are single_cluster metrics'} (no data filtered) "
+            f"other than {' / '.join(TRANSFORM_METRICS)} (the only ones that change the batches), so every batch "
+            "trains as the plain loader's; the difficulty is only logged (effi/curriculum/<metric>_difficulty). "
+            "Use clustering_type schedule_based with analysis files or an analyzer metric to order the data",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _warn_data_routing(routing: Any) -> None:

@@ -177,3 +177,25 @@ def test_reshape_batch_needs_an_int_difficulty_and_rechunks_any_one():
             F.reshape_batch({"input_ids": x}, bad)
     rows = F.reshape_batch(x, np.int64(2))  # d + 1 = 3 does not divide 8: Megatron's extra rows of the last 3
     assert rows.tolist() == [[0, 1, 2], [3, 4, 5], [8, 9, 10], [11, 12, 13], [5, 6, 7], [13, 14, 15]]
+
+
+# ------------------------------------------------------------------------------------------ metrics that do nothing
+@pytest.mark.parametrize("name, meant", [("seqlen_truncat", "seqlen_truncate"), ("seqlen-truncate", "seqlen_truncate"),
+                                         ("Seqlen_Reshape", "seqlen_reshape")])
+def test_a_near_miss_of_a_transform_metric_is_refused_naming_it(name, meant):
+    """A misspelt ``seqlen_truncate`` is a single_cluster metric that filters nothing and changes no batch: the run
+    trained every batch at full length with tokens_saved_frac 0 and no warning. Refused, with the intended name."""
+    with pytest.raises(CurriculumConfigError, match=rf"^curriculum_metrics\.{name}: not a metric name the curriculum "
+                       rf"acts on; did you mean '{meant}'\? .* so '{name}' would train every batch as the plain loader"):
+        CurriculumConfig(metrics={name: dict(TRUNC)})
+
+
+def test_a_curriculum_whose_metrics_change_nothing_warns():
+    """Only single_cluster metrics other than the two transforms: the run is the plain loader's, with a warning
+    naming them; one transform or one schedule_based metric beside them changes training, so no warning."""
+    with pytest.warns(UserWarning, match=r"^curriculum: no metric changes training: seqlen, mine are single_cluster "):
+        CurriculumConfig(metrics={"seqlen": dict(TRUNC), "mine": dict(TRUNC)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = CurriculumConfig(metrics={"seqlen_truncate": dict(TRUNC), "mine": dict(TRUNC)})
+    assert set(cfg.metrics) == {"seqlen_truncate", "mine"}
