@@ -533,10 +533,18 @@ class InfoBatchCallback(Callback):
             )
 
     def _warn_no_prune_epoch(self, trainer: pl.Trainer) -> None:
-        """Warn when the schedule has no pruning epoch: epochs ``1 .. floor(delta·E) - 1`` prune (epoch 0 has no
+        """Warn when the run prunes nothing: ``prune_ratio=0``, or a schedule without a pruning epoch: epochs
+        ``1 .. floor(delta·E) - 1`` prune (epoch 0 has no
         scores yet, the annealing epochs from ``floor(delta·E)`` train on the full data), so with
         ``floor(delta·E) <= 1`` the run trains every sample of every epoch and InfoBatch saves nothing (not under
         ``fast_dev_run``, whose single epoch is a smoke test)."""
+        if self.prune_ratio == 0 and not trainer.fast_dev_run:
+            rank_zero_warn(
+                "InfoBatchCallback: prune_ratio=0 prunes nothing: every epoch trains every sample at weight 1, as "
+                "without InfoBatch (a control run: the monitor reads no saving); the paper's setting is "
+                "prune_ratio=0.5"
+            )
+            return
         stop = ib.epoch_stop(self.epochs, self.delta)
         if stop > 1 or self.prune_ratio == 0 or trainer.fast_dev_run:
             return

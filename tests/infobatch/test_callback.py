@@ -497,6 +497,22 @@ def test_a_schedule_without_a_pruning_epoch_warns_with_its_figures(tmp_path, epo
         assert messages == [] and saved > 0
 
 
+def test_prune_ratio_zero_warns_that_it_prunes_nothing(tmp_path):
+    """prune_ratio=0 over a schedule that has pruning epochs: the run trains every sample at weight 1 (saves nothing);
+    one warning says so, and not the no-pruning-epoch one."""
+    cb = InfoBatchCallback(prune_ratio=0.0, delta=0.875)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [cb], max_epochs=4).fit(tiny_gpt2(), datamodule=ib_data())
+    messages = [str(w.message) for w in caught if str(w.message).startswith("InfoBatchCallback: prune")]
+    assert messages == [
+        "InfoBatchCallback: prune_ratio=0 prunes nothing: every epoch trains every sample at weight 1, as without "
+        "InfoBatch (a control run: the monitor reads no saving); the paper's setting is prune_ratio=0.5"
+    ]
+    assert not any("no epoch of this run prunes" in str(w.message) for w in caught)
+    assert sum(h["saved"] for h in cb.history) == 0 and len(cb.history) == 4
+
+
 @pytest.mark.parametrize("interval", [4, 5])
 def test_an_int_val_check_interval_above_the_shortest_epoch_is_refused_at_setup(tmp_path, interval):
     """N = 40, batches of 8, E = 3, delta = 0.875: epoch 1 prunes and can have as few as ceil(20 / 8) = 3 batches;
