@@ -522,7 +522,7 @@ class CallRecorder:
             call.kwargs = _map_tensors(call.kwargs, with_path)
 
     def _before(self, module: nn.Module, args: Any) -> None:
-        if id(module) in self._names and not _in_backward():
+        if id(module) in self._names and not _in_backward() and not _redirected(module):
             self._stack.append((module, torch.is_grad_enabled()))
 
     def _after(self, module: nn.Module, args: Any, *rest: Any) -> None:
@@ -543,6 +543,15 @@ class CallRecorder:
                 call.used.add(path)
             elif value.requires_grad:
                 value.register_hook(_MarkUsed(call.used, path))  # type: ignore[no-untyped-call]
+
+
+def _redirected(module: nn.Module) -> bool:
+    """Whether this call of ``module`` is Lightning's forward redirection (DDP and other wrapping strategies: the
+    strategy calls the wrapper with ``(batch, batch_idx)`` and the LightningModule's ``forward``, patched for that one
+    call, runs ``training_step``; ``lightning.pytorch.strategies.strategy._ForwardRedirection``). Not a model call:
+    the calls ``training_step`` makes inside it are the ones to record."""
+    forward = vars(module).get("forward")
+    return getattr(forward, "__qualname__", "").endswith("_ForwardRedirection.__call__.<locals>.wrapped_forward")
 
 
 class _MarkUsed:
