@@ -101,6 +101,26 @@ class MetricCheck(pl.Callback):
             raise ConfigError(f"optimized_metric: {self.name!r} is not logged by this model; it logs {logged}")
 
 
+def check_testable(model: pl.LightningModule, datamodule: pl.LightningDataModule | None) -> None:
+    """``test=true`` needs the model's ``test_step`` and a ``test_dataloader`` (the datamodule's or the model's):
+    refused before training (Lightning would raise only after the whole fit, and the run would write no record).
+
+    Raises:
+        ConfigError: naming what is missing and the override that skips the test.
+    """
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden("test_step", model):
+        raise ConfigError(
+            f"test: true, but {type(model).__name__} defines no test_step (Lightning would refuse the test after the "
+            "whole fit); add test_step to the model, or run with test=false"
+        )
+    holders = [h for h in (datamodule, model) if h is not None]
+    if not any(is_overridden("test_dataloader", h) for h in holders):
+        names = " or ".join(type(h).__name__ for h in holders)
+        raise ConfigError(f"test: true, but {names} defines no test_dataloader; add one, or run with test=false")
+
+
 def check_checkpoint(path: str, model: pl.LightningModule) -> None:
     """Fail before training when ``ckpt_path`` is unreadable or holds weights of another model (named, with the
     first differing parameters)."""
@@ -285,7 +305,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         ConfigError: before anything is built: a ``seed`` or ``budget`` out of range, an unused ``budget``, a bad
             ``objective``, or a setting :func:`check_settings` refuses; then what :func:`build` and the Trainer's
-            setup refuse (naming the key)."""
+            setup refuse (naming the key); ``test=true`` with a model or data without a test step / loader
+            (:func:`check_testable`), before training."""
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ConfigError(f"seed: expected an int in [0, 2**32), got {seed!r}")
@@ -297,6 +318,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_settings(cfg)
     pl.seed_everything(seed, workers=True)
     datamodule, model, trainer = build(cfg)
+    if cfg.get("test", False):
+        check_testable(model, datamodule)
     if cfg.get("ckpt_path"):
         check_checkpoint(str(cfg.ckpt_path), model)
     output_dir = Path(cfg.paths.output_dir)

@@ -43,6 +43,15 @@ def test_resume_from_last_checkpoint_continues(tmp_path):
     assert second["efficiency"]["batches"] == 5  # accounting totals continue across the resume
 
 
+def test_test_true_without_a_test_step_is_refused_before_training(tmp_path):
+    """``test=true`` with a model that has no ``test_step``: Lightning raised only after the whole fit, and the run
+    wrote no record. Refused before training, naming the model and the override."""
+    cfg = compose_train(["test=true", "model._target_=tests.helpers.tiny.GPT2WithoutTest"], tmp_path)
+    with pytest.raises(ConfigError, match=r"^test: true, but GPT2WithoutTest defines no test_step .*run with test=false"):
+        run(cfg)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "result.json").exists()
+
+
 def test_a_refusal_at_a_resumed_fits_start_is_a_config_error(tmp_path):
     """random-LTD added to a resumed run is refused in on_train_start, before this fit's first batch but at
     global_step 3: a ConfigError (one line from the app), not a traceback."""

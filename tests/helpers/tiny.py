@@ -131,3 +131,9 @@ def tiny_sentence_data(**kw: Any) -> TinyDataModule:
 
 def tiny_image_data(**kw: Any) -> TinyDataModule:
     return TinyDataModule(Images(), **kw)
+
+
+class GPT2WithoutTest(GPT2CausalLM):
+    """The reference GPT-2 task without a ``test_step`` (a user's module that never tests): ``test=true`` is refused."""
+
+    test_step = None  # type: ignore[assignment]
