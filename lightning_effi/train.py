@@ -101,6 +101,27 @@ class MetricCheck(pl.Callback):
             raise ConfigError(f"optimized_metric: {self.name!r} is not logged by this model; it logs {logged}")
 
 
+def check_launcher(trainer: pl.Trainer) -> None:
+    """Refuse a strategy that runs the fit in processes it spawns or forks (``ddp_spawn``, ``ddp_fork``,
+    ``ddp_notebook``: Lightning's ``_MultiProcessingLauncher``): the app writes ``result.json`` in the launching
+    process, whose EfficiencyMonitor, step count and checkpoint paths the workers do not update, so the record would
+    be empty (no FLOPs, no curve, 0 steps). ``strategy=ddp`` relaunches this script once per rank, and rank 0 writes
+    the record.
+
+    Raises:
+        ConfigError: naming the strategy and the one to use.
+    """
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if type(launcher).__name__ == "_MultiProcessingLauncher":
+        method = getattr(launcher, "_start_method", "spawn")
+        raise ConfigError(
+            f"trainer.strategy: a fit in {method}ed processes ({type(trainer.strategy).__name__}, start method "
+            f"{method!r}) leaves this app's record empty (the EfficiencyMonitor's totals, the curve and the step count "
+            "stay in the workers); use trainer=ddp (trainer.strategy=ddp: the script runs once per rank, and rank 0 "
+            "writes result.json)"
+        )
+
+
 def check_testable(model: pl.LightningModule, datamodule: pl.LightningDataModule | None) -> None:
     """``test=true`` needs the model's ``test_step`` and a ``test_dataloader`` (the datamodule's or the model's):
     refused before training (Lightning would raise only after the whole fit, and the run would write no record).
@@ -306,7 +327,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         ConfigError: before anything is built: a ``seed`` or ``budget`` out of range, an unused ``budget``, a bad
             ``objective``, or a setting :func:`check_settings` refuses; then what :func:`build` and the Trainer's
             setup refuse (naming the key); ``test=true`` with a model or data without a test step / loader
-            (:func:`check_testable`), before training."""
+            (:func:`check_testable`), a spawning strategy (:func:`check_launcher`), before training."""
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ConfigError(f"seed: expected an int in [0, 2**32), got {seed!r}")
@@ -318,6 +339,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_settings(cfg)
     pl.seed_everything(seed, workers=True)
     datamodule, model, trainer = build(cfg)
+    check_launcher(trainer)
     if cfg.get("test", False):
         check_testable(model, datamodule)
     if cfg.get("ckpt_path"):

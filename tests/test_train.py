@@ -161,3 +161,11 @@ def test_resume_from_a_coarse_vcycle_checkpoint(tmp_path):
     ]
     with pytest.raises(ConfigError, match=r"written by a V-cycle with levels=2, .*this callback has levels=3"):
         run(compose_train([*VCYCLE_APP, *other, f"ckpt_path={coarse}"], tmp_path / "c"))
+
+
+def test_a_spawning_strategy_is_refused_before_training(tmp_path):
+    """trainer=ddp_sim (ddp_spawn): the app writes the record in the launching process, which the spawned workers do
+    not update, so result.json held no FLOPs, no curve and 0 steps. Refused before training, naming trainer=ddp."""
+    with pytest.raises(ConfigError, match=r"^trainer\.strategy: a fit in spawned processes .*use trainer=ddp "):
+        run(compose_train(["trainer=ddp_sim"], tmp_path))
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "result.json").exists()

@@ -104,9 +104,16 @@ def write_result(
     """
     monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
     if monitor is None or not monitor.summary:
+        spawned = type(getattr(trainer.strategy, "launcher", None)).__name__ == "_MultiProcessingLauncher"
         raise ValueError(
             "write_result: the Trainer has no EfficiencyMonitor with a summary; add EfficiencyMonitor() to "
             "Trainer(callbacks=[...]) and call write_result after trainer.fit(...) ends"
+            + (
+                f" (with {type(trainer.strategy).__name__} in spawned processes the fit's callbacks live in the "
+                "workers: this process's monitor has no summary; use strategy='ddp')"
+                if monitor is not None and spawned
+                else ""
+            )
         )
     try:
         checked_mode = check_mode(mode)
