@@ -112,6 +112,21 @@ class Run:
             )
         return _number(self.metrics[metric])
 
+    def quality_step(self, metric: str | None = None) -> int | None:
+        """The optimizer step of the last validation when the final ``metric`` is that validation's value and the
+        run trained past it (the run ended between two validations: its quality is read before its compute ends);
+        None otherwise (a metric validated at the last step, a test metric, a run without a curve)."""
+        name = self.metric_name if metric is None else metric
+        steps = self.length.get("optimizer_steps")
+        if not self.curve or not isinstance(steps, int):
+            return None
+        last = self.curve[-1]
+        value, step = (last.get("metrics") or {}).get(name), last.get("step")
+        if not isinstance(value, (int, float)) or not isinstance(step, int) or step >= steps:
+            return None
+        final = self.quality(metric)
+        return step if math.isfinite(final) and math.isclose(float(value), final, rel_tol=1e-9, abs_tol=1e-12) else None
+
     @property
     def label(self) -> str:
         """``arm@budget seed N``: how figures and messages name the run."""

@@ -228,6 +228,20 @@ def make_record(
             f"trainer.should_stop. Its record keeps budget={budget:g} as a label, with length.stopped_early = true; "
             "the report notes it. A frontier baseline should train its whole budget"
         )
+    last = monitor.curve[-1] if monitor is not None and monitor.curve else None
+    if (
+        metric
+        and last is not None
+        and metric in (last.get("metrics") or {})
+        and last.get("step", 0) < trainer.global_step
+        and trainer.is_global_zero
+    ):
+        rank_zero_warn(
+            f"the final {metric} is the last validation's, at optimizer step {last.get('step')} of "
+            f"{trainer.global_step}: the record pairs it with the compute of the whole run, and the report notes it. "
+            "Validate at the last step (a val_check_interval that divides the run) to read the quality the compute "
+            "bought"
+        )
     return {
         "schema": SCHEMA,
         "task_name": task_name,

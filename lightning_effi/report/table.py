@@ -533,6 +533,13 @@ def build_report(
                     else "its readings are those of the compute it trained"
                 )
             )
+        step = r.quality_step(metric_name)
+        if step is not None:
+            notes.append(
+                f"{r.label}: its {metric_name} is the last validation's, at optimizer step {step} of "
+                f"{r.length['optimizer_steps']}, read against the compute of the whole run (validate at the last "
+                "step: a val_check_interval that divides the run)"
+            )
         resumed = sorted(n for n, c in r.techniques.items() if isinstance(c, dict) and c.get("resumed_without"))
         if resumed:
             notes.append(

@@ -4,6 +4,7 @@ reads, with the same fields as the Hydra app's ``result.json``."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -204,3 +205,23 @@ def test_a_curriculum_run_that_spends_its_sample_budget_is_not_stopped_early(tmp
     assert not stopped_early(trainer)
     monkeypatch.setattr(type(run.callbacks[0]), "effi_run_complete", property(lambda self: False))
     assert stopped_early(trainer)  # the same stop without the spent budget would be early
+
+
+def test_a_quality_read_before_the_run_ended_is_warned_and_noted(tmp_path):
+    """5 steps validated every 2: the final val/loss is step 4's, paired with the compute of 5 steps (a frontier
+    baseline read so would skew every saving off it). write_result warns; the report notes it with both steps. A
+    run validated at its last step (4 steps) gets neither."""
+    trainer = fit(tmp_path / "fit5", 5, ltd=False)
+    with pytest.warns(UserWarning, match=r"the final val/loss is the last validation's, at optimizer step 4 of 5: "):
+        write_result(trainer, tmp_path / "runs" / "b5", metric="val/loss", budget=1.0)
+    trainer = fit(tmp_path / "fit4", 4, ltd=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="the final val/loss")
+        write_result(trainer, tmp_path / "runs" / "b4", metric="val/loss", budget=0.8)
+    runs = load_runs([tmp_path / "runs"])
+    assert sorted((r.budget, r.quality_step()) for r in runs) == [(0.8, None), (1.0, 4)]
+    notes = build_report(runs).notes
+    assert notes == [
+        "baseline@1 seed 0: its val/loss is the last validation's, at optimizer step 4 of 5, read against the compute "
+        "of the whole run (validate at the last step: a val_check_interval that divides the run)"
+    ]
