@@ -410,7 +410,11 @@ def _check_runs(runs: Sequence[Run]) -> None:
         tasks[run.task_name].append(run)
     if len(tasks) > 1:
         listing = ", ".join(f"{t!r} ({len(rs)} runs, e.g. {rs[0].path})" for t, rs in sorted(tasks.items()))
-        raise ReportError(f"runs of several tasks: {listing}; report each task's sweep folder separately")
+        raise ReportError(
+            f"runs of several tasks: {listing}; report each task's sweep folder separately, or, if they are one "
+            "comparison (the same model, data and quality metric), give them one task_name (the override "
+            "task_name=<name>; write_result(..., task_name=...))"
+        )
     for run in runs:
         if run.arm == "baseline" and run.techniques:
             raise ReportError(
