@@ -558,8 +558,18 @@ class EfficiencyMonitor(Callback):
         try:
             flops = self.training_flops(pl_module, batch)
         except NotImplementedError as err:
-            self._warn("flops", f"training FLOPs cannot be counted: {err}")
-            flops = 0.0 if fallback is None else fallback.flops
+            if fallback is None:
+                self._warn("flops", f"training FLOPs cannot be counted: {err}")
+                flops = 0.0
+            else:  # the baseline's batch (before a technique changed its shapes); the trained FLOPs were counted
+                self._warn(
+                    "baseline_flops",
+                    f"the baseline's training FLOPs (the batch before a technique changed its shapes, e.g. the "
+                    f"curriculum's untruncated batch) cannot be counted: {err}. The trained FLOPs are counted; the "
+                    "baseline's are taken as equal to them, so the FLOPs saving of that technique reads 0 "
+                    "(baseline_flops understates a plain run's)",
+                )
+                flops = fallback.flops
         return BatchStats(size, tokens, layer_tokens, flops)
 
     def account(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> BatchAccount:

@@ -445,8 +445,9 @@ class CallRecord:
         def reshape(info: TensorInfo) -> TensorInfo:
             if info.path is None:
                 raise MeasureError(
-                    f"an argument of {self.target or 'the LightningModule'} is not a tensor of the batch, so its "
-                    "shape on a batch of other shapes is unknown"
+                    f"an argument of {self.target or 'the LightningModule'} is not a tensor of the batch itself (a "
+                    "slice such as ids[:, :-1], or a tensor computed from the batch), so its shape on a batch of "
+                    "other shapes is unknown"
                 )
             value = found.get(info.path)
             if value is None:

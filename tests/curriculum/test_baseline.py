@@ -206,3 +206,47 @@ def test_fixed_length_blocks_and_no_truncation(tmp_path):
         tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=B))
     )
     assert after.baselines == [None] * 3 and monitor.summary["baseline_tokens"] == monitor.summary["tokens"]
+
+
+class ShiftedLM(pl.LightningModule):
+    """A hand-written causal LM whose training step feeds the shifted slice ``ids[:, :-1]`` (no FLOPs hook): the
+    slice is not a tensor of the batch, so its shape on the untruncated batch is unknown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        return torch.nn.functional.cross_entropy(self(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_baseline_whose_flops_cannot_be_replayed_says_so_and_keeps_the_trained_flops(tmp_path):
+    """The trained FLOPs are counted (the head's matmul on every truncated batch); the untruncated baseline's cannot
+    be, so they are taken as the trained ones (the curriculum's FLOPs saving reads 0 while its token saving is
+    counted). The warning names the baseline's figure, not the trained one, and the slice."""
+    cb = Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=4)
+    lengths: list[int] = []
+
+    class Lengths(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            lengths.append(int(batch["input_ids"].shape[1]))
+
+    before, monitor = Lengths(), EfficiencyMonitor(print_summary=False)
+    pl.seed_everything(0)
+    with pytest.warns(UserWarning, match=r"EfficiencyMonitor: the baseline's training FLOPs \(the batch before a "
+                      r"technique changed its shapes.*not a tensor of the batch itself \(a slice such as ids\[:, :-1\]"):
+        make_trainer(tmp_path, [monitor, before, cb], max_steps=6, max_epochs=-1).fit(
+            ShiftedLM(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=B))
+        )
+    s = monitor.summary
+    assert lengths == [3, 4, 5, 6, 7, 8]  # truncated to the schedule's difficulty (tokens)
+    trained = sum(3 * 2 * B * (n - 1) * 16 * 64 for n in lengths)  # the head's matmul, forward and backward
+    assert s["flops"] == trained and s["baseline_flops"] == trained and s["flops_saved_frac"] == 0
+    assert s["saved/curriculum/tokens_frac"] > 0
