@@ -288,6 +288,23 @@ class CIFAR10DataModule(EffiDataModule):
     def model_hints(self) -> dict:
         return {"num_classes": self.num_classes}
 
+    def state_dict(self) -> dict:
+        """``{"augment": True}`` when augmenting (so a resume can tell: :meth:`load_state_dict`), else empty."""
+        return {"augment": True} if self.augment else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Warn on a resume with ``augment``: each crop and flip is drawn from the loader's random state (the workers'
+        torch RNG), which a checkpoint does not hold, so the resumed fit trains other augmentations than the
+        uninterrupted run would (close, not equal); ``augment=false`` resumes exactly."""
+        if self.augment:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"{type(self).__name__}: augment=true draws each random crop and flip from the loader's random state, "
+                "which a checkpoint does not hold: this resumed fit trains other augmentations than the uninterrupted "
+                "run would (its result is close, not equal); augment=false resumes exactly"
+            )
+
     def _source(self) -> tuple[str, Path]:
         """``("archive" | "folder" | "download", path)``."""
         root = self.root
