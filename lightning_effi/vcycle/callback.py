@@ -619,7 +619,8 @@ class VCycleCallback(Callback):
         (``floor(f · T)``; or 0 ticks of a progress clock) in a run that is not ``fast_dev_run``: the level would
         never train, while the level change into it and out of it still maps the weights (coalesce, then de-coalesce
         and interpolate with the snapshot), which changes the full model for nothing. ``fast_dev_run`` (a smoke test
-        of the switches, ``T = 1``) keeps zero-length coarse stages.
+        of the switches, ``T = 1``) keeps zero-length coarse stages. On the step clock, stages that end at the run's
+        last step (the final full-model stage has 0 steps) get a warning (a longer resumed fit may continue them).
 
         Raises:
             ValueError: naming the argument, what it resolved to in this run, the step of the switch and the
@@ -663,6 +664,18 @@ class VCycleCallback(Callback):
                 "with the snapshot taken before coalescing), which changes the full model's weights without the coarse "
                 f"model training a step. Give {key}{smallest} an int of optimizer steps >= 1; zero-length coarse "
                 "stages are kept only with fast_dev_run (a smoke test of the switches)"
+            )
+        if self.clock != "step":
+            return
+        total = run_length(trainer.max_steps, None if at_setup else estimated_optimizer_steps(trainer))
+        if total and ends and ends[-1] == total:
+            lengths = ", ".join(f"level {level}: {n}" for level, n in stages)
+            rank_zero_warn(
+                f"{type(self).__name__}: the stages ({lengths} optimizer steps) end at step {ends[-1]}, the run's last "
+                f"(T = {total}): the full model, de-coalesced and interpolated at that last switch, does not train in "
+                "this fit (the V-cycle ends by training the full model; Zou et al. 2024, Alg. 1). Shorten e_a / "
+                "e_small" + (" / up_leg" if self.levels > 2 else "") + " or lengthen the run, unless a resumed, "
+                "longer fit continues it"
             )
 
     def _fit_stages(self, trainer: pl.Trainer, at_setup: bool) -> list[tuple[int, int]] | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -717,3 +718,20 @@ def test_one_network_held_under_two_names_is_named_as_such(tmp_path):
         "keep the old model. Hold it once and make the alias a property (e.g. @property def net(self): return "
         "self.backbone)"
     )
+
+
+def test_stages_that_fill_the_whole_run_warn(tmp_path):
+    """e_a=0.5dur and e_small=0.6dur of 8 steps: floor 4 + floor 4.8 = 8 steps, the whole run, so the full model
+    de-coalesced and interpolated at step 8 does not train in this fit (it ran in silence). A warning at setup names
+    the stages and T (a longer resumed fit may continue them, so it is not refused); one step fewer for e_small leaves
+    a final stage and does not warn."""
+    cb = VCycleCallback(e_a="0.5dur", e_small="0.6dur")
+    with pytest.warns(UserWarning, match=r"^VCycleCallback: the stages \(level 1: 4, level 2: 4 optimizer steps\) end "
+                      r"at step 8, the run's last \(T = 8\): the full model, .* does not train in this fit"):
+        fit(tmp_path / "a", [cb], 8)
+    assert cb.stage_ends == [4, 8] and cb.switches == 2 and cb.level == 1
+    cb = VCycleCallback(e_a="0.5dur", e_small=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="VCycleCallback: the stages")
+        fit(tmp_path / "b", [cb], 8)
+    assert cb.stage_ends == [4, 7] and cb.switches == 2 and cb.level == 1
