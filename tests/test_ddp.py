@@ -54,7 +54,8 @@ def test_ddp_counts_the_flops_of_a_module_without_a_flops_hook(tmp_path):
     make_trainer(tmp_path / "one", [single], max_epochs=1).fit(PlainLM(), datamodule=tiny_lm_data(batch_size=5))
     expected = 3 * 40 * 16 * 2 * (16 * 64)  # the head's matmul, forward and backward (x2 for the input gradient)
     assert single.summary["flops"] == expected
-    _, per_rank = fit_ddp(PlainLM(), tiny_lm_data(batch_size=5), tmp_path / "ddp", [EfficiencyMonitor(print_summary=False)],
-                          max_epochs=1)
+    _, per_rank = fit_ddp(
+        PlainLM(), tiny_lm_data(batch_size=5), tmp_path / "ddp", [EfficiencyMonitor(print_summary=False)], max_epochs=1
+    )
     assert [r["summary"]["flops"] for r in per_rank] == [expected, expected]
     assert per_rank[0]["summary"]["baseline_flops"] == expected

@@ -77,7 +77,15 @@ def _stepped(scheduler_factory, steps):
             ]
         ),
     ],
-    ids=["lambda", "cosine", "linear", "polynomial", "warmup_then_cosine", "chained_warmup_cosine", "chained_polynomial_linear"],
+    ids=[
+        "lambda",
+        "cosine",
+        "linear",
+        "polynomial",
+        "warmup_then_cosine",
+        "chained_warmup_cosine",
+        "chained_polynomial_linear",
+    ],
 )
 def test_multipliers_between_match_the_stepped_scheduler_and_see_an_unfinished_schedule(factory):
     """Read without stepping, the multipliers at steps 14 and 20 equal those torch gives when stepped there; a

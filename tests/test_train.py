@@ -47,7 +47,9 @@ def test_test_true_without_a_test_step_is_refused_before_training(tmp_path):
     """``test=true`` with a model that has no ``test_step``: Lightning raised only after the whole fit, and the run
     wrote no record. Refused before training, naming the model and the override."""
     cfg = compose_train(["test=true", "model._target_=tests.helpers.tiny.GPT2WithoutTest"], tmp_path)
-    with pytest.raises(ConfigError, match=r"^test: true, but GPT2WithoutTest defines no test_step .*run with test=false"):
+    with pytest.raises(
+        ConfigError, match=r"^test: true, but GPT2WithoutTest defines no test_step .*run with test=false"
+    ):
         run(cfg)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "result.json").exists()
 

@@ -84,9 +84,10 @@ def write_result(
             is its runs at several budgets; recorded to 12 significant digits, so ``0.1 * 3`` and ``0.3`` are one
             budget). arm: the run's label, one line; None: ``"baseline"`` without a technique, else the techniques'
             names, sorted, joined by ``+`` (one label for one stack, whatever the callbacks' order). task_name: runs
-            of one comparison share it (the report refuses to mix tasks). metrics: more final scalar metrics (e.g. ``trainer.test(...)[0]``), added to the Trainer's
-            (its ``callback_metrics``) and to the fit's last validation metrics (the monitor's curve: kept when a
-            ``trainer.test`` after the fit replaced the Trainer's).
+            of one comparison share it (the report refuses to mix tasks). metrics: more final scalar metrics (e.g.
+            ``trainer.test(...)[0]``), added to the Trainer's (its ``callback_metrics``) and to the fit's last
+            validation metrics (the monitor's curve: kept when a ``trainer.test`` after the fit replaced the
+            Trainer's).
 
     Returns:
         The path of the written ``result.json``.
@@ -124,16 +125,21 @@ def write_result(
             f"write_result: budget must be a number > 0 (a fraction of the reference length), got {budget!r}"
         )
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ValueError(f"write_result: out_dir must be a folder (the run's; created if missing), got the file {out_dir}")
+        raise ValueError(
+            f"write_result: out_dir must be a folder (the run's; created if missing), got the file {out_dir}"
+        )
     if arm is not None and (not isinstance(arm, str) or not arm.strip() or not arm.isprintable()):
         raise ValueError(
             f"write_result: arm must be None (named after the techniques) or a one-line label, got {arm!r}"
         )
     if not isinstance(task_name, str):
-        raise ValueError(f"write_result: task_name must be a string (runs of one comparison share it), got {task_name!r}")
+        raise ValueError(
+            f"write_result: task_name must be a string (runs of one comparison share it), got {task_name!r}"
+        )
     if metrics is not None and not isinstance(metrics, Mapping):
         raise ValueError(
-            f"write_result: metrics must be a mapping name -> value (e.g. trainer.test(...)[0]) or None, got {metrics!r}"
+            "write_result: metrics must be a mapping name -> value (e.g. trainer.test(...)[0]) or None, "
+            f"got {metrics!r}"
         )
     if seed is None:
         env = os.environ.get("PL_GLOBAL_SEED")

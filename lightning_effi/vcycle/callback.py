@@ -607,9 +607,14 @@ class VCycleCallback(Callback):
                 "which the V-cycle coalesces"
                 if inside
                 else f"the parameters of {host} outside pl_module.{self.model_attr} are: "
-                + (", ".join(list(outside)[:8]) + (f" and {len(outside) - 8} more" if len(outside) > 8 else "") or "none")
+                + (
+                    ", ".join(list(outside)[:8]) + (f" and {len(outside) - 8} more" if len(outside) > 8 else "")
+                    or "none"
+                )
             )
-            raise ValueError(f"{name}.unrelated_params: {pattern!r} matches no parameter of {host} outside the network; {where}")
+            raise ValueError(
+                f"{name}.unrelated_params: {pattern!r} matches no parameter of {host} outside the network; {where}"
+            )
         return declared
 
     def _refuse_untrained_levels(

@@ -240,8 +240,11 @@ def test_a_baseline_whose_flops_cannot_be_replayed_says_so_and_keeps_the_trained
 
     before, monitor = Lengths(), EfficiencyMonitor(print_summary=False)
     pl.seed_everything(0)
-    with pytest.warns(UserWarning, match=r"EfficiencyMonitor: the baseline's training FLOPs \(the batch before a "
-                      r"technique changed its shapes.*not a tensor of the batch itself \(a slice such as ids\[:, :-1\]"):
+    with pytest.warns(
+        UserWarning,
+        match=r"EfficiencyMonitor: the baseline's training FLOPs \(the batch before a "
+        r"technique changed its shapes.*not a tensor of the batch itself \(a slice such as ids\[:, :-1\]",
+    ):
         make_trainer(tmp_path, [monitor, before, cb], max_steps=6, max_epochs=-1).fit(
             ShiftedLM(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=B))
         )

@@ -356,8 +356,11 @@ def test_a_resume_with_augmentation_warns_that_it_is_not_exact(data_root):
 
     dm = CIFAR10DataModule(data_root / "cifar10", num_workers=0)
     assert dm.state_dict() == {"augment": True}
-    with pytest.warns(UserWarning, match=r"^CIFAR10DataModule: augment=true draws each random crop .* augment=false "
-                      r"resumes exactly$"):
+    with pytest.warns(
+        UserWarning,
+        match=r"^CIFAR10DataModule: augment=true draws each random crop .* augment=false "
+        r"resumes exactly$",
+    ):
         dm.load_state_dict(dm.state_dict())
     plain = CIFAR10DataModule(data_root / "cifar10", num_workers=0, augment=False)
     assert plain.state_dict() == {}

@@ -64,8 +64,10 @@ def test_frontier_and_same_length_savings_equal_hand_computations(sweep):
     assert row["frontier_wall_factor_mean"] == pytest.approx(1 / (1 - sum(wall_savings) / 2))
     line = next(x for x in report.to_markdown().splitlines() if x.startswith("| random_ltd |"))
     wall_cell = line.rsplit("|", 2)[-2].strip()  # the last column
-    assert wall_cell == f"{100 * sum(wall_savings) / 2:+.1f}% ± {100 * row['frontier_wall_saving_std']:.1f}% " \
+    assert (
+        wall_cell == f"{100 * sum(wall_savings) / 2:+.1f}% ± {100 * row['frontier_wall_saving_std']:.1f}% "
         f"({1 / (1 - sum(wall_savings) / 2):.2f}x)"
+    )
     # same length: the budget-1.0 baselines, 4e12 FLOPs, 40 / 41 s, loss 2.3 / 2.35
     assert row["same_length_saving_mean"] == pytest.approx(0.5) and row["same_length_saving_std"] == pytest.approx(0)
     assert row["same_length_quality_delta_mean"] == pytest.approx(((2.5 - 2.3) + (2.55 - 2.35)) / 2)

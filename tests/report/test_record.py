@@ -60,10 +60,16 @@ def test_what_cannot_make_a_record_is_refused_naming_it(tmp_path):
     (tmp_path / "file").write_text("mine")
     bad = [
         (dict(out_dir=tmp_path / "file"), r"out_dir must be a folder \(the run's; created if missing\), got the file "),
-        (dict(arm="my\nstack"), r"arm must be None \(named after the techniques\) or a one-line label, got 'my\\nstack'"),
+        (
+            dict(arm="my\nstack"),
+            r"arm must be None \(named after the techniques\) or a one-line label, got 'my\\nstack'",
+        ),
         (dict(arm=" "), r"arm must be None .* one-line label, got ' '"),
         (dict(task_name=3), r"task_name must be a string \(runs of one comparison share it\), got 3"),
-        (dict(metrics=[1.0]), r"metrics must be a mapping name -> value \(e\.g\. trainer\.test\(\.\.\.\)\[0\]\) or None"),
+        (
+            dict(metrics=[1.0]),
+            r"metrics must be a mapping name -> value \(e\.g\. trainer\.test\(\.\.\.\)\[0\]\) or None",
+        ),
     ]
     for kwargs, match in bad:
         with pytest.raises(ValueError, match="^write_result: " + match):
@@ -89,7 +95,9 @@ def test_one_stack_one_label_and_one_budget_however_they_were_computed(tmp_path)
     base = fit(tmp_path / "fit_b", 4, ltd=False)
     write_result(base, tmp_path / "runs" / "b", metric="val/loss", budget=0.1 * 3)
     ltd = fit(tmp_path / "fit_l", 4, ltd=True)
-    record = json.loads(write_result(ltd, tmp_path / "runs" / "l", metric="val/loss", budget=np.float64(3 / 10)).read_text())
+    record = json.loads(
+        write_result(ltd, tmp_path / "runs" / "l", metric="val/loss", budget=np.float64(3 / 10)).read_text()
+    )
     assert record["budget"] == 0.3 and json.loads((tmp_path / "runs/b/result.json").read_text())["budget"] == 0.3
     for budget in (np.float32(0.5), np.int64(1)):  # numpy scalars were refused as "not a number > 0"
         assert json.loads(write_result(base, tmp_path / "np", metric="val/loss", budget=budget).read_text())[

@@ -180,13 +180,22 @@ def test_reshape_batch_needs_an_int_difficulty_and_rechunks_any_one():
 
 
 # ------------------------------------------------------------------------------------------ metrics that do nothing
-@pytest.mark.parametrize("name, meant", [("seqlen_truncat", "seqlen_truncate"), ("seqlen-truncate", "seqlen_truncate"),
-                                         ("Seqlen_Reshape", "seqlen_reshape")])
+@pytest.mark.parametrize(
+    "name, meant",
+    [
+        ("seqlen_truncat", "seqlen_truncate"),
+        ("seqlen-truncate", "seqlen_truncate"),
+        ("Seqlen_Reshape", "seqlen_reshape"),
+    ],
+)
 def test_a_near_miss_of_a_transform_metric_is_refused_naming_it(name, meant):
     """A misspelt ``seqlen_truncate`` is a single_cluster metric that filters nothing and changes no batch: the run
     trained every batch at full length with tokens_saved_frac 0 and no warning. Refused, with the intended name."""
-    with pytest.raises(CurriculumConfigError, match=rf"^curriculum_metrics\.{name}: not a metric name the curriculum "
-                       rf"acts on; did you mean '{meant}'\? .* so '{name}' would train every batch as the plain loader"):
+    with pytest.raises(
+        CurriculumConfigError,
+        match=rf"^curriculum_metrics\.{name}: not a metric name the curriculum "
+        rf"acts on; did you mean '{meant}'\? .* so '{name}' would train every batch as the plain loader",
+    ):
         CurriculumConfig(metrics={name: dict(TRUNC)})
 
 

@@ -345,7 +345,10 @@ def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch
         (dict(e_a=1, e_small=1, embedding_convention="nope"), "embedding_convention"),
         (dict(e_a=1, e_small=1, baseline_steps=0), "baseline_steps must be an int >= 1"),
         (dict(e_a=1, e_small=1, baseline_steps=2.5), "baseline_steps must be an int >= 1"),
-        (dict(e_a=1, e_small=1, depth_scheme="adjacnet"), r"^VCycleCallback\.depth_scheme must be 'adjacent' \| 'half', "),
+        (
+            dict(e_a=1, e_small=1, depth_scheme="adjacnet"),
+            r"^VCycleCallback\.depth_scheme must be 'adjacent' \| 'half', ",
+        ),
         (dict(e_a=1, e_small=1, width_scheme="halve"), r"^VCycleCallback\.width_scheme must be 'half', None .*'halve'"),
         (dict(e_a=1, e_small=1, width_scheme=5), r"^VCycleCallback\.width_scheme must be 'half', None .*got 5$"),
         (dict(e_a=1, e_small=1, depth_scheme=[[0, 1], [2, "3"]]), r"depth_scheme must be .* groups of indices"),

@@ -393,7 +393,9 @@ def test_bad_nonfinite_policy_is_refused():
         with pytest.raises(ValueError, match=r"^VCycleCallback.nonfinite_loss must be one of \('raise', 'warn'\)"):
             VCycleCallback(e_a=1, e_small=1, nonfinite_loss=bad)
     default = VCycleCallback(e_a=1, e_small=1)
-    assert default.nonfinite_guard.policy == "raise" and repr(default).endswith("nonfinite_loss='raise', unrelated_params=[])")
+    assert default.nonfinite_guard.policy == "raise" and repr(default).endswith(
+        "nonfinite_loss='raise', unrelated_params=[])"
+    )
     assert "nonfinite_loss" not in default.config()  # the policy may change on resume: not compared
 
 
@@ -592,8 +594,10 @@ def test_a_side_branch_of_the_hidden_width_is_refused_by_shape_and_trains_when_n
     the first coarse step with the shape error, whose note names it."""
     with pytest.raises(ValueError) as err:
         fit(tmp_path / "a", [VCycleCallback(e_a=2, e_small=3)], 8, model=SideBranch())
-    assert "outside that network with a 32-wide axis, which read or feed its hidden states: side.weight [32, 8], " \
+    assert (
+        "outside that network with a 32-wide axis, which read or feed its hidden states: side.weight [32, 8], "
         "side.bias [32], side_out.weight [1, 32]" in str(err.value)
+    )
     assert "unrelated_params=[...]" in str(err.value)
     for names in (["side.weight", "side.bias", "side_out.weight"], ["side*"]):
         model = SideBranch()
@@ -609,26 +613,36 @@ def test_a_side_branch_of_the_hidden_width_is_refused_by_shape_and_trains_when_n
     other._compare_config({"config": cb.config()})  # strict: raises on any compared difference
     steps = Steps()
     with pytest.raises(RuntimeError) as err:
-        fit(tmp_path / "w", [steps, VCycleCallback(e_a=2, e_small=3, unrelated_params=["side*"])], 8,
-            model=SideBranch(wired=True))
+        fit(
+            tmp_path / "w",
+            [steps, VCycleCallback(e_a=2, e_small=3, unrelated_params=["side*"])],
+            8,
+            model=SideBranch(wired=True),
+        )
     assert steps.started == [0, 1, 2]  # level 1 trained; the first level-2 step failed
     assert err.value.__notes__ == [
         "VCycleCallback: this step ran at level 2, where pl_module.net is 16 wide (full width 32); the 32-wide "
-        "parameters named in unrelated_params (side.weight [32, 8], side.bias [32], side_out.weight [1, 32]) cannot read its states. Put the head inside "
-        "the network, or pass width_scheme=None (depth only); take from unrelated_params what reads or feeds its "
-        "hidden states"
+        "parameters named in unrelated_params (side.weight [32, 8], side.bias [32], side_out.weight [1, 32]) "
+        "cannot read its states. Put the head inside the network, or pass width_scheme=None (depth only); take "
+        "from unrelated_params what reads or feeds its hidden states"
     ]
 
 
 @pytest.mark.parametrize(
     "value, message",
     [
-        (["sied.*"], r"^VCycleCallback\.unrelated_params: 'sied\.\*' matches no parameter of SideBranch outside the "
-         r"network; the parameters of SideBranch outside pl_module\.net are: side\.weight, side\.bias, "
-         r"side_out\.weight, side_out\.bias$"),
-        (["net.transformer.h.*"], r"^VCycleCallback\.unrelated_params: 'net\.transformer\.h\.\*' matches no parameter "
-         r"of SideBranch outside the network; it matches only parameters of the network pl_module\.net itself "
-         r"\(net\.transformer\.h\.0\.ln_1\.weight, \.\.\.\), which the V-cycle coalesces$"),
+        (
+            ["sied.*"],
+            r"^VCycleCallback\.unrelated_params: 'sied\.\*' matches no parameter of SideBranch outside the "
+            r"network; the parameters of SideBranch outside pl_module\.net are: side\.weight, side\.bias, "
+            r"side_out\.weight, side_out\.bias$",
+        ),
+        (
+            ["net.transformer.h.*"],
+            r"^VCycleCallback\.unrelated_params: 'net\.transformer\.h\.\*' matches no parameter "
+            r"of SideBranch outside the network; it matches only parameters of the network pl_module\.net itself "
+            r"\(net\.transformer\.h\.0\.ln_1\.weight, \.\.\.\), which the V-cycle coalesces$",
+        ),
     ],
 )
 def test_an_unrelated_params_entry_that_names_nothing_outside_the_network_is_refused_at_setup(tmp_path, value, message):
@@ -726,8 +740,11 @@ def test_stages_that_fill_the_whole_run_warn(tmp_path):
     the stages and T (a longer resumed fit may continue them, so it is not refused); one step fewer for e_small leaves
     a final stage and does not warn."""
     cb = VCycleCallback(e_a="0.5dur", e_small="0.6dur")
-    with pytest.warns(UserWarning, match=r"^VCycleCallback: the stages \(level 1: 4, level 2: 4 optimizer steps\) end "
-                      r"at step 8, the run's last \(T = 8\): the full model, .* does not train in this fit"):
+    with pytest.warns(
+        UserWarning,
+        match=r"^VCycleCallback: the stages \(level 1: 4, level 2: 4 optimizer steps\) end "
+        r"at step 8, the run's last \(T = 8\): the full model, .* does not train in this fit",
+    ):
         fit(tmp_path / "a", [cb], 8)
     assert cb.stage_ends == [4, 8] and cb.switches == 2 and cb.level == 1
     cb = VCycleCallback(e_a="0.5dur", e_small=3)
