@@ -111,9 +111,10 @@ def check_launcher(trainer: pl.Trainer) -> None:
     Raises:
         ConfigError: naming the strategy and the one to use.
     """
-    launcher = getattr(trainer.strategy, "launcher", None)
-    if type(launcher).__name__ == "_MultiProcessingLauncher":
-        method = getattr(launcher, "_start_method", "spawn")
+    from lightning_effi.core.compat import runs_in_spawned_processes
+
+    if runs_in_spawned_processes(trainer):
+        method = getattr(trainer.strategy.launcher, "_start_method", "spawn")
         raise ConfigError(
             f"trainer.strategy: a fit in {method}ed processes ({type(trainer.strategy).__name__}, start method "
             f"{method!r}) leaves this app's record empty (the EfficiencyMonitor's totals, the curve and the step count "

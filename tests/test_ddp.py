@@ -1,12 +1,11 @@
 """Fit under DDP on CPU with 2 processes (gloo): disjoint shards, summed accounting."""
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_effi.core.accounting import EfficiencyMonitor
 from tests.helpers.harness import fit_ddp, make_trainer
-from tests.helpers.tiny import TokenBlocks, tiny_gpt2, tiny_lm_data
+from tests.helpers.tiny import HandLM, TokenBlocks, tiny_gpt2, tiny_lm_data
 
 
 @pytest.mark.slow
@@ -26,36 +25,18 @@ def test_ddp_shards_are_disjoint_and_accounting_sums_ranks(tmp_path):
     assert summaries[0]["samples"] == 40 and summaries[0]["tokens"] == 40 * 16 and summaries[0]["batches"] == 8
 
 
-class PlainLM(pl.LightningModule):
-    """A user's module with no FLOPs hook: ``training_step`` calls ``self(ids)``. Under DDP Lightning calls the module
-    with ``(batch, batch_idx)`` and points its ``forward`` at ``training_step`` for that call (its forward
-    redirection); the monitor recorded that call as the model's, could not replay it (``forward() takes 2 positional
-    arguments but 3 were given``) and read 0 FLOPs, so every FLOPs saving read 0."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
-
-    def forward(self, ids):
-        return self.head(self.emb(ids))
-
-    def training_step(self, batch, batch_idx):
-        ids = batch["input_ids"]
-        return torch.nn.functional.cross_entropy(self(ids).flatten(0, 1), ids.flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 @pytest.mark.slow
 def test_ddp_counts_the_flops_of_a_module_without_a_flops_hook(tmp_path):
-    """The same 40 samples in one process and on 2 ranks: the same FLOPs (summed over ranks), not 0."""
+    """A user's module with no FLOPs hook, ``training_step`` calling ``self(ids)``: under DDP Lightning calls the module
+    with ``(batch, batch_idx)`` and points its ``forward`` at ``training_step`` for that call (its forward
+    redirection); the monitor recorded that call as the model's, could not replay it and read 0 FLOPs, so every FLOPs
+    saving read 0. The same 40 samples in one process and on 2 ranks: the same FLOPs (summed over ranks)."""
     single = EfficiencyMonitor(print_summary=False)
-    make_trainer(tmp_path / "one", [single], max_epochs=1).fit(PlainLM(), datamodule=tiny_lm_data(batch_size=5))
+    make_trainer(tmp_path / "one", [single], max_epochs=1).fit(HandLM(), datamodule=tiny_lm_data(batch_size=5))
     expected = 3 * 40 * 16 * 2 * (16 * 64)  # the head's matmul, forward and backward (x2 for the input gradient)
     assert single.summary["flops"] == expected
     _, per_rank = fit_ddp(
-        PlainLM(), tiny_lm_data(batch_size=5), tmp_path / "ddp", [EfficiencyMonitor(print_summary=False)], max_epochs=1
+        HandLM(), tiny_lm_data(batch_size=5), tmp_path / "ddp", [EfficiencyMonitor(print_summary=False)], max_epochs=1
     )
     assert [r["summary"]["flops"] for r in per_rank] == [expected, expected]
     assert per_rank[0]["summary"]["baseline_flops"] == expected

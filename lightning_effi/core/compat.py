@@ -54,6 +54,13 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
     _optimizers_to_device(optimizers, device)
 
 
+def runs_in_spawned_processes(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer's strategy runs the fit in processes it spawns or forks (``ddp_spawn``, ``ddp_fork``,
+    ``ddp_notebook``: Lightning's ``_MultiProcessingLauncher``): the callbacks of the launching process then see
+    nothing of the fit."""
+    return type(getattr(trainer.strategy, "launcher", None)).__name__ == "_MultiProcessingLauncher"
+
+
 def uses_distributed_sampler(trainer: pl.Trainer) -> bool:
     """Whether Lightning injects a ``DistributedSampler`` into the training loader
     (``Trainer(use_distributed_sampler)``, read from the trainer's non-public accelerator connector)."""

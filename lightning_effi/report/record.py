@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.checks import is_int, is_real
+from lightning_effi.core.compat import runs_in_spawned_processes
 from lightning_effi.report.frontier import check_mode
 from lightning_effi.report.load import SCHEMA, budget_key, json_safe
 
@@ -105,7 +106,7 @@ def write_result(
     """
     monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
     if monitor is None or not monitor.summary:
-        spawned = type(getattr(trainer.strategy, "launcher", None)).__name__ == "_MultiProcessingLauncher"
+        spawned = runs_in_spawned_processes(trainer)
         raise ValueError(
             "write_result: the Trainer has no EfficiencyMonitor with a summary; add EfficiencyMonitor() to "
             "Trainer(callbacks=[...]) and call write_result after trainer.fit(...) ends"

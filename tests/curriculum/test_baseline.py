@@ -18,7 +18,7 @@ from lightning_effi.curriculum.data import BATCH_KEYS, CurriculumCollate
 from lightning_effi.data import CurriculumDataModule
 from lightning_effi.reference.data.base import PaddingCollate
 from tests.helpers.harness import make_trainer
-from tests.helpers.tiny import Sentences, TinyDataModule, tiny_bert_cls, tiny_gpt2, tiny_lm_data
+from tests.helpers.tiny import HandLM, Sentences, TinyDataModule, tiny_bert_cls, tiny_gpt2, tiny_lm_data
 
 B = 4
 TRUNC = dict(  # seqlen_truncate from 3 to 16 tokens over 14 steps (3, 4, 5, ...)
@@ -208,29 +208,11 @@ def test_fixed_length_blocks_and_no_truncation(tmp_path):
     assert after.baselines == [None] * 3 and monitor.summary["baseline_tokens"] == monitor.summary["tokens"]
 
 
-class ShiftedLM(pl.LightningModule):
-    """A hand-written causal LM whose training step feeds the shifted slice ``ids[:, :-1]`` (no FLOPs hook): the
-    slice is not a tensor of the batch, so its shape on the untruncated batch is unknown."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
-
-    def forward(self, ids):
-        return self.head(self.emb(ids))
-
-    def training_step(self, batch, batch_idx):
-        ids = batch["input_ids"]
-        return torch.nn.functional.cross_entropy(self(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def test_a_baseline_whose_flops_cannot_be_replayed_says_so_and_keeps_the_trained_flops(tmp_path):
     """The trained FLOPs are counted (the head's matmul on every truncated batch); the untruncated baseline's cannot
     be, so they are taken as the trained ones (the curriculum's FLOPs saving reads 0 while its token saving is
-    counted). The warning names the baseline's figure, not the trained one, and the slice."""
+    counted). The warning names the baseline's figure, not the trained one, and the slice. The module feeds the
+    causal slice ``ids[:, :-1]``, not a tensor of the batch, so its shape on the untruncated batch is unknown."""
     cb = Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=4)
     lengths: list[int] = []
 
@@ -246,7 +228,7 @@ def test_a_baseline_whose_flops_cannot_be_replayed_says_so_and_keeps_the_trained
         r"technique changed its shapes.*not a tensor of the batch itself \(a slice such as ids\[:, :-1\]",
     ):
         make_trainer(tmp_path, [monitor, before, cb], max_steps=6, max_epochs=-1).fit(
-            ShiftedLM(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=B))
+            HandLM(shift=True), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=B))
         )
     s = monitor.summary
     assert lengths == [3, 4, 5, 6, 7, 8]  # truncated to the schedule's difficulty (tokens)

@@ -137,3 +137,26 @@ class GPT2WithoutTest(GPT2CausalLM):
     """The reference GPT-2 task without a ``test_step`` (a user's module that never tests): ``test=true`` is refused."""
 
     test_step = None  # type: ignore[assignment]
+
+
+class HandLM(pl.LightningModule):
+    """A hand-written token model with no FLOPs hook: an embedding (64 x 16) and a linear head, ``training_step``
+    calling ``self(ids)`` on the batch's ``input_ids`` (``shift=True``: the causal slice ``ids[:, :-1]`` against
+    ``ids[:, 1:]``, which is not a tensor of the batch itself). Its training FLOPs are the head's matmul:
+    ``3 * 2 * B * T' * 16 * 64`` for ``T'`` positions (forward and backward)."""
+
+    def __init__(self, shift: bool = False) -> None:
+        super().__init__()
+        self.shift = shift
+        self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        inputs, targets = (ids[:, :-1], ids[:, 1:]) if self.shift else (ids, ids)
+        return torch.nn.functional.cross_entropy(self(inputs).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
