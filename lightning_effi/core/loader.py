@@ -15,17 +15,74 @@ stay the full epoch length. :class:`ResumableDataLoader` does this:
 Lightning rebuilds a training loader with another sampler in a few places (``Trainer(overfit_batches=...)`` puts a
 ``SequentialSampler`` in, so that every epoch trains the same first batches): a sampler without a skippable start is
 wrapped in a :class:`SkippableSampler`, which skips in the index stream, so such a loader resumes exactly too.
+
+A dataset whose samples depend on the epoch (a random augmentation seeded per sample and epoch, like the shipped
+CIFAR-10 dataset's) defines ``set_epoch(epoch)``: before each epoch's first batch the loader tells it (and every
+dataset it wraps, along ``.dataset``: ``Subset``, ``IndexedDataset``, ...) the epoch, in the main process
+(:func:`set_dataset_epoch`); an :class:`EpochCell` carries the value into the loader's worker processes, persistent ones
+included. The augmentation is then a function of ``(seed, epoch, sample)``, which a resume restores: no random state of
+a worker is involved.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator, Sized
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
-__all__ = ["EpochShuffleSampler", "ResumableDataLoader", "SkippableSampler", "check_map_style", "skippable"]
+__all__ = [
+    "EpochCell",
+    "EpochShuffleSampler",
+    "ResumableDataLoader",
+    "SkippableSampler",
+    "check_map_style",
+    "set_dataset_epoch",
+    "skippable",
+]
+
+
+class EpochCell:
+    """An epoch number that a dataset's copies in DataLoader worker processes read as the main process sets it.
+
+    Persistent workers hold a copy of the dataset made when they started, so a plain attribute set at a later epoch
+    would never reach them. The cell is a one-element int64 tensor in shared memory, allocated by the first
+    :meth:`set` in each process (a DDP rank started by spawning gets its own, not its launcher's), before that
+    process's workers start; workers only :meth:`get`. The loader sets it between epochs, when no worker is loading.
+    ``get()`` is ``-1`` until the first ``set``.
+    """
+
+    def __init__(self) -> None:
+        self._value: torch.Tensor | None = None
+        self._pid: int | None = None
+
+    def set(self, epoch: int) -> None:
+        if self._value is None or self._pid != os.getpid():
+            self._value = torch.zeros((), dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+            self._pid = os.getpid()
+        self._value.fill_(int(epoch))
+
+    def get(self) -> int:
+        return -1 if self._value is None else int(self._value.item())
+
+    def __repr__(self) -> str:
+        return f"EpochCell({self.get()})"
+
+
+def set_dataset_epoch(dataset: Any, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on ``dataset`` and on every dataset it wraps along ``.dataset`` (``Subset``,
+    :class:`~lightning_effi.core.indexed.IndexedDataset`, ...) that defines it; datasets without one are left alone.
+    Called by the resumable loader (and the curriculum's) in the main process before an epoch's first batch."""
+    seen: set[int] = set()
+    while dataset is not None and id(dataset) not in seen:
+        seen.add(id(dataset))
+        set_epoch = getattr(dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(int(epoch))
+        dataset = getattr(dataset, "dataset", None)
 
 
 def check_map_style(owner: str, dataset: Any) -> None:
@@ -175,6 +232,7 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
         self._resume_batches = 0
         sampler.start = skip * int(self.batch_size or 1)
         self._batches = skip
+        set_dataset_epoch(self.dataset, int(sampler.epoch))
         try:
             for batch in super().__iter__():
                 self._batches += 1

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_effi.core.batch import EffiBatch
 from lightning_effi.core.errors import DataConfigError
+from lightning_effi.core.loader import set_dataset_epoch
 from lightning_effi.core.wrapping import WrappingDataModule, wrapper_chain
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig
@@ -332,6 +333,14 @@ class CurriculumDataLoader(DataLoader):
     callback's state (the committed stream position), so the loader itself has nothing to save; it declares an empty
     state so that a checkpoint written by a stateful loader (e.g. a run without curriculum on a shipped DataModule)
     still loads (the curriculum then starts from its beginning)."""
+
+    def __iter__(self) -> Any:
+        """Tell the dataset (and those it wraps) the data epoch, when it has ``set_epoch`` (an augmentation seeded per
+        sample and epoch: :func:`~lightning_effi.core.loader.set_dataset_epoch`), then iterate."""
+        sampler = self.batch_sampler
+        if isinstance(sampler, CurriculumSampler):
+            set_dataset_epoch(self.dataset, sampler.controller.data_epoch)
+        return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
         return {}

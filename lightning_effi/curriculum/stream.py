@@ -314,6 +314,11 @@ class CurriculumController:
         return max(0, min(self.epoch_micro, self.total_micro - epoch_start))
 
     @property
+    def data_epoch(self) -> int:
+        """The data epoch (pass over the ``N`` samples) of the committed position, from 0."""
+        return self.committed["micro"] // self.epoch_micro
+
+    @property
     def exhausted(self) -> bool:
         """Whether the sample budget ``N × num_epochs`` has been trained on (nothing more will be yielded)."""
         return self.committed["micro"] >= self.total_micro

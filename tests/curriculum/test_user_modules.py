@@ -247,6 +247,36 @@ def test_a_plain_loss_module_with_tuple_batches_follows_the_schedule(tmp_path):
     assert curriculum.consumed_tokens == B * sum(SCHEDULE)
 
 
+class EpochPairs(CharPairs):
+    """CharPairs that record the epoch the loader told them (``set_epoch``, as an augmentation seeded per epoch
+    would read it) at every read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = -1
+        self.reads: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads.append(self.epoch)
+        return super().__getitem__(i)
+
+
+def test_the_curriculum_loader_tells_the_dataset_its_data_epoch(tmp_path):
+    """32 samples in batches of 4: steps 1-8 draw data epoch 0, steps 9-12 epoch 1 (the datasets' ``set_epoch``, which
+    seeds e.g. the CIFAR-10 augmentation per sample and epoch, so a resume draws the same)."""
+    pl.seed_everything(0)
+    dataset = EpochPairs()
+    data = CurriculumDataModule(TinyDataModule(dataset, batch_size=B, collate_fn=stack_pairs))
+    curriculum = Curriculum(metrics={"seqlen_truncate": TRUNC})
+    make_trainer(tmp_path, [curriculum], max_steps=12, max_epochs=-1).fit(TupleGPT2(), datamodule=data)
+    assert (
+        dataset.reads[-12 * B :] == [0] * 8 * B + [1] * 4 * B
+    )  # the last 48 reads are the steps' (the first probe the data)
+
+
 FIRST_TOKEN = dict(  # value-based, chooses samples: first token <= 10, 15, 20, 25, 31
     difficulty_type="value",
     clustering_type="schedule_based",

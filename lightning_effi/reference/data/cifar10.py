@@ -41,11 +41,20 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from lightning_effi.core.errors import DataConfigError
+from lightning_effi.core.loader import EpochCell
 
 from .base import EffiDataModule, check_bool, check_int, seeded_subset
 from .cache import NpyFile, atomic_dir, cache_key, file_md5, load_npy, resolve_cache_dir, save_npy
 
-__all__ = ["CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10DataModule", "CIFAR10Dataset", "random_crop_flip"]
+__all__ = [
+    "CIFAR10_CLASSES",
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "CIFAR10DataModule",
+    "CIFAR10Dataset",
+    "augmentation_generator",
+    "random_crop_flip",
+]
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -63,13 +72,21 @@ _PER_CLASS = {"train": 5000, "test": 1000}  # exact CIFAR-10 counts required of 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def random_crop_flip(image: torch.Tensor, padding: int = 4) -> torch.Tensor:
+def random_crop_flip(image: torch.Tensor, padding: int = 4, generator: torch.Generator | None = None) -> torch.Tensor:
     """Random crop of the original size from ``image`` zero-padded by ``padding`` pixels, then a horizontal flip
-    with probability 1/2. ``image``: ``[C,H,W]`` (any dtype); uses the torch default RNG (seeded per worker)."""
+    with probability 1/2 (the CIFAR-10 augmentation of He et al., 2016, Sec. 4.2). ``image``: ``[C,H,W]`` (any
+    dtype). Draws from ``generator``, or from the torch default RNG when None."""
     _, h, w = image.shape
-    dy, dx = torch.randint(0, 2 * padding + 1, (2,)).tolist()
+    dy, dx = torch.randint(0, 2 * padding + 1, (2,), generator=generator).tolist()
     out = F.pad(image, (padding, padding, padding, padding))[:, dy : dy + h, dx : dx + w]
-    return out.flip(-1) if torch.randint(0, 2, ()).item() else out
+    return out.flip(-1) if torch.randint(0, 2, (), generator=generator).item() else out
+
+
+def augmentation_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """The generator of one sample's augmentation in one epoch: a pure function of ``(seed, epoch, index)``
+    (NumPy's ``SeedSequence`` mixes the three), so a resumed fit draws the crops and flips of the uninterrupted one."""
+    state = np.random.SeedSequence([seed, epoch, index]).generate_state(2, np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
 
 
 class CIFAR10Dataset(Dataset):
@@ -78,16 +95,28 @@ class CIFAR10Dataset(Dataset):
     Sample: ``{"pixel_values": float32[3,32,32], "labels": int64[]}``; pixels scaled to [0, 1] then normalised with
     :data:`CIFAR10_MEAN` / :data:`CIFAR10_STD`; with ``augment`` a random crop (padding 4) and horizontal flip
     are applied first (:func:`random_crop_flip`). Images are read from a memory-mapped ``.npy`` file.
+
+    The augmentation of image ``j`` in epoch ``e`` is drawn from :func:`augmentation_generator` ``(seed, e, j)`` once
+    the loader has told the dataset the epoch (:meth:`set_epoch`; the shipped DataModules' loaders, InfoBatch's and the
+    curriculum's do, before each epoch: :func:`~lightning_effi.core.loader.set_dataset_epoch`), so a resumed fit trains
+    the uninterrupted run's augmentations. Read outside such a loader (``set_epoch`` never called), it draws from the
+    torch default RNG, as torchvision's transforms do.
     """
 
     _mean = torch.tensor(CIFAR10_MEAN).view(3, 1, 1)
     _std = torch.tensor(CIFAR10_STD).view(3, 1, 1)
 
-    def __init__(self, images: NpyFile, labels: np.ndarray, indices: np.ndarray, augment: bool = False):
+    def __init__(self, images: NpyFile, labels: np.ndarray, indices: np.ndarray, augment: bool = False, seed: int = 0):
         self.images = images
         self.labels = np.asarray(labels, dtype=np.int64)
         self.indices = np.asarray(indices, dtype=np.int64)
         self.augment = augment
+        self.seed = int(seed)
+        self.epoch = EpochCell()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the augmentations of epoch ``epoch`` from now on (also in the loader's running workers)."""
+        self.epoch.set(epoch)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -96,7 +125,10 @@ class CIFAR10Dataset(Dataset):
         j = int(self.indices[i])
         image = torch.from_numpy(np.array(self.images.array[j])).permute(2, 0, 1)
         if self.augment:
-            image = random_crop_flip(image)
+            epoch = self.epoch.get()
+            image = random_crop_flip(
+                image, generator=augmentation_generator(self.seed, epoch, j) if epoch >= 0 else None
+            )
         pixels = (image.float().div_(255.0) - self._mean) / self._std
         return {"pixel_values": pixels, "labels": torch.tensor(self.labels[j], dtype=torch.int64)}
 
@@ -288,23 +320,6 @@ class CIFAR10DataModule(EffiDataModule):
     def model_hints(self) -> dict:
         return {"num_classes": self.num_classes}
 
-    def state_dict(self) -> dict:
-        """``{"augment": True}`` when augmenting (so a resume can tell: :meth:`load_state_dict`), else empty."""
-        return {"augment": True} if self.augment else {}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Warn on a resume with ``augment``: each crop and flip is drawn from the loader's random state (the workers'
-        torch RNG), which a checkpoint does not hold, so the resumed fit trains other augmentations than the
-        uninterrupted run would (close, not equal); ``augment=false`` resumes exactly."""
-        if self.augment:
-            from lightning.pytorch.utilities import rank_zero_warn
-
-            rank_zero_warn(
-                f"{type(self).__name__}: augment=true draws each random crop and flip from the loader's random state, "
-                "which a checkpoint does not hold: this resumed fit trains other augmentations than the uninterrupted "
-                "run would (its result is close, not equal); augment=false resumes exactly"
-            )
-
     def _source(self) -> tuple[str, Path]:
         """``("archive" | "folder" | "download", path)``."""
         root = self.root
@@ -378,7 +393,7 @@ class CIFAR10DataModule(EffiDataModule):
         perm = np.random.default_rng([self.seed, 0]).permutation(n_train)
         val_idx, train_idx = perm[: self.val_size], perm[self.val_size :]
         self.train_dataset = seeded_subset(
-            CIFAR10Dataset(images["train"], labels["train"], train_idx, augment=self.augment),
+            CIFAR10Dataset(images["train"], labels["train"], train_idx, augment=self.augment, seed=self.seed),
             self.train_subset,
             self.seed,
             1,
