@@ -381,7 +381,11 @@ class EfficiencyMonitor(Callback):
     forward pre-hook on the first transformer block for the same window. Only the work of those module calls is
     counted: arithmetic in ``training_step``'s own code outside any module call (``h @ self.weight`` on a
     parameter, a loss's matrix product) is not in the measured FLOPs and is not detected (no warning); a module with
-    such work defines ``effi_training_flops(batch)``.
+    such work defines ``effi_training_flops(batch)``. The baseline's FLOPs on a batch of other shapes (the
+    curriculum's untruncated batch) replay the recorded calls with each batch tensor argument at its shape in that
+    batch, and a slice of one (the causal ``ids[:, :-1]``, ``ids[:, 1:]``) shortened by as many entries; an argument
+    computed from the batch (a copy, a sum) has no known shape there: that baseline reads as the trained FLOPs, with
+    a warning.
 
     The monitor writes each batch's FLOPs (after every ``effi_adjust``) to ``pl_module.flops_per_batch`` for
     Lightning's ``ThroughputMonitor``, and keeps on the module which value it wrote and the module's own value it
@@ -697,7 +701,7 @@ class EfficiencyMonitor(Callback):
         self._unwatch(None)
         self._calls, self._batch_shapes, self._observed_tokens = None, None, None
         if not callable(getattr(pl_module, "effi_training_flops", None)) and not self._own_flops(pl_module):
-            self._recorder.start(pl_module)
+            self._recorder.start(pl_module, batch)
         if not callable(getattr(pl_module, "effi_count_tokens", None)) and token_source(batch) is None:
             blocks = self.find_blocks(pl_module)
             first = next(iter(blocks.children()), None) if blocks is not None else None

@@ -296,8 +296,11 @@ class TensorInfo:
 
     Attributes:
         shape, dtype, device, requires_grad: of the real tensor.
-        path: where the same tensor object sits in the training batch (:func:`leaves`), None if it is not a batch
-            tensor (set by :meth:`CallRecorder.stop`; not part of the cache key).
+        path: where the same tensor object sits in the training batch (:func:`leaves`), or the batch tensor it is a
+            slice of (:func:`slice_trim`); None if it is neither (set by :meth:`CallRecorder.stop`; not part of the
+            cache key).
+        trim: for a slice of a batch tensor, the entries it leaves out of each dimension (``ids[:, :-1]``:
+            ``(0, 1)``); None for the batch tensor itself.
     """
 
     shape: tuple[int, ...]
@@ -305,6 +308,33 @@ class TensorInfo:
     device: str
     requires_grad: bool
     path: Path | None = dataclasses.field(default=None, compare=False)
+    trim: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
+
+
+def slice_trim(tensor: Tensor, source: Tensor) -> tuple[int, ...] | None:
+    """The entries ``tensor`` leaves out of each dimension of ``source`` when it is a basic slice of it with step 1
+    (``source[:, :-1]``, ``source[:, 1:]``, ``source[1:-1]``: a view of the same storage with the same strides,
+    starting inside ``source`` and no larger in any dimension); None otherwise (a copy, a step, a transpose, an
+    index with fewer dimensions)."""
+    if (
+        tensor.dim() != source.dim()
+        or tensor.dim() == 0
+        or tensor.stride() != source.stride()
+        or tensor.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+        or tensor.shape == source.shape
+    ):
+        return None
+    trim = tuple(int(s) - int(t) for s, t in zip(source.shape, tensor.shape))
+    if min(trim) < 0:
+        return None
+    offset = int(tensor.storage_offset()) - int(source.storage_offset())
+    for size, stride, cut in sorted(zip(source.shape, source.stride(), trim), key=lambda d: -d[1]):
+        if stride <= 0:
+            return None
+        start, offset = divmod(offset, stride) if size > 1 else (0, offset)
+        if not 0 <= start <= cut:
+            return None
+    return trim if offset == 0 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,25 +464,38 @@ class CallRecord:
 
     def on_batch(self, batch: Any) -> CallRecord:
         """This call with every batch tensor argument (``path`` set) given the shape of ``batch`` at that path (the
-        baseline's batch of a technique that changed the batch's shapes, e.g. the curriculum's untruncated batch).
+        baseline's batch of a technique that changed the batch's shapes, e.g. the curriculum's untruncated batch). A
+        slice of a batch tensor (``trim`` set: ``ids[:, :-1]``, ``ids[:, 1:]``) is taken to leave out as many entries
+        of that tensor in ``batch`` (the causal shift at any length; a slice to a fixed length, ``ids[:, :127]``, would
+        be read as ``ids[:, :-(T - 127)]``).
 
         Raises:
-            MeasureError: a tensor argument that is not a batch tensor (its shape may depend on the batch's), or a
-                path that ``batch`` lacks.
+            MeasureError: a tensor argument that is neither a batch tensor nor a slice of one (a tensor computed from
+                the batch: its shape may depend on the batch's), a path that ``batch`` lacks, or a slice that leaves
+                nothing of it.
         """
         found = dict(tensor_leaves(batch))
 
         def reshape(info: TensorInfo) -> TensorInfo:
             if info.path is None:
                 raise MeasureError(
-                    f"an argument of {self.target or 'the LightningModule'} is not a tensor of the batch itself (a "
-                    "slice such as ids[:, :-1], or a tensor computed from the batch), so its shape on a batch of "
-                    "other shapes is unknown"
+                    f"an argument of {self.target or 'the LightningModule'} is not a tensor of the batch itself nor a "
+                    "slice of one (a tensor computed from the batch, or a copy), so its shape on a batch of other "
+                    "shapes is unknown"
                 )
             value = found.get(info.path)
             if value is None:
                 raise MeasureError(f"the batch has no tensor at {info.path}")
-            return dataclasses.replace(info, shape=tuple(value.shape))
+            shape = tuple(value.shape)
+            if info.trim is not None:
+                if len(info.trim) != len(shape) or any(n <= t for n, t in zip(shape, info.trim)):
+                    raise MeasureError(
+                        f"an argument of {self.target or 'the LightningModule'} is a slice of the batch tensor at "
+                        f"{info.path} leaving out {info.trim} entries per dimension, which the batch's {shape} cannot "
+                        "give"
+                    )
+                shape = tuple(n - t for n, t in zip(shape, info.trim))
+            return dataclasses.replace(info, shape=shape)
 
         return dataclasses.replace(
             self, args=_map_tensors(self.args, reshape), kwargs=_map_tensors(self.kwargs, reshape), used=set(self.used)
@@ -481,15 +524,19 @@ class CallRecorder:
         self._stack: list[tuple[nn.Module, bool]] = []
         self._refs: list[tuple[TensorInfo, weakref.ref[Tensor]]] = []
         self._handles: list[Any] = []
+        self._batch_tensors: list[tuple[Path, Tensor]] = []
+        self._slices: dict[int, tuple[Path, tuple[int, ...]]] = {}  # id(TensorInfo) -> the batch tensor it slices
 
     @property
     def active(self) -> bool:
         return bool(self._handles)
 
-    def start(self, root: nn.Module) -> None:
-        """Start recording the calls of ``root`` and its submodules (a new list of :attr:`calls`)."""
+    def start(self, root: nn.Module, batch: Any = None) -> None:
+        """Start recording the calls of ``root`` and its submodules (a new list of :attr:`calls`); ``batch``: the
+        training batch, whose slices among the arguments (``ids[:, :-1]``) are noted while they exist."""
         self.stop(None)
-        self.calls, self._refs, self._stack = [], [], []
+        self.calls, self._refs, self._stack, self._slices = [], [], [], {}
+        self._batch_tensors = list(tensor_leaves(batch)) if batch is not None else []
         self._names = {id(m): name for name, m in root.named_modules()}
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -503,20 +550,28 @@ class CallRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles, self._stack = [], []
+        slices, self._slices, self._batch_tensors = self._slices, {}, []
         if batch is None or not self._refs:
             self._refs = []
             return
-        paths = {id(v): (p, v) for p, v in tensor_leaves(batch)}
-        found: dict[int, Path] = {}
+        batch_tensors = list(tensor_leaves(batch))
+        paths = {id(v): (p, v) for p, v in batch_tensors}
+        found: dict[int, tuple[Path, tuple[int, ...] | None]] = {}
         for info, ref in self._refs:
             tensor = ref()
-            entry = paths.get(id(tensor)) if tensor is not None else None
+            if tensor is None:  # a temporary of the step (a slice was noted when the call was made)
+                continue
+            entry = paths.get(id(tensor))
             if entry is not None and entry[1] is tensor:
-                found[id(info)] = entry[0]
+                found[id(info)] = (entry[0], None)
+                continue
+        for key, (path, trim) in slices.items():
+            found.setdefault(key, (path, trim))
         self._refs = []
 
         def with_path(info: TensorInfo) -> TensorInfo:
-            return dataclasses.replace(info, path=found.get(id(info)))
+            path, trim = found.get(id(info), (None, None))
+            return dataclasses.replace(info, path=path, trim=trim)
 
         for call in self.calls:
             call.args = _map_tensors(call.args, with_path)
@@ -533,10 +588,18 @@ class CallRecorder:
         if self._stack or len(rest) != 2:  # a nested call, or the forward raised (hook(module, args, result))
             return
         kwargs, output = rest
+        first = len(self._refs)
         call = CallRecord(
             self._names[id(module)], _describe(tuple(args), self._refs), _describe(dict(kwargs), self._refs), grad
         )
         self.calls.append(call)
+        for info, ref in self._refs[first:]:
+            tensor = ref()
+            if tensor is None or any(v is tensor for _, v in self._batch_tensors):
+                continue
+            slices = [(p, v.shape, t) for p, v in self._batch_tensors if (t := slice_trim(tensor, v)) is not None]
+            if slices and all(shape == slices[0][1] and t == slices[0][2] for _, shape, t in slices):
+                self._slices[id(info)] = (slices[0][0], slices[0][2])  # a slice of one batch tensor (or its aliases)
         if not grad:
             return
         for path, value in tensor_leaves(output):

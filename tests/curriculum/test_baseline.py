@@ -208,11 +208,9 @@ def test_fixed_length_blocks_and_no_truncation(tmp_path):
     assert after.baselines == [None] * 3 and monitor.summary["baseline_tokens"] == monitor.summary["tokens"]
 
 
-def test_a_baseline_whose_flops_cannot_be_replayed_says_so_and_keeps_the_trained_flops(tmp_path):
-    """The trained FLOPs are counted (the head's matmul on every truncated batch); the untruncated baseline's cannot
-    be, so they are taken as the trained ones (the curriculum's FLOPs saving reads 0 while its token saving is
-    counted). The warning names the baseline's figure, not the trained one, and the slice. The module feeds the
-    causal slice ``ids[:, :-1]``, not a tensor of the batch, so its shape on the untruncated batch is unknown."""
+def _fit_hand_lm(tmp_path, model):
+    """``model`` under a seqlen_truncate curriculum for 6 steps on blocks of 16 tokens; returns the monitor's summary
+    and the lengths of the truncated batches."""
     cb = Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=4)
     lengths: list[int] = []
 
@@ -222,16 +220,45 @@ def test_a_baseline_whose_flops_cannot_be_replayed_says_so_and_keeps_the_trained
 
     before, monitor = Lengths(), EfficiencyMonitor(print_summary=False)
     pl.seed_everything(0)
+    make_trainer(tmp_path, [monitor, before, cb], max_steps=6, max_epochs=-1).fit(
+        model, datamodule=CurriculumDataModule(tiny_lm_data(batch_size=B))
+    )
+    assert lengths == [3, 4, 5, 6, 7, 8]  # truncated to the schedule's difficulty (tokens)
+    return monitor.summary, lengths
+
+
+def test_a_module_feeding_the_causal_slice_has_its_baseline_counted_at_the_full_length(tmp_path):
+    """The module feeds ``ids[:, :-1]`` (a slice of the batch tensor, not the tensor itself): the untruncated
+    baseline's FLOPs are those of the same slice of the untruncated batch, ``16 - 1`` positions per row, counted by
+    hand: the head's matmul, forward and backward (before, the baseline could not be replayed and the curriculum's
+    FLOPs saving read 0)."""
+    s, lengths = _fit_hand_lm(tmp_path, HandLM(shift=True))
+    trained = sum(3 * 2 * B * (n - 1) * 16 * 64 for n in lengths)
+    assert s["flops"] == trained and s["baseline_flops"] == 6 * 3 * 2 * B * (16 - 1) * 16 * 64
+    assert s["flops_saved_frac"] == pytest.approx(1 - trained / s["baseline_flops"])
+    assert s["saved/curriculum/flops_frac"] == pytest.approx(s["flops_saved_frac"])
+
+
+class CopyingLM(HandLM):
+    """Feeds a copy of the causal slice (``ids[:, :-1].clone()``): a tensor computed from the batch."""
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        logits = self(ids[:, :-1].clone())
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def test_a_baseline_whose_flops_cannot_be_replayed_says_so_and_keeps_the_trained_flops(tmp_path):
+    """The trained FLOPs are counted (the head's matmul on every truncated batch); the untruncated baseline's cannot
+    be, so they are taken as the trained ones (the curriculum's FLOPs saving reads 0 while its token saving is
+    counted). The warning names the baseline's figure, not the trained one. The module feeds a copy of a slice, a
+    tensor computed from the batch, so its shape on the untruncated batch is unknown."""
     with pytest.warns(
         UserWarning,
         match=r"EfficiencyMonitor: the baseline's training FLOPs \(the batch before a "
-        r"technique changed its shapes.*not a tensor of the batch itself \(a slice such as ids\[:, :-1\]",
+        r"technique changed its shapes.*not a tensor of the batch itself nor a slice of one",
     ):
-        make_trainer(tmp_path, [monitor, before, cb], max_steps=6, max_epochs=-1).fit(
-            HandLM(shift=True), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=B))
-        )
-    s = monitor.summary
-    assert lengths == [3, 4, 5, 6, 7, 8]  # truncated to the schedule's difficulty (tokens)
+        s, lengths = _fit_hand_lm(tmp_path, CopyingLM(shift=True))
     trained = sum(3 * 2 * B * (n - 1) * 16 * 64 for n in lengths)  # the head's matmul, forward and backward
     assert s["flops"] == trained and s["baseline_flops"] == trained and s["flops_saved_frac"] == 0
     assert s["saved/curriculum/tokens_frac"] > 0
