@@ -169,20 +169,24 @@ def scatter_tokens(x: Tensor, idx: Tensor, part: Tensor, seq_dim: int = 1) -> Te
     return x.scatter(seq_dim, _expand_index(x, idx, seq_dim), part.to(x.dtype))
 
 
-def gather_seq_tensor(t: Tensor, idx: Tensor, axes: Sequence[int], batch_axis: int = 0) -> Tensor:
+def gather_seq_tensor(
+    t: Tensor, idx: Tensor, axes: Sequence[int], batch_axis: int = 0, seq_len: int | None = None
+) -> Tensor:
     """Gather every sequence axis of a mask, bias or position tensor with the per-sample indices (never sliced).
 
     Axes of size 1 are broadcast axes and are left alone; a batch axis of size 1 is expanded to ``B`` before a
     per-sample gather. Examples: a ``[B, 1, S, S]`` mask with ``axes=(-2, -1)`` gives ``[B, 1, r, r]``; a
-    ``[B, 1, 1, S]`` mask gives ``[B, 1, 1, r]``; ``position_ids [1, S]`` with ``axes=(-1,)`` gives ``[B, r]``.
+    ``[B, 1, 1, S]`` mask gives ``[B, 1, 1, r]``; ``position_ids [1, S]`` with ``axes=(-1,)`` gives ``[B, r]``; a
+    sequence-first ``[S, B]`` tensor with ``axes=(0,)``, ``batch_axis=1`` gives ``[r, B]``.
 
     Args:
         t: the tensor. idx: int64 ``[B, r]`` (sorted rows). axes: the axes that index the sequence.
-        batch_axis: the axis of ``t`` that indexes samples (size ``B`` or 1).
+        batch_axis: the axis of ``t`` that indexes samples (size ``B`` or 1; before or after the sequence axes).
+        seq_len: ``S``, when known: every sequence axis must then have size 1 or ``S``.
 
     Raises:
-        ValueError: a sequence axis whose size is neither 1 nor ``S`` (inferred from the largest index), or a batch
-            axis whose size is neither 1 nor ``B``.
+        ValueError: a sequence axis that is the batch axis, one whose size is neither 1 nor ``seq_len`` (when given)
+            or not larger than the largest index, or a batch axis whose size is neither 1 nor ``B``.
     """
     b, r = idx.shape
     nd = t.dim()
@@ -192,18 +196,25 @@ def gather_seq_tensor(t: Tensor, idx: Tensor, axes: Sequence[int], batch_axis: i
             f"tensor of shape {tuple(t.shape)}: batch axis {batch_axis} has size "
             f"{t.shape[batch_axis]}, expected 1 or {b}"
         )
+    top = int(idx.max()) if idx.numel() else -1
     for axis in sorted({a % nd for a in axes}):
         if axis == batch_axis:
             raise ValueError(f"axis {axis} is the batch axis of a tensor of shape {tuple(t.shape)}")
-        if t.shape[axis] == 1:
+        size = t.shape[axis]
+        if size == 1:
             continue
+        if (seq_len is not None and size != seq_len) or size <= top:
+            expected = f"1 or {seq_len}" if seq_len is not None else f"1 or more than the largest index {top}"
+            raise ValueError(
+                f"tensor of shape {tuple(t.shape)}: sequence axis {axis} has size {size}, expected {expected}"
+            )
         if t.shape[batch_axis] == 1 and b != 1:
             shape = list(t.shape)
             shape[batch_axis] = b
             t = t.expand(*shape)
         shape = [1] * nd
         shape[batch_axis], shape[axis] = b, r
-        index = idx.reshape(shape)
+        index = (idx if batch_axis < axis else idx.t()).reshape(shape)  # [B, r] laid out in the axes' order
         target = list(t.shape)
         target[axis] = r
         t = t.gather(axis, index.expand(*target))
@@ -363,8 +374,11 @@ def ltd_value(
         value = floor(step / require_steps * (max_value - min_value) + min_value)
         value -= value % seq_per_step;  value = min(value, max_value)
 
-    ``rounding="deepspeed"`` is exactly that (it can start below ``min_value`` and plateau below ``max_value``);
-    ``"clamped"`` (default) also keeps ``value >= min_value`` and gives ``max_value`` from ``require_steps`` on.
+    ``rounding="deepspeed"`` is exactly that: it can start below ``min_value``, and when ``max_value`` is not a
+    multiple of ``seq_per_step`` it is still below ``max_value`` at ``require_steps`` and reaches it some steps later
+    (``min_value = 64, max_value = 200, seq_per_step = 16, require_steps = 1000``: 192 at step 1000, 200 from step
+    1059; with ``min_value == max_value`` never); ``"clamped"`` (default) also keeps ``value >= min_value`` and gives
+    ``max_value`` from ``require_steps`` on.
     The DeepSpeed scheduler only updates while ``current < max_value``; the formula is monotonic, so the value at a
     step does not depend on the history. The product is computed exactly (integers, no float rounding).
 
@@ -424,13 +438,12 @@ def total_layer_tokens(
     if not is_int(train_steps) or train_steps < 0:
         raise ValueError(f"train_steps must be a non-negative int, got {train_steps!r}")
     total = 0
-    full = max(0, train_steps - require_steps)  # steps from require_steps on all use max_value (both roundings)
-    for step in range(train_steps - full):
+    for step in range(train_steps):
         r = ltd_value(step, min_value, max_value, require_steps, seq_per_step, rounding)
-        total += layer_tokens(global_batch_size, max_value, r, num_layers, num_ltd_layers)
-    if full:
-        r = ltd_value(require_steps, min_value, max_value, require_steps, seq_per_step, rounding)
-        total += full * layer_tokens(global_batch_size, max_value, r, num_layers, num_ltd_layers)
+        tokens = layer_tokens(global_batch_size, max_value, r, num_layers, num_ltd_layers)
+        if r == max_value:  # the schedule never decreases and stops at max_value: every later step is the same
+            return total + (train_steps - step) * tokens
+        total += tokens
     return total
 
 

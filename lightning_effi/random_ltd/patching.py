@@ -338,7 +338,7 @@ class LTDForward:
                     f"random-LTD layer {self.index}: argument {name!r} of shape {tuple(value.shape)} "
                     "has fewer axes than the adapter declares"
                 )
-            return F.gather_seq_tensor(value, idx, axes, decl.batch_axis)
+            return F.gather_seq_tensor(value, idx, axes, decl.batch_axis, seq_len)
         # undeclared (only reachable through **kwargs): reject tensors that carry this sequence
         if isinstance(value, Tensor) and seq_len > 1 and seq_len in value.shape[1:]:
             raise RuntimeError(

@@ -218,6 +218,26 @@ def test_gather_seq_tensor_forms():
         F.gather_seq_tensor(torch.randn(3, 1, s, s), idx, (-2, -1))
 
 
+def test_gather_seq_tensor_with_the_sequence_before_the_batch_axis():
+    """A sequence-first tensor (``[S, B, D]``, ``[S, S, B]``) keeps each sample's own tokens (hand loop); before, the
+    indices were laid out for batch-first tensors and scrambled across samples."""
+    b, s = 3, 7
+    idx = torch.tensor([[0, 2, 5], [1, 3, 4], [4, 5, 6]])
+    seq_first = torch.randn(s, b, 2)
+    g = F.gather_seq_tensor(seq_first, idx, (0,), batch_axis=1)
+    assert g.shape == (3, b, 2)
+    for i in range(b):
+        assert torch.equal(g[:, i], seq_first[idx[i], i])
+    pair = torch.randn(s, s, b)
+    g = F.gather_seq_tensor(pair, idx, (0, 1), batch_axis=2)
+    for i in range(b):
+        assert torch.equal(g[:, :, i], pair[:, :, i][idx[i]][:, idx[i]])
+    with pytest.raises(ValueError, match=r"sequence axis 1 has size 9, expected 1 or 7"):
+        F.gather_seq_tensor(torch.randn(b, 9), idx, (1,), seq_len=7)
+    with pytest.raises(ValueError, match=r"sequence axis 1 has size 6, expected 1 or more than the largest index 6"):
+        F.gather_seq_tensor(torch.randn(b, 6), idx, (1,))
+
+
 def _per_sample(mask, idx, both=True):
     """Reference gather by advanced indexing: ``mask[..., idx_b, :][..., idx_b]`` per sample (batch axis 0)."""
     out = []
@@ -318,6 +338,34 @@ def test_total_layer_tokens_is_pure_and_sums_the_schedule():
     brute = sum(F.layer_tokens(4, 1024, F.ltd_value(s, 128, 1024, 400, 8), 12, 10) for s in range(450))
     assert a == b == brute
     assert F.total_layer_tokens(0, **cfg) == 0
+
+
+@pytest.mark.parametrize("min_value, max_value", [(64, 200), (100, 100), (7, 50)])
+def test_total_layer_tokens_with_deepspeed_rounding_sums_the_steps_past_require_steps(min_value, max_value):
+    """With DeepSpeed's rounding a max_value that is no multiple of seq_per_step is still below max_value at
+    require_steps (192 of 200 at step 1000 for 64..200) and reaches it later (step 1059), or never (min == max):
+    the total is the sum over every step (before, the steps from require_steps on were counted at its value, 1.9%
+    short here, so layer_token_lr ended its decay early)."""
+    assert F.ltd_value(1000, 64, 200, 1000, 16, "deepspeed") == 192
+    assert (
+        F.ltd_value(1058, 64, 200, 1000, 16, "deepspeed") == 192
+        and F.ltd_value(1059, 64, 200, 1000, 16, "deepspeed") == 200
+    )
+    cfg = dict(
+        global_batch_size=16,
+        num_layers=4,
+        num_ltd_layers=2,
+        min_value=min_value,
+        max_value=max_value,
+        require_steps=1000,
+        seq_per_step=16,
+        rounding="deepspeed",
+    )
+    brute = sum(
+        F.layer_tokens(16, max_value, F.ltd_value(s, min_value, max_value, 1000, 16, "deepspeed"), 4, 2)
+        for s in range(2000)
+    )
+    assert F.total_layer_tokens(2000, **cfg) == brute
 
 
 def test_flops_per_layer_matches_the_foundation_convention():
