@@ -323,7 +323,7 @@ class CurriculumConfig:
         ``seqlen_reshape``, whose rows hold ``d + 1`` tokens)."""
         return length - (1 if name == "seqlen_reshape" or self.causal_label_shift else 0)
 
-    def check_data_length(self, length: int) -> None:
+    def check_data_length(self, length: int) -> list[str]:
         """Refuse a ``seqlen_truncate`` / ``seqlen_reshape`` range that does not fit the training data, whose batches
         hold ``length`` tokens (``Curriculum.setup`` reads it from the training set:
         :func:`~lightning_effi.curriculum.data.data_sequence_length`). Let ``full`` be the difficulty that keeps
@@ -337,10 +337,18 @@ class CurriculumConfig:
         - ``min_difficulty >= full`` (or a first difficulty that is): no batch is ever shortened, the metric does
           nothing.
 
+        A ``max_difficulty`` below ``full`` is accepted (a run may mean to train short sequences throughout), but the
+        schedule then never reaches the data's length: every batch of the run is cut, and the tokens cut are counted
+        as a saving. That is returned as a warning message (``Curriculum.setup`` warns it).
+
+        Returns:
+            the warning messages (empty when every metric's range ends at the data's full length).
+
         Raises:
             CurriculumConfigError: naming ``curriculum_metrics.<metric>.max_difficulty`` / ``min_difficulty``, the
                 data's length and the consequence.
         """
+        warnings: list[str] = []
         for name in TRANSFORM_METRICS:
             m = self.metrics.get(name)
             if m is None:
@@ -389,6 +397,14 @@ class CurriculumConfig:
                     f"min_difficulty below {full} (DeepSpeed's tutorial starts at 8 tokens for M-scale models, 64 "
                     f"for B-scale ones), or remove the {name} metric"
                 )
+            if m.max_difficulty < full:
+                warnings.append(
+                    f"{where}.max_difficulty ({m.max_difficulty}) is below the training data's sequence length: its "
+                    f"batches hold {how}, so every batch of the run is cut, also after the schedule's end (DeepSpeed's "
+                    f"seqlen curriculum ends at the full length), and the tokens cut are counted as the curriculum's "
+                    f"saving. Set max_difficulty to {full} to train on the full sequences at the end"
+                )
+        return warnings
 
     def reach_warnings(self, first_step: int, last_step: int | None, run: str = "") -> list[str]:
         """What a run training curriculum steps ``first_step`` .. ``last_step`` (the step of its last optimizer

@@ -129,8 +129,18 @@ def test_max_difficulty_above_the_data_length_is_refused_naming_the_step():
     # linear 4 -> 1024 over 6 steps in multiples of 4: step 1 gives 4 + 1020 / 6 = 174 -> 172 >= 16
     assert "reach the full length at step 1 instead of at total_curriculum_step (6)" in message
     assert "Set max_difficulty to 16" in message
-    CurriculumConfig(metrics=trunc()).check_data_length(16)  # max_difficulty = the data's length: accepted
-    CurriculumConfig(metrics=trunc()).check_data_length(40)  # longer data: the schedule stops short of it
+    assert CurriculumConfig(metrics=trunc()).check_data_length(16) == []  # max_difficulty = the data's length
+
+
+def test_max_difficulty_below_the_data_length_is_accepted_with_a_warning():
+    """Longer data than max_difficulty: every batch of the run is cut, after the schedule's end too (a run may mean
+    it, so it is not refused), and the cut tokens count as a saving: the message says so and names the full length."""
+    (message,) = CurriculumConfig(metrics=trunc()).check_data_length(40)
+    assert message.startswith(
+        "curriculum_metrics.seqlen_truncate.max_difficulty (16) is below the training data's sequence length: its "
+        "batches hold 40 tokens, so every batch of the run is cut"
+    )
+    assert message.endswith("Set max_difficulty to 40 to train on the full sequences at the end")
 
 
 def test_min_difficulty_at_the_data_length_is_refused():
