@@ -87,6 +87,7 @@ from lightning_effi.core.measure import (
     token_source,
 )
 from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
+from lightning_effi.core.state import check_coarse_vcycle_resume
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
 TIME_KEYS = ("time_train", "time_data", "time_eval")
@@ -928,6 +929,7 @@ class EfficiencyMonitor(Callback):
 
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        check_coarse_vcycle_resume("EfficiencyMonitor", trainer, checkpoint)
         present = {type(c).__qualname__ for c in trainer.callbacks}  # type: ignore[attr-defined]
         dropped = sorted(
             {key.split("{", 1)[0] for key in checkpoint.get("callbacks", {}) if isinstance(key, str)}

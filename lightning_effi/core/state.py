@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["config_mismatch", "other_state_keys", "settings_diff"]
+__all__ = ["check_coarse_vcycle_resume", "config_mismatch", "other_state_keys", "settings_diff"]
 
 
 def settings_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -56,3 +56,35 @@ def other_state_keys(callback: Any, checkpoint: Mapping[str, Any]) -> list[str]:
         return []
     prefix = type(callback).__qualname__ + "{"
     return [k for k in stored if isinstance(k, str) and k.startswith(prefix)]
+
+
+def check_coarse_vcycle_resume(owner: str, trainer: Any, checkpoint: Mapping[str, Any]) -> None:
+    """Refuse to resume a ``fit`` from a V-cycle checkpoint written below level 1 in a Trainer without the V-cycle.
+
+    Such a checkpoint's ``state_dict`` holds the full model (de-coalesced), but its optimizer and LR-scheduler states
+    are those of the coarse model, and the exact coarse weights sit in the V-cycle's state (``"weights"``, written by
+    ``VCycleCallback.on_save_checkpoint``). Without the V-cycle, torch refuses the optimizer state (``loaded state
+    dict contains a parameter group that doesn't match``) or, with width coalescing only, loads moments of the wrong
+    shapes and fails at the first step. Called from the ``on_load_checkpoint`` of every lightning_effi callback, so
+    that any of them in the Trainer stops the fit with this message first.
+
+    Raises:
+        ValueError: naming ``owner``, the checkpoint's level and what to do.
+    """
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    if trainer.state.fn != TrainerFn.FITTING:
+        return
+    if any(type(c).__qualname__ == "VCycleCallback" for c in getattr(trainer, "callbacks", [])):
+        return  # the V-cycle checks its own checkpoint
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if isinstance(key, str) and key.startswith("VCycleCallback{") and isinstance(state, Mapping):
+            if state.get("weights") is not None:
+                raise ValueError(
+                    f"{owner}: this checkpoint was written by a V-cycle at a coarse level (level "
+                    f"{state.get('level', '> 1')}): its weights are "
+                    "the full model's, but its optimizer and LR-scheduler states are the coarse model's, so a fit "
+                    "without the VCycleCallback cannot resume it. Resume with the VCycleCallback it was written with "
+                    "(same levels and settings), or start a new fit from its weights (load its state_dict into the "
+                    "model and fit without ckpt_path)"
+                )

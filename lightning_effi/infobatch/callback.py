@@ -62,7 +62,7 @@ from lightning_effi.core.requirements import (
     check_started,
     check_trainer,
 )
-from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
+from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import find_wrapper, live_fit, wrapper_chain
 from lightning_effi.curriculum.data import THINNED_KEYS, CurriculumDataModule
 from lightning_effi.infobatch import functional as ib
@@ -1544,6 +1544,7 @@ class InfoBatchCallback(Callback):
         self._evaluating = trainer.state.fn != TrainerFn.FITTING
         if self._evaluating:
             return
+        check_coarse_vcycle_resume(type(self).__name__, trainer, checkpoint)
         epoch = checkpoint.get("epoch")
         self._checkpoint_epoch = int(epoch) if is_int(epoch) and epoch >= 0 else None
         if trainer.strategy.restore_checkpoint_after_setup:

@@ -77,7 +77,7 @@ from lightning_effi.core.progress import (
 )
 from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
-from lightning_effi.core.state import config_mismatch, other_state_keys, settings_diff
+from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import live_fit, wrapper_chain
 from lightning_effi.models.base import (
     TransformerAdapter,
@@ -1426,6 +1426,7 @@ class RandomLTDCallback(Callback):
         self._evaluating = trainer.state.fn != TrainerFn.FITTING
         if self._evaluating:
             return
+        check_coarse_vcycle_resume(type(self).__name__, trainer, checkpoint)
         if others := other_state_keys(self, checkpoint):
             self._mismatch(f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}")
             self._resumed = True  # strict=False: the run goes on from the checkpoint's step with this configuration

@@ -161,6 +161,53 @@ def test_coarse_checkpoint_holds_the_full_model_de_coalesced(default_run):
     assert "weights" not in at_level_1["callbacks"][cb.state_key]
 
 
+@pytest.mark.parametrize("other", ["monitor", "random_ltd", "infobatch", "curriculum"])
+def test_a_coarse_checkpoint_resumed_without_the_vcycle_is_refused_by_any_technique(tmp_path, default_run, other):
+    """A level-2 checkpoint holds the full model's weights but the coarse model's optimizer state: a fit without the
+    V-cycle cannot resume it (torch refused the optimizer's parameter groups, or, with width coalescing only, loaded
+    moments of the wrong shapes and failed inside the optimizer's step). Any lightning_effi callback in the Trainer
+    refuses it first, naming the level; a level-1 checkpoint of the same run resumes."""
+    from lightning_effi.callbacks import Curriculum, InfoBatchCallback, RandomLTDCallback
+    from lightning_effi.core.accounting import EfficiencyMonitor
+
+    root, _, _ = default_run
+    make = {
+        "monitor": lambda: EfficiencyMonitor(print_summary=False),
+        "random_ltd": lambda: RandomLTDCallback(min_value=4, require_steps=4, layer_ids=[1]),
+        "infobatch": lambda: InfoBatchCallback(prune_ratio=0.5, seed=0),
+        "curriculum": lambda: Curriculum(
+            metrics={
+                "seqlen_truncate": dict(
+                    difficulty_type="value",
+                    clustering_type="single_cluster",
+                    min_difficulty=4,
+                    max_difficulty=16,
+                    schedule_type="fixed_linear",
+                    schedule_config=dict(total_curriculum_step=4, difficulty_step=4),
+                )
+            }
+        ),
+    }[other]
+    from lightning_effi.data import CurriculumDataModule, InfoBatchDataModule
+
+    wrap = {"infobatch": InfoBatchDataModule, "curriculum": CurriculumDataModule}
+    callback = make()
+    name = type(callback).__name__
+    trainer = make_trainer(tmp_path / "coarse", [callback], max_epochs=2, limit_val_batches=0)
+    with pytest.raises(
+        ValueError,
+        match=rf"^{name}: this checkpoint was written by a V-cycle at a coarse level "
+        r"\(level 2\): its weights are the full model's, but its optimizer",
+    ):
+        trainer.fit(
+            UserLM(), datamodule=wrap.get(other, lambda d: d)(user_data()), ckpt_path=root / "ckpts" / "step=3.ckpt"
+        )
+    if other == "monitor":  # at level 1 the optimizer state is the full model's: the fit resumes without the V-cycle
+        trainer = make_trainer(tmp_path / "full", [make()], max_epochs=2, limit_val_batches=0)
+        trainer.fit(UserLM(), datamodule=user_data(), ckpt_path=root / "ckpts" / "step=5.ckpt")
+        assert trainer.global_step > 5
+
+
 def test_validate_test_predict_run_the_de_coalesced_model(tmp_path, default_run):
     """``trainer.validate/test/predict(ckpt_path=...)`` of a level-2 checkpoint, with or without the callback in the
     Trainer, run the de-coalesced full model. Depth de-coalescing does not preserve the function, so its validation
