@@ -25,6 +25,7 @@ from lightning_effi.core.compat import uses_distributed_sampler
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
+from lightning_effi.core.state import check_coarse_vcycle_resume
 from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
@@ -263,6 +264,7 @@ class Curriculum(Callback):
         self._cut_mask: torch.Tensor | None = None
         self._cut_left = False
         self._cut_axes: dict[Any, tuple[int, ...]] | None = None
+        self._cut_mask_path: tuple[Any, ...] | None = None
 
     def _arguments(self) -> dict[str, Any]:
         """The constructor arguments of this callback, in order (the metrics as parsed, unset optional keys left
@@ -327,6 +329,7 @@ class Curriculum(Callback):
         self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
         self._pending = None
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
+        self._cut_mask_path = None
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
         self._restored = False
         template = dm.template()
@@ -336,7 +339,8 @@ class Curriculum(Callback):
         if set(TRANSFORM_METRICS) & set(config.metrics):
             length = data_sequence_length(dataset, template["collate_fn"], n, config.truncate_keys)
             if length is not None:  # every batch has this length (else, e.g. per-batch padding: nothing to compare)
-                config.check_data_length(length)
+                for message in config.check_data_length(length):
+                    rank_zero_warn(f"Curriculum: {message}")
         indexes = self._indexes(config, dataset, template["collate_fn"], n)
         if trainer.world_size > 1:
             self._check_same_indexes(trainer, indexes)
@@ -493,7 +497,7 @@ class Curriculum(Callback):
                 "Curriculum: the training batch does not come from the CurriculumDataModule's loader (it carries "
                 f"none of the curriculum's batch metadata {list(BATCH_KEYS)})"
             )
-        step, micro, difficulty, self._full_length, self._cut_mask, cut_left, self._cut_axes = (
+        step, micro, difficulty, self._full_length, self._cut_mask, cut_left, self._cut_axes, self._cut_mask_path = (
             meta[k] for k in BATCH_KEYS
         )
         self._cut_left = bool(cut_left)
@@ -551,17 +555,18 @@ class Curriculum(Callback):
         self._pending = None
         self._tokens_through_current = self.consumed_tokens
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
+        self._cut_mask_path = None
 
     def effi_baseline(self, batch: Any, pl_module: pl.LightningModule) -> Baseline | None:
         """The current training batch as it would have been without ``seqlen_truncate``
         (:class:`~lightning_effi.core.protocols.ProvidesBaseline`, read by the
         :class:`~lightning_effi.core.accounting.EfficiencyMonitor` in ``on_train_batch_end``), any batch structure:
         the tensors the truncation cut at the untruncated length ``S`` recorded by the collate (``cl_full_length``),
-        the attention mask with the values the truncation removed put back (``cl_cut_mask``, on the left for a
-        left-padded batch: ``cl_cut_left``), each tensor widened on the axes it was cut (``cl_cut_axes``), so the
-        module's counting hooks count the untruncated batch exactly, padding included
-        (:func:`~lightning_effi.curriculum.functional.lengthen_batch`; only shapes and the mask are real). A batch
-        without an attention mask (a tuple ``(ids, labels)``) counts every position. The monitor's
+        the padding mask with the values the truncation removed put back (``cl_cut_mask`` at ``cl_cut_mask_path``:
+        a tuple's unnamed mask too; on the left for a left-padded batch: ``cl_cut_left``), each tensor widened on
+        the axes it was cut (``cl_cut_axes``), so the module's counting hooks count the untruncated batch exactly,
+        padding included (:func:`~lightning_effi.curriculum.functional.lengthen_batch`; only shapes and the mask are
+        real). A batch without a padding mask (a tuple ``(ids, labels)``) counts every position. The monitor's
         difference is the curriculum's saving (``saved/curriculum/...``).
 
         Returns None when there is nothing to undo: no ``seqlen_truncate`` metric (``seqlen_reshape`` re-chunks
@@ -576,7 +581,13 @@ class Curriculum(Callback):
         if (seq := F.sequence_length(batch, keys)) is None or seq >= self._full_length:
             return None
         long = F.lengthen_batch(
-            batch, keys, self._full_length, mask=self._cut_mask, left=self._cut_left, axes=self._cut_axes or None
+            batch,
+            keys,
+            self._full_length,
+            mask=self._cut_mask,
+            left=self._cut_left,
+            axes=self._cut_axes or None,
+            mask_path=self._cut_mask_path,
         )
         return Baseline(batch=long)
 
@@ -620,6 +631,14 @@ class Curriculum(Callback):
             "last_difficulties": dict(self.last_difficulties),
             "nonfinite_loss": self.nonfinite_guard.state_dict(),
         }
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A resumed ``fit`` from a V-cycle checkpoint written at a coarse level needs the V-cycle
+        (:func:`~lightning_effi.core.state.check_coarse_vcycle_resume`)."""
+        check_coarse_vcycle_resume(type(self).__name__, trainer, checkpoint)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -504,13 +504,15 @@ class Truncation(NamedTuple):
         batch: the truncated batch (same structure and types as the input).
         full_length: ``T``, the sequence length before (None: no sequence tensor was found, nothing was cut).
         length: the sequence length after (``min(L, T)``; None with ``full_length``).
-        cut_mask: the values of the tensor named ``attention_mask`` at the removed positions (``[B, T - L]`` for a
+        cut_mask: the values of the batch's padding mask (:func:`padding_mask`: ``attention_mask``, a
+            ``*padding_mask*``, a tuple's unnamed 0/1 entry, ...) at the removed positions (``[B, T - L]`` for a
             ``[B, T]`` mask; its shape with ``T - L`` on the cut axis for ``[B, 1, 1, T]``), each row's in column
-            order; None when nothing was removed, no tensor named ``attention_mask`` was cut, or it was cut on two
-            axes (a pairwise ``[B, ..., T, T]`` mask). :func:`lengthen_batch` puts them back.
+            order; None when nothing was removed, the batch has no padding mask, or it was cut on two axes (a
+            pairwise ``[B, ..., T, T]`` mask). :func:`lengthen_batch` puts them back at ``mask_path``.
         left: the batch was left-padded and its last ``L`` columns were kept.
         cut: the paths of the tensors cut (:func:`lightning_effi.core.measure.leaves` paths).
         axes: the axes cut of each of ``cut`` (:func:`cut_axes`), in the same order.
+        mask_path: the path of the padding mask whose values ``cut_mask`` holds (None with it).
     """
 
     batch: Any
@@ -520,6 +522,7 @@ class Truncation(NamedTuple):
     left: bool
     cut: tuple[Path, ...]
     axes: tuple[tuple[int, ...], ...] = ()
+    mask_path: Path | None = None
 
 
 def truncate(
@@ -611,7 +614,7 @@ def truncate(
         return v
 
     out = map_tensors(batch, cut_tensor)
-    cut_mask = None
+    cut_mask, mask_path = None, None
     if real is not None and pm is not None:
         kept = torch.zeros(b, t, dtype=torch.bool, device=real.device)
         if index is None:
@@ -627,10 +630,10 @@ def truncate(
                 "every row's real tokens end at the last column); pad every row on the same side"
             )
         path, mask = pm[0], pm[1]
-        if _name(path) == "attention_mask" and len(cut.get(path, ())) == 1:
+        if len(cut.get(path, ())) == 1:
             removed = (~kept).nonzero()[:, 1].view(b, t - length)  # each row's removed columns, in column order
-            cut_mask = _take(mask, cut[path][0], window, removed)
-    return Truncation(out, t, length, cut_mask, left, tuple(cut), tuple(cut.values()))
+            cut_mask, mask_path = _take(mask, cut[path][0], window, removed), path
+    return Truncation(out, t, length, cut_mask, left, tuple(cut), tuple(cut.values()), mask_path)
 
 
 def truncate_batch(
@@ -676,22 +679,23 @@ def lengthen_batch(
     mask: Tensor | None = None,
     left: bool = False,
     axes: Mapping[Path, Sequence[int]] | None = None,
+    mask_path: Path | None = None,
 ) -> Any:
     """The inverse, for counting, of :func:`truncate`: every tensor :func:`truncate` cut widened to ``length`` on the
     axes it cut (``axes``: path -> axes, :attr:`Truncation.cut` / :attr:`Truncation.axes`; without it, the tensors
     and axes :func:`cut_axes` finds at the batch's sequence length ``S``, named in ``keys`` when given, which guesses
     wrong for a ``[B, S, D]`` tensor with ``D == S``); any batch structure, same types back, ``batch`` not modified.
-    The tensor named ``attention_mask`` gets ``mask`` (the removed values, :attr:`Truncation.cut_mask`) appended after
-    its kept positions on its cut axis (before them with ``left``: a left-padded cut), else real tokens (1; 0 in an
-    additive float mask); the others zeros (broadcast views: only their shapes are meant to be read). Nothing
-    changes when ``length <= S``.
+    The padding mask at ``mask_path`` (:attr:`Truncation.mask_path`; without it, the tensor named
+    ``attention_mask``) gets ``mask`` (the removed values, :attr:`Truncation.cut_mask`) appended after its kept
+    positions on its cut axis (before them with ``left``: a left-padded cut); without ``mask``, a tensor named
+    ``attention_mask`` gets real tokens (1; 0 in an additive float mask); the others zeros (broadcast views: only
+    their shapes are meant to be read). Nothing changes when ``length <= S``.
 
     With the ``cut_mask`` of a right-padded cut (``keep_last_token`` too) or a left-padded one, the mask is the
     original one exactly; the other tensors have its shapes.
 
     Raises:
-        ValueError: ``mask`` does not fit the batch's ``attention_mask`` (its shape with ``length - S`` on the cut
-            axis).
+        ValueError: ``mask`` does not fit the batch's mask (its shape with ``length - S`` on the cut axis).
     """
     keys = None if keys is None else tuple(keys)
     found = _reference(batch, keys)
@@ -706,15 +710,16 @@ def lengthen_batch(
         where = cut_axes(path, v, b, s, keys) if axes is None else tuple(axes.get(path, ()))
         if not where:
             return v
-        if _name(path) == "attention_mask" and not done:
+        is_mask = path == mask_path if mask_path is not None else _name(path) == "attention_mask"
+        if is_mask and not done:
             done.append(path)
             if mask is None or len(where) != 1:
-                return _widen(v, where, length, left, _real_fill(v))
+                return _widen(v, where, length, left, _real_fill(v) if _name(path) == "attention_mask" else None)
             extra_shape = list(v.shape)
             extra_shape[where[0]] = length - s
             if list(mask.shape) != extra_shape:
                 raise ValueError(
-                    f"lengthen_batch: mask of shape {tuple(mask.shape)} cannot widen an attention_mask of shape "
+                    f"lengthen_batch: mask of shape {tuple(mask.shape)} cannot widen the mask of shape "
                     f"{tuple(v.shape)} to {length} positions (expected {tuple(extra_shape)})"
                 )
             extra = mask.to(device=v.device, dtype=v.dtype)

@@ -628,3 +628,70 @@ def test_a_module_with_a_pairwise_bias_and_a_4d_mask_trains_and_counts_its_real_
     s = monitor.summary  # the mask's real tokens, cut and whole (the 4-D mask put back on its last axis)
     assert s["tokens"] == sum(kept for kept, _ in model.real)
     assert s["baseline_tokens"] == sum(whole for _, whole in model.real) > s["tokens"]
+
+
+def test_a_max_difficulty_below_the_data_length_warns_at_setup(tmp_path):
+    """Blocks of 16 tokens and max_difficulty 8: every batch of the run is cut to at most 8 tokens; the fit trains,
+    and setup says so."""
+    pl.seed_everything(0)
+    model = TupleGPT2()
+    data = CurriculumDataModule(TinyDataModule(CharPairs(), batch_size=B, collate_fn=stack_pairs))
+    curriculum = Curriculum(
+        metrics={
+            "seqlen_truncate": {
+                **TRUNC,
+                "max_difficulty": 8,
+                "schedule_config": dict(total_curriculum_step=6, difficulty_step=1),
+            }
+        }
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"^Curriculum: curriculum_metrics\.seqlen_truncate\.max_difficulty \(8\) is "
+        r"below the training data's sequence length: its batches hold 16 tokens",
+    ):
+        make_trainer(tmp_path, [curriculum], max_steps=8, max_epochs=-1).fit(model, datamodule=data)
+    assert [s[1][1] for s in model.seen] == [3, 4, 5, 6, 7, 8, 8, 8]
+
+
+class PaddedTriples(Dataset):
+    """Tuple samples ``(ids [T], mask [T], length)``: ``length`` (3..16) real tokens (ids 1..) then padding 0, the
+    0/1 mask unnamed (a tuple entry); the label is the sample's own real length, so a batch tells its true tokens."""
+
+    def __init__(self, n: int = 32) -> None:
+        self.lengths = torch.randint(3, T + 1, (n,), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = int(self.lengths[i])
+        mask = (torch.arange(T) < n).long()
+        return (torch.arange(T) % (V - 1) + 1) * mask, mask, torch.tensor(n)
+
+
+class TripleGPT2(TupleGPT2):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, mask, _ = batch
+        return self.model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+
+
+def test_the_baseline_of_a_tuple_batch_puts_back_its_unnamed_mask(tmp_path):
+    """``(ids, mask, y)`` batches: the untruncated baseline gets the mask values the truncation removed back in the
+    tuple's mask entry, so it counts each sample's real tokens (its label), not every position (before, the mask was
+    put back only in a tensor named attention_mask: the tuple's baseline counted its padding, which inflated the token
+    saving about 7x in a user's SST-2 run)."""
+    pl.seed_everything(0)
+    curriculum = Curriculum(metrics={"seqlen_truncate": TRUNC})
+    after, monitor = After(curriculum), EfficiencyMonitor(print_summary=False)
+    data = CurriculumDataModule(TinyDataModule(PaddedTriples(), batch_size=B))
+    make_trainer(tmp_path, [monitor, curriculum, after], max_steps=4, max_epochs=-1).fit(TripleGPT2(), datamodule=data)
+    real = 0
+    for batch, baseline in after.baselines:
+        ids, mask, lengths = baseline.batch
+        assert mask.shape == (B, T) and torch.equal(mask.sum(1), lengths)  # the untruncated mask, exactly
+        assert torch.equal(mask[:, : batch[1].shape[1]], batch[1])
+        real += int(lengths.sum())
+    s = monitor.summary
+    assert s["baseline_tokens"] == real and s["tokens"] == sum(int(b[1].sum()) for b, _ in after.baselines)
+    assert s["saved/curriculum/tokens_frac"] == pytest.approx(1 - s["tokens"] / real)
