@@ -27,8 +27,9 @@ checks on fake tensors (they fail on ``meta``). A call is measured once per (arg
 used, the module's type, training mode and parameter shapes / ``requires_grad``) and cached.
 
 What is not measured: matrix products in the LightningModule's own code outside any module call (``x @ self.weight``
-in ``training_step``); a module whose forward needs real values (data-dependent shapes or control flow) fails to
-replay and is reported (:class:`MeasureError`).
+in ``training_step``); torchmetrics metrics called in the step (``self.train_acc(preds, y)``: counters updated
+from real values, not the network's compute) are not recorded; any other module whose forward needs real values
+(data-dependent shapes or control flow) fails to replay and is reported (:class:`MeasureError`).
 """
 
 from __future__ import annotations
@@ -587,6 +588,8 @@ class CallRecorder:
         _, grad = self._stack.pop()
         if self._stack or len(rest) != 2:  # a nested call, or the forward raised (hook(module, args, result))
             return
+        if _is_metric(module):  # a torchmetrics metric (its update needs real values; no network compute)
+            return
         kwargs, output = rest
         first = len(self._refs)
         call = CallRecord(
@@ -607,6 +610,17 @@ class CallRecorder:
                 call.used.add(path)
             elif value.requires_grad:
                 value.register_hook(_MarkUsed(call.used, path))  # type: ignore[no-untyped-call]
+
+
+def _is_metric(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchmetrics ``Metric`` (``MetricCollection`` included): its calls update counters
+    from the real values (``unique`` and other data-dependent shapes, which no fake replay can run) and are not the
+    network's compute, so they are not recorded (nor the calls nested in them)."""
+    try:
+        from torchmetrics import Metric, MetricCollection
+    except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
+        return False
+    return isinstance(module, (Metric, MetricCollection))
 
 
 def _redirected(module: nn.Module) -> bool:

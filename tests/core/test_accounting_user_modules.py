@@ -130,6 +130,25 @@ class UserMLP(UserModule):
         return F.cross_entropy(self.mlp(x), y)
 
 
+class MetricMLP(UserMLP):
+    """UserMLP updating torchmetrics metrics in ``training_step`` (a ``MetricCollection`` and a ``Metric`` called as
+    modules): their updates run ``unique`` on the real predictions, which no fake replay can run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.train_acc = torchmetrics.classification.BinaryAccuracy()
+        self.metrics = torchmetrics.MetricCollection({"f1": torchmetrics.classification.MulticlassF1Score(3)})
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.mlp(x)
+        self.log("train_acc", self.train_acc(logits[:, 0].sigmoid(), (y == 0).long()))
+        self.log_dict(self.metrics(logits, y))
+        return F.cross_entropy(logits, y)
+
+
 class BagOfWords(UserModule):
     """Token ids but no transformer blocks; its forward drops the padding id 0 with a data-dependent index."""
 
@@ -284,6 +303,15 @@ def test_what_cannot_be_found_warns_once_naming_the_hook(tmp_path: Path) -> None
     hand = 2 * (2 * B * 8 * 16) + 3 * (2 * B * 16 * 3)  # the first layer's input needs no gradient
     assert [r["flops"] for r in per_batch.rows] == [hand] * 3 == measured.per_batch
     assert monitor.summary["tokens"] == monitor.summary["layer_tokens"] == 0 and monitor.summary["samples"] == 3 * B
+
+    pl.seed_everything(0)  # torchmetrics metrics in the step: not the network's compute, not replayed
+    monitor = EfficiencyMonitor(print_summary=False)
+    per_batch = PerBatch(monitor)  # (torch's FlopCounterMode on the real step fails on torchmetrics' module calls)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path / "metrics", [monitor, per_batch], max_steps=3, max_epochs=-1).fit(MetricMLP(), features)
+    assert len(monitor_warnings(caught)) == 1  # tokens only, as above (before: FLOPs could not be replayed, 0)
+    assert [r["flops"] for r in per_batch.rows] == [hand] * 3
 
     pl.seed_everything(0)
     with warnings.catch_warnings(record=True) as caught:
