@@ -10,6 +10,7 @@ hidden-state order comes from ``batch_first``; the widths from ``self_attn`` and
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -105,6 +106,18 @@ def _attention_of(layer: nn.Module) -> nn.MultiheadAttention | None:
     return next((m for m in layer.modules() if isinstance(m, nn.MultiheadAttention)), None)
 
 
+def _mlp_width(layer: nn.Module, hidden: int) -> int | None:
+    """The MLP width ``I`` of a transformer layer of width ``hidden``: the ``in_features`` of its ``nn.Linear``
+    layers that project back to ``hidden`` from another width (the MLP's down-projection ``I -> H``; attention's
+    output projection is ``H -> H``), when they all agree; None when there is none, or they disagree."""
+    widths = {
+        int(m.in_features)
+        for m in layer.modules()
+        if isinstance(m, nn.Linear) and int(m.out_features) == hidden and int(m.in_features) != hidden
+    }
+    return widths.pop() if len(widths) == 1 else None
+
+
 class GenericAdapter(TransformerAdapter):
     """Adapter declared from a config (no code). Pass an instance as ``RandomLTDCallback(adapter=...)``.
 
@@ -115,7 +128,8 @@ class GenericAdapter(TransformerAdapter):
             reads the length from the sequences its layers see).
         hidden_size: ``H``, for the FLOPs figures; default: the ``embed_dim`` of the layers' ``nn.MultiheadAttention``
             (an error at bind time when they have none). intermediate_size: MLP width; default ``linear1``'s width
-            for PyTorch's layers, else ``4H``.
+            for PyTorch's layers, else the input width of the layer's ``nn.Linear(I, H)`` (its MLP's
+            down-projection), else ``4H`` with a warning.
         seq_args: ``{argument name: axes}`` for arguments with sequence axes (HF-style ``[B, 1, S, S]`` masks
             ``[-2, -1]``, positions ``[-1]``, rotary ``(cos, sin)`` ``[-2]``), batch axis 0.
         passthrough: argument names passed unchanged. must_be_none: arguments that must be ``None`` (caches).
@@ -151,8 +165,9 @@ class GenericAdapter(TransformerAdapter):
             ``hidden_size`` and no ``nn.MultiheadAttention`` to read it from, a declared ``hidden_size`` the layers
             contradict (their ``nn.MultiheadAttention``'s ``embed_dim``; without one, a width no normalisation or
             linear layer of the first layer has), a declared ``intermediate_size`` other than PyTorch's layers'
-            ``linear1`` width. ``RandomLTDCallback`` refuses a ``max_sequence_length`` below its ``max_value`` or the
-            data's length, and ``num_prefix_tokens`` above its ``min_value``, naming them.
+            ``linear1`` width (or the layer's ``nn.Linear(I, H)`` width). ``RandomLTDCallback`` refuses a
+            ``max_sequence_length`` below its ``max_value`` or the data's length, and ``num_prefix_tokens`` above
+            its ``min_value``, naming them.
     """
 
     name = "generic"
@@ -278,6 +293,25 @@ class GenericAdapter(TransformerAdapter):
                 raise ValueError(
                     f"GenericAdapter.intermediate_size={self._inter}, but the layers of {self.path!r} are "
                     f"{type(layers[0]).__name__} with an MLP of width {width} (linear1.out_features); pass "
+                    f"intermediate_size={width} or leave it None (read from the layers)"
+                )
+        elif len(layers):
+            width = _mlp_width(layers[0], self._hidden)
+            if self._inter is None and width is not None:
+                self._inter = width
+            elif self._inter is None:
+                warnings.warn(
+                    f"GenericAdapter.intermediate_size: not given, and the layers of {self.path!r} "
+                    f"({type(layers[0]).__name__}) have no single nn.Linear projecting a wider (or narrower) MLP back "
+                    f"to the width {self._hidden}: the FLOPs figures take the MLP as 4H = {4 * self._hidden} wide; "
+                    "pass intermediate_size (the MLP's width) to count it",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            elif check and width is not None and self._inter != width:
+                raise ValueError(
+                    f"GenericAdapter.intermediate_size={self._inter}, but the layers of {self.path!r} project an MLP "
+                    f"of width {width} back to {self._hidden} (an nn.Linear({width}, {self._hidden})); pass "
                     f"intermediate_size={width} or leave it None (read from the layers)"
                 )
 

@@ -176,6 +176,33 @@ def test_a_hidden_size_the_layers_contradict_is_refused_at_bind():
     assert GenericAdapter("layers", hidden_size=32).bind(blocks).hidden_size() == 32
 
 
+def test_the_mlp_width_of_a_hand_written_layer_is_read_from_its_down_projection():
+    """NormBlock's MLP is 48 wide (nn.Linear(48, 32) projects it back to H = 32): intermediate_size() is 48, not the
+    4H = 128 assumed before (a user's 2H-wide MLP had its FLOPs saving overstated by ~40%); a declared width the
+    layer contradicts is refused; a layer without such a projection keeps 4H, with a warning naming the argument."""
+    import warnings
+
+    blocks = nn.Module()
+    blocks.layers = nn.ModuleList([NormBlock(), NormBlock()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert GenericAdapter("layers", hidden_size=32).bind(blocks).intermediate_size() == 48
+    with pytest.raises(
+        ValueError,
+        match=r"intermediate_size=64, but the layers of 'layers' project an MLP of width "
+        r"48 back to 32 \(an nn.Linear\(48, 32\)\)",
+    ):
+        GenericAdapter("layers", hidden_size=32, intermediate_size=64).bind(blocks)
+    plain = nn.Module()
+    plain.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)) for _ in range(2)])
+    with pytest.warns(
+        UserWarning,
+        match=r"intermediate_size: not given, .* the FLOPs figures take the MLP as 4H = "
+        r"128 wide; pass intermediate_size",
+    ):
+        assert GenericAdapter("layers", hidden_size=32).bind(plain).intermediate_size() == 128
+
+
 def test_rebind_keeps_the_declared_widths_of_a_narrower_level():
     """The V-cycle's coarse level is narrower: the declared sizes stay as given there, no error."""
     adapter = GenericAdapter("net.encoder.layers", hidden_size=32, intermediate_size=64)
