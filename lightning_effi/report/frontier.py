@@ -14,6 +14,7 @@ direction: ``mode="min"`` (lower is better: a loss) or ``mode="max"`` (higher is
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,28 @@ def check_mode(mode: str) -> Mode:
     if mode not in MODES:
         raise ValueError(f"mode: expected 'min' (lower is better) or 'max' (higher is better), got {mode!r}")
     return "min" if mode == "min" else "max"
+
+
+#: name parts (``val/loss`` -> ``val``, ``loss``; trailing digits dropped: ``acc1``) that say lower is better
+LOWER_IS_BETTER = frozenset(
+    {"loss", "nll", "ppl", "perplexity", "error", "err", "mse", "mae", "rmse", "wer", "cer", "bpc", "bpb"}
+)
+#: ... and higher is better
+HIGHER_IS_BETTER = frozenset(
+    {
+        "acc", "accuracy", "top", "f", "auc", "auroc", "auprc", "precision", "recall", "bleu", "rouge", "map",
+        "iou", "miou", "dice", "r2", "mcc", "spearman", "pearson", "corr", "score",
+    }
+)  # fmt: skip
+
+
+def infer_mode(metric: str) -> Mode | None:
+    """``"min"`` when the metric's name says lower is better (a part in :data:`LOWER_IS_BETTER`: ``val/loss``,
+    ``val_ppl``), ``"max"`` when it says higher is better (:data:`HIGHER_IS_BETTER`: ``val/acc``, ``test_f1``,
+    ``acc_top5``), None when it says neither or both (the caller must be told)."""
+    parts = {p.rstrip("0123456789") for p in re.split(r"[^a-z0-9]+", str(metric).lower()) if p}
+    lower, higher = bool(parts & LOWER_IS_BETTER), bool(parts & HIGHER_IS_BETTER)
+    return "min" if lower and not higher else "max" if higher and not lower else None
 
 
 def better(a: float, b: float, mode: Mode) -> bool:

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.checks import is_int, is_real
 from lightning_effi.core.compat import runs_in_spawned_processes
-from lightning_effi.report.frontier import check_mode
+from lightning_effi.report.frontier import check_mode, infer_mode
 from lightning_effi.report.load import SCHEMA, budget_key, json_safe
 
 __all__ = ["TECHNIQUE_HOOKS", "make_record", "save_record", "scalar_metrics", "stopped_early", "write_result"]
@@ -65,7 +65,7 @@ def write_result(
     trainer: pl.Trainer,
     out_dir: str | os.PathLike[str],
     metric: str,
-    mode: str = "min",
+    mode: str | None = None,
     seed: int | None = None,
     budget: float = 1.0,
     arm: str | None = None,
@@ -78,7 +78,9 @@ def write_result(
         trainer: a Trainer after ``fit`` (and ``test`` if you want test metrics), with an ``EfficiencyMonitor``.
         out_dir: the run's folder (created); one folder per run, e.g. ``runs/<arm>_<budget>_seed<s>``.
         metric: the quality the report compares (a key of ``trainer.callback_metrics`` or of ``metrics``, e.g.
-            ``"val/loss"``). mode: ``"min"`` (lower is better) or ``"max"``.
+            ``"val/loss"``). mode: ``"min"`` (lower is better) or ``"max"``; None (the default) reads it from the
+            metric's name (:func:`~lightning_effi.report.frontier.infer_mode`: ``min`` for a loss, error or
+            perplexity, ``max`` for an accuracy, F1, AUC, ...) and refuses a name that says neither.
         seed: the run's seed (an int in ``[0, 2**32)``); None reads the one ``pl.seed_everything`` set
             (``PL_GLOBAL_SEED``).
         budget: the fraction of the experiment's reference length this run trained (> 0; the baseline frontier
@@ -95,11 +97,11 @@ def write_result(
 
     Raises:
         ValueError: no ``EfficiencyMonitor`` in ``trainer.callbacks`` (or it has no summary: the fit did not end),
-            ``mode`` not ``"min"``/``"max"``, ``budget`` not a number > 0, ``out_dir`` an existing file, ``arm``
-            not a one-line string or ``"baseline"`` on a run with a technique, ``task_name`` not a string,
-            ``metrics`` not a mapping, ``seed`` not an int in ``[0, 2**32)``
-            or None while ``pl.seed_everything`` was never called, or ``metric`` in none of the fit's last
-            validation, the Trainer's metrics and ``metrics`` (the message lists those there are).
+            ``mode`` not ``"min"``/``"max"`` (or None with a metric name that does not say which), ``budget``
+            not a number > 0, ``out_dir`` an existing file, ``arm`` not a one-line string or ``"baseline"`` on a
+            run with a technique, ``task_name`` not a string, ``metrics`` not a mapping, ``seed`` not an int in
+            ``[0, 2**32)`` or None while ``pl.seed_everything`` was never called, or ``metric`` in none of the
+            fit's last validation, the Trainer's metrics and ``metrics`` (the message lists those there are).
 
     Warns when the fit stopped early (``EarlyStopping``, ``max_time``): the record marks it
     (``length.stopped_early``) and the report leaves such a baseline out of its frontier (:func:`make_record`).
@@ -117,6 +119,13 @@ def write_result(
                 else ""
             )
         )
+    if mode is None:
+        mode = infer_mode(metric)
+        if mode is None:
+            raise ValueError(
+                f"write_result: mode: the metric name {metric!r} does not say whether lower or higher is better; "
+                "pass mode='min' (lower is better, e.g. a loss) or mode='max' (higher is better, e.g. an accuracy)"
+            )
     try:
         checked_mode = check_mode(mode)
     except ValueError as err:
@@ -230,7 +239,8 @@ def make_record(
     early = stopped_early(trainer)
     if early and trainer.is_global_zero:
         rank_zero_warn(
-            f"the fit stopped early, at optimizer step {trainer.global_step} (epoch {trainer.current_epoch}; "
+            f"the fit stopped early, at optimizer step {trainer.global_step} (completed epochs: "
+            f"{trainer.current_epoch}; "
             f"max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}): EarlyStopping, max_time or "
             f"trainer.should_stop. Its record keeps budget={budget:g} as a label, with length.stopped_early = true; "
             "the report notes it. A frontier baseline should train its whole budget"

@@ -55,6 +55,34 @@ def test_what_cannot_make_a_record_is_refused_naming_it(tmp_path):
         write_result(trainer, tmp_path / "r", metric="val/acc")
     with pytest.raises(ValueError, match=r"^write_result: mode: expected 'min' \(lower is better\) or 'max'"):
         write_result(trainer, tmp_path / "r", metric="val/loss", mode="lower")
+    with pytest.raises(
+        ValueError,
+        match=r"^write_result: mode: the metric name 'val/foo' does not say whether lower "
+        r"or higher is better; pass mode='min'",
+    ):
+        write_result(trainer, tmp_path / "r", metric="val/foo", metrics={"val/foo": 1.0})
+
+
+def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
+    """A user's ``write_result(metric="val/acc")`` recorded mode "min" (the old default): the report then read a
+    better accuracy as worse than every baseline. None now reads the name: max for accuracy-like names, min for
+    losses; an explicit mode stays as given."""
+    from lightning_effi.report.frontier import infer_mode
+
+    assert [infer_mode(m) for m in ("val/loss", "val_ppl", "val/error", "val/acc", "test/acc_top5", "val/f1")] == [
+        "min",
+        "min",
+        "min",
+        "max",
+        "max",
+        "max",
+    ]
+    assert infer_mode("val/foo") is None and infer_mode("val/loss_acc") is None  # neither, or both: ask
+    trainer = fit(tmp_path / "fit", 2, ltd=False)
+    read = lambda p: json.loads(p.read_text())["optimized_mode"]  # noqa: E731
+    assert read(write_result(trainer, tmp_path / "a", metric="val/acc", metrics={"val/acc": 0.5})) == "max"
+    assert read(write_result(trainer, tmp_path / "l", metric="val/loss")) == "min"
+    assert read(write_result(trainer, tmp_path / "m", metric="val/acc", mode="min", metrics={"val/acc": 0.5})) == "min"
     with pytest.raises(ValueError, match="budget must be a number > 0"):
         write_result(trainer, tmp_path / "r", metric="val/loss", budget=0)
     (tmp_path / "file").write_text("mine")
