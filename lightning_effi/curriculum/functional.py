@@ -162,10 +162,19 @@ def draw_from_cluster(
     Returns:
         ``(drawn int64[n], pass, position, perm)`` after the draw. Within one pass no id repeats; a request larger
         than the cluster wraps as many passes as needed.
+
+    Raises:
+        ValueError: an empty cluster, ``n`` not an int >= 0, ``position`` not in ``[0, C)``.
     """
     size = len(ids)
     if size == 0:
         raise ValueError("draw_from_cluster: empty cluster")
+    if not is_int(n) or n < 0:
+        raise ValueError(f"draw_from_cluster: n must be an int >= 0, got {n!r}")
+    if not is_int(position) or not 0 <= position < size:
+        raise ValueError(
+            f"draw_from_cluster: position must be an int in [0, {size}) (the cluster's size), got {position!r}"
+        )
     if perm is None:
         perm = cluster_permutation(seed, cluster_key, pass_, ids)
     out = []

@@ -875,8 +875,8 @@ def update_scores(score: Tensor, seen: Tensor, index: Tensor, per_sample_loss: T
     _check_index(index, "update_scores")
     _check_per_sample_loss(per_sample_loss, index, "update_scores", allow_empty=True)
     _check_finite_scores(per_sample_loss, "update_scores")
-    if not 0 < momentum <= 1:
-        raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, Real) or not 0 < momentum <= 1:
+        raise ValueError(f"momentum must be a number in (0, 1], got {momentum!r}")
     if index.numel() == 0:
         return
     idx = index.to(score.device)
@@ -885,6 +885,12 @@ def update_scores(score: Tensor, seen: Tensor, index: Tensor, per_sample_loss: T
     if int(idx.min()) < 0 or int(idx.max()) >= n:
         raise IndexError(f"dataset index out of range for a table of {n} samples")
     loss = per_sample_loss.detach().to(device=score.device, dtype=score.dtype)
+    if not bool(torch.isfinite(loss).all()):
+        bad = int((~torch.isfinite(loss)).nonzero()[0, 0])
+        raise ValueError(
+            f"update_scores: per_sample_loss[{bad}] = {float(per_sample_loss.reshape(-1)[bad])!r} overflows the "
+            f"{score.dtype} score table (largest {torch.finfo(score.dtype).max:.3g})"
+        )
     if momentum != 1:
         old = score.index_select(0, idx)
         loss = torch.where(seen.to(score.device).index_select(0, idx), momentum * loss + (1 - momentum) * old, loss)
@@ -1075,8 +1081,13 @@ def per_sample_cross_entropy(
             logits, labels = logits[:, :-1], labels[:, 1:]
         b, t = labels.shape
         labels = labels.long()
+        if t == 0:  # a shifted one-token sequence: no token has a label (0, with the graph kept)
+            return logits.float().sum((1, 2)) * 0.0
         tokens = F.cross_entropy(
-            logits.reshape(b * t, -1).float(), labels.reshape(b * t), reduction="none", ignore_index=ignore_index
+            logits.reshape(b * t, logits.shape[-1]).float(),
+            labels.reshape(b * t),
+            reduction="none",
+            ignore_index=ignore_index,
         ).view(b, t)
         counts = (labels != ignore_index).sum(1)
         return tokens.sum(1) / counts.clamp(min=1)

@@ -837,7 +837,11 @@ class RandomLTDCallback(Callback):
             end = self.max_value_arg if self.max_value_arg is not None else self._data_length
             if end is not None and end >= self.min_value and self.require_steps is not None:
                 r = F.ltd_value(step, self.min_value, end, self.require_steps, self.seq_per_step, self.rounding)
-                schedule += f": r = {r} tokens at step {step}, not min_value={self.min_value}"
+                schedule += (
+                    f": r = {r} tokens at step {step}, not min_value={self.min_value}"
+                    if r != self.min_value
+                    else f": r = {r} tokens at step {step}, then rising on a schedule timed from step 0, not from here"
+                )
         raise ValueError(
             f"{name}: {how}; its schedule counts from step 0 of the run ({schedule}) and its token counters would "
             "restart at 0, so the run would continue on another schedule than the one it started (on a refit with a "

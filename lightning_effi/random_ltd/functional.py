@@ -268,10 +268,12 @@ def gather_attention_mask(
 
     Raises:
         MaskLayoutError: (a ``ValueError``) a layout not listed above for ``kind`` (the message gives the shape seen
-            and the layouts allowed), or an unknown ``kind``.
+            and the layouts allowed), or an unknown ``kind``. ValueError: ``num_heads`` not an int >= 1.
     """
     if kind not in MASK_KINDS:
         raise MaskLayoutError(f"mask kind must be one of {MASK_KINDS}, got {kind!r}")
+    if num_heads is not None:
+        num_heads = check_int("gather_attention_mask", "num_heads", num_heads, minimum=1)
     b, r = idx.shape
     shape = tuple(mask.shape)
 
@@ -455,9 +457,16 @@ def flops_per_layer(
     same convention as :func:`lightning_effi.core.flops.transformer_forward_flops`), plus ``2*B*T^2*H`` when
     ``fused_attention``: a fused scaled-dot-product kernel recomputes the scores ``Q K^T`` in the backward
     (Dao et al. 2022, FlashAttention Sec. 3.1; :func:`lightning_effi.core.flops.attention_recompute_flops`, as
-    ``torch.utils.flop_counter`` counts the sdpa backward). ``I`` defaults to ``4*H``."""
-    inter = 4 * hidden if intermediate is None else intermediate
-    b, t = int(batch_size), int(tokens)
+    ``torch.utils.flop_counter`` counts the sdpa backward). ``I`` defaults to ``4*H``.
+
+    Raises:
+        ValueError: ``batch_size`` / ``tokens`` not an int >= 0, ``hidden`` / ``intermediate`` not an int >= 1.
+    """
+    owner = "flops_per_layer"
+    b = check_int(owner, "batch_size", batch_size, minimum=0)
+    t = check_int(owner, "tokens", tokens, minimum=0)
+    hidden = check_int(owner, "hidden", hidden, minimum=1)
+    inter = 4 * hidden if intermediate is None else check_int(owner, "intermediate", intermediate, minimum=1)
     recompute = 2 * b * t * t * hidden if fused_attention else 0
     return 3 * (b * t * (8 * hidden * hidden + 4 * hidden * inter) + 4 * b * t * t * hidden) + recompute
 
@@ -472,7 +481,16 @@ def saved_flops_fraction(
     fused_attention: bool = False,
 ) -> float:
     """Fraction of the transformer layers' training FLOPs that random-LTD skips at reserved length ``r``
-    (:func:`flops_per_layer`, with the fused kernels' recompute of the scores when ``fused_attention``)."""
+    (:func:`flops_per_layer`, with the fused kernels' recompute of the scores when ``fused_attention``).
+
+    Raises:
+        ValueError: an argument of the wrong type or range, naming it (``num_ltd_layers`` in ``[0, num_layers]``).
+    """
+    owner = "saved_flops_fraction"
+    seq_len = check_int(owner, "seq_len", seq_len, minimum=0)
+    reserved_length = check_int(owner, "reserved_length", reserved_length, minimum=0)
+    num_layers = check_int(owner, "num_layers", num_layers, minimum=0)
+    num_ltd_layers = check_int(owner, "num_ltd_layers", num_ltd_layers, minimum=0, maximum=num_layers)
     per_layer = flops_per_layer(1, seq_len, hidden, intermediate, fused_attention)
     full = num_layers * per_layer
     if full == 0:

@@ -712,15 +712,20 @@ def interpolate(
 
 
 def snapshot(model_or_state_dict: Mapping[str, Tensor] | nn.Module) -> dict[str, Tensor]:
-    """A CPU float32 copy of a state dict (floating tensors; other tensors copied as they are), tied tensors kept as one
-    shared tensor: the copy of a level's model taken before coalescing, for :func:`interpolate` on the way up."""
+    """A CPU copy of a state dict, floating tensors in float32 or their own dtype when it is wider (float64: no value
+    is rounded; bfloat16 / float16 are widened exactly), other tensors as they are, tied tensors kept as one shared
+    tensor: the copy of a level's model taken before coalescing, for :func:`interpolate` on the way up."""
     out: dict[str, Tensor] = {}
     seen: dict[tuple[object, ...], Tensor] = {}
     for k, t in _state_dict(model_or_state_dict, "snapshot").items():
         key = _storage_key(t)
         if key not in seen:
             t = t.detach()
-            seen[key] = t.to("cpu", torch.float32, copy=True) if t.is_floating_point() else t.to("cpu", copy=True)
+            seen[key] = (
+                t.to("cpu", torch.promote_types(t.dtype, torch.float32), copy=True)
+                if t.is_floating_point()
+                else t.to("cpu", copy=True)
+            )
         out[k] = seen[key]
     return out
 

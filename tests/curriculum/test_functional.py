@@ -128,3 +128,15 @@ def test_trim_padding_rounds_up_to_multiple():
     mask[1, :3] = 1
     out = F.trim_padding({"input_ids": torch.ones(2, 32, dtype=torch.long), "attention_mask": mask}, multiple=8)
     assert out["input_ids"].shape == (2, 16) and out["attention_mask"].shape == (2, 16)
+
+
+def test_draw_from_cluster_refuses_a_position_outside_the_cluster_and_a_negative_count():
+    """A position beyond the cluster returned more ids than asked (5 for n=3), a negative one none: refused."""
+    ids = np.arange(5, dtype=np.int64)
+    drawn, *_ = F.draw_from_cluster(ids, 3, 0, 0, 0, 4)
+    assert len(drawn) == 3
+    for position in (7, -2, 5):
+        with pytest.raises(ValueError, match=r"position must be an int in \[0, 5\)"):
+            F.draw_from_cluster(ids, 3, 0, 0, 0, position)
+    with pytest.raises(ValueError, match=r"n must be an int >= 0"):
+        F.draw_from_cluster(ids, -2, 0, 0, 0, 0)

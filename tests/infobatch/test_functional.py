@@ -405,6 +405,11 @@ def test_update_scores_index_dtype_and_errors():
         infobatch.update_scores(score, seen, torch.tensor([1, 2]), torch.ones(2), momentum=0.0)
     with pytest.raises(IndexError):
         infobatch.update_scores(score, seen, torch.tensor([1, 5]), torch.ones(2))
+    with pytest.raises(ValueError, match=r"momentum must be a number in \(0, 1\], got '0.5'"):
+        infobatch.update_scores(score, seen, torch.tensor([1, 2]), torch.ones(2), momentum="0.5")
+    big = torch.tensor([1.0, 1e39], dtype=torch.float64)  # finite in float64, inf in the float32 table
+    with pytest.raises(ValueError, match=r"per_sample_loss\[1\] = 1e\+39 overflows the torch.float32 score table"):
+        infobatch.update_scores(score, seen, torch.tensor([1, 2]), big)
     assert not seen.any() and not score.any()  # nothing written by failed calls
 
 

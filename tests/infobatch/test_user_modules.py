@@ -622,6 +622,9 @@ def test_per_sample_cross_entropy_equals_the_hand_computation():
             keep = lb[i] != -100
             hand.append(F.cross_entropy(lg[i][keep], lb[i][keep]) if keep.any() else torch.tensor(0.0))
         assert torch.allclose(ib.per_sample_cross_entropy(logits, labels, shift=shift), torch.stack(hand))
+    one = torch.randn(3, 1, 7, requires_grad=True)  # shifted one-token sequences: no labelled token, 0 per sample
+    out = ib.per_sample_cross_entropy(one, torch.zeros(3, 1, dtype=torch.long), shift=True)
+    assert out.tolist() == [0.0, 0.0, 0.0] and out.requires_grad
     with pytest.raises(ValueError, match=r"need integer labels \[B, T\]"):
         ib.per_sample_cross_entropy(logits, labels[:, :4])
     with pytest.raises(ValueError, match=r"logits must be \[B, C\] or \[B, T, V\]"):

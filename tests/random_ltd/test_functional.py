@@ -408,3 +408,15 @@ def test_module_imports_no_lightning():
         modules = {a.name for n in ast.walk(core) if isinstance(n, ast.Import) for a in n.names}
         modules |= {n.module for n in ast.walk(core) if isinstance(n, ast.ImportFrom) and n.module}
         assert not any(m.startswith(("lightning", "torch", "numpy")) for m in modules)
+
+
+def test_flops_helpers_and_mask_heads_refuse_values_out_of_range():
+    """Negative sizes gave negative FLOPs, more LTD layers than layers a saving above 1 (1.086), num_heads=0 an
+    empty mask: each is refused, naming the argument."""
+    with pytest.raises(ValueError, match=r"flops_per_layer.*batch_size"):
+        F.flops_per_layer(-1, 8, 16)
+    with pytest.raises(ValueError, match=r"saved_flops_fraction.*num_ltd_layers"):
+        F.saved_flops_fraction(16, 8, 2, 3, 16)
+    assert 0 < F.saved_flops_fraction(16, 8, 2, 2, 16) < 1
+    with pytest.raises(ValueError, match=r"gather_attention_mask.*num_heads"):
+        F.gather_attention_mask(torch.zeros(4, 4, dtype=torch.bool), torch.tensor([[0, 2]]), 4, num_heads=0)

@@ -527,6 +527,8 @@ def test_model_level_steps():
     assert saved["lm_head.weight"] is saved["transformer.wte.weight"]
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in saved.values() if t.is_floating_point())
     assert V.snapshot(m.half())["transformer.wte.weight"].dtype == torch.float32
+    wide = V.snapshot(m.double())["transformer.wte.weight"]  # float64 kept: interpolating at alpha=1 gives it back
+    assert wide.dtype == torch.float64 and torch.equal(wide, m.transformer.wte.weight.detach())
     m.float().load_state_dict(before)
     rng = torch.random.get_rng_state()
     plans = V.plan_levels(m, ad, 3)
