@@ -266,6 +266,11 @@ class WidthMap:
         return torch.tensor(owner, dtype=torch.long)
 
     def _check(self, x: Tensor, dim: int, size: int, op: str) -> None:
+        if op in ("average", "split") and not x.is_floating_point():
+            raise ValueError(
+                f"WidthMap.{op}: needs a floating-point tensor, got {x.dtype} (a mean or a split of integers would "
+                "round); convert it first, or map an integer buffer with copy / sum"
+            )
         if x.shape[dim] != size:
             raise ValueError(
                 f"WidthMap.{op}: axis {dim} of a tensor of shape {tuple(x.shape)} has size "

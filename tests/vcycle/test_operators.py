@@ -547,3 +547,15 @@ def test_model_level_steps():
     expected = V.interpolate(V.decoalesce(small, plans[0]), saved, 0.25)
     for k, v in expected.items():
         assert torch.equal(back.state_dict()[k], v), k
+
+
+def test_width_map_average_and_split_refuse_integer_tensors():
+    """A mean or a split of integers would round (index_put also failed on the float result): refused, naming the op;
+    sum and copy keep integers."""
+    m = V.WidthMap(((0, 1), (2, 3)), 4)
+    x = torch.arange(8).view(2, 4)
+    for op, t in (("average", x), ("split", x[:, :2])):
+        with pytest.raises(ValueError, match=rf"WidthMap\.{op}: needs a floating-point tensor, got torch.int64"):
+            getattr(m, op)(t, 1)
+    assert m.sum(x, 1).tolist() == [[1, 5], [9, 13]]
+    assert m.average(x.float(), 1).tolist() == [[0.5, 2.5], [4.5, 6.5]]
