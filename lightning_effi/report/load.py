@@ -154,8 +154,9 @@ def read_run(file: Path) -> Run:
     Raises:
         ReportError: the file is not JSON, has no ``"schema"`` or one other than 2 (a record written by an older
             version of ``lightning_effi.train``: rerun it), or lacks a field of the record or holds a wrong type
-            there, or an ``efficiency`` total (``flops``, ``tokens``, ``samples``, ``layer_tokens``, ``time_train_s``,
-            ``time_data_s``) that is not a finite number >= 0 (the message names the file and the field).
+            there (an empty ``arm``, a ``seed`` outside ``[0, 2**32)``), or an ``efficiency`` total
+            (``flops``, ``tokens``, ``samples``, ``layer_tokens``, ``time_train_s``, ``time_data_s``) that is not a
+            finite number >= 0 (the message names the file and the field).
     """
     try:
         record = json.loads(file.read_text(encoding="utf-8"))
@@ -173,11 +174,15 @@ def read_run(file: Path) -> Run:
         raise ReportError(f"{file}: run record schema {schema!r}; this report reads schema {SCHEMA}")
     number = (int, float)
     arm = _require(record, "arm", str, file, "the arm label, a string")
+    if not arm.strip():
+        raise ReportError(f"{file}: 'arm' must be a non-empty label (as write_result writes it), got {arm!r}")
     budget = float(_require(record, "budget", number, file, "the budget, a number"))
     if not (math.isfinite(budget) and budget > 0):
         raise ReportError(f"{file}: 'budget' must be a positive number, got {budget!r}")
     budget = budget_key(budget)
     seed = _require(record, "seed", int, file, "the seed, an int")
+    if not 0 <= seed < 2**32:
+        raise ReportError(f"{file}: 'seed' must be an int in [0, 2**32) (as write_result writes it), got {seed!r}")
     techniques = _require(record, "techniques", dict, file, "technique name -> config, an object")
     metric_name = _require(record, "optimized_metric", str, file, "the optimized metric's name, a string")
     mode = _require(record, "optimized_mode", str, file, "'min' or 'max'")
@@ -216,7 +221,11 @@ def read_run(file: Path) -> Run:
         metric_name=metric_name,
         mode=checked_mode,
         metric=_number(metric),
-        metrics={k: _number(v) for k, v in metrics.items() if v is None or isinstance(v, (int, float))},
+        metrics={
+            k: _number(v)
+            for k, v in metrics.items()
+            if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+        },
         efficiency=efficiency,
         curve=tuple(curve),
         schedule=tuple(schedule),

@@ -28,6 +28,30 @@ def test_an_efficiency_total_must_be_a_finite_number_at_least_zero(tmp_path, key
         load_runs([folder])
 
 
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("arm", "", r"'arm' must be a non-empty label"),
+        ("arm", " ", r"'arm' must be a non-empty label"),
+        ("seed", -1, r"'seed' must be an int in \[0, 2\*\*32\)"),
+    ],
+)
+def test_what_write_result_refuses_is_refused_when_read(tmp_path, key, value, match):
+    """A hand-edited record with an empty arm (label "@1 seed 0") or a negative seed was read; the
+    reader now refuses what write_result refuses; a boolean final metric is not read as 1.0."""
+    folder = write_record(tmp_path / "run")
+    record = json.loads((folder / "result.json").read_text())
+    record[key] = value
+    (folder / "result.json").write_text(json.dumps(record))
+    with pytest.raises(ReportError, match=match):
+        load_runs([folder])
+    record = json.loads((folder / "result.json").read_text())
+    record.update(arm="baseline", seed=0, metrics={**record["metrics"], "flag": True})
+    (folder / "result.json").write_text(json.dumps(record))
+    (run,) = load_runs([folder])
+    assert "flag" not in run.metrics
+
+
 def test_a_nan_total_is_refused_and_valid_totals_load_as_written(tmp_path):
     folder = write_record(tmp_path / "run", flops=2.5e12, tokens=0)
     (run,) = load_runs([folder])
