@@ -222,14 +222,17 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
         super().__init__(dataset, *args, sampler=skippable(sampler), **kwargs)  # type: ignore[misc]
         self._batches = 0
         self._resume_batches = 0
+        self._resume_epoch: int | None = None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         return self._generate()
 
     def _generate(self) -> Iterator[Any]:
         sampler: Any = self.sampler
-        skip = self._resume_batches
-        self._resume_batches = 0
+        # skip only in the epoch the checkpoint was written in: a checkpoint taken after the last batch Lightning
+        # runs of an epoch (Trainer(limit_train_batches=...) ends it before the sampler's end) resumes in the next one
+        skip = self._resume_batches if self._resume_epoch == int(sampler.epoch) else 0
+        self._resume_batches, self._resume_epoch = 0, None
         sampler.start = skip * int(self.batch_size or 1)
         self._batches = skip
         set_dataset_epoch(self.dataset, int(sampler.epoch))
@@ -283,5 +286,5 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
             self._resume_batches = self._batches = 0
             return
         self.sampler.set_epoch(int(state_dict["epoch"]))  # type: ignore[attr-defined]
-        self._resume_batches = batches
+        self._resume_batches, self._resume_epoch = batches, int(state_dict["epoch"])
         self._batches = batches

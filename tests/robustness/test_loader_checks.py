@@ -486,3 +486,52 @@ def test_samples_above_a_value_metrics_max_difficulty_are_warned_about():
         warnings.simplefilter("error")
         every = controller(n=8, values=values, metric={**VALUE, "max_difficulty": 16})
         assert every.never_eligible() == {} and controller().never_eligible() == {}  # percentile: all at max
+
+
+def test_a_resume_after_the_last_batch_of_a_limited_epoch_starts_the_next_epoch_at_its_first_batch(tmp_path):
+    """Epochs of 6 batches limited to 4 (Trainer(limit_train_batches=4)): a checkpoint after the 4th batch of epoch 1
+    resumes in epoch 2, whose first 4 batches are trained, as in the uninterrupted fit (before, the loader skipped 4
+    batches of epoch 2 as well: it trained its last 2, and the weights differed, silently)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers.tiny import Images, TinyDataModule
+
+    class Rec(pl.Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.rows.append((trainer.current_epoch, batch["labels"].tolist()))
+
+    class Linear(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(3 * 32 * 32, 10)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch["pixel_values"].flatten(1)), batch["labels"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def run(root, ckpt=None):
+        rec, model = Rec(), Linear()
+        checkpoints = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        trainer = pl.Trainer(
+            max_epochs=3,
+            limit_train_batches=4,
+            limit_val_batches=0,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[rec, checkpoints],
+        )
+        trainer.fit(model, datamodule=TinyDataModule(Images(n=48), batch_size=8), ckpt_path=ckpt)
+        return [labels for epoch, labels in rec.rows if epoch == 2], model.net.weight.detach().clone()
+
+    full, w_full = run(tmp_path / "a")
+    resumed, w_resumed = run(tmp_path / "b", tmp_path / "a" / "step=8.ckpt")
+    assert len(full) == 4 and resumed == full and torch.equal(w_full, w_resumed)
+    mid, w_mid = run(tmp_path / "c", tmp_path / "a" / "step=6.ckpt")  # mid-epoch (2 of 4 in epoch 1) still skips
+    assert mid == full and torch.equal(w_full, w_mid)
