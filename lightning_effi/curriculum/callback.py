@@ -265,6 +265,7 @@ class Curriculum(Callback):
         self._cut_left = False
         self._cut_axes: dict[Any, tuple[int, ...]] | None = None
         self._cut_mask_path: tuple[Any, ...] | None = None
+        self._cut_values: dict[Any, torch.Tensor] | None = None
 
     def _arguments(self) -> dict[str, Any]:
         """The constructor arguments of this callback, in order (the metrics as parsed, unset optional keys left
@@ -329,7 +330,7 @@ class Curriculum(Callback):
         self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
         self._pending = None
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
-        self._cut_mask_path = None
+        self._cut_mask_path, self._cut_values = None, None
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
         self._restored = False
         template = dm.template()
@@ -497,9 +498,17 @@ class Curriculum(Callback):
                 "Curriculum: the training batch does not come from the CurriculumDataModule's loader (it carries "
                 f"none of the curriculum's batch metadata {list(BATCH_KEYS)})"
             )
-        step, micro, difficulty, self._full_length, self._cut_mask, cut_left, self._cut_axes, self._cut_mask_path = (
-            meta[k] for k in BATCH_KEYS
-        )
+        (
+            step,
+            micro,
+            difficulty,
+            self._full_length,
+            self._cut_mask,
+            cut_left,
+            self._cut_axes,
+            self._cut_mask_path,
+            self._cut_values,
+        ) = (meta[k] for k in BATCH_KEYS)
         self._cut_left = bool(cut_left)
         tokens = tokens_of(batch)
         if trainer.world_size > 1:
@@ -555,7 +564,7 @@ class Curriculum(Callback):
         self._pending = None
         self._tokens_through_current = self.consumed_tokens
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
-        self._cut_mask_path = None
+        self._cut_mask_path, self._cut_values = None, None
 
     def effi_baseline(self, batch: Any, pl_module: pl.LightningModule) -> Baseline | None:
         """The current training batch as it would have been without ``seqlen_truncate``
@@ -588,6 +597,7 @@ class Curriculum(Callback):
             left=self._cut_left,
             axes=self._cut_axes or None,
             mask_path=self._cut_mask_path,
+            values=self._cut_values,
         )
         return Baseline(batch=long)
 

@@ -52,6 +52,7 @@ BATCH_KEYS = (
     "cl_cut_left",
     "cl_cut_axes",
     "cl_cut_mask_path",
+    "cl_cut_values",
 )
 #: the metadata it adds when a thinner is attached (InfoBatch composed with the curriculum)
 THINNED_KEYS = ("index", "infobatch_weight", "infobatch_candidates")
@@ -95,7 +96,9 @@ class CurriculumCollate:
       (int; :func:`~lightning_effi.curriculum.functional.sequence_length`), None when it has no sequence tensor;
     - ``cl_cut_mask``: the padding-mask values ``seqlen_truncate`` removed, ``[B, S - L]`` (each row's in column
       order), None when it removed none (or the batch has no padding mask); ``cl_cut_mask_path``: that mask's path in
-      the batch (``("attention_mask",)``, ``(1,)`` for a tuple's second entry; None with it); ``cl_cut_left``: the batch
+      the batch (``("attention_mask",)``, ``(1,)`` for a tuple's second entry; None with it); ``cl_cut_values``: path ->
+      the removed values of every ``[B, S]`` tensor cut (ids, token types, masks, labels; :attr:`~lightning_effi
+      .curriculum.functional.Truncation.cut_values`); ``cl_cut_left``: the batch
       was left-padded and its last ``L`` columns kept; ``cl_cut_axes``: dict path -> the axes cut of every tensor
       cut (:attr:`~lightning_effi.curriculum.functional.Truncation.axes`; empty when nothing was cut). With
       ``cl_full_length`` they let the callback count the untruncated batch exactly, padding included
@@ -179,7 +182,7 @@ class CurriculumCollate:
         _, step, micro, diffs = keys[0][:4]
         difficulty = dict(zip(self.metric_names, diffs))
         full_length = F.sequence_length(batch, self.truncate_keys)
-        cut_mask, left, axes, mask_path = None, False, {}, None
+        cut_mask, left, axes, mask_path, cut_values = None, False, {}, None, None
         if "seqlen_truncate" in difficulty:
             if full_length is None:
                 which = (
@@ -215,7 +218,7 @@ class CurriculumCollate:
             except ValueError as e:
                 raise DataConfigError(str(e)) from None
             batch, cut_mask, left, axes = cut.batch, cut.cut_mask, cut.left, dict(zip(cut.cut, cut.axes))
-            mask_path = cut.mask_path
+            mask_path, cut_values = cut.mask_path, cut.cut_values
         if "seqlen_reshape" in difficulty:
             try:
                 F.check_batch_first(batch, len(keys), technique="seqlen_reshape")
@@ -223,7 +226,10 @@ class CurriculumCollate:
             except ValueError as e:
                 raise DataConfigError(f"curriculum: {e}") from None
         meta: dict[str, Any] = dict(
-            zip(BATCH_KEYS, (int(step), int(micro), difficulty, full_length, cut_mask, left, axes, mask_path))
+            zip(
+                BATCH_KEYS,
+                (int(step), int(micro), difficulty, full_length, cut_mask, left, axes, mask_path, cut_values),
+            )
         )
         if len(keys[0]) > 4:  # thinned by InfoBatch: (index, step, micro, difficulties, weight, candidates)
             candidates = int(keys[0][5])

@@ -396,7 +396,10 @@ def padding_mask(batch: Any, keys: Sequence[str] | None = None) -> tuple[Path, T
     4. in a tuple or list batch (entries have no name): a bool or 0/1 (integer or float) ``[B, T]`` entry other than
        the token ids (:func:`sequence_reference`) whose every row is padded on one side, with one pad id in the ids
        at the padding positions. Its convention (1 = real or 1 = padding) is the one for which that holds (1 = real
-       when both do).
+       when both do). An all-0 entry (the ``token_type_ids`` of single sentences, or a True = padding mask of a batch
+       without padding) yields to a later entry that fits. At a few tokens the token types of sentence pairs may
+       fit too: give a tuple's mask before its token types (or name the entries, or define the module's
+       ``effi_count_tokens``).
 
     None when there is none: then every position counts as real (so a left-padded tuple batch needs its mask in the
     batch).
@@ -445,16 +448,20 @@ def padding_mask(batch: Any, keys: Sequence[str] | None = None) -> tuple[Path, T
                 "invert the mask or rename it (attention_mask for 1 = real, padding_mask for 1 = padding)"
             )
         return path, value, real
+    first: tuple[Path, Tensor, Tensor] | None = None
     for path, value in leaves:
         if not path or isinstance(path[-1], str) or value is ref or value.ndim != 2:
             continue
         binary = (_is_integer(value) or value.is_floating_point()) and bool(((value == 0) | (value == 1)).all())
         if value.dtype != torch.bool and not binary:
             continue
+        zeros = not bool(value.bool().any())
         for real in (value != 0, value == 0):
             if _plausible_padding(real, ids):
-                return path, value, real
-    return None
+                if not zeros:
+                    return path, value, real
+                first = first or (path, value, real)  # all 0: single sentences' token types, or no padding
+    return first  # only all-0 entries: no padding is marked, every position real
 
 
 def check_batch_first(batch: Any, batch_size: int, keys: Sequence[str] | None = None, technique: str = "") -> None:
@@ -522,6 +529,10 @@ class Truncation(NamedTuple):
         cut: the paths of the tensors cut (:func:`lightning_effi.core.measure.leaves` paths).
         axes: the axes cut of each of ``cut`` (:func:`cut_axes`), in the same order.
         mask_path: the path of the padding mask whose values ``cut_mask`` holds (None with it).
+        cut_values: path -> the removed values of every ``[B, T]`` tensor cut (token ids, token types, 0/1 masks,
+            labels: ``[B, T - L]``, each row's in column order; the small per-token tensors), so that
+            :func:`lengthen_batch` gives them back exactly; wider tensors (``[B, T, D]``, pairwise masks) are not
+            kept. None when nothing was cut.
     """
 
     batch: Any
@@ -532,6 +543,7 @@ class Truncation(NamedTuple):
     cut: tuple[Path, ...]
     axes: tuple[tuple[int, ...], ...] = ()
     mask_path: Path | None = None
+    cut_values: Mapping[Path, Tensor] | None = None
 
 
 def truncate(
@@ -611,13 +623,22 @@ def truncate(
         if bool((column != length - 1).any()):
             index = torch.arange(length, device=ref.device).repeat(b, 1)
             index[:, -1] = column
+    kept = torch.zeros(b, t, dtype=torch.bool, device=ref.device)
+    if index is None:
+        kept[:, window] = True
+    else:
+        kept.scatter_(1, index.to(ref.device), True)
+    removed = (~kept).nonzero()[:, 1].view(b, t - length)  # each row's removed columns, in column order
     cut: dict[Path, tuple[int, ...]] = {}
+    values: dict[Path, Tensor] = {}
 
     def cut_tensor(path: Path, v: Tensor) -> Tensor:
         axes = cut_axes(path, v, b, t, keys)
         if not axes:
             return v
         cut[path] = axes
+        if v.ndim == 2 and axes == (1,):  # ids, token types, masks, labels: their removed values are kept
+            values[path] = _take(v, 1, window, removed)
         for axis in axes:
             v = _take(v, axis, window, index)
         return v
@@ -625,11 +646,7 @@ def truncate(
     out = map_tensors(batch, cut_tensor)
     cut_mask, mask_path = None, None
     if real is not None and pm is not None:
-        kept = torch.zeros(b, t, dtype=torch.bool, device=real.device)
-        if index is None:
-            kept[:, window] = True
-        else:
-            kept.scatter_(1, index.to(real.device), True)
+        kept = kept.to(real.device)
         emptied = real.any(1) & ~(real & kept).any(1)
         if bool(emptied.any()):
             raise ValueError(
@@ -640,9 +657,8 @@ def truncate(
             )
         path, mask = pm[0], pm[1]
         if len(cut.get(path, ())) == 1:
-            removed = (~kept).nonzero()[:, 1].view(b, t - length)  # each row's removed columns, in column order
-            cut_mask, mask_path = _take(mask, cut[path][0], window, removed), path
-    return Truncation(out, t, length, cut_mask, left, tuple(cut), tuple(cut.values()), mask_path)
+            cut_mask, mask_path = _take(mask, cut[path][0], window, removed.to(mask.device)), path
+    return Truncation(out, t, length, cut_mask, left, tuple(cut), tuple(cut.values()), mask_path, values)
 
 
 def truncate_batch(
@@ -689,6 +705,7 @@ def lengthen_batch(
     left: bool = False,
     axes: Mapping[Path, Sequence[int]] | None = None,
     mask_path: Path | None = None,
+    values: Mapping[Path, Tensor] | None = None,
 ) -> Any:
     """The inverse, for counting, of :func:`truncate`: every tensor :func:`truncate` cut widened to ``length`` on the
     axes it cut (``axes``: path -> axes, :attr:`Truncation.cut` / :attr:`Truncation.axes`; without it, the tensors
@@ -700,8 +717,11 @@ def lengthen_batch(
     ``attention_mask`` gets real tokens (1; 0 in an additive float mask); the others zeros (broadcast views: only
     their shapes are meant to be read). Nothing changes when ``length <= S``.
 
-    With the ``cut_mask`` of a right-padded cut (``keep_last_token`` too) or a left-padded one, the mask is the
-    original one exactly; the other tensors have its shapes.
+    A tensor whose removed values are in ``values`` (:attr:`Truncation.cut_values`: the ``[B, T]`` ones) gets them
+    back the same way, so the token ids, token types and 0/1 masks are the original ones exactly, and reading the
+    padding from the lengthened batch gives the original's real tokens. With the ``cut_mask`` of a right-padded cut
+    (``keep_last_token`` too) or a left-padded one, the mask is the original one exactly; the other tensors have its
+    shapes.
 
     Raises:
         ValueError: ``mask`` does not fit the batch's mask (its shape with ``length - S`` on the cut axis).
@@ -719,6 +739,16 @@ def lengthen_batch(
         where = cut_axes(path, v, b, s, keys) if axes is None else tuple(axes.get(path, ()))
         if not where:
             return v
+        kept = values.get(path) if values else None
+        if (
+            kept is not None
+            and len(where) == 1
+            and list(kept.shape) == [*v.shape[: where[0]], length - s, *v.shape[where[0] + 1 :]]
+        ):
+            if path == mask_path or (mask_path is None and _name(path) == "attention_mask"):
+                done.append(path)
+            extra = kept.to(device=v.device, dtype=v.dtype)
+            return torch.cat([extra, v] if left else [v, extra], dim=where[0])
         is_mask = path == mask_path if mask_path is not None else _name(path) == "attention_mask"
         if is_mask and not done:
             done.append(path)

@@ -695,3 +695,55 @@ def test_the_baseline_of_a_tuple_batch_puts_back_its_unnamed_mask(tmp_path):
     s = monitor.summary
     assert s["baseline_tokens"] == real and s["tokens"] == sum(int(b[1].sum()) for b, _ in after.baselines)
     assert s["saved/curriculum/tokens_frac"] == pytest.approx(1 - s["tokens"] / real)
+
+
+class TupleVariants(Dataset):
+    """Right-padded tuple samples of 3..16 real tokens, pad id 5, in three layouts users write: ``(ids, token_types,
+    mask, length)`` for single sentences (token types all 0), ``(ids, mask, token_types, length)`` for sentence
+    pairs (types 0 then 1), and ``(ids, padding_mask, length)`` with True = padding; the label is the real length."""
+
+    def __init__(self, kind: str, n: int = 32) -> None:
+        self.kind = kind
+        self.lengths = torch.randint(3, T + 1, (n,), generator=torch.Generator().manual_seed(2))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        n = int(self.lengths[i])
+        real = torch.arange(T) < n
+        ids = torch.where(real, torch.arange(T) % 20 + 6, torch.tensor(5))
+        if self.kind == "padding_true":
+            return ids, ~real, torch.tensor(n)
+        types = torch.zeros(T, dtype=torch.long)
+        if self.kind == "pair":
+            types[n // 2 : n] = 1
+        if self.kind == "pair":  # the mask first: at 3 tokens the pairs' types [0, 1, 1] would fit as a mask too
+            return ids, real.long(), types, torch.tensor(n)
+        return ids, types, real.long(), torch.tensor(n)
+
+
+class IdsOnlyGPT2(TupleGPT2):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+
+@pytest.mark.parametrize("kind", ["single", "pair", "padding_true"])
+def test_the_baseline_of_bert_style_and_padding_true_tuples_counts_their_real_tokens(tmp_path, kind):
+    """(ids, token_types, mask, y) and (ids, padding_mask, y) tuples, pad id 5: the trained batches count their real
+    tokens (before, the all-0 token types of single sentences were read as the mask: padding counted, left padding
+    unseen) and the untruncated baseline gets every cut column back (ids, types, mask), so it counts each sample's
+    real tokens, its label (before: 93 or 288 where 195 were real)."""
+    pl.seed_everything(0)
+    curriculum = Curriculum(metrics={"seqlen_truncate": TRUNC})
+    after, monitor = After(curriculum), EfficiencyMonitor(print_summary=False)
+    data = CurriculumDataModule(TinyDataModule(TupleVariants(kind), batch_size=B))
+    make_trainer(tmp_path, [monitor, curriculum, after], max_steps=4, max_epochs=-1).fit(IdsOnlyGPT2(), datamodule=data)
+    real = trained = 0
+    for batch, baseline in after.baselines:
+        lengths = baseline.batch[-1]
+        assert all(x.shape == (B, T) for x in baseline.batch[:-1])
+        real += int(lengths.sum())
+        trained += int(lengths.clamp(max=batch[0].shape[1]).sum())
+    s = monitor.summary
+    assert s["baseline_tokens"] == real and s["tokens"] == trained < real
