@@ -384,9 +384,10 @@ class EfficiencyMonitor(Callback):
     parameter, a loss's matrix product) is not in the measured FLOPs and is not detected (no warning); a module with
     such work defines ``effi_training_flops(batch)``. The baseline's FLOPs on a batch of other shapes (the
     curriculum's untruncated batch) replay the recorded calls with each batch tensor argument at its shape in that
-    batch, and a slice of one (the causal ``ids[:, :-1]``, ``ids[:, 1:]``) shortened by as many entries; an argument
-    computed from the batch (a copy, a sum) has no known shape there: that baseline reads as the trained FLOPs, with
-    a warning.
+    batch, and a slice of one leaving out at most 2 entries per dimension (the causal ``ids[:, :-1]``, ``ids[:, 1:]``,
+    a BOS / EOS strip ``ids[:, 1:-1]``) shortened by as many entries; an argument computed from the batch (a copy, a
+    sum) or a slice to a fixed size (``ids[:, :8]``, a chunk) has no known shape there: that baseline reads as the
+    trained FLOPs, with a warning.
 
     The monitor writes each batch's FLOPs (after every ``effi_adjust``) to ``pl_module.flops_per_batch`` for
     Lightning's ``ThroughputMonitor``, and keeps on the module which value it wrote and the module's own value it

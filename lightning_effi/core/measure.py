@@ -312,11 +312,17 @@ class TensorInfo:
     trim: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
 
 
+#: the most entries per dimension a slice of a batch tensor may leave out to be replayed on a batch of other shapes
+#: (:func:`slice_trim`): the causal shift (1) or a BOS / EOS strip (2); a slice to a fixed size (``ids[:, :8]``) or a
+#: chunk (``ids.chunk(2, 1)[0]``) leaves out more, and its size on another batch is unknown
+MAX_TRIM = 2
+
+
 def slice_trim(tensor: Tensor, source: Tensor) -> tuple[int, ...] | None:
     """The entries ``tensor`` leaves out of each dimension of ``source`` when it is a basic slice of it with step 1
-    (``source[:, :-1]``, ``source[:, 1:]``, ``source[1:-1]``: a view of the same storage with the same strides,
-    starting inside ``source`` and no larger in any dimension); None otherwise (a copy, a step, a transpose, an
-    index with fewer dimensions)."""
+    that leaves out at most :data:`MAX_TRIM` entries per dimension (``source[:, :-1]``, ``source[:, 1:]``,
+    ``source[1:-1]``: a view of the same storage with the same strides, starting inside ``source``); None otherwise
+    (a copy, a step, a transpose, an index with fewer dimensions, a fixed-size slice or chunk leaving out more)."""
     if (
         tensor.dim() != source.dim()
         or tensor.dim() == 0
@@ -326,7 +332,7 @@ def slice_trim(tensor: Tensor, source: Tensor) -> tuple[int, ...] | None:
     ):
         return None
     trim = tuple(int(s) - int(t) for s, t in zip(source.shape, tensor.shape))
-    if min(trim) < 0:
+    if min(trim) < 0 or max(trim) > MAX_TRIM:
         return None
     offset = int(tensor.storage_offset()) - int(source.storage_offset())
     for size, stride, cut in sorted(zip(source.shape, source.stride(), trim), key=lambda d: -d[1]):
@@ -466,9 +472,9 @@ class CallRecord:
     def on_batch(self, batch: Any) -> CallRecord:
         """This call with every batch tensor argument (``path`` set) given the shape of ``batch`` at that path (the
         baseline's batch of a technique that changed the batch's shapes, e.g. the curriculum's untruncated batch). A
-        slice of a batch tensor (``trim`` set: ``ids[:, :-1]``, ``ids[:, 1:]``) is taken to leave out as many entries
-        of that tensor in ``batch`` (the causal shift at any length; a slice to a fixed length, ``ids[:, :127]``, would
-        be read as ``ids[:, :-(T - 127)]``).
+        slice of a batch tensor (``trim`` set, at most :data:`MAX_TRIM` entries per dimension: ``ids[:, :-1]``,
+        ``ids[:, 1:]``, ``ids[:, 1:-1]``) is taken to leave out as many entries of that tensor in ``batch`` (the
+        causal shift at any length); a slice to a fixed size is not such a slice (a :class:`MeasureError`).
 
         Raises:
             MeasureError: a tensor argument that is neither a batch tensor nor a slice of one (a tensor computed from
@@ -481,8 +487,8 @@ class CallRecord:
             if info.path is None:
                 raise MeasureError(
                     f"an argument of {self.target or 'the LightningModule'} is not a tensor of the batch itself nor a "
-                    "slice of one (a tensor computed from the batch, or a copy), so its shape on a batch of other "
-                    "shapes is unknown"
+                    "slice of one leaving out at most 2 entries per dimension (a tensor computed from the batch, a "
+                    "copy, or a slice to a fixed size), so its shape on a batch of other shapes is unknown"
                 )
             value = found.get(info.path)
             if value is None:

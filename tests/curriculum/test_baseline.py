@@ -248,6 +248,31 @@ class CopyingLM(HandLM):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
+class FixedSliceLM(HandLM):
+    """Feeds the first 4 columns (``ids[:, :4]``): a slice to a fixed size, the same on the untruncated batch."""
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        logits = self(ids[:, :4])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, :4].flatten())
+
+
+def test_a_fixed_size_slice_is_not_replayed_as_a_shift(tmp_path):
+    """``ids[:, :4]`` of batches cut to 8..13 tokens leaves out 4 to 9 columns: replayed as "drop as many" its
+    baseline read a large saving where the module computes the same at any length (0.84 in a breaker's run). A slice
+    leaving out more than 2 entries is not replayed: the baseline is the trained FLOPs, with a warning (saving 0,
+    right here). A fixed slice within 2 entries of the batch's length cannot be told from the causal shift."""
+    cb = Curriculum(metrics={"seqlen_truncate": {**TRUNC, "min_difficulty": 7}}, num_epochs=4)
+    monitor = EfficiencyMonitor(print_summary=False)
+    pl.seed_everything(0)
+    with pytest.warns(UserWarning, match=r"nor a slice of one leaving out at most 2 entries per dimension"):
+        make_trainer(tmp_path, [monitor, cb], max_steps=6, max_epochs=-1).fit(
+            FixedSliceLM(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=B))
+        )
+    s = monitor.summary
+    assert s["flops"] == 6 * 3 * 2 * B * 4 * 16 * 64 == s["baseline_flops"] and s["flops_saved_frac"] == 0
+
+
 def test_a_baseline_whose_flops_cannot_be_replayed_says_so_and_keeps_the_trained_flops(tmp_path):
     """The trained FLOPs are counted (the head's matmul on every truncated batch); the untruncated baseline's cannot
     be, so they are taken as the trained ones (the curriculum's FLOPs saving reads 0 while its token saving is
@@ -256,7 +281,7 @@ def test_a_baseline_whose_flops_cannot_be_replayed_says_so_and_keeps_the_trained
     with pytest.warns(
         UserWarning,
         match=r"EfficiencyMonitor: the baseline's training FLOPs \(the batch before a "
-        r"technique changed its shapes.*not a tensor of the batch itself nor a slice of one",
+        r"technique changed its shapes.*not a tensor of the batch itself nor a slice of one leaving out",
     ):
         s, lengths = _fit_hand_lm(tmp_path, CopyingLM(shift=True))
     trained = sum(3 * 2 * B * (n - 1) * 16 * 64 for n in lengths)  # the head's matmul, forward and backward
