@@ -73,16 +73,24 @@ class EpochCell:
 
 
 def set_dataset_epoch(dataset: Any, epoch: int) -> None:
-    """Call ``set_epoch(epoch)`` on ``dataset`` and on every dataset it wraps along ``.dataset`` (``Subset``,
-    :class:`~lightning_effi.core.indexed.IndexedDataset`, ...) that defines it; datasets without one are left alone.
-    Called by the resumable loader (and the curriculum's) in the main process before an epoch's first batch."""
+    """Call ``set_epoch(epoch)`` on ``dataset`` and on every dataset it wraps, along ``.dataset`` (``Subset``,
+    :class:`~lightning_effi.core.indexed.IndexedDataset`, ...) and ``.datasets`` (``ConcatDataset``), that defines it;
+    datasets without one are left alone. Called by the resumable loader (and the curriculum's) in the main process
+    before an epoch's first batch."""
     seen: set[int] = set()
-    while dataset is not None and id(dataset) not in seen:
-        seen.add(id(dataset))
-        set_epoch = getattr(dataset, "set_epoch", None)
+    todo = [dataset]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        set_epoch = getattr(current, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(int(epoch))
-        dataset = getattr(dataset, "dataset", None)
+        todo.append(getattr(current, "dataset", None))
+        inner = getattr(current, "datasets", None)
+        if isinstance(inner, (list, tuple)):
+            todo.extend(inner)
 
 
 def check_map_style(owner: str, dataset: Any) -> None:

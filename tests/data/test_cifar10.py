@@ -363,6 +363,10 @@ def test_augmentation_is_a_function_of_seed_epoch_and_image(data_root):
 
     set_dataset_epoch(subset, 2)  # through the Subset
     assert base.epoch.get() == 2
+    other = CIFAR10DataModule(data_root / "cifar10", num_workers=0, train_subset=8, seed=4)
+    other.setup()
+    set_dataset_epoch(torch.utils.data.ConcatDataset([other.train_dataset, subset]), 2)  # through a ConcatDataset
+    assert other.train_dataset.dataset.epoch.get() == 2
     j = int(base.indices[subset.indices[5]])
     expected = cifar10.random_crop_flip(
         _raw(base, subset.indices[5]), generator=cifar10.augmentation_generator(3, 2, j)
