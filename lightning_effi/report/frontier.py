@@ -45,11 +45,25 @@ HIGHER_IS_BETTER = frozenset(
 )  # fmt: skip
 
 
+#: name parts that turn a metric around or make it a difference (``neg_mse``, ``accuracy_drop``, ``loss_scale``,
+#: ``1-acc``): a name with one says nothing sure
+MODIFIERS = frozenset(
+    {
+        "neg", "negative", "inv", "inverse", "drop", "gap", "diff", "delta", "change", "improvement", "increase",
+        "decrease", "gain", "reduction", "scale", "std", "var", "", "minus", "one",
+    }
+)  # fmt: skip
+
+
 def infer_mode(metric: str) -> Mode | None:
     """``"min"`` when the metric's name says lower is better (a part in :data:`LOWER_IS_BETTER`: ``val/loss``,
     ``val_ppl``), ``"max"`` when it says higher is better (:data:`HIGHER_IS_BETTER`: ``val/acc``, ``test_f1``,
-    ``acc_top5``), None when it says neither or both (the caller must be told)."""
-    parts = {p.rstrip("0123456789") for p in re.split(r"[^a-z0-9]+", str(metric).lower()) if p}
+    ``acc_top5``, ``val/r2``), None when it says neither or both, or holds a part of :data:`MODIFIERS` (``neg_mse``,
+    ``1-acc``, ``accuracy_drop``, ``loss_scale``): the caller must be told."""
+    raw = [p for p in re.split(r"[^a-z0-9]+", str(metric).lower()) if p]
+    parts = set(raw) | {p.rstrip("0123456789") for p in raw}
+    if parts & MODIFIERS:
+        return None
     lower, higher = bool(parts & LOWER_IS_BETTER), bool(parts & HIGHER_IS_BETTER)
     return "min" if lower and not higher else "max" if higher and not lower else None
 

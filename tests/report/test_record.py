@@ -78,6 +78,9 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
         "max",
     ]
     assert infer_mode("val/foo") is None and infer_mode("val/loss_acc") is None  # neither, or both: ask
+    assert infer_mode("val/r2") == "max"  # digits are part of some names
+    for turned in ("val/neg_mse", "val/1-acc", "val/accuracy_drop", "train/loss_scale", "val/loss_improvement"):
+        assert infer_mode(turned) is None, turned  # scikit-learn's neg_*, differences, scales: ask
     trainer = fit(tmp_path / "fit", 2, ltd=False)
     read = lambda p: json.loads(p.read_text())["optimized_mode"]  # noqa: E731
     assert read(write_result(trainer, tmp_path / "a", metric="val/acc", metrics={"val/acc": 0.5})) == "max"
