@@ -107,15 +107,18 @@ def _attention_of(layer: nn.Module) -> nn.MultiheadAttention | None:
 
 
 def _mlp_width(layer: nn.Module, hidden: int) -> int | None:
-    """The MLP width ``I`` of a transformer layer of width ``hidden``: the ``in_features`` of its ``nn.Linear``
-    layers that project back to ``hidden`` from another width (the MLP's down-projection ``I -> H``; attention's
-    output projection is ``H -> H``), when they all agree; None when there is none, or they disagree."""
-    widths = {
-        int(m.in_features)
-        for m in layer.modules()
-        if isinstance(m, nn.Linear) and int(m.out_features) == hidden and int(m.in_features) != hidden
-    }
-    return widths.pop() if len(widths) == 1 else None
+    """The MLP width of a transformer layer of width ``hidden``, as the FLOPs formula's ``I`` (two ``H x I``
+    matrices): the ``in_features`` of its ``nn.Linear`` layers that project back to ``hidden`` from another width
+    (the MLP's down-projection ``I -> H``; attention's output projection is ``H -> H``), when they all agree; a gated
+    MLP (SwiGLU / GeGLU: two ``H -> I`` projections, gate and up, beside the down one) has three such matrices and
+    counts as ``3 I / 2``. None when there is no such projection, or they disagree."""
+    linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+    widths = {int(m.in_features) for m in linears if int(m.out_features) == hidden and int(m.in_features) != hidden}
+    if len(widths) != 1:
+        return None
+    width = widths.pop()
+    ups = sum(int(m.in_features) == hidden and int(m.out_features) == width for m in linears)
+    return width * 3 // 2 if ups == 2 else width
 
 
 class GenericAdapter(TransformerAdapter):
@@ -129,7 +132,8 @@ class GenericAdapter(TransformerAdapter):
         hidden_size: ``H``, for the FLOPs figures; default: the ``embed_dim`` of the layers' ``nn.MultiheadAttention``
             (an error at bind time when they have none). intermediate_size: MLP width; default ``linear1``'s width
             for PyTorch's layers, else the input width of the layer's ``nn.Linear(I, H)`` (its MLP's
-            down-projection), else ``4H`` with a warning.
+            down-projection; ``3I/2`` for a gated MLP with two ``nn.Linear(H, I)``: three matrices), else ``4H`` with
+            a warning.
         seq_args: ``{argument name: axes}`` for arguments with sequence axes (HF-style ``[B, 1, S, S]`` masks
             ``[-2, -1]``, positions ``[-1]``, rotary ``(cos, sin)`` ``[-2]``), batch axis 0.
         passthrough: argument names passed unchanged. must_be_none: arguments that must be ``None`` (caches).
@@ -284,8 +288,13 @@ class GenericAdapter(TransformerAdapter):
             self._hidden = int(attention.embed_dim)
         elif check and len(layers):
             self._check_hidden_size(layers[0], attention)
+        read_before = self._inter if self._inter_arg is None else None
         self._inter = self._inter_arg
-        if len(layers) and isinstance(layers[0], TORCH_LAYERS):
+        if not check and self._hidden_arg is not None and read_before is not None:
+            # a rebind (a narrower V-cycle level) with hidden_size declared: the declared width stays, and so does the
+            # MLP width read with it (the narrow layers' widths do not fit the declared hidden_size)
+            self._inter = read_before
+        elif len(layers) and isinstance(layers[0], TORCH_LAYERS):
             width = int(layers[0].linear1.out_features)
             if self._inter is None:
                 self._inter = width
@@ -354,7 +363,7 @@ class GenericAdapter(TransformerAdapter):
         """Resolve :attr:`path` from ``module`` again (the network behind it was replaced, e.g. by the V-cycle);
         returns ``self``. Declared sizes (``hidden_size``, ``intermediate_size``, ``max_sequence_length``) stay as
         given: random-LTD's FLOPs figures at a narrower level use them (its layer-token counts do not); sizes read from
-        the layers are read again.
+        the layers are read again, but for the MLP width read beside a declared ``hidden_size``, which stays too.
 
         Raises:
             ValueError: ``layers`` not found / not a ``ModuleList``/``Sequential`` in ``module``.

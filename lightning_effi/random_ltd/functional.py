@@ -440,7 +440,10 @@ def total_layer_tokens(
     if not is_int(train_steps) or train_steps < 0:
         raise ValueError(f"train_steps must be a non-negative int, got {train_steps!r}")
     total = 0
-    for step in range(train_steps):
+    if min_value == max_value and train_steps:  # one value throughout (deepspeed rounding may keep it below max)
+        r = ltd_value(0, min_value, max_value, require_steps, seq_per_step, rounding)
+        return train_steps * layer_tokens(global_batch_size, max_value, r, num_layers, num_ltd_layers)
+    for step in range(train_steps):  # ends by ~require_steps * (1 + seq_per_step / (max - min)) steps
         r = ltd_value(step, min_value, max_value, require_steps, seq_per_step, rounding)
         tokens = layer_tokens(global_batch_size, max_value, r, num_layers, num_ltd_layers)
         if r == max_value:  # the schedule never decreases and stops at max_value: every later step is the same

@@ -203,6 +203,33 @@ def test_the_mlp_width_of_a_hand_written_layer_is_read_from_its_down_projection(
         assert GenericAdapter("layers", hidden_size=32).bind(plain).intermediate_size() == 128
 
 
+class SwiGLUBlock(nn.Module):
+    """A LLaMA-style MLP of width 32 -> 48: gate and up ``Linear(32, 48)``, down ``Linear(48, 32)``."""
+
+    def __init__(self, width: int = 32, inner: int = 48):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.gate, self.up, self.down = nn.Linear(width, inner), nn.Linear(width, inner), nn.Linear(inner, width)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def test_a_gated_mlp_counts_three_matrices_and_a_rebind_keeps_the_width_read_beside_a_declared_hidden_size():
+    """SwiGLU: three 32 x 48 matrices are the formula's two of width 72 (before: 48, a third of the MLP uncounted).
+    At a narrower level (16 wide, inner 24) with hidden_size=32 declared, the widths stay the full model's (before:
+    the narrow up-projection Linear(16, 24) was read against H = 32, giving 16)."""
+    blocks = nn.Module()
+    blocks.layers = nn.ModuleList([SwiGLUBlock(), SwiGLUBlock()])
+    adapter = GenericAdapter("layers", hidden_size=32).bind(blocks)
+    assert adapter.intermediate_size() == 72
+    narrow = nn.Module()
+    narrow.layers = nn.ModuleList([SwiGLUBlock(16, 24), SwiGLUBlock(16, 24)])
+    adapter.rebind(narrow)
+    assert (adapter.hidden_size(), adapter.intermediate_size()) == (32, 72)
+
+
 def test_rebind_keeps_the_declared_widths_of_a_narrower_level():
     """The V-cycle's coarse level is narrower: the declared sizes stay as given there, no error."""
     adapter = GenericAdapter("net.encoder.layers", hidden_size=32, intermediate_size=64)
