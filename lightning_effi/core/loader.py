@@ -26,6 +26,7 @@ a worker is involved.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Iterator, Sized
@@ -40,6 +41,8 @@ __all__ = [
     "ResumableDataLoader",
     "SkippableSampler",
     "check_map_style",
+    "current_draw",
+    "sample_draw",
     "set_dataset_epoch",
     "skippable",
 ]
@@ -70,6 +73,28 @@ class EpochCell:
 
     def __repr__(self) -> str:
         return f"EpochCell({self.get()})"
+
+
+_DRAW: tuple[int, ...] = ()  # this process's current draw (sample_draw); each loader worker has its own
+
+
+@contextlib.contextmanager
+def sample_draw(*draw: int) -> Iterator[None]:
+    """Mark the sample read inside the block as draw ``draw`` of the epoch (ints; the curriculum's
+    ``(step, micro-batch)``), for a loader that may draw one sample several times in an epoch: a dataset seeding its
+    augmentation per sample and epoch adds it (:func:`current_draw`), so every draw gets its own augmentation, the
+    same on resume. Process-local: a loader worker sets it around its own read."""
+    global _DRAW
+    before, _DRAW = _DRAW, tuple(int(d) for d in draw)
+    try:
+        yield
+    finally:
+        _DRAW = before
+
+
+def current_draw() -> tuple[int, ...]:
+    """The draw set by :func:`sample_draw` around the current read (empty outside one)."""
+    return _DRAW
 
 
 def set_dataset_epoch(dataset: Any, epoch: int) -> None:

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_effi.core.batch import EffiBatch
 from lightning_effi.core.errors import DataConfigError
-from lightning_effi.core.loader import set_dataset_epoch
+from lightning_effi.core.loader import sample_draw, set_dataset_epoch
 from lightning_effi.core.wrapping import WrappingDataModule, wrapper_chain
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig
@@ -81,7 +81,8 @@ class CurriculumDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key: tuple) -> tuple[Any, tuple]:
-        return self.dataset[key[0]], key
+        with sample_draw(key[1], key[2]):  # a sample drawn twice in a data epoch: each draw its own augmentation
+            return self.dataset[key[0]], key
 
 
 class CurriculumCollate:

@@ -379,6 +379,18 @@ def test_augmentation_is_a_function_of_seed_epoch_and_image(data_root):
         set_dataset_epoch(subset, epoch)
         views.append(subset[5]["pixel_values"])
     assert len({v.numpy().tobytes() for v in views}) > 1  # epochs draw other crops
+    from lightning_effi.core.loader import sample_draw
+
+    draws = {}  # the curriculum may draw an image twice in an epoch: each draw (step, micro) gets its own crop
+    for draw in [(3, 0), (3, 0), (4, 1), (9, 0), (11, 2)]:
+        with sample_draw(*draw):
+            draws.setdefault(draw, []).append(subset[5]["pixel_values"])
+    assert torch.equal(*draws[(3, 0)])
+    expected = cifar10.random_crop_flip(
+        _raw(base, subset.indices[5]), generator=cifar10.augmentation_generator(3, 5, j, (4, 1))
+    )
+    torch.testing.assert_close(draws[(4, 1)][0], (expected.float() / 255 - mean) / std)
+    assert len({v[0].numpy().tobytes() for v in draws.values()}) > 1
 
     # persistent workers read the epoch set in the main process after they started
     loader = ResumableDataLoader(

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from lightning_effi.core.errors import DataConfigError
-from lightning_effi.core.loader import EpochCell
+from lightning_effi.core.loader import EpochCell, current_draw
 
 from .base import EffiDataModule, check_bool, check_int, seeded_subset
 from .cache import NpyFile, atomic_dir, cache_key, file_md5, load_npy, resolve_cache_dir, save_npy
@@ -82,10 +82,12 @@ def random_crop_flip(image: torch.Tensor, padding: int = 4, generator: torch.Gen
     return out.flip(-1) if torch.randint(0, 2, (), generator=generator).item() else out
 
 
-def augmentation_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    """The generator of one sample's augmentation in one epoch: a pure function of ``(seed, epoch, index)``
-    (NumPy's ``SeedSequence`` mixes the three), so a resumed fit draws the crops and flips of the uninterrupted one."""
-    state = np.random.SeedSequence([seed, epoch, index]).generate_state(2, np.uint64)
+def augmentation_generator(seed: int, epoch: int, index: int, draw: tuple[int, ...] = ()) -> torch.Generator:
+    """The generator of one sample's augmentation in one epoch: a pure function of ``(seed, epoch, index, *draw)``
+    (NumPy's ``SeedSequence`` mixes them; ``draw``: :func:`~lightning_effi.core.loader.current_draw`, the
+    curriculum's ``(step, micro-batch)`` of a sample it may draw twice in an epoch), so a resumed fit draws the crops
+    and flips of the uninterrupted one."""
+    state = np.random.SeedSequence([seed, epoch, index, *draw]).generate_state(2, np.uint64)
     return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
 
 
@@ -96,7 +98,8 @@ class CIFAR10Dataset(Dataset):
     :data:`CIFAR10_MEAN` / :data:`CIFAR10_STD`; with ``augment`` a random crop (padding 4) and horizontal flip
     are applied first (:func:`random_crop_flip`). Images are read from a memory-mapped ``.npy`` file.
 
-    The augmentation of image ``j`` in epoch ``e`` is drawn from :func:`augmentation_generator` ``(seed, e, j)`` once
+    The augmentation of image ``j`` in epoch ``e`` is drawn from :func:`augmentation_generator` ``(seed, e, j)`` (and
+    the curriculum's draw of it, when it may draw an image twice in an epoch) once
     the loader has told the dataset the epoch (:meth:`set_epoch`; the shipped DataModules' loaders, InfoBatch's and the
     curriculum's do, before each epoch: :func:`~lightning_effi.core.loader.set_dataset_epoch`), so a resumed fit trains
     the uninterrupted run's augmentations. Read outside such a loader (``set_epoch`` never called), it draws from the
@@ -127,7 +130,7 @@ class CIFAR10Dataset(Dataset):
         if self.augment:
             epoch = self.epoch.get()
             image = random_crop_flip(
-                image, generator=augmentation_generator(self.seed, epoch, j) if epoch >= 0 else None
+                image, generator=augmentation_generator(self.seed, epoch, j, current_draw()) if epoch >= 0 else None
             )
         pixels = (image.float().div_(255.0) - self._mean) / self._std
         return {"pixel_values": pixels, "labels": torch.tensor(self.labels[j], dtype=torch.int64)}
