@@ -72,6 +72,7 @@ from torch.distributed import ReduceOp
 from typing_extensions import override
 
 from lightning_effi.core.checks import check_bool, check_int, is_real
+from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.console import print_block
 from lightning_effi.core.measure import (
     CallRecord,
@@ -680,6 +681,13 @@ class EfficiencyMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the fit's clock. In a resumed fit, also have the training loader built again once Lightning has
+        restored the loops: one built earlier, by ``configure_optimizers`` reading
+        ``trainer.estimated_stepping_batches`` (a OneCycle or cosine schedule sized by it), would miss the
+        checkpoint's mid-epoch position and replay the epoch from its start, silently, in a run without a technique
+        (which would do the same: :func:`~lightning_effi.core.compat.rebuild_train_loader_after_restore`, Lightning
+        issue #20550)."""
+        rebuild_train_loader_after_restore(trainer)
         self._fit_start = time.perf_counter()
         self._fit_total_before = self.totals["time_total"]
 

@@ -104,3 +104,15 @@ def test_rebuild_train_loader_after_restore(tmp_path: Path, rebuild: bool) -> No
     assert same is rebuild
     fresh = make_trainer(tmp_path / "fresh", max_epochs=1)
     assert compat.rebuild_train_loader_after_restore(fresh) is False
+
+
+def test_a_run_without_a_technique_resumes_exactly_with_the_efficiency_monitor(tmp_path: Path) -> None:
+    """A baseline (no technique, only the EfficiencyMonitor, as every frontier baseline of the Hydra app) with a
+    schedule sized by ``estimated_stepping_batches``, resumed mid-epoch: the monitor rebuilds the loader, so the fit
+    ends with the uninterrupted weights (before, the epoch was replayed from its start, silently)."""
+    from lightning_effi.core.accounting import EfficiencyMonitor
+
+    every = ModelCheckpoint(tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    whole = _fit(tmp_path / "whole", [every, EfficiencyMonitor(print_summary=False)])
+    resumed = _fit(tmp_path / "resumed", [EfficiencyMonitor(print_summary=False)], tmp_path / "ckpts" / "step=2.ckpt")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
