@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import sys
 import warnings
 from pathlib import Path
@@ -149,7 +150,11 @@ def check_checkpoint(path: str, model: pl.LightningModule) -> None:
     if not os.path.isfile(path):
         raise ConfigError(f"ckpt_path: '{path}' does not exist or is not a file")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:  # objects beside the weights (an OmegaConf node among the hyperparameters):
+            # the resume itself unpickles the whole file (Lightning loads it with weights_only=False), so may this
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         weights = checkpoint["state_dict"]
     except Exception as err:  # torch raises many types for a damaged file
         raise ConfigError(

@@ -56,3 +56,23 @@ def test_valid_settings_pass_the_checks(tmp_path, overrides):
     train.check_settings(cfg)  # raises nothing
     if "bench=gpt_stack" in overrides:
         assert cfg.trainer.max_steps == 1000  # round(2000 x 0.5): the interpolation was resolved and checked
+
+
+def test_a_checkpoint_holding_an_omegaconf_node_passes_the_resume_check(tmp_path):
+    """The app's ImageClassifier saves its model_kwargs (a DictConfig) among the hyperparameters: torch's
+    weights-only loader refused the file, and the app called its own checkpoint "not a readable Lightning
+    checkpoint". The check now reads it as the resume does; damaged files and other models are still refused."""
+    import torch
+    from omegaconf import OmegaConf
+
+    model = torch.nn.Linear(2, 3)
+    path = tmp_path / "last.ckpt"
+    torch.save(
+        {"state_dict": model.state_dict(), "hyper_parameters": {"model_kwargs": OmegaConf.create({"width": 2})}}, path
+    )
+    train.check_checkpoint(str(path), model)
+    with pytest.raises(ConfigError, match=r"holds weights of a different model"):
+        train.check_checkpoint(str(path), torch.nn.Linear(2, 4))
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ConfigError, match=r"is not a readable Lightning checkpoint"):
+        train.check_checkpoint(str(path), model)
