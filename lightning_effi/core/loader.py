@@ -18,10 +18,11 @@ wrapped in a :class:`SkippableSampler`, which skips in the index stream, so such
 
 A dataset whose samples depend on the epoch (a random augmentation seeded per sample and epoch, like the shipped
 CIFAR-10 dataset's) defines ``set_epoch(epoch)``: before each epoch's first batch the loader tells it (and every
-dataset it wraps, along ``.dataset``: ``Subset``, ``IndexedDataset``, ...) the epoch, in the main process
-(:func:`set_dataset_epoch`); an :class:`EpochCell` carries the value into the loader's worker processes, persistent ones
-included. The augmentation is then a function of ``(seed, epoch, sample)``, which a resume restores: no random state of
-a worker is involved.
+dataset it wraps, along ``.dataset``: ``Subset``, ``IndexedDataset``, ..., and ``.datasets``: ``ConcatDataset``) the
+epoch, in the main process (:func:`set_dataset_epoch`); an :class:`EpochCell` carries the value into the loader's
+worker processes, persistent ones included. The augmentation is then a function of ``(seed, epoch, sample)`` (and of
+the draw, :func:`sample_draw`, for a loader that may draw a sample twice in an epoch), which a resume restores: no
+random state of a worker is involved.
 """
 
 from __future__ import annotations

@@ -317,7 +317,7 @@ class GenericAdapter(TransformerAdapter):
                     UserWarning,
                     stacklevel=2,
                 )
-            elif check and width is not None and self._inter != width:
+            elif check and width is not None and self._inter != width and self._inter * 3 // 2 != width:
                 raise ValueError(
                     f"GenericAdapter.intermediate_size={self._inter}, but the layers of {self.path!r} project an MLP "
                     f"of width {width} back to {self._hidden} (an nn.Linear({width}, {self._hidden})); pass "

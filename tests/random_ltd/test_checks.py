@@ -228,6 +228,8 @@ def test_a_gated_mlp_counts_three_matrices_and_a_rebind_keeps_the_width_read_bes
     narrow.layers = nn.ModuleList([SwiGLUBlock(16, 24), SwiGLUBlock(16, 24)])
     adapter.rebind(narrow)
     assert (adapter.hidden_size(), adapter.intermediate_size()) == (32, 72)
+    declared = GenericAdapter("layers", hidden_size=32, intermediate_size=48).bind(blocks)  # the MLP's own width
+    assert declared.intermediate_size() == 48  # as declared (3I/2 = 72 counts the third matrix)
 
 
 def test_rebind_keeps_the_declared_widths_of_a_narrower_level():
