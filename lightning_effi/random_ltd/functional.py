@@ -185,8 +185,9 @@ def gather_seq_tensor(
         seq_len: ``S``, when known: every sequence axis must then have size 1 or ``S``.
 
     Raises:
-        ValueError: a sequence axis that is the batch axis, one whose size is neither 1 nor ``seq_len`` (when given)
-            or not larger than the largest index, or a batch axis whose size is neither 1 nor ``B``.
+        ValueError: a sequence axis that is the batch axis, one whose size is neither 1 nor ``seq_len`` (when given),
+            or a batch axis whose size is neither 1 nor ``B``. (An index beyond a sequence axis is torch's gather
+            error: the indices are not read here, which would synchronise a GPU and break a compiled graph.)
     """
     b, r = idx.shape
     nd = t.dim()
@@ -196,17 +197,15 @@ def gather_seq_tensor(
             f"tensor of shape {tuple(t.shape)}: batch axis {batch_axis} has size "
             f"{t.shape[batch_axis]}, expected 1 or {b}"
         )
-    top = int(idx.max()) if idx.numel() else -1
     for axis in sorted({a % nd for a in axes}):
         if axis == batch_axis:
             raise ValueError(f"axis {axis} is the batch axis of a tensor of shape {tuple(t.shape)}")
         size = t.shape[axis]
         if size == 1:
             continue
-        if (seq_len is not None and size != seq_len) or size <= top:
-            expected = f"1 or {seq_len}" if seq_len is not None else f"1 or more than the largest index {top}"
+        if seq_len is not None and size != seq_len:  # shapes only: no read of the indices (no sync, no graph break)
             raise ValueError(
-                f"tensor of shape {tuple(t.shape)}: sequence axis {axis} has size {size}, expected {expected}"
+                f"tensor of shape {tuple(t.shape)}: sequence axis {axis} has size {size}, expected 1 or {seq_len}"
             )
         if t.shape[batch_axis] == 1 and b != 1:
             shape = list(t.shape)
