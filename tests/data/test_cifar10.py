@@ -414,26 +414,14 @@ def _cifar_resume_run(root, tmp, ckpt=None, infobatch=False):
 
     from lightning_effi.callbacks import InfoBatchCallback
     from lightning_effi.data import InfoBatchDataModule
-
-    class Linear(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Linear(3 * 32 * 32, 10)
-
-        def training_step(self, batch, batch_idx):
-            logits = self.net(batch["pixel_values"].flatten(1))
-            return torch.nn.functional.cross_entropy(logits, batch["labels"])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    from tests.helpers.tiny import HandImageLinear
 
     dm = CIFAR10DataModule(root / "cifar10", batch_size=8, num_workers=2, train_subset=48, val_subset=8, seed=1)
     callbacks = [ModelCheckpoint(dirpath=tmp, every_n_train_steps=1, save_top_k=-1, filename="{step}")]
     if infobatch:
         dm = InfoBatchDataModule(dm)
         callbacks.append(InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0))
-    model = Linear()
+    model = HandImageLinear()
     trainer = pl.Trainer(
         max_epochs=3,
         callbacks=callbacks,

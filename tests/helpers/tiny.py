@@ -160,3 +160,20 @@ class HandLM(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class HandImageLinear(pl.LightningModule):
+    """A hand-written linear classifier on ``{"pixel_values": [B, 3, 32, 32], "labels": [B]}`` batches (CIFAR-10's and
+    :class:`Images`'), seeded weights (``torch.manual_seed(0)``), plain SGD at lr 0.1, a plain mean loss: for
+    resume tests that compare final weights bit for bit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3 * 32 * 32, 10)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.net(batch["pixel_values"].flatten(1)), batch["labels"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -494,7 +494,7 @@ def test_a_resume_after_the_last_batch_of_a_limited_epoch_starts_the_next_epoch_
     batches of epoch 2 as well: it trained its last 2, and the weights differed, silently)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from tests.helpers.tiny import Images, TinyDataModule
+    from tests.helpers.tiny import HandImageLinear, Images, TinyDataModule
 
     class Rec(pl.Callback):
         def __init__(self):
@@ -503,20 +503,8 @@ def test_a_resume_after_the_last_batch_of_a_limited_epoch_starts_the_next_epoch_
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.rows.append((trainer.current_epoch, batch["labels"].tolist()))
 
-    class Linear(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Linear(3 * 32 * 32, 10)
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.cross_entropy(self.net(batch["pixel_values"].flatten(1)), batch["labels"])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     def run(root, ckpt=None):
-        rec, model = Rec(), Linear()
+        rec, model = Rec(), HandImageLinear()
         checkpoints = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
         trainer = pl.Trainer(
             max_epochs=3,
