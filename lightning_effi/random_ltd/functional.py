@@ -153,10 +153,14 @@ def scatter_tokens(x: Tensor, idx: Tensor, part: Tensor, seq_dim: int = 1) -> Te
     this op (their identity path is overwritten); ``part`` receives the kept rows of ``grad_out``.
 
     Args:
-        x: ``[B, S, ...]``. idx: int64 ``[B, r]``. part: ``[B, r, ...]`` (same layout and trailing sizes as ``x``).
+        x: ``[B, S, ...]``. idx: int64 ``[B, r]``, distinct positions per row (as :func:`sample_token_indices`
+            draws them; not checked, which would read the indices: a repeated position keeps one of its rows, which
+            one is unspecified). part: ``[B, r, ...]`` (same layout and trailing sizes as ``x``), cast to ``x``'s
+            dtype (a layer under autocast may return a lower precision than the residual stream).
 
     Raises:
-        ValueError: ``part`` does not have ``x``'s shape with ``r`` tokens.
+        ValueError: ``part`` does not have ``x``'s shape with ``r`` tokens, ``part`` is not a floating tensor while
+            ``x`` is, or ``idx`` is not int64 ``[B, r]`` for ``x``'s batch.
     """
     _check_idx(x, idx, seq_dim)
     expected = list(x.shape)
@@ -166,6 +170,8 @@ def scatter_tokens(x: Tensor, idx: Tensor, part: Tensor, seq_dim: int = 1) -> Te
             f"layer output has shape {tuple(part.shape)}, expected {tuple(expected)} (the gathered "
             "input's shape): a layer under random-LTD must keep the sequence length"
         )
+    if x.is_floating_point() and not part.is_floating_point():
+        raise ValueError(f"layer output is {part.dtype}, the hidden states {x.dtype}: expected a floating tensor")
     return x.scatter(seq_dim, _expand_index(x, idx, seq_dim), part.to(x.dtype))
 
 

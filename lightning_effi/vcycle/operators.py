@@ -171,11 +171,20 @@ def depth_groups(
 # width map: tensor operations
 
 
+def _half(t: Tensor) -> bool:
+    """Whether ``t`` is a 16-bit float, whose sums of large values overflow (65504 for float16)."""
+    return t.dtype in (torch.float16, torch.bfloat16)
+
+
 def _mean_last(parts: Tensor) -> Tensor:
-    """Mean over the last axis, exact when all entries are equal (see module docstring)."""
+    """Mean over the last axis, exact when all entries are equal (see module docstring). 16-bit floats are averaged
+    in float64 and rounded once (their sums would overflow: float16 60000 and 60000 average to 60000, not inf;
+    bfloat16's largest values overflow even float32)."""
     n = parts.shape[-1]
     if n == 1:
         return parts[..., 0].clone()
+    if _half(parts):
+        return _mean_last(parts.double()).to(parts.dtype)
     if n == 2:
         return (parts[..., 0] + parts[..., 1]) * 0.5
     base = parts[..., 0]
@@ -190,6 +199,8 @@ def _mean_list(tensors: Sequence[Tensor]) -> Tensor:
     n = len(tensors)
     if n == 1:
         return tensors[0].clone()
+    if _half(tensors[0]):
+        return _mean_list([t.double() for t in tensors]).to(tensors[0].dtype)
     if n == 2:
         return (tensors[0] + tensors[1]) * 0.5
     base = tensors[0]

@@ -188,6 +188,12 @@ def test_scatter_rejects_a_length_changing_layer():
     idx = torch.tensor([[0, 2, 5], [1, 3, 4]])
     with pytest.raises(ValueError, match="keep the sequence length"):
         F.scatter_tokens(x, idx, torch.randn(2, 4, 3))
+    with pytest.raises(ValueError, match="expected a floating tensor"):
+        F.scatter_tokens(x, idx, torch.ones(2, 3, 3, dtype=torch.int64))
+    # a lower-precision layer output (autocast) is cast to the residual stream's dtype
+    part = torch.randn(2, 3, 3).to(torch.bfloat16)
+    out = F.scatter_tokens(x, idx, part)
+    assert out.dtype == x.dtype and torch.equal(out[0, 2], part[0, 1].float())
 
 
 # ------------------------------------------------------------------------------------------------ masks and positions

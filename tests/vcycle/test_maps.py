@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_effi.functional import vcycle as V
+from lightning_effi.vcycle.operators import _mean_list
 
 
 def random_partition(n: int, sizes: list[int], seed: int) -> list[list[int]]:
@@ -56,6 +57,21 @@ def test_tensor_ops_match_matrices_and_round_trip_exactly(groups, dtype):
     torch.testing.assert_close(m.sum(large, 1).double(), ref(S.T, large), **tol)
     torch.testing.assert_close(m.copy(small, 1).double(), ref(T, small), **tol)
     torch.testing.assert_close(m.split(small, 1).double(), ref(H.T, small), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_average_of_16_bit_floats_near_their_largest_value_does_not_overflow(dtype):
+    big = torch.finfo(dtype).max
+    x = torch.tensor([[big, big, -big, big * 0.5, big, big, big]], dtype=dtype)
+    # pairs (0, 1), (2, 3) and a group of three (4, 5, 6): the sums overflow in the 16-bit dtype itself
+    m = V.width_groups(7, [[0, 1], [2, 3], [4, 5, 6]])
+    out = m.average(x, 1)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    expect = torch.stack([x[0, :2].double().mean(), x[0, 2:4].double().mean(), x[0, 4:].double().mean()])
+    assert torch.equal(out[0], expect.to(dtype))
+    # depth averaging of two layers at the largest value
+    a = torch.full((3,), big, dtype=dtype)
+    assert torch.equal(_mean_list([a, a]), a)
 
 
 def test_split_pairs_is_exact_half_and_last_member_takes_remainder():

@@ -103,7 +103,9 @@ class CIFAR10Dataset(Dataset):
     the loader has told the dataset the epoch (:meth:`set_epoch`; the shipped DataModules' loaders, InfoBatch's and the
     curriculum's do, before each epoch: :func:`~lightning_effi.core.loader.set_dataset_epoch`), so a resumed fit trains
     the uninterrupted run's augmentations. Read outside such a loader (``set_epoch`` never called), it draws from the
-    torch default RNG, as torchvision's transforms do.
+    torch default RNG, as torchvision's transforms do. The epoch set last stays set after a fit: to read the dataset
+    again with a loader that does not set it (a plain ``DataLoader``, which would get the same crop of an image every
+    epoch), call ``set_epoch(-1)`` first, which returns to the default RNG.
     """
 
     _mean = torch.tensor(CIFAR10_MEAN).view(3, 1, 1)
@@ -118,7 +120,8 @@ class CIFAR10Dataset(Dataset):
         self.epoch = EpochCell()
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw the augmentations of epoch ``epoch`` from now on (also in the loader's running workers)."""
+        """Draw the augmentations of epoch ``epoch`` from now on (also in the loader's running workers); ``-1``: from
+        the torch default RNG again."""
         self.epoch.set(epoch)
 
     def __len__(self) -> int:
