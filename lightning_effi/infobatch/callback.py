@@ -287,7 +287,9 @@ class InfoBatchCallback(Callback):
     Logged every epoch (``effi/infobatch/...``): ``threshold``, ``well_learned_frac``, ``kept_well_learned``,
     ``pruned_fraction_epoch``, ``saved_samples_epoch``, ``saved_samples_total``, ``saved_fraction``,
     ``padded_samples_epoch``. Summary (``result.json``): ``infobatch/saved_samples``, ``infobatch/saved_fraction``,
-    ``infobatch/padded_samples``, ``infobatch/prune_epochs``. With the curriculum: ``threshold``,
+    ``infobatch/padded_samples``, ``infobatch/prune_epochs`` (``saved_samples`` counts the samples the plans pruned;
+    with the loader's ``drop_last`` the samples trained differ from a full epoch's by that count plus or minus the
+    dropped partial batches, which the ``EfficiencyMonitor``'s baseline counts exactly). With the curriculum: ``threshold``,
     ``well_learned_frac``, ``pruned_fraction_epoch`` (dropped / drawn), ``saved_samples_epoch``,
     ``drawn_samples_epoch``, ``unpruned_tail_batches_epoch``, ``saved_samples_total``, ``saved_fraction`` (dropped /
     drawn, summed over ranks); summary ``infobatch/saved_samples``, ``infobatch/saved_fraction``,
