@@ -289,8 +289,8 @@ class InfoBatchCallback(Callback):
     ``padded_samples_epoch``. Summary (``result.json``): ``infobatch/saved_samples``, ``infobatch/saved_fraction``,
     ``infobatch/padded_samples``, ``infobatch/prune_epochs`` (``saved_samples`` counts the samples the plans pruned;
     with the loader's ``drop_last`` the samples trained differ from a full epoch's by that count plus or minus the
-    dropped partial batches, which the ``EfficiencyMonitor``'s baseline counts exactly). With the curriculum: ``threshold``,
-    ``well_learned_frac``, ``pruned_fraction_epoch`` (dropped / drawn), ``saved_samples_epoch``,
+    dropped partial batches, which the ``EfficiencyMonitor``'s baseline counts exactly). With the curriculum:
+    ``threshold``, ``well_learned_frac``, ``pruned_fraction_epoch`` (dropped / drawn), ``saved_samples_epoch``,
     ``drawn_samples_epoch``, ``unpruned_tail_batches_epoch``, ``saved_samples_total``, ``saved_fraction`` (dropped /
     drawn, summed over ranks); summary ``infobatch/saved_samples``, ``infobatch/saved_fraction``,
     ``infobatch/drawn_samples``, ``infobatch/unpruned_tail_batches``, ``infobatch/thin_stop_step``. Both modes:
