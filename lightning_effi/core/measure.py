@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_effi.core.flops import flop_counter
 
@@ -55,6 +56,7 @@ __all__ = [
     "FlopsMeter",
     "MeasureError",
     "TensorInfo",
+    "describe_call",
     "find_batch_size",
     "find_blocks",
     "find_tokens",
@@ -509,6 +511,15 @@ class CallRecord:
         )
 
 
+def describe_call(
+    target: str, args: Sequence[Any], kwargs: Mapping[str, Any], grad: bool, used: set[Path]
+) -> CallRecord:
+    """A :class:`CallRecord` of a call made by hand (not recorded by :class:`CallRecorder`): ``target`` the module's
+    name under the root it is replayed in, the arguments described without their values, ``grad`` the grad mode,
+    ``used`` the output paths (:func:`leaves`) the backward starts from."""
+    return CallRecord(target, _describe(tuple(args), []), _describe(dict(kwargs), []), bool(grad), set(used))
+
+
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward (e.g. activation checkpointing recomputing a forward)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
@@ -753,7 +764,8 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
     move = device if len(own) == 1 and device not in own else None
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=cuda), warnings.catch_warnings():
+        # outside any dispatch mode of the caller (a FlopCounterMode measuring the real step must not count the replay)
+        with _disable_current_modes(), torch.random.fork_rng(devices=cuda), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mode = _fake_tensor_mode()
             clone = fake_copy(target, mode, share_attributes=target is root, device=move)

@@ -66,6 +66,7 @@ from lightning_effi.core.batch import unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.flops import sdpa_recomputes
+from lightning_effi.core.measure import FlopsMeter, MeasureError
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     PROGRESS_TICKS,
@@ -88,6 +89,7 @@ from lightning_effi.models.base import (
 )
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import (
+    BatchRecord,
     LTDController,
     PatchedLayers,
     convert,
@@ -357,7 +359,7 @@ class RandomLTDCallback(Callback):
         if keep_prefix_tokens != "auto":  # "auto": the model's prefix tokens
             keep_prefix_tokens = check_int(name, "keep_prefix_tokens", keep_prefix_tokens, minimum=0)
         check_choice(name, "accounting", accounting, ("actual", "deepspeed"))
-        seed = check_int(name, "seed", seed)
+        seed = check_int(name, "seed", seed, minimum=0, maximum=2**64 - 1)
         if not isinstance(adapter, (str, TransformerAdapter)):
             raise ValueError(
                 f"{name}.adapter must be 'auto', a registered name or a TransformerAdapter, got {adapter!r}"
@@ -432,6 +434,8 @@ class RandomLTDCallback(Callback):
         self._frac_fixed: float | None = None
         self._batch_ltd_layers = 0  # LTD layers of the network that trains the current batch (logged)
         self._fused = False  # that network's attention recomputes the scores in the backward (fused sdpa)
+        # the LTD layers' calls replayed on fake tensors: the FLOPs a layer skips, measured (_measured_layer_flops)
+        self._meter, self._measure_failed = FlopsMeter(), False
         self._data_length: int | None = None  # the sequence length peeked from the training data at train start
         # this fit resumes a random-LTD schedule from a checkpoint (its state loaded, or one of another configuration
         # accepted with strict=False): a fit starting at global_step > 0 without it is refused at train start
@@ -524,7 +528,9 @@ class RandomLTDCallback(Callback):
             seed=self.seed,
             rank=trainer.global_rank,
             keep_prefix_tokens=self.keep_prefix_tokens,
+            record_calls=True,
         )
+        self._meter, self._measure_failed = FlopsMeter(), False
         self.patched = convert(pl_module, adapter, self.controller)
         self.patched.running = self._running
         self.adapter = adapter
@@ -1275,10 +1281,48 @@ class RandomLTDCallback(Callback):
             samples += rec.batch_size
             layer_tokens += F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
             full_layer_tokens += rec.batch_size * rec.seq_len * L
-            full = F.flops_per_layer(rec.batch_size, rec.seq_len, h, inter, self._fused)
-            saved += L_ltd * (full - F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter, self._fused))
+            measured = self._measured_layer_flops(rec) if rec.reserved_length < rec.seq_len else None
+            if measured is not None:
+                full, skipped = measured
+                saved += skipped
+            else:
+                full = F.flops_per_layer(rec.batch_size, rec.seq_len, h, inter, self._fused)
+                if rec.reserved_length < rec.seq_len:
+                    saved += L_ltd * (
+                        full - F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter, self._fused)
+                    )
             full_flops += L * full
         return samples, layer_tokens, full_layer_tokens, saved, full_flops
+
+    def _measured_layer_flops(self, rec: BatchRecord) -> tuple[float, float] | None:
+        """``(training FLOPs of one LTD layer on the full sequence, FLOPs the LTD layers skipped)`` for the forward
+        context ``rec``, measured: each LTD layer's recorded call replayed on a fake copy of the layer under
+        ``torch.utils.flop_counter`` on the full sequence and on the kept tokens (:mod:`lightning_effi.core.measure`),
+        so that any attention (grouped-query, fused kernels), MLP or projection widths count as the
+        ``EfficiencyMonitor`` measures the network. None where a call was not recorded, or when a replay failed
+        (then :func:`~lightning_effi.random_ltd.functional.flops_per_layer` is used, with one warning)."""
+        if self._measure_failed or self.controller is None or self.adapter is None:
+            return None
+        layers = self.adapter.layers()
+        full = skipped = 0.0
+        for i in self.layer_ids:
+            pair = self.controller.calls.get((i, rec.batch_size, rec.seq_len, rec.reserved_length))
+            if pair is None or i >= len(layers):
+                return None
+            root = nn.Module()
+            root.layer = layers[i]
+            try:
+                on_full, on_kept = self._meter.flops(root, [pair[0]]), self._meter.flops(root, [pair[1]])
+            except MeasureError as err:
+                self._measure_failed = True
+                rank_zero_warn(
+                    f"{type(self).__name__}: the FLOPs random-LTD skips are computed by a formula for a standard "
+                    f"transformer layer (a layer's call could not be replayed: {err}); they may be off for this layer"
+                )
+                return None
+            full += on_full
+            skipped += on_full - on_kept
+        return full / len(self.layer_ids), skipped
 
     def _fold_step(self, trainer: pl.Trainer) -> None:
         self._fold_batch()
@@ -1343,20 +1387,12 @@ class RandomLTDCallback(Callback):
         self.nonfinite_guard.report_at_end()
 
     def _saved_frac(self) -> float:
-        """The share of the layers' FLOPs the current micro-batch skipped (its first forward's shapes), else 0."""
+        """The share of the layers' FLOPs the current micro-batch skipped (:meth:`_batch_costs`), else 0."""
         records = self.controller.records if self.controller is not None else []
         if not records or self.adapter is None:
             return 0.0
-        r = records[0]
-        return F.saved_flops_fraction(
-            r.seq_len,
-            r.reserved_length,
-            self.num_layers,
-            len(self.layer_ids),
-            self.adapter.hidden_size(),
-            self.adapter.intermediate_size(),
-            fused_attention=self._fused,
-        )
+        *_, saved, full = self._batch_costs()
+        return saved / full if full else 0.0
 
     # ------------------------------------------------------------------------------------------------ accounting
     def effi_adjust(self, stats: BatchStats, batch: Any, pl_module: pl.LightningModule) -> BatchStats:

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_effi.core.checks import is_int
+from lightning_effi.core.measure import CallRecord, _in_backward, describe_call
 from lightning_effi.core.rng import hash64
 from lightning_effi.models.base import MUST_BE_NONE, PASS, AttentionMask, SeqArg, TransformerAdapter
 from lightning_effi.random_ltd import functional as F
@@ -66,6 +67,9 @@ __all__ = [
     "restore_module",
     "strip_random_ltd_keys",
 ]
+
+#: the most layer calls :attr:`LTDController.calls` keeps (a schedule of many reserved lengths over many shapes)
+_MAX_CALLS = 4096
 
 #: Purpose key mixed into every random-LTD seed (another technique with the same user seed gets another stream).
 _PURPOSE = int.from_bytes(b"RandLTD", "little")
@@ -132,6 +136,10 @@ class LTDController:
     reserved_length: int | None = None
     key: tuple[int, int] | None = None
     records: list[BatchRecord] = field(default_factory=list)
+    #: with ``record_calls``: each LTD layer's call on the full sequence and on its kept tokens, without values, once
+    #: per ``(layer index, B, S, r)`` (for measuring the FLOPs the layer skipped, random-LTD's accounting)
+    record_calls: bool = False
+    calls: dict[tuple[int, int, int, int], tuple[CallRecord, CallRecord]] = field(default_factory=dict, repr=False)
     draws: int = 0
     lookups: int = 0
     _indices: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
@@ -395,6 +403,8 @@ class LTDForward:
         captured = _hf_collector()
         before = {k: len(v) for k, v in captured.items() if isinstance(v, list)} if captured is not None else {}
         out = self.original(*bound.args, **bound.kwargs)
+        if self.controller.record_calls:
+            self._note_call(args, kwargs, bound, out, idx, seq_len)
         if captured is not None:
             self._expand_captured(captured, before, idx, seq_len)
         if isinstance(out, Tensor):
@@ -405,6 +415,28 @@ class LTDForward:
         raise RuntimeError(
             f"random-LTD layer {self.index} ({self.layer_type}) returned {type(out).__name__}; "
             "expected a tensor or a tuple whose first element is the hidden states"
+        )
+
+    @torch.compiler.disable
+    def _note_call(
+        self, args: tuple, kwargs: dict, bound: inspect.BoundArguments, out: Any, idx: Tensor, seq_len: int
+    ) -> None:
+        """Keep this layer's call on the full sequence and on the kept tokens (shapes only) in the controller, once
+        per ``(layer, B, S, r)``, for measuring what dropping skipped (not in the backward's recompute of an
+        activation-checkpointed layer; outside a compiled graph)."""
+        if _in_backward():
+            return
+        key = (self.index, int(idx.shape[0]), int(seq_len), int(idx.shape[1]))
+        calls = self.controller.calls
+        if key in calls:
+            return
+        if len(calls) >= _MAX_CALLS:
+            calls.clear()
+        grad = torch.is_grad_enabled()
+        used: set[tuple[Any, ...]] = {()} if isinstance(out, Tensor) else {(0,)}
+        calls[key] = (
+            describe_call("layer", args, kwargs, grad, used),
+            describe_call("layer", bound.args, bound.kwargs, grad, used),
         )
 
     def _is_attention(self, t: Any, idx: Tensor, keys: bool = True) -> bool:

@@ -28,6 +28,7 @@ from lightning_effi.core.accounting import (
 from lightning_effi.core.flops import attention_recompute_flops, transformer_training_flops
 from lightning_effi.data import CurriculumDataModule
 from lightning_effi.infobatch.data import InfoBatchDataModule
+from lightning_effi.random_ltd import functional as F
 from lightning_effi.tasks import ImageClassifier
 from tests.helpers.flops import MeasuredFlops, flop_counter, read_measured
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
@@ -168,6 +169,66 @@ def test_monitor_flops_equal_the_flop_counter(tmp_path, name):
         shares = [v for k, v in summary.items() if k.startswith("saved/") and k.endswith(f"/{q}_frac")]
         assert sum(shares) == pytest.approx(summary[f"{q}_saved_frac"], abs=1e-12)
         assert summary[f"{q}_saved_frac"] == pytest.approx(1 - summary[q] / summary[f"baseline_{q}"])
+
+
+class GQALlama(pl.LightningModule):
+    """A user's module: a Hugging Face Llama with grouped-query attention (4 query heads, 1 key/value head) and a
+    gated MLP, its loss the model's own, random-LTD through a ``GenericAdapter``."""
+
+    def __init__(self, attn_implementation: str) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            num_hidden_layers=4,
+            hidden_size=H,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            intermediate_size=48,
+            vocab_size=V,
+            max_position_embeddings=64,
+            use_cache=False,
+            attn_implementation=attn_implementation,
+        )
+        self.model = LlamaForCausalLM(config)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return sgd(self.parameters())
+
+
+def gqa_ltd() -> RandomLTDCallback:
+    from lightning_effi.adapters import GenericAdapter
+
+    adapter = GenericAdapter(
+        "model.model.layers",
+        hidden_size=H,
+        seq_args={"attention_mask": [-2, -1], "position_ids": [-1], "position_embeddings": [-2]},
+        passthrough=["use_cache"],
+        must_be_none=["cache"],
+    )
+    return ltd(adapter=adapter)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_random_ltd_saving_on_grouped_query_attention_is_measured(tmp_path, attention):
+    """The FLOPs random-LTD skips are measured on the layer (its call replayed on the full sequence and on the kept
+    tokens), not taken from a standard layer's formula: on grouped-query attention (key / value projections a quarter
+    of the width) and the fused kernel's recompute, the monitor's FLOPs equal the flop counter's, batch by batch; the
+    formula for a standard layer claims more (its key / value projections at full width)."""
+    config = Config(lambda: GQALlama(attention), tiny_lm_data, lambda: [gqa_ltd()], STEPS)
+    trainer, summary, measured, per_batch = run(config, tmp_path)
+    assert per_batch.flops == pytest.approx(measured.per_batch, rel=1e-9)
+    assert summary["flops"] == pytest.approx(measured.total, rel=1e-9)
+    cb = technique(trainer, RandomLTDCallback)
+    assert 0 < summary["saved/random_ltd/flops_frac"] and cb.saved_flops > 0
+    lengths, inter = [cb.value_at(step) for step in range(6)], cb.adapter.intermediate_size()
+    assert inter == 72  # the gated MLP's three matrices, as two of 3/2 the width
+    formula = sum(2 * (F.flops_per_layer(B, T, H, inter) - F.flops_per_layer(B, r, H, inter)) for r in lengths)
+    assert cb.saved_flops < 0.95 * formula
 
 
 # ----------------------------------------------------------------------------------- baseline and savings by hand
