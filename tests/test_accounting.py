@@ -118,6 +118,28 @@ def test_metrics_are_logged(tmp_path):
     } <= set(rows[0])
 
 
+def test_metrics_are_logged_once_per_optimizer_step_under_gradient_accumulation(tmp_path):
+    """accumulate_grad_batches=2: one row per optimizer step, after its last micro-batch (never a micro-batch's
+    count at the step before), and no second row for the epoch's last step."""
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        logger=CSVLogger(tmp_path, name="csv", version=""),
+        callbacks=[EfficiencyMonitor(print_summary=False)],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    with open(tmp_path / "csv" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("effi/samples")]
+    # 8 samples a micro-batch, 2 micro-batches a step, 5 batches an epoch (its last step has one micro-batch)
+    assert [(int(r["step"]), float(r["effi/samples"])) for r in rows] == [(1, 16.0), (2, 32.0), (3, 40.0), (4, 56.0)]
+
+
 def test_resume_mid_epoch_keeps_exact_counts(tmp_path):
     assert_resume_equals_uninterrupted(
         tiny_gpt2,

@@ -332,8 +332,9 @@ class EfficiencyMonitor(Callback):
     the share goes to the one undone first.
 
     Args:
-        log_every_n_steps: reduce across ranks and log every this many training batches (default: the trainer's
-            ``log_every_n_steps``). Must be a positive int.
+        log_every_n_steps: reduce across ranks and log every this many optimizer steps, after the step (default:
+            the trainer's ``log_every_n_steps``; with gradient accumulation, at the last micro-batch of the step).
+            Must be a positive int.
         print_summary: print the summary table on rank 0 at the end of ``fit``.
         nonfinite_loss: what a NaN or infinite training loss does (:mod:`lightning_effi.core.nonfinite`; the monitor
             is in every run, baselines included, so a baseline without any technique stops on NaN too):
@@ -352,7 +353,7 @@ class EfficiencyMonitor(Callback):
     - :attr:`curve`: one point per validation run during ``fit`` (the sanity check excluded): ``step, epoch,
       samples, tokens, layer_tokens, flops`` (cumulative, summed over ranks), ``train_wall_s`` (training + data
       time so far, seconds, evaluation excluded) and ``metrics`` (every ``val*`` scalar logged);
-    - :attr:`schedule`: every ``log_every_n_steps`` training batches and at every validation, the same cumulative
+    - :attr:`schedule`: every ``log_every_n_steps`` optimizer steps and at every validation, the same cumulative
       figures and each technique's schedule state ``"<technique>/<key>"`` from its ``effi_schedule_state()``
       (:func:`schedule_states`): ``infobatch/kept_fraction``, ``curriculum/difficulty``,
       ``random_ltd/reserved_length``, ``vcycle/level``. The same states are shown in the progress bar on every
@@ -422,6 +423,8 @@ class EfficiencyMonitor(Callback):
         self.schedule: list[dict[str, Any]] = []
         self._mark: float | None = None
         self._batch_start: float | None = None
+        self._step_at_batch_start: int | None = None  # trainer.global_step when the current batch started
+        self._logged_step: int | None = None  # trainer.global_step of the last log
         self._eval_start: float | None = None
         self._fit_start: float | None = None
         #: (id of the Trainer, its global_step) at the end of the last fit this monitor counted completely
@@ -700,6 +703,7 @@ class EfficiencyMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._watch(pl_module, batch)
+        self._step_at_batch_start = trainer.global_step
         now = self._now(pl_module)
         if self._mark is not None:
             self.totals["time_data"] += now - self._mark
@@ -756,7 +760,11 @@ class EfficiencyMonitor(Callback):
         for name, value in _progress_bar_names(states).items():  # the techniques' state in the progress bar
             pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         every = self.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
-        if int(self.totals["batches"]) % max(every, 1) == 0:
+        # logged after the optimizer step, every `every` steps: never a micro-batch inside an accumulation window
+        # (its cumulative figures would be logged at the step before, next to that step's own)
+        stepped = self._step_at_batch_start is not None and trainer.global_step != self._step_at_batch_start
+        self._step_at_batch_start = None
+        if stepped and trainer.global_step % max(every, 1) == 0:
             totals = self._log(trainer, pl_module)
             if states:
                 self._add_schedule(self._point(trainer, totals) | states)
@@ -799,7 +807,8 @@ class EfficiencyMonitor(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(trainer, pl_module)
+        if self._logged_step != trainer.global_step:  # not logged at this step already (one row per step)
+            self._log(trainer, pl_module)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -900,6 +909,7 @@ class EfficiencyMonitor(Callback):
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         t = self.reduced_totals(trainer)
+        self._logged_step = trainer.global_step
         if not trainer.loggers or not trainer.is_global_zero:
             return t
         metrics = {"effi/" + k.replace("time_", "time/"): v for k, v in t.items() if k != "batches"}
