@@ -388,7 +388,7 @@ class InfoBatchCallback(Callback):
         self.prune_ratio = float(prune_ratio)
         self.delta = float(delta)
         self.num_epochs = int(num_epochs) if num_epochs is not None else None
-        self.seed = check_int("InfoBatchCallback", "seed", seed)
+        self.seed = check_int("InfoBatchCallback", "seed", seed, minimum=0, maximum=2**64 - 1)
         self.momentum = check_real("InfoBatchCallback", "momentum", momentum, 0, 1, low_open=True)
         self.strict = check_bool(type(self).__name__, "strict", strict)
         #: the non-finite loss policy (lightning_effi.core.nonfinite) and its count, checkpointed as "nonfinite_loss"
@@ -424,6 +424,7 @@ class InfoBatchCallback(Callback):
         self._step: _Step | None = None  # the batch being trained (set by the training_step wrapper)
         self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
         self._checkpoint_epoch: int | None = None  # the Lightning epoch of the checkpoint being restored (fit)
+        self._resumed = False  # this fit restored InfoBatch state from a checkpoint (load_state_dict)
 
     def __repr__(self) -> str:
         fn = self.per_sample_loss
@@ -450,6 +451,7 @@ class InfoBatchCallback(Callback):
         if stage != "fit":
             return
         check_trainer(trainer)
+        self._resumed = False  # set by load_state_dict when this fit restores InfoBatch's state
         if self.per_sample_loss is not None and not pl_module.automatic_optimization:
             raise ValueError(
                 "InfoBatchCallback: per_sample_loss=fn does not apply with manual optimization (the step "
@@ -851,15 +853,19 @@ class InfoBatchCallback(Callback):
         self._check_per_sample(per_sample, source, forward)
         if (
             first
-            and source == "fn"
+            and source in ("fn", "returned")
             and isinstance(loss, Tensor)
+            and isinstance(per_sample, Tensor)
             and bool(torch.isfinite(per_sample.detach()).all())  # non-finite: the non-finite policy's business
+            and bool(torch.isfinite(loss.detach()).all())
             and not ib.losses_agree(per_sample, loss)
         ):
+            what = "per_sample_loss=fn's values" if source == "fn" else 'the "per_sample_loss" training_step returned'
             rank_zero_warn(
-                f"InfoBatchCallback: the mean of per_sample_loss=fn's values ({float(per_sample.detach().mean()):.6g}) "
-                f"differs from the loss training_step returned ({float(loss.detach()):.6g}); InfoBatch trains on the "
-                "weighted mean of fn's values, not on that loss"
+                f"InfoBatchCallback: the mean of {what} ({float(per_sample.detach().mean()):.6g}) differs from the "
+                f'"loss" training_step returned ({float(loss.detach()):.6g}); InfoBatch trains on the weighted mean '
+                "of the per-sample losses in place of that loss, so a term outside them (a regulariser, an auxiliary "
+                "loss) is not trained: add it to each sample's loss"
             )
         self.per_sample_source = source
         output["per_sample_loss"] = per_sample
@@ -1292,6 +1298,22 @@ class InfoBatchCallback(Callback):
         LR schedules that still change after the steps the pruned run is expected to take
         (:meth:`_warn_unfinished_lr_schedules`)."""
         check_started(trainer)
+        if trainer.global_step > 0 and not self._resumed:
+            step = int(trainer.global_step)
+            how = (
+                f"added on resume at step {step}, from a checkpoint without InfoBatch state (written by a fit "
+                "without this callback)"
+                if getattr(trainer, "ckpt_path", None)
+                else f"this fit starts at step {step} without InfoBatch state (its Trainer trained before: a second "
+                "trainer.fit on the same Trainer)"
+            )
+            raise ValueError(
+                f"InfoBatchCallback: {how}. Its score table would start empty part-way through the run, its epochs "
+                f"(num_epochs={self.num_epochs!r}, the annealing at the end) counted from epoch 0 of the run, and "
+                "the run's record would read as pruned from its start: train with InfoBatch from the start, resume "
+                "from a checkpoint written with it, or start a new fit from the checkpoint's weights "
+                "(LightningModule.load_from_checkpoint) without ckpt_path"
+            )
         if self.curriculum_dm is None:
             restart_next_epoch_at_its_start(trainer)
             self._warn_unfinished_lr_schedules(trainer)
@@ -1623,6 +1645,7 @@ class InfoBatchCallback(Callback):
             self.count.zero_()
             self.thin_stats.zero_()
         self._mask, self._mask_epoch = None, -1  # recomputed from the restored table
+        self._resumed = True
 
 
 def _brief(value: Any) -> str:

@@ -737,3 +737,12 @@ def test_with_drop_last_the_baseline_is_what_the_plain_loader_trains(tmp_path):
     assert plain.summary["samples"] == 4 * 36
     assert monitor.summary["baseline_samples"] == 4 * 36 and monitor.summary["samples"] < 4 * 36
     assert monitor.summary["samples_saved_frac"] == pytest.approx(1 - monitor.summary["samples"] / 144)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 10**30])
+def test_a_seed_outside_the_generators_range_is_refused(seed):
+    """Seeds are hashed to 64 bits: ``2**64`` drew seed 0's plans and ``-1`` those of ``2**64 - 1``, silently (the
+    curriculum and the app refuse negative seeds). The range is [0, 2**64 - 1]."""
+    with pytest.raises(ValueError, match=r"InfoBatchCallback.seed must be an int >= 0 and <= 18446744073709551615"):
+        InfoBatchCallback(seed=seed)
+    assert InfoBatchCallback(seed=2**64 - 1).seed == 2**64 - 1

@@ -416,8 +416,25 @@ def test_a_fn_whose_mean_is_not_the_loss_warns(tmp_path):
     pl.seed_everything(0)
     plain = lambda outputs, batch: F.cross_entropy(outputs, batch.y, reduction="none")  # noqa: E731
     cb = InfoBatchCallback(prune_ratio=0.5, delta=0.875, per_sample_loss=plain)
-    with pytest.warns(UserWarning, match=r"mean of per_sample_loss=fn's values .* differs from the loss"):
+    with pytest.warns(UserWarning, match=r"mean of per_sample_loss=fn's values .* differs from the \"loss\""):
         fit(tmp_path, EncoderClassifier(penalty=1.0), UserData(Tokens(), dataclass_collate), cb)
+
+
+def test_a_returned_per_sample_loss_whose_mean_is_not_the_loss_warns(tmp_path):
+    """A step returning ``{"loss": ce.mean() + penalty, "per_sample_loss": ce}``: InfoBatch trains on the weighted
+    mean of ``ce`` in place of the returned loss, so the penalty is not trained; said on the first batch, as for
+    ``per_sample_loss=fn``."""
+
+    class WithPenalty(EncoderClassifier):
+        def training_step(self, batch, batch_idx):
+            per_sample = F.cross_entropy(self(batch.tokens), batch.y, reduction="none")
+            return {"loss": per_sample.mean() + self.head.weight.pow(2).sum(), "per_sample_loss": per_sample}
+
+    pl.seed_everything(0)
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.875)
+    with pytest.warns(UserWarning, match=r'"per_sample_loss" training_step returned .* differs .* not trained'):
+        fit(tmp_path, WithPenalty(), UserData(Tokens(), dataclass_collate), cb)
+    assert cb.per_sample_source == "returned"
 
 
 class Steps(pl.Callback):
@@ -1087,6 +1104,21 @@ def test_evaluating_a_checkpoint_with_infobatch_in_the_trainer(tmp_path, infobat
         assert torch.equal(torch.as_tensor(got), torch.as_tensor(reference))
     assert same(cb.state_dict(), before)
     assert cb.history[-1]["epoch"] == EPOCHS - 1 and not cb._evaluating
+
+
+def test_infobatch_added_on_resume_or_to_a_trained_trainer_is_refused(tmp_path):
+    """A fit resumed from a checkpoint written without InfoBatch, with InfoBatch added: its score table would start
+    empty part-way through, its epochs counted from epoch 0, and the record read as pruned from the start. Refused
+    at train start, before a batch, as random-LTD and the V-cycle refuse it."""
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "plain", filename="last")
+    plain = make_trainer(tmp_path, [ckpt], max_epochs=1)
+    plain.fit(EvalViT(), datamodule=EvalData())
+    module, cb = EvalViT(), InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0)
+    trainer = make_trainer(tmp_path, [cb], max_epochs=EPOCHS)
+    with pytest.raises(ValueError, match=r"InfoBatchCallback: added on resume at step \d+, from a checkpoint without"):
+        trainer.fit(module, datamodule=InfoBatchDataModule(EvalData()), ckpt_path=tmp_path / "plain" / "last.ckpt")
+    assert trainer.global_step > 0 and not cb.seen.any()  # stopped before any batch was scored
 
 
 def test_a_resumed_fit_still_refuses_other_settings(tmp_path, infobatch_run):
