@@ -752,3 +752,10 @@ def test_a_network_built_after_the_callbacks_setup_is_named_with_the_hook_order(
     with pytest.raises(ValueError, match=r"^adapter: no model inside Empty matches any registered adapter") as err:
         ltd().setup(trainer, Empty(), "fit")
     assert "overrides" not in str(err.value)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 10**30])
+def test_a_seed_outside_the_generators_range_is_refused(seed):
+    """Seeds are hashed to 64 bits: ``2**64`` drew seed 0's tokens and ``-1`` those of ``2**64 - 1``, silently."""
+    with pytest.raises(ValueError, match=r"RandomLTDCallback.seed must be an int >= 0 and <= 18446744073709551615"):
+        RandomLTDCallback(seed=seed)
