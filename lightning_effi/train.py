@@ -221,6 +221,32 @@ def _relative(path: str | os.PathLike[str] | None, start: str | os.PathLike[str]
     return os.path.relpath(path, start) if path else None
 
 
+def _check_sweep_direction(cfg: DictConfig, setting: Any) -> None:
+    """A sweeper's ``direction`` (Optuna's ``minimize`` / ``maximize``) must fit what :func:`objective` returns: the
+    metric itself (``minimize`` for ``optimized_mode: min``) or a saving (``maximize``); the other direction would
+    pick the worst trial as the best, silently.
+
+    Raises:
+        ConfigError: the direction contradicts the objective, naming ``hydra.sweeper.direction`` and the value to use.
+    """
+    if not HydraConfig.initialized():
+        return
+    direction = OmegaConf.select(HydraConfig.get(), "sweeper.direction", default=None)
+    if not isinstance(direction, str):  # absent, or a list (a multi-objective study: the user's own)
+        return
+    kind = setting.get("kind", "metric") if isinstance(setting, DictConfig) else "metric"
+    mode = cfg.get("optimized_mode", "min")
+    if kind == "metric":
+        expected, what = ("minimize" if mode == "min" else "maximize"), f"{cfg.get('optimized_metric')} ({mode})"
+    else:
+        expected, what = "maximize", "the saving at the floor"
+    if direction.lower() != expected:
+        raise ConfigError(
+            f"hydra.sweeper.direction={direction} contradicts the objective: objective.kind={kind} returns {what}, "
+            f"so the sweep would keep the worst trial as its best; set hydra.sweeper.direction={expected}"
+        )
+
+
 def check_objective(cfg: DictConfig) -> tuple[str, float] | None:
     """``cfg.objective`` checked before training: None for the metric, else ``(compute, floor)`` of
     ``saving_at_floor`` (:func:`objective`).
@@ -229,6 +255,7 @@ def check_objective(cfg: DictConfig) -> tuple[str, float] | None:
         ConfigError: an unknown key, ``kind`` or ``compute``, or a ``floor`` that is not a finite number.
     """
     setting = cfg.get("objective")
+    _check_sweep_direction(cfg, setting)
     if setting is None:
         return None
     if not isinstance(setting, DictConfig):
@@ -353,6 +380,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:
         output_dir.mkdir(parents=True, exist_ok=True)
+        stale = output_dir / "result.json"
+        if stale.exists():  # an earlier run's record in this folder: never read as this run's if it fails
+            stale.replace(output_dir / "result.previous.json")
+            print(f"Moved the earlier run's record to {output_dir / 'result.previous.json'}", flush=True)
         job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # Hydra's own part: see .hydra/
         OmegaConf.save(job_cfg, output_dir / "config.yaml", resolve=True)
 

@@ -20,7 +20,7 @@ from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from lightning_effi.train import main
+from lightning_effi.train import ConfigError, check_objective, main
 from tests.helpers.hydra import CONF, compose_train, run_train_script
 
 SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("optuna_*.yaml"))
@@ -145,6 +145,27 @@ def test_app_returns_the_saving_when_the_floor_is_met(floor, met, tmp_path):
     saving = result["efficiency"]["flops_saved_frac"]
     assert 0.05 < saving < 0.5  # 2 of 4 layers on 16 to 128 tokens of 128
     assert value == (saving if met else -1.0)
+
+
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_a_sweep_direction_that_contradicts_the_objective_is_refused(sweep, tmp_path):
+    """objective.kind=metric returns val/loss (optimized_mode: min): the sweep configs' ``direction: maximize`` would
+    keep the worst trial as the best; refused before training, naming the direction to set. ``minimize`` passes, and
+    so does ``maximize`` for the saving at the floor (the configs' own objective)."""
+    cfg = compose_train([f"+sweep={sweep}", "objective.kind=metric"], tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"hydra.sweeper.direction=maximize contradicts .* set hydra.sweeper.direction=minimize"
+    ):
+        check_objective(cfg)
+    assert (
+        check_objective(
+            compose_train([f"+sweep={sweep}", "objective.kind=metric", "hydra.sweeper.direction=minimize"], tmp_path)
+        )
+        is None
+    )
+    assert check_objective(compose_train([f"+sweep={sweep}"], tmp_path)) is not None
+    with pytest.raises(ConfigError, match=r"set hydra.sweeper.direction=maximize"):
+        check_objective(compose_train([f"+sweep={sweep}", "hydra.sweeper.direction=minimize"], tmp_path))
 
 
 @pytest.mark.slow

@@ -56,13 +56,17 @@ def test_test_true_without_a_test_step_is_refused_before_training(tmp_path):
 
 def test_a_refusal_at_a_resumed_fits_start_is_a_config_error(tmp_path):
     """random-LTD added to a resumed run is refused in on_train_start, before this fit's first batch but at
-    global_step 3: a ConfigError (one line from the app), not a traceback."""
+    global_step 3: a ConfigError (one line from the app), not a traceback. The failed run went into the first run's
+    folder: the first run's result.json is moved aside (result.previous.json), never read as the failed run's."""
     base = ["trainer.max_epochs=-1", "++trainer.limit_train_batches=null", "model.n_layer=4"]
     first = run(compose_train([*base, "trainer.max_steps=3"], tmp_path / "a"))
     ckpt = tmp_path / "a" / first["last_checkpoint"]
     ltd = ["callbacks=[default,random_ltd]", "callbacks.random_ltd.min_value=8", f"ckpt_path={ckpt}"]
     with pytest.raises(ConfigError, match="RandomLTDCallback"):
-        run(compose_train([*base, "trainer.max_steps=5", *ltd], tmp_path / "b"))
+        run(compose_train([*base, "trainer.max_steps=5", *ltd], tmp_path / "a"))
+    assert not (tmp_path / "a" / "result.json").exists()
+    previous = json.loads((tmp_path / "a" / "result.previous.json").read_text())
+    assert previous["techniques"] == {} and previous["metric"] == pytest.approx(first["metric"])
 
 
 @pytest.mark.slow
