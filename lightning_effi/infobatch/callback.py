@@ -1158,8 +1158,9 @@ class InfoBatchCallback(Callback):
         - Alone, in a prune epoch: ``(trained + pruned) / trained`` with ``trained`` the plan's samples plus the DDP
           duplicates (``padded``, summed over ranks) and ``pruned`` the plan's ``saved``: the pruned samples are
           charged at the mean cost of the trained ones. With the loader's ``drop_last``, the samples a full epoch
-          trains over those the pruned one trains, each rank's last partial batch dropped from both. None in a full
-          epoch.
+          trains over those the pruned one trains, each rank's last partial batch dropped from both. Under
+          ``Trainer(limit_train_batches=...)``, the samples a full epoch trains under the limit over those the pruned
+          one trains (1: no saving, when the limit cuts both to the same batches). None in a full epoch.
         - With the curriculum: ``candidates / kept`` of the micro-batch slice this rank thinned last
           (:meth:`thinned_output`); None when nothing was dropped.
         """
@@ -1175,6 +1176,14 @@ class InfoBatchCallback(Callback):
         padded = history[-1]["padded"] if history and history[-1]["epoch"] == plan.epoch else 0
         trained = int(plan.indices.numel()) + int(padded)
         t = self._datamodule.template() if self._datamodule is not None else None
+        limit = self._trainer.limit_train_batches if self._trainer is not None else 1.0
+        if t is not None and self._trainer is not None and not (isinstance(limit, float) and limit == 1.0):
+            # Trainer(limit_train_batches=...): a full epoch would train as many batches as the limit lets it, so
+            # the baseline is the samples a full epoch trains under the limit over those this pruned one trains
+            world, size, drop = self._trainer.world_size, int(t["batch_size"]), bool(t["drop_last"])
+            full = ib.rank_samples(self.dataset_size, size, world, drop, limit)
+            kept = ib.rank_samples(int(plan.indices.numel()), size, world, drop, limit)
+            return Baseline(samples=full / kept) if kept and full != kept else None
         if t is not None and bool(t["drop_last"]) and self._trainer is not None:
             # the loader drops each rank's last partial batch, of the full epoch and of the pruned one alike: the
             # samples a full epoch trains over those this pruned epoch trains (all ranks)

@@ -75,6 +75,7 @@ __all__ = [
     "plan_epoch",
     "plan_generator",
     "rank_batches",
+    "rank_samples",
     "rescale",
     "split_well_learned",
     "thin_generator",
@@ -341,6 +342,24 @@ def rank_batches(
     size, b, w = int(epoch_size), int(batch_size), int(world_size)
     share = size // w if drop_last else -(-size // w)
     return limited_batches(share // b if drop_last else -(-share // b), limit_batches)
+
+
+def rank_samples(
+    epoch_size: int,
+    batch_size: int,
+    world_size: int = 1,
+    drop_last: bool = False,
+    limit_batches: int | float = 1.0,
+) -> int:
+    """Samples one rank trains in an epoch of ``epoch_size`` samples: its :func:`rank_batches` batches of
+    ``batch_size``, the last one partial when the rank's share ends there (without ``drop_last``).
+
+    Raises:
+        ValueError: as :func:`rank_batches`.
+    """
+    batches = rank_batches(epoch_size, batch_size, world_size, drop_last, limit_batches)
+    share = epoch_size // world_size if drop_last else -(-epoch_size // world_size)
+    return batches * batch_size if drop_last else min(share, batches * batch_size)
 
 
 def limited_batches(batches: int, limit_batches: int | float = 1.0) -> int:

@@ -746,3 +746,29 @@ def test_a_seed_outside_the_generators_range_is_refused(seed):
     with pytest.raises(ValueError, match=r"InfoBatchCallback.seed must be an int >= 0 and <= 18446744073709551615"):
         InfoBatchCallback(seed=seed)
     assert InfoBatchCallback(seed=2**64 - 1).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("limit", [3, 0.8])
+def test_the_baseline_under_limit_train_batches_is_a_full_epoch_under_the_limit(tmp_path, limit):
+    """``limit_train_batches=3`` on 5-batch epochs: a full epoch and a pruned one (25-39 of 40 samples) both train
+    3 batches, so InfoBatch saves nothing, and the record says 0 (it read a saving from the unlimited epochs).
+    ``0.8``: a full epoch trains int(5 · 0.8) = 4 batches, a pruned one int(4 · 0.8) = 3 or int(5 · 0.8) = 4: the
+    saving is those batches, by hand."""
+    pl.seed_everything(0)
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path, [monitor, cb], max_epochs=4, limit_train_batches=limit)
+    trainer.fit(tiny_gpt2(), datamodule=ib_data())
+    s, sizes = monitor.summary, [h["size"] for h in cb.history]
+    assert [h["kind"] for h in cb.history] == ["full", "prune", "prune", "full"] and 24 < min(sizes[1:3]) < 40
+
+    def trained(size: int) -> int:  # samples of an epoch of `size` under the limit, by hand
+        batches = math.ceil(size / 8)
+        batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+        return min(size, batches * 8)
+
+    assert s["samples"] == sum(trained(n) for n in sizes)
+    assert s["baseline_samples"] == pytest.approx(4 * trained(40))
+    if limit == 3:  # every epoch trains its first 3 batches
+        assert s["samples"] == s["baseline_samples"] == 4 * 24 and s["flops_saved_frac"] == 0.0
+    else:  # 4 batches of a full epoch, 3 or 4 of a pruned one (25-32 samples: 4 batches, 33-39: 5)
+        assert s["samples_saved_frac"] == pytest.approx(1 - s["samples"] / (4 * 32))
