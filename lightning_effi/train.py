@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_str
@@ -435,14 +436,29 @@ def main(cfg: DictConfig) -> float:
     """Hydra task function: :func:`run`, with configuration mistakes reported as one line (exit status 1).
     Returns :func:`objective` (by default the optimized metric) for sweepers."""
     try:
-        result = run(cfg)
-        return objective(cfg, result)
+        try:
+            result = run(cfg)
+            return objective(cfg, result)
+        except InterpolationResolutionError as exc:
+            raise _user_error_of(exc) or exc from exc
     except USER_ERRORS as exc:
         if os.environ.get("EFFI_FULL_ERROR") == "1":
             raise
         raise SystemExit(f"error: {exc}\n(set EFFI_FULL_ERROR=1 for the traceback)") from None
     finally:
         _finish_wandb()
+
+
+def _user_error_of(exc: InterpolationResolutionError) -> ConfigError | None:
+    """A configuration mistake raised inside a resolver (``${effi_scale:${ref_steps},${budget}}`` with
+    ``ref_steps=2.5``), as a :class:`ConfigError` naming the key being resolved; None for any other error."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, USER_ERRORS):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    key = getattr(exc, "full_key", None)
+    return ConfigError(f"{key}: {cause}" if key else str(cause))
 
 
 def _finish_wandb() -> None:

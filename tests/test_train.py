@@ -103,6 +103,8 @@ def test_multirun_sweep_writes_one_result_per_job(tmp_path):
             "InfoBatchCallback needs a finite number of epochs",
         ),
         (["ckpt_path=/nonexistent.ckpt"], "ckpt_path: '/nonexistent.ckpt' does not exist"),
+        # raised inside the ${effi_scale:...} resolver: a 65-line InterpolationResolutionError before
+        (["bench=random_ltd_gpt", "ref_steps=2.5"], "error: budget: the reference length must be an int >= 1 (steps"),
     ],
 )
 def test_bad_input_stops_with_one_clear_line(tmp_path, args, message):
