@@ -573,6 +573,15 @@ def build_report(
     for r in runs:
         if not r.is_baseline and math.isfinite(quality[id(r)]) and by_run[id(r)]["same_length_baseline"] is None:
             notes.append(f"{r.label}: no baseline run of seed {r.seed} at budget {r.budget:g}; no same-length reading")
+        elif not r.is_baseline and (path := by_run[id(r)]["same_length_baseline"]) is not None:
+            base = next(b for b in runs if b.is_baseline and shown_path(b.path) == path)
+            mine, theirs = _configured_length(r), _configured_length(base)
+            if mine != theirs:
+                notes.append(
+                    f"{r.label}: configured for {mine}, its same-length baseline ({path}) for {theirs}, at the same "
+                    f"budget label {r.budget:g}: its same-length reading compares runs of different lengths (the "
+                    "frontier reading does not depend on the label)"
+                )
     return Report(
         rows=rows,
         readings=readings,
@@ -593,6 +602,13 @@ def shown_path(path: Path | str) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+def _configured_length(run: Run) -> str:
+    """The run's configured training length (``max_steps`` / ``max_epochs`` of its record), for comparing two runs
+    that carry the same budget label."""
+    parts = [f"{key}={run.length[key]}" for key in ("max_steps", "max_epochs") if run.length.get(key) is not None]
+    return ", ".join(parts) or "an unrecorded length"
 
 
 def _reading(

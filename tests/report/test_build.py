@@ -310,3 +310,19 @@ def test_a_users_own_method_without_a_library_technique_is_an_arm_and_a_resume_w
         not mine["baseline"] and mine["frontier_flag"] == "beyond" and mine["same_length_saving"] == pytest.approx(0.25)
     )
     assert any(n.startswith("random_ltd@1 seed 0: resumed from a checkpoint without random_ltd") for n in report.notes)
+
+
+def test_an_arm_of_another_length_than_its_same_length_baseline_is_noted(tmp_path):
+    """An arm labelled budget 1.0 that trained 16 steps (trainer.max_steps overridden), read against the budget-1.0
+    baselines of 10: its same-length reading compares runs of different lengths, said in a note; an arm of the same
+    length gets none."""
+    sweep = write_sweep(tmp_path / "s")
+    assert not [n for n in build_report(load_runs([sweep])).notes if "same-length baseline (" in n]
+    arm = json.loads((sweep / "8" / "result.json").read_text())
+    assert (arm["arm"], arm["seed"]) == ("random_ltd", 0)
+    arm["length"] = {"max_steps": 16, "max_epochs": -1, "optimizer_steps": 16}
+    (sweep / "8" / "result.json").write_text(json.dumps(arm))
+    notes = build_report(load_runs([sweep])).notes
+    (note,) = [n for n in notes if "same-length baseline (" in n]
+    assert note.startswith("random_ltd@1 seed 0: configured for max_steps=16, max_epochs=-1, its same-length baseline")
+    assert "for max_steps=10, max_epochs=-1, at the same budget label 1" in note
