@@ -433,6 +433,13 @@ class VCycleCallback(Callback):
                 f"{name}: alpha_original=0 keeps the de-coalesced copies symmetric; without dropout they "
                 "never separate: use alpha_original > 0"
             )
+        elif self.alpha_original == 1.0:
+            rank_zero_warn(
+                f"{name}: alpha_original=1 interpolates entirely to the original weights at every up-switch: the "
+                "training done at the coarse levels is thrown away (the fit trains the full model for fewer steps, "
+                "while the FLOPs of the coarse levels count as saved); use alpha_original < 1 (Zou et al. 2024 "
+                "interpolate with a fraction of the original model)"
+            )
         self._stack.plan(self.adapter, self.width_scheme, self.depth_scheme, self.embedding_convention)
         # the clock is chosen at train start, once every callback's setup ran (a technique may publish a clock or
         # withdraw it in its own setup, e.g. InfoBatch inside the curriculum); without a technique that changes the

@@ -752,3 +752,15 @@ def test_stages_that_fill_the_whole_run_warn(tmp_path):
         warnings.filterwarnings("error", message="VCycleCallback: the stages")
         fit(tmp_path / "b", [cb], 8)
     assert cb.stage_ends == [4, 7] and cb.switches == 2 and cb.level == 1
+
+
+@pytest.mark.parametrize("alpha, warned", [(1.0, True), (0.5, False)])
+def test_alpha_original_one_warns_that_the_coarse_training_is_thrown_away(tmp_path, alpha, warned):
+    """alpha_original=1: the up-switch returns exactly the weights before coalescing (the coarse levels' training
+    discarded) while their FLOPs read as saved: warned at setup."""
+    cb = VCycleCallback(e_a=1, e_small=1, alpha_original=alpha)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fit(tmp_path, [cb], 3, model=tiny_gpt2(n_layer=4))
+    found = [w for w in seen if "alpha_original=1 interpolates entirely to the original weights" in str(w.message)]
+    assert bool(found) == warned
