@@ -378,7 +378,10 @@ class InfoBatchCallback(Callback):
         per_sample_loss: Callable[[Any, Any], Tensor] | None = None,
         nonfinite_loss: str = "raise",
     ) -> None:
-        ib.validate_hparams(prune_ratio, delta, num_epochs)
+        try:
+            ib.validate_hparams(prune_ratio, delta, num_epochs)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"InfoBatchCallback.{err}") from None
         if per_sample_loss is not None and not callable(per_sample_loss):
             raise ValueError(
                 "InfoBatchCallback: per_sample_loss must be a function fn(outputs, batch) -> float[B] or None, got "

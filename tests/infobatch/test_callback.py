@@ -455,7 +455,8 @@ def test_effi_baseline_charges_the_pruned_samples(tmp_path):
     ],
 )
 def test_bad_hyperparameters_raise_at_construction(kwargs):
-    with pytest.raises(ValueError):
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=rf"^InfoBatchCallback\.{name} must be"):  # the callback and the parameter
         InfoBatchCallback(**kwargs)
 
 
