@@ -66,7 +66,7 @@ from lightning_effi.core.batch import unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.flops import sdpa_recomputes
-from lightning_effi.core.measure import FlopsMeter, MeasureError
+from lightning_effi.core.measure import FlopsMeter, MeasureError, structure_key
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     PROGRESS_TICKS,
@@ -436,6 +436,8 @@ class RandomLTDCallback(Callback):
         self._fused = False  # that network's attention recomputes the scores in the backward (fused sdpa)
         # the LTD layers' calls replayed on fake tensors: the FLOPs a layer skips, measured (_measured_layer_flops)
         self._meter, self._measure_failed = FlopsMeter(), False
+        #: per (LTD layer, its structure): (a, c, checked) of its training FLOPs B (a T + c T²), or "direct"
+        self._flops_models: dict[tuple[Any, ...], tuple[Fraction, Fraction, bool] | str] = {}
         self._data_length: int | None = None  # the sequence length peeked from the training data at train start
         # this fit resumes a random-LTD schedule from a checkpoint (its state loaded, or one of another configuration
         # accepted with strict=False): a fit starting at global_step > 0 without it is refused at train start
@@ -530,7 +532,7 @@ class RandomLTDCallback(Callback):
             keep_prefix_tokens=self.keep_prefix_tokens,
             record_calls=True,
         )
-        self._meter, self._measure_failed = FlopsMeter(), False
+        self._meter, self._measure_failed, self._flops_models = FlopsMeter(), False, {}
         self.patched = convert(pl_module, adapter, self.controller)
         self.patched.running = self._running
         self.adapter = adapter
@@ -750,6 +752,8 @@ class RandomLTDCallback(Callback):
             self._fold_step(trainer)
         restore(self.patched)
         self.patched = None
+        if self.controller is not None:  # calls of this network's layers: never replayed on the next one's
+            self.controller.calls.clear()
 
     def effi_after_model_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The new network is in place: find the adapter on it again, resolve the LTD layer ids for its depth (see
@@ -1296,33 +1300,66 @@ class RandomLTDCallback(Callback):
 
     def _measured_layer_flops(self, rec: BatchRecord) -> tuple[float, float] | None:
         """``(training FLOPs of one LTD layer on the full sequence, FLOPs the LTD layers skipped)`` for the forward
-        context ``rec``, measured: each LTD layer's recorded call replayed on a fake copy of the layer under
+        context ``rec``, measured: an LTD layer's recorded call replayed on a fake copy of the layer under
         ``torch.utils.flop_counter`` on the full sequence and on the kept tokens (:mod:`lightning_effi.core.measure`),
         so that any attention (grouped-query, fused kernels), MLP or projection widths count as the
-        ``EfficiencyMonitor`` measures the network. None where a call was not recorded, or when a replay failed
-        (then :func:`~lightning_effi.random_ltd.functional.flops_per_layer` is used, with one warning)."""
+        ``EfficiencyMonitor`` measures the network. None where no call was recorded, or when a replay failed (then
+        :func:`~lightning_effi.random_ltd.functional.flops_per_layer` is used, with one warning).
+
+        A replay costs about a second on a CPU, and the reserved length (and a curriculum's sequence length) changes
+        from step to step, so each layer is replayed at two lengths only: a transformer layer's training FLOPs on
+        ``T`` tokens are ``B (a T + c T²)`` (token-wise matrices, attention over token pairs), and ``a``, ``c`` are
+        solved from the full and the kept call. The next recorded shape is replayed once more to check the model,
+        exactly; a layer that does not follow it is replayed at every shape."""
         if self._measure_failed or self.controller is None or self.adapter is None:
             return None
         layers = self.adapter.layers()
-        full = skipped = 0.0
+        full = skipped = Fraction(0)
         for i in self.layer_ids:
-            pair = self.controller.calls.get((i, rec.batch_size, rec.seq_len, rec.reserved_length))
-            if pair is None or i >= len(layers):
+            if i >= len(layers):
                 return None
-            root = nn.Module()
-            root.layer = layers[i]
-            try:
-                on_full, on_kept = self._meter.flops(root, [pair[0]]), self._meter.flops(root, [pair[1]])
-            except MeasureError as err:
-                self._measure_failed = True
-                rank_zero_warn(
-                    f"{type(self).__name__}: the FLOPs random-LTD skips are computed by a formula for a standard "
-                    f"transformer layer (a layer's call could not be replayed: {err}); they may be off for this layer"
-                )
+            per_layer = self._layer_flops(i, layers[i], rec)
+            if per_layer is None:
                 return None
-            full += on_full
-            skipped += on_full - on_kept
-        return full / len(self.layer_ids), skipped
+            full += per_layer[0]
+            skipped += per_layer[0] - per_layer[1]
+        return float(full / len(self.layer_ids)), float(skipped)
+
+    def _layer_flops(self, i: int, layer: nn.Module, rec: BatchRecord) -> tuple[Fraction, Fraction] | None:
+        """Training FLOPs of LTD layer ``i`` on ``rec``'s full and kept tokens (see :meth:`_measured_layer_flops`)."""
+        assert self.controller is not None
+        b, s, r = rec.batch_size, rec.seq_len, rec.reserved_length
+        key = (i, structure_key(layer))
+        model = self._flops_models.get(key)
+        pair = self.controller.calls.get((i, b, s, r))
+        if model is not None and model != "direct" and model[2]:  # checked: predicted
+            a, c, _ = model
+            return b * (a * s + c * s * s), b * (a * r + c * r * r)
+        if pair is None:
+            return None
+        root = nn.Module()
+        root.layer = layer
+        try:
+            on_full, on_kept = (
+                Fraction(self._meter.flops(root, [pair[0]])),
+                Fraction(self._meter.flops(root, [pair[1]])),
+            )
+        except MeasureError as err:
+            self._measure_failed = True
+            rank_zero_warn(
+                f"{type(self).__name__}: the FLOPs random-LTD skips are computed by a formula for a standard "
+                f"transformer layer (a layer's call could not be replayed: {err}); they may be off for this layer"
+            )
+            return None
+        if model is None:  # solve B (a T + c T²) at T = S and T = r
+            y_full, y_kept = on_full / (b * s), on_kept / (b * r)  # a + c T
+            c = (y_full - y_kept) / (s - r)
+            self._flops_models[key] = (y_full - c * s, c, False)
+        elif model != "direct":
+            a, c, _ = model
+            exact = on_full == b * (a * s + c * s * s) and on_kept == b * (a * r + c * r * r)
+            self._flops_models[key] = (a, c, True) if exact else "direct"
+        return on_full, on_kept
 
     def _fold_step(self, trainer: pl.Trainer) -> None:
         self._fold_batch()
