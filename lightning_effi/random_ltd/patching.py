@@ -357,7 +357,7 @@ class LTDForward:
         return value
 
     @torch.compiler.disable
-    def select(self, hidden: Tensor) -> Tensor | None:
+    def select(self, hidden: Tensor, args: tuple = (), kwargs: dict | None = None) -> Tensor | None:
         """This layer's kept-token indices ``int64 [B, r]`` for ``hidden`` (``[B, S, ...]``; ``[S, B, ...]`` for an
         adapter whose ``hidden_state_order`` is ``"seq_batch"``) in the controller's current context
         (:meth:`LTDController.indices`: drawn once per context and shape, recorded for the accounting), or ``None``
@@ -379,6 +379,8 @@ class LTDForward:
         batch = hidden.shape[1 - self.seq_dim]
         idx = self.controller.indices(self.ordinal, batch, seq_len, hidden.device)
         if idx is not None:
+            if self.controller.record_calls and (args or kwargs):
+                self._note_call(args, kwargs or {}, idx, seq_len)
             torch._dynamo.maybe_mark_dynamic(idx, 1)
         return idx
 
@@ -387,24 +389,14 @@ class LTDForward:
         owner = self._owner()
         if not owner.training or not isinstance(hidden, Tensor) or hidden.device.type == "meta" or hidden.is_nested:
             return self.original(*args, **kwargs)
-        idx = self.select(hidden)
+        idx = self.select(hidden, args, kwargs)
         if idx is None:
             return self.original(*args, **kwargs)
         seq_len = hidden.shape[self.seq_dim]
-        bound = self.signature.bind(*args, **kwargs)
-        for name, value in list(bound.arguments.items()):
-            param = self.signature.parameters[name]
-            if name == self.hidden:
-                bound.arguments[name] = F.gather_tokens(value, idx, self.seq_dim)
-            elif param.kind == param.VAR_KEYWORD:
-                bound.arguments[name] = {k: self._gather_arg(k, v, idx, seq_len) for k, v in value.items()}
-            else:
-                bound.arguments[name] = self._gather_arg(name, value, idx, seq_len)
+        bound = self._gathered(args, kwargs, idx, seq_len)
         captured = _hf_collector()
         before = {k: len(v) for k, v in captured.items() if isinstance(v, list)} if captured is not None else {}
         out = self.original(*bound.args, **bound.kwargs)
-        if self.controller.record_calls:
-            self._note_call(args, kwargs, bound, out, idx, seq_len)
         if captured is not None:
             self._expand_captured(captured, before, idx, seq_len)
         if isinstance(out, Tensor):
@@ -417,13 +409,25 @@ class LTDForward:
             "expected a tensor or a tuple whose first element is the hidden states"
         )
 
-    @torch.compiler.disable
-    def _note_call(
-        self, args: tuple, kwargs: dict, bound: inspect.BoundArguments, out: Any, idx: Tensor, seq_len: int
-    ) -> None:
+    def _gathered(self, args: tuple, kwargs: dict, idx: Tensor, seq_len: int) -> inspect.BoundArguments:
+        """The layer's arguments with the hidden states and every declared sequence argument gathered to ``idx``."""
+        bound = self.signature.bind(*args, **kwargs)
+        for name, value in list(bound.arguments.items()):
+            param = self.signature.parameters[name]
+            if name == self.hidden:
+                bound.arguments[name] = F.gather_tokens(value, idx, self.seq_dim)
+            elif param.kind == param.VAR_KEYWORD:
+                bound.arguments[name] = {k: self._gather_arg(k, v, idx, seq_len) for k, v in value.items()}
+            else:
+                bound.arguments[name] = self._gather_arg(name, value, idx, seq_len)
+        return bound
+
+    def _note_call(self, args: tuple, kwargs: dict, idx: Tensor, seq_len: int) -> None:
         """Keep this layer's call on the full sequence and on the kept tokens (shapes only) in the controller, once
-        per ``(layer, B, S, r)``, for measuring what dropping skipped (not in the backward's recompute of an
-        activation-checkpointed layer; outside a compiled graph)."""
+        per ``(layer, B, S, r)``, for measuring what dropping skips. Runs inside :meth:`select`, outside a compiled
+        graph (a note after the layer's call would break the graph where the kept tokens' length is not marked
+        dynamic: a recompilation per reserved length); the backward's recompute of an activation-checkpointed layer
+        is not noted. The gather is run once more here, only for a new shape."""
         if _in_backward():
             return
         key = (self.index, int(idx.shape[0]), int(seq_len), int(idx.shape[1]))
@@ -432,8 +436,9 @@ class LTDForward:
             return
         if len(calls) >= _MAX_CALLS:
             calls.clear()
+        bound = self._gathered(args, kwargs, idx, seq_len)  # with grad: the kept tensors' requires_grad as in training
         grad = torch.is_grad_enabled()
-        used: set[tuple[Any, ...]] = {()} if isinstance(out, Tensor) else {(0,)}
+        used: set[tuple[Any, ...]] = {(), (0,)}  # the hidden states: the output itself, or a tuple's first element
         calls[key] = (
             describe_call("layer", args, kwargs, grad, used),
             describe_call("layer", bound.args, bound.kwargs, grad, used),
