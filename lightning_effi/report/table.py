@@ -131,7 +131,8 @@ class Report:
         runs: every run reported.
         metric, mode: the quality metric and its direction; ``compute``: the compute quantity of the savings.
         notes: what the report left out or could not read (runs without a finite metric, seeds without a
-            frontier, failed jobs).
+            frontier, failed jobs), and what qualifies a reading (an arm of another configured length, or other
+            model, data or trainer overrides, than its same-length baseline).
     """
 
     rows: list[dict[str, Any]]
@@ -582,6 +583,11 @@ def build_report(
                     f"budget label {r.budget:g}: its same-length reading compares runs of different lengths (the "
                     "frontier reading does not depend on the label)"
                 )
+            if differing := _setup_differences(r, base):
+                notes.append(
+                    f"{r.label}: its model, data or trainer overrides differ from its same-length baseline's "
+                    f"({path}): {'; '.join(differing)}; its readings compare other setups, not only the technique"
+                )
     return Report(
         rows=rows,
         readings=readings,
@@ -602,6 +608,53 @@ def shown_path(path: Path | str) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+#: override key prefixes that set up the comparison itself (an arm and its baselines should share them)
+_SETUP_PREFIXES = ("model", "data", "experiment", "trainer")
+#: trainer keys that do not change what a run trains (its length is compared by :func:`_configured_length`)
+_NOT_SETUP_KEYS = frozenset(
+    f"trainer.{k}"
+    for k in (
+        "max_steps",
+        "max_epochs",
+        "max_time",
+        "devices",
+        "num_nodes",
+        "accelerator",
+        "strategy",
+        "enable_progress_bar",
+        "enable_model_summary",
+        "log_every_n_steps",
+        "default_root_dir",
+        "val_check_interval",
+        "check_val_every_n_epoch",
+        "limit_val_batches",
+        "num_sanity_val_steps",
+    )
+)
+
+
+def _setup_items(run: Run) -> dict[str, str]:
+    items = {}
+    for override in run.overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        removed = override.startswith("~")
+        if (sep or removed) and key.split(".")[0] in _SETUP_PREFIXES and key not in _NOT_SETUP_KEYS:
+            items[key] = "<removed>" if removed else value
+    return items
+
+
+def _setup_differences(run: Run, base: Run) -> list[str]:
+    """The model, data, experiment and trainer overrides (the trainer's length, devices, logging and validation
+    cadence left out) in which ``run`` and its same-length baseline ``base`` differ, as ``key: value vs value``
+    (``default`` where one of them does not override ``key``)."""
+    mine, theirs = _setup_items(run), _setup_items(base)
+    return [
+        f"{k}={mine.get(k, 'default')} vs {theirs.get(k, 'default')}"
+        for k in sorted(set(mine) | set(theirs))
+        if mine.get(k) != theirs.get(k)
+    ]
 
 
 def _configured_length(run: Run) -> str:

@@ -326,3 +326,22 @@ def test_an_arm_of_another_length_than_its_same_length_baseline_is_noted(tmp_pat
     (note,) = [n for n in notes if "same-length baseline (" in n]
     assert note.startswith("random_ltd@1 seed 0: configured for max_steps=16, max_epochs=-1, its same-length baseline")
     assert "for max_steps=10, max_epochs=-1, at the same budget label 1" in note
+
+
+def test_an_arm_with_other_model_or_data_overrides_than_its_same_length_baseline_is_noted(tmp_path):
+    """An arm trained on a wider model and a larger batch than its baselines: the same-length reading compares two
+    setups, said in a note naming each differing key; a technique setting or a length override is not such a key."""
+    base = ["arm=baseline_100", "seed=0", "trainer.max_steps=10", "model.optimizer.lr=0.001"]
+    write_record(tmp_path / "0", budget=0.5, flops=2e12, loss=2.6, overrides=base)
+    write_record(tmp_path / "1", budget=1.0, flops=4e12, loss=2.3, overrides=base)
+    same = ["arm=technique", "seed=0", "callbacks.random_ltd.min_value=32", "trainer.max_steps=12"]
+    write_record(tmp_path / "2", arm="random_ltd", budget=1.0, flops=3e12, loss=2.4, overrides=[*same, base[-1]])
+    assert not [n for n in build_report(load_runs([tmp_path])).notes if "overrides differ" in n]
+    other = [*same, "model.n_embd=128", "data.batch_size=16", "~trainer.gradient_clip_val"]
+    write_record(tmp_path / "2", arm="random_ltd", budget=1.0, flops=3e12, loss=2.4, overrides=other)
+    (note,) = [n for n in build_report(load_runs([tmp_path])).notes if "overrides differ" in n]
+    assert note.startswith("random_ltd@1 seed 0: its model, data or trainer overrides differ from its same-length")
+    assert (
+        "data.batch_size=16 vs default; model.n_embd=128 vs default; model.optimizer.lr=default vs 0.001; "
+        "trainer.gradient_clip_val=<removed> vs default;" in note
+    )
