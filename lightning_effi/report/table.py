@@ -159,7 +159,8 @@ class Report:
             f"({direction} is better); *saving vs frontier* is 1 - arm / that (and the same on training wall time). "
             f"'>=' (beyond): the arm is better than every baseline budget, so the saving is a lower bound; '<=' "
             f"(below): worse than the smallest budget, an upper bound (also on a mean over seeds where some read "
-            f"inside, the counts in brackets). *Same-length* columns compare with the baseline run of the same seed "
+            f"inside, the counts in brackets; where some seeds read beyond and others below, the cell shows no mean). "
+            f"*Same-length* columns compare with the baseline run of the same seed "
             f"and budget (quality delta: arm - baseline). Figures are mean ± sample std over seeds; the factor in "
             f"brackets is that of the mean saving, 1 / (1 - mean). "
         )
@@ -312,12 +313,14 @@ def _of(n: int, seeds: int) -> str:
 def _pct(mean: float, std: float, flag: str, factor: float = math.nan) -> str:
     if not math.isfinite(mean):
         return "—"
+    kinds = {part.split()[0] for part in flag.split(", ")} if flag else set()
+    if {"beyond", "below"} <= kinds:  # a lower and an upper bound: their mean bounds nothing
+        return f"— ({flag}: no bound on the mean)"
     text = f"{100 * mean:+.1f}%"
     if math.isfinite(std):
         text += f" ± {100 * std:.1f}%"
     if math.isfinite(factor):
         text += f" ({factor:.2f}x)"
-    kinds = {part.split()[0] for part in flag.split(", ")} if flag else set()
     if kinds and kinds <= {"inside", "beyond"} and "beyond" in kinds:
         text = ">= " + text  # exact readings and lower bounds: their mean is a lower bound
     elif kinds and kinds <= {"inside", "below"} and "below" in kinds:
