@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from lightning_effi.train import run
+from lightning_effi.train import main, run
 from lightning_effi.utils.instantiate import ConfigError
 from tests.helpers.hydra import compose_train, run_train_script
 
@@ -77,54 +77,62 @@ def test_multirun_sweep_writes_one_result_per_job(tmp_path):
     assert [json.loads(p.read_text())["seed"] for p in results] == [1, 2]
 
 
+#: bad input that the app stops with one line, checked in this process through the app's task function
+#: (``lightning_effi.train.main``, what ``experiments/train.py`` calls): its ``SystemExit`` message is that line
+APP_ERRORS = [
+    (["experiment=cifar10_cnn", "model.model_name=resnet_bogus"], "model.model_name: unknown timm model"),
+    (["data.text_path=/nonexistent.txt", "data.corpus=file"], "data.text_path"),
+    (["data.block_size=0"], "data.block_size"),
+    (["callbacks.efficiency.log_every_n_steps=0"], "log_every_n_steps"),
+    (["data.block_size=300"], "model.max_length: the model takes at most 256, the data needs 300"),
+    (["model.optimizer.lr=-1"], "model.optimizer"),
+    (["model.scheduler.warmup_fraction=2"], "model.scheduler"),
+    (["optimized_metric=val/los"], "optimized_metric: 'val/los' is not logged"),
+    (["seed=-1"], "seed: expected an int"),
+    (["model.n_layer=abc"], "model.n_layer"),
+    (
+        ["experiment=sst2_infobatch", "trainer.max_epochs=-1", "++trainer.fast_dev_run=false", "trainer.max_steps=2"],
+        "InfoBatchCallback needs a finite number of epochs",
+    ),
+    # raised inside the ${effi_scale:...} resolver: a 65-line InterpolationResolutionError before
+    (["bench=random_ltd_gpt", "ref_steps=2.5"], "error: budget: the reference length must be an int >= 1 (steps"),
+]
+
+
+@pytest.mark.parametrize("args, message", APP_ERRORS)
+def test_bad_input_stops_with_one_clear_line(tmp_path, args, message):
+    with pytest.raises(SystemExit) as stop:
+        main(compose_train(["debug=fdr", *args], tmp_path, fast=False))
+    text = str(stop.value.code)
+    assert message in text and text.startswith("error: ") and "Traceback" not in text, text
+    assert text.splitlines()[1:] == ["(set EFFI_FULL_ERROR=1 for the traceback)"], text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
-    [
+    [  # a data error, an override Hydra refuses, a missing file: the script's own stderr
         (["experiment=cifar10_cnn", "paths.data_dir=/nonexistent"], "error: data.root: '/nonexistent/cifar10'"),
-        (["experiment=cifar10_cnn", "model.model_name=resnet_bogus"], "model.model_name: unknown timm model"),
-        (["data.text_path=/nonexistent.txt", "data.corpus=file"], "data.text_path"),
-        (["data.block_size=0"], "data.block_size"),
         (["trainer.max_epoch=1"], "trainer.max_epoch"),
-        (["callbacks.efficiency.log_every_n_steps=0"], "log_every_n_steps"),
-        (["data.block_size=300"], "model.max_length: the model takes at most 256, the data needs 300"),
-        (["model.optimizer.lr=-1"], "model.optimizer"),
-        (["model.scheduler.warmup_fraction=2"], "model.scheduler"),
-        (["optimized_metric=val/los"], "optimized_metric: 'val/los' is not logged"),
-        (["seed=-1"], "seed: expected an int"),
-        (["model.n_layer=abc"], "model.n_layer"),
-        (
-            [
-                "experiment=sst2_infobatch",
-                "trainer.max_epochs=-1",
-                "++trainer.fast_dev_run=false",
-                "trainer.max_steps=2",
-            ],
-            "InfoBatchCallback needs a finite number of epochs",
-        ),
         (["ckpt_path=/nonexistent.ckpt"], "ckpt_path: '/nonexistent.ckpt' does not exist"),
-        # raised inside the ${effi_scale:...} resolver: a 65-line InterpolationResolutionError before
-        (["bench=random_ltd_gpt", "ref_steps=2.5"], "error: budget: the reference length must be an int >= 1 (steps"),
     ],
 )
-def test_bad_input_stops_with_one_clear_line(tmp_path, args, message):
+def test_bad_input_stops_the_script_with_one_clear_line(tmp_path, args, message):
     proc = run_train_script(["debug=fdr", *args], tmp_path)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow
 def test_checkpoint_of_another_model_or_a_damaged_file_is_named(tmp_path):
     first = run(compose_train(["trainer.max_steps=1", "trainer.max_epochs=-1"], tmp_path / "a"))
     ckpt = tmp_path / "a" / first["last_checkpoint"]
-    proc = run_train_script(["debug=fdr", f"ckpt_path={ckpt}", "model.n_layer=3"], tmp_path)
-    assert proc.returncode != 0 and "holds weights of a different model" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    with pytest.raises(SystemExit, match="holds weights of a different model"):
+        main(compose_train(["debug=fdr", f"ckpt_path={ckpt}", "model.n_layer=3"], tmp_path / "b", fast=False))
     damaged = tmp_path / "damaged.ckpt"
     damaged.write_bytes(open(ckpt, "rb").read()[:1000])
-    proc = run_train_script(["debug=fdr", f"ckpt_path={damaged}"], tmp_path)
-    assert proc.returncode != 0 and "is not a readable Lightning checkpoint" in proc.stderr, proc.stderr[-2000:]
+    with pytest.raises(SystemExit, match="is not a readable Lightning checkpoint"):
+        main(compose_train(["debug=fdr", f"ckpt_path={damaged}"], tmp_path / "c", fast=False))
 
 
 VCYCLE_APP = [  # a tiny GPT-2 (4 layers x 32, 4 heads) with the V-cycle: level 2 trains steps 3 to 5 of 6

@@ -649,7 +649,8 @@ def test_ddp(ddp_runs, technique):
 def test_ddp_spawn(tmp_path, technique):
     assert expect("ddp_spawn", technique) == WORKS
     run, state, limits = _distributed_run(technique, tmp_path)
-    fit_ddp(run.model, run.datamodule, tmp_path, [*run.callbacks, state, run.probe], **limits)  # + RecordBatches
+    callbacks = [*run.callbacks, state, run.probe]  # + RecordBatches
+    fit_ddp(run.model, run.datamodule, tmp_path, callbacks, start_method="spawn", **limits)
     _check_distributed(technique, tmp_path, "DDPStrategy", "spawn", records="ddp_records")
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from lightning_effi import EfficiencyMonitor
 from tests.harness.settings import SETTINGS, CallbackSettings, public_namespace
 from tests.helpers.harness import _drop, assert_nested_equal, assert_resume_equals_uninterrupted, fit_ddp
 
@@ -106,7 +107,7 @@ def test_resume_equals_uninterrupted(tmp_path, cls, settings):
 # ------------------------------------------------------------------------------------------------------------- DDP
 class DumpState(Callback):
     """At the end of fit, saves the ``state_dict`` of the trainer's ``cls`` callback to ``<out>/state<rank>.pt``
-    (each ``ddp_spawn`` process has its own copy of the callbacks)."""
+    (each DDP process has its own copy of the callbacks)."""
 
     def __init__(self, cls: type, out: Path):
         self.cls, self.out = cls, str(out)
@@ -120,13 +121,16 @@ class DumpState(Callback):
 @pytest.mark.parametrize(("cls", "settings"), entries("test_ddp_two_processes"))
 def test_ddp_two_processes(tmp_path, cls, settings):
     """Under DDP (2 processes, gloo) the run completes on both ranks at the same step, and a stateful callback ends
-    with the same state on both ranks."""
+    with the same state on both ranks. The EfficiencyMonitor's processes are spawned (its callback, model and data
+    pickled into fresh interpreters); the techniques' are forked, their ``ddp_spawn`` runs being
+    ``tests/compat/test_runtime.py::test_ddp_spawn``."""
     pl.seed_everything(0, workers=True)
     _, ranks = fit_ddp(
         settings.model(),
         settings.datamodule(),
         tmp_path,
         [settings.callback(), DumpState(cls, tmp_path / "states")],
+        start_method="spawn" if cls is EfficiencyMonitor else "fork",
         **settings.limits(),
         **settings.trainer_kwargs,
     )

@@ -49,7 +49,7 @@ class MeasuredFlops(Callback):
 
     Args:
         out_dir: if set, ``<out_dir>/measured_rank<r>.json`` (``{"per_batch": [...]}``) is written at the end of fit
-            (for ``ddp_spawn``, whose processes do not update the parent's callbacks).
+            (for DDP processes started from the test, which do not update the parent's callbacks).
 
     Attributes:
         per_batch: the FLOPs of every training batch on this rank, in order (ints).
