@@ -1,7 +1,7 @@
 """Every config composes and instantiates; every experiment runs with fast_dev_run (lightning-hydra-template's
 ``tests/test_configs.py`` and ``tests/test_sweeps.py``)."""
 
-from pathlib import Path
+import json
 
 import hydra
 import lightning.pytorch as pl
@@ -9,9 +9,9 @@ import pytest
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 
-from lightning_effi.train import build
+from lightning_effi.train import build, run
 from lightning_effi.utils.instantiate import instantiate_callbacks, instantiate_loggers
-from tests.helpers.hydra import CONF, compose_train, run_train_script
+from tests.helpers.hydra import CONF, compose_train
 
 GROUP_FILES = {
     g: sorted(p.stem for p in (CONF / g).glob("*.yaml"))
@@ -55,20 +55,15 @@ def test_trainer_configs_compose(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", GROUP_FILES["experiment"])
-def test_experiments_build(name, tmp_path):
-    cfg = compose_train([f"experiment={name}"], tmp_path)
-    datamodule, model, trainer = build(cfg)
+def test_every_experiment_builds_and_runs_with_fast_dev_run(name, tmp_path):
+    """Each experiment composes, builds its model and Trainer, and runs one batch of fit and validation
+    (``fast_dev_run``) through the app, writing its record (a multirun through the script:
+    ``tests/test_train.py::test_multirun_sweep_writes_one_result_per_job``)."""
+    overrides = [f"experiment={name}", "++trainer.fast_dev_run=true", "trainer.accelerator=cpu", "data.num_workers=0"]
+    cfg = compose_train(overrides, tmp_path, fast=False)
+    _, model, trainer = build(cfg)
     assert isinstance(model, pl.LightningModule) and isinstance(trainer, pl.Trainer)
     assert cfg.task_name == name
-
-
-@pytest.mark.slow
-def test_every_experiment_runs_with_fast_dev_run(tmp_path: Path):
-    proc = run_train_script(
-        ["-m", "experiment=glob(*)", "++trainer.fast_dev_run=true", "trainer.accelerator=cpu", "data.num_workers=0"],
-        tmp_path,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = sorted(tmp_path.glob("logs/*/multiruns/*/*/result.json"))
-    assert len(results) == len(GROUP_FILES["experiment"]), proc.stdout[-2000:]
+    result = run(cfg)
+    assert result["task_name"] == name and result["efficiency"]["optimizer_steps"] == 1
+    assert json.loads((tmp_path / "result.json").read_text())["task_name"] == name
