@@ -93,20 +93,26 @@ def test_a_checkpoint_without_baseline_resumes_with_no_saving_before(tmp_path):
         monitor.load_state_dict({"totals": {"bogus": 1.0}})
 
 
-def test_metrics_are_logged(tmp_path):
+def _logged_rows(tmp_path, monitor: EfficiencyMonitor, **trainer_kwargs) -> list[dict[str, str]]:
+    """Fit the tiny GPT-2 for 4 optimizer steps with ``monitor`` and a CSV logger; its rows that hold effi metrics."""
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=4,
         logger=CSVLogger(tmp_path, name="csv", version=""),
-        callbacks=[EfficiencyMonitor(log_every_n_steps=2)],
+        callbacks=[monitor],
         enable_progress_bar=False,
         enable_checkpointing=False,
         limit_val_batches=0,
+        **trainer_kwargs,
     )
     trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
     with open(tmp_path / "csv" / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("effi/samples")]
+        return [r for r in csv.DictReader(f) if r.get("effi/samples")]
+
+
+def test_metrics_are_logged(tmp_path):
+    rows = _logged_rows(tmp_path, EfficiencyMonitor(log_every_n_steps=2))
     assert [float(r["effi/samples"]) for r in rows][:2] == [16.0, 32.0]
     assert {
         "effi/tokens",
@@ -121,23 +127,51 @@ def test_metrics_are_logged(tmp_path):
 def test_metrics_are_logged_once_per_optimizer_step_under_gradient_accumulation(tmp_path):
     """accumulate_grad_batches=2: one row per optimizer step, after its last micro-batch (never a micro-batch's
     count at the step before), and no second row for the epoch's last step."""
+    rows = _logged_rows(
+        tmp_path, EfficiencyMonitor(print_summary=False), accumulate_grad_batches=2, log_every_n_steps=1
+    )
+    # 8 samples a micro-batch, 2 micro-batches a step, 5 batches an epoch (its last step has one micro-batch)
+    assert [(int(r["step"]), float(r["effi/samples"])) for r in rows] == [(1, 16.0), (2, 32.0), (3, 40.0), (4, 56.0)]
+
+
+class _Levels(pl.Callback):
+    """A technique's schedule state, ``levels/level`` = 7.0 (``effi_schedule_state``), for the progress bar."""
+
+    effi_name = "levels"
+
+    def effi_schedule_state(self) -> dict[str, float]:
+        return {"level": 7.0}
+
+
+class _LogsLevel(type(tiny_gpt2())):  # type: ignore[misc]
+    def training_step(self, batch, batch_idx):
+        self.log("level", 123.0, prog_bar=True)  # the user's own metric of the same name
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("own_level", [False, True])
+def test_technique_states_in_the_progress_bar_never_overwrite_a_metric_of_the_module(tmp_path, own_level):
+    """A technique state is shown under its short name (``level``), or under ``levels/level`` when the module logs a
+    ``level`` of its own: the module's value stays in ``callback_metrics`` (a ModelCheckpoint may monitor it)."""
     pl.seed_everything(0)
+    model = tiny_gpt2()
+    if own_level:
+        model.__class__ = _LogsLevel
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_steps=4,
-        accumulate_grad_batches=2,
-        log_every_n_steps=1,
-        logger=CSVLogger(tmp_path, name="csv", version=""),
-        callbacks=[EfficiencyMonitor(print_summary=False)],
+        max_steps=2,
+        logger=False,
+        callbacks=[_Levels(), EfficiencyMonitor(print_summary=False)],
         enable_progress_bar=False,
         enable_checkpointing=False,
         limit_val_batches=0,
     )
-    trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
-    with open(tmp_path / "csv" / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("effi/samples")]
-    # 8 samples a micro-batch, 2 micro-batches a step, 5 batches an epoch (its last step has one micro-batch)
-    assert [(int(r["step"]), float(r["effi/samples"])) for r in rows] == [(1, 16.0), (2, 32.0), (3, 40.0), (4, 56.0)]
+    trainer.fit(model, datamodule=tiny_lm_data())
+    bar = trainer.progress_bar_metrics
+    if own_level:
+        assert float(trainer.callback_metrics["level"]) == 123.0 and bar["levels/level"] == 7.0
+    else:
+        assert bar["level"] == 7.0 and "levels/level" not in bar
 
 
 def test_resume_mid_epoch_keeps_exact_counts(tmp_path):

@@ -251,11 +251,11 @@ def schedule_states(trainer: pl.Trainer) -> dict[str, float]:
     return out
 
 
-def _progress_bar_names(states: Mapping[str, float]) -> dict[str, float]:
-    """The progress bar's short names for :func:`schedule_states`: the key without the technique, unless two
+def _progress_bar_names(states: Mapping[str, float]) -> dict[str, str]:
+    """The progress bar's short names for :func:`schedule_states`' keys: the key without the technique, unless two
     techniques share it."""
     short = [key.rsplit("/", 1)[-1] for key in states]
-    return {(s if short.count(s) == 1 else key): v for s, (key, v) in zip(short, states.items())}
+    return {key: (s if short.count(s) == 1 else key) for s, key in zip(short, states)}
 
 
 #: a network's transformer block list
@@ -424,6 +424,8 @@ class EfficiencyMonitor(Callback):
         self._mark: float | None = None
         self._batch_start: float | None = None
         self._step_at_batch_start: int | None = None  # trainer.global_step when the current batch started
+        # a technique state's progress-bar name, chosen at its first batch of the fit (:meth:`_bar_name`)
+        self._bar_names: dict[str, str] = {}
         self._logged_step: int | None = None  # trainer.global_step of the last log
         self._eval_start: float | None = None
         self._fit_start: float | None = None
@@ -691,8 +693,20 @@ class EfficiencyMonitor(Callback):
         (which would do the same: :func:`~lightning_effi.core.compat.rebuild_train_loader_after_restore`, Lightning
         issue #20550)."""
         rebuild_train_loader_after_restore(trainer)
+        self._bar_names = {}
         self._fit_start = time.perf_counter()
         self._fit_total_before = self.totals["time_total"]
+
+    def _bar_name(self, trainer: pl.Trainer, key: str, short: str) -> str:
+        """The name technique state ``key`` is shown under in the progress bar (and so in
+        ``trainer.callback_metrics``): ``short``, unless the module already logged a metric of that name this fit
+        (a ``level`` of its own, which it would overwrite there, and so in a ``ModelCheckpoint(monitor=...)``): then
+        ``key`` (``vcycle/level``). Chosen at the state's first batch of the fit."""
+        name = self._bar_names.get(key)
+        if name is None:
+            name = key if short != key and short in trainer.callback_metrics else short
+            self._bar_names[key] = name
+        return name
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -757,8 +771,10 @@ class EfficiencyMonitor(Callback):
         # for Lightning's ThroughputMonitor (listed after this one)
         self._write_flops(pl_module, int(account.actual.flops))
         states = schedule_states(trainer)
-        for name, value in _progress_bar_names(states).items():  # the techniques' state in the progress bar
-            pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+        for (key, name), value in zip(_progress_bar_names(states).items(), states.values()):
+            # the techniques' state in the progress bar
+            bar = self._bar_name(trainer, key, name)
+            pl_module.log(bar, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         every = self.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
         # logged after the optimizer step, every `every` steps: never a micro-batch inside an accumulation window
         # (its cumulative figures would be logged at the step before, next to that step's own)

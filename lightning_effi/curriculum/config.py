@@ -263,7 +263,12 @@ class CurriculumConfig:
 
     def __post_init__(self) -> None:
         metrics = to_plain(self.metrics)
-        if not isinstance(metrics, Mapping) or not metrics:
+        if not isinstance(metrics, Mapping):
+            raise CurriculumConfigError(
+                "curriculum metrics: expected a mapping of metric name -> its config (DeepSpeed's curriculum_metrics, "
+                f"e.g. {{'seqlen_truncate': {{...}}}}), got a {type(metrics).__name__}: {metrics!r}"[:400]
+            )
+        if not metrics:
             raise CurriculumConfigError("curriculum metrics: need at least one metric, e.g. {'seqlen_truncate': {...}}")
         ds_keys = sorted(set(metrics) & {"data_efficiency", "data_sampling", "curriculum_learning", "train_batch_size"})
         if ds_keys:

@@ -223,7 +223,8 @@ class InfoBatchCallback(Callback):
        ``training_step`` (:class:`ForwardCapture`: the output of the last outermost module call, the module's own
        ``self(x)`` or a submodule called directly such as ``self.model(**batch)``, skipping modules without a
        trainable parameter such as a frozen teacher; None when no such module was called)
-       and ``batch`` the user's batch. A warning on the first batch when ``mean(l)`` differs from the step's loss.
+       and ``batch`` the user's batch. A warning at the first batch where ``mean(l)`` differs from the step's loss
+       (every batch is checked until one does).
     2. ``training_step`` returns ``{"loss": ..., "per_sample_loss": l}``.
     3. Automatic (a module that returns a plain cross-entropy loss, a tensor or ``{"loss": ...}``): the cross-entropy
        of the forward output's logits (a tensor ``[B, C]`` / ``[B, T, V]``, ``outputs["logits"]`` or
@@ -428,6 +429,10 @@ class InfoBatchCallback(Callback):
         self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
         self._checkpoint_epoch: int | None = None  # the Lightning epoch of the checkpoint being restored (fit)
         self._resumed = False  # this fit restored InfoBatch state from a checkpoint (load_state_dict)
+        # a given per-sample loss whose mean differed from the step's loss was warned of (checked at every batch
+        # until then: a term outside the per-sample losses may be 0 at first, e.g. a penalty on the distance to the
+        # initial weights, or warmed up later)
+        self._loss_mismatch_warned = False
 
     def __repr__(self) -> str:
         fn = self.per_sample_loss
@@ -474,6 +479,12 @@ class InfoBatchCallback(Callback):
             raise ValueError(
                 "InfoBatchCallback needs a finite number of epochs: set Trainer(max_epochs=...) or "
                 f"InfoBatchCallback(num_epochs=...); got max_epochs={trainer.max_epochs}"
+                + (
+                    f" (and leave max_steps=-1: a step budget, max_steps={trainer.max_steps}, is refused too, as it "
+                    "hides InfoBatch's saving)"
+                    if trainer.max_steps not in (-1, None)
+                    else ""
+                )
             )
         if trainer.max_steps not in (-1, None) and not trainer.fast_dev_run:  # fast_dev_run sets max_steps itself
             raise ValueError(
@@ -498,7 +509,12 @@ class InfoBatchCallback(Callback):
         if not isinstance(datamodule, InfoBatchDataModule):
             raise ValueError(
                 "InfoBatchCallback needs trainer.fit(..., datamodule=InfoBatchDataModule(your_datamodule)); got "
-                f"{type(datamodule).__name__ if datamodule is not None else 'no datamodule'}"
+                + (
+                    type(datamodule).__name__
+                    if datamodule is not None
+                    else "no datamodule (with datasets only: InfoBatchDataModule(LightningDataModule.from_datasets("
+                    "train_dataset=..., val_dataset=..., batch_size=...)))"
+                )
             )
         if reload == 0:
             rank_zero_info("InfoBatchCallback: setting trainer.reload_dataloaders_every_n_epochs = 1")
@@ -599,6 +615,7 @@ class InfoBatchCallback(Callback):
         self.thin_stats = torch.zeros(3, dtype=torch.int64)
         self._mask, self._mask_epoch, self._stop_step, self._run_steps = None, -1, None, None
         self.per_sample_source, self._shift, self._step = None, None, None
+        self._loss_mismatch_warned = False
 
     def _setup_within_curriculum(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, curriculum: CurriculumDataModule
@@ -818,7 +835,6 @@ class InfoBatchCallback(Callback):
         output, loss = dict(output), output["loss"]
         returned = output.get("per_sample_loss")
         outputs = forward.output if forward is not None else None
-        first = self.per_sample_source is None
         if self.per_sample_loss is not None:
             if returned is not None:
                 raise ValueError(
@@ -855,7 +871,7 @@ class InfoBatchCallback(Callback):
                 raise ValueError(f"InfoBatchCallback: {err}") from None
         self._check_per_sample(per_sample, source, forward)
         if (
-            first
+            not self._loss_mismatch_warned
             and source in ("fn", "returned")
             and isinstance(loss, Tensor)
             and isinstance(per_sample, Tensor)
@@ -870,6 +886,7 @@ class InfoBatchCallback(Callback):
                 "of the per-sample losses in place of that loss, so a term outside them (a regulariser, an auxiliary "
                 "loss) is not trained: add it to each sample's loss"
             )
+            self._loss_mismatch_warned = True
         self.per_sample_source = source
         output["per_sample_loss"] = per_sample
         return output
@@ -1370,9 +1387,11 @@ class InfoBatchCallback(Callback):
                 f"changes after the about {expected} optimizer steps this run is expected to take (pruned epochs; "
                 f"trainer.estimated_stepping_batches counts {estimate}, full epochs): sized with that estimate, its "
                 f"LR multiplier would end near {ends[0]:.3g} instead of {ends[1]:.3g}. Put it on InfoBatch's "
-                "progress, which ends exactly at the run's last step: lightning_effi.core.lr_schedules."
-                "warmup_cosine(optimizer, total_steps, progress=callback.effi_progress) or progress_lambda(optimizer, "
-                "fn, callback.effi_progress); or step it every epoch (interval='epoch')"
+                "progress, which ends exactly at the run's last step: in configure_optimizers, progress = "
+                "lightning_effi.core.progress.progress_source(self.trainer.callbacks), then lightning_effi.core."
+                "lr_schedules.progress_lambda(optimizer, fn, progress) with your multiplier fn of progress in [0, 1], "
+                "or warmup_cosine(optimizer, progress=progress, warmup_fraction=0, min_lr_ratio=0) for a cosine to 0; "
+                "or step it every epoch (interval='epoch'). See the LR schedules section of the InfoBatch README"
             )
 
     @override

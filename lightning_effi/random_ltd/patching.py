@@ -86,7 +86,13 @@ def resolve_layer_ids(layer_ids: Iterable[int] | None, num_layers: int) -> tuple
         if not ids:
             raise ValueError(
                 f"layer_ids: the model has {num_layers} layers, so the default (all but the first and "
-                "the last) selects none; pass layer_ids explicitly"
+                f"the last) selects none; pass layer_ids explicitly: indices of the model's layers in [0, {num_layers})"
+                + (
+                    f" (the first is 0), e.g. layer_ids=[{num_layers - 1}] (the first and last layers are allowed; "
+                    "the paper keeps them full)"
+                    if num_layers > 0
+                    else ""
+                )
             )
         return ids
     ids = tuple(layer_ids)

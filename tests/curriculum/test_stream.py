@@ -359,6 +359,8 @@ def test_schedule_based_needs_an_index_source():
         CurriculumConfig(metrics={"seqlen_truncate": TRUNC}, rounding="up")
     with pytest.raises(CurriculumConfigError, match="at least one metric"):
         CurriculumConfig(metrics={})
+    with pytest.raises(CurriculumConfigError, match=r"expected a mapping of metric name .* got a list: \[\{'seqlen"):
+        CurriculumConfig(metrics=[{"seqlen_truncate": TRUNC}])
 
 
 # ------------------------------------------------------------------------------------- hardening (QA findings)

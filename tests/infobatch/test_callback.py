@@ -463,7 +463,7 @@ def test_bad_hyperparameters_raise_at_construction(kwargs):
 @pytest.mark.parametrize(
     "trainer_kwargs, match",
     [
-        (dict(max_epochs=-1, max_steps=10), "finite number of epochs"),
+        (dict(max_epochs=-1, max_steps=10), r"finite number of epochs.* \(and leave max_steps=-1: a step budget"),
         (dict(max_epochs=3, max_steps=10), "max_steps"),
         (dict(max_epochs=3, reload_dataloaders_every_n_epochs=2), "reload_dataloaders_every_n_epochs"),
     ],
@@ -471,6 +471,12 @@ def test_bad_hyperparameters_raise_at_construction(kwargs):
 def test_bad_runs_raise_at_setup(tmp_path, trainer_kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_trainer(tmp_path, [InfoBatchCallback()], **trainer_kwargs).fit(tiny_gpt2(), datamodule=ib_data())
+
+
+def test_a_fit_on_loaders_without_a_datamodule_is_told_how_to_wrap_datasets(tmp_path):
+    loader = TinyDataModule(TokenBlocks(n=40), batch_size=8).train_dataloader()
+    with pytest.raises(ValueError, match=r"got no datamodule \(with datasets only: InfoBatchDataModule\(Lightning"):
+        make_trainer(tmp_path, [InfoBatchCallback()], max_epochs=2).fit(tiny_gpt2(), loader)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 from collections import namedtuple
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -435,6 +436,29 @@ def test_a_returned_per_sample_loss_whose_mean_is_not_the_loss_warns(tmp_path):
     with pytest.warns(UserWarning, match=r'"per_sample_loss" training_step returned .* differs .* not trained'):
         fit(tmp_path, WithPenalty(), UserData(Tokens(), dataclass_collate), cb)
     assert cb.per_sample_source == "returned"
+
+
+def test_a_term_outside_the_per_sample_losses_that_is_zero_at_first_warns_once_it_grows(tmp_path):
+    """A penalty ``|w - w0|_1`` (L2-SP's, in L1) is exactly 0 at the first batch and grows after the first step:
+    the mismatch between ``mean(fn)`` and the step's loss is warned at the first batch where it appears, once."""
+
+    class L2SP(EncoderClassifier):
+        def on_fit_start(self) -> None:
+            self.w0 = self.head.weight.detach().clone()
+
+        def training_step(self, batch, batch_idx):
+            ce = F.cross_entropy(self(batch.tokens), batch.y)
+            return ce + (self.head.weight - self.w0).abs().sum()
+
+    plain = lambda outputs, batch: F.cross_entropy(outputs, batch.y, reduction="none")  # noqa: E731
+    pl.seed_everything(0)
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.875, per_sample_loss=plain)
+    steps = Steps()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, L2SP(), UserData(Tokens(), dataclass_collate), cb, steps)
+    mismatch = [str(w.message) for w in caught if 'differs from the "loss"' in str(w.message)]
+    assert len(mismatch) == 1 and steps.done > 2, mismatch
 
 
 class Steps(pl.Callback):

@@ -342,7 +342,7 @@ def test_construction_errors(kwargs, match):
             deep_gpt2,
             r"min_value \(40\) is larger than the sequence length the patched layers see \(16",
         ),
-        (dict(), tiny_gpt2, "default .* selects none"),
+        (dict(), tiny_gpt2, r"default .* selects none; .* in \[0, 2\) \(the first is 0\), e.g. layer_ids=\[1\]"),
         (dict(adapter="timm_vit"), deep_gpt2, "no model inside"),
     ],
 )

@@ -148,8 +148,12 @@ class EffiTask(pl.LightningModule):
         learning rate, a warmup fraction above 1) fail before training with the config key named.
 
         Raises:
-            ValueError: naming ``model.optimizer`` or ``model.scheduler``.
+            ValueError: naming ``model.optimizer`` or ``model.scheduler`` (and the argument, ``model.optimizer.lr``,
+                where one whose default is a number was given something else).
         """
+        _check_number_arguments(self.optimizer_factory, "model.optimizer")
+        if self.scheduler_factory is not None:
+            _check_number_arguments(self.scheduler_factory, "model.scheduler")
         try:
             optimizer = self.optimizer_factory(param_groups(self, self.weight_decay))
         except (ValueError, TypeError) as err:
@@ -177,3 +181,26 @@ class EffiTask(pl.LightningModule):
     def model_inputs(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The keyword arguments given to ``self.model`` for ``batch`` (used by FLOP measurement)."""
         raise NotImplementedError
+
+
+def _check_number_arguments(factory: Callable[..., Any], key: str) -> None:
+    """A partial's keyword arguments (Hydra's ``_partial_: true``) whose default in the target's signature is a
+    number must be numbers (a tensor learning rate included): ``lr=abc`` would otherwise fail inside the optimizer
+    with a comparison error that names neither the key nor the value.
+
+    Raises:
+        ValueError: ``<key>.<argument>: expected a number ...``.
+    """
+    target, keywords = getattr(factory, "func", None), getattr(factory, "keywords", None)
+    if target is None or not isinstance(keywords, Mapping):
+        return
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return
+    for name, value in keywords.items():
+        default = parameters[name].default if name in parameters else None
+        if isinstance(default, bool) or not isinstance(default, (int, float)):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+            raise ValueError(f"{key}.{name}: expected a number (its default is {default!r}), got {value!r}")
