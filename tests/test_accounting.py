@@ -174,6 +174,41 @@ def test_technique_states_in_the_progress_bar_never_overwrite_a_metric_of_the_mo
         assert bar["level"] == 7.0 and "levels/level" not in bar
 
 
+class _SkipsOddBatches(type(tiny_gpt2())):  # type: ignore[misc]
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)  # None: Lightning skips the batch
+
+
+def test_batches_a_training_step_skips_are_not_counted_as_trained(tmp_path):
+    """A training_step that returns None for every other batch (Lightning trains nothing on it) counts half the
+    samples, tokens and FLOPs of a run that trains them all, with one warning."""
+    summaries = []
+    for skip in (False, True):
+        pl.seed_everything(0)
+        model = tiny_gpt2()
+        if skip:
+            model.__class__ = _SkipsOddBatches
+        monitor = EfficiencyMonitor(print_summary=False)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=4,
+            logger=False,
+            callbacks=[monitor],
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            limit_val_batches=0,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, datamodule=tiny_lm_data())
+        skipped = [w for w in caught if "training_step returned None at batch 1" in str(w.message)]
+        assert len(skipped) == skip
+        summaries.append(monitor.summary)
+    full, half = summaries
+    for key in ("samples", "tokens", "layer_tokens", "flops", "batches"):
+        assert half[key] == full[key] / 2 > 0, key
+
+
 def test_resume_mid_epoch_keeps_exact_counts(tmp_path):
     assert_resume_equals_uninterrupted(
         tiny_gpt2,

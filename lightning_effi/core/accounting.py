@@ -48,6 +48,8 @@ structure) is counted by :mod:`lightning_effi.core.measure`:
   input shape (:class:`lightning_effi.core.measure.FlopsMeter`; forward + backward, no forward on real data).
 
 A figure that cannot be found reads 0 with one warning per quantity that names the hook to define; never a silent 0.
+A batch whose ``training_step`` returned None (Lightning skips it under automatic optimization: no backward, no
+update) is not counted, with one warning (:func:`skipped_batch`).
 Which operations the FLOPs include: :mod:`lightning_effi.core.flops`.
 """
 
@@ -251,6 +253,15 @@ def schedule_states(trainer: pl.Trainer) -> dict[str, float]:
     return out
 
 
+def skipped_batch(pl_module: pl.LightningModule, outputs: Any) -> bool:
+    """Whether Lightning skipped the batch whose ``on_train_batch_end`` received ``outputs``: under automatic
+    optimization a ``training_step`` that returns None gets no backward and no update, and its hooks receive ``{}``
+    (or None). Under manual optimization a None return is the norm (the step did its own backward): never skipped."""
+    if not getattr(pl_module, "automatic_optimization", True):
+        return False
+    return outputs is None or (isinstance(outputs, Mapping) and "loss" not in outputs)
+
+
 def _progress_bar_names(states: Mapping[str, float]) -> dict[str, str]:
     """The progress bar's short names for :func:`schedule_states`' keys: the key without the technique, unless two
     techniques share it."""
@@ -426,6 +437,7 @@ class EfficiencyMonitor(Callback):
         self._step_at_batch_start: int | None = None  # trainer.global_step when the current batch started
         # a technique state's progress-bar name, chosen at its first batch of the fit (:meth:`_bar_name`)
         self._bar_names: dict[str, str] = {}
+        self._warned_skip = False  # a batch skipped by its training_step was warned of
         self._logged_step: int | None = None  # trainer.global_step of the last log
         self._eval_start: float | None = None
         self._fit_start: float | None = None
@@ -693,7 +705,7 @@ class EfficiencyMonitor(Callback):
         (which would do the same: :func:`~lightning_effi.core.compat.rebuild_train_loader_after_restore`, Lightning
         issue #20550)."""
         rebuild_train_loader_after_restore(trainer)
-        self._bar_names = {}
+        self._bar_names, self._warned_skip = {}, False
         self._fit_start = time.perf_counter()
         self._fit_total_before = self.totals["time_total"]
 
@@ -759,17 +771,27 @@ class EfficiencyMonitor(Callback):
         if self._batch_start is not None:
             self.totals["time_train"] += now - self._batch_start
         self._unwatch(batch)
-        account = self.account(trainer, pl_module, batch)
-        for q, actual, baseline in zip(QUANTITIES, account.actual.values(), account.baseline):
-            self.totals[q] += actual
-            self.totals[f"baseline_{q}"] += baseline
-        for name, values in account.saved.items():
-            for q, v in zip(QUANTITIES, values):
-                key = f"saved/{name}/{q}"
-                self.totals[key] = self.totals.get(key, 0.0) + v
-        self.totals["batches"] += 1
-        # for Lightning's ThroughputMonitor (listed after this one)
-        self._write_flops(pl_module, int(account.actual.flops))
+        if skipped_batch(pl_module, outputs):  # training_step returned None: Lightning trained nothing on it
+            if not self._warned_skip:
+                rank_zero_warn(
+                    f"EfficiencyMonitor: training_step returned None at batch {batch_idx} (Lightning skips such a "
+                    "batch: no backward, no update); skipped batches are not counted as trained (samples, tokens, "
+                    "FLOPs, batches)"
+                )
+                self._warned_skip = True
+            self._write_flops(pl_module, 0)
+        else:
+            account = self.account(trainer, pl_module, batch)
+            for q, actual, baseline in zip(QUANTITIES, account.actual.values(), account.baseline):
+                self.totals[q] += actual
+                self.totals[f"baseline_{q}"] += baseline
+            for name, values in account.saved.items():
+                for q, v in zip(QUANTITIES, values):
+                    key = f"saved/{name}/{q}"
+                    self.totals[key] = self.totals.get(key, 0.0) + v
+            self.totals["batches"] += 1
+            # for Lightning's ThroughputMonitor (listed after this one)
+            self._write_flops(pl_module, int(account.actual.flops))
         states = schedule_states(trainer)
         for (key, name), value in zip(_progress_bar_names(states).items(), states.values()):
             # the techniques' state in the progress bar
