@@ -44,7 +44,7 @@ from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
 from lightning_effi.vcycle import stages as S
 from lightning_effi.vcycle.accounting import FlopsAccount
-from lightning_effi.vcycle.checks import check_state, optimizer_mismatch
+from lightning_effi.vcycle.checks import check_state, optimizer_mismatch, user_hooks
 from lightning_effi.vcycle.levels import LevelStack, level_depths
 from lightning_effi.vcycle.stages import stage_plan, vcycle_flops_fraction
 
@@ -448,6 +448,16 @@ class VCycleCallback(Callback):
         if not any(type(c).requirements.changes_epoch_length for c in technique_callbacks(trainer.callbacks)):
             self._refuse_untrained_levels(trainer, self._fit_stages(trainer, at_setup=True), at_setup=True)
         self._check_outside_width(pl_module)
+        hooks = user_hooks(getattr(pl_module, self.model_attr))
+        if hooks:
+            listed = "; ".join(hooks[:6]) + (f"; and {len(hooks) - 6} more" if len(hooks) > 6 else "")
+            rank_zero_warn(
+                f"{name}: pl_module.{self.model_attr} carries hooks registered outside the V-cycle ({listed}). The "
+                "coarse networks trained at levels >= 2 are new modules without them, so these hooks do not run "
+                "there (an auxiliary loss or statistic they feed is missing at those levels) and run again at level "
+                "1. Register them on pl_module itself, or compute the term in training_step from the network's "
+                "outputs"
+            )
         self._install_load_hook(pl_module)
 
     def _leftover_stacks(self, pl_module: pl.LightningModule) -> list[LevelStack]:

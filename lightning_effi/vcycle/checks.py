@@ -1,7 +1,8 @@
 """The V-cycle's checks that need no Lightning: the fields of a checkpointed state (:func:`check_state`, every field
 checked like a constructor argument before anything is rebuilt from it) and the optimizers a rebuilt training state
-got after a level change (:func:`optimizer_mismatch`). :class:`~lightning_effi.vcycle.VCycleCallback` calls both; the
-method card (``README.md`` beside this file) lists what they refuse.
+got after a level change (:func:`optimizer_mismatch`), the hooks the coarse networks would not carry
+(:func:`user_hooks`). :class:`~lightning_effi.vcycle.VCycleCallback` calls them; the method card (``README.md`` beside
+this file) lists what they refuse or warn of.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import Tensor, nn
 from lightning_effi.core.checks import check_int, check_list, check_real, plain
 from lightning_effi.vcycle.stages import stage_ends, stage_level, stage_plan
 
-__all__ = ["STATE_FIELDS", "check_state", "optimizer_mismatch"]
+__all__ = ["STATE_FIELDS", "check_state", "optimizer_mismatch", "user_hooks"]
 
 #: the fields every V-cycle state has (:meth:`VCycleCallback.state_dict`); ``weights`` and ``nonfinite_loss`` are
 #: optional (``weights`` below level 1 only; ``nonfinite_loss`` missing from checkpoints written before the policy)
@@ -209,3 +210,60 @@ def optimizer_mismatch(
 def _listed(names: Sequence[str], most: int = 3) -> str:
     """The first ``most`` names, then ``...`` when there are more."""
     return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+
+
+#: module hook dictionaries of ``nn.Module`` and the kind each holds
+_MODULE_HOOKS = (
+    ("_forward_pre_hooks", "forward pre-hook"),
+    ("_forward_hooks", "forward hook"),
+    ("_backward_pre_hooks", "backward pre-hook"),
+    ("_backward_hooks", "backward hook"),
+)
+
+
+def _hook_name(fn: Any) -> tuple[str, str]:
+    """A hook's ``(module, name)``: of the function behind a bound method or a ``functools.partial`` too."""
+    target = getattr(fn, "func", None) or getattr(fn, "__func__", None) or fn
+    return str(getattr(target, "__module__", "") or ""), str(getattr(target, "__qualname__", type(fn).__name__))
+
+
+#: packages whose hooks come with the network (its model library builds a coarse network with its own) or are the
+#: frameworks' (this library's techniques and monitor, torch, Lightning)
+_BUILT_WITH_THE_NETWORK = frozenset(
+    {"lightning_effi", "torch", "lightning", "lightning_fabric", "pytorch_lightning", "transformers", "timm"}
+)
+
+
+def user_hooks(network: nn.Module) -> list[str]:
+    """The hooks registered on ``network``'s modules and parameters from outside it (a forward hook the
+    LightningModule put on a block to capture activations for an auxiliary loss, ``WandbLogger.watch``'s), as
+    ``"<module path>: <kind> <function>"`` (``<root>`` for ``network`` itself). Hooks of the network's own code (a
+    method of one of its modules; a function of ``transformers`` or ``timm``), of ``lightning_effi``, torch and
+    Lightning are left out. The V-cycle trains a newly built network at each level
+    >= 2 (Zou et al. 2024, Sec. 3: coalescing builds a smaller model), which carries none of them; the full network's
+    modules, and so their hooks, come back at level 1.
+
+    Covers ``register_forward_pre_hook`` / ``register_forward_hook`` / ``register_full_backward_pre_hook`` /
+    ``register_full_backward_hook`` on modules and ``Tensor.register_hook`` /
+    ``register_post_accumulate_grad_hook`` on parameters; not global hooks (``nn.modules.module.register_module_*``).
+    """
+    found: list[str] = []
+    inside = {id(m) for m in network.modules()}
+
+    def add(where: str, kind: str, fn: Any) -> None:
+        module, name = _hook_name(fn)
+        if module.split(".")[0] in _BUILT_WITH_THE_NETWORK or id(getattr(fn, "__self__", None)) in inside:
+            return  # the network's own code (a coarse network built from its class has its own) or ours
+        found.append(f"{where or '<root>'}: {kind} {name}")
+
+    for path, module in network.named_modules():
+        for attr, kind in _MODULE_HOOKS:
+            for fn in (getattr(module, attr, None) or {}).values():
+                add(path, kind, fn)
+        for pname, param in module.named_parameters(recurse=False):
+            where = f"{path}.{pname}" if path else pname
+            for fn in (getattr(param, "_backward_hooks", None) or {}).values():
+                add(where, "gradient hook", fn)
+            for fn in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+                add(where, "post-accumulate-grad hook", fn)
+    return found

@@ -26,7 +26,7 @@ from lightning_effi.core.nonfinite import NonFiniteLossError
 from lightning_effi.functional import vcycle as V
 from lightning_effi.models.vcycle_base import find_vcycle_adapter
 from lightning_effi.reference.tasks.language_models import GPT2CausalLM
-from lightning_effi.vcycle.checks import check_state, optimizer_mismatch
+from lightning_effi.vcycle.checks import check_state, optimizer_mismatch, user_hooks
 from lightning_effi.vcycle.levels import LevelStack, NonFiniteWeightsError
 from lightning_effi.vcycle.stages import stage_plan
 from tests.helpers.harness import MetricsCapture, assert_resume_equals_uninterrupted, make_trainer
@@ -764,3 +764,35 @@ def test_alpha_original_one_warns_that_the_coarse_training_is_thrown_away(tmp_pa
         fit(tmp_path, [cb], 3, model=tiny_gpt2(n_layer=4))
     found = [w for w in seen if "alpha_original=1 interpolates entirely to the original weights" in str(w.message)]
     assert bool(found) == warned
+
+
+def test_user_hooks_lists_hooks_from_outside_the_network():
+    """A forward hook the LightningModule put on a block and a gradient hook on a weight are listed; the model
+    library's own hooks (none on GPT-2), a method of one of the network's modules and this library's are not."""
+    model = tiny_gpt2(n_layer=4).model
+    assert user_hooks(model) == []
+    model.transformer.h[0].register_forward_hook(lambda module, args, out: None)
+    model.transformer.h[1].mlp.c_fc.weight.register_hook(lambda grad: grad)
+    model.transformer.h[2].register_forward_pre_hook(model.transformer.h[2].ln_1._get_name)  # the network's own
+    where = "test_user_hooks_lists_hooks_from_outside_the_network.<locals>.<lambda>"  # the function's qualname
+    assert user_hooks(model) == [
+        f"transformer.h.0: forward hook {where}",
+        f"transformer.h.1.mlp.c_fc.weight: gradient hook {where}",
+    ]
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_a_hook_on_the_network_that_coarse_levels_drop_is_warned_at_setup(tmp_path, hooked):
+    """A forward hook on a block (an activation penalty's): the coarse network trained at level 2 is new and does not
+    carry it, said at setup naming the module; no warning without one."""
+    module = tiny_gpt2(n_layer=4)
+    if hooked:
+        module.model.transformer.h[0].register_forward_hook(lambda m, args, out: None)
+    cb = VCycleCallback(e_a=1, e_small=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fit(tmp_path, [cb], 3, model=module)
+    found = [str(w.message) for w in seen if "carries hooks registered outside the V-cycle" in str(w.message)]
+    assert len(found) == hooked
+    if hooked:
+        assert "(transformer.h.0: forward hook test_a_hook_on" in found[0] and "levels >= 2" in found[0]
