@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from numbers import Real
 from typing import Any
 
 import lightning.pytorch as pl
@@ -202,5 +203,5 @@ def _check_number_arguments(factory: Callable[..., Any], key: str) -> None:
         default = parameters[name].default if name in parameters else None
         if isinstance(default, bool) or not isinstance(default, (int, float)):
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+        if isinstance(value, bool) or not isinstance(value, (Real, Tensor)):  # numpy numbers are Real too
             raise ValueError(f"{key}.{name}: expected a number (its default is {default!r}), got {value!r}")
