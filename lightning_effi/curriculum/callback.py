@@ -361,12 +361,8 @@ class Curriculum(Callback):
             self._apply(self._loaded)
             self._loaded = None
         c = self.controller
-        if trainer.max_steps not in (-1, None) and trainer.max_steps > c.total_steps and not trainer.fast_dev_run:
-            raise CurriculumConfigError(
-                f"curriculum: trainer.max_steps={trainer.max_steps} exceeds the sample budget N x num_epochs = "
-                f"{c.n} x {config.num_epochs} = {c.total_samples} samples = {c.total_steps} optimizer steps of "
-                f"{c.global_batch}; raise num_epochs or lower max_steps"
-            )
+        if pl_module.automatic_optimization:  # manual: its steps per batch are known at train start
+            self._check_budget(trainer)
         rank_zero_info(
             f"Curriculum: N={n}, global batch {c.global_batch} ({c.mbs} x {c.dp} ranks x {c.ga} "
             f"accumulation), {len(c)} micro-batches per data epoch, metrics {list(config.metrics)}"
@@ -419,8 +415,43 @@ class Curriculum(Callback):
             CurriculumConfigError: see :meth:`_check_start`.
         """
         check_started(trainer)
+        if not pl_module.automatic_optimization:
+            self._check_manual_steps(trainer)
         self._check_start(trainer)
         self._warn_schedules(trainer)
+
+    def _check_budget(self, trainer: pl.Trainer) -> None:
+        """Refuse a ``max_steps`` beyond the sample budget ``N x num_epochs`` (the curriculum's stream ends there).
+
+        Raises:
+            CurriculumConfigError: naming both figures.
+        """
+        c = self.controller
+        assert c is not None
+        if trainer.max_steps not in (-1, None) and trainer.max_steps > c.total_steps and not trainer.fast_dev_run:
+            raise CurriculumConfigError(
+                f"curriculum: trainer.max_steps={trainer.max_steps} exceeds the sample budget N x num_epochs = "
+                f"{c.n} x {c.config.num_epochs} = {c.total_samples} samples = {c.total_steps} optimizer steps of "
+                f"{c.global_batch}; raise num_epochs or lower max_steps"
+            )
+
+    def _check_manual_steps(self, trainer: pl.Trainer) -> None:
+        """Under manual optimization Lightning's ``global_step`` counts every ``optimizer.step()``: with one optimizer
+        stepped once a batch it counts batches, and the budget check applies; with several it does not (the
+        curriculum's schedule and its budget count global batches, ``trainer.max_steps``, random-LTD's and the
+        V-cycle's schedules count ``global_step``), said in a warning instead of a refusal in a unit that does not
+        apply."""
+        optimizers = len(trainer.optimizers)
+        if optimizers <= 1:
+            self._check_budget(trainer)
+            return
+        rank_zero_warn(
+            f"Curriculum: manual optimization with {optimizers} optimizers: trainer.global_step (and so "
+            "trainer.max_steps) counts every optimizer.step() call, while the curriculum's schedule "
+            "(total_curriculum_step) and its sample budget count global batches; with each optimizer stepped once a "
+            f"batch, max_steps={trainer.max_steps} is {optimizers}x the batches trained. Other techniques' "
+            "schedules (random-LTD's require_steps, the V-cycle's stages) count global_step: size them in that unit"
+        )
 
     def _check_start(self, trainer: pl.Trainer) -> None:
         """A fit that starts at ``global_step > 0`` with no curriculum state restored (the checkpoint's state and the

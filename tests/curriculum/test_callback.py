@@ -411,6 +411,50 @@ def test_seqlen_reshape_rechunks_each_batch_at_its_difficulty(tmp_path):
             assert rows.shape == (kept, d + 1)
 
 
+class _TwoOptimizers(type(tiny_gpt2())):  # type: ignore[misc]
+    """Manual optimization with ``n_opt`` optimizers (the embeddings' and the rest), each stepped once a batch."""
+
+    n_opt = 2
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        params = list(self.parameters())
+        groups = [params[:1], params[1:]] if self.n_opt == 2 else [params]
+        return [torch.optim.SGD(g, lr=0.01) for g in groups]
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        for opt in optimizers:
+            opt.zero_grad()
+        self.manual_backward(out["loss"] if isinstance(out, dict) else out)
+        for opt in optimizers:
+            opt.step()
+
+
+@pytest.mark.parametrize("n_opt", [1, 2])
+def test_manual_optimization_with_several_optimizers_warns_of_the_step_unit_instead_of_refusing(tmp_path, n_opt):
+    """Manual optimization, every optimizer stepped once a batch: global_step counts n_opt a batch. With one optimizer
+    max_steps=3 past the 2-step budget is refused (at train start); with two, max_steps=4 is 2 batches, within the
+    budget, and the units are said in a warning (it was refused)."""
+    module = tiny_gpt2()
+    module.__class__ = _TwoOptimizers
+    module.automatic_optimization, module.n_opt = False, n_opt
+    trainer = make_trainer(tmp_path, [curriculum(num_epochs=1)], max_steps=3 if n_opt == 1 else 4)
+    data = CurriculumDataModule(TinyDataModule(TokenBlocks(n=8), batch_size=4))
+    if n_opt == 1:
+        with pytest.raises(CurriculumConfigError, match=r"max_steps=3 exceeds the sample budget"):
+            trainer.fit(module, datamodule=data)
+        return
+    with pytest.warns(UserWarning, match=r"manual optimization with 2 optimizers: trainer.global_step"):
+        trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 4
+
+
 # ------------------------------------------------------------------------------------- hardening (QA findings)
 def test_spent_budget_stops_the_fit_instead_of_hanging(tmp_path):
     cb = Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=1)
