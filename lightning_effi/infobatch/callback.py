@@ -875,9 +875,7 @@ class InfoBatchCallback(Callback):
             and source in ("fn", "returned")
             and isinstance(loss, Tensor)
             and isinstance(per_sample, Tensor)
-            and bool(torch.isfinite(per_sample.detach()).all())  # non-finite: the non-finite policy's business
-            and bool(torch.isfinite(loss.detach()).all())
-            and not ib.losses_agree(per_sample, loss)
+            and ib.finite_losses_disagree(per_sample, loss)  # one device read a batch
         ):
             what = "per_sample_loss=fn's values" if source == "fn" else 'the "per_sample_loss" training_step returned'
             rank_zero_warn(

@@ -62,6 +62,7 @@ __all__ = [
     "find_labels",
     "find_logits",
     "finalize",
+    "finite_losses_disagree",
     "full_plan",
     "hash64",
     "keep_count",
@@ -1134,6 +1135,17 @@ def losses_agree(per_sample_loss: Tensor, loss: Tensor, rtol: float | None = Non
     rtol = loss_tolerance(per_sample_loss, loss) if rtol is None else rtol
     mean, value = float(per_sample_loss.detach().double().mean()), float(loss.detach().double())
     return abs(mean - value) <= 1e-6 + rtol * abs(value)
+
+
+def finite_losses_disagree(per_sample_loss: Tensor, loss: Tensor) -> bool:
+    """Whether ``mean(per_sample_loss)`` and ``loss`` are both finite and differ beyond :func:`losses_agree`'s
+    tolerance (a non-finite loss is the non-finite policy's business, not a disagreement). Computed on the device in
+    float64 and read once (one synchronisation a call, for a check run at every batch)."""
+    rtol = loss_tolerance(per_sample_loss, loss)
+    mean = per_sample_loss.detach().double().mean()
+    value = loss.detach().double().reshape(())
+    finite = torch.isfinite(mean) & torch.isfinite(value)
+    return bool(finite & ((mean - value).abs() > 1e-6 + rtol * value.abs()))
 
 
 def _token_counts(labels: Tensor, shift: bool) -> Tensor:

@@ -704,3 +704,14 @@ def test_rank_batches_and_limits():
         infobatch.min_epoch_size(4, 4, 10, 0.5, 0.75)
     with pytest.raises(ValueError, match="accumulate_grad_batches"):
         infobatch.min_total_steps(10, 4, 0.5, 0.75, 2, accumulate_grad_batches=0)
+
+
+def test_finite_losses_disagree_reads_the_mean_against_the_loss_within_the_tolerance():
+    """``mean(l)`` vs the loss: within ``1e-6 + 1e-4 |loss|`` (float32) they agree; beyond, they disagree; a
+    non-finite side is never a disagreement (the non-finite policy's business)."""
+    per_sample = torch.tensor([1.0, 2.0, 3.0])
+    assert not infobatch.finite_losses_disagree(per_sample, torch.tensor(2.0))
+    assert not infobatch.finite_losses_disagree(per_sample, torch.tensor(2.0 + 1e-4))  # 1e-4 <= 1e-6 + 2e-4
+    assert infobatch.finite_losses_disagree(per_sample, torch.tensor(2.001))
+    assert not infobatch.finite_losses_disagree(torch.tensor([1.0, float("nan")]), torch.tensor(5.0))
+    assert not infobatch.finite_losses_disagree(per_sample, torch.tensor(float("inf")))
