@@ -62,6 +62,7 @@ __all__ = [
     "find_vcycle_adapter",
     "find_vcycle_network",
     "hf_build_small",
+    "held_in_containers",
     "hf_small_config",
     "input_only",
     "linear",
@@ -380,7 +381,8 @@ def find_vcycle_network(
             names the supported architectures, the submodules seen and a deeper submodule an adapter would handle),
             one network held under two names (make the alias a property),
             ``host.<model_attr>`` missing, not an ``nn.Module`` or frozen (no parameter with ``requires_grad``), no
-            adapter for it, another attribute sharing its parameters; an unknown adapter name.
+            adapter for it, another attribute sharing its parameters, an attribute holding its modules or parameters in
+            a plain Python container (:func:`held_in_containers`); an unknown adapter name.
     """
     name = f"{owner}.model_attr"
     known: dict[str, type[VCycleAdapter]] = registry.adapters("vcycle")
@@ -454,7 +456,61 @@ def find_vcycle_network(
             f"V-cycle replaces at every level change; the other reference would keep the old model's layers. Reach "
             f"the network through self.{attr} only (e.g. self.{attr}.lm_head, not a second attribute)"
         )
+    held = held_in_containers(host, model)
+    if held:
+        listed = ", ".join(f"self.{h}" for h in held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise ValueError(
+            f"{name}: {listed} of {host_name} hold(s) modules or parameters of {host_name}.{attr} in a plain Python "
+            f"container (a list, tuple, dict or set, which nn.Module does not register); the V-cycle replaces "
+            f"self.{attr} at every level change, so these would keep the full network's layers (run outside the "
+            f"optimizer at the coarse levels, or fail on their shapes). Reach them through self.{attr} where they are "
+            "used (e.g. a property returning the blocks of the current network)"
+        )
     return attr, chosen
+
+
+#: the containers :func:`held_in_containers` looks into (exact types: ``AttributeDict``, ``nn.ModuleList`` are not)
+_PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
+#: ``nn.Module``'s own bookkeeping (``_modules``, ``_parameters``, hook dicts, ...) and Lightning's hyperparameters
+#: (``save_hyperparameters()`` keeps the arguments, a model among them, for logging; they are never run)
+_NOT_ATTRIBUTES = frozenset(vars(nn.Module())) | {"_hparams", "_hparams_initial"}
+
+
+def held_in_containers(host: nn.Module, network: nn.Module, depth: int = 3) -> list[str]:
+    """The attributes of ``host`` that hold a module or parameter of ``network`` (``network`` itself included) inside
+    a plain Python container (list, tuple, dict, set: ``nn.Module`` registers none of them), as paths such as
+    ``blocks[0]`` or ``groups['decay'][3]``, first hit per attribute; containers nested up to ``depth`` deep are
+    searched. ``save_hyperparameters``' record and ``nn.Module``'s own dictionaries are not attributes of the user's.
+
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    >>> host = nn.Module()
+    >>> host.net, host.blocks, host.names = net, list(net), ["a"]
+    >>> held_in_containers(host, net)
+    ['blocks[0]']
+    """
+    ids = {id(m) for m in network.modules()} | {id(p) for p in network.parameters()}
+
+    def first(value: Any, path: str, left: int) -> str | None:
+        if id(value) in ids:
+            return path
+        if left == 0 or type(value) not in _PLAIN_CONTAINERS:
+            return None
+        items = value.items() if type(value) is dict else enumerate(value)
+        for key, item in items:
+            where = f"{path}[{key!r}]" if type(value) is dict else f"{path}[{key}]"
+            found = first(item, where, left - 1)
+            if found:
+                return found
+        return None
+
+    hits = []
+    for attr, value in vars(host).items():
+        if attr in _NOT_ATTRIBUTES or type(value) not in _PLAIN_CONTAINERS:
+            continue
+        found = first(value, attr, depth)
+        if found:
+            hits.append(found)
+    return hits
 
 
 def hf_small_config(model: nn.Module, plan: VCyclePlan, keys: tuple[str, str, str, str]) -> Any:

@@ -218,25 +218,24 @@ class VCycleCallback(Callback):
             no network found or several candidates without ``model_attr`` (a module that overrides ``setup`` /
             ``configure_model`` and holds no network then: the message names the hook order and asks for the network in
             ``__init__``), no adapter for ``model_attr``'s network, ``model_attr`` naming a frozen module (no trainable
-            parameter), another attribute sharing its parameters
-            (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`), sizes the schemes cannot halve, ``levels``
-            deeper than the model allows (naming the level that cannot be coalesced, why, and the deepest ``levels``
-            allowed; :func:`~lightning_effi.vcycle.operators.plan_levels`), stages longer than the run, fractions in a
-            run of unknown length, epochs with a train dataloader without a length, a coarse stage (``e_small``,
-            ``up_leg``) given as a fraction that resolves to 0 steps outside ``fast_dev_run``
-            (:meth:`_refuse_untrained_levels`), with ``width_scheme`` changing the width: trainable parameters of the
-            module outside the network with an axis of its hidden size (a head of the module's own over a ``GPT2Model``:
-            :meth:`_check_outside_width`), an ``unrelated_params`` entry that matches no parameter outside the network;
-            with a progress clock (a technique that changes the epoch lengths): stage
-            lengths in optimizer steps mixed with fractions or epochs, steps that do not fit in its
-            ``effi_min_total_steps()``, fractions and epochs that add up to more than the run, epochs without
-            ``max_epochs``; (resume, before the weights load) a checkpoint written by a V-cycle with another number of
-            levels or network attribute, a state field out of range (naming it:
-            :func:`~lightning_effi.vcycle.checks.check_state`), level weights that do not fit the rebuilt level;
-            (``on_train_start``) the callback added on resume (the checkpoint holds no V-cycle state) at a step its
-            first switch has already passed; (resume, ``strict``) a checkpoint written with another configuration
-            (another clock included) or other stages; (``setup``) a module whose network is held by another V-cycle fit
-            that is still running (another Trainer's, on the same module).
+            parameter), another attribute sharing its parameters or a plain Python container (list, tuple, dict, set)
+            holding its modules or parameters (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`), sizes
+            the schemes cannot halve, ``levels`` deeper than the model allows (naming the level that cannot be
+            coalesced, why, and the deepest ``levels`` allowed; :func:`~lightning_effi.vcycle.operators.plan_levels`),
+            stages longer than the run, fractions in a run of unknown length, epochs with a train dataloader without a
+            length, a coarse stage (``e_small``, ``up_leg``) given as a fraction that resolves to 0 steps outside
+            ``fast_dev_run`` (:meth:`_refuse_untrained_levels`), with ``width_scheme`` changing the width: trainable
+            parameters of the module outside the network with an axis of its hidden size (a head of the module's own
+            over a ``GPT2Model``: :meth:`_check_outside_width`), an ``unrelated_params`` entry that matches no parameter
+            outside the network; with a progress clock (a technique that changes the epoch lengths): stage lengths in
+            optimizer steps mixed with fractions or epochs, steps that do not fit in its ``effi_min_total_steps()``,
+            fractions and epochs that add up to more than the run, epochs without ``max_epochs``; (resume, before the
+            weights load) a checkpoint written by a V-cycle with another number of levels or network attribute, a state
+            field out of range (naming it: :func:`~lightning_effi.vcycle.checks.check_state`), level weights that do not
+            fit the rebuilt level; (``on_train_start``) the callback added on resume (the checkpoint holds no V-cycle
+            state) at a step its first switch has already passed; (resume, ``strict``) a checkpoint written with another
+            configuration (another clock included) or other stages; (``setup``) a module whose network is held by
+            another V-cycle fit that is still running (another Trainer's, on the same module).
         TypeError: (construction) an unknown keyword argument.
         NonFiniteLossError: (training, ``nonfinite_loss="raise"``) a NaN or infinite training loss, before its
             backward pass (:class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`).

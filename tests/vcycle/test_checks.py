@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 import lightning_effi.core.nonfinite as nonfinite_module
+import lightning_effi.models.vcycle_base as V_base
 import lightning_effi.vcycle.callback as vcycle_callback
 from lightning_effi.callbacks import VCycleCallback
 from lightning_effi.core.nonfinite import NonFiniteLossError
@@ -732,6 +733,61 @@ def test_one_network_held_under_two_names_is_named_as_such(tmp_path):
         "keep the old model. Hold it once and make the alias a property (e.g. @property def net(self): return "
         "self.backbone)"
     )
+
+
+class Listed(BackboneHead):
+    """The network's blocks, or its parameters grouped for the optimizer, kept in plain Python containers, which
+    ``nn.Module`` does not register; the hyperparameters record keeps the network too (never run)."""
+
+    def __init__(self, keep: str) -> None:
+        super().__init__(extra="other")
+        self.save_hyperparameters({"backbone": self.backbone, "keep": keep})
+        self.names = ["a", "b"]  # a container without the network's modules: not a reference
+        if keep == "blocks":
+            self.blocks = list(self.backbone.h)
+        elif keep == "groups":
+            self.groups = {"decay": [p for p in self.backbone.parameters() if p.ndim >= 2]}
+        elif keep == "hparams":  # save_hyperparameters(backbone) alone: a record, never run, is not a reference
+            pass
+
+
+@pytest.mark.parametrize(
+    "keep, named", [("blocks", "self.blocks[0]"), ("groups", "self.groups['decay'][0]"), ("hparams", None)]
+)
+def test_the_networks_modules_in_a_plain_container_are_refused_at_setup(tmp_path, keep, named):
+    """``self.blocks = list(self.backbone.h)`` keeps the full network's blocks after the level change (a depth-only
+    cycle then trains the stale blocks outside the optimizer at the coarse levels, in silence; a width change fails at
+    level 2's first step); parameters listed for the optimizer's groups go stale the same way. Refused at setup, before
+    any step, naming the attribute and where in it; the hyperparameters record and unrelated lists are not refused."""
+    steps = Steps()
+    cb = VCycleCallback(e_a=2, e_small=3, width_scheme=None)
+    if named is None:
+        fit(tmp_path, [steps, cb], 8, model=Listed(keep))
+        assert cb.switches == 2 and len(steps.started) == 8
+        return
+    with pytest.raises(ValueError) as err:
+        fit(tmp_path, [steps, cb], 8, model=Listed(keep))
+    assert str(err.value).startswith(
+        f"VCycleCallback.model_attr: {named} of Listed hold(s) modules or parameters of Listed.backbone in a plain "
+        "Python container (a list, tuple, dict or set, which nn.Module does not register); the V-cycle replaces "
+        "self.backbone at every level change"
+    )
+    assert steps.started == []
+
+
+def test_held_in_containers_searches_nested_plain_containers_only():
+    """Lists, tuples, dicts and sets nested up to ``depth``; an ``nn.ModuleList`` is a registered submodule (the
+    sharing check's), not a plain container."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    host = nn.Module()
+    host.net = net
+    host.deep = [[(net[1].weight,)]]
+    host.deeper = [[[[net[0]]]]]
+    host.other = [nn.Linear(2, 2)]
+    assert V_base.held_in_containers(host, net) == ["deep[0][0][0]"]
+    assert V_base.held_in_containers(host, net, depth=4) == ["deep[0][0][0]", "deeper[0][0][0][0]"]
+    host.both = {"x", net}
+    assert V_base.held_in_containers(host, net)[-1].startswith("both[")
 
 
 def test_stages_that_fill_the_whole_run_warn(tmp_path):
