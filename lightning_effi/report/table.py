@@ -372,13 +372,22 @@ def _resolve_metric(runs: Sequence[Run], metric: str | None, mode: str | None) -
 _NOT_VARIANT_KEYS = ("seed", "arm", "budget", "bench")
 
 
-def _override_items(run: Run) -> dict[str, str]:
+def _overrides(run: Run) -> dict[str, str]:
+    """The run's Hydra overrides as ``key -> value``: ``+key=v`` and ``++key=v`` as ``key=v``, a removal ``~key`` (or
+    ``~key=v``) as ``<removed>``."""
     items = {}
     for override in run.overrides:
         key, sep, value = override.lstrip("+~").partition("=")
-        if sep and key not in _NOT_VARIANT_KEYS and not key.startswith("hydra."):
+        if override.startswith("~"):
+            items[key] = "<removed>"
+        elif sep:
             items[key] = value
     return items
+
+
+def _override_items(run: Run) -> dict[str, str]:
+    """The overrides that may tell variants of an arm apart (:func:`label_variants`)."""
+    return {k: v for k, v in _overrides(run).items() if k not in _NOT_VARIANT_KEYS and not k.startswith("hydra.")}
 
 
 def label_variants(runs: Sequence[Run]) -> list[Run]:
@@ -639,13 +648,8 @@ _NOT_SETUP_KEYS = frozenset(
 
 
 def _setup_items(run: Run) -> dict[str, str]:
-    items = {}
-    for override in run.overrides:
-        key, sep, value = override.lstrip("+~").partition("=")
-        removed = override.startswith("~")
-        if (sep or removed) and key.split(".")[0] in _SETUP_PREFIXES and key not in _NOT_SETUP_KEYS:
-            items[key] = "<removed>" if removed else value
-    return items
+    """The model, data, experiment and trainer overrides (:func:`_setup_differences`)."""
+    return {k: v for k, v in _overrides(run).items() if k.split(".")[0] in _SETUP_PREFIXES and k not in _NOT_SETUP_KEYS}
 
 
 def _setup_differences(run: Run, base: Run) -> list[str]:

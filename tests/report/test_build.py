@@ -272,6 +272,20 @@ def test_variants_of_an_arm_from_a_settings_sweep_are_told_apart(sweep):
     assert "random_ltd[callbacks.random_ltd.min_value=default]" in arms  # the sweep's runs without the override
 
 
+def test_a_removed_setting_tells_variants_apart(sweep):
+    """``~key`` (a setting removed from the arm's config) is a variant of its own, ``key=<removed>``, beside the runs
+    that keep the default; ``++key=v`` reads as ``key=v``."""
+    for job, (seed, override) in enumerate(
+        ((0, "~callbacks.random_ltd.min_value"), (0, "++callbacks.random_ltd.min_value=8"))
+    ):
+        write_record(sweep / f"trial{job}", arm="random_ltd", seed=seed, loss=2.5, flops=2e12, overrides=[override])
+    arms = {r["arm"] for r in build_report(load_runs([sweep])).rows}
+    assert {
+        "random_ltd[callbacks.random_ltd.min_value=<removed>]",
+        "random_ltd[callbacks.random_ltd.min_value=8]",
+    } <= arms
+
+
 def test_run_folders_below_the_current_directory_are_recorded_relative_to_it(tmp_path, monkeypatch):
     """A sweep under the repository (the Hydra report callback passes its absolute folder): the readings name the
     runs relative to the current directory, so a committed report.json holds no machine's paths."""
