@@ -30,7 +30,12 @@ from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
 from lightning_effi.curriculum.config import TRANSFORM_METRICS, CurriculumConfig, CurriculumConfigError, MetricConfig
-from lightning_effi.curriculum.data import BATCH_KEYS, CurriculumDataModule, data_sequence_length
+from lightning_effi.curriculum.data import (
+    BATCH_KEYS,
+    CurriculumDataModule,
+    data_longest_sequence,
+    data_sequence_length,
+)
 from lightning_effi.curriculum.stream import CurriculumController, indexes_fingerprint
 
 __all__ = ["Curriculum", "CurriculumCallback"]
@@ -146,7 +151,8 @@ class Curriculum(Callback):
             ``use_distributed_sampler=True``, index files that differ between ranks, a ``seqlen_truncate`` /
             ``seqlen_reshape`` range that does not fit the training data's sequence length (``max_difficulty`` above
             it, or ``min_difficulty`` at or above it: :meth:`~lightning_effi.curriculum.CurriculumConfig
-            .check_data_length`, when every batch of the data has one length); at a checkpoint's load, an invalid
+            .check_data_length`: against the data's one length, or its longest batch when batches are padded to
+            their longest sample); at a checkpoint's load, an invalid
             state (a ``consumed_tokens`` that is not an int >= 0, ``last_difficulties`` that are not an int per metric
             name, an invalid stream position), naming the entry.
         ValueError: at construction, ``nonfinite_loss`` not ``"raise"`` or ``"warn"``; at a checkpoint's load, a
@@ -339,8 +345,11 @@ class Curriculum(Callback):
             raise CurriculumConfigError("curriculum: the training set is empty")
         if set(TRANSFORM_METRICS) & set(config.metrics):
             length = data_sequence_length(dataset, template["collate_fn"], n, config.truncate_keys)
-            if length is not None:  # every batch has this length (else, e.g. per-batch padding: nothing to compare)
-                for message in config.check_data_length(length):
+            longest = None
+            if length is None:  # no one length (per-batch padding): the longest batch bounds the range
+                longest = data_longest_sequence(dataset, template["collate_fn"], n, config.truncate_keys)
+            if length is not None or longest is not None:
+                for message in config.check_data_length(length or longest, one_length=length is not None):
                     rank_zero_warn(f"Curriculum: {message}")
         indexes = self._indexes(config, dataset, template["collate_fn"], n)
         if trainer.world_size > 1:

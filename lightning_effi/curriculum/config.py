@@ -328,10 +328,12 @@ class CurriculumConfig:
         ``seqlen_reshape``, whose rows hold ``d + 1`` tokens)."""
         return length - (1 if name == "seqlen_reshape" or self.causal_label_shift else 0)
 
-    def check_data_length(self, length: int) -> list[str]:
+    def check_data_length(self, length: int, one_length: bool = True) -> list[str]:
         """Refuse a ``seqlen_truncate`` / ``seqlen_reshape`` range that does not fit the training data, whose batches
         hold ``length`` tokens (``Curriculum.setup`` reads it from the training set:
-        :func:`~lightning_effi.curriculum.data.data_sequence_length`). Let ``full`` be the difficulty that keeps
+        :func:`~lightning_effi.curriculum.data.data_sequence_length`), or, with ``one_length=False``, whose longest
+        batch holds ``length`` tokens (batches padded to their own longest sample:
+        :func:`~lightning_effi.curriculum.data.data_longest_sequence`). Let ``full`` be the difficulty that keeps
         every token (:meth:`full_difficulty`; DeepSpeed's seqlen curriculum ends at the full sequence length: its
         GPT-2 example runs ``seqlen_truncate`` from 80 to ``max_difficulty`` 2048 = ``seq_length``, and
         Megatron-DeepSpeed ``pretrain_gpt.py`` truncates only while the difficulty is below ``seq_length``):
@@ -366,6 +368,8 @@ class CurriculumConfig:
                 how = f"{length} tokens (causal_label_shift: a difficulty d keeps d + 1 tokens)"
             else:
                 how = f"{length} tokens"
+            # batches padded to their own longest sample: the longest batch, the data's longest sample after collate
+            hold = "batches hold" if one_length else "longest batch (padded to its longest sample) holds"
             schedule = m.schedule(self.rounding)
             if m.max_difficulty > full:
                 reach = reach_step(schedule, full)
@@ -389,7 +393,7 @@ class CurriculumConfig:
                     )
                 raise CurriculumConfigError(
                     f"{where}.max_difficulty ({m.max_difficulty}) is above the training data's sequence length: its "
-                    f"batches hold {how}, so a difficulty of {full} already keeps every token; {consequence}. Set "
+                    f"{hold} {how}, so a difficulty of {full} already keeps every token; {consequence}. Set "
                     f"max_difficulty to {full}, the data's full length (as DeepSpeed's seqlen curriculum does), or "
                     "train on longer samples"
                 )
@@ -397,17 +401,18 @@ class CurriculumConfig:
             if lowest >= full:
                 raise CurriculumConfigError(
                     f"{where}.min_difficulty ({m.min_difficulty}) is at or above the training data's sequence length: "
-                    f"its batches hold {how}, so a difficulty of {full} already keeps every token and {name} would "
+                    f"its {hold} {how}, so a difficulty of {full} already keeps every token and {name} would "
                     f"never shorten a batch (the curriculum would do nothing to the sequence length). Set "
                     f"min_difficulty below {full} (DeepSpeed's tutorial starts at 8 tokens for M-scale models, 64 "
                     f"for B-scale ones), or remove the {name} metric"
                 )
             if m.max_difficulty < full:
+                cut = "every batch" if one_length else "every batch longer than max_difficulty"
                 warnings.append(
                     f"{where}.max_difficulty ({m.max_difficulty}) is below the training data's sequence length: its "
-                    f"batches hold {how}, so every batch of the run is cut, also after the schedule's end (DeepSpeed's "
-                    f"seqlen curriculum ends at the full length), and the tokens cut are counted as the curriculum's "
-                    f"saving. Set max_difficulty to {full} to train on the full sequences at the end"
+                    f"{hold} {how}, so {cut} of the run is cut, also after the schedule's end (DeepSpeed's seqlen "
+                    "curriculum ends at the full length), and the tokens cut are counted as the curriculum's saving. "
+                    f"Set max_difficulty to {full} to train on the full sequences at the end"
                 )
         return warnings
 

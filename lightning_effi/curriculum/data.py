@@ -294,6 +294,41 @@ def data_sequence_length(
     return lengths.pop()
 
 
+#: training sets larger than this are not read whole by :func:`data_longest_sequence` (its pass reads every sample)
+LONGEST_SCAN_LIMIT = 200_000
+#: samples :func:`data_longest_sequence` collates at once
+LONGEST_SCAN_CHUNK = 256
+
+
+def data_longest_sequence(
+    dataset: Any, collate_fn: Callable | None, num_samples: int, keys: Sequence[str] | None = None
+) -> int | None:
+    """The longest sequence (tokens, :func:`~lightning_effi.curriculum.functional.sequence_length`) of any batch the
+    user's collate makes from ``dataset``, for data whose batches have no one length (:func:`data_sequence_length`
+    returned None: a collate that pads each batch to its longest sample). Every sample is read once, collated in
+    chunks of :data:`LONGEST_SCAN_CHUNK` (a chunk is as long as its longest sample, and no batch is longer than its
+    longest sample), so the result is the length of the training set's longest sample after the collate (its own cap
+    included). Used by ``Curriculum.setup`` to check a ``seqlen_truncate`` range against the data.
+
+    Returns None when the set has more than :data:`LONGEST_SCAN_LIMIT` samples (not read), when a batch has no
+    sequence tensor, or when reading or collating raises (left to the training loader, which reports it in context).
+    """
+    if not 1 <= num_samples <= LONGEST_SCAN_LIMIT:
+        return None
+    collate = collate_fn or default_collate
+    longest = 0
+    try:
+        for start in range(0, num_samples, LONGEST_SCAN_CHUNK):
+            chunk = [dataset[i] for i in range(start, min(num_samples, start + LONGEST_SCAN_CHUNK))]
+            length = F.sequence_length(collate(chunk), keys)
+            if length is None:
+                return None
+            longest = max(longest, length)
+    except Exception:  # the user's data or collate: left to the training loader, which raises it in context
+        return None
+    return longest
+
+
 #: training samples :meth:`CurriculumDataModule.train_dataloader` reads, at most, to check the batch structure
 PROBE_SAMPLES = 4
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+import lightning_effi.curriculum.data as curriculum_data
 from lightning_effi.callbacks import Curriculum
 from lightning_effi.core.nonfinite import NonFiniteLossError
 from lightning_effi.curriculum import CurriculumConfig, CurriculumConfigError
@@ -242,19 +243,55 @@ def test_setup_refuses_a_range_beyond_the_data_before_any_batch(tmp_path):
     assert seen.batches == 0
 
 
-def test_batches_padded_to_their_longest_sample_are_not_compared(tmp_path):
-    """Per-batch padding has no one data length: a max_difficulty above the first batches' length trains."""
+def test_batches_padded_to_their_longest_sample_are_checked_against_the_longest(tmp_path):
+    """Per-batch padding has no one data length, but no batch is longer than the data's longest sample (16 tokens
+    here): a max_difficulty above it would spend the schedule's end on lengths no batch has (and a random-LTD stacked
+    on it would take that as its longest batch and drop nothing), so it is refused at setup, naming the longest batch;
+    max_difficulty at the longest trains. A fixed-length collate is compared by its one length."""
+    seen = NoBatch()
     data = TinyDataModule(Ragged(), collate_fn=PaddingCollate(pad_token_id=0), batch_size=4)
-    callback = Curriculum(metrics=trunc(max_difficulty=32))
+    with pytest.raises(CurriculumConfigError) as err:
+        make_trainer(tmp_path, [seen, Curriculum(metrics=trunc(max_difficulty=32))], max_steps=2).fit(
+            tiny_gpt2_nan(), datamodule=CurriculumDataModule(data)
+        )
+    assert str(err.value).startswith(
+        "curriculum_metrics.seqlen_truncate.max_difficulty (32) is above the training data's sequence length: its "
+        "longest batch (padded to its longest sample) holds 16 tokens, so a difficulty of 16 already keeps every token"
+    )
+    assert seen.batches == 0
+    callback = Curriculum(metrics=trunc(max_difficulty=16))
     make_trainer(tmp_path, [callback], max_steps=2).fit(tiny_gpt2_nan(), datamodule=CurriculumDataModule(data))
-    assert callback.last_difficulties == {"seqlen_truncate": 12}  # step 2: floor(4 + 28 * 2 / 6) = 13 -> 12
+    assert callback.last_difficulties == {"seqlen_truncate": 8}  # step 2: floor(4 + 12 * 2 / 6) = 8
     with pytest.raises(
-        CurriculumConfigError, match=r"max_difficulty \(32\).*hold 24 tokens"
+        CurriculumConfigError, match=r"max_difficulty \(32\).*batches hold 24 tokens"
     ):  # padded to 24: one length
         fixed = TinyDataModule(Ragged(), collate_fn=PadTo(24), batch_size=4)
         make_trainer(tmp_path, [Curriculum(metrics=trunc(max_difficulty=32))], max_steps=2).fit(
             tiny_gpt2_nan(), datamodule=CurriculumDataModule(fixed)
         )
+
+
+def test_data_longest_sequence_reads_every_sample_in_chunks(monkeypatch):
+    """The longest sample after the collate (its cap included), read in chunks; None past the size limit, without a
+    sequence tensor, or when the data raises."""
+    pad_to_longest = PaddingCollate(pad_token_id=0)
+    data = Ragged(n=40)
+    longest = max(len(data[i]["input_ids"]) for i in range(40))
+    monkeypatch.setattr(curriculum_data, "LONGEST_SCAN_CHUNK", 3)
+    assert curriculum_data.data_longest_sequence(data, pad_to_longest, 40) == longest == 16
+    assert curriculum_data.data_longest_sequence(data, pad_to_longest, 5) == max(
+        len(data[i]["input_ids"]) for i in range(5)
+    )
+    assert curriculum_data.data_longest_sequence(data, PadTo(24), 40) == 24
+
+    def capped(samples):
+        return {k: v[:, :10] for k, v in pad_to_longest(samples).items()}
+
+    assert curriculum_data.data_longest_sequence(data, capped, 40) == 10
+    assert curriculum_data.data_longest_sequence(Images(), None, len(Images())) is None
+    assert curriculum_data.data_longest_sequence(Broken(), None, 4) is None
+    monkeypatch.setattr(curriculum_data, "LONGEST_SCAN_LIMIT", 39)
+    assert curriculum_data.data_longest_sequence(data, pad_to_longest, 40) is None
 
 
 # ------------------------------------------------------------------------------------------------ checkpoint entries

@@ -324,6 +324,7 @@ def test_the_setup_check_reads_a_few_samples_and_leaves_the_run_unchanged(tmp_pa
     checked = run(tmp_path / "checked")
     monkeypatch.setattr(CurriculumDataModule, "_check_batches", lambda self, t, collate: None)
     monkeypatch.setattr(curriculum_callback, "data_sequence_length", lambda *args: None)
+    monkeypatch.setattr(curriculum_callback, "data_longest_sequence", lambda *args: None)
     unchecked = run(tmp_path / "unchecked")
     assert (checked.reads, unchecked.reads) == (min(PROBE_SAMPLES, BATCH, N) + min(LENGTH_PROBES, N), 0)
     assert len(checked.batches) == 6
