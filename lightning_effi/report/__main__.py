@@ -28,7 +28,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="where to write the report (default: the first path)")
     parser.add_argument("--metric", default=None, help="quality metric (default: the runs' optimized_metric)")
     parser.add_argument(
-        "--mode", default=None, choices=("min", "max"), help="metric direction (default: the runs' optimized_mode)"
+        "--mode",
+        default=None,
+        choices=("min", "max"),
+        help="metric direction (default: the runs' optimized_mode, else from the name)",
     )
     parser.add_argument(
         "--compute", default="flops", choices=COMPUTE_KEYS, help="compute quantity of the savings (default: flops)"

@@ -38,6 +38,7 @@ from lightning_effi.report.frontier import (
     better,
     check_mode,
     compute_to_reach,
+    infer_mode,
     pareto_indices,
     saving,
     spread,
@@ -316,15 +317,16 @@ def _pct(mean: float, std: float, flag: str, factor: float = math.nan) -> str:
     kinds = {part.split()[0] for part in flag.split(", ")} if flag else set()
     if {"beyond", "below"} <= kinds:  # a lower and an upper bound: their mean bounds nothing
         return f"— ({flag}: no bound on the mean)"
-    text = f"{100 * mean:+.1f}%"
-    if math.isfinite(std):
-        text += f" ± {100 * std:.1f}%"
-    if math.isfinite(factor):
-        text += f" ({factor:.2f}x)"
+    bound = ""
     if kinds and kinds <= {"inside", "beyond"} and "beyond" in kinds:
-        text = ">= " + text  # exact readings and lower bounds: their mean is a lower bound
+        bound = ">= "  # exact readings and lower bounds: their mean is a lower bound
     elif kinds and kinds <= {"inside", "below"} and "below" in kinds:
-        text = "<= " + text  # exact readings and upper bounds: an upper bound
+        bound = "<= "  # exact readings and upper bounds: an upper bound
+    text = f"{bound}{100 * mean:+.1f}%"
+    if math.isfinite(std) and not bound:  # the spread of bounds is no spread of the saving
+        text += f" ± {100 * std:.1f}%"
+    if math.isfinite(factor):  # 1 / (1 - saving): bounded on the same side
+        text += f" ({bound}{factor:.2f}x)"
     if len(kinds) > 1:
         text += f" ({flag})"
     return text
@@ -362,9 +364,13 @@ def _resolve_metric(runs: Sequence[Run], metric: str | None, mode: str | None) -
     if len(modes) > 1:
         raise ReportError(f"runs optimize {metric!r} in both directions (min and max); choose one with mode= (--mode)")
     if not modes:
-        raise ReportError(
-            f"no run optimizes {metric!r}, so its direction is unknown; give mode='min' or 'max' (--mode)"
-        )
+        inferred = infer_mode(metric)  # as write_result reads it: min for a loss, max for an accuracy
+        if inferred is None:
+            raise ReportError(
+                f"no run optimizes {metric!r} and its name does not say whether lower or higher is better; give "
+                "mode='min' or 'max' (--mode)"
+            )
+        return metric, inferred
     return metric, modes.pop()
 
 
@@ -506,7 +512,9 @@ def build_report(
         metric: the quality metric (default: the runs' ``optimized_metric``, which must then be the same for all).
         compute: the compute quantity of the savings: ``flops`` (forward + backward training FLOPs), ``tokens``,
             ``samples`` or ``layer_tokens``.
-        mode: ``"min"`` or ``"max"`` (default: the ``optimized_mode`` of the runs optimizing ``metric``).
+        mode: ``"min"`` or ``"max"`` (default: the ``optimized_mode`` of the runs optimizing ``metric``; when none
+            does, read from its name as :func:`~lightning_effi.report.record.write_result` reads it: ``min`` for a
+            loss, ``max`` for an accuracy).
 
     Returns:
         the :class:`Report`.

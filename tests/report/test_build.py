@@ -95,7 +95,7 @@ def test_beyond_and_below_the_frontier_are_flagged_as_bounds(tmp_path):
     assert "| — (beyond 1, below 1: no bound on the mean) |" in report.to_markdown()  # no ± and factor
     one = build_report(load_runs([sweep / "8"] + [sweep / str(i) for i in range(4)]))  # seed 0 only: all beyond
     assert _row(one, "random_ltd", 1.0)["frontier_flag"] == "beyond"
-    assert ">= +25.0%" in one.to_markdown()
+    assert "| >= +25.0% (>= 1.33x) |" in one.to_markdown()
 
 
 def test_a_mean_over_exact_readings_and_upper_bounds_is_an_upper_bound_with_the_mean_savings_factor(tmp_path):
@@ -109,7 +109,8 @@ def test_a_mean_over_exact_readings_and_upper_bounds_is_an_upper_bound_with_the_
     mean = (1 - 2e12 / math.sqrt(2e12 * 3e12) + (1 - 3)) / 2
     assert row["frontier_saving_mean"] == pytest.approx(mean) and mean == pytest.approx(-0.9082482904638631)
     assert row["frontier_factor_mean"] == pytest.approx(1 / (1 - mean)) and row["frontier_flag"] == "inside 1, below 1"
-    assert "| <= -90.8% ± 154.4% (0.52x) (inside 1, below 1) |" in report.to_markdown()
+    # no ± (the spread of a reading and a bound is no spread of the saving); the factor is bounded on the same side
+    assert "| <= -90.8% (<= 0.52x) (inside 1, below 1) |" in report.to_markdown()
 
 
 def test_a_dominated_baseline_budget_leaves_the_frontier(tmp_path):
@@ -170,11 +171,22 @@ def test_mixed_metrics_need_a_chosen_metric(tmp_path):
         build_report(runs)
     with pytest.raises(ReportError, match=r"b/result.json: no final 'val/loss' among its metrics \['train/loss'"):
         build_report(runs, metric="val/loss")
-    # a metric both runs logged: train/loss, optimized by neither, so its direction must be given
-    with pytest.raises(ReportError, match="direction is unknown; give mode="):
-        build_report(runs, metric="train/loss")
-    report = build_report(runs, metric="train/loss", mode="min")
-    assert report.metric == "train/loss" and [r["quality"] for r in report.readings] == [2.5, 2.5]
+    # a metric both runs logged and neither optimized: its direction is read from its name, as write_result reads it
+    report = build_report(runs, metric="train/loss")
+    assert report.mode == "min" and [r["quality"] for r in report.readings] == [2.5, 2.5]
+    assert build_report(runs, metric="train/loss", mode="min").mode == "min"
+
+
+def test_a_metric_no_run_optimizes_takes_its_direction_from_its_name(tmp_path):
+    """``metric="val/acc"`` over runs that optimized the loss: max by its name (as ``write_result`` reads it); a name
+    that says neither must be given a mode."""
+    for arm, acc in (("baseline", 0.8), ("random_ltd", 0.9)):
+        write_record(tmp_path / arm, arm=arm, metrics={"val/loss": 2.0, "val/acc": acc, "val/z": 1.0})
+    runs = load_runs([tmp_path])
+    report = build_report(runs, metric="val/acc")
+    assert report.mode == "max" and sorted(r["quality"] for r in report.readings) == [0.8, 0.9]
+    with pytest.raises(ReportError, match=r"no run optimizes 'val/z' and its name does not say whether lower or high"):
+        build_report(runs, metric="val/z")
 
 
 def test_errors_name_the_file_or_path(tmp_path):
