@@ -409,6 +409,7 @@ class RandomLTDCallback(Callback):
         self.max_value = self.max_value_arg  # None: derived again from this run's data (or restored on resume)
         self._seen = False  # the first training forward's sequence length was checked
         self._grown = False  # a derived max_value grew to a longer batch (announced once)
+        self._longest_seen = 0  # the longest sequence the patched layers saw in this fit (tokens)
         self.require_steps: int | None = self.require_steps_arg
         self.clock: str = "step"  # CLOCKS: resolved at train start
         self.require_progress: int | None = None  # on the progress clock: the growth's end, in progress ticks
@@ -1206,6 +1207,7 @@ class RandomLTDCallback(Callback):
         """
         name = type(self).__name__
         first, self._seen = not self._seen, True
+        self._longest_seen = max(self._longest_seen, seq_len)
         if first and self._curriculum is None and seq_len != self._data_length:
             self._check_length(seq_len, "at the first training batch")
         if self.max_value_arg is not None:
@@ -1420,8 +1422,19 @@ class RandomLTDCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Report the non-finite training losses the run went on after (``nonfinite_loss="warn"``), if any."""
+        """Report the non-finite training losses the run went on after (``nonfinite_loss="warn"``), if any, and warn
+        when the run dropped no token at all (every batch at most as long as its reserved length: a ``min_value`` at
+        or above the data's sequence length that no setup check could see, e.g. under a curriculum over a training
+        set too large to read at setup)."""
         self.nonfinite_guard.report_at_end()
+        if self.full_layer_tokens > 0 and self.consumed_layer_tokens >= self.full_layer_tokens:
+            longest = f" (the longest this fit: {self._longest_seen} tokens)" if self._longest_seen else ""
+            rank_zero_warn(
+                f"{type(self).__name__}: no token was dropped in this run: the reserved length (min_value="
+                f"{self.min_value} growing to max_value={self.max_value}) was never below a batch's sequence "
+                f"length{longest}, so random-LTD saved nothing (random_ltd/layer_token_saving = 0). Lower min_value "
+                "below the batches' length, or check the data's sequence length"
+            )
 
     def _saved_frac(self) -> float:
         """The share of the layers' FLOPs the current micro-batch skipped (:meth:`_batch_costs`), else 0."""

@@ -759,3 +759,45 @@ def test_a_seed_outside_the_generators_range_is_refused(seed):
     """Seeds are hashed to 64 bits: ``2**64`` drew seed 0's tokens and ``-1`` those of ``2**64 - 1``, silently."""
     with pytest.raises(ValueError, match=r"RandomLTDCallback.seed must be an int >= 0 and <= 18446744073709551615"):
         RandomLTDCallback(seed=seed)
+
+
+def test_a_run_that_drops_no_token_warns_at_its_end(tmp_path, monkeypatch):
+    """Under a curriculum the length checks at setup compare against the curriculum's range; when the training set is
+    too large to read (here: its reading switched off), a min_value at the data's longest sample (16 tokens, padded
+    per batch) passes and random-LTD drops nothing. The run's end says so, naming the longest batch seen; a run that
+    drops tokens does not warn."""
+    import lightning_effi.curriculum.callback as curriculum_callback
+    from lightning_effi.curriculum import Curriculum, CurriculumDataModule
+    from lightning_effi.reference.data.base import PaddingCollate
+    from tests.helpers.tiny import Sentences
+
+    monkeypatch.setattr(curriculum_callback, "data_longest_sequence", lambda *args: None)
+    sentences = [{"input_ids": x} for x in Sentences().items]  # 3 to 16 tokens, no labels
+    data = TinyDataModule(sentences, collate_fn=PaddingCollate(pad_token_id=0), batch_size=4)
+    truncate = dict(
+        difficulty_type="value",
+        clustering_type="single_cluster",
+        min_difficulty=8,
+        max_difficulty=32,
+        schedule_type="fixed_linear",
+        schedule_config=dict(total_curriculum_step=2, difficulty_step=8),
+    )
+
+    def run(root, min_value):
+        cb = ltd(min_value=min_value, require_steps=2)
+        trainer = make_trainer(root, [Curriculum(metrics={"seqlen_truncate": truncate}), cb], max_steps=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(deep_gpt2(), datamodule=CurriculumDataModule(data))
+        return cb, [str(w.message) for w in caught if "no token was dropped" in str(w.message)]
+
+    cb, warned = run(tmp_path / "none", 16)
+    assert cb.consumed_layer_tokens == cb.full_layer_tokens > 0
+    assert warned == [
+        "RandomLTDCallback: no token was dropped in this run: the reserved length (min_value=16 growing to "
+        "max_value=32) was never below a batch's sequence length (the longest this fit: 14 tokens), so random-LTD "
+        "saved nothing (random_ltd/layer_token_saving = 0). Lower min_value below the batches' length, or check the "
+        "data's sequence length"
+    ]
+    cb, warned = run(tmp_path / "some", 4)
+    assert cb.consumed_layer_tokens < cb.full_layer_tokens and warned == []
