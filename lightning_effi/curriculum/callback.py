@@ -263,6 +263,9 @@ class Curriculum(Callback):
         self._tokens_through_current = 0
         self._loaded: dict[str, Any] | None = None
         self._restored = False  # this fit restored a curriculum state (a checkpoint, or load_state_dict by hand)
+        #: the optimizer step this fit resumed at from a checkpoint without curriculum state (None: it did not); the
+        #: run record marks the technique ``added_on_resume`` (``lightning_effi.report.record.make_record``)
+        self.effi_added_on_resume: int | None = None
         self.last_difficulties: dict[str, int] = {}
         # the current batch before seqlen_truncate (its cl_full_length, cl_cut_mask, cl_cut_left, cl_cut_axes), for
         # effi_baseline
@@ -290,6 +293,10 @@ class Curriculum(Callback):
             nonfinite_loss=self.nonfinite_guard.policy,
         )
         return out
+
+    def effi_settings(self) -> dict[str, Any]:
+        """The constructor arguments (:meth:`_arguments`), for the run record (``write_result``)."""
+        return self._arguments()
 
     def __repr__(self) -> str:
         return f"Curriculum({', '.join(f'{k}={v!r}' for k, v in self._arguments().items())})"
@@ -338,7 +345,7 @@ class Curriculum(Callback):
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
         self._cut_mask_path, self._cut_values = None, None
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
-        self._restored = False
+        self._restored, self.effi_added_on_resume = False, None
         template = dm.template()
         dataset, n = template["dataset"], template["length"]
         if n < 1:
@@ -482,6 +489,7 @@ class Curriculum(Callback):
             return
         first = self.controller.first_difficulties()
         if getattr(trainer, "ckpt_path", None):
+            self.effi_added_on_resume = step
             rank_zero_warn(
                 f"Curriculum: resumed at optimizer step {step} from a checkpoint without curriculum state (written by "
                 f"a fit without this callback): the curriculum starts at its step 1 (difficulties {first}) on the "

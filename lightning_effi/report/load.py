@@ -154,7 +154,8 @@ def read_run(file: Path) -> Run:
     Raises:
         ReportError: the file is not JSON, has no ``"schema"`` or one other than 2 (a record written by an older
             version of ``lightning_effi.train``: rerun it), or lacks a field of the record or holds a wrong type
-            there (an empty ``arm``, a ``seed`` outside ``[0, 2**32)``), or an ``efficiency`` total
+            there (an empty ``arm``, a ``seed`` outside ``[0, 2**32)``, ``overrides`` that are not a list of strings,
+            a ``length`` entry that is not an int or null), or an ``efficiency`` total
             (``flops``, ``tokens``, ``samples``, ``layer_tokens``, ``time_train_s``, ``time_data_s``) that is not a
             finite number >= 0 (the message names the file and the field).
     """
@@ -212,7 +213,20 @@ def read_run(file: Path) -> Run:
         for i, point in enumerate(points):
             if not isinstance(point, dict):
                 raise ReportError(f"{file}: {key}[{i}] must be an object, got {point!r}")
-    length = record.get("length") or {}
+    length = record.get("length")
+    if length is None:
+        length = {}
+    if not isinstance(length, dict):
+        raise ReportError(f"{file}: 'length' must be an object (max_steps, max_epochs, ...), got {length!r}")
+    for key in ("max_steps", "max_epochs", "optimizer_steps"):
+        value = length.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ReportError(f"{file}: 'length.{key}' must be an int or null, got {value!r}")
+    overrides = record.get("overrides")
+    if overrides is None:
+        overrides = []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ReportError(f"{file}: 'overrides' must be a list of strings (the Hydra overrides), got {overrides!r}")
     return Run(
         arm=arm,
         budget=budget,
@@ -229,9 +243,9 @@ def read_run(file: Path) -> Run:
         efficiency=efficiency,
         curve=tuple(curve),
         schedule=tuple(schedule),
-        length=length if isinstance(length, dict) else {},
+        length=length,
         task_name=str(record.get("task_name") or ""),
-        overrides=tuple(str(o) for o in record.get("overrides") or ()),
+        overrides=tuple(overrides),
         path=file.parent,
     )
 

@@ -55,8 +55,10 @@ def _techniques(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, EfficiencyMonitor) or not any(hasattr(callback, h) for h in TECHNIQUE_HOOKS):
             continue
-        config = getattr(callback, "config", None)
-        settings = config() if callable(config) else {}
+        # ``effi_settings()`` (the curriculum, whose ``config`` is its parsed configuration) or ``config()``
+        read = getattr(callback, "effi_settings", None)
+        read = read if callable(read) else getattr(callback, "config", None)
+        settings = read() if callable(read) else {}
         out[technique_name(callback)] = json.loads(json.dumps(json_safe(dict(settings)), default=str))
     return out
 
@@ -212,7 +214,9 @@ def make_record(
     is recorded to 12 significant digits (:func:`~lightning_effi.report.load.budget_key`). A technique whose
     savings the monitor counted (``saved/<name>/..._frac`` not 0) but that is not in ``techniques`` (the run resumed
     a checkpoint of a fit that had it, without it) is added as ``{name: {"resumed_without": True}}``: such a run is
-    not a baseline.
+    not a baseline. A technique that joined on resume (a callback whose ``effi_added_on_resume`` is the step it
+    resumed at from a checkpoint without its state, e.g. the curriculum) gets ``"added_on_resume": step`` in its
+    settings; the report notes both.
 
     The efficiency summary, curve and schedule come from the Trainer's ``EfficiencyMonitor`` (empty without one);
     ``metric`` is ``metrics[metric]`` (NaN when absent or ``metric`` is None); ``length`` defaults to the Trainer's
@@ -234,6 +238,12 @@ def make_record(
         parts = key.split("/")
         if len(parts) == 3 and parts[0] == "saved" and parts[2].endswith("_frac") and value:
             techniques.setdefault(parts[1], {"resumed_without": True})
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        step = getattr(callback, "effi_added_on_resume", None)
+        if isinstance(step, int) and not isinstance(step, bool):  # trained without it up to that step
+            name = technique_name(callback)
+            settings = techniques.get(name)
+            techniques[name] = {**(settings if isinstance(settings, dict) else {}), "added_on_resume": step}
     if not arm:  # sorted: one stack gets one label whatever the order of its callbacks
         arm = "+".join(sorted(techniques)) if techniques else "baseline"
     early = stopped_early(trainer)

@@ -133,7 +133,9 @@ class Report:
         metric, mode: the quality metric and its direction; ``compute``: the compute quantity of the savings.
         notes: what the report left out or could not read (runs without a finite metric, seeds without a
             frontier, failed jobs), and what qualifies a reading (an arm of another configured length, or other
-            model, data or trainer overrides, than its same-length baseline).
+            model, data or trainer overrides, than its same-length baseline, or, without one, than its frontier's
+            baselines; a frontier whose baselines differ in those overrides; a technique dropped or added on
+            resume).
     """
 
     rows: list[dict[str, Any]]
@@ -571,6 +573,16 @@ def build_report(
                 f"{r.label}: resumed from a checkpoint without {', '.join(resumed)}, which trained only up to that "
                 "checkpoint; its readings mix the two"
             )
+        added = sorted(
+            (c["added_on_resume"], n)
+            for n, c in r.techniques.items()
+            if isinstance(c, dict) and isinstance(c.get("added_on_resume"), int)
+        )
+        for step, name in added:
+            notes.append(
+                f"{r.label}: {name} joined on resume at optimizer step {step}, from a checkpoint of a fit without it, "
+                "which trained the steps before; its readings mix the two"
+            )
     runs = [r for r in runs if not (r.is_baseline and r.length.get("stopped_early") is True)]
 
     seeds = sorted({r.seed for r in runs})
@@ -581,6 +593,11 @@ def build_report(
         frontiers[seed] = {axis: _seed_frontier(seed, baselines, axis, quality, m) for axis in axes}
         if frontiers[seed][compute].why:
             notes.append("frontier of " + frontiers[seed][compute].why)
+        if mixed := _mixed_setups(baselines):
+            notes.append(
+                f"frontier of seed {seed}: its baselines' model, data or trainer overrides differ "
+                f"({'; '.join(mixed)}); it joins runs of other setups, not one setup at several budgets"
+            )
 
     readings = [_reading(r, runs, quality, frontiers, compute, m, metric_name) for r in runs]
     by_run = {id(r): reading for r, reading in zip(runs, readings)}
@@ -594,6 +611,14 @@ def build_report(
     for r in runs:
         if not r.is_baseline and math.isfinite(quality[id(r)]) and by_run[id(r)]["same_length_baseline"] is None:
             notes.append(f"{r.label}: no baseline run of seed {r.seed} at budget {r.budget:g}; no same-length reading")
+            frontier = [b for b in runs if b.is_baseline and b.seed == r.seed]
+            differing = sorted({d for b in frontier for d in _setup_differences(r, b)})
+            if differing:
+                notes.append(
+                    f"{r.label}: its model, data or trainer overrides differ from those of its frontier's baselines "
+                    f"(seed {r.seed}): {'; '.join(differing)}; its frontier reading compares other setups, not only "
+                    "the technique"
+                )
         elif not r.is_baseline and (path := by_run[id(r)]["same_length_baseline"]) is not None:
             base = next(b for b in runs if b.is_baseline and shown_path(b.path) == path)
             mine, theirs = _configured_length(r), _configured_length(base)
@@ -669,6 +694,18 @@ def _setup_differences(run: Run, base: Run) -> list[str]:
         f"{k}={mine.get(k, 'default')} vs {theirs.get(k, 'default')}"
         for k in sorted(set(mine) | set(theirs))
         if mine.get(k) != theirs.get(k)
+    ]
+
+
+def _mixed_setups(baselines: Sequence[Run]) -> list[str]:
+    """The model, data, experiment and trainer overrides whose values differ among ``baselines`` (one seed's
+    frontier), as ``key: value at budget b, value at budget c`` (``default`` where a run does not override ``key``)."""
+    items = [(b.budget, _setup_items(b)) for b in sorted(baselines, key=lambda b: b.budget)]
+    keys = sorted({k for _, it in items for k in it})
+    return [
+        f"{k}: " + ", ".join(f"{it.get(k, 'default')} at budget {budget:g}" for budget, it in items)
+        for k in keys
+        if len({it.get(k) for _, it in items}) > 1
     ]
 
 

@@ -371,3 +371,42 @@ def test_an_arm_with_other_model_or_data_overrides_than_its_same_length_baseline
         "data.batch_size=16 vs default; model.n_embd=128 vs default; model.optimizer.lr=default vs 0.001; "
         "trainer.gradient_clip_val=<removed> vs default;" in note
     )
+
+
+def test_an_arm_without_a_same_length_baseline_is_compared_with_its_frontiers_setup(tmp_path):
+    """An arm at a budget no baseline trained (its frontier reading only) on a smaller model and batch than the
+    frontier's baselines: noted, naming each key; the frontier itself joining baselines of two datasets is noted."""
+    for budget, flops, loss in ((0.5, 1e12, 3.0), (1.0, 2e12, 2.5)):
+        write_record(tmp_path / f"b{budget}", budget=budget, flops=flops, loss=loss, overrides=["model.n_layer=4"])
+    other = ["model.n_layer=2", "data.batch_size=8", "callbacks.random_ltd.min_value=32"]
+    write_record(tmp_path / "arm", arm="random_ltd", budget=2.0, flops=1.5e12, loss=2.4, overrides=other)
+    notes = build_report(load_runs([tmp_path])).notes
+    assert (
+        "random_ltd@2 seed 0: its model, data or trainer overrides differ from those of its frontier's baselines "
+        "(seed 0): data.batch_size=8 vs default; model.n_layer=2 vs 4; its frontier reading compares other setups, "
+        "not only the technique"
+    ) in notes
+    write_record(tmp_path / "arm", arm="random_ltd", budget=2.0, flops=1.5e12, loss=2.4, overrides=["model.n_layer=4"])
+    assert not [n for n in build_report(load_runs([tmp_path])).notes if "differ" in n]
+    write_record(tmp_path / "b0.5", budget=0.5, flops=1e12, loss=3.0, overrides=["model.n_layer=4", "data=other"])
+    assert (
+        "frontier of seed 0: its baselines' model, data or trainer overrides differ (data: other at budget 0.5, "
+        "default at budget 1); it joins runs of other setups, not one setup at several budgets"
+    ) in build_report(load_runs([tmp_path])).notes
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("overrides", "seed=0", r"'overrides' must be a list of strings \(the Hydra overrides\), got 'seed=0'"),
+        ("overrides", [1], r"'overrides' must be a list of strings"),
+        ("length", {"max_steps": "10"}, r"'length\.max_steps' must be an int or null, got '10'"),
+        ("length", [10], r"'length' must be an object"),
+    ],
+)
+def test_a_record_field_of_the_wrong_type_is_refused_naming_it(tmp_path, field, value, message):
+    """A hand-edited record: a string of overrides was read character by character, a text max_steps compared as
+    text; both are refused naming the file and the field."""
+    write_record(tmp_path / "0", **{field: value})
+    with pytest.raises(ReportError, match=r"0/result\.json: " + message):
+        load_runs([tmp_path])

@@ -264,3 +264,47 @@ def test_a_quality_read_before_the_run_ended_is_warned_and_noted(tmp_path):
         "baseline@1 seed 0: its val/loss is the last validation's, at optimizer step 4 of 5, read against the compute "
         "of the whole run (validate at the last step: a val_check_interval that divides the run)"
     ]
+
+
+def test_a_curriculum_added_on_resume_is_marked_in_the_record_and_noted_by_the_report(tmp_path):
+    """A baseline fit checkpointed at step 4, resumed to step 8 with a Curriculum (which warns and starts at its step
+    1): the record keeps the curriculum's settings with ``added_on_resume: 4``, and the report notes that its readings
+    mix the two; a curriculum from step 0 is not marked."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_effi.curriculum import Curriculum, CurriculumDataModule
+
+    metrics = {
+        "seqlen_truncate": dict(
+            difficulty_type="value",
+            clustering_type="single_cluster",
+            min_difficulty=8,
+            max_difficulty=16,
+            schedule_type="fixed_linear",
+            schedule_config=dict(total_curriculum_step=2, difficulty_step=8),
+        )
+    }
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    first = make_trainer(tmp_path / "a", [EfficiencyMonitor(print_summary=False), ckpt], max_steps=4)
+    first.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    pl.seed_everything(0)
+    cl = Curriculum(metrics=metrics)
+    second = make_trainer(tmp_path / "b", [EfficiencyMonitor(print_summary=False), cl], max_steps=8)
+    with pytest.warns(UserWarning, match=r"Curriculum: resumed at optimizer step 4 from a checkpoint without"):
+        path = str(next((tmp_path / "ckpt").glob("*.ckpt")))
+        second.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data()), ckpt_path=path)
+    record = json.loads(write_result(second, tmp_path / "runs" / "r", metric="train/loss").read_text())
+    settings = record["techniques"]["curriculum"]
+    assert record["arm"] == "curriculum" and settings["added_on_resume"] == 4
+    assert settings["metrics"]["seqlen_truncate"]["max_difficulty"] == 16  # the settings, not {}
+    notes = build_report(load_runs([tmp_path / "runs"])).notes
+    assert any(
+        n.startswith("curriculum@1 seed 0: curriculum joined on resume at optimizer step 4, from a checkpoint of a fit")
+        for n in notes
+    )
+    callbacks = [EfficiencyMonitor(print_summary=False), Curriculum(metrics=metrics)]
+    fresh = make_trainer(tmp_path / "c", callbacks, max_steps=4)
+    fresh.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data()))
+    record = json.loads(write_result(fresh, tmp_path / "fresh", metric="train/loss").read_text())
+    assert "added_on_resume" not in record["techniques"]["curriculum"]
