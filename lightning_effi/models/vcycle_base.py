@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -61,8 +62,8 @@ __all__ = [
     "conv1d",
     "find_vcycle_adapter",
     "find_vcycle_network",
-    "hf_build_small",
     "held_in_containers",
+    "hf_build_small",
     "hf_small_config",
     "input_only",
     "linear",
@@ -476,11 +477,16 @@ _PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
 _NOT_ATTRIBUTES = frozenset(vars(nn.Module())) | {"_hparams", "_hparams_initial"}
 
 
+#: items of one container :func:`held_in_containers` reads at most (a module holding a large list of data)
+_MOST_ITEMS = 10_000
+
+
 def held_in_containers(host: nn.Module, network: nn.Module, depth: int = 3) -> list[str]:
     """The attributes of ``host`` that hold a module or parameter of ``network`` (``network`` itself included) inside
     a plain Python container (list, tuple, dict, set: ``nn.Module`` registers none of them), as paths such as
     ``blocks[0]`` or ``groups['decay'][3]``, first hit per attribute; containers nested up to ``depth`` deep are
-    searched. ``save_hyperparameters``' record and ``nn.Module``'s own dictionaries are not attributes of the user's.
+    searched, the first 10,000 items of each. ``save_hyperparameters``' record and ``nn.Module``'s own dictionaries
+    are not attributes of the user's.
 
     >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     >>> host = nn.Module()
@@ -496,7 +502,7 @@ def held_in_containers(host: nn.Module, network: nn.Module, depth: int = 3) -> l
         if left == 0 or type(value) not in _PLAIN_CONTAINERS:
             return None
         items = value.items() if type(value) is dict else enumerate(value)
-        for key, item in items:
+        for key, item in itertools.islice(items, _MOST_ITEMS):
             where = f"{path}[{key!r}]" if type(value) is dict else f"{path}[{key}]"
             found = first(item, where, left - 1)
             if found:
