@@ -924,7 +924,8 @@ class VCycleCallback(Callback):
             self._refuse_late_start(trainer)
         if (expected := self.current_stage_level()) != self.level:
             raise RuntimeError(
-                f"{type(self).__name__}: stage {self.stage_index} trains level {expected} but the model "
+                f"{type(self).__name__}: stage {self.stage_index + 1} of {len(stages) + 1} trains level {expected} "
+                "but the model "
                 f"is at level {self.level}"
             )
 
@@ -1089,8 +1090,8 @@ class VCycleCallback(Callback):
         self.map_seconds += time.perf_counter() - start
         self.switches += 1
         rank_zero_info(
-            f"VCycle: step {step}: level {' -> '.join(map(str, path))} (stage {self.stage_index}/"
-            f"{len(self.stages)}, {sum(p.numel() for p in getattr(pl_module, self.model_attr).parameters())}"
+            f"VCycle: step {step}: level {' -> '.join(map(str, path))} (stage {self.stage_index + 1} of "
+            f"{len(self.stages) + 1}, {sum(p.numel() for p in getattr(pl_module, self.model_attr).parameters())}"
             f" parameters, lr x{self.lr_factor(self.level)}, map {time.perf_counter() - start:.2f}s)"
         )
 
