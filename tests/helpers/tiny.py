@@ -121,6 +121,23 @@ class TinyDataModule(pl.LightningDataModule):
         return torch.utils.data.DataLoader(self.val_dataset, batch_size=self.batch_size, collate_fn=self.collate_fn)
 
 
+def seqlen_truncate(
+    min_difficulty: int = 8, max_difficulty: int = 16, total_curriculum_step: int = 2, difficulty_step: int = 8
+) -> dict[str, Any]:
+    """A curriculum's ``metrics`` with one ``seqlen_truncate`` metric growing linearly from ``min_difficulty`` to
+    ``max_difficulty`` over ``total_curriculum_step`` steps, in multiples of ``difficulty_step``."""
+    return {
+        "seqlen_truncate": dict(
+            difficulty_type="value",
+            clustering_type="single_cluster",
+            min_difficulty=min_difficulty,
+            max_difficulty=max_difficulty,
+            schedule_type="fixed_linear",
+            schedule_config=dict(total_curriculum_step=total_curriculum_step, difficulty_step=difficulty_step),
+        )
+    }
+
+
 def tiny_lm_data(**kw: Any) -> TinyDataModule:
     return TinyDataModule(TokenBlocks(), **kw)
 

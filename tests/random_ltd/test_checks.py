@@ -44,6 +44,7 @@ from tests.helpers.tiny import (
     TINY_GPT2,
     TinyDataModule,
     TokenBlocks,
+    seqlen_truncate,
     sgd,
     tiny_gpt2,
     tiny_lm_data,
@@ -774,18 +775,10 @@ def test_a_run_that_drops_no_token_warns_at_its_end(tmp_path, monkeypatch):
     monkeypatch.setattr(curriculum_callback, "data_longest_sequence", lambda *args: None)
     sentences = [{"input_ids": x} for x in Sentences().items]  # 3 to 16 tokens, no labels
     data = TinyDataModule(sentences, collate_fn=PaddingCollate(pad_token_id=0), batch_size=4)
-    truncate = dict(
-        difficulty_type="value",
-        clustering_type="single_cluster",
-        min_difficulty=8,
-        max_difficulty=32,
-        schedule_type="fixed_linear",
-        schedule_config=dict(total_curriculum_step=2, difficulty_step=8),
-    )
 
     def run(root, min_value):
         cb = ltd(min_value=min_value, require_steps=2)
-        trainer = make_trainer(root, [Curriculum(metrics={"seqlen_truncate": truncate}), cb], max_steps=3)
+        trainer = make_trainer(root, [Curriculum(metrics=seqlen_truncate(max_difficulty=32)), cb], max_steps=3)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(deep_gpt2(), datamodule=CurriculumDataModule(data))

@@ -13,7 +13,7 @@ import pytest
 from lightning_effi import EfficiencyMonitor, RandomLTDCallback
 from lightning_effi.report import build_report, load_runs, write_result
 from tests.helpers.harness import make_trainer
-from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+from tests.helpers.tiny import seqlen_truncate, tiny_gpt2, tiny_lm_data
 
 #: a committed record written by experiments/train.py (the Hydra app): write_result writes the same fields
 APP_RECORD = Path(__file__).parents[2] / "experiments/bench/results/vit_stack_vc_ltd/runs_seed0/vcycle+random_ltd_1.6"
@@ -274,16 +274,7 @@ def test_a_curriculum_added_on_resume_is_marked_in_the_record_and_noted_by_the_r
 
     from lightning_effi.curriculum import Curriculum, CurriculumDataModule
 
-    metrics = {
-        "seqlen_truncate": dict(
-            difficulty_type="value",
-            clustering_type="single_cluster",
-            min_difficulty=8,
-            max_difficulty=16,
-            schedule_type="fixed_linear",
-            schedule_config=dict(total_curriculum_step=2, difficulty_step=8),
-        )
-    }
+    metrics = seqlen_truncate(min_difficulty=8, max_difficulty=16)
     pl.seed_everything(0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     first = make_trainer(tmp_path / "a", [EfficiencyMonitor(print_summary=False), ckpt], max_steps=4)
