@@ -17,6 +17,7 @@ import torch
 
 from lightning_effi import Curriculum, EfficiencyMonitor, InfoBatchCallback, RandomLTDCallback, VCycleCallback
 from tests.helpers.harness import make_trainer
+from tests.helpers.tiny import seqlen_truncate
 from tests.user_modules.modules import USER_MODULES
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -33,20 +34,7 @@ def infobatch(**kw: Any) -> InfoBatchCallback:
 
 def curriculum(name: str, **kw: Any) -> Curriculum:
     low, high = SEQ[name]
-    return Curriculum(
-        metrics={
-            "seqlen_truncate": dict(
-                difficulty_type="value",
-                clustering_type="single_cluster",
-                min_difficulty=low,
-                max_difficulty=high,
-                schedule_type="fixed_linear",
-                schedule_config=dict(total_curriculum_step=6, difficulty_step=4),
-            )
-        },
-        seed=3,
-        **kw,
-    )
+    return Curriculum(metrics=seqlen_truncate(low, high, total_curriculum_step=6, difficulty_step=4), seed=3, **kw)
 
 
 def random_ltd(name: str, **kw: Any) -> RandomLTDCallback:
