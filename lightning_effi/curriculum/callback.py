@@ -688,6 +688,7 @@ class Curriculum(Callback):
             "consumed_tokens": int(self.consumed_tokens),
             "last_difficulties": dict(self.last_difficulties),
             "nonfinite_loss": self.nonfinite_guard.state_dict(),
+            "added_on_resume": self.effi_added_on_resume,
         }
 
     @override
@@ -700,13 +701,15 @@ class Curriculum(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the committed stream position, the token count, the last difficulties and the non-finite loss
-        count (a checkpoint written before the count existed restores 0). Before ``setup`` (by hand) the state is
-        checked now and applied in ``setup``.
+        """Restore the committed stream position, the token count, the last difficulties, the non-finite loss
+        count (a checkpoint written before the count existed restores 0) and the step the curriculum joined the run at
+        when it was added on resume (``effi_added_on_resume``; None when absent). Before ``setup`` (by hand) the
+        state is checked now and applied in ``setup``.
 
         Raises:
             CurriculumConfigError: an invalid entry, named: no ``stream``, a ``consumed_tokens`` that is not an int
-                >= 0, ``last_difficulties`` that are not an int per configured metric; the stream position's own
+                >= 0, ``last_difficulties`` that are not an int per configured metric, an ``added_on_resume`` that
+                is neither null nor an int >= 1; the stream position's own
                 errors (:meth:`~lightning_effi.curriculum.CurriculumController.load_state_dict`).
             ValueError: an invalid non-finite loss count
                 (:meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`).
@@ -745,6 +748,12 @@ class Curriculum(Callback):
                 f"Curriculum: the checkpoint's last_difficulties must be a dict metric name -> int difficulty, got "
                 f"{last!r}; {fix}"
             )
+        added = state.get("added_on_resume")  # absent from checkpoints written before it was kept
+        if added is not None and (not is_int(added) or added < 1):
+            raise CurriculumConfigError(
+                f"Curriculum: the checkpoint's added_on_resume must be null or an int >= 1 (the optimizer step the "
+                f"curriculum joined the run at), got {added!r}; {fix}"
+            )
         counted = state.get("nonfinite_loss", {})  # absent from checkpoints written before the policy existed
         if not isinstance(counted, Mapping):
             raise CurriculumConfigError(
@@ -763,6 +772,8 @@ class Curriculum(Callback):
         self._tokens_through_current = self.consumed_tokens
         self.last_difficulties = {k: int(v) for k, v in state.get("last_difficulties", {}).items()}
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = guard.count, guard.first_step
+        added = state.get("added_on_resume")
+        self.effi_added_on_resume = None if added is None else int(added)  # a later resume keeps the mark
         self._restored = True
 
 

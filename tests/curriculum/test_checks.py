@@ -310,6 +310,8 @@ def state(**changes: Any) -> dict[str, Any]:
         (dict(last_difficulties=[8]), r"last_difficulties must be a dict"),
         (dict(stream=None), r"the checkpoint's stream must be a dict"),
         (dict(nonfinite_loss=-4), r"nonfinite_loss must be a dict \{count, first_step\}, got -4"),
+        (dict(added_on_resume=0), r"added_on_resume must be null or an int >= 1 .*, got 0"),
+        (dict(added_on_resume="4"), r"added_on_resume must be null or an int >= 1 .*, got '4'"),
     ],
 )
 def test_a_checkpoints_entries_are_checked_naming_them(changes, match):

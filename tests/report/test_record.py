@@ -289,6 +289,25 @@ def test_a_curriculum_added_on_resume_is_marked_in_the_record_and_noted_by_the_r
     settings = record["techniques"]["curriculum"]
     assert record["arm"] == "curriculum" and settings["added_on_resume"] == 4
     assert settings["metrics"]["seqlen_truncate"]["max_difficulty"] == 16  # the settings, not {}
+    # resumed again, from a checkpoint the curriculum wrote: the record of the run's end keeps the mark
+    ckpt2 = ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=6, save_top_k=-1)
+    pl.seed_everything(0)
+    third = make_trainer(
+        tmp_path / "b2", [EfficiencyMonitor(print_summary=False), Curriculum(metrics=metrics), ckpt2], max_steps=6
+    )
+    with pytest.warns(UserWarning, match=r"Curriculum: resumed at optimizer step 4"):
+        third.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data()), ckpt_path=path)
+    pl.seed_everything(0)
+    fourth = make_trainer(
+        tmp_path / "b3", [EfficiencyMonitor(print_summary=False), Curriculum(metrics=metrics)], max_steps=8
+    )
+    fourth.fit(
+        tiny_gpt2(),
+        datamodule=CurriculumDataModule(tiny_lm_data()),
+        ckpt_path=str(next((tmp_path / "ckpt2").glob("*.ckpt"))),
+    )
+    again = json.loads(write_result(fourth, tmp_path / "again", metric="train/loss").read_text())
+    assert again["techniques"]["curriculum"]["added_on_resume"] == 4
     notes = build_report(load_runs([tmp_path / "runs"])).notes
     assert any(
         n.startswith("curriculum@1 seed 0: curriculum joined on resume at optimizer step 4, from a checkpoint of a fit")
