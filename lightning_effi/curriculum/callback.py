@@ -354,7 +354,7 @@ class Curriculum(Callback):
             length = data_sequence_length(dataset, template["collate_fn"], n, config.truncate_keys)
             longest = None
             if length is None:  # no one length (per-batch padding): the longest batch bounds the range
-                longest = data_longest_sequence(dataset, template["collate_fn"], n, config.truncate_keys)
+                longest = self._longest_sequence(trainer, dataset, template["collate_fn"], n, config.truncate_keys)
             if length is not None or longest is not None:
                 for message in config.check_data_length(length or longest, one_length=length is not None):
                     rank_zero_warn(f"Curriculum: {message}")
@@ -383,6 +383,18 @@ class Curriculum(Callback):
             f"Curriculum: N={n}, global batch {c.global_batch} ({c.mbs} x {c.dp} ranks x {c.ga} "
             f"accumulation), {len(c)} micro-batches per data epoch, metrics {list(config.metrics)}"
         )
+
+    @staticmethod
+    def _longest_sequence(
+        trainer: pl.Trainer, dataset: Any, collate_fn: Any, n: int, keys: Sequence[str] | None
+    ) -> int | None:
+        """:func:`~lightning_effi.curriculum.data.data_longest_sequence`, read once: under DDP global rank zero
+        reads the training set and broadcasts the length (every rank trains on the same set, so each rank reading it
+        would read it ``world_size`` times, costly for a set that tokenizes or decodes on access)."""
+        longest = data_longest_sequence(dataset, collate_fn, n, keys) if trainer.global_rank == 0 else None
+        if trainer.world_size > 1:
+            longest = trainer.strategy.broadcast(longest, src=0)
+        return longest
 
     def _indexes(self, config: CurriculumConfig, dataset: Any, collate_fn: Any, n: int) -> dict[str, Any]:
         from lightning_effi.curriculum.analysis.index import MetricIndex

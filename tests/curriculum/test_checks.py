@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.utils.data import Dataset
 
 import lightning_effi.curriculum.data as curriculum_data
@@ -28,7 +30,7 @@ from lightning_effi.curriculum.schedules import (
 from lightning_effi.data import CurriculumDataModule
 from lightning_effi.reference.data.base import PaddingCollate
 from lightning_effi.tasks import GPT2CausalLM
-from tests.helpers.harness import MetricsCapture, make_trainer
+from tests.helpers.harness import MetricsCapture, fit_ddp, make_trainer
 from tests.helpers.tiny import TINY_GPT2, Images, Sentences, TinyDataModule, TokenBlocks, sgd, tiny_lm_data
 
 TRUNC = dict(
@@ -269,6 +271,40 @@ def test_batches_padded_to_their_longest_sample_are_checked_against_the_longest(
         make_trainer(tmp_path, [Curriculum(metrics=trunc(max_difficulty=32))], max_steps=2).fit(
             tiny_gpt2_nan(), datamodule=CurriculumDataModule(fixed)
         )
+
+
+class CountedReads(Ragged):
+    """:class:`Ragged` that appends the reading process's global rank to ``log`` at each ``__getitem__``."""
+
+    def __init__(self, log: Path) -> None:
+        super().__init__()
+        self.log = log
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        with open(self.log, "a") as f:
+            f.write(f"{torch.distributed.get_rank() if torch.distributed.is_initialized() else -1}\n")
+        return super().__getitem__(i)
+
+
+@pytest.mark.slow
+def test_ddp_reads_the_longest_batch_on_rank_zero_only(tmp_path):
+    """Under DDP the longest-batch pass reads the training set once, on global rank 0, and every rank gets its length:
+    both ranks refuse a max_difficulty above it with the same error, and the set was read whole once, not once a
+    rank (the error comes at setup, before the training loader reads)."""
+    log = tmp_path / "reads.txt"
+    data = TinyDataModule(CountedReads(log), collate_fn=PaddingCollate(pad_token_id=0), batch_size=4)
+    with pytest.raises(ProcessRaisedException, match=r"max_difficulty \(32\).*longest batch.*holds 16 tokens"):
+        fit_ddp(
+            tiny_gpt2_nan(),
+            CurriculumDataModule(data),
+            tmp_path,
+            callbacks=[Curriculum(metrics=trunc(max_difficulty=32))],
+            use_distributed_sampler=False,
+            max_steps=2,
+        )
+    ranks = log.read_text().split()
+    # both ranks probe the same few samples for one length (data_sequence_length); only rank 0 reads all 40
+    assert ranks.count("0") - ranks.count("1") == 40 and ranks.count("1") > 0
 
 
 def test_data_longest_sequence_reads_every_sample_in_chunks(monkeypatch):
