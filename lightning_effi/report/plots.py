@@ -7,6 +7,9 @@
 - ``schedules.png``: each technique's schedule keys (``infobatch/kept_fraction``, ``random_ltd/reserved_length``,
   ...) against training progress (step / the run's optimizer steps), one panel per key; written only when a run
   recorded a schedule.
+
+Colours: one per arm; an arm's budgets (the baseline's, which make the frontier) are shades of its colour, light for
+the smallest budget and full for the largest (:func:`budget_colors`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,26 @@ def _colors(report: Report) -> dict[str, Any]:
     return {arm: cmap(i % 10) for i, arm in enumerate(arms)}
 
 
+def budget_colors(report: Report) -> dict[tuple[str, float], tuple[float, float, float, float]]:
+    """One RGBA colour per ``(arm, budget)`` row: each arm its ``tab10`` colour; the baseline's budgets shades of
+    the baseline's colour, from light (the smallest budget) to full (the largest), so that the frontier's budgets
+    are told apart in the figures (and a technique arm at several budgets likewise)."""
+    from matplotlib.colors import to_rgba
+
+    base = _colors(report)
+    budgets: dict[str, list[float]] = {}
+    for row in report.rows:
+        budgets.setdefault(str(row["arm"]), []).append(float(row["budget"]))
+    out: dict[tuple[str, float], tuple[float, float, float, float]] = {}
+    for arm, values in budgets.items():
+        ordered = sorted(set(values))
+        r, g, b, _ = to_rgba(base[arm])
+        for i, budget in enumerate(ordered):
+            light = 0.0 if len(ordered) == 1 else 0.6 * (1 - i / (len(ordered) - 1))  # 0.6: the smallest budget
+            out[(arm, budget)] = (r + (1 - r) * light, g + (1 - g) * light, b + (1 - b) * light, 1.0)
+    return out
+
+
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=110)
@@ -59,11 +82,13 @@ def quality_figure(report: Report, axis: str) -> Figure:
     fig = Figure(figsize=(7.5, 5.0), layout="constrained")
     ax = fig.add_subplot()
     colors = _colors(report)
+    shades = budget_colors(report)
     xs: list[float] = []
     for reading in report.readings:
         x, y = reading["train_wall_s" if axis == "train_wall_s" else "compute"], reading["quality"]
         if math.isfinite(y) and x > 0:
-            ax.scatter([x], [y], s=18, color=colors[reading["arm"]], alpha=0.55, linewidths=0)
+            color = shades.get((str(reading["arm"]), float(reading["budget"])), colors[reading["arm"]])
+            ax.scatter([x], [y], s=18, color=color, alpha=0.55, linewidths=0)
             xs.append(x)
     xkey = f"{axis}_mean"  # train_wall_s_mean, flops_mean, tokens_mean, ...
     xstd = f"{axis}_std" if axis in ("train_wall_s", "flops") else None  # the spreads the rows carry
@@ -80,7 +105,7 @@ def quality_figure(report: Report, axis: str) -> Figure:
             yerr=None if yerr is None else [yerr],
             marker="s" if row["baseline"] else "D",
             markersize=7,
-            color=colors[str(row["arm"])],
+            color=shades[(str(row["arm"]), float(row["budget"]))],
             capsize=3,
             label=f"{row['arm']}@{row['budget']:g} (mean, n={row['n_seeds']})",
         )
@@ -115,7 +140,7 @@ def curves_figure(report: Report) -> Figure:
     """Each run's validation curve of the report's metric against the report's compute quantity."""
     fig = Figure(figsize=(7.5, 5.0), layout="constrained")
     ax = fig.add_subplot()
-    colors = _colors(report)
+    shades = budget_colors(report)
     xs: list[float] = []
     labelled: set[str] = set()
     for run in report.runs:
@@ -133,7 +158,7 @@ def curves_figure(report: Report) -> Figure:
         ax.plot(
             [x for x, _ in points],
             [y for _, y in points],
-            color=colors[run.arm],
+            color=shades.get((run.arm, float(run.budget)), "grey"),
             alpha=0.8,
             linestyle="-" if run.is_baseline else "-.",
             marker=".",

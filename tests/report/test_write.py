@@ -153,3 +153,20 @@ def test_hydra_callback_warns_instead_of_raising(tmp_path, capsys):
 def test_hydra_callback_refuses_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ReportCallback(**kwargs)
+
+
+def test_budget_colors_tell_the_frontiers_budgets_apart(sweep):
+    """Each baseline budget a shade of the baseline's colour, lighter for a smaller budget (the four budgets of the
+    frontier were one colour); a technique arm at one budget keeps its own colour."""
+    from matplotlib.colors import to_rgba
+
+    from lightning_effi.report import build_report, load_runs
+    from lightning_effi.report.plots import _colors, budget_colors
+
+    report = build_report(load_runs([sweep]))
+    shades, base = budget_colors(report), _colors(report)
+    baseline = [shades[("baseline", b)] for b in (0.25, 0.5, 0.75, 1.0)]
+    assert len(set(baseline)) == 4 and baseline[-1] == to_rgba(base["baseline"])
+    assert [sum(c[:3]) for c in baseline] == sorted((sum(c[:3]) for c in baseline), reverse=True)  # light to full
+    assert shades[("random_ltd", 1.0)] == to_rgba(base["random_ltd"])
+    assert set(shades) == {("baseline", b) for b in (0.25, 0.5, 0.75, 1.0)} | {("random_ltd", 1.0)}
