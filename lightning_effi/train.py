@@ -87,8 +87,9 @@ class TrainingStarted(pl.Callback):
 
 
 class MetricCheck(pl.Callback):
-    """Fails at the first validation (the sanity check, before any training step) when ``optimized_metric`` is not
-    logged, instead of after a whole epoch in ModelCheckpoint or as a NaN in result.json."""
+    """Fails at the first validation when ``optimized_metric`` is not logged, instead of after a whole epoch in
+    ModelCheckpoint or as a NaN in result.json. The first validation is Lightning's sanity check, before any training
+    step; with ``trainer.num_sanity_val_steps=0`` (and under ``fast_dev_run``) it is the first epoch's."""
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -110,6 +110,20 @@ def test_bad_input_stops_with_one_clear_line(tmp_path, args, message):
     assert text.splitlines()[1:] == ["(set EFFI_FULL_ERROR=1 for the traceback)"], text
 
 
+def test_debug_limit_refuses_a_misspelled_metric_before_training(tmp_path, monkeypatch):
+    """debug=limit runs one sanity-check batch, so a metric the model does not log stops the run before its first
+    training batch (it had num_sanity_val_steps=0: a whole epoch trained first)."""
+    import lightning_effi.train as app
+
+    batches: list[int] = []
+    monkeypatch.setattr(app.TrainingStarted, "on_train_batch_start", lambda self, *args: batches.append(args[-1]))
+    overrides = ["debug=limit", "optimized_metric=val/los", "data.num_workers=0", "+trainer.enable_progress_bar=false"]
+    with pytest.raises(SystemExit) as stop:
+        main(compose_train(overrides, tmp_path, fast=False))
+    assert str(stop.value.code).startswith("error: optimized_metric: 'val/los' is not logged by this model")
+    assert batches == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
