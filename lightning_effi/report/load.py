@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,7 +253,7 @@ def read_run(file: Path) -> Run:
 
 def find_results(path: str | Path) -> list[Path]:
     """The ``result.json`` files at ``path``: the file itself, the one in a run folder, or every one below a sweep
-    (or any) folder, sorted by path (job numbers in numeric order).
+    (or any) folder, linked folders included, sorted by path (job numbers in numeric order).
 
     Raises:
         FileNotFoundError: ``path`` does not exist, or holds no ``result.json`` (named in the message).
@@ -264,10 +265,25 @@ def find_results(path: str | Path) -> list[Path]:
         if p.name != RESULT_FILE:
             raise FileNotFoundError(f"{p}: not a {RESULT_FILE}; give a run folder or a sweep folder")
         return [p]
-    files = sorted(p.rglob(RESULT_FILE), key=_natural_key)
+    files = sorted(_below(p, RESULT_FILE), key=_natural_key)
     if not files:
         raise FileNotFoundError(f"{p}: no {RESULT_FILE} in this folder or below (is it a run or sweep folder?)")
     return files
+
+
+def _below(root: Path, name: str) -> list[Path]:
+    """Every ``name`` (a file or a folder) in ``root`` or below, following linked folders (a run linked into a sweep
+    folder is part of it; ``Path.rglob`` skips links), each real folder visited once (a link cycle ends)."""
+    out, visited = [], set()
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in visited:
+            subfolders[:] = []
+            continue
+        visited.add(real)
+        if name in files or name in subfolders:
+            out.append(Path(folder) / name)
+    return out
 
 
 def _natural_key(path: Path) -> list[tuple[int, int | str]]:
@@ -282,7 +298,7 @@ def jobs_without_result(paths: Iterable[str | Path]) -> list[Path]:
         p = Path(path)
         if not p.is_dir():
             continue
-        for hydra_dir in sorted(p.rglob(".hydra"), key=_natural_key):
+        for hydra_dir in sorted(_below(p, ".hydra"), key=_natural_key):
             job = hydra_dir.parent
             if hydra_dir.is_dir() and not (job / RESULT_FILE).exists():
                 out.append(job)

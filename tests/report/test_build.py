@@ -33,6 +33,23 @@ def test_load_runs_reads_every_job_of_a_sweep(sweep):
     assert len(load_runs([sweep, sweep / "3"])) == 10  # a file found twice is read once
 
 
+def test_a_run_folder_linked_into_a_sweep_is_read_and_a_link_cycle_ends(tmp_path, sweep):
+    """A run linked into a sweep folder (a baseline shared by several sweeps) is one of its runs (``Path.rglob``
+    skipped linked folders: the run was left out without a word), and so is a linked job without a record; a link
+    back to the sweep is read once, not looped over."""
+    from lightning_effi.report.load import jobs_without_result
+
+    shared = write_record(tmp_path / "elsewhere" / "technique", arm="random_ltd", seed=2, loss=2.4, flops=2e12)
+    (sweep / "10").symlink_to(shared, target_is_directory=True)
+    (tmp_path / "failed" / ".hydra").mkdir(parents=True)
+    (sweep / "11").symlink_to(tmp_path / "failed", target_is_directory=True)
+    (sweep / "9" / "loop").symlink_to(sweep, target_is_directory=True)
+    runs = load_runs([sweep])
+    assert len(runs) == 11 and runs[-1].path == sweep / "10" and runs[-1].seed == 2
+    assert jobs_without_result([sweep]) == [sweep / "11"]
+    assert len(build_report(runs).readings) == 11
+
+
 def test_frontier_and_same_length_savings_equal_hand_computations(sweep):
     report = build_report(load_runs([sweep]))
     assert (report.metric, report.mode, report.compute) == ("val/loss", "min", "flops")
