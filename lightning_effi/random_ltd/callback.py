@@ -812,14 +812,35 @@ class RandomLTDCallback(Callback):
         total = trainer.estimated_stepping_batches
         self.total_steps = int(total) if math.isfinite(total) else None
         self._data_length = None
-        if self._curriculum is None and not self._seen:
+        if self._curriculum is None and (not self._seen or self._resumed):
             self._data_length = self._peek_sequence_length(trainer)
             if self._data_length is not None:
+                if self._seen:  # resumed with a max_value derived from the data of the run's start
+                    self._check_restored_max_value(self._data_length)
                 self._check_length(self._data_length, self._PEEKED)
         self._resolve_schedule(trainer)
         if not self._resumed and trainer.global_step > 0:
             self._refuse_late_start(trainer)
         self._warn_beyond_run(trainer)
+
+    def _check_restored_max_value(self, seq_len: int) -> None:
+        """On resume, a ``max_value`` derived from the data at the run's start (``max_value=None``, taken from the
+        checkpoint) against the sequence length the patched layers see now: a longer one than the data has (the run
+        resumed on other data) would make the end of the growth drop nothing, as an explicit ``max_value`` above the
+        data's length would (refused in a fresh fit, :meth:`_check_length`).
+
+        Raises:
+            ValueError: (``strict``; else a warning) the restored ``max_value`` is above ``seq_len``.
+        """
+        if self.max_value is not None and self.max_value > seq_len:
+            self._mismatch(
+                f"the checkpoint's max_value ({self.max_value} tokens, derived from the sequences the run started on) "
+                f"is larger than the sequence length the patched layers see now ({seq_len} tokens {self._PEEKED}): "
+                f"the reserved length would reach {seq_len} before the end of its growth and drop nothing from then "
+                "on (the run resumed on other data: resume on the data it started on, or start a fresh fit on this "
+                "data)",
+                fix="continue with the checkpoint's max_value",
+            )
 
     def _refuse_late_start(self, trainer: pl.Trainer) -> None:
         """A fit that starts at ``global_step > 0`` without random-LTD state from a checkpoint: a second

@@ -536,6 +536,42 @@ def test_random_ltd_added_on_resume_from_a_checkpoint_without_its_state_is_refus
     assert seen.batches == 0
 
 
+def test_a_derived_max_value_resumed_on_shorter_data_is_refused(tmp_path):
+    """max_value=None is derived from the data the run starts on (16 tokens) and kept in the checkpoint; resumed on
+    8-token blocks the growth would end at 16 and drop nothing from r = 8 on, the case an explicit max_value above
+    the data's length is refused for. Refused at train start (strict), before any batch; with strict=False it warns
+    and goes on with the checkpoint's max_value. Resumed on the same data, it goes on."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    first = ltd()
+    make_trainer(tmp_path, [first, ckpt], max_steps=2, max_epochs=-1).fit(deep_gpt2(), datamodule=tiny_lm_data())
+    assert first.max_value == 16
+    path = str(tmp_path / "ck" / "step=2.ckpt")
+    short = TinyDataModule(TokenBlocks(seq_len=8))
+    seen = Seen()
+    with pytest.raises(ValueError) as err:
+        make_trainer(tmp_path / "r", [ltd(), seen], max_steps=4, max_epochs=-1).fit(
+            deep_gpt2(), datamodule=short, ckpt_path=path
+        )
+    assert str(err.value).startswith(
+        "RandomLTDCallback: the checkpoint's max_value (16 tokens, derived from the sequences the run started on) is "
+        "larger than the sequence length the patched layers see now (8 tokens in the training data, read at train "
+        "start): the reserved length would reach 8 before the end of its growth and drop nothing from then on"
+    )
+    assert str(err.value).endswith("pass strict=False to continue with the checkpoint's max_value")
+    assert seen.batches == 0
+    lenient = ltd(strict=False)
+    with pytest.warns(UserWarning, match=r"max_value \(16 tokens.*strict=False: continue with the checkpoint's"):
+        make_trainer(tmp_path / "w", [lenient], max_steps=4, max_epochs=-1).fit(
+            deep_gpt2(), datamodule=short, ckpt_path=path
+        )
+    assert lenient.max_value == 16
+    same = ltd()
+    make_trainer(tmp_path / "s", [same], max_steps=4, max_epochs=-1).fit(
+        deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=path
+    )
+    assert same.max_value == 16
+
+
 # ------------------------------------------------------------------------------------------------ checkpoint state
 
 
