@@ -324,3 +324,36 @@ def test_a_further_fit_of_the_same_trainer_goes_on_counting(tmp_path):
     first.fit_loop.epoch_loop.max_steps = 4
     with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match="starts at step 2 of a Trainer"):
         first.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+
+
+def test_a_monitor_added_on_resume_is_refused(tmp_path):
+    """A checkpoint at step 2 of a fit without the monitor, resumed with one: its totals would start at 0 at step 2
+    (a summary of 2 steps' FLOPs and samples beside optimizer_steps=4, and a result.json that reads as a cheaper run).
+    Refused before any batch, as a further fit of a Trainer the monitor did not count; a checkpoint of a fit with the
+    monitor resumes with the totals of all 4 steps."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers.harness import make_trainer
+
+    every = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    make_trainer(tmp_path / "a", [every], max_steps=2).fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    monitor = EfficiencyMonitor(print_summary=False)
+    with pytest.raises(pl.utilities.exceptions.MisconfigurationException) as err:
+        make_trainer(tmp_path / "b", [monitor], max_steps=4).fit(
+            tiny_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt")
+        )
+    assert str(err.value).startswith(
+        "EfficiencyMonitor: this fit resumes a checkpoint at step 2 written by a fit without an EfficiencyMonitor, so "
+        "its totals (samples, tokens, FLOPs, time) would cover only the steps after 2"
+    )
+    assert monitor.totals["batches"] == 0
+    counted = ModelCheckpoint(dirpath=tmp_path / "ck2", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    make_trainer(tmp_path / "c", [EfficiencyMonitor(print_summary=False), counted], max_steps=2).fit(
+        tiny_gpt2(), datamodule=tiny_lm_data()
+    )
+    resumed = EfficiencyMonitor(print_summary=False)
+    make_trainer(tmp_path / "d", [resumed], max_steps=4).fit(
+        tiny_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck2" / "step=2.ckpt")
+    )
+    per_batch = transformer_training_flops(8, 16, 2, 32, None, 64, head="lm")
+    assert (resumed.summary["optimizer_steps"], resumed.summary["flops"]) == (4, 4 * per_batch)

@@ -978,15 +978,26 @@ class EfficiencyMonitor(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """A resumed ``fit`` whose checkpoint holds the state of a shipped technique (:data:`TECHNIQUE_NAMES`) that
-        this Trainer does not have warns, naming it: the run goes on without it (Lightning only says that callback
-        states were not loaded), its savings so far stay in the totals, and the run's record names the technique
-        (:func:`~lightning_effi.report.record.make_record`), so that the report never takes it for a baseline."""
+        """A resumed ``fit`` from a checkpoint without this monitor's state (written by a fit without it) at a step
+        above 0 is refused (``MisconfigurationException``): the totals would start at 0 there, as in a further fit
+        of a Trainer the monitor did not count (:meth:`setup`). A resumed ``fit`` whose checkpoint holds the state of
+        a shipped technique (:data:`TECHNIQUE_NAMES`) that this Trainer does not have warns, naming it: the run goes on
+        without it (Lightning only says that callback states were not loaded), its savings so far stay in the
+        totals, and the run's record names the technique (:func:`~lightning_effi.report.record.make_record`), so
+        that the report never takes it for a baseline."""
         from lightning.pytorch.trainer.states import TrainerFn
 
         if trainer.state.fn != TrainerFn.FITTING:
             return
         check_coarse_vcycle_resume("EfficiencyMonitor", trainer, checkpoint)
+        step = checkpoint.get("global_step", 0)
+        if self.state_key not in checkpoint.get("callbacks", {}) and isinstance(step, int) and step > 0:
+            raise MisconfigurationException(
+                f"{type(self).__name__}: this fit resumes a checkpoint at step {step} written by a fit without an "
+                "EfficiencyMonitor, so its totals (samples, tokens, FLOPs, time) would cover only the steps after "
+                f"{step} while optimizer_steps counts them all; resume from a checkpoint of a fit with the monitor, or "
+                "train from the start with it (load the weights into a fresh fit to measure only what follows)"
+            )
         present = {type(c).__qualname__ for c in trainer.callbacks}  # type: ignore[attr-defined]
         dropped = sorted(
             {key.split("{", 1)[0] for key in checkpoint.get("callbacks", {}) if isinstance(key, str)}
