@@ -124,7 +124,8 @@ class Curriculum(Callback):
         total_tokens: the run's token budget. When set, the callback exposes ``effi_progress()`` = consumed tokens
             (including the batch being trained) / ``total_tokens``, which the reference tasks' LR schedules follow
             (token-based LR decay, recommended with ``seqlen_truncate`` by the DeepSpeed tutorial).
-        strict: a checkpoint written with another configuration raises on resume (``False``: warn and continue).
+        strict: a checkpoint written with another configuration raises on resume (``False``: warn and continue);
+            one written on a training set of another size raises either way.
         nonfinite_loss: ``"raise"`` (default) stops the fit at the first NaN / infinite training loss, before its
             backward pass (the module's parameters unchanged by that step), with a
             :class:`~lightning_effi.core.nonfinite.NonFiniteLossError` naming the step; ``"warn"`` warns once, counts

@@ -408,13 +408,21 @@ class CurriculumController:
         Raises:
             CurriculumConfigError: (``strict``; else a warning) the checkpoint was written with another configuration
                 or batch geometry, naming each setting that differs with the checkpoint's and the current value
-                (:func:`fingerprint_diff`, e.g. ``{'seed': (3, 4)}``); (always) an invalid state: a missing entry, a
+                (:func:`fingerprint_diff`, e.g. ``{'seed': (3, 4)}``); (always) another training set size
+                (``num_samples``: the stream indexes the samples); an invalid state: a missing entry, a
                 negative or non-int position, a ``committed_micro`` that is not ``pre_state.step × grad_accum +
                 micro_offset`` or beyond the sample budget, a ``curriculum_step`` / ``consumed_samples`` /
                 ``current_difficulties`` that does not match the position, clusters that the analysis index does not
                 rebuild.
         """
         diff = fingerprint_diff(state.get("config"), self.fingerprint())
+        if "num_samples" in diff:
+            saved_n, n = diff["num_samples"]
+            raise CurriculumConfigError(
+                f"Curriculum: the checkpoint's stream is over a training set of {saved_n} samples, this fit's has {n}: "
+                "the stream's clusters and position index the samples, so it cannot resume on another training set "
+                "(strict=False does not apply); resume on the training set it was written on, or start a fresh fit"
+            )
         if diff:
             config_mismatch(
                 "Curriculum",

@@ -273,8 +273,8 @@ class InfoBatchCallback(Callback):
         num_epochs: ``E``; default ``trainer.max_epochs`` (with the curriculum: not used, leave it ``None``).
         seed: seeds every plan (with the epoch); the global RNGs are never used.
         momentum: score update ``m·loss + (1-m)·score`` in ``(0, 1]``; 1.0 (default) = the paper's overwrite.
-        strict: a checkpoint written with other ``prune_ratio/delta/seed/num_epochs/dataset size`` raises on load
-            (False: warns and uses the checkpoint's tables anyway).
+        strict: a checkpoint written with other ``prune_ratio/delta/seed/num_epochs`` raises on load (False: warns
+            and uses the checkpoint's tables with this callback's settings). Another dataset size raises either way.
         per_sample_loss: ``fn(outputs, batch) -> float[B]`` (see above), or None (the loss returned by
             ``training_step``, else the automatic cross-entropy).
         nonfinite_loss: what a NaN or infinite training loss does (:mod:`lightning_effi.core.nonfinite`):
@@ -1591,7 +1591,8 @@ class InfoBatchCallback(Callback):
         another ``state_key`` and would otherwise be ignored silently).
 
         Raises:
-            ValueError: (``fit``, ``strict``) the checkpoint holds an InfoBatch state under another ``state_key``.
+            ValueError: (``fit``, ``strict``) the checkpoint holds an InfoBatch state under another ``state_key``
+                (``strict=False``: a warning, and that state is loaded as this callback's).
             IncompatibleTechniques: (``fit``) a resume under a strategy that restores checkpoints after setup (FSDP).
         """
         self._evaluating = trainer.state.fn != TrainerFn.FITTING
@@ -1613,8 +1614,10 @@ class InfoBatchCallback(Callback):
                 type(self).__name__,
                 f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}",
                 self.strict,
-                fix="start InfoBatch afresh",
+                fix="resume its scores and plan with this configuration",
             )
+            # strict=False: the other settings' state is this callback's (load_state_dict compares the rest)
+            checkpoint["callbacks"][self.state_key] = checkpoint["callbacks"][others[0]]
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1632,8 +1635,9 @@ class InfoBatchCallback(Callback):
 
         Raises:
             ValueError: (``fit``, ``strict``) the checkpoint was written with other settings (``prune_ratio``,
-                ``delta``, ``seed``, ``num_epochs``, dataset size, ...); (``fit``) a field that is missing, of the
-                wrong type, shape or size, or out of range (:func:`validate_state`, naming the field).
+                ``delta``, ``seed``, ``num_epochs``, ...); (``fit``) another dataset size (whatever ``strict``: the
+                score table is per sample), a field that is missing, of the wrong type, shape or size, or out of range
+                (:func:`validate_state`, naming the field).
         """
         if self._evaluating:
             self._evaluating = False
@@ -1645,6 +1649,13 @@ class InfoBatchCallback(Callback):
                 f"{_brief(state_dict.get('config'))} (a damaged or edited checkpoint: resume from another one)"
             )
         diff = settings_diff(state_dict["config"], self.config())
+        if "dataset_size" in diff:
+            saved_n, n = diff["dataset_size"]
+            raise ValueError(
+                f"InfoBatchCallback: the checkpoint's state is for a training set of {saved_n} samples, this fit's "
+                f"has {n}: its score table holds one score per sample, so it cannot resume on another training set "
+                "(strict=False does not apply); resume on the training set it was written on, or start a fresh fit"
+            )
         if diff:
             config_mismatch(
                 type(self).__name__,

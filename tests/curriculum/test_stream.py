@@ -226,6 +226,22 @@ def test_load_with_other_configuration_raises():
         b.load_state_dict(a.state_dict(), strict=False)
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_on_another_training_set_size_is_refused_whatever_strict(strict):
+    """The stream's clusters and position index the samples: strict=False (offered for other settings) cannot
+    resume it over another N (it failed later, on clusters "not rebuilt from the analysis index")."""
+    a = controller({"p": pct_metric()}, n=40)
+    drain(a)
+    b = controller({"p": pct_metric()}, n=32)
+    with pytest.raises(CurriculumConfigError) as err:
+        b.load_state_dict(a.state_dict(), strict=strict)
+    assert str(err.value).startswith(
+        "Curriculum: the checkpoint's stream is over a training set of 40 samples, this fit's has 32: the stream's "
+        "clusters and position index the samples, so it cannot resume on another training set (strict=False does "
+        "not apply)"
+    )
+
+
 def test_state_is_plain_python():
     a = controller({"p": pct_metric(), "seqlen_truncate": TRUNC}, n=40)
     drain(a)

@@ -1158,8 +1158,16 @@ def test_a_resumed_fit_still_refuses_other_settings(tmp_path, infobatch_run):
 
     with pytest.raises(ValueError, match=r"other settings \(checkpoint, now\): \{'num_epochs': \(3, 4\)\}"):
         resume(InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0), epochs=4)
-    with pytest.raises(ValueError, match=r"written with other settings \(InfoBatchCallback\{"):
+    with pytest.raises(ValueError, match=r"written with other settings \(InfoBatchCallback\{") as err:
         resume(InfoBatchCallback(prune_ratio=0.3, delta=0.875, seed=0))
+    assert str(err.value).endswith("pass strict=False to resume its scores and plan with this configuration")
     resumed = InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0)
     assert resume(resumed).current_epoch == EPOCHS
     assert same(resumed.history, cb.history) and torch.equal(resumed.score, cb.score)
+    # strict=False does what the message says: the other settings' scores and plan are resumed (it refused before,
+    # as if the checkpoint had no InfoBatch state), and the next epochs prune at the new ratio
+    lenient = InfoBatchCallback(prune_ratio=0.3, delta=0.875, seed=0, strict=False)
+    with pytest.warns(UserWarning, match=r"other settings \(checkpoint, now\): \{'prune_ratio': \(0\.5, 0\.3\)\}"):
+        assert resume(lenient).current_epoch == EPOCHS
+    assert same(lenient.history[:1], cb.history[:1]) and lenient.history[1]["kind"] == cb.history[1]["kind"] == "prune"
+    assert 0 < lenient.history[1]["saved"] < cb.history[1]["saved"]  # 0.3 of the well-learned, not 0.5
