@@ -18,10 +18,13 @@ display it prints exactly what ``print(text, flush=True)`` prints.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import TextIO
 
-__all__ = ["print_block"]
+__all__ = ["print_block", "unshown_warnings"]
 
 
 def print_block(text: str, file: TextIO | None = None) -> None:
@@ -44,3 +47,19 @@ def print_block(text: str, file: TextIO | None = None) -> None:
     stream = sys.stdout if file is None else file
     stream.write(text + "\n")
     stream.flush()
+
+
+@contextlib.contextmanager
+def unshown_warnings() -> Iterator[None]:
+    """Show no warning raised inside (a replay of code the run already ran, whose warnings it showed), without
+    touching the warning filters: ``warnings.catch_warnings()`` changes them on entry and exit, which makes Python
+    forget every warning already shown once (each module's ``__warningregistry__`` is reset when the filters change),
+    so Lightning's once-per-run warnings (and the user's) would show again after every use. Inside, ``showwarning``
+    is a no-op; a filter's ``"error"`` action still raises.
+    """
+    show = warnings.showwarning
+    warnings.showwarning = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        warnings.showwarning = show

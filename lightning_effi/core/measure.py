@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from lightning_effi.core.console import unshown_warnings
 from lightning_effi.core.flops import flop_counter
 
 __all__ = [
@@ -765,8 +766,7 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     try:
         # outside any dispatch mode of the caller (a FlopCounterMode measuring the real step must not count the replay)
-        with _disable_current_modes(), torch.random.fork_rng(devices=cuda), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _disable_current_modes(), torch.random.fork_rng(devices=cuda), unshown_warnings():
             mode = _fake_tensor_mode()
             clone = fake_copy(target, mode, share_attributes=target is root, device=move)
             with mode, flop_counter() as counter:

@@ -16,6 +16,7 @@ from fractions import Fraction
 from typing import Any
 
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real, plain
+from lightning_effi.core.console import unshown_warnings
 from lightning_effi.core.progress import (
     PROGRESS_TICKS,
     Duration,
@@ -745,8 +746,7 @@ def continue_schedulers(
             count = prev.steps - int(getattr(scheduler, "last_epoch", 0))
         else:
             count = (global_step if cfg.interval == "step" else current_epoch) // max(1, cfg.frequency)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with unshown_warnings():  # torch's "scheduler.step() before optimizer.step()": not the user's order
             for _ in range(max(0, count)):
                 scheduler.step()
 
@@ -760,7 +760,6 @@ def advance_schedulers(scheduler_configs: Sequence[Any], global_step: int, curre
         if cfg.reduce_on_plateau:
             continue
         count = global_step if cfg.interval == "step" else current_epoch
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with unshown_warnings():  # torch's "scheduler.step() before optimizer.step()": not the user's order
             for _ in range(count // max(1, cfg.frequency)):
                 cfg.scheduler.step()
