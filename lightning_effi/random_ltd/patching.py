@@ -71,6 +71,12 @@ __all__ = [
 #: the most layer calls :attr:`LTDController.calls` keeps (a schedule of many reserved lengths over many shapes)
 _MAX_CALLS = 4096
 
+
+def _same(t: Tensor) -> Tensor:
+    """Identity pack / unpack of :meth:`LTDForward._note_call`'s saved-tensor hooks."""
+    return t
+
+
 #: Purpose key mixed into every random-LTD seed (another technique with the same user seed gets another stream).
 _PURPOSE = int.from_bytes(b"RandLTD", "little")
 
@@ -442,7 +448,12 @@ class LTDForward:
             return
         if len(calls) >= _MAX_CALLS:
             calls.clear()
-        bound = self._gathered(args, kwargs, idx, seq_len)  # with grad: the kept tensors' requires_grad as in training
+        # with grad (the kept tensors' requires_grad as in training), under saved-tensor hooks of its own: inside a
+        # non-reentrant activation checkpoint (timm's set_grad_checkpointing) the checkpoint counts every tensor the
+        # forward saves, and this extra gather, not run again in the recompute, would make the counts differ
+        # (torch's CheckpointError "a different number of tensors was saved")
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            bound = self._gathered(args, kwargs, idx, seq_len)
         grad = torch.is_grad_enabled()
         used: set[tuple[Any, ...]] = {(), (0,)}  # the hidden states: the output itself, or a tuple's first element
         calls[key] = (

@@ -377,17 +377,22 @@ def test_hf_activation_checkpointing_gives_the_same_gradients(reentrant):
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=1e-7, msg=name)
 
 
-def test_timm_checkpointing_reuses_the_indices():
+@pytest.mark.parametrize("record_calls", [False, True])
+def test_timm_checkpointing_reuses_the_indices(record_calls):
+    """With the callback's call recording on (record_calls=True, for its FLOPs accounting) too: the note's extra
+    gather inside timm's non-reentrant checkpoint made torch's recompute count fewer saved tensors (CheckpointError
+    at the first backward); each LTD layer's call is noted once, in the forward, not in the recompute."""
     grads, lookups = [], []
     for ckpt in (False, True):
         model = vit()
         model.set_grad_checkpointing(ckpt)
-        _, ctl = converted(model)
+        _, ctl = converted(model, record_calls=record_calls)
         ctl.begin(2, 0, 24)
         model(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))).square().mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         lookups.append(ctl.lookups)
         assert ctl.draws == 1
+        assert sorted(key[0] for key in ctl.calls) == ([1, 2] if record_calls else [])
     assert lookups == [2, 4]  # the recompute looks the indices up again and does not redraw
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=1e-7, msg=name)
