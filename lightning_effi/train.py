@@ -342,6 +342,10 @@ def check_settings(cfg: DictConfig) -> None:
         if value is None and none_ok:
             continue
         check_int("trainer", key, value, minimum, error=ConfigError)
+    clip = trainer.get("gradient_clip_val")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not clip >= 0):
+        # Lightning skips clipping at a value <= 0: a sign typo (-1 for 1.0) would train unclipped without a word
+        raise ConfigError(f"trainer.gradient_clip_val: expected a number >= 0 (0 or null: no clipping), got {clip!r}")
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -375,6 +379,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(seed, workers=True)
     datamodule, model, trainer = build(cfg)
     check_launcher(trainer)
+    if check_objective(cfg) is not None and not any(isinstance(c, EfficiencyMonitor) for c in trainer.callbacks):  # type: ignore[attr-defined]
+        raise ConfigError(
+            "objective: saving_at_floor reads the EfficiencyMonitor's summary, and this run has none; add "
+            "callbacks.efficiency (or use objective.kind=metric)"
+        )
     if cfg.get("test", False):
         check_testable(model, datamodule)
     if cfg.get("ckpt_path"):

@@ -67,3 +67,16 @@ def test_every_experiment_builds_and_runs_with_fast_dev_run(name, tmp_path):
     result = run(cfg)
     assert result["task_name"] == name and result["efficiency"]["optimizer_steps"] == 1
     assert json.loads((tmp_path / "result.json").read_text())["task_name"] == name
+
+
+def test_the_reports_advice_for_labelling_a_run_works_in_the_app(tmp_path):
+    """The report's duplicate-run error says how to label a variant (``LABEL_HOW``): ``arm`` is a config group, so
+    ``+arm=<name>`` is refused by Hydra; a file ``arm/<name>.yaml`` (here in the user's own config folder, added
+    with ``hydra.searchpath``) picked with ``arm=<name>`` sets the label."""
+    from lightning_effi.report.table import LABEL_HOW
+
+    assert "conf/arm/<name>.yaml holding '# @package _global_' and 'arm: <name>', picked with arm=<name>" in LABEL_HOW
+    (tmp_path / "conf" / "arm").mkdir(parents=True)
+    (tmp_path / "conf" / "arm" / "lr_3e-3.yaml").write_text("# @package _global_\narm: lr_3e-3\n")
+    cfg = compose_train([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "arm=lr_3e-3"], tmp_path / "out")
+    assert cfg.arm == "lr_3e-3" and cfg.budget == 1.0

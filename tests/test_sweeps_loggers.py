@@ -147,6 +147,25 @@ def test_app_returns_the_saving_when_the_floor_is_met(floor, met, tmp_path):
     assert value == (saving if met else -1.0)
 
 
+def test_a_saving_objective_without_the_monitor_is_refused_before_training(tmp_path, monkeypatch):
+    """saving_at_floor reads the EfficiencyMonitor's summary: a run without it (~callbacks.efficiency) trained the
+    whole first trial, then stopped the sweep. Refused after the Trainer is built, before any batch."""
+    import lightning_effi.train as app
+
+    batches: list[int] = []
+    monkeypatch.setattr(app.TrainingStarted, "on_train_batch_start", lambda self, *args: batches.append(args[-1]))
+    cfg = compose_train(
+        ["+sweep=optuna_random_ltd", "callbacks.random_ltd.min_value=16", "~callbacks.efficiency"], tmp_path
+    )
+    with pytest.raises(SystemExit) as stop:
+        main(cfg)
+    assert str(stop.value.code).startswith(
+        "error: objective: saving_at_floor reads the EfficiencyMonitor's summary, and this run has none; add "
+        "callbacks.efficiency"
+    )
+    assert batches == [] and not (tmp_path / "result.json").exists()
+
+
 @pytest.mark.parametrize("sweep", SWEEPS)
 def test_a_sweep_direction_that_contradicts_the_objective_is_refused(sweep, tmp_path):
     """objective.kind=metric returns val/loss (optimized_mode: min): the sweep configs' ``direction: maximize`` would

@@ -52,7 +52,9 @@ class Run:
         budget: the fraction of the experiment's reference length this run trained (1.0: the full length).
         seed: the run's seed.
         techniques: technique name -> the technique callback's resolved config (``{}`` for a baseline).
-        metric_name: the optimized metric (e.g. ``"val/loss"``); ``mode``: ``"min"`` or ``"max"``.
+        metric_name: the optimized metric (e.g. ``"val/loss"``; None for a run of the app with
+            ``optimized_metric: null``, which the report reads at a metric chosen with ``metric=``); ``mode``:
+            ``"min"`` or ``"max"``.
         metric: its final value (NaN when the record holds ``null``: no validation ran, or it diverged).
         metrics: every final scalar metric.
         efficiency: the ``EfficiencyMonitor`` summary (FLOPs: forward + backward training FLOPs; seconds).
@@ -68,7 +70,7 @@ class Run:
     budget: float
     seed: int
     techniques: Mapping[str, Any] = field(hash=False)
-    metric_name: str
+    metric_name: str | None
     mode: Mode
     metric: float
     metrics: Mapping[str, float] = field(hash=False)
@@ -105,6 +107,11 @@ class Run:
     def quality(self, metric: str | None = None) -> float:
         """The final value of ``metric`` (default: the optimized one); NaN for a ``null`` value. Raises
         ``ReportError`` naming the file when the run did not log it."""
+        if metric is None and self.metric_name is None:
+            raise ReportError(
+                f"{self.path / RESULT_FILE}: the run optimized no metric (optimized_metric: null); choose the metric "
+                "to compare with metric= (--metric)"
+            )
         if metric is None or metric == self.metric_name:
             return self.metric
         if metric not in self.metrics:
@@ -186,7 +193,9 @@ def read_run(file: Path) -> Run:
     if not 0 <= seed < 2**32:
         raise ReportError(f"{file}: 'seed' must be an int in [0, 2**32) (as write_result writes it), got {seed!r}")
     techniques = _require(record, "techniques", dict, file, "technique name -> config, an object")
-    metric_name = _require(record, "optimized_metric", str, file, "the optimized metric's name, a string")
+    metric_name = _require(
+        record, "optimized_metric", (str, type(None)), file, "the optimized metric's name, a string (or null)"
+    )
     mode = _require(record, "optimized_mode", str, file, "'min' or 'max'")
     try:
         checked_mode = check_mode(mode)

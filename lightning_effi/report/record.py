@@ -310,9 +310,12 @@ def stopped_early(trainer: pl.Trainer) -> bool:
 
 def save_record(trainer: pl.Trainer, record: Mapping[str, Any], run_dir: str | os.PathLike[str]) -> Path:
     """Write ``record`` to ``<run_dir>/result.json`` as strict JSON (non-finite numbers as null) on rank 0 (the
-    folder is created); other ranks write nothing. Returns the file's path."""
+    folder is created); other ranks write nothing. The file appears whole: written to a temporary file beside it and
+    renamed (a report read while a job writes its record sees none, never half of one). Returns the file's path."""
     file = Path(run_dir) / "result.json"
     if trainer.is_global_zero:
         file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps(json_safe(record), indent=2, default=str), encoding="utf-8")
+        partial = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(json_safe(record), indent=2, default=str), encoding="utf-8")
+        os.replace(partial, file)
     return file

@@ -337,15 +337,23 @@ def _pct(mean: float, std: float, flag: str, factor: float = math.nan) -> str:
 # ---------------------------------------------------------------------------------------------- building
 def _resolve_metric(runs: Sequence[Run], metric: str | None, mode: str | None) -> tuple[str, Mode]:
     if metric is None:
-        names: dict[str, list[Run]] = defaultdict(list)
+        names: dict[str | None, list[Run]] = defaultdict(list)
         for run in runs:
             names[run.metric_name].append(run)
+        if None in names:
+            raise ReportError(
+                f"{len(names[None])} run(s) optimized no metric (optimized_metric: null, e.g. {names[None][0].path}); "
+                "choose the metric to compare with metric= (--metric)"
+            )
         if len(names) > 1:
-            listing = ", ".join(f"{name!r} ({len(rs)} runs, e.g. {rs[0].path})" for name, rs in sorted(names.items()))
+            listing = ", ".join(
+                f"{name!r} ({len(rs)} runs, e.g. {rs[0].path})"
+                for name, rs in sorted(names.items(), key=lambda i: str(i[0]))
+            )
             raise ReportError(
                 f"runs optimize different metrics: {listing}; choose one to compare with metric= (--metric)"
             )
-        metric = next(iter(names))
+        metric = str(next(iter(names)))
     for run in runs:
         run.quality(metric)  # ReportError naming the file of a run that did not log it
     modes = {run.mode for run in runs if run.metric_name == metric}
@@ -425,6 +433,14 @@ def label_variants(runs: Sequence[Run]) -> list[Run]:
     return [relabelled.get(id(r), r) for r in runs]
 
 
+#: how a run gets its own label (``arm``), for the report's errors: ``arm`` is also the app's config group
+#: (``conf/arm/``), so ``arm=<name>`` on the command line selects a file and ``+arm=<name>`` is refused by Hydra
+LABEL_HOW = (
+    "in the Hydra app, a config file conf/arm/<name>.yaml holding '# @package _global_' and 'arm: <name>', picked "
+    "with arm=<name>; from Python, write_result(..., arm='<name>')"
+)
+
+
 def _check_runs(runs: Sequence[Run]) -> None:
     tasks: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
@@ -440,7 +456,7 @@ def _check_runs(runs: Sequence[Run]) -> None:
         if run.arm == "baseline" and run.techniques:
             raise ReportError(
                 f"{run.path}: arm 'baseline' but techniques {sorted(run.techniques)}; a baseline has no technique "
-                "(label this run with +arm=<name>)"
+                f"({LABEL_HOW})"
             )
     groups: dict[tuple[str, float, int], list[Run]] = defaultdict(list)
     for run in runs:
@@ -450,8 +466,8 @@ def _check_runs(runs: Sequence[Run]) -> None:
             raise ReportError(
                 f"{len(same)} runs of arm {arm!r}, budget {budget:g}, seed {seed}: "
                 f"{', '.join(str(r.path) for r in same)}; a report compares one run per arm, budget and seed "
-                "(label variants with +arm=<name>, a baseline's with +arm=baseline_<name> to keep them on the "
-                "frontier, or report their folders separately)"
+                f"(label each variant, a baseline's as baseline_<name> to keep it on the frontier: {LABEL_HOW}; "
+                "or report their folders separately)"
             )
 
 
@@ -505,9 +521,9 @@ def build_report(
     Arms are the runs grouped by ``(arm, budget)``; baseline runs are those without techniques whose arm starts with
     ``baseline`` (:attr:`~lightning_effi.report.load.Run.is_baseline`; another label without a technique is the
     user's own method, an arm). With several baseline arms (e.g. a learning-rate sweep of the plain model, each
-    labelled ``+arm=baseline_<name>``), every one of them enters the seed's frontier, and the same-length reference
-    is the best of them at that budget: the tuned baseline. A seed's frontier needs baselines at >= 2 budgets;
-    otherwise its frontier columns are empty and ``notes`` says why.
+    labelled ``baseline_<name>``, :data:`LABEL_HOW`), every one of them enters the seed's frontier, and the
+    same-length reference is the best of them at that budget: the tuned baseline. A seed's frontier needs baselines
+    at >= 2 budgets; otherwise its frontier columns are empty and ``notes`` says why.
 
     Args:
         runs: the runs (:func:`~lightning_effi.report.load.load_runs`).

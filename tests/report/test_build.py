@@ -231,11 +231,29 @@ def test_errors_name_the_file_or_path(tmp_path):
         load_runs([tmp_path / "mode"])
 
 
+def test_runs_without_an_optimized_metric_are_read_at_a_chosen_metric(tmp_path):
+    """The app accepts optimized_metric=null (e.g. a test-only run) and records null: the report refused such a
+    record even with --metric. It reads it at the chosen metric, and without one says to choose."""
+    for seed in (0, 1):
+        loss = 2.0 + seed
+        write_record(tmp_path / f"b{seed}", seed=seed, loss=loss, metric=None, metrics={"val/loss": loss})
+    runs = load_runs([tmp_path])
+    assert [r.metric_name for r in runs] == [None, None]
+    report = build_report(runs, metric="val/loss")
+    assert report.metric == "val/loss" and report.mode == "min"  # from the name: a loss
+    assert [r["quality"] for r in report.readings] == [2.0, 3.0]
+    with pytest.raises(ReportError, match=r"2 run\(s\) optimized no metric \(optimized_metric: null.*--metric"):
+        build_report(runs)
+
+
 def test_runs_that_cannot_be_compared_are_refused(tmp_path):
     write_record(tmp_path / "a", seed=0)
     write_record(tmp_path / "b", seed=0)
-    with pytest.raises(ReportError, match=r"2 runs of arm 'baseline', budget 1, seed 0: .*a, .*b; .*\+arm="):
+    with pytest.raises(ReportError, match=r"2 runs of arm 'baseline', budget 1, seed 0: .*a, .*b; ") as err:
         build_report(load_runs([tmp_path]))
+    # the advice works in the Hydra app (arm is a config group there: +arm=<name> is refused) and from Python
+    assert "a config file conf/arm/<name>.yaml holding '# @package _global_' and 'arm: <name>'" in str(err.value)
+    assert "+arm" not in str(err.value) and "write_result(..., arm='<name>')" in str(err.value)
     write_record(tmp_path / "b", seed=1, techniques={"random_ltd": {}})
     with pytest.raises(ReportError, match=r"b: arm 'baseline' but techniques \['random_ltd'\]"):
         build_report(load_runs([tmp_path]))

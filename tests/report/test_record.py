@@ -318,3 +318,27 @@ def test_a_curriculum_added_on_resume_is_marked_in_the_record_and_noted_by_the_r
     fresh.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data()))
     record = json.loads(write_result(fresh, tmp_path / "fresh", metric="train/loss").read_text())
     assert "added_on_resume" not in record["techniques"]["curriculum"]
+
+
+def test_the_record_appears_whole(tmp_path, monkeypatch):
+    """result.json is written beside itself and renamed into place (a report read while a job writes it read half
+    a file and failed for the whole sweep): the rename is the only way the file appears, and no partial file is
+    left behind."""
+    import os
+
+    from lightning_effi.report import record as record_module
+
+    renames: list[tuple[str, str]] = []
+    real = os.replace
+
+    def replace(src, dst):
+        assert not Path(dst).exists() and json.loads(Path(src).read_text())["seed"] == 0  # whole before it appears
+        renames.append((Path(src).name, Path(dst).name))
+        real(src, dst)
+
+    monkeypatch.setattr(record_module.os, "replace", replace)
+    trainer = fit(tmp_path / "fit", 2, ltd=False)
+    file = write_result(trainer, tmp_path / "run", metric="val/loss", task_name="t")
+    assert len(renames) == 1 and renames[0][1] == "result.json" and renames[0][0].endswith(".tmp")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["result.json"]
+    assert json.loads(file.read_text())["length"]["optimizer_steps"] == 2

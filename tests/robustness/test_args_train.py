@@ -35,6 +35,9 @@ def no_build(monkeypatch):
         ("trainer.max_epochs=-2", r"^trainer\.max_epochs must be an int >= -1, got -2$"),
         ("+trainer.accumulate_grad_batches=0", r"^trainer\.accumulate_grad_batches must be an int >= 1, got 0$"),
         ("trainer.log_every_n_steps=often", r"^trainer\.log_every_n_steps must be an int >= 1, got 'often'$"),
+        # Lightning skips clipping at <= 0: a sign typo trained unclipped
+        ("trainer.gradient_clip_val=-1", r"^trainer\.gradient_clip_val: expected a number >= 0 \(0 or null: no "),
+        ("trainer.gradient_clip_val=high", r"^trainer\.gradient_clip_val: expected a number >= 0 .*got 'high'$"),
     ],
 )
 def test_bad_settings_are_refused_before_anything_is_built(tmp_path, no_build, override, match):
