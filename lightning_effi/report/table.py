@@ -26,7 +26,7 @@ import json
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -412,7 +412,8 @@ def label_variants(runs: Sequence[Run]) -> list[Run]:
     ``arm[key=value, ...]`` with the overrides whose values differ among the arm's runs (``seed``, ``arm``, ``budget``,
     ``bench`` and ``hydra.*`` left out; ``key=default`` where a run does not override ``key``), so the trials of one
     setting over several seeds form one arm. Runs of other
-    arms, and arms without such duplicates, keep their labels."""
+    arms, and arms without such duplicates, keep their labels. Then runs of one arm and budget whose recorded
+    technique settings differ are told apart by those settings (:func:`_label_setting_variants`)."""
     runs = list(runs)
     counts: dict[tuple[str, float, int], int] = defaultdict(int)
     for run in runs:
@@ -430,6 +431,44 @@ def label_variants(runs: Sequence[Run]) -> list[Run]:
             label = ", ".join(f"{k}={it.get(k, 'default')}" for k in varying)
             out.append((id(r), replace(r, arm=f"{arm}[{label}]")))
     relabelled = dict(out)
+    return _label_setting_variants([relabelled.get(id(r), r) for r in runs])
+
+
+def _flat_settings(techniques: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """A run's recorded technique settings as ``technique.key[.subkey] -> repr(value)``, the draws' ``seed`` keys
+    left out (a sweep over seeds sets them from the run's seed)."""
+    out: dict[str, str] = {}
+    for key, value in techniques.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flat_settings(value, f"{path}."))
+        elif key != "seed":
+            out[path] = repr(value)
+    return out
+
+
+def _label_setting_variants(runs: list[Run]) -> list[Run]:
+    """Runs of one arm and budget whose recorded technique settings differ (a setting changed in a config file
+    between seeds, or ``write_result`` called with other callbacks under one label: the overrides do not tell them
+    apart) are variants, not seeds of one arm: each such arm is relabelled ``arm[technique.key=value, ...]`` with the
+    settings that differ within one of its budgets. Settings that differ only between budgets (a schedule scaled with
+    the run's length) do not split an arm."""
+    by_arm: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        by_arm[run.arm].append(run)
+    relabelled: dict[int, Run] = {}
+    for arm, members in by_arm.items():
+        settings = {id(r): _flat_settings(r.techniques) for r in members}
+        varying: set[str] = set()
+        for budget in {r.budget for r in members}:
+            group = [settings[id(r)] for r in members if r.budget == budget]
+            keys = {k for g in group for k in g}
+            varying |= {k for k in keys if len({g.get(k) for g in group}) > 1}
+        if not varying:
+            continue
+        for r in members:
+            label = ", ".join(f"{k}={settings[id(r)].get(k, 'none')}" for k in sorted(varying))
+            relabelled[id(r)] = replace(r, arm=f"{arm}[{label}]")
     return [relabelled.get(id(r), r) for r in runs]
 
 

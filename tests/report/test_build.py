@@ -319,6 +319,26 @@ def test_variants_of_an_arm_from_a_settings_sweep_are_told_apart(sweep):
     assert "random_ltd[callbacks.random_ltd.min_value=default]" in arms  # the sweep's runs without the override
 
 
+def test_runs_of_one_arm_with_other_recorded_settings_are_variants_not_seeds(sweep):
+    """Two seeds of random_ltd whose recorded settings differ (min_value 32 at seed 0, 64 at seed 1: changed in a
+    config file, so the overrides are the same) were averaged as 2 seeds of one arm; each setting is now its own arm.
+    The draws' seed keys differ with the run's seed and split nothing; nor do settings that differ between budgets."""
+    for seed, min_value in ((0, 32), (1, 64)):
+        settings = {"random_ltd": {"min_value": min_value, "seed": seed, "require_steps": 10}}
+        write_record(sweep / f"a{seed}", arm="random_ltd", seed=seed, loss=2.5, flops=2e12, techniques=settings)
+        longer = {"random_ltd": {"min_value": 32, "seed": seed, "require_steps": 20}}
+        write_record(sweep / f"b{seed}", arm="random_ltd", budget=2.0, seed=seed, flops=4e12, techniques=longer)
+    for job in (8, 9):  # the sweep's own random_ltd arm (budget 1.0): moved aside
+        (sweep / str(job) / "result.json").unlink()
+    report = build_report(load_runs([sweep]))
+    arms = sorted({(r["arm"], r["budget"], r["n_seeds"]) for r in report.rows if not r["baseline"]})
+    assert arms == [
+        ("random_ltd[random_ltd.min_value=32]", 1.0, 1),
+        ("random_ltd[random_ltd.min_value=32]", 2.0, 2),
+        ("random_ltd[random_ltd.min_value=64]", 1.0, 1),
+    ]
+
+
 def test_a_removed_setting_tells_variants_apart(sweep):
     """``~key`` (a setting removed from the arm's config) is a variant of its own, ``key=<removed>``, beside the runs
     that keep the default; ``++key=v`` reads as ``key=v``."""
