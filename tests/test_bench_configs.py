@@ -230,3 +230,40 @@ def test_tiny_bench_multirun_writes_one_record_per_job_and_the_report(tmp_path):
         pytest.skip("lightning_effi.report is not in yet: the sweep ran without its report callback")
     assert (sweeps[0] / "report.md").is_file() and (sweeps[0] / "quality_vs_compute.png").stat().st_size > 0
     assert stack in (sweeps[0] / "report.md").read_text()
+
+
+def test_a_budget_on_a_bench_sweeps_command_line_is_refused_before_its_first_job(tmp_path):
+    """In a bench each arm sets ``budget``; ``budget=0.5`` on the command line gave every arm that budget, so the
+    frontier's baselines all trained one length and the report found none at the end. Refused at the sweep's
+    start (the report callback's ``on_multirun_start``); one arm with budgets of its own stays allowed."""
+    from lightning_effi.report.hydra_callback import ReportCallback
+
+    cfg = _compose(tmp_path, "gpt_stack")
+    assert cfg.hydra.runtime.choices.bench == "gpt_stack"
+
+    def start(*overrides: str) -> None:
+        config = OmegaConf.create(OmegaConf.to_container(cfg.hydra, resolve=False))
+        config = OmegaConf.create({"hydra": config})
+        config.hydra.overrides.task = ["bench=gpt_stack", *overrides]
+        ReportCallback().on_multirun_start(config)
+
+    with pytest.raises(SystemExit) as stop:
+        start("budget=0.5")  # the bench's own arm list
+    assert str(stop.value.code).startswith(
+        "error: budget=0.5 on the command line of bench=gpt_stack replaces the budget of each of its arms "
+        "(baseline_25, baseline_50, baseline_75, baseline_100, baseline_150, technique), so the frontier's baselines "
+        "would all train one length; set the technique arm's with technique_budget=<fraction>"
+    )
+    with pytest.raises(SystemExit, match=r"its arms \(baseline_25, baseline_50\)"):
+        start("arm=baseline_25,baseline_50", "budget=0.5")
+    start("arm=baseline_50", "budget=0.5833,0.6667")  # baselines between the bench's budgets (vit_stack_9ep)
+    start("technique_budget=0.75", "ref_steps=4")
+
+
+@pytest.mark.slow
+def test_the_bench_budget_refusal_stops_the_hydra_sweep(tmp_path):
+    """Hydra turns a callback's exception into a warning and runs the sweep; the refusal exits before any job."""
+    proc = run_train_script(["bench=gpt_stack", "budget=0.5", "ref_steps=2"], tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert "error: budget=0.5 on the command line of bench=gpt_stack" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.rglob("result.json")) and not list(tmp_path.rglob(".hydra"))

@@ -65,6 +65,23 @@ class ReportCallback(Callback):
         self.print_table = print_table
         self.report: Any = None
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Before the first job of a bench sweep: refuse a command-line ``budget`` that would give every arm one
+        length (:func:`~lightning_effi.utils.instantiate.check_bench_sweep`; the report at the end would find no
+        frontier): the process exits with ``error: <why>`` (``SystemExit``: Hydra only warns about a callback's
+        exception, and would run the sweep)."""
+        from omegaconf import OmegaConf
+
+        from lightning_effi.utils.instantiate import ConfigError, check_bench_sweep
+
+        overrides = list(OmegaConf.select(config, "hydra.overrides.task", default=[]) or [])
+        arms = OmegaConf.select(config, "hydra.sweeper.params.arm", default=None)
+        bench = OmegaConf.select(config, "hydra.runtime.choices.bench", default=None)  # the bench group's choice
+        try:
+            check_bench_sweep(overrides, bench, arms)
+        except ConfigError as err:  # Hydra turns a callback's exception into a warning and runs the sweep anyway
+            raise SystemExit(f"error: {err}") from None
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """Report on ``config.hydra.sweep.dir``; a failure is printed as a warning, never raised."""
         from lightning_effi.report.table import write_report

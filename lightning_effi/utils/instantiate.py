@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import hydra
@@ -96,6 +96,38 @@ def check_budget(cfg: DictConfig) -> None:
             f"trainer.max_epochs={lengths['max_epochs']!r}); set trainer.max_steps to "
             "'${effi_scale:<reference steps>,${budget}}' (the bench configs do, e.g. bench=gpt_stack) or leave "
             "budget at 1.0"
+        )
+
+
+def check_bench_sweep(overrides: Sequence[str], bench: Any, sweep_arms: Any) -> None:
+    """A bench sweep's command line (``hydra.overrides.task``, sweep lists as typed) checked before its first job:
+    in a bench each arm sets ``budget`` (``conf/arm/``: ``baseline_25`` .. ``baseline_150``, ``technique``), so a
+    ``budget`` on the command line of a sweep over several arms (``arm=a,b``, or the bench's own arm list
+    ``sweep_arms`` when ``arm`` is not given) gives every arm that budget: the frontier's baselines would all train
+    one length. One arm with budgets of its own (``arm=baseline_50 budget=0.5833,0.6667``: baselines between the
+    bench's budgets) is allowed.
+
+    Raises:
+        ConfigError: naming the override and the keys to use instead.
+    """
+    if not bench:
+        return
+
+    def value(key: str) -> str | None:
+        found = [o.partition("=")[2] for o in overrides if o.lstrip("+~").partition("=")[0] == key]
+        return found[-1] if found else None
+
+    budget = value("budget")
+    if budget is None:
+        return
+    arm = value("arm")
+    arms = [a for a in (arm if arm is not None else str(sweep_arms or "")).split(",") if a.strip()]
+    if len(arms) > 1:
+        raise ConfigError(
+            f"budget={budget} on the command line of bench={bench} replaces the budget of each of its arms "
+            f"({', '.join(arms)}), so the frontier's baselines would all train one length; set the technique arm's "
+            "with technique_budget=<fraction> and the reference length with ref_steps=<steps> (or ref_epochs), or "
+            "give budgets to one arm (arm=baseline_50 budget=0.5833,0.6667: baselines between the bench's budgets)"
         )
 
 
