@@ -664,12 +664,17 @@ class _MarkUsed:
 _SHARED_ATTRIBUTES = ("_modules", "_parameters", "_buffers")
 
 
+#: the methods Lightning replaces with compiled wrappers on a LightningModule given as ``torch.compile(model)``
+_COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
+
+
 def fake_copy(
     module: nn.Module, mode: Any, share_attributes: bool = False, device: torch.device | None = None
 ) -> nn.Module:
     """A deep copy of ``module`` whose parameters, buffers and tensor attributes are fake tensors of ``mode`` (a
     ``FakeTensorMode``) on their real devices, or on ``device`` if given (tied parameters stay tied), with no hooks,
-    and with random-LTD's patched layers back on their original ``forward``. ``share_attributes``: the copy shares
+    and with random-LTD's patched layers back on their original ``forward`` (and a LightningModule given to the
+    Trainer as ``torch.compile(model)`` on its uncompiled methods). ``share_attributes``: the copy shares
     ``module``'s own non-module attributes instead of copying them (for a LightningModule: its data; its trainer
     reference is None)."""
 
@@ -698,6 +703,12 @@ def fake_copy(
             if name not in _SHARED_ATTRIBUTES and id(value) not in memo:
                 memo[id(value)] = value
     clone = copy.deepcopy(module, memo)
+    if isinstance(getattr(module, "_compiler_ctx", None), dict):
+        # trainer.fit(torch.compile(model)): Lightning set forward and the *_step methods on the instance to compiled
+        # wrappers of the real module's (lightning.pytorch.utilities.compile.from_compiled); shared, they would run
+        # the real network (random-LTD's layers armed) instead of the copy: the copy runs its class's methods
+        for name in _COMPILED_METHODS:
+            clone.__dict__.pop(name, None)
     try:
         from lightning_effi.random_ltd.patching import LTDForward
     except ImportError:  # pragma: no cover - the package ships random-LTD
