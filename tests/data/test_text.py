@@ -55,6 +55,22 @@ def test_stdlib_corpus_lm():
     assert dm.corpus_files and len(dm.train_dataset) == 18_000 // 64 and len(dm.val_dataset) == 2_000 // 64
 
 
+def test_a_subset_larger_than_its_split_is_refused_naming_it():
+    """train_subset=1e9 trained on the whole split (1,999 samples in the helper's run) under a subset's setting;
+    train_subset=0 was refused. Above the split's size is now refused too; the split's own size is all of it."""
+    kw = dict(corpus="stdlib", tokenizer="char", max_chars=20_000, block_size=64)
+    n_train, n_val = 18_000 // 64, 2_000 // 64
+    with pytest.raises(
+        DataConfigError, match=rf"^data.train_subset: 1000000000 is more samples than the split has \({n_train}\)"
+    ):
+        CausalLMDataModule(**kw, train_subset=10**9).setup()
+    with pytest.raises(DataConfigError, match=rf"^data.val_subset: {n_val + 1} is more samples than the split has"):
+        CausalLMDataModule(**kw, val_subset=n_val + 1).setup()
+    dm = CausalLMDataModule(**kw, train_subset=n_train, val_subset=n_val)
+    dm.setup()
+    assert (len(dm.train_dataset), len(dm.val_dataset)) == (n_train, n_val)
+
+
 def test_char_unknown_in_val(tmp_path):
     (tmp_path / "t.txt").write_text("abab" * 20 + "Z")
     dm = CausalLMDataModule(tmp_path / "t.txt", tokenizer="char", block_size=4, val_fraction=0.1)

@@ -70,10 +70,20 @@ def check_file(name: str, path: str | os.PathLike | None) -> Path:
     return path
 
 
-def seeded_subset(dataset: Dataset, n: int | None, seed: int, salt: int) -> Dataset:
+def seeded_subset(dataset: Dataset, n: int | None, seed: int, salt: int, name: str = "subset") -> Dataset:
     """The first ``n`` samples of a permutation seeded by ``(seed, salt)`` as a ``Subset`` (all of it if ``n`` is
-    ``None`` or >= ``len(dataset)``). Used by tests and benchmarks to run on a small, fixed part of a split."""
-    if n is None or n >= len(dataset):
+    ``None`` or ``len(dataset)``). Used by tests and benchmarks to run on a small, fixed part of a split.
+
+    Raises:
+        DataConfigError: ``n`` above ``len(dataset)`` (named ``data.<name>``: a run would train on the whole split
+            under a subset's setting, e.g. ``train_subset=1e9``).
+    """
+    size = len(dataset)  # type: ignore[arg-type]
+    if n is not None and n > size:
+        raise DataConfigError(
+            f"data.{name}: {n} is more samples than the split has ({size}); give at most {size}, or null for all of it"
+        )
+    if n is None or n == size:
         return dataset
     perm = np.random.default_rng([seed, salt]).permutation(len(dataset))[:n]
     return Subset(dataset, perm.tolist())

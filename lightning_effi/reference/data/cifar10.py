@@ -403,13 +403,15 @@ class CIFAR10DataModule(EffiDataModule):
             self.train_subset,
             self.seed,
             1,
+            "train_subset",
         )
         self.val_dataset = seeded_subset(
-            CIFAR10Dataset(images["train"], labels["train"], val_idx), self.val_subset, self.seed, 2
+            CIFAR10Dataset(images["train"], labels["train"], val_idx), self.val_subset, self.seed, 2, "val_subset"
         )
         self.test_dataset = seeded_subset(
             CIFAR10Dataset(images["test"], labels["test"], np.arange(len(labels["test"]))),
             self.test_subset,
             self.seed,
             3,
+            "test_subset",
         )

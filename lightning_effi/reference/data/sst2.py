@@ -187,8 +187,8 @@ class SST2DataModule(EffiDataModule):
         for ds in (train, dev):  # open now: a damaged entry is found (and rebuilt) in setup, not in a worker
             if len(ds.offsets) != len(ds) + 1 or ds.offsets[-1] != len(ds.ids):
                 raise ValueError(f"'{ds.ids.path}' does not match its offsets and labels")
-        self.train_dataset = seeded_subset(train, self.train_subset, self.seed, 1)
-        self.val_dataset = self.test_dataset = seeded_subset(dev, self.val_subset, self.seed, 2)
+        self.train_dataset = seeded_subset(train, self.train_subset, self.seed, 1, "train_subset")
+        self.val_dataset = self.test_dataset = seeded_subset(dev, self.val_subset, self.seed, 2, "val_subset")
 
     def model_hints(self) -> dict:
         self.setup()

@@ -242,8 +242,8 @@ class _TextDataModule(EffiDataModule):
                     "block_size or max_chars/val_fraction, or use a longer text"
                 )
         train_ds, val_ds = self._datasets(train, val)
-        self.train_dataset = seeded_subset(train_ds, self.train_subset, self.seed, 1)
-        self.val_dataset = self.test_dataset = seeded_subset(val_ds, self.val_subset, self.seed, 2)
+        self.train_dataset = seeded_subset(train_ds, self.train_subset, self.seed, 1, "train_subset")
+        self.val_dataset = self.test_dataset = seeded_subset(val_ds, self.val_subset, self.seed, 2, "val_subset")
 
     @property
     def actual_vocab_size(self) -> int:
