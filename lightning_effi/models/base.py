@@ -356,8 +356,31 @@ def find_adapter(
         if frozen
         else ""
     )
+    stacks = block_stacks(module)
+    suggestion = (
+        f" (here, e.g. GenericAdapter(layers={stacks[0][0]!r}, hidden_size=<the blocks' width>): the "
+        f"{stacks[0][1]} {stacks[0][2]} there; hidden_size is read from an nn.MultiheadAttention in the blocks, else "
+        "it is needed)"
+        if stacks
+        else ""
+    )
     raise ValueError(
         f"adapter: no model inside {type(module).__name__} matches {label}{skipped} "
         f"({', '.join(registered_adapters())}); register one with lightning_effi.models.register_adapter "
-        "or pass a lightning_effi.models.GenericAdapter(layers=...)"
+        f"or pass a lightning_effi.models.GenericAdapter(layers=...){suggestion}"
     )
+
+
+def block_stacks(module: nn.Module) -> list[tuple[str, int, str]]:
+    """The ``nn.ModuleList`` / ``nn.Sequential`` inside ``module`` that hold >= 2 modules of one class, each with
+    parameters (a stack of transformer blocks, the layers a ``GenericAdapter`` names), outermost first, as ``(dotted
+    path from module, count, class name)``; for the hint of :func:`find_adapter`'s error."""
+    out = []
+    for path, sub in module.named_modules():
+        if not path or not isinstance(sub, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(sub.children())
+        kinds = {type(c) for c in children}
+        if len(children) >= 2 and len(kinds) == 1 and all(any(True for _ in c.parameters()) for c in children):
+            out.append((path, len(children), children[0].__class__.__name__))
+    return sorted(out, key=lambda item: item[0].count("."))

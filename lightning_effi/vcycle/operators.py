@@ -156,9 +156,11 @@ def depth_groups(
         if scheme not in ("adjacent", "half"):
             raise ValueError(f"{name}: unknown depth scheme {scheme!r}; use 'adjacent', 'half' or a list of groups")
         if num_layers % 2:
+            example = [[2 * i, 2 * i + 1] for i in range((num_layers - 3) // 2)] + [list(range(num_layers))[-3:]]
             raise ValueError(
-                f"{name}: depth scheme {scheme!r} needs an even number of layers, got {num_layers}; pass "
-                "explicit groups, e.g. [[0, 1], ..., [L-3, L-2, L-1]]"
+                f"{name}: depth scheme {scheme!r} needs an even number of layers, got {num_layers}; pass explicit "
+                f"groups as depth_scheme (VCycleCallback(depth_scheme=...)), e.g. {example} (a group of 3, or of 1, "
+                "is allowed)"
             )
         half = num_layers // 2
         if scheme == "adjacent":

@@ -791,6 +791,41 @@ def test_a_network_built_after_the_callbacks_setup_is_named_with_the_hook_order(
     assert "overrides" not in str(err.value)
 
 
+def test_no_adapter_names_the_stack_of_blocks_a_generic_adapter_would_take():
+    """A hand-written transformer matches no registered adapter: the error names the ModuleList of identical blocks
+    (the user looked for the path, then met the hidden_size error next); the suggested adapter then works."""
+    from lightning_effi.models.base import find_adapter
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(self.fc1(x).relu())
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Sequential(nn.Embedding(32, 16))  # one module: not a stack
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Net()
+
+    with pytest.raises(ValueError) as err:
+        find_adapter(Module())
+    assert str(err.value).endswith(
+        "or pass a lightning_effi.models.GenericAdapter(layers=...) (here, e.g. GenericAdapter(layers='model.blocks', "
+        "hidden_size=<the blocks' width>): the 4 Block there; hidden_size is read from an nn.MultiheadAttention in "
+        "the blocks, else it is needed)"
+    )
+    adapter = find_adapter(Module(), GenericAdapter(layers="model.blocks", hidden_size=16))
+    assert len(adapter.layers()) == 4
+
+
 @pytest.mark.parametrize("seed", [-1, 2**64, 10**30])
 def test_a_seed_outside_the_generators_range_is_refused(seed):
     """Seeds are hashed to 64 bits: ``2**64`` drew seed 0's tokens and ``-1`` those of ``2**64 - 1``, silently."""

@@ -415,7 +415,12 @@ def test_operators_do_not_modify_inputs():
         (lambda: M.gpt2(n_embd=24, n_head=3), {}, r"n_head=3 cannot be halved"),
         (lambda: M.gpt2(n_inner=62 + 1), {}, r"n_inner: width scheme 'half' needs an even size, got 63"),
         (lambda: M.gpt2(n_inner=66), {"width_scheme": [[0, 1], [2, 3]]}, r"n_inner=66 is not divisible by n_head=4"),
-        (lambda: M.gpt2(n_layer=5), {}, r"n_layer: depth scheme 'adjacent' needs an even number of layers, got 5"),
+        (
+            lambda: M.gpt2(n_layer=5),
+            {},
+            r"n_layer: depth scheme 'adjacent' needs an even number of layers, got 5; pass explicit groups as "
+            r"depth_scheme \(VCycleCallback\(depth_scheme=...\)\), e.g. \[\[0, 1\], \[2, 3, 4\]\]",
+        ),
         (lambda: M.gpt2(n_layer=5), {"depth_scheme": "half"}, r"n_layer: depth scheme 'half'"),
         (
             lambda: M.bert_cls(num_attention_heads=2, hidden_size=30, intermediate_size=60, num_hidden_layers=2),
