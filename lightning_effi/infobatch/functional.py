@@ -60,6 +60,7 @@ __all__ = [
     "expected_saving",
     "fewest_epoch_batches",
     "find_labels",
+    "labels_source",
     "find_logits",
     "finalize",
     "finite_losses_disagree",
@@ -1032,6 +1033,20 @@ def find_labels(batch: Any) -> Tensor | None:
     return None
 
 
+def labels_source(batch: Any) -> str:
+    """Where :func:`find_labels` takes the labels of ``batch`` from, for messages: ``batch['labels']``,
+    ``batch.label``, or ``batch[2] (the last element of the tuple batch)``; ``""`` when it finds none."""
+    if isinstance(batch, Mapping):
+        key = next((k for k in LABEL_KEYS if isinstance(batch.get(k), Tensor)), None)
+        return f"batch[{key!r}]" if key is not None else ""
+    key = next((k for k in LABEL_KEYS if isinstance(getattr(batch, k, None), Tensor)), None)
+    if key is not None:
+        return f"batch.{key}"
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], Tensor):
+        return f"batch[{len(batch) - 1}] (the last element of the {type(batch).__name__} batch)"
+    return ""
+
+
 def _check_class_indices(labels: Tensor, classes: int, ignore_index: int, shape: torch.Size) -> None:
     """Raise unless every label other than ``ignore_index`` is a class index in ``[0, classes)``: checked before the
     cross-entropy, which otherwise fails deep in torch (``IndexError: Target 1 is out of bounds`` on the CPU, a
@@ -1217,7 +1232,10 @@ def auto_per_sample_loss(
         shifts = [False] if logits.dim() == 2 else [False, True] if shift is None else [shift]
         candidates = [(s, per_sample_cross_entropy(logits, labels, s)) for s in shifts]
     except ValueError as err:
-        raise ValueError(f"the automatic per-sample loss does not apply: {err}; " + PER_SAMPLE_LOSS_HINT) from None
+        raise ValueError(
+            f"the automatic per-sample loss does not apply: {err} (labels from {labels_source(batch)}); "
+            + PER_SAMPLE_LOSS_HINT
+        ) from None
     if not verify:
         return candidates[0][1], candidates[0][0]
     if not bool(torch.isfinite(loss.detach())):
@@ -1247,10 +1265,12 @@ def auto_per_sample_loss(
                 )
     raise ValueError(
         f"the automatic per-sample loss (cross-entropy of logits {tuple(logits.shape)} against labels "
-        f"{tuple(labels.shape)}, ignore_index={IGNORE_INDEX}, averaged per sample) does not reproduce the loss "
+        f"{tuple(labels.shape)} from {labels_source(batch)}, ignore_index={IGNORE_INDEX}, averaged per sample) "
+        "does not reproduce the loss "
         f"training_step returned ({float(loss.detach()):.6g}; {found}; relative tolerance "
         f"{loss_tolerance(candidates[0][1], loss):.2g}): your loss is not plain cross-entropy of these logits "
-        f"(label smoothing, class weights, an extra term, other logits...).{note} InfoBatch will not train on "
+        f"and labels (label smoothing, class weights, an extra term, other logits, labels elsewhere in the batch: a "
+        f"tuple batch's labels are taken from its last element...).{note} InfoBatch will not train on "
         "another loss than yours: " + PER_SAMPLE_LOSS_HINT
     )
 

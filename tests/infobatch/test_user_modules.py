@@ -1171,3 +1171,20 @@ def test_a_resumed_fit_still_refuses_other_settings(tmp_path, infobatch_run):
         assert resume(lenient).current_epoch == EPOCHS
     assert same(lenient.history[:1], cb.history[:1]) and lenient.history[1]["kind"] == cb.history[1]["kind"] == "prune"
     assert 0 < lenient.history[1]["saved"] < cb.history[1]["saved"]  # 0.3 of the well-learned, not 0.5
+
+
+def test_the_automatic_loss_names_where_it_took_the_labels():
+    """A (x, y, index) batch: the automatic loss takes the last tuple element as labels (documented), and its
+    errors did not say so ("labels range over [2, 63]" or "your loss is not plain cross-entropy", while the user's
+    loss was exactly F.cross_entropy(self(x), y)); both now name the element."""
+    g = torch.Generator().manual_seed(0)
+    logits, y = torch.randn(4, 3, generator=g), torch.tensor([0, 2, 1, 1])
+    index = torch.tensor([7, 8, 9, 10])
+    with pytest.raises(ValueError, match=r"labels from batch\[2\] \(the last element of the tuple batch\)"):
+        ib.auto_per_sample_loss(logits, (logits, y, index), F.cross_entropy(logits, y))
+    small = torch.tensor([0, 1, 2, 0])  # in range, but not the labels the loss used
+    with pytest.raises(ValueError) as err:
+        ib.auto_per_sample_loss(logits, (logits, y, small), F.cross_entropy(logits, y))
+    assert "against labels (4,) from batch[2] (the last element of the tuple batch)" in str(err.value)
+    assert "a tuple batch's labels are taken from its last element" in str(err.value)
+    assert ib.labels_source({"labels": y}) == "batch['labels']" and ib.labels_source(torch.zeros(2)) == ""
