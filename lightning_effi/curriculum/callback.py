@@ -277,6 +277,37 @@ class Curriculum(Callback):
         self._cut_mask_path: tuple[Any, ...] | None = None
         self._cut_values: dict[Any, torch.Tensor] | None = None
 
+    @classmethod
+    def from_config(cls, config: CurriculumConfig, **kwargs: Any) -> Curriculum:
+        """A curriculum with ``config``'s metrics and options, e.g. a DeepSpeed config read by
+        :func:`~lightning_effi.curriculum.parse_deepspeed_config`::
+
+            Curriculum.from_config(parse_deepspeed_config(ds_config), total_tokens=...)
+
+        Args:
+            config: a :class:`~lightning_effi.curriculum.CurriculumConfig`. kwargs: the callback's own arguments
+                (``analysis_batch_size``, ``total_tokens``, ``strict``, ``nonfinite_loss``).
+
+        Raises:
+            CurriculumConfigError: ``config`` is not a ``CurriculumConfig`` (``parse_deepspeed_config`` returns None
+                for a config whose curriculum is disabled), or ``kwargs`` names a setting the config holds.
+        """
+        if not isinstance(config, CurriculumConfig):
+            raise CurriculumConfigError(
+                f"Curriculum.from_config: expected a CurriculumConfig, got {type(config).__name__} "
+                "(parse_deepspeed_config returns None when the config's curriculum_learning is disabled)"
+            )
+        held = sorted(set(kwargs) & {"metrics", *_OPTION_DEFAULTS})
+        if held:
+            raise CurriculumConfigError(
+                f"Curriculum.from_config: {held} are the config's; change them in the config (or pass them to "
+                "parse_deepspeed_config as options)"
+            )
+        args: dict[str, Any] = {"metrics": {name: _metric_arguments(m) for name, m in config.metrics.items()}}
+        args.update({k: getattr(config, k) for k in _OPTION_DEFAULTS})
+        args["truncate_keys"] = None if config.truncate_keys is None else list(config.truncate_keys)
+        return cls(**args, **kwargs)
+
     def _arguments(self) -> dict[str, Any]:
         """The constructor arguments of this callback, in order (the metrics as parsed, unset optional keys left
         out; ``truncate_keys`` ``None`` when it is the default)."""

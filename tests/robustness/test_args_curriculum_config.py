@@ -208,3 +208,19 @@ def test_a_curriculum_whose_metrics_change_nothing_warns():
         warnings.simplefilter("error")
         cfg = CurriculumConfig(metrics={"seqlen_truncate": dict(TRUNC), "mine": dict(TRUNC)})
     assert set(cfg.metrics) == {"seqlen_truncate", "mine"}
+
+
+def test_a_parsed_deepspeed_config_builds_the_callback_with_all_its_settings():
+    """parse_deepspeed_config returned a CurriculumConfig that neither Curriculum nor CurriculumDataModule took:
+    ``Curriculum(cfg)`` was refused, ``Curriculum(**asdict(cfg))`` failed, and ``Curriculum(metrics=cfg.metrics,
+    seed=cfg.seed)`` dropped the other options. ``Curriculum.from_config`` keeps every setting."""
+    from lightning_effi.callbacks import Curriculum
+
+    cfg = parse_deepspeed_config(ds_config(), rounding="deepspeed", dp_split="deepspeed")
+    assert cfg is not None
+    cb = Curriculum.from_config(cfg, total_tokens=1000, strict=False)
+    assert cb.config == cfg and cb.total_tokens == 1000 and cb.strict is False
+    with pytest.raises(CurriculumConfigError, match=r"from_config: \['seed'\] are the config's"):
+        Curriculum.from_config(cfg, seed=3)
+    with pytest.raises(CurriculumConfigError, match=r"expected a CurriculumConfig, got NoneType .*disabled"):
+        Curriculum.from_config(parse_deepspeed_config(ds_config(enabled=False)))
