@@ -450,6 +450,10 @@ class EfficiencyMonitor(Callback):
         self._batch_shapes: list[tuple[Any, tuple[int, ...]]] | None = None  # the shapes of the recorded batch
         self._observed_tokens: int | None = None  # tokens in the first block's hidden states in the current batch
         self._block_hook: Any = None
+        #: a compiled module's last recorded batch: (its batch shapes, the network's parameter shapes); see _watch
+        self._recorded_key: tuple[Any, ...] | None = None
+        self._pending_key: tuple[Any, ...] | None = None  # the key of the batch being recorded
+        self._eager: Any = None  # the compiler stance set for a compiled module's recorded step (_watch)
         self._blocks: dict[tuple[int, ...], tuple[list[weakref.ref[nn.Module]], weakref.ref[Blocks] | None]] = {}
 
     def __repr__(self) -> str:
@@ -737,9 +741,21 @@ class EfficiencyMonitor(Callback):
 
     def _watch(self, pl_module: pl.LightningModule, batch: Any) -> None:
         """Before the training step: record the network's calls when FLOPs must be measured, and the first
-        transformer block's hidden states when the batch does not tell the tokens (class docstring)."""
+        transformer block's hidden states when the batch does not tell the tokens (class docstring).
+
+        A compiled module (``trainer.fit(torch.compile(model))``, or a compiled submodule) is recorded once per
+        regime: at a batch of the same shapes as the last recorded one, on a network of the same parameter shapes,
+        that record stands and no hook is set; the recorded step runs uncompiled (``torch.compiler.set_stance(
+        "force_eager")``, restored after the step). The recording hooks run at every module call and break dynamo's
+        graph there: compiled with them, the model trained as some twenty small graphs at every step."""
         self._unwatch(None)
+        key = self._compiled_key(pl_module, batch)
+        if key is not None and key == self._recorded_key:
+            return  # the record of this regime stands
+        self._recorded_key, self._pending_key = None, key
         self._calls, self._batch_shapes, self._observed_tokens = None, None, None
+        if key is not None:  # the recorded step runs uncompiled: the hooks would break the graph dynamo keeps
+            self._eager = torch.compiler.set_stance("force_eager")
         if not callable(getattr(pl_module, "effi_training_flops", None)) and not self._own_flops(pl_module):
             self._recorder.start(pl_module, batch)
         if not callable(getattr(pl_module, "effi_count_tokens", None)) and token_source(batch) is None:
@@ -748,12 +764,29 @@ class EfficiencyMonitor(Callback):
             if first is not None:
                 self._block_hook = first.register_forward_pre_hook(self._observe, with_kwargs=True)
 
+    @staticmethod
+    def _compiled_key(pl_module: pl.LightningModule, batch: Any) -> tuple[Any, ...] | None:
+        """For a compiled module (Lightning's ``_compiler_ctx``, or an ``OptimizedModule`` inside), what a record
+        depends on: the batch's shapes and the network's parameter shapes (a V-cycle level changes them); None for a
+        module that is not compiled (recorded at every step: its step may call other modules on other batches)."""
+        from torch._dynamo import OptimizedModule
+
+        compiled = isinstance(getattr(pl_module, "_compiler_ctx", None), dict) or any(
+            isinstance(m, OptimizedModule) for m in pl_module.modules()
+        )
+        if not compiled:
+            return None
+        return (repr(_shapes(batch)), tuple(tuple(p.shape) for p in pl_module.parameters()))
+
     def _observe(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._observed_tokens is None:
             self._observed_tokens = hidden_tokens(args, kwargs)
 
     def _unwatch(self, batch: Any) -> None:
         """After the training step (``batch``: the trained batch) or on an error (None): remove the hooks."""
+        if self._eager is not None:
+            self._eager.__exit__(None, None, None)  # the stance before the recorded step
+            self._eager = None
         if self._recorder.active:
             self._recorder.stop(batch)
             self._calls = self._recorder.calls
@@ -762,6 +795,9 @@ class EfficiencyMonitor(Callback):
             self._block_hook = None
         if batch is not None:
             self._batch_shapes = _shapes(batch)
+            if self._pending_key is not None:  # a compiled module's record of this regime (_watch)
+                self._recorded_key = self._pending_key
+        self._pending_key = None
 
     @override
     def on_train_batch_end(

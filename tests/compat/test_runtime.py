@@ -70,7 +70,9 @@ ROWS: list[Row] = [
         "trainer.fit(torch.compile(model)) recompiles once per level and trains the new network; a compiled "
         "submodule is refused at setup (the levels' plain networks would replace it). The all-four stack needs "
         "torch._dynamo.config.recompile_limit=16: its many regimes recompile transformers' shared decorator frame "
-        "more than the default 8 times.",
+        "more than the default 8 times. The EfficiencyMonitor records a compiled module once per regime (batch and "
+        "parameter shapes), in one uncompiled step, and leaves the other steps one graph; it counts a compiled fit's "
+        "FLOPs, layer-tokens and samples exactly as the uncompiled run's.",
     ),
     Row(
         "bf16_mixed",
@@ -737,15 +739,12 @@ def test_infobatch_refuses_to_resume_under_a_strategy_that_restores_after_setup(
 
 
 @pytest.mark.slow
-def test_compiled_fit_counts_the_flops_of_the_uncompiled_run(tmp_path):
-    """``trainer.fit(torch.compile(model))`` with random-LTD, on a module that calls ``self(x)`` (the monitor
-    replays that call of the module itself): the replay ran Lightning's compiled ``forward``, bound to the real
-    module (whose LTD layers were armed), instead of the fake copy: FLOPs and the baseline both read ~24% low and the
-    saving high (0.385 for 0.238 on the user's timm ViT). The counts now equal the uncompiled run's, to the FLOP."""
+def _calls_self(**kwargs: Any) -> pl.LightningModule:
+    """The user-module ViT with a ``forward`` that ``training_step`` calls as ``self(x)``: the monitor records and
+    replays that call of the module itself."""
     import torch.nn.functional as F
 
-    from lightning_effi import EfficiencyMonitor, RandomLTDCallback
-    from tests.user_modules.modules import RandomImages, TimmViT, UserData
+    from tests.user_modules.modules import TimmViT
 
     class ViaForward(TimmViT):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -755,11 +754,22 @@ def test_compiled_fit_counts_the_flops_of_the_uncompiled_run(tmp_path):
             x, y = batch
             return F.cross_entropy(self(x), y)
 
+    torch.manual_seed(0)
+    return ViaForward(**kwargs)
+
+
+def test_compiled_fit_counts_the_flops_of_the_uncompiled_run(tmp_path):
+    """``trainer.fit(torch.compile(model))`` with random-LTD, on a module that calls ``self(x)``: the monitor's
+    replay of that call ran Lightning's compiled ``forward``, bound to the real module (whose LTD layers were armed),
+    instead of the fake copy: FLOPs and the baseline both read ~24% low and the saving high (0.385 for 0.238 on the
+    user's timm ViT). The counts now equal the uncompiled run's, to the FLOP."""
+    from lightning_effi import EfficiencyMonitor, RandomLTDCallback
+    from tests.user_modules.modules import RandomImages, UserData
+
     summaries = []
     for compiled in (False, True):
         torch.compiler.reset()
-        torch.manual_seed(0)
-        model = ViaForward()
+        model = _calls_self()
         monitor = EfficiencyMonitor(print_summary=False)
         ltd = RandomLTDCallback(min_value=4, seq_per_step=4, require_steps=4, seed=7)
         trainer = make_trainer(tmp_path / str(compiled), [monitor, ltd], max_steps=4, max_epochs=-1)
@@ -768,3 +778,54 @@ def test_compiled_fit_counts_the_flops_of_the_uncompiled_run(tmp_path):
         summaries.append({k: monitor.summary[k] for k in ("flops", "baseline_flops", "layer_tokens", "samples")})
     assert summaries[0]["baseline_flops"] > summaries[0]["flops"] > 0
     assert summaries[1] == summaries[0]
+
+
+def test_the_monitor_leaves_a_compiled_model_one_graph():
+    """The monitor's recording hooks run at every module call and broke dynamo's graph there: with the monitor, a
+    compiled ViT trained as 23 graphs at every step. It now records a compiled module once per regime (batch and
+    parameter shapes), in an uncompiled step, and no hook is set at the other steps: one graph per step after the
+    first, as without the monitor; its FLOPs equal the uncompiled run's."""
+    from lightning_effi import EfficiencyMonitor
+    from tests.user_modules.modules import RandomImages, UserData
+
+    def fit(monitor: EfficiencyMonitor | None, compiled: bool) -> list[int]:
+        calls, per_step = [0], []
+
+        def backend(gm: torch.fx.GraphModule, example: Any) -> Any:
+            def run(*args: Any) -> Any:
+                calls[0] += 1
+                return gm.forward(*args)
+
+            return run
+
+        class PerStep(Callback):
+            def on_train_batch_end(self, *args: Any) -> None:
+                per_step.append(calls[0] - sum(per_step))
+
+        torch.compiler.reset()
+        model = _calls_self()
+        callbacks = ([monitor] if monitor else []) + [PerStep()]
+        trainer = pl.Trainer(
+            max_steps=6,
+            accelerator="cpu",
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,  # only the training step's graphs are counted
+        )
+        trainer.fit(
+            torch.compile(model, backend=backend) if compiled else model, UserData(RandomImages(), batch_size=8)
+        )
+        return per_step
+
+    assert fit(None, True) == [1] * 6
+    monitor = EfficiencyMonitor(print_summary=False)
+    assert fit(monitor, True) == [0] + [1] * 5  # the recorded first step runs uncompiled
+    eager = EfficiencyMonitor(print_summary=False)
+    fit(eager, False)
+    assert monitor.summary["flops"] == eager.summary["flops"] > 0
+    from torch._dynamo.eval_frame import _stance
+
+    assert _stance.stance == "default"  # the stance is restored after the recorded step: nothing left forced eager
