@@ -663,6 +663,7 @@ class EfficiencyMonitor(Callback):
         # fit of the Trainer whose last fit this monitor counted to its end goes on counting
         if stage == "fit":
             self._check_order(trainer)
+            self._recorded_key = None  # a compiled module is recorded again in every fit (_watch)
             if trainer.global_step > 0:
                 if self._ended_at == (id(trainer), trainer.global_step):
                     return
