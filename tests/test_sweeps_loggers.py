@@ -336,3 +336,24 @@ def test_multirun_jobs_log_to_their_own_stores(offline, tmp_path):
     for job, files in zip(jobs, wandb_runs):
         assert len(files) == 1, job
         assert_same_series(wandb_series(files[0])[0], csv_series(job), f"wandb, job {job.name}")
+
+
+def test_a_reachable_tracking_server_passes_the_check():
+    """check_tracking_servers connects once to an http tracking_uri (a listening socket here) and lets the local
+    stores through without a connection."""
+    import socket
+
+    from omegaconf import OmegaConf
+
+    from lightning_effi.utils.instantiate import check_tracking_servers
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        target = "lightning.pytorch.loggers.MLFlowLogger"
+        cfg = OmegaConf.create(
+            {
+                "online": {"_target_": target, "tracking_uri": f"http://127.0.0.1:{port}"},
+                "local": {"_target_": target, "tracking_uri": "sqlite:///nowhere/mlflow.db"},
+            }
+        )
+        check_tracking_servers(cfg)  # raises nothing

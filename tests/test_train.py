@@ -91,6 +91,11 @@ APP_ERRORS = [
     (["model.scheduler.warmup_fraction=2"], "model.scheduler"),
     (["optimized_metric=val/los"], "optimized_metric: 'val/los' is not logged"),
     (["seed=-1"], "seed: expected an int"),
+    # MLflow's client retried an unreachable server for minutes before training, naming nothing
+    (
+        ["logger=mlflow", "logger.mlflow.tracking_uri=http://127.0.0.1:9"],
+        "logger.mlflow.tracking_uri: cannot reach the tracking server http://127.0.0.1:9 (ConnectionRefusedError",
+    ),
     (["model.n_layer=abc"], "model.n_layer"),
     (
         ["experiment=sst2_infobatch", "trainer.max_epochs=-1", "++trainer.fast_dev_run=false", "trainer.max_steps=2"],

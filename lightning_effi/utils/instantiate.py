@@ -153,8 +153,44 @@ def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:
 
 
 def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
-    """Instantiate every entry of the dict-keyed ``logger`` group."""
+    """Instantiate every entry of the dict-keyed ``logger`` group, after :func:`check_tracking_servers`."""
+    check_tracking_servers(cfg)
     return _instantiate_group(cfg, "logger", Logger)
+
+
+#: seconds :func:`check_tracking_servers` waits for a tracking server to accept a connection
+SERVER_TIMEOUT_S = 5.0
+
+
+def check_tracking_servers(cfg: DictConfig | None) -> None:
+    """An MLflow logger whose ``tracking_uri`` is a server (``http://`` or ``https://``) is checked to accept a
+    connection (one TCP connect, :data:`SERVER_TIMEOUT_S` at most): MLflow's client retries an unreachable server
+    with backoff for minutes before the run starts, with only urllib3's retry lines to say why.
+
+    Raises:
+        ConfigError: naming ``logger.<name>.tracking_uri``, the address and the connection's error.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    if not isinstance(cfg, Mapping):
+        return
+    for name, node in cfg.items():
+        if not isinstance(node, Mapping) or not str(node.get("_target_", "")).endswith("MLFlowLogger"):
+            continue
+        uri = node.get("tracking_uri")
+        parts = urlsplit(str(uri)) if isinstance(uri, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            continue
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            with socket.create_connection((parts.hostname, port), timeout=SERVER_TIMEOUT_S):
+                pass
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"logger.{name}.tracking_uri: cannot reach the tracking server {uri} ({type(err).__name__}: {err}); "
+                "start it or fix the address, or log to a local store (the default: sqlite:///<run folder>/mlflow.db)"
+            ) from None
 
 
 def instantiate(cfg: Any, key: str, **kwargs: Any) -> Any:
