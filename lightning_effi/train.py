@@ -374,12 +374,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0):
         raise ConfigError(f"budget: expected a number > 0 (a fraction of the reference length), got {budget!r}")
     check_budget(cfg)  # a budget the config does not use would train the full length under a budget's label
-    check_objective(cfg)
+    saving_objective = check_objective(cfg)
     check_settings(cfg)
     pl.seed_everything(seed, workers=True)
     datamodule, model, trainer = build(cfg)
     check_launcher(trainer)
-    if check_objective(cfg) is not None and not any(isinstance(c, EfficiencyMonitor) for c in trainer.callbacks):  # type: ignore[attr-defined]
+    if saving_objective is not None and not any(isinstance(c, EfficiencyMonitor) for c in trainer.callbacks):  # type: ignore[attr-defined]
         raise ConfigError(
             "objective: saving_at_floor reads the EfficiencyMonitor's summary, and this run has none; add "
             "callbacks.efficiency (or use objective.kind=metric)"
