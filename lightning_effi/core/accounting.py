@@ -253,6 +253,17 @@ def schedule_states(trainer: pl.Trainer) -> dict[str, float]:
     return out
 
 
+def _is_compiled(pl_module: nn.Module) -> bool:
+    """Whether the module runs compiled: given to the Trainer as ``torch.compile(model)`` (Lightning's
+    ``_compiler_ctx``), or holding an ``OptimizedModule`` (a compiled submodule). The V-cycle, the one technique that
+    replaces the network, refuses a compiled submodule, so this holds for the whole fit."""
+    from torch._dynamo import OptimizedModule
+
+    return isinstance(getattr(pl_module, "_compiler_ctx", None), dict) or any(
+        isinstance(m, OptimizedModule) for m in pl_module.modules()
+    )
+
+
 def skipped_batch(pl_module: pl.LightningModule, outputs: Any) -> bool:
     """Whether Lightning skipped the batch whose ``on_train_batch_end`` received ``outputs``: under automatic
     optimization a ``training_step`` that returns None gets no backward and no update, and its hooks receive ``{}``
@@ -454,6 +465,7 @@ class EfficiencyMonitor(Callback):
         self._recorded_key: tuple[Any, ...] | None = None
         self._pending_key: tuple[Any, ...] | None = None  # the key of the batch being recorded
         self._eager: Any = None  # the compiler stance set for a compiled module's recorded step (_watch)
+        self._compiled = False  # this fit's module is compiled (setup)
         self._blocks: dict[tuple[int, ...], tuple[list[weakref.ref[nn.Module]], weakref.ref[Blocks] | None]] = {}
 
     def __repr__(self) -> str:
@@ -710,6 +722,7 @@ class EfficiencyMonitor(Callback):
         (which would do the same: :func:`~lightning_effi.core.compat.rebuild_train_loader_after_restore`, Lightning
         issue #20550)."""
         rebuild_train_loader_after_restore(trainer)
+        self._compiled = _is_compiled(pl_module)  # after the module's setup / configure_model, which may compile
         self._bar_names, self._warned_skip = {}, False
         self._fit_start = time.perf_counter()
         self._fit_total_before = self.totals["time_total"]
@@ -765,17 +778,11 @@ class EfficiencyMonitor(Callback):
             if first is not None:
                 self._block_hook = first.register_forward_pre_hook(self._observe, with_kwargs=True)
 
-    @staticmethod
-    def _compiled_key(pl_module: pl.LightningModule, batch: Any) -> tuple[Any, ...] | None:
-        """For a compiled module (Lightning's ``_compiler_ctx``, or an ``OptimizedModule`` inside), what a record
-        depends on: the batch's shapes and the network's parameter shapes (a V-cycle level changes them); None for a
-        module that is not compiled (recorded at every step: its step may call other modules on other batches)."""
-        from torch._dynamo import OptimizedModule
-
-        compiled = isinstance(getattr(pl_module, "_compiler_ctx", None), dict) or any(
-            isinstance(m, OptimizedModule) for m in pl_module.modules()
-        )
-        if not compiled:
+    def _compiled_key(self, pl_module: pl.LightningModule, batch: Any) -> tuple[Any, ...] | None:
+        """For a compiled module (:func:`_is_compiled`, read at setup), what a record depends on: the batch's shapes
+        and the network's parameter shapes (a V-cycle level changes them); None for a module that is not compiled
+        (recorded at every step: its step may call other modules on other batches)."""
+        if not self._compiled:
             return None
         return (repr(_shapes(batch)), tuple(tuple(p.shape) for p in pl_module.parameters()))
 

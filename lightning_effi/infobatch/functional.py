@@ -1014,37 +1014,35 @@ def find_logits(outputs: Any) -> Tensor | None:
     return logits if isinstance(logits, Tensor) else None
 
 
-def find_labels(batch: Any) -> Tensor | None:
-    """The labels in a batch: the first of :data:`LABEL_KEYS` that is a tensor key of a mapping (a dict, an HF
-    ``BatchEncoding``) or a tensor attribute (a dataclass, a named tuple, any object), else the last element of a
-    tuple or list batch of at least two elements (``(x, y)``); None otherwise (a bare tensor batch)."""
+def _locate_labels(batch: Any) -> tuple[Tensor | None, str]:
+    """The labels of ``batch`` and where they are, for messages (``batch['labels']``, ``batch.label``, ``batch[2]
+    (the last element of the tuple batch)``); ``(None, "")`` when there are none. See :func:`find_labels`."""
     if isinstance(batch, Mapping):
         for key in LABEL_KEYS:
             value = batch.get(key)
             if isinstance(value, Tensor):
-                return value
-        return None
+                return value, f"batch[{key!r}]"
+        return None, ""
     for key in LABEL_KEYS:
         value = getattr(batch, key, None)
         if isinstance(value, Tensor):
-            return value
+            return value, f"batch.{key}"
     if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], Tensor):
-        return batch[-1]
-    return None
+        return batch[-1], f"batch[{len(batch) - 1}] (the last element of the {type(batch).__name__} batch)"
+    return None, ""
+
+
+def find_labels(batch: Any) -> Tensor | None:
+    """The labels in a batch: the first of :data:`LABEL_KEYS` that is a tensor key of a mapping (a dict, an HF
+    ``BatchEncoding``) or a tensor attribute (a dataclass, a named tuple, any object), else the last element of a
+    tuple or list batch of at least two elements (``(x, y)``); None otherwise (a bare tensor batch)."""
+    return _locate_labels(batch)[0]
 
 
 def labels_source(batch: Any) -> str:
     """Where :func:`find_labels` takes the labels of ``batch`` from, for messages: ``batch['labels']``,
     ``batch.label``, or ``batch[2] (the last element of the tuple batch)``; ``""`` when it finds none."""
-    if isinstance(batch, Mapping):
-        key = next((k for k in LABEL_KEYS if isinstance(batch.get(k), Tensor)), None)
-        return f"batch[{key!r}]" if key is not None else ""
-    key = next((k for k in LABEL_KEYS if isinstance(getattr(batch, k, None), Tensor)), None)
-    if key is not None:
-        return f"batch.{key}"
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], Tensor):
-        return f"batch[{len(batch) - 1}] (the last element of the {type(batch).__name__} batch)"
-    return ""
+    return _locate_labels(batch)[1]
 
 
 def _check_class_indices(labels: Tensor, classes: int, ignore_index: int, shape: torch.Size) -> None:
