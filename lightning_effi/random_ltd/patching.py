@@ -268,8 +268,11 @@ def _check_signature(layer: nn.Module, index: int, sig: inspect.Signature, adapt
         if p.name not in known:
             raise ValueError(
                 f"layer {index} ({type(layer).__name__}) takes an argument {p.name!r} that adapter "
-                f"{adapter.name or adapter!r} does not know; declare whether it has a sequence axis "
-                "(GenericAdapter(seq_args={...}, passthrough=[...], must_be_none=[...]) or a registered adapter)"
+                f"{adapter.name or adapter!r} does not know; declare how to treat it: an attention mask by its "
+                f"layout (GenericAdapter(masks={{{p.name!r}: 'self'}}) for [S, S] / [B, S, S] / [B, 1, S, S], "
+                "'cross' for the query axis only, 'key_padding' for [B, S]), another tensor with sequence axes "
+                f"(seq_args={{{p.name!r}: [axes]}}, batch axis 0), or an argument passed unchanged "
+                f"(passthrough=[{p.name!r}]) or that must be None (must_be_none=[...]); or use a registered adapter"
             )
     return hidden
 
@@ -356,7 +359,9 @@ class LTDForward:
             if decl.batch_axis % nd in {a % nd for a in axes}:
                 raise RuntimeError(
                     f"random-LTD layer {self.index}: argument {name!r} of shape {tuple(value.shape)} "
-                    "has fewer axes than the adapter declares"
+                    f"has fewer axes than the adapter declares (seq_args axes {list(decl.axes)} and batch axis "
+                    f"{decl.batch_axis}); an attention mask without a batch axis (e.g. a shared [S, S] causal mask) "
+                    f"is declared by its layout: GenericAdapter(masks={{{name!r}: 'self'}})"
                 )
             return F.gather_seq_tensor(value, idx, axes, decl.batch_axis, seq_len)
         # undeclared (only reachable through **kwargs): reject tensors that carry this sequence

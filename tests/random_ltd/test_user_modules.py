@@ -641,6 +641,21 @@ def test_generic_adapter_gathers_broadcast_masks_of_hand_written_blocks(layout):
         net.blocks[1](x, attn_mask=torch.ones(B, S, S - 1, dtype=torch.bool))
 
 
+def test_errors_for_an_undeclared_or_misdeclared_mask_name_the_masks_declaration():
+    """A block taking a shared causal ``[S, S]`` mask: the undeclared-argument error and the error of a mask declared
+    as a sequence argument both say how to declare it (``masks={'attn_mask': 'self'}``), which then trains."""
+    net = nn.Module()
+    net.blocks = nn.ModuleList(SDPABlock() for _ in range(3))
+    with pytest.raises(ValueError, match=r"argument 'attn_mask' .*masks=\{'attn_mask': 'self'\}"):
+        convert(net, GenericAdapter("blocks", hidden_size=E), LTDController(3, (1,), seed=0))
+    ctl = LTDController(3, (1,), seed=0)
+    convert(net, GenericAdapter("blocks", hidden_size=E, seq_args={"attn_mask": [-2, -1]}), ctl)
+    ctl.begin(0, 0, 5)
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    with pytest.raises(RuntimeError, match=r"fewer axes .*batch axis 0.*masks=\{'attn_mask': 'self'\}"):
+        net.blocks[1](torch.randn(B, S, E), attn_mask=causal)
+
+
 # ------------------------------------------------------------------------------------------------ nn.Transformer fit
 
 
