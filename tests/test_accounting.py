@@ -13,7 +13,15 @@ from transformers import BatchEncoding
 from lightning_effi.core.accounting import BatchStats, EfficiencyMonitor, batch_size_of, format_summary, tokens_of
 from lightning_effi.core.flops import transformer_training_flops
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_steps
-from tests.helpers.tiny import TINY_GPT2, tiny_bert_cls, tiny_gpt2, tiny_lm_data, tiny_sentence_data
+from tests.helpers.tiny import (
+    TINY_GPT2,
+    HandLM,
+    TokenBlocks,
+    tiny_bert_cls,
+    tiny_gpt2,
+    tiny_lm_data,
+    tiny_sentence_data,
+)
 
 
 class HalveLayerTokens(pl.Callback):
@@ -36,6 +44,34 @@ def test_counts_are_exact_for_a_fixed_length_lm(tmp_path):
     assert s["time_train_s"] > 0 and s["time_data_s"] > 0
     assert s["time_train_s"] + s["time_data_s"] + s["time_eval_s"] <= s["time_total_s"]
     assert s["samples_per_s"] == pytest.approx(56 / (s["time_train_s"] + s["time_data_s"]))
+
+
+class _TwoSources(pl.LightningModule):
+    """A user's module training on a batch of each of two loaders (Lightning's CombinedLoader)."""
+
+    def __init__(self, structure: str) -> None:
+        super().__init__()
+        self.structure, self.lm = structure, HandLM()
+
+    def train_dataloader(self):
+        a = torch.utils.data.DataLoader(TokenBlocks(n=40), batch_size=8)
+        b = torch.utils.data.DataLoader(TokenBlocks(n=40, seq_len=12, seed=1), batch_size=4)
+        return {"a": a, "b": b} if self.structure == "dict" else [a, [b]]
+
+    def training_step(self, batch, batch_idx):
+        a, b = (batch["a"], batch["b"]) if self.structure == "dict" else (batch[0], batch[1][0])
+        return self.lm.training_step(a, batch_idx) + self.lm.training_step(b, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("structure", ["dict", "nested list"])
+def test_a_batch_of_several_training_loaders_counts_every_loader(tmp_path, structure):
+    trainer, _ = fit_steps(lambda: _TwoSources(structure), lambda: None, 6, tmp_path, lambda: [EfficiencyMonitor()])
+    s = trainer.callbacks[0].summary
+    assert s["samples"] == 6 * (8 + 4) and s["tokens"] == 6 * (8 * 16 + 4 * 12)
+    assert s["flops"] == 6 * 3 * 2 * (8 * 16 + 4 * 12) * 16 * 64  # the head's matmuls on both loaders' batches
 
 
 def test_tokens_count_real_tokens_only_with_padding(tmp_path):

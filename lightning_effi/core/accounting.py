@@ -36,7 +36,8 @@ The module supplies the per-batch cost through optional hooks: ``effi_count_toke
 attribute, as read by ``ThroughputMonitor``). A module without them (any LightningModule as users write it, any batch
 structure) is counted by :mod:`lightning_effi.core.measure`:
 
-- samples: the batch's first dimension (:func:`batch_size_of`);
+- samples: the batch's first dimension (:func:`batch_size_of`); a batch of several training loaders (a mapping or
+  list of loaders: Lightning's ``CombinedLoader``) is counted per loader and summed, tokens as well;
 - tokens: the batch's ``attention_mask`` sum, else the real tokens of another padding mask (a tuple batch's 0/1
   entry), else its ``input_ids`` / first integer ``[B, T]`` tensor's size (:func:`tokens_of`), else the tokens in
   the hidden states the network's first transformer block was called with in the training step (``[B, T, H]``: a
@@ -81,6 +82,7 @@ from lightning_effi.core.measure import (
     CallRecorder,
     FlopsMeter,
     MeasureError,
+    combined_parts,
     find_batch_size,
     find_blocks,
     find_tokens,
@@ -455,6 +457,8 @@ class EfficiencyMonitor(Callback):
         #: (id of the Trainer, its global_step) at the end of the last fit this monitor counted completely
         self._ended_at: tuple[int, int] | None = None
         self._warned: set[str] = set()  # the quantities already warned about
+        #: ``trainer.train_dataloader`` this epoch: several loaders (a mapping / list) combine their batches
+        self._train_loaders: Any = None
         self._recorder = CallRecorder()
         self._meter = FlopsMeter()
         self._calls: list[CallRecord] | None = None  # the network's calls in the current batch (None: not recorded)
@@ -565,14 +569,18 @@ class EfficiencyMonitor(Callback):
             return 0 if fallback is None else int(getattr(fallback, quantity))
 
         kind = type(batch).__name__
-        size = find_batch_size(batch)
+        # several training loaders (Lightning's CombinedLoader): a batch of each, counted each and summed
+        parts = combined_parts(self._train_loaders, batch) or [batch]
+        sizes = [find_batch_size(part) for part in parts]
+        size = None if all(n is None for n in sizes) else sum(n for n in sizes if n is not None)
         if size is None:
             size = missing("samples", f"samples cannot be counted: the {kind} batch has no tensor with a dimension")
         count_tokens = getattr(pl_module, "effi_count_tokens", None)
         if callable(count_tokens):
             found: int | None = int(count_tokens(batch))
         else:
-            found = find_tokens(batch)
+            counts = [find_tokens(part) for part in parts]
+            found = None if all(n is None for n in counts) else sum(n for n in counts if n is not None)
             if found is None and self._batch_shapes is not None and _shapes(batch) == self._batch_shapes:
                 found = self._observed_tokens
         tokens = found
@@ -740,6 +748,7 @@ class EfficiencyMonitor(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._train_loaders = trainer.train_dataloader  # built (or rebuilt) for this epoch by now
         self._mark = self._now(pl_module)
 
     @override

@@ -62,6 +62,7 @@ __all__ = [
     "find_blocks",
     "find_tokens",
     "hidden_tokens",
+    "combined_parts",
     "key_padding_mask",
     "leaves",
     "mask_is_additive",
@@ -102,6 +103,34 @@ def leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
 def tensor_leaves(obj: Any) -> Iterator[tuple[Path, Tensor]]:
     """The tensor leaves of :func:`leaves`."""
     return ((p, v) for p, v in leaves(obj) if isinstance(v, Tensor))
+
+
+def combined_parts(loaders: Any, batch: Any) -> list[Any] | None:
+    """The per-loader batches of a training batch Lightning combined from several loaders, else ``None``.
+
+    ``loaders`` is ``trainer.train_dataloader``: what ``train_dataloader()`` returned. A mapping or a list / tuple of
+    loaders (Lightning's ``CombinedLoader``; any nesting) gives batches of the same structure, one batch of each
+    loader at each step (modes ``max_size_cycle``, ``min_size``, ``max_size``; in ``max_size`` an exhausted loader's
+    entry is ``None`` and is left out). ``None`` when ``loaders`` is a single loader, or when ``batch`` does not have
+    the loaders' structure (a ``training_step`` hook cannot change it; then the batch is counted whole)."""
+    if not isinstance(loaders, (Mapping, list, tuple)):
+        return None
+    parts: list[Any] = []
+
+    def walk(node: Any, value: Any) -> bool:
+        if isinstance(node, Mapping):
+            if not isinstance(value, Mapping) or set(value) != set(node):
+                return False
+            return all(walk(node[k], value[k]) for k in node)
+        if isinstance(node, (list, tuple)):
+            if not isinstance(value, (list, tuple)) or len(value) != len(node):
+                return False
+            return all(walk(n, v) for n, v in zip(node, value, strict=True))
+        if value is not None:
+            parts.append(value)
+        return True
+
+    return parts if walk(loaders, batch) else None
 
 
 def find_batch_size(batch: Any) -> int | None:
