@@ -120,13 +120,37 @@ def test_flops_per_batch_is_read_from_the_module_not_from_the_monitors_own_write
 
 def test_a_checkpoint_without_baseline_resumes_with_no_saving_before(tmp_path):
     monitor = EfficiencyMonitor()
-    old = {"totals": {k: 10.0 for k in ("samples", "tokens", "layer_tokens", "flops", "batches")}}
+    counts = ("samples", "tokens", "layer_tokens", "flops", "batches", "time_train", "time_data", "time_eval")
+    old = {"totals": {k: 10.0 for k in (*counts, "time_total")}}
     monitor.load_state_dict(old)
     assert monitor.totals["baseline_flops"] == 10.0 and monitor.totals["baseline_tokens"] == 10.0
-    monitor.load_state_dict({"totals": {"saved/gone/flops": 3.0}})  # a technique of the earlier run: kept
+    monitor.load_state_dict({"totals": {**old["totals"], "saved/gone/flops": 3.0}})  # an earlier technique's: kept
     assert monitor.totals["saved/gone/flops"] == 3.0
     with pytest.raises(KeyError, match="unknown"):
-        monitor.load_state_dict({"totals": {"bogus": 1.0}})
+        monitor.load_state_dict({"totals": {**old["totals"], "bogus": 1.0}})
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        ({"totals": None}, "no totals dict"),
+        ({"drop": "flops"}, r"totals lack \['flops'\]; resumed, they would restart at 0"),
+        ({"curve": 5}, "curve must be a list of dicts, got int 5"),
+        ({"schedule": [1.0]}, "schedule must be a list of dicts"),
+    ],
+)
+def test_a_monitor_state_missing_totals_or_with_damaged_curves_is_refused(damage, match):
+    """An edited checkpoint whose totals lack a count would resume it from 0 (the steps before the checkpoint lost
+    from it, silently); one whose curve is not a list would fail later with a bare TypeError."""
+    state = {"totals": dict.fromkeys(EfficiencyMonitor().totals, 1.0), "curve": [], "schedule": []}
+    state.update({k: v for k, v in damage.items() if k != "drop"})
+    if "drop" in damage:
+        del state["totals"][damage["drop"]]
+    monitor = EfficiencyMonitor()
+    before = dict(monitor.totals)
+    with pytest.raises(ValueError, match=match):
+        monitor.load_state_dict(state)
+    assert monitor.totals == before  # nothing restored
 
 
 def _logged_rows(tmp_path, monitor: EfficiencyMonitor, **trainer_kwargs) -> list[dict[str, str]]:

@@ -1070,10 +1070,29 @@ class EfficiencyMonitor(Callback):
         a checkpoint written before the baseline was counted gets the baseline of its computed counts (no saving
         before the resume); one written before the non-finite loss policy (no ``"nonfinite_loss"``) counts none.
         Everything is checked before anything is restored (see Raises in the class docstring)."""
-        totals = dict(state_dict.get("totals", {}))
+        if not isinstance(state_dict.get("totals"), Mapping):
+            raise ValueError(
+                "EfficiencyMonitor.load_state_dict: the checkpoint's monitor state has no totals dict (a damaged or "
+                "edited checkpoint: resume from another one)"
+            )
+        totals = dict(state_dict["totals"])
         unknown = {k for k in totals if not k.startswith("saved/")} - set(self.totals)
         if unknown:
             raise KeyError(f"EfficiencyMonitor state has unknown keys {sorted(unknown)}")
+        # the baseline's totals default to the computed ones (a checkpoint written before they were counted)
+        missing = [k for k in (*COUNT_KEYS, *TIME_KEYS, "time_total") if k not in totals]
+        if missing:
+            raise ValueError(
+                f"EfficiencyMonitor.load_state_dict: the checkpoint's totals lack {missing}; resumed, they would "
+                "restart at 0 (a damaged or edited checkpoint: resume from another one)"
+            )
+        for name in ("curve", "schedule"):
+            points = state_dict.get(name, [])
+            if not isinstance(points, (list, tuple)) or not all(isinstance(p, Mapping) for p in points):
+                raise ValueError(
+                    f"EfficiencyMonitor.load_state_dict: the checkpoint's {name} must be a list of dicts, got "
+                    f"{type(points).__name__} {points!r:.80} (a damaged or edited checkpoint: resume from another one)"
+                )
         for key, value in totals.items():
             # counts, baseline counts and times are sums of non-negative amounts; a saving may be negative (a
             # technique that raised a count) but is finite

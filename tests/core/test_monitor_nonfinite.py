@@ -135,7 +135,8 @@ def test_repr_names_the_policy() -> None:
 
 
 def _state(**extra: Any) -> dict[str, Any]:
-    base = {k: 10.0 for k in ("samples", "tokens", "layer_tokens", "flops", "batches")}
+    counts = ("samples", "tokens", "layer_tokens", "flops", "batches")
+    base = {k: 10.0 for k in (*counts, "time_train", "time_data", "time_eval", "time_total")}
     return {"totals": base, "curve": [], "schedule": [], **extra}
 
 

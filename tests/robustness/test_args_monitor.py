@@ -34,7 +34,8 @@ def test_bad_arguments_are_named(kw, match):
 
 
 def _state(**totals: float) -> dict:
-    base = {k: 10.0 for k in ("samples", "tokens", "layer_tokens", "flops", "batches")}
+    counts = ("samples", "tokens", "layer_tokens", "flops", "batches")
+    base = {k: 10.0 for k in (*counts, "time_train", "time_data", "time_eval", "time_total")}
     return {"totals": {**base, **totals}, "curve": [], "schedule": []}
 
 
