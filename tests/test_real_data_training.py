@@ -5,6 +5,7 @@ import torch
 
 from lightning_effi.core.accounting import EfficiencyMonitor
 from lightning_effi.data import CausalLMDataModule, SST2DataModule
+from tests.harness.settings import MONITOR_TIMES
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp
 from tests.helpers.tiny import tiny_bert_cls, tiny_gpt2
 
@@ -25,7 +26,7 @@ def test_mid_epoch_resume_on_shakespeare_equals_uninterrupted(tmp_path, data_roo
         total_steps=9,
         resume_step=4,
         callbacks_fn=lambda: [EfficiencyMonitor(print_summary=False)],
-        ignore_state=["totals.time_train", "totals.time_data", "totals.time_eval", "totals.time_total"],
+        ignore_state=MONITOR_TIMES,
     )
 
 

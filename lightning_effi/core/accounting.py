@@ -95,7 +95,9 @@ from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, n
 from lightning_effi.core.state import check_coarse_vcycle_resume
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
-TIME_KEYS = ("time_train", "time_data", "time_eval")
+#: ``time_monitor``: the monitor's own work after each batch (counting, and measuring the FLOPs of each new batch
+#: shape), outside ``time_train`` and ``time_data``
+TIME_KEYS = ("time_train", "time_data", "time_eval", "time_monitor")
 #: the quantities of a batch (the fields of :class:`BatchStats`)
 QUANTITIES = ("samples", "tokens", "layer_tokens", "flops")
 BASELINE_KEYS = tuple(f"baseline_{q}" for q in QUANTITIES)
@@ -388,6 +390,11 @@ class EfficiencyMonitor(Callback):
     - ``samples, tokens, layer_tokens, flops, batches, optimizer_steps``: what was computed (FLOPs: forward +
       backward, :mod:`lightning_effi.core.flops`);
     - ``time_train_s, time_data_s, time_eval_s, time_total_s, samples_per_s, tokens_per_s``;
+    - ``time_monitor_s``: the monitor's own time (in ``time_total_s`` only): counting each batch, and measuring the
+      FLOPs of each new batch shape (the replay on fake tensors costs tens to hundreds of forward-backward passes'
+      Python overhead: about 0.7 s for a 3-layer BERT on a CPU core). Every padded length is a new shape: batches
+      padded to their longest sequence pay it once per length seen; pad to a multiple (``pad_to_multiple_of``) or a
+      fixed length, or define ``effi_training_flops(batch)``, to pay it a few times or never;
     - ``baseline_samples, baseline_tokens, baseline_layer_tokens, baseline_flops``: the same run without any
       technique: the full model, full-length sequences, every sample the data pipeline drew before any pruning;
     - ``samples_saved_frac, tokens_saved_frac, layer_tokens_saved_frac, flops_saved_frac``: the combined saving,
@@ -834,7 +841,9 @@ class EfficiencyMonitor(Callback):
                 self._warned_skip = True
             self._write_flops(pl_module, 0)
         else:
+            started = time.perf_counter()
             account = self.account(trainer, pl_module, batch)
+            self.totals["time_monitor"] += time.perf_counter() - started
             for q, actual, baseline in zip(QUANTITIES, account.actual.values(), account.baseline):
                 self.totals[q] += actual
                 self.totals[f"baseline_{q}"] += baseline
@@ -962,6 +971,7 @@ class EfficiencyMonitor(Callback):
             "time_train_s": t["time_train"],
             "time_data_s": t["time_data"],
             "time_eval_s": t["time_eval"],
+            "time_monitor_s": t["time_monitor"],
             "time_total_s": t["time_total"],
             "samples_per_s": t["samples"] / busy if busy > 0 else math.nan,
             "tokens_per_s": t["tokens"] / busy if busy > 0 else math.nan,
@@ -1080,6 +1090,7 @@ class EfficiencyMonitor(Callback):
         if unknown:
             raise KeyError(f"EfficiencyMonitor state has unknown keys {sorted(unknown)}")
         # the baseline's totals default to the computed ones (a checkpoint written before they were counted)
+        totals.setdefault("time_monitor", 0.0)  # a checkpoint written before it was counted
         missing = [k for k in (*COUNT_KEYS, *TIME_KEYS, "time_total") if k not in totals]
         if missing:
             raise ValueError(

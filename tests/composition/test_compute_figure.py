@@ -43,7 +43,7 @@ TRUNC = dict(  # seqlen_truncate from 2 to 16 tokens over 14 steps
     schedule_type="fixed_linear",
     schedule_config=dict(total_curriculum_step=14, difficulty_step=1),
 )
-TIMES = ["totals.time_train", "totals.time_data", "totals.time_eval", "totals.time_total"]
+TIMES = ["totals.time_train", "totals.time_data", "totals.time_eval", "totals.time_monitor", "totals.time_total"]
 
 
 def vit4() -> ImageClassifier:

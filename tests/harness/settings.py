@@ -34,7 +34,13 @@ from tests.helpers.harness import make_trainer
 from tests.helpers.tiny import TinyDataModule, TokenBlocks, tiny_gpt2, tiny_lm_data
 
 #: wall-time counters: they differ between any two runs, so the state comparisons leave them out
-MONITOR_TIMES = ("totals.time_train", "totals.time_data", "totals.time_eval", "totals.time_total")
+MONITOR_TIMES = (
+    "totals.time_train",
+    "totals.time_data",
+    "totals.time_eval",
+    "totals.time_monitor",
+    "totals.time_total",
+)
 
 
 @dataclass(frozen=True)
