@@ -21,12 +21,13 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_str
 from lightning_effi.core.errors import DataConfigError
+from lightning_effi.report.frontier import infer_mode
 from lightning_effi.report.load import SCHEMA
 from lightning_effi.report.record import TECHNIQUE_HOOKS, make_record, save_record, scalar_metrics
 from lightning_effi.utils.instantiate import (
@@ -319,19 +320,47 @@ TRAINER_INTS: dict[str, tuple[int, bool]] = {
 }
 
 
+def _resolve_mode(cfg: DictConfig) -> None:
+    """``optimized_mode`` checked against ``optimized_metric``'s name, and set from it when null (see
+    :func:`check_settings`)."""
+    mode, metric = cfg.get("optimized_mode", "min"), cfg.get("optimized_metric")
+    if mode is not None:
+        check_choice("", "optimized_mode", mode, ("min", "max"), error=ConfigError)
+    inferred = infer_mode(metric) if metric else None
+    if mode is None:
+        if metric and inferred is None:
+            raise ConfigError(
+                f"optimized_mode is null (read from optimized_metric's name), and the name {metric!r} says neither "
+                "lower nor higher is better; set optimized_mode=min or optimized_mode=max"
+            )
+        with open_dict(cfg):
+            cfg.optimized_mode = inferred or "min"  # no metric: the direction is not used
+    elif inferred is not None and mode != inferred:
+        raise ConfigError(
+            f"optimized_mode={mode} contradicts optimized_metric={metric}, whose name says "
+            f"{'lower' if inferred == 'min' else 'higher'} is better: the checkpoint callback would keep the worst "
+            f"weights and the report would rank the runs backwards; set optimized_mode={inferred} (or null: read "
+            "from the name)"
+        )
+
+
 def check_settings(cfg: DictConfig) -> None:
     """The run's own keys and the Trainer's lengths, checked at the start of :func:`run` (before anything is built):
-    ``train`` and ``test`` are bools (a string ``'no'`` or ``'false'`` would be true), ``optimized_mode`` is ``min``
-    or ``max``, ``optimized_metric`` a string (or null), and the integer settings of ``trainer`` (:data:`TRAINER_INTS`:
-    ``max_steps``, ``max_epochs``, ...) are ints in range.
+    ``train`` and ``test`` are bools (a string ``'no'`` or ``'false'`` would be true), ``optimized_metric`` a string
+    (or null), ``optimized_mode`` ``min``, ``max`` or null (set here from the metric's name:
+    :func:`~lightning_effi.report.frontier.infer_mode`, ``min`` for a loss, ``max`` for an accuracy) and not
+    contradicting the metric's name, and the integer settings of ``trainer`` (:data:`TRAINER_INTS`: ``max_steps``,
+    ``max_epochs``, ...) are ints in range.
 
     Raises:
-        ConfigError: naming the key, the value and what is allowed.
+        ConfigError: naming the key, the value and what is allowed; ``optimized_mode`` null for a metric whose name
+            says neither direction, or ``optimized_mode`` against the metric's name (``min`` for ``val/acc``: the
+            checkpoint callback would keep the worst weights and the report would rank the runs backwards).
     """
     for key, default in (("train", True), ("test", False)):
         check_bool("", key, cfg.get(key, default), error=ConfigError)
-    check_choice("", "optimized_mode", cfg.get("optimized_mode", "min"), ("min", "max"), error=ConfigError)
     check_str("", "optimized_metric", cfg.get("optimized_metric"), none_ok=True, error=ConfigError)
+    _resolve_mode(cfg)
     trainer = cfg.get("trainer")
     if not isinstance(trainer, DictConfig):
         return  # build() names the missing group
@@ -374,8 +403,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0):
         raise ConfigError(f"budget: expected a number > 0 (a fraction of the reference length), got {budget!r}")
     check_budget(cfg)  # a budget the config does not use would train the full length under a budget's label
+    check_settings(cfg)  # resolves optimized_mode, which the objective's check reads
     saving_objective = check_objective(cfg)
-    check_settings(cfg)
     pl.seed_everything(seed, workers=True)
     datamodule, model, trainer = build(cfg)
     check_launcher(trainer)

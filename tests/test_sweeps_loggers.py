@@ -20,7 +20,7 @@ from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from lightning_effi.train import ConfigError, check_objective, main
+from lightning_effi.train import ConfigError, check_objective, check_settings, main
 from tests.helpers.hydra import CONF, compose_train, run_train_script
 
 SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("optuna_*.yaml"))
@@ -118,6 +118,7 @@ def test_sweep_config_is_an_optuna_search_of_its_technique(sweep, tmp_path):
     assert sweeper.sampler._target_ == "optuna.samplers.TPESampler" and sweeper.sampler.seed == 0
     assert cfg.hydra.mode == RunMode.MULTIRUN and cfg.task_name == sweep
     assert cfg.objective.kind == "saving_at_floor" and cfg.objective.compute == "flops"
+    check_settings(cfg)  # the mode: from the metric's name
     assert cfg.optimized_metric == "val/loss" and cfg.optimized_mode == "min" and 4.0 < cfg.objective.floor < 5.0
     technique = sweep.removeprefix("optuna_")
     space = search_space(cfg)

@@ -30,6 +30,9 @@ def no_build(monkeypatch):
         ("test=1", r"^test must be a bool \(true / false\), got 1$"),
         ("optimized_mode=maximize", r"^optimized_mode must be one of \('min', 'max'\), got 'maximize'$"),
         ("optimized_metric=3", r"^optimized_metric must be a str or None, got 3$"),
+        # the default mode (null: from the name) and an explicit one against the name
+        ("optimized_metric=val/foo", r"^optimized_mode is null .* 'val/foo' says neither .*optimized_mode=max$"),
+        ("optimized_metric=val/acc optimized_mode=min", r"^optimized_mode=min contradicts optimized_metric=val/acc"),
         ("trainer.max_steps=ten", r"^trainer\.max_steps must be an int >= -1, got 'ten'$"),
         ("trainer.max_steps=2.5", r"^trainer\.max_steps must be an int >= -1, got 2\.5$"),
         ("trainer.max_epochs=-2", r"^trainer\.max_epochs must be an int >= -1, got -2$"),
@@ -41,7 +44,7 @@ def no_build(monkeypatch):
     ],
 )
 def test_bad_settings_are_refused_before_anything_is_built(tmp_path, no_build, override, match):
-    cfg = compose_train([override], tmp_path)
+    cfg = compose_train(override.split(" "), tmp_path)
     with pytest.raises(ConfigError, match=match):
         train.run(cfg)
 
@@ -59,6 +62,25 @@ def test_valid_settings_pass_the_checks(tmp_path, overrides):
     train.check_settings(cfg)  # raises nothing
     if "bench=gpt_stack" in overrides:
         assert cfg.trainer.max_steps == 1000  # round(2000 x 0.5): the interpolation was resolved and checked
+
+
+@pytest.mark.parametrize(
+    "overrides, mode",
+    [
+        ([], "min"),
+        (["optimized_metric=val/acc"], "max"),
+        (["experiment=cifar10_cnn"], "max"),
+        (["optimized_metric=null"], "min"),
+    ],
+)
+def test_the_mode_is_read_from_the_metric_name_and_reaches_the_checkpoint_callback(tmp_path, overrides, mode):
+    """Overriding only optimized_metric=val/acc kept the default mode min: ModelCheckpoint kept the worst weights and
+    the report ranked the runs backwards. The default is now null: read from the metric's name."""
+    cfg = compose_train([*overrides, "callbacks=default"], tmp_path)
+    train.check_settings(cfg)
+    assert cfg.optimized_mode == mode
+    checkpoint = next(c for c in cfg.callbacks.values() if c and "ModelCheckpoint" in str(c.get("_target_")))
+    assert checkpoint.mode == mode
 
 
 def test_a_checkpoint_holding_an_omegaconf_node_passes_the_resume_check(tmp_path):
