@@ -140,7 +140,8 @@ class Baseline:
             V-cycle: the full model held in place of the coarse one.
         samples: samples the pipeline drew per sample trained (a float > 0; above 1 for pruning): every count of the
             batch is scaled by it. InfoBatch: ``(trained + pruned) / trained`` in the current epoch (the pruned
-            samples are never in a batch; they are charged at the mean cost of the trained ones).
+            samples are never in a batch; they are charged at the mean cost of the trained ones: exact for samples
+            of one cost, an estimate for variable-length ones).
 
     Raises:
         ValueError: ``samples`` not a finite number > 0.
