@@ -479,6 +479,27 @@ class Curriculum(Callback):
             self._check_manual_steps(trainer)
         self._check_start(trainer)
         self._warn_schedules(trainer)
+        self._warn_limited_epochs(trainer)
+
+    def _warn_limited_epochs(self, trainer: pl.Trainer) -> None:
+        """Warn (rank zero) when ``Trainer(limit_train_batches=...)`` cuts an epoch to ``K`` batches that do not divide
+        the data epoch's ``M`` micro-batches: the curriculum's loader ends a Lightning epoch at the end of its data
+        epoch too, so the epochs train ``K, ..., K, M mod K`` batches, and a ``max_epochs``-bound run trains fewer
+        steps than ``max_epochs x K`` (epoch-interval schedulers and ``check_val_every_n_epoch`` see short epochs)."""
+        c = self.controller
+        limited = trainer.num_training_batches
+        if c is None or not isinstance(limited, int) or limited <= 0:
+            return
+        full = c.epoch_micro
+        if limited >= full or full % limited == 0:
+            return
+        pattern = [limited] * (full // limited) + [full % limited]
+        rank_zero_warn(
+            f"Curriculum: limit_train_batches={trainer.limit_train_batches} cuts an epoch to {limited} batches, and "
+            f"the curriculum ends an epoch at the end of its data epoch ({full} micro-batches) as well: the epochs "
+            f"train {pattern} batches, over and over, so max_epochs={trainer.max_epochs} trains fewer than "
+            f"max_epochs x {limited} steps; bound the run by max_steps, or use a limit that divides {full}"
+        )
 
     def _check_budget(self, trainer: pl.Trainer) -> None:
         """Refuse a ``max_steps`` beyond the sample budget ``N x num_epochs`` (the curriculum's stream ends there).

@@ -69,7 +69,9 @@ ROWS = [
         "limit_train_batches",
         "Trainer(limit_train_batches=...)",
         works(),
-        "every epoch trains that many batches; InfoBatch's limited epochs train the head of its (pruned) plan",
+        "every epoch trains that many batches; InfoBatch's limited epochs train the head of its (pruned) plan; the "
+        "curriculum also ends an epoch at its data epoch's end (a limit that does not divide it gives a shorter "
+        "epoch there, warned at train start)",
     ),
     Row(
         "val_check_interval",

@@ -324,3 +324,27 @@ def test_fingerprint_diff_reports_an_added_metric_as_one_entry():
     assert diff["metrics.seqlen_truncate"][0] is None and diff["metrics.seqlen_truncate"][1]["max_difficulty"] == 16
     assert fingerprint_diff(a, a) == {}
     assert "seed" in fingerprint_diff("not a dict", a)  # a damaged fingerprint: every setting differs
+
+
+class _EpochLengths(pl.Callback):
+    def __init__(self) -> None:
+        self.lengths: dict[int, int] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.lengths[trainer.current_epoch] = self.lengths.get(trainer.current_epoch, 0) + 1
+
+
+@pytest.mark.parametrize("limit, warned", [(2, True), (5, False)])
+def test_a_limit_that_does_not_divide_the_data_epoch_is_warned_with_the_epoch_lengths(tmp_path, limit, warned):
+    """40 samples in batches of 8: a data epoch of 5 micro-batches. ``limit_train_batches=2`` trains epochs of
+    2, 2, 1 batches (the curriculum's loader ends an epoch at its data epoch's end too), said at train start."""
+    lengths = _EpochLengths()
+    trainer = make_trainer(tmp_path, [Curriculum(metrics=trunc()), lengths], max_epochs=3, limit_train_batches=limit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data()))
+    said = [str(w.message) for w in caught if "cuts an epoch to" in str(w.message)]
+    assert list(lengths.lengths.values()) == ([2, 2, 1] if warned else [5, 5, 5])
+    assert len(said) == warned
+    if warned:
+        assert "the epochs train [2, 2, 1] batches" in said[0] and "max_epochs=3" in said[0]
