@@ -409,6 +409,8 @@ class RandomLTDCallback(Callback):
         self.max_value = self.max_value_arg  # None: derived again from this run's data (or restored on resume)
         self._seen = False  # the first training forward's sequence length was checked
         self._grown = False  # a derived max_value grew to a longer batch (announced once)
+        self._world = 1  # data-parallel ranks (set at train start): with several, max_value is announced once synced
+        self._announced: int | None = None  # the synced max_value last announced (several ranks)
         self._longest_seen = 0  # the longest sequence the patched layers saw in this fit (tokens)
         self.require_steps: int | None = self.require_steps_arg
         self.clock: str = "step"  # CLOCKS: resolved at train start
@@ -809,6 +811,8 @@ class RandomLTDCallback(Callback):
                 state (a second ``trainer.fit`` on the same Trainer, or random-LTD added on resume).
         """
         check_started(trainer)
+        self._world = trainer.world_size
+        self._announced = self.max_value if self.max_value_arg is None else None  # restored on resume: said before
         total = trainer.estimated_stepping_batches
         self.total_steps = int(total) if math.isfinite(total) else None
         self._data_length = None
@@ -1243,13 +1247,15 @@ class RandomLTDCallback(Callback):
                 )
                 return
             self.max_value = seq_len
+            if self._world > 1:  # the ranks' longest is announced at the step's end (_announce_synced)
+                return
             rank_zero_info(
                 f"{name}: max_value = {seq_len} tokens, the sequence length the patched layers see at the first "
                 f"training batch: the reserved length grows from min_value={self.min_value} to {seq_len}; pass "
                 "max_value to set another end of the schedule"
             )
         elif seq_len > self.max_value:
-            if not self._grown:
+            if not self._grown and self._world == 1:
                 rank_zero_info(
                     f"{name}: a batch of {seq_len} tokens is longer than max_value={self.max_value} (derived from the "
                     "batches seen so far): the batches vary in length, so max_value follows the longest one seen "
@@ -1257,6 +1263,29 @@ class RandomLTDCallback(Callback):
                 )
                 self._grown = True
             self.max_value = seq_len
+
+    def _announce_synced(self, world: int) -> None:
+        """With several data-parallel ranks, a derived ``max_value`` is the longest sequence over the ranks (synced at
+        each optimizer step): announced once synced, as :meth:`_see` announces it in a single process (each rank's own
+        first batch would announce a length the schedule does not use)."""
+        value, name = self.max_value, type(self).__name__
+        if value is None or value == self._announced:
+            return
+        if self._announced is None:
+            if self._curriculum is None or value > self.min_value:
+                rank_zero_info(
+                    f"{name}: max_value = {value} tokens, the longest sequence the patched layers saw at the first "
+                    f"training step over the {world} data-parallel ranks: the reserved length grows from "
+                    f"min_value={self.min_value} to {value}; pass max_value to set another end of the schedule"
+                )
+        elif not self._grown:
+            rank_zero_info(
+                f"{name}: a batch of {value} tokens (on one of the {world} data-parallel ranks) is longer than "
+                f"max_value={self._announced} (derived from the batches seen so far): the batches vary in length, so "
+                "max_value follows the longest one seen (logged as effi/random_ltd/max_value); pass max_value to fix it"
+            )
+            self._grown = True
+        self._announced = value
 
     def _fused_attention(self, pl_module: pl.LightningModule) -> bool:
         """Whether the network in place runs its attention on a fused scaled-dot-product kernel in training, whose
@@ -1395,6 +1424,7 @@ class RandomLTDCallback(Callback):
             seen = torch.tensor([self.max_value or 0], dtype=torch.int64, device=trainer.strategy.root_device)
             longest = int(trainer.strategy.reduce(seen, reduce_op="max").item())
             self.max_value = longest or None
+            self._announce_synced(trainer.world_size)
         if self.accounting == "deepspeed" and self.max_value is not None:
             L, L_ltd = self.num_layers, len(self.layer_ids)
             self.consumed_layer_tokens += int(samples) * (self.current_value * L_ltd + self.max_value * (L - L_ltd))

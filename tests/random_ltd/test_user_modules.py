@@ -743,7 +743,17 @@ class RankLengths(Callback):
 
 class RankRows(Callback):
     def __init__(self, out: str):
-        self.out, self.rows = out, []
+        self.out, self.rows, self.said = out, [], []
+
+    def setup(self, trainer, pl_module, stage):
+        said = self.said
+
+        class Said(logging.Handler):
+            def emit(self, record):
+                if "RandomLTDCallback" in record.getMessage():
+                    said.append(record.getMessage())
+
+        logging.getLogger("lightning.pytorch").addHandler(Said())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         cb = next(c for c in trainer.callbacks if isinstance(c, RandomLTDCallback))
@@ -755,6 +765,7 @@ class RankRows(Callback):
 
         Path(self.out).mkdir(parents=True, exist_ok=True)
         (Path(self.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
+        (Path(self.out) / f"said{trainer.global_rank}.json").write_text(json.dumps(self.said))
 
 
 @pytest.mark.slow
@@ -778,6 +789,9 @@ def test_ddp_ranks_share_the_longest_length_seen(tmp_path):
     assert [row[2] for row in rank0] == [8, 12, 12] and [row[2] for row in rank1] == [16, 10, 12]
     assert [row[0] for row in rank0] == [row[0] for row in rank1] == [16, 16, 16]
     assert [row[1] for row in rank0] == [row[1] for row in rank1] == [F.ltd_value(s, 4, 16, 4, 4) for s in range(3)]
+    # announced once synced: the ranks' longest (16), not rank 0's first batch (8), and no growth notice after it
+    said = json.loads((tmp_path / "rows" / "said0.json").read_text())
+    assert len(said) == 1 and "max_value = 16 tokens, the longest sequence" in said[0] and "2 data-parallel" in said[0]
 
 
 # ------------------------------------------------------------------------------ checkpoints: evaluation, resume
