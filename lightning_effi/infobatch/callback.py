@@ -1173,9 +1173,10 @@ class InfoBatchCallback(Callback):
         """What InfoBatch changed in the current batch, for :class:`~lightning_effi.core.accounting.EfficiencyMonitor`
         (:class:`~lightning_effi.core.accounting.Baseline`): the samples each trained one stands for.
 
-        - Alone, in a prune epoch: ``(trained + pruned) / trained`` with ``trained`` the plan's samples plus the DDP
-          duplicates (``padded``, summed over ranks) and ``pruned`` the plan's ``saved``: the pruned samples are
-          charged at the mean cost of the trained ones. With the loader's ``drop_last``, the samples a full epoch
+        - Alone, in a prune epoch: ``full / trained`` with ``trained`` the plan's samples plus the DDP duplicates
+          (``padded``, summed over ranks) and ``full`` what a full epoch trains, the ``N`` samples padded to a
+          multiple of the ranks (as a plain run's distributed sampler pads them): the pruned samples are charged at
+          the mean cost of the trained ones. With the loader's ``drop_last``, the samples a full epoch
           trains over those the pruned one trains, each rank's last partial batch dropped from both. Under
           ``Trainer(limit_train_batches=...)``, the samples a full epoch trains under the limit over those the pruned
           one trains (1: no saving, when the limit cuts both to the same batches). None in a full epoch.
@@ -1209,7 +1210,11 @@ class InfoBatchCallback(Callback):
             full = (math.ceil(self.dataset_size / world) // size) * size * world
             kept = (math.ceil(trained / world) // size) * size * world
             return Baseline(samples=full / kept) if kept else None
-        return Baseline(samples=(trained + int(plan.saved)) / trained) if trained else None
+        # a full epoch trains every sample, padded by the distributed sampler to a multiple of the ranks as a plain
+        # run is: the pruned epoch's own duplicates are not samples of the baseline
+        world = self._trainer.world_size if self._trainer is not None else 1
+        full = math.ceil((int(plan.indices.numel()) + int(plan.saved)) / world) * world
+        return Baseline(samples=full / trained) if trained else None
 
     def sync_scores(self, trainer: pl.Trainer | None) -> None:
         """Sum the epoch's recorded losses over ranks (one collective per epoch) into the score table, identical on
