@@ -323,15 +323,20 @@ TRAINER_INTS: dict[str, tuple[int, bool]] = {
 def _resolve_mode(cfg: DictConfig) -> None:
     """``optimized_mode`` checked against ``optimized_metric``'s name, and set from it when null (see
     :func:`check_settings`)."""
-    mode, metric = cfg.get("optimized_mode", "min"), cfg.get("optimized_metric")
+    metric = cfg.get("optimized_metric")
+    try:
+        mode = cfg.get("optimized_mode", "min")
+    except InterpolationResolutionError as err:  # the default, ${effi_mode:...}: a name that says neither
+        message = str(err).partition("\n")[0]
+        raise ConfigError(message.removeprefix("ValueError raised while resolving interpolation: ")) from None
     if mode is not None:
         check_choice("", "optimized_mode", mode, ("min", "max"), error=ConfigError)
     inferred = infer_mode(metric) if metric else None
     if mode is None:
         if metric and inferred is None:
             raise ConfigError(
-                f"optimized_mode is null (read from optimized_metric's name), and the name {metric!r} says neither "
-                "lower nor higher is better; set optimized_mode=min or optimized_mode=max"
+                f"optimized_mode is read from optimized_metric's name, and {metric!r} says neither lower nor higher "
+                "is better; set optimized_mode=min or optimized_mode=max"
             )
         with open_dict(cfg):
             cfg.optimized_mode = inferred or "min"  # no metric: the direction is not used

@@ -45,6 +45,22 @@ def test_logger_configs_instantiate(name, tmp_path):
     assert loggers and all(isinstance(lg, Logger) for lg in loggers)
 
 
+def test_a_null_entry_switches_a_callback_or_logger_off_and_a_scalar_is_refused_by_name(tmp_path):
+    """``callbacks.efficiency=null`` crashed while formatting its own error (OmegaConf's to_yaml on None)."""
+    from lightning_effi.utils.instantiate import ConfigError
+
+    cfg = compose_train(["callbacks.efficiency=null", "logger=csv"], tmp_path)
+    names = [type(c).__name__ for c in instantiate_callbacks(cfg.callbacks)]
+    assert "EfficiencyMonitor" not in names and "ModelCheckpoint" in names
+    cfg = compose_train(["callbacks.lr_monitor=5"], tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"^callbacks\.lr_monitor: expected a config with a _target_, got '5' \(null or"
+    ):
+        instantiate_callbacks(cfg.callbacks)
+    cfg = compose_train(["logger=csv", "logger.csv=null"], tmp_path)
+    assert instantiate_loggers(cfg.logger) == []
+
+
 @pytest.mark.parametrize("name", GROUP_FILES["trainer"])
 def test_trainer_configs_compose(name, tmp_path):
     cfg = compose_train([f"trainer={name}"], tmp_path, fast=False)

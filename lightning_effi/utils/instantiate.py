@@ -61,6 +61,32 @@ if not OmegaConf.has_resolver("effi_scale"):
     OmegaConf.register_new_resolver("effi_scale", scale_length)
 
 
+def metric_mode(metric: Any) -> str:
+    """The direction of ``metric`` read from its name (:func:`~lightning_effi.report.frontier.infer_mode`): ``"min"``
+    for a loss or perplexity, ``"max"`` for an accuracy or F1; ``"min"`` without a metric (the direction is then not
+    used). Used in ``conf/train.yaml`` as ``optimized_mode: ${effi_mode:${optimized_metric}}``.
+
+    Raises:
+        ValueError: the name says neither direction (or both), naming ``optimized_mode`` and the values to set.
+    """
+    from lightning_effi.report.frontier import infer_mode
+
+    if metric is None:
+        return "min"
+    mode = infer_mode(str(metric))
+    if mode is None:
+        raise ValueError(
+            f"optimized_mode is read from optimized_metric's name, and {str(metric)!r} says neither lower nor higher "
+            "is better; set optimized_mode=min or optimized_mode=max"
+        )
+    return mode
+
+
+# ``${effi_mode:${optimized_metric}}``: see metric_mode
+if not OmegaConf.has_resolver("effi_mode"):
+    OmegaConf.register_new_resolver("effi_mode", metric_mode)
+
+
 def bench_techniques(bench: Any) -> str:
     """The option of ``conf/arm/techniques/`` the technique arm includes: the bench's name. Without a bench the
     returned name states the mistake, so Hydra's "Could not find 'arm/techniques/...'" error explains it (an
@@ -138,8 +164,14 @@ def _instantiate_group(cfg: DictConfig | None, group: str, kind: type) -> list[A
         raise ConfigError(f"{group}: expected a dict keyed by name, got {type(cfg).__name__}")
     objects = []
     for name, node in cfg.items():
+        if node is None:  # `callbacks.<name>=null`: switched off, as `~callbacks.<name>` removes it
+            continue
         if not isinstance(node, Mapping) or "_target_" not in node:
-            raise ConfigError(f"{group}.{name}: expected a config with a _target_, got {OmegaConf.to_yaml(node)!r}")
+            shown = OmegaConf.to_yaml(node) if isinstance(node, Mapping) else repr(node)
+            raise ConfigError(
+                f"{group}.{name}: expected a config with a _target_, got {shown!r} (null or ~{group}.{name} on the "
+                "command line switch it off)"
+            )
         obj = instantiate(node, key=f"{group}.{name}")
         if not isinstance(obj, kind):
             raise ConfigError(f"{group}.{name}: {node['_target_']} is not a {kind.__name__}")
@@ -148,7 +180,8 @@ def _instantiate_group(cfg: DictConfig | None, group: str, kind: type) -> list[A
 
 
 def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:
-    """Instantiate every entry of the dict-keyed ``callbacks`` group (entries without ``_target_`` are errors)."""
+    """Instantiate every entry of the dict-keyed ``callbacks`` group (a null entry is switched off; other entries
+    without ``_target_`` are errors)."""
     return _instantiate_group(cfg, "callbacks", Callback)
 
 

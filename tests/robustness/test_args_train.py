@@ -31,7 +31,10 @@ def no_build(monkeypatch):
         ("optimized_mode=maximize", r"^optimized_mode must be one of \('min', 'max'\), got 'maximize'$"),
         ("optimized_metric=3", r"^optimized_metric must be a str or None, got 3$"),
         # the default mode (null: from the name) and an explicit one against the name
-        ("optimized_metric=val/foo", r"^optimized_mode is null .* 'val/foo' says neither .*optimized_mode=max$"),
+        (
+            "optimized_metric=val/foo",
+            r"^optimized_mode is read from optimized_metric's name, and 'val/foo' says neither .*optimized_mode=max$",
+        ),
         ("optimized_metric=val/acc optimized_mode=min", r"^optimized_mode=min contradicts optimized_metric=val/acc"),
         ("trainer.max_steps=ten", r"^trainer\.max_steps must be an int >= -1, got 'ten'$"),
         ("trainer.max_steps=2.5", r"^trainer\.max_steps must be an int >= -1, got 2\.5$"),
