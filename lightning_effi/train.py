@@ -422,6 +422,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         check_testable(model, datamodule)
     if cfg.get("ckpt_path"):
         check_checkpoint(str(cfg.ckpt_path), model)
+        if not cfg.get("train", True) and not cfg.get("test", False):
+            raise ConfigError(
+                f"ckpt_path={cfg.ckpt_path} with train=false and test=false: nothing would read the checkpoint; set "
+                "test=true to evaluate it, or train=true to resume from it"
+            )
     output_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -444,7 +449,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             raise ConfigError(str(err)) from err
     metrics = scalar_metrics(dict(trainer.callback_metrics))
     if cfg.get("test", False):
-        test_results = trainer.test(model, datamodule=datamodule, verbose=False)
+        # without a fit, test the weights of ckpt_path (lightning-hydra-template's eval); after one, the final weights
+        weights = None if cfg.get("train", True) else cfg.get("ckpt_path")
+        test_results = trainer.test(model, datamodule=datamodule, ckpt_path=weights, verbose=False)
         for results in test_results:
             metrics.update(scalar_metrics(results))
 

@@ -43,6 +43,19 @@ def test_resume_from_last_checkpoint_continues(tmp_path):
     assert second["efficiency"]["batches"] == 5  # accounting totals continue across the resume
 
 
+def test_train_false_test_true_evaluates_the_checkpoint(tmp_path):
+    """``train=false test=true ckpt_path=<ckpt>`` (lightning-hydra-template's eval) tested the freshly built,
+    untrained model: test/loss = ln(vocab) written as the result. It now tests the checkpoint's weights, which give the
+    trained run's figure; ``train=false test=false`` with a checkpoint is refused (nothing would read it)."""
+    steps = ["trainer.max_steps=3", "trainer.max_epochs=-1", "++trainer.limit_train_batches=null", "test=true"]
+    first = run(compose_train(steps, tmp_path / "a"))
+    ckpt = tmp_path / "a" / first["last_checkpoint"]
+    again = run(compose_train(["train=false", "test=true", f"ckpt_path={ckpt}"], tmp_path / "b"))
+    assert again["metrics"]["test/loss"] == pytest.approx(first["metrics"]["test/loss"], rel=1e-6)
+    with pytest.raises(ConfigError, match=r"with train=false and test=false: nothing would read the checkpoint"):
+        run(compose_train(["train=false", f"ckpt_path={ckpt}"], tmp_path / "c"))
+
+
 def test_test_true_without_a_test_step_is_refused_before_training(tmp_path):
     """``test=true`` with a model that has no ``test_step``: Lightning raised only after the whole fit, and the run
     wrote no record. Refused before training, naming the model and the override."""
