@@ -206,6 +206,8 @@ def _scheme(owner: str, key: str, value: Any, names: tuple[str, ...]) -> Any:
 
 def _duration(owner: str, key: str, value: Any) -> Duration:
     """A new-style stage length: steps or epochs >= 1, or a fraction of the run in [0, 1]."""
+    if is_int(value) and value < 1:  # Duration.parse's own bound (>= 0) would offer 0, refused just below
+        raise ValueError(f"{owner}.{key} must be at least 1 step, got {value!r}")
     d = Duration.parse(value, f"{owner}.{key}", units=("step", "epoch", "fraction"))
     if d.unit == "token":
         raise ValueError(

@@ -108,6 +108,10 @@ def test_deprecation_message_names_the_replacement():
         (dict(e_a="1.5ep", e_small=1), r"VCycleCallback\.e_a: epochs must be whole"),
         (dict(e_a="1.5dur", e_small=1), r"VCycleCallback\.e_a: .*\[0, 1\]"),
         (dict(e_a=0, e_small=1), r"VCycleCallback\.e_a must be at least 1 step"),
+        # a negative length names the same bound (the message offered 0, refused in turn)
+        (dict(e_a=-3, e_small=1), r"VCycleCallback\.e_a must be at least 1 step, got -3"),
+        (dict(e_a=1, e_small=-2), r"VCycleCallback\.e_small must be at least 1 step, got -2"),
+        (dict(levels=3, e_a=1, e_small=1, up_leg=-1), r"VCycleCallback\.up_leg must be at least 1 step, got -1"),
         (dict(e_a="0ep", e_small=1), r"VCycleCallback\.e_a must be at least 1 epoch"),
         (dict(e_a="1e6tok", e_small=1), r"VCycleCallback\.e_a: a stage length in tokens is not supported"),
         (dict(e_small=1), r"VCycleCallback: e_a is required"),
