@@ -18,6 +18,7 @@ from tests.helpers.tiny import (
     TINY_GPT2,
     HandLM,
     TokenBlocks,
+    seqlen_truncate,
     tiny_bert_cls,
     tiny_gpt2,
     tiny_lm_data,
@@ -118,6 +119,28 @@ def test_flops_per_batch_is_read_from_the_module_not_from_the_monitors_own_write
     )
     s = trainer.callbacks[0].summary
     assert s["flops"] == 4 * 500 and s["baseline_flops"] == 4 * 1000
+
+
+def test_a_constant_flops_per_batch_with_a_technique_that_shortens_batches_is_warned(tmp_path):
+    """A module's own ``flops_per_batch`` (Lightning's ThroughputMonitor convention) is one figure for every batch:
+    with the curriculum's truncated batches its FLOPs saving reads 0 (tokens 45% lower), said once, naming the hook."""
+    from lightning_effi.callbacks import Curriculum
+    from lightning_effi.data import CurriculumDataModule
+
+    monitor = EfficiencyMonitor(print_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_steps(
+            StaticFlops,
+            lambda: CurriculumDataModule(tiny_lm_data()),
+            6,
+            tmp_path,
+            callbacks_fn=lambda: [monitor, Curriculum(metrics=seqlen_truncate(total_curriculum_step=6))],
+        )
+    said = [str(w.message) for w in caught if "flops_per_batch is one figure" in str(w.message)]
+    assert len(said) == 1 and "curriculum trains shorter batches" in said[0] and "effi_training_flops" in said[0]
+    s = monitor.summary
+    assert s["flops_saved_frac"] == 0.0 and s["tokens_saved_frac"] > 0.2
 
 
 def test_a_checkpoint_without_baseline_resumes_with_no_saving_before(tmp_path):

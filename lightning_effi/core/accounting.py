@@ -33,7 +33,9 @@ A callback's savings are reported as ``saved/<name>/...`` with ``name`` its ``ef
 
 The module supplies the per-batch cost through optional hooks: ``effi_count_tokens(batch) -> int``,
 ``effi_num_layers: int`` and ``effi_training_flops(batch) -> float`` (else Lightning's ``flops_per_batch``
-attribute, as read by ``ThroughputMonitor``). A module without them (any LightningModule as users write it, any batch
+attribute, as read by ``ThroughputMonitor``: one figure for every batch, so the FLOPs saving of a technique that
+shortens the batches or shrinks the model, the curriculum's truncation or the V-cycle, reads 0, with one warning).
+A module without them (any LightningModule as users write it, any batch
 structure) is counted by :mod:`lightning_effi.core.measure`:
 
 - samples: the batch's first dimension (:func:`batch_size_of`); a batch of several training loaders (a mapping or
@@ -660,6 +662,16 @@ class EfficiencyMonitor(Callback):
             if change.batch is None and change.model is None:
                 raised = _scaled(current, float(change.samples))
             else:
+                if not callable(getattr(pl_module, "effi_training_flops", None)) and self._own_flops(pl_module):
+                    what = "a smaller model" if change.model is not None else "shorter batches"
+                    name = technique_name(callback)
+                    self._warn(
+                        f"constant_flops/{name}",
+                        f"{name} trains {what}, but {type(pl_module).__name__}.flops_per_batch is one figure for "
+                        f"every batch, so the FLOPs saving of {name} reads 0 (its tokens and layer-tokens are "
+                        "counted); define `effi_training_flops(batch)` on the module (the FLOPs of that batch on the "
+                        "network in place), or remove flops_per_batch to have the monitor measure them",
+                    )
                 changed_batch = changed_batch if change.batch is None else change.batch
                 models = models if change.model is None else [*models, change.model]
                 with ExitStack() as stack:
