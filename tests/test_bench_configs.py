@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -162,8 +163,13 @@ def test_a_bad_budget_or_a_technique_arm_without_bench_is_named(tmp_path):
         OmegaConf.to_container(cfg.trainer, resolve=True)
     with pytest.raises(HydraException, match=r"arm=technique trains the techniques of a bench; add bench=<name>"):
         compose_train(["arm=technique"], tmp_path, fast=False)
-    with pytest.raises(ConfigError, match=r"^budget: 0.5 does not scale this run's length"):
+    with pytest.raises(ConfigError, match=r"^budget: 0.5 does not scale this run's length") as refused:
         check_budget(compose_train(["budget=0.5"], tmp_path))
+    # the command-line form the message gives works as the shell passes it (its single quotes removed)
+    typed = re.search(r"single quotes: '([^']+)'", str(refused.value)).group(1)
+    cfg = compose_train(["budget=0.5", typed], tmp_path)
+    check_budget(cfg)
+    assert cfg.trainer.max_steps == 1000
     check_budget(_compose(tmp_path, "gpt_stack", "budget=0.5"))
     check_budget(compose_train([], tmp_path))
 

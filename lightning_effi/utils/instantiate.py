@@ -119,9 +119,10 @@ def check_budget(cfg: DictConfig) -> None:
     if not any(isinstance(v, str) and "budget" in v for v in lengths.values()):
         raise ConfigError(
             f"budget: {budget} does not scale this run's length (trainer.max_steps={lengths['max_steps']!r}, "
-            f"trainer.max_epochs={lengths['max_epochs']!r}); set trainer.max_steps to "
-            "'${effi_scale:<reference steps>,${budget}}' (the bench configs do, e.g. bench=gpt_stack) or leave "
-            "budget at 1.0"
+            f"trainer.max_epochs={lengths['max_epochs']!r}); scale trainer.max_steps (or trainer.max_epochs) by it "
+            "through the effi_scale resolver: in a config file, max_steps: ${effi_scale:<reference steps>,${budget}} "
+            "(the bench configs do, e.g. bench=gpt_stack); on the command line, quoted for Hydra inside the shell's "
+            "single quotes: 'trainer.max_steps=\"${effi_scale:2000,${budget}}\"'; or leave budget at 1.0"
         )
 
 
