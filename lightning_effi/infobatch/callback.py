@@ -1336,15 +1336,19 @@ class InfoBatchCallback(Callback):
                 f"added on resume at step {step}, from a checkpoint without InfoBatch state (written by a fit "
                 "without this callback)"
                 if getattr(trainer, "ckpt_path", None)
-                else f"this fit starts at step {step} without InfoBatch state (its Trainer trained before: a second "
-                "trainer.fit on the same Trainer)"
+                else f"this fit starts at step {step} on a Trainer that trained before (a second trainer.fit on the "
+                "same Trainer: InfoBatch plans one fit and does not continue into another)"
+            )
+            fixes = (
+                "train with InfoBatch from the start, resume from a checkpoint written with it"
+                if getattr(trainer, "ckpt_path", None)
+                else "train the whole length in one fit (max_epochs), resume from a checkpoint of that fit"
             )
             raise ValueError(
                 f"InfoBatchCallback: {how}. Its score table would start empty part-way through the run, its epochs "
                 f"(num_epochs={self.num_epochs!r}, the annealing at the end) counted from epoch 0 of the run, and "
-                "the run's record would read as pruned from its start: train with InfoBatch from the start, resume "
-                "from a checkpoint written with it, or start a new fit from the checkpoint's weights "
-                "(LightningModule.load_from_checkpoint) without ckpt_path"
+                f"the run's record would read as pruned from its start: {fixes}, or start a new fit from the "
+                "checkpoint's weights (LightningModule.load_from_checkpoint) on a new Trainer without ckpt_path"
             )
         if self.curriculum_dm is None:
             restart_next_epoch_at_its_start(trainer)

@@ -862,8 +862,8 @@ class RandomLTDCallback(Callback):
             f"added on resume at step {step}, from a checkpoint without random-LTD state (written by a fit without "
             "this callback)"
             if getattr(trainer, "ckpt_path", None)
-            else f"this fit starts at step {step} without random-LTD state (its Trainer trained before: a second "
-            "trainer.fit on the same Trainer)"
+            else f"this fit starts at step {step} on a Trainer that trained before (a second trainer.fit on the same "
+            "Trainer: random-LTD's schedule covers one fit and does not continue into another)"
         )
         given = repr(str(self.require_duration) if self.require_steps_given is None else self.require_steps_given)
         if self.clock == "progress":

@@ -785,3 +785,21 @@ def test_the_baseline_under_limit_train_batches_is_a_full_epoch_under_the_limit(
         assert s["samples"] == s["baseline_samples"] == 4 * 24 and s["flops_saved_frac"] == 0.0
     else:  # 4 batches of a full epoch, 3 or 4 of a pruned one (25-32 samples: 4 batches, 33-39: 5)
         assert s["samples_saved_frac"] == pytest.approx(1 - s["samples"] / (4 * 32))
+
+
+def test_a_second_fit_on_the_same_trainer_is_refused_with_the_fixes_for_that_case(tmp_path):
+    """The same callback trained the first fit: the refusal says the Trainer trained before and that InfoBatch plans
+    one fit (not that the fit has no InfoBatch state), and offers training the whole length in one fit."""
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=0)
+    trainer = make_trainer(tmp_path, [cb], max_epochs=2)
+    model = tiny_gpt2()
+    trainer.fit(model, datamodule=ib_data())
+    trainer.fit_loop.max_epochs = 4
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(model, datamodule=ib_data())
+    message = str(refused.value)
+    assert message.startswith(
+        "InfoBatchCallback: this fit starts at step 10 on a Trainer that trained before (a second trainer.fit on the "
+        "same Trainer: InfoBatch plans one fit and does not continue into another)"
+    )
+    assert "train the whole length in one fit (max_epochs)" in message and "without InfoBatch state" not in message

@@ -500,8 +500,9 @@ def test_a_second_fit_on_the_same_trainer_is_refused_and_a_checkpoint_resume_is_
                 trainer.fit(model, datamodule=tiny_lm_data())
             msg = str(err.value)
             assert msg.startswith(
-                "RandomLTDCallback: this fit starts at step 5 without random-LTD state (its Trainer trained before: a "
-                "second trainer.fit on the same Trainer); its schedule counts from step 0 of the run "
+                "RandomLTDCallback: this fit starts at step 5 on a Trainer that trained before (a second trainer.fit "
+                "on the same Trainer: random-LTD's schedule covers one fit and does not continue into another); its "
+                "schedule counts from step 0 of the run "
                 "(require_steps='1dur', 10 optimizer steps in this fit: r = 8 tokens at step 5, not min_value=4)"
             )
             assert "Resume from a checkpoint written with random-LTD (trainer.fit(..., ckpt_path=...)" in msg
