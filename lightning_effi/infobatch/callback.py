@@ -288,7 +288,8 @@ class InfoBatchCallback(Callback):
     Logged every epoch (``effi/infobatch/...``): ``threshold``, ``well_learned_frac``, ``kept_well_learned``,
     ``pruned_fraction_epoch``, ``saved_samples_epoch``, ``saved_samples_total``, ``saved_fraction``,
     ``padded_samples_epoch``. Summary (``result.json``): ``infobatch/saved_samples``, ``infobatch/saved_fraction``,
-    ``infobatch/padded_samples``, ``infobatch/prune_epochs`` (``saved_samples`` counts the samples the plans pruned;
+    ``infobatch/padded_samples``, ``infobatch/prune_epochs`` (``saved_samples`` counts the samples the plans pruned,
+    under ``limit_train_batches`` those a full epoch would have trained under the limit less the pruned one's;
     with the loader's ``drop_last`` the samples trained differ from a full epoch's by that count plus or minus the
     dropped partial batches, which the ``EfficiencyMonitor``'s baseline counts exactly). With the curriculum:
     ``threshold``, ``well_learned_frac``, ``pruned_fraction_epoch`` (dropped / drawn), ``saved_samples_epoch``,
@@ -1418,12 +1419,13 @@ class InfoBatchCallback(Callback):
             self._log_thinned_epoch(pl_module)
             return
         h, n = self.history[-1], self.dataset_size
+        saved, full = self._epoch_saving(h)
         metrics = {
             "effi/infobatch/threshold": h["threshold"] if h["kind"] == "prune" else float("nan"),
             "effi/infobatch/well_learned_frac": h["well_learned"] / n,
             "effi/infobatch/kept_well_learned": float(h["kept_well_learned"]),
-            "effi/infobatch/pruned_fraction_epoch": h["saved"] / n,
-            "effi/infobatch/saved_samples_epoch": float(h["saved"]),
+            "effi/infobatch/pruned_fraction_epoch": saved / max(1, full),
+            "effi/infobatch/saved_samples_epoch": float(saved),
             "effi/infobatch/padded_samples_epoch": float(h["padded"]),
             **{f"effi/infobatch/{k}": float(v) for k, v in self.totals().items()},
             **self._nonfinite_metrics(),
@@ -1456,12 +1458,29 @@ class InfoBatchCallback(Callback):
         """Report the non-finite training losses counted (``nonfinite_loss="warn"``), on rank 0."""
         self.nonfinite_guard.report_at_end()
 
+    def _epoch_saving(self, h: dict[str, Any]) -> tuple[int, int]:
+        """``(saved, full)`` samples of a history entry (all ranks): the plan's pruned samples and ``N``; under
+        ``Trainer(limit_train_batches=...)``, the samples a full epoch trains under the limit less those the plan
+        trains under it, and the former (a limited epoch may not reach the samples the plan left out)."""
+        t = self._datamodule.template() if self._datamodule is not None else None
+        trainer, n = self._trainer, self.dataset_size
+        limit = trainer.limit_train_batches if trainer is not None else 1.0
+        if t is None or trainer is None or (isinstance(limit, float) and limit == 1.0):
+            return int(h["saved"]), n
+        world, size, drop = trainer.world_size, int(t["batch_size"]), bool(t["drop_last"])
+        full = ib.rank_samples(n, size, world, drop, limit) * world
+        kept = ib.rank_samples(int(h["size"]), size, world, drop, limit) * world
+        return max(0, full - kept), full
+
     def totals(self) -> dict[str, float]:
-        saved = sum(h["saved"] for h in self.history)
         if self.curriculum_dm is not None:  # over the samples the curriculum drew (all ranks)
+            saved = sum(h["saved"] for h in self.history)
             drawn = sum(h["drawn"] for h in self.history)
             return {"saved_samples_total": saved, "saved_fraction": saved / max(1, drawn)}
-        return {"saved_samples_total": saved, "saved_fraction": saved / max(1, self.epochs * self.dataset_size)}
+        per_epoch = [self._epoch_saving(h) for h in self.history]
+        saved = sum(s for s, _ in per_epoch)
+        full = per_epoch[-1][1] if per_epoch else self.dataset_size
+        return {"saved_samples_total": saved, "saved_fraction": saved / max(1, self.epochs * full)}
 
     def effi_schedule_state(self) -> dict[str, float]:
         """``{"kept_fraction": f}``: the fraction of the current epoch's samples that are trained (1.0 in a full

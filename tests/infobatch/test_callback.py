@@ -803,3 +803,18 @@ def test_a_second_fit_on_the_same_trainer_is_refused_with_the_fixes_for_that_cas
         "same Trainer: InfoBatch plans one fit and does not continue into another)"
     )
     assert "train the whole length in one fit (max_epochs)" in message and "without InfoBatch state" not in message
+
+
+@pytest.mark.parametrize("limit", [2, 4, 0.5])
+def test_saved_samples_under_limit_train_batches_are_the_samples_not_trained(tmp_path, limit):
+    """Under ``limit_train_batches`` a limited epoch may stop before the samples a plan left out: InfoBatch's own
+    ``saved_samples`` (in result.json next to the monitor's figures) counted the plan's pruned samples (43 of 128
+    with a limit of 2 batches, where both runs train 16 samples an epoch). It now equals the monitor's saving."""
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=0), EfficiencyMonitor(print_summary=False)
+    make_trainer(tmp_path, [monitor, cb], max_epochs=4, limit_train_batches=limit).fit(
+        tiny_gpt2(), datamodule=ib_data()
+    )
+    s = monitor.summary
+    assert s["infobatch/saved_samples"] == s["baseline_samples"] - s["samples"]
+    if limit == 2:  # 2 batches of 8 whatever the plan
+        assert s["infobatch/saved_samples"] == 0 and s["samples"] == 4 * 16
