@@ -42,6 +42,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -824,13 +825,94 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
         raise MeasureError(f"replaying {type(target).__name__} failed ({type(err).__name__}: {err})") from err
 
 
+def _split_key(key: Any) -> tuple[Any, tuple[int, ...]]:
+    """``(skeleton, dims)`` of a cache key: the key with the shape of every tensor argument left out (its dtype,
+    device, ``requires_grad`` and number of dimensions kept), and those shapes' sizes in order."""
+    dims: list[int] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, TensorInfo):
+            dims.extend(int(d) for d in value.shape)
+            return ("tensor", value.dtype, value.device, value.requires_grad, len(value.shape))
+        if isinstance(value, tuple):
+            return tuple(walk(v) for v in value)
+        return value
+
+    return walk(key), tuple(dims)
+
+
+def _quadratic_at(points: dict[int, int], x: int) -> int | None:
+    """The value at ``x`` of the quadratic through three of ``points`` (``{length: FLOPs}``, >= 4 of them: the
+    smallest, a middle and the largest length) when every point lies on it exactly and the value is a whole number
+    >= 0; else None."""
+    xs = sorted(points)
+    chosen = (xs[0], xs[len(xs) // 2], xs[-1])
+
+    def at(v: int) -> Fraction:
+        total = Fraction(0)
+        for i, xi in enumerate(chosen):
+            term = Fraction(points[xi])
+            for j, xj in enumerate(chosen):
+                if i != j:
+                    term *= Fraction(v - xj, xi - xj)
+            total += term
+        return total
+
+    if any(at(v) != points[v] for v in xs):
+        return None
+    value = at(x)
+    return int(value) if value.denominator == 1 and value >= 0 else None
+
+
 class FlopsMeter:
     """Training FLOPs of recorded calls (:class:`CallRecorder`), each replayed once per cache key
-    (:meth:`CallRecord.key` and :func:`structure_key` of its target) and cached, failures included."""
+    (:meth:`CallRecord.key` and :func:`structure_key` of its target) and cached, failures included.
 
-    def __init__(self) -> None:
+    Lengths between measured ones are interpolated (``interpolate``): calls that differ only in one size (the same
+    value at every place it appears in the tensor arguments' shapes, e.g. the padded sequence length ``T`` of
+    batches padded to their longest sequence) form a family; once :data:`MIN_FIT_POINTS` lengths of a family were
+    replayed and all lie exactly on one quadratic in that size (a transformer's FLOPs are ``a T + b T^2``), a length
+    strictly between the shortest and the longest replayed one is read off it (a whole number) instead of replayed.
+    A length outside that range, or a family whose replays fit no quadratic, is replayed. ``replays`` counts the
+    replays."""
+
+    #: replayed lengths of a family before lengths between them are interpolated (three fit, the others check)
+    MIN_FIT_POINTS = 4
+
+    def __init__(self, interpolate: bool = True) -> None:
         self._cache: OrderedDict[tuple[Any, ...], int | MeasureError] = OrderedDict()
+        self._families: dict[Any, list[tuple[tuple[int, ...], int]]] = {}
         self.max_entries = 4096
+        self.interpolate = interpolate
+        self.replays = 0
+
+    def _interpolated(self, key: tuple[Any, ...]) -> int | None:
+        """The FLOPs of ``key`` read off its family's replays (class docstring), or None."""
+        skeleton, dims = _split_key(key)
+        points = self._families.get(skeleton, [])
+        for reference, _ in points:
+            varying = [j for j, (a, b) in enumerate(zip(reference, dims, strict=True)) if a != b]
+            if not varying or len({dims[j] for j in varying}) != 1 or len({reference[j] for j in varying}) != 1:
+                continue
+            fixed = [j for j in range(len(dims)) if j not in set(varying)]
+            family: dict[int, int] = {}
+            for other, flops in points:
+                values = {other[j] for j in varying}
+                if len(values) == 1 and all(other[j] == dims[j] for j in fixed):
+                    family[values.pop()] = flops
+            if len(family) < self.MIN_FIT_POINTS:
+                return None
+            length = dims[varying[0]]
+            if not min(family) < length < max(family):
+                return None
+            return _quadratic_at(family, length)
+        return None
+
+    def _record(self, key: tuple[Any, ...], flops: int) -> None:
+        skeleton, dims = _split_key(key)
+        points = self._families.setdefault(skeleton, [])
+        if len(points) < 256:
+            points.append((dims, flops))
 
     def flops(self, root: nn.Module, calls: Sequence[CallRecord]) -> int:
         """The sum over ``calls`` of their training FLOPs on the modules now inside ``root``.
@@ -847,10 +929,15 @@ class FlopsMeter:
             key = (call.key(), structure_key(target))
             result = self._cache.get(key)
             if result is None:
+                result = self._interpolated(key) if self.interpolate else None
+            if result is None:
+                self.replays += 1
                 try:
                     result = replay_flops(root, call)
+                    self._record(key, result)
                 except MeasureError as err:
                     result = err
+            if key not in self._cache:
                 self._cache[key] = result
                 if len(self._cache) > self.max_entries:
                     self._cache.popitem(last=False)

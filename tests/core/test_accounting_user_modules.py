@@ -633,3 +633,48 @@ def test_dataclass_and_named_tuple_arguments_are_rebuilt_for_the_replay(kind: ty
     path = ("inputs", "x") if kind is Inputs else ("inputs", 0)  # where the argument's tensor sits in the batch
     assert recorder.calls[0].args[0].fields[0][1].path == path
     assert FlopsMeter().flops(root, recorder.calls) == 2 * 2 * 5 * 8 * 4  # no input gradient: 2x the forward
+
+
+def _bert_calls(root: nn.Module, length: int, batch: int = 3) -> list:
+    """The recorded calls of one training step of ``root.net`` (a tiny HF BERT) on a padded batch of ``length``."""
+    ids = torch.randint(1, 64, (batch, length))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[0, length // 2 :] = 0
+    recorder = CallRecorder()
+    recorder.start(root)
+    root.net(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    recorder.stop({"input_ids": ids, "attention_mask": mask})
+    return recorder.calls
+
+
+def test_padded_lengths_between_replayed_ones_are_interpolated_exactly() -> None:
+    """Batches padded to their longest sequence give one shape per length, each a replay on fake tensors (about 0.7 s
+    for a small BERT on a CPU core). Once 4 lengths of one call were replayed and lie on one quadratic, the lengths
+    between them are read off it: every figure equals the replayed one, with fewer replays."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, attn_implementation="eager", num_labels=2,
+    )  # fmt: skip
+    root = nn.Module()
+    root.net = transformers.BertForSequenceClassification(config)
+    lengths = [8, 40, 16, 32, 12, 24, 20, 36, 28, 9, 17, 33]
+    calls = {n: _bert_calls(root, n) for n in lengths}
+    exact, fast = FlopsMeter(interpolate=False), FlopsMeter()
+    figures = [(exact.flops(root, calls[n]), fast.flops(root, calls[n])) for n in lengths]
+    assert all(a == b > 0 for a, b in figures)
+    # 8, 40, 16 and 32 replayed (the first 4 of the call); the others lie strictly between 8 and 40
+    assert exact.replays == len(lengths) and fast.replays == 4
+    longer = _bert_calls(root, 48)  # outside the replayed range: replayed, and it widens the range
+    assert fast.flops(root, longer) == exact.flops(root, longer) and fast.replays == 5
+
+
+def test_a_length_is_read_off_a_quadratic_only_when_every_replayed_length_lies_on_it() -> None:
+    from lightning_effi.core.measure import _quadratic_at
+
+    quadratic = {t: 7 * t * t + 120 * t for t in (8, 16, 24, 40)}
+    assert _quadratic_at(quadratic, 30) == 7 * 900 + 120 * 30
+    cubic = {t: t**3 for t in (8, 16, 24, 40)}  # three points fit a quadratic, the fourth does not: replayed
+    assert _quadratic_at(cubic, 30) is None
+    stepped = {8: 100, 16: 100, 24: 200, 40: 200}  # blocks of 16 (ceil(T / 16)): no quadratic through all
+    assert _quadratic_at(stepped, 30) is None
