@@ -242,3 +242,13 @@ def test_class_methods_parameters_and_known_defects(tmp_path: Path) -> None:
     assert "marked xfail" in (node_problem("tests/test_x.py::test_e[1]", tmp_path) or "")
     assert node_problem("tests/test_x.py::test_f[1]", tmp_path) is None  # one parameter's mark: not the test's
     assert node_problem("tests/test_x.py::test_b", tmp_path) == "tests/test_x.py defines no test_b"  # a method only
+
+
+@pytest.mark.parametrize("technique", ("infobatch", "curriculum", "random_ltd"))
+def test_the_cards_requirements_example_holds(technique: str) -> None:
+    """The card's Python block on ``.requirements`` runs: its assertions are the callback's declared requirements
+    (an ``==`` against an abridged ``Requirements(...)`` read as true and was false)."""
+    text = CARDS[technique].read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if ".requirements\n" in b]
+    assert len(blocks) == 1, f"{technique}: expected one requirements example, found {len(blocks)}"
+    exec(compile(blocks[0], f"{technique}/README.md", "exec"), {})
