@@ -336,7 +336,8 @@ def _resolve_mode(cfg: DictConfig) -> None:
         if metric and inferred is None:
             raise ConfigError(
                 f"optimized_mode is read from optimized_metric's name, and {metric!r} says neither lower nor higher "
-                "is better; set optimized_mode=min or optimized_mode=max"
+                "is better (misspelled? it must be a metric the model logs); set optimized_mode=min or "
+                "optimized_mode=max"
             )
         with open_dict(cfg):
             cfg.optimized_mode = inferred or "min"  # no metric: the direction is not used

@@ -102,7 +102,9 @@ APP_ERRORS = [
     (["model.optimizer.lr=abc"], "model.optimizer.lr: expected a number (its default is 0.001), got 'abc'"),
     (["model.scheduler.warmup_fraction=x"], "model.scheduler.warmup_fraction: expected a number"),
     (["model.scheduler.warmup_fraction=2"], "model.scheduler"),
-    (["optimized_metric=val/los"], "optimized_metric: 'val/los' is not logged"),
+    (["optimized_metric=val/los", "optimized_mode=min"], "optimized_metric: 'val/los' is not logged"),
+    # without a mode, the name is read for one first: the typo is refused before anything is built
+    (["optimized_metric=val/los"], "optimized_mode is read from optimized_metric's name, and 'val/los' says neither"),
     (["seed=-1"], "seed: expected an int"),
     # MLflow's client retried an unreachable server for minutes before training, naming nothing
     (
@@ -135,7 +137,13 @@ def test_debug_limit_refuses_a_misspelled_metric_before_training(tmp_path, monke
 
     batches: list[int] = []
     monkeypatch.setattr(app.TrainingStarted, "on_train_batch_start", lambda self, *args: batches.append(args[-1]))
-    overrides = ["debug=limit", "optimized_metric=val/los", "data.num_workers=0", "+trainer.enable_progress_bar=false"]
+    overrides = [
+        "debug=limit",
+        "optimized_metric=val/los",
+        "optimized_mode=min",
+        "data.num_workers=0",
+        "+trainer.enable_progress_bar=false",
+    ]
     with pytest.raises(SystemExit) as stop:
         main(compose_train(overrides, tmp_path, fast=False))
     assert str(stop.value.code).startswith("error: optimized_metric: 'val/los' is not logged by this model")

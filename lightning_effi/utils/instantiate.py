@@ -77,7 +77,7 @@ def metric_mode(metric: Any) -> str:
     if mode is None:
         raise ValueError(
             f"optimized_mode is read from optimized_metric's name, and {str(metric)!r} says neither lower nor higher "
-            "is better; set optimized_mode=min or optimized_mode=max"
+            "is better (misspelled? it must be a metric the model logs); set optimized_mode=min or optimized_mode=max"
         )
     return mode
 
