@@ -1103,7 +1103,6 @@ class EfficiencyMonitor(Callback):
         unknown = {k for k in totals if not k.startswith("saved/")} - set(self.totals)
         if unknown:
             raise KeyError(f"EfficiencyMonitor state has unknown keys {sorted(unknown)}")
-        # the baseline's totals default to the computed ones (a checkpoint written before they were counted)
         totals.setdefault("time_monitor", 0.0)  # a checkpoint written before it was counted
         missing = [k for k in (*COUNT_KEYS, *TIME_KEYS, "time_total") if k not in totals]
         if missing:
