@@ -36,6 +36,7 @@ from lightning_effi.utils.instantiate import (
     instantiate,
     instantiate_callbacks,
     instantiate_loggers,
+    metric_mode,
     model_kwargs_from_hints,
 )
 
@@ -332,15 +333,13 @@ def _resolve_mode(cfg: DictConfig) -> None:
     if mode is not None:
         check_choice("", "optimized_mode", mode, ("min", "max"), error=ConfigError)
     inferred = infer_mode(metric) if metric else None
-    if mode is None:
-        if metric and inferred is None:
-            raise ConfigError(
-                f"optimized_mode is read from optimized_metric's name, and {metric!r} says neither lower nor higher "
-                "is better (misspelled? it must be a metric the model logs); set optimized_mode=min or "
-                "optimized_mode=max"
-            )
+    if mode is None:  # optimized_mode=null: read from the name, as the default ${effi_mode:...} does
+        try:
+            resolved = metric_mode(metric)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         with open_dict(cfg):
-            cfg.optimized_mode = inferred or "min"  # no metric: the direction is not used
+            cfg.optimized_mode = resolved
     elif inferred is not None and mode != inferred:
         raise ConfigError(
             f"optimized_mode={mode} contradicts optimized_metric={metric}, whose name says "

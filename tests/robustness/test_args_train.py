@@ -36,6 +36,7 @@ def no_build(monkeypatch):
             r"^optimized_mode is read from optimized_metric's name, and 'val/foo' says neither .*optimized_mode=max$",
         ),
         ("optimized_metric=val/acc optimized_mode=min", r"^optimized_mode=min contradicts optimized_metric=val/acc"),
+        ("optimized_metric=val/foo optimized_mode=null", r"^optimized_mode is read from optimized_metric's name, and"),
         ("trainer.max_steps=ten", r"^trainer\.max_steps must be an int >= -1, got 'ten'$"),
         ("trainer.max_steps=2.5", r"^trainer\.max_steps must be an int >= -1, got 2\.5$"),
         ("trainer.max_epochs=-2", r"^trainer\.max_epochs must be an int >= -1, got -2$"),
@@ -74,6 +75,7 @@ def test_valid_settings_pass_the_checks(tmp_path, overrides):
         (["optimized_metric=val/acc"], "max"),
         (["experiment=cifar10_cnn"], "max"),
         (["optimized_metric=null"], "min"),
+        (["optimized_metric=val/acc", "optimized_mode=null"], "max"),
     ],
 )
 def test_the_mode_is_read_from_the_metric_name_and_reaches_the_checkpoint_callback(tmp_path, overrides, mode):
