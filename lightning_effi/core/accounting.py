@@ -395,7 +395,7 @@ class EfficiencyMonitor(Callback):
     - ``time_train_s, time_data_s, time_eval_s, time_total_s, samples_per_s, tokens_per_s``;
     - ``time_monitor_s``: the monitor's own time (in ``time_total_s`` only): counting each batch, and measuring the
       FLOPs of each new batch shape (the replay on fake tensors costs tens to hundreds of forward-backward passes'
-      Python overhead: about 0.7 s for a 3-layer BERT on a CPU core). Every padded length is a new shape; of batches
+      Python overhead: 0.3-0.8 s for a 3-layer BERT on a CPU core). Every padded length is a new shape; of batches
       padded to their longest sequence, lengths between 4 replayed ones are read off the quadratic those fit exactly
       (:class:`~lightning_effi.core.measure.FlopsMeter`), so a run pays a few replays, not one per length; define
       ``effi_training_flops(batch)`` to pay none;

@@ -648,7 +648,7 @@ def _bert_calls(root: nn.Module, length: int, batch: int = 3) -> list:
 
 
 def test_padded_lengths_between_replayed_ones_are_interpolated_exactly() -> None:
-    """Batches padded to their longest sequence give one shape per length, each a replay on fake tensors (about 0.7 s
+    """Batches padded to their longest sequence give one shape per length, each a replay on fake tensors (0.3-0.8 s
     for a small BERT on a CPU core). Once 4 lengths of one call were replayed and lie on one quadratic, the lengths
     between them are read off it: every figure equals the replayed one, with fewer replays."""
     torch.manual_seed(0)

@@ -643,7 +643,8 @@ def test_generic_adapter_gathers_broadcast_masks_of_hand_written_blocks(layout):
 
 def test_errors_for_an_undeclared_or_misdeclared_mask_name_the_masks_declaration():
     """A block taking a shared causal ``[S, S]`` mask: the undeclared-argument error and the error of a mask declared
-    as a sequence argument both say how to declare it (``masks={'attn_mask': 'self'}``), which then trains."""
+    as a sequence argument both say how to declare it (``masks={'attn_mask': 'self'}``, the declaration the test above
+    gathers these masks with)."""
     net = nn.Module()
     net.blocks = nn.ModuleList(SDPABlock() for _ in range(3))
     with pytest.raises(ValueError, match=r"argument 'attn_mask' .*masks=\{'attn_mask': 'self'\}"):
