@@ -1196,13 +1196,11 @@ class InfoBatchCallback(Callback):
         padded = history[-1]["padded"] if history and history[-1]["epoch"] == plan.epoch else 0
         trained = int(plan.indices.numel()) + int(padded)
         t = self._datamodule.template() if self._datamodule is not None else None
-        limit = self._trainer.limit_train_batches if self._trainer is not None else 1.0
-        if t is not None and self._trainer is not None and not (isinstance(limit, float) and limit == 1.0):
+        limited = self._limited_samples(int(plan.indices.numel()))
+        if limited is not None:
             # Trainer(limit_train_batches=...): a full epoch would train as many batches as the limit lets it, so
             # the baseline is the samples a full epoch trains under the limit over those this pruned one trains
-            world, size, drop = self._trainer.world_size, int(t["batch_size"]), bool(t["drop_last"])
-            full = ib.rank_samples(self.dataset_size, size, world, drop, limit)
-            kept = ib.rank_samples(int(plan.indices.numel()), size, world, drop, limit)
+            full, kept = limited
             return Baseline(samples=full / kept) if kept and full != kept else None
         if t is not None and bool(t["drop_last"]) and self._trainer is not None:
             # the loader drops each rank's last partial batch, of the full epoch and of the pruned one alike: the
@@ -1458,18 +1456,29 @@ class InfoBatchCallback(Callback):
         """Report the non-finite training losses counted (``nonfinite_loss="warn"``), on rank 0."""
         self.nonfinite_guard.report_at_end()
 
+    def _limited_samples(self, epoch_size: int) -> tuple[int, int] | None:
+        """Under ``Trainer(limit_train_batches=...)``: ``(full, kept)``, the samples one rank trains in a full epoch
+        and in an epoch of ``epoch_size`` samples, each cut by the limit
+        (:func:`~lightning_effi.infobatch.functional.rank_samples`); None without a limit (or before the loader's
+        settings are known)."""
+        t = self._datamodule.template() if self._datamodule is not None else None
+        trainer = self._trainer
+        limit = trainer.limit_train_batches if trainer is not None else 1.0
+        if t is None or trainer is None or (isinstance(limit, float) and limit == 1.0):
+            return None
+        world, size, drop = trainer.world_size, int(t["batch_size"]), bool(t["drop_last"])
+        full = ib.rank_samples(self.dataset_size, size, world, drop, limit)
+        return full, ib.rank_samples(epoch_size, size, world, drop, limit)
+
     def _epoch_saving(self, h: dict[str, Any]) -> tuple[int, int]:
         """``(saved, full)`` samples of a history entry (all ranks): the plan's pruned samples and ``N``; under
         ``Trainer(limit_train_batches=...)``, the samples a full epoch trains under the limit less those the plan
         trains under it, and the former (a limited epoch may not reach the samples the plan left out)."""
-        t = self._datamodule.template() if self._datamodule is not None else None
-        trainer, n = self._trainer, self.dataset_size
-        limit = trainer.limit_train_batches if trainer is not None else 1.0
-        if t is None or trainer is None or (isinstance(limit, float) and limit == 1.0):
-            return int(h["saved"]), n
-        world, size, drop = trainer.world_size, int(t["batch_size"]), bool(t["drop_last"])
-        full = ib.rank_samples(n, size, world, drop, limit) * world
-        kept = ib.rank_samples(int(h["size"]), size, world, drop, limit) * world
+        limited = self._limited_samples(int(h["size"]))
+        if limited is None:
+            return int(h["saved"]), self.dataset_size
+        world = self._trainer.world_size if self._trainer is not None else 1
+        full, kept = (n * world for n in limited)
         return max(0, full - kept), full
 
     def totals(self) -> dict[str, float]:
