@@ -140,24 +140,40 @@ class Baseline:
         model: a context-manager factory; inside the context ``pl_module`` counts as the model without the technique
             (``effi_training_flops`` and ``effi_num_layers`` of the full model), and no forward runs. None: unchanged.
             V-cycle: the full model held in place of the coarse one.
-        samples: samples the pipeline drew per sample trained (a float > 0; above 1 for pruning): every count of the
-            batch is scaled by it. InfoBatch: ``(trained + pruned) / trained`` in the current epoch (the pruned
-            samples are never in a batch; they are charged at the mean cost of the trained ones: exact for samples
-            of one cost, an estimate for variable-length ones).
+        samples: samples the pipeline drew per sample trained (a float > 0; above 1 for pruning): the batch's
+            sample count is scaled by it, and its tokens, layer-tokens and FLOPs too unless ``tokens`` is given.
+            InfoBatch: ``(trained + pruned) / trained`` in the current epoch (the pruned samples are never in a
+            batch).
+        tokens: tokens the pipeline drew per token trained (a float > 0, or None: ``samples``): scales the batch's
+            tokens, layer-tokens and FLOPs, for samples of unequal length. InfoBatch: ``samples`` times the mean
+            tokens of a sample of the training set over the mean of the epoch's trained samples (the pruned samples
+            charged at their own length, not at the trained ones' mean; the FLOPs of a padded batch taken as
+            following its real tokens).
 
     Raises:
-        ValueError: ``samples`` not a finite number > 0.
+        ValueError: ``samples`` or ``tokens`` not a finite number > 0.
     """
 
     batch: Any = None
     model: Callable[[], AbstractContextManager[Any]] | None = None
     samples: float = 1.0
+    tokens: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.samples, bool) or not isinstance(self.samples, (int, float)):
-            raise ValueError(f"Baseline.samples must be a number, got {self.samples!r}")
-        if not (math.isfinite(self.samples) and self.samples > 0):
-            raise ValueError(f"Baseline.samples must be a finite number > 0, got {self.samples!r}")
+        for name in ("samples", "tokens"):
+            value = getattr(self, name)
+            if name == "tokens" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"Baseline.{name} must be a number, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"Baseline.{name} must be a finite number > 0, got {value!r}")
+
+    def factors(self) -> Counts:
+        """The factors of ``(samples, tokens, layer_tokens, flops)``: ``samples`` for the first, ``tokens`` (else
+        ``samples``) for the others."""
+        per_token = float(self.samples if self.tokens is None else self.tokens)
+        return (float(self.samples), per_token, per_token, per_token)
 
 
 @dataclasses.dataclass
@@ -167,7 +183,7 @@ class BatchAccount:
     Attributes:
         actual: what was computed (the module's counts after every ``effi_adjust``).
         baseline: ``(samples, tokens, layer_tokens, flops)`` the run without any technique would have computed for
-            this batch (floats: a :class:`Baseline`'s ``samples`` scales them).
+            this batch (floats: a :class:`Baseline`'s factors scale them).
         saved: technique name -> the ``(samples, tokens, layer_tokens, flops)`` that technique saved (``baseline -
             actual`` is their sum, up to float rounding).
     """
@@ -296,8 +312,8 @@ def _shapes(batch: Any) -> list[tuple[Any, tuple[int, ...]]]:
     return [(path, tuple(value.shape)) for path, value in tensor_leaves(batch)]
 
 
-def _scaled(counts: Counts, factor: float) -> Counts:
-    return (counts[0] * factor, counts[1] * factor, counts[2] * factor, counts[3] * factor)
+def _scaled(counts: Counts, factors: Counts) -> Counts:
+    return (counts[0] * factors[0], counts[1] * factors[1], counts[2] * factors[2], counts[3] * factors[3])
 
 
 def lengthen_batch(
@@ -652,16 +668,17 @@ class EfficiencyMonitor(Callback):
                 stats = lowered
         actual = stats
         current: Counts = raw.values()
-        scale, changed_batch, before = 1.0, batch, raw
+        scale: Counts = (1.0, 1.0, 1.0, 1.0)
+        changed_batch, before = batch, raw
         models: list[Callable[[], AbstractContextManager[Any]]] = []
         for callback in reversed(callbacks):
             hook = baseline_hook(callback)
             change = hook(changed_batch, pl_module) if hook is not None else None
             if change is None:
                 continue
-            scale *= float(change.samples)
+            scale = _scaled(scale, change.factors())
             if change.batch is None and change.model is None:
-                raised = _scaled(current, float(change.samples))
+                raised = _scaled(current, change.factors())
             else:
                 if not callable(getattr(pl_module, "effi_training_flops", None)) and self._own_flops(pl_module):
                     what = "a smaller model" if change.model is not None else "shorter batches"

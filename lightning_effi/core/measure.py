@@ -68,6 +68,7 @@ __all__ = [
     "leaves",
     "mask_is_additive",
     "mask_tokens",
+    "row_tokens",
     "tensor_leaves",
     "token_source",
 ]
@@ -276,6 +277,46 @@ def find_tokens(batch: Any) -> int | None:
             stacklevel=2,
         )
     return None if ids is None else int(ids.numel())
+
+
+def row_tokens(batch: Any) -> Tensor | None:
+    """Tokens of each sample of a batch, int64 ``[B]`` on the CPU, read as :func:`find_tokens` reads the batch's
+    total (their sum is that total): the real tokens of each row of the ``attention_mask`` (:func:`mask_tokens`'s
+    reading: bool, keep or additive, any layout :func:`key_padding_mask` reads), else of the padding mask the
+    curriculum reads (:func:`lightning_effi.curriculum.functional.padding_mask`), else the ids' length ``T`` for
+    every row (padding included, as the total counts it; also where the mask says nothing per row: a
+    ``[B, 1, Q, T]`` mask with ``1 != Q != T``, a complex one). None when the batch has no tokens (images) or its
+    rows cannot be told apart (1-D ids, no ids beside an unreadable mask). One device synchronization; never raises,
+    never warns."""
+    source = token_source(batch)
+    if source is None:
+        return None
+    kind, tensor = source
+
+    def ids_length(ids: Tensor | None) -> Tensor | None:
+        if ids is None or ids.ndim != 2:
+            return None
+        return torch.full((int(ids.shape[0]),), int(ids.shape[1]), dtype=torch.int64)
+
+    if kind == "ids":
+        from lightning_effi.curriculum.functional import padding_mask
+
+        try:
+            found = padding_mask(batch)
+        except ValueError:
+            found = None
+        if found is not None and tuple(found[2].shape) == tuple(tensor.shape):
+            real = found[2].sum(dim=1).cpu().long()
+            if int(real.sum()) > 0:
+                return real
+        return ids_length(tensor)
+    rows = key_padding_mask(tensor)
+    if rows is None or rows.is_complex() or rows.ndim != 2:
+        return ids_length(_ids(batch))
+    if rows.dtype == torch.bool:
+        return rows.sum(dim=1).cpu().long()
+    additive = mask_is_additive(rows)
+    return (rows >= 0 if additive else rows > 0).sum(dim=1).cpu().long()
 
 
 def hidden_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:

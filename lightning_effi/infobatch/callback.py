@@ -53,6 +53,7 @@ from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real, is_int
 from lightning_effi.core.compat import rebuild_train_loader_after_restore, restart_next_epoch_at_its_start
+from lightning_effi.core.measure import row_tokens
 from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
 from lightning_effi.core.requirements import (
@@ -401,6 +402,10 @@ class InfoBatchCallback(Callback):
         self.epochs: int = 0  # resolved E
         self.dataset_size: int = 0
         self.score = self.seen = self.sum_loss = self.count = torch.empty(0)
+        #: float64 [N], each sample's real tokens when it last trained (-1: not yet), and the rank-local [2, N]
+        #: sums and counts since the last merge: the baseline of samples of unequal length (effi_baseline)
+        self.sample_tokens = self.pending_tokens = torch.empty(0, dtype=torch.float64)
+        self._token_ratio: tuple[int, float | None] | None = None  # (plan epoch, token_ratio) cached for the epoch
         self.plan: ib.EpochPlan | None = None
         self.steps_in_epoch = 0
         self.steps_per_epoch = 1
@@ -528,10 +533,7 @@ class InfoBatchCallback(Callback):
             raise ValueError("InfoBatchCallback: the training set is empty")
         self.epochs, self.dataset_size = int(epochs), n
         self._warn_no_prune_epoch(trainer)
-        self.score = torch.zeros(n, dtype=torch.float32)
-        self.seen = torch.zeros(n, dtype=torch.bool)
-        self.sum_loss = torch.zeros(n, dtype=torch.float32)
-        self.count = torch.zeros(n, dtype=torch.int32)
+        self._new_tables(n)
         self._check_val_check_interval(trainer, datamodule)
         self._warn_single_sample_batches(pl_module, datamodule)
         self._reset_run_state()
@@ -608,6 +610,15 @@ class InfoBatchCallback(Callback):
                 "check_val_every_n_epoch=None to count batches across epochs)"
             )
 
+    def _new_tables(self, n: int) -> None:
+        self.score = torch.zeros(n, dtype=torch.float32)
+        self.seen = torch.zeros(n, dtype=torch.bool)
+        self.sum_loss = torch.zeros(n, dtype=torch.float32)
+        self.count = torch.zeros(n, dtype=torch.int32)
+        self.sample_tokens = torch.full((n,), -1.0, dtype=torch.float64)
+        self.pending_tokens = torch.zeros(2, n, dtype=torch.float64)
+        self._token_ratio = None
+
     def _reset_run_state(self) -> None:
         self.plan, self.history, self.steps_in_epoch = None, [], 0
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
@@ -645,10 +656,7 @@ class InfoBatchCallback(Callback):
         self.curriculum_dm = curriculum
         self.micro_batch_size = int(template["batch_size"])
         self.epochs, self.dataset_size = 0, n
-        self.score = torch.zeros(n, dtype=torch.float32)
-        self.seen = torch.zeros(n, dtype=torch.bool)
-        self.sum_loss = torch.zeros(n, dtype=torch.float32)
-        self.count = torch.zeros(n, dtype=torch.int32)
+        self._new_tables(n)
         self._reset_run_state()
         self._trainer = trainer
         self._datamodule = None
@@ -748,6 +756,8 @@ class InfoBatchCallback(Callback):
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             self._step = self._current_step()
+            if self.curriculum_dm is None:
+                self._note_tokens(batch, self._step.index)
             try:
                 if not pl_module.automatic_optimization:
                     return self._manual_step(original, batch, *args, **kwargs)
@@ -763,6 +773,14 @@ class InfoBatchCallback(Callback):
 
         training_step._infobatch_owner = self  # type: ignore[attr-defined]
         pl_module.training_step = training_step  # type: ignore[method-assign]
+
+    def _note_tokens(self, batch: Any, index: Tensor) -> None:
+        """Record each sample's real tokens (:func:`~lightning_effi.core.measure.row_tokens`, as the
+        EfficiencyMonitor reads the batch) for :meth:`effi_baseline`; nothing for a batch without tokens (images) or
+        one whose rows do not match its index."""
+        tokens = row_tokens(batch)
+        if tokens is not None and tuple(tokens.shape) == tuple(index.shape):
+            ib.record_tokens(self.pending_tokens, index.cpu(), tokens)
 
     def _current_step(self) -> _Step:
         """The batch's sample index (and, with the curriculum, its thinning) from the batch metadata."""
@@ -1172,17 +1190,21 @@ class InfoBatchCallback(Callback):
 
     def effi_baseline(self, batch: Any, pl_module: pl.LightningModule) -> Baseline | None:
         """What InfoBatch changed in the current batch, for :class:`~lightning_effi.core.accounting.EfficiencyMonitor`
-        (:class:`~lightning_effi.core.accounting.Baseline`): the samples each trained one stands for.
+        (:class:`~lightning_effi.core.accounting.Baseline`): the samples, and the tokens, each trained one stands for.
 
-        - Alone, in a prune epoch: ``full / trained`` with ``trained`` the plan's samples plus the DDP duplicates
-          (``padded``, summed over ranks) and ``full`` what a full epoch trains, the ``N`` samples padded to a
-          multiple of the ranks (as a plain run's distributed sampler pads them): the pruned samples are charged at
-          the mean cost of the trained ones. With the loader's ``drop_last``, the samples a full epoch
-          trains over those the pruned one trains, each rank's last partial batch dropped from both. Under
-          ``Trainer(limit_train_batches=...)``, the samples a full epoch trains under the limit over those the pruned
-          one trains (1: no saving, when the limit cuts both to the same batches). None in a full epoch.
-        - With the curriculum: ``candidates / kept`` of the micro-batch slice this rank thinned last
-          (:meth:`thinned_output`); None when nothing was dropped.
+        - Alone, in a prune epoch: ``samples = full / trained`` with ``trained`` the plan's samples plus the DDP
+          duplicates (``padded``, summed over ranks) and ``full`` what a full epoch trains, the ``N`` samples padded
+          to a multiple of the ranks (as a plain run's distributed sampler pads them). With the loader's
+          ``drop_last``, the samples a full epoch trains over those the pruned one trains, each rank's last partial
+          batch dropped from both. Under ``Trainer(limit_train_batches=...)``, the samples a full epoch trains under
+          the limit over those the pruned one trains (1 when the limit cuts both to the same batches). ``tokens =
+          samples * token_ratio`` (:func:`~lightning_effi.infobatch.functional.token_ratio`: the training set's mean
+          tokens per sample over the epoch's trained samples', from each sample's tokens when it last trained), so
+          that the pruned samples are charged at their own length; ``tokens`` is left None (= ``samples``) for
+          samples without tokens (images). None in a full epoch.
+        - With the curriculum: ``candidates / kept`` samples of the micro-batch slice this rank thinned last
+          (:meth:`thinned_output`; the dropped samples charged at the kept ones' mean cost); None when nothing was
+          dropped.
         """
         if self.curriculum_dm is not None:
             if self._last_thin is None:
@@ -1192,6 +1214,20 @@ class InfoBatchCallback(Callback):
         plan = self.plan
         if plan is None or not plan.saved:
             return None
+        samples = self._sample_factor(plan)
+        if samples is None:
+            return None
+        if self._token_ratio is None or self._token_ratio[0] != plan.epoch:  # the table changes between epochs only
+            self._token_ratio = (plan.epoch, ib.token_ratio(self.sample_tokens, plan.indices))
+        ratio = self._token_ratio[1]
+        tokens = None if ratio is None else samples * ratio
+        if samples == 1 and tokens in (None, 1):
+            return None
+        return Baseline(samples=samples, tokens=tokens)
+
+    def _sample_factor(self, plan: ib.EpochPlan) -> float | None:
+        """The samples a full epoch draws per sample this pruned epoch trains (:meth:`effi_baseline`); None when
+        the pruned epoch trains none."""
         history = self.history
         padded = history[-1]["padded"] if history and history[-1]["epoch"] == plan.epoch else 0
         trained = int(plan.indices.numel()) + int(padded)
@@ -1201,19 +1237,19 @@ class InfoBatchCallback(Callback):
             # Trainer(limit_train_batches=...): a full epoch would train as many batches as the limit lets it, so
             # the baseline is the samples a full epoch trains under the limit over those this pruned one trains
             full, kept = limited
-            return Baseline(samples=full / kept) if kept and full != kept else None
+            return full / kept if kept else None
         if t is not None and bool(t["drop_last"]) and self._trainer is not None:
             # the loader drops each rank's last partial batch, of the full epoch and of the pruned one alike: the
             # samples a full epoch trains over those this pruned epoch trains (all ranks)
             world, size = self._trainer.world_size, int(t["batch_size"])
             full = (math.ceil(self.dataset_size / world) // size) * size * world
             kept = (math.ceil(trained / world) // size) * size * world
-            return Baseline(samples=full / kept) if kept else None
+            return full / kept if kept else None
         # a full epoch trains every sample, padded by the distributed sampler to a multiple of the ranks as a plain
         # run is: the pruned epoch's own duplicates are not samples of the baseline
         world = self._trainer.world_size if self._trainer is not None else 1
         full = math.ceil((int(plan.indices.numel()) + int(plan.saved)) / world) * world
-        return Baseline(samples=full / trained) if trained else None
+        return full / trained if trained else None
 
     def sync_scores(self, trainer: pl.Trainer | None) -> None:
         """Sum the epoch's recorded losses over ranks (one collective per epoch) into the score table, identical on
@@ -1235,6 +1271,13 @@ class InfoBatchCallback(Callback):
         ib.finalize(sum_loss, count, self.score, self.seen, self.momentum)
         self.sum_loss.zero_()
         self.count.zero_()
+        if not composed:  # the tokens of the epoch's samples (effi_baseline)
+            pending = self.pending_tokens
+            if world > 1:
+                assert trainer is not None
+                pending = trainer.strategy.reduce(pending.to(device), reduce_op="sum").cpu()
+            ib.merge_tokens(self.sample_tokens, pending)
+            self.pending_tokens.zero_()
         if composed:
             if self.history and self.history[-1]["epoch"] == self.table_epoch:
                 h = self.history[-1]
@@ -1592,6 +1635,8 @@ class InfoBatchCallback(Callback):
             "table_epoch": self.table_epoch,
             "synced_epoch": self.synced_epoch,
             "thin_stats": self.thin_stats.clone(),
+            "sample_tokens": self.sample_tokens.clone(),
+            "pending_tokens": self.pending_tokens.clone(),
         }
 
     @override
@@ -1614,6 +1659,8 @@ class InfoBatchCallback(Callback):
             counts = trainer.strategy.reduce(counts, reduce_op="sum").cpu()
             state["count"] = counts[: self.count.numel()].to(self.count.dtype)
             state["thin_stats"] = counts[self.count.numel() :].to(self.thin_stats.dtype)
+            pending = self.pending_tokens.clone().to(device)
+            state["pending_tokens"] = trainer.strategy.reduce(pending, reduce_op="sum").cpu()
         state["pending_over_ranks"] = True
 
     @override
@@ -1717,10 +1764,15 @@ class InfoBatchCallback(Callback):
         self.table_epoch = int(state_dict.get("table_epoch", -1))
         self.synced_epoch = int(state_dict.get("synced_epoch", -1))
         self.thin_stats = state_dict.get("thin_stats", torch.zeros(3, dtype=torch.int64)).clone()
+        n = self.dataset_size  # a checkpoint written before the token table: every sample's tokens unknown
+        self.sample_tokens = state_dict.get("sample_tokens", torch.full((n,), -1.0)).double().clone()
+        self.pending_tokens = state_dict.get("pending_tokens", torch.zeros(2, n)).double().clone()
+        self._token_ratio = None
         if state_dict.get("pending_over_ranks") and self._trainer is not None and self._trainer.global_rank > 0:
             self.sum_loss.zero_()  # rank 0 holds every rank's pending sums (see on_save_checkpoint)
             self.count.zero_()
             self.thin_stats.zero_()
+            self.pending_tokens.zero_()
         self._mask, self._mask_epoch = None, -1  # recomputed from the restored table
         self._resumed = True
 
@@ -1747,9 +1799,10 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
     or an :class:`~lightning_effi.infobatch.functional.EpochPlan` state over ``N`` samples of an epoch ``<= e``;
     ``steps_in_epoch`` int ``>= 0``; ``history`` a list of dicts; ``table_epoch`` int in ``[-1, e]`` (the epoch whose
     start the score table stands for: never after the checkpoint's own); ``synced_epoch`` int in ``[-1,
-    table_epoch]``; ``thin_stats`` integer ``[3]``, ``>= 0``; ``nonfinite`` (checkpoints written before the
-    non-finite loss policy) int ``>= 0``; ``nonfinite_loss`` a dict (checked by
-    :meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`). The last five may be absent (older
+    table_epoch]``; ``thin_stats`` integer ``[3]``, ``>= 0``; ``sample_tokens`` float ``[N]``, ``>= 0`` or ``-1``;
+    ``pending_tokens`` float ``[2, N]``, finite, ``>= 0``; ``nonfinite`` (checkpoints written before the non-finite
+    loss policy) int ``>= 0``; ``nonfinite_loss`` a dict (checked by
+    :meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`). The last seven may be absent (older
     checkpoints).
 
     Raises:
@@ -1821,6 +1874,24 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
         or bool((stats < 0).any())
     ):
         raise refuse("thin_stats", "an integer tensor of shape (3,), >= 0 (drawn, dropped, capped)", stats)
+    tokens = state.get("sample_tokens")
+    if tokens is not None and (
+        not isinstance(tokens, Tensor)
+        or not tokens.is_floating_point()
+        or tuple(tokens.shape) != (n,)
+        or not bool(torch.isfinite(tokens).all())
+        or bool(((tokens < 0) & (tokens != -1)).any())
+    ):
+        raise refuse("sample_tokens", f"a float tensor of shape ({n},), >= 0, or -1 (not yet trained)", tokens)
+    pending = state.get("pending_tokens")
+    if pending is not None and (
+        not isinstance(pending, Tensor)
+        or not pending.is_floating_point()
+        or tuple(pending.shape) != (2, n)
+        or not bool(torch.isfinite(pending).all())
+        or bool((pending < 0).any())
+    ):
+        raise refuse("pending_tokens", f"a float tensor of shape (2, {n}), finite, >= 0 (token sums, counts)", pending)
     if "nonfinite" in state and (not is_int(state["nonfinite"]) or state["nonfinite"] < 0):
         raise refuse("nonfinite", "an int >= 0 (the non-finite losses counted)", state["nonfinite"])
     guard = state.get("nonfinite_loss")

@@ -78,12 +78,15 @@ __all__ = [
     "plan_generator",
     "rank_batches",
     "rank_samples",
+    "record_tokens",
+    "merge_tokens",
     "rescale",
     "split_well_learned",
     "thin_generator",
     "thin_micro_batch",
     "thin_stop_step",
     "thinned_loss",
+    "token_ratio",
     "update_scores",
     "validate_hparams",
 ]
@@ -983,6 +986,81 @@ def _check_buffers(sum_loss: Tensor, count: Tensor) -> None:
         or count.is_complex()
     ):
         raise ValueError(f"count must be an integer tensor of shape {tuple(sum_loss.shape)}, got {_describe(count)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-sample tokens: the baseline of samples of unequal length (accounting only, never the method)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def record_tokens(pending: Tensor, index: Tensor, tokens: Tensor) -> None:
+    """Add one batch's per-sample tokens to the rank-local accumulator, in place: ``pending[0, i] += tokens``,
+    ``pending[1, i] += 1`` for each sample ``i`` of ``index`` (a sample seen twice, as a DDP padding duplicate, is
+    averaged by :func:`merge_tokens`).
+
+    Args:
+        pending: float64 ``[2, N]``: the sums of tokens and the counts of observations since the last merge.
+        index: int64 ``[B]``, dataset positions. tokens: ``[B]``, the real tokens of each sample (a number ``>= 0``).
+
+    Raises:
+        TypeError: ``index`` not an int64 tensor.
+        ValueError: shapes that do not match, an index outside ``[0, N)``.
+    """
+    if (
+        not isinstance(pending, Tensor)
+        or pending.dim() != 2
+        or pending.shape[0] != 2
+        or not pending.is_floating_point()
+    ):
+        raise ValueError(f"pending must be a float tensor [2, N], got {_describe(pending)}")
+    _check_index(index, "index")
+    if not isinstance(tokens, Tensor) or tuple(tokens.shape) != tuple(index.shape):
+        raise ValueError(
+            f"tokens must be a tensor of shape {tuple(index.shape)} (one per sample), got {_describe(tokens)}"
+        )
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= pending.shape[1]):
+        raise ValueError(f"index holds positions outside [0, {pending.shape[1]})")
+    index = index.to(pending.device)
+    pending[0].index_add_(0, index, tokens.to(device=pending.device, dtype=pending.dtype))
+    pending[1].index_add_(0, index, torch.ones(index.numel(), dtype=pending.dtype, device=pending.device))
+
+
+def merge_tokens(table: Tensor, pending: Tensor) -> None:
+    """Fold the (all-reduced) accumulator of :func:`record_tokens` into the per-sample token table, in place: where
+    a sample was observed, its entry becomes the mean of its observations (its tokens when it trained last);
+    elsewhere it keeps its value (``-1``: never trained). The accumulator is not reset.
+
+    Args:
+        table: float64 ``[N]``, ``-1`` where unknown. pending: float64 ``[2, N]``.
+    """
+    if tuple(pending.shape) != (2, *table.shape):
+        raise ValueError(f"pending must have shape (2, {table.numel()}), got {tuple(pending.shape)}")
+    hit = pending[1] > 0
+    table.copy_(torch.where(hit, pending[0] / pending[1].clamp_min(1), table))
+
+
+def token_ratio(table: Tensor, trained: Tensor) -> float | None:
+    """``mean(tokens of the training set) / mean(tokens of the trained samples)``: how much longer a sample drawn
+    from the whole training set is than one the epoch trains, so that the pruned samples are charged at their own
+    length (InfoBatch prunes the well-learned samples, which need not have the mean length). Entries still unknown
+    (``-1``: never trained yet, e.g. under ``limit_train_batches``) are left out of both means.
+
+    Args:
+        table: float64 ``[N]``, the tokens of each sample (:func:`merge_tokens`), ``-1`` where unknown.
+        trained: int64 ``[K]``, the dataset positions the epoch trains.
+
+    Returns:
+        The ratio (a float > 0), or None when it cannot be read: no known entry among ``trained`` or in the table,
+        or a known mean of 0 tokens.
+    """
+    known = table >= 0
+    mine = trained[known[trained]]
+    if not bool(known.any()) or mine.numel() == 0:
+        return None
+    every, own = float(table[known].mean()), float(table[mine].mean())
+    if not (every > 0 and own > 0):
+        return None
+    return every / own
 
 
 # ---------------------------------------------------------------------------------------------------------------

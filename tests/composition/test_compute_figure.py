@@ -361,11 +361,45 @@ def test_protocol_adjust_and_baseline_telescope(tmp_path):
     assert s["saved/halves/samples_frac"] == 0.0 and s["baseline_samples"] == 2 * s["samples"] == 48
 
 
+class PrunesShortSamples(Callback):
+    """A technique that skips one drawn sample per trained one, each skipped sample with twice a trained one's tokens
+    on average: 2 samples, 3 tokens drawn per one trained."""
+
+    def effi_baseline(self, batch, pl_module):
+        return Baseline(samples=2.0, tokens=3.0)
+
+
+def test_a_baseline_of_other_tokens_than_samples_scales_each_count_by_its_own_factor(tmp_path):
+    """``Baseline.tokens`` scales the tokens, layer-tokens and FLOPs; ``samples`` the samples alone. Stacked after a
+    baseline that changes the batch (the curriculum's untruncated one), both factors carry over to it."""
+    for name, stack in (("alone", [PrunesShortSamples()]), ("truncated", [curriculum(), PrunesShortSamples()])):
+        pl.seed_everything(0)
+        monitor = EfficiencyMonitor(print_summary=False)
+        data = tiny_lm_data() if name == "alone" else CurriculumDataModule(tiny_lm_data())
+        trainer = make_trainer(tmp_path / name, [monitor, *stack], max_steps=2, max_epochs=-1)
+        trainer.fit(tiny_gpt2(), datamodule=data)
+        s = monitor.summary
+        assert s["baseline_samples"] == 2 * s["samples"] == 2 * 2 * B
+        assert s["baseline_tokens"] == 3 * 2 * B * T and s["baseline_layer_tokens"] == 3 * 2 * B * T * 2
+        assert s["baseline_flops"] == pytest.approx(3 * 2 * transformer_training_flops(B, T, 2, H, None, V))
+        ours = {q: s[f"saved/prunes_short_samples/{q}_frac"] for q in ("samples", "tokens", "layer_tokens", "flops")}
+        if name == "alone":
+            assert ours == pytest.approx({"samples": 1 / 2, "tokens": 2 / 3, "layer_tokens": 2 / 3, "flops": 2 / 3})
+        else:  # 3 tokens per truncated one trained (this technique's share), then the curriculum's untruncated batch
+            assert s["tokens"] < 2 * B * T and ours["tokens"] == pytest.approx(2 * s["tokens"] / (6 * B * T))
+            assert ours["tokens"] + s["saved/curriculum/tokens_frac"] == pytest.approx(1 - s["tokens"] / (6 * B * T))
+
+
 def test_protocol_helpers():
     with pytest.raises(ValueError, match="samples"):
         Baseline(samples=0)
     with pytest.raises(ValueError, match="samples"):
         Baseline(samples=float("inf"))
+    for bad in (0, -1.0, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match=r"Baseline\.tokens must be a"):
+            Baseline(samples=1.0, tokens=bad)
+    assert Baseline(samples=2.0).factors() == (2.0, 2.0, 2.0, 2.0)
+    assert Baseline(samples=2.0, tokens=0.5).factors() == (2.0, 0.5, 0.5, 0.5)
     batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3), "labels": 7}
     long = lengthen_batch(batch, ("input_ids", "attention_mask"), 5)
     assert long["input_ids"].shape == (2, 5) and long["attention_mask"].sum() == 10 and long["labels"] == 7

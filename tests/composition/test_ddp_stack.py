@@ -55,7 +55,7 @@ def _drop_rank_local(states: dict[str, Any]) -> dict[str, Any]:
     """Per-rank quantities that legitimately differ: InfoBatch's unsynced accumulators of the last epoch (summed at the
     next epoch's start) and the V-cycle's wall time spent mapping."""
     out = json.loads(json.dumps(states))
-    for key in ("sum_loss", "count"):
+    for key in ("sum_loss", "count", "pending_tokens"):
         out.get("InfoBatchCallback", {}).pop(key, None)
     out.get("VCycleCallback", {}).pop("map_seconds", None)
     return out

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_effi.callbacks import RandomLTDCallback, VCycleCallback
 from lightning_effi.core.accounting import Baseline, EfficiencyMonitor, lengthen_batch
 from lightning_effi.core.flops import attention_recompute_flops, transformer_forward_flops, transformer_training_flops
-from lightning_effi.core.measure import CallRecorder, FlopsMeter, find_blocks, find_tokens, leaves
+from lightning_effi.core.measure import CallRecorder, FlopsMeter, find_blocks, find_tokens, leaves, row_tokens
 from tests.helpers.flops import MeasuredFlops
 from tests.helpers.harness import make_trainer
 
@@ -551,6 +551,41 @@ def test_find_tokens_reads_the_padding_mask_of_a_tuple_batch() -> None:
     # a mask named against its convention (True at the padding, a name read as 1 = real): the ids, with a warning
     with pytest.warns(UserWarning, match=r"token counting: seqlen_truncate: the mask 'pad_mask' reads, by its name"):
         assert find_tokens({"input_ids": ids, "pad_mask": ids == 0}) == 10
+
+
+def test_row_tokens_reads_each_sample_as_find_tokens_reads_the_batch() -> None:
+    """Per sample, the same reading as the batch total (InfoBatch charges its pruned samples by it): every mask
+    layout and dtype, tuple batches with their padding mask, ids alone (every row its length, padding included); no
+    figure for images. The rows always sum to :func:`find_tokens`."""
+    lengths = torch.tensor([5, 2, 3])
+    real = torch.arange(5)[None] < lengths[:, None]
+    ids = torch.ones(3, 5, dtype=torch.long)
+    masks = [
+        real,
+        real.long(),
+        torch.where(real, 0.0, float("-inf")),
+        torch.where(real, 0.0, torch.finfo(torch.float16).min).half(),
+        real.long()[:, None, None, :],
+        real[:, None, None, :] & torch.ones(5, 5, dtype=torch.bool).tril(),
+        real[:, None, None, :].expand(3, 2, 5, 5),
+        real.flip(1).long(),
+    ]
+    for mask in masks:
+        batch = {"input_ids": ids, "attention_mask": mask}
+        assert row_tokens(batch).tolist() == [5, 2, 3] and int(row_tokens(batch).sum()) == find_tokens(batch)
+    assert row_tokens({"input_ids": ids, "attention_mask": torch.zeros(3, 5)}).tolist() == [5, 5, 5]  # additive
+    pad_ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
+    pad, y = (pad_ids != 0).long(), torch.tensor([1, 0])
+    for batch in ((pad_ids, pad, y), (pad_ids.flip(1), pad.flip(1).bool(), y)):
+        assert row_tokens(batch).tolist() == [3, 2] and find_tokens(batch) == 5
+    assert row_tokens((pad_ids, y)).tolist() == [5, 5]  # ids alone: every position, as the total counts them
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # find_tokens warns of the mask that says nothing; row_tokens never does
+        odd = {"input_ids": ids, "attention_mask": torch.ones(3, 1, 2, 5)}
+        assert row_tokens(odd).tolist() == [5, 5, 5] and find_tokens(odd) == 15
+    assert row_tokens((torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))) is None  # images
+    assert row_tokens({"input_ids": torch.ones(4, dtype=torch.long)}) is None  # no rows to tell apart
+    assert row_tokens({"input_ids": ids, "attention_mask": real}).dtype == torch.int64
 
 
 def test_replay_has_no_side_effects_and_counts_what_the_step_computed() -> None:

@@ -226,11 +226,17 @@ class RecordBatches(Callback):
             for cb in trainer.callbacks
             if isinstance(getattr(cb, "score", None), torch.Tensor)
         }
+        tokens = {  # InfoBatch's per-sample token table
+            type(cb).__name__: cb.sample_tokens.tolist()
+            for cb in trainer.callbacks
+            if isinstance(getattr(cb, "sample_tokens", None), torch.Tensor)
+        }
         record = {
             "batches": self.batches,
             "global_step": trainer.global_step,
             "summary": (summaries or [None])[0],
             "scores": scores,
+            "sample_tokens": tokens,
         }
         with open(Path(self.out_dir) / f"rank{trainer.global_rank}.json", "w") as f:
             json.dump(record, f)

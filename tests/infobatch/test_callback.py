@@ -24,8 +24,9 @@ from lightning_effi.core.requirements import BATCH_STRUCTURES, IncompatibleTechn
 from lightning_effi.functional import infobatch as ib
 from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.tasks import GPT2CausalLM
+from tests.harness.settings import MONITOR_TIMES
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
-from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd, tiny_gpt2
+from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd, tiny_bert_cls, tiny_gpt2, tiny_sentence_data
 
 
 def ib_data(n=40, batch_size=8, num_workers=0):
@@ -675,6 +676,30 @@ def test_ddp_ranks_share_plans_and_scores_and_shard_disjointly(tmp_path, n):
     assert summaries[0]["samples"] == trained and summaries[0]["baseline_samples"] == 4 * 2 * full
 
 
+@pytest.mark.slow
+def test_ddp_ranks_share_the_token_table_and_the_baseline_tokens_of_a_plain_run(tmp_path):
+    """Each rank trains half of every epoch: the token table is summed over the ranks at each epoch's end, so both
+    hold every sentence's length, and the baseline tokens come within a pruned epoch's DDP duplicate of a plain
+    2-rank run's (40 sentences in batches of 5: no duplicate in a full epoch, at most one in a pruned one)."""
+    lengths = [float(len(x)) for x in sentence_data().train_dataset.items]
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=1), EfficiencyMonitor(print_summary=False)
+    _, per_rank = fit_ddp(
+        tiny_bert_cls(),
+        InfoBatchDataModule(tiny_sentence_data(batch_size=5)),
+        tmp_path / "ib",
+        [monitor, cb],
+        max_epochs=4,
+    )
+    assert (
+        per_rank[0]["sample_tokens"]["InfoBatchCallback"]
+        == per_rank[1]["sample_tokens"]["InfoBatchCallback"]
+        == lengths
+    )
+    s = per_rank[0]["summary"]
+    assert s["baseline_samples"] == 4 * 40 and s["samples"] < 4 * 40
+    assert s["baseline_tokens"] == pytest.approx(4 * sum(lengths), abs=2 * max(lengths))
+
+
 class BatchNormClassifier(pl.LightningModule):
     """A user's MLP with BatchNorm1d on ``[B, C]`` features, tuple batches ``(x, y)``, a plain loss."""
 
@@ -750,6 +775,54 @@ def test_with_drop_last_the_baseline_is_what_the_plain_loader_trains(tmp_path):
     assert plain.summary["samples"] == 4 * 36
     assert monitor.summary["baseline_samples"] == 4 * 36 and monitor.summary["samples"] < 4 * 36
     assert monitor.summary["samples_saved_frac"] == pytest.approx(1 - monitor.summary["samples"] / 144)
+
+
+def sentence_data() -> TinyDataModule:
+    """40 sentences of 3-16 tokens, padded per batch of 8 (an ``attention_mask``)."""
+    return tiny_sentence_data(batch_size=8)
+
+
+def test_on_sentences_of_unequal_length_the_baseline_tokens_are_a_plain_runs(tmp_path):
+    """InfoBatch prunes well-learned samples, whose length need not be the mean: each pruned sample is charged at its
+    own tokens (the token table), so the monitor's baseline tokens and layer-tokens over 4 epochs are exactly those of
+    the same run without InfoBatch (charged at the trained samples' mean length they read 1,365 for 1,356 here)."""
+    monitor, plain = EfficiencyMonitor(print_summary=False), EfficiencyMonitor(print_summary=False)
+    pl.seed_everything(0)
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7)
+    make_trainer(tmp_path / "ib", [cb, monitor], max_epochs=4).fit(
+        tiny_bert_cls(), datamodule=InfoBatchDataModule(sentence_data())
+    )
+    pl.seed_everything(0)
+    make_trainer(tmp_path / "plain", [plain], max_epochs=4).fit(tiny_bert_cls(), datamodule=sentence_data())
+    s, p = monitor.summary, plain.summary
+    lengths = torch.tensor([len(x) for x in sentence_data().train_dataset.items], dtype=torch.float64)
+    assert p["tokens"] == 4 * lengths.sum() and [h["kind"] for h in cb.history] == ["full", "prune", "prune", "full"]
+    assert torch.equal(cb.sample_tokens, lengths)  # every sample's tokens, as it trained
+    assert s["tokens"] < p["tokens"] and s["samples"] < p["samples"]
+    assert s["baseline_samples"] == p["samples"]
+    assert s["baseline_tokens"] == pytest.approx(p["tokens"], rel=1e-12)
+    assert s["baseline_layer_tokens"] == pytest.approx(p["layer_tokens"], rel=1e-12)
+    # the pruned epochs' samples are not of the mean length: charged at it, the baseline would read otherwise
+    trained = [h for h in cb.history if h["kind"] == "prune"]
+    assert trained and all(ib.token_ratio(lengths, cb.plan_for(h["epoch"]).indices) != 1.0 for h in trained)
+
+
+def test_resuming_mid_prune_epoch_keeps_the_token_table_and_the_baseline_exact(tmp_path):
+    """The token table and its rank-local sums are checkpointed: a run resumed inside a prune epoch counts the same
+    baseline as one never stopped (the monitor's and InfoBatch's states equal, the harness's check)."""
+    assert_resume_equals_uninterrupted(
+        tiny_bert_cls,
+        lambda: InfoBatchDataModule(sentence_data()),
+        tmp_path,
+        total_steps=18,  # epochs of 40, 31, 29, 40 samples: 5 + 4 + 4 + 5 batches
+        resume_step=7,  # inside epoch 1, the first pruned one
+        max_epochs=4,
+        callbacks_fn=lambda: [
+            InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7),
+            EfficiencyMonitor(print_summary=False),
+        ],
+        ignore_state=MONITOR_TIMES,
+    )
 
 
 @pytest.mark.parametrize("seed", [-1, 2**64, 10**30])

@@ -29,6 +29,9 @@ def set_up(cb: InfoBatchCallback) -> InfoBatchCallback:
     cb.score = torch.linspace(0.1, 0.8, N)
     cb.seen = torch.ones(N, dtype=torch.bool)
     cb.sum_loss, cb.count = torch.zeros(N), torch.zeros(N, dtype=torch.int32)
+    cb.sample_tokens = torch.tensor([5.0, 7.0, -1.0, 3.0, 9.0, 4.0, 6.0, 8.0], dtype=torch.float64)
+    cb.pending_tokens = torch.zeros(2, N, dtype=torch.float64)
+    cb.pending_tokens[:, 1] = torch.tensor([7.0, 1.0])
     cb.plan = ib.plan_epoch(cb.score, cb.seen, 1, 4, seed=cb.seed)
     cb.steps_in_epoch = 2
     return cb
@@ -74,6 +77,11 @@ CASES = [
     ("score", torch.zeros(N - 2), T + "score table has 6 entries, the training set 8"),
     ("score", [0.0] * N, T + r"score must be a float tensor of shape \(8,\)"),
     ("thin_stats", torch.tensor([5, -1, 0]), T + r"thin_stats must be an integer tensor of shape \(3,\), >= 0"),
+    ("sample_tokens", torch.full((N,), -2.0), T + r"sample_tokens must be a float tensor of shape \(8,\), >= 0, or -1"),
+    ("sample_tokens", torch.full((N,), NAN), T + r"sample_tokens must be a float tensor of shape \(8,\), >= 0, or -1"),
+    ("sample_tokens", torch.zeros(N + 1), T + r"sample_tokens must be a float tensor of shape \(8,\)"),
+    ("pending_tokens", torch.full((2, N), -1.0), T + r"pending_tokens must be a float tensor of shape \(2, 8\)"),
+    ("pending_tokens", torch.zeros(N), T + r"pending_tokens must be a float tensor of shape \(2, 8\)"),
     ("history", "epoch 0", T + "history must be a list of dicts"),
     ("plan", {"epoch": 0}, T + "plan is not a valid epoch plan"),
     (
@@ -134,6 +142,21 @@ def test_an_old_checkpoints_nonfinite_count_becomes_the_guards() -> None:
     state["nonfinite_loss"] = {"count": 5, "first_step": 7}
     cb.load_state_dict(state)
     assert (cb.nonfinite_guard.count, cb.nonfinite_guard.first_step) == (5, 7)
+
+
+def test_the_token_tables_round_trip_and_an_older_checkpoint_without_them_loads_them_unknown() -> None:
+    state = good_state()
+    cb = set_up(InfoBatchCallback())
+    cb.sample_tokens, cb.pending_tokens = torch.zeros(N, dtype=torch.float64), torch.ones(2, N, dtype=torch.float64)
+    cb.load_state_dict(state)
+    assert torch.equal(cb.sample_tokens, state["sample_tokens"]) and torch.equal(
+        cb.pending_tokens, state["pending_tokens"]
+    )
+    del state["sample_tokens"], state["pending_tokens"]  # written before the token table
+    validate_state(state, N, checkpoint_epoch=1)
+    cb.load_state_dict(state)
+    assert cb.sample_tokens.tolist() == [-1.0] * N and cb.pending_tokens.abs().sum() == 0
+    assert cb.sample_tokens.dtype == cb.pending_tokens.dtype == torch.float64
 
 
 @pytest.fixture(scope="module")

@@ -715,3 +715,30 @@ def test_finite_losses_disagree_reads_the_mean_against_the_loss_within_the_toler
     assert infobatch.finite_losses_disagree(per_sample, torch.tensor(2.001))
     assert not infobatch.finite_losses_disagree(torch.tensor([1.0, float("nan")]), torch.tensor(5.0))
     assert not infobatch.finite_losses_disagree(per_sample, torch.tensor(float("inf")))
+
+
+def test_token_table_records_merges_and_gives_the_ratio_by_hand():
+    """Each sample's tokens when it last trained (a duplicate seen twice in one epoch is averaged), unknown ones
+    (-1) left out; the ratio is the training set's mean over the trained samples' mean."""
+    table, pending = torch.full((5,), -1.0, dtype=torch.float64), torch.zeros(2, 5, dtype=torch.float64)
+    infobatch.record_tokens(pending, torch.tensor([0, 1, 2]), torch.tensor([4, 10, 6]))
+    infobatch.record_tokens(pending, torch.tensor([2, 3]), torch.tensor([8, 2]))  # sample 2 twice: 6 and 8
+    infobatch.merge_tokens(table, pending)
+    assert table.tolist() == [4.0, 10.0, 7.0, 2.0, -1.0]
+    pending.zero_()
+    infobatch.record_tokens(pending, torch.tensor([1]), torch.tensor([12]))  # only what trained changes
+    infobatch.merge_tokens(table, pending)
+    assert table.tolist() == [4.0, 12.0, 7.0, 2.0, -1.0]
+    # mean of the known (25 / 4) over the mean of the trained ones: samples 0 and 3 (3 tokens)
+    assert infobatch.token_ratio(table, torch.tensor([0, 3, 4])) == pytest.approx(25 / 4 / 3)
+    assert infobatch.token_ratio(table, torch.tensor([4])) is None  # none of them known
+    assert infobatch.token_ratio(torch.full((3,), -1.0, dtype=torch.float64), torch.tensor([0])) is None
+    assert infobatch.token_ratio(torch.zeros(3, dtype=torch.float64), torch.tensor([0])) is None  # 0 tokens
+    with pytest.raises(ValueError, match=r"index holds positions outside \[0, 5\)"):
+        infobatch.record_tokens(pending, torch.tensor([5]), torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"tokens must be a tensor of shape \(2,\)"):
+        infobatch.record_tokens(pending, torch.tensor([0, 1]), torch.tensor([1]))
+    with pytest.raises(TypeError, match="int64"):
+        infobatch.record_tokens(pending, torch.tensor([0], dtype=torch.int32), torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"pending must be a float tensor \[2, N\]"):
+        infobatch.record_tokens(torch.zeros(5), torch.tensor([0]), torch.tensor([1]))
