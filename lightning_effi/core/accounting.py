@@ -483,6 +483,7 @@ class EfficiencyMonitor(Callback):
         self._fit_start: float | None = None
         #: (id of the Trainer, its global_step) at the end of the last fit this monitor counted completely
         self._ended_at: tuple[int, int] | None = None
+        self._loading_rank = 0  # the rank restoring a checkpoint (on_load_checkpoint, for load_state_dict)
         self._warned: set[str] = set()  # the quantities already warned about
         #: ``trainer.train_dataloader`` this epoch: several loaders (a mapping / list) combine their batches
         self._train_loaders: Any = None
@@ -1069,6 +1070,22 @@ class EfficiencyMonitor(Callback):
         }
 
     @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Under DDP, write the totals of ALL ranks: each rank counts what it computed, and a checkpoint holds rank 0's
+        callback state only, so a resumed run would give every rank rank 0's counts (a run whose ranks computed
+        different tokens or FLOPs, e.g. sentences of unequal length, resumed with other totals than the uninterrupted
+        run's). The counts are summed and the times maxed over ranks here (Lightning builds the checkpoint on every
+        rank: the collective runs everywhere), as :meth:`reduced_totals` does; on load rank 0 takes the sums and
+        the other ranks' counts start from zero, so the summed totals go on as the uninterrupted run's."""
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if trainer.world_size <= 1 or not isinstance(state, dict):
+            return
+        state["totals"] = self.reduced_totals(trainer)
+        state["totals_over_ranks"] = True
+
+    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -1081,6 +1098,7 @@ class EfficiencyMonitor(Callback):
         that the report never takes it for a baseline."""
         from lightning.pytorch.trainer.states import TrainerFn
 
+        self._loading_rank = trainer.global_rank  # load_state_dict, called next: rank 0 takes the summed counts
         if trainer.state.fn != TrainerFn.FITTING:
             return
         check_coarse_vcycle_resume("EfficiencyMonitor", trainer, checkpoint)
@@ -1155,6 +1173,9 @@ class EfficiencyMonitor(Callback):
             guard.load_state_dict(dict(nonfinite))
         for q in QUANTITIES:
             totals.setdefault(f"baseline_{q}", totals.get(q, 0.0))
+        rank, self._loading_rank = self._loading_rank, 0
+        if state_dict.get("totals_over_ranks") and rank > 0:  # rank 0 holds every rank's counts (on_save_checkpoint)
+            totals.update({k: 0.0 for k in totals if k not in TIME_KEYS and k != "time_total"})
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = guard.count, guard.first_step
         self.totals.update({k: float(v) for k, v in totals.items()})
         self._fit_total_before = self.totals["time_total"]

@@ -126,3 +126,49 @@ def test_ddp_mid_epoch_resume_keeps_every_ranks_pending_losses(tmp_path, names, 
         scores.append(torch.tensor(ranks[0]))
     assert torch.count_nonzero(scores[0]) > 0
     torch.testing.assert_close(scores[1], scores[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("infobatch", [False, True], ids=["monitor", "monitor+infobatch"])
+def test_ddp_resume_in_the_first_epoch_counts_every_ranks_tokens(tmp_path, infobatch):
+    """Sentences of unequal length: the ranks compute different tokens. A checkpoint holds rank 0's callback states
+    only, so the monitor writes its totals summed over the ranks, and InfoBatch its per-sample token table's pending
+    sums (the table fills in the first, full epoch, rank by rank): resumed at step 2, the run ends with the
+    uninterrupted run's tokens and baseline tokens (before, the resumed totals counted rank 0's tokens twice:
+    946 for 926)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_effi.callbacks import InfoBatchCallback
+    from lightning_effi.infobatch.data import InfoBatchDataModule
+    from tests.helpers.tiny import tiny_bert_cls, tiny_sentence_data
+
+    summaries, totals = [], []
+    for arm in ("a", "b"):
+        # every step's checkpoint: arm a's to resume from, the last one of each arm for the unrounded totals
+        extra = [
+            ModelCheckpoint(dirpath=tmp_path / arm / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        ]
+        pl.seed_everything(0 if arm == "a" else 1234)
+        callbacks: list[Any] = [EfficiencyMonitor(print_summary=False)]
+        data: pl.LightningDataModule = tiny_sentence_data(batch_size=5)  # 40 sentences: 4 steps a rank an epoch
+        if infobatch:
+            callbacks.append(InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=3))
+            data = InfoBatchDataModule(data)
+        _, per_rank = fit_ddp(
+            tiny_bert_cls(),
+            data,
+            tmp_path / arm,
+            [*callbacks, *extra],
+            ckpt_path=None if arm == "a" else tmp_path / "a" / "ckpts" / "step=2.ckpt",
+            max_epochs=3,
+        )
+        summaries.append(per_rank[0]["summary"])
+        last = torch.load(tmp_path / arm / "ckpts" / f"step={per_rank[0]['global_step']}.ckpt", weights_only=True)
+        totals.append(next(v["totals"] for k, v in last["callbacks"].items() if k.startswith("EfficiencyMonitor")))
+    # the summary rounds tokens to ints: a lost rank's token table moves InfoBatch's baseline by a fraction of one
+    assert totals[1]["baseline_tokens"] == pytest.approx(totals[0]["baseline_tokens"], rel=1e-12)
+    a, b = summaries
+    assert b["samples"] == a["samples"] and b["tokens"] == a["tokens"] and b["layer_tokens"] == a["layer_tokens"]
+    assert b["baseline_samples"] == a["baseline_samples"] and b["flops"] == pytest.approx(a["flops"], rel=1e-12)
+    assert b["baseline_tokens"] == pytest.approx(a["baseline_tokens"], rel=1e-12)
+    assert (a["samples"] < a["baseline_samples"]) == infobatch
