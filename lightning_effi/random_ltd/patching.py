@@ -410,7 +410,8 @@ class LTDForward:
         if idx is None:
             return self.original(*args, **kwargs)
         seq_len = hidden.shape[self.seq_dim]
-        bound = self._gathered(args, kwargs, idx, seq_len)
+        handed: dict[int, Tensor] = {}
+        bound = self._gathered(args, kwargs, idx, seq_len, handed)
         captured = _hf_collector()
         before = {k: len(v) for k, v in captured.items() if isinstance(v, list)} if captured is not None else {}
         out = self.original(*bound.args, **bound.kwargs)
@@ -419,24 +420,35 @@ class LTDForward:
         if isinstance(out, Tensor):
             return F.scatter_tokens(hidden, idx, out, self.seq_dim)
         if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
-            extras = tuple(self._expand_extra(extra, idx, seq_len) for extra in out[1:])
+            extras = tuple(self._expand_extra(extra, idx, seq_len, handed) for extra in out[1:])
             return (F.scatter_tokens(hidden, idx, out[0], self.seq_dim), *extras)
         raise RuntimeError(
             f"random-LTD layer {self.index} ({self.layer_type}) returned {type(out).__name__}; "
             "expected a tensor or a tuple whose first element is the hidden states"
         )
 
-    def _gathered(self, args: tuple, kwargs: dict, idx: Tensor, seq_len: int) -> inspect.BoundArguments:
-        """The layer's arguments with the hidden states and every declared sequence argument gathered to ``idx``."""
+    def _gathered(
+        self, args: tuple, kwargs: dict, idx: Tensor, seq_len: int, handed: dict[int, Tensor] | None = None
+    ) -> inspect.BoundArguments:
+        """The layer's arguments with the hidden states and every declared sequence argument gathered to ``idx``.
+        ``handed``: filled with ``id(gathered tensor) -> the argument it was gathered from`` (the full-length tensor
+        to hand on when the layer returns a gathered argument as it is: :meth:`_expand_extra`)."""
         bound = self.signature.bind(*args, **kwargs)
+
+        def gather(name: str, value: Any) -> Any:
+            out = self._gather_arg(name, value, idx, seq_len)
+            if handed is not None and isinstance(value, Tensor) and isinstance(out, Tensor) and out is not value:
+                handed[id(out)] = value
+            return out
+
         for name, value in list(bound.arguments.items()):
             param = self.signature.parameters[name]
             if name == self.hidden:
                 bound.arguments[name] = F.gather_tokens(value, idx, self.seq_dim)
             elif param.kind == param.VAR_KEYWORD:
-                bound.arguments[name] = {k: self._gather_arg(k, v, idx, seq_len) for k, v in value.items()}
+                bound.arguments[name] = {k: gather(k, v) for k, v in value.items()}
             else:
-                bound.arguments[name] = self._gather_arg(name, value, idx, seq_len)
+                bound.arguments[name] = gather(name, value)
         return bound
 
     def _note_call(self, args: tuple, kwargs: dict, idx: Tensor, seq_len: int) -> None:
@@ -476,9 +488,14 @@ class LTDForward:
             and (not keys or t.shape[-1] == r)
         )
 
-    def _expand_extra(self, extra: Any, idx: Tensor, seq_len: int) -> Any:
-        """An extra output of the layer: attention weights ``[B, ..., r, r]`` go back on the full sequence (zeros for
-        the dropped tokens); any other tensor (a cache, a tensor of another shape) is an error."""
+    def _expand_extra(self, extra: Any, idx: Tensor, seq_len: int, handed: Mapping[int, Tensor]) -> Any:
+        """An extra output of the layer. One of its own gathered arguments returned as it is (a tensor the layers
+        hand on to the next one, as T5's blocks hand on the relative position bias they were given): the full-length
+        argument it was gathered from, so the next layer gets what it would get without random-LTD. Attention
+        weights ``[B, ..., r, r]``: back on the full sequence (zeros for the dropped tokens). Any other tensor (a
+        cache, a tensor the layer computed for the next one on the kept tokens) is an error."""
+        if isinstance(extra, Tensor) and id(extra) in handed:
+            return handed[id(extra)]
         if self._is_attention(extra, idx):
             return F.expand_attention(extra, idx, seq_len)
         nested = isinstance(extra, tuple) and any(isinstance(e, Tensor) for e in extra)
@@ -486,8 +503,12 @@ class LTDForward:
             shape = f"of shape {list(extra.shape)}" if isinstance(extra, Tensor) else "(a tuple of tensors)"
             raise RuntimeError(
                 f"random-LTD layer {self.index} ({self.layer_type}) returned an extra tensor output {shape} "
-                "computed on the kept tokens only, which is not attention weights [B, ..., r, r] that random-LTD can "
-                "put back on the full sequence; turn it off in training (use_cache=False)"
+                "computed on the kept tokens only: not attention weights [B, ..., r, r], which random-LTD puts back "
+                "on the full sequence, nor one of the layer's own arguments returned as it is, which it hands on at "
+                "full length. If it is a cache, turn it off in training (use_cache=False). If the layer computes it "
+                "for the next layer (e.g. T5's first block, which computes the position biases the later blocks "
+                "share), random-LTD cannot drop tokens in this layer: leave it out of layer_ids (the default, "
+                "layer_ids=None, keeps the first and the last layer whole)"
             )
         return extra
 

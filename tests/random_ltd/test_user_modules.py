@@ -398,8 +398,86 @@ def test_attention_weights_a_layer_returns_are_expanded_and_other_extras_refused
         torch.testing.assert_close(w[b][idx[b]][:, idx[b]].sum(-1), torch.ones(4))
     assert w.abs().sum().item() == pytest.approx(8.0)  # 2 samples x 4 kept rows summing to 1, zeros elsewhere
     net.blocks[1].extra = "other"
-    with pytest.raises(RuntimeError, match=r"extra tensor output of shape \[2, 4, 3\] .*not attention weights"):
+    with pytest.raises(RuntimeError, match=r"extra tensor output of shape \[2, 4, 3\] .*not attention weights.*use_cache"):
         net.blocks[1](x)
+
+
+def t5_blocks(decoder: bool = False) -> nn.Module:
+    """A tiny HF T5 (4 blocks of width 32, no download) whose stack hands each block's position bias to the next."""
+    from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(
+        vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=4, num_heads=2, dropout_rate=0.0, use_cache=False,
+        decoder_start_token_id=0, pad_token_id=0,
+    )
+    return (T5ForConditionalGeneration if decoder else T5EncoderModel)(cfg).train()
+
+
+def spy_position_bias(blocks: nn.ModuleList) -> dict[int, torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(
+            lambda m, a, kw, i=i: seen.__setitem__(i, a[2] if len(a) > 2 else kw.get("position_bias")),
+            with_kwargs=True,
+        )
+    return seen
+
+
+T5_MASKS = {"attention_mask": "self", "position_bias": "self"}
+
+
+def test_t5_blocks_hand_on_their_position_bias_at_full_length():
+    """T5's first block computes the relative position bias and every block returns the bias it was given for the
+    next. A dropping block returns the bias gathered to its kept tokens: random-LTD hands on the full-length bias it
+    was given (it scattered it as attention weights, with zeros at the dropped tokens: 94-99% zeros in the helper's
+    run). Every later block then receives exactly the bias block 0 computed, as without random-LTD."""
+    net = t5_blocks()
+    seen = spy_position_bias(net.encoder.block)
+    adapter = GenericAdapter(
+        "encoder.block",
+        hidden_size=32,
+        masks=T5_MASKS,
+        passthrough=["encoder_hidden_states", "encoder_attention_mask", "encoder_decoder_position_bias"],
+        must_be_none=["cache"],
+    )
+    ctl = LTDController(4, (1, 2), seed=0)
+    convert(net, adapter, ctl)
+    ctl.begin(0, 0, 5)
+    ids = torch.randint(1, 64, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    net(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
+    assert ctl.last_indices()[0].shape == (3, 5)  # tokens were dropped in blocks 1 and 2
+    assert seen[1].shape == (1, 2, 12, 12) and bool((seen[1] != 0).all())
+    for i in (2, 3):
+        assert seen[i] is seen[1]  # the very tensor block 0 computed, not a scatter of it
+
+
+def test_t5_decoder_blocks_hand_on_both_biases_and_a_computed_one_is_refused_naming_layer_ids():
+    """The decoder's blocks also hand on the cross-attention bias ``[1, H, T, M]`` (rows gathered as a "cross"
+    mask): handed on at full length, the step trains (it crashed, telling to turn off a cache that was off). A bias
+    computed on the kept tokens (block 0 patched) cannot go back: refused, naming layer_ids."""
+    adapter = GenericAdapter(
+        "decoder.block",
+        hidden_size=32,
+        masks={**T5_MASKS, "encoder_attention_mask": "cross", "encoder_decoder_position_bias": "cross"},
+        passthrough=["encoder_hidden_states"],
+        must_be_none=["cache"],
+    )
+    ids, labels = torch.randint(1, 64, (2, 10)), torch.randint(1, 64, (2, 8))
+    for layer_ids in ((1, 2), (0, 1)):
+        net = t5_blocks(decoder=True)
+        ctl = LTDController(4, layer_ids, seed=0)
+        convert(net, adapter, ctl)
+        ctl.begin(0, 0, 4)
+        if layer_ids[0] == 0:
+            with pytest.raises(RuntimeError, match=r"random-LTD layer 0 .*leave it out of layer_ids"):
+                net(input_ids=ids, labels=labels)
+        else:
+            loss = net(input_ids=ids, labels=labels).loss
+            loss.backward()
+            assert torch.isfinite(loss)
 
 
 # ------------------------------------------------------------------------------------------------ PyTorch layers
