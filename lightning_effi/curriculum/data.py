@@ -108,8 +108,8 @@ class CurriculumCollate:
     ``seqlen_truncate`` cuts every ``[B, S, ...]`` tensor of the batch (pairwise ``[B, S, S]`` ones and masks
     ``[B, 1, 1, S]`` on every sequence axis), in any structure, rebuilt with the same types
     (:func:`~lightning_effi.curriculum.functional.truncate`; left padding read from the batch's padding mask,
-    :func:`~lightning_effi.curriculum.functional.padding_mask`); ``seqlen_reshape`` re-chunks a dict batch's
-    ``input_ids`` or a tensor batch (:func:`~lightning_effi.curriculum.functional.reshape_batch`).
+    :func:`~lightning_effi.curriculum.functional.padding_mask`); ``seqlen_reshape`` re-chunks every ``[B, S]``
+    tensor of a dict batch alike, or a tensor batch (:func:`~lightning_effi.curriculum.functional.reshape_batch`).
 
     Thinned keys (6 fields) also give ``meta["index"]`` (int64 ``(B_kept,)``), ``meta["infobatch_weight"]``
     (float32 ``(B_kept,)``) and ``meta["infobatch_candidates"]`` (int).

@@ -773,14 +773,16 @@ def reshape_batch(batch: Any, difficulty: int, key: str = "input_ids") -> Any:
     (``batch[key]`` of a mapping batch, or the batch itself when it is a tensor) into rows of ``d + 1`` tokens instead
     of discarding: ``floor(S/(d+1))·(d+1)`` columns viewed as rows of ``d+1``, plus the last ``d+1`` tokens of each
     sample as an extra row; keep ``min(ceil(B·S/(d+1)), rows)`` rows, minus one if that is odd and > 1 (Megatron's
-    rule). The micro-batch size changes. A mapping batch comes back as ``{key: rows}`` (other sequence fields have no
-    meaning after re-chunking; non-sequence keys are dropped too); a tensor batch as the rows.
+    rule). The micro-batch size changes. A tensor batch comes back as the rows. A mapping batch comes back as a dict
+    with every ``[B, S]`` tensor re-chunked into the same rows (``labels``, ``attention_mask``, ``position_ids``
+    follow the ids, token for token).
 
     Any ``d`` works: when ``d + 1`` does not divide ``S`` the tail columns come back through the extra rows.
 
     Raises:
         ValueError: ``difficulty`` not an int >= 1; the batch is neither a mapping with a 2-D tensor ``batch[key]``
-            nor a 2-D tensor.
+            nor a 2-D tensor; a mapping entry that cannot follow the rows (anything but a ``[B, S]`` tensor: a
+            per-sample label ``[B]``, text), named: it would be dropped or no longer match its row.
     """
     if not is_int(difficulty) or difficulty < 1:
         raise ValueError(f"seqlen_reshape: difficulty must be an int >= 1 token, got {difficulty!r}")
@@ -792,17 +794,33 @@ def reshape_batch(batch: Any, difficulty: int, key: str = "input_ids") -> Any:
             f"{describe_batch(batch)}"
         )
     b, s = x.shape
+    if isinstance(batch, Mapping):
+        others = [k for k, v in batch.items() if not (isinstance(v, Tensor) and tuple(v.shape) == (b, s))]
+        if others:
+            shapes = ", ".join(
+                f"{k!r} ({f'shape {list(batch[k].shape)}' if isinstance(batch[k], Tensor) else type(batch[k]).__name__})"
+                for k in others
+            )
+            raise ValueError(
+                f"seqlen_reshape re-chunks the batch's [B, S] = {[b, s]} tensors into rows of difficulty + 1 tokens "
+                f"that are no longer samples; {shapes} cannot follow the rows. Keep only [B, S] token fields in the "
+                "batch (input_ids, labels, attention_mask), or use seqlen_truncate, which keeps the samples"
+            )
     width = difficulty + 1
-    if width >= s:
-        return x if isinstance(batch, Tensor) else {key: x}
-    cols = (s // width) * width
-    rows = x[:, :cols].reshape(-1, width)
-    rows = torch.cat([rows, x[:, -width:]], dim=0)
-    num_row = min(-(-(b * s) // width), rows.shape[0])
-    if num_row % 2 == 1 and num_row > 1:
-        num_row -= 1
-    out = rows[:num_row].contiguous()
-    return out if isinstance(batch, Tensor) else {key: out}
+
+    def rechunk(t: Tensor) -> Tensor:
+        if width >= s:
+            return t
+        cols = (s // width) * width
+        rows = torch.cat([t[:, :cols].reshape(-1, width), t[:, -width:]], dim=0)
+        num_row = min(-(-(b * s) // width), rows.shape[0])
+        if num_row % 2 == 1 and num_row > 1:
+            num_row -= 1
+        return rows[:num_row].contiguous()
+
+    if isinstance(batch, Tensor):
+        return rechunk(batch)
+    return {k: rechunk(v) for k, v in batch.items()}
 
 
 def trim_padding(

@@ -16,6 +16,7 @@ import torch
 import lightning_effi.curriculum
 from lightning_effi.callbacks import Curriculum, InfoBatchCallback
 from lightning_effi.core.batch import batch_meta
+from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.requirements import BATCH_STRUCTURES, IncompatibleTechniques, Requirements
 from lightning_effi.curriculum import CurriculumConfig, CurriculumConfigError, CurriculumController
 from lightning_effi.curriculum.analysis.index import MetricIndex
@@ -409,6 +410,40 @@ def test_seqlen_reshape_rechunks_each_batch_at_its_difficulty(tmp_path):
             kept = min(full, 4 * (16 // (d + 1)) + 4)
             kept -= 1 if kept % 2 and kept > 1 else 0
             assert rows.shape == (kept, d + 1)
+
+
+class WithLabels(TokenBlocks):
+    """A causal-LM dataset as HF's collators make it: ``{"input_ids", "labels"}`` (labels a copy of the ids), and
+    optionally a per-sample field ``"source"``."""
+
+    def __init__(self, source: bool = False) -> None:
+        super().__init__()
+        self.source = source
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.data[i]
+        item = {"input_ids": ids, "labels": ids.clone()}
+        return item | ({"source": torch.tensor(i % 3)} if self.source else {})
+
+
+def test_seqlen_reshape_carries_the_labels_into_the_rows_and_refuses_a_per_sample_field_at_setup(tmp_path):
+    """The labels follow the ids into the same rows (only the ids came through: a step reading batch["labels"] died
+    with a KeyError); a per-sample field cannot follow rows that are no longer samples: refused before any step."""
+    reshape = dict(TRUNC, min_difficulty=3, max_difficulty=15)
+    seen: list[tuple[list[str], bool]] = []
+
+    class Keys(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((sorted(batch), torch.equal(batch["labels"], batch["input_ids"])))
+
+    make_trainer(tmp_path / "ok", [Keys(), Curriculum(metrics={"seqlen_reshape": reshape})], max_steps=3).fit(
+        tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(WithLabels(), batch_size=4))
+    )
+    assert seen == [(["input_ids", "labels"], True)] * 3
+    trainer = make_trainer(tmp_path / "bad", [Curriculum(metrics={"seqlen_reshape": reshape})], max_steps=3)
+    with pytest.raises(DataConfigError, match=r"'source' \(shape \[4\]\) cannot follow the rows"):
+        trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(WithLabels(source=True), batch_size=4)))
+    assert trainer.global_step == 0
 
 
 class _TwoOptimizers(type(tiny_gpt2())):  # type: ignore[misc]

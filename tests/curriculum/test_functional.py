@@ -122,6 +122,23 @@ def test_reshape_batch_megatron_rule():
         F.reshape_batch({"input_ids": torch.arange(5)}, 2)
 
 
+def test_reshape_batch_rechunks_every_token_field_alike_and_refuses_what_cannot_follow_the_rows():
+    """A causal-LM batch's labels and mask follow the ids into the same rows (they were dropped: the user's step
+    read batch["labels"] and died with a KeyError, or trained without its mask); a per-sample field is refused,
+    named, at the batch (at setup, where the curriculum runs its transforms on the first samples)."""
+    x = torch.arange(2 * 10).view(2, 10)
+    mask = (x % 7 != 0).long()
+    out = F.reshape_batch({"input_ids": x, "labels": x + 100, "attention_mask": mask}, 3)
+    assert sorted(out) == ["attention_mask", "input_ids", "labels"]
+    assert torch.equal(out["labels"], out["input_ids"] + 100)
+    assert out["attention_mask"].tolist() == [
+        [int(v % 7 != 0) for v in row] for row in out["input_ids"].tolist()
+    ]  # each row's mask is its own tokens'
+    for extra, words in ((torch.tensor([0, 1]), r"'y' \(shape \[2\]\)"), (["a", "b"], r"'y' \(list\)")):
+        with pytest.raises(ValueError, match=rf"seqlen_reshape re-chunks .*\[2, 10\].*{words} cannot follow the rows"):
+            F.reshape_batch({"input_ids": x, "y": extra}, 3)
+
+
 def test_trim_padding_rounds_up_to_multiple():
     mask = torch.zeros(2, 32, dtype=torch.long)
     mask[0, :9] = 1

@@ -398,7 +398,9 @@ def test_attention_weights_a_layer_returns_are_expanded_and_other_extras_refused
         torch.testing.assert_close(w[b][idx[b]][:, idx[b]].sum(-1), torch.ones(4))
     assert w.abs().sum().item() == pytest.approx(8.0)  # 2 samples x 4 kept rows summing to 1, zeros elsewhere
     net.blocks[1].extra = "other"
-    with pytest.raises(RuntimeError, match=r"extra tensor output of shape \[2, 4, 3\] .*not attention weights.*use_cache"):
+    with pytest.raises(
+        RuntimeError, match=r"extra tensor output of shape \[2, 4, 3\] .*not attention weights.*use_cache"
+    ):
         net.blocks[1](x)
 
 
@@ -408,8 +410,16 @@ def t5_blocks(decoder: bool = False) -> nn.Module:
 
     torch.manual_seed(0)
     cfg = T5Config(
-        vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=4, num_heads=2, dropout_rate=0.0, use_cache=False,
-        decoder_start_token_id=0, pad_token_id=0,
+        vocab_size=64,
+        d_model=32,
+        d_kv=16,
+        d_ff=64,
+        num_layers=4,
+        num_heads=2,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
     )
     return (T5ForConditionalGeneration if decoder else T5EncoderModel)(cfg).train()
 
