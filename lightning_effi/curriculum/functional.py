@@ -797,10 +797,12 @@ def reshape_batch(batch: Any, difficulty: int, key: str = "input_ids") -> Any:
     if isinstance(batch, Mapping):
         others = [k for k, v in batch.items() if not (isinstance(v, Tensor) and tuple(v.shape) == (b, s))]
         if others:
-            shapes = ", ".join(
-                f"{k!r} ({f'shape {list(batch[k].shape)}' if isinstance(batch[k], Tensor) else type(batch[k]).__name__})"
-                for k in others
-            )
+            kinds = {
+                k: f"shape {list(v.shape)}" if isinstance(v, Tensor) else type(v).__name__
+                for k, v in batch.items()
+                if k in others
+            }
+            shapes = ", ".join(f"{k!r} ({kind})" for k, kind in kinds.items())
             raise ValueError(
                 f"seqlen_reshape re-chunks the batch's [B, S] = {[b, s]} tensors into rows of difficulty + 1 tokens "
                 f"that are no longer samples; {shapes} cannot follow the rows. Keep only [B, S] token fields in the "
