@@ -42,7 +42,7 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -410,7 +410,7 @@ class LTDForward:
         if idx is None:
             return self.original(*args, **kwargs)
         seq_len = hidden.shape[self.seq_dim]
-        handed: dict[int, Tensor] = {}
+        handed: list[tuple[Tensor, Tensor]] = []
         bound = self._gathered(args, kwargs, idx, seq_len, handed)
         captured = _hf_collector()
         before = {k: len(v) for k, v in captured.items() if isinstance(v, list)} if captured is not None else {}
@@ -428,17 +428,18 @@ class LTDForward:
         )
 
     def _gathered(
-        self, args: tuple, kwargs: dict, idx: Tensor, seq_len: int, handed: dict[int, Tensor] | None = None
+        self, args: tuple, kwargs: dict, idx: Tensor, seq_len: int, handed: list[tuple[Tensor, Tensor]] | None = None
     ) -> inspect.BoundArguments:
         """The layer's arguments with the hidden states and every declared sequence argument gathered to ``idx``.
-        ``handed``: filled with ``id(gathered tensor) -> the argument it was gathered from`` (the full-length tensor
-        to hand on when the layer returns a gathered argument as it is: :meth:`_expand_extra`)."""
+        ``handed``: filled with ``(gathered tensor, the argument it was gathered from)`` pairs (the full-length
+        tensor to hand on when the layer returns a gathered argument as it is: :meth:`_expand_extra`; compared by
+        identity, ``is``, which ``torch.compile`` resolves while tracing)."""
         bound = self.signature.bind(*args, **kwargs)
 
         def gather(name: str, value: Any) -> Any:
             out = self._gather_arg(name, value, idx, seq_len)
             if handed is not None and isinstance(value, Tensor) and isinstance(out, Tensor) and out is not value:
-                handed[id(out)] = value
+                handed.append((out, value))
             return out
 
         for name, value in list(bound.arguments.items()):
@@ -488,14 +489,15 @@ class LTDForward:
             and (not keys or t.shape[-1] == r)
         )
 
-    def _expand_extra(self, extra: Any, idx: Tensor, seq_len: int, handed: Mapping[int, Tensor]) -> Any:
+    def _expand_extra(self, extra: Any, idx: Tensor, seq_len: int, handed: Sequence[tuple[Tensor, Tensor]]) -> Any:
         """An extra output of the layer. One of its own gathered arguments returned as it is (a tensor the layers
         hand on to the next one, as T5's blocks hand on the relative position bias they were given): the full-length
         argument it was gathered from, so the next layer gets what it would get without random-LTD. Attention
         weights ``[B, ..., r, r]``: back on the full sequence (zeros for the dropped tokens). Any other tensor (a
         cache, a tensor the layer computed for the next one on the kept tokens) is an error."""
-        if isinstance(extra, Tensor) and id(extra) in handed:
-            return handed[id(extra)]
+        for gathered, given in handed:
+            if extra is gathered:
+                return given
         if self._is_attention(extra, idx):
             return F.expand_attention(extra, idx, seq_len)
         nested = isinstance(extra, tuple) and any(isinstance(e, Tensor) for e in extra)
