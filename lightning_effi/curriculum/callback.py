@@ -382,6 +382,8 @@ class Curriculum(Callback):
         dataset, n = template["dataset"], template["length"]
         if n < 1:
             raise CurriculumConfigError("curriculum: the training set is empty")
+        if "seqlen_truncate" in config.metrics and config.truncate_keys is None:
+            _refuse_encoder_decoder(pl_module)
         if set(TRANSFORM_METRICS) & set(config.metrics):
             length = data_sequence_length(dataset, template["collate_fn"], n, config.truncate_keys)
             longest = None
@@ -843,3 +845,23 @@ class Curriculum(Callback):
 
 
 CurriculumCallback = Curriculum
+
+
+def _refuse_encoder_decoder(pl_module: pl.LightningModule) -> None:
+    """``seqlen_truncate`` with ``truncate_keys=None`` on a Hugging Face encoder-decoder (a module whose config says
+    ``is_encoder_decoder``): its targets (``labels``, ``decoder_input_ids``) have a length of their own, and the
+    automatic rule would cut them only in the batches where that length equals the source's.
+
+    Raises:
+        CurriculumConfigError: naming the model and ``truncate_keys``.
+    """
+    for name, module in pl_module.named_modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "is_encoder_decoder", False) is True:
+            raise CurriculumConfigError(
+                f"seqlen_truncate with truncate_keys=None on an encoder-decoder ({type(module).__name__} at "
+                f"{name or 'the module'}): the automatic rule cuts every tensor of the batch's sequence length, and "
+                "the decoder's targets (labels, decoder_input_ids) have a length of their own, so they would be cut "
+                "only in the batches where it equals the source's. Name the source's tensors: "
+                "truncate_keys=['input_ids', 'attention_mask']"
+            )

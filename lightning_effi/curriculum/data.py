@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from lightning_effi.core.batch import EffiBatch
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.loader import sample_draw, set_dataset_epoch
+from lightning_effi.core.measure import tensor_leaves
 from lightning_effi.core.wrapping import WrappingDataModule, wrapper_chain
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig
@@ -145,6 +146,10 @@ class CurriculumCollate:
         self.truncate_keys = None if truncate_keys is None else tuple(truncate_keys)
         self.causal_label_shift = causal_label_shift
         self.keep_last_token = keep_last_token
+        #: truncate_keys=None: path -> (whether seqlen_truncate's rule cuts that tensor, the shape it had then), as
+        #: first seen (this process; each loader worker has its own): a tensor cut in some batches and left whole in
+        #: others is refused (_check_consistent_cut)
+        self._cuttable: dict[Any, tuple[bool, tuple[int, ...]]] = {}
 
     def __call__(self, items: Sequence[tuple[Any, tuple]]) -> EffiBatch:
         keys = [k for _, k in items]
@@ -178,6 +183,33 @@ class CurriculumCollate:
                 f"{e} [found at setup, on a batch of the training set's first {len(samples)} samples]"
             ) from None
 
+    def _check_consistent_cut(self, batch: Any, size: int, length: int) -> None:
+        """``truncate_keys=None`` cuts every tensor whose axis 1 (or last axis, for masks) has the batch's sequence
+        length ``S`` (:func:`~lightning_effi.curriculum.functional.cut_axes`). A tensor of a length of its own (an
+        encoder-decoder's targets, a ``[B, D]`` feature) matches ``S`` in some batches only, and would be cut in
+        those alone: refused at the first batch that shows it both ways.
+
+        Raises:
+            DataConfigError: naming the tensor, the two shapes and ``truncate_keys``.
+        """
+        for path, value in tensor_leaves(batch):
+            if value.ndim < 2 or value.shape[0] != size:
+                continue
+            cut = bool(F.cut_axes(path, value, size, length))
+            seen = self._cuttable.setdefault(path, (cut, tuple(value.shape), length))
+            if seen[0] != cut:
+                where = ".".join(map(str, path)) or "batch"
+                now = (cut, tuple(value.shape), length)
+                (_, cut_shape, cut_len), (_, whole_shape, whole_len) = (seen, now) if seen[0] else (now, seen)
+                raise DataConfigError(
+                    f"seqlen_truncate: the batch's tensor {where!r} has a length of its own (an encoder-decoder's "
+                    "targets, a [B, D] feature): truncate_keys=None cuts every tensor of the batch's sequence length, "
+                    f"and {where!r} is cut in a batch of sequence length {cut_len} (its shape {list(cut_shape)}) but "
+                    f"left whole in one of length {whole_len} (its shape {list(whole_shape)}). Name the tensors to "
+                    "cut: truncate_keys=['input_ids', 'attention_mask'] (the source of an encoder-decoder), or a list "
+                    "of yours"
+                )
+
     def _transform(self, batch: Any, keys: Sequence[tuple]) -> EffiBatch:
         """The transforms and metadata of :meth:`__call__` on the user's collated ``batch`` of samples ``keys``."""
         _, step, micro, diffs = keys[0][:4]
@@ -207,6 +239,8 @@ class CurriculumCollate:
                         "(e.g. labels longer than the inputs). Name only tensors of the batch in truncate_keys "
                         "(check the spelling), or pass truncate_keys=None to cut every [B, S, ...] tensor"
                     )
+            if self.truncate_keys is None and full_length is not None:
+                self._check_consistent_cut(batch, len(keys), full_length)
             try:
                 cut = F.truncate(
                     batch,

@@ -19,6 +19,7 @@ from lightning_effi.callbacks import Curriculum
 from lightning_effi.core.accounting import Baseline, EfficiencyMonitor
 from lightning_effi.core.batch import EffiBatch, batch_meta
 from lightning_effi.core.errors import DataConfigError
+from lightning_effi.curriculum import CurriculumConfigError
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.analysis.metrics import register_metric
 from lightning_effi.curriculum.data import CurriculumCollate
@@ -186,6 +187,71 @@ def test_the_collate_truncates_tuple_batches_and_records_the_full_length():
     # default_collate makes a list of tuple samples: cut too
     listed = CurriculumCollate(None, ["seqlen_truncate"])([(s, (i, 3, 0, (5,))) for i, s in enumerate(samples)])
     assert type(listed.batch) is list and [x.shape for x in listed.batch] == [(B, 5), (B, 5)]
+
+
+def seq2seq_batch(source: int, target: int) -> dict[str, torch.Tensor]:
+    ids, mask = ids_and_mask([source] * B, "right")
+    return {"input_ids": ids % V, "attention_mask": mask, "labels": torch.arange(B * target).view(B, target) % V}
+
+
+def test_a_tensor_cut_in_one_batch_and_left_whole_in_another_is_refused_naming_truncate_keys():
+    """An encoder-decoder batch: the targets have a length of their own. The automatic rule cut them exactly where
+    their padded length equalled the source's (5 of 15 batches in the helper's run, without a word): the first
+    batch that shows a tensor both ways is refused, naming it and truncate_keys; named keys cut the source only."""
+    collate = CurriculumCollate(None, ["seqlen_truncate"])
+    key = lambda i: (i, 1, 0, (4,))  # noqa: E731
+    first = collate._transform(seq2seq_batch(8, 6), [key(i) for i in range(B)])  # targets of their own length
+    assert first.batch["labels"].shape == (B, 6) and first.batch["input_ids"].shape == (B, 4)
+    with pytest.raises(
+        DataConfigError,
+        match=r"'labels' .*cut in a batch of sequence length 8 .*left whole in one of "
+        r"length 8 .*truncate_keys=\['input_ids', 'attention_mask'\]",
+    ) as refused:
+        collate._transform(seq2seq_batch(8, 8), [key(i) for i in range(B)])  # the same length: would be cut
+    assert "its shape [4, 8]" in str(refused.value) and "its shape [4, 6]" in str(refused.value)
+    named = CurriculumCollate(None, ["seqlen_truncate"], truncate_keys=["input_ids", "attention_mask"])
+    for target in (6, 8):
+        out = named._transform(seq2seq_batch(8, target), [key(i) for i in range(B)])
+        assert out.batch["labels"].shape == (B, target) and out.batch["input_ids"].shape == (B, 4)
+    causal = CurriculumCollate(None, ["seqlen_truncate"])  # labels of the ids' length: cut in every batch, alike
+    for length in (8, 12, 6):
+        out = causal._transform(seq2seq_batch(length, length), [key(i) for i in range(B)])
+        assert out.batch["labels"].shape == (B, 4)
+
+
+class T5Seq2Seq(pl.LightningModule):
+    """A user's module over a tiny HF T5 (no download)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        cfg = T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, decoder_start_token_id=0)
+        self.net = T5ForConditionalGeneration(cfg)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_hf_encoder_decoder_with_the_automatic_truncate_keys_is_refused_at_setup(tmp_path):
+    items = [seq2seq_batch(8, 6) for _ in range(2)]
+    samples = [{k: v[i] for k, v in b.items()} for b in items for i in range(B)]
+    trainer = make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC})], max_steps=2)
+    with pytest.raises(
+        CurriculumConfigError,
+        match=r"encoder-decoder \(T5ForConditionalGeneration at net\).*"
+        r"truncate_keys=\['input_ids', 'attention_mask'\]",
+    ):
+        trainer.fit(T5Seq2Seq(), datamodule=CurriculumDataModule(TinyDataModule(samples, batch_size=B)))
+    assert trainer.global_step == 0
+    short = {**TRUNC, "max_difficulty": 8}  # the sources' 8 tokens
+    named = Curriculum(metrics={"seqlen_truncate": short}, truncate_keys=["input_ids", "attention_mask"])
+    make_trainer(tmp_path / "named", [named], max_steps=2).fit(
+        T5Seq2Seq(), datamodule=CurriculumDataModule(TinyDataModule(samples, batch_size=B))
+    )
 
 
 # ------------------------------------------------------------------------------------------- user modules
