@@ -884,9 +884,17 @@ def _split_key(key: Any) -> tuple[Any, tuple[int, ...]]:
 
 def _quadratic_at(points: dict[int, int], x: int) -> int | None:
     """The value at ``x`` of the quadratic through three of ``points`` (``{length: FLOPs}``, >= 4 of them: the
-    smallest, a middle and the largest length) when every point lies on it exactly and the value is a whole number
-    >= 0; else None."""
+    smallest, a middle and the largest length) when every point lies on it exactly, the lengths do not all share a
+    residue modulo some ``m > 1`` (the greatest common divisor of their differences is 1) and the value is a whole
+    number >= 0; else None.
+
+    The residue condition: FLOPs that are a step function of the length (a model padding it to a multiple of ``m``,
+    chunked attention, strided convolutions rounding odd sizes up) lie exactly on a quadratic at lengths of one
+    residue modulo ``m`` (``13, 21, 29, 37`` padded to ``16, 24, 32, 40``) and off it in between; lengths of
+    different residues show the steps."""
     xs = sorted(points)
+    if math.gcd(*(b - a for a, b in zip(xs, xs[1:]))) != 1:
+        return None
     chosen = (xs[0], xs[len(xs) // 2], xs[-1])
 
     def at(v: int) -> Fraction:
@@ -912,13 +920,18 @@ class FlopsMeter:
     Lengths between measured ones are interpolated (``interpolate``): calls that differ only in one size (the same
     value at every place it appears in the tensor arguments' shapes, e.g. the padded sequence length ``T`` of
     batches padded to their longest sequence) form a family; once :data:`MIN_FIT_POINTS` lengths of a family were
-    replayed and all lie exactly on one quadratic in that size (a transformer's FLOPs are ``a T + b T^2``), a length
+    replayed and all lie exactly on one quadratic in that size (a transformer's FLOPs are ``a T + b T^2``), and the
+    replayed lengths do not all share a residue modulo some ``m > 1`` (:func:`_quadratic_at`: FLOPs that step with
+    the length, as with internal padding to a multiple of ``m``, fit a quadratic at one residue only), a length
     strictly between the shortest and the longest replayed one is read off it (a whole number) instead of replayed.
     A length outside that range, or a family whose replays fit no quadratic, is replayed. ``replays`` counts the
-    replays."""
+    replays. A model whose FLOPs depend on the length otherwise than through a quadratic and such steps (a branch
+    taken above some length inside the replayed range with all replayed lengths on one side of it) is measured
+    wrongly between its replays: turn interpolation off (``EfficiencyMonitor(interpolate_flops=False)``) or define
+    ``effi_training_flops``."""
 
     #: replayed lengths of a family before lengths between them are interpolated (three fit, the others check)
-    MIN_FIT_POINTS = 4
+    MIN_FIT_POINTS = 5
 
     def __init__(self, interpolate: bool = True) -> None:
         self._cache: OrderedDict[tuple[Any, ...], int | MeasureError] = OrderedDict()
