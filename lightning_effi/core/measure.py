@@ -34,10 +34,14 @@ from real values, not the network's compute) are not recorded; any other module 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import dataclasses
 import enum
 import math
+import random
+import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -772,7 +776,10 @@ def fake_copy(
     if share_attributes:
         for name, value in vars(module).items():
             if name not in _SHARED_ATTRIBUTES and id(value) not in memo:
-                memo[id(value)] = value
+                # a container of its own (one level deep) for the copy: a forward that appends to a list on self
+                # (a memory bank) or counts in a dict would change the module's own during a replay
+                mutable = isinstance(value, (list, dict, set, collections.deque, bytearray))
+                memo[id(value)] = copy.copy(value) if mutable else value
     clone = copy.deepcopy(module, memo)
     if isinstance(getattr(module, "_compiler_ctx", None), dict):
         # trainer.fit(torch.compile(model)): Lightning set forward and the *_step methods on the instance to compiled
@@ -848,7 +855,7 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     try:
         # outside any dispatch mode of the caller (a FlopCounterMode measuring the real step must not count the replay)
-        with _disable_current_modes(), torch.random.fork_rng(devices=cuda), unshown_warnings():
+        with _disable_current_modes(), torch.random.fork_rng(devices=cuda), _python_rng_kept(), unshown_warnings():
             mode = _fake_tensor_mode()
             clone = fake_copy(target, mode, share_attributes=target is root, device=move)
             with mode, flop_counter() as counter:
@@ -864,6 +871,21 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
             return int(counter.get_total_flops())
     except Exception as err:
         raise MeasureError(f"replaying {type(target).__name__} failed ({type(err).__name__}: {err})") from err
+
+
+@contextlib.contextmanager
+def _python_rng_kept() -> Iterator[None]:
+    """Put Python's ``random`` and NumPy's global random state back afterwards: a replayed forward that draws from
+    them (a LayerDrop written with ``random.random()``) must not change the draws of the training that follows."""
+    state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    np_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        if numpy is not None:
+            numpy.random.set_state(np_state)
 
 
 def _split_key(key: Any) -> tuple[Any, tuple[int, ...]]:

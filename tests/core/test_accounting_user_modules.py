@@ -6,6 +6,7 @@ cannot be found warns once, naming the hook to define."""
 from __future__ import annotations
 
 import dataclasses
+import random
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -586,6 +587,57 @@ def test_row_tokens_reads_each_sample_as_find_tokens_reads_the_batch() -> None:
     assert row_tokens((torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))) is None  # images
     assert row_tokens({"input_ids": torch.ones(4, dtype=torch.long)}) is None  # no rows to tell apart
     assert row_tokens({"input_ids": ids, "attention_mask": real}).dtype == torch.int64
+
+
+class BankAndLayerDrop(pl.LightningModule):
+    """A user's module whose forward keeps a memory bank and a call count on ``self`` and drops its second layer
+    with Python's ``random`` (a LayerDrop written the plain way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mid, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 2)
+        self.bank: list[torch.Tensor] = []
+        self.seen = {"calls": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        if random.random() < 0.5:
+            h = self.mid(h).relu()
+        self.bank.append(h.detach())
+        self.seen["calls"] += 1
+        return self.head(h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_replay_of_a_modules_own_forward_leaves_its_state_and_python_random_alone(tmp_path: Path) -> None:
+    """The monitor replays the module's forward to measure a new shape. Before, the replay appended a fake tensor
+    to the module's own list (its first real use then failed), counted one call too many, and drew from Python's
+    ``random``, so the LayerDrop trained other layers than without the monitor (weights 0.020 apart in the helper's
+    run). Now the run with the monitor trains exactly the run without it."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(20, 8, generator=g), torch.randint(0, 2, (20,), generator=g))
+    runs = []
+    for callbacks in ([], [EfficiencyMonitor(print_summary=False)]):
+        pl.seed_everything(0)
+        random.seed(0)
+        module = BankAndLayerDrop()
+        make_trainer(tmp_path / str(len(callbacks)), callbacks, max_steps=5, max_epochs=-1).fit(
+            module, DataLoader(data, batch_size=4)
+        )
+        runs.append(module)
+    plain, monitored = runs
+    assert monitored.seen == plain.seen == {"calls": 5}
+    assert all(type(t) is torch.Tensor for t in monitored.bank) and float(torch.stack(monitored.bank).sum()) == float(
+        torch.stack(plain.bank).sum()
+    )
+    for a, b in zip(plain.parameters(), monitored.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_replay_has_no_side_effects_and_counts_what_the_step_computed() -> None:

@@ -16,6 +16,8 @@ def test_numpy_ints_and_bools_are_accepted_as_plain_values():
     assert m.log_every_n_steps == 5 and type(m.log_every_n_steps) is int
     assert m.print_summary is False
     assert EfficiencyMonitor().log_every_n_steps is None
+    assert EfficiencyMonitor(interpolate_flops=np.False_)._meter.interpolate is False
+    assert EfficiencyMonitor()._meter.interpolate is True
 
 
 @pytest.mark.parametrize(
@@ -26,6 +28,7 @@ def test_numpy_ints_and_bools_are_accepted_as_plain_values():
         ({"log_every_n_steps": True}, r"got True"),
         ({"print_summary": "false"}, r"EfficiencyMonitor\.print_summary must be a bool .*got 'false'"),
         ({"print_summary": 1}, r"EfficiencyMonitor\.print_summary must be a bool"),
+        ({"interpolate_flops": "no"}, r"EfficiencyMonitor\.interpolate_flops must be a bool .*got 'no'"),
     ],
 )
 def test_bad_arguments_are_named(kw, match):
