@@ -128,10 +128,14 @@ def test_a_bad_policy_is_refused_at_construction(policy: Any) -> None:
 
 
 def test_repr_names_the_policy() -> None:
-    monitor = EfficiencyMonitor(log_every_n_steps=3, print_summary=False, nonfinite_loss="warn")
-    assert repr(monitor) == "EfficiencyMonitor(log_every_n_steps=3, print_summary=False, nonfinite_loss='warn')"
+    monitor = EfficiencyMonitor(
+        log_every_n_steps=3, print_summary=False, nonfinite_loss="warn", interpolate_flops=False
+    )
+    assert repr(monitor) == (
+        "EfficiencyMonitor(log_every_n_steps=3, print_summary=False, nonfinite_loss='warn', interpolate_flops=False)"
+    )
     again = eval(repr(monitor), {"EfficiencyMonitor": EfficiencyMonitor})
-    assert again.nonfinite_guard.policy == "warn" and repr(again) == repr(monitor)
+    assert again.nonfinite_guard.policy == "warn" and repr(again) == repr(monitor) and not again.interpolate_flops
 
 
 def _state(**extra: Any) -> dict[str, Any]:
