@@ -145,6 +145,17 @@ def _require_duration(owner: str, value: Any) -> Duration:
     return duration
 
 
+#: new lengths at which a layer's measured FLOPs model ``B (a T + c T^2)`` must hold before it prices the other shapes
+LAYER_FLOPS_CHECKS = 2
+
+
+def _layer_model_checked(model: tuple[Fraction, Fraction, frozenset[int], int]) -> bool:
+    """Whether a layer's FLOPs model held at :data:`LAYER_FLOPS_CHECKS` lengths besides the two it was solved from,
+    with the lengths measured not all of one residue modulo some ``m > 1``."""
+    lengths = sorted(model[2])
+    return model[3] >= LAYER_FLOPS_CHECKS and math.gcd(*(y - x for x, y in zip(lengths, lengths[1:]))) == 1
+
+
 class RandomLTDCallback(Callback):
     """Random-LTD: selected layers process a random sorted subset of ``r`` tokens per sample in training.
 
@@ -440,7 +451,8 @@ class RandomLTDCallback(Callback):
         # the LTD layers' calls replayed on fake tensors: the FLOPs a layer skips, measured (_measured_layer_flops)
         self._meter, self._measure_failed = FlopsMeter(), False
         #: per (LTD layer, its structure): (a, c, checked) of its training FLOPs B (a T + c T²), or "direct"
-        self._flops_models: dict[tuple[Any, ...], tuple[Fraction, Fraction, bool] | str] = {}
+        #: (layer, structure) -> (a, c, the lengths measured on it, checks passed) of B (a T + c T^2), or "direct"
+        self._flops_models: dict[tuple[Any, ...], tuple[Fraction, Fraction, frozenset[int], int] | str] = {}
         self._data_length: int | None = None  # the sequence length peeked from the training data at train start
         # this fit resumes a random-LTD schedule from a checkpoint (its state loaded, or one of another configuration
         # accepted with strict=False): a fit starting at global_step > 0 without it is refused at train start
@@ -1361,8 +1373,11 @@ class RandomLTDCallback(Callback):
         A replay costs about a second on a CPU, and the reserved length (and a curriculum's sequence length) changes
         from step to step, so each layer is replayed at two lengths only: a transformer layer's training FLOPs on
         ``T`` tokens are ``B (a T + c T²)`` (token-wise matrices, attention over token pairs), and ``a``, ``c`` are
-        solved from the full and the kept call. The next recorded shape is replayed once more to check the model,
-        exactly; a layer that does not follow it is replayed at every shape."""
+        solved from the full and the kept call. It is then checked, exactly, at recorded shapes with lengths it was not
+        measured at, and used once it held at :data:`LAYER_FLOPS_CHECKS` new lengths and the lengths measured do not
+        all share a residue modulo some ``m > 1`` (a layer that pads its tokens to a multiple of ``m`` follows the
+        model at one residue only); until then every shape is replayed, and a layer that fails a check is replayed at
+        every shape."""
         if self._measure_failed or self.controller is None or self.adapter is None:
             return None
         layers = self.adapter.layers()
@@ -1384,8 +1399,8 @@ class RandomLTDCallback(Callback):
         key = (i, structure_key(layer))
         model = self._flops_models.get(key)
         pair = self.controller.calls.get((i, b, s, r))
-        if model is not None and model != "direct" and model[2]:  # checked: predicted
-            a, c, _ = model
+        if isinstance(model, tuple) and _layer_model_checked(model):  # predicted
+            a, c = model[0], model[1]
             return b * (a * s + c * s * s), b * (a * r + c * r * r)
         if pair is None:
             return None
@@ -1406,11 +1421,11 @@ class RandomLTDCallback(Callback):
         if model is None:  # solve B (a T + c T²) at T = S and T = r
             y_full, y_kept = on_full / (b * s), on_kept / (b * r)  # a + c T
             c = (y_full - y_kept) / (s - r)
-            self._flops_models[key] = (y_full - c * s, c, False)
-        elif model != "direct":
-            a, c, _ = model
+            self._flops_models[key] = (y_full - c * s, c, frozenset((s, r)), 0)
+        elif isinstance(model, tuple) and {s, r} - model[2]:  # a length the model was not measured at: a check
+            a, c, lengths, checks = model
             exact = on_full == b * (a * s + c * s * s) and on_kept == b * (a * r + c * r * r)
-            self._flops_models[key] = (a, c, True) if exact else "direct"
+            self._flops_models[key] = (a, c, lengths | {s, r}, checks + 1) if exact else "direct"
         return on_full, on_kept
 
     def _fold_step(self, trainer: pl.Trainer) -> None:
