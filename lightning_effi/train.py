@@ -21,7 +21,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
@@ -349,6 +349,25 @@ def _resolve_mode(cfg: DictConfig) -> None:
         )
 
 
+def run_tags(cfg: DictConfig) -> list[str]:
+    """The run's ``tags`` as a list of strings: a list of strings or numbers (``tags=[a,b]``), one string or number
+    (``tags=mytag``: one tag, not its characters), or null (none).
+
+    Raises:
+        ConfigError: naming ``tags``, the value and what is allowed.
+    """
+    tags = cfg.get("tags")
+    if tags is None:
+        return []
+    if isinstance(tags, str | int | float) and not isinstance(tags, bool):
+        return [str(tags)]
+    if isinstance(tags, ListConfig | list | tuple) and all(
+        isinstance(t, str | int | float) and not isinstance(t, bool) for t in tags
+    ):
+        return [str(t) for t in tags]
+    raise ConfigError(f"tags: expected a list of strings (tags='[a,b]'), one string (tags=a) or null, got {tags!r}")
+
+
 def check_settings(cfg: DictConfig) -> None:
     """The run's own keys and the Trainer's lengths, checked at the start of :func:`run` (before anything is built):
     ``train`` and ``test`` are bools (a string ``'no'`` or ``'false'`` would be true), ``optimized_metric`` a string
@@ -366,6 +385,7 @@ def check_settings(cfg: DictConfig) -> None:
         check_bool("", key, cfg.get(key, default), error=ConfigError)
     check_str("", "optimized_metric", cfg.get("optimized_metric"), none_ok=True, error=ConfigError)
     _resolve_mode(cfg)
+    run_tags(cfg)
     trainer = cfg.get("trainer")
     if not isinstance(trainer, DictConfig):
         return  # build() names the missing group
@@ -463,7 +483,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         run_dir=output_dir,
         output_dir=_relative(output_dir, root),
         task_name=cfg.get("task_name"),
-        tags=list(cfg.get("tags") or []),
+        tags=run_tags(cfg),
         seed=cfg.get("seed"),
         arm=str(cfg.get("arm")) if cfg.get("arm") else None,
         budget=float(budget) if budget is not None else 1.0,

@@ -99,7 +99,8 @@ def write_result(
 
     Raises:
         ValueError: no ``EfficiencyMonitor`` in ``trainer.callbacks`` (or it has no summary: the fit did not end),
-            ``mode`` not ``"min"``/``"max"`` (or None with a metric name that does not say which), ``budget``
+            ``mode`` not ``"min"``/``"max"`` (or None with a metric name that does not say which, or against the
+            metric's name: ``"max"`` for ``val/loss``), ``budget``
             not a number > 0, ``out_dir`` an existing file, ``arm`` not a one-line string or ``"baseline"`` on a
             run with a technique, ``task_name`` not a string, ``metrics`` not a mapping, ``seed`` not an int in
             ``[0, 2**32)`` or None while ``pl.seed_everything`` was never called, or ``metric`` in none of the
@@ -132,6 +133,13 @@ def write_result(
         checked_mode = check_mode(mode)
     except ValueError as err:
         raise ValueError(f"write_result: {err}") from None
+    said = infer_mode(metric)
+    if said is not None and said != checked_mode:
+        raise ValueError(
+            f"write_result: mode={checked_mode!r} contradicts metric {metric!r}, whose name says "
+            f"{'lower' if said == 'min' else 'higher'} is better: the report would rank the runs backwards; pass "
+            f"mode={said!r} (or mode=None, read from the name)"
+        )
     if not is_real(budget) or not (math.isfinite(float(budget)) and float(budget) > 0):
         raise ValueError(
             f"write_result: budget must be a number > 0 (a fraction of the reference length), got {budget!r}"

@@ -45,6 +45,8 @@ def no_build(monkeypatch):
         # Lightning skips clipping at <= 0: a sign typo trained unclipped
         ("trainer.gradient_clip_val=-1", r"^trainer\.gradient_clip_val: expected a number >= 0 \(0 or null: no "),
         ("trainer.gradient_clip_val=high", r"^trainer\.gradient_clip_val: expected a number >= 0 .*got 'high'$"),
+        ("tags=true", r"^tags: expected a list of strings \(tags='\[a,b\]'\), one string \(tags=a\) or null, got True"),
+        ("tags=[[a],b]", r"^tags: expected a list of strings"),
     ],
 )
 def test_bad_settings_are_refused_before_anything_is_built(tmp_path, no_build, override, match):
@@ -106,3 +108,14 @@ def test_a_checkpoint_holding_an_omegaconf_node_passes_the_resume_check(tmp_path
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(ConfigError, match=r"is not a readable Lightning checkpoint"):
         train.check_checkpoint(str(path), model)
+
+
+@pytest.mark.parametrize(
+    "override, tags",
+    [("tags=mytag", ["mytag"]), ("tags=5", ["5"]), ("tags=[a,b]", ["a", "b"]), ("tags=null", []), (None, ["dev"])],
+)
+def test_one_tag_is_a_tag_not_its_characters(tmp_path, override, tags):
+    """``tags=mytag`` was recorded as ['m', 'y', 't', 'a', 'g'], and ``tags=5`` ended in a bare TypeError."""
+    cfg = compose_train([override] if override else [], tmp_path)
+    train.check_settings(cfg)
+    assert train.run_tags(cfg) == tags
