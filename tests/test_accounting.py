@@ -13,14 +13,16 @@ from transformers import BatchEncoding
 from lightning_effi.core.accounting import BatchStats, EfficiencyMonitor, batch_size_of, format_summary, tokens_of
 from lightning_effi.core.flops import transformer_training_flops
 from tests.harness.settings import MONITOR_TIMES
-from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_steps
+from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_steps, make_trainer
 from tests.helpers.tiny import (
     TINY_GPT2,
     HandLM,
     TokenBlocks,
     seqlen_truncate,
     tiny_bert_cls,
+    tiny_cnn,
     tiny_gpt2,
+    tiny_image_data,
     tiny_lm_data,
     tiny_sentence_data,
 )
@@ -442,3 +444,26 @@ def test_a_monitor_added_on_resume_is_refused(tmp_path):
     )
     per_batch = transformer_training_flops(8, 16, 2, 32, None, 64, head="lm")
     assert (resumed.summary["optimizer_steps"], resumed.summary["flops"]) == (4, 4 * per_batch)
+
+
+def test_stochastic_weight_averagings_batch_norm_epoch_is_not_counted_as_training(tmp_path):
+    """Lightning's StochasticWeightAveraging adds a forward-only epoch (no backward, no optimizer step) to update the
+    averaged weights' batch-norm statistics. It was counted as a training epoch: samples 200 for the 160 trained,
+    FLOPs x1.25 on a module with its own FLOPs formula. Now it is skipped, with one warning."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    summaries = []
+    for swa in (False, True):
+        pl.seed_everything(0)
+        monitor = EfficiencyMonitor(print_summary=False)
+        extra = [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)] if swa else []
+        trainer = make_trainer(tmp_path / str(swa), [monitor, *extra], max_epochs=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(tiny_cnn(), datamodule=tiny_image_data())
+        forward_only = [w for w in caught if "runs forward passes only" in str(w.message)]
+        assert len(forward_only) == swa and trainer.current_epoch == 4 + swa
+        summaries.append(monitor.summary)
+    plain, averaged = summaries
+    for key in ("samples", "flops", "batches"):
+        assert averaged[key] == plain[key] > 0, key

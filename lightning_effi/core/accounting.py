@@ -487,6 +487,7 @@ class EfficiencyMonitor(Callback):
         # a technique state's progress-bar name, chosen at its first batch of the fit (:meth:`_bar_name`)
         self._bar_names: dict[str, str] = {}
         self._warned_skip = False  # a batch skipped by its training_step was warned of
+        self._warned_forward_only = False  # a forward-only epoch (SWA's batch-norm update) was warned of
         self._logged_step: int | None = None  # trainer.global_step of the last log
         self._eval_start: float | None = None
         self._fit_start: float | None = None
@@ -882,6 +883,18 @@ class EfficiencyMonitor(Callback):
                     "FLOPs, batches)"
                 )
                 self._warned_skip = True
+            self._write_flops(pl_module, 0)
+        elif getattr(trainer.fit_loop, "_skip_backward", False):
+            # a forward-only epoch: StochasticWeightAveraging's batch-norm update of the averaged weights (no backward,
+            # no optimizer step); counted, it read as a training epoch (samples 200 for 160 trained, and with
+            # InfoBatch two savings for one run)
+            if not self._warned_forward_only:
+                rank_zero_warn(
+                    f"EfficiencyMonitor: epoch {trainer.current_epoch} runs forward passes only (Lightning skips the "
+                    "backward and the optimizer step: StochasticWeightAveraging's batch-norm update); its batches are "
+                    "not counted as trained (samples, tokens, FLOPs, batches), in the run and in its baseline alike"
+                )
+                self._warned_forward_only = True
             self._write_flops(pl_module, 0)
         else:
             started = time.perf_counter()

@@ -152,7 +152,8 @@ ROWS: list[Row] = [
         "WeightAveraging (EMA) and StochasticWeightAveraging",
         works(vcycle=REFUSED, stack=REFUSED),
         "the module ends with the average of the weights recorded at each update; the V-cycle replaces the model "
-        "at every level change, so an average of its weights is refused",
+        "at every level change, so an average of its weights is refused. StochasticWeightAveraging's added "
+        "forward-only epoch (the batch-norm update) is not counted as training by the EfficiencyMonitor",
     ),
     Row(
         "finetuning",
