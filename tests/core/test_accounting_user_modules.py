@@ -554,6 +554,24 @@ def test_find_tokens_reads_the_padding_mask_of_a_tuple_batch() -> None:
         assert find_tokens({"input_ids": ids, "pad_mask": ids == 0}) == 10
 
 
+def test_samples_of_packed_batches_and_of_lists_of_sequences() -> None:
+    """A packed batch (HF DataCollatorWithFlattening: 4 sequences in one row of 28 tokens) counted 1 sample, and a
+    collate that does not pad ({"input_ids": [t0, t1, ...]}) counted the first sequence's length: now the sequences."""
+    from lightning_effi.core.measure import find_batch_size
+
+    collate = transformers.DataCollatorWithFlattening(return_tensors="pt")
+    lengths = [11, 3, 5, 9]
+    packed = collate([{"input_ids": list(range(1, n + 1))} for n in lengths])
+    assert tuple(packed["input_ids"].shape) == (1, 28) and find_batch_size(packed) == 4 and find_tokens(packed) == 28
+    bounds = {"input_ids": packed["input_ids"], "cu_seq_lens_q": torch.tensor([0, 11, 14, 19, 28])}
+    assert find_batch_size(bounds) == 4
+    padded = {"input_ids": torch.ones(3, 6, dtype=torch.long), "position_ids": torch.arange(6).repeat(3, 1)}
+    assert find_batch_size(padded) == 3  # one sequence a row: not packed
+    assert find_batch_size({**padded, "attention_mask": torch.ones(3, 6)}) == 3
+    listed = {"input_ids": [torch.arange(n) for n in lengths]}
+    assert find_batch_size(listed) == 4
+
+
 def test_row_tokens_reads_each_sample_as_find_tokens_reads_the_batch() -> None:
     """Per sample, the same reading as the batch total (InfoBatch charges its pruned samples by it): every mask
     layout and dtype, tuple batches with their padding mask, ids alone (every row its length, padding included); no
