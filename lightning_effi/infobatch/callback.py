@@ -1524,15 +1524,33 @@ class InfoBatchCallback(Callback):
         full, kept = (n * world for n in limited)
         return max(0, full - kept), full
 
+    def _epoch_share(self, h: dict[str, Any]) -> float:
+        """The share of the current epoch's samples trained so far (1.0 at its end; less when the fit stopped inside
+        it): its optimizer steps so far times the samples of a step (batch size x accumulation x ranks) over the
+        samples it trains in full (its plan and DDP duplicates, at most its steps' worth under a limit); the share of
+        its steps when the loader's batch size is unknown."""
+        steps, total = self.steps_in_epoch, max(1, self.steps_per_epoch)
+        t = self._datamodule.template() if self._datamodule is not None else None
+        if t is None or self._trainer is None:
+            return min(1.0, steps / total)
+        accumulate = accumulate_grad_batches_at(self._trainer, int(h["epoch"]))
+        per_step = int(t["batch_size"]) * accumulate * self._trainer.world_size
+        epoch = min(int(h["size"]) + int(h["padded"]), total * per_step)
+        return min(1.0, steps * per_step / epoch) if epoch else 1.0
+
     def totals(self) -> dict[str, float]:
         if self.curriculum_dm is not None:  # over the samples the curriculum drew (all ranks)
             saved = sum(h["saved"] for h in self.history)
             drawn = sum(h["drawn"] for h in self.history)
             return {"saved_samples_total": saved, "saved_fraction": saved / max(1, drawn)}
         per_epoch = [self._epoch_saving(h) for h in self.history]
+        if per_epoch and self.plan is not None and self.history[-1]["epoch"] == self.plan.epoch:
+            # the epoch in progress (or cut by an early stop) counts by the share of its samples trained
+            done = self._epoch_share(self.history[-1])
+            per_epoch[-1] = (per_epoch[-1][0] * done, per_epoch[-1][1] * done)
         saved = sum(s for s, _ in per_epoch)
-        full = per_epoch[-1][1] if per_epoch else self.dataset_size
-        return {"saved_samples_total": saved, "saved_fraction": saved / max(1, self.epochs * full)}
+        drawn = sum(f for _, f in per_epoch)
+        return {"saved_samples_total": saved, "saved_fraction": saved / drawn if drawn else 0.0}
 
     def effi_schedule_state(self) -> dict[str, float]:
         """``{"kept_fraction": f}``: the fraction of the current epoch's samples that are trained (1.0 in a full

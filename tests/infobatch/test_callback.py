@@ -825,6 +825,26 @@ def test_resuming_mid_prune_epoch_keeps_the_token_table_and_the_baseline_exact(t
     )
 
 
+def test_a_fit_stopped_inside_a_pruned_epoch_reports_infobatchs_saving_as_the_monitor_does(tmp_path):
+    """Stopped early (EarlyStopping, max_time) inside epoch 1, the first pruned one: InfoBatch's own saved_fraction
+    divided by the planned run (6 epochs x 40) and took the cut epoch's pruned samples whole (0.0417 next to the
+    monitor's 0.0526 in the helper's run). Both now count the share of the cut epoch trained."""
+
+    class StopAt(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = trainer.global_step == 7  # 5 steps of epoch 0, 2 of epoch 1
+
+    pl.seed_everything(0)
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=7), EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path, [cb, monitor, StopAt()], max_epochs=6)
+    trainer.fit(tiny_gpt2(), datamodule=ib_data())
+    s, h = monitor.summary, cb.history[-1]
+    assert trainer.global_step == 7 and h["kind"] == "prune" and h["saved"] > 0
+    assert s["samples"] == 40 + 16 < s["baseline_samples"]
+    assert s["infobatch/saved_fraction"] == pytest.approx(s["samples_saved_frac"])
+    assert s["infobatch/saved_fraction"] == pytest.approx(h["saved"] * 16 / h["size"] / (40 + 40 * 16 / h["size"]))
+
+
 @pytest.mark.parametrize("seed", [-1, 2**64, 10**30])
 def test_a_seed_outside_the_generators_range_is_refused(seed):
     """Seeds are hashed to 64 bits: ``2**64`` drew seed 0's plans and ``-1`` those of ``2**64 - 1``, silently (the
