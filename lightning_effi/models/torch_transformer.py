@@ -210,6 +210,40 @@ def _not_a_block_list(container: nn.Module) -> str:
     return ""
 
 
+def unequal_block_list(model: nn.Module) -> str | None:
+    """For a network with no list of identical blocks: the longest ``nn.ModuleList`` / ``nn.Sequential`` of at least
+    2 blocks of one class whose blocks differ, with the first difference (e.g. T5's first block alone holds the
+    relative position bias table), as a phrase for an error message; None when there is none."""
+    near = [
+        (name, list(m.children()))
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential))
+        and len(list(m.children())) >= 2
+        and len({type(b) for b in m.children()}) == 1
+        and _not_a_block_list(m) == "the blocks' state-dict names, shapes or dtypes differ"
+    ]
+    if not near:
+        return None
+    name, blocks = max(near, key=lambda nb: len(nb[1]))
+    first = {k: (tuple(t.shape), t.dtype) for k, t in blocks[0].state_dict().items()}
+    for i, block in enumerate(blocks[1:], start=1):
+        other = {k: (tuple(t.shape), t.dtype) for k, t in block.state_dict().items()}
+        if other == first:
+            continue
+        only = sorted(set(first) - set(other)) or sorted(set(other) - set(first))
+        where = "block 0" if set(first) - set(other) else f"block {i}"
+        diff = (
+            f"{where} alone holds {only[0]}"
+            if only
+            else f"{next(k for k in first if first[k] != other[k])} differs between block 0 and block {i}"
+        )
+        return (
+            f"its list {name!r} ({len(blocks)} x {type(blocks[0]).__name__}) is not of identical blocks ({diff}), so "
+            "its depth cannot be coalesced by averaging blocks"
+        )
+    return None
+
+
 def block_lists(model: nn.Module) -> list[BlockList]:
     """Every list of identical blocks in ``model`` that is not nested inside a block of another one, longest first
     (see the module docstring for what counts as a list of identical blocks)."""

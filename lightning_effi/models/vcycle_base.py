@@ -412,7 +412,7 @@ def find_vcycle_network(
             seen = "; ".join(
                 f"{n!r}: {type(m).__name__}, every parameter frozen"
                 if _handles(adapter, known, m)
-                else f"{n!r}: no V-cycle adapter for {type(m).__name__}"
+                else f"{n!r}: no V-cycle adapter for {type(m).__name__}" + _why_unhandled(m)
                 for n, m in _children(host)
             )
             deeper = next(
@@ -547,3 +547,11 @@ def __getattr__(name: str) -> Any:
     if name in _MOVED:
         return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _why_unhandled(model: nn.Module) -> str:
+    """Why a network with a list of blocks of one class is still not handled (its blocks differ), for the refusal."""
+    from lightning_effi.models.torch_transformer import unequal_block_list
+
+    why = unequal_block_list(model)
+    return f" ({why})" if why else ""

@@ -551,6 +551,18 @@ def test_unknown_architecture_and_odd_sizes():
         setup(VCycleCallback(e_a=1, e_small=1), Plain())
     with pytest.raises(ValueError, match="model_attr"):
         setup(VCycleCallback(e_a=1, e_small=1, model_attr="net"), Plain())
+    # a network with a list of blocks of one class that differ (T5: the first block alone holds the relative
+    # position bias): the refusal says why the list does not qualify, not only that no adapter matched
+    from transformers import T5Config, T5EncoderModel
+
+    t5 = Plain()
+    t5.model = T5EncoderModel(T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=3, num_heads=2))
+    with pytest.raises(
+        ValueError,
+        match=r"no V-cycle adapter for T5EncoderModel \(its list 'encoder.block' \(3 x T5Block\) is not of identical "
+        r"blocks \(block 0 alone holds layer.0.SelfAttention.relative_attention_bias.weight\)",
+    ):
+        setup(VCycleCallback(e_a=1, e_small=1), t5)
     with pytest.raises(ValueError, match="n_layer"):  # 3 layers cannot be paired by the default depth scheme
         setup(VCycleCallback(e_a=1, e_small=1), tiny_gpt2(n_layer=3))
 
