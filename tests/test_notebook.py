@@ -113,8 +113,8 @@ def test_quickstart_notebook_runs_under_a_kernel(tmp_path, monkeypatch):
     # one figure per run, the comparison and the Hydra run
     figures = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(figures) == 7
-    # the baseline's summary table, printed by the EfficiencyMonitor at the end of fit under the live progress bar
-    # (a RecursionError before lightning_effi.core.console.print_block)
+    # the baseline's summary table, printed by the EfficiencyMonitor at the end of fit (the notebook's fits run without
+    # the progress bar, which cost 8-15x the training time of these tiny fits inside a kernel)
     baseline_text = next(text_of(c) for c in code if 'runs["baseline"] = train(' in c.source)
     assert "Efficiency summary" in baseline_text
     table = dict(line.split() for line in baseline_text.splitlines() if len(line.split()) == 2)
