@@ -362,7 +362,12 @@ def check_arguments(
     check_choice(owner, "embedding_convention", embedding_convention, EMBEDDING_CONVENTIONS)
     check_choice(owner, "lr_schedule", lr_schedule, ("continue", "restart"))
     if model_attr is not None and (not isinstance(model_attr, str) or not model_attr.isidentifier()):
-        raise ValueError(f"{owner}.model_attr must be an attribute name or None (found in setup), got {model_attr!r}")
+        raise ValueError(
+            f"{owner}.model_attr must be an attribute name of the LightningModule or None (found in setup), got "
+            f"{model_attr!r}; the V-cycle replaces that attribute's network whole. To coalesce one list of blocks "
+            "inside it (one stage of a CNN, say), pass adapter=<a lightning_effi.models.torch_transformer."
+            "TorchBlocksVCycleAdapter subclass whose block_list(model) returns that list>"
+        )
     if baseline_steps is not None:  # None: a baseline as long as this run
         baseline_steps = check_int(owner, "baseline_steps", baseline_steps, minimum=1)
     unrelated = plain(unrelated_params if unrelated_params is not None else ())

@@ -551,6 +551,13 @@ def test_unknown_architecture_and_odd_sizes():
         setup(VCycleCallback(e_a=1, e_small=1), Plain())
     with pytest.raises(ValueError, match="model_attr"):
         setup(VCycleCallback(e_a=1, e_small=1, model_attr="net"), Plain())
+    # a dotted path (as random-LTD's GenericAdapter takes) is refused with the way to coalesce one inner list
+    with pytest.raises(
+        ValueError,
+        match=r"model_attr must be an attribute name .*got 'net.stages.2'.*"
+        r"TorchBlocksVCycleAdapter subclass whose block_list\(model\) returns that list",
+    ):
+        VCycleCallback(e_a=1, e_small=1, model_attr="net.stages.2")
     # a network with a list of blocks of one class that differ (T5: the first block alone holds the relative
     # position bias): the refusal says why the list does not qualify, not only that no adapter matched
     from transformers import T5Config, T5EncoderModel
