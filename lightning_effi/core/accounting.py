@@ -1102,11 +1102,14 @@ class EfficiencyMonitor(Callback):
         different tokens or FLOPs, e.g. sentences of unequal length, resumed with other totals than the uninterrupted
         run's). The counts are summed and the times maxed over ranks here (Lightning builds the checkpoint on every
         rank: the collective runs everywhere), as :meth:`reduced_totals` does; on load rank 0 takes the sums and
-        the other ranks' counts start from zero, so the summed totals go on as the uninterrupted run's."""
+        the other ranks' counts start from zero, so the summed totals go on as the uninterrupted run's. A checkpoint
+        written on one device is marked the same way, so that a DDP fit resumed from it counts its totals once."""
         state = checkpoint.get("callbacks", {}).get(self.state_key)
-        if trainer.world_size <= 1 or not isinstance(state, dict):
+        if not isinstance(state, dict):
             return
-        state["totals"] = self.reduced_totals(trainer)
+        if trainer.world_size > 1:
+            state["totals"] = self.reduced_totals(trainer)
+        # on one device too: a DDP fit resumed from it must not give every rank the whole run's counts
         state["totals_over_ranks"] = True
 
     @override

@@ -143,13 +143,14 @@ def packed_sequences(batch: Mapping[str, Any]) -> int | None:
     """Sequences in a packed batch (Hugging Face's ``DataCollatorWithFlattening``: the sequences concatenated into
     ``input_ids [1, N]``, without padding): ``len(cu_seq_lens_q) - 1`` when the batch carries the sequence
     boundaries, else the restarts of its ``position_ids`` (each sequence starts at position 0) when they restart
-    inside a row and the batch has no ``attention_mask`` (a padded batch has one row per sequence); None for a batch
-    that is not packed."""
+    inside a row and the batch has no mask (no key naming one: ``attention_mask``, ``padding_mask``; a padded batch
+    has one row per sequence); None for a batch that is not packed."""
     bounds = batch.get("cu_seq_lens_q")
     if isinstance(bounds, Tensor) and bounds.ndim == 1 and bounds.numel() > 1:
         return int(bounds.numel()) - 1
     positions = batch.get("position_ids")
-    if "attention_mask" in batch or not isinstance(positions, Tensor) or positions.ndim != 2:
+    masked = any(isinstance(k, str) and "mask" in k.lower() for k in batch)  # a padded batch: a row per sequence
+    if masked or not isinstance(positions, Tensor) or positions.ndim != 2:
         return None
     starts = positions == 0
     if positions.shape[1] < 2 or not bool(starts[:, 1:].any()):
@@ -159,9 +160,10 @@ def packed_sequences(batch: Mapping[str, Any]) -> int | None:
 
 def find_batch_size(batch: Any) -> int | None:
     """Samples in a batch: the sequences of a packed batch (:func:`packed_sequences`); else the first dimension of
-    the ``labels``, ``input_ids`` or ``pixel_values`` entry (in that order) of a mapping batch (the length of a list
-    of per-sample tensors there, as a collate that does not pad makes); else of its first tensor leaf with at least
-    one dimension (:func:`leaves` order); None when the batch has no such tensor."""
+    the ``labels``, ``input_ids`` or ``pixel_values`` entry (in that order) of a mapping batch (for a list of tensors
+    there: its length when their first dimensions differ, as per-sample sequences of a collate that does not pad;
+    their shared first dimension otherwise, as one tensor per task or per crop); else of its first tensor leaf with
+    at least one dimension (:func:`leaves` order); None when the batch has no such tensor."""
     if isinstance(batch, Mapping):
         packed = packed_sequences(batch)
         if packed is not None:
@@ -170,8 +172,11 @@ def find_batch_size(batch: Any) -> int | None:
             value = batch.get(key)
             if isinstance(value, Tensor) and value.ndim > 0:
                 return int(value.shape[0])
-            if isinstance(value, list | tuple) and value and all(isinstance(v, Tensor) for v in value):
-                return len(value)
+            if isinstance(value, list | tuple) and value and all(isinstance(v, Tensor) and v.ndim > 0 for v in value):
+                # per-sample tensors (a collate that does not pad) differ in length; batched entries (one per task
+                # or per crop: [B, ...] each) share their first dimension
+                firsts = {int(v.shape[0]) for v in value}
+                return len(value) if len(firsts) > 1 else firsts.pop()
     for _, value in tensor_leaves(batch):
         if value.ndim > 0:
             return int(value.shape[0])

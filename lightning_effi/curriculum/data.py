@@ -146,10 +146,10 @@ class CurriculumCollate:
         self.truncate_keys = None if truncate_keys is None else tuple(truncate_keys)
         self.causal_label_shift = causal_label_shift
         self.keep_last_token = keep_last_token
-        #: truncate_keys=None: path -> (whether seqlen_truncate's rule cuts that tensor, the shape it had then), as
-        #: first seen (this process; each loader worker has its own): a tensor cut in some batches and left whole in
-        #: others is refused (_check_consistent_cut)
-        self._cuttable: dict[Any, tuple[bool, tuple[int, ...]]] = {}
+        #: truncate_keys=None: path -> (the axes seqlen_truncate's rule cuts of that tensor, its shape then, the
+        #: batch's length), as first seen (this process; each loader worker has its own): a tensor cut on other axes
+        #: in another batch (or left whole there) is refused (_check_consistent_cut)
+        self._cuttable: dict[Any, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
 
     def __call__(self, items: Sequence[tuple[Any, tuple]]) -> EffiBatch:
         keys = [k for _, k in items]
@@ -195,17 +195,21 @@ class CurriculumCollate:
         for path, value in tensor_leaves(batch):
             if value.ndim < 2 or value.shape[0] != size:
                 continue
-            cut = bool(F.cut_axes(path, value, size, length))
-            seen = self._cuttable.setdefault(path, (cut, tuple(value.shape), length))
-            if seen[0] != cut:
+            axes = tuple(F.cut_axes(path, value, size, length))
+            seen = self._cuttable.setdefault(path, (axes, tuple(value.shape), length))
+            if seen[0] != axes:
                 where = ".".join(map(str, path)) or "batch"
-                now = (cut, tuple(value.shape), length)
-                (_, cut_shape, cut_len), (_, whole_shape, whole_len) = (seen, now) if seen[0] else (now, seen)
+
+                def told(entry: tuple[tuple[int, ...], tuple[int, ...], int]) -> str:
+                    cut, shape, at = entry
+                    what = f"cut on axes {list(cut)}" if cut else "left whole"
+                    return f"{what} in a batch of sequence length {at} (its shape {list(shape)})"
+
                 raise DataConfigError(
                     f"seqlen_truncate: the batch's tensor {where!r} has a length of its own (an encoder-decoder's "
-                    "targets, a [B, D] feature): truncate_keys=None cuts every tensor of the batch's sequence length, "
-                    f"and {where!r} is cut in a batch of sequence length {cut_len} (its shape {list(cut_shape)}) but "
-                    f"left whole in one of length {whole_len} (its shape {list(whole_shape)}). Name the tensors to "
+                    "targets, a [B, D] or [B, T, D] feature whose D matches the sequence length in some batches): "
+                    "truncate_keys=None cuts every axis of the batch's sequence length, and "
+                    f"{where!r} is {told(seen)} but {told((axes, tuple(value.shape), length))}. Name the tensors to "
                     "cut: truncate_keys=['input_ids', 'attention_mask'] (the source of an encoder-decoder), or a list "
                     "of yours"
                 )

@@ -34,8 +34,11 @@ def check_mode(mode: str) -> Mode:
 
 #: name parts (``val/loss`` -> ``val``, ``loss``; trailing digits dropped: ``acc1``) that say lower is better
 LOWER_IS_BETTER = frozenset(
-    {"loss", "nll", "ppl", "perplexity", "error", "err", "mse", "mae", "rmse", "wer", "cer", "bpc", "bpb"}
-)
+    {
+        "loss", "nll", "ppl", "perplexity", "error", "err", "mse", "mae", "rmse", "wer", "cer", "bpc", "bpb",
+        "fid", "kid", "brier", "ece", "lpips", "distance",
+    }
+)  # fmt: skip
 #: ... and higher is better
 HIGHER_IS_BETTER = frozenset(
     {

@@ -570,6 +570,14 @@ def test_samples_of_packed_batches_and_of_lists_of_sequences() -> None:
     assert find_batch_size({**padded, "attention_mask": torch.ones(3, 6)}) == 3
     listed = {"input_ids": [torch.arange(n) for n in lengths]}
     assert find_batch_size(listed) == 4
+    # but one tensor per task or per crop, each [B, ...], is a batch of B (the QA helper's multi-task labels read 8)
+    assert find_batch_size({"labels": [torch.zeros(32), torch.zeros(32, 3)], "x": torch.zeros(32, 5)}) == 32
+    crops = [torch.zeros(4, 3, 32, 32), torch.zeros(4, 3, 16, 16), torch.zeros(4, 3, 16, 16)]
+    assert find_batch_size({"pixel_values": crops}) == 4
+    # a padded batch with position ids beside a mask of another name is not packed (it read 14 for 4)
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3, [1] * 5 + [0], [1, 1] + [0] * 4])
+    padded_mask = {"input_ids": torch.ones(4, 6, dtype=torch.long), "padding_mask": mask == 0}
+    assert find_batch_size({**padded_mask, "position_ids": torch.arange(6) * mask}) == 4
 
 
 def test_row_tokens_reads_each_sample_as_find_tokens_reads_the_batch() -> None:
