@@ -172,3 +172,24 @@ def test_ddp_resume_in_the_first_epoch_counts_every_ranks_tokens(tmp_path, infob
     assert b["baseline_samples"] == a["baseline_samples"] and b["flops"] == pytest.approx(a["flops"], rel=1e-12)
     assert b["baseline_tokens"] == pytest.approx(a["baseline_tokens"], rel=1e-12)
     assert (a["samples"] < a["baseline_samples"]) == infobatch
+
+
+@pytest.mark.slow
+def test_a_one_device_checkpoint_resumed_under_ddp_counts_its_totals_once(tmp_path):
+    """A checkpoint written on one device holds that run's totals; each of 2 DDP ranks resuming it loaded them all,
+    and the summary summed them over the ranks: the first epoch was counted twice (120 samples for 80)."""
+    from tests.helpers.harness import make_trainer
+    from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+    pl.seed_everything(0)
+    one = EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path / "one", [one], max_epochs=1)
+    trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    assert (one.summary["samples"], one.summary["tokens"]) == (40, 640)
+    _, ranks = fit_ddp(
+        tiny_gpt2(), tiny_lm_data(), tmp_path / "ddp", [EfficiencyMonitor(print_summary=False)],
+        ckpt_path=tmp_path / "one.ckpt", max_epochs=2,
+    )  # fmt: skip
+    s = ranks[0]["summary"]
+    assert (s["samples"], s["tokens"]) == (80, 1280)
