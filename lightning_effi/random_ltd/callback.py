@@ -453,6 +453,7 @@ class RandomLTDCallback(Callback):
         #: per (LTD layer, its structure): (a, c, checked) of its training FLOPs B (a T + c T²), or "direct"
         #: (layer, structure) -> (a, c, the lengths measured on it, checks passed) of B (a T + c T^2), or "direct"
         self._flops_models: dict[tuple[Any, ...], tuple[Fraction, Fraction, frozenset[int], int] | str] = {}
+        self._predict_layer_flops = True
         self._data_length: int | None = None  # the sequence length peeked from the training data at train start
         # this fit resumes a random-LTD schedule from a checkpoint (its state loaded, or one of another configuration
         # accepted with strict=False): a fit starting at global_step > 0 without it is refused at train start
@@ -547,7 +548,10 @@ class RandomLTDCallback(Callback):
             keep_prefix_tokens=self.keep_prefix_tokens,
             record_calls=True,
         )
-        self._meter, self._measure_failed, self._flops_models = FlopsMeter(), False, {}
+        # an EfficiencyMonitor(interpolate_flops=False) asks for every shape to be measured: no layer model either
+        self._predict_layer_flops = all(getattr(c, "interpolate_flops", True) for c in trainer.callbacks)
+        self._meter = FlopsMeter(interpolate=self._predict_layer_flops)
+        self._measure_failed, self._flops_models = False, {}
         self.patched = convert(pl_module, adapter, self.controller)
         self.patched.running = self._running
         self.adapter = adapter
@@ -1376,8 +1380,11 @@ class RandomLTDCallback(Callback):
         solved from the full and the kept call. It is then checked, exactly, at recorded shapes with lengths it was not
         measured at, and used once it held at :data:`LAYER_FLOPS_CHECKS` new lengths and the lengths measured do not
         all share a residue modulo some ``m > 1`` (a layer that pads its tokens to a multiple of ``m`` follows the
-        model at one residue only); until then every shape is replayed, and a layer that fails a check is replayed at
-        every shape."""
+        model at one residue only), for lengths between the shortest and the longest measured only (never
+        extrapolated: a layer switching to windowed attention above some length); until then, and outside that
+        range, every shape is replayed (a new length measured that way is one more check), and a layer that fails a
+        check is replayed at every shape. An ``EfficiencyMonitor(interpolate_flops=False)`` in the Trainer turns the
+        model off: every shape replayed."""
         if self._measure_failed or self.controller is None or self.adapter is None:
             return None
         layers = self.adapter.layers()
@@ -1399,7 +1406,12 @@ class RandomLTDCallback(Callback):
         key = (i, structure_key(layer))
         model = self._flops_models.get(key)
         pair = self.controller.calls.get((i, b, s, r))
-        if isinstance(model, tuple) and _layer_model_checked(model):  # predicted
+        if (
+            self._predict_layer_flops
+            and isinstance(model, tuple)
+            and _layer_model_checked(model)
+            and min(model[2]) <= r < s <= max(model[2])  # never extrapolated: lengths inside those measured
+        ):
             a, c = model[0], model[1]
             return b * (a * s + c * s * s), b * (a * r + c * r * r)
         if pair is None:
