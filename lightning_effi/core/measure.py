@@ -805,10 +805,10 @@ def fake_copy(
     if share_attributes:
         for name, value in vars(module).items():
             if name not in _SHARED_ATTRIBUTES and id(value) not in memo:
-                # a container of its own (one level deep) for the copy: a forward that appends to a list on self
-                # (a memory bank) or counts in a dict would change the module's own during a replay
-                mutable = isinstance(value, (list, dict, set, collections.deque, bytearray))
-                memo[id(value)] = copy.copy(value) if mutable else value
+                # containers and random generators of its own for the copy: a forward that appends to a list on
+                # self (a memory bank), counts in a dict, or draws from its own generator would change the module's
+                # during a replay
+                memo[id(value)] = _private(value)
     clone = copy.deepcopy(module, memo)
     if isinstance(getattr(module, "_compiler_ctx", None), dict):
         # trainer.fit(torch.compile(model)): Lightning set forward and the *_step methods on the instance to compiled
@@ -825,6 +825,37 @@ def fake_copy(
         if isinstance(forward, LTDForward):
             sub.__dict__["forward"] = forward.original
     return clone
+
+
+def _private(value: Any, depth: int = 0) -> Any:
+    """``value`` for a replay's copy of a module to change freely: containers (lists, tuples, dicts, sets, deques;
+    nested, to a few levels) rebuilt around their items, random generators (Python's ``random.Random``, NumPy's
+    ``Generator`` / ``RandomState``, ``torch.Generator``) copied with their state; anything else shared."""
+    if isinstance(value, random.Random) or type(value).__module__.startswith("numpy.random"):
+        try:
+            return copy.deepcopy(value)
+        except Exception:  # pragma: no cover - a generator that cannot be copied is shared
+            return value
+    if isinstance(value, torch.Generator):
+        clone = torch.Generator(device=value.device)
+        clone.set_state(value.get_state())
+        return clone
+    if depth >= 4:
+        return value
+    if isinstance(value, dict):
+        out = copy.copy(value)  # its class (OrderedDict, defaultdict) kept
+        for k, v in value.items():
+            out[k] = _private(v, depth + 1)
+        return out
+    if isinstance(value, collections.deque):
+        return collections.deque((_private(v, depth + 1) for v in value), maxlen=value.maxlen)
+    if type(value) is list:
+        return [_private(v, depth + 1) for v in value]
+    if isinstance(value, set):
+        return set(value)
+    if type(value) is tuple:
+        return tuple(_private(v, depth + 1) for v in value)
+    return value
 
 
 def _fake_tensor_mode() -> Any:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import timm
 import torch
@@ -623,14 +624,18 @@ class BankAndLayerDrop(pl.LightningModule):
         super().__init__()
         self.enc, self.mid, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 2)
         self.bank: list[torch.Tensor] = []
-        self.seen = {"calls": 0}
+        self.seen = {"calls": 0, "log": [[]]}
+        self.rng = np.random.default_rng(0)  # a generator of its own (the QA helper's second LayerDrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.enc(x)
         if random.random() < 0.5:
             h = self.mid(h).relu()
+        if self.rng.random() < 0.5:
+            h = h * 2
         self.bank.append(h.detach())
         self.seen["calls"] += 1
+        self.seen["log"][0].append(1)
         return self.head(h)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -644,8 +649,8 @@ class BankAndLayerDrop(pl.LightningModule):
 def test_the_replay_of_a_modules_own_forward_leaves_its_state_and_python_random_alone(tmp_path: Path) -> None:
     """The monitor replays the module's forward to measure a new shape. Before, the replay appended a fake tensor
     to the module's own list (its first real use then failed), counted one call too many, and drew from Python's
-    ``random``, so the LayerDrop trained other layers than without the monitor (weights 0.020 apart in the helper's
-    run). Now the run with the monitor trains exactly the run without it."""
+    ``random`` or the module's own generator, so the LayerDrop trained other layers than without the monitor (weights
+    0.020 apart in the helper's run). Now the run with the monitor trains exactly the run without it."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(20, 8, generator=g), torch.randint(0, 2, (20,), generator=g))
     runs = []
@@ -658,7 +663,8 @@ def test_the_replay_of_a_modules_own_forward_leaves_its_state_and_python_random_
         )
         runs.append(module)
     plain, monitored = runs
-    assert monitored.seen == plain.seen == {"calls": 5}
+    assert monitored.seen == plain.seen == {"calls": 5, "log": [[1] * 5]}
+    assert monitored.rng.random() == plain.rng.random()
     assert all(type(t) is torch.Tensor for t in monitored.bank) and float(torch.stack(monitored.bank).sum()) == float(
         torch.stack(plain.bank).sum()
     )
