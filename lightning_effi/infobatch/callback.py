@@ -1543,10 +1543,12 @@ class InfoBatchCallback(Callback):
             saved = sum(h["saved"] for h in self.history)
             drawn = sum(h["drawn"] for h in self.history)
             return {"saved_samples_total": saved, "saved_fraction": saved / max(1, drawn)}
-        per_epoch = [self._epoch_saving(h) for h in self.history]
-        if per_epoch and self.plan is not None and self.history[-1]["epoch"] == self.plan.epoch:
+        # epochs past the schedule (StochasticWeightAveraging's added forward-only epoch) are not training epochs
+        history = [h for h in self.history if h["epoch"] < self.epochs]
+        per_epoch = [self._epoch_saving(h) for h in history]
+        if per_epoch and self.plan is not None and history[-1]["epoch"] == self.plan.epoch:
             # the epoch in progress (or cut by an early stop) counts by the share of its samples trained
-            done = self._epoch_share(self.history[-1])
+            done = self._epoch_share(history[-1])
             per_epoch[-1] = (per_epoch[-1][0] * done, per_epoch[-1][1] * done)
         saved = sum(s for s, _ in per_epoch)
         drawn = sum(f for _, f in per_epoch)

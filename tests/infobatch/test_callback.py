@@ -845,6 +845,23 @@ def test_a_fit_stopped_inside_a_pruned_epoch_reports_infobatchs_saving_as_the_mo
     assert s["infobatch/saved_fraction"] == pytest.approx(h["saved"] * 16 / h["size"] / (40 + 40 * 16 / h["size"]))
 
 
+def test_stochastic_weight_averagings_added_epoch_is_not_in_infobatchs_saving(tmp_path):
+    """StochasticWeightAveraging adds a forward-only epoch past InfoBatch's schedule: it entered InfoBatch's
+    saved_fraction as a trained epoch (0.1548 against the monitor's 0.1625 in the helper's run)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from tests.helpers.tiny import tiny_cnn, tiny_image_data
+
+    pl.seed_everything(0)
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), EfficiencyMonitor(print_summary=False)
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)
+    trainer = make_trainer(tmp_path, [monitor, cb, swa], max_epochs=4)
+    trainer.fit(tiny_cnn(), datamodule=InfoBatchDataModule(tiny_image_data()))
+    assert [h["epoch"] for h in cb.history] == [0, 1, 2, 3, 4]  # the 5th: SWA's batch-norm epoch
+    s = monitor.summary
+    assert s["infobatch/saved_fraction"] == pytest.approx(s["samples_saved_frac"]) and s["samples_saved_frac"] > 0
+
+
 @pytest.mark.parametrize("seed", [-1, 2**64, 10**30])
 def test_a_seed_outside_the_generators_range_is_refused(seed):
     """Seeds are hashed to 64 bits: ``2**64`` drew seed 0's plans and ``-1`` those of ``2**64 - 1``, silently (the
