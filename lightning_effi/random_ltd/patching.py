@@ -490,29 +490,32 @@ class LTDForward:
         )
 
     def _expand_extra(self, extra: Any, idx: Tensor, seq_len: int, handed: Sequence[tuple[Tensor, Tensor]]) -> Any:
-        """An extra output of the layer. One of its own gathered arguments returned as it is (a tensor the layers
-        hand on to the next one, as T5's blocks hand on the relative position bias they were given): the full-length
-        argument it was gathered from, so the next layer gets what it would get without random-LTD. Attention
-        weights ``[B, ..., r, r]``: back on the full sequence (zeros for the dropped tokens). Any other tensor (a
-        cache, a tensor the layer computed for the next one on the kept tokens) is an error."""
+        """An extra output of the layer (inside tuples, lists and dicts too). One of its own gathered arguments
+        returned as it is (a tensor the layers hand on to the next one, as T5's blocks hand on the relative position
+        bias they were given): the full-length argument it was gathered from, so the next layer gets what it would
+        get without random-LTD. Attention weights ``[B, ..., r, r]`` (no negative value: probabilities, after
+        dropout too): back on the full sequence (zeros for the dropped tokens). Any other tensor (a cache, scores or
+        a bias the layer computed on its kept tokens for the next one) is an error."""
+        if isinstance(extra, list | tuple):
+            return type(extra)(self._expand_extra(e, idx, seq_len, handed) for e in extra)
+        if isinstance(extra, dict):
+            return {k: self._expand_extra(v, idx, seq_len, handed) for k, v in extra.items()}
+        if not isinstance(extra, Tensor):
+            return extra
         for gathered, given in handed:
             if extra is gathered:
                 return given
-        if self._is_attention(extra, idx):
+        if self._is_attention(extra, idx) and not bool((extra.detach() < 0).any()):
             return F.expand_attention(extra, idx, seq_len)
-        nested = isinstance(extra, tuple) and any(isinstance(e, Tensor) for e in extra)
-        if isinstance(extra, Tensor) or nested:
-            shape = f"of shape {list(extra.shape)}" if isinstance(extra, Tensor) else "(a tuple of tensors)"
-            raise RuntimeError(
-                f"random-LTD layer {self.index} ({self.layer_type}) returned an extra tensor output {shape} "
-                "computed on the kept tokens only: not attention weights [B, ..., r, r], which random-LTD puts back "
-                "on the full sequence, nor one of the layer's own arguments returned as it is, which it hands on at "
-                "full length. If it is a cache, turn it off in training (use_cache=False). If the layer computes it "
-                "for the next layer (e.g. T5's first block, which computes the position biases the later blocks "
-                "share), random-LTD cannot drop tokens in this layer: leave it out of layer_ids (the default, "
-                "layer_ids=None, keeps the first and the last layer whole)"
-            )
-        return extra
+        raise RuntimeError(
+            f"random-LTD layer {self.index} ({self.layer_type}) returned an extra tensor output of shape "
+            f"{list(extra.shape)} computed on the kept tokens only: not attention weights [B, ..., r, r] (values "
+            ">= 0), which random-LTD puts back on the full sequence, nor one of the layer's own arguments returned as "
+            "it is, which it hands on at full length. If it is a cache, turn it off in training (use_cache=False). "
+            "If the layer computes it for the next layer (e.g. T5's first block, which computes the position biases "
+            "the later blocks share, or residual attention scores), random-LTD cannot drop tokens in this layer: "
+            "leave it out of layer_ids (the default, layer_ids=None, keeps the first and the last layer whole)"
+        )
 
     def _expand_captured(self, captured: dict, before: dict[str, int], idx: Tensor, seq_len: int) -> None:
         """Hugging Face models (transformers 5) collect ``output_attentions`` with forward hooks on the attention

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -572,6 +573,47 @@ def test_a_layer_whose_flops_are_not_quadratic_in_its_tokens_is_measured_exactly
         module, torch.utils.data.DataLoader(batches, batch_size=None)
     )
     assert int(monitor.summary["flops"]) == module.real_flops > 0
+
+
+class HandsOn(nn.Module):
+    """A hand-written block that takes a pairwise bias ``prev`` ``[B, H, S, S]`` and returns, for the next block,
+    either that bias in a list (as given) or its own pre-softmax scores (RealFormer's residual attention)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode, self.qk, self.v = mode, nn.Linear(16, 32), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, prev: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        q, k = self.qk(x).view(*x.shape[:2], 2, 16).unbind(2)
+        scores = (q @ k.transpose(1, 2))[:, None].expand(-1, 2, -1, -1) / 4
+        if prev is not None:
+            scores = scores + prev
+        out = x + scores.softmax(-1).mean(1) @ self.v(x)
+        return out, ([prev] if self.mode == "list" else scores)
+
+
+def test_extra_outputs_in_lists_are_handed_on_and_computed_scores_are_refused():
+    """A bias handed on inside a list passed through at the kept length (the next block then failed, naming itself);
+    scores a block computes for the next one (negative values: not attention weights) were zero-filled as attention
+    weights (83% zeros reached block 2 in the helper's run). The list's bias is handed on at full length; the scores
+    are refused, naming the layer and layer_ids."""
+    for mode in ("list", "scores"):
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(HandsOn(mode) for _ in range(4))
+        net = nn.Module()
+        net.blocks = blocks
+        ctl = LTDController(4, (1, 2), seed=0)
+        convert(net, GenericAdapter("blocks", hidden_size=16, masks={"prev": "self"}), ctl)
+        ctl.begin(0, 0, 5)
+        x, prev = torch.randn(2, 12, 16), torch.randn(2, 2, 12, 12)
+        if mode == "list":
+            for block in blocks:
+                x, (given,) = block(x, prev)
+                assert given is prev  # the full-length bias, as each block was given it
+        else:
+            x, scores = blocks[0](x, None)
+            with pytest.raises(RuntimeError, match=r"random-LTD layer 1 .*residual attention scores.*layer_ids"):
+                blocks[1](x, scores)
 
 
 # ------------------------------------------------------------------------------------------------ PyTorch layers
