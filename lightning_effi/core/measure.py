@@ -73,6 +73,7 @@ __all__ = [
     "mask_is_additive",
     "mask_tokens",
     "row_tokens",
+    "share_a_residue",
     "tensor_leaves",
     "token_source",
 ]
@@ -964,6 +965,14 @@ def _split_key(key: Any) -> tuple[Any, tuple[int, ...]]:
     return walk(key), tuple(dims)
 
 
+def share_a_residue(lengths: Sequence[int]) -> bool:
+    """Whether the distinct ``lengths`` all leave one remainder modulo some ``m > 1`` (the greatest common divisor
+    of their differences is not 1). A cost measured only at such lengths cannot tell a smooth function of the
+    length from one that steps every ``m`` (padding to a multiple of ``m``, chunks of ``m``)."""
+    xs = sorted(set(lengths))
+    return math.gcd(*(b - a for a, b in zip(xs, xs[1:]))) != 1
+
+
 def _quadratic_at(points: dict[int, int], x: int) -> int | None:
     """The value at ``x`` of the quadratic through three of ``points`` (``{length: FLOPs}``, >= 4 of them: the
     smallest, a middle and the largest length) when every point lies on it exactly, the lengths do not all share a
@@ -975,7 +984,7 @@ def _quadratic_at(points: dict[int, int], x: int) -> int | None:
     residue modulo ``m`` (``13, 21, 29, 37`` padded to ``16, 24, 32, 40``) and off it in between; lengths of
     different residues show the steps."""
     xs = sorted(points)
-    if math.gcd(*(b - a for a, b in zip(xs, xs[1:]))) != 1:
+    if share_a_residue(xs):
         return None
     chosen = (xs[0], xs[len(xs) // 2], xs[-1])
 

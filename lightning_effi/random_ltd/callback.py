@@ -66,7 +66,7 @@ from lightning_effi.core.batch import unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.flops import sdpa_recomputes
-from lightning_effi.core.measure import FlopsMeter, MeasureError, structure_key
+from lightning_effi.core.measure import FlopsMeter, MeasureError, share_a_residue, structure_key
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     PROGRESS_TICKS,
@@ -152,8 +152,7 @@ LAYER_FLOPS_CHECKS = 2
 def _layer_model_checked(model: tuple[Fraction, Fraction, frozenset[int], int]) -> bool:
     """Whether a layer's FLOPs model held at :data:`LAYER_FLOPS_CHECKS` lengths besides the two it was solved from,
     with the lengths measured not all of one residue modulo some ``m > 1``."""
-    lengths = sorted(model[2])
-    return model[3] >= LAYER_FLOPS_CHECKS and math.gcd(*(y - x for x, y in zip(lengths, lengths[1:]))) == 1
+    return model[3] >= LAYER_FLOPS_CHECKS and not share_a_residue(model[2])
 
 
 class RandomLTDCallback(Callback):
