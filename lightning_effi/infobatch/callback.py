@@ -98,6 +98,9 @@ except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
 
 #: module types whose calls are never the forward output (a criterion ``self.loss_fn(logits, y)``, a metric
 #: ``self.train_acc(logits, y)``, both often called after the model in ``training_step``)
+#: the most tokens a checkpoint's per-sample table may hold for one sample: float64 counts whole numbers exactly up
+#: to 2**53; a larger entry can only come from a damaged checkpoint, and would inflate the token baseline
+MAX_SAMPLE_TOKENS = float(2**53)
 NOT_FORWARD: tuple[type, ...] = (nn.modules.loss._Loss, *((_Metric,) if isinstance(_Metric, type) else ()))
 
 
@@ -1819,8 +1822,9 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
     or an :class:`~lightning_effi.infobatch.functional.EpochPlan` state over ``N`` samples of an epoch ``<= e``;
     ``steps_in_epoch`` int ``>= 0``; ``history`` a list of dicts; ``table_epoch`` int in ``[-1, e]`` (the epoch whose
     start the score table stands for: never after the checkpoint's own); ``synced_epoch`` int in ``[-1,
-    table_epoch]``; ``thin_stats`` integer ``[3]``, ``>= 0``; ``sample_tokens`` float ``[N]``, ``>= 0`` or ``-1``;
-    ``pending_tokens`` float ``[2, N]``, finite, ``>= 0``; ``nonfinite`` (checkpoints written before the non-finite
+    table_epoch]``; ``thin_stats`` integer ``[3]``, ``>= 0``; ``sample_tokens`` float ``[N]``, in ``[0, 2**53]``
+    or ``-1``; ``pending_tokens`` float ``[2, N]``, ``>= 0``, whole counts, sums ``<= 2**53`` per count;
+    ``nonfinite`` (checkpoints written before the non-finite
     loss policy) int ``>= 0``; ``nonfinite_loss`` a dict (checked by
     :meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`). The last seven may be absent (older
     checkpoints).
@@ -1901,8 +1905,9 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
         or tuple(tokens.shape) != (n,)
         or not bool(torch.isfinite(tokens).all())
         or bool(((tokens < 0) & (tokens != -1)).any())
+        or bool((tokens > MAX_SAMPLE_TOKENS).any())
     ):
-        raise refuse("sample_tokens", f"a float tensor of shape ({n},), >= 0, or -1 (not yet trained)", tokens)
+        raise refuse("sample_tokens", f"a float tensor of shape ({n},), in [0, 2**53], or -1 (not yet trained)", tokens)
     pending = state.get("pending_tokens")
     if pending is not None and (
         not isinstance(pending, Tensor)
@@ -1910,8 +1915,14 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
         or tuple(pending.shape) != (2, n)
         or not bool(torch.isfinite(pending).all())
         or bool((pending < 0).any())
+        or bool((pending[1] != pending[1].round()).any())
+        or bool((pending[0] > MAX_SAMPLE_TOKENS * pending[1]).any())
     ):
-        raise refuse("pending_tokens", f"a float tensor of shape (2, {n}), finite, >= 0 (token sums, counts)", pending)
+        raise refuse(
+            "pending_tokens",
+            f"a float tensor of shape (2, {n}), >= 0: token sums of at most 2**53 per count, whole counts",
+            pending,
+        )
     if "nonfinite" in state and (not is_int(state["nonfinite"]) or state["nonfinite"] < 0):
         raise refuse("nonfinite", "an int >= 0 (the non-finite losses counted)", state["nonfinite"])
     guard = state.get("nonfinite_loss")

@@ -165,7 +165,8 @@ def read_run(file: Path) -> Run:
             there (an empty ``arm``, a ``seed`` outside ``[0, 2**32)``, ``overrides`` that are not a list of strings,
             a ``length`` entry that is not an int or null), or an ``efficiency`` total
             (``flops``, ``tokens``, ``samples``, ``layer_tokens``, ``time_train_s``, ``time_data_s``) that is not a
-            finite number >= 0 (the message names the file and the field).
+            finite number >= 0, or a top-level copy (``flops``, ``wall_clock``) that differs from its ``efficiency``
+            total (the message names the file and the field).
     """
     try:
         record = json.loads(file.read_text(encoding="utf-8"))
@@ -216,6 +217,15 @@ def read_run(file: Path) -> Run:
             raise ReportError(
                 f"{file}: 'efficiency.{key}' must be a finite number >= 0 (the EfficiencyMonitor's total), "
                 f"got {value!r}"
+            )
+    for key, total in (("flops", "flops"), ("wall_clock", "time_total_s")):
+        # copies of efficiency totals at the top level (for readers of Hydra's job result); the report reads the
+        # efficiency block, so a copy that disagrees with it (a hand-edited record) is refused, not ignored
+        copy = record.get(key)
+        if copy is not None and copy != efficiency.get(total):
+            raise ReportError(
+                f"{file}: {key!r} is {copy!r} but 'efficiency.{total}' is {efficiency.get(total)!r}; the first is a "
+                f"copy of the second, and the report reads 'efficiency.{total}': edit both, or the record is damaged"
             )
     curve = _require(record, "curve", list, file, "the validation curve, a list")
     schedule = _require(record, "schedule", list, file, "the schedule states, a list")

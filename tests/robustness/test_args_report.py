@@ -86,3 +86,20 @@ def test_the_cli_warns_on_a_contradicting_mode_and_still_writes_the_report(tmp_p
     with pytest.warns(UserWarning, match=r"optimized_mode='min'"):
         assert main([str(sweep), "--mode", "max", "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "report.md").is_file()
+
+
+@pytest.mark.parametrize(("key", "total"), [("flops", "flops"), ("wall_clock", "time_total_s")])
+def test_a_top_level_copy_that_disagrees_with_its_efficiency_total_is_refused(tmp_path, key, total):
+    """The record keeps top-level copies of two efficiency totals; the report reads the efficiency block, so a
+    hand-edited copy (the user halving the FLOPs where they first see them) was silently ignored."""
+    folder = write_record(tmp_path / "run", flops=2.5e12)
+    record = json.loads((folder / "result.json").read_text())
+    record["efficiency"]["time_total_s"] = 12.0
+    record["flops"], record["wall_clock"] = 2.5e12, 12.0  # the copies as write_result writes them
+    (folder / "result.json").write_text(json.dumps(record))
+    (run,) = load_runs([folder])
+    assert run.compute("flops") == 2.5e12
+    record[key] = 1.0
+    (folder / "result.json").write_text(json.dumps(record))
+    with pytest.raises(ReportError, match=rf"'{key}' is 1\.0 but 'efficiency\.{total}' is .*edit both"):
+        load_runs([folder])
