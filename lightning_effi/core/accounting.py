@@ -76,7 +76,7 @@ from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
-from lightning_effi.core.checks import check_bool, check_int, is_real
+from lightning_effi.core.checks import check_bool, check_int, is_int, is_real
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.console import print_block
 from lightning_effi.core.measure import (
@@ -103,6 +103,10 @@ TIME_KEYS = ("time_train", "time_data", "time_eval", "time_monitor")
 #: the quantities of a batch (the fields of :class:`BatchStats`)
 QUANTITIES = ("samples", "tokens", "layer_tokens", "flops")
 BASELINE_KEYS = tuple(f"baseline_{q}" for q in QUANTITIES)
+#: the most schedule points a fit adds where a technique's state changed between two logging steps (a level switch, a
+#: new difficulty); past it only the logging steps' points are added, so a state that changes at every step keeps
+#: ``result.json`` small
+MAX_CHANGE_POINTS = 1000
 #: one value per quantity, in the order of :data:`QUANTITIES`
 Counts = tuple[float, float, float, float]
 #: the module attribute (in its ``__dict__``) where :class:`EfficiencyMonitor` keeps ``(the module's own
@@ -406,8 +410,10 @@ class EfficiencyMonitor(Callback):
     - :attr:`schedule`: every ``log_every_n_steps`` optimizer steps and at every validation, the same cumulative
       figures and each technique's schedule state ``"<technique>/<key>"`` from its ``effi_schedule_state()``
       (:func:`schedule_states`): ``infobatch/kept_fraction``, ``curriculum/difficulty``,
-      ``random_ltd/reserved_length``, ``vcycle/level``. The same states are shown in the progress bar on every
-      batch under their short names (``kept_fraction``, ``difficulty``, ...; logged with ``logger=False``).
+      ``random_ltd/reserved_length``, ``vcycle/level``; and where a state changed between two of those steps, a
+      point at the last step before the change and one at the change (at most :data:`MAX_CHANGE_POINTS` per fit;
+      under DDP these hold only ``step``, ``epoch`` and the states). The same states are shown in the progress bar
+      on every batch under their short names (``kept_fraction``, ``difficulty``, ...; logged with ``logger=False``).
 
     Summary keys (counts summed over ranks, times maxed):
 
@@ -484,6 +490,11 @@ class EfficiencyMonitor(Callback):
         self._mark: float | None = None
         self._batch_start: float | None = None
         self._step_at_batch_start: int | None = None  # trainer.global_step when the current batch started
+        # the technique states after the last optimizer step and that step's position, for the schedule's change
+        # points (_record_change); the change points this fit added
+        self._last_states: dict[str, float] | None = None
+        self._last_position: dict[str, Any] | None = None
+        self._change_points = 0
         # a technique state's progress-bar name, chosen at its first batch of the fit (:meth:`_bar_name`)
         self._bar_names: dict[str, str] = {}
         self._warned_skip = False  # a batch skipped by its training_step was warned of
@@ -749,6 +760,8 @@ class EfficiencyMonitor(Callback):
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
             self.curve, self.schedule = [], []
+            self._last_states = self._last_position = None
+            self._change_points = 0
             self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
 
     def _check_order(self, trainer: pl.Trainer) -> None:
@@ -920,11 +933,40 @@ class EfficiencyMonitor(Callback):
         # (its cumulative figures would be logged at the step before, next to that step's own)
         stepped = self._step_at_batch_start is not None and trainer.global_step != self._step_at_batch_start
         self._step_at_batch_start = None
-        if stepped and trainer.global_step % max(every, 1) == 0:
-            totals = self._log(trainer, pl_module)
-            if states:
-                self._add_schedule(self._point(trainer, totals) | states)
+        if stepped:
+            logging_step = trainer.global_step % max(every, 1) == 0
+            self._record_change(trainer, states, logging_step)
+            if logging_step:
+                totals = self._log(trainer, pl_module)
+                if states:
+                    self._add_schedule(self._point(trainer, totals) | states)
+            self._last_states, self._last_position = states, self._local_point(trainer)
         self._mark = self._now(pl_module)
+
+    def _record_change(self, trainer: pl.Trainer, states: dict[str, float], logging_step: bool) -> None:
+        """Schedule points where a technique's state changed since the last optimizer step (a V-cycle level switch, a
+        new difficulty or reserved length): the last step with the old state and, unless this is a logging step
+        (which adds its own point), this step with the new one, so that a switch between two logging steps is seen
+        where it happened. At most :data:`MAX_CHANGE_POINTS` per fit. These points hold the cumulative figures on
+        one device; under DDP only ``step``, ``epoch`` and the states (the figures are summed over the ranks at the
+        logging steps only: a state of one rank may change alone, so no collective is taken here)."""
+        previous = self._last_states
+        if not states or previous is None or states == previous or self._change_points >= MAX_CHANGE_POINTS:
+            return
+        before = self._last_position
+        if before is not None and (not self.schedule or self.schedule[-1]["step"] < before["step"]):
+            self._add_schedule(before | previous)
+            self._change_points += 1
+        if not logging_step:
+            self._add_schedule(self._local_point(trainer) | states)
+            self._change_points += 1
+
+    def _local_point(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """A schedule point's position without a collective: :meth:`_point` on one device, ``step`` and ``epoch``
+        under DDP."""
+        if trainer.world_size > 1:
+            return {"step": int(trainer.global_step), "epoch": int(trainer.current_epoch)}
+        return self._point(trainer, self.totals)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -1090,6 +1132,10 @@ class EfficiencyMonitor(Callback):
             "totals": {k: float(v) for k, v in self.totals.items()},
             "curve": [dict(p) for p in self.curve],
             "schedule": [dict(p) for p in self.schedule],
+            # where the schedule's change points stand (_record_change), so that a resumed fit records the same ones
+            "last_states": None if self._last_states is None else dict(self._last_states),
+            "last_position": None if self._last_position is None else dict(self._last_position),
+            "change_points": self._change_points,
             "nonfinite_loss": self.nonfinite_guard.state_dict(),
         }
 
@@ -1189,6 +1235,21 @@ class EfficiencyMonitor(Callback):
                     f"EfficiencyMonitor.load_state_dict: the checkpoint's totals.{key} is {value!r}; it must be "
                     f"{allowed} (a damaged or edited checkpoint: resume from another one)"
                 )
+        # absent in checkpoints written before the schedule's change points: none recorded across the resume
+        last_states, last_position = state_dict.get("last_states"), state_dict.get("last_position")
+        change_points = state_dict.get("change_points", 0)
+        if not (
+            (last_states is None or (isinstance(last_states, Mapping) and all(map(is_real, last_states.values()))))
+            and (last_position is None or (isinstance(last_position, Mapping) and is_int(last_position.get("step"))))
+            and is_int(change_points)
+            and change_points >= 0
+        ):
+            raise ValueError(
+                "EfficiencyMonitor.load_state_dict: the checkpoint's last_states (a dict of numbers or None), "
+                "last_position (a dict with an int step, or None) and change_points (an int >= 0) are not valid: "
+                f"{_brief_value(last_states)}, {_brief_value(last_position)}, {change_points!r} (a damaged or edited "
+                "checkpoint: resume from another one)"
+            )
         guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_guard.policy)
         nonfinite = state_dict.get("nonfinite_loss")
         if nonfinite is not None:
@@ -1208,10 +1269,19 @@ class EfficiencyMonitor(Callback):
         self._fit_total_before = self.totals["time_total"]
         self.curve = [dict(p) for p in state_dict.get("curve", [])]
         self.schedule = [dict(p) for p in state_dict.get("schedule", [])]
+        # absent in checkpoints written before the schedule's change points: none recorded across the resume
+        self._last_states = None if last_states is None else dict(last_states)
+        self._last_position = None if last_position is None else dict(last_position)
+        self._change_points = change_points
+
+
+def _brief_value(value: Any) -> str:
+    return f"{type(value).__name__} {value!r:.60}"
 
 
 __all__ = [
     "BASELINE_KEYS",
+    "MAX_CHANGE_POINTS",
     "Baseline",
     "BatchAccount",
     "BatchStats",

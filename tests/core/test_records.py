@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from lightning_effi import Curriculum, EfficiencyMonitor, InfoBatchCallback, RandomLTDCallback, VCycleCallback
+from lightning_effi.core import accounting
 from lightning_effi.core.accounting import schedule_states
 from lightning_effi.train import check_objective, objective, run, techniques_of
 from lightning_effi.utils.instantiate import ConfigError
@@ -89,6 +90,47 @@ def test_schedule_records_each_technique_state_and_the_progress_bar_shows_it(tmp
     assert schedule[-1]["flops"] == pytest.approx(monitor.summary["flops"])
     bar = trainer.progress_bar_metrics
     assert bar["level"] == 1.0 and bar["reserved_length"] == reserved[-1]
+
+
+def _sparse_fit(root, log_every, ckpt_path=None, extra=()):
+    """The V-cycle alone for STEPS steps, no validation, the monitor logging every ``log_every`` steps."""
+    pl.seed_everything(0, workers=True)
+    monitor = EfficiencyMonitor(log_every_n_steps=log_every, print_summary=False)
+    vcycle = VCycleCallback(e_a=1, e_small=2, alpha_original=0.3)
+    trainer = make_trainer(root, [monitor, vcycle, *extra], max_steps=STEPS, max_epochs=-1)
+    trainer.fit(tiny_gpt2(n_layer=4), datamodule=TinyDataModule(TokenBlocks(n=64), batch_size=8), ckpt_path=ckpt_path)
+    return monitor
+
+
+def test_a_state_change_between_logging_steps_is_recorded_where_it_happened(tmp_path, monkeypatch):
+    """A run shorter than the logging interval recorded one schedule point, so a V-cycle that spent steps 2-3 at
+    level 2 read as level 1 throughout. The steps before and at each change are now recorded, with the figures
+    the every-step schedule holds at those steps."""
+    dense = _sparse_fit(tmp_path / "dense", 1).schedule
+    assert [p["vcycle/level"] for p in dense] == [1.0, 2.0, 2.0, 1.0, 1.0, 1.0]
+    sparse = _sparse_fit(tmp_path / "sparse", 50).schedule
+    assert [p["step"] for p in sparse] == [1, 2, 3, 4]  # before and at each of the two switches
+
+    def strip(points):  # wall times differ between runs
+        return [{k: v for k, v in p.items() if k != "train_wall_s"} for p in points]
+
+    assert strip(sparse) == strip(dense[:4])
+    # a logging step at a change adds its own point, with the step before it
+    assert [p["step"] for p in _sparse_fit(tmp_path / "every2", 2).schedule] == [1, 2, 3, 4, 6]
+    monkeypatch.setattr(accounting, "MAX_CHANGE_POINTS", 2)
+    assert [p["step"] for p in _sparse_fit(tmp_path / "capped", 50).schedule] == [1, 2]
+
+
+def test_a_resumed_fit_records_the_change_points_of_an_uninterrupted_one(tmp_path):
+    every = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, monitor=None)
+    full = _sparse_fit(tmp_path / "full", 50, extra=[every]).schedule
+    ckpt = next((tmp_path / "ck").glob("*step=3.ckpt"))  # the last step at level 2: the switch back comes next
+    resumed = _sparse_fit(tmp_path / "resumed", 50, ckpt_path=str(ckpt)).schedule
+    assert [p["step"] for p in resumed] == [p["step"] for p in full] == [1, 2, 3, 4]
+    assert [p["vcycle/level"] for p in resumed] == [1.0, 2.0, 2.0, 1.0]
+    state = EfficiencyMonitor().state_dict() | {"change_points": -1}
+    with pytest.raises(ValueError, match=r"change_points \(an int >= 0\) are not valid"):
+        EfficiencyMonitor().load_state_dict(state)
 
 
 def test_infobatch_and_curriculum_states(tmp_path):
