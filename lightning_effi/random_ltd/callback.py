@@ -253,7 +253,9 @@ class RandomLTDCallback(Callback):
     Attention weights: a dropped layer computes them on its ``r`` kept tokens; with ``output_attentions=True`` they
     come back on the full sequence, ``[B, H, S, S]`` with zeros in the rows and columns of the tokens that layer
     dropped (Hugging Face's captured ``attentions``, or a layer's own extra output;
-    :func:`~lightning_effi.random_ltd.functional.expand_attention`). Other extra tensor outputs (a KV cache) are errors.
+    :func:`~lightning_effi.random_ltd.functional.expand_attention`). One of the layer's own arguments returned as it
+    is (T5's position bias, a pass-through conditioning tensor) is handed on as it was given, at full length. Other
+    extra tensor outputs (a KV cache) are errors.
 
     Logged every step: ``effi/random_ltd/reserved_length``, ``effi/random_ltd/consumed_layer_tokens``,
     ``effi/random_ltd/flops_saved_frac``, ``effi/random_ltd/ltd_layers`` (the LTD layers of the network that trained

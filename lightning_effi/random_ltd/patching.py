@@ -29,7 +29,8 @@ Design (the method card ``README.md`` beside this file has the long story):
 - **Attention weights** of a dropped layer (``output_attentions=True``: a layer's extra ``[B, H, r, r]`` output, or
   Hugging Face's captured ``attentions`` / ``cross_attentions``) are put back on the full sequence, ``[B, H, S, S]``
   with zeros in the dropped tokens' rows and columns
-  (:func:`~lightning_effi.random_ltd.functional.expand_attention`); any other extra tensor output is an error.
+  (:func:`~lightning_effi.random_ltd.functional.expand_attention`); one of the layer's own arguments returned as it
+  is is handed on at full length (as it was given); any other extra tensor output is an error.
 - **Arguments.** The adapter declares, by name, which layer arguments have sequence axes (gathered per sample with
   the layer's indices, never sliced), which pass through, and which must be ``None`` (KV caches). Positional and
   keyword arguments are matched to names through the layer's signature. A signature argument the adapter does not
@@ -431,14 +432,15 @@ class LTDForward:
         self, args: tuple, kwargs: dict, idx: Tensor, seq_len: int, handed: list[tuple[Tensor, Tensor]] | None = None
     ) -> inspect.BoundArguments:
         """The layer's arguments with the hidden states and every declared sequence argument gathered to ``idx``.
-        ``handed``: filled with ``(gathered tensor, the argument it was gathered from)`` pairs (the full-length
-        tensor to hand on when the layer returns a gathered argument as it is: :meth:`_expand_extra`; compared by
-        identity, ``is``, which ``torch.compile`` resolves while tracing)."""
+        ``handed``: filled with ``(gathered tensor, the argument it was gathered from)`` pairs, a pass-through
+        argument paired with itself (the full-length tensor to hand on when the layer returns an argument as it is:
+        :meth:`_expand_extra`; compared by identity, ``is``, which ``torch.compile`` resolves while tracing)."""
         bound = self.signature.bind(*args, **kwargs)
 
         def gather(name: str, value: Any) -> Any:
             out = self._gather_arg(name, value, idx, seq_len)
-            if handed is not None and isinstance(value, Tensor) and isinstance(out, Tensor) and out is not value:
+            # a pass-through argument (given unchanged: out is value) is handed on as it is too
+            if handed is not None and isinstance(value, Tensor) and isinstance(out, Tensor):
                 handed.append((out, value))
             return out
 
@@ -490,10 +492,11 @@ class LTDForward:
         )
 
     def _expand_extra(self, extra: Any, idx: Tensor, seq_len: int, handed: Sequence[tuple[Tensor, Tensor]]) -> Any:
-        """An extra output of the layer (inside tuples, lists and dicts too). One of its own gathered arguments
-        returned as it is (a tensor the layers hand on to the next one, as T5's blocks hand on the relative position
-        bias they were given): the full-length argument it was gathered from, so the next layer gets what it would
-        get without random-LTD. Attention weights ``[B, ..., r, r]`` (no negative value: probabilities, after
+        """An extra output of the layer (inside tuples, lists and dicts too). One of its own arguments returned as it
+        is (a tensor the layers hand on to the next one, as T5's blocks hand on the relative position bias they were
+        given, or a pass-through argument such as a per-sample conditioning vector): the full-length argument it was
+        gathered from (a pass-through one as it was given), so the next layer gets what it would get without
+        random-LTD. Attention weights ``[B, ..., r, r]`` (no negative value: probabilities, after
         dropout too): back on the full sequence (zeros for the dropped tokens). Any other tensor (a cache, scores or
         a bias the layer computed on its kept tokens for the next one) is an error."""
         if isinstance(extra, list | tuple):

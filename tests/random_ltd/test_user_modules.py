@@ -616,6 +616,37 @@ def test_extra_outputs_in_lists_are_handed_on_and_computed_scores_are_refused():
                 blocks[1](x, scores)
 
 
+class Conditioned(nn.Module):
+    """A block conditioned on a per-sample vector ``[B, D]`` (no token axis), which it hands on to the next one."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h + self.lin(h) + cond[:, None, :], cond
+
+
+def test_a_pass_through_argument_a_block_returns_as_it_is_is_handed_on():
+    """A pass-through argument (declared in passthrough: no token axis) that each block returns for the next one
+    stopped the fit with an error saying it was computed on the kept tokens; it is handed on as it was given."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Conditioned() for _ in range(4))
+    net = nn.Module()
+    net.blocks = blocks
+    ctl = LTDController(4, (1, 2), seed=0)
+    convert(net, GenericAdapter("blocks", hidden_size=16, passthrough=["cond"]), ctl)
+    ctl.begin(0, 0, 4)
+    try:
+        x, cond = torch.randn(2, 8, 16), torch.randn(2, 16)
+        for block in blocks:
+            x, given = block(x, cond)
+            assert given is cond
+        assert x.shape == (2, 8, 16)
+    finally:
+        ctl.end()
+
+
 # ------------------------------------------------------------------------------------------------ PyTorch layers
 
 B, S, E, H = 3, 10, 16, 2
