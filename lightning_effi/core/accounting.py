@@ -423,7 +423,7 @@ class EfficiencyMonitor(Callback):
     - ``time_monitor_s``: the monitor's own time (in ``time_total_s`` only): counting each batch, and measuring the
       FLOPs of each new batch shape (the replay on fake tensors costs tens to hundreds of forward-backward passes'
       Python overhead: 0.3-0.8 s for a 3-layer BERT on a CPU core). Every padded length is a new shape; of batches
-      padded to their longest sequence, lengths between 4 replayed ones are read off the quadratic those fit exactly
+      padded to their longest sequence, lengths between 5 replayed ones are read off the quadratic those fit exactly
       (:class:`~lightning_effi.core.measure.FlopsMeter`), so a run pays a few replays, not one per length; define
       ``effi_training_flops(batch)`` to pay none;
     - ``baseline_samples, baseline_tokens, baseline_layer_tokens, baseline_flops``: the same run without any

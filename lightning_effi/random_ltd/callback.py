@@ -376,10 +376,14 @@ class RandomLTDCallback(Callback):
             raise ValueError(
                 f"{name}.adapter must be 'auto', a registered name or a TransformerAdapter, got {adapter!r}"
             )
-        if model_attr is not None and (not isinstance(model_attr, str) or not model_attr.strip(".")):
+        if model_attr is not None and (
+            not isinstance(model_attr, str)
+            or not all(part.isidentifier() or part.isdigit() for part in model_attr.split("."))
+        ):
             raise ValueError(
-                f"{name}.model_attr must be a dotted attribute path from the LightningModule (e.g. 'student' or "
-                f"'model.encoder') or None, got {model_attr!r}"
+                f"{name}.model_attr must be a dotted attribute path from the LightningModule (e.g. 'student', "
+                f"'model.encoder' or 'towers.0': names or list positions joined by single dots) or None, got "
+                f"{model_attr!r}"
             )
         self.model_attr = model_attr
         self.min_value = min_value

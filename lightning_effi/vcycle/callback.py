@@ -147,7 +147,8 @@ class VCycleCallback(Callback):
             and ``configure_model`` after the callbacks' ``setup``); when the width changes it must hold its own head
             (trainable parameters of the module outside it with an axis of its hidden size are refused, frozen ones
             warned of, unless named in ``unrelated_params``).
-        adapter: ``"auto"``, a registered V-cycle adapter name (``hf_gpt2``, ``hf_bert``, ``timm_vit``) or an instance.
+        adapter: ``"auto"``, a registered V-cycle adapter name (``hf_gpt2``, ``hf_bert``, ``timm_vit``,
+            ``torch_blocks``) or an instance.
         lr_schedule: ``"continue"``: each rebuilt scheduler continues the one it replaces (stepped as often as it was:
             one LR curve, warmup in the first stage only, step- and epoch-interval alike; a ``ReduceLROnPlateau``
             keeps its best value, bad epochs, cooldown and reduced learning rates, times the ratio of the levels'
