@@ -22,10 +22,26 @@ baseline of the same length. Units: FLOPs are forward + backward training FLOPs 
 them; times are seconds.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from lightning_effi.report.frontier import Reach, Saving, compute_to_reach, pareto_front, saving
 from lightning_effi.report.load import ReportError, Run, load_runs
-from lightning_effi.report.record import write_result
 from lightning_effi.report.table import COLUMNS, Report, build_report, write_report
+
+if TYPE_CHECKING:
+    from lightning_effi.report.record import write_result
+
+
+def __getattr__(name: str) -> Any:
+    # write_result needs Lightning (and so torch): imported on first use, so that the report itself starts without
+    if name == "write_result":
+        from lightning_effi.report.record import write_result
+
+        return write_result
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "COLUMNS",

@@ -170,3 +170,18 @@ def test_budget_colors_tell_the_frontiers_budgets_apart(sweep):
     assert [sum(c[:3]) for c in baseline] == sorted((sum(c[:3]) for c in baseline), reverse=True)  # light to full
     assert shades[("random_ltd", 1.0)] == to_rgba(base["random_ltd"])
     assert set(shades) == {("baseline", b) for b in (0.25, 0.5, 0.75, 1.0)} | {("random_ltd", 1.0)}
+
+
+def test_the_report_starts_without_torch_and_write_result_still_imports():
+    """lightning_effi.report imported write_result eagerly, which loads Lightning and torch (4.6 s in the helper's
+    run; docs/architecture.md says the report starts without them). It is now imported on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import lightning_effi.report as r; assert 'torch' not in sys.modules, 'torch loaded'; "
+        "from lightning_effi.report import write_result; assert callable(write_result) and 'torch' in sys.modules; "
+        "assert 'write_result' in r.__all__"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
