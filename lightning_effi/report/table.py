@@ -654,6 +654,8 @@ def build_report(
                 f"({'; '.join(mixed)}); it joins runs of other setups, not one setup at several budgets"
             )
 
+    notes += _plain_cost_notes([r for r in runs if math.isfinite(quality[id(r)])], seeds)
+
     readings = [_reading(r, runs, quality, frontiers, compute, m, metric_name) for r in runs]
     by_run = {id(r): reading for r, reading in zip(runs, readings)}
 
@@ -762,6 +764,69 @@ def _mixed_setups(baselines: Sequence[Run]) -> list[str]:
         for k in keys
         if len({it.get(k) for _, it in items}) > 1
     ]
+
+
+#: how far apart (a ratio) two runs' plain-model FLOPs per token (per sample without tokens) may be before the report
+#: notes that they trained different models or data; the monitor's baselines are exact or within a few percent
+#: (InfoBatch's on padded batches), a changed model or data is seldom within 10%
+PLAIN_COST_TOLERANCE = 1.1
+
+
+def _plain_cost(run: Run) -> tuple[float, str] | None:
+    """The training FLOPs per token (per sample where the run counted no tokens) of the model without any technique,
+    from the EfficiencyMonitor's baseline (``baseline_flops / baseline_tokens``; a run without a technique: its own
+    ``flops / tokens``): the same on every run of one model and one data set, whatever the budget or technique. None
+    where the record lacks the figures."""
+    e = run.efficiency
+    prefix = "baseline_" if run.techniques else ""
+
+    def total(key: str) -> float:
+        value = e.get(prefix + key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return float(value) if ok else 0.0
+
+    flops, tokens, samples = total("flops"), total("tokens"), total("samples")
+    if flops <= 0:
+        return None
+    if tokens > 0:
+        return flops / tokens, "token"
+    return (flops / samples, "sample") if samples > 0 else None
+
+
+def _plain_cost_notes(runs: Sequence[Run], seeds: Sequence[int]) -> list[str]:
+    """Notes where runs compared with each other trained another model or other data than their frontier's
+    baselines, as their plain-model FLOPs per token tell (:func:`_plain_cost`): a config file edited between the
+    sweeps, or a user's own module changed between fits, leaves no Hydra override to compare."""
+    notes = []
+    for seed in seeds:
+        baselines = sorted((r for r in runs if r.seed == seed and r.is_baseline), key=lambda r: r.budget)
+        costs = [(b, c) for b in baselines if (c := _plain_cost(b)) is not None]
+        units = {unit for _, (_, unit) in costs}
+        if not costs or len(units) > 1:
+            continue
+        (unit,) = units
+        values = sorted(v for _, (v, _) in costs)
+        if values[-1] > values[0] * PLAIN_COST_TOLERANCE:
+            listed = ", ".join(f"{v:.4g} at budget {b.budget:g}" for b, (v, _) in costs)
+            notes.append(
+                f"frontier of seed {seed}: its baselines' training FLOPs per {unit} differ ({listed}): they trained "
+                "different models or data, not one setup at several budgets"
+            )
+            continue
+        reference = values[len(values) // 2]
+        for r in runs:
+            mine = _plain_cost(r) if r.seed == seed and not r.is_baseline else None
+            if mine is None or mine[1] != unit:
+                continue
+            ratio = mine[0] / reference
+            if not 1 / PLAIN_COST_TOLERANCE <= ratio <= PLAIN_COST_TOLERANCE:
+                notes.append(
+                    f"{r.label}: the model without its techniques costs {mine[0]:.4g} training FLOPs per {unit} "
+                    f"(efficiency.baseline_flops / baseline_{unit}s), {ratio:.2f}x its baselines' {reference:.4g} "
+                    f"(seed {seed}): it trained another model or other data; its readings compare other setups, not "
+                    "only the technique"
+                )
+    return notes
 
 
 def _configured_length(run: Run) -> str:

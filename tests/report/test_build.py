@@ -432,7 +432,10 @@ def test_an_arm_without_a_same_length_baseline_is_compared_with_its_frontiers_se
     """An arm at a budget no baseline trained (its frontier reading only) on a smaller model and batch than the
     frontier's baselines: noted, naming each key; the frontier itself joining baselines of two datasets is noted."""
     for budget, flops, loss in ((0.5, 1e12, 3.0), (1.0, 2e12, 2.5)):
-        write_record(tmp_path / f"b{budget}", budget=budget, flops=flops, loss=loss, overrides=["model.n_layer=4"])
+        tokens = int(1000 * budget)  # one model: the FLOPs per token of both budgets are the same
+        write_record(
+            tmp_path / f"b{budget}", budget=budget, flops=flops, tokens=tokens, loss=loss, overrides=["model.n_layer=4"]
+        )
     other = ["model.n_layer=2", "data.batch_size=8", "callbacks.random_ltd.min_value=32"]
     write_record(tmp_path / "arm", arm="random_ltd", budget=2.0, flops=1.5e12, loss=2.4, overrides=other)
     notes = build_report(load_runs([tmp_path])).notes
@@ -465,3 +468,40 @@ def test_a_record_field_of_the_wrong_type_is_refused_naming_it(tmp_path, field, 
     write_record(tmp_path / "0", **{field: value})
     with pytest.raises(ReportError, match=r"0/result\.json: " + message):
         load_runs([tmp_path])
+
+
+def _with_baseline(folder, plain_flops, tokens=1000, samples=10):
+    """Add the EfficiencyMonitor's baseline figures (the model without the technique) to a technique's record."""
+    file = folder / "result.json"
+    record = json.loads(file.read_text())
+    record["efficiency"].update(baseline_flops=plain_flops, baseline_tokens=tokens, baseline_samples=samples)
+    file.write_text(json.dumps(record))
+    return folder
+
+
+def test_an_arm_of_another_model_than_its_baselines_is_noted(tmp_path):
+    """A user who edited the model (4 -> 8 layers) between the baselines and the technique run got a clean saving
+    and no note: nothing in the overrides differed. The monitor's baseline FLOPs per token tell the models apart."""
+    for budget, flops in ((0.5, 5e11), (1.0, 1e12)):
+        write_record(tmp_path / f"b{budget}", budget=budget, flops=flops, tokens=int(1000 * budget), loss=3 - budget)
+    same = _with_baseline(write_record(tmp_path / "same", arm="random_ltd", flops=7e11, loss=2.1), 1e12)
+    other = _with_baseline(write_record(tmp_path / "other", arm="vcycle", flops=1.4e12, loss=2.1), 2e12)
+    notes = build_report(load_runs([tmp_path])).notes
+    plain = [n for n in notes if "training FLOPs per token" in n]
+    assert len(plain) == 1 and plain[0].startswith("vcycle@1 seed 0: the model without its techniques costs 2e+09")
+    assert "2.00x its baselines' 1e+09" in plain[0]
+    # within 10% (an estimated baseline, padding) nothing is noted; a technique record without baseline figures
+    # (written by hand) is not read
+    _with_baseline(other, 1.08e12)
+    assert not [n for n in build_report(load_runs([tmp_path])).notes if "FLOPs per" in n]
+    assert same.exists()
+
+
+def test_baselines_of_different_models_in_one_frontier_are_noted(tmp_path):
+    write_record(tmp_path / "b0.5", budget=0.5, flops=5e11, tokens=500, loss=2.5)
+    write_record(tmp_path / "b1", budget=1.0, flops=2e12, tokens=1000, loss=2.0)  # twice the FLOPs per token
+    notes = build_report(load_runs([tmp_path])).notes
+    assert any(
+        n.startswith("frontier of seed 0: its baselines' training FLOPs per token differ (1e+09 at budget 0.5, "
+                     "2e+09 at budget 1)") for n in notes
+    )  # fmt: skip
