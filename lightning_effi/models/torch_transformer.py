@@ -364,7 +364,11 @@ class TorchBlocksVCycleAdapter(VCycleAdapter):
                     f"{FAMILY}: width_scheme={width_scheme!r}: width coalescing maps nn.TransformerEncoderLayer / "
                     f"nn.TransformerDecoderLayer blocks only (their parameters are known); the blocks of "
                     f"{found.describe()} in {type(model).__name__} cannot be mapped with certainty. Pass "
-                    "width_scheme=None to coalesce the depth only (VCycleCallback(width_scheme=None))"
+                    "width_scheme=None to coalesce the depth only (VCycleCallback(width_scheme=None)), or write a "
+                    "V-cycle adapter for your network, which maps the width of any block whose parameters it "
+                    "names: subclass lightning_effi.models.vcycle_base.VCycleAdapter (matches, sizes, layer_prefix, "
+                    "param_table, build_small; that module's docstring says how) and pass it as "
+                    "VCycleCallback(adapter=...)"
                 )
             heads = {
                 int(m.num_heads) for b in found.blocks for m in b.modules() if isinstance(m, nn.MultiheadAttention)

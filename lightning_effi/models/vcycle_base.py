@@ -237,8 +237,14 @@ class VCycleAdapter:
         if unmapped:
             raise ValueError(
                 f"{self.name}: the V-cycle adapter does not map {len(unmapped)} parameter(s) of "
-                f"{type(model).__name__}: {unmapped}; these options are unsupported — "
-                "subclass the adapter to map them"
+                f"{type(model).__name__}: {unmapped} (a module of your own inside the network, such as a replaced "
+                "head, or an option of the model the adapter's table does not cover); it coalesces a model it can "
+                "rebuild from the model's configuration, so every parameter must be in its table, in depth-only "
+                "coalescing too. Keep the model's own modules (a timm model's head: create_model(num_classes=...) "
+                "or reset_classifier), or move your module onto the LightningModule outside the network (then "
+                "width_scheme=None if it reads the hidden size), or subclass "
+                f"{type(self).__module__}.{type(self).__name__} to map them (param_table, build_small; "
+                "lightning_effi/models/vcycle_base.py says how) and pass it as VCycleCallback(adapter=...)"
             )
         info = {
             "adapter": self.name,

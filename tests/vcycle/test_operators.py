@@ -471,6 +471,17 @@ def test_unknown_parameter_raises_listing_it():
         find_vcycle_adapter(m).plan(m)
 
 
+def test_a_replaced_timm_head_is_refused_with_the_ways_out():
+    """A user's own head inside a timm ViT (net.head = Sequential(Dropout, Linear)) was refused with "these options
+    are unsupported - subclass the adapter", no way out a user could act on; the message now gives them."""
+    m = M.vit(depth=2)
+    m.head = nn.Sequential(nn.Dropout(0.1), nn.Linear(m.head.in_features, 10))
+    with pytest.raises(ValueError, match=r"\['head\.1\.weight', 'head\.1\.bias'\] \(a module of your own") as e:
+        find_vcycle_adapter(m).plan(m, None)  # depth only too: the small model is rebuilt from the configuration
+    for way_out in ("reset_classifier", "onto the LightningModule", "TimmViTVCycleAdapter", "VCycleCallback(adapter="):
+        assert way_out in str(e.value)
+
+
 def test_unknown_architecture_names_supported_ones():
     with pytest.raises(
         ValueError,

@@ -355,6 +355,10 @@ def test_width_refuses_custom_blocks_and_shared_tensors():
     only = r"width coalescing maps nn\.TransformerEncoderLayer / nn\.TransformerDecoderLayer blocks only"
     with pytest.raises(ValueError, match=rf"{only} .* 'blocks' \(4 x Block\) in TinyGPT .* Pass width_scheme=None"):
         ADAPTER.plan(TinyGPT())
+    # the other way out: an adapter of one's own maps the width of any block whose parameters it names
+    with pytest.raises(ValueError, match=r"or write a V-cycle adapter .* subclass .*vcycle_base\.VCycleAdapter .*"
+                       r"VCycleCallback\(adapter=\.\.\.\)"):  # fmt: skip
+        ADAPTER.plan(TinyGPT())
     model = Encoder()
     model.last = model.encoder.layers[3].norm2  # a block's tensors reachable from outside
     with pytest.raises(ValueError, match=r"shares tensors .*'last\.weight = encoder\.layers\.3\.norm2\.weight'"):
