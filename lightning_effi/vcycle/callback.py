@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_effi.core.accounting import Baseline, EfficiencyMonitor
+from lightning_effi.core.accounting import Baseline, EfficiencyMonitor, skipped_batch
 from lightning_effi.core.compat import optimizers_to_device, rebuild_train_loader_after_restore, rewrap_ddp
 from lightning_effi.core.features import parameter_copy_holders
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
@@ -1053,7 +1053,10 @@ class VCycleCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         fn = self._flops_counter(trainer, pl_module)
-        if fn is not None:  # the batch with the current model and the full one (held in place, no forward runs)
+        if fn is not None and not skipped_batch(pl_module, outputs):
+            # the batch with the current model and the full one (held in place, no forward runs); a batch its
+            # training_step skipped (returned None) trained nothing and is not counted, as the EfficiencyMonitor
+            # does not count it
             self.flops_account.count(lambda: self._stack.training_flops(fn, batch), type(self).__name__)
         self.flops_account.flops_steps = trainer.global_step
         metrics = {

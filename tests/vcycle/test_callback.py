@@ -32,8 +32,10 @@ from lightning_effi.random_ltd.callback import RandomLTDCallback
 from lightning_effi.vcycle.stages import stage_plan, vcycle_flops_fraction
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import (
+    TINY_GPT2,
     TinyDataModule,
     TokenBlocks,
+    sgd,
     tiny_bert_cls,
     tiny_bert_mlm,
     tiny_gpt2,
@@ -1011,3 +1013,27 @@ def test_requires_grad_through_coalescing_and_rebuilt_levels():
         "transformer.wte.weight",
         "lm_head.weight",
     }
+
+
+def test_a_batch_the_training_step_skips_is_not_counted_and_the_accounting_goes_on(tmp_path):
+    """A training_step returning None (Lightning's way to skip a batch) made the V-cycle's FLOPs accounting ask the
+    monitor for a batch it had not seen; the accounting was disabled for the rest of the fit, with a warning naming
+    the wrong remedy, and vcycle/flops disagreed with the monitor's. The skipped batch is now not counted."""
+    from lightning_effi import EfficiencyMonitor
+
+    class Skips(type(tiny_gpt2())):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx == 3 else super().training_step(batch, batch_idx)
+
+    pl.seed_everything(0)
+    monitor, cb = EfficiencyMonitor(print_summary=False), VCycleCallback(e_a=2, e_small=2)
+    trainer = make_trainer(tmp_path, [monitor, cb], max_steps=6, max_epochs=-1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*skipped batches are not counted")
+        warnings.filterwarnings("error", message=".*FLOPs accounting disabled")
+        model = Skips(**{**TINY_GPT2, **GPT4, "optimizer": sgd})
+        trainer.fit(model, datamodule=TinyDataModule(TokenBlocks(n=64), batch_size=8))
+    s = monitor.summary
+    assert cb.flops_account.enabled and monitor.totals["batches"] == 5  # 6 steps, one of them skipped
+    assert s["vcycle/flops"] == pytest.approx(s["flops"], rel=1e-12) and s["vcycle/flops_saved_frac"] > 0
+    assert s["vcycle/flops_saved_frac"] == pytest.approx(s["flops_saved_frac"], rel=1e-9)
