@@ -37,6 +37,7 @@ __all__ = [
     "estimated_optimizer_steps",
     "progress_clock",
     "progress_source",
+    "refuse_batch_resolved_durations",
     "progress_ticks",
     "run_length",
     "steps_per_epoch",
@@ -248,6 +249,38 @@ def training_progress(trainer: Any) -> float:
     if not total or not math.isfinite(total):
         return 0.0
     return min(float(trainer.global_step) / float(total), 1.0)
+
+
+def refuse_batch_resolved_durations(owner: str, trainer: Any, pl_module: Any, durations: dict[str, Duration]) -> None:
+    """Under manual optimization with several optimizers, ``trainer.global_step`` counts every ``optimizer.step()``
+    (a GAN stepping its discriminator and its generator once a batch: 2 a batch), while a duration in epochs or a
+    fraction of the run is resolved from the batches (``trainer.num_training_batches``,
+    ``trainer.estimated_stepping_batches``, which count a batch as one step): a schedule counted on ``global_step``
+    would then run as many times as fast. Such durations are refused (call it in ``on_train_start``, where the
+    optimizers are known); durations in optimizer steps count ``global_step``, as ``trainer.max_steps`` does.
+
+    Args:
+        owner: the callback, named in the message. durations: parameter name -> the duration it gave, on a schedule
+            counted on ``global_step``.
+
+    Raises:
+        ValueError: naming ``owner``, the parameters in epochs or fractions, the optimizers and the fix.
+    """
+    optimizers = len(getattr(trainer, "optimizers", ()) or ())
+    if getattr(pl_module, "automatic_optimization", True) or optimizers <= 1:
+        return
+    derived = {name: d for name, d in durations.items() if d.unit in ("epoch", "fraction")}
+    if not derived:
+        return
+    given = ", ".join(f"{name}={str(d)!r}" for name, d in derived.items())
+    raise ValueError(
+        f"{owner}: manual optimization with {optimizers} optimizers: trainer.global_step, which this schedule counts, "
+        f"advances at every optimizer.step() call ({optimizers} a batch when each is stepped once), while {given} "
+        "is resolved from the batches (an epoch, or the run's estimated_stepping_batches, counts a batch as one "
+        "step), so the schedule would run up to that many times as fast. Give it in optimizer steps as "
+        "trainer.global_step counts them (an int, e.g. the epochs you mean x the batches of an epoch x the "
+        "optimizer steps of a batch)"
+    )
 
 
 def run_length(max_steps: int | None, estimated_steps: float | None = None) -> int | None:

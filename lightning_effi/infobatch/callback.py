@@ -429,6 +429,7 @@ class InfoBatchCallback(Callback):
         self._running: Callable[[Any], bool] | None = None  # live_fit of the fit in progress
         self._reload_before: int | None = None  # the Trainer's reload_dataloaders_every_n_epochs before setup
         self._trainer: pl.Trainer | None = None
+        self._batch_stepped = False  # under manual optimization: this batch already counted a step
         self._datamodule: InfoBatchDataModule | None = None
         self._last_thin: tuple[int, int] | None = None  # composed mode: (candidates, kept) of the latest micro-batch
         #: where the run's per-sample losses come from ("fn", "returned", "auto"; "manual"), decided at the first batch
@@ -1042,8 +1043,22 @@ class InfoBatchCallback(Callback):
         return self.plan.weights if self.plan is not None else torch.ones(self.dataset_size)
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_stepped = False
+
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.steps_in_epoch += 1  # before the LR scheduler steps: progress counts this step
+        """Count the step in the epoch's progress (before the LR scheduler steps: progress counts this step). Under
+        manual optimization a batch counts once, whatever the optimizers it steps (a GAN's discriminator and
+        generator): the epoch's length is counted in batches (:meth:`record_loader`), as Lightning's
+        ``estimated_stepping_batches`` counts them, while ``optimizer.step()`` runs once per optimizer."""
+        if not pl_module.automatic_optimization:
+            if self._batch_stepped:
+                return
+            self._batch_stepped = True
+        self.steps_in_epoch += 1
 
     # -------------------------------------------------------------------------------------------- plans
     def plan_for(self, epoch: int) -> ib.EpochPlan:

@@ -73,6 +73,7 @@ from lightning_effi.core.progress import (
     Duration,
     progress_clock,
     progress_ticks,
+    refuse_batch_resolved_durations,
     run_length,
     steps_per_epoch,
 )
@@ -918,6 +919,8 @@ class RandomLTDCallback(Callback):
             return  # a fixed step count: compared with the checkpoint's in load_state_dict
         source = progress_clock(trainer.callbacks)
         if source is None:
+            duration = {"require_steps": self.require_duration}  # resolved in batches, counted on global_step
+            refuse_batch_resolved_durations(type(self).__name__, trainer, trainer.lightning_module, duration)
             current = {"clock": "step", "require_steps": self._resolve_require_steps(trainer), "require_progress": None}
         else:
             ticks = self._resolve_require_progress(trainer, type(source).__name__)

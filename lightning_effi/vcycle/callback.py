@@ -28,6 +28,7 @@ from lightning_effi.core.progress import (
     estimated_optimizer_steps,
     progress_clock,
     progress_ticks,
+    refuse_batch_resolved_durations,
     run_length,
 )
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
@@ -908,6 +909,13 @@ class VCycleCallback(Callback):
         self._clock_source = progress_clock(trainer.callbacks)
         source = None if self._clock_source is None else type(self._clock_source).__name__
         self.clock = S.stage_clock(self.levels, self.e_a, self.e_small, self.up_leg, source, type(self).__name__)
+        if self.clock == "step":  # epochs and fractions resolved in batches, counted on global_step
+            ups = list(self.up_leg) if isinstance(self.up_leg, (list, tuple)) else [self.up_leg]
+            named = {"e_a": self.e_a, "e_small": self.e_small}
+            if self.levels >= 3:
+                named |= {f"up_leg[{i}]" if len(ups) > 1 else "up_leg": d for i, d in enumerate(ups)}
+            durations = {k: d for k, d in named.items() if isinstance(d, Duration)}
+            refuse_batch_resolved_durations(type(self).__name__, trainer, pl_module, durations)
         if self._saved_clock is not None and self._saved_clock != self.clock:
             config_mismatch(
                 type(self).__name__,

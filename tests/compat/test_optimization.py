@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import (
 )
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from lightning_effi import InfoBatchCallback, VCycleCallback
+from lightning_effi import InfoBatchCallback, RandomLTDCallback, VCycleCallback
 from lightning_effi.core.features import FEATURES, detect_features, parameter_copy_holders
 from lightning_effi.core.lr_schedules import one_cycle, one_cycle_multiplier
 from lightning_effi.core.progress import accumulate_grad_batches_at, accumulation_changes
@@ -94,7 +94,9 @@ ROWS: list[Row] = [
         "manual optimization (automatic_optimization=False)",
         works(),
         "trains exactly what automatic optimization trains (InfoBatch's loss through weighted_loss, which every "
-        "manual_backward must contain); self.optimizers() follows the V-cycle's rebuilt optimizers",
+        "manual_backward must contain); self.optimizers() follows the V-cycle's rebuilt optimizers. With several "
+        "optimizers stepped a batch (global_step counts each step), schedules in epochs or fractions are refused at "
+        "train start: give optimizer steps; InfoBatch's progress counts a batch as one step",
     ),
     Row(
         "step_lr_scheduler",
@@ -464,6 +466,52 @@ def test_manual_step_backpropagating_an_unweighted_loss_is_refused(tmp_path: Pat
     with pytest.raises(ValueError, match="not computed from the result of weighted_loss"):
         run.fit(tmp_path)
     assert len(run.model.followed) == 1  # the first step
+
+
+class TwoOptimizers(Manual):
+    """Manual optimization stepping two optimizers once a batch (a GAN's pattern): global_step advances 2 a batch."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.other = torch.nn.Parameter(torch.ones(2))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        first, second = self.optimizers()
+        per_sample, _ = self.per_sample_loss(batch)
+        loss = weighted_loss(self, per_sample) + self.other.square().sum()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return [sgd(self.model.parameters()), torch.optim.SGD([self.other], lr=0.1)]
+
+
+@pytest.mark.parametrize(
+    "callback, words",
+    [
+        (lambda: VCycleCallback(e_a="1ep", e_small="1ep", width_scheme=None), ("VCycleCallback", "e_a='1ep', ")),
+        (lambda: RandomLTDCallback(min_value=4, max_value=16, seq_per_step=4), ("RandomLTDCallback", "'1dur'")),
+    ],
+)
+def test_schedules_in_epochs_or_fractions_are_refused_with_two_optimizer_steps_a_batch(tmp_path, callback, words):
+    """global_step advances 2 a batch, while epochs and fractions resolve in batches: the V-cycle's '1ep' stage ended
+    after half an epoch and random-LTD's growth at half its length (the helper's runs). Refused at train start; in
+    optimizer steps (global_step's unit, as max_steps counts) the schedule trains."""
+    model = seeded(lambda: TwoOptimizers(**{**TINY, "n_layer": 4}))
+    data = TinyDataModule(TokenBlocks(n=32), batch_size=8)  # 4 batches an epoch
+    trainer = make_trainer(tmp_path / "refused", [callback()], max_epochs=2)
+    owner, given = words
+    with pytest.raises(ValueError, match=rf"{owner}: manual optimization with 2 optimizers: .*{given}"):
+        trainer.fit(model(), datamodule=data)
+    assert trainer.global_step == 0
+    vcycle = VCycleCallback(e_a=2, e_small=4, width_scheme=None)
+    trainer = make_trainer(tmp_path / "steps", [vcycle], max_epochs=2)
+    trainer.fit(model(), datamodule=data)
+    assert trainer.global_step == 16 and vcycle.switches == 2
 
 
 def test_computed_from_walks_the_autograd_graph() -> None:

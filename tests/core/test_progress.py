@@ -172,3 +172,22 @@ def test_progress_ticks():
     for bad in (-0.1, 1.5, float("nan"), None, True):
         with pytest.raises(ValueError, match="training progress must be a number in \\[0, 1\\]"):
             progress_ticks(bad)
+
+
+def test_durations_resolved_in_batches_are_refused_with_several_optimizers_under_manual_optimization():
+    """A GAN steps two optimizers a batch, so global_step advances 2 a batch: a V-cycle stage of '1ep' ended after
+    half an epoch, random-LTD's '2ep' growth after one (the helper's runs). Epochs and fractions are refused there;
+    optimizer steps count global_step, as max_steps does."""
+    from types import SimpleNamespace
+
+    from lightning_effi.core.progress import refuse_batch_resolved_durations
+
+    two = SimpleNamespace(optimizers=[object(), object()])
+    manual, automatic = SimpleNamespace(automatic_optimization=False), SimpleNamespace(automatic_optimization=True)
+    derived = {"e_a": Duration(1, "epoch"), "e_small": Duration(0.5, "fraction"), "up_leg": Duration(7, "step")}
+    with pytest.raises(ValueError, match=r"Owner: manual optimization with 2 optimizers: .*e_a='1ep', "
+                       r"e_small='0.5dur' is resolved from the batches.*Give it in optimizer steps"):  # fmt: skip
+        refuse_batch_resolved_durations("Owner", two, manual, derived)
+    refuse_batch_resolved_durations("Owner", two, manual, {"e_a": Duration(7, "step")})  # steps: global_step's unit
+    refuse_batch_resolved_durations("Owner", two, automatic, derived)  # one step a batch (or an accumulation window)
+    refuse_batch_resolved_durations("Owner", SimpleNamespace(optimizers=[object()]), manual, derived)

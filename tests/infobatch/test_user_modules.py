@@ -866,6 +866,53 @@ def test_manual_optimization_trains_through_weighted_loss(tmp_path):
     assert any(bool((r["weights"] == 2.0).any()) for r in rows.rows)
 
 
+class TwoOptimizerViT(ViT):
+    """Manual optimization with two optimizers stepped once a batch: global_step advances 2 a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = nn.Parameter(torch.ones(3))
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = batch
+        loss = weighted_loss(self, F.cross_entropy(self(x), y, reduction="none")) + self.other.square().sum()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+        return loss
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.model.parameters(), lr=0.01), torch.optim.SGD([self.other], lr=0.01)]
+
+
+class EpochEnds(pl.Callback):
+    """InfoBatch's progress clock and the batches trained, at each epoch's end."""
+
+    def __init__(self) -> None:
+        self.progress: list[float] = []
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches += 1
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        ib = next(c for c in trainer.callbacks if isinstance(c, InfoBatchCallback))
+        self.progress.append(ib.effi_progress_done())
+
+
+def test_two_optimizers_a_batch_count_one_step_of_infobatchs_progress(tmp_path):
+    """With two optimizers stepped once a batch, InfoBatch counted each optimizer.step() in its progress clock (0.722
+    after the first of 3 epochs, 1.0 after the second, in the helper's run). A batch now counts one step."""
+    module, ends = TwoOptimizerViT(), EpochEnds()
+    cb = fit(tmp_path, module, UserData(SmallImages(), tuple_collate), ends)
+    assert module.trainer.global_step == 2 * ends.batches and cb.history[1]["kind"] == "prune"
+    assert ends.progress == pytest.approx([1 / 3, 2 / 3, 1.0])
+
+
 def test_weighted_loss_without_infobatch_is_the_plain_mean(tmp_path):
     pl.seed_everything(0)
     module = ManualViT()
