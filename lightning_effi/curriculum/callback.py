@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -482,6 +483,28 @@ class Curriculum(Callback):
         self._check_start(trainer)
         self._warn_schedules(trainer)
         self._warn_limited_epochs(trainer)
+        self._warn_estimated_steps(trainer)
+
+    def _warn_estimated_steps(self, trainer: pl.Trainer) -> None:
+        """Warn (rank zero) when a run bounded by epochs ends, at the end of the sample budget ``N x num_epochs``,
+        before ``trainer.estimated_stepping_batches``: Lightning estimates ``max_epochs x ceil(batches of an epoch /
+        accumulate_grad_batches)`` steps, which overshoots where ``N`` is not a multiple of the global batch (the
+        stream continues across epochs, so no epoch ends with a partial step) or ``num_epochs < max_epochs``. A
+        step-interval LR schedule sized by the estimate (``OneCycleLR(total_steps=...)``) would not finish its
+        anneal."""
+        c = self.controller
+        estimated = trainer.estimated_stepping_batches
+        if c is None or trainer.max_steps not in (-1, None) or not math.isfinite(estimated):
+            return
+        if c.total_steps < int(estimated):
+            rank_zero_warn(
+                f"Curriculum: the sample budget N x num_epochs = {c.n} x {c.config.num_epochs} = {c.total_samples} "
+                f"samples ends this run at {c.total_steps} optimizer steps of {c.global_batch} samples, while "
+                f"trainer.estimated_stepping_batches is {int(estimated)}: an LR schedule sized by the estimate "
+                "(OneCycleLR(total_steps=trainer.estimated_stepping_batches), a cosine decay) would stop "
+                f"{int(estimated) - c.total_steps} steps short of its end. Set max_steps={c.total_steps} (the "
+                "estimate then reads it), or size the schedule by the curriculum's total_tokens progress"
+            )
 
     def _warn_limited_epochs(self, trainer: pl.Trainer) -> None:
         """Warn (rank zero) when ``Trainer(limit_train_batches=...)`` cuts an epoch to ``K`` batches that do not divide

@@ -122,7 +122,9 @@ ROWS: list[Row] = [
         "OneCycleLR(total_steps=trainer.estimated_stepping_batches)",
         works(infobatch=REFUSED),
         "each step's LR is torch's OneCycleLR value (V-cycle: its start, peak and end scaled at level 2). InfoBatch "
-        "alone makes the run's steps unknown until its end: refused, use lr_schedules.one_cycle(progress=...)",
+        "alone makes the run's steps unknown until its end: refused, use lr_schedules.one_cycle(progress=...). "
+        "The curriculum warns at train start when its sample budget ends a run bounded by epochs before the "
+        "estimate (set the max_steps it names)",
     ),
     Row(
         "early_stopping",

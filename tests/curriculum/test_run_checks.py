@@ -348,3 +348,22 @@ def test_a_limit_that_does_not_divide_the_data_epoch_is_warned_with_the_epoch_le
     assert len(said) == warned
     if warned:
         assert "the epochs train [2, 2, 1] batches" in said[0] and "max_epochs=3" in said[0]
+
+
+@pytest.mark.parametrize("max_steps", [-1, 7])
+def test_a_run_the_sample_budget_ends_before_lightnings_step_estimate_is_warned(tmp_path, max_steps):
+    """28 samples x num_epochs 3 in steps of 4 x 3 (accumulation): the stream ends the run at 7 optimizer steps,
+    while Lightning estimates 3 epochs x ceil(7 batches / 3) = 9; a OneCycleLR sized by the estimate ended at LR
+    2.3e-2 instead of annealing (the helper's run). Said at train start, with the max_steps that fixes it."""
+    curriculum = Curriculum(metrics=trunc(), num_epochs=3)
+    trainer = make_trainer(tmp_path, [curriculum], max_epochs=3, max_steps=max_steps, accumulate_grad_batches=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=28), batch_size=4)))
+    said = [str(w.message) for w in caught if "estimated_stepping_batches is" in str(w.message)]
+    assert trainer.global_step == 7 and trainer.estimated_stepping_batches == (9 if max_steps == -1 else 7)
+    if max_steps == -1:
+        assert len(said) == 1 and "ends this run at 7 optimizer steps of 12 samples" in said[0]
+        assert "estimated_stepping_batches is 9" in said[0] and "Set max_steps=7" in said[0]
+    else:
+        assert said == []
