@@ -1116,8 +1116,15 @@ class RandomLTDCallback(Callback):
             return max(1, duration.to_steps(steps_per_epoch=spe, name=where))
         total = run_length(trainer.max_steps, trainer.estimated_stepping_batches)
         if total is None:
+            why = (
+                "max_epochs=-1 and max_steps=-1"
+                if trainer.max_epochs in (-1, None)
+                else f"max_epochs={trainer.max_epochs} over a train dataloader without a length (an IterableDataset), "
+                "and max_steps=-1"
+            )
             raise ValueError(
-                f"{where}: the run's length is unknown (max_epochs=-1 and max_steps=-1); set require_steps"
+                f"{where}={str(duration)!r}: a fraction of the run, whose length is unknown ({why}); set "
+                "Trainer(max_steps=...) or give require_steps in optimizer steps (an int)"
             )
         return max(1, duration.to_steps(total_steps=total, name=where, rounding="ceil"))
 
