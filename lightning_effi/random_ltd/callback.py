@@ -1368,22 +1368,25 @@ class RandomLTDCallback(Callback):
             samples += rec.batch_size
             layer_tokens += F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
             full_layer_tokens += rec.batch_size * rec.seq_len * L
-            measured = self._measured_layer_flops(rec) if rec.reserved_length < rec.seq_len else None
-            if measured is not None:
-                full, skipped = measured
-                saved += skipped
-            else:
-                full = F.flops_per_layer(rec.batch_size, rec.seq_len, h, inter, self._fused)
-                if rec.reserved_length < rec.seq_len:
-                    saved += L_ltd * (
-                        full - F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter, self._fused)
-                    )
-            full_flops += L * full
+            for grad in rec.grads or [True]:  # each forward of the shape drops its tokens
+                measured = self._measured_layer_flops(rec, grad) if rec.reserved_length < rec.seq_len else None
+                if measured is not None:
+                    full, skipped = measured
+                    saved += skipped
+                else:
+                    # the formula counts forward + backward; a forward without grad is a third of it
+                    share = 1.0 if grad else 1 / 3
+                    full = share * F.flops_per_layer(rec.batch_size, rec.seq_len, h, inter, self._fused)
+                    if rec.reserved_length < rec.seq_len:
+                        kept = F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter, self._fused)
+                        saved += L_ltd * (full - share * kept)
+                full_flops += L * full
         return samples, layer_tokens, full_layer_tokens, saved, full_flops
 
-    def _measured_layer_flops(self, rec: BatchRecord) -> tuple[float, float] | None:
-        """``(training FLOPs of one LTD layer on the full sequence, FLOPs the LTD layers skipped)`` for the forward
-        context ``rec``, measured: an LTD layer's recorded call replayed on a fake copy of the layer under
+    def _measured_layer_flops(self, rec: BatchRecord, grad: bool = True) -> tuple[float, float] | None:
+        """``(training FLOPs of one LTD layer on the full sequence, FLOPs the LTD layers skipped)`` for one forward of
+        the context ``rec`` in grad mode ``grad`` (forward and backward; without grad, the forward only), measured:
+        an LTD layer's recorded call in that grad mode replayed on a fake copy of the layer under
         ``torch.utils.flop_counter`` on the full sequence and on the kept tokens (:mod:`lightning_effi.core.measure`),
         so that any attention (grouped-query, fused kernels), MLP or projection widths count as the
         ``EfficiencyMonitor`` measures the network. None where no call was recorded, or when a replay failed (then
@@ -1407,20 +1410,23 @@ class RandomLTDCallback(Callback):
         for i in self.layer_ids:
             if i >= len(layers):
                 return None
-            per_layer = self._layer_flops(i, layers[i], rec)
+            per_layer = self._layer_flops(i, layers[i], rec, grad)
             if per_layer is None:
                 return None
             full += per_layer[0]
             skipped += per_layer[0] - per_layer[1]
         return float(full / len(self.layer_ids)), float(skipped)
 
-    def _layer_flops(self, i: int, layer: nn.Module, rec: BatchRecord) -> tuple[Fraction, Fraction] | None:
-        """Training FLOPs of LTD layer ``i`` on ``rec``'s full and kept tokens (see :meth:`_measured_layer_flops`)."""
+    def _layer_flops(
+        self, i: int, layer: nn.Module, rec: BatchRecord, grad: bool = True
+    ) -> tuple[Fraction, Fraction] | None:
+        """FLOPs of LTD layer ``i`` on ``rec``'s full and kept tokens in grad mode ``grad`` (see
+        :meth:`_measured_layer_flops`; each grad mode has its own calls and its own model)."""
         assert self.controller is not None
         b, s, r = rec.batch_size, rec.seq_len, rec.reserved_length
-        key = (i, structure_key(layer))
+        key = (i, structure_key(layer), grad)
         model = self._flops_models.get(key)
-        pair = self.controller.calls.get((i, b, s, r))
+        pair = self.controller.calls.get((i, b, s, r, grad))
         if (
             self._predict_layer_flops
             and isinstance(model, tuple)

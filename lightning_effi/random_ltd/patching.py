@@ -121,11 +121,15 @@ def resolve_layer_ids(layer_ids: Iterable[int] | None, num_layers: int) -> tuple
 
 @dataclass
 class BatchRecord:
-    """Shapes seen by the LTD layers in one forward context: ``B``, ``S`` and the effective reserved length."""
+    """Shapes seen by the LTD layers in one forward context: ``B``, ``S`` and the effective reserved length; and the
+    grad mode of each forward of that shape in the context (a step may run the network twice on its batch: an
+    R-Drop / consistency loss, a ``no_grad`` target pass, a GAN's two passes), each of which drops its tokens.
+    Empty: one forward with grad."""
 
     batch_size: int
     seq_len: int
     reserved_length: int
+    grads: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -150,12 +154,15 @@ class LTDController:
     key: tuple[int, int] | None = None
     records: list[BatchRecord] = field(default_factory=list)
     #: with ``record_calls``: each LTD layer's call on the full sequence and on its kept tokens, without values, once
-    #: per ``(layer index, B, S, r)`` (for measuring the FLOPs the layer skipped, random-LTD's accounting)
+    #: per ``(layer index, B, S, r, grad mode)`` (for measuring the FLOPs the layer skipped, random-LTD's accounting)
     record_calls: bool = False
-    calls: dict[tuple[int, int, int, int], tuple[CallRecord, CallRecord]] = field(default_factory=dict, repr=False)
+    calls: dict[tuple[int, int, int, int, bool], tuple[CallRecord, CallRecord]] = field(
+        default_factory=dict, repr=False
+    )
     draws: int = 0
     lookups: int = 0
     _indices: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
+    _records: dict[tuple, BatchRecord] = field(default_factory=dict, repr=False)  # the record of each shape
     _schedule: Callable[[int], int] | None = field(default=None, repr=False)
 
     @property
@@ -175,6 +182,7 @@ class LTDController:
         else:
             self._schedule, self.reserved_length = None, int(reserved_length)
         self._indices.clear()
+        self._records.clear()
         self.records = []
 
     def _resolve(self, seq_len: int) -> int:
@@ -206,9 +214,15 @@ class LTDController:
             return None
         self.lookups += 1
         shape_key = (batch_size, seq_len, str(device))
+        grad = torch.is_grad_enabled()
+        if shape_key in self._indices and ordinal == 0 and not _in_backward():
+            # another forward of this shape in the context (its first LTD layer): it drops the same tokens, and
+            # its skipped FLOPs count too (not an activation checkpoint's recompute, part of the first forward)
+            self._records[shape_key].grads.append(grad)
         if shape_key not in self._indices:
             r = min(self._resolve(seq_len), seq_len)
-            self.records.append(BatchRecord(batch_size, seq_len, r))
+            self._records[shape_key] = BatchRecord(batch_size, seq_len, r, [grad])
+            self.records.append(self._records[shape_key])
             if r >= seq_len:
                 self._indices[shape_key] = torch.empty(0)
             else:
@@ -456,13 +470,13 @@ class LTDForward:
 
     def _note_call(self, args: tuple, kwargs: dict, idx: Tensor, seq_len: int) -> None:
         """Keep this layer's call on the full sequence and on the kept tokens (shapes only) in the controller, once
-        per ``(layer, B, S, r)``, for measuring what dropping skips. Runs inside :meth:`select`, outside a compiled
-        graph (a note after the layer's call would break the graph where the kept tokens' length is not marked
-        dynamic: a recompilation per reserved length); the backward's recompute of an activation-checkpointed layer
-        is not noted. The gather is run once more here, only for a new shape."""
+        per ``(layer, B, S, r, grad mode)``, for measuring what dropping skips. Runs inside :meth:`select`, outside a
+        compiled graph (a note after the layer's call would break the graph where the kept tokens' length is not
+        marked dynamic: a recompilation per reserved length); the backward's recompute of an activation-checkpointed
+        layer is not noted. The gather is run once more here, only for a new shape."""
         if _in_backward():
             return
-        key = (self.index, int(idx.shape[0]), int(seq_len), int(idx.shape[1]))
+        key = (self.index, int(idx.shape[0]), int(seq_len), int(idx.shape[1]), torch.is_grad_enabled())
         calls = self.controller.calls
         if key in calls:
             return

@@ -575,6 +575,56 @@ def test_a_layer_whose_flops_are_not_quadratic_in_its_tokens_is_measured_exactly
     assert int(monitor.summary["flops"]) == module.real_flops > 0
 
 
+class TwoPassStack(CountedOddStack):
+    """A step that runs the network twice on its batch: ``"rdrop"`` averages the loss of two forwards (R-Drop, a
+    consistency loss), ``"target"`` runs a ``no_grad`` target forward first; both forwards drop tokens."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__("plain")
+        self.mode = mode
+
+    def net(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids) + self.pos[: ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        from tests.helpers.flops import flop_counter
+
+        opt, ids = self.optimizers(), batch["ids"]
+        with flop_counter() as counter:
+            if self.mode == "target":
+                with torch.no_grad():
+                    self.net(ids)
+            logits = self.net(ids)
+            if self.mode == "rdrop":
+                logits = (logits + self.net(ids)) / 2
+            loss = TF.cross_entropy(logits.reshape(-1, 50), ids.reshape(-1))
+            opt.zero_grad()
+            self.manual_backward(loss)
+        opt.step()
+        self.real_flops += int(counter.get_total_flops())
+
+
+@pytest.mark.parametrize("mode", ["rdrop", "target"])
+def test_each_forward_of_a_step_counts_its_dropped_tokens(tmp_path, mode):
+    """A step that ran the network twice on its batch was charged the second forward at full length (+17.9% for an
+    R-Drop loss, +26.8% for a no_grad target pass, against torch's count, in the helper's run): random-LTD
+    subtracted the FLOPs one forward skipped. Each forward's are subtracted now, a no_grad one at its forward cost."""
+    from lightning_effi import EfficiencyMonitor
+
+    torch.manual_seed(0)
+    batches = [{"ids": torch.randint(0, 50, (4, 32))} for _ in range(6)]
+    module, monitor = TwoPassStack(mode), EfficiencyMonitor(print_summary=False)
+    ltd = RandomLTDCallback(min_value=8, max_value=32, seq_per_step=8, require_steps=6,
+                            adapter=GenericAdapter("blocks", hidden_size=32))  # fmt: skip
+    make_trainer(tmp_path, [monitor, ltd], max_epochs=1).fit(
+        module, torch.utils.data.DataLoader(batches, batch_size=None)
+    )
+    assert int(monitor.summary["flops"]) == module.real_flops > 0 and monitor.summary["flops_saved_frac"] > 0.1
+
+
 class HandsOn(nn.Module):
     """A hand-written block that takes a pairwise bias ``prev`` ``[B, H, S, S]`` and returns, for the next block,
     either that bias in a list (as given) or its own pre-softmax scores (RealFormer's residual attention)."""
