@@ -248,6 +248,10 @@ class WrappingDataModule(pl.LightningDataModule):
             raise DataConfigError(f"data.datamodule: expected a LightningDataModule, got {type(datamodule).__name__}")
         self.datamodule = datamodule
         self._template: dict[str, Any] | None = None
+        #: the user's Trainer's reload_dataloaders_every_n_epochs when the fit started (before a technique set it),
+        #: and the last epoch whose reload was checked (:meth:`_check_reload`)
+        self._user_reload_every = 0
+        self._reload_checked = -1
         #: the ``meta`` of the training batch in flight (see the class docstring); None between runs
         self.effi_batch_meta: dict[str, Any] | None = None
 
@@ -261,6 +265,10 @@ class WrappingDataModule(pl.LightningDataModule):
         self.datamodule.setup(stage)
         if stage == "fit":
             self._template = None
+            # Lightning runs the DataModule's setup before the callbacks': the user's own setting
+            trainer = self.trainer
+            self._user_reload_every = int(trainer.reload_dataloaders_every_n_epochs) if trainer is not None else 0
+            self._reload_checked = -1
         self._quiet_hook_warnings()
 
     @property
@@ -379,7 +387,37 @@ class WrappingDataModule(pl.LightningDataModule):
             for inner in chain[1:]:
                 inner.trainer = self.trainer
             self._template = loader_template(chain[-1].train_dataloader(), self.technique)
+        else:
+            self._check_reload()
         return self._template
+
+    def _check_reload(self) -> None:
+        """At an epoch where the user's Trainer reloads the training loader (``reload_dataloaders_every_n_epochs =
+        n > 0`` when the fit started), call the user's ``train_dataloader()`` as Lightning would without the
+        technique, and refuse a loader over another dataset object: the technique builds every epoch's loader from
+        the dataset the run started on (InfoBatch's per-sample scores, the curriculum's per-sample difficulties and
+        stream), so a new subset or grown data served at a reload would be ignored.
+
+        Raises:
+            DataConfigError: naming the technique, the epoch, ``reload_dataloaders_every_n_epochs`` and the fixes.
+        """
+        trainer, n = self.trainer, self._user_reload_every
+        if not n or trainer is None or trainer.sanity_checking or not trainer.training:
+            return
+        epoch = trainer.current_epoch
+        if epoch == 0 or epoch % n or epoch == self._reload_checked or self._template is None:
+            return
+        self._reload_checked = epoch
+        fresh = wrapper_chain(self)[-1].train_dataloader()
+        if getattr(fresh, "dataset", None) is not self._template["dataset"]:
+            raise DataConfigError(
+                f"{self.technique}: the Trainer reloads the training loader (reload_dataloaders_every_n_epochs={n}), "
+                f"and at epoch {epoch} your train_dataloader() returned a loader over another dataset object than "
+                f"the one the fit started on; {self.technique} builds every epoch's loader from the dataset the fit "
+                "started on (its per-sample state is indexed by that dataset's samples), so the new data would be "
+                "ignored. Return the same dataset object from train_dataloader() (create it once, in setup()), or "
+                "set reload_dataloaders_every_n_epochs=0; a training set that changes during the fit is not supported"
+            )
 
     def check_attached(self) -> None:
         """Raise if this wrapper's technique callback is missing; called by an outer wrapper that builds the training

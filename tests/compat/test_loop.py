@@ -730,3 +730,48 @@ def test_infobatch_rebuilds_only_the_training_loader_every_epoch(user_reloads: i
         assert user.val_calls == 3 and len(workers) == 3
     else:
         assert user.val_calls == 1 and len(workers) == 1
+
+
+class NewSubsetEachEpoch(pl.LightningDataModule):
+    """A ``train_dataloader()`` that serves the next 16 token blocks each epoch (a resampled subset); ``same=True``
+    serves one dataset object made in ``setup`` (a loader rebuilt over it each epoch)."""
+
+    def __init__(self, same: bool = False) -> None:
+        super().__init__()
+        self.same, self.blocks, self.calls = same, TokenBlocks(n=48), 0
+
+    def setup(self, stage: str) -> None:
+        self.first = torch.utils.data.Subset(self.blocks, range(16))
+
+    def train_dataloader(self) -> DataLoader:
+        start, self.calls = 16 * self.calls, self.calls + 1
+        subset = self.first if self.same else torch.utils.data.Subset(self.blocks, range(start, start + 16))
+        return DataLoader(subset, batch_size=8)
+
+
+@pytest.mark.parametrize("technique", ["infobatch", "curriculum"])
+def test_a_new_training_set_at_a_reload_is_refused_and_the_same_one_trains(technique: str, tmp_path: Path) -> None:
+    """With reload_dataloaders_every_n_epochs=1 and a train_dataloader() serving another subset each epoch, InfoBatch
+    and the curriculum trained epoch 0's samples every epoch, silently (they build each epoch's loader from the
+    dataset the fit started on). A loader over another dataset object at a reload is now refused; the same dataset
+    object (a loader rebuilt over it) trains."""
+    from lightning_effi import Curriculum
+    from lightning_effi.core.errors import DataConfigError
+
+    def fit(data: NewSubsetEachEpoch, root: Path) -> pl.Trainer:
+        if technique == "infobatch":
+            callback: Callback = InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7)
+            wrapped: pl.LightningDataModule = InfoBatchDataModule(data)
+        else:
+            truncate = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8,
+                            max_difficulty=16, schedule_type="fixed_linear",
+                            schedule_config=dict(total_curriculum_step=4, difficulty_step=4))  # fmt: skip
+            callback, wrapped = Curriculum(metrics={"seqlen_truncate": truncate}, seed=3), CurriculumDataModule(data)
+        trainer = make_trainer(root, [callback], max_epochs=3, reload_dataloaders_every_n_epochs=1)
+        trainer.fit(seeded(LoopGPT2)(), datamodule=wrapped)
+        return trainer
+
+    with pytest.raises(DataConfigError, match=r"at epoch 1 your train_dataloader\(\) returned a loader over another"):
+        fit(NewSubsetEachEpoch(), tmp_path / "new")
+    same = NewSubsetEachEpoch(same=True)
+    assert fit(same, tmp_path / "same").current_epoch == 3 and same.calls == 3  # read once, then at each reload
