@@ -81,6 +81,13 @@ MANUAL = (
     "with manual optimization, training_step must compute its loss as lightning_effi.infobatch.weighted_loss(self, "
     "per_sample_loss) (per_sample_loss: float[B], one loss per sample, with grad) and manual_backward that loss"
 )
+#: why a second loss with its own backward is refused (said with the refusals of a manual step)
+SECOND_LOSS = (
+    ". A second loss with its own manual_backward (a GAN's discriminator, a critic, an auxiliary head with its own "
+    "optimizer) is not supported with InfoBatch: it scores, prunes and reweights the samples by one per-sample loss, "
+    "and a backward that does not carry that loss's weighting would train the pruned epochs on unweighted samples; "
+    "train such a module without InfoBatch"
+)
 
 #: where a per-sample loss came from (:attr:`InfoBatchCallback.per_sample_source`), for the error messages
 SOURCES = {
@@ -836,13 +843,13 @@ class InfoBatchCallback(Callback):
         if not step.weighted:
             raise ValueError(
                 f"InfoBatchCallback: {MANUAL}; this step calls manual_backward before weighted_loss (it would train "
-                "on unweighted losses)"
+                f"on unweighted losses){SECOND_LOSS}"
             )
         if step.loss is not None and isinstance(loss, Tensor) and not ib.computed_from(loss, step.loss):
             raise ValueError(
                 f"InfoBatchCallback: {MANUAL}; this step backpropagates a loss that is not computed from the result "
                 "of weighted_loss (e.g. per_sample_loss.mean(), with the weighted loss computed beside it): it would "
-                "train on unweighted losses"
+                f"train on unweighted losses{SECOND_LOSS}"
             )
 
     def _with_per_sample_loss(self, output: Any, batch: Any, forward: ForwardCapture | None) -> dict[str, Any]:

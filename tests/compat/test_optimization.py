@@ -94,7 +94,8 @@ ROWS: list[Row] = [
         "manual optimization (automatic_optimization=False)",
         works(),
         "trains exactly what automatic optimization trains (InfoBatch's loss through weighted_loss, which every "
-        "manual_backward must contain); self.optimizers() follows the V-cycle's rebuilt optimizers. With several "
+        "manual_backward must contain: a second loss with its own backward, a GAN's discriminator, is refused); "
+        "self.optimizers() follows the V-cycle's rebuilt optimizers. With several "
         "optimizers stepped a batch (global_step counts each step), schedules in epochs or fractions are refused at "
         "train start: give optimizer steps; InfoBatch's progress counts a batch as one step",
     ),
@@ -465,7 +466,8 @@ def test_manual_step_backpropagating_an_unweighted_loss_is_refused(tmp_path: Pat
     """The issue's bug: a manual step that computes InfoBatch's weighted loss (e.g. to log it) but backpropagates the
     plain mean trained the pruned epochs on unweighted losses, silently. Now its first ``manual_backward`` raises."""
     run = build(technique, manual("mean"))
-    with pytest.raises(ValueError, match="not computed from the result of weighted_loss"):
+    with pytest.raises(ValueError, match="not computed from the result of weighted_loss.*A second loss with its own "
+                       "manual_backward \\(a GAN's discriminator.*not supported with InfoBatch"):  # fmt: skip
         run.fit(tmp_path)
     assert len(run.model.followed) == 1  # the first step
 
