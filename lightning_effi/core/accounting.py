@@ -40,10 +40,12 @@ structure) is counted by :mod:`lightning_effi.core.measure`:
 
 - samples: the batch's first dimension (:func:`batch_size_of`); a batch of several training loaders (a mapping or
   list of loaders: Lightning's ``CombinedLoader``) is counted per loader and summed, tokens as well;
-- tokens: the batch's ``attention_mask`` sum, else the real tokens of another padding mask (a tuple batch's 0/1
-  entry), else its ``input_ids`` / first integer ``[B, T]`` tensor's size (:func:`tokens_of`), else the tokens in
-  the hidden states the network's first transformer block was called with in the training step (``[B, T, H]``: a
-  ViT's patches and prefix tokens);
+- tokens: the batch's ``attention_mask`` sum, else the real tokens of another padding mask beside token ids (a
+  tuple batch's 0/1 entry), else its ``input_ids`` / first integer ``[B, T]`` tensor's size (:func:`tokens_of`),
+  else the positions in the hidden states the network's first transformer block was called with in the training
+  step (``[B, T, H]``: a ViT's patches and prefix tokens, a series of continuous features, padding included: a
+  padding mask of such a batch is read only when named ``attention_mask``, with one warning otherwise; a batch a
+  technique lengthened along one axis, the curriculum's untruncated one, scaled by its length);
 - layer-tokens: tokens x the network's transformer blocks (:func:`lightning_effi.core.measure.find_blocks`: a
   registered random-LTD adapter's layer list, else the ``nn.ModuleList`` / ``nn.Sequential`` of identical blocks that
   holds the most parameters);
@@ -213,9 +215,9 @@ def batch_size_of(batch: Any) -> int:
 
 def tokens_of(batch: Any) -> int:
     """Tokens in a batch of any structure (:func:`lightning_effi.core.measure.find_tokens`): the real tokens of its
-    ``attention_mask`` if it has one (padding excluded), else of another padding mask (a tuple batch's 0/1 or bool
-    ``[B, T]`` entry, as the curriculum reads it), else the size of ``input_ids``, else of its first integer
-    ``[B, T]`` tensor (token ids), else 0.
+    ``attention_mask`` if it has one (padding excluded), else of another padding mask beside the token ids (a tuple
+    batch's 0/1 or bool ``[B, T]`` entry, as the curriculum reads it), else the size of ``input_ids``, else of its
+    first integer ``[B, T]`` tensor (token ids), else 0.
 
     Which tokens of an ``attention_mask`` are real (:func:`lightning_effi.core.measure.mask_tokens`), summed over the
     samples: a ``bool`` mask: ``True``; a numeric (integer or floating) mask with no negative value: the positive
@@ -314,6 +316,26 @@ Blocks = nn.ModuleList | nn.Sequential
 def _shapes(batch: Any) -> list[tuple[Any, tuple[int, ...]]]:
     """The paths and shapes of a batch's tensors (:func:`lightning_effi.core.measure.leaves`)."""
     return [(path, tuple(value.shape)) for path, value in tensor_leaves(batch)]
+
+
+def _length_ratio(before: list[tuple[Any, tuple[int, ...]]], after: list[tuple[Any, tuple[int, ...]]]) -> float | None:
+    """How much longer the batch of shapes ``after`` is than the one of shapes ``before`` (:func:`_shapes`), when the
+    two hold the same tensors and every dimension that differs went from one length ``T`` to one length ``S``
+    (a sequence axis cut or restored, the curriculum's untruncated batch): ``S / T``; 1.0 for equal shapes; None
+    otherwise (another batch size, several lengths)."""
+    if [path for path, _ in before] != [path for path, _ in after]:
+        return None
+    changed = set()
+    for (_, old), (_, new) in zip(before, after):
+        if len(old) != len(new):
+            return None
+        changed |= {(a, b) for a, b in zip(old, new) if a != b}
+    if not changed:
+        return 1.0
+    if len(changed) > 1:
+        return None
+    ((short, long),) = changed
+    return long / short if short > 0 else None
 
 
 def _scaled(counts: Counts, factors: Counts) -> Counts:
@@ -530,6 +552,24 @@ class EfficiencyMonitor(Callback):
         )
 
     # ----------------------------------------------------------------------------------------- per batch
+    def _warn_unread_mask(self, batch: Any) -> None:
+        """Once: the tokens of a batch without token ids are the hidden states' positions, padding included, while
+        the batch holds what looks like a padding mask (a 2-D bool tensor, or a 2-D tensor with ``mask`` in its
+        name), which is read only beside token ids (without them its polarity, ``True`` real or padded, is
+        unknown)."""
+        for path, value in tensor_leaves(batch):
+            name = ".".join(str(p) for p in path) if isinstance(path, tuple) else str(path)
+            if value.ndim == 2 and (value.dtype == torch.bool or "mask" in name.lower()):
+                self._warn(
+                    "tokens/unread_mask",
+                    f"the batch has no token ids, so its tokens are the positions of the hidden states the first "
+                    f"transformer block receives, padding included; its [B, T] tensor at {name!r} looks like a "
+                    "padding mask, which is read only beside token ids (its polarity is unknown without them). Name "
+                    "it `attention_mask` (1 or True = a real position) to count the real positions, or define "
+                    "`effi_count_tokens(batch) -> int` on your LightningModule",
+                )
+                return
+
     def _warn(self, quantity: str, message: str) -> None:
         if quantity not in self._warned:
             self._warned.add(quantity)
@@ -632,8 +672,13 @@ class EfficiencyMonitor(Callback):
         else:
             counts = [find_tokens(part) for part in parts]
             found = None if all(n is None for n in counts) else sum(n for n in counts if n is not None)
-            if found is None and self._batch_shapes is not None and _shapes(batch) == self._batch_shapes:
-                found = self._observed_tokens
+            if found is None and self._batch_shapes is not None and self._observed_tokens is not None:
+                # the positions of the first block's hidden states (continuous features: no token ids); the batch
+                # of a technique that restored a cut sequence axis (the curriculum's) scaled by its length
+                ratio = _length_ratio(self._batch_shapes, _shapes(batch))
+                if ratio is not None:
+                    found = round(self._observed_tokens * ratio)
+                    self._warn_unread_mask(batch)
         tokens = found
         if tokens is None:
             tokens = missing(

@@ -267,7 +267,7 @@ class WrappingDataModule(pl.LightningDataModule):
             self._template = None
             # Lightning runs the DataModule's setup before the callbacks': the user's own setting
             trainer = self.trainer
-            self._user_reload_every = int(trainer.reload_dataloaders_every_n_epochs) if trainer is not None else 0
+            self._user_reload_every = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
             self._reload_checked = -1
         self._quiet_hook_warnings()
 

@@ -19,10 +19,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_effi.core.accounting import Baseline, tokens_of
+from lightning_effi.core.accounting import Baseline, batch_size_of, tokens_of
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, is_int
 from lightning_effi.core.compat import uses_distributed_sampler
+from lightning_effi.core.measure import token_source
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
@@ -648,12 +649,40 @@ class Curriculum(Callback):
             self._cut_values,
         ) = (meta[k] for k in BATCH_KEYS)
         self._cut_left = bool(cut_left)
-        tokens = tokens_of(batch)
+        tokens = self._batch_tokens(batch, pl_module)
         if trainer.world_size > 1:
             t = torch.tensor(float(tokens), device=trainer.strategy.root_device)
             tokens = int(trainer.strategy.reduce(t, reduce_op="sum").item())
         self._pending = (int(step), int(micro), dict(difficulty), int(tokens))
         self._tokens_through_current = self.consumed_tokens + int(tokens)
+
+    def _batch_tokens(self, batch: Any, pl_module: pl.LightningModule) -> int:
+        """The tokens of a training batch, for ``consumed_tokens`` and the ``total_tokens`` progress: the module's
+        ``effi_count_tokens(batch)`` when it defines one, else the batch's real tokens
+        (:func:`~lightning_effi.core.accounting.tokens_of`: the attention mask, or the token ids); a batch without
+        token ids (continuous features, ``truncate_keys``) counts the positions of its sequence axis, ``B x T``, as
+        the EfficiencyMonitor does.
+
+        Raises:
+            CurriculumConfigError: ``total_tokens`` is set and the batch has no tokens to count (no ids, no sequence
+                axis, and no ``effi_count_tokens``): the progress would stay at 0.
+        """
+        count = getattr(pl_module, "effi_count_tokens", None)
+        if callable(count):
+            return int(count(batch))
+        if token_source(batch) is not None:
+            return int(tokens_of(batch))
+        assert self.controller is not None
+        seq = F.sequence_length(batch, self.controller.config.truncate_keys)
+        size = batch_size_of(batch) if seq else None
+        tokens = int(seq * size) if seq and size else 0
+        if tokens == 0 and self.total_tokens is not None:
+            raise CurriculumConfigError(
+                f"Curriculum(total_tokens={self.total_tokens}): the training batch has no tokens to count (no "
+                "attention_mask, no integer [B, T] token ids, no sequence tensor), so the token progress would stay "
+                "at 0; define `effi_count_tokens(batch) -> int` on your LightningModule, or leave total_tokens unset"
+            )
+        return tokens
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:

@@ -230,7 +230,10 @@ class CurriculumCollate:
                 raise DataConfigError(
                     f"seqlen_truncate: nothing to truncate: the training batch has {which}; found a "
                     f"{F.describe_batch(batch)}. Put the token ids in the batch as an integer [B, S] tensor (or name "
-                    "the sequence tensors with truncate_keys), or remove seqlen_truncate"
+                    "the sequence tensors with truncate_keys, in a dict or dataclass batch), or remove "
+                    "seqlen_truncate. A batch of continuous features [B, S, D] without token ids: a dict batch "
+                    "{'x': ..., 'attention_mask': [B, S] with 1 or True at the real positions, ...}, or "
+                    "truncate_keys naming its sequence tensors"
                 )
             if self.truncate_keys is not None:
                 names = F.tensor_names(batch)

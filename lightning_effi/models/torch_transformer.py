@@ -607,6 +607,14 @@ def _outside_rows(model: nn.Module, found: BlockList, ctx: TableContext) -> tupl
                 rows[pre + name] = COPY
             elif _token_shaped(shape, hidden):
                 rows[pre + name] = vector("E", -1)
+            elif len(shape) >= 3 and shape[-1] == hidden and all(s == 1 for s in shape[:-2]):
+                problems.append(
+                    f"{pre}{name} (parameter of shape {list(shape)} on {kind}): its token axis N = {shape[-2]} equals "
+                    f"d_model = {hidden}, so the shape cannot tell a [1, ..., N, d_model] table added to the hidden "
+                    "stream (a learned position table: d_model last) from a [d_model, d_model] weight read from it. "
+                    "A table: map it in an adapter subclass (its param_table entry vector('E', -1)), or give the table "
+                    "another length than d_model"
+                )
             else:
                 problems.append(
                     f"{pre}{name} (parameter of shape {list(shape)} on {kind}): an axis of d_model that is not the "

@@ -30,6 +30,7 @@ from lightning_effi.data import CurriculumDataModule
 from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.tasks import ImageClassifier
+from tests.harness.settings import MONITOR_TIMES
 from tests.helpers.flops import MeasuredFlops, flop_counter, read_measured
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import TINY_VIT, sgd, tiny_gpt2, tiny_image_data, tiny_lm_data
@@ -43,7 +44,7 @@ TRUNC = dict(  # seqlen_truncate from 2 to 16 tokens over 14 steps
     schedule_type="fixed_linear",
     schedule_config=dict(total_curriculum_step=14, difficulty_step=1),
 )
-TIMES = ["totals.time_train", "totals.time_data", "totals.time_eval", "totals.time_monitor", "totals.time_total"]
+TIMES = list(MONITOR_TIMES)
 
 
 def vit4() -> ImageClassifier:

@@ -164,6 +164,11 @@ def test_nothing_truncatable_is_a_clear_error_at_the_first_batch(tmp_path):
     collate = CurriculumCollate(None, ["seqlen_truncate"])
     with pytest.raises(DataConfigError, match=r"seqlen_truncate: nothing to truncate.*float32\[4, 3, 8, 8\]"):
         collate([(s, (i, 1, 0, (4,))) for i, s in enumerate(images)])
+    # a tuple series of continuous features (x, padding, y): the message names what such a batch can do
+    series = [(torch.randn(T, 4), torch.zeros(T, dtype=torch.bool), torch.tensor(1)) for _ in range(B)]
+    with pytest.raises(DataConfigError, match=r"continuous features \[B, S, D\] without token ids: a dict batch "
+                       r"\{'x': \.\.\., 'attention_mask'"):  # fmt: skip
+        collate([(s, (i, 1, 0, (4,))) for i, s in enumerate(series)])
     named = CurriculumCollate(None, ["seqlen_truncate"], truncate_keys=["tokens"])
     samples = [{"input_ids": torch.arange(T)} for _ in range(B)]
     with pytest.raises(DataConfigError, match=r"none of truncate_keys \['tokens'\].*input_ids: int64\[4, 16\]"):

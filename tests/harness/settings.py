@@ -40,6 +40,10 @@ MONITOR_TIMES = (
     "totals.time_eval",
     "totals.time_monitor",
     "totals.time_total",
+    # the training wall time of the records' points
+    "curve.*.train_wall_s",
+    "schedule.*.train_wall_s",
+    "last_position.train_wall_s",
 )
 
 

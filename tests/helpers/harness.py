@@ -179,8 +179,12 @@ def assert_resume_equals_uninterrupted(
 
 
 def _drop(state: Any, dotted: str) -> None:
+    """Delete the entry at ``dotted`` (``*`` stands for every element of a list)."""
     head, _, rest = dotted.partition(".")
-    if isinstance(state, dict) and head in state:
+    if head == "*" and isinstance(state, list):
+        for item in state:
+            _drop(item, rest)
+    elif isinstance(state, dict) and head in state:
         if rest:
             _drop(state[head], rest)
         else:

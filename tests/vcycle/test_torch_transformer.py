@@ -351,6 +351,29 @@ def test_width_refuses_tensors_it_cannot_map_with_certainty(change, listed):
     assert all(torch.equal(small.state_dict()[k], model.state_dict()[k]) for k in kept)
 
 
+class SeriesNet(nn.Module):
+    """A time-series network: an input projection, a learned position table ``[1, T, 32]``, 2 encoder layers, a
+    head."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.inp, self.pos = nn.Linear(4, 32), nn.Parameter(torch.zeros(1, length, 32))
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.enc, self.head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.inp(x) + self.pos[:, : x.shape[1]]).mean(1))
+
+
+def test_a_position_table_as_long_as_d_model_is_refused_naming_the_ambiguity():
+    """A table [1, T, d_model] is mapped on its last axis; with T = d_model the shape cannot tell it from a
+    [d_model, d_model] weight, and the refusal said its d_model axis "is not the last axis" (it is)."""
+    ADAPTER.plan(SeriesNet(24))  # mapped
+    with pytest.raises(ValueError, match=r"pos \(parameter of shape \[1, 32, 32\].*token axis N = 32 equals d_model "
+                       r"= 32.*vector\('E', -1\)"):  # fmt: skip
+        ADAPTER.plan(SeriesNet(32))
+
+
 def test_width_refuses_custom_blocks_and_shared_tensors():
     only = r"width coalescing maps nn\.TransformerEncoderLayer / nn\.TransformerDecoderLayer blocks only"
     with pytest.raises(ValueError, match=rf"{only} .* 'blocks' \(4 x Block\) in TinyGPT .* Pass width_scheme=None"):

@@ -1,0 +1,128 @@
+"""The curriculum's seqlen truncation and the EfficiencyMonitor on a series of continuous features ``[B, T, D]``
+(no token ids): a time-series / audio classifier over ``nn.TransformerEncoder``, dict batches with
+``truncate_keys``. The tokens of such a batch are its positions; the untruncated batch's are counted for the
+baseline, the curriculum's token clock moves, and a padding mask the monitor cannot read is said."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_effi import EfficiencyMonitor
+from lightning_effi.callbacks import Curriculum
+from lightning_effi.curriculum import CurriculumConfigError
+from lightning_effi.data import CurriculumDataModule
+from tests.helpers.harness import make_trainer
+
+T, B, STEPS = 24, 16, 8
+
+
+class Series(Dataset):
+    """128 series of 24 steps x 4 features; ``pad`` trailing steps of each are padding (``padding_mask`` True)."""
+
+    def __init__(self, pad: int = 0) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y, self.pad = torch.randn(128, T, 4, generator=g), torch.randint(0, 3, (128,), generator=g), pad
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict:
+        padding = torch.zeros(T, dtype=torch.bool)
+        padding[T - self.pad :] = True
+        return {"series": self.x[i], "padding_mask": padding, "label": self.y[i]}
+
+
+def label(batch) -> torch.Tensor:
+    """A per-sample difficulty: the label of ``(image, label)`` batches."""
+    return batch[1]
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(4, 16), nn.Linear(16, 3)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.positions = 0  # the time steps trained
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.positions += batch["series"].shape[0] * batch["series"].shape[1]
+        hidden = self.enc(self.inp(batch["series"]), src_key_padding_mask=batch["padding_mask"])
+        return F.cross_entropy(self.head(hidden.mean(1)), batch["label"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), 1e-3)
+
+
+class Data(pl.LightningDataModule):
+    def __init__(self, pad: int = 0) -> None:
+        super().__init__()
+        self.pad = pad
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Series(self.pad), batch_size=B, shuffle=True)
+
+
+def truncation(**kw) -> Curriculum:
+    schedule = dict(total_curriculum_step=8, difficulty_step=4)
+    metric = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8, max_difficulty=T,
+                  schedule_type="fixed_linear", schedule_config=schedule)  # fmt: skip
+    return Curriculum(metrics={"seqlen_truncate": metric}, truncate_keys=["series", "padding_mask"], seed=3, **kw)
+
+
+def test_a_truncated_series_counts_its_positions_and_the_untruncated_ones_for_the_baseline(tmp_path):
+    """The monitor's baseline took the untruncated batch's tokens as equal to the trained ones (a 0 token saving
+    next to a 0.388 FLOPs saving), and the curriculum counted 0 consumed tokens, so Curriculum(total_tokens=...)'s
+    progress stayed at 0 (the helper's run)."""
+    pl.seed_everything(0)
+    monitor, curriculum, module = EfficiencyMonitor(print_summary=False), truncation(total_tokens=STEPS * B * T), None
+    module = Classifier()
+    trainer = make_trainer(tmp_path, [monitor, curriculum], max_steps=STEPS, max_epochs=-1)
+    trainer.fit(module, datamodule=CurriculumDataModule(Data()))
+    s, full = monitor.summary, STEPS * B * T
+    assert module.positions < full and s["tokens"] == module.positions and s["baseline_tokens"] == full
+    assert s["tokens_saved_frac"] == pytest.approx(1 - module.positions / full), s
+    assert curriculum.consumed_tokens == module.positions
+    assert curriculum.effi_progress() == pytest.approx(module.positions / full)
+
+
+def test_a_padding_mask_the_monitor_cannot_read_is_said_and_total_tokens_without_tokens_is_refused(tmp_path):
+    pl.seed_everything(0)
+    monitor = EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path / "pad", [monitor], max_steps=2, max_epochs=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Classifier(), datamodule=Data(pad=6))
+    said = [str(w.message) for w in caught if "looks like a padding mask" in str(w.message)]
+    assert len(said) == 1 and "'padding_mask'" in said[0] and "attention_mask" in said[0]
+    assert monitor.summary["tokens"] == 2 * B * T  # the positions, padding included (as said)
+
+    class Images(pl.LightningDataModule):  # no sequence: the token clock has nothing to count
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader([(torch.randn(3, 4, 4), 0)] * 32, batch_size=8)
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(48, 2)
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.lin(batch[0].flatten(1)), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    schedule = dict(total_curriculum_step=4, difficulty_step=1)
+    metric = dict(difficulty_type="value", clustering_type="schedule_based", min_difficulty=0, max_difficulty=1,
+                  schedule_type="fixed_linear", schedule_config=schedule, analysis=label)  # fmt: skip
+    curriculum = Curriculum(metrics={"label": metric}, total_tokens=10)
+    trainer = make_trainer(tmp_path / "images", [curriculum], max_steps=2, max_epochs=-1)
+    with pytest.raises(CurriculumConfigError, match=r"total_tokens=10\): the training batch has no tokens to count"):
+        trainer.fit(Net(), datamodule=CurriculumDataModule(Images()))
