@@ -379,12 +379,12 @@ class RandomLTDCallback(Callback):
             )
         if model_attr is not None and (
             not isinstance(model_attr, str)
-            or not all(part.isidentifier() or part.isdigit() for part in model_attr.split("."))
+            or not all(part and not any(c.isspace() for c in part) for part in model_attr.split("."))
         ):
             raise ValueError(
                 f"{name}.model_attr must be a dotted attribute path from the LightningModule (e.g. 'student', "
-                f"'model.encoder' or 'towers.0': names or list positions joined by single dots) or None, got "
-                f"{model_attr!r}"
+                f"'model.encoder', 'towers.0' or 'towers.en-de': submodule names joined by single dots, without "
+                f"spaces) or None, got {model_attr!r}"
             )
         self.model_attr = model_attr
         self.min_value = min_value
