@@ -1044,7 +1044,11 @@ class EfficiencyMonitor(Callback):
             logged = trainer.callback_metrics.items()
             metrics = {k: float(v) for k, v in logged if k.startswith("val") and v.numel() == 1}
             self.curve.append(self._point(trainer, totals) | {"metrics": dict(sorted(metrics.items()))})
-            if states := schedule_states(trainer):
+            # the states that trained this step, as the training batch's end read them: a technique may have
+            # changed its state since (the V-cycle switches levels in its on_train_batch_end, before validation)
+            last = self._last_position
+            states = self._last_states if last is not None and last["step"] == trainer.global_step else None
+            if states := states or schedule_states(trainer):
                 self._add_schedule(self._point(trainer, totals) | states)
         self._mark = self._now(pl_module)
 

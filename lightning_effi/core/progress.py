@@ -37,7 +37,8 @@ __all__ = [
     "estimated_optimizer_steps",
     "progress_clock",
     "progress_source",
-    "refuse_batch_resolved_durations",
+    "StepsPerBatchCheck",
+    "batch_resolved_durations",
     "progress_ticks",
     "run_length",
     "steps_per_epoch",
@@ -251,36 +252,63 @@ def training_progress(trainer: Any) -> float:
     return min(float(trainer.global_step) / float(total), 1.0)
 
 
-def refuse_batch_resolved_durations(owner: str, trainer: Any, pl_module: Any, durations: dict[str, Duration]) -> None:
-    """Under manual optimization with several optimizers, ``trainer.global_step`` counts every ``optimizer.step()``
-    (a GAN stepping its discriminator and its generator once a batch: 2 a batch), while a duration in epochs or a
-    fraction of the run is resolved from the batches (``trainer.num_training_batches``,
-    ``trainer.estimated_stepping_batches``, which count a batch as one step): a schedule counted on ``global_step``
-    would then run as many times as fast. Such durations are refused (call it in ``on_train_start``, where the
-    optimizers are known); durations in optimizer steps count ``global_step``, as ``trainer.max_steps`` does.
-
-    Args:
-        owner: the callback, named in the message. durations: parameter name -> the duration it gave, on a schedule
-            counted on ``global_step``.
-
-    Raises:
-        ValueError: naming ``owner``, the parameters in epochs or fractions, the optimizers and the fix.
-    """
+def batch_resolved_durations(trainer: Any, pl_module: Any, durations: dict[str, Duration]) -> dict[str, Duration]:
+    """The durations of ``durations`` resolved from the batches while their schedule counts ``trainer.global_step``,
+    where the two units can differ: under manual optimization with several optimizers (``global_step`` counts every
+    ``optimizer.step()``: a GAN stepping its discriminator and its generator once a batch advances it by 2), the
+    durations in epochs (an epoch is ``trainer.num_training_batches`` batches) and the fractions of a run whose
+    length comes from the batches (``trainer.estimated_stepping_batches`` below ``max_steps``, or no ``max_steps``;
+    a fraction of ``max_steps`` is in ``global_step``'s unit). Empty under automatic optimization or with one
+    optimizer. :class:`StepsPerBatchCheck` checks them against the first batch."""
     optimizers = len(getattr(trainer, "optimizers", ()) or ())
     if getattr(pl_module, "automatic_optimization", True) or optimizers <= 1:
-        return
-    derived = {name: d for name, d in durations.items() if d.unit in ("epoch", "fraction")}
-    if not derived:
-        return
-    given = ", ".join(f"{name}={str(d)!r}" for name, d in derived.items())
-    raise ValueError(
-        f"{owner}: manual optimization with {optimizers} optimizers: trainer.global_step, which this schedule counts, "
-        f"advances at every optimizer.step() call ({optimizers} a batch when each is stepped once), while {given} "
-        "is resolved from the batches (an epoch, or the run's estimated_stepping_batches, counts a batch as one "
-        "step), so the schedule would run up to that many times as fast. Give it in optimizer steps as "
-        "trainer.global_step counts them (an int, e.g. the epochs you mean x the batches of an epoch x the "
-        "optimizer steps of a batch)"
+        return {}
+    max_steps, estimated = getattr(trainer, "max_steps", -1), getattr(trainer, "estimated_stepping_batches", None)
+    from_batches = max_steps in (-1, None) or (
+        estimated is not None and math.isfinite(estimated) and int(estimated) < int(max_steps)
     )
+    return {name: d for name, d in durations.items() if d.unit == "epoch" or (d.unit == "fraction" and from_batches)}
+
+
+class StepsPerBatchCheck:
+    """The durations of :func:`batch_resolved_durations` checked against the optimizer steps the fit's first batch
+    takes: more than one (each of several optimizers stepped once a batch) and the schedule would run that many
+    times as fast, so the fit is refused at the end of that batch; one (optimizers stepped in turn) and the
+    durations are right. ``arm`` in ``on_train_start``, then ``batch_start`` / ``batch_end`` in the training batch
+    hooks.
+
+    Raises:
+        ValueError: (``batch_end``) naming the owner, the durations, the optimizer steps of the batch and the fix.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.durations: dict[str, Duration] = {}
+        self._start: int | None = None
+
+    def arm(self, trainer: Any, pl_module: Any, durations: dict[str, Duration]) -> None:
+        self.durations, self._start = batch_resolved_durations(trainer, pl_module, durations), None
+
+    def batch_start(self, trainer: Any) -> None:
+        if self.durations and self._start is None:
+            self._start = int(trainer.global_step)
+
+    def batch_end(self, trainer: Any) -> None:
+        if not self.durations or self._start is None:
+            return
+        steps, durations = int(trainer.global_step) - self._start, self.durations
+        self.durations = {}  # checked once, on the first batch
+        if steps <= 1:
+            return
+        given = ", ".join(f"{name}={str(d)!r}" for name, d in durations.items())
+        raise ValueError(
+            f"{self.owner}: manual optimization stepped {steps} optimizers in the first batch, so "
+            f"trainer.global_step, which this schedule counts, advances {steps} a batch, while {given} is resolved "
+            "from the batches (an epoch, or the run's estimated_stepping_batches, counts a batch as one step): the "
+            f"schedule would run {steps} times as fast. Give it in optimizer steps as trainer.global_step counts them "
+            "(an int: the epochs you mean x the batches of an epoch x the optimizer steps of a batch), or as a "
+            "fraction of a run bounded by Trainer(max_steps=...)"
+        )
 
 
 def run_length(max_steps: int | None, estimated_steps: float | None = None) -> int | None:

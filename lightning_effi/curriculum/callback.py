@@ -497,6 +497,8 @@ class Curriculum(Callback):
         estimated = trainer.estimated_stepping_batches
         if c is None or trainer.max_steps not in (-1, None) or not math.isfinite(estimated):
             return
+        if not trainer.lightning_module.automatic_optimization and len(trainer.optimizers) > 1:
+            return  # global_step counts every optimizer.step(): said by _check_manual_steps, in that unit
         if c.total_steps < int(estimated):
             rank_zero_warn(
                 f"Curriculum: the sample budget N x num_epochs = {c.n} x {c.config.num_epochs} = {c.total_samples} "

@@ -71,9 +71,9 @@ from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     PROGRESS_TICKS,
     Duration,
+    StepsPerBatchCheck,
     progress_clock,
     progress_ticks,
-    refuse_batch_resolved_durations,
     run_length,
     steps_per_epoch,
 )
@@ -334,6 +334,8 @@ class RandomLTDCallback(Callback):
     ) -> None:
         name = type(self).__name__
         self.nonfinite_guard = NonFiniteLossGuard(name, nonfinite_loss)
+        #: durations resolved in batches, checked against the first batch's optimizer steps (manual optimization)
+        self._steps_check = StepsPerBatchCheck(name)
         min_value = check_int(name, "min_value", min_value, minimum=1)
         seq_per_step = check_int(name, "seq_per_step", seq_per_step, minimum=1)
         if max_value is not None:  # None: the sequence length the patched layers see
@@ -920,7 +922,7 @@ class RandomLTDCallback(Callback):
         source = progress_clock(trainer.callbacks)
         if source is None:
             duration = {"require_steps": self.require_duration}  # resolved in batches, counted on global_step
-            refuse_batch_resolved_durations(type(self).__name__, trainer, trainer.lightning_module, duration)
+            self._steps_check.arm(trainer, trainer.lightning_module, duration)
             current = {"clock": "step", "require_steps": self._resolve_require_steps(trainer), "require_progress": None}
         else:
             ticks = self._resolve_require_progress(trainer, type(source).__name__)
@@ -1213,6 +1215,7 @@ class RandomLTDCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self.controller is not None
+        self._steps_check.batch_start(trainer)
         step = trainer.global_step
         self.current_step = step
         if self.clock == "progress":
@@ -1503,6 +1506,7 @@ class RandomLTDCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._steps_check.batch_end(trainer)
         self._fold_batch()  # micro-batches before the last one of an accumulation window
         if not pl_module.automatic_optimization and any(self._pending):
             self._fold_step(trainer)

@@ -25,10 +25,10 @@ from lightning_effi.core.features import parameter_copy_holders
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     Duration,
+    StepsPerBatchCheck,
     estimated_optimizer_steps,
     progress_clock,
     progress_ticks,
-    refuse_batch_resolved_durations,
     run_length,
 )
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
@@ -305,6 +305,8 @@ class VCycleCallback(Callback):
     ) -> None:
         name = type(self).__name__
         self.nonfinite_guard = NonFiniteLossGuard(name, nonfinite_loss)  # checks the policy first
+        #: durations resolved in batches, checked against the first batch's optimizer steps (manual optimization)
+        self._steps_check = StepsPerBatchCheck(name)
         args = S.check_arguments(
             name,
             levels=levels,
@@ -915,7 +917,7 @@ class VCycleCallback(Callback):
             if self.levels >= 3:
                 named |= {f"up_leg[{i}]" if len(ups) > 1 else "up_leg": d for i, d in enumerate(ups)}
             durations = {k: d for k, d in named.items() if isinstance(d, Duration)}
-            refuse_batch_resolved_durations(type(self).__name__, trainer, pl_module, durations)
+            self._steps_check.arm(trainer, pl_module, durations)
         if self._saved_clock is not None and self._saved_clock != self.clock:
             config_mismatch(
                 type(self).__name__,
@@ -1057,9 +1059,16 @@ class VCycleCallback(Callback):
         self.nonfinite_guard.check(trainer, loss)
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._steps_check.batch_start(trainer)
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._steps_check.batch_end(trainer)
         fn = self._flops_counter(trainer, pl_module)
         if fn is not None and not skipped_batch(pl_module, outputs):
             # the batch with the current model and the full one (held in place, no forward runs); a batch its

@@ -174,20 +174,37 @@ def test_progress_ticks():
             progress_ticks(bad)
 
 
-def test_durations_resolved_in_batches_are_refused_with_several_optimizers_under_manual_optimization():
+def test_durations_resolved_in_batches_are_checked_against_the_first_batchs_optimizer_steps():
     """A GAN steps two optimizers a batch, so global_step advances 2 a batch: a V-cycle stage of '1ep' ended after
-    half an epoch, random-LTD's '2ep' growth after one (the helper's runs). Epochs and fractions are refused there;
-    optimizer steps count global_step, as max_steps does."""
+    half an epoch, random-LTD's '2ep' growth after one (the helper's runs). Epochs, and fractions of a run whose
+    length comes from the batches, are refused once the first batch took more than one optimizer step; optimizers
+    stepped in turn (one a batch), steps, and fractions of max_steps count in global_step's unit."""
     from types import SimpleNamespace
 
-    from lightning_effi.core.progress import refuse_batch_resolved_durations
+    from lightning_effi.core.progress import StepsPerBatchCheck, batch_resolved_durations
 
-    two = SimpleNamespace(optimizers=[object(), object()])
+    def trainer(max_steps=-1, estimated=40):
+        two = [object(), object()]
+        return SimpleNamespace(optimizers=two, max_steps=max_steps, estimated_stepping_batches=estimated, global_step=0)
+
     manual, automatic = SimpleNamespace(automatic_optimization=False), SimpleNamespace(automatic_optimization=True)
-    derived = {"e_a": Duration(1, "epoch"), "e_small": Duration(0.5, "fraction"), "up_leg": Duration(7, "step")}
-    with pytest.raises(ValueError, match=r"Owner: manual optimization with 2 optimizers: .*e_a='1ep', "
-                       r"e_small='0.5dur' is resolved from the batches.*Give it in optimizer steps"):  # fmt: skip
-        refuse_batch_resolved_durations("Owner", two, manual, derived)
-    refuse_batch_resolved_durations("Owner", two, manual, {"e_a": Duration(7, "step")})  # steps: global_step's unit
-    refuse_batch_resolved_durations("Owner", two, automatic, derived)  # one step a batch (or an accumulation window)
-    refuse_batch_resolved_durations("Owner", SimpleNamespace(optimizers=[object()]), manual, derived)
+    given = {"e_a": Duration(1, "epoch"), "e_small": Duration(0.5, "fraction"), "up_leg": Duration(7, "step")}
+    assert list(batch_resolved_durations(trainer(), manual, given)) == ["e_a", "e_small"]
+    assert list(batch_resolved_durations(trainer(max_steps=20), manual, given)) == ["e_a"]  # 0.5 of max_steps
+    assert batch_resolved_durations(trainer(), automatic, given) == {}
+    one = SimpleNamespace(optimizers=[object()], max_steps=-1, estimated_stepping_batches=40)
+    assert batch_resolved_durations(one, manual, given) == {}
+
+    check, t = StepsPerBatchCheck("Owner"), trainer()
+    check.arm(t, manual, given)
+    check.batch_start(t)
+    t.global_step = 2  # both optimizers stepped in the first batch
+    with pytest.raises(ValueError, match=r"Owner: manual optimization stepped 2 optimizers in the first batch.*"
+                       r"e_a='1ep', e_small='0.5dur' is resolved from the batches"):  # fmt: skip
+        check.batch_end(t)
+    check, t = StepsPerBatchCheck("Owner"), trainer()
+    check.arm(t, manual, given)
+    for step in (1, 2, 3):  # in turn: one step a batch; checked on the first batch only
+        check.batch_start(t)
+        t.global_step = step
+        check.batch_end(t)

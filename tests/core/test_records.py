@@ -121,6 +121,27 @@ def test_a_state_change_between_logging_steps_is_recorded_where_it_happened(tmp_
     assert [p["step"] for p in _sparse_fit(tmp_path / "capped", 50).schedule] == [1, 2]
 
 
+def test_a_validation_at_a_switch_records_the_level_that_trained_its_step(tmp_path):
+    """A validation at the step a V-cycle stage ends read the states after the switch (the V-cycle switches in its
+    on_train_batch_end, before validation): the point showed the next level at that step and the change point
+    before it was dropped, so with e_a='1ep' and end-of-epoch validation level 1 never appeared (the helper's run).
+    Every point now shows the level that trained its step, as the every-step schedule does."""
+    pl.seed_everything(0, workers=True)
+
+    def fit(root, log_every):
+        pl.seed_everything(0, workers=True)
+        monitor = EfficiencyMonitor(log_every_n_steps=log_every, print_summary=False)
+        vcycle = VCycleCallback(e_a=2, e_small=2, alpha_original=0.3)
+        trainer = make_trainer(root, [monitor, vcycle], max_steps=STEPS, max_epochs=-1, val_check_interval=2,
+                               check_val_every_n_epoch=None, limit_val_batches=1)  # fmt: skip
+        trainer.fit(tiny_gpt2(n_layer=4), datamodule=TinyDataModule(TokenBlocks(n=64), batch_size=8))
+        return {p["step"]: p["vcycle/level"] for p in monitor.schedule}
+
+    dense, sparse = fit(tmp_path / "dense", 1), fit(tmp_path / "sparse", 50)
+    assert list(dense.values()) == [1.0, 1.0, 2.0, 2.0, 1.0, 1.0]  # steps 3-4 at level 2
+    assert sparse == {step: dense[step] for step in sparse} and set(sparse) >= {2, 3, 4, 5}
+
+
 def test_a_resumed_fit_records_the_change_points_of_an_uninterrupted_one(tmp_path):
     every = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, monitor=None)
     full = _sparse_fit(tmp_path / "full", 50, extra=[every]).schedule
