@@ -231,15 +231,18 @@ class LTDController:
                         f"reserved length {r} is smaller than keep_prefix_tokens ({self.keep_prefix_tokens})"
                     )
                 self.draws += 1
-                self._indices[shape_key] = F.sample_token_indices(
-                    self.num_ltd_layers,
-                    batch_size,
-                    seq_len,
-                    r,
-                    self.generator(device),
-                    keep_prefix_tokens=self.keep_prefix_tokens,
-                    device=device,
-                )
+                # drawn outside inference mode: indices first drawn for a target pass under torch.inference_mode()
+                # would be inference tensors, which the training forward of the same batch cannot save for backward
+                with torch.inference_mode(False):
+                    self._indices[shape_key] = F.sample_token_indices(
+                        self.num_ltd_layers,
+                        batch_size,
+                        seq_len,
+                        r,
+                        self.generator(device),
+                        keep_prefix_tokens=self.keep_prefix_tokens,
+                        device=device,
+                    )
         idx = self._indices[shape_key]
         return None if idx.numel() == 0 else idx[ordinal]
 

@@ -594,8 +594,8 @@ class TwoPassStack(CountedOddStack):
 
         opt, ids = self.optimizers(), batch["ids"]
         with flop_counter() as counter:
-            if self.mode == "target":
-                with torch.no_grad():
+            if self.mode in ("target", "inference"):
+                with torch.no_grad() if self.mode == "target" else torch.inference_mode():
                     self.net(ids)
             logits = self.net(ids)
             if self.mode == "rdrop":
@@ -607,11 +607,13 @@ class TwoPassStack(CountedOddStack):
         self.real_flops += int(counter.get_total_flops())
 
 
-@pytest.mark.parametrize("mode", ["rdrop", "target"])
+@pytest.mark.parametrize("mode", ["rdrop", "target", "inference"])
 def test_each_forward_of_a_step_counts_its_dropped_tokens(tmp_path, mode):
     """A step that ran the network twice on its batch was charged the second forward at full length (+17.9% for an
     R-Drop loss, +26.8% for a no_grad target pass, against torch's count, in the helper's run): random-LTD
-    subtracted the FLOPs one forward skipped. Each forward's are subtracted now, a no_grad one at its forward cost."""
+    subtracted the FLOPs one forward skipped. Each forward's are subtracted now, a no_grad one at its forward cost. A
+    target pass under torch.inference_mode() crashed the training forward (its token indices, drawn there, were
+    inference tensors)."""
     from lightning_effi import EfficiencyMonitor
 
     torch.manual_seed(0)
