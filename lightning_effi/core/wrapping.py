@@ -30,6 +30,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    Subset,
 )
 
 from lightning_effi.core.batch import unwrap
@@ -222,6 +223,16 @@ def find_wrapper(datamodule: Any, cls: type[W]) -> W | None:
     return None
 
 
+def _same_dataset(a: Any, b: Any) -> bool:
+    """Whether two datasets hold the same samples in the same order: the same object, or ``Subset`` views (rebuilt
+    at each call of a ``train_dataloader()``) of the same dataset at the same indices."""
+    if a is b:
+        return True
+    if type(a) is Subset and type(b) is Subset:
+        return _same_dataset(a.dataset, b.dataset) and list(a.indices) == list(b.indices)
+    return False
+
+
 class WrappingDataModule(pl.LightningDataModule):
     """Base of the technique DataModules: wraps ``datamodule`` and delegates everything but ``train_dataloader``
     (``prepare_data``, ``setup``, ``teardown``, ``on_exception``, the evaluation loaders, ``state_dict``,
@@ -409,7 +420,21 @@ class WrappingDataModule(pl.LightningDataModule):
             return
         self._reload_checked = epoch
         fresh = wrapper_chain(self)[-1].train_dataloader()
-        if getattr(fresh, "dataset", None) is not self._template["dataset"]:
+        t = self._template
+        changed = [
+            f"{key}={getattr(fresh, key, None)!r} (was {t[key]!r})"
+            for key in ("batch_size", "drop_last")
+            if getattr(fresh, key, None) != t[key]
+        ]
+        if _same_dataset(getattr(fresh, "dataset", None), t["dataset"]) and changed:
+            raise DataConfigError(
+                f"{self.technique}: the Trainer reloads the training loader (reload_dataloaders_every_n_epochs={n}), "
+                f"and at epoch {epoch} your train_dataloader() returned a loader with {', '.join(changed)}; "
+                f"{self.technique} builds every epoch's loader with the settings the fit started with, so the change "
+                "would be ignored. Keep the loader's batch_size and drop_last for the whole fit (a batch-size ramp is "
+                "not supported with it), or set reload_dataloaders_every_n_epochs=0"
+            )
+        if not _same_dataset(getattr(fresh, "dataset", None), t["dataset"]):
             raise DataConfigError(
                 f"{self.technique}: the Trainer reloads the training loader (reload_dataloaders_every_n_epochs={n}), "
                 f"and at epoch {epoch} your train_dataloader() returned a loader over another dataset object than "

@@ -736,17 +736,15 @@ class NewSubsetEachEpoch(pl.LightningDataModule):
     """A ``train_dataloader()`` that serves the next 16 token blocks each epoch (a resampled subset); ``same=True``
     serves one dataset object made in ``setup`` (a loader rebuilt over it each epoch)."""
 
-    def __init__(self, same: bool = False) -> None:
+    def __init__(self, same: bool = False, ramp: bool = False) -> None:
         super().__init__()
-        self.same, self.blocks, self.calls = same, TokenBlocks(n=48), 0
-
-    def setup(self, stage: str) -> None:
-        self.first = torch.utils.data.Subset(self.blocks, range(16))
+        self.same, self.ramp, self.blocks, self.calls = same, ramp, TokenBlocks(n=48), 0
 
     def train_dataloader(self) -> DataLoader:
         start, self.calls = 16 * self.calls, self.calls + 1
-        subset = self.first if self.same else torch.utils.data.Subset(self.blocks, range(start, start + 16))
-        return DataLoader(subset, batch_size=8)
+        # the same samples: a new Subset view of the same indices at each call
+        subset = torch.utils.data.Subset(self.blocks, range(16) if self.same else range(start, start + 16))
+        return DataLoader(subset, batch_size=4 * self.calls if self.ramp else 8)
 
 
 @pytest.mark.parametrize("technique", ["infobatch", "curriculum"])
@@ -773,5 +771,8 @@ def test_a_new_training_set_at_a_reload_is_refused_and_the_same_one_trains(techn
 
     with pytest.raises(DataConfigError, match=r"at epoch 1 your train_dataloader\(\) returned a loader over another"):
         fit(NewSubsetEachEpoch(), tmp_path / "new")
+    # a batch-size ramp over the same samples trained epoch 0's batch size every epoch: refused too
+    with pytest.raises(DataConfigError, match=r"at epoch 1 .* a loader with batch_size=8 \(was 4\)"):
+        fit(NewSubsetEachEpoch(same=True, ramp=True), tmp_path / "ramp")
     same = NewSubsetEachEpoch(same=True)
     assert fit(same, tmp_path / "same").current_epoch == 3 and same.calls == 3  # read once, then at each reload
