@@ -302,8 +302,10 @@ def test_truncate_keys_that_name_no_tensor_are_refused_at_setup(tmp_path):
     assert str(err.value) == (
         "seqlen_truncate: nothing to truncate: the training batch has none of truncate_keys ['token_ids'] as a "
         "[B, S, ...] tensor; found a dict with input_ids: int64[4, 16]. Put the token ids in the batch as an integer "
-        "[B, S] tensor (or name the sequence tensors with truncate_keys), or remove seqlen_truncate [found at setup, "
-        f"on a batch of the training set's first {PROBE_SAMPLES} samples]"
+        "[B, S] tensor (or name the sequence tensors with truncate_keys, in a dict or dataclass batch), or remove "
+        "seqlen_truncate. A batch of continuous features [B, S, D] without token ids: a dict batch {'x': ..., "
+        "'attention_mask': [B, S] with 1 or True at the real positions, ...}, or truncate_keys naming its sequence "
+        f"tensors [found at setup, on a batch of the training set's first {PROBE_SAMPLES} samples]"
     )
     assert seen.epochs_started == 0 and seen.batches == []
 
