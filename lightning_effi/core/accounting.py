@@ -1002,7 +1002,7 @@ class EfficiencyMonitor(Callback):
         if before is not None and (not self.schedule or self.schedule[-1]["step"] < before["step"]):
             self._add_schedule(before | previous)
             self._change_points += 1
-        if not logging_step:
+        if not logging_step and self._change_points < MAX_CHANGE_POINTS:
             self._add_schedule(self._local_point(trainer) | states)
             self._change_points += 1
 

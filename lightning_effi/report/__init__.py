@@ -43,6 +43,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), "write_result"})
+
+
 __all__ = [
     "COLUMNS",
     "Reach",
