@@ -557,6 +557,8 @@ class EfficiencyMonitor(Callback):
         the batch holds what looks like a padding mask (a 2-D bool tensor, or a 2-D tensor with ``mask`` in its
         name), which is read only beside token ids (without them its polarity, ``True`` real or padded, is
         unknown)."""
+        if "tokens/unread_mask" in self._warned:  # said once: no walk of every later batch
+            return
         for path, value in tensor_leaves(batch):
             name = ".".join(str(p) for p in path) if isinstance(path, tuple) else str(path)
             if value.ndim == 2 and (value.dtype == torch.bool or "mask" in name.lower()):

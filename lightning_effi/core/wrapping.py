@@ -421,12 +421,13 @@ class WrappingDataModule(pl.LightningDataModule):
         self._reload_checked = epoch
         fresh = wrapper_chain(self)[-1].train_dataloader()
         t = self._template
+        same = _same_dataset(getattr(fresh, "dataset", None), t["dataset"])
         changed = [
             f"{key}={getattr(fresh, key, None)!r} (was {t[key]!r})"
             for key in ("batch_size", "drop_last")
             if getattr(fresh, key, None) != t[key]
         ]
-        if _same_dataset(getattr(fresh, "dataset", None), t["dataset"]) and changed:
+        if same and changed:
             raise DataConfigError(
                 f"{self.technique}: the Trainer reloads the training loader (reload_dataloaders_every_n_epochs={n}), "
                 f"and at epoch {epoch} your train_dataloader() returned a loader with {', '.join(changed)}; "
@@ -434,7 +435,7 @@ class WrappingDataModule(pl.LightningDataModule):
                 "would be ignored. Keep the loader's batch_size and drop_last for the whole fit (a batch-size ramp is "
                 "not supported with it), or set reload_dataloaders_every_n_epochs=0"
             )
-        if not _same_dataset(getattr(fresh, "dataset", None), t["dataset"]):
+        if not same:
             raise DataConfigError(
                 f"{self.technique}: the Trainer reloads the training loader (reload_dataloaders_every_n_epochs={n}), "
                 f"and at epoch {epoch} your train_dataloader() returned a loader over another dataset object than "
