@@ -7,24 +7,27 @@ counting hooks (``effi_count_tokens``, ``effi_num_layers``, ``effi_training_flop
 **Batches** (:func:`leaves`): dicts and other mappings (HF ``BatchEncoding``), tuples, lists, named tuples and
 dataclasses, nested; a leaf's *path* is the keys, indices and field names leading to it.
 
-**FLOPs** (:class:`CallRecorder`, :class:`FlopsMeter`): during the real training step the recorder notes every
-outermost call of a module inside the LightningModule (the LightningModule itself when ``training_step`` calls
-``self(...)``, else its submodules: ``self.model(**batch)``, ``self.backbone.forward_features(x)``'s blocks, a head
-called on the features; not the calls autograd makes in the backward, activation checkpointing's recompute, which the
-replay of the outer call repeats): the argument shapes, dtypes, ``requires_grad``, the grad mode, and which outputs
-received a gradient in the backward. Nothing of the data is kept. The meter then replays each call on a copy of the
-module whose parameters, buffers and tensor attributes are ``FakeTensor`` s on the call's device (no memory, no
-compute) under ``torch.utils.flop_counter.FlopCounterMode``: the forward, then a backward from the outputs that had
-a gradient (none: forward only, e.g. a frozen teacher under ``no_grad``). FLOPs are counted as
-:mod:`lightning_effi.core.flops` says, by its :func:`~lightning_effi.core.flops.flop_counter` (matrix products,
-convolutions, and the attention kernel the call's device picks for fake tensors of its device, as for real ones).
-The copy keeps every module's training mode (so gradient checkpointing recomputes and attention dropout picks the
-kernel as in the real step), has no hooks (no user hook, random-LTD's or anybody's, runs) and has random-LTD's token
-dropping undone (its layers run their original ``forward``: the FLOPs are those of the unpatched network, which
-random-LTD's ``effi_adjust`` lowers); the RNG states are restored after it, and the copy is dropped. Nothing runs on
-the real module or data. ``FakeTensor`` rather than the ``meta`` device: HF models skip their data-dependent mask
-checks on fake tensors (they fail on ``meta``). A call is measured once per (argument shapes, grad mode, outputs
-used, the module's type, training mode and parameter shapes / ``requires_grad``) and cached.
+**FLOPs** (:class:`CallRecorder`, :class:`FlopsMeter`): during the real training step the recorder notes every outermost
+call of a module inside the LightningModule (the LightningModule itself when ``training_step`` calls ``self(...)``, else
+its submodules: ``self.model(**batch)``, ``self.backbone.forward_features(x)``'s blocks, a head called on the features;
+not the calls autograd makes in the backward, activation checkpointing's recompute, which the replay of the outer call
+repeats): the argument shapes, dtypes, ``requires_grad``, the grad mode, and which outputs received a gradient in the
+backward. A ``torch.utils.checkpoint`` the step's own code puts around a call (``checkpoint(block, x)``) is replayed as
+torch runs it: a non-reentrant one by replaying the call inside such a checkpoint (:attr:`CallRecord.recompute`), a
+reentrant one (whose forward runs without grad) by recording its recompute in the backward as a call of its own. Nothing
+of the data is kept. The meter then replays each call on a copy of the module whose parameters, buffers and tensor
+attributes are ``FakeTensor`` s on the call's device (no memory, no compute) under
+``torch.utils.flop_counter.FlopCounterMode``: the forward, then a backward from the outputs that had a gradient (none:
+forward only, e.g. a frozen teacher under ``no_grad``). FLOPs are counted as :mod:`lightning_effi.core.flops` says, by
+its :func:`~lightning_effi.core.flops.flop_counter` (matrix products, convolutions, and the attention kernel the call's
+device picks for fake tensors of its device, as for real ones). The copy keeps every module's training mode (so gradient
+checkpointing recomputes and attention dropout picks the kernel as in the real step), has no hooks (no user hook,
+random-LTD's or anybody's, runs) and has random-LTD's token dropping undone (its layers run their original ``forward``:
+the FLOPs are those of the unpatched network, which random-LTD's ``effi_adjust`` lowers); the RNG states are restored
+after it, and the copy is dropped. Nothing runs on the real module or data. ``FakeTensor`` rather than the ``meta``
+device: HF models skip their data-dependent mask checks on fake tensors (they fail on ``meta``). A call is measured once
+per (argument shapes, grad mode, outputs used, the module's type, training mode and parameter shapes /
+``requires_grad``) and cached.
 
 What is not measured: matrix products in the LightningModule's own code outside any module call (``x @ self.weight``
 in ``training_step``); torchmetrics metrics called in the step (``self.train_acc(preds, y)``: counters updated
@@ -47,6 +50,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
+from types import FrameType
 from typing import Any
 
 import torch
@@ -559,6 +563,10 @@ class CallRecord:
         args, kwargs: the arguments, tensors as :class:`TensorInfo`.
         grad: whether grad mode was on.
         used: the paths (:func:`leaves`) of the outputs that received a gradient in the real backward.
+        recompute: ``None``, or how the backward recomputed this call: made by the step's own code inside a
+            non-reentrant ``torch.utils.checkpoint`` (``"early_stop"``: the recompute stops once it has rebuilt the
+            tensors the backward needs, torch's default; ``"full"``: ``early_stop=False``). The replay runs the call
+            inside such a checkpoint, so that its recompute is counted as torch runs it.
     """
 
     target: str
@@ -566,9 +574,17 @@ class CallRecord:
     kwargs: dict[str, Any]
     grad: bool
     used: set[Path] = dataclasses.field(default_factory=set)
+    recompute: str | None = None
 
     def key(self) -> tuple[Any, ...]:
-        return (self.target, _freeze(self.args), _freeze(self.kwargs), self.grad, tuple(sorted(map(repr, self.used))))
+        return (
+            self.target,
+            _freeze(self.args),
+            _freeze(self.kwargs),
+            self.grad,
+            tuple(sorted(map(repr, self.used))),
+            self.recompute,
+        )
 
     def opaque(self) -> list[str]:
         """The kinds of the arguments the replay cannot rebuild."""
@@ -618,12 +634,19 @@ class CallRecord:
 
 
 def describe_call(
-    target: str, args: Sequence[Any], kwargs: Mapping[str, Any], grad: bool, used: set[Path]
+    target: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    grad: bool,
+    used: set[Path],
+    recompute: str | None = None,
 ) -> CallRecord:
     """A :class:`CallRecord` of a call made by hand (not recorded by :class:`CallRecorder`): ``target`` the module's
     name under the root it is replayed in, the arguments described without their values, ``grad`` the grad mode,
-    ``used`` the output paths (:func:`leaves`) the backward starts from."""
-    return CallRecord(target, _describe(tuple(args), []), _describe(dict(kwargs), []), bool(grad), set(used))
+    ``used`` the output paths (:func:`leaves`) the backward starts from, ``recompute`` as
+    :attr:`CallRecord.recompute`."""
+    args_info, kwargs_info = _describe(tuple(args), []), _describe(dict(kwargs), [])
+    return CallRecord(target, args_info, kwargs_info, bool(grad), set(used), recompute)
 
 
 def _in_backward() -> bool:
@@ -632,11 +655,66 @@ def _in_backward() -> bool:
     return task is not None and int(task()) != -1
 
 
+#: how far up the Python stack :func:`_checkpoint_recompute` looks for the ``torch.utils.checkpoint`` call
+_MAX_FRAMES = 64
+
+
+def _reentrant_recompute() -> bool:
+    """Whether the current call runs in the backward's recompute of a reentrant ``torch.utils.checkpoint``
+    (``CheckpointFunction.backward`` on the Python stack): the forward of that call ran without grad, so its
+    recompute (a forward and a backward) is compute of its own. A non-reentrant checkpoint's recompute is not: it is
+    counted with the call's replay (:attr:`CallRecord.recompute`)."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    backward = CheckpointFunction.backward.__code__
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code is backward:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _checkpoint_recompute(module: nn.Module) -> str | None:
+    """How the backward recomputes the current call of ``module`` (:attr:`CallRecord.recompute`) when the caller made
+    it inside a non-reentrant ``torch.utils.checkpoint`` (``checkpoint(block, x, use_reentrant=False)`` in the
+    step's own code), found on the Python stack: the nearest enclosing frame of ``torch.utils.checkpoint``'s
+    ``checkpoint``. ``None`` when there is none, when it is reentrant (the recompute runs as a call of its own in the
+    backward, recorded then), or when the checkpoint is inside the module's own ``__call__`` (an HF
+    ``GradientCheckpointingLayer``: the replay of the call runs that checkpoint again)."""
+    import torch.utils.checkpoint as checkpointing
+
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_filename == checkpointing.__file__ and code.co_name in ("_checkpoint_impl", "checkpoint"):
+            local = frame.f_locals
+            if "use_reentrant" not in local or local["use_reentrant"] is not False:
+                return None
+            outer = frame.f_back
+            for _ in range(4):  # checkpoint() <- the module's own __call__
+                if outer is None:
+                    break
+                if outer.f_locals.get("self") is module:
+                    return None
+                outer = outer.f_back
+            forced = getattr(checkpointing, "_enable_checkpoint_early_stop", None)  # set_checkpoint_early_stop(...)
+            early_stop = bool(local.get("early_stop", True)) if forced is None else bool(forced)
+            return "early_stop" if early_stop else "full"
+        frame = frame.f_back
+    return None
+
+
 class CallRecorder:
     """Records the outermost module calls inside ``root`` between :meth:`start` and :meth:`stop` (module docstring),
     with process-wide module forward hooks (``torch.nn.modules.module.register_module_forward_pre_hook``) that do
-    nothing for modules outside ``root``. Calls made by the autograd engine during a backward (activation
-    checkpointing's recompute, already part of the replayed call) are not recorded.
+    nothing for modules outside ``root``. Calls made by the autograd engine during a backward are not recorded when
+    the replay of a call recorded in grad mode covers them (activation checkpointing's recompute inside it); one
+    outside those (the recompute of a reentrant ``torch.utils.checkpoint`` of the step's own code) is.
 
     Attributes:
         calls: the calls recorded since the last :meth:`start`.
@@ -646,6 +724,8 @@ class CallRecorder:
         self.calls: list[CallRecord] = []
         self._names: dict[int, str] = {}
         self._stack: list[tuple[nn.Module, bool]] = []
+        self._replayed: list[nn.Module] = []  # the modules of the calls whose replay runs their backward
+        self._replayed_ids: set[int] | None = None  # those modules and their submodules (found when first needed)
         self._refs: list[tuple[TensorInfo, weakref.ref[Tensor]]] = []
         self._handles: list[Any] = []
         self._batch_tensors: list[tuple[Path, Tensor]] = []
@@ -660,6 +740,7 @@ class CallRecorder:
         training batch, whose slices among the arguments (``ids[:, :-1]``) are noted while they exist."""
         self.stop(None)
         self.calls, self._refs, self._stack, self._slices = [], [], [], {}
+        self._replayed, self._replayed_ids = [], None
         self._batch_tensors = list(tensor_leaves(batch)) if batch is not None else []
         self._names = {id(m): name for name, m in root.named_modules()}
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -702,8 +783,21 @@ class CallRecorder:
             call.kwargs = _map_tensors(call.kwargs, with_path)
 
     def _before(self, module: nn.Module, args: Any) -> None:
-        if id(module) in self._names and not _in_backward() and not _redirected(module):
-            self._stack.append((module, torch.is_grad_enabled()))
+        if id(module) not in self._names or _redirected(module):
+            return
+        if not self._stack and _in_backward() and self._in_replayed(module):
+            return  # activation checkpointing's recompute of (a part of) a call whose replay recomputes it too
+        self._stack.append((module, torch.is_grad_enabled()))
+
+    def _in_replayed(self, module: nn.Module) -> bool:
+        """Whether ``module`` is the module of a call recorded in grad mode, or inside it: the replay of that call
+        runs its backward, with any recompute of activation checkpointing inside it (HF's
+        ``gradient_checkpointing_enable()``, or a non-reentrant checkpoint around it, :attr:`CallRecord.recompute`).
+        A module called in the backward outside those (a reentrant ``torch.utils.checkpoint`` around a call of the
+        step's own code, whose forward ran without grad) is recorded: its recompute is compute of the step."""
+        if self._replayed_ids is None:
+            self._replayed_ids = {id(m) for root in self._replayed for m in root.modules()}
+        return id(module) in self._replayed_ids
 
     def _after(self, module: nn.Module, args: Any, *rest: Any) -> None:
         if not self._stack or self._stack[-1][0] is not module:
@@ -718,6 +812,11 @@ class CallRecorder:
         call = CallRecord(
             self._names[id(module)], _describe(tuple(args), self._refs), _describe(dict(kwargs), self._refs), grad
         )
+        if grad:
+            if not _in_backward():
+                call.recompute = _checkpoint_recompute(module)
+            self._replayed.append(module)
+            self._replayed_ids = None
         self.calls.append(call)
         for info, ref in self._refs[first:]:
             tensor = ref()
@@ -922,7 +1021,13 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
             with mode, flop_counter() as counter:
                 args, kwargs = _materialize(call.args), _materialize(call.kwargs)
                 with torch.set_grad_enabled(call.grad):
-                    output = clone(*args, **kwargs)
+                    if call.recompute is None:
+                        output = clone(*args, **kwargs)
+                    else:  # as the real step ran it: the backward recomputes the forward
+                        from torch.utils.checkpoint import checkpoint
+
+                        early_stop = call.recompute == "early_stop"
+                        output = checkpoint(clone, *args, use_reentrant=False, early_stop=early_stop, **kwargs)
                 used = [v for p, v in tensor_leaves(output) if p in call.used and v.requires_grad]
                 if used:
                     loss = used[0].float().sum()

@@ -51,7 +51,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_effi.core.checks import is_int
-from lightning_effi.core.measure import CallRecord, _in_backward, describe_call
+from lightning_effi.core.measure import (
+    CallRecord,
+    _checkpoint_recompute,
+    _in_backward,
+    _reentrant_recompute,
+    describe_call,
+)
 from lightning_effi.core.rng import hash64
 from lightning_effi.models.base import MUST_BE_NONE, PASS, AttentionMask, SeqArg, TransformerAdapter
 from lightning_effi.random_ltd import functional as F
@@ -215,9 +221,11 @@ class LTDController:
         self.lookups += 1
         shape_key = (batch_size, seq_len, str(device))
         grad = torch.is_grad_enabled()
-        if shape_key in self._indices and ordinal == 0 and not _in_backward():
+        if shape_key in self._indices and ordinal == 0 and (not _in_backward() or _reentrant_recompute()):
             # another forward of this shape in the context (its first LTD layer): it drops the same tokens, and
-            # its skipped FLOPs count too (not an activation checkpoint's recompute, part of the first forward)
+            # its skipped FLOPs count too; a recompute in the backward is one only for a reentrant
+            # torch.utils.checkpoint around the layer (its forward ran without grad): the recompute of other
+            # activation checkpointing is part of the first forward's measured call
             self._records[shape_key].grads.append(grad)
         if shape_key not in self._indices:
             r = min(self._resolve(seq_len), seq_len)
@@ -475,10 +483,17 @@ class LTDForward:
         """Keep this layer's call on the full sequence and on the kept tokens (shapes only) in the controller, once
         per ``(layer, B, S, r, grad mode)``, for measuring what dropping skips. Runs inside :meth:`select`, outside a
         compiled graph (a note after the layer's call would break the graph where the kept tokens' length is not
-        marked dynamic: a recompilation per reserved length); the backward's recompute of an activation-checkpointed
-        layer is not noted. The gather is run once more here, only for a new shape."""
+        marked dynamic: a recompilation per reserved length). The backward's recompute of an activation-checkpointed
+        layer is noted only under a reentrant ``torch.utils.checkpoint`` around the layer (a forward with grad of its
+        own, :meth:`LTDController.indices`); a non-reentrant one around it is noted with the forward's call, whose
+        replay runs inside such a checkpoint (``CallRecord.recompute``). The gather is run once more here, only for a
+        new shape."""
+        recompute = None
         if _in_backward():
-            return
+            if not _reentrant_recompute():
+                return
+        else:
+            recompute = _checkpoint_recompute(self._owner())
         key = (self.index, int(idx.shape[0]), int(seq_len), int(idx.shape[1]), torch.is_grad_enabled())
         calls = self.controller.calls
         if key in calls:
@@ -494,8 +509,10 @@ class LTDForward:
         grad = torch.is_grad_enabled()
         used: set[tuple[Any, ...]] = {(), (0,)}  # the hidden states: the output itself, or a tuple's first element
         calls[key] = (
-            describe_call("layer", args, kwargs, grad, used),
-            describe_call("layer", bound.args, bound.kwargs, grad, used),
+            describe_call("layer", args, kwargs, grad, used, recompute),
+            # the kept tokens' forward is followed by the scatter back, which saves tensors too: an early-stopping
+            # recompute runs all of it
+            describe_call("layer", bound.args, bound.kwargs, grad, used, recompute and "full"),
         )
 
     def _is_attention(self, t: Any, idx: Tensor, keys: bool = True) -> bool:

@@ -409,6 +409,84 @@ def test_random_ltd_lowers_the_unpatched_networks_flops(tmp_path: Path) -> None:
         assert row["baseline_layer_tokens"] == 4 * B * T and row["layer_tokens"] < 4 * B * T
 
 
+class OwnBlock(nn.Module):
+    """A pre-norm-free transformer block of one's own: attention by hand, an MLP."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        x = x + self.out((q @ k.transpose(1, 2) / q.shape[-1] ** 0.5).softmax(-1) @ v)
+        return x + self.mlp(x)
+
+
+class PerBlockCheckpoint(UserModule):
+    """``training_step`` wraps each of its own blocks in ``torch.utils.checkpoint`` (the nanoGPT-style pattern)."""
+
+    def __init__(self, reentrant: bool | None, early_stop: bool = True) -> None:
+        super().__init__()
+        self.reentrant, self.early_stop = reentrant, early_stop
+        self.embed, self.blocks, self.head = (
+            nn.Embedding(V, 32),
+            nn.ModuleList(OwnBlock() for _ in range(3)),
+            nn.Linear(32, V),
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        x = self.embed(ids)
+        for block in self.blocks:
+            if self.reentrant is None:
+                x = block(x)
+            elif self.reentrant:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+            else:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, early_stop=self.early_stop)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("ltd", [False, True], ids=["plain", "random_ltd"])
+@pytest.mark.parametrize(
+    ("reentrant", "early_stop"),
+    [(None, True), (True, True), (False, True), (False, False)],
+    ids=["no_checkpoint", "reentrant", "non_reentrant", "non_reentrant_no_early_stop"],
+)
+def test_blocks_the_step_checkpoints_itself_count_their_recompute(
+    tmp_path: Path, reentrant: bool | None, early_stop: bool, ltd: bool
+) -> None:
+    """``checkpoint(block, x)`` in the step's own code: a reentrant checkpoint runs the block's forward without grad
+    and recomputes it (forward and backward) in the backward; a non-reentrant one records the forward with grad and
+    recomputes it in the backward up to the last tensor the backward needs (torch's early stop), or all of it. Each
+    batch's FLOPs, and random-LTD's lowered ones, equal the flop counter's on the real step (they read 0.27x and 0.81x
+    of it before)."""
+    from lightning_effi.adapters import GenericAdapter
+
+    extra: tuple[Callback, ...] = ()
+    if ltd:
+        adapter = GenericAdapter("blocks", hidden_size=32)
+        extra = (RandomLTDCallback(min_value=8, max_value=T, seq_per_step=4, require_steps=4, adapter=adapter),)
+    pl.seed_everything(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, measured, per_batch = fit(
+            PerBlockCheckpoint(reentrant, early_stop), token_loader(), tmp_path, 3, extra
+        )
+    assert monitor_warnings(caught) == []
+    forward = 3 * (2 * B * T * 32 * 32 * 12 + 2 * 2 * B * T * T * 32)  # the blocks' forward: 12 h^2 and the scores
+    full = 3 * forward + 3 * 2 * B * T * 32 * V  # forward and backward of the blocks and the head, no recompute
+    for i, (row, real) in enumerate(zip(per_batch.rows, measured.per_batch, strict=True)):
+        assert row["flops"] == real, (i, row["flops"] / real)
+        if not ltd:
+            recompute = {None: 0, True: forward, False: forward if not early_stop else None}[reentrant]
+            if recompute is not None:
+                assert real == full + recompute
+            else:  # the early stop leaves out the blocks' last product, whose output the backward does not need
+                assert full < real < full + forward
+
+
 class HalveFlops(Callback):
     """A technique that lowers every batch's FLOPs to half (``effi_adjust``)."""
 
