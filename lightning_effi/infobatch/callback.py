@@ -546,6 +546,7 @@ class InfoBatchCallback(Callback):
         self._warn_no_prune_epoch(trainer)
         self._new_tables(n)
         self._check_val_check_interval(trainer, datamodule)
+        self._check_empty_epochs(trainer, datamodule)
         self._warn_single_sample_batches(pl_module, datamodule)
         self._reset_run_state()
         self._trainer = trainer
@@ -620,6 +621,41 @@ class InfoBatchCallback(Callback):
                 f"default val_check_interval, or val_check_interval <= {max(1, fewest)} (or "
                 "check_val_every_n_epoch=None to count batches across epochs)"
             )
+
+    def _check_empty_epochs(self, trainer: pl.Trainer, datamodule: InfoBatchDataModule) -> None:
+        """Refuse a run whose pruned epochs can have no training batch (:func:`~lightning_effi.infobatch.functional.
+        fewest_epoch_batches` is 0) while a full epoch has some: the loader's ``drop_last`` with a pruned epoch smaller
+        than a batch (Lightning then ends the whole fit, annealing epochs included, with an info line), or a float
+        ``Trainer(limit_train_batches=...)`` that leaves less than one batch of it (Lightning raises mid-run)."""
+        t = datamodule.template()
+        limit = trainer.limit_train_batches
+        args = (int(t["batch_size"]), trainer.world_size, bool(t["drop_last"]), limit)
+        full = ib.rank_batches(self.dataset_size, *args)
+        fewest = ib.fewest_epoch_batches(self.dataset_size, self.epochs, self.prune_ratio, self.delta, *args)
+        if fewest > 0 or full == 0:
+            return
+        size = min(
+            ib.min_epoch_size(e, self.epochs, self.dataset_size, self.prune_ratio, self.delta)
+            for e in range(self.epochs)
+        )
+        unlimited = ib.rank_batches(size, *args[:3])
+        if unlimited == 0:
+            world = f" per rank ({trainer.world_size} ranks)" if trainer.world_size > 1 else ""
+            raise ValueError(
+                f"InfoBatchCallback: a pruned epoch can visit as few as {size} of the {self.dataset_size} samples "
+                f"(prune_ratio={self.prune_ratio}), fewer than one batch of {args[0]}{world} with the loader's "
+                "drop_last=True: that epoch would have no training batch, and Lightning ends the whole fit there "
+                "(the annealing epochs on the full data never run); use drop_last=False, a batch size of at most "
+                f"{max(1, size // trainer.world_size)}, or a lower prune_ratio"
+            )
+        batches = f"{unlimited} batch{'es' if unlimited > 1 else ''}"
+        raise ValueError(
+            f"InfoBatchCallback: Trainer(limit_train_batches={limit}) keeps int({unlimited} * {limit}) = 0 batches of "
+            f"a pruned epoch, which can have as few as {batches} (prune_ratio={self.prune_ratio}, "
+            f"{self.dataset_size} samples, batch size {args[0]}; a full epoch has {full} after the limit), and "
+            f"Lightning raises at that epoch; use limit_train_batches=<int> (a number of batches), or a fraction of "
+            f"at least {1 / unlimited:.3g}"
+        )
 
     def _new_tables(self, n: int) -> None:
         self.score = torch.zeros(n, dtype=torch.float32)

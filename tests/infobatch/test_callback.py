@@ -540,6 +540,37 @@ def test_an_int_val_check_interval_above_the_shortest_epoch_is_refused_at_setup(
     assert counter.per_epoch == []
 
 
+def test_a_pruned_epoch_without_a_batch_is_refused_at_setup(tmp_path):
+    """N = 10, batches of 8 with drop_last, prune_ratio 0.5: a pruned epoch can visit as few as 1 + floor(0.5 * 9) = 5
+    samples, no batch; Lightning would end the whole fit there (the annealing epoch never trained). A float
+    limit_train_batches that keeps int(3 * 0.34) = 1 batch of a full epoch (N = 17) and 0 of a pruned one (2 batches
+    in the helper's run, 1 + floor(0.1 * 16) = 2 samples at the fewest) made Lightning raise after epoch 0. Both are
+    refused before any step, with the figures and the way out."""
+    counter = CountBatches()
+    data = InfoBatchDataModule(DropLastData(TokenBlocks(n=10), batch_size=8))
+    with pytest.raises(
+        ValueError,
+        match=r"as few as 5 of the 10 samples \(prune_ratio=0.5\), fewer than one batch of 8 with the loader's "
+        r"drop_last=True.*use drop_last=False, a batch size of at most 5, or a lower prune_ratio",
+    ):
+        make_trainer(tmp_path, [InfoBatchCallback(delta=0.75), counter], max_epochs=4).fit(tiny_gpt2(), datamodule=data)
+    with pytest.raises(
+        ValueError,
+        match=r"Trainer\(limit_train_batches=0.34\) keeps int\(1 \* 0.34\) = 0 batches of a pruned epoch, which can "
+        r"have as few as 1 batch \(.*a full epoch has 1 after the limit.*or a fraction of at least 1$",
+    ):
+        trainer = make_trainer(
+            tmp_path, [InfoBatchCallback(prune_ratio=0.9), counter], max_epochs=3, limit_train_batches=0.34
+        )
+        trainer.fit(tiny_gpt2(), datamodule=ib_data(n=17))
+    assert counter.per_epoch == []
+    # where every pruned epoch keeps a batch (N = 20: 1 + floor(0.5 * 19) = 10 samples), the run trains every epoch
+    cb = InfoBatchCallback(delta=0.75)
+    data = InfoBatchDataModule(DropLastData(TokenBlocks(n=20), batch_size=8))
+    make_trainer(tmp_path, [cb, counter], max_epochs=4).fit(tiny_gpt2(), datamodule=data)
+    assert [h["kind"] for h in cb.history] == ["full", "prune", "prune", "full"] and len(counter.per_epoch) == 4
+
+
 @pytest.mark.parametrize(
     "trainer_kwargs",
     [
