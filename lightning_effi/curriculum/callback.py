@@ -27,7 +27,7 @@ from lightning_effi.core.measure import token_source
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
-from lightning_effi.core.state import check_coarse_vcycle_resume
+from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch
 from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
@@ -810,6 +810,7 @@ class Curriculum(Callback):
             "last_difficulties": dict(self.last_difficulties),
             "nonfinite_loss": self.nonfinite_guard.state_dict(),
             "added_on_resume": self.effi_added_on_resume,
+            "total_tokens": self.total_tokens,
         }
 
     @override
@@ -829,9 +830,10 @@ class Curriculum(Callback):
 
         Raises:
             CurriculumConfigError: an invalid entry, named: no ``stream``, a ``consumed_tokens`` that is not an int
-                >= 0, ``last_difficulties`` that are not an int per configured metric, an ``added_on_resume`` that
-                is neither null nor an int >= 1; the stream position's own
-                errors (:meth:`~lightning_effi.curriculum.CurriculumController.load_state_dict`).
+                >= 0, ``last_difficulties`` that are not an int per configured metric, an ``added_on_resume`` or
+                ``total_tokens`` that is neither null nor an int >= 1; (``strict``, else a warning, when applied) a
+                ``total_tokens`` other than this callback's; the stream position's own errors, a changed
+                configuration among them (:meth:`~lightning_effi.curriculum.CurriculumController.load_state_dict`).
             ValueError: an invalid non-finite loss count
                 (:meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`).
         """
@@ -875,6 +877,12 @@ class Curriculum(Callback):
                 f"Curriculum: the checkpoint's added_on_resume must be null or an int >= 1 (the optimizer step the "
                 f"curriculum joined the run at), got {added!r}; {fix}"
             )
+        budget = state.get("total_tokens")
+        if budget is not None and (not is_int(budget) or budget < 1):
+            raise CurriculumConfigError(
+                f"Curriculum: the checkpoint's total_tokens must be null or an int >= 1 (the run's token budget), got "
+                f"{budget!r}; {fix}"
+            )
         counted = state.get("nonfinite_loss", {})  # absent from checkpoints written before the policy existed
         if not isinstance(counted, Mapping):
             raise CurriculumConfigError(
@@ -888,6 +896,17 @@ class Curriculum(Callback):
     def _apply(self, state: Mapping[str, Any]) -> None:
         assert self.controller is not None
         guard = self._check_loaded(state)  # every entry checked before anything changes
+        saved = state.get("total_tokens", self.total_tokens)  # absent from checkpoints written before it was kept
+        if saved != self.total_tokens:
+            config_mismatch(
+                "Curriculum",
+                f"the checkpoint was written with total_tokens={saved}, this fit has total_tokens={self.total_tokens}: "
+                "the token progress (effi_progress, which LR schedules and other techniques follow) would jump at "
+                "the resume; resume with the same total_tokens",
+                self.strict,
+                fix="continue with this total_tokens",
+                error=CurriculumConfigError,
+            )
         self.controller.load_state_dict(state["stream"], strict=self.strict)
         self.consumed_tokens = int(state.get("consumed_tokens", 0))
         self._tokens_through_current = self.consumed_tokens

@@ -500,8 +500,8 @@ class CurriculumConfig:
         return {name: m.schedule(self.rounding) for name, m in self.metrics.items()}
 
     def describe(self) -> dict[str, Any]:
-        """Safe-loadable description (no callables) used as the checkpoint fingerprint (``keep_last_token`` only when
-        set, so checkpoints written before the option existed still match)."""
+        """Safe-loadable description (no callables) used as the checkpoint fingerprint (``keep_last_token`` and
+        ``truncate_keys`` only when set, so checkpoints written before they were compared still match)."""
         out: dict[str, Any] = {
             k: getattr(self, k)
             for k in (
@@ -516,6 +516,8 @@ class CurriculumConfig:
         }
         if self.keep_last_token:
             out["keep_last_token"] = True
+        if self.truncate_keys is not None:  # only when set, as keep_last_token
+            out["truncate_keys"] = list(self.truncate_keys)
         out["metrics"] = {
             name: {f.name: _describe(getattr(m, f.name)) for f in dataclasses.fields(m)}
             for name, m in self.metrics.items()

@@ -6,6 +6,7 @@ below ``max_difficulty`` refused), and the strict-resume error naming each chang
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -314,6 +315,40 @@ def test_the_strict_resume_error_names_each_changed_setting_with_both_values():
     same = controller({"p": pct_metric()}, n=40, seed=1)
     same.load_state_dict(a.state_dict())
     assert same.committed == a.committed
+
+
+@pytest.mark.parametrize(
+    ("setting", "before", "after", "named"),
+    [
+        (
+            "total_tokens",
+            dict(total_tokens=200),
+            dict(total_tokens=120),
+            "total_tokens=200, this fit has total_tokens=120",
+        ),
+        ("truncate_keys", dict(truncate_keys=["input_ids"]), {}, "{'truncate_keys': (['input_ids'], None)}"),
+    ],
+)
+def test_a_resume_with_another_total_tokens_or_truncate_keys_is_refused(tmp_path, setting, before, after, named):
+    """Neither was compared on resume: the token progress an LR schedule follows jumped from 0.32 at the checkpoint
+    to 0.8 at the next step (total_tokens 200 -> 120), and the batches were cut on other tensors (qa32-break 03).
+    strict=False warns and continues with this run's setting; the same setting resumes."""
+    from tests.helpers.tiny import seqlen_truncate
+
+    def fit(steps, ckpt=None, strict=True, **options):
+        data = CurriculumDataModule(TinyDataModule(TokenBlocks(n=40, seq_len=9), batch_size=4))
+        callback = Curriculum(metrics=seqlen_truncate(4, 8, 4, 4), strict=strict, **options)
+        trainer = make_trainer(tmp_path, [callback], max_steps=steps)
+        trainer.fit(tiny_gpt2(), datamodule=data, ckpt_path=ckpt)
+        return trainer
+
+    path = tmp_path / "first.ckpt"
+    fit(3, **before).save_checkpoint(path)
+    with pytest.raises(CurriculumConfigError, match=rf"{re.escape(named)}.*pass strict=False to continue with this"):
+        fit(6, path, **after)
+    with pytest.warns(UserWarning, match=re.escape(named)):
+        assert fit(6, path, strict=False, **after).global_step == 6
+    assert fit(6, path, **before).global_step == 6
 
 
 def test_fingerprint_diff_reports_an_added_metric_as_one_entry():
