@@ -440,7 +440,10 @@ class Curriculum(Callback):
             if not m.schedule_based:
                 continue
             if m.analysis is not None:
-                values = analyze_in_memory(dataset, m.analysis, collate_fn, self.analysis_batch_size)
+                try:
+                    values = analyze_in_memory(dataset, m.analysis, collate_fn, self.analysis_batch_size)
+                except CurriculumConfigError as err:
+                    raise CurriculumConfigError(f"curriculum_metrics.{name}: {err}") from None
                 if len(values) != n:
                     raise CurriculumConfigError(
                         f"curriculum_metrics.{name}: analysis returned {len(values)} values for {n} samples"

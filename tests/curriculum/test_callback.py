@@ -305,6 +305,39 @@ def test_in_memory_analysis_import_paths():
     assert values.dtype == np.int64 and values.tolist() == data.data[:, 0].tolist()
 
 
+@pytest.mark.parametrize("sign", [1, -1], ids=["positive", "negated"])
+def test_a_nan_score_cast_to_an_integer_is_refused_naming_the_metric(tmp_path, sign):
+    """A float score cast as the float-metric message advises turns NaN (and infinity) into -2**63: among positive
+    scores the index build overflowed (an error naming neither the metric nor the cause), among negated ones the NaN
+    sample became the easiest and trained from the first step (qa32-break 04). Both are refused at setup, naming the
+    metric's key; a MetricIndex over the int64 extremes no longer overflows."""
+
+    def score(batch):
+        value = sign * batch["input_ids"].float().std(1)
+        value[0] = float("nan")  # the first sample of each batch diverged
+        return (value * 1000).long()
+
+    metric = dict(
+        difficulty_type="value",
+        clustering_type="schedule_based",
+        min_difficulty=-30000 if sign < 0 else 1000,
+        max_difficulty=1000 if sign < 0 else 30000,
+        schedule_type="fixed_linear",
+        schedule_config=dict(total_curriculum_step=8, difficulty_step=1000),
+        analysis=score,
+    )
+    with pytest.raises(
+        CurriculumConfigError,
+        match=r"^curriculum_metrics.score: curriculum analysis: metric 'score' returned -9223372036854775808 \(the "
+        r"int64 minimum\) for 1 of a batch's 40 samples \(the first at position 0\): a NaN or infinite float",
+    ):
+        make_trainer(tmp_path, [Curriculum(metrics={"score": metric})], max_steps=1).fit(
+            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data())
+        )
+    extremes = np.array([np.iinfo(np.int64).min, 5, np.iinfo(np.int64).max])
+    assert MetricIndex.from_sample_to_metric(extremes).values.tolist() == sorted(extremes.tolist())
+
+
 def test_empty_first_eligible_set_fails_in_setup(tmp_path):
     metrics = {
         "first_token": dict(PCT, min_difficulty=1, schedule_config=dict(total_curriculum_step=1000, difficulty_step=1))

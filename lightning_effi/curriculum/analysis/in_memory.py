@@ -64,7 +64,7 @@ def _per_sample(name: str, values: Any, batch: Any) -> np.ndarray:
         values = np.asarray(values)  # a list of ints from a callable
     try:
         v = _to_numpy_result(values, name)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise CurriculumConfigError(f"curriculum analysis: {e}") from None
     if v.dtype == np.uint64 and v.size and v.max() > np.iinfo(np.int64).max:
         raise CurriculumConfigError(

@@ -205,7 +205,7 @@ class MetricIndex:
                 raise ValueError(
                     f"MetricIndex: values must have one entry per row ({len(offsets) - 1}); got shape {values.shape}"
                 )
-            if np.any(np.diff(values) <= 0):
+            if len(values) > 1 and np.any(values[1:] <= values[:-1]):  # no np.diff: it overflows at the int64 ends
                 raise ValueError("MetricIndex: values must be strictly increasing")
         for arr in (ids, offsets) + (() if values is None else (values,)):
             arr.flags.writeable = False
