@@ -89,11 +89,16 @@ def custom_order(sampler: Any) -> str | None:
     return None
 
 
-def loader_template(loader: Any, technique: str) -> dict[str, Any]:
+def loader_template(loader: Any, technique: str, world: tuple[int, int] | None = None) -> dict[str, Any]:
     """The settings of ``loader`` a technique needs to rebuild it. Only a plain loader qualifies (its sampler and batch
     sampler would be replaced, so anything else would silently train another order): ``DataLoader(dataset,
     batch_size=B, shuffle=..., drop_last=...)`` over a map-style dataset, or one whose sampler is plain
     (:func:`custom_order`) and batched by a ``BatchSampler`` that the loader built itself from its ``batch_size``.
+
+    Args:
+        world: ``(trainer.world_size, trainer.global_rank)``: a ``DistributedSampler`` of another world or rank is
+            refused (the technique shards the whole dataset over the Trainer's ranks, so it would train every
+            sample, not the sampler's shard).
 
     Returns:
         ``{dataset, batch_size, drop_last, collate_fn, num_workers, pin_memory, worker_init_fn, prefetch_factor,
@@ -105,7 +110,8 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
     Raises:
         DataConfigError: (naming ``technique`` and what was found) not one ``DataLoader``; an ``IterableDataset`` or
             a dataset without ``len()``; a custom sampler, a subclass of a plain sampler with its own ``__iter__`` /
-            ``__len__``, a ``RandomSampler`` with ``replacement`` or another ``num_samples``; a custom batch sampler;
+            ``__len__``, a ``RandomSampler`` with ``replacement`` or another ``num_samples``, a ``DistributedSampler``
+            whose ``num_replicas`` / ``rank`` are not ``world``'s; a custom batch sampler;
             an explicit ``batch_sampler=BatchSampler(...)`` (the loader's ``batch_size`` is then None); no automatic
             batching (``batch_size=None``).
     """
@@ -147,6 +153,16 @@ def loader_template(loader: Any, technique: str) -> dict[str, Any]:
     why = custom_order(sampler)
     if why is not None:
         raise DataConfigError(f"{found} ({why}); {technique} owns the sampler and {_PLAIN_LOADER}")
+    if isinstance(sampler, DistributedSampler) and world is not None:
+        shard, ranks = (int(sampler.rank), int(sampler.num_replicas)), (int(world[1]), int(world[0]))
+        if shard != ranks:
+            raise DataConfigError(
+                f"{found}: a DistributedSampler(num_replicas={shard[1]}, rank={shard[0]}), while this Trainer runs "
+                f"rank {ranks[0]} of {ranks[1]}: {technique} owns the sampler and shards the whole dataset over the "
+                "Trainer's ranks itself, so it would train every sample, not the sampler's shard; give the shard "
+                "as the dataset (torch.utils.data.Subset(dataset, indices)) with a plain loader, or leave the "
+                "sharding to the Trainer"
+            )
     if isinstance(sampler, SequentialSampler) or getattr(sampler, "shuffle", True) is False:
         rank_zero_warn(
             f"{technique}: the wrapped training loader keeps its samples in order ({type(sampler).__name__}, "
@@ -397,7 +413,9 @@ class WrappingDataModule(pl.LightningDataModule):
             chain = wrapper_chain(self)
             for inner in chain[1:]:
                 inner.trainer = self.trainer
-            self._template = loader_template(chain[-1].train_dataloader(), self.technique)
+            trainer = self.trainer
+            world = None if trainer is None else (int(trainer.world_size), int(trainer.global_rank))
+            self._template = loader_template(chain[-1].train_dataloader(), self.technique, world)
         else:
             self._check_reload()
         return self._template

@@ -196,6 +196,28 @@ def test_loader_template_refuses_what_it_would_silently_replace(make, message):
     assert str(err.value).startswith(message), str(err.value)
 
 
+def test_a_distributed_sampler_of_another_world_is_refused_and_the_trainers_is_read():
+    """A single-process fit whose loader serves shard 0 of 2 (``DistributedSampler(num_replicas=2, rank=0)``): the
+    technique shards the whole dataset itself and trained all 32 samples, not the 16 of the shard, with only the
+    sequential-order warning (qa32-break 05). The sampler of the Trainer's own world and rank is plain."""
+    data = TokenBlocks(n=N)
+    shard = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    with pytest.raises(DataConfigError) as err:
+        loader_template(shard, "InfoBatch", world=(1, 0))
+    assert str(err.value) == (
+        "InfoBatch: the wrapped training loader uses DistributedSampler / BatchSampler: a DistributedSampler("
+        "num_replicas=2, rank=0), while this Trainer runs rank 0 of 1: InfoBatch owns the sampler and shards the whole "
+        "dataset over the Trainer's ranks itself, so it would train every sample, not the sampler's shard; give the "
+        "shard as the dataset (torch.utils.data.Subset(dataset, indices)) with a plain loader, or leave the sharding "
+        "to the Trainer"
+    )
+    assert loader_template(shard, "InfoBatch", world=(2, 0))["length"] == N  # rank 0 of 2: the Trainer's world
+    with pytest.raises(
+        DataConfigError, match=r"DistributedSampler\(num_replicas=2, rank=0\), while this Trainer runs rank 1 of 2"
+    ):
+        loader_template(shard, "InfoBatch", world=(2, 1))
+
+
 class NoLength(Dataset):
     def __getitem__(self, i):
         return torch.zeros(2)
