@@ -91,6 +91,7 @@ from lightning_effi.core.measure import (
     find_blocks,
     find_tokens,
     hidden_tokens,
+    key_padding_mask,
     mask_is_additive,
     tensor_leaves,
     token_source,
@@ -536,6 +537,8 @@ class EfficiencyMonitor(Callback):
         self._calls: list[CallRecord] | None = None  # the network's calls in the current batch (None: not recorded)
         self._batch_shapes: list[tuple[Any, tuple[int, ...]]] | None = None  # the shapes of the recorded batch
         self._observed_tokens: int | None = None  # tokens in the first block's hidden states in the current batch
+        self._observed_shape: tuple[int, ...] | None = None  # those hidden states' shape
+        self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
         self._block_hook: Any = None
         #: a compiled module's last recorded batch: (its batch shapes, the network's parameter shapes); see _watch
         self._recorded_key: tuple[Any, ...] | None = None
@@ -552,6 +555,33 @@ class EfficiencyMonitor(Callback):
         )
 
     # ----------------------------------------------------------------------------------------- per batch
+    def _downsampled_mask(self, batch: Any) -> float | None:
+        """``T / L`` when the batch's tokens are read from an ``attention_mask`` of ``L`` positions per row but the
+        first transformer block sees fewer, ``T`` (a frontend that downsamples: an HF audio batch's mask marks audio
+        samples, the blocks see frames); the mask's count is scaled by it, with one warning. None otherwise (the mask
+        counts the blocks' positions; a model that prepends tokens sees more)."""
+        self._mask_scale = None
+        source = token_source(batch)
+        shape = self._observed_shape
+        if source is None or source[0] != "mask" or shape is None or combined_parts(self._train_loaders, batch):
+            return None
+        rows = key_padding_mask(source[1])
+        if rows is None or rows.ndim != 2:
+            return None
+        size, length = int(rows.shape[0]), int(rows.shape[1])
+        seq = shape[1] if shape[0] == size else shape[0] if shape[1] == size else None
+        if seq is None or seq >= length:
+            return None
+        self._mask_scale = seq / length
+        self._warn(
+            "tokens/downsampled_mask",
+            f"the batch's attention_mask has {length} positions per row, but the first transformer block sees {seq} "
+            f"(a frontend that downsamples, e.g. audio samples to frames): tokens are the mask's real positions "
+            f"scaled by {seq}/{length}, the positions the blocks process; define `effi_count_tokens(batch) -> int` "
+            "on your LightningModule to count your own way",
+        )
+        return self._mask_scale
+
     def _warn_unread_mask(self, batch: Any) -> None:
         """Once: the tokens of a batch without token ids are the hidden states' positions, padding included, while
         the batch holds what looks like a padding mask (a 2-D bool tensor, or a 2-D tensor with ``mask`` in its
@@ -674,6 +704,9 @@ class EfficiencyMonitor(Callback):
         else:
             counts = [find_tokens(part) for part in parts]
             found = None if all(n is None for n in counts) else sum(n for n in counts if n is not None)
+            scale = self._downsampled_mask(batch) if fallback is None else self._mask_scale
+            if found is not None and scale is not None:
+                found = round(found * scale)
             if found is None and self._batch_shapes is not None and self._observed_tokens is not None:
                 # the positions of the first block's hidden states (continuous features: no token ids); the batch
                 # of a technique that restored a cut sequence axis (the curriculum's) scaled by its length
@@ -887,12 +920,12 @@ class EfficiencyMonitor(Callback):
         if key is not None and key == self._recorded_key:
             return  # the record of this regime stands
         self._recorded_key, self._pending_key = None, key
-        self._calls, self._batch_shapes, self._observed_tokens = None, None, None
+        self._calls, self._batch_shapes, self._observed_tokens, self._observed_shape = None, None, None, None
         if key is not None:  # the recorded step runs uncompiled: the hooks would break the graph dynamo keeps
             self._eager = torch.compiler.set_stance("force_eager")
         if not callable(getattr(pl_module, "effi_training_flops", None)) and not self._own_flops(pl_module):
             self._recorder.start(pl_module, batch)
-        if not callable(getattr(pl_module, "effi_count_tokens", None)) and token_source(batch) is None:
+        if not callable(getattr(pl_module, "effi_count_tokens", None)):  # positions, and a mask's downsampling
             blocks = self.find_blocks(pl_module)
             first = next(iter(blocks.children()), None) if blocks is not None else None
             if first is not None:
@@ -909,6 +942,10 @@ class EfficiencyMonitor(Callback):
     def _observe(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._observed_tokens is None:
             self._observed_tokens = hidden_tokens(args, kwargs)
+            hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            self._observed_shape = (
+                tuple(hidden.shape) if self._observed_tokens is not None and hidden is not None else None
+            )
 
     def _unwatch(self, batch: Any) -> None:
         """After the training step (``batch``: the trained batch) or on an error (None): remove the hooks."""

@@ -487,6 +487,44 @@ def test_blocks_the_step_checkpoints_itself_count_their_recompute(
                 assert full < real < full + forward
 
 
+class UserSpeech(UserModule):
+    """HF audio layout: ``input_values`` ``[B, L]`` samples and an ``attention_mask`` marking them; a strided
+    convolution turns 4 samples into one frame, the blocks run on the frames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frontend = nn.Conv1d(1, 32, kernel_size=4, stride=4)
+        self.blocks, self.head = nn.ModuleList(OwnBlock() for _ in range(3)), nn.Linear(32, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = self.frontend(batch["input_values"][:, None]).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x.mean(1)), batch["labels"])
+
+
+def test_a_mask_of_audio_samples_is_scaled_to_the_frames_the_blocks_see(tmp_path: Path) -> None:
+    """The mask marks 104 of 128 audio samples; the blocks see 8 frames per row of 32 samples: tokens are
+    104 * 8 / 32 = 26 (the monitor read 104, the samples, 4x the frames the blocks processed; 12-16x in the
+    helper's run), with one warning naming the scale and the hook."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(B, 32, dtype=torch.long)
+    mask[1, 24:], mask[2, 16:] = 0, 0
+    batch = {"input_values": torch.randn(B, 32, generator=g), "attention_mask": mask, "labels": torch.arange(B) % 2}
+    pl.seed_everything(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, measured, per_batch = fit(UserSpeech(), DataLoader([batch] * 2, batch_size=None), tmp_path, 2)
+    assert monitor_warnings(caught) == [
+        "EfficiencyMonitor: the batch's attention_mask has 32 positions per row, but the first transformer block sees "
+        "8 (a frontend that downsamples, e.g. audio samples to frames): tokens are the mask's real positions scaled by "
+        "8/32, the positions the blocks process; define `effi_count_tokens(batch) -> int` on your LightningModule to "
+        "count your own way"
+    ]
+    for row in per_batch.rows:
+        assert row["tokens"] == 26 and row["layer_tokens"] == 3 * 26 and row["samples"] == B
+
+
 class HalveFlops(Callback):
     """A technique that lowers every batch's FLOPs to half (``effi_adjust``)."""
 
