@@ -47,7 +47,7 @@ import dataclasses
 import math
 import random
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -62,7 +62,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_effi.core.accounting import BatchStats
-from lightning_effi.core.batch import unwrap
+from lightning_effi.core.batch import batch_meta, unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.flops import sdpa_recomputes
@@ -417,6 +417,8 @@ class RandomLTDCallback(Callback):
         self.max_value: int | None = max_value
         self.keep_prefix_tokens = 0 if keep_prefix_tokens == "auto" else keep_prefix_tokens
         self._seqlen_curriculum: tuple[str, int] | None = None  # (metric, longest batch) of a truncating curriculum
+        self._truncation_shift: int | None = None  # seqlen_truncate's tokens beyond the difficulty (label shift)
+        self._first_batch_length: int | None = None  # the first batch's length under seqlen_truncate (batch units)
         self._curriculum: str | None = None  # a Curriculum in the run: its first batches may be short by design
         self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
         self._active = False  # between setup("fit") and the end of that fit (teardown or on_exception)
@@ -463,6 +465,7 @@ class RandomLTDCallback(Callback):
         self._flops_models: dict[tuple[Any, ...], tuple[Fraction, Fraction, frozenset[int], int] | str] = {}
         self._predict_layer_flops = True
         self._data_length: int | None = None  # the sequence length peeked from the training data at train start
+        self._lengths_vary = False  # the peeked samples differ in length (batches padded per batch vary too)
         # this fit resumes a random-LTD schedule from a checkpoint (its state loaded, or one of another configuration
         # accepted with strict=False): a fit starting at global_step > 0 without it is refused at train start
         self._resumed = False
@@ -720,6 +723,7 @@ class RandomLTDCallback(Callback):
         bound = self.min_value if self.max_value is None else self.max_value  # the smallest value ignores it
         smallest = F.ltd_value(0, self.min_value, bound, 1, self.seq_per_step, self.rounding)
         found: tuple[str, int] | None = None
+        self._truncation_shift = None
         for other in trainer.callbacks:
             if not any(k.__name__ == "Curriculum" for k in type(other).__mro__):
                 continue
@@ -734,6 +738,8 @@ class RandomLTDCallback(Callback):
                     continue
                 longest = int(m.max_difficulty) + extra
                 found = (metric, max(longest, found[1]) if found is not None else longest)
+                if metric == "seqlen_truncate":
+                    self._truncation_shift = extra
                 if smallest >= longest:
                     plus = f" + {extra} ({'causal_label_shift' if metric == 'seqlen_truncate' else 'reshaped rows'})"
                     raise ValueError(
@@ -839,7 +845,7 @@ class RandomLTDCallback(Callback):
         self._announced = self.max_value if self.max_value_arg is None else None  # restored on resume: said before
         total = trainer.estimated_stepping_batches
         self.total_steps = int(total) if math.isfinite(total) else None
-        self._data_length = None
+        self._data_length, self._lengths_vary = None, False
         if self._curriculum is None and (not self._seen or self._resumed):
             self._data_length = self._peek_sequence_length(trainer)
             if self._data_length is not None:
@@ -1039,11 +1045,34 @@ class RandomLTDCallback(Callback):
                     lengths.add(int(seq_len))
         except Exception:  # noqa: BLE001 - a peek that cannot read the data checks nothing; the loop reports it
             return None
+        self._lengths_vary = len(lengths) > 1
         return lengths.pop() if len(lengths) == 1 else None
 
-    def _check_length(self, seq_len: int, where: str) -> None:
+    def _check_curriculum_units(self, seq_len: int, length: int) -> None:
+        """``max_value`` derived from the curriculum's ``seqlen_truncate`` (its ``max_difficulty``, in the batch's
+        units) against the first batch: its layers must see the batch's length (``length``, less the label shift at
+        most). A frontend that downsamples (audio samples to frames, bytes to patches) or tokens the model adds make
+        the two differ, and the schedule would end at a length the layers never see.
+
+        Raises:
+            ValueError: naming both lengths and ``max_value``.
+        """
+        assert self._seqlen_curriculum is not None and self._truncation_shift is not None
+        if length - self._truncation_shift <= seq_len <= length:
+            return
+        metric, longest = self._seqlen_curriculum
+        raise ValueError(
+            f"{type(self).__name__}: max_value=None takes the end of the schedule from the curriculum's {metric} "
+            f"({longest}, its longest batch), counted in the batch's units, but at the first training batch the "
+            f"patched layers see {seq_len} positions where the batch is {length} long (a frontend that downsamples, "
+            "e.g. audio samples to frames, or tokens the model adds): the schedule would end at a length the layers "
+            f"never see; pass max_value, the positions the layers see at the curriculum's longest batch"
+        )
+
+    def _check_length(self, seq_len: int, where: str, explicit_max: bool = True) -> None:
         """The settings against the sequence length ``S`` the patched layers see (``where``: peeked from the
-        training data at train start, or the first training batch).
+        training data at train start, or the first training batch; ``explicit_max``: check an explicit
+        ``max_value`` too, not when the samples vary in length, whose longest batch may come later).
 
         Raises:
             ValueError: ``S`` above the model's ``max_sequence_length`` (a declared ``GenericAdapter`` bound that the
@@ -1059,7 +1088,7 @@ class RandomLTDCallback(Callback):
                 f"model's max_sequence_length ({longest}, {type(self.adapter).__name__}); declare the model's real "
                 "bound (GenericAdapter(max_sequence_length=...), or None when it has none) or feed shorter sequences"
             )
-        if self.max_value_arg is not None and self.max_value_arg > seq_len:
+        if explicit_max and self.max_value_arg is not None and self.max_value_arg > seq_len:
             raise ValueError(
                 f"{name}.max_value ({self.max_value_arg}) is larger than the sequence length the patched layers "
                 f"see ({seq_len} tokens {where}): the reserved length would reach {seq_len} before the end of its "
@@ -1225,6 +1254,12 @@ class RandomLTDCallback(Callback):
         if self.max_value is not None:
             self.current_value = self._scheduled_value()
         # r is read again by the first LTD layer of the forward, with the sequence length it sees (max_value=None)
+        self._first_batch_length = None
+        if not self._seen and self.max_value_arg is None and self._truncation_shift is not None:
+            meta = batch_meta(trainer) or {}
+            difficulty, full = meta.get("cl_difficulty"), meta.get("cl_full_length")
+            if isinstance(difficulty, Mapping) and is_int(difficulty.get("seqlen_truncate")) and is_int(full):
+                self._first_batch_length = min(int(full), int(difficulty["seqlen_truncate"]) + self._truncation_shift)
         self.controller.begin(step, batch_idx, self._reserved_length)
         self._folded = False
         self._batch_costs_fixed, self._frac_fixed = None, None
@@ -1268,7 +1303,11 @@ class RandomLTDCallback(Callback):
         first, self._seen = not self._seen, True
         self._longest_seen = max(self._longest_seen, seq_len)
         if first and self._curriculum is None and seq_len != self._data_length:
-            self._check_length(seq_len, "at the first training batch")
+            # samples of different lengths: one batch's length does not bound an explicit max_value (on_train_end
+            # warns when no batch reached it)
+            self._check_length(seq_len, "at the first training batch", explicit_max=not self._lengths_vary)
+        if first and self._first_batch_length is not None:
+            self._check_curriculum_units(seq_len, self._first_batch_length)
         if self.max_value_arg is not None:
             return
         if self.max_value is None:
@@ -1530,6 +1569,15 @@ class RandomLTDCallback(Callback):
         or above the data's sequence length that no setup check could see, e.g. under a curriculum over a training
         set too large to read at setup)."""
         self.nonfinite_guard.report_at_end()
+        explicit = self.max_value_arg
+        longest, reached = self._longest_seen, self.current_value or 0
+        if explicit is not None and self._lengths_vary and 0 < longest < explicit and reached >= longest:
+            rank_zero_warn(
+                f"{type(self).__name__}: max_value={explicit}, but the longest batch the patched layers saw in this "
+                f"fit was {longest} tokens: the reserved length reached {longest} before the end of its growth and "
+                "dropped nothing from then on (a smaller saving than the schedule says); pass max_value <= "
+                f"{longest}, or max_value=None (it follows the longest batch seen)"
+            )
         if self.full_layer_tokens > 0 and self.consumed_layer_tokens >= self.full_layer_tokens:
             longest = f" (the longest this fit: {self._longest_seen} tokens)" if self._longest_seen else ""
             rank_zero_warn(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -131,6 +132,89 @@ def test_an_explicit_max_value_above_the_seen_length_is_refused(tmp_path):
     ):
         trainer.fit(CharGPT(256), train_dataloaders=loader(Blocks()))
     assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("max_value", [16, 24])
+def test_an_explicit_max_value_over_batches_padded_per_batch_is_checked_against_the_longest(tmp_path, max_value):
+    """Sentences of 3-16 tokens padded per batch: an explicit max_value of 16, the longest batch, was refused because
+    the first batch happened to be shorter, with the advice to pass max_value <= its length, which caps the later,
+    longer batches (qa32-user 01). It now trains; a max_value no batch reached (24) warns at the end of the fit with
+    the longest length seen."""
+    from tests.helpers.tiny import tiny_bert_cls, tiny_sentence_data
+
+    cb = RandomLTDCallback(min_value=2, max_value=max_value, seq_per_step=2, require_steps=3)
+    watch = Watch(cb)
+    trainer = make_trainer(tmp_path, [cb, watch], max_steps=5, max_epochs=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(tiny_bert_cls(n_layer=4), datamodule=tiny_sentence_data(batch_size=8))
+    lengths = [row["records"][0].seq_len for row in watch.rows]
+    assert lengths[0] < 16 and max(lengths) == 16 and trainer.global_step == 5
+    said = [str(w.message) for w in caught if "the longest batch the patched layers saw" in str(w.message)]
+    if max_value == 16:
+        assert said == []
+    else:
+        assert said == [
+            "RandomLTDCallback: max_value=24, but the longest batch the patched layers saw in this fit was 16 tokens: "
+            "the reserved length reached 16 before the end of its growth and dropped nothing from then on (a smaller "
+            "saving than the schedule says); pass max_value <= 16, or max_value=None (it follows the longest batch "
+            "seen)"
+        ]
+
+
+class Downsampling(pl.LightningModule):
+    """Token ids, a frontend that merges 2 tokens into one position, then blocks of one's own: the layers see half
+    the batch's length (as an audio model's frames of its samples)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.merge = nn.Embedding(64, 16), nn.Linear(32, 32)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(32, 2, 64, batch_first=True) for _ in range(3))
+        self.head = nn.Linear(32, 2)
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        x = self.merge(self.embed(ids).reshape(ids.shape[0], ids.shape[1] // 2, 32))
+        for block in self.blocks:
+            x = block(x)
+        return TF.cross_entropy(self.head(x.mean(1)), ids[:, 0] % 2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_curriculum_in_other_units_than_the_layers_needs_an_explicit_max_value(tmp_path):
+    """The curriculum truncates to 8 -> 16 tokens; the layers see 4 -> 8 positions. max_value=None took 16, the
+    curriculum's longest batch, so the reserved length passed every batch after a few steps and nothing was dropped
+    (qa32-user 03: 1 of 16 steps dropped tokens). The first batch now raises naming both lengths; an explicit
+    max_value of the layers' positions trains and drops tokens at every step of the growth."""
+    from lightning_effi.callbacks import Curriculum
+    from lightning_effi.data import CurriculumDataModule
+    from tests.helpers.tiny import seqlen_truncate
+
+    def fit(max_value):
+        adapter = GenericAdapter("blocks", hidden_size=32)
+        cb = RandomLTDCallback(min_value=2, max_value=max_value, seq_per_step=2, require_steps=4, adapter=adapter)
+        watch = Watch(cb)
+        callbacks = [Curriculum(metrics=seqlen_truncate(8, 16, 4, 2)), cb, watch]
+        data = CurriculumDataModule(TinyDataModule(TokenBlocks(n=40, seq_len=16), batch_size=4))
+        make_trainer(tmp_path, callbacks, max_steps=4, max_epochs=-1).fit(Downsampling(), datamodule=data)
+        return watch
+
+    with pytest.raises(
+        ValueError,
+        match=r"max_value=None takes the end of the schedule from the curriculum's seqlen_truncate \(16, its longest "
+        r"batch\), counted in the batch's units, but at the first training batch the patched layers see 5 positions "
+        r"where the batch is 10 long .*pass max_value, the positions the layers see at the curriculum's longest batch",
+    ):
+        fit(None)
+    rows = fit(8).rows
+    assert [(row["records"][0].seq_len, row["records"][0].reserved_length) for row in rows] == [
+        (5, 2),
+        (6, 2),
+        (7, 4),
+        (8, 6),
+    ]
 
 
 def test_a_min_value_above_the_seen_length_is_refused(tmp_path):
