@@ -31,8 +31,11 @@ per (argument shapes, grad mode, outputs used, the module's type, training mode 
 
 What is not measured: matrix products in the LightningModule's own code outside any module call (``x @ self.weight``
 in ``training_step``); torchmetrics metrics called in the step (``self.train_acc(preds, y)``: counters updated
-from real values, not the network's compute) are not recorded; any other module whose forward needs real values
-(data-dependent shapes or control flow) fails to replay and is reported (:class:`MeasureError`).
+from real values, not the network's compute) are not recorded. A call whose forward makes a data-dependent shape
+(``hidden[labels != -100]``: a masked-LM head on the masked positions only) is measured through the module calls made
+directly inside it, each on the shapes it was called with (:attr:`CallRecord.parts`; its own operations between them
+are not counted); one without such calls, or whose forward needs real values otherwise (data-dependent control flow),
+fails to replay and is reported (:class:`MeasureError`).
 """
 
 from __future__ import annotations
@@ -86,7 +89,16 @@ Path = tuple[Any, ...]
 
 
 class MeasureError(RuntimeError):
-    """A figure that cannot be measured (the message says why)."""
+    """A figure that cannot be measured (the message says why).
+
+    Attributes:
+        data_dependent: the replay failed on a shape that depends on the data's values (boolean-mask indexing,
+            ``nonzero``), which no replay on fake tensors can know.
+    """
+
+    def __init__(self, message: str, data_dependent: bool = False) -> None:
+        super().__init__(message)
+        self.data_dependent = data_dependent
 
 
 # --------------------------------------------------------------------------------------------------- batches
@@ -563,6 +575,9 @@ class CallRecord:
         args, kwargs: the arguments, tensors as :class:`TensorInfo`.
         grad: whether grad mode was on.
         used: the paths (:func:`leaves`) of the outputs that received a gradient in the real backward.
+        parts: the module calls made directly inside this one (recorded by :class:`CallRecorder`), replayed in its
+            place when it cannot be (:attr:`MeasureError.data_dependent`: a head on the masked positions only,
+            ``hidden[labels != -100]``); its own operations outside them are then not counted.
         recompute: ``None``, or how the backward recomputed this call: made by the step's own code inside a
             non-reentrant ``torch.utils.checkpoint`` (``"early_stop"``: the recompute stops once it has rebuilt the
             tensors the backward needs, torch's default; ``"full"``: ``early_stop=False``). The replay runs the call
@@ -575,6 +590,7 @@ class CallRecord:
     grad: bool
     used: set[Path] = dataclasses.field(default_factory=set)
     recompute: str | None = None
+    parts: list[CallRecord] = dataclasses.field(default_factory=list)
 
     def key(self) -> tuple[Any, ...]:
         return (
@@ -629,8 +645,21 @@ class CallRecord:
             return dataclasses.replace(info, shape=shape)
 
         return dataclasses.replace(
-            self, args=_map_tensors(self.args, reshape), kwargs=_map_tensors(self.kwargs, reshape), used=set(self.used)
+            self,
+            args=_map_tensors(self.args, reshape),
+            kwargs=_map_tensors(self.kwargs, reshape),
+            used=set(self.used),
+            parts=_parts_on_batch(self.parts, batch),
         )
+
+
+def _parts_on_batch(parts: list[CallRecord], batch: Any) -> list[CallRecord]:
+    """:attr:`CallRecord.parts` on another batch (:meth:`CallRecord.on_batch`); none when a part's shapes on it are
+    unknown (a part called on hidden states: the outer call must then be replayed)."""
+    try:
+        return [part.on_batch(batch) for part in parts]
+    except MeasureError:
+        return []
 
 
 def describe_call(
@@ -725,6 +754,7 @@ class CallRecorder:
         self._names: dict[int, str] = {}
         self._stack: list[tuple[nn.Module, bool]] = []
         self._replayed: list[nn.Module] = []  # the modules of the calls whose replay runs their backward
+        self._parts: list[CallRecord] = []  # the calls made directly inside the outermost call in progress
         self._replayed_ids: set[int] | None = None  # those modules and their submodules (found when first needed)
         self._refs: list[tuple[TensorInfo, weakref.ref[Tensor]]] = []
         self._handles: list[Any] = []
@@ -740,7 +770,7 @@ class CallRecorder:
         training batch, whose slices among the arguments (``ids[:, :-1]``) are noted while they exist."""
         self.stop(None)
         self.calls, self._refs, self._stack, self._slices = [], [], [], {}
-        self._replayed, self._replayed_ids = [], None
+        self._replayed, self._replayed_ids, self._parts = [], None, []
         self._batch_tensors = list(tensor_leaves(batch)) if batch is not None else []
         self._names = {id(m): name for name, m in root.named_modules()}
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -754,7 +784,7 @@ class CallRecorder:
         """Stop recording; the tensor arguments that are tensors of ``batch`` get their path (:class:`TensorInfo`)."""
         for handle in self._handles:
             handle.remove()
-        self._handles, self._stack = [], []
+        self._handles, self._stack, self._parts = [], [], []
         slices, self._slices, self._batch_tensors = self._slices, {}, []
         if batch is None or not self._refs:
             self._refs = []
@@ -779,8 +809,9 @@ class CallRecorder:
             return dataclasses.replace(info, path=path, trim=trim)
 
         for call in self.calls:
-            call.args = _map_tensors(call.args, with_path)
-            call.kwargs = _map_tensors(call.kwargs, with_path)
+            for each in (call, *call.parts):
+                each.args = _map_tensors(each.args, with_path)
+                each.kwargs = _map_tensors(each.kwargs, with_path)
 
     def _before(self, module: nn.Module, args: Any) -> None:
         if id(module) not in self._names or _redirected(module):
@@ -803,21 +834,34 @@ class CallRecorder:
         if not self._stack or self._stack[-1][0] is not module:
             return
         _, grad = self._stack.pop()
-        if self._stack or len(rest) != 2:  # a nested call, or the forward raised (hook(module, args, result))
+        depth = len(self._stack)
+        if depth == 0:
+            parts, self._parts = self._parts, []
+        if depth > 1 or len(rest) != 2:  # a call nested deeper, or the forward raised (hook(module, args, result))
             return
         if _is_metric(module):  # a torchmetrics metric (its update needs real values; no network compute)
             return
         kwargs, output = rest
-        first = len(self._refs)
-        call = CallRecord(
-            self._names[id(module)], _describe(tuple(args), self._refs), _describe(dict(kwargs), self._refs), grad
-        )
+        call = self._record(module, args, kwargs, output, grad)
+        if depth == 1:  # a call made directly inside the outermost one: one of its parts
+            self._parts.append(call)
+            return
+        call.parts = parts
         if grad:
             if not _in_backward():
                 call.recompute = _checkpoint_recompute(module)
             self._replayed.append(module)
             self._replayed_ids = None
         self.calls.append(call)
+
+    def _record(self, module: nn.Module, args: Any, kwargs: Any, output: Any, grad: bool) -> CallRecord:
+        """The :class:`CallRecord` of a call that just returned ``output``: its arguments described (the batch's
+        slices among them noted), and, in grad mode, a hook on each output that marks it used when it gets a
+        gradient."""
+        first = len(self._refs)
+        call = CallRecord(
+            self._names[id(module)], _describe(tuple(args), self._refs), _describe(dict(kwargs), self._refs), grad
+        )
         for info, ref in self._refs[first:]:
             tensor = ref()
             if tensor is None or any(v is tensor for _, v in self._batch_tensors):
@@ -826,12 +870,13 @@ class CallRecorder:
             if slices and all(shape == slices[0][1] and t == slices[0][2] for _, shape, t in slices):
                 self._slices[id(info)] = (slices[0][0], slices[0][2])  # a slice of one batch tensor (or its aliases)
         if not grad:
-            return
+            return call
         for path, value in tensor_leaves(output):
             if value.requires_grad and value.grad_fn is None:  # a leaf (a parameter returned): a hook would stay on it
                 call.used.add(path)
             elif value.requires_grad:
                 value.register_hook(_MarkUsed(call.used, path))  # type: ignore[no-untyped-call]
+        return call
 
 
 def _is_metric(module: nn.Module) -> bool:
@@ -1036,7 +1081,19 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
                     loss.backward()  # type: ignore[no-untyped-call]
             return int(counter.get_total_flops())
     except Exception as err:
+        kinds = {k.__name__ for k in type(err).__mro__}
+        if kinds & _DATA_DEPENDENT:
+            raise MeasureError(
+                f"replaying {type(target).__name__} failed: its forward makes a shape that depends on the data's "
+                f"values ({type(err).__name__}: {err}; boolean-mask indexing such as hidden[labels != -100], "
+                "torch.nonzero, masked_select), which a replay on fake tensors cannot know",
+                data_dependent=True,
+            ) from err
         raise MeasureError(f"replaying {type(target).__name__} failed ({type(err).__name__}: {err})") from err
+
+
+#: the exceptions of a fake-tensor replay at an operation whose output shape depends on the data's values
+_DATA_DEPENDENT = {"DynamicOutputShapeException", "DataDependentOutputException", "GuardOnDataDependentSymNode"}
 
 
 @contextlib.contextmanager
@@ -1192,6 +1249,11 @@ class FlopsMeter:
                 if len(self._cache) > self.max_entries:
                     self._cache.popitem(last=False)
             if isinstance(result, MeasureError):
+                if result.data_dependent and call.parts:
+                    # the calls made directly inside it, each replayed on its recorded shapes (a head on the
+                    # masked positions: on this batch's count of them)
+                    total += self.flops(root, call.parts)
+                    continue
                 raise result
             total += result
         return total

@@ -293,7 +293,7 @@ def test_hand_written_transformer_encoder_called_as_self(tmp_path: Path) -> None
 def test_what_cannot_be_found_warns_once_naming_the_hook(tmp_path: Path) -> None:
     """An MLP on float features: tokens (and so layer-tokens) read 0 with one warning naming effi_count_tokens, the
     FLOPs are still measured. Token ids without transformer blocks and a forward that cannot be replayed: the
-    layer-tokens and FLOPs warnings name effi_num_layers and effi_training_flops; the fit goes on."""
+    layer-tokens warning names effi_num_layers, the FLOPs are those of the calls inside it; the fit goes on."""
     g = torch.Generator().manual_seed(0)
     features = DataLoader(TensorDataset(torch.randn(3 * B, 8, generator=g), torch.randint(0, 3, (3 * B,))), B)
     pl.seed_everything(0)
@@ -318,14 +318,14 @@ def test_what_cannot_be_found_warns_once_naming_the_hook(tmp_path: Path) -> None
     pl.seed_everything(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        monitor, _, _ = fit(BagOfWords(), token_loader(labels="cls"), tmp_path / "bow")
-    messages = monitor_warnings(caught)
-    assert len(messages) == 2
-    layers, flops = sorted(messages)
+        monitor, measured, per_batch = fit(BagOfWords(), token_loader(labels="cls"), tmp_path / "bow")
+    (layers,) = monitor_warnings(caught)
     assert layers.startswith("EfficiencyMonitor: layer-tokens") and "`effi_num_layers`" in layers
-    assert flops.startswith("EfficiencyMonitor: training FLOPs") and "`effi_training_flops(batch)`" in flops
     s = monitor.summary
-    assert s["tokens"] == 3 * B * T and s["layer_tokens"] == 0 and s["flops"] == 0.0 and s["batches"] == 3
+    assert s["tokens"] == 3 * B * T and s["layer_tokens"] == 0 and s["batches"] == 3
+    # its own call cannot be replayed (ids[ids > 0]: a data-dependent shape), so the calls made directly inside it
+    # are, on their recorded shapes: the head on [1, 16], forward and both gradients (the FLOPs read 0 before)
+    assert [r["flops"] for r in per_batch.rows] == [3 * 2 * 16 * 10] * 3 == measured.per_batch
 
 
 class Lengthen(Callback):
@@ -523,6 +523,77 @@ def test_a_mask_of_audio_samples_is_scaled_to_the_frames_the_blocks_see(tmp_path
     ]
     for row in per_batch.rows:
         assert row["tokens"] == 26 and row["layer_tokens"] == 3 * 26 and row["samples"] == B
+
+
+class SparseMLM(UserModule):
+    """A masked-LM head on the masked positions only (ModernBERT's ``sparse_prediction``): ``hidden[labels != -100]``,
+    a shape that depends on the data. ``sparse=False`` runs the head outside any module call of its own."""
+
+    def __init__(self, wrapped: bool = True) -> None:
+        super().__init__()
+        cfg = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+        self.bert = transformers.BertModel(transformers.BertConfig(vocab_size=V, hidden_size=32, **cfg))
+        self.head = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, V))
+        self.wrapped = wrapped
+
+    def masked_lm(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.bert(input_ids=ids).last_hidden_state
+        picked = labels != -100
+        return F.cross_entropy(self.head(hidden[picked]), labels[picked])
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.masked_lm(ids, labels)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        return self(ids, labels) if self.wrapped else self.masked_lm(ids, labels)
+
+
+def test_a_head_on_the_masked_positions_only_is_counted_on_their_number(tmp_path: Path) -> None:
+    """``self(ids, labels)`` cannot be replayed on fake tensors (``nonzero`` of the mask: FLOPs read 0 for the run,
+    qa32-user 04); the calls made directly inside it are: the encoder on the batch, the head on each batch's masked
+    positions. Each batch's FLOPs equal the flop counter's; the batches mask different numbers of positions."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V, (3 * B, T), generator=g)
+    labels = torch.where(torch.rand(3 * B, T, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+    loader = DataLoader(TensorDataset(ids, labels), batch_size=B)
+    counts = [int((batch[1] != -100).sum()) for batch in loader]
+    assert len(set(counts)) > 1
+    for wrapped in (True, False):
+        pl.seed_everything(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, measured, per_batch = fit(SparseMLM(wrapped), loader, tmp_path / str(wrapped))
+        assert monitor_warnings(caught) == []
+        assert [row["flops"] for row in per_batch.rows] == measured.per_batch
+        assert all(flops > 0 for flops in measured.per_batch)
+
+
+class PickPositive(nn.Module):
+    """One module whose own forward has a data-dependent shape, with no module call inside to replay instead."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[x > 0]
+
+
+def test_a_data_dependent_shape_without_calls_inside_is_named_in_the_warning(tmp_path: Path) -> None:
+    class Module(UserMLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pick = PickPositive()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch, batch_idx) + self.pick(batch[0]).sum() * 0
+
+    g = torch.Generator().manual_seed(0)
+    features = DataLoader(TensorDataset(torch.randn(3 * B, 8, generator=g), torch.randint(0, 3, (3 * B,))), B)
+    pl.seed_everything(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(Module(), features, tmp_path)
+    (flops,) = [m for m in monitor_warnings(caught) if "training FLOPs" in m]
+    assert "replaying PickPositive failed: its forward makes a shape that depends on the data's values" in flops
+    assert "boolean-mask indexing such as hidden[labels != -100]" in flops and "`effi_training_flops(batch)`" in flops
 
 
 class HalveFlops(Callback):
