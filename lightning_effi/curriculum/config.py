@@ -186,13 +186,16 @@ class MetricConfig:
                     f"max_difficulty to {last} if the curriculum is meant to stop at {last} (the same run)"
                 )
         elif schedule.schedule_type in ("fixed_linear", "fixed_root"):
-            q, hi = cfg["difficulty_step"], schedule.max_difficulty
-            if q > hi:
+            q, lo, hi = cfg["difficulty_step"], schedule.min_difficulty, schedule.max_difficulty
+            # a range above 0 needs a multiple of q in (0, max_difficulty]; one at or below 0 (a value metric of
+            # negated scores) a step within its width
+            bound, named = (hi, f"max_difficulty ({hi})") if hi > 0 else (hi - lo, f"the range's width ({hi - lo})")
+            if q > bound and lo < hi:
                 raise CurriculumConfigError(
-                    f"{where}.difficulty_step ({q}) must be <= max_difficulty ({hi}): every difficulty rounds down to "
-                    f"a multiple of {q}, so the schedule would stay at min_difficulty ({schedule.min_difficulty}) and "
-                    f"jump to max_difficulty at total_curriculum_step; use a difficulty_step that divides the range "
-                    f"(e.g. 8 for token lengths, 1 for percentiles)"
+                    f"{where}.difficulty_step ({q}) must be <= {named}: every difficulty rounds down to a multiple "
+                    f"of {q}, so the schedule would stay at min_difficulty ({lo}) and jump to max_difficulty at "
+                    "total_curriculum_step; use a difficulty_step that divides the range (e.g. 8 for token lengths, "
+                    "1 for percentiles)"
                 )
         return schedule
 

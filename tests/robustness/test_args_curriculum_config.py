@@ -122,6 +122,37 @@ def test_difficulty_step_above_max_difficulty_is_refused():
     assert metric(schedule_config=dict(total_curriculum_step=6, difficulty_step=16)).schedule("clamped")(6) == 16
 
 
+def test_a_value_metric_of_negative_difficulties_takes_a_step_within_its_width():
+    """Negated scores (-log-likelihood): [-400, -1] with difficulty_step 1 was refused as "must be <= max_difficulty
+    (-1)", although every int is a multiple of 1 (qa32-break 02). A range at or below 0 now needs a step within its
+    width, and its schedule grows from min_difficulty to max_difficulty."""
+    value = dict(
+        difficulty_type="value", clustering_type="schedule_based", schedule_type="fixed_linear", analysis="seqlen"
+    )
+    for hi in (-1, 0):
+        config = dict(value, min_difficulty=-400, max_difficulty=hi)
+        schedule = MetricConfig.from_dict(
+            "score", {**config, "schedule_config": dict(total_curriculum_step=4, difficulty_step=1)}
+        ).schedule("clamped")
+        assert [schedule(step) for step in range(5)] == [
+            -400,
+            -400 + (hi + 400) // 4,
+            -400 + (hi + 400) // 2,
+            -400 + 3 * (hi + 400) // 4,
+            hi,
+        ]
+    with pytest.raises(CurriculumConfigError, match=r"difficulty_step \(500\) must be <= the range's width \(399\)"):
+        MetricConfig.from_dict(
+            "score",
+            {
+                **value,
+                "min_difficulty": -400,
+                "max_difficulty": -1,
+                "schedule_config": dict(total_curriculum_step=4, difficulty_step=500),
+            },
+        )
+
+
 @pytest.mark.parametrize(
     "difficulty, max_step, match",
     [
