@@ -53,7 +53,7 @@ from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real, is_int
 from lightning_effi.core.compat import rebuild_train_loader_after_restore, restart_next_epoch_at_its_start
-from lightning_effi.core.measure import row_tokens
+from lightning_effi.core.measure import find_batch_size, row_tokens
 from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
 from lightning_effi.core.requirements import (
@@ -194,6 +194,7 @@ class _Step:
     candidates: int = 0
     weighted: bool = False
     loss: Tensor | None = None
+    rows: int | None = None  # the samples the collated batch holds (find_batch_size), None when unknown
 
 
 def weighted_loss(pl_module: pl.LightningModule, per_sample_loss: Tensor) -> Tensor:
@@ -803,6 +804,7 @@ class InfoBatchCallback(Callback):
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             self._step = self._current_step()
+            self._step.rows = find_batch_size(batch)
             if self.curriculum_dm is None:
                 self._note_tokens(batch, self._step.index)
             try:
@@ -977,6 +979,18 @@ class InfoBatchCallback(Callback):
         if not isinstance(per_sample, Tensor) or not per_sample.is_floating_point():
             kind = f"{per_sample.dtype} tensor" if isinstance(per_sample, Tensor) else type(per_sample).__name__
             raise ValueError(f"InfoBatchCallback: {what} is a {kind}; {contract}")
+        rows = self._step.rows
+        if rows is not None and rows != b and per_sample.numel() == rows:
+            owner = self._datamodule if self._datamodule is not None else self.curriculum_dm
+            found = owner.template().get("collate_fn") if owner is not None else None
+            collate = getattr(found, "__qualname__", type(found).__name__)
+            raise ValueError(
+                f"InfoBatchCallback: the training batch holds {rows} samples for the {b} InfoBatch drew: the loader's "
+                f"collate_fn ({collate}) returned another number of samples than it was given. InfoBatch weighs and "
+                "scores each drawn sample by its position in the batch, so the collate must keep one row per sample; "
+                "leave samples out of the dataset beforehand (torch.utils.data.Subset), or keep them in the batch "
+                "with a zero per-sample loss"
+            )
         if per_sample.dim() != 1 or per_sample.numel() != b:
             raise ValueError(
                 f"InfoBatchCallback: {what} has shape {tuple(per_sample.shape)} for a batch of {b} samples; {contract}"

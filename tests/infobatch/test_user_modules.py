@@ -487,6 +487,27 @@ def test_bad_fn_outputs_fail_on_the_first_batch_naming_the_contract(tmp_path, fn
     assert steps.done == 0
 
 
+def drop_class_0(samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """A collate that filters samples (those of class 0), as users write one to skip bad data."""
+    return tuple_collate([s for s in samples if int(s[1]) != 0])
+
+
+def test_a_collate_that_drops_samples_is_refused_naming_it(tmp_path):
+    """The batch held fewer rows than the samples InfoBatch drew; the error blamed the per-sample loss ("shape (5,)
+    for a batch of 8 samples") and offered per_sample_loss=fn, which cannot help (qa32-break 06)."""
+    steps = Steps()
+    with pytest.raises(ValueError) as err:
+        fit(tmp_path, ViT(), UserData(SmallImages(), drop_class_0), steps)
+    message = str(err.value)
+    assert (
+        message.startswith("InfoBatchCallback: the training batch holds ")
+        and f"samples for the {BS} InfoBatch drew" in message
+    )
+    assert "the loader's collate_fn (drop_class_0) returned another number of samples than it was given" in message
+    assert "keep one row per sample" in message and "per_sample_loss=fn" not in message
+    assert steps.done == 0
+
+
 def test_token_losses_from_fn_are_refused(tmp_path):
     """A ``[B, T]`` token-loss tensor (a common slip with language models) is not a per-sample loss."""
 
