@@ -274,6 +274,11 @@ class WrappingDataModule(pl.LightningDataModule):
         if not isinstance(datamodule, pl.LightningDataModule):
             raise DataConfigError(f"data.datamodule: expected a LightningDataModule, got {type(datamodule).__name__}")
         self.datamodule = datamodule
+        for name in ("val_dataloader", "test_dataloader", "predict_dataloader"):
+            if not is_overridden(name, datamodule, pl.LightningDataModule):
+                # Lightning reads whether a loader is defined off the outermost DataModule (is_overridden): a user's
+                # DataModule without one reads as without it (validation skipped), not as one that raises
+                setattr(self, name, getattr(datamodule, name))
         self._template: dict[str, Any] | None = None
         #: the user's Trainer's reload_dataloaders_every_n_epochs when the fit started (before a technique set it),
         #: and the last epoch whose reload was checked (:meth:`_check_reload`)

@@ -218,6 +218,38 @@ def test_a_distributed_sampler_of_another_world_is_refused_and_the_trainers_is_r
         loader_template(shard, "InfoBatch", world=(2, 1))
 
 
+class TrainOnly(pl.LightningDataModule):
+    """A DataModule with a training loader only (the user validates elsewhere, or not yet)."""
+
+    def train_dataloader(self):
+        return DataLoader(TokenBlocks(n=N), batch_size=BATCH, shuffle=True)
+
+
+@pytest.mark.parametrize("technique", ["infobatch", "curriculum"])
+def test_a_datamodule_without_evaluation_loaders_skips_them_wrapped_as_unwrapped(tmp_path, technique):
+    """A module with a validation_step and a DataModule without val_dataloader: Lightning skips validation; wrapped,
+    the fit crashed before its first step with "`val_dataloader` must be implemented" (qa33-user 01). The wrapper
+    now defines no evaluation loader its DataModule lacks, nested wrappers too; one it has is delegated."""
+    from lightning_effi.core.wrapping import is_overridden
+    from tests.helpers.tiny import seqlen_truncate
+
+    if technique == "infobatch":
+        data, callback = InfoBatchDataModule(TrainOnly()), InfoBatchCallback()
+    else:
+        data, callback = CurriculumDataModule(TrainOnly()), Curriculum(metrics=seqlen_truncate(8, 16, 2, 8))
+    for name in ("val_dataloader", "test_dataloader", "predict_dataloader"):
+        assert not is_overridden(name, data, pl.LightningDataModule)
+        assert not is_overridden(name, InfoBatchDataModule(data), pl.LightningDataModule)
+    model = tiny_gpt2()
+    assert is_overridden("validation_step", model, pl.LightningModule)
+    trainer = make_trainer(tmp_path, [callback], max_epochs=2, limit_val_batches=None)
+    trainer.fit(model, datamodule=data)
+    assert trainer.current_epoch == 2 and trainer.global_step > 0
+    assert is_overridden(
+        "val_dataloader", InfoBatchDataModule(TinyDataModule(TokenBlocks(n=N))), pl.LightningDataModule
+    )
+
+
 class NoLength(Dataset):
     def __getitem__(self, i):
         return torch.zeros(2)
