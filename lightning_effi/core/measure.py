@@ -158,21 +158,44 @@ def combined_parts(loaders: Any, batch: Any) -> list[Any] | None:
 
 def packed_sequences(batch: Mapping[str, Any]) -> int | None:
     """Sequences in a packed batch (Hugging Face's ``DataCollatorWithFlattening``: the sequences concatenated into
-    ``input_ids [1, N]``, without padding): ``len(cu_seq_lens_q) - 1`` when the batch carries the sequence
-    boundaries, else the restarts of its ``position_ids`` (each sequence starts at position 0) when they restart
-    inside a row and the batch has no mask (no key naming one: ``attention_mask``, ``padding_mask``; a padded batch
-    has one row per sequence); None for a batch that is not packed."""
+    ``input_ids [1, N]``, without padding; SFT rows of several documents): ``len(cu_seq_lens_q) - 1`` when the batch
+    carries the sequence boundaries; else the restarts of its ``position_ids`` (each sequence starts at position 0)
+    when they restart inside a row, counted at the real tokens of its ``attention_mask`` where it has one (a padding
+    mask ``[B, T]``, or a document mask ``[B, 1, T, T]`` whose diagonal marks the real tokens: padding given position 0
+    is no sequence); else, for a ``[B, T]`` integer ``attention_mask`` numbering the documents of each row ``1..k``
+    (``0``: padding), the documents it numbers. None for a batch that is not packed (one row per sequence), and for
+    one with a mask of another name (``padding_mask``: its polarity is unknown)."""
     bounds = batch.get("cu_seq_lens_q")
     if isinstance(bounds, Tensor) and bounds.ndim == 1 and bounds.numel() > 1:
         return int(bounds.numel()) - 1
     positions = batch.get("position_ids")
-    masked = any(isinstance(k, str) and "mask" in k.lower() for k in batch)  # a padded batch: a row per sequence
-    if masked or not isinstance(positions, Tensor) or positions.ndim != 2:
+    mask = batch.get("attention_mask")
+    if mask is None and any(isinstance(k, str) and "mask" in k.lower() for k in batch):
+        return None  # a mask of another name, whose polarity is unknown: a padded batch, one row per sequence
+    if isinstance(positions, Tensor) and positions.ndim == 2 and positions.shape[1] >= 2:
+        starts = positions == 0
+        if mask is not None:
+            real = _real_positions(mask, tuple(positions.shape))
+            if real is None:
+                return None
+            starts = starts & real
+        if bool(starts[:, 1:].any()):
+            return int(starts.sum())
+    if isinstance(mask, Tensor) and mask.ndim == 2 and mask.dtype not in (torch.bool,) and not mask.is_floating_point():
+        if mask.numel() and int(mask.max()) > 1 and int(mask.min()) >= 0:  # document numbers, not a 0/1 padding mask
+            return sum(int(torch.unique(row[row > 0]).numel()) for row in mask)
+    return None
+
+
+def _real_positions(mask: Any, shape: tuple[int, ...]) -> Tensor | None:
+    """``bool [B, T]``: the real (not padded) positions of a mask (:func:`key_padding_mask`, either polarity), or
+    None when it is not a tensor of those rows."""
+    if not isinstance(mask, Tensor):
         return None
-    starts = positions == 0
-    if positions.shape[1] < 2 or not bool(starts[:, 1:].any()):
+    rows = key_padding_mask(mask)
+    if rows is None or tuple(rows.shape) != shape:
         return None
-    return int(starts.sum())
+    return rows == 0 if mask_is_additive(rows) else rows != 0
 
 
 def find_batch_size(batch: Any) -> int | None:

@@ -766,6 +766,26 @@ def test_samples_of_packed_batches_and_of_lists_of_sequences() -> None:
     mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3, [1] * 5 + [0], [1, 1] + [0] * 4])
     padded_mask = {"input_ids": torch.ones(4, 6, dtype=torch.long), "padding_mask": mask == 0}
     assert find_batch_size({**padded_mask, "position_ids": torch.arange(6) * mask}) == 4
+    # packed SFT rows with the document mask that keeps their documents apart (the helper's rows read 16 for 48):
+    # [B, 1, T, T] block-diagonal and causal, or [B, T] document numbers 1..k; padding given position 0 is no document
+    docs = [[3, 2, 1], [4, 2], [6]]  # the last row: 4 tokens, then 2 of padding
+    positions = torch.stack(
+        [torch.cat([torch.arange(n) for n in row]) for row in docs[:2]] + [torch.tensor([0, 1, 2, 3, 0, 0])]
+    )
+    numbers = torch.stack(
+        [torch.cat([torch.full((n,), k + 1) for k, n in enumerate(row)]) for row in docs[:2]]
+        + [torch.tensor([1, 1, 1, 1, 0, 0])]
+    )
+    block = (
+        (numbers[:, :, None] == numbers[:, None, :])
+        & (numbers[:, :, None] > 0)
+        & torch.ones(6, 6, dtype=torch.bool).tril()
+    )
+    rows = {"input_ids": torch.ones(3, 6, dtype=torch.long), "position_ids": positions}
+    assert find_batch_size({**rows, "attention_mask": block[:, None]}) == 3 + 2 + 1
+    assert find_batch_size({**rows, "attention_mask": (numbers > 0).long()}) == 6
+    assert find_batch_size({"input_ids": rows["input_ids"], "attention_mask": numbers}) == 6
+    assert find_batch_size({**rows, "padding_mask": numbers == 0}) == 3  # another name: polarity unknown, rows
 
 
 def test_row_tokens_reads_each_sample_as_find_tokens_reads_the_batch() -> None:
