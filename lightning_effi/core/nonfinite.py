@@ -110,9 +110,17 @@ class NonFiniteLossGuard:
         where = f"step {step}" + ("" if batch_idx is None else f", batch {batch_idx}")
         value = float(loss.detach().float().flatten()[0]) if isinstance(loss, torch.Tensor) else loss
         if any(g.policy == "raise" for g in guards):
+            # a technique that can tell why (the curriculum's truncation left no labelled token)
+            hints = [
+                h
+                for c in trainer.callbacks
+                if callable(f := getattr(c, "effi_nonfinite_hint", None)) and (h := f(trainer))
+            ]
+            cause = "".join(f" {h[0].upper() + h[1:]}." for h in hints)
+            advice = "Otherwise lower" if hints else "Lower"
             raise NonFiniteLossError(
                 f"{owners}: the training loss is {value} at {where}; stopped before its backward pass "
-                "(nonfinite_loss='raise'). Lower the learning rate, clip gradients or check the data; "
+                f"(nonfinite_loss='raise').{cause} {advice} the learning rate, clip gradients or check the data; "
                 "nonfinite_loss='warn' on every technique lets the run go on, counting them"
             )
         self.count += 1

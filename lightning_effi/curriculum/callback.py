@@ -23,7 +23,7 @@ from lightning_effi.core.accounting import Baseline, batch_size_of, tokens_of
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, is_int
 from lightning_effi.core.compat import uses_distributed_sampler
-from lightning_effi.core.measure import token_source
+from lightning_effi.core.measure import tensor_leaves, token_source
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
@@ -256,6 +256,7 @@ class Curriculum(Callback):
             "Curriculum", "analysis_batch_size", analysis_batch_size, 1, error=CurriculumConfigError
         )
         self.strict = strict
+        self._batch_in_flight: Any = None  # the training batch between on_train_batch_start and its end
         self.total_tokens: int | None = None
         if total_tokens is not None:
             self.total_tokens = check_int("Curriculum", "total_tokens", total_tokens, 1, error=CurriculumConfigError)
@@ -660,6 +661,25 @@ class Curriculum(Callback):
             tokens = int(trainer.strategy.reduce(t, reduce_op="sum").item())
         self._pending = (int(step), int(micro), dict(difficulty), int(tokens))
         self._tokens_through_current = self.consumed_tokens + int(tokens)
+        self._batch_in_flight = batch
+
+    def effi_nonfinite_hint(self, trainer: pl.Trainer) -> str | None:
+        """Why the batch in flight may have a non-finite loss that the curriculum caused, for the non-finite loss
+        policy's message (:class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`): ``seqlen_truncate`` cut it to
+        positions whose ``labels`` are all ``-100`` (ignored), e.g. the prompt of a prompt-masked fine-tuning batch,
+        so a mean over its labelled tokens is ``0 / 0``. None otherwise."""
+        batch = self._batch_in_flight
+        if batch is None or self.controller is None or "seqlen_truncate" not in self.controller.config.metrics:
+            return None
+        labels = next((v for path, v in tensor_leaves(batch) if path and path[-1] == "labels"), None)
+        if labels is None or labels.is_floating_point() or not labels.numel() or not bool((labels == -100).all()):
+            return None
+        length = F.sequence_length(batch, self.controller.config.truncate_keys)
+        return (
+            f"the curriculum's seqlen_truncate cut this batch to {length} of its {self._full_length} tokens, and every "
+            "label left is -100 (ignored), so a mean over its labelled tokens is 0/0: with targets after a prompt "
+            "(prompt-masked fine-tuning), raise seqlen_truncate's min_difficulty above the prompts' length"
+        )
 
     def _batch_tokens(self, batch: Any, pl_module: pl.LightningModule) -> int:
         """The tokens of a training batch, for ``consumed_tokens`` and the ``total_tokens`` progress: the module's
@@ -703,6 +723,7 @@ class Curriculum(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._batch_in_flight = None
         if self.controller is None or self._pending is None:
             return
         step, micro, difficulty, tokens = self._pending

@@ -351,6 +351,50 @@ def test_a_resume_with_another_total_tokens_or_truncate_keys_is_refused(tmp_path
     assert fit(6, path, **before).global_step == 6
 
 
+class PromptMasked(torch.utils.data.Dataset):
+    """Fine-tuning rows of 16 tokens whose first 12 are the prompt (labels -100)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        ids = torch.randint(1, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": torch.cat([torch.full((12,), -100), ids[12:]])}
+
+
+class TokenLoss(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.embed(batch["input_ids"]))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_truncation_that_leaves_no_label_is_named_in_the_nonfinite_loss_error(tmp_path):
+    """Cut to 8 tokens, a prompt-masked batch has no label left: the loss is 0/0 at step 0, and the error advised a
+    lower learning rate (qa33-user 03). It now says what the truncation did and how to avoid it."""
+    from lightning_effi.core.nonfinite import NonFiniteLossError
+    from tests.helpers.tiny import seqlen_truncate
+
+    data = CurriculumDataModule(TinyDataModule(PromptMasked(), batch_size=4))
+    trainer = make_trainer(tmp_path, [Curriculum(metrics=seqlen_truncate(8, 16, 4, 8))], max_steps=2)
+    with pytest.raises(NonFiniteLossError) as err:
+        trainer.fit(TokenLoss(), datamodule=data)
+    assert str(err.value) == (
+        "Curriculum: the training loss is nan at step 0; stopped before its backward pass (nonfinite_loss='raise'). "
+        "The curriculum's seqlen_truncate cut this batch to 8 of its 16 tokens, and every label left is -100 "
+        "(ignored), so a mean over its labelled tokens is 0/0: with targets after a prompt (prompt-masked "
+        "fine-tuning), raise seqlen_truncate's min_difficulty above the prompts' length. Otherwise lower the learning "
+        "rate, clip gradients or check the data; nonfinite_loss='warn' on every technique lets the run go on, counting "
+        "them"
+    )
+
+
 def test_fingerprint_diff_reports_an_added_metric_as_one_entry():
     a = controller({"p": pct_metric()}, n=40).fingerprint()
     b = controller({"p": pct_metric(), "seqlen_truncate": trunc()["seqlen_truncate"]}, n=40).fingerprint()
