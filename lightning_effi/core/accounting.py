@@ -319,6 +319,16 @@ def _shapes(batch: Any) -> list[tuple[Any, tuple[int, ...]]]:
     return [(path, tuple(value.shape)) for path, value in tensor_leaves(batch)]
 
 
+def _has_token_ids(batch: Any) -> bool:
+    """Whether the batch holds token ids: an integer (not bool) ``[B, T]`` tensor whose name is not a mask's."""
+    for path, value in tensor_leaves(batch):
+        name = str(path[-1]) if isinstance(path, tuple) and path else ""
+        integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        if value.ndim == 2 and integer and "mask" not in name.lower():
+            return True
+    return False
+
+
 def _length_ratio(before: list[tuple[Any, tuple[int, ...]]], after: list[tuple[Any, tuple[int, ...]]]) -> float | None:
     """How much longer the batch of shapes ``after`` is than the one of shapes ``before`` (:func:`_shapes`), when the
     two hold the same tensors and every dimension that differs went from one length ``T`` to one length ``S``
@@ -538,6 +548,7 @@ class EfficiencyMonitor(Callback):
         self._batch_shapes: list[tuple[Any, tuple[int, ...]]] | None = None  # the shapes of the recorded batch
         self._observed_tokens: int | None = None  # tokens in the first block's hidden states in the current batch
         self._observed_shape: tuple[int, ...] | None = None  # those hidden states' shape
+        self._observed_width = False  # whose last dimension is a width of the block ([B, T, H], not [B, C, T])
         self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
         self._block_hook: Any = None
         #: a compiled module's last recorded batch: (its batch shapes, the network's parameter shapes); see _watch
@@ -556,14 +567,20 @@ class EfficiencyMonitor(Callback):
 
     # ----------------------------------------------------------------------------------------- per batch
     def _downsampled_mask(self, batch: Any) -> float | None:
-        """``T / L`` when the batch's tokens are read from an ``attention_mask`` of ``L`` positions per row but the
-        first transformer block sees fewer, ``T`` (a frontend that downsamples: an HF audio batch's mask marks audio
-        samples, the blocks see frames); the mask's count is scaled by it, with one warning. None otherwise (the mask
-        counts the blocks' positions; a model that prepends tokens sees more)."""
+        """``T / L`` when the batch's tokens are read from an ``attention_mask`` of ``L`` positions per row beside no
+        token ids, and the first transformer block sees fewer positions, ``T``, in ``[B, T, H]`` (or ``[T, B, H]``)
+        hidden states whose ``H`` is a width of the block (a ``Linear`` or ``LayerNorm`` of it): a frontend that
+        downsamples, as an HF audio batch's mask marks audio samples and the blocks see frames. The mask's count is
+        scaled by it, with one warning. None otherwise (token ids: the mask marks them, whatever a model's blocks see;
+        a model that prepends tokens sees more)."""
         self._mask_scale = None
         source = token_source(batch)
         shape = self._observed_shape
         if source is None or source[0] != "mask" or shape is None or combined_parts(self._train_loaders, batch):
+            return None
+        if not self._observed_width or _has_token_ids(batch):
+            # token ids beside the mask: it marks them (a decoder's blocks, a step's ids[:, :-1]); hidden states
+            # that are not [B, T, H] (a convolution's [B, C, T])
             return None
         rows = key_padding_mask(source[1])
         if rows is None or rows.ndim != 2:
@@ -921,6 +938,7 @@ class EfficiencyMonitor(Callback):
             return  # the record of this regime stands
         self._recorded_key, self._pending_key = None, key
         self._calls, self._batch_shapes, self._observed_tokens, self._observed_shape = None, None, None, None
+        self._observed_width = False
         if key is not None:  # the recorded step runs uncompiled: the hooks would break the graph dynamo keeps
             self._eager = torch.compiler.set_stance("force_eager")
         if not callable(getattr(pl_module, "effi_training_flops", None)) and not self._own_flops(pl_module):
@@ -943,9 +961,14 @@ class EfficiencyMonitor(Callback):
         if self._observed_tokens is None:
             self._observed_tokens = hidden_tokens(args, kwargs)
             hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            self._observed_shape = (
-                tuple(hidden.shape) if self._observed_tokens is not None and hidden is not None else None
-            )
+            if self._observed_tokens is not None and hidden is not None:
+                self._observed_shape = tuple(hidden.shape)
+                width = int(hidden.shape[-1])
+                self._observed_width = any(
+                    (isinstance(m, nn.Linear) and m.in_features == width)
+                    or (isinstance(m, nn.LayerNorm) and tuple(m.normalized_shape) == (width,))
+                    for m in module.modules()
+                )
 
     def _unwatch(self, batch: Any) -> None:
         """After the training step (``batch``: the trained batch) or on an error (None): remove the hooks."""

@@ -33,9 +33,10 @@ What is not measured: matrix products in the LightningModule's own code outside 
 in ``training_step``); torchmetrics metrics called in the step (``self.train_acc(preds, y)``: counters updated
 from real values, not the network's compute) are not recorded. A call whose forward makes a data-dependent shape
 (``hidden[labels != -100]``: a masked-LM head on the masked positions only) is measured through the module calls made
-directly inside it, each on the shapes it was called with (:attr:`CallRecord.parts`; its own operations between them
-are not counted); one without such calls, or whose forward needs real values otherwise (data-dependent control flow),
-fails to replay and is reported (:class:`MeasureError`).
+inside it (two levels down, :data:`MAX_PART_DEPTH`), each on the shapes it was called with (:attr:`CallRecord.parts`;
+its own operations between them are not counted); one without such calls, or whose forward needs real values
+otherwise (data-dependent control flow), fails to replay and is reported (:class:`MeasureError`). Checkpoints nested
+inside a non-reentrant checkpoint are replayed as the innermost one only.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ from lightning_effi.core.console import unshown_warnings
 from lightning_effi.core.flops import flop_counter
 
 __all__ = [
+    "MAX_PART_DEPTH",
     "CallRecord",
     "CallRecorder",
     "FlopsMeter",
     "MeasureError",
+    "Recompute",
     "TensorInfo",
     "combined_parts",
     "describe_call",
@@ -601,10 +604,9 @@ class CallRecord:
         parts: the module calls made directly inside this one (recorded by :class:`CallRecorder`), replayed in its
             place when it cannot be (:attr:`MeasureError.data_dependent`: a head on the masked positions only,
             ``hidden[labels != -100]``); its own operations outside them are then not counted.
-        recompute: ``None``, or how the backward recomputed this call: made by the step's own code inside a
-            non-reentrant ``torch.utils.checkpoint`` (``"early_stop"``: the recompute stops once it has rebuilt the
-            tensors the backward needs, torch's default; ``"full"``: ``early_stop=False``). The replay runs the call
-            inside such a checkpoint, so that its recompute is counted as torch runs it.
+        recompute: ``None``, or how the backward recomputed this call, made by the step's own code inside a
+            non-reentrant ``torch.utils.checkpoint`` (:class:`Recompute`). The replay runs the call inside such a
+            checkpoint, so that its recompute is counted as torch runs it.
     """
 
     target: str
@@ -612,7 +614,7 @@ class CallRecord:
     kwargs: dict[str, Any]
     grad: bool
     used: set[Path] = dataclasses.field(default_factory=set)
-    recompute: str | None = None
+    recompute: Recompute | None = None
     parts: list[CallRecord] = dataclasses.field(default_factory=list)
 
     def key(self) -> tuple[Any, ...]:
@@ -622,7 +624,7 @@ class CallRecord:
             _freeze(self.kwargs),
             self.grad,
             tuple(sorted(map(repr, self.used))),
-            self.recompute,
+            None if self.recompute is None else (self.recompute.mode, self.recompute.context_fn),
         )
 
     def opaque(self) -> list[str]:
@@ -691,7 +693,7 @@ def describe_call(
     kwargs: Mapping[str, Any],
     grad: bool,
     used: set[Path],
-    recompute: str | None = None,
+    recompute: Recompute | None = None,
 ) -> CallRecord:
     """A :class:`CallRecord` of a call made by hand (not recorded by :class:`CallRecorder`): ``target`` the module's
     name under the root it is replayed in, the arguments described without their values, ``grad`` the grad mode,
@@ -729,7 +731,27 @@ def _reentrant_recompute() -> bool:
     return False
 
 
-def _checkpoint_recompute(module: nn.Module) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """How the backward recomputes a call made inside a non-reentrant ``torch.utils.checkpoint`` by the step's own
+    code (:func:`_checkpoint_recompute`).
+
+    Attributes:
+        mode: ``"early_stop"`` (torch's default: the recompute stops once it has rebuilt the tensors the backward
+            needs) or ``"full"`` (``early_stop=False``, or a call that is not the last one of its checkpoint, whose
+            recompute goes on into the next call).
+        context_fn: the checkpoint's ``context_fn`` (selective activation checkpointing: a policy saving some
+            operations' outputs, which the recompute then skips), or None for torch's default.
+        region: the checkpoint's own state, which the calls made inside one checkpoint share (kept during the step
+            only: :meth:`CallRecorder.stop` drops it).
+    """
+
+    mode: str
+    context_fn: Any = None
+    region: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+
+def _checkpoint_recompute(module: nn.Module) -> Recompute | None:
     """How the backward recomputes the current call of ``module`` (:attr:`CallRecord.recompute`) when the caller made
     it inside a non-reentrant ``torch.utils.checkpoint`` (``checkpoint(block, x, use_reentrant=False)`` in the
     step's own code), found on the Python stack: the nearest enclosing frame of ``torch.utils.checkpoint``'s
@@ -738,11 +760,14 @@ def _checkpoint_recompute(module: nn.Module) -> str | None:
     ``GradientCheckpointingLayer``: the replay of the call runs that checkpoint again)."""
     import torch.utils.checkpoint as checkpointing
 
+    call_impl = nn.Module._call_impl.__code__
     frame: FrameType | None = sys._getframe(2)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             return None
         code = frame.f_code
+        if code is call_impl and frame.f_locals.get("self") is not module:
+            return None  # the call of the module it is made in: no checkpoint between the two
         if code.co_filename == checkpointing.__file__ and code.co_name in ("_checkpoint_impl", "checkpoint"):
             local = frame.f_locals
             if "use_reentrant" not in local or local["use_reentrant"] is not False:
@@ -751,22 +776,30 @@ def _checkpoint_recompute(module: nn.Module) -> str | None:
             for _ in range(4):  # checkpoint() <- the module's own __call__
                 if outer is None:
                     break
-                if outer.f_locals.get("self") is module:
+                if outer.f_code.co_name == "__call__" and outer.f_locals.get("self") is module:
                     return None
                 outer = outer.f_back
             forced = getattr(checkpointing, "_enable_checkpoint_early_stop", None)  # set_checkpoint_early_stop(...)
             early_stop = bool(local.get("early_stop", True)) if forced is None else bool(forced)
-            return "early_stop" if early_stop else "full"
+            context = local.get("context_fn")
+            context = None if context is getattr(checkpointing, "noop_context_fn", None) else context
+            return Recompute("early_stop" if early_stop else "full", context, local.get("gen", frame))
         frame = frame.f_back
     return None
+
+
+#: the depth of calls kept as :attr:`CallRecord.parts` below an outermost call (its calls, and theirs)
+MAX_PART_DEPTH = 2
 
 
 class CallRecorder:
     """Records the outermost module calls inside ``root`` between :meth:`start` and :meth:`stop` (module docstring),
     with process-wide module forward hooks (``torch.nn.modules.module.register_module_forward_pre_hook``) that do
-    nothing for modules outside ``root``. Calls made by the autograd engine during a backward are not recorded when
-    the replay of a call recorded in grad mode covers them (activation checkpointing's recompute inside it); one
-    outside those (the recompute of a reentrant ``torch.utils.checkpoint`` of the step's own code) is.
+    nothing for modules outside ``root``; each with the calls made inside it down to :data:`MAX_PART_DEPTH` levels
+    (:attr:`CallRecord.parts`). A call the autograd engine makes during a backward outside every call recorded in
+    grad mode (the recompute of a reentrant ``torch.utils.checkpoint`` of the step's own code) is recorded as a call;
+    one inside such a call (activation checkpointing's recompute within it, which its replay repeats) is recorded as a
+    part of it when it is a reentrant checkpoint's (its forward ran without grad), for the replay of its parts.
 
     Attributes:
         calls: the calls recorded since the last :meth:`start`.
@@ -775,10 +808,12 @@ class CallRecorder:
     def __init__(self) -> None:
         self.calls: list[CallRecord] = []
         self._names: dict[int, str] = {}
-        self._stack: list[tuple[nn.Module, bool]] = []
-        self._replayed: list[nn.Module] = []  # the modules of the calls whose replay runs their backward
-        self._parts: list[CallRecord] = []  # the calls made directly inside the outermost call in progress
-        self._replayed_ids: set[int] | None = None  # those modules and their submodules (found when first needed)
+        # the calls in progress: (module, grad mode, the calls made inside it so far, the recorded call it is a
+        # recompute inside of, if any)
+        self._stack: list[tuple[nn.Module, bool, list[CallRecord], CallRecord | None]] = []
+        self._replayed: list[tuple[nn.Module, CallRecord]] = []  # the calls whose replay runs their backward
+        self._replayed_ids: dict[int, CallRecord] | None = None  # their modules and submodules (found when needed)
+        self._regions: list[CallRecord] = []  # the calls made inside a non-reentrant checkpoint, in order
         self._refs: list[tuple[TensorInfo, weakref.ref[Tensor]]] = []
         self._handles: list[Any] = []
         self._batch_tensors: list[tuple[Path, Tensor]] = []
@@ -793,7 +828,7 @@ class CallRecorder:
         training batch, whose slices among the arguments (``ids[:, :-1]``) are noted while they exist."""
         self.stop(None)
         self.calls, self._refs, self._stack, self._slices = [], [], [], {}
-        self._replayed, self._replayed_ids, self._parts = [], None, []
+        self._replayed, self._replayed_ids, self._regions = [], None, []
         self._batch_tensors = list(tensor_leaves(batch)) if batch is not None else []
         self._names = {id(m): name for name, m in root.named_modules()}
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -807,7 +842,8 @@ class CallRecorder:
         """Stop recording; the tensor arguments that are tensors of ``batch`` get their path (:class:`TensorInfo`)."""
         for handle in self._handles:
             handle.remove()
-        self._handles, self._stack, self._parts = [], [], []
+        self._handles, self._stack, self._replayed, self._replayed_ids = [], [], [], None
+        self._close_regions()
         slices, self._slices, self._batch_tensors = self._slices, {}, []
         if batch is None or not self._refs:
             self._refs = []
@@ -831,51 +867,72 @@ class CallRecorder:
             path, trim = found.get(id(info), (None, None))
             return dataclasses.replace(info, path=path, trim=trim)
 
-        for call in self.calls:
-            for each in (call, *call.parts):
+        def walk(calls: list[CallRecord]) -> None:
+            for each in calls:
                 each.args = _map_tensors(each.args, with_path)
                 each.kwargs = _map_tensors(each.kwargs, with_path)
+                walk(each.parts)
+
+        walk(self.calls)
+
+    def _close_regions(self) -> None:
+        """Calls made inside one non-reentrant checkpoint: its early stop ends the recompute of its last call only
+        (the others are recomputed whole); then drop the checkpoints' state."""
+        last: dict[int, CallRecord] = {}
+        for call in self._regions:
+            assert call.recompute is not None
+            last[id(call.recompute.region)] = call
+        for call in self._regions:
+            assert call.recompute is not None
+            mode = call.recompute.mode if last[id(call.recompute.region)] is call else "full"
+            call.recompute = Recompute(mode, call.recompute.context_fn)
+        self._regions = []
 
     def _before(self, module: nn.Module, args: Any) -> None:
         if id(module) not in self._names or _redirected(module):
             return
-        if not self._stack and _in_backward() and self._in_replayed(module):
-            return  # activation checkpointing's recompute of (a part of) a call whose replay recomputes it too
-        self._stack.append((module, torch.is_grad_enabled()))
+        into = None
+        if not self._stack and _in_backward():
+            into = self._replayed_call(module)
+            if into is not None and not _reentrant_recompute():
+                return  # activation checkpointing's recompute inside a call whose replay recomputes it too
+        self._stack.append((module, torch.is_grad_enabled(), [], into))
 
-    def _in_replayed(self, module: nn.Module) -> bool:
-        """Whether ``module`` is the module of a call recorded in grad mode, or inside it: the replay of that call
-        runs its backward, with any recompute of activation checkpointing inside it (HF's
-        ``gradient_checkpointing_enable()``, or a non-reentrant checkpoint around it, :attr:`CallRecord.recompute`).
-        A module called in the backward outside those (a reentrant ``torch.utils.checkpoint`` around a call of the
-        step's own code, whose forward ran without grad) is recorded: its recompute is compute of the step."""
+    def _replayed_call(self, module: nn.Module) -> CallRecord | None:
+        """The call recorded in grad mode whose module is ``module`` or holds it: its replay runs its backward, with
+        any recompute of activation checkpointing inside it (HF's ``gradient_checkpointing_enable()``, or a
+        non-reentrant checkpoint around it, :attr:`CallRecord.recompute`). None for a module called in the backward
+        outside those (a reentrant ``torch.utils.checkpoint`` around a call of the step's own code, whose forward ran
+        without grad): its recompute is compute of the step."""
         if self._replayed_ids is None:
-            self._replayed_ids = {id(m) for root in self._replayed for m in root.modules()}
-        return id(module) in self._replayed_ids
+            self._replayed_ids = {id(m): call for root, call in self._replayed for m in root.modules()}
+        return self._replayed_ids.get(id(module))
 
     def _after(self, module: nn.Module, args: Any, *rest: Any) -> None:
         if not self._stack or self._stack[-1][0] is not module:
             return
-        _, grad = self._stack.pop()
+        _, grad, parts, into = self._stack.pop()
         depth = len(self._stack)
-        if depth == 0:
-            parts, self._parts = self._parts, []
-        if depth > 1 or len(rest) != 2:  # a call nested deeper, or the forward raised (hook(module, args, result))
+        if depth > MAX_PART_DEPTH or len(rest) != 2:  # nested deeper, or the forward raised (hook(module, args, out))
             return
         if _is_metric(module):  # a torchmetrics metric (its update needs real values; no network compute)
             return
         kwargs, output = rest
         call = self._record(module, args, kwargs, output, grad)
-        if depth == 1:  # a call made directly inside the outermost one: one of its parts
-            self._parts.append(call)
-            return
         call.parts = parts
-        if grad:
-            if not _in_backward():
-                call.recompute = _checkpoint_recompute(module)
-            self._replayed.append(module)
-            self._replayed_ids = None
-        self.calls.append(call)
+        if grad and not _in_backward():
+            call.recompute = _checkpoint_recompute(module)
+            if call.recompute is not None:
+                self._regions.append(call)
+        if depth > 0:  # a call made inside another one: one of its parts
+            self._stack[-1][2].append(call)
+        elif into is not None:  # a reentrant checkpoint's recompute inside a recorded call: one of its parts
+            into.parts.append(call)
+        else:
+            if grad and not _in_backward():
+                self._replayed.append((module, call))
+                self._replayed_ids = None
+            self.calls.append(call)
 
     def _record(self, module: nn.Module, args: Any, kwargs: Any, output: Any, grad: bool) -> CallRecord:
         """The :class:`CallRecord` of a call that just returned ``output``: its arguments described (the batch's
@@ -1092,10 +1149,13 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
                     if call.recompute is None:
                         output = clone(*args, **kwargs)
                     else:  # as the real step ran it: the backward recomputes the forward
-                        from torch.utils.checkpoint import checkpoint
+                        from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-                        early_stop = call.recompute == "early_stop"
-                        output = checkpoint(clone, *args, use_reentrant=False, early_stop=early_stop, **kwargs)
+                        early_stop = call.recompute.mode == "early_stop"
+                        context = call.recompute.context_fn or noop_context_fn
+                        output = checkpoint(
+                            clone, *args, use_reentrant=False, early_stop=early_stop, context_fn=context, **kwargs
+                        )
                 used = [v for p, v in tensor_leaves(output) if p in call.used and v.requires_grad]
                 if used:
                     loss = used[0].float().sum()
@@ -1273,9 +1333,15 @@ class FlopsMeter:
                     self._cache.popitem(last=False)
             if isinstance(result, MeasureError):
                 if result.data_dependent and call.parts:
-                    # the calls made directly inside it, each replayed on its recorded shapes (a head on the
-                    # masked positions: on this batch's count of them)
-                    total += self.flops(root, call.parts)
+                    # the calls made inside it, each replayed on its recorded shapes (a head on the masked
+                    # positions: on this batch's count of them), inside the checkpoint it was made in, if any
+                    parts = [
+                        part
+                        if part.recompute is not None or call.recompute is None or not part.grad
+                        else dataclasses.replace(part, recompute=Recompute("full", call.recompute.context_fn))
+                        for part in call.parts
+                    ]
+                    total += self.flops(root, parts)
                     continue
                 raise result
             total += result

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from lightning_effi.core.checks import is_int
 from lightning_effi.core.measure import (
     CallRecord,
+    Recompute,
     _checkpoint_recompute,
     _in_backward,
     _reentrant_recompute,
@@ -512,7 +513,9 @@ class LTDForward:
             describe_call("layer", args, kwargs, grad, used, recompute),
             # the kept tokens' forward is followed by the scatter back, which saves tensors too: an early-stopping
             # recompute runs all of it
-            describe_call("layer", bound.args, bound.kwargs, grad, used, recompute and "full"),
+            describe_call(
+                "layer", bound.args, bound.kwargs, grad, used, recompute and Recompute("full", recompute.context_fn)
+            ),
         )
 
     def _is_attention(self, t: Any, idx: Tensor, keys: bool = True) -> bool:
