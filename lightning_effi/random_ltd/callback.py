@@ -66,7 +66,15 @@ from lightning_effi.core.batch import batch_meta, unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.flops import sdpa_recomputes
-from lightning_effi.core.measure import FlopsMeter, MeasureError, share_a_residue, structure_key
+from lightning_effi.core.measure import (
+    FlopsMeter,
+    MeasureError,
+    find_tokens,
+    key_padding_mask,
+    share_a_residue,
+    structure_key,
+    token_source,
+)
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     PROGRESS_TICKS,
@@ -154,6 +162,20 @@ def _layer_model_checked(model: tuple[Fraction, Fraction, frozenset[int], int]) 
     """Whether a layer's FLOPs model held at :data:`LAYER_FLOPS_CHECKS` lengths besides the two it was solved from,
     with the lengths measured not all of one residue modulo some ``m > 1``."""
     return model[3] >= LAYER_FLOPS_CHECKS and not share_a_residue(model[2])
+
+
+def _padded(batch: Any) -> bool:
+    """Whether a training batch has padding: its ``attention_mask`` (or the padding mask beside its token ids) marks
+    fewer real tokens than it has positions, so its rows differ in length (a batch padded per batch)."""
+    source = token_source(unwrap(batch)[0])
+    if source is None or source[0] != "mask":
+        return False
+    rows = key_padding_mask(source[1])
+    return rows is not None and (find_tokens(unwrap(batch)[0]) or 0) < rows.numel()
+
+
+#: positions the layers may see more or fewer than a seqlen curriculum's batch (label shift, added tokens)
+_OFFSET_TOKENS = 2
 
 
 class RandomLTDCallback(Callback):
@@ -466,6 +488,7 @@ class RandomLTDCallback(Callback):
         self._predict_layer_flops = True
         self._data_length: int | None = None  # the sequence length peeked from the training data at train start
         self._lengths_vary = False  # the peeked samples differ in length (batches padded per batch vary too)
+        self._first_padded = False  # the first training batch has padding (its rows differ in length)
         # this fit resumes a random-LTD schedule from a checkpoint (its state loaded, or one of another configuration
         # accepted with strict=False): a fit starting at global_step > 0 without it is refused at train start
         self._resumed = False
@@ -1050,9 +1073,11 @@ class RandomLTDCallback(Callback):
 
     def _check_curriculum_units(self, seq_len: int, length: int) -> None:
         """``max_value`` derived from the curriculum's ``seqlen_truncate`` (its ``max_difficulty``, in the batch's
-        units) against the first batch: its layers must see the batch's length (``length``, less the label shift at
-        most). A frontend that downsamples (audio samples to frames, bytes to patches) or tokens the model adds make
-        the two differ, and the schedule would end at a length the layers never see.
+        units) against the first batch: its layers see the batch's length (``length``, less the label shift at
+        most), or a few positions more or fewer (the step's own ``ids[:, :-1]``, a token the model adds: at most
+        :data:`_OFFSET_TOKENS`), which ``max_value`` is moved by (announced). A frontend that downsamples (audio
+        samples to frames, bytes to patches) or many tokens the model adds make the two differ more, and the schedule
+        would end at a length the layers never see.
 
         Raises:
             ValueError: naming both lengths and ``max_value``.
@@ -1061,6 +1086,16 @@ class RandomLTDCallback(Callback):
         if length - self._truncation_shift <= seq_len <= length:
             return
         metric, longest = self._seqlen_curriculum
+        offset = seq_len - length
+        if abs(offset) <= _OFFSET_TOKENS:  # the step's own label shift (ids[:, :-1]), a token the model adds
+            self.max_value = longest + offset
+            rank_zero_info(
+                f"{type(self).__name__}: max_value = {self.max_value} tokens: the patched layers see {seq_len} "
+                f"positions of the first training batch's {length} (the step's own label shift, or a token the model "
+                f"adds; causal_label_shift=True on the curriculum counts the shift), so the schedule ends at the "
+                f"curriculum's longest batch, {longest}, {offset:+d}"
+            )
+            return
         raise ValueError(
             f"{type(self).__name__}: max_value=None takes the end of the schedule from the curriculum's {metric} "
             f"({longest}, its longest batch), counted in the batch's units, but at the first training batch the "
@@ -1255,6 +1290,8 @@ class RandomLTDCallback(Callback):
             self.current_value = self._scheduled_value()
         # r is read again by the first LTD layer of the forward, with the sequence length it sees (max_value=None)
         self._first_batch_length = None
+        if not self._seen:  # a first batch padded per batch: its length does not bound an explicit max_value
+            self._first_padded = _padded(batch)
         if not self._seen and self.max_value_arg is None and self._truncation_shift is not None:
             meta = batch_meta(trainer) or {}
             difficulty, full = meta.get("cl_difficulty"), meta.get("cl_full_length")
@@ -1305,7 +1342,8 @@ class RandomLTDCallback(Callback):
         if first and self._curriculum is None and seq_len != self._data_length:
             # samples of different lengths: one batch's length does not bound an explicit max_value (on_train_end
             # warns when no batch reached it)
-            self._check_length(seq_len, "at the first training batch", explicit_max=not self._lengths_vary)
+            varying = self._lengths_vary or self._first_padded
+            self._check_length(seq_len, "at the first training batch", explicit_max=not varying)
         if first and self._first_batch_length is not None:
             self._check_curriculum_units(seq_len, self._first_batch_length)
         if self.max_value_arg is not None:
@@ -1571,7 +1609,8 @@ class RandomLTDCallback(Callback):
         self.nonfinite_guard.report_at_end()
         explicit = self.max_value_arg
         longest, reached = self._longest_seen, self.current_value or 0
-        if explicit is not None and self._lengths_vary and 0 < longest < explicit and reached >= longest:
+        varying = self._lengths_vary or self._first_padded
+        if explicit is not None and varying and 0 < longest < explicit and reached >= longest:
             rank_zero_warn(
                 f"{type(self).__name__}: max_value={explicit}, but the longest batch the patched layers saw in this "
                 f"fit was {longest} tokens: the reserved length reached {longest} before the end of its growth and "

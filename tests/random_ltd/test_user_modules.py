@@ -162,6 +162,18 @@ def test_an_explicit_max_value_over_batches_padded_per_batch_is_checked_against_
         ]
 
 
+def test_a_first_batch_padded_per_batch_is_told_apart_from_one_of_fixed_length():
+    """What lets an explicit max_value above the first batch through when the peek at setup saw samples of one
+    length, or none (a GenericAdapter): the first batch's padding (qa33-break 08)."""
+    from lightning_effi.random_ltd.callback import _padded
+
+    mask = torch.ones(2, 6, dtype=torch.long)
+    assert not _padded({"input_ids": torch.ones(2, 6, dtype=torch.long), "attention_mask": mask})
+    mask[1, 4:] = 0
+    assert _padded({"input_ids": torch.ones(2, 6, dtype=torch.long), "attention_mask": mask})
+    assert not _padded((torch.ones(2, 6, dtype=torch.long), torch.zeros(2)))  # no mask: fixed-length rows
+
+
 class Downsampling(pl.LightningModule):
     """Token ids, a frontend that merges 2 tokens into one position, then blocks of one's own: the layers see half
     the batch's length (as an audio model's frames of its samples)."""
@@ -215,6 +227,35 @@ def test_a_curriculum_in_other_units_than_the_layers_needs_an_explicit_max_value
         (7, 4),
         (8, 6),
     ]
+
+
+class ShiftsItsLabels(Downsampling):
+    """No frontend: the layers see ids[:, :-1], one position fewer than the curriculum's batch."""
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        x = self.merge(torch.cat([self.embed(ids[:, :-1])] * 2, dim=-1))
+        for block in self.blocks:
+            x = block(x)
+        return TF.cross_entropy(self.head(x.mean(1)), ids[:, 0] % 2)
+
+
+def test_a_step_that_shifts_its_own_labels_moves_the_curriculums_max_value(tmp_path, caplog):
+    """Without causal_label_shift the curriculum's longest batch is 16 and the layers see 15 at most: max_value
+    follows the first batch's offset (15, announced); the units check refused it (qa33-break 07)."""
+    from lightning_effi.callbacks import Curriculum
+    from lightning_effi.data import CurriculumDataModule
+    from tests.helpers.tiny import seqlen_truncate
+
+    cb = RandomLTDCallback(
+        min_value=2, seq_per_step=2, require_steps=4, adapter=GenericAdapter("blocks", hidden_size=32)
+    )
+    data = CurriculumDataModule(TinyDataModule(TokenBlocks(n=40, seq_len=16), batch_size=4))
+    trainer = make_trainer(tmp_path, [Curriculum(metrics=seqlen_truncate(8, 16, 4, 2)), cb], max_steps=4, max_epochs=-1)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(ShiftsItsLabels(), datamodule=data)
+    assert cb.max_value == 15 and trainer.global_step == 4
+    assert "max_value = 15 tokens: the patched layers see 9 positions of the first training batch's 10" in caplog.text
 
 
 def test_a_min_value_above_the_seen_length_is_refused(tmp_path):
