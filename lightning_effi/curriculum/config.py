@@ -187,9 +187,9 @@ class MetricConfig:
                 )
         elif schedule.schedule_type in ("fixed_linear", "fixed_root"):
             q, lo, hi = cfg["difficulty_step"], schedule.min_difficulty, schedule.max_difficulty
-            # a range above 0 needs a multiple of q in (0, max_difficulty]; one at or below 0 (a value metric of
+            # a range from 0 up needs a multiple of q in (0, max_difficulty]; one reaching below 0 (a value metric of
             # negated scores) a step within its width
-            bound, named = (hi, f"max_difficulty ({hi})") if hi > 0 else (hi - lo, f"the range's width ({hi - lo})")
+            bound, named = (hi, f"max_difficulty ({hi})") if lo >= 0 else (hi - lo, f"the range's width ({hi - lo})")
             if q > bound and lo < hi:
                 raise CurriculumConfigError(
                     f"{where}.difficulty_step ({q}) must be <= {named}: every difficulty rounds down to a multiple "

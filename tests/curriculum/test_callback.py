@@ -305,8 +305,9 @@ def test_in_memory_analysis_import_paths():
     assert values.dtype == np.int64 and values.tolist() == data.data[:, 0].tolist()
 
 
+@pytest.mark.parametrize("cast", ["long", "int"])
 @pytest.mark.parametrize("sign", [1, -1], ids=["positive", "negated"])
-def test_a_nan_score_cast_to_an_integer_is_refused_naming_the_metric(tmp_path, sign):
+def test_a_nan_score_cast_to_an_integer_is_refused_naming_the_metric(tmp_path, sign, cast):
     """A float score cast as the float-metric message advises turns NaN (and infinity) into -2**63: among positive
     scores the index build overflowed (an error naming neither the metric nor the cause), among negated ones the NaN
     sample became the easiest and trained from the first step (qa32-break 04). Both are refused at setup, naming the
@@ -315,7 +316,7 @@ def test_a_nan_score_cast_to_an_integer_is_refused_naming_the_metric(tmp_path, s
     def score(batch):
         value = sign * batch["input_ids"].float().std(1)
         value[0] = float("nan")  # the first sample of each batch diverged
-        return (value * 1000).long()
+        return getattr(value * 1000, cast)()
 
     metric = dict(
         difficulty_type="value",
@@ -326,10 +327,12 @@ def test_a_nan_score_cast_to_an_integer_is_refused_naming_the_metric(tmp_path, s
         schedule_config=dict(total_curriculum_step=8, difficulty_step=1000),
         analysis=score,
     )
+    dtype = "int64" if cast == "long" else "int32"
+    lowest = -(2**63) if cast == "long" else -(2**31)
     with pytest.raises(
         CurriculumConfigError,
-        match=r"^curriculum_metrics.score: curriculum analysis: metric 'score' returned -9223372036854775808 \(the "
-        r"int64 minimum\) for 1 of a batch's 40 samples \(the first at position 0\): a NaN or infinite float",
+        match=rf"^curriculum_metrics.score: curriculum analysis: metric 'score' returned {lowest} \(the {dtype} "
+        r"minimum\) for 1 of a batch's 40 samples \(the first at position 0\): a NaN or infinite float",
     ):
         make_trainer(tmp_path, [Curriculum(metrics={"score": metric})], max_steps=1).fit(
             tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data())

@@ -141,6 +141,12 @@ def test_a_value_metric_of_negative_difficulties_takes_a_step_within_its_width()
             -400 + 3 * (hi + 400) // 4,
             hi,
         ]
+    # a range across 0 too: multiples of 100 from -300 up, then max_difficulty (it was refused, qa33-break 09)
+    across = {**value, "min_difficulty": -300, "max_difficulty": 80}
+    schedule = MetricConfig.from_dict(
+        "score", {**across, "schedule_config": dict(total_curriculum_step=10, difficulty_step=100)}
+    ).schedule("clamped")
+    assert [schedule(step) for step in range(11)] == [-300] * 3 + [-200] * 3 + [-100] * 2 + [0] * 2 + [80]
     with pytest.raises(CurriculumConfigError, match=r"difficulty_step \(500\) must be <= the range's width \(399\)"):
         MetricConfig.from_dict(
             "score",

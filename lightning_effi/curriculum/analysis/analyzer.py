@@ -101,16 +101,13 @@ def _metric_signature(fn: Callable) -> str:
     return f"{t.__module__}.{t.__qualname__}" + (f":{fn!r}" if own_repr else "")
 
 
-_INT64_MIN = int(np.iinfo(np.int64).min)
-
-
 def _to_numpy_result(x: Any, name: str) -> np.ndarray:
     """A metric's values as a NumPy integer array.
 
     Raises:
         TypeError: a float, bool or complex result (naming the metric), or one that is neither a tensor nor an array.
-        ValueError: an int64 value of ``-2**63``, what a NaN or infinite float reads as after a cast to an integer
-            (a NaN score would become the easiest sample, silently).
+        ValueError: an int64 value of ``-2**63`` (int32: ``-2**31``), what a NaN or infinite float reads as after a
+            cast to an integer (a NaN score would become the easiest sample, silently).
     """
     if hasattr(x, "detach") and hasattr(x, "cpu"):
         import torch
@@ -130,9 +127,10 @@ def _to_numpy_result(x: Any, name: str) -> np.ndarray:
         out = x
     else:
         raise TypeError(f"metric {name!r} returned a {type(x).__name__}; expected a torch tensor or numpy array")
-    if out.dtype == np.int64 and (bad := np.flatnonzero(out.reshape(-1) == _INT64_MIN)).size:
+    lowest = int(np.iinfo(out.dtype).min) if out.dtype in (np.int64, np.int32) else None
+    if lowest is not None and (bad := np.flatnonzero(out.reshape(-1) == lowest)).size:
         raise ValueError(
-            f"metric {name!r} returned {_INT64_MIN} (the int64 minimum) for {bad.size} of a batch's {out.size} "
+            f"metric {name!r} returned {lowest} (the {out.dtype} minimum) for {bad.size} of a batch's {out.size} "
             f"samples (the first at position {int(bad[0])}): a NaN or infinite float cast to an integer reads so, and "
             "would rank as the easiest sample; replace or drop non-finite scores before the cast (e.g. "
             "torch.nan_to_num with the difficulty they should have)"
