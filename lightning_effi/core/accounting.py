@@ -549,6 +549,7 @@ class EfficiencyMonitor(Callback):
         self._observed_tokens: int | None = None  # tokens in the first block's hidden states in the current batch
         self._observed_shape: tuple[int, ...] | None = None  # those hidden states' shape
         self._observed_width = False  # whose last dimension is a width of the block ([B, T, H], not [B, C, T])
+        self._recorded_depth: int | None = None  # the blocks of the network the recorded step trained
         self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
         self._block_hook: Any = None
         #: a compiled module's last recorded batch: (its batch shapes, the network's parameter shapes); see _watch
@@ -660,6 +661,35 @@ class EfficiencyMonitor(Callback):
         self._blocks[key] = ([weakref.ref(c) for c in children], None if blocks is None else weakref.ref(blocks))
         return blocks
 
+    def _every_block(self, pl_module: pl.LightningModule, calls: list[CallRecord]) -> list[CallRecord]:
+        """``calls`` on a network of more blocks than the recorded step trained (the V-cycle's full model held in
+        place of the coarse one, :class:`Baseline`), when the step called every block itself (``for block in
+        self.blocks``): the calls of the blocks it has beyond them too, as those of the recorded blocks (blocks of
+        one shape). Otherwise ``calls`` as they are."""
+        blocks, depth = self.find_blocks(pl_module), self._recorded_depth
+        if blocks is None or depth is None or len(blocks) <= depth:
+            return calls
+        name = next((n for n, m in pl_module.named_modules() if m is blocks), "")
+        prefix = f"{name}." if name else ""
+        called: dict[int, list[CallRecord]] = {}
+        for call in calls:
+            index = call.target[len(prefix) :] if call.target.startswith(prefix) else ""
+            if index.isdigit():
+                called.setdefault(int(index), []).append(call)
+        if set(called) != set(range(depth)):
+            return calls
+
+        def moved(call: CallRecord, old: str, new: str) -> CallRecord:
+            target = new + call.target[len(old) :]
+            return dataclasses.replace(call, target=target, parts=[moved(p, old, new) for p in call.parts])
+
+        extra = [
+            moved(call, f"{prefix}{j % depth}", f"{prefix}{j}")
+            for j in range(depth, len(blocks))
+            for call in called[j % depth]
+        ]
+        return [*calls, *extra]
+
     def num_layers(self, pl_module: pl.LightningModule) -> int | None:
         """The module's ``effi_num_layers``, else the length of the network's block list (:meth:`find_blocks`),
         else None."""
@@ -692,7 +722,7 @@ class EfficiencyMonitor(Callback):
             raise NotImplementedError(
                 f"no call of {type(pl_module).__name__} or of a submodule was seen in the training step; {hint}"
             )
-        calls = self._calls
+        calls = self._every_block(pl_module, self._calls)
         try:
             if self._batch_shapes is not None and _shapes(batch) != self._batch_shapes:
                 calls = [call.on_batch(batch) for call in calls]
@@ -943,6 +973,8 @@ class EfficiencyMonitor(Callback):
             self._eager = torch.compiler.set_stance("force_eager")
         if not callable(getattr(pl_module, "effi_training_flops", None)) and not self._own_flops(pl_module):
             self._recorder.start(pl_module, batch)
+            blocks = self.find_blocks(pl_module)
+            self._recorded_depth = None if blocks is None else len(blocks)
         if not callable(getattr(pl_module, "effi_count_tokens", None)):  # positions, and a mask's downsampling
             blocks = self.find_blocks(pl_module)
             first = next(iter(blocks.children()), None) if blocks is not None else None

@@ -706,6 +706,54 @@ def test_a_mask_beside_token_ids_is_not_scaled_to_the_blocks_positions(tmp_path:
     assert monitor_warnings(caught) == [] and [row["tokens"] for row in per_batch.rows] == [int(mask.sum())] * 2
 
 
+class OwnNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.head = (
+            nn.Embedding(V, 32),
+            nn.ModuleList(OwnBlock() for _ in range(4)),
+            nn.Linear(32, V),
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class LoopsOverBlocks(UserModule):
+    """``self.net(ids)``, or the step iterating the blocks itself (the nanoGPT / per-block checkpoint pattern)."""
+
+    def __init__(self, loop: bool) -> None:
+        super().__init__()
+        self.loop, self.net = loop, OwnNet()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        if self.loop:
+            x = self.net.embed(ids)
+            for block in self.net.blocks:
+                x = block(x)
+            logits = self.net.head(x)
+        else:
+            logits = self.net(ids)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_the_vcycle_baseline_prices_every_block_when_the_step_iterates_them(tmp_path: Path) -> None:
+    """At the coarse level (2 of 4 blocks) the baseline replays the recorded calls on the full model: the step's own
+    loop over the blocks recorded blocks 0 and 1 only, so the baseline was the small model's and the saving 0
+    (qa33-break 11). Both spellings of the step now read the full model's FLOPs and the same saving."""
+    rows = {}
+    for loop in (False, True):
+        pl.seed_everything(0)
+        vcycle = VCycleCallback(e_a=1, e_small=2, width_scheme=None)
+        monitor, _, per_batch = fit(LoopsOverBlocks(loop), token_loader(n=40), tmp_path / str(loop), 4, (vcycle,))
+        rows[loop] = ([row["baseline_flops"] for row in per_batch.rows], monitor.summary["flops_saved_frac"])
+    assert rows[True] == rows[False] and rows[True][1] > 0.2
+
+
 class HalveFlops(Callback):
     """A technique that lowers every batch's FLOPs to half (``effi_adjust``)."""
 
