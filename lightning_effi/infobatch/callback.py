@@ -1514,7 +1514,8 @@ class InfoBatchCallback(Callback):
                 "progress, which ends exactly at the run's last step: in configure_optimizers, progress = "
                 "lightning_effi.core.progress.progress_source(self.trainer.callbacks), then lightning_effi.core."
                 "lr_schedules.progress_lambda(optimizer, fn, progress) with your multiplier fn of progress in [0, 1], "
-                "or warmup_cosine(optimizer, progress=progress, warmup_fraction=0, min_lr_ratio=0) for a cosine to 0; "
+                "or warmup_cosine(optimizer, progress=progress, warmup_fraction=f, min_lr_ratio=0) for a cosine to 0 "
+                "after your warmup's fraction f of the run (0: none); "
                 "or step it every epoch (interval='epoch'). See the LR schedules section of the InfoBatch README"
             )
 
