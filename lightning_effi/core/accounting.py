@@ -319,12 +319,13 @@ def _shapes(batch: Any) -> list[tuple[Any, tuple[int, ...]]]:
     return [(path, tuple(value.shape)) for path, value in tensor_leaves(batch)]
 
 
-def _has_token_ids(batch: Any) -> bool:
-    """Whether the batch holds token ids: an integer (not bool) ``[B, T]`` tensor whose name is not a mask's."""
+def _has_token_ids(batch: Any, shape: tuple[int, ...]) -> bool:
+    """Whether the batch holds token ids beside its mask of ``shape``: an integer (not bool) tensor of that shape
+    whose name is not a mask's (a CTC target of its own length is not)."""
     for path, value in tensor_leaves(batch):
         name = str(path[-1]) if isinstance(path, tuple) and path else ""
         integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
-        if value.ndim == 2 and integer and "mask" not in name.lower():
+        if tuple(value.shape) == shape and integer and "mask" not in name.lower():
             return True
     return False
 
@@ -549,7 +550,7 @@ class EfficiencyMonitor(Callback):
         self._observed_tokens: int | None = None  # tokens in the first block's hidden states in the current batch
         self._observed_shape: tuple[int, ...] | None = None  # those hidden states' shape
         self._observed_width = False  # whose last dimension is a width of the block ([B, T, H], not [B, C, T])
-        self._recorded_depth: int | None = None  # the blocks of the network the recorded step trained
+        self._recorded_lists: dict[str, int] = {}  # the module lists of the network the recorded step trained
         self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
         self._block_hook: Any = None
         #: a compiled module's last recorded batch: (its batch shapes, the network's parameter shapes); see _watch
@@ -579,12 +580,12 @@ class EfficiencyMonitor(Callback):
         shape = self._observed_shape
         if source is None or source[0] != "mask" or shape is None or combined_parts(self._train_loaders, batch):
             return None
-        if not self._observed_width or _has_token_ids(batch):
-            # token ids beside the mask: it marks them (a decoder's blocks, a step's ids[:, :-1]); hidden states
-            # that are not [B, T, H] (a convolution's [B, C, T])
-            return None
         rows = key_padding_mask(source[1])
         if rows is None or rows.ndim != 2:
+            return None
+        if not self._observed_width or _has_token_ids(batch, tuple(rows.shape)):
+            # token ids beside the mask: it marks them (a decoder's blocks, a step's ids[:, :-1]); hidden states
+            # that are not [B, T, H] (a convolution's [B, C, T])
             return None
         size, length = int(rows.shape[0]), int(rows.shape[1])
         seq = shape[1] if shape[0] == size else shape[0] if shape[1] == size else None
@@ -662,32 +663,34 @@ class EfficiencyMonitor(Callback):
         return blocks
 
     def _every_block(self, pl_module: pl.LightningModule, calls: list[CallRecord]) -> list[CallRecord]:
-        """``calls`` on a network of more blocks than the recorded step trained (the V-cycle's full model held in
-        place of the coarse one, :class:`Baseline`), when the step called every block itself (``for block in
-        self.blocks``): the calls of the blocks it has beyond them too, as those of the recorded blocks (blocks of
-        one shape). Otherwise ``calls`` as they are."""
-        blocks, depth = self.find_blocks(pl_module), self._recorded_depth
-        if blocks is None or depth is None or len(blocks) <= depth:
-            return calls
-        name = next((n for n, m in pl_module.named_modules() if m is blocks), "")
-        prefix = f"{name}." if name else ""
-        called: dict[int, list[CallRecord]] = {}
-        for call in calls:
-            index = call.target[len(prefix) :] if call.target.startswith(prefix) else ""
-            if index.isdigit():
-                called.setdefault(int(index), []).append(call)
-        if set(called) != set(range(depth)):
+        """``calls`` on a network whose module lists hold more entries than when the step was recorded (the V-cycle's
+        full model held in place of the coarse one, :class:`Baseline`), for each list whose every entry the step
+        called itself (``for block in self.blocks``): the calls of the entries it has beyond them too, as those of
+        the recorded entries (blocks of one shape). Otherwise ``calls`` as they are."""
+        grown = [
+            (name, len(m), self._recorded_lists[name])
+            for name, m in pl_module.named_modules()
+            if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) > self._recorded_lists.get(name, len(m))
+        ]
+        if not grown:
             return calls
 
         def moved(call: CallRecord, old: str, new: str) -> CallRecord:
             target = new + call.target[len(old) :]
             return dataclasses.replace(call, target=target, parts=[moved(p, old, new) for p in call.parts])
 
-        extra = [
-            moved(call, f"{prefix}{j % depth}", f"{prefix}{j}")
-            for j in range(depth, len(blocks))
-            for call in called[j % depth]
-        ]
+        extra: list[CallRecord] = []
+        for name, length, depth in grown:
+            prefix = f"{name}." if name else ""
+            called: dict[int, list[CallRecord]] = {}
+            for call in calls:
+                index = call.target[len(prefix) :] if call.target.startswith(prefix) else ""
+                if index.isdigit():
+                    called.setdefault(int(index), []).append(call)
+            if set(called) != set(range(depth)):
+                continue
+            for j in range(depth, length):
+                extra += [moved(call, f"{prefix}{j % depth}", f"{prefix}{j}") for call in called[j % depth]]
         return [*calls, *extra]
 
     def num_layers(self, pl_module: pl.LightningModule) -> int | None:
@@ -973,8 +976,9 @@ class EfficiencyMonitor(Callback):
             self._eager = torch.compiler.set_stance("force_eager")
         if not callable(getattr(pl_module, "effi_training_flops", None)) and not self._own_flops(pl_module):
             self._recorder.start(pl_module, batch)
-            blocks = self.find_blocks(pl_module)
-            self._recorded_depth = None if blocks is None else len(blocks)
+            self._recorded_lists = {
+                name: len(m) for name, m in pl_module.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential)
+            }
         if not callable(getattr(pl_module, "effi_count_tokens", None)):  # positions, and a mask's downsampling
             blocks = self.find_blocks(pl_module)
             first = next(iter(blocks.children()), None) if blocks is not None else None

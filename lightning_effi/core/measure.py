@@ -36,7 +36,10 @@ from real values, not the network's compute) are not recorded. A call whose forw
 inside it (two levels down, :data:`MAX_PART_DEPTH`), each on the shapes it was called with (:attr:`CallRecord.parts`;
 its own operations between them are not counted); one without such calls, or whose forward needs real values
 otherwise (data-dependent control flow), fails to replay and is reported (:class:`MeasureError`). Checkpoints nested
-inside a non-reentrant checkpoint are replayed as the innermost one only.
+inside a non-reentrant checkpoint are replayed as the innermost one only; a non-reentrant checkpoint's early stop is
+replayed at the end of the last module call inside it (operations of its own after that call that save tensors make
+torch recompute the call whole: a few percent more), and a call measured through its parts inside such a
+checkpoint has them recomputed whole.
 """
 
 from __future__ import annotations
@@ -624,7 +627,7 @@ class CallRecord:
             _freeze(self.kwargs),
             self.grad,
             tuple(sorted(map(repr, self.used))),
-            None if self.recompute is None else (self.recompute.mode, self.recompute.context_fn),
+            None if self.recompute is None else (self.recompute.mode, _callable_key(self.recompute.context_fn)),
         )
 
     def opaque(self) -> list[str]:
@@ -676,6 +679,26 @@ class CallRecord:
             used=set(self.used),
             parts=_parts_on_batch(self.parts, batch),
         )
+
+
+def _callable_key(fn: Any) -> Any:
+    """A description of a callable that is the same for the same code and arguments (a ``functools.partial`` built
+    afresh at every step, as ``context_fn=partial(create_selective_checkpoint_contexts, policy)`` in a forward is, is
+    one key): its module and qualified name, and a partial's arguments described alike."""
+    import functools
+
+    if fn is None:
+        return None
+    if isinstance(fn, functools.partial):
+        keywords = tuple(sorted((k, _callable_key(v) if callable(v) else repr(v)) for k, v in fn.keywords.items()))
+        return (
+            "partial",
+            _callable_key(fn.func),
+            tuple(_callable_key(a) if callable(a) else repr(a) for a in fn.args),
+            keywords,
+        )
+    name = getattr(fn, "__qualname__", None)
+    return (getattr(fn, "__module__", None), name) if name is not None else repr(fn)
 
 
 def _parts_on_batch(parts: list[CallRecord], batch: Any) -> list[CallRecord]:
@@ -811,7 +834,7 @@ class CallRecorder:
         # the calls in progress: (module, grad mode, the calls made inside it so far, the recorded call it is a
         # recompute inside of, if any)
         self._stack: list[tuple[nn.Module, bool, list[CallRecord], CallRecord | None]] = []
-        self._replayed: list[tuple[nn.Module, CallRecord]] = []  # the calls whose replay runs their backward
+        self._replayed: list[tuple[nn.Module, CallRecord, bool]] = []  # calls whose replay runs their backward
         self._replayed_ids: dict[int, CallRecord] | None = None  # their modules and submodules (found when needed)
         self._regions: list[CallRecord] = []  # the calls made inside a non-reentrant checkpoint, in order
         self._refs: list[tuple[TensorInfo, weakref.ref[Tensor]]] = []
@@ -894,18 +917,25 @@ class CallRecorder:
         into = None
         if not self._stack and _in_backward():
             into = self._replayed_call(module)
-            if into is not None and not _reentrant_recompute():
-                return  # activation checkpointing's recompute inside a call whose replay recomputes it too
+            if into is not None:
+                name = self._names[id(module)]
+                direct = any(p.target == name and not p.grad for p in into.parts)
+                if not (direct and _reentrant_recompute()):
+                    # activation checkpointing's recompute inside a call (or a part of it) whose replay repeats it
+                    return
         self._stack.append((module, torch.is_grad_enabled(), [], into))
 
     def _replayed_call(self, module: nn.Module) -> CallRecord | None:
         """The call recorded in grad mode whose module is ``module`` or holds it: its replay runs its backward, with
         any recompute of activation checkpointing inside it (HF's ``gradient_checkpointing_enable()``, or a
-        non-reentrant checkpoint around it, :attr:`CallRecord.recompute`). None for a module called in the backward
-        outside those (a reentrant ``torch.utils.checkpoint`` around a call of the step's own code, whose forward ran
-        without grad): its recompute is compute of the step."""
+        non-reentrant checkpoint around it, :attr:`CallRecord.recompute`); for a call recorded in the backward (a
+        reentrant checkpoint's recompute), a module it holds, not its own (a block applied again is recomputed again).
+        None for a module called in the backward outside those (a reentrant ``torch.utils.checkpoint`` around a call
+        of the step's own code, whose forward ran without grad): its recompute is compute of the step."""
         if self._replayed_ids is None:
-            self._replayed_ids = {id(m): call for root, call in self._replayed for m in root.modules()}
+            self._replayed_ids = {}
+            for root, call, in_backward in self._replayed:
+                self._replayed_ids.update((id(m), call) for m in root.modules() if not (in_backward and m is root))
         return self._replayed_ids.get(id(module))
 
     def _after(self, module: nn.Module, args: Any, *rest: Any) -> None:
@@ -929,8 +959,8 @@ class CallRecorder:
         elif into is not None:  # a reentrant checkpoint's recompute inside a recorded call: one of its parts
             into.parts.append(call)
         else:
-            if grad and not _in_backward():
-                self._replayed.append((module, call))
+            if grad:
+                self._replayed.append((module, call, _in_backward()))
                 self._replayed_ids = None
             self.calls.append(call)
 
@@ -1300,6 +1330,8 @@ class FlopsMeter:
 
     def _record(self, key: tuple[Any, ...], flops: int) -> None:
         skeleton, dims = _split_key(key)
+        if skeleton not in self._families and len(self._families) >= self.max_entries:
+            self._families.clear()
         points = self._families.setdefault(skeleton, [])
         if len(points) < 256:
             points.append((dims, flops))

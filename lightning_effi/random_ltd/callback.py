@@ -1074,8 +1074,9 @@ class RandomLTDCallback(Callback):
     def _check_curriculum_units(self, seq_len: int, length: int) -> None:
         """``max_value`` derived from the curriculum's ``seqlen_truncate`` (its ``max_difficulty``, in the batch's
         units) against the first batch: its layers see the batch's length (``length``, less the label shift at
-        most), or a few positions more or fewer (the step's own ``ids[:, :-1]``, a token the model adds: at most
-        :data:`_OFFSET_TOKENS`), which ``max_value`` is moved by (announced). A frontend that downsamples (audio
+        most), or one position fewer (the step's own ``ids[:, :-1]``) or a few more (tokens the model adds: at most
+        :data:`_OFFSET_TOKENS`), in a batch long enough for that not to be a ratio, which ``max_value`` is moved by
+        (announced). A frontend that downsamples (audio
         samples to frames, bytes to patches) or many tokens the model adds make the two differ more, and the schedule
         would end at a length the layers never see.
 
@@ -1087,7 +1088,7 @@ class RandomLTDCallback(Callback):
             return
         metric, longest = self._seqlen_curriculum
         offset = seq_len - length
-        if abs(offset) <= _OFFSET_TOKENS:  # the step's own label shift (ids[:, :-1]), a token the model adds
+        if -1 <= offset <= _OFFSET_TOKENS and length > 4 * abs(offset):  # a label shift, tokens the model adds
             self.max_value = longest + offset
             rank_zero_info(
                 f"{type(self).__name__}: max_value = {self.max_value} tokens: the patched layers see {seq_len} "

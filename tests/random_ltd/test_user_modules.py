@@ -204,11 +204,11 @@ def test_a_curriculum_in_other_units_than_the_layers_needs_an_explicit_max_value
     from lightning_effi.data import CurriculumDataModule
     from tests.helpers.tiny import seqlen_truncate
 
-    def fit(max_value):
+    def fit(max_value, start=8):
         adapter = GenericAdapter("blocks", hidden_size=32)
         cb = RandomLTDCallback(min_value=2, max_value=max_value, seq_per_step=2, require_steps=4, adapter=adapter)
         watch = Watch(cb)
-        callbacks = [Curriculum(metrics=seqlen_truncate(8, 16, 4, 2)), cb, watch]
+        callbacks = [Curriculum(metrics=seqlen_truncate(start, 16, 4, 2)), cb, watch]
         data = CurriculumDataModule(TinyDataModule(TokenBlocks(n=40, seq_len=16), batch_size=4))
         make_trainer(tmp_path, callbacks, max_steps=4, max_epochs=-1).fit(Downsampling(), datamodule=data)
         return watch
@@ -221,6 +221,10 @@ def test_a_curriculum_in_other_units_than_the_layers_needs_an_explicit_max_value
     ):
         fit(None)
     rows = fit(8).rows
+    # a curriculum starting at 4 tokens: the layers see 2, an offset of -2 that is a ratio, not a label shift (it
+    # set max_value to 14 where the layers never see more than 8, qa34-break 07)
+    with pytest.raises(ValueError, match=r"patched layers see 2 positions where the batch is 4 long"):
+        fit(None, start=2)
     assert [(row["records"][0].seq_len, row["records"][0].reserved_length) for row in rows] == [
         (5, 2),
         (6, 2),
