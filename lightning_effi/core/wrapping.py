@@ -15,6 +15,7 @@ that the ``setup`` of a later fit can tell the leftovers of a fit that ended wit
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sized
 from typing import Any, TypeVar
@@ -249,6 +250,38 @@ def _same_dataset(a: Any, b: Any) -> bool:
     return False
 
 
+class EvaluationLoader:
+    """An evaluation loader hook of :class:`WrappingDataModule` (``val_dataloader``, ...): the wrapped DataModule's,
+    read when Lightning looks it up (``method``: the name of a subclass's own implementation, used instead of
+    delegating). Lightning reads whether a loader is defined off the outermost DataModule (``is_overridden``): a
+    wrapped DataModule that does not define it (at that moment: a hook assigned later counts) gives
+    ``LightningDataModule``'s own, so the run reads as without it (validation skipped) rather than calling one that
+    raises."""
+
+    name = ""
+
+    def __init__(self, method: str | None = None) -> None:
+        self.method = method  # the wrapper's own implementation, a method of that name (None: the wrapped one's)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        inner = instance.__dict__.get("datamodule")
+        if inner is not None and not is_overridden(self.name, inner, pl.LightningDataModule):
+            return getattr(inner, self.name)
+        if self.method is not None:
+            return getattr(instance, self.method)
+        return functools.partial(_call_inner, instance, self.name)
+
+
+def _call_inner(wrapper: Any, name: str) -> Any:
+    """The wrapped DataModule's loader hook ``name``."""
+    return getattr(wrapper.datamodule, name)()
+
+
 class WrappingDataModule(pl.LightningDataModule):
     """Base of the technique DataModules: wraps ``datamodule`` and delegates everything but ``train_dataloader``
     (``prepare_data``, ``setup``, ``teardown``, ``on_exception``, the evaluation loaders, ``state_dict``,
@@ -274,11 +307,6 @@ class WrappingDataModule(pl.LightningDataModule):
         if not isinstance(datamodule, pl.LightningDataModule):
             raise DataConfigError(f"data.datamodule: expected a LightningDataModule, got {type(datamodule).__name__}")
         self.datamodule = datamodule
-        for name in ("val_dataloader", "test_dataloader", "predict_dataloader"):
-            if not is_overridden(name, datamodule, pl.LightningDataModule):
-                # Lightning reads whether a loader is defined off the outermost DataModule (is_overridden): a user's
-                # DataModule without one reads as without it (validation skipped), not as one that raises
-                setattr(self, name, getattr(datamodule, name))
         self._template: dict[str, Any] | None = None
         #: the user's Trainer's reload_dataloaders_every_n_epochs when the fit started (before a technique set it),
         #: and the last epoch whose reload was checked (:meth:`_check_reload`)
@@ -391,14 +419,9 @@ class WrappingDataModule(pl.LightningDataModule):
         self.effi_batch_meta = None
         self.datamodule.on_exception(exception)
 
-    def val_dataloader(self) -> Any:
-        return self.datamodule.val_dataloader()
-
-    def test_dataloader(self) -> Any:
-        return self.datamodule.test_dataloader()
-
-    def predict_dataloader(self) -> Any:
-        return self.datamodule.predict_dataloader()
+    val_dataloader = EvaluationLoader()
+    test_dataloader = EvaluationLoader()
+    predict_dataloader = EvaluationLoader()
 
     def state_dict(self) -> dict[str, Any]:
         return self.datamodule.state_dict()

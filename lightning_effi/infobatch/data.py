@@ -40,7 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.indexed import IndexedDataset, indexed_collate
 from lightning_effi.core.loader import ResumableDataLoader
-from lightning_effi.core.wrapping import WrappingDataModule, find_wrapper
+from lightning_effi.core.wrapping import EvaluationLoader, WrappingDataModule, find_wrapper
 from lightning_effi.curriculum.data import CurriculumDataLoader, CurriculumDataModule
 from lightning_effi.infobatch.sampler import InfoBatchSampler
 
@@ -82,7 +82,9 @@ class InfoBatchDataModule(WrappingDataModule):
         self._val_loader = None
         super().teardown(stage)
 
-    def val_dataloader(self) -> Any:
+    val_dataloader = EvaluationLoader("_val_dataloader")  # none where the wrapped DataModule has none
+
+    def _val_dataloader(self) -> Any:
         """The wrapped DataModule's validation loader; during a fit whose Trainer did not ask for reloads, the one
         its first call returned (the module docstring says why)."""
         trainer = self.trainer
