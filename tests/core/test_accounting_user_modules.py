@@ -175,6 +175,15 @@ def token_loader(n: int = 3 * B, seq: int = T, labels: str = "lm") -> DataLoader
     return DataLoader(TensorDataset(ids, y), batch_size=B)
 
 
+def masked_lm_loader(n: int = 3 * B, masked: bool = True) -> DataLoader:
+    """``(ids, labels)`` with about 30% of the positions labelled (the others -100), a different number per batch;
+    ``masked=False``: every position labelled."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V, (n, T), generator=g)
+    labels = torch.where(torch.rand(n, T, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+    return DataLoader(TensorDataset(ids, labels if masked else ids), batch_size=B)
+
+
 def image_loader(n: int = 3 * B) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     return DataLoader(TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,))), batch_size=B)
@@ -573,14 +582,8 @@ class NestedCheckpoints(UserModule):
 def test_reentrant_checkpoints_inside_a_recorded_call_are_counted_once(tmp_path: Path, how: str) -> None:
     """The inner recomputes were counted twice: 1.57x (nested) and 1.74x (two levels down in a call measured
     through its parts) (qa34-break 01, 02)."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, V, (2 * B, T), generator=g)
-    labels = torch.where(torch.rand(2 * B, T, generator=g) < 0.3, ids, torch.full_like(ids, -100))
-    labels = labels if how == "masked" else ids
     pl.seed_everything(0)
-    _, measured, per_batch = fit(
-        NestedCheckpoints(how), DataLoader(TensorDataset(ids, labels), batch_size=B), tmp_path, 2
-    )
+    _, measured, per_batch = fit(NestedCheckpoints(how), masked_lm_loader(2 * B, masked=how == "masked"), tmp_path, 2)
     assert [row["flops"] for row in per_batch.rows] == measured.per_batch
 
 
@@ -605,11 +608,8 @@ def test_a_checkpointed_head_on_the_masked_positions_counts_its_recompute(tmp_pa
             ids, labels = batch
             return checkpoint(self, ids, labels, use_reentrant=False) if how == "around" else self(ids, labels)
 
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, V, (2 * B, T), generator=g)
-    labels = torch.where(torch.rand(2 * B, T, generator=g) < 0.3, ids, torch.full_like(ids, -100))
     pl.seed_everything(0)
-    _, measured, per_batch = fit(Checkpointed(), DataLoader(TensorDataset(ids, labels), batch_size=B), tmp_path, 2)
+    _, measured, per_batch = fit(Checkpointed(), masked_lm_loader(2 * B), tmp_path, 2)
     assert [row["flops"] for row in per_batch.rows] == measured.per_batch
 
 
@@ -681,10 +681,7 @@ def test_a_head_on_the_masked_positions_only_is_counted_on_their_number(tmp_path
     """``self(ids, labels)`` cannot be replayed on fake tensors (``nonzero`` of the mask: FLOPs read 0 for the run,
     qa32-user 04); the calls made directly inside it are: the encoder on the batch, the head on each batch's masked
     positions. Each batch's FLOPs equal the flop counter's; the batches mask different numbers of positions."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, V, (3 * B, T), generator=g)
-    labels = torch.where(torch.rand(3 * B, T, generator=g) < 0.3, ids, torch.full_like(ids, -100))
-    loader = DataLoader(TensorDataset(ids, labels), batch_size=B)
+    loader = masked_lm_loader()
     counts = [int((batch[1] != -100).sum()) for batch in loader]
     assert len(set(counts)) > 1
     for wrapped in (True, False):
