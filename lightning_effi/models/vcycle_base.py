@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import importlib
 import itertools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -237,9 +238,9 @@ class VCycleAdapter:
         if unmapped:
             raise ValueError(
                 f"{self.name}: the V-cycle adapter does not map {len(unmapped)} parameter(s) of "
-                f"{type(model).__name__}: {unmapped} (a module of your own inside the network, such as a replaced "
-                "head, or an option of the model the adapter's table does not cover); it coalesces a model it can "
-                "rebuild from the model's configuration, so every parameter must be in its table, in depth-only "
+                f"{type(model).__name__}: {_by_layer(unmapped)} (a module of your own inside the network, such as a "
+                "replaced head, or an option of the model the adapter's table does not cover); it coalesces a model "
+                "it can rebuild from the model's configuration, so every parameter must be in its table, in depth-only "
                 "coalescing too. Keep the model's own modules (a timm model's head: create_model(num_classes=...) "
                 "or reset_classifier), or move your module onto the LightningModule outside the network (then "
                 "width_scheme=None if it reads the hidden size), or subclass "
@@ -561,3 +562,16 @@ def _why_unhandled(model: nn.Module) -> str:
 
     why = unequal_block_list(model)
     return f" ({why})" if why else ""
+
+
+def _by_layer(names: list[str]) -> list[str]:
+    """``names`` with those that differ only in a layer index (``h.0.attn.lora_A``, ``h.1.attn.lora_A``, ...) given
+    once: the first, then how many more and their pattern (``h.*.attn.lora_A``), so that a message lists an adapter
+    inserted in every layer in a line, not one name per layer."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(re.sub(r"(?<=\.)\d+(?=\.)", "*", name), []).append(name)
+    return [
+        group[0] if len(group) == 1 else f"{group[0]} (+{len(group) - 1} more: {pattern})"
+        for pattern, group in groups.items()
+    ]
