@@ -69,8 +69,8 @@ from lightning_effi.core.flops import sdpa_recomputes
 from lightning_effi.core.measure import (
     FlopsMeter,
     MeasureError,
-    find_tokens,
     key_padding_mask,
+    mask_tokens,
     share_a_residue,
     structure_key,
     token_source,
@@ -165,13 +165,13 @@ def _layer_model_checked(model: tuple[Fraction, Fraction, frozenset[int], int]) 
 
 
 def _padded(batch: Any) -> bool:
-    """Whether a training batch has padding: its ``attention_mask`` (or the padding mask beside its token ids) marks
-    fewer real tokens than it has positions, so its rows differ in length (a batch padded per batch)."""
+    """Whether a training batch has padding: its ``attention_mask`` marks fewer real tokens than it has positions, so
+    its rows differ in length (a batch padded per batch)."""
     source = token_source(unwrap(batch)[0])
     if source is None or source[0] != "mask":
         return False
-    rows = key_padding_mask(source[1])
-    return rows is not None and (find_tokens(unwrap(batch)[0]) or 0) < rows.numel()
+    rows, real = key_padding_mask(source[1]), mask_tokens(source[1])
+    return rows is not None and real is not None and real < rows.numel()
 
 
 #: positions the layers may see more or fewer than a seqlen curriculum's batch (label shift, added tokens)
