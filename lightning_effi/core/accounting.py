@@ -733,9 +733,12 @@ class EfficiencyMonitor(Callback):
         except MeasureError as err:
             raise NotImplementedError(f"{err}; {hint}") from err
 
-    def module_stats(self, pl_module: pl.LightningModule, batch: Any, fallback: BatchStats | None = None) -> BatchStats:
+    def module_stats(
+        self, pl_module: pl.LightningModule, batch: Any, fallback: BatchStats | None = None, baseline: str = ""
+    ) -> BatchStats:
         """The module's own counts of ``batch`` with the model in place (no ``effi_adjust``); a figure that cannot
-        be found is ``fallback``'s (0 without one), with a warning (class docstring)."""
+        be found is ``fallback``'s (0 without one), with a warning (class docstring). ``baseline``: what the counts
+        are of, for the warning, when they are a technique's baseline (``fallback`` given)."""
 
         def missing(quantity: str, message: str) -> int:
             self._warn(quantity, message)
@@ -793,10 +796,9 @@ class EfficiencyMonitor(Callback):
             else:  # the baseline's batch (before a technique changed its shapes); the trained FLOPs were counted
                 self._warn(
                     "baseline_flops",
-                    f"the baseline's training FLOPs (the batch before a technique changed its shapes, e.g. the "
-                    f"curriculum's untruncated batch) cannot be counted: {err}. The trained FLOPs are counted; the "
-                    "baseline's are taken as equal to them, so the FLOPs saving of that technique reads 0 "
-                    "(baseline_flops understates a plain run's)",
+                    f"the baseline's training FLOPs ({baseline or 'the run without a technique'}) cannot be "
+                    f"counted: {err}. The trained FLOPs are counted; the baseline's are taken as equal to them, so "
+                    "the FLOPs saving of that technique reads 0 (baseline_flops understates a plain run's)",
                 )
                 flops = fallback.flops
         return BatchStats(size, tokens, layer_tokens, flops)
@@ -849,7 +851,12 @@ class EfficiencyMonitor(Callback):
                 with ExitStack() as stack:
                     for enter in models:
                         stack.enter_context(enter())
-                    before = self.module_stats(pl_module, changed_batch, fallback=before)
+                    what = (
+                        f"{technique_name(callback)}'s full model in place of the smaller one it trains"
+                        if change.model is not None
+                        else f"the batch before {technique_name(callback)} changed its shapes"
+                    )
+                    before = self.module_stats(pl_module, changed_batch, fallback=before, baseline=what)
                 raised = _scaled(before.values(), scale)
             add(technique_name(callback), current, raised)
             current = raised

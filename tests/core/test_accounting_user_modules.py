@@ -1245,3 +1245,20 @@ def test_a_length_is_read_off_a_quadratic_only_when_every_replayed_length_lies_o
     assert _quadratic_at(cubic, 30) is None
     stepped = {8: 100, 16: 100, 24: 200, 40: 200}  # blocks of 16 (ceil(T / 16)): no quadratic through all
     assert _quadratic_at(stepped, 30) is None
+
+
+def test_a_baseline_that_cannot_be_counted_names_its_technique(tmp_path: Path) -> None:
+    """At half width the step's own loop recorded the blocks with 16-wide hidden states, which the full model's 32-wide
+    blocks cannot take: the warning names the V-cycle's full model (it blamed the curriculum's batch, qa34-break), and
+    the saving reads 0 as it says."""
+    pl.seed_everything(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = LoopsOverBlocks(True)
+        module.net.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True) for _ in range(4)
+        )
+        monitor, _, _ = fit(module, token_loader(n=40), tmp_path, 4, (VCycleCallback(e_a=1, e_small=2),))
+    [message] = [m for m in monitor_warnings(caught) if "baseline's training FLOPs" in m]
+    assert "(vcycle's full model in place of the smaller one it trains) cannot be counted" in message
+    assert "curriculum" not in message and monitor.summary["flops_saved_frac"] == 0.0
