@@ -8,10 +8,12 @@ Entry point: ``python experiments/train.py [overrides]`` (see ``conf/train.yaml`
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import pickle
 import sys
+import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_class
+from hydra.utils import get_object
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
@@ -207,14 +209,30 @@ def techniques_of(callbacks_cfg: Any) -> dict[str, dict[str, Any]]:
     for node in callbacks_cfg.values():
         if not isinstance(node, DictConfig) or "_target_" not in node:
             continue
-        try:
-            cls = get_class(str(node._target_))
-        except Exception:  # instantiation already succeeded; a target that is a function is not a technique
-            continue
-        if issubclass(cls, EfficiencyMonitor) or not any(hasattr(cls, h) for h in TECHNIQUE_HOOKS):
+        cls = _target_class(str(node._target_))
+        if cls is None or issubclass(cls, EfficiencyMonitor) or not any(hasattr(cls, h) for h in TECHNIQUE_HOOKS):
             continue
         out[technique_name(cls)] = OmegaConf.to_container(node, resolve=True)  # type: ignore[assignment]
     return out
+
+
+def _target_class(target: str) -> type | None:
+    """The class a ``_target_`` builds: the class itself, the class of a classmethod factory
+    (``lightning_effi.Curriculum.from_config``), or the class a function's return annotation names; None otherwise.
+    """
+    try:
+        obj = get_object(target)  # instantiation already succeeded, so the target exists
+    except Exception:
+        return None
+    if isinstance(obj, type):
+        return obj
+    if inspect.ismethod(obj) and isinstance(obj.__self__, type):
+        return obj.__self__
+    try:
+        returned = typing.get_type_hints(obj).get("return") if callable(obj) else None
+    except Exception:  # an annotation that does not resolve
+        return None
+    return returned if isinstance(returned, type) else None
 
 
 def _overrides() -> list[str]:
