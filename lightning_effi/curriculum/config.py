@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -114,6 +115,13 @@ class MetricConfig:
             raise CurriculumConfigError(
                 f"{where}: custom_schedule is only used with schedule_type 'custom' (got {self.schedule_type!r})"
             )
+        if self.schedule_type == "custom" and not callable(self.custom_schedule):
+            raise CurriculumConfigError(
+                f"{where}: schedule_type 'custom' needs custom_schedule, a callable fn(step) -> int, in the metric's "
+                f"config (Hydra: a target with _partial_: true), got {self.custom_schedule!r}; for a DeepSpeed "
+                f"config, parse_deepspeed_config(ds_config, custom_schedules={{{self.name!r}: fn}}) (what DeepSpeed's "
+                "engine.set_custom_curriculum_learning_schedule receives)"
+            )
         if not self.schedule_based and (self.index_to_sample_path or self.index_to_metric_path or self.analysis):
             raise CurriculumConfigError(
                 f"{where}: a single_cluster metric never filters data; remove "
@@ -200,8 +208,11 @@ class MetricConfig:
         return schedule
 
     @classmethod
-    def from_dict(cls, name: str, raw: Mapping[str, Any], extras: bool = True) -> MetricConfig:
-        """Strict parse of one metric dict (not mutated). ``extras``: accept the lightning_effi keys."""
+    def from_dict(
+        cls, name: str, raw: Mapping[str, Any], extras: bool = True, custom_schedule: Callable[[int], int] | None = None
+    ) -> MetricConfig:
+        """Strict parse of one metric dict (not mutated). ``extras``: accept the lightning_effi keys.
+        ``custom_schedule``: the metric's ``fn(step) -> int`` given beside the dict (a DeepSpeed config)."""
         raw = to_plain(raw)
         where = f"curriculum_metrics.{name}"
         if not isinstance(raw, Mapping):
@@ -219,7 +230,7 @@ class MetricConfig:
         kwargs = copy.deepcopy({k: v for k, v in raw.items() if k != "custom_schedule"})
         for k in ("min_difficulty", "max_difficulty"):
             kwargs[k] = check_int(where, k, raw[k], error=CurriculumConfigError)
-        cfg = cls(name=name, **kwargs, custom_schedule=raw.get("custom_schedule"))
+        cfg = cls(name=name, **kwargs, custom_schedule=raw.get("custom_schedule", custom_schedule))
         cfg.schedule("clamped")  # validates the schedule keys now (parse time)
         return cfg
 
@@ -550,14 +561,23 @@ _DS_KEYS = {
 }
 
 
-def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> CurriculumConfig | None:
+def parse_deepspeed_config(
+    ds_config: Mapping[str, Any] | str | os.PathLike[str],
+    custom_schedules: Mapping[str, Callable[[int], int]] | None = None,
+    **overrides: Any,
+) -> CurriculumConfig | None:
     """Read a DeepSpeed config's ``data_efficiency`` block (parsed by DeepSpeed in
     ``deepspeed/runtime/data_pipeline/config.py``) into a :class:`CurriculumConfig`.
 
     Args:
         ds_config: a whole DeepSpeed config dict (other engine keys are ignored) or just its ``data_efficiency``
-            block. Not mutated.
-        overrides: lightning_effi options (``rounding``, ``dp_split``, ...).
+            block, or the path of a DeepSpeed JSON file holding one. Not mutated.
+        custom_schedules: ``{metric name: fn(step) -> int}`` for the metrics of ``schedule_type: custom`` (what
+            DeepSpeed's ``engine.set_custom_curriculum_learning_schedule`` receives).
+        overrides: lightning_effi options (``rounding``, ``dp_split``, ...). ``rounding`` defaults to ``"clamped"``
+            (never below ``min_difficulty``, ``max_difficulty`` at ``total_curriculum_step``); DeepSpeed's own
+            arithmetic is ``rounding="deepspeed"``. The two differ only where ``min_difficulty`` or
+            ``max_difficulty`` is not a multiple of ``difficulty_step``, and then a warning says so.
 
     Returns:
         the config, or ``None`` when ``curriculum_learning.enabled`` is false.
@@ -565,12 +585,26 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
     Raises:
         CurriculumConfigError: the legacy top-level ``curriculum_learning`` block (removed in DeepSpeed PR #8566), a
             misplaced top-level ``data_sampling`` block, unknown keys, missing required keys, an ``enabled`` that is
-            not a bool (a string ``"false"`` would be true), a child enabled under a disabled parent.
+            not a bool (a string ``"false"`` would be true), a child enabled under a disabled parent, an enabled
+            ``data_sampling.dynamic_batching`` (not implemented: the DataLoader's batches are trained), a
+            ``custom_schedules`` entry that is not a callable for a metric of ``schedule_type: custom``.
 
     Warns:
         UserWarning: ``data_efficiency.data_routing.random_ltd`` is enabled: it is not read here (random-LTD is
-            :class:`lightning_effi.RandomLTDCallback`).
+            :class:`lightning_effi.RandomLTDCallback`, :meth:`~lightning_effi.RandomLTDCallback
+            .from_deepspeed_config`); ``data_sampling.num_workers`` / ``pin_memory`` are given (the DataLoader's own
+            are used); a ``single_cluster`` metric names index files (DeepSpeed never opens them; they are dropped,
+            as in Megatron-DeepSpeed's GPT and BERT scripts, which write ``"dummy"``); the default rounding trains
+            another schedule than DeepSpeed's (above).
     """
+    if isinstance(ds_config, (str, os.PathLike)):  # a DeepSpeed JSON file (the Hydra app passes a path)
+        try:
+            with open(ds_config, encoding="utf-8") as f:
+                ds_config = json.load(f)
+        except (OSError, ValueError) as err:
+            raise CurriculumConfigError(
+                f"parse_deepspeed_config: cannot read the DeepSpeed config {str(ds_config)!r}: {err}"
+            ) from None
     ds_config = copy.deepcopy(to_plain(ds_config))
     if not isinstance(ds_config, Mapping):
         raise CurriculumConfigError(
@@ -579,7 +613,10 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
     options = sorted(set(inspect.signature(CurriculumConfig).parameters) - {"metrics", "seed", "num_epochs"})
     unknown = sorted(set(overrides) - set(options) - {"metrics", "seed", "num_epochs"})
     if unknown:
-        raise CurriculumConfigError(f"parse_deepspeed_config: unknown option(s) {unknown}; allowed: {options}")
+        raise CurriculumConfigError(
+            f"parse_deepspeed_config: unknown option(s) {unknown}; allowed: {options} and custom_schedules "
+            "({metric name: fn(step) -> int})"
+        )
     clash = sorted(set(overrides) & {"metrics", "seed", "num_epochs"})
     if clash:
         raise CurriculumConfigError(
@@ -648,10 +685,121 @@ def parse_deepspeed_config(ds_config: Mapping[str, Any], **overrides: Any) -> Cu
         )
     if "data_cluster_path" not in cl:
         raise CurriculumConfigError("curriculum_learning: missing required key 'data_cluster_path'")
-    metrics = {name: MetricConfig.from_dict(name, m, extras=False) for name, m in cl["curriculum_metrics"].items()}
+    _check_loader_keys(ds)
+    raw_metrics = {name: _drop_single_cluster_paths(name, m) for name, m in cl["curriculum_metrics"].items()}
+    functions = _custom_schedules(custom_schedules, raw_metrics)
+    metrics = {
+        name: MetricConfig.from_dict(name, m, extras=False, custom_schedule=functions.get(name))
+        for name, m in raw_metrics.items()
+    }
+    if "rounding" not in overrides:
+        _warn_rounding(metrics)
     return CurriculumConfig(
         metrics=metrics, seed=de.get("seed", 1234), num_epochs=ds.get("num_epochs", 1000), **overrides
     )
+
+
+def _check_loader_keys(data_sampling: Mapping[str, Any]) -> None:
+    """``data_sampling``'s loader keys: an enabled ``dynamic_batching`` (DeepSpeed's token-budget batches) raises, as
+    it is not implemented; ``num_workers`` / ``pin_memory`` warn, as the DataLoader's own settings are used."""
+    dynamic = data_sampling.get("dynamic_batching")
+    if isinstance(dynamic, Mapping) and dynamic.get("enabled") not in (None, False):
+        raise CurriculumConfigError(
+            "data_efficiency.data_sampling.dynamic_batching is enabled, but lightning_effi does not implement "
+            "DeepSpeed's dynamic batching (batches of a token budget): the run would train your DataLoader's fixed-"
+            "size batches instead; set dynamic_batching.enabled to false (or remove it) and choose the batch size in "
+            "the DataLoader"
+        )
+    given = [k for k in ("num_workers", "pin_memory") if k in data_sampling]
+    if given:
+        warnings.warn(
+            f"parse_deepspeed_config: data_efficiency.data_sampling {' / '.join(given)} is not read; the curriculum "
+            "keeps your DataLoader's num_workers and pin_memory (set them there)",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _drop_single_cluster_paths(name: str, metric: Any) -> Any:
+    """A ``single_cluster`` metric's ``index_to_sample_path`` / ``index_to_metric_path`` dropped with a warning:
+    DeepSpeed never opens them (Megatron-DeepSpeed's ``examples_deepspeed/data_efficiency/{gpt,bert}`` scripts write
+    ``"dummy"``). Anything else is returned as it is, for :meth:`MetricConfig.from_dict` to check."""
+    if not isinstance(metric, Mapping) or metric.get("clustering_type") != "single_cluster":
+        return metric
+    paths = [k for k in ("index_to_sample_path", "index_to_metric_path") if k in metric]
+    if not paths:
+        return metric
+    warnings.warn(
+        f"parse_deepspeed_config: curriculum_metrics.{name} is single_cluster, which never filters data, so its "
+        f"{' / '.join(paths)} ({', '.join(repr(metric[k]) for k in paths)}) are not read, as in DeepSpeed",
+        UserWarning,
+        stacklevel=4,
+    )
+    return {k: v for k, v in metric.items() if k not in paths}
+
+
+def _custom_schedules(
+    functions: Mapping[str, Callable[[int], int]] | None, metrics: Mapping[str, Any]
+) -> dict[str, Callable[[int], int]]:
+    """``parse_deepspeed_config``'s ``custom_schedules``, checked against the metrics of ``schedule_type: custom``."""
+    if functions is None:
+        return {}
+    functions = to_plain(functions)
+    if not isinstance(functions, Mapping):
+        raise CurriculumConfigError(
+            f"parse_deepspeed_config: custom_schedules must be a dict {{metric name: fn(step) -> int}}, got "
+            f"{type(functions).__name__}"
+        )
+    custom = sorted(n for n, m in metrics.items() if isinstance(m, Mapping) and m.get("schedule_type") == "custom")
+    for name, fn in functions.items():
+        if name not in custom:
+            raise CurriculumConfigError(
+                f"parse_deepspeed_config: custom_schedules[{name!r}]: the DeepSpeed config has no metric {name!r} of "
+                f"schedule_type 'custom' (those of schedule_type 'custom': {custom})"
+            )
+        if not callable(fn):
+            raise CurriculumConfigError(
+                f"parse_deepspeed_config: custom_schedules[{name!r}] must be a callable fn(step) -> int, got {fn!r}"
+            )
+    return dict(functions)
+
+
+def _warn_rounding(metrics: Mapping[str, MetricConfig]) -> None:
+    """Warn where the default ``rounding="clamped"`` trains another schedule than DeepSpeed's arithmetic: a
+    ``fixed_linear`` / ``fixed_root`` metric whose ``min_difficulty`` or ``max_difficulty`` is not a multiple of its
+    ``difficulty_step`` (DeepSpeed rounds the first value up to the next multiple and plateaus at the last multiple
+    below ``max_difficulty``; ``clamped`` starts at ``min_difficulty`` and reaches ``max_difficulty`` at
+    ``total_curriculum_step``)."""
+    differ = []
+    for name, m in metrics.items():
+        if m.schedule_type not in ("fixed_linear", "fixed_root"):
+            continue
+        step = int(m.schedule_config.get("difficulty_step", 1))
+        ds, what = m.schedule("deepspeed"), []
+        first = -(-m.min_difficulty // step) * step  # DeepSpeed's first value: min_difficulty rounded up
+        until = reach_step(m.schedule("clamped"), first) if m.min_difficulty % step else 1
+        if until is not None and until > 1:
+            steps = "step 1" if until == 2 else f"steps 1-{until - 1}"
+            what.append(f"{steps} train {m.schedule('clamped')(1)} (DeepSpeed: {first})")
+        if m.max_difficulty % step:
+            total, reached = m.schedule_config["total_curriculum_step"], reach_step(ds, m.max_difficulty)
+            what.append(
+                f"{m.max_difficulty} is reached at step {total} (DeepSpeed: "
+                + (f"{ds(total)} there, {m.max_difficulty} from step {reached})" if reached else "never)")
+            )
+        if what:
+            differ.append(
+                f"curriculum_metrics.{name} (min_difficulty {m.min_difficulty}, max_difficulty {m.max_difficulty}, "
+                f"difficulty_step {step}): {', '.join(what)}"
+            )
+    if differ:
+        warnings.warn(
+            "parse_deepspeed_config: with lightning_effi's default rounding='clamped' the curriculum trains another "
+            f"schedule than DeepSpeed for {'; '.join(differ)}; pass rounding='deepspeed' to train DeepSpeed's "
+            "schedule, or rounding='clamped' to keep this one and silence this warning",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_inert_metrics(metrics: Mapping[str, MetricConfig]) -> None:

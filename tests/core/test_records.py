@@ -247,6 +247,21 @@ def test_techniques_of_skips_lightning_callbacks_and_the_monitor():
     }
 
 
+def test_techniques_of_reads_a_factory_target():
+    """A technique built by a classmethod (the curriculum card's ``Curriculum.from_config``) or by a function that
+    says what it returns is a technique with its settings (it was left out, and the report then took the run for one
+    resumed without its curriculum, qa35-user 01); a function returning something else is not."""
+    factory = {"_target_": "lightning_effi.Curriculum.from_config", "config": {"seed": 3}}
+    cfg = OmegaConf.create(
+        {
+            "curriculum": factory,
+            "parse": {"_target_": "lightning_effi.curriculum.parse_deepspeed_config", "ds_config": {}},
+            "missing": {"_target_": "lightning_effi.no_such_thing"},
+        }
+    )
+    assert techniques_of(cfg) == {"curriculum": factory}
+
+
 def _cfg(**objective_spec):
     return OmegaConf.create({"optimized_metric": "val/loss", "optimized_mode": "min", "objective": objective_spec})
 
@@ -285,3 +300,34 @@ def test_objective_bad_input_is_named_before_training(spec, message):
 def test_bad_budget_is_named(tmp_path, budget):
     with pytest.raises(ConfigError, match="budget"):
         run(compose_train([f"budget={budget}"], tmp_path))
+
+
+def test_a_deepspeed_json_through_the_hydra_app(tmp_path):
+    """The curriculum card's recipe: a callbacks config whose curriculum is ``Curriculum.from_config`` of
+    ``parse_deepspeed_config(<a DeepSpeed JSON file>)``. The run trains the DeepSpeed schedule and its record holds the
+    settings (it held ``resumed_without`` and no settings, qa35-user 01)."""
+    metric = {
+        "difficulty_type": "value",
+        "clustering_type": "single_cluster",
+        "min_difficulty": 8,
+        "max_difficulty": 64,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 8},
+    }
+    learning = {"enabled": True, "data_cluster_path": "unused", "curriculum_metrics": {"seqlen_truncate": metric}}
+    ds = {"data_efficiency": {"enabled": True, "data_sampling": {"enabled": True, "curriculum_learning": learning}}}
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds))
+    (tmp_path / "conf" / "callbacks").mkdir(parents=True)
+    (tmp_path / "conf" / "callbacks" / "ds_curriculum.yaml").write_text(
+        "defaults:\n  - default\n  - _self_\ncurriculum:\n  _target_: lightning_effi.Curriculum.from_config\n"
+        "  config:\n    _target_: lightning_effi.curriculum.parse_deepspeed_config\n"
+        f"    ds_config: {tmp_path / 'ds_config.json'}\n    rounding: deepspeed\n"
+    )
+    overrides = ["callbacks=ds_curriculum", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"]
+    run(compose_train(overrides, tmp_path / "run"))
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert saved["arm"] == "curriculum"
+    assert saved["techniques"]["curriculum"]["config"]["ds_config"] == str(tmp_path / "ds_config.json")
+    # DeepSpeed's schedule, 8 + 56 s / 4 rounded down to a multiple of 8, and batches truncated to it
+    assert [p["curriculum/difficulty"] for p in saved["schedule"]] == [16, 32, 48]
+    assert [p["tokens"] for p in saved["schedule"]] == [16 * 16, 16 * (16 + 32), 16 * (16 + 32 + 48)]

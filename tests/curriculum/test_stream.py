@@ -4,6 +4,7 @@ configuration strictness (DeepSpeed ``data_efficiency`` keys)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -405,6 +406,103 @@ def test_deepspeed_config_override_clash_and_bad_metrics():
     d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"] = ["vocabularyrarity"]
     with pytest.raises(CurriculumConfigError, match="curriculum_metrics: required, a dict"):
         parse_deepspeed_config(d)
+
+
+def _with_seqlen(metric: dict, **data_sampling) -> dict:
+    """``DS`` with a ``seqlen_truncate`` metric (the DeepSpeed keys of ``metric`` over 8 -> 1024, q 16, linear)."""
+    d = copy.deepcopy(DS)
+    d["data_efficiency"]["data_sampling"].update(data_sampling)
+    seqlen = {
+        "difficulty_type": "value",
+        "clustering_type": "single_cluster",
+        "min_difficulty": 8,
+        "max_difficulty": 1024,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 110000, "difficulty_step": 16},
+    }
+    d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["seqlen_truncate"] = dict(
+        seqlen, **metric
+    )
+    return d
+
+
+def test_deepspeed_rounding_that_differs_warns():
+    """min_difficulty 8 under difficulty_step 16: the default rounding trains 8 tokens for 866 steps where DeepSpeed
+    trains 16 from step 1 (the long-run example of DeepSpeed PR #8334); it changed in silence (qa35-user 05)."""
+    d = _with_seqlen({})
+    with pytest.warns(
+        UserWarning, match=r"seqlen_truncate .*steps 1-866 train 8 \(DeepSpeed: 16\).*rounding='deepspeed'"
+    ):
+        cfg = parse_deepspeed_config(d)
+    assert cfg.metrics["seqlen_truncate"].schedule(cfg.rounding)(866) == 8
+    for rounding, first in (("deepspeed", 16), ("clamped", 8)):  # chosen: no warning
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cfg = parse_deepspeed_config(d, rounding=rounding)
+        assert cfg.metrics["seqlen_truncate"].schedule(cfg.rounding)(1) == first
+    d = _with_seqlen(
+        {
+            "min_difficulty": 16,
+            "max_difficulty": 1000,
+            "schedule_config": {"total_curriculum_step": 100, "difficulty_step": 16},
+        }
+    )
+    with pytest.warns(UserWarning, match=r"1000 is reached at step 100 \(DeepSpeed: 992 there, 1000 from step 101\)"):
+        parse_deepspeed_config(d)
+    with warnings.catch_warnings():  # multiples of difficulty_step: the same schedule
+        warnings.simplefilter("error")
+        parse_deepspeed_config(_with_seqlen({"min_difficulty": 16}))
+
+
+def test_deepspeed_loader_keys():
+    """An enabled dynamic_batching would train fixed-size batches in silence (qa35-user 04): refused; the loader keys
+    the curriculum leaves to the DataLoader warn."""
+    on = {"enabled": True, "max_tokens": 40, "min_batch_size": 1, "max_batch_size": 10}
+    with pytest.raises(CurriculumConfigError, match="dynamic_batching is enabled, but lightning_effi does not"):
+        parse_deepspeed_config(_with_seqlen({"min_difficulty": 16}, dynamic_batching=on))
+    with pytest.warns(UserWarning, match="num_workers / pin_memory is not read"):
+        cfg = parse_deepspeed_config(
+            _with_seqlen(
+                {"min_difficulty": 16}, dynamic_batching=dict(on, enabled=False), num_workers=2, pin_memory=True
+            )
+        )
+    assert set(cfg.metrics) == {"vocabularyrarity", "seqlen_truncate"}
+
+
+def test_deepspeed_single_cluster_index_paths_are_dropped():
+    """Megatron-DeepSpeed's GPT / BERT scripts give the seqlen_truncate metric "dummy" index paths, which DeepSpeed
+    never opens; they were refused (qa35-user 02). Dropped with a warning; a config of our own still refuses them."""
+    d = _with_seqlen({"min_difficulty": 16, "index_to_sample_path": "dummy", "index_to_metric_path": "dummy"})
+    with pytest.warns(
+        UserWarning, match="index_to_sample_path / index_to_metric_path \\('dummy', 'dummy'\\) are not read"
+    ):
+        cfg = parse_deepspeed_config(d)
+    assert cfg.metrics["seqlen_truncate"].index_to_sample_path is None
+    with pytest.raises(CurriculumConfigError, match="single_cluster metric never filters"):
+        CurriculumConfig(metrics={"seqlen_truncate": dict(TRUNC, index_to_sample_path="dummy")})
+
+
+def test_deepspeed_custom_schedule():
+    """A custom schedule reaches the metric through custom_schedules (DeepSpeed's
+    set_custom_curriculum_learning_schedule); the error without it names that option and custom_schedule, not a key
+    that is refused (qa35-user 03)."""
+    custom = {"schedule_type": "custom", "min_difficulty": 16}
+    d = _with_seqlen(custom)
+    del d["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["seqlen_truncate"][
+        "schedule_config"
+    ]
+    with pytest.raises(
+        CurriculumConfigError, match=r"needs custom_schedule.*custom_schedules=\{'seqlen_truncate': fn\}"
+    ):
+        parse_deepspeed_config(d, rounding="deepspeed")
+    cfg = parse_deepspeed_config(d, custom_schedules={"seqlen_truncate": lambda step: 16 * (1 + step // 10)})
+    assert [cfg.metrics["seqlen_truncate"].schedule(cfg.rounding)(s) for s in (1, 10, 25)] == [16, 32, 48]
+    with pytest.raises(CurriculumConfigError, match="no metric 'vocabularyrarity' of schedule_type 'custom'"):
+        parse_deepspeed_config(d, custom_schedules={"vocabularyrarity": lambda step: 1})
+    with pytest.raises(CurriculumConfigError, match=r"custom_schedules\['seqlen_truncate'\] must be a callable"):
+        parse_deepspeed_config(d, custom_schedules={"seqlen_truncate": 16})
+    with pytest.raises(CurriculumConfigError, match="needs custom_schedule, a callable"):
+        CurriculumConfig(metrics={"seqlen_truncate": dict(TRUNC, schedule_type="custom")})
 
 
 @pytest.mark.parametrize(
