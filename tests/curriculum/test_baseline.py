@@ -280,8 +280,8 @@ def test_a_baseline_whose_flops_cannot_be_replayed_says_so_and_keeps_the_trained
     tensor computed from the batch, so its shape on the untruncated batch is unknown."""
     with pytest.warns(
         UserWarning,
-        match=r"EfficiencyMonitor: the baseline's training FLOPs \(the batch before a "
-        r"technique changed its shapes.*not a tensor of the batch itself nor a slice of one leaving out",
+        match=r"EfficiencyMonitor: the baseline's training FLOPs \(the batch before curriculum changed its "
+        r"shapes\) cannot be counted.*not a tensor of the batch itself nor a slice of one leaving out",
     ):
         s, lengths = _fit_hand_lm(tmp_path, CopyingLM(shift=True))
     trained = sum(3 * 2 * B * (n - 1) * 16 * 64 for n in lengths)  # the head's matmul, forward and backward
