@@ -101,10 +101,12 @@ class Curriculum(Callback):
     - ``on_before_backward``: the non-finite loss policy (``nonfinite_loss``,
       :class:`~lightning_effi.core.nonfinite.NonFiniteLossGuard`), before the backward pass.
     - ``on_train_end``: (rank zero) reports the non-finite losses counted under ``nonfinite_loss="warn"``.
-    - ``on_exception``: the fit raised (Lightning skips ``teardown`` then): the batch in flight is dropped (never
-      committed nor counted). The curriculum changes neither the module nor the Trainer (it truncates batches in its
-      DataModule's collate function), so nothing else is left to undo; a later fit, with or without it, trains the
-      module as a fresh one (with it: a new Trainer, or the same one resumed from a checkpoint with ``ckpt_path``).
+    - ``teardown`` and ``on_exception`` (the fit raised; Lightning skips ``teardown`` then): the CurriculumDataModule
+      forgets the controller, so a later fit of it without this callback is refused as a new one is; after an
+      exception the batch in flight is also dropped (never committed nor counted). The curriculum changes neither the
+      module nor the Trainer (it truncates batches in its DataModule's collate function), so nothing else is left to
+      undo; a later fit, with or without it, trains the module as a fresh one (with it: a new Trainer, or the same
+      one resumed from a checkpoint with ``ckpt_path``).
 
     With an :class:`~lightning_effi.callbacks.InfoBatchCallback` in the same Trainer the two form one data pipeline:
     the curriculum decides which samples are eligible and draws every batch (stream, steps, difficulty schedule and
@@ -262,6 +264,8 @@ class Curriculum(Callback):
             self.total_tokens = check_int("Curriculum", "total_tokens", total_tokens, 1, error=CurriculumConfigError)
             self.effi_progress = functools.partial(self.token_progress, self.total_tokens)  # picklable (ddp_spawn)
         self.controller: CurriculumController | None = None
+        #: the CurriculumDataModule this fit attached the controller to (detached at the fit's end)
+        self._datamodule: CurriculumDataModule | None = None
         self.consumed_tokens = 0
         self._pending: tuple[int, int, dict[str, int], int] | None = None
         self._tokens_through_current = 0
@@ -410,6 +414,7 @@ class Curriculum(Callback):
             grad_accum=accumulate_grad_batches_at(trainer, 0),
         )
         dm.controller = self.controller
+        self._datamodule = dm
         if self._loaded is not None:  # load_state_dict called before this fit's setup (by hand)
             self._apply(self._loaded)
             self._loaded = None
@@ -758,6 +763,21 @@ class Curriculum(Callback):
         self._tokens_through_current = self.consumed_tokens
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
         self._cut_mask_path, self._cut_values = None, None
+        self._detach()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._detach()
+
+    def _detach(self) -> None:
+        """The end of a fit, normal or not: the CurriculumDataModule forgets this callback's controller, so a later
+        fit of it without the Curriculum callback is refused (it trained the stream's last batches over and over,
+        with nothing advancing them) and a later fit with one attaches that one's. The controller stays this
+        callback's (its state, ``stats``). Idempotent."""
+        dm, self._datamodule = self._datamodule, None
+        if dm is not None and dm.controller is self.controller:
+            dm.controller = None
 
     def effi_baseline(self, batch: Any, pl_module: pl.LightningModule) -> Baseline | None:
         """The current training batch as it would have been without ``seqlen_truncate``

@@ -583,3 +583,29 @@ def test_loader_settings_are_kept():
     dm.controller = CurriculumController(dm.config, {}, 40, micro_batch_size=4)
     loader = dm.train_dataloader()
     assert (loader.num_workers, loader.persistent_workers, loader.timeout) == (2, True, 30)
+
+
+@pytest.mark.parametrize("raised", [False, True])
+def test_a_used_datamodule_without_its_callback_is_refused(tmp_path, raised):
+    """A notebook's ablation cell: the CurriculumDataModule of a finished (or failed) curriculum fit, fitted again
+    without the Curriculum callback. It kept the controller and trained the stream's last two batches over and over (8
+    of 48 samples, qa35-break 01); it is refused as a new wrapper is, and a new callback attaches its own controller."""
+
+    class Stop(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 3:
+                raise RuntimeError("stop")
+
+    dm = CurriculumDataModule(TinyDataModule(TokenBlocks(n=48), batch_size=4))
+    first = make_trainer(tmp_path / "a", [curriculum(), *([Stop()] if raised else [])], max_steps=6, max_epochs=-1)
+    if raised:
+        with pytest.raises(RuntimeError, match="stop"):
+            first.fit(tiny_gpt2(), datamodule=dm)
+    else:
+        first.fit(tiny_gpt2(), datamodule=dm)
+    assert dm.controller is None
+    with pytest.raises(DataConfigError, match="CurriculumDataModule needs the Curriculum callback"):
+        make_trainer(tmp_path / "b", [], max_steps=2, max_epochs=-1).fit(tiny_gpt2(), datamodule=dm)
+    again = curriculum()
+    make_trainer(tmp_path / "c", [again], max_steps=2, max_epochs=-1).fit(tiny_gpt2(), datamodule=dm)
+    assert again.controller is not None and again.controller.stats(2) is not None
