@@ -22,6 +22,7 @@ out-of-place ``torch.scatter`` (autograd saves only the indices). This module im
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -387,7 +388,10 @@ def ltd_value(
     1059; with ``min_value == max_value`` never); ``"clamped"`` (default) also keeps ``value >= min_value`` and gives
     ``max_value`` from ``require_steps`` on.
     The DeepSpeed scheduler only updates while ``current < max_value``; the formula is monotonic, so the value at a
-    step does not depend on the history. The product is computed exactly (integers, no float rounding).
+    step does not depend on the history. ``"deepspeed"`` computes the product in float64 as DeepSpeed does
+    (``floor(float(step) / require_steps * (max_value - min_value) + min_value)``, one ``seq_per_step`` below the
+    exact value at rare steps: ``min_value = 173, max_value = 773, require_steps = 400`` gives 511 at step 226, the
+    exact product 512); ``"clamped"`` computes it exactly (integers).
 
     Raises:
         ValueError: invalid schedule values (see :func:`validate_schedule`) or a negative / non-int ``step``.
@@ -395,7 +399,10 @@ def ltd_value(
     validate_schedule(min_value, max_value, require_steps, seq_per_step, rounding)
     if not is_int(step) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
-    value = (step * (max_value - min_value)) // require_steps + min_value
+    if rounding == "deepspeed":  # DeepSpeed's float arithmetic (RandomLTDScheduler.__fixed_root_get_value, degree 1)
+        value = math.floor((float(step) / require_steps) ** (1.0 / 1) * (max_value - min_value) + min_value)
+    else:
+        value = (step * (max_value - min_value)) // require_steps + min_value
     value -= value % seq_per_step
     value = min(value, max_value)
     if rounding == "clamped":

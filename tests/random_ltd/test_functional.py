@@ -32,6 +32,23 @@ def test_schedule_golden(cfg, deepspeed, clamped_diff):
         assert F.ltd_value(step, *cfg, rounding="clamped") == clamped_diff.get(step, value)
 
 
+@pytest.mark.parametrize(
+    ("step", "cfg", "deepspeed", "exact"),
+    [
+        (226, (173, 773, 400, 1), 511, 512),
+        (17, (44, 1552, 29, 8), 920, 928),
+        (17, (107, 1528, 29, 1), 939, 940),
+        (2254, (137, 1497, 3910, 1), 920, 921),
+    ],
+)
+def test_deepspeed_rounding_is_deepspeeds_float_arithmetic(step, cfg, deepspeed, exact):
+    """DeepSpeed's scheduler computes ``floor(float(step) / require_steps * (max - min) + min)`` in float64; where the
+    exact product is an integer the float lands just below it (qa35-user 06, values of its float64 formula). The
+    clamped mode keeps the exact product."""
+    assert F.ltd_value(step, *cfg, rounding="deepspeed") == deepspeed
+    assert F.ltd_value(step, *cfg, rounding="clamped") == exact
+
+
 def test_schedule_is_monotonic_and_bounded():
     for cfg in [(32, 197, 3910, 8), (3, 10, 7, 2), (5, 5, 3, 4), (1, 64, 10, 16)]:
         values = [F.ltd_value(s, *cfg) for s in range(cfg[2] + 20)]
