@@ -61,6 +61,7 @@ Which operations the FLOPs include: :mod:`lightning_effi.core.flops`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 import time
@@ -115,6 +116,10 @@ Counts = tuple[float, float, float, float]
 #: the module attribute (in its ``__dict__``) where :class:`EfficiencyMonitor` keeps ``(the module's own
 #: flops_per_batch, the value it wrote to flops_per_batch)``: the written value is never read back as the module's own
 WRITTEN_FLOPS = "_effi_written_flops_per_batch"
+#: the module attribute where :class:`EfficiencyMonitor` keeps the instance's ``flops_per_batch`` from before its first
+#: write in a fit (:data:`_ABSENT`: none), put back at the fit's end
+ORIGINAL_FLOPS = "_effi_original_flops_per_batch"
+_ABSENT = object()
 
 
 @dataclasses.dataclass
@@ -489,8 +494,10 @@ class EfficiencyMonitor(Callback):
 
     The monitor writes each batch's FLOPs (after every ``effi_adjust``) to ``pl_module.flops_per_batch`` for
     Lightning's ``ThroughputMonitor``, and keeps on the module which value it wrote and the module's own value it
-    replaced (:data:`WRITTEN_FLOPS`), so that no later batch, fit or monitor takes the written value for the
-    module's own.
+    replaced (:data:`WRITTEN_FLOPS`), so that no later batch takes the written value for the module's own; at the
+    fit's end (or its exception) the module's own value is put back (or the attribute removed), so a later fit
+    without the monitor does not read the last batch's FLOPs. A ``flops_per_batch`` property of the module's class is
+    its own figure and never written.
 
     Raises:
         ValueError: ``log_every_n_steps`` not a positive int, ``print_summary`` not a bool, ``nonfinite_loss`` not
@@ -642,10 +649,29 @@ class EfficiencyMonitor(Callback):
     @classmethod
     def _write_flops(cls, pl_module: pl.LightningModule, flops: int) -> None:
         """Set ``pl_module.flops_per_batch`` (for Lightning's ``ThroughputMonitor``), remembering on the module the
-        module's own value it replaces."""
+        module's own value it replaces. A ``flops_per_batch`` the class defines as a property (Lightning's docs
+        allow one) is the module's own figure and is left alone."""
+        if isinstance(inspect.getattr_static(type(pl_module), "flops_per_batch", None), property):
+            return
         own = cls._own_flops(pl_module)
+        if WRITTEN_FLOPS not in pl_module.__dict__:  # the first write: what to put back at the fit's end
+            pl_module.__dict__[ORIGINAL_FLOPS] = pl_module.__dict__.get("flops_per_batch", _ABSENT)
         pl_module.flops_per_batch = flops  # type: ignore[assignment]
         pl_module.__dict__[WRITTEN_FLOPS] = (own, flops)
+
+    @staticmethod
+    def _restore_flops(pl_module: pl.LightningModule) -> None:
+        """The fit's end: ``pl_module.flops_per_batch`` back to the module's own (or removed, when it had none), unless
+        something else set it since the last write, so that a later fit without the monitor (a ThroughputMonitor at
+        another batch size) does not read the last batch's FLOPs as the module's."""
+        written = pl_module.__dict__.pop(WRITTEN_FLOPS, None)
+        original = pl_module.__dict__.pop(ORIGINAL_FLOPS, _ABSENT)
+        if written is None or pl_module.__dict__.get("flops_per_batch", _ABSENT) != written[1]:
+            return
+        if original is _ABSENT:
+            del pl_module.__dict__["flops_per_batch"]
+        else:
+            pl_module.__dict__["flops_per_batch"] = original
 
     def find_blocks(self, pl_module: nn.Module) -> Blocks | None:
         """The transformer block list of the network now in ``pl_module``
@@ -893,6 +919,7 @@ class EfficiencyMonitor(Callback):
                     "this fit while optimizer_steps counts them all; add the monitor to the first fit, resume from a "
                     "checkpoint with trainer.fit(..., ckpt_path=...), or train on a fresh Trainer"
                 )
+            self._logged_step = None  # a new fit logs its own rows (this monitor may have logged another Trainer's)
             base = COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
@@ -1130,10 +1157,13 @@ class EfficiencyMonitor(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._unwatch(None)
+        self._restore_flops(pl_module)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._unwatch(None)
+        if stage == "fit":
+            self._restore_flops(pl_module)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -5,6 +5,7 @@ cannot be found warns once, naming the hook to define."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import random
 import warnings
@@ -832,11 +833,22 @@ class HalveFlops(Callback):
         return dataclasses.replace(stats, flops=stats.flops / 2)
 
 
+class ReadsFlopsPerBatch(Callback):
+    """After the monitor, as Lightning's ThroughputMonitor: ``pl_module.flops_per_batch`` at each batch's end."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.seen.append(getattr(pl_module, "flops_per_batch", None))
+
+
 @pytest.mark.parametrize("same_monitor", [True, False])
 def test_a_second_fit_of_the_same_module_counts_the_same(tmp_path: Path, same_monitor: bool) -> None:
     """The monitor writes each batch's FLOPs to ``flops_per_batch`` (for ThroughputMonitor); a later fit of the same
     module, with the same monitor or a new one, must not read that back as the module's own FLOPs (regression: fit 2
-    charged every batch the halved FLOPs of fit 1's last batch, a saving of 0 against a wrong baseline)."""
+    charged every batch the halved FLOPs of fit 1's last batch, a saving of 0 against a wrong baseline). At the fit's
+    end the attribute is removed again (a plain fit's ThroughputMonitor read the last batch's figure, qa35-break 05)."""
     module, hand = UserEncoder(), 3 * (transformer_forward_flops(B, T, 3, 32, 64, head="none") + 2 * B * 32 * 10)
     monitor = EfficiencyMonitor(print_summary=False)
     summaries = []
@@ -844,16 +856,19 @@ def test_a_second_fit_of_the_same_module_counts_the_same(tmp_path: Path, same_mo
         if k and not same_monitor:
             monitor = EfficiencyMonitor(print_summary=False)
         pl.seed_everything(0)
-        make_trainer(tmp_path / str(k), [monitor, HalveFlops()], max_steps=2, max_epochs=-1).fit(
+        reader = ReadsFlopsPerBatch()
+        make_trainer(tmp_path / str(k), [monitor, HalveFlops(), reader], max_steps=2, max_epochs=-1).fit(
             module, token_loader(labels="cls")
         )
         summaries.append({q: monitor.summary[q] for q in ("flops", "baseline_flops", "flops_saved_frac")})
-        assert module.flops_per_batch == hand // 2  # what ThroughputMonitor reads
+        assert reader.seen == [hand // 2, hand // 2]  # what ThroughputMonitor reads
+        assert not hasattr(module, "flops_per_batch")
     assert summaries[0] == summaries[1] == {"flops": hand, "baseline_flops": 2 * hand, "flops_saved_frac": 0.5}
 
 
 def test_the_modules_own_flops_per_batch_survives_the_monitors_writes(tmp_path: Path) -> None:
-    """A module's own ``flops_per_batch`` is its cost in every fit; one the user sets between fits replaces it."""
+    """A module's own ``flops_per_batch`` is its cost in every fit, and its value again after each; one the user sets
+    between fits replaces it."""
     module = UserEncoder()
     module.flops_per_batch = 1000
     for k, own in enumerate((1000, 1000, 600)):
@@ -864,6 +879,38 @@ def test_the_modules_own_flops_per_batch_survives_the_monitors_writes(tmp_path: 
             module, token_loader(labels="cls")
         )
         assert (monitor.summary["flops"], monitor.summary["baseline_flops"]) == (own, 2 * own)
+        assert module.flops_per_batch == own
+
+
+def test_a_flops_per_batch_property_is_read_and_never_written(tmp_path: Path) -> None:
+    """Lightning's ThroughputMonitor takes ``flops_per_batch`` as an attribute or a property; a read-only property
+    crashed the monitor's write at the first batch (qa35-break 04). It is the module's own figure."""
+
+    class WithProperty(UserEncoder):
+        @property
+        def flops_per_batch(self) -> int:
+            return 1000
+
+    monitor = EfficiencyMonitor(print_summary=False)
+    make_trainer(tmp_path, [monitor, HalveFlops()], max_steps=2, max_epochs=-1).fit(
+        WithProperty(), token_loader(labels="cls")
+    )
+    assert (monitor.summary["flops"], monitor.summary["baseline_flops"]) == (1000, 2000)
+
+
+def test_a_reused_monitor_logs_its_rows_in_a_new_trainer(tmp_path: Path) -> None:
+    """A notebook cell run again (or an in-process sweep) with the same monitor: a fit whose only log point falls on
+    the step of the last fit's last log logged no ``effi/*`` row (qa35-break 03)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    monitor, logged = EfficiencyMonitor(print_summary=False), []
+    for k in range(2):
+        logger = CSVLogger(tmp_path, name=str(k))
+        trainer = make_trainer(tmp_path / str(k), [monitor], max_steps=3, max_epochs=1, logger=logger)
+        trainer.fit(UserEncoder(), token_loader(labels="cls"))
+        with open(Path(logger.log_dir) / "metrics.csv") as f:
+            logged.append([int(row["step"]) for row in csv.DictReader(f) if row.get("effi/flops")])
+    assert logged == [[3], [3]]  # at the epoch's end, after its third step
 
 
 def test_tokens_of_any_attention_mask() -> None:
