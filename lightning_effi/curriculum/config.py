@@ -846,9 +846,8 @@ def _warn_data_routing(routing: Any) -> None:
     if isinstance(ltd, Mapping) and ltd.get("enabled") not in (None, False) and routing.get("enabled") is not False:
         warnings.warn(
             "parse_deepspeed_config: data_efficiency.data_routing.random_ltd is enabled in the DeepSpeed config but "
-            "is not read here (this returns the curriculum only); random-LTD is configured with "
-            "lightning_effi.RandomLTDCallback (min_value, max_value, require_steps, ...), add it to the Trainer's "
-            "callbacks",
+            "is not read here (this returns the curriculum only); add "
+            "lightning_effi.RandomLTDCallback.from_deepspeed_config(ds_config) to the Trainer's callbacks",
             UserWarning,
             stacklevel=3,
         )

@@ -137,7 +137,8 @@ class GenericAdapter(TransformerAdapter):
         seq_args: ``{argument name: axes}`` for arguments with sequence axes (HF-style ``[B, 1, S, S]`` masks
             ``[-2, -1]``, positions ``[-1]``, rotary ``(cos, sin)`` ``[-2]``), batch axis 0.
         passthrough: argument names passed unchanged. must_be_none: arguments that must be ``None`` (caches).
-        hidden_state_order: ``batch_seq`` (``[B, S, H]``), ``seq_batch`` (``[S, B, H]``) or ``None`` (default: from
+        hidden_state_order: ``batch_seq`` (``[B, S, H]``), ``seq_batch`` (``[S, B, H]``; DeepSpeed's spellings
+            ``batch_seq_dim`` / ``seq_batch_dim`` are taken for them) or ``None`` (default: from
             ``batch_first`` for PyTorch's layers, else ``batch_seq``).
         num_prefix_tokens: tokens before the content, always kept with ``keep_prefix_tokens="auto"`` (the default).
         root: the module ``layers`` starts from, when known now (else :meth:`bind` resolves it).
@@ -200,6 +201,11 @@ class GenericAdapter(TransformerAdapter):
         self._max = _positive_int("max_sequence_length", max_sequence_length)
         self._hidden_arg = _positive_int("hidden_size", hidden_size)
         self._inter_arg = _positive_int("intermediate_size", intermediate_size)
+        # DeepSpeed's spellings (data_routing.random_ltd.hidden_state_order) name the same layouts
+        hidden_state_order = {"batch_seq_dim": "batch_seq", "seq_batch_dim": "seq_batch"}.get(  # type: ignore[assignment]
+            hidden_state_order,
+            hidden_state_order,  # type: ignore[arg-type]
+        )
         if hidden_state_order not in (None, "batch_seq", "seq_batch"):
             raise ValueError(
                 "GenericAdapter.hidden_state_order must be 'batch_seq', 'seq_batch' or None (from the layers), got "

@@ -8,6 +8,7 @@
 
 from lightning_effi.random_ltd import functional
 from lightning_effi.random_ltd.callback import RandomLTD, RandomLTDCallback
+from lightning_effi.random_ltd.config import parse_deepspeed_config
 from lightning_effi.random_ltd.patching import (
     LTDController,
     LTDForward,
@@ -28,6 +29,7 @@ __all__ = [
     "convert",
     "functional",
     "is_converted",
+    "parse_deepspeed_config",
     "resolve_layer_ids",
     "restore",
     "strip_random_ltd_keys",

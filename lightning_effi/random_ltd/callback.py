@@ -494,6 +494,30 @@ class RandomLTDCallback(Callback):
         self._resumed = False
         self.nonfinite_guard.load_state_dict({})  # no non-finite loss seen in this fit (a resume restores the count)
 
+    @classmethod
+    def from_deepspeed_config(cls, ds_config: Any, **kwargs: Any) -> RandomLTDCallback:
+        """The callback of a DeepSpeed config's ``data_efficiency.data_routing.random_ltd`` block (a dict, or the path
+        of the JSON file), :func:`lightning_effi.random_ltd.config.parse_deepspeed_config` (its table maps the keys)::
+
+            RandomLTDCallback.from_deepspeed_config("ds_config.json", rounding="deepspeed")
+
+        Args:
+            ds_config: the config. kwargs: the callback's other arguments (``adapter``, ``rounding``, ``accounting``,
+                ``seed``, ...).
+
+        Raises:
+            ValueError: the errors of ``parse_deepspeed_config``, or the config's random-LTD is not enabled.
+        """
+        from lightning_effi.random_ltd.config import parse_deepspeed_config
+
+        args = parse_deepspeed_config(ds_config, **kwargs)
+        if args is None:
+            raise ValueError(
+                f"{cls.__name__}.from_deepspeed_config: data_efficiency.data_routing.random_ltd.enabled is not true in "
+                "the DeepSpeed config (DeepSpeed would not drop tokens); enable it, or leave the callback out"
+            )
+        return cls(**args)
+
     def __repr__(self) -> str:
         """Every constructor argument, so that ``eval(repr(cb))`` builds an equivalent callback (same settings):
         ``require_steps`` as given (an int, or a duration's string such as ``'0.8dur'``; a deprecated

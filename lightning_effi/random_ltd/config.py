@@ -1,0 +1,210 @@
+"""DeepSpeed's random-LTD configuration (``data_efficiency.data_routing.random_ltd``, parsed by DeepSpeed in
+``deepspeed/runtime/data_pipeline/config.py`` and used by ``data_routing/scheduler.py``), read into the arguments of
+:class:`~lightning_effi.RandomLTDCallback`.
+
+=====================================================  ===========================================================
+DeepSpeed key                                          lightning_effi
+=====================================================  ===========================================================
+``random_ltd_layer_id``                                ``layer_ids``
+``random_ltd_schedule.min_value`` / ``max_value``      ``min_value`` / ``max_value``
+``schedule_config.require_steps`` / ``seq_per_step``   ``require_steps`` / ``seq_per_step``
+``schedule_type: fixed_linear``                        the only schedule (as in DeepSpeed; others raise)
+``total_layer_num``, ``random_ltd_layer_num``          checked against ``random_ltd_layer_id``
+``model_mask_name``, ``model_type``,                   read by the adapter from the layers (``adapter="auto"``, or
+``hidden_state_order``                                 ``GenericAdapter(masks=..., hidden_state_order=...)``)
+``layer_token_lr_schedule.enabled: true``              raises, as in DeepSpeed (``lr_schedules.layer_token_lr``)
+``global_batch_size``, ``micro_batch_size``            the engine's, not read (the Trainer's batches are counted)
+=====================================================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_effi.core.checks import check_bool, check_int, plain
+
+__all__ = ["parse_deepspeed_config"]
+
+_LTD_KEYS = {
+    "enabled",
+    "total_layer_num",
+    "random_ltd_layer_num",
+    "random_ltd_layer_id",
+    "model_mask_name",
+    "model_type",
+    "hidden_state_order",
+    "random_ltd_schedule",
+    "layer_token_lr_schedule",
+    "global_batch_size",
+    "micro_batch_size",
+}
+_SCHEDULE_KEYS = {"min_value", "max_value", "schedule_type", "schedule_config"}
+_SCHEDULE_CONFIG_KEYS = {"require_steps", "seq_per_step"}
+_ADAPTER_KEYS = ("model_mask_name", "model_type", "hidden_state_order")
+_WHERE = "data_efficiency.data_routing.random_ltd"
+
+
+def _block(ds_config: Any) -> Mapping[str, Any]:
+    """The ``random_ltd`` block of a whole DeepSpeed config, of its ``data_efficiency`` block, or the block itself."""
+    if isinstance(ds_config, (str, os.PathLike)):
+        try:
+            with open(ds_config, encoding="utf-8") as f:
+                ds_config = json.load(f)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"parse_deepspeed_config: cannot read the DeepSpeed config {str(ds_config)!r}: {err}"
+            ) from None
+    ds_config = plain(ds_config)
+    if not isinstance(ds_config, Mapping):
+        raise ValueError(f"parse_deepspeed_config: expected a DeepSpeed config dict, got {type(ds_config).__name__}")
+
+    def child(d: Any, key: str, where: str) -> Any:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where} must be a dict, got {type(d).__name__}")
+        return d.get(key, {})
+
+    if "data_efficiency" in ds_config:  # a whole DeepSpeed config
+        routing = child(ds_config["data_efficiency"], "data_routing", "data_efficiency")
+        node: Any = child(routing, "random_ltd", "data_efficiency.data_routing")
+    elif "data_routing" in ds_config:  # its data_efficiency block
+        node = child(ds_config["data_routing"], "random_ltd", "data_efficiency.data_routing")
+    elif "random_ltd" in ds_config:  # its data_routing block
+        node = ds_config["random_ltd"]
+    elif set(ds_config) <= _LTD_KEYS:  # the random_ltd block itself
+        node = ds_config
+    else:
+        raise ValueError(
+            f"parse_deepspeed_config: no random-LTD block in the DeepSpeed config (expected {_WHERE}, or the block "
+            f"itself), got the keys {sorted(ds_config)}"
+        )
+    if not isinstance(node, Mapping):
+        raise ValueError(f"{_WHERE} must be a dict, got {type(node).__name__}")
+    return node
+
+
+def _known(section: str, d: Any, allowed: set[str]) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{section} must be a dict, got {type(d).__name__}")
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(f"{section}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    return d
+
+
+def parse_deepspeed_config(ds_config: Any, **overrides: Any) -> dict[str, Any] | None:
+    """The :class:`~lightning_effi.RandomLTDCallback` arguments of a DeepSpeed config's random-LTD block (the table
+    in this module's docstring; Yao et al. 2022, "Random-LTD", Sec. 3; DeepSpeed
+    ``deepspeed/runtime/data_pipeline/data_routing/scheduler.py``).
+
+    Args:
+        ds_config: a whole DeepSpeed config dict, its ``data_efficiency`` block, the ``random_ltd`` block itself, or
+            the path of a DeepSpeed JSON file. Not mutated.
+        overrides: other :class:`~lightning_effi.RandomLTDCallback` arguments (``adapter``, ``accounting``,
+            ``rounding``, ``seed``, ...). ``rounding`` defaults to ``"clamped"`` (never below ``min_value``,
+            ``max_value`` from ``require_steps`` on); DeepSpeed's own arithmetic is ``rounding="deepspeed"``. The two
+            differ only where ``min_value`` or ``max_value`` is not a multiple of ``seq_per_step``, and then a warning
+            says so.
+
+    Returns:
+        ``{"layer_ids", "min_value", "max_value", "require_steps", "seq_per_step", **overrides}``, or ``None`` when
+        ``random_ltd.enabled`` is false or absent (DeepSpeed's only gate).
+
+    Raises:
+        ValueError: unknown keys (naming the section and the allowed ones), a missing required key
+            (``total_layer_num``, ``random_ltd_layer_id``, ``min_value``, ``max_value``, ``require_steps``,
+            ``seq_per_step``), a ``schedule_type`` other than ``fixed_linear`` (DeepSpeed: "Unsupported random LTD
+            schedule type"), ``random_ltd_layer_num`` not the number of ids, an id outside ``[0, total_layer_num)``,
+            ``layer_token_lr_schedule.enabled`` true (DeepSpeed: not yet supported), an override of a key the config
+            holds.
+
+    Warns:
+        UserWarning: ``model_mask_name`` / ``model_type`` / ``hidden_state_order`` are given (the adapter reads them
+            from the layers); the default rounding trains another schedule than DeepSpeed's.
+    """
+    ltd = _known(_WHERE, copy.deepcopy(_block(ds_config)), _LTD_KEYS)
+    if not check_bool(_WHERE, "enabled", ltd.get("enabled", False)):
+        return None
+    held = sorted(set(overrides) & {"layer_ids", "min_value", "max_value", "require_steps", "seq_per_step"})
+    if held:
+        raise ValueError(f"parse_deepspeed_config: {held} come from the DeepSpeed config; change them there")
+    missing = [k for k in ("total_layer_num", "random_ltd_layer_id", "random_ltd_schedule") if k not in ltd]
+    if missing:
+        raise ValueError(f"{_WHERE}: missing required key(s) {missing}")
+    total = check_int(_WHERE, "total_layer_num", ltd["total_layer_num"], minimum=1)
+    ids = ltd["random_ltd_layer_id"]
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError(f"{_WHERE}.random_ltd_layer_id must be a non-empty list of layer indices, got {ids!r}")
+    ids = [check_int(_WHERE, f"random_ltd_layer_id[{i}]", v, minimum=0) for i, v in enumerate(ids)]
+    outside = [i for i in ids if i >= total]
+    if outside:
+        raise ValueError(f"{_WHERE}.random_ltd_layer_id {outside} outside [0, total_layer_num={total})")
+    if "random_ltd_layer_num" in ltd and ltd["random_ltd_layer_num"] != len(ids):
+        raise ValueError(
+            f"{_WHERE}.random_ltd_layer_num = {ltd['random_ltd_layer_num']!r}, but random_ltd_layer_id lists "
+            f"{len(ids)} layers (DeepSpeed requires them equal)"
+        )
+    lr = ltd.get("layer_token_lr_schedule")
+    if isinstance(lr, Mapping) and lr.get("enabled") not in (None, False):
+        raise ValueError(
+            f"{_WHERE}.layer_token_lr_schedule.enabled: not supported (DeepSpeed raises too); schedule the LR by "
+            "layer-tokens with lightning_effi.core.lr_schedules.layer_token_lr(optimizer, callback, ...)"
+        )
+    schedule = _known(f"{_WHERE}.random_ltd_schedule", ltd["random_ltd_schedule"], _SCHEDULE_KEYS)
+    kind = schedule.get("schedule_type", "fixed_linear")
+    if kind != "fixed_linear":
+        raise ValueError(
+            f"{_WHERE}.random_ltd_schedule.schedule_type must be 'fixed_linear' (the only schedule DeepSpeed runs: "
+            f"'Unsupported random LTD schedule type'), got {kind!r}"
+        )
+    sc = _known(
+        f"{_WHERE}.random_ltd_schedule.schedule_config", schedule.get("schedule_config", {}), _SCHEDULE_CONFIG_KEYS
+    )
+    values = {k: schedule[k] for k in ("min_value", "max_value") if k in schedule}
+    values.update({k: sc[k] for k in ("require_steps", "seq_per_step") if k in sc})
+    missing = [k for k in ("min_value", "max_value", "require_steps", "seq_per_step") if k not in values]
+    if missing:
+        raise ValueError(f"{_WHERE}.random_ltd_schedule: missing required key(s) {missing}")
+    given = [k for k in _ADAPTER_KEYS if ltd.get(k) is not None]
+    if given:
+        warnings.warn(
+            f"parse_deepspeed_config: {_WHERE} {' / '.join(given)} are not read: the adapter finds the mask, the "
+            "causality and the hidden-state layout from the layers (adapter='auto' for HF GPT-2 / BERT, timm ViT and "
+            "torch's TransformerEncoderLayer; lightning_effi.adapters.GenericAdapter(masks=..., "
+            "hidden_state_order=...) for layers of your own)",
+            UserWarning,
+            stacklevel=2,
+        )
+    if "rounding" not in overrides:
+        _warn_rounding(values)
+    return {"layer_ids": ids, **values, **overrides}
+
+
+def _warn_rounding(values: Mapping[str, Any]) -> None:
+    """Warn where the default ``rounding="clamped"`` trains another schedule than DeepSpeed's arithmetic."""
+    from lightning_effi.random_ltd.functional import ltd_value
+
+    lo, hi, steps, q = (values[k] for k in ("min_value", "max_value", "require_steps", "seq_per_step"))
+    try:
+        differ = [
+            s for s in (0, steps) if ltd_value(s, lo, hi, steps, q) != ltd_value(s, lo, hi, steps, q, "deepspeed")
+        ]
+    except ValueError:  # invalid values: RandomLTDCallback names them
+        return
+    if differ:
+        said = ", ".join(
+            f"step {s}: {ltd_value(s, lo, hi, steps, q)} (DeepSpeed: {ltd_value(s, lo, hi, steps, q, 'deepspeed')})"
+            for s in differ
+        )
+        warnings.warn(
+            f"parse_deepspeed_config: min_value {lo} / max_value {hi} is not a multiple of seq_per_step {q}, so "
+            f"lightning_effi's default rounding='clamped' trains another reserved length than DeepSpeed ({said}); "
+            "pass rounding='deepspeed' to train DeepSpeed's schedule, or rounding='clamped' to keep this one and "
+            "silence this warning",
+            UserWarning,
+            stacklevel=3,
+        )

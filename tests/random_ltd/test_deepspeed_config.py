@@ -1,0 +1,183 @@
+"""random-LTD from a DeepSpeed config (``data_efficiency.data_routing.random_ltd``): the key translation, its
+refusals, and a fit that follows DeepSpeed's schedule (a migrating user had to guess the mapping, qa35-user 07)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_effi.adapters import GenericAdapter
+from lightning_effi.callbacks import RandomLTDCallback
+from lightning_effi.curriculum import parse_deepspeed_config as parse_curriculum
+from lightning_effi.functional import random_ltd as F
+from lightning_effi.random_ltd import parse_deepspeed_config
+from tests.helpers.harness import make_trainer
+from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+#: Megatron-DeepSpeed's GPT-3 1.3B setting (24 layers, ids 1..22, 128 -> 2048 over 200,000 steps, q 16)
+GPT3 = {
+    "train_batch_size": 512,
+    "data_efficiency": {
+        "enabled": True,
+        "seed": 1234,
+        "data_routing": {
+            "enabled": True,
+            "random_ltd": {
+                "enabled": True,
+                "total_layer_num": 24,
+                "random_ltd_layer_num": 22,
+                "random_ltd_layer_id": list(range(1, 23)),
+                "model_mask_name": "attention_mask",
+                "model_type": "decoder",
+                "hidden_state_order": "seq_batch_dim",
+                "random_ltd_schedule": {
+                    "min_value": 128,
+                    "max_value": 2048,
+                    "schedule_type": "fixed_linear",
+                    "schedule_config": {"require_steps": 200000, "seq_per_step": 16},
+                },
+                "layer_token_lr_schedule": {"enabled": False},
+            },
+        },
+    },
+}
+
+
+def block(cfg: dict) -> dict:
+    return cfg["data_efficiency"]["data_routing"]["random_ltd"]
+
+
+def edited(**changes) -> dict:
+    cfg = copy.deepcopy(GPT3)
+    for key, value in changes.items():
+        node, *path = key.split("__")
+        target = block(cfg)
+        for part in [node, *path][:-1]:
+            target = target[part]
+        target[[node, *path][-1]] = value
+    return cfg
+
+
+def test_the_reference_gpt3_config_translates_to_the_callbacks_arguments(tmp_path):
+    before = copy.deepcopy(GPT3)
+    with pytest.warns(UserWarning, match="model_mask_name / model_type / hidden_state_order are not read"):
+        args = parse_deepspeed_config(GPT3)
+    assert GPT3 == before  # not mutated
+    assert args == {
+        "layer_ids": list(range(1, 23)),
+        "min_value": 128,
+        "max_value": 2048,
+        "require_steps": 200000,
+        "seq_per_step": 16,
+    }
+    # the same from each level of the config and from a JSON file
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(GPT3))
+    routing = GPT3["data_efficiency"]["data_routing"]
+    for given in (GPT3["data_efficiency"], routing, block(GPT3), str(path)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert parse_deepspeed_config(given) == args
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        callback = RandomLTDCallback.from_deepspeed_config(GPT3, rounding="deepspeed", seed=3)
+    assert (callback.min_value, callback.max_value_arg, callback.seq_per_step) == (128, 2048, 16)
+    assert (callback.require_steps_given, callback.layer_ids_arg, callback.rounding) == (
+        200000,
+        tuple(range(1, 23)),
+        "deepspeed",
+    )
+
+
+def test_disabled_gives_none_and_the_callback_refuses_it():
+    assert parse_deepspeed_config(edited(enabled=False)) is None
+    assert parse_deepspeed_config({"data_efficiency": {"enabled": True}}) is None  # no data_routing at all
+    with pytest.raises(ValueError, match="random_ltd.enabled is not true"):
+        RandomLTDCallback.from_deepspeed_config(edited(enabled=False))
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        (dict(bogus_key=1), r"random_ltd: unknown key\(s\) \['bogus_key'\]"),
+        (dict(random_ltd_schedule__schedule_type="fixed_root"), "must be 'fixed_linear'.*got 'fixed_root'"),
+        (dict(random_ltd_schedule__schedule_config__root_degree=2), r"unknown key\(s\) \['root_degree'\]"),
+        (dict(random_ltd_layer_num=20), "random_ltd_layer_num = 20, but random_ltd_layer_id lists 22 layers"),
+        (dict(random_ltd_layer_id=[1, 24]), r"random_ltd_layer_id \[24\] outside \[0, total_layer_num=24\)"),
+        (dict(layer_token_lr_schedule={"enabled": True}), "layer_token_lr_schedule.enabled: not supported"),
+        (dict(random_ltd_schedule={"min_value": 128, "max_value": 2048}), r"missing required key\(s\) \['require"),
+        (dict(enabled="false"), "enabled must be a bool"),
+    ],
+)
+def test_what_deepspeed_would_not_run_is_refused(changes, match):
+    with pytest.raises(ValueError, match=match), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parse_deepspeed_config(edited(**changes))
+
+
+def test_an_override_of_the_configs_values_and_a_config_without_the_block_are_refused():
+    with pytest.raises(ValueError, match=r"\['min_value'\] come from the DeepSpeed config"):
+        parse_deepspeed_config(GPT3, min_value=64)
+    with pytest.raises(ValueError, match="no random-LTD block in the DeepSpeed config"):
+        parse_deepspeed_config({"train_batch_size": 8})
+
+
+def test_rounding_that_differs_from_deepspeeds_warns():
+    """ViT-S/16 (32 -> 197, q 8): the default trains 197 from step 3910, DeepSpeed 192 there (golden values)."""
+    vit = edited(
+        random_ltd_schedule={
+            "min_value": 32,
+            "max_value": 197,
+            "schedule_config": {"require_steps": 3910, "seq_per_step": 8},
+        },
+        model_mask_name=None,
+        model_type=None,
+        hidden_state_order=None,
+    )
+    with pytest.warns(UserWarning, match=r"step 3910: 197 \(DeepSpeed: 192\).*rounding='deepspeed'"):
+        parse_deepspeed_config(vit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert parse_deepspeed_config(vit, rounding="deepspeed")["max_value"] == 197
+
+
+def test_a_fit_from_a_deepspeed_config_follows_deepspeeds_schedule(tmp_path):
+    cfg = edited(
+        total_layer_num=4,
+        random_ltd_layer_num=2,
+        random_ltd_layer_id=[1, 2],
+        random_ltd_schedule={
+            "min_value": 5,
+            "max_value": 16,
+            "schedule_config": {"require_steps": 4, "seq_per_step": 4},
+        },
+        model_mask_name=None,
+        model_type=None,
+        hidden_state_order=None,
+    )
+    pl.seed_everything(0)
+    callback = RandomLTDCallback.from_deepspeed_config(cfg, rounding="deepspeed", seed=7)
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(callback.current_value)
+
+    make_trainer(tmp_path, [callback, Watch()], max_steps=6, max_epochs=-1).fit(
+        tiny_gpt2(n_layer=4), datamodule=tiny_lm_data()
+    )
+    # DeepSpeed's values: 5 rounded down to 4 at step 0, 16 from step 4 (min 5 is not a multiple of 4)
+    assert seen == [F.ltd_value(s, 5, 16, 4, 4, "deepspeed") for s in range(6)] == [4, 4, 8, 12, 16, 16]
+
+
+def test_deepspeeds_hidden_state_order_spellings_and_the_curriculums_pointer():
+    assert GenericAdapter("blocks", hidden_state_order="seq_batch_dim").hidden_state_order == "seq_batch"
+    assert GenericAdapter("blocks", hidden_state_order="batch_seq_dim").hidden_state_order == "batch_seq"
+    with pytest.raises(ValueError, match="hidden_state_order must be"):
+        GenericAdapter("blocks", hidden_state_order="seq_first")
+    with pytest.warns(UserWarning, match=r"RandomLTDCallback.from_deepspeed_config\(ds_config\)"):
+        parse_curriculum(GPT3)
