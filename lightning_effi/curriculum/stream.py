@@ -423,6 +423,16 @@ class CurriculumController:
                 "the stream's clusters and position index the samples, so it cannot resume on another training set "
                 "(strict=False does not apply); resume on the training set it was written on, or start a fresh fit"
             )
+        extended = diff.get("num_epochs")
+        if set(diff) == {"num_epochs"} and all(is_int(v) for v in extended) and extended[1] > extended[0]:
+            # a larger sample budget extends the run: the stream's draws do not depend on it (it only ends them)
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(
+                f"Curriculum: num_epochs {extended[0]} -> {extended[1]}: the sample budget grows from "
+                f"{extended[0]} to {extended[1]} passes over the data; the stream continues from the checkpoint"
+            )
+            diff = {}
         if diff:
             config_mismatch(
                 "Curriculum",

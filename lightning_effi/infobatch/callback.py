@@ -430,6 +430,9 @@ class InfoBatchCallback(Callback):
         self._mask: Tensor | None = None  # bool[N], the well-learned set of epoch _mask_epoch (recomputed, not saved)
         self._mask_epoch = -1
         self._stop_step: int | None = None
+        self._checkpoint_step: int | None = (
+            None  # the global step of the checkpoint being restored (on_load_checkpoint)
+        )
         self._run_steps: int | None = None  # composed mode: T, the run's optimizer steps (see thin_stop)
         self._original_step: Any = None
         self._previous_step: Any = None  # an instance-level training_step of the module's own, put back at the end
@@ -1779,8 +1782,9 @@ class InfoBatchCallback(Callback):
         if self._evaluating:
             return
         check_coarse_vcycle_resume(type(self).__name__, trainer, checkpoint)
-        epoch = checkpoint.get("epoch")
+        epoch, step = checkpoint.get("epoch"), checkpoint.get("global_step")
         self._checkpoint_epoch = int(epoch) if is_int(epoch) and epoch >= 0 else None
+        self._checkpoint_step = int(step) if is_int(step) and step >= 0 else None
         if trainer.strategy.restore_checkpoint_after_setup:
             raise IncompatibleTechniques(
                 f"InfoBatchCallback cannot resume a fit under the {type(trainer.strategy).__name__} strategy: "
@@ -1836,12 +1840,18 @@ class InfoBatchCallback(Callback):
                 f"has {n}: its score table holds one score per sample, so it cannot resume on another training set "
                 "(strict=False does not apply); resume on the training set it was written on, or start a fresh fit"
             )
+        step, self._checkpoint_step = self._checkpoint_step, None
+        if diff and self._extends_finished(state_dict["config"], diff, checkpoint_epoch, step):
+            diff = {}
         if diff:
             config_mismatch(
                 type(self).__name__,
                 f"the checkpoint was written with other settings (checkpoint, now): {diff}",
                 self.strict,
-                fix="resume anyway",
+                fix="resume anyway (the pruning is planned again for this run's length: epochs the checkpoint's run "
+                "annealed can be pruned again)"
+                if {"num_epochs", "thin_stop_step"} & set(diff)
+                else "resume anyway",
             )
         validate_state(state_dict, self.dataset_size, checkpoint_epoch)
         guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_guard.policy)
@@ -1871,6 +1881,37 @@ class InfoBatchCallback(Callback):
             self.pending_tokens.zero_()
         self._mask, self._mask_epoch = None, -1  # recomputed from the restored table
         self._resumed = True
+
+    def _extends_finished(
+        self, saved: Mapping[str, Any], diff: Mapping[str, Any], epoch: int | None, step: int | None
+    ) -> bool:
+        """A longer run resumed from a checkpoint written once the pruning had ended (the README's "to extend a
+        finished run raise ``trainer.max_epochs``"): the run length is the only difference, and the checkpoint is in
+        or past its annealing epochs (``epoch >= floor(delta * num_epochs)``; with the curriculum, past its last
+        thinned step). The checkpoint's schedule is kept, so every further epoch trains the full data, and this is
+        announced. False otherwise (the difference is then refused, or warned about under ``strict=False``)."""
+        name = type(self).__name__
+        if set(diff) == {"num_epochs"} and epoch is not None and is_int(saved["num_epochs"]):
+            stop = ib.epoch_stop(int(saved["num_epochs"]), self.delta)
+            if epoch < stop:
+                return False
+            rank_zero_info(
+                f"{name}: the checkpoint's run ({saved['num_epochs']} epochs) had ended its pruning (annealing from "
+                f"epoch {stop}, the checkpoint's epoch {epoch}); this longer run keeps that schedule, so every further "
+                f"epoch trains the full data (num_epochs={saved['num_epochs']})"
+            )
+            self.epochs = int(saved["num_epochs"])
+            return True
+        if set(diff) == {"thin_stop_step"} and step is not None and is_int(saved["thin_stop_step"]):
+            if step < int(saved["thin_stop_step"]):
+                return False
+            rank_zero_info(
+                f"{name}: the checkpoint's run had thinned its last step ({saved['thin_stop_step']}) by step {step}; "
+                "this longer run keeps that schedule, so every further step trains each drawn sample"
+            )
+            self._stop_step = int(saved["thin_stop_step"])
+            return True
+        return False
 
 
 def _brief(value: Any) -> str:

@@ -982,12 +982,25 @@ class RandomLTDCallback(Callback):
             current = {"clock": "progress", "require_steps": None, "require_progress": ticks}
         saved = self._saved_schedule
         if saved is not None and (diff := settings_diff(saved, current)):
-            if saved["clock"] == current["clock"] == "step":
+            step = trainer.global_step
+            if saved["clock"] == current["clock"] == "step" and self._finished(saved["require_steps"], step):
+                # a finished run extended (a longer run resumed from its end): the schedule stays where it ended
+                rank_zero_info(
+                    f"{type(self).__name__}: the checkpoint's schedule reached max_value by step {step} "
+                    f"(require_steps={saved['require_steps']}); this longer run goes on at max_value, keeping that "
+                    f"schedule (this run's require_steps={str(self.require_duration)!r} would give "
+                    f"{current['require_steps']} and a reserved length below max_value again)"
+                )
+                current = dict(saved)
+            elif saved["clock"] == current["clock"] == "step":
+                before, after = (self._value(saved["require_steps"], step), self._value(current["require_steps"], step))
                 self._mismatch(
                     f"require_steps={str(self.require_duration)!r} gives {current['require_steps']} optimizer steps "
                     f"in this run but the checkpoint's schedule has require_steps={saved['require_steps']} (another "
                     "duration or another run length)",
-                    fix=f"continue the schedule with require_steps={current['require_steps']}",
+                    fix=f"continue the schedule with require_steps={current['require_steps']} (the reserved length "
+                    f"at step {step} goes from {before} to {after}), or pass require_steps={saved['require_steps']} "
+                    "to keep the checkpoint's schedule",
                 )
             else:
                 on = "optimizer steps" if source is None else f"{type(source).__name__}'s training progress"
@@ -998,6 +1011,21 @@ class RandomLTDCallback(Callback):
                 )
         self.clock, self._clock_source = current["clock"], source
         self.require_steps, self.require_progress = current["require_steps"], current["require_progress"]
+
+    def _value(self, require_steps: int, step: int) -> int | str:
+        """The reserved length at ``step`` under ``require_steps`` (``"?"`` while ``max_value`` is unknown)."""
+        if self.max_value is None:
+            return "?"
+        return F.ltd_value(step, self.min_value, self.max_value, require_steps, self.seq_per_step, self.rounding)
+
+    def _finished(self, require_steps: int | None, step: int) -> bool:
+        """The schedule of ``require_steps`` gives ``max_value`` at ``step`` (or, ``max_value`` unknown yet, a clamped
+        schedule is past ``require_steps``)."""
+        if require_steps is None:
+            return False
+        if self.max_value is None:
+            return self.rounding == "clamped" and step >= require_steps
+        return self._value(require_steps, step) == self.max_value
 
     def _warn_beyond_run(self, trainer: pl.Trainer) -> None:
         """Warn (``rank_zero_warn``) when an explicit growth does not end within the run, so that no trained step

@@ -929,7 +929,23 @@ class VCycleCallback(Callback):
         stages = self._resolve_stages(trainer)
         self._refuse_untrained_levels(trainer, stages, at_setup=False)
         if self._saved_stages is not None and (diff := S.stages_mismatch(self._saved_stages, stages)):
-            config_mismatch(type(self).__name__, diff, self.strict, fix="continue with the current arguments' stages")
+            if self.stage_index >= len(self._saved_stages):
+                # a finished run extended (a longer run resumed after its last switch): its plan is kept, so the
+                # rest of the run trains the full model
+                rank_zero_info(
+                    f"{type(self).__name__}: the checkpoint's run had made its last switch back to the full model "
+                    f"(stages {list(self._saved_stages)}); this longer run keeps that plan and trains the full model "
+                    f"from here (this run's arguments would give stages {stages})"
+                )
+                stages = list(self._saved_stages)
+            else:
+                config_mismatch(
+                    type(self).__name__,
+                    diff,
+                    self.strict,
+                    fix="continue with the current arguments' stages from the checkpoint's stage "
+                    f"{self.stage_index + 1} (its level is kept)",
+                )
         self.stages, self.stage_ends, self._last_step = stages, S.stage_ends(stages), trainer.global_step
         if not self._restored and trainer.global_step > 0:
             self._refuse_late_start(trainer)

@@ -473,18 +473,30 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path, resume_step, num_worker
 
 
 def test_checkpointed_state_names_the_table_epoch(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     cb = infobatch()
-    trainer = make_trainer(tmp_path, [cb, curriculum()], max_steps=15, max_epochs=-1)
+    every = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=5, save_top_k=-1, filename="{step}")
+    trainer = make_trainer(tmp_path, [cb, curriculum(), every], max_steps=15, max_epochs=-1)
     trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=MBS)))
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)
     state = torch.load(path, weights_only=True)["callbacks"][cb.state_key]
     assert state["table_epoch"] == state["synced_epoch"] == 1 and state["thin_stats"].tolist() == [0, 0, 0]
     assert state["config"]["within"] == "curriculum" and state["config"]["thin_stop_step"] == math.floor(DELTA * 15)
-    with pytest.raises(ValueError, match=r"other settings.*thin_stop_step.*\(11, 15\)"):  # a longer run: T = 20
+    # a longer run (T = 20) from step 5, before the last thinned step: refused, the thinning would move
+    with pytest.raises(ValueError, match=r"other settings.*thin_stop_step.*\(11, 15\)"):
         make_trainer(tmp_path, [infobatch(), curriculum()], max_steps=20, max_epochs=-1).fit(
-            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=MBS)), ckpt_path=path
+            tiny_gpt2(),
+            datamodule=CurriculumDataModule(tiny_lm_data(batch_size=MBS)),
+            ckpt_path=tmp_path / "ck/step=5.ckpt",
         )
+    # from the end of the run, past it: the run is extended unthinned (tests/robustness/test_extend_finished_run.py)
+    extended = infobatch()
+    make_trainer(tmp_path, [extended, curriculum()], max_steps=20, max_epochs=-1).fit(
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=MBS)), ckpt_path=path
+    )
+    assert extended.thin_stop() == 11
 
 
 @pytest.mark.slow
