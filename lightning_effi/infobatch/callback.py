@@ -430,9 +430,7 @@ class InfoBatchCallback(Callback):
         self._mask: Tensor | None = None  # bool[N], the well-learned set of epoch _mask_epoch (recomputed, not saved)
         self._mask_epoch = -1
         self._stop_step: int | None = None
-        self._checkpoint_step: int | None = (
-            None  # the global step of the checkpoint being restored (on_load_checkpoint)
-        )
+        self._checkpoint_step: int | None = None  # the global step of a checkpoint being restored
         self._run_steps: int | None = None  # composed mode: T, the run's optimizer steps (see thin_stop)
         self._original_step: Any = None
         self._previous_step: Any = None  # an instance-level training_step of the module's own, put back at the end
