@@ -423,14 +423,23 @@ class CurriculumController:
                 "the stream's clusters and position index the samples, so it cannot resume on another training set "
                 "(strict=False does not apply); resume on the training set it was written on, or start a fresh fit"
             )
-        extended = diff.get("num_epochs")
+        extended, budget = diff.get("num_epochs"), self.total_samples
         if set(diff) == {"num_epochs"} and all(is_int(v) for v in extended) and extended[1] > extended[0]:
             # a larger sample budget extends the run: the stream's draws do not depend on it (it only ends them)
             from lightning.pytorch.utilities import rank_zero_info
 
+            budget = int(extended[0]) * self.n  # the checkpoint's, which its consumed_samples is bounded by
+            partial = budget % self.global_batch
             rank_zero_info(
                 f"Curriculum: num_epochs {extended[0]} -> {extended[1]}: the sample budget grows from "
                 f"{extended[0]} to {extended[1]} passes over the data; the stream continues from the checkpoint"
+                + (
+                    f" (the old budget ended with a batch of {partial} of {self.global_batch} samples, which the "
+                    "budget counts as a whole batch: the stream goes on from the sample after it, and the run trains "
+                    f"{self.global_batch - partial} samples fewer than the new budget)"
+                    if partial
+                    else ""
+                )
             )
             diff = {}
         if diff:
@@ -442,7 +451,7 @@ class CurriculumController:
                 fix="continue with this configuration",
                 error=CurriculumConfigError,
             )
-        pre, skip, micro = self._check_state(state, same_config=not diff)
+        pre, skip, micro = self._check_state(state, same_config=not diff, budget=budget)
         try:  # validates the history and the clusters against the analysis index
             CurriculumStream(self.config, self.book, self.total_samples, self.global_batch).restore(pre)
         except CurriculumConfigError:
@@ -455,14 +464,16 @@ class CurriculumController:
         self.committed = {"pre": pre, "skip": skip, "micro": micro}
         self._snapshots.clear()
 
-    def _check_state(self, state: Mapping[str, Any], same_config: bool) -> tuple[dict[str, Any], int, int]:
+    def _check_state(
+        self, state: Mapping[str, Any], same_config: bool, budget: int | None = None
+    ) -> tuple[dict[str, Any], int, int]:
         """``(pre_state, micro_offset, committed_micro)`` of a checkpoint's stream ``state``, checked: ints where
         ints belong, ``committed_micro = pre_state.step × grad_accum + micro_offset`` (the invariant
         :meth:`commit` keeps, with the checkpoint's own ``grad_accum``), ``micro_offset`` in ``[0, grad_accum]``,
         ``curriculum_step = pre_state.step + (1 if micro_offset else 0)``, ``current_difficulties =
         pre_state.difficulties`` (an int per metric) and, when the configuration is the same (``same_config``),
         ``committed_micro <= `` the budget's micro-batches and ``consumed_samples`` as :meth:`state_dict` computes
-        it.
+        it (bounded by ``budget`` samples, the checkpoint's: a larger ``num_epochs`` extends the run).
 
         Raises:
             CurriculumConfigError: naming the entry, its value and what it should be.
@@ -506,7 +517,8 @@ class CurriculumController:
         }
         if same_config:
             expected["consumed_samples"] = min(
-                self.total_samples, (micro // ga) * self.global_batch + (micro % ga) * self.chunk
+                self.total_samples if budget is None else budget,
+                (micro // ga) * self.global_batch + (micro % ga) * self.chunk,
             )
         for key, value in expected.items():
             if key in state and state[key] != value:

@@ -151,3 +151,24 @@ def test_infobatch_within_the_curriculum_extended_trains_every_drawn_sample(tmp_
         _, more = run(tmp_path / "b", 16, str(path))
     assert "had thinned its last step (9)" in caplog.text
     assert any(size < 4 for _, size, *_ in rows[6:9]) and [size for _, size, *_ in more] == [4] * 4
+
+
+def test_a_curriculum_budget_that_ended_on_a_partial_batch_is_extended(tmp_path, caplog):
+    """26 samples in batches of 4 end the budget with a batch of 2: the end checkpoint's consumed_samples (26, bounded
+    by the old budget) was checked against the new budget's position (28) and refused as corrupt (qa36-break 01)."""
+
+    def make(num_epochs):
+        return lambda: Curriculum(metrics=seqlen_truncate(4, 16, 6, 4), seed=3, num_epochs=num_epochs)
+
+    def data():
+        return CurriculumDataModule(plain(n=26))
+
+    first, head = fit(tmp_path / "a", make(1), data, {"max_steps": -1, "max_epochs": -1})
+    assert [r[1] for r in head] == [4] * 6 + [2]
+    path = tmp_path / "end.ckpt"
+    first.save_checkpoint(path)
+    with caplog.at_level(logging.INFO):
+        _, tail = fit(tmp_path / "b", make(2), data, {"max_steps": -1, "max_epochs": -1}, ckpt=str(path))
+    assert "ended with a batch of 2 of 4 samples" in caplog.text
+    # 50 samples in all: the new budget's 52, less the 2 the partial batch was counted as (the message says so)
+    assert [r[1] for r in tail] == [4] * 6 and sum(r[1] for r in head + tail) == 50
