@@ -431,6 +431,7 @@ class InfoBatchCallback(Callback):
         self._mask_epoch = -1
         self._stop_step: int | None = None
         self._checkpoint_step: int | None = None  # the global step of a checkpoint being restored
+        self._train_epochs: int | None = None  # the run's max_epochs at setup (None: bounded by max_steps)
         self._run_steps: int | None = None  # composed mode: T, the run's optimizer steps (see thin_stop)
         self._original_step: Any = None
         self._previous_step: Any = None  # an instance-level training_step of the module's own, put back at the end
@@ -545,6 +546,8 @@ class InfoBatchCallback(Callback):
         if n < 1:
             raise ValueError("InfoBatchCallback: the training set is empty")
         self.epochs, self.dataset_size = int(epochs), n
+        # the run's training epochs, read before StochasticWeightAveraging adds its forward-only one (on_fit_start)
+        self._train_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
         self._warn_no_prune_epoch(trainer)
         self._new_tables(n)
         self._check_val_check_interval(trainer, datamodule)
@@ -1620,8 +1623,10 @@ class InfoBatchCallback(Callback):
             saved = sum(h["saved"] for h in self.history)
             drawn = sum(h["drawn"] for h in self.history)
             return {"saved_samples_total": saved, "saved_fraction": saved / max(1, drawn)}
-        # epochs past the schedule (StochasticWeightAveraging's added forward-only epoch) are not training epochs
-        history = [h for h in self.history if h["epoch"] < self.epochs]
+        # epochs past the run's (StochasticWeightAveraging's added forward-only epoch) are not training epochs; those
+        # past InfoBatch's schedule (num_epochs < max_epochs, or a finished run extended) are, on the full data
+        last = self._train_epochs
+        history = self.history if last is None else [h for h in self.history if h["epoch"] < last]
         per_epoch = [self._epoch_saving(h) for h in history]
         if per_epoch and self.plan is not None and history[-1]["epoch"] == self.plan.epoch:
             # the epoch in progress (or cut by an early stop) counts by the share of its samples trained

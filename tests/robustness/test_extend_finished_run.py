@@ -172,3 +172,29 @@ def test_a_curriculum_budget_that_ended_on_a_partial_batch_is_extended(tmp_path,
     assert "ended with a batch of 2 of 4 samples" in caplog.text
     # 50 samples in all: the new budget's 52, less the 2 the partial batch was counted as (the message says so)
     assert [r[1] for r in tail] == [4] * 6 and sum(r[1] for r in head + tail) == 50
+
+
+@pytest.mark.parametrize("how", ["extended", "num_epochs"])
+def test_infobatchs_saving_counts_the_full_epochs_after_its_schedule(tmp_path, how):
+    """Epochs past InfoBatch's num_epochs train the full data: its saved_fraction left them out (0.0972 where the
+    monitor's saved/infobatch/samples_frac read 0.0486 after an extension, qa36-break 02). The same with num_epochs
+    below max_epochs from the start."""
+    from lightning_effi.core.accounting import EfficiencyMonitor
+
+    def run(root, epochs, num_epochs=None, ckpt=None):
+        monitor = EfficiencyMonitor(print_summary=False)
+        callback = InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7, num_epochs=num_epochs)
+        trainer = make_trainer(root, [monitor, callback], max_epochs=epochs, max_steps=-1)
+        pl.seed_everything(0)
+        trainer.fit(tiny_gpt2(n_layer=4), datamodule=InfoBatchDataModule(plain()), ckpt_path=ckpt)
+        return trainer, monitor.summary
+
+    if how == "extended":
+        first, _ = run(tmp_path / "a", 3)
+        first.save_checkpoint(tmp_path / "end.ckpt")
+        _, summary = run(tmp_path / "b", 6, ckpt=str(tmp_path / "end.ckpt"))
+    else:
+        _, summary = run(tmp_path / "a", 6, num_epochs=3)
+    saved = summary["infobatch/saved_samples"]
+    assert saved > 0 and summary["infobatch/saved_fraction"] == pytest.approx(saved / (6 * 48))
+    assert summary["infobatch/saved_fraction"] == pytest.approx(summary["saved/infobatch/samples_frac"])
