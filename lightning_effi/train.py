@@ -15,6 +15,7 @@ import pickle
 import sys
 import typing
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from lightning_effi.report.record import TECHNIQUE_HOOKS, make_record, save_reco
 from lightning_effi.utils.instantiate import (
     ConfigError,
     check_budget,
+    config_key,
     instantiate,
     instantiate_callbacks,
     instantiate_loggers,
@@ -198,22 +200,30 @@ RESULT_SCHEMA = SCHEMA
 OBJECTIVE_COMPUTE = ("flops", "tokens", "samples", "layer_tokens")
 
 
-def techniques_of(callbacks_cfg: Any) -> dict[str, dict[str, Any]]:
+def techniques_of(callbacks_cfg: Any, callbacks: Sequence[object] = ()) -> dict[str, dict[str, Any]]:
     """The technique callbacks of a ``callbacks`` config (a dict of ``_target_`` nodes), ``{name: resolved
     settings}``, named as the EfficiencyMonitor names their savings (``infobatch``, ``curriculum``, ``random_ltd``,
     ``vcycle``). A technique is a callback class with an ``effi_adjust``, ``effi_baseline`` or ``effi_schedule_state``
-    hook; the EfficiencyMonitor and Lightning's own callbacks are not."""
+    hook; the EfficiencyMonitor and Lightning's own callbacks are not.
+
+    A node's class is its ``_target_`` (a class, a classmethod factory, a function annotated to return a class), or,
+    for a factory that says nothing of what it builds, the class of the callback among ``callbacks`` (the Trainer's)
+    that :func:`~lightning_effi.utils.instantiate.instantiate_callbacks` built from it."""
     out: dict[str, dict[str, Any]] = {}
     if not callbacks_cfg:
         return out
-    for node in callbacks_cfg.values():
+    built = {key: type(c) for c in callbacks if (key := config_key(c)) is not None}
+    for key, node in callbacks_cfg.items():
         if not isinstance(node, DictConfig) or "_target_" not in node:
             continue
-        cls = _target_class(str(node._target_))
-        if cls is None or issubclass(cls, EfficiencyMonitor) or not any(hasattr(cls, h) for h in TECHNIQUE_HOOKS):
-            continue
-        out[technique_name(cls)] = OmegaConf.to_container(node, resolve=True)  # type: ignore[assignment]
+        cls = _target_class(str(node._target_)) or built.get(str(key))
+        if cls is not None and _is_technique(cls):
+            out[technique_name(cls)] = OmegaConf.to_container(node, resolve=True)  # type: ignore[assignment]
     return out
+
+
+def _is_technique(cls: type) -> bool:
+    return not issubclass(cls, EfficiencyMonitor) and any(hasattr(cls, h) for h in TECHNIQUE_HOOKS)
 
 
 def _target_class(target: str) -> type | None:
@@ -493,7 +503,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         for results in test_results:
             metrics.update(scalar_metrics(results))
 
-    techniques = techniques_of(cfg.get("callbacks"))
+    techniques = techniques_of(cfg.get("callbacks"), trainer.callbacks)  # type: ignore[attr-defined]
     budget = cfg.get("budget", 1.0)
     root = cfg.paths.get("root_dir") or os.getcwd()
     result = make_record(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -176,8 +177,26 @@ def _instantiate_group(cfg: DictConfig | None, group: str, kind: type) -> list[A
         obj = instantiate(node, key=f"{group}.{name}")
         if not isinstance(obj, kind):
             raise ConfigError(f"{group}.{name}: {node['_target_']} is not a {kind.__name__}")
+        try:
+            CONFIG_KEYS[obj] = str(name)
+        except TypeError:  # an unhashable object: not found by config_key
+            pass
         objects.append(obj)
     return objects
+
+
+#: the config key (``callbacks.<key>``, ``logger.<key>``) each object of :func:`instantiate_callbacks` /
+#: :func:`instantiate_loggers` was built from, whatever its ``_target_`` (a class or a factory)
+CONFIG_KEYS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def config_key(obj: object) -> str | None:
+    """The key of the config entry ``obj`` was built from by :func:`instantiate_callbacks` /
+    :func:`instantiate_loggers`, or None."""
+    try:
+        return CONFIG_KEYS.get(obj)
+    except TypeError:
+        return None
 
 
 def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:

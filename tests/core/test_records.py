@@ -331,3 +331,22 @@ def test_a_deepspeed_json_through_the_hydra_app(tmp_path):
     # DeepSpeed's schedule, 8 + 56 s / 4 rounded down to a multiple of 8, and batches truncated to it
     assert [p["curriculum/difficulty"] for p in saved["schedule"]] == [16, 32, 48]
     assert [p["tokens"] for p in saved["schedule"]] == [16 * 16, 16 * (16 + 32), 16 * (16 + 32 + 48)]
+
+
+def make_random_ltd(**kwargs):  # a user's factory that says nothing of what it builds
+    from lightning_effi.callbacks import RandomLTDCallback
+
+    return RandomLTDCallback(**kwargs)
+
+
+def test_a_factory_without_a_return_annotation_is_recorded_with_its_settings(tmp_path):
+    """The technique a factory built is known from the Trainer's callbacks: the record held ``resumed_without`` and
+    no settings for a fresh run (qa36-break 03)."""
+    overrides = [
+        "callbacks=random_ltd",
+        "callbacks.random_ltd._target_=tests.core.test_records.make_random_ltd",
+        "callbacks.random_ltd.min_value=32",
+    ]
+    saved = run(compose_train(overrides, tmp_path))
+    assert saved["arm"] == "random_ltd" and saved["techniques"]["random_ltd"]["min_value"] == 32
+    assert "resumed_without" not in saved["techniques"]["random_ltd"]
