@@ -49,8 +49,17 @@ _ADAPTER_KEYS = ("model_mask_name", "model_type", "hidden_state_order")
 _WHERE = "data_efficiency.data_routing.random_ltd"
 
 
-def _block(ds_config: Any) -> Mapping[str, Any]:
-    """The ``random_ltd`` block of a whole DeepSpeed config, of its ``data_efficiency`` block, or the block itself."""
+_DE_KEYS = {"enabled", "seed", "data_sampling", "data_routing"}
+
+
+def _block(ds_config: Any) -> tuple[Mapping[str, Any], list[str]]:
+    """The ``random_ltd`` block of a whole DeepSpeed config, of its ``data_efficiency`` block, of its ``data_routing``
+    block, or the block itself, and the parent sections given around it whose ``enabled`` is not true (a whole
+    config's ``data_efficiency``, its ``data_routing``). An enabled ``data_sampling.dynamic_batching`` warns.
+
+    Raises:
+        ValueError: a ``data_routing`` block beside a whole config's engine keys (misplaced: DeepSpeed ignores it).
+    """
     if isinstance(ds_config, (str, os.PathLike)):
         try:
             with open(ds_config, encoding="utf-8") as f:
@@ -68,12 +77,25 @@ def _block(ds_config: Any) -> Mapping[str, Any]:
             raise ValueError(f"{where} must be a dict, got {type(d).__name__}")
         return d.get(key, {})
 
+    parents: list[tuple[str, Any]] = []
+    if "data_routing" in ds_config and not set(ds_config) <= _DE_KEYS:
+        raise ValueError(
+            "parse_deepspeed_config: 'data_routing' must sit under 'data_efficiency' (beside the engine keys "
+            f"{sorted(set(ds_config) - _DE_KEYS)[:3]} DeepSpeed ignores it, as DeepSpeedExamples #696 found for "
+            "data_sampling); move it into data_efficiency"
+        )
     if "data_efficiency" in ds_config:  # a whole DeepSpeed config
-        routing = child(ds_config["data_efficiency"], "data_routing", "data_efficiency")
+        de = ds_config["data_efficiency"]
+        routing = child(de, "data_routing", "data_efficiency")
+        parents = [("data_efficiency", de), ("data_efficiency.data_routing", routing)]
+        _warn_dynamic_batching(de)
         node: Any = child(routing, "random_ltd", "data_efficiency.data_routing")
     elif "data_routing" in ds_config:  # its data_efficiency block
+        parents = [("data_efficiency", ds_config), ("data_efficiency.data_routing", ds_config["data_routing"])]
+        _warn_dynamic_batching(ds_config)
         node = child(ds_config["data_routing"], "random_ltd", "data_efficiency.data_routing")
     elif "random_ltd" in ds_config:  # its data_routing block
+        parents = [("data_efficiency.data_routing", ds_config)]
         node = ds_config["random_ltd"]
     elif set(ds_config) <= _LTD_KEYS:  # the random_ltd block itself
         node = ds_config
@@ -84,7 +106,27 @@ def _block(ds_config: Any) -> Mapping[str, Any]:
         )
     if not isinstance(node, Mapping):
         raise ValueError(f"{_WHERE} must be a dict, got {type(node).__name__}")
-    return node
+    off = [
+        name
+        for name, d in parents
+        if isinstance(d, Mapping) and not check_bool(name, "enabled", d.get("enabled", False))
+    ]
+    return node, off
+
+
+def _warn_dynamic_batching(de: Any) -> None:
+    """Warn when the config's ``data_sampling.dynamic_batching`` is enabled: not implemented (the curriculum's
+    parser raises for it; a config with random-LTD alone is read here)."""
+    ds = de.get("data_sampling") if isinstance(de, Mapping) else None
+    dynamic = ds.get("dynamic_batching") if isinstance(ds, Mapping) else None
+    if isinstance(dynamic, Mapping) and dynamic.get("enabled") not in (None, False):
+        warnings.warn(
+            "parse_deepspeed_config: data_efficiency.data_sampling.dynamic_batching is enabled in the DeepSpeed "
+            "config, but lightning_effi does not implement DeepSpeed's dynamic batching (batches of a token budget): "
+            "the run trains your DataLoader's fixed-size batches",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _known(section: str, d: Any, allowed: set[str]) -> Mapping[str, Any]:
@@ -107,8 +149,9 @@ def parse_deepspeed_config(ds_config: Any, **overrides: Any) -> dict[str, Any] |
         overrides: other :class:`~lightning_effi.RandomLTDCallback` arguments (``adapter``, ``accounting``,
             ``rounding``, ``seed``, ...). ``rounding`` defaults to ``"clamped"`` (never below ``min_value``,
             ``max_value`` from ``require_steps`` on); DeepSpeed's own arithmetic is ``rounding="deepspeed"``. The two
-            differ only where ``min_value`` or ``max_value`` is not a multiple of ``seq_per_step``, and then a warning
-            says so.
+            differ where ``min_value`` or ``max_value`` is not a multiple of ``seq_per_step`` (then a warning says so)
+            and, by one ``seq_per_step`` at rare steps, where DeepSpeed's float64 product lands just below a whole
+            number that ``"clamped"`` computes exactly (:func:`~lightning_effi.random_ltd.functional.ltd_value`).
 
     Returns:
         ``{"layer_ids", "min_value", "max_value", "require_steps", "seq_per_step", **overrides}``, or ``None`` when
@@ -120,15 +163,24 @@ def parse_deepspeed_config(ds_config: Any, **overrides: Any) -> dict[str, Any] |
             ``seq_per_step``), a ``schedule_type`` other than ``fixed_linear`` (DeepSpeed: "Unsupported random LTD
             schedule type"), ``random_ltd_layer_num`` not the number of ids, an id outside ``[0, total_layer_num)``,
             ``layer_token_lr_schedule.enabled`` true (DeepSpeed: not yet supported), an override of a key the config
-            holds.
+            holds, ``random_ltd.enabled`` under a ``data_efficiency`` / ``data_routing`` whose ``enabled`` is not true
+            (DeepSpeed reads the child alone; as the curriculum's parser, a child on under a parent off is refused), a
+            ``data_routing`` block beside a whole config's engine keys (misplaced: DeepSpeed ignores it).
 
     Warns:
         UserWarning: ``model_mask_name`` / ``model_type`` / ``hidden_state_order`` are given (the adapter reads them
-            from the layers); the default rounding trains another schedule than DeepSpeed's.
+            from the layers); the default rounding trains another schedule than DeepSpeed's at the first or the last
+            step; ``data_sampling.dynamic_batching`` is enabled (not implemented: the DataLoader's batches train).
     """
-    ltd = _known(_WHERE, copy.deepcopy(_block(ds_config)), _LTD_KEYS)
+    block, off = _block(ds_config)
+    ltd = _known(_WHERE, copy.deepcopy(block), _LTD_KEYS)
     if not check_bool(_WHERE, "enabled", ltd.get("enabled", False)):
         return None
+    if off:  # DeepSpeed reads random_ltd.enabled alone; a child on under a parent switched off is refused
+        raise ValueError(
+            f"{_WHERE}.enabled is true but its parent {off[0]}.enabled is not (DeepSpeed would drop tokens anyway, "
+            "reading random_ltd.enabled alone); enable the parents, or disable random_ltd"
+        )
     held = sorted(set(overrides) & {"layer_ids", "min_value", "max_value", "require_steps", "seq_per_step"})
     if held:
         raise ValueError(f"parse_deepspeed_config: {held} come from the DeepSpeed config; change them there")

@@ -181,3 +181,32 @@ def test_deepspeeds_hidden_state_order_spellings_and_the_curriculums_pointer():
         GenericAdapter("blocks", hidden_state_order="seq_first")
     with pytest.warns(UserWarning, match=r"RandomLTDCallback.from_deepspeed_config\(ds_config\)"):
         parse_curriculum(GPT3)
+
+
+def test_disabled_parents_and_a_misplaced_block_are_refused():
+    """DeepSpeed reads random_ltd.enabled alone; a child on under a parent switched off is refused, as the curriculum's
+    parser refuses its own, and a data_routing beside the engine keys (ignored by DeepSpeed) too (qa36-break 04)."""
+    for parent in ("data_efficiency", "data_routing"):
+        cfg = copy.deepcopy(GPT3)
+        node = cfg["data_efficiency"] if parent == "data_efficiency" else cfg["data_efficiency"]["data_routing"]
+        node["enabled"] = False
+        with pytest.raises(ValueError, match=rf"random_ltd.enabled is true but its parent .*{parent}.enabled is not"):
+            parse_deepspeed_config(cfg)
+    misplaced = {"train_batch_size": 8, "data_routing": GPT3["data_efficiency"]["data_routing"]}
+    with pytest.raises(ValueError, match="'data_routing' must sit under 'data_efficiency'"):
+        parse_deepspeed_config(misplaced)
+
+
+def test_dynamic_batching_is_named_by_either_parser():
+    """With random-LTD and no curriculum, an enabled dynamic_batching was dropped by both parsers (qa36-break 05)."""
+    cfg = copy.deepcopy(GPT3)
+    cfg["data_efficiency"]["data_sampling"] = {"enabled": True, "dynamic_batching": {"enabled": True}}
+    with pytest.warns(UserWarning, match="dynamic_batching is enabled .* fixed-size batches"):
+        assert parse_deepspeed_config(cfg) is not None
+    with pytest.raises(ValueError, match="dynamic_batching is enabled, but lightning_effi does not"):
+        parse_curriculum(cfg)
+
+
+def test_the_default_rounding_can_differ_from_deepspeeds_float_at_a_rare_step():
+    """The card says so (qa36-break 08): all values multiples of seq_per_step, the products exact in clamped."""
+    assert F.ltd_value(226, 173, 773, 400, 1) == 512 and F.ltd_value(226, 173, 773, 400, 1, "deepspeed") == 511
