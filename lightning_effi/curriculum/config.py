@@ -670,6 +670,8 @@ def parse_deepspeed_config(
         enabled("data_efficiency.data_sampling.curriculum_learning", cl),
     )
     _warn_data_routing(de.get("data_routing"))
+    if de_on and ds_on:  # DeepSpeed's data sampler, with or without a curriculum
+        _check_loader_keys(ds)
     if not cl_on:
         return None
     if not de_on or not ds_on:
@@ -685,8 +687,7 @@ def parse_deepspeed_config(
         )
     if "data_cluster_path" not in cl:
         raise CurriculumConfigError("curriculum_learning: missing required key 'data_cluster_path'")
-    _check_loader_keys(ds)
-    raw_metrics = {name: _drop_single_cluster_paths(name, m) for name, m in cl["curriculum_metrics"].items()}
+    raw_metrics = {name: _drop_unread_keys(name, m) for name, m in cl["curriculum_metrics"].items()}
     functions = _custom_schedules(custom_schedules, raw_metrics)
     metrics = {
         name: MetricConfig.from_dict(name, m, extras=False, custom_schedule=functions.get(name))
@@ -720,10 +721,20 @@ def _check_loader_keys(data_sampling: Mapping[str, Any]) -> None:
         )
 
 
-def _drop_single_cluster_paths(name: str, metric: Any) -> Any:
-    """A ``single_cluster`` metric's ``index_to_sample_path`` / ``index_to_metric_path`` dropped with a warning:
-    DeepSpeed never opens them (Megatron-DeepSpeed's ``examples_deepspeed/data_efficiency/{gpt,bert}`` scripts write
-    ``"dummy"``). Anything else is returned as it is, for :meth:`MetricConfig.from_dict` to check."""
+def _drop_unread_keys(name: str, metric: Any) -> Any:
+    """A DeepSpeed metric's keys DeepSpeed never reads, dropped with a warning: a ``single_cluster`` metric's
+    ``index_to_sample_path`` / ``index_to_metric_path`` (Megatron-DeepSpeed's ``examples_deepspeed/data_efficiency/
+    {gpt,bert}`` scripts write ``"dummy"``) and a ``custom`` metric's ``schedule_config`` (``CurriculumScheduler``
+    reads it for the ``fixed_*`` types only). Anything else is returned as it is, for :meth:`MetricConfig.from_dict`
+    to check."""
+    if isinstance(metric, Mapping) and metric.get("schedule_type") == "custom" and "schedule_config" in metric:
+        warnings.warn(
+            f"parse_deepspeed_config: curriculum_metrics.{name} is schedule_type custom, whose function is the "
+            f"schedule, so its schedule_config ({metric['schedule_config']!r}) is not read, as in DeepSpeed",
+            UserWarning,
+            stacklevel=4,
+        )
+        metric = {k: v for k, v in metric.items() if k != "schedule_config"}
     if not isinstance(metric, Mapping) or metric.get("clustering_type") != "single_cluster":
         return metric
     paths = [k for k in ("index_to_sample_path", "index_to_metric_path") if k in metric]

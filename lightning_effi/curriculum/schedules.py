@@ -95,6 +95,11 @@ class CurriculumSchedule:
         object.__setattr__(self, "schedule_config", cfg)
         needed = SCHEDULE_KEYS[self.schedule_type]
         unknown = sorted(set(cfg) - set(needed))
+        if unknown and not needed:  # custom: the function is the schedule
+            raise ScheduleConfigError(
+                f"{where}.schedule_config: schedule_type {self.schedule_type!r} reads no schedule_config (its "
+                f"function is the schedule), got the key(s) {unknown}; remove schedule_config"
+            )
         if unknown:
             raise ScheduleConfigError(
                 f"{where}.schedule_config: unknown key(s) {unknown} for schedule_type "

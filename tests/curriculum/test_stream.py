@@ -544,3 +544,18 @@ def test_length_is_zero_once_the_budget_is_spent():
     assert len(c) == 3 and c.total_steps == 2
     drain(c)
     assert c.exhausted and len(c) == 0 and list(c.micro_batches()) == []
+
+
+def test_deepspeed_custom_metric_with_a_schedule_config():
+    """DeepSpeed reads schedule_config for the fixed_* types only: a custom metric's is dropped with a warning (it was
+    refused with "allowed: []", qa36-break 07); in a config of our own the message says to remove it."""
+    d = _with_seqlen({"schedule_type": "custom", "min_difficulty": 16})
+    with pytest.warns(
+        UserWarning, match="schedule_type custom, whose function is the schedule, so its schedule_config"
+    ):
+        cfg = parse_deepspeed_config(d, custom_schedules={"seqlen_truncate": lambda step: 16}, rounding="deepspeed")
+    assert cfg.metrics["seqlen_truncate"].schedule_config == {}
+    with pytest.raises(CurriculumConfigError, match="reads no schedule_config .* remove schedule_config"):
+        CurriculumConfig(
+            metrics={"seqlen_truncate": dict(TRUNC, schedule_type="custom", custom_schedule=lambda step: 16)}
+        )
