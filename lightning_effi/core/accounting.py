@@ -116,8 +116,8 @@ Counts = tuple[float, float, float, float]
 #: the module attribute (in its ``__dict__``) where :class:`EfficiencyMonitor` keeps ``(the module's own
 #: flops_per_batch, the value it wrote to flops_per_batch)``: the written value is never read back as the module's own
 WRITTEN_FLOPS = "_effi_written_flops_per_batch"
-#: the module attribute where :class:`EfficiencyMonitor` keeps the instance's ``flops_per_batch`` from before its first
-#: write in a fit (:data:`_ABSENT`: none), put back at the fit's end
+#: the module attribute where :class:`EfficiencyMonitor` keeps the instance's own ``flops_per_batch`` (the value before
+#: its first write in a fit, or one set since; :data:`_ABSENT`: none), put back at the fit's end
 ORIGINAL_FLOPS = "_effi_original_flops_per_batch"
 _ABSENT = object()
 
@@ -654,8 +654,9 @@ class EfficiencyMonitor(Callback):
         if isinstance(inspect.getattr_static(type(pl_module), "flops_per_batch", None), property):
             return
         own = cls._own_flops(pl_module)
-        if WRITTEN_FLOPS not in pl_module.__dict__:  # the first write: what to put back at the fit's end
-            pl_module.__dict__[ORIGINAL_FLOPS] = pl_module.__dict__.get("flops_per_batch", _ABSENT)
+        current, written = pl_module.__dict__.get("flops_per_batch", _ABSENT), pl_module.__dict__.get(WRITTEN_FLOPS)
+        if written is None or current != written[1]:  # the first write, or a value set since: put back at the end
+            pl_module.__dict__[ORIGINAL_FLOPS] = current
         pl_module.flops_per_batch = flops  # type: ignore[assignment]
         pl_module.__dict__[WRITTEN_FLOPS] = (own, flops)
 

@@ -882,6 +882,28 @@ def test_the_modules_own_flops_per_batch_survives_the_monitors_writes(tmp_path: 
         assert module.flops_per_batch == own
 
 
+@pytest.mark.parametrize("before", [None, 1000])
+def test_a_flops_per_batch_set_during_the_fit_is_the_one_kept(tmp_path: Path, before: int | None) -> None:
+    """The module's own value is the latest it set, also during the fit (the monitor put back the one from before the
+    fit, or deleted it, qa36-break 04)."""
+
+    class SetsItsOwn(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if trainer.global_step == 1:
+                pl_module.flops_per_batch = 600
+
+    module = UserEncoder()
+    if before is not None:
+        module.flops_per_batch = before
+    monitor = EfficiencyMonitor(print_summary=False)
+    make_trainer(tmp_path, [monitor, SetsItsOwn(), HalveFlops()], max_steps=3, max_epochs=-1).fit(
+        module, token_loader(labels="cls")
+    )
+    assert module.flops_per_batch == 600
+    if before is not None:  # batch 0 at the module's 1000, batches 1 and 2 at its 600 (halved by HalveFlops)
+        assert (monitor.summary["baseline_flops"], monitor.summary["flops"]) == (1000 + 2 * 600, 500 + 2 * 300)
+
+
 def test_a_flops_per_batch_property_is_read_and_never_written(tmp_path: Path) -> None:
     """Lightning's ThroughputMonitor takes ``flops_per_batch`` as an attribute or a property; a read-only property
     crashed the monitor's write at the first batch (qa35-break 04). It is the module's own figure."""
