@@ -192,10 +192,15 @@ def parse_deepspeed_config(ds_config: Any, **overrides: Any) -> dict[str, Any] |
     if not isinstance(ids, (list, tuple)) or not ids:
         raise ValueError(f"{_WHERE}.random_ltd_layer_id must be a non-empty list of layer indices, got {ids!r}")
     ids = [check_int(_WHERE, f"random_ltd_layer_id[{i}]", v, minimum=0) for i, v in enumerate(ids)]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{_WHERE}.random_ltd_layer_id lists a layer twice: {ids}")
+    ids = sorted(ids)  # DeepSpeed sorts them (random_ltd_initialize)
     outside = [i for i in ids if i >= total]
     if outside:
         raise ValueError(f"{_WHERE}.random_ltd_layer_id {outside} outside [0, total_layer_num={total})")
-    if "random_ltd_layer_num" in ltd and ltd["random_ltd_layer_num"] != len(ids):
+    if "random_ltd_layer_num" in ltd and check_int(_WHERE, "random_ltd_layer_num", ltd["random_ltd_layer_num"]) != len(
+        ids
+    ):
         raise ValueError(
             f"{_WHERE}.random_ltd_layer_num = {ltd['random_ltd_layer_num']!r}, but random_ltd_layer_id lists "
             f"{len(ids)} layers (DeepSpeed requires them equal)"

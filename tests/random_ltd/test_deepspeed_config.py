@@ -210,3 +210,18 @@ def test_dynamic_batching_is_named_by_either_parser():
 def test_the_default_rounding_can_differ_from_deepspeeds_float_at_a_rare_step():
     """The card says so (qa36-break 08): all values multiples of seq_per_step, the products exact in clamped."""
     assert F.ltd_value(226, 173, 773, 400, 1) == 512 and F.ltd_value(226, 173, 773, 400, 1, "deepspeed") == 511
+
+
+def test_layer_ids_as_deepspeed_reads_them():
+    """DeepSpeed sorts random_ltd_layer_id; a count that is not an int is refused as such (qa36-break notes)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert parse_deepspeed_config(edited(random_ltd_layer_id=[3, 1, 2], random_ltd_layer_num=3))["layer_ids"] == [
+            1,
+            2,
+            3,
+        ]
+        with pytest.raises(ValueError, match="random_ltd_layer_num must be an int"):
+            parse_deepspeed_config(edited(random_ltd_layer_num=22.0))
+        with pytest.raises(ValueError, match="lists a layer twice"):
+            parse_deepspeed_config(edited(random_ltd_layer_id=[1, 1], random_ltd_layer_num=2))
