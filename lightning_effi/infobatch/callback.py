@@ -453,6 +453,7 @@ class InfoBatchCallback(Callback):
         # until then: a term outside the per-sample losses may be 0 at first, e.g. a penalty on the distance to the
         # initial weights, or warmed up later)
         self._loss_mismatch_warned = False
+        self._mixed_warned = False  # the class-probability targets warning (once per callback)
 
     def __repr__(self) -> str:
         fn = self.per_sample_loss
@@ -740,6 +741,11 @@ class InfoBatchCallback(Callback):
                 "InfoBatchCallback: a pruned epoch's size varies, so its last batch can hold a single sample; set "
                 "drop_last=True on your training loader (InfoBatch keeps it)"
             )
+        elif isinstance(exception, AssertionError) and "batch size should be even" in str(exception).lower():
+            exception.add_note(  # timm's Mixup / CutMix
+                "InfoBatchCallback: a pruned epoch's size varies, so its last batch can hold any number of samples "
+                "(an odd one too); set drop_last=True on your training loader (InfoBatch keeps it)"
+            )
         try:
             self._release()
         except Exception as err:  # noqa: BLE001 - on_exception must not replace the fit's exception
@@ -941,6 +947,7 @@ class InfoBatchCallback(Callback):
                     per_sample = per_sample + loss.detach().reshape(()).to(per_sample.dtype) * 0
             except ValueError as err:
                 raise ValueError(f"InfoBatchCallback: {err}") from None
+            self._warn_mixed_targets(batch)
         self._check_per_sample(per_sample, source, forward)
         if (
             not self._loss_mismatch_warned
@@ -960,6 +967,23 @@ class InfoBatchCallback(Callback):
         self.per_sample_source = source
         output["per_sample_loss"] = per_sample
         return output
+
+    def _warn_mixed_targets(self, batch: Any) -> None:
+        """Warn once when the batch's targets are class probabilities (a float ``[B, C]`` tensor): in-batch mixing in
+        the collate function (CutMix / MixUp) gives them, and a mixed row carries other samples' content, which
+        InfoBatch's per-sample scores and weights do not follow (the rescaling is then not unbiased)."""
+        if self._mixed_warned:
+            return
+        labels = ib.find_labels(batch)
+        if isinstance(labels, Tensor) and labels.is_floating_point() and labels.dim() == 2:
+            self._mixed_warned = True
+            rank_zero_warn(
+                f"InfoBatchCallback: the batch's targets are class probabilities {tuple(labels.shape)} (CutMix / "
+                "MixUp in the collate function?): InfoBatch scores and weights each row as the sample at its index, "
+                "but a mixed row also carries its partners' content and a pruned sample is never a partner, so the "
+                "rescaling is no longer unbiased (InfoBatch card: in-batch mixing); soft labels of the samples' own "
+                "(distillation) are fine"
+            )
 
     def _check_per_sample(self, per_sample: Any, source: str, forward: ForwardCapture | None = None) -> None:
         """Raise unless ``per_sample`` is a float tensor ``[B]`` (``B``: the batch's samples) with grad: computed

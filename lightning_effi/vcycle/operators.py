@@ -416,8 +416,9 @@ def transformer_width_maps(
             raise ValueError(f"width_scheme: unknown scheme {scheme!r}; use 'half', a list of head groups or None")
         if heads % 2:
             raise ValueError(
-                f"{kn}={heads} cannot be halved (width scheme 'half' needs an even number of heads); "
-                "pass explicit head groups, e.g. with a group of 3"
+                f"{kn}={heads} cannot be halved (width scheme 'half' needs an even number of heads); pass explicit "
+                f"head groups, VCycleCallback(width_scheme={_odd_groups(heads)}) (a group of 3 merges three heads), "
+                "or width_scheme=None to coalesce the depth only"
             )
         qk = width_groups(hidden, "half", head_dim, name=kn)
         return TransformerWidthMaps(
@@ -921,3 +922,12 @@ def layer_key(key: str, prefix: str) -> tuple[int, str] | None:
         return s.replace("{", "{{").replace("}", "}}")
 
     return int(m.group(1)), esc(prefix) + "{}." + esc(m.group(2))
+
+
+def _odd_groups(heads: int) -> list[list[int]]:
+    """Head groups for an odd ``heads`` (>= 3): pairs, the last group of three, e.g. 5 -> [[0, 1], [2, 3, 4]]; 1 ->
+    [[0]] (a single head is kept)."""
+    if heads < 3:
+        return [list(range(heads))]
+    groups = [[i, i + 1] for i in range(0, heads - 3, 2)]
+    return [*groups, list(range(heads - 3, heads))]

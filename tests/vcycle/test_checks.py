@@ -78,8 +78,12 @@ def test_plan_levels_names_the_deepest_levels_the_model_allows():
     assert [p.num_layers for p in V.plan_levels(net, adapter, 3)] == [(4, 2), (2, 1)]
     with pytest.raises(ValueError, match=r"^plan_levels.levels=4 .* level 3 cannot be coalesced .*levels=3: pass"):
         V.plan_levels(net, adapter, 4)
-    with pytest.raises(ValueError, match=r"^n_head=3 cannot be halved"):
+    # the message names the argument and values that work (qa37-user 07)
+    with pytest.raises(
+        ValueError, match=r"^n_head=3 cannot be halved .*width_scheme=\[\[0, 1, 2\]\].*width_scheme=None"
+    ):
         V.plan_levels(M.gpt2(n_embd=24, n_head=3), adapter, 2)
+    assert V.plan_levels(M.gpt2(n_embd=24, n_head=3), find_vcycle_adapter(net), 2, width_scheme=[[0, 1, 2]])
     for bad in (1, 0, 2.0, True):
         with pytest.raises(ValueError, match=r"plan_levels.levels must be an int >= 2"):
             V.plan_levels(net, adapter, bad)
