@@ -371,6 +371,7 @@ class VCycleCallback(Callback):
         # and on_save_checkpoint after on_exception put the full-size network back (OnExceptionCheckpoint)
         self._interrupted: dict[str, Any] | None = None
         self._frozen_outside: tuple[list[str], list[str], int, Any] | None = None
+        self._copies: list[str] = []  # modules of the network's class outside it (an EMA copy), for messages
 
     def __repr__(self) -> str:
         """Every constructor argument (new spelling; a length as random-LTD's ``require_steps``: an int of steps, else
@@ -451,6 +452,7 @@ class VCycleCallback(Callback):
         if not any(type(c).requirements.changes_epoch_length for c in technique_callbacks(trainer.callbacks)):
             self._refuse_untrained_levels(trainer, self._fit_stages(trainer, at_setup=True), at_setup=True)
         self._check_outside_width(pl_module)
+        self._warn_network_copies(pl_module)
         hooks = user_hooks(getattr(pl_module, self.model_attr))
         if hooks:
             listed = "; ".join(hooks[:6]) + (f"; and {len(hooks) - 6} more" if len(hooks) > 6 else "")
@@ -527,6 +529,25 @@ class VCycleCallback(Callback):
             self._check_not_running(stack, trainer)
             stack.remove_resume_hook()
             stack.running = None
+
+    def _warn_network_copies(self, pl_module: pl.LightningModule) -> None:
+        """Warn once when the module holds, outside the network, another module of the network's class (an EMA copy
+        such as timm's ``ModelEmaV3``, or a teacher): the V-cycle replaces only ``pl_module.<model_attr>``, so an
+        average that copies the network's weights into it fails at the first level change (the shapes differ). The
+        copies are remembered, so that a shape error at a coarse level names them (:meth:`_explain_shape_error`)."""
+        network = getattr(pl_module, self.model_attr)
+        inside = {id(m) for m in network.modules()}
+        self._copies = [
+            name for name, m in pl_module.named_modules() if type(m) is type(network) and id(m) not in inside
+        ]
+        if self._copies:
+            rank_zero_warn(
+                f"{type(self).__name__}: {type(pl_module).__name__} holds another {type(network).__name__} beside "
+                f"pl_module.{self.model_attr}: {', '.join(self._copies[:3])} (an EMA copy, a teacher?). The V-cycle "
+                "trains a smaller network at its coarse levels and coalesces only that one: an average that copies "
+                "its weights (timm's ModelEma.update) fails at the first level change, as EMA and weight-averaging "
+                "callbacks are refused; average after the V-cycle, or train without it. A frozen teacher is fine."
+            )
 
     def _check_outside_width(self, pl_module: pl.LightningModule) -> None:
         """When the levels change the width (``width_scheme`` not None and the plan's hidden size changes), refuse
@@ -828,10 +849,18 @@ class VCycleCallback(Callback):
     def _explain_shape_error(self, exception: BaseException) -> None:
         """Add a note to a shape or size ``RuntimeError`` raised below level 1 when frozen parameters of the full width
         sit outside the network (:meth:`_check_outside_width` warned of them): the likely cause of the mismatch."""
-        if self._frozen_outside is None or self._stack.level == 1 or not isinstance(exception, RuntimeError):
+        if self._stack.level == 1 or not isinstance(exception, RuntimeError):
             return
         if not any(word in str(exception) for word in ("shape", "size")):
             return  # not a shape mismatch (e.g. out of memory)
+        if self._copies:
+            exception.add_note(
+                f"{type(self).__name__}: this step ran at level {self._stack.level}, where pl_module.{self.model_attr} "
+                f"is a smaller network; {', '.join(self._copies[:3])} kept the full network's shapes (an EMA copy "
+                "cannot follow the V-cycle's levels: average after the V-cycle, or train without it)"
+            )
+        if self._frozen_outside is None:
+            return
         frozen, unrelated, hidden, coarse = self._frozen_outside
         named = []
         if frozen:
