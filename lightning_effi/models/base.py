@@ -336,14 +336,19 @@ def find_adapter(
     label = "any registered adapter" if adapter == "auto" else repr(adapter)
     if len(found) > 1:
         listing = ", ".join(
-            f"{path or '<the module itself>'!r} ({name}: {type(sub).__name__})" for path, name, sub in found
+            f"{path or '<the module itself>'!r} ({name}: {type(sub).__name__}"
+            + ("" if sub.training else ", in eval mode: an EMA copy?")
+            + ")"
+            for path, name, sub in found
         )
+        # the example names a network in training mode (timm's ModelEmaV3 keeps its copy trainable, in eval mode)
+        example = next((path for path, _, sub in found if sub.training), found[-1][0])
         raise ValueError(
             f"adapter: {type(module).__name__} holds {len(found)} trainable transformers that {label} matches: "
-            f"{listing}; random-LTD patches one: say which with RandomLTDCallback(model_attr={found[-1][0]!r}) (a "
-            "dotted attribute path from the LightningModule), or pass an adapter instance "
-            "(lightning_effi.adapters.GenericAdapter(layers=...)); freeze the other one (requires_grad=False) if it "
-            "does not train"
+            f"{listing}; random-LTD patches one: say which with RandomLTDCallback(model_attr={example!r}) (a "
+            "dotted attribute path from the LightningModule: the network training_step trains), or pass an adapter "
+            "instance (lightning_effi.adapters.GenericAdapter(layers=...)); freeze the other one "
+            "(requires_grad=False) if it does not train"
         )
     if found:
         _, name, sub = found[0]

@@ -443,6 +443,7 @@ class RandomLTDCallback(Callback):
         self._first_batch_length: int | None = None  # the first batch's length under seqlen_truncate (batch units)
         self._curriculum: str | None = None  # a Curriculum in the run: its first batches may be short by design
         self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
+        self._ran_checked = False
         self._active = False  # between setup("fit") and the end of that fit (teardown or on_exception)
         self._running: Any = None  # live_fit of the fit in progress, stored on every patch it makes
         self._reset_progress()
@@ -552,6 +553,7 @@ class RandomLTDCallback(Callback):
             return
         check_trainer(trainer)
         self._reset_progress()
+        self._ran_checked = False  # the first training batch checks that the patched layers ran
         self._active = False  # (an earlier fit of this callback that did not end left it set)
         for other in trainer.callbacks:  # a network an earlier fit left coarse goes back to full size first (V-cycle)
             restore_network = getattr(other, "effi_restore_network", None)
@@ -1642,6 +1644,15 @@ class RandomLTDCallback(Callback):
             self._fold_step(trainer)
         assert self.controller is not None
         self.controller.end()
+        if not self._ran_checked:  # the first training batch of the fit
+            self._ran_checked = True
+            if not self.controller.records:
+                rank_zero_warn(
+                    f"{type(self).__name__}: the patched layers ({type(self.adapter).__name__ if self.adapter else '?'}"
+                    f" on pl_module.{self.model_attr or '<auto>'}) did not run in the first training step, so random-"
+                    "LTD drops nothing: that network is not the one training_step trains (an EMA copy, a teacher?); "
+                    "name the trained network with model_attr"
+                )
         frac = self._saved_frac() if self._frac_fixed is None else self._frac_fixed
         metrics = {
             "effi/random_ltd/reserved_length": float(self.current_value),
