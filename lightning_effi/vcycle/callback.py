@@ -1202,6 +1202,12 @@ class VCycleCallback(Callback):
             S.continue_schedulers(
                 trainer.lr_scheduler_configs, previous, trainer.global_step, trainer.current_epoch, ratio
             )
+            for cfg in trainer.lr_scheduler_configs:
+                if S.is_timm_scheduler(cfg.scheduler):
+                    # a timm scheduler holds no step count: the module's own lr_scheduler_step (which Lightning
+                    # calls for it after every step) sets the LR of the step to come, as it would have without the
+                    # change (its constructor left the groups at warmup_lr_init)
+                    pl_module.lr_scheduler_step(cfg.scheduler, None)
 
     def _check_optimizers(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, previous_level: int, where: str, kept: set[int]

@@ -650,8 +650,9 @@ def _schedulers_within(scheduler: Any) -> list[Any]:
 #: per-group learning rates a scheduler keeps in the optimizer's param groups (``initial_lr``: every ``LRScheduler``;
 #: ``max_lr`` / ``min_lr``: ``OneCycleLR``), scaled with the group's ``lr``
 _GROUP_LRS = ("initial_lr", "max_lr", "min_lr")
-#: per-group learning rates a scheduler keeps as lists (``base_lrs``: every ``LRScheduler``; ``max_lrs``: ``CyclicLR``)
-_SCHEDULER_LRS = ("base_lrs", "max_lrs")
+#: per-group learning rates a scheduler keeps as lists (``base_lrs``: every ``LRScheduler``; ``max_lrs``: ``CyclicLR``;
+#: ``base_values``: timm's schedulers, ``timm.scheduler.Scheduler``)
+_SCHEDULER_LRS = ("base_lrs", "max_lrs", "base_values")
 
 
 def scale_learning_rates(optimizers: Sequence[Any], scheduler_configs: Sequence[Any], factor: float) -> None:
@@ -676,6 +677,16 @@ def scale_learning_rates(optimizers: Sequence[Any], scheduler_configs: Sequence[
                 values = getattr(scheduler, key, None)
                 if isinstance(values, (list, tuple)):
                     setattr(scheduler, key, [v * factor for v in values])
+            if is_timm_scheduler(scheduler) and getattr(scheduler, "warmup_t", None):
+                # timm derives its warmup increments from base_values at construction (timm/scheduler/*_lr.py)
+                start = float(getattr(scheduler, "warmup_lr_init", 0.0))
+                scheduler.warmup_steps = [(v - start) / scheduler.warmup_t for v in scheduler.base_values]
+
+
+def is_timm_scheduler(scheduler: Any) -> bool:
+    """A timm scheduler (``timm.scheduler.Scheduler``: ``base_values``, stepped by ``step`` / ``step_update``, which
+    Lightning leaves to the module's ``lr_scheduler_step``), told by its interface, without importing timm."""
+    return hasattr(scheduler, "base_values") and callable(getattr(scheduler, "step_update", None))
 
 
 @dataclass(frozen=True)
@@ -739,6 +750,8 @@ def continue_schedulers(
     for i, cfg in enumerate(scheduler_configs):
         prev = previous[i] if i < len(previous) and previous[i].kind is type(cfg.scheduler) else None
         scheduler = cfg.scheduler
+        if is_timm_scheduler(scheduler):  # no step count: the module's lr_scheduler_step sets it (the callback)
+            continue
         if cfg.reduce_on_plateau:
             if prev is None or prev.plateau is None:
                 continue
@@ -764,7 +777,7 @@ def advance_schedulers(scheduler_configs: Sequence[Any], global_step: int, curre
     ``LRSchedulerConfig``. (A level change uses :func:`continue_schedulers`, which counts the old schedulers' own
     steps; this is its fallback.)"""
     for cfg in scheduler_configs:
-        if cfg.reduce_on_plateau:
+        if cfg.reduce_on_plateau or is_timm_scheduler(cfg.scheduler):
             continue
         count = global_step if cfg.interval == "step" else current_epoch
         with unshown_warnings():  # torch's "scheduler.step() before optimizer.step()": not the user's order

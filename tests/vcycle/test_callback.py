@@ -1037,3 +1037,52 @@ def test_a_batch_the_training_step_skips_is_not_counted_and_the_accounting_goes_
     assert cb.flops_account.enabled and monitor.totals["batches"] == 5  # 6 steps, one of them skipped
     assert s["vcycle/flops"] == pytest.approx(s["flops"], rel=1e-12) and s["vcycle/flops_saved_frac"] > 0
     assert s["vcycle/flops_saved_frac"] == pytest.approx(s["flops_saved_frac"], rel=1e-9)
+
+
+class TimmScheduled(Callback):
+    """Each training step's learning rate (read at the step's start)."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_a_timm_scheduler_gets_the_multiplier_and_continues_across_level_changes(tmp_path):
+    """timm's schedulers keep their own base_values and no step count, and Lightning leaves their stepping to the
+    module's lr_scheduler_step: the multiplier was dropped at level 2 (x1 where the switch said x4) and each level
+    change trained one step at warmup_lr_init (qa37-user 01). Each step's LR is now that of a timm scheduler built on
+    the level's peak LR (the multiplier scales base_values; lr_min and warmup_lr_init, absolute, are kept)."""
+    from timm.scheduler import CosineLRScheduler
+
+    steps, peak, timm_args = (
+        12,
+        0.1,
+        dict(t_initial=12, warmup_t=3, warmup_lr_init=1e-4, lr_min=1e-5, t_in_epochs=False),
+    )
+
+    class Module(type(tiny_gpt2())):  # type: ignore[misc]
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=peak)
+            scheduler = CosineLRScheduler(optimizer, **timm_args)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        def lr_scheduler_step(self, scheduler, metric):
+            scheduler.step_update(num_updates=self.global_step)
+
+    watch = TimmScheduled()
+    vcycle = VCycleCallback(e_a=3, e_small=4, lr_multiplier={2: 4.0}, width_scheme=None)
+    pl.seed_everything(0)
+    make_trainer(tmp_path, [vcycle, watch], max_steps=steps, max_epochs=-1).fit(
+        Module(**{**TINY_GPT2, "n_layer": 4, "optimizer": sgd}), datamodule=tiny_lm_data()
+    )
+
+    def reference(lr, step):
+        return CosineLRScheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr), **timm_args)._get_lr(
+            step
+        )[0]
+
+    levels = [1] * 3 + [2] * 4 + [1] * 5
+    expected = [reference(peak * (4.0 if level == 2 else 1.0), step) for step, level in enumerate(levels)]
+    assert watch.lrs == pytest.approx(expected) and watch.lrs[3] > 3 * watch.lrs[2]
