@@ -252,6 +252,13 @@ def _multiplier_fn(scheduler: object) -> Callable[[int], float] | None:
     if isinstance(scheduler, LambdaLR):
         fn = scheduler.lr_lambdas[0]
         return lambda step: float(fn(step))
+    get_lr = getattr(scheduler, "_get_lr", None)
+    base_values = getattr(scheduler, "base_values", None)
+    if callable(get_lr) and isinstance(base_values, (list, tuple)) and base_values and base_values[0]:
+        # a timm scheduler (timm/scheduler/scheduler.py): _get_lr(t) gives each group's LR at t (a step count when
+        # stepped with step_update and t_in_epochs=False, an epoch count otherwise), without stepping
+        first = float(base_values[0])
+        return lambda step: float(get_lr(step)[0]) / first
     if isinstance(scheduler, CosineAnnealingLR):
         base = float(scheduler.base_lrs[0])
         floor = float(scheduler.eta_min) / base if base else 0.0
@@ -299,7 +306,8 @@ def multipliers_between(scheduler: object, start: int, end: int) -> tuple[float,
     ``start`` and ``end`` (``0 <= start < end``) when the schedule still changes between them, else None.
 
     Read without stepping: a ``LambdaLR``'s lambda called at both steps (a schedule on a technique's progress ignores
-    the step and gives one value); ``CosineAnnealingLR``, ``LinearLR`` and ``PolynomialLR`` from their closed forms; a
+    the step and gives one value); a timm scheduler's ``_get_lr(t)``; ``CosineAnnealingLR``, ``LinearLR`` and
+    ``PolynomialLR`` from their closed forms; a
     ``SequentialLR`` of these (e.g. a linear warmup then a cosine) through the child in charge at each step; a
     ``ChainedScheduler`` as the product of its members' multipliers when they scale the LR by ratios (``LinearLR``,
     ``PolynomialLR``, ``CosineAnnealingLR`` with ``eta_min=0``; not a ``LambdaLR``, which resets the LR). None for

@@ -1544,7 +1544,13 @@ class InfoBatchCallback(Callback):
                 "lr_schedules.progress_lambda(optimizer, fn, progress) with your multiplier fn of progress in [0, 1], "
                 "or warmup_cosine(optimizer, progress=progress, warmup_fraction=f, min_lr_ratio=0) for a cosine to 0 "
                 "after your warmup's fraction f of the run (0: none); "
-                "or step it every epoch (interval='epoch'). See the LR schedules section of the InfoBatch README"
+                + (
+                    "for a timm scheduler, step it on that progress in lr_scheduler_step (scheduler.step_update("
+                    "num_updates=round(progress() * scheduler.t_initial))); "
+                    if callable(getattr(config.scheduler, "step_update", None))
+                    else ""
+                )
+                + "or step it every epoch (interval='epoch'). See the LR schedules section of the InfoBatch README"
             )
 
     @override

@@ -960,3 +960,31 @@ def test_saved_samples_under_limit_train_batches_are_the_samples_not_trained(tmp
     assert s["infobatch/saved_samples"] == s["baseline_samples"] - s["samples"]
     if limit == 2:  # 2 batches of 8 whatever the plan
         assert s["infobatch/saved_samples"] == 0 and s["samples"] == 4 * 16
+
+
+class TimmCosine(ProgressLR):
+    """The timm recipe: ``CosineLRScheduler(t_initial=estimated_stepping_batches)`` stepped in lr_scheduler_step."""
+
+    def configure_optimizers(self):
+        from timm.scheduler import CosineLRScheduler
+
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        sched = CosineLRScheduler(opt, t_initial=self.trainer.estimated_stepping_batches, lr_min=0.0, t_in_epochs=False)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler, metric):
+        scheduler.step_update(num_updates=self.global_step)
+
+
+def test_a_timm_schedule_sized_with_estimated_stepping_batches_warns_too(tmp_path):
+    """torch's cosine was warned of, timm's not: the run ended with the LR at 4-11% of its peak (qa37-user 05)."""
+    module = TimmCosine()
+    with pytest.warns(
+        UserWarning,
+        match=r"scheduler CosineLRScheduler still changes after the about 18 .*near "
+        r"0\.0245 instead of 0.*scheduler\.step_update\(num_updates=round\(progress\(\)",
+    ):
+        make_trainer(tmp_path, [InfoBatchCallback(prune_ratio=0.7, delta=0.75)], max_epochs=4).fit(
+            module, datamodule=ib_data()
+        )
+    assert module.trainer.global_step < 20 and module.lrs[-1] > 1e-3
