@@ -149,9 +149,10 @@ def parse_deepspeed_config(ds_config: Any, **overrides: Any) -> dict[str, Any] |
         overrides: other :class:`~lightning_effi.RandomLTDCallback` arguments (``adapter``, ``accounting``,
             ``rounding``, ``seed``, ...). ``rounding`` defaults to ``"clamped"`` (never below ``min_value``,
             ``max_value`` from ``require_steps`` on); DeepSpeed's own arithmetic is ``rounding="deepspeed"``. The two
-            differ where ``min_value`` or ``max_value`` is not a multiple of ``seq_per_step`` (then a warning says so)
-            and, by one ``seq_per_step`` at rare steps, where DeepSpeed's float64 product lands just below a whole
-            number that ``"clamped"`` computes exactly (:func:`~lightning_effi.random_ltd.functional.ltd_value`).
+            differ where ``min_value`` or ``max_value`` is not a multiple of ``seq_per_step`` and, by one
+            ``seq_per_step`` at rare steps, where DeepSpeed's float64 product lands just below a whole number that
+            ``"clamped"`` computes exactly (:func:`~lightning_effi.random_ltd.functional.ltd_value`); a warning names
+            the steps.
 
     Returns:
         ``{"layer_ids", "min_value", "max_value", "require_steps", "seq_per_step", **overrides}``, or ``None`` when
@@ -242,26 +243,37 @@ def parse_deepspeed_config(ds_config: Any, **overrides: Any) -> dict[str, Any] |
 
 
 def _warn_rounding(values: Mapping[str, Any]) -> None:
-    """Warn where the default ``rounding="clamped"`` trains another schedule than DeepSpeed's arithmetic."""
+    """Warn where the default ``rounding="clamped"`` trains another reserved length than DeepSpeed's arithmetic: at
+    the first and the last step when ``min_value`` / ``max_value`` is not a multiple of ``seq_per_step``, and at any
+    step of the growth where DeepSpeed's float64 product lands below the exact one (every step compared, numpy)."""
+    import numpy as np
+
     from lightning_effi.random_ltd.functional import ltd_value
 
     lo, hi, steps, q = (values[k] for k in ("min_value", "max_value", "require_steps", "seq_per_step"))
     try:
-        differ = [
-            s for s in (0, steps) if ltd_value(s, lo, hi, steps, q) != ltd_value(s, lo, hi, steps, q, "deepspeed")
-        ]
+        ends = [s for s in (0, steps) if ltd_value(s, lo, hi, steps, q) != ltd_value(s, lo, hi, steps, q, "deepspeed")]
     except ValueError:  # invalid values: RandomLTDCallback names them
         return
-    if differ:
-        said = ", ".join(
-            f"step {s}: {ltd_value(s, lo, hi, steps, q)} (DeepSpeed: {ltd_value(s, lo, hi, steps, q, 'deepspeed')})"
-            for s in differ
+    t = np.arange(1, steps, dtype=np.int64)  # the growth's inner steps, both formulas as ltd_value computes them
+    exact = (t * (hi - lo)) // steps + lo
+    floated = np.floor(t.astype(np.float64) / steps * (hi - lo) + lo).astype(np.int64)
+    inner = t[(exact - exact % q) != (floated - floated % q)]
+    said = [
+        f"step {s}: {ltd_value(s, lo, hi, steps, q)} (DeepSpeed: {ltd_value(s, lo, hi, steps, q, 'deepspeed')})"
+        for s in sorted({*ends, *(int(x) for x in inner[:3])})
+    ]
+    if said:
+        why = (
+            f"min_value {lo} / max_value {hi} is not a multiple of seq_per_step {q}"
+            if ends
+            else "DeepSpeed computes the schedule in float64, which lands one seq_per_step lower at some steps"
         )
+        more = f", and {len(inner) - 3} more steps" if len(inner) > 3 else ""
         warnings.warn(
-            f"parse_deepspeed_config: min_value {lo} / max_value {hi} is not a multiple of seq_per_step {q}, so "
-            f"lightning_effi's default rounding='clamped' trains another reserved length than DeepSpeed ({said}); "
-            "pass rounding='deepspeed' to train DeepSpeed's schedule, or rounding='clamped' to keep this one and "
-            "silence this warning",
+            f"parse_deepspeed_config: {why}, so lightning_effi's default rounding='clamped' trains another reserved "
+            f"length than DeepSpeed ({', '.join(said)}{more}); pass rounding='deepspeed' to train DeepSpeed's "
+            "schedule, or rounding='clamped' to keep this one and silence this warning",
             UserWarning,
             stacklevel=3,
         )

@@ -208,8 +208,24 @@ def test_dynamic_batching_is_named_by_either_parser():
 
 
 def test_the_default_rounding_can_differ_from_deepspeeds_float_at_a_rare_step():
-    """The card says so (qa36-break 08): all values multiples of seq_per_step, the products exact in clamped."""
+    """All values multiples of seq_per_step, the products exact in clamped and float64 in DeepSpeed: they differ at
+    step 226, which the parse now names (qa36-break 08); the reference GPT-3 schedule has no such step."""
     assert F.ltd_value(226, 173, 773, 400, 1) == 512 and F.ltd_value(226, 173, 773, 400, 1, "deepspeed") == 511
+    rare = edited(
+        random_ltd_schedule={
+            "min_value": 173,
+            "max_value": 773,
+            "schedule_config": {"require_steps": 400, "seq_per_step": 1},
+        },
+        model_mask_name=None,
+        model_type=None,
+        hidden_state_order=None,
+    )
+    with pytest.warns(UserWarning, match=r"float64, .*\(step 226: 512 \(DeepSpeed: 511\)"):
+        parse_deepspeed_config(rare)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_deepspeed_config(edited(model_mask_name=None, model_type=None, hidden_state_order=None))
 
 
 def test_layer_ids_as_deepspeed_reads_them():
