@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_effi.core.checks import check_bool, check_choice, check_int, check_non_decreasing, plain
+from lightning_effi.core.checks import check_bool, check_choice, check_int, check_non_decreasing, plain, plain_config
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.schedules import ROUNDING_MODES, CurriculumSchedule, ScheduleConfigError, reach_step
 
@@ -597,15 +597,8 @@ def parse_deepspeed_config(
             as in Megatron-DeepSpeed's GPT and BERT scripts, which write ``"dummy"``); the default rounding trains
             another schedule than DeepSpeed's (above).
     """
-    if isinstance(ds_config, (str, os.PathLike)):  # a DeepSpeed JSON file (the Hydra app passes a path)
-        try:
-            with open(ds_config, encoding="utf-8") as f:
-                ds_config = json.load(f)
-        except (OSError, ValueError) as err:
-            raise CurriculumConfigError(
-                f"parse_deepspeed_config: cannot read the DeepSpeed config {str(ds_config)!r}: {err}"
-            ) from None
-    ds_config = copy.deepcopy(to_plain(ds_config))
+    # a DeepSpeed JSON file's path (the Hydra app passes one) is read first
+    ds_config = copy.deepcopy(plain_config(ds_config, "parse_deepspeed_config", error=CurriculumConfigError))
     if not isinstance(ds_config, Mapping):
         raise CurriculumConfigError(
             f"parse_deepspeed_config: expected a DeepSpeed config dict, got {type(ds_config).__name__}"

@@ -20,13 +20,11 @@ DeepSpeed key                                          lightning_effi
 from __future__ import annotations
 
 import copy
-import json
-import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_effi.core.checks import check_bool, check_int, plain
+from lightning_effi.core.checks import check_bool, check_int, plain_config
 
 __all__ = ["parse_deepspeed_config"]
 
@@ -60,15 +58,7 @@ def _block(ds_config: Any) -> tuple[Mapping[str, Any], list[str]]:
     Raises:
         ValueError: a ``data_routing`` block beside a whole config's engine keys (misplaced: DeepSpeed ignores it).
     """
-    if isinstance(ds_config, (str, os.PathLike)):
-        try:
-            with open(ds_config, encoding="utf-8") as f:
-                ds_config = json.load(f)
-        except (OSError, ValueError) as err:
-            raise ValueError(
-                f"parse_deepspeed_config: cannot read the DeepSpeed config {str(ds_config)!r}: {err}"
-            ) from None
-    ds_config = plain(ds_config)
+    ds_config = plain_config(ds_config, "parse_deepspeed_config")
     if not isinstance(ds_config, Mapping):
         raise ValueError(f"parse_deepspeed_config: expected a DeepSpeed config dict, got {type(ds_config).__name__}")
 
