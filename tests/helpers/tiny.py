@@ -194,3 +194,28 @@ class HandImageLinear(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class TimmViTWithEma(pl.LightningModule):
+    """A timm recipe as users write it: a ViT (16 x 16 images, patches of 4, 4 blocks of width 16) as ``self.net`` and
+    timm's ``ModelEmaV3`` of it (its copy trainable, in eval mode), updated after every batch; ``(x, y)`` batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import timm
+        from timm.utils import ModelEmaV3
+
+        self.net = timm.create_model(
+            "vit_tiny_patch16_224", img_size=16, patch_size=4, depth=4, embed_dim=16, num_heads=2, num_classes=3
+        )
+        self.ema = ModelEmaV3(self.net, decay=0.9)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ema.update(self.net, step=self.global_step)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net.parameters(), lr=0.01)

@@ -25,7 +25,7 @@ from lightning_effi.models.generic import TorchTransformerAdapter
 from lightning_effi.random_ltd import LTDController, convert, is_converted, restore
 from lightning_effi.random_ltd import functional as F
 from tests.helpers.harness import assert_resume_equals_uninterrupted, make_trainer
-from tests.helpers.tiny import TinyDataModule, TokenBlocks
+from tests.helpers.tiny import TimmViTWithEma, TinyDataModule, TokenBlocks
 
 VOCAB = 40
 
@@ -1318,30 +1318,6 @@ def test_a_resumed_fit_still_compares_the_configuration(tmp_path):
         trainer.fit(EvalGPT(), eval_data(), ckpt_path=tmp_path / "ckpts" / "step=2.ckpt")
 
 
-class TimmWithEma(pl.LightningModule):
-    """A timm recipe: the ViT as ``self.net`` and timm's ``ModelEmaV3`` of it (its copy trainable, in eval mode)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        import timm
-        from timm.utils import ModelEmaV3
-
-        self.net = timm.create_model(
-            "vit_tiny_patch16_224", img_size=16, patch_size=4, depth=4, embed_dim=16, num_heads=2, num_classes=3
-        )
-        self.ema = ModelEmaV3(self.net, decay=0.9)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return TF.cross_entropy(self.net(x), y)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.ema.update(self.net, step=self.global_step)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.net.parameters(), lr=0.01)
-
-
 def test_an_ema_copy_is_told_apart_and_a_network_that_never_runs_warns(tmp_path):
     """timm's EMA copy stays trainable: the refusal's example named it, and following it trained with no token dropped
     and no warning (qa37-user 02). The example is the network in training mode; patched layers that never run warn."""
@@ -1350,7 +1326,7 @@ def test_an_ema_copy_is_told_apart_and_a_network_that_never_runs_warns(tmp_path)
     def fit(**kw):
         callback = RandomLTDCallback(min_value=5, seq_per_step=1, **kw)
         make_trainer(tmp_path, [callback], max_steps=2, max_epochs=-1).fit(
-            TimmWithEma(), torch.utils.data.DataLoader(data, batch_size=8)
+            TimmViTWithEma(), torch.utils.data.DataLoader(data, batch_size=8)
         )
         return callback
 

@@ -31,7 +31,7 @@ from lightning_effi.vcycle.checks import check_state, optimizer_mismatch, user_h
 from lightning_effi.vcycle.levels import LevelStack, NonFiniteWeightsError
 from lightning_effi.vcycle.stages import stage_plan
 from tests.helpers.harness import MetricsCapture, assert_resume_equals_uninterrupted, make_trainer
-from tests.helpers.tiny import TINY_GPT2, sgd, tiny_gpt2, tiny_lm_data
+from tests.helpers.tiny import TINY_GPT2, TimmViTWithEma, sgd, tiny_gpt2, tiny_lm_data
 from tests.vcycle import models as M
 
 
@@ -858,30 +858,6 @@ def test_a_hook_on_the_network_that_coarse_levels_drop_is_warned_at_setup(tmp_pa
         assert "(transformer.h.0: forward hook test_a_hook_on" in found[0] and "levels >= 2" in found[0]
 
 
-class WithEma(pl.LightningModule):
-    """A timm recipe: the ViT as ``self.net`` and timm's ``ModelEmaV3`` of it, updated after every batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        import timm
-        from timm.utils import ModelEmaV3
-
-        self.net = timm.create_model(
-            "vit_tiny_patch16_224", img_size=16, patch_size=8, depth=4, embed_dim=16, num_heads=2, num_classes=3
-        )
-        self.ema = ModelEmaV3(self.net, decay=0.9)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.ema.update(self.net, step=self.global_step)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.net.parameters(), lr=0.01)
-
-
 def test_an_ema_copy_in_the_module_is_named_at_setup_and_in_the_shape_error(tmp_path):
     """The EMA's update failed at the first level change with torch's bare shape error, nothing naming the V-cycle or
     the EMA (qa37-user 03). A second network of the same class may be a legitimate tower or a frozen teacher, so it
@@ -890,5 +866,5 @@ def test_an_ema_copy_in_the_module_is_named_at_setup_and_in_the_shape_error(tmp_
     trainer = make_trainer(tmp_path, [VCycleCallback(e_a=2, e_small=2, width_scheme=None)], max_steps=6, max_epochs=-1)
     with pytest.warns(UserWarning, match=r"holds another VisionTransformer beside pl_module.net: ema.module"):
         with pytest.raises(RuntimeError) as caught:
-            trainer.fit(WithEma(), torch.utils.data.DataLoader(data, batch_size=8))
+            trainer.fit(TimmViTWithEma(), torch.utils.data.DataLoader(data, batch_size=8))
     assert any("ema.module kept the full network's shapes" in n for n in getattr(caught.value, "__notes__", []))
