@@ -24,7 +24,6 @@ __all__ = [
     "is_int",
     "is_real",
     "plain",
-    "plain_config",
 ]
 
 T = TypeVar("T")
@@ -185,22 +184,3 @@ def plain(x: Any) -> Any:
     if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
         return [plain(v) for v in x]
     return x
-
-
-def plain_config(config: Any, owner: str, *, error: type[Exception] = ValueError) -> Any:
-    """``config`` as plain dicts and lists (:func:`plain`); a ``str`` or ``os.PathLike`` is the path of a JSON file,
-    read first (a DeepSpeed config file).
-
-    Raises:
-        error: the file cannot be read or is not JSON, naming ``owner`` and the path.
-    """
-    import json
-    import os
-
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as err:
-            raise error(f"{owner}: cannot read the config file {str(config)!r}: {err}") from None
-    return plain(config)

@@ -7,9 +7,13 @@ of every technique) or warns and continues (``strict=False``).
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
+
+from lightning_effi.core.checks import plain
 
 __all__ = ["check_coarse_vcycle_resume", "config_mismatch", "other_state_keys", "settings_diff"]
 
@@ -88,3 +92,19 @@ def check_coarse_vcycle_resume(owner: str, trainer: Any, checkpoint: Mapping[str
                     "(same levels and settings), or start a new fit from its weights (load its state_dict into the "
                     "model and fit without ckpt_path)"
                 )
+
+
+def plain_config(config: Any, owner: str, *, error: type[Exception] = ValueError) -> Any:
+    """``config`` as plain dicts and lists (:func:`~lightning_effi.core.checks.plain`); a ``str`` or
+    ``os.PathLike`` is the path of a JSON file, read first (a DeepSpeed config file).
+
+    Raises:
+        error: the file cannot be read or is not JSON, naming ``owner`` and the path.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as err:
+            raise error(f"{owner}: cannot read the config file {str(config)!r}: {err}") from None
+    return plain(config)

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_effi.core.checks import check_bool, check_choice, check_int, check_non_decreasing, plain, plain_config
+from lightning_effi.core.checks import check_bool, check_choice, check_int, check_non_decreasing, plain
+from lightning_effi.core.state import plain_config
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.schedules import ROUNDING_MODES, CurriculumSchedule, ScheduleConfigError, reach_step
 

@@ -24,7 +24,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_effi.core.checks import check_bool, check_int, plain_config
+from lightning_effi.core.checks import check_bool, check_int
+from lightning_effi.core.state import plain_config
 
 __all__ = ["parse_deepspeed_config"]
 
