@@ -32,7 +32,13 @@ from lightning_effi.core.checks import check_bool, check_choice, check_int, chec
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.report.frontier import infer_mode
 from lightning_effi.report.load import SCHEMA
-from lightning_effi.report.record import TECHNIQUE_HOOKS, make_record, save_record, scalar_metrics
+from lightning_effi.report.record import (
+    TECHNIQUE_HOOKS,
+    make_record,
+    save_record,
+    scalar_metrics,
+    technique_settings,
+)
 from lightning_effi.utils.instantiate import (
     ConfigError,
     check_budget,
@@ -208,17 +214,27 @@ def techniques_of(callbacks_cfg: Any, callbacks: Sequence[object] = ()) -> dict[
 
     A node's class is its ``_target_`` (a class, a classmethod factory, a function annotated to return a class), or,
     for a factory that says nothing of what it builds, the class of the callback among ``callbacks`` (the Trainer's)
-    that :func:`~lightning_effi.utils.instantiate.instantiate_callbacks` built from it."""
+    that :func:`~lightning_effi.utils.instantiate.instantiate_callbacks` built from it.
+
+    A node whose ``_target_`` is a factory also records, under ``"built"``, the settings of the callback it built
+    (:func:`~lightning_effi.report.record.technique_settings`): the node alone may name only a file
+    (``parse_deepspeed_config(<path>)``), and two sweeps made by editing that file would read as one arm."""
     out: dict[str, dict[str, Any]] = {}
     if not callbacks_cfg:
         return out
-    built = {key: type(c) for c in callbacks if (key := config_key(c)) is not None}
+    built = {key: c for c in callbacks if (key := config_key(c)) is not None}
     for key, node in callbacks_cfg.items():
         if not isinstance(node, DictConfig) or "_target_" not in node:
             continue
-        cls = _target_class(str(node._target_)) or built.get(str(key))
-        if cls is not None and _is_technique(cls):
-            out[technique_name(cls)] = OmegaConf.to_container(node, resolve=True)  # type: ignore[assignment]
+        target = _target_object(str(node._target_))
+        instance = built.get(str(key))
+        cls = _target_class(target) or (type(instance) if instance is not None else None)
+        if cls is None or not _is_technique(cls):
+            continue
+        settings: dict[str, Any] = OmegaConf.to_container(node, resolve=True)  # type: ignore[assignment]
+        if not isinstance(target, type) and instance is not None and isinstance(instance, cls):
+            settings["built"] = technique_settings(instance)
+        out[technique_name(cls)] = settings
     return out
 
 
@@ -226,13 +242,19 @@ def _is_technique(cls: type) -> bool:
     return not issubclass(cls, EfficiencyMonitor) and any(hasattr(cls, h) for h in TECHNIQUE_HOOKS)
 
 
-def _target_class(target: str) -> type | None:
-    """The class a ``_target_`` builds: the class itself, the class of a classmethod factory
+def _target_object(target: str) -> object:
+    """The object a ``_target_`` names (None where it does not import)."""
+    try:
+        return get_object(target)  # instantiation already succeeded, so the target exists
+    except Exception:
+        return None
+
+
+def _target_class(obj: object) -> type | None:
+    """The class a ``_target_``'s object builds: the class itself, the class of a classmethod factory
     (``lightning_effi.Curriculum.from_config``), or the class a function's return annotation names; None otherwise.
     """
-    try:
-        obj = get_object(target)  # instantiation already succeeded, so the target exists
-    except Exception:
+    if obj is None:
         return None
     if isinstance(obj, type):
         return obj

@@ -50,16 +50,21 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
+def technique_settings(callback: object) -> dict[str, Any]:
+    """A technique callback's resolved settings as plain JSON values: its ``effi_settings()`` (the curriculum, whose
+    ``config`` is its parsed configuration) or ``config()``; ``{}`` when it has neither."""
+    read = getattr(callback, "effi_settings", None)
+    read = read if callable(read) else getattr(callback, "config", None)
+    settings = read() if callable(read) else {}
+    return json.loads(json.dumps(json_safe(dict(settings)), default=str))  # type: ignore[no-any-return]
+
+
 def _techniques(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, EfficiencyMonitor) or not any(hasattr(callback, h) for h in TECHNIQUE_HOOKS):
             continue
-        # ``effi_settings()`` (the curriculum, whose ``config`` is its parsed configuration) or ``config()``
-        read = getattr(callback, "effi_settings", None)
-        read = read if callable(read) else getattr(callback, "config", None)
-        settings = read() if callable(read) else {}
-        out[technique_name(callback)] = json.loads(json.dumps(json_safe(dict(settings)), default=str))
+        out[technique_name(callback)] = technique_settings(callback)
     return out
 
 

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from lightning_effi import Curriculum, EfficiencyMonitor, InfoBatchCallback, RandomLTDCallback, VCycleCallback
 from lightning_effi.core import accounting
 from lightning_effi.core.accounting import schedule_states
+from lightning_effi.report import build_report, load_runs
 from lightning_effi.train import check_objective, objective, run, techniques_of
 from lightning_effi.utils.instantiate import ConfigError
 from tests.helpers.harness import make_trainer
@@ -324,13 +325,29 @@ def test_a_deepspeed_json_through_the_hydra_app(tmp_path):
         f"    ds_config: {tmp_path / 'ds_config.json'}\n    rounding: deepspeed\n"
     )
     overrides = ["callbacks=ds_curriculum", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"]
-    run(compose_train(overrides, tmp_path / "run"))
-    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    run(compose_train(overrides, tmp_path / "sweep" / "0"))
+    saved = json.loads((tmp_path / "sweep" / "0" / "result.json").read_text())
     assert saved["arm"] == "curriculum"
     assert saved["techniques"]["curriculum"]["config"]["ds_config"] == str(tmp_path / "ds_config.json")
     # DeepSpeed's schedule, 8 + 56 s / 4 rounded down to a multiple of 8, and batches truncated to it
     assert [p["curriculum/difficulty"] for p in saved["schedule"]] == [16, 32, 48]
     assert [p["tokens"] for p in saved["schedule"]] == [16 * 16, 16 * (16 + 32), 16 * (16 + 32 + 48)]
+    # the record also holds the schedule the file gave (the path alone named it, qa36-break): a second sweep made by
+    # editing the file is another arm to the report, not a second seed of the first
+    built = saved["techniques"]["curriculum"]["built"]["metrics"]["seqlen_truncate"]
+    assert (built["min_difficulty"], built["max_difficulty"], built["schedule_config"]["total_curriculum_step"]) == (
+        8,
+        64,
+        4,
+    )
+    metric["max_difficulty"] = 32
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds))
+    run(compose_train(overrides, tmp_path / "sweep" / "1"))
+    arms = {r["arm"] for r in build_report(load_runs([tmp_path / "sweep"])).rows}
+    assert arms == {
+        "curriculum[curriculum.built.metrics.seqlen_truncate.max_difficulty=32]",
+        "curriculum[curriculum.built.metrics.seqlen_truncate.max_difficulty=64]",
+    }
 
 
 def make_random_ltd(**kwargs):  # a user's factory that says nothing of what it builds
@@ -349,4 +366,5 @@ def test_a_factory_without_a_return_annotation_is_recorded_with_its_settings(tmp
     ]
     saved = run(compose_train(overrides, tmp_path))
     assert saved["arm"] == "random_ltd" and saved["techniques"]["random_ltd"]["min_value"] == 32
+    assert saved["techniques"]["random_ltd"]["built"]["min_value"] == 32  # the settings of the callback it built
     assert "resumed_without" not in saved["techniques"]["random_ltd"]
