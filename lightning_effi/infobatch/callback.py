@@ -1918,16 +1918,31 @@ class InfoBatchCallback(Callback):
     def _extends_finished(
         self, saved: Mapping[str, Any], diff: Mapping[str, Any], epoch: int | None, step: int | None
     ) -> bool:
-        """A longer run resumed from a checkpoint written once the pruning had ended (the README's "to extend a
-        finished run raise ``trainer.max_epochs``"): the run length is the only difference, and the checkpoint is in
-        or past its annealing epochs (``epoch >= floor(delta * num_epochs)``; with the curriculum, past its last
-        thinned step). The checkpoint's schedule is kept, so every further epoch trains the full data, and this is
-        announced. False otherwise (the difference is then refused, or warned about under ``strict=False``)."""
+        """A run resumed with another length (``num_epochs``, the only difference) whose epochs so far are those a
+        run of that length trains, announced; False otherwise (the difference is then refused, or warned about under
+        ``strict=False``):
+
+        - the checkpoint is in or past its annealing epochs (``epoch >= floor(delta * num_epochs)``; with the
+          curriculum, past its last thinned step), and the run is longer (the README's "to extend a finished run
+          raise ``trainer.max_epochs``"): the checkpoint's schedule is kept, so every further epoch trains the full
+          data (planning it again would prune epochs after the annealing);
+        - the checkpoint's epoch is pruned under both lengths (``epoch < floor(delta * E)`` for the old and the new
+          ``E``): the pruning of an epoch does not depend on ``E``, only where the annealing starts, so the resumed
+          run is the run of the new length, which anneals from its own ``floor(delta * E)``.
+        """
         name = type(self).__name__
         if set(diff) == {"num_epochs"} and epoch is not None and is_int(saved["num_epochs"]):
             stop = ib.epoch_stop(int(saved["num_epochs"]), self.delta)
             if epoch < stop:
-                return False
+                new_stop = ib.epoch_stop(self.epochs, self.delta)
+                if epoch >= new_stop:
+                    return False  # the checkpoint's pruned epoch would be an annealing epoch of the new length
+                rank_zero_info(
+                    f"{name}: the checkpoint's run ({saved['num_epochs']} epochs) was still pruning (epoch {epoch}, "
+                    f"annealing from epoch {stop}); its epochs so far are those of a run of {self.epochs} epochs, "
+                    f"which this run now is: it prunes until epoch {new_stop} and anneals from there"
+                )
+                return True
             rank_zero_info(
                 f"{name}: the checkpoint's run ({saved['num_epochs']} epochs) had ended its pruning (annealing from "
                 f"epoch {stop}, the checkpoint's epoch {epoch}); this longer run keeps that schedule, so every further "

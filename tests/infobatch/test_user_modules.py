@@ -18,6 +18,7 @@ import math
 import warnings
 from collections import namedtuple
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -1214,18 +1215,20 @@ def test_infobatch_added_on_resume_or_to_a_trained_trainer_is_refused(tmp_path):
 
 
 def test_a_resumed_fit_still_refuses_other_settings(tmp_path, infobatch_run):
-    """``fit(ckpt_path=...)`` keeps its checks: another run length (same state key) and other identity
-    arguments (another state key) are refused; the same settings resume."""
+    """``fit(ckpt_path=...)`` keeps its checks: another run length (same state key) that would anneal the
+    checkpoint's pruned epoch and other identity arguments (another state key) are refused; the same settings
+    resume."""
     _, _, cb, root = infobatch_run
     path = root / "ckpts" / "epoch=0.ckpt"
 
-    def resume(callback: InfoBatchCallback, epochs: int = EPOCHS) -> pl.Trainer:
+    def resume(callback: InfoBatchCallback, epochs: int = EPOCHS, at: Path = path) -> pl.Trainer:
         trainer = make_trainer(tmp_path, [callback], max_epochs=epochs)
-        trainer.fit(EvalViT(), datamodule=InfoBatchDataModule(EvalData()), ckpt_path=path)
+        trainer.fit(EvalViT(), datamodule=InfoBatchDataModule(EvalData()), ckpt_path=at)
         return trainer
 
-    with pytest.raises(ValueError, match=r"other settings \(checkpoint, now\): \{'num_epochs': \(3, 4\)\}"):
-        resume(InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0), epochs=4)
+    # epoch 1 prunes in the 3-epoch run (annealing from 2); a 2-epoch run anneals from floor(0.875 * 2) = 1
+    with pytest.raises(ValueError, match=r"other settings \(checkpoint, now\): \{'num_epochs': \(3, 2\)\}"):
+        resume(InfoBatchCallback(prune_ratio=0.5, delta=0.875, seed=0), epochs=2, at=root / "ckpts" / "epoch=1.ckpt")
     with pytest.raises(ValueError, match=r"written with other settings \(InfoBatchCallback\{") as err:
         resume(InfoBatchCallback(prune_ratio=0.3, delta=0.875, seed=0))
     assert str(err.value).endswith("pass strict=False to resume its scores and plan with this configuration")

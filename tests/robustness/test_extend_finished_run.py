@@ -9,6 +9,7 @@ import logging
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_effi.callbacks import Curriculum, InfoBatchCallback, RandomLTDCallback, VCycleCallback
@@ -198,3 +199,25 @@ def test_infobatchs_saving_counts_the_full_epochs_after_its_schedule(tmp_path, h
     saved = summary["infobatch/saved_samples"]
     assert saved > 0 and summary["infobatch/saved_fraction"] == pytest.approx(saved / (6 * 48))
     assert summary["infobatch/saved_fraction"] == pytest.approx(summary["saved/infobatch/samples_frac"])
+
+
+def test_an_infobatch_run_still_pruning_resumed_longer_is_the_longer_run(tmp_path, caplog):
+    """A checkpoint of an epoch that both lengths prune (epoch 0: 3 epochs anneal from floor(0.67 * 3) = 2, 6 from 4)
+    was refused as another num_epochs, and strict=False was the only remedy; an epoch's pruning does not depend on the
+    run's length, so the resumed run is the 6-epoch run from the start (qa36-break note). A shorter run that would
+    anneal the checkpoint's pruned epoch (epoch 1 of a 2-epoch run, annealing from 1) is still refused."""
+    make, data = CASES["infobatch"][0], CASES["infobatch"][1]
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    fit(tmp_path / "a", make, data, {"max_epochs": 3, "max_steps": -1}, extra=(every,))
+    with caplog.at_level(logging.INFO):
+        longer, tail = fit(tmp_path / "b", make, data, {"max_epochs": 6}, ckpt=str(tmp_path / "ckpt/epoch=0.ckpt"))
+    assert "its epochs so far are those of a run of 6 epochs" in caplog.text
+    whole, rows = fit(tmp_path / "c", make, data, {"max_epochs": 6})
+    assert tail == [r for r in rows if r[0] > 0]  # epochs 1-5: the same samples in the same batches
+    per_epoch = [sum(r[1] for r in rows if r[0] == e) for e in range(6)]
+    # epoch 0 scores every sample; 1-3 pruned (the 3-epoch run annealed from epoch 2); 4-5 anneal
+    assert per_epoch[0] == 48 and all(n < 48 for n in per_epoch[1:4]) and per_epoch[4:] == [48, 48]
+    for a, b in zip(longer.lightning_module.parameters(), whole.lightning_module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"other settings \(checkpoint, now\): \{'num_epochs': \(3, 2\)\}"):
+        fit(tmp_path / "d", make, data, {"max_epochs": 2}, ckpt=str(tmp_path / "ckpt/epoch=1.ckpt"))
