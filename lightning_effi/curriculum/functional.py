@@ -505,9 +505,11 @@ def describe_batch(batch: Any) -> str:
 
 
 def _take(v: Tensor, axis: int, window: slice, index: Tensor | None) -> Tensor:
-    """``v`` cut on ``axis`` to ``window`` (a view), or to each row's columns ``index`` (``[B, L]``, a copy)."""
+    """``v`` cut on ``axis`` to ``window``, or to each row's columns ``index`` (``[B, L]``): a contiguous copy either
+    way (a narrowed view of ``[B, T]`` is not contiguous, and a model's own ``labels.view(-1)``, as in Hugging Face's
+    ``BertForMaskedLM`` loss, would fail on it)."""
     if index is None:
-        return v.narrow(axis, window.start, window.stop - window.start)
+        return v.narrow(axis, window.start, window.stop - window.start).contiguous()
     moved = v.movedim(axis, 1)
     rows = torch.arange(v.shape[0], device=v.device)[:, None]
     return moved[rows, index.to(v.device)].movedim(1, axis)
@@ -560,7 +562,8 @@ def truncate(
     on its sequence axes (:func:`cut_axes`: axis 1 of ``[B, T, ...]``, both axes of a pairwise ``[B, T, T, ...]``,
     the last axis (two for ``[.., T, T]``) of a mask ``[B, 1, 1, T]`` / ``[B, 1, T, T]``), ``L = d + 1`` with
     ``causal_label_shift`` (Megatron GPT: a sample holds ``seq_length + 1`` tokens, the extra one being the shifted
-    label) else ``L = d``. Nothing changes when ``L >= T``. Other tensors (labels ``[B]``, images) and leaves are kept
+    label) else ``L = d``. Nothing changes when ``L >= T``. The cut tensors are contiguous copies (a model's own
+    ``labels.view(-1)`` works on them). Other tensors (labels ``[B]``, images) and leaves are kept
     as they are. Tensors must be batch-first (``[B, T]``): pass ``batch_size`` to have a sequence-first ``[T, B]``
     batch refused (:func:`check_batch_first`).
 
@@ -568,7 +571,7 @@ def truncate(
     ``attention_mask``, ``*padding_mask*`` (True = padding) or ``*mask*``, bool, 0/1 or additive float (0 = real,
     negative = masked), or an unnamed mask entry of a tuple batch; without one every position is real):
 
-    - **right padding or none** (default): the first ``L`` columns (views of the input).
+    - **right padding or none** (default): the first ``L`` columns.
     - **left padding**, detected from the mask: every row's real tokens end at the last column and some row starts
       with padding. The last ``L`` columns are kept: every row keeps its last ``min(n_b, L)`` real tokens, so no row
       loses all of them. Without a mask in the batch left padding cannot be seen.
@@ -576,8 +579,8 @@ def truncate(
       ``composer/algorithms/seq_length_warmup``): a row whose last real token (its ``[SEP]`` / EOS, at column
       ``n_b - 1``) lies beyond the cut keeps its first ``L - 1`` columns followed by column ``n_b - 1``; shorter rows
       are cut as by default. So in every row the last real token of the cut row is the last real token of the
-      original row, at column ``min(n_b, L) - 1``. Every cut tensor's columns move the same way (copies, not views).
-      Left-padded batches keep it already.
+      original row, at column ``min(n_b, L) - 1``. Every cut tensor's columns move the same way. Left-padded
+      batches keep it already.
 
     Args:
         batch: the collated batch (any structure); not modified. difficulty: ``d`` in tokens (>= 1).

@@ -71,6 +71,26 @@ def test_a_dict_with_any_names_truncates_every_sequence_tensor():
     assert F.truncate_batch(batch, T)["targets"] is batch["targets"]
 
 
+def test_the_cut_tensors_are_contiguous_for_a_models_own_view():
+    """Hugging Face's ``BertForMaskedLM`` computes its loss with ``labels.view(-1)``: on the cut batch's narrowed
+    views it failed at the first step with torch's "view size is not compatible" (qa38-user 02). The cut tensors are
+    contiguous, and the model's loss on them is its loss on the first 6 columns."""
+    from transformers import BertForMaskedLM
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(
+        BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    ).eval()  # no dropout: the two losses compare exactly
+    ids = torch.randint(5, 40, (B, T))
+    labels = torch.where(torch.rand(B, T) < 0.3, ids, torch.full_like(ids, -100))
+    labels[:, 0] = ids[:, 0]  # a labelled token in every row's cut
+    batch = {"input_ids": ids, "attention_mask": torch.ones(B, T, dtype=torch.long), "labels": labels}
+    out = F.truncate_batch(batch, 6)
+    assert all(v.is_contiguous() and v.shape == (B, 6) for v in out.values())
+    expected = model(**{k: v[:, :6].clone() for k, v in batch.items()}).loss
+    assert torch.equal(model(**out).loss, expected)
+
+
 class Pair(NamedTuple):
     ids: torch.Tensor
     labels: torch.Tensor
