@@ -497,6 +497,26 @@ def slice_trim(tensor: Tensor, source: Tensor) -> tuple[int, ...] | None:
     return trim if offset == 0 else None
 
 
+def copy_of(tensor: Tensor, batch_tensors: Sequence[tuple[Path, Tensor]]) -> Path | None:
+    """The path of the batch tensor ``tensor`` is a copy of: of its shape and, converted to ``tensor``'s dtype and
+    device, of its values (``.contiguous()``, ``.clone()``, ``.long()``, ``.float()`` of a mask, ``.to(device)`` in a
+    ``training_step``), the first such in the batch's order; None when there is none. Its shape on another batch (the
+    curriculum's untruncated one) is then that batch tensor's. Read once per recorded call (the values of a few
+    ``[B, T]`` tensors)."""
+    if tensor.is_meta or tensor.dim() == 0:
+        return None
+    data = tensor.detach()
+    for path, value in batch_tensors:
+        if value.shape != tensor.shape or value.is_meta:
+            continue
+        try:
+            if torch.equal(value.detach().to(device=data.device, dtype=data.dtype), data):
+                return path
+        except (RuntimeError, TypeError):  # a dtype with no conversion (complex to bool, ...)
+            continue
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Fields:
     """A dataclass instance or named tuple among the arguments: its class and its described fields."""
@@ -656,7 +676,8 @@ class CallRecord:
                 raise MeasureError(
                     f"an argument of {self.target or 'the LightningModule'} is not a tensor of the batch itself nor a "
                     "slice of one leaving out at most 2 entries per dimension (a tensor computed from the batch, a "
-                    "copy, or a slice to a fixed size), so its shape on a batch of other shapes is unknown"
+                    "copy with other values, or a slice to a fixed size), so its shape on a batch of other shapes is "
+                    "unknown"
                 )
             value = found.get(info.path)
             if value is None:
@@ -840,7 +861,8 @@ class CallRecorder:
         self._refs: list[tuple[TensorInfo, weakref.ref[Tensor]]] = []
         self._handles: list[Any] = []
         self._batch_tensors: list[tuple[Path, Tensor]] = []
-        self._slices: dict[int, tuple[Path, tuple[int, ...]]] = {}  # id(TensorInfo) -> the batch tensor it slices
+        self._slices: dict[int, tuple[Path, tuple[int, ...] | None]] = {}  # id(TensorInfo) -> the batch tensor it
+        # slices (with the entries it leaves out) or copies (None)
 
     @property
     def active(self) -> bool:
@@ -979,6 +1001,8 @@ class CallRecorder:
             slices = [(p, v.shape, t) for p, v in self._batch_tensors if (t := slice_trim(tensor, v)) is not None]
             if slices and all(shape == slices[0][1] and t == slices[0][2] for _, shape, t in slices):
                 self._slices[id(info)] = (slices[0][0], slices[0][2])  # a slice of one batch tensor (or its aliases)
+            elif not slices and (path := copy_of(tensor, self._batch_tensors)) is not None:
+                self._slices[id(info)] = (path, None)  # a copy: the batch tensor's shape on another batch
         if not grad:
             return call
         for path, value in tensor_leaves(output):

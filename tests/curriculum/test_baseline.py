@@ -248,6 +248,31 @@ class CopyingLM(HandLM):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
+class CopiedBatchLM(HandLM):
+    """Feeds a copy of the batch tensor (``.clone()``, ``.contiguous()`` on a view, ``.int()``, ``.to(device)``):
+    as a Hugging Face user's ``self.model(**{k: v.contiguous() for k, v in batch.items()})``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        copy = {"clone": ids.clone(), "int": ids.int(), "to": ids.to("cpu", copy=True)}[self.how]
+        return torch.nn.functional.cross_entropy(self(copy).flatten(0, 1), ids.flatten())
+
+
+@pytest.mark.parametrize("how", ["clone", "int", "to"])
+def test_a_module_feeding_a_copy_of_the_batch_has_its_baseline_counted_at_the_full_length(tmp_path, how):
+    """A copy of a batch tensor (its shape and values) is replayed at that tensor's shape on the untruncated batch:
+    its baseline was the trained FLOPs, with a warning, and the curriculum's FLOPs saving read 0 (0.344 for a
+    direct call, qa38-user 01)."""
+    s, lengths = _fit_hand_lm(tmp_path, CopiedBatchLM(how))
+    trained = sum(3 * 2 * B * n * 16 * 64 for n in lengths)  # the head's matmul, forward and backward
+    assert s["flops"] == trained and s["baseline_flops"] == 6 * 3 * 2 * B * 16 * 16 * 64
+    assert s["saved/curriculum/flops_frac"] == pytest.approx(1 - trained / s["baseline_flops"])
+
+
 class FixedSliceLM(HandLM):
     """Feeds the first 4 columns (``ids[:, :4]``): a slice to a fixed size, the same on the untruncated batch."""
 
