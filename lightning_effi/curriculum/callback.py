@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -125,6 +125,10 @@ class Curriculum(Callback):
             num_epochs 1000). Given without ``metrics`` (the configuration on the ``CurriculumDataModule``) they must
             keep their defaults.
         analysis_batch_size: batch size of the in-memory analysis (metrics with ``analysis: <name>``).
+        analysis_collate_fn: the collate function of the in-memory analysis (a list of samples -> a batch the metric
+            reads); None: the training loader's. It must give the same batch for the same samples: a collate that
+            draws at random (a masked LM's ``DataCollatorForLanguageModeling``) is refused at setup, as it would give
+            each sample a random difficulty; pass e.g. ``DataCollatorWithPadding(tokenizer)`` here.
         total_tokens: the run's token budget. When set, the callback exposes ``effi_progress()`` = consumed tokens
             (including the batch being trained) / ``total_tokens``, which the reference tasks' LR schedules follow
             (token-based LR decay, recommended with ``seqlen_truncate`` by the DeepSpeed tutorial).
@@ -228,6 +232,7 @@ class Curriculum(Callback):
         total_tokens: int | None = None,
         strict: bool = True,
         nonfinite_loss: str = "raise",
+        analysis_collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         super().__init__()
         self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, nonfinite_loss)
@@ -258,6 +263,12 @@ class Curriculum(Callback):
             "Curriculum", "analysis_batch_size", analysis_batch_size, 1, error=CurriculumConfigError
         )
         self.strict = strict
+        if analysis_collate_fn is not None and not callable(analysis_collate_fn):
+            raise CurriculumConfigError(
+                f"Curriculum: analysis_collate_fn must be a callable (a collate function: a list of samples -> a "
+                f"batch) or None (the training loader's), got {analysis_collate_fn!r}"
+            )
+        self.analysis_collate_fn = analysis_collate_fn
         self._batch_in_flight: Any = None  # the training batch between on_train_batch_start and its end
         self.total_tokens: int | None = None
         if total_tokens is not None:
@@ -293,7 +304,7 @@ class Curriculum(Callback):
 
         Args:
             config: a :class:`~lightning_effi.curriculum.CurriculumConfig`. kwargs: the callback's own arguments
-                (``analysis_batch_size``, ``total_tokens``, ``strict``, ``nonfinite_loss``).
+                (``analysis_batch_size``, ``analysis_collate_fn``, ``total_tokens``, ``strict``, ``nonfinite_loss``).
 
         Raises:
             CurriculumConfigError: ``config`` is not a ``CurriculumConfig`` (``parse_deepspeed_config`` returns None
@@ -330,6 +341,7 @@ class Curriculum(Callback):
             total_tokens=self.total_tokens,
             strict=self.strict,
             nonfinite_loss=self.nonfinite_guard.policy,
+            analysis_collate_fn=self.analysis_collate_fn,
         )
         return out
 
@@ -447,7 +459,8 @@ class Curriculum(Callback):
                 continue
             if m.analysis is not None:
                 try:
-                    values = analyze_in_memory(dataset, m.analysis, collate_fn, self.analysis_batch_size)
+                    collate = self.analysis_collate_fn if self.analysis_collate_fn is not None else collate_fn
+                    values = analyze_in_memory(dataset, m.analysis, collate, self.analysis_batch_size)
                 except CurriculumConfigError as err:
                     raise CurriculumConfigError(f"curriculum_metrics.{name}: {err}") from None
                 if len(values) != n:

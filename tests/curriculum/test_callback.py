@@ -305,6 +305,47 @@ def test_in_memory_analysis_import_paths():
     assert values.dtype == np.int64 and values.tolist() == data.data[:, 0].tolist()
 
 
+def masking_collate(samples):
+    """A masked LM's collate (as DataCollatorForLanguageModeling): 15% of the tokens replaced by id 1, at random."""
+    batch = torch.utils.data.default_collate(samples)
+    ids = batch["input_ids"].clone()
+    ids[torch.rand(ids.shape) < 0.15] = 1
+    return {**batch, "input_ids": ids}
+
+
+def test_a_collate_that_draws_at_random_is_refused_for_the_analysis(tmp_path):
+    """The in-memory analysis read the batches of the training loader's collate: with a masked LM's random masking
+    each sample's difficulty was a random draw (89 of 96 samples differed between two fits, qa38-user 03). Refused at
+    setup, naming analysis_collate_fn; with a deterministic analysis_collate_fn the index is that collate's values, and
+    the check leaves the global random state as it was."""
+    metrics = {"first_token": {**PCT, "analysis": first_token}}
+    with pytest.raises(
+        CurriculumConfigError,
+        match=r"collates the same 40 samples into two different batches.*"
+        r"pass Curriculum\(analysis_collate_fn=\.\.\.\)",
+    ):
+        make_trainer(tmp_path, [Curriculum(metrics=metrics)], max_steps=1).fit(
+            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(collate_fn=masking_collate))
+        )
+    from lightning_effi.curriculum.analysis.in_memory import check_deterministic_collate
+
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    check_deterministic_collate(TokenBlocks(), torch.utils.data.default_collate, 16, "first_token")
+    with pytest.raises(CurriculumConfigError, match="two different batches"):
+        check_deterministic_collate(TokenBlocks(), masking_collate, 16, "first_token")
+    assert torch.equal(torch.rand(3), expected)  # the checks left the global random state as it was
+    cb = Curriculum(
+        metrics=metrics, analysis_collate_fn=torch.utils.data.default_collate, percentile_rounding="proportional"
+    )
+    make_trainer(tmp_path, [cb], max_steps=1).fit(
+        tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(collate_fn=masking_collate))
+    )
+    with pytest.raises(CurriculumConfigError, match=r"analysis_collate_fn must be a callable"):
+        Curriculum(metrics=metrics, analysis_collate_fn="default_collate")
+
+
 @pytest.mark.parametrize("cast", ["long", "int"])
 @pytest.mark.parametrize("sign", [1, -1], ids=["positive", "negated"])
 def test_a_nan_score_cast_to_an_integer_is_refused_naming_the_metric(tmp_path, sign, cast):
