@@ -98,7 +98,7 @@ from lightning_effi.core.measure import (
     token_source,
 )
 from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
-from lightning_effi.core.state import check_coarse_vcycle_resume
+from lightning_effi.core.state import check_coarse_vcycle_resume, saving_in_train_batch_end
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
 #: ``time_monitor``: the monitor's own work after each batch (counting, and measuring the FLOPs of each new batch
@@ -1335,6 +1335,14 @@ class EfficiencyMonitor(Callback):
         rank: the collective runs everywhere), as :meth:`reduced_totals` does; on load rank 0 takes the sums and
         the other ranks' counts start from zero, so the summed totals go on as the uninterrupted run's. A checkpoint
         written on one device is marked the same way, so that a DDP fit resumed from it counts its totals once."""
+        if self._step_at_batch_start is not None and saving_in_train_batch_end(trainer):
+            rank_zero_warn(
+                f"{type(self).__name__}: a checkpoint is written at step {trainer.global_step} inside "
+                "on_train_batch_end, before this monitor's own (a callback listed before the monitor saves there): "
+                "its totals leave out this batch, which a fit resumed from it does not train again; list that "
+                "callback after the EfficiencyMonitor, or save with a ModelCheckpoint (Lightning runs checkpoint "
+                "callbacks last)"
+            )
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if not isinstance(state, dict):
             return

@@ -94,6 +94,19 @@ def check_coarse_vcycle_resume(owner: str, trainer: Any, checkpoint: Mapping[str
                 )
 
 
+def saving_in_train_batch_end(trainer: Any) -> bool:
+    """Whether a checkpoint is being written inside ``on_train_batch_end``: the batch has trained (Lightning's batch
+    progress counts it processed, not yet completed), e.g. by a user's callback calling ``trainer.save_checkpoint``
+    there. Lightning resumes such a checkpoint after that batch (``RestartStage.RESTARTED_ON_TRAIN_BATCH_END``,
+    ``loops/training_epoch_loop.py``), so a callback whose own ``on_train_batch_end`` has not run yet must write the
+    state it will have after it."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    total = getattr(getattr(loop, "batch_progress", None), "total", None)
+    if total is None or not getattr(trainer, "training", False):
+        return False
+    return bool(total.ready == total.started == total.processed == total.completed + 1)
+
+
 def plain_config(config: Any, owner: str, *, error: type[Exception] = ValueError) -> Any:
     """``config`` as plain dicts and lists (:func:`~lightning_effi.core.checks.plain`); a ``str`` or
     ``os.PathLike`` is the path of a JSON file, read first (a DeepSpeed config file).

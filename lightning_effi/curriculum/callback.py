@@ -27,7 +27,7 @@ from lightning_effi.core.measure import tensor_leaves, token_source
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
-from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch
+from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch, saving_in_train_batch_end
 from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
@@ -279,6 +279,7 @@ class Curriculum(Callback):
         self._datamodule: CurriculumDataModule | None = None
         self.consumed_tokens = 0
         self._pending: tuple[int, int, dict[str, int], int] | None = None
+        self._ended_early: int | None = None  # the step of a batch committed before its on_train_batch_end
         self._tokens_through_current = 0
         self._loaded: dict[str, Any] | None = None
         self._restored = False  # this fit restored a curriculum state (a checkpoint, or load_state_dict by hand)
@@ -392,7 +393,7 @@ class Curriculum(Callback):
             )
         # a fresh fit starts from a fresh stream; a checkpoint's state arrives later through load_state_dict
         self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
-        self._pending = None
+        self._pending, self._ended_early = None, None
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
         self._cut_mask_path, self._cut_values = None, None
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
@@ -742,8 +743,27 @@ class Curriculum(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._batch_in_flight = None
-        if self.controller is None or self._pending is None:
+        if self.controller is None:
             return
+        if self._pending is not None:
+            self._end_batch(trainer)
+        elif self._ended_early is None:
+            return
+        step, self._ended_early = self._ended_early, None
+        difficulty = self.last_difficulties
+        logs = {f"effi/curriculum/{name}_difficulty": float(d) for name, d in difficulty.items()}
+        stats = self.controller.stats(step)
+        if stats is not None:
+            logs["effi/curriculum/eligible_samples"] = float(stats[0])
+            logs["effi/curriculum/num_clusters"] = float(stats[1])
+        logs["effi/curriculum/consumed_tokens"] = float(self.consumed_tokens)
+        pl_module.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, logger=True, rank_zero_only=True)
+        self.nonfinite_guard.log_count(trainer)  # effi/nonfinite_losses, by the stack's checking guard only
+
+    def _end_batch(self, trainer: pl.Trainer) -> None:
+        """Commit the trained batch: the stream's position, the consumed tokens, the last difficulties; stop the fit
+        when the sample budget is spent. ``_ended_early`` keeps its step for the logging in ``on_train_batch_end``."""
+        assert self.controller is not None and self._pending is not None
         step, micro, difficulty, tokens = self._pending
         self._pending = None
         self.controller.commit(step, micro)
@@ -754,14 +774,21 @@ class Curriculum(Callback):
             trainer.should_stop = True
         self.consumed_tokens += tokens
         self.last_difficulties = difficulty
-        logs = {f"effi/curriculum/{name}_difficulty": float(d) for name, d in difficulty.items()}
-        stats = self.controller.stats(step)
-        if stats is not None:
-            logs["effi/curriculum/eligible_samples"] = float(stats[0])
-            logs["effi/curriculum/num_clusters"] = float(stats[1])
-        logs["effi/curriculum/consumed_tokens"] = float(self.consumed_tokens)
-        pl_module.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, logger=True, rank_zero_only=True)
-        self.nonfinite_guard.log_count(trainer)  # effi/nonfinite_losses, by the stack's checking guard only
+        self._ended_early = step
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint written inside ``on_train_batch_end`` before this callback's own (a user's callback calling
+        ``trainer.save_checkpoint`` there, listed before the curriculum) resumes after the batch: the batch is
+        committed now and the state written with it (it was written one batch behind, and the resumed fit trained
+        the stream's steps one step late, qa38-break 01)."""
+        if self._pending is not None and self.controller is not None and saving_in_train_batch_end(trainer):
+            self._end_batch(trainer)
+            callbacks = checkpoint.get("callbacks")
+            if isinstance(callbacks, dict) and self.state_key in callbacks:
+                callbacks[self.state_key] = self.state_dict()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -772,7 +799,7 @@ class Curriculum(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """The fit raised: forget the batch in flight (not committed: its tokens are not counted, its difficulty is not
         the last one; the stream position stays the last committed batch's, as a checkpoint written then records)."""
-        self._pending = None
+        self._pending, self._ended_early = None, None
         self._tokens_through_current = self.consumed_tokens
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
         self._cut_mask_path, self._cut_values = None, None

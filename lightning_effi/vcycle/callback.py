@@ -40,7 +40,7 @@ from lightning_effi.core.requirements import (
     check_trainer,
     technique_callbacks,
 )
-from lightning_effi.core.state import config_mismatch, settings_diff
+from lightning_effi.core.state import config_mismatch, saving_in_train_batch_end, settings_diff
 from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
 from lightning_effi.vcycle import stages as S
@@ -355,6 +355,7 @@ class VCycleCallback(Callback):
         self.stage_index, self.stage_start_step, self.switches = 0, 0, 0
         self.map_seconds, self.flops_account = 0.0, FlopsAccount(self.baseline_steps)
         self._last_step = -1  # runtime only, like the checkpoint's stages (compared with this run's at train start)
+        self._batch_open = False  # between on_train_batch_start and this callback's on_train_batch_end
         self._restored = False  # this fit loaded a V-cycle state from a checkpoint
         # the non-finite losses of this fit (checkpointed: a resumed fit loads the count)
         self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_loss)
@@ -1108,11 +1109,13 @@ class VCycleCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._steps_check.batch_start(trainer)
+        self._batch_open = True
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._batch_open = False
         self._steps_check.batch_end(trainer)
         fn = self._flops_counter(trainer, pl_module)
         if fn is not None and not skipped_batch(pl_module, outputs):
@@ -1338,6 +1341,14 @@ class VCycleCallback(Callback):
         """Below level 1, the exact weights of the coarse level beside this callback's state (``"weights"``; a resumed
         fit puts them back, the checkpoint's ``state_dict`` holds the full-size de-coalesced model). Kept out of
         :meth:`state_dict`, which holds the callback's own progress only."""
+        if self._batch_open and saving_in_train_batch_end(trainer):
+            rank_zero_warn(
+                f"VCycleCallback: a checkpoint is written at step {trainer.global_step} inside on_train_batch_end, "
+                "before this callback's own (a callback listed before the V-cycle saves there): it holds the V-cycle "
+                "before this batch's end, where a level switch and the batch's FLOPs count happen, so a fit resumed "
+                "from it can switch levels one step late; list that callback after VCycleCallback, or save with a "
+                "ModelCheckpoint (Lightning runs checkpoint callbacks last)"
+            )
         weights = self._stack.exact_weights() if self._interrupted is None else self._interrupted["weights"]
         state = (checkpoint.get("callbacks") or {}).get(self.state_key)
         if weights is not None and state is not None:

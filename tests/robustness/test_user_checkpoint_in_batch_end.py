@@ -1,0 +1,80 @@
+"""A checkpoint a user's own callback writes in ``on_train_batch_end`` (``trainer.save_checkpoint``), listed before the
+techniques: Lightning runs only checkpoint callbacks last, and resumes such a checkpoint after its batch
+(``RestartStage.RESTARTED_ON_TRAIN_BATCH_END``). The curriculum's state was written one batch behind and the resumed
+fit trained the stream one step late (qa38-break 01): it commits the batch when such a checkpoint is written. The
+V-cycle (a level switch at the batch's end) and the EfficiencyMonitor (the batch's count) warn."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_effi.callbacks import Curriculum, RandomLTDCallback, VCycleCallback
+from lightning_effi.core.accounting import EfficiencyMonitor
+from lightning_effi.data import CurriculumDataModule
+from tests.helpers.harness import make_trainer
+from tests.helpers.tiny import TinyDataModule, TokenBlocks, seqlen_truncate, tiny_gpt2
+
+
+class SaveAt(Callback):
+    """The user's "save at step k" callback."""
+
+    def __init__(self, path, step):
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not os.path.exists(self.path):
+            trainer.save_checkpoint(self.path)
+
+
+class Lengths(Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.rows.append((trainer.global_step, int(batch["input_ids"].shape[1])))
+
+
+def fit(root, callbacks, ckpt=None):
+    pl.seed_everything(0)
+    trace = Lengths()
+    trainer = make_trainer(root, [*callbacks, trace], max_steps=10, max_epochs=-1)
+    model = tiny_gpt2(n_layer=4)
+    data = CurriculumDataModule(TinyDataModule(TokenBlocks(n=48), batch_size=4))
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt)
+    return model, trace.rows
+
+
+def test_a_curriculum_checkpoint_written_in_a_users_batch_end_resumes_after_the_batch(tmp_path):
+    def curriculum():
+        return Curriculum(metrics=seqlen_truncate(4, 16, 6, 4), seed=3, num_epochs=2)
+
+    path = str(tmp_path / "user.ckpt")
+    whole, rows = fit(tmp_path / "a", [SaveAt(path, 4), curriculum()])
+    resumed, tail = fit(tmp_path / "b", [curriculum()], ckpt=path)
+    assert tail == rows[4:]  # steps 5-10 at the uninterrupted run's lengths (it trained 12, 12 where that ran 12, 16)
+    assert len({length for _, length in rows}) > 2
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("technique", ["vcycle", "monitor"])
+def test_the_vcycle_and_the_monitor_warn_of_a_checkpoint_written_before_their_batch_end(tmp_path, technique):
+    path = str(tmp_path / "user.ckpt")
+    if technique == "vcycle":
+        callbacks, name = [SaveAt(path, 2), VCycleCallback(e_a=2, e_small=2)], "VCycleCallback"
+    else:
+        callbacks = [SaveAt(path, 2), EfficiencyMonitor(print_summary=False), RandomLTDCallback(min_value=4)]
+        name = "EfficiencyMonitor"
+
+    def run():
+        pl.seed_everything(0)
+        trainer = make_trainer(tmp_path / "a", callbacks, max_steps=4, max_epochs=-1)
+        trainer.fit(tiny_gpt2(n_layer=4), datamodule=TinyDataModule(TokenBlocks(n=48), batch_size=4))
+
+    with pytest.warns(UserWarning, match=rf"{name}: a checkpoint is written at step 2 inside on_train_batch_end"):
+        run()
