@@ -553,18 +553,31 @@ class Curriculum(Callback):
         )
 
     def _check_budget(self, trainer: pl.Trainer) -> None:
-        """Refuse a ``max_steps`` beyond the sample budget ``N x num_epochs`` (the curriculum's stream ends there).
+        """Refuse a ``max_steps`` or a ``min_steps`` beyond the sample budget ``N x num_epochs`` (the curriculum's
+        stream ends there: Lightning would run empty epochs for a ``min_steps`` it never reaches, forever with
+        ``max_epochs=-1``).
 
         Raises:
             CurriculumConfigError: naming both figures.
         """
         c = self.controller
         assert c is not None
-        if trainer.max_steps not in (-1, None) and trainer.max_steps > c.total_steps and not trainer.fast_dev_run:
+        if trainer.fast_dev_run:
+            return
+        budget = (
+            f"the sample budget N x num_epochs = {c.n} x {c.config.num_epochs} = {c.total_samples} samples = "
+            f"{c.total_steps} optimizer steps of {c.global_batch}"
+        )
+        if trainer.max_steps not in (-1, None) and trainer.max_steps > c.total_steps:
             raise CurriculumConfigError(
-                f"curriculum: trainer.max_steps={trainer.max_steps} exceeds the sample budget N x num_epochs = "
-                f"{c.n} x {c.config.num_epochs} = {c.total_samples} samples = {c.total_steps} optimizer steps of "
-                f"{c.global_batch}; raise num_epochs or lower max_steps"
+                f"curriculum: trainer.max_steps={trainer.max_steps} exceeds {budget}; raise num_epochs or lower "
+                "max_steps"
+            )
+        min_steps = trainer.fit_loop.min_steps
+        if min_steps is not None and min_steps > c.total_steps:
+            raise CurriculumConfigError(
+                f"curriculum: trainer.min_steps={min_steps} exceeds {budget}: the fit would go on with empty epochs "
+                "after the stream ends (forever with max_epochs=-1); raise num_epochs or lower min_steps"
             )
 
     def _check_manual_steps(self, trainer: pl.Trainer) -> None:

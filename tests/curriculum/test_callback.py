@@ -579,6 +579,22 @@ def test_spent_budget_stops_the_fit_instead_of_hanging(tmp_path):
         )
 
 
+@pytest.mark.timeout(300)  # the bug this guards against ran forever
+def test_min_steps_beyond_the_budget_is_refused(tmp_path):
+    """min_steps past the budget ran empty epochs to max_epochs short of it, or forever with max_epochs=-1
+    (qa38-break 02): refused as max_steps is; one within the budget trains."""
+    for max_epochs in (10, -1):
+        trainer = make_trainer(
+            tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=1)], max_epochs=max_epochs, min_steps=3
+        )
+        with pytest.raises(CurriculumConfigError, match=r"min_steps=3 exceeds the sample budget .* = 2 optimizer step"):
+            trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=8), batch_size=4)))
+        assert trainer.global_step == 0
+    trainer = make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=1)], min_steps=2)
+    trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=8), batch_size=4)))
+    assert trainer.global_step == 2
+
+
 def test_a_reused_callback_starts_a_fresh_stream(tmp_path):
     cb, rec = curriculum(total_tokens=10_000), Record()
     for run in ("a", "b"):
