@@ -1668,12 +1668,15 @@ class InfoBatchCallback(Callback):
 
     def effi_schedule_state(self) -> dict[str, float]:
         """``{"kept_fraction": f}``: the fraction of the current epoch's samples that are trained (1.0 in a full
-        epoch; with the curriculum, of the samples drawn so far this epoch). Empty before the first epoch's plan."""
+        epoch; with the curriculum, of the samples drawn so far this epoch: the epoch's merged figures and this
+        rank's since the last merge, which the epoch's end adds to them). Empty before the first epoch's plan."""
         if not self.history:
             return {}
         h = self.history[-1]
         if h["kind"] == "thin":
-            return {"kept_fraction": 1.0 - h["saved"] / h["drawn"] if h["drawn"] else 1.0}
+            pending = self.thin_stats.tolist() if self.synced_epoch != h["epoch"] else [0, 0, 0]
+            drawn, saved = h["drawn"] + pending[0], h["saved"] + pending[1]
+            return {"kept_fraction": 1.0 - saved / drawn if drawn else 1.0}
         drawn = h["saved"] + h["size"]
         return {"kept_fraction": h["size"] / drawn if drawn else 1.0}
 

@@ -226,7 +226,7 @@ class Record(pl.Callback):
     on the stream)."""
 
     def __init__(self):
-        self.train, self.losses, self.stream = [], [], {}
+        self.train, self.losses, self.stream, self.kept = [], [], {}, []
 
     def on_fit_start(self, trainer, pl_module):  # before the first loader is iterated
         controller = find_wrapper(trainer.datamodule, CurriculumDataModule).controller
@@ -256,6 +256,9 @@ class Record(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        ib_cb = next((c for c in trainer.callbacks if isinstance(c, InfoBatchCallback)), None)
+        if ib_cb is not None:  # the progress bar's and the schedule's reading
+            self.kept.append(ib_cb.effi_schedule_state()["kept_fraction"])
 
 
 NESTINGS = {
@@ -385,6 +388,13 @@ def test_later_epochs_train_fewer_samples_and_annealing_stops_the_thinning(runs)
     assert summary["infobatch/unpruned_tail_batches"] == 0 and summary["infobatch/thin_stop_step"] == 22
     assert summary["samples"] == sum(sizes)  # the accounting counts what was trained
     assert [h["epoch"] for h in cb.history] == [0, 1, 2] and trainer.global_step == STEPS
+    # kept_fraction: of the samples drawn so far in the batch's epoch (it read 1.0 at every step, qa38-break 03)
+    drawn, kept, expected = {}, {}, []
+    for r, size in zip(rec.train, sizes, strict=True):
+        drawn[r["epoch"]] = drawn.get(r["epoch"], 0) + MBS
+        kept[r["epoch"]] = kept.get(r["epoch"], 0) + size
+        expected.append(kept[r["epoch"]] / drawn[r["epoch"]])
+    assert rec.kept == pytest.approx(expected) and min(rec.kept) < 1.0
 
 
 def test_the_well_learned_set_is_frozen_per_epoch_from_the_table_at_its_start(tmp_path):
