@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Mapping, Sized
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
@@ -117,8 +117,18 @@ def loader_template(loader: Any, technique: str, world: tuple[int, int] | None =
             batching (``batch_size=None``).
     """
     if not isinstance(loader, DataLoader):
+        several = isinstance(loader, (Mapping, list, tuple)) or type(loader).__name__ == "CombinedLoader"
+        reason = (
+            f" (several training loaders): {technique} chooses each step's samples from one training set by index, "
+            "so it owns one loader's sampler; put the sources in one map-style dataset "
+            "(torch.utils.data.ConcatDataset, with a key in each sample if the step must tell them apart) behind one "
+            "DataLoader"
+            if several
+            else ""
+        )
         raise DataConfigError(
             f"{technique}: the wrapped train_dataloader() must return one DataLoader, got {type(loader).__name__}"
+            + reason
         )
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):

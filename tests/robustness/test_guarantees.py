@@ -136,6 +136,27 @@ def test_an_iterable_dataset_is_refused_at_setup(tmp_path, technique):
 
 
 @pytest.mark.parametrize("technique", sorted(TECHNIQUES))
+@pytest.mark.parametrize("several", ["dict", "CombinedLoader"])
+def test_several_training_loaders_are_refused_with_the_way_out(tmp_path, technique, several):
+    """A dict of loaders or a CombinedLoader was refused with "must return one DataLoader, got dict" and no reason
+    or remedy (qa38-break 04)."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    data, name = TokenBlocks(), TECHNIQUES[technique][2]
+
+    def loaders():
+        both = {"a": DataLoader(data, batch_size=BATCH), "b": DataLoader(data, batch_size=BATCH)}
+        return both if several == "dict" else CombinedLoader(both, mode="min_size")
+
+    with pytest.raises(
+        DataConfigError,
+        match=rf"^{name}: the wrapped train_dataloader\(\) must return one DataLoader, "
+        rf"got {several} \(several training loaders\): .*ConcatDataset",
+    ):
+        fit(tmp_path, technique, loaders)
+
+
+@pytest.mark.parametrize("technique", sorted(TECHNIQUES))
 def test_an_explicit_batch_sampler_is_refused_naming_it(tmp_path, technique):
     data, name = TokenBlocks(), TECHNIQUES[technique][2]
     explicit = lambda: DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), BATCH, drop_last=False))
