@@ -355,6 +355,12 @@ def _length_ratio(before: list[tuple[Any, tuple[int, ...]]], after: list[tuple[A
     return long / short if short > 0 else None
 
 
+def _is_encoder_decoder(module: nn.Module) -> bool:
+    """``torch.nn.Transformer``, or a Hugging Face model whose config says ``is_encoder_decoder``."""
+    config = getattr(module, "config", None)
+    return isinstance(module, nn.Transformer) or getattr(config, "is_encoder_decoder", False) is True
+
+
 def _scaled(counts: Counts, factors: Counts) -> Counts:
     return (counts[0] * factors[0], counts[1] * factors[1], counts[2] * factors[2], counts[3] * factors[3])
 
@@ -628,6 +634,30 @@ class EfficiencyMonitor(Callback):
                 )
                 return
 
+    def _warn_encoder_decoder(self, pl_module: pl.LightningModule, own_tokens: bool) -> None:
+        """Warn once when the network is an encoder-decoder (a Hugging Face model whose config has
+        ``is_encoder_decoder``, or ``torch.nn.Transformer``) and the module does not count its own tokens and layers:
+        ``tokens`` are then read from the batch's ``attention_mask`` (the encoder's input) and ``layer_tokens`` are
+        ``tokens`` times the depth of one block list, so both leave out the other side (a BART of 2 + 3 layers on
+        512 source and 1,536 target tokens: 1,536 layer-tokens counted for 5,632, qa38-user 05). FLOPs are measured
+        on the whole network and are exact."""
+        if own_tokens and getattr(pl_module, "effi_num_layers", None) is not None:
+            return
+        found = next((m for m in pl_module.modules() if _is_encoder_decoder(m)), None)
+        if found is None:
+            self._warned.add("encoder_decoder")  # checked: nothing to say
+            return
+        blocks = self.find_blocks(pl_module)
+        depth = f" ({len(blocks)} blocks)" if blocks is not None else ""
+        self._warn(
+            "encoder_decoder",
+            f"{type(found).__name__} in {type(pl_module).__name__} is an encoder-decoder: `tokens` count the batch's "
+            "attention_mask (the encoder's input) and `layer_tokens` multiply them by the depth of one block list"
+            f"{depth}, so both leave out the other side (the decoder's tokens, the other stack's layers); FLOPs are "
+            "measured on the whole network and are exact: compare the runs on FLOPs, or define "
+            "`effi_count_tokens(batch)` and `effi_num_layers` on your LightningModule to count your own way",
+        )
+
     def _warn(self, quantity: str, message: str) -> None:
         if quantity not in self._warned:
             self._warned.add(quantity)
@@ -803,6 +833,8 @@ class EfficiencyMonitor(Callback):
                 "states; define `effi_count_tokens(batch) -> int` on your LightningModule",
             )
         layers = self.num_layers(pl_module)
+        if "encoder_decoder" not in self._warned and fallback is None:
+            self._warn_encoder_decoder(pl_module, callable(count_tokens))
         if layers is not None:
             layer_tokens = tokens * layers
         elif found is None:  # already warned about tokens

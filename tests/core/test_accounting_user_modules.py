@@ -289,6 +289,48 @@ def test_bert_with_a_padding_collate(tmp_path: Path) -> None:
         assert row["flops"] == transformer_training_flops(B, length, 2, 32, 64, head="cls", num_classes=2) == real
 
 
+class UserBart(pl.LightningModule):
+    """An encoder-decoder the way users write one: HF ``BartForConditionalGeneration`` from its config, a dict batch
+    of source ids, their mask and target labels, ``self.model(**batch).loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.BartConfig(
+            vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        )  # fmt: skip
+        self.model = transformers.BartForConditionalGeneration(config)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_encoder_decoder_says_what_its_tokens_and_layer_tokens_leave_out(tmp_path: Path) -> None:
+    """tokens read the encoder's attention mask and layer-tokens one stack's depth: a BART's target tokens and its
+    other stack were left out with no word (qa38-user 05). A warning names the encoder-decoder once; the FLOPs are the
+    whole network's (measured on the real step)."""
+    g = torch.Generator().manual_seed(0)
+    source, target = torch.randint(3, V, (2 * B, 8), generator=g), torch.randint(3, V, (2 * B, 12), generator=g)
+    rows = [{"input_ids": s, "attention_mask": torch.ones_like(s), "labels": t} for s, t in zip(source, target)]
+    loader = DataLoader(rows, batch_size=B)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, measured, per_batch = fit(UserBart(), loader, tmp_path, steps=2)
+    said = [w for w in monitor_warnings(caught) if "encoder-decoder" in w]
+    assert len(said) == 1 and said[0].startswith("EfficiencyMonitor: BartForConditionalGeneration in UserBart is an")
+    assert "compare the runs on FLOPs" in said[0]
+    assert [row["tokens"] for row in per_batch.rows] == [B * 8] * 2  # the source side, as the warning says
+    assert [row["flops"] for row in per_batch.rows] == measured.per_batch
+    with warnings.catch_warnings(record=True) as caught:  # a decoder-only model: nothing to say
+        warnings.simplefilter("always")
+        fit(UserGPT2(), DataLoader(TensorDataset(source, source), batch_size=B), tmp_path / "gpt", steps=1)
+    assert not [w for w in monitor_warnings(caught) if "encoder-decoder" in w]
+
+
 def test_hand_written_transformer_encoder_called_as_self(tmp_path: Path) -> None:
     """``training_step`` calls ``self(ids)``: the LightningModule's own call is replayed."""
     pl.seed_everything(0)
