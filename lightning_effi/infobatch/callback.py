@@ -912,6 +912,7 @@ class InfoBatchCallback(Callback):
             )
         output, loss = dict(output), output["loss"]
         returned = output.get("per_sample_loss")
+        scores = output.get("per_sample_score")
         outputs = forward.output if forward is not None else None
         if self.per_sample_loss is not None:
             if returned is not None:
@@ -936,7 +937,8 @@ class InfoBatchCallback(Callback):
                 )
             try:
                 if not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all()):
-                    per_sample, self._shift = ib.auto_per_sample_loss(outputs, batch, loss, self._shift)
+                    found = ib.auto_losses(outputs, batch, loss, self._shift)
+                    per_sample, scores, self._shift = found.per_sample, found.scores, found.shift
                 else:  # a non-finite loss cannot be checked (a causal shift not yet detected is detected at the
                     # next finite loss). The per-sample losses carry it (NaN), so that the weighted loss is as
                     # non-finite as the module's: the non-finite policy (on_before_backward) stops the fit or counts
@@ -949,6 +951,9 @@ class InfoBatchCallback(Callback):
                 raise ValueError(f"InfoBatchCallback: {err}") from None
             self._warn_mixed_targets(batch)
         self._check_per_sample(per_sample, source, forward)
+        if scores is not None:
+            self._check_scores(scores, source)
+            output["per_sample_score"] = scores.detach()
         if (
             not self._loss_mismatch_warned
             and source in ("fn", "returned")
@@ -983,6 +988,23 @@ class InfoBatchCallback(Callback):
                 "but a mixed row also carries its partners' content and a pruned sample is never a partner, so the "
                 "rescaling is no longer unbiased (InfoBatch card: in-batch mixing); soft labels of the samples' own "
                 "(distillation) are fine"
+            )
+
+    def _check_scores(self, scores: Any, source: str) -> None:
+        """Raise unless the returned ``"per_sample_score"`` is a float tensor ``[B]`` (NaN: the sample is not
+        scored), and only beside a returned ``"per_sample_loss"``."""
+        assert self._step is not None
+        b = int(self._step.index.numel())
+        if source == "fn":
+            raise ValueError(
+                'InfoBatchCallback: training_step returns "per_sample_score" and per_sample_loss=fn is given; return '
+                '"per_sample_loss" beside it instead of fn'
+            )
+        if not isinstance(scores, Tensor) or not scores.is_floating_point() or tuple(scores.shape) != (b,):
+            what = f"a {scores.dtype} tensor of shape {tuple(scores.shape)}" if isinstance(scores, Tensor) else scores
+            raise ValueError(
+                f'InfoBatchCallback: "per_sample_score" must be a float tensor of shape ({b},), one score per sample '
+                f"of the batch (NaN: that sample is not scored this time and keeps its score), got {what}"
             )
 
     def _check_per_sample(self, per_sample: Any, source: str, forward: ForwardCapture | None = None) -> None:
@@ -1086,7 +1108,7 @@ class InfoBatchCallback(Callback):
         per_sample = output["per_sample_loss"]
         weights = self.current_weights()
         loss = ib.rescale(per_sample, index, weights)  # validates shape/dtype against the contract
-        self._record(per_sample, index)
+        self._record(per_sample, index, output.get("per_sample_score"))
         return {**output, "loss": loss, "per_sample_loss": per_sample.detach(), "index": index}
 
     def thinned_output(self, output: Any, index: Tensor, weights: Tensor, candidates: int) -> dict[str, Any]:
@@ -1101,7 +1123,7 @@ class InfoBatchCallback(Callback):
             )
         per_sample = output["per_sample_loss"]
         loss = ib.thinned_loss(per_sample, weights, candidates)  # validates shape/dtype against the contract
-        self._record(per_sample, index)
+        self._record(per_sample, index, output.get("per_sample_score"))
         kept = int(index.numel())
         # the tail cap kept one well-learned sample of an all-well-learned slice (see ib.cap_applies)
         capped = kept == 1 and float(weights[0]) != 1.0 and ib.cap_applies(candidates, candidates, self.prune_ratio)
@@ -1115,12 +1137,15 @@ class InfoBatchCallback(Callback):
             "infobatch_weight": weights,
         }
 
-    def _record(self, per_sample: Tensor, index: Tensor) -> None:
-        """Accumulate the batch's raw per-sample losses for the score table. A non-finite one is never recorded (its
-        sample keeps its previous score); it makes the step's training loss non-finite too, which the non-finite
-        policy (:meth:`on_before_backward`, ``nonfinite_loss``) stops or warns about and counts."""
-        values = per_sample.detach().float().cpu()
-        finite = torch.isfinite(values)
+    def _record(self, per_sample: Tensor, index: Tensor, scores: Tensor | None = None) -> None:
+        """Accumulate the batch's scores for the score table: ``scores`` (the automatic path's mean token losses, or
+        a returned ``"per_sample_score"``), else the raw per-sample losses. A NaN score (a sample without a labelled
+        token) and a non-finite per-sample loss are never recorded (the sample keeps its previous score); a
+        non-finite loss makes the step's training loss non-finite too, which the non-finite policy
+        (:meth:`on_before_backward`, ``nonfinite_loss``) stops or warns about and counts."""
+        losses = per_sample.detach().float().cpu()
+        values = losses if scores is None else scores.detach().float().cpu()
+        finite = torch.isfinite(values) & torch.isfinite(losses)
         ib.accumulate(self.sum_loss, self.count, index.cpu()[finite], values[finite])
 
     def current_weights(self) -> Tensor:

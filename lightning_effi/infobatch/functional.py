@@ -52,6 +52,8 @@ __all__ = [
     "EpochPlan",
     "ThinnedBatch",
     "accumulate",
+    "AutoLoss",
+    "auto_losses",
     "auto_per_sample_loss",
     "cap_applies",
     "check_thinning_ratio",
@@ -1244,13 +1246,63 @@ def _token_counts(labels: Tensor, shift: bool) -> Tensor:
     return (labels != IGNORE_INDEX).sum(1)
 
 
+class AutoLoss(NamedTuple):
+    """The result of :func:`auto_losses`.
+
+    Attributes:
+        per_sample: ``float32[B]`` with grad, whose mean reproduces the step's loss: each sample's cross-entropy (its
+            tokens' mean for ``[B, T, V]`` logits), or, for a loss that is the mean over the batch's labelled tokens
+            (``token_mean``), each sample's token sum times ``B / (the batch's labelled tokens)``.
+        scores: ``float32[B]``, detached: each sample's mean token loss (its cross-entropy for ``[B, C]``), the
+            score InfoBatch ranks it by; NaN for a sample without a labelled token (a masked LM's draw that masked
+            none of its tokens, a sample all of whose labels are ``-100``): such a sample is not scored.
+        shift: the causal-LM shift used (``[B, T, V]``; False for ``[B, C]``).
+        token_mean: whether the step's loss is the mean over the batch's tokens (Hugging Face's language-model
+            losses over padded or masked batches) rather than the mean of the samples' means.
+    """
+
+    per_sample: Tensor
+    scores: Tensor
+    shift: bool
+    token_mean: bool
+
+
 def auto_per_sample_loss(
     outputs: Any, batch: Any, loss: Tensor, shift: bool | None = None, verify: bool = True
 ) -> tuple[Tensor, bool]:
+    """``(per_sample, shift)`` of :func:`auto_losses` (same arguments and errors)."""
+    found = auto_losses(outputs, batch, loss, shift, verify)
+    return found.per_sample, found.shift
+
+
+def _labelled(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
+    """Each sample's labelled entries (not ``ignore_index``): tokens for ``[B, T, V]``, 0 / 1 for ``[B, C]`` (1 for
+    class probabilities)."""
+    if logits.dim() == 3:
+        return _token_counts(labels, shift)
+    if labels.is_floating_point():
+        return torch.ones(labels.shape[0], dtype=torch.long, device=labels.device)
+    return (labels != IGNORE_INDEX).long()
+
+
+def _auto(per_sample: Tensor, counts: Tensor, s: bool, token_mean: bool) -> AutoLoss:
+    counts = counts.to(per_sample.device)
+    scores = torch.where(counts > 0, per_sample.detach(), torch.full_like(per_sample.detach(), float("nan")))
+    if token_mean:
+        weights = counts.to(per_sample.dtype) * (per_sample.numel() / counts.sum().clamp(min=1))
+        per_sample = per_sample * weights
+    return AutoLoss(per_sample, scores, s, token_mean)
+
+
+def auto_losses(outputs: Any, batch: Any, loss: Tensor, shift: bool | None = None, verify: bool = True) -> AutoLoss:
     """The per-sample loss of a module whose ``training_step`` returns a plain cross-entropy ``loss``: the logits of
     its forward output (:func:`find_logits`) against the batch's labels (:func:`find_labels`), per sample
     (:func:`per_sample_cross_entropy`, ``ignore_index=-100``), checked against ``loss``: their mean must reproduce it
-    (:func:`losses_agree`), so that InfoBatch never trains on another loss than the one the module wrote.
+    (:func:`losses_agree`), so that InfoBatch never trains on another loss than the one the module wrote. A loss
+    that is the mean over the batch's labelled tokens (a Hugging Face language model's over a padded or masked
+    batch, where samples with more labelled tokens weigh more) is reproduced by weighing each sample's mean by its
+    labelled tokens (:class:`AutoLoss`); the samples' scores are their mean token losses either way, and a sample
+    without a labelled token is not scored.
 
     With ``[B, T, V]`` logits and ``shift=None`` both alignments are tried (labels as given, and the causal-LM shift
     of Hugging Face's ``*ForCausalLM``): the one that reproduces ``loss`` is returned with its ``shift``, to pass on
@@ -1260,10 +1312,10 @@ def auto_per_sample_loss(
         outputs: the forward output (a tensor, a mapping or object with ``logits``). batch: the user's batch.
         loss: the scalar loss ``training_step`` returned for this batch. shift: None (detect), True or False.
         verify: False skips the check against ``loss`` (for a non-finite loss, which cannot be checked); then
-            ``shift`` must be given for ``[B, T, V]`` logits.
+            ``shift`` must be given for ``[B, T, V]`` logits, and the samples' means are returned.
 
     Returns:
-        ``(per_sample_loss float32[B] with grad, shift)``.
+        an :class:`AutoLoss`.
 
     The per-sample losses and the comparison are computed in float32 / float64 from the logits, whatever their
     dtype; the tolerance is :func:`loss_tolerance`, set by the loss's dtype. A bfloat16 ``loss`` (``precision=
@@ -1313,7 +1365,8 @@ def auto_per_sample_loss(
             + PER_SAMPLE_LOSS_HINT
         ) from None
     if not verify:
-        return candidates[0][1], candidates[0][0]
+        s, per_sample = candidates[0]
+        return _auto(per_sample, _labelled(logits, labels, s), s, False)
     if not bool(torch.isfinite(loss.detach())):
         raise ValueError(
             f"the automatic per-sample loss cannot be checked against a non-finite loss ({float(loss.detach())}); "
@@ -1321,33 +1374,28 @@ def auto_per_sample_loss(
         )
     for s, per_sample in candidates:
         if losses_agree(per_sample, loss):
-            return per_sample, s
-    found = "; ".join(
+            return _auto(per_sample, _labelled(logits, labels, s), s, False)
+    if logits.dim() == 3:  # the mean over the batch's labelled tokens
+        for s, per_sample in candidates:
+            found = _auto(per_sample, _labelled(logits, labels, s), s, True)
+            if losses_agree(found.per_sample, loss):
+                return found
+    means = "; ".join(
         f"{'with' if s else 'without'} the causal shift: mean {float(p.detach().double().mean()):.6g}"
         if logits.dim() == 3
         else f"mean {float(p.detach().double().mean()):.6g}"
         for s, p in candidates
     )
-    note = ""
-    if logits.dim() == 3:
-        for s, per_sample in candidates:
-            counts = _token_counts(labels, s).to(per_sample)
-            token_mean = (per_sample.detach() * counts).sum() / counts.sum().clamp(min=1)
-            if losses_agree(token_mean.reshape(1), loss):
-                note = (
-                    " Your loss is the mean over the batch's tokens, in which samples with more labelled tokens "
-                    "weigh more (padding or -100 labels); InfoBatch weighs samples, so give it a per-sample loss "
-                    "whose mean is your loss."
-                )
     raise ValueError(
         f"the automatic per-sample loss (cross-entropy of logits {tuple(logits.shape)} against labels "
         f"{tuple(labels.shape)} from {labels_source(batch)}, ignore_index={IGNORE_INDEX}, averaged per sample) "
         "does not reproduce the loss "
-        f"training_step returned ({float(loss.detach()):.6g}; {found}; relative tolerance "
+        f"training_step returned ({float(loss.detach()):.6g}; {means}; relative tolerance "
         f"{loss_tolerance(candidates[0][1], loss):.2g}): your loss is not plain cross-entropy of these logits "
         f"and labels (label smoothing, class weights, an extra term, other logits, labels elsewhere in the batch: a "
-        f"tuple batch's labels are taken from its last element...).{note} InfoBatch will not train on "
-        "another loss than yours: " + PER_SAMPLE_LOSS_HINT
+        "tuple batch's labels are taken from its last element...), neither as the mean of the samples' means nor "
+        "as the mean over the batch's labelled tokens. InfoBatch will not train on another loss than yours: "
+        + PER_SAMPLE_LOSS_HINT
     )
 
 

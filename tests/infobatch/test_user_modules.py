@@ -30,7 +30,14 @@ import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, default_collate
-from transformers import BatchEncoding, BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    BatchEncoding,
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
 from transformers.modeling_outputs import CausalLMOutput
 
 from lightning_effi.callbacks import Curriculum, InfoBatchCallback
@@ -393,6 +400,85 @@ def test_the_step_still_returns_per_sample_loss_path(tmp_path):
         torch.testing.assert_close(row["loss"], (row["weights"] * row["per_sample"]).mean())
 
 
+class MaskedTokens(Dataset):
+    """A masked LM's samples as its collate leaves them: ``{"input_ids": int64[8], "labels": int64[8]}`` with the
+    first ``i % 4`` positions of sample ``i`` labelled, the rest -100: the samples ``i % 4 == 0`` have no labelled
+    token (a draw of DataCollatorForLanguageModeling that masked none of theirs)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randint(0, 32, (N, 8), generator=g)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        labels = torch.full((8,), -100, dtype=torch.int64)
+        labels[: i % 4] = self.x[i, : i % 4]
+        return {"input_ids": self.x[i], "labels": labels}
+
+
+class UserMaskedLM(UserModule):
+    """Hugging Face's BertForMaskedLM from a config: its loss is the mean over the batch's labelled tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=16)  # fmt: skip
+        self.model = BertForMaskedLM(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        out = self.model(**batch)
+        self.remember(batch, out.logits, out.loss)
+        return out.loss
+
+
+def test_a_token_mean_loss_trains_automatically_and_a_sample_without_labels_is_not_scored(tmp_path):
+    """A masked LM's loss (the mean over the batch's labelled tokens) was refused, asking for per_sample_loss=fn; and
+    a sample whose draw labelled none of its tokens was scored 0, so pruned as well learned (10-16% of the samples of
+    each epoch in a helper's MLM run, qa38-user 04). Now each sample's mean weighs by its labelled tokens (their mean
+    is the module's loss), the scores are the samples' mean token losses, and a sample without a labelled token keeps
+    its score (here: never scored, so never pruned as well learned)."""
+    pl.seed_everything(0)
+    module, outputs = UserMaskedLM(), Outputs()
+    cb = fit(tmp_path, module, UserData(MaskedTokens()), outputs)
+    assert cb.per_sample_source == "auto"
+    for step, row in zip(module.steps, outputs.rows, strict=True):
+        labels = step["batch"]["labels"]
+        tokens = F.cross_entropy(step["logits"].flatten(0, 1), labels.flatten(), reduction="none").view(len(labels), -1)
+        counts = (labels != -100).sum(1).float()
+        per_sample = tokens.sum(1) * len(labels) / counts.sum()
+        torch.testing.assert_close(row["per_sample"], per_sample, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(row["loss"], (row["weights"] * per_sample).mean(), rtol=1e-5, atol=1e-6)
+    unlabelled = torch.arange(N) % 4 == 0
+    assert not cb.seen[unlabelled].any() and cb.seen[~unlabelled].all()
+    assert bool((cb.score[~unlabelled] > 0).all())
+
+
+def test_a_returned_per_sample_score_scores_the_samples(tmp_path):
+    """``"per_sample_score"`` beside ``"per_sample_loss"``: the score table takes it (NaN: not scored); a score of
+    another shape is refused naming the contract."""
+
+    class Scores(EncoderClassifier):
+        def __init__(self, shape_ok: bool = True) -> None:
+            super().__init__()
+            self.shape_ok = shape_ok
+
+        def training_step(self, batch, batch_idx):
+            per_sample = F.cross_entropy(self(batch.tokens), batch.y, reduction="none")
+            index = batch_meta(self._trainer)["index"]
+            score = torch.where(index % 2 == 0, index.float(), torch.full_like(per_sample, float("nan")))
+            score = score if self.shape_ok else score[:1]
+            return {"loss": per_sample.mean(), "per_sample_loss": per_sample, "per_sample_score": score.detach()}
+
+    cb = fit(tmp_path, Scores(), UserData(Tokens(), dataclass_collate))
+    even = torch.arange(N) % 2 == 0
+    assert cb.seen[even].all() and not cb.seen[~even].any()
+    assert torch.equal(cb.score[even], torch.arange(N)[even].float())
+    with pytest.raises(ValueError, match=r'"per_sample_score" must be a float tensor of shape \(4,\)'):
+        fit(tmp_path / "bad", Scores(shape_ok=False), UserData(Tokens(), dataclass_collate))
+
+
 # ------------------------------------------------------------------------------------------ per_sample_loss=fn
 def smoothed(outputs: Tensor, batch: tuple[Tensor, Tensor]) -> Tensor:
     """The user's per-sample loss for a label-smoothed ViT: ``outputs`` is the module's forward output."""
@@ -703,12 +789,25 @@ def test_the_causal_shift_is_detected_and_a_mismatch_is_explained():
     assert shift is True and torch.allclose(per_sample, gpt2_hand(out.logits, {"labels": ids}))
     aligned = F.cross_entropy(out.logits.transpose(1, 2), ids)  # a loss without the shift
     assert ib.auto_per_sample_loss(out.logits, (ids, ids), aligned)[1] is False
-    # padding: HF's loss is the mean over the batch's tokens, not the mean of per-sample means
+    # padding: HF's loss is the mean over the batch's tokens, not the mean of per-sample means (it was refused, and a
+    # per_sample_loss=fn asked for): each sample's mean weighs by its labelled tokens, the scores are the means
     padded = ids.clone()
     padded[0, 4:] = -100
+    padded[2, :] = -100  # no labelled token: not scored
     out = model(input_ids=ids, labels=padded)
-    with pytest.raises(ValueError, match=r"mean over the batch's tokens.*per_sample_loss=fn"):
-        ib.auto_per_sample_loss(out, {"labels": padded}, out.loss)
+    found = ib.auto_losses(out, {"labels": padded}, out.loss)
+    shifted = padded[:, 1:]
+    tokens = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), shifted.flatten(), reduction="none").view(3, -1)
+    counts = (shifted != -100).sum(1).float()
+    assert counts.tolist() == [3.0, 9.0, 0.0]  # labelled tokens after the shift
+    means = tokens.sum(1) / counts.clamp(min=1)
+    assert found.shift is True and found.token_mean is True
+    assert torch.allclose(found.per_sample, means * counts * 3 / 12) and torch.allclose(
+        found.per_sample.mean(), out.loss
+    )
+    assert torch.allclose(found.scores[:2], means[:2]) and torch.isnan(found.scores[2])
+    with pytest.raises(ValueError, match=r"neither as the mean of the samples' means nor as the mean over the batch"):
+        ib.auto_per_sample_loss(out, {"labels": padded}, out.loss * 1.01)
     with pytest.raises(ValueError, match=r"non-finite loss"):
         ib.auto_per_sample_loss(out, {"labels": ids}, torch.tensor(float("nan")))
     assert ib.loss_tolerance(torch.ones(1)) == 1e-4 and ib.loss_tolerance(torch.ones(1, dtype=torch.bfloat16)) > 0.03
