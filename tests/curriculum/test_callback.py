@@ -335,6 +335,12 @@ def test_a_collate_that_draws_at_random_is_refused_for_the_analysis(tmp_path):
     check_deterministic_collate(TokenBlocks(), torch.utils.data.default_collate, 16, "first_token")
     with pytest.raises(CurriculumConfigError, match="two different batches"):
         check_deterministic_collate(TokenBlocks(), masking_collate, 16, "first_token")
+
+    def with_nan_and_text(samples):  # deterministic, with values that equal nothing (NaN) or are not tensors
+        batch = torch.utils.data.default_collate(samples)
+        return {**batch, "weight": torch.full((len(samples),), float("nan")), "text": ["a"] * len(samples)}
+
+    check_deterministic_collate(TokenBlocks(), with_nan_and_text, 16, "first_token")
     assert torch.equal(torch.rand(3), expected)  # the checks left the global random state as it was
     cb = Curriculum(
         metrics=metrics, analysis_collate_fn=torch.utils.data.default_collate, percentile_rounding="proportional"

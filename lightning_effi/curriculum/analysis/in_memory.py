@@ -167,10 +167,20 @@ def _same(a: Any, b: Any) -> bool:
             and isinstance(b, torch.Tensor)
             and a.shape == b.shape
             and a.dtype == b.dtype
-            and bool(torch.equal(a, b))
+            and (
+                bool(torch.equal(a, b))
+                or (
+                    a.is_floating_point()
+                    and bool(torch.equal(a.isnan(), b.isnan()))
+                    and bool(torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+                )
+            )
         )
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        try:
+            return bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True))
+        except TypeError:  # a dtype without NaN (strings, objects)
+            return bool(np.array_equal(np.asarray(a), np.asarray(b)))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if dataclasses.is_dataclass(a) and not isinstance(a, type) and type(a) is type(b):
