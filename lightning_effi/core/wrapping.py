@@ -15,14 +15,16 @@ that the ``setup`` of a later fit can tell the leftovers of a fit that ended wit
 
 from __future__ import annotations
 
+import copy
 import functools
+import importlib
 import weakref
 from collections.abc import Callable, Mapping, Sized
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerStatus
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import AttributeDict, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import (
     BatchSampler,
@@ -292,6 +294,46 @@ def _call_inner(wrapper: Any, name: str) -> Any:
     return getattr(wrapper.datamodule, name)()
 
 
+#: the instantiator ``LightningCLI`` records in the hyperparameters it hands a module (``lightning.pytorch.cli``)
+CLI_INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
+
+
+def _resolve(path: Any) -> Any:
+    """The object a dotted ``class_path`` names, or None."""
+    if not isinstance(path, str) or "." not in path:
+        return None
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _cli_wrapper_config(hparams: Any) -> dict[str, Any] | None:
+    """``hparams`` when they are a ``LightningCLI`` ``data`` entry of a technique wrapper (``_instantiator`` the CLI's,
+    ``_class_path`` a :class:`WrappingDataModule`, the wrapped DataModule's entry under ``datamodule``); None
+    otherwise."""
+    if not isinstance(hparams, Mapping) or hparams.get("_instantiator") != CLI_INSTANTIATOR:
+        return None
+    cls = _resolve(hparams.get("_class_path"))
+    if not (isinstance(cls, type) and issubclass(cls, WrappingDataModule)) or not isinstance(
+        hparams.get("datamodule"), Mapping
+    ):
+        return None
+    return dict(hparams)
+
+
+def _entry_of(config: Mapping[str, Any], cls: type) -> Mapping[str, Any] | None:
+    """The entry (``{class_path, init_args}``) of class ``cls`` among the DataModules nested in a wrapper's CLI
+    config (``datamodule``, its ``init_args.datamodule``, ...), or None."""
+    node = config.get("datamodule")
+    while isinstance(node, Mapping) and "class_path" in node:
+        if _resolve(node["class_path"]) is cls:
+            return node
+        node = (node.get("init_args") or {}).get("datamodule")
+    return None
+
+
 class WrappingDataModule(pl.LightningDataModule):
     """Base of the technique DataModules: wraps ``datamodule`` and delegates everything but ``train_dataloader``
     (``prepare_data``, ``setup``, ``teardown``, ``on_exception``, the evaluation loaders, ``state_dict``,
@@ -317,6 +359,7 @@ class WrappingDataModule(pl.LightningDataModule):
         if not isinstance(datamodule, pl.LightningDataModule):
             raise DataConfigError(f"data.datamodule: expected a LightningDataModule, got {type(datamodule).__name__}")
         self.datamodule = datamodule
+        self._adopt_cli_hparams(datamodule)
         self._template: dict[str, Any] | None = None
         #: the user's Trainer's reload_dataloaders_every_n_epochs when the fit started (before a technique set it),
         #: and the last epoch whose reload was checked (:meth:`_check_reload`)
@@ -324,6 +367,31 @@ class WrappingDataModule(pl.LightningDataModule):
         self._reload_checked = -1
         #: the ``meta`` of the training batch in flight (see the class docstring); None between runs
         self.effi_batch_meta: dict[str, Any] | None = None
+
+    def _adopt_cli_hparams(self, datamodule: pl.LightningDataModule) -> None:
+        """Under ``LightningCLI``, every ``LightningDataModule`` built for the ``data`` entry is handed that entry's
+        config as its hyperparameters (``cli._InstantiatorFn``), so a DataModule wrapped inside this one that calls
+        ``save_hyperparameters()`` got the wrapper's config (``_class_path`` this wrapper, its own settings under
+        ``datamodule``) and failed reading its own (qa39-user 01). Give it its own settings, from its entry in that
+        config, and give the outermost wrapper the whole ``data`` config (the loggers' and the checkpoint's
+        DataModule hyperparameters). Nothing happens outside the CLI."""
+        config = getattr(datamodule, "_effi_cli_data_config", None)
+        if config is None:
+            config = _cli_wrapper_config(getattr(datamodule, "_hparams", None))
+            if config is None:
+                return
+            entry = _entry_of(config, type(datamodule))
+            if entry is not None:  # the user's DataModule: its own settings
+                own = {"_class_path": entry["class_path"], **(entry.get("init_args") or {})}
+                own.update(entry.get("dict_kwargs") or {})
+                own["_instantiator"] = config["_instantiator"]
+                datamodule._hparams = AttributeDict(own)
+                datamodule._hparams_initial = copy.deepcopy(datamodule._hparams)  # type: ignore[attr-defined]
+        if _resolve(config.get("_class_path")) is type(self):  # the outermost wrapper: the CLI's data entry
+            self._set_hparams(dict(config))
+            self._hparams_initial = copy.deepcopy(self._hparams)
+        else:  # a wrapper inside another: hand the config on
+            self._effi_cli_data_config = config
 
     def prepare_data(self) -> None:
         self.datamodule.prepare_data()

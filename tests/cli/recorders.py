@@ -23,3 +23,20 @@ class Batches(pl.Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         config = pl_module.model.config
         self.sizes.append((config.n_embd, config.n_layer))
+
+
+class SavingDataModule(pl.LightningDataModule):
+    """A user's DataModule as Lightning's docs teach it: ``save_hyperparameters()``, then its settings read from
+    ``self.hparams`` in ``setup``."""
+
+    def __init__(self, n: int = 16, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str) -> None:
+        from tests.helpers.tiny import TokenBlocks
+
+        self.train_dataset = TokenBlocks(n=self.hparams.n)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.train_dataset, batch_size=self.hparams.batch_size, shuffle=True)
