@@ -31,26 +31,29 @@ from lightning_effi.report.load import ReportError, Run, load_runs
 from lightning_effi.report.table import COLUMNS, Report, build_report, write_report
 
 if TYPE_CHECKING:
-    from lightning_effi.report.record import write_result
+    from lightning_effi.report.record import ResultWriter, write_result
+
+#: names imported on first use: they need Lightning (and so torch), which the report itself starts without
+_LAZY = ("ResultWriter", "write_result")
 
 
 def __getattr__(name: str) -> Any:
-    # write_result needs Lightning (and so torch): imported on first use, so that the report itself starts without
-    if name == "write_result":
-        from lightning_effi.report.record import write_result
+    if name in _LAZY:
+        from lightning_effi.report import record
 
-        return write_result
+        return getattr(record, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), "write_result"})
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [
     "COLUMNS",
     "Reach",
     "Report",
+    "ResultWriter",
     "ReportError",
     "Run",
     "Saving",

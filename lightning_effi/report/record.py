@@ -11,7 +11,8 @@ the technique runs, each into its own folder, then ``python -m lightning_effi.re
 (Kaddour et al. 2023, "No Train No Gain", NeurIPS, Sec. 3). The record holds the same fields as the Hydra app's
 (``lightning_effi.train.run``): the techniques (callbacks with an ``effi_adjust``, ``effi_baseline`` or
 ``effi_schedule_state`` hook, each with its ``config()``), the monitor's summary, curve and schedule, the final
-metrics and the run's length; ``overrides`` is empty and paths are relative to ``out_dir``.
+metrics and the run's length; ``overrides`` are your ``config`` flattened (none without it) and paths are relative to
+``out_dir``. :class:`ResultWriter` writes it from a callback, for a ``LightningCLI`` run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,16 @@ from lightning_effi.core.compat import runs_in_spawned_processes
 from lightning_effi.report.frontier import check_mode, infer_mode
 from lightning_effi.report.load import SCHEMA, budget_key, json_safe
 
-__all__ = ["TECHNIQUE_HOOKS", "make_record", "save_record", "scalar_metrics", "stopped_early", "write_result"]
+__all__ = [
+    "TECHNIQUE_HOOKS",
+    "ResultWriter",
+    "config_overrides",
+    "make_record",
+    "save_record",
+    "scalar_metrics",
+    "stopped_early",
+    "write_result",
+]
 
 #: the hooks that make a callback a technique (it changes what is computed, or has a schedule)
 TECHNIQUE_HOOKS = ("effi_adjust", "effi_baseline", "effi_schedule_state")
@@ -78,8 +88,11 @@ def write_result(
     arm: str | None = None,
     task_name: str = "",
     metrics: Mapping[str, float] | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``<out_dir>/result.json`` for the fit ``trainer`` just ran (on rank 0; other ranks write nothing).
+    Call it after ``trainer.fit(...)``, or from a callback's ``on_fit_end`` (:class:`ResultWriter` does, for a
+    ``LightningCLI`` run), wherever that callback is listed.
 
     Args:
         trainer: a Trainer after ``fit`` (and ``test`` if you want test metrics), with an ``EfficiencyMonitor``.
@@ -97,7 +110,10 @@ def write_result(
             of one comparison share it (the report refuses to mix tasks). metrics: more final scalar metrics (e.g.
             ``trainer.test(...)[0]``), added to the Trainer's (its ``callback_metrics``) and to the fit's last
             validation metrics (the monitor's curve: kept when a ``trainer.test`` after the fit replaced the
-            Trainer's).
+            Trainer's). config: the run's configuration (a nested mapping: ``LightningCLI``'s config as a dict, or
+            your own settings), recorded as ``overrides`` (``key=value``, dotted keys; :func:`config_overrides`) so
+            that the report notes runs whose model, data or trainer settings differ, as it does for the Hydra
+            app's runs; None records none.
 
     Returns:
         The path of the written ``result.json``.
@@ -115,6 +131,9 @@ def write_result(
     (``length.stopped_early``) and the report leaves such a baseline out of its frontier (:func:`make_record`).
     """
     monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
+    if monitor is not None and not monitor.summary and monitor.totals.get("batches") and trainer.fit_loop.done:
+        # called in on_fit_end by a callback listed before the monitor, which sums up the fit in its own (qa39-user 02)
+        monitor.summary = monitor.compute_summary(trainer)
     if monitor is None or not monitor.summary:
         spawned = runs_in_spawned_processes(trainer)
         raise ValueError(
@@ -200,8 +219,126 @@ def write_result(
         metric=metric,
         mode=checked_mode,
         metrics=values,
+        overrides=None if config is None else config_overrides(config),
     )
     return save_record(trainer, record, out_dir)
+
+
+#: configuration keys that are not the run's setup: the callbacks and loggers (the techniques are recorded apart),
+#: where it writes, and LightningCLI's own entries
+_NOT_CONFIG_KEYS = frozenset(
+    {
+        "trainer.callbacks",
+        "trainer.logger",
+        "trainer.default_root_dir",
+        "trainer.enable_checkpointing",
+        "ckpt_path",
+        "config",
+        "seed_everything",
+        "seed",
+    }
+)
+
+
+def config_overrides(config: Mapping[str, Any]) -> list[str]:
+    """A run's configuration as the ``key=value`` overrides of its record (sorted; dotted keys, lists and other
+    leaves as JSON): ``LightningCLI``'s ``{"model": {"class_path": ..., "init_args": {...}}, "data": ...,
+    "trainer": {...}}`` gives ``model.init_args.n_layer=4``, ``trainer.max_steps=400``, ... The report compares the
+    ``model``, ``data``, ``trainer``, ``optimizer`` and ``lr_scheduler`` keys across runs, the length left out.
+
+    Left out: the callbacks, loggers and output folder (the techniques are recorded from the callbacks themselves),
+    the seed, ``ckpt_path`` and the CLI's ``config`` files; and the technique DataModules a ``data`` entry wraps
+    your DataModule in (``lightning_effi.CurriculumDataModule`` / ``InfoBatchDataModule``): ``data`` is your
+    DataModule's entry, so a technique run and its baselines compare on the same keys."""
+    from lightning_effi.core.wrapping import WrappingDataModule, _resolve
+
+    items: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if prefix in _NOT_CONFIG_KEYS or prefix.rsplit(".", 1)[-1].startswith("__"):
+            return
+        if isinstance(value, Mapping):
+            if prefix == "data" and isinstance(value.get("init_args"), Mapping):
+                cls = _resolve(value.get("class_path"))
+                inner = value["init_args"].get("datamodule")
+                if isinstance(cls, type) and issubclass(cls, WrappingDataModule) and isinstance(inner, Mapping):
+                    walk("data", inner)  # the user's DataModule, not the technique's wrapper
+                    return
+            for key, sub in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), sub)
+            return
+        items[prefix] = json.dumps(json_safe(value), sort_keys=True, default=str)
+
+    walk("", dict(config))
+    return [f"{k}={v}" for k, v in sorted(items.items())]
+
+
+class ResultWriter(pl.Callback):
+    """Writes the run's ``result.json`` at the end of ``fit`` (:func:`write_result`): for runs whose ``fit`` you do
+    not call yourself, e.g. ``LightningCLI``'s ``fit`` subcommand, where it goes in the YAML beside the
+    ``EfficiencyMonitor`` (anywhere in the list)::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_effi.EfficiencyMonitor
+            - class_path: lightning_effi.report.ResultWriter
+              init_args: {metric: val/loss, budget: 0.5}
+
+    Args:
+        metric, mode, seed, budget, arm, task_name: as :func:`write_result`.
+        out_dir: the run's folder; None: ``trainer.log_dir`` (the logger's version folder, one per run), else
+            ``trainer.default_root_dir``.
+        config: ``"cli"`` (default): the ``LightningCLI`` configuration when the Trainer has its
+            ``SaveConfigCallback`` (recorded as overrides, :func:`config_overrides`), else none; a mapping: that
+            configuration; None: none.
+
+    Raises:
+        ValueError: (at the end of fit) as :func:`write_result`.
+    """
+
+    def __init__(
+        self,
+        metric: str,
+        out_dir: str | None = None,
+        mode: str | None = None,
+        seed: int | None = None,
+        budget: float = 1.0,
+        arm: str | None = None,
+        task_name: str = "",
+        config: str | Mapping[str, Any] | None = "cli",
+    ) -> None:
+        super().__init__()
+        if config is not None and config != "cli" and not isinstance(config, Mapping):
+            raise ValueError(f"ResultWriter: config must be 'cli', a mapping or None, got {config!r}")
+        self.metric, self.out_dir, self.mode, self.seed = metric, out_dir, mode, seed
+        self.budget, self.arm, self.task_name, self.config = budget, arm, task_name, config
+        #: the path of the last result.json written
+        self.path: Path | None = None
+
+    def _config(self, trainer: pl.Trainer) -> Mapping[str, Any] | None:
+        if self.config != "cli":
+            return self.config if isinstance(self.config, Mapping) else None
+        from lightning.pytorch.cli import SaveConfigCallback
+
+        saver = next((c for c in trainer.callbacks if isinstance(c, SaveConfigCallback)), None)  # type: ignore[attr-defined]
+        if saver is None:
+            return None
+        config = saver.config
+        return config.as_dict() if hasattr(config, "as_dict") else dict(config)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        out_dir = self.out_dir or trainer.log_dir or trainer.default_root_dir
+        self.path = write_result(
+            trainer,
+            out_dir,
+            metric=self.metric,
+            mode=self.mode,
+            seed=self.seed,
+            budget=self.budget,
+            arm=self.arm,
+            task_name=self.task_name,
+            config=self._config(trainer),
+        )
 
 
 def make_record(

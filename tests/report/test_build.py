@@ -507,3 +507,41 @@ def test_baselines_of_different_models_in_one_frontier_are_noted(tmp_path):
         n.startswith("frontier of seed 0: its baselines' training FLOPs per token differ (1e+09 at budget 0.5, "
                      "2e+09 at budget 1)") for n in notes
     )  # fmt: skip
+
+
+def test_a_configuration_recorded_by_write_result_is_compared_like_overrides(tmp_path):
+    """write_result(config=...) (a LightningCLI run's config, ResultWriter's default) records the setup as overrides:
+    a random-LTD arm left at n_layer=3 and lr=0.01 read +30.7% against 4-layer baselines with no note (qa39-user
+    03). The technique's DataModule wrapper, the callbacks and the length are not setup keys."""
+    from lightning_effi.report.record import config_overrides
+
+    def config(n_layer, lr, steps, wrapped=False):
+        user = {"class_path": "my.DM", "init_args": {"batch_size": 16}}
+        wrapper = {"class_path": "lightning_effi.CurriculumDataModule", "init_args": {"datamodule": user}}
+        data = wrapper if wrapped else user
+        return {
+            "seed_everything": 0,
+            "model": {"class_path": "my.GPT", "init_args": {"n_layer": n_layer, "lr": lr}},
+            "data": data,
+            "trainer": {"max_steps": steps, "callbacks": [{"class_path": "lightning_effi.EfficiencyMonitor"}]},
+        }
+
+    overrides = config_overrides(config(4, 0.001, 30))
+    assert overrides == [
+        'data.class_path="my.DM"',
+        "data.init_args.batch_size=16",
+        'model.class_path="my.GPT"',
+        "model.init_args.lr=0.001",
+        "model.init_args.n_layer=4",
+        "trainer.max_steps=30",
+    ]
+    assert config_overrides(config(4, 0.001, 30, wrapped=True)) == overrides
+    write_record(tmp_path / "0", budget=0.5, flops=2e12, loss=2.6, overrides=config_overrides(config(4, 0.001, 30)))
+    write_record(tmp_path / "1", budget=1.0, flops=4e12, loss=2.3, overrides=config_overrides(config(4, 0.001, 60)))
+    same = config_overrides(config(4, 0.001, 60, wrapped=True))
+    write_record(tmp_path / "2", arm="random_ltd", budget=1.0, flops=3e12, loss=2.4, overrides=same)
+    assert not [n for n in build_report(load_runs([tmp_path])).notes if "overrides differ" in n]
+    other = config_overrides(config(3, 0.01, 60, wrapped=True))
+    write_record(tmp_path / "2", arm="random_ltd", budget=1.0, flops=3e12, loss=2.4, overrides=other)
+    (note,) = [n for n in build_report(load_runs([tmp_path])).notes if "overrides differ" in n]
+    assert "model.init_args.lr=0.01 vs 0.001; model.init_args.n_layer=3 vs 4" in note
