@@ -445,6 +445,9 @@ class InfoBatchCallback(Callback):
         #: where the run's per-sample losses come from ("fn", "returned", "auto"; "manual"), decided at the first batch
         self.per_sample_source: str | None = None
         self._shift: bool | None = None  # automatic path: the causal shift detected at the first batch
+        # automatic path: the loss's reduction (the labelled-token mean or the samples' means), detected at the first
+        # batch that tells them apart
+        self._token_mean: bool | None = None
         self._step: _Step | None = None  # the batch being trained (set by the training_step wrapper)
         self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
         self._checkpoint_epoch: int | None = None  # the Lightning epoch of the checkpoint being restored (fit)
@@ -680,6 +683,7 @@ class InfoBatchCallback(Callback):
         self.thin_stats = torch.zeros(3, dtype=torch.int64)
         self._mask, self._mask_epoch, self._stop_step, self._run_steps = None, -1, None, None
         self.per_sample_source, self._shift, self._step = None, None, None
+        self._token_mean = None
         self._loss_mismatch_warned = False
 
     def _setup_within_curriculum(
@@ -937,8 +941,11 @@ class InfoBatchCallback(Callback):
                 )
             try:
                 if not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all()):
-                    found = ib.auto_losses(outputs, batch, loss, self._shift)
-                    per_sample, scores, self._shift = found.per_sample, found.scores, found.shift
+                    found = ib.auto_losses(outputs, batch, loss, self._shift, self._token_mean)
+                    per_sample, self._shift = found.per_sample, found.shift
+                    if found.token_mean is not None:  # the first batch that tells the reductions apart decides
+                        self._token_mean = found.token_mean
+                    scores = scores if scores is not None else found.scores  # a returned "per_sample_score" wins
                 else:  # a non-finite loss cannot be checked (a causal shift not yet detected is detected at the
                     # next finite loss). The per-sample losses carry it (NaN), so that the weighted loss is as
                     # non-finite as the module's: the non-finite policy (on_before_backward) stops the fit or counts

@@ -1257,21 +1257,25 @@ class AutoLoss(NamedTuple):
             score InfoBatch ranks it by; NaN for a sample without a labelled token (a masked LM's draw that masked
             none of its tokens, a sample all of whose labels are ``-100``): such a sample is not scored.
         shift: the causal-LM shift used (``[B, T, V]``; False for ``[B, C]``).
-        token_mean: whether the step's loss is the mean over the batch's tokens (Hugging Face's language-model
-            losses over padded or masked batches) rather than the mean of the samples' means.
+        token_mean: whether the step's loss is the mean over the batch's labelled tokens (Hugging Face's
+            language-model losses over padded or masked batches; torch's ``F.cross_entropy`` over ``[B, C]`` logits
+            with ``-100`` labels) rather than the mean of the samples' means; None when this batch cannot tell
+            (both reproduce the loss: every sample has as many labelled tokens, or the values agree within the
+            tolerance), in which case ``per_sample`` weighs by the labelled tokens, the Hugging Face and torch
+            default.
     """
 
     per_sample: Tensor
     scores: Tensor
     shift: bool
-    token_mean: bool
+    token_mean: bool | None
 
 
 def auto_per_sample_loss(
     outputs: Any, batch: Any, loss: Tensor, shift: bool | None = None, verify: bool = True
 ) -> tuple[Tensor, bool]:
     """``(per_sample, shift)`` of :func:`auto_losses` (same arguments and errors)."""
-    found = auto_losses(outputs, batch, loss, shift, verify)
+    found = auto_losses(outputs, batch, loss, shift, verify=verify)
     return found.per_sample, found.shift
 
 
@@ -1294,7 +1298,14 @@ def _auto(per_sample: Tensor, counts: Tensor, s: bool, token_mean: bool) -> Auto
     return AutoLoss(per_sample, scores, s, token_mean)
 
 
-def auto_losses(outputs: Any, batch: Any, loss: Tensor, shift: bool | None = None, verify: bool = True) -> AutoLoss:
+def auto_losses(
+    outputs: Any,
+    batch: Any,
+    loss: Tensor,
+    shift: bool | None = None,
+    token_mean: bool | None = None,
+    verify: bool = True,
+) -> AutoLoss:
     """The per-sample loss of a module whose ``training_step`` returns a plain cross-entropy ``loss``: the logits of
     its forward output (:func:`find_logits`) against the batch's labels (:func:`find_labels`), per sample
     (:func:`per_sample_cross_entropy`, ``ignore_index=-100``), checked against ``loss``: their mean must reproduce it
@@ -1311,8 +1322,12 @@ def auto_losses(outputs: Any, batch: Any, loss: Tensor, shift: bool | None = Non
     Args:
         outputs: the forward output (a tensor, a mapping or object with ``logits``). batch: the user's batch.
         loss: the scalar loss ``training_step`` returned for this batch. shift: None (detect), True or False.
+        token_mean: the reduction detected on an earlier batch (:attr:`AutoLoss.token_mean`), which this batch
+            must reproduce; None: detect (the same values can come from both reductions on one batch, with
+            different gradients, so the caller keeps the first one a batch tells apart).
         verify: False skips the check against ``loss`` (for a non-finite loss, which cannot be checked); then
-            ``shift`` must be given for ``[B, T, V]`` logits, and the samples' means are returned.
+            ``shift`` must be given for ``[B, T, V]`` logits, and the reduction ``token_mean`` says (the samples'
+            means when None) is returned.
 
     Returns:
         an :class:`AutoLoss`.
@@ -1366,20 +1381,22 @@ def auto_losses(outputs: Any, batch: Any, loss: Tensor, shift: bool | None = Non
         ) from None
     if not verify:
         s, per_sample = candidates[0]
-        return _auto(per_sample, _labelled(logits, labels, s), s, False)
+        return _auto(per_sample, _labelled(logits, labels, s), s, bool(token_mean))
     if not bool(torch.isfinite(loss.detach())):
         raise ValueError(
             f"the automatic per-sample loss cannot be checked against a non-finite loss ({float(loss.detach())}); "
             + PER_SAMPLE_LOSS_HINT
         )
+    class_probabilities = logits.dim() == 2 and labels.is_floating_point()
+    reductions = [False] if class_probabilities else [False, True] if token_mean is None else [token_mean]
     for s, per_sample in candidates:
-        if losses_agree(per_sample, loss):
-            return _auto(per_sample, _labelled(logits, labels, s), s, False)
-    if logits.dim() == 3:  # the mean over the batch's labelled tokens
-        for s, per_sample in candidates:
-            found = _auto(per_sample, _labelled(logits, labels, s), s, True)
-            if losses_agree(found.per_sample, loss):
-                return found
+        counts = _labelled(logits, labels, s)
+        agree = [r for r in reductions if losses_agree(_auto(per_sample, counts, s, r).per_sample, loss)]
+        if not agree:
+            continue
+        if len(agree) == 2:  # both reproduce the loss on this batch: the labelled-token mean, told as undecided
+            return _auto(per_sample, counts, s, True)._replace(token_mean=None)
+        return _auto(per_sample, counts, s, agree[0])
     means = "; ".join(
         f"{'with' if s else 'without'} the causal shift: mean {float(p.detach().double().mean()):.6g}"
         if logits.dim() == 3
@@ -1394,7 +1411,14 @@ def auto_losses(outputs: Any, batch: Any, loss: Tensor, shift: bool | None = Non
         f"{loss_tolerance(candidates[0][1], loss):.2g}): your loss is not plain cross-entropy of these logits "
         f"and labels (label smoothing, class weights, an extra term, other logits, labels elsewhere in the batch: a "
         "tuple batch's labels are taken from its last element...), neither as the mean of the samples' means nor "
-        "as the mean over the batch's labelled tokens. InfoBatch will not train on another loss than yours: "
+        "as the mean over the batch's labelled entries"
+        + (
+            ""
+            if token_mean is None
+            else f" (this run's earlier batches gave the {'labelled-token mean' if token_mean else 'samples means'}"
+            ", which this one must reproduce)"
+        )
+        + ". InfoBatch will not train on another loss than yours: "
         + PER_SAMPLE_LOSS_HINT
     )
 

@@ -455,6 +455,31 @@ def test_a_token_mean_loss_trains_automatically_and_a_sample_without_labels_is_n
     assert bool((cb.score[~unlabelled] > 0).all())
 
 
+def test_the_reduction_is_kept_from_the_first_batch_that_tells_and_ignored_class_labels_are_a_labelled_mean():
+    """qa39-break 01: where the samples' means and the labelled-token mean give the same value (close per-sample
+    losses near initialisation) the gradients still differ; the samples' means were taken by value on such batches,
+    so a run flipped between reductions. Such a batch is undecided (trained as the labelled-token mean, the HF and
+    torch default) and the first batch that tells them apart fixes the reduction. qa39-break 05: torch's
+    F.cross_entropy over [B, C] logits with a -100 label is the mean over the labelled samples: reproduced, the
+    unlabelled sample not scored (it stopped the fit, "not plain cross-entropy")."""
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.5, 0.0, 0.2]], requires_grad=True)
+    y = torch.tensor([0, -100, 2])
+    found = ib.auto_losses(logits, (logits, y), F.cross_entropy(logits, y))
+    each = F.cross_entropy(logits, y, reduction="none")
+    assert found.token_mean is True and torch.allclose(found.per_sample, each * torch.tensor([1.5, 0.0, 1.5]))
+    assert torch.isnan(found.scores[1]) and torch.allclose(found.scores[[0, 2]], each[[0, 2]])
+    # equal counts: both reductions agree and train alike; undecided
+    y = torch.tensor([0, 1, 2])
+    same = ib.auto_losses(logits, (logits, y), F.cross_entropy(logits, y))
+    assert same.token_mean is None and torch.allclose(same.per_sample, F.cross_entropy(logits, y, reduction="none"))
+    # a run whose earlier batch gave the samples' means must go on with them
+    y = torch.tensor([0, -100, 2])
+    with pytest.raises(ValueError, match=r"this run's earlier batches gave the samples means"):
+        ib.auto_losses(logits, (logits, y), F.cross_entropy(logits, y), token_mean=False)
+    sample_mean = F.cross_entropy(logits, y, reduction="none").mean()
+    assert ib.auto_losses(logits, (logits, y), sample_mean, token_mean=False).token_mean is False
+
+
 def test_a_returned_per_sample_score_scores_the_samples(tmp_path):
     """``"per_sample_score"`` beside ``"per_sample_loss"``: the score table takes it (NaN: not scored); a score of
     another shape is refused naming the contract."""
@@ -475,6 +500,15 @@ def test_a_returned_per_sample_score_scores_the_samples(tmp_path):
     even = torch.arange(N) % 2 == 0
     assert cb.seen[even].all() and not cb.seen[~even].any()
     assert torch.equal(cb.score[even], torch.arange(N)[even].float())
+
+    class ScoresBesidePlainLoss(EncoderClassifier):  # the automatic per-sample loss, the user's scores (qa39-break 02)
+        def training_step(self, batch, batch_idx):
+            index = batch_meta(self._trainer)["index"]
+            loss = F.cross_entropy(self(batch.tokens), batch.y)
+            return {"loss": loss, "per_sample_score": 1000.0 + index.float()}
+
+    cb = fit(tmp_path / "auto", ScoresBesidePlainLoss(), UserData(Tokens(), dataclass_collate))
+    assert cb.per_sample_source == "auto" and torch.equal(cb.score, 1000.0 + torch.arange(N).float())
     with pytest.raises(ValueError, match=r'"per_sample_score" must be a float tensor of shape \(4,\)'):
         fit(tmp_path / "bad", Scores(shape_ok=False), UserData(Tokens(), dataclass_collate))
 
