@@ -321,7 +321,7 @@ def test_a_collate_that_draws_at_random_is_refused_for_the_analysis(tmp_path):
     metrics = {"first_token": {**PCT, "analysis": first_token}}
     with pytest.raises(
         CurriculumConfigError,
-        match=r"collates the same 40 samples into two different batches.*"
+        match=r"collates the same 40 samples into batches on which the metric.*"
         r"pass Curriculum\(analysis_collate_fn=\.\.\.\)",
     ):
         make_trainer(tmp_path, [Curriculum(metrics=metrics)], max_steps=1).fit(
@@ -332,16 +332,18 @@ def test_a_collate_that_draws_at_random_is_refused_for_the_analysis(tmp_path):
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
-    check_deterministic_collate(TokenBlocks(), torch.utils.data.default_collate, 16, "first_token")
-    with pytest.raises(CurriculumConfigError, match="two different batches"):
-        check_deterministic_collate(TokenBlocks(), masking_collate, 16, "first_token")
-
-    def with_nan_and_text(samples):  # deterministic, with values that equal nothing (NaN) or are not tensors
-        batch = torch.utils.data.default_collate(samples)
-        return {**batch, "weight": torch.full((len(samples),), float("nan")), "text": ["a"] * len(samples)}
-
-    check_deterministic_collate(TokenBlocks(), with_nan_and_text, 16, "first_token")
+    check_deterministic_collate(TokenBlocks(), torch.utils.data.default_collate, 16, "first_token", first_token)
+    with pytest.raises(CurriculumConfigError, match="batches on which the metric gives other values"):
+        check_deterministic_collate(TokenBlocks(), masking_collate, 16, "first_token", first_token)
     assert torch.equal(torch.rand(3), expected)  # the checks left the global random state as it was
+
+    def masking_later_tokens(samples):  # random, but not where the metric reads (the first token): accepted
+        batch = torch.utils.data.default_collate(samples)
+        ids = batch["input_ids"].clone()
+        ids[:, 1:][torch.rand(ids[:, 1:].shape) < 0.5] = 1
+        return {**batch, "input_ids": ids, "weight": float("nan"), "text": object()}  # leaves that equal nothing
+
+    check_deterministic_collate(TokenBlocks(), masking_later_tokens, 16, "first_token", first_token)
     cb = Curriculum(
         metrics=metrics, analysis_collate_fn=torch.utils.data.default_collate, percentile_rounding="proportional"
     )

@@ -5,7 +5,6 @@ index files. The method card is ``lightning_effi/curriculum/README.md``.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -94,24 +93,22 @@ def analyze_in_memory(
             ``analyze_data.py``): ``total_vocab_freq`` (needs ``vocab_size`` >= the largest token id + 1), then the
             rarity. ``seqlen`` uses the dataset's vectorised ``sequence_lengths()`` when it has one and no options
             are given.
-        collate_fn: the training loader's collate function (or the curriculum's ``analysis_collate_fn``); it must
-            give the same batch for the same samples (checked on the first batch's samples, the global random state
-            left as it was). batch_size: analysis batch size.
+        collate_fn: the training loader's collate function (or the curriculum's ``analysis_collate_fn``); the
+            metric must read the same values from two collates of the same samples (checked on the first batch's
+            samples, the global random state left as it was). batch_size: analysis batch size.
 
     Raises:
         CurriculumConfigError: unknown metric or options; a metric that cannot read a batch (its ``KeyError`` /
             ``TypeError`` / ``ValueError``, chained) or returning floats or a wrong shape; a ``collate_fn`` that
-            collates the same samples into two different batches (random masking, as Hugging Face's
-            ``DataCollatorForLanguageModeling``, or augmentation at collate time: each sample's difficulty would be a
-            random draw).
+            collates the same samples into batches the metric reads other values from (random masking, as Hugging
+            Face's ``DataCollatorForLanguageModeling``, or augmentation at collate time: each sample's difficulty
+            would be a random draw).
     """
     name, options = _metric_name(analysis)
     if name == "seqlen" and not options and not callable(analysis):
         lengths = sequence_lengths(dataset)
         if lengths is not None:
             return np.asarray(lengths, dtype=np.int64)
-    if collate_fn is not None:
-        check_deterministic_collate(dataset, collate_fn, min(batch_size, len(dataset)), name)
 
     def loader() -> Any:
         return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
@@ -122,18 +119,22 @@ def analyze_in_memory(
         fn = analysis if callable(analysis) else get_metric(name, **options)
     except (KeyError, TypeError, ValueError) as e:
         raise CurriculumConfigError(f"curriculum analysis {name!r}: {e}") from None
+    if collate_fn is not None:
+        check_deterministic_collate(dataset, collate_fn, min(batch_size, len(dataset)), name, fn)
     out = [_per_sample(name, _run(name, fn, batch), batch) for batch in loader()]
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def check_deterministic_collate(dataset: Any, collate_fn: Any, n: int, name: str) -> None:
-    """Collate the first ``n`` samples of ``dataset`` twice in a row and compare the two batches (every tensor and
-    value); Python's, NumPy's and torch's global random states are then put back as they were.
+def check_deterministic_collate(dataset: Any, collate_fn: Any, n: int, name: str, fn: Any) -> None:
+    """Collate the first ``n`` samples of ``dataset`` twice in a row and compare the metric ``fn``'s values on the two
+    batches; Python's, NumPy's and torch's global random states are then put back as they were. A collate that draws
+    at random but leaves what the metric reads alone (a masked LM's masking under ``seqlen``, which reads the
+    attention mask) passes.
 
     Raises:
-        CurriculumConfigError: the two batches differ: ``collate_fn`` draws at random (masking, augmentation), and an
-            analysis through it gives each sample a random difficulty. The message names the collate function and
-            the ways out (``Curriculum(analysis_collate_fn=...)``, an offline index).
+        CurriculumConfigError: the values differ: ``collate_fn`` draws at random (masking, augmentation) where the
+            metric reads, and an analysis through it gives each sample a random difficulty. The message names the
+            collate function and the ways out (``Curriculum(analysis_collate_fn=...)``, an offline index).
     """
     if n < 1:
         return
@@ -145,52 +146,19 @@ def check_deterministic_collate(dataset: Any, collate_fn: Any, n: int, name: str
     finally:
         random.setstate(state[0])
         np.random.set_state(state[1])
-    if not _same(batches[0], batches[1]):
+    values = [_per_sample(name, _run(name, fn, batch), batch) for batch in batches]
+    if not np.array_equal(values[0], values[1]):
         what = getattr(collate_fn, "__qualname__", None) or type(collate_fn).__name__
         raise CurriculumConfigError(
             f"curriculum analysis {name!r}: its collate_fn ({what}; the training loader's unless "
-            f"Curriculum(analysis_collate_fn=...) gives one) collates the same {n} samples into two different "
-            "batches (random masking, as DataCollatorForLanguageModeling's, or augmentation at collate time), so "
-            "the analysis would give each sample a random difficulty; pass "
+            f"Curriculum(analysis_collate_fn=...) gives one) collates the same {n} samples into batches on which the "
+            f"metric gives other values ({int((values[0] != values[1]).sum())} of {n} samples differ: random "
+            "masking, as DataCollatorForLanguageModeling's, or augmentation at collate time), so the analysis would "
+            "give each sample a random difficulty; pass "
             "Curriculum(analysis_collate_fn=...) a collate without random draws (for a masked LM, "
             "DataCollatorWithPadding(tokenizer): the metric reads the real tokens), or compute the index offline "
             "(DataAnalyzer) from the unmasked samples"
         )
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two collated batches are equal: the same structure, equal tensors (shape, dtype, values), equal other
-    leaves."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and (
-                bool(torch.equal(a, b))
-                or (
-                    a.is_floating_point()
-                    and bool(torch.equal(a.isnan(), b.isnan()))
-                    and bool(torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
-                )
-            )
-        )
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        try:
-            return bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True))
-        except TypeError:  # a dtype without NaN (strings, objects)
-            return bool(np.array_equal(np.asarray(a), np.asarray(b)))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if dataclasses.is_dataclass(a) and not isinstance(a, type) and type(a) is type(b):
-        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    try:
-        return bool(a == b)
-    except Exception:  # a leaf without a plain equality: not compared
-        return True
 
 
 def _run(name: str, fn: Any, batch: Any) -> Any:
