@@ -66,7 +66,23 @@ def technique_settings(callback: object) -> dict[str, Any]:
     read = getattr(callback, "effi_settings", None)
     read = read if callable(read) else getattr(callback, "config", None)
     settings = read() if callable(read) else {}
-    return json.loads(json.dumps(json_safe(dict(settings)), default=str))  # type: ignore[no-any-return]
+    return json.loads(json.dumps(json_safe(dict(settings)), default=describe_object))  # type: ignore[no-any-return]
+
+
+def describe_object(value: Any) -> str:
+    """A setting that is not JSON (a function, a class, a ``functools.partial``, a collator or other object) as text
+    that is the same in every process: its qualified name (``module.qualname``; a partial with its arguments; an
+    instance by its class), never ``str()``, whose memory address (``<function f at 0x7f...>``) differs between the
+    processes of a sweep, so that the report took two seeds of one arm for two settings (qa39-break 04)."""
+    import functools
+
+    if isinstance(value, functools.partial):
+        args = [describe_object(a) if callable(a) else repr(a) for a in value.args]
+        args += [f"{k}={describe_object(v) if callable(v) else repr(v)}" for k, v in sorted(value.keywords.items())]
+        return f"functools.partial({', '.join([describe_object(value.func), *args])})"
+    target = value if isinstance(value, type) or hasattr(value, "__qualname__") else type(value)
+    name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', type(target).__name__)}"
+    return name if target is value else f"{name}(...)"
 
 
 def _techniques(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
@@ -267,7 +283,7 @@ def config_overrides(config: Mapping[str, Any]) -> list[str]:
             for key, sub in value.items():
                 walk(f"{prefix}.{key}" if prefix else str(key), sub)
             return
-        items[prefix] = json.dumps(json_safe(value), sort_keys=True, default=str)
+        items[prefix] = json.dumps(json_safe(value), sort_keys=True, default=describe_object)
 
     walk("", dict(config))
     return [f"{k}={v}" for k, v in sorted(items.items())]

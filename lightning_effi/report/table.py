@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -434,6 +435,10 @@ def label_variants(runs: Sequence[Run]) -> list[Run]:
     return _label_setting_variants([relabelled.get(id(r), r) for r in runs])
 
 
+#: the memory address in an object's default ``str()`` (`` at 0x7f3c7eab5f80``)
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def _flat_settings(techniques: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """A run's recorded technique settings as ``technique.key[.subkey] -> repr(value)``, the draws' ``seed`` keys
     left out (a sweep over seeds sets them from the run's seed)."""
@@ -442,8 +447,8 @@ def _flat_settings(techniques: Mapping[str, Any], prefix: str = "") -> dict[str,
         path = f"{prefix}{key}"
         if isinstance(value, Mapping):
             out.update(_flat_settings(value, f"{path}."))
-        elif key != "seed":
-            out[path] = repr(value)
+        elif key != "seed":  # an object recorded by str() before: its memory address differs between processes
+            out[path] = _ADDRESS.sub("", repr(value))
     return out
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
@@ -21,7 +22,7 @@ from lightning_effi.train import check_objective, objective, run, techniques_of
 from lightning_effi.utils.instantiate import ConfigError
 from tests.helpers.harness import make_trainer
 from tests.helpers.hydra import compose_train
-from tests.helpers.tiny import TinyDataModule, TokenBlocks, tiny_gpt2
+from tests.helpers.tiny import TinyDataModule, TokenBlocks, seqlen_truncate, tiny_gpt2
 
 STEPS = 6
 
@@ -368,3 +369,23 @@ def test_a_factory_without_a_return_annotation_is_recorded_with_its_settings(tmp
     assert saved["arm"] == "random_ltd" and saved["techniques"]["random_ltd"]["min_value"] == 32
     assert saved["techniques"]["random_ltd"]["built"]["min_value"] == 32  # the settings of the callback it built
     assert "resumed_without" not in saved["techniques"]["random_ltd"]
+
+
+def test_a_callable_setting_is_recorded_by_its_name_not_its_address():
+    """Curriculum(analysis_collate_fn=collate) was recorded as "<function collate at 0x7f...>", an address that differs
+    between a sweep's processes: the report split two seeds of one arm into two one-seed arms (qa39-break 04)."""
+    import functools
+
+    from lightning_effi.report.record import technique_settings
+    from lightning_effi.report.table import _flat_settings
+
+    metrics = seqlen_truncate()
+    cb = Curriculum(metrics=metrics, analysis_collate_fn=torch.utils.data.default_collate)
+    assert technique_settings(cb)["analysis_collate_fn"] == "torch.utils.data._utils.collate.default_collate"
+    cb = Curriculum(metrics=metrics, analysis_collate_fn=functools.partial(torch.utils.data.default_collate))
+    assert technique_settings(cb)["analysis_collate_fn"] == (
+        "functools.partial(torch.utils.data._utils.collate.default_collate)"
+    )
+    old = {"curriculum": {"analysis_collate_fn": "<function collate at 0x7f3c7eab5f80>"}}
+    other = {"curriculum": {"analysis_collate_fn": "<function collate at 0x7f0cdf395f80>"}}
+    assert _flat_settings(old) == _flat_settings(other)  # records written before: the address is left out
