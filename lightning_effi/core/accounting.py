@@ -1370,10 +1370,10 @@ class EfficiencyMonitor(Callback):
         if self._step_at_batch_start is not None and saving_in_train_batch_end(trainer):
             rank_zero_warn(
                 f"{type(self).__name__}: a checkpoint is written at step {trainer.global_step} inside "
-                "on_train_batch_end, before this monitor's own (a callback listed before the monitor saves there): "
-                "its totals leave out this batch, which a fit resumed from it does not train again; list that "
-                "callback after the EfficiencyMonitor, or save with a ModelCheckpoint (Lightning runs checkpoint "
-                "callbacks last)"
+                "on_train_batch_end, before this monitor's own (a callback listed before the monitor saves there, or "
+                "raised there and OnExceptionCheckpoint saved): its totals leave out this batch, which a fit resumed "
+                "from it does not train again; list that callback after the EfficiencyMonitor, or save with a "
+                "ModelCheckpoint (Lightning runs checkpoint callbacks last)"
             )
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if not isinstance(state, dict):

@@ -811,7 +811,11 @@ class Curriculum(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """The fit raised: forget the batch in flight (not committed: its tokens are not counted, its difficulty is not
-        the last one; the stream position stays the last committed batch's, as a checkpoint written then records)."""
+        the last one; the stream position stays the last committed batch's, as a checkpoint written then records).
+        A batch that trained, whose ``on_train_batch_end`` raised in a callback before this one, is committed:
+        Lightning resumes a checkpoint written now (``OnExceptionCheckpoint``) after it (qa39-break 06)."""
+        if self._pending is not None and self.controller is not None and saving_in_train_batch_end(trainer):
+            self._end_batch(trainer)
         self._pending, self._ended_early = None, None
         self._tokens_through_current = self.consumed_tokens
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None

@@ -1344,10 +1344,11 @@ class VCycleCallback(Callback):
         if self._batch_open and saving_in_train_batch_end(trainer):
             rank_zero_warn(
                 f"VCycleCallback: a checkpoint is written at step {trainer.global_step} inside on_train_batch_end, "
-                "before this callback's own (a callback listed before the V-cycle saves there): it holds the V-cycle "
-                "before this batch's end, where a level switch and the batch's FLOPs count happen, so a fit resumed "
-                "from it can switch levels one step late; list that callback after VCycleCallback, or save with a "
-                "ModelCheckpoint (Lightning runs checkpoint callbacks last)"
+                "before this callback's own (a callback listed before the V-cycle saves there, or raised there and "
+                "OnExceptionCheckpoint saved): it holds the V-cycle before this batch's end, where a level switch and "
+                "the batch's FLOPs count happen, so a fit resumed from it can switch levels one step late; list that "
+                "callback after VCycleCallback, or save with a ModelCheckpoint (Lightning runs checkpoint callbacks "
+                "last)"
             )
         weights = self._stack.exact_weights() if self._interrupted is None else self._interrupted["weights"]
         state = (checkpoint.get("callbacks") or {}).get(self.state_key)

@@ -39,10 +39,10 @@ class Lengths(Callback):
         self.rows.append((trainer.global_step, int(batch["input_ids"].shape[1])))
 
 
-def fit(root, callbacks, ckpt=None):
+def fit(root, callbacks, ckpt=None, **kw):
     pl.seed_everything(0)
     trace = Lengths()
-    trainer = make_trainer(root, [*callbacks, trace], max_steps=10, max_epochs=-1)
+    trainer = make_trainer(root, [*callbacks, trace], max_steps=10, max_epochs=-1, **kw)
     model = tiny_gpt2(n_layer=4)
     data = CurriculumDataModule(TinyDataModule(TokenBlocks(n=48), batch_size=4))
     trainer.fit(model, datamodule=data, ckpt_path=ckpt)
@@ -78,3 +78,31 @@ def test_the_vcycle_and_the_monitor_warn_of_a_checkpoint_written_before_their_ba
 
     with pytest.warns(UserWarning, match=rf"{name}: a checkpoint is written at step 2 inside on_train_batch_end"):
         run()
+
+
+class RaiseAt(Callback):
+    """Raises in on_train_batch_end at step k (a callback listed before the techniques, or a Ctrl-C landing there)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("stop here")
+
+
+def test_an_exception_in_batch_end_before_the_curriculum_resumes_after_the_batch(tmp_path):
+    """OnExceptionCheckpoint writes the checkpoint after the curriculum's on_exception, which dropped the trained batch:
+    the resumed stream ran one step late (12 tokens at step 6 where the uninterrupted run trains 16, qa39-break 06).
+    The batch trained, so it is committed."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    def curriculum():
+        return Curriculum(metrics=seqlen_truncate(4, 16, 6, 4), seed=3, num_epochs=2)
+
+    _, rows = fit(tmp_path / "a", [curriculum()])
+    with pytest.raises(RuntimeError, match="stop here"):
+        saver = OnExceptionCheckpoint(tmp_path / "exc", filename="exc")
+        fit(tmp_path / "b", [RaiseAt(4), curriculum(), saver], enable_checkpointing=True)
+    _, tail = fit(tmp_path / "c", [curriculum()], ckpt=str(tmp_path / "exc" / "exc.ckpt"))
+    assert tail == rows[4:]
