@@ -555,7 +555,8 @@ class Curriculum(Callback):
     def _check_budget(self, trainer: pl.Trainer) -> None:
         """Refuse a ``max_steps`` or a ``min_steps`` beyond the sample budget ``N x num_epochs`` (the curriculum's
         stream ends there: Lightning would run empty epochs for a ``min_steps`` it never reaches, forever with
-        ``max_epochs=-1``).
+        ``max_epochs=-1``), and a ``min_epochs`` above ``num_epochs`` (without ``limit_train_batches``, whose shorter
+        epochs make more of them).
 
         Raises:
             CurriculumConfigError: naming both figures.
@@ -578,6 +579,15 @@ class Curriculum(Callback):
             raise CurriculumConfigError(
                 f"curriculum: trainer.min_steps={min_steps} exceeds {budget}: the fit would go on with empty epochs "
                 "after the stream ends (forever with max_epochs=-1); raise num_epochs or lower min_steps"
+            )
+        # each epoch ends at a data epoch's end (without limit_train_batches, one epoch per data epoch)
+        min_epochs = trainer.fit_loop.min_epochs
+        full_epochs = isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0
+        if min_epochs is not None and full_epochs and min_epochs > c.config.num_epochs:
+            raise CurriculumConfigError(
+                f"curriculum: trainer.min_epochs={min_epochs} exceeds the sample budget's {c.config.num_epochs} data "
+                f"epochs (num_epochs; {budget}): the epochs after the stream ends would train nothing; raise "
+                "num_epochs or lower min_epochs"
             )
 
     def _check_manual_steps(self, trainer: pl.Trainer) -> None:

@@ -598,6 +598,11 @@ def test_min_steps_beyond_the_budget_is_refused(tmp_path):
         with pytest.raises(CurriculumConfigError, match=r"min_steps=3 exceeds the sample budget .* = 2 optimizer step"):
             trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=8), batch_size=4)))
         assert trainer.global_step == 0
+    trainer = make_trainer(
+        tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=1)], max_epochs=-1, min_epochs=2
+    )  # and min_epochs past num_epochs: the epochs after the stream trained nothing (qa38-break 02, qa39-break 07)
+    with pytest.raises(CurriculumConfigError, match=r"min_epochs=2 exceeds the sample budget's 1 data epochs"):
+        trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=8), batch_size=4)))
     trainer = make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=1)], min_steps=2)
     trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=8), batch_size=4)))
     assert trainer.global_step == 2
