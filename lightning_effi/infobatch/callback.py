@@ -197,7 +197,9 @@ class _Step:
     rows: int | None = None  # the samples the collated batch holds (find_batch_size), None when unknown
 
 
-def weighted_loss(pl_module: pl.LightningModule, per_sample_loss: Tensor) -> Tensor:
+def weighted_loss(
+    pl_module: pl.LightningModule, per_sample_loss: Tensor, per_sample_score: Tensor | None = None
+) -> Tensor:
     """InfoBatch's loss for a module with **manual optimization**: call it in ``training_step`` on the batch's
     per-sample loss and ``manual_backward`` the result. With an :class:`InfoBatchCallback` in the module's Trainer it
     is :meth:`InfoBatchCallback.weighted_loss` (the weighted mean, Qin et al. 2024, Eq. 4, and the scores recorded);
@@ -205,7 +207,8 @@ def weighted_loss(pl_module: pl.LightningModule, per_sample_loss: Tensor) -> Ten
 
     Args:
         pl_module: the LightningModule being trained. per_sample_loss: ``float[B]``, with grad, one loss per sample
-            of the batch ``training_step`` received.
+            of the batch ``training_step`` received. per_sample_score: optional ``float[B]``, the scores in place
+            of the losses (NaN: that sample is not scored this time), as a returned ``"per_sample_score"``.
 
     Returns:
         A scalar tensor.
@@ -217,7 +220,7 @@ def weighted_loss(pl_module: pl.LightningModule, per_sample_loss: Tensor) -> Ten
     callback = next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, InfoBatchCallback)), None)
     if callback is None:
         return per_sample_loss.mean()
-    return callback.weighted_loss(per_sample_loss)
+    return callback.weighted_loss(per_sample_loss, per_sample_score)
 
 
 class InfoBatchCallback(Callback):
@@ -1068,13 +1071,15 @@ class InfoBatchCallback(Callback):
             return self.thinned_output(output, step.index, step.weights, step.candidates)
         return self.rescale_output(output, step.index)
 
-    def weighted_loss(self, per_sample_loss: Tensor) -> Tensor:
+    def weighted_loss(self, per_sample_loss: Tensor, per_sample_score: Tensor | None = None) -> Tensor:
         """Manual optimization: InfoBatch's loss of the batch being trained, to ``manual_backward``: ``mean(w · l)``
         (Qin et al. 2024, Eq. 4; with the curriculum ``sum(w · l) / B``); the raw losses are recorded as the batch's
         scores. Call it once per ``training_step`` (:func:`weighted_loss` finds this callback from the module).
 
         Args:
             per_sample_loss: ``float[B]``, with grad, one loss per sample of the batch ``training_step`` received.
+            per_sample_score: optional ``float[B]``: the samples' scores in place of their losses (NaN: not scored
+                this time; a masked LM's sample without a masked token), as a returned ``"per_sample_score"``.
 
         Returns:
             A scalar float32 tensor on ``per_sample_loss.device``.
@@ -1085,7 +1090,8 @@ class InfoBatchCallback(Callback):
 
         Raises:
             RuntimeError: called outside the ``training_step`` of a fit with this callback.
-            ValueError: ``per_sample_loss`` not ``float[B]`` with grad; a second call in the same step.
+            ValueError: ``per_sample_loss`` not ``float[B]`` with grad, ``per_sample_score`` not ``float[B]``; a
+                second call in the same step.
         """
         step = self._step
         if step is None:
@@ -1098,8 +1104,12 @@ class InfoBatchCallback(Callback):
                 "batch's per-sample loss"
             )
         self._check_per_sample(per_sample_loss, "manual")
+        output: dict[str, Any] = {"per_sample_loss": per_sample_loss}
+        if per_sample_score is not None:
+            self._check_scores(per_sample_score, "manual")
+            output["per_sample_score"] = per_sample_score.detach()
         step.weighted = True
-        step.loss = self._weigh({"per_sample_loss": per_sample_loss}, step)["loss"]
+        step.loss = self._weigh(output, step)["loss"]
         return step.loss
 
     # ----------------------------------------------------------------------------------------- per batch

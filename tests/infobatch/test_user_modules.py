@@ -1021,6 +1021,29 @@ def test_manual_optimization_trains_through_weighted_loss(tmp_path):
     assert any(bool((r["weights"] == 2.0).any()) for r in rows.rows)
 
 
+def test_manual_optimization_passes_its_scores_through_weighted_loss(tmp_path):
+    """weighted_loss(self, per_sample, per_sample_score): the scores in place of the losses, NaN not scored (manual
+    optimization had no way to leave a sample unscored, qa39-break note)."""
+
+    class ManualScores(ManualViT):
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            per_sample = F.cross_entropy(self(x), y, reduction="none")
+            index = batch_meta(self._trainer)["index"]
+            score = torch.where(index % 2 == 0, index.float(), torch.full_like(per_sample, float("nan")))
+            loss = weighted_loss(self, per_sample, score)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            return loss
+
+    cb = fit(tmp_path, ManualScores(), UserData(SmallImages(), tuple_collate))
+    even = torch.arange(N) % 2 == 0
+    assert cb.seen[even].all() and not cb.seen[~even].any()
+    assert torch.equal(cb.score[even], torch.arange(N)[even].float())
+
+
 class TwoOptimizerViT(ViT):
     """Manual optimization with two optimizers stepped once a batch: global_step advances 2 a batch."""
 
