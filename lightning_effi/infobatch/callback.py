@@ -1614,7 +1614,6 @@ class InfoBatchCallback(Callback):
         h, n = self.history[-1], self.dataset_size
         saved, full = self._epoch_saving(h)
         metrics = {
-            "effi/infobatch/threshold": h["threshold"] if h["kind"] == "prune" else float("nan"),
             "effi/infobatch/well_learned_frac": h["well_learned"] / n,
             "effi/infobatch/kept_well_learned": float(h["kept_well_learned"]),
             "effi/infobatch/pruned_fraction_epoch": saved / max(1, full),
@@ -1623,13 +1622,14 @@ class InfoBatchCallback(Callback):
             **{f"effi/infobatch/{k}": float(v) for k, v in self.totals().items()},
             **self._nonfinite_metrics(),
         }
+        if h["kind"] == "prune" and math.isfinite(h["threshold"]):  # a full epoch has none (no NaN in a CSV column)
+            metrics["effi/infobatch/threshold"] = h["threshold"]
         for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
             logger.log_metrics(metrics, step=pl_module.trainer.global_step)
 
     def _log_thinned_epoch(self, pl_module: pl.LightningModule) -> None:
         h, n = self.history[-1], self.dataset_size
         metrics = {
-            "effi/infobatch/threshold": h["threshold"],
             "effi/infobatch/well_learned_frac": h["well_learned"] / n,
             "effi/infobatch/pruned_fraction_epoch": h["saved"] / max(1, h["drawn"]),
             "effi/infobatch/saved_samples_epoch": float(h["saved"]),
@@ -1638,6 +1638,8 @@ class InfoBatchCallback(Callback):
             **{f"effi/infobatch/{k}": float(v) for k, v in self.totals().items()},
             **self._nonfinite_metrics(),
         }
+        if math.isfinite(h["threshold"]):  # epoch 0 has no scores yet (no NaN in a CSV column)
+            metrics["effi/infobatch/threshold"] = h["threshold"]
         for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
             logger.log_metrics(metrics, step=pl_module.trainer.global_step)
 

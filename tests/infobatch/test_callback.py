@@ -988,3 +988,28 @@ def test_a_timm_schedule_sized_with_estimated_stepping_batches_warns_too(tmp_pat
             module, datamodule=ib_data()
         )
     assert module.trainer.global_step < 20 and module.lrs[-1] > 1e-3
+
+
+def test_the_threshold_is_logged_in_pruned_epochs_only(tmp_path):
+    """A full epoch (epoch 0, the annealing ones) has no threshold: it was logged as NaN, which trips plotting scripts
+    reading the CSV (qa39-user note)."""
+    from lightning.pytorch.loggers import Logger
+
+    class Rows(Logger):
+        name, version, rows = "rows", 0, []
+
+        def log_metrics(self, metrics, step=None):
+            self.rows.append(dict(metrics))
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+    rows = Rows()
+    cb = InfoBatchCallback(prune_ratio=0.5, delta=0.75)
+    make_trainer(tmp_path, [cb], max_epochs=4, logger=rows).fit(tiny_gpt2(), datamodule=ib_data())
+    epochs = [r for r in rows.rows if "effi/infobatch/well_learned_frac" in r]
+    assert len(epochs) == 4 and [h["kind"] for h in cb.history] == ["full", "prune", "prune", "full"]
+    thresholds = [r.get("effi/infobatch/threshold") for r in epochs]
+    assert thresholds[0] is None and thresholds[3] is None
+    assert thresholds[1:3] == [cb.history[1]["threshold"], cb.history[2]["threshold"]]
+    assert all(math.isfinite(v) for r in rows.rows for v in r.values() if isinstance(v, float))
