@@ -1816,6 +1816,9 @@ class InfoBatchCallback(Callback):
             "thin_stats": self.thin_stats.clone(),
             "sample_tokens": self.sample_tokens.clone(),
             "pending_tokens": self.pending_tokens.clone(),
+            # the automatic path's detections, so that a resumed run trains the same reduction (qa40-break 04)
+            "causal_shift": self._shift,
+            "token_mean": self._token_mean,
         }
 
     @override
@@ -1950,6 +1953,8 @@ class InfoBatchCallback(Callback):
         self.table_epoch = int(state_dict.get("table_epoch", -1))
         self.synced_epoch = int(state_dict.get("synced_epoch", -1))
         self.thin_stats = state_dict.get("thin_stats", torch.zeros(3, dtype=torch.int64)).clone()
+        self._shift = state_dict.get("causal_shift", self._shift)
+        self._token_mean = state_dict.get("token_mean", self._token_mean)
         n = self.dataset_size  # a checkpoint written before the token table: every sample's tokens unknown
         self.sample_tokens = state_dict.get("sample_tokens", torch.full((n,), -1.0)).double().clone()
         self.pending_tokens = state_dict.get("pending_tokens", torch.zeros(2, n)).double().clone()
@@ -2033,9 +2038,10 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
     start the score table stands for: never after the checkpoint's own); ``synced_epoch`` int in ``[-1,
     table_epoch]``; ``thin_stats`` integer ``[3]``, ``>= 0``; ``sample_tokens`` float ``[N]``, in ``[0, 2**53]``
     or ``-1``; ``pending_tokens`` float ``[2, N]``, ``>= 0``, whole counts, sums ``<= 2**53`` per count;
+    ``causal_shift``, ``token_mean`` (the automatic per-sample loss's detections) None or a bool;
     ``nonfinite`` (checkpoints written before the non-finite
     loss policy) int ``>= 0``; ``nonfinite_loss`` a dict (checked by
-    :meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`). The last seven may be absent (older
+    :meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`). The last nine may be absent (older
     checkpoints).
 
     Raises:
@@ -2099,6 +2105,9 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
     synced = state.get("synced_epoch", -1)
     if not is_int(synced) or not -1 <= synced <= table_epoch:
         raise refuse("synced_epoch", f"an int in [-1, table_epoch={table_epoch}]", synced)
+    for key in ("causal_shift", "token_mean"):
+        if state.get(key) is not None and not isinstance(state.get(key), bool):
+            raise refuse(key, "None (not detected yet) or a bool", state.get(key))
     stats = state.get("thin_stats")
     if stats is not None and (
         not isinstance(stats, Tensor)

@@ -260,7 +260,9 @@ def config_overrides(config: Mapping[str, Any]) -> list[str]:
     """A run's configuration as the ``key=value`` overrides of its record (sorted; dotted keys, lists and other
     leaves as JSON): ``LightningCLI``'s ``{"model": {"class_path": ..., "init_args": {...}}, "data": ...,
     "trainer": {...}}`` gives ``model.init_args.n_layer=4``, ``trainer.max_steps=400``, ... The report compares the
-    ``model``, ``data``, ``trainer``, ``optimizer`` and ``lr_scheduler`` keys across runs, the length left out.
+    ``model``, ``data``, ``trainer`` and ``optimizer`` keys across runs, the length left out (and the
+    ``lr_scheduler`` entry, whose lengths follow each run's budget: a setting of your LR schedule that does not is
+    not checked).
 
     Left out: the callbacks, loggers and output folder (the techniques are recorded from the callbacks themselves),
     the seed, ``ckpt_path`` and the CLI's ``config`` files; and the technique DataModules a ``data`` entry wraps

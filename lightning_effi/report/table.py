@@ -718,7 +718,7 @@ def shown_path(path: Path | str) -> str:
 
 
 #: override key prefixes that set up the comparison itself (an arm and its baselines should share them)
-_SETUP_PREFIXES = ("model", "data", "experiment", "trainer", "optimizer", "lr_scheduler")
+_SETUP_PREFIXES = ("model", "data", "experiment", "trainer", "optimizer")
 #: trainer keys that do not change what a run trains (its length is compared by :func:`_configured_length`)
 _NOT_SETUP_KEYS = frozenset(
     f"trainer.{k}"

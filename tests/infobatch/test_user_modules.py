@@ -453,6 +453,15 @@ def test_a_token_mean_loss_trains_automatically_and_a_sample_without_labels_is_n
     unlabelled = torch.arange(N) % 4 == 0
     assert not cb.seen[unlabelled].any() and cb.seen[~unlabelled].all()
     assert bool((cb.score[~unlabelled] > 0).all())
+    # the detected reduction is in the checkpoint: a resumed run trains the same one (it was detected again, and a
+    # batch where both reductions gave the loss's value trained the other, qa40-break 04)
+    state = cb.state_dict()
+    assert state["token_mean"] is True and state["causal_shift"] is False
+    from lightning_effi.infobatch.callback import validate_state
+
+    validate_state(state, N)
+    with pytest.raises(ValueError, match=r"the checkpoint's token_mean must be None \(not detected yet\) or a bool"):
+        validate_state({**state, "token_mean": 1}, N)
 
 
 def test_the_reduction_is_kept_from_the_first_batch_that_tells_and_ignored_class_labels_are_a_labelled_mean():
