@@ -551,6 +551,8 @@ class EfficiencyMonitor(Callback):
         self._fit_start: float | None = None
         #: (id of the Trainer, its global_step) at the end of the last fit this monitor counted completely
         self._ended_at: tuple[int, int] | None = None
+        #: write_result calls made in on_fit_end before this monitor summed the fit up, run at the end of its own
+        self.after_summary: list[Callable[[], Any]] = []
         self._loading_rank = 0  # the rank restoring a checkpoint (on_load_checkpoint, for load_state_dict)
         self._warned: set[str] = set()  # the quantities already warned about
         #: ``trainer.train_dataloader`` this epoch: several loaders (a mapping / list) combine their batches
@@ -1232,6 +1234,9 @@ class EfficiencyMonitor(Callback):
         if self.print_summary and trainer.is_global_zero:
             print_block(format_summary(self.summary))  # one write: safe under a live rich display (console.py)
         self.nonfinite_guard.report_at_end()
+        pending, self.after_summary = self.after_summary, []
+        for write in pending:  # write_result called in on_fit_end by a callback listed before this one
+            write()
 
     # ------------------------------------------------------------------------------------------- summary
     def _elapsed_total(self) -> float:

@@ -945,6 +945,11 @@ class InfoBatchCallback(Callback):
             try:
                 if not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all()):
                     found = ib.auto_losses(outputs, batch, loss, self._shift, self._token_mean)
+                    undecided = self._token_mean is None
+                    if undecided and self._trainer is not None and self._trainer.world_size > 1:
+                        agreed = self._agree_on_reduction(self._trainer, found.token_mean)
+                        if agreed is not None and found.token_mean is None:  # another rank's batch told them apart
+                            found = ib.auto_losses(outputs, batch, loss, found.shift, agreed)
                     per_sample, self._shift = found.per_sample, found.shift
                     if found.token_mean is not None:  # the first batch that tells the reductions apart decides
                         self._token_mean = found.token_mean
@@ -955,6 +960,8 @@ class InfoBatchCallback(Callback):
                     # the step, never a finite cross-entropy trained in place of the module's NaN loss; nothing of
                     # the batch is scored (_record)
                     shift = self._shift if self._shift is not None else False
+                    if self._token_mean is None and self._trainer is not None and self._trainer.world_size > 1:
+                        self._agree_on_reduction(self._trainer, None)  # the other ranks' collective of this step
                     per_sample, _ = ib.auto_per_sample_loss(outputs, batch, loss, shift, verify=False)
                     per_sample = per_sample + loss.detach().reshape(()).to(per_sample.dtype) * 0
             except ValueError as err:
@@ -982,6 +989,25 @@ class InfoBatchCallback(Callback):
         self.per_sample_source = source
         output["per_sample_loss"] = per_sample
         return output
+
+    def _agree_on_reduction(self, trainer: pl.Trainer, mine: bool | None) -> bool | None:
+        """Under DDP, while the loss's reduction is undecided (every rank calls this at each step until then): the
+        reduction some rank's batch told apart this step, the same on every rank (each rank decided from its own
+        batches, and a rank whose batches could not tell trained the labelled-token mean while another trained the
+        samples' means, qa41-break 01).
+
+        Raises:
+            ValueError: ranks told different reductions apart (their modules' losses differ).
+        """
+        votes = torch.tensor([int(mine is False), int(mine is True)], device=trainer.strategy.root_device)
+        means, tokens = (int(v) for v in trainer.strategy.reduce(votes, reduce_op="sum").tolist())
+        if means and tokens:
+            raise ValueError(
+                f"InfoBatchCallback: the step's loss is the mean of the samples' means on {means} rank(s) and the mean "
+                f"over the batch's labelled tokens on {tokens}: the ranks' modules compute their loss differently; "
+                + ib.PER_SAMPLE_LOSS_HINT
+            )
+        return False if means else True if tokens else None
 
     def _warn_mixed_targets(self, batch: Any) -> None:
         """Warn once when the batch's targets are class probabilities (a float ``[B, C]`` tensor): in-batch mixing in
@@ -1205,7 +1231,7 @@ class InfoBatchCallback(Callback):
         if epoch == 0 and self.plan is not None and self.plan.epoch > 0:
             return ib.full_plan(self.dataset_size, 0, self.seed)
         if self.plan is None or self.plan.epoch != epoch:
-            if bool(self.count.any()) and self._trainer is not None:
+            if self._trainer is not None and self._pending_anywhere(self._trainer):
                 self.sync_scores(self._trainer)
             if epoch < self.epochs:
                 self.plan = ib.plan_epoch(
@@ -1395,6 +1421,17 @@ class InfoBatchCallback(Callback):
         world = self._trainer.world_size if self._trainer is not None else 1
         full = math.ceil((int(plan.indices.numel()) + int(plan.saved)) / world) * world
         return full / trained if trained else None
+
+    def _pending_anywhere(self, trainer: pl.Trainer) -> bool:
+        """Whether any rank holds recorded losses not yet merged into the score table. Under DDP a collective (every
+        rank calls it at the same point): after a resume only rank 0 holds the pending sums (the other ranks' are
+        zeroed, :meth:`load_state_dict`), so a rank-local test had rank 0 alone enter the merge's collective, and the
+        fit hung (a resume from a checkpoint written at an epoch's last batch, qa41-break 03)."""
+        pending = bool(self.count.any())
+        if trainer.world_size <= 1:
+            return pending
+        flag = torch.tensor([int(pending)], device=trainer.strategy.root_device)
+        return bool(trainer.strategy.reduce(flag, reduce_op="sum").item() > 0)
 
     def sync_scores(self, trainer: pl.Trainer | None) -> None:
         """Sum the epoch's recorded losses over ranks (one collective per epoch) into the score table, identical on

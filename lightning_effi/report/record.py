@@ -17,6 +17,7 @@ metrics and the run's length; ``overrides`` are your ``config`` flattened (none 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -108,7 +109,8 @@ def write_result(
 ) -> Path:
     """Write ``<out_dir>/result.json`` for the fit ``trainer`` just ran (on rank 0; other ranks write nothing).
     Call it after ``trainer.fit(...)``, or from a callback's ``on_fit_end`` (:class:`ResultWriter` does, for a
-    ``LightningCLI`` run), wherever that callback is listed.
+    ``LightningCLI`` run), wherever that callback is listed: before the ``EfficiencyMonitor``, the record is written
+    once the monitor has summed the fit up, at the end of its own ``on_fit_end``.
 
     Args:
         trainer: a Trainer after ``fit`` (and ``test`` if you want test metrics), with an ``EfficiencyMonitor``.
@@ -148,8 +150,15 @@ def write_result(
     """
     monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
     if monitor is not None and not monitor.summary and monitor.totals.get("batches") and trainer.fit_loop.done:
-        # called in on_fit_end by a callback listed before the monitor, which sums up the fit in its own (qa39-user 02)
-        monitor.summary = monitor.compute_summary(trainer)
+        # called in on_fit_end by a callback listed before the monitor, which sums up the fit in its own
+        # (qa39-user 02): written once it has. Not summed up here: under DDP that is a collective, which a caller on
+        # rank 0 only would enter alone (qa41-break 02)
+        monitor.after_summary.append(
+            functools.partial(
+                write_result, trainer, out_dir, metric, mode, seed, budget, arm, task_name, metrics, config
+            )
+        )
+        return Path(out_dir) / "result.json"
     if monitor is None or not monitor.summary:
         spawned = runs_in_spawned_processes(trainer)
         raise ValueError(
@@ -345,6 +354,7 @@ class ResultWriter(pl.Callback):
         return config.as_dict() if hasattr(config, "as_dict") else dict(config)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the record (listed before the ``EfficiencyMonitor``: once the monitor has summed the fit up)."""
         out_dir = self.out_dir or trainer.log_dir or trainer.default_root_dir
         self.path = write_result(
             trainer,
