@@ -155,7 +155,11 @@ def loader_template(loader: Any, technique: str, world: tuple[int, int] | None =
             f"sampler and {_PLAIN_LOADER}"
         )
     if type(batch_sampler) is not BatchSampler:
-        raise DataConfigError(f"{found}; {technique} owns the sampler and {_PLAIN_LOADER}")
+        raise DataConfigError(
+            f"{found}; {technique} owns the sampler and {_PLAIN_LOADER}. It draws each batch's samples itself, so a "
+            "batch sampler that groups samples by length cannot be kept: to pad less, pack the sequences into rows "
+            "of a fixed length, or crop them, in the dataset"
+        )
     if loader.batch_size is None:
         raise DataConfigError(
             f"{found} given as DataLoader(batch_sampler=...) (the loader's batch_size is None); {technique} owns "

@@ -126,6 +126,9 @@ def test_a_custom_batch_sampler_is_refused_at_setup(tmp_path, technique):
     data, name = TokenBlocks(), TECHNIQUES[technique][2]
     with pytest.raises(DataConfigError, match=rf"^{name}: the wrapped training loader uses SequentialSampler / Chunks"):
         fit(tmp_path, technique, lambda: DataLoader(data, batch_sampler=Chunks(N)))
+    # a length-grouping batch sampler (a protein engineer's, qa41-user 01): the way to pad less under the technique
+    with pytest.raises(DataConfigError, match=r"groups samples by length cannot be kept: to pad less, pack"):
+        fit(tmp_path, technique, lambda: DataLoader(data, batch_sampler=Chunks(N)))
 
 
 @pytest.mark.parametrize("technique", sorted(TECHNIQUES))
