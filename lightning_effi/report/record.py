@@ -21,7 +21,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +105,7 @@ def write_result(
     arm: str | None = None,
     task_name: str = "",
     metrics: Mapping[str, float] | None = None,
-    config: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | Sequence[str] | None = None,
 ) -> Path:
     """Write ``<out_dir>/result.json`` for the fit ``trainer`` just ran (on rank 0; other ranks write nothing).
     Call it after ``trainer.fit(...)``, or from a callback's ``on_fit_end`` (:class:`ResultWriter` does, for a
@@ -129,15 +129,16 @@ def write_result(
             ``trainer.test(...)[0]``), added to the Trainer's (its ``callback_metrics``) and to the fit's last
             validation metrics (the monitor's curve: kept when a ``trainer.test`` after the fit replaced the
             Trainer's). config: the run's configuration (a nested mapping: ``LightningCLI``'s config as a dict, or
-            your own settings), recorded as ``overrides`` (``key=value``, dotted keys; :func:`config_overrides`) so
-            that the report notes runs whose model, data or trainer settings differ, as it does for the Hydra
-            app's runs; None records none.
+            your own settings; or a list of ``key=value`` strings, as Hydra's overrides), recorded as ``overrides``
+            (``key=value``, dotted keys; :func:`config_overrides`) so that the report notes runs whose model, data or
+            trainer settings differ, as it does for the Hydra app's runs; None records none.
 
     Returns:
         The path of the written ``result.json``.
 
     Raises:
-        ValueError: no ``EfficiencyMonitor`` in ``trainer.callbacks`` (or it has no summary: the fit did not end),
+        ValueError: ``config`` neither a mapping nor a list of ``key=value`` strings; no ``EfficiencyMonitor`` in
+            ``trainer.callbacks`` (or it has no summary: the fit did not end),
             ``mode`` not ``"min"``/``"max"`` (or None with a metric name that does not say which, or against the
             metric's name: ``"max"`` for ``val/loss``), ``budget``
             not a number > 0, ``out_dir`` an existing file, ``arm`` not a one-line string or ``"baseline"`` on a
@@ -148,6 +149,7 @@ def write_result(
     Warns when the fit stopped early (``EarlyStopping``, ``max_time``): the record marks it
     (``length.stopped_early``) and the report leaves such a baseline out of its frontier (:func:`make_record`).
     """
+    overrides = _config_overrides(config)
     monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
     if monitor is not None and not monitor.summary and monitor.totals.get("batches") and trainer.fit_loop.done:
         # called in on_fit_end by a callback listed before the monitor, which sums up the fit in its own
@@ -244,7 +246,7 @@ def write_result(
         metric=metric,
         mode=checked_mode,
         metrics=values,
-        overrides=None if config is None else config_overrides(config),
+        overrides=overrides,
     )
     return save_record(trainer, record, out_dir)
 
@@ -263,6 +265,20 @@ _NOT_CONFIG_KEYS = frozenset(
         "seed",
     }
 )
+
+
+def _config_overrides(config: Any) -> list[str] | None:
+    """``write_result``'s ``config`` as the record's overrides (None: none)."""
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        return config_overrides(config)
+    if isinstance(config, (list, tuple)) and all(isinstance(o, str) and "=" in o for o in config):
+        return sorted(config)
+    raise ValueError(
+        "write_result: config must be a mapping (the run's configuration, e.g. LightningCLI's as a dict) or a list "
+        f"of 'key=value' strings, got {config!r:.200}"
+    )
 
 
 def config_overrides(config: Mapping[str, Any]) -> list[str]:

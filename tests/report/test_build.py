@@ -547,3 +547,17 @@ def test_a_configuration_recorded_by_write_result_is_compared_like_overrides(tmp
     write_record(tmp_path / "2", arm="random_ltd", budget=1.0, flops=3e12, loss=2.4, overrides=other)
     (note,) = [n for n in build_report(load_runs([tmp_path])).notes if "overrides differ" in n]
     assert "model.init_args.lr=0.01 vs 0.001; model.init_args.n_layer=3 vs 4" in note
+
+
+def test_write_result_takes_a_configuration_as_override_strings_and_refuses_other_types(tmp_path):
+    """config may also be a list of key=value strings (as Hydra's overrides; a CLI user's sweep script had them:
+    qa39-user 03 passed such a list and got a bare "dictionary update sequence" error); anything else is refused
+    naming the parameter."""
+    from lightning_effi.report.record import _config_overrides
+
+    assert _config_overrides(["model.n_layer=3", "data.batch_size=16"]) == ["data.batch_size=16", "model.n_layer=3"]
+    assert _config_overrides(None) is None
+    with pytest.raises(ValueError, match=r"write_result: config must be a mapping .* or a list of 'key=value' strings"):
+        _config_overrides(["n_layer"])
+    with pytest.raises(ValueError, match=r"write_result: config must be a mapping"):
+        _config_overrides(3)
