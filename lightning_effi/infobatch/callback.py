@@ -1003,7 +1003,7 @@ class InfoBatchCallback(Callback):
         means, tokens = (int(v) for v in trainer.strategy.reduce(votes, reduce_op="sum").tolist())
         if means and tokens:
             raise ValueError(
-                f"InfoBatchCallback: the step's loss is the mean of the samples' means on {means} rank(s) and the mean "
+                f"the step's loss is the mean of the samples' means on {means} rank(s) and the mean "
                 f"over the batch's labelled tokens on {tokens}: the ranks' modules compute their loss differently; "
                 + ib.PER_SAMPLE_LOSS_HINT
             )
@@ -1028,7 +1028,8 @@ class InfoBatchCallback(Callback):
 
     def _check_scores(self, scores: Any, source: str) -> None:
         """Raise unless the returned ``"per_sample_score"`` is a float tensor ``[B]`` (NaN: the sample is not
-        scored), and only beside a returned ``"per_sample_loss"``."""
+        scored), beside a returned ``"per_sample_loss"``, a plain loss (the automatic path) or ``weighted_loss``;
+        with ``per_sample_loss=fn`` it is refused."""
         assert self._step is not None
         b = int(self._step.index.numel())
         if source == "fn":

@@ -75,8 +75,6 @@ def describe_object(value: Any) -> str:
     that is the same in every process: its qualified name (``module.qualname``; a partial with its arguments; an
     instance by its class), never ``str()``, whose memory address (``<function f at 0x7f...>``) differs between the
     processes of a sweep, so that the report took two seeds of one arm for two settings (qa39-break 04)."""
-    import functools
-
     if isinstance(value, functools.partial):
         args = [describe_object(a) if callable(a) else repr(a) for a in value.args]
         args += [f"{k}={describe_object(v) if callable(v) else repr(v)}" for k, v in sorted(value.keywords.items())]
