@@ -126,9 +126,10 @@ class Curriculum(Callback):
             keep their defaults.
         analysis_batch_size: batch size of the in-memory analysis (metrics with ``analysis: <name>``).
         analysis_collate_fn: the collate function of the in-memory analysis (a list of samples -> a batch the metric
-            reads); None: the training loader's. It must give the same batch for the same samples: a collate that
-            draws at random (a masked LM's ``DataCollatorForLanguageModeling``) is refused at setup, as it would give
-            each sample a random difficulty; pass e.g. ``DataCollatorWithPadding(tokenizer)`` here.
+            reads); None: the training loader's. The metric must read the same values from two collates of the same
+            samples: a collate that draws at random where the metric reads (a masked LM's
+            ``DataCollatorForLanguageModeling`` under ``vocab_rarity``) is refused at setup, as it would give each
+            sample a random difficulty; pass e.g. ``DataCollatorWithPadding(tokenizer)`` here.
         total_tokens: the run's token budget. When set, the callback exposes ``effi_progress()`` = consumed tokens
             (including the batch being trained) / ``total_tokens``, which the reference tasks' LR schedules follow
             (token-based LR decay, recommended with ``seqlen_truncate`` by the DeepSpeed tutorial).
