@@ -512,7 +512,7 @@ def copy_of(tensor: Tensor, batch_tensors: Sequence[tuple[Path, Tensor]]) -> Pat
         try:
             if torch.equal(value.detach().to(device=data.device, dtype=data.dtype), data):
                 return path
-        except (RuntimeError, TypeError):  # a dtype with no conversion (complex to bool, ...)
+        except (RuntimeError, TypeError, NotImplementedError):  # no conversion (complex to bool), a sparse layout
             continue
     return None
 
