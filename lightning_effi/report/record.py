@@ -93,6 +93,40 @@ def _techniques(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _check_settings(who: str, metric: str, mode: str | None, budget: Any, arm: Any, task_name: Any) -> str:
+    """The checks of :func:`write_result`'s settings that need no Trainer (also run by :class:`ResultWriter` when
+    it is built, not after a whole fit); returns the mode (read from the metric's name when None).
+
+    Raises:
+        ValueError: as :func:`write_result`, naming ``who``.
+    """
+    if mode is None:
+        mode = infer_mode(metric)
+        if mode is None:
+            raise ValueError(
+                f"{who}: mode: the metric name {metric!r} does not say whether lower or higher is better; "
+                "pass mode='min' (lower is better, e.g. a loss) or mode='max' (higher is better, e.g. an accuracy)"
+            )
+    try:
+        checked_mode = check_mode(mode)
+    except ValueError as err:
+        raise ValueError(f"{who}: {err}") from None
+    said = infer_mode(metric)
+    if said is not None and said != checked_mode:
+        raise ValueError(
+            f"{who}: mode={checked_mode!r} contradicts metric {metric!r}, whose name says "
+            f"{'lower' if said == 'min' else 'higher'} is better: the report would rank the runs backwards; pass "
+            f"mode={said!r} (or mode=None, read from the name)"
+        )
+    if not is_real(budget) or not (math.isfinite(float(budget)) and float(budget) > 0):
+        raise ValueError(f"{who}: budget must be a number > 0 (a fraction of the reference length), got {budget!r}")
+    if arm is not None and (not isinstance(arm, str) or not arm.strip() or not arm.isprintable()):
+        raise ValueError(f"{who}: arm must be None (named after the techniques) or a one-line label, got {arm!r}")
+    if not isinstance(task_name, str):
+        raise ValueError(f"{who}: task_name must be a string (runs of one comparison share it), got {task_name!r}")
+    return checked_mode
+
+
 def write_result(
     trainer: pl.Trainer,
     out_dir: str | os.PathLike[str],
@@ -148,6 +182,7 @@ def write_result(
     (``length.stopped_early``) and the report leaves such a baseline out of its frontier (:func:`make_record`).
     """
     overrides = _config_overrides(config)
+    checked_mode = _check_settings("write_result", metric, mode, budget, arm, task_name)
     monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
     if monitor is not None and not monitor.summary and monitor.totals.get("batches") and trainer.fit_loop.done:
         # called in on_fit_end by a callback listed before the monitor, which sums up the fit in its own
@@ -171,39 +206,9 @@ def write_result(
                 else ""
             )
         )
-    if mode is None:
-        mode = infer_mode(metric)
-        if mode is None:
-            raise ValueError(
-                f"write_result: mode: the metric name {metric!r} does not say whether lower or higher is better; "
-                "pass mode='min' (lower is better, e.g. a loss) or mode='max' (higher is better, e.g. an accuracy)"
-            )
-    try:
-        checked_mode = check_mode(mode)
-    except ValueError as err:
-        raise ValueError(f"write_result: {err}") from None
-    said = infer_mode(metric)
-    if said is not None and said != checked_mode:
-        raise ValueError(
-            f"write_result: mode={checked_mode!r} contradicts metric {metric!r}, whose name says "
-            f"{'lower' if said == 'min' else 'higher'} is better: the report would rank the runs backwards; pass "
-            f"mode={said!r} (or mode=None, read from the name)"
-        )
-    if not is_real(budget) or not (math.isfinite(float(budget)) and float(budget) > 0):
-        raise ValueError(
-            f"write_result: budget must be a number > 0 (a fraction of the reference length), got {budget!r}"
-        )
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise ValueError(
             f"write_result: out_dir must be a folder (the run's; created if missing), got the file {out_dir}"
-        )
-    if arm is not None and (not isinstance(arm, str) or not arm.strip() or not arm.isprintable()):
-        raise ValueError(
-            f"write_result: arm must be None (named after the techniques) or a one-line label, got {arm!r}"
-        )
-    if not isinstance(task_name, str):
-        raise ValueError(
-            f"write_result: task_name must be a string (runs of one comparison share it), got {task_name!r}"
         )
     if metrics is not None and not isinstance(metrics, Mapping):
         raise ValueError(
@@ -334,7 +339,8 @@ class ResultWriter(pl.Callback):
             configuration; None: none.
 
     Raises:
-        ValueError: (at the end of fit) as :func:`write_result`.
+        ValueError: (when built) a ``mode``, ``budget``, ``arm``, ``task_name``, ``seed`` or ``config`` that
+            :func:`write_result` would refuse; (at the end of fit) the others, as :func:`write_result`.
     """
 
     def __init__(
@@ -351,6 +357,9 @@ class ResultWriter(pl.Callback):
         super().__init__()
         if config is not None and config != "cli" and not isinstance(config, Mapping):
             raise ValueError(f"ResultWriter: config must be 'cli', a mapping or None, got {config!r}")
+        _check_settings("ResultWriter", metric, mode, budget, arm, task_name)  # here, not after a whole fit
+        if seed is not None and (isinstance(seed, bool) or not is_int(seed) or not 0 <= seed < 2**32):
+            raise ValueError(f"ResultWriter: seed must be None or an int in [0, 2**32), got {seed!r}")
         self.metric, self.out_dir, self.mode, self.seed = metric, out_dir, mode, seed
         self.budget, self.arm, self.task_name, self.config = budget, arm, task_name, config
         #: the path of the last result.json written

@@ -561,3 +561,22 @@ def test_write_result_takes_a_configuration_as_override_strings_and_refuses_othe
         _config_overrides(["n_layer"])
     with pytest.raises(ValueError, match=r"write_result: config must be a mapping"):
         _config_overrides(3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(metric="val/loss", budget=0), r"ResultWriter: budget must be a number > 0"),
+        (dict(metric="val/loss", mode="max"), r"ResultWriter: mode='max' contradicts metric 'val/loss'"),
+        (dict(metric="val/widgets"), r"ResultWriter: mode: the metric name 'val/widgets' does not say"),
+        (dict(metric="val/loss", arm="a\nb"), r"ResultWriter: arm must be None"),
+        (dict(metric="val/loss", seed=-1), r"ResultWriter: seed must be None or an int"),
+        (dict(metric="val/loss", config=3), r"ResultWriter: config must be 'cli', a mapping or None"),
+    ],
+)
+def test_a_result_writer_refuses_bad_settings_when_built(kwargs, message):
+    """Refused when the callback is built, not after the whole fit it would have recorded."""
+    from lightning_effi.report import ResultWriter
+
+    with pytest.raises(ValueError, match=message):
+        ResultWriter(**kwargs)
