@@ -537,6 +537,8 @@ class EfficiencyMonitor(Callback):
         self._mark: float | None = None
         self._batch_start: float | None = None
         self._step_at_batch_start: int | None = None  # trainer.global_step when the current batch started
+        self._open_batch: Any = None  # the batch between on_train_batch_start and on_train_batch_end
+        self._backward_seen = False  # whether that batch has had a backward (on_before_backward)
         # the technique states after the last optimizer step and that step's position, for the schedule's change
         # points (_record_change); the change points this fit added
         self._last_states: dict[str, float] | None = None
@@ -1020,6 +1022,7 @@ class EfficiencyMonitor(Callback):
     ) -> None:
         self._watch(pl_module, batch)
         self._step_at_batch_start = trainer.global_step
+        self._open_batch, self._backward_seen = batch, False
         now = self._now(pl_module)
         if self._mark is not None:
             self.totals["time_data"] += now - self._mark
@@ -1096,11 +1099,25 @@ class EfficiencyMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._count_batch(trainer, pl_module, batch, batch_idx, skipped_batch(pl_module, outputs))
+        states = schedule_states(trainer)
+        for (key, name), value in zip(_progress_bar_names(states).items(), states.values()):
+            # the techniques' state in the progress bar
+            bar = self._bar_name(trainer, key, name)
+            pl_module.log(bar, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+        self._end_step(trainer, states, lambda: self._log(trainer, pl_module))
+        self._mark = self._now(pl_module)
+
+    def _count_batch(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, skipped: bool
+    ) -> None:
+        """Add the trained ``batch`` to :attr:`totals` (``skipped``: Lightning trained nothing on it)."""
         now = self._now(pl_module)
         if self._batch_start is not None:
             self.totals["time_train"] += now - self._batch_start
         self._unwatch(batch)
-        if skipped_batch(pl_module, outputs):  # training_step returned None: Lightning trained nothing on it
+        self._open_batch = None
+        if skipped:  # training_step returned None: Lightning trained nothing on it
             if not self._warned_skip:
                 rank_zero_warn(
                     f"EfficiencyMonitor: training_step returned None at batch {batch_idx} (Lightning skips such a "
@@ -1135,11 +1152,10 @@ class EfficiencyMonitor(Callback):
             self.totals["batches"] += 1
             # for Lightning's ThroughputMonitor (listed after this one)
             self._write_flops(pl_module, int(account.actual.flops))
-        states = schedule_states(trainer)
-        for (key, name), value in zip(_progress_bar_names(states).items(), states.values()):
-            # the techniques' state in the progress bar
-            bar = self._bar_name(trainer, key, name)
-            pl_module.log(bar, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+
+    def _end_step(self, trainer: pl.Trainer, states: dict[str, float], log: Callable[[], dict[str, float]]) -> None:
+        """After a batch is counted: at an optimizer step, the schedule's change points and, every
+        ``log_every_n_steps`` steps, ``log()`` (the cumulative totals, logged) and a schedule point."""
         every = self.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
         # logged after the optimizer step, every `every` steps: never a micro-batch inside an accumulation window
         # (its cumulative figures would be logged at the step before, next to that step's own)
@@ -1149,11 +1165,10 @@ class EfficiencyMonitor(Callback):
             logging_step = trainer.global_step % max(every, 1) == 0
             self._record_change(trainer, states, logging_step)
             if logging_step:
-                totals = self._log(trainer, pl_module)
+                totals = log()
                 if states:
                     self._add_schedule(self._point(trainer, totals) | states)
             self._last_states, self._last_position = states, self._local_point(trainer)
-        self._mark = self._now(pl_module)
 
     def _record_change(self, trainer: pl.Trainer, states: dict[str, float], logging_step: bool) -> None:
         """Schedule points where a technique's state changed since the last optimizer step (a V-cycle level switch, a
@@ -1187,11 +1202,22 @@ class EfficiencyMonitor(Callback):
         Raises:
             NonFiniteLossError: ``loss`` is NaN or infinite and the policy is ``"raise"``.
         """
+        self._backward_seen = True
         self.nonfinite_guard.check(trainer, loss)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """The fit raised: remove the hooks. A batch that trained, whose ``on_train_batch_end`` raised in a callback
+        listed before this monitor, is counted: Lightning resumes a checkpoint written now (``OnExceptionCheckpoint``,
+        run after this hook) after that batch."""
+        if self._open_batch is not None and saving_in_train_batch_end(trainer):
+            forward_only = bool(getattr(trainer.fit_loop, "_skip_backward", False))
+            skipped = pl_module.automatic_optimization and not self._backward_seen and not forward_only
+            self._count_batch(trainer, pl_module, self._open_batch, trainer.fit_loop.epoch_loop.batch_idx, skipped)
+            if trainer.world_size == 1:  # no collective here: the other ranks may not have raised
+                self._end_step(trainer, schedule_states(trainer), lambda: dict(self.totals))
         self._unwatch(None)
+        self._open_batch = None
         self._restore_flops(pl_module)
 
     @override
@@ -1372,21 +1398,49 @@ class EfficiencyMonitor(Callback):
         rank: the collective runs everywhere), as :meth:`reduced_totals` does; on load rank 0 takes the sums and
         the other ranks' counts start from zero, so the summed totals go on as the uninterrupted run's. A checkpoint
         written on one device is marked the same way, so that a DDP fit resumed from it counts its totals once."""
-        if self._step_at_batch_start is not None and saving_in_train_batch_end(trainer):
-            rank_zero_warn(
-                f"{type(self).__name__}: a checkpoint is written at step {trainer.global_step} inside "
-                "on_train_batch_end, before this monitor's own (a callback listed before the monitor saves there, or "
-                "raised there and OnExceptionCheckpoint saved): its totals leave out this batch, which a fit resumed "
-                "from it does not train again; list that callback after the EfficiencyMonitor, or save with a "
-                "ModelCheckpoint (Lightning runs checkpoint callbacks last)"
-            )
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if not isinstance(state, dict):
             return
-        if trainer.world_size > 1:
+        if self._open_batch is not None and saving_in_train_batch_end(trainer):
+            state.update(self._state_after_batch(trainer, pl_module))  # summed over the ranks under DDP
+        elif trainer.world_size > 1:
             state["totals"] = self.reduced_totals(trainer)
         # on one device too: a DDP fit resumed from it must not give every rank the whole run's counts
         state["totals_over_ranks"] = True
+
+    def _state_after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """:meth:`state_dict` as it will stand after the open batch's ``on_train_batch_end``, for a checkpoint written
+        inside ``on_train_batch_end`` before this monitor's own (a user's callback listed before the monitor calls
+        ``trainer.save_checkpoint`` there, or raised there and ``OnExceptionCheckpoint`` saved). Lightning resumes
+        such a checkpoint after the batch, so the batch is counted in it (its totals left the batch out, and the
+        resumed fit's totals missed one batch: qa38-break 01). The monitor's own state is left as it was: its
+        ``on_train_batch_end`` counts the batch and logs as at every batch."""
+        kept = {
+            name: getattr(self, name)
+            for name in (
+                "_batch_start",
+                "_step_at_batch_start",
+                "_last_states",
+                "_last_position",
+                "_change_points",
+                "_warned_skip",
+                "_warned_forward_only",
+            )
+        }
+        totals, schedule, batch = dict(self.totals), list(self.schedule), self._open_batch
+        try:
+            forward_only = bool(getattr(trainer.fit_loop, "_skip_backward", False))
+            skipped = pl_module.automatic_optimization and not self._backward_seen and not forward_only
+            self._count_batch(trainer, pl_module, batch, trainer.fit_loop.epoch_loop.batch_idx, skipped)
+            self._end_step(trainer, schedule_states(trainer), lambda: self.reduced_totals(trainer))
+            state = self.state_dict()
+            if trainer.world_size > 1:
+                state["totals"] = self.reduced_totals(trainer)
+            return state
+        finally:
+            for name, value in kept.items():
+                setattr(self, name, value)
+            self.totals, self.schedule, self._open_batch = totals, schedule, batch
 
     @override
     def on_load_checkpoint(
