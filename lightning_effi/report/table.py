@@ -62,6 +62,7 @@ COLUMNS: tuple[str, ...] = (
     "quality_n",
     "flops_mean",
     "flops_std",
+    "flops_n",
     "tokens_mean",
     "samples_mean",
     "layer_tokens_mean",
@@ -72,6 +73,7 @@ COLUMNS: tuple[str, ...] = (
     "same_length_n",
     "same_length_quality_delta_mean",
     "same_length_quality_delta_std",
+    "same_length_quality_delta_n",
     "same_length_wall_saving_mean",
     "same_length_wall_saving_std",
     "frontier_compute_mean",
@@ -161,12 +163,13 @@ class Report:
             f"({self.compute}, {self.metric}) are joined linearly in {self.metric} and in log-{self.compute}. "
             f"*Frontier {self.compute} needed* is what that frontier spends to reach an arm's final {self.metric} "
             f"({direction} is better); *saving vs frontier* is 1 - arm / that (and the same on training wall time). "
-            f"'>=' (beyond): the arm is better than every baseline budget, so the saving is a lower bound; '<=' "
-            f"(below): worse than the smallest budget, an upper bound (also on a mean over seeds where some read "
-            f"inside, the counts in brackets; where some seeds read beyond and others below, the cell shows no mean). "
-            f"*Same-length* columns compare with the baseline run of the same seed "
-            f"and budget (quality delta: arm - baseline). Figures are mean ± sample std over seeds; the factor in "
-            f"brackets is that of the mean saving, 1 / (1 - mean). "
+            f"'>=' (beyond): the arm is better than every baseline budget, so the saving (and the frontier's "
+            f"{self.compute} needed) is a lower bound; '<=' (below): worse than the smallest budget, an upper bound "
+            f"(also on a mean over seeds where some read inside, the counts in brackets; where some seeds read beyond "
+            f"and others below, the cells show no mean). *Same-length* columns compare with the baseline run of the "
+            f"same seed and budget (quality delta: arm - baseline). Figures are mean ± sample std over seeds "
+            f"(n=k: read on k of them; a compute of 0, which the EfficiencyMonitor could not count, is left out); the "
+            f"factor in brackets is that of the mean saving, 1 / (1 - mean). "
         )
         if usable:
             fronts = "; ".join(
@@ -211,7 +214,7 @@ class Report:
                 f"{row['budget']:g}",
                 str(row["n_seeds"]),
                 _pm(row["quality_mean"], row["quality_std"], "{:.4g}", n=row["quality_n"], of=row["n_seeds"]),
-                _num(row["flops_mean"], "{:.3g}"),
+                _num(row["flops_mean"], "{:.3g}") + _of(row["flops_n"], row["n_seeds"]),
                 _num(row[f"{count}_mean"], "{:.4g}"),
                 _num(row["train_wall_s_mean"], "{:.1f}"),
             ]
@@ -223,8 +226,8 @@ class Report:
                     _pct(row["same_length_saving_mean"], row["same_length_saving_std"], "")
                     + _of(row["same_length_n"], seeds),
                     _pm(row["same_length_quality_delta_mean"], row["same_length_quality_delta_std"], "{:+.4g}")
-                    + _of(row["same_length_n"], seeds),
-                    _num(row["frontier_compute_mean"], "{:.3g}") + _of(row["frontier_n"], seeds),
+                    + _of(row["same_length_quality_delta_n"], seeds),
+                    _needed(row["frontier_compute_mean"], row["frontier_flag"]) + _of(row["frontier_n"], seeds),
                     _pct(
                         row["frontier_saving_mean"],
                         row["frontier_saving_std"],
@@ -314,25 +317,43 @@ def _of(n: int, seeds: int) -> str:
     return f" (n={n})" if 0 < n < seeds else ""
 
 
+def _bound(flag: str) -> str | None:
+    """How a mean of readings flagged ``flag`` (:func:`_flag`) bounds the true figure: ``""`` (estimates), ``">= "``
+    (estimates and lower bounds: readings beyond the frontier's best quality), ``"<= "`` (estimates and upper bounds:
+    below its worst), None (lower and upper bounds: the mean bounds nothing)."""
+    kinds = {part.split()[0] for part in flag.split(", ")} if flag else set()
+    if {"beyond", "below"} <= kinds:
+        return None
+    if "beyond" in kinds:
+        return ">= "
+    if "below" in kinds:
+        return "<= "
+    return ""
+
+
 def _pct(mean: float, std: float, flag: str, factor: float = math.nan) -> str:
+    bound = _bound(flag)
+    if bound is None:  # a lower and an upper bound: their mean bounds nothing
+        return f"— ({flag}: no bound on the mean)"
     if not math.isfinite(mean):
         return "—"
-    kinds = {part.split()[0] for part in flag.split(", ")} if flag else set()
-    if {"beyond", "below"} <= kinds:  # a lower and an upper bound: their mean bounds nothing
-        return f"— ({flag}: no bound on the mean)"
-    bound = ""
-    if kinds and kinds <= {"inside", "beyond"} and "beyond" in kinds:
-        bound = ">= "  # exact readings and lower bounds: their mean is a lower bound
-    elif kinds and kinds <= {"inside", "below"} and "below" in kinds:
-        bound = "<= "  # exact readings and upper bounds: an upper bound
     text = f"{bound}{100 * mean:+.1f}%"
     if math.isfinite(std) and not bound:  # the spread of bounds is no spread of the saving
         text += f" ± {100 * std:.1f}%"
     if math.isfinite(factor):  # 1 / (1 - saving): bounded on the same side
         text += f" ({bound}{factor:.2f}x)"
-    if len(kinds) > 1:
+    if ", " in flag:  # readings of several kinds: how many of each
         text += f" ({flag})"
     return text
+
+
+def _needed(mean: float, flag: str) -> str:
+    """The frontier's compute for the arm's quality, bounded as its saving is (:func:`_bound`, opposite side: a
+    lower bound on the saving is a lower bound on the compute the frontier needs)."""
+    bound = _bound(flag)
+    if bound is None:
+        return "— (no bound on the mean)"
+    return "—" if not math.isfinite(mean) else f"{bound}{mean:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -937,15 +958,34 @@ def _factor(mean_saving: float) -> float:
 
 
 def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One row of the table: the readings of ``runs`` (an arm at a budget, one per seed) as mean, sample std and the
+    number of seeds read (``*_n``).
+
+    A compute of 0 is a quantity the EfficiencyMonitor could not count (the readings' note says so): the compute
+    means leave it out, as the savings do. The frontier columns aggregate the seeds whose saving was read; their flag
+    lists how each was read (``inside`` the frontier's range: an estimate; ``beyond`` its best quality: a lower bound;
+    ``below`` its worst: an upper bound), and a mean of lower and upper bounds, which bounds nothing, is left out
+    (NaN)."""
     readings = [by_run[id(r)] for r in runs]
 
-    def agg(key: str) -> Spread:
-        return spread(rd[key] for rd in readings)
+    def agg(key: str, among: Sequence[dict[str, Any]] = readings) -> Spread:
+        return spread(rd[key] for rd in among)
 
-    quality, flops, wall = agg("quality"), agg("flops"), agg("train_wall_s")
+    def counted(key: str) -> Spread:
+        return spread(rd[key] for rd in readings if rd[key] > 0)
+
+    quality, flops, wall = agg("quality"), counted("flops"), counted("train_wall_s")
     same, delta, same_wall = agg("same_length_saving"), agg("same_length_quality_delta"), agg("same_length_wall_saving")
-    fc, fs = agg("frontier_compute"), agg("frontier_saving")
-    fw, fws = agg("frontier_wall_s"), agg("frontier_wall_saving")
+    read = [rd for rd in readings if math.isfinite(rd["frontier_saving"])]
+    read_wall = [rd for rd in readings if math.isfinite(rd["frontier_wall_saving"])]
+    flag = _flag([rd["frontier_flag"] for rd in read if rd["frontier_flag"]])
+    wall_flag = _flag([rd["frontier_wall_flag"] for rd in read_wall if rd["frontier_wall_flag"]])
+    fc, fs = agg("frontier_compute", read), agg("frontier_saving", read)
+    fw, fws = agg("frontier_wall_s", read_wall), agg("frontier_wall_saving", read_wall)
+    if _bound(flag) is None:  # lower and upper bounds: no mean
+        fc = fs = Spread(math.nan, math.nan, fs.n)
+    if _bound(wall_flag) is None:
+        fw = fws = Spread(math.nan, math.nan, fws.n)
     notes = list(dict.fromkeys(rd["note"] for rd in readings if rd["note"]))
     return {
         "arm": arm,
@@ -958,9 +998,10 @@ def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[st
         "quality_n": quality.n,
         "flops_mean": flops.mean,
         "flops_std": flops.std,
-        "tokens_mean": agg("tokens").mean,
-        "samples_mean": agg("samples").mean,
-        "layer_tokens_mean": agg("layer_tokens").mean,
+        "flops_n": flops.n,
+        "tokens_mean": counted("tokens").mean,
+        "samples_mean": counted("samples").mean,
+        "layer_tokens_mean": counted("layer_tokens").mean,
         "train_wall_s_mean": wall.mean,
         "train_wall_s_std": wall.std,
         "same_length_saving_mean": same.mean,
@@ -968,6 +1009,7 @@ def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[st
         "same_length_n": same.n,
         "same_length_quality_delta_mean": delta.mean,
         "same_length_quality_delta_std": delta.std,
+        "same_length_quality_delta_n": delta.n,
         "same_length_wall_saving_mean": same_wall.mean,
         "same_length_wall_saving_std": same_wall.std,
         "frontier_compute_mean": fc.mean,
@@ -978,13 +1020,13 @@ def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[st
         # mean saving is negative (1 / (1 - s) is convex), and the cell shows both
         "frontier_factor_mean": _factor(fs.mean),
         "frontier_n": fs.n,
-        "frontier_flag": _flag([rd["frontier_flag"] for rd in readings if rd["frontier_flag"]]),
+        "frontier_flag": flag,
         "frontier_wall_s_mean": fw.mean,
         "frontier_wall_saving_mean": fws.mean,
         "frontier_wall_saving_std": fws.std,
         "frontier_wall_factor_mean": _factor(fws.mean),
         "frontier_wall_n": fws.n,
-        "frontier_wall_flag": _flag([rd["frontier_wall_flag"] for rd in readings if rd["frontier_wall_flag"]]),
+        "frontier_wall_flag": wall_flag,
         "note": "; ".join(notes),
     }
 

@@ -110,9 +110,41 @@ def test_beyond_and_below_the_frontier_are_flagged_as_bounds(tmp_path):
     row = _row(report, "random_ltd", 1.0)
     assert row["frontier_flag"] == "beyond 1, below 1"
     assert "| — (beyond 1, below 1: no bound on the mean) |" in report.to_markdown()  # no ± and factor
+    # nor in the CSV, the JSON and the compute column: a mean of a lower and an upper bound (qa42-break 01, 05)
+    assert math.isnan(row["frontier_saving_mean"]) and math.isnan(row["frontier_factor_mean"])
+    assert math.isnan(row["frontier_compute_mean"]) and row["frontier_n"] == 2
+    assert "| — (no bound on the mean) | — (beyond 1, below 1: no bound on the mean) |" in report.to_markdown()
     one = build_report(load_runs([sweep / "8"] + [sweep / str(i) for i in range(4)]))  # seed 0 only: all beyond
     assert _row(one, "random_ltd", 1.0)["frontier_flag"] == "beyond"
-    assert "| >= +25.0% (>= 1.33x) |" in one.to_markdown()
+    # the frontier needs at least its largest budget's compute, as the saving is at least 25%
+    assert "| >= 4e+12 | >= +25.0% (>= 1.33x) |" in one.to_markdown()
+
+
+def test_a_seed_whose_flops_were_not_counted_is_left_out_of_the_compute_columns(tmp_path):
+    """Seed 1's FLOPs are 0 (the EfficiencyMonitor could not count them): its savings are not read, so the row's
+    FLOPs, its frontier compute and the flag come from seed 0 alone (the FLOPs mean read 1e12, half seed 0's, and
+    seed 1's lower bound turned seed 0's estimate into '>= ...', qa42-break 02-04). Its quality is read: the
+    same-length quality delta is a mean over both seeds."""
+    sweep = write_sweep(tmp_path / "s", arm={0: (2e12, 2.5, 15.0), 1: (2e12, 2.2, 16.0)})
+    record = sweep / "9" / "result.json"
+    data = json.loads(record.read_text())
+    assert data["seed"] == 1
+    data["efficiency"]["flops"] = 0
+    record.write_text(json.dumps(data))
+    report = build_report(load_runs([sweep]))
+    row = _row(report, "random_ltd", 1.0)
+    need = math.sqrt(2e12 * 3e12)  # seed 0, as in test_frontier_and_same_length_savings_equal_hand_computations
+    assert (row["flops_mean"], row["flops_n"]) == (2e12, 1) and math.isnan(row["flops_std"])
+    assert row["frontier_compute_mean"] == pytest.approx(need) and row["frontier_flag"] == "inside"
+    assert row["frontier_saving_mean"] == pytest.approx(1 - 2e12 / need) and row["frontier_n"] == 1
+    assert row["same_length_quality_delta_mean"] == pytest.approx(((2.5 - 2.3) + (2.2 - 2.35)) / 2)
+    assert (row["same_length_quality_delta_n"], row["same_length_n"]) == (2, 1)
+    line = next(x for x in report.to_markdown().splitlines() if x.startswith("| random_ltd |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[4] == "2e+12 (n=1)"
+    assert cells[8] == "+0.025 ± 0.2475"  # both seeds: no (n=1)
+    assert cells[9] == f"{need:.3g} (n=1)"
+    assert cells[10] == f"{100 * (1 - 2e12 / need):+.1f}% ({1 / (2e12 / need):.2f}x) (n=1)"  # an estimate
 
 
 def test_a_mean_over_exact_readings_and_upper_bounds_is_an_upper_bound_with_the_mean_savings_factor(tmp_path):
