@@ -356,6 +356,12 @@ class VCycleCallback(Callback):
         self.map_seconds, self.flops_account = 0.0, FlopsAccount(self.baseline_steps)
         self._last_step = -1  # runtime only, like the checkpoint's stages (compared with this run's at train start)
         self._batch_open = False  # between on_train_batch_start and this callback's on_train_batch_end
+        self._open_batch: Any = None  # that batch
+        # a checkpoint written inside on_train_batch_end before this callback's own, restored: its batch's end
+        # (a level switch) is due at train start
+        self._batch_end_due = False
+        self._backward_seen = False  # the open batch has had a backward (on_before_backward)
+        self._due_at_exception = False  # the fit raised inside a stepped batch's end before this callback's
         self._restored = False  # this fit loaded a V-cycle state from a checkpoint
         # the non-finite losses of this fit (checkpointed: a resumed fit loads the count)
         self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_loss)
@@ -891,6 +897,15 @@ class VCycleCallback(Callback):
         is a warning: the fit's own exception is the one that propagates)."""
         name = type(self).__name__
         self._explain_shape_error(exception)
+        if self._batch_open and saving_in_train_batch_end(trainer):
+            # a batch that trained, whose on_train_batch_end raised in a callback before this one: Lightning resumes a
+            # checkpoint written now (OnExceptionCheckpoint) after it, so its FLOPs are counted and its end is due
+            try:
+                self._count_flops(trainer, pl_module, self._open_batch, self._skipped(trainer, pl_module))
+            except Exception as err:  # noqa: BLE001 - on_exception must not replace the fit's exception
+                rank_zero_warn(f"{name}: could not count the FLOPs of the batch in flight ({err!r})")
+            self._due_at_exception = trainer.global_step != self._last_step
+        self._batch_open, self._open_batch = False, None
         try:
             stack = self._stack
             if stack.host is pl_module and stack.level != 1:
@@ -985,6 +1000,9 @@ class VCycleCallback(Callback):
                 "but the model "
                 f"is at level {self.level}"
             )
+        if self._batch_end_due:  # the checkpoint was written inside its last batch's end, before this callback's
+            self._batch_end_due = False
+            self._switch_if_due(trainer, pl_module)
 
     def _refuse_late_start(self, trainer: pl.Trainer) -> None:
         """A fit that starts at ``global_step > 0`` without V-cycle state (resumed from a checkpoint written by a fit
@@ -1102,6 +1120,7 @@ class VCycleCallback(Callback):
         Raises:
             NonFiniteLossError: ``loss`` is NaN or infinite and the policy is ``"raise"``.
         """
+        self._backward_seen = True
         self.nonfinite_guard.check(trainer, loss)
 
     @override
@@ -1109,21 +1128,15 @@ class VCycleCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._steps_check.batch_start(trainer)
-        self._batch_open = True
+        self._batch_open, self._open_batch, self._backward_seen = True, batch, False
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_open = False
+        self._batch_open, self._open_batch = False, None
         self._steps_check.batch_end(trainer)
-        fn = self._flops_counter(trainer, pl_module)
-        if fn is not None and not skipped_batch(pl_module, outputs):
-            # the batch with the current model and the full one (held in place, no forward runs); a batch its
-            # training_step skipped (returned None) trained nothing and is not counted, as the EfficiencyMonitor
-            # does not count it
-            self.flops_account.count(lambda: self._stack.training_flops(fn, batch), type(self).__name__)
-        self.flops_account.flops_steps = trainer.global_step
+        self._count_flops(trainer, pl_module, batch, skipped_batch(pl_module, outputs))
         metrics = {
             "effi/vcycle/level": float(self.level),
             "effi/vcycle/stage": float(self.stage_index),
@@ -1140,8 +1153,28 @@ class VCycleCallback(Callback):
         self.nonfinite_guard.log_count(trainer)  # effi/nonfinite_losses, by the stack's checking guard only
         step = trainer.global_step
         stepped, self._last_step = step != self._last_step, step
-        if not stepped:
-            return
+        if stepped:
+            self._switch_if_due(trainer, pl_module)
+
+    def _count_flops(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, skipped: bool) -> None:
+        """Count the trained ``batch``'s FLOPs with the current model and the full one (held in place, no forward
+        runs); a batch its training_step skipped (``skipped``: returned None) trained nothing and is not counted, as
+        the EfficiencyMonitor does not count it."""
+        fn = self._flops_counter(trainer, pl_module)
+        if fn is not None and not skipped:
+            self.flops_account.count(lambda: self._stack.training_flops(fn, batch), type(self).__name__)
+        self.flops_account.flops_steps = trainer.global_step
+
+    def _skipped(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Whether the open batch trained nothing, told before its ``on_train_batch_end`` (which receives the step's
+        outputs): under automatic optimization, a batch without a backward outside a forward-only epoch."""
+        forward_only = bool(getattr(trainer.fit_loop, "_skip_backward", False))
+        return bool(pl_module.automatic_optimization) and not self._backward_seen and not forward_only
+
+    def _switch_if_due(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After an optimizer step: change levels when a stage has ended (:func:`~lightning_effi.vcycle.stages.
+        levels_due`), then a fresh optimizer and schedulers for the new level (:meth:`_new_training_state`)."""
+        step = trainer.global_step
         if not (path := S.levels_due(self.stages, self.stage_ends, self.stage_index, self._clock_now(trainer))):
             return
         self._refuse_parameter_copies(trainer, pl_module, step)
@@ -1332,6 +1365,8 @@ class VCycleCallback(Callback):
         }
         if self._interrupted is not None:
             state["level"], state["snapshots"] = self._interrupted["level"], self._interrupted["snapshots"]
+        if self._due_at_exception:  # see on_exception
+            state["batch_end_due"] = True
         return state
 
     @override
@@ -1341,17 +1376,22 @@ class VCycleCallback(Callback):
         """Below level 1, the exact weights of the coarse level beside this callback's state (``"weights"``; a resumed
         fit puts them back, the checkpoint's ``state_dict`` holds the full-size de-coalesced model). Kept out of
         :meth:`state_dict`, which holds the callback's own progress only."""
-        if self._batch_open and saving_in_train_batch_end(trainer):
-            rank_zero_warn(
-                f"VCycleCallback: a checkpoint is written at step {trainer.global_step} inside on_train_batch_end, "
-                "before this callback's own (a callback listed before the V-cycle saves there, or raised there and "
-                "OnExceptionCheckpoint saved): it holds the V-cycle before this batch's end, where a level switch and "
-                "the batch's FLOPs count happen, so a fit resumed from it can switch levels one step late; list that "
-                "callback after VCycleCallback, or save with a ModelCheckpoint (Lightning runs checkpoint callbacks "
-                "last)"
-            )
-        weights = self._stack.exact_weights() if self._interrupted is None else self._interrupted["weights"]
         state = (checkpoint.get("callbacks") or {}).get(self.state_key)
+        if self._batch_open and saving_in_train_batch_end(trainer) and state is not None:
+            # written inside on_train_batch_end before this callback's own (a user's callback listed before the
+            # V-cycle calls trainer.save_checkpoint there, or raised there and OnExceptionCheckpoint saved): Lightning
+            # resumes it after the batch, so the state holds the batch's FLOPs, and a level switch the batch's end
+            # makes is made by the resumed fit at its start, on the same weights, optimizer and schedulers (the
+            # checkpoint holds them as they are now). It was written one batch behind, and the resumed fit switched
+            # one step late (qa38-break 01).
+            account = self.flops_account.state_dict()
+            try:
+                self._count_flops(trainer, pl_module, self._open_batch, self._skipped(trainer, pl_module))
+                state.update(self.flops_account.state_dict())
+            finally:
+                self.flops_account.load_state_dict(account)
+            state["batch_end_due"] = trainer.global_step != self._last_step  # the batch stepped: a switch may be due
+        weights = self._stack.exact_weights() if self._interrupted is None else self._interrupted["weights"]
         if weights is not None and state is not None:
             state["weights"] = weights
 
@@ -1402,6 +1442,7 @@ class VCycleCallback(Callback):
             if k != "level":  # rebuilt by the on_load_checkpoint wrapper, checked above
                 setattr(self, k, kind(state_dict[k]))
         self.nonfinite_guard.load_state_dict(state_dict.get("nonfinite_loss") or {})  # older checkpoints: none
+        self._batch_end_due = bool(state_dict.get("batch_end_due", False))
 
 
 def _is_vcycle_state(state: object) -> bool:

@@ -2,8 +2,8 @@
 techniques: Lightning runs only checkpoint callbacks last, and resumes such a checkpoint after its batch
 (``RestartStage.RESTARTED_ON_TRAIN_BATCH_END``). The curriculum's state was written one batch behind and the resumed
 fit trained the stream one step late (qa38-break 01): it commits the batch when such a checkpoint is written. The
-EfficiencyMonitor writes its totals as they stand after the batch. The V-cycle (a level switch at the batch's end)
-warns."""
+EfficiencyMonitor writes its totals as they stand after the batch; the V-cycle the batch's FLOPs, and the resumed fit
+makes the level switch of the batch's end at its start."""
 
 from __future__ import annotations
 
@@ -63,14 +63,45 @@ def test_a_curriculum_checkpoint_written_in_a_users_batch_end_resumes_after_the_
         assert torch.equal(a, b)
 
 
-def test_the_vcycle_warns_of_a_checkpoint_written_before_its_batch_end(tmp_path):
-    path = str(tmp_path / "user.ckpt")
-    callbacks = [SaveAt(path, 2), VCycleCallback(e_a=2, e_small=2)]
+def fit_vcycle(root, callbacks, ckpt=None):
     pl.seed_everything(0)
-    trainer = make_trainer(tmp_path / "a", callbacks, max_steps=4, max_epochs=-1)
-    message = r"VCycleCallback: a checkpoint is written at step 2 inside on_train_batch_end"
-    with pytest.warns(UserWarning, match=message):
-        trainer.fit(tiny_gpt2(n_layer=4), datamodule=TinyDataModule(TokenBlocks(n=48), batch_size=4))
+    vcycle = VCycleCallback(e_a=2, e_small=2)
+    monitor = EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(root, [monitor, *callbacks, vcycle], max_steps=8, max_epochs=-1, enable_checkpointing=True)
+    model = tiny_gpt2(n_layer=4)
+    trainer.fit(model, datamodule=TinyDataModule(TokenBlocks(n=48), batch_size=4), ckpt_path=ckpt)
+    return model, vcycle, monitor
+
+
+@pytest.mark.parametrize("step", [2, 3, 4])
+def test_a_vcycle_checkpoint_written_in_a_users_batch_end_resumes_after_the_batch(tmp_path, step):
+    """The user's callback listed before the V-cycle saves at step 2 (its level 1 -> 2 switch, made in its
+    on_train_batch_end), 3 (inside the coarse stage) or 4 (the switch back): the resumed fit switched one step late
+    (layer-tokens 2176 for 2048, qa38-break 01) and the V-cycle's FLOPs missed the batch. The checkpoint holds the
+    batch's FLOPs, and the resumed fit makes the batch's switch at its start: weights, FLOPs and totals equal the
+    uninterrupted run's."""
+    path = str(tmp_path / "user.ckpt")
+    whole, vcycle, monitor = fit_vcycle(tmp_path / "a", [SaveAt(path, step)])
+    resumed, vcycle2, monitor2 = fit_vcycle(tmp_path / "b", [], ckpt=path)
+    assert vcycle.switches == 2 and vcycle2.stage_index == vcycle.stage_index == 2
+    assert vcycle2.flops_account.state_dict() == vcycle.flops_account.state_dict()
+    assert counted(monitor2) == counted(monitor)
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_vcycle_checkpoint_written_after_a_raise_in_batch_end_resumes_after_the_batch(tmp_path):
+    """OnExceptionCheckpoint saves after the V-cycle's on_exception, at the step of its level 1 -> 2 switch."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    whole, vcycle, monitor = fit_vcycle(tmp_path / "a", [])
+    with pytest.raises(RuntimeError, match="stop here"):
+        fit_vcycle(tmp_path / "b", [RaiseAt(2), OnExceptionCheckpoint(tmp_path / "exc", filename="exc")])
+    resumed, vcycle2, monitor2 = fit_vcycle(tmp_path / "c", [], ckpt=str(tmp_path / "exc" / "exc.ckpt"))
+    assert vcycle2.flops_account.state_dict() == vcycle.flops_account.state_dict()
+    assert counted(monitor2) == counted(monitor)
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def counted(monitor):
