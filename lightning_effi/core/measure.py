@@ -1194,7 +1194,13 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     try:
         # outside any dispatch mode of the caller (a FlopCounterMode measuring the real step must not count the replay)
-        with _disable_current_modes(), torch.random.fork_rng(devices=cuda), _python_rng_kept(), unshown_warnings():
+        with (
+            _disable_current_modes(),
+            torch.random.fork_rng(devices=cuda),
+            _python_rng_kept(),
+            unshown_warnings(),
+            _attention_fastpath_off(),
+        ):
             mode = _fake_tensor_mode()
             clone = fake_copy(target, mode, share_attributes=target is root, device=move)
             with mode, flop_counter() as counter:
@@ -1231,6 +1237,21 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
 
 #: the exceptions of a fake-tensor replay at an operation whose output shape depends on the data's values
 _DATA_DEPENDENT = {"DynamicOutputShapeException", "DataDependentOutputException", "GuardOnDataDependentSymNode"}
+
+
+@contextlib.contextmanager
+def _attention_fastpath_off() -> Iterator[None]:
+    """PyTorch's fused inference path of ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` off: a frozen
+    transformer in eval mode under ``no_grad`` (a teacher, a frozen backbone) runs its forward as one fused op
+    (``_transformer_encoder_layer_fwd``, ``_native_multi_head_attention``) that ``FlopCounterMode`` has no formula for:
+    a teacher of 67.1M FLOPs a step was counted as 8,192 (qa42-user 01). Off, the replay runs the same products as
+    separate ops, which it counts (``torch.backends.mha.set_fastpath_enabled``; restored afterwards)."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
 
 
 @contextlib.contextmanager

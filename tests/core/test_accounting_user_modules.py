@@ -1373,3 +1373,54 @@ def test_a_baseline_that_cannot_be_counted_names_its_technique(tmp_path: Path) -
     [message] = [m for m in monitor_warnings(caught) if "baseline's training FLOPs" in m]
     assert "(vcycle's full model in place of the smaller one it trains) cannot be counted" in message
     assert "curriculum" not in message and monitor.summary["flops_saved_frac"] == 0.0
+
+
+class LinearProbe(pl.LightningModule):
+    """A frozen PyTorch transformer (eval mode, under no_grad: a teacher, a pretrained backbone) and a trained head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.embed = nn.Embedding(V, 32).requires_grad_(False)
+        self.backbone = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval().requires_grad_(False)
+        self.head = nn.Linear(32, 10)
+
+    def train(self, mode: bool = True) -> LinearProbe:
+        super().train(mode)
+        self.backbone.eval()
+        return self
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, y = batch
+        with torch.no_grad():
+            features = self.backbone(self.embed(ids)).mean(1)
+        return F.cross_entropy(self.head(features), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+
+def test_a_frozen_pytorch_transformer_in_eval_mode_is_counted(tmp_path: Path) -> None:
+    """In eval mode under no_grad, nn.TransformerEncoderLayer runs PyTorch's fused inference op, which the flop
+    counter has no formula for: the backbone's 2 layers were counted as 8,192 FLOPs (qa42-user 01). The replay runs
+    them unfused: the monitor counts the backbone's forward as the flop counter does on the unfused path, plus the head
+    (forward and weight gradient)."""
+    from lightning_effi.core.flops import flop_counter
+
+    pl.seed_everything(0)
+    module = LinearProbe()
+    ids = torch.randint(0, V, (3 * B, T))
+    loader = DataLoader(TensorDataset(ids, torch.arange(3 * B) % 10), batch_size=B)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad(), flop_counter() as counter:
+            module.backbone(module.embed(ids[:B]))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    backbone = counter.get_total_flops()
+    assert backbone > 4 * transformer_forward_flops(B, T, 2, 32, 64, head="none") // 5  # the layers' products
+    monitor, _, per_batch = fit(module, loader, tmp_path)
+    for row in per_batch.rows:
+        assert row["flops"] == backbone + 2 * (2 * B * 32 * 10)  # the head: forward, weight gradient
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath  # the replay put it back
