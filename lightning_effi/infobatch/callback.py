@@ -128,10 +128,22 @@ def _top_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _trainable(module: nn.Module) -> bool:
+def _trainable(module: nn.Module, optimized: set[int] | None = None) -> bool:
     """Whether ``module`` has a parameter with ``requires_grad`` (a frozen teacher, an EMA copy, a parameterless
-    activation or dropout module have none)."""
-    return any(p.requires_grad for p in module.parameters())
+    activation or dropout module have none) that, with ``optimized`` (the ids of the optimizers' parameters) given,
+    an optimizer trains (a teacher only put in eval mode and left out of ``configure_optimizers`` trains none)."""
+    return any(p.requires_grad and (optimized is None or id(p) in optimized) for p in module.parameters())
+
+
+def optimized_parameters(trainer: Any) -> set[int] | None:
+    """The ids of the parameters the Trainer's optimizers hold (None when they hold none or are not known)."""
+    found = {
+        id(p)
+        for optimizer in getattr(trainer, "optimizers", None) or []
+        for group in getattr(optimizer, "param_groups", None) or []
+        for p in group.get("params", [])
+    }
+    return found or None
 
 
 class ForwardCapture:
@@ -143,7 +155,9 @@ class ForwardCapture:
     teacher ``self.teacher(x)`` called before or after the student, an EMA copy, a parameterless ``nn.Dropout``):
     their output carries no gradient to the model, so it is never the output a per-sample loss is computed from.
     Forward hooks, registered on entry and removed on exit (so they follow a model that changes, or is frozen or
-    unfrozen, between steps and cost nothing outside the step).
+    unfrozen, between steps and cost nothing outside the step). With ``optimized`` (:func:`optimized_parameters`),
+    a module whose trainable parameters no optimizer holds is not recorded either (a teacher put in eval mode under
+    ``no_grad`` but not frozen, called after the student: its logits were taken, and the fit refused, qa42-user 03).
 
     Attributes:
         output: the recorded output (None before any call). captured: whether any watched call happened.
@@ -151,8 +165,8 @@ class ForwardCapture:
             forward, ``"self.<path> (ClassName)"`` for a submodule (None before any call).
     """
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module, optimized: set[int] | None = None) -> None:
+        self.module, self.optimized = module, optimized
         self.output: Any = None
         self.captured = False
         self.source: str | None = None
@@ -170,9 +184,11 @@ class ForwardCapture:
 
     def __enter__(self) -> ForwardCapture:
         self._depth = 0
-        for name, m in _top_modules(self.module):
-            if not _trainable(m):
-                continue
+        top = list(_top_modules(self.module))
+        watched = [(n, m) for n, m in top if _trainable(m, self.optimized)]
+        if not watched:  # optimizers holding other tensors than the modules' parameters: requires_grad alone
+            watched = [(n, m) for n, m in top if _trainable(m)]
+        for name, m in watched:
             self._handles.append(m.register_forward_pre_hook(self._enter))
             self._handles.append(m.register_forward_hook(partial(self._exit, name)))
         return self
@@ -828,7 +844,9 @@ class InfoBatchCallback(Callback):
                 if not pl_module.automatic_optimization:
                     return self._manual_step(original, batch, *args, **kwargs)
                 capture = self.per_sample_loss is not None or self.per_sample_source in (None, "auto")
-                with ForwardCapture(pl_module) if capture else nullcontext() as forward:
+                trainer = self._trainer
+                optimized = optimized_parameters(trainer) if capture and trainer is not None else None
+                with ForwardCapture(pl_module, optimized) if capture else nullcontext() as forward:
                     output = original(batch, *args, **kwargs)
                 if output is None:  # the step skipped the batch (Lightning's automatic optimization allows it)
                     return None
@@ -965,7 +983,12 @@ class InfoBatchCallback(Callback):
                     per_sample, _ = ib.auto_per_sample_loss(outputs, batch, loss, shift, verify=False)
                     per_sample = per_sample + loss.detach().reshape(()).to(per_sample.dtype) * 0
             except ValueError as err:
-                raise ValueError(f"InfoBatchCallback: {err}") from None
+                raise ValueError(
+                    f"InfoBatchCallback: {err} (the logits: the output of {forward.source}, the last module with "
+                    "trained parameters that training_step called; a network called after the one whose loss you "
+                    "return, e.g. a teacher, is passed over once it is frozen, requires_grad_(False), or out of the "
+                    "optimizers)"
+                ) from None
             self._warn_mixed_targets(batch)
         self._check_per_sample(per_sample, source, forward)
         if scores is not None:

@@ -1196,12 +1196,16 @@ class Distill(UserModule):
     before (``order="ts"``) or after (``"st"``) the student, for a logged agreement; the loss is the student's
     cross-entropy. An ``nn.Dropout`` (no parameter) is applied to the teacher's logits last."""
 
-    def __init__(self, order: str = "st") -> None:
+    def __init__(self, order: str = "st", frozen: bool = True) -> None:
         super().__init__()
-        self.order = order
+        self.order, self.frozen = order, frozen
         self.student = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3))
-        self.teacher = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3)).requires_grad_(False)
+        self.teacher = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3)).requires_grad_(not frozen)
         self.dropout = nn.Dropout(0.1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # not frozen: left out of the optimizer (and called under no_grad), as many distillation recipes do
+        return torch.optim.SGD(self.parameters() if self.frozen else self.student.parameters(), lr=0.1)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
@@ -1241,13 +1245,15 @@ def test_the_capture_skips_modules_without_a_trainable_parameter():
     assert capture.source == "self (ViT)"
 
 
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "out_of_the_optimizer"])
 @pytest.mark.parametrize("fn", [None, student_loss], ids=["auto", "fn"])
 @pytest.mark.parametrize("order", ["ts", "st"])
-def test_a_frozen_teacher_called_before_or_after_the_student(tmp_path, order, fn):
+def test_a_frozen_teacher_called_before_or_after_the_student(tmp_path, order, fn, frozen):
     """The per-sample loss is the student's, whichever order (before the fix, ``order="st"`` took the teacher's
-    output: "has no grad" with fn, a mismatch on the automatic path)."""
+    output: "has no grad" with fn, a mismatch on the automatic path); also for a teacher that is not frozen but no
+    optimizer holds (its logits were taken and the fit refused as "not plain cross-entropy", qa42-user 03)."""
     pl.seed_everything(0)
-    module, outputs = Distill(order), Outputs()
+    module, outputs = Distill(order, frozen), Outputs()
     teacher = copy_state(module.teacher)
     cb = fit(tmp_path, module, UserData(SmallImages(), tuple_collate), InfoBatchCallback(per_sample_loss=fn), outputs)
     assert cb.per_sample_source == ("auto" if fn is None else "fn")
