@@ -100,6 +100,7 @@ from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import (
     BatchRecord,
     LTDController,
+    LTDForward,
     PatchedLayers,
     convert,
     find_patches,
@@ -1335,6 +1336,7 @@ class RandomLTDCallback(Callback):
     ) -> None:
         assert self.controller is not None
         self._steps_check.batch_start(trainer)
+        self._release_frozen_copies(pl_module)
         step = trainer.global_step
         self.current_step = step
         if self.clock == "progress":
@@ -1357,6 +1359,37 @@ class RandomLTDCallback(Callback):
         self._batch_costs_fixed, self._frac_fixed = None, None
         self._batch_ltd_layers = len(self.layer_ids)
         self._fused = self._fused_attention(pl_module)
+
+    def _release_frozen_copies(self, pl_module: pl.LightningModule) -> None:
+        """Give the original ``forward`` back to the layers of a frozen copy of the converted network that the module
+        made after setup (a BYOL / MoCo / DINO momentum target or an EMA copy built with ``copy.deepcopy`` in
+        ``setup``, ``on_fit_start`` or ``on_train_start``). A deep copy of a converted model is converted too (its
+        layers share this callback's schedule), but a transformer whose parameters are all frozen is no candidate
+        (class docstring: ``model_attr``): the copy's layers dropped tokens in silence, and the target the online
+        network regresses to was another network's (qa42-user 02). A copy is told by its layers' ``LTDForward``
+        without a record of :func:`convert` (``patch is None``); frozen: the layer list that holds them has no
+        parameter with ``requires_grad``. Announced once per copy (``rank_zero_info``). A copy that trains keeps the
+        schedule."""
+        copies: dict[str, list[str]] = {}
+        converted: set[str] = set()
+        for name, sub in pl_module.named_modules():
+            forward = sub.__dict__.get("forward")
+            if isinstance(forward, LTDForward) and forward.controller is self.controller:
+                parent = name.rpartition(".")[0]
+                if forward.patch is None:
+                    copies.setdefault(parent, []).append(name)
+                else:
+                    converted.add(parent)
+        for parent, names in copies.items():
+            holder = pl_module.get_submodule(parent) if parent else pl_module
+            if parent in converted or any(p.requires_grad for p in holder.parameters()):
+                continue
+            restore_module(holder)
+            rank_zero_info(
+                f"{type(self).__name__}: {parent or 'the module'} holds a frozen copy of the converted network (its "
+                f"layers {', '.join(n.rpartition('.')[2] for n in names)} were converted with it: an EMA or target "
+                "network copied after setup); a frozen network drops no tokens, so they run their own forward"
+            )
 
     def _scheduled_value(self) -> int:
         """The reserved length of the current step (or progress) with the current ``max_value``."""

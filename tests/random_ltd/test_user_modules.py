@@ -1340,3 +1340,59 @@ def test_an_ema_copy_is_told_apart_and_a_network_that_never_runs_warns(tmp_path)
         fit(model_attr="ema.module")
     trained = fit(model_attr="net")  # the network the step trains: tokens dropped
     assert 0 < trained.consumed_layer_tokens < trained.full_layer_tokens
+
+
+# ------------------------------------------------------------------------------- a frozen copy made after setup
+class MomentumTarget(CharGPT):
+    """BYOL / MoCo / DINO style: a frozen momentum copy of the online network, deep-copied in one of the hooks that
+    run after random-LTD converted the online network (or in ``__init__``, before), EMA-updated after every step. At
+    every step the target's output is compared with a fresh, unconverted GPT-2 holding its weights."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where, self.diffs = where, []
+        self.target = copy.deepcopy(self.model).requires_grad_(False) if where == "__init__" else None
+
+    def _copy(self, hook: str) -> None:
+        if self.where == hook and self.target is None:
+            self.target = copy.deepcopy(self.model).requires_grad_(False)
+
+    def setup(self, stage):
+        self._copy("setup")
+
+    def on_fit_start(self):
+        self._copy("on_fit_start")
+
+    def on_train_start(self):
+        self._copy("on_train_start")
+
+    def training_step(self, batch, batch_idx):
+        online = self.model(input_ids=batch).logits
+        with torch.no_grad():
+            target = self.target(input_ids=batch).logits
+            fresh = GPT2LMHeadModel(gpt2_config())
+            fresh.load_state_dict(self.target.state_dict())
+            self.diffs.append(float((fresh(input_ids=batch).logits - target).abs().max()))
+        return (online - target).pow(2).mean() + self.model(input_ids=batch, labels=batch).loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        with torch.no_grad():
+            for t, o in zip(self.target.parameters(), self.model.parameters(), strict=True):
+                t.mul_(0.9).add_(o, alpha=0.1)
+
+
+@pytest.mark.parametrize("where", ["__init__", "setup", "on_fit_start", "on_train_start"])
+def test_a_frozen_momentum_copy_made_after_setup_runs_the_full_sequence(tmp_path, where, caplog):
+    """A deep copy of the converted network is converted with it; frozen, it is no candidate: copied after setup, the
+    target dropped tokens (its logits 0.25-0.29 off the full-sequence forward, qa42-user 02). Its layers get their own
+    forward back at the first batch; the online network still drops tokens."""
+    pl.seed_everything(0)
+    module, ltd = MomentumTarget(where), RandomLTDCallback(min_value=16, max_value=64, seq_per_step=16, seed=0)
+    watch = Watch(ltd)
+    with caplog.at_level(logging.INFO):
+        make_trainer(tmp_path, [ltd, watch], max_steps=3, max_epochs=-1).fit(module, loader(Blocks()))
+    assert module.diffs == [0.0, 0.0, 0.0]
+    assert all(row["r"] < 64 and row["indices"] is not None for row in watch.rows)  # the online network's draws
+    assert not is_converted(module.target) and not is_converted(module.model)  # restored at the end too
+    told = [r.message for r in caplog.records if "frozen copy of the converted network" in r.message]
+    assert len(told) == (0 if where == "__init__" else 1) and all("target.transformer.h" in m for m in told)
