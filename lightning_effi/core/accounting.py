@@ -87,6 +87,7 @@ from lightning_effi.core.measure import (
     CallRecorder,
     FlopsMeter,
     MeasureError,
+    OutsideProducts,
     combined_parts,
     find_batch_size,
     find_blocks,
@@ -574,6 +575,10 @@ class EfficiencyMonitor(Callback):
         self._recorded_key: tuple[Any, ...] | None = None
         self._pending_key: tuple[Any, ...] | None = None  # the key of the batch being recorded
         self._eager: Any = None  # the compiler stance set for a compiled module's recorded step (_watch)
+        # the check for matrix products of the step's own code outside module calls: active on the first recorded
+        # batch of a fit (_watch), read at its end (_check_outside_products)
+        self._outside: OutsideProducts | None = None
+        self._outside_checked = False
         self._compiled = False  # this fit's module is compiled (setup)
         self._blocks: dict[tuple[int, ...], tuple[list[weakref.ref[nn.Module]], weakref.ref[Blocks] | None]] = {}
 
@@ -660,6 +665,39 @@ class EfficiencyMonitor(Callback):
             f"{depth}, so both leave out the other side (the decoder's tokens, the other stack's layers); FLOPs are "
             "measured on the whole network and are exact: compare the runs on FLOPs, or define "
             "`effi_count_tokens(batch)` and `effi_num_layers` on your LightningModule to count your own way",
+        )
+
+    def _end_outside_check(self) -> None:
+        outside = self._outside
+        if outside is not None and outside.active:
+            outside.active = False
+            try:
+                outside.__exit__(None, None, None)
+            except Exception as err:  # noqa: BLE001 - another function mode entered after it and still active
+                rank_zero_warn(f"{type(self).__name__}: could not end its check of the step's products ({err!r})")
+
+    def _check_outside_products(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, account: BatchAccount
+    ) -> None:
+        """At the end of the batch the check ran on (:class:`~lightning_effi.core.measure.OutsideProducts`): warn
+        when the step's own code ran matrix products outside every module call worth more than 1% of the FLOPs
+        counted for the batch's network calls. They are not counted (a replay measures module calls), so the FLOPs
+        read low and every technique's FLOPs saving, a share of the network's, reads high."""
+        outside, self._outside = self._outside, None
+        if outside is None:
+            return
+        counted = float(account.baseline[QUANTITIES.index("flops")])
+        if outside.flops <= 0.01 * max(counted, 1.0):
+            return
+        share = outside.flops / (outside.flops + counted)
+        self._warn(
+            "flops/outside_products",
+            f"training_step runs matrix products outside any module call ({', '.join(outside.examples)}; "
+            f"{outside.flops:.3g} FLOPs with their backward in the fit's first measured batch, {share:.0%} of the "
+            f"batch's with the {counted:.3g} counted for the network's calls), which the FLOPs leave out: they read "
+            "low, and the FLOPs saving of a technique on the network reads high. Compute them inside a module's "
+            f"forward (an nn.Module head called by {type(pl_module).__name__}), or define "
+            "effi_training_flops(batch) on the module",
         )
 
     def _warn(self, quantity: str, message: str) -> None:
@@ -946,6 +984,7 @@ class EfficiencyMonitor(Callback):
         if stage == "fit":
             self._check_order(trainer)
             self._recorded_key = None  # a compiled module is recorded again in every fit (_watch)
+            self._outside_checked = False
             if trainer.global_step > 0:
                 if self._ended_at == (id(trainer), trainer.global_step):
                     return
@@ -1048,6 +1087,11 @@ class EfficiencyMonitor(Callback):
             self._eager = torch.compiler.set_stance("force_eager")
         if not callable(getattr(pl_module, "effi_training_flops", None)) and not self._own_flops(pl_module):
             self._recorder.start(pl_module, batch)
+            if not self._outside_checked and key is None:  # once per fit; not under torch.compile
+                self._outside_checked = True
+                self._outside = OutsideProducts(self._recorder)
+                self._outside.__enter__()
+                self._outside.active = True
             self._recorded_lists = {
                 name: len(m) for name, m in pl_module.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential)
             }
@@ -1083,6 +1127,10 @@ class EfficiencyMonitor(Callback):
         if self._eager is not None:
             self._eager.__exit__(None, None, None)  # the stance before the recorded step
             self._eager = None
+        if self._outside is not None:  # the check ends with the step (read by _check_outside_products)
+            self._end_outside_check()
+            if batch is None:  # an error: dropped
+                self._outside = None
         if self._recorder.active:
             self._recorder.stop(batch)
             self._calls = self._recorder.calls
@@ -1125,6 +1173,7 @@ class EfficiencyMonitor(Callback):
                     "FLOPs, batches)"
                 )
                 self._warned_skip = True
+            self._outside = None
             self._write_flops(pl_module, 0)
         elif getattr(trainer.fit_loop, "_skip_backward", False):
             # a forward-only epoch: StochasticWeightAveraging's batch-norm update of the averaged weights (no backward,
@@ -1137,11 +1186,13 @@ class EfficiencyMonitor(Callback):
                     "not counted as trained (samples, tokens, FLOPs, batches), in the run and in its baseline alike"
                 )
                 self._warned_forward_only = True
+            self._outside = None
             self._write_flops(pl_module, 0)
         else:
             started = time.perf_counter()
             account = self.account(trainer, pl_module, batch)
             self.totals["time_monitor"] += time.perf_counter() - started
+            self._check_outside_products(trainer, pl_module, account)
             for q, actual, baseline in zip(QUANTITIES, account.actual.values(), account.baseline):
                 self.totals[q] += actual
                 self.totals[f"baseline_{q}"] += baseline
