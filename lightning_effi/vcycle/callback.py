@@ -362,6 +362,9 @@ class VCycleCallback(Callback):
         self._batch_end_due = False
         self._backward_seen = False  # the open batch has had a backward (on_before_backward)
         self._due_at_exception = False  # the fit raised inside a stepped batch's end before this callback's
+        self._levels_due_at_exception: list[int] = []
+        self._levels_due: list[int] = []  # the restored batch end's levels (a resumed fit without a step left)
+        self._train_started = False  # this fit's on_train_start ran (Lightning skips it when no step is left)
         self._restored = False  # this fit loaded a V-cycle state from a checkpoint
         # the non-finite losses of this fit (checkpointed: a resumed fit loads the count)
         self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_loss)
@@ -905,6 +908,7 @@ class VCycleCallback(Callback):
             except Exception as err:  # noqa: BLE001 - on_exception must not replace the fit's exception
                 rank_zero_warn(f"{name}: could not count the FLOPs of the batch in flight ({err!r})")
             self._due_at_exception = trainer.global_step != self._last_step
+            self._levels_due_at_exception = self._levels_due_now(trainer) if self._due_at_exception else []
         self._batch_open, self._open_batch = False, None
         try:
             stack = self._stack
@@ -952,6 +956,7 @@ class VCycleCallback(Callback):
         with these). Warns when a ``ModelCheckpoint`` ranks checkpoints by a monitored metric and the levels change
         the depth (:meth:`_warn_monitored_checkpoints`)."""
         check_started(trainer)
+        self._train_started = True
         self._warn_monitored_checkpoints(trainer)
         self._clock_source = progress_clock(trainer.callbacks)
         source = None if self._clock_source is None else type(self._clock_source).__name__
@@ -1165,6 +1170,25 @@ class VCycleCallback(Callback):
             self.flops_account.count(lambda: self._stack.training_flops(fn, batch), type(self).__name__)
         self.flops_account.flops_steps = trainer.global_step
 
+    def _levels_due_now(self, trainer: pl.Trainer) -> list[int]:
+        """The levels the open batch's end switches to (none: no stage has ended)."""
+        return S.levels_due(self.stages, self.stage_ends, self.stage_index, self._clock_now(trainer))
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A fit resumed from a checkpoint of the run's last step has no step left: Lightning skips its training
+        loop, so neither :meth:`on_train_start` (which makes a level switch due at the checkpoint's batch end) nor
+        :meth:`on_train_end` (which takes a run cut short back to the full model) runs, and the module stayed at the
+        checkpoint's coarse level (8,128 parameters for the uninterrupted run's 53,952, qa43-break 06). Both are made
+        here, as the uninterrupted run made them."""
+        if not self._restored or self._train_started:
+            return
+        if self._batch_end_due and self._levels_due:
+            self._switch(trainer, pl_module, self._levels_due)
+        self._batch_end_due, self._levels_due = False, []
+        if self.level != 1:
+            self.on_train_end(trainer, pl_module)
+
     def _skipped(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         """Whether the open batch trained nothing, told before its ``on_train_batch_end`` (which receives the step's
         outputs): under automatic optimization, a batch without a backward outside a forward-only epoch."""
@@ -1174,11 +1198,14 @@ class VCycleCallback(Callback):
     def _switch_if_due(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After an optimizer step: change levels when a stage has ended (:func:`~lightning_effi.vcycle.stages.
         levels_due`), then a fresh optimizer and schedulers for the new level (:meth:`_new_training_state`)."""
+        if path := S.levels_due(self.stages, self.stage_ends, self.stage_index, self._clock_now(trainer)):
+            self._switch(trainer, pl_module, path)
+
+    def _switch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, levels: list[int]) -> None:
+        """Change to ``levels`` in turn (the stages that have ended), then a fresh training state."""
         step = trainer.global_step
-        if not (path := S.levels_due(self.stages, self.stage_ends, self.stage_index, self._clock_now(trainer))):
-            return
         self._refuse_parameter_copies(trainer, pl_module, step)
-        start, path = time.perf_counter(), [self.level, *path]
+        start, path = time.perf_counter(), [self.level, *levels]
         assert self.alpha_original is not None  # resolved in setup
         first, total = self.stage_index + 1, len(self.stages) + 1
         where = f"at step {step}, the switch from stage {first} to stage {first + len(path) - 1} of {total}"
@@ -1366,7 +1393,7 @@ class VCycleCallback(Callback):
         if self._interrupted is not None:
             state["level"], state["snapshots"] = self._interrupted["level"], self._interrupted["snapshots"]
         if self._due_at_exception:  # see on_exception
-            state["batch_end_due"] = True
+            state["batch_end_due"], state["levels_due"] = True, list(self._levels_due_at_exception)
         return state
 
     @override
@@ -1390,7 +1417,9 @@ class VCycleCallback(Callback):
                 state.update(self.flops_account.state_dict())
             finally:
                 self.flops_account.load_state_dict(account)
-            state["batch_end_due"] = trainer.global_step != self._last_step  # the batch stepped: a switch may be due
+            state["batch_end_due"] = stepped = trainer.global_step != self._last_step  # a switch may be due
+            # the levels it switches to, for a resumed fit without a step left (on_fit_end)
+            state["levels_due"] = self._levels_due_now(trainer) if stepped else []
         weights = self._stack.exact_weights() if self._interrupted is None else self._interrupted["weights"]
         if weights is not None and state is not None:
             state["weights"] = weights
@@ -1443,6 +1472,7 @@ class VCycleCallback(Callback):
                 setattr(self, k, kind(state_dict[k]))
         self.nonfinite_guard.load_state_dict(state_dict.get("nonfinite_loss") or {})  # older checkpoints: none
         self._batch_end_due = bool(state_dict.get("batch_end_due", False))
+        self._levels_due = [int(level) for level in state_dict.get("levels_due", [])]
 
 
 def _is_vcycle_state(state: object) -> bool:

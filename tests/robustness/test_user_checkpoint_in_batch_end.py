@@ -63,11 +63,13 @@ def test_a_curriculum_checkpoint_written_in_a_users_batch_end_resumes_after_the_
         assert torch.equal(a, b)
 
 
-def fit_vcycle(root, callbacks, ckpt=None):
+def fit_vcycle(root, callbacks, ckpt=None, max_steps=8):
     pl.seed_everything(0)
     vcycle = VCycleCallback(e_a=2, e_small=2)
     monitor = EfficiencyMonitor(print_summary=False)
-    trainer = make_trainer(root, [monitor, *callbacks, vcycle], max_steps=8, max_epochs=-1, enable_checkpointing=True)
+    trainer = make_trainer(
+        root, [monitor, *callbacks, vcycle], max_steps=max_steps, max_epochs=-1, enable_checkpointing=True
+    )
     model = tiny_gpt2(n_layer=4)
     trainer.fit(model, datamodule=TinyDataModule(TokenBlocks(n=48), batch_size=4), ckpt_path=ckpt)
     return model, vcycle, monitor
@@ -86,6 +88,19 @@ def test_a_vcycle_checkpoint_written_in_a_users_batch_end_resumes_after_the_batc
     assert vcycle.switches == 2 and vcycle2.stage_index == vcycle.stage_index == 2
     assert vcycle2.flops_account.state_dict() == vcycle.flops_account.state_dict()
     assert counted(monitor2) == counted(monitor)
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_vcycle_checkpoint_of_the_last_step_resumed_ends_on_the_full_model(tmp_path):
+    """A fit resumed from the run's last step has no step left: Lightning skips its training loop (no
+    on_train_start), so the level switch due at that batch's end (the user's checkpoint is written before the
+    V-cycle's own batch end, where the cycle goes back to the full model) was never made: the module stayed coarse
+    (8,128 parameters for 53,952, qa43-break 06)."""
+    path = str(tmp_path / "user.ckpt")
+    whole, vcycle, _ = fit_vcycle(tmp_path / "a", [SaveAt(path, 4)], max_steps=4)
+    resumed, vcycle2, _ = fit_vcycle(tmp_path / "b", [], ckpt=path, max_steps=4)
+    assert vcycle2.level == vcycle.level == 1 and vcycle2.switches == vcycle.switches == 2
     for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
 
