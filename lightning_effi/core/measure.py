@@ -400,9 +400,10 @@ def row_tokens(batch: Any) -> Tensor | None:
 
 def hidden_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
     """Tokens in the hidden states a transformer block is called with: the product of all but the last dimension of
-    its first tensor argument when that is 3-D (``[B, T, H]`` or ``[T, B, H]``); None otherwise."""
+    its first tensor argument when that is 3-D (``[B, T, H]`` or ``[T, B, H]``); None otherwise (a nested tensor too:
+    ``nn.TransformerEncoder``'s padded inference path, which has no shape)."""
     hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
-    if hidden is None or hidden.ndim != 3:
+    if hidden is None or hidden.is_nested or hidden.ndim != 3:
         return None
     return int(math.prod(hidden.shape[:-1]))
 
@@ -550,6 +551,8 @@ def _describe(value: Any, refs: list[tuple[TensorInfo, weakref.ref[Tensor]]]) ->
     ``refs``), containers rebuilt (mappings as dicts, dataclass instances as :class:`_Fields`), plain values kept,
     anything else an :class:`_Opaque`."""
     if isinstance(value, Tensor):
+        if value.is_nested:  # PyTorch's padded inference path between nn.TransformerEncoder's layers: no shape
+            return _Opaque("nested tensor")
         info = TensorInfo(tuple(value.shape), value.dtype, str(value.device), bool(value.requires_grad))
         refs.append((info, weakref.ref(value)))
         return info
