@@ -19,7 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["FEATURES", "Feature", "check_features", "detect_features", "parameter_copy_holders"]
+__all__ = [
+    "FEATURES",
+    "Feature",
+    "check_features",
+    "detect_features",
+    "optimized_parameters",
+    "parameter_copy_holders",
+]
 
 When = Literal["setup", "train_start"]
 
@@ -233,3 +240,16 @@ def check_features(trainer: Any, when: When, callbacks: Sequence[Any] | None = N
         feature = FEATURES[name]
         if name in used:
             raise IncompatibleTechniques(f"{type(technique).__name__} cannot run with {feature.title}: {why}")
+
+
+def optimized_parameters(trainer: Any) -> set[int] | None:
+    """The ids of the parameters the Trainer's optimizers hold (None when they hold none or are not known): a module
+    whose parameters require grad but no optimizer holds (a teacher or a momentum target only put in eval mode, or
+    updated by hand) is not trained."""
+    found = {
+        id(p)
+        for optimizer in getattr(trainer, "optimizers", None) or []
+        for group in getattr(optimizer, "param_groups", None) or []
+        for p in group.get("params", [])
+    }
+    return found or None

@@ -53,6 +53,7 @@ from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real, is_int
 from lightning_effi.core.compat import rebuild_train_loader_after_restore, restart_next_epoch_at_its_start
+from lightning_effi.core.features import optimized_parameters
 from lightning_effi.core.measure import find_batch_size, row_tokens
 from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
@@ -133,17 +134,6 @@ def _trainable(module: nn.Module, optimized: set[int] | None = None) -> bool:
     activation or dropout module have none) that, with ``optimized`` (the ids of the optimizers' parameters) given,
     an optimizer trains (a teacher only put in eval mode and left out of ``configure_optimizers`` trains none)."""
     return any(p.requires_grad and (optimized is None or id(p) in optimized) for p in module.parameters())
-
-
-def optimized_parameters(trainer: Any) -> set[int] | None:
-    """The ids of the parameters the Trainer's optimizers hold (None when they hold none or are not known)."""
-    found = {
-        id(p)
-        for optimizer in getattr(trainer, "optimizers", None) or []
-        for group in getattr(optimizer, "param_groups", None) or []
-        for p in group.get("params", [])
-    }
-    return found or None
 
 
 class ForwardCapture:

@@ -65,6 +65,7 @@ from lightning_effi.core.accounting import BatchStats
 from lightning_effi.core.batch import batch_meta, unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
+from lightning_effi.core.features import optimized_parameters
 from lightning_effi.core.flops import sdpa_recomputes
 from lightning_effi.core.measure import (
     FlopsMeter,
@@ -1336,7 +1337,7 @@ class RandomLTDCallback(Callback):
     ) -> None:
         assert self.controller is not None
         self._steps_check.batch_start(trainer)
-        self._release_frozen_copies(pl_module)
+        self._release_frozen_copies(trainer, pl_module)
         step = trainer.global_step
         self.current_step = step
         if self.clock == "progress":
@@ -1360,7 +1361,7 @@ class RandomLTDCallback(Callback):
         self._batch_ltd_layers = len(self.layer_ids)
         self._fused = self._fused_attention(pl_module)
 
-    def _release_frozen_copies(self, pl_module: pl.LightningModule) -> None:
+    def _release_frozen_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Give the original ``forward`` back to the layers of a frozen copy of the converted network that the module
         made after setup (a BYOL / MoCo / DINO momentum target or an EMA copy built with ``copy.deepcopy`` in
         ``setup``, ``on_fit_start`` or ``on_train_start``). A deep copy of a converted model is converted too (its
@@ -1368,8 +1369,11 @@ class RandomLTDCallback(Callback):
         (class docstring: ``model_attr``): the copy's layers dropped tokens in silence, and the target the online
         network regresses to was another network's (qa42-user 02). A copy is told by its layers' ``LTDForward``
         without a record of :func:`convert` (``patch is None``); frozen: the layer list that holds them has no
-        parameter with ``requires_grad``. Announced once per copy (``rank_zero_info``). A copy that trains keeps the
-        schedule."""
+        parameter with ``requires_grad`` that an optimizer holds (a target updated by hand, left out of
+        ``configure_optimizers`` without ``requires_grad_(False)``, is not trained either: qa43-break 01). Announced
+        once per copy (``rank_zero_info``). A copy that trains keeps the schedule. A copy outside the module (on a
+        callback) or made inside a training step is told when it is called: a copy without a trainable parameter
+        called under ``no_grad`` passes through (:class:`~lightning_effi.random_ltd.patching.LTDForward`)."""
         copies: dict[str, list[str]] = {}
         converted: set[str] = set()
         for name, sub in pl_module.named_modules():
@@ -1380,9 +1384,13 @@ class RandomLTDCallback(Callback):
                     copies.setdefault(parent, []).append(name)
                 else:
                     converted.add(parent)
+        if not copies:
+            return
+        optimized = optimized_parameters(trainer)
         for parent, names in copies.items():
             holder = pl_module.get_submodule(parent) if parent else pl_module
-            if parent in converted or any(p.requires_grad for p in holder.parameters()):
+            trained = any(p.requires_grad and (optimized is None or id(p) in optimized) for p in holder.parameters())
+            if parent in converted or trained:
                 continue
             restore_module(holder)
             rank_zero_info(

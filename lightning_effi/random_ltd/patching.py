@@ -433,6 +433,11 @@ class LTDForward:
         owner = self._owner()
         if not owner.training or not isinstance(hidden, Tensor) or hidden.device.type == "meta" or hidden.is_nested:
             return self.original(*args, **kwargs)
+        if self.patch is None and not torch.is_grad_enabled() and not any(p.requires_grad for p in owner.parameters()):
+            # a deep copy of a converted model without a trainable parameter, called under no_grad: a momentum target
+            # or an EMA copy (one the module holds is restored at the next batch start; this one may sit elsewhere,
+            # or be made inside the step): a frozen network is no candidate (qa43-break 02, 03)
+            return self.original(*args, **kwargs)
         idx = self.select(hidden, args, kwargs)
         if idx is None:
             return self.original(*args, **kwargs)
