@@ -43,7 +43,8 @@ LOWER_IS_BETTER = frozenset(
 HIGHER_IS_BETTER = frozenset(
     {
         "acc", "accuracy", "top", "f", "auc", "auroc", "auprc", "precision", "recall", "bleu", "rouge", "map",
-        "iou", "miou", "dice", "r2", "mcc", "spearman", "pearson", "corr", "score",
+        "iou", "miou", "dice", "r2", "mcc", "spearman", "pearson", "corr", "score", "ndcg", "dcg", "mrr", "hr", "hit",
+        "hits", "psnr", "ssim",
     }
 )  # fmt: skip
 
@@ -53,7 +54,7 @@ HIGHER_IS_BETTER = frozenset(
 MODIFIERS = frozenset(
     {
         "neg", "negative", "inv", "inverse", "drop", "gap", "diff", "delta", "change", "improvement", "increase",
-        "decrease", "gain", "reduction", "scale", "std", "var", "", "minus", "one",
+        "decrease", "gain", "reduction", "scale", "std", "var", "minus", "one",
     }
 )  # fmt: skip
 
@@ -61,11 +62,16 @@ MODIFIERS = frozenset(
 def infer_mode(metric: str) -> Mode | None:
     """``"min"`` when the metric's name says lower is better (a part in :data:`LOWER_IS_BETTER`: ``val/loss``,
     ``val_ppl``), ``"max"`` when it says higher is better (:data:`HIGHER_IS_BETTER`: ``val/acc``, ``test_f1``,
-    ``acc_top5``, ``val/r2``), None when it says neither or both, or holds a part of :data:`MODIFIERS` (``neg_mse``,
-    ``1-acc``, ``accuracy_drop``, ``loss_scale``): the caller must be told."""
+    ``acc_top5``, ``val/r2``, ``val/ndcg@10``: a number after the name is a cut-off), None when it says neither or
+    both, or holds a part of :data:`MODIFIERS` (``neg_mse``, ``accuracy_drop``, ``loss_scale``) or a number before
+    the name (``1-acc``): the caller must be told."""
     raw = [p for p in re.split(r"[^a-z0-9]+", str(metric).lower()) if p]
-    parts = set(raw) | {p.rstrip("0123456789") for p in raw}
-    if parts & MODIFIERS:
+    parts = set(raw) | {p.rstrip("0123456789") for p in raw if not p.isdigit()}
+    # a number before the name turns it around (1-acc); one after it is a cut-off (recall@20, ndcg_at_10, top_5)
+    leading = any(
+        p.isdigit() and i + 1 < len(raw) and (i == 0 or raw[i - 1] not in ("at", "top")) for i, p in enumerate(raw)
+    )
+    if parts & MODIFIERS or leading:
         return None
     lower, higher = bool(parts & LOWER_IS_BETTER), bool(parts & HIGHER_IS_BETTER)
     return "min" if lower and not higher else "max" if higher and not lower else None

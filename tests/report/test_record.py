@@ -79,6 +79,9 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
     ]
     assert infer_mode("val/foo") is None and infer_mode("val/loss_acc") is None  # neither, or both: ask
     assert infer_mode("val/r2") == "max"  # digits are part of some names
+    # a cut-off after the name (recommenders, retrieval, top-k accuracy) was read as "1-acc" (qa43-user 02)
+    for ranked in ("val/recall@20", "val/ndcg@10", "val/hr@10", "val/mrr", "val/map_at_5", "val/acc@1", "top_5_acc"):
+        assert infer_mode(ranked) == "max", ranked
     for turned in ("val/neg_mse", "val/1-acc", "val/accuracy_drop", "train/loss_scale", "val/loss_improvement"):
         assert infer_mode(turned) is None, turned  # scikit-learn's neg_*, differences, scales: ask
     trainer = fit(tmp_path / "fit", 2, ltd=False)
