@@ -614,6 +614,8 @@ def truncate(
         return Truncation(batch, t, t, None, False, ())
     pm = padding_mask(batch, keys)
     real = None if pm is None else pm[2]
+    if real is None and ref.ndim == 2 and _is_integer(ref) and length >= 2:
+        _refuse_unmarked_left_padding(ref, length)
     left = real is not None and bool(real[:, -1].all()) and not bool(real[:, 0].all())
     index: Tensor | None = None  # [B, L] columns kept per row; None: the slice `window`
     window = slice(t - length, t) if left else slice(0, length)
@@ -662,6 +664,32 @@ def truncate(
         if len(cut.get(path, ())) == 1:
             cut_mask, mask_path = _take(mask, cut[path][0], window, removed.to(mask.device)), path
     return Truncation(out, t, length, cut_mask, left, tuple(cut), tuple(cut.values()), mask_path, values)
+
+
+def _refuse_unmarked_left_padding(ids: Tensor, length: int) -> None:
+    """Refuse a batch without a padding mask whose rows look padded on the left: at least two rows (every row of a
+    one-row batch) open with a run of one id, two positions or more, that never comes back after the row's other ids,
+    the same id in all of them (SASRec's item histories, padded on the left with item 0, with no mask in the batch).
+    Without a mask every position is real and the first ``length`` columns are kept: the padding and the oldest
+    items, the most recent ones cut away (4 of 8 rows all padding in qa43-user 01). Text that opens with a repeated
+    token (indentation, a poly-A stretch) has it again later in the row."""
+    same = ids == ids[:, :1]  # [B, T]: the row's first id
+    other = ~same
+    run = other.to(torch.int8).argmax(1)  # where the leading run of that id ends (0 when the row is one id)
+    later = same & (torch.arange(ids.shape[1], device=ids.device) >= run[:, None])
+    padded = other.any(1) & (run >= 2) & ~later.any(1)
+    pads = sorted({int(v) for v in ids[padded, 0].tolist()})
+    if int(padded.sum()) < min(2, ids.shape[0]) or len(pads) != 1:
+        return
+    rows = padded.nonzero().flatten().tolist()
+    raise ValueError(
+        f"seqlen_truncate: the batch has no padding mask, and rows {rows[:8]}{' ...' if len(rows) > 8 else ''} open "
+        f"with a run of id {pads[0]} that never comes back after their other ids: they look padded on the left. "
+        f"Without a mask the cut keeps the first {length} columns: the padding and the oldest tokens, and the last "
+        "ones (the most recent) are cut away. Put the padding mask in the batch (a tensor named attention_mask, 1 = "
+        "real, or key_padding_mask, True = padding; a tuple's bool [B, T] entry): the cut then keeps each row's last "
+        "real tokens. For rows that are not padded, a mask of ones keeps the first columns"
+    )
 
 
 def truncate_batch(

@@ -147,6 +147,23 @@ def test_left_padding_keeps_every_rows_real_tokens_at_the_end():
     assert torch.equal(F.lengthen_batch(cut.batch, None, 7, cut.cut_mask, left=True)["attention_mask"], mask)
 
 
+def test_left_padding_without_a_mask_is_refused_and_text_opening_with_a_repeated_token_is_cut():
+    """SASRec's (seq, pos, neg) histories, padded on the left with item 0 and no mask in the batch: every position
+    counts as real, and the cut kept the padding and the oldest items (4 of 8 rows all padding, qa43-user 01). Rows
+    opening with a run of one id that never comes back after their other ids are refused, naming the remedy; a row
+    that opens with a repeated token that recurs later (indentation, a poly-A stretch) is text."""
+    lengths = [7, 2, 4, 5]
+    ids, mask = ids_and_mask(lengths, side="left")
+    seq = torch.where(mask.bool(), ids + 1, 0)  # item 0 pads
+    for length in (3, 6):  # rows emptied by the cut, or only their last items cut away
+        with pytest.raises(ValueError, match=r"no padding mask, and rows \[1, 2, 3\] open with a run of id 0 .*mask"):
+            F.truncate((seq, seq.roll(-1, 1), seq + 7), length)
+    cut = F.truncate((seq, mask), 3)  # with the mask in the tuple: each row's last items
+    assert cut.left and torch.equal(cut.batch[0], seq[:, 4:])
+    code = torch.tensor([[32, 32, 32, 32, 105, 102, 32, 120], [100, 101, 102, 32, 32, 103, 104, 105]])
+    assert torch.equal(F.truncate(code, 4).batch, code[:, :4])  # 4 spaces, then code with a space again
+
+
 def test_a_mask_padded_on_both_sides_is_refused():
     ids, mask = ids_and_mask([6, 2, 4])
     mask[1] = torch.tensor([0, 0, 0, 0, 1, 1])  # row 1 left-padded among right-padded rows
