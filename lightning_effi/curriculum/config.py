@@ -47,6 +47,13 @@ _METRIC_KEYS = {
     "schedule_config",
 }
 _METRIC_EXTRA = {"analysis", "custom_schedule"}  # lightning_effi additions
+#: Curriculum(...) arguments a user may put in a metric's dict by mistake (they apply to every metric)
+_CALLBACK_ARGUMENTS = frozenset(
+    {
+        "seed", "num_epochs", "rounding", "percentile_rounding", "dp_split", "drop_last", "truncate_keys",
+        "causal_label_shift", "keep_last_token", "analysis_batch_size", "total_tokens",
+    }
+)  # fmt: skip
 
 
 #: OmegaConf containers (Hydra) to plain dicts and lists (:func:`lightning_effi.core.checks.plain`)
@@ -221,7 +228,14 @@ class MetricConfig:
         allowed = _METRIC_KEYS | (_METRIC_EXTRA if extras else set())
         unknown = sorted(set(raw) - allowed)
         if unknown:
-            raise CurriculumConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+            owned = sorted(set(unknown) & _CALLBACK_ARGUMENTS)
+            hint = (
+                f" ({', '.join(owned)}: an argument of Curriculum(...), for every metric, e.g. "
+                f"Curriculum(metrics=..., {owned[0]}=...))"
+                if owned
+                else ""
+            )
+            raise CurriculumConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}{hint}")
         required = ["difficulty_type", "clustering_type", "min_difficulty", "max_difficulty", "schedule_type"]
         if raw.get("schedule_type") != "custom":
             required.append("schedule_config")

@@ -301,7 +301,8 @@ class CurriculumController:
             f"{self.n}): " + "; ".join(per_metric) + ". Raise min_difficulty (or use a schedule whose first value "
             "selects data); with several schedule_based metrics the eligible set is their intersection; with "
             "N < max_difficulty, percentile_rounding 'deepspeed' gives N // max_difficulty = 0 samples per "
-            "percentile below the maximum: use percentile_rounding 'proportional'"
+            "percentile below the maximum: use Curriculum(..., percentile_rounding='proportional') (an argument of the "
+            "callback, for every metric; not a key of the metric's dict)"
         )
 
     # -------------------------------------------------------------------------------------------- iteration

@@ -355,6 +355,11 @@ def test_disabled_curriculum_parses_to_none():
     "metric,match",
     [
         (dict(TRUNC, bogus=1), "unknown key"),
+        # a callback argument in the metric's dict names where it goes (qa43-user 04)
+        (
+            dict(TRUNC, percentile_rounding="proportional"),
+            r"unknown key\(s\) \['percentile_rounding'\].*an argument of Curriculum\(\.\.\.\), for every metric",
+        ),
         (dict(TRUNC, min_difficulty=4.0), "min_difficulty must be an int"),
         (dict(TRUNC, clustering_type="schedule_based"), "single_cluster"),
         ({k: v for k, v in TRUNC.items() if k != "difficulty_type"}, "missing required key"),
