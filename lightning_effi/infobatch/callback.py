@@ -992,11 +992,22 @@ class InfoBatchCallback(Callback):
             and ib.finite_losses_disagree(per_sample, loss)  # one device read a batch
         ):
             what = "per_sample_loss=fn's values" if source == "fn" else 'the "per_sample_loss" training_step returned'
+            values = per_sample.detach().float()
+            inside = float(values.min()) <= float(loss.detach()) <= float(values.max())
             rank_zero_warn(
-                f"InfoBatchCallback: the mean of {what} ({float(per_sample.detach().mean()):.6g}) differs from the "
+                f"InfoBatchCallback: the mean of {what} ({float(values.mean()):.6g}) differs from the "
                 f'"loss" training_step returned ({float(loss.detach()):.6g}); InfoBatch trains on the weighted mean '
-                "of the per-sample losses in place of that loss, so a term outside them (a regulariser, an auxiliary "
-                "loss) is not trained: add it to each sample's loss"
+                "of the per-sample losses in place of that loss. Either a term outside them (a regulariser, an "
+                "auxiliary loss) is not trained: add it to each sample's loss"
+                + (
+                    "; or the loss weighs the samples unequally, e.g. a mean over every token (position, item) of "
+                    "the batch where the per-sample losses are each sample's mean (the loss lies within their range): "
+                    "InfoBatch then trains the mean over samples, a sample of 2 tokens weighing as much as one of 40. "
+                    "To keep the token mean, return \"per_sample_loss\" = each sample's summed loss x B / the batch's "
+                    'tokens (their mean is the token mean) and "per_sample_score" = each sample\'s mean loss'
+                    if inside
+                    else ""
+                )
             )
             self._loss_mismatch_warned = True
         self.per_sample_source = source

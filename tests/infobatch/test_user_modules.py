@@ -568,6 +568,26 @@ def test_a_returned_per_sample_loss_whose_mean_is_not_the_loss_warns(tmp_path):
     assert cb.per_sample_source == "returned"
 
 
+def test_a_token_mean_loss_beside_samples_means_is_told_as_a_reduction(tmp_path):
+    """A step returning a token mean over the batch's labelled tokens as its loss and each sample's mean as
+    "per_sample_loss" (a sequential recommender's positions): the warning blamed a regulariser that is not there
+    (qa43-user 05); it names the unequal weighing and how to keep the token mean."""
+
+    class TokenMean(CharGPT2):
+        def training_step(self, batch, batch_idx):
+            logits = self.model(input_ids=batch["input_ids"]).logits[:, :-1]
+            labels = batch["labels"][:, 1:].clone()
+            labels[: len(labels) // 2, : labels.shape[1] // 2] = -100  # half the samples with half their tokens
+            per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+            counts = (labels != -100).sum(1)
+            loss = per_token.sum() / counts.sum()
+            return {"loss": loss, "per_sample_loss": per_token.sum(1) / counts}
+
+    pl.seed_everything(0)
+    with pytest.warns(UserWarning, match=r"differs .* or the loss weighs the samples unequally, e\.g\. a mean over"):
+        fit(tmp_path, TokenMean(), UserData(CharBlocks(), dict_collate), InfoBatchCallback(prune_ratio=0.5))
+
+
 def test_a_term_outside_the_per_sample_losses_that_is_zero_at_first_warns_once_it_grows(tmp_path):
     """A penalty ``|w - w0|_1`` (L2-SP's, in L1) is exactly 0 at the first batch and grows after the first step:
     the mismatch between ``mean(fn)`` and the step's loss is warned at the first batch where it appears, once."""
