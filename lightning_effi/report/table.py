@@ -64,10 +64,13 @@ COLUMNS: tuple[str, ...] = (
     "flops_std",
     "flops_n",
     "tokens_mean",
+    "tokens_n",
     "samples_mean",
+    "samples_n",
     "layer_tokens_mean",
     "train_wall_s_mean",
     "train_wall_s_std",
+    "train_wall_s_n",
     "same_length_saving_mean",
     "same_length_saving_std",
     "same_length_n",
@@ -215,8 +218,8 @@ class Report:
                 str(row["n_seeds"]),
                 _pm(row["quality_mean"], row["quality_std"], "{:.4g}", n=row["quality_n"], of=row["n_seeds"]),
                 _num(row["flops_mean"], "{:.3g}") + _of(row["flops_n"], row["n_seeds"]),
-                _num(row[f"{count}_mean"], "{:.4g}"),
-                _num(row["train_wall_s_mean"], "{:.1f}"),
+                _num(row[f"{count}_mean"], "{:.4g}") + _of(row[f"{count}_n"], row["n_seeds"]),
+                _num(row["train_wall_s_mean"], "{:.1f}") + _of(row["train_wall_s_n"], row["n_seeds"]),
             ]
             if row["baseline"]:
                 cells += ["(baseline)"] + ["—"] * 4
@@ -975,6 +978,7 @@ def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[st
         return spread(rd[key] for rd in readings if rd[key] > 0)
 
     quality, flops, wall = agg("quality"), counted("flops"), counted("train_wall_s")
+    tokens, samples = counted("tokens"), counted("samples")
     same, delta, same_wall = agg("same_length_saving"), agg("same_length_quality_delta"), agg("same_length_wall_saving")
     read = [rd for rd in readings if math.isfinite(rd["frontier_saving"])]
     read_wall = [rd for rd in readings if math.isfinite(rd["frontier_wall_saving"])]
@@ -999,11 +1003,14 @@ def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[st
         "flops_mean": flops.mean,
         "flops_std": flops.std,
         "flops_n": flops.n,
-        "tokens_mean": counted("tokens").mean,
-        "samples_mean": counted("samples").mean,
+        "tokens_mean": tokens.mean,
+        "tokens_n": tokens.n,
+        "samples_mean": samples.mean,
+        "samples_n": samples.n,
         "layer_tokens_mean": counted("layer_tokens").mean,
         "train_wall_s_mean": wall.mean,
         "train_wall_s_std": wall.std,
+        "train_wall_s_n": wall.n,
         "same_length_saving_mean": same.mean,
         "same_length_saving_std": same.std,
         "same_length_n": same.n,

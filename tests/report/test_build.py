@@ -141,7 +141,13 @@ def test_a_seed_whose_flops_were_not_counted_is_left_out_of_the_compute_columns(
     assert (row["same_length_quality_delta_n"], row["same_length_n"]) == (2, 1)
     line = next(x for x in report.to_markdown().splitlines() if x.startswith("| random_ltd |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[4] == "2e+12 (n=1)"
+    assert cells[4] == "2e+12 (n=1)" and cells[5] == "1000"  # its tokens were counted
+    data["efficiency"]["tokens"], data["efficiency"]["time_train_s"], data["efficiency"]["time_data_s"] = 0, 0, 0
+    record.write_text(json.dumps(data))
+    again = _row(build_report(load_runs([sweep])), "random_ltd", 1.0)  # nor its tokens and wall time now
+    assert (again["tokens_mean"], again["tokens_n"], again["train_wall_s_n"]) == (1000, 1, 1)
+    line = next(x for x in build_report(load_runs([sweep])).to_markdown().splitlines() if x.startswith("| random_ltd"))
+    assert [c.strip() for c in line.strip("|").split("|")][5:7] == ["1000 (n=1)", "15.0 (n=1)"]
     assert cells[8] == "+0.025 ± 0.2475"  # both seeds: no (n=1)
     assert cells[9] == f"{need:.3g} (n=1)"
     assert cells[10] == f"{100 * (1 - 2e12 / need):+.1f}% ({1 / (2e12 / need):.2f}x) (n=1)"  # an estimate
