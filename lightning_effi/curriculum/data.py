@@ -146,6 +146,7 @@ class CurriculumCollate:
         self.truncate_keys = None if truncate_keys is None else tuple(truncate_keys)
         self.causal_label_shift = causal_label_shift
         self.keep_last_token = keep_last_token
+        self._left_padding_checked = False  # its first cut checks for unmarked left padding (F.truncate)
         #: truncate_keys=None: path -> (the axes seqlen_truncate's rule cuts of that tensor, its shape then, the
         #: batch's length), as first seen (this process; each loader worker has its own): a tensor cut on other axes
         #: in another batch (or left whole there) is refused (_check_consistent_cut)
@@ -256,9 +257,12 @@ class CurriculumCollate:
                     self.causal_label_shift,
                     self.keep_last_token,
                     batch_size=len(keys),
+                    check_left_padding=not self._left_padding_checked,
                 )
             except ValueError as e:
                 raise DataConfigError(str(e)) from None
+            if cut.length is not None and cut.full_length is not None and cut.length < cut.full_length:
+                self._left_padding_checked = True  # the first cut of this collate (in each loader worker) is checked
             batch, cut_mask, left, axes = cut.batch, cut.cut_mask, cut.left, dict(zip(cut.cut, cut.axes))
             mask_path, cut_values = cut.mask_path, cut.cut_values
         if "seqlen_reshape" in difficulty:

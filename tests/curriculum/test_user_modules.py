@@ -157,11 +157,17 @@ def test_left_padding_without_a_mask_is_refused_and_text_opening_with_a_repeated
     seq = torch.where(mask.bool(), ids + 1, 0)  # item 0 pads
     for length in (3, 6):  # rows emptied by the cut, or only their last items cut away
         with pytest.raises(ValueError, match=r"no padding mask, and rows \[1, 2, 3\] open with a run of id 0 .*mask"):
-            F.truncate((seq, seq.roll(-1, 1), seq + 7), length)
-    cut = F.truncate((seq, mask), 3)  # with the mask in the tuple: each row's last items
+            F.truncate((seq, seq.roll(-1, 1), seq + 7), length, check_left_padding=True)
+    assert F.truncate(seq, 3).length == 3  # checked only when asked: the curriculum asks at its first cut
+    cut = F.truncate((seq, mask), 3, check_left_padding=True)  # with the mask in the tuple: each row's last items
     assert cut.left and torch.equal(cut.batch[0], seq[:, 4:])
     code = torch.tensor([[32, 32, 32, 32, 105, 102, 32, 120], [100, 101, 102, 32, 32, 103, 104, 105]])
-    assert torch.equal(F.truncate(code, 4).batch, code[:, :4])  # 4 spaces, then code with a space again
+    assert torch.equal(F.truncate(code, 4, check_left_padding=True).batch, code[:, :4])  # spaces come back
+    # text whose rows open with a doubled letter that never comes back ("ll" of "I'll"): 2 rows of 64 are not a
+    # quarter of the batch (a run of Tiny Shakespeare stopped at step 322, qa44-break 02)
+    text = torch.randint(3, 60, (64, 16), generator=torch.Generator().manual_seed(0))
+    text[:2, :2], text[:2, 2:] = 1, text[:2, 2:].clamp_min(2)
+    assert F.truncate(text, 8, check_left_padding=True).length == 8
 
 
 def test_a_mask_padded_on_both_sides_is_refused():
