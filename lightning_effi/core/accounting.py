@@ -1129,8 +1129,8 @@ class EfficiencyMonitor(Callback):
             self._eager = None
         if self._outside is not None:  # the check ends with the step (read by _check_outside_products)
             self._end_outside_check()
-            if batch is None:  # an error: dropped
-                self._outside = None
+            if batch is None:  # an error, or a batch Lightning skipped after its start: the next batch checks
+                self._outside, self._outside_checked = None, False
         if self._recorder.active:
             self._recorder.stop(batch)
             self._calls = self._recorder.calls
@@ -1173,7 +1173,8 @@ class EfficiencyMonitor(Callback):
                     "FLOPs, batches)"
                 )
                 self._warned_skip = True
-            self._outside = None
+            if self._outside is not None:  # nothing trained: the check runs on the next batch
+                self._outside, self._outside_checked = None, False
             self._write_flops(pl_module, 0)
         elif getattr(trainer.fit_loop, "_skip_backward", False):
             # a forward-only epoch: StochasticWeightAveraging's batch-norm update of the averaged weights (no backward,
@@ -1254,6 +1255,8 @@ class EfficiencyMonitor(Callback):
             NonFiniteLossError: ``loss`` is NaN or infinite and the policy is ``"raise"``.
         """
         self._backward_seen = True
+        if self._outside is not None:  # the step's forward is done: the backward and the optimizer's products are not
+            self._end_outside_check()  # the step's own code (an optimizer such as Muon multiplies matrices)
         self.nonfinite_guard.check(trainer, loss)
 
     @override

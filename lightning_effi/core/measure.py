@@ -843,6 +843,20 @@ def _is_fake(tensor: Tensor) -> bool:
     return type(tensor).__name__ == "FakeTensor"
 
 
+def _einsum_flops(equation: str, operands: Sequence[Any]) -> int:
+    """Forward FLOPs of ``torch.einsum(equation, *operands)``: 2 x the product of every index's size, for a
+    contraction of two operands (one multiply-add per combination of the indices); 0 for other forms."""
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    if len(inputs) != 2 or len(operands) != 2 or "." in equation:
+        return 0
+    sizes: dict[str, int] = {}
+    for spec, tensor in zip(inputs, operands):
+        if not isinstance(tensor, Tensor) or len(spec) != tensor.dim():
+            return 0
+        sizes.update(zip(spec, (int(n) for n in tensor.shape)))
+    return 2 * math.prod(sizes.values())
+
+
 def _matmul_flops(a: Tensor, b: Tensor) -> int:
     """Forward FLOPs of ``a @ b`` (``torch.matmul``'s broadcasting; 1 multiply-add = 2 FLOPs)."""
     sa = tuple(a.shape) if a.dim() > 1 else (1, *a.shape)
@@ -888,16 +902,18 @@ class OutsideProducts(torch.overrides.TorchFunctionMode):
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def _before(self, module: nn.Module, args: Any) -> None:
-        self._depth += 1
+        if id(module) in self.recorder._names:  # noqa: SLF001 - a module of the LightningModule: its calls are replayed
+            self._depth += 1
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._depth = max(self._depth - 1, 0)
+        if id(module) in self.recorder._names:  # noqa: SLF001
+            self._depth = max(self._depth - 1, 0)
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if not self._depth and not self.recorder._stack:  # noqa: SLF001 - outside every module call
+        if not self._depth and not self.recorder._stack:  # noqa: SLF001 - outside every call of the module's
             try:
                 self._note(func, args, kwargs)
             except Exception:  # noqa: BLE001 - a check never breaks the step (a shape it does not know: skipped)
@@ -906,7 +922,20 @@ class OutsideProducts(torch.overrides.TorchFunctionMode):
 
     def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         name = getattr(func, "__name__", "")
-        if name in ("matmul", "__matmul__", "mm", "bmm"):
+        if name == "einsum":
+            equation, operands = args[0], args[1:]
+            if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+                operands = tuple(operands[0])
+            self._add(name, _einsum_flops(str(equation), operands), operands)
+            return
+        if name == "tensordot":
+            a, b = args[0], args[1]
+            dims = args[2] if len(args) > 2 else kwargs.get("dims", 2)
+            contracted = list(dims[1]) if isinstance(dims, (list, tuple)) else list(range(int(dims)))
+            free = [d for i, d in enumerate(b.shape) if i not in {c % b.dim() for c in contracted}]
+            self._add(name, 2 * a.numel() * math.prod(free), (a, b))
+            return
+        if name in ("matmul", "__matmul__", "mm", "bmm", "linalg_matmul"):
             a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
         elif name == "__rmatmul__":
             b, a = args[0], args[1]
@@ -919,13 +948,17 @@ class OutsideProducts(torch.overrides.TorchFunctionMode):
             return
         if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dim() == 0 or b.dim() == 0:
             return
-        if a.is_meta or b.is_meta or _is_fake(a) or _is_fake(b):  # a measurement's replay, not the step's compute
+        self._add(name, _matmul_flops(a, b), (a, b))
+
+    def _add(self, name: str, forward: int, operands: Sequence[Any]) -> None:
+        """Count a product of ``forward`` FLOPs on ``operands``: once more per operand that requires grad."""
+        tensors = [t for t in operands if isinstance(t, Tensor)]
+        if not tensors or any(t.is_meta or _is_fake(t) for t in tensors):  # a measurement's replay, not the step's
             return
-        forward = _matmul_flops(a, b)
-        grads = sum(bool(t.requires_grad) for t in (a, b)) if torch.is_grad_enabled() else 0
+        grads = sum(bool(t.requires_grad) for t in tensors) if torch.is_grad_enabled() else 0
         self.flops += forward * (1 + grads)
         if len(self.examples) < 3:
-            self.examples.append(f"{name.strip('_')} {list(a.shape)} @ {list(b.shape)}")
+            self.examples.append(f"{name.strip('_')} {' @ '.join(str(list(t.shape)) for t in tensors)}")
 
 
 class CallRecorder:
