@@ -109,6 +109,7 @@ from lightning_effi.random_ltd.patching import (
     resolve_layer_ids,
     restore,
     restore_module,
+    trained,
 )
 
 #: the clocks a derived schedule is measured on: optimizer steps, or a progress clock's training progress
@@ -1337,6 +1338,7 @@ class RandomLTDCallback(Callback):
     ) -> None:
         assert self.controller is not None
         self._steps_check.batch_start(trainer)
+        self.controller.optimized = optimized_parameters(trainer)
         self._release_frozen_copies(trainer, pl_module)
         step = trainer.global_step
         self.current_step = step
@@ -1386,11 +1388,9 @@ class RandomLTDCallback(Callback):
                     converted.add(parent)
         if not copies:
             return
-        optimized = optimized_parameters(trainer)
         for parent, names in copies.items():
             holder = pl_module.get_submodule(parent) if parent else pl_module
-            trained = any(p.requires_grad and (optimized is None or id(p) in optimized) for p in holder.parameters())
-            if parent in converted or trained:
+            if parent in converted or trained(holder, self.controller.optimized):
                 continue
             restore_module(holder)
             rank_zero_info(

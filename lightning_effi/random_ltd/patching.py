@@ -168,6 +168,9 @@ class LTDController:
     )
     draws: int = 0
     lookups: int = 0
+    #: the ids of the parameters the Trainer's optimizers hold (set by the callback at every batch; None: unknown), by
+    #: which a copy of the converted network that is not trained is told (:class:`LTDForward`)
+    optimized: set[int] | None = field(default=None, repr=False)
     _indices: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
     _records: dict[tuple, BatchRecord] = field(default_factory=dict, repr=False)  # the record of each shape
     _schedule: Callable[[int], int] | None = field(default=None, repr=False)
@@ -304,6 +307,15 @@ def _check_signature(layer: nn.Module, index: int, sig: inspect.Signature, adapt
     return hidden
 
 
+def trained(module: nn.Module, optimized: set[int] | None) -> bool:
+    """Whether an optimizer trains a parameter of ``module`` (``optimized``: the ids of the optimizers' parameters;
+    None when unknown: a parameter with ``requires_grad``). Lightning's ``toggle_optimizer`` turns ``requires_grad`` off
+    for the parameters of the other optimizers within a step: they are trained all the same."""
+    if optimized is None:
+        return any(p.requires_grad for p in module.parameters())
+    return any(id(p) in optimized for p in module.parameters())
+
+
 class LTDForward:
     """The patched ``forward`` of one LTD layer (an instance attribute; the module's parameters are untouched).
 
@@ -433,10 +445,12 @@ class LTDForward:
         owner = self._owner()
         if not owner.training or not isinstance(hidden, Tensor) or hidden.device.type == "meta" or hidden.is_nested:
             return self.original(*args, **kwargs)
-        if self.patch is None and not torch.is_grad_enabled() and not any(p.requires_grad for p in owner.parameters()):
-            # a deep copy of a converted model without a trainable parameter, called under no_grad: a momentum target
-            # or an EMA copy (one the module holds is restored at the next batch start; this one may sit elsewhere,
-            # or be made inside the step): a frozen network is no candidate (qa43-break 02, 03)
+        if self.patch is None and not torch.is_grad_enabled() and not trained(owner, self.controller.optimized):
+            # a deep copy of a converted model that is not trained, called under no_grad: a momentum target or an EMA
+            # copy (one the module holds is restored at the next batch start; this one may sit elsewhere, or be made
+            # inside the step): an untrained network is no candidate (qa43-break 02, 03; qa44-break 05). A trained
+            # copy under no_grad (a peer's pass in mutual learning, its requires_grad toggled off) drops tokens
+            # as the original does (qa44-break 10)
             return self.original(*args, **kwargs)
         idx = self.select(hidden, args, kwargs)
         if idx is None:

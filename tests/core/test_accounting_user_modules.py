@@ -1458,7 +1458,6 @@ class ScoresInStep(pl.LightningModule):
             logits = hidden @ self.items.weight.T
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
-
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 

@@ -1407,9 +1407,19 @@ class MomentumTarget(CharGPT):
         ("on_train_start", True, False),
         ("on_train_start", False, False),
         ("on_train_start", True, True),
+        ("on_train_start", False, True),
         ("training_step", True, False),
     ],
-    ids=["init", "setup", "fit_start", "train_start", "not_frozen_not_optimized", "held_outside", "first_step"],
+    ids=[
+        "init",
+        "setup",
+        "fit_start",
+        "train_start",
+        "not_frozen_not_optimized",
+        "held_outside",
+        "not_frozen_held_outside",
+        "first_step",
+    ],
 )
 def test_a_frozen_momentum_copy_made_after_setup_runs_the_full_sequence(tmp_path, where, frozen, outside, caplog):
     """A deep copy of the converted network is converted with it; untrained, it is no candidate: copied after setup,
@@ -1429,3 +1439,34 @@ def test_a_frozen_momentum_copy_made_after_setup_runs_the_full_sequence(tmp_path
     told = [r.message for r in caplog.records if "frozen copy of the converted network" in r.message]
     announced = where != "__init__" and not outside  # one made in the step: at the next batch start
     assert len(told) == int(announced) and all("copy.transformer.h" in m for m in told)
+
+
+class MutualLearning(CharGPT):
+    """Two students: a deep copy of the converted network made in setup, trained by the same optimizer; each step runs
+    the peer under no_grad with its parameters' requires_grad off (as Lightning's toggle_optimizer leaves them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.diffs = []
+
+    def setup(self, stage):
+        self.peer = copy.deepcopy(self.model)
+
+    def training_step(self, batch, batch_idx):
+        self.peer.requires_grad_(False)
+        with torch.no_grad():
+            peer = self.peer(input_ids=batch).logits
+            fresh = GPT2LMHeadModel(gpt2_config())
+            fresh.load_state_dict(self.peer.state_dict())
+            self.diffs.append(float((fresh(input_ids=batch).logits - peer).abs().max()))
+        self.peer.requires_grad_(True)
+        return self.model(input_ids=batch, labels=batch).loss + self.peer(input_ids=batch, labels=batch).loss
+
+
+def test_a_trained_copy_keeps_dropping_tokens_under_no_grad(tmp_path):
+    """A copy the optimizers train keeps the schedule, also in a pass under no_grad with its requires_grad off: it
+    ran the full sequence there while the original dropped tokens (qa44-break 10)."""
+    pl.seed_everything(0)
+    module, ltd = MutualLearning(), RandomLTDCallback(min_value=16, max_value=64, seq_per_step=16, seed=0)
+    make_trainer(tmp_path, [ltd], max_steps=3, max_epochs=-1).fit(module, loader(Blocks()))
+    assert len(module.diffs) == 3 and all(d > 1e-3 for d in module.diffs)  # tokens dropped, as the original does
