@@ -43,8 +43,8 @@ LOWER_IS_BETTER = frozenset(
 HIGHER_IS_BETTER = frozenset(
     {
         "acc", "accuracy", "top", "f", "auc", "auroc", "auprc", "precision", "recall", "bleu", "rouge", "map",
-        "iou", "miou", "dice", "r2", "mcc", "spearman", "pearson", "corr", "score", "ndcg", "dcg", "mrr", "hr", "hit",
-        "hits", "psnr", "ssim",
+        "iou", "miou", "dice", "r2", "mcc", "spearman", "pearson", "corr", "score", "ndcg", "dcg", "mrr", "hit",
+        "hits", "psnr", "ssim", "jaccard", "ap", "ar", "mar", "pq",
     }
 )  # fmt: skip
 
@@ -62,15 +62,23 @@ MODIFIERS = frozenset(
 def infer_mode(metric: str) -> Mode | None:
     """``"min"`` when the metric's name says lower is better (a part in :data:`LOWER_IS_BETTER`: ``val/loss``,
     ``val_ppl``), ``"max"`` when it says higher is better (:data:`HIGHER_IS_BETTER`: ``val/acc``, ``test_f1``,
-    ``acc_top5``, ``val/r2``, ``val/ndcg@10``: a number after the name is a cut-off), None when it says neither or
-    both, or holds a part of :data:`MODIFIERS` (``neg_mse``, ``accuracy_drop``, ``loss_scale``) or a number before
-    the name (``1-acc``): the caller must be told."""
-    raw = [p for p in re.split(r"[^a-z0-9]+", str(metric).lower()) if p]
-    parts = set(raw) | {p.rstrip("0123456789") for p in raw if not p.isdigit()}
-    # a number before the name turns it around (1-acc); one after it is a cut-off (recall@20, ndcg_at_10, top_5)
-    leading = any(
-        p.isdigit() and i + 1 < len(raw) and (i == 0 or raw[i - 1] not in ("at", "top")) for i, p in enumerate(raw)
-    )
+    ``acc_top5``, ``val/r2``, ``val/ndcg@10``, ``val/MulticlassJaccardIndex``: a number after the name is a cut-off,
+    ``hr`` is a hit rate only with one), None when it says neither or both, or holds a part of :data:`MODIFIERS`
+    (``neg_mse``, ``accuracy_drop``, ``loss_scale``) or a number opening a segment (``1-acc``): the caller must be
+    told."""
+    # path segments (val/ndcg@10/dataloader_idx_0), their words (torchmetrics' MulticlassJaccardIndex: multiclass,
+    # jaccard, index; mAP: m, ap)
+    segments = [
+        [p for p in re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", seg).lower()) if p]
+        for seg in str(metric).split("/")
+    ]
+    raw = [p for seg in segments for p in seg]
+    parts = {p for p in raw if not p.isdigit()} | {p.rstrip("0123456789") for p in raw if not p.isdigit()}
+    parts.discard("")
+    # hit rate: "hr" with a cut-off (hr@10), not hours (gpu_hr)
+    parts |= {"hit" for seg in segments for i, p in enumerate(seg[:-1]) if p == "hr" and seg[i + 1].isdigit()}
+    # a number opening a segment turns it around (1-acc); one after a name is a cut-off (recall@20, acc@1_ema, map@0.5)
+    leading = any(len(seg) > 1 and seg[0].isdigit() for seg in segments)
     if parts & MODIFIERS or leading:
         return None
     lower, higher = bool(parts & LOWER_IS_BETTER), bool(parts & HIGHER_IS_BETTER)

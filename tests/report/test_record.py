@@ -82,6 +82,14 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
     # a cut-off after the name (recommenders, retrieval, top-k accuracy) was read as "1-acc" (qa43-user 02)
     for ranked in ("val/recall@20", "val/ndcg@10", "val/hr@10", "val/mrr", "val/map_at_5", "val/acc@1", "top_5_acc"):
         assert infer_mode(ranked) == "max", ranked
+    # ... also followed by more name (qa44-break 04), and torchmetrics' / COCO's names (qa44-user 06)
+    for ranked in ("val/ndcg@10/dataloader_idx_0", "train/acc@1_epoch", "val/map@0.5", "val/task_2_acc"):
+        assert infer_mode(ranked) == "max", ranked
+    for dense in ("val/MulticlassJaccardIndex", "val/MulticlassAccuracy", "bbox/AP50", "val/mAP@0.5", "val/pq"):
+        assert infer_mode(dense) == "max", dense
+    # hr is a hit rate with a cut-off only: hours were read as higher-is-better (qa44-break 11)
+    assert infer_mode("val/gpu_hr") is None and infer_mode("val/time_to_target_hr") is None
+    assert infer_mode("val/1-recall@10") is None and infer_mode("val/err@5") == "min"
     for turned in ("val/neg_mse", "val/1-acc", "val/accuracy_drop", "train/loss_scale", "val/loss_improvement"):
         assert infer_mode(turned) is None, turned  # scikit-learn's neg_*, differences, scales: ask
     trainer = fit(tmp_path / "fit", 2, ltd=False)
