@@ -55,7 +55,7 @@ from lightning_effi.core.checks import check_bool, check_int, check_real, is_int
 from lightning_effi.core.compat import rebuild_train_loader_after_restore, restart_next_epoch_at_its_start
 from lightning_effi.core.features import optimized_parameters
 from lightning_effi.core.measure import find_batch_size, row_tokens
-from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
+from lightning_effi.core.nonfinite import NonFiniteLossError, NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
 from lightning_effi.core.requirements import (
     BATCH_STRUCTURES,
@@ -160,6 +160,7 @@ class ForwardCapture:
         self.output: Any = None
         self.captured = False
         self.source: str | None = None
+        self.sources: list[str] = []  # every recorded call's, in order
         self._depth = 0
         self._handles: list[Any] = []
 
@@ -171,6 +172,7 @@ class ForwardCapture:
         if self._depth == 0:
             self.output, self.captured = output, True
             self.source = f"self{'.' + name if name else ''} ({type(module).__name__})"
+            self.sources.append(self.source)
 
     def __enter__(self) -> ForwardCapture:
         self._depth = 0
@@ -935,7 +937,13 @@ class InfoBatchCallback(Callback):
                     'InfoBatchCallback: training_step returns "per_sample_loss" and per_sample_loss=fn is given; use '
                     "one of them"
                 )
-            source, per_sample = "fn", self.per_sample_loss(outputs, batch)
+            where = self._fn_input(forward)
+            try:
+                per_sample = self.per_sample_loss(outputs, batch)
+            except Exception as err:
+                err.add_note(f"InfoBatchCallback: per_sample_loss=fn raised; {where}")
+                raise
+            source = "fn"
         elif returned is not None:
             source, per_sample = "returned", returned
         elif self.per_sample_source == "returned":
@@ -981,6 +989,7 @@ class InfoBatchCallback(Callback):
                 ) from None
             self._warn_mixed_targets(batch)
         self._check_per_sample(per_sample, source, forward)
+        self._check_finite_per_sample(per_sample, loss, source)
         if scores is not None:
             self._check_scores(scores, source)
             output["per_sample_score"] = scores.detach()
@@ -992,6 +1001,8 @@ class InfoBatchCallback(Callback):
             and ib.finite_losses_disagree(per_sample, loss)  # one device read a batch
         ):
             what = "per_sample_loss=fn's values" if source == "fn" else 'the "per_sample_loss" training_step returned'
+            if source == "fn":
+                what += f" ({self._fn_input(forward)})"
             values = per_sample.detach().float()
             inside = float(values.min()) <= float(loss.detach()) <= float(values.max())
             rank_zero_warn(
@@ -1067,6 +1078,50 @@ class InfoBatchCallback(Callback):
                 f'InfoBatchCallback: "per_sample_score" must be a float tensor of shape ({b},), one score per sample '
                 f"of the batch (NaN: that sample is not scored this time and keeps its score), got {what}"
             )
+
+    @staticmethod
+    def _fn_input(forward: ForwardCapture | None) -> str:
+        """What ``per_sample_loss=fn`` received, for messages: the output of the last module with trained parameters
+        that ``training_step`` called, named, with the others it called (an auxiliary head called after the main one
+        gave fn its output, and the main head never trained, qa44-user 01)."""
+        if forward is None or not forward.captured:
+            return "fn received outputs=None: training_step called no module with trained parameters"
+        others = [s for s in dict.fromkeys(forward.sources) if s != forward.source]
+        text = f"fn received the output of {forward.source}, the last module with trained parameters called"
+        if others:
+            text += (
+                f" (it also called {', '.join(others)}); if your loss is computed from another output, return "
+                '"per_sample_loss" from training_step instead of fn'
+            )
+        return text
+
+    def _check_finite_per_sample(self, per_sample: Tensor, loss: Any, source: str) -> None:
+        """Refuse non-finite per-sample losses beside a finite loss: a sample whose loss is a mean over nothing (an
+        image whose pixels are all ``ignore_index``: 0 / 0). InfoBatch's weighted mean was NaN, and the fit stopped
+        with advice to lower the learning rate (qa44-user 05).
+
+        Raises:
+            NonFiniteLossError: (``nonfinite_loss="raise"``) naming the source, the rows and the remedy.
+        """
+        if self.nonfinite_guard.policy != "raise" or not isinstance(loss, Tensor):
+            return  # "warn": the weighted loss is counted as non-finite and the step skipped, as the policy says
+        if not bool(torch.isfinite(loss.detach()).all()):
+            return  # a non-finite loss: the policy's own error (on_before_backward)
+        bad = ~torch.isfinite(per_sample.detach())
+        if not bool(bad.any()):
+            return
+        assert self._step is not None
+        rows = bad.nonzero().flatten().tolist()
+        indices = self._step.index[bad.to(self._step.index.device)].tolist()
+        step = self._trainer.global_step if self._trainer is not None else "?"
+        raise NonFiniteLossError(
+            f"InfoBatchCallback: the weighted loss would be nan at step {step}: {SOURCES[source]} is not finite for "
+            f"rows {rows[:8]} of the batch (dataset indices {indices[:8]}) while the loss training_step returned is "
+            f"finite ({float(loss.detach()):.6g}): a sample's "
+            "loss that is a mean over none of its elements (an image whose pixels are all ignore_index, a sequence "
+            "without a labelled token) is 0 / 0. Give such a sample the loss your own loss gives it (0, or leave it "
+            'out of the mean with a weight of 0), and return "per_sample_score" NaN for it to leave it unscored'
+        )
 
     def _check_per_sample(self, per_sample: Any, source: str, forward: ForwardCapture | None = None) -> None:
         """Raise unless ``per_sample`` is a float tensor ``[B]`` (``B``: the batch's samples) with grad: computed

@@ -1480,3 +1480,54 @@ def test_an_odd_batch_error_of_timm_mixup_gets_a_note(tmp_path):
     with pytest.raises(AssertionError) as caught:
         fit(tmp_path, EvenOnly(), UserData(SmallImages(), batch_size=6))
     assert any("set drop_last=True" in note for note in getattr(caught.value, "__notes__", []))
+
+
+# ------------------------------------------------------------------------------------- dense prediction (qa44-user)
+class WithAuxHead(UserModule):
+    """A main head and an auxiliary head (deep supervision), the auxiliary one called last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16))
+        self.head, self.aux_head = nn.Linear(16, 3), nn.Linear(16, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        features = self.backbone(x)
+        return F.cross_entropy(self.head(features), y) + 0.4 * F.cross_entropy(self.aux_head(features), y)
+
+
+def test_a_fn_given_an_auxiliary_heads_output_names_it(tmp_path):
+    """per_sample_loss=fn gets the output of the last module called, here the auxiliary head: InfoBatch then trained
+    the auxiliary loss alone, and the warning blamed a term left out (qa44-user 01). It names the module fn got and
+    the others the step called."""
+    pl.seed_everything(0)
+    with pytest.warns(UserWarning, match=r"fn received the output of self\.aux_head \(Linear\).*also called self\.ba"):
+        data = UserData(SmallImages(), tuple_collate)
+        fit(tmp_path, WithAuxHead(), data, InfoBatchCallback(per_sample_loss=student_loss))
+
+    def upsampling(outputs: Tensor, batch: Any) -> Tensor:
+        raise RuntimeError("size mismatch")
+
+    with pytest.raises(RuntimeError, match="size mismatch") as raised:
+        fit(tmp_path, WithAuxHead(), data, InfoBatchCallback(per_sample_loss=upsampling))
+    assert "fn received the output of self.aux_head" in "".join(getattr(raised.value, "__notes__", []))
+
+
+def test_a_per_sample_loss_of_nothing_beside_a_finite_loss_is_refused_naming_it(tmp_path):
+    """An image whose pixels are all ignore_index: its mean loss is 0 / 0 while the step's loss is finite; the fit
+    stopped with the non-finite loss error's advice to lower the learning rate (qa44-user 05)."""
+
+    class Ignored(ViT):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            y = y.clone()
+            y[0] = -100  # the first sample has nothing to learn from
+            per_sample = F.cross_entropy(self(x), y, reduction="none", ignore_index=-100) / (y != -100)
+            return {"loss": per_sample[y != -100].mean(), "per_sample_loss": per_sample}
+
+    pl.seed_everything(0)
+    from lightning_effi.core.nonfinite import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError, match=r"returned by training_step is not finite for rows \[0\] of the"):
+        fit(tmp_path, Ignored(), UserData(SmallImages(), tuple_collate))
