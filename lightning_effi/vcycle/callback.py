@@ -859,9 +859,25 @@ class VCycleCallback(Callback):
     def _explain_shape_error(self, exception: BaseException) -> None:
         """Add a note to a shape or size ``RuntimeError`` raised below level 1 when frozen parameters of the full width
         sit outside the network (:meth:`_check_outside_width` warned of them): the likely cause of the mismatch."""
-        if self._stack.level == 1 or not isinstance(exception, RuntimeError):
+        if self._stack.level == 1:
             return
-        if not any(word in str(exception) for word in ("shape", "size")):
+        text = str(exception).lower()
+        if isinstance(exception, (AssertionError, IndexError, KeyError, ValueError)) and any(
+            word in text for word in ("index", "range", "indices")
+        ):
+            # a head reading blocks by index (timm's forward_intermediates(indices=[1, 3]): "feature index 3 is out of
+            # range (0 to 1)" at the first coarse step, qa44-user 04)
+            depths = self._stack.depths()
+            exception.add_note(
+                f"{type(self).__name__}: this step ran at level {self._stack.level}, where pl_module.{self.model_attr} "
+                f"has {depths[self._stack.level - 1]} of its {depths[0]} blocks: code that picks blocks by index (a "
+                "head on intermediate blocks, forward_intermediates(indices=...)) must use indices valid at every "
+                "level (negative ones, or a fraction of the depth), or keep the depth (depth_scheme=None: width only)"
+            )
+            return
+        if not isinstance(exception, RuntimeError):
+            return
+        if not any(word in text for word in ("shape", "size")):
             return  # not a shape mismatch (e.g. out of memory)
         if self._copies:
             exception.add_note(

@@ -567,6 +567,31 @@ def test_a_frozen_head_outside_a_network_whose_width_changes_is_named_at_setup_a
     ]
 
 
+class IntermediateHead(BackboneHead):
+    """A head on the backbone's second block's hidden states, read by index (SETR-MLA / ViTDet style)."""
+
+    def training_step(self, batch, batch_idx):
+        x = batch["input_ids"]
+        states = self.backbone(input_ids=x, output_hidden_states=True).hidden_states
+        if len(states) <= 2:  # as timm's forward_intermediates(indices=[1]) asserts
+            raise IndexError(f"feature index 1 is out of range (0 to {len(states) - 2})")
+        logits = self.head(states[2])
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), x[:, 1:].reshape(-1))
+
+
+def test_an_index_error_of_a_head_on_intermediate_blocks_names_the_coarse_depth(tmp_path):
+    """A head reading blocks by index fails at the first coarse step with the library's bare message ("feature index
+    3 is out of range (0 to 1)", qa44-user 04): a note names the level, its depth and the remedies."""
+    steps = Steps()
+    with pytest.raises(IndexError, match="feature index 1 is out of range") as err:
+        fit(tmp_path, [steps, VCycleCallback(e_a=2, e_small=3, width_scheme=None)], 8, model=IntermediateHead())
+    assert steps.started == [0, 1, 2]  # level 1 trained; the first level-2 step failed
+    assert err.value.__notes__[0].startswith(
+        "VCycleCallback: this step ran at level 2, where pl_module.backbone has 1 of its 2 blocks: code that picks "
+        "blocks by index"
+    )
+
+
 class SideBranch(pl.LightningModule):
     """A ``GPT2LMHeadModel`` (32 wide, its own head) and a side branch of the module's own over other features that
     happens to share the width: ``side = nn.Linear(8, 32)`` then ``side_out = nn.Linear(32, 1)``, an auxiliary loss on
