@@ -222,11 +222,37 @@ def find_batch_size(batch: Any) -> int | None:
                 # per-sample tensors (a collate that does not pad) differ in length; batched entries (one per task
                 # or per crop: [B, ...] each) share their first dimension
                 firsts = {int(v.shape[0]) for v in value}
-                return len(value) if len(firsts) > 1 else firsts.pop()
+                if len(firsts) > 1 or _per_sample_images(value, batch.values()):
+                    return len(value)
+                return firsts.pop()
+    if isinstance(batch, list | tuple) and batch:
+        # torchvision's detection layout: (images, targets), a list of [C, H, W] images beside a list of dicts
+        for value in batch:
+            if (
+                isinstance(value, list | tuple)
+                and value
+                and all(isinstance(v, Tensor) for v in value)
+                and _per_sample_images(value, batch)
+            ):
+                return len(value)
     for _, value in tensor_leaves(batch):
         if value.ndim > 0:
             return int(value.shape[0])
     return None
+
+
+def _per_sample_images(value: Sequence[Tensor], siblings: Any) -> bool:
+    """Whether a list of tensors holds one image per sample ``[C, H, W]`` (torchvision's detection collate; the first
+    dimensions are channels): 3-D tensors with 1, 3 or 4 channels that differ in size, or beside a list of as many
+    mappings (their targets); a list of images counted by its first tensor read 3 samples a batch (qa44-user 02)."""
+    if not all(v.ndim == 3 and int(v.shape[0]) in (1, 3, 4) for v in value):
+        return False
+    if len({tuple(v.shape) for v in value}) > 1:
+        return True
+    return any(
+        isinstance(other, list | tuple) and len(other) == len(value) and all(isinstance(t, Mapping) for t in other)
+        for other in siblings
+    )
 
 
 def _named(batch: Any, name: str) -> Tensor | None:

@@ -1514,3 +1514,20 @@ def test_an_optimizers_own_products_are_not_blamed_on_the_step(tmp_path: Path) -
         fit(WithMuon(), loader, tmp_path, steps=2)
     told = [m for m in monitor_warnings(caught) if "outside any module call" in m]
     assert len(told) == 1 and "matmul" in told[0] and "[32, 500]" in told[0]  # the head, not Muon's products
+
+
+def test_samples_of_a_list_of_images_are_the_images() -> None:
+    """torchvision's detection collate: a list of [3, H, W] images and a list of target dicts. The samples were read
+    from the first image's first dimension, its channels: 3 a batch whatever the batch size (qa44-user 02). Lists of
+    per-crop batches ([B, 3, H, W] each) and per-task [B, T, D] tensors keep their shared first dimension."""
+    from lightning_effi.core.measure import find_batch_size
+
+    images = [torch.zeros(3, 32, 32) for _ in range(4)]
+    targets = [{"boxes": torch.zeros(1, 4), "labels": torch.zeros(1, dtype=torch.long)} for _ in range(4)]
+    assert find_batch_size((images, targets)) == 4
+    assert find_batch_size({"pixel_values": images, "labels": targets}) == 4
+    sizes = [torch.zeros(3, 32 + i, 40) for i in range(2)]  # no targets, but sizes that differ
+    assert find_batch_size({"pixel_values": sizes}) == 2
+    crops = [torch.zeros(8, 3, 32, 32), torch.zeros(8, 3, 16, 16)]
+    assert find_batch_size({"pixel_values": crops}) == 8 and find_batch_size((crops, torch.zeros(8))) == 8
+    assert find_batch_size({"input_ids": [torch.zeros(3, 5, 2), torch.zeros(3, 5, 2)]}) == 3  # per task, B = 3
