@@ -1531,3 +1531,36 @@ def test_samples_of_a_list_of_images_are_the_images() -> None:
     crops = [torch.zeros(8, 3, 32, 32), torch.zeros(8, 3, 16, 16)]
     assert find_batch_size({"pixel_values": crops}) == 8 and find_batch_size((crops, torch.zeros(8))) == 8
     assert find_batch_size({"input_ids": [torch.zeros(3, 5, 2), torch.zeros(3, 5, 2)]}) == 3  # per task, B = 3
+
+
+class WithDecoder(pl.LightningModule):
+    """An encoder and a trained transformer decoder head (Segmenter's mask decoder), and a frozen teacher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 32)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), 4)
+        self.decoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), 2)
+        teacher = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), 3)
+        self.teacher = teacher.requires_grad_(False)
+        self.head = nn.Linear(32, V)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        return F.cross_entropy(self.head(self.decoder(self.encoder(self.embed(ids)))).flatten(0, 1), labels.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_trained_blocks_outside_the_counted_list_are_told(tmp_path: Path) -> None:
+    """layer_tokens count one block list: a trained decoder head's blocks were left out in silence (8,320 counted for
+    12,672, qa44-user 03). The warning names them; the frozen teacher's are not named."""
+    pl.seed_everything(0)
+    ids = torch.randint(0, V, (2 * B, T))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, per_batch = fit(WithDecoder(), DataLoader(TensorDataset(ids, ids), batch_size=B), tmp_path, steps=2)
+    told = [m for m in monitor_warnings(caught) if "`layer_tokens` count the" in m]
+    assert len(told) == 1 and "the 4 blocks of encoder.layers" in told[0] and "decoder.layers (2 blocks)" in told[0]
+    assert "teacher" not in told[0] and per_batch.rows[0]["layer_tokens"] == 4 * B * T
