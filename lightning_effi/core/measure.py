@@ -876,10 +876,10 @@ def _einsum_flops(equation: str, operands: Sequence[Any]) -> int:
     if len(inputs) != 2 or len(operands) != 2 or "." in equation:
         return 0
     sizes: dict[str, int] = {}
-    for spec, tensor in zip(inputs, operands):
-        if not isinstance(tensor, Tensor) or len(spec) != tensor.dim():
+    for letters, tensor in zip(inputs, operands):
+        if not isinstance(tensor, Tensor) or len(letters) != tensor.dim():
             return 0
-        sizes.update(zip(spec, (int(n) for n in tensor.shape)))
+        sizes.update(zip(letters, (int(n) for n in tensor.shape)))
     return 2 * math.prod(sizes.values())
 
 
