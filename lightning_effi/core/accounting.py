@@ -99,7 +99,7 @@ from lightning_effi.core.measure import (
     token_source,
 )
 from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
-from lightning_effi.core.state import check_coarse_vcycle_resume, saving_in_train_batch_end
+from lightning_effi.core.state import check_coarse_vcycle_resume, open_batch_skipped, saving_in_train_batch_end
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
 #: ``time_monitor``: the monitor's own work after each batch (counting, and measuring the FLOPs of each new batch
@@ -1310,8 +1310,7 @@ class EfficiencyMonitor(Callback):
         listed before this monitor, is counted: Lightning resumes a checkpoint written now (``OnExceptionCheckpoint``,
         run after this hook) after that batch."""
         if self._open_batch is not None and saving_in_train_batch_end(trainer):
-            forward_only = bool(getattr(trainer.fit_loop, "_skip_backward", False))
-            skipped = pl_module.automatic_optimization and not self._backward_seen and not forward_only
+            skipped = open_batch_skipped(trainer, pl_module, self._backward_seen)
             self._count_batch(trainer, pl_module, self._open_batch, trainer.fit_loop.epoch_loop.batch_idx, skipped)
             if trainer.world_size == 1:  # no collective here: the other ranks may not have raised
                 self._end_step(trainer, schedule_states(trainer), lambda: dict(self.totals))
@@ -1528,8 +1527,7 @@ class EfficiencyMonitor(Callback):
         }
         totals, schedule, batch = dict(self.totals), list(self.schedule), self._open_batch
         try:
-            forward_only = bool(getattr(trainer.fit_loop, "_skip_backward", False))
-            skipped = pl_module.automatic_optimization and not self._backward_seen and not forward_only
+            skipped = open_batch_skipped(trainer, pl_module, self._backward_seen)
             self._count_batch(trainer, pl_module, batch, trainer.fit_loop.epoch_loop.batch_idx, skipped)
             self._end_step(trainer, schedule_states(trainer), lambda: self.reduced_totals(trainer))
             state = self.state_dict()

@@ -107,6 +107,15 @@ def saving_in_train_batch_end(trainer: Any) -> bool:
     return bool(total.ready == total.started == total.processed == total.completed + 1)
 
 
+def open_batch_skipped(trainer: Any, pl_module: Any, backward_seen: bool) -> bool:
+    """Whether the batch in flight trained nothing, told before its ``on_train_batch_end`` (which receives the
+    step's outputs; :func:`~lightning_effi.core.accounting.skipped_batch` reads those): under automatic optimization,
+    a batch without a backward (``backward_seen``: ``on_before_backward`` ran for it) outside a forward-only epoch
+    (StochasticWeightAveraging's batch-norm update, which trains nothing either but is told apart)."""
+    forward_only = bool(getattr(getattr(trainer, "fit_loop", None), "_skip_backward", False))
+    return bool(getattr(pl_module, "automatic_optimization", True)) and not backward_seen and not forward_only
+
+
 def plain_config(config: Any, owner: str, *, error: type[Exception] = ValueError) -> Any:
     """``config`` as plain dicts and lists (:func:`~lightning_effi.core.checks.plain`); a ``str`` or
     ``os.PathLike`` is the path of a JSON file, read first (a DeepSpeed config file).

@@ -40,7 +40,7 @@ from lightning_effi.core.requirements import (
     check_trainer,
     technique_callbacks,
 )
-from lightning_effi.core.state import config_mismatch, saving_in_train_batch_end, settings_diff
+from lightning_effi.core.state import config_mismatch, open_batch_skipped, saving_in_train_batch_end, settings_diff
 from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
 from lightning_effi.vcycle import stages as S
@@ -920,7 +920,7 @@ class VCycleCallback(Callback):
             # a batch that trained, whose on_train_batch_end raised in a callback before this one: Lightning resumes a
             # checkpoint written now (OnExceptionCheckpoint) after it, so its FLOPs are counted and its end is due
             try:
-                self._count_flops(trainer, pl_module, self._open_batch, self._skipped(trainer, pl_module))
+                self._count_open_batch(trainer, pl_module)
             except Exception as err:  # noqa: BLE001 - on_exception must not replace the fit's exception
                 rank_zero_warn(f"{name}: could not count the FLOPs of the batch in flight ({err!r})")
             self._due_at_exception = trainer.global_step != self._last_step
@@ -1186,6 +1186,12 @@ class VCycleCallback(Callback):
             self.flops_account.count(lambda: self._stack.training_flops(fn, batch), type(self).__name__)
         self.flops_account.flops_steps = trainer.global_step
 
+    def _count_open_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """:meth:`_count_flops` for the batch in flight, before its ``on_train_batch_end`` (a checkpoint written there
+        before this callback's, or an exception raised there)."""
+        skipped = open_batch_skipped(trainer, pl_module, self._backward_seen)
+        self._count_flops(trainer, pl_module, self._open_batch, skipped)
+
     def _levels_due_now(self, trainer: pl.Trainer) -> list[int]:
         """The levels the open batch's end switches to (none: no stage has ended)."""
         return S.levels_due(self.stages, self.stage_ends, self.stage_index, self._clock_now(trainer))
@@ -1205,16 +1211,10 @@ class VCycleCallback(Callback):
         if self.level != 1:
             self.on_train_end(trainer, pl_module)
 
-    def _skipped(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-        """Whether the open batch trained nothing, told before its ``on_train_batch_end`` (which receives the step's
-        outputs): under automatic optimization, a batch without a backward outside a forward-only epoch."""
-        forward_only = bool(getattr(trainer.fit_loop, "_skip_backward", False))
-        return bool(pl_module.automatic_optimization) and not self._backward_seen and not forward_only
-
     def _switch_if_due(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After an optimizer step: change levels when a stage has ended (:func:`~lightning_effi.vcycle.stages.
         levels_due`), then a fresh optimizer and schedulers for the new level (:meth:`_new_training_state`)."""
-        if path := S.levels_due(self.stages, self.stage_ends, self.stage_index, self._clock_now(trainer)):
+        if path := self._levels_due_now(trainer):
             self._switch(trainer, pl_module, path)
 
     def _switch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, levels: list[int]) -> None:
@@ -1429,7 +1429,7 @@ class VCycleCallback(Callback):
             # one step late (qa38-break 01).
             account = self.flops_account.state_dict()
             try:
-                self._count_flops(trainer, pl_module, self._open_batch, self._skipped(trainer, pl_module))
+                self._count_open_batch(trainer, pl_module)
                 state.update(self.flops_account.state_dict())
             finally:
                 self.flops_account.load_state_dict(account)
