@@ -1370,11 +1370,11 @@ class RandomLTDCallback(Callback):
         layers share this callback's schedule), but a transformer whose parameters are all frozen is no candidate
         (class docstring: ``model_attr``): the copy's layers dropped tokens in silence, and the target the online
         network regresses to was another network's (qa42-user 02). A copy is told by its layers' ``LTDForward``
-        without a record of :func:`convert` (``patch is None``); frozen: the layer list that holds them has no
-        parameter with ``requires_grad`` that an optimizer holds (a target updated by hand, left out of
-        ``configure_optimizers`` without ``requires_grad_(False)``, is not trained either: qa43-break 01). Announced
-        once per copy (``rank_zero_info``). A copy that trains keeps the schedule. A copy outside the module (on a
-        callback) or made inside a training step is told when it is called: a copy without a trainable parameter
+        without a record of :func:`convert` (``patch is None``); not trained: no optimizer holds a parameter of the
+        layer list that holds them (:func:`~lightning_effi.random_ltd.patching.trained`; a target updated by hand,
+        left out of ``configure_optimizers`` without ``requires_grad_(False)``, is not trained either: qa43-break 01).
+        Announced once per copy (``rank_zero_info``). A copy that trains keeps the schedule. A copy outside the
+        module (on a callback) or made inside a training step is told when it is called: a copy no optimizer trains
         called under ``no_grad`` passes through (:class:`~lightning_effi.random_ltd.patching.LTDForward`)."""
         copies: dict[str, list[str]] = {}
         converted: set[str] = set()
