@@ -671,16 +671,17 @@ def truncate(
 
 def _refuse_unmarked_left_padding(ids: Tensor, length: int) -> None:
     """Refuse a batch without a padding mask whose rows look padded on the left: a quarter of its rows or more, two at
-    least, open with a run of one id, two positions or more, that never comes back after the row's other ids, the
-    same id in all of them (SASRec's item histories, padded on the left with item 0, with no mask in the batch).
-    Without a mask every position is real and the first ``length`` columns are kept: the padding and the oldest
-    items, the most recent ones cut away (4 of 8 rows all padding in qa43-user 01). Text that opens with a repeated
-    token (indentation, a poly-A stretch) has it again later in the row."""
+    least, open with a run of one id, two positions or more, that never comes back after the row's other ids but as
+    its last token, the same id in all of them (SASRec's item histories, padded on the left with item 0, with no mask
+    in the batch; GPT-2's, padded on the left with the end-of-text id that also ends each row). Without a mask every
+    position is real and the first ``length`` columns are kept: the padding and the oldest items, the most recent
+    ones cut away (4 of 8 rows all padding in qa43-user 01). Text that opens with a repeated token (indentation, a
+    poly-A stretch) has it again inside the row."""
     same = ids == ids[:, :1]  # [B, T]: the row's first id
     other = ~same
     run = other.to(torch.int8).argmax(1)  # where the leading run of that id ends (0 when the row is one id)
     later = same & (torch.arange(ids.shape[1], device=ids.device) >= run[:, None])
-    padded = other.any(1) & (run >= 2) & ~later.any(1)
+    padded = other.any(1) & (run >= 2) & ~later[:, :-1].any(1)  # the last column: padding that is also the EOS
     pads = sorted({int(v) for v in ids[padded, 0].tolist()})
     # a few rows of text can open that way ("ll" of "I'll" in a window with no other "l": 2 rows of 64, qa44-break 02)
     if int(padded.sum()) < max(2, -(-ids.shape[0] // 4)) or len(pads) != 1:
@@ -688,7 +689,8 @@ def _refuse_unmarked_left_padding(ids: Tensor, length: int) -> None:
     rows = padded.nonzero().flatten().tolist()
     raise ValueError(
         f"seqlen_truncate: the batch has no padding mask, and rows {rows[:8]}{' ...' if len(rows) > 8 else ''} open "
-        f"with a run of id {pads[0]} that never comes back after their other ids: they look padded on the left. "
+        f"with a run of id {pads[0]} that never comes back after their other ids (but as their last token): they "
+        "look padded on the left. "
         f"Without a mask the cut keeps the first {length} columns: the padding and the oldest tokens, and the last "
         "ones (the most recent) are cut away. Put the padding mask in the batch (a tensor named attention_mask, 1 = "
         "real, or key_padding_mask, True = padding; a tuple's bool [B, T] entry): the cut then keeps each row's last "

@@ -168,6 +168,19 @@ def test_left_padding_without_a_mask_is_refused_and_text_opening_with_a_repeated
     text = torch.randint(3, 60, (64, 16), generator=torch.Generator().manual_seed(0))
     text[:2, :2], text[:2, 2:] = 1, text[:2, 2:].clamp_min(2)
     assert F.truncate(text, 8, check_left_padding=True).length == 8
+    # GPT-2's convention: padded on the left with the end-of-text id, which also ends every row (qa44-break 06: 3 of
+    # 4 rows all padding after a cut to 8 of 32)
+    eos, g = 50256, torch.Generator().manual_seed(0)
+    gpt2 = torch.stack(
+        [
+            torch.cat([torch.full((32 - n,), eos), torch.randint(0, 50000, (n - 1,), generator=g), torch.tensor([eos])])
+            for n in (32, 12, 6, 20)
+        ]
+    )
+    with pytest.raises(ValueError, match=r"rows \[1, 2, 3\] open with a run of id 50256 .*but as their last token"):
+        F.truncate({"input_ids": gpt2}, 8, check_left_padding=True)
+    right = torch.cat([gpt2[:, -12:], torch.full((4, 20), eos)], 1)  # the same rows padded on the right: cut as text
+    assert torch.equal(F.truncate({"input_ids": right}, 8, check_left_padding=True).batch["input_ids"], right[:, :8])
 
 
 def test_a_mask_padded_on_both_sides_is_refused():
