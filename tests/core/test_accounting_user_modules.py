@@ -1454,6 +1454,8 @@ class ScoresInStep(pl.LightningModule):
             logits = torch.einsum("btd,vd->btv", hidden, self.items.weight)
         elif self.how == "loss_module":  # a module outside the LightningModule, built in the step
             logits = Scores()(hidden, self.items.weight)
+        elif self.how == "vmap":  # per sample: the shapes inside vmap are one sample's
+            logits = torch.func.vmap(lambda h: h @ self.items.weight.T)(hidden)
         else:
             logits = hidden @ self.items.weight.T
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
@@ -1467,13 +1469,13 @@ class Scores(nn.Module):
         return hidden @ table.T
 
 
-@pytest.mark.parametrize("how", ["matmul", "einsum", "loss_module", "skip_first"])
+@pytest.mark.parametrize("how", ["matmul", "einsum", "loss_module", "skip_first", "vmap"])
 def test_matrix_products_of_the_steps_own_code_are_told(tmp_path: Path, how: str) -> None:
     """The replay measures module calls: a product in the step's own code is left out of the FLOPs (an item-scoring
     head was 47% of a recommender's step, and random-LTD's saving read 1.9x too high, qa43-user 03). The monitor
     warns once with the product's FLOPs, forward and the backward of both operands: 3 x 2 x B*T x 32 x 500; also
-    for an einsum, a module outside the LightningModule (not replayed either), and after a first batch that trained
-    nothing (qa44-break 01, 07, 08)."""
+    for an einsum, a module outside the LightningModule (not replayed either), after a first batch that trained
+    nothing, and under torch.func.vmap (one sample's shapes: told as the batch's, qa44-break 01, 07, 08, 09)."""
     pl.seed_everything(0)
     ids = torch.randint(0, 500, (4 * B, T))
     loader = DataLoader(TensorDataset(ids, ids.roll(-1, 1)), batch_size=B)
@@ -1483,7 +1485,12 @@ def test_matrix_products_of_the_steps_own_code_are_told(tmp_path: Path, how: str
     told = [m for m in monitor_warnings(caught) if "outside any module call" in m]
     head = 3 * 2 * B * T * 32 * 500
     name = "einsum" if how == "einsum" else "matmul"
-    assert len(told) == 1 and f"{name} [{B}, {T}, 32] @ [{500 if how == 'einsum' else 32}, " in told[0]
+    shape = (
+        f"[{T}, 32] @ [32, 500] (x{B}, under vmap)"
+        if how == "vmap"
+        else f"[{B}, {T}, 32] @ [{500 if how == 'einsum' else 32}, "
+    )
+    assert len(told) == 1 and f"{name} {shape}" in told[0]
     assert f"; {head:.3g} FLOPs" in told[0]
     row = 1 if how == "skip_first" else 0
     counted = per_batch.rows[row]["flops"]
