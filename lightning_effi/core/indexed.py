@@ -9,8 +9,10 @@ Indices stay Python ints until they become an int64 tensor, so they never pass t
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable, Sequence
+import random
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,8 +20,10 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Subset, default_collate
 
 from lightning_effi.core.batch import EffiBatch
+from lightning_effi.core.errors import DataConfigError
+from lightning_effi.core.measure import tensor_leaves
 
-__all__ = ["IndexedDataset", "indexed_collate", "sequence_lengths"]
+__all__ = ["IndexedDataset", "collate_reorders", "indexed_collate", "sequence_lengths"]
 
 #: the ``EffiBatch.meta`` key of the dataset indices
 INDEX_KEY = "index"
@@ -99,6 +103,7 @@ class indexed_collate:  # noqa: N801 - used like a function: indexed_collate(col
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None = None):
         self.collate_fn = collate_fn
+        self._order_checked = False  # its first batch is checked (collate_reorders; in each loader worker)
 
     def __call__(self, items: Sequence[tuple[int, Any]]) -> EffiBatch:
         indices, samples = [], []
@@ -110,10 +115,92 @@ class indexed_collate:  # noqa: N801 - used like a function: indexed_collate(col
             indices.append(item[0])
             samples.append(item[1])
         batch = (self.collate_fn or default_collate)(samples)
+        if not self._order_checked and self.collate_fn is not None:
+            self._order_checked = True
+            if collate_reorders(self.collate_fn, samples, batch):
+                raise DataConfigError(reorder_message(self.collate_fn))
         return EffiBatch(batch, {INDEX_KEY: torch.tensor(indices, dtype=torch.int64)})
 
     def __repr__(self) -> str:
         return f"indexed_collate({self.collate_fn!r})"
+
+
+def _row_keys(batch: Any, b: int) -> tuple[list[tuple[Any, ...]], list[tuple[bytes, ...]]]:
+    """The batch's ``[b, ...]`` tensors (path, shape, dtype) and each of its ``b`` rows as the bytes of those tensors'
+    rows."""
+    found: list[tuple[Any, ...]] = []
+    rows: list[list[bytes]] = [[] for _ in range(b)]
+    for path, v in tensor_leaves(batch):
+        if v.ndim == 0 or v.shape[0] != b or v.numel() == 0 or v.layout != torch.strided or v.is_meta:
+            continue
+        if getattr(v, "is_nested", False):
+            continue
+        raw = v.detach().cpu().contiguous().reshape(b, -1).view(torch.uint8).numpy()
+        found.append((path, tuple(v.shape), v.dtype))
+        for i in range(b):
+            rows[i].append(raw[i].tobytes())
+    return found, [tuple(r) for r in rows]
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """Put back the CPU random states (torch, ``random``, NumPy's global one) a probe used, so that the probe changes
+    no draw of the run."""
+    state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(state)
+            np.random.set_state(np_state)
+
+
+def collate_reorders(collate_fn: Callable[[list[Any]], Any], samples: Sequence[Any], batch: Any) -> bool:
+    """Whether ``collate_fn`` puts the samples in another order than it was given them (a collate that sorts them by
+    length for ``pack_padded_sequence(enforce_sorted=True)``, or buckets them): ``batch`` is ``collate_fn(samples)``;
+    the samples are collated again in reverse order (the random states put back after), and the batch's
+    ``[B, ...]`` tensors' rows compared. True when the rows come back the same but not reversed, and the first sample
+    collated ``B`` times gives ``B`` equal rows (the rows follow the samples); False when they come back reversed
+    (the order kept), when their content differs (a random transform in the collate), when rows do not follow the
+    samples, or when nothing can be compared (one row, rows all equal, no ``[B, ...]`` tensor, a collate that
+    raises).
+
+    InfoBatch scores and weighs row ``k`` as the ``k``-th sample drawn (Qin et al. 2024, Alg. 1 keeps the indices in
+    the order of the batch): a collate that reorders the rows would send every score and ``1/(1-r)`` weight to
+    another sample, in silence (qa45-break 01: 20 of 24 scores were another sample's loss).
+    """
+    b = len(samples)
+    if b < 2:
+        return False
+    found, rows = _row_keys(batch, b)
+    if not found or len(set(rows)) < 2:
+        return False
+    try:
+        with _random_state_kept():
+            again = collate_fn(list(samples)[::-1])
+    except Exception:  # noqa: BLE001 - the user's collate: its own errors are the loader's to raise
+        return False
+    found_again, rows_again = _row_keys(again, b)
+    if found_again != found or rows_again == rows[::-1] or sorted(rows_again) != sorted(rows):
+        return False
+    try:  # the rows follow the samples: one sample b times gives b equal rows (not rows made whatever the samples)
+        with _random_state_kept():
+            _, rows_one = _row_keys(collate_fn([samples[0]] * b), b)
+    except Exception:  # noqa: BLE001
+        return False
+    return len(set(rows_one)) == 1
+
+
+def reorder_message(collate_fn: Any) -> str:
+    """The error for a collate that reorders the samples (:func:`collate_reorders`)."""
+    name = getattr(collate_fn, "__qualname__", type(collate_fn).__name__)
+    return (
+        f"InfoBatchCallback: the training loader's collate_fn ({name}) puts the samples of a batch in another order "
+        "than it is given them (it sorts them, e.g. by length for pack_padded_sequence). InfoBatch scores and weighs "
+        "each row of the batch as the sample drawn at its position, so every score and 1/(1-r) weight would go to "
+        "another sample. Keep the samples' order in the collate: pack_padded_sequence(..., enforce_sorted=False) "
+        "sorts inside and gives the outputs back in the batch's order"
+    )
 
 
 def sequence_lengths(dataset: Any) -> np.ndarray | None:

@@ -566,3 +566,21 @@ def test_bad_input_raises_at_setup(tmp_path):
     outer = InfoBatchDataModule(CurriculumDataModule(tiny_lm_data(batch_size=MBS)))
     with pytest.raises(DataConfigError, match="CurriculumDataModule needs the Curriculum callback"):
         make_trainer(tmp_path, [infobatch()], max_steps=2).fit(tiny_gpt2(), datamodule=outer)
+
+
+def _by_first_token(samples):  # a collate that sorts its samples (by their first token)
+    return torch.utils.data.default_collate(sorted(samples, key=lambda s: int(s["input_ids"][0])))
+
+
+def test_a_collate_that_reorders_the_rows_is_refused(tmp_path):
+    """InfoBatch weighs each row of a thinned batch as the sample kept at its position: a collate that sorts the
+    samples would send the weights and scores to other samples (qa45-break 01). The curriculum alone has no per-row
+    record and trains with it."""
+    data = tiny_lm_data(batch_size=MBS, collate_fn=_by_first_token)
+    with pytest.raises(DataConfigError, match=r"collate_fn \(_by_first_token\) puts the samples of a batch in another"):
+        make_trainer(tmp_path, [curriculum(), infobatch()], max_steps=2).fit(
+            tiny_gpt2(), datamodule=CurriculumDataModule(data)
+        )
+    trainer = make_trainer(tmp_path, [curriculum()], max_steps=2)
+    trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=MBS, collate_fn=_by_first_token)))
+    assert trainer.global_step == 2

@@ -172,3 +172,56 @@ def test_index_must_be_an_integer_and_is_the_true_position():
     for out in (10, -11):
         with pytest.raises(IndexError):
             ds[out]
+
+
+# ------------------------------------------------------------------------------ a collate that reorders the rows
+def _sorting_collate(samples):  # longest first, as pack_padded_sequence(enforce_sorted=True) needs
+    samples = sorted(samples, key=lambda s: -len(s))
+    return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True), torch.tensor([len(s) for s in samples])
+
+
+def _padding_collate(samples):
+    return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True), torch.tensor([len(s) for s in samples])
+
+
+def _masking_collate(samples):  # a random transform (an MLM masking): each call draws
+    ids = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+    return {"input_ids": torch.where(torch.rand(ids.shape) < 0.3, 0, ids), "labels": ids}
+
+
+def _sequences(lengths=(3, 7, 5, 7, 2)):
+    return [torch.arange(1, n + 1) * (i + 1) for i, n in enumerate(lengths)]
+
+
+def test_collate_reorders_tells_a_sorting_collate_from_one_that_keeps_the_order():
+    """A collate that sorts the samples by length sent InfoBatch's scores and weights to other samples, in silence
+    (20 of 24 scores another sample's loss, qa45-break 01): the samples are collated again in reverse order and the
+    rows compared."""
+    from lightning_effi.core.indexed import collate_reorders
+
+    samples = _sequences()
+    assert collate_reorders(_sorting_collate, samples, _sorting_collate(samples))
+    assert not collate_reorders(_padding_collate, samples, _padding_collate(samples))
+    assert not collate_reorders(_sorting_collate, samples[:1], _sorting_collate(samples[:1]))  # one row: no order
+    same = [torch.ones(4, dtype=torch.long)] * 3  # rows all equal: nothing to tell
+    assert not collate_reorders(_sorting_collate, same, _sorting_collate(same))
+    fixed = lambda s: torch.arange(2 * len(s)).view(len(s), 2)  # noqa: E731 - rows made whatever the samples
+    assert not collate_reorders(fixed, samples, fixed(samples))
+    # a random collate: the rows differ between the two calls, so nothing is claimed; the probe changes no draw
+    torch.manual_seed(0)
+    batch = _masking_collate(samples)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    batch = _masking_collate(samples)
+    assert not collate_reorders(_masking_collate, samples, batch)
+    assert torch.equal(torch.rand(3), after)
+
+
+def test_indexed_collate_refuses_a_collate_that_reorders_at_its_first_batch():
+    from lightning_effi.core.errors import DataConfigError
+
+    items = list(enumerate(_sequences()))
+    with pytest.raises(DataConfigError, match=r"\(_sorting_collate\) puts the samples .*enforce_sorted=False"):
+        indexed_collate(_sorting_collate)(items)
+    out = indexed_collate(_padding_collate)(items)
+    assert out.meta["index"].tolist() == [0, 1, 2, 3, 4]

@@ -42,6 +42,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from lightning_effi.callbacks import Curriculum, InfoBatchCallback
 from lightning_effi.core.batch import batch_meta
+from lightning_effi.core.errors import DataConfigError
 from lightning_effi.data import CurriculumDataModule, InfoBatchDataModule
 from lightning_effi.infobatch import functional as ib
 from lightning_effi.infobatch import weighted_loss
@@ -1531,3 +1532,18 @@ def test_a_per_sample_loss_of_nothing_beside_a_finite_loss_is_refused_naming_it(
 
     with pytest.raises(NonFiniteLossError, match=r"returned by training_step is not finite for rows \[0\] of the"):
         fit(tmp_path, Ignored(), UserData(SmallImages(), tuple_collate))
+
+
+def sort_by_label(samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """A collate that sorts the samples (by label here; by length for pack_padded_sequence in an RNN's recipe)."""
+    return tuple_collate(sorted(samples, key=lambda s: int(s[1])))
+
+
+def test_a_collate_that_reorders_the_samples_is_refused_naming_it(tmp_path):
+    """The rows no longer followed the order of the indices InfoBatch drew: 20 of 24 scores were another sample's
+    loss, and the 1/(1-r) weights went to other rows, in silence (qa45-break 01)."""
+    steps = Steps()
+    with pytest.raises(DataConfigError) as err:
+        fit(tmp_path, ViT(), UserData(SmallImages(), sort_by_label), steps)
+    assert "collate_fn (sort_by_label) puts the samples of a batch in another order" in str(err.value)
+    assert "enforce_sorted=False" in str(err.value) and steps.done == 0
