@@ -443,9 +443,11 @@ def find_blocks(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
     """The transformer block list of a network: the layer list of the first registered random-LTD adapter that matches
     a submodule (:func:`lightning_effi.models.base.find_adapter`: HF GPT-2, HF BERT, timm ViT), else, of every
     ``nn.ModuleList`` (at least 1 entry) and ``nn.Sequential`` (at least 2) whose entries are modules of one class,
-    each with submodules and parameters, the one holding the most parameters (the layer stack rather than, say, the
-    experts inside one layer), longer first on a tie. None when there is none (an MLP of ``Linear`` layers, a CNN of
-    mixed layers). Read only: nothing is bound or changed."""
+    each with submodules and parameters, one with trainable parameters before a frozen one (the network, not a frozen
+    teacher or EMA copy beside it: a DiT's EMA of 4 blocks was taken for the V-cycle's 2-block coarse network,
+    qa45-user 01), then the one holding the most parameters (the layer stack rather than, say, the experts inside one
+    layer), longer first on a tie. None when there is none (an MLP of ``Linear`` layers, a CNN of mixed layers). Read
+    only: nothing is bound or changed."""
     try:
         from lightning_effi.models import find_adapter
 
@@ -454,7 +456,7 @@ def find_blocks(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
             return layers
     except Exception:  # no registered adapter matches (ValueError) or one cannot read this model: use the shapes
         pass
-    best: tuple[int, int, nn.ModuleList | nn.Sequential] | None = None
+    best: tuple[bool, int, int, nn.ModuleList | nn.Sequential] | None = None
     for sub in module.modules():
         if not isinstance(sub, (nn.ModuleList, nn.Sequential)):
             continue
@@ -464,10 +466,11 @@ def find_blocks(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
         kind = type(entries[0])
         if not all(type(e) is kind and next(e.children(), None) is not None and _has_params(e) for e in entries):
             continue
-        score = (sum(p.numel() for p in sub.parameters()), len(entries))
-        if best is None or score > best[:2]:
+        params = list(sub.parameters())
+        score = (any(p.requires_grad for p in params), sum(p.numel() for p in params), len(entries))
+        if best is None or score > best[:3]:
             best = (*score, sub)
-    return None if best is None else best[2]
+    return None if best is None else best[3]
 
 
 # ------------------------------------------------------------------------------------------------------ calls

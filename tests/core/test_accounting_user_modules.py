@@ -5,6 +5,7 @@ cannot be found warns once, naming the hook to define."""
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import random
@@ -866,6 +867,64 @@ def test_the_vcycle_baseline_prices_every_block_when_the_step_iterates_them(tmp_
     monitor, measured, per_batch = fit(TwoBlockLists(), token_loader(n=40), tmp_path / "two", 4, (vcycle,))
     coarse = [row for row in per_batch.rows if row["baseline_flops"] > row["flops"]]
     assert coarse and monitor.summary["flops_saved_frac"] > 0.1
+
+
+class PatchNet(nn.Module):
+    """A network on continuous inputs (a DiT's patch tokens, no token ids): a projection, :class:`OwnBlock` s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.blocks = nn.ModuleList(OwnBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class WithEMA(UserModule):
+    """A diffusion-style module: the network and a frozen EMA copy of it beside (DiT's ``self.ema``), updated by the
+    user after each step; no token ids in the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PatchNet()
+        self.ema = copy.deepcopy(self.net).requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return F.mse_loss(self.net(x), x)
+
+
+def test_tokens_of_the_vcycles_coarse_network_beside_a_frozen_copy(tmp_path: Path) -> None:
+    """At the coarse level the block list found was the frozen EMA copy's (4 blocks, more parameters than the
+    2-block network trained), never called: the coarse steps counted 0 tokens and 0 layer-tokens, the baseline lost
+    the same steps, and the layer-token saving read 0 for 0.1875 (qa45-user 01). The trained list is taken first."""
+    from lightning_effi.core.measure import find_blocks
+
+    module = WithEMA()
+    assert find_blocks(module) is module.net.blocks
+    module.net.blocks = module.net.blocks[:2]  # the coarse network: the trained list, though smaller
+    assert find_blocks(module) is module.net.blocks
+    pl.seed_everything(0)
+    loader = DataLoader(TensorDataset(torch.randn(8 * B, T, 8)), batch_size=B)
+    depths = Depths()
+    vcycle = VCycleCallback(e_a=1, e_small=2, width_scheme=None, model_attr="net")
+    monitor, _, per_batch = fit(WithEMA(), loader, tmp_path, 5, (vcycle, depths))
+    assert depths.seen == [4, 2, 2, 4, 4]
+    assert [row["tokens"] for row in per_batch.rows] == [B * T] * 5
+    assert [row["layer_tokens"] for row in per_batch.rows] == [d * B * T for d in depths.seen]
+    assert monitor.summary["layer_tokens_saved_frac"] == pytest.approx(1 - 16 / 20)
+
+
+class Depths(Callback):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        self.seen.append(len(pl_module.net.blocks))
 
 
 class HalveFlops(Callback):
