@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -382,6 +383,8 @@ class VCycleCallback(Callback):
         self._interrupted: dict[str, Any] | None = None
         self._frozen_outside: tuple[list[str], list[str], int, Any] | None = None
         self._copies: list[str] = []  # modules of the network's class outside it (an EMA copy), for messages
+        # at a coarse level: each copy's parameters' sums when the level began (_check_copies_unchanged)
+        self._copy_sums: dict[str, Tensor] | None = None
 
     def __repr__(self) -> str:
         """Every constructor argument (new spelling; a length as random-LTD's ``require_steps``: an int of steps, else
@@ -555,8 +558,10 @@ class VCycleCallback(Callback):
                 f"{type(self).__name__}: {type(pl_module).__name__} holds another {type(network).__name__} beside "
                 f"pl_module.{self.model_attr}: {', '.join(self._copies[:3])} (an EMA copy, a teacher?). The V-cycle "
                 "trains a smaller network at its coarse levels and coalesces only that one: an average that copies "
-                "its weights (timm's ModelEma.update) fails at the first level change, as EMA and weight-averaging "
-                "callbacks are refused; average after the V-cycle, or train without it. A frozen teacher is fine."
+                "its weights fails at the first level change (timm's ModelEma.update, on the shapes; one by parameter "
+                "name, DiT's update_ema, is refused at the first coarse step it changes the copy), as EMA and "
+                "weight-averaging callbacks are refused; update it only while VCycleCallback.level == 1, average "
+                "after the V-cycle, or train without it. A frozen teacher is fine."
             )
 
     def _check_outside_width(self, pl_module: pl.LightningModule) -> None:
@@ -1150,6 +1155,7 @@ class VCycleCallback(Callback):
     ) -> None:
         self._steps_check.batch_start(trainer)
         self._batch_open, self._open_batch, self._backward_seen = True, batch, False
+        self._check_copies_unchanged(trainer, pl_module)
 
     @override
     def on_train_batch_end(
@@ -1221,6 +1227,8 @@ class VCycleCallback(Callback):
         """Change to ``levels`` in turn (the stages that have ended), then a fresh training state."""
         step = trainer.global_step
         self._refuse_parameter_copies(trainer, pl_module, step)
+        self._check_copies_unchanged(trainer, pl_module)  # the last coarse step's update too
+        self._copy_sums = None  # taken again at the next coarse level's first batch
         start, path = time.perf_counter(), [self.level, *levels]
         assert self.alpha_original is not None  # resolved in setup
         first, total = self.stage_index + 1, len(self.stages) + 1
@@ -1239,6 +1247,43 @@ class VCycleCallback(Callback):
             f"{len(self.stages) + 1}, {sum(p.numel() for p in getattr(pl_module, self.model_attr).parameters())}"
             f" parameters, lr x{self.lr_factor(self.level)}, map {time.perf_counter() - start:.2f}s)"
         )
+
+    def _check_copies_unchanged(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At a coarse level, refuse a copy of the network held beside it (:meth:`_warn_network_copies`) that changed
+        without gradients since the level began: an average the module updates itself (DiT's ``update_ema``, by
+        parameter name) took the coarse network's weights into it, its first blocks averaged towards the merged ones
+        and the others left as they were, in silence (qa45-user 02); one that zips the parameters fails on the shapes.
+        A copy trained by an optimizer (its parameters have gradients) and a frozen teacher pass.
+
+        Raises:
+            IncompatibleTechniques: such a copy, named, with the step and the level.
+        """
+        if self.level == 1 or not self._copies:
+            self._copy_sums = None
+            return
+        copies = {name: pl_module.get_submodule(name) for name in self._copies}
+        sums = {name: _parameter_sums(m) for name, m in copies.items()}
+        if self._copy_sums is None:
+            self._copy_sums = sums
+            return
+        for name, m in copies.items():
+            before = self._copy_sums.get(name)
+            if before is None or torch.equal(before, sums[name]):
+                continue
+            if any(p.grad is not None for p in m.parameters()):
+                continue  # trained alongside (its own optimizer step)
+            network = getattr(pl_module, self.model_attr)
+            depths = self._stack.depths()
+            raise IncompatibleTechniques(
+                f"{type(self).__name__}: pl_module.{name} (a {type(network).__name__} beside pl_module."
+                f"{self.model_attr}, trained by no optimizer: an EMA copy?) changed at step {trainer.global_step}, at "
+                f"level {self.level}, where pl_module.{self.model_attr} is the coarse network ({depths[self.level - 1]}"
+                f" of its {depths[0]} blocks, {sum(p.numel() for p in network.parameters())} parameters): the average "
+                "took the coarse network's weights in (an update by parameter name averages its first blocks towards "
+                "the merged ones and leaves the others as they were). Update it only while the V-cycle is at level 1 "
+                "(VCycleCallback.level == 1), average after the V-cycle, or train without it"
+            )
+        self._copy_sums = sums
 
     def _refuse_parameter_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         """Before a level change: refuse a callback that made its own copy of the model's parameters after train start
@@ -1497,3 +1542,11 @@ def _is_vcycle_state(state: object) -> bool:
 
 
 VCycle = VCycleCallback  # short name, like RandomLTD / InfoBatch
+
+
+def _parameter_sums(module: Any) -> Tensor:
+    """Each parameter's sum (float64, on the CPU): a cheap fingerprint that an average's update changes."""
+    params = [p.detach() for p in module.parameters()]
+    if not params:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([p.double().sum() for p in params]).cpu()

@@ -893,3 +893,55 @@ def test_an_ema_copy_in_the_module_is_named_at_setup_and_in_the_shape_error(tmp_
         with pytest.raises(RuntimeError) as caught:
             trainer.fit(TimmViTWithEma(), torch.utils.data.DataLoader(data, batch_size=8))
     assert any("ema.module kept the full network's shapes" in n for n in getattr(caught.value, "__notes__", []))
+
+
+class EmaByName(TimmViTWithEma):
+    """DiT's ``update_ema``: the copy's parameters averaged by name with the network's (``level_1_only``: only while
+    the V-cycle is at level 1, as its refusal advises; ``tower``: the copy is trained, a second tower)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.ema = copy.deepcopy(self.net).requires_grad_(how == "tower")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        return loss + torch.nn.functional.cross_entropy(self.ema(x), y) if self.how == "tower" else loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        vcycle = next(c for c in self.trainer.callbacks if isinstance(c, VCycleCallback))
+        if self.how == "tower" or (self.how == "level_1_only" and vcycle.level != 1):
+            return
+        params = dict(self.ema.named_parameters())
+        with torch.no_grad():
+            for name, p in self.net.named_parameters():
+                params[name].mul_(0.9).add_(p, alpha=0.1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("how", ["by_name", "level_1_only", "tower"])
+def test_an_ema_updated_by_name_at_a_coarse_level_is_refused(tmp_path, how):
+    """An average by parameter name runs on at the coarse level: the copy's first blocks were averaged towards the
+    merged coarse blocks and the others left as they were, and the fit ended without a word (qa45-user 02). It is
+    refused at the first coarse step it changed the copy, naming it; a copy updated only at level 1 and a copy the
+    optimizer trains pass."""
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3, 16, 16), torch.randint(0, 3, (32,)))
+    trainer = make_trainer(
+        tmp_path, [VCycleCallback(e_a=2, e_small=2, width_scheme=None, model_attr="net")], max_steps=6, max_epochs=-1
+    )
+    module = EmaByName(how)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if how != "by_name":
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+            assert trainer.global_step == 6 and len(module.net.blocks) == 4
+            return
+        with pytest.raises(
+            Exception,
+            match=r"pl_module.ema \(a VisionTransformer beside pl_module.net, trained by "
+            r"no optimizer: an EMA copy\?\) changed at step 3, at level 2.*2 of its 4 blocks",
+        ):
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
