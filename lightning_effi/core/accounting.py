@@ -31,14 +31,17 @@ in ``trainer.callbacks`` that defines
 A callback's savings are reported as ``saved/<name>/...`` with ``name`` its ``effi_name`` attribute if it has one
 (:func:`technique_name`).
 
-The module supplies the per-batch cost through optional hooks: ``effi_count_tokens(batch) -> int``,
+The module supplies the per-batch cost through optional hooks: ``effi_count_samples(batch) -> int``,
+``effi_count_tokens(batch) -> int``,
 ``effi_num_layers: int`` and ``effi_training_flops(batch) -> float`` (else Lightning's ``flops_per_batch``
 attribute, as read by ``ThroughputMonitor``: one figure for every batch, so the FLOPs saving of a technique that
 shortens the batches or shrinks the model, the curriculum's truncation or the V-cycle, reads 0, with one warning).
 A module without them (any LightningModule as users write it, any batch
 structure) is counted by :mod:`lightning_effi.core.measure`:
 
-- samples: the batch's first dimension (:func:`batch_size_of`); a batch of several training loaders (a mapping or
+- samples: the batch's first dimension (:func:`batch_size_of`; the second of a sequence-first ``[T, B]`` batch whose
+  first block reads ``[T, B, H]``, ``batch_first=False``; a warning when the batch's tensors disagree on their first
+  dimension, a graph batch's nodes, edges and graphs); a batch of several training loaders (a mapping or
   list of loaders: Lightning's ``CombinedLoader``) is counted per loader and summed, tokens as well;
 - tokens: the batch's ``attention_mask`` sum, else the real tokens of another padding mask beside token ids (a
   tuple batch's 0/1 entry), else its ``input_ids`` / first integer ``[B, T]`` tensor's size (:func:`tokens_of`),
@@ -95,6 +98,8 @@ from lightning_effi.core.measure import (
     hidden_tokens,
     key_padding_mask,
     mask_is_additive,
+    opaque_holder,
+    other_first_dims,
     tensor_leaves,
     token_source,
 )
@@ -575,6 +580,7 @@ class EfficiencyMonitor(Callback):
         self._batch_shapes: list[tuple[Any, tuple[int, ...]]] | None = None  # the shapes of the recorded batch
         self._observed_tokens: int | None = None  # tokens in the first block's hidden states in the current batch
         self._observed_shape: tuple[int, ...] | None = None  # those hidden states' shape
+        self._observed_sequence_first = False  # that block reads [T, B, H] (an nn.MultiheadAttention's batch_first)
         self._observed_width = False  # whose last dimension is a width of the block ([B, T, H], not [B, C, T])
         self._recorded_lists: dict[str, int] = {}  # the module lists of the network the recorded step trained
         self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
@@ -637,8 +643,19 @@ class EfficiencyMonitor(Callback):
         """Once: the tokens of a batch without token ids are the hidden states' positions, padding included, while
         the batch holds what looks like a padding mask (a 2-D bool tensor, or a 2-D tensor with ``mask`` in its
         name), which is read only beside token ids (without them its polarity, ``True`` real or padded, is
-        unknown)."""
+        unknown). A batch that holds its tensors in an object of its own class, not looked into, is said to be
+        counted that way too (512 positions counted for 314 real tokens, qa45-break 04)."""
         if "tokens/unread_mask" in self._warned:  # said once: no walk of every later batch
+            return
+        holder = opaque_holder(batch)
+        if holder is not None:
+            self._warn(
+                "tokens/unread_mask",
+                f"the batch holds its tensors in a {holder}, which is not looked into (tensors are found in tuples, "
+                "lists, mappings and dataclasses): its tokens are the positions of the hidden states the first "
+                "transformer block receives, padding included. Make it a dataclass (its `attention_mask` is then "
+                "read), or define `effi_count_tokens(batch) -> int` on your LightningModule",
+            )
             return
         for path, value in tensor_leaves(batch):
             name = ".".join(str(p) for p in path) if isinstance(path, tuple) else str(path)
@@ -897,6 +914,33 @@ class EfficiencyMonitor(Callback):
         except MeasureError as err:
             raise NotImplementedError(f"{err}; {hint}") from err
 
+    def _samples_of(self, batch: Any, actual: bool) -> int | None:
+        """The samples of one loader's batch (:func:`find_batch_size`): the second dimension of a sequence-first
+        batch (``[T, B]`` ids, PyTorch's word-language-model layout) whose first block was called with ``[T, B, H]``
+        hidden states and reads them sequence first (``batch_first=False``: ``T`` was counted as the samples, 72 for
+        24, qa45-break 05); a warning, once, when the batch's tensors disagree on their first dimension (a graph
+        batch: nodes read as the samples, qa45-break 03). ``actual``: the trained batch (not a baseline's)."""
+        size = find_batch_size(batch)
+        if size is None:
+            return None
+        shape = self._observed_shape
+        if self._observed_sequence_first and shape is not None and shape[0] != shape[1]:
+            lead = next((v for _, v in tensor_leaves(batch) if v.ndim >= 2 and int(v.shape[0]) == size), None)
+            if lead is not None and tuple(lead.shape[:2]) == tuple(shape[:2]):
+                return int(lead.shape[1])
+        if actual and "samples/first_dims" not in self._warned:
+            others = other_first_dims(batch, size)
+            if others:
+                shown = ", ".join(f"{path}: {n}" for path, n in others[:4])
+                self._warn(
+                    "samples/first_dims",
+                    f"samples are read as {size} a batch, the first dimension of the batch's first tensor, but its "
+                    f"tensors disagree on their first dimension ({shown}): if a sample is not a row of that tensor "
+                    "(a graph batch's nodes, a sequence-first [T, B] batch), define `effi_count_samples(batch) -> "
+                    "int` on your LightningModule",
+                )
+        return size
+
     def module_stats(
         self, pl_module: pl.LightningModule, batch: Any, fallback: BatchStats | None = None, baseline: str = ""
     ) -> BatchStats:
@@ -911,10 +955,26 @@ class EfficiencyMonitor(Callback):
         kind = type(batch).__name__
         # several training loaders (Lightning's CombinedLoader): a batch of each, counted each and summed
         parts = combined_parts(self._train_loaders, batch) or [batch]
-        sizes = [find_batch_size(part) for part in parts]
-        size = None if all(n is None for n in sizes) else sum(n for n in sizes if n is not None)
+        count_samples = getattr(pl_module, "effi_count_samples", None)
+        if callable(count_samples):
+            size: int | None = int(count_samples(batch))
+        else:
+            sizes = [self._samples_of(part, fallback is None) for part in parts]
+            size = None if all(n is None for n in sizes) else sum(n for n in sizes if n is not None)
         if size is None:
-            size = missing("samples", f"samples cannot be counted: the {kind} batch has no tensor with a dimension")
+            holder = opaque_holder(batch)
+            size = missing(
+                "samples",
+                f"samples cannot be counted: the {kind} batch "
+                + (
+                    ("is" if holder == kind else f"holds its tensors in a {holder}, which is")
+                    + " not looked into (tensors are found in tuples, lists, mappings and dataclasses): make it a "
+                    "dataclass, or define"
+                    if holder is not None
+                    else "has no tensor with a dimension; define"
+                )
+                + " `effi_count_samples(batch) -> int` on your LightningModule",
+            )
         count_tokens = getattr(pl_module, "effi_count_tokens", None)
         if callable(count_tokens):
             found: int | None = int(count_tokens(batch))
@@ -1148,6 +1208,7 @@ class EfficiencyMonitor(Callback):
             return  # the record of this regime stands
         self._recorded_key, self._pending_key = None, key
         self._calls, self._batch_shapes, self._observed_tokens, self._observed_shape = None, None, None, None
+        self._observed_sequence_first = False
         self._observed_width = False
         if key is not None:  # the recorded step runs uncompiled: the hooks would break the graph dynamo keeps
             self._eager = torch.compiler.set_stance("force_eager")
@@ -1181,6 +1242,8 @@ class EfficiencyMonitor(Callback):
             hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             if self._observed_tokens is not None and hidden is not None:
                 self._observed_shape = tuple(hidden.shape)
+                attention = next((m for m in module.modules() if isinstance(m, nn.MultiheadAttention)), None)
+                self._observed_sequence_first = attention is not None and not attention.batch_first
                 width = int(hidden.shape[-1])
                 self._observed_width = any(
                     (isinstance(m, nn.Linear) and m.in_features == width)

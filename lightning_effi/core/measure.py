@@ -264,13 +264,65 @@ def _named(batch: Any, name: str) -> Tensor | None:
 
 def _ids(batch: Any) -> Tensor | None:
     """The batch's token ids: the first leaf named ``input_ids``, else its first integer (not bool) ``[B, T]``
-    tensor; None when it has neither."""
+    tensor whose ``B`` is the first dimension of the batch's first tensor (a graph batch's ``edge_index [2, E]``
+    beside node features ``[N, F]`` is no token ids: read as 570 tokens for 285 edges, qa45-break 03); None when it
+    has neither."""
     ids = _named(batch, "input_ids")
     if ids is not None:
         return ids
+    lead: int | None = None
     for _, value in tensor_leaves(batch):
-        if value.ndim == 2 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
+        if value.ndim == 0:
+            continue
+        lead = int(value.shape[0]) if lead is None else lead
+        if (
+            value.ndim == 2
+            and int(value.shape[0]) == lead
+            and not value.is_floating_point()
+            and not value.is_complex()
+            and value.dtype != torch.bool
+        ):
             return value
+    return None
+
+
+def other_first_dims(batch: Any, size: int) -> list[tuple[str, int]]:
+    """The tensors of ``batch`` (``path``, first dimension) whose first dimension is not ``size``, the samples read
+    (:func:`find_batch_size`); tensors in a list or tuple of ``size`` entries (one per sample) are left out. A graph
+    batch (node features ``[N, F]``, ``edge_index [2, E]``, graph labels ``[G]``) has several: the samples read from
+    the first (``N`` nodes) may not be the samples (``G`` graphs, qa45-break 03)."""
+    found: list[tuple[str, int]] = []
+
+    def walk(node: Any, path: Path) -> None:
+        if isinstance(node, Tensor):
+            if node.ndim > 0 and int(node.shape[0]) != size:
+                found.append((".".join(map(str, path)) or "batch", int(node.shape[0])))
+        elif isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, (*path, key))
+        elif isinstance(node, (list, tuple)):
+            if len(node) == size and len(node) > 1 and all(isinstance(v, Tensor) for v in node):
+                return  # one tensor per sample
+            for i, value in enumerate(node):
+                walk(value, (*path, i))
+        elif _is_dataclass_instance(node):
+            for f in dataclasses.fields(node):
+                walk(getattr(node, f.name), (*path, f.name))
+
+    walk(batch, ())
+    return found
+
+
+def opaque_holder(batch: Any) -> str | None:
+    """The class name of the first object in ``batch`` that holds tensors in its attributes but is not looked into
+    (a class of one's own with ``to()``: tensors are found in tuples, lists, mappings and dataclasses, :func:`leaves`);
+    None when there is none."""
+    for _, value in leaves(batch):
+        if isinstance(value, Tensor) or value is None or isinstance(value, (str, bytes, int, float, bool)):
+            continue
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict) and any(isinstance(v, Tensor) for v in attributes.values()):
+            return type(value).__name__
     return None
 
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "AdjustsBatchStats",
+    "CountsSamples",
     "CountsTokens",
     "FollowsModelChanges",
     "HasNumLayers",
@@ -30,6 +31,14 @@ class TrainingFlops(Protocol):
     """Module hook: training FLOPs (forward + backward) of one batch, a float."""
 
     def effi_training_flops(self, batch: Any) -> float: ...
+
+
+@runtime_checkable
+class CountsSamples(Protocol):
+    """Module hook: the samples of one batch (an int), where they are not its tensors' first dimension (a graph
+    batch's graphs, a batch class of one's own)."""
+
+    def effi_count_samples(self, batch: Any) -> int: ...
 
 
 @runtime_checkable

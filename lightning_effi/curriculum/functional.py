@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_effi.core.checks import check_int, is_int
-from lightning_effi.core.measure import Path, tensor_leaves
+from lightning_effi.core.measure import Path, opaque_holder, tensor_leaves
 
 DIFFICULTY_TYPES = ("value", "percentile")
 PERCENTILE_ROUNDING = ("deepspeed", "proportional")
@@ -501,7 +501,16 @@ def describe_batch(batch: Any) -> str:
         f"{'.'.join(map(str, p)) or 'batch'}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}"
         for p, v in tensor_leaves(batch)
     ]
-    return f"{type(batch).__name__} with " + (", ".join(parts) if parts else "no tensor")
+    if parts:
+        return f"{type(batch).__name__} with " + ", ".join(parts)
+    holder = opaque_holder(batch)
+    if holder is not None:  # a class of one's own holding tensors (qa45-break 04: "a Custom with no tensor")
+        where = "" if holder == type(batch).__name__ else f" that holds its tensors in a {holder}, which is"
+        return (
+            f"{type(batch).__name__}{where or ','} not looked into (tensors are found in tuples, lists, mappings and "
+            "dataclasses: make it a dataclass)"
+        )
+    return f"{type(batch).__name__} with no tensor"
 
 
 def _take(v: Tensor, axis: int, window: slice, index: Tensor | None) -> Tensor:

@@ -1630,3 +1630,139 @@ def test_trained_blocks_outside_the_counted_list_are_told(tmp_path: Path) -> Non
     told = [m for m in monitor_warnings(caught) if "`layer_tokens` count the" in m]
     assert len(told) == 1 and "the 4 blocks of encoder.layers" in told[0] and "decoder.layers (2 blocks)" in told[0]
     assert "teacher" not in told[0] and per_batch.rows[0]["layer_tokens"] == 4 * B * T
+
+
+# ------------------------------------------------------------------------- samples that are not the first dimension
+def graph_collate(graphs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """PyG's ``Batch`` layout by hand: node features ``[N, F]``, ``edge_index [2, E]`` offset per graph, the graph of
+    each node ``[N]``, one label per graph ``[G]``."""
+    xs, edges, owner, offset = [], [], [], 0
+    for g, (x, edge_index, _) in enumerate(graphs):
+        xs.append(x)
+        edges.append(edge_index + offset)
+        owner.append(torch.full((len(x),), g))
+        offset += len(x)
+    y = torch.stack([label for _, _, label in graphs])
+    return {"x": torch.cat(xs), "edge_index": torch.cat(edges, 1), "batch": torch.cat(owner), "y": y}
+
+
+class GraphNet(pl.LightningModule):
+    """Message passing on node features, mean pooling per graph, a label per graph."""
+
+    def __init__(self, own_count: bool = False) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(8, 16), nn.Linear(16, 2)
+        if own_count:
+            self.effi_count_samples = lambda batch: int(batch["y"].numel())
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        h = self.lin(batch["x"]).relu()
+        src, dst = batch["edge_index"]
+        h = h + torch.zeros_like(h).index_add_(0, dst, h[src])
+        graphs = int(batch["y"].numel())
+        pooled = torch.zeros(graphs, 16).index_add_(0, batch["batch"], h)
+        pooled = pooled / torch.bincount(batch["batch"], minlength=graphs)[:, None]
+        return F.cross_entropy(self.head(pooled), batch["y"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("own_count", [False, True])
+def test_a_graph_batch_is_warned_and_counted_by_the_modules_own_samples(tmp_path: Path, own_count: bool) -> None:
+    """Nodes were counted as the samples (202 for 24 graphs) and ``edge_index [2, E]`` read as token ids (570 tokens
+    for 285 edges), without a word (qa45-break 03). The disagreeing first dimensions are warned, naming
+    ``effi_count_samples``, which the module can define; ``edge_index`` is no token ids."""
+    g = torch.Generator().manual_seed(0)
+    graphs = []
+    for _ in range(4 * B):
+        n = int(torch.randint(5, 12, (1,), generator=g))
+        edges = torch.randint(0, n, (2, int(torch.randint(6, 20, (1,), generator=g))), generator=g)
+        graphs.append((torch.randn(n, 8, generator=g), edges, torch.randint(0, 2, (), generator=g)))
+    loader = DataLoader(graphs, batch_size=B, collate_fn=graph_collate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, _, per_batch = fit(GraphNet(own_count), loader, tmp_path, 4)
+    told = [m for m in monitor_warnings(caught) if "disagree on their first dimension" in m]
+    nodes = [int(b["x"].shape[0]) for b in loader]
+    if own_count:
+        assert told == [] and [row["samples"] for row in per_batch.rows] == [B] * 4
+    else:
+        assert len(told) == 1 and f"read as {nodes[0]} a batch" in told[0] and "(edge_index: 2, y: 4)" in told[0]
+        assert "effi_count_samples(batch) -> int" in told[0]
+        assert [row["samples"] for row in per_batch.rows] == nodes
+    assert monitor.totals["tokens"] == 0  # no token ids and no transformer block: not the edges' endpoints
+
+
+class SequenceFirstLM(pl.LightningModule):
+    """PyTorch's word-language-model layout: ``[T, B]`` ids and targets, ``nn.TransformerEncoder`` with its default
+    ``batch_first=False``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(V, 32), nn.Linear(32, V)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0)
+        self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        return F.cross_entropy(self.head(self.blocks(self.embed(ids))).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_sequence_first_batch_counts_its_second_dimension_as_the_samples(tmp_path: Path) -> None:
+    """``[T, B]`` batches counted T as the samples (72 for 24 sequences, qa45-break 05): the first block is called
+    with ``[T, B, H]`` and reads them sequence first, so the samples are the batch's second dimension."""
+    ids = torch.randint(0, V, (3 * B, T + 1), generator=torch.Generator().manual_seed(0))
+    pairs = [(row[:-1], row[1:]) for row in ids]
+    loader = DataLoader(pairs, batch_size=B, collate_fn=lambda rows: tuple(torch.stack(x, 1) for x in zip(*rows)))
+    assert next(iter(loader))[0].shape == (T, B)
+    monitor, _, per_batch = fit(SequenceFirstLM(), loader, tmp_path, 3)
+    assert [row["samples"] for row in per_batch.rows] == [B] * 3
+    assert [row["tokens"] for row in per_batch.rows] == [B * T] * 3
+
+
+class OwnBatch:
+    """A batch class of one's own (Lightning moves it with its ``to``)."""
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        self.input_ids, self.attention_mask = ids, mask
+
+    def to(self, device: Any) -> OwnBatch:
+        return OwnBatch(self.input_ids.to(device), self.attention_mask.to(device))
+
+
+class OwnBatchLM(SequenceFirstLM):
+    def __init__(self, own_count: bool) -> None:
+        super().__init__()
+        self.blocks = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), 2)
+        if own_count:
+            self.effi_count_samples = lambda batch: int(batch.input_ids.shape[0])
+            self.effi_count_tokens = lambda batch: int(batch.attention_mask.sum())
+
+    def training_step(self, batch: OwnBatch, batch_idx: int) -> torch.Tensor:
+        ids = batch.input_ids
+        return F.cross_entropy(self.head(self.blocks(self.embed(ids))).flatten(0, 1), ids.flatten())
+
+
+@pytest.mark.parametrize("own_count", [False, True])
+def test_a_batch_class_of_ones_own_is_named_not_looked_into(tmp_path: Path, own_count: bool) -> None:
+    """The samples read 0 with "has no tensor with a dimension" though the batch held three; its tokens were the
+    hidden states' positions, padding included, without a word (qa45-break 04). Both warnings now say the class is
+    not looked into and what to do; the module's own counts are used."""
+    mask = (torch.arange(T) < torch.tensor([T, 5, 9, 12])[:, None]).long()
+    loader = DataLoader(
+        [0] * (2 * B), batch_size=B, collate_fn=lambda rows: OwnBatch(torch.randint(0, V, (B, T)), mask)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, _, per_batch = fit(OwnBatchLM(own_count), loader, tmp_path, 2)
+    told = [m for m in monitor_warnings(caught) if "OwnBatch" in m]
+    if own_count:
+        assert told == [] and [row["samples"] for row in per_batch.rows] == [B, B]
+        assert [row["tokens"] for row in per_batch.rows] == [int(mask.sum())] * 2
+        return
+    assert any("the OwnBatch batch is not looked into" in m and "effi_count_samples" in m for m in told)
+    assert any("holds its tensors in a OwnBatch" in m and "padding included" in m for m in told)
