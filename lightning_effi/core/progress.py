@@ -37,6 +37,7 @@ __all__ = [
     "estimated_optimizer_steps",
     "progress_clock",
     "progress_source",
+    "BatchesPerStep",
     "StepsPerBatchCheck",
     "batch_resolved_durations",
     "progress_ticks",
@@ -254,14 +255,14 @@ def training_progress(trainer: Any) -> float:
 
 def batch_resolved_durations(trainer: Any, pl_module: Any, durations: dict[str, Duration]) -> dict[str, Duration]:
     """The durations of ``durations`` resolved from the batches while their schedule counts ``trainer.global_step``,
-    where the two units can differ: under manual optimization with several optimizers (``global_step`` counts every
-    ``optimizer.step()``: a GAN stepping its discriminator and its generator once a batch advances it by 2), the
-    durations in epochs (an epoch is ``trainer.num_training_batches`` batches) and the fractions of a run whose
-    length comes from the batches (``trainer.estimated_stepping_batches`` below ``max_steps``, or no ``max_steps``;
-    a fraction of ``max_steps`` is in ``global_step``'s unit). Empty under automatic optimization or with one
-    optimizer. :class:`StepsPerBatchCheck` checks them against the first batch."""
-    optimizers = len(getattr(trainer, "optimizers", ()) or ())
-    if getattr(pl_module, "automatic_optimization", True) or optimizers <= 1:
+    where the two units can differ: under manual optimization (``global_step`` counts every ``optimizer.step()``: a
+    GAN stepping its discriminator and its generator once a batch advances it by 2, one optimizer stepped every
+    second batch, gradients accumulated by hand, by 1/2), the durations in epochs (an epoch is
+    ``trainer.num_training_batches`` batches) and the fractions of a run whose length comes from the batches
+    (``trainer.estimated_stepping_batches`` below ``max_steps``, or no ``max_steps``; a fraction of ``max_steps`` is
+    in ``global_step``'s unit). Empty under automatic optimization. :class:`StepsPerBatchCheck` checks them against
+    the first batches."""
+    if getattr(pl_module, "automatic_optimization", True):
         return {}
     max_steps, estimated = getattr(trainer, "max_steps", -1), getattr(trainer, "estimated_stepping_batches", None)
     from_batches = max_steps in (-1, None) or (
@@ -270,43 +271,95 @@ def batch_resolved_durations(trainer: Any, pl_module: Any, durations: dict[str, 
     return {name: d for name, d in durations.items() if d.unit == "epoch" or (d.unit == "fraction" and from_batches)}
 
 
+class BatchesPerStep:
+    """How often a fit's optimizer steps, read off ``trainer.global_step`` over its first batches: the steps the
+    first batch took when more than one (several optimizers stepped once a batch), or the batches between the first
+    two steps of one when more than one (one optimizer stepped every ``k`` batches: gradients accumulated by hand).
+    Call :meth:`batch_start` and :meth:`batch_end` in the training batch hooks; :meth:`batch_end` returns
+    ``("steps", n)`` or ``("batches", k)`` once, when found, else None. Watches at most ``limit`` batches.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self.done = False
+        self._last: int | None = None
+        self._batches = 0
+        self._stepped_at: list[int] = []  # the batches (counted from 1) at whose end global_step moved by one
+
+    def batch_start(self, trainer: Any) -> None:
+        if not self.done and self._last is None:
+            self._last = int(trainer.global_step)
+
+    def batch_end(self, trainer: Any) -> tuple[str, int] | None:
+        if self.done or self._last is None:
+            return None
+        now = int(trainer.global_step)
+        moved, self._last = now - self._last, now
+        self._batches += 1
+        if moved > 1:
+            self.done = True
+            return ("steps", moved) if self._batches == 1 else None
+        if moved == 1:
+            self._stepped_at.append(self._batches)
+        if len(self._stepped_at) == 2:
+            self.done = True
+            gap = self._stepped_at[1] - self._stepped_at[0]
+            return ("batches", gap) if gap > 1 else None
+        if self._batches >= self.limit:
+            self.done = True
+        return None
+
+
 class StepsPerBatchCheck:
-    """The durations of :func:`batch_resolved_durations` checked against the optimizer steps the fit's first batch
-    takes: more than one (each of several optimizers stepped once a batch) and the schedule would run that many
-    times as fast, so the fit is refused at the end of that batch; one (optimizers stepped in turn) and the
-    durations are right. ``arm`` in ``on_train_start``, then ``batch_start`` / ``batch_end`` in the training batch
-    hooks.
+    """The durations of :func:`batch_resolved_durations` checked against the optimizer steps the fit's first batches
+    take (:class:`BatchesPerStep`): more than one a batch (each of several optimizers stepped once a batch) and the
+    schedule would run that many times as fast; one every ``k`` batches (gradients accumulated by hand: random-LTD's
+    ``"1ep"`` took two epochs and ended below ``max_value``, qa45-break 02) and it would run ``k`` times as slow: the
+    fit is refused at the end of the batch that shows it. One a batch (optimizers stepped in turn) and the durations
+    are right. ``arm`` in ``on_train_start``, then ``batch_start`` / ``batch_end`` in the training batch hooks.
 
     Raises:
-        ValueError: (``batch_end``) naming the owner, the durations, the optimizer steps of the batch and the fix.
+        ValueError: (``batch_end``) naming the owner, the durations, the optimizer steps per batch and the fix.
     """
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self.durations: dict[str, Duration] = {}
-        self._start: int | None = None
+        self._watch = BatchesPerStep()
 
     def arm(self, trainer: Any, pl_module: Any, durations: dict[str, Duration]) -> None:
-        self.durations, self._start = batch_resolved_durations(trainer, pl_module, durations), None
+        self.durations, self._watch = batch_resolved_durations(trainer, pl_module, durations), BatchesPerStep()
 
     def batch_start(self, trainer: Any) -> None:
-        if self.durations and self._start is None:
-            self._start = int(trainer.global_step)
+        if self.durations:
+            self._watch.batch_start(trainer)
 
     def batch_end(self, trainer: Any) -> None:
-        if not self.durations or self._start is None:
+        if not self.durations:
             return
-        steps, durations = int(trainer.global_step) - self._start, self.durations
-        self.durations = {}  # checked once, on the first batch
-        if steps <= 1:
+        found = self._watch.batch_end(trainer)
+        durations = self.durations
+        if self._watch.done:
+            self.durations = {}
+        if found is None:
             return
         given = ", ".join(f"{name}={str(d)!r}" for name, d in durations.items())
+        kind, n = found
+        if kind == "steps":
+            raise ValueError(
+                f"{self.owner}: manual optimization stepped {n} optimizers in the first batch, so "
+                f"trainer.global_step, which this schedule counts, advances {n} a batch, while {given} is resolved "
+                "from the batches (an epoch, or the run's estimated_stepping_batches, counts a batch as one step): "
+                f"the schedule would run {n} times as fast. Give it in optimizer steps as trainer.global_step counts "
+                "them (an int: the epochs you mean x the batches of an epoch x the optimizer steps of a batch), or as "
+                "a fraction of a run bounded by Trainer(max_steps=...)"
+            )
         raise ValueError(
-            f"{self.owner}: manual optimization stepped {steps} optimizers in the first batch, so "
-            f"trainer.global_step, which this schedule counts, advances {steps} a batch, while {given} is resolved "
-            "from the batches (an epoch, or the run's estimated_stepping_batches, counts a batch as one step): the "
-            f"schedule would run {steps} times as fast. Give it in optimizer steps as trainer.global_step counts them "
-            "(an int: the epochs you mean x the batches of an epoch x the optimizer steps of a batch), or as a "
+            f"{self.owner}: manual optimization stepped the optimizer once every {n} batches (gradients accumulated "
+            f"by hand), so trainer.global_step, which this schedule counts, advances once every {n} batches, while "
+            f"{given} is resolved from the batches (an epoch, or the run's estimated_stepping_batches, counts a batch "
+            f"as one step): the schedule would run {n} times as slow. Give it in optimizer steps as "
+            f"trainer.global_step counts them (an int: the epochs you mean x the batches of an epoch / {n}), or as a "
             "fraction of a run bounded by Trainer(max_steps=...)"
         )
 

@@ -25,7 +25,7 @@ from lightning_effi.core.checks import check_bool, check_int, is_int
 from lightning_effi.core.compat import uses_distributed_sampler
 from lightning_effi.core.measure import tensor_leaves, token_source
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
-from lightning_effi.core.progress import accumulate_grad_batches_at, run_length
+from lightning_effi.core.progress import BatchesPerStep, accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
 from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch, saving_in_train_batch_end
 from lightning_effi.core.wrapping import find_wrapper
@@ -271,6 +271,7 @@ class Curriculum(Callback):
             )
         self.analysis_collate_fn = analysis_collate_fn
         self._batch_in_flight: Any = None  # the training batch between on_train_batch_start and its end
+        self._accumulation_watch: BatchesPerStep | None = None  # manual optimization: accumulation by hand?
         self.total_tokens: int | None = None
         if total_tokens is not None:
             self.total_tokens = check_int("Curriculum", "total_tokens", total_tokens, 1, error=CurriculumConfigError)
@@ -503,8 +504,11 @@ class Curriculum(Callback):
             CurriculumConfigError: see :meth:`_check_start`.
         """
         check_started(trainer)
+        self._accumulation_watch = None
         if not pl_module.automatic_optimization:
             self._check_manual_steps(trainer)
+            if len(trainer.optimizers) <= 1:
+                self._accumulation_watch = BatchesPerStep()
         self._check_start(trainer)
         self._warn_schedules(trainer)
         self._warn_limited_epochs(trainer)
@@ -609,6 +613,31 @@ class Curriculum(Callback):
             "schedules (random-LTD's require_steps, the V-cycle's stages) count global_step: size them in that unit"
         )
 
+    def _warn_accumulation_by_hand(self, trainer: pl.Trainer) -> None:
+        """Under manual optimization with one optimizer stepped every ``k`` batches (gradients accumulated by hand),
+        warn once (rank zero): the curriculum draws one global batch per training batch (Lightning's
+        ``accumulate_grad_batches`` is 1 under manual optimization), so its schedule and its budget count batches,
+        ``k`` a step, and the micro-batches of one optimizer step are drawn at difficulties of their own (the
+        schedule reached its end after 3 optimizer steps for 6, qa45-break 02)."""
+        watch = self._accumulation_watch
+        if watch is None:
+            return
+        found = watch.batch_end(trainer)
+        if watch.done:
+            self._accumulation_watch = None
+        if found is None or found[0] != "batches":
+            return
+        k = found[1]
+        rank_zero_warn(
+            f"Curriculum: manual optimization stepped the optimizer once every {k} batches (gradients accumulated by "
+            "hand), while the curriculum, under manual optimization, draws one global batch per training batch: its "
+            f"schedule (total_curriculum_step, difficulty_step) and its sample budget count batches, {k} an optimizer "
+            f"step, so it runs {k} times as fast as trainer.global_step and the {k} micro-batches of one step are "
+            "drawn at difficulties of their own. Give the schedule in batches (the optimizer steps you mean x "
+            f"{k}), or let Lightning accumulate (automatic optimization with Trainer(accumulate_grad_batches={k}): "
+            "one difficulty per optimizer step)"
+        )
+
     def _check_start(self, trainer: pl.Trainer) -> None:
         """A fit that starts at ``global_step > 0`` with no curriculum state restored (the checkpoint's state and the
         global step are both restored before ``on_train_start``):
@@ -680,6 +709,8 @@ class Curriculum(Callback):
     ) -> None:
         if self.controller is None:
             return
+        if self._accumulation_watch is not None:
+            self._accumulation_watch.batch_start(trainer)
         meta = batch_meta(trainer) or {}
         if any(k not in meta for k in BATCH_KEYS):
             raise CurriculumConfigError(
@@ -769,6 +800,7 @@ class Curriculum(Callback):
         self._batch_in_flight = None
         if self.controller is None:
             return
+        self._warn_accumulation_by_hand(trainer)
         if self._pending is not None:
             self._end_batch(trainer)
         elif self._ended_early is None:

@@ -35,11 +35,12 @@ from lightning.pytorch.callbacks import (
 )
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from lightning_effi import InfoBatchCallback, RandomLTDCallback, VCycleCallback
+from lightning_effi import Curriculum, InfoBatchCallback, RandomLTDCallback, VCycleCallback
 from lightning_effi.core.features import FEATURES, detect_features, parameter_copy_holders
 from lightning_effi.core.lr_schedules import one_cycle, one_cycle_multiplier
 from lightning_effi.core.progress import accumulate_grad_batches_at, accumulation_changes
 from lightning_effi.core.requirements import IncompatibleTechniques
+from lightning_effi.data import CurriculumDataModule
 from lightning_effi.infobatch import functional as ib
 from lightning_effi.infobatch import weighted_loss
 from lightning_effi.reference.tasks.language_models import GPT2CausalLM
@@ -517,6 +518,46 @@ def test_schedules_in_epochs_or_fractions_are_refused_with_two_optimizer_steps_a
     trainer = make_trainer(tmp_path / "steps", [vcycle], max_epochs=2)
     trainer.fit(model(), datamodule=data)
     assert trainer.global_step == 16 and vcycle.switches == 2
+
+
+class AccumulatesByHand(Manual):
+    """Manual optimization accumulating gradients by hand: one optimizer stepped every second batch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        opt = self.optimizers()
+        per_sample, _ = self.per_sample_loss(batch)
+        loss = weighted_loss(self, per_sample)
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+
+def test_accumulation_by_hand_is_refused_or_warned_where_the_units_differ(tmp_path):
+    """global_step advances once every 2 batches: random-LTD's '1ep' growth took two epochs and ended below
+    max_value (14 of 16), and the curriculum, which counts batches under manual optimization, ran twice as fast,
+    the two micro-batches of one step at difficulties of their own, in silence (qa45-break 02). Random-LTD refuses a
+    duration resolved in batches once the second step shows it; the curriculum says its unit."""
+    model = seeded(lambda: AccumulatesByHand(**{**TINY, "n_layer": 4}))
+    data = TinyDataModule(TokenBlocks(n=32), batch_size=4)  # 8 batches an epoch
+    ltd = RandomLTDCallback(min_value=4, max_value=16, seq_per_step=2, require_steps="1ep")
+    trainer = make_trainer(tmp_path / "ltd", [ltd], max_epochs=2)
+    with pytest.raises(ValueError, match=r"RandomLTDCallback: manual optimization stepped the optimizer once every 2 "
+                       r"batches.*require_steps='1ep'.*2 times as slow"):  # fmt: skip
+        trainer.fit(model(), datamodule=data)
+    assert trainer.global_step == 2  # refused at the end of the batch of the second step
+    trainer = make_trainer(tmp_path / "ltd_steps", [RandomLTDCallback(min_value=4, max_value=16, seq_per_step=2,
+                                                                      require_steps=4)], max_epochs=1)  # fmt: skip
+    trainer.fit(model(), datamodule=data)  # in optimizer steps: trains
+    assert trainer.global_step == 4
+    metrics = {"seqlen_truncate": dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=4,
+               max_difficulty=16, schedule_type="fixed_linear",
+               schedule_config=dict(total_curriculum_step=6, difficulty_step=2))}  # fmt: skip
+    trainer = make_trainer(tmp_path / "cl", [Curriculum(metrics=metrics)], max_steps=4)
+    with pytest.warns(UserWarning, match=r"Curriculum: manual optimization stepped the optimizer once every 2 batches"
+                      r".*runs 2 times as fast.*accumulate_grad_batches=2"):  # fmt: skip
+        trainer.fit(model(), datamodule=CurriculumDataModule(data))
 
 
 def test_computed_from_walks_the_autograd_graph() -> None:

@@ -192,8 +192,8 @@ def test_durations_resolved_in_batches_are_checked_against_the_first_batchs_opti
     assert list(batch_resolved_durations(trainer(), manual, given)) == ["e_a", "e_small"]
     assert list(batch_resolved_durations(trainer(max_steps=20), manual, given)) == ["e_a"]  # 0.5 of max_steps
     assert batch_resolved_durations(trainer(), automatic, given) == {}
-    one = SimpleNamespace(optimizers=[object()], max_steps=-1, estimated_stepping_batches=40)
-    assert batch_resolved_durations(one, manual, given) == {}
+    one = SimpleNamespace(optimizers=[object()], max_steps=-1, estimated_stepping_batches=40, global_step=0)
+    assert list(batch_resolved_durations(one, manual, given)) == ["e_a", "e_small"]  # accumulation by hand
 
     check, t = StepsPerBatchCheck("Owner"), trainer()
     check.arm(t, manual, given)
@@ -208,3 +208,35 @@ def test_durations_resolved_in_batches_are_checked_against_the_first_batchs_opti
         check.batch_start(t)
         t.global_step = step
         check.batch_end(t)
+
+
+def test_one_optimizer_stepped_every_k_batches_is_refused_for_durations_resolved_in_batches():
+    """Gradients accumulated by hand (one optimizer stepped every second batch): global_step advances once every 2
+    batches, so random-LTD's '1ep' growth took two epochs and ended below max_value (qa45-break 02). Read off the
+    batches between the first two steps (a first batch that steps nothing is not enough: a skipped batch)."""
+    from types import SimpleNamespace
+
+    from lightning_effi.core.progress import BatchesPerStep, StepsPerBatchCheck
+
+    def run(steps_after_each_batch: list[int]) -> list[tuple[str, int] | None]:
+        watch, t, found = BatchesPerStep(), SimpleNamespace(global_step=0), []
+        for step in steps_after_each_batch:
+            watch.batch_start(t)
+            t.global_step = step
+            found.append(watch.batch_end(t))
+        return found
+
+    assert run([0, 1, 1, 2]) == [None, None, None, ("batches", 2)]
+    assert run([0, 1, 2, 3]) == [None] * 4  # a first batch skipped, then one step a batch
+    assert run([2, 4]) == [("steps", 2), None]  # two optimizers a batch: said once, at the first batch
+    assert run([0] * 70 + [1]) == [None] * 71  # watched 64 batches at most
+    manual = SimpleNamespace(automatic_optimization=False)
+    t = SimpleNamespace(optimizers=[object()], max_steps=-1, estimated_stepping_batches=40, global_step=0)
+    check = StepsPerBatchCheck("Owner")
+    check.arm(t, manual, {"require_steps": Duration(1, "epoch")})
+    with pytest.raises(ValueError, match=r"Owner: manual optimization stepped the optimizer once every 3 batches "
+                       r"\(gradients accumulated by hand\).*require_steps='1ep'.*3 times as slow"):  # fmt: skip
+        for step in (0, 0, 1, 1, 1, 2):
+            check.batch_start(t)
+            t.global_step = step
+            check.batch_end(t)
