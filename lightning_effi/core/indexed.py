@@ -165,9 +165,9 @@ def collate_reorders(collate_fn: Callable[[list[Any]], Any], samples: Sequence[A
     samples, or when nothing can be compared (one row, rows all equal, no ``[B, ...]`` tensor, a collate that
     raises).
 
-    InfoBatch scores and weighs row ``k`` as the ``k``-th sample drawn (Qin et al. 2024, Alg. 1 keeps the indices in
-    the order of the batch): a collate that reorders the rows would send every score and ``1/(1-r)`` weight to
-    another sample, in silence (qa45-break 01: 20 of 24 scores were another sample's loss).
+    InfoBatch scores and weighs row ``k`` as the ``k``-th sample drawn: a collate that reorders the rows would send
+    every score and ``1/(1-r)`` weight to another sample, in silence (qa45-break 01: 20 of 24 scores were another
+    sample's loss).
     """
     b = len(samples)
     if b < 2:
