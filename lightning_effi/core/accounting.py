@@ -934,8 +934,9 @@ class EfficiencyMonitor(Callback):
                 shown = ", ".join(f"{path}: {n}" for path, n in others[:4])
                 self._warn(
                     "samples/first_dims",
-                    f"samples are read as {size} a batch, the first dimension of the batch's first tensor, but its "
-                    f"tensors disagree on their first dimension ({shown}): if a sample is not a row of that tensor "
+                    f"samples are read as {size} a batch, a first dimension of the batch (labels, input_ids, "
+                    "pixel_values or its first tensor), but its tensors disagree on their first dimension "
+                    f"({shown}): if a sample is not a row of that tensor "
                     "(a graph batch's nodes, a sequence-first [T, B] batch), define `effi_count_samples(batch) -> "
                     "int` on your LightningModule",
                 )
