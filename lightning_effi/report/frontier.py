@@ -35,14 +35,14 @@ def check_mode(mode: str) -> Mode:
 #: name parts (``val/loss`` -> ``val``, ``loss``; trailing digits dropped: ``acc1``) that say lower is better
 LOWER_IS_BETTER = frozenset(
     {
-        "loss", "nll", "ppl", "perplexity", "error", "err", "mse", "mae", "rmse", "wer", "cer", "bpc", "bpb",
-        "fid", "kid", "brier", "ece", "lpips", "distance",
+        "loss", "losses", "nll", "ppl", "perplexity", "error", "errors", "err", "mse", "mae", "rmse", "wer", "cer",
+        "bpc", "bpb", "fid", "kid", "brier", "ece", "lpips", "distance",
     }
 )  # fmt: skip
 #: ... and higher is better
 HIGHER_IS_BETTER = frozenset(
     {
-        "acc", "accuracy", "top", "f", "auc", "auroc", "auprc", "precision", "recall", "bleu", "rouge", "map",
+        "acc", "accuracy", "accuracies", "top", "f", "auc", "auroc", "auprc", "precision", "recall", "bleu", "rouge", "map",
         "iou", "miou", "dice", "r2", "mcc", "spearman", "pearson", "corr", "score", "ndcg", "dcg", "mrr", "hit",
         "hits", "psnr", "ssim", "jaccard", "ap", "ar", "mar", "pq",
     }

@@ -87,6 +87,12 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
         assert infer_mode(ranked) == "max", ranked
     for dense in ("val/MulticlassJaccardIndex", "val/MulticlassAccuracy", "bbox/AP50", "val/mAP@0.5", "val/pq"):
         assert infer_mode(dense) == "max", dense
+    # plurals: TRL's DPO / reward-model keys (qa46-user 04)
+    assert [infer_mode(m) for m in ("val/rewards/accuracies", "eval_rewards/accuracies", "val/losses")] == [
+        "max",
+        "max",
+        "min",
+    ]
     # hr is a hit rate with a cut-off only: hours were read as higher-is-better (qa44-break 11)
     assert infer_mode("val/gpu_hr") is None and infer_mode("val/time_to_target_hr") is None
     assert infer_mode("val/1-recall@10") is None and infer_mode("val/err@5") == "min"
