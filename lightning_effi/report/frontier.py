@@ -42,9 +42,9 @@ LOWER_IS_BETTER = frozenset(
 #: ... and higher is better
 HIGHER_IS_BETTER = frozenset(
     {
-        "acc", "accuracy", "accuracies", "top", "f", "auc", "auroc", "auprc", "precision", "recall", "bleu", "rouge", "map",
-        "iou", "miou", "dice", "r2", "mcc", "spearman", "pearson", "corr", "score", "ndcg", "dcg", "mrr", "hit",
-        "hits", "psnr", "ssim", "jaccard", "ap", "ar", "mar", "pq",
+        "acc", "accuracy", "accuracies", "top", "f", "auc", "auroc", "auprc", "precision", "recall", "bleu",
+        "rouge", "map", "iou", "miou", "dice", "r2", "mcc", "spearman", "pearson", "corr", "score", "ndcg", "dcg",
+        "mrr", "hit", "hits", "psnr", "ssim", "jaccard", "ap", "ar", "mar", "pq",
     }
 )  # fmt: skip
 

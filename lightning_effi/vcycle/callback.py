@@ -547,16 +547,22 @@ class VCycleCallback(Callback):
         """Warn once when the module holds, outside the network, another module of the network's class (an EMA copy
         such as timm's ``ModelEmaV3``, or a teacher): the V-cycle replaces only ``pl_module.<model_attr>``, so an
         average that copies the network's weights into it fails at the first level change (the shapes differ). The
-        copies are remembered, so that a shape error at a coarse level names them (:meth:`_explain_shape_error`)."""
+        copies are remembered, so that a shape error at a coarse level names them (:meth:`_explain_shape_error`), and
+        watched at the coarse levels (:meth:`_check_copies_unchanged`). Frozen copies (every parameter
+        ``requires_grad=False``: a DPO reference, a distillation teacher) are not warned about: every DPO run was told
+        to "train without it" (qa46-user 03); a frozen EMA updated at a coarse level is refused there."""
         network = getattr(pl_module, self.model_attr)
         inside = {id(m) for m in network.modules()}
         self._copies = [
             name for name, m in pl_module.named_modules() if type(m) is type(network) and id(m) not in inside
         ]
-        if self._copies:
+        trainable = [
+            name for name in self._copies if any(p.requires_grad for p in pl_module.get_submodule(name).parameters())
+        ]
+        if trainable:
             rank_zero_warn(
                 f"{type(self).__name__}: {type(pl_module).__name__} holds another {type(network).__name__} beside "
-                f"pl_module.{self.model_attr}: {', '.join(self._copies[:3])} (an EMA copy, a teacher?). The V-cycle "
+                f"pl_module.{self.model_attr}: {', '.join(trainable[:3])} (an EMA copy, a teacher?). The V-cycle "
                 "trains a smaller network at its coarse levels and coalesces only that one: an average that copies "
                 "its weights fails at the first level change (timm's ModelEma.update, on the shapes; one by parameter "
                 "name, DiT's update_ema, is refused at the first coarse step it changes the copy), as EMA and "
