@@ -100,6 +100,7 @@ from lightning_effi.core.measure import (
     mask_is_additive,
     opaque_holder,
     other_first_dims,
+    sequence_groups,
     tensor_leaves,
     token_source,
 )
@@ -670,6 +671,22 @@ class EfficiencyMonitor(Callback):
                 )
                 return
 
+    def _warn_sequence_groups(self, batch: Any) -> None:
+        """Once: a batch of several prefixed sequences (a preference pair's ``chosen_*`` / ``rejected_*``, TRL's
+        ``prompt_*`` beside them) has its tokens counted as the sum of theirs (:func:`~lightning_effi.core.measure.
+        sequence_groups`), which is what the network processes only when it runs each sequence once (qa46-user 01:
+        TRL's prompt is run with each completion)."""
+        groups = sequence_groups(batch)
+        if groups is None:
+            return
+        shown = ", ".join(f"{name}: {n}" for name, n in groups)
+        self._warn(
+            "tokens/sequences",
+            f"the batch holds several sequences ({shown} real tokens in the first batch): tokens count each once, "
+            "their sum. If the network runs them otherwise (a prompt run with each of two completions, as TRL's "
+            "DPO does), define `effi_count_tokens(batch) -> int` on your LightningModule",
+        )
+
     def _warn_encoder_decoder(self, pl_module: pl.LightningModule, own_tokens: bool) -> None:
         """Warn once when the network is an encoder-decoder (a Hugging Face model whose config has
         ``is_encoder_decoder``, or ``torch.nn.Transformer``) and the module does not count its own tokens and layers:
@@ -980,6 +997,8 @@ class EfficiencyMonitor(Callback):
         if callable(count_tokens):
             found: int | None = int(count_tokens(batch))
         else:
+            if fallback is None and "tokens/sequences" not in self._warned:
+                self._warn_sequence_groups(batch)
             counts = [find_tokens(part) for part in parts]
             found = None if all(n is None for n in counts) else sum(n for n in counts if n is not None)
             scale = self._downsampled_mask(batch) if fallback is None else self._mask_scale

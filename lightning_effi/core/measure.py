@@ -388,6 +388,28 @@ def mask_tokens(mask: Tensor) -> int | None:
 _warned_masks: set[Any] = set()  # the mask layouts (and unreadable masks) already warned about (one warning each)
 
 
+def sequence_groups(batch: Any) -> list[tuple[str, int]] | None:
+    """The real tokens of each sequence of a batch that holds several under prefixed names and none plain
+    (``chosen_input_ids`` / ``chosen_attention_mask`` beside ``rejected_*``: a preference pair; TRL's
+    ``prompt_*`` / ``chosen_*`` / ``rejected_*``; a two-tower ``query_*`` / ``doc_*``): ``(name, tokens)`` for each
+    integer ``[B, T]`` tensor whose name ends with ``input_ids``, its tokens those of the mask of the same prefix
+    (``<prefix>attention_mask``, :func:`mask_tokens`), else its size. None when the batch is not a mapping, has a
+    plain ``input_ids`` or ``attention_mask``, or fewer than two such tensors (the chosen side alone was counted:
+    356 of 688 tokens, qa46-user 01)."""
+    if not isinstance(batch, Mapping) or "input_ids" in batch or "attention_mask" in batch:
+        return None
+    found: list[tuple[str, int]] = []
+    for key, value in batch.items():
+        if not (isinstance(key, str) and key.endswith("input_ids") and isinstance(value, Tensor)):
+            continue
+        if value.ndim != 2 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            continue
+        mask = batch.get(key[: -len("input_ids")] + "attention_mask")
+        tokens = mask_tokens(mask) if isinstance(mask, Tensor) and tuple(mask.shape) == tuple(value.shape) else None
+        found.append((key, int(value.numel()) if tokens is None else tokens))
+    return found if len(found) >= 2 else None
+
+
 def find_tokens(batch: Any) -> int | None:
     """Tokens of a batch, found in its tensors (:func:`leaves`, any structure): the real tokens of the first leaf
     named ``attention_mask`` (padding excluded; any dtype, keep or additive, ``[B, T]``, ``[B, 1, 1, T]``,
@@ -398,7 +420,11 @@ def find_tokens(batch: Any) -> int | None:
     a tuple batch ``(ids, mask, y)``, a bool or 0/1 ``[B, T]`` entry padded on one side of each row with one pad id
     in the ids): its real tokens are counted, else the ids' size (padding included). A mask whose real tokens cannot
     be read (``[B, 1, Q, T]`` with ``1 != Q != T``, complex) counts the ids instead, with one warning per mask
-    layout."""
+    layout. A batch of several prefixed sequences (``chosen_input_ids`` beside ``rejected_input_ids``) counts them all
+    (:func:`sequence_groups`)."""
+    groups = sequence_groups(batch)
+    if groups is not None:
+        return sum(n for _, n in groups)
     source = token_source(batch)
     if source is None:
         return None

@@ -1766,3 +1766,40 @@ def test_a_batch_class_of_ones_own_is_named_not_looked_into(tmp_path: Path, own_
         return
     assert any("the OwnBatch batch is not looked into" in m and "effi_count_samples" in m for m in told)
     assert any("holds its tensors in a OwnBatch" in m and "padding included" in m for m in told)
+
+
+def test_tokens_of_a_preference_pair_batch_are_both_sequences(tmp_path: Path) -> None:
+    """``chosen_*`` beside ``rejected_*`` (each padded to its own length): the chosen side alone was counted, 356 of
+    688 tokens, without a word (qa46-user 01). Every prefixed sequence is counted, with a warning naming the hook for
+    a network that runs them otherwise (TRL's prompt, run with each completion)."""
+    from lightning_effi.core.measure import find_tokens, sequence_groups
+
+    chosen_mask = (torch.arange(6) < torch.tensor([6, 3, 4, 2])[:, None]).long()
+    rejected_mask = (torch.arange(9) < torch.tensor([9, 5, 1, 7])[:, None]).long()
+    batch = {
+        "chosen_input_ids": torch.randint(1, V, (B, 6)),
+        "chosen_attention_mask": chosen_mask,
+        "rejected_input_ids": torch.randint(1, V, (B, 9)),
+        "rejected_attention_mask": rejected_mask,
+    }
+    assert sequence_groups(batch) == [("chosen_input_ids", 15), ("rejected_input_ids", 22)]
+    assert find_tokens(batch) == 37
+    assert sequence_groups({**batch, "input_ids": batch["chosen_input_ids"]}) is None  # a plain input_ids: as before
+
+    class PairLM(UserModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = OwnNet()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            ids = [batch["chosen_input_ids"], batch["rejected_input_ids"]]
+            return sum(F.cross_entropy(self.net(x).flatten(0, 1), x.flatten()) for x in ids)
+
+    loader = DataLoader([0] * (2 * B), batch_size=B, collate_fn=lambda rows: batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, _, per_batch = fit(PairLM(), loader, tmp_path, 2)
+    assert [row["tokens"] for row in per_batch.rows] == [37, 37]
+    assert [row["layer_tokens"] for row in per_batch.rows] == [4 * 37] * 2
+    told = [m for m in monitor_warnings(caught) if "holds several sequences" in m]
+    assert len(told) == 1 and "(chosen_input_ids: 15, rejected_input_ids: 22 real tokens" in told[0]
