@@ -220,7 +220,9 @@ class CurriculumCollate:
                     "truncate_keys=None cuts every axis of the batch's sequence length, and "
                     f"{where!r} is {told(seen)} but {told((axes, tuple(value.shape), length))}. Name the tensors to "
                     "cut: truncate_keys=['input_ids', 'attention_mask'] (the source of an encoder-decoder), or a list "
-                    "of yours"
+                    "of yours. Sequences that are cut alike but padded each to its own length (a preference pair's "
+                    "chosen_* and rejected_*) cannot be: pad them to one length in the collate, or concatenate them "
+                    "along the batch axis ([2B, T], TRL's concatenated layout)"
                 )
 
     def _transform(self, batch: Any, keys: Sequence[tuple]) -> EffiBatch:

@@ -621,6 +621,8 @@ def truncate(
         check_batch_first(batch, batch_size, keys, "seqlen_truncate")
     ref = found[1]
     b, t = _sizes(*found)
+    if keys is not None:
+        _refuse_named_of_another_length(batch, keys, found[0], b, t)
     length = difficulty + 1 if causal_label_shift else difficulty
     if length >= t:
         return Truncation(batch, t, t, None, False, ())
@@ -676,6 +678,27 @@ def truncate(
         if len(cut.get(path, ())) == 1:
             cut_mask, mask_path = _take(mask, cut[path][0], window, removed.to(mask.device)), path
     return Truncation(out, t, length, cut_mask, left, tuple(cut), tuple(cut.values()), mask_path, values)
+
+
+def _refuse_named_of_another_length(batch: Any, keys: Sequence[str], reference: Path, b: int, t: int) -> None:
+    """Refuse a tensor named in ``keys`` (``[B, ...]``, two dimensions or more) with no axis of the batch's sequence
+    length ``T`` (read from the first key found): it would be left whole while the others are cut (a preference
+    pair's ``rejected_*`` padded to its own length: 4 of 8 steps trained a cut chosen against a whole rejected,
+    qa46-user 02)."""
+    other = [
+        (".".join(map(str, path)), list(v.shape))
+        for path, v in tensor_leaves(batch)
+        if v.ndim >= 2 and v.shape[0] == b and _name(path) in keys and not cut_axes(path, v, b, t, keys)
+    ]
+    if other:
+        where = ".".join(map(str, reference)) or "batch"
+        raise ValueError(
+            f"seqlen_truncate: truncate_keys {list(keys)} names {', '.join(f'{n!r} {s}' for n, s in other)}, with "
+            f"no axis of the batch's sequence length {t} (read from {where!r}): left whole while the others are cut "
+            "to the scheduled length. seqlen_truncate cuts one length per batch: pad the sequences "
+            "to one length in the collate (a preference pair's chosen_* and rejected_* to the longer of the two), "
+            "or concatenate them along the batch axis ([2B, T], TRL's concatenated layout)"
+        )
 
 
 def _refuse_unmarked_left_padding(ids: Tensor, length: int) -> None:

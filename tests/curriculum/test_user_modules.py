@@ -285,6 +285,28 @@ def test_a_tensor_cut_in_one_batch_and_left_whole_in_another_is_refused_naming_t
         features._transform(with_features(12), [key(i) for i in range(B)])
 
 
+def test_named_sequences_padded_each_to_its_own_length_are_refused():
+    """A preference pair's chosen_* and rejected_*, each padded to its own length, all named in truncate_keys: the
+    batch's length was read from the first, and rejected was left whole wherever its width differed (4 of 8 steps
+    trained a cut chosen against a whole rejected, qa46-user 02). Refused, naming the tensors and the two remedies;
+    the pair concatenated along the batch axis is cut alike."""
+    pair = lambda c, r: {  # noqa: E731
+        "chosen_input_ids": torch.ones(B, c, dtype=torch.long),
+        "chosen_attention_mask": torch.ones(B, c, dtype=torch.long),
+        "rejected_input_ids": torch.ones(B, r, dtype=torch.long),
+        "rejected_attention_mask": torch.ones(B, r, dtype=torch.long),
+    }
+    keys = list(pair(1, 1))
+    with pytest.raises(ValueError, match=r"names 'rejected_input_ids' \[4, 9\], 'rejected_attention_mask' \[4, 9\], "
+                       r"with no axis of the batch's sequence length 12 \(read from 'chosen_input_ids'\).*"
+                       r"concatenate them along the batch axis"):  # fmt: skip
+        F.truncate(pair(12, 9), 6, keys)
+    cut = F.truncate(pair(12, 12), 6, keys)  # one length: both cut alike
+    assert all(v.shape == (B, 6) for v in cut.batch.values())
+    both = {"input_ids": torch.ones(2 * B, 12, dtype=torch.long)}  # [2B, T]: chosen rows, then rejected rows
+    assert F.truncate(both, 6).batch["input_ids"].shape == (2 * B, 6)
+
+
 class T5Seq2Seq(pl.LightningModule):
     """A user's module over a tiny HF T5 (no download)."""
 
