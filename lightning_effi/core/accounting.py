@@ -64,6 +64,7 @@ Which operations the FLOPs include: :mod:`lightning_effi.core.flops`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import re
@@ -91,6 +92,7 @@ from lightning_effi.core.measure import (
     FlopsMeter,
     MeasureError,
     OutsideProducts,
+    block_candidates,
     combined_parts,
     find_batch_size,
     find_blocks,
@@ -362,6 +364,10 @@ def _length_ratio(before: list[tuple[Any, tuple[int, ...]]], after: list[tuple[A
     return long / short if short > 0 else None
 
 
+#: the candidate block lists whose first block the monitor watches in a step (:meth:`EfficiencyMonitor._candidates`)
+WATCHED_LISTS = 4
+
+
 def _submodule(root: nn.Module, name: str) -> nn.Module | None:
     """``root.get_submodule(name)``, None when there is none at that path now."""
     try:
@@ -585,7 +591,14 @@ class EfficiencyMonitor(Callback):
         self._observed_width = False  # whose last dimension is a width of the block ([B, T, H], not [B, C, T])
         self._recorded_lists: dict[str, int] = {}  # the module lists of the network the recorded step trained
         self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
-        self._block_hook: Any = None
+        self._block_hooks: list[Any] = []
+        # the candidate block lists watched in the current step (path, list), what the first block of each was
+        # called with ((tokens, shape, width) by index), the query shape of its sequence-first attention, and the
+        # path of the list the last step ran with [B, T, H] hidden states (find_blocks returns it while in place)
+        self._watched: list[tuple[str, Blocks]] = []
+        self._seen: dict[int, tuple[int | None, tuple[int, ...] | None, bool]] = {}
+        self._attention_seen: dict[int, tuple[int, ...]] = {}
+        self._chosen: str | None = None
         #: a compiled module's last recorded batch: (its batch shapes, the network's parameter shapes); see _watch
         self._recorded_key: tuple[Any, ...] | None = None
         self._pending_key: tuple[Any, ...] | None = None  # the key of the batch being recorded
@@ -840,6 +853,10 @@ class EfficiencyMonitor(Callback):
         the list found is still at its place in ``pl_module`` (a technique that swaps the network or its block list,
         the V-cycle at a level change, gets the new one's: with the full network's list kept, the coarse steps'
         tokens read 0 on a DiT, qa45-user 01)."""
+        if self._chosen is not None:  # the list the last step ran with [B, T, H] hidden states, if still there
+            chosen = _submodule(pl_module, self._chosen)
+            if isinstance(chosen, (nn.ModuleList, nn.Sequential)) and len(chosen) > 0:
+                return chosen
         children = list(pl_module.children())
         key = (id(pl_module), *map(id, children))
         cached = self._blocks.get(key)
@@ -1131,6 +1148,7 @@ class EfficiencyMonitor(Callback):
             self._check_order(trainer)
             self._recorded_key = None  # a compiled module is recorded again in every fit (_watch)
             self._outside_checked = False
+            self._chosen = None  # the block list is seen again in this fit's steps
             if trainer.global_step > 0:
                 if self._ended_at == (id(trainer), trainer.global_step):
                     return
@@ -1243,10 +1261,19 @@ class EfficiencyMonitor(Callback):
                 name: len(m) for name, m in pl_module.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential)
             }
         if not callable(getattr(pl_module, "effi_count_tokens", None)):  # positions, and a mask's downsampling
-            blocks = self.find_blocks(pl_module)
-            first = next(iter(blocks.children()), None) if blocks is not None else None
-            if first is not None:
-                self._block_hook = first.register_forward_pre_hook(self._observe, with_kwargs=True)
+            self._watched, self._seen, self._attention_seen = self._candidates(pl_module), {}, {}
+            for i, (_, blocks) in enumerate(self._watched):
+                first = next(iter(blocks.children()), None)
+                if first is None:
+                    continue
+                hook = first.register_forward_pre_hook(functools.partial(self._observe, i), with_kwargs=True)
+                self._block_hooks.append(hook)
+                attention = next((m for m in first.modules() if isinstance(m, nn.MultiheadAttention)), None)
+                if attention is not None and not attention.batch_first:
+                    hook = attention.register_forward_pre_hook(
+                        functools.partial(self._observe_attention, i), with_kwargs=True
+                    )
+                    self._block_hooks.append(hook)
 
     def _compiled_key(self, pl_module: pl.LightningModule, batch: Any) -> tuple[Any, ...] | None:
         """For a compiled module (:func:`_is_compiled`, read at setup), what a record depends on: the batch's shapes
@@ -1256,20 +1283,54 @@ class EfficiencyMonitor(Callback):
             return None
         return (repr(_shapes(batch)), tuple(tuple(p.shape) for p in pl_module.parameters()))
 
-    def _observe(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._observed_tokens is None:
-            self._observed_tokens = hidden_tokens(args, kwargs)
-            hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            if self._observed_tokens is not None and hidden is not None:
-                self._observed_shape = tuple(hidden.shape)
-                attention = next((m for m in module.modules() if isinstance(m, nn.MultiheadAttention)), None)
-                self._observed_sequence_first = attention is not None and not attention.batch_first
-                width = int(hidden.shape[-1])
-                self._observed_width = any(
-                    (isinstance(m, nn.Linear) and m.in_features == width)
-                    or (isinstance(m, nn.LayerNorm) and tuple(m.normalized_shape) == (width,))
-                    for m in module.modules()
-                )
+    def _candidates(self, pl_module: nn.Module) -> list[tuple[str, Blocks]]:
+        """The block lists of the network now in ``pl_module`` (:func:`~lightning_effi.core.measure.
+        block_candidates`, at most :data:`WATCHED_LISTS`) with their paths, each watched in the step."""
+        lists = block_candidates(pl_module, limit=WATCHED_LISTS)
+        names = {id(m): n for n, m in pl_module.named_modules() if any(m is x for x in lists)}
+        return [(names[id(x)], x) for x in lists if id(x) in names]
+
+    def _observe(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The first call of the first block of watched list ``index`` in the step: its hidden states' tokens and
+        shape, and whether their last dimension is a width of the block."""
+        if index in self._seen:
+            return
+        tokens = hidden_tokens(args, kwargs)
+        hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tokens is None or hidden is None:
+            self._seen[index] = (None, None, False)
+            return
+        width = int(hidden.shape[-1])
+        self._seen[index] = (
+            tokens,
+            tuple(hidden.shape),
+            any(
+                (isinstance(m, nn.Linear) and m.in_features == width)
+                or (isinstance(m, nn.LayerNorm) and tuple(m.normalized_shape) == (width,))
+                for m in module.modules()
+            ),
+        )
+
+    def _observe_attention(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The query shape of the first call of a sequence-first ``nn.MultiheadAttention`` in that block: the block
+        passes its ``[T, B, H]`` input on when it is the block's own input shape (a block that transposes a
+        batch-first input gives it another, qa46-break 04)."""
+        query = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if index not in self._attention_seen and query is not None:
+            self._attention_seen[index] = tuple(query.shape)
+
+    def _choose_observed(self, trained: bool) -> None:
+        """After the step: the hidden states of the best watched list the step ran with ``[B, T, H]`` ones (a list
+        never run, an EMA copy, or run on pooled ``[B, H]`` features, a probe's MLP head, is passed over); that list
+        is remembered (``trained``: the step trained) for :meth:`find_blocks`."""
+        index = next((i for i in range(len(self._watched)) if (self._seen.get(i) or (None,))[0] is not None), None)
+        if index is None:
+            return
+        tokens, shape, width = self._seen[index]
+        self._observed_tokens, self._observed_shape, self._observed_width = tokens, shape, width
+        self._observed_sequence_first = shape is not None and self._attention_seen.get(index) == shape
+        if trained:
+            self._chosen = self._watched[index][0]
 
     def _unwatch(self, batch: Any) -> None:
         """After the training step (``batch``: the trained batch) or on an error (None): remove the hooks."""
@@ -1283,9 +1344,12 @@ class EfficiencyMonitor(Callback):
         if self._recorder.active:
             self._recorder.stop(batch)
             self._calls = self._recorder.calls
-        if self._block_hook is not None:
-            self._block_hook.remove()
-            self._block_hook = None
+        for hook in self._block_hooks:
+            hook.remove()
+        self._block_hooks = []
+        if self._watched:
+            self._choose_observed(batch is not None)
+            self._watched = []
         if batch is not None:
             self._batch_shapes = _shapes(batch)
             if self._pending_key is not None:  # a compiled module's record of this regime (_watch)

@@ -288,10 +288,14 @@ def _ids(batch: Any) -> Tensor | None:
 
 def other_first_dims(batch: Any, size: int) -> list[tuple[str, int]]:
     """The tensors of ``batch`` (``path``, first dimension) whose first dimension is not ``size``, the samples read
-    (:func:`find_batch_size`); tensors in a list or tuple of ``size`` entries (one per sample) are left out. A graph
-    batch (node features ``[N, F]``, ``edge_index [2, E]``, graph labels ``[G]``) has several: the samples read from
-    the first (``N`` nodes) may not be the samples (``G`` graphs, qa45-break 03)."""
+    (:func:`find_batch_size`); what a list or tuple of ``size`` entries holds (one entry per sample: images, a
+    detection batch's target dicts) is left out, and a packed batch (:func:`packed_sequences`) has none (its
+    sequences are counted from its boundaries: a false warning, qa46-break 05). A graph batch (node features
+    ``[N, F]``, ``edge_index [2, E]``, graph labels ``[G]``) has several: the samples read from the first (``N``
+    nodes) may not be the samples (``G`` graphs, qa45-break 03)."""
     found: list[tuple[str, int]] = []
+    if isinstance(batch, Mapping) and packed_sequences(batch) is not None:
+        return found
 
     def walk(node: Any, path: Path) -> None:
         if isinstance(node, Tensor):
@@ -301,8 +305,8 @@ def other_first_dims(batch: Any, size: int) -> list[tuple[str, int]]:
             for key, value in node.items():
                 walk(value, (*path, key))
         elif isinstance(node, (list, tuple)):
-            if len(node) == size and len(node) > 1 and all(isinstance(v, Tensor) for v in node):
-                return  # one tensor per sample
+            if len(node) == size and len(node) > 1 and not all(isinstance(v, (int, float, str)) for v in node):
+                return  # one entry per sample
             for i, value in enumerate(node):
                 walk(value, (*path, i))
         elif _is_dataclass_instance(node):
@@ -518,25 +522,34 @@ def _has_params(module: nn.Module) -> bool:
 
 
 def find_blocks(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
-    """The transformer block list of a network: the layer list of the first registered random-LTD adapter that matches
-    a submodule (:func:`lightning_effi.models.base.find_adapter`: HF GPT-2, HF BERT, timm ViT), else, of every
-    ``nn.ModuleList`` (at least 1 entry) and ``nn.Sequential`` (at least 2) whose entries are modules of one class,
-    each with submodules and parameters, one with trainable parameters before a frozen one (the network, not a frozen
-    teacher or EMA copy beside it: a DiT's EMA of 4 blocks was taken for the V-cycle's 2-block coarse network,
-    qa45-user 01), then the one holding the most parameters (the layer stack rather than, say, the experts inside one
-    layer), longer first on a tie. None when there is none (an MLP of ``Linear`` layers, a CNN of mixed layers). Read
-    only: nothing is bound or changed."""
+    """The transformer block list of a network: the first of :func:`block_candidates`, None when there is none (an
+    MLP of ``Linear`` layers, a CNN of mixed layers). Read only: nothing is bound or changed."""
+    candidates = block_candidates(module, limit=1)
+    return candidates[0] if candidates else None
+
+
+def block_candidates(module: nn.Module, limit: int | None = None) -> list[nn.ModuleList | nn.Sequential]:
+    """The lists of a network that may be its transformer blocks, best first: the layer list of the first registered
+    random-LTD adapter that matches a submodule (:func:`lightning_effi.models.base.find_adapter`: HF GPT-2, HF BERT,
+    timm ViT), then every ``nn.ModuleList`` (at least 1 entry) and ``nn.Sequential`` (at least 2) whose entries are
+    modules of one class, each with submodules and parameters: one with trainable parameters before a frozen one
+    (the network, not a frozen teacher or EMA copy beside it), then the one holding the most parameters (the layer
+    stack rather than, say, the experts inside one layer), longer first on a tie; at most ``limit``. Which of them a
+    step runs with ``[B, T, H]`` hidden states is for the caller to see (:class:`~lightning_effi.core.accounting.
+    EfficiencyMonitor`: a DiT's EMA copy is never run, a probe's residual MLP head runs on pooled ``[B, H]``
+    features, qa45-user 01, qa46-break 06, 11). Read only."""
+    found: list[nn.ModuleList | nn.Sequential] = []
     try:
         from lightning_effi.models import find_adapter
 
         layers = find_adapter(module, "auto").layers()
         if len(layers):
-            return layers
+            found.append(layers)
     except Exception:  # no registered adapter matches (ValueError) or one cannot read this model: use the shapes
         pass
-    best: tuple[bool, int, int, nn.ModuleList | nn.Sequential] | None = None
-    for sub in module.modules():
-        if not isinstance(sub, (nn.ModuleList, nn.Sequential)):
+    ranked: list[tuple[bool, int, int, int, nn.ModuleList | nn.Sequential]] = []
+    for order, sub in enumerate(module.modules()):
+        if not isinstance(sub, (nn.ModuleList, nn.Sequential)) or any(sub is f for f in found):
             continue
         entries = list(sub.children())
         if len(entries) < (1 if isinstance(sub, nn.ModuleList) else 2) or len(entries) != len(sub):
@@ -545,10 +558,10 @@ def find_blocks(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
         if not all(type(e) is kind and next(e.children(), None) is not None and _has_params(e) for e in entries):
             continue
         params = list(sub.parameters())
-        score = (any(p.requires_grad for p in params), sum(p.numel() for p in params), len(entries))
-        if best is None or score > best[:3]:
-            best = (*score, sub)
-    return None if best is None else best[3]
+        ranked.append((any(p.requires_grad for p in params), sum(p.numel() for p in params), len(entries), -order, sub))
+    ranked.sort(key=lambda r: r[:4], reverse=True)
+    found.extend(r[4] for r in ranked)
+    return found if limit is None else found[:limit]
 
 
 # ------------------------------------------------------------------------------------------------------ calls
@@ -1062,25 +1075,28 @@ class OutsideProducts(torch.overrides.TorchFunctionMode):
         tensors = [t for t in operands if isinstance(t, Tensor)]
         if not tensors or any(t.is_meta or _is_fake(t) for t in tensors):  # a measurement's replay, not the step's
             return
-        unbatched = [_unbatched(t) for t in tensors]  # a tensor inside vmap does not say it requires grad
-        grads = sum(bool(u.requires_grad) for u in unbatched) if torch.is_grad_enabled() else 0
-        copies = max(max(1, u.numel() // t.numel()) if t.numel() else 1 for t, u in zip(tensors, unbatched))
+        levels = [_functorch_levels(t) for t in tensors]  # a tensor inside vmap does not say it requires grad
+        grads = sum(any(bool(x.requires_grad) for x in chain) for chain in levels) if torch.is_grad_enabled() else 0
+        copies = max(max(1, chain[-1].numel() // t.numel()) if t.numel() else 1 for t, chain in zip(tensors, levels))
         self.flops += forward * (1 + grads) * copies
         if len(self.examples) < 3:
             shapes = " @ ".join(str(list(t.shape)) for t in tensors)
             self.examples.append(f"{name.strip('_')} {shapes}" + (f" (x{copies}, under vmap)" if copies > 1 else ""))
 
 
-def _unbatched(t: Tensor) -> Tensor:
-    """The tensor a ``torch.func.vmap`` (nested ones too) runs ``t`` from: inside vmap a tensor's shape is one
-    sample's, so a product's FLOPs from it are the batch's over its size (qa44-break 09: 12% of the step for 46%);
-    ``t`` itself outside vmap."""
-    functorch = getattr(torch._C, "_functorch", None)  # noqa: SLF001 - functorch's own test of a batched tensor
-    if functorch is None or not hasattr(functorch, "is_batchedtensor"):
-        return t
-    while functorch.is_batchedtensor(t):
-        t = functorch.get_unwrapped(t)
-    return t
+def _functorch_levels(t: Tensor) -> list[Tensor]:
+    """``t`` and the tensors ``torch.func`` transforms wrap it around, outermost first: inside ``vmap`` a tensor's
+    shape is one sample's, so a product's FLOPs from it are the batch's over its size (qa44-break 09: 12% of the step
+    for 46%); inside ``grad`` (``vmap(grad(f))``: per-sample gradients, qa46-break 10) the wrapper tracks the
+    gradient. ``[t]`` outside any transform."""
+    functorch = getattr(torch._C, "_functorch", None)  # noqa: SLF001 - functorch's own test of a wrapped tensor
+    wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None) or getattr(functorch, "is_batchedtensor", None)
+    chain = [t]
+    if functorch is None or wrapped is None:
+        return chain
+    while wrapped(chain[-1]):
+        chain.append(functorch.get_unwrapped(chain[-1]))
+    return chain
 
 
 class CallRecorder:

@@ -9,6 +9,7 @@ import copy
 import csv
 import dataclasses
 import random
+import re
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -888,20 +889,22 @@ class WithEMA(UserModule):
     """A diffusion-style module: the network and a frozen EMA copy of it beside (DiT's ``self.ema``), updated by the
     user after each step; no token ids in the batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, frozen: bool = True) -> None:
         super().__init__()
         self.net = PatchNet()
-        self.ema = copy.deepcopy(self.net).requires_grad_(False)
+        self.ema = copy.deepcopy(self.net).requires_grad_(not frozen)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (x,) = batch
         return F.mse_loss(self.net(x), x)
 
 
-def test_tokens_of_the_vcycles_coarse_network_beside_a_frozen_copy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frozen", [True, False])
+def test_tokens_of_the_vcycles_coarse_network_beside_a_frozen_copy(tmp_path: Path, frozen: bool) -> None:
     """At the coarse level the block list found was the frozen EMA copy's (4 blocks, more parameters than the
     2-block network trained), never called: the coarse steps counted 0 tokens and 0 layer-tokens, the baseline lost
-    the same steps, and the layer-token saving read 0 for 0.1875 (qa45-user 01). The trained list is taken first."""
+    the same steps, and the layer-token saving read 0 for 0.1875 (qa45-user 01); also with a copy not frozen
+    (qa46-break 06). The list the step runs is taken."""
     from lightning_effi.core.measure import find_blocks
 
     module = WithEMA()
@@ -912,7 +915,7 @@ def test_tokens_of_the_vcycles_coarse_network_beside_a_frozen_copy(tmp_path: Pat
     loader = DataLoader(TensorDataset(torch.randn(8 * B, T, 8)), batch_size=B)
     depths = Depths()
     vcycle = VCycleCallback(e_a=1, e_small=2, width_scheme=None, model_attr="net")
-    monitor, _, per_batch = fit(WithEMA(), loader, tmp_path, 5, (vcycle, depths))
+    monitor, _, per_batch = fit(WithEMA(frozen), loader, tmp_path, 5, (vcycle, depths))
     assert depths.seen == [4, 2, 2, 4, 4]
     assert [row["tokens"] for row in per_batch.rows] == [B * T] * 5
     assert [row["layer_tokens"] for row in per_batch.rows] == [d * B * T for d in depths.seen]
@@ -1803,3 +1806,126 @@ def test_tokens_of_a_preference_pair_batch_are_both_sequences(tmp_path: Path) ->
     assert [row["layer_tokens"] for row in per_batch.rows] == [4 * 37] * 2
     told = [m for m in monitor_warnings(caught) if "holds several sequences" in m]
     assert len(told) == 1 and "(chosen_input_ids: 15, rejected_input_ids: 22 real tokens" in told[0]
+
+
+def test_no_first_dimension_warning_on_detection_or_packed_batches() -> None:
+    """Batches whose samples were already counted right got the graph warning (qa46-break 05): a detection batch's
+    per-image target dicts (boxes [n, 4]) and a packed batch ([1, total] ids, cu_seq_lens)."""
+    from lightning_effi.core.measure import find_batch_size, other_first_dims
+
+    images = [torch.randn(3, 8, 8) for _ in range(B)]
+    targets = [{"boxes": torch.rand(3, 4), "labels": torch.randint(0, 5, (3,))} for _ in range(B)]
+    assert find_batch_size((images, targets)) == B and other_first_dims((images, targets), B) == []
+    packed = {
+        "input_ids": torch.randint(0, V, (1, 16)),
+        "position_ids": torch.cat([torch.arange(n) for n in (5, 7, 4)])[None],
+        "cu_seq_lens_q": torch.tensor([0, 5, 12, 16]),
+    }
+    assert find_batch_size(packed) == 3 and other_first_dims(packed, 3) == []
+    graph = {"x": torch.randn(30, 8), "edge_index": torch.randint(0, 30, (2, 50)), "y": torch.randint(0, 2, (4,))}
+    assert other_first_dims(graph, 30) == [("edge_index", 2), ("y", 4)]
+
+
+class TransposingBlock(nn.Module):
+    """A batch-first block of one's own around a sequence-first ``nn.MultiheadAttention``: it transposes inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.norm = nn.MultiheadAttention(32, 2), nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x).transpose(0, 1)
+        return x + self.attn(h, h, h, need_weights=False)[0].transpose(0, 1)
+
+
+class TransposingLM(SequenceFirstLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(TransposingBlock(), TransposingBlock())
+
+
+def test_a_batch_first_block_around_a_sequence_first_attention_counts_the_rows(tmp_path: Path) -> None:
+    """Its hidden states are [B, T, H]: read as sequence-first, T was counted as the samples (72 for 24,
+    qa46-break 04). The attention's own query shows whether the block passes its input on."""
+    ids = torch.randint(0, V, (3 * B, T + 1), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=B)
+    monitor, _, per_batch = fit(TransposingLM(), loader, tmp_path, 3)
+    assert [row["samples"] for row in per_batch.rows] == [B] * 3
+
+
+class FrozenBackboneProbe(UserModule):
+    """A frozen backbone of blocks of one's own run under no_grad, a trainable head whose first part is a list of
+    two residual MLP blocks on pooled [B, H] features; an EMA copy of the backbone, not frozen, never run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = PatchNet().requires_grad_(False)
+        self.head = nn.Sequential(nn.Sequential(ResidualMLP(), ResidualMLP()), nn.Linear(8, 2))
+        self.shadow = copy.deepcopy(self.head)  # not frozen, out of the optimizer, bigger than nothing
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        with torch.no_grad():
+            features = self.backbone(x).mean(1)
+        return F.cross_entropy(self.head(features), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+def test_the_block_list_is_the_one_the_step_runs_with_hidden_states(tmp_path: Path) -> None:
+    """A trainable head of residual MLP blocks on pooled [B, H] features was taken for the blocks (trainable before
+    frozen): tokens read 0 (qa46-break 11). The list whose first block the step runs with [B, T, H] hidden states
+    is taken: the frozen backbone's."""
+    loader = DataLoader(TensorDataset(torch.randn(3 * B, T, 8), torch.randint(0, 2, (3 * B,))), batch_size=B)
+    monitor, _, per_batch = fit(FrozenBackboneProbe(), loader, tmp_path, 3)
+    assert [row["tokens"] for row in per_batch.rows] == [B * T] * 3
+    assert [row["layer_tokens"] for row in per_batch.rows] == [4 * B * T] * 3
+
+
+class PerSampleGradients(ScoresInStep):
+    """Per-sample gradient norms of a scoring product (a GraNd-like score) beside the training loss."""
+
+    def __init__(self, vmapped: bool) -> None:
+        super().__init__()
+        self.vmapped = vmapped
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        hidden = self.blocks(self.items(ids))
+        table = self.items.weight.detach()
+
+        def loss_of(w: torch.Tensor, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(h @ w.T, y)
+
+        h, y = hidden.detach(), labels
+        if self.vmapped:
+            grads = torch.func.vmap(torch.func.grad(loss_of), in_dims=(None, 0, 0))(table, h, y)
+        else:
+            grads = torch.stack([torch.func.grad(loss_of)(table, h[k], y[k]) for k in range(len(h))])
+        self.score = grads.flatten(1).norm(dim=1)
+        return F.cross_entropy(self.blocks(self.items(ids)).flatten(0, 1) @ self.items.weight.T, labels.flatten())
+
+
+def test_products_under_vmap_of_grad_are_told_for_the_batch(tmp_path: Path) -> None:
+    """vmap(grad(f)) (per-sample gradients): the operand is a gradient-tracking wrapper around the batched tensor,
+    and the product was told for one sample, 16x low against the same gradients as a loop (qa46-break 10)."""
+    ids = torch.randint(0, 500, (2 * B, T))
+    loader = DataLoader(TensorDataset(ids, ids.roll(-1, 1)), batch_size=B)
+    figures = []
+    for vmapped in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(PerSampleGradients(vmapped), loader, tmp_path / str(vmapped), steps=1)
+        told = [m for m in monitor_warnings(caught) if "outside any module call" in m]
+        figures.append(float(re.search(r"; ([0-9.e+]+) FLOPs", told[0]).group(1)))
+    assert figures[0] == figures[1] > 0
