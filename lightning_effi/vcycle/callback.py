@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, EfficiencyMonitor, skipped_batch
 from lightning_effi.core.compat import optimizers_to_device, rebuild_train_loader_after_restore, rewrap_ddp
-from lightning_effi.core.features import parameter_copy_holders
+from lightning_effi.core.features import optimized_parameters, parameter_copy_holders
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     Duration,
@@ -1259,7 +1259,8 @@ class VCycleCallback(Callback):
         without gradients since the level began: an average the module updates itself (DiT's ``update_ema``, by
         parameter name) took the coarse network's weights into it, its first blocks averaged towards the merged ones
         and the others left as they were, in silence (qa45-user 02); one that zips the parameters fails on the shapes.
-        A copy trained by an optimizer (its parameters have gradients) and a frozen teacher pass.
+        A copy trained by an optimizer (its parameters have gradients, or require them and an optimizer holds them:
+        ``zero_grad()`` after ``step()`` under manual optimization, qa46-break 07) and a frozen teacher pass.
 
         Raises:
             IncompatibleTechniques: such a copy, named, with the step and the level.
@@ -1276,8 +1277,9 @@ class VCycleCallback(Callback):
             before = self._copy_sums.get(name)
             if before is None or torch.equal(before, sums[name]):
                 continue
-            if any(p.grad is not None for p in m.parameters()):
-                continue  # trained alongside (its own optimizer step)
+            optimized = optimized_parameters(trainer) or set()
+            if any(p.grad is not None or (p.requires_grad and id(p) in optimized) for p in m.parameters()):
+                continue  # trained alongside (an optimizer holds it; its gradients may be zeroed already)
             network = getattr(pl_module, self.model_attr)
             depths = self._stack.depths()
             raise IncompatibleTechniques(
