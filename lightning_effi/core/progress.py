@@ -272,14 +272,16 @@ def batch_resolved_durations(trainer: Any, pl_module: Any, durations: dict[str, 
 
 
 class BatchesPerStep:
-    """How often a fit's optimizer steps, read off ``trainer.global_step`` over its first batches: the steps the
-    first batch took when more than one (several optimizers stepped once a batch), or the batches between the first
-    two steps of one when more than one (one optimizer stepped every ``k`` batches: gradients accumulated by hand).
-    Call :meth:`batch_start` and :meth:`batch_end` in the training batch hooks; :meth:`batch_end` returns
-    ``("steps", n)`` or ``("batches", k)`` once, when found, else None. Watches at most ``limit`` batches.
+    """How often a fit's optimizer steps, read off ``trainer.global_step`` over its first batches: the steps the first
+    batch took when more than one (several optimizers stepped once a batch), or the batches between steps of one
+    when more than one (one optimizer stepped every ``k`` batches: gradients accumulated by hand), read off the
+    first two steps when ``k >= 3``, the first three for ``k = 2``: two equal gaps (a step skipped once, a NaN
+    guard's, gives gaps of 2 and 1 and says nothing, qa46-break 08). Call :meth:`batch_start` and :meth:`batch_end`
+    in the training batch hooks; :meth:`batch_end` returns ``("steps", n)`` or ``("batches", k)`` once, when found,
+    else None. Watches at most ``limit`` batches (``k`` up to ``limit / 3``).
     """
 
-    def __init__(self, limit: int = 64) -> None:
+    def __init__(self, limit: int = 1024) -> None:
         self.limit = limit
         self.done = False
         self._last: int | None = None
@@ -301,22 +303,26 @@ class BatchesPerStep:
             return ("steps", moved) if self._batches == 1 else None
         if moved == 1:
             self._stepped_at.append(self._batches)
-        if len(self._stepped_at) == 2:
+        if len(self._stepped_at) == 2 and (gap := self._stepped_at[1] - self._stepped_at[0]) != 2:
+            self.done = True  # one step a batch, or k >= 3 (no guard skips two batches in a row between them)
+            return ("batches", gap) if gap > 2 else None
+        if len(self._stepped_at) == 3:
             self.done = True
-            gap = self._stepped_at[1] - self._stepped_at[0]
-            return ("batches", gap) if gap > 1 else None
+            first, second = (b - a for a, b in zip(self._stepped_at, self._stepped_at[1:]))
+            return ("batches", first) if first == second > 1 else None
         if self._batches >= self.limit:
             self.done = True
         return None
 
 
 class StepsPerBatchCheck:
-    """The durations of :func:`batch_resolved_durations` checked against the optimizer steps the fit's first batches
-    take (:class:`BatchesPerStep`): more than one a batch (each of several optimizers stepped once a batch) and the
-    schedule would run that many times as fast; one every ``k`` batches (gradients accumulated by hand: random-LTD's
-    ``"1ep"`` took two epochs and ended below ``max_value``, qa45-break 02) and it would run ``k`` times as slow: the
-    fit is refused at the end of the batch that shows it. One a batch (optimizers stepped in turn) and the durations
-    are right. ``arm`` in ``on_train_start``, then ``batch_start`` / ``batch_end`` in the training batch hooks.
+    """The durations of :func:`batch_resolved_durations` checked against the optimizer steps the fit's first
+    batches take (:class:`BatchesPerStep`): more than one a batch (each of several optimizers stepped once a batch)
+    and the schedule would run that many times as fast; one every ``k`` batches (gradients accumulated by hand:
+    random-LTD's ``"1ep"`` took two epochs and ended below ``max_value``, qa45-break 02) and it would run ``k`` times
+    as slow: the fit is refused at the end of the batch that shows it (the second or third step's, for the latter).
+    One a batch (optimizers stepped in turn) and the durations are right. ``arm`` in ``on_train_start``, then
+    ``batch_start`` / ``batch_end`` in the training batch hooks.
 
     Raises:
         ValueError: (``batch_end``) naming the owner, the durations, the optimizer steps per batch and the fix.

@@ -538,7 +538,7 @@ def test_accumulation_by_hand_is_refused_or_warned_where_the_units_differ(tmp_pa
     """global_step advances once every 2 batches: random-LTD's '1ep' growth took two epochs and ended below
     max_value (14 of 16), and the curriculum, which counts batches under manual optimization, ran twice as fast,
     the two micro-batches of one step at difficulties of their own, in silence (qa45-break 02). Random-LTD refuses a
-    duration resolved in batches once the second step shows it; the curriculum says its unit."""
+    duration resolved in batches once the third step shows it; the curriculum says its unit."""
     model = seeded(lambda: AccumulatesByHand(**{**TINY, "n_layer": 4}))
     data = TinyDataModule(TokenBlocks(n=32), batch_size=4)  # 8 batches an epoch
     ltd = RandomLTDCallback(min_value=4, max_value=16, seq_per_step=2, require_steps="1ep")
@@ -546,7 +546,7 @@ def test_accumulation_by_hand_is_refused_or_warned_where_the_units_differ(tmp_pa
     with pytest.raises(ValueError, match=r"RandomLTDCallback: manual optimization stepped the optimizer once every 2 "
                        r"batches.*require_steps='1ep'.*2 times as slow"):  # fmt: skip
         trainer.fit(model(), datamodule=data)
-    assert trainer.global_step == 2  # refused at the end of the batch of the second step
+    assert trainer.global_step == 3  # k = 2: refused at the third step (two equal gaps)
     trainer = make_trainer(tmp_path / "ltd_steps", [RandomLTDCallback(min_value=4, max_value=16, seq_per_step=2,
                                                                       require_steps=4)], max_epochs=1)  # fmt: skip
     trainer.fit(model(), datamodule=data)  # in optimizer steps: trains

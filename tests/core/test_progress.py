@@ -226,17 +226,21 @@ def test_one_optimizer_stepped_every_k_batches_is_refused_for_durations_resolved
             found.append(watch.batch_end(t))
         return found
 
-    assert run([0, 1, 1, 2]) == [None, None, None, ("batches", 2)]
+    assert run([0, 1, 1, 2, 2, 3]) == [None] * 5 + [("batches", 2)]  # two equal gaps of 2
     assert run([0, 1, 2, 3]) == [None] * 4  # a first batch skipped, then one step a batch
+    # a step skipped once (a NaN guard) between the first steps: gaps 2 and 1, nothing said (qa46-break 08)
+    assert run([1, 1, 2, 3, 4]) == [None] * 5
+    forty = [(i + 1) // 40 for i in range(120)]  # k = 40 (qa46-break 09: not seen in 64 batches)
+    assert run(forty)[79] == ("batches", 40)  # k >= 3: said at the second step
     assert run([2, 4]) == [("steps", 2), None]  # two optimizers a batch: said once, at the first batch
-    assert run([0] * 70 + [1]) == [None] * 71  # watched 64 batches at most
+    assert run([0] * 1030 + [1]) == [None] * 1031  # watched 1024 batches at most
     manual = SimpleNamespace(automatic_optimization=False)
     t = SimpleNamespace(optimizers=[object()], max_steps=-1, estimated_stepping_batches=40, global_step=0)
     check = StepsPerBatchCheck("Owner")
     check.arm(t, manual, {"require_steps": Duration(1, "epoch")})
     with pytest.raises(ValueError, match=r"Owner: manual optimization stepped the optimizer once every 3 batches "
                        r"\(gradients accumulated by hand\).*require_steps='1ep'.*3 times as slow"):  # fmt: skip
-        for step in (0, 0, 1, 1, 1, 2):
+        for step in (0, 0, 1, 1, 1, 2):  # k >= 3: read off the first two steps
             check.batch_start(t)
             t.global_step = step
             check.batch_end(t)
