@@ -28,6 +28,11 @@ __all__ = ["IndexedDataset", "collate_reorders", "indexed_collate", "sequence_le
 #: the ``EffiBatch.meta`` key of the dataset indices
 INDEX_KEY = "index"
 
+#: the first batches of a loader (in each worker) whose collate is checked for reordered rows
+#: (:func:`collate_reorders`): a batch whose samples all sort alike (documents cut to one length) keeps its order
+#: under a sorting collate and tells nothing (qa46-break 02)
+ORDER_CHECKS = 8
+
 
 class IndexedDataset(Dataset[tuple[int, Any]]):
     """Map-style wrapper returning ``(i, dataset[i])``: the sample's index and the sample, of any structure (a
@@ -103,7 +108,7 @@ class indexed_collate:  # noqa: N801 - used like a function: indexed_collate(col
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None = None):
         self.collate_fn = collate_fn
-        self._order_checked = False  # its first batch is checked (collate_reorders; in each loader worker)
+        self._order_checks = ORDER_CHECKS  # its first batches are checked (collate_reorders; in each loader worker)
 
     def __call__(self, items: Sequence[tuple[int, Any]]) -> EffiBatch:
         indices, samples = [], []
@@ -115,8 +120,8 @@ class indexed_collate:  # noqa: N801 - used like a function: indexed_collate(col
             indices.append(item[0])
             samples.append(item[1])
         batch = (self.collate_fn or default_collate)(samples)
-        if not self._order_checked and self.collate_fn is not None:
-            self._order_checked = True
+        if self._order_checks > 0 and self.collate_fn is not None:
+            self._order_checks -= 1
             if collate_reorders(self.collate_fn, samples, batch):
                 raise DataConfigError(reorder_message(self.collate_fn))
         return EffiBatch(batch, {INDEX_KEY: torch.tensor(indices, dtype=torch.int64)})
@@ -163,7 +168,8 @@ def collate_reorders(collate_fn: Callable[[list[Any]], Any], samples: Sequence[A
     collated ``B`` times gives ``B`` equal rows (the rows follow the samples); False when they come back reversed
     (the order kept), when their content differs (a random transform in the collate), when rows do not follow the
     samples, or when nothing can be compared (one row, rows all equal, no ``[B, ...]`` tensor, a collate that
-    raises).
+    raises). A collate that draws at random per sample before it sorts (a random crop) gives other rows in reverse
+    order and is not told; one with a random generator or counter of its own sees them advance by the probes.
 
     InfoBatch scores and weighs row ``k`` as the ``k``-th sample drawn: a collate that reorders the rows would send
     every score and ``1/(1-r)`` weight to another sample, in silence (qa45-break 01: 20 of 24 scores were another

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_effi.core.batch import EffiBatch
 from lightning_effi.core.errors import DataConfigError
-from lightning_effi.core.indexed import collate_reorders, reorder_message
+from lightning_effi.core.indexed import ORDER_CHECKS, collate_reorders, reorder_message
 from lightning_effi.core.loader import sample_draw, set_dataset_epoch
 from lightning_effi.core.measure import tensor_leaves
 from lightning_effi.core.wrapping import WrappingDataModule, wrapper_chain
@@ -148,7 +148,7 @@ class CurriculumCollate:
         self.causal_label_shift = causal_label_shift
         self.keep_last_token = keep_last_token
         self._left_padding_checked = False  # its first cut checks for unmarked left padding (F.truncate)
-        self._order_checked = False  # with InfoBatch, its first batch is checked for reordered rows (collate_reorders)
+        self._order_checks = ORDER_CHECKS  # with InfoBatch, its first batches are checked for reordered rows
         #: truncate_keys=None: path -> (the axes seqlen_truncate's rule cuts of that tensor, its shape then, the
         #: batch's length), as first seen (this process; each loader worker has its own): a tensor cut on other axes
         #: in another batch (or left whole there) is refused (_check_consistent_cut)
@@ -161,8 +161,8 @@ class CurriculumCollate:
             raise DataConfigError("curriculum: one batch mixes samples of different curriculum steps")
         samples = [s for s, _ in items]
         batch = self.collate_fn(samples)
-        if len(keys[0]) > 4 and not self._order_checked:  # thinned by InfoBatch: its rows are the drawn samples
-            self._order_checked = True
+        if len(keys[0]) > 4 and self._order_checks > 0:  # thinned by InfoBatch: its rows are the drawn samples
+            self._order_checks -= 1
             if self.collate_fn is not default_collate and collate_reorders(self.collate_fn, samples, batch):
                 raise DataConfigError(reorder_message(self.collate_fn))
         return self._transform(batch, keys)

@@ -225,3 +225,15 @@ def test_indexed_collate_refuses_a_collate_that_reorders_at_its_first_batch():
         indexed_collate(_sorting_collate)(items)
     out = indexed_collate(_padding_collate)(items)
     assert out.meta["index"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_sorting_collate_is_refused_at_a_later_batch_when_the_first_tells_nothing():
+    """Documents cut to one length: the first batch's samples all sort alike and keep their order, so checking it
+    alone let the sort through (qa46-break 02). The first batches are checked."""
+    from lightning_effi.core.errors import DataConfigError
+
+    collate = indexed_collate(_sorting_collate)
+    alike = [torch.arange(1, 5) * (i + 1) for i in range(4)]
+    collate(list(enumerate(alike)))  # tells nothing
+    with pytest.raises(DataConfigError, match="puts the samples of a batch in another order"):
+        collate(list(enumerate(_sequences())))
