@@ -49,9 +49,10 @@ structure) is counted by :mod:`lightning_effi.core.measure`:
   step (``[B, T, H]``: a ViT's patches and prefix tokens, a series of continuous features, padding included: a
   padding mask of such a batch is read only when named ``attention_mask``, with one warning otherwise; a batch a
   technique lengthened along one axis, the curriculum's untruncated one, scaled by its length);
-- layer-tokens: tokens x the network's transformer blocks (:func:`lightning_effi.core.measure.find_blocks`: a
-  registered random-LTD adapter's layer list, else the ``nn.ModuleList`` / ``nn.Sequential`` of identical blocks that
-  holds the most parameters);
+- layer-tokens: tokens x the network's transformer blocks (:func:`lightning_effi.core.measure.block_candidates`: a
+  registered random-LTD adapter's layer list, else the ``nn.ModuleList`` / ``nn.Sequential`` lists of identical
+  blocks, trainable before frozen, then by parameters; of those, the first whose first block the step runs with
+  ``[B, T, H]`` hidden states: not an EMA copy never run, nor an MLP head on pooled features);
 - FLOPs: the network's calls in the training step replayed on a fake-tensor copy under ``FlopCounterMode``, once per
   input shape (:class:`lightning_effi.core.measure.FlopsMeter`; forward + backward, no forward on real data).
 
