@@ -98,7 +98,9 @@ ROWS: list[Row] = [
         "manual_backward must contain: a second loss with its own backward, a GAN's discriminator, is refused); "
         "self.optimizers() follows the V-cycle's rebuilt optimizers. With several "
         "optimizers stepped a batch (global_step counts each step), schedules in epochs or fractions are refused at "
-        "train start: give optimizer steps; InfoBatch's progress counts a batch as one step",
+        "the first batch, and with one optimizer stepped every k batches (gradients accumulated by hand) at the "
+        "second step (the third for k = 2): give optimizer steps (the curriculum, which counts batches under manual "
+        "optimization, warns instead); InfoBatch's progress counts a batch as one step",
     ),
     Row(
         "step_lr_scheduler",
