@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, EfficiencyMonitor, skipped_batch
 from lightning_effi.core.compat import optimizers_to_device, rebuild_train_loader_after_restore, rewrap_ddp
-from lightning_effi.core.features import optimized_parameters, parameter_copy_holders
+from lightning_effi.core.features import parameter_copy_holders
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     Duration,
@@ -383,7 +383,8 @@ class VCycleCallback(Callback):
         self._interrupted: dict[str, Any] | None = None
         self._frozen_outside: tuple[list[str], list[str], int, Any] | None = None
         self._copies: list[str] = []  # modules of the network's class outside it (an EMA copy), for messages
-        # at a coarse level: each copy's parameters' sums when the level began (_check_copies_unchanged)
+        # at a coarse level: each copy's parameters' sums at the end of this callback's on_train_batch_end, after the
+        # optimizer step (_check_copies_unchanged compares them at the next batch's start)
         self._copy_sums: dict[str, Tensor] | None = None
 
     def __repr__(self) -> str:
@@ -1188,6 +1189,7 @@ class VCycleCallback(Callback):
         stepped, self._last_step = step != self._last_step, step
         if stepped:
             self._switch_if_due(trainer, pl_module)
+        self._take_copy_sums(pl_module)
 
     def _count_flops(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, skipped: bool) -> None:
         """Count the trained ``batch``'s FLOPs with the current model and the full one (held in place, no forward
@@ -1233,8 +1235,6 @@ class VCycleCallback(Callback):
         """Change to ``levels`` in turn (the stages that have ended), then a fresh training state."""
         step = trainer.global_step
         self._refuse_parameter_copies(trainer, pl_module, step)
-        self._check_copies_unchanged(trainer, pl_module)  # the last coarse step's update too
-        self._copy_sums = None  # taken again at the next coarse level's first batch
         start, path = time.perf_counter(), [self.level, *levels]
         assert self.alpha_original is not None  # resolved in setup
         first, total = self.stage_index + 1, len(self.stages) + 1
@@ -1256,42 +1256,38 @@ class VCycleCallback(Callback):
 
     def _check_copies_unchanged(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """At a coarse level, refuse a copy of the network held beside it (:meth:`_warn_network_copies`) that changed
-        without gradients since the level began: an average the module updates itself (DiT's ``update_ema``, by
-        parameter name) took the coarse network's weights into it, its first blocks averaged towards the merged ones
-        and the others left as they were, in silence (qa45-user 02); one that zips the parameters fails on the shapes.
-        A copy trained by an optimizer (its parameters have gradients, or require them and an optimizer holds them:
-        ``zero_grad()`` after ``step()`` under manual optimization, qa46-break 07) and a frozen teacher pass.
+        between this callback's ``on_train_batch_end`` (after the optimizer step) and the next batch's start: an
+        average the module updates in its own ``on_train_batch_end`` (DiT's ``update_ema``, by parameter name) took
+        the coarse network's weights into it, its first blocks averaged towards the merged ones and the others left
+        as they were, in silence (qa45-user 02); one that zips the parameters fails on the shapes. A copy an
+        optimizer trains changes within the batch (whatever its gradients after: ``zero_grad()`` after ``step()``,
+        qa46-break 07; an EMA an optimizer holds that never gets a gradient is still told, qa47-break 01).
 
         Raises:
             IncompatibleTechniques: such a copy, named, with the step and the level.
         """
-        if self.level == 1 or not self._copies:
-            self._copy_sums = None
+        before, self._copy_sums = self._copy_sums, None
+        if self.level == 1 or not self._copies or before is None:
             return
-        copies = {name: pl_module.get_submodule(name) for name in self._copies}
-        sums = {name: _parameter_sums(m) for name, m in copies.items()}
-        if self._copy_sums is None:
-            self._copy_sums = sums
-            return
-        for name, m in copies.items():
-            before = self._copy_sums.get(name)
-            if before is None or torch.equal(before, sums[name]):
+        network = getattr(pl_module, self.model_attr)
+        for name in self._copies:
+            if name not in before or torch.equal(before[name], _parameter_sums(pl_module.get_submodule(name))):
                 continue
-            optimized = optimized_parameters(trainer) or set()
-            if any(p.grad is not None or (p.requires_grad and id(p) in optimized) for p in m.parameters()):
-                continue  # trained alongside (an optimizer holds it; its gradients may be zeroed already)
-            network = getattr(pl_module, self.model_attr)
             depths = self._stack.depths()
             raise IncompatibleTechniques(
                 f"{type(self).__name__}: pl_module.{name} (a {type(network).__name__} beside pl_module."
-                f"{self.model_attr}, trained by no optimizer: an EMA copy?) changed at step {trainer.global_step}, at "
+                f"{self.model_attr}: an EMA copy?) changed after the optimizer step of step {trainer.global_step}, at "
                 f"level {self.level}, where pl_module.{self.model_attr} is the coarse network ({depths[self.level - 1]}"
                 f" of its {depths[0]} blocks, {sum(p.numel() for p in network.parameters())} parameters): the average "
                 "took the coarse network's weights in (an update by parameter name averages its first blocks towards "
                 "the merged ones and leaves the others as they were). Update it only while the V-cycle is at level 1 "
                 "(VCycleCallback.level == 1), average after the V-cycle, or train without it"
             )
-        self._copy_sums = sums
+
+    def _take_copy_sums(self, pl_module: pl.LightningModule) -> None:
+        """At a coarse level, after the optimizer step: the copies' fingerprints for :meth:`_check_copies_unchanged`."""
+        if self.level > 1 and self._copies:
+            self._copy_sums = {name: _parameter_sums(pl_module.get_submodule(name)) for name in self._copies}
 
     def _refuse_parameter_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         """Before a level change: refuse a callback that made its own copy of the model's parameters after train start
