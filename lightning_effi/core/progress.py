@@ -275,8 +275,8 @@ class BatchesPerStep:
     """How often a fit's optimizer steps, read off ``trainer.global_step`` over its first batches: the steps the first
     batch took when more than one (several optimizers stepped once a batch), or the batches between steps of one
     when more than one (one optimizer stepped every ``k`` batches: gradients accumulated by hand), read off the
-    first two steps when ``k >= 3``, the first three for ``k = 2``: two equal gaps (a step skipped once, a NaN
-    guard's, gives gaps of 2 and 1 and says nothing, qa46-break 08). Call :meth:`batch_start` and :meth:`batch_end`
+    first three steps: two equal gaps (a NaN guard's skipped steps, once or twice in a row, give gaps that differ
+    and say nothing, qa46-break 08, qa47-break 03). Call :meth:`batch_start` and :meth:`batch_end`
     in the training batch hooks; :meth:`batch_end` returns ``("steps", n)`` or ``("batches", k)`` once, when found,
     else None. Watches at most ``limit`` batches (``k`` up to ``limit / 3``).
     """
@@ -303,9 +303,9 @@ class BatchesPerStep:
             return ("steps", moved) if self._batches == 1 else None
         if moved == 1:
             self._stepped_at.append(self._batches)
-        if len(self._stepped_at) == 2 and (gap := self._stepped_at[1] - self._stepped_at[0]) != 2:
-            self.done = True  # one step a batch, or k >= 3 (no guard skips two batches in a row between them)
-            return ("batches", gap) if gap > 2 else None
+        if len(self._stepped_at) == 2 and self._stepped_at[1] - self._stepped_at[0] == 1:
+            self.done = True  # one step a batch
+            return None
         if len(self._stepped_at) == 3:
             self.done = True
             first, second = (b - a for a, b in zip(self._stepped_at, self._stepped_at[1:]))
@@ -320,7 +320,7 @@ class StepsPerBatchCheck:
     batches take (:class:`BatchesPerStep`): more than one a batch (each of several optimizers stepped once a batch)
     and the schedule would run that many times as fast; one every ``k`` batches (gradients accumulated by hand:
     random-LTD's ``"1ep"`` took two epochs and ended below ``max_value``, qa45-break 02) and it would run ``k`` times
-    as slow: the fit is refused at the end of the batch that shows it (the second or third step's, for the latter).
+    as slow: the fit is refused at the end of the batch that shows it (the third step's, for the latter).
     One a batch (optimizers stepped in turn) and the durations are right. ``arm`` in ``on_train_start``, then
     ``batch_start`` / ``batch_end`` in the training batch hooks.
 

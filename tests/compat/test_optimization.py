@@ -99,7 +99,7 @@ ROWS: list[Row] = [
         "self.optimizers() follows the V-cycle's rebuilt optimizers. With several "
         "optimizers stepped a batch (global_step counts each step), schedules in epochs or fractions are refused at "
         "the first batch, and with one optimizer stepped every k batches (gradients accumulated by hand) at the "
-        "second step (the third for k = 2): give optimizer steps (the curriculum, which counts batches under manual "
+        "third step: give optimizer steps (the curriculum, which counts batches under manual "
         "optimization, warns instead); InfoBatch's progress counts a batch as one step",
     ),
     Row(

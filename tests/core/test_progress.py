@@ -231,7 +231,8 @@ def test_one_optimizer_stepped_every_k_batches_is_refused_for_durations_resolved
     # a step skipped once (a NaN guard) between the first steps: gaps 2 and 1, nothing said (qa46-break 08)
     assert run([1, 1, 2, 3, 4]) == [None] * 5
     forty = [(i + 1) // 40 for i in range(120)]  # k = 40 (qa46-break 09: not seen in 64 batches)
-    assert run(forty)[79] == ("batches", 40)  # k >= 3: said at the second step
+    assert run(forty)[-1] == ("batches", 40)  # said at the third step
+    assert run([0, 0, 1, 2, 2, 3]) == [None] * 6  # two batches skipped in a row, then gaps of 1 (qa47-break 03)
     assert run([2, 4]) == [("steps", 2), None]  # two optimizers a batch: said once, at the first batch
     assert run([0] * 1030 + [1]) == [None] * 1031  # watched 1024 batches at most
     manual = SimpleNamespace(automatic_optimization=False)
@@ -240,7 +241,7 @@ def test_one_optimizer_stepped_every_k_batches_is_refused_for_durations_resolved
     check.arm(t, manual, {"require_steps": Duration(1, "epoch")})
     with pytest.raises(ValueError, match=r"Owner: manual optimization stepped the optimizer once every 3 batches "
                        r"\(gradients accumulated by hand\).*require_steps='1ep'.*3 times as slow"):  # fmt: skip
-        for step in (0, 0, 1, 1, 1, 2):  # k >= 3: read off the first two steps
+        for step in (0, 0, 1, 1, 1, 2, 2, 2, 3):  # two equal gaps of 3
             check.batch_start(t)
             t.global_step = step
             check.batch_end(t)
