@@ -1264,17 +1264,16 @@ class EfficiencyMonitor(Callback):
         if not callable(getattr(pl_module, "effi_count_tokens", None)):  # positions, and a mask's downsampling
             self._watched, self._seen, self._attention_seen = self._candidates(pl_module), {}, {}
             for i, (_, blocks) in enumerate(self._watched):
-                first = next(iter(blocks.children()), None)
-                if first is None:
-                    continue
-                hook = first.register_forward_pre_hook(functools.partial(self._observe, i), with_kwargs=True)
-                self._block_hooks.append(hook)
-                attention = next((m for m in first.modules() if isinstance(m, nn.MultiheadAttention)), None)
-                if attention is not None and not attention.batch_first:
-                    hook = attention.register_forward_pre_hook(
-                        functools.partial(self._observe_attention, i), with_kwargs=True
-                    )
+                # every block: the first one the step runs (a LayerDrop may skip block 0, qa47-break 02)
+                for block in blocks.children():
+                    hook = block.register_forward_pre_hook(functools.partial(self._observe, i), with_kwargs=True)
                     self._block_hooks.append(hook)
+                    attention = next((m for m in block.modules() if isinstance(m, nn.MultiheadAttention)), None)
+                    if attention is not None and not attention.batch_first:
+                        hook = attention.register_forward_pre_hook(
+                            functools.partial(self._observe_attention, i), with_kwargs=True
+                        )
+                        self._block_hooks.append(hook)
 
     def _compiled_key(self, pl_module: pl.LightningModule, batch: Any) -> tuple[Any, ...] | None:
         """For a compiled module (:func:`_is_compiled`, read at setup), what a record depends on: the batch's shapes
@@ -1287,9 +1286,11 @@ class EfficiencyMonitor(Callback):
     def _candidates(self, pl_module: nn.Module) -> list[tuple[str, Blocks]]:
         """The block lists of the network now in ``pl_module`` (:func:`~lightning_effi.core.measure.
         block_candidates`, at most :data:`WATCHED_LISTS`) with their paths, each watched in the step."""
-        lists = block_candidates(pl_module, limit=WATCHED_LISTS)
-        names = {id(m): n for n, m in pl_module.named_modules() if any(m is x for x in lists)}
-        return [(names[id(x)], x) for x in lists if id(x) in names]
+        lists = block_candidates(pl_module)
+        chosen = None if self._chosen is None else _submodule(pl_module, self._chosen)
+        kept = lists[:WATCHED_LISTS] + [x for x in lists[WATCHED_LISTS:] if x is chosen]
+        names = {id(m): n for n, m in pl_module.named_modules() if any(m is x for x in kept)}
+        return [(names[id(x)], x) for x in kept if id(x) in names]
 
     def _observe(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The first call of the first block of watched list ``index`` in the step: its hidden states' tokens and
@@ -1321,12 +1322,19 @@ class EfficiencyMonitor(Callback):
             self._attention_seen[index] = tuple(query.shape)
 
     def _choose_observed(self, trained: bool) -> None:
-        """After the step: the hidden states of the best watched list the step ran with ``[B, T, H]`` ones (a list
-        never run, an EMA copy, or run on pooled ``[B, H]`` features, a probe's MLP head, is passed over); that list
-        is remembered (``trained``: the step trained) for :meth:`find_blocks`."""
-        index = next((i for i in range(len(self._watched)) if (self._seen.get(i) or (None,))[0] is not None), None)
+        """After the step: the hidden states of the list remembered from the steps before when the step ran it with
+        ``[B, T, H]`` ones (a V-cycle's coarse network keeps its place beside a bigger second tower, qa47-user 03),
+        else of the best watched list the step ran with them, one whose last dimension is a width of its blocks first
+        (a list never run, an EMA copy, or run on pooled ``[B, H]`` features, a probe's MLP head, is passed over; a
+        convolutional feature encoder's ``[B, C, S]`` comes last, qa47-break 02); that list is remembered
+        (``trained``: the step trained) for :meth:`find_blocks`."""
+        run = [i for i in range(len(self._watched)) if (self._seen.get(i) or (None,))[0] is not None]
+        wide = [i for i in run if self._seen[i][2]]
+        index = next((i for i in run if self._watched[i][0] == self._chosen and (self._seen[i][2] or not wide)), None)
         if index is None:
-            return
+            if not run:
+                return
+            index = (wide or run)[0]
         tokens, shape, width = self._seen[index]
         self._observed_tokens, self._observed_shape, self._observed_width = tokens, shape, width
         self._observed_sequence_first = shape is not None and self._attention_seen.get(index) == shape

@@ -1929,3 +1929,44 @@ def test_products_under_vmap_of_grad_are_told_for_the_batch(tmp_path: Path) -> N
         told = [m for m in monitor_warnings(caught) if "outside any module call" in m]
         figures.append(float(re.search(r"; ([0-9.e+]+) FLOPs", told[0]).group(1)))
     assert figures[0] == figures[1] > 0
+
+
+class ConvLayer(nn.Module):
+    def __init__(self, channels_in: int) -> None:
+        super().__init__()
+        self.conv, self.act = nn.Conv1d(channels_in, 32, 9, padding=4), nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.conv(x))
+
+
+class LayerDropSpeech(UserModule):
+    """A wav2vec2-like network: a convolutional feature encoder (a list of layers holding more parameters than the
+    transformer blocks) on [B, 1, S] audio, then blocks with a LayerDrop that skips block 0 on odd batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.ModuleList([ConvLayer(1), *(ConvLayer(32) for _ in range(6))])
+        self.blocks = nn.ModuleList(OwnBlock() for _ in range(4))
+        self.head = nn.Linear(32, 5)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (audio,) = batch
+        x = audio
+        for layer in self.features:
+            x = layer(x)
+        x = x.transpose(1, 2)
+        for i, block in enumerate(self.blocks):
+            if not (batch_idx % 2 and i == 0):
+                x = block(x)
+        return self.head(x).square().mean()
+
+
+def test_a_layerdrop_that_skips_the_first_block_counts_the_blocks_tokens(tmp_path: Path) -> None:
+    """A step that skipped block 0 was counted on the convolutional feature encoder ([B, 1, S] read as 1 position a
+    row: 4 tokens x 7 layers for 16 x 4, qa47-break 02). Every block of a list is watched, and a list whose blocks'
+    width is the hidden states' last dimension comes first."""
+    loader = DataLoader(TensorDataset(torch.randn(4 * B, 1, T)), batch_size=B)
+    monitor, _, per_batch = fit(LayerDropSpeech(), loader, tmp_path, 4)
+    assert [row["tokens"] for row in per_batch.rows] == [B * T] * 4
+    assert [row["layer_tokens"] for row in per_batch.rows] == [4 * B * T] * 4
