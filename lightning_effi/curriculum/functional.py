@@ -330,19 +330,33 @@ def cut_axes(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None =
       attention bias, a 3-D mask). A ``[B, T, D]`` feature tensor whose width ``D`` happens to equal ``T`` is
       therefore cut on both axes.
     - otherwise, with at least 3 dimensions and the last of length ``T``, a tensor named like a mask
-      (``*mask*``: ``[B, 1, 1, T]``) or whose last two axes have length ``T`` (``[B, 1, T, T]``, ``[B, H, T, T]``):
-      the last axis, and the one before it when it has length ``T``.
+      (``*mask*``: ``[B, 1, 1, T]``) or whose last two axes have length ``T`` (``[B, 1, T, T]``, ``[B, H, T, T]``;
+      not images, :func:`_looks_like_images`): the last axis, and the one before it when it has length ``T``.
     """
     if v.ndim < 2 or v.shape[0] != b or (keys is not None and _name(path) not in keys):
         return ()
     if v.shape[1] == t:
         return (1, 2) if v.ndim >= 3 and v.shape[2] == t else (1,)
     if v.ndim >= 3 and v.shape[-1] == t:
-        if v.shape[-2] == t:
+        if v.shape[-2] == t and not _looks_like_images(path, v):
             return (v.ndim - 2, v.ndim - 1)
         if _is_mask_name(_name(path)):
             return (v.ndim - 1,)
     return ()
+
+
+#: parts of a tensor's name that say it holds images (``pixel_values``, ``images``): a ``[B, C, S, S]`` image
+#: whose side equals the text's padded length is no pairwise ``[B, H, T, T]`` tensor (32 x 32 images were cropped
+#: beside text padded to 32, qa47-user 02)
+IMAGE_NAMES = ("pixel", "image", "img", "video", "frame")
+
+
+def _looks_like_images(path: Path, v: Tensor) -> bool:
+    """An image tensor: named like one (:data:`IMAGE_NAMES`), or, not named like a mask, a float ``[B, 3, S, S]``."""
+    name = str(_name(path) or "").lower()
+    if any(part in name for part in IMAGE_NAMES):
+        return True
+    return v.ndim == 4 and v.shape[1] == 3 and v.is_floating_point() and not _is_mask_name(_name(path))
 
 
 def _real_named(path: Path, v: Tensor) -> Tensor:
@@ -681,24 +695,34 @@ def truncate(
 
 
 def _refuse_named_of_another_length(batch: Any, keys: Sequence[str], reference: Path, b: int, t: int) -> None:
-    """Refuse a tensor named in ``keys`` (``[B, ...]``, two dimensions or more) with no axis of the batch's sequence
-    length ``T`` (read from the first key found): it would be left whole while the others are cut (a preference
-    pair's ``rejected_*`` padded to its own length: 4 of 8 steps trained a cut chosen against a whole rejected,
-    qa46-user 02)."""
-    other = [
-        (".".join(map(str, path)), list(v.shape))
-        for path, v in tensor_leaves(batch)
-        if v.ndim >= 2 and v.shape[0] == b and _name(path) in keys and not cut_axes(path, v, b, t, keys)
-    ]
-    if other:
-        where = ".".join(map(str, reference)) or "batch"
+    """Refuse a tensor named in ``keys`` (``[B, ...]``, two dimensions or more) that would be left whole while the
+    others are cut: one with no axis of the batch's sequence length ``T`` (read from the first key found: a
+    preference pair's ``rejected_*`` padded to its own length, 4 of 8 steps trained a cut chosen against a whole
+    rejected, qa46-user 02), or with ``T`` on an axis the cut does not take (``[B, D, T]`` features). A tensor whose
+    name is also that of a tensor cut (the image's ``input_ids`` beside the text's in a nested batch) is another
+    sequence under one name and is left whole, as keys cannot tell the two apart (qa47-break 04)."""
+    named = [(path, v) for path, v in tensor_leaves(batch) if v.ndim >= 2 and v.shape[0] == b and _name(path) in keys]
+    cut_names = {_name(path) for path, v in named if cut_axes(path, v, b, t, keys)}
+    other = [(path, v) for path, v in named if not cut_axes(path, v, b, t, keys) and _name(path) not in cut_names]
+    if not other:
+        return
+    where = ".".join(map(str, reference)) or "batch"
+    shown = ", ".join(f"{'.'.join(map(str, p))!r} {list(v.shape)}" for p, v in other)
+    if all(t not in tuple(v.shape[1:]) for _, v in other):
         raise ValueError(
-            f"seqlen_truncate: truncate_keys {list(keys)} names {', '.join(f'{n!r} {s}' for n, s in other)}, with "
-            f"no axis of the batch's sequence length {t} (read from {where!r}): left whole while the others are cut "
-            "to the scheduled length. seqlen_truncate cuts one length per batch: pad the sequences "
-            "to one length in the collate (a preference pair's chosen_* and rejected_* to the longer of the two), "
-            "or concatenate them along the batch axis ([2B, T], TRL's concatenated layout)"
+            f"seqlen_truncate: truncate_keys {list(keys)} names {shown}, with no axis of the batch's sequence length "
+            f"{t} (read from {where!r}): left whole while the others are cut to the scheduled length. seqlen_truncate "
+            "cuts one length per batch: pad the sequences to one length in the collate (a preference pair's "
+            "chosen_* and rejected_* to the longer of the two), or concatenate them along the batch axis ([2B, T], "
+            "TRL's concatenated layout)"
         )
+    raise ValueError(
+        f"seqlen_truncate: truncate_keys {list(keys)} names {shown}, whose axis of the batch's sequence length {t} "
+        f"(read from {where!r}) is not one seqlen_truncate cuts: axis 1 ([B, T, ...]), or the last axes of a tensor "
+        "named like a mask ([B, 1, 1, T], [B, H, T, T]); it would be left whole while the others are cut. Put the "
+        "sequence on axis 1 (a [B, D, T] feature as [B, T, D]), name a mask or bias so that it holds 'mask', or "
+        "leave it out of truncate_keys"
+    )
 
 
 def _refuse_unmarked_left_padding(ids: Tensor, length: int) -> None:

@@ -305,6 +305,30 @@ def test_named_sequences_padded_each_to_its_own_length_are_refused():
     assert all(v.shape == (B, 6) for v in cut.batch.values())
     both = {"input_ids": torch.ones(2 * B, 12, dtype=torch.long)}  # [2B, T]: chosen rows, then rejected rows
     assert F.truncate(both, 6).batch["input_ids"].shape == (2 * B, 6)
+    # T on an axis the cut does not take: said as such, not "no axis of that length" (qa47-break 04)
+    features = {"attention_mask": torch.ones(B, 10), "input_features": torch.zeros(B, 8, 10)}
+    with pytest.raises(ValueError, match=r"'input_features' \[4, 8, 10\], whose axis of the batch's sequence length 10 "
+                       r"\(read from 'attention_mask'\) is not one seqlen_truncate cuts.*\[B, T, D\]"):  # fmt: skip
+        F.truncate(features, 4, ["attention_mask", "input_features"])
+    # one name for two sequences of a nested batch (the text's input_ids and the image's): the text is cut
+    nested = {"text": {"input_ids": torch.ones(B, 10, dtype=torch.long), "attention_mask": torch.ones(B, 10)},
+              "image": {"input_ids": torch.ones(B, 16, dtype=torch.long)}}  # fmt: skip
+    out = F.truncate(nested, 4, ["input_ids", "attention_mask"]).batch
+    assert out["text"]["input_ids"].shape == (B, 4) and out["image"]["input_ids"].shape == (B, 16)
+
+
+def test_images_whose_side_is_the_texts_length_are_not_cut():
+    """32 x 32 images beside text padded to 32 were cropped as a pairwise [B, H, T, T] tensor, in silence, and timm
+    then failed on the image size (qa47-user 02). A pairwise mask is still cut on both axes."""
+    batch = {
+        "pixel_values": torch.randn(B, 3, 32, 32),
+        "input_ids": torch.ones(B, 32, dtype=torch.long),
+        "pairwise_mask": torch.ones(B, 1, 32, 32),
+    }
+    out = F.truncate(batch, 8).batch
+    assert out["pixel_values"].shape == (B, 3, 32, 32) and out["input_ids"].shape == (B, 8)
+    assert out["pairwise_mask"].shape == (B, 1, 8, 8)
+    assert F.truncate((torch.ones(B, 32, dtype=torch.long), torch.randn(B, 3, 32, 32)), 8).batch[1].shape[-1] == 32
 
 
 class T5Seq2Seq(pl.LightningModule):
