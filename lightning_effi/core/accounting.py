@@ -365,6 +365,18 @@ def _length_ratio(before: list[tuple[Any, tuple[int, ...]]], after: list[tuple[A
     return long / short if short > 0 else None
 
 
+#: tensor names of a graph batch (PyG's ``Batch`` layout): ``edge_index [2, E]``, the graph of each node ``batch``,
+#: the graphs' boundaries ``ptr``
+GRAPH_NAMES = frozenset({"edge_index", "batch", "ptr"})
+
+
+def _graph_like(batch: Any) -> bool:
+    """Whether the batch holds a tensor named like a graph batch's (:data:`GRAPH_NAMES`): the first-dimension warning
+    is for those; per-object rows beside per-sample ones (CTC's concatenated targets, YOLO's ``[n_objects, 6]``) are
+    counted right and were warned too (qa47-break 05)."""
+    return any(path and str(path[-1]) in GRAPH_NAMES for path, _ in tensor_leaves(batch))
+
+
 #: the candidate block lists whose first block the monitor watches in a step (:meth:`EfficiencyMonitor._candidates`)
 WATCHED_LISTS = 4
 
@@ -963,7 +975,7 @@ class EfficiencyMonitor(Callback):
             lead = next((v for _, v in tensor_leaves(batch) if v.ndim >= 2 and int(v.shape[0]) == size), None)
             if lead is not None and tuple(lead.shape[:2]) == tuple(shape[:2]):
                 return int(lead.shape[1])
-        if actual and "samples/first_dims" not in self._warned:
+        if actual and "samples/first_dims" not in self._warned and _graph_like(batch):
             others = other_first_dims(batch, size)
             if others:
                 shown = ", ".join(f"{path}: {n}" for path, n in others[:4])

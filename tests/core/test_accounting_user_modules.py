@@ -1824,6 +1824,13 @@ def test_no_first_dimension_warning_on_detection_or_packed_batches() -> None:
     assert find_batch_size(packed) == 3 and other_first_dims(packed, 3) == []
     graph = {"x": torch.randn(30, 8), "edge_index": torch.randint(0, 30, (2, 50)), "y": torch.randint(0, 2, (4,))}
     assert other_first_dims(graph, 30) == [("edge_index", 2), ("y", 4)]
+    # the warning is for graph batches: CTC's concatenated targets and YOLO's [n_objects, 6] rows are counted right
+    # beside per-sample tensors and were warned (qa47-break 05)
+    from lightning_effi.core.accounting import _graph_like
+
+    ctc = (torch.randn(8, 20, 13), torch.randint(1, 5, (23,)), torch.full((8,), 20), torch.randint(1, 5, (8,)))
+    yolo = (torch.randn(8, 3, 16, 16), torch.rand(7, 6))
+    assert _graph_like(graph) and not _graph_like(ctc) and not _graph_like(yolo)
 
 
 class TransposingBlock(nn.Module):
