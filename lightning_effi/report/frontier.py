@@ -44,7 +44,8 @@ HIGHER_IS_BETTER = frozenset(
     {
         "acc", "accuracy", "accuracies", "top", "f", "auc", "auroc", "auprc", "precision", "recall", "bleu",
         "rouge", "map", "iou", "miou", "dice", "r2", "mcc", "spearman", "pearson", "corr", "score", "ndcg", "dcg",
-        "mrr", "hit", "hits", "psnr", "ssim", "jaccard", "ap", "ar", "mar", "pq",
+        "mrr", "hit", "hits", "psnr", "ssim", "jaccard", "ap", "ar", "mar", "pq", "cider", "meteor", "spice",
+        "exact",
     }
 )  # fmt: skip
 

@@ -93,6 +93,9 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
         "max",
         "min",
     ]
+    # COCO caption metrics beside Bleu_4 / ROUGE_L, and exact match (qa47-user 04)
+    for caption in ("val/CIDEr", "val/METEOR", "val/SPICE", "val/cider", "val/exact_match"):
+        assert infer_mode(caption) == "max", caption
     # hr is a hit rate with a cut-off only: hours were read as higher-is-better (qa44-break 11)
     assert infer_mode("val/gpu_hr") is None and infer_mode("val/time_to_target_hr") is None
     assert infer_mode("val/1-recall@10") is None and infer_mode("val/err@5") == "min"
