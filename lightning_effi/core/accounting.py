@@ -44,7 +44,8 @@ structure) is counted by :mod:`lightning_effi.core.measure`:
   dimension, a graph batch's nodes, edges and graphs); a batch of several training loaders (a mapping or
   list of loaders: Lightning's ``CombinedLoader``) is counted per loader and summed, tokens as well;
 - tokens: the batch's ``attention_mask`` sum, else the real tokens of another padding mask beside token ids (a
-  tuple batch's 0/1 entry), else its ``input_ids`` / first integer ``[B, T]`` tensor's size (:func:`tokens_of`),
+  tuple batch's 0/1 entry), else its ``input_ids`` / first integer ``[B, T]`` tensor's size (:func:`tokens_of`;
+  plus the positions the first block sees in front of them: a vision-language model's image tokens, a prefix),
   else the positions in the hidden states the network's first transformer block was called with in the training
   step (``[B, T, H]``: a ViT's patches and prefix tokens, a series of continuous features, padding included: a
   padding mask of such a batch is read only when named ``attention_mask``, with one warning otherwise; a batch a
@@ -601,6 +602,7 @@ class EfficiencyMonitor(Callback):
         self._observed_tokens: int | None = None  # tokens in the first block's hidden states in the current batch
         self._observed_shape: tuple[int, ...] | None = None  # those hidden states' shape
         self._observed_sequence_first = False  # that block reads [T, B, H] (an nn.MultiheadAttention's batch_first)
+        self._prepended: int | None = None  # positions a row the blocks see in front of the batch's tokens
         self._observed_width = False  # whose last dimension is a width of the block ([B, T, H], not [B, C, T])
         self._recorded_lists: dict[str, int] = {}  # the module lists of the network the recorded step trained
         self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
@@ -696,6 +698,33 @@ class EfficiencyMonitor(Callback):
                     "`effi_count_tokens(batch) -> int` on your LightningModule",
                 )
                 return
+
+    def _prepended_positions(self, pl_module: pl.LightningModule, batch: Any) -> int | None:
+        """Positions a row the first transformer block sees beyond the batch's token ids, ``T' - T``, when the step
+        runs the blocks batch-first on ``[B, T', H]`` hidden states whose ``H`` is their width and ``T' > T``: image
+        tokens a vision-language model puts in front of the text (``inputs_embeds``), a soft prompt, a BOS the model
+        adds. The blocks process them, so tokens count them, with one warning (16 image tokens a row were left out
+        of layer_tokens: 2,772 counted for 4,308, qa47-user 01). None otherwise (and for an encoder-decoder, whose
+        blocks see another sequence). Kept for the batch's baseline (:attr:`_prepended`)."""
+        self._prepended = None
+        source = token_source(batch)
+        shape = self._observed_shape
+        if source is None or shape is None or len(shape) != 3 or not self._observed_width:
+            return None
+        rows = key_padding_mask(source[1]) if source[0] == "mask" else source[1]
+        if rows is None or rows.ndim != 2 or self._observed_sequence_first or shape[0] != rows.shape[0]:
+            return None
+        extra = int(shape[1]) - int(rows.shape[1])
+        if extra <= 0 or any(_is_encoder_decoder(m) for m in pl_module.modules()):
+            return None
+        self._prepended = extra
+        self._warn(
+            "tokens/prepended",
+            f"the first transformer block sees {shape[1]} positions a row, {extra} more than the batch's "
+            f"{rows.shape[1]} token positions (image tokens or a prefix the model puts in front): tokens count them, "
+            f"{extra} a row; define `effi_count_tokens(batch) -> int` on your LightningModule to count your own way",
+        )
+        return extra
 
     def _warn_sequence_groups(self, batch: Any) -> None:
         """Once: a batch of several prefixed sequences (a preference pair's ``chosen_*`` / ``rejected_*``, TRL's
@@ -1034,6 +1063,9 @@ class EfficiencyMonitor(Callback):
             scale = self._downsampled_mask(batch) if fallback is None else self._mask_scale
             if found is not None and scale is not None:
                 found = round(found * scale)
+            prepended = self._prepended_positions(pl_module, batch) if fallback is None else self._prepended
+            if found is not None and prepended and len(parts) == 1:
+                found += prepended * (find_batch_size(batch) or 0)
             if found is None and self._batch_shapes is not None and self._observed_tokens is not None:
                 # the positions of the first block's hidden states (continuous features: no token ids); the batch
                 # of a technique that restored a cut sequence axis (the curriculum's) scaled by its length

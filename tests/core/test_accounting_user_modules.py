@@ -1977,3 +1977,35 @@ def test_a_layerdrop_that_skips_the_first_block_counts_the_blocks_tokens(tmp_pat
     monitor, _, per_batch = fit(LayerDropSpeech(), loader, tmp_path, 4)
     assert [row["tokens"] for row in per_batch.rows] == [B * T] * 4
     assert [row["layer_tokens"] for row in per_batch.rows] == [4 * B * T] * 4
+
+
+class PrefixLM(UserModule):
+    """A vision-language model's pattern: 6 image tokens (a projection of image features) put in front of the text's
+    embeddings before the blocks; the batch holds the text's ids and mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.project = OwnNet(), nn.Linear(8, 32)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = torch.cat([self.project(batch["image_features"]), self.net.embed(batch["input_ids"])], 1)
+        for block in self.net.blocks:
+            x = block(x)
+        logits = self.net.head(x[:, 6:])
+        return F.cross_entropy(logits.flatten(0, 1), batch["input_ids"].flatten())
+
+
+def test_tokens_a_model_puts_in_front_of_the_text_are_counted(tmp_path: Path) -> None:
+    """16 image tokens a row in front of the text were left out of tokens and layer_tokens (2,772 counted for
+    4,308), in silence (qa47-user 01): the positions the first block sees beyond the batch's are counted, warned."""
+    mask = (torch.arange(T) < torch.tensor([T, 5, 9, 12])[:, None]).long()
+    batch = {"image_features": torch.randn(B, 6, 8), "input_ids": torch.randint(1, V, (B, T)), "attention_mask": mask}
+    loader = DataLoader([0] * (2 * B), batch_size=B, collate_fn=lambda rows: batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, _, per_batch = fit(PrefixLM(), loader, tmp_path, 2)
+    tokens = int(mask.sum()) + B * 6
+    assert [row["tokens"] for row in per_batch.rows] == [tokens] * 2
+    assert [row["layer_tokens"] for row in per_batch.rows] == [4 * tokens] * 2
+    told = [m for m in monitor_warnings(caught) if "more than the batch's" in m]
+    assert len(told) == 1 and f"sees {T + 6} positions a row, 6 more than the batch's {T} token positions" in told[0]
