@@ -607,7 +607,7 @@ class EfficiencyMonitor(Callback):
         self._recorded_lists: dict[str, int] = {}  # the module lists of the network the recorded step trained
         self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
         self._block_hooks: list[Any] = []
-        # the candidate block lists watched in the current step (path, list), what the first block of each was
+        # the candidate block lists watched in the current step (path, list), what the first block run of each was
         # called with ((tokens, shape, width) by index), the query shape of its sequence-first attention, and the
         # path of the list the last step ran with [B, T, H] hidden states (find_blocks returns it while in place)
         self._watched: list[tuple[str, Blocks]] = []
@@ -1329,7 +1329,8 @@ class EfficiencyMonitor(Callback):
 
     def _candidates(self, pl_module: nn.Module) -> list[tuple[str, Blocks]]:
         """The block lists of the network now in ``pl_module`` (:func:`~lightning_effi.core.measure.
-        block_candidates`, at most :data:`WATCHED_LISTS`) with their paths, each watched in the step."""
+        block_candidates`: the first :data:`WATCHED_LISTS`, and the one chosen at the steps before wherever it
+        ranks) with their paths, each watched in the step."""
         lists = block_candidates(pl_module)
         chosen = None if self._chosen is None else _submodule(pl_module, self._chosen)
         kept = lists[:WATCHED_LISTS] + [x for x in lists[WATCHED_LISTS:] if x is chosen]
@@ -1337,8 +1338,8 @@ class EfficiencyMonitor(Callback):
         return [(names[id(x)], x) for x in kept if id(x) in names]
 
     def _observe(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The first call of the first block of watched list ``index`` in the step: its hidden states' tokens and
-        shape, and whether their last dimension is a width of the block."""
+        """The first call, in the step, of a block of watched list ``index`` (block 0 unless a LayerDrop skipped it):
+        its hidden states' tokens and shape, and whether their last dimension is a width of the block."""
         if index in self._seen:
             return
         tokens = hidden_tokens(args, kwargs)
