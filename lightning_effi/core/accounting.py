@@ -1194,7 +1194,7 @@ class EfficiencyMonitor(Callback):
             self._check_order(trainer)
             self._recorded_key = None  # a compiled module is recorded again in every fit (_watch)
             self._outside_checked = False
-            self._chosen = None  # the block list is seen again in this fit's steps
+            self._chosen, self._ranked = None, None  # the block list is seen again in this fit's steps
             if trainer.global_step > 0:
                 if self._ended_at == (id(trainer), trainer.global_step):
                     return
@@ -1553,6 +1553,7 @@ class EfficiencyMonitor(Callback):
         self._unwatch(None)
         if stage == "fit":
             self._restore_flops(pl_module)
+            self._ranked = None  # its lists hold the fit's modules: not kept alive after it
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
