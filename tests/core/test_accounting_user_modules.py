@@ -870,19 +870,12 @@ def test_the_vcycle_baseline_prices_every_block_when_the_step_iterates_them(tmp_
     assert coarse and monitor.summary["flops_saved_frac"] > 0.1
 
 
-class PatchNet(nn.Module):
+class PatchNet(OwnNet):
     """A network on continuous inputs (a DiT's patch tokens, no token ids): a projection, :class:`OwnBlock` s."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed, self.head = nn.Linear(8, 32), nn.Linear(32, 8)
-        self.blocks = nn.ModuleList(OwnBlock() for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 class WithEMA(UserModule):
