@@ -51,6 +51,24 @@ def test_counts_are_exact_for_a_fixed_length_lm(tmp_path):
     assert s["samples_per_s"] == pytest.approx(56 / (s["time_train_s"] + s["time_data_s"]))
 
 
+def test_the_monitors_own_work_before_a_batch_is_not_data_time(tmp_path, monkeypatch):
+    # the first batch's search of the model for its block lists (it imports timm: ~1 s) read as data time, so the
+    # first run of each sweep process looked slower (qa48-hydra 01)
+    import time
+
+    watch = EfficiencyMonitor._watch
+
+    def slow_watch(self, pl_module, batch):
+        time.sleep(0.25)
+        watch(self, pl_module, batch)
+
+    monkeypatch.setattr(EfficiencyMonitor, "_watch", slow_watch)
+    trainer, _ = fit_steps(tiny_gpt2, tiny_lm_data, 3, tmp_path, callbacks_fn=lambda: [EfficiencyMonitor()])
+    s = trainer.callbacks[0].summary
+    assert s["time_monitor_s"] >= 0.75
+    assert s["time_data_s"] < 0.25 and s["time_train_s"] < 0.25 * 3
+
+
 class _TwoSources(pl.LightningModule):
     """A user's module training on a batch of each of two loaders (Lightning's CombinedLoader)."""
 

@@ -112,8 +112,8 @@ from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, n
 from lightning_effi.core.state import check_coarse_vcycle_resume, open_batch_skipped, saving_in_train_batch_end
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
-#: ``time_monitor``: the monitor's own work after each batch (counting, and measuring the FLOPs of each new batch
-#: shape), outside ``time_train`` and ``time_data``
+#: ``time_monitor``: the monitor's own work around each batch (setting its hooks before it, counting and measuring the
+#: FLOPs of each new batch shape after it), outside ``time_train`` and ``time_data``
 TIME_KEYS = ("time_train", "time_data", "time_eval", "time_monitor")
 #: the quantities of a batch (the fields of :class:`BatchStats`)
 QUANTITIES = ("samples", "tokens", "layer_tokens", "flops")
@@ -500,7 +500,8 @@ class EfficiencyMonitor(Callback):
     - ``samples, tokens, layer_tokens, flops, batches, optimizer_steps``: what was computed (FLOPs: forward +
       backward, :mod:`lightning_effi.core.flops`);
     - ``time_train_s, time_data_s, time_eval_s, time_total_s, samples_per_s, tokens_per_s``;
-    - ``time_monitor_s``: the monitor's own time (in ``time_total_s`` only): counting each batch, and measuring the
+    - ``time_monitor_s``: the monitor's own time (in ``time_total_s`` only): setting its hooks before each batch
+      (finding the model's block lists at the first), counting each batch, and measuring the
       FLOPs of each new batch shape (the replay on fake tensors costs tens to hundreds of forward-backward passes'
       Python overhead: 0.3-0.8 s for a 3-layer BERT on a CPU core). Every padded length is a new shape; of batches
       padded to their longest sequence, lengths between 5 replayed ones are read off the quadratic those fit exactly
@@ -1269,13 +1270,16 @@ class EfficiencyMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._watch(pl_module, batch)
-        self._step_at_batch_start = trainer.global_step
-        self._open_batch, self._backward_seen = batch, False
         now = self._now(pl_module)
         if self._mark is not None:
             self.totals["time_data"] += now - self._mark
-        self._batch_start = now
+        # the monitor's own work, not the data's: the first batch's search of the model for its block lists took
+        # ~1 s of time_data (it imports timm; qa48-hydra 01)
+        self._watch(pl_module, batch)
+        self._step_at_batch_start = trainer.global_step
+        self._open_batch, self._backward_seen = batch, False
+        self._batch_start = self._now(pl_module)
+        self.totals["time_monitor"] += self._batch_start - now
 
     def _watch(self, pl_module: pl.LightningModule, batch: Any) -> None:
         """Before the training step: record the network's calls when FLOPs must be measured, and the first
