@@ -332,8 +332,11 @@ class ResultWriter(pl.Callback):
 
     Args:
         metric, mode, seed, budget, arm, task_name: as :func:`write_result`.
-        out_dir: the run's folder; None: ``trainer.log_dir`` (the logger's version folder, one per run), else
-            ``trainer.default_root_dir``.
+        out_dir: the run's folder; None: the folder of the run's first logger when that is a ``TensorBoardLogger``
+            or ``CSVLogger`` (its version folder, one per run), else the Hydra job's output folder in a Hydra job,
+            else ``trainer.log_dir`` (another logger's ``save_dir``, or ``trainer.default_root_dir``). A folder that
+            already holds a ``result.json`` when the fit starts (another run's: runs of a loop or a sweep sharing one
+            folder) has it moved to ``result.previous.json`` with a warning: give each run its own ``out_dir``.
         config: ``"cli"`` (default): the ``LightningCLI`` configuration when the Trainer has its
             ``SaveConfigCallback`` (recorded as overrides, :func:`config_overrides`), else none; a mapping: that
             configuration; None: none.
@@ -364,6 +367,21 @@ class ResultWriter(pl.Callback):
         self.budget, self.arm, self.task_name, self.config = budget, arm, task_name, config
         #: the path of the last result.json written
         self.path: Path | None = None
+        self._dir: str | os.PathLike[str] | None = None
+        self._earlier = False  # the folder held a result.json when the fit started
+
+    def _resolve_dir(self, trainer: pl.Trainer) -> str | os.PathLike[str]:
+        if self.out_dir:
+            return self.out_dir
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        if trainer.loggers and isinstance(trainer.loggers[0], TensorBoardLogger | CSVLogger):
+            return str(trainer.log_dir)  # the version folder: one per run
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():  # a Hydra job: its own folder, where a sweep's jobs share the launch folder
+            return str(HydraConfig.get().runtime.output_dir)
+        return str(trainer.log_dir)  # another logger's save_dir, or default_root_dir: maybe shared by runs
 
     def _config(self, trainer: pl.Trainer) -> Mapping[str, Any] | None:
         if self.config != "cli":
@@ -376,9 +394,25 @@ class ResultWriter(pl.Callback):
         config = saver.config
         return config.as_dict() if hasattr(config, "as_dict") else dict(config)
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Choose the run's folder (``out_dir``), and note whether it already holds a record."""
+        self._dir = self._resolve_dir(trainer)  # on every rank: trainer.log_dir broadcasts
+        self._earlier = (Path(self._dir) / "result.json").exists()
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the record (listed before the ``EfficiencyMonitor``: once the monitor has summed the fit up)."""
-        out_dir = self.out_dir or trainer.log_dir or trainer.default_root_dir
+        out_dir = self._dir if self._dir is not None else self._resolve_dir(trainer)
+        earlier = Path(out_dir) / "result.json"
+        if self._earlier and trainer.is_global_zero and earlier.exists():
+            # runs of a loop or a sweep writing into one folder (no logger, Hydra's launch folder): the second
+            # replaced the first's record in silence, and the report saw one run (qa48-hydra 02)
+            earlier.replace(earlier.with_name("result.previous.json"))
+            rank_zero_warn(
+                f"ResultWriter: {earlier} held an earlier run's record when this fit started; it is moved to "
+                "result.previous.json and this run's record takes its place. Runs that share a folder replace each "
+                "other's records: give each run its own out_dir (e.g. runs/<arm>_<budget>_seed<seed>; under Hydra "
+                "${hydra:runtime.output_dir}), or a TensorBoardLogger / CSVLogger, whose version folders are one a run"
+            )
         self.path = write_result(
             trainer,
             out_dir,

@@ -618,3 +618,75 @@ def test_a_result_writer_refuses_bad_settings_when_built(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         ResultWriter(**kwargs)
+
+
+def _fit_with_result_writer(root, seed, **trainer_kwargs):
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_effi import EfficiencyMonitor
+    from lightning_effi.report import ResultWriter
+
+    class Linear(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 3)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val/loss", torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    pl.seed_everything(seed)
+    data = TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    writer = ResultWriter(metric="val/loss", seed=seed)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        default_root_dir=root,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[EfficiencyMonitor(print_summary=False), writer],
+        **trainer_kwargs,
+    )
+    trainer.fit(Linear(), DataLoader(data, batch_size=16), DataLoader(data, batch_size=16))
+    return writer
+
+
+def test_a_result_writer_does_not_replace_another_runs_record_in_silence(tmp_path):
+    """Without a logger the record goes to default_root_dir, which runs of a loop or a sweep share: the second run
+    replaced the first's result.json in silence and the report saw one run (qa48-hydra 02). The earlier record is
+    kept as result.previous.json, with a warning naming the remedy."""
+    first = _fit_with_result_writer(tmp_path, 0, logger=False)
+    assert first.path == tmp_path / "result.json"
+    with pytest.warns(UserWarning, match=r"held an earlier run's record .* give each run its own out_dir"):
+        second = _fit_with_result_writer(tmp_path, 1, logger=False)
+    assert second.path == tmp_path / "result.json"
+    assert json.loads((tmp_path / "result.json").read_text())["seed"] == 1
+    assert json.loads((tmp_path / "result.previous.json").read_text())["seed"] == 0
+
+
+def test_a_result_writer_writes_into_the_loggers_version_folder_or_the_hydra_jobs_folder(tmp_path, monkeypatch):
+    """A CSVLogger's version folders are one per run; without one, a Hydra job's output folder (its jobs share the
+    launch folder, the default_root_dir)."""
+    from hydra.core.hydra_config import HydraConfig
+    from lightning.pytorch.loggers import CSVLogger
+    from omegaconf import OmegaConf
+
+    a = _fit_with_result_writer(tmp_path, 0, logger=CSVLogger(tmp_path / "logs"))
+    b = _fit_with_result_writer(tmp_path, 1, logger=CSVLogger(tmp_path / "logs"))
+    assert (a.path, b.path) == (tmp_path / "logs/lightning_logs/version_0/result.json", b.path)
+    assert b.path == tmp_path / "logs/lightning_logs/version_1/result.json"
+
+    job = tmp_path / "multirun/0"
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    config = OmegaConf.create({"runtime": {"output_dir": str(job)}})
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: config))
+    c = _fit_with_result_writer(tmp_path, 2, logger=False)
+    assert c.path == job / "result.json" and not (tmp_path / "result.json").exists()
