@@ -48,6 +48,17 @@ def _where(owner: str, name: str) -> str:
     return f"{owner}.{name}" if owner else name
 
 
+def _type_note(value: Any, kind: type) -> str:
+    """For a value that is no number of ``kind`` at all: its type, and how to pass one (a 0-d tensor's value in
+    range was refused as if it were out of it: "must be a finite number in (0, 1], got tensor(0.5000)", qa48-break
+    02); empty for a number."""
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return ""
+    if callable(getattr(value, "item", None)) and getattr(value, "ndim", None) == 0:
+        return f" (a {type(value).__name__}: pass its value as a Python number, value.item())"
+    return "" if value is None or isinstance(value, bool | int | float) else f" (a {type(value).__name__})"
+
+
 def check_int(
     owner: str,
     name: str,
@@ -66,7 +77,8 @@ def check_int(
     if not ok:
         bounds = [f">= {minimum}" if minimum is not None else "", f"<= {maximum}" if maximum is not None else ""]
         what = " and ".join(b for b in bounds if b)
-        raise error(f"{_where(owner, name)} must be an int{' ' + what if what else ''}, got {value!r}")
+        note = _type_note(value, Integral)
+        raise error(f"{_where(owner, name)} must be an int{' ' + what if what else ''}, got {value!r}{note}")
     return int(value)
 
 
@@ -98,7 +110,7 @@ def check_real(
             lo = "(" if low_open else "["
             hi = ")" if high_open else "]"
             interval = f" in {lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
-        raise error(f"{_where(owner, name)} must be a finite number{interval}, got {value!r}")
+        raise error(f"{_where(owner, name)} must be a finite number{interval}, got {value!r}{_type_note(value, Real)}")
     return float(value)
 
 

@@ -107,3 +107,20 @@ def test_check_non_decreasing_names_the_first_offending_position():
         check_non_decreasing("O", "d", [1, 3, 2])
     with pytest.raises(ValueError, match=r"must be strictly ascending, got \[1, 1\]"):
         check_non_decreasing("O", "d", [1, 1], strict=True)
+
+
+def test_a_value_of_another_type_is_named_with_its_type():
+    """A 0-d tensor in range read as out of range ("must be a finite number in (0, 1], got tensor(0.5000)",
+    qa48-break 02): the message names its type and how to pass its value."""
+    import torch
+
+    with pytest.raises(ValueError, match=r"in \(0, 1\], got tensor\(0\.5000\) \(a Tensor: pass its value as a Python"):
+        check_real("O", "momentum", torch.tensor(0.5), 0, 1, low_open=True)
+    with pytest.raises(ValueError, match=r"^O\.n must be an int >= 1, got tensor\(4\) \(a Tensor: .*\.item\(\)\)$"):
+        check_int("O", "n", torch.tensor(4), 1)
+    with pytest.raises(ValueError, match=r"^O\.r must be a finite number, got '0\.5' \(a str\)$"):
+        check_real("O", "r", "0.5")
+    with pytest.raises(ValueError, match=r"^O\.r must be a finite number in \[0, 1\], got 2$"):  # a number: no note
+        check_real("O", "r", 2, 0, 1)
+    with pytest.raises(ValueError, match=r"^O\.n must be an int, got 2\.0$"):
+        check_int("O", "n", 2.0)
