@@ -276,8 +276,11 @@ def _config_overrides(config: Any) -> list[str] | None:
         return None
     if isinstance(config, Mapping):
         return config_overrides(config)
-    if isinstance(config, (list, tuple)) and all(isinstance(o, str) and "=" in o for o in config):
-        return sorted(config)
+    if isinstance(config, Sequence) and not isinstance(config, str | bytes):  # a list, tuple or ListConfig (Hydra's
+        # overrides, HydraConfig.get().overrides.task, was refused with a message that allowed it: qa48-break 01)
+        overrides = list(config)
+        if all(isinstance(o, str) and "=" in o for o in overrides):
+            return sorted(overrides)
     raise ValueError(
         "write_result: config must be a mapping (the run's configuration, e.g. LightningCLI's as a dict) or a list "
         f"of 'key=value' strings, got {config!r:.200}"
@@ -339,7 +342,7 @@ class ResultWriter(pl.Callback):
             folder) has it moved to ``result.previous.json`` with a warning: give each run its own ``out_dir``.
         config: ``"cli"`` (default): the ``LightningCLI`` configuration when the Trainer has its
             ``SaveConfigCallback`` (recorded as overrides, :func:`config_overrides`), else none; a mapping: that
-            configuration; None: none.
+            configuration; a list of ``key=value`` strings (Hydra's overrides): those; None: none.
 
     Raises:
         ValueError: (when built) a ``mode``, ``budget``, ``arm``, ``task_name``, ``seed`` or ``config`` that
@@ -355,11 +358,17 @@ class ResultWriter(pl.Callback):
         budget: float = 1.0,
         arm: str | None = None,
         task_name: str = "",
-        config: str | Mapping[str, Any] | None = "cli",
+        config: str | Mapping[str, Any] | Sequence[str] | None = "cli",
     ) -> None:
         super().__init__()
         if config is not None and config != "cli" and not isinstance(config, Mapping):
-            raise ValueError(f"ResultWriter: config must be 'cli', a mapping or None, got {config!r}")
+            try:
+                _config_overrides(config)
+            except ValueError:
+                raise ValueError(
+                    f"ResultWriter: config must be 'cli', a mapping, a list of 'key=value' strings or None, got "
+                    f"{config!r:.200}"
+                ) from None
         _check_settings("ResultWriter", metric, mode, budget, arm, task_name)  # here, not after a whole fit
         if seed is not None and (isinstance(seed, bool) or not is_int(seed) or not 0 <= seed < 2**32):
             raise ValueError(f"ResultWriter: seed must be None or an int in [0, 2**32), got {seed!r}")
@@ -383,9 +392,9 @@ class ResultWriter(pl.Callback):
             return str(HydraConfig.get().runtime.output_dir)
         return str(trainer.log_dir)  # another logger's save_dir, or default_root_dir: maybe shared by runs
 
-    def _config(self, trainer: pl.Trainer) -> Mapping[str, Any] | None:
+    def _config(self, trainer: pl.Trainer) -> Mapping[str, Any] | Sequence[str] | None:
         if self.config != "cli":
-            return self.config if isinstance(self.config, Mapping) else None
+            return self.config
         from lightning.pytorch.cli import SaveConfigCallback
 
         saver = next((c for c in trainer.callbacks if isinstance(c, SaveConfigCallback)), None)  # type: ignore[attr-defined]

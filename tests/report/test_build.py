@@ -595,6 +595,18 @@ def test_write_result_takes_a_configuration_as_override_strings_and_refuses_othe
 
     assert _config_overrides(["model.n_layer=3", "data.batch_size=16"]) == ["data.batch_size=16", "model.n_layer=3"]
     assert _config_overrides(None) is None
+    # Hydra's own overrides list (HydraConfig.get().overrides.task) is a ListConfig (qa48-break 01)
+    from omegaconf import OmegaConf
+
+    assert _config_overrides(OmegaConf.create(["model.n_layer=3", "data.batch_size=16"])) == [
+        "data.batch_size=16",
+        "model.n_layer=3",
+    ]
+    from lightning_effi.report import ResultWriter
+
+    assert ResultWriter(metric="val/loss", config=OmegaConf.create(["a=1"])).config == ["a=1"]
+    with pytest.raises(ValueError, match=r"ResultWriter: config must be 'cli', a mapping, a list of 'key=value'"):
+        ResultWriter(metric="val/loss", config=["a"])
     with pytest.raises(ValueError, match=r"write_result: config must be a mapping .* or a list of 'key=value' strings"):
         _config_overrides(["n_layer"])
     with pytest.raises(ValueError, match=r"write_result: config must be a mapping"):
@@ -609,7 +621,7 @@ def test_write_result_takes_a_configuration_as_override_strings_and_refuses_othe
         (dict(metric="val/widgets"), r"ResultWriter: mode: the metric name 'val/widgets' does not say"),
         (dict(metric="val/loss", arm="a\nb"), r"ResultWriter: arm must be None"),
         (dict(metric="val/loss", seed=-1), r"ResultWriter: seed must be None or an int"),
-        (dict(metric="val/loss", config=3), r"ResultWriter: config must be 'cli', a mapping or None"),
+        (dict(metric="val/loss", config=3), r"ResultWriter: config must be 'cli', a mapping, a list of"),
     ],
 )
 def test_a_result_writer_refuses_bad_settings_when_built(kwargs, message):
