@@ -431,6 +431,7 @@ class LTDForward:
         """
         if not self.controller.armed:
             return None
+        check_hidden_layout(hidden, self.seq_dim)
         seq_len = hidden.shape[self.seq_dim]
         batch = hidden.shape[1 - self.seq_dim]
         idx = self.controller.indices(self.ordinal, batch, seq_len, hidden.device)
@@ -619,6 +620,25 @@ class PatchedLayers:
     running: Callable[[Any], bool] | None = None
 
 
+def check_hidden_layout(hidden: Tensor, seq_dim: int) -> None:
+    """Refuse hidden states that are not ``[B, S, H]`` (``seq_dim`` 1) or ``[S, B, H]`` (``seq_dim`` 0).
+
+    Raises:
+        ValueError: ``hidden`` has other than 3 dimensions: of ``[B, C, N, H]`` (HF PatchTST's channels beside its
+            patches) axis 1, the channels, was taken for the sequence, and whole channels were dropped while a
+            16.6% saving was reported (qa48-ts 01).
+    """
+    if hidden.dim() == 3:
+        return
+    layout = "[B, S, H]" if seq_dim == 1 else "[S, B, H]"
+    raise ValueError(
+        f"random-LTD: the patched layers' hidden states have shape {list(hidden.shape)}; random-LTD drops tokens of "
+        f"{layout} hidden states (3 dimensions, the adapter's hidden_state_order) and would take axis {seq_dim} for "
+        "the sequence. Layers that take [B, C, N, H] (channels beside the patches, HF PatchTST) would lose whole "
+        "channels: reshape to [B*C, N, H] before the layers (a channel-independent encoder), or leave random-LTD out"
+    )
+
+
 class _ObserveHook:
     """The forward pre-hook of :func:`observe`: records the shapes of each armed training forward; ``patch`` tells
     :func:`find_patches` which :class:`PatchedLayers` it belongs to."""
@@ -636,7 +656,8 @@ class _ObserveHook:
     @torch.compiler.disable  # the controller's per-step state stays out of compiled code (see LTDForward.select)
     def __call__(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs.get(self.hidden_name)
-        if layer.training and isinstance(hidden, Tensor) and hidden.device.type != "meta" and hidden.dim() >= 2:
+        if layer.training and isinstance(hidden, Tensor) and hidden.device.type != "meta" and self.controller.armed:
+            check_hidden_layout(hidden, self.seq_dim)
             self.controller.observe(hidden.shape[1 - self.seq_dim], hidden.shape[self.seq_dim], hidden.device)
 
 

@@ -24,6 +24,7 @@ from lightning_effi.callbacks import RandomLTDCallback, VCycleCallback
 from lightning_effi.models.generic import TorchTransformerAdapter
 from lightning_effi.random_ltd import LTDController, convert, is_converted, restore
 from lightning_effi.random_ltd import functional as F
+from lightning_effi.random_ltd.patching import check_hidden_layout
 from tests.helpers.harness import assert_resume_equals_uninterrupted, make_trainer
 from tests.helpers.tiny import TimmViTWithEma, TinyDataModule, TokenBlocks
 
@@ -1470,3 +1471,51 @@ def test_a_trained_copy_keeps_dropping_tokens_under_no_grad(tmp_path):
     module, ltd = MutualLearning(), RandomLTDCallback(min_value=16, max_value=64, seq_per_step=16, seed=0)
     make_trainer(tmp_path, [ltd], max_steps=3, max_epochs=-1).fit(module, loader(Blocks()))
     assert len(module.diffs) == 3 and all(d > 1e-3 for d in module.diffs)  # tokens dropped, as the original does
+
+
+class _PatchTST(pl.LightningModule):
+    """HF PatchTST: its encoder layers take [B, C, N, H] hidden states (channels beside each channel's patches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import PatchTSTConfig, PatchTSTForPrediction
+
+        config = PatchTSTConfig(
+            num_input_channels=3,
+            context_length=32,
+            prediction_length=8,
+            patch_length=8,
+            patch_stride=8,
+            d_model=16,
+            num_attention_heads=2,
+            num_hidden_layers=4,
+            ffn_dim=32,
+        )
+        self.model = PatchTSTForPrediction(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.model(past_values=x, future_values=y).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), 1e-3)
+
+
+def test_hidden_states_of_four_dimensions_are_refused(tmp_path):
+    """Of [B, C, N, H] hidden states axis 1, the channels, was taken for the sequence: whole channels were dropped
+    in the middle layers, max_value read 3 (channels) for 4 patches, and the monitor reported a saving (qa48-ts 01)."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 32, 3), torch.randn(16, 8, 3))
+    ltd = RandomLTDCallback(
+        min_value=2,
+        seq_per_step=2,
+        adapter=GenericAdapter(layers="model.model.encoder.layers", hidden_size=16, passthrough=["output_attentions"]),
+    )
+    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[ltd])
+    with pytest.raises(ValueError, match=r"hidden states have shape \[8, 3, 4, 16\].* reshape to \[B\*C, N, H\]"):
+        trainer.fit(_PatchTST(), torch.utils.data.DataLoader(data, batch_size=8))
+    check_hidden_layout(torch.zeros(2, 5, 4), 1)  # [B, S, H]
+    check_hidden_layout(torch.zeros(5, 2, 4), 0)  # [S, B, H]
+    for shape in ((2, 5), (2, 3, 5, 4)):
+        with pytest.raises(ValueError, match=r"random-LTD drops tokens of \[B, S, H\]"):
+            check_hidden_layout(torch.zeros(shape), 1)
