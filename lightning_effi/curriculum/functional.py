@@ -677,6 +677,9 @@ def truncate(
         return v
 
     out = map_tensors(batch, cut_tensor)
+    if keys is None and _name(found[0]) not in ("attention_mask", "input_ids"):
+        _refuse_another_sequence(batch, found[0], b, t, cut)
+    _refuse_lengths_left_whole(batch, keys, found[0], b, t, length, cut)
     cut_mask, mask_path = None, None
     if real is not None and pm is not None:
         kept = kept.to(real.device)
@@ -722,6 +725,90 @@ def _refuse_named_of_another_length(batch: Any, keys: Sequence[str], reference: 
         "named like a mask ([B, 1, 1, T], [B, H, T, T]); it would be left whole while the others are cut. Put the "
         "sequence on axis 1 (a [B, D, T] feature as [B, T, D]), name a mask or bias so that it holds 'mask', or "
         "leave it out of truncate_keys"
+    )
+
+
+#: words of a tensor's name that say it holds each row's length (``feature_lengths``, ``x_lens``, ``seq_len``)
+LENGTH_WORDS = ("lengths", "length", "lens", "len")
+
+
+def _length_stem(name: str) -> str | None:
+    """The name without its length word (``feature_lengths`` -> ``feature``; ``lengths``, ``seq_len``,
+    ``num_frames`` -> ``""``, the lengths of any sequence); None for a name that does not say it holds lengths."""
+    lowered = name.lower()
+    if lowered in ("num_frames", "n_frames"):
+        return ""
+    for word in LENGTH_WORDS:
+        if lowered.endswith(word):
+            stem = lowered[: -len(word)].strip("_")
+            return "" if stem in ("seq", "sequence") else stem
+    return None
+
+
+def _refuse_lengths_left_whole(
+    batch: Any, keys: Sequence[str] | None, reference: Path, b: int, t: int, length: int, cut: Mapping[Path, Any]
+) -> None:
+    """Refuse a cut that leaves a ``[B]`` integer tensor of the rows' lengths saying more than the cut kept: a speech
+    batch's ``feature_lengths`` said 117 of features cut to 48 frames, and CTC failed later naming neither (qa48-speech
+    01); named in ``truncate_keys`` it was accepted and left whole (02). The lengths tensors are: one named in
+    ``keys``; one whose name says lengths (:data:`LENGTH_WORDS`) of a tensor cut (its stem begins a cut tensor's name:
+    ``feature_lengths`` of ``features``; a bare ``lengths`` of any), with a value above the kept length and none
+    above ``T``; without ``keys``, a tuple's unnamed one whose values are 1 to ``T`` with ``T`` among them (the longest
+    row fills the padding)."""
+    if not cut:
+        return
+    cut_names = [str(_name(path) or "").lower() for path in cut]
+    found = []
+    for path, v in tensor_leaves(batch):
+        if v.ndim != 1 or v.shape[0] != b or b < 2 or not _is_integer(v):
+            continue
+        name = _name(path)
+        named = keys is not None and name in keys
+        stem = None if name is None else _length_stem(name)
+        if not named and (stem is None or not any(n.startswith(stem) for n in cut_names)):
+            if name is not None or keys is not None:
+                continue
+        lo, hi = int(v.min()), int(v.max())
+        if named or (stem is not None and 0 <= lo and length < hi <= t) or (name is None and 1 <= lo and hi == t):
+            found.append((path, hi))
+    if not found:
+        return
+    where = ".".join(map(str, reference)) or "batch"
+    shown = ", ".join(f"{'.'.join(map(str, p)) or 'batch'!r} (up to {hi})" for p, hi in found)
+    raise ValueError(
+        f"seqlen_truncate: the batch holds {shown}, a [B] tensor of the rows' lengths beside the sequences cut from "
+        f"{t} to {length} positions (read from {where!r}); seqlen_truncate cuts sequence axes and leaves such a "
+        "tensor whole, so it would say more than the cut rows hold (a model's padding mask, or CTC's input_lengths, "
+        "built from it). Put a padding mask in the batch instead (a [B, T] tensor named *padding_mask*, True = "
+        "padding, or attention_mask, 1 = real): it is cut with the rows, and the lengths are its sums. "
+        "seqlen_truncate also keeps a transcript whole: cutting audio away from its CTC targets breaks the pair"
+    )
+
+
+def _refuse_another_sequence(batch: Any, reference: Path, b: int, t: int, cut: Mapping[Path, Any]) -> None:
+    """Without ``truncate_keys``, refuse a batch whose length was read from its first integer ``[B, T]`` tensor
+    beside a float sequence ``[B, S, ...]`` of another length that the cut leaves whole: a speech batch's CTC
+    targets were cut and its audio features not (qa48-speech 03)."""
+    other = [
+        (path, v)
+        for path, v in tensor_leaves(batch)
+        if path not in cut
+        and v.ndim >= 3
+        and v.shape[0] == b
+        and v.shape[1] != t
+        and v.is_floating_point()
+        and not _is_mask_name(_name(path))
+        and not _looks_like_images(path, v)
+    ]
+    if not other:
+        return
+    where = ".".join(map(str, reference)) or "batch"
+    shown = ", ".join(f"{'.'.join(map(str, p)) or 'batch'!r} {list(v.shape)}" for p, v in other)
+    raise ValueError(
+        f"seqlen_truncate: the batch's sequence length {t} was read from {where!r}, its first integer [B, T] tensor "
+        f"(token ids, when truncate_keys is not given), beside {shown}, a sequence of another length that the cut "
+        "would leave whole (audio or other features beside their CTC targets). Name the tensors to cut in "
+        "truncate_keys (a dict or dataclass batch), e.g. truncate_keys=[the features' name]"
     )
 
 

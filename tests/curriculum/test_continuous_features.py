@@ -126,3 +126,54 @@ def test_a_padding_mask_the_monitor_cannot_read_is_said_and_total_tokens_without
     trainer = make_trainer(tmp_path / "images", [curriculum], max_steps=2, max_epochs=-1)
     with pytest.raises(CurriculumConfigError, match=r"total_tokens=10\): the training batch has no tokens to count"):
         trainer.fit(Net(), datamodule=CurriculumDataModule(Images()))
+
+
+def _speech_batch(lengths: list[int], tuple_batch: bool = False):
+    """A speech batch as its collate pads it: log-mel features [B, T, 80], their lengths, CTC targets [B, L] and
+    their lengths."""
+    torch.manual_seed(0)
+    t = max(lengths)
+    features = torch.zeros(len(lengths), t, 80)
+    for i, n in enumerate(lengths):
+        features[i, :n] = torch.randn(n, 80)
+    targets = torch.randint(1, 20, (len(lengths), 12))
+    fields = (features, torch.tensor(lengths), targets, torch.full((len(lengths),), 12))
+    if tuple_batch:
+        return fields
+    return dict(zip(("features", "feature_lengths", "targets", "target_lengths"), fields))
+
+
+def test_a_cut_that_would_leave_the_rows_lengths_whole_is_refused():
+    """seqlen_truncate cut the features to 48 frames and left feature_lengths saying up to 117 (qa48-speech 01),
+    also when feature_lengths was named in truncate_keys (02); a tuple's unnamed lengths whose longest is T too."""
+    from lightning_effi.curriculum import functional as CF
+
+    batch = _speech_batch([117, 60, 90, 30])
+    for keys in (["features"], ["features", "feature_lengths"]):
+        with pytest.raises(ValueError, match=r"holds 'feature_lengths' \(up to 117\), a \[B\] tensor of the rows"):
+            CF.truncate(batch, 48, keys=keys)
+    # the targets' lengths are not those of the features: not refused
+    cut = CF.truncate({k: v for k, v in batch.items() if k != "feature_lengths"}, 48, keys=["features"])
+    assert cut.batch["features"].shape == (4, 48, 80) and cut.batch["target_lengths"].tolist() == [12] * 4
+    # a cut that keeps every row whole leaves the lengths true
+    assert CF.truncate(batch, 117, keys=["features"]).batch["feature_lengths"].tolist() == [117, 60, 90, 30]
+    # a tuple batch: its float features and their lengths, without the targets
+    features, lengths = _speech_batch([117, 60, 90, 30], tuple_batch=True)[:2]
+    ids = torch.randint(0, 50, (4, 117))
+    with pytest.raises(ValueError, match=r"holds '1' \(up to 117\)"):
+        CF.truncate((ids, lengths), 48)
+    # class labels in a tuple are no lengths (their largest is not T)
+    labels = torch.tensor([3, 1, 0, 2])
+    assert CF.truncate((ids, labels), 48).batch[1].tolist() == [3, 1, 0, 2]
+
+
+def test_without_truncate_keys_targets_beside_features_of_another_length_are_refused():
+    """The first integer [B, T] tensor (token ids by default) was a speech batch's CTC targets: they were cut, the
+    audio features left whole, and CTC failed later naming neither (qa48-speech 03)."""
+    from lightning_effi.curriculum import functional as CF
+
+    for batch, where in ((_speech_batch([117, 60, 90, 30]), "'targets'"), (_speech_batch([117, 60], True), "'2'")):
+        with pytest.raises(
+            ValueError, match=rf"length 12 was read from {where}, .* beside '[a-z0-9]+' \[\d, 117, 80\]"
+        ):
+            CF.truncate(batch, 6)
