@@ -878,3 +878,22 @@ def test_a_malformed_model_attr_is_refused_at_construction(bad):
 @pytest.mark.parametrize("path", ["towers.0.encoder", "towers.en-de", "towers.7b"])
 def test_a_model_attr_may_name_a_list_position_or_a_module_dict_key(path):
     assert RandomLTDCallback(model_attr=path).model_attr == path
+
+
+def test_a_first_batch_padded_without_an_attention_mask_is_told_padded():
+    """A speech batch carries its rows' lengths (the model builds its mask from them), not an attention_mask: the
+    explicit max_value, the data's longest length, was refused against the shorter first batch of one shuffle seed
+    (qa48-speech 04). Its lengths, or a padding mask, say it is padded; equal lengths say it is not."""
+    from lightning_effi.random_ltd.callback import _padded
+
+    features = torch.zeros(3, 26, 8)
+    assert _padded({"features": features, "feature_lengths": torch.tensor([26, 20, 9])})
+    assert not _padded({"features": features, "feature_lengths": torch.tensor([26, 26, 26])})
+    padding = torch.zeros(3, 26, dtype=torch.bool)
+    assert not _padded({"x": features, "key_padding_mask": padding})
+    padding[1, 20:] = True
+    assert _padded({"x": features, "key_padding_mask": padding})
+    assert not _padded({"x": features, "labels": torch.tensor([1, 0, 2])})
+    assert _padded(
+        {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1] * 4, [1, 1, 0, 0]])}
+    )
