@@ -1485,8 +1485,9 @@ class EfficiencyMonitor(Callback):
             self._write_flops(pl_module, int(account.actual.flops))
 
     def _end_step(self, trainer: pl.Trainer, states: dict[str, float], log: Callable[[], dict[str, float]]) -> None:
-        """After a batch is counted: at an optimizer step, the schedule's change points and, every
-        ``log_every_n_steps`` steps, ``log()`` (the cumulative totals, logged) and a schedule point."""
+        """After a batch is counted: at an optimizer step, the schedule's change points (and the fit's first step,
+        where the schedules start) and, every ``log_every_n_steps`` steps, ``log()`` (the cumulative totals, logged)
+        and a schedule point."""
         every = self.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
         # logged after the optimizer step, every `every` steps: never a micro-batch inside an accumulation window
         # (its cumulative figures would be logged at the step before, next to that step's own)
@@ -1494,6 +1495,11 @@ class EfficiencyMonitor(Callback):
         self._step_at_batch_start = None
         if stepped:
             logging_step = trainer.global_step % max(every, 1) == 0
+            if states and self._last_states is None and not self.schedule and not logging_step:
+                # the fit's first step: where the schedules start (a 30-step run logging every 50 began its plot at
+                # the first change, step 10; qa48-ts 02)
+                self._add_schedule(self._local_point(trainer) | states)
+                self._change_points += 1
             self._record_change(trainer, states, logging_step)
             if logging_step:
                 totals = log()

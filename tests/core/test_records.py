@@ -123,6 +123,23 @@ def test_a_state_change_between_logging_steps_is_recorded_where_it_happened(tmp_
     assert [p["step"] for p in _sparse_fit(tmp_path / "capped", 50).schedule] == [1, 2]
 
 
+def test_the_schedule_starts_at_the_first_step(tmp_path):
+    """A run shorter than its logging interval whose first change came late began its schedule (and its plot) at
+    that change: a 30-step random-LTD run's at step 10 (qa48-ts 02). The first step is a point."""
+    pl.seed_everything(0, workers=True)
+    monitor = EfficiencyMonitor(log_every_n_steps=50, print_summary=False)
+    vcycle = VCycleCallback(e_a=3, e_small=2, alpha_original=0.3)
+    trainer = make_trainer(tmp_path, [monitor, vcycle], max_steps=STEPS, max_epochs=-1)
+    trainer.fit(tiny_gpt2(n_layer=4), datamodule=TinyDataModule(TokenBlocks(n=64), batch_size=8))
+    assert [(p["step"], p["vcycle/level"]) for p in monitor.schedule] == [
+        (1, 1.0),
+        (3, 1.0),
+        (4, 2.0),
+        (5, 2.0),
+        (6, 1.0),
+    ]
+
+
 def test_a_validation_at_a_switch_records_the_level_that_trained_its_step(tmp_path):
     """A validation at the step a V-cycle stage ends read the states after the switch (the V-cycle switches in its
     on_train_batch_end, before validation): the point showed the next level at that step and the change point
