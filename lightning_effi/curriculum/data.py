@@ -39,7 +39,7 @@ from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.indexed import ORDER_CHECKS, collate_reorders, reorder_message
 from lightning_effi.core.loader import sample_draw, set_dataset_epoch
 from lightning_effi.core.measure import tensor_leaves
-from lightning_effi.core.wrapping import WrappingDataModule, wrapper_chain
+from lightning_effi.core.wrapping import WrappingDataModule, find_wrapper, wrapper_chain
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.config import CurriculumConfig
 from lightning_effi.curriculum.stream import CurriculumController
@@ -509,6 +509,13 @@ class CurriculumDataModule(WrappingDataModule):
         causal_label_shift: bool | None = None,
         keep_last_token: bool | None = None,
     ) -> None:
+        if find_wrapper(datamodule, CurriculumDataModule) is not None:
+            # the callback attaches its stream to the outer wrapper; the inner one's loader then said the callback was
+            # missing from the Trainer, where it was (qa48-break 03)
+            raise DataConfigError(
+                "CurriculumDataModule: the DataModule it wraps is a CurriculumDataModule already (nested, e.g. by a "
+                "config that wraps and by code that wraps again); wrap your DataModule once"
+            )
         super().__init__(datamodule)
         given = dict(
             seed=seed,

@@ -487,3 +487,18 @@ def test_a_bad_policy_is_refused_naming_the_argument():
     with pytest.raises(ValueError, match=r"Curriculum\.nonfinite_loss must be one of \('raise', 'warn'\), got 'skip'"):
         Curriculum(metrics=trunc(), nonfinite_loss="skip")
     assert "nonfinite_loss='warn'" in repr(Curriculum(metrics=trunc(), nonfinite_loss="warn"))
+
+
+def test_a_curriculum_datamodule_wrapped_twice_is_refused_when_built():
+    """The callback attached its stream to the outer wrapper, and the inner one's loader said the callback was
+    missing from the Trainer, where it was (qa48-break 03): nesting is refused when the wrapper is built, also with
+    InfoBatch's wrapper between the two."""
+    from lightning_effi.core.errors import DataConfigError
+    from lightning_effi.data import CurriculumDataModule, InfoBatchDataModule
+    from tests.helpers.tiny import tiny_lm_data
+
+    once = CurriculumDataModule(tiny_lm_data())
+    for outer in (lambda: CurriculumDataModule(once), lambda: CurriculumDataModule(InfoBatchDataModule(once))):
+        with pytest.raises(DataConfigError, match=r"is a CurriculumDataModule already .* wrap your DataModule once"):
+            outer()
+    assert InfoBatchDataModule(once).datamodule is once
