@@ -37,11 +37,11 @@ def no_build(monkeypatch):
         ),
         ("optimized_metric=val/acc optimized_mode=min", r"^optimized_mode=min contradicts optimized_metric=val/acc"),
         ("optimized_metric=val/foo optimized_mode=null", r"^optimized_mode is read from optimized_metric's name, and"),
-        ("trainer.max_steps=ten", r"^trainer\.max_steps must be an int >= -1, got 'ten'$"),
+        ("trainer.max_steps=ten", r"^trainer\.max_steps must be an int >= -1, got 'ten' \(a str\)$"),
         ("trainer.max_steps=2.5", r"^trainer\.max_steps must be an int >= -1, got 2\.5$"),
         ("trainer.max_epochs=-2", r"^trainer\.max_epochs must be an int >= -1, got -2$"),
         ("+trainer.accumulate_grad_batches=0", r"^trainer\.accumulate_grad_batches must be an int >= 1, got 0$"),
-        ("trainer.log_every_n_steps=often", r"^trainer\.log_every_n_steps must be an int >= 1, got 'often'$"),
+        ("trainer.log_every_n_steps=often", r"^trainer\.log_every_n_steps must be an int >= 1, got 'often' \(a str\)$"),
         # Lightning skips clipping at <= 0: a sign typo trained unclipped
         ("trainer.gradient_clip_val=-1", r"^trainer\.gradient_clip_val: expected a number >= 0 \(0 or null: no "),
         ("trainer.gradient_clip_val=high", r"^trainer\.gradient_clip_val: expected a number >= 0 .*got 'high'$"),
