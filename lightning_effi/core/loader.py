@@ -236,6 +236,10 @@ def skippable(sampler: Any) -> Any:
     return SkippableSampler(sampler)
 
 
+#: the techniques whose loaders draw with a sampler of that name, for a resume without them
+_SAMPLERS_WRITTEN_BY = {"InfoBatchSampler": "InfoBatch's pruned epochs: InfoBatchCallback and InfoBatchDataModule"}
+
+
 class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
     """``DataLoader`` whose mid-epoch position is checkpointed by Lightning (see the module docstring).
 
@@ -277,17 +281,19 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
         finally:
             sampler.start = 0
 
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "batches" (handed out in this epoch), "batch_size", "samples" (per-rank epoch length)}``."""
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "batches" (handed out in this epoch), "batch_size", "samples" (per-rank epoch length),
+        "sampler" (its class name: a resume with another one is told which)}``."""
         sampler: Any = self.sampler
         return {
             "epoch": int(sampler.epoch),
             "batches": int(self._batches),
             "batch_size": int(self.batch_size or 1),
             "samples": len(sampler),
+            "sampler": type(sampler).__name__,
         }
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at ``state_dict["batches"]`` of epoch ``state_dict["epoch"]`` on the next iteration.
 
         Raises:
@@ -304,6 +310,17 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
                 "written with (a Curriculum and a CurriculumDataModule), or start a new fit from its weights"
             )
         batches = int(state_dict["batches"])
+        saved, sampler = state_dict.get("sampler"), type(self.sampler).__name__
+        if isinstance(saved, str) and saved != sampler and state_dict.get("samples") != len(self.sampler):  # type: ignore[arg-type]
+            # a checkpoint of InfoBatch's pruned epoch resumed without InfoBatch was blamed on the data settings
+            # (qa48-break 04)
+            written = _SAMPLERS_WRITTEN_BY.get(saved, f"the DataModule whose loader draws with {saved}")
+            raise ValueError(
+                f"cannot resume the training loader mid-epoch: the checkpoint's epoch was drawn by {saved} "
+                f"({state_dict.get('samples')} samples), this run's by {sampler} ({len(self.sampler)} samples); "  # type: ignore[arg-type]
+                f"resume with the callbacks and DataModule the checkpoint was written with ({written}), or start a "
+                "new fit from its weights"
+            )
         for key, now in (("batch_size", int(self.batch_size or 1)), ("samples", len(self.sampler))):  # type: ignore[arg-type]
             if key in state_dict and int(state_dict[key]) != now:
                 raise ValueError(

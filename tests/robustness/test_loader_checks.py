@@ -285,6 +285,24 @@ def test_a_checkpoint_of_another_loader_is_refused_naming_it(tmp_path):
     assert second.global_step == 3  # restored, not trained further
 
 
+def test_a_checkpoint_of_infobatchs_pruned_epoch_resumed_without_infobatch_is_refused_naming_it(tmp_path):
+    """The plain loader refused it with "the checkpoint has samples=29, the run now 40; resume with the same data
+    settings (batch size, subset, number of devices)", none of which was the cause (qa48-break 04)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_effi import InfoBatchCallback, InfoBatchDataModule
+    from tests.helpers.tiny import tiny_lm_data
+
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=7, save_top_k=-1, filename="{step}")
+    first = make_trainer(tmp_path / "a", [InfoBatchCallback(prune_ratio=0.5, num_epochs=4), ckpt], max_epochs=4)
+    first.fit(tiny_gpt2(), datamodule=InfoBatchDataModule(tiny_lm_data()))  # step 7: inside pruned epoch 1
+    second = make_trainer(tmp_path / "b", max_epochs=4)
+    with pytest.raises(ValueError, match=r"drawn by InfoBatchSampler \(\d+ samples\), this run's by EpochShuffle.*"
+                       r"\(InfoBatch's pruned epochs: InfoBatchCallback and InfoBatchDataModule\)"):  # fmt: skip
+        second.fit(tiny_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ckpt" / "step=7.ckpt"))
+
+
 def test_the_resumable_loader_and_its_sampler_refuse_an_iterable_dataset():
     for build, owner in (
         (lambda: EpochShuffleSampler(Stream()), "EpochShuffleSampler"),
