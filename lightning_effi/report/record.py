@@ -100,6 +100,8 @@ def _check_settings(who: str, metric: str, mode: str | None, budget: Any, arm: A
     Raises:
         ValueError: as :func:`write_result`, naming ``who``.
     """
+    if not isinstance(metric, str) or not metric:  # None was told its name does not say a direction (qa48-break)
+        raise ValueError(f"{who}: metric must be the name of a logged metric (a non-empty str), got {metric!r}")
     if mode is None:
         mode = infer_mode(metric)
         if mode is None:

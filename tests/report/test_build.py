@@ -622,6 +622,8 @@ def test_write_result_takes_a_configuration_as_override_strings_and_refuses_othe
         (dict(metric="val/loss", arm="a\nb"), r"ResultWriter: arm must be None"),
         (dict(metric="val/loss", seed=-1), r"ResultWriter: seed must be None or an int"),
         (dict(metric="val/loss", config=3), r"ResultWriter: config must be 'cli', a mapping, a list of"),
+        (dict(metric=None), r"ResultWriter: metric must be the name of a logged metric \(a non-empty str\), got None"),
+        (dict(metric=""), r"ResultWriter: metric must be the name of a logged metric"),
     ],
 )
 def test_a_result_writer_refuses_bad_settings_when_built(kwargs, message):
