@@ -720,11 +720,14 @@ class EfficiencyMonitor(Callback):
         if extra <= 0 or any(_is_encoder_decoder(m) for m in pl_module.modules()):
             return None
         self._prepended = extra
+        # a speech batch's CTC targets [B, L] beside its frames were told "image tokens or a prefix" (qa48-speech 06)
         self._warn(
             "tokens/prepended",
             f"the first transformer block sees {shape[1]} positions a row, {extra} more than the batch's "
-            f"{rows.shape[1]} token positions (image tokens or a prefix the model puts in front): tokens count them, "
-            f"{extra} a row; define `effi_count_tokens(batch) -> int` on your LightningModule to count your own way",
+            f"{rows.shape[1]} token positions (image tokens or a prefix the model puts in front; or the batch's "
+            "integer tensor is no input of the blocks, e.g. CTC targets beside audio features): tokens "
+            f"count the positions the blocks see, {shape[1]} a row; define `effi_count_tokens(batch) -> int` on your "
+            "LightningModule to count your own way",
         )
         return extra
 
