@@ -280,6 +280,7 @@ class Curriculum(Callback):
         #: the CurriculumDataModule this fit attached the controller to (detached at the fit's end)
         self._datamodule: CurriculumDataModule | None = None
         self.consumed_tokens = 0
+        self._warned_other_tokens = False  # consumed_tokens read integer ids beside features of another length
         self._pending: tuple[int, int, dict[str, int], int] | None = None
         self._ended_early: int | None = None  # the step of a batch committed before its on_train_batch_end
         self._tokens_through_current = 0
@@ -395,6 +396,7 @@ class Curriculum(Callback):
             )
         # a fresh fit starts from a fresh stream; a checkpoint's state arrives later through load_state_dict
         self.consumed_tokens, self._tokens_through_current, self.last_difficulties = 0, 0, {}
+        self._warned_other_tokens = False
         self._pending, self._ended_early = None, None
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
         self._cut_mask_path, self._cut_values = None, None
@@ -769,7 +771,24 @@ class Curriculum(Callback):
         count = getattr(pl_module, "effi_count_tokens", None)
         if callable(count):
             return int(count(batch))
-        if token_source(batch) is not None:
+        source = token_source(batch)
+        if source is not None:
+            if source[0] == "ids" and source[1].ndim == 2 and not self._warned_other_tokens:
+                other = F.other_sequences(batch, int(source[1].shape[0]), int(source[1].shape[1]))
+                if other:  # CTC targets beside audio frames were counted as the tokens (qa48-speech 05)
+                    self._warned_other_tokens = True
+                    shown = ", ".join(f"{'.'.join(map(str, p)) or 'batch'!r} {list(v.shape)}" for p, v in other)
+                    message = (
+                        f"Curriculum: consumed_tokens counts the batch's integer {list(source[1].shape)} tensor as "
+                        f"its tokens, beside {shown}, a sequence of another length (audio or other features beside "
+                        "their CTC targets?); define `effi_count_tokens(batch) -> int` on your LightningModule to "
+                        "count the positions your model trains on"
+                    )
+                    if self.total_tokens is not None:
+                        raise CurriculumConfigError(
+                            f"{message}: Curriculum(total_tokens={self.total_tokens}) would follow that count"
+                        )
+                    rank_zero_warn(message)
             return int(tokens_of(batch))
         assert self.controller is not None
         seq = F.sequence_length(batch, self.controller.config.truncate_keys)

@@ -785,21 +785,27 @@ def _refuse_lengths_left_whole(
     )
 
 
-def _refuse_another_sequence(batch: Any, reference: Path, b: int, t: int, cut: Mapping[Path, Any]) -> None:
-    """Without ``truncate_keys``, refuse a batch whose length was read from its first integer ``[B, T]`` tensor
-    beside a float sequence ``[B, S, ...]`` of another length that the cut leaves whole: a speech batch's CTC
-    targets were cut and its audio features not (qa48-speech 03)."""
-    other = [
+def other_sequences(batch: Any, b: int, t: int) -> list[tuple[Path, Tensor]]:
+    """The float sequences ``[B, S, ...]`` (3 dimensions or more, ``S != t``; not images, :func:`_looks_like_images`,
+    nor masks) of a batch of size ``b`` whose integer ``[B, t]`` tensor was read as its tokens: audio or other
+    features beside their CTC targets, whose length is not the features' (qa48-speech 03, 05)."""
+    return [
         (path, v)
         for path, v in tensor_leaves(batch)
-        if path not in cut
-        and v.ndim >= 3
+        if v.ndim >= 3
         and v.shape[0] == b
         and v.shape[1] != t
         and v.is_floating_point()
         and not _is_mask_name(_name(path))
         and not _looks_like_images(path, v)
     ]
+
+
+def _refuse_another_sequence(batch: Any, reference: Path, b: int, t: int, cut: Mapping[Path, Any]) -> None:
+    """Without ``truncate_keys``, refuse a batch whose length was read from its first integer ``[B, T]`` tensor
+    beside a float sequence ``[B, S, ...]`` of another length that the cut leaves whole: a speech batch's CTC
+    targets were cut and its audio features not (qa48-speech 03)."""
+    other = [(path, v) for path, v in other_sequences(batch, b, t) if path not in cut]
     if not other:
         return
     where = ".".join(map(str, reference)) or "batch"

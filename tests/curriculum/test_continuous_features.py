@@ -177,3 +177,25 @@ def test_without_truncate_keys_targets_beside_features_of_another_length_are_ref
             ValueError, match=rf"length 12 was read from {where}, .* beside '[a-z0-9]+' \[\d, 117, 80\]"
         ):
             CF.truncate(batch, 6)
+
+
+def test_consumed_tokens_of_integer_targets_beside_features_of_another_length_are_warned_or_refused():
+    """consumed_tokens counted a speech batch's padded CTC targets as its tokens (256 where the model trained 696
+    frames; qa48-speech 05): warned once, and refused with total_tokens, whose progress would follow it."""
+    from tests.helpers.tiny import seqlen_truncate
+
+    batch = _speech_batch([117, 60, 90, 30])
+    module = nn.Linear(1, 1)
+    callback = Curriculum(metrics=seqlen_truncate())
+    with pytest.warns(UserWarning, match=r"consumed_tokens counts the batch's integer \[4, 12\] tensor .* 'features'"):
+        assert callback._batch_tokens(batch, module) == 4 * 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert callback._batch_tokens(batch, module) == 4 * 12  # once
+    limited = Curriculum(metrics=seqlen_truncate(), total_tokens=10_000)
+    with pytest.raises(CurriculumConfigError, match=r"Curriculum\(total_tokens=10000\) would follow that count"):
+        limited._batch_tokens(batch, module)
+    text = {"input_ids": torch.randint(0, 9, (4, 12)), "labels": torch.randint(0, 9, (4,))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert limited._batch_tokens(text, module) == 48
