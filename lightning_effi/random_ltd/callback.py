@@ -1862,7 +1862,10 @@ class RandomLTDCallback(Callback):
             # derived from the data: the run goes on with the checkpoint's value (it only grows from there)
             restored, _ = saved.pop("max_value", None), mine.pop("max_value", None)
             if restored is not None:
-                self.max_value = max(int(restored), self.max_value or 0)
+                # the checkpoint's value, not the larger of it and setup's: with a seqlen curriculum setup sets its
+                # longest batch, and the checkpoint holds that moved by the step's own label shift (33 for 32 after a
+                # resume: another schedule than the uninterrupted run's, qa49-peft 01)
+                self.max_value = int(restored)
                 self._seen = True
         if self.require_steps_arg is None:
             # derived from the run: on_train_start compares what the current arguments give in this run (clock too)

@@ -263,6 +263,36 @@ def test_a_step_that_shifts_its_own_labels_moves_the_curriculums_max_value(tmp_p
     assert "max_value = 15 tokens: the patched layers see 9 positions of the first training batch's 10" in caplog.text
 
 
+def test_a_max_value_moved_by_the_steps_label_shift_resumes_exactly(tmp_path):
+    """setup sets the curriculum's longest batch (16), the first batch moves it by the step's shift (15); a resumed
+    fit kept the larger of setup's and the checkpoint's, 16, and dropped other tokens from then on (qa49-peft 01)."""
+    from lightning_effi.callbacks import Curriculum
+    from lightning_effi.data import CurriculumDataModule
+    from tests.helpers.tiny import seqlen_truncate
+
+    def callbacks():
+        adapter = GenericAdapter("blocks", hidden_size=32)
+        ltd = RandomLTDCallback(min_value=2, seq_per_step=2, require_steps=6, adapter=adapter, seed=0)
+        return [Curriculum(metrics=seqlen_truncate(8, 16, 4, 2)), ltd]
+
+    def model():  # without dropout: the global random state is not in a checkpoint
+        module = ShiftsItsLabels()
+        module.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True) for _ in range(3)
+        )
+        return module
+
+    a, b = assert_resume_equals_uninterrupted(
+        model,
+        lambda: CurriculumDataModule(TinyDataModule(TokenBlocks(n=40, seq_len=16), batch_size=4)),
+        tmp_path,
+        total_steps=6,
+        resume_step=2,
+        callbacks_fn=callbacks,
+    )
+    assert [c.max_value for t in (a, b) for c in t.callbacks if isinstance(c, RandomLTDCallback)] == [15, 15]
+
+
 def test_a_min_value_above_the_seen_length_is_refused(tmp_path):
     trainer = make_trainer(tmp_path, [RandomLTDCallback(min_value=128, require_steps=4)], max_steps=2, max_epochs=-1)
     with pytest.raises(ValueError, match=r"min_value \(128\) is larger than .* \(64 tokens .*never drop a token"):
