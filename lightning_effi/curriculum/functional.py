@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -557,7 +558,8 @@ class Truncation(NamedTuple):
         cut_values: path -> the removed values of every ``[B, T]`` tensor cut (token ids, token types, 0/1 masks,
             labels: ``[B, T - L]``, each row's in column order; the small per-token tensors), so that
             :func:`lengthen_batch` gives them back exactly; wider tensors (``[B, T, D]``, pairwise masks) are not
-            kept. None when nothing was cut.
+            kept; and the original of every ``[B]`` tensor of the rows' lengths that was clamped to the kept length
+            (:func:`row_lengths`). None when nothing was cut.
     """
 
     batch: Any
@@ -587,9 +589,11 @@ def truncate(
     the last axis (two for ``[.., T, T]``) of a mask ``[B, 1, 1, T]`` / ``[B, 1, T, T]``), ``L = d + 1`` with
     ``causal_label_shift`` (Megatron GPT: a sample holds ``seq_length + 1`` tokens, the extra one being the shifted
     label) else ``L = d``. Nothing changes when ``L >= T``. The cut tensors are contiguous copies (a model's own
-    ``labels.view(-1)`` works on them). Other tensors (labels ``[B]``, images) and leaves are kept
-    as they are. Tensors must be batch-first (``[B, T]``): pass ``batch_size`` to have a sequence-first ``[T, B]``
-    batch refused (:func:`check_batch_first`).
+    ``labels.view(-1)`` works on them). A ``[B]`` tensor named as the rows' lengths (:func:`row_lengths`:
+    ``feature_lengths``, ``seq_len``, an HF ``length`` column) is clamped to ``L``, what each cut row holds. Other
+    tensors (labels ``[B]``, images) and leaves are kept as they are; integer targets of another length (a CTC
+    transcript) beside cut float features are refused. Tensors must be batch-first (``[B, T]``): pass
+    ``batch_size`` to have a sequence-first ``[T, B]`` batch refused (:func:`check_batch_first`).
 
     Which ``L`` columns (the *real* tokens are those of the batch's padding mask, :func:`padding_mask`: a tensor named
     ``attention_mask``, ``*padding_mask*`` (True = padding) or ``*mask*``, bool, 0/1 or additive float (0 = real,
@@ -679,7 +683,15 @@ def truncate(
     out = map_tensors(batch, cut_tensor)
     if keys is None and _name(found[0]) not in ("attention_mask", "input_ids"):
         _refuse_another_sequence(batch, found[0], b, t, cut)
-    _refuse_lengths_left_whole(batch, keys, found[0], b, t, length, cut)
+    _refuse_whole_targets(batch, b, t, cut)
+    lengths = row_lengths(batch, keys, b, t, cut)
+    if lengths:
+        # a [B] tensor of the rows' lengths says what the cut rows hold, min(n, L) in every mode (right and left
+        # padding, keep_last_token); its original comes back in lengthen_batch (feature_lengths said 117 of 48 frames
+        # kept, qa48-speech 01, 02; an HF `length` column, qa49-break 03)
+        for path in lengths:
+            values[path] = _leaf(batch, path)
+        out = map_tensors(out, lambda path, v: v.clamp_max(length) if path in lengths else v)
     cut_mask, mask_path = None, None
     if real is not None and pm is not None:
         kept = kept.to(real.device)
@@ -730,58 +742,85 @@ def _refuse_named_of_another_length(batch: Any, keys: Sequence[str], reference: 
 
 #: words of a tensor's name that say it holds each row's length (``feature_lengths``, ``x_lens``, ``seq_len``)
 LENGTH_WORDS = ("lengths", "length", "lens", "len")
+#: stems of a lengths tensor's name that name no tensor of its own (``token_lengths``, ``text_len``): of any sequence
+ANY_SEQUENCE_STEMS = ("", "seq", "sequence", "token", "tokens", "text", "input", "inputs", "src", "source")
 
 
 def _length_stem(name: str) -> str | None:
     """The name without its length word (``feature_lengths`` -> ``feature``; ``lengths``, ``seq_len``,
-    ``num_frames`` -> ``""``, the lengths of any sequence); None for a name that does not say it holds lengths."""
+    ``num_frames`` -> ``""``, the lengths of any sequence, :data:`ANY_SEQUENCE_STEMS`); None for a name that does not
+    say it holds lengths."""
     lowered = name.lower()
-    if lowered in ("num_frames", "n_frames"):
+    if lowered in ("num_frames", "n_frames", "num_tokens", "n_tokens"):
         return ""
     for word in LENGTH_WORDS:
         if lowered.endswith(word):
             stem = lowered[: -len(word)].strip("_")
-            return "" if stem in ("seq", "sequence") else stem
+            return "" if stem in ANY_SEQUENCE_STEMS else stem
     return None
 
 
-def _refuse_lengths_left_whole(
-    batch: Any, keys: Sequence[str] | None, reference: Path, b: int, t: int, length: int, cut: Mapping[Path, Any]
-) -> None:
-    """Refuse a cut that leaves a ``[B]`` integer tensor of the rows' lengths saying more than the cut kept: a speech
-    batch's ``feature_lengths`` said 117 of features cut to 48 frames, and CTC failed later naming neither (qa48-speech
-    01); named in ``truncate_keys`` it was accepted and left whole (02). The lengths tensors are: one named in
-    ``keys``; one whose name says lengths (:data:`LENGTH_WORDS`) of a tensor cut (its stem begins a cut tensor's name:
-    ``feature_lengths`` of ``features``; a bare ``lengths`` of any), with a value above the kept length and none
-    above ``T``; without ``keys``, a tuple's unnamed one whose values are 1 to ``T`` with ``T`` among them (the longest
-    row fills the padding)."""
+def _leaf(batch: Any, path: Path) -> Tensor:
+    for p, v in tensor_leaves(batch):
+        if p == path:
+            return v
+    raise KeyError(path)
+
+
+def row_lengths(batch: Any, keys: Sequence[str] | None, b: int, t: int, cut: Mapping[Path, Any]) -> list[Path]:
+    """The ``[B]`` integer tensors of a batch cut from ``t`` positions that hold its rows' lengths, named so: a name
+    ending in a length word (:data:`LENGTH_WORDS`) whose stem names a tensor cut (``feature_lengths`` of
+    ``input_features``: the stem is in the name) or no tensor (``lengths``, ``seq_len``, ``token_lengths``; an HF
+    ``length`` column), every value in ``[0, t]``; with ``keys``, one named in them too. :func:`truncate` clamps them
+    to the kept length. A tuple's unnamed entry is never read as lengths (class labels can look like them)."""
     if not cut:
-        return
+        return []
     cut_names = [str(_name(path) or "").lower() for path in cut]
     found = []
     for path, v in tensor_leaves(batch):
-        if v.ndim != 1 or v.shape[0] != b or b < 2 or not _is_integer(v):
-            continue
         name = _name(path)
-        named = keys is not None and name in keys
-        stem = None if name is None else _length_stem(name)
-        if not named and (stem is None or not any(n.startswith(stem) for n in cut_names)):
-            if name is not None or keys is not None:
-                continue
-        lo, hi = int(v.min()), int(v.max())
-        if named or (stem is not None and 0 <= lo and length < hi <= t) or (name is None and 1 <= lo and hi == t):
-            found.append((path, hi))
-    if not found:
+        if name is None or v.ndim != 1 or v.shape[0] != b or not _is_integer(v) or path in cut:
+            continue
+        stem = _length_stem(name)
+        if stem is None or (stem and not any(stem in n for n in cut_names)):
+            continue
+        if v.numel() and 0 <= int(v.min()) and int(v.max()) <= t:
+            found.append(path)
+    return found
+
+
+#: words of an integer tensor's name that say it holds a sample's targets (a CTC transcript)
+TARGET_WORDS = ("label", "target", "transcript", "text")
+
+
+def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> None:
+    """Refuse a cut of float features (audio frames, no integer ids among the tensors cut) beside an integer
+    ``[B, U]`` tensor named like targets (:data:`TARGET_WORDS`), of another length, left whole: a CTC transcript of the
+    whole sample beside a cut input is no longer its target (loss 0 with ``zero_infinity``, qa49-break 01)."""
+    cut_leaves = [(p, v) for p, v in tensor_leaves(batch) if p in cut]
+    if not any(v.is_floating_point() and v.ndim >= 2 and not _is_mask_name(_name(p)) for p, v in cut_leaves):
         return
-    where = ".".join(map(str, reference)) or "batch"
-    shown = ", ".join(f"{'.'.join(map(str, p)) or 'batch'!r} (up to {hi})" for p, hi in found)
+    if any(_is_integer(v) and not _is_mask_name(_name(p)) for p, v in cut_leaves):
+        return  # token ids were cut: text, whose labels are its positions'
+    whole = [
+        (p, v)
+        for p, v in tensor_leaves(batch)
+        if p not in cut
+        and v.ndim == 2
+        and v.shape[0] == b
+        and v.shape[1] not in (1, t)
+        and _is_integer(v)
+        and any(word in str(_name(p) or "").lower() for word in TARGET_WORDS)
+    ]
+    if not whole:
+        return
+    shown = ", ".join(f"{'.'.join(map(str, p))!r} {list(v.shape)}" for p, v in whole)
     raise ValueError(
-        f"seqlen_truncate: the batch holds {shown}, a [B] tensor of the rows' lengths beside the sequences cut from "
-        f"{t} to {length} positions (read from {where!r}); seqlen_truncate cuts sequence axes and leaves such a "
-        "tensor whole, so it would say more than the cut rows hold (a model's padding mask, or CTC's input_lengths, "
-        "built from it). Put a padding mask in the batch instead (a [B, T] tensor named *padding_mask*, True = "
-        "padding, or attention_mask, 1 = real): it is cut with the rows, and the lengths are its sums. "
-        "seqlen_truncate also keeps a transcript whole: cutting audio away from its CTC targets breaks the pair"
+        f"seqlen_truncate: the cut takes float features (audio frames?) from {t} positions and leaves {shown}, "
+        "targets of the whole sample, as they are: a transcript beside a cut input is no longer its target (CTC "
+        "gives an infinite loss, or 0 with zero_infinity, and trains nothing). seqlen_truncate is for sequences "
+        "whose targets are aligned with their positions; order such samples by a difficulty metric of their length "
+        "(e.g. the number of frames) instead of cutting them"
     )
 
 
@@ -806,6 +845,19 @@ def _refuse_another_sequence(batch: Any, reference: Path, b: int, t: int, cut: M
     beside a float sequence ``[B, S, ...]`` of another length that the cut leaves whole: a speech batch's CTC
     targets were cut and its audio features not (qa48-speech 03)."""
     other = [(path, v) for path, v in other_sequences(batch, b, t) if path not in cut]
+    if other and _name(reference) is None:
+        # a tuple's entries cannot be named in truncate_keys: image or other features beside token ids may be right
+        # (a refusal had no remedy, qa49-break 09)
+        where = ".".join(map(str, reference)) or "batch"
+        shown = ", ".join(f"{'.'.join(map(str, p)) or 'batch'!r} {list(v.shape)}" for p, v in other)
+        warnings.warn(
+            f"seqlen_truncate: the batch's sequence length {t} was read from its entry {where!r}, its first integer "
+            f"[B, T] tensor (token ids), beside {shown}, a sequence of another length the cut leaves whole; if that "
+            "is the sequence to cut (audio features beside their targets), return a dict batch and name it in "
+            "truncate_keys",
+            stacklevel=2,
+        )
+        return
     if not other:
         return
     where = ".".join(map(str, reference)) or "batch"
@@ -922,6 +974,9 @@ def lengthen_batch(
     done: list[Path] = []
 
     def grow(path: Path, v: Tensor) -> Tensor:
+        original = values.get(path) if values else None
+        if original is not None and original.ndim == 1 and v.ndim == 1 and original.shape == v.shape:
+            return original.to(device=v.device, dtype=v.dtype)  # the rows' lengths :func:`truncate` clamped
         where = cut_axes(path, v, b, s, keys) if axes is None else tuple(axes.get(path, ()))
         if not where:
             return v

@@ -143,40 +143,62 @@ def _speech_batch(lengths: list[int], tuple_batch: bool = False):
     return dict(zip(("features", "feature_lengths", "targets", "target_lengths"), fields))
 
 
-def test_a_cut_that_would_leave_the_rows_lengths_whole_is_refused():
-    """seqlen_truncate cut the features to 48 frames and left feature_lengths saying up to 117 (qa48-speech 01),
-    also when feature_lengths was named in truncate_keys (02); a tuple's unnamed lengths whose longest is T too."""
+def test_the_rows_lengths_are_clamped_to_the_cut_and_given_back_when_lengthened():
+    """seqlen_truncate cut the features to 48 frames and left feature_lengths saying up to 117 (qa48-speech 01), also
+    when it was named in truncate_keys (02); HF names (input_features with feature_lengths, a `length` column) and
+    stems that name no tensor (token_lengths, seq_len) too. The lengths now say what each cut row holds, and
+    lengthen_batch gives back the originals. Class labels, named or in a tuple, are left as they are."""
+    from lightning_effi.curriculum import functional as CF
+
+    features = _speech_batch([117, 60, 90, 30])["features"]
+    lengths = torch.tensor([117, 60, 90, 30])
+    for keys in (["features"], ["features", "feature_lengths"]):
+        cut = CF.truncate({"features": features, "feature_lengths": lengths}, 48, keys=keys)
+        assert cut.batch["features"].shape == (4, 48, 80)
+        assert cut.batch["feature_lengths"].tolist() == [48, 48, 48, 30]
+        long = CF.lengthen_batch(cut.batch, keys, 117, axes=dict(zip(cut.cut, cut.axes)), values=cut.cut_values)
+        assert long["feature_lengths"].tolist() == [117, 60, 90, 30] and long["features"].shape == (4, 117, 80)
+    ids = torch.randint(1, 9, (4, 117))
+    mask = (torch.arange(117) < lengths[:, None]).long()
+    for name in ("length", "token_lengths", "seq_len", "input_ids_lengths"):
+        cut = CF.truncate({"input_ids": ids, "attention_mask": mask, name: lengths}, 48)
+        assert cut.batch[name].tolist() == [48, 48, 48, 30], name
+    hf = CF.truncate({"input_features": features, "attention_mask": mask, "feature_lengths": lengths}, 48)
+    assert hf.batch["feature_lengths"].tolist() == [48, 48, 48, 30]
+    # not lengths: class labels named in truncate_keys, a tuple's labels that reach T, another tensor's lengths
+    labels = torch.tensor([3, 117, 7, 1])
+    named = CF.truncate({"input_ids": ids, "labels": labels}, 48, keys=["input_ids", "labels"])
+    assert named.batch["labels"].tolist() == [3, 117, 7, 1] and named.batch["input_ids"].shape == (4, 48)
+    assert CF.truncate((ids, labels), 48).batch[1].tolist() == [3, 117, 7, 1]
+    other = CF.truncate({"input_ids": ids, "image_lengths": lengths}, 48)
+    assert other.batch["image_lengths"].tolist() == [117, 60, 90, 30]
+
+
+def test_integer_targets_beside_features_of_another_length_are_refused_or_warned():
+    """The first integer [B, T] tensor (token ids by default) was a speech batch's CTC targets: they were cut, the
+    audio features left whole, and CTC failed later naming neither (qa48-speech 03). A dict batch is refused
+    (truncate_keys names the features); a tuple batch, whose entries cannot be named, is warned (image features
+    beside token ids are right, qa49-break 09). Features cut beside targets kept whole (their transcript) are
+    refused, with an attention_mask too (qa49-break 01)."""
     from lightning_effi.curriculum import functional as CF
 
     batch = _speech_batch([117, 60, 90, 30])
-    for keys in (["features"], ["features", "feature_lengths"]):
-        with pytest.raises(ValueError, match=r"holds 'feature_lengths' \(up to 117\), a \[B\] tensor of the rows"):
-            CF.truncate(batch, 48, keys=keys)
-    # the targets' lengths are not those of the features: not refused
-    cut = CF.truncate({k: v for k, v in batch.items() if k != "feature_lengths"}, 48, keys=["features"])
-    assert cut.batch["features"].shape == (4, 48, 80) and cut.batch["target_lengths"].tolist() == [12] * 4
-    # a cut that keeps every row whole leaves the lengths true
-    assert CF.truncate(batch, 117, keys=["features"]).batch["feature_lengths"].tolist() == [117, 60, 90, 30]
-    # a tuple batch: its float features and their lengths, without the targets
-    features, lengths = _speech_batch([117, 60, 90, 30], tuple_batch=True)[:2]
-    ids = torch.randint(0, 50, (4, 117))
-    with pytest.raises(ValueError, match=r"holds '1' \(up to 117\)"):
-        CF.truncate((ids, lengths), 48)
-    # class labels in a tuple are no lengths (their largest is not T)
-    labels = torch.tensor([3, 1, 0, 2])
-    assert CF.truncate((ids, labels), 48).batch[1].tolist() == [3, 1, 0, 2]
-
-
-def test_without_truncate_keys_targets_beside_features_of_another_length_are_refused():
-    """The first integer [B, T] tensor (token ids by default) was a speech batch's CTC targets: they were cut, the
-    audio features left whole, and CTC failed later naming neither (qa48-speech 03)."""
-    from lightning_effi.curriculum import functional as CF
-
-    for batch, where in ((_speech_batch([117, 60, 90, 30]), "'targets'"), (_speech_batch([117, 60], True), "'2'")):
-        with pytest.raises(
-            ValueError, match=rf"length 12 was read from {where}, .* beside '[a-z0-9]+' \[\d, 117, 80\]"
-        ):
-            CF.truncate(batch, 6)
+    message = r"length 12 was read from 'targets', .* beside 'features' \[4, 117, 80\]"
+    with pytest.raises(ValueError, match=message):
+        CF.truncate(batch, 6)
+    tuple_batch = _speech_batch([117, 60], True)
+    with pytest.warns(UserWarning, match=r"read from its entry '2'.* return a dict batch and name it in truncate_keys"):
+        cut = CF.truncate(tuple_batch, 6)
+    assert cut.batch[2].shape == (2, 6) and cut.batch[0].shape == (2, 117, 80)
+    with pytest.raises(ValueError, match=r"leaves 'targets' \[4, 12\], targets of the whole sample"):
+        CF.truncate(batch, 48, keys=["features", "feature_lengths"])
+    mask = (torch.arange(117) < batch["feature_lengths"][:, None]).long()
+    hf = {"input_features": batch["features"], "attention_mask": mask, "labels": batch["targets"]}
+    with pytest.raises(ValueError, match=r"leaves 'labels' \[4, 12\], targets of the whole sample"):
+        CF.truncate(hf, 48)
+    # token ids cut beside labels of another length (a classifier's multi-hot labels): no transcript
+    text = {"input_ids": torch.randint(1, 9, (4, 117)), "labels": torch.randint(0, 2, (4, 12))}
+    assert CF.truncate(text, 48).batch["labels"].shape == (4, 12)
 
 
 def test_consumed_tokens_of_integer_targets_beside_features_of_another_length_are_warned_or_refused():
