@@ -324,6 +324,22 @@ def config_overrides(config: Mapping[str, Any]) -> list[str]:
     return [f"{k}={v}" for k, v in sorted(items.items())]
 
 
+def _hydra_output_dir() -> str | None:
+    """The running Hydra job's output folder; None outside a Hydra job."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return str(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
+def _previous_name(folder: Path) -> Path:
+    """``result.previous.json``, or the first of ``result.previous.2.json``, ``.3``, ... not taken yet: each earlier
+    record is kept (three runs in one folder kept the last two, qa49-break 08)."""
+    name, n = folder / "result.previous.json", 2
+    while name.exists():
+        name, n = folder / f"result.previous.{n}.json", n + 1
+    return name
+
+
 class ResultWriter(pl.Callback):
     """Writes the run's ``result.json`` at the end of ``fit`` (:func:`write_result`): for runs whose ``fit`` you do
     not call yourself, e.g. ``LightningCLI``'s ``fit`` subcommand, where it goes in the YAML beside the
@@ -341,7 +357,9 @@ class ResultWriter(pl.Callback):
             or ``CSVLogger`` (its version folder, one per run), else the Hydra job's output folder in a Hydra job,
             else ``trainer.log_dir`` (another logger's ``save_dir``, or ``trainer.default_root_dir``). A folder that
             already holds a ``result.json`` when the fit starts (another run's: runs of a loop or a sweep sharing one
-            folder) has it moved to ``result.previous.json`` with a warning: give each run its own ``out_dir``.
+            folder) has it moved to ``result.previous.json`` (``result.previous.2.json``, ... when taken) with a
+            warning: give each run its own ``out_dir``. In a Hydra job, a logger's folder outside the job's is
+            warned about (the sweep's report would not find the record there).
         config: ``"cli"`` (default): the ``LightningCLI`` configuration when the Trainer has its
             ``SaveConfigCallback`` (recorded as overrides, :func:`config_overrides`), else none; a mapping: that
             configuration; a list of ``key=value`` strings (Hydra's overrides): those; None: none.
@@ -380,18 +398,28 @@ class ResultWriter(pl.Callback):
         self.path: Path | None = None
         self._dir: str | os.PathLike[str] | None = None
         self._earlier = False  # the folder held a result.json when the fit started
+        # the Hydra job's folder, read where the callback is built: processes a ddp_spawn fit starts have no Hydra
+        # configuration, and wrote into the launch folder that the sweep's jobs share (qa49-break 06)
+        self._hydra_dir = _hydra_output_dir()
 
     def _resolve_dir(self, trainer: pl.Trainer) -> str | os.PathLike[str]:
         if self.out_dir:
             return self.out_dir
         from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+        job = self._hydra_dir or _hydra_output_dir()
         if trainer.loggers and isinstance(trainer.loggers[0], TensorBoardLogger | CSVLogger):
-            return str(trainer.log_dir)  # the version folder: one per run
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():  # a Hydra job: its own folder, where a sweep's jobs share the launch folder
-            return str(HydraConfig.get().runtime.output_dir)
+            folder = str(trainer.log_dir)  # the version folder: one per run
+            if job is not None and not Path(folder).resolve().is_relative_to(Path(job).resolve()):
+                # a logger's relative folder under Hydra's chdir=false: the sweep's report did not find the records
+                rank_zero_warn(
+                    f"ResultWriter: this run's record goes to its logger's folder {folder}, outside the Hydra job's "
+                    f"folder {job}, where a report of the sweep folder will not find it: pass "
+                    "out_dir=${hydra:runtime.output_dir}, or put the logger's save_dir under it"
+                )
+            return folder
+        if job is not None:  # a Hydra job: its own folder, where a sweep's jobs share the launch folder
+            return job
         return str(trainer.log_dir)  # another logger's save_dir, or default_root_dir: maybe shared by runs
 
     def _config(self, trainer: pl.Trainer) -> Mapping[str, Any] | Sequence[str] | None:
@@ -417,10 +445,11 @@ class ResultWriter(pl.Callback):
         if self._earlier and trainer.is_global_zero and earlier.exists():
             # runs of a loop or a sweep writing into one folder (no logger, Hydra's launch folder): the second
             # replaced the first's record in silence, and the report saw one run (qa48-hydra 02)
-            earlier.replace(earlier.with_name("result.previous.json"))
+            kept = _previous_name(earlier.parent)
+            earlier.replace(kept)
             rank_zero_warn(
                 f"ResultWriter: {earlier} held an earlier run's record when this fit started; it is moved to "
-                "result.previous.json and this run's record takes its place. Runs that share a folder replace each "
+                f"{kept.name} and this run's record takes its place. Runs that share a folder replace each "
                 "other's records: give each run its own out_dir (e.g. runs/<arm>_<budget>_seed<seed>; under Hydra "
                 "${hydra:runtime.output_dir}), or a TensorBoardLogger / CSVLogger, whose version folders are one a run"
             )

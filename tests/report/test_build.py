@@ -684,6 +684,11 @@ def test_a_result_writer_does_not_replace_another_runs_record_in_silence(tmp_pat
     assert second.path == tmp_path / "result.json"
     assert json.loads((tmp_path / "result.json").read_text())["seed"] == 1
     assert json.loads((tmp_path / "result.previous.json").read_text())["seed"] == 0
+    # a third keeps both earlier records (qa49-break 08)
+    with pytest.warns(UserWarning, match=r"moved to result\.previous\.2\.json"):
+        _fit_with_result_writer(tmp_path, 2, logger=False)
+    seeds = [json.loads((tmp_path / f).read_text())["seed"] for f in ("result.json", "result.previous.2.json")]
+    assert seeds == [2, 1] and json.loads((tmp_path / "result.previous.json").read_text())["seed"] == 0
 
 
 def test_a_result_writer_writes_into_the_loggers_version_folder_or_the_hydra_jobs_folder(tmp_path, monkeypatch):
@@ -704,3 +709,15 @@ def test_a_result_writer_writes_into_the_loggers_version_folder_or_the_hydra_job
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: config))
     c = _fit_with_result_writer(tmp_path, 2, logger=False)
     assert c.path == job / "result.json" and not (tmp_path / "result.json").exists()
+    # the job's folder is read where the callback is built: a ddp_spawn fit's processes have no Hydra
+    # configuration (their records went to the launch folder, qa49-break 06)
+    from lightning_effi.report import ResultWriter
+
+    writer = ResultWriter(metric="val/loss")
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: False))
+    assert writer._hydra_dir == str(job)
+    # a logger's folder outside the job's is warned about: the sweep's report would not find the record
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    with pytest.warns(UserWarning, match=r"goes to its logger's folder .* outside the Hydra job's folder"):
+        d = _fit_with_result_writer(tmp_path, 3, logger=CSVLogger(tmp_path / "logs"))
+    assert d.path == tmp_path / "logs/lightning_logs/version_2/result.json"
