@@ -55,7 +55,9 @@ def _type_note(value: Any, kind: type) -> str:
     if isinstance(value, kind) and not isinstance(value, bool):
         return ""
     if callable(getattr(value, "item", None)) and getattr(value, "ndim", None) == 0:
-        return f" (a {type(value).__name__}: pass its value as a Python number, value.item())"
+        # value.item() of a float tensor or numpy float is a float, refused again as an int (qa49-break 10)
+        cast = "int(value)" if kind is Integral else "float(value)"
+        return f" (a {type(value).__name__}: pass its value as a Python number, {cast})"
     return "" if value is None or isinstance(value, bool | int | float) else f" (a {type(value).__name__})"
 
 
