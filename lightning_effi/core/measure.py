@@ -1672,6 +1672,16 @@ class FlopsMeter:
                 if len(self._cache) > self.max_entries:
                     self._cache.popitem(last=False)
             if isinstance(result, MeasureError):
+                patched = getattr(target.__dict__.get("forward"), "drops_tokens", False)
+                if result.data_dependent and call.parts and patched:
+                    # a random-LTD layer: its parts ran on the kept tokens, and random-LTD's effi_adjust took its
+                    # saving off them again (an MoE block's FLOPs 22% low, baseline included; qa49-moe 05)
+                    raise MeasureError(
+                        f"{type(target).__name__} ({call.target}) is a layer random-LTD drops tokens in, and its "
+                        f"forward makes a data-dependent shape ({result}): measured through the module calls inside "
+                        "it, it would count the kept tokens' FLOPs, not the full layer's. Define "
+                        "`effi_training_flops(batch)` on your LightningModule to give the step's FLOPs"
+                    ) from result
                 if result.data_dependent and call.parts:
                     # the calls made inside it, each replayed on its recorded shapes (a head on the masked
                     # positions: on this batch's count of them), inside the checkpoint it was made in, if any

@@ -318,11 +318,15 @@ def trained(module: nn.Module, optimized: set[int] | None) -> bool:
 
 class LTDForward:
     """The patched ``forward`` of one LTD layer (an instance attribute; the module's parameters are untouched).
+    ``drops_tokens`` tells :class:`~lightning_effi.core.measure.FlopsMeter` that the calls inside it run on the kept
+    tokens.
 
     Call semantics: ``original(*args, **kwargs)`` when passing through; otherwise the hidden states and every
     declared sequence argument are gathered with this layer's ``[B, r]`` indices, the original forward runs on the
     subset, and its output (a tensor, or the first element of a tuple) is scattered back into the full sequence.
     """
+
+    drops_tokens = True
 
     def __init__(
         self,

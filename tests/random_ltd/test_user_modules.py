@@ -1549,3 +1549,59 @@ def test_hidden_states_of_four_dimensions_are_refused(tmp_path):
     for shape in ((2, 5), (2, 3, 5, 4)):
         with pytest.raises(ValueError, match=r"random-LTD drops tokens of \[B, S, H\]"):
             check_hidden_layout(torch.zeros(shape), 1)
+
+
+class RoutedBlock(nn.Module):
+    """A block whose forward routes its tokens (``nonzero``: a data-dependent shape, as an MoE layer's dispatch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.expert = nn.Linear(32, 1), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, 32)
+        chosen = (self.router(flat).squeeze(-1) > 0).nonzero().squeeze(-1)
+        out = flat.index_add(0, chosen, self.expert(flat.index_select(0, chosen)))
+        return out.reshape(x.shape)
+
+
+class RoutedLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+        self.blocks = nn.ModuleList(RoutedBlock() for _ in range(3))
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return TF.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_dropping_layer_measured_through_its_parts_is_not_counted_at_the_kept_tokens(tmp_path):
+    """A block whose forward has a data-dependent shape is measured through the calls inside it; inside a random-LTD
+    layer those ran on the kept tokens, and random-LTD's effi_adjust took its saving off them again: an MoE LM's
+    FLOPs and baseline were 22% low, in silence (qa49-moe 05). Such a layer's FLOPs are now not counted, with a
+    warning naming it; without random-LTD they are measured."""
+    from lightning_effi import EfficiencyMonitor
+
+    def fit(*callbacks):
+        pl.seed_everything(0)
+        monitor = EfficiencyMonitor(print_summary=False)
+        trainer = make_trainer(tmp_path, [monitor, *callbacks], max_steps=2, max_epochs=-1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(RoutedLM(), datamodule=TinyDataModule(TokenBlocks(n=16, seq_len=16), batch_size=4))
+        return monitor.summary, [str(w.message) for w in caught]
+
+    plain, _ = fit()
+    assert plain["flops"] > 0 and plain["baseline_flops"] == plain["flops"]
+    ltd = RandomLTDCallback(min_value=4, max_value=16, seq_per_step=4, require_steps=4, layer_ids=[1],
+                            adapter=GenericAdapter("blocks", hidden_size=32))  # fmt: skip
+    dropped, messages = fit(ltd)
+    assert dropped["flops"] == 0 and dropped["baseline_flops"] == 0
+    assert any("is a layer random-LTD drops tokens in" in m for m in messages)
