@@ -471,6 +471,12 @@ class TorchBlocksVCycleAdapter(VCycleAdapter):
                 shape = plan.small_shapes.get(key)
                 if layer_key(key, found.prefix) is None and shape is not None and tuple(t.shape) != shape:
                     memo.setdefault(id(t), _resized(t, shape))
+        for module in model.modules():
+            for value in vars(module).values():
+                # a tensor of the last step's graph kept as an attribute (an MoE layer's self.aux_loss): torch's
+                # deepcopy refuses non-leaf tensors, and the level change failed with its bare error (qa49-moe 03)
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    memo.setdefault(id(value), value.detach())
         small = copy.deepcopy(model, memo)
         container = small.get_submodule(found.name) if found.name else small
         for key in [k for k, v in container._modules.items() if v is None]:

@@ -2002,3 +2002,104 @@ def test_tokens_a_model_puts_in_front_of_the_text_are_counted(tmp_path: Path) ->
     assert [row["layer_tokens"] for row in per_batch.rows] == [4 * tokens] * 2
     told = [m for m in monitor_warnings(caught) if "more than the batch's" in m]
     assert len(told) == 1 and f"sees {T + 6} positions a row, 6 more than the batch's {T} token positions" in told[0]
+
+
+class _MoE(nn.Module):
+    """Top-2 of 4 experts, tokens dispatched with nonzero / index_add (a data-dependent shape)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, 4)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return out.reshape(x.shape)
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.norm, self.mix, self.moe = nn.LayerNorm(d), nn.Linear(d, d), _MoE(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(self.norm(x))
+        return x + self.moe(x)
+
+
+class _MoELM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(_MoEBlock() for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return F.cross_entropy(self(ids).flatten(0, 1), ids.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_an_moe_lms_experts_three_levels_down_are_counted(tmp_path):
+    """The network -> a block -> its MoE layer -> the experts: the MoE's data-dependent dispatch is measured through
+    the calls inside it, which were kept two levels down only, so the experts were not: 0 FLOPs for the whole run
+    (qa49-moe 01). They are the FLOPs torch's counter measures on the real step (the active experts only)."""
+    pl.seed_everything(0)
+    module = _MoELM()
+    ids = torch.randint(0, 32, (16, 12))
+    probe = copy.deepcopy(module)
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(probe(ids[:8]).flatten(0, 1), ids[:8].flatten()).backward()
+    monitor = EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=1, max_epochs=-1)
+    trainer.fit(module, DataLoader(TensorDataset(ids), batch_size=8))
+    assert monitor.summary["flops"] == counter.get_total_flops() > 0
+
+
+def test_the_vcycle_copies_an_moe_lm_whose_layers_keep_their_aux_loss(tmp_path):
+    """An MoE layer keeps its load-balancing loss as an attribute (self.aux_loss, a tensor of the step's graph, read by
+    training_step): the coarse network's deepcopy failed with torch's bare "Only Tensors created explicitly by the
+    user (graph leaves) support the deepcopy protocol" at the first level change (qa49-moe 03)."""
+
+    class AuxMoE(_MoE):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.aux_loss = self.router(x).softmax(-1).pow(2).mean()
+            return super().forward(x)
+
+    class AuxLM(_MoELM):
+        def __init__(self) -> None:
+            super().__init__()
+            for block in self.blocks:
+                block.moe = AuxMoE()
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss + 0.01 * sum(block.moe.aux_loss for block in self.blocks)
+
+    class Depths(Callback):
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen.append(len(pl_module.blocks))
+
+    pl.seed_everything(0)
+    depths = Depths()
+    vcycle = VCycleCallback(e_a=1, e_small=2, width_scheme=None, alpha_original=0.3)
+    trainer = make_trainer(tmp_path, [vcycle, depths], max_steps=4, max_epochs=-1)
+    trainer.fit(AuxLM(), DataLoader(TensorDataset(torch.randint(0, 32, (32, 12))), batch_size=8))
+    assert depths.seen == [2, 1, 1, 2]
