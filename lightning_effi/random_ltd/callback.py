@@ -158,6 +158,25 @@ def _require_duration(owner: str, value: Any) -> Duration:
     return duration
 
 
+def _refuse_router_loss(pl_module: pl.LightningModule) -> None:
+    """Refuse an HF mixture-of-experts model that returns its router logits (``config.output_router_logits``): its
+    load-balancing loss reads every layer's router logits against the batch's ``B x T`` tokens (and applies the
+    attention mask to each), and a layer random-LTD drops tokens in routes ``B x r`` of them (a bare size mismatch
+    inside transformers at the first step, qa49-moe 04).
+
+    Raises:
+        ValueError: naming the setting and the remedies.
+    """
+    for module in pl_module.modules():
+        if getattr(getattr(module, "config", None), "output_router_logits", False) is True:
+            raise ValueError(
+                f"RandomLTDCallback: {type(module).__name__} returns its router logits (config.output_router_logits="
+                "True) for its load-balancing loss, which reads every layer's router logits against the batch's "
+                "B x T tokens (and its attention mask), while the layers random-LTD drops tokens in route only the "
+                "kept B x r. Set output_router_logits=False (no router loss), or leave random-LTD out"
+            )
+
+
 #: new lengths at which a layer's measured FLOPs model ``B (a T + c T^2)`` must hold before it prices the other shapes
 LAYER_FLOPS_CHECKS = 2
 
@@ -604,6 +623,7 @@ class RandomLTDCallback(Callback):
                 f"({self.min_value}), the reserved length they are counted in: raise min_value to at least "
                 f"{self.keep_prefix_tokens} or keep fewer prefix tokens"
             )
+        _refuse_router_loss(pl_module)
         self._seqlen_curriculum = self._check_truncation(trainer)
         self._curriculum = next(
             (type(c).__name__ for c in trainer.callbacks if any(k.__name__ == "Curriculum" for k in type(c).__mro__)),
