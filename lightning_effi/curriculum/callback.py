@@ -773,7 +773,10 @@ class Curriculum(Callback):
             return int(count(batch))
         source = token_source(batch)
         if source is not None:
-            if source[0] == "ids" and source[1].ndim == 2 and not self._warned_other_tokens:
+            named_ids = any(v is source[1] and path and path[-1] == "input_ids" for path, v in tensor_leaves(batch))
+            if source[0] == "ids" and source[1].ndim == 2 and not named_ids and not self._warned_other_tokens:
+                # ids named input_ids are the tokens (a vision-language batch's visual_embeds beside them, qa50-break
+                # 02); another integer tensor beside float features may be CTC targets
                 other = F.other_sequences(batch, int(source[1].shape[0]), int(source[1].shape[1]))
                 if other:  # CTC targets beside audio frames were counted as the tokens (qa48-speech 05)
                     self._warned_other_tokens = True

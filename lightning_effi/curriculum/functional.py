@@ -790,7 +790,7 @@ def row_lengths(batch: Any, keys: Sequence[str] | None, b: int, t: int, cut: Map
 
 
 #: words of an integer tensor's name that say it holds a sample's targets (a CTC transcript)
-TARGET_WORDS = ("label", "target", "transcript", "text")
+TARGET_WORDS = ("label", "target", "transcript")
 
 
 def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> None:
@@ -811,6 +811,7 @@ def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -
         and v.shape[1] not in (1, t)
         and _is_integer(v)
         and any(word in str(_name(p) or "").lower() for word in TARGET_WORDS)
+        and bool((v > 1).any())  # token ids: multi-hot labels (audio tagging's 0 / 1 classes) are no transcript
     ]
     if not whole:
         return

@@ -199,6 +199,12 @@ def test_integer_targets_beside_features_of_another_length_are_refused_or_warned
     # token ids cut beside labels of another length (a classifier's multi-hot labels): no transcript
     text = {"input_ids": torch.randint(1, 9, (4, 117)), "labels": torch.randint(0, 2, (4, 12))}
     assert CF.truncate(text, 48).batch["labels"].shape == (4, 12)
+    # frames beside multi-hot clip labels (audio tagging), or beside a caption's ids (audio-text contrastive): cut
+    # (qa50-break 01)
+    tagging = {"input_features": batch["features"], "attention_mask": mask, "labels": torch.randint(0, 2, (4, 10))}
+    assert CF.truncate(tagging, 48).batch["input_features"].shape == (4, 48, 80)
+    clap = {"input_features": batch["features"], "attention_mask": mask, "text_input_ids": batch["targets"]}
+    assert CF.truncate(clap, 48).batch["text_input_ids"].shape == (4, 12)
 
 
 def test_consumed_tokens_of_integer_targets_beside_features_of_another_length_are_warned_or_refused():
@@ -221,3 +227,5 @@ def test_consumed_tokens_of_integer_targets_beside_features_of_another_length_ar
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert limited._batch_tokens(text, module) == 48
+        # ids named input_ids are the tokens, beside a vision-language batch's features (qa50-break 02)
+        assert limited._batch_tokens(text | {"visual_embeds": torch.randn(4, 49, 16)}, module) == 48
