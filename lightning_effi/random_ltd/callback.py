@@ -601,7 +601,7 @@ class RandomLTDCallback(Callback):
         layers = adapter.layers()
         self.num_layers = len(layers)
         self.layer_ids = resolve_layer_ids(self.layer_ids_arg, self.num_layers)
-        self._check_model_changes(trainer, pl_module)
+        self._check_model_changes(trainer, pl_module, layers)
         name = type(self).__name__
         seq = adapter.max_sequence_length()
         if self.max_value_arg is not None and seq is not None and self.max_value_arg > seq:
@@ -768,13 +768,21 @@ class RandomLTDCallback(Callback):
             return ()
         return resolve_layer_ids(self.layer_ids_arg, num_layers)
 
-    def _check_model_changes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _check_model_changes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, layers: nn.Module) -> None:
         """``layer_ids`` must resolve at the depth of every network a technique that replaces the model will put in
-        place (:class:`~lightning_effi.core.protocols.PlansModelChanges`, the V-cycle's levels); the default ids
-        pause at a level of <= 2 layers, announced here once (``rank_zero_info``)."""
+        place (:class:`~lightning_effi.core.protocols.PlansModelChanges`, the V-cycle's levels) when that network
+        holds these ``layers`` (a V-cycle on a CLIP's other tower leaves them as they are: its depths were applied
+        to them, qa50-clip 05); the default ids pause at a level of <= 2 layers, announced here once
+        (``rank_zero_info``)."""
         name = type(self).__name__
+        first = next(iter(layers.children()), None)
         for other in trainer.callbacks:
             if other is self or not isinstance(other, PlansModelChanges):
+                continue
+            network = getattr(other, "effi_model_network", None)
+            replaced = network(pl_module) if callable(network) else None
+            outside = isinstance(replaced, nn.Module) and not any(m is first for m in replaced.modules())
+            if first is not None and outside:
                 continue
             depths = [int(d) for d in other.effi_model_depths(pl_module)]
             paused = [level for level, depth in enumerate(depths, start=1) if self.layer_ids_arg is None and depth <= 2]

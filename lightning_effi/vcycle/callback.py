@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, EfficiencyMonitor, skipped_batch
@@ -837,6 +837,19 @@ class VCycleCallback(Callback):
             config_mismatch(
                 type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict
             )
+
+    def effi_model_network(self, pl_module: pl.LightningModule) -> nn.Module:
+        """The network the V-cycle replaces at its levels (``pl_module.<model_attr>``, found as :meth:`setup` finds it):
+        a technique whose layers lie outside it (random-LTD on a two-tower model's other tower) is not changed by the
+        levels.
+
+        Raises:
+            ValueError: no network found (see :func:`~lightning_effi.models.vcycle_base.find_vcycle_network`).
+        """
+        if self._stack.host is pl_module and self._stack.plans:
+            return getattr(pl_module, self.model_attr)
+        attr, _ = self._find_network(pl_module)
+        return getattr(pl_module, attr)
 
     def effi_model_depths(self, pl_module: pl.LightningModule) -> list[int]:
         """The number of layers of the model of every level 1..K

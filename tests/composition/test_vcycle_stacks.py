@@ -662,3 +662,47 @@ def test_ddp_two_processes(tmp_path):
     assert all(not p["converted"] and p["depth"] == 6 for p in probes)
     w0, w1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+class _TwoTowers(pl.LightningModule):
+    """Two PyTorch encoders over one batch (a CLIP's towers, here on the same tokens): ``deep`` of 4 layers, ``shallow``
+    of 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+        def encoder(depth: int) -> torch.nn.TransformerEncoder:
+            layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            return torch.nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+
+        self.deep, self.shallow = encoder(4), encoder(2)
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        x = self.embed(ids)
+        logits = self.head(self.deep(x)) + self.head(self.shallow(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_random_ltd_on_one_tower_does_not_follow_a_vcycle_on_the_other(tmp_path, caplog):
+    """The V-cycle's depths per level (2, 1: the other tower's) were applied to random-LTD's tower of 4 layers:
+    layer_ids=[1, 2] were refused and the default ids were announced as pausing, while tokens were dropped at every
+    level (qa50-clip 05)."""
+    from tests.helpers.tiny import TinyDataModule, TokenBlocks
+
+    seen: list[int] = []
+    model = _TwoTowers()
+    attention = model.deep.layers[1].self_attn
+    attention.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1]) if m.training else None)
+    ltd = RandomLTDCallback(min_value=4, max_value=16, seq_per_step=4, require_steps=4, layer_ids=[1, 2],
+                            model_attr="deep")  # fmt: skip
+    vcycle = VCycleCallback(e_a=1, e_small=2, model_attr="shallow", width_scheme=None, alpha_original=0.3)
+    trainer = make_trainer(tmp_path, [ltd, vcycle], max_steps=4, max_epochs=-1)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, datamodule=TinyDataModule(TokenBlocks(n=32, seq_len=16), batch_size=4))
+    assert seen == [4, 4, 8, 12] and "pauses at level" not in caplog.text  # dropped at every level
