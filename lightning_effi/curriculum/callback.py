@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, batch_size_of, tokens_of
@@ -773,10 +774,11 @@ class Curriculum(Callback):
             return int(count(batch))
         source = token_source(batch)
         if source is not None:
-            named_ids = any(v is source[1] and path and path[-1] == "input_ids" for path, v in tensor_leaves(batch))
+            keys = ("input_ids", *(self.controller.config.truncate_keys or ())) if self.controller else ("input_ids",)
+            named_ids = any(v is source[1] and path and path[-1] in keys for path, v in tensor_leaves(batch))
             if source[0] == "ids" and source[1].ndim == 2 and not named_ids and not self._warned_other_tokens:
-                # ids named input_ids are the tokens (a vision-language batch's visual_embeds beside them, qa50-break
-                # 02); another integer tensor beside float features may be CTC targets
+                # ids named input_ids or in truncate_keys are the tokens (a vision-language batch's visual_embeds
+                # beside them, qa50-break 02, 06); another integer tensor beside float features may be CTC targets
                 other = F.other_sequences(batch, int(source[1].shape[0]), int(source[1].shape[1]))
                 if other:  # CTC targets beside audio frames were counted as the tokens (qa48-speech 05)
                     self._warned_other_tokens = True
@@ -1087,16 +1089,22 @@ CurriculumCallback = Curriculum
 
 
 def _refuse_encoder_decoder(pl_module: pl.LightningModule) -> None:
-    """``seqlen_truncate`` with ``truncate_keys=None`` on a Hugging Face encoder-decoder (a module whose config says
-    ``is_encoder_decoder``): its targets (``labels``, ``decoder_input_ids``) have a length of their own, and the
+    """``seqlen_truncate`` with ``truncate_keys=None`` on an encoder-decoder (a Hugging Face model whose config says
+    ``is_encoder_decoder``, PyTorch's ``nn.Transformer``, or an ``nn.TransformerEncoder`` beside an
+    ``nn.TransformerDecoder``): its targets (``labels``, ``decoder_input_ids``) have a length of their own, and the
     automatic rule would cut them only in the batches where that length equals the source's.
 
     Raises:
         CurriculumConfigError: naming the model and ``truncate_keys``.
     """
+    kinds = {type(m) for m in pl_module.modules()}
+    both = nn.TransformerEncoder in kinds and nn.TransformerDecoder in kinds
     for name, module in pl_module.named_modules():
         config = getattr(module, "config", None)
-        if getattr(config, "is_encoder_decoder", False) is True:
+        # PyTorch's own nn.Transformer, or its encoder beside its decoder: their targets were cut to the source's
+        # curriculum length in silence (qa50-seq2seq 01)
+        own = isinstance(module, nn.Transformer) or (both and isinstance(module, nn.TransformerDecoder))
+        if getattr(config, "is_encoder_decoder", False) is True or own:
             raise CurriculumConfigError(
                 f"seqlen_truncate with truncate_keys=None on an encoder-decoder ({type(module).__name__} at "
                 f"{name or 'the module'}): the automatic rule cuts every tensor of the batch's sequence length, and "

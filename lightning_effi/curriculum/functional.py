@@ -683,7 +683,8 @@ def truncate(
     out = map_tensors(batch, cut_tensor)
     if keys is None and _name(found[0]) not in ("attention_mask", "input_ids"):
         _refuse_another_sequence(batch, found[0], b, t, cut)
-    _refuse_whole_targets(batch, b, t, cut)
+    # with truncate_keys, what is cut is the user's choice, warned (clip-level class indices beside frames)
+    _refuse_whole_targets(batch, b, t, cut, warn=keys is not None)
     lengths = row_lengths(batch, keys, b, t, cut)
     if lengths:
         # a [B] tensor of the rows' lengths says what the cut rows hold, min(n, L) in every mode (right and left
@@ -755,9 +756,24 @@ def _length_stem(name: str) -> str | None:
         return ""
     for word in LENGTH_WORDS:
         if lowered.endswith(word):
-            stem = lowered[: -len(word)].strip("_")
-            return "" if stem in ANY_SEQUENCE_STEMS else stem
+            return lowered[: -len(word)].strip("_")
     return None
+
+
+def _field_name(batch: Any, path: Path) -> str | None:
+    """A tensor's name (:func:`_name`), or, in a named tuple, its field's (a NamedTuple batch's ``lengths`` was not
+    read as lengths, qa50-break 03; ``truncate_keys`` does not name such fields)."""
+    name = _name(path)
+    if name is not None or not path or not isinstance(path[-1], int):
+        return name
+    parent = batch
+    try:
+        for key in path[:-1]:
+            parent = getattr(parent, key) if isinstance(key, str) and not isinstance(parent, Mapping) else parent[key]
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
+    fields = getattr(parent, "_fields", None)
+    return fields[path[-1]] if isinstance(parent, tuple) and fields and path[-1] < len(fields) else None
 
 
 def _leaf(batch: Any, path: Path) -> Tensor:
@@ -775,28 +791,43 @@ def row_lengths(batch: Any, keys: Sequence[str] | None, b: int, t: int, cut: Map
     to the kept length. A tuple's unnamed entry is never read as lengths (class labels can look like them)."""
     if not cut:
         return []
-    cut_names = [str(_name(path) or "").lower() for path in cut]
+    cut_names = [str(_field_name(batch, path) or "").lower() for path in cut]
+    names = [str(_field_name(batch, path) or "").lower() for path, v in tensor_leaves(batch) if v.ndim >= 2]
     found = []
     for path, v in tensor_leaves(batch):
-        name = _name(path)
+        name = _field_name(batch, path)
         if name is None or v.ndim != 1 or v.shape[0] != b or not _is_integer(v) or path in cut:
             continue
         stem = _length_stem(name)
-        if stem is None or (stem and not any(stem in n for n in cut_names)):
+        if stem is None:
             continue
+        if stem and not any(stem in n for n in cut_names):
+            # the lengths of a tensor of its own that is not cut (ESPnet's text_lengths of its transcript `text`,
+            # clamped with the speech, qa50-break 08), or of no tensor of the batch (seq_len, token_lengths)
+            if any(stem in n for n in names) or stem not in ANY_SEQUENCE_STEMS:
+                continue
         if v.numel() and 0 <= int(v.min()) and int(v.max()) <= t:
             found.append(path)
     return found
 
 
-#: words of an integer tensor's name that say it holds a sample's targets (a CTC transcript)
+#: words of an integer tensor's name that say it holds a sample's targets (a CTC transcript); ``text`` as the whole
+#: name or its last word (ESPnet's ``text`` beside ``speech``, qa50-break 08), not inside one (a CLAP's
+#: ``text_input_ids``, the other tower's input)
 TARGET_WORDS = ("label", "target", "transcript")
 
 
-def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> None:
+def _target_name(name: str | None) -> bool:
+    lowered = str(name or "").lower()
+    return any(word in lowered for word in TARGET_WORDS) or lowered in ("text", "texts") or lowered.endswith("_text")
+
+
+def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any], warn: bool = False) -> None:
     """Refuse a cut of float features (audio frames, no integer ids among the tensors cut) beside an integer
     ``[B, U]`` tensor named like targets (:data:`TARGET_WORDS`), of another length, left whole: a CTC transcript of the
-    whole sample beside a cut input is no longer its target (loss 0 with ``zero_infinity``, qa49-break 01)."""
+    whole sample beside a cut input is no longer its target (loss 0 with ``zero_infinity``, qa49-break 01). ``warn``
+    (the tensors to cut named in ``truncate_keys``): a warning instead (clip-level class indices beside frames are
+    valid, qa50-break 07)."""
     cut_leaves = [(p, v) for p, v in tensor_leaves(batch) if p in cut]
     if not any(v.is_floating_point() and v.ndim >= 2 and not _is_mask_name(_name(p)) for p, v in cut_leaves):
         return
@@ -810,19 +841,23 @@ def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -
         and v.shape[0] == b
         and v.shape[1] not in (1, t)
         and _is_integer(v)
-        and any(word in str(_name(p) or "").lower() for word in TARGET_WORDS)
+        and _target_name(_name(p))
         and bool((v > 1).any())  # token ids: multi-hot labels (audio tagging's 0 / 1 classes) are no transcript
     ]
     if not whole:
         return
     shown = ", ".join(f"{'.'.join(map(str, p))!r} {list(v.shape)}" for p, v in whole)
-    raise ValueError(
+    message = (
         f"seqlen_truncate: the cut takes float features (audio frames?) from {t} positions and leaves {shown}, "
         "targets of the whole sample, as they are: a transcript beside a cut input is no longer its target (CTC "
         "gives an infinite loss, or 0 with zero_infinity, and trains nothing). seqlen_truncate is for sequences "
         "whose targets are aligned with their positions; order such samples by a difficulty metric of their length "
         "(e.g. the number of frames) instead of cutting them"
     )
+    if warn:
+        warnings.warn(f"{message}. (Warned, not refused: truncate_keys names the tensors to cut.)", stacklevel=3)
+        return
+    raise ValueError(message)
 
 
 def other_sequences(batch: Any, b: int, t: int) -> list[tuple[Path, Tensor]]:
@@ -835,6 +870,7 @@ def other_sequences(batch: Any, b: int, t: int) -> list[tuple[Path, Tensor]]:
         if v.ndim >= 3
         and v.shape[0] == b
         and v.shape[1] != t
+        and t not in tuple(v.shape[2:])  # an attention bias [B, H, T, T] (qa50-break 06)
         and v.is_floating_point()
         and not _is_mask_name(_name(path))
         and not _looks_like_images(path, v)

@@ -172,6 +172,15 @@ def test_the_rows_lengths_are_clamped_to_the_cut_and_given_back_when_lengthened(
     assert CF.truncate((ids, labels), 48).batch[1].tolist() == [3, 117, 7, 1]
     other = CF.truncate({"input_ids": ids, "image_lengths": lengths}, 48)
     assert other.batch["image_lengths"].tolist() == [117, 60, 90, 30]
+    # a NamedTuple's field names are read (qa50-break 03)
+    from typing import NamedTuple
+
+    class Batch(NamedTuple):
+        input_ids: torch.Tensor
+        lengths: torch.Tensor
+
+    named_tuple = CF.truncate(Batch(ids, lengths), 48)
+    assert isinstance(named_tuple.batch, Batch) and named_tuple.batch.lengths.tolist() == [48, 48, 48, 30]
 
 
 def test_integer_targets_beside_features_of_another_length_are_refused_or_warned():
@@ -190,8 +199,21 @@ def test_integer_targets_beside_features_of_another_length_are_refused_or_warned
     with pytest.warns(UserWarning, match=r"read from its entry '2'.* return a dict batch and name it in truncate_keys"):
         cut = CF.truncate(tuple_batch, 6)
     assert cut.batch[2].shape == (2, 6) and cut.batch[0].shape == (2, 117, 80)
-    with pytest.raises(ValueError, match=r"leaves 'targets' \[4, 12\], targets of the whole sample"):
-        CF.truncate(batch, 48, keys=["features", "feature_lengths"])
+    # named in truncate_keys, what is cut is the user's choice: the targets stay whole (clip-level class indices
+    # beside cut frames, qa50-break 07)
+    with pytest.warns(UserWarning, match=r"leaves 'targets' \[4, 12\], targets .*\(Warned, not refused"):
+        chosen = CF.truncate(batch, 48, keys=["features", "feature_lengths"])
+    assert chosen.batch["targets"].shape == (4, 12) and chosen.batch["feature_lengths"].tolist() == [48, 48, 48, 30]
+    # ESPnet's names: `text` is the transcript (refused without keys), `text_lengths` its lengths, not the speech's
+    # (qa50-break 08)
+    espnet = {"speech": batch["features"], "speech_lengths": batch["feature_lengths"], "text": batch["targets"],
+              "text_lengths": torch.tensor([12, 10, 9, 11])}  # fmt: skip
+    with pytest.raises(ValueError, match=r"length 12 was read from 'text'"):
+        CF.truncate(espnet, 6)
+    with pytest.warns(UserWarning, match=r"leaves 'text' \[4, 12\], targets of the whole sample"):
+        cut = CF.truncate(espnet, 48, keys=["speech"])
+    assert cut.batch["speech_lengths"].tolist() == [48, 48, 48, 30]
+    assert cut.batch["text_lengths"].tolist() == [12, 10, 9, 11] and cut.batch["text"].shape == (4, 12)
     mask = (torch.arange(117) < batch["feature_lengths"][:, None]).long()
     hf = {"input_features": batch["features"], "attention_mask": mask, "labels": batch["targets"]}
     with pytest.raises(ValueError, match=r"leaves 'labels' \[4, 12\], targets of the whole sample"):

@@ -366,6 +366,41 @@ def test_an_hf_encoder_decoder_with_the_automatic_truncate_keys_is_refused_at_se
     )
 
 
+class TorchSeq2Seq(pl.LightningModule):
+    """A user's module over PyTorch's own nn.Transformer (or, ``split``, its encoder beside its decoder)."""
+
+    def __init__(self, split: bool = False) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(V, 16), torch.nn.Linear(16, V)
+        if split:
+            layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+            self.encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+            self.decoder = torch.nn.TransformerDecoder(torch.nn.TransformerDecoderLayer(16, 2, 32, batch_first=True), 1)
+        else:
+            self.net = torch.nn.Transformer(16, 2, 1, 1, 32, batch_first=True)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        src, tgt = self.embed(batch["input_ids"]), self.embed(batch["labels"])  # teacher forcing, unshifted here
+        out = self.decoder(tgt, self.encoder(src)) if hasattr(self, "decoder") else self.net(src, tgt)
+        return torch.nn.functional.cross_entropy(self.head(out).flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_torch_encoder_decoder_with_the_automatic_truncate_keys_is_refused_at_setup(tmp_path, split):
+    """PyTorch's nn.Transformer (or its encoder beside its decoder) was not refused as HF's T5 is: its targets, padded
+    to the sources' length, were cut to the source's curriculum length at every step (qa50-seq2seq 01)."""
+    items = [seq2seq_batch(8, 8) for _ in range(2)]
+    samples = [{k: v[i] for k, v in b.items()} for b in items for i in range(B)]
+    trainer = make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC})], max_steps=2)
+    where = r"TransformerDecoder at decoder" if split else r"Transformer at net"
+    with pytest.raises(CurriculumConfigError, match=rf"encoder-decoder \({where}\)"):
+        trainer.fit(TorchSeq2Seq(split), datamodule=CurriculumDataModule(TinyDataModule(samples, batch_size=B)))
+    assert trainer.global_step == 0
+
+
 # ------------------------------------------------------------------------------------------- user modules
 
 
