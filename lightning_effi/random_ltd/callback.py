@@ -770,17 +770,17 @@ class RandomLTDCallback(Callback):
 
     def _check_model_changes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, layers: nn.Module) -> None:
         """``layer_ids`` must resolve at the depth of every network a technique that replaces the model will put in
-        place (:class:`~lightning_effi.core.protocols.PlansModelChanges`, the V-cycle's levels) when that network
-        holds these ``layers`` (a V-cycle on a CLIP's other tower leaves them as they are: its depths were applied
-        to them, qa50-clip 05); the default ids pause at a level of <= 2 layers, announced here once
-        (``rank_zero_info``)."""
+        place (:class:`~lightning_effi.core.protocols.PlansModelChanges`, the V-cycle's levels) when the block list
+        whose depth it changes holds these ``layers`` (a V-cycle on a CLIP's other tower, or on an encoder-decoder's
+        encoder beside random-LTD's decoder, leaves their depth as it is: its depths were applied to them, qa50-clip 05,
+        qa50-seq2seq 02); the default ids pause at a level of <= 2 layers, announced here once (``rank_zero_info``)."""
         name = type(self).__name__
         first = next(iter(layers.children()), None)
         for other in trainer.callbacks:
             if other is self or not isinstance(other, PlansModelChanges):
                 continue
-            network = getattr(other, "effi_model_network", None)
-            replaced = network(pl_module) if callable(network) else None
+            blocks = getattr(other, "effi_model_blocks", None)
+            replaced = blocks(pl_module) if callable(blocks) else None
             outside = isinstance(replaced, nn.Module) and not any(m is first for m in replaced.modules())
             if first is not None and outside:
                 continue

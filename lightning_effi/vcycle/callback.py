@@ -838,18 +838,18 @@ class VCycleCallback(Callback):
                 type(self).__name__, f"the checkpoint's configuration differs (checkpoint, now): {diff}", self.strict
             )
 
-    def effi_model_network(self, pl_module: pl.LightningModule) -> nn.Module:
-        """The network the V-cycle replaces at its levels (``pl_module.<model_attr>``, found as :meth:`setup` finds it):
-        a technique whose layers lie outside it (random-LTD on a two-tower model's other tower) is not changed by the
-        levels.
+    def effi_model_blocks(self, pl_module: pl.LightningModule) -> nn.Module:
+        """The block list whose depth the levels change (the adapter's ``layer_prefix`` in ``pl_module.<model_attr>``,
+        found as :meth:`setup` finds it): a technique whose layers lie outside it (random-LTD on a two-tower model's
+        other tower, on an encoder-decoder's decoder where the V-cycle coalesces the encoder) keeps its depth.
 
         Raises:
             ValueError: no network found (see :func:`~lightning_effi.models.vcycle_base.find_vcycle_network`).
         """
-        if self._stack.host is pl_module and self._stack.plans:
-            return getattr(pl_module, self.model_attr)
-        attr, _ = self._find_network(pl_module)
-        return getattr(pl_module, attr)
+        attr, adapter = self._find_network(pl_module)
+        model = getattr(pl_module, attr)
+        prefix = adapter.layer_prefix(model).rstrip(".")
+        return model.get_submodule(prefix) if prefix else model
 
     def effi_model_depths(self, pl_module: pl.LightningModule) -> list[int]:
         """The number of layers of the model of every level 1..K
