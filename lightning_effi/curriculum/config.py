@@ -410,7 +410,14 @@ class CurriculumConfig:
                     if "max_step" in cfg
                     else ""
                 )
-                if reach is not None:
+                last = cfg.get("total_curriculum_step", (cfg.get("max_step") or [None])[-1])
+                if reach is not None and reach == last:
+                    # no earlier: "at step 8 instead of at total_curriculum_step (8)" (qa50-clip 07)
+                    consequence = (
+                        f"the schedule's last difficulty, {m.max_difficulty}, is one that no batch has (its "
+                        f"difficulties are logged up to {m.max_difficulty}, the data's longest is {full})"
+                    )
+                elif reach is not None:
                     consequence = (
                         f"the schedule would reach the full length at step {reach}{end} and spend the rest on lengths "
                         f"the data does not have (logging difficulties up to {m.max_difficulty} that no batch has)"

@@ -133,6 +133,13 @@ def test_max_difficulty_above_the_data_length_is_refused_naming_the_step():
     assert "reach the full length at step 1 instead of at total_curriculum_step (6)" in message
     assert "Set max_difficulty to 16" in message
     assert CurriculumConfig(metrics=trunc()).check_data_length(16) == []  # max_difficulty = the data's length
+    # reached only at its last step: no "at step 8 instead of at total_curriculum_step (8)" (qa50-clip 07)
+    late_schedule = dict(total_curriculum_step=8, difficulty_step=8)
+    late = CurriculumConfig(metrics=trunc(min_difficulty=8, max_difficulty=40, schedule_config=late_schedule))
+    with pytest.raises(CurriculumConfigError) as info:
+        late.check_data_length(39)
+    assert "instead of" not in str(info.value)
+    assert "the schedule's last difficulty, 40, is one that no batch has" in str(info.value)
 
 
 def test_max_difficulty_below_the_data_length_is_accepted_with_a_warning():
