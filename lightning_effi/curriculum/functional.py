@@ -685,7 +685,7 @@ def truncate(
         _refuse_another_sequence(batch, found[0], b, t, cut)
     # with truncate_keys, what is cut is the user's choice, warned (clip-level class indices beside frames)
     _refuse_whole_targets(batch, b, t, cut, warn=keys is not None)
-    lengths = row_lengths(batch, keys, b, t, cut)
+    lengths = row_lengths(batch, b, t, cut)
     if lengths:
         # a [B] tensor of the rows' lengths says what the cut rows hold, min(n, L) in every mode (right and left
         # padding, keep_last_token); its original comes back in lengthen_batch (feature_lengths said 117 of 48 frames
@@ -748,9 +748,8 @@ ANY_SEQUENCE_STEMS = ("", "seq", "sequence", "token", "tokens", "text", "input",
 
 
 def _length_stem(name: str) -> str | None:
-    """The name without its length word (``feature_lengths`` -> ``feature``; ``lengths``, ``seq_len``,
-    ``num_frames`` -> ``""``, the lengths of any sequence, :data:`ANY_SEQUENCE_STEMS`); None for a name that does not
-    say it holds lengths."""
+    """The name without its length word (``feature_lengths`` -> ``feature``, ``seq_len`` -> ``seq``; ``lengths``,
+    ``num_frames`` -> ``""``); None for a name that does not say it holds lengths."""
     lowered = name.lower()
     if lowered in ("num_frames", "n_frames", "num_tokens", "n_tokens"):
         return ""
@@ -783,12 +782,13 @@ def _leaf(batch: Any, path: Path) -> Tensor:
     raise KeyError(path)
 
 
-def row_lengths(batch: Any, keys: Sequence[str] | None, b: int, t: int, cut: Mapping[Path, Any]) -> list[Path]:
-    """The ``[B]`` integer tensors of a batch cut from ``t`` positions that hold its rows' lengths, named so: a name
-    ending in a length word (:data:`LENGTH_WORDS`) whose stem names a tensor cut (``feature_lengths`` of
-    ``input_features``: the stem is in the name) or no tensor (``lengths``, ``seq_len``, ``token_lengths``; an HF
-    ``length`` column), every value in ``[0, t]``; with ``keys``, one named in them too. :func:`truncate` clamps them
-    to the kept length. A tuple's unnamed entry is never read as lengths (class labels can look like them)."""
+def row_lengths(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> list[Path]:
+    """The ``[B]`` integer tensors of a batch cut from ``t`` positions that hold its rows' lengths, named so (a dict
+    key, dataclass or NamedTuple field): a name ending in a length word (:data:`LENGTH_WORDS`) whose stem is in a cut
+    tensor's name (``feature_lengths`` of ``input_features``), or is empty or one of :data:`ANY_SEQUENCE_STEMS` and
+    in no tensor's name (``lengths``, ``seq_len``, ``token_lengths``; an HF ``length`` column), every value in
+    ``[0, t]``. :func:`truncate` clamps them to the kept length. A plain tuple's entry is never read as lengths (class
+    labels can look like them), nor the lengths of a tensor that is not cut (ESPnet's ``text_lengths`` of ``text``)."""
     if not cut:
         return []
     cut_names = [str(_field_name(batch, path) or "").lower() for path in cut]
@@ -825,9 +825,9 @@ def _target_name(name: str | None) -> bool:
 def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any], warn: bool = False) -> None:
     """Refuse a cut of float features (audio frames, no integer ids among the tensors cut) beside an integer
     ``[B, U]`` tensor named like targets (:data:`TARGET_WORDS`), of another length, left whole: a CTC transcript of the
-    whole sample beside a cut input is no longer its target (loss 0 with ``zero_infinity``, qa49-break 01). ``warn``
-    (the tensors to cut named in ``truncate_keys``): a warning instead (clip-level class indices beside frames are
-    valid, qa50-break 07)."""
+    whole sample beside a cut input is no longer its target (loss 0 with ``zero_infinity``, qa49-break 01); a name
+    whose last word is ``text`` too (ESPnet's transcript). ``warn`` (the tensors to cut named in ``truncate_keys``):
+    a warning instead, once for each set of names (clip-level class indices beside frames are valid, qa50-break 07)."""
     cut_leaves = [(p, v) for p, v in tensor_leaves(batch) if p in cut]
     if not any(v.is_floating_point() and v.ndim >= 2 and not _is_mask_name(_name(p)) for p, v in cut_leaves):
         return
@@ -854,8 +854,14 @@ def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any], w
         "whose targets are aligned with their positions; order such samples by a difficulty metric of their length "
         "(e.g. the number of frames) instead of cutting them"
     )
-    if warn:
-        warnings.warn(f"{message}. (Warned, not refused: truncate_keys names the tensors to cut.)", stacklevel=3)
+    if warn:  # the names only: Python shows a warning once for each text, and the shapes change from batch to batch
+        names = ", ".join(repr(".".join(map(str, p))) for p, _ in whole)
+        warnings.warn(
+            f"seqlen_truncate: the cut takes float features (audio frames?) and leaves {names}, targets of the whole "
+            "sample, as they are: a transcript beside a cut input is no longer its target (CTC gives an infinite "
+            "loss, or 0 with zero_infinity). (Warned, not refused: truncate_keys names the tensors to cut.)",
+            stacklevel=3,
+        )
         return
     raise ValueError(message)
 
@@ -886,11 +892,11 @@ def _refuse_another_sequence(batch: Any, reference: Path, b: int, t: int, cut: M
         # a tuple's entries cannot be named in truncate_keys: image or other features beside token ids may be right
         # (a refusal had no remedy, qa49-break 09)
         where = ".".join(map(str, reference)) or "batch"
-        shown = ", ".join(f"{'.'.join(map(str, p)) or 'batch'!r} {list(v.shape)}" for p, v in other)
+        shown = ", ".join(repr(".".join(map(str, p)) or "batch") for p, _ in other)  # no shapes: warned once
         warnings.warn(
-            f"seqlen_truncate: the batch's sequence length {t} was read from its entry {where!r}, its first integer "
-            f"[B, T] tensor (token ids), beside {shown}, a sequence of another length the cut leaves whole; if that "
-            "is the sequence to cut (audio features beside their targets), return a dict batch and name it in "
+            f"seqlen_truncate: the batch's sequence length was read from its entry {where!r}, its first integer "
+            f"[B, T] tensor (token ids), beside entry {shown}, a sequence of another length the cut leaves whole; if "
+            "that is the sequence to cut (audio features beside their targets), return a dict batch and name it in "
             "truncate_keys",
             stacklevel=2,
         )

@@ -201,7 +201,7 @@ def test_integer_targets_beside_features_of_another_length_are_refused_or_warned
     assert cut.batch[2].shape == (2, 6) and cut.batch[0].shape == (2, 117, 80)
     # named in truncate_keys, what is cut is the user's choice: the targets stay whole (clip-level class indices
     # beside cut frames, qa50-break 07)
-    with pytest.warns(UserWarning, match=r"leaves 'targets' \[4, 12\], targets .*\(Warned, not refused"):
+    with pytest.warns(UserWarning, match=r"leaves 'targets', targets .*\(Warned, not refused"):
         chosen = CF.truncate(batch, 48, keys=["features", "feature_lengths"])
     assert chosen.batch["targets"].shape == (4, 12) and chosen.batch["feature_lengths"].tolist() == [48, 48, 48, 30]
     # ESPnet's names: `text` is the transcript (refused without keys), `text_lengths` its lengths, not the speech's
@@ -210,7 +210,7 @@ def test_integer_targets_beside_features_of_another_length_are_refused_or_warned
               "text_lengths": torch.tensor([12, 10, 9, 11])}  # fmt: skip
     with pytest.raises(ValueError, match=r"length 12 was read from 'text'"):
         CF.truncate(espnet, 6)
-    with pytest.warns(UserWarning, match=r"leaves 'text' \[4, 12\], targets of the whole sample"):
+    with pytest.warns(UserWarning, match=r"leaves 'text', targets of the whole sample"):
         cut = CF.truncate(espnet, 48, keys=["speech"])
     assert cut.batch["speech_lengths"].tolist() == [48, 48, 48, 30]
     assert cut.batch["text_lengths"].tolist() == [12, 10, 9, 11] and cut.batch["text"].shape == (4, 12)
