@@ -615,7 +615,7 @@ def test_a_resumable_loader_takes_a_plain_sampler_and_resumes_it_exactly() -> No
     it = iter(loader)
     assert [next(it).tolist() for _ in range(2)] == [[0, 1, 2], [3, 4, 5]]
     state = loader.state_dict()
-    assert state == {"epoch": 0, "batches": 2, "batch_size": 3, "samples": 10}
+    assert state == {"epoch": 0, "batches": 2, "batch_size": 3, "samples": 10, "sampler": "SkippableSampler"}
     resumed = ResumableDataLoader(data, sampler=SequentialSampler(data), batch_size=3)
     resumed.load_state_dict(state)
     assert len(resumed) == 4
