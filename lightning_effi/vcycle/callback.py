@@ -639,8 +639,9 @@ class VCycleCallback(Callback):
             "at the first level change, e.g. 'mat1 and mat2 shapes cannot be multiplied'). Put the head inside the "
             "network (a model with its own head, e.g. GPT2LMHeadModel, GPT2ForSequenceClassification, "
             f"BertForSequenceClassification, a timm ViT with num_classes), or pass width_scheme=None (depth only: the "
-            f"width stays {hidden}); parameters that do not touch its hidden states (a side branch over other features "
-            f"of the same width) can be named in unrelated_params=[...] (names or patterns such as 'side.*')"
+            f"width stays {hidden}); parameters that do not touch its hidden states (another network's, such as a "
+            "second tower's head or projection, or a side branch over other features of the same width) can be named "
+            "in unrelated_params=[...] (names or patterns such as 'side.*')"
         )
 
     def _match_unrelated(self, pl_module: pl.LightningModule, outside: Mapping[str, Any]) -> set[str]:

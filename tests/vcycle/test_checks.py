@@ -541,6 +541,7 @@ def test_a_head_outside_a_network_whose_width_changes_is_refused_at_setup(tmp_pa
     assert "Put the head inside the network (a model with its own head, e.g. GPT2LMHeadModel" in msg
     assert "or pass width_scheme=None (depth only: the width stays 32); parameters that do not touch its hidden " in msg
     assert msg.endswith("can be named in unrelated_params=[...] (names or patterns such as 'side.*')")
+    assert "(another network's, such as a second tower's head or projection," in msg  # qa50-clip 06
     assert steps.started == []
     cb = VCycleCallback(e_a=2, e_small=3, width_scheme=None)
     _, model = fit(tmp_path / "b", [cb], 8, model=BackboneHead())
