@@ -82,7 +82,9 @@ __all__ = [
     "find_tokens",
     "hidden_tokens",
     "key_padding_mask",
+    "leaf_name",
     "leaves",
+    "length_stem",
     "mask_is_additive",
     "mask_tokens",
     "row_tokens",
@@ -132,6 +134,44 @@ def leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
 def tensor_leaves(obj: Any) -> Iterator[tuple[Path, Tensor]]:
     """The tensor leaves of :func:`leaves`."""
     return ((p, v) for p, v in leaves(obj) if isinstance(v, Tensor))
+
+
+def leaf_name(batch: Any, path: Path) -> str | None:
+    """The name of the leaf of ``batch`` at ``path`` (from :func:`leaves`): its mapping key or dataclass field, or, in
+    a named tuple, its field's name; None for a plain tuple's or list's entry."""
+    if path and isinstance(path[-1], str):
+        return path[-1]
+    if not path or not isinstance(path[-1], int):
+        return None
+    parent = batch
+    try:
+        for key in path[:-1]:
+            parent = getattr(parent, key) if isinstance(key, str) and not isinstance(parent, Mapping) else parent[key]
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
+    fields = getattr(parent, "_fields", None)
+    return fields[path[-1]] if isinstance(parent, tuple) and fields and path[-1] < len(fields) else None
+
+
+#: words a tensor's name ends with when it holds each row's length (``feature_lengths``, ``x_lens``, ``seq_len``)
+LENGTH_WORDS = ("lengths", "length", "lens", "len")
+#: whole names of a tensor that holds each row's length without a length word
+LENGTH_NAMES = ("num_frames", "n_frames", "num_tokens", "n_tokens")
+
+
+def length_stem(name: str | None) -> str | None:
+    """What a tensor's name says it holds the rows' lengths of: the name without its length word
+    (:data:`LENGTH_WORDS`; ``feature_lengths`` -> ``"feature"``, ``seq_len`` -> ``"seq"``, ``lengths`` and
+    ``num_frames`` -> ``""``); None for a name that does not say it holds lengths (or no name)."""
+    if not name:
+        return None
+    lowered = name.lower()
+    if lowered in LENGTH_NAMES:
+        return ""
+    for word in LENGTH_WORDS:
+        if lowered.endswith(word):
+            return lowered[: -len(word)].strip("_")
+    return None
 
 
 def combined_parts(loaders: Any, batch: Any) -> list[Any] | None:

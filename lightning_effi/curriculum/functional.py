@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_effi.core.checks import check_int, is_int
-from lightning_effi.core.measure import Path, opaque_holder, tensor_leaves
+from lightning_effi.core.measure import Path, leaf_name, length_stem, opaque_holder, tensor_leaves
 
 DIFFICULTY_TYPES = ("value", "percentile")
 PERCENTILE_ROUNDING = ("deepspeed", "proportional")
@@ -741,38 +741,8 @@ def _refuse_named_of_another_length(batch: Any, keys: Sequence[str], reference: 
     )
 
 
-#: words of a tensor's name that say it holds each row's length (``feature_lengths``, ``x_lens``, ``seq_len``)
-LENGTH_WORDS = ("lengths", "length", "lens", "len")
 #: stems of a lengths tensor's name that name no tensor of its own (``token_lengths``, ``text_len``): of any sequence
 ANY_SEQUENCE_STEMS = ("", "seq", "sequence", "token", "tokens", "text", "input", "inputs", "src", "source")
-
-
-def _length_stem(name: str) -> str | None:
-    """The name without its length word (``feature_lengths`` -> ``feature``, ``seq_len`` -> ``seq``; ``lengths``,
-    ``num_frames`` -> ``""``); None for a name that does not say it holds lengths."""
-    lowered = name.lower()
-    if lowered in ("num_frames", "n_frames", "num_tokens", "n_tokens"):
-        return ""
-    for word in LENGTH_WORDS:
-        if lowered.endswith(word):
-            return lowered[: -len(word)].strip("_")
-    return None
-
-
-def _field_name(batch: Any, path: Path) -> str | None:
-    """A tensor's name (:func:`_name`), or, in a named tuple, its field's (a NamedTuple batch's ``lengths`` was not
-    read as lengths, qa50-break 03; ``truncate_keys`` does not name such fields)."""
-    name = _name(path)
-    if name is not None or not path or not isinstance(path[-1], int):
-        return name
-    parent = batch
-    try:
-        for key in path[:-1]:
-            parent = getattr(parent, key) if isinstance(key, str) and not isinstance(parent, Mapping) else parent[key]
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return None
-    fields = getattr(parent, "_fields", None)
-    return fields[path[-1]] if isinstance(parent, tuple) and fields and path[-1] < len(fields) else None
 
 
 def _leaf(batch: Any, path: Path) -> Tensor:
@@ -784,21 +754,22 @@ def _leaf(batch: Any, path: Path) -> Tensor:
 
 def row_lengths(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> list[Path]:
     """The ``[B]`` integer tensors of a batch cut from ``t`` positions that hold its rows' lengths, named so (a dict
-    key, dataclass or NamedTuple field): a name ending in a length word (:data:`LENGTH_WORDS`) whose stem is in a cut
-    tensor's name (``feature_lengths`` of ``input_features``), or is empty or one of :data:`ANY_SEQUENCE_STEMS` and
-    in no tensor's name (``lengths``, ``seq_len``, ``token_lengths``; an HF ``length`` column), every value in
-    ``[0, t]``. :func:`truncate` clamps them to the kept length. A plain tuple's entry is never read as lengths (class
-    labels can look like them), nor the lengths of a tensor that is not cut (ESPnet's ``text_lengths`` of ``text``)."""
+    key, dataclass or NamedTuple field, :func:`~lightning_effi.core.measure.length_stem`): a name ending in a length
+    word whose stem is in a cut tensor's name (``feature_lengths`` of ``input_features``), or is empty or one of
+    :data:`ANY_SEQUENCE_STEMS` and in no tensor's name (``lengths``, ``seq_len``, ``token_lengths``; an HF ``length``
+    column), every value in ``[0, t]``. :func:`truncate` clamps them to the kept length. A plain tuple's entry is never
+    read as lengths (class labels can look like them), nor the lengths of a tensor that is not cut (ESPnet's
+    ``text_lengths`` of ``text``)."""
     if not cut:
         return []
-    cut_names = [str(_field_name(batch, path) or "").lower() for path in cut]
-    names = [str(_field_name(batch, path) or "").lower() for path, v in tensor_leaves(batch) if v.ndim >= 2]
+    cut_names = [str(leaf_name(batch, path) or "").lower() for path in cut]
+    names = [str(leaf_name(batch, path) or "").lower() for path, v in tensor_leaves(batch) if v.ndim >= 2]
     found = []
     for path, v in tensor_leaves(batch):
-        name = _field_name(batch, path)
+        name = leaf_name(batch, path)
         if name is None or v.ndim != 1 or v.shape[0] != b or not _is_integer(v) or path in cut:
             continue
-        stem = _length_stem(name)
+        stem = length_stem(name)
         if stem is None:
             continue
         if stem and not any(stem in n for n in cut_names):

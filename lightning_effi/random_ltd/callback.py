@@ -71,6 +71,8 @@ from lightning_effi.core.measure import (
     FlopsMeter,
     MeasureError,
     key_padding_mask,
+    leaf_name,
+    length_stem,
     mask_tokens,
     share_a_residue,
     structure_key,
@@ -190,9 +192,10 @@ def _layer_model_checked(model: tuple[Fraction, Fraction, frozenset[int], int]) 
 def _padded(batch: Any) -> bool:
     """Whether a training batch has padding: its ``attention_mask`` marks fewer real tokens than it has positions, so
     its rows differ in length (a batch padded per batch); or, without one, a ``[B]`` integer tensor named like the
-    rows' lengths (``feature_lengths``, ``x_lens``, ``seq_len``) holds different values, or a tensor named like a
-    padding mask (``*padding_mask*``) has both values: a speech batch's padded frames, whose model builds its mask
-    from the lengths (a right max_value was refused for the shorter first batch of one shuffle seed, qa48-speech 04).
+    rows' lengths (:func:`~lightning_effi.core.measure.length_stem`: ``feature_lengths``, ``x_lens``, ``seq_len``, a
+    NamedTuple's ``lengths``) holds different values, or a tensor named like a padding mask (``*padding_mask*``) has
+    both values: a speech batch's padded frames, whose model builds its mask from the lengths (a right max_value was
+    refused for the shorter first batch of one shuffle seed, qa48-speech 04).
     """
     inner = unwrap(batch)[0]
     source = token_source(inner)
@@ -200,9 +203,9 @@ def _padded(batch: Any) -> bool:
         rows, real = key_padding_mask(source[1]), mask_tokens(source[1])
         return rows is not None and real is not None and real < rows.numel()
     for path, value in tensor_leaves(inner):
-        name = str(path[-1]).lower() if path and isinstance(path[-1], str) else ""
-        lengths = value.ndim == 1 and name.endswith(("length", "lengths", "lens", "_len"))
-        mask = value.ndim >= 2 and "padding_mask" in name
+        name = leaf_name(inner, path)
+        lengths = value.ndim == 1 and length_stem(name) is not None
+        mask = value.ndim >= 2 and "padding_mask" in str(name).lower()
         if (lengths or mask) and value.numel() > 1 and not value.is_complex():
             flat = value.detach().flatten()
             if bool((flat != flat[0]).any()):
