@@ -1500,7 +1500,16 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
             error).
     """
     if opaque := call.opaque():
-        raise MeasureError(f"{call.target or 'the LightningModule'} was called with {', '.join(opaque)} arguments")
+        cache = [kind for kind in opaque if kind.endswith("Cache")]
+        hint = (
+            f" (an HF {cache[0]}: a model trained with use_cache=True builds one in every forward; pass "
+            "use_cache=False in training_step, or set config.use_cache = False)"
+            if cache
+            else ""
+        )
+        raise MeasureError(
+            f"{call.target or 'the LightningModule'} was called with {', '.join(opaque)} arguments{hint}"
+        )
     try:
         target = root.get_submodule(call.target) if call.target else root
     except AttributeError as err:

@@ -2103,3 +2103,31 @@ def test_the_vcycle_copies_an_moe_lm_whose_layers_keep_their_aux_loss(tmp_path):
     trainer = make_trainer(tmp_path, [vcycle, depths], max_steps=4, max_epochs=-1)
     trainer.fit(AuxLM(), DataLoader(TensorDataset(torch.randint(0, 32, (32, 12))), batch_size=8))
     assert depths.seen == [2, 1, 1, 2]
+
+
+def test_a_cache_argument_names_use_cache_false(tmp_path):
+    """An HF MoE LM trained with its config's default use_cache=True calls its layers with a DynamicCache, which the
+    monitor cannot replay: the warning said only "was called with DynamicCache arguments" (qa50-break 04); it names
+    the remedy."""
+
+    class MoE(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = transformers.MixtralConfig(
+                vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                experts_implementation="eager",
+            )  # fmt: skip
+            self.model = transformers.MixtralForCausalLM(config)
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            return self.model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    monitor = EfficiencyMonitor(print_summary=False)
+    data = TensorDataset(torch.randint(0, 32, (8, 16)))
+    with pytest.warns(UserWarning, match=r"DynamicCache arguments \(an HF DynamicCache: .* pass use_cache=False"):
+        make_trainer(tmp_path, [monitor], max_steps=1, max_epochs=-1).fit(MoE(), DataLoader(data, batch_size=4))
