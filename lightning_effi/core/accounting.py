@@ -49,7 +49,9 @@ structure) is counted by :mod:`lightning_effi.core.measure`:
   else the positions in the hidden states the network's first transformer block was called with in the training
   step (``[B, T, H]``: a ViT's patches and prefix tokens, a series of continuous features, padding included: a
   padding mask of such a batch is read only when named ``attention_mask``, with one warning otherwise; a batch a
-  technique lengthened along one axis, the curriculum's untruncated one, scaled by its length);
+  technique lengthened along one axis, the curriculum's untruncated one, scaled by its length), summed over the
+  network's passes in the step (each call of the module that runs the blocks, outside the backward: SimCLR's two
+  views encoded one call each, a multi-crop step's crops; not a loop over the blocks inside one call);
 - layer-tokens: tokens x the network's transformer blocks (:func:`lightning_effi.core.measure.block_candidates`: a
   registered random-LTD adapter's layer list, else the ``nn.ModuleList`` / ``nn.Sequential`` lists of identical
   blocks, trainable before frozen, then by parameters; of those, the first whose first block the step runs with
@@ -85,6 +87,7 @@ from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from lightning_effi.core.batch import unwrap
 from lightning_effi.core.checks import check_bool, check_int, is_int, is_real
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.console import print_block
@@ -94,6 +97,7 @@ from lightning_effi.core.measure import (
     FlopsMeter,
     MeasureError,
     OutsideProducts,
+    _in_backward,
     block_candidates,
     combined_parts,
     find_batch_size,
@@ -614,6 +618,9 @@ class EfficiencyMonitor(Callback):
         self._watched: list[tuple[str, Blocks]] = []
         self._seen: dict[int, tuple[int | None, tuple[int, ...] | None, bool]] = {}
         self._attention_seen: dict[int, tuple[int, ...]] = {}
+        # the watched lists whose network began another pass in the step (its module that runs the blocks
+        # was called again), whose first block call adds its positions to _seen's tokens (_observe)
+        self._next_pass: set[int] = set()
         self._chosen: str | None = None
         self._ranked: tuple[tuple[Any, ...], list[tuple[str, Blocks]]] | None = None  # _candidates' cache
         #: a compiled module's last recorded batch: (its batch shapes, the network's parameter shapes); see _watch
@@ -1315,7 +1322,12 @@ class EfficiencyMonitor(Callback):
             }
         if not callable(getattr(pl_module, "effi_count_tokens", None)):  # positions, and a mask's downsampling
             self._watched, self._seen, self._attention_seen = self._candidates(pl_module), {}, {}
-            for i, (_, blocks) in enumerate(self._watched):
+            self._next_pass = set()
+            for i, (name, blocks) in enumerate(self._watched):
+                runner = _runner(pl_module, name, blocks)
+                if runner is not None:
+                    hook = runner.register_forward_pre_hook(functools.partial(self._pass, i), with_kwargs=True)
+                    self._block_hooks.append(hook)
                 # every block: the first one the step runs (a LayerDrop may skip block 0, qa47-break 02)
                 for block in blocks.children():
                     hook = block.register_forward_pre_hook(functools.partial(self._observe, i), with_kwargs=True)
@@ -1352,10 +1364,24 @@ class EfficiencyMonitor(Callback):
         ranked = self._ranked[1]
         return ranked[:WATCHED_LISTS] + [r for r in ranked[WATCHED_LISTS:] if r[0] == self._chosen]
 
+    def _pass(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A call of the module that runs watched list ``index`` (:func:`_runner`) after its first pass in the step,
+        outside a backward (not a recompute of activation checkpointing): another pass of the network, whose first
+        block call adds its positions (SimCLR's second view, qa50-clip 04)."""
+        if index in self._seen and not _in_backward():
+            self._next_pass.add(index)
+
     def _observe(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The first call, in the step, of a block of watched list ``index`` (block 0 unless a LayerDrop skipped it):
-        its hidden states' tokens and shape, and whether their last dimension is a width of the block."""
+        its hidden states' tokens and shape, and whether their last dimension is a width of the block; at each later
+        pass of the network (:meth:`_pass`), the tokens of its first block call are added."""
         if index in self._seen:
+            if index in self._next_pass:
+                self._next_pass.discard(index)
+                first, shape, wide = self._seen[index]
+                more = hidden_tokens(args, kwargs)
+                if first is not None and more is not None:
+                    self._seen[index] = (first + more, shape, wide)
             return
         tokens = hidden_tokens(args, kwargs)
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -1381,25 +1407,40 @@ class EfficiencyMonitor(Callback):
         if index not in self._attention_seen and query is not None:
             self._attention_seen[index] = tuple(query.shape)
 
-    def _choose_observed(self, trained: bool) -> None:
+    def _choose_observed(self, trained: bool, batch: Any = None) -> None:
         """After the step: the hidden states of the list remembered from the steps before when the step ran it with
         ``[B, T, H]`` ones (a V-cycle's coarse network keeps its place beside a bigger second tower, qa47-user 03),
         else of the best watched list the step ran with them, one whose last dimension is a width of its blocks first
         (a list never run, an EMA copy, or run on pooled ``[B, H]`` features, a probe's MLP head, is passed over; a
-        convolutional feature encoder's ``[B, C, S]`` comes last, qa47-break 02); that list is remembered
-        (``trained``: the step trained) for :meth:`find_blocks`."""
+        convolutional feature encoder's ``[B, C, S]`` comes last, qa47-break 02), and of those first a list whose
+        hidden states have the rows and positions of the batch's token ids (``batch``'s): the tower the ids feed, so
+        that tokens and layer-tokens count one tower (a CLIP's text tokens times its image tower's depth, and the
+        image tower's 17 positions a row added to 10 text positions as a prefix, qa50-clip 01, 02); that list is
+        remembered (``trained``: the step trained) for :meth:`find_blocks`."""
         run = [i for i in range(len(self._watched)) if (self._seen.get(i) or (None,))[0] is not None]
         wide = [i for i in run if self._seen[i][2]]
         index = next((i for i in run if self._watched[i][0] == self._chosen and (self._seen[i][2] or not wide)), None)
         if index is None:
             if not run:
                 return
-            index = (wide or run)[0]
+            rows = _token_rows(batch)
+            fed = [i for i in (wide or run) if rows is not None and self._sees_rows(i, rows)]
+            index = (fed or wide or run)[0]
         tokens, shape, width = self._seen[index]
         self._observed_tokens, self._observed_shape, self._observed_width = tokens, shape, width
         self._observed_sequence_first = shape is not None and self._attention_seen.get(index) == shape
         if trained:
             self._chosen = self._watched[index][0]
+
+    def _sees_rows(self, index: int, rows: tuple[int, int]) -> bool:
+        """Whether watched list ``index`` was called with ``[B, T, H]`` hidden states of ``rows`` ``(B, T)`` (or
+        ``[T, B, H]`` ones read by a sequence-first attention)."""
+        shape = self._seen[index][1]
+        if shape is None or len(shape) != 3:
+            return False
+        if self._attention_seen.get(index) == shape:
+            return (shape[1], shape[0]) == rows
+        return (shape[0], shape[1]) == rows
 
     def _unwatch(self, batch: Any) -> None:
         """After the training step (``batch``: the trained batch) or on an error (None): remove the hooks."""
@@ -1417,7 +1458,7 @@ class EfficiencyMonitor(Callback):
             hook.remove()
         self._block_hooks = []
         if self._watched:
-            self._choose_observed(batch is not None)
+            self._choose_observed(batch is not None, batch)
             self._watched = []
         if batch is not None:
             self._batch_shapes = _shapes(batch)
@@ -1898,6 +1939,34 @@ class EfficiencyMonitor(Callback):
         self._last_states = None if last_states is None else dict(last_states)
         self._last_position = None if last_position is None else dict(last_position)
         self._change_points = change_points
+
+
+def _token_rows(batch: Any) -> tuple[int, int] | None:
+    """``(B, T)`` of a batch's token ids or attention mask (:func:`~lightning_effi.core.measure.token_source`),
+    batch-first; None for a batch without them."""
+    if batch is None:
+        return None
+    source = token_source(unwrap(batch)[0])
+    if source is None:
+        return None
+    rows = key_padding_mask(source[1]) if source[0] == "mask" else source[1]
+    if rows is None or rows.ndim != 2:
+        return None
+    return int(rows.shape[0]), int(rows.shape[1])
+
+
+def _runner(pl_module: nn.Module, name: str, blocks: Blocks) -> nn.Module | None:
+    """The module whose call runs the block list at ``name`` in ``pl_module`` once: an ``nn.Sequential`` list itself,
+    else the module holding the list (the LightningModule for a list it holds itself: its ``forward``); None for a
+    list held in another container."""
+    if isinstance(blocks, nn.Sequential):
+        return blocks
+    parent = name.rpartition(".")[0]
+    try:
+        holder = pl_module.get_submodule(parent) if parent else pl_module
+    except AttributeError:
+        return None
+    return None if isinstance(holder, nn.ModuleList | nn.ModuleDict | nn.Sequential) else holder
 
 
 def _brief_value(value: Any) -> str:

@@ -2131,3 +2131,71 @@ def test_a_cache_argument_names_use_cache_false(tmp_path):
     data = TensorDataset(torch.randint(0, 32, (8, 16)))
     with pytest.warns(UserWarning, match=r"DynamicCache arguments \(an HF DynamicCache: .* pass use_cache=False"):
         make_trainer(tmp_path, [monitor], max_steps=1, max_epochs=-1).fit(MoE(), DataLoader(data, batch_size=4))
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+class _PatchEncoder(nn.Module):
+    """Images [B, 3, 8, 8] -> 4 patches of 4x4 -> 2 blocks (``loops`` times over the list in one call) -> [B, 8]."""
+
+    def __init__(self, loops: int = 1, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 4, stride=4)
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.loops, self.checkpointed = loops, checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x).flatten(2).transpose(1, 2)
+        for _ in range(self.loops):
+            for block in self.blocks:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h)
+        return h.mean(1)
+
+
+class _TwoViews(pl.LightningModule):
+    """SimCLR's step: two views of each image, encoded in one call each (``per_view``) or in one call together."""
+
+    def __init__(self, per_view: bool, loops: int = 1, checkpointed: bool = False, no_grad_pass: bool = False):
+        super().__init__()
+        self.enc = _PatchEncoder(loops, checkpointed)
+        self.per_view, self.no_grad_pass = per_view, no_grad_pass
+
+    def training_step(self, batch, batch_idx):
+        v1, v2 = batch["view1"], batch["view2"]
+        if self.no_grad_pass:  # pseudo-targets from the same network, no grad: positions it runs all the same
+            with torch.no_grad():
+                self.enc(v1)
+        z1, z2 = (self.enc(v1), self.enc(v2)) if self.per_view else self.enc(torch.cat([v1, v2])).chunk(2)
+        z = F.normalize(torch.cat([z1, z2]), dim=-1)
+        n = len(z1)
+        return F.cross_entropy(z @ z.t(), torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "passes"),
+    [
+        ({"per_view": False}, 2),  # both views in one call: 2 x 4 positions an image
+        ({"per_view": True}, 2),  # one call a view: the second call's positions were left out (qa50-clip 04)
+        ({"per_view": True, "checkpointed": True}, 2),  # the backward's recompute is not another pass
+        ({"per_view": True, "no_grad_pass": True}, 3),  # a pass without grad runs its positions as well
+        ({"per_view": False, "loops": 2}, 2),  # a loop over the blocks inside one call is one pass (shared weights)
+    ],
+)
+def test_tokens_of_continuous_inputs_count_every_pass_of_the_network(tmp_path, kwargs, passes):
+    images = torch.randn(16, 3, 8, 8)
+    data = [{"view1": x, "view2": x.flip(-1)} for x in images]
+    monitor = EfficiencyMonitor(print_summary=False)
+    make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1).fit(_TwoViews(**kwargs), DataLoader(data, 4))
+    tokens = 2 * 4 * passes * 4  # 2 steps x 4 images x passes over an image x 4 patches
+    assert monitor.summary["tokens"] == tokens
+    assert monitor.summary["layer_tokens"] == 2 * tokens
