@@ -354,6 +354,47 @@ def test_a_collate_that_draws_at_random_is_refused_for_the_analysis(tmp_path):
         Curriculum(metrics=metrics, analysis_collate_fn="default_collate")
 
 
+class AugmentedBlocks(TokenBlocks):
+    """A dataset that augments in ``__getitem__`` (as a torchvision transform does): the first token replaced by a
+    random id at each fetch (``where="first"``), or a later one (``where="later"``, which the metric does not read)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.data[i].clone()
+        ids[0 if self.where == "first" else -1] = int(torch.randint(0, 64, ()))
+        return {"input_ids": ids}
+
+
+def test_a_dataset_that_augments_at_random_is_refused_for_the_analysis(tmp_path):
+    """The check fetched the samples once and collated them twice, so a dataset drawing its augmentation in
+    __getitem__ passed: 126 of 128 images' entropy difficulties changed at a second fetch (qa51-vision 01). Refused at
+    setup, naming the dataset and the offline index; random draws the metric does not read pass, and the check leaves
+    the global random state as it was."""
+    from lightning_effi.curriculum.analysis.in_memory import check_deterministic_collate
+
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    collate = torch.utils.data.default_collate
+    with pytest.raises(
+        CurriculumConfigError,
+        match=r"the training dataset \(AugmentedBlocks\) gives other samples at a second fetch of the same indices: "
+        r"the metric reads other values for \d+ of its first 16 samples .*compute the index offline",
+    ):
+        check_deterministic_collate(AugmentedBlocks("first"), collate, 16, "first_token", first_token)
+    check_deterministic_collate(AugmentedBlocks("later"), collate, 16, "first_token", first_token)
+    check_deterministic_collate(AugmentedBlocks("later"), None, 16, "first_token", first_token)  # the default
+    assert torch.equal(torch.rand(3), expected)
+    metrics = {"first_token": {**PCT, "analysis": first_token}}
+    with pytest.raises(CurriculumConfigError, match=r"curriculum_metrics.first_token: .*gives other samples"):
+        make_trainer(tmp_path, [Curriculum(metrics=metrics)], max_steps=1).fit(
+            tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(AugmentedBlocks("first")))
+        )
+
+
 @pytest.mark.parametrize("cast", ["long", "int"])
 @pytest.mark.parametrize("sign", [1, -1], ids=["positive", "negated"])
 def test_a_nan_score_cast_to_an_integer_is_refused_naming_the_metric(tmp_path, sign, cast):

@@ -476,3 +476,26 @@ def test_map_reduce_single_call_and_default_collate(tmp_path):
     assert meta["v"]["num_samples"] == N
     assert _read_s2m(tmp_path).tolist() == _expected(ds).tolist()
     assert default_collate  # the documented default
+
+
+class AugmentedDS(TensorDS):
+    """Augments in ``__getitem__`` (a torchvision-style random transform): the first token is drawn at each fetch."""
+
+    def __getitem__(self, i):
+        x = self.x[i].clone()
+        x[0] = int(torch.randint(0, 1000, ()))
+        return x
+
+
+def test_a_dataset_that_augments_at_random_is_refused(tmp_path):
+    """Each sample's difficulty would be one random draw of its augmentation (qa51-vision 01); refused before any file
+    is written, naming the dataset. The same samples without the random transform analyse as before."""
+    ds = AugmentedDS()
+    with pytest.raises(
+        AnalyzerError, match=r"DataAnalyzer metric 'v': the dataset \(AugmentedDS\) gives other samples"
+    ):
+        _analyzer(ds, metric_tensor, tmp_path).run_map()
+    assert not any(tmp_path.iterdir())
+    plain = TensorDS()
+    _analyzer(plain, metric_tensor, tmp_path).run_map_reduce()
+    assert _read_s2m(tmp_path).tolist() == _expected(plain).tolist()

@@ -642,6 +642,7 @@ class DataAnalyzer:
         """
         plan = self._plan()
         threads = self.specific_threads
+        self._check_deterministic()
         total = sum(e - s for t, (s, e) in enumerate(self.thread_splits) if t in threads)
         bar = self._bar(total)
         try:
@@ -654,6 +655,24 @@ class DataAnalyzer:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _check_deterministic(self) -> None:
+        """Refuse a collate or dataset that draws at random where a per-sample metric reads (augmentation in
+        ``__getitem__``, random masking at collate time): each sample's difficulty would be a random draw. Read on the
+        dataset's first ``batch_size`` samples, fetched twice
+        (:func:`~lightning_effi.curriculum.analysis.in_memory.check_deterministic_collate`)."""
+        from .in_memory import RandomDrawsError, check_deterministic_collate
+
+        n = min(self.batch_size, len(self.dataset))
+        for name, fn, kind in zip(self.metric_names, self.metric_functions, self.metric_types):
+            if kind != "single_value_per_sample":
+                continue
+            try:
+                check_deterministic_collate(self.dataset, self.collate_fn, n, name, fn, analyzer=True)
+            except RandomDrawsError as err:
+                raise AnalyzerError(str(err)) from None
+            except Exception:  # noqa: BLE001 - the metric's own error: the map reports it, with the partition
+                return
 
     def _bar(self, total: int) -> Any:
         if not self.progress:

@@ -17,7 +17,7 @@ from lightning_effi.core.checks import plain
 from lightning_effi.core.indexed import sequence_lengths
 from lightning_effi.curriculum.config import CurriculumConfigError
 
-from .analyzer import _to_numpy_result
+from .analyzer import _fetch, _to_numpy_result
 from .metrics import get_metric
 
 __all__ = ["analyze_in_memory"]
@@ -94,15 +94,17 @@ def analyze_in_memory(
             rarity. ``seqlen`` uses the dataset's vectorised ``sequence_lengths()`` when it has one and no options
             are given.
         collate_fn: the training loader's collate function (or the curriculum's ``analysis_collate_fn``); the
-            metric must read the same values from two collates of the same samples (checked on the first batch's
-            samples, the global random state left as it was). batch_size: analysis batch size.
+            metric must read the same values from two collates of the same samples and from two fetches of them
+            (checked on the first batch's samples, the global random state left as it was). batch_size: analysis
+            batch size.
 
     Raises:
         CurriculumConfigError: unknown metric or options; a metric that cannot read a batch (its ``KeyError`` /
             ``TypeError`` / ``ValueError``, chained) or returning floats or a wrong shape; a ``collate_fn`` that
             collates the same samples into batches the metric reads other values from (random masking, as Hugging
             Face's ``DataCollatorForLanguageModeling``, or augmentation at collate time: each sample's difficulty
-            would be a random draw).
+            would be a random draw); a dataset whose second fetch of the same samples the metric reads other values
+            from (random augmentation in ``__getitem__``).
     """
     name, options = _metric_name(analysis)
     if name == "seqlen" and not options and not callable(analysis):
@@ -119,37 +121,54 @@ def analyze_in_memory(
         fn = analysis if callable(analysis) else get_metric(name, **options)
     except (KeyError, TypeError, ValueError) as e:
         raise CurriculumConfigError(f"curriculum analysis {name!r}: {e}") from None
-    if collate_fn is not None:
-        check_deterministic_collate(dataset, collate_fn, min(batch_size, len(dataset)), name, fn)
+    check_deterministic_collate(dataset, collate_fn, min(batch_size, len(dataset)), name, fn)
     out = [_per_sample(name, _run(name, fn, batch), batch) for batch in loader()]
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def check_deterministic_collate(dataset: Any, collate_fn: Any, n: int, name: str, fn: Any) -> None:
-    """Collate the first ``n`` samples of ``dataset`` twice in a row and compare the metric ``fn``'s values on the two
-    batches; Python's, NumPy's and torch's global random states are then put back as they were. A collate that draws
-    at random but leaves what the metric reads alone (a masked LM's masking under ``seqlen``, which reads the
-    attention mask) passes.
+class RandomDrawsError(CurriculumConfigError):
+    """A collate or dataset that draws at random where a metric reads (:func:`check_deterministic_collate`)."""
+
+
+def check_deterministic_collate(
+    dataset: Any, collate_fn: Any, n: int, name: str, fn: Any, analyzer: bool = False
+) -> None:
+    """Fetch the first ``n`` samples of ``dataset`` twice, collate the first fetch twice and the second once, and
+    compare the metric ``fn``'s values on the three batches; Python's, NumPy's and torch's global random states are
+    then put back as they were. A collate or dataset that draws at random but leaves what the metric reads alone (a
+    masked LM's masking under ``seqlen``, which reads the attention mask) passes.
 
     Raises:
-        CurriculumConfigError: the values differ: ``collate_fn`` draws at random (masking, augmentation) where the
-            metric reads, and an analysis through it gives each sample a random difficulty. The message names the
-            collate function and the ways out (``Curriculum(analysis_collate_fn=...)``, an offline index).
+        RandomDrawsError: (a :class:`CurriculumConfigError`) the values differ: ``collate_fn`` draws at random
+            (masking, augmentation) where the metric reads, or the dataset's ``__getitem__`` does (a torchvision
+            transform with random augmentation), and an analysis through it gives each sample a random difficulty.
+            The message names the collate function or the dataset and the ways out
+            (``Curriculum(analysis_collate_fn=...)``, an offline index; with ``analyzer``, for
+            :class:`~lightning_effi.curriculum.analysis.DataAnalyzer`: its own ``collate_fn`` and dataset).
     """
     if n < 1:
         return
-    samples = [dataset[i] for i in range(n)]
+    collate = collate_fn if collate_fn is not None else torch.utils.data.default_collate
     state = random.getstate(), np.random.get_state()
     try:
-        with torch.random.fork_rng(devices=[]):  # the second collate draws on from where the first left the state
-            batches = [collate_fn(list(samples)), collate_fn(list(samples))]
+        with torch.random.fork_rng(devices=[]):  # each fetch and collate draws on from where the last left the state
+            samples = _fetch(dataset, list(range(n)))  # as the loader fetches (a batched __getitems__ first)
+            again = _fetch(dataset, list(range(n)))
+            batches = [collate(_copy(samples)), collate(_copy(samples)), collate(again)]
     finally:
         random.setstate(state[0])
         np.random.set_state(state[1])
     values = [_per_sample(name, _run(name, fn, batch), batch) for batch in batches]
     if not np.array_equal(values[0], values[1]):
-        what = getattr(collate_fn, "__qualname__", None) or type(collate_fn).__name__
-        raise CurriculumConfigError(
+        what = getattr(collate, "__qualname__", None) or type(collate).__name__
+        if analyzer:
+            raise RandomDrawsError(
+                f"DataAnalyzer metric {name!r}: its collate_fn ({what}) collates the same {n} samples into batches on "
+                f"which the metric gives other values ({int((values[0] != values[1]).sum())} of {n} samples differ: "
+                "random masking or augmentation at collate time), so each sample's difficulty would be a random "
+                "draw; pass DataAnalyzer(collate_fn=...) a collate without random draws"
+            )
+        raise RandomDrawsError(
             f"curriculum analysis {name!r}: its collate_fn ({what}; the training loader's unless "
             f"Curriculum(analysis_collate_fn=...) gives one) collates the same {n} samples into batches on which the "
             f"metric gives other values ({int((values[0] != values[1]).sum())} of {n} samples differ: random "
@@ -159,6 +178,29 @@ def check_deterministic_collate(dataset: Any, collate_fn: Any, n: int, name: str
             "DataCollatorWithPadding(tokenizer): the metric reads the real tokens), or compute the index offline "
             "(DataAnalyzer) from the unmasked samples"
         )
+    if not np.array_equal(values[0], values[2]):
+        differ = int((values[0] != values[2]).sum())
+        if analyzer:
+            raise RandomDrawsError(
+                f"DataAnalyzer metric {name!r}: the dataset ({type(dataset).__name__}) gives other samples at a second "
+                f"fetch of the same indices: the metric reads other values for {differ} of its first {n} samples "
+                "(random augmentation in __getitem__, a torchvision transform such as RandomCrop or ColorJitter), so "
+                "each sample's difficulty would be a random draw; pass DataAnalyzer the dataset without its random "
+                "transforms (the same samples, in the same order)"
+            )
+        raise RandomDrawsError(
+            f"curriculum analysis {name!r}: the training dataset ({type(dataset).__name__}) gives other samples at a "
+            f"second fetch of the same indices: the metric reads other values for {differ} of its first {n} samples "
+            "(random augmentation in __getitem__, a torchvision transform such as "
+            "RandomCrop or ColorJitter), so the analysis would give each sample a random difficulty; compute the index "
+            "offline (DataAnalyzer) on the dataset without its random transforms and give it as "
+            "index_to_sample_path / index_to_metric_path, or make the metric read what the augmentation leaves alone"
+        )
+
+
+def _copy(samples: Any) -> Any:
+    """A list of samples as a new list (a collate may consume it); a batched fetch's own object as it is."""
+    return list(samples) if isinstance(samples, list) else samples
 
 
 def _run(name: str, fn: Any, batch: Any) -> Any:
