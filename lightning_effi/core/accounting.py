@@ -621,6 +621,10 @@ class EfficiencyMonitor(Callback):
         # the watched lists whose network began another pass in the step (its module that runs the blocks
         # was called again), whose first block call adds its positions to _seen's tokens (_observe)
         self._next_pass: set[int] = set()
+        # the (B, T) of the step's token ids, and the watched lists whose network was called with an integer tensor of
+        # that shape (the tower the ids feed, when two towers see as many positions)
+        self._rows: tuple[int, int] | None = None
+        self._fed_ids: set[int] = set()
         self._chosen: str | None = None
         self._ranked: tuple[tuple[Any, ...], list[tuple[str, Blocks]]] | None = None  # _candidates' cache
         #: a compiled module's last recorded batch: (its batch shapes, the network's parameter shapes); see _watch
@@ -1322,7 +1326,7 @@ class EfficiencyMonitor(Callback):
             }
         if not callable(getattr(pl_module, "effi_count_tokens", None)):  # positions, and a mask's downsampling
             self._watched, self._seen, self._attention_seen = self._candidates(pl_module), {}, {}
-            self._next_pass = set()
+            self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
             for i, (name, blocks) in enumerate(self._watched):
                 runner = _runner(pl_module, name, blocks)
                 if runner is not None:
@@ -1368,6 +1372,11 @@ class EfficiencyMonitor(Callback):
         """A call of the module that runs watched list ``index`` (:func:`_runner`) after its first pass in the step,
         outside a backward (not a recompute of activation checkpointing): another pass of the network, whose first
         block call adds its positions (SimCLR's second view, qa50-clip 04)."""
+        if self._rows is not None and any(
+            isinstance(a, Tensor) and not a.is_floating_point() and tuple(a.shape[:2]) == self._rows
+            for a in (*args, *kwargs.values())
+        ):
+            self._fed_ids.add(index)
         if index in self._seen and not _in_backward():
             self._next_pass.add(index)
 
@@ -1413,7 +1422,8 @@ class EfficiencyMonitor(Callback):
         else of the best watched list the step ran with them, one whose last dimension is a width of its blocks first
         (a list never run, an EMA copy, or run on pooled ``[B, H]`` features, a probe's MLP head, is passed over; a
         convolutional feature encoder's ``[B, C, S]`` comes last, qa47-break 02), and of those first a list whose
-        hidden states have the rows and positions of the batch's token ids (``batch``'s): the tower the ids feed, so
+        hidden states have the rows and positions of the batch's token ids (``batch``'s; of two, one whose network
+        was called with an integer tensor of that shape): the tower the ids feed, so
         that tokens and layer-tokens count one tower (a CLIP's text tokens times its image tower's depth, and the
         image tower's 17 positions a row added to 10 text positions as a prefix, qa50-clip 01, 02); that list is
         remembered (``trained``: the step trained) for :meth:`find_blocks`."""
@@ -1425,7 +1435,7 @@ class EfficiencyMonitor(Callback):
                 return
             rows = _token_rows(batch)
             fed = [i for i in (wide or run) if rows is not None and self._sees_rows(i, rows)]
-            index = (fed or wide or run)[0]
+            index = ([i for i in fed if i in self._fed_ids] or fed or wide or run)[0]
         tokens, shape, width = self._seen[index]
         self._observed_tokens, self._observed_shape, self._observed_width = tokens, shape, width
         self._observed_sequence_first = shape is not None and self._attention_seen.get(index) == shape

@@ -2199,3 +2199,71 @@ def test_tokens_of_continuous_inputs_count_every_pass_of_the_network(tmp_path, k
     tokens = 2 * 4 * passes * 4  # 2 steps x 4 images x passes over an image x 4 patches
     assert monitor.summary["tokens"] == tokens
     assert monitor.summary["layer_tokens"] == 2 * tokens
+
+
+class _AttentionBlock(_Block):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__(d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.attn(x, x, x, need_weights=False)[0])
+
+
+class _TextTower(nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 8)
+        self.layers = nn.ModuleList(_AttentionBlock() for _ in range(depth))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h.mean(1)
+
+
+class _CLIP(pl.LightningModule):
+    """Two towers: images [B, 3, 8, 8] -> 4 patches through 2 (or ``image_depth``) blocks; captions [B, T] ids with an
+    attention mask through ``text_depth`` blocks; a contrastive loss."""
+
+    def __init__(self, image_depth: int, text_depth: int) -> None:
+        super().__init__()
+        self.visual = _PatchEncoder()
+        self.visual.blocks = nn.ModuleList(_AttentionBlock() for _ in range(image_depth))
+        self.text = _TextTower(text_depth)
+
+    def training_step(self, batch, batch_idx):
+        zi = F.normalize(self.visual(batch["pixel_values"]), dim=-1)
+        zt = F.normalize(self.text(batch["input_ids"]), dim=-1)
+        logits = zi @ zt.t()
+        return F.cross_entropy(logits, torch.arange(len(logits)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("caption_length", [2, 4, 6])  # fewer, as many (the ids tell) and more positions than 4
+@pytest.mark.parametrize(("image_depth", "text_depth"), [(4, 2), (1, 3)])
+def test_two_towers_count_the_tower_the_token_ids_feed(tmp_path, caption_length, image_depth, text_depth):
+    """Tokens were the captions' mask sum, and layer-tokens those times the image tower's depth when it was the
+    deeper (qa50-clip 01); captions shorter than the image's positions had the difference added as a "prefix"
+    (qa50-clip 02). Both now count the text tower: its tokens, times its depth."""
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for i in range(8):
+        mask = torch.ones(caption_length, dtype=torch.long)
+        mask[caption_length - i % 2 :] = 0  # every other caption padded by one
+        ids = torch.randint(1, V, (caption_length,), generator=g)
+        data.append({"pixel_values": torch.randn(3, 8, 8, generator=g), "input_ids": ids, "attention_mask": mask})
+    monitor = EfficiencyMonitor(print_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1)
+        trainer.fit(_CLIP(image_depth, text_depth), DataLoader(data, batch_size=4))
+    tokens = sum(int(d["attention_mask"].sum()) for d in data)
+    assert monitor.summary["tokens"] == tokens
+    assert monitor.summary["layer_tokens"] == tokens * text_depth
+    assert not [w for w in caught if "positions a row" in str(w.message)]  # no prefix was taken
+    other = [str(w.message) for w in caught if "also trains the transformer blocks" in str(w.message)]
+    assert other and f"count the {text_depth} blocks of text.layers" in other[0] and "visual.blocks" in other[0]
