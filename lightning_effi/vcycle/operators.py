@@ -35,6 +35,7 @@ __all__ = [
     "coalesce",
     "coalesce_model",
     "coalesced_requires_grad",
+    "decoalesced_requires_grad",
     "convention_scale",
     "decoalesce",
     "decoalesce_model",
@@ -845,6 +846,34 @@ def coalesced_requires_grad(flags: Mapping[str, bool], plan: VCyclePlan) -> dict
     return out
 
 
+def decoalesced_requires_grad(
+    small_flags: Mapping[str, bool], large_flags: Mapping[str, bool], plan: VCyclePlan
+) -> dict[str, bool]:
+    """The ``requires_grad`` of the large model's parameters when the small one is de-coalesced into it, from both
+    models' flags (:func:`requires_grad_flags`; ``large_flags`` as they were when it was coalesced): a small tensor
+    whose flag the user's code changed during the coarse level (other than :func:`coalesced_requires_grad` gave it)
+    passes it on to every large tensor :func:`decoalesce` makes from it (a module unfrozen at the coarse level stays
+    trainable, one frozen there stays frozen); the others keep their large flag (a frozen layer of a depth group beside
+    a trainable one stays frozen). Keys whose source is not in the flags (buffers) are left out.
+
+    >>> plan = VCyclePlan.create({"a": (2,), "b": (2,)}, {"a": TensorRule(), "b": TensorRule()})
+    >>> decoalesced_requires_grad({"a": True, "b": True}, {"a": False, "b": True}, plan)
+    {'a': True, 'b': True}
+    """
+    given = coalesced_requires_grad(large_flags, plan)
+    owner = {s: i for i, g in enumerate(plan.depth) for s in g}
+    out: dict[str, bool] = {}
+    for k in plan.large_shapes:
+        c = plan.aliases.get(k, k)
+        r = plan.rules[c]
+        source = c if r.layer is None else r.template.format(owner[r.layer])
+        if source in small_flags and source in given and small_flags[source] != given[source]:
+            out[k] = small_flags[source]
+        elif k in large_flags:
+            out[k] = large_flags[k]
+    return out
+
+
 def set_requires_grad(model: nn.Module, flags: Mapping[str, bool]) -> None:
     """``requires_grad_(flags[name])`` on every parameter of ``model`` named in ``flags``."""
     for k, p in model.named_parameters(remove_duplicate=False):
@@ -892,15 +921,20 @@ def decoalesce_model(
 ) -> nn.Module:
     """Load ``interpolate(decoalesce(small, plan), saved_original, alpha_original)`` into ``large`` (moved to the
     device of ``small`` and set to its train / eval mode; its own tensors are replaced in place, so ties stay) and
-    return ``large``. A frozen parameter of ``large`` (``requires_grad=False``, kept since it was coalesced) gets its
-    value of ``saved_original`` back exactly: it was not trained, and coalescing then de-coalescing it would change
-    it (averaged pairs and layers)."""
+    return ``large``. Each parameter of ``large`` takes the ``requires_grad`` of its source in ``small`` now
+    (:func:`decoalesced_requires_grad`: an embedding the module unfroze during the coarse level stays trainable, its
+    coarse training de-coalesced into it; it was frozen again, with its value of ``saved_original``, qa51-distill 03).
+    A parameter frozen at both ends (``requires_grad=False`` when it was coalesced and in ``small`` now) gets its
+    value of ``saved_original`` back exactly: it was not trained, and coalescing then de-coalescing it would change it
+    (averaged pairs and layers)."""
     merged = interpolate(decoalesce(small, plan), saved_original, alpha_original)
+    now = decoalesced_requires_grad(requires_grad_flags(small), requires_grad_flags(large), plan)
     for k, trainable in requires_grad_flags(large).items():
-        if not trainable and k in saved_original:
+        if not trainable and not now.get(k, False) and k in saved_original:
             merged[k] = saved_original[k]
     large = large.to(next(small.parameters()).device)
     large.load_state_dict(merged)
+    set_requires_grad(large, now)
     large.train(small.training)
     return large
 

@@ -990,6 +990,43 @@ def test_frozen_parameters_stay_frozen_at_every_level(tmp_path):
     assert module.net.lm_head.weight is module.net.transformer.wte.weight
 
 
+class UnfreezesAtCoarseLevel(PartlyFrozen):
+    """Gradual unfreezing by hand (what the refusal of BaseFinetuning advises): at step 2, on the coarse network, the
+    position embedding is unfrozen and the first block's MLP frozen; the optimizer holds every parameter."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            self.net.transformer.wpe.requires_grad_(True)
+            self.net.transformer.h[0].mlp.requires_grad_(False)
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_requires_grad_changed_at_a_coarse_level_is_kept_at_the_full_one(tmp_path):
+    """The parked full network's flags came back at de-coalescing: an embedding the module unfroze at the coarse level
+    was frozen again for the rest of the run, its coarse training thrown away (its initial weights exactly), and a
+    module frozen there trained again (qa51-distill 03). The coarse network's changed flags pass on to the full one."""
+    flags = GradFlags()
+    cb = VCycleCallback(e_a=1, e_small=3)
+    pl.seed_everything(0)
+    module = UnfreezesAtCoarseLevel()
+    before = {k: v.clone() for k, v in module.net.state_dict().items()}
+    trainer = make_trainer(tmp_path, [cb, flags], max_steps=7, max_epochs=-1)
+    trainer.fit(module, datamodule=tiny_lm_data())
+    depths = [flags.steps[s][0] for s in sorted(flags.steps)]
+    assert depths == [2, 2, 2, 4, 4, 4, 4] and cb.level == 1  # the coarse network trains steps 1-3
+    last = flags.steps[max(flags.steps)][1]
+    assert last["transformer.wpe.weight"] and not last["transformer.wte.weight"]
+    # the coarse block 0 is the full blocks 0 and 1 (a depth group): both frozen; blocks 2 and 3 train
+    mlp = {k: v for k, v in last.items() if ".mlp." in k}
+    assert len(mlp) == 16 and {k for k, v in mlp.items() if not v} == {k for k in mlp if k[14] in "01"}
+    after = module.net.state_dict()
+    assert not torch.equal(after["transformer.wpe.weight"], before["transformer.wpe.weight"])  # trained, kept
+    assert torch.equal(after["transformer.wte.weight"], before["transformer.wte.weight"])  # frozen throughout
+
+
 def test_requires_grad_through_coalescing_and_rebuilt_levels():
     """The functional rule: a small tensor is frozen when every large tensor it is made from is (depth groups
     included), trainable otherwise; ``coalesce_model`` and ``build_levels`` (the resume rebuild) apply it."""
