@@ -837,20 +837,43 @@ def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any], w
     raise ValueError(message)
 
 
+#: words of a 2-D float tensor's name that say it holds raw audio ``[B, S]`` (HF wav2vec2's ``input_values``)
+AUDIO_WORDS = ("input_values", "audio", "wav", "speech", "signal", "waveform")
+
+
+def _raw_audio(batch: Any, path: Path, v: Tensor, b: int, t: int) -> bool:
+    """A float ``[B, S]`` tensor longer than ``t`` that holds raw audio: named so (:data:`AUDIO_WORDS`), or, without a
+    name, beside a ``[B]`` integer tensor whose largest value is ``S`` (its lengths, padded to the longest: NeMo's
+    ``(audio, audio_len, transcript, transcript_len)``); not a ``[B, D]`` embedding or soft labels."""
+    if v.ndim != 2 or v.shape[0] != b or v.shape[1] <= t or not v.is_floating_point():
+        return False
+    name = str(leaf_name(batch, path) or "").lower()
+    if name:
+        return any(word in name for word in AUDIO_WORDS)
+    return any(
+        u.ndim == 1 and u.shape[0] == b and _is_integer(u) and u.numel() > 0 and int(u.max()) == v.shape[1]
+        for _, u in tensor_leaves(batch)
+    )
+
+
 def other_sequences(batch: Any, b: int, t: int) -> list[tuple[Path, Tensor]]:
     """The float sequences ``[B, S, ...]`` (3 dimensions or more, ``S != t``; not images, :func:`_looks_like_images`,
-    nor masks) of a batch of size ``b`` whose integer ``[B, t]`` tensor was read as its tokens: audio or other
-    features beside their CTC targets, whose length is not the features' (qa48-speech 03, 05)."""
+    nor masks; or raw audio ``[B, S]``, :func:`_raw_audio`) of a batch of size ``b`` whose integer ``[B, t]`` tensor
+    was read as its tokens: audio or other features beside their CTC targets, whose length is not the features'
+    (qa48-speech 03, 05; wav2vec2's ``input_values`` beside its ``labels``, qa51-break 01)."""
     return [
         (path, v)
         for path, v in tensor_leaves(batch)
-        if v.ndim >= 3
-        and v.shape[0] == b
-        and v.shape[1] != t
-        and t not in tuple(v.shape[2:])  # an attention bias [B, H, T, T] (qa50-break 06)
-        and v.is_floating_point()
-        and not _is_mask_name(_name(path))
-        and not _looks_like_images(path, v)
+        if (
+            v.ndim >= 3
+            and v.shape[0] == b
+            and v.shape[1] != t
+            and t not in tuple(v.shape[2:])  # an attention bias [B, H, T, T] (qa50-break 06)
+            and v.is_floating_point()
+            and not _is_mask_name(_name(path))
+            and not _looks_like_images(path, v)
+        )
+        or _raw_audio(batch, path, v, b, t)
     ]
 
 

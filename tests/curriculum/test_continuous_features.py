@@ -229,6 +229,28 @@ def test_integer_targets_beside_features_of_another_length_are_refused_or_warned
     assert CF.truncate(clap, 48).batch["text_input_ids"].shape == (4, 12)
 
 
+def test_ctc_targets_beside_raw_audio_are_refused_or_warned():
+    """Raw audio is [B, S] (wav2vec2's input_values, NeMo's audio signal): only [B, S, ...] features of 3 dimensions
+    were seen beside the targets, so the transcripts were cut to d labels and the clips left whole, in silence
+    (qa51-break 01, 02). [B, D] float tensors beside token ids (an embedding, soft labels) are left alone."""
+    from lightning_effi.curriculum import functional as CF
+
+    g = torch.Generator().manual_seed(0)
+    audio, labels = torch.randn(4, 5200, generator=g), torch.randint(1, 30, (4, 15), generator=g)
+    with pytest.raises(ValueError, match=r"length 15 was read from 'labels', .* beside 'input_values' \[4, 5200\]"):
+        CF.truncate({"input_values": audio, "labels": labels}, 8)
+    nemo = (audio, torch.tensor([5200, 4000, 3000, 5200]), labels, torch.tensor([15, 12, 9, 15]))
+    with pytest.warns(UserWarning, match=r"read from its entry '2'.* beside entry '0'"):
+        cut = CF.truncate(nemo, 8)
+    assert cut.batch[0].shape == (4, 5200)  # a tuple's entries cannot be named: warned, cut as before
+    embedding = {"input_ids": torch.randint(1, 9, (4, 32), generator=g), "image_embeds": torch.randn(4, 512)}
+    soft = {"input_ids": torch.randint(1, 9, (4, 32), generator=g), "soft_labels": torch.rand(4, 100)}
+    for batch in (embedding, soft, (embedding["input_ids"], torch.rand(4, 100))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert CF.truncate(batch, 8).batch is not batch
+
+
 def test_consumed_tokens_of_integer_targets_beside_features_of_another_length_are_warned_or_refused():
     """consumed_tokens counted a speech batch's padded CTC targets as its tokens (256 where the model trained 696
     frames; qa48-speech 05): warned once, and refused with total_tokens, whose progress would follow it."""
