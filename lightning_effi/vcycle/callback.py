@@ -144,7 +144,9 @@ class VCycleCallback(Callback):
             found in ``setup`` (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`): the one direct
             submodule an adapter handles that has a trainable parameter (a frozen teacher is not a candidate); a
             ``model_attr`` naming a frozen module is refused. Each parameter's ``requires_grad`` is kept at every level
-            (a partly frozen network: :func:`~lightning_effi.vcycle.operators.coalesced_requires_grad`). The network
+            (a partly frozen network: :func:`~lightning_effi.vcycle.operators.coalesced_requires_grad`; one your module
+            changes at a coarse level passes on to the full network,
+            :func:`~lightning_effi.vcycle.operators.decoalesced_requires_grad`). The network
             must exist at this callback's ``setup``: built in ``__init__`` (Lightning runs ``LightningModule.setup``
             and ``configure_model`` after the callbacks' ``setup``); when the width changes it must hold its own head
             (trainable parameters of the module outside it with an axis of its hidden size are refused, frozen ones
