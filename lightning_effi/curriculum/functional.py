@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_effi.core.checks import check_int, is_int
-from lightning_effi.core.measure import Path, leaf_name, length_stem, opaque_holder, tensor_leaves
+from lightning_effi.core.measure import Path, leaf_name, leaves, length_stem, opaque_holder, tensor_leaves
 
 DIFFICULTY_TYPES = ("value", "percentile")
 PERCENTILE_ROUNDING = ("deepspeed", "proportional")
@@ -559,7 +559,8 @@ class Truncation(NamedTuple):
             labels: ``[B, T - L]``, each row's in column order; the small per-token tensors), so that
             :func:`lengthen_batch` gives them back exactly; wider tensors (``[B, T, D]``, pairwise masks) are not
             kept; and the original of every ``[B]`` tensor of the rows' lengths that was clamped to the kept length
-            (:func:`row_lengths`). None when nothing was cut.
+            (:func:`row_lengths`), and of a packed batch's sequence boundaries and longest length (an int or a
+            tensor, :func:`_cut_packed`). None when nothing was cut.
     """
 
     batch: Any
@@ -570,7 +571,76 @@ class Truncation(NamedTuple):
     cut: tuple[Path, ...]
     axes: tuple[tuple[int, ...], ...] = ()
     mask_path: Path | None = None
-    cut_values: Mapping[Path, Tensor] | None = None
+    cut_values: Mapping[Path, Any] | None = None
+
+
+#: names of the sequence boundaries of a packed batch (Hugging Face's ``DataCollatorWithFlattening(
+#: return_flash_attn_kwargs=True)``, flash-attention's varlen kernels): ``[n + 1]`` offsets into the flattened row
+BOUNDARY_NAMES = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "cu_seqlens_q", "cu_seqlens_k")
+#: names of a packed batch's longest sequence (an int or a 0-d tensor) beside its boundaries
+LONGEST_NAMES = ("max_length_q", "max_length_k", "max_seqlen", "max_seqlen_q", "max_seqlen_k")
+
+
+def _packed_leaves(batch: Any) -> list[tuple[Path, Any]]:
+    """The boundaries and longest lengths of a packed batch (:data:`BOUNDARY_NAMES`, :data:`LONGEST_NAMES`)."""
+    return [(path, v) for path, v in leaves(batch) if _name(path) in (*BOUNDARY_NAMES, *LONGEST_NAMES)]
+
+
+def _replace_leaf(batch: Any, path: Path, value: Any) -> Any:
+    """``batch`` with its leaf at ``path`` replaced (mappings, dataclasses, lists and tuples rebuilt along the path;
+    ``batch`` not modified)."""
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(batch, Mapping):
+        items = dict(batch.items())
+        items[key] = _replace_leaf(batch[key], rest, value)
+        return _rebuild_mapping(batch, items)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{key: _replace_leaf(getattr(batch, key), rest, value)})
+    items_list = list(batch)
+    items_list[key] = _replace_leaf(items_list[key], rest, value)
+    return type(batch)(*items_list) if hasattr(batch, "_fields") else type(batch)(items_list)
+
+
+def _cut_packed(batch: Any, out: Any, b: int, t: int, length: int, plain: bool, values: dict[Path, Any]) -> Any:
+    """The cut of a packed batch's sequence boundaries (:func:`_packed_leaves`): offsets clamped to the ``length``
+    kept (the first ``length`` positions of its one row), the repeated ones dropped, the longest length the longest
+    sequence left; the originals kept in ``values`` for :func:`lengthen_batch`. A flash-attention varlen kernel was
+    given the boundaries of the uncut row, past the end of the tensors, and the monitor counted its documents
+    (qa51-llm 01, qa51-break 04).
+
+    Raises:
+        ValueError: boundaries that are not ``0 .. t`` offsets of one row, or a cut that does not keep the first
+            positions (left padding, ``keep_last_token``).
+    """
+    found = _packed_leaves(batch)
+    if not found:
+        return out
+    bounds = next((v for path, v in found if _name(path) in BOUNDARY_NAMES), None)
+    if not isinstance(bounds, Tensor) or bounds.ndim != 1 or bounds.numel() < 2:
+        return out
+    valid = int(bounds[0]) == 0 and int(bounds[-1]) == b * t and bool((bounds[1:] >= bounds[:-1]).all())
+    if b != 1 or not valid or not plain:
+        names = ", ".join(repr(_name(path)) for path, _ in found)
+        raise ValueError(
+            f"seqlen_truncate: the batch is packed (its {names} give the sequences' boundaries in a row of "
+            f"{t} positions, {bounds.tolist()[:8]}), and only the first positions of a single row can be cut with "
+            "them (a batch [1, T] with right padding, no keep_last_token): collate one packed row a batch, or "
+            "return_flash_attn_kwargs=False (the boundaries are then read from position_ids)"
+        )
+    for path, v in found:
+        if _name(path) in BOUNDARY_NAMES and isinstance(v, Tensor):
+            kept = torch.unique_consecutive(v.clamp_max(length))
+            values[path] = v
+            out = _replace_leaf(out, path, kept)
+    longest = int((kept[1:] - kept[:-1]).max())
+    for path, v in found:
+        if _name(path) in LONGEST_NAMES:
+            values[path] = v
+            new = torch.tensor(longest, dtype=v.dtype, device=v.device) if isinstance(v, Tensor) else type(v)(longest)
+            out = _replace_leaf(out, path, new)
+    return out
 
 
 def truncate(
@@ -667,7 +737,7 @@ def truncate(
         kept.scatter_(1, index.to(ref.device), True)
     removed = (~kept).nonzero()[:, 1].view(b, t - length)  # each row's removed columns, in column order
     cut: dict[Path, tuple[int, ...]] = {}
-    values: dict[Path, Tensor] = {}
+    values: dict[Path, Any] = {}
 
     def cut_tensor(path: Path, v: Tensor) -> Tensor:
         axes = cut_axes(path, v, b, t, keys)
@@ -681,6 +751,7 @@ def truncate(
         return v
 
     out = map_tensors(batch, cut_tensor)
+    out = _cut_packed(batch, out, b, t, length, not left and index is None, values)
     if keys is None and _name(found[0]) not in ("attention_mask", "input_ids"):
         _refuse_another_sequence(batch, found[0], b, t, cut)
     # with truncate_keys, what is cut is the user's choice, warned (clip-level class indices beside frames)
@@ -980,7 +1051,7 @@ def lengthen_batch(
     left: bool = False,
     axes: Mapping[Path, Sequence[int]] | None = None,
     mask_path: Path | None = None,
-    values: Mapping[Path, Tensor] | None = None,
+    values: Mapping[Path, Any] | None = None,
 ) -> Any:
     """The inverse, for counting, of :func:`truncate`: every tensor :func:`truncate` cut widened to ``length`` on the
     axes it cut (``axes``: path -> axes, :attr:`Truncation.cut` / :attr:`Truncation.axes`; without it, the tensors
@@ -1012,7 +1083,9 @@ def lengthen_batch(
 
     def grow(path: Path, v: Tensor) -> Tensor:
         original = values.get(path) if values else None
-        if original is not None and original.ndim == 1 and v.ndim == 1 and original.shape == v.shape:
+        if _name(path) in (*BOUNDARY_NAMES, *LONGEST_NAMES):
+            return v  # given back whole below
+        if isinstance(original, Tensor) and original.ndim == 1 and v.ndim == 1 and original.shape == v.shape:
             return original.to(device=v.device, dtype=v.dtype)  # the rows' lengths :func:`truncate` clamped
         where = cut_axes(path, v, b, s, keys) if axes is None else tuple(axes.get(path, ()))
         if not where:
@@ -1043,7 +1116,11 @@ def lengthen_batch(
             return torch.cat([extra, v] if left else [v, extra], dim=where[0])
         return _widen(v, where, length, left, None)
 
-    return map_tensors(batch, grow)
+    out = map_tensors(batch, grow)
+    for path, _ in _packed_leaves(batch):  # a packed batch's boundaries and longest length (_cut_packed)
+        if values and path in values:
+            out = _replace_leaf(out, path, values[path])
+    return out
 
 
 def reshape_batch(batch: Any, difficulty: int, key: str = "input_ids") -> Any:
