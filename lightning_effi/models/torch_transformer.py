@@ -472,11 +472,11 @@ class TorchBlocksVCycleAdapter(VCycleAdapter):
                 if layer_key(key, found.prefix) is None and shape is not None and tuple(t.shape) != shape:
                     memo.setdefault(id(t), _resized(t, shape))
         for module in model.modules():
-            for value in vars(module).values():
-                # a tensor of the last step's graph kept as an attribute (an MoE layer's self.aux_loss): torch's
-                # deepcopy refuses non-leaf tensors, and the level change failed with its bare error (qa49-moe 03)
-                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                    memo.setdefault(id(value), value.detach())
+            # a tensor of the last step's graph kept as an attribute (an MoE layer's self.aux_loss), in a dict or
+            # list attribute (fairseq's l_aux) or in a buffer slot: torch's deepcopy refuses non-leaf tensors, and the
+            # level change failed with its bare error (qa49-moe 03, qa51-break 06)
+            for value in (*vars(module).values(), *module._buffers.values()):
+                _memo_graph_tensors(value, memo)
         small = copy.deepcopy(model, memo)
         container = small.get_submodule(found.name) if found.name else small
         for key in [k for k, v in container._modules.items() if v is None]:
@@ -493,6 +493,25 @@ class TorchBlocksVCycleAdapter(VCycleAdapter):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # helpers
+
+
+#: how deep :func:`_memo_graph_tensors` looks into an attribute's dicts, lists and tuples
+_MEMO_DEPTH = 3
+
+
+def _memo_graph_tensors(value: Any, memo: dict[int, Any], depth: int = 0) -> None:
+    """Put a detached copy in ``memo`` (``copy.deepcopy``'s) of every tensor of an autograd graph in ``value``, itself
+    or inside its dicts, lists and tuples (:data:`_MEMO_DEPTH` levels): a copy of the module gets the values without
+    the graph."""
+    if isinstance(value, torch.Tensor):
+        if value.grad_fn is not None:
+            memo.setdefault(id(value), value.detach())
+    elif depth < _MEMO_DEPTH and isinstance(value, dict):
+        for item in value.values():
+            _memo_graph_tensors(item, memo, depth + 1)
+    elif depth < _MEMO_DEPTH and isinstance(value, (list, tuple)):
+        for item in value:
+            _memo_graph_tensors(item, memo, depth + 1)
 
 
 def _check_sharing(model: nn.Module, found: BlockList, aliases: Mapping[str, str]) -> None:

@@ -2070,15 +2070,35 @@ def test_an_moe_lms_experts_three_levels_down_are_counted(tmp_path):
     assert monitor.summary["flops"] == counter.get_total_flops() > 0
 
 
-def test_the_vcycle_copies_an_moe_lm_whose_layers_keep_their_aux_loss(tmp_path):
+@pytest.mark.parametrize("kept", ["attribute", "dict", "list", "buffer"])
+def test_the_vcycle_copies_an_moe_lm_whose_layers_keep_their_aux_loss(tmp_path, kept):
     """An MoE layer keeps its load-balancing loss as an attribute (self.aux_loss, a tensor of the step's graph, read by
     training_step): the coarse network's deepcopy failed with torch's bare "Only Tensors created explicitly by the
-    user (graph leaves) support the deepcopy protocol" at the first level change (qa49-moe 03)."""
+    user (graph leaves) support the deepcopy protocol" at the first level change (qa49-moe 03); kept in a dict
+    (fairseq's l_aux), a list or a buffer slot, it still did (qa51-break 06)."""
 
     class AuxMoE(_MoE):
+        def __init__(self) -> None:
+            super().__init__()
+            self.losses: dict[str, torch.Tensor] = {}
+            self.history: list[torch.Tensor] = []
+            if kept == "buffer":
+                self.register_buffer("aux_loss", None, persistent=False)
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.aux_loss = self.router(x).softmax(-1).pow(2).mean()
+            aux = self.router(x).softmax(-1).pow(2).mean()
+            if kept == "dict":
+                self.losses["aux"] = aux
+            elif kept == "list":
+                self.history[:] = [aux]
+            else:
+                self.aux_loss = aux
             return super().forward(x)
+
+        def aux(self) -> torch.Tensor:
+            return {"dict": lambda: self.losses["aux"], "list": lambda: self.history[0]}.get(
+                kept, lambda: self.aux_loss
+            )()
 
     class AuxLM(_MoELM):
         def __init__(self) -> None:
@@ -2088,7 +2108,7 @@ def test_the_vcycle_copies_an_moe_lm_whose_layers_keep_their_aux_loss(tmp_path):
 
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
-            return loss + 0.01 * sum(block.moe.aux_loss for block in self.blocks)
+            return loss + 0.01 * sum(block.moe.aux() for block in self.blocks)
 
     class Depths(Callback):
         def __init__(self) -> None:
