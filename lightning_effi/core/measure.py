@@ -114,12 +114,20 @@ def _is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
+def _is_named_tuple(obj: tuple[Any, ...]) -> bool:
+    fields = getattr(obj, "_fields", None)
+    return isinstance(fields, tuple) and len(fields) == len(obj) and all(isinstance(f, str) for f in fields)
+
+
 def leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
     """``(path, leaf)`` of every leaf of a nested batch, depth first in order: mappings by key (HF ``BatchEncoding``,
-    HF ``ModelOutput`` included), tuples and lists by index, dataclass instances by field name; anything else is a
-    leaf (tensors, numbers, strings, ``None``)."""
+    HF ``ModelOutput`` included), named tuples and dataclass instances by field name, other tuples and lists by index;
+    anything else is a leaf (tensors, numbers, strings, ``None``)."""
     if isinstance(obj, Mapping):
         for key, value in obj.items():
+            yield from leaves(value, (*path, key))
+    elif isinstance(obj, tuple) and _is_named_tuple(obj):  # by field name, as a dataclass
+        for key, value in zip(getattr(obj, "_fields"), obj, strict=True):  # noqa: B009
             yield from leaves(value, (*path, key))
     elif isinstance(obj, (tuple, list)):
         for i, value in enumerate(obj):
@@ -137,20 +145,9 @@ def tensor_leaves(obj: Any) -> Iterator[tuple[Path, Tensor]]:
 
 
 def leaf_name(batch: Any, path: Path) -> str | None:
-    """The name of the leaf of ``batch`` at ``path`` (from :func:`leaves`): its mapping key or dataclass field, or, in
-    a named tuple, its field's name; None for a plain tuple's or list's entry."""
-    if path and isinstance(path[-1], str):
-        return path[-1]
-    if not path or not isinstance(path[-1], int):
-        return None
-    parent = batch
-    try:
-        for key in path[:-1]:
-            parent = getattr(parent, key) if isinstance(key, str) and not isinstance(parent, Mapping) else parent[key]
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return None
-    fields = getattr(parent, "_fields", None)
-    return fields[path[-1]] if isinstance(parent, tuple) and fields and path[-1] < len(fields) else None
+    """The name of the leaf of ``batch`` at ``path`` (from :func:`leaves`): its mapping key, dataclass or named tuple
+    field; None for a plain tuple's or list's entry."""
+    return path[-1] if path and isinstance(path[-1], str) else None
 
 
 #: words a tensor's name ends with when it holds each row's length (``feature_lengths``, ``x_lens``, ``seq_len``)
@@ -1157,6 +1154,8 @@ class CallRecorder:
     def __init__(self) -> None:
         self.calls: list[CallRecord] = []
         self._names: dict[int, str] = {}
+        self._root: weakref.ref[nn.Module] | None = None
+        self._outside: set[int] = set()  # modules called in the step found not to be in root (after a new look)
         # the calls in progress: (module, grad mode, the calls made inside it so far, the recorded call it is a
         # recompute inside of, if any)
         self._stack: list[tuple[nn.Module, bool, list[CallRecord], CallRecord | None]] = []
@@ -1181,6 +1180,7 @@ class CallRecorder:
         self._replayed, self._replayed_ids, self._regions = [], None, []
         self._batch_tensors = list(tensor_leaves(batch)) if batch is not None else []
         self._names = {id(m): name for name, m in root.named_modules()}
+        self._root, self._outside = weakref.ref(root), set()
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         self._handles = [
@@ -1238,8 +1238,24 @@ class CallRecorder:
             call.recompute = Recompute(mode, call.recompute.context_fn)
         self._regions = []
 
+    def _known(self, module: nn.Module) -> bool:
+        """Whether ``module`` is in root: named at :meth:`start`, or made since, in the step (a momentum teacher
+        copied in the first ``training_step``: its calls were left out of the first shape's FLOPs, qa51-distill 02),
+        found by a new look at root's modules once per module not found."""
+        if id(module) in self._names:
+            return True
+        if id(module) in self._outside:
+            return False
+        root = self._root() if self._root is not None else None
+        if root is not None:
+            self._names = {id(m): name for name, m in root.named_modules()}
+        if id(module) in self._names:
+            return True
+        self._outside.add(id(module))
+        return False
+
     def _before(self, module: nn.Module, args: Any) -> None:
-        if id(module) not in self._names or _redirected(module):
+        if not self._known(module) or _redirected(module):
             return
         into = None
         if not self._stack and _in_backward():

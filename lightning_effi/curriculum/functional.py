@@ -248,12 +248,12 @@ def map_tensors(batch: Any, fn: Callable[[Path, Tensor], Tensor], path: Path = (
     if isinstance(batch, Mapping):
         return _rebuild_mapping(batch, {k: map_tensors(v, fn, (*path, k)) for k, v in batch.items()})
     if isinstance(batch, (tuple, list)):
-        values = [map_tensors(v, fn, (*path, i)) for i, v in enumerate(batch)]
+        named = isinstance(batch, tuple) and hasattr(batch, "_fields")  # by field name, as leaves() walks it
+        keys = list(getattr(batch, "_fields")) if named else range(len(batch))  # noqa: B009
+        values = [map_tensors(v, fn, (*path, k)) for k, v in zip(keys, batch, strict=True)]
         if all(a is b for a, b in zip(values, batch)):
             return batch
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-            return type(batch)(*values)
-        return type(batch)(values)
+        return type(batch)(*values) if named else type(batch)(values)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         new = {f.name: map_tensors(getattr(batch, f.name), fn, (*path, f.name)) for f in dataclasses.fields(batch)}
         if all(new[k] is getattr(batch, k) for k in new):
@@ -598,9 +598,11 @@ def _replace_leaf(batch: Any, path: Path, value: Any) -> Any:
         return _rebuild_mapping(batch, items)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(batch, **{key: _replace_leaf(getattr(batch, key), rest, value)})
+    if isinstance(key, str):  # a named tuple's field
+        return batch._replace(**{key: _replace_leaf(getattr(batch, key), rest, value)})
     items_list = list(batch)
     items_list[key] = _replace_leaf(items_list[key], rest, value)
-    return type(batch)(*items_list) if hasattr(batch, "_fields") else type(batch)(items_list)
+    return type(batch)(items_list)
 
 
 def _cut_packed(batch: Any, out: Any, b: int, t: int, length: int, plain: bool, values: dict[Path, Any]) -> Any:
@@ -908,23 +910,28 @@ def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any], w
     raise ValueError(message)
 
 
-#: words of a 2-D float tensor's name that say it holds raw audio ``[B, S]`` (HF wav2vec2's ``input_values``)
-AUDIO_WORDS = ("input_values", "audio", "wav", "speech", "signal", "waveform")
+#: words of a 2-D float tensor's name that say it holds raw audio ``[B, S]`` (HF wav2vec2's ``input_values``,
+#: SpeechBrain's ``sig``), each a whole word of the name (split at ``_``)
+AUDIO_WORDS = ("audio", "wav", "wavs", "waveform", "waveforms", "speech", "signal", "sig")
+#: words of such a name that say it holds something else (a pooled embedding ``audio_emb [B, 512]``)
+NOT_AUDIO_WORDS = ("emb", "embed", "embeds", "embedding", "embeddings", "feat", "feats", "features", "logits", "probs")
 
 
 def _raw_audio(batch: Any, path: Path, v: Tensor, b: int, t: int) -> bool:
-    """A float ``[B, S]`` tensor longer than ``t`` that holds raw audio: named so (:data:`AUDIO_WORDS`), or, without a
-    name, beside a ``[B]`` integer tensor whose largest value is ``S`` (its lengths, padded to the longest: NeMo's
-    ``(audio, audio_len, transcript, transcript_len)``); not a ``[B, D]`` embedding or soft labels."""
+    """A float ``[B, S]`` tensor longer than ``t`` that holds raw audio: beside a ``[B]`` integer tensor whose largest
+    value is ``S`` (its lengths, padded to the longest: NeMo's ``(audio, audio_len, transcript, transcript_len)``,
+    ``{"x", "x_lens", "y"}``), or named so (``input_values``, or with a word of :data:`AUDIO_WORDS` and none of
+    :data:`NOT_AUDIO_WORDS`); not a ``[B, D]`` embedding or soft labels (qa52-break 02, 03)."""
     if v.ndim != 2 or v.shape[0] != b or v.shape[1] <= t or not v.is_floating_point():
         return False
-    name = str(leaf_name(batch, path) or "").lower()
-    if name:
-        return any(word in name for word in AUDIO_WORDS)
-    return any(
+    if any(
         u.ndim == 1 and u.shape[0] == b and _is_integer(u) and u.numel() > 0 and int(u.max()) == v.shape[1]
         for _, u in tensor_leaves(batch)
-    )
+    ):
+        return True
+    name = str(leaf_name(batch, path) or "").lower()
+    words = set(name.split("_"))
+    return name == "input_values" or (bool(words & set(AUDIO_WORDS)) and not words & set(NOT_AUDIO_WORDS))
 
 
 def other_sequences(batch: Any, b: int, t: int) -> list[tuple[Path, Tensor]]:

@@ -181,6 +181,26 @@ def test_the_rows_lengths_are_clamped_to_the_cut_and_given_back_when_lengthened(
 
     named_tuple = CF.truncate(Batch(ids, lengths), 48)
     assert isinstance(named_tuple.batch, Batch) and named_tuple.batch.lengths.tolist() == [48, 48, 48, 30]
+    # ... and its fields can be named in truncate_keys, as a dataclass's: nothing was cut, and without keys the
+    # transcript was cut beside the whole frames, warned as a plain tuple's "entry '2'" (qa51-break 05)
+
+    class Speech(NamedTuple):
+        features: torch.Tensor
+        feature_lengths: torch.Tensor
+        targets: torch.Tensor
+        target_lengths: torch.Tensor
+
+    speech = Speech(*_speech_batch([117, 60, 90, 30], True))
+    keys = ["features", "feature_lengths"]
+    with pytest.warns(UserWarning, match=r"leaves 'targets'"):
+        cut = CF.truncate(speech, 48, keys=keys)
+    assert isinstance(cut.batch, Speech) and cut.batch.features.shape == (4, 48, 80)
+    assert cut.batch.feature_lengths.tolist() == [48, 48, 48, 30] and cut.batch.targets.shape == (4, 12)
+    long = CF.lengthen_batch(cut.batch, keys, 117, axes=dict(zip(cut.cut, cut.axes)), values=cut.cut_values)
+    assert isinstance(long, Speech) and long.features.shape == (4, 117, 80)
+    assert long.feature_lengths.tolist() == [117, 60, 90, 30]
+    with pytest.raises(ValueError, match=r"length 12 was read from 'targets', .* beside 'features' \[4, 117, 80\]"):
+        CF.truncate(speech, 6)
 
 
 def test_integer_targets_beside_features_of_another_length_are_refused_or_warned():
@@ -243,9 +263,16 @@ def test_ctc_targets_beside_raw_audio_are_refused_or_warned():
     with pytest.warns(UserWarning, match=r"read from its entry '2'.* beside entry '0'"):
         cut = CF.truncate(nemo, 8)
     assert cut.batch[0].shape == (4, 5200)  # a tuple's entries cannot be named: warned, cut as before
-    embedding = {"input_ids": torch.randint(1, 9, (4, 32), generator=g), "image_embeds": torch.randn(4, 512)}
-    soft = {"input_ids": torch.randint(1, 9, (4, 32), generator=g), "soft_labels": torch.rand(4, 100)}
-    for batch in (embedding, soft, (embedding["input_ids"], torch.rand(4, 100))):
+    # a plain key, told by its lengths (the padded longest) (qa52-break 02)
+    plain = {"x": audio, "x_lens": torch.tensor([5200, 4000, 3000, 5200]), "y": labels}
+    with pytest.raises(ValueError, match=r"length 15 was read from 'y', .* beside 'x' \[4, 5200\]"):
+        CF.truncate(plain, 8)
+    ids = torch.randint(1, 9, (4, 32), generator=g)
+    embedding = {"input_ids": ids, "image_embeds": torch.randn(4, 512)}
+    soft = {"input_ids": ids, "soft_labels": torch.rand(4, 100)}
+    # pooled embeddings named after audio, and a word that only starts like one (qa52-break 03)
+    pooled = [{"input_ids": ids, name: torch.randn(4, 512)} for name in ("audio_emb", "speech_embedding", "wavelets")]
+    for batch in (embedding, soft, (ids, torch.rand(4, 100)), *pooled):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert CF.truncate(batch, 8).batch is not batch
