@@ -621,6 +621,12 @@ class EfficiencyMonitor(Callback):
         # the watched lists whose network began another pass in the step (its module that runs the blocks
         # was called again), whose first block call adds its positions to _seen's tokens (_observe)
         self._next_pass: set[int] = set()
+        # the batch's tensors (by id) in the step, the batch tensors each list's network was called with, the lists
+        # whose network was called in the step, and the position in its list of the block each list ran last
+        self._batch_ids: set[int] = set()
+        self._pass_inputs: dict[int, set[int]] = {}
+        self._runner_called: set[int] = set()
+        self._last_block: dict[int, int] = {}
         # the (B, T) of the step's token ids, and the watched lists whose network was called with an integer tensor of
         # that shape (the tower the ids feed, when two towers see as many positions)
         self._rows: tuple[int, int] | None = None
@@ -1327,14 +1333,17 @@ class EfficiencyMonitor(Callback):
         if not callable(getattr(pl_module, "effi_count_tokens", None)):  # positions, and a mask's downsampling
             self._watched, self._seen, self._attention_seen = self._candidates(pl_module), {}, {}
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
+            self._batch_ids = {id(v) for _, v in tensor_leaves(unwrap(batch)[0])}
+            self._pass_inputs, self._runner_called, self._last_block = {}, set(), {}
             for i, (name, blocks) in enumerate(self._watched):
                 runner = _runner(pl_module, name, blocks)
                 if runner is not None:
                     hook = runner.register_forward_pre_hook(functools.partial(self._pass, i), with_kwargs=True)
                     self._block_hooks.append(hook)
                 # every block: the first one the step runs (a LayerDrop may skip block 0, qa47-break 02)
-                for block in blocks.children():
-                    hook = block.register_forward_pre_hook(functools.partial(self._observe, i), with_kwargs=True)
+                for position, block in enumerate(blocks.children()):
+                    observe = functools.partial(self._observe, i, position)
+                    hook = block.register_forward_pre_hook(observe, with_kwargs=True)
                     self._block_hooks.append(hook)
                     attention = next((m for m in block.modules() if isinstance(m, nn.MultiheadAttention)), None)
                     if attention is not None and not attention.batch_first:
@@ -1369,23 +1378,40 @@ class EfficiencyMonitor(Callback):
         return ranked[:WATCHED_LISTS] + [r for r in ranked[WATCHED_LISTS:] if r[0] == self._chosen]
 
     def _pass(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A call of the module that runs watched list ``index`` (:func:`_runner`) after its first pass in the step,
-        outside a backward (not a recompute of activation checkpointing): another pass of the network, whose first
-        block call adds its positions (SimCLR's second view, qa50-clip 04)."""
+        """A call of the module that runs watched list ``index`` (:func:`_runner`), outside a backward (not a
+        recompute of activation checkpointing). Called on a tensor of the batch it was not called on before in the
+        step, it is another pass of the network over other data, whose first block call adds its positions (SimCLR's
+        second view, qa50-clip 04); called again on the same tensor (R-Drop, a probe without grad) or on a computed
+        one (a weight-shared core applied to its own output), it adds none: the batch's positions are counted once,
+        as token ids are (qa52-break 05)."""
         if self._rows is not None and any(
             isinstance(a, Tensor) and not a.is_floating_point() and tuple(a.shape[:2]) == self._rows
             for a in (*args, *kwargs.values())
         ):
             self._fed_ids.add(index)
-        if index in self._seen and not _in_backward():
+        if _in_backward():
+            return
+        self._runner_called.add(index)
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        if first is None or id(first) not in self._batch_ids:
+            return
+        inputs = self._pass_inputs.setdefault(index, set())
+        if index in self._seen and id(first) not in inputs:
             self._next_pass.add(index)
+        inputs.add(id(first))
 
-    def _observe(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _observe(
+        self, index: int, position: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         """The first call, in the step, of a block of watched list ``index`` (block 0 unless a LayerDrop skipped it):
         its hidden states' tokens and shape, and whether their last dimension is a width of the block; at each later
-        pass of the network (:meth:`_pass`), the tokens of its first block call are added."""
+        pass of the network (:meth:`_pass`), the tokens of its first block call are added. A list whose network is
+        not called as a module in the step (blocks the LightningModule holds, run by a method of its own) begins
+        another pass where a block at or before the last one run is called again, outside a backward."""
+        last, self._last_block[index] = self._last_block.get(index), position
         if index in self._seen:
-            if index in self._next_pass:
+            again = index not in self._runner_called and last is not None and position <= last and not _in_backward()
+            if index in self._next_pass or again:
                 self._next_pass.discard(index)
                 first, shape, wide = self._seen[index]
                 more = hidden_tokens(args, kwargs)
@@ -1434,8 +1460,11 @@ class EfficiencyMonitor(Callback):
             if not run:
                 return
             rows = _token_rows(batch)
-            fed = [i for i in (wide or run) if rows is not None and self._sees_rows(i, rows)]
-            index = ([i for i in fed if i in self._fed_ids] or fed or wide or run)[0]
+            pool = wide or run
+            trainable = [i for i in pool if any(p.requires_grad for p in self._watched[i][1].parameters())]
+            # among the trainable lists first: a frozen text encoder the ids feed beside a trained DiT (qa52-break 01)
+            fed = [i for i in (trainable or pool) if rows is not None and self._sees_rows(i, rows)]
+            index = ([i for i in fed if i in self._fed_ids] or fed or pool)[0]
         tokens, shape, width = self._seen[index]
         self._observed_tokens, self._observed_shape, self._observed_width = tokens, shape, width
         self._observed_sequence_first = shape is not None and self._attention_seen.get(index) == shape

@@ -2182,17 +2182,39 @@ class _PatchEncoder(nn.Module):
 class _TwoViews(pl.LightningModule):
     """SimCLR's step: two views of each image, encoded in one call each (``per_view``) or in one call together."""
 
-    def __init__(self, per_view: bool, loops: int = 1, checkpointed: bool = False, no_grad_pass: bool = False):
+    def __init__(
+        self,
+        per_view: bool,
+        loops: int = 1,
+        checkpointed: bool = False,
+        no_grad_pass: bool = False,
+        r_drop: bool = False,
+        own_blocks: bool = False,
+    ):
         super().__init__()
         self.enc = _PatchEncoder(loops, checkpointed)
-        self.per_view, self.no_grad_pass = per_view, no_grad_pass
+        self.per_view, self.no_grad_pass, self.r_drop, self.own_blocks = per_view, no_grad_pass, r_drop, own_blocks
+        if own_blocks:  # the blocks on the LightningModule, run by a method of its own (qa52-break 04)
+            self.embed, self.blocks = self.enc.embed, self.enc.blocks
+            del self.enc
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.own_blocks:
+            return self.enc(x)
+        h = self.embed(x).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            h = block(h)
+        return h.mean(1)
 
     def training_step(self, batch, batch_idx):
         v1, v2 = batch["view1"], batch["view2"]
-        if self.no_grad_pass:  # pseudo-targets from the same network, no grad: positions it runs all the same
+        if self.no_grad_pass:  # a probe of the same network on the same data, without grad: no other positions
             with torch.no_grad():
-                self.enc(v1)
-        z1, z2 = (self.enc(v1), self.enc(v2)) if self.per_view else self.enc(torch.cat([v1, v2])).chunk(2)
+                self.encode(v1)
+        if self.r_drop:  # R-Drop: the same input twice (a consistency term), its positions counted once
+            z1, z2 = self.encode(v1), self.encode(v1)
+        else:
+            z1, z2 = (self.encode(v1), self.encode(v2)) if self.per_view else self.encode(torch.cat([v1, v2])).chunk(2)
         z = F.normalize(torch.cat([z1, z2]), dim=-1)
         n = len(z1)
         return F.cross_entropy(z @ z.t(), torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
@@ -2207,7 +2229,9 @@ class _TwoViews(pl.LightningModule):
         ({"per_view": False}, 2),  # both views in one call: 2 x 4 positions an image
         ({"per_view": True}, 2),  # one call a view: the second call's positions were left out (qa50-clip 04)
         ({"per_view": True, "checkpointed": True}, 2),  # the backward's recompute is not another pass
-        ({"per_view": True, "no_grad_pass": True}, 3),  # a pass without grad runs its positions as well
+        ({"per_view": True, "no_grad_pass": True}, 2),  # nor a probe of the first view again
+        ({"per_view": True, "r_drop": True}, 1),  # R-Drop: one view twice, counted once (as token ids are)
+        ({"per_view": True, "own_blocks": True}, 2),  # blocks the LightningModule runs itself, one call a view
         ({"per_view": False, "loops": 2}, 2),  # a loop over the blocks inside one call is one pass (shared weights)
     ],
 )
@@ -2287,3 +2311,51 @@ def test_two_towers_count_the_tower_the_token_ids_feed(tmp_path, caption_length,
     assert not [w for w in caught if "positions a row" in str(w.message)]  # no prefix was taken
     other = [str(w.message) for w in caught if "also trains the transformer blocks" in str(w.message)]
     assert other and f"count the {text_depth} blocks of text.layers" in other[0] and "visual.blocks" in other[0]
+
+
+class _LazyTeacher(pl.LightningModule):
+    """A student and its momentum teacher (``copy.deepcopy`` of the student, frozen, run under ``no_grad``), made in
+    ``__init__`` or, as BYOL / DINO recipes often do, in the first ``training_step``."""
+
+    def __init__(self, lazy: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = _PatchEncoder()
+        self.teacher = None if lazy else copy.deepcopy(self.student).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        if self.teacher is None:
+            self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+        (x,) = batch
+        with torch.no_grad():
+            target = self.teacher(x)
+        return F.mse_loss(self.student(x), target)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.student.parameters(), lr=0.01)
+
+
+def test_a_network_made_in_the_first_training_step_is_counted_at_that_step(tmp_path):
+    """The recorder named the root's modules at the step's start: a teacher made inside the first step was not, so its
+    calls were left out of the FLOPs of that step (and of every step of its shape until the structure changed): 9.16e8
+    for 9.75e8 over 4 steps (qa51-distill 02)."""
+    data = TensorDataset(torch.randn(16, 3, 8, 8))
+    flops = []
+    for lazy in (False, True):
+        monitor = EfficiencyMonitor(print_summary=False)
+        make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1).fit(_LazyTeacher(lazy), DataLoader(data, 4))
+        flops.append(monitor.summary["flops"])
+    assert flops[1] == flops[0] > 0
+
+
+def test_a_frozen_tower_the_token_ids_feed_is_not_counted_over_the_trained_one(tmp_path):
+    """The tower the ids feed is preferred among the trained lists only: a frozen text encoder reading the captions
+    beside a trained network (a text-conditioned DiT) was counted instead of it (qa52-break 01)."""
+    data = [{"pixel_values": torch.randn(3, 8, 8), "input_ids": torch.randint(1, V, (4,)),
+             "attention_mask": torch.ones(4, dtype=torch.long)} for _ in range(8)]  # fmt: skip
+    module = _CLIP(image_depth=3, text_depth=2)
+    module.text.requires_grad_(False)
+    monitor = EfficiencyMonitor(print_summary=False)
+    make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1).fit(module, DataLoader(data, batch_size=4))
+    assert monitor.summary["tokens"] == 2 * 4 * 4
+    assert monitor.summary["layer_tokens"] == 3 * monitor.summary["tokens"]  # the trained image tower's depth
