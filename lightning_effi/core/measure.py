@@ -52,6 +52,7 @@ import enum
 import math
 import random
 import sys
+import types
 import warnings
 import weakref
 from collections import OrderedDict
@@ -1410,6 +1411,15 @@ def fake_copy(
                 # during a replay
                 memo[id(value)] = _private(value)
     clone = copy.deepcopy(module, memo)
+    # a method of a module of the original set on an instance (Lightning's forward redirection under DDP leaves the
+    # LightningModule's own `forward` there after the first step), shared with ``share_attributes``, ran the real
+    # network in the replay: random-LTD's armed layers dropped tokens in it, and the FLOPs were those of the kept
+    # tokens (a quarter short under DDP, qa52-ddp 01); it runs the copy's
+    copies = {id(a): b for a, b in zip(module.modules(), clone.modules(), strict=True)}
+    for sub in clone.modules():
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, types.MethodType) and id(value.__self__) in copies:
+                sub.__dict__[name] = types.MethodType(value.__func__, copies[id(value.__self__)])
     if isinstance(getattr(module, "_compiler_ctx", None), dict):
         # trainer.fit(torch.compile(model)): Lightning set forward and the *_step methods on the instance to compiled
         # wrappers of the real module's (lightning.pytorch.utilities.compile.from_compiled); shared, they would run
