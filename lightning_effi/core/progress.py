@@ -66,7 +66,7 @@ class Duration:
         ValueError: (construction) an unknown unit or a value outside its unit's domain.
     """
 
-    value: float
+    value: int | float  # int first: a config parser (jsonargparse) keeps a step count an int
     unit: Unit = "step"
 
     def __post_init__(self) -> None:

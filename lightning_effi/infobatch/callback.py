@@ -400,7 +400,7 @@ class InfoBatchCallback(Callback):
         seed: int = 0,
         momentum: float = 1.0,
         strict: bool = True,
-        per_sample_loss: Callable[[Any, Any], Tensor] | None = None,
+        per_sample_loss: Callable[..., Any] | None = None,
         nonfinite_loss: str = "raise",
     ) -> None:
         try:

@@ -252,7 +252,9 @@ class VCycleCallback(Callback):
             (``on_train_start``, or before a level change when it made its copy later) a callback that keeps its own
             copy of the model's parameters (a third-party EMA; :func:`~lightning_effi.core.features.
             parameter_copy_holders`) without following model changes.
-        MisconfigurationException: (``setup``) a ``torch.compile``'d network; (the first level change, during
+        MisconfigurationException: (``setup``) a ``torch.compile``'d network; the optimizer of LightningCLI's
+            ``--optimizer`` / ``optimizer:`` (built once before the fit: :func:`_refuse_cli_optimizer`); (the first
+            level change, during
             training: the earliest the cause exists) optimizers from ``configure_optimizers`` that do not hold the new
             network's trainable parameters or hold parameters that are not the module's (one built before and
             returned again, e.g. cached at its first call; :func:`~lightning_effi.vcycle.checks.optimizer_mismatch`).
@@ -443,6 +445,7 @@ class VCycleCallback(Callback):
                     f"{name}: pl_module.{attr} is torch.compile'd; compile inside "
                     "the module's forward or not at all (the model is replaced mid-fit)"
                 )
+        _refuse_cli_optimizer(pl_module)
         self.model_attr, self.adapter = self._find_network(pl_module)
         self._stack.bind(pl_module, self.model_attr)
         self._stack.running = live_fit(trainer)
@@ -1571,3 +1574,32 @@ def _parameter_sums(module: Any) -> Tensor:
     if not params:
         return torch.zeros(0, dtype=torch.float64)
     return torch.stack([p.double().sum() for p in params]).cpu()
+
+
+def _refuse_cli_optimizer(pl_module: pl.LightningModule) -> None:
+    """Refuse the ``configure_optimizers`` LightningCLI sets on the module for its ``optimizer:`` / ``lr_scheduler:``
+    arguments (``LightningCLI.configure_optimizers`` with an optimizer built from the module's parameters once, before
+    the fit, and returned at every call): the V-cycle calls ``configure_optimizers`` at every level change for the new
+    network's parameters, and the fit failed at the first one, with advice about caching (qa52-cli 01).
+
+    Raises:
+        MisconfigurationException: naming the remedy (an optimizer built in the module's own ``configure_optimizers``,
+            its class given as an ``OptimizerCallable`` init argument).
+    """
+    method = getattr(pl_module, "configure_optimizers", None)
+    fn = getattr(method, "__func__", None)
+    keywords = getattr(fn, "keywords", None)
+    target = getattr(fn, "func", None)
+    if not isinstance(keywords, dict) or "optimizer" not in keywords:
+        return
+    if getattr(target, "__qualname__", "").split(".")[-2:] != ["LightningCLI", "configure_optimizers"]:
+        return
+    raise MisconfigurationException(
+        f"VCycleCallback: {type(pl_module).__name__}.configure_optimizers is LightningCLI's, for its `optimizer:` "
+        f"(`--optimizer`) argument: it returns the one {type(keywords['optimizer']).__name__} LightningCLI built from "
+        "the full model's parameters before the fit, and the V-cycle calls configure_optimizers at every level change "
+        "for the new network's parameters. Build the optimizer in your module's configure_optimizers instead, e.g. "
+        "take `optimizer: lightning.pytorch.cli.OptimizerCallable` in __init__ and return "
+        "`self.optimizer(self.parameters())` (Lightning's dependency injection; the YAML keeps its class_path and "
+        "init_args under model.init_args.optimizer)"
+    )

@@ -238,3 +238,48 @@ trainer:
     assert callback(cli, "Batches").sizes == [(32, 2)] * 2 + [(16, 1)] * 3 + [(32, 2)] * 2
     vcycle = callback(cli, "VCycleCallback")
     assert vcycle.switches == 2 and vcycle.level == 1 and cli.trainer.global_step == 7
+
+
+def test_yaml_values_jsonargparse_types_from_the_signatures_are_accepted():
+    """A duration given as a mapping kept its step count an int only if ``Duration.value`` is typed so (it was
+    ``float``: ``e_small: {value: 6, unit: step}`` refused with "got 6.0"), and a per-sample loss function without a
+    return annotation was refused by the ``Callable[[Any, Any], Tensor]`` type (qa52-cli 02, 03)."""
+    from jsonargparse import ArgumentParser
+
+    from lightning_effi import InfoBatchCallback, VCycleCallback
+    from lightning_effi.core.progress import Duration
+    from tests.cli.recorders import per_sample_cross_entropy
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(VCycleCallback, "vcycle")
+    parser.add_class_arguments(InfoBatchCallback, "infobatch")
+    config = parser.parse_object(
+        {
+            "vcycle": {"e_a": "2st", "e_small": {"value": 6, "unit": "step"}},
+            "infobatch": {"prune_ratio": 0.5, "per_sample_loss": "tests.cli.recorders.per_sample_cross_entropy"},
+        }
+    )
+    built = parser.instantiate_classes(config)
+    assert built.vcycle.e_small == Duration(6, "step") and type(built.vcycle.e_small.value) is int
+    assert built.infobatch.per_sample_loss is per_sample_cross_entropy
+
+
+def test_the_vcycle_refuses_lightning_clis_own_optimizer_at_setup(tmp_path):
+    """LightningCLI's top-level ``optimizer:`` builds one optimizer before the fit and its configure_optimizers
+    returns it at every call: the V-cycle's first level change failed, with advice about caching (qa52-cli 01).
+    Refused at setup, naming the remedy."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    config = """\
+optimizer: {class_path: torch.optim.SGD, init_args: {lr: 0.05}}
+trainer:
+  max_steps: 4
+  callbacks:
+    - class_path: lightning_effi.VCycleCallback
+      init_args: {e_a: 1, e_small: 2}
+""" + data(None)
+    with (
+        pytest.warns(UserWarning, match="configure_optimizers` will be overridden"),
+        pytest.raises(MisconfigurationException, match=r"is LightningCLI's, for its `optimizer:`.*OptimizerCallable"),
+    ):
+        fit(tmp_path, config)
