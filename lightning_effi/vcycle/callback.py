@@ -382,6 +382,7 @@ class VCycleCallback(Callback):
         self.clock: str = "step"
         self._clock_source: ProvidesProgressClock | None = None
         self.cut_short_level = 0  # the level a run cut short ended at, before on_train_end restored the full model
+        self._rank_sum: tuple[float, float] | None = None  # (FLOPs, baseline FLOPs) of every rank, after training
         # a fit that raised below level 1: the level, its exact weights and the snapshots, still reported by state_dict
         # and on_save_checkpoint after on_exception put the full-size network back (OnExceptionCheckpoint)
         self._interrupted: dict[str, Any] | None = None
@@ -437,6 +438,7 @@ class VCycleCallback(Callback):
             return
         name = type(self).__name__
         self._reset_progress()
+        self._rank_sum = None
         check_trainer(trainer)
         self._clear_leftovers(trainer, pl_module)
         for attr, child in pl_module._modules.items():
@@ -1193,15 +1195,19 @@ class VCycleCallback(Callback):
         metrics = {
             "effi/vcycle/level": float(self.level),
             "effi/vcycle/stage": float(self.stage_index),
-            "effi/vcycle/flops_cum": float(self.flops_account.flops),
             "effi/vcycle/flops_saved_frac": self.flops_saved_frac(),
             "effi/vcycle/map_seconds": float(self.map_seconds),
         }
-        pl_module.log_dict(
-            metrics,
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        # summed over the data-parallel ranks, as the monitor's FLOPs are (one rank's was logged, qa52-ddp 02)
+        pl_module.log(
+            "effi/vcycle/flops_cum",
+            float(self.flops_account.flops),
             on_step=True,
             on_epoch=False,
             batch_size=1,
+            sync_dist=trainer.world_size > 1,
+            reduce_fx="sum",
         )
         self.nonfinite_guard.log_count(trainer)  # effi/nonfinite_losses, by the stack's checking guard only
         step = trainer.global_step
@@ -1391,8 +1397,10 @@ class VCycleCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A run that ended at a coarse level (cut short) goes back up to the full model (see the class docstring);
-        the non-finite losses counted (``nonfinite_loss="warn"``) are reported (rank zero)."""
+        the non-finite losses counted (``nonfinite_loss="warn"``) are reported (rank zero); under data parallelism the
+        FLOPs of every rank are summed for :meth:`effi_summary`."""
         self.nonfinite_guard.report_at_end()
+        self._sum_over_ranks(trainer)
         if self.level == 1:
             return
         assert self.alpha_original is not None  # resolved in setup
@@ -1434,15 +1442,29 @@ class VCycleCallback(Callback):
         """``{"level": k}``: the level being trained (1 = the full model, ``levels`` = the coarsest)."""
         return {"level": float(self.level)}
 
+    def _sum_over_ranks(self, trainer: pl.Trainer) -> None:
+        """The FLOPs and baseline FLOPs of every data-parallel rank, summed (the EfficiencyMonitor's totals are; one
+        rank's stood beside them in the summary, half of them on 2 ranks, qa52-ddp 02); None on one process."""
+        self._rank_sum = None
+        if trainer.world_size <= 1:
+            return
+        local = torch.tensor(
+            [self.flops_account.flops, self.baseline_flops], dtype=torch.float64, device=trainer.strategy.root_device
+        )
+        total = trainer.strategy.reduce(local, reduce_op="sum")
+        self._rank_sum = (float(total[0]), float(total[1]))
+
     def effi_summary(self) -> dict[str, Any]:
+        """The V-cycle's figures; FLOPs summed over the data-parallel ranks (after training: :meth:`on_train_end`)."""
+        flops, baseline = self._rank_sum or (float(self.flops_account.flops), float(self.baseline_flops))
         return {
             "vcycle/levels": int(self.levels),
             "vcycle/switches": int(self.switches),
             "vcycle/final_level": int(self.level),
             "vcycle/cut_short_level": int(self.cut_short_level),
-            "vcycle/flops": float(self.flops_account.flops),
-            "vcycle/baseline_flops": float(self.baseline_flops),
-            "vcycle/flops_saved_frac": self.flops_saved_frac(),
+            "vcycle/flops": flops,
+            "vcycle/baseline_flops": baseline,
+            "vcycle/flops_saved_frac": 1 - flops / baseline if baseline else 0.0,
             "vcycle/map_seconds": float(self.map_seconds),
         }
 

@@ -80,6 +80,9 @@ def test_all_four_under_ddp(tmp_path):
     assert abs(summaries[0]["flops"] - measured) / measured < 0.03
     ranks_batches = [len(r["batches"]) for r in per_rank]
     assert summaries[0]["batches"] == sum(ranks_batches)
+    # the V-cycle's FLOPs beside the monitor's are summed over the ranks too (one rank's stood there, qa52-ddp 02)
+    vcycle = [r["states"]["VCycleCallback"]["flops"] for r in reports]
+    assert vcycle[0] > 0 and summaries[0]["vcycle/flops"] == sum(vcycle)
 
 
 @pytest.mark.slow
