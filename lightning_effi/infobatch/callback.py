@@ -1158,8 +1158,16 @@ class InfoBatchCallback(Callback):
                 "with a zero per-sample loss"
             )
         if per_sample.dim() != 1 or per_sample.numel() != b:
+            packed = (
+                " (fewer values than samples: a collate that packs the samples into fewer rows, as HF's "
+                "DataCollatorWithFlattening, gives a loss per row; return one loss per drawn sample, e.g. the token "
+                "losses averaged per sequence, the sequences told by the restarts of position_ids)"
+                if 0 < per_sample.numel() < b
+                else ""
+            )
             raise ValueError(
-                f"InfoBatchCallback: {what} has shape {tuple(per_sample.shape)} for a batch of {b} samples; {contract}"
+                f"InfoBatchCallback: {what} has shape {tuple(per_sample.shape)} for a batch of {b} samples{packed}; "
+                f"{contract}"
             )
         if torch.is_grad_enabled() and not per_sample.requires_grad:
             raise ValueError(

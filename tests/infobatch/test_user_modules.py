@@ -626,6 +626,8 @@ class Steps(pl.Callback):
         (lambda o, b: F.cross_entropy(o, b[1], reduction="none").detach(), r"has no grad .*float tensor of shape"),
         (lambda o, b: F.cross_entropy(o, b[1]), r"has shape \(\) for a batch of 4 samples"),
         (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:2], r"has shape \(2,\) for a batch of 4"),
+        # fewer values than samples: a packing collate's loss per row is named (qa51-llm 02)
+        (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:1], r"\(1,\) .* samples \(fewer values .*packs"),
         (lambda o, b: b[1], r"is a torch.int64 tensor; a per-sample loss is a float tensor of shape \(4,\)"),
         # a fresh tensor with requires_grad=True but no graph: the model would not train
         (lambda o, b: torch.rand(len(b[1]), requires_grad=True), r"is a leaf tensor .*no grad_fn.*shape \(4,\)"),
