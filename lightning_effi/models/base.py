@@ -362,18 +362,40 @@ def find_adapter(
         else ""
     )
     stacks = block_stacks(module)
-    suggestion = (
-        f" (here, e.g. GenericAdapter(layers={stacks[0][0]!r}, hidden_size=<the blocks' width>): the "
-        f"{stacks[0][1]} {stacks[0][2]} there; hidden_size is read from an nn.MultiheadAttention in the blocks, else "
-        "it is needed)"
-        if stacks
-        else ""
-    )
+    # a stack of blocks that may run on tokens (transformer or MLP blocks on [B, T, H]); stacks of image convolutions
+    # (a ResNet's stages, ConvNeXt) or of windowed attention over a grid (Swin) led to two more refusals
+    # (qa51-vision 02)
+    attentive = [stack for stack in stacks if _token_blocks(module.get_submodule(stack[0]))]
+    if attentive:
+        suggestion = (
+            f" (here, e.g. GenericAdapter(layers={attentive[0][0]!r}, hidden_size=<the blocks' width>): the "
+            f"{attentive[0][1]} {attentive[0][2]} there; hidden_size is read from an nn.MultiheadAttention in the "
+            "blocks, else it is needed)"
+        )
+    elif stacks:
+        suggestion = (
+            f". Its stacks of blocks ({', '.join(repr(path) for path, _, _ in stacks[:3])}) run image convolutions "
+            "or windowed attention over a grid: random-LTD drops tokens of a transformer's [B, T, H] hidden states, "
+            "which such blocks do not have"
+        )
+    else:
+        suggestion = ""
     raise ValueError(
         f"adapter: no model inside {type(module).__name__} matches {label}{skipped} "
         f"({', '.join(registered_adapters())}); register one with lightning_effi.models.register_adapter "
         f"or pass a lightning_effi.models.GenericAdapter(layers=...){suggestion}"
     )
+
+
+def _token_blocks(stack: nn.Module) -> bool:
+    """Whether a stack of blocks may run on a sequence of tokens: not image convolutions (``nn.Conv2d`` /
+    ``nn.Conv3d``) without attention, nor attention within windows of a grid (Swin's ``WindowAttention``)."""
+    modules = list(stack.modules())
+    kinds = [type(m).__name__.lower() for m in modules]
+    if any("window" in k for k in kinds):
+        return False
+    attention = any(isinstance(m, nn.MultiheadAttention) or "attention" in k for m, k in zip(modules, kinds))
+    return attention or not any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in modules)
 
 
 def block_stacks(module: nn.Module) -> list[tuple[str, int, str]]:

@@ -827,6 +827,26 @@ def test_no_adapter_names_the_stack_of_blocks_a_generic_adapter_would_take():
     assert len(adapter.layers()) == 4
 
 
+def test_the_adapter_error_suggests_no_generic_adapter_over_image_convolutions():
+    """A CNN's stages were suggested as GenericAdapter(layers=...), a dead end after two more refusals
+    (qa51-vision 02): the error says such blocks have no tokens to drop."""
+    from lightning_effi.models import find_adapter
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.norm = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    class CNN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.Sequential(Stage(), Stage())
+
+    with pytest.raises(ValueError, match=r"Its stacks of blocks \('stages'\) run image convolutions .*no") as err:
+        find_adapter(CNN())
+    assert "here, e.g. GenericAdapter" not in str(err.value)
+
+
 @pytest.mark.parametrize("seed", [-1, 2**64, 10**30])
 def test_a_seed_outside_the_generators_range_is_refused(seed):
     """Seeds are hashed to 64 bits: ``2**64`` drew seed 0's tokens and ``-1`` those of ``2**64 - 1``, silently."""
