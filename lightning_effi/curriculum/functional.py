@@ -871,7 +871,8 @@ def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any], w
     ``[B, U]`` tensor named like targets (:data:`TARGET_WORDS`), of another length, left whole: a CTC transcript of the
     whole sample beside a cut input is no longer its target (loss 0 with ``zero_infinity``, qa49-break 01); a name
     whose last word is ``text`` too (ESPnet's transcript). ``warn`` (the tensors to cut named in ``truncate_keys``):
-    a warning instead, once for each set of names (clip-level class indices beside frames are valid, qa50-break 07)."""
+    a warning instead, once for each set of names (clip-level class indices beside frames are valid, qa50-break 07).
+    A list of ``B`` strings named so (lhotse's ``supervisions["text"]``) is such a transcript too."""
     cut_leaves = [(p, v) for p, v in tensor_leaves(batch) if p in cut]
     if not any(v.is_floating_point() and v.ndim >= 2 and not _is_mask_name(_name(p)) for p, v in cut_leaves):
         return
@@ -888,9 +889,15 @@ def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any], w
         and _target_name(_name(p))
         and bool((v > 1).any())  # token ids: multi-hot labels (audio tagging's 0 / 1 classes) are no transcript
     ]
-    if not whole:
+    # transcripts as text: a list of B strings named like targets (lhotse's supervisions["text"], qa51-break 03)
+    texts: dict[Path, int] = {}
+    for p, v in leaves(batch):
+        if isinstance(v, str) and len(p) >= 2 and isinstance(p[-1], int) and _target_name(_name(p[:-1])):
+            texts[p[:-1]] = texts.get(p[:-1], 0) + 1
+    whole_shown = [(p, list(v.shape)) for p, v in whole] + [(p, [n, "str"]) for p, n in texts.items() if n == b]
+    if not whole_shown:
         return
-    shown = ", ".join(f"{'.'.join(map(str, p))!r} {list(v.shape)}" for p, v in whole)
+    shown = ", ".join(f"{'.'.join(map(str, p))!r} {shape}" for p, shape in whole_shown)
     message = (
         f"seqlen_truncate: the cut takes float features (audio frames?) from {t} positions and leaves {shown}, "
         "targets of the whole sample, as they are: a transcript beside a cut input is no longer its target (CTC "
@@ -899,7 +906,7 @@ def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any], w
         "(e.g. the number of frames) instead of cutting them"
     )
     if warn:  # the names only: Python shows a warning once for each text, and the shapes change from batch to batch
-        names = ", ".join(repr(".".join(map(str, p))) for p, _ in whole)
+        names = ", ".join(repr(".".join(map(str, p))) for p, _ in whole_shown)
         warnings.warn(
             f"seqlen_truncate: the cut takes float features (audio frames?) and leaves {names}, targets of the whole "
             "sample, as they are: a transcript beside a cut input is no longer its target (CTC gives an infinite "

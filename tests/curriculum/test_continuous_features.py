@@ -247,6 +247,12 @@ def test_integer_targets_beside_features_of_another_length_are_refused_or_warned
     assert CF.truncate(tagging, 48).batch["input_features"].shape == (4, 48, 80)
     clap = {"input_features": batch["features"], "attention_mask": mask, "text_input_ids": batch["targets"]}
     assert CF.truncate(clap, 48).batch["text_input_ids"].shape == (4, 12)
+    # lhotse's batch: the transcripts as text, a list of B strings, were never looked at (qa51-break 03)
+    lhotse = {"inputs": batch["features"], "supervisions": {"num_frames": batch["feature_lengths"],
+              "text": ["a cat", "the dog", "hello", "yes"]}}  # fmt: skip
+    with pytest.warns(UserWarning, match=r"leaves 'supervisions.text', targets of the whole sample"):
+        cut = CF.truncate(lhotse, 48, keys=["inputs"])
+    assert cut.batch["supervisions"]["num_frames"].tolist() == [48, 48, 48, 30]
 
 
 def test_ctc_targets_beside_raw_audio_are_refused_or_warned():
