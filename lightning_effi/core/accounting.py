@@ -1007,7 +1007,7 @@ class EfficiencyMonitor(Callback):
         calls = self._every_block(pl_module, self._calls)
         try:
             if self._batch_shapes is not None and _shapes(batch) != self._batch_shapes:
-                calls = [call.on_batch(batch) for call in calls]
+                calls = [call.on_batch(batch, self._batch_shapes) for call in calls]
             return float(self._meter.flops(pl_module, calls))
         except MeasureError as err:
             raise NotImplementedError(f"{err}; {hint}") from err

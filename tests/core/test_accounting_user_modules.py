@@ -2359,3 +2359,36 @@ def test_a_frozen_tower_the_token_ids_feed_is_not_counted_over_the_trained_one(t
     make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1).fit(module, DataLoader(data, batch_size=4))
     assert monitor.summary["tokens"] == 2 * 4 * 4
     assert monitor.summary["layer_tokens"] == 3 * monitor.summary["tokens"]  # the trained image tower's depth
+
+
+def test_a_computed_argument_of_a_size_the_batch_keeps_is_replayed_on_the_baseline_batch():
+    """A projection applied in training_step to a tower's pooled [B, H] output: its argument is computed, not a batch
+    tensor, so its shape on the curriculum's untruncated batch was unknown and the baseline's FLOPs were taken as
+    the trained ones (saving 0, qa50-clip 03). A computed argument without a size the batch's tensors change keeps its
+    shape; one with such a size is still refused."""
+    from lightning_effi.core.accounting import _shapes
+    from lightning_effi.core.measure import MeasureError
+
+    class Tower(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.proj = nn.Embedding(V, 32), nn.Linear(32, 16)
+
+    module = Tower()
+    cut, whole = {"input_ids": torch.randint(0, V, (4, 8))}, {"input_ids": torch.randint(0, V, (4, 39))}
+    recorder = CallRecorder()
+    recorder.start(module, cut)
+    hidden = module.embed(cut["input_ids"])
+    module.proj(hidden.mean(1))  # [4, 32]: no size of the cut axis
+    module.proj(hidden[:, :, :32].transpose(1, 2).flatten(0, 1).reshape(4, 8, 32).mean(1))  # computed alike
+    recorder.stop(cut)
+    embed, proj, _ = recorder.calls
+    assert embed.on_batch(whole, _shapes(cut)).tensors()[0].shape == (4, 39)
+    assert proj.on_batch(whole, _shapes(cut)).tensors()[0].shape == (4, 32)
+    with pytest.raises(MeasureError, match="not a tensor of the batch itself"):
+        proj.on_batch(whole)  # without the recorded shapes: unknown, as before
+    recorder.start(module, cut)
+    module.proj(module.embed(cut["input_ids"]))  # [4, 8, 32]: a size of the cut axis
+    recorder.stop(cut)
+    with pytest.raises(MeasureError, match="not a tensor of the batch itself"):
+        recorder.calls[1].on_batch(whole, _shapes(cut))
