@@ -753,6 +753,7 @@ def truncate(
         return v
 
     out = map_tensors(batch, cut_tensor)
+    _refuse_channel_first(batch, cut)
     out = _cut_packed(batch, out, b, t, length, not left and index is None, values)
     if keys is None and _name(found[0]) not in ("attention_mask", "input_ids"):
         _refuse_another_sequence(batch, found[0], b, t, cut)
@@ -765,7 +766,7 @@ def truncate(
         # kept, qa48-speech 01, 02; an HF `length` column, qa49-break 03)
         for path in lengths:
             values[path] = _leaf(batch, path)
-        out = map_tensors(out, lambda path, v: v.clamp_max(length) if path in lengths else v)
+        out = map_tensors(out, lambda path, v: clamp_lengths(v, t, length) if path in lengths else v)
     cut_mask, mask_path = None, None
     if real is not None and pm is not None:
         kept = kept.to(real.device)
@@ -781,6 +782,35 @@ def truncate(
         if len(cut.get(path, ())) == 1:
             cut_mask, mask_path = _take(mask, cut[path][0], window, removed.to(mask.device)), path
     return Truncation(out, t, length, cut_mask, left, tuple(cut), tuple(cut.values()), mask_path, values)
+
+
+#: mel-filterbank sizes of speech features; parts of such a tensor's name
+MEL_BINS = (40, 64, 80, 128)
+SPECTRAL_NAMES = ("feature", "mel", "spec", "fbank")
+
+
+def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> None:
+    """Refuse a cut of spectral features laid out channel first, ``[B, n_mels, T]`` (Whisper's ``input_features``
+    ``[B, 80, 3000]``): axis 1 is their mel bins, not their frames, and the cut kept the first bins of every frame
+    (qa53-asr 04). Told by a name of :data:`SPECTRAL_NAMES`, a float ``[B, n, S]`` tensor cut on axis 1 only, ``n`` in
+    :data:`MEL_BINS` and ``S`` more than twice ``n``."""
+    for path, v in tensor_leaves(batch):
+        name = str(_name(path) or "").lower()
+        if (
+            cut.get(path) == (1,)
+            and v.ndim == 3
+            and v.is_floating_point()
+            and int(v.shape[1]) in MEL_BINS
+            and int(v.shape[2]) > 2 * int(v.shape[1])
+            and any(part in name for part in SPECTRAL_NAMES)
+        ):
+            raise ValueError(
+                f"seqlen_truncate: {name!r} {list(v.shape)} looks channel first, [B, n_mels, frames] (Whisper's "
+                f"input_features): its axis 1 holds {v.shape[1]} mel bins, and a cut there keeps the first bins of "
+                f"every frame, not the first frames. seqlen_truncate cuts axis 1: give the features as [B, frames, "
+                "n_mels] in your collate (and transpose back in the model), or order the samples by a difficulty "
+                "metric of their duration instead of cutting them (Whisper pads every clip to 30 s)"
+            )
 
 
 def _refuse_named_of_another_length(batch: Any, keys: Sequence[str], reference: Path, b: int, t: int) -> None:
@@ -830,9 +860,9 @@ def row_lengths(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> list[Pat
     key, dataclass or NamedTuple field, :func:`~lightning_effi.core.measure.length_stem`): a name ending in a length
     word whose stem is in a cut tensor's name (``feature_lengths`` of ``input_features``), or is empty or one of
     :data:`ANY_SEQUENCE_STEMS` and in no tensor's name (``lengths``, ``seq_len``, ``token_lengths``; an HF ``length``
-    column), every value in ``[0, t]``. :func:`truncate` clamps them to the kept length. A plain tuple's entry is never
-    read as lengths (class labels can look like them), nor the lengths of a tensor that is not cut (ESPnet's
-    ``text_lengths`` of ``text``)."""
+    column), every value in ``[0, t]`` (or relative lengths, :func:`clamp_lengths`). :func:`truncate` clamps them
+    to the kept length. A plain tuple's entry is never read as lengths (class labels can look like them), nor the
+    lengths of a tensor that is not cut (ESPnet's ``text_lengths`` of ``text``)."""
     if not cut:
         return []
     cut_names = [str(leaf_name(batch, path) or "").lower() for path in cut]
@@ -840,7 +870,7 @@ def row_lengths(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> list[Pat
     found = []
     for path, v in tensor_leaves(batch):
         name = leaf_name(batch, path)
-        if name is None or v.ndim != 1 or v.shape[0] != b or not _is_integer(v) or path in cut:
+        if name is None or v.ndim != 1 or v.shape[0] != b or path in cut or not (_is_integer(v) or _relative(v)):
             continue
         stem = length_stem(name)
         if stem is None:
@@ -850,9 +880,23 @@ def row_lengths(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> list[Pat
             # clamped with the speech, qa50-break 08), or of no tensor of the batch (seq_len, token_lengths)
             if any(stem in n for n in names) or stem not in ANY_SEQUENCE_STEMS:
                 continue
-        if v.numel() and 0 <= int(v.min()) and int(v.max()) <= t:
+        if v.numel() and (_relative(v) or (0 <= int(v.min()) and int(v.max()) <= t)):
             found.append(path)
     return found
+
+
+def _relative(v: Tensor) -> bool:
+    """Lengths relative to the padded length (SpeechBrain's ``wav_lens``: float, in ``(0, 1]``, the longest row 1)."""
+    return v.is_floating_point() and v.numel() > 0 and float(v.min()) > 0 and float(v.max()) == 1.0
+
+
+def clamp_lengths(v: Tensor, t: int, length: int) -> Tensor:
+    """A ``[B]`` tensor of the rows' lengths (:func:`row_lengths`) after a cut from ``t`` to ``length`` positions:
+    ``min(n, length)``; relative lengths (:func:`_relative`) ``min(r * t, length) / length`` (SpeechBrain's
+    ``wav_lens`` of a clip cut to half: 1, 1, 1, 0.5 for 1, 0.75, 0.5, 0.25, qa53-asr 01)."""
+    if _relative(v):
+        return (v * t).clamp_max(length) / length
+    return v.clamp_max(length)
 
 
 #: words of an integer tensor's name that say it holds a sample's targets (a CTC transcript); ``text`` as the whole
@@ -862,8 +906,16 @@ TARGET_WORDS = ("label", "target", "transcript")
 
 
 def _target_name(name: str | None) -> bool:
+    """A name of targets: with a word of :data:`TARGET_WORDS`, ``text`` as the whole name or its last word, or
+    ``tokens`` / ``token_ids`` as the whole name or its last word (NeMo's and SpeechBrain's ``tokens``, icefall's
+    ``token_ids``, beside the audio they transcribe: read only where float features are cut and no integer tensor is,
+    qa53-asr 03)."""
     lowered = str(name or "").lower()
-    return any(word in lowered for word in TARGET_WORDS) or lowered in ("text", "texts") or lowered.endswith("_text")
+    return (
+        any(word in lowered for word in TARGET_WORDS)
+        or lowered in ("text", "texts", "tokens", "token_ids")
+        or lowered.endswith(("_text", "_tokens", "_token_ids"))
+    )
 
 
 def _refuse_whole_targets(batch: Any, b: int, t: int, cut: Mapping[Path, Any], warn: bool = False) -> None:

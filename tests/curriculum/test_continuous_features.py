@@ -306,3 +306,30 @@ def test_consumed_tokens_of_integer_targets_beside_features_of_another_length_ar
         assert limited._batch_tokens(text, module) == 48
         # ids named input_ids are the tokens, beside a vision-language batch's features (qa50-break 02)
         assert limited._batch_tokens(text | {"visual_embeds": torch.randn(4, 49, 16)}, module) == 48
+
+
+def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_first_features():
+    """SpeechBrain's relative lengths were left as they were beside a cut clip (qa53-asr 01); transcripts named
+    `tokens` / `token_ids` beside cut audio were not warned (03); Whisper's channel-first [B, 80, 3000] features were
+    cut on their mel bins (04)."""
+    from lightning_effi.curriculum import functional as CF
+
+    g = torch.Generator().manual_seed(0)
+    audio, ids = torch.randn(4, 16000, generator=g), torch.randint(2, 30, (4, 12), generator=g)
+    relative = torch.tensor([1.0, 0.75, 0.5, 0.25])
+    for keys in (["sig"], ["sig", "sig_lens"]):
+        with pytest.warns(UserWarning, match=r"leaves 'tokens', targets of the whole sample"):
+            cut = CF.truncate({"sig": audio, "sig_lens": relative, "tokens": ids}, 8000, keys=keys)
+        assert cut.batch["sig"].shape == (4, 8000) and cut.batch["sig_lens"].tolist() == [1.0, 1.0, 1.0, 0.5]
+        back = CF.lengthen_batch(cut.batch, keys, 16000, axes=dict(zip(cut.cut, cut.axes)), values=cut.cut_values)
+        assert back["sig_lens"].tolist() == relative.tolist()
+    frames = torch.randn(4, 100, 80, generator=g)
+    with pytest.warns(UserWarning, match=r"leaves 'token_ids', targets"):
+        CF.truncate({"inputs": frames, "num_frames": torch.tensor([100, 75, 50, 25]), "token_ids": ids}, 40,
+                    keys=["inputs"])  # fmt: skip
+    whisper = {"input_features": torch.randn(4, 80, 3000, generator=g), "labels": ids}
+    with pytest.raises(ValueError, match=r"'input_features' \[4, 80, 3000\] looks channel first"):
+        CF.truncate(whisper, 40, keys=["input_features"])
+    speech2text = {"input_features": torch.randn(4, 300, 80, generator=g), "labels": ids}  # frames first: cut
+    with pytest.warns(UserWarning, match="leaves 'labels'"):
+        assert CF.truncate(speech2text, 40, keys=["input_features"]).batch["input_features"].shape == (4, 40, 80)
