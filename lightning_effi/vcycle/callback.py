@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
@@ -382,7 +382,6 @@ class VCycleCallback(Callback):
         self.clock: str = "step"
         self._clock_source: ProvidesProgressClock | None = None
         self.cut_short_level = 0  # the level a run cut short ended at, before on_train_end restored the full model
-        self._rank_sum: tuple[float, float] | None = None  # (FLOPs, baseline FLOPs) of every rank, after training
         # a fit that raised below level 1: the level, its exact weights and the snapshots, still reported by state_dict
         # and on_save_checkpoint after on_exception put the full-size network back (OnExceptionCheckpoint)
         self._interrupted: dict[str, Any] | None = None
@@ -438,7 +437,6 @@ class VCycleCallback(Callback):
             return
         name = type(self).__name__
         self._reset_progress()
-        self._rank_sum = None
         check_trainer(trainer)
         self._clear_leftovers(trainer, pl_module)
         for attr, child in pl_module._modules.items():
@@ -1198,17 +1196,8 @@ class VCycleCallback(Callback):
             "effi/vcycle/flops_saved_frac": self.flops_saved_frac(),
             "effi/vcycle/map_seconds": float(self.map_seconds),
         }
+        metrics["effi/vcycle/flops_cum"] = float(self.flops_account.flops)  # every rank's (_count_flops)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
-        # summed over the data-parallel ranks, as the monitor's FLOPs are (one rank's was logged, qa52-ddp 02)
-        pl_module.log(
-            "effi/vcycle/flops_cum",
-            float(self.flops_account.flops),
-            on_step=True,
-            on_epoch=False,
-            batch_size=1,
-            sync_dist=trainer.world_size > 1,
-            reduce_fx="sum",
-        )
         self.nonfinite_guard.log_count(trainer)  # effi/nonfinite_losses, by the stack's checking guard only
         step = trainer.global_step
         stepped, self._last_step = step != self._last_step, step
@@ -1219,10 +1208,24 @@ class VCycleCallback(Callback):
     def _count_flops(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, skipped: bool) -> None:
         """Count the trained ``batch``'s FLOPs with the current model and the full one (held in place, no forward
         runs); a batch its training_step skipped (``skipped``: returned None) trained nothing and is not counted, as
-        the EfficiencyMonitor does not count it."""
+        the EfficiencyMonitor does not count it. Under data parallelism every rank's batch is counted, summed over
+        the ranks (a collective every rank makes at its batch end; not while an exception is handled, where the
+        ranks may not all be there: then the rank's own), so the counts, the summary and a checkpoint hold the
+        run's, as the monitor's do (one rank's stood beside the monitor's, and a checkpoint resumed on another number
+        of processes went on from one rank's share, qa52-ddp 02, qa53-break 04)."""
         fn = self._flops_counter(trainer, pl_module)
+        before = (self.flops_account.flops, self.flops_account.full_model_flops)
         if fn is not None and not skipped:
             self.flops_account.count(lambda: self._stack.training_flops(fn, batch), type(self).__name__)
+        if trainer.world_size > 1 and trainer.state.status != TrainerStatus.INTERRUPTED:
+            local = torch.tensor(
+                [self.flops_account.flops - before[0], self.flops_account.full_model_flops - before[1]],
+                dtype=torch.float64,
+                device=trainer.strategy.root_device,
+            )
+            total = trainer.strategy.reduce(local, reduce_op="sum")
+            self.flops_account.flops = before[0] + float(total[0])
+            self.flops_account.full_model_flops = before[1] + float(total[1])
         self.flops_account.flops_steps = trainer.global_step
 
     def _count_open_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -1397,10 +1400,8 @@ class VCycleCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A run that ended at a coarse level (cut short) goes back up to the full model (see the class docstring);
-        the non-finite losses counted (``nonfinite_loss="warn"``) are reported (rank zero); under data parallelism the
-        FLOPs of every rank are summed for :meth:`effi_summary`."""
+        the non-finite losses counted (``nonfinite_loss="warn"``) are reported (rank zero)."""
         self.nonfinite_guard.report_at_end()
-        self._sum_over_ranks(trainer)
         if self.level == 1:
             return
         assert self.alpha_original is not None  # resolved in setup
@@ -1442,21 +1443,9 @@ class VCycleCallback(Callback):
         """``{"level": k}``: the level being trained (1 = the full model, ``levels`` = the coarsest)."""
         return {"level": float(self.level)}
 
-    def _sum_over_ranks(self, trainer: pl.Trainer) -> None:
-        """The FLOPs and baseline FLOPs of every data-parallel rank, summed (the EfficiencyMonitor's totals are; one
-        rank's stood beside them in the summary, half of them on 2 ranks, qa52-ddp 02); None on one process."""
-        self._rank_sum = None
-        if trainer.world_size <= 1:
-            return
-        local = torch.tensor(
-            [self.flops_account.flops, self.baseline_flops], dtype=torch.float64, device=trainer.strategy.root_device
-        )
-        total = trainer.strategy.reduce(local, reduce_op="sum")
-        self._rank_sum = (float(total[0]), float(total[1]))
-
     def effi_summary(self) -> dict[str, Any]:
-        """The V-cycle's figures; FLOPs summed over the data-parallel ranks (after training: :meth:`on_train_end`)."""
-        flops, baseline = self._rank_sum or (float(self.flops_account.flops), float(self.baseline_flops))
+        """The V-cycle's figures; FLOPs summed over the data-parallel ranks (:meth:`_count_flops`)."""
+        flops, baseline = float(self.flops_account.flops), float(self.baseline_flops)
         return {
             "vcycle/levels": int(self.levels),
             "vcycle/switches": int(self.switches),

@@ -80,9 +80,11 @@ def test_all_four_under_ddp(tmp_path):
     assert abs(summaries[0]["flops"] - measured) / measured < 0.03
     ranks_batches = [len(r["batches"]) for r in per_rank]
     assert summaries[0]["batches"] == sum(ranks_batches)
-    # the V-cycle's FLOPs beside the monitor's are summed over the ranks too (one rank's stood there, qa52-ddp 02)
+    # the V-cycle's FLOPs beside the monitor's are summed over the ranks too, in its state as well (one rank's stood
+    # there, about half the monitor's, and a checkpoint went on from it on another number of processes; qa52-ddp 02,
+    # qa53-break 04)
     vcycle = [r["states"]["VCycleCallback"]["flops"] for r in reports]
-    assert vcycle[0] > 0 and summaries[0]["vcycle/flops"] == sum(vcycle)
+    assert summaries[0]["vcycle/flops"] == vcycle[0] == vcycle[1] > 0.75 * summaries[0]["flops"]
 
 
 @pytest.mark.slow
