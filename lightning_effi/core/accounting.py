@@ -623,8 +623,9 @@ class EfficiencyMonitor(Callback):
         self._next_pass: set[int] = set()
         # the batch's tensors (by id) in the step, the batch tensors each list's network was called with, the lists
         # whose network was called in the step, and the position in its list of the block each list ran last
-        self._batch_ids: set[int] = set()
-        self._pass_inputs: dict[int, set[int]] = {}
+        self._pass_values: dict[int, list[Any]] = {}  # the tensors each list's network was called on
+        self._outputs: dict[int, set[int]] = {}  # the tensors (by id) each list's network or blocks returned
+        self._held: list[Any] = []  # those inputs and outputs, alive until the step ends (their ids stay theirs)
         self._runner_called: set[int] = set()
         self._last_block: dict[int, int] = {}
         # the (B, T) of the step's token ids, and the watched lists whose network was called with an integer tensor of
@@ -1333,15 +1334,17 @@ class EfficiencyMonitor(Callback):
         if not callable(getattr(pl_module, "effi_count_tokens", None)):  # positions, and a mask's downsampling
             self._watched, self._seen, self._attention_seen = self._candidates(pl_module), {}, {}
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
-            self._batch_ids = {id(v) for _, v in tensor_leaves(unwrap(batch)[0])}
-            self._pass_inputs, self._runner_called, self._last_block = {}, set(), {}
+            self._runner_called, self._last_block = set(), {}
+            self._outputs, self._held, self._pass_values = {}, [], {}
             for i, (name, blocks) in enumerate(self._watched):
                 runner = _runner(pl_module, name, blocks)
                 if runner is not None:
                     hook = runner.register_forward_pre_hook(functools.partial(self._pass, i), with_kwargs=True)
                     self._block_hooks.append(hook)
+                    self._block_hooks.append(runner.register_forward_hook(functools.partial(self._returned, i)))
                 # every block: the first one the step runs (a LayerDrop may skip block 0, qa47-break 02)
                 for position, block in enumerate(blocks.children()):
+                    self._block_hooks.append(block.register_forward_hook(functools.partial(self._returned, i)))
                     observe = functools.partial(self._observe, i, position)
                     hook = block.register_forward_pre_hook(observe, with_kwargs=True)
                     self._block_hooks.append(hook)
@@ -1379,11 +1382,12 @@ class EfficiencyMonitor(Callback):
 
     def _pass(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A call of the module that runs watched list ``index`` (:func:`_runner`), outside a backward (not a
-        recompute of activation checkpointing). Called on a tensor of the batch it was not called on before in the
-        step, it is another pass of the network over other data, whose first block call adds its positions (SimCLR's
-        second view, qa50-clip 04); called again on the same tensor (R-Drop, a probe without grad) or on a computed
-        one (a weight-shared core applied to its own output), it adds none: the batch's positions are counted once,
-        as token ids are (qa52-break 05)."""
+        recompute of activation checkpointing). Called on a tensor it was not called on before in the step (a view of
+        the batch, or one made in the step by augmentation), it is another pass of the network over other data, whose
+        first block call adds its positions (SimCLR's second view, qa50-clip 04, qa53-break 02); called again on the
+        same tensor or one of the same values (R-Drop, a probe without grad) or on what it returned (a weight-shared
+        core applied to its own output), it adds none: those positions are counted once, as token ids are
+        (qa52-break 05)."""
         if self._rows is not None and any(
             isinstance(a, Tensor) and not a.is_floating_point() and tuple(a.shape[:2]) == self._rows
             for a in (*args, *kwargs.values())
@@ -1393,12 +1397,34 @@ class EfficiencyMonitor(Callback):
             return
         self._runner_called.add(index)
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
-        if first is None or id(first) not in self._batch_ids:
+        if first is None or id(first) in self._outputs.get(index, ()):
             return
-        inputs = self._pass_inputs.setdefault(index, set())
-        if index in self._seen and id(first) not in inputs:
+        # another tensor of the same values (R-Drop embedding the same batch again) is the same data
+        if not self._seen_values(index, first) and index in self._seen:
             self._next_pass.add(index)
-        inputs.add(id(first))
+
+    def _seen_values(self, index: int, value: Tensor) -> bool:
+        """Whether watched list ``index`` began a pass in the step on ``value`` or on a tensor of the same values;
+        ``value`` is remembered."""
+        earlier = self._pass_values.setdefault(index, [])
+        same = any(
+            e is value
+            or (
+                e.shape == value.shape and e.dtype == value.dtype and e.device == value.device and torch.equal(e, value)
+            )
+            for e in earlier
+        )
+        earlier.append(value)
+        self._held.append(value)
+        return same
+
+    def _returned(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        """The tensor a watched list's network or one of its blocks returned (its first tensor leaf): a later call
+        on it continues the pass (a loop over the blocks), it begins none (:meth:`_pass`, :meth:`_observe`)."""
+        value = output if isinstance(output, Tensor) else next((v for _, v in tensor_leaves(output)), None)
+        if value is not None:
+            self._outputs.setdefault(index, set()).add(id(value))
+            self._held.append(value)
 
     def _observe(
         self, index: int, position: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -1410,7 +1436,16 @@ class EfficiencyMonitor(Callback):
         another pass where a block at or before the last one run is called again, outside a backward."""
         last, self._last_block[index] = self._last_block.get(index), position
         if index in self._seen:
-            again = index not in self._runner_called and last is not None and position <= last and not _in_backward()
+            hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            again = (
+                index not in self._runner_called
+                and last is not None
+                and position <= last
+                and not _in_backward()
+                and hidden is not None
+                and id(hidden) not in self._outputs.get(index, ())  # not a loop over the blocks
+                and not self._seen_values(index, hidden)  # not the same data again (R-Drop)
+            )
             if index in self._next_pass or again:
                 self._next_pass.discard(index)
                 first, shape, wide = self._seen[index]
@@ -1420,6 +1455,8 @@ class EfficiencyMonitor(Callback):
             return
         tokens = hidden_tokens(args, kwargs)
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if hidden is not None and index not in self._runner_called:
+            self._seen_values(index, hidden)
         if tokens is None or hidden is None:
             self._seen[index] = (None, None, False)
             return
@@ -1495,7 +1532,7 @@ class EfficiencyMonitor(Callback):
             self._calls = self._recorder.calls
         for hook in self._block_hooks:
             hook.remove()
-        self._block_hooks = []
+        self._block_hooks, self._held, self._pass_values = [], [], {}
         if self._watched:
             self._choose_observed(batch is not None, batch)
             self._watched = []

@@ -49,6 +49,7 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import functools
 import math
 import random
 import sys
@@ -1434,8 +1435,8 @@ def fake_copy(
     copies = {id(a): b for a, b in zip(module.modules(), clone.modules(), strict=True)}
     for sub in clone.modules():
         for name, value in list(vars(sub).items()):
-            if isinstance(value, types.MethodType) and id(value.__self__) in copies:
-                sub.__dict__[name] = types.MethodType(value.__func__, copies[id(value.__self__)])
+            if callable(value) and not isinstance(value, nn.Module):
+                sub.__dict__[name] = _rebound(value, copies)
     if isinstance(getattr(module, "_compiler_ctx", None), dict):
         # trainer.fit(torch.compile(model)): Lightning set forward and the *_step methods on the instance to compiled
         # wrappers of the real module's (lightning.pytorch.utilities.compile.from_compiled); shared, they would run
@@ -1451,6 +1452,50 @@ def fake_copy(
         if isinstance(forward, LTDForward):
             sub.__dict__["forward"] = forward.original
     return clone
+
+
+#: how deep :func:`_rebound` looks into partials, closures and wrapped functions
+_REBIND_DEPTH = 4
+
+
+def _rebound(value: Any, copies: Mapping[int, nn.Module], depth: int = 0) -> Any:
+    """``value`` (a callable set on a module instance) calling the copies of the original modules (``copies``: id of
+    an original module -> its copy) instead: a method bound to one rebound; a ``functools.partial`` of one, a closure
+    over one (a lambda, ``torch.autocast(...)(self.forward)``), a function wrapping one (``__wrapped__``, as
+    ``torch.compile(self.forward)`` keeps it) rebuilt around the copy (qa53-break 01). Anything else as it is."""
+    if depth > _REBIND_DEPTH:
+        return value
+    if isinstance(value, nn.Module):
+        return copies.get(id(value), value)
+    if isinstance(value, types.MethodType):
+        owner = copies.get(id(value.__self__))
+        return types.MethodType(value.__func__, owner) if owner is not None else value
+    if isinstance(value, functools.partial):
+        func = _rebound(value.func, copies, depth + 1)
+        args = tuple(_rebound(a, copies, depth + 1) for a in value.args)
+        return value if func is value.func and args == value.args else functools.partial(func, *args, **value.keywords)
+    if isinstance(value, types.FunctionType):
+        cells = value.__closure__ or ()
+        contents = []
+        for cell in cells:
+            try:
+                contents.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                contents.append(cell)
+        new = [c if c is cell else _rebound(c, copies, depth + 1) for c, cell in zip(contents, cells, strict=True)]
+        wrapped = getattr(value, "__wrapped__", None)
+        if all(n is c for n, c in zip(new, contents, strict=True)):
+            # no closure over the network: a wrapper (functools.wraps) of a method of it runs the copy's
+            return _rebound(wrapped, copies, depth + 1) if wrapped is not None and callable(wrapped) else value
+        closure = tuple(cell if n is cell else types.CellType(n) for n, cell in zip(new, cells, strict=True))
+        rebuilt = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, closure)
+        rebuilt.__kwdefaults__ = value.__kwdefaults__
+        rebuilt.__dict__.update(value.__dict__)
+        return rebuilt
+    wrapped = getattr(value, "__wrapped__", None) or getattr(value, "_torchdynamo_orig_callable", None)
+    if wrapped is not None and callable(wrapped):  # a compiled or other wrapped callable: the copy's plain one
+        return _rebound(wrapped, copies, depth + 1)
+    return value
 
 
 def _private(value: Any, depth: int = 0) -> Any:

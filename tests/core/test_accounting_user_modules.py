@@ -2190,10 +2190,12 @@ class _TwoViews(pl.LightningModule):
         no_grad_pass: bool = False,
         r_drop: bool = False,
         own_blocks: bool = False,
+        augment: bool = False,
     ):
         super().__init__()
         self.enc = _PatchEncoder(loops, checkpointed)
         self.per_view, self.no_grad_pass, self.r_drop, self.own_blocks = per_view, no_grad_pass, r_drop, own_blocks
+        self.augment, self.loops = augment, loops
         if own_blocks:  # the blocks on the LightningModule, run by a method of its own (qa52-break 04)
             self.embed, self.blocks = self.enc.embed, self.enc.blocks
             del self.enc
@@ -2202,12 +2204,15 @@ class _TwoViews(pl.LightningModule):
         if not self.own_blocks:
             return self.enc(x)
         h = self.embed(x).flatten(2).transpose(1, 2)
-        for block in self.blocks:
-            h = block(h)
+        for _ in range(self.loops):
+            for block in self.blocks:
+                h = block(h)
         return h.mean(1)
 
     def training_step(self, batch, batch_idx):
         v1, v2 = batch["view1"], batch["view2"]
+        if self.augment:  # both views made in the step from one image (kornia-style augmentation, qa53-break 02)
+            v1, v2 = batch["view1"] * 0.5, batch["view1"].flip(-2)
         if self.no_grad_pass:  # a probe of the same network on the same data, without grad: no other positions
             with torch.no_grad():
                 self.encode(v1)
@@ -2232,6 +2237,9 @@ class _TwoViews(pl.LightningModule):
         ({"per_view": True, "no_grad_pass": True}, 2),  # nor a probe of the first view again
         ({"per_view": True, "r_drop": True}, 1),  # R-Drop: one view twice, counted once (as token ids are)
         ({"per_view": True, "own_blocks": True}, 2),  # blocks the LightningModule runs itself, one call a view
+        ({"per_view": True, "augment": True}, 2),  # views made in the step: other data, each counted
+        ({"per_view": True, "own_blocks": True, "r_drop": True}, 1),  # R-Drop there too: the same data once
+        ({"per_view": False, "own_blocks": True, "loops": 2}, 2),  # a loop over its own blocks: one pass
         ({"per_view": False, "loops": 2}, 2),  # a loop over the blocks inside one call is one pass (shared weights)
     ],
 )

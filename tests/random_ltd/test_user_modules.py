@@ -1608,18 +1608,28 @@ def test_a_dropping_layer_measured_through_its_parts_is_not_counted_at_the_kept_
 
 
 class _EncoderLM(pl.LightningModule):
-    """A 3-layer ``nn.TransformerEncoder`` LM on ``(x, y)`` tuples; ``bound_forward``: its ``forward`` set on the
-    instance as a bound method, as Lightning's forward redirection leaves it under DDP after the first step."""
+    """A 3-layer ``nn.TransformerEncoder`` LM on ``(x, y)`` tuples; ``wrapped``: its ``forward`` set on the instance:
+    a bound method (as Lightning's forward redirection leaves it under DDP after the first step), a partial, a lambda,
+    an autocast-wrapped one."""
 
-    def __init__(self, bound_forward: bool) -> None:
+    def __init__(self, wrapped: str | None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(65, 32)
         layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
         self.head = nn.Linear(32, 65)
-        if bound_forward:
-            self.forward = self.forward  # type: ignore[method-assign]
+        import functools
+
+        forward = self.forward
+        if wrapped == "bound":
+            self.forward = forward  # type: ignore[method-assign]
+        elif wrapped == "partial":
+            self.forward = functools.partial(forward)  # type: ignore[method-assign]
+        elif wrapped == "lambda":
+            self.forward = lambda x: forward(x)  # type: ignore[method-assign]
+        elif wrapped == "autocast":
+            self.forward = torch.autocast("cpu", enabled=False)(forward)  # type: ignore[method-assign]
 
     def forward(self, x):
         return self.head(self.encoder(self.emb(x)))
@@ -1632,16 +1642,18 @@ class _EncoderLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_the_monitor_counts_the_full_layers_when_the_modules_forward_is_set_on_it(tmp_path):
+@pytest.mark.parametrize("wrapped", ["bound", "partial", "lambda", "autocast"])
+def test_the_monitor_counts_the_full_layers_when_the_modules_forward_is_set_on_it(tmp_path, wrapped):
     """Under DDP Lightning leaves the LightningModule's own bound ``forward`` in its ``__dict__``; the FLOPs replay's
     copy shared it, so the replay ran the real network, whose armed random-LTD layer dropped tokens: FLOPs and
-    baseline a quarter short and the saving 0.335 for 0.190 (qa52-ddp 01)."""
+    baseline a quarter short and the saving 0.335 for 0.190 (qa52-ddp 01); a partial, a lambda or an autocast
+    wrapper of it did the same (qa53-break 01)."""
     from lightning_effi import EfficiencyMonitor
 
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, 65, (16, 32), generator=g), torch.randint(0, 65, (16, 32)))
     summaries = []
-    for bound in (False, True):
+    for bound in (None, wrapped):
         monitor = EfficiencyMonitor(print_summary=False)
         ltd = RandomLTDCallback(min_value=8, max_value=32, seq_per_step=8, require_steps=4)
         trainer = make_trainer(tmp_path, [monitor, ltd], max_steps=2, max_epochs=-1)
