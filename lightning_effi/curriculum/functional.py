@@ -786,7 +786,7 @@ def truncate(
 
 #: mel-filterbank sizes of speech features; parts of such a tensor's name
 MEL_BINS = (40, 64, 80, 128)
-SPECTRAL_NAMES = ("feature", "mel", "spec", "fbank")
+SPECTRAL_NAMES = ("feature", "mel", "spectr", "fbank")
 
 
 def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> None:

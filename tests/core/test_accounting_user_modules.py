@@ -1351,8 +1351,8 @@ def test_dataclass_and_named_tuple_arguments_are_rebuilt_for_the_replay(kind: ty
     recorder.start(root)
     root.net(kind(x, 2.0)).sum().backward()
     recorder.stop({"inputs": kind(x, 2.0)})
-    path = ("inputs", "x") if kind is Inputs else ("inputs", 0)  # where the argument's tensor sits in the batch
-    assert recorder.calls[0].args[0].fields[0][1].path == path
+    # where the argument's tensor sits in the batch: a named tuple's leaves are named by field, as a dataclass's
+    assert recorder.calls[0].args[0].fields[0][1].path == ("inputs", "x")
     assert FlopsMeter().flops(root, recorder.calls) == 2 * 2 * 5 * 8 * 4  # no input gradient: 2x the forward
 
 
