@@ -621,11 +621,11 @@ class EfficiencyMonitor(Callback):
         # the watched lists whose network began another pass in the step (its module that runs the blocks
         # was called again), whose first block call adds its positions to _seen's tokens (_observe)
         self._next_pass: set[int] = set()
-        # the batch's tensors (by id) in the step, the batch tensors each list's network was called with, the lists
-        # whose network was called in the step, and the position in its list of the block each list ran last
-        self._pass_values: dict[int, list[Any]] = {}  # the tensors each list's network was called on
-        self._outputs: dict[int, set[int]] = {}  # the tensors (by id) each list's network or blocks returned
-        self._held: list[Any] = []  # those inputs and outputs, alive until the step ends (their ids stay theirs)
+        # in the step, for each watched list: the tensors its network began a pass on (held until the step ends), the
+        # tensors its network or its blocks returned (weak references: not kept alive), whether its network was
+        # called as a module, and the position in the list of the block it ran last
+        self._pass_values: dict[int, list[Any]] = {}
+        self._outputs: dict[int, list[weakref.ref[Tensor]]] = {}
         self._runner_called: set[int] = set()
         self._last_block: dict[int, int] = {}
         # the (B, T) of the step's token ids, and the watched lists whose network was called with an integer tensor of
@@ -1335,7 +1335,7 @@ class EfficiencyMonitor(Callback):
             self._watched, self._seen, self._attention_seen = self._candidates(pl_module), {}, {}
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
             self._runner_called, self._last_block = set(), {}
-            self._outputs, self._held, self._pass_values = {}, [], {}
+            self._outputs, self._pass_values = {}, {}
             for i, (name, blocks) in enumerate(self._watched):
                 runner = _runner(pl_module, name, blocks)
                 if runner is not None:
@@ -1397,7 +1397,7 @@ class EfficiencyMonitor(Callback):
             return
         self._runner_called.add(index)
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
-        if first is None or id(first) in self._outputs.get(index, ()):
+        if first is None or self._returned_before(index, first):
             return
         # another tensor of the same values (R-Drop embedding the same batch again) is the same data
         if not self._seen_values(index, first) and index in self._seen:
@@ -1415,7 +1415,6 @@ class EfficiencyMonitor(Callback):
             for e in earlier
         )
         earlier.append(value)
-        self._held.append(value)
         return same
 
     def _returned(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
@@ -1423,8 +1422,11 @@ class EfficiencyMonitor(Callback):
         on it continues the pass (a loop over the blocks), it begins none (:meth:`_pass`, :meth:`_observe`)."""
         value = output if isinstance(output, Tensor) else next((v for _, v in tensor_leaves(output)), None)
         if value is not None:
-            self._outputs.setdefault(index, set()).add(id(value))
-            self._held.append(value)
+            self._outputs.setdefault(index, []).append(weakref.ref(value))
+
+    def _returned_before(self, index: int, value: Tensor) -> bool:
+        """Whether ``value`` is a tensor watched list ``index``'s network or one of its blocks returned in the step."""
+        return any(ref() is value for ref in self._outputs.get(index, ()))
 
     def _observe(
         self, index: int, position: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -1443,7 +1445,7 @@ class EfficiencyMonitor(Callback):
                 and position <= last
                 and not _in_backward()
                 and hidden is not None
-                and id(hidden) not in self._outputs.get(index, ())  # not a loop over the blocks
+                and not self._returned_before(index, hidden)  # not a loop over the blocks
                 and not self._seen_values(index, hidden)  # not the same data again (R-Drop)
             )
             if index in self._next_pass or again:
@@ -1532,7 +1534,7 @@ class EfficiencyMonitor(Callback):
             self._calls = self._recorder.calls
         for hook in self._block_hooks:
             hook.remove()
-        self._block_hooks, self._held, self._pass_values = [], [], {}
+        self._block_hooks, self._pass_values, self._outputs = [], {}, {}
         if self._watched:
             self._choose_observed(batch is not None, batch)
             self._watched = []
