@@ -1485,16 +1485,19 @@ def _rebound(value: Any, copies: Mapping[int, nn.Module], depth: int = 0) -> Any
         new = [c if c is cell else _rebound(c, copies, depth + 1) for c, cell in zip(contents, cells, strict=True)]
         wrapped = getattr(value, "__wrapped__", None)
         if all(n is c for n, c in zip(new, contents, strict=True)):
-            # no closure over the network: a wrapper (functools.wraps) of a method of it runs the copy's
-            return _rebound(wrapped, copies, depth + 1) if wrapped is not None and callable(wrapped) else value
+            # no closure over the network: a wrapper (functools.wraps) of a method of it runs the copy's method; a
+            # wrapper of anything else stays as it is
+            inner = _rebound(wrapped, copies, depth + 1) if wrapped is not None and callable(wrapped) else wrapped
+            return inner if inner is not wrapped else value
         closure = tuple(cell if n is cell else types.CellType(n) for n, cell in zip(new, cells, strict=True))
         rebuilt = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, closure)
         rebuilt.__kwdefaults__ = value.__kwdefaults__
         rebuilt.__dict__.update(value.__dict__)
         return rebuilt
     wrapped = getattr(value, "__wrapped__", None) or getattr(value, "_torchdynamo_orig_callable", None)
-    if wrapped is not None and callable(wrapped):  # a compiled or other wrapped callable: the copy's plain one
-        return _rebound(wrapped, copies, depth + 1)
+    if wrapped is not None and callable(wrapped):  # a compiled wrapper of a method of the network: the copy's method
+        inner = _rebound(wrapped, copies, depth + 1)
+        return inner if inner is not wrapped else value
     return value
 
 

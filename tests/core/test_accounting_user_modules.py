@@ -2400,3 +2400,32 @@ def test_a_computed_argument_of_a_size_the_batch_keeps_is_replayed_on_the_baseli
     recorder.stop(cut)
     with pytest.raises(MeasureError, match="not a tensor of the batch itself"):
         recorder.calls[1].on_batch(whole, _shapes(cut))
+
+
+def test_callables_set_on_a_module_are_rebound_to_the_replay_copy_and_nothing_else_is_unwrapped():
+    """The FLOPs replay's copy calls the copy's modules through a bound method, a partial, a closure or a wrapper of
+    one set on an instance (qa52-ddp 01, qa53-break 01); a wrapper of anything else keeps its wrapper."""
+    import functools
+
+    from lightning_effi.core.measure import _rebound
+
+    real, copy_ = nn.Linear(2, 2), nn.Linear(2, 2)
+    copies = {id(real): copy_}
+
+    def doubled(fn):
+        @functools.wraps(fn)
+        def wrapper(*args):
+            return fn(*args) * 2
+
+        return wrapper
+
+    assert _rebound(real.forward, copies).__self__ is copy_
+    assert _rebound(functools.partial(real.forward), copies).func.__self__ is copy_
+    wrapped = _rebound(doubled(real.forward), copies)
+    assert wrapped.__closure__[0].cell_contents.__self__ is copy_
+    x = torch.randn(3, 2)
+    assert torch.equal(wrapped(x), copy_(x) * 2)  # the wrapper kept, around the copy's method
+    closure = _rebound((lambda x: real(x)), copies)
+    assert closure.__closure__[0].cell_contents is copy_
+    other = doubled(torch.relu)
+    assert _rebound(other, copies) is other and _rebound(torch.relu, copies) is torch.relu
