@@ -1445,15 +1445,14 @@ class VCycleCallback(Callback):
 
     def effi_summary(self) -> dict[str, Any]:
         """The V-cycle's figures; FLOPs summed over the data-parallel ranks (:meth:`_count_flops`)."""
-        flops, baseline = float(self.flops_account.flops), float(self.baseline_flops)
         return {
             "vcycle/levels": int(self.levels),
             "vcycle/switches": int(self.switches),
             "vcycle/final_level": int(self.level),
             "vcycle/cut_short_level": int(self.cut_short_level),
-            "vcycle/flops": flops,
-            "vcycle/baseline_flops": baseline,
-            "vcycle/flops_saved_frac": 1 - flops / baseline if baseline else 0.0,
+            "vcycle/flops": float(self.flops_account.flops),
+            "vcycle/baseline_flops": float(self.baseline_flops),
+            "vcycle/flops_saved_frac": self.flops_saved_frac(),
             "vcycle/map_seconds": float(self.map_seconds),
         }
 
