@@ -32,6 +32,7 @@ from lightning_effi.core.flops import attention_recompute_flops, transformer_for
 from lightning_effi.core.measure import CallRecorder, FlopsMeter, find_blocks, find_tokens, leaves, row_tokens
 from tests.helpers.flops import MeasuredFlops
 from tests.helpers.harness import make_trainer
+from tests.helpers.tiny import HFMixtralLM
 
 B, T, V = 4, 16, 64
 QUANTITIES = (
@@ -2130,27 +2131,12 @@ def test_a_cache_argument_names_use_cache_false(tmp_path):
     monitor cannot replay: the warning said only "was called with DynamicCache arguments" (qa50-break 04); it names
     the remedy."""
 
-    class MoE(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            config = transformers.MixtralConfig(
-                vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
-                experts_implementation="eager",
-            )  # fmt: skip
-            self.model = transformers.MixtralForCausalLM(config)
-
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            return self.model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     monitor = EfficiencyMonitor(print_summary=False)
     data = TensorDataset(torch.randint(0, 32, (8, 16)))
     with pytest.warns(UserWarning, match=r"DynamicCache arguments \(an HF DynamicCache: .* pass use_cache=False"):
-        make_trainer(tmp_path, [monitor], max_steps=1, max_epochs=-1).fit(MoE(), DataLoader(data, batch_size=4))
+        make_trainer(tmp_path, [monitor], max_steps=1, max_epochs=-1).fit(
+            HFMixtralLM(experts_implementation="eager"), DataLoader(data, batch_size=4)
+        )
 
 
 class _Block(nn.Module):

@@ -179,6 +179,29 @@ class HandLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class HFMixtralLM(pl.LightningModule):
+    """A tiny Hugging Face Mixtral LM (vocabulary 32, width 16, 4 experts of which 2 per token) as ``self.model``,
+    trained on ``(ids,)`` tuple batches with its own ``labels=ids`` loss; ``config`` overrides the
+    ``MixtralConfig`` (``num_hidden_layers``, ``use_cache``, ``output_router_logits``, ...)."""
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__()
+        import transformers
+
+        base = dict(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        )  # fmt: skip
+        self.model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**base, **config}))
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
 class HandImageLinear(pl.LightningModule):
     """A hand-written linear classifier on ``{"pixel_values": [B, 3, 32, 32], "labels": [B]}`` batches (CIFAR-10's and
     :class:`Images`'), seeded weights (``torch.manual_seed(0)``), plain SGD at lr 0.1, a plain mean loss: for

@@ -923,29 +923,10 @@ def test_an_moe_model_returning_its_router_logits_is_refused_at_setup(tmp_path):
     """transformers' load-balancing loss reads every layer's router logits against the B x T tokens and the
     attention mask; a layer random-LTD drops tokens in routes B x r: a bare size mismatch inside transformers at the
     first step (qa49-moe 04)."""
-    import lightning.pytorch as pl
-    import transformers
-
     from lightning_effi.adapters import GenericAdapter
     from lightning_effi.callbacks import RandomLTDCallback
     from tests.helpers.harness import make_trainer
-
-    class MoE(pl.LightningModule):
-        def __init__(self, router_logits: bool) -> None:
-            super().__init__()
-            config = transformers.MixtralConfig(
-                vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
-                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
-                use_cache=False, output_router_logits=router_logits,
-            )  # fmt: skip
-            self.model = transformers.MixtralForCausalLM(config)
-
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            return self.model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
+    from tests.helpers.tiny import HFMixtralLM
 
     def fit(router_logits: bool) -> None:
         adapter = GenericAdapter(layers="model.model.layers", hidden_size=16, must_be_none=["cache"],
@@ -954,7 +935,8 @@ def test_an_moe_model_returning_its_router_logits_is_refused_at_setup(tmp_path):
         ltd = RandomLTDCallback(min_value=4, max_value=16, seq_per_step=4, require_steps=2, adapter=adapter)
         data = torch.utils.data.TensorDataset(torch.randint(0, 32, (8, 16)))
         make_trainer(tmp_path, [ltd], max_steps=1, max_epochs=-1).fit(
-            MoE(router_logits), torch.utils.data.DataLoader(data, batch_size=4)
+            HFMixtralLM(num_hidden_layers=3, use_cache=False, output_router_logits=router_logits),
+            torch.utils.data.DataLoader(data, batch_size=4),
         )
 
     with pytest.raises(
