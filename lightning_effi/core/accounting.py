@@ -608,6 +608,7 @@ class EfficiencyMonitor(Callback):
         self._observed_shape: tuple[int, ...] | None = None  # those hidden states' shape
         self._observed_sequence_first = False  # that block reads [T, B, H] (an nn.MultiheadAttention's batch_first)
         self._prepended: int | None = None  # positions a row the blocks see in front of the batch's tokens
+        self._prepended_rows: tuple[int, ...] | None = None  # the shape of the token ids they were counted beside
         self._observed_width = False  # whose last dimension is a width of the block ([B, T, H], not [B, C, T])
         self._recorded_lists: dict[str, int] = {}  # the module lists of the network the recorded step trained
         self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
@@ -737,7 +738,7 @@ class EfficiencyMonitor(Callback):
         extra = int(shape[1]) - int(rows.shape[1])
         if extra <= 0 or any(_is_encoder_decoder(m) for m in pl_module.modules()):
             return None
-        self._prepended = extra
+        self._prepended, self._prepended_rows = extra, tuple(rows.shape)
         # a speech batch's CTC targets [B, L] beside its frames were told "image tokens or a prefix" (qa48-speech 06)
         self._warn(
             "tokens/prepended",
@@ -748,6 +749,23 @@ class EfficiencyMonitor(Callback):
             "LightningModule to count your own way",
         )
         return extra
+
+    def _lengthened_positions(self, batch: Any) -> int | None:
+        """The baseline's tokens when the trained batch's blocks saw more positions than its token ids
+        (:meth:`_prepended_positions`) and the technique cut another tensor than the ids: CTC targets ``[B, U]``
+        beside audio features ``[B, T, F]`` cut to ``T' < T`` frames. The targets are no input of the blocks, whose
+        positions follow the frames: the trained positions scaled by the batch's length ratio ``T / T'`` (a
+        subsampling front end, ``T' / 4`` positions, scales alike). The saving read 0 (baseline 744 tokens for the
+        744 trained, where the uncut batches have 1,048 positions; qa53-asr 02). None when the ids themselves
+        changed length (a prefix in front of cut text keeps its count) or the shapes changed otherwise."""
+        source = token_source(batch)
+        if source is None or self._batch_shapes is None or self._observed_tokens is None:
+            return None
+        rows = key_padding_mask(source[1]) if source[0] == "mask" else source[1]
+        if rows is None or tuple(rows.shape) != self._prepended_rows:
+            return None
+        ratio = _length_ratio(self._batch_shapes, _shapes(batch))
+        return None if ratio is None or ratio == 1.0 else round(self._observed_tokens * ratio)
 
     def _warn_sequence_groups(self, batch: Any) -> None:
         """Once: a batch of several prefixed sequences (a preference pair's ``chosen_*`` / ``rejected_*``, TRL's
@@ -1087,7 +1105,10 @@ class EfficiencyMonitor(Callback):
             if found is not None and scale is not None:
                 found = round(found * scale)
             prepended = self._prepended_positions(pl_module, batch) if fallback is None else self._prepended
-            if found is not None and prepended and len(parts) == 1:
+            lengthened = self._lengthened_positions(batch) if fallback is not None and prepended else None
+            if lengthened is not None:
+                found = lengthened
+            elif found is not None and prepended and len(parts) == 1:
                 found += prepended * (find_batch_size(batch) or 0)
             if found is None and self._batch_shapes is not None and self._observed_tokens is not None:
                 # the positions of the first block's hidden states (continuous features: no token ids); the batch

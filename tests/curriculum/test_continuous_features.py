@@ -93,6 +93,50 @@ def test_a_truncated_series_counts_its_positions_and_the_untruncated_ones_for_th
     assert curriculum.effi_progress() == pytest.approx(module.positions / full)
 
 
+class WithTargets(Dataset):
+    """:class:`Series` with a transcript: ``targets [5]`` integer labels (CTC targets), no input of the blocks."""
+
+    def __init__(self) -> None:
+        self.series = Series()
+
+    def __len__(self) -> int:
+        return len(self.series)
+
+    def __getitem__(self, i: int) -> dict:
+        item = self.series[i]
+        return {"series": item["series"], "targets": torch.full((5,), int(item["label"])), "label": item["label"]}
+
+
+def test_cut_features_beside_integer_targets_count_the_uncut_frames_for_the_baseline(tmp_path):
+    """A feature-level CTC batch: the blocks see the frames, the only integer [B, U] tensor is the targets. The
+    monitor counts the blocks' positions, but its baseline took the uncut targets plus the same extra positions,
+    so the token saving read 0 (qa53-asr 02). The baseline counts the uncut frames."""
+
+    class Targets(Data):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(WithTargets(), batch_size=B, shuffle=True)
+
+    class CTCLike(Classifier):
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            self.positions += batch["series"].shape[0] * batch["series"].shape[1]
+            return F.cross_entropy(self.head(self.enc(self.inp(batch["series"])).mean(1)), batch["targets"][:, 0])
+
+    pl.seed_everything(0)
+    monitor, module = EfficiencyMonitor(print_summary=False), CTCLike()
+    schedule = dict(total_curriculum_step=8, difficulty_step=4)
+    metric = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8, max_difficulty=T,
+                  schedule_type="fixed_linear", schedule_config=schedule)  # fmt: skip
+    curriculum = Curriculum(metrics={"seqlen_truncate": metric}, truncate_keys=["series"], seed=3)
+    trainer = make_trainer(tmp_path, [monitor, curriculum], max_steps=STEPS, max_epochs=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the layout's warnings (a transcript beside cut frames), tested elsewhere
+        trainer.fit(module, datamodule=CurriculumDataModule(Targets()))
+    s, full = monitor.summary, STEPS * B * T
+    assert module.positions < full and s["tokens"] == module.positions and s["baseline_tokens"] == full, s
+    assert s["layer_tokens"] == 2 * module.positions and s["baseline_layer_tokens"] == 2 * full
+    assert s["tokens_saved_frac"] == pytest.approx(1 - module.positions / full), s
+
+
 def test_a_padding_mask_the_monitor_cannot_read_is_said_and_total_tokens_without_tokens_is_refused(tmp_path):
     pl.seed_everything(0)
     monitor = EfficiencyMonitor(print_summary=False)
