@@ -628,6 +628,7 @@ class EfficiencyMonitor(Callback):
         self._pass_values: dict[int, list[Any]] = {}
         self._outputs: dict[int, list[weakref.ref[Tensor]]] = {}
         self._runner_called: set[int] = set()
+        self._running: dict[int, int] = {}  # watched list -> calls of its runners under way (nested ones run no pass)
         self._last_block: dict[int, int] = {}
         # the (B, T) of the step's token ids, and the watched lists whose network was called with an integer tensor of
         # that shape (the tower the ids feed, when two towers see as many positions)
@@ -1356,13 +1357,12 @@ class EfficiencyMonitor(Callback):
             self._watched, self._seen, self._attention_seen = self._candidates(pl_module), {}, {}
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
             self._runner_called, self._last_block = set(), {}
-            self._outputs, self._pass_values = {}, {}
+            self._outputs, self._pass_values, self._running = {}, {}, {}
             for i, (name, blocks) in enumerate(self._watched):
-                runner = _runner(pl_module, name, blocks)
-                if runner is not None:
+                for runner in _runners(pl_module, name, blocks):
                     hook = runner.register_forward_pre_hook(functools.partial(self._pass, i), with_kwargs=True)
                     self._block_hooks.append(hook)
-                    self._block_hooks.append(runner.register_forward_hook(functools.partial(self._returned, i)))
+                    self._block_hooks.append(runner.register_forward_hook(functools.partial(self._ran, i)))
                 # every block: the first one the step runs (a LayerDrop may skip block 0, qa47-break 02)
                 for position, block in enumerate(blocks.children()):
                     self._block_hooks.append(block.register_forward_hook(functools.partial(self._returned, i)))
@@ -1402,7 +1402,7 @@ class EfficiencyMonitor(Callback):
         return ranked[:WATCHED_LISTS] + [r for r in ranked[WATCHED_LISTS:] if r[0] == self._chosen]
 
     def _pass(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A call of the module that runs watched list ``index`` (:func:`_runner`), outside a backward (not a
+        """A call of a module that runs watched list ``index`` (:func:`_runners`), outside a backward (not a
         recompute of activation checkpointing). Called on a tensor it was not called on before in the step (a view of
         the batch, or one made in the step by augmentation), it is another pass of the network over other data, whose
         first block call adds its positions (SimCLR's second view, qa50-clip 04, qa53-break 02); called again on the
@@ -1414,7 +1414,9 @@ class EfficiencyMonitor(Callback):
             for a in (*args, *kwargs.values())
         ):
             self._fed_ids.add(index)
-        if _in_backward():
+        running = self._running.get(index, 0)
+        self._running[index] = running + 1
+        if running or _in_backward():  # a runner inside another's call (a model holding its encoder's list too)
             return
         self._runner_called.add(index)
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
@@ -1423,6 +1425,11 @@ class EfficiencyMonitor(Callback):
         # another tensor of the same values (R-Drop embedding the same batch again) is the same data
         if not self._seen_values(index, first) and index in self._seen:
             self._next_pass.add(index)
+
+    def _ran(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        """The end of a call of a module that runs watched list ``index`` (:meth:`_pass`)."""
+        self._running[index] = max(0, self._running.get(index, 0) - 1)
+        self._returned(index, module, args, output)
 
     def _seen_values(self, index: int, value: Tensor) -> bool:
         """Whether watched list ``index`` began a pass in the step on ``value`` or on a tensor of the same values;
@@ -2054,18 +2061,25 @@ def _token_rows(batch: Any) -> tuple[int, int] | None:
     return int(rows.shape[0]), int(rows.shape[1])
 
 
-def _runner(pl_module: nn.Module, name: str, blocks: Blocks) -> nn.Module | None:
-    """The module whose call runs the block list at ``name`` in ``pl_module`` once: an ``nn.Sequential`` list itself,
-    else the module holding the list (the LightningModule for a list it holds itself: its ``forward``); None for a
-    list held in another container."""
+def _runners(pl_module: nn.Module, name: str, blocks: Blocks) -> list[nn.Module]:
+    """The modules whose call runs the block list at ``name`` in ``pl_module`` once: an ``nn.Sequential`` list itself,
+    else every module holding the list (the LightningModule for a list it holds itself: its ``forward``), not a
+    container. A list shared by two networks (two stems over one trunk of blocks, VATT / ImageBind-style) has two
+    holders, each call of either a pass; the first holder's alone counted one pass of two (qa53-break 05)."""
     if isinstance(blocks, nn.Sequential):
-        return blocks
+        return [blocks]
+    holders = [
+        module
+        for module in pl_module.modules()
+        if any(child is blocks for child in module._modules.values())
+        and not isinstance(module, nn.ModuleList | nn.ModuleDict | nn.Sequential)
+    ]
     parent = name.rpartition(".")[0]
     try:
-        holder = pl_module.get_submodule(parent) if parent else pl_module
+        first = pl_module.get_submodule(parent) if parent else pl_module
     except AttributeError:
-        return None
-    return None if isinstance(holder, nn.ModuleList | nn.ModuleDict | nn.Sequential) else holder
+        return holders
+    return [first, *(h for h in holders if h is not first)] if first in holders else holders
 
 
 def _brief_value(value: Any) -> str:

@@ -2177,16 +2177,32 @@ class _TwoViews(pl.LightningModule):
         r_drop: bool = False,
         own_blocks: bool = False,
         augment: bool = False,
+        shared_trunk: bool = False,
+        alias: bool = False,
     ):
         super().__init__()
         self.enc = _PatchEncoder(loops, checkpointed)
+        self.enc2 = None
+        if shared_trunk:  # a second stem over the same blocks, for the second view (VATT / ImageBind-style)
+            self.enc2 = _PatchEncoder(loops, checkpointed)
+            self.enc2.blocks = self.enc.blocks
+        self.alias = alias
+        if alias:  # the LightningModule holds its encoder's blocks too, and its forward calls the encoder
+            self.trunk = self.enc.blocks
         self.per_view, self.no_grad_pass, self.r_drop, self.own_blocks = per_view, no_grad_pass, r_drop, own_blocks
         self.augment, self.loops = augment, loops
         if own_blocks:  # the blocks on the LightningModule, run by a method of its own (qa52-break 04)
             self.embed, self.blocks = self.enc.embed, self.enc.blocks
             del self.enc
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x)
+
+    def encode(self, x: torch.Tensor, second: bool = False) -> torch.Tensor:
+        if self.enc2 is not None and second:
+            return self.enc2(x)
+        if self.alias:
+            return self(x)
         if not self.own_blocks:
             return self.enc(x)
         h = self.embed(x).flatten(2).transpose(1, 2)
@@ -2205,7 +2221,11 @@ class _TwoViews(pl.LightningModule):
         if self.r_drop:  # R-Drop: the same input twice (a consistency term), its positions counted once
             z1, z2 = self.encode(v1), self.encode(v1)
         else:
-            z1, z2 = (self.encode(v1), self.encode(v2)) if self.per_view else self.encode(torch.cat([v1, v2])).chunk(2)
+            z1, z2 = (
+                (self.encode(v1), self.encode(v2, second=True))
+                if self.per_view
+                else self.encode(torch.cat([v1, v2])).chunk(2)
+            )
         z = F.normalize(torch.cat([z1, z2]), dim=-1)
         n = len(z1)
         return F.cross_entropy(z @ z.t(), torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
@@ -2227,6 +2247,9 @@ class _TwoViews(pl.LightningModule):
         ({"per_view": True, "own_blocks": True, "r_drop": True}, 1),  # R-Drop there too: the same data once
         ({"per_view": False, "own_blocks": True, "loops": 2}, 2),  # a loop over its own blocks: one pass
         ({"per_view": False, "loops": 2}, 2),  # a loop over the blocks inside one call is one pass (shared weights)
+        ({"per_view": True, "shared_trunk": True}, 2),  # two stems over one list of blocks: a view each (qa53-break 05)
+        ({"per_view": True, "alias": True}, 2),  # the module's call runs its encoder's: one pass, not two
+        ({"per_view": False, "alias": True}, 2),
     ],
 )
 def test_tokens_of_continuous_inputs_count_every_pass_of_the_network(tmp_path, kwargs, passes):
