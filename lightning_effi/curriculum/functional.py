@@ -789,11 +789,39 @@ MEL_BINS = (40, 64, 80, 128)
 SPECTRAL_NAMES = ("feature", "mel", "spectr", "fbank")
 
 
+#: frames of Whisper's 30 s input features (100 a second), the length of its channel-first ``[B, n_mels, 3000]``
+WHISPER_FRAMES = 3000
+
+
+def _frames_on_axis_2(batch: Any, path: Path, b: int, n: int, frames: int) -> bool:
+    """Whether the batch says that the ``[b, n, frames]`` tensor at ``path`` holds ``frames`` frames on its axis 2,
+    not ``n`` on its axis 1: Whisper's 3,000 frames; a mask ``[B, frames]`` beside it; or a ``[B]`` tensor of
+    lengths named for it (:func:`~lightning_effi.core.measure.length_stem`) with a value above ``n`` and none
+    above ``frames``."""
+    if frames == WHISPER_FRAMES:
+        return True
+    name = str(leaf_name(batch, path) or "").lower()
+    for other, v in tensor_leaves(batch):
+        if other == path or v.ndim == 0 or int(v.shape[0]) != b:
+            continue
+        other_name = str(leaf_name(batch, other) or "").lower()
+        if v.ndim == 2 and "mask" in other_name and int(v.shape[1]) == frames != n:
+            return True
+        stem = length_stem(other_name) if other_name else None
+        if v.ndim == 1 and stem and stem in name and v.numel() and not v.is_floating_point():
+            if n < int(v.max()) <= frames:
+                return True
+    return False
+
+
 def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> None:
     """Refuse a cut of spectral features laid out channel first, ``[B, n_mels, T]`` (Whisper's ``input_features``
-    ``[B, 80, 3000]``): axis 1 is their mel bins, not their frames, and the cut kept the first bins of every frame
-    (qa53-asr 04). Told by a name of :data:`SPECTRAL_NAMES`, a float ``[B, n, S]`` tensor cut on axis 1 only, ``n`` in
-    :data:`MEL_BINS` and ``S`` more than twice ``n``."""
+    ``[B, 80, 3000]``, torchaudio's ``MelSpectrogram``): axis 1 is their mel bins, not their frames, and the cut
+    kept the first bins of every frame (qa53-asr 04). Told by a name of :data:`SPECTRAL_NAMES`, a float ``[B, n, S]``
+    tensor cut on axis 1 only, ``n`` in :data:`MEL_BINS`, ``S`` more than twice ``n``, and the batch saying that
+    axis 2 holds the frames (:func:`_frames_on_axis_2`). The shape alone cannot tell them from batch-first features
+    of ``n`` frames (64 frames of 2,048-dimensional video features, 128 of HuBERT's 768), which were refused when a
+    padded batch happened to be that long (qa54-break 01)."""
     for path, v in tensor_leaves(batch):
         name = str(_name(path) or "").lower()
         if (
@@ -803,6 +831,7 @@ def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> No
             and int(v.shape[1]) in MEL_BINS
             and int(v.shape[2]) > 2 * int(v.shape[1])
             and any(part in name for part in SPECTRAL_NAMES)
+            and _frames_on_axis_2(batch, path, int(v.shape[0]), int(v.shape[1]), int(v.shape[2]))
         ):
             raise ValueError(
                 f"seqlen_truncate: {name!r} {list(v.shape)} looks channel first, [B, n_mels, frames] (Whisper's "

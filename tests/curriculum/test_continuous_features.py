@@ -355,7 +355,8 @@ def test_consumed_tokens_of_integer_targets_beside_features_of_another_length_ar
 def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_first_features():
     """SpeechBrain's relative lengths were left as they were beside a cut clip (qa53-asr 01); transcripts named
     `tokens` / `token_ids` beside cut audio were not warned (03); Whisper's channel-first [B, 80, 3000] features were
-    cut on their mel bins (04)."""
+    cut on their mel bins (04); batch-first features of 40, 64, 80 or 128 frames were refused as channel first
+    (qa54-break 01)."""
     from lightning_effi.curriculum import functional as CF
 
     g = torch.Generator().manual_seed(0)
@@ -374,6 +375,18 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
     whisper = {"input_features": torch.randn(4, 80, 3000, generator=g), "labels": ids}
     with pytest.raises(ValueError, match=r"'input_features' \[4, 80, 3000\] looks channel first"):
         CF.truncate(whisper, 40, keys=["input_features"])
+    # torchaudio's MelSpectrogram [B, n_mels, T] told by its frame lengths or its frames' mask
+    torchaudio_mel = torch.randn(4, 80, 200, generator=g)
+    for told in ({"mel_lengths": torch.tensor([200, 150, 100, 50])}, {"mel_mask": torch.ones(4, 200)}):
+        with pytest.raises(ValueError, match=r"'mel' \[4, 80, 200\] looks channel first"):
+            CF.truncate({"mel": torchaudio_mel, **told}, 40, keys=["mel"])
+    # batch-first features whose padded length happens to be a mel-bin count: cut (qa54-break 01)
+    for name, shape, lengths in (("video_features", (4, 64, 2048), None), ("features", (4, 128, 768), [128, 90]),
+                                 ("mel", (4, 40, 128), [40, 30]), ("mel", (4, 80, 200), [80, 60])):  # fmt: skip
+        batch = {name: torch.randn(*shape, generator=g)}
+        if lengths is not None:
+            batch[f"{name}_lengths"] = torch.tensor(lengths * 2)
+        assert CF.truncate(batch, 32, keys=[name]).batch[name].shape == (4, 32, shape[2])
     speech2text = {"input_features": torch.randn(4, 300, 80, generator=g), "labels": ids}  # frames first: cut
     with pytest.warns(UserWarning, match="leaves 'labels'"):
         assert CF.truncate(speech2text, 40, keys=["input_features"]).batch["input_features"].shape == (4, 40, 80)
