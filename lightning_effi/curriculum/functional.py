@@ -885,13 +885,13 @@ def _leaf(batch: Any, path: Path) -> Tensor:
 
 
 def row_lengths(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> list[Path]:
-    """The ``[B]`` integer tensors of a batch cut from ``t`` positions that hold its rows' lengths, named so (a dict
+    """The ``[B]`` tensors of a batch cut from ``t`` positions that hold its rows' lengths, named so (a dict
     key, dataclass or NamedTuple field, :func:`~lightning_effi.core.measure.length_stem`): a name ending in a length
     word whose stem is in a cut tensor's name (``feature_lengths`` of ``input_features``), or is empty or one of
     :data:`ANY_SEQUENCE_STEMS` and in no tensor's name (``lengths``, ``seq_len``, ``token_lengths``; an HF ``length``
-    column), every value in ``[0, t]`` (or relative lengths, :func:`clamp_lengths`). :func:`truncate` clamps them
-    to the kept length. A plain tuple's entry is never read as lengths (class labels can look like them), nor the
-    lengths of a tensor that is not cut (ESPnet's ``text_lengths`` of ``text``)."""
+    column), every value in ``[0, t]``, integer or float (or relative lengths, :func:`clamp_lengths`).
+    :func:`truncate` clamps them to the kept length. A plain tuple's entry is never read as lengths (class labels can
+    look like them), nor the lengths of a tensor that is not cut (ESPnet's ``text_lengths`` of ``text``)."""
     if not cut:
         return []
     cut_names = [str(leaf_name(batch, path) or "").lower() for path in cut]
@@ -899,7 +899,7 @@ def row_lengths(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> list[Pat
     found = []
     for path, v in tensor_leaves(batch):
         name = leaf_name(batch, path)
-        if name is None or v.ndim != 1 or v.shape[0] != b or path in cut or not (_is_integer(v) or _relative(v)):
+        if name is None or v.ndim != 1 or v.shape[0] != b or path in cut or v.dtype == torch.bool or v.is_complex():
             continue
         stem = length_stem(name)
         if stem is None:
@@ -909,20 +909,22 @@ def row_lengths(batch: Any, b: int, t: int, cut: Mapping[Path, Any]) -> list[Pat
             # clamped with the speech, qa50-break 08), or of no tensor of the batch (seq_len, token_lengths)
             if any(stem in n for n in names) or stem not in ANY_SEQUENCE_STEMS:
                 continue
-        if v.numel() and (_relative(v) or (0 <= int(v.min()) and int(v.max()) <= t)):
+        if v.numel() and (_relative(v) or (0 <= float(v.min()) and float(v.max()) <= t)):
             found.append(path)
     return found
 
 
 def _relative(v: Tensor) -> bool:
-    """Lengths relative to the padded length (SpeechBrain's ``wav_lens``: float, in ``(0, 1]``, the longest row 1)."""
-    return v.is_floating_point() and v.numel() > 0 and float(v.min()) > 0 and float(v.max()) == 1.0
+    """Lengths relative to the padded length (SpeechBrain's ``wav_lens``: float, in ``[0, 1]``, the longest row 1,
+    or less in a batch padded past its longest row, or 0.99999994 after rounding; qa54-break 06)."""
+    return v.is_floating_point() and v.numel() > 0 and float(v.min()) >= 0 and 0 < float(v.max()) <= 1.0
 
 
 def clamp_lengths(v: Tensor, t: int, length: int) -> Tensor:
     """A ``[B]`` tensor of the rows' lengths (:func:`row_lengths`) after a cut from ``t`` to ``length`` positions:
-    ``min(n, length)``; relative lengths (:func:`_relative`) ``min(r * t, length) / length`` (SpeechBrain's
-    ``wav_lens`` of a clip cut to half: 1, 1, 1, 0.5 for 1, 0.75, 0.5, 0.25, qa53-asr 01)."""
+    ``min(n, length)`` (integer, or float lengths in positions, 16000.0); relative lengths (:func:`_relative`)
+    ``min(r * t, length) / length`` (SpeechBrain's ``wav_lens`` of a clip cut to half: 1, 1, 1, 0.5 for 1, 0.75,
+    0.5, 0.25, qa53-asr 01)."""
     if _relative(v):
         return (v * t).clamp_max(length) / length
     return v.clamp_max(length)

@@ -356,7 +356,8 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
     """SpeechBrain's relative lengths were left as they were beside a cut clip (qa53-asr 01); transcripts named
     `tokens` / `token_ids` beside cut audio were not warned (03); Whisper's channel-first [B, 80, 3000] features were
     cut on their mel bins (04); batch-first features of 40, 64, 80 or 128 frames were refused as channel first
-    (qa54-break 01)."""
+    (qa54-break 01); relative lengths whose longest row is not 1.0, and float lengths in samples, were left whole
+    (qa54-break 06)."""
     from lightning_effi.curriculum import functional as CF
 
     g = torch.Generator().manual_seed(0)
@@ -368,6 +369,15 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
         assert cut.batch["sig"].shape == (4, 8000) and cut.batch["sig_lens"].tolist() == [1.0, 1.0, 1.0, 0.5]
         back = CF.lengthen_batch(cut.batch, keys, 16000, axes=dict(zip(cut.cut, cut.axes)), values=cut.cut_values)
         assert back["sig_lens"].tolist() == relative.tolist()
+    # relative lengths of a batch padded past its longest clip, or rounded below 1; lengths in samples as floats
+    # (qa54-break 06)
+    for lens, cut_lens in (([0.75, 0.5, 0.5, 0.25], [1.0, 1.0, 1.0, 0.5]),
+                           ([0.99999994, 0.75, 0.5, 0.25], [1.0, 1.0, 1.0, 0.5]),
+                           ([16000.0, 12000.0, 8000.0, 4000.0], [8000.0, 8000.0, 8000.0, 4000.0])):  # fmt: skip
+        cut = CF.truncate({"sig": audio, "sig_lens": torch.tensor(lens)}, 8000, keys=["sig"])
+        assert cut.batch["sig_lens"].tolist() == pytest.approx(cut_lens)
+        back = CF.lengthen_batch(cut.batch, ["sig"], 16000, axes=dict(zip(cut.cut, cut.axes)), values=cut.cut_values)
+        assert back["sig_lens"].tolist() == torch.tensor(lens).tolist()
     frames = torch.randn(4, 100, 80, generator=g)
     with pytest.warns(UserWarning, match=r"leaves 'token_ids', targets"):
         CF.truncate({"inputs": frames, "num_frames": torch.tensor([100, 75, 50, 25]), "token_ids": ids}, 40,
