@@ -471,6 +471,7 @@ class VCycleCallback(Callback):
         if not any(type(c).requirements.changes_epoch_length for c in technique_callbacks(trainer.callbacks)):
             self._refuse_untrained_levels(trainer, self._fit_stages(trainer, at_setup=True), at_setup=True)
         self._check_outside_width(pl_module)
+        self._warn_mixed_depth_groups(pl_module)
         self._warn_network_copies(pl_module)
         hooks = user_hooks(getattr(pl_module, self.model_attr))
         if hooks:
@@ -483,6 +484,31 @@ class VCycleCallback(Callback):
                 "outputs"
             )
         self._install_load_hook(pl_module)
+
+    def _warn_mixed_depth_groups(self, pl_module: pl.LightningModule) -> None:
+        """Warn when depth coalescing merges frozen layers with trainable ones (:func:`~lightning_effi.vcycle.
+        operators.mixed_depth_groups`): the frozen ones are restored frozen at de-coalescing, and a
+        ``requires_grad_(True)`` of the module at a coarse level cannot reach them (the merged tensor was trainable
+        already): gradual unfreezing by hand at level 2 left block 0 frozen, with its initial weights, for the rest of
+        the fit (qa54-break 02)."""
+        if not self._stack.plans:
+            return
+        flags = V.requires_grad_flags(getattr(pl_module, self.model_attr))
+        groups = V.mixed_depth_groups(flags, self._stack.plans[0])
+        if not groups:
+            return
+        shown = "; ".join(
+            f"layers {layers}: {', '.join(keys[:2])}" + (f" and {len(keys) - 2} more" if len(keys) > 2 else "")
+            for layers, keys in groups[:3]
+        ) + (f"; and {len(groups) - 3} more groups" if len(groups) > 3 else "")
+        rank_zero_warn(
+            f"{type(self).__name__}: depth coalescing merges layers of pl_module.{self.model_attr} whose parameters "
+            f"are frozen beside trainable ones of the same depth group ({shown} frozen). The merged coarse layer "
+            "trains, and de-coalescing gives the frozen parameters back their weights, still frozen: a "
+            "requires_grad_(True) your module calls at a coarse level (level >= 2) cannot reach them. Unfreeze them "
+            "at level 1 (before the cycle or after it), freeze whole depth groups (depth_scheme), or keep the depth "
+            "(depth_scheme=None)"
+        )
 
     def _leftover_stacks(self, pl_module: pl.LightningModule) -> list[LevelStack]:
         """This callback's stack when still bound (its earlier fit did not end, or this fit's setup ran), and the stack

@@ -36,6 +36,7 @@ __all__ = [
     "coalesce_model",
     "coalesced_requires_grad",
     "decoalesced_requires_grad",
+    "mixed_depth_groups",
     "convention_scale",
     "decoalesce",
     "decoalesce_model",
@@ -844,6 +845,30 @@ def coalesced_requires_grad(flags: Mapping[str, bool], plan: VCyclePlan) -> dict
         if known:
             out[k] = any(known)
     return out
+
+
+def mixed_depth_groups(flags: Mapping[str, bool], plan: VCyclePlan) -> list[tuple[list[int], list[str]]]:
+    """The depth groups of ``plan`` (layers of the large model :func:`coalesce` merges into one) whose tensors of one
+    key are frozen in some layers and trainable in others, from the large model's ``flags``
+    (:func:`requires_grad_flags`): ``[(layers of the group, the frozen large keys)]``. The merged tensor trains
+    (:func:`coalesced_requires_grad`) and the frozen ones get their weights back at de-coalescing
+    (:func:`decoalesced_requires_grad`), so a ``requires_grad_(True)`` at the coarse level cannot reach them.
+
+    >>> plan = VCyclePlan.create({"h.0.w": (2,), "h.1.w": (2,)}, {"h.0.w": TensorRule(), "h.1.w": TensorRule()})
+    >>> mixed_depth_groups({"h.0.w": False, "h.1.w": True}, plan)
+    []
+    """
+    out: dict[int, list[str]] = {}
+    for k in plan.small_shapes:
+        r = plan.rules[plan.aliases.get(k, k)]
+        if r.layer is None:
+            continue
+        sources = [r.template.format(s) for s in plan.depth[r.layer] if r.template.format(s) in flags]
+        frozen = [s for s in sources if not flags[s]]
+        if frozen and len(frozen) < len(sources):
+            group = out.setdefault(r.layer, [])
+            group.extend(f for f in frozen if f not in group)
+    return [(list(plan.depth[layer]), keys) for layer, keys in sorted(out.items())]
 
 
 def decoalesced_requires_grad(

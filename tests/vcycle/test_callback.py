@@ -1027,6 +1027,41 @@ def test_requires_grad_changed_at_a_coarse_level_is_kept_at_the_full_one(tmp_pat
     assert torch.equal(after["transformer.wte.weight"], before["transformer.wte.weight"])  # frozen throughout
 
 
+class FrozenFirstBlock(PartlyFrozen):
+    """Block 0 frozen, the rest trainable (the position embedding too), unfrozen whole at step 2 (gradual unfreezing
+    by hand, ULMFiT) while the coarse network trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.requires_grad_(True)
+        self.net.transformer.h[0].requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            self.net.requires_grad_(True)
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_depth_group_merging_frozen_and_trainable_layers_is_warned_at_setup(tmp_path):
+    """Block 0 frozen beside the trainable block 1: their merged coarse block trains, and block 0 comes back frozen
+    with its weights; the module's requires_grad_(True) at step 2 (level 2) cannot reach it, as the merged block was
+    trainable already: block 0 stayed frozen for the rest of the fit, its initial weights exactly, in silence
+    (qa54-break 02). The setup now says so, naming the group and the remedies."""
+    pl.seed_everything(0)
+    module = FrozenFirstBlock()
+    before = module.net.transformer.h[0].mlp.c_fc.weight.detach().clone()
+    trainer = make_trainer(tmp_path, [VCycleCallback(e_a=1, e_small=3)], max_steps=7, max_epochs=-1)
+    message = r"layers \[0, 1\]: transformer\.h\.0\.ln_1\.weight, transformer\.h\.0\.ln_1\.bias and 10 more frozen.*"
+    with pytest.warns(UserWarning, match=message + r"cannot reach them\. Unfreeze them at level 1"):
+        trainer.fit(module, datamodule=tiny_lm_data())
+    # what the warning says: block 0 is frozen again, untrained, after the cycle
+    assert not module.net.transformer.h[0].mlp.c_fc.weight.requires_grad
+    assert torch.equal(module.net.transformer.h[0].mlp.c_fc.weight, before)
+
+
 def test_requires_grad_through_coalescing_and_rebuilt_levels():
     """The functional rule: a small tensor is frozen when every large tensor it is made from is (depth groups
     included), trainable otherwise; ``coalesce_model`` and ``build_levels`` (the resume rebuild) apply it."""
@@ -1044,6 +1079,8 @@ def test_requires_grad_through_coalescing_and_rebuilt_levels():
     }
     coalesced = V.coalesce_model(net, plans[0], adapter)
     assert V.requires_grad_flags(coalesced) == small
+    # the depth group (0, 1) merges a frozen c_fc weight with a trainable one; (2, 3) is frozen whole
+    assert V.mixed_depth_groups(V.requires_grad_flags(net), plans[0]) == [([0, 1], ["transformer.h.0.mlp.c_fc.weight"])]
     level_3, larger = V.build_levels(net, adapter, plans, 3)
     assert V.requires_grad_flags(larger[2]) == small
     assert {k for k, v in V.requires_grad_flags(level_3).items() if not v} == {
