@@ -626,7 +626,8 @@ class EfficiencyMonitor(Callback):
         # tensors its network or its blocks returned (weak references: not kept alive), whether its network was
         # called as a module, and the position in the list of the block it ran last
         self._pass_values: dict[int, list[Any]] = {}
-        self._outputs: dict[int, list[weakref.ref[Tensor]]] = {}
+        # watched list -> what its network and blocks returned in the step: the tensor and its storage, weakly held
+        self._outputs: dict[int, list[tuple[weakref.ref[Tensor], weakref.ref[Any] | None]]] = {}
         self._runner_called: set[int] = set()
         self._running: dict[int, int] = {}  # watched list -> calls of its runners under way (nested ones run no pass)
         self._last_block: dict[int, int] = {}
@@ -1435,14 +1436,22 @@ class EfficiencyMonitor(Callback):
         """Whether watched list ``index`` began a pass in the step on ``value`` or on a tensor of the same values;
         ``value`` is remembered."""
         earlier = self._pass_values.setdefault(index, [])
+        # an earlier tensor changed in place since (x.mul_(-1): a strong augmentation of the same tensor after a
+        # pass on it) holds other values now, a new one (qa54-break 07)
         same = any(
-            e is value
-            or (
-                e.shape == value.shape and e.dtype == value.dtype and e.device == value.device and torch.equal(e, value)
+            _version(e) == version
+            and (
+                e is value
+                or (
+                    e.shape == value.shape
+                    and e.dtype == value.dtype
+                    and e.device == value.device
+                    and torch.equal(e, value)
+                )
             )
-            for e in earlier
+            for e, version in earlier
         )
-        earlier.append(value)
+        earlier.append((value, _version(value)))
         return same
 
     def _returned(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
@@ -1450,11 +1459,23 @@ class EfficiencyMonitor(Callback):
         on it continues the pass (a loop over the blocks), it begins none (:meth:`_pass`, :meth:`_observe`)."""
         value = output if isinstance(output, Tensor) else next((v for _, v in tensor_leaves(output)), None)
         if value is not None:
-            self._outputs.setdefault(index, []).append(weakref.ref(value))
+            self._outputs.setdefault(index, []).append((weakref.ref(value), _storage_ref(value)))
 
     def _returned_before(self, index: int, value: Tensor) -> bool:
-        """Whether ``value`` is a tensor watched list ``index``'s network or one of its blocks returned in the step."""
-        return any(ref() is value for ref in self._outputs.get(index, ()))
+        """Whether ``value`` is a tensor watched list ``index``'s network or one of its blocks returned in the step,
+        or made from one: a detached or viewed one (the same storage), or one computed from it in the graph
+        (:func:`_derived_from`: a clone, a norm or a step embedding between the loops of a weight-shared stack; such a
+        loop counted a second pass, qa54-break 03, 04)."""
+        returned = self._outputs.get(index, ())
+        outputs = [t for t in (ref() for ref, _ in returned) if t is not None]
+        if any(t is value for t in outputs):
+            return True
+        # the storage is held weakly: it lives while a tensor uses it (the detached one), never mistaken for a new
+        # tensor at a freed address
+        storage = _storage_ref(value)
+        if storage is not None and any(ref is not None and ref() is storage() for _, ref in returned):
+            return True
+        return _derived_from(value, {id(t.grad_fn) for t in outputs if t.grad_fn is not None})
 
     def _observe(
         self, index: int, position: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -2045,6 +2066,44 @@ class EfficiencyMonitor(Callback):
         self._last_states = None if last_states is None else dict(last_states)
         self._last_position = None if last_position is None else dict(last_position)
         self._change_points = change_points
+
+
+def _storage_ref(value: Tensor) -> weakref.ref[Any] | None:
+    """A weak reference to ``value``'s storage (a detached tensor or a view shares it; torch keeps one Python object
+    per storage while a tensor uses it); None where it has none (a fake or sparse tensor)."""
+    try:
+        return weakref.ref(value.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _version(value: Tensor) -> int:
+    """``value``'s in-place change counter (-1 for an inference tensor, which keeps none)."""
+    try:
+        return int(value._version)
+    except RuntimeError:
+        return -1
+
+
+#: how many autograd nodes :func:`_derived_from` walks back from a tensor
+_GRAPH_NODES = 64
+
+
+def _derived_from(value: Tensor, nodes: set[int], limit: int = _GRAPH_NODES) -> bool:
+    """Whether ``value``'s autograd graph reaches one of ``nodes`` (``id`` of a ``grad_fn``) within ``limit`` nodes
+    walked back, breadth first: a tensor computed from another in the graph."""
+    if not nodes or value.grad_fn is None:
+        return False
+    queue, seen = [value.grad_fn], set[int]()
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if id(node) in nodes:
+            return True
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        queue.extend(n for n, _ in node.next_functions if n is not None)
+    return False
 
 
 def _token_rows(batch: Any) -> tuple[int, int] | None:

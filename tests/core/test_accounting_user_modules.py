@@ -10,6 +10,7 @@ import csv
 import dataclasses
 import random
 import re
+import types
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -2179,6 +2180,8 @@ class _TwoViews(pl.LightningModule):
         augment: bool = False,
         shared_trunk: bool = False,
         alias: bool = False,
+        between: str | None = None,
+        in_place: bool = False,
     ):
         super().__init__()
         self.enc = _PatchEncoder(loops, checkpointed)
@@ -2186,7 +2189,7 @@ class _TwoViews(pl.LightningModule):
         if shared_trunk:  # a second stem over the same blocks, for the second view (VATT / ImageBind-style)
             self.enc2 = _PatchEncoder(loops, checkpointed)
             self.enc2.blocks = self.enc.blocks
-        self.alias = alias
+        self.alias, self.between, self.in_place = alias, between, in_place
         if alias:  # the LightningModule holds its encoder's blocks too, and its forward calls the encoder
             self.trunk = self.enc.blocks
         self.per_view, self.no_grad_pass, self.r_drop, self.own_blocks = per_view, no_grad_pass, r_drop, own_blocks
@@ -2206,13 +2209,19 @@ class _TwoViews(pl.LightningModule):
         if not self.own_blocks:
             return self.enc(x)
         h = self.embed(x).flatten(2).transpose(1, 2)
-        for _ in range(self.loops):
+        for loop in range(self.loops):
+            if loop:  # between the loops of a weight-shared stack: still one pass (qa54-break 03)
+                h = {None: h, "norm": F.layer_norm(h, (8,)), "detach": h.detach(), "clone": h.clone()}[self.between]
             for block in self.blocks:
                 h = block(h)
         return h.mean(1)
 
     def training_step(self, batch, batch_idx):
         v1, v2 = batch["view1"], batch["view2"]
+        if self.in_place:  # FixMatch: pseudo-labels of the weak view, then the same tensor augmented in place
+            with torch.no_grad():
+                self.encode(v1)
+            v1.mul_(-1).add_(0.1)  # other data in the same tensor: the pass after it counts (qa54-break 07)
         if self.augment:  # both views made in the step from one image (kornia-style augmentation, qa53-break 02)
             v1, v2 = batch["view1"] * 0.5, batch["view1"].flip(-2)
         if self.no_grad_pass:  # a probe of the same network on the same data, without grad: no other positions
@@ -2247,6 +2256,10 @@ class _TwoViews(pl.LightningModule):
         ({"per_view": True, "own_blocks": True, "r_drop": True}, 1),  # R-Drop there too: the same data once
         ({"per_view": False, "own_blocks": True, "loops": 2}, 2),  # a loop over its own blocks: one pass
         ({"per_view": False, "loops": 2}, 2),  # a loop over the blocks inside one call is one pass (shared weights)
+        ({"per_view": False, "own_blocks": True, "loops": 2, "between": "norm"}, 2),
+        ({"per_view": False, "own_blocks": True, "loops": 2, "between": "detach"}, 2),
+        ({"per_view": False, "own_blocks": True, "loops": 2, "between": "clone"}, 2),
+        ({"per_view": True, "in_place": True}, 3),  # the weak view, its in-place augmentation and the second view
         ({"per_view": True, "shared_trunk": True}, 2),  # two stems over one list of blocks: a view each (qa53-break 05)
         ({"per_view": True, "alias": True}, 2),  # the module's call runs its encoder's: one pass, not two
         ({"per_view": False, "alias": True}, 2),
@@ -2260,6 +2273,43 @@ def test_tokens_of_continuous_inputs_count_every_pass_of_the_network(tmp_path, k
     tokens = 2 * 4 * passes * 4  # 2 steps x 4 images x passes over an image x 4 patches
     assert monitor.summary["tokens"] == tokens
     assert monitor.summary["layer_tokens"] == 2 * tokens
+
+
+class _Refeeds(pl.LightningModule):
+    """An image-to-image network held in a submodule (``trunk``: 2 blocks over [B, 4, 8] patches), applied to its own
+    output again, through ``between`` (recycling, AlphaFold-style): one pass of data, whatever is between."""
+
+    def __init__(self, between: str | None) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 4, stride=4)
+        self.trunk = nn.Module()
+        self.trunk.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.trunk.forward = types.MethodType(_run_blocks, self.trunk)
+        self.between = between
+
+    def training_step(self, batch, batch_idx):
+        h = self.trunk(self.embed(batch["view1"]).flatten(2).transpose(1, 2))
+        h = {None: h, "detach": h.detach(), "clone": h.clone(), "norm": F.layer_norm(h, (8,))}[self.between]
+        return self.trunk(h).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _run_blocks(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    for block in self.blocks:
+        h = block(h)
+    return h
+
+
+@pytest.mark.parametrize("between", [None, "detach", "clone", "norm"])
+def test_a_network_applied_to_its_own_output_counts_one_pass(tmp_path, between):
+    """Its output detached or cloned before the second call was taken for other data: tokens twice (qa54-break 04)."""
+    data = [{"view1": x} for x in torch.randn(16, 3, 8, 8)]
+    monitor = EfficiencyMonitor(print_summary=False)
+    make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1).fit(_Refeeds(between), DataLoader(data, 4))
+    assert monitor.summary["tokens"] == 2 * 4 * 4  # 2 steps x 4 images x 4 patches
+    assert monitor.summary["layer_tokens"] == 2 * 2 * 4 * 4
 
 
 class _AttentionBlock(_Block):
