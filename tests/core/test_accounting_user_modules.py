@@ -33,7 +33,7 @@ from lightning_effi.core.flops import attention_recompute_flops, transformer_for
 from lightning_effi.core.measure import CallRecorder, FlopsMeter, find_blocks, find_tokens, leaves, row_tokens
 from tests.helpers.flops import MeasuredFlops
 from tests.helpers.harness import make_trainer
-from tests.helpers.tiny import HFMixtralLM
+from tests.helpers.tiny import HandLM, HFMixtralLM
 
 B, T, V = 4, 16, 64
 QUANTITIES = (
@@ -2488,3 +2488,17 @@ def test_callables_set_on_a_module_are_rebound_to_the_replay_copy_and_nothing_el
     assert closure.__closure__[0].cell_contents is copy_
     other = doubled(torch.relu)
     assert _rebound(other, copies) is other and _rebound(torch.relu, copies) is torch.relu
+
+
+def test_training_flops_are_counted_under_detect_anomaly(tmp_path):
+    """Trainer(detect_anomaly=True): the anomaly mode's backward checks failed on the replay's fake tensors, taken for
+    a data-dependent shape, and FLOPs read 0 (qa54-extras 02). They equal the plain run's."""
+
+    def flops(anomaly: bool) -> float:
+        pl.seed_everything(0)
+        monitor = EfficiencyMonitor(print_summary=False)
+        trainer = make_trainer(tmp_path / str(anomaly), [monitor], max_steps=2, max_epochs=-1, detect_anomaly=anomaly)
+        trainer.fit(HandLM(), DataLoader([{"input_ids": torch.randint(0, 64, (12,))} for _ in range(8)], 4))
+        return monitor.summary["flops"]
+
+    assert flops(True) == flops(False) == 2 * 3 * 2 * 4 * 12 * 16 * 64  # the head's matmul, 2 steps (HandLM)
