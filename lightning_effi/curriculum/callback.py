@@ -28,7 +28,12 @@ from lightning_effi.core.measure import tensor_leaves, token_source
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import BatchesPerStep, accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
-from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch, saving_in_train_batch_end
+from lightning_effi.core.state import (
+    check_coarse_vcycle_resume,
+    config_mismatch,
+    open_batch_skipped,
+    saving_in_train_batch_end,
+)
 from lightning_effi.core.wrapping import find_wrapper
 from lightning_effi.curriculum import functional as F
 from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
@@ -283,6 +288,7 @@ class Curriculum(Callback):
         self.consumed_tokens = 0
         self._warned_other_tokens = False  # consumed_tokens read integer ids beside features of another length
         self._pending: tuple[int, int, dict[str, int], int] | None = None
+        self._backward_seen = False  # the batch in flight has had a backward (on_before_backward)
         self._ended_early: int | None = None  # the step of a batch committed before its on_train_batch_end
         self._tokens_through_current = 0
         self._loaded: dict[str, Any] | None = None
@@ -737,6 +743,7 @@ class Curriculum(Callback):
             t = torch.tensor(float(tokens), device=trainer.strategy.root_device)
             tokens = int(trainer.strategy.reduce(t, reduce_op="sum").item())
         self._pending = (int(step), int(micro), dict(difficulty), int(tokens))
+        self._backward_seen = False
         self._tokens_through_current = self.consumed_tokens + int(tokens)
         self._batch_in_flight = batch
 
@@ -816,6 +823,7 @@ class Curriculum(Callback):
             NonFiniteLossError: a non-finite loss under ``"raise"``.
         """
         self.nonfinite_guard.check(trainer, loss)
+        self._backward_seen = True
 
     @override
     def on_train_batch_end(
@@ -842,7 +850,10 @@ class Curriculum(Callback):
 
     def _end_batch(self, trainer: pl.Trainer) -> None:
         """Commit the trained batch: the stream's position, the consumed tokens, the last difficulties; stop the fit
-        when the sample budget is spent. ``_ended_early`` keeps its step for the logging in ``on_train_batch_end``."""
+        when the sample budget is spent. ``_ended_early`` keeps its step for the logging in ``on_train_batch_end``.
+        A batch the ``training_step`` skipped (it returned None: no backward) moves the stream on, as it was drawn,
+        but its tokens were not trained and are not counted (they were, and ``total_tokens``' progress ran ahead of
+        the training, qa54-extras 03)."""
         assert self.controller is not None and self._pending is not None
         step, micro, difficulty, tokens = self._pending
         self._pending = None
@@ -852,7 +863,8 @@ class Curriculum(Callback):
                 f"Curriculum: the sample budget ({self.controller.total_samples} samples) is spent; stopping the fit"
             )
             trainer.should_stop = True
-        self.consumed_tokens += tokens
+        if not open_batch_skipped(trainer, trainer.lightning_module, self._backward_seen):
+            self.consumed_tokens += tokens
         self.last_difficulties = difficulty
         self._ended_early = step
 

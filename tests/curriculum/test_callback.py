@@ -182,6 +182,28 @@ def test_user_step_sees_its_own_batch_and_tokens_are_counted(tmp_path):
     assert cb.effi_summary()["curriculum/consumed_tokens"] == cb.consumed_tokens
 
 
+def test_a_batch_the_step_skips_moves_the_stream_on_without_its_tokens(tmp_path):
+    """A training_step returning None (Lightning skips the batch: no backward, no update) had its tokens counted in
+    consumed_tokens, which Curriculum(total_tokens=...)'s progress reads (qa54-extras 03). The stream goes on (the
+    batch was drawn); its tokens are left out."""
+    cb = curriculum()
+    model = tiny_gpt2()
+    original = model.training_step
+    tokens: dict[str, list[int]] = {"trained": [], "skipped": []}
+
+    def step(batch, batch_idx):
+        skip = batch_idx % 3 == 1
+        tokens["skipped" if skip else "trained"].append(batch["input_ids"].numel())
+        return None if skip else original(batch, batch_idx)
+
+    model.training_step = step
+    make_trainer(tmp_path, [cb], max_steps=4, max_epochs=-1).fit(
+        model, datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4))
+    )
+    assert tokens["trained"] and tokens["skipped"]
+    assert cb.consumed_tokens == sum(tokens["trained"])
+
+
 def test_token_progress_drives_the_lr(tmp_path):
     from lightning_effi.core.lr_schedules import progress_lambda
 
