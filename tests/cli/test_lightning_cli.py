@@ -240,6 +240,31 @@ trainer:
     assert vcycle.switches == 2 and vcycle.level == 1 and cli.trainer.global_step == 7
 
 
+def test_the_readmes_command_line_append_adds_the_technique_to_the_yaml_stack(tmp_path):
+    """The README's `--trainer.callbacks+=lightning_effi.VCycleCallback` failed as written: the V-cycle's stage
+    lengths have no defaults (qa54-docs 01). The arguments it gives now build the stack, read from the README."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    found = re.search(r"append it with\s+`([^`]+)`", readme)
+    assert found is not None
+    common, technique = tmp_path / "common.yaml", tmp_path / "technique.yaml"
+    common.write_text(COMMON)
+    technique.write_text("trainer:\n  max_steps: 4\n  callbacks:\n    - class_path: lightning_effi.EfficiencyMonitor\n")
+    technique.write_text(technique.read_text() + data(None))
+    cli = LightningCLI(
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=["--config", str(common), "--config", str(technique), *found.group(1).split()],
+        save_config_callback=None,
+    )
+    names = [type(c).__name__ for c in cli.trainer.callbacks]
+    assert names.index("EfficiencyMonitor") < names.index("VCycleCallback")
+
+
 def test_yaml_values_jsonargparse_types_from_the_signatures_are_accepted():
     """A duration given as a mapping kept its step count an int only if ``Duration.value`` is typed so (it was
     ``float``: ``e_small: {value: 6, unit: step}`` refused with "got 6.0"), and a per-sample loss function without a
