@@ -236,8 +236,14 @@ class CurriculumCollate:
                 which = (
                     f"none of truncate_keys {list(self.truncate_keys)} as a [B, S, ...] tensor"
                     if self.truncate_keys is not None
-                    else "no tensor named attention_mask or input_ids and no integer [B, S] tensor (token ids)"
+                    else "no tensor named attention_mask or input_ids and no integer [B, S] tensor (token ids, B "
+                    "the first dimension of the batch's first tensor)"
                 )
+                if "edge_index" in F.tensor_names(batch):
+                    which += (
+                        " (a graph batch: its edge_index [2, E] is no sequence; order the graphs by a difficulty "
+                        "metric of their size instead of cutting them)"
+                    )
                 raise DataConfigError(
                     f"seqlen_truncate: nothing to truncate: the training batch has {which}; found a "
                     f"{F.describe_batch(batch)}. Put the token ids in the batch as an integer [B, S] tensor (or name "

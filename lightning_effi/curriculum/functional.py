@@ -285,8 +285,11 @@ def _reference(batch: Any, keys: Sequence[str] | None) -> tuple[Path, Tensor] | 
             if _name(path) == name:
                 return path, value
     if keys is None:
+        # token ids [B, T] whose B is the batch's first tensor's: a graph batch's edge_index [2, E] beside node
+        # features [N, F] is none (its edge lists were cut to the scheduled length in silence, qa54-domains 01)
+        lead = next((int(v.shape[0]) for _, v in tensor_leaves(batch) if v.ndim > 0), None)
         for path, value in found:
-            if value.ndim == 2 and _is_integer(value):
+            if value.ndim == 2 and _is_integer(value) and int(value.shape[0]) == lead:
                 return path, value
     return None
 
@@ -305,8 +308,9 @@ def sequence_reference(batch: Any, keys: Sequence[str] | None = None) -> Tensor 
 
     - ``keys`` given: the first tensor named ``keys[0]``, else ``keys[1]``, ... with at least 2 dimensions;
     - ``keys`` None (automatic): the first tensor named ``attention_mask``, else ``input_ids``, with at least 2
-      dimensions, else the first integer (not bool) tensor of exactly 2 dimensions (token ids ``[B, T]``; in a tuple
-      batch ``(ids, labels)``, ``ids``).
+      dimensions, else the first integer (not bool) tensor of exactly 2 dimensions whose first dimension is that of
+      the batch's first tensor (token ids ``[B, T]``; in a tuple batch ``(ids, labels)``, ``ids``; not a graph
+      batch's ``edge_index [2, E]`` beside node features ``[N, F]``).
 
     The batch must be batch-first (``[B, T]``, ``batch_first=True``): a sequence-first ``[T, B]`` tensor reads as
     ``B = T`` (:func:`truncate` refuses it when given the batch size). None when there is none (images, float

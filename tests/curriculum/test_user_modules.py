@@ -229,6 +229,23 @@ def test_nothing_truncatable_is_a_clear_error_at_the_first_batch(tmp_path):
     samples = [{"input_ids": torch.arange(T)} for _ in range(B)]
     with pytest.raises(DataConfigError, match=r"none of truncate_keys \['tokens'\].*input_ids: int64\[4, 16\]"):
         named([(s, (i, 1, 0, (4,))) for i, s in enumerate(samples)])
+
+    # a graph batch (PyG's layout): its edge_index [2, E] was read as token ids [B=2, T=E] and every graph lost
+    # edges, in silence (qa54-domains 01)
+    def graphs(items):
+        sizes = [len(x) for x, _ in items]
+        offsets = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+        edges = torch.cat([e + o for (_, e), o in zip(items, offsets)], 1)
+        batch = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])
+        return {"x": torch.cat([x for x, _ in items]), "edge_index": edges, "batch": batch,
+                "y": torch.arange(len(items))}  # fmt: skip
+
+    g = torch.Generator().manual_seed(0)
+    samples = [(torch.randn(6, 3, generator=g), torch.randint(0, 6, (2, 20), generator=g)) for _ in range(B)]
+    with pytest.raises(
+        DataConfigError, match=r"a graph batch: its edge_index \[2, E\] is no sequence.*edge_index: int64\[2, 80\]"
+    ):
+        CurriculumCollate(graphs, ["seqlen_truncate"])([(s, (i, 1, 0, (4,))) for i, s in enumerate(samples)])
     # through the Trainer: the first training batch raises, before any step
     data = CurriculumDataModule(TinyDataModule(ImagePairs(), batch_size=B))
     trainer = make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC})], max_steps=2, max_epochs=-1)
