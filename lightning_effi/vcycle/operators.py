@@ -32,6 +32,7 @@ __all__ = [
     "WidthMap",
     "WidthScheme",
     "build_levels",
+    "carry_activation_checkpointing",
     "coalesce",
     "coalesce_model",
     "coalesced_requires_grad",
@@ -912,7 +913,30 @@ def _build_small(model: nn.Module, plan: VCyclePlan, adapter: object) -> nn.Modu
     with torch.random.fork_rng(devices=[]):
         small: nn.Module = adapter.build_small(model, plan)  # type: ignore[attr-defined]
     set_requires_grad(small, coalesced_requires_grad(requires_grad_flags(model), plan))
+    carry_activation_checkpointing(model, small)
     return small
+
+
+#: module attributes that switch activation checkpointing on: Hugging Face's (``gradient_checkpointing_enable()``
+#: sets the flag and the checkpoint function on every module that has the flag) and timm's
+#: (``set_grad_checkpointing()``)
+CHECKPOINTING_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func", "grad_checkpointing")
+
+
+def carry_activation_checkpointing(large: nn.Module, small: nn.Module) -> None:
+    """Set the activation checkpointing of ``large`` on ``small``, module by module of the same name
+    (:data:`CHECKPOINTING_ATTRS`). An adapter builds the small network from a config, so a model checkpointed by
+    ``gradient_checkpointing_enable()`` or ``set_grad_checkpointing()`` trained its coarse levels without it, with the
+    activations' memory the user had turned off (qa54-extras 01)."""
+    targets = dict(small.named_modules())
+    for name, module in large.named_modules():
+        target = targets.get(name)
+        if target is None:
+            continue
+        for attr in CHECKPOINTING_ATTRS:
+            value = vars(module).get(attr)
+            if value is not None and not isinstance(value, nn.Module | Tensor):
+                setattr(target, attr, value)
 
 
 def build_levels(

@@ -33,6 +33,7 @@ from lightning_effi.vcycle.stages import stage_plan, vcycle_flops_fraction
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import (
     TINY_GPT2,
+    TINY_VIT,
     TinyDataModule,
     TokenBlocks,
     sgd,
@@ -1087,6 +1088,36 @@ def test_requires_grad_through_coalescing_and_rebuilt_levels():
         "transformer.wte.weight",
         "lm_head.weight",
     }
+
+
+@pytest.mark.parametrize("library", ["hf", "timm"])
+def test_the_coarse_networks_keep_the_activation_checkpointing_of_the_full_one(library):
+    """An adapter builds each coarse network from a config: a model checkpointed with HF's
+    gradient_checkpointing_enable() or timm's set_grad_checkpointing() trained its coarse levels without it, with
+    the activation memory the user had turned off (qa54-extras 01)."""
+    if library == "hf":
+        net = tiny_gpt2(**GPT4).model
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        def checkpointed(m: nn.Module) -> bool:
+            blocks = m.transformer.h
+            return all(b.gradient_checkpointing and b._gradient_checkpointing_func.keywords == {"use_reentrant": False}
+                       for b in blocks)  # fmt: skip
+    else:
+        from lightning_effi.tasks import ImageClassifier
+
+        vit = {**TINY_VIT, "depth": 4, "num_heads": 4}
+        net = ImageClassifier("vit_tiny_patch16_224", model_kwargs=vit, optimizer=sgd).model
+        net.set_grad_checkpointing(True)
+
+        def checkpointed(m: nn.Module) -> bool:
+            return bool(m.grad_checkpointing)
+
+    adapter = find_vcycle_adapter(net)
+    plans = V.plan_levels(net, adapter, 3)
+    assert checkpointed(V.coalesce_model(net, plans[0], adapter))
+    level_3, larger = V.build_levels(net, adapter, plans, 3)  # the resume rebuild
+    assert checkpointed(level_3) and checkpointed(larger[2])
 
 
 def test_a_batch_the_training_step_skips_is_not_counted_and_the_accounting_goes_on(tmp_path):
