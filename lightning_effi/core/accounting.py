@@ -979,19 +979,25 @@ class EfficiencyMonitor(Callback):
             target = new + call.target[len(old) :]
             return dataclasses.replace(call, target=target, parts=[moved(p, old, new) for p in call.parts])
 
-        extra: list[CallRecord] = []
-        for name, length, depth in grown:
-            prefix = f"{name}." if name else ""
-            called: dict[int, list[CallRecord]] = {}
-            for call in calls:
-                index = call.target[len(prefix) :] if call.target.startswith(prefix) else ""
-                if index.isdigit():
-                    called.setdefault(int(index), []).append(call)
-            if set(called) != set(range(depth)):
-                continue
-            for j in range(depth, length):
-                extra += [moved(call, f"{prefix}{j % depth}", f"{prefix}{j}") for call in called[j % depth]]
-        return [*calls, *extra]
+        def grow(calls: list[CallRecord]) -> list[CallRecord]:
+            # the parts too: a data-dependent forward is replayed through them, and its loop over the blocks was
+            # replayed with the coarse network's blocks only (the V-cycle's FLOPs saving read 0, qa54-domains 03)
+            calls = [dataclasses.replace(c, parts=grow(c.parts)) if c.parts else c for c in calls]
+            extra: list[CallRecord] = []
+            for name, length, depth in grown:
+                prefix = f"{name}." if name else ""
+                called: dict[int, list[CallRecord]] = {}
+                for call in calls:
+                    index = call.target[len(prefix) :] if call.target.startswith(prefix) else ""
+                    if index.isdigit():
+                        called.setdefault(int(index), []).append(call)
+                if set(called) != set(range(depth)):
+                    continue
+                for j in range(depth, length):
+                    extra += [moved(call, f"{prefix}{j % depth}", f"{prefix}{j}") for call in called[j % depth]]
+            return [*calls, *extra]
+
+        return grow(calls)
 
     def num_layers(self, pl_module: pl.LightningModule) -> int | None:
         """The module's ``effi_num_layers``, else the length of the network's block list (:meth:`find_blocks`),
