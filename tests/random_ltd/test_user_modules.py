@@ -1630,6 +1630,14 @@ class _EncoderLM(pl.LightningModule):
             self.forward = lambda x: forward(x)  # type: ignore[method-assign]
         elif wrapped == "autocast":
             self.forward = torch.autocast("cpu", enabled=False)(forward)  # type: ignore[method-assign]
+        elif wrapped == "object":  # a callable object without functools.update_wrapper (qa54-break 05)
+            self.forward = _Wrap(forward)  # type: ignore[method-assign]
+        elif wrapped == "dict_closure":  # a lambda reaching the encoder through a dict (qa54-break 05)
+            held = {"encoder": self.encoder}
+            self.encoder.forward = lambda x, *a, **k: type(held["encoder"]).forward(held["encoder"], x, *a, **k)
+        elif wrapped == "stages":  # the blocks kept in a plain list too, and run from it
+            self.stages = [self.emb, self.encoder, self.head]
+            self.forward = lambda x: self.stages[2](self.stages[1](self.stages[0](x)))  # type: ignore[method-assign]
 
     def forward(self, x):
         return self.head(self.encoder(self.emb(x)))
@@ -1642,12 +1650,21 @@ class _EncoderLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("wrapped", ["bound", "partial", "lambda", "autocast"])
+class _Wrap:
+    def __init__(self, f):
+        self.f = f
+
+    def __call__(self, *args, **kwargs):
+        return self.f(*args, **kwargs)
+
+
+@pytest.mark.parametrize("wrapped", ["bound", "partial", "lambda", "autocast", "object", "dict_closure", "stages"])
 def test_the_monitor_counts_the_full_layers_when_the_modules_forward_is_set_on_it(tmp_path, wrapped):
     """Under DDP Lightning leaves the LightningModule's own bound ``forward`` in its ``__dict__``; the FLOPs replay's
     copy shared it, so the replay ran the real network, whose armed random-LTD layer dropped tokens: FLOPs and
     baseline a quarter short and the saving 0.335 for 0.190 (qa52-ddp 01); a partial, a lambda or an autocast
-    wrapper of it did the same (qa53-break 01)."""
+    wrapper of it did the same (qa53-break 01), and a callable object or a closure over a dict holding the module
+    (qa54-break 05): a replay that reaches a real module is run again on the class's methods."""
     from lightning_effi import EfficiencyMonitor
 
     g = torch.Generator().manual_seed(0)
