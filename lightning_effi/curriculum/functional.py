@@ -797,35 +797,53 @@ SPECTRAL_NAMES = ("feature", "mel", "spectr", "fbank")
 WHISPER_FRAMES = 3000
 
 
-def _frames_on_axis_2(batch: Any, path: Path, b: int, n: int, frames: int) -> bool:
-    """Whether the batch says that the ``[b, n, frames]`` tensor at ``path`` holds ``frames`` frames on its axis 2,
-    not ``n`` on its axis 1: Whisper's 3,000 frames; a mask ``[B, frames]`` beside it; or a ``[B]`` tensor of
-    lengths named for it (:func:`~lightning_effi.core.measure.length_stem`) with a value above ``n`` and none
-    above ``frames``."""
+def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | None:
+    """Which axis of the ``[b, n, frames]`` tensor at ``path`` the batch says holds the frames: 2 for Whisper's
+    3,000 frames, a mask ``[b, frames]`` beside it, or a ``[b]`` tensor of lengths (a name with a length word,
+    :func:`~lightning_effi.core.measure.length_stem`: ``lengths``, ``input_lengths``, ``mel_lens``; integer or
+    float) with a value above ``n`` and none above ``frames``; 1 for a mask ``[b, n]`` or lengths whose longest is
+    ``n``; None when the batch does not say (no lengths, or relative ones)."""
     if frames == WHISPER_FRAMES:
-        return True
-    name = str(leaf_name(batch, path) or "").lower()
+        return 2
     for other, v in tensor_leaves(batch):
-        if other == path or v.ndim == 0 or int(v.shape[0]) != b:
+        if other == path or v.ndim == 0 or int(v.shape[0]) != b or v.dtype == torch.bool and v.ndim == 1:
             continue
         other_name = str(leaf_name(batch, other) or "").lower()
-        if v.ndim == 2 and "mask" in other_name and int(v.shape[1]) == frames != n:
-            return True
-        stem = length_stem(other_name) if other_name else None
-        if v.ndim == 1 and stem and stem in name and v.numel() and not v.is_floating_point():
-            if n < int(v.max()) <= frames:
-                return True
-    return False
+        if v.ndim == 2 and "mask" in other_name and int(v.shape[1]) in (n, frames) and n != frames:
+            return 2 if int(v.shape[1]) == frames else 1
+        if v.ndim == 1 and other_name and length_stem(other_name) is not None and v.numel() and not _relative(v):
+            longest = float(v.max())
+            if n < longest <= frames:
+                return 2
+            if longest == n:
+                return 1
+    return None
+
+
+#: parts of a tensor's name that say it holds a spectrogram (not generic features of a frame)
+SPECTROGRAM_NAMES = ("mel", "spectr", "fbank")
+
+
+def _channel_first(batch: Any, path: Path, name: str, v: Tensor) -> bool:
+    """Whether the spectral ``[B, n, S]`` tensor ``v`` at ``path`` is channel first: as the batch says
+    (:func:`_frames_axis`), else when its name says it is a spectrogram (:data:`SPECTROGRAM_NAMES`, torchaudio's
+    ``MelSpectrogram`` gives ``[..., n_mels, frames]``) and ``S`` is no mel-bin count itself (a ``[B, 40, 128]`` mel of
+    40 frames is batch first); generic features (``features [B, 64, 2048]``) only on the batch's word."""
+    b, n, frames = (int(d) for d in v.shape)
+    axis = _frames_axis(batch, path, b, n, frames)
+    if axis is not None:
+        return axis == 2
+    return any(part in name for part in SPECTROGRAM_NAMES) and frames not in MEL_BINS
 
 
 def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> None:
     """Refuse a cut of spectral features laid out channel first, ``[B, n_mels, T]`` (Whisper's ``input_features``
     ``[B, 80, 3000]``, torchaudio's ``MelSpectrogram``): axis 1 is their mel bins, not their frames, and the cut
     kept the first bins of every frame (qa53-asr 04). Told by a name of :data:`SPECTRAL_NAMES`, a float ``[B, n, S]``
-    tensor cut on axis 1 only, ``n`` in :data:`MEL_BINS`, ``S`` more than twice ``n``, and the batch saying that
-    axis 2 holds the frames (:func:`_frames_on_axis_2`). The shape alone cannot tell them from batch-first features
-    of ``n`` frames (64 frames of 2,048-dimensional video features, 128 of HuBERT's 768), which were refused when a
-    padded batch happened to be that long (qa54-break 01)."""
+    tensor cut on axis 1 only, ``n`` in :data:`MEL_BINS`, ``S`` more than twice ``n``, and :func:`_channel_first`.
+    The shape alone cannot tell them from batch-first features of ``n`` frames (64 frames of 2,048-dimensional video
+    features, 128 of HuBERT's 768), which were refused when a padded batch happened to be that long (qa54-break 01);
+    the lengths beside them tell, and a spectrogram's name without them (qa55-break 03)."""
     for path, v in tensor_leaves(batch):
         name = str(_name(path) or "").lower()
         if (
@@ -835,7 +853,7 @@ def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> No
             and int(v.shape[1]) in MEL_BINS
             and int(v.shape[2]) > 2 * int(v.shape[1])
             and any(part in name for part in SPECTRAL_NAMES)
-            and _frames_on_axis_2(batch, path, int(v.shape[0]), int(v.shape[1]), int(v.shape[2]))
+            and _channel_first(batch, path, name, v)
         ):
             raise ValueError(
                 f"seqlen_truncate: {name!r} {list(v.shape)} looks channel first, [B, n_mels, frames] (Whisper's "

@@ -387,7 +387,11 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
         CF.truncate(whisper, 40, keys=["input_features"])
     # torchaudio's MelSpectrogram [B, n_mels, T] told by its frame lengths or its frames' mask
     torchaudio_mel = torch.randn(4, 80, 200, generator=g)
-    for told in ({"mel_lengths": torch.tensor([200, 150, 100, 50])}, {"mel_mask": torch.ones(4, 200)}):
+    frame_lengths = torch.tensor([200, 150, 100, 50])
+    for told in ({"mel_lengths": frame_lengths}, {"mel_mask": torch.ones(4, 200)}, {"lengths": frame_lengths},
+                 {"input_lengths": frame_lengths}, {"mel_lengths": frame_lengths.float()},
+                 {"mel_lens": frame_lengths / 200}, {}):  # fmt: skip
+        # generic length names, float and relative lengths, none: refused too (qa55-break 03)
         with pytest.raises(ValueError, match=r"'mel' \[4, 80, 200\] looks channel first"):
             CF.truncate({"mel": torchaudio_mel, **told}, 40, keys=["mel"])
     # batch-first features whose padded length happens to be a mel-bin count: cut (qa54-break 01)
