@@ -285,13 +285,27 @@ def _reference(batch: Any, keys: Sequence[str] | None) -> tuple[Path, Tensor] | 
             if _name(path) == name:
                 return path, value
     if keys is None:
-        # token ids [B, T] whose B is the batch's first tensor's: a graph batch's edge_index [2, E] beside node
-        # features [N, F] is none (its edge lists were cut to the scheduled length in silence, qa54-domains 01)
-        lead = next((int(v.shape[0]) for _, v in tensor_leaves(batch) if v.ndim > 0), None)
+        # token ids [B, T] whose B is the batch's (the first dimension of its first tensor of 2 dimensions or more,
+        # not an index of its own): a graph batch's edge_index [2, E] beside node features [N, F] is none (its edge
+        # lists were cut to the scheduled length in silence, qa54-domains 01, qa55-break 04), nor position ids [1, T]
+        # beside tokens [B, T]; a task id [1] before the ids is no batch size
+        found = [(p, v) for p, v in found if not _index_name(_name(p))]
+        lead = int(found[0][1].shape[0]) if found else None
         for path, value in found:
             if value.ndim == 2 and _is_integer(value) and int(value.shape[0]) == lead:
                 return path, value
     return None
+
+
+def _index_name(name: str | None) -> bool:
+    """A name of an index tensor that is no token ids: a graph's ``edge_index`` (:data:`GRAPH_INDEX_NAMES`) or
+    position ids (``position_ids``, ``pos_ids``)."""
+    lowered = str(name or "").lower()
+    return lowered in GRAPH_INDEX_NAMES or "position" in lowered or lowered.startswith("pos_")
+
+
+#: the names of a graph batch's index tensors (PyG's ``Batch``)
+GRAPH_INDEX_NAMES = ("edge_index", "batch", "ptr", "edge_attr_index")
 
 
 def _sizes(path: Path, ref: Tensor) -> tuple[int, int]:
@@ -309,8 +323,10 @@ def sequence_reference(batch: Any, keys: Sequence[str] | None = None) -> Tensor 
     - ``keys`` given: the first tensor named ``keys[0]``, else ``keys[1]``, ... with at least 2 dimensions;
     - ``keys`` None (automatic): the first tensor named ``attention_mask``, else ``input_ids``, with at least 2
       dimensions, else the first integer (not bool) tensor of exactly 2 dimensions whose first dimension is that of
-      the batch's first tensor (token ids ``[B, T]``; in a tuple batch ``(ids, labels)``, ``ids``; not a graph
-      batch's ``edge_index [2, E]`` beside node features ``[N, F]``).
+      the batch's first tensor of 2 dimensions or more (token ids ``[B, T]``; in a tuple batch ``(ids, labels)``,
+      ``ids``); tensors named ``edge_index`` or like position ids are none (a graph batch's ``edge_index [2, E]``
+      beside node features ``[N, F]``, ``position_ids [1, T]`` beside tokens; an unnamed ``(edge_index, x)`` tuple
+      cannot be told from ids).
 
     The batch must be batch-first (``[B, T]``, ``batch_first=True``): a sequence-first ``[T, B]`` tensor reads as
     ``B = T`` (:func:`truncate` refuses it when given the batch size). None when there is none (images, float

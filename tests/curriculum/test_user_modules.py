@@ -246,6 +246,14 @@ def test_nothing_truncatable_is_a_clear_error_at_the_first_batch(tmp_path):
         DataConfigError, match=r"a graph batch: its edge_index \[2, E\] is no sequence.*edge_index: int64\[2, 80\]"
     ):
         CurriculumCollate(graphs, ["seqlen_truncate"])([(s, (i, 1, 0, (4,))) for i, s in enumerate(samples)])
+    # edge_index first (qa55-break 04), position ids [1, T] beside the tokens, a task id [1] before them
+    from lightning_effi.curriculum import functional as CF
+
+    x, edges = torch.randn(24, 3), torch.randint(0, 24, (2, 30))
+    assert CF.sequence_reference({"edge_index": edges, "x": x, "batch": torch.zeros(24, dtype=torch.long)}) is None
+    ids = torch.randint(0, 9, (B, T))
+    assert CF.sequence_reference({"position_ids": torch.arange(T)[None], "tokens": ids}) is ids
+    assert CF.sequence_reference({"task": torch.tensor([1]), "ids": ids}) is ids
     # through the Trainer: the first training batch raises, before any step
     data = CurriculumDataModule(TinyDataModule(ImagePairs(), batch_size=B))
     trainer = make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC})], max_steps=2, max_epochs=-1)
