@@ -76,7 +76,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -626,8 +626,9 @@ class EfficiencyMonitor(Callback):
         # tensors its network or its blocks returned (weak references: not kept alive), whether its network was
         # called as a module, and the position in the list of the block it ran last
         self._pass_values: dict[int, list[Any]] = {}
-        # watched list -> what its network and blocks returned in the step: the tensor and its storage, weakly held
-        self._outputs: dict[int, list[tuple[weakref.ref[Tensor], weakref.ref[Any] | None]]] = {}
+        # watched list -> what its network and blocks returned in the step: the tensor and its storage (weakly held),
+        # its autograd node (held to the step's end: an output re-fed inline is freed at once) and its shape
+        self._outputs: dict[int, list[_Returned]] = {}
         self._runner_called: set[int] = set()
         self._running: dict[int, int] = {}  # watched list -> calls of its runners under way (nested ones run no pass)
         self._last_block: dict[int, int] = {}
@@ -1464,24 +1465,28 @@ class EfficiencyMonitor(Callback):
         """The tensor a watched list's network or one of its blocks returned (its first tensor leaf): a later call
         on it continues the pass (a loop over the blocks), it begins none (:meth:`_pass`, :meth:`_observe`)."""
         value = output if isinstance(output, Tensor) else next((v for _, v in tensor_leaves(output)), None)
-        if value is not None:
-            self._outputs.setdefault(index, []).append((weakref.ref(value), _storage_ref(value)))
+        if value is not None and not value.is_nested:  # a nested tensor (a fast path's padded output) has no shape
+            returned = _Returned(weakref.ref(value), _storage_ref(value), value.grad_fn, tuple(value.shape))
+            self._outputs.setdefault(index, []).append(returned)
 
     def _returned_before(self, index: int, value: Tensor) -> bool:
         """Whether ``value`` is a tensor watched list ``index``'s network or one of its blocks returned in the step,
-        or made from one: a detached or viewed one (the same storage), or one computed from it in the graph
-        (:func:`_derived_from`: a clone, a norm or a step embedding between the loops of a weight-shared stack; such a
-        loop counted a second pass, qa54-break 03, 04)."""
-        returned = self._outputs.get(index, ())
-        outputs = [t for t in (ref() for ref, _ in returned) if t is not None]
-        if any(t is value for t in outputs):
+        or one made from it of its shape: a detached or viewed one (the same storage), or one computed from it in the
+        graph (:func:`_derived_from`: a clone, a norm or a step embedding between the loops of a weight-shared stack,
+        recycling; such a loop counted a second pass, qa54-break 03, 04). An input of another shape made from an
+        output holds other positions too (a memory beside a new segment, an encoder's output beside a decoder's
+        input): another pass (qa55-break 01)."""
+        if value.is_nested:
+            return False
+        returned = [r for r in self._outputs.get(index, ()) if r.shape == tuple(value.shape)]
+        if any(r.tensor() is value for r in returned):
             return True
         # the storage is held weakly: it lives while a tensor uses it (the detached one), never mistaken for a new
         # tensor at a freed address
         storage = _storage_ref(value)
-        if storage is not None and any(ref is not None and ref() is storage() for _, ref in returned):
+        if storage is not None and any(r.storage is not None and r.storage() is storage() for r in returned):
             return True
-        return _derived_from(value, {id(t.grad_fn) for t in outputs if t.grad_fn is not None})
+        return _derived_from(value, {id(r.grad_fn) for r in returned if r.grad_fn is not None})
 
     def _observe(
         self, index: int, position: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -2072,6 +2077,15 @@ class EfficiencyMonitor(Callback):
         self._last_states = None if last_states is None else dict(last_states)
         self._last_position = None if last_position is None else dict(last_position)
         self._change_points = change_points
+
+
+class _Returned(NamedTuple):
+    """A tensor a watched list's network or block returned (:meth:`EfficiencyMonitor._returned`)."""
+
+    tensor: weakref.ref[Tensor]
+    storage: weakref.ref[Any] | None
+    grad_fn: Any
+    shape: tuple[int, ...]
 
 
 def _storage_ref(value: Tensor) -> weakref.ref[Any] | None:

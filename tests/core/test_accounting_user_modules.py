@@ -2288,7 +2288,15 @@ class _Refeeds(pl.LightningModule):
         self.between = between
 
     def training_step(self, batch, batch_idx):
-        h = self.trunk(self.embed(batch["view1"]).flatten(2).transpose(1, 2))
+        e = self.embed(batch["view1"]).flatten(2).transpose(1, 2)
+        if self.between == "inline_clone":  # nothing holds the first output: freed before the second call
+            return self.trunk(self.trunk(e).clone()).pow(2).mean()
+        if self.between == "inline_add":
+            return self.trunk(self.trunk(e) + e).pow(2).mean()
+        if self.between == "memory":  # the next segment beside the last 2 positions of the first: other positions
+            e2 = self.embed(batch["view1"].flip(-1)).flatten(2).transpose(1, 2)
+            return self.trunk(torch.cat([self.trunk(e)[:, -2:], e2], 1)).pow(2).mean()
+        h = self.trunk(e)
         h = {None: h, "detach": h.detach(), "clone": h.clone(), "norm": F.layer_norm(h, (8,))}[self.between]
         return self.trunk(h).pow(2).mean()
 
@@ -2302,14 +2310,20 @@ def _run_blocks(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-@pytest.mark.parametrize("between", [None, "detach", "clone", "norm"])
-def test_a_network_applied_to_its_own_output_counts_one_pass(tmp_path, between):
-    """Its output detached or cloned before the second call was taken for other data: tokens twice (qa54-break 04)."""
+@pytest.mark.parametrize(
+    ("between", "positions"),
+    [(None, 4), ("detach", 4), ("clone", 4), ("norm", 4), ("inline_clone", 4), ("inline_add", 4), ("memory", 10)],
+)
+def test_a_network_applied_to_its_own_output_counts_one_pass(tmp_path, between, positions):
+    """Its output detached or cloned before the second call was taken for other data: tokens twice (qa54-break 04),
+    also written inline, where nothing holds the first output (qa55-break 02). An input of other positions made
+    from an output (a memory of 2 positions beside the next segment's 4) is another pass: it counted none
+    (qa55-break 01)."""
     data = [{"view1": x} for x in torch.randn(16, 3, 8, 8)]
     monitor = EfficiencyMonitor(print_summary=False)
     make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1).fit(_Refeeds(between), DataLoader(data, 4))
-    assert monitor.summary["tokens"] == 2 * 4 * 4  # 2 steps x 4 images x 4 patches
-    assert monitor.summary["layer_tokens"] == 2 * 2 * 4 * 4
+    assert monitor.summary["tokens"] == 2 * 4 * positions  # 2 steps x 4 images x the patch positions run
+    assert monitor.summary["layer_tokens"] == 2 * 2 * 4 * positions
 
 
 class _AttentionBlock(_Block):
