@@ -59,6 +59,7 @@ _OPTION_DEFAULTS: dict[str, Any] = dict(
     truncate_keys=None,
     causal_label_shift=False,
     keep_last_token=False,
+    truncation_side="right",
 )
 
 
@@ -127,9 +128,9 @@ class Curriculum(Callback):
             ``curriculum_metrics`` keys; see :class:`~lightning_effi.curriculum.MetricConfig`). ``None``: take the
             configuration given to the ``CurriculumDataModule``.
         seed, num_epochs, rounding, percentile_rounding, dp_split, drop_last, truncate_keys, causal_label_shift,
-            keep_last_token: see :class:`~lightning_effi.curriculum.CurriculumConfig` (DeepSpeed defaults: seed 1234,
-            num_epochs 1000). Given without ``metrics`` (the configuration on the ``CurriculumDataModule``) they must
-            keep their defaults.
+            keep_last_token, truncation_side: see :class:`~lightning_effi.curriculum.CurriculumConfig` (DeepSpeed
+            defaults: seed 1234, num_epochs 1000). Given without ``metrics`` (the configuration on the
+            ``CurriculumDataModule``) they must keep their defaults.
         analysis_batch_size: batch size of the in-memory analysis (metrics with ``analysis: <name>``).
         analysis_collate_fn: the collate function of the in-memory analysis (a list of samples -> a batch the metric
             reads); None: the training loader's. The metric must read the same values from two collates of the same
@@ -235,6 +236,7 @@ class Curriculum(Callback):
         truncate_keys: Sequence[str] | None = None,
         causal_label_shift: bool = False,
         keep_last_token: bool = False,
+        truncation_side: str = "right",
         analysis_batch_size: int = 256,
         total_tokens: int | None = None,
         strict: bool = True,
@@ -253,6 +255,7 @@ class Curriculum(Callback):
             drop_last=drop_last,
             causal_label_shift=causal_label_shift,
             keep_last_token=keep_last_token,
+            truncation_side=truncation_side,
         )
         if truncate_keys is not None:
             opts["truncate_keys"] = truncate_keys

@@ -51,7 +51,7 @@ _METRIC_EXTRA = {"analysis", "custom_schedule"}  # lightning_effi additions
 _CALLBACK_ARGUMENTS = frozenset(
     {
         "seed", "num_epochs", "rounding", "percentile_rounding", "dp_split", "drop_last", "truncate_keys",
-        "causal_label_shift", "keep_last_token", "analysis_batch_size", "total_tokens",
+        "causal_label_shift", "keep_last_token", "truncation_side", "analysis_batch_size", "total_tokens",
     }
 )  # fmt: skip
 
@@ -274,6 +274,9 @@ class CurriculumConfig:
         keep_last_token: ``seqlen_truncate`` keeps each row's last real token (``[SEP]`` / EOS) as the last token of
             the cut row (Composer's ``preserve_end_of_sequence``; :func:`~lightning_effi.curriculum.functional
             .truncate`).
+        truncation_side: ``"right"`` (default, DeepSpeed's: ``seqlen_truncate`` keeps each row's first ``d``
+            positions) or ``"left"`` (its last ``d``: the most recent steps of a forecaster's look-back window, next
+            to the target; HF tokenizers' name).
 
     Raises:
         CurriculumConfigError: no metric, unknown option values, a metric config error.
@@ -289,6 +292,7 @@ class CurriculumConfig:
     truncate_keys: Sequence[str] | None = None
     causal_label_shift: bool = False
     keep_last_token: bool = False
+    truncation_side: str = "right"
 
     def __post_init__(self) -> None:
         metrics = to_plain(self.metrics)
@@ -331,6 +335,7 @@ class CurriculumConfig:
         for key in ("drop_last", "causal_label_shift", "keep_last_token"):
             object.__setattr__(self, key, check_bool("curriculum", key, getattr(self, key), error=err))
         check_choice("curriculum", "rounding", self.rounding, ROUNDING_MODES, error=err)
+        check_choice("curriculum", "truncation_side", self.truncation_side, F.TRUNCATION_SIDES, error=err)
         check_choice("curriculum", "percentile_rounding", self.percentile_rounding, F.PERCENTILE_ROUNDING, error=err)
         check_choice("curriculum", "dp_split", self.dp_split, F.DP_SPLITS, error=err)
         object.__setattr__(self, "seed", check_int("curriculum", "seed", self.seed, 0, error=err))
@@ -552,6 +557,8 @@ class CurriculumConfig:
         }
         if self.keep_last_token:
             out["keep_last_token"] = True
+        if self.truncation_side != "right":  # only when set, as keep_last_token
+            out["truncation_side"] = self.truncation_side
         if self.truncate_keys is not None:  # only when set, as keep_last_token
             out["truncate_keys"] = list(self.truncate_keys)
         out["metrics"] = {

@@ -118,7 +118,7 @@ class CurriculumCollate:
 
     Args:
         collate_fn: the wrapped loader's collate function. metric_names: the curriculum's metric names, in order.
-        truncate_keys, causal_label_shift, keep_last_token: ``seqlen_truncate`` options
+        truncate_keys, causal_label_shift, keep_last_token, truncation_side: ``seqlen_truncate`` options
             (:func:`~lightning_effi.curriculum.functional.truncate`).
 
     Raises:
@@ -141,8 +141,10 @@ class CurriculumCollate:
         truncate_keys: Sequence[str] | None = None,
         causal_label_shift: bool = False,
         keep_last_token: bool = False,
+        truncation_side: str = "right",
     ) -> None:
         self.collate_fn = collate_fn or default_collate
+        self.truncation_side = truncation_side
         self.metric_names = tuple(metric_names)
         self.truncate_keys = None if truncate_keys is None else tuple(truncate_keys)
         self.causal_label_shift = causal_label_shift
@@ -273,7 +275,8 @@ class CurriculumCollate:
                     self.causal_label_shift,
                     self.keep_last_token,
                     batch_size=len(keys),
-                    check_left_padding=not self._left_padding_checked,
+                    check_left_padding=not self._left_padding_checked and self.truncation_side == "right",
+                    truncation_side=self.truncation_side,
                 )
             except ValueError as e:
                 raise DataConfigError(str(e)) from None
@@ -466,9 +469,9 @@ class CurriculumDataModule(WrappingDataModule):
             .curriculum.CurriculumConfig`). Give it here or to the :class:`~lightning_effi.callbacks.Curriculum`
             callback, not both.
         seed, num_epochs, rounding, percentile_rounding, dp_split, drop_last, truncate_keys, causal_label_shift,
-            keep_last_token: the :class:`~lightning_effi.curriculum.CurriculumConfig` options that go with
-            ``metrics``; ``None`` (the default) means "not given": the configuration's default. A LightningCLI or
-            any other tool that fills every argument with its default can therefore build this wrapper around a
+            keep_last_token, truncation_side: the :class:`~lightning_effi.curriculum.CurriculumConfig` options that go
+            with ``metrics``; ``None`` (the default) means "not given": the configuration's default. A LightningCLI
+            or any other tool that fills every argument with its default can therefore build this wrapper around a
             configuration given to the callback.
 
     The callback (required in ``Trainer(callbacks=...)``) builds the controller in its ``setup`` and attaches it; an
@@ -514,6 +517,7 @@ class CurriculumDataModule(WrappingDataModule):
         truncate_keys: Sequence[str] | None = None,
         causal_label_shift: bool | None = None,
         keep_last_token: bool | None = None,
+        truncation_side: str | None = None,
     ) -> None:
         if find_wrapper(datamodule, CurriculumDataModule) is not None:
             # the callback attaches its stream to the outer wrapper; the inner one's loader then said the callback was
@@ -533,6 +537,7 @@ class CurriculumDataModule(WrappingDataModule):
             truncate_keys=truncate_keys,
             causal_label_shift=causal_label_shift,
             keep_last_token=keep_last_token,
+            truncation_side=truncation_side,
         )
         options = {k: v for k, v in given.items() if v is not None}
         if metrics is None and options:
@@ -569,7 +574,12 @@ class CurriculumDataModule(WrappingDataModule):
         check_length(t["dataset"], t["length"])
         cfg = self.controller.config
         collate = CurriculumCollate(
-            t["collate_fn"], list(cfg.metrics), cfg.truncate_keys, cfg.causal_label_shift, cfg.keep_last_token
+            t["collate_fn"],
+            list(cfg.metrics),
+            cfg.truncate_keys,
+            cfg.causal_label_shift,
+            cfg.keep_last_token,
+            cfg.truncation_side,
         )
         if self._checked is not t:  # once per fit (the template is read afresh at every setup("fit"))
             self._check_batches(t, collate)

@@ -665,6 +665,10 @@ def _cut_packed(batch: Any, out: Any, b: int, t: int, length: int, plain: bool, 
     return out
 
 
+#: the sides ``seqlen_truncate`` cuts: ``"right"`` keeps each row's first positions, ``"left"`` its last
+TRUNCATION_SIDES = ("right", "left")
+
+
 def truncate(
     batch: Any,
     difficulty: int,
@@ -673,6 +677,7 @@ def truncate(
     keep_last_token: bool = False,
     batch_size: int | None = None,
     check_left_padding: bool = False,
+    truncation_side: str = "right",
 ) -> Truncation:
     """``seqlen_truncate`` of a batch of any structure (Li et al. 2022, "DeepSpeed Data Efficiency", and the
     Megatron-DeepSpeed ``pretrain_{gpt,bert}.py`` post-process): cut every tensor of the batch's size ``B`` and
@@ -701,6 +706,9 @@ def truncate(
       are cut as by default. So in every row the last real token of the cut row is the last real token of the
       original row, at column ``min(n_b, L) - 1``. Every cut tensor's columns move the same way. Left-padded
       batches keep it already.
+    - ``truncation_side="left"`` (HF tokenizers' name): the last ``L`` columns of every row, the most recent steps
+      of a look-back window (a forecaster's ``past [B, T, C]`` beside its ``future``: the first ``L`` steps would end
+      ``T - L`` steps before the target). Refused for a right-padded batch, whose last columns are padding.
 
     Args:
         batch: the collated batch (any structure); not modified. difficulty: ``d`` in tokens (>= 1).
@@ -708,6 +716,8 @@ def truncate(
             length. batch_size: the number of samples collated, when known (refuses a ``[T, B]`` layout).
         check_left_padding: refuse a batch without a padding mask whose rows look padded on the left (the
             curriculum checks its first cut).
+        truncation_side: ``"right"`` (default: cut the end of each row, keep its first positions) or ``"left"``
+            (cut the start, keep its last positions).
 
     Returns:
         a :class:`Truncation` (the batch, ``T``, the new length, the removed attention-mask values, the side, the
@@ -715,8 +725,11 @@ def truncate(
 
     Raises:
         ValueError: ``difficulty < 1``; the cut would leave a row that has real tokens without any (a mask padded on
-            both sides); a float mask neither additive nor 0/1; a sequence-first batch (with ``batch_size``).
+            both sides); a float mask neither additive nor 0/1; a sequence-first batch (with ``batch_size``);
+            ``truncation_side`` not ``"right"`` / ``"left"``, or ``"left"`` with a right-padded batch.
     """
+    if truncation_side not in TRUNCATION_SIDES:
+        raise ValueError(f"seqlen_truncate: truncation_side must be one of {TRUNCATION_SIDES}, got {truncation_side!r}")
     try:
         difficulty = operator.index(difficulty)
     except TypeError:
@@ -741,6 +754,14 @@ def truncate(
     if check_left_padding and real is None and ref.ndim == 2 and _is_integer(ref):
         _refuse_unmarked_left_padding(ref, length)
     left = real is not None and bool(real[:, -1].all()) and not bool(real[:, 0].all())
+    if truncation_side == "left":
+        if real is not None and not left and not bool(real.all()):
+            raise ValueError(
+                "seqlen_truncate: truncation_side='left' keeps each row's last positions, and this batch is padded "
+                "on the right (its mask ends rows with padding): its rows would keep padding and lose their tokens. "
+                "Pad on the left, or use truncation_side='right'"
+            )
+        left = True
     index: Tensor | None = None  # [B, L] columns kept per row; None: the slice `window`
     window = slice(t - length, t) if left else slice(0, length)
     if keep_last_token and not left:
@@ -1148,13 +1169,14 @@ def truncate_batch(
     keys: Sequence[str] | None = None,
     causal_label_shift: bool = False,
     keep_last_token: bool = False,
+    truncation_side: str = "right",
 ) -> Any:
     """The truncated batch of :func:`truncate` (same arguments; any structure, same types back).
 
     Raises:
         ValueError: as :func:`truncate`.
     """
-    return truncate(batch, difficulty, keys, causal_label_shift, keep_last_token).batch
+    return truncate(batch, difficulty, keys, causal_label_shift, keep_last_token, truncation_side=truncation_side).batch
 
 
 def _real_fill(v: Tensor) -> float:

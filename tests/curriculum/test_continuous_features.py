@@ -404,3 +404,66 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
     speech2text = {"input_features": torch.randn(4, 300, 80, generator=g), "labels": ids}  # frames first: cut
     with pytest.warns(UserWarning, match="leaves 'labels'"):
         assert CF.truncate(speech2text, 40, keys=["input_features"]).batch["input_features"].shape == (4, 40, 80)
+
+
+class Forecasts(Dataset):
+    """32 windows of a ramp: ``past [T, 1]`` of time steps ``t .. t + T - 1`` and ``future [4, 1]``, the 4 after."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict:
+        steps = torch.arange(T + 4, dtype=torch.float32)[:, None] + 100 * i
+        return {"past": steps[:T], "future": steps[T:]}
+
+
+class Forecaster(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head, self.gaps, self.lengths = nn.Linear(1, 16), nn.Linear(16, 1), [], []
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        past, future = batch["past"], batch["future"]
+        self.gaps.append(float((future[:, 0, 0] - past[:, -1, 0]).max()))  # 1: the window ends at the target
+        self.lengths.append(past.shape[1])
+        return F.mse_loss(self.head(self.enc(self.inp(past))).mean(1, keepdim=True), future[:, :1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(tmp_path):
+    """The cut kept the first L steps of a forecaster's look-back window, L steps away from its target in silence,
+    and nothing kept the last ones of an unpadded batch (qa54-domains 02): truncation_side="left" keeps them."""
+    from lightning_effi.curriculum import CurriculumConfig
+    from lightning_effi.curriculum import functional as CF
+
+    batch = {"past": torch.arange(2 * T, dtype=torch.float32).view(2, T, 1), "future": torch.zeros(2, 4, 1)}
+    cut = CF.truncate(batch, 8, keys=["past"], truncation_side="left")
+    assert torch.equal(cut.batch["past"], batch["past"][:, -8:]) and cut.left
+    back = CF.lengthen_batch(cut.batch, ["past"], T, None, cut.left, dict(zip(cut.cut, cut.axes)))
+    assert back["past"].shape == (2, T, 1)
+    ids = torch.tensor([[5, 6, 7, 0], [5, 6, 0, 0]])
+    with pytest.raises(ValueError, match=r"truncation_side='left' .* padded on the right"):
+        CF.truncate({"input_ids": ids, "attention_mask": (ids > 0).long()}, 2, truncation_side="left")
+    with pytest.raises(CurriculumConfigError, match=r"truncation_side"):
+        CurriculumConfig(metrics={"seqlen_truncate": truncation().config.metrics["seqlen_truncate"]},
+                         truncation_side="end")  # fmt: skip
+    # through the Trainer, with the monitor's baseline of the whole windows
+    schedule = dict(total_curriculum_step=4, difficulty_step=4)
+    metric = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8, max_difficulty=T,
+                  schedule_type="fixed_linear", schedule_config=schedule)  # fmt: skip
+    curriculum = Curriculum(metrics={"seqlen_truncate": metric}, truncate_keys=["past"], truncation_side="left")
+
+    class Windows(pl.LightningDataModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(Forecasts(), batch_size=4, shuffle=True)
+
+    module, monitor = Forecaster(), EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path, [monitor, curriculum], max_steps=4, max_epochs=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=CurriculumDataModule(Windows()))
+    assert module.gaps == [1.0] * 4 and module.lengths[0] < T
+    assert monitor.summary["baseline_tokens"] == 4 * 4 * T and monitor.summary["tokens"] == 4 * sum(module.lengths)
