@@ -374,9 +374,9 @@ def find_adapter(
         )
     elif stacks:
         suggestion = (
-            f". Its stacks of blocks ({', '.join(repr(path) for path, _, _ in stacks[:3])}) run image convolutions "
-            "or windowed attention over a grid: random-LTD drops tokens of a transformer's [B, T, H] hidden states, "
-            "which such blocks do not have"
+            f". Its stacks of blocks ({', '.join(repr(path) for path, _, _ in stacks[:3])}) run image convolutions, "
+            "windowed attention over a grid or single layers: random-LTD drops tokens of a transformer's [B, T, H] "
+            "hidden states, which such blocks do not have"
         )
     else:
         suggestion = ""
@@ -388,8 +388,11 @@ def find_adapter(
 
 
 def _token_blocks(stack: nn.Module) -> bool:
-    """Whether a stack of blocks may run on a sequence of tokens: not image convolutions (``nn.Conv2d`` /
-    ``nn.Conv3d``) without attention, nor attention within windows of a grid (Swin's ``WindowAttention``)."""
+    """Whether a stack of blocks may run on a sequence of tokens: not single layers (``nn.Linear`` modules without
+    submodules), nor image convolutions (``nn.Conv2d`` / ``nn.Conv3d``) without attention, nor attention within
+    windows of a grid (Swin's ``WindowAttention``)."""
+    if not any(True for child in stack.children() for _ in child.children()):
+        return False  # single layers (a GNN's nn.Linear per hop on [N, H] node features), no blocks (qa54-domains 06)
     modules = list(stack.modules())
     kinds = [type(m).__name__.lower() for m in modules]
     if any("window" in k for k in kinds):

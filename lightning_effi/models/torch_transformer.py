@@ -210,6 +210,28 @@ def _not_a_block_list(container: nn.Module) -> str:
     return ""
 
 
+def single_layer_list(model: nn.Module) -> str | None:
+    """For a network with no list of identical blocks: the longest ``nn.ModuleList`` / ``nn.Sequential`` of at least
+    2 single PyTorch layers of one class (a GNN's ``nn.Linear`` per hop), as a phrase for an error message naming the
+    remedy; None when there is none (the refusal named no reason, qa54-domains 05)."""
+    near = [
+        (name, list(m.children()))
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential))
+        and len(list(m.children())) >= 2
+        and len({type(b) for b in m.children()}) == 1
+        and "single PyTorch layer" in _not_a_block_list(m)
+    ]
+    if not near:
+        return None
+    name, layers = max(near, key=lambda item: len(item[1]))
+    return (
+        f"its list {name!r} holds {len(layers)} single {type(layers[0]).__name__} layers, not blocks: the V-cycle "
+        "coalesces a list of blocks, each a module of your own around its layers (wrap each layer, with its "
+        "activation or norm, in one)"
+    )
+
+
 def unequal_block_list(model: nn.Module) -> str | None:
     """For a network with no list of identical blocks: the longest ``nn.ModuleList`` / ``nn.Sequential`` of at least
     2 blocks of one class whose blocks differ, with the first difference (e.g. T5's first block alone holds the

@@ -557,10 +557,11 @@ def __getattr__(name: str) -> Any:
 
 
 def _why_unhandled(model: nn.Module) -> str:
-    """Why a network with a list of blocks of one class is still not handled (its blocks differ), for the refusal."""
-    from lightning_effi.models.torch_transformer import unequal_block_list
+    """Why a network with a list of blocks of one class is still not handled (its blocks differ, or they are single
+    layers), for the refusal."""
+    from lightning_effi.models.torch_transformer import single_layer_list, unequal_block_list
 
-    why = unequal_block_list(model)
+    why = unequal_block_list(model) or single_layer_list(model)
     return f" ({why})" if why else ""
 
 

@@ -842,8 +842,17 @@ def test_the_adapter_error_suggests_no_generic_adapter_over_image_convolutions()
             super().__init__()
             self.stages = nn.Sequential(Stage(), Stage())
 
-    with pytest.raises(ValueError, match=r"Its stacks of blocks \('stages'\) run image convolutions .*no") as err:
+    with pytest.raises(ValueError, match=r"Its stacks of blocks \('stages'\) run image convolutions, .*no") as err:
         find_adapter(CNN())
+    assert "here, e.g. GenericAdapter" not in str(err.value)
+
+    class GNN(pl.LightningModule):  # a Linear per hop on [N, H] node features: no blocks either (qa54-domains 06)
+        def __init__(self) -> None:
+            super().__init__()
+            self.convs = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    with pytest.raises(ValueError, match=r"\('convs'\) run .* or single layers") as err:
+        find_adapter(GNN())
     assert "here, e.g. GenericAdapter" not in str(err.value)
 
 

@@ -573,6 +573,12 @@ def test_unknown_architecture_and_odd_sizes():
         r"blocks \(block 0 alone holds layer.0.SelfAttention.relative_attention_bias.weight\)",
     ):
         setup(VCycleCallback(e_a=1, e_small=1), t5)
+    # a list of single layers (a GNN's Linear per hop): the refusal says so and how to wrap them (qa54-domains 05)
+    gnn = Plain()
+    gnn.model = nn.Module()
+    gnn.model.convs = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+    with pytest.raises(ValueError, match=r"its list 'convs' holds 4 single Linear layers, not blocks.*wrap each"):
+        setup(VCycleCallback(e_a=1, e_small=1), gnn)
     with pytest.raises(ValueError, match="n_layer"):  # 3 layers cannot be paired by the default depth scheme
         setup(VCycleCallback(e_a=1, e_small=1), tiny_gpt2(n_layer=3))
 
