@@ -182,6 +182,19 @@ class Report:
                 f"This sweep's frontier: {len(budgets)} budgets ({', '.join(f'{b:g}' for b in budgets)}), "
                 f"{len(usable)} seed{'s' if len(usable) != 1 else ''} ({', '.join(str(s) for s in usable)}); {fronts}."
             )
+            # the wall-time column reads a front of its own: a baseline slower than a longer one (timing noise) is
+            # off it, and the savings read by hand from the compute front's runs differed (qa55-user 01)
+            walls = {s: self.frontiers[s].get("train_wall_s") for s in usable}
+            differ = [
+                f"seed {s}: {len(w.front)} of {len(w.points)}"
+                for s, w in walls.items()
+                if w is not None and w.usable and len(w.front) != len(usable[s].front)
+            ]
+            if differ:
+                text += (
+                    f" On training wall time the front is its own ({'; '.join(differ)} baseline runs on it: a run "
+                    "slower than a longer budget's, at a worse quality, is off it)."
+                )
         else:
             text += "This sweep has no usable frontier: " + (
                 "; ".join(f[self.compute].why for _, f in sorted(self.frontiers.items())) or "no baseline runs"

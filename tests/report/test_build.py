@@ -184,6 +184,26 @@ def test_a_dominated_baseline_budget_leaves_the_frontier(tmp_path):
     assert on_front == {0.25: True, 0.5: True, 0.75: False, 1.0: True}
 
 
+def test_the_wall_time_front_of_its_own_is_stated_where_it_differs(tmp_path):
+    """The paragraph named the compute front's count only; the wall-time column reads a front of its own, from which
+    a baseline slower than a longer budget's (timing noise) drops out, and the wall savings read by hand from the
+    compute front's runs differed (qa55-user 01)."""
+    # budget 0.5 trained longer (30 s) than budget 0.75 (25 s) at a worse loss: off the wall front only
+    rows = [(0.25, 1e12, 10.0, 3.0), (0.5, 2e12, 30.0, 2.6), (0.75, 3e12, 25.0, 2.4), (1, 4e12, 40.0, 2.2)]
+    for i, (budget, flops, wall, loss) in enumerate(rows):
+        write_record(tmp_path / str(i), budget=budget, flops=flops, loss=loss, time_train_s=wall)
+    write_record(tmp_path / "arm", arm="random_ltd", flops=2e12, loss=2.4)
+    report = build_report(load_runs([tmp_path]))
+    assert len(report.frontiers[0]["flops"].front) == 4 and len(report.frontiers[0]["train_wall_s"].front) == 3
+    text = report.to_markdown()
+    assert "seed 0: 4 of 4 baseline runs on the front" in text
+    assert "On training wall time the front is its own (seed 0: 3 of 4 baseline runs on it" in text
+    # one front on both axes: no such sentence
+    for i, (budget, flops, _, loss) in enumerate(rows):
+        write_record(tmp_path / str(i), budget=budget, flops=flops, loss=loss, time_train_s=10.0 * (i + 1))
+    assert "On training wall time" not in build_report(load_runs([tmp_path])).to_markdown()
+
+
 def test_max_mode_metric(tmp_path):
     for i, (budget, flops, acc) in enumerate([(0.5, 10.0, 0.5), (1.0, 1000.0, 0.7)]):
         write_record(tmp_path / str(i), budget=budget, flops=flops, loss=acc, metric="val/acc", mode="max")
