@@ -636,6 +636,7 @@ class EfficiencyMonitor(Callback):
         # that shape (the tower the ids feed, when two towers see as many positions)
         self._rows: tuple[int, int] | None = None
         self._fed_ids: set[int] = set()
+        self._embedded: list[_Returned] = []  # embeddings of the batch's token ids in the step
         self._chosen: str | None = None
         self._ranked: tuple[tuple[Any, ...], list[tuple[str, Blocks]]] | None = None  # _candidates' cache
         #: a compiled module's last recorded batch: (its batch shapes, the network's parameter shapes); see _watch
@@ -1365,7 +1366,11 @@ class EfficiencyMonitor(Callback):
             self._watched, self._seen, self._attention_seen = self._candidates(pl_module), {}, {}
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
             self._runner_called, self._last_block = set(), {}
-            self._outputs, self._pass_values, self._running = {}, {}, {}
+            self._outputs, self._pass_values, self._running, self._embedded = {}, {}, {}, []
+            if self._rows is not None and len(self._watched) > 1:  # the ids' embeddings: which tower they feed
+                for module in pl_module.modules():
+                    if isinstance(module, nn.Embedding):
+                        self._block_hooks.append(module.register_forward_hook(self._embedded_ids))
             for i, (name, blocks) in enumerate(self._watched):
                 for runner in _runners(pl_module, name, blocks):
                     hook = runner.register_forward_pre_hook(functools.partial(self._pass, i), with_kwargs=True)
@@ -1417,10 +1422,12 @@ class EfficiencyMonitor(Callback):
         same tensor or one of the same values (R-Drop, a probe without grad) or on what it returned (a weight-shared
         core applied to its own output), it adds none: those positions are counted once, as token ids are
         (qa52-break 05)."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         if self._rows is not None and any(
-            isinstance(a, Tensor) and not a.is_floating_point() and tuple(a.shape[:2]) == self._rows
-            for a in (*args, *kwargs.values())
+            not a.is_floating_point() and tuple(a.shape[:2]) == self._rows for a in tensors
         ):
+            self._fed_ids.add(index)
+        elif tensors and self._embedded and self._from_embedded(tensors[0]):
             self._fed_ids.add(index)
         running = self._running.get(index, 0)
         self._running[index] = running + 1
@@ -1438,6 +1445,30 @@ class EfficiencyMonitor(Callback):
         """The end of a call of a module that runs watched list ``index`` (:meth:`_pass`)."""
         self._running[index] = max(0, self._running.get(index, 0) - 1)
         self._returned(index, module, args, output)
+
+    def _embedded_ids(self, module: nn.Module, args: Any, output: Any) -> None:
+        """An ``nn.Embedding`` called on the batch's token ids: its output, for :meth:`_from_embedded`."""
+        ids = args[0] if args and isinstance(args[0], Tensor) else None
+        if (
+            ids is not None
+            and not ids.is_floating_point()
+            and tuple(ids.shape[:2]) == self._rows
+            and isinstance(output, Tensor)
+            and not output.is_nested
+        ):
+            self._embedded.append(_Returned(weakref.ref(output), _storage_ref(output), output.grad_fn, output.shape))
+
+    def _from_embedded(self, value: Tensor) -> bool:
+        """Whether ``value`` is the embedding of the batch's token ids (:meth:`_embedded_ids`) or computed from it (a
+        position embedding added, a dropout): a tower called on ``self.tok(ids)``, the token embedding held outside
+        it (tied with a head, shared with a decoder), is the tower the ids feed, and the image tower was counted
+        instead (layer-tokens 1,024 for 512, qa54-break 08)."""
+        if any(r.tensor() is value for r in self._embedded):
+            return True
+        storage = _storage_ref(value)
+        if storage is not None and any(r.storage is not None and r.storage() is storage() for r in self._embedded):
+            return True
+        return _derived_from(value, {id(r.grad_fn) for r in self._embedded if r.grad_fn is not None})
 
     def _seen_values(self, index: int, value: Tensor) -> bool:
         """Whether watched list ``index`` began a pass in the step on ``value`` or on a tensor of the same values;
@@ -1594,7 +1625,7 @@ class EfficiencyMonitor(Callback):
             self._calls = self._recorder.calls
         for hook in self._block_hooks:
             hook.remove()
-        self._block_hooks, self._pass_values, self._outputs = [], {}, {}
+        self._block_hooks, self._pass_values, self._outputs, self._embedded = [], {}, {}, []
         if self._watched:
             self._choose_observed(batch is not None, batch)
             self._watched = []

@@ -2336,13 +2336,13 @@ class _AttentionBlock(_Block):
 
 
 class _TextTower(nn.Module):
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, embed: bool = True) -> None:
         super().__init__()
-        self.embed = nn.Embedding(V, 8)
+        self.embed = nn.Embedding(V, 8) if embed else None
         self.layers = nn.ModuleList(_AttentionBlock() for _ in range(depth))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
+        h = self.embed(ids) if self.embed is not None else ids
         for layer in self.layers:
             h = layer(h)
         return h.mean(1)
@@ -2352,15 +2352,19 @@ class _CLIP(pl.LightningModule):
     """Two towers: images [B, 3, 8, 8] -> 4 patches through 2 (or ``image_depth``) blocks; captions [B, T] ids with an
     attention mask through ``text_depth`` blocks; a contrastive loss."""
 
-    def __init__(self, image_depth: int, text_depth: int) -> None:
+    def __init__(self, image_depth: int, text_depth: int, outside: bool = False) -> None:
         super().__init__()
         self.visual = _PatchEncoder()
         self.visual.blocks = nn.ModuleList(_AttentionBlock() for _ in range(image_depth))
-        self.text = _TextTower(text_depth)
+        self.text = _TextTower(text_depth, embed=not outside)
+        # the token embedding held outside the tower (tied with a head, shared with a decoder: CoCa), with a
+        # position embedding added before the tower
+        self.tok, self.pos = (nn.Embedding(V, 8), nn.Parameter(torch.zeros(8))) if outside else (None, None)
 
     def training_step(self, batch, batch_idx):
         zi = F.normalize(self.visual(batch["pixel_values"]), dim=-1)
-        zt = F.normalize(self.text(batch["input_ids"]), dim=-1)
+        ids = batch["input_ids"]
+        zt = F.normalize(self.text(ids if self.tok is None else self.tok(ids) + self.pos), dim=-1)
         logits = zi @ zt.t()
         return F.cross_entropy(logits, torch.arange(len(logits)))
 
@@ -2368,12 +2372,14 @@ class _CLIP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@pytest.mark.parametrize("outside", [False, True])
 @pytest.mark.parametrize("caption_length", [2, 4, 6])  # fewer, as many (the ids tell) and more positions than 4
 @pytest.mark.parametrize(("image_depth", "text_depth"), [(4, 2), (1, 3)])
-def test_two_towers_count_the_tower_the_token_ids_feed(tmp_path, caption_length, image_depth, text_depth):
+def test_two_towers_count_the_tower_the_token_ids_feed(tmp_path, caption_length, image_depth, text_depth, outside):
     """Tokens were the captions' mask sum, and layer-tokens those times the image tower's depth when it was the
     deeper (qa50-clip 01); captions shorter than the image's positions had the difference added as a "prefix"
-    (qa50-clip 02). Both now count the text tower: its tokens, times its depth."""
+    (qa50-clip 02). Both now count the text tower: its tokens, times its depth; also when it is called on the ids'
+    embedding, made outside it (qa54-break 08)."""
     g = torch.Generator().manual_seed(0)
     data = []
     for i in range(8):
@@ -2385,7 +2391,7 @@ def test_two_towers_count_the_tower_the_token_ids_feed(tmp_path, caption_length,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = make_trainer(tmp_path, [monitor], max_steps=2, max_epochs=-1)
-        trainer.fit(_CLIP(image_depth, text_depth), DataLoader(data, batch_size=4))
+        trainer.fit(_CLIP(image_depth, text_depth, outside), DataLoader(data, batch_size=4))
     tokens = sum(int(d["attention_mask"].sum()) for d in data)
     assert monitor.summary["tokens"] == tokens
     assert monitor.summary["layer_tokens"] == tokens * text_depth
