@@ -509,7 +509,8 @@ class EfficiencyMonitor(Callback):
       FLOPs of each new batch shape (the replay on fake tensors costs tens to hundreds of forward-backward passes'
       Python overhead: 0.3-0.8 s for a 3-layer BERT on a CPU core). Every padded length is a new shape; of batches
       padded to their longest sequence, lengths between 5 replayed ones are read off the quadratic those fit exactly
-      (:class:`~lightning_effi.core.measure.FlopsMeter`), so a run pays a few replays, not one per length; define
+      (:class:`~lightning_effi.core.measure.FlopsMeter`), so a run pays a few replays, not one per length; batches
+      that differ in several sizes (a graph batch's nodes and edges) replay at most batches, warned once; define
       ``effi_training_flops(batch)`` to pay none;
     - ``baseline_samples, baseline_tokens, baseline_layer_tokens, baseline_flops``: the same run without any
       technique: the full model, full-length sequences, every sample the data pipeline drew before any pruning;
@@ -602,6 +603,7 @@ class EfficiencyMonitor(Callback):
         self._recorder = CallRecorder()
         self.interpolate_flops = check_bool("EfficiencyMonitor", "interpolate_flops", interpolate_flops)
         self._meter = FlopsMeter(interpolate=self.interpolate_flops)
+        self._warned_replays, self._replayed_batches = False, 0  # this fit's batches that ran a replay
         self._calls: list[CallRecord] | None = None  # the network's calls in the current batch (None: not recorded)
         self._batch_shapes: list[tuple[Any, tuple[int, ...]]] | None = None  # the shapes of the recorded batch
         self._observed_tokens: int | None = None  # tokens in the first block's hidden states in the current batch
@@ -1682,9 +1684,10 @@ class EfficiencyMonitor(Callback):
             self._outside = None
             self._write_flops(pl_module, 0)
         else:
-            started = time.perf_counter()
+            started, replays = time.perf_counter(), self._meter.replays
             account = self.account(trainer, pl_module, batch)
             self.totals["time_monitor"] += time.perf_counter() - started
+            self._replayed_batches += int(self._meter.replays > replays)
             self._check_outside_products(trainer, pl_module, account)
             for q, actual, baseline in zip(QUANTITIES, account.actual.values(), account.baseline):
                 self.totals[q] += actual
@@ -1696,6 +1699,28 @@ class EfficiencyMonitor(Callback):
             self.totals["batches"] += 1
             # for Lightning's ThroughputMonitor (listed after this one)
             self._write_flops(pl_module, int(account.actual.flops))
+            self._warn_replays()
+
+    #: batches with a replay of the FLOPs after which a run that replays at most of its batches is warned about
+    #: (:meth:`_warn_replays`)
+    MANY_REPLAYS = 20
+
+    def _warn_replays(self) -> None:
+        """Warn once when the FLOPs replay runs at most batches: their shapes differ in more than one size (a graph
+        batch's nodes and edges, which no length interpolation reads), and the monitor's time grows with the run:
+        28 replays in 40 batches, 1.27 s of the monitor for 0.08 s of training (qa54-domains 04)."""
+        replays, batches = self._replayed_batches, int(self.totals["batches"])
+        if self._warned_replays or replays < self.MANY_REPLAYS or replays * 2 < batches:
+            return
+        self._warned_replays = True
+        rank_zero_warn(
+            f"EfficiencyMonitor: the training FLOPs were measured by a replay at {replays} of the {batches} batches "
+            "so far (their shapes differ in more than one size, e.g. a graph batch's nodes and edges, so no length "
+            f"interpolation applies); the monitor has spent {self.totals['time_monitor']:.1f} s against "
+            f"{self.totals['time_train']:.1f} s of training (time_monitor_s), and each new shape replays again. "
+            "Define `effi_training_flops(batch) -> float` on your LightningModule (or set flops_per_batch) to "
+            "count them without replays"
+        )
 
     def _end_step(self, trainer: pl.Trainer, states: dict[str, float], log: Callable[[], dict[str, float]]) -> None:
         """After a batch is counted: at an optimizer step, the schedule's change points (and the fit's first step,

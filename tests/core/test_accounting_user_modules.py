@@ -2522,3 +2522,41 @@ def test_training_flops_are_counted_under_detect_anomaly(tmp_path):
         return monitor.summary["flops"]
 
     assert flops(True) == flops(False) == 2 * 3 * 2 * 4 * 12 * 16 * 64  # the head's matmul, 2 steps (HandLM)
+
+
+class _GraphConv(pl.LightningModule):
+    """A hand-written GNN on PyG-style batches ``{x [N, 4], edge_index [2, E], batch [N], y [G]}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.conv, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def training_step(self, batch, batch_idx):
+        h, edges = self.inp(batch["x"]), batch["edge_index"]
+        h = F.relu(self.conv(h + torch.zeros_like(h).index_add(0, edges[1], h[edges[0]])))
+        pooled = torch.zeros(len(batch["y"]), 8).index_add(0, batch["batch"], h)
+        return F.cross_entropy(self.head(pooled), batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_run_that_replays_most_of_its_batches_is_warned_once(tmp_path):
+    """Graph batches differ in their nodes and edges, two sizes no length interpolation reads: the FLOPs replay ran at
+    28 of 40 batches, the monitor's time 15x the training's, in silence (qa54-domains 04). A warning names
+    effi_training_flops."""
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for i in range(24):  # two graphs a batch, of 3 + i nodes and 5 + 2 i edges in all
+        n, e = 3 + i, 5 + 2 * i
+        data.append({"x": torch.randn(n, 4, generator=g), "edge_index": torch.randint(0, n, (2, e), generator=g),
+                     "batch": (torch.arange(n) >= n // 2).long(), "y": torch.tensor([0, 1])})  # fmt: skip
+    monitor = EfficiencyMonitor(print_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [monitor], max_steps=24, max_epochs=-1).fit(
+            _GraphConv(), DataLoader(data, batch_size=None)
+        )
+    said = [str(w.message) for w in caught if "measured by a replay at" in str(w.message)]
+    assert len(said) == 1 and "at 20 of the 20 batches" in said[0] and "effi_training_flops" in said[0]
+    assert monitor.summary["flops"] > 0
