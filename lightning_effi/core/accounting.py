@@ -50,12 +50,15 @@ structure) is counted by :mod:`lightning_effi.core.measure`:
   step (``[B, T, H]``: a ViT's patches and prefix tokens, a series of continuous features, padding included: a
   padding mask of such a batch is read only when named ``attention_mask``, with one warning otherwise; a batch a
   technique lengthened along one axis, the curriculum's untruncated one, scaled by its length), summed over the
-  network's passes in the step (each call of the module that runs the blocks, outside the backward: SimCLR's two
-  views encoded one call each, a multi-crop step's crops; not a loop over the blocks inside one call);
+  network's passes in the step (each call of a module that runs the blocks on other data, outside the backward:
+  SimCLR's two views encoded one call each, a multi-crop step's crops, a view augmented in place after a pass; not
+  a loop over the blocks inside one call, nor a call on the same values (R-Drop) or on an input of the network's
+  output's shape made from that output (recycling; a memory beside a new segment is another pass));
 - layer-tokens: tokens x the network's transformer blocks (:func:`lightning_effi.core.measure.block_candidates`: a
   registered random-LTD adapter's layer list, else the ``nn.ModuleList`` / ``nn.Sequential`` lists of identical
   blocks, trainable before frozen, then by parameters; of those, the first whose first block the step runs with
-  ``[B, T, H]`` hidden states: not an EMA copy never run, nor an MLP head on pooled features);
+  ``[B, T, H]`` hidden states: not an EMA copy never run, nor an MLP head on pooled features; of two towers, the
+  one the token ids, or their embedding, feed);
 - FLOPs: the network's calls in the training step replayed on a fake-tensor copy under ``FlopCounterMode``, once per
   input shape (:class:`lightning_effi.core.measure.FlopsMeter`; forward + backward, no forward on real data).
 
