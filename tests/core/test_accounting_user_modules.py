@@ -2560,3 +2560,53 @@ def test_a_run_that_replays_most_of_its_batches_is_warned_once(tmp_path):
     said = [str(w.message) for w in caught if "measured by a replay at" in str(w.message)]
     assert len(said) == 1 and "at 20 of the 20 batches" in said[0] and "effi_training_flops" in said[0]
     assert monitor.summary["flops"] > 0
+
+
+class _HeldElsewhere(UserModule):
+    """Its blocks reached through a plain object (a ``SimpleNamespace``), or its ``forward`` set on the instance to a
+    callable object around another method of its own (one that runs the blocks twice)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        import types as _types
+
+        self.embed, self.head = nn.Embedding(V, 32), nn.Linear(32, V)
+        self.blocks = nn.ModuleList(OwnBlock() for _ in range(2))
+        self.held = _types.SimpleNamespace(blocks=self.blocks)
+        if how == "object":
+            self.forward = _Calls(self.forward_twice)  # type: ignore[method-assign]
+        self.how = how
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.held.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def forward_twice(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in [*self.blocks, *self.blocks]:
+            h = block(h)
+        return self.head(h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        return F.cross_entropy(self(ids).flatten(0, 1), labels.flatten())
+
+
+class _Calls:
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.f(*args, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["namespace", "object"])
+def test_a_replay_reaching_the_real_network_counts_what_the_step_ran(tmp_path: Path, how: str) -> None:
+    """A replay that runs the real modules (reached through a plain object, or a callable object set as the
+    forward) read 0 FLOPs, or the class's other forward, while a guard against it was in place (qa56-break 01, 09):
+    each batch's FLOPs equal the flop counter's on the real step."""
+    pl.seed_everything(0)
+    _, measured, per_batch = fit(_HeldElsewhere(how), token_loader(), tmp_path, 2)
+    assert [row["flops"] for row in per_batch.rows] == measured.per_batch and measured.per_batch[0] > 0
