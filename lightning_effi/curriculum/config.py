@@ -336,6 +336,11 @@ class CurriculumConfig:
             object.__setattr__(self, key, check_bool("curriculum", key, getattr(self, key), error=err))
         check_choice("curriculum", "rounding", self.rounding, ROUNDING_MODES, error=err)
         check_choice("curriculum", "truncation_side", self.truncation_side, F.TRUNCATION_SIDES, error=err)
+        if self.truncation_side != "right" and "seqlen_truncate" not in metrics:
+            raise CurriculumConfigError(
+                f"curriculum truncation_side={self.truncation_side!r} chooses the side seqlen_truncate cuts, and the "
+                f"metrics {sorted(metrics)} have no seqlen_truncate: it would do nothing; remove it or add the metric"
+            )
         check_choice("curriculum", "percentile_rounding", self.percentile_rounding, F.PERCENTILE_ROUNDING, error=err)
         check_choice("curriculum", "dp_split", self.dp_split, F.DP_SPLITS, error=err)
         object.__setattr__(self, "seed", check_int("curriculum", "seed", self.seed, 0, error=err))

@@ -455,7 +455,9 @@ def padding_mask(batch: Any, keys: Sequence[str] | None = None) -> tuple[Path, T
         for p, v in tensor_leaves(batch)
         if v.ndim >= 2 and v.shape[0] == b and v.shape[-1] == t and (v.ndim > 2 or v.shape[1] == t)
     ]
-    named = [(p, v) for p, v in leaves if _is_mask_name(_name(p))]
+    # an observed-values mask (HF time series' past_observed_mask: 0 at a missing value) is no padding mask: a gap
+    # read as padding refused a forecaster's window (qa56-ts 01)
+    named = [(p, v) for p, v in leaves if _is_mask_name(_name(p)) and "observed" not in str(_name(p)).lower()]
 
     def rank(p: Path) -> int:
         name = str(_name(p)).lower()
@@ -755,12 +757,7 @@ def truncate(
         _refuse_unmarked_left_padding(ref, length)
     left = real is not None and bool(real[:, -1].all()) and not bool(real[:, 0].all())
     if truncation_side == "left":
-        if real is not None and not left and not bool(real.all()):
-            raise ValueError(
-                "seqlen_truncate: truncation_side='left' keeps each row's last positions, and this batch is padded "
-                "on the right (its mask ends rows with padding): its rows would keep padding and lose their tokens. "
-                "Pad on the left, or use truncation_side='right'"
-            )
+        _refuse_right_padding_for_left_side(batch, real, left, b, t)
         left = True
     index: Tensor | None = None  # [B, L] columns kept per row; None: the slice `window`
     window = slice(t - length, t) if left else slice(0, length)
@@ -794,6 +791,7 @@ def truncate(
         return v
 
     out = map_tensors(batch, cut_tensor)
+    _refuse_forecast_cuts(batch, keys, cut, b, t)
     _refuse_channel_first(batch, cut)
     out = _cut_packed(batch, out, b, t, length, not left and index is None, values)
     if keys is None and _name(found[0]) not in ("attention_mask", "input_ids"):
@@ -1134,14 +1132,11 @@ def _refuse_another_sequence(batch: Any, reference: Path, b: int, t: int, cut: M
     )
 
 
-def _refuse_unmarked_left_padding(ids: Tensor, length: int) -> None:
-    """Refuse a batch without a padding mask whose rows look padded on the left: a quarter of its rows or more, two at
-    least, open with a run of one id, two positions or more, that never comes back after the row's other ids but as
-    its last token, the same id in all of them (SASRec's item histories, padded on the left with item 0, with no mask
-    in the batch; GPT-2's, padded on the left with the end-of-text id that also ends each row). Without a mask every
-    position is real and the first ``length`` columns are kept: the padding and the oldest items, the most recent
-    ones cut away (4 of 8 rows all padding in qa43-user 01). Text that opens with a repeated token (indentation, a
-    poly-A stretch) has it again inside the row."""
+def _unmarked_padding(ids: Tensor) -> tuple[list[int], list[int]] | None:
+    """The rows of ``ids`` that open with a run of one id, two positions or more, that never comes back after the
+    row's other ids but as its last token, the same id in all of them, when they are a quarter of the rows or more
+    (two at least): ``(rows, [the id])``; None otherwise (:func:`_refuse_unmarked_left_padding`; on ``ids.flip(1)``,
+    rows padded on the right)."""
     same = ids == ids[:, :1]  # [B, T]: the row's first id
     other = ~same
     run = other.to(torch.int8).argmax(1)  # where the leading run of that id ends (0 when the row is one id)
@@ -1150,8 +1145,22 @@ def _refuse_unmarked_left_padding(ids: Tensor, length: int) -> None:
     pads = sorted({int(v) for v in ids[padded, 0].tolist()})
     # a few rows of text can open that way ("ll" of "I'll" in a window with no other "l": 2 rows of 64, qa44-break 02)
     if int(padded.sum()) < max(2, -(-ids.shape[0] // 4)) or len(pads) != 1:
+        return None
+    return padded.nonzero().flatten().tolist(), pads
+
+
+def _refuse_unmarked_left_padding(ids: Tensor, length: int) -> None:
+    """Refuse a batch without a padding mask whose rows look padded on the left: a quarter of its rows or more, two at
+    least, open with a run of one id, two positions or more, that never comes back after the row's other ids but as
+    its last token, the same id in all of them (SASRec's item histories, padded on the left with item 0, with no mask
+    in the batch; GPT-2's, padded on the left with the end-of-text id that also ends each row). Without a mask every
+    position is real and the first ``length`` columns are kept: the padding and the oldest items, the most recent
+    ones cut away (4 of 8 rows all padding in qa43-user 01). Text that opens with a repeated token (indentation, a
+    poly-A stretch) has it again inside the row."""
+    found = _unmarked_padding(ids)
+    if found is None:
         return
-    rows = padded.nonzero().flatten().tolist()
+    rows, pads = found
     raise ValueError(
         f"seqlen_truncate: the batch has no padding mask, and rows {rows[:8]}{' ...' if len(rows) > 8 else ''} open "
         f"with a run of id {pads[0]} that never comes back after their other ids (but as their last token): they "
@@ -1161,6 +1170,80 @@ def _refuse_unmarked_left_padding(ids: Tensor, length: int) -> None:
         "real, or key_padding_mask, True = padding; a tuple's bool [B, T] entry): the cut then keeps each row's last "
         "real tokens. For rows that are not padded, a mask of ones keeps the first columns"
     )
+
+
+#: words of a tensor's name that say it holds a forecast's target steps, never cut with the look-back window
+FORECAST_WORDS = ("future", "horizon")
+
+
+def _refuse_forecast_cuts(
+    batch: Any, keys: Sequence[str] | None, cut: Mapping[Path, tuple[int, ...]], b: int, t: int
+) -> None:
+    """Refuse a cut of a forecast's target (a name with a word of :data:`FORECAST_WORDS`: ``future [B, H, C]``
+    whose horizon equals the look-back's ``T``, cut to its last or first steps in silence, qa56-ts 02), and, with
+    ``keys``, a mask of a named tensor left whole (``past_mask [B, T]`` beside ``past`` cut: qa56-ts 04)."""
+    for path in cut:
+        name = str(_name(path) or "").lower()
+        if keys is None and any(word in name for word in FORECAST_WORDS):
+            raise ValueError(
+                f"seqlen_truncate: {name!r} holds a forecast's target steps and has the batch's sequence length {t}, "
+                "so it would be cut with the look-back window; name the window's tensors in truncate_keys "
+                "(truncate_keys=['past', ...])"
+            )
+    if keys is None:
+        return
+    for path, v in tensor_leaves(batch):
+        name = str(_name(path) or "")
+        if path in cut or v.ndim < 2 or int(v.shape[0]) != b or t not in tuple(v.shape[1:]) or not _is_mask_name(name):
+            continue
+        owner = next((k for k in keys if name.lower().startswith(f"{k.lower()}_")), None)
+        if owner is not None:
+            raise ValueError(
+                f"seqlen_truncate: truncate_keys {list(keys)} names {owner!r} but not its mask {name!r} "
+                f"{list(v.shape)}, which would be left whole beside it; add {name!r} to truncate_keys"
+            )
+
+
+def _refuse_right_padding_for_left_side(batch: Any, real: Tensor | None, left: bool, b: int, t: int) -> None:
+    """Refuse ``truncation_side="left"`` for a batch padded on the right: its mask's rows are real from column 0 to
+    their end, then padding, some row padded (a gap of missing values inside a row is none, qa56-ts 01); or, without
+    a mask, a ``[B]`` tensor of the rows' lengths (:func:`row_lengths`) says a row is shorter than ``t`` (the cut
+    kept padding only, in silence, qa56-break 03). Its last columns are padding, and the rows would lose their
+    tokens. A packed row's position ids (restarting inside a row) are refused too: its first kept sequence would
+    start inside a document (qa56-break 05)."""
+    why = None
+    if real is not None and not left:
+        prefix = bool((real[:, 1:] <= real[:, :-1]).all()) and bool(real[:, 0].all())
+        if prefix and not bool(real.all()):
+            why = "its mask ends rows with padding"
+    ref = sequence_reference(batch)
+    if why is None and real is None and ref is not None and ref.ndim == 2 and _is_integer(ref):
+        unmarked = _unmarked_padding(ref.flip(1))
+        if unmarked is not None:
+            why = f"no mask, and rows {unmarked[0][:8]} end with a run of id {unmarked[1][0]}, padding"
+    if why is None and real is None:
+        for path in row_lengths(batch, b, t, {p: (1,) for p, v in tensor_leaves(batch) if v.ndim >= 2}):
+            lengths = _leaf(batch, path)
+            if not _relative(lengths) and float(lengths.min()) < t:
+                why = f"its {'.'.join(map(str, path))!r} says rows are shorter than the {t} columns"
+                break
+            if _relative(lengths) and float(lengths.min()) < 1:
+                why = f"its relative lengths {'.'.join(map(str, path))!r} say rows are shorter than the {t} columns"
+                break
+    if why is not None:
+        raise ValueError(
+            f"seqlen_truncate: truncation_side='left' keeps each row's last positions, and this batch is padded on "
+            f"the right ({why}): its rows would keep padding and lose their tokens. Pad on the left, or use "
+            "truncation_side='right'"
+        )
+    for path, v in tensor_leaves(batch):
+        if str(_name(path) or "").lower() == "position_ids" and v.ndim == 2 and int(v.shape[-1]) == t:
+            if bool((v[:, 1:] < v[:, :-1]).any()):
+                raise ValueError(
+                    "seqlen_truncate: truncation_side='left' on packed rows (position_ids restart inside a row): the "
+                    "first sequence kept would start inside a document, its position ids not at 0. Use "
+                    "truncation_side='right' for packed batches"
+                )
 
 
 def truncate_batch(

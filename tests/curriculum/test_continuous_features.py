@@ -433,6 +433,10 @@ class Forecaster(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+def label_of(batch) -> torch.Tensor:
+    return batch["label"]
+
+
 def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(tmp_path):
     """The cut kept the first L steps of a forecaster's look-back window, L steps away from its target in silence,
     and nothing kept the last ones of an unpadded batch (qa54-domains 02): truncation_side="left" keeps them."""
@@ -450,6 +454,35 @@ def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(
     with pytest.raises(CurriculumConfigError, match=r"truncation_side"):
         CurriculumConfig(metrics={"seqlen_truncate": truncation().config.metrics["seqlen_truncate"]},
                          truncation_side="end")  # fmt: skip
+    # right padding told by lengths or by a run of pad ids without a mask: refused too (qa56-break 03)
+    padded = torch.arange(1, 41).view(4, 10)
+    padded[0, 5:], padded[1, 3:], padded[2, 7:] = 0, 0, 0
+    for extra in ({"lengths": torch.tensor([5, 3, 7, 10])}, {}):
+        with pytest.raises(ValueError, match=r"truncation_side='left' .* padded on the right"):
+            CF.truncate({"input_ids": padded, **extra}, 4, truncation_side="left")
+    # a gap of missing values in an observed-values mask is no padding (qa56-ts 01, qa56-break 08)
+    observed = torch.ones(2, T)
+    observed[0, 5], observed[1, -1] = 0, 0
+    window = {"past": batch["past"], "past_observed_mask": observed, "future": batch["future"]}
+    kept = CF.truncate(window, 8, keys=["past", "past_observed_mask"], truncation_side="left").batch
+    assert torch.equal(kept["past_observed_mask"], observed[:, -8:])
+    # the window's own mask left out of truncate_keys, a forecast target cut without them, packed position ids
+    with pytest.raises(ValueError, match=r"names 'past' but not its mask 'past_mask'"):
+        CF.truncate({**batch, "past_mask": torch.ones(2, T)}, 8, keys=["past"], truncation_side="left")
+    with pytest.raises(ValueError, match=r"'future' holds a forecast's target steps"):
+        same_length = {"past": batch["past"], "future": batch["past"].clone(), "attention_mask": torch.ones(2, T)}
+        CF.truncate(same_length, 8, truncation_side="left")
+    packed = {
+        "input_ids": torch.arange(1, 13)[None],
+        "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2]]),
+    }
+    with pytest.raises(ValueError, match=r"packed rows"):
+        CF.truncate(packed, 4, truncation_side="left")
+    with pytest.raises(CurriculumConfigError, match=r"truncation_side='left' .* no seqlen_truncate"):
+        schedule = dict(total_curriculum_step=4, difficulty_step=1)
+        label = dict(difficulty_type="value", clustering_type="schedule_based", min_difficulty=0, max_difficulty=2,
+                     schedule_type="fixed_linear", schedule_config=schedule)  # fmt: skip
+        CurriculumConfig(metrics={"label": {**label, "analysis": label_of}}, truncation_side="left")
     # through the Trainer, with the monitor's baseline of the whole windows
     schedule = dict(total_curriculum_step=4, difficulty_step=4)
     metric = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8, max_difficulty=T,
