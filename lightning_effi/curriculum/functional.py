@@ -290,7 +290,8 @@ def _reference(batch: Any, keys: Sequence[str] | None) -> tuple[Path, Tensor] | 
         # lists were cut to the scheduled length in silence, qa54-domains 01, qa55-break 04), nor position ids [1, T]
         # beside tokens [B, T]; a task id [1] before the ids is no batch size
         found = [(p, v) for p, v in found if not _index_name(_name(p))]
-        lead = int(found[0][1].shape[0]) if found else None
+        # a broadcast [1, T] tensor (position or time ids of another name) is no batch size beside [B, T] ones
+        lead = next((int(v.shape[0]) for _, v in found if int(v.shape[0]) > 1), 1 if found else None)
         for path, value in found:
             if value.ndim == 2 and _is_integer(value) and int(value.shape[0]) == lead:
                 return path, value
@@ -299,9 +300,14 @@ def _reference(batch: Any, keys: Sequence[str] | None) -> tuple[Path, Tensor] | 
 
 def _index_name(name: str | None) -> bool:
     """A name of an index tensor that is no token ids: a graph's ``edge_index`` (:data:`GRAPH_INDEX_NAMES`) or
-    position ids (``position_ids``, ``pos_ids``)."""
+    position or time ids (:data:`POSITION_NAMES`, or a name ending in ``position_ids``); not a word holding one of
+    them (``composition``, qa56-break 04)."""
     lowered = str(name or "").lower()
-    return lowered in GRAPH_INDEX_NAMES or "position" in lowered or lowered.startswith("pos_")
+    return lowered in GRAPH_INDEX_NAMES or lowered in POSITION_NAMES or lowered.endswith("position_ids")
+
+
+#: names of position or time ids beside token ids
+POSITION_NAMES = ("pos", "pos_ids", "positions", "time_ids", "timestep_ids", "timesteps", "token_positions")
 
 
 #: the names of a graph batch's index tensors (PyG's ``Batch``)
@@ -324,9 +330,10 @@ def sequence_reference(batch: Any, keys: Sequence[str] | None = None) -> Tensor 
     - ``keys`` None (automatic): the first tensor named ``attention_mask``, else ``input_ids``, with at least 2
       dimensions, else the first integer (not bool) tensor of exactly 2 dimensions whose first dimension is that of
       the batch's first tensor of 2 dimensions or more (token ids ``[B, T]``; in a tuple batch ``(ids, labels)``,
-      ``ids``); tensors named ``edge_index`` or like position ids are none (a graph batch's ``edge_index [2, E]``
-      beside node features ``[N, F]``, ``position_ids [1, T]`` beside tokens; an unnamed ``(edge_index, x)`` tuple
-      cannot be told from ids).
+      ``ids``; a broadcast ``[1, T]`` tensor gives no batch size beside ``[B, T]`` ones); tensors named
+      ``edge_index`` or like position ids are none (a graph batch's ``edge_index [2, E]`` beside node features
+      ``[N, F]``, ``position_ids [1, T]`` beside tokens; an unnamed ``(edge_index, x)`` tuple cannot be told from
+      ids).
 
     The batch must be batch-first (``[B, T]``, ``batch_first=True``): a sequence-first ``[T, B]`` tensor reads as
     ``B = T`` (:func:`truncate` refuses it when given the batch size). None when there is none (images, float
@@ -350,11 +357,17 @@ def cut_axes(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None =
     - ``[B, T, ...]``: axis 1, and axis 2 too when it has length ``T`` (a pairwise ``[B, T, T, ...]`` tensor: an
       attention bias, a 3-D mask). A ``[B, T, D]`` feature tensor whose width ``D`` happens to equal ``T`` is
       therefore cut on both axes.
+    - position ids broadcast over the batch (``[1, T]``, :func:`_index_name`): axis 1.
     - otherwise, with at least 3 dimensions and the last of length ``T``, a tensor named like a mask
       (``*mask*``: ``[B, 1, 1, T]``) or whose last two axes have length ``T`` (``[B, 1, T, T]``, ``[B, H, T, T]``;
       not images, :func:`_looks_like_images`): the last axis, and the one before it when it has length ``T``.
     """
-    if v.ndim < 2 or v.shape[0] != b or (keys is not None and _name(path) not in keys):
+    if keys is not None and _name(path) not in keys:
+        return ()
+    name = str(_name(path) or "").lower()
+    if v.ndim == 2 and v.shape[0] == 1 < b and v.shape[1] == t and _index_name(name) and name not in GRAPH_INDEX_NAMES:
+        return (1,)  # position ids broadcast over the batch, [1, T]: cut with the tokens
+    if v.ndim < 2 or v.shape[0] != b:
         return ()
     if v.shape[1] == t:
         return (1, 2) if v.ndim >= 3 and v.shape[2] == t else (1,)

@@ -254,6 +254,11 @@ def test_nothing_truncatable_is_a_clear_error_at_the_first_batch(tmp_path):
     ids = torch.randint(0, 9, (B, T))
     assert CF.sequence_reference({"position_ids": torch.arange(T)[None], "tokens": ids}) is ids
     assert CF.sequence_reference({"task": torch.tensor([1]), "ids": ids}) is ids
+    # time ids of another name first, broadcast [1, T]: cut with the tokens; a word holding "position" is no index
+    # (qa56-break 04)
+    cut = CF.truncate_batch({"timestep_ids": torch.arange(T)[None], "tokens": ids}, 4)
+    assert cut["tokens"].shape == (B, 4) and cut["timestep_ids"].tolist() == [[0, 1, 2, 3]]
+    assert CF.truncate_batch({"composition": ids}, 4)["composition"].shape == (B, 4)
     # through the Trainer: the first training batch raises, before any step
     data = CurriculumDataModule(TinyDataModule(ImagePairs(), batch_size=B))
     trainer = make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": TRUNC})], max_steps=2, max_epochs=-1)
