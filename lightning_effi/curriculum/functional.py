@@ -847,9 +847,10 @@ WHISPER_FRAMES = 3000
 
 def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | None:
     """Which axis of the ``[b, n, frames]`` tensor at ``path`` the batch says holds the frames: 2 for Whisper's
-    3,000 frames, a mask ``[b, frames]`` beside it, or a ``[b]`` tensor of lengths (a name with a length word,
-    :func:`~lightning_effi.core.measure.length_stem`: ``lengths``, ``input_lengths``, ``mel_lens``; integer or
-    float) with a value above ``n`` and none above ``frames``; 1 for a mask ``[b, n]`` or lengths whose longest is
+    3,000 frames, a mask ``[b, frames]`` beside it, or a ``[b]`` tensor of its lengths (a name with a length word,
+    :func:`~lightning_effi.core.measure.length_stem`, whose stem is empty or in the tensor's name: ``lengths``,
+    ``mel_lens``; not a transcript's ``text_lengths``; integer or float) with a value above ``n`` and none above
+    ``frames``; 1 for a mask ``[b, n]`` or lengths whose longest is
     ``n``; None when the batch does not say (no lengths, or relative ones)."""
     if frames == WHISPER_FRAMES:
         return 2
@@ -859,7 +860,9 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
         other_name = str(leaf_name(batch, other) or "").lower()
         if v.ndim == 2 and "mask" in other_name and int(v.shape[1]) in (n, frames) and n != frames:
             return 2 if int(v.shape[1]) == frames else 1
-        if v.ndim == 1 and other_name and length_stem(other_name) is not None and v.numel() and not _relative(v):
+        stem = length_stem(other_name) if other_name else None
+        own = stem is not None and (not stem or stem in str(leaf_name(batch, path) or "").lower())
+        if v.ndim == 1 and own and v.numel() and not _relative(v):
             longest = float(v.max())
             if n < longest <= frames:
                 return 2
@@ -870,6 +873,22 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
 
 #: parts of a tensor's name that say it holds a spectrogram (not generic features of a frame)
 SPECTROGRAM_NAMES = ("mel", "spectr", "fbank")
+
+
+def _own_lengths_beyond(batch: Any, path: Path, name: str, b: int, n: int, frames: int) -> bool:
+    """Whether a ``[b]`` tensor of lengths of the tensor at ``path`` (a length word, its stem empty or in ``name``:
+    ``lengths``, ``spec_lens``; integer or float, not relative) has a value above ``n`` and none above ``frames``:
+    a batch-first tensor's lengths never exceed its axis 1."""
+    for other, v in tensor_leaves(batch):
+        other_name = str(leaf_name(batch, other) or "").lower()
+        if other == path or v.ndim != 1 or int(v.shape[0]) != b or not other_name or not v.numel():
+            continue
+        stem = length_stem(other_name)
+        if stem is None or (stem and stem not in name) or v.dtype == torch.bool or _relative(v):
+            continue
+        if n < float(v.max()) <= frames:
+            return True
+    return False
 
 
 def _channel_first(batch: Any, path: Path, name: str, v: Tensor) -> bool:
@@ -891,25 +910,40 @@ def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> No
     tensor cut on axis 1 only, ``n`` in :data:`MEL_BINS`, ``S`` more than twice ``n``, and :func:`_channel_first`.
     The shape alone cannot tell them from batch-first features of ``n`` frames (64 frames of 2,048-dimensional video
     features, 128 of HuBERT's 768), which were refused when a padded batch happened to be that long (qa54-break 01);
-    the lengths beside them tell, and a spectrogram's name without them (qa55-break 03)."""
+    the lengths beside them tell, and a spectrogram's name without them (qa55-break 03). Lengths of the tensor above
+    its axis 1 tell for any name and bins; a spectral tensor left whole beside a cut mask of its axis 2 is refused
+    too."""
+    cut_length = next((int(_leaf(batch, p).shape[a]) for p, axes in cut.items() for a in axes[:1]), None)
     for path, v in tensor_leaves(batch):
         name = str(_name(path) or "").lower()
-        if (
-            cut.get(path) == (1,)
-            and v.ndim == 3
-            and v.is_floating_point()
-            and int(v.shape[1]) in MEL_BINS
-            and int(v.shape[2]) > 2 * int(v.shape[1])
-            and any(part in name for part in SPECTRAL_NAMES)
-            and _channel_first(batch, path, name, v)
-        ):
-            raise ValueError(
-                f"seqlen_truncate: {name!r} {list(v.shape)} looks channel first, [B, n_mels, frames] (Whisper's "
-                f"input_features): its axis 1 holds {v.shape[1]} mel bins, and a cut there keeps the first bins of "
-                f"every frame, not the first frames. seqlen_truncate cuts axis 1: give the features as [B, frames, "
-                "n_mels] in your collate (and transpose back in the model), or order the samples by a difficulty "
-                "metric of their duration instead of cutting them (Whisper pads every clip to 30 s)"
-            )
+        spectral = any(part in name for part in SPECTRAL_NAMES)
+        if v.ndim != 3 or not v.is_floating_point():
+            continue
+        # left whole beside a cut mask of its axis 2 (Whisper's features with their frames' attention_mask: only the
+        # mask was cut, in silence, qa56-break 06)
+        whole = path not in cut and spectral and cut_length is not None and int(v.shape[2]) == cut_length
+        if cut.get(path) == (1,):
+            b, n, frames = (int(d) for d in v.shape)
+            named = spectral and n in MEL_BINS and frames > 2 * n and _channel_first(batch, path, name, v)
+            # lengths of this tensor beyond its axis 1: its frames are on axis 2, whatever its name or bins
+            # (n_mels=96, a tensor named `spec` or `x`, qa56-break 07)
+            told = frames > n and _own_lengths_beyond(batch, path, name, b, n, frames)
+            if not (named or told):
+                continue
+        elif not whole:
+            continue
+        raise ValueError(
+            f"seqlen_truncate: {name!r} {list(v.shape)} looks channel first, [B, n_mels, frames] (Whisper's "
+            f"input_features): its axis 1 holds {v.shape[1]} mel bins, and a cut "
+            + (
+                "there keeps the first bins of every frame, not the first frames"
+                if not whole
+                else "of its frames' mask alone leaves the features whole beside it"
+            )  # fmt: skip
+            + ". seqlen_truncate cuts axis 1: give the features as [B, frames, n_mels] in your collate (and transpose "
+            "back in the model), or order the samples by a difficulty metric of their duration instead of cutting "
+            "them (Whisper pads every clip to 30 s)"
+        )
 
 
 def _refuse_named_of_another_length(batch: Any, keys: Sequence[str], reference: Path, b: int, t: int) -> None:

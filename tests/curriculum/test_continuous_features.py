@@ -394,6 +394,18 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
         # generic length names, float and relative lengths, none: refused too (qa55-break 03)
         with pytest.raises(ValueError, match=r"'mel' \[4, 80, 200\] looks channel first"):
             CF.truncate({"mel": torchaudio_mel, **told}, 40, keys=["mel"])
+    # Whisper's features beside their frames' mask: only the mask was cut (qa56-break 06); a channel-first tensor of
+    # other bins or another name, told by its own lengths (qa56-break 07)
+    whisper_mask = {"input_features": torch.randn(2, 80, 3000, generator=g), "attention_mask": torch.ones(2, 3000)}
+    with pytest.raises(ValueError, match=r"'input_features' \[2, 80, 3000\] looks channel first.*mask alone"):
+        CF.truncate(whisper_mask, 100)
+    for name, bins in (("mel", 96), ("spec", 80), ("x", 80)):
+        told = {name: torch.randn(4, bins, 500, generator=g), f"{name}_lens": torch.tensor([500, 400, 300, 200])}
+        with pytest.raises(ValueError, match=rf"'{name}' \[4, {bins}, 500\] looks channel first"):
+            CF.truncate(told, 40, keys=[name])
+    # lengths of another tensor beyond axis 1 tell nothing: batch-first features beside a transcript's lengths
+    text = {"features": torch.randn(4, 40, 768, generator=g), "text_lengths": torch.tensor([100, 90, 80, 70])}
+    assert CF.truncate(text, 16, keys=["features"]).batch["features"].shape == (4, 16, 768)
     # batch-first features whose padded length happens to be a mel-bin count: cut (qa54-break 01)
     for name, shape, lengths in (("video_features", (4, 64, 2048), None), ("features", (4, 128, 768), [128, 90]),
                                  ("mel", (4, 40, 128), [40, 30]), ("mel", (4, 80, 200), [80, 60])):  # fmt: skip
