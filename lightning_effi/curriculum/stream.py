@@ -549,6 +549,9 @@ def fingerprint_diff(saved: Any, current: Mapping[str, Any]) -> dict[str, tuple[
         out = {k: v for k, v in fingerprint.items() if k != "config"}
         if isinstance(config, Mapping):
             out.update(config)
+            # options the fingerprint holds only when set: their defaults, not None, in the message (qa56-ts 05)
+            out.setdefault("keep_last_token", False)
+            out.setdefault("truncation_side", "right")
         elif "config" in fingerprint:
             out["config"] = config
         return out

@@ -403,6 +403,10 @@ def test_fingerprint_diff_reports_an_added_metric_as_one_entry():
     assert diff["metrics.seqlen_truncate"][0] is None and diff["metrics.seqlen_truncate"][1]["max_difficulty"] == 16
     assert fingerprint_diff(a, a) == {}
     assert "seed" in fingerprint_diff("not a dict", a)  # a damaged fingerprint: every setting differs
+    # an option the fingerprint holds only when set reads as its default, not None (qa56-ts 05)
+    left = controller({"seqlen_truncate": trunc()["seqlen_truncate"]}, n=40, truncation_side="left").fingerprint()
+    right = controller({"seqlen_truncate": trunc()["seqlen_truncate"]}, n=40).fingerprint()
+    assert fingerprint_diff(left, right) == {"truncation_side": ("left", "right")}
 
 
 class _EpochLengths(pl.Callback):
