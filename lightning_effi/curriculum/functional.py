@@ -850,8 +850,8 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
     3,000 frames, a mask ``[b, frames]`` beside it, or a ``[b]`` tensor of its lengths (a name with a length word,
     :func:`~lightning_effi.core.measure.length_stem`, whose stem is empty or in the tensor's name: ``lengths``,
     ``mel_lens``; not a transcript's ``text_lengths``; integer or float) with a value above ``n`` and none above
-    ``frames``; 1 for a mask ``[b, n]`` or lengths whose longest is
-    ``n``; None when the batch does not say (no lengths, or relative ones)."""
+    ``frames``; 1 for a mask ``[b, n]`` or lengths whose longest is ``n``; None when the batch does not say (no
+    lengths, or relative ones)."""
     if frames == WHISPER_FRAMES:
         return 2
     for other, v in tensor_leaves(batch):
