@@ -926,7 +926,7 @@ def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> No
             b, n, frames = (int(d) for d in v.shape)
             named = spectral and n in MEL_BINS and frames > 2 * n and _channel_first(batch, path, name, v)
             # lengths of this tensor beyond its axis 1: its frames are on axis 2, whatever its name or bins
-            # (n_mels=96, a tensor named `spec` or `x`, qa56-break 07)
+            # (n_mels=96, a tensor named `x`, qa56-break 07)
             told = frames > n and _own_lengths_beyond(batch, path, name, b, n, frames)
             if not (named or told):
                 continue
