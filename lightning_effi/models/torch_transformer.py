@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,21 +210,28 @@ def _not_a_block_list(container: nn.Module) -> str:
     return ""
 
 
-def single_layer_list(model: nn.Module) -> str | None:
-    """For a network with no list of identical blocks: the longest ``nn.ModuleList`` / ``nn.Sequential`` of at least
-    2 single PyTorch layers of one class (a GNN's ``nn.Linear`` per hop), as a phrase for an error message naming the
-    remedy; None when there is none (the refusal named no reason, qa54-domains 05)."""
+def _longest_list_of_one_class(model: nn.Module, reason: Callable[[str], bool]) -> tuple[str, list[nn.Module]] | None:
+    """The longest ``nn.ModuleList`` / ``nn.Sequential`` of ``model`` holding at least 2 modules of one class that is
+    no list of blocks for a reason (:func:`_not_a_block_list`) ``reason`` accepts, as ``(name, its modules)``."""
     near = [
         (name, list(m.children()))
         for name, m in model.named_modules()
         if isinstance(m, (nn.ModuleList, nn.Sequential))
         and len(list(m.children())) >= 2
         and len({type(b) for b in m.children()}) == 1
-        and "single PyTorch layer" in _not_a_block_list(m)
+        and reason(_not_a_block_list(m))
     ]
-    if not near:
+    return max(near, key=lambda item: len(item[1])) if near else None
+
+
+def single_layer_list(model: nn.Module) -> str | None:
+    """For a network with no list of identical blocks: the longest ``nn.ModuleList`` / ``nn.Sequential`` of at least
+    2 single PyTorch layers of one class (a GNN's ``nn.Linear`` per hop), as a phrase for an error message naming the
+    remedy; None when there is none (the refusal named no reason, qa54-domains 05)."""
+    found = _longest_list_of_one_class(model, lambda why: "single PyTorch layer" in why)
+    if found is None:
         return None
-    name, layers = max(near, key=lambda item: len(item[1]))
+    name, layers = found
     return (
         f"its list {name!r} holds {len(layers)} single {type(layers[0]).__name__} layers, not blocks: the V-cycle "
         "coalesces a list of blocks, each a module of your own around its layers (wrap each layer, with its "
@@ -236,17 +243,12 @@ def unequal_block_list(model: nn.Module) -> str | None:
     """For a network with no list of identical blocks: the longest ``nn.ModuleList`` / ``nn.Sequential`` of at least
     2 blocks of one class whose blocks differ, with the first difference (e.g. T5's first block alone holds the
     relative position bias table), as a phrase for an error message; None when there is none."""
-    near = [
-        (name, list(m.children()))
-        for name, m in model.named_modules()
-        if isinstance(m, (nn.ModuleList, nn.Sequential))
-        and len(list(m.children())) >= 2
-        and len({type(b) for b in m.children()}) == 1
-        and _not_a_block_list(m) == "the blocks' state-dict names, shapes or dtypes differ"
-    ]
-    if not near:
+    found = _longest_list_of_one_class(
+        model, lambda why: why == "the blocks' state-dict names, shapes or dtypes differ"
+    )
+    if found is None:
         return None
-    name, blocks = max(near, key=lambda nb: len(nb[1]))
+    name, blocks = found
     first = {k: (tuple(t.shape), t.dtype) for k, t in blocks[0].state_dict().items()}
     for i, block in enumerate(blocks[1:], start=1):
         other = {k: (tuple(t.shape), t.dtype) for k, t in block.state_dict().items()}
