@@ -241,7 +241,9 @@ class CurriculumCollate:
                     else "no tensor named attention_mask or input_ids and no integer [B, S] tensor (token ids, B "
                     "the first dimension of the batch's first tensor)"
                 )
-                if "edge_index" in F.tensor_names(batch):
+                if "edge_index" in F.tensor_names(batch) or any(
+                    F.is_edge_list(batch, v) for _, v in F.tensor_leaves(batch)
+                ):
                     which += (
                         " (a graph batch: its edge_index [2, E] is no sequence; order the graphs by a difficulty "
                         "metric of their size instead of cutting them)"

@@ -294,8 +294,23 @@ def _reference(batch: Any, keys: Sequence[str] | None) -> tuple[Path, Tensor] | 
         lead = next((int(v.shape[0]) for _, v in found if int(v.shape[0]) > 1), 1 if found else None)
         for path, value in found:
             if value.ndim == 2 and _is_integer(value) and int(value.shape[0]) == lead:
-                return path, value
+                return None if is_edge_list(batch, value) else (path, value)
     return None
+
+
+def is_edge_list(batch: Any, value: Tensor) -> bool:
+    """Whether the integer ``[2, E]`` tensor ``value`` of ``batch`` reads as a graph's edge list (PyG's
+    ``edge_index``) rather than token ids ``[B=2, T]``: no other tensor of the batch has a first dimension of 2, and a
+    float tensor ``[N, F]`` of ``N != 2`` rows (node features) has a row for every index of ``value`` (all in
+    ``[0, N)``). An unnamed ``(edge_index, x)`` tuple had its edge list cut to the scheduled length in silence
+    (qa55-break 04)."""
+    if value.ndim != 2 or int(value.shape[0]) != 2 or not _is_integer(value) or value.numel() == 0:
+        return False
+    others = [v for _, v in tensor_leaves(batch) if v is not value and v.ndim >= 1]
+    if any(int(v.shape[0]) == 2 for v in others):
+        return False
+    low, high = int(value.min()), int(value.max())
+    return low >= 0 and any(v.ndim == 2 and v.is_floating_point() and high < int(v.shape[0]) for v in others)
 
 
 def _index_name(name: str | None) -> bool:
@@ -332,8 +347,8 @@ def sequence_reference(batch: Any, keys: Sequence[str] | None = None) -> Tensor 
       the batch's first tensor of 2 dimensions or more (token ids ``[B, T]``; in a tuple batch ``(ids, labels)``,
       ``ids``; a broadcast ``[1, T]`` tensor gives no batch size beside ``[B, T]`` ones); tensors named
       ``edge_index`` or like position ids are none (a graph batch's ``edge_index [2, E]`` beside node features
-      ``[N, F]``, ``position_ids [1, T]`` beside tokens; an unnamed ``(edge_index, x)`` tuple cannot be told from
-      ids).
+      ``[N, F]``, ``position_ids [1, T]`` beside tokens), nor an unnamed integer ``[2, E]`` tensor that reads as an
+      edge list (:func:`is_edge_list`).
 
     The batch must be batch-first (``[B, T]``, ``batch_first=True``): a sequence-first ``[T, B]`` tensor reads as
     ``B = T`` (:func:`truncate` refuses it when given the batch size). None when there is none (images, float

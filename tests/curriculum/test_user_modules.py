@@ -251,6 +251,16 @@ def test_nothing_truncatable_is_a_clear_error_at_the_first_batch(tmp_path):
 
     x, edges = torch.randn(24, 3), torch.randint(0, 24, (2, 30))
     assert CF.sequence_reference({"edge_index": edges, "x": x, "batch": torch.zeros(24, dtype=torch.long)}) is None
+    # an unnamed (edge_index, x) tuple: its edge list was cut to [2, 5] (qa55-break 04); token ids [2, T] beside
+    # labels [2], or beside features of their own batch size, stay ids
+    assert CF.sequence_reference((edges, x)) is None and CF.truncate_batch((edges, x), 5)[0] is edges
+    with pytest.raises(DataConfigError, match=r"a graph batch: its edge_index \[2, E\] is no sequence"):
+        CurriculumCollate(lambda items: (edges, x), ["seqlen_truncate"])([(s, (i, 1, 0, (4,))) for i, s in
+                                                                        enumerate(samples)])  # fmt: skip
+    pair = torch.randint(0, 9, (2, T))
+    assert CF.sequence_reference((pair, torch.tensor([0, 1]))) is pair
+    assert CF.sequence_reference((pair, torch.randn(2, 3))) is pair
+    assert CF.sequence_reference((pair,)) is pair
     ids = torch.randint(0, 9, (B, T))
     assert CF.sequence_reference({"position_ids": torch.arange(T)[None], "tokens": ids}) is ids
     assert CF.sequence_reference({"task": torch.tensor([1]), "ids": ids}) is ids
