@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.utils.data import default_collate
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, batch_size_of, tokens_of
@@ -423,6 +424,8 @@ class Curriculum(Callback):
             longest = None
             if length is None:  # no one length (per-batch padding): the longest batch bounds the range
                 longest = self._longest_sequence(trainer, dataset, template["collate_fn"], n, config.truncate_keys)
+            if length is not None and "seqlen_truncate" in config.metrics:
+                _refuse_channel_first_window(dataset, template["collate_fn"], config, length)
             if length is not None or longest is not None:
                 for message in config.check_data_length(length or longest, one_length=length is not None):
                     rank_zero_warn(f"Curriculum: {message}")
@@ -1101,6 +1104,26 @@ class Curriculum(Callback):
 
 
 CurriculumCallback = Curriculum
+
+
+def _refuse_channel_first_window(dataset: Any, collate_fn: Any, config: CurriculumConfig, length: int) -> None:
+    """Refuse a sequence tensor that reads as channel first ``[B, C, T]`` (:func:`~lightning_effi.curriculum
+    .functional.channel_first_window`): ``seqlen_truncate`` cuts axis 1, its channels, and the run would train on the
+    first channels of every window while reporting the cut as the curriculum's saving (qa56-ts 03)."""
+    top = config.metrics["seqlen_truncate"].max_difficulty
+    try:
+        batch = (collate_fn or default_collate)([dataset[0]])
+    except Exception:  # the user's data or collate: left to the training loader, which raises it in context
+        return
+    found = F.channel_first_window(batch, config.truncate_keys, top)
+    if found is not None:
+        raise CurriculumConfigError(
+            f"curriculum_metrics.seqlen_truncate: the sequence tensor {found} (one sample) is read batch first, "
+            f"[B, S, D] with S = {length} on axis 1, the axis seqlen_truncate cuts, but max_difficulty ({top}) is "
+            "its last axis: a channel-first [B, C, T] window (C channels, T steps) would have its channels cut. "
+            "Hold it [B, T, C] (transpose in the data set or collate, and back in the model), or, if axis 1 is the "
+            f"sequence, set max_difficulty to {length}, the data's full length"
+        )
 
 
 def _refuse_encoder_decoder(pl_module: pl.LightningModule) -> None:

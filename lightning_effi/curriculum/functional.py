@@ -298,6 +298,23 @@ def _reference(batch: Any, keys: Sequence[str] | None) -> tuple[Path, Tensor] | 
     return None
 
 
+def channel_first_window(batch: Any, keys: Sequence[str] | None, max_difficulty: int) -> str | None:
+    """A description of the batch's sequence tensor (:func:`sequence_reference`) when it reads as channel first
+    ``[B, C, T]`` against ``max_difficulty``: a float ``[B, S, D]`` tensor whose axis 1 (read as the sequence) is longer
+    than ``max_difficulty`` while its last axis is ``max_difficulty`` itself (a forecaster's look-back window held
+    ``[B, channels, steps]``, as PatchTST and DLinear code bases hold it, had its channels cut, qa56-ts 03); None
+    otherwise. Used by ``Curriculum.setup`` with ``seqlen_truncate``'s ``max_difficulty`` (tokens)."""
+    found = _reference(batch, keys)
+    if found is None:
+        return None
+    path, v = found
+    if v.ndim != 3 or not v.is_floating_point() or _is_mask_name(_name(path)):
+        return None
+    if int(v.shape[1]) > max_difficulty == int(v.shape[2]):
+        return f"{'.'.join(map(str, path)) or 'batch'}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+    return None
+
+
 def is_edge_list(batch: Any, value: Tensor) -> bool:
     """Whether the integer ``[2, E]`` tensor ``value`` of ``batch`` reads as a graph's edge list (PyG's
     ``edge_index``) rather than token ids ``[B=2, T]``: no other tensor of the batch has a first dimension of 2, and a

@@ -512,3 +512,35 @@ def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(
         trainer.fit(module, datamodule=CurriculumDataModule(Windows()))
     assert module.gaps == [1.0] * 4 and module.lengths[0] < T
     assert monitor.summary["baseline_tokens"] == 4 * 4 * T and monitor.summary["tokens"] == 4 * sum(module.lengths)
+
+
+def test_a_channel_first_window_is_refused_at_setup(tmp_path):
+    """A look-back window held ``[B, C, T]`` with more channels than steps (Electricity: 321 channels, 96 steps) was cut
+    on its channels (80 -> 24 .. 64, never back), with only the below-the-data's-length warning (qa56-ts 03)."""
+    from lightning_effi.curriculum import functional as CF
+
+    C, steps = 40, T
+
+    class ChannelFirst(Dataset):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> dict:
+            return {"past": torch.randn(C, steps), "future": torch.randn(C, 4)}
+
+    class Windows(pl.LightningDataModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(ChannelFirst(), batch_size=4)
+
+    window = {"past": torch.randn(2, C, steps)}
+    assert CF.channel_first_window(window, ["past"], steps) == "past: float32[2, 40, 24]"
+    assert CF.channel_first_window(window, ["past"], C) is None  # axis 1 up to its full length
+    assert CF.channel_first_window({"past": torch.randn(2, steps, C)}, ["past"], C) is None
+    schedule = dict(total_curriculum_step=4, difficulty_step=4)
+    metric = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8, max_difficulty=steps,
+                  schedule_type="fixed_linear", schedule_config=schedule)  # fmt: skip
+    curriculum = Curriculum(metrics={"seqlen_truncate": metric}, truncate_keys=["past"], truncation_side="left")
+    trainer = make_trainer(tmp_path, [curriculum], max_steps=4, max_epochs=-1)
+    with pytest.raises(CurriculumConfigError, match=r"past: float32\[1, 40, 24\] .* channel-first \[B, C, T\] window"):
+        trainer.fit(Forecaster(), datamodule=CurriculumDataModule(Windows()))
+    assert trainer.global_step == 0
