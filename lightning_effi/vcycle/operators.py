@@ -927,7 +927,10 @@ def carry_activation_checkpointing(large: nn.Module, small: nn.Module) -> None:
     """Set the activation checkpointing of ``large`` on ``small``, module by module of the same name
     (:data:`CHECKPOINTING_ATTRS`). An adapter builds the small network from a config, so a model checkpointed by
     ``gradient_checkpointing_enable()`` or ``set_grad_checkpointing()`` trained its coarse levels without it, with the
-    activations' memory the user had turned off (qa54-extras 01)."""
+    activations' memory the user had turned off (qa54-extras 01). The input embeddings' gradient hook of Hugging Face's
+    ``enable_input_require_grads()`` (which ``gradient_checkpointing_enable()`` registers when the embeddings are
+    frozen) is registered on ``small`` too: without it a reentrant checkpoint of the coarse network had no input that
+    requires grad, and none of its blocks trained (every gradient None, qa57-break 03)."""
     targets = dict(small.named_modules())
     for name, module in large.named_modules():
         target = targets.get(name)
@@ -937,6 +940,10 @@ def carry_activation_checkpointing(large: nn.Module, small: nn.Module) -> None:
             value = vars(module).get(attr)
             if value is not None and not isinstance(value, nn.Module | Tensor):
                 setattr(target, attr, value)
+        hooked = vars(module).get("_require_grads_hooks") or vars(module).get("_require_grads_hook") is not None
+        enable = getattr(target, "enable_input_require_grads", None)
+        if hooked and callable(enable) and not vars(target).get("_require_grads_hooks"):
+            enable()
 
 
 def build_levels(

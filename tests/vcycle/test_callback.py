@@ -1126,6 +1126,25 @@ def test_the_coarse_networks_keep_the_activation_checkpointing_of_the_full_one(l
     assert checkpointed(level_3) and checkpointed(larger[2])
 
 
+def test_the_coarse_networks_keep_the_input_gradient_hook_of_frozen_embeddings():
+    """HF's gradient_checkpointing_enable() on a model with frozen embeddings registers a hook that makes the
+    embeddings' output require grad (enable_input_require_grads()); the coarse network had none, so its reentrant
+    checkpoints had no input requiring grad and none of its blocks trained, in silence (qa57-break 03)."""
+    net = tiny_gpt2(**GPT4).model
+    net.transformer.wte.requires_grad_(False)
+    net.transformer.wpe.requires_grad_(False)
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert net._require_grads_hooks  # HF registered it: the embeddings are frozen
+    adapter = find_vcycle_adapter(net)
+    small = V.coalesce_model(net, V.plan_levels(net, adapter, 2)[0], adapter)
+    ids = torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "None of the inputs have requires_grad=True" while it failed
+        small.train()(input_ids=ids, labels=ids).loss.backward()
+    grads = [p.grad for b in small.transformer.h for p in b.parameters()]
+    assert len(grads) == 24 and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
 def test_a_batch_the_training_step_skips_is_not_counted_and_the_accounting_goes_on(tmp_path):
     """A training_step returning None (Lightning's way to skip a batch) made the V-cycle's FLOPs accounting ask the
     monitor for a batch it had not seen; the accounting was disabled for the rest of the fit, with a warning naming
