@@ -882,8 +882,8 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
     3,000 frames, a mask ``[b, frames]`` beside it, or a ``[b]`` tensor of its lengths (a name with a length word,
     :func:`~lightning_effi.core.measure.length_stem`, whose stem is empty or in the tensor's name: ``lengths``,
     ``mel_lens``; not a transcript's ``text_lengths``; integer or float) with a value above ``n`` and none above
-    ``frames``; 1 for a mask ``[b, n]`` or lengths whose longest is ``n``; None when the batch does not say (no
-    lengths, or relative ones)."""
+    ``frames``, or whose longest is ``frames``; 1 for a mask ``[b, n]`` or lengths whose longest is ``n``; None when
+    the batch does not say (no lengths, or relative ones)."""
     if frames == WHISPER_FRAMES:
         return 2
     for other, v in tensor_leaves(batch):
@@ -900,6 +900,8 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
                 return 2
             if longest == n:
                 return 1
+            if longest == frames:  # a batch padded to its longest clip, of fewer frames than bins (qa57-break 04)
+                return 2
     return None
 
 
@@ -909,8 +911,10 @@ SPECTROGRAM_NAMES = ("mel", "spectr", "fbank")
 
 def _own_lengths_beyond(batch: Any, path: Path, name: str, b: int, n: int, frames: int) -> bool:
     """Whether a ``[b]`` tensor of lengths of the tensor at ``path`` (a length word, its stem empty or in ``name``:
-    ``lengths``, ``spec_lens``; integer or float, not relative) has a value above ``n`` and none above ``frames``:
-    a batch-first tensor's lengths never exceed its axis 1."""
+    ``lengths``, ``spec_lens``; integer or float, not relative) has a value above ``n`` and none above ``frames``
+    (a batch-first tensor's lengths never exceed its axis 1), or a longest of exactly ``frames`` below ``n`` (a
+    batch padded to its longest clip, of fewer frames than mel bins: ``[B, 128, 100]`` with lengths up to 100,
+    qa57-break 04)."""
     for other, v in tensor_leaves(batch):
         other_name = str(leaf_name(batch, other) or "").lower()
         if other == path or v.ndim != 1 or int(v.shape[0]) != b or not other_name or not v.numel():
@@ -918,7 +922,8 @@ def _own_lengths_beyond(batch: Any, path: Path, name: str, b: int, n: int, frame
         stem = length_stem(other_name)
         if stem is None or (stem and stem not in name) or v.dtype == torch.bool or _relative(v):
             continue
-        if n < float(v.max()) <= frames:
+        longest = float(v.max())
+        if n < longest <= frames or longest == frames < n:
             return True
     return False
 
@@ -959,7 +964,7 @@ def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> No
             named = spectral and n in MEL_BINS and frames > 2 * n and _channel_first(batch, path, name, v)
             # lengths of this tensor beyond its axis 1: its frames are on axis 2, whatever its name or bins
             # (n_mels=96, a tensor named `x`, qa56-break 07)
-            told = frames > n and _own_lengths_beyond(batch, path, name, b, n, frames)
+            told = _own_lengths_beyond(batch, path, name, b, n, frames)
             if not (named or told):
                 continue
         elif not whole:

@@ -403,6 +403,11 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
         told = {name: torch.randn(4, bins, 500, generator=g), f"{name}_lens": torch.tensor([500, 400, 300, 200])}
         with pytest.raises(ValueError, match=rf"'{name}' \[4, {bins}, 500\] looks channel first"):
             CF.truncate(told, 40, keys=[name])
+    # fewer frames than bins ([B, 128, 100], 1 s clips), told by its own lengths whose longest is axis 2
+    # (qa57-break 04: the first 50 bins were kept and the lengths clamped to 50)
+    short = {"mel": torch.randn(4, 128, 100, generator=g), "mel_lengths": torch.tensor([100, 90, 80, 70])}
+    with pytest.raises(ValueError, match=r"'mel' \[4, 128, 100\] looks channel first"):
+        CF.truncate(short, 50, keys=["mel"])
     # lengths of another tensor beyond axis 1 tell nothing: batch-first features beside a transcript's lengths
     text = {"features": torch.randn(4, 40, 768, generator=g), "text_lengths": torch.tensor([100, 90, 80, 70])}
     assert CF.truncate(text, 16, keys=["features"]).batch["features"].shape == (4, 16, 768)
