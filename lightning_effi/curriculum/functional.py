@@ -389,7 +389,7 @@ def cut_axes(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None =
     - ``[B, T, ...]``: axis 1, and axis 2 too when it has length ``T`` (a pairwise ``[B, T, T, ...]`` tensor: an
       attention bias, a 3-D mask). A ``[B, T, D]`` feature tensor whose width ``D`` happens to equal ``T`` is
       therefore cut on both axes.
-    - position ids broadcast over the batch (``[1, T]``, :func:`_index_name`): axis 1.
+    - position ids broadcast over the batch (``[1, T]``, :func:`_index_name`, or unnamed in a tuple): axis 1.
     - otherwise, with at least 3 dimensions and the last of length ``T``, a tensor named like a mask
       (``*mask*``: ``[B, 1, 1, T]``) or whose last two axes have length ``T`` (``[B, 1, T, T]``, ``[B, H, T, T]``;
       not images, :func:`_looks_like_images`): the last axis, and the one before it when it has length ``T``.
@@ -397,8 +397,11 @@ def cut_axes(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None =
     if keys is not None and _name(path) not in keys:
         return ()
     name = str(_name(path) or "").lower()
-    if v.ndim == 2 and v.shape[0] == 1 < b and v.shape[1] == t and _index_name(name) and name not in GRAPH_INDEX_NAMES:
-        return (1,)  # position ids broadcast over the batch, [1, T]: cut with the tokens
+    if v.ndim == 2 and v.shape[0] == 1 < b and v.shape[1] == t:
+        # position ids broadcast over the batch, [1, T]: cut with the tokens; an unnamed one too (a tuple batch's
+        # (time_ids, ids) crashed the model on 4 vs 8 positions, qa57-break)
+        if _name(path) is None or (_index_name(name) and name not in GRAPH_INDEX_NAMES):
+            return (1,)
     if v.ndim < 2 or v.shape[0] != b:
         return ()
     if v.shape[1] == t:

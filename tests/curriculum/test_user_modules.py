@@ -268,6 +268,9 @@ def test_nothing_truncatable_is_a_clear_error_at_the_first_batch(tmp_path):
     # (qa56-break 04)
     cut = CF.truncate_batch({"timestep_ids": torch.arange(T)[None], "tokens": ids}, 4)
     assert cut["tokens"].shape == (B, 4) and cut["timestep_ids"].tolist() == [[0, 1, 2, 3]]
+    # unnamed in a tuple: left whole, the model crashed on 4 vs 8 positions (qa57-break)
+    times, kept = CF.truncate_batch((torch.arange(T)[None], ids), 4)
+    assert times.tolist() == [[0, 1, 2, 3]] and torch.equal(kept, ids[:, :4])
     assert CF.truncate_batch({"composition": ids}, 4)["composition"].shape == (B, 4)
     # through the Trainer: the first training batch raises, before any step
     data = CurriculumDataModule(TinyDataModule(ImagePairs(), batch_size=B))
