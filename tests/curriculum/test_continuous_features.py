@@ -495,6 +495,19 @@ def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(
     }
     with pytest.raises(ValueError, match=r"packed rows"):
         CF.truncate(packed, 4, truncation_side="left")
+    # a restart after a one-token document is a restart; a left-padded row's pad positions (HF fills them with 1)
+    # are none (qa57-break)
+    with pytest.raises(ValueError, match=r"packed rows"):
+        CF.truncate({**packed, "position_ids": torch.tensor([[0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])}, 4,
+                    truncation_side="left")  # fmt: skip
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    left_padded = {
+        "input_ids": 5 * mask,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).masked_fill(mask == 0, 1),
+    }
+    kept = CF.truncate(left_padded, 3, truncation_side="left").batch["position_ids"]
+    assert kept.tolist() == [[1, 2, 3], [3, 4, 5]]
     with pytest.raises(CurriculumConfigError, match=r"truncation_side='left' .* no seqlen_truncate"):
         schedule = dict(total_curriculum_step=4, difficulty_step=1)
         label = dict(difficulty_type="value", clustering_type="schedule_based", min_difficulty=0, max_difficulty=2,
