@@ -1268,7 +1268,9 @@ def _refuse_forecast_cuts(
 ) -> None:
     """Refuse a cut of a forecast's target (a name with a word of :data:`FORECAST_WORDS`: ``future [B, H, C]``
     whose horizon equals the look-back's ``T``, cut to its last or first steps in silence, qa56-ts 02), and, with
-    ``keys``, a mask of a named tensor left whole (``past_mask [B, T]`` beside ``past`` cut: qa56-ts 04)."""
+    ``keys``, a mask of a named tensor left whole (``past_mask [B, T]`` beside ``past`` cut: qa56-ts 04), or a tensor
+    of its ``T`` steps whose name shares its first word (``past_observed_mask``, ``past_time_features`` beside
+    ``past_values``, Hugging Face's time-series batch)."""
     for path in cut:
         name = str(_name(path) or "").lower()
         if keys is None and any(word in name for word in FORECAST_WORDS):
@@ -1281,13 +1283,21 @@ def _refuse_forecast_cuts(
         return
     for path, v in tensor_leaves(batch):
         name = str(_name(path) or "")
-        if path in cut or v.ndim < 2 or int(v.shape[0]) != b or t not in tuple(v.shape[1:]) or not _is_mask_name(name):
+        if path in cut or v.ndim < 2 or int(v.shape[0]) != b:
             continue
-        owner = next((k for k in keys if name.lower().startswith(f"{k.lower()}_")), None)
+        mask, lowered = _is_mask_name(name), name.lower()
+        owner = None
+        if mask and t in tuple(v.shape[1:]):
+            owner = next((k for k in keys if lowered.startswith(f"{k.lower()}_")), None)
+        if owner is None and int(v.shape[1]) == t:
+            # a tensor of the window's steps sharing the named one's first word: Hugging Face's time-series batch
+            # past_values, past_observed_mask, past_time_features (qa57-break)
+            owner = next((k for k in keys if "_" in k and lowered.startswith(k.lower().split("_")[0] + "_")), None)
         if owner is not None:
+            what = f"its mask {name!r}" if mask and lowered.startswith(f"{owner.lower()}_") else repr(name)
             raise ValueError(
-                f"seqlen_truncate: truncate_keys {list(keys)} names {owner!r} but not its mask {name!r} "
-                f"{list(v.shape)}, which would be left whole beside it; add {name!r} to truncate_keys"
+                f"seqlen_truncate: truncate_keys {list(keys)} names {owner!r} but not {what} {list(v.shape)}, of its "
+                f"{t} steps, which would be left whole beside it; add {name!r} to truncate_keys"
             )
 
 

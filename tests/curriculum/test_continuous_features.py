@@ -486,6 +486,13 @@ def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(
     # the window's own mask left out of truncate_keys, a forecast target cut without them, packed position ids
     with pytest.raises(ValueError, match=r"names 'past' but not its mask 'past_mask'"):
         CF.truncate({**batch, "past_mask": torch.ones(2, T)}, 8, keys=["past"], truncation_side="left")
+    # Hugging Face's time-series batch: the window's other tensors share its first word (qa57-break)
+    hf = {"past_values": torch.randn(2, T), "past_observed_mask": torch.ones(2, T),
+          "past_time_features": torch.randn(2, T, 3), "future_values": torch.randn(2, 4)}  # fmt: skip
+    with pytest.raises(ValueError, match=r"names 'past_values' but not 'past_observed_mask' \[2, 24\]"):
+        CF.truncate(hf, 8, keys=["past_values"], truncation_side="left")
+    every = ["past_values", "past_observed_mask", "past_time_features"]
+    assert CF.truncate(hf, 8, keys=every, truncation_side="left").batch["past_time_features"].shape == (2, 8, 3)
     with pytest.raises(ValueError, match=r"'future' holds a forecast's target steps"):
         same_length = {"past": batch["past"], "future": batch["past"].clone(), "attention_mask": torch.ones(2, T)}
         CF.truncate(same_length, 8, truncation_side="left")
