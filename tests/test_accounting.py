@@ -97,6 +97,35 @@ def test_a_batch_of_several_training_loaders_counts_every_loader(tmp_path, struc
     assert s["flops"] == 6 * 3 * 2 * (8 * 16 + 4 * 12) * 16 * 64  # the head's matmuls on both loaders' batches
 
 
+class _TwoResumableSources(_TwoSources):
+    """:class:`_TwoSources` with loaders that resume mid-epoch."""
+
+    def train_dataloader(self):
+        from lightning_effi.core.loader import EpochShuffleSampler, ResumableDataLoader
+
+        a, b = TokenBlocks(n=40), TokenBlocks(n=40, seq_len=12, seed=1)
+        return {
+            "a": ResumableDataLoader(a, batch_size=8, sampler=EpochShuffleSampler(a, seed=0)),
+            "b": ResumableDataLoader(b, batch_size=4, sampler=EpochShuffleSampler(b, seed=1)),
+        }
+
+
+def test_a_mid_epoch_resume_counts_every_loader_of_the_resumed_epoch(tmp_path):
+    """Lightning skips on_train_epoch_start for the epoch a mid-epoch checkpoint resumes into: the rest of that
+    epoch was counted as one loader's batches (tokens 1,408 for 1,536, qa57-loops 01)."""
+    _, resumed = assert_resume_equals_uninterrupted(
+        lambda: _TwoResumableSources("dict"),
+        lambda: None,
+        tmp_path,
+        total_steps=8,
+        resume_step=3,
+        callbacks_fn=lambda: [EfficiencyMonitor(print_summary=False)],
+        ignore_state=MONITOR_TIMES,
+    )
+    s = resumed.callbacks[0].summary
+    assert s["samples"] == 8 * (8 + 4) and s["tokens"] == 8 * (8 * 16 + 4 * 12)
+
+
 def test_tokens_count_real_tokens_only_with_padding(tmp_path):
     dm = tiny_sentence_data()
     expected = int(dm.train_dataset.sequence_lengths().sum())

@@ -1319,6 +1319,13 @@ class EfficiencyMonitor(Callback):
         return name
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning skips on_train_epoch_start for the epoch a mid-epoch checkpoint resumes into: the loaders of a
+        # CombinedLoader were unknown there, and the rest of that epoch was counted as one loader's (qa57-loops 01)
+        self._train_loaders = trainer.train_dataloader
+        self._mark = self._now(pl_module)
+
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train_loaders = trainer.train_dataloader  # built (or rebuilt) for this epoch by now
         self._mark = self._now(pl_module)
