@@ -1687,6 +1687,7 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
             _python_rng_kept(),
             unshown_warnings(),
             _attention_fastpath_off(),
+            _causal_mask_detection_off(),
             _fake_tensor_log_quiet(),
             # Trainer(detect_anomaly=True): the anomaly mode's checks of the backward read fake tensors' data, and
             # every replay failed, taken for a data-dependent shape (FLOPs 0, qa54-extras 02)
@@ -1708,7 +1709,8 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
             raise MeasureError(
                 f"replaying {type(target).__name__} failed: its forward makes a shape that depends on the data's "
                 f"values ({type(err).__name__}: {err}; boolean-mask indexing such as hidden[labels != -100], "
-                "torch.nonzero, masked_select), which a replay on fake tensors cannot know",
+                "torch.nonzero, masked_select, pack_padded_sequence's lengths, a Python branch on a tensor's values "
+                "such as .item() or bool(mask.all())), which a replay on fake tensors cannot know",
                 data_dependent=True,
             ) from err
         raise MeasureError(f"replaying {type(target).__name__} failed ({type(err).__name__}: {err})") from err
@@ -1731,6 +1733,31 @@ def _attention_fastpath_off() -> Iterator[None]:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+@contextlib.contextmanager
+def _causal_mask_detection_off() -> Iterator[None]:
+    """``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` given a mask and no ``is_causal`` compare the mask's values
+    with a causal one (``torch.nn.modules.transformer._detect_is_causal_mask``), which a fake tensor cannot: every
+    replay of a hand-written causal encoder (SASRec, PyTorch's language-model tutorial) failed as a data-dependent
+    shape, and the curriculum's FLOPs saving read 0 (qa57-seq 01). While a replay runs, a fake mask reads as not
+    causal: the layers then apply the mask itself, whose products ``FlopCounterMode`` counts as the causal path's
+    (its attention formula counts the full ``T x T`` scores either way)."""
+    from torch.nn.modules import transformer
+
+    detect = transformer._detect_is_causal_mask
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def by_hint(mask: Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
+        if isinstance(mask, FakeTensor) and is_causal is None:
+            return False
+        return detect(mask, is_causal, size)
+
+    transformer._detect_is_causal_mask = by_hint
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
 
 
 @contextlib.contextmanager
