@@ -612,6 +612,7 @@ class EfficiencyMonitor(Callback):
         self._observed_tokens: int | None = None  # tokens in the first block's hidden states in the current batch
         self._observed_shape: tuple[int, ...] | None = None  # those hidden states' shape
         self._observed_sequence_first = False  # that block reads [T, B, H] (an nn.MultiheadAttention's batch_first)
+        self._rnn_input: tuple[int, ...] | None = None  # the [T, B, H] input of a sequence-first nn.RNNBase
         self._prepended: int | None = None  # positions a row the blocks see in front of the batch's tokens
         self._prepended_rows: tuple[int, ...] | None = None  # the shape of the token ids they were counted beside
         self._observed_width = False  # whose last dimension is a width of the block ([B, T, H], not [B, C, T])
@@ -1055,8 +1056,10 @@ class EfficiencyMonitor(Callback):
         size = find_batch_size(batch)
         if size is None:
             return None
-        shape = self._observed_shape
-        if self._observed_sequence_first and shape is not None and shape[0] != shape[1]:
+        shape = self._observed_shape if self._observed_sequence_first else None
+        if shape is None and self._observed_shape is None:
+            shape = self._rnn_input  # no block list read the batch: a sequence-first RNN's input, if one ran
+        if shape is not None and shape[0] != shape[1]:
             lead = next((v for _, v in tensor_leaves(batch) if v.ndim >= 2 and int(v.shape[0]) == size), None)
             if lead is not None and tuple(lead.shape[:2]) == tuple(shape[:2]):
                 return int(lead.shape[1])
@@ -1362,6 +1365,13 @@ class EfficiencyMonitor(Callback):
         self._calls, self._batch_shapes, self._observed_tokens, self._observed_shape = None, None, None, None
         self._observed_sequence_first = False
         self._observed_width = False
+        self._rnn_input = None
+        if not callable(getattr(pl_module, "effi_count_samples", None)):
+            # a sequence-first recurrent network (nn.LSTM / nn.GRU with batch_first=False, PyTorch's word-language
+            # model): its [T, B, H] input tells the samples of a [T, B] batch (T was counted, 140 for 24, qa57-seq 02)
+            for module in pl_module.modules():
+                if isinstance(module, nn.RNNBase) and not module.batch_first:
+                    self._block_hooks.append(module.register_forward_pre_hook(self._observe_rnn))
         if key is not None:  # the recorded step runs uncompiled: the hooks would break the graph dynamo keeps
             self._eager = torch.compiler.set_stance("force_eager")
         if not callable(getattr(pl_module, "effi_training_flops", None)) and not self._own_flops(pl_module):
@@ -1575,6 +1585,12 @@ class EfficiencyMonitor(Callback):
                 for m in module.modules()
             ),
         )
+
+    def _observe_rnn(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """The input shape of the step's first call of a sequence-first ``nn.RNNBase`` (``[T, B, H]``; a
+        ``PackedSequence`` tells none)."""
+        if self._rnn_input is None and args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3:
+            self._rnn_input = tuple(int(d) for d in args[0].shape)
 
     def _observe_attention(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The query shape of the first call of a sequence-first ``nn.MultiheadAttention`` in that block: the block

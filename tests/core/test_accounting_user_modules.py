@@ -1722,6 +1722,34 @@ def test_a_sequence_first_batch_counts_its_second_dimension_as_the_samples(tmp_p
     assert [row["tokens"] for row in per_batch.rows] == [B * T] * 3
 
 
+class SequenceFirstRNN(SequenceFirstLM):
+    """The word-language-model example's LSTM: ``nn.LSTM`` with its default ``batch_first=False``, no block list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.LSTM(32, 32, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        return F.cross_entropy(self.head(self.blocks(self.embed(ids))[0]).flatten(0, 1), targets.flatten())
+
+
+def test_a_sequence_first_batch_of_a_recurrent_network_counts_its_second_dimension(tmp_path: Path) -> None:
+    """An ``nn.LSTM`` reading ``[T, B]`` batches sequence first counted T as the samples (140 for 24, samples_per_s
+    5.8x high, qa57-seq 02): no block list told the layout; the LSTM's ``[T, B, H]`` input tells it."""
+    ids = torch.randint(0, V, (3 * B, T + 1), generator=torch.Generator().manual_seed(0))
+    pairs = [(row[:-1], row[1:]) for row in ids]
+    loader = DataLoader(pairs, batch_size=B, collate_fn=lambda rows: tuple(torch.stack(x, 1) for x in zip(*rows)))
+    monitor, _, per_batch = fit(SequenceFirstRNN(), loader, tmp_path, 3)
+    assert [row["samples"] for row in per_batch.rows] == [B] * 3
+    assert [row["tokens"] for row in per_batch.rows] == [B * T] * 3
+    batch_first = DataLoader(pairs, batch_size=B, collate_fn=lambda rows: tuple(torch.stack(x) for x in zip(*rows)))
+    module = SequenceFirstRNN()
+    module.blocks = nn.LSTM(32, 32, 2, batch_first=True)
+    _, _, per_batch = fit(module, batch_first, tmp_path / "batch_first", 3)
+    assert [row["samples"] for row in per_batch.rows] == [B] * 3
+
+
 class OwnBatch:
     """A batch class of one's own (Lightning moves it with its ``to``)."""
 
