@@ -450,6 +450,7 @@ class InfoBatchCallback(Callback):
         self._running: Callable[[Any], bool] | None = None  # live_fit of the fit in progress
         self._reload_before: int | None = None  # the Trainer's reload_dataloaders_every_n_epochs before setup
         self._trainer: pl.Trainer | None = None
+        self._ended_run: tuple[int | float, int] | None = None  # the last fit's (limit_train_batches, world_size)
         self._batch_stepped = False  # under manual optimization: this batch already counted a step
         self._datamodule: InfoBatchDataModule | None = None
         self._last_thin: tuple[int, int] | None = None  # composed mode: (candidates, kept) of the latest micro-batch
@@ -787,6 +788,8 @@ class InfoBatchCallback(Callback):
             trainer.reload_dataloaders_every_n_epochs = self._reload_before
         self._show_clock()
         self._original_step = self._previous_step = self._module = self._reload_before = None
+        if trainer is not None:  # effi_summary() read after the fit keeps its figures (qa57-loops 05)
+            self._ended_run = (trainer.limit_train_batches, trainer.world_size)
         self._trainer, self._step = None, None
 
     def _clear_leftovers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -1785,10 +1788,12 @@ class InfoBatchCallback(Callback):
         settings are known)."""
         t = self._datamodule.template() if self._datamodule is not None else None
         trainer = self._trainer
-        limit = trainer.limit_train_batches if trainer is not None else 1.0
-        if t is None or trainer is None or (isinstance(limit, float) and limit == 1.0):
+        limit, world = (
+            (trainer.limit_train_batches, trainer.world_size) if trainer is not None else self._ended_run or (1.0, 1)
+        )
+        if t is None or limit is None or (isinstance(limit, float) and limit == 1.0):
             return None
-        world, size, drop = trainer.world_size, int(t["batch_size"]), bool(t["drop_last"])
+        size, drop = int(t["batch_size"]), bool(t["drop_last"])
         full = ib.rank_samples(self.dataset_size, size, world, drop, limit)
         return full, ib.rank_samples(epoch_size, size, world, drop, limit)
 
@@ -1799,7 +1804,7 @@ class InfoBatchCallback(Callback):
         limited = self._limited_samples(int(h["size"]))
         if limited is None:
             return int(h["saved"]), self.dataset_size
-        world = self._trainer.world_size if self._trainer is not None else 1
+        world = self._trainer.world_size if self._trainer is not None else (self._ended_run or (1.0, 1))[1]
         full, kept = (n * world for n in limited)
         return max(0, full - kept), full
 

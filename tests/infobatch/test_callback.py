@@ -1013,3 +1013,16 @@ def test_the_threshold_is_logged_in_pruned_epochs_only(tmp_path):
     assert thresholds[0] is None and thresholds[3] is None
     assert thresholds[1:3] == [cb.history[1]["threshold"], cb.history[2]["threshold"]]
     assert all(math.isfinite(v) for r in rows.rows for v in r.values() if isinstance(v, float))
+
+
+def test_the_summary_read_after_the_fit_keeps_the_limit_of_the_fit(tmp_path):
+    """``effi_summary()`` read after the fit forgot ``limit_train_batches`` (the Trainer is let go at teardown): its
+    saved fraction read 0.0486 where the monitor's, written at the fit's end, read 0.0556 (qa57-loops 05)."""
+    from lightning_effi import EfficiencyMonitor
+
+    pl.seed_everything(0)
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path, [monitor, cb], max_epochs=4, limit_train_batches=0.5)
+    trainer.fit(tiny_gpt2(), datamodule=ib_data(n=48, batch_size=4))
+    during = monitor.summary["infobatch/saved_fraction"]
+    assert during > 0 and cb.effi_summary()["infobatch/saved_fraction"] == during
