@@ -416,6 +416,7 @@ def resolve_stages(
     num_training_batches: float | None = None,
     accumulate_grad_batches: int = 1,
     owner: str = "VCycleCallback",
+    unknown_because: str | None = None,
 ) -> list[tuple[int, int]]:
     """The non-final stages ``(level, optimizer steps)`` of a run of ``total_steps`` (None: unknown).
 
@@ -429,10 +430,14 @@ def resolve_stages(
     ups = up_leg_lengths(levels, up_leg)
     units = {d.unit for d in (e_a, e_small, *ups)}
     if total_steps is None and "fraction" in units:
+        # a loader without a length has no epochs to give either (qa57-loops 04: the advice of '2ep' failed next)
+        streamed = unknown_because is not None and "without a length" in unknown_because
         raise ValueError(
-            f"{owner}: the run's length is unknown (max_steps=-1 and max_epochs=-1, or a train dataloader "
-            "without a length), so stage lengths given as fractions of the run ('0.05dur', *_fraction) "
-            "cannot resolve; set trainer.max_steps or give the stage lengths in steps or epochs ('2ep')"
+            f"{owner}: the run's length is unknown ("
+            f"{unknown_because or 'max_steps=-1 and max_epochs=-1, or a train dataloader without a length'}), so "
+            "stage lengths given as fractions of the run ('0.05dur', *_fraction) cannot resolve; set "
+            "Trainer(max_steps=...) or give the stage lengths in optimizer steps (ints)"
+            + ("" if streamed else " or epochs ('2ep')")
         )
     spe = None
     if "epoch" in units:
@@ -492,7 +497,17 @@ def fit_stages(
     if at_setup and (epochs or total is None):
         return None
     batches = trainer.num_training_batches if epochs else None
-    return resolve_stages(levels, e_a, e_small, up_leg, total, batches, trainer.accumulate_grad_batches, owner)
+    max_epochs = getattr(trainer, "max_epochs", None)
+    why = (
+        None
+        if total is not None
+        else "max_epochs=-1 and max_steps=-1"
+        if max_epochs in (-1, None)
+        else f"max_epochs={max_epochs} over a train dataloader without a length (an IterableDataset), and max_steps=-1"
+    )
+    return resolve_stages(
+        levels, e_a, e_small, up_leg, total, batches, trainer.accumulate_grad_batches, owner, unknown_because=why
+    )
 
 
 def stages_mismatch(saved: Sequence[Sequence[int]], current: Sequence[tuple[int, int]]) -> str | None:

@@ -695,8 +695,18 @@ def test_fractions_resolve_against_a_run_ended_by_epochs(tmp_path):
 
 def test_fractions_need_a_known_length(tmp_path):
     trainer = make_trainer(tmp_path, [VCycleCallback(e_a="0.1dur", e_small="0.5dur")], max_steps=-1, max_epochs=-1)
-    with pytest.raises(ValueError, match="run's length is unknown.*_fraction"):
+    with pytest.raises(ValueError, match=r"unknown \(max_epochs=-1 and max_steps=-1\).*_fraction.*or epochs"):
         trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    # a loader without a length: max_epochs named as given, and no epochs advised (qa57-loops 04)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0)))
+
+    trainer = make_trainer(tmp_path / "stream", [VCycleCallback(e_a="0.1dur", e_small="0.5dur")], max_epochs=2)
+    with pytest.raises(ValueError, match=r"max_epochs=2 over a train dataloader without a length") as err:
+        trainer.fit(tiny_gpt2(), torch.utils.data.DataLoader(Stream(), batch_size=4))
+    assert "'2ep'" not in str(err.value) and str(err.value).endswith("in optimizer steps (ints)")
 
 
 def epoch_run(cb, root, **kw):
