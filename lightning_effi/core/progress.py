@@ -42,6 +42,7 @@ __all__ = [
     "batch_resolved_durations",
     "progress_ticks",
     "run_length",
+    "shorter_than_resolved",
     "steps_per_epoch",
     "training_progress",
 ]
@@ -381,6 +382,33 @@ def run_length(max_steps: int | None, estimated_steps: float | None = None) -> i
     """
     known = [int(n) for n in (max_steps, estimated_steps) if n is not None and math.isfinite(n) and n > 0]
     return min(known) if known else None
+
+
+def shorter_than_resolved(trainer: Any, resolved_against: int | None) -> str | None:
+    """At the end of a fit, what to tell when it trained fewer optimizer steps than the run length a fraction was
+    resolved against (:func:`run_length` at train start: Lightning's ``estimated_stepping_batches``), else None.
+    That estimate is ``max_epochs x limit_train_batches`` for a loader without a length: a stream shorter than an int
+    ``limit_train_batches`` ends each epoch sooner, and a schedule sized on the estimate ended unfinished, in silence
+    (12 of 20 steps, qa57-loops 03). An early stop (``EarlyStopping``, ``max_time``) ends it sooner too."""
+    step = int(getattr(trainer, "global_step", 0))
+    if resolved_against is None or step >= resolved_against:
+        return None
+    from lightning.fabric.utilities.data import has_len
+
+    loader = getattr(trainer, "train_dataloader", None)
+    stream = loader is not None and not has_len(loader)
+    why = (
+        "the train dataloader has no length, so Lightning estimated the run as max_epochs x limit_train_batches "
+        "batches, more than the stream gave; set Trainer(max_steps=...) to the steps the run has, or give the "
+        "lengths in optimizer steps (ints)"
+        if stream
+        else "the run stopped early (an EarlyStopping, max_time or should_stop); give the lengths in optimizer steps "
+        "(ints) to keep them whatever the run's length"
+    )
+    return (
+        f"the run ended at step {step}, before the {resolved_against} optimizer steps its fractions of the run were "
+        f"resolved against ({why})"
+    )
 
 
 def steps_per_epoch(num_training_batches: float, accumulate_grad_batches: int, what: str = "an epoch length") -> int:

@@ -87,6 +87,7 @@ from lightning_effi.core.progress import (
     progress_clock,
     progress_ticks,
     run_length,
+    shorter_than_resolved,
     steps_per_epoch,
 )
 from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
@@ -397,6 +398,7 @@ class RandomLTDCallback(Callback):
         self.nonfinite_guard = NonFiniteLossGuard(name, nonfinite_loss)
         #: durations resolved in batches, checked against the first batch's optimizer steps (manual optimization)
         self._steps_check = StepsPerBatchCheck(name)
+        self._resolved_against: int | None = None  # the run length a fraction require_steps was resolved against
         min_value = check_int(name, "min_value", min_value, minimum=1)
         seq_per_step = check_int(name, "seq_per_step", seq_per_step, minimum=1)
         if max_value is not None:  # None: the sequence length the patched layers see
@@ -1019,6 +1021,7 @@ class RandomLTDCallback(Callback):
 
     def _resolve_schedule(self, trainer: pl.Trainer) -> None:
         """The derived ``require_steps`` of :meth:`on_train_start` (a fixed one only sets the step clock)."""
+        self._resolved_against = None
         if self.require_steps_arg is not None:
             self.clock, self._clock_source = "step", None
             return  # a fixed step count: compared with the checkpoint's in load_state_dict
@@ -1027,6 +1030,8 @@ class RandomLTDCallback(Callback):
             duration = {"require_steps": self.require_duration}  # resolved in batches, counted on global_step
             self._steps_check.arm(trainer, trainer.lightning_module, duration)
             current = {"clock": "step", "require_steps": self._resolve_require_steps(trainer), "require_progress": None}
+            if self.require_duration.unit == "fraction":
+                self._resolved_against = run_length(trainer.max_steps, trainer.estimated_stepping_batches)
         else:
             ticks = self._resolve_require_progress(trainer, type(source).__name__)
             current = {"clock": "progress", "require_steps": None, "require_progress": ticks}
@@ -1757,6 +1762,15 @@ class RandomLTDCallback(Callback):
         or above the data's sequence length that no setup check could see, e.g. under a curriculum over a training
         set too large to read at setup)."""
         self.nonfinite_guard.report_at_end()
+        short = shorter_than_resolved(trainer, self._resolved_against)
+        if short is not None and self.clock == "step" and not self._finished(self.require_steps, trainer.global_step):
+            given = str(self.require_duration)
+            rank_zero_warn(
+                f"{type(self).__name__}: {short}: require_steps={given!r} resolved to {self.require_steps} steps, and "
+                f"the reserved length ended at {self.current_value} tokens, below max_value={self.max_value}: the run "
+                "never trained on the full sequences (a schedule cut short, its layer-token saving larger than the "
+                "planned one's)"
+            )
         explicit = self.max_value_arg
         longest, reached = self._longest_seen, self.current_value or 0
         varying = self._lengths_vary or self._first_padded

@@ -31,6 +31,7 @@ from lightning_effi.core.progress import (
     progress_clock,
     progress_ticks,
     run_length,
+    shorter_than_resolved,
 )
 from lightning_effi.core.protocols import FollowsModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import (
@@ -356,6 +357,7 @@ class VCycleCallback(Callback):
         checkpoint's progress)."""
         self.stages: list[tuple[int, int]] = []  # non-final (level, steps), resolved against this fit's length
         self.stage_ends: list[int] = []  # cumulative end step of each non-final stage
+        self._resolved_against: int | None = None  # the run length fractions of the run were resolved against
         # checkpointed: progress, FLOPs counters (and the level and snapshots of the level stack)
         self.stage_index, self.stage_start_step, self.switches = 0, 0, 0
         self.map_seconds, self.flops_account = 0.0, FlopsAccount(self.baseline_steps)
@@ -1133,7 +1135,10 @@ class VCycleCallback(Callback):
     def _resolve_stages(self, trainer: pl.Trainer) -> list[tuple[int, int]]:
         """The non-final stages ``(level, length on self.clock)`` of this fit."""
         source = self._clock_source
+        self._resolved_against = None
         if source is None:
+            if any(d.unit == "fraction" for d in (self.e_a, self.e_small, *S.up_leg_lengths(self.levels, self.up_leg))):
+                self._resolved_against = run_length(trainer.max_steps, estimated_optimizer_steps(trainer))
             return self._fit_stages(trainer, at_setup=False) or []
         name, source_name = type(self).__name__, type(source).__name__
         if self.clock == "progress":
@@ -1429,6 +1434,14 @@ class VCycleCallback(Callback):
         the non-finite losses counted (``nonfinite_loss="warn"``) are reported (rank zero)."""
         self.nonfinite_guard.report_at_end()
         if self.level == 1:
+            short = shorter_than_resolved(trainer, self._resolved_against)
+            if short is not None and self.stage_ends and self.clock == "step":
+                last = self.stage_ends[-1]
+                rank_zero_warn(
+                    f"{type(self).__name__}: {short}: the full model's last leg, after the switch back at step {last}, "
+                    f"trained {max(0, trainer.global_step - last)} of its planned "
+                    f"{(self._resolved_against or last) - last} optimizer steps"
+                )
             return
         assert self.alpha_original is not None  # resolved in setup
         level, stage = self.level, self.stage_index

@@ -245,3 +245,47 @@ def test_one_optimizer_stepped_every_k_batches_is_refused_for_durations_resolved
             check.batch_start(t)
             t.global_step = step
             check.batch_end(t)
+
+
+@pytest.mark.parametrize("technique", ["random_ltd", "vcycle"])
+def test_a_stream_shorter_than_its_limit_warns_that_the_schedule_ended_unfinished(tmp_path, technique):
+    """A loader without a length whose epochs an int limit_train_batches sets: Lightning estimates max_epochs x limit
+    steps (20), the stream gives 8; schedules resolved as fractions of the estimate ended unfinished in silence
+    (random-LTD at 8 of 16 tokens, the V-cycle's full model trained 0 steps after its last switch, qa57-loops 03)."""
+    import warnings
+
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_effi.callbacks import RandomLTDCallback, VCycleCallback
+    from tests.helpers.harness import make_trainer
+    from tests.helpers.tiny import TokenBlocks, tiny_gpt2
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(TokenBlocks(n=16)[i] for i in range(16))
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(Stream(), batch_size=4)
+
+    told = []
+    for limit in (10, 4):  # the stream's 4 batches an epoch: 20 steps estimated, 8 trained; then 8 of 8
+        pl.seed_everything(0)
+        if technique == "random_ltd":
+            callback = RandomLTDCallback(min_value=4)
+            model = tiny_gpt2(n_layer=4)
+        else:
+            callback, model = VCycleCallback(e_a="0.2dur", e_small="0.2dur"), tiny_gpt2(n_layer=4)
+        trainer = make_trainer(tmp_path / str(limit), [callback], max_epochs=2, limit_train_batches=limit)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, datamodule=Data())
+        assert trainer.global_step == 8
+        told.append([str(w.message) for w in caught if "before the" in str(w.message)])
+    assert len(told[0]) == 1 and "the run ended at step 8, before the 20 optimizer steps" in told[0][0]
+    assert "the train dataloader has no length" in told[0][0] and told[1] == []
+    if technique == "random_ltd":
+        assert "require_steps='1dur' resolved to 20 steps" in told[0][0]
+    else:
+        assert "the full model's last leg, after the switch back at step 8, trained 0 of its planned 12" in told[0][0]
