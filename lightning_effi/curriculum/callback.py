@@ -18,7 +18,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.utils.data import default_collate
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, batch_size_of, tokens_of
@@ -420,12 +419,13 @@ class Curriculum(Callback):
         if "seqlen_truncate" in config.metrics and config.truncate_keys is None:
             _refuse_encoder_decoder(pl_module)
         if set(TRANSFORM_METRICS) & set(config.metrics):
-            length = data_sequence_length(dataset, template["collate_fn"], n, config.truncate_keys)
+            check = (
+                functools.partial(_refuse_channel_first_window, config) if "seqlen_truncate" in config.metrics else None
+            )
+            length = data_sequence_length(dataset, template["collate_fn"], n, config.truncate_keys, check)
             longest = None
             if length is None:  # no one length (per-batch padding): the longest batch bounds the range
                 longest = self._longest_sequence(trainer, dataset, template["collate_fn"], n, config.truncate_keys)
-            if length is not None and "seqlen_truncate" in config.metrics:
-                _refuse_channel_first_window(dataset, template["collate_fn"], config, length)
             if length is not None or longest is not None:
                 for message in config.check_data_length(length or longest, one_length=length is not None):
                     rank_zero_warn(f"Curriculum: {message}")
@@ -1106,23 +1106,20 @@ class Curriculum(Callback):
 CurriculumCallback = Curriculum
 
 
-def _refuse_channel_first_window(dataset: Any, collate_fn: Any, config: CurriculumConfig, length: int) -> None:
+def _refuse_channel_first_window(config: CurriculumConfig, batch: Any, length: int) -> None:
     """Refuse a sequence tensor that reads as channel first ``[B, C, T]`` (:func:`~lightning_effi.curriculum
-    .functional.channel_first_window`): ``seqlen_truncate`` cuts axis 1, its channels, and the run would train on the
-    first channels of every window while reporting the cut as the curriculum's saving (qa56-ts 03)."""
+    .functional.channel_first_window`) in ``batch``, samples of the training set the setup check read:
+    ``seqlen_truncate`` cuts axis 1, its channels, and the run would train on the first channels of every window
+    while reporting the cut as the curriculum's saving (qa56-ts 03)."""
     top = config.metrics["seqlen_truncate"].max_difficulty
-    try:
-        batch = (collate_fn or default_collate)([dataset[0]])
-    except Exception:  # the user's data or collate: left to the training loader, which raises it in context
-        return
     found = F.channel_first_window(batch, config.truncate_keys, top)
     if found is not None:
         raise CurriculumConfigError(
-            f"curriculum_metrics.seqlen_truncate: the sequence tensor {found} (one sample) is read batch first, "
-            f"[B, S, D] with S = {length} on axis 1, the axis seqlen_truncate cuts, but max_difficulty ({top}) is "
-            "its last axis: a channel-first [B, C, T] window (C channels, T steps) would have its channels cut. "
-            "Hold it [B, T, C] (transpose in the data set or collate, and back in the model), or, if axis 1 is the "
-            f"sequence, set max_difficulty to {length}, the data's full length"
+            f"curriculum_metrics.seqlen_truncate: the sequence tensor {found} (samples of the training set) is "
+            f"read batch first, [B, S, D] with S = {length} on axis 1, the axis seqlen_truncate cuts, but "
+            f"max_difficulty ({top}) is its last axis: a channel-first [B, C, T] window (C channels, T steps) would "
+            "have its channels cut. Hold it [B, T, C] (transpose in the data set or collate, and back in the model), "
+            f"or, if axis 1 is the sequence, set max_difficulty to {length}, the data's full length"
         )
 
 

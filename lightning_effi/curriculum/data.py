@@ -326,7 +326,11 @@ LENGTH_PROBES = 8
 
 
 def data_sequence_length(
-    dataset: Any, collate_fn: Callable | None, num_samples: int, keys: Sequence[str] | None = None
+    dataset: Any,
+    collate_fn: Callable | None,
+    num_samples: int,
+    keys: Sequence[str] | None = None,
+    check: Callable[[Any, int], None] | None = None,
 ) -> int | None:
     """The sequence length ``S`` (tokens, :func:`~lightning_effi.curriculum.functional.sequence_length`) of every
     batch the user's collate makes from ``dataset``, when it is one length: up to :data:`LENGTH_PROBES` samples spread
@@ -342,7 +346,9 @@ def data_sequence_length(
 
     Args:
         dataset: the map-style training set. collate_fn: the training loader's (``None``: ``default_collate``).
-        num_samples: ``len(dataset)``. keys: ``truncate_keys`` (None: automatic).
+        num_samples: ``len(dataset)``. keys: ``truncate_keys`` (None: automatic). check: called with the batch of
+            the samples read and ``S`` when there is one length (``Curriculum.setup``'s check of the layout: no
+            sample read twice); what it raises is raised.
     """
     if num_samples < 1:
         return None
@@ -352,12 +358,16 @@ def data_sequence_length(
     try:
         samples = [dataset[i] for i in ids]
         lengths = {F.sequence_length(collate([x]), keys) for x in samples}
-        lengths.add(F.sequence_length(collate(samples), keys))
+        batch = collate(samples)
+        lengths.add(F.sequence_length(batch, keys))
     except Exception:  # the user's data or collate: left to the training loader, which raises it in context
         return None
     if len(lengths) != 1:
         return None
-    return lengths.pop()
+    length = lengths.pop()
+    if check is not None and length is not None:
+        check(batch, length)
+    return length
 
 
 #: training sets larger than this are not read whole by :func:`data_longest_sequence` (its pass reads every sample)

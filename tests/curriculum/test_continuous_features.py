@@ -566,6 +566,6 @@ def test_a_channel_first_window_is_refused_at_setup(tmp_path):
                   schedule_type="fixed_linear", schedule_config=schedule)  # fmt: skip
     curriculum = Curriculum(metrics={"seqlen_truncate": metric}, truncate_keys=["past"], truncation_side="left")
     trainer = make_trainer(tmp_path, [curriculum], max_steps=4, max_epochs=-1)
-    with pytest.raises(CurriculumConfigError, match=r"past: float32\[1, 40, 24\] .* channel-first \[B, C, T\] window"):
+    with pytest.raises(CurriculumConfigError, match=r"past: float32\[8, 40, 24\] .* channel-first \[B, C, T\] window"):
         trainer.fit(Forecaster(), datamodule=CurriculumDataModule(Windows()))
     assert trainer.global_step == 0
