@@ -442,9 +442,19 @@ class TorchBlocksVCycleAdapter(VCycleAdapter):
                     "outside it"
                 )
             if not heads:
+                embeddings = [
+                    n for n in inputs if isinstance(model.get_submodule(n.replace("<root>", "")), nn.Embedding)
+                ]
+                tying = (
+                    f" (a head written as F.linear(h, self.{embeddings[0]}.weight), weight tying by hand, is not "
+                    "seen: hold it as a tied nn.Linear, head = nn.Linear(d_model, vocab_size, bias=False) with "
+                    f"head.weight = self.{embeddings[0]}.weight, and width coalescing maps it as the embedding)"
+                    if embeddings and inputs
+                    else ""
+                )
                 missing.append(
                     f"no head reading d_model={hidden} (an nn.Linear with in_features={hidden}), so its "
-                    f"{hidden}-wide output is read by code outside it"
+                    f"{hidden}-wide output is read by code outside it{tying}"
                 )
             raise ValueError(
                 f"{FAMILY}: width coalescing of {type(model).__name__} (the network the V-cycle coalesces, blocks "

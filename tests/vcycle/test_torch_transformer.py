@@ -418,11 +418,26 @@ def test_stream_ends_found_outside_the_blocks():
     assert stream_ends(model, find_block_list(model), 32) == (["embed"], ["head"])
 
 
+def test_width_coalesces_a_head_tied_to_the_embedding_as_the_refusal_advises():
+    """The way out the refusal names for a head by hand (``F.linear(h, embed.weight)``): a tied ``nn.Linear``."""
+    model = EmbedOnly()
+    model.embed, model.head = nn.Embedding(50, 32), nn.Linear(32, 50, bias=False)
+    model.head.weight = model.embed.weight
+    small = V.coalesce_model(model, ADAPTER.plan(model), ADAPTER)
+    assert small.embed.weight.shape == (50, 16) and small.head.weight is small.embed.weight
+
+
 @pytest.mark.parametrize(
     "build, missing",
     [
         (_bare_encoder, r"no input projection to d_model=32 .*; and it has no head reading d_model=32"),
         (EmbedOnly, r"no head reading d_model=32 \(an nn\.Linear with in_features=32\), so its 32-wide output is read"),
+        # a head by hand through the embedding's weight (qa57-seq 05): the tied nn.Linear named as the way out
+        (
+            EmbedOnly,
+            r"no head .* \(a head written as F\.linear\(h, self\.embed\.weight\), weight tying by hand, is not "
+            r"seen: hold it as a tied nn\.Linear",
+        ),
     ],
 )
 def test_width_refuses_a_network_fed_hidden_states_from_outside(build, missing):
