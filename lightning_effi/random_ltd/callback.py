@@ -70,6 +70,8 @@ from lightning_effi.core.flops import sdpa_recomputes
 from lightning_effi.core.measure import (
     FlopsMeter,
     MeasureError,
+    combined_parts,
+    find_batch_size,
     key_padding_mask,
     leaf_name,
     length_stem,
@@ -398,6 +400,8 @@ class RandomLTDCallback(Callback):
         self.nonfinite_guard = NonFiniteLossGuard(name, nonfinite_loss)
         #: durations resolved in batches, checked against the first batch's optimizer steps (manual optimization)
         self._steps_check = StepsPerBatchCheck(name)
+        # the batch sizes of the current batch's per-loader batches (a CombinedLoader's), None for one loader
+        self._part_sizes: list[int | None] | None = None
         self._resolved_against: int | None = None  # the run length a fraction require_steps was resolved against
         min_value = check_int(name, "min_value", min_value, minimum=1)
         seq_per_step = check_int(name, "seq_per_step", seq_per_step, minimum=1)
@@ -1388,6 +1392,8 @@ class RandomLTDCallback(Callback):
     ) -> None:
         assert self.controller is not None
         self._steps_check.batch_start(trainer)
+        parts = combined_parts(trainer.train_dataloader, batch)
+        self._part_sizes = [find_batch_size(part) for part in parts] if parts else None
         self.controller.optimized = optimized_parameters(trainer)
         self._release_frozen_copies(trainer, pl_module)
         step = trainer.global_step
@@ -1591,9 +1597,15 @@ class RandomLTDCallback(Callback):
         samples = layer_tokens = full_layer_tokens = 0
         saved = full_flops = 0.0
         for rec in self.controller.records:
-            samples += rec.batch_size
-            layer_tokens += F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
-            full_layer_tokens += rec.batch_size * rec.seq_len * L
+            # the forwards of this shape over other data: one per loader whose batch has its size (two loaders'
+            # batches of one shape were counted once, half the monitor's layer-tokens, qa57-loops 02); a forward of
+            # the same batch again (R-Drop) trains the same tokens, counted once, as the EfficiencyMonitor does
+            trained = sum(1 for grad in rec.grads if grad) or 1
+            loaders = self._part_sizes.count(rec.batch_size) if self._part_sizes else 1
+            forwards = max(1, min(trained, loaders))
+            samples += forwards * rec.batch_size
+            layer_tokens += forwards * F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
+            full_layer_tokens += forwards * rec.batch_size * rec.seq_len * L
             for grad in rec.grads or [True]:  # each forward of the shape drops its tokens
                 measured = self._measured_layer_flops(rec, grad) if rec.reserved_length < rec.seq_len else None
                 if measured is not None:

@@ -101,6 +101,34 @@ class Watch(Callback):
 # ------------------------------------------------------------------------------------------------ max_value
 
 
+class TwoLoaderGPT(CharGPT):
+    """A step on a batch of each of two loaders (Lightning's CombinedLoader), of one shape or two."""
+
+    def __init__(self, second_length: int) -> None:
+        super().__init__()
+        self.second_length = second_length
+
+    def train_dataloader(self):
+        return {"a": loader(Blocks(n=16)), "b": loader(Blocks(n=16, seq_len=self.second_length, seed=1))}
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch["a"], batch_idx) + super().training_step(batch["b"], batch_idx)
+
+
+@pytest.mark.parametrize("second_length", [64, 48])
+def test_the_batches_of_two_loaders_count_their_layer_tokens_each(tmp_path, second_length):
+    """Two loaders' batches of one shape were counted as one forward: random-LTD's consumed layer-tokens were half
+    the monitor's (1,536 for 3,072), and the layer-token LR schedule read them (qa57-loops 02)."""
+    from lightning_effi import EfficiencyMonitor
+
+    monitor = EfficiencyMonitor(print_summary=False)
+    ltd = RandomLTDCallback(min_value=16, max_value=64, require_steps=4, seq_per_step=16)
+    make_trainer(tmp_path, [monitor, ltd], max_epochs=1).fit(TwoLoaderGPT(second_length))
+    s = monitor.summary
+    assert s["baseline_layer_tokens"] == ltd.full_layer_tokens == 4 * 4 * (64 + second_length) * ltd.num_layers
+    assert s["layer_tokens"] == ltd.consumed_layer_tokens < ltd.full_layer_tokens
+
+
 def test_gpt2_with_a_long_n_positions_ends_the_schedule_at_the_seen_length(tmp_path, caplog):
     """n_positions=256 on 64-token blocks: the schedule ends at 64, not at 256 (which would reach 64 after a quarter
     of the growth and save a fraction of the layer-tokens, silently)."""
