@@ -82,7 +82,9 @@ ROWS: list[Row] = [
         works(curriculum=REFUSED, stack=REFUSED),
         "a factor that changes mid-run is refused by the curriculum (its stream lays out each step's micro-batches "
         "once; one step would mix difficulties); one factor for the whole run works with it. InfoBatch's progress "
-        "counts each epoch's own factor",
+        "counts each epoch's own factor. A fit resumed mid-epoch after the factor changed is not exact in Lightning "
+        "2.6 itself, with or without a technique: the scheduler sets the factor in on_train_epoch_start, which "
+        "Lightning skips for the resumed epoch (a 15-step run resumed at step 8 took 16)",
     ),
     Row(
         "gradient_clipping",
