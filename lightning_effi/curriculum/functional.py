@@ -885,8 +885,8 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
     3,000 frames, a mask ``[b, frames]`` beside it, or a ``[b]`` tensor of its lengths (a name with a length word,
     :func:`~lightning_effi.core.measure.length_stem`, whose stem is empty or in the tensor's name: ``lengths``,
     ``mel_lens``; not a transcript's ``text_lengths``; integer or float) with a value above ``n`` and none above
-    ``frames``, or whose longest is ``frames``; 1 for a mask ``[b, n]`` or lengths whose longest is ``n``; None when
-    the batch does not say (no lengths, or relative ones)."""
+    ``frames``, or whose longest is ``frames`` (``n`` a mel-bin count, ``frames`` none); 1 for a mask ``[b, n]`` or
+    lengths whose longest is ``n``; None when the batch does not say (no lengths, or relative ones)."""
     if frames == WHISPER_FRAMES:
         return 2
     for other, v in tensor_leaves(batch):
@@ -903,7 +903,9 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
                 return 2
             if longest == n:
                 return 1
-            if longest == frames:  # a batch padded to its longest clip, of fewer frames than bins (qa57-break 04)
+            if longest == frames and n in MEL_BINS and frames not in MEL_BINS:
+                # a batch padded to its longest clip, of fewer frames than mel bins (qa57-break 04); not a
+                # batch-first one padded to a fixed length whose longest clip is as long as its bins (qa58-break 06)
                 return 2
     return None
 
@@ -915,9 +917,10 @@ SPECTROGRAM_NAMES = ("mel", "spectr", "fbank")
 def _own_lengths_beyond(batch: Any, path: Path, name: str, b: int, n: int, frames: int) -> bool:
     """Whether a ``[b]`` tensor of lengths of the tensor at ``path`` (a length word, its stem empty or in ``name``:
     ``lengths``, ``spec_lens``; integer or float, not relative) has a value above ``n`` and none above ``frames``
-    (a batch-first tensor's lengths never exceed its axis 1), or a longest of exactly ``frames`` below ``n`` (a
-    batch padded to its longest clip, of fewer frames than mel bins: ``[B, 128, 100]`` with lengths up to 100,
-    qa57-break 04)."""
+    (a batch-first tensor's lengths never exceed its axis 1), or a longest of exactly ``frames`` below ``n``, ``n`` a
+    mel-bin count and ``frames`` none (a batch padded to its longest clip, of fewer frames than mel bins:
+    ``[B, 128, 100]`` with lengths up to 100, qa57-break 04; a batch-first ``[B, 200, 80]`` padded to 200 frames
+    whose longest clip has 80 is none, qa58-break 06)."""
     for other, v in tensor_leaves(batch):
         other_name = str(leaf_name(batch, other) or "").lower()
         if other == path or v.ndim != 1 or int(v.shape[0]) != b or not other_name or not v.numel():
@@ -926,7 +929,7 @@ def _own_lengths_beyond(batch: Any, path: Path, name: str, b: int, n: int, frame
         if stem is None or (stem and stem not in name) or v.dtype == torch.bool or _relative(v):
             continue
         longest = float(v.max())
-        if n < longest <= frames or longest == frames < n:
+        if n < longest <= frames or (longest == frames < n and n in MEL_BINS and frames not in MEL_BINS):
             return True
     return False
 

@@ -408,6 +408,12 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
     short = {"mel": torch.randn(4, 128, 100, generator=g), "mel_lengths": torch.tensor([100, 90, 80, 70])}
     with pytest.raises(ValueError, match=r"'mel' \[4, 128, 100\] looks channel first"):
         CF.truncate(short, 50, keys=["mel"])
+    # but batch-first features padded to a fixed length whose longest row happens to equal their width are cut
+    # (qa58-break 06: refused mid-run as channel first)
+    fixed = {"input_features": torch.randn(4, 200, 80, generator=g), "feature_lengths": torch.tensor([80, 60, 33, 12])}
+    assert CF.truncate(fixed, 8, keys=["input_features"]).batch["input_features"].shape == (4, 8, 80)
+    generic = {"x": torch.randn(4, 50, 16, generator=g), "lengths": torch.tensor([16, 10, 12, 5])}
+    assert CF.truncate(generic, 8, keys=["x"]).batch["x"].shape == (4, 8, 16)
     # lengths of another tensor beyond axis 1 tell nothing: batch-first features beside a transcript's lengths
     text = {"features": torch.randn(4, 40, 768, generator=g), "text_lengths": torch.tensor([100, 90, 80, 70])}
     assert CF.truncate(text, 16, keys=["features"]).batch["features"].shape == (4, 16, 768)
