@@ -1264,6 +1264,9 @@ def _refuse_unmarked_left_padding(ids: Tensor, length: int) -> None:
 
 #: words of a tensor's name that say it holds a forecast's target steps, never cut with the look-back window
 FORECAST_WORDS = ("future", "horizon")
+#: the prefix of a look-back window's tensors (Hugging Face's and GluonTS's ``past_values``, ``past_time_features``,
+#: ``past_observed_mask``, ``past_target``): cut together
+LOOK_BACK_PREFIXES = ("past_",)
 
 
 def _refuse_forecast_cuts(
@@ -1272,8 +1275,8 @@ def _refuse_forecast_cuts(
     """Refuse a cut of a forecast's target (a name with a word of :data:`FORECAST_WORDS`: ``future [B, H, C]``
     whose horizon equals the look-back's ``T``, cut to its last or first steps in silence, qa56-ts 02), and, with
     ``keys``, a mask of a named tensor left whole (``past_mask [B, T]`` beside ``past`` cut: qa56-ts 04), or a tensor
-    of its ``T`` steps whose name shares its first word (``past_observed_mask``, ``past_time_features`` beside
-    ``past_values``, Hugging Face's time-series batch)."""
+    of the look-back's ``T`` steps beside a named one (:data:`LOOK_BACK_PREFIXES`: ``past_observed_mask``,
+    ``past_time_features`` beside ``past_values``, Hugging Face's time-series batch)."""
     for path in cut:
         name = str(_name(path) or "").lower()
         if keys is None and any(word in name for word in FORECAST_WORDS):
@@ -1292,10 +1295,11 @@ def _refuse_forecast_cuts(
         owner = None
         if mask and t in tuple(v.shape[1:]):
             owner = next((k for k in keys if lowered.startswith(f"{k.lower()}_")), None)
-        if owner is None and int(v.shape[1]) == t:
-            # a tensor of the window's steps sharing the named one's first word: Hugging Face's time-series batch
-            # past_values, past_observed_mask, past_time_features (qa57-break)
-            owner = next((k for k in keys if "_" in k and lowered.startswith(k.lower().split("_")[0] + "_")), None)
+        if owner is None and int(v.shape[1]) == t and lowered.startswith(LOOK_BACK_PREFIXES):
+            # a tensor of the look-back window's steps beside the named one: Hugging Face's time-series batch
+            # past_values, past_observed_mask, past_time_features (qa57-break); only the look-back's own prefix (a
+            # first word such as x_ also begins an Informer's decoder input x_dec, another range, qa58-break 02)
+            owner = next((k for k in keys if k.lower().startswith(LOOK_BACK_PREFIXES)), None)
         if owner is not None:
             what = f"its mask {name!r}" if mask and lowered.startswith(f"{owner.lower()}_") else repr(name)
             raise ValueError(

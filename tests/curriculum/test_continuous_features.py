@@ -499,6 +499,10 @@ def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(
         CF.truncate(hf, 8, keys=["past_values"], truncation_side="left")
     every = ["past_values", "past_observed_mask", "past_time_features"]
     assert CF.truncate(hf, 8, keys=every, truncation_side="left").batch["past_time_features"].shape == (2, 8, 3)
+    # an Informer's decoder input x_dec shares the window's first word, and is another range (qa58-break 02)
+    informer = {"x_enc": torch.randn(2, T, 2), "x_mark_enc": torch.randn(2, T, 4), "x_dec": torch.randn(2, T, 2)}
+    kept = CF.truncate(informer, 8, keys=["x_enc", "x_mark_enc"], truncation_side="left").batch
+    assert kept["x_enc"].shape == (2, 8, 2) and kept["x_dec"] is informer["x_dec"]
     with pytest.raises(ValueError, match=r"'future' holds a forecast's target steps"):
         same_length = {"past": batch["past"], "future": batch["past"].clone(), "attention_mask": torch.ones(2, T)}
         CF.truncate(same_length, 8, truncation_side="left")
