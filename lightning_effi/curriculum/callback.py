@@ -420,7 +420,7 @@ class Curriculum(Callback):
             _refuse_encoder_decoder(pl_module)
         if set(TRANSFORM_METRICS) & set(config.metrics):
             check = (
-                functools.partial(_refuse_channel_first_window, config) if "seqlen_truncate" in config.metrics else None
+                functools.partial(_warn_channel_first_window, config) if "seqlen_truncate" in config.metrics else None
             )
             length = data_sequence_length(dataset, template["collate_fn"], n, config.truncate_keys, check)
             longest = None
@@ -1106,20 +1106,21 @@ class Curriculum(Callback):
 CurriculumCallback = Curriculum
 
 
-def _refuse_channel_first_window(config: CurriculumConfig, batch: Any, length: int) -> None:
-    """Refuse a sequence tensor that reads as channel first ``[B, C, T]`` (:func:`~lightning_effi.curriculum
+def _warn_channel_first_window(config: CurriculumConfig, batch: Any, length: int) -> None:
+    """Warn about a sequence tensor that reads as channel first ``[B, C, T]`` (:func:`~lightning_effi.curriculum
     .functional.channel_first_window`) in ``batch``, samples of the training set the setup check read:
     ``seqlen_truncate`` cuts axis 1, its channels, and the run would train on the first channels of every window
-    while reporting the cut as the curriculum's saving (qa56-ts 03)."""
+    while reporting the cut as the curriculum's saving (qa56-ts 03). A warning, not a refusal: the shape cannot tell
+    it from batch-first features as wide as ``max_difficulty``, trained short throughout (qa58-break 01)."""
     top = config.metrics["seqlen_truncate"].max_difficulty
     found = F.channel_first_window(batch, config.truncate_keys, top)
     if found is not None:
-        raise CurriculumConfigError(
-            f"curriculum_metrics.seqlen_truncate: the sequence tensor {found} (samples of the training set) is "
-            f"read batch first, [B, S, D] with S = {length} on axis 1, the axis seqlen_truncate cuts, but "
-            f"max_difficulty ({top}) is its last axis: a channel-first [B, C, T] window (C channels, T steps) would "
-            "have its channels cut. Hold it [B, T, C] (transpose in the data set or collate, and back in the model), "
-            f"or, if axis 1 is the sequence, set max_difficulty to {length}, the data's full length"
+        rank_zero_warn(
+            f"Curriculum: curriculum_metrics.seqlen_truncate: the sequence tensor {found} (samples of the training "
+            f"set) is read batch first, [B, S, D] with S = {length} on axis 1, the axis seqlen_truncate cuts, and "
+            f"max_difficulty ({top}) is its last axis: if it is a channel-first [B, C, T] window (C channels, T "
+            "steps), the run cuts its channels; hold it [B, T, C] (transpose in the data set or collate, and back "
+            "in the model). If axis 1 is the sequence and the run trains short sequences throughout, ignore this"
         )
 
 

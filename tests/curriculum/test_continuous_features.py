@@ -549,9 +549,11 @@ def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(
     assert monitor.summary["baseline_tokens"] == 4 * 4 * T and monitor.summary["tokens"] == 4 * sum(module.lengths)
 
 
-def test_a_channel_first_window_is_refused_at_setup(tmp_path):
+def test_a_channel_first_window_is_warned_at_setup(tmp_path):
     """A look-back window held ``[B, C, T]`` with more channels than steps (Electricity: 321 channels, 96 steps) was cut
-    on its channels (80 -> 24 .. 64, never back), with only the below-the-data's-length warning (qa56-ts 03)."""
+    on its channels (80 -> 24 .. 64, never back), with only the below-the-data's-length warning (qa56-ts 03). Warned,
+    not refused: batch-first features as wide as max_difficulty, trained short throughout, look the same
+    (qa58-break 01)."""
     from lightning_effi.curriculum import functional as CF
 
     C, steps = 40, T
@@ -576,6 +578,18 @@ def test_a_channel_first_window_is_refused_at_setup(tmp_path):
                   schedule_type="fixed_linear", schedule_config=schedule)  # fmt: skip
     curriculum = Curriculum(metrics={"seqlen_truncate": metric}, truncate_keys=["past"], truncation_side="left")
     trainer = make_trainer(tmp_path, [curriculum], max_steps=4, max_epochs=-1)
-    with pytest.raises(CurriculumConfigError, match=r"past: float32\[8, 40, 24\] .* channel-first \[B, C, T\] window"):
-        trainer.fit(Forecaster(), datamodule=CurriculumDataModule(Windows()))
-    assert trainer.global_step == 0
+
+    class PerChannel(pl.LightningModule):  # a linear forecaster of each channel's steps
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(steps, 4)
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return F.mse_loss(self.head(batch["past"]), batch["future"][:, : batch["past"].shape[1]])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    with pytest.warns(UserWarning, match=r"past: float32\[8, 40, 24\] .* channel-first \[B, C, T\] window"):
+        trainer.fit(PerChannel(), datamodule=CurriculumDataModule(Windows()))
+    assert trainer.global_step == 4
