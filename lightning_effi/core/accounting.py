@@ -1057,11 +1057,16 @@ class EfficiencyMonitor(Callback):
         if size is None:
             return None
         shape = self._observed_shape if self._observed_sequence_first else None
-        if shape is None and self._observed_shape is None:
-            shape = self._rnn_input  # no block list read the batch: a sequence-first RNN's input, if one ran
         if shape is not None and shape[0] != shape[1]:
             lead = next((v for _, v in tensor_leaves(batch) if v.ndim >= 2 and int(v.shape[0]) == size), None)
             if lead is not None and tuple(lead.shape[:2]) == tuple(shape[:2]):
+                return int(lead.shape[1])
+        rnn = self._rnn_input if self._observed_shape is None else None  # no block list read the batch
+        if rnn is not None:
+            # a sequence-first RNN's rows: the batch's [T, B] tensor has them on axis 1, whatever steps the RNN runs
+            # (a BOS step in front, a strided front end: qa58-break 07)
+            lead = next((v for _, v in tensor_leaves(batch) if v.ndim >= 2 and int(v.shape[0]) == size), None)
+            if lead is not None and int(lead.shape[1]) == rnn[1] != int(lead.shape[0]):
                 return int(lead.shape[1])
         if actual and "samples/first_dims" not in self._warned and _graph_like(batch):
             others = other_first_dims(batch, size)
@@ -1587,10 +1592,17 @@ class EfficiencyMonitor(Callback):
         )
 
     def _observe_rnn(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """The input shape of the step's first call of a sequence-first ``nn.RNNBase`` (``[T, B, H]``; a
-        ``PackedSequence`` tells none)."""
-        if self._rnn_input is None and args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3:
-            self._rnn_input = tuple(int(d) for d in args[0].shape)
+        """The input shape of the step's first call of a sequence-first ``nn.RNNBase``: ``[T, B, H]``, or of a
+        ``PackedSequence`` its steps and rows (``pack_padded_sequence``'s, the usual way to feed one: T was counted as
+        the samples, qa58-break 04)."""
+        if self._rnn_input is not None or not args:
+            return
+        value = args[0]
+        if isinstance(value, torch.Tensor) and value.ndim == 3:
+            self._rnn_input = tuple(int(d) for d in value.shape)
+        elif isinstance(value, nn.utils.rnn.PackedSequence) and value.batch_sizes.numel():
+            steps, rows = int(value.batch_sizes.numel()), int(value.batch_sizes[0])
+            self._rnn_input = (steps, rows, int(value.data.shape[-1]))
 
     def _observe_attention(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The query shape of the first call of a sequence-first ``nn.MultiheadAttention`` in that block: the block

@@ -1727,11 +1727,20 @@ class SequenceFirstRNN(SequenceFirstLM):
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.LSTM(32, 32, 2)
+        self.blocks, self.mode = nn.LSTM(32, 32, 2), "plain"
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, targets = batch
-        return F.cross_entropy(self.head(self.blocks(self.embed(ids))[0]).flatten(0, 1), targets.flatten())
+        x = self.embed(ids)
+        if self.mode == "packed":  # pad_sequence's [T, B] rows, each of its own length
+            lengths = torch.arange(ids.shape[1], 0, -1).clamp_min(1) % ids.shape[0] + 1
+            packed = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+            x = nn.utils.rnn.pad_packed_sequence(self.blocks(packed)[0], total_length=ids.shape[0])[0]
+        elif self.mode == "bos":  # a start step in front of the sequence
+            x = self.blocks(torch.cat([torch.zeros_like(x[:1]), x]))[0][1:]
+        else:
+            x = self.blocks(x)[0]
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
 def test_a_sequence_first_batch_of_a_recurrent_network_counts_its_second_dimension(tmp_path: Path) -> None:
@@ -1743,6 +1752,12 @@ def test_a_sequence_first_batch_of_a_recurrent_network_counts_its_second_dimensi
     monitor, _, per_batch = fit(SequenceFirstRNN(), loader, tmp_path, 3)
     assert [row["samples"] for row in per_batch.rows] == [B] * 3
     assert [row["tokens"] for row in per_batch.rows] == [B * T] * 3
+    # fed through pack_padded_sequence, or with a BOS step in front (qa58-break 04, 07: T counted again)
+    for mode in ("packed", "bos"):
+        module = SequenceFirstRNN()
+        module.mode = mode
+        _, _, per_batch = fit(module, loader, tmp_path / mode, 3)
+        assert [row["samples"] for row in per_batch.rows] == [B] * 3, mode
     batch_first = DataLoader(pairs, batch_size=B, collate_fn=lambda rows: tuple(torch.stack(x) for x in zip(*rows)))
     module = SequenceFirstRNN()
     module.blocks = nn.LSTM(32, 32, 2, batch_first=True)
