@@ -317,14 +317,15 @@ def channel_first_window(batch: Any, keys: Sequence[str] | None, max_difficulty:
 
 def is_edge_list(batch: Any, value: Tensor) -> bool:
     """Whether the integer ``[2, E]`` tensor ``value`` of ``batch`` reads as a graph's edge list (PyG's
-    ``edge_index``) rather than token ids ``[B=2, T]``: no other tensor of the batch has a first dimension of 2, and a
-    float tensor ``[N, F]`` of ``N != 2`` rows (node features) has a row for every index of ``value`` (all in
-    ``[0, N)``). An unnamed ``(edge_index, x)`` tuple had its edge list cut to the scheduled length in silence
-    (qa55-break 04)."""
+    ``edge_index``) rather than token ids ``[B=2, T]``: no other tensor of 2 dimensions or more has a first
+    dimension of 2 (graph-level labels ``[2]`` of 2 graphs may), and a float tensor ``[N, F]`` of ``N != 2`` rows
+    (node features) has a row for every index of ``value`` (all in ``[0, N)``). An unnamed ``(edge_index, x)``
+    tuple had its edge list cut to the scheduled length in silence (qa55-break 04, qa58-break 03)."""
     if value.ndim != 2 or int(value.shape[0]) != 2 or not _is_integer(value) or value.numel() == 0:
         return False
     others = [v for _, v in tensor_leaves(batch) if v is not value and v.ndim >= 1]
-    if any(int(v.shape[0]) == 2 for v in others):
+    # a [2, ...] partner of 2 rows of ids vetoes; graph-level labels y [2] of a batch of 2 graphs do not (qa58-break 03)
+    if any(int(v.shape[0]) == 2 and v.ndim >= 2 for v in others):
         return False
     low, high = int(value.min()), int(value.max())
     return low >= 0 and any(v.ndim == 2 and v.is_floating_point() and high < int(v.shape[0]) for v in others)
