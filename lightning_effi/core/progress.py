@@ -397,14 +397,22 @@ def shorter_than_resolved(trainer: Any, resolved_against: int | None) -> str | N
 
     loader = getattr(trainer, "train_dataloader", None)
     stream = loader is not None and not has_len(loader)
-    why = (
-        "the train dataloader has no length, so Lightning estimated the run as max_epochs x limit_train_batches "
-        "batches, more than the stream gave; set Trainer(max_steps=...) to the steps the run has, or give the "
-        "lengths in optimizer steps (ints)"
-        if stream
-        else "the run stopped early (an EarlyStopping, max_time or should_stop); give the lengths in optimizer steps "
-        "(ints) to keep them whatever the run's length"
-    )
+    if stream:
+        why = (
+            "the train dataloader has no length, so Lightning estimated the run as max_epochs x limit_train_batches "
+            "batches, more than the stream gave; set Trainer(max_steps=...) to the steps the run has, or give the "
+            "lengths in optimizer steps (ints)"
+        )
+    elif getattr(trainer, "should_stop", False):
+        why = (
+            "the run was stopped early (an EarlyStopping, max_time or should_stop); give the lengths in optimizer "
+            "steps (ints) to keep them whatever the run's length"
+        )
+    else:
+        why = (
+            "Lightning's estimate of the run's optimizer steps, trainer.estimated_stepping_batches, was above the "
+            "steps it ran; set Trainer(max_steps=...) or give the lengths in optimizer steps (ints)"
+        )
     return (
         f"the run ended at step {step}, before the {resolved_against} optimizer steps its fractions of the run were "
         f"resolved against ({why})"

@@ -86,6 +86,7 @@ from lightning_effi.core.progress import (
     PROGRESS_TICKS,
     Duration,
     StepsPerBatchCheck,
+    estimated_optimizer_steps,
     progress_clock,
     progress_ticks,
     run_length,
@@ -946,7 +947,7 @@ class RandomLTDCallback(Callback):
         check_started(trainer)
         self._world = trainer.world_size
         self._announced = self.max_value if self.max_value_arg is None else None  # restored on resume: said before
-        total = trainer.estimated_stepping_batches
+        total = estimated_optimizer_steps(trainer)  # a GradientAccumulationScheduler's factors counted
         self.total_steps = int(total) if math.isfinite(total) else None
         self._data_length, self._lengths_vary = None, False
         if self._curriculum is None and (not self._seen or self._resumed):
@@ -1035,7 +1036,7 @@ class RandomLTDCallback(Callback):
             self._steps_check.arm(trainer, trainer.lightning_module, duration)
             current = {"clock": "step", "require_steps": self._resolve_require_steps(trainer), "require_progress": None}
             if self.require_duration.unit == "fraction":
-                self._resolved_against = run_length(trainer.max_steps, trainer.estimated_stepping_batches)
+                self._resolved_against = run_length(trainer.max_steps, estimated_optimizer_steps(trainer))
         else:
             ticks = self._resolve_require_progress(trainer, type(source).__name__)
             current = {"clock": "progress", "require_steps": None, "require_progress": ticks}
@@ -1115,7 +1116,7 @@ class RandomLTDCallback(Callback):
                     "the progress made before it, so '1dur' reaches max_value only at the end of the run)"
                 )
             return
-        total = run_length(trainer.max_steps, trainer.estimated_stepping_batches)
+        total = run_length(trainer.max_steps, estimated_optimizer_steps(trainer))
         if total is None or self.require_steps is None or self.require_steps < total:
             return
         end = self.max_value_arg if self.max_value_arg is not None else self.max_value or self._data_length
@@ -1292,7 +1293,7 @@ class RandomLTDCallback(Callback):
         if duration.unit == "epoch":
             spe = steps_per_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches, f"{where}={duration}")
             return max(1, duration.to_steps(steps_per_epoch=spe, name=where))
-        total = run_length(trainer.max_steps, trainer.estimated_stepping_batches)
+        total = run_length(trainer.max_steps, estimated_optimizer_steps(trainer))
         if total is None:
             why = (
                 "max_epochs=-1 and max_steps=-1"

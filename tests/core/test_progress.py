@@ -289,3 +289,20 @@ def test_a_stream_shorter_than_its_limit_warns_that_the_schedule_ended_unfinishe
         assert "require_steps='1dur' resolved to 20 steps" in told[0][0]
     else:
         assert "the full model's last leg, after the switch back at step 8, trained 0 of its planned 12" in told[0][0]
+
+
+def test_shorter_than_resolved_names_why_the_run_was_shorter():
+    """The end-of-run message says which of the three reasons applies; nothing for a run that reached the length (or
+    had none resolved)."""
+    from lightning_effi.core.progress import shorter_than_resolved
+
+    loader = [1, 2, 3]  # a loader with a length
+    done = SimpleNamespace(global_step=20, train_dataloader=loader, should_stop=False)
+    assert shorter_than_resolved(done, 20) is None and shorter_than_resolved(done, None) is None
+    stopped = SimpleNamespace(global_step=12, train_dataloader=loader, should_stop=True)
+    assert "before the 20 optimizer steps" in shorter_than_resolved(stopped, 20)
+    assert "stopped early (an EarlyStopping" in shorter_than_resolved(stopped, 20)
+    estimate = SimpleNamespace(global_step=12, train_dataloader=loader, should_stop=False)
+    assert "trainer.estimated_stepping_batches, was above the steps it ran" in shorter_than_resolved(estimate, 20)
+    stream = SimpleNamespace(global_step=12, train_dataloader=iter(loader), should_stop=False)
+    assert "the train dataloader has no length" in shorter_than_resolved(stream, 20)

@@ -391,6 +391,20 @@ def test_require_fraction_of_the_run(tmp_path):
     assert cb.require_steps == math.ceil(0.5 * 10)  # 40 samples / batch 8 = 5 steps per epoch, 2 epochs
 
 
+def test_a_fraction_of_the_run_counts_a_gradient_accumulation_schedulers_factors(tmp_path):
+    """'1dur' resolved against Lightning's estimate, which divides every epoch by the first epoch's factor: 8 steps
+    for a run of 6 (5 batches, then 3 steps of 2), so the schedule never finished (qa58-break 05)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    cb = RandomLTDCallback(min_value=4, seq_per_step=1)
+    trainer = make_trainer(tmp_path, [cb, GradientAccumulationScheduler({0: 1, 1: 2})], max_epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    assert trainer.global_step == 5 + 3 == cb.require_steps == cb.total_steps
+    assert not [w for w in caught if "before the" in str(w.message)]
+
+
 # ------------------------------------------------------------------------------------------------ require_steps
 
 
