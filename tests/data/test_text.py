@@ -55,6 +55,12 @@ def test_stdlib_corpus_lm():
     assert dm.corpus_files and len(dm.train_dataset) == 18_000 // 64 and len(dm.val_dataset) == 2_000 // 64
 
 
+def test_a_text_path_beside_the_stdlib_corpus_is_refused():
+    """data.text_path=my.txt over the default stdlib corpus trained on the stdlib corpus, in silence (qa58-args 04)."""
+    with pytest.raises(DataConfigError, match=r"data.text_path='my.txt' is given with corpus='stdlib'.*corpus='file'"):
+        CausalLMDataModule(corpus="stdlib", text_path="my.txt", tokenizer="char", block_size=64)
+
+
 def test_a_subset_larger_than_its_split_is_refused_naming_it():
     """train_subset=1e9 trained on the whole split (1,999 samples in the helper's run) under a subset's setting;
     train_subset=0 was refused. Above the split's size is now refused too; the split's own size is all of it."""

@@ -165,6 +165,13 @@ class _TextDataModule(EffiDataModule):
     ):
         super().__init__(batch_size, num_workers, seed, cache_dir)
         self.corpus = check_choice("corpus", corpus, ("file", "stdlib"))
+        if corpus != "file" and text_path is not None:
+            # data.text_path=my.txt over the default corpus trained on the stdlib corpus, in silence (qa58-args 04)
+            raise DataConfigError(
+                f"data.text_path={str(text_path)!r} is given with corpus={corpus!r}, which reads no file; set "
+                "corpus='file' to train on the file (Hydra: data.corpus=file data.text_path=...), or leave text_path "
+                "null"
+            )
         self.text_path = check_file("text_path", text_path) if corpus == "file" else None
         self.tokenizer_name = check_choice("tokenizer", tokenizer, self.tokenizers)
         self.vocab_size = check_int("vocab_size", vocab_size, optional=tokenizer == "char")  # char: unused
