@@ -392,6 +392,8 @@ class ResultWriter(pl.Callback):
         _check_settings("ResultWriter", metric, mode, budget, arm, task_name)  # here, not after a whole fit
         if seed is not None and (isinstance(seed, bool) or not is_int(seed) or not 0 <= seed < 2**32):
             raise ValueError(f"ResultWriter: seed must be None or an int in [0, 2**32), got {seed!r}")
+        if out_dir is not None and not isinstance(out_dir, str | os.PathLike):
+            raise ValueError(f"ResultWriter: out_dir must be None, a str or a path (the run's folder), got {out_dir!r}")
         self.metric, self.out_dir, self.mode, self.seed = metric, out_dir, mode, seed
         self.budget, self.arm, self.task_name, self.config = budget, arm, task_name, config
         #: the path of the last result.json written
@@ -434,8 +436,19 @@ class ResultWriter(pl.Callback):
         return config.as_dict() if hasattr(config, "as_dict") else dict(config)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Choose the run's folder (``out_dir``), and note whether it already holds a record."""
+        """Choose the run's folder (``out_dir``), and note whether it already holds a record. A folder that is a file,
+        or no seed (``seed=None`` without ``pl.seed_everything``), is refused here, not after the whole fit with no
+        record written (qa58-args 02)."""
         self._dir = self._resolve_dir(trainer)  # on every rank: trainer.log_dir broadcasts
+        if Path(self._dir).exists() and not Path(self._dir).is_dir():
+            raise ValueError(
+                f"ResultWriter: out_dir must be a folder (the run's; created if missing), got the file {self._dir}"
+            )
+        if self.seed is None and os.environ.get("PL_GLOBAL_SEED") is None:
+            raise ValueError(
+                "ResultWriter: seed=None, and pl.seed_everything was never called: the record needs the run's seed; "
+                "pass ResultWriter(seed=<int>) or call pl.seed_everything(<int>) before the fit"
+            )
         self._earlier = (Path(self._dir) / "result.json").exists()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -644,6 +644,7 @@ def test_write_result_takes_a_configuration_as_override_strings_and_refuses_othe
         (dict(metric="val/loss", config=3), r"ResultWriter: config must be 'cli', a mapping, a list of"),
         (dict(metric=None), r"ResultWriter: metric must be the name of a logged metric \(a non-empty str\), got None"),
         (dict(metric=""), r"ResultWriter: metric must be the name of a logged metric"),
+        (dict(metric="val/loss", out_dir=1.5), r"ResultWriter: out_dir must be None, a str or a path .*got 1\.5"),
     ],
 )
 def test_a_result_writer_refuses_bad_settings_when_built(kwargs, message):
@@ -691,6 +692,29 @@ def _fit_with_result_writer(root, seed, **trainer_kwargs):
     )
     trainer.fit(Linear(), DataLoader(data, batch_size=16), DataLoader(data, batch_size=16))
     return writer
+
+
+def test_a_result_writer_refuses_a_file_or_no_seed_before_the_fit(tmp_path, monkeypatch):
+    """An out_dir that is a file, or no seed, was refused after the whole fit, with no record written
+    (qa58-args 02): now at the fit's start, before a step."""
+    import lightning.pytorch as pl
+
+    from lightning_effi import EfficiencyMonitor
+    from lightning_effi.report import ResultWriter
+    from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+    (tmp_path / "file").write_text("mine")
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    for writer, message in (
+        (ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "file"), r"out_dir must be a folder .*the file"),
+        (ResultWriter(metric="val/loss", out_dir=tmp_path / "run"), r"seed=None, and pl.seed_everything was never"),
+    ):
+        trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             callbacks=[EfficiencyMonitor(print_summary=False), writer])  # fmt: skip
+        with pytest.raises(ValueError, match="^ResultWriter: " + message):
+            trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+        assert trainer.global_step == 0
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_a_result_writer_does_not_replace_another_runs_record_in_silence(tmp_path):
