@@ -497,11 +497,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 f"ckpt_path={cfg.ckpt_path} with train=false and test=false: nothing would read the checkpoint; set "
                 "test=true to evaluate it, or train=true to resume from it"
             )
+    elif not cfg.get("train", True):
+        # test=true tested freshly built weights (test/loss = ln(vocab)) recorded as a baseline, test=false did
+        # nothing; both exited 0 (qa58-args 06)
+        raise ConfigError(
+            "train=false without ckpt_path: there is no trained model to "
+            + ("test (test=true would test freshly built weights)" if cfg.get("test", False) else "use")
+            + "; set ckpt_path=<a checkpoint> with test=true to evaluate it, or train=true"
+        )
     output_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:
         output_dir.mkdir(parents=True, exist_ok=True)
         stale = output_dir / "result.json"
-        if stale.exists():  # an earlier run's record in this folder: never read as this run's if it fails
+        if cfg.get("train", True) and stale.exists():  # an earlier run's record here: never read as this run's
             stale.replace(output_dir / "result.previous.json")
             print(f"Moved the earlier run's record to {output_dir / 'result.previous.json'}", flush=True)
         job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # Hydra's own part: see .hydra/
@@ -544,12 +552,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         metrics=metrics,
         length={"max_steps": cfg.trainer.get("max_steps"), "max_epochs": cfg.trainer.get("max_epochs")},
     )
-    save_record(trainer, result, output_dir)  # strict JSON: NaN/inf become null
+    # an evaluation (train=false) is no training run: its record, without a fit's efficiency figures, made the
+    # report of its folder fail (qa58-args 08); it is written beside, as eval.json
+    name = "result.json" if cfg.get("train", True) else "eval.json"
+    save_record(trainer, result, output_dir, name)  # strict JSON: NaN/inf become null
     if trainer.is_global_zero:
         shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith(("val/", "test/")))
-        print(
-            f"Final metrics: {shown or 'none (no validation ran)'}\nResults: {output_dir / 'result.json'}", flush=True
-        )
+        print(f"Final metrics: {shown or 'none (no validation ran)'}\nResults: {output_dir / name}", flush=True)
     return result
 
 

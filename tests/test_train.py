@@ -52,8 +52,18 @@ def test_train_false_test_true_evaluates_the_checkpoint(tmp_path):
     ckpt = tmp_path / "a" / first["last_checkpoint"]
     again = run(compose_train(["train=false", "test=true", f"ckpt_path={ckpt}"], tmp_path / "b"))
     assert again["metrics"]["test/loss"] == pytest.approx(first["metrics"]["test/loss"], rel=1e-6)
+    # the evaluation's record is no training run's: written as eval.json, so the report of the folder holding both
+    # reads the training run (an evaluation's result.json made it fail, qa58-args 08)
+    assert (tmp_path / "b" / "eval.json").exists() and not (tmp_path / "b" / "result.json").exists()
+    from lightning_effi.report import load_runs
+
+    assert len(load_runs([tmp_path])) == 1
     with pytest.raises(ConfigError, match=r"with train=false and test=false: nothing would read the checkpoint"):
         run(compose_train(["train=false", f"ckpt_path={ckpt}"], tmp_path / "c"))
+    # without a checkpoint: an untrained model tested as a baseline, or nothing done, both exited 0 (qa58-args 06)
+    for test in ("true", "false"):
+        with pytest.raises(ConfigError, match=r"train=false without ckpt_path: there is no trained model"):
+            run(compose_train(["train=false", f"test={test}"], tmp_path / f"d{test}"))
 
 
 def test_test_true_without_a_test_step_is_refused_before_training(tmp_path):

@@ -311,7 +311,7 @@ def _natural_key(path: Path) -> list[tuple[int, int | str]]:
 
 def jobs_without_result(paths: Iterable[str | Path]) -> list[Path]:
     """Hydra job folders (holding ``.hydra/``) below ``paths`` without a ``result.json``: jobs that failed or are
-    still running."""
+    still running (an evaluation, ``train=false``, writes ``eval.json`` instead: not one of them)."""
     out = []
     for path in paths:
         p = Path(path)
@@ -319,7 +319,7 @@ def jobs_without_result(paths: Iterable[str | Path]) -> list[Path]:
             continue
         for hydra_dir in sorted(_below(p, ".hydra"), key=_natural_key):
             job = hydra_dir.parent
-            if hydra_dir.is_dir() and not (job / RESULT_FILE).exists():
+            if hydra_dir.is_dir() and not (job / RESULT_FILE).exists() and not (job / "eval.json").exists():
                 out.append(job)
     return out
 

@@ -596,11 +596,14 @@ def stopped_early(trainer: pl.Trainer) -> bool:
     return not (epochs is not None and epochs != -1 and trainer.current_epoch >= epochs)
 
 
-def save_record(trainer: pl.Trainer, record: Mapping[str, Any], run_dir: str | os.PathLike[str]) -> Path:
-    """Write ``record`` to ``<run_dir>/result.json`` as strict JSON (non-finite numbers as null) on rank 0 (the
-    folder is created); other ranks write nothing. The file appears whole: written to a temporary file beside it and
-    renamed (a report read while a job writes its record sees none, never half of one). Returns the file's path."""
-    file = Path(run_dir) / "result.json"
+def save_record(
+    trainer: pl.Trainer, record: Mapping[str, Any], run_dir: str | os.PathLike[str], name: str = "result.json"
+) -> Path:
+    """Write ``record`` to ``<run_dir>/<name>`` (``result.json``, the record the report reads) as strict JSON
+    (non-finite numbers as null) on rank 0 (the folder is created); other ranks write nothing. The file appears whole:
+    written to a temporary file beside it and renamed (a report read while a job writes its record sees none, never
+    half of one). Returns the file's path."""
+    file = Path(run_dir) / name
     if trainer.is_global_zero:
         file.parent.mkdir(parents=True, exist_ok=True)
         partial = file.with_name(f".{file.name}.{os.getpid()}.tmp")
