@@ -446,6 +446,10 @@ def check_settings(cfg: DictConfig) -> None:
         if value is None and none_ok:
             continue
         check_int("trainer", key, value, minimum, error=ConfigError)
+    if trainer.get("max_steps") == 0 and cfg.get("train", True):
+        # a run of 0 steps: the LR schedule's error named its own total_steps, or, without one, an empty record was
+        # written as a training run (qa58-args 09)
+        raise ConfigError("trainer.max_steps=0 trains nothing: give an int >= 1, or -1 (max_epochs bounds the run)")
     clip = trainer.get("gradient_clip_val")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not clip >= 0):
         # Lightning skips clipping at a value <= 0: a sign typo (-1 for 1.0) would train unclipped without a word
@@ -599,3 +603,12 @@ def _finish_wandb() -> None:
 
         if wandb.run is not None:
             wandb.finish()
+
+
+if __name__ == "__main__":
+    # `python -m lightning_effi.train <overrides>` did nothing and exited 0 (qa58-args 01): the same app as
+    # experiments/train.py, with the repository's conf/
+    import hydra as _hydra
+
+    _CONF = str(Path(__file__).resolve().parents[1] / "conf")
+    _hydra.main(version_base="1.3", config_path=_CONF, config_name="train")(main)()

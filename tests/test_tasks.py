@@ -167,3 +167,24 @@ def test_missing_vocab_size_names_the_key():
         tiny_gpt2(vocab_size=None)
     with pytest.raises(ValueError, match="model.n_head"):
         tiny_gpt2(n_head=3)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, "0.1", True])
+def test_a_bad_weight_decay_is_refused_when_built(value):
+    """NaN / inf stopped the fit at step 1, blamed on the learning rate, and -1 trained in silence: torch checks a
+    default weight_decay, not one set in a parameter group (qa58-args 05)."""
+    with pytest.raises(ValueError, match=r"^model\.weight_decay: expected None or a finite number >= 0, got "):
+        tiny_gpt2(weight_decay=value)
+    assert tiny_gpt2(weight_decay=0).weight_decay == 0
+
+
+def test_the_training_module_runs_as_the_app(tmp_path):
+    """``python -m lightning_effi.train <overrides>`` did nothing and exited 0 (qa58-args 01): it is the app."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_effi.train", "trainer.max_steps=ten", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1 and "trainer.max_steps must be an int >= -1, got 'ten'" in done.stderr

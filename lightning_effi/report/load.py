@@ -330,7 +330,7 @@ def budget_key(budget: float) -> float:
     return float(f"{float(budget):.12g}")
 
 
-def load_runs(paths: Iterable[str | Path]) -> list[Run]:
+def load_runs(paths: Iterable[str | Path] | str | os.PathLike[str]) -> list[Run]:
     """The runs recorded under ``paths`` (each a run folder, a sweep folder or any folder above, searched
     recursively for ``result.json``; a file found twice is read once), in path order.
 
@@ -341,7 +341,7 @@ def load_runs(paths: Iterable[str | Path]) -> list[Run]:
     """
     seen: set[Path] = set()
     runs = []
-    paths = list(paths)
+    paths = [paths] if isinstance(paths, str | os.PathLike) else list(paths)  # one folder: not its letters
     if not paths:
         raise FileNotFoundError("no run or sweep folder given")
     for path in paths:

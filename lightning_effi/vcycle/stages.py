@@ -216,6 +216,13 @@ def _duration(owner: str, key: str, value: Any) -> Duration:
         )
     if d.unit in ("step", "epoch") and d.value < 1:
         raise ValueError(f"{owner}.{key} must be at least 1 {d.unit}, got {value!r}")
+    if key == "e_a" and d.unit == "fraction" and d.value == 0:
+        # resolved to the 1 step a small fraction rounds up to, recorded as '0dur' (qa58-args 03), where e_a=0 and
+        # '0ep' are refused
+        raise ValueError(
+            f"{owner}.e_a must be more than 0 of the run (the full model trains before the first coalescing): give a "
+            f"fraction > 0 ('0.05dur') or steps >= 1, got {value!r}"
+        )
     return d
 
 

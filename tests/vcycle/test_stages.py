@@ -113,6 +113,8 @@ def test_deprecation_message_names_the_replacement():
         (dict(e_a=1, e_small=-2), r"VCycleCallback\.e_small must be at least 1 step, got -2"),
         (dict(levels=3, e_a=1, e_small=1, up_leg=-1), r"VCycleCallback\.up_leg must be at least 1 step, got -1"),
         (dict(e_a="0ep", e_small=1), r"VCycleCallback\.e_a must be at least 1 epoch"),
+        # '0dur' trained 1 step and was recorded as 0 (qa58-args 03)
+        (dict(e_a="0dur", e_small=1), r"VCycleCallback\.e_a must be more than 0 of the run .*got '0dur'"),
         (dict(e_a="1e6tok", e_small=1), r"VCycleCallback\.e_a: a stage length in tokens is not supported"),
         (dict(e_small=1), r"VCycleCallback: e_a is required"),
         (dict(e_a=1), r"VCycleCallback: e_small is required"),

@@ -66,6 +66,14 @@ class EffiTask(pl.LightningModule):
         weight_decay: float | None = None,
     ) -> None:
         super().__init__()
+        # NaN / inf stopped the fit at step 1 blamed on the learning rate, and a negative value trained in silence:
+        # torch checks a default weight_decay, not one set in a parameter group (qa58-args 05)
+        if weight_decay is not None and (
+            isinstance(weight_decay, bool)
+            or not isinstance(weight_decay, Real)
+            or not 0 <= float(weight_decay) < float("inf")
+        ):
+            raise ValueError(f"model.weight_decay: expected None or a finite number >= 0, got {weight_decay!r}")
         self.optimizer_factory = optimizer or default_optimizer
         self.scheduler_factory = scheduler
         self.weight_decay = weight_decay
