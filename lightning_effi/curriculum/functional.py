@@ -317,15 +317,17 @@ def channel_first_window(batch: Any, keys: Sequence[str] | None, max_difficulty:
 
 def is_edge_list(batch: Any, value: Tensor) -> bool:
     """Whether the integer ``[2, E]`` tensor ``value`` of ``batch`` reads as a graph's edge list (PyG's
-    ``edge_index``) rather than token ids ``[B=2, T]``: no other tensor of 2 dimensions or more has a first
-    dimension of 2 (graph-level labels ``[2]`` of 2 graphs may), and a float tensor ``[N, F]`` of ``N != 2`` rows
+    ``edge_index``) rather than token ids ``[B=2, T]``: no other tensor ``[2, E, ...]`` beside it (graph-level
+    targets ``[2]``, ``[2, 1]`` of 2 graphs may be), and a float tensor ``[N, F]`` of ``N != 2`` rows
     (node features) has a row for every index of ``value`` (all in ``[0, N)``). An unnamed ``(edge_index, x)``
     tuple had its edge list cut to the scheduled length in silence (qa55-break 04, qa58-break 03)."""
     if value.ndim != 2 or int(value.shape[0]) != 2 or not _is_integer(value) or value.numel() == 0:
         return False
     others = [v for _, v in tensor_leaves(batch) if v is not value and v.ndim >= 1]
-    # a [2, ...] partner of 2 rows of ids vetoes; graph-level labels y [2] of a batch of 2 graphs do not (qa58-break 03)
-    if any(int(v.shape[0]) == 2 and v.ndim >= 2 for v in others):
+    # a [2, E, ...] partner of 2 rows of ids (their labels, their mask) vetoes; graph-level targets y [2] or [2, 1] of a
+    # batch of 2 graphs do not (qa58-break 03, qa59-break 07)
+    width = int(value.shape[1])
+    if any(int(v.shape[0]) == 2 and v.ndim >= 2 and int(v.shape[1]) == width for v in others):
         return False
     low, high = int(value.min()), int(value.max())
     return low >= 0 and any(v.ndim == 2 and v.is_floating_point() and high < int(v.shape[0]) for v in others)
@@ -886,7 +888,7 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
     3,000 frames, a mask ``[b, frames]`` beside it, or a ``[b]`` tensor of its lengths (a name with a length word,
     :func:`~lightning_effi.core.measure.length_stem`, whose stem is empty or in the tensor's name: ``lengths``,
     ``mel_lens``; not a transcript's ``text_lengths``; integer or float) with a value above ``n`` and none above
-    ``frames``, or whose longest is ``frames`` (``n`` a mel-bin count, ``frames`` none); 1 for a mask ``[b, n]`` or
+    ``frames``, or whose longest is ``frames`` (below ``n``, a mel-bin count); 1 for a mask ``[b, n]`` or
     lengths whose longest is ``n``; None when the batch does not say (no lengths, or relative ones)."""
     if frames == WHISPER_FRAMES:
         return 2
@@ -904,9 +906,10 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
                 return 2
             if longest == n:
                 return 1
-            if longest == frames and n in MEL_BINS and frames not in MEL_BINS:
-                # a batch padded to its longest clip, of fewer frames than mel bins (qa57-break 04); not a
-                # batch-first one padded to a fixed length whose longest clip is as long as its bins (qa58-break 06)
+            if longest == frames < n and n in MEL_BINS:
+                # a batch padded to its longest clip, of fewer frames than mel bins (qa57-break 04), whatever that
+                # count of frames (64 is one of bins too: cut on its bins, qa59-break 01); not a batch-first one
+                # padded to a fixed length (of no bin count) whose longest clip is as long as its bins (qa58-break 06)
                 return 2
     return None
 
@@ -919,8 +922,8 @@ def _own_lengths_beyond(batch: Any, path: Path, name: str, b: int, n: int, frame
     """Whether a ``[b]`` tensor of lengths of the tensor at ``path`` (a length word, its stem empty or in ``name``:
     ``lengths``, ``spec_lens``; integer or float, not relative) has a value above ``n`` and none above ``frames``
     (a batch-first tensor's lengths never exceed its axis 1), or a longest of exactly ``frames`` below ``n``, ``n`` a
-    mel-bin count and ``frames`` none (a batch padded to its longest clip, of fewer frames than mel bins:
-    ``[B, 128, 100]`` with lengths up to 100, qa57-break 04; a batch-first ``[B, 200, 80]`` padded to 200 frames
+    mel-bin count (a batch padded to its longest clip, of fewer frames than mel bins: ``[B, 128, 100]`` with lengths
+    up to 100, qa57-break 04, or ``[B, 80, 64]``, qa59-break 01; a batch-first ``[B, 200, 80]`` padded to 200 frames
     whose longest clip has 80 is none, qa58-break 06)."""
     for other, v in tensor_leaves(batch):
         other_name = str(leaf_name(batch, other) or "").lower()
@@ -930,7 +933,7 @@ def _own_lengths_beyond(batch: Any, path: Path, name: str, b: int, n: int, frame
         if stem is None or (stem and stem not in name) or v.dtype == torch.bool or _relative(v):
             continue
         longest = float(v.max())
-        if n < longest <= frames or (longest == frames < n and n in MEL_BINS and frames not in MEL_BINS):
+        if n < longest <= frames or (longest == frames < n and n in MEL_BINS):
             return True
     return False
 

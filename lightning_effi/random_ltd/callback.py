@@ -86,6 +86,7 @@ from lightning_effi.core.progress import (
     PROGRESS_TICKS,
     Duration,
     StepsPerBatchCheck,
+    accumulate_grad_batches_at,
     estimated_optimizer_steps,
     progress_clock,
     progress_ticks,
@@ -1291,7 +1292,10 @@ class RandomLTDCallback(Callback):
         where = f"{type(self).__name__}.require_steps"
         duration = self.require_duration
         if duration.unit == "epoch":
-            spe = steps_per_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches, f"{where}={duration}")
+            # the first epoch's factor: a GradientAccumulationScheduler sets the Trainer's only at the epoch's start
+            # ('1ep' of {0: 2} resolved to the batches, qa59-break 02)
+            factor = accumulate_grad_batches_at(trainer, 0)
+            spe = steps_per_epoch(trainer.num_training_batches, factor, f"{where}={duration}")
             return max(1, duration.to_steps(steps_per_epoch=spe, name=where))
         total = run_length(trainer.max_steps, estimated_optimizer_steps(trainer))
         if total is None:

@@ -20,6 +20,7 @@ from lightning_effi.core.console import unshown_warnings
 from lightning_effi.core.progress import (
     PROGRESS_TICKS,
     Duration,
+    accumulate_grad_batches_at,
     estimated_optimizer_steps,
     run_length,
     steps_per_epoch,
@@ -513,7 +514,7 @@ def fit_stages(
         else f"max_epochs={max_epochs} over a train dataloader without a length (an IterableDataset), and max_steps=-1"
     )
     return resolve_stages(
-        levels, e_a, e_small, up_leg, total, batches, trainer.accumulate_grad_batches, owner, unknown_because=why
+        levels, e_a, e_small, up_leg, total, batches, accumulate_grad_batches_at(trainer, 0), owner, unknown_because=why
     )
 
 

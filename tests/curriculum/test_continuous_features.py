@@ -408,6 +408,12 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
     short = {"mel": torch.randn(4, 128, 100, generator=g), "mel_lengths": torch.tensor([100, 90, 80, 70])}
     with pytest.raises(ValueError, match=r"'mel' \[4, 128, 100\] looks channel first"):
         CF.truncate(short, 50, keys=["mel"])
+    # a count of frames that is a bin count itself: cut on the bins after the fix of qa58-break 06 (qa59-break 01)
+    for bins, frames in ((80, 64), (128, 80), (80, 40)):
+        lengths = torch.tensor([frames, frames - 5, frames - 9, frames - 20])
+        clips = {"mel": torch.randn(4, bins, frames, generator=g), "mel_lengths": lengths}
+        with pytest.raises(ValueError, match=rf"'mel' \[4, {bins}, {frames}\] looks channel first"):
+            CF.truncate(clips, 20, keys=["mel"])
     # but batch-first features padded to a fixed length whose longest row happens to equal their width are cut
     # (qa58-break 06: refused mid-run as channel first)
     fixed = {"input_features": torch.randn(4, 200, 80, generator=g), "feature_lengths": torch.tensor([80, 60, 33, 12])}

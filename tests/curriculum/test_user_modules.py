@@ -255,6 +255,7 @@ def test_nothing_truncatable_is_a_clear_error_at_the_first_batch(tmp_path):
     # labels [2], or beside features of their own batch size, stay ids
     assert CF.sequence_reference((edges, x)) is None and CF.truncate_batch((edges, x), 5)[0] is edges
     assert CF.truncate_batch((edges, x, torch.tensor([0, 1])), 5)[0] is edges  # labels of 2 graphs (qa58-break 03)
+    assert CF.truncate_batch((edges, x, torch.randn(2, 1)), 5)[0] is edges  # regression targets (qa59-break 07)
     with pytest.raises(DataConfigError, match=r"a graph batch: its edge_index \[2, E\] is no sequence"):
         CurriculumCollate(lambda items: (edges, x), ["seqlen_truncate"])([(s, (i, 1, 0, (4,))) for i, s in
                                                                         enumerate(samples)])  # fmt: skip

@@ -403,6 +403,18 @@ def test_a_fraction_of_the_run_counts_a_gradient_accumulation_schedulers_factors
         trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
     assert trainer.global_step == 5 + 3 == cb.require_steps == cb.total_steps
     assert not [w for w in caught if "before the" in str(w.message)]
+    # epochs at the scheduler's factor from the first epoch ('1ep' of {0: 2} resolved to 5, qa59-break 02), and the
+    # V-cycle's stages in epochs fit the run they were refused in
+    cb = RandomLTDCallback(min_value=4, seq_per_step=1, require_steps="1ep")
+    trainer = make_trainer(tmp_path / "ep", [cb, GradientAccumulationScheduler({0: 2})], max_epochs=3)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    assert trainer.global_step == 9 and cb.require_steps == 3
+    from lightning_effi.callbacks import VCycleCallback
+
+    vc = VCycleCallback(e_a="1ep", e_small="1ep")
+    trainer = make_trainer(tmp_path / "vc", [vc, GradientAccumulationScheduler({0: 2})], max_epochs=3)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    assert vc.stage_ends[:2] == [3, 6]
 
 
 # ------------------------------------------------------------------------------------------------ require_steps
