@@ -437,12 +437,18 @@ class ResultWriter(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Choose the run's folder (``out_dir``), and note whether it already holds a record. A folder that is a file,
-        or no seed (``seed=None`` without ``pl.seed_everything``), is refused here, not after the whole fit with no
-        record written (qa58-args 02)."""
+        or no seed (``seed=None`` without ``pl.seed_everything``), or no ``EfficiencyMonitor`` is refused here, not
+        after the whole fit with no record written (qa58-args 02, qa59-break 04)."""
         self._dir = self._resolve_dir(trainer)  # on every rank: trainer.log_dir broadcasts
         if Path(self._dir).exists() and not Path(self._dir).is_dir():
             raise ValueError(
                 f"ResultWriter: out_dir must be a folder (the run's; created if missing), got the file {self._dir}"
+            )
+        if not any(isinstance(c, EfficiencyMonitor) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            # refused after the whole fit before, with no record written (qa59-break 04)
+            raise ValueError(
+                "ResultWriter: the Trainer has no EfficiencyMonitor, whose summary the record holds; add "
+                "EfficiencyMonitor() to Trainer(callbacks=[...])"
             )
         if self.seed is None and os.environ.get("PL_GLOBAL_SEED") is None:
             raise ValueError(

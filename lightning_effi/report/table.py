@@ -29,7 +29,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from lightning_effi.report.frontier import (
@@ -1052,7 +1052,7 @@ def _row(arm: str, budget: float, runs: Sequence[Run], by_run: dict[int, dict[st
 
 
 def write_report(
-    paths: Iterable[str | Path] | str | Path,
+    paths: Iterable[str | Path] | str | PurePath,
     out_dir: str | Path | None = None,
     metric: str | None = None,
     compute: str = "flops",
@@ -1075,7 +1075,7 @@ def write_report(
     """
     from lightning_effi.report import plots  # matplotlib only when writing
 
-    paths = [paths] if isinstance(paths, str | Path) else list(paths)  # one folder: not its letters
+    paths = [paths] if isinstance(paths, str | PurePath) else list(paths)  # one folder: not its letters
     runs = load_runs(paths)
     report = build_report(runs, metric=metric, compute=compute, mode=mode)
     failed = jobs_without_result(paths)

@@ -708,9 +708,11 @@ def test_a_result_writer_refuses_a_file_or_no_seed_before_the_fit(tmp_path, monk
     for writer, message in (
         (ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "file"), r"out_dir must be a folder .*the file"),
         (ResultWriter(metric="val/loss", out_dir=tmp_path / "run"), r"seed=None, and pl.seed_everything was never"),
+        (ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "run"), r"the Trainer has no EfficiencyMonitor"),
     ):
+        monitor = [] if "no EfficiencyMonitor" in message else [EfficiencyMonitor(print_summary=False)]
         trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             callbacks=[EfficiencyMonitor(print_summary=False), writer])  # fmt: skip
+                             callbacks=[*monitor, writer])  # fmt: skip
         with pytest.raises(ValueError, match="^ResultWriter: " + message):
             trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
         assert trainer.global_step == 0

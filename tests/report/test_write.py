@@ -73,6 +73,9 @@ def test_write_report_defaults_to_the_first_path_and_skips_schedules_when_none(t
     write_record(tmp_path / "a", budget=0.5, flops=1e12, loss=2.5)
     write_record(tmp_path / "b", budget=1.0, flops=2e12, loss=2.0)
     report = write_report(str(tmp_path))  # one folder as a str: not read letter by letter (qa58-args 07)
+    from pathlib import PurePosixPath
+
+    assert len(write_report(PurePosixPath(tmp_path)).rows) == 2  # a path of another class (qa59-break 06)
     assert (tmp_path / "report.md").is_file() and _png(tmp_path / "quality_vs_wall.png")
     assert "schedules.png" not in report.files and not (tmp_path / "schedules.png").exists()
     assert len(report.rows) == 2 and all(r["baseline"] for r in report.rows)
