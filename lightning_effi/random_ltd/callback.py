@@ -1379,7 +1379,9 @@ class RandomLTDCallback(Callback):
 
     def expected_total_layer_tokens(self) -> int:
         """Layer-tokens the whole run will consume at full-length batches: :meth:`total_layer_tokens` over the run's
-        optimizer steps (``trainer.estimated_stepping_batches``) at the global batch size of the first step.
+        optimizer steps (``trainer.estimated_stepping_batches``, a ``GradientAccumulationScheduler``'s factors
+        counted) at the global batch size of the first step (a factor that changes during the run changes the later
+        steps' batch, which this does not follow: pass ``total_layer_tokens`` then).
 
         Raises:
             RuntimeError: before the first optimizer step, or for a run of unknown length.
