@@ -255,19 +255,10 @@ def test_a_stream_shorter_than_its_limit_warns_that_the_schedule_ended_unfinishe
     import warnings
 
     import lightning.pytorch as pl
-    import torch
 
     from lightning_effi.callbacks import RandomLTDCallback, VCycleCallback
     from tests.helpers.harness import make_trainer
-    from tests.helpers.tiny import TokenBlocks, tiny_gpt2
-
-    class Stream(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            return iter(TokenBlocks(n=16)[i] for i in range(16))
-
-    class Data(pl.LightningDataModule):
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(Stream(), batch_size=4)
+    from tests.helpers.tiny import TokenStreamData, tiny_gpt2
 
     told = []
     for limit in (10, 4):  # the stream's 4 batches an epoch: 20 steps estimated, 8 trained; then 8 of 8
@@ -280,7 +271,7 @@ def test_a_stream_shorter_than_its_limit_warns_that_the_schedule_ended_unfinishe
         trainer = make_trainer(tmp_path / str(limit), [callback], max_epochs=2, limit_train_batches=limit)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(model, datamodule=Data())
+            trainer.fit(model, datamodule=TokenStreamData())
         assert trainer.global_step == 8
         told.append([str(w.message) for w in caught if "before the" in str(w.message)])
     assert len(told[0]) == 1 and "the run ended at step 8, before the 20 optimizer steps" in told[0][0]

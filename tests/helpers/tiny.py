@@ -142,6 +142,20 @@ def tiny_lm_data(**kw: Any) -> TinyDataModule:
     return TinyDataModule(TokenBlocks(), **kw)
 
 
+class TokenStream(torch.utils.data.IterableDataset):
+    """The 16 first :class:`TokenBlocks` as a stream: a training set without a length."""
+
+    def __iter__(self) -> Any:
+        return iter(TokenBlocks(n=16)[i] for i in range(16))
+
+
+class TokenStreamData(pl.LightningDataModule):
+    """:class:`TokenStream` in batches of 4 (a train dataloader without a length)."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(TokenStream(), batch_size=4)
+
+
 def tiny_sentence_data(**kw: Any) -> TinyDataModule:
     return TinyDataModule(Sentences(), collate_fn=PaddingCollate(pad_token_id=0), **kw)
 

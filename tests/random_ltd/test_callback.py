@@ -369,18 +369,11 @@ def test_unknown_run_length_needs_require_steps(tmp_path):
 
 def test_a_loader_without_a_length_is_named_as_the_unknown_length(tmp_path):
     """With max_epochs=2 over an IterableDataset the message said "(max_epochs=-1 and max_steps=-1)"."""
-
-    class Stream(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            return iter(TokenBlocks(n=16)[i] for i in range(16))
-
-    class Data(pl.LightningDataModule):
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(Stream(), batch_size=4)
+    from tests.helpers.tiny import TokenStreamData
 
     trainer = make_trainer(tmp_path, [RandomLTDCallback(min_value=4)], max_epochs=2)
     with pytest.raises(ValueError, match=r"max_epochs=2 over a train dataloader without a length .*Trainer\(max_steps"):
-        trainer.fit(deep_gpt2(), datamodule=Data())
+        trainer.fit(deep_gpt2(), datamodule=TokenStreamData())
 
 
 def test_require_fraction_of_the_run(tmp_path):
