@@ -883,6 +883,14 @@ SPECTRAL_NAMES = ("feature", "mel", "spectr", "fbank")
 WHISPER_FRAMES = 3000
 
 
+def _padded_to_fewer_frames(longest: float, n: int, frames: int) -> bool:
+    """Whether a ``[B, n, frames]`` tensor whose own lengths' longest is ``longest`` is a channel-first batch padded to
+    its longest clip, of fewer frames than mel bins (qa57-break 04): ``longest == frames < n`` and ``n`` a mel-bin
+    count, whatever ``frames`` (64 is a bin count too: cut on its bins, qa59-break 01); not a batch-first tensor
+    padded to a fixed length of no bin count whose longest clip is as long as its bins (qa58-break 06)."""
+    return longest == frames < n and n in MEL_BINS
+
+
 def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | None:
     """Which axis of the ``[b, n, frames]`` tensor at ``path`` the batch says holds the frames: 2 for Whisper's
     3,000 frames, a mask ``[b, frames]`` beside it, or a ``[b]`` tensor of its lengths (a name with a length word,
@@ -906,10 +914,7 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
                 return 2
             if longest == n:
                 return 1
-            if longest == frames < n and n in MEL_BINS:
-                # a batch padded to its longest clip, of fewer frames than mel bins (qa57-break 04), whatever that
-                # count of frames (64 is one of bins too: cut on its bins, qa59-break 01); not a batch-first one
-                # padded to a fixed length (of no bin count) whose longest clip is as long as its bins (qa58-break 06)
+            if _padded_to_fewer_frames(longest, n, frames):
                 return 2
     return None
 
@@ -933,7 +938,7 @@ def _own_lengths_beyond(batch: Any, path: Path, name: str, b: int, n: int, frame
         if stem is None or (stem and stem not in name) or v.dtype == torch.bool or _relative(v):
             continue
         longest = float(v.max())
-        if n < longest <= frames or (longest == frames < n and n in MEL_BINS):
+        if n < longest <= frames or _padded_to_fewer_frames(longest, n, frames):
             return True
     return False
 
