@@ -178,6 +178,22 @@ def test_a_bad_weight_decay_is_refused_when_built(value):
     assert tiny_gpt2(weight_decay=0).weight_decay == 0
 
 
+def test_a_weight_decay_the_optimizer_has_no_setting_for_is_refused():
+    """Rprop keeps a group's weight_decay key and never reads it: weight_decay=0.1 trained with none, in silence
+    (qa59-break 05)."""
+    import functools
+
+    module = tiny_gpt2(weight_decay=0.1, optimizer=functools.partial(torch.optim.Rprop, lr=1e-3))
+    for build in (module.check_optimization, module.configure_optimizers):
+        with pytest.raises(ValueError, match=r"^model\.weight_decay: Rprop has no weight decay, so weight_decay=0\.1"):
+            build()
+    for weight_decay in (None, 0.0):
+        plain = tiny_gpt2(weight_decay=weight_decay, optimizer=functools.partial(torch.optim.Rprop, lr=1e-3))
+        assert isinstance(plain.configure_optimizers(), torch.optim.Rprop)
+    decayed = tiny_gpt2(weight_decay=0.1, optimizer=functools.partial(torch.optim.SGD, lr=1e-3))
+    assert decayed.configure_optimizers().param_groups[0]["weight_decay"] == 0.1
+
+
 def test_the_training_module_runs_as_the_app(tmp_path):
     """``python -m lightning_effi.train <overrides>`` did nothing and exited 0 (qa58-args 01): it is the app."""
     import subprocess

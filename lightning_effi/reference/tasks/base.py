@@ -43,6 +43,20 @@ def param_groups(model: nn.Module, weight_decay: float | None) -> list[dict[str,
     return [first, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def check_weight_decay_applies(optimizer: torch.optim.Optimizer, weight_decay: float | None) -> None:
+    """Refuse a positive ``weight_decay`` for an optimizer that has no such setting (``Rprop``, ``LBFGS``): it keeps
+    the group key and never reads it, so the run would train without decay.
+
+    Raises:
+        ValueError: naming ``model.weight_decay`` and the optimizer.
+    """
+    if weight_decay and "weight_decay" not in optimizer.defaults:
+        raise ValueError(
+            f"model.weight_decay: {type(optimizer).__name__} has no weight decay, so weight_decay={weight_decay!r} "
+            "would be ignored; set model.weight_decay=null (or 0), or choose an optimizer that takes weight_decay"
+        )
+
+
 class EffiTask(pl.LightningModule):
     """A LightningModule that follows the per-sample-loss contract.
 
@@ -54,6 +68,10 @@ class EffiTask(pl.LightningModule):
         optimizer: ``callable(params) -> Optimizer``; default AdamW(lr=1e-3, weight_decay=0.01).
         scheduler: ``callable(optimizer, total_steps=int) -> LRScheduler`` stepped every optimizer step, or None.
         weight_decay: if not None, applied to matrix parameters only (biases and norm weights get 0).
+
+    Raises:
+        ValueError: ``weight_decay`` not None or a finite number >= 0 (when built), or positive for an optimizer that
+            has no weight decay, such as ``Rprop`` (when the optimizer is built).
     """
 
     #: number of transformer layers, for layer-token accounting (0 for non-transformer models)
@@ -107,6 +125,7 @@ class EffiTask(pl.LightningModule):
     # ------------------------------------------------------------------------------------------ optimization
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(param_groups(self, self.weight_decay))
+        check_weight_decay_applies(optimizer, self.weight_decay)
         if self.scheduler_factory is None:
             return optimizer
         total = self.trainer.estimated_stepping_batches
@@ -167,6 +186,7 @@ class EffiTask(pl.LightningModule):
             optimizer = self.optimizer_factory(param_groups(self, self.weight_decay))
         except (ValueError, TypeError) as err:
             raise ValueError(f"model.optimizer: {err}") from err
+        check_weight_decay_applies(optimizer, self.weight_decay)
         if self.scheduler_factory is not None:
             try:
                 self.scheduler_factory(optimizer, total_steps=1)
