@@ -475,6 +475,39 @@ def accumulation_changes(trainer: Any) -> bool:
     return len({scheduler.get_accumulate_grad_batches(e) for e in [0, *starts]}) > 1
 
 
+def accumulation_segments(trainer: Any) -> list[tuple[int, int]] | None:
+    """The run's optimizer steps as ``(steps, micro_batches_per_step)`` runs, in order, when a
+    ``GradientAccumulationScheduler`` changes the factor during the run (:func:`accumulation_changes`), the
+    training loader has a length and ``max_epochs`` is finite: epoch ``e`` of ``n`` batches and factor ``f_e`` takes
+    ``n // f_e`` steps of ``f_e`` micro-batches and, when ``f_e`` does not divide ``n``, one of ``n % f_e`` (Lightning
+    steps at the epoch's end); capped at ``max_steps`` when set. None otherwise (one factor: every step alike)."""
+    scheduler = accumulation_scheduler(getattr(trainer, "callbacks", ()))
+    batches, max_epochs = getattr(trainer, "num_training_batches", math.inf), getattr(trainer, "max_epochs", None)
+    if (
+        scheduler is None
+        or not accumulation_changes(trainer)
+        or max_epochs is None
+        or max_epochs < 0
+        or not math.isfinite(batches)
+        or batches <= 0
+    ):
+        return None
+    max_steps = getattr(trainer, "max_steps", -1)
+    left = max_steps if max_steps is not None and max_steps > 0 else math.inf
+    segments: list[tuple[int, int]] = []
+    for epoch in range(int(max_epochs)):
+        factor = int(scheduler.get_accumulate_grad_batches(epoch))
+        full, rest = divmod(int(batches), factor)
+        for steps, size in ((full, factor), (1 if rest else 0, rest)):
+            take = int(min(steps, left))
+            if take:
+                segments.append((take, size))
+                left -= take
+        if not left:
+            break
+    return segments
+
+
 def estimated_optimizer_steps(trainer: Any) -> float:
     """``trainer.estimated_stepping_batches`` with a ``GradientAccumulationScheduler``'s factors counted: Lightning's
     estimate divides every epoch's batches by the Trainer's current factor (1 before the first epoch, when a

@@ -87,6 +87,7 @@ from lightning_effi.core.progress import (
     Duration,
     StepsPerBatchCheck,
     accumulate_grad_batches_at,
+    accumulation_segments,
     estimated_optimizer_steps,
     progress_clock,
     progress_ticks,
@@ -519,6 +520,8 @@ class RandomLTDCallback(Callback):
         self.saved_flops = 0.0
         self.full_layer_flops = 0.0
         self.total_steps: int | None = None
+        # (steps, micro-batches per step) runs of a run whose accumulation factor changes (None: every step alike)
+        self._step_segments: list[tuple[int, int]] | None = None
         self.global_batch_size = 0
         self._pending = [0, 0, 0, 0.0, 0.0]  # samples, layer-tokens, full layer-tokens, saved flops, full flops
         self._folded = True
@@ -950,6 +953,7 @@ class RandomLTDCallback(Callback):
         self._announced = self.max_value if self.max_value_arg is None else None  # restored on resume: said before
         total = estimated_optimizer_steps(trainer)  # a GradientAccumulationScheduler's factors counted
         self.total_steps = int(total) if math.isfinite(total) else None
+        self._step_segments = accumulation_segments(trainer)
         self._data_length, self._lengths_vary = None, False
         if self._curriculum is None and (not self._seen or self._resumed):
             self._data_length = self._peek_sequence_length(trainer)
@@ -1380,8 +1384,8 @@ class RandomLTDCallback(Callback):
     def expected_total_layer_tokens(self) -> int:
         """Layer-tokens the whole run will consume at full-length batches: :meth:`total_layer_tokens` over the run's
         optimizer steps (``trainer.estimated_stepping_batches``, a ``GradientAccumulationScheduler``'s factors
-        counted) at the global batch size of the first step (a factor that changes during the run changes the later
-        steps' batch, which this does not follow: pass ``total_layer_tokens`` then).
+        counted) at the global batch size of the first step. When the scheduler changes the factor during the run,
+        each step's batch follows its micro-batch count (the first step's samples per micro-batch times the count).
 
         Raises:
             RuntimeError: before the first optimizer step, or for a run of unknown length.
@@ -1391,7 +1395,17 @@ class RandomLTDCallback(Callback):
                 "RandomLTDCallback.expected_total_layer_tokens: needs a run of known length and one "
                 "finished optimizer step; pass total_layer_tokens explicitly"
             )
-        return self.total_layer_tokens(self.total_steps, self.global_batch_size)
+        if not self._step_segments:
+            return self.total_layer_tokens(self.total_steps, self.global_batch_size)
+        # layer-tokens are linear in the batch size: per-sample totals over each run of steps, times its batch
+        per_micro_batch = self.global_batch_size / self._step_segments[0][1]
+        total, done, before = 0.0, 0, 0
+        for steps, size in self._step_segments:
+            done += steps
+            upto = self.total_layer_tokens(done, 1)
+            total += (upto - before) * per_micro_batch * size
+            before = upto
+        return int(round(total))
 
     @override
     def on_train_batch_start(

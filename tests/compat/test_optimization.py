@@ -38,7 +38,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 from lightning_effi import Curriculum, InfoBatchCallback, RandomLTDCallback, VCycleCallback
 from lightning_effi.core.features import FEATURES, detect_features, parameter_copy_holders
 from lightning_effi.core.lr_schedules import one_cycle, one_cycle_multiplier
-from lightning_effi.core.progress import accumulate_grad_batches_at, accumulation_changes
+from lightning_effi.core.progress import accumulate_grad_batches_at, accumulation_changes, accumulation_segments
 from lightning_effi.core.requirements import IncompatibleTechniques
 from lightning_effi.data import CurriculumDataModule
 from lightning_effi.infobatch import functional as ib
@@ -374,6 +374,14 @@ def test_accumulation_helpers() -> None:
     assert not accumulation_changes(SimpleNamespace(callbacks=[GradientAccumulationScheduler({0: 3})], max_epochs=-1))
     assert not accumulation_changes(SimpleNamespace(callbacks=[], accumulate_grad_batches=2, max_epochs=3))
     assert accumulate_grad_batches_at(SimpleNamespace(callbacks=[], accumulate_grad_batches=2), 7) == 2
+    # the steps as (count, micro-batches) runs: 5 batches per epoch, factors 1, 1, 4, 4, 4 (5 = 4 + 1 at the end)
+    loader = {"num_training_batches": 5, "max_steps": -1}
+    segments = [(5, 1), (5, 1), (1, 4), (1, 1), (1, 4), (1, 1), (1, 4), (1, 1)]
+    assert accumulation_segments(SimpleNamespace(**vars(trainer), **loader)) == segments
+    assert accumulation_segments(SimpleNamespace(**vars(trainer), **loader | {"max_steps": 12})) == segments[:4]
+    assert accumulation_segments(SimpleNamespace(**vars(trainer), **loader | {"max_steps": 8})) == [(5, 1), (3, 1)]
+    assert accumulation_segments(SimpleNamespace(callbacks=[schedule], max_epochs=2, **loader)) is None  # no change
+    assert accumulation_segments(SimpleNamespace(**vars(trainer), num_training_batches=float("inf"))) is None
     # InfoBatch's fewest steps with one factor per epoch: 3 epochs of 24 samples, batch 4, the middle one pruned
     fewest = ib.min_epoch_size(1, 3, 24, 0.5, 0.67)
     assert (

@@ -396,6 +396,8 @@ def test_a_fraction_of_the_run_counts_a_gradient_accumulation_schedulers_factors
         trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
     assert trainer.global_step == 5 + 3 == cb.require_steps == cb.total_steps
     assert not [w for w in caught if "before the" in str(w.message)]
+    # the layer-token LR's default total follows epoch 1's steps of two micro-batches (3,200 for 4,096, qa59-break 03)
+    assert cb.expected_total_layer_tokens() == cb.consumed_layer_tokens == 4096
     # epochs at the scheduler's factor from the first epoch ('1ep' of {0: 2} resolved to 5, qa59-break 02), and the
     # V-cycle's stages in epochs fit the run they were refused in
     cb = RandomLTDCallback(min_value=4, seq_per_step=1, require_steps="1ep")
