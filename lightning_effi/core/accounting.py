@@ -45,7 +45,8 @@ structure) is counted by :mod:`lightning_effi.core.measure`:
   list of loaders: Lightning's ``CombinedLoader``) is counted per loader and summed, tokens as well;
 - tokens: the batch's ``attention_mask`` sum, else the real tokens of another padding mask beside token ids (a
   tuple batch's 0/1 entry), else its ``input_ids`` / first integer ``[B, T]`` tensor's size (:func:`tokens_of`;
-  plus the positions the first block sees in front of them: a vision-language model's image tokens, a prefix),
+  plus the positions the first block sees in front of them: a vision-language model's image tokens, a prefix; a
+  front end that pools the ids, so that the blocks see fewer positions, is warned of, not scaled),
   else the positions in the hidden states the network's first transformer block was called with in the training
   step (``[B, T, H]``: a ViT's patches and prefix tokens, a series of continuous features, padding included: a
   padding mask of such a batch is read only when named ``attention_mask``, with one warning otherwise; a batch a
@@ -747,6 +748,8 @@ class EfficiencyMonitor(Callback):
             return None
         extra = int(shape[1]) - int(rows.shape[1])
         if extra <= 0 or any(_is_encoder_decoder(m) for m in pl_module.modules()):
+            if extra < -1 and "tokens/fewer_positions" not in self._warned:
+                self._warn_fewer_positions(pl_module, int(shape[1]), int(rows.shape[1]))
             return None
         self._prepended, self._prepended_rows = extra, tuple(rows.shape)
         # a speech batch's CTC targets [B, L] beside its frames were told "image tokens or a prefix" (qa48-speech 06)
@@ -759,6 +762,25 @@ class EfficiencyMonitor(Callback):
             "LightningModule to count your own way",
         )
         return extra
+
+    def _warn_fewer_positions(self, pl_module: pl.LightningModule, seen: int, ids: int) -> None:
+        """Once: the first transformer block sees ``seen`` positions a row, fewer than the batch's ``ids`` token
+        positions by more than a step's label shift (``ids[:, :-1]``): a strided front end (k-mer or patch pooling of
+        the ids), or a step that runs the blocks on part of them. Tokens count the ids, so layer_tokens are the ids'
+        tokens times the blocks, ``ids / seen`` times what the blocks process (768 for 384, qa57-seq 03); the saving
+        fractions are unaffected (a technique's baseline is counted alike). Not said for an encoder-decoder, whose
+        blocks see another sequence."""
+        if any(_is_encoder_decoder(m) for m in pl_module.modules()):
+            self._warned.add("tokens/fewer_positions")
+            return
+        self._warn(
+            "tokens/fewer_positions",
+            f"the first transformer block sees {seen} positions a row, fewer than the batch's {ids} token positions "
+            "(a strided front end pooling the ids, or a step that runs the blocks on part of them): tokens count the "
+            f"ids, so layer_tokens are {ids}/{seen} times the positions the blocks process (saving fractions are "
+            "not affected); define `effi_count_tokens(batch) -> int` on your LightningModule to count the blocks' "
+            "positions",
+        )
 
     def _lengthened_positions(self, batch: Any) -> int | None:
         """The baseline's tokens when the trained batch's blocks saw more positions than its token ids

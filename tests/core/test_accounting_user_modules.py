@@ -2049,6 +2049,38 @@ def test_tokens_a_model_puts_in_front_of_the_text_are_counted(tmp_path: Path) ->
     assert len(told) == 1 and f"sees {T + 6} positions a row, 6 more than the batch's {T} token positions" in told[0]
 
 
+class StridedLM(UserModule):
+    """A DNA / protein LM's pattern: a stride-2 convolution pools the ids' embeddings (k-mers) before the blocks,
+    which see T / 2 positions; a step shifting its labels (``ids[:, :-1]``) sees one fewer, which is no pooling."""
+
+    def __init__(self, stride: int) -> None:
+        super().__init__()
+        self.net, self.stride = OwnNet(), stride
+        self.pool = nn.Conv1d(32, 32, stride, stride=stride)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids = batch[0] if self.stride == 2 else batch[0][:, :-1]
+        x = self.pool(self.net.embed(ids).transpose(1, 2)).transpose(1, 2)
+        for block in self.net.blocks:
+            x = block(x)
+        return self.net.head(x).logsumexp(-1).mean()
+
+
+def test_a_front_end_that_pools_the_ids_is_told(tmp_path: Path) -> None:
+    """A stride-2 front end before the blocks: layer_tokens count the ids' tokens, twice the positions the blocks
+    process (768 for 384), in silence (qa57-seq 03): said once, naming effi_count_tokens; not for a label shift."""
+    told = {}
+    for stride in (2, 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            monitor, _, per_batch = fit(StridedLM(stride), token_loader(), tmp_path / str(stride), 2)
+        assert [row["layer_tokens"] for row in per_batch.rows] == [4 * B * T] * 2  # the ids' tokens, as said
+        told[stride] = [m for m in monitor_warnings(caught) if "fewer than the batch's" in m]
+    assert len(told[2]) == 1 and f"sees {T // 2} positions a row, fewer than the batch's {T} token" in told[2][0]
+    assert "layer_tokens are 16/8 times the positions" in told[2][0] and "effi_count_tokens" in told[2][0]
+    assert told[1] == []
+
+
 class _MoE(nn.Module):
     """Top-2 of 4 experts, tokens dispatched with nonzero / index_add (a data-dependent shape)."""
 
