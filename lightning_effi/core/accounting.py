@@ -1079,16 +1079,15 @@ class EfficiencyMonitor(Callback):
         if size is None:
             return None
         shape = self._observed_shape if self._observed_sequence_first else None
-        if shape is not None and shape[0] != shape[1]:
-            lead = next((v for _, v in tensor_leaves(batch) if v.ndim >= 2 and int(v.shape[0]) == size), None)
-            if lead is not None and tuple(lead.shape[:2]) == tuple(shape[:2]):
-                return int(lead.shape[1])
         rnn = self._rnn_input if self._observed_shape is None else None  # no block list read the batch
-        if rnn is not None:
-            # a sequence-first RNN's rows: the batch's [T, B] tensor has them on axis 1, whatever steps the RNN runs
-            # (a BOS step in front, a strided front end: qa58-break 07)
+        if (shape is not None and shape[0] != shape[1]) or rnn is not None:
+            # the batch's [T, B] tensor: its first dimension is the one read as the samples
             lead = next((v for _, v in tensor_leaves(batch) if v.ndim >= 2 and int(v.shape[0]) == size), None)
-            if lead is not None and int(lead.shape[1]) == rnn[1] != int(lead.shape[0]):
+            if lead is not None and shape is not None and tuple(lead.shape[:2]) == tuple(shape[:2]):
+                return int(lead.shape[1])
+            # a sequence-first RNN's rows are on axis 1, whatever steps the RNN runs (a BOS step in front, a strided
+            # front end: qa58-break 07)
+            if lead is not None and rnn is not None and int(lead.shape[1]) == rnn[1] != int(lead.shape[0]):
                 return int(lead.shape[1])
         if actual and "samples/first_dims" not in self._warned and _graph_like(batch):
             others = other_first_dims(batch, size)
