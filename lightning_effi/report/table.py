@@ -814,6 +814,11 @@ def _mixed_setups(baselines: Sequence[Run]) -> list[str]:
 #: an edited model (twice the layers: 1.97x) lies beyond 1.5
 PLAIN_COST_TOLERANCE = 1.5
 
+#: the same among a frontier's baselines: one model on one data set at several budgets, no technique changing their
+#: batches (1.00000 in every committed sweep; a padded text data set's budgets pad their batches a little
+#: differently). An edited model within 1.5x (6 -> 8 layers: 1.33x) read as one frontier under the looser bound
+BASELINE_COST_TOLERANCE = 1.1
+
 
 def _plain_cost(run: Run) -> tuple[float, str] | None:
     """The training FLOPs per token (per sample where the run counted no tokens) of the model without any technique,
@@ -853,7 +858,7 @@ def _plain_cost_notes(runs: Sequence[Run], seeds: Sequence[int]) -> list[str]:
             continue
         (unit,) = units
         values = sorted(v for _, (v, _) in costs)
-        if values[-1] > values[0] * PLAIN_COST_TOLERANCE:
+        if values[-1] > values[0] * BASELINE_COST_TOLERANCE:
             listed = ", ".join(f"{v:.4g} at budget {b.budget:g}" for b, (v, _) in costs)
             notes.append(
                 f"frontier of seed {seed}: its baselines' training FLOPs per {unit} differ ({listed}): they trained "
