@@ -141,6 +141,11 @@ class Run:
         return f"{self.arm}@{self.budget:g} seed {self.seed}"
 
 
+def _missing_value(value: Any) -> bool:
+    """A metric the run has no number for: ``null`` (how a record writes NaN) or NaN."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _number(value: Any) -> float:
     return math.nan if value is None else float(value)
 
@@ -204,6 +209,15 @@ def read_run(file: Path) -> Run:
         raise ReportError(f"{file}: 'optimized_mode' {err}") from err
     metric = _require(record, "metric", (int, float, type(None)), file, "the final metric, a number or null")
     metrics = _require(record, "metrics", dict, file, "name -> final value, an object")
+    if metric_name is not None and metric_name in metrics:
+        # 'metric' is a copy of metrics[optimized_metric] (write_result writes both); the report reads the copy
+        final = metrics[metric_name]
+        if final != metric and not (_missing_value(final) and _missing_value(metric)):
+            raise ReportError(
+                f"{file}: 'metric' is {metric!r} but 'metrics.{metric_name}' is {final!r}; the first is a copy of the "
+                f"second (the optimized metric's final value), which the report reads: edit both, or the record is "
+                "damaged"
+            )
     efficiency = _require(record, "efficiency", dict, file, "the EfficiencyMonitor summary, an object")
     missing = [k for k in (*COMPUTE_KEYS, "time_train_s", "time_data_s") if k not in efficiency]
     if missing:

@@ -103,3 +103,21 @@ def test_a_top_level_copy_that_disagrees_with_its_efficiency_total_is_refused(tm
     (folder / "result.json").write_text(json.dumps(record))
     with pytest.raises(ReportError, match=rf"'{key}' is 1\.0 but 'efficiency\.{total}' is .*edit both"):
         load_runs([folder])
+
+
+def test_a_final_metric_that_disagrees_with_its_metrics_entry_is_refused(tmp_path):
+    """'metric' is a copy of metrics[optimized_metric]; the report reads the copy, so a re-evaluated value edited
+    into the metrics alone (0.30 for 0.525) was silently ignored (qa60-audit 04). A metric logged as null in both
+    (NaN) is one value."""
+    folder = write_record(tmp_path / "run", loss=2.0)
+    record = json.loads((folder / "result.json").read_text())
+    name = record["optimized_metric"]
+    assert record["metric"] == record["metrics"][name] == 2.0
+    record["metric"], record["metrics"][name] = None, None
+    (folder / "result.json").write_text(json.dumps(record))
+    (run,) = load_runs([folder])
+    assert math.isnan(run.quality())
+    record["metric"], record["metrics"][name] = 2.0, 1.5
+    (folder / "result.json").write_text(json.dumps(record))
+    with pytest.raises(ReportError, match=rf"'metric' is 2\.0 but 'metrics\.{name}' is 1\.5; the first is a copy"):
+        load_runs([folder])
