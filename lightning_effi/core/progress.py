@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from lightning_effi.core.checks import is_int, is_real
+from lightning_effi.core.checks import check_int, is_int, is_real
 from lightning_effi.core.protocols import ProvidesProgress, ProvidesProgressClock
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "accumulate_grad_batches_at",
     "accumulation_changes",
     "accumulation_scheduler",
+    "accumulation_segments",
     "estimated_optimizer_steps",
     "progress_clock",
     "progress_source",
@@ -43,6 +44,7 @@ __all__ = [
     "progress_ticks",
     "run_length",
     "shorter_than_resolved",
+    "steps_of_epochs",
     "steps_per_epoch",
     "training_progress",
 ]
@@ -434,6 +436,40 @@ def steps_per_epoch(num_training_batches: float, accumulate_grad_batches: int, w
             f"{num_training_batches}); give optimizer steps instead"
         )
     return math.ceil(int(num_training_batches) / accumulate_grad_batches)
+
+
+def steps_of_epochs(epoch_steps: Callable[[int], int], epochs: int, start_step: int = 0) -> int:
+    """Optimizer steps of ``epochs`` epochs from optimizer step ``start_step``, where epoch ``e`` (0-based) has
+    ``epoch_steps(e)`` steps (:func:`steps_per_epoch` at that epoch's accumulation factor: a
+    ``GradientAccumulationScheduler``'s epochs differ). A start inside an epoch continues from the same fraction of
+    the epoch ``epochs`` later (rounded down), so one factor gives ``epochs * steps_per_epoch`` from anywhere.
+
+    Raises:
+        ValueError: ``epochs`` or ``start_step`` not an int >= 0, or an epoch of fewer than 1 step.
+
+    >>> steps_of_epochs(lambda e: 5 if e == 0 else 3, 2)  # 5 batches, factors {0: 1, 1: 2}: epochs end at 5, 8
+    8
+    >>> steps_of_epochs(lambda e: 4, 2, start_step=2)
+    8
+    """
+    from fractions import Fraction
+
+    epochs = check_int("steps_of_epochs", "epochs", epochs, minimum=0)
+    start_step = check_int("steps_of_epochs", "start_step", start_step, minimum=0)
+
+    def length(e: int) -> int:
+        n = epoch_steps(e)
+        if not is_int(n) or n < 1:
+            raise ValueError(f"steps_of_epochs: epoch {e} has {n!r} optimizer steps, expected an int >= 1")
+        return int(n)
+
+    epoch, before = 0, 0  # the epoch holding start_step, and the steps of the epochs before it
+    while before + length(epoch) <= start_step:
+        before += length(epoch)
+        epoch += 1
+    into = Fraction(start_step - before, length(epoch))  # how far into its epoch the start lies
+    end = before + sum(length(e) for e in range(epoch, epoch + epochs)) + into * length(epoch + epochs)
+    return math.floor(end) - start_step
 
 
 def accumulation_scheduler(callbacks: Iterable[Any]) -> Any | None:

@@ -93,6 +93,7 @@ from lightning_effi.core.progress import (
     progress_ticks,
     run_length,
     shorter_than_resolved,
+    steps_of_epochs,
     steps_per_epoch,
 )
 from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
@@ -1296,11 +1297,15 @@ class RandomLTDCallback(Callback):
         where = f"{type(self).__name__}.require_steps"
         duration = self.require_duration
         if duration.unit == "epoch":
-            # the first epoch's factor: a GradientAccumulationScheduler sets the Trainer's only at the epoch's start
-            # ('1ep' of {0: 2} resolved to the batches, qa59-break 02)
-            factor = accumulate_grad_batches_at(trainer, 0)
-            spe = steps_per_epoch(trainer.num_training_batches, factor, f"{where}={duration}")
-            return max(1, duration.to_steps(steps_per_epoch=spe, name=where))
+            # each epoch at its own factor: a GradientAccumulationScheduler sets the Trainer's only at the epoch's
+            # start ('1ep' of {0: 2} resolved to the batches, qa59-break 02; '2ep' of {0: 1, 1: 2} to 2 x the first
+            # epoch's steps, qa60-break 02)
+            batches = trainer.num_training_batches
+
+            def epoch_steps(epoch: int) -> int:
+                return steps_per_epoch(batches, accumulate_grad_batches_at(trainer, epoch), f"{where}={duration}")
+
+            return max(1, steps_of_epochs(epoch_steps, int(duration.value)))
         total = run_length(trainer.max_steps, estimated_optimizer_steps(trainer))
         if total is None:
             why = (

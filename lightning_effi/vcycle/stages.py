@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -23,6 +23,7 @@ from lightning_effi.core.progress import (
     accumulate_grad_batches_at,
     estimated_optimizer_steps,
     run_length,
+    steps_of_epochs,
     steps_per_epoch,
 )
 from lightning_effi.vcycle.operators import EMBEDDING_CONVENTIONS
@@ -422,7 +423,7 @@ def resolve_stages(
     up_leg: UpLeg,
     total_steps: int | None,
     num_training_batches: float | None = None,
-    accumulate_grad_batches: int = 1,
+    accumulate_grad_batches: int | Callable[[int], int] = 1,
     owner: str = "VCycleCallback",
     unknown_because: str | None = None,
 ) -> list[tuple[int, int]]:
@@ -430,6 +431,9 @@ def resolve_stages(
 
     Steps are taken as given, ``n`` epochs are ``n · steps_per_epoch(num_training_batches, accumulate_grad_batches)``
     (so a switch falls on an epoch boundary) and a fraction ``f`` is ``floor(f · total_steps)`` (``e_a`` at least 1).
+    ``accumulate_grad_batches`` may be a function of the 0-based epoch (a ``GradientAccumulationScheduler``'s
+    factors): a stage in epochs then counts the steps of the epochs it spans
+    (:func:`~lightning_effi.core.progress.steps_of_epochs`).
 
     Raises:
         ValueError: fractions in a run of unknown length, epochs without a finite number of batches, or stages that
@@ -448,12 +452,20 @@ def resolve_stages(
             + ("" if streamed else " or epochs ('2ep')")
         )
     spe = None
+    if callable(accumulate_grad_batches):
+        factor_at = accumulate_grad_batches
+    else:
+        factor, factor_at = int(accumulate_grad_batches), None
     if "epoch" in units:
-        spe = steps_per_epoch(
-            num_training_batches if num_training_batches is not None else math.inf,
-            max(1, int(accumulate_grad_batches)),
-            f"{owner}: a stage length in epochs ('1ep', e_a_epochs, ...)",
-        )
+
+        def epoch_steps(epoch: int) -> int:
+            return steps_per_epoch(
+                num_training_batches if num_training_batches is not None else math.inf,
+                max(1, int(factor_at(epoch) if factor_at is not None else factor)),
+                f"{owner}: a stage length in epochs ('1ep', e_a_epochs, ...)",
+            )
+
+        spe = epoch_steps(0)
 
     def steps(d: Duration, at_least: int) -> int:
         n = d.to_steps(steps_per_epoch=spe, total_steps=total_steps)
@@ -461,12 +473,23 @@ def resolve_stages(
 
     a, small, up = steps(e_a, 1), steps(e_small, 0), [steps(d, 0) for d in ups]
     stages = stage_plan(levels, a, small, up)
+    if factor_at is not None and "epoch" in units:
+        # each stage in epochs spans its own epochs, at their factors: lay the stages out one after another
+        durations = [e_a] * (levels - 1) + [e_small] + [ups[level - 2] for level, _ in stages[levels:]]
+        start = 0
+        for i, ((level, n), d) in enumerate(zip(stages, durations)):
+            if d.unit == "epoch":
+                n = steps_of_epochs(epoch_steps, int(d.value), start)
+                stages[i] = (level, n)
+            start += n
     need = sum(s for _, s in stages)
     if total_steps is not None and need > total_steps:
         detail = f"e_a × (levels − 1) = {a} × {levels - 1}, e_small = {small}"
         if up:
             detail += f", up_leg = {up}"
-        if spe is not None:
+        if factor_at is not None and "epoch" in units:
+            detail = f"stages of {[n for _, n in stages]} steps, each epoch at its accumulation factor"
+        elif spe is not None:
             detail += f"; {spe} optimizer steps per epoch"
         raise ValueError(
             f"{owner}: the V-cycle's stages need {need} optimizer steps ({detail}) but the run has "
@@ -514,7 +537,15 @@ def fit_stages(
         else f"max_epochs={max_epochs} over a train dataloader without a length (an IterableDataset), and max_steps=-1"
     )
     return resolve_stages(
-        levels, e_a, e_small, up_leg, total, batches, accumulate_grad_batches_at(trainer, 0), owner, unknown_because=why
+        levels,
+        e_a,
+        e_small,
+        up_leg,
+        total,
+        batches,
+        lambda epoch: accumulate_grad_batches_at(trainer, epoch),
+        owner,
+        unknown_because=why,
     )
 
 

@@ -38,7 +38,12 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 from lightning_effi import Curriculum, InfoBatchCallback, RandomLTDCallback, VCycleCallback
 from lightning_effi.core.features import FEATURES, detect_features, parameter_copy_holders
 from lightning_effi.core.lr_schedules import one_cycle, one_cycle_multiplier
-from lightning_effi.core.progress import accumulate_grad_batches_at, accumulation_changes, accumulation_segments
+from lightning_effi.core.progress import (
+    accumulate_grad_batches_at,
+    accumulation_changes,
+    accumulation_segments,
+    steps_of_epochs,
+)
 from lightning_effi.core.requirements import IncompatibleTechniques
 from lightning_effi.data import CurriculumDataModule
 from lightning_effi.infobatch import functional as ib
@@ -382,6 +387,14 @@ def test_accumulation_helpers() -> None:
     assert accumulation_segments(SimpleNamespace(**vars(trainer), **loader | {"max_steps": 8})) == [(5, 1), (3, 1)]
     assert accumulation_segments(SimpleNamespace(callbacks=[schedule], max_epochs=2, **loader)) is None  # no change
     assert accumulation_segments(SimpleNamespace(**vars(trainer), num_training_batches=float("inf"))) is None
+    # epochs of their own lengths: 5, 3, 3 steps ({0: 1, 1: 2} over 5 batches); a start inside an epoch keeps its
+    # fraction of the epoch; one length gives n x that length from anywhere
+    three = [5, 3, 3, 3]
+    assert [steps_of_epochs(three.__getitem__, n) for n in range(4)] == [0, 5, 8, 11]
+    assert steps_of_epochs(three.__getitem__, 1, start_step=5) == 3 and steps_of_epochs(three.__getitem__, 1, 1) == 4
+    assert all(steps_of_epochs(lambda e: 4, n, s) == 4 * n for n in range(4) for s in range(9))
+    with pytest.raises(ValueError, match="epoch 0 has 0 optimizer steps"):
+        steps_of_epochs(lambda e: 0, 1)
     # InfoBatch's fewest steps with one factor per epoch: 3 epochs of 24 samples, batch 4, the middle one pruned
     fewest = ib.min_epoch_size(1, 3, 24, 0.5, 0.67)
     assert (

@@ -410,6 +410,16 @@ def test_a_fraction_of_the_run_counts_a_gradient_accumulation_schedulers_factors
     trainer = make_trainer(tmp_path / "vc", [vc, GradientAccumulationScheduler({0: 2})], max_epochs=3)
     trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
     assert vc.stage_ends[:2] == [3, 6]
+    # each epoch at its own factor: 5 batches, {0: 1, 1: 2} over 3 epochs end at steps 5, 8 and 11 ('2ep' was 10 and
+    # the V-cycle's second stage ended at 10, qa60-break 02)
+    cb = RandomLTDCallback(min_value=4, seq_per_step=1, require_steps="2ep")
+    vc = VCycleCallback(e_a="1ep", e_small="1ep")
+    schedule = GradientAccumulationScheduler({0: 1, 1: 2})
+    for i, callback in enumerate((cb, vc)):
+        trainer = make_trainer(tmp_path / f"changing{i}", [callback, schedule], max_epochs=3)
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+        assert trainer.global_step == 11
+    assert cb.require_steps == 8 and vc.stage_ends[:2] == [5, 8]
 
 
 # ------------------------------------------------------------------------------------------------ require_steps

@@ -182,6 +182,25 @@ def test_run_length_and_steps_per_epoch():
         S.resolve_stages(2, Duration(1, "epoch"), Duration(1), None, 10, float("inf"))
 
 
+def test_stages_in_epochs_span_the_epochs_of_their_factors():
+    """A GradientAccumulationScheduler's factor per epoch: each stage in epochs counts the steps of the epochs it
+    spans (5 batches, factors 1, 2, 2, then 4: epochs of 5, 3, 3, 2, 2 steps); a stage in steps moves the next
+    one's start inside an epoch, which keeps its fraction of the epoch. One factor for every epoch gives the plan of
+    an int (qa60-break 02)."""
+
+    def at(epoch):
+        return [1, 2, 2][epoch] if epoch < 3 else 4
+
+    assert resolve(20, e_a="1ep", e_small="1ep", batches=5, accumulate=at) == [(1, 5), (2, 3)]
+    three = dict(levels=3, e_a="1ep", e_small="1ep", up_leg=["2ep"], batches=5)
+    assert resolve(20, **three, accumulate=at) == [(1, 5), (2, 3), (3, 3), (2, 4)]
+    # 4 steps, then one epoch from inside epoch 0 (4/5 of it): to 4/5 into epoch 1 (5 + 2.4 steps)
+    assert resolve(20, e_a=4, e_small="1ep", batches=5, accumulate=at) == [(1, 4), (2, 3)]
+    assert resolve(20, **three, accumulate=lambda e: 2) == resolve(20, **three, accumulate=2)
+    with pytest.raises(ValueError, match=r"need 15 optimizer steps \(stages of \[5, 3, 3, 4\] steps, each epoch"):
+        resolve(14, **three, accumulate=at)
+
+
 @pytest.mark.parametrize(
     "kwargs, total, match",
     [
