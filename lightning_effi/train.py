@@ -450,6 +450,16 @@ def check_settings(cfg: DictConfig) -> None:
         # a run of 0 steps: the LR schedule's error named its own total_steps, or, without one, an empty record was
         # written as a training run (qa58-args 09)
         raise ConfigError("trainer.max_steps=0 trains nothing: give an int >= 1, or -1 (max_epochs bounds the run)")
+    if trainer.get("max_epochs") == 0 and cfg.get("train", True):
+        # the same empty record written as a training run (qa60-break 03)
+        raise ConfigError("trainer.max_epochs=0 trains nothing: give an int >= 1, or -1 (max_steps bounds the run)")
+    limit = trainer.get("limit_train_batches")
+    if cfg.get("train", True) and not isinstance(limit, bool) and isinstance(limit, int | float) and limit == 0:
+        # it failed with the LR schedule's "total_steps must be a positive int ... got -1" (qa60-break 03)
+        raise ConfigError(
+            f"trainer.limit_train_batches={limit!r} trains nothing: give an int >= 1 (batches an epoch), a fraction "
+            "in (0, 1] of the training set, or null (all of it)"
+        )
     clip = trainer.get("gradient_clip_val")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not clip >= 0):
         # Lightning skips clipping at a value <= 0: a sign typo (-1 for 1.0) would train unclipped without a word

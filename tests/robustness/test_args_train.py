@@ -41,6 +41,10 @@ def no_build(monkeypatch):
         ("trainer.max_steps=2.5", r"^trainer\.max_steps must be an int >= -1, got 2\.5$"),
         ("trainer.max_epochs=-2", r"^trainer\.max_epochs must be an int >= -1, got -2$"),
         ("trainer.max_steps=0", r"^trainer\.max_steps=0 trains nothing: give an int >= 1, or -1"),  # qa58-args 09
+        # the same empty training record; the LR schedule's own error (qa60-break 03)
+        ("trainer.max_epochs=0", r"^trainer\.max_epochs=0 trains nothing: give an int >= 1, or -1"),
+        ("+trainer.limit_train_batches=0", r"^trainer\.limit_train_batches=0 trains nothing: give an int >= 1"),
+        ("+trainer.limit_train_batches=0.0", r"^trainer\.limit_train_batches=0\.0 trains nothing"),
         ("+trainer.accumulate_grad_batches=0", r"^trainer\.accumulate_grad_batches must be an int >= 1, got 0$"),
         ("trainer.log_every_n_steps=often", r"^trainer\.log_every_n_steps must be an int >= 1, got 'often' \(a str\)$"),
         # Lightning skips clipping at <= 0: a sign typo trained unclipped
