@@ -225,6 +225,12 @@ def _duration(owner: str, key: str, value: Any) -> Duration:
             f"{owner}.e_a must be more than 0 of the run (the full model trains before the first coalescing): give a "
             f"fraction > 0 ('0.05dur') or steps >= 1, got {value!r}"
         )
+    if d.unit == "fraction" and d.value == 0:
+        # refused at setup as resolving to 0 steps; 0 and '0ep' are refused here (qa60-break 05)
+        raise ValueError(
+            f"{owner}.{key} must be more than 0 of the run (its level would never train): give a fraction > 0 "
+            f"('0.05dur'), steps >= 1 or epochs >= 1, got {value!r}"
+        )
     return d
 
 

@@ -115,6 +115,12 @@ def test_deprecation_message_names_the_replacement():
         (dict(e_a="0ep", e_small=1), r"VCycleCallback\.e_a must be at least 1 epoch"),
         # '0dur' trained 1 step and was recorded as 0 (qa58-args 03)
         (dict(e_a="0dur", e_small=1), r"VCycleCallback\.e_a must be more than 0 of the run .*got '0dur'"),
+        # refused at setup only (qa60-break 05)
+        (dict(e_a=1, e_small="0dur"), r"VCycleCallback\.e_small must be more than 0 of the run .*got '0dur'"),
+        (
+            dict(levels=3, e_a=1, e_small=1, up_leg="0.0dur"),
+            r"VCycleCallback\.up_leg must be more than 0 of the run \(its level would never train\)",
+        ),
         (dict(e_a="1e6tok", e_small=1), r"VCycleCallback\.e_a: a stage length in tokens is not supported"),
         (dict(e_small=1), r"VCycleCallback: e_a is required"),
         (dict(e_a=1), r"VCycleCallback: e_small is required"),
