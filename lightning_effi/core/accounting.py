@@ -1395,8 +1395,10 @@ class EfficiencyMonitor(Callback):
         if not callable(getattr(pl_module, "effi_count_samples", None)):
             # a sequence-first recurrent network (nn.LSTM / nn.GRU with batch_first=False, PyTorch's word-language
             # model): its [T, B, H] input tells the samples of a [T, B] batch (T was counted, 140 for 24, qa57-seq 02)
+            # a cell (nn.LSTMCell / nn.GRUCell / nn.RNNCell) stepped over a [T, B] batch's rows reads [B, H]
+            # (the seq2seq tutorials' decoder loop: 16 counted for 4, qa60-break 01)
             for module in pl_module.modules():
-                if isinstance(module, nn.RNNBase) and not module.batch_first:
+                if (isinstance(module, nn.RNNBase) and not module.batch_first) or isinstance(module, nn.RNNCellBase):
                     self._block_hooks.append(module.register_forward_pre_hook(self._observe_rnn))
         if key is not None:  # the recorded step runs uncompiled: the hooks would break the graph dynamo keeps
             self._eager = torch.compiler.set_stance("force_eager")
@@ -1615,10 +1617,14 @@ class EfficiencyMonitor(Callback):
     def _observe_rnn(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """The input shape of the step's first call of a sequence-first ``nn.RNNBase``: ``[T, B, H]``, or of a
         ``PackedSequence`` its steps and rows (``pack_padded_sequence``'s, the usual way to feed one: T was counted as
-        the samples, qa58-break 04)."""
+        the samples, qa58-break 04); of an ``nn.RNNCellBase`` (one step), ``(1, B, H)`` from its ``[B, H]`` input."""
         if self._rnn_input is not None or not args:
             return
         value = args[0]
+        if isinstance(module, nn.RNNCellBase):
+            if isinstance(value, torch.Tensor) and value.ndim == 2:  # one step of every row: [B, H]
+                self._rnn_input = (1, int(value.shape[0]), int(value.shape[1]))
+            return
         if isinstance(value, torch.Tensor) and value.ndim == 3:
             self._rnn_input = tuple(int(d) for d in value.shape)
         elif isinstance(value, nn.utils.rnn.PackedSequence) and value.batch_sizes.numel():

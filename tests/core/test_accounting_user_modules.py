@@ -1738,6 +1738,13 @@ class SequenceFirstRNN(SequenceFirstLM):
             x = nn.utils.rnn.pad_packed_sequence(self.blocks(packed)[0], total_length=ids.shape[0])[0]
         elif self.mode == "bos":  # a start step in front of the sequence
             x = self.blocks(torch.cat([torch.zeros_like(x[:1]), x]))[0][1:]
+        elif self.mode == "cell":  # the seq2seq tutorials' decoder loop: an nn.LSTMCell stepped over [B, H] rows
+            h = c = x.new_zeros(x.shape[1], 32)
+            steps = []
+            for step in x:
+                h, c = self.cell(step, (h, c))
+                steps.append(h)
+            x = torch.stack(steps)
         else:
             x = self.blocks(x)[0]
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
@@ -1752,10 +1759,13 @@ def test_a_sequence_first_batch_of_a_recurrent_network_counts_its_second_dimensi
     monitor, _, per_batch = fit(SequenceFirstRNN(), loader, tmp_path, 3)
     assert [row["samples"] for row in per_batch.rows] == [B] * 3
     assert [row["tokens"] for row in per_batch.rows] == [B * T] * 3
-    # fed through pack_padded_sequence, or with a BOS step in front (qa58-break 04, 07: T counted again)
-    for mode in ("packed", "bos"):
+    # fed through pack_padded_sequence, or with a BOS step in front (qa58-break 04, 07: T counted again), or to an
+    # nn.LSTMCell one step at a time (qa60-break 01: 16 for 4)
+    for mode in ("packed", "bos", "cell"):
         module = SequenceFirstRNN()
         module.mode = mode
+        if mode == "cell":
+            module.cell = nn.LSTMCell(32, 32)
         _, _, per_batch = fit(module, loader, tmp_path / mode, 3)
         assert [row["samples"] for row in per_batch.rows] == [B] * 3, mode
     batch_first = DataLoader(pairs, batch_size=B, collate_fn=lambda rows: tuple(torch.stack(x) for x in zip(*rows)))
