@@ -883,21 +883,28 @@ SPECTRAL_NAMES = ("feature", "mel", "spectr", "fbank")
 WHISPER_FRAMES = 3000
 
 
-def _padded_to_fewer_frames(longest: float, n: int, frames: int) -> bool:
-    """Whether a ``[B, n, frames]`` tensor whose own lengths' longest is ``longest`` is a channel-first batch padded to
-    its longest clip, of fewer frames than mel bins (qa57-break 04): ``longest == frames < n`` and ``n`` a mel-bin
-    count, whatever ``frames`` (64 is a bin count too: cut on its bins, qa59-break 01); not a batch-first tensor
-    padded to a fixed length of no bin count whose longest clip is as long as its bins (qa58-break 06)."""
-    return longest == frames < n and n in MEL_BINS
+def _padded_to_fewer_frames(longest: float, n: int, frames: int, value: Tensor, lengths: Tensor) -> bool:
+    """Whether a ``[B, n, frames]`` tensor ``value`` whose own ``lengths``' longest is ``longest`` is a channel-first
+    batch padded to its longest clip, of fewer frames than mel bins (qa57-break 04): ``longest == frames < n`` and
+    ``n`` a mel-bin count, whatever ``frames`` (64 is a bin count too: cut on its bins, qa59-break 01); not a
+    batch-first tensor padded to a fixed length of no bin count whose longest clip is as long as its bins
+    (qa58-break 06), nor one padded to a fixed length that is a bin count (128 frames of 80 bins: the longest clips'
+    rows beyond their length, ``value[i, longest:, :]``, are padding, one value, where a channel-first clip has its
+    upper bins, qa60-break 04)."""
+    if not (longest == frames < n and n in MEL_BINS):
+        return False
+    beyond = value[(lengths == longest).nonzero().flatten().to(value.device), int(longest) :, :]
+    return not bool((beyond == beyond.flatten()[0]).all())
 
 
-def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | None:
+def _frames_axis(batch: Any, path: Path, value: Tensor) -> int | None:
     """Which axis of the ``[b, n, frames]`` tensor at ``path`` the batch says holds the frames: 2 for Whisper's
     3,000 frames, a mask ``[b, frames]`` beside it, or a ``[b]`` tensor of its lengths (a name with a length word,
     :func:`~lightning_effi.core.measure.length_stem`, whose stem is empty or in the tensor's name: ``lengths``,
     ``mel_lens``; not a transcript's ``text_lengths``; integer or float) with a value above ``n`` and none above
     ``frames``, or whose longest is ``frames`` (below ``n``, a mel-bin count); 1 for a mask ``[b, n]`` or
     lengths whose longest is ``n``; None when the batch does not say (no lengths, or relative ones)."""
+    b, n, frames = (int(d) for d in value.shape)
     if frames == WHISPER_FRAMES:
         return 2
     for other, v in tensor_leaves(batch):
@@ -914,7 +921,7 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
                 return 2
             if longest == n:
                 return 1
-            if _padded_to_fewer_frames(longest, n, frames):
+            if _padded_to_fewer_frames(longest, n, frames, value, v):
                 return 2
     return None
 
@@ -923,13 +930,14 @@ def _frames_axis(batch: Any, path: Path, b: int, n: int, frames: int) -> int | N
 SPECTROGRAM_NAMES = ("mel", "spectr", "fbank")
 
 
-def _own_lengths_beyond(batch: Any, path: Path, name: str, b: int, n: int, frames: int) -> bool:
+def _own_lengths_beyond(batch: Any, path: Path, name: str, value: Tensor) -> bool:
     """Whether a ``[b]`` tensor of lengths of the tensor at ``path`` (a length word, its stem empty or in ``name``:
     ``lengths``, ``spec_lens``; integer or float, not relative) has a value above ``n`` and none above ``frames``
     (a batch-first tensor's lengths never exceed its axis 1), or a longest of exactly ``frames`` below ``n``, ``n`` a
     mel-bin count (a batch padded to its longest clip, of fewer frames than mel bins: ``[B, 128, 100]`` with lengths
     up to 100, qa57-break 04, or ``[B, 80, 64]``, qa59-break 01; a batch-first ``[B, 200, 80]`` padded to 200 frames
     whose longest clip has 80 is none, qa58-break 06)."""
+    b, n, frames = (int(d) for d in value.shape)
     for other, v in tensor_leaves(batch):
         other_name = str(leaf_name(batch, other) or "").lower()
         if other == path or v.ndim != 1 or int(v.shape[0]) != b or not other_name or not v.numel():
@@ -938,7 +946,7 @@ def _own_lengths_beyond(batch: Any, path: Path, name: str, b: int, n: int, frame
         if stem is None or (stem and stem not in name) or v.dtype == torch.bool or _relative(v):
             continue
         longest = float(v.max())
-        if n < longest <= frames or _padded_to_fewer_frames(longest, n, frames):
+        if n < longest <= frames or _padded_to_fewer_frames(longest, n, frames, value, v):
             return True
     return False
 
@@ -949,7 +957,7 @@ def _channel_first(batch: Any, path: Path, name: str, v: Tensor) -> bool:
     ``MelSpectrogram`` gives ``[..., n_mels, frames]``) and ``S`` is no mel-bin count itself (a ``[B, 40, 128]`` mel of
     40 frames is batch first); generic features (``features [B, 64, 2048]``) only on the batch's word."""
     b, n, frames = (int(d) for d in v.shape)
-    axis = _frames_axis(batch, path, b, n, frames)
+    axis = _frames_axis(batch, path, v)
     if axis is not None:
         return axis == 2
     return any(part in name for part in SPECTROGRAM_NAMES) and frames not in MEL_BINS
@@ -975,11 +983,11 @@ def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> No
         # mask was cut, in silence, qa56-break 06)
         whole = path not in cut and spectral and cut_length is not None and int(v.shape[2]) == cut_length
         if cut.get(path) == (1,):
-            b, n, frames = (int(d) for d in v.shape)
+            _, n, frames = (int(d) for d in v.shape)
             named = spectral and n in MEL_BINS and frames > 2 * n and _channel_first(batch, path, name, v)
             # lengths of this tensor beyond its axis 1: its frames are on axis 2, whatever its name or bins
             # (n_mels=96, a tensor named `x`, qa56-break 07)
-            told = _own_lengths_beyond(batch, path, name, b, n, frames)
+            told = _own_lengths_beyond(batch, path, name, v)
             if not (named or told):
                 continue
         elif not whole:

@@ -418,6 +418,13 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
     # (qa58-break 06: refused mid-run as channel first)
     fixed = {"input_features": torch.randn(4, 200, 80, generator=g), "feature_lengths": torch.tensor([80, 60, 33, 12])}
     assert CF.truncate(fixed, 8, keys=["input_features"]).batch["input_features"].shape == (4, 8, 80)
+    # also to a fixed length that is a bin count, [B, 128, 80], told by its padding: the longest clips' frames beyond
+    # their length are zeros, where a channel-first clip has its upper bins (qa60-break 04: refused mid-run)
+    lengths = torch.tensor([80, 50, 60, 40])
+    padded = torch.randn(4, 128, 80, generator=g) * (torch.arange(128)[None, :, None] < lengths[:, None, None])
+    fixed = {"input_features": padded, "feature_lengths": lengths}
+    cut = CF.truncate(fixed, 64, keys=["input_features", "feature_lengths"]).batch
+    assert cut["input_features"].shape == (4, 64, 80) and cut["feature_lengths"].tolist() == [64, 50, 60, 40]
     generic = {"x": torch.randn(4, 50, 16, generator=g), "lengths": torch.tensor([16, 10, 12, 5])}
     assert CF.truncate(generic, 8, keys=["x"]).batch["x"].shape == (4, 8, 16)
     # lengths of another tensor beyond axis 1 tell nothing: batch-first features beside a transcript's lengths
