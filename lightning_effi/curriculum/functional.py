@@ -1358,7 +1358,10 @@ def _refuse_right_padding_for_left_side(batch: Any, real: Tensor | None, left: b
             "truncation_side='right'"
         )
     for path, v in tensor_leaves(batch):
-        if str(_name(path) or "").lower() == "position_ids" and v.ndim == 2 and int(v.shape[-1]) == t:
+        name = str(_name(path) or "").lower()
+        # a token position's names (pos_ids and positions were left whole, qa61-ideas 03); not time ids, which may wrap
+        token_positions = name.endswith("position_ids") or name in ("pos", "pos_ids", "positions", "token_positions")
+        if token_positions and v.ndim == 2 and int(v.shape[-1]) == t and not v.is_floating_point():
             # a restart between two real positions: not after a one-token document either ([0, 0, 1, ...]), and not
             # a left-padded row's pad positions (Hugging Face fills them with 1: [1, 1, 0, 1, ...], qa57-break)
             restarts = v[:, 1:] <= v[:, :-1]
@@ -1366,7 +1369,7 @@ def _refuse_right_padding_for_left_side(batch: Any, real: Tensor | None, left: b
                 restarts &= real[:, 1:].bool() & real[:, :-1].bool()
             if bool(restarts.any()):
                 raise ValueError(
-                    "seqlen_truncate: truncation_side='left' on packed rows (position_ids restart inside a row): the "
+                    f"seqlen_truncate: truncation_side='left' on packed rows ({name!r} restart inside a row): the "
                     "first sequence kept would start inside a document, its position ids not at 0. Use "
                     "truncation_side='right' for packed batches"
                 )

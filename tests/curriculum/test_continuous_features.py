@@ -523,8 +523,14 @@ def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(
         "input_ids": torch.arange(1, 13)[None],
         "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2]]),
     }
-    with pytest.raises(ValueError, match=r"packed rows"):
+    with pytest.raises(ValueError, match=r"packed rows \('position_ids' restart inside a row\)"):
         CF.truncate(packed, 4, truncation_side="left")
+    # under another position name (qa61-ideas 03: kept [8, 9, 0, ...] in silence); time features may wrap
+    for name in ("pos_ids", "positions"):
+        with pytest.raises(ValueError, match=rf"packed rows \('{name}' restart inside a row\)"):
+            CF.truncate({"input_ids": packed["input_ids"], name: packed["position_ids"]}, 4, truncation_side="left")
+    hours = {"input_ids": packed["input_ids"], "time_ids": torch.arange(20, 32)[None] % 24}
+    assert CF.truncate(hours, 4, truncation_side="left").batch["time_ids"].tolist() == [[4, 5, 6, 7]]
     # a restart after a one-token document is a restart; a left-padded row's pad positions (HF fills them with 1)
     # are none (qa57-break)
     with pytest.raises(ValueError, match=r"packed rows"):
