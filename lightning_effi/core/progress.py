@@ -18,6 +18,7 @@ keep their meaning: an int is a step count, exactly as DeepSpeed spells it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -514,24 +515,28 @@ def accumulation_changes(trainer: Any) -> bool:
 def accumulation_segments(trainer: Any) -> list[tuple[int, int]] | None:
     """The run's optimizer steps as ``(steps, micro_batches_per_step)`` runs, in order, when a
     ``GradientAccumulationScheduler`` changes the factor during the run (:func:`accumulation_changes`), the
-    training loader has a length and ``max_epochs`` is finite: epoch ``e`` of ``n`` batches and factor ``f_e`` takes
-    ``n // f_e`` steps of ``f_e`` micro-batches and, when ``f_e`` does not divide ``n``, one of ``n % f_e`` (Lightning
-    steps at the epoch's end); capped at ``max_steps`` when set. None otherwise (one factor: every step alike)."""
+    training loader has a length and ``max_epochs`` or ``max_steps`` is finite: epoch ``e`` of ``n`` batches and
+    factor ``f_e`` takes ``n // f_e`` steps of ``f_e`` micro-batches and, when ``f_e`` does not divide ``n``, one of
+    ``n % f_e`` (Lightning steps at the epoch's end); capped at ``max_steps`` when set. None otherwise (one factor:
+    every step alike)."""
     scheduler = accumulation_scheduler(getattr(trainer, "callbacks", ()))
     batches, max_epochs = getattr(trainer, "num_training_batches", math.inf), getattr(trainer, "max_epochs", None)
+    max_steps = getattr(trainer, "max_steps", -1)
+    bounded_steps = max_steps is not None and max_steps > 0
+    if max_epochs is None or max_epochs < 0:
+        # a run bounded by max_steps alone (qa61-break 01): its epochs go on until the steps are taken
+        max_epochs = None if bounded_steps else -1
     if (
         scheduler is None
         or not accumulation_changes(trainer)
-        or max_epochs is None
-        or max_epochs < 0
+        or (max_epochs is not None and max_epochs < 0)
         or not math.isfinite(batches)
         or batches <= 0
     ):
         return None
-    max_steps = getattr(trainer, "max_steps", -1)
-    left = max_steps if max_steps is not None and max_steps > 0 else math.inf
+    left = max_steps if bounded_steps else math.inf
     segments: list[tuple[int, int]] = []
-    for epoch in range(int(max_epochs)):
+    for epoch in range(int(max_epochs)) if max_epochs is not None else itertools.count():
         factor = int(scheduler.get_accumulate_grad_batches(epoch))
         full, rest = divmod(int(batches), factor)
         for steps, size in ((full, factor), (1 if rest else 0, rest)):

@@ -386,6 +386,11 @@ def test_accumulation_helpers() -> None:
     assert accumulation_segments(SimpleNamespace(**vars(trainer), **loader | {"max_steps": 12})) == segments[:4]
     assert accumulation_segments(SimpleNamespace(**vars(trainer), **loader | {"max_steps": 8})) == [(5, 1), (3, 1)]
     assert accumulation_segments(SimpleNamespace(callbacks=[schedule], max_epochs=2, **loader)) is None  # no change
+    # bounded by max_steps alone (qa61-break 01: None, so the first step's batch was taken for every step)
+    steps_only = SimpleNamespace(callbacks=[schedule], max_epochs=-1, num_training_batches=5, max_steps=12)
+    assert accumulation_segments(steps_only) == segments[:4]
+    assert accumulation_segments(SimpleNamespace(**vars(steps_only) | {"max_epochs": None})) == segments[:4]
+    assert accumulation_segments(SimpleNamespace(**vars(steps_only) | {"max_steps": -1})) is None  # no end
     assert accumulation_segments(SimpleNamespace(**vars(trainer), num_training_batches=float("inf"))) is None
     # epochs of their own lengths: 5, 3, 3 steps ({0: 1, 1: 2} over 5 batches); a start inside an epoch keeps its
     # fraction of the epoch; one length gives n x that length from anywhere
