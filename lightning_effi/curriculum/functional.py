@@ -886,15 +886,30 @@ WHISPER_FRAMES = 3000
 def _padded_to_fewer_frames(longest: float, n: int, frames: int, value: Tensor, lengths: Tensor) -> bool:
     """Whether a ``[B, n, frames]`` tensor ``value`` whose own ``lengths``' longest is ``longest`` is a channel-first
     batch padded to its longest clip, of fewer frames than mel bins (qa57-break 04): ``longest == frames < n`` and
-    ``n`` a mel-bin count, whatever ``frames`` (64 is a bin count too: cut on its bins, qa59-break 01); not a
+    ``n`` a mel-bin count, whatever ``frames`` (64 is a bin count too: cut on its bins, qa59-break 01), unless its
+    padding says it is batch first (:func:`_padding_layout`: ``[B, 128, 80]`` padded to 128 frames, a batch whose
+    longest clip is 80, was refused mid-run, qa60-break 04; by repeating the last frame too, qa61-break 04); not a
     batch-first tensor padded to a fixed length of no bin count whose longest clip is as long as its bins
-    (qa58-break 06), nor one padded to a fixed length that is a bin count (128 frames of 80 bins: the longest clips'
-    rows beyond their length, ``value[i, longest:, :]``, are padding, one value, where a channel-first clip has its
-    upper bins, qa60-break 04)."""
-    if not (longest == frames < n and n in MEL_BINS):
-        return False
-    beyond = value[(lengths == longest).nonzero().flatten().to(value.device), int(longest) :, :]
-    return not bool((beyond == beyond.flatten()[0]).all())
+    (qa58-break 06)."""
+    return longest == frames < n and n in MEL_BINS and _padding_layout(value, lengths) != 1
+
+
+def _padding_layout(value: Tensor, lengths: Tensor) -> int | None:
+    """Which axis of the ``[B, n, S]`` tensor ``value`` its padding lies on, by the rows' ``lengths``: 1 when every
+    clip's steps beyond its length on axis 1, ``value[i, L:, :]``, are one step repeated (zeros, a log floor, the last
+    frame: ``F.pad``'s constant and replicate modes) and axis 2 shows no such padding; 2 the other way round; None
+    when neither or both do (noise padding; a channel-first clip whose upper bins sit at a floor shows padding on axis
+    2 beyond its shorter clips' lengths, not on axis 1, qa61-break 02)."""
+    on: dict[int, bool] = {}
+    for i, length in enumerate(lengths.tolist()):
+        if length != int(length) or length < 1:
+            return None
+        for axis in (1, 2):
+            if int(length) < int(value.shape[axis]):
+                beyond = value[i, int(length) :, :] if axis == 1 else value[i, :, int(length) :].transpose(0, 1)
+                on[axis] = on.get(axis, True) and bool((beyond == beyond[:1]).all())
+    first, second = on.get(1, False), on.get(2, False)
+    return 1 if first and not second else 2 if second and not first else None
 
 
 def _frames_axis(batch: Any, path: Path, value: Tensor) -> int | None:
@@ -907,12 +922,15 @@ def _frames_axis(batch: Any, path: Path, value: Tensor) -> int | None:
     b, n, frames = (int(d) for d in value.shape)
     if frames == WHISPER_FRAMES:
         return 2
-    for other, v in tensor_leaves(batch):
-        if other == path or v.ndim == 0 or int(v.shape[0]) != b or v.dtype == torch.bool and v.ndim == 1:
-            continue
-        other_name = str(leaf_name(batch, other) or "").lower()
+    others = [
+        (str(leaf_name(batch, other) or "").lower(), v)
+        for other, v in tensor_leaves(batch)
+        if other != path and v.ndim > 0 and int(v.shape[0]) == b and not (v.dtype == torch.bool and v.ndim == 1)
+    ]
+    for other_name, v in others:  # a mask first, wherever it lies in the batch (qa61-break 04: after the lengths)
         if v.ndim == 2 and "mask" in other_name and int(v.shape[1]) in (n, frames) and n != frames:
             return 2 if int(v.shape[1]) == frames else 1
+    for other_name, v in others:
         stem = length_stem(other_name) if other_name else None
         own = stem is not None and (not stem or stem in str(leaf_name(batch, path) or "").lower())
         if v.ndim == 1 and own and v.numel() and not _relative(v):
@@ -987,7 +1005,8 @@ def _refuse_channel_first(batch: Any, cut: Mapping[Path, tuple[int, ...]]) -> No
             named = spectral and n in MEL_BINS and frames > 2 * n and _channel_first(batch, path, name, v)
             # lengths of this tensor beyond its axis 1: its frames are on axis 2, whatever its name or bins
             # (n_mels=96, a tensor named `x`, qa56-break 07)
-            told = _own_lengths_beyond(batch, path, name, v)
+            # (not a tensor whose frames' mask [B, n] says they are on axis 1, qa61-break 04)
+            told = _own_lengths_beyond(batch, path, name, v) and _frames_axis(batch, path, v) != 1
             if not (named or told):
                 continue
         elif not whole:

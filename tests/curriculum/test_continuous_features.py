@@ -425,6 +425,22 @@ def test_speech_toolkit_layouts_relative_lengths_token_transcripts_and_channel_f
     fixed = {"input_features": padded, "feature_lengths": lengths}
     cut = CF.truncate(fixed, 64, keys=["input_features", "feature_lengths"]).batch
     assert cut["input_features"].shape == (4, 64, 80) and cut["feature_lengths"].tolist() == [64, 50, 60, 40]
+    # padded by repeating the last frame (F.pad's replicate mode), or with noise beside a [B, frames] mask that says
+    # so (qa61-break 04: refused)
+    replicated = padded.clone()
+    for i, n in enumerate(lengths.tolist()):
+        replicated[i, n:] = replicated[i, n - 1]
+    noisy = {"input_features": torch.randn(4, 128, 80, generator=g), "feature_lengths": lengths,
+             "attention_mask": (torch.arange(128)[None] < lengths[:, None]).long()}  # fmt: skip
+    for told in ({"input_features": replicated, "feature_lengths": lengths}, noisy):
+        assert CF.truncate(told, 64, keys=list(told)).batch["input_features"].shape == (4, 64, 80)
+    # a channel-first mel [B, 128 bins, 80 frames] whose upper bins sit at a floor (band-limited audio under
+    # Whisper's clamp) shows padding beyond its shorter clips on its frames' axis only (qa61-break 02: 64 bins kept)
+    floor = torch.randn(4, 128, 80, generator=g)
+    floor[:, 80:] = -1.5
+    floor = floor.masked_fill(torch.arange(80)[None, None] >= lengths[:, None, None], -1.5)
+    with pytest.raises(ValueError, match=r"'mel' \[4, 128, 80\] looks channel first"):
+        CF.truncate({"mel": floor, "mel_lengths": lengths}, 64, keys=["mel"])
     generic = {"x": torch.randn(4, 50, 16, generator=g), "lengths": torch.tensor([16, 10, 12, 5])}
     assert CF.truncate(generic, 8, keys=["x"]).batch["x"].shape == (4, 8, 16)
     # lengths of another tensor beyond axis 1 tell nothing: batch-first features beside a transcript's lengths
