@@ -619,6 +619,8 @@ class EfficiencyMonitor(Callback):
         self._observed_width = False  # whose last dimension is a width of the block ([B, T, H], not [B, C, T])
         self._recorded_lists: dict[str, int] = {}  # the module lists of the network the recorded step trained
         self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
+        self._observed_fed = False  # the list whose positions were observed is the one the batch's token ids feed
+        self._ids_scale = 1.0  # passes over other data per token-id position (a contrastive pair's second input)
         self._block_hooks: list[Any] = []
         # the candidate block lists watched in the current step (path, list), what the first block run of each was
         # called with ((tokens, shape, width) by index), the query shape of its sequence-first attention, and the
@@ -748,8 +750,6 @@ class EfficiencyMonitor(Callback):
             return None
         extra = int(shape[1]) - int(rows.shape[1])
         if extra <= 0 or any(_is_encoder_decoder(m) for m in pl_module.modules()):
-            if extra < -1 and "tokens/fewer_positions" not in self._warned:
-                self._warn_fewer_positions(pl_module, int(shape[1]), int(rows.shape[1]))
             return None
         self._prepended, self._prepended_rows = extra, tuple(rows.shape)
         # a speech batch's CTC targets [B, L] beside its frames were told "image tokens or a prefix" (qa48-speech 06)
@@ -763,24 +763,38 @@ class EfficiencyMonitor(Callback):
         )
         return extra
 
-    def _warn_fewer_positions(self, pl_module: pl.LightningModule, seen: int, ids: int) -> None:
-        """Once: the first transformer block sees ``seen`` positions a row, fewer than the batch's ``ids`` token
-        positions by more than a step's label shift (``ids[:, :-1]``): a strided front end (k-mer or patch pooling of
-        the ids), or a step that runs the blocks on part of them. Tokens count the ids, so layer_tokens are the ids'
-        tokens times the blocks, ``ids / seen`` times what the blocks process (768 for 384, qa57-seq 03); the saving
-        fractions are unaffected (a technique's baseline is counted alike). Not said for an encoder-decoder, whose
-        blocks see another sequence."""
-        if any(_is_encoder_decoder(m) for m in pl_module.modules()):
-            self._warned.add("tokens/fewer_positions")
-            return
-        self._warn(
-            "tokens/fewer_positions",
-            f"the first transformer block sees {seen} positions a row, fewer than the batch's {ids} token positions "
-            "(a strided front end pooling the ids, or a step that runs the blocks on part of them): tokens count the "
-            f"ids, so layer_tokens are {ids}/{seen} times the positions the blocks process (saving fractions are "
-            "not affected); define `effi_count_tokens(batch) -> int` on your LightningModule to count the blocks' "
-            "positions",
-        )
+    def _passes_over_ids(self, pl_module: pl.LightningModule, batch: Any, found: int) -> float:
+        """Positions the step's passes of the blocks the token ids feed processed, per position of the batch's ids
+        (1.0 when not more; kept for the batch's baseline, :attr:`_ids_scale`). More: the network ran over other
+        ids in the step, a contrastive pair's positive (``{"anchor", "positive"}``, supervised SimCSE) or two masked
+        views of the ids, whose second pass was not counted (192 tokens for 384, qa61-ideas 01); tokens are scaled
+        by it. Fewer than the ``found`` tokens, by more than a position a row (a label shift): a front end that
+        pools the ids (a stride-2 k-mer convolution), warned once (layer_tokens 768 for the 384 positions the blocks
+        process, qa57-seq 03); not a step that trims padding or runs the blocks over chunks of the ids
+        (qa61-break 03). Read only for blocks the ids or their embedding feed, one loader's batch, one sequence a
+        row (not a preference pair's ``chosen_*`` / ``rejected_*``, counted as their sum)."""
+        self._ids_scale = 1.0
+        positions, source = self._observed_tokens, token_source(batch)
+        if not self._observed_fed or positions is None or source is None or sequence_groups(batch) is not None:
+            return 1.0
+        rows = key_padding_mask(source[1]) if source[0] == "mask" else source[1]
+        if rows is None or rows.ndim != 2 or not rows.numel():
+            return 1.0
+        if positions > rows.numel():
+            self._ids_scale = positions / rows.numel()
+        elif positions < found - int(rows.shape[0]) and "tokens/fewer_positions" not in self._warned:
+            if any(_is_encoder_decoder(m) for m in pl_module.modules()):  # its blocks see another sequence
+                self._warned.add("tokens/fewer_positions")
+            else:
+                self._warn(
+                    "tokens/fewer_positions",
+                    f"the transformer blocks process {positions} positions in the step, fewer than the batch's "
+                    f"{found} tokens (a strided front end pooling the ids, or a step that runs the blocks on part of "
+                    f"them): tokens count the ids, so layer_tokens are {found / positions:.3g} times the positions the "
+                    "blocks process (saving fractions are not affected); define `effi_count_tokens(batch) -> int` "
+                    "on your LightningModule to count the blocks' positions",
+                )
+        return self._ids_scale
 
     def _lengthened_positions(self, batch: Any) -> int | None:
         """The baseline's tokens when the trained batch's blocks saw more positions than its token ids
@@ -1150,10 +1164,15 @@ class EfficiencyMonitor(Callback):
                 found = round(found * scale)
             prepended = self._prepended_positions(pl_module, batch) if fallback is None else self._prepended
             lengthened = self._lengthened_positions(batch) if fallback is not None and prepended else None
+            if fallback is None:
+                self._ids_scale = 1.0
             if lengthened is not None:
                 found = lengthened
             elif found is not None and prepended and len(parts) == 1:
                 found += prepended * (find_batch_size(batch) or 0)
+            elif found is not None and not prepended and len(parts) == 1:
+                passes = self._passes_over_ids(pl_module, batch, found) if fallback is None else self._ids_scale
+                found = round(found * passes)
             if found is None and self._batch_shapes is not None and self._observed_tokens is not None:
                 # the positions of the first block's hidden states (continuous features: no token ids); the batch
                 # of a technique that restored a cut sequence axis (the curriculum's) scaled by its length
@@ -1391,6 +1410,7 @@ class EfficiencyMonitor(Callback):
         self._calls, self._batch_shapes, self._observed_tokens, self._observed_shape = None, None, None, None
         self._observed_sequence_first = False
         self._observed_width = False
+        self._observed_fed = False
         self._rnn_input = None
         if not callable(getattr(pl_module, "effi_count_samples", None)):
             # a sequence-first recurrent network (nn.LSTM / nn.GRU with batch_first=False, PyTorch's word-language
@@ -1417,7 +1437,7 @@ class EfficiencyMonitor(Callback):
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
             self._runner_called, self._last_block = set(), {}
             self._outputs, self._pass_values, self._running, self._embedded = {}, {}, {}, []
-            if self._rows is not None and len(self._watched) > 1:  # the ids' embeddings: which tower they feed
+            if self._rows is not None:  # the ids' embeddings: which tower they feed, and passes over other ids
                 for module in pl_module.modules():
                     if isinstance(module, nn.Embedding):
                         self._block_hooks.append(module.register_forward_hook(self._embedded_ids))
@@ -1600,6 +1620,8 @@ class EfficiencyMonitor(Callback):
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if hidden is not None and index not in self._runner_called:
             self._seen_values(index, hidden)
+        if hidden is not None and self._embedded and self._from_embedded(hidden):  # blocks run by the step itself
+            self._fed_ids.add(index)
         if tokens is None or hidden is None:
             self._seen[index] = (None, None, False)
             return
@@ -1665,6 +1687,7 @@ class EfficiencyMonitor(Callback):
         tokens, shape, width = self._seen[index]
         self._observed_tokens, self._observed_shape, self._observed_width = tokens, shape, width
         self._observed_sequence_first = shape is not None and self._attention_seen.get(index) == shape
+        self._observed_fed = index in self._fed_ids
         if trained:
             self._chosen = self._watched[index][0]
 

@@ -2086,9 +2086,56 @@ def test_a_front_end_that_pools_the_ids_is_told(tmp_path: Path) -> None:
             monitor, _, per_batch = fit(StridedLM(stride), token_loader(), tmp_path / str(stride), 2)
         assert [row["layer_tokens"] for row in per_batch.rows] == [4 * B * T] * 2  # the ids' tokens, as said
         told[stride] = [m for m in monitor_warnings(caught) if "fewer than the batch's" in m]
-    assert len(told[2]) == 1 and f"sees {T // 2} positions a row, fewer than the batch's {T} token" in told[2][0]
-    assert "layer_tokens are 16/8 times the positions" in told[2][0] and "effi_count_tokens" in told[2][0]
+    shown = f"process {B * T // 2} positions in the step, fewer than the batch's {B * T} tokens"
+    assert len(told[2]) == 1 and shown in told[2][0]
+    assert "layer_tokens are 2 times the positions" in told[2][0] and "effi_count_tokens" in told[2][0]
     assert told[1] == []
+
+
+class PairEncoder(UserModule):
+    """A contrastive step over two inputs of ids (supervised SimCSE's anchor and positive, or two masked views), or
+    over the ids trimmed to the longest real row, or over chunks of them."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.net, self.mode = OwnNet(), mode
+
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.net.embed(ids)
+        for block in self.net.blocks:
+            x = block(x)
+        return x.mean(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.mode == "pair":
+            z1, z2 = self.encode(ids), self.encode(batch["positive_ids"])
+        elif self.mode == "views":
+            z1, z2 = self.encode(ids.masked_fill(ids % 3 == 0, 0)), self.encode(ids.masked_fill(ids % 3 == 1, 0))
+        elif self.mode == "trim":
+            return self.encode(ids[:, : int(mask.sum(1).max())]).pow(2).mean()
+        else:
+            return torch.cat([self.encode(ids[:, s : s + 4]) for s in range(0, T, 4)]).pow(2).mean()
+        return F.cross_entropy(z1 @ z2.T, torch.arange(len(z1)))
+
+
+@pytest.mark.parametrize(("mode", "passes"), [("pair", 2), ("views", 2), ("trim", 1), ("chunks", 1)])
+def test_a_pass_over_other_ids_counts_again(tmp_path: Path, mode: str, passes: int) -> None:
+    """Two inputs of ids in one step (a supervised-SimCSE pair, two masked views): the second pass was not counted,
+    192 tokens for 384 (qa61-ideas 01). A step trimming the padding, or running the blocks over chunks of the ids,
+    is one pass and no pooling front end (the warning was said, qa61-break 03)."""
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.arange(T) < torch.tensor([T, 5, 9, 12])[:, None]).long()
+    batch = {"input_ids": torch.randint(1, V, (B, T), generator=g) * mask, "attention_mask": mask,
+             "positive_ids": torch.randint(1, V, (B, T), generator=g)}  # fmt: skip
+    loader = DataLoader([0] * (2 * B), batch_size=B, collate_fn=lambda rows: batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, _, per_batch = fit(PairEncoder(mode), loader, tmp_path, 2)
+    tokens = int(mask.sum()) * passes  # the second input's as many as the first's (the mask's) in the count
+    assert [row["tokens"] for row in per_batch.rows] == [tokens] * 2
+    assert [row["layer_tokens"] for row in per_batch.rows] == [4 * tokens] * 2
+    assert not [m for m in monitor_warnings(caught) if "fewer than the batch's" in m]
 
 
 class _MoE(nn.Module):
