@@ -479,6 +479,7 @@ def resolve_stages(
 
     a, small, up = steps(e_a, 1), steps(e_small, 0), [steps(d, 0) for d in ups]
     stages = stage_plan(levels, a, small, up)
+    plain_stages = list(stages)
     if factor_at is not None and "epoch" in units:
         # each stage in epochs spans its own epochs, at their factors: lay the stages out one after another
         durations = [e_a] * (levels - 1) + [e_small] + [ups[level - 2] for level, _ in stages[levels:]]
@@ -493,7 +494,7 @@ def resolve_stages(
         detail = f"e_a × (levels − 1) = {a} × {levels - 1}, e_small = {small}"
         if up:
             detail += f", up_leg = {up}"
-        if factor_at is not None and "epoch" in units:
+        if stages != plain_stages:  # epochs of other lengths (a GradientAccumulationScheduler's factors)
             detail = f"stages of {[n for _, n in stages]} steps, each epoch at its accumulation factor"
         elif spe is not None:
             detail += f"; {spe} optimizer steps per epoch"
