@@ -392,8 +392,14 @@ class ResultWriter(pl.Callback):
         _check_settings("ResultWriter", metric, mode, budget, arm, task_name)  # here, not after a whole fit
         if seed is not None and (isinstance(seed, bool) or not is_int(seed) or not 0 <= seed < 2**32):
             raise ValueError(f"ResultWriter: seed must be None or an int in [0, 2**32), got {seed!r}")
-        if out_dir is not None and not isinstance(out_dir, str | os.PathLike):
-            raise ValueError(f"ResultWriter: out_dir must be None, a str or a path (the run's folder), got {out_dir!r}")
+        # a path object whose __fspath__ gives bytes failed in pathlib after the whole fit, the record lost
+        # (qa61-ideas 05)
+        if out_dir is not None and (
+            not isinstance(out_dir, str | os.PathLike) or not isinstance(os.fspath(out_dir), str)
+        ):
+            raise ValueError(
+                f"ResultWriter: out_dir must be None, a str or a path to a str (the run's folder), got {out_dir!r}"
+            )
         self.metric, self.out_dir, self.mode, self.seed = metric, out_dir, mode, seed
         self.budget, self.arm, self.task_name, self.config = budget, arm, task_name, config
         #: the path of the last result.json written

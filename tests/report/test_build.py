@@ -636,6 +636,13 @@ def test_write_result_takes_a_configuration_as_override_strings_and_refuses_othe
         _config_overrides(3)
 
 
+class _BytesPath:
+    """An os.PathLike whose path is bytes."""
+
+    def __fspath__(self) -> bytes:
+        return b"runs/r1"
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -648,6 +655,8 @@ def test_write_result_takes_a_configuration_as_override_strings_and_refuses_othe
         (dict(metric=None), r"ResultWriter: metric must be the name of a logged metric \(a non-empty str\), got None"),
         (dict(metric=""), r"ResultWriter: metric must be the name of a logged metric"),
         (dict(metric="val/loss", out_dir=1.5), r"ResultWriter: out_dir must be None, a str or a path .*got 1\.5"),
+        # a path to bytes failed in pathlib after the fit (qa61-ideas 05)
+        (dict(metric="val/loss", out_dir=_BytesPath()), r"ResultWriter: out_dir must be .*a path to a str"),
     ],
 )
 def test_a_result_writer_refuses_bad_settings_when_built(kwargs, message):
