@@ -192,6 +192,15 @@ def test_a_weight_decay_the_optimizer_has_no_setting_for_is_refused():
         assert isinstance(plain.configure_optimizers(), torch.optim.Rprop)
     decayed = tiny_gpt2(weight_decay=0.1, optimizer=functools.partial(torch.optim.SGD, lr=1e-3))
     assert decayed.configure_optimizers().param_groups[0]["weight_decay"] == 0.1
+    # LBFGS takes one parameter group: it could not be built at all (qa61-break 05)
+    lbfgs = functools.partial(torch.optim.LBFGS, lr=0.1)
+    built = tiny_gpt2(weight_decay=None, optimizer=lbfgs)
+    built.check_optimization()
+    optimizer = built.configure_optimizers()
+    assert isinstance(optimizer, torch.optim.LBFGS) and len(optimizer.param_groups) == 1
+    assert len(optimizer.param_groups[0]["params"]) == len([p for p in built.parameters() if p.requires_grad])
+    with pytest.raises(ValueError, match=r"^model\.weight_decay: LBFGS has no weight decay"):
+        tiny_gpt2(weight_decay=0.1, optimizer=lbfgs).check_optimization()
 
 
 def test_the_training_module_runs_as_the_app(tmp_path):

@@ -43,6 +43,25 @@ def param_groups(model: nn.Module, weight_decay: float | None) -> list[dict[str,
     return [first, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def build_optimizer(factory: OptimizerFactory, model: nn.Module, weight_decay: float | None) -> torch.optim.Optimizer:
+    """``factory`` over :func:`param_groups` (decayed matrices, undecayed biases and norms); an optimizer that takes
+    one group only (``LBFGS``: "doesn't support per-parameter options") gets the trainable parameters as one group,
+    which is the same run when nothing is decayed (it has no weight decay). Then :func:`check_weight_decay_applies`.
+
+    Raises:
+        ValueError: see :func:`check_weight_decay_applies`; the factory's own errors.
+    """
+    try:
+        optimizer = factory(param_groups(model, weight_decay))
+    except ValueError as err:
+        if "per-parameter options" not in str(err):
+            raise
+        # LBFGS could not be built at all, whatever weight_decay (qa61-break 05)
+        optimizer = factory([p for p in model.parameters() if p.requires_grad])
+    check_weight_decay_applies(optimizer, weight_decay)
+    return optimizer
+
+
 def check_weight_decay_applies(optimizer: torch.optim.Optimizer, weight_decay: float | None) -> None:
     """Refuse a positive ``weight_decay`` for an optimizer that has no such setting (``Rprop``, ``LBFGS``): it keeps
     the group key and never reads it, so the run would train without decay.
@@ -124,8 +143,7 @@ class EffiTask(pl.LightningModule):
 
     # ------------------------------------------------------------------------------------------ optimization
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(param_groups(self, self.weight_decay))
-        check_weight_decay_applies(optimizer, self.weight_decay)
+        optimizer = build_optimizer(self.optimizer_factory, self, self.weight_decay)
         if self.scheduler_factory is None:
             return optimizer
         total = self.trainer.estimated_stepping_batches
@@ -183,10 +201,11 @@ class EffiTask(pl.LightningModule):
         if self.scheduler_factory is not None:
             _check_number_arguments(self.scheduler_factory, "model.scheduler")
         try:
-            optimizer = self.optimizer_factory(param_groups(self, self.weight_decay))
+            optimizer = build_optimizer(self.optimizer_factory, self, self.weight_decay)
         except (ValueError, TypeError) as err:
+            if str(err).startswith("model.weight_decay:"):
+                raise
             raise ValueError(f"model.optimizer: {err}") from err
-        check_weight_decay_applies(optimizer, self.weight_decay)
         if self.scheduler_factory is not None:
             try:
                 self.scheduler_factory(optimizer, total_steps=1)
