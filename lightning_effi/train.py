@@ -15,7 +15,7 @@ import pickle
 import sys
 import typing
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +182,19 @@ def check_checkpoint(path: str, model: pl.LightningModule) -> None:
         for k, v in mine.items()
         if k in weights and tuple(weights[k].shape) != tuple(v.shape)
     ]
-    if missing or unexpected or shapes:
+    # a setting of the architecture the weights' names and shapes do not show: n_head (qa61-ideas 04: a 2-head
+    # checkpoint tested as a 4-head model)
+    saved = checkpoint.get("hyper_parameters")
+    settings = []
+    if isinstance(saved, Mapping | DictConfig):
+        settings = [
+            f"{key} {saved[key]!r} vs {value!r}"
+            for key, value in getattr(model, "hparams", {}).items()
+            if key in saved
+            and ((isinstance(value, int) and not isinstance(value, bool)) or key == "model_name")
+            and saved[key] != value
+        ]
+    if missing or unexpected or shapes or settings:
         detail = "; ".join(
             filter(
                 None,
@@ -190,6 +202,7 @@ def check_checkpoint(path: str, model: pl.LightningModule) -> None:
                     f"missing {missing[:3]}" if missing else "",
                     f"unexpected {unexpected[:3]}" if unexpected else "",
                     f"shape (checkpoint vs model) {shapes[:3]}" if shapes else "",
+                    f"model settings (checkpoint vs model) {settings[:3]}" if settings else "",
                 ],
             )
         )

@@ -115,6 +115,21 @@ def test_a_checkpoint_holding_an_omegaconf_node_passes_the_resume_check(tmp_path
         train.check_checkpoint(str(path), model)
 
 
+def test_a_checkpoint_of_another_head_count_is_refused(tmp_path):
+    """Weights of one shape under another n_head: a 2-head checkpoint was tested as a 4-head model (qa61-ideas 04).
+    Settings the weights do not fix (dropout, weight_decay) may differ."""
+    import torch
+
+    from tests.helpers.tiny import tiny_gpt2
+
+    path = tmp_path / "last.ckpt"
+    two = tiny_gpt2(n_head=2)
+    torch.save({"state_dict": two.state_dict(), "hyper_parameters": dict(two.hparams)}, path)
+    train.check_checkpoint(str(path), tiny_gpt2(n_head=2, dropout=0.3, weight_decay=0.5))
+    with pytest.raises(ConfigError, match=r"\(model settings \(checkpoint vs model\) \['n_head 2 vs 4'\]"):
+        train.check_checkpoint(str(path), tiny_gpt2(n_head=4))
+
+
 @pytest.mark.parametrize(
     "override, tags",
     [("tags=mytag", ["mytag"]), ("tags=5", ["5"]), ("tags=[a,b]", ["a", "b"]), ("tags=null", []), (None, ["dev"])],
