@@ -103,6 +103,7 @@ from lightning_effi.core.measure import (
     OutsideProducts,
     _in_backward,
     block_candidates,
+    block_runners,
     combined_parts,
     find_batch_size,
     find_blocks,
@@ -1442,7 +1443,7 @@ class EfficiencyMonitor(Callback):
                     if isinstance(module, nn.Embedding):
                         self._block_hooks.append(module.register_forward_hook(self._embedded_ids))
             for i, (name, blocks) in enumerate(self._watched):
-                for runner in _runners(pl_module, name, blocks):
+                for runner in block_runners(pl_module, name, blocks):
                     hook = runner.register_forward_pre_hook(functools.partial(self._pass, i), with_kwargs=True)
                     self._block_hooks.append(hook)
                     self._block_hooks.append(runner.register_forward_hook(functools.partial(self._ran, i)))
@@ -1485,13 +1486,13 @@ class EfficiencyMonitor(Callback):
         return ranked[:WATCHED_LISTS] + [r for r in ranked[WATCHED_LISTS:] if r[0] == self._chosen]
 
     def _pass(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A call of a module that runs watched list ``index`` (:func:`_runners`), outside a backward (not a
-        recompute of activation checkpointing). Called on a tensor it was not called on before in the step (a view of
-        the batch, or one made in the step by augmentation), it is another pass of the network over other data, whose
-        first block call adds its positions (SimCLR's second view, qa50-clip 04, qa53-break 02); called again on the
-        same tensor or one of the same values (R-Drop, a probe without grad) or on what it returned (a weight-shared
-        core applied to its own output), it adds none: those positions are counted once, as token ids are
-        (qa52-break 05)."""
+        """A call of a module that runs watched list ``index`` (:func:`~lightning_effi.core.measure.block_runners`),
+        outside a backward (not a recompute of activation checkpointing). Called on a tensor it was not called on
+        before in the step (a view of the batch, or one made in the step by augmentation), it is another pass of the
+        network over other data, whose first block call adds its positions (SimCLR's second view, qa50-clip 04,
+        qa53-break 02); called again on the same tensor or one of the same values (R-Drop, a probe without grad) or on
+        what it returned (a weight-shared core applied to its own output), it adds none: those positions are counted
+        once, as token ids are (qa52-break 05)."""
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         if self._rows is not None and any(
             not a.is_floating_point() and tuple(a.shape[:2]) == self._rows for a in tensors
@@ -2282,27 +2283,6 @@ def _token_rows(batch: Any) -> tuple[int, int] | None:
     if rows is None or rows.ndim != 2:
         return None
     return int(rows.shape[0]), int(rows.shape[1])
-
-
-def _runners(pl_module: nn.Module, name: str, blocks: Blocks) -> list[nn.Module]:
-    """The modules whose call runs the block list at ``name`` in ``pl_module`` once: an ``nn.Sequential`` list itself,
-    else every module holding the list (the LightningModule for a list it holds itself: its ``forward``), not a
-    container. A list shared by two networks (two stems over one trunk of blocks, VATT / ImageBind-style) has two
-    holders, each call of either a pass; the first holder's alone counted one pass of two (qa53-break 05)."""
-    if isinstance(blocks, nn.Sequential):
-        return [blocks]
-    holders = [
-        module
-        for module in pl_module.modules()
-        if any(child is blocks for child in module._modules.values())
-        and not isinstance(module, nn.ModuleList | nn.ModuleDict | nn.Sequential)
-    ]
-    parent = name.rpartition(".")[0]
-    try:
-        first = pl_module.get_submodule(parent) if parent else pl_module
-    except AttributeError:
-        return holders
-    return [first, *(h for h in holders if h is not first)] if first in holders else holders
 
 
 def _brief_value(value: Any) -> str:

@@ -70,6 +70,7 @@ from lightning_effi.core.console import unshown_warnings
 from lightning_effi.core.flops import flop_counter
 
 __all__ = [
+    "block_runners",
     "MAX_PART_DEPTH",
     "CallRecord",
     "CallRecorder",
@@ -556,6 +557,27 @@ def hidden_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | Non
 
 
 # ---------------------------------------------------------------------------------------------------- blocks
+def block_runners(pl_module: nn.Module, name: str, blocks: nn.ModuleList | nn.Sequential) -> list[nn.Module]:
+    """The modules whose call runs the block list at ``name`` in ``pl_module`` once: an ``nn.Sequential`` list itself,
+    else every module holding the list (the LightningModule for a list it holds itself: its ``forward``), not a
+    container. A list shared by two networks (two stems over one trunk of blocks, VATT / ImageBind-style) has two
+    holders, each call of either a pass; the first holder's alone counted one pass of two (qa53-break 05)."""
+    if isinstance(blocks, nn.Sequential):
+        return [blocks]
+    holders = [
+        module
+        for module in pl_module.modules()
+        if any(child is blocks for child in module._modules.values())
+        and not isinstance(module, nn.ModuleList | nn.ModuleDict | nn.Sequential)
+    ]
+    parent = name.rpartition(".")[0]
+    try:
+        first = pl_module.get_submodule(parent) if parent else pl_module
+    except AttributeError:
+        return holders
+    return [first, *(h for h in holders if h is not first)] if first in holders else holders
+
+
 def _has_params(module: nn.Module) -> bool:
     return next(iter(module.parameters()), None) is not None
 

@@ -70,6 +70,8 @@ from lightning_effi.core.flops import sdpa_recomputes
 from lightning_effi.core.measure import (
     FlopsMeter,
     MeasureError,
+    _in_backward,
+    block_runners,
     combined_parts,
     find_batch_size,
     key_padding_mask,
@@ -523,6 +525,10 @@ class RandomLTDCallback(Callback):
         self.total_steps: int | None = None
         # (steps, micro-batches per step) runs of a run whose accumulation factor changes (None: every step alike)
         self._step_segments: list[tuple[int, int]] | None = None
+        # the inputs of the step's passes over other data of the network running the LTD layers (their first tensor
+        # argument), and the hooks that see them (:meth:`_watch_inputs`)
+        self._inputs: list[torch.Tensor] = []
+        self._input_hooks: list[Any] = []
         self.global_batch_size = 0
         self._pending = [0, 0, 0, 0.0, 0.0]  # samples, layer-tokens, full layer-tokens, saved flops, full flops
         self._folded = True
@@ -1440,10 +1446,47 @@ class RandomLTDCallback(Callback):
             if isinstance(difficulty, Mapping) and is_int(difficulty.get("seqlen_truncate")) and is_int(full):
                 self._first_batch_length = min(int(full), int(difficulty["seqlen_truncate"]) + self._truncation_shift)
         self.controller.begin(step, batch_idx, self._reserved_length)
+        self._watch_inputs(pl_module)
         self._folded = False
         self._batch_costs_fixed, self._frac_fixed = None, None
         self._batch_ltd_layers = len(self.layer_ids)
         self._fused = self._fused_attention(pl_module)
+
+    def _watch_inputs(self, pl_module: pl.LightningModule) -> None:
+        """Hook the modules whose call runs the LTD layers' list (:func:`~lightning_effi.core.measure.block_runners`)
+        for the micro-batch: the first tensor of each call on values not seen before in it is another pass over other
+        data (:meth:`_input_seen`), as the ``EfficiencyMonitor`` counts passes; a call on the same values (R-Drop)
+        is not."""
+        self._unwatch_inputs()
+        if self.adapter is None:
+            return
+        layers = self.adapter.layers()
+        name = next((n for n, m in pl_module.named_modules() if m is layers), None)
+        if name is None:
+            return
+        for runner in block_runners(pl_module, name, layers):
+            self._input_hooks.append(runner.register_forward_pre_hook(self._input_seen, with_kwargs=True))
+
+    def _input_seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _in_backward():  # a recompute of activation checkpointing
+            return
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is None or first.is_nested:
+            return
+        for seen in self._inputs:
+            if seen is first or (
+                seen.shape == first.shape
+                and seen.dtype == first.dtype
+                and seen.device == first.device
+                and torch.equal(seen, first)
+            ):
+                return
+        self._inputs.append(first)
+
+    def _unwatch_inputs(self) -> None:
+        for hook in self._input_hooks:
+            hook.remove()
+        self._input_hooks, self._inputs = [], []
 
     def _release_frozen_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Give the original ``forward`` back to the layers of a frozen copy of the converted network that the module
@@ -1628,7 +1671,10 @@ class RandomLTDCallback(Callback):
             # the same batch again (R-Drop) trains the same tokens, counted once, as the EfficiencyMonitor does
             trained = sum(1 for grad in rec.grads if grad) or 1
             loaders = self._part_sizes.count(rec.batch_size) if self._part_sizes else 1
-            forwards = max(1, min(trained, loaders))
+            # or one per input of other values the network was called on: two augmented views of one loader's batch
+            # (SimCLR, a contrastive pair) train two forwards' tokens (576 counted for 1,152, qa61-ideas 02)
+            inputs = sum(1 for v in self._inputs if v.ndim and rec.batch_size in tuple(v.shape[:2]))
+            forwards = max(1, min(trained, max(loaders, inputs)))
             samples += forwards * rec.batch_size
             layer_tokens += forwards * F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
             full_layer_tokens += forwards * rec.batch_size * rec.seq_len * L
@@ -1773,6 +1819,7 @@ class RandomLTDCallback(Callback):
             self._fold_step(trainer)
         assert self.controller is not None
         self.controller.end()
+        self._unwatch_inputs()
         if not self._ran_checked:  # the first training batch of the fit
             self._ran_checked = True
             if not self.controller.records:
@@ -1799,6 +1846,7 @@ class RandomLTDCallback(Callback):
         when the run dropped no token at all (every batch at most as long as its reserved length: a ``min_value`` at
         or above the data's sequence length that no setup check could see, e.g. under a curriculum over a training
         set too large to read at setup)."""
+        self._unwatch_inputs()
         self.nonfinite_guard.report_at_end()
         short = shorter_than_resolved(trainer, self._resolved_against)
         if short is not None and self.clock == "step" and not self._finished(self.require_steps, trainer.global_step):

@@ -815,6 +815,45 @@ def test_each_forward_of_a_step_counts_its_dropped_tokens(tmp_path, mode):
     assert int(monitor.summary["flops"]) == module.real_flops > 0 and monitor.summary["flops_saved_frac"] > 0.1
 
 
+class TwoViewEncoder(pl.LightningModule):
+    """A contrastive step over two noisy views of one loader's batch (SimCLR-style), or R-Drop over the same batch
+    twice, through an ``nn.TransformerEncoder`` called as a module."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode, self.inp = mode, nn.Linear(8, 32)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True), 4)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        return TF.normalize(self.enc(self.inp(x)).mean(1), dim=-1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        views = (x + 0.1 * torch.randn_like(x), x + 0.1 * torch.randn_like(x)) if self.mode == "views" else (x, x)
+        z1, z2 = self.embed(views[0]), self.embed(views[1])
+        return TF.cross_entropy(z1 @ z2.T / 0.1, torch.arange(len(z1)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize(("mode", "forwards"), [("views", 2), ("rdrop", 1)])
+def test_two_views_of_one_loaders_batch_count_two_forwards(tmp_path, mode, forwards):
+    """Two augmented views of one loader's batch were counted as one forward (R-Drop's rule): consumed_layer_tokens
+    576 for the monitor's 1,152 (qa61-ideas 02). The network's inputs tell them apart: the same values again (R-Drop)
+    are one forward, as the EfficiencyMonitor counts."""
+    from lightning_effi import EfficiencyMonitor
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 16, 8))
+    monitor = EfficiencyMonitor(print_summary=False)
+    ltd = RandomLTDCallback(min_value=8, max_value=16, seq_per_step=4, require_steps=100)
+    make_trainer(tmp_path, [monitor, ltd], max_steps=3).fit(TwoViewEncoder(mode), torch.utils.data.DataLoader(data, 4))
+    assert ltd.consumed_samples == 3 * 4 * forwards and ltd.full_layer_tokens == 3 * 4 * 16 * 4 * forwards
+    assert ltd.consumed_layer_tokens == monitor.summary["layer_tokens"]
+    assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"]
+
+
 class HandsOn(nn.Module):
     """A hand-written block that takes a pairwise bias ``prev`` ``[B, H, S, S]`` and returns, for the next block,
     either that bias in a list (as given) or its own pre-softmax scores (RealFormer's residual attention)."""
