@@ -213,3 +213,26 @@ def test_the_training_module_runs_as_the_app(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 1 and "trainer.max_steps must be an int >= -1, got 'ten'" in done.stderr
+
+
+def test_the_monitor_says_it_counts_one_closure_evaluation_of_lbfgs(tmp_path):
+    """LBFGS runs training_step up to max_iter times an optimizer step; the monitor counts one: 10 calls read as 2,
+    with no word (qa62-break 06)."""
+    import functools
+    import warnings
+
+    from lightning_effi import EfficiencyMonitor
+    from tests.helpers.harness import make_trainer
+    from tests.helpers.tiny import tiny_lm_data
+
+    module = tiny_gpt2(weight_decay=None, optimizer=functools.partial(torch.optim.LBFGS, lr=0.1, max_iter=3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [EfficiencyMonitor(print_summary=False)], max_steps=1).fit(
+            module, datamodule=tiny_lm_data()
+        )
+    told = [str(w.message) for w in caught if "evaluates its closure" in str(w.message)]
+    assert (
+        len(told) == 1
+        and "LBFGS evaluates its closure (training_step, forward and backward) up to max_iter=3" in (told[0])
+    )

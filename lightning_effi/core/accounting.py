@@ -621,6 +621,9 @@ class EfficiencyMonitor(Callback):
         self._recorded_lists: dict[str, int] = {}  # the module lists of the network the recorded step trained
         self._mask_scale: float | None = None  # first block positions per attention-mask position (a downsampler)
         self._observed_fed = False  # the list whose positions were observed is the one the batch's token ids feed
+        # its positions in the step's passes with grad (not a generate() or a no_grad probe inside the step)
+        self._observed_trained: int | None = None
+        self._trained_positions: dict[int, int] = {}
         self._ids_scale = 1.0  # passes over other data per token-id position (a contrastive pair's second input)
         self._block_hooks: list[Any] = []
         # the candidate block lists watched in the current step (path, list), what the first block run of each was
@@ -772,11 +775,13 @@ class EfficiencyMonitor(Callback):
         by it. Fewer than the ``found`` tokens, by more than a position a row (a label shift): a front end that
         pools the ids (a stride-2 k-mer convolution), warned once (layer_tokens 768 for the 384 positions the blocks
         process, qa57-seq 03); not a step that trims padding or runs the blocks over chunks of the ids
-        (qa61-break 03). Read only for blocks the ids or their embedding feed, one loader's batch, one sequence a
-        row (not a preference pair's ``chosen_*`` / ``rejected_*``, counted as their sum)."""
+        (qa61-break 03). Read over the passes run with grad (a generate() in the step is none, qa62-break 01), only
+        for blocks the ids or their embedding feed, one loader's batch, one sequence a row (not a preference pair's
+        ``chosen_*`` / ``rejected_*``, counted as their sum)."""
         self._ids_scale = 1.0
-        positions, source = self._observed_tokens, token_source(batch)
-        if not self._observed_fed or positions is None or source is None or sequence_groups(batch) is not None:
+        # the passes with grad: a generate() in the step (its prompt and decode steps) trains nothing (qa62-break 01)
+        positions, source = self._observed_trained, token_source(batch)
+        if not self._observed_fed or not positions or source is None or sequence_groups(batch) is not None:
             return 1.0
         rows = key_padding_mask(source[1]) if source[0] == "mask" else source[1]
         if rows is None or rows.ndim != 2 or not rows.numel():
@@ -1373,6 +1378,17 @@ class EfficiencyMonitor(Callback):
         # CombinedLoader were unknown there, and the rest of that epoch was counted as one loader's (qa57-loops 01)
         self._train_loaders = trainer.train_dataloader
         self._mark = self._now(pl_module)
+        lbfgs = [o for o in trainer.optimizers if isinstance(o, torch.optim.LBFGS)]
+        if lbfgs and "flops/closure" not in self._warned:
+            # LBFGS re-evaluates the closure, training_step and its backward, up to max_iter times a step, which the
+            # counts of one batch cannot see (the FLOPs of 10 calls read as 2, qa62-break 06)
+            max_iter = max(int(o.defaults.get("max_iter", 1)) for o in lbfgs)
+            self._warn(
+                "flops/closure",
+                f"{type(lbfgs[0]).__name__} evaluates its closure (training_step, forward and backward) up to "
+                f"max_iter={max_iter} times an optimizer step, and the monitor counts each batch once: flops, tokens "
+                "and samples count one evaluation a step, up to that many times fewer than the run computed",
+            )
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -1411,7 +1427,7 @@ class EfficiencyMonitor(Callback):
         self._calls, self._batch_shapes, self._observed_tokens, self._observed_shape = None, None, None, None
         self._observed_sequence_first = False
         self._observed_width = False
-        self._observed_fed = False
+        self._observed_fed, self._observed_trained = False, None
         self._rnn_input = None
         if not callable(getattr(pl_module, "effi_count_samples", None)):
             # a sequence-first recurrent network (nn.LSTM / nn.GRU with batch_first=False, PyTorch's word-language
@@ -1438,6 +1454,7 @@ class EfficiencyMonitor(Callback):
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
             self._runner_called, self._last_block = set(), {}
             self._outputs, self._pass_values, self._running, self._embedded = {}, {}, {}, []
+            self._trained_positions = {}
             if self._rows is not None:  # the ids' embeddings: which tower they feed, and passes over other ids
                 for module in pl_module.modules():
                     if isinstance(module, nn.Embedding):
@@ -1616,13 +1633,25 @@ class EfficiencyMonitor(Callback):
                 more = hidden_tokens(args, kwargs)
                 if first is not None and more is not None:
                     self._seen[index] = (first + more, shape, wide)
+                    if torch.is_grad_enabled():
+                        self._trained_positions[index] = self._trained_positions.get(index, 0) + more
             return
         tokens = hidden_tokens(args, kwargs)
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if hidden is not None and index not in self._runner_called:
             self._seen_values(index, hidden)
-        if hidden is not None and self._embedded and self._from_embedded(hidden):  # blocks run by the step itself
+        if (
+            hidden is not None
+            and (
+                (self._embedded and self._from_embedded(hidden))  # blocks run by the step itself
+                # the only list, on hidden states of the ids' rows: a frozen embedding has no graph to follow, and a
+                # position embedding added makes new storage (two views counted once, qa62-break 02)
+                or (len(self._watched) == 1 and self._rows is not None and tuple(hidden.shape[:2]) == self._rows)
+            )
+        ):
             self._fed_ids.add(index)
+        if tokens is not None and torch.is_grad_enabled():
+            self._trained_positions[index] = tokens
         if tokens is None or hidden is None:
             self._seen[index] = (None, None, False)
             return
@@ -1689,6 +1718,7 @@ class EfficiencyMonitor(Callback):
         self._observed_tokens, self._observed_shape, self._observed_width = tokens, shape, width
         self._observed_sequence_first = shape is not None and self._attention_seen.get(index) == shape
         self._observed_fed = index in self._fed_ids
+        self._observed_trained = self._trained_positions.get(index)
         if trained:
             self._chosen = self._watched[index][0]
 

@@ -2099,9 +2099,14 @@ class PairEncoder(UserModule):
     def __init__(self, mode: str) -> None:
         super().__init__()
         self.net, self.mode = OwnNet(), mode
+        if mode == "frozen":
+            self.net.embed.requires_grad_(False)
+            self.pos = nn.Parameter(torch.zeros(T, 32))
 
     def encode(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.net.embed(ids)
+        if self.mode == "frozen":  # a frozen embedding, a position embedding added: no graph back to the ids
+            x = x + self.pos
         for block in self.net.blocks:
             x = block(x)
         return x.mean(1)
@@ -2110,8 +2115,12 @@ class PairEncoder(UserModule):
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if self.mode == "pair":
             z1, z2 = self.encode(ids), self.encode(batch["positive_ids"])
-        elif self.mode == "views":
+        elif self.mode in ("views", "frozen"):
             z1, z2 = self.encode(ids.masked_fill(ids % 3 == 0, 0)), self.encode(ids.masked_fill(ids % 3 == 1, 0))
+        elif self.mode == "probe":  # a pass without grad over other ids (a generate(), a retrieval probe) trains none
+            with torch.no_grad():
+                self.encode(batch["positive_ids"])
+            return self.encode(ids).pow(2).mean()
         elif self.mode == "trim":
             return self.encode(ids[:, : int(mask.sum(1).max())]).pow(2).mean()
         else:
@@ -2119,11 +2128,14 @@ class PairEncoder(UserModule):
         return F.cross_entropy(z1 @ z2.T, torch.arange(len(z1)))
 
 
-@pytest.mark.parametrize(("mode", "passes"), [("pair", 2), ("views", 2), ("trim", 1), ("chunks", 1)])
+@pytest.mark.parametrize(
+    ("mode", "passes"), [("pair", 2), ("views", 2), ("frozen", 2), ("probe", 1), ("trim", 1), ("chunks", 1)]
+)
 def test_a_pass_over_other_ids_counts_again(tmp_path: Path, mode: str, passes: int) -> None:
     """Two inputs of ids in one step (a supervised-SimCSE pair, two masked views): the second pass was not counted,
     192 tokens for 384 (qa61-ideas 01). A step trimming the padding, or running the blocks over chunks of the ids,
-    is one pass and no pooling front end (the warning was said, qa61-break 03)."""
+    is one pass and no pooling front end (the warning was said, qa61-break 03). Two views through a frozen embedding
+    were one pass (qa62-break 02); a pass without grad, a generate() in the step, trains no tokens (qa62-break 01)."""
     g = torch.Generator().manual_seed(0)
     mask = (torch.arange(T) < torch.tensor([T, 5, 9, 12])[:, None]).long()
     batch = {"input_ids": torch.randint(1, V, (B, T), generator=g) * mask, "attention_mask": mask,
