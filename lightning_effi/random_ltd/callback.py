@@ -47,7 +47,8 @@ import dataclasses
 import math
 import random
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -224,6 +225,20 @@ def _padded(batch: Any) -> bool:
 
 #: positions the layers may see more or fewer than a seqlen curriculum's batch (label shift, added tokens)
 _OFFSET_TOKENS = 2
+
+
+def _input_hook(owner: weakref.ref[Any], runner: weakref.ref[nn.Module]) -> Callable[..., None]:
+    """The forward pre-hook that hands ``runner``'s inputs to the callback ``owner`` (:meth:`RandomLTDCallback.
+    _input_seen`). A function, not a bound method: a deep copy of the module (a V-cycle snapshot, a FLOPs replay's
+    copy) copies its hooks, and a method would copy the callback with the step's inputs, which non-leaf tensors
+    cannot be; a copy's calls are another module's, passed over."""
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        callback = owner()
+        if callback is not None and module is runner():
+            callback._input_seen(module, args, kwargs)
+
+    return hook
 
 
 class RandomLTDCallback(Callback):
@@ -724,8 +739,9 @@ class RandomLTDCallback(Callback):
     def _release(self) -> None:
         """The end of a fit, normal (``teardown``) or not (``on_exception``): disarm the controller and restore the
         patched layers (:func:`~lightning_effi.random_ltd.patching.restore`); the counters and the controller's last
-        records stay readable. Idempotent."""
+        records stay readable; remove the hooks on the network's inputs. Idempotent."""
         self._active = False
+        self._unwatch_inputs()  # a fit that raised mid-step kept its hooks on the network (qa62-break 03)
         if self.controller is not None:
             self.controller.end()
         if self.patched is not None:
@@ -1465,10 +1481,11 @@ class RandomLTDCallback(Callback):
         if name is None:
             return
         for runner in block_runners(pl_module, name, layers):
-            self._input_hooks.append(runner.register_forward_pre_hook(self._input_seen, with_kwargs=True))
+            hook = _input_hook(weakref.ref(self), weakref.ref(runner))
+            self._input_hooks.append(runner.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _input_seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if _in_backward():  # a recompute of activation checkpointing
+        if _in_backward() or self.controller is None or self.controller.key is None:  # a recompute; no step
             return
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is None or first.is_nested:
