@@ -158,6 +158,30 @@ def check_testable(model: pl.LightningModule, datamodule: pl.LightningDataModule
         raise ConfigError(f"test: true, but {names} defines no test_dataloader; add one, or run with test=false")
 
 
+#: hyperparameters that are counts without being the architecture's (an int where a float is meant: dropout=0)
+NOT_ARCHITECTURE = ("dropout", "weight_decay", "label_smoothing", "lr", "learning_rate", "seed")
+
+
+def _architecture_differences(saved: Any, mine: Any, prefix: str = "") -> list[str]:
+    """``"key saved vs mine"`` for the model settings a checkpoint's weights do not show, ints both sides (a head
+    count: ``n_head``, a timm model's ``model_kwargs.num_heads``, qa62-break 04) and a timm ``model_name``, that differ
+    between the checkpoint's ``hyper_parameters`` and the model's; not a count that is no architecture (``dropout=0``
+    against 0.1, qa62-break 05)."""
+    if not isinstance(saved, Mapping | DictConfig) or not isinstance(mine, Mapping | DictConfig):
+        return []
+    found = []
+    for key, value in mine.items():
+        if key not in saved or str(key) in NOT_ARCHITECTURE:
+            continue
+        other = saved[key]
+        if isinstance(value, Mapping | DictConfig):
+            found += _architecture_differences(other, value, f"{prefix}{key}.")
+        elif key == "model_name" or all(isinstance(v, int) and not isinstance(v, bool) for v in (value, other)):
+            if other != value:
+                found.append(f"{prefix}{key} {other!r} vs {value!r}")
+    return found
+
+
 def check_checkpoint(path: str, model: pl.LightningModule) -> None:
     """Fail before training when ``ckpt_path`` is unreadable or holds weights of another model (named, with the
     first differing parameters)."""
@@ -185,15 +209,7 @@ def check_checkpoint(path: str, model: pl.LightningModule) -> None:
     # a setting of the architecture the weights' names and shapes do not show: n_head (qa61-ideas 04: a 2-head
     # checkpoint tested as a 4-head model)
     saved = checkpoint.get("hyper_parameters")
-    settings = []
-    if isinstance(saved, Mapping | DictConfig):
-        settings = [
-            f"{key} {saved[key]!r} vs {value!r}"
-            for key, value in getattr(model, "hparams", {}).items()
-            if key in saved
-            and ((isinstance(value, int) and not isinstance(value, bool)) or key == "model_name")
-            and saved[key] != value
-        ]
+    settings = _architecture_differences(saved, getattr(model, "hparams", {}))
     if missing or unexpected or shapes or settings:
         detail = "; ".join(
             filter(

@@ -126,6 +126,7 @@ def test_a_checkpoint_of_another_head_count_is_refused(tmp_path):
     two = tiny_gpt2(n_head=2)
     torch.save({"state_dict": two.state_dict(), "hyper_parameters": dict(two.hparams)}, path)
     train.check_checkpoint(str(path), tiny_gpt2(n_head=2, dropout=0.3, weight_decay=0.5))
+    train.check_checkpoint(str(path), tiny_gpt2(n_head=2, dropout=0, weight_decay=0))  # ints, no architecture
     with pytest.raises(ConfigError, match=r"\(model settings \(checkpoint vs model\) \['n_head 2 vs 4'\]"):
         train.check_checkpoint(str(path), tiny_gpt2(n_head=4))
 
@@ -139,3 +140,8 @@ def test_one_tag_is_a_tag_not_its_characters(tmp_path, override, tags):
     cfg = compose_train([override] if override else [], tmp_path)
     train.check_settings(cfg)
     assert train.run_tags(cfg) == tags
+    # a timm model's head count among its model_kwargs (qa62-break 04)
+    vit = {"model_name": "vit_tiny", "model_kwargs": {"num_heads": 4, "drop_rate": 0.0}}
+    assert train._architecture_differences(vit, {**vit, "model_kwargs": {"num_heads": 2, "drop_rate": 0.1}}) == [
+        "model_kwargs.num_heads 4 vs 2"
+    ]
