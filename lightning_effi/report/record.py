@@ -400,6 +400,10 @@ class ResultWriter(pl.Callback):
             raise ValueError(
                 f"ResultWriter: out_dir must be None, a str or a path to a str (the run's folder), got {out_dir!r}"
             )
+        if out_dir is not None and Path(out_dir).is_file():  # refused after the whole fit, the record lost
+            raise ValueError(
+                f"ResultWriter: out_dir must be a folder (the run's; created if missing), got the file {out_dir}"
+            )
         self.metric, self.out_dir, self.mode, self.seed = metric, out_dir, mode, seed
         self.budget, self.arm, self.task_name, self.config = budget, arm, task_name, config
         #: the path of the last result.json written

@@ -657,6 +657,8 @@ class _BytesPath:
         (dict(metric="val/loss", out_dir=1.5), r"ResultWriter: out_dir must be None, a str or a path .*got 1\.5"),
         # a path to bytes failed in pathlib after the fit (qa61-ideas 05)
         (dict(metric="val/loss", out_dir=_BytesPath()), r"ResultWriter: out_dir must be .*a path to a str"),
+        # an existing file: refused after the whole fit (qa62-break 07)
+        (dict(metric="val/loss", out_dir=__file__), r"ResultWriter: out_dir must be a folder .*got the file "),
     ],
 )
 def test_a_result_writer_refuses_bad_settings_when_built(kwargs, message):
