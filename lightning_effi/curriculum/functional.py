@@ -341,6 +341,11 @@ def _index_name(name: str | None) -> bool:
     return lowered in GRAPH_INDEX_NAMES or lowered in POSITION_NAMES or lowered.endswith("position_ids")
 
 
+#: names of a token's position in its row, which restarts at a packed row's next document (torchtune's ``input_pos``)
+PACKED_POSITION_NAMES = ("pos", "pos_id", "pos_ids", "position", "positions", "token_positions", "input_pos")
+#: names of a token's document index in a packed row (it changes at the next document)
+PACKED_DOCUMENT_NAMES = ("document_ids", "doc_ids", "document_id", "doc_id")
+
 #: names of position or time ids beside token ids
 POSITION_NAMES = ("pos", "pos_ids", "positions", "time_ids", "timestep_ids", "timesteps", "token_positions")
 
@@ -1379,16 +1384,18 @@ def _refuse_right_padding_for_left_side(batch: Any, real: Tensor | None, left: b
     for path, v in tensor_leaves(batch):
         name = str(_name(path) or "").lower()
         # a token position's names (pos_ids and positions were left whole, qa61-ideas 03); not time ids, which may wrap
-        token_positions = name.endswith("position_ids") or name in ("pos", "pos_ids", "positions", "token_positions")
-        if token_positions and v.ndim == 2 and int(v.shape[-1]) == t and not v.is_floating_point():
+        token_positions = name.endswith("position_ids") or name in PACKED_POSITION_NAMES
+        documents = name in PACKED_DOCUMENT_NAMES  # a row's document index: packed where it changes
+        if (token_positions or documents) and v.ndim == 2 and int(v.shape[-1]) == t and not v.is_floating_point():
             # a restart between two real positions: not after a one-token document either ([0, 0, 1, ...]), and not
             # a left-padded row's pad positions (Hugging Face fills them with 1: [1, 1, 0, 1, ...], qa57-break)
-            restarts = v[:, 1:] <= v[:, :-1]
+            restarts = (v[:, 1:] != v[:, :-1]) if documents else (v[:, 1:] <= v[:, :-1])
             if real is not None and tuple(real.shape) == tuple(v.shape):
                 restarts &= real[:, 1:].bool() & real[:, :-1].bool()
             if bool(restarts.any()):
                 raise ValueError(
-                    f"seqlen_truncate: truncation_side='left' on packed rows ({name!r} restart inside a row): the "
+                    f"seqlen_truncate: truncation_side='left' on packed rows ({name!r} "
+                    f"{'change' if documents else 'restart'} inside a row): the "
                     "first sequence kept would start inside a document, its position ids not at 0. Use "
                     "truncation_side='right' for packed batches"
                 )

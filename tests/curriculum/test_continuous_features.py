@@ -542,9 +542,14 @@ def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(
     with pytest.raises(ValueError, match=r"packed rows \('position_ids' restart inside a row\)"):
         CF.truncate(packed, 4, truncation_side="left")
     # under another position name (qa61-ideas 03: kept [8, 9, 0, ...] in silence); time features may wrap
-    for name in ("pos_ids", "positions"):
+    for name in ("pos_ids", "positions", "input_pos", "pos_id"):  # torchtune's input_pos (qa62-break 08)
         with pytest.raises(ValueError, match=rf"packed rows \('{name}' restart inside a row\)"):
             CF.truncate({"input_ids": packed["input_ids"], name: packed["position_ids"]}, 4, truncation_side="left")
+    documents = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2]])
+    with pytest.raises(ValueError, match=r"packed rows \('document_ids' change inside a row\)"):
+        CF.truncate({"input_ids": packed["input_ids"], "document_ids": documents}, 4, truncation_side="left")
+    one = {"input_ids": packed["input_ids"], "document_ids": torch.zeros_like(documents)}
+    assert CF.truncate(one, 4, truncation_side="left").batch["input_ids"].tolist() == [[9, 10, 11, 12]]
     hours = {"input_ids": packed["input_ids"], "time_ids": torch.arange(20, 32)[None] % 24}
     assert CF.truncate(hours, 4, truncation_side="left").batch["time_ids"].tolist() == [[4, 5, 6, 7]]
     # a restart after a one-token document is a restart; a left-padded row's pad positions (HF fills them with 1)
