@@ -458,12 +458,12 @@ def test_level_stack_refuses_non_finite_sources_and_changes_nothing():
 
 # ------------------------------------------------------------------------------------------------ zero-length levels
 def test_a_coarse_stage_that_resolves_to_zero_steps_is_refused_naming_it(tmp_path):
-    """e_small='0.05dur' (or '0dur') in a run of 10 steps is floor(0.05 * 10) = 0 steps: the cycle would coalesce and
-    de-coalesce at step 2 without training level 2, changing the weights for nothing. Refused in setup (max_steps
-    known), before any step, naming e_small, T and the smallest fraction that gives a step; '0.1dur' gives 1 step and
-    runs. An up-leg stage of 0 steps is refused the same way, and so is e_small in a run bounded by epochs (2 epochs
-    of 5 steps: at train start, when the run's length is known)."""
-    for given in ("0.05dur", "0dur"):
+    """e_small='0.05dur' in a run of 10 steps is floor(0.05 * 10) = 0 steps: the cycle would coalesce and de-coalesce
+    at step 2 without training level 2, changing the weights for nothing. Refused in setup (max_steps known), before
+    any step, naming e_small, T and the smallest fraction that gives a step ('0dur' is refused when built);
+    '0.1dur' gives 1 step and runs. An up-leg stage of 0 steps is refused the same way, and so is e_small in a run
+    bounded by epochs (2 epochs of 5 steps: at train start, when the run's length is known)."""
+    for given in ("0.05dur",):
         steps, model = Steps(), tiny_gpt2()
         weights = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(ValueError) as err:
