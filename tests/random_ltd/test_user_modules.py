@@ -854,6 +854,26 @@ def test_two_views_of_one_loaders_batch_count_two_forwards(tmp_path, mode, forwa
     assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"]
 
 
+def test_a_fit_that_raises_leaves_no_hook_on_the_network(tmp_path):
+    """The hooks that read the network's inputs stayed after a fit that raised in its step: every later call added its
+    input to the callback's list (qa62-break 03)."""
+
+    class Raises(TwoViewEncoder):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 1:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    module = Raises("views")
+    ltd = RandomLTDCallback(min_value=8, max_value=16, seq_per_step=4, require_steps=100)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 16, 8))
+    with pytest.raises(RuntimeError, match="boom"):
+        make_trainer(tmp_path, [ltd], max_steps=3).fit(module, torch.utils.data.DataLoader(data, 4))
+    assert not module.enc._forward_pre_hooks and not module._forward_pre_hooks
+    module.embed(torch.randn(2, 16, 8))
+    assert ltd._inputs == [] and ltd._input_hooks == []
+
+
 class HandsOn(nn.Module):
     """A hand-written block that takes a pairwise bias ``prev`` ``[B, H, S, S]`` and returns, for the next block,
     either that bias in a list (as given) or its own pre-softmax scores (RealFormer's residual attention)."""
