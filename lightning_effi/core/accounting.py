@@ -102,6 +102,7 @@ from lightning_effi.core.measure import (
     MeasureError,
     OutsideProducts,
     _in_backward,
+    _in_reentrant_checkpoint,
     block_candidates,
     block_runners,
     combined_parts,
@@ -1633,7 +1634,7 @@ class EfficiencyMonitor(Callback):
                 more = hidden_tokens(args, kwargs)
                 if first is not None and more is not None:
                     self._seen[index] = (first + more, shape, wide)
-                    if torch.is_grad_enabled():
+                    if _trains():
                         self._trained_positions[index] = self._trained_positions.get(index, 0) + more
             return
         tokens = hidden_tokens(args, kwargs)
@@ -1650,7 +1651,7 @@ class EfficiencyMonitor(Callback):
             )
         ):
             self._fed_ids.add(index)
-        if tokens is not None and torch.is_grad_enabled():
+        if tokens is not None and _trains():
             self._trained_positions[index] = tokens
         if tokens is None or hidden is None:
             self._seen[index] = (None, None, False)
@@ -2313,6 +2314,13 @@ def _token_rows(batch: Any) -> tuple[int, int] | None:
     if rows is None or rows.ndim != 2:
         return None
     return int(rows.shape[0]), int(rows.shape[1])
+
+
+def _trains() -> bool:
+    """Whether a forward running now trains: grad enabled, or the forward of a reentrant activation checkpoint, which
+    runs without grad (two views under it were counted as one pass, qa63-break 01); not a ``generate()`` or a probe
+    under ``no_grad``."""
+    return torch.is_grad_enabled() or _in_reentrant_checkpoint()
 
 
 def _brief_value(value: Any) -> str:

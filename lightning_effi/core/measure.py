@@ -975,6 +975,22 @@ def _reentrant_recompute() -> bool:
     return False
 
 
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the current call runs in the forward of a reentrant ``torch.utils.checkpoint``
+    (``CheckpointFunction.forward`` on the Python stack), which runs without grad although it trains."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    forward = CheckpointFunction.forward.__code__
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code is forward:
+            return True
+        frame = frame.f_back
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Recompute:
     """How the backward recomputes a call made inside a non-reentrant ``torch.utils.checkpoint`` by the step's own
