@@ -158,27 +158,41 @@ def check_testable(model: pl.LightningModule, datamodule: pl.LightningDataModule
         raise ConfigError(f"test: true, but {names} defines no test_dataloader; add one, or run with test=false")
 
 
-#: hyperparameters that are counts without being the architecture's (an int where a float is meant: dropout=0)
-NOT_ARCHITECTURE = ("dropout", "weight_decay", "label_smoothing", "lr", "learning_rate", "seed")
+#: model settings the weights' names and shapes do not show, compared between a checkpoint and the model: attention
+#: head counts (any int setting whose name holds "head"), the positions of a model without position weights, the
+#: experts a token is routed to, an attention window, and a timm model's name
+ARCHITECTURE_SETTINGS = (
+    "n_positions",
+    "max_position_embeddings",
+    "num_experts_per_tok",
+    "top_k",
+    "sliding_window",
+    "window_size",
+    "model_name",
+)
 
 
 def _architecture_differences(saved: Any, mine: Any, prefix: str = "") -> list[str]:
-    """``"key saved vs mine"`` for the model settings a checkpoint's weights do not show, ints both sides (a head
-    count: ``n_head``, a timm model's ``model_kwargs.num_heads``, qa62-break 04) and a timm ``model_name``, that differ
-    between the checkpoint's ``hyper_parameters`` and the model's; not a count that is no architecture (``dropout=0``
-    against 0.1, qa62-break 05)."""
+    """``"key saved vs mine"`` for the model settings a checkpoint's weights do not show
+    (:data:`ARCHITECTURE_SETTINGS`; ints both sides, but a timm ``model_name``) that differ between the checkpoint's
+    ``hyper_parameters`` and the model's, nested in ``model_kwargs`` too (a 2-head checkpoint tested as a 4-head model,
+    qa61-ideas 04; a timm ViT's ``num_heads``, qa62-break 04). Other settings may differ (a resume that extends the
+    run's ``max_epochs`` or ``warmup_steps``, ``dropout=0`` for a test: qa62-break 05, qa63-break 02)."""
     if not isinstance(saved, Mapping | DictConfig) or not isinstance(mine, Mapping | DictConfig):
         return []
     found = []
     for key, value in mine.items():
-        if key not in saved or str(key) in NOT_ARCHITECTURE:
+        if key not in saved:
             continue
-        other = saved[key]
+        other, name = saved[key], str(key)
         if isinstance(value, Mapping | DictConfig):
-            found += _architecture_differences(other, value, f"{prefix}{key}.")
-        elif key == "model_name" or all(isinstance(v, int) and not isinstance(v, bool) for v in (value, other)):
+            found += _architecture_differences(other, value, f"{prefix}{name}.")
+        elif name == "model_name" or (
+            ("head" in name or name in ARCHITECTURE_SETTINGS)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in (value, other))
+        ):
             if other != value:
-                found.append(f"{prefix}{key} {other!r} vs {value!r}")
+                found.append(f"{prefix}{name} {other!r} vs {value!r}")
     return found
 
 

@@ -145,3 +145,7 @@ def test_one_tag_is_a_tag_not_its_characters(tmp_path, override, tags):
     assert train._architecture_differences(vit, {**vit, "model_kwargs": {"num_heads": 2, "drop_rate": 0.1}}) == [
         "model_kwargs.num_heads 4 vs 2"
     ]
+    # a user module's int settings that are no architecture: a resume that extends the run (qa63-break 02)
+    own = {"n_head": 4, "warmup_steps": 100, "max_epochs": 10, "batch_size": 32, "num_workers": 2}
+    assert train._architecture_differences(own, {**own, "warmup_steps": 200, "max_epochs": 20, "num_workers": 0}) == []
+    assert train._architecture_differences(own, {**own, "n_head": 8}) == ["n_head 4 vs 8"]
