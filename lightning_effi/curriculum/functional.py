@@ -342,7 +342,7 @@ def _index_name(name: str | None) -> bool:
 
 
 #: names of a token's position in its row, which restarts at a packed row's next document (torchtune's ``input_pos``)
-PACKED_POSITION_NAMES = ("pos", "pos_id", "pos_ids", "position", "positions", "token_positions", "input_pos")
+PACKED_POSITION_NAMES = ("pos", "pos_id", "pos_ids", "positions", "token_positions", "input_pos")
 #: names of a token's document index in a packed row (it changes at the next document)
 PACKED_DOCUMENT_NAMES = ("document_ids", "doc_ids", "document_id", "doc_id")
 
@@ -1390,9 +1390,14 @@ def _refuse_right_padding_for_left_side(batch: Any, real: Tensor | None, left: b
             # a restart between two real positions: not after a one-token document either ([0, 0, 1, ...]), and not
             # a left-padded row's pad positions (Hugging Face fills them with 1: [1, 1, 0, 1, ...], qa57-break)
             restarts = (v[:, 1:] != v[:, :-1]) if documents else (v[:, 1:] <= v[:, :-1])
+            pairs = torch.ones_like(restarts)
             if real is not None and tuple(real.shape) == tuple(v.shape):
-                restarts &= real[:, 1:].bool() & real[:, :-1].bool()
-            if bool(restarts.any()):
+                pairs = real[:, 1:].bool() & real[:, :-1].bool()
+                restarts &= pairs
+            # positions count up by one and restart at 0; part-of-speech tags named pos or pos_id do not
+            # (qa63-break 03)
+            counting = bool(((v[:, 1:] == v[:, :-1] + 1) | (v[:, 1:] == 0) | ~pairs).all())
+            if bool(restarts.any()) and (documents or counting):
                 raise ValueError(
                     f"seqlen_truncate: truncation_side='left' on packed rows ({name!r} "
                     f"{'change' if documents else 'restart'} inside a row): the "

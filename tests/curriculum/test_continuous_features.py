@@ -550,6 +550,9 @@ def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(
         CF.truncate({"input_ids": packed["input_ids"], "document_ids": documents}, 4, truncation_side="left")
     one = {"input_ids": packed["input_ids"], "document_ids": torch.zeros_like(documents)}
     assert CF.truncate(one, 4, truncation_side="left").batch["input_ids"].tolist() == [[9, 10, 11, 12]]
+    # part-of-speech tags named pos or pos_id do not count up from 0: no positions (qa63-break 03)
+    tags = {"input_ids": packed["input_ids"], "pos": torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]])}
+    assert CF.truncate(tags, 4, truncation_side="left").batch["pos"].tolist() == [[5, 3, 5, 8]]
     hours = {"input_ids": packed["input_ids"], "time_ids": torch.arange(20, 32)[None] % 24}
     assert CF.truncate(hours, 4, truncation_side="left").batch["time_ids"].tolist() == [[4, 5, 6, 7]]
     # a restart after a one-token document is a restart; a left-padded row's pad positions (HF fills them with 1)
