@@ -400,9 +400,13 @@ class ResultWriter(pl.Callback):
             raise ValueError(
                 f"ResultWriter: out_dir must be None, a str or a path to a str (the run's folder), got {out_dir!r}"
             )
-        if out_dir is not None and Path(out_dir).is_file():  # refused after the whole fit, the record lost
+        # a file, or a folder beneath one, which cannot be made: refused after the whole fit, the record lost
+        # (qa62-break 07, qa63-break 04)
+        file = next((p for p in (Path(out_dir), *Path(out_dir).parents) if p.is_file()), None) if out_dir else None
+        if file is not None:
             raise ValueError(
-                f"ResultWriter: out_dir must be a folder (the run's; created if missing), got the file {out_dir}"
+                f"ResultWriter: out_dir must be a folder (the run's; created if missing), got {out_dir}, "
+                + ("a file" if file == Path(out_dir) else f"beneath the file {file}")
             )
         self.metric, self.out_dir, self.mode, self.seed = metric, out_dir, mode, seed
         self.budget, self.arm, self.task_name, self.config = budget, arm, task_name, config

@@ -658,7 +658,9 @@ class _BytesPath:
         # a path to bytes failed in pathlib after the fit (qa61-ideas 05)
         (dict(metric="val/loss", out_dir=_BytesPath()), r"ResultWriter: out_dir must be .*a path to a str"),
         # an existing file: refused after the whole fit (qa62-break 07)
-        (dict(metric="val/loss", out_dir=__file__), r"ResultWriter: out_dir must be a folder .*got the file "),
+        (dict(metric="val/loss", out_dir=__file__), r"ResultWriter: out_dir must be a folder .*, a file$"),
+        # a folder beneath a file, which cannot be made (qa63-break 04)
+        (dict(metric="val/loss", out_dir=f"{__file__}/seed0"), r"ResultWriter: out_dir must be .*beneath the file "),
     ],
 )
 def test_a_result_writer_refuses_bad_settings_when_built(kwargs, message):
