@@ -1643,6 +1643,7 @@ class EfficiencyMonitor(Callback):
             self._seen_values(index, hidden)
         if (
             hidden is not None
+            and not hidden.is_nested  # a nested tensor (a fast path's padded input) has no shape
             and (
                 (self._embedded and self._from_embedded(hidden))  # blocks run by the step itself
                 # the only list, on hidden states of the ids' rows: a frozen embedding has no graph to follow, and a
