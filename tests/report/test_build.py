@@ -719,10 +719,11 @@ def test_a_result_writer_refuses_a_file_or_no_seed_before_the_fit(tmp_path, monk
     from lightning_effi.report import ResultWriter
     from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
 
-    (tmp_path / "file").write_text("mine")
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    late = ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "file")  # a file made after it was built
+    (tmp_path / "file").write_text("mine")
     for writer, message in (
-        (ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "file"), r"out_dir must be a folder .*the file"),
+        (late, r"out_dir must be a folder .*the file"),
         (ResultWriter(metric="val/loss", out_dir=tmp_path / "run"), r"seed=None, and pl.seed_everything was never"),
         (ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "run"), r"the Trainer has no EfficiencyMonitor"),
     ):
