@@ -129,6 +129,15 @@ def test_a_checkpoint_of_another_head_count_is_refused(tmp_path):
     train.check_checkpoint(str(path), tiny_gpt2(n_head=2, dropout=0, weight_decay=0))  # ints, no architecture
     with pytest.raises(ConfigError, match=r"\(model settings \(checkpoint vs model\) \['n_head 2 vs 4'\]"):
         train.check_checkpoint(str(path), tiny_gpt2(n_head=4))
+    # a timm model's head count among its model_kwargs (qa62-break 04)
+    vit = {"model_name": "vit_tiny", "model_kwargs": {"num_heads": 4, "drop_rate": 0.0}}
+    assert train._architecture_differences(vit, {**vit, "model_kwargs": {"num_heads": 2, "drop_rate": 0.1}}) == [
+        "model_kwargs.num_heads 4 vs 2"
+    ]
+    # a user module's int settings that are no architecture: a resume that extends the run (qa63-break 02)
+    own = {"n_head": 4, "warmup_steps": 100, "max_epochs": 10, "batch_size": 32, "num_workers": 2}
+    assert train._architecture_differences(own, {**own, "warmup_steps": 200, "max_epochs": 20, "num_workers": 0}) == []
+    assert train._architecture_differences(own, {**own, "n_head": 8}) == ["n_head 4 vs 8"]
 
 
 @pytest.mark.parametrize(
@@ -140,12 +149,3 @@ def test_one_tag_is_a_tag_not_its_characters(tmp_path, override, tags):
     cfg = compose_train([override] if override else [], tmp_path)
     train.check_settings(cfg)
     assert train.run_tags(cfg) == tags
-    # a timm model's head count among its model_kwargs (qa62-break 04)
-    vit = {"model_name": "vit_tiny", "model_kwargs": {"num_heads": 4, "drop_rate": 0.0}}
-    assert train._architecture_differences(vit, {**vit, "model_kwargs": {"num_heads": 2, "drop_rate": 0.1}}) == [
-        "model_kwargs.num_heads 4 vs 2"
-    ]
-    # a user module's int settings that are no architecture: a resume that extends the run (qa63-break 02)
-    own = {"n_head": 4, "warmup_steps": 100, "max_epochs": 10, "batch_size": 32, "num_workers": 2}
-    assert train._architecture_differences(own, {**own, "warmup_steps": 200, "max_epochs": 20, "num_workers": 0}) == []
-    assert train._architecture_differences(own, {**own, "n_head": 8}) == ["n_head 4 vs 8"]
