@@ -782,7 +782,7 @@ class EfficiencyMonitor(Callback):
         self._ids_scale = 1.0
         # the passes with grad: a generate() in the step (its prompt and decode steps) trains nothing (qa62-break 01)
         positions, source = self._observed_trained, token_source(batch)
-        if not self._observed_fed or not positions or source is None or sequence_groups(batch) is not None:
+        if not self._observed_fed or not positions or positions < 0 or source is None or sequence_groups(batch):
             return 1.0
         rows = key_padding_mask(source[1]) if source[0] == "mask" else source[1]
         if rows is None or rows.ndim != 2 or not rows.numel():
@@ -1634,8 +1634,10 @@ class EfficiencyMonitor(Callback):
                 more = hidden_tokens(args, kwargs)
                 if first is not None and more is not None:
                     self._seen[index] = (first + more, shape, wide)
-                    if _trains():
+                    if _trains() and self._trained_positions.get(index, 0) >= 0:
                         self._trained_positions[index] = self._trained_positions.get(index, 0) + more
+                if hidden is not None and hidden.is_nested:  # no shape: the passes are not read (qa65-break 02)
+                    self._trained_positions[index] = -1
             return
         tokens = hidden_tokens(args, kwargs)
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -1654,6 +1656,8 @@ class EfficiencyMonitor(Callback):
             self._fed_ids.add(index)
         if tokens is not None and _trains():
             self._trained_positions[index] = tokens
+        if hidden is not None and hidden.is_nested:  # no shape to count: the passes are not read (qa65-break 02)
+            self._trained_positions[index] = -1
         if tokens is None or hidden is None:
             self._seen[index] = (None, None, False)
             return

@@ -977,7 +977,8 @@ def _reentrant_recompute() -> bool:
 
 def _in_reentrant_checkpoint() -> bool:
     """Whether the current call runs in the forward of a reentrant ``torch.utils.checkpoint``
-    (``CheckpointFunction.forward`` on the Python stack), which runs without grad although it trains."""
+    (``CheckpointFunction.forward`` on the Python stack) that trains: it runs without grad, and an input of it
+    requires grad (a no_grad probe through a model that checkpoints its blocks does not: qa65-break 01)."""
     from torch.utils.checkpoint import CheckpointFunction
 
     forward = CheckpointFunction.forward.__code__
@@ -986,7 +987,8 @@ def _in_reentrant_checkpoint() -> bool:
         if frame is None:
             return False
         if frame.f_code is forward:
-            return True
+            args = frame.f_locals.get("args", ())
+            return any(isinstance(a, Tensor) and a.requires_grad for a in args)
         frame = frame.f_back
     return False
 

@@ -2107,7 +2107,7 @@ class PairEncoder(UserModule):
         x = self.net.embed(ids)
         if self.mode == "frozen":  # a frozen embedding, a position embedding added: no graph back to the ids
             x = x + self.pos
-        if self.mode == "checkpointed":  # a reentrant checkpoint runs its forward without grad
+        if self.mode in ("checkpointed", "checkpointed_probe"):  # a reentrant checkpoint runs without grad
             for block in self.net.blocks:
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
             return x.mean(1)
@@ -2121,7 +2121,7 @@ class PairEncoder(UserModule):
             z1, z2 = self.encode(ids), self.encode(batch["positive_ids"])
         elif self.mode in ("views", "frozen", "checkpointed"):
             z1, z2 = self.encode(ids.masked_fill(ids % 3 == 0, 0)), self.encode(ids.masked_fill(ids % 3 == 1, 0))
-        elif self.mode == "probe":  # a pass without grad over other ids (a generate(), a retrieval probe) trains none
+        elif self.mode in ("probe", "checkpointed_probe"):  # a pass without grad over other ids trains none
             with torch.no_grad():
                 self.encode(batch["positive_ids"])
             return self.encode(ids).pow(2).mean()
@@ -2134,14 +2134,24 @@ class PairEncoder(UserModule):
 
 @pytest.mark.parametrize(
     ("mode", "passes"),
-    [("pair", 2), ("views", 2), ("frozen", 2), ("checkpointed", 2), ("probe", 1), ("trim", 1), ("chunks", 1)],
+    [
+        ("pair", 2),
+        ("views", 2),
+        ("frozen", 2),
+        ("checkpointed", 2),
+        ("probe", 1),
+        ("checkpointed_probe", 1),
+        ("trim", 1),
+        ("chunks", 1),
+    ],
 )
 def test_a_pass_over_other_ids_counts_again(tmp_path: Path, mode: str, passes: int) -> None:
     """Two inputs of ids in one step (a supervised-SimCSE pair, two masked views): the second pass was not counted,
     192 tokens for 384 (qa61-ideas 01). A step trimming the padding, or running the blocks over chunks of the ids,
     is one pass and no pooling front end (the warning was said, qa61-break 03). Two views through a frozen embedding
     were one pass (qa62-break 02); a pass without grad, a generate() in the step, trains no tokens (qa62-break 01),
-    but the forward of a reentrant checkpoint, which runs without grad, does (qa63-break 01)."""
+    but the forward of a reentrant checkpoint, which runs without grad, does (qa63-break 01), unless no input of it
+    requires grad (a no_grad probe through checkpointed blocks, qa65-break 01)."""
     g = torch.Generator().manual_seed(0)
     mask = (torch.arange(T) < torch.tensor([T, 5, 9, 12])[:, None]).long()
     batch = {"input_ids": torch.randint(1, V, (B, T), generator=g) * mask, "attention_mask": mask,
