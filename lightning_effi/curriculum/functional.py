@@ -1390,20 +1390,32 @@ def _refuse_right_padding_for_left_side(batch: Any, real: Tensor | None, left: b
             # a restart between two real positions: not after a one-token document either ([0, 0, 1, ...]), and not
             # a left-padded row's pad positions (Hugging Face fills them with 1: [1, 1, 0, 1, ...], qa57-break)
             restarts = (v[:, 1:] != v[:, :-1]) if documents else (v[:, 1:] <= v[:, :-1])
-            pairs = torch.ones_like(restarts)
+            if documents:  # a pad row's document id of -1 is no document (qa65-break 06)
+                restarts &= (v[:, 1:] >= 0) & (v[:, :-1] >= 0)
             if real is not None and tuple(real.shape) == tuple(v.shape):
-                pairs = real[:, 1:].bool() & real[:, :-1].bool()
-                restarts &= pairs
-            # positions count up by one and restart at 0; part-of-speech tags named pos or pos_id do not
-            # (qa63-break 03)
-            counting = bool(((v[:, 1:] == v[:, :-1] + 1) | (v[:, 1:] == 0) | ~pairs).all())
-            if bool(restarts.any()) and (documents or counting):
+                restarts &= real[:, 1:].bool() & real[:, :-1].bool()
+            if bool(restarts.any()) and (documents or _counts_positions(v, real)):
                 raise ValueError(
                     f"seqlen_truncate: truncation_side='left' on packed rows ({name!r} "
                     f"{'change' if documents else 'restart'} inside a row): the "
                     "first sequence kept would start inside a document, its position ids not at 0. Use "
                     "truncation_side='right' for packed batches"
                 )
+
+
+def _counts_positions(v: Tensor, real: Tensor | None) -> bool:
+    """Whether the ``[B, T]`` integers ``v`` read as positions in each row: over its real entries (``real``'s, else all)
+    each steps up by one or restarts at the row's first value (0, 1 or RoBERTa's 2; after pads of -1, at the
+    smallest value of 0 or more: qa65-break 05). Part-of-speech
+    tags named ``pos`` or ``pos_id`` do not (they were refused as packed rows, qa63-break 03)."""
+    for i, row in enumerate(v.tolist()):
+        if real is not None and tuple(real.shape) == tuple(v.shape):
+            row = [x for x, keep in zip(row, real[i].tolist()) if keep]
+        # a restart goes back to the row's first position, or to the smallest of 0 or more after pads of -1
+        starts = {row[0], min((x for x in row if x >= 0), default=row[0])} if row else set()
+        if any(b != a + 1 and b not in starts for a, b in zip(row, row[1:])):
+            return False
+    return True
 
 
 def truncate_batch(

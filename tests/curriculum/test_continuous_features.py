@@ -550,6 +550,15 @@ def test_truncation_side_left_keeps_the_most_recent_steps_of_a_look_back_window(
         CF.truncate({"input_ids": packed["input_ids"], "document_ids": documents}, 4, truncation_side="left")
     one = {"input_ids": packed["input_ids"], "document_ids": torch.zeros_like(documents)}
     assert CF.truncate(one, 4, truncation_side="left").batch["input_ids"].tolist() == [[9, 10, 11, 12]]
+    # positions restarting at 1, at RoBERTa's 2, or at 0 after pads of -1 are packed rows too (qa65-break 05); a pad
+    # row's document id of -1 is no document (qa65-break 06)
+    for rows in ([[1, 2, 3, 4, 5, 1, 2, 3, 4, 1, 2, 3]], [[2, 3, 4, 5, 6, 2, 3, 4, 5, 2, 3, 4]],
+                 [[-1, -1, 0, 1, 2, 3, 0, 1, 2, 0, 1, 2]]):  # fmt: skip
+        with pytest.raises(ValueError, match=r"packed rows \('position_ids' restart inside a row\)"):
+            CF.truncate({"input_ids": packed["input_ids"], "position_ids": torch.tensor(rows)}, 4,
+                        truncation_side="left")  # fmt: skip
+    padded_docs = {"input_ids": packed["input_ids"], "document_ids": torch.tensor([[-1] * 4 + [0] * 8])}
+    assert CF.truncate(padded_docs, 4, truncation_side="left").batch["document_ids"].tolist() == [[0, 0, 0, 0]]
     # part-of-speech tags named pos or pos_id do not count up from 0: no positions (qa63-break 03)
     tags = {"input_ids": packed["input_ids"], "pos": torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]])}
     assert CF.truncate(tags, 4, truncation_side="left").batch["pos"].tolist() == [[5, 3, 5, 8]]
