@@ -159,25 +159,38 @@ def check_testable(model: pl.LightningModule, datamodule: pl.LightningDataModule
 
 
 #: model settings the weights' names and shapes do not show, compared between a checkpoint and the model: attention
-#: head counts (any int setting whose name holds "head"), the positions of a model without position weights, the
-#: experts a token is routed to, an attention window, and a timm model's name
+#: head counts (an int, or a list of ints per stage: timm's PVT), positions without position weights, the experts a
+#: token is routed to, an attention window, a rotary base, and a timm model's name. A name that only holds one of
+#: these words (head_lr_mult, a metric's top_k) is not compared (qa65-break 03)
 ARCHITECTURE_SETTINGS = (
-    "n_positions",
+    "n_head",
+    "n_heads",
+    "nhead",
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
     "max_position_embeddings",
     "num_experts_per_tok",
-    "top_k",
+    "num_experts_per_token",
+    "moe_top_k",
+    "moe_router_topk",
     "sliding_window",
+    "attention_window",
     "window_size",
+    "rope_theta",
     "model_name",
 )
 
 
 def _architecture_differences(saved: Any, mine: Any, prefix: str = "") -> list[str]:
     """``"key saved vs mine"`` for the model settings a checkpoint's weights do not show
-    (:data:`ARCHITECTURE_SETTINGS`; ints both sides, but a timm ``model_name``) that differ between the checkpoint's
-    ``hyper_parameters`` and the model's, nested in ``model_kwargs`` too (a 2-head checkpoint tested as a 4-head model,
-    qa61-ideas 04; a timm ViT's ``num_heads``, qa62-break 04). Other settings may differ (a resume that extends the
-    run's ``max_epochs`` or ``warmup_steps``, ``dropout=0`` for a test: qa62-break 05, qa63-break 02)."""
+    (:data:`ARCHITECTURE_SETTINGS`) that differ between the checkpoint's ``hyper_parameters`` and the model's, nested
+    in ``model_kwargs`` too (a 2-head checkpoint tested as a 4-head model, qa61-ideas 04; a timm ViT's
+    ``num_heads``, qa62-break 04). Other settings may differ (a resume that extends the run's ``max_epochs`` or
+    ``warmup_steps``, ``dropout=0`` for a test: qa62-break 05, qa63-break 02)."""
     if not isinstance(saved, Mapping | DictConfig) or not isinstance(mine, Mapping | DictConfig):
         return []
     found = []
@@ -187,13 +200,16 @@ def _architecture_differences(saved: Any, mine: Any, prefix: str = "") -> list[s
         other, name = saved[key], str(key)
         if isinstance(value, Mapping | DictConfig):
             found += _architecture_differences(other, value, f"{prefix}{name}.")
-        elif name == "model_name" or (
-            ("head" in name or name in ARCHITECTURE_SETTINGS)
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in (value, other))
-        ):
-            if other != value:
-                found.append(f"{prefix}{name} {other!r} vs {value!r}")
+        elif name in ARCHITECTURE_SETTINGS and _plain(other) != _plain(value):
+            found.append(f"{prefix}{name} {_plain(other)!r} vs {_plain(value)!r}")
     return found
+
+
+def _plain(value: Any) -> Any:
+    """A setting as plain Python (an OmegaConf list as a list, a tuple as a list) for comparing."""
+    if isinstance(value, ListConfig):
+        value = OmegaConf.to_container(value)
+    return list(value) if isinstance(value, list | tuple) else value
 
 
 def check_checkpoint(path: str, model: pl.LightningModule) -> None:

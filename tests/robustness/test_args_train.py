@@ -138,6 +138,12 @@ def test_a_checkpoint_of_another_head_count_is_refused(tmp_path):
     own = {"n_head": 4, "warmup_steps": 100, "max_epochs": 10, "batch_size": 32, "num_workers": 2}
     assert train._architecture_differences(own, {**own, "warmup_steps": 200, "max_epochs": 20, "num_workers": 0}) == []
     assert train._architecture_differences(own, {**own, "n_head": 8}) == ["n_head 4 vs 8"]
+    # a name that only holds such a word is none (head_lr_mult, a metric's top_k); per-stage head counts are
+    # (qa65-break 03, 04)
+    other = {"head_lr_mult": 10, "top_k": 5, "num_heads": [1, 2, 5, 8], "moe_top_k": 2}
+    changed = {"head_lr_mult": 1, "top_k": 1, "num_heads": [1, 2, 4, 8], "moe_top_k": 1}
+    told = ["num_heads [1, 2, 5, 8] vs [1, 2, 4, 8]", "moe_top_k 2 vs 1"]
+    assert train._architecture_differences(other, changed) == told
 
 
 @pytest.mark.parametrize(
