@@ -340,6 +340,11 @@ def _previous_name(folder: Path) -> Path:
     return name
 
 
+def _dangling(path: Path) -> bool:
+    """A symbolic link whose target does not exist."""
+    return path.is_symlink() and not path.exists()
+
+
 class ResultWriter(pl.Callback):
     """Writes the run's ``result.json`` at the end of ``fit`` (:func:`write_result`): for runs whose ``fit`` you do
     not call yourself, e.g. ``LightningCLI``'s ``fit`` subcommand, where it goes in the YAML beside the
@@ -400,13 +405,26 @@ class ResultWriter(pl.Callback):
             raise ValueError(
                 f"ResultWriter: out_dir must be None, a str or a path to a str (the run's folder), got {out_dir!r}"
             )
-        # a file, or a folder beneath one, which cannot be made: refused after the whole fit, the record lost
-        # (qa62-break 07, qa63-break 04)
-        file = next((p for p in (Path(out_dir), *Path(out_dir).parents) if p.is_file()), None) if out_dir else None
+        if out_dir is not None and "${" in os.fspath(out_dir):
+            # an interpolation Hydra never resolved: a folder of that literal name (qa65-break 07)
+            raise ValueError(
+                f"ResultWriter: out_dir {out_dir!r} holds an unresolved interpolation; pass the resolved path (in a "
+                "Hydra app, resolve the config first, or give it from the job: HydraConfig.get().runtime.output_dir)"
+            )
+        if out_dir is not None:
+            out_dir = os.path.expanduser(os.fspath(out_dir))  # '~/runs' was a folder named '~' (qa65-break 07)
+        # a file, or a folder beneath one, or a link to nothing, which cannot be made: refused after the whole fit,
+        # the record lost (qa62-break 07, qa63-break 04, qa65-break 08)
+        file = (
+            next((p for p in (Path(out_dir), *Path(out_dir).parents) if p.is_file() or _dangling(p)), None)
+            if out_dir
+            else None
+        )
         if file is not None:
+            what = "a link to nothing" if _dangling(file) else "a file"
             raise ValueError(
                 f"ResultWriter: out_dir must be a folder (the run's; created if missing), got {out_dir}, "
-                + ("a file" if file == Path(out_dir) else f"beneath the file {file}")
+                + (what if file == Path(out_dir) else f"beneath {what}: {file}")
             )
         self.metric, self.out_dir, self.mode, self.seed = metric, out_dir, mode, seed
         self.budget, self.arm, self.task_name, self.config = budget, arm, task_name, config

@@ -660,7 +660,9 @@ class _BytesPath:
         # an existing file: refused after the whole fit (qa62-break 07)
         (dict(metric="val/loss", out_dir=__file__), r"ResultWriter: out_dir must be a folder .*, a file$"),
         # a folder beneath a file, which cannot be made (qa63-break 04)
-        (dict(metric="val/loss", out_dir=f"{__file__}/seed0"), r"ResultWriter: out_dir must be .*beneath the file "),
+        (dict(metric="val/loss", out_dir=f"{__file__}/seed0"), r"ResultWriter: out_dir must be .*beneath a file: "),
+        # a Hydra interpolation never resolved, a link to nothing (qa65-break 07, 08)
+        (dict(metric="val/loss", out_dir="${hydra:runtime.output_dir}"), r"holds an unresolved interpolation"),
     ],
 )
 def test_a_result_writer_refuses_bad_settings_when_built(kwargs, message):
@@ -784,3 +786,15 @@ def test_a_result_writer_writes_into_the_loggers_version_folder_or_the_hydra_job
     with pytest.warns(UserWarning, match=r"goes to its logger's folder .* outside the Hydra job's folder"):
         d = _fit_with_result_writer(tmp_path, 3, logger=CSVLogger(tmp_path / "logs"))
     assert d.path == tmp_path / "logs/lightning_logs/version_2/result.json"
+
+
+def test_a_result_writer_expands_the_home_folder_and_refuses_a_link_to_nothing(tmp_path, monkeypatch):
+    """'~/runs/x' wrote to a folder named '~' in the working directory, and a link to nothing failed after the whole
+    fit (qa65-break 07, 08)."""
+    from lightning_effi.report import ResultWriter
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ResultWriter(metric="val/loss", out_dir="~/runs/x").out_dir == str(tmp_path / "runs" / "x")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"ResultWriter: out_dir must be a folder .*, a link to nothing$"):
+        ResultWriter(metric="val/loss", out_dir=tmp_path / "link")
