@@ -214,7 +214,8 @@ def _plain(value: Any) -> Any:
 
 def check_checkpoint(path: str, model: pl.LightningModule) -> None:
     """Fail before training when ``ckpt_path`` is unreadable or holds weights of another model (named, with the
-    first differing parameters)."""
+    first differing parameters), or of one whose settings the weights do not show differ (a head count:
+    :func:`_architecture_differences`)."""
     if not os.path.isfile(path):
         raise ConfigError(f"ckpt_path: '{path}' does not exist or is not a file")
     try:

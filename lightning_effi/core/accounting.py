@@ -779,7 +779,6 @@ class EfficiencyMonitor(Callback):
         (qa61-break 03). Read over the passes run with grad (a generate() in the step is none, qa62-break 01), only
         for blocks the ids or their embedding feed, one loader's batch, one sequence a row (not a preference pair's
         ``chosen_*`` / ``rejected_*``, counted as their sum)."""
-        self._ids_scale = 1.0
         # the passes with grad: a generate() in the step (its prompt and decode steps) trains nothing (qa62-break 01)
         positions, source = self._observed_trained, token_source(batch)
         if not self._observed_fed or not positions or positions < 0 or source is None or sequence_groups(batch):
