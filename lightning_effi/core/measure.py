@@ -59,7 +59,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -957,6 +957,16 @@ def _in_backward() -> bool:
 _MAX_FRAMES = 64
 
 
+def _frame_running(code: CodeType) -> FrameType | None:
+    """The nearest frame of the Python stack, within :data:`_MAX_FRAMES` of the caller, that runs ``code``."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(_MAX_FRAMES):
+        if frame is None or frame.f_code is code:
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def _reentrant_recompute() -> bool:
     """Whether the current call runs in the backward's recompute of a reentrant ``torch.utils.checkpoint``
     (``CheckpointFunction.backward`` on the Python stack): the forward of that call ran without grad, so its
@@ -964,15 +974,7 @@ def _reentrant_recompute() -> bool:
     counted with the call's replay (:attr:`CallRecord.recompute`)."""
     from torch.utils.checkpoint import CheckpointFunction
 
-    backward = CheckpointFunction.backward.__code__
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return False
-        if frame.f_code is backward:
-            return True
-        frame = frame.f_back
-    return False
+    return _frame_running(CheckpointFunction.backward.__code__) is not None
 
 
 def _in_reentrant_checkpoint() -> bool:
@@ -981,16 +983,8 @@ def _in_reentrant_checkpoint() -> bool:
     requires grad (a no_grad probe through a model that checkpoints its blocks does not: qa65-break 01)."""
     from torch.utils.checkpoint import CheckpointFunction
 
-    forward = CheckpointFunction.forward.__code__
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return False
-        if frame.f_code is forward:
-            args = frame.f_locals.get("args", ())
-            return any(isinstance(a, Tensor) and a.requires_grad for a in args)
-        frame = frame.f_back
-    return False
+    frame = _frame_running(CheckpointFunction.forward.__code__)
+    return frame is not None and any(isinstance(a, Tensor) and a.requires_grad for a in frame.f_locals.get("args", ()))
 
 
 @dataclasses.dataclass(frozen=True)
