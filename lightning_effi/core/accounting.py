@@ -114,6 +114,7 @@ from lightning_effi.core.measure import (
     mask_is_additive,
     opaque_holder,
     other_first_dims,
+    same_values,
     sequence_groups,
     tensor_leaves,
     token_source,
@@ -1564,19 +1565,7 @@ class EfficiencyMonitor(Callback):
         earlier = self._pass_values.setdefault(index, [])
         # an earlier tensor changed in place since (x.mul_(-1): a strong augmentation of the same tensor after a
         # pass on it) holds other values now, a new one (qa54-break 07)
-        same = any(
-            _version(e) == version
-            and (
-                e is value
-                or (
-                    e.shape == value.shape
-                    and e.dtype == value.dtype
-                    and e.device == value.device
-                    and torch.equal(e, value)
-                )
-            )
-            for e, version in earlier
-        )
+        same = any(_version(e) == version and same_values(e, value) for e, version in earlier)
         earlier.append((value, _version(value)))
         return same
 

@@ -71,6 +71,7 @@ from lightning_effi.core.flops import flop_counter
 
 __all__ = [
     "block_runners",
+    "same_values",
     "MAX_PART_DEPTH",
     "CallRecord",
     "CallRecorder",
@@ -955,6 +956,12 @@ def _in_backward() -> bool:
 
 #: how far up the Python stack :func:`_checkpoint_recompute` looks for the ``torch.utils.checkpoint`` call
 _MAX_FRAMES = 64
+
+
+def same_values(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one tensor or hold the same values (shape, dtype, device and every element): a
+    network called again on them runs over the same data (R-Drop), not over other data (a second view)."""
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
 
 
 def _frame_running(code: CodeType) -> FrameType | None:

@@ -79,6 +79,7 @@ from lightning_effi.core.measure import (
     leaf_name,
     length_stem,
     mask_tokens,
+    same_values,
     share_a_residue,
     structure_key,
     tensor_leaves,
@@ -544,6 +545,7 @@ class RandomLTDCallback(Callback):
         # argument), and the hooks that see them (:meth:`_watch_inputs`)
         self._inputs: list[torch.Tensor] = []
         self._input_hooks: list[Any] = []
+        self._runners: tuple[tuple[int, int, int], list[weakref.ref[nn.Module]]] | None = None  # (network, runners)
         self.global_batch_size = 0
         self._pending = [0, 0, 0, 0.0, 0.0]  # samples, layer-tokens, full layer-tokens, saved flops, full flops
         self._folded = True
@@ -1477,11 +1479,16 @@ class RandomLTDCallback(Callback):
         if self.adapter is None:
             return
         layers = self.adapter.layers()
-        name = next((n for n, m in pl_module.named_modules() if m is layers), None)
-        if name is None:
-            return
-        for runner in block_runners(pl_module, name, layers):
-            hook = _input_hook(weakref.ref(self), weakref.ref(runner))
+        key = (id(pl_module), id(layers), len(layers))
+        if self._runners is None or self._runners[0] != key:  # searched once per network, not at every batch
+            name = next((n for n, m in pl_module.named_modules() if m is layers), None)
+            runners = [] if name is None else block_runners(pl_module, name, layers)
+            self._runners = (key, [weakref.ref(r) for r in runners])  # weakly: no module held past its fit
+        for ref in self._runners[1]:
+            runner = ref()
+            if runner is None:
+                continue
+            hook = _input_hook(weakref.ref(self), ref)
             self._input_hooks.append(runner.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _input_seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -1490,15 +1497,8 @@ class RandomLTDCallback(Callback):
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is None or first.is_nested:
             return
-        for seen in self._inputs:
-            if seen is first or (
-                seen.shape == first.shape
-                and seen.dtype == first.dtype
-                and seen.device == first.device
-                and torch.equal(seen, first)
-            ):
-                return
-        self._inputs.append(first)
+        if not any(same_values(seen, first) for seen in self._inputs):
+            self._inputs.append(first)
 
     def _unwatch_inputs(self) -> None:
         for hook in self._input_hooks:
