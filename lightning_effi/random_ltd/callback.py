@@ -744,6 +744,7 @@ class RandomLTDCallback(Callback):
         records stay readable; remove the hooks on the network's inputs. Idempotent."""
         self._active = False
         self._unwatch_inputs()  # a fit that raised mid-step kept its hooks on the network (qa62-break 03)
+        self._runners = None  # weak references: a callback pickled after its fit holds none
         if self.controller is not None:
             self.controller.end()
         if self.patched is not None:
