@@ -1605,8 +1605,10 @@ class EfficiencyMonitor(Callback):
         not called as a module in the step (blocks the LightningModule holds, run by a method of its own) begins
         another pass where a block at or before the last one run is called again, outside a backward."""
         last, self._last_block[index] = self._last_block.get(index), position
+        hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if hidden is not None and hidden.is_nested:  # no shape to count: the passes are not read (qa65-break 02)
+            self._trained_positions[index] = -1
         if index in self._seen:
-            hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             again = (
                 index not in self._runner_called
                 and last is not None
@@ -1624,11 +1626,8 @@ class EfficiencyMonitor(Callback):
                     self._seen[index] = (first + more, shape, wide)
                     if _trains() and self._trained_positions.get(index, 0) >= 0:
                         self._trained_positions[index] = self._trained_positions.get(index, 0) + more
-                if hidden is not None and hidden.is_nested:  # no shape: the passes are not read (qa65-break 02)
-                    self._trained_positions[index] = -1
             return
-        tokens = hidden_tokens(args, kwargs)
-        hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        tokens = hidden_tokens(args, kwargs)  # None for a nested tensor
         if hidden is not None and index not in self._runner_called:
             self._seen_values(index, hidden)
         if (
@@ -1644,8 +1643,6 @@ class EfficiencyMonitor(Callback):
             self._fed_ids.add(index)
         if tokens is not None and _trains():
             self._trained_positions[index] = tokens
-        if hidden is not None and hidden.is_nested:  # no shape to count: the passes are not read (qa65-break 02)
-            self._trained_positions[index] = -1
         if tokens is None or hidden is None:
             self._seen[index] = (None, None, False)
             return
