@@ -102,13 +102,13 @@ from lightning_effi.core.measure import (
     MeasureError,
     OutsideProducts,
     _in_backward,
-    _in_reentrant_checkpoint,
     block_candidates,
     block_runners,
     combined_parts,
     find_batch_size,
     find_blocks,
     find_tokens,
+    forward_trains,
     hidden_tokens,
     key_padding_mask,
     mask_is_additive,
@@ -769,7 +769,7 @@ class EfficiencyMonitor(Callback):
         )
         return extra
 
-    def _passes_over_ids(self, pl_module: pl.LightningModule, batch: Any, found: int) -> float:
+    def _passes_over_ids(self, pl_module: pl.LightningModule, batch: Any, found: int, prepended: int = 0) -> float:
         """Positions the step's passes of the blocks the token ids feed processed, per position of the batch's ids
         (1.0 when not more; kept for the batch's baseline, :attr:`_ids_scale`). More: the network ran over other
         ids in the step, a contrastive pair's positive (``{"anchor", "positive"}``, supervised SimCSE) or two masked
@@ -779,7 +779,9 @@ class EfficiencyMonitor(Callback):
         process, qa57-seq 03); not a step that trims padding or runs the blocks over chunks of the ids
         (qa61-break 03). Read over the passes run with grad (a generate() in the step is none, qa62-break 01), only
         for blocks the ids or their embedding feed, one loader's batch, one sequence a row (not a preference pair's
-        ``chosen_*`` / ``rejected_*``, counted as their sum)."""
+        ``chosen_*`` / ``rejected_*``, counted as their sum). A pass processes ``prepended`` positions a row in front
+        of the ids too (:meth:`_prepended_positions`: a CLS the model adds; two views were counted as one, qa66-break
+        01)."""
         # the passes with grad: a generate() in the step (its prompt and decode steps) trains nothing (qa62-break 01)
         positions, source = self._observed_trained, token_source(batch)
         if not self._observed_fed or not positions or positions < 0 or source is None or sequence_groups(batch):
@@ -787,8 +789,9 @@ class EfficiencyMonitor(Callback):
         rows = key_padding_mask(source[1]) if source[0] == "mask" else source[1]
         if rows is None or rows.ndim != 2 or not rows.numel():
             return 1.0
-        if positions > rows.numel():
-            self._ids_scale = positions / rows.numel()
+        per_pass = rows.numel() + prepended * int(rows.shape[0])
+        if positions > per_pass:
+            self._ids_scale = positions / per_pass
         elif positions < found - int(rows.shape[0]) and "tokens/fewer_positions" not in self._warned:
             if any(_is_encoder_decoder(m) for m in pl_module.modules()):  # its blocks see another sequence
                 self._warned.add("tokens/fewer_positions")
@@ -1175,10 +1178,14 @@ class EfficiencyMonitor(Callback):
                 self._ids_scale = 1.0
             if lengthened is not None:
                 found = lengthened
-            elif found is not None and prepended and len(parts) == 1:
-                found += prepended * (find_batch_size(batch) or 0)
-            elif found is not None and not prepended and len(parts) == 1:
-                passes = self._passes_over_ids(pl_module, batch, found) if fallback is None else self._ids_scale
+            elif found is not None and len(parts) == 1:
+                if prepended:
+                    found += prepended * (find_batch_size(batch) or 0)
+                passes = (
+                    self._passes_over_ids(pl_module, batch, found, prepended or 0)
+                    if fallback is None
+                    else self._ids_scale
+                )
                 found = round(found * passes)
             if found is None and self._batch_shapes is not None and self._observed_tokens is not None:
                 # the positions of the first block's hidden states (continuous features: no token ids); the batch
@@ -1606,7 +1613,9 @@ class EfficiencyMonitor(Callback):
         another pass where a block at or before the last one run is called again, outside a backward."""
         last, self._last_block[index] = self._last_block.get(index), position
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if hidden is not None and hidden.is_nested:  # no shape to count: the passes are not read (qa65-break 02)
+        # a nested tensor (a fast path's padded input) has no shape to count: the passes are not read (qa65-break 02);
+        # a no_grad probe on the fast path trains nothing, its passes are not counted anyway (qa66-break 03)
+        if hidden is not None and hidden.is_nested and forward_trains():
             self._trained_positions[index] = -1
         if index in self._seen:
             again = (
@@ -1624,7 +1633,7 @@ class EfficiencyMonitor(Callback):
                 more = hidden_tokens(args, kwargs)
                 if first is not None and more is not None:
                     self._seen[index] = (first + more, shape, wide)
-                    if _trains() and self._trained_positions.get(index, 0) >= 0:
+                    if forward_trains() and self._trained_positions.get(index, 0) >= 0:
                         self._trained_positions[index] = self._trained_positions.get(index, 0) + more
             return
         tokens = hidden_tokens(args, kwargs)  # None for a nested tensor
@@ -1641,7 +1650,7 @@ class EfficiencyMonitor(Callback):
             )
         ):
             self._fed_ids.add(index)
-        if tokens is not None and _trains():
+        if tokens is not None and forward_trains():
             self._trained_positions[index] = tokens
         if tokens is None or hidden is None:
             self._seen[index] = (None, None, False)
@@ -2304,13 +2313,6 @@ def _token_rows(batch: Any) -> tuple[int, int] | None:
     if rows is None or rows.ndim != 2:
         return None
     return int(rows.shape[0]), int(rows.shape[1])
-
-
-def _trains() -> bool:
-    """Whether a forward running now trains: grad enabled, or the forward of a reentrant activation checkpoint, which
-    runs without grad (two views under it were counted as one pass, qa63-break 01); not a ``generate()`` or a probe
-    under ``no_grad``."""
-    return torch.is_grad_enabled() or _in_reentrant_checkpoint()
 
 
 def _brief_value(value: Any) -> str:

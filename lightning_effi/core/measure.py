@@ -71,6 +71,7 @@ from lightning_effi.core.flops import flop_counter
 
 __all__ = [
     "block_runners",
+    "forward_trains",
     "same_values",
     "MAX_PART_DEPTH",
     "CallRecord",
@@ -992,6 +993,13 @@ def _in_reentrant_checkpoint() -> bool:
 
     frame = _frame_running(CheckpointFunction.forward.__code__)
     return frame is not None and any(isinstance(a, Tensor) and a.requires_grad for a in frame.f_locals.get("args", ()))
+
+
+def forward_trains() -> bool:
+    """Whether a forward running now trains: grad enabled, or the forward of a reentrant activation checkpoint, which
+    runs without grad (two views under it were counted as one pass, qa63-break 01); not a ``generate()`` or a probe
+    under ``no_grad``."""
+    return torch.is_grad_enabled() or _in_reentrant_checkpoint()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,6 +75,7 @@ from lightning_effi.core.measure import (
     block_runners,
     combined_parts,
     find_batch_size,
+    forward_trains,
     key_padding_mask,
     leaf_name,
     length_stem,
@@ -1494,6 +1495,8 @@ class RandomLTDCallback(Callback):
 
     def _input_seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if _in_backward() or self.controller is None or self.controller.key is None:  # a recompute; no step
+            return
+        if not forward_trains():  # a probe under no_grad on other ids trains no tokens (qa66-break 02)
             return
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is None or first.is_nested:

@@ -2102,11 +2102,15 @@ class PairEncoder(UserModule):
         if mode == "frozen":
             self.net.embed.requires_grad_(False)
             self.pos = nn.Parameter(torch.zeros(T, 32))
+        if mode == "cls_views":
+            self.cls = nn.Parameter(torch.zeros(1, 1, 32))
 
     def encode(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.net.embed(ids)
         if self.mode == "frozen":  # a frozen embedding, a position embedding added: no graph back to the ids
             x = x + self.pos
+        if self.mode == "cls_views":  # a learned CLS in front: the blocks see T + 1 positions a row
+            x = torch.cat([self.cls.expand(len(x), -1, -1), x], 1)
         if self.mode in ("checkpointed", "checkpointed_probe"):  # a reentrant checkpoint runs without grad
             for block in self.net.blocks:
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
@@ -2119,7 +2123,7 @@ class PairEncoder(UserModule):
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if self.mode == "pair":
             z1, z2 = self.encode(ids), self.encode(batch["positive_ids"])
-        elif self.mode in ("views", "frozen", "checkpointed"):
+        elif self.mode in ("views", "frozen", "checkpointed", "cls_views"):
             z1, z2 = self.encode(ids.masked_fill(ids % 3 == 0, 0)), self.encode(ids.masked_fill(ids % 3 == 1, 0))
         elif self.mode in ("probe", "checkpointed_probe"):  # a pass without grad over other ids trains none
             with torch.no_grad():
@@ -2139,6 +2143,7 @@ class PairEncoder(UserModule):
         ("views", 2),
         ("frozen", 2),
         ("checkpointed", 2),
+        ("cls_views", 2),
         ("probe", 1),
         ("checkpointed_probe", 1),
         ("trim", 1),
@@ -2151,7 +2156,8 @@ def test_a_pass_over_other_ids_counts_again(tmp_path: Path, mode: str, passes: i
     is one pass and no pooling front end (the warning was said, qa61-break 03). Two views through a frozen embedding
     were one pass (qa62-break 02); a pass without grad, a generate() in the step, trains no tokens (qa62-break 01),
     but the forward of a reentrant checkpoint, which runs without grad, does (qa63-break 01), unless no input of it
-    requires grad (a no_grad probe through checkpointed blocks, qa65-break 01)."""
+    requires grad (a no_grad probe through checkpointed blocks, qa65-break 01). Two views behind a CLS the model
+    puts in front were one pass: 68 tokens for 136 (qa66-break 01)."""
     g = torch.Generator().manual_seed(0)
     mask = (torch.arange(T) < torch.tensor([T, 5, 9, 12])[:, None]).long()
     batch = {"input_ids": torch.randint(1, V, (B, T), generator=g) * mask, "attention_mask": mask,
@@ -2161,9 +2167,50 @@ def test_a_pass_over_other_ids_counts_again(tmp_path: Path, mode: str, passes: i
         warnings.simplefilter("always")
         monitor, _, per_batch = fit(PairEncoder(mode), loader, tmp_path, 2)
     tokens = int(mask.sum()) * passes  # the second input's as many as the first's (the mask's) in the count
+    if mode == "cls_views":  # the CLS of each row, each pass
+        tokens += B * passes
     assert [row["tokens"] for row in per_batch.rows] == [tokens] * 2
     assert [row["layer_tokens"] for row in per_batch.rows] == [4 * tokens] * 2
     assert not [m for m in monitor_warnings(caught) if "fewer than the batch's" in m]
+
+
+class ViewsBesideAProbe(UserModule):
+    """Two masked views through an ``nn.TransformerEncoder`` with a padding mask (trained: no fast path), and an
+    eval-mode probe under no_grad in the step, which PyTorch's fast path runs on nested tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, batch_first=True, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+
+    def encode(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.enc(self.embed(ids), src_key_padding_mask=pad).mean(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, pad = batch["input_ids"], ~batch["attention_mask"].bool()
+        z1 = self.encode(ids.masked_fill(ids % 3 == 0, 0), pad)
+        z2 = self.encode(ids.masked_fill(ids % 3 == 1, 0), pad)
+        self.enc.eval()
+        with torch.no_grad():
+            self.encode(ids, pad)
+        self.enc.train()
+        return F.cross_entropy(z1 @ z2.T, torch.arange(len(z1)))
+
+
+def test_a_probe_on_the_nested_fast_path_leaves_the_passes_read(tmp_path: Path) -> None:
+    """A no_grad probe on PyTorch's nested-tensor fast path trains nothing, yet its nested input marked the step's
+    passes unread: tokens 58 for 116 from the second step on (qa66-break 03)."""
+    mask = (torch.arange(T) < torch.tensor([T, 10, T, T])[:, None]).long()
+    batch = {
+        "input_ids": torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(0)),
+        "attention_mask": mask,
+    }
+    loader = DataLoader([0] * (3 * B), batch_size=B, collate_fn=lambda rows: batch)
+    monitor = EfficiencyMonitor(print_summary=False)
+    per_batch = PerBatch(monitor)  # no flop counter on the real step: it cannot run the fast path's nested tensors
+    make_trainer(tmp_path, [monitor, per_batch], max_steps=3, max_epochs=-1).fit(ViewsBesideAProbe(), loader)
+    assert [row["tokens"] for row in per_batch.rows] == [2 * int(mask.sum())] * 3
 
 
 class _MoE(nn.Module):

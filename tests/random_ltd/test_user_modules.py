@@ -854,6 +854,43 @@ def test_two_views_of_one_loaders_batch_count_two_forwards(tmp_path, mode, forwa
     assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"]
 
 
+class RDropBesideAProbe(pl.LightningModule):
+    """R-Drop over a batch of token ids (the same batch twice, with grad) and a probe under no_grad on other ids (a
+    pseudo-label or kNN pass) between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(50, 32), nn.Linear(32, 50)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True), 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        first = self.head(self.enc(self.emb(ids)))
+        with torch.no_grad():
+            self.enc(self.emb((ids + 1) % 50))
+        second = self.head(self.enc(self.emb(ids)))
+        return TF.cross_entropy((first + second).flatten(0, 1), ids.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_probe_without_grad_is_no_forward_over_other_data(tmp_path):
+    """R-Drop beside a probe under no_grad on other ids was counted as two forwards: the probe's input was another
+    input of the network, so consumed_layer_tokens were twice the monitor's (qa66-break 02). A call that trains
+    nothing is no forward of the step's, as the monitor counts tokens."""
+    from lightning_effi import EfficiencyMonitor
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 50, (12, 16)))
+    monitor = EfficiencyMonitor(print_summary=False)
+    ltd = RandomLTDCallback(min_value=8, max_value=16, seq_per_step=4, require_steps=100)
+    make_trainer(tmp_path, [monitor, ltd], max_steps=3).fit(RDropBesideAProbe(), torch.utils.data.DataLoader(data, 4))
+    assert ltd.consumed_samples == 3 * 4 and ltd.full_layer_tokens == 3 * 4 * 16 * 4
+    assert ltd.consumed_layer_tokens == monitor.summary["layer_tokens"]
+    assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"]
+
+
 def test_a_fit_that_raises_leaves_no_hook_on_the_network(tmp_path):
     """The hooks that read the network's inputs stayed after a fit that raised in its step: every later call added its
     input to the callback's list (qa62-break 03)."""
