@@ -352,6 +352,11 @@ def _trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
+def _within(module: nn.Module, network: nn.Module) -> bool:
+    """Whether ``module`` is ``network`` or one of its submodules."""
+    return any(m is module for m in network.modules())
+
+
 def _children(host: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every direct submodule of ``host`` under every name (``named_children`` yields a module held twice once)."""
     return [(n, m) for n, m in host._modules.items() if m is not None]
@@ -407,6 +412,18 @@ def find_vcycle_network(
                 "replaces the network at every level change and can update one attribute only, so the other would "
                 "keep the old model. Hold it once and make the alias a property (e.g. "
                 f"@property def {candidates[1][0]}(self): return self.{candidates[0][0]})"
+            )
+        outer = next((c for c in candidates if all(_within(m, c[1]) for _, m in candidates)), None)
+        if len(candidates) > 1 and outer is not None:
+            # an alias of a part of the network (self.blocks = self.encoder.layers) read as a second network; following
+            # the model_attr advice only led to the shared-parameters error (qa67-user 03)
+            alias, part = next((n, m) for n, m in candidates if m is not outer[1])
+            path = next(p for p, m in outer[1].named_modules() if m is part)
+            raise ValueError(
+                f"{name}: {host_name}.{alias} is part of {host_name}.{outer[0]} ({type(outer[1]).__name__}), held "
+                "under a second name; the V-cycle replaces the network at every level change and can update one "
+                "attribute only, so the alias would keep the old model's layers. Reach it through the network and make "
+                f"the alias a property (e.g. @property def {alias}(self): return self.{outer[0]}.{path})"
             )
         if len(candidates) > 1:
             listed = ", ".join(f"{n!r} ({type(m).__name__})" for n, m in candidates)

@@ -765,6 +765,27 @@ def test_one_network_held_under_two_names_is_named_as_such(tmp_path):
     )
 
 
+def test_an_alias_of_a_part_of_the_network_is_named_as_such():
+    """``self.blocks = self.encoder.layers`` (an alias of the encoder's layers): the error said the module held several
+    networks, then, with ``model_attr="encoder"``, that they share parameters (qa67-user 03)."""
+
+    class PartAliased(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.head = nn.Linear(4, 16), nn.Linear(16, 2)
+            self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+            self.blocks = self.encoder.layers
+
+    with pytest.raises(ValueError) as err:
+        VCycleCallback(e_a=2, e_small=3)._find_network(PartAliased())
+    assert str(err.value) == (
+        "VCycleCallback.model_attr: PartAliased.blocks is part of PartAliased.encoder (TransformerEncoder), held under "
+        "a second name; the V-cycle replaces the network at every level change and can update one attribute only, so "
+        "the alias would keep the old model's layers. Reach it through the network and make the alias a property "
+        "(e.g. @property def blocks(self): return self.encoder.layers)"
+    )
+
+
 class Listed(BackboneHead):
     """The network's blocks, or its parameters grouped for the optimizer, kept in plain Python containers, which
     ``nn.Module`` does not register; the hyperparameters record keeps the network too (never run)."""
