@@ -790,6 +790,11 @@ class EfficiencyMonitor(Callback):
         if rows is None or rows.ndim != 2 or not rows.numel():
             return 1.0
         per_pass = rows.numel() + prepended * int(rows.shape[0])
+        if prepended and positions % per_pass:
+            # passes of other shapes beside a prefix (a VLM's image + text pass, then a text-only one; a CLS in one
+            # view): the prefix is read from the first pass, so no scale is read (83 or 45 tokens for 68 by the
+            # order of the passes, qa67-break 05)
+            return self._ids_scale
         if positions > per_pass:
             self._ids_scale = positions / per_pass
         elif positions < found - int(rows.shape[0]) and "tokens/fewer_positions" not in self._warned:
@@ -1611,11 +1616,13 @@ class EfficiencyMonitor(Callback):
         pass of the network (:meth:`_pass`), the tokens of its first block call are added. A list whose network is
         not called as a module in the step (blocks the LightningModule holds, run by a method of its own) begins
         another pass where a block at or before the last one run is called again, outside a backward."""
-        last, self._last_block[index] = self._last_block.get(index), position
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        # a nested tensor (a fast path's padded input) has no shape to count: the passes are not read (qa65-break 02);
-        # a no_grad probe on the fast path trains nothing, its passes are not counted anyway (qa66-break 03)
-        if hidden is not None and hidden.is_nested and forward_trains():
+        if hidden is not None and hidden.is_nested and not forward_trains():
+            # a no_grad probe on PyTorch's fast path trains nothing and has no shape: not observed (before the views
+            # it left the step unread, 58 tokens for 116, qa66-break 03, qa67-break 07)
+            return
+        last, self._last_block[index] = self._last_block.get(index), position
+        if hidden is not None and hidden.is_nested:  # no shape to count: the passes are not read (qa65-break 02)
             self._trained_positions[index] = -1
         if index in self._seen:
             again = (

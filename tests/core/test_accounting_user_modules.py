@@ -2178,9 +2178,9 @@ class ViewsBesideAProbe(UserModule):
     """Two masked views through an ``nn.TransformerEncoder`` with a padding mask (trained: no fast path), and an
     eval-mode probe under no_grad in the step, which PyTorch's fast path runs on nested tensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe_first: bool) -> None:
         super().__init__()
-        self.embed = nn.Embedding(V, 32)
+        self.embed, self.probe_first = nn.Embedding(V, 32), probe_first
         layer = nn.TransformerEncoderLayer(32, 2, 64, batch_first=True, dropout=0.0)
         self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
 
@@ -2189,18 +2189,25 @@ class ViewsBesideAProbe(UserModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, pad = batch["input_ids"], ~batch["attention_mask"].bool()
+        if self.probe_first:
+            self.probe(ids, pad)
         z1 = self.encode(ids.masked_fill(ids % 3 == 0, 0), pad)
         z2 = self.encode(ids.masked_fill(ids % 3 == 1, 0), pad)
+        if not self.probe_first:
+            self.probe(ids, pad)
+        return F.cross_entropy(z1 @ z2.T, torch.arange(len(z1)))
+
+    def probe(self, ids: torch.Tensor, pad: torch.Tensor) -> None:
         self.enc.eval()
         with torch.no_grad():
             self.encode(ids, pad)
         self.enc.train()
-        return F.cross_entropy(z1 @ z2.T, torch.arange(len(z1)))
 
 
-def test_a_probe_on_the_nested_fast_path_leaves_the_passes_read(tmp_path: Path) -> None:
+@pytest.mark.parametrize("probe_first", [False, True])
+def test_a_probe_on_the_nested_fast_path_leaves_the_passes_read(tmp_path: Path, probe_first: bool) -> None:
     """A no_grad probe on PyTorch's nested-tensor fast path trains nothing, yet its nested input marked the step's
-    passes unread: tokens 58 for 116 from the second step on (qa66-break 03)."""
+    passes unread: tokens 58 for 116 from the second step on (qa66-break 03; run before the views, qa67-break 07)."""
     mask = (torch.arange(T) < torch.tensor([T, 10, T, T])[:, None]).long()
     batch = {
         "input_ids": torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(0)),
@@ -2209,7 +2216,7 @@ def test_a_probe_on_the_nested_fast_path_leaves_the_passes_read(tmp_path: Path) 
     loader = DataLoader([0] * (3 * B), batch_size=B, collate_fn=lambda rows: batch)
     monitor = EfficiencyMonitor(print_summary=False)
     per_batch = PerBatch(monitor)  # no flop counter on the real step: it cannot run the fast path's nested tensors
-    make_trainer(tmp_path, [monitor, per_batch], max_steps=3, max_epochs=-1).fit(ViewsBesideAProbe(), loader)
+    make_trainer(tmp_path, [monitor, per_batch], max_steps=3, max_epochs=-1).fit(ViewsBesideAProbe(probe_first), loader)
     assert [row["tokens"] for row in per_batch.rows] == [2 * int(mask.sum())] * 3
 
 
