@@ -229,18 +229,35 @@ def _padded(batch: Any) -> bool:
 _OFFSET_TOKENS = 2
 
 
-def _input_hook(owner: weakref.ref[Any], runner: weakref.ref[nn.Module]) -> Callable[..., None]:
-    """The forward pre-hook that hands ``runner``'s inputs to the callback ``owner`` (:meth:`RandomLTDCallback.
-    _input_seen`). A function, not a bound method: a deep copy of the module (a V-cycle snapshot, a FLOPs replay's
-    copy) copies its hooks, and a method would copy the callback with the step's inputs, which non-leaf tensors
-    cannot be; a copy's calls are another module's, passed over."""
+def _gone() -> None:
+    """A dead reference: what an :class:`_InputHook` copied or unpickled holds."""
+    return None
 
-    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-        callback = owner()
-        if callback is not None and module is runner():
-            callback._input_seen(module, args, kwargs)
 
-    return hook
+class _InputHook:
+    """The forward pre-hook that hands ``target``'s inputs to the callback ``owner`` (:meth:`RandomLTDCallback.
+    _input_seen`; ``block``: ``target`` is the list's first block, read where no runner is called). Weak references,
+    not a bound method: a deep copy of the module (a V-cycle snapshot, a FLOPs replay's copy) copies its hooks, and a
+    method would copy the callback with the step's inputs, which non-leaf tensors cannot be; a copy's calls are another
+    module's, passed over. A copy or an unpickled hook (``torch.save`` of the module mid-step, qa67-break 02) holds
+    none and does nothing."""
+
+    def __init__(self, owner: Callable[[], Any], target: Callable[[], nn.Module | None], block: bool) -> None:
+        self.owner, self.target, self.block = owner, target, block
+
+    # not compiled: one frame for the runners' and the first block's calls, of other arguments, recompiled per call
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        callback = self.owner()
+        if callback is not None and module is self.target():
+            callback._input_seen(module, args, kwargs, self.block)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"block": self.block}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.owner = self.target = _gone
+        self.block = state["block"]
 
 
 class RandomLTDCallback(Callback):
@@ -545,6 +562,7 @@ class RandomLTDCallback(Callback):
         # the inputs of the step's passes over other data of the network running the LTD layers (their first tensor
         # argument), and the hooks that see them (:meth:`_watch_inputs`)
         self._inputs: list[torch.Tensor] = []
+        self._block_inputs: list[torch.Tensor] = []  # of its first block, for a step that runs the blocks itself
         self._input_hooks: list[Any] = []
         self._runners: tuple[tuple[int, int, int], list[weakref.ref[nn.Module]]] | None = None  # (network, runners)
         self.global_batch_size = 0
@@ -1490,10 +1508,17 @@ class RandomLTDCallback(Callback):
             runner = ref()
             if runner is None:
                 continue
-            hook = _input_hook(weakref.ref(self), ref)
+            hook = _InputHook(weakref.ref(self), ref, block=False)
             self._input_hooks.append(runner.register_forward_pre_hook(hook, with_kwargs=True))
+        if len(layers):  # a step that runs the blocks itself calls no runner: its first block's inputs tell the passes
+            hook = _InputHook(weakref.ref(self), weakref.ref(layers[0]), block=True)
+            self._input_hooks.append(layers[0].register_forward_pre_hook(hook, with_kwargs=True))
 
-    def _input_seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _input_seen(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], block: bool = False
+    ) -> None:
+        """A call of a runner of the LTD layers' list (or of its first block, ``block``) that trains: its first tensor
+        is remembered unless one of the same values was (R-Drop)."""
         if _in_backward() or self.controller is None or self.controller.key is None:  # a recompute; no step
             return
         if not forward_trains():  # a probe under no_grad on other ids trains no tokens (qa66-break 02)
@@ -1501,13 +1526,22 @@ class RandomLTDCallback(Callback):
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is None or first.is_nested:
             return
-        if not any(same_values(seen, first) for seen in self._inputs):
-            self._inputs.append(first)
+        seen = self._block_inputs if block else self._inputs
+        if not any(same_values(earlier, first) for earlier in seen):
+            seen.append(first)
 
     def _unwatch_inputs(self) -> None:
         for hook in self._input_hooks:
             hook.remove()
-        self._input_hooks, self._inputs = [], []
+        self._input_hooks, self._inputs, self._block_inputs = [], [], []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The callback's state without what one step or fit holds of its network (the hooks on it, its inputs, weak
+        references to its runners), rebuilt at the next batch: ``torch.save`` of the module, which reaches the
+        callback through its Trainer, and a deep copy of the callback, failed mid-fit (qa67-break 02)."""
+        state = dict(self.__dict__)
+        state.update(_input_hooks=[], _inputs=[], _block_inputs=[], _runners=None)
+        return state
 
     def _release_frozen_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Give the original ``forward`` back to the layers of a frozen copy of the converted network that the module
@@ -1694,7 +1728,9 @@ class RandomLTDCallback(Callback):
             loaders = self._part_sizes.count(rec.batch_size) if self._part_sizes else 1
             # or one per input of other values the network was called on: two augmented views of one loader's batch
             # (SimCLR, a contrastive pair) train two forwards' tokens (576 counted for 1,152, qa61-ideas 02)
-            inputs = sum(1 for v in self._inputs if v.ndim and rec.batch_size in tuple(v.shape[:2]))
+            inputs = sum(
+                1 for v in self._inputs or self._block_inputs if v.ndim and rec.batch_size in tuple(v.shape[:2])
+            )
             forwards = max(1, min(trained, max(loaders, inputs)))
             samples += forwards * rec.batch_size
             layer_tokens += forwards * F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,6 +25,7 @@ from lightning_effi.callbacks import RandomLTDCallback, VCycleCallback
 from lightning_effi.models.generic import TorchTransformerAdapter
 from lightning_effi.random_ltd import LTDController, convert, is_converted, restore
 from lightning_effi.random_ltd import functional as F
+from lightning_effi.random_ltd.callback import _InputHook
 from lightning_effi.random_ltd.patching import check_hidden_layout
 from tests.helpers.harness import assert_resume_equals_uninterrupted, make_trainer
 from tests.helpers.tiny import TimmViTWithEma, TinyDataModule, TokenBlocks
@@ -889,6 +891,92 @@ def test_a_probe_without_grad_is_no_forward_over_other_data(tmp_path):
     assert ltd.consumed_samples == 3 * 4 and ltd.full_layer_tokens == 3 * 4 * 16 * 4
     assert ltd.consumed_layer_tokens == monitor.summary["layer_tokens"]
     assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"]
+
+
+class OwnLoopViews(pl.LightningModule):
+    """Two masked views of the ids, the step running the encoder's blocks itself (per-block activation checkpointing,
+    or a plain loop): the ``nn.TransformerEncoder`` holding them is never called."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.checkpointed, self.emb = checkpointed, nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.enc.layers:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return x.mean(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        z1, z2 = self.encode(ids.masked_fill(ids % 3 == 0, 0)), self.encode(ids.masked_fill(ids % 3 == 1, 0))
+        return TF.cross_entropy(z1 @ z2.T, torch.arange(len(z1)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_two_views_through_blocks_the_step_runs_count_two_forwards(tmp_path, checkpointed):
+    """A step running the blocks itself calls no runner of the list, so no input told the views apart: one forward
+    counted of two, consumed_layer_tokens 192 for the monitor's 384 (qa67-break 01). The first block's inputs tell
+    them now."""
+    from lightning_effi import EfficiencyMonitor
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(1, 50, (8, 16)))
+    monitor = EfficiencyMonitor(print_summary=False)
+    ltd = RandomLTDCallback(min_value=8, max_value=16, seq_per_step=4, require_steps=100, layer_ids=[0, 1, 2])
+    make_trainer(tmp_path, [monitor, ltd], max_steps=2).fit(
+        OwnLoopViews(checkpointed), torch.utils.data.DataLoader(data, 4)
+    )
+    assert ltd.consumed_samples == 2 * 4 * 2 and ltd.full_layer_tokens == 2 * 2 * 4 * 16 * 3
+    assert ltd.consumed_layer_tokens == monitor.summary["layer_tokens"]
+    assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"]
+
+
+def test_the_module_and_the_callback_copy_mid_step(tmp_path):
+    """``torch.save`` of the module (which reaches the callback through its Trainer), a deep copy or a pickle of the
+    callback, mid-step and between steps, failed on the hooks on the network, the step's inputs (non-leaf tensors)
+    and the weak references to its runners (qa67-break 02). A copy holds none, and its hooks do nothing."""
+    import io
+    import pickle
+
+    failures: list[str] = []
+
+    class Snapshot(Callback):
+        def _copy(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: str) -> None:
+            for what, copy_it in (
+                ("save", lambda: torch.save(pl_module, io.BytesIO())),
+                ("deepcopy", lambda: copy.deepcopy(ltd)),
+                ("pickle", lambda: pickle.loads(pickle.dumps(ltd))),
+            ):
+                try:
+                    twin = copy_it()
+                except Exception as err:  # noqa: BLE001 - every failure is reported by the assertion below
+                    failures.append(f"{when} {what}: {type(err).__name__}: {err}")
+                else:
+                    if isinstance(twin, RandomLTDCallback):
+                        assert twin._inputs == [] and twin._input_hooks == [] and twin._runners is None
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self._copy(trainer, pl_module, "mid-step")
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            self._copy(trainer, pl_module, "epoch end")
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(1, 50, (8, 16)))
+    ltd = RandomLTDCallback(min_value=8, max_value=16, seq_per_step=4, require_steps=100, layer_ids=[0, 1, 2])
+    module = OwnLoopViews(checkpointed=False)
+    make_trainer(tmp_path, [ltd, Snapshot()], max_epochs=1).fit(module, torch.utils.data.DataLoader(data, 4))
+    assert failures == []
+    assert not module.enc.layers[0]._forward_pre_hooks  # none left after the fit
+    hook = _InputHook(weakref.ref(ltd), weakref.ref(module.enc), block=False)
+    twin = pickle.loads(pickle.dumps(hook))  # a copy's hook holds no callback and does nothing
+    assert twin.owner() is None and twin.target() is None and hook.owner() is ltd
 
 
 def test_a_fit_that_raises_leaves_no_hook_on_the_network(tmp_path):
