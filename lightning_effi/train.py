@@ -159,9 +159,10 @@ def check_testable(model: pl.LightningModule, datamodule: pl.LightningDataModule
 
 
 #: model settings the weights' names and shapes do not show, compared between a checkpoint and the model: attention
-#: head counts (an int, or a list of ints per stage: timm's PVT), positions without position weights, the experts a
-#: token is routed to, an attention window, a rotary base, and a timm model's name. A name that only holds one of
-#: these words (head_lr_mult, a metric's top_k) is not compared (qa65-break 03)
+#: head counts (an int, or a list of ints per stage: timm's PVT), the experts a token is routed to, an attention
+#: window, a rotary base, and a timm model's name. A name that only holds one of these words (head_lr_mult, a metric's
+#: top_k) is not compared (qa65-break 03); nor is ``max_position_embeddings``: a learned position table shows in the
+#: weights, and a rotary model tested at a longer context is the same model (qa67-break 08)
 ARCHITECTURE_SETTINGS = (
     "n_head",
     "n_heads",
@@ -172,7 +173,6 @@ ARCHITECTURE_SETTINGS = (
     "n_kv_heads",
     "encoder_attention_heads",
     "decoder_attention_heads",
-    "max_position_embeddings",
     "num_experts_per_tok",
     "num_experts_per_token",
     "moe_top_k",
@@ -190,14 +190,21 @@ def _architecture_differences(saved: Any, mine: Any, prefix: str = "") -> list[s
     (:data:`ARCHITECTURE_SETTINGS`) that differ between the checkpoint's ``hyper_parameters`` and the model's, nested
     in ``model_kwargs`` too (a 2-head checkpoint tested as a 4-head model, qa61-ideas 04; a timm ViT's
     ``num_heads``, qa62-break 04). Other settings may differ (a resume that extends the run's ``max_epochs`` or
-    ``warmup_steps``, ``dropout=0`` for a test: qa62-break 05, qa63-break 02)."""
+    ``warmup_steps``, ``dropout=0`` for a test: qa62-break 05, qa63-break 02). A setting written on one side only
+    differs too (``"(not set)"``: the model's default, unknown here); write it on both sides, or on neither."""
     if not isinstance(saved, Mapping | DictConfig) or not isinstance(mine, Mapping | DictConfig):
         return []
     found = []
-    for key, value in mine.items():
-        if key not in saved:
+    for key in [*mine, *(k for k in saved if k not in mine)]:
+        name = str(key)
+        if key not in saved or key not in mine:
+            # written on one side only: the other is the model's default, which may differ (a timm ViT saved with
+            # its default 3 heads, resumed with num_heads=6, loaded the weights into the 6-head model, qa67-break 03)
+            if name in ARCHITECTURE_SETTINGS:
+                shown = [repr(_plain(side[key])) if key in side else "(not set)" for side in (saved, mine)]
+                found.append(f"{prefix}{name} {shown[0]} vs {shown[1]}")
             continue
-        other, name = saved[key], str(key)
+        other, value = saved[key], mine[key]
         if isinstance(value, Mapping | DictConfig):
             found += _architecture_differences(other, value, f"{prefix}{name}.")
         elif name in ARCHITECTURE_SETTINGS and _plain(other) != _plain(value):

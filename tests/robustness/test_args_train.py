@@ -144,6 +144,12 @@ def test_a_checkpoint_of_another_head_count_is_refused(tmp_path):
     changed = {"head_lr_mult": 1, "top_k": 1, "num_heads": [1, 2, 4, 8], "moe_top_k": 1}
     told = ["num_heads [1, 2, 5, 8] vs [1, 2, 4, 8]", "moe_top_k 2 vs 1"]
     assert train._architecture_differences(other, changed) == told
+    # written on one side only: the other side's default is unknown (a timm ViT saved with its default 3 heads resumed
+    # with num_heads=6 was accepted, qa67-break 03); a rotary model at a longer context is no other (qa67-break 08)
+    default = {"model_kwargs": {"depth": 2}, "max_position_embeddings": 64}
+    given = {"model_kwargs": {"depth": 2, "num_heads": 6}, "max_position_embeddings": 128}
+    assert train._architecture_differences(default, given) == ["model_kwargs.num_heads (not set) vs 6"]
+    assert train._architecture_differences(given, default) == ["model_kwargs.num_heads 6 vs (not set)"]
 
 
 @pytest.mark.parametrize(
