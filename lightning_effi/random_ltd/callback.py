@@ -1166,6 +1166,10 @@ class RandomLTDCallback(Callback):
                     "the progress made before it, so '1dur' reaches max_value only at the end of the run)"
                 )
             return
+        source = progress_clock(trainer.callbacks)
+        if source is not None and self.require_steps is not None:
+            self._warn_beyond_shortened_run(trainer, source, given)
+            return
         total = run_length(trainer.max_steps, estimated_optimizer_steps(trainer))
         if total is None or self.require_steps is None or self.require_steps < total:
             return
@@ -1195,6 +1199,31 @@ class RandomLTDCallback(Callback):
             f"step require_steps): the reserved length grows only to {reached}, never reaching max_value, so the "
             f"run drops more tokens than a schedule ending at max_value; {fix} to reach it, or keep it when a longer "
             "resumed run continues the schedule"
+        )
+
+    def _warn_beyond_shortened_run(self, trainer: pl.Trainer, source: Any, given: str) -> None:
+        """:meth:`_warn_beyond_run` for a fixed ``require_steps`` beside a technique that shortens epochs (InfoBatch:
+        :func:`~lightning_effi.core.progress.progress_clock`): the run's optimizer steps depend on its scores, between
+        the clock's fewest (``effi_min_total_steps``) and the unshortened count, so it warns when ``require_steps``
+        is at least the fewest: the growth may not end within the run. Lightning's estimate read the current epoch's
+        loader, the whole one in a fresh fit and a pruned one in a fit resumed in a pruning epoch, so the same run
+        warned only when resumed, naming a length it did not have (qa67-user 01)."""
+        assert self.require_steps is not None
+        try:
+            fewest = int(source.effi_min_total_steps())
+        except (RuntimeError, ValueError):  # no clock yet, or a run without steps (refused elsewhere)
+            return
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            fewest = min(fewest, int(trainer.max_steps))
+        if self.require_steps < fewest:
+            return
+        clock = type(source).__name__
+        rank_zero_warn(
+            f"{type(self).__name__}.require_steps={given} ({self.require_steps} optimizer steps) may not end within "
+            f"the run: {clock} shortens its epochs by their scores, so the run has {fewest} optimizer steps or more "
+            "(up to its unshortened epochs), and DeepSpeed's fixed_linear schedule reaches max_value only at step "
+            f"require_steps; pass require_steps <= {fewest - 1} to reach it within any such run, or a share of the "
+            f"run ('0.9dur', read on {clock}'s progress clock)"
         )
 
     def _peek_sequence_length(self, trainer: pl.Trainer) -> int | None:

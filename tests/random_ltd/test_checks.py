@@ -456,6 +456,36 @@ def test_a_growth_longer_than_the_run_warns_naming_where_it_ends(tmp_path):
         assert "'1dur'" not in msg  # the whole run does not reach it either
 
 
+def test_a_growth_beside_infobatch_warns_alike_fresh_and_resumed(tmp_path):
+    """Beside InfoBatch (24 samples, batch 4, 3 epochs, prune_ratio 0.5, delta 0.67) the run has 15 optimizer steps
+    or more (6 + 3 + 6: the pruning epoch keeps at least 1 + floor(0.5 * 23) = 12 samples) and up to 18 by the
+    scores. The check read Lightning's estimate of the current loader: 18 in a fresh fit (no warning), the pruned
+    epoch's in a fit resumed there, warning with a length the run did not have (qa67-user 01). It warns from the
+    fewest steps now, alike in both: require_steps=15 may not end within the run, 14 does."""
+    from lightning_effi.callbacks import InfoBatchCallback
+
+    def fit(require_steps: int, root: str, ckpt: ModelCheckpoint | None = None, resume: str | None = None) -> list:
+        pl.seed_everything(0)
+        callbacks = [InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7), ltd(require_steps=require_steps)]
+        dm = callbacks[0].wrap_datamodule(TinyDataModule(TokenBlocks(n=24), batch_size=4))
+        trainer = make_trainer(tmp_path / root, [*callbacks, *([ckpt] if ckpt else [])], max_epochs=3, max_steps=-1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(deep_gpt2(), datamodule=dm, ckpt_path=resume)
+        return [str(w.message) for w in caught if "RandomLTDCallback.require_steps" in str(w.message)]
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=7, save_top_k=-1, filename="{step}")
+    fresh = fit(15, "fresh", ckpt)
+    resumed = fit(15, "resumed", resume=str(tmp_path / "ck" / "step=7.ckpt"))  # in the pruning epoch
+    assert fresh == resumed and len(fresh) == 1
+    assert fresh[0].startswith(
+        "RandomLTDCallback.require_steps=15 (15 optimizer steps) may not end within the run: InfoBatchCallback "
+        "shortens its epochs by their scores, so the run has 15 optimizer steps or more"
+    )
+    assert "pass require_steps <= 14 to reach it within any such run" in fresh[0]
+    assert fit(14, "shorter") == []
+
+
 def test_the_default_whole_run_growth_ends_one_step_after_the_run_without_a_warning(tmp_path):
     """``require_steps=None`` ("1dur", DeepSpeed's convention) resolves to T = 6 steps: max_value=16 is reached at
     step 6, after the last trained step 5, which runs at ltd_value(5, 4, 16, 6, 4) = floor(5/6 * 12 + 4) = 14
