@@ -626,6 +626,8 @@ class EfficiencyMonitor(Callback):
         # its positions in the step's passes with grad (not a generate() or a no_grad probe inside the step)
         self._observed_trained: int | None = None
         self._trained_positions: dict[int, int] = {}
+        self._mixed_passes: set[int] = set()  # watched lists whose passes in the step had hidden states of two shapes
+        self._observed_mixed = False
         self._ids_scale = 1.0  # passes over other data per token-id position (a contrastive pair's second input)
         self._block_hooks: list[Any] = []
         # the candidate block lists watched in the current step (path, list), what the first block run of each was
@@ -790,10 +792,10 @@ class EfficiencyMonitor(Callback):
         if rows is None or rows.ndim != 2 or not rows.numel():
             return 1.0
         per_pass = rows.numel() + prepended * int(rows.shape[0])
-        if prepended and positions % per_pass:
-            # passes of other shapes beside a prefix (a VLM's image + text pass, then a text-only one; a CLS in one
+        if prepended and (self._observed_mixed or positions % per_pass):
+            # passes of other shapes beside a prefix (a VLM's image + text pass, then text-only ones; a CLS in one
             # view): the prefix is read from the first pass, so no scale is read (83 or 45 tokens for 68 by the
-            # order of the passes, qa67-break 05)
+            # order of the passes, qa67-break 05; 164 for 118 where the positions were a multiple, qa68-break 05)
             return self._ids_scale
         if positions > per_pass:
             self._ids_scale = positions / per_pass
@@ -1440,7 +1442,7 @@ class EfficiencyMonitor(Callback):
         self._calls, self._batch_shapes, self._observed_tokens, self._observed_shape = None, None, None, None
         self._observed_sequence_first = False
         self._observed_width = False
-        self._observed_fed, self._observed_trained = False, None
+        self._observed_fed, self._observed_trained, self._observed_mixed = False, None, False
         self._rnn_input = None
         if not callable(getattr(pl_module, "effi_count_samples", None)):
             # a sequence-first recurrent network (nn.LSTM / nn.GRU with batch_first=False, PyTorch's word-language
@@ -1467,7 +1469,7 @@ class EfficiencyMonitor(Callback):
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
             self._runner_called, self._last_block = set(), {}
             self._outputs, self._pass_values, self._running, self._embedded = {}, {}, {}, []
-            self._trained_positions = {}
+            self._trained_positions, self._mixed_passes = {}, set()
             if self._rows is not None:  # the ids' embeddings: which tower they feed, and passes over other ids
                 for module in pl_module.modules():
                     if isinstance(module, nn.Embedding):
@@ -1640,6 +1642,8 @@ class EfficiencyMonitor(Callback):
                 more = hidden_tokens(args, kwargs)
                 if first is not None and more is not None:
                     self._seen[index] = (first + more, shape, wide)
+                    if hidden is not None and tuple(hidden.shape) != shape:
+                        self._mixed_passes.add(index)
                     if forward_trains() and self._trained_positions.get(index, 0) >= 0:
                         self._trained_positions[index] = self._trained_positions.get(index, 0) + more
             return
@@ -1726,6 +1730,7 @@ class EfficiencyMonitor(Callback):
         self._observed_sequence_first = shape is not None and self._attention_seen.get(index) == shape
         self._observed_fed = index in self._fed_ids
         self._observed_trained = self._trained_positions.get(index)
+        self._observed_mixed = index in self._mixed_passes
         if trained:
             self._chosen = self._watched[index][0]
 

@@ -2104,12 +2104,14 @@ class PairEncoder(UserModule):
             self.pos = nn.Parameter(torch.zeros(T, 32))
         if mode == "cls_views":
             self.cls = nn.Parameter(torch.zeros(1, 1, 32))
+        if mode == "prefix_one_view":  # a 16-position prefix (a soft prompt, image tokens)
+            self.cls = nn.Parameter(torch.zeros(1, T, 32))
 
-    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+    def encode(self, ids: torch.Tensor, cls: bool = True) -> torch.Tensor:
         x = self.net.embed(ids)
         if self.mode == "frozen":  # a frozen embedding, a position embedding added: no graph back to the ids
             x = x + self.pos
-        if self.mode == "cls_views":  # a learned CLS in front: the blocks see T + 1 positions a row
+        if self.mode in ("cls_views", "prefix_one_view") and cls:  # a CLS or prefix in front: more positions a row
             x = torch.cat([self.cls.expand(len(x), -1, -1), x], 1)
         if self.mode in ("checkpointed", "checkpointed_probe"):  # a reentrant checkpoint runs without grad
             for block in self.net.blocks:
@@ -2125,6 +2127,9 @@ class PairEncoder(UserModule):
             z1, z2 = self.encode(ids), self.encode(batch["positive_ids"])
         elif self.mode in ("views", "frozen", "checkpointed", "cls_views"):
             z1, z2 = self.encode(ids.masked_fill(ids % 3 == 0, 0)), self.encode(ids.masked_fill(ids % 3 == 1, 0))
+        elif self.mode == "prefix_one_view":  # two more views without the prefix: passes of two shapes
+            z1, z2 = self.encode(ids.masked_fill(ids % 3 == 0, 0)), self.encode(ids.masked_fill(ids % 3 == 1, 0), False)
+            z2 = z2 + self.encode(ids.masked_fill(ids % 3 == 2, 0), False)
         elif self.mode in ("probe", "checkpointed_probe"):  # a pass without grad over other ids trains none
             with torch.no_grad():
                 self.encode(batch["positive_ids"])
@@ -2172,6 +2177,22 @@ def test_a_pass_over_other_ids_counts_again(tmp_path: Path, mode: str, passes: i
     assert [row["tokens"] for row in per_batch.rows] == [tokens] * 2
     assert [row["layer_tokens"] for row in per_batch.rows] == [4 * tokens] * 2
     assert not [m for m in monitor_warnings(caught) if "fewer than the batch's" in m]
+
+
+def test_passes_of_two_shapes_beside_a_prefix_read_no_scale(tmp_path: Path) -> None:
+    """A prefix in front of one view of three, on a padded batch: the passes' positions (4 x 32 + 2 x 4 x 16) are
+    twice those of one pass with the prefix (4 x 16 + 16 x 4), so they were scaled by 2, over-counting (a VLM's
+    image + text pass and two text-only views: 164 tokens for 118, qa68-break 05; 83 for 68, qa67-break 05). Passes
+    of two shapes read no scale: the batch's tokens and the first pass's prefix, never more than the blocks
+    process."""
+    mask = (torch.arange(T) < torch.tensor([T, 5, 9, 12])[:, None]).long()
+    batch = {"input_ids": torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(0)) * mask,
+             "attention_mask": mask}  # fmt: skip
+    loader = DataLoader([0] * (2 * B), batch_size=B, collate_fn=lambda rows: batch)
+    _, _, per_batch = fit(PairEncoder("prefix_one_view"), loader, tmp_path, 2)
+    processed = 3 * int(mask.sum()) + T * B  # the three views' tokens and one prefix a row
+    assert [row["tokens"] for row in per_batch.rows] == [int(mask.sum()) + T * B] * 2
+    assert all(row["tokens"] <= processed for row in per_batch.rows)
 
 
 class ViewsBesideAProbe(UserModule):
