@@ -105,6 +105,7 @@ from lightning_effi.core.measure import (
     block_candidates,
     block_runners,
     combined_parts,
+    derived_from,
     find_batch_size,
     find_blocks,
     find_tokens,
@@ -116,6 +117,7 @@ from lightning_effi.core.measure import (
     other_first_dims,
     same_values,
     sequence_groups,
+    storage_ref,
     tensor_leaves,
     token_source,
 )
@@ -1559,7 +1561,7 @@ class EfficiencyMonitor(Callback):
             and isinstance(output, Tensor)
             and not output.is_nested
         ):
-            self._embedded.append(_Returned(weakref.ref(output), _storage_ref(output), output.grad_fn, output.shape))
+            self._embedded.append(_Returned(weakref.ref(output), storage_ref(output), output.grad_fn, output.shape))
 
     def _from_embedded(self, value: Tensor) -> bool:
         """Whether ``value`` is the embedding of the batch's token ids (:meth:`_embedded_ids`) or computed from it (a
@@ -1568,10 +1570,10 @@ class EfficiencyMonitor(Callback):
         instead (layer-tokens 1,024 for 512, qa54-break 08)."""
         if any(r.tensor() is value for r in self._embedded):
             return True
-        storage = _storage_ref(value)
+        storage = storage_ref(value)
         if storage is not None and any(r.storage is not None and r.storage() is storage() for r in self._embedded):
             return True
-        return _derived_from(value, {id(r.grad_fn) for r in self._embedded if r.grad_fn is not None})
+        return derived_from(value, {id(r.grad_fn) for r in self._embedded if r.grad_fn is not None})
 
     def _seen_values(self, index: int, value: Tensor) -> bool:
         """Whether watched list ``index`` began a pass in the step on ``value`` or on a tensor of the same values;
@@ -1588,16 +1590,16 @@ class EfficiencyMonitor(Callback):
         on it continues the pass (a loop over the blocks), it begins none (:meth:`_pass`, :meth:`_observe`)."""
         value = output if isinstance(output, Tensor) else next((v for _, v in tensor_leaves(output)), None)
         if value is not None and not value.is_nested:  # a nested tensor (a fast path's padded output) has no shape
-            returned = _Returned(weakref.ref(value), _storage_ref(value), value.grad_fn, tuple(value.shape))
+            returned = _Returned(weakref.ref(value), storage_ref(value), value.grad_fn, tuple(value.shape))
             self._outputs.setdefault(index, []).append(returned)
 
     def _returned_before(self, index: int, value: Tensor) -> bool:
         """Whether ``value`` is a tensor watched list ``index``'s network or one of its blocks returned in the step,
         or one made from it of its shape: a detached or viewed one (the same storage), or one computed from it in the
-        graph (:func:`_derived_from`: a clone, a norm or a step embedding between the loops of a weight-shared stack,
-        recycling; such a loop counted a second pass, qa54-break 03, 04). An input of another shape made from an
-        output holds other positions too (a memory beside a new segment, an encoder's output beside a decoder's
-        input): another pass (qa55-break 01)."""
+        graph (:func:`~lightning_effi.core.measure.derived_from`: a clone, a norm or a step embedding between the loops
+        of a weight-shared stack, recycling; such a loop counted a second pass, qa54-break 03, 04). An input of another
+        shape made from an output holds other positions too (a memory beside a new segment, an encoder's output beside
+        a decoder's input): another pass (qa55-break 01)."""
         if value.is_nested:
             return False
         returned = [r for r in self._outputs.get(index, ()) if r.shape == tuple(value.shape)]
@@ -1605,10 +1607,10 @@ class EfficiencyMonitor(Callback):
             return True
         # the storage is held weakly: it lives while a tensor uses it (the detached one), never mistaken for a new
         # tensor at a freed address
-        storage = _storage_ref(value)
+        storage = storage_ref(value)
         if storage is not None and any(r.storage is not None and r.storage() is storage() for r in returned):
             return True
-        return _derived_from(value, {id(r.grad_fn) for r in returned if r.grad_fn is not None})
+        return derived_from(value, {id(r.grad_fn) for r in returned if r.grad_fn is not None})
 
     def _observe(
         self, index: int, position: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -2275,42 +2277,12 @@ class _Returned(NamedTuple):
     shape: tuple[int, ...]
 
 
-def _storage_ref(value: Tensor) -> weakref.ref[Any] | None:
-    """A weak reference to ``value``'s storage (a detached tensor or a view shares it; torch keeps one Python object
-    per storage while a tensor uses it); None where it has none (a fake or sparse tensor)."""
-    try:
-        return weakref.ref(value.untyped_storage())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
 def _version(value: Tensor) -> int:
     """``value``'s in-place change counter (-1 for an inference tensor, which keeps none)."""
     try:
         return int(value._version)
     except RuntimeError:
         return -1
-
-
-#: how many autograd nodes :func:`_derived_from` walks back from a tensor
-_GRAPH_NODES = 64
-
-
-def _derived_from(value: Tensor, nodes: set[int], limit: int = _GRAPH_NODES) -> bool:
-    """Whether ``value``'s autograd graph reaches one of ``nodes`` (``id`` of a ``grad_fn``) within ``limit`` nodes
-    walked back, breadth first: a tensor computed from another in the graph."""
-    if not nodes or value.grad_fn is None:
-        return False
-    queue, seen = [value.grad_fn], set[int]()
-    while queue and len(seen) < limit:
-        node = queue.pop(0)
-        if id(node) in nodes:
-            return True
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        queue.extend(n for n, _ in node.next_functions if n is not None)
-    return False
 
 
 def _token_rows(batch: Any) -> tuple[int, int] | None:

@@ -72,6 +72,8 @@ from lightning_effi.core.flops import flop_counter
 __all__ = [
     "block_runners",
     "forward_trains",
+    "derived_from",
+    "storage_ref",
     "same_values",
     "MAX_PART_DEPTH",
     "CallRecord",
@@ -963,6 +965,36 @@ def same_values(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` and ``b`` are one tensor or hold the same values (shape, dtype, device and every element): a
     network called again on them runs over the same data (R-Drop), not over other data (a second view)."""
     return a is b or (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+
+
+#: how many autograd nodes :func:`derived_from` walks back from a tensor
+GRAPH_NODES = 64
+
+
+def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES) -> bool:
+    """Whether ``value``'s autograd graph reaches one of ``nodes`` (``id`` of a ``grad_fn``) within ``limit`` nodes
+    walked back, breadth first: a tensor computed from another in the graph."""
+    if not nodes or value.grad_fn is None:
+        return False
+    queue, seen = [value.grad_fn], set[int]()
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if id(node) in nodes:
+            return True
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        queue.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
+def storage_ref(value: Tensor) -> weakref.ref[Any] | None:
+    """A weak reference to ``value``'s storage (a detached tensor or a view shares it; torch keeps one Python object
+    per storage while a tensor uses it); None where it has none (a fake or sparse tensor)."""
+    try:
+        return weakref.ref(value.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _frame_running(code: CodeType) -> FrameType | None:

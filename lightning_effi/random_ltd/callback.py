@@ -74,6 +74,7 @@ from lightning_effi.core.measure import (
     _in_backward,
     block_runners,
     combined_parts,
+    derived_from,
     find_batch_size,
     forward_trains,
     key_padding_mask,
@@ -82,6 +83,7 @@ from lightning_effi.core.measure import (
     mask_tokens,
     same_values,
     share_a_residue,
+    storage_ref,
     structure_key,
     tensor_leaves,
     token_source,
@@ -258,6 +260,27 @@ class _InputHook:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.owner = self.target = _gone
         self.block = state["block"]
+
+
+class _OutputHook:
+    """The forward hook that hands what a runner of the list or its last block returned to the callback ``owner``
+    (:meth:`RandomLTDCallback._output_seen`): a call on it again continues the pass (a weight-shared loop over the
+    blocks). Weak references, dropped in a copy, as :class:`_InputHook`'s."""
+
+    def __init__(self, owner: Callable[[], Any], target: Callable[[], nn.Module | None]) -> None:
+        self.owner, self.target = owner, target
+
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        callback = self.owner()
+        if callback is not None and module is self.target():
+            callback._output_seen(output)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.owner = self.target = _gone
 
 
 class RandomLTDCallback(Callback):
@@ -563,6 +586,8 @@ class RandomLTDCallback(Callback):
         # argument), and the hooks that see them (:meth:`_watch_inputs`)
         self._inputs: list[torch.Tensor] = []
         self._block_inputs: list[torch.Tensor] = []  # of its first block, for a step that runs the blocks itself
+        # what its runners and last block returned: (grad_fn, storage, shape)
+        self._block_outputs: list[tuple[Any, Any, tuple[int, ...]]] = []
         self._input_hooks: list[Any] = []
         self._runners: tuple[tuple[int, int, int], list[weakref.ref[nn.Module]]] | None = None  # (network, runners)
         self.global_batch_size = 0
@@ -1539,9 +1564,12 @@ class RandomLTDCallback(Callback):
                 continue
             hook = _InputHook(weakref.ref(self), ref, block=False)
             self._input_hooks.append(runner.register_forward_pre_hook(hook, with_kwargs=True))
+            self._input_hooks.append(runner.register_forward_hook(_OutputHook(weakref.ref(self), ref)))
         if len(layers):  # a step that runs the blocks itself calls no runner: its first block's inputs tell the passes
             hook = _InputHook(weakref.ref(self), weakref.ref(layers[0]), block=True)
             self._input_hooks.append(layers[0].register_forward_pre_hook(hook, with_kwargs=True))
+            last = _OutputHook(weakref.ref(self), weakref.ref(layers[-1]))
+            self._input_hooks.append(layers[-1].register_forward_hook(last))
 
     def _input_seen(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], block: bool = False
@@ -1555,21 +1583,41 @@ class RandomLTDCallback(Callback):
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is None or first.is_nested:
             return
+        if self._continues(first):  # what the network or its last block returned: a loop over the blocks, one pass
+            return
         seen = self._block_inputs if block else self._inputs
         if not any(same_values(earlier, first) for earlier in seen):
             seen.append(first)
 
+    def _output_seen(self, output: Any) -> None:
+        """What a runner of the list or its last block returned in the micro-batch (its first tensor): its autograd
+        node, its storage (weakly) and its shape, for :meth:`_continues`."""
+        value = output if isinstance(output, torch.Tensor) else next((v for _, v in tensor_leaves(output)), None)
+        if value is not None and not value.is_nested and not _in_backward():
+            self._block_outputs.append((value.grad_fn, storage_ref(value), tuple(value.shape)))
+
+    def _continues(self, value: torch.Tensor) -> bool:
+        """Whether ``value``, the input of a runner or of the first block, is what a runner or the last block
+        returned in the micro-batch, or made from it of its shape (detached, viewed, normed: the monitor's rule for a
+        loop over the blocks); such a second lap of a weight-shared stack was counted as another view (qa68-break
+        01)."""
+        returned = [r for r in self._block_outputs if r[2] == tuple(value.shape)]
+        storage = storage_ref(value)
+        if storage is not None and any(r[1] is not None and r[1]() is storage() for r in returned):
+            return True
+        return derived_from(value, {id(r[0]) for r in returned if r[0] is not None})
+
     def _unwatch_inputs(self) -> None:
         for hook in self._input_hooks:
             hook.remove()
-        self._input_hooks, self._inputs, self._block_inputs = [], [], []
+        self._input_hooks, self._inputs, self._block_inputs, self._block_outputs = [], [], [], []
 
     def __getstate__(self) -> dict[str, Any]:
         """The callback's state without what one step or fit holds of its network (the hooks on it, its inputs, weak
         references to its runners), rebuilt at the next batch: ``torch.save`` of the module, which reaches the
         callback through its Trainer, and a deep copy of the callback, failed mid-fit (qa67-break 02)."""
         state = dict(self.__dict__)
-        state.update(_input_hooks=[], _inputs=[], _block_inputs=[], _runners=None)
+        state.update(_input_hooks=[], _inputs=[], _block_inputs=[], _block_outputs=[], _runners=None)
         return state
 
     def _release_frozen_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -895,22 +895,30 @@ def test_a_probe_without_grad_is_no_forward_over_other_data(tmp_path):
 
 class OwnLoopViews(pl.LightningModule):
     """Two masked views of the ids, the step running the encoder's blocks itself (per-block activation checkpointing,
-    or a plain loop): the ``nn.TransformerEncoder`` holding them is never called."""
+    or a plain loop): the ``nn.TransformerEncoder`` holding them is never called. Or one view through the blocks
+    twice, a weight-shared stack looped by the step (``"own_loop"``) or through the encoder twice (``"runner_loop"``).
+    """
 
-    def __init__(self, checkpointed: bool) -> None:
+    def __init__(self, mode: str) -> None:
         super().__init__()
-        self.checkpointed, self.emb = checkpointed, nn.Embedding(50, 32)
+        self.mode, self.emb = mode, nn.Embedding(50, 32)
         layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
         self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
 
     def encode(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
-        for block in self.enc.layers:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        if self.mode == "runner_loop":
+            return self.enc(self.enc(x)).mean(1)
+        for _ in range(2 if self.mode == "own_loop" else 1):
+            for block in self.enc.layers:
+                checkpointed = self.mode == "checkpointed"
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
         return x.mean(1)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (ids,) = batch
+        if self.mode in ("own_loop", "runner_loop"):
+            return self.encode(ids).pow(2).mean()
         z1, z2 = self.encode(ids.masked_fill(ids % 3 == 0, 0)), self.encode(ids.masked_fill(ids % 3 == 1, 0))
         return TF.cross_entropy(z1 @ z2.T, torch.arange(len(z1)))
 
@@ -918,21 +926,20 @@ class OwnLoopViews(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@pytest.mark.parametrize("checkpointed", [True, False])
-def test_two_views_through_blocks_the_step_runs_count_two_forwards(tmp_path, checkpointed):
+@pytest.mark.parametrize(("mode", "forwards"), [("checkpointed", 2), ("plain", 2), ("own_loop", 1), ("runner_loop", 1)])
+def test_two_views_through_blocks_the_step_runs_count_two_forwards(tmp_path, mode, forwards):
     """A step running the blocks itself calls no runner of the list, so no input told the views apart: one forward
     counted of two, consumed_layer_tokens 192 for the monitor's 384 (qa67-break 01). The first block's inputs tell
-    them now."""
+    them now; a second lap of a weight-shared stack over its own output is no other view, run by the step or through
+    the encoder (counted twice, 384 for the monitor's 192, qa68-break 01)."""
     from lightning_effi import EfficiencyMonitor
 
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(1, 50, (8, 16)))
     monitor = EfficiencyMonitor(print_summary=False)
     ltd = RandomLTDCallback(min_value=8, max_value=16, seq_per_step=4, require_steps=100, layer_ids=[0, 1, 2])
-    make_trainer(tmp_path, [monitor, ltd], max_steps=2).fit(
-        OwnLoopViews(checkpointed), torch.utils.data.DataLoader(data, 4)
-    )
-    assert ltd.consumed_samples == 2 * 4 * 2 and ltd.full_layer_tokens == 2 * 2 * 4 * 16 * 3
+    make_trainer(tmp_path, [monitor, ltd], max_steps=2).fit(OwnLoopViews(mode), torch.utils.data.DataLoader(data, 4))
+    assert ltd.consumed_samples == 2 * 4 * forwards and ltd.full_layer_tokens == 2 * forwards * 4 * 16 * 3
     assert ltd.consumed_layer_tokens == monitor.summary["layer_tokens"]
     assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"]
 
@@ -970,7 +977,7 @@ def test_the_module_and_the_callback_copy_mid_step(tmp_path):
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(1, 50, (8, 16)))
     ltd = RandomLTDCallback(min_value=8, max_value=16, seq_per_step=4, require_steps=100, layer_ids=[0, 1, 2])
-    module = OwnLoopViews(checkpointed=False)
+    module = OwnLoopViews("plain")
     make_trainer(tmp_path, [ltd, Snapshot()], max_epochs=1).fit(module, torch.utils.data.DataLoader(data, 4))
     assert failures == []
     assert not module.enc.layers[0]._forward_pre_hooks  # none left after the fit
