@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
+import io
 import random
 import re
 import types
@@ -2193,6 +2194,41 @@ def test_passes_of_two_shapes_beside_a_prefix_read_no_scale(tmp_path: Path) -> N
     processed = 3 * int(mask.sum()) + T * B  # the three views' tokens and one prefix a row
     assert [row["tokens"] for row in per_batch.rows] == [int(mask.sum()) + T * B] * 2
     assert all(row["tokens"] <= processed for row in per_batch.rows)
+
+
+class LazyMomentum(UserModule):
+    """A momentum (EMA) copy of the network made lazily in the first ``training_step``, after its forward, and a whole
+    module snapshot (``torch.save``) in every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.momentum, self.saved = OwnNet(), None, 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = self.net.embed(batch[0])
+        for block in self.net.blocks:
+            x = block(x)
+        if self.momentum is None:
+            self.momentum = [copy.deepcopy(self.net)]  # in a list: not a submodule of this module
+        torch.save(self, io.BytesIO())
+        self.saved += 1
+        with torch.no_grad():  # the copy runs too: another network, not observed
+            self.momentum[0].blocks[0](x.detach())
+        return self.net.head(x).logsumexp(-1).mean()
+
+
+def test_a_copy_of_the_network_made_mid_step_is_another_network(tmp_path: Path) -> None:
+    """The monitor's hooks on the blocks were bound methods and partials of the monitor: a deep copy of the network
+    mid-step (a lazily made momentum copy) copied the monitor with the step's non-leaf tensors and failed ("Only
+    Tensors created explicitly by the user"), and ``torch.save`` of the module failed on weak references
+    (qa68-break 04). The copy's hooks hold no monitor; the counts are the network's."""
+    module = LazyMomentum()
+    monitor, _, per_batch = fit(module, token_loader(), tmp_path, 2)
+    assert module.saved == 2 and module.momentum is not None
+    assert [row["tokens"] for row in per_batch.rows] == [B * T] * 2
+    assert [row["layer_tokens"] for row in per_batch.rows] == [4 * B * T] * 2
+    hooks = [*module.momentum[0].blocks[0]._forward_pre_hooks.values()]
+    assert hooks and all(h.owner() is None for h in hooks)  # copied during a recorded step: dead
 
 
 class ViewsBesideAProbe(UserModule):
