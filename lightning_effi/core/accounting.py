@@ -100,6 +100,7 @@ from lightning_effi.core.measure import (
     FlopsMeter,
     MeasureError,
     OutsideProducts,
+    WeakHook,
     _in_backward,
     block_candidates,
     block_runners,
@@ -1452,7 +1453,7 @@ class EfficiencyMonitor(Callback):
             # (the seq2seq tutorials' decoder loop: 16 counted for 4, qa60-break 01)
             for module in pl_module.modules():
                 if (isinstance(module, nn.RNNBase) and not module.batch_first) or isinstance(module, nn.RNNCellBase):
-                    self._block_hooks.append(module.register_forward_pre_hook(_WeakHook(self, "_observe_rnn")))
+                    self._block_hooks.append(module.register_forward_pre_hook(WeakHook(self, "_observe_rnn")))
         if key is not None:  # the recorded step runs uncompiled: the hooks would break the graph dynamo keeps
             self._eager = torch.compiler.set_stance("force_eager")
         if not callable(getattr(pl_module, "effi_training_flops", None)) and not self._own_flops(pl_module):
@@ -1474,22 +1475,22 @@ class EfficiencyMonitor(Callback):
             if self._rows is not None:  # the ids' embeddings: which tower they feed, and passes over other ids
                 for module in pl_module.modules():
                     if isinstance(module, nn.Embedding):
-                        self._block_hooks.append(module.register_forward_hook(_WeakHook(self, "_embedded_ids")))
+                        self._block_hooks.append(module.register_forward_hook(WeakHook(self, "_embedded_ids")))
             for i, (name, blocks) in enumerate(self._watched):
                 for runner in block_runners(pl_module, name, blocks):
-                    hook = runner.register_forward_pre_hook(_WeakHook(self, "_pass", i), with_kwargs=True)
+                    hook = runner.register_forward_pre_hook(WeakHook(self, "_pass", i), with_kwargs=True)
                     self._block_hooks.append(hook)
-                    self._block_hooks.append(runner.register_forward_hook(_WeakHook(self, "_ran", i)))
+                    self._block_hooks.append(runner.register_forward_hook(WeakHook(self, "_ran", i)))
                 # every block: the first one the step runs (a LayerDrop may skip block 0, qa47-break 02)
                 for position, block in enumerate(blocks.children()):
-                    self._block_hooks.append(block.register_forward_hook(_WeakHook(self, "_returned", i)))
-                    observe = _WeakHook(self, "_observe", i, position)
+                    self._block_hooks.append(block.register_forward_hook(WeakHook(self, "_returned", i)))
+                    observe = WeakHook(self, "_observe", i, position)
                     hook = block.register_forward_pre_hook(observe, with_kwargs=True)
                     self._block_hooks.append(hook)
                     attention = next((m for m in block.modules() if isinstance(m, nn.MultiheadAttention)), None)
                     if attention is not None and not attention.batch_first:
                         hook = attention.register_forward_pre_hook(
-                            _WeakHook(self, "_observe_attention", i), with_kwargs=True
+                            WeakHook(self, "_observe_attention", i), with_kwargs=True
                         )
                         self._block_hooks.append(hook)
 
@@ -2265,32 +2266,6 @@ class EfficiencyMonitor(Callback):
         self._last_states = None if last_states is None else dict(last_states)
         self._last_position = None if last_position is None else dict(last_position)
         self._change_points = change_points
-
-
-def _gone() -> None:
-    """A dead reference: what a copied or unpickled :class:`_WeakHook` holds."""
-    return None
-
-
-class _WeakHook:
-    """A hook on the network that calls the monitor's method ``name`` (with ``args`` first) through a weak reference.
-    A bound method or a partial of one made a deep copy of the network mid-step (a momentum or EMA copy made lazily
-    in the first ``training_step``) copy the monitor and the step's non-leaf tensors, which failed (qa68-break 04);
-    a copy or an unpickled hook holds no monitor and does nothing (the copy is another network)."""
-
-    def __init__(self, owner: Any, name: str, *args: Any) -> None:
-        self.owner: Callable[[], Any] = weakref.ref(owner)
-        self.name, self.args = name, args
-
-    def __call__(self, *call_args: Any, **kwargs: Any) -> Any:
-        owner = self.owner()
-        return None if owner is None else getattr(owner, self.name)(*self.args, *call_args, **kwargs)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"name": self.name}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.owner, self.name, self.args = _gone, state["name"], ()
 
 
 class _Returned(NamedTuple):

@@ -72,6 +72,7 @@ from lightning_effi.core.flops import flop_counter
 __all__ = [
     "block_runners",
     "forward_trains",
+    "WeakHook",
     "derived_from",
     "storage_ref",
     "same_values",
@@ -995,6 +996,36 @@ def storage_ref(value: Tensor) -> weakref.ref[Any] | None:
         return weakref.ref(value.untyped_storage())
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def _gone() -> None:
+    """A dead reference: what a copied or unpickled :class:`WeakHook` holds."""
+    return None
+
+
+class WeakHook:
+    """A module hook that calls the method ``name`` of ``owner`` (a callback), ``args`` first, through a weak
+    reference; uncompiled (traced into a compiled network, one frame for calls of other arguments recompiled per
+    call). A bound method or a partial of one would make a deep copy of the network mid-step (a momentum or EMA copy
+    made lazily in ``training_step``) copy the callback with the step's non-leaf tensors, which failed, and
+    ``torch.save`` of the module fail on its weak references (qa67-break 02, qa68-break 04): a copy or an unpickled
+    hook holds no callback and does nothing (the copy is another network)."""
+
+    def __init__(self, owner: Any, name: str, *args: Any) -> None:
+        self.owner: Callable[[], Any] = weakref.ref(owner)
+        self.name, self.args = name, args
+
+    def _call(self, *call_args: Any, **kwargs: Any) -> Any:
+        owner = self.owner()
+        return None if owner is None else getattr(owner, self.name)(*self.args, *call_args, **kwargs)
+
+    __call__ = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.owner, self.name, self.args = _gone, state["name"], ()
 
 
 def _frame_running(code: CodeType) -> FrameType | None:

@@ -48,7 +48,7 @@ import math
 import random
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -71,6 +71,7 @@ from lightning_effi.core.flops import sdpa_recomputes
 from lightning_effi.core.measure import (
     FlopsMeter,
     MeasureError,
+    WeakHook,
     _in_backward,
     block_runners,
     combined_parts,
@@ -229,58 +230,6 @@ def _padded(batch: Any) -> bool:
 
 #: positions the layers may see more or fewer than a seqlen curriculum's batch (label shift, added tokens)
 _OFFSET_TOKENS = 2
-
-
-def _gone() -> None:
-    """A dead reference: what an :class:`_InputHook` copied or unpickled holds."""
-    return None
-
-
-class _InputHook:
-    """The forward pre-hook that hands ``target``'s inputs to the callback ``owner`` (:meth:`RandomLTDCallback.
-    _input_seen`; ``block``: ``target`` is the list's first block, read where no runner is called). Weak references,
-    not a bound method: a deep copy of the module (a V-cycle snapshot, a FLOPs replay's copy) copies its hooks, and a
-    method would copy the callback with the step's inputs, which non-leaf tensors cannot be; a copy's calls are another
-    module's, passed over. A copy or an unpickled hook (``torch.save`` of the module mid-step, qa67-break 02) holds
-    none and does nothing."""
-
-    def __init__(self, owner: Callable[[], Any], target: Callable[[], nn.Module | None], block: bool) -> None:
-        self.owner, self.target, self.block = owner, target, block
-
-    # not compiled: one frame for the runners' and the first block's calls, of other arguments, recompiled per call
-    @torch.compiler.disable
-    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        callback = self.owner()
-        if callback is not None and module is self.target():
-            callback._input_seen(module, args, kwargs, self.block)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"block": self.block}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.owner = self.target = _gone
-        self.block = state["block"]
-
-
-class _OutputHook:
-    """The forward hook that hands what a runner of the list or its last block returned to the callback ``owner``
-    (:meth:`RandomLTDCallback._output_seen`): a call on it again continues the pass (a weight-shared loop over the
-    blocks). Weak references, dropped in a copy, as :class:`_InputHook`'s."""
-
-    def __init__(self, owner: Callable[[], Any], target: Callable[[], nn.Module | None]) -> None:
-        self.owner, self.target = owner, target
-
-    @torch.compiler.disable
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        callback = self.owner()
-        if callback is not None and module is self.target():
-            callback._output_seen(output)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.owner = self.target = _gone
 
 
 class RandomLTDCallback(Callback):
@@ -1562,18 +1511,16 @@ class RandomLTDCallback(Callback):
             runner = ref()
             if runner is None:
                 continue
-            hook = _InputHook(weakref.ref(self), ref, block=False)
-            self._input_hooks.append(runner.register_forward_pre_hook(hook, with_kwargs=True))
-            self._input_hooks.append(runner.register_forward_hook(_OutputHook(weakref.ref(self), ref)))
+            self._input_hooks.append(
+                runner.register_forward_pre_hook(WeakHook(self, "_input_seen", False), with_kwargs=True)
+            )
+            self._input_hooks.append(runner.register_forward_hook(WeakHook(self, "_output_seen")))
         if len(layers):  # a step that runs the blocks itself calls no runner: its first block's inputs tell the passes
-            hook = _InputHook(weakref.ref(self), weakref.ref(layers[0]), block=True)
+            hook = WeakHook(self, "_input_seen", True)
             self._input_hooks.append(layers[0].register_forward_pre_hook(hook, with_kwargs=True))
-            last = _OutputHook(weakref.ref(self), weakref.ref(layers[-1]))
-            self._input_hooks.append(layers[-1].register_forward_hook(last))
+            self._input_hooks.append(layers[-1].register_forward_hook(WeakHook(self, "_output_seen")))
 
-    def _input_seen(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], block: bool = False
-    ) -> None:
+    def _input_seen(self, block: bool, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A call of a runner of the LTD layers' list (or of its first block, ``block``) that trains: its first tensor
         is remembered unless one of the same values was (R-Drop)."""
         if _in_backward() or self.controller is None or self.controller.key is None:  # a recompute; no step
@@ -1589,7 +1536,7 @@ class RandomLTDCallback(Callback):
         if not any(same_values(earlier, first) for earlier in seen):
             seen.append(first)
 
-    def _output_seen(self, output: Any) -> None:
+    def _output_seen(self, module: nn.Module, args: Any, output: Any) -> None:
         """What a runner of the list or its last block returned in the micro-batch (its first tensor): its autograd
         node, its storage (weakly) and its shape, for :meth:`_continues`."""
         value = output if isinstance(output, torch.Tensor) else next((v for _, v in tensor_leaves(output)), None)

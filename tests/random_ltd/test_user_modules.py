@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,10 +21,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_effi.adapters import GenericAdapter, find_adapter
 from lightning_effi.callbacks import RandomLTDCallback, VCycleCallback
+from lightning_effi.core.measure import WeakHook
 from lightning_effi.models.generic import TorchTransformerAdapter
 from lightning_effi.random_ltd import LTDController, convert, is_converted, restore
 from lightning_effi.random_ltd import functional as F
-from lightning_effi.random_ltd.callback import _InputHook
 from lightning_effi.random_ltd.patching import check_hidden_layout
 from tests.helpers.harness import assert_resume_equals_uninterrupted, make_trainer
 from tests.helpers.tiny import TimmViTWithEma, TinyDataModule, TokenBlocks
@@ -981,9 +980,9 @@ def test_the_module_and_the_callback_copy_mid_step(tmp_path):
     make_trainer(tmp_path, [ltd, Snapshot()], max_epochs=1).fit(module, torch.utils.data.DataLoader(data, 4))
     assert failures == []
     assert not module.enc.layers[0]._forward_pre_hooks  # none left after the fit
-    hook = _InputHook(weakref.ref(ltd), weakref.ref(module.enc), block=False)
+    hook = WeakHook(ltd, "_input_seen", False)
     twin = pickle.loads(pickle.dumps(hook))  # a copy's hook holds no callback and does nothing
-    assert twin.owner() is None and twin.target() is None and hook.owner() is ltd
+    assert twin.owner() is None and twin(module.enc, (), {}) is None and hook.owner() is ltd
 
 
 def test_a_fit_that_raises_leaves_no_hook_on_the_network(tmp_path):
