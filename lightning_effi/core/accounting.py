@@ -115,6 +115,7 @@ from lightning_effi.core.measure import (
     mask_is_additive,
     opaque_holder,
     other_first_dims,
+    real_positions,
     same_values,
     sequence_groups,
     storage_ref,
@@ -628,8 +629,9 @@ class EfficiencyMonitor(Callback):
         # its positions in the step's passes with grad (not a generate() or a no_grad probe inside the step)
         self._observed_trained: int | None = None
         self._trained_positions: dict[int, int] = {}
-        self._mixed_passes: set[int] = set()  # watched lists whose passes in the step had hidden states of two shapes
-        self._observed_mixed = False
+        # the shapes of the first block's hidden states at each of those passes, by watched list, and the observed one's
+        self._trained_shapes: dict[int, list[tuple[int, ...]]] = {}
+        self._observed_passes: list[tuple[int, ...]] = []
         self._ids_scale = 1.0  # passes over other data per token-id position (a contrastive pair's second input)
         self._block_hooks: list[Any] = []
         # the candidate block lists watched in the current step (path, list), what the first block run of each was
@@ -774,18 +776,20 @@ class EfficiencyMonitor(Callback):
         return extra
 
     def _passes_over_ids(self, pl_module: pl.LightningModule, batch: Any, found: int, prepended: int = 0) -> float:
-        """Positions the step's passes of the blocks the token ids feed processed, per position of the batch's ids
-        (1.0 when not more; kept for the batch's baseline, :attr:`_ids_scale`). More: the network ran over other
-        ids in the step, a contrastive pair's positive (``{"anchor", "positive"}``, supervised SimCSE) or two masked
-        views of the ids, whose second pass was not counted (192 tokens for 384, qa61-ideas 01); tokens are scaled
-        by it. Fewer than the ``found`` tokens, by more than a position a row (a label shift): a front end that
-        pools the ids (a stride-2 k-mer convolution), warned once (layer_tokens 768 for the 384 positions the blocks
-        process, qa57-seq 03); not a step that trims padding or runs the blocks over chunks of the ids
-        (qa61-break 03). Read over the passes run with grad (a generate() in the step is none, qa62-break 01), only
-        for blocks the ids or their embedding feed, one loader's batch, one sequence a row (not a preference pair's
-        ``chosen_*`` / ``rejected_*``, counted as their sum). A pass processes ``prepended`` positions a row in front
-        of the ids too (:meth:`_prepended_positions`: a CLS the model adds; two views were counted as one, qa66-break
-        01)."""
+        """Tokens the step's passes of the blocks the token ids feed processed, per token of the batch's ids (``found``,
+        with the first pass's ``prepended`` positions a row; 1.0 when not more; kept for the batch's baseline,
+        :attr:`_ids_scale`). More passes: the network ran over other ids in the step, a contrastive pair's positive
+        (``{"anchor", "positive"}``, supervised SimCSE) or two masked views of the ids, whose second pass was not
+        counted (192 tokens for 384, qa61-ideas 01); tokens are scaled by it. Each pass counts on its own shape
+        (:meth:`_pass_tokens`): a prefix the model puts in front of one pass only (a VLM's image + text pass beside
+        text-only ones, 83 or 45 tokens for 68 by the order of the passes, qa67-break 05), views trimmed to the
+        longest real row (38 or 57 tokens for 76, qa67-break 04). One pass processing fewer positions than the
+        ``found`` tokens, by more than a position a row (a label shift): a front end that pools the ids (a stride-2
+        k-mer convolution), warned once (layer_tokens 768 for the 384 positions the blocks process, qa57-seq 03); not
+        a step that trims padding or runs the blocks over chunks of the ids (qa61-break 03). Read over the passes run
+        with grad (a generate() in the step is none, qa62-break 01), only for blocks the ids or their embedding feed,
+        one loader's batch, one sequence a row (not a preference pair's ``chosen_*`` / ``rejected_*``, counted as
+        their sum)."""
         # the passes with grad: a generate() in the step (its prompt and decode steps) trains nothing (qa62-break 01)
         positions, source = self._observed_trained, token_source(batch)
         if not self._observed_fed or not positions or positions < 0 or source is None or sequence_groups(batch):
@@ -793,14 +797,13 @@ class EfficiencyMonitor(Callback):
         rows = key_padding_mask(source[1]) if source[0] == "mask" else source[1]
         if rows is None or rows.ndim != 2 or not rows.numel():
             return 1.0
-        per_pass = rows.numel() + prepended * int(rows.shape[0])
-        if prepended and (self._observed_mixed or positions % per_pass):
-            # passes of other shapes beside a prefix (a VLM's image + text pass, then text-only ones; a CLS in one
-            # view): the prefix is read from the first pass, so no scale is read (83 or 45 tokens for 68 by the
-            # order of the passes, qa67-break 05; 164 for 118 where the positions were a multiple, qa68-break 05)
-            return self._ids_scale
-        if positions > per_pass:
-            self._ids_scale = positions / per_pass
+        size, length = int(rows.shape[0]), int(rows.shape[1])
+        real = real_positions(source[1], (size, length)) if source[0] == "mask" else None
+        columns = length if real is None else int(real.any(0).sum())
+        tokens = found - prepended * size
+        total = sum(self._pass_tokens(shape, (size, length), tokens, columns) for shape in self._observed_passes)
+        if total > found:
+            self._ids_scale = total / found
         elif positions < found - int(rows.shape[0]) and "tokens/fewer_positions" not in self._warned:
             if any(_is_encoder_decoder(m) for m in pl_module.modules()):  # its blocks see another sequence
                 self._warned.add("tokens/fewer_positions")
@@ -814,6 +817,22 @@ class EfficiencyMonitor(Callback):
                     "on your LightningModule to count the blocks' positions",
                 )
         return self._ids_scale
+
+    def _pass_tokens(self, shape: tuple[int, ...], rows: tuple[int, int], tokens: int, columns: int) -> float:
+        """The tokens of one pass whose first block saw hidden states of ``shape`` (``[B', T', H]``, or ``[T', B',
+        H]`` for a sequence-first block), beside token ids of ``rows`` ``(B, T)`` holding ``tokens`` real ones in
+        ``columns`` columns that some row uses: over the ids' rows, the ids' tokens and, when ``T' > T``, the
+        ``T' - T`` positions a row put in front (a CLS, image tokens); when ``columns <= T' < T``, the ids trimmed to
+        their longest real row (the padding no row uses cut off), their tokens; else the ids' share of real
+        positions in the pass's ``B' T'`` (chunks of the ids, another input's pass)."""
+        if len(shape) != 3:
+            return tokens * math.prod(shape[:-1]) / (rows[0] * rows[1])
+        size, length = (shape[1], shape[0]) if self._observed_sequence_first else (shape[0], shape[1])
+        if size == rows[0] and length >= rows[1]:
+            return tokens + (length - rows[1]) * size
+        if size == rows[0] and columns <= length:
+            return tokens
+        return tokens * size * length / (rows[0] * rows[1])
 
     def _lengthened_positions(self, batch: Any) -> int | None:
         """The baseline's tokens when the trained batch's blocks saw more positions than its token ids
@@ -1444,7 +1463,7 @@ class EfficiencyMonitor(Callback):
         self._calls, self._batch_shapes, self._observed_tokens, self._observed_shape = None, None, None, None
         self._observed_sequence_first = False
         self._observed_width = False
-        self._observed_fed, self._observed_trained, self._observed_mixed = False, None, False
+        self._observed_fed, self._observed_trained, self._observed_passes = False, None, []
         self._rnn_input = None
         if not callable(getattr(pl_module, "effi_count_samples", None)):
             # a sequence-first recurrent network (nn.LSTM / nn.GRU with batch_first=False, PyTorch's word-language
@@ -1471,7 +1490,7 @@ class EfficiencyMonitor(Callback):
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
             self._runner_called, self._last_block = set(), {}
             self._outputs, self._pass_values, self._running, self._embedded = {}, {}, {}, []
-            self._trained_positions, self._mixed_passes = {}, set()
+            self._trained_positions, self._trained_shapes = {}, {}
             if self._rows is not None:  # the ids' embeddings: which tower they feed, and passes over other ids
                 for module in pl_module.modules():
                     if isinstance(module, nn.Embedding):
@@ -1552,12 +1571,17 @@ class EfficiencyMonitor(Callback):
         self._returned(index, module, args, output)
 
     def _embedded_ids(self, module: nn.Module, args: Any, output: Any) -> None:
-        """An ``nn.Embedding`` called on the batch's token ids: its output, for :meth:`_from_embedded`."""
+        """An ``nn.Embedding`` called on integers of the batch's token ids' rows ``(B, T)``, or on ``(B, T')``,
+        ``T' < T`` (the ids with the padding no row uses trimmed off before the embedding: two trimmed views were one
+        pass, qa67-break 04): its output, for :meth:`_from_embedded`."""
         ids = args[0] if args and isinstance(args[0], Tensor) else None
         if (
             ids is not None
+            and self._rows is not None
             and not ids.is_floating_point()
-            and tuple(ids.shape[:2]) == self._rows
+            and ids.ndim >= 2
+            and ids.shape[0] == self._rows[0]
+            and 0 < ids.shape[1] <= self._rows[1]
             and isinstance(output, Tensor)
             and not output.is_nested
         ):
@@ -1644,10 +1668,10 @@ class EfficiencyMonitor(Callback):
                 more = hidden_tokens(args, kwargs)
                 if first is not None and more is not None:
                     self._seen[index] = (first + more, shape, wide)
-                    if hidden is not None and tuple(hidden.shape) != shape:
-                        self._mixed_passes.add(index)
                     if forward_trains() and self._trained_positions.get(index, 0) >= 0:
                         self._trained_positions[index] = self._trained_positions.get(index, 0) + more
+                        if hidden is not None:
+                            self._trained_shapes.setdefault(index, []).append(tuple(hidden.shape))
             return
         tokens = hidden_tokens(args, kwargs)  # None for a nested tensor
         if hidden is not None and index not in self._runner_called:
@@ -1665,6 +1689,8 @@ class EfficiencyMonitor(Callback):
             self._fed_ids.add(index)
         if tokens is not None and forward_trains():
             self._trained_positions[index] = tokens
+            if hidden is not None:
+                self._trained_shapes[index] = [tuple(hidden.shape)]
         if tokens is None or hidden is None:
             self._seen[index] = (None, None, False)
             return
@@ -1732,7 +1758,7 @@ class EfficiencyMonitor(Callback):
         self._observed_sequence_first = shape is not None and self._attention_seen.get(index) == shape
         self._observed_fed = index in self._fed_ids
         self._observed_trained = self._trained_positions.get(index)
-        self._observed_mixed = index in self._mixed_passes
+        self._observed_passes = self._trained_shapes.get(index, [])
         if trained:
             self._chosen = self._watched[index][0]
 

@@ -95,6 +95,7 @@ __all__ = [
     "length_stem",
     "mask_is_additive",
     "mask_tokens",
+    "real_positions",
     "row_tokens",
     "share_a_residue",
     "tensor_leaves",
@@ -226,7 +227,7 @@ def packed_sequences(batch: Mapping[str, Any]) -> int | None:
     if isinstance(positions, Tensor) and positions.ndim == 2 and positions.shape[1] >= 2:
         starts = positions == 0
         if mask is not None:
-            real = _real_positions(mask, tuple(positions.shape))
+            real = real_positions(mask, tuple(positions.shape))
             if real is None:
                 return None
             starts = starts & real
@@ -238,7 +239,7 @@ def packed_sequences(batch: Mapping[str, Any]) -> int | None:
     return None
 
 
-def _real_positions(mask: Any, shape: tuple[int, ...]) -> Tensor | None:
+def real_positions(mask: Any, shape: tuple[int, ...]) -> Tensor | None:
     """``bool [B, T]``: the real (not padded) positions of a mask (:func:`key_padding_mask`, either polarity), or
     None when it is not a tensor of those rows."""
     if not isinstance(mask, Tensor):

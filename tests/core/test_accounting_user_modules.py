@@ -2105,19 +2105,24 @@ class PairEncoder(UserModule):
             self.pos = nn.Parameter(torch.zeros(T, 32))
         if mode == "cls_views":
             self.cls = nn.Parameter(torch.zeros(1, 1, 32))
-        if mode == "prefix_one_view":  # a 16-position prefix (a soft prompt, image tokens)
+        if mode in ("prefix_one_view", "prefix_last_view"):  # a 16-position prefix (a soft prompt, image tokens)
             self.cls = nn.Parameter(torch.zeros(1, T, 32))
 
     def encode(self, ids: torch.Tensor, cls: bool = True) -> torch.Tensor:
         x = self.net.embed(ids)
         if self.mode == "frozen":  # a frozen embedding, a position embedding added: no graph back to the ids
             x = x + self.pos
-        if self.mode in ("cls_views", "prefix_one_view") and cls:  # a CLS or prefix in front: more positions a row
+        if self.mode in ("cls_views", "prefix_one_view", "prefix_last_view") and cls:  # more positions a row
             x = torch.cat([self.cls.expand(len(x), -1, -1), x], 1)
         if self.mode in ("checkpointed", "checkpointed_probe"):  # a reentrant checkpoint runs without grad
             for block in self.net.blocks:
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
             return x.mean(1)
+        for block in self.net.blocks:
+            x = block(x)
+        return x.mean(1)
+
+    def encode_embedded(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.net.blocks:
             x = block(x)
         return x.mean(1)
@@ -2131,6 +2136,16 @@ class PairEncoder(UserModule):
         elif self.mode == "prefix_one_view":  # two more views without the prefix: passes of two shapes
             z1, z2 = self.encode(ids.masked_fill(ids % 3 == 0, 0)), self.encode(ids.masked_fill(ids % 3 == 1, 0), False)
             z2 = z2 + self.encode(ids.masked_fill(ids % 3 == 2, 0), False)
+        elif self.mode == "prefix_last_view":  # the prefixed view runs last
+            z1, z2 = self.encode(ids.masked_fill(ids % 3 == 0, 0), False), self.encode(ids.masked_fill(ids % 3 == 1, 0))
+            z1 = z1 + self.encode(ids.masked_fill(ids % 3 == 2, 0), False)
+        elif self.mode in ("trimmed_views", "trimmed_views_ids"):  # the padding no row uses cut off in each view
+            length = int(mask.sum(1).max())
+            views = [ids.masked_fill(ids % 3 == k, 0) for k in (0, 1)]
+            if self.mode == "trimmed_views_ids":
+                z1, z2 = (self.encode(view[:, :length]) for view in views)
+            else:
+                z1, z2 = (self.encode_embedded(self.net.embed(view)[:, :length]) for view in views)
         elif self.mode in ("probe", "checkpointed_probe"):  # a pass without grad over other ids trains none
             with torch.no_grad():
                 self.encode(batch["positive_ids"])
@@ -2180,20 +2195,36 @@ def test_a_pass_over_other_ids_counts_again(tmp_path: Path, mode: str, passes: i
     assert not [m for m in monitor_warnings(caught) if "fewer than the batch's" in m]
 
 
-def test_passes_of_two_shapes_beside_a_prefix_read_no_scale(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["prefix_one_view", "prefix_last_view"])
+def test_passes_of_two_shapes_beside_a_prefix_count_each_on_its_shape(tmp_path: Path, mode: str) -> None:
     """A prefix in front of one view of three, on a padded batch: the passes' positions (4 x 32 + 2 x 4 x 16) are
     twice those of one pass with the prefix (4 x 16 + 16 x 4), so they were scaled by 2, over-counting (a VLM's
-    image + text pass and two text-only views: 164 tokens for 118, qa68-break 05; 83 for 68, qa67-break 05). Passes
-    of two shapes read no scale: the batch's tokens and the first pass's prefix, never more than the blocks
-    process."""
+    image + text pass and two text-only views: 164 tokens for 118, qa68-break 05; 83 for 68, qa67-break 05); then
+    passes of two shapes read no scale (the first pass's tokens only, 45 for 68 with the text pass first). Each pass
+    counts on its own shape now: the three views' real tokens and the one prefix, whatever the order."""
     mask = (torch.arange(T) < torch.tensor([T, 5, 9, 12])[:, None]).long()
     batch = {"input_ids": torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(0)) * mask,
              "attention_mask": mask}  # fmt: skip
     loader = DataLoader([0] * (2 * B), batch_size=B, collate_fn=lambda rows: batch)
-    _, _, per_batch = fit(PairEncoder("prefix_one_view"), loader, tmp_path, 2)
+    _, _, per_batch = fit(PairEncoder(mode), loader, tmp_path, 2)
     processed = 3 * int(mask.sum()) + T * B  # the three views' tokens and one prefix a row
-    assert [row["tokens"] for row in per_batch.rows] == [int(mask.sum()) + T * B] * 2
-    assert all(row["tokens"] <= processed for row in per_batch.rows)
+    assert [row["tokens"] for row in per_batch.rows] == [processed] * 2
+    assert [row["layer_tokens"] for row in per_batch.rows] == [4 * processed] * 2
+
+
+@pytest.mark.parametrize("trim_ids", [True, False])
+def test_views_trimmed_to_the_longest_real_row_count_each(tmp_path: Path, trim_ids: bool) -> None:
+    """Two masked views of a padded batch, each trimmed in the step to the longest real row (12 of 16 columns)
+    before the blocks: 38 tokens a step (one pass) for 76 when the ids were trimmed before the embedding (the blocks
+    were not told to be the ids'), 57 (the positions' ratio 2 x 4 x 12 / 4 x 16) when the embedding was trimmed
+    (qa67-break 04). Each trimmed view holds every real token: the views' tokens."""
+    mask = (torch.arange(T) < torch.tensor([12, 5, 9, 12])[:, None]).long()
+    batch = {"input_ids": torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(0)) * mask,
+             "attention_mask": mask}  # fmt: skip
+    loader = DataLoader([0] * (2 * B), batch_size=B, collate_fn=lambda rows: batch)
+    _, _, per_batch = fit(PairEncoder("trimmed_views_ids" if trim_ids else "trimmed_views"), loader, tmp_path, 2)
+    assert [row["tokens"] for row in per_batch.rows] == [2 * int(mask.sum())] * 2
+    assert [row["layer_tokens"] for row in per_batch.rows] == [8 * int(mask.sum())] * 2
 
 
 class LazyMomentum(UserModule):
