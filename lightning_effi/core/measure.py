@@ -973,9 +973,11 @@ def same_values(a: Tensor, b: Tensor) -> bool:
 GRAPH_NODES = 64
 
 
-def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES) -> bool:
+def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES, *, through_cat: bool = True) -> bool:
     """Whether ``value``'s autograd graph reaches one of ``nodes`` (``id`` of a ``grad_fn``) within ``limit`` nodes
-    walked back, breadth first: a tensor computed from another in the graph."""
+    walked back, breadth first: a tensor computed from another in the graph. ``through_cat=False``: not through a
+    concatenation (``torch.cat``), which joins other data to the tensor (a recurrent memory transformer's memory
+    slots in front of the next segment's embeddings)."""
     if not nodes or value.grad_fn is None:
         return False
     queue, seen = [value.grad_fn], set[int]()
@@ -986,7 +988,8 @@ def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES) -> bo
         if id(node) in seen:
             continue
         seen.add(id(node))
-        queue.extend(n for n, _ in node.next_functions if n is not None)
+        if through_cat or node.name() != "CatBackward0":
+            queue.extend(n for n, _ in node.next_functions if n is not None)
     return False
 
 
