@@ -973,11 +973,12 @@ def same_values(a: Tensor, b: Tensor) -> bool:
 GRAPH_NODES = 64
 
 
-def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES, *, through_cat: bool = True) -> bool:
+def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES, *, whole_cat: bool = True) -> bool:
     """Whether ``value``'s autograd graph reaches one of ``nodes`` (``id`` of a ``grad_fn``) within ``limit`` nodes
-    walked back, breadth first: a tensor computed from another in the graph. ``through_cat=False``: not through a
-    concatenation (``torch.cat``), which joins other data to the tensor (a recurrent memory transformer's memory
-    slots in front of the next segment's embeddings)."""
+    walked back, breadth first: a tensor computed from another in the graph. ``whole_cat=False``: through a
+    concatenation (``torch.cat``) along another axis than the last, only into a part holding most of its positions
+    (:func:`_cat_majority`): a CLS put back in front of a lap's output is that output, memory slots in front of the
+    next segment's embeddings (a recurrent memory transformer) are not."""
     if not nodes or value.grad_fn is None:
         return False
     queue, seen = [value.grad_fn], set[int]()
@@ -988,9 +989,31 @@ def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES, *, th
         if id(node) in seen:
             continue
         seen.add(id(node))
-        if through_cat or node.name() != "CatBackward0":
-            queue.extend(n for n, _ in node.next_functions if n is not None)
+        parts = [n for n, _ in node.next_functions]
+        if not whole_cat and node.name() == "CatBackward0":
+            parts = _cat_majority(node)
+        queue.extend(n for n in parts if n is not None)
     return False
+
+
+def _cat_majority(node: Any) -> list[Any]:
+    """Of a ``torch.cat`` node's inputs (its ``next_functions``' nodes), those to walk for :func:`derived_from`: every
+    one when it joins along the last axis (features: a state beside the input embeddings, each a whole sequence),
+    else the one holding more than half of the positions along the joined axis (none when no part does). Sizes come
+    from the autograd nodes' input metadata; where they cannot be read, every input."""
+    try:
+        dim, total = int(node._saved_dim), node._input_metadata[0].shape
+        dim = dim - 2**64 if dim >= 2**63 else dim  # a negative dim is saved as an unsigned integer
+        dim %= len(total)
+        if dim == len(total) - 1:
+            return [n for n, _ in node.next_functions]
+        return [
+            n
+            for n, nr in node.next_functions
+            if n is not None and 2 * int(n._input_metadata[nr].shape[dim]) > int(total[dim])
+        ]
+    except (AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError):
+        return [n for n, _ in node.next_functions]
 
 
 def storage_ref(value: Tensor) -> weakref.ref[Any] | None:

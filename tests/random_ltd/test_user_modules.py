@@ -995,6 +995,85 @@ def test_segments_behind_memory_slots_are_two_forwards(tmp_path, mode, frames):
     assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"]
 
 
+class PassesOfAStep(pl.LightningModule):
+    """Passes of a step that read otherwise than the network called once per view: a recurrent-depth loop whose lap
+    input joins its state to the embeddings on the feature axis (``"feature_cat"``), a CLS put back in front of each
+    lap's output (``"cls_relap"``), two noisy views of cached hidden states through the later blocks only
+    (``"later_blocks"``), one view through the encoder and one through the step's own loop (``"runner_and_loop"``),
+    two views whose first block is frozen and run under ``no_grad`` (``"frozen_stem"``)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode, self.emb = mode, nn.Embedding(50, 32)
+        self.adapter, self.cls = nn.Linear(64, 32), nn.Parameter(torch.zeros(1, 1, 32))
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        if mode == "frozen_stem":
+            self.enc.layers[0].requires_grad_(False)
+
+    def run(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        for block in self.enc.layers[start:]:
+            x = block(x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        views = [ids.masked_fill(ids % 3 == k, 0) for k in (0, 1)]
+        if self.mode == "feature_cat":
+            embedded = x = self.emb(ids)
+            for _ in range(2):
+                x = self.run(self.adapter(torch.cat([x, embedded], -1)))
+            return x.pow(2).mean()
+        if self.mode == "cls_relap":
+            cls = self.cls.expand(len(ids), -1, -1)
+            x = torch.cat([cls, self.emb(ids)], 1)
+            for _ in range(2):
+                x = torch.cat([cls, self.run(x)[:, 1:]], 1)
+            return x.pow(2).mean()
+        if self.mode == "later_blocks":
+            cached = self.emb(ids).detach()
+            z1, z2 = (self.run(cached + 0.1 * torch.randn_like(cached), 1).mean(1) for _ in range(2))
+        elif self.mode == "runner_and_loop":
+            z1, z2 = self.enc(self.emb(views[0])).mean(1), self.run(self.emb(views[1])).mean(1)
+        else:
+            zs = []
+            for view in views:
+                with torch.no_grad():
+                    x = self.enc.layers[0](self.emb(view))
+                zs.append(self.run(x, 1).mean(1))
+            z1, z2 = zs
+        return TF.cross_entropy(z1 @ z2.T, torch.arange(len(z1)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+@pytest.mark.parametrize(
+    ("mode", "forwards", "positions"),
+    [("feature_cat", 1, 16), ("cls_relap", 1, 17)],
+)  # fmt: skip
+def test_passes_read_by_the_block_that_begins_them(tmp_path, mode, forwards, positions):
+    """A lap of a weight-shared loop through a concatenation (the state joined on the feature axis, a CLS put back in
+    front) was counted as another pass by the rule for memory slots (256 tokens for 128, qa70-break 01). Two views
+    through the later blocks only, or after a frozen first block run under ``no_grad``, counted one forward in
+    random-LTD, which read the passes from the first block's inputs (qa68-break 02, 06; the monitor counted one pass
+    of the frozen stem's too); a view through the encoder beside one through the step's own loop counted one in both
+    (qa68-break 03). The block that begins each pass tells it, and the callbacks agree."""
+    from lightning_effi import EfficiencyMonitor
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(1, 50, (8, 16)))
+    monitor = EfficiencyMonitor(print_summary=False)
+    layer_ids = [1, 2] if mode in ("later_blocks", "frozen_stem") else [0, 1, 2]
+    ltd = RandomLTDCallback(min_value=8, max_value=positions, seq_per_step=4, require_steps=100, layer_ids=layer_ids)
+    make_trainer(tmp_path, [monitor, ltd], max_steps=2).fit(PassesOfAStep(mode), torch.utils.data.DataLoader(data, 4))
+    assert ltd.full_layer_tokens == 2 * forwards * 4 * positions * 3  # steps x forwards x rows x positions x layers
+    assert ltd.consumed_layer_tokens == monitor.summary["layer_tokens"]
+    assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"]
+    if mode != "later_blocks":  # cached hidden states: the tokens are the ids'
+        assert monitor.summary["tokens"] == 2 * forwards * 4 * positions
+
+
 def test_the_module_and_the_callback_copy_mid_step(tmp_path):
     """``torch.save`` of the module (which reaches the callback through its Trainer), a deep copy or a pickle of the
     callback, mid-step and between steps, failed on the hooks on the network, the step's inputs (non-leaf tensors)
