@@ -631,6 +631,9 @@ class EfficiencyMonitor(Callback):
         self._trained_positions: dict[int, int] = {}
         # the shapes of the first block's hidden states at each of those passes, by watched list, and the observed one's
         self._trained_shapes: dict[int, list[tuple[int, ...]]] = {}
+        # a pass whose first block ran without grad (a frozen stem): its positions and shape, counted as trained when a
+        # later block of the pass trains
+        self._untrained_pass: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._observed_passes: list[tuple[int, ...]] = []
         self._ids_scale = 1.0  # passes over other data per token-id position (a contrastive pair's second input)
         self._block_hooks: list[Any] = []
@@ -644,13 +647,12 @@ class EfficiencyMonitor(Callback):
         # was called again), whose first block call adds its positions to _seen's tokens (_observe)
         self._next_pass: set[int] = set()
         # in the step, for each watched list: the tensors its network began a pass on (held until the step ends), the
-        # tensors its network or its blocks returned (weak references: not kept alive), whether its network was
-        # called as a module, and the position in the list of the block it ran last
+        # tensors its network or its blocks returned (weak references: not kept alive), the calls of its network under
+        # way, and the position in the list of the block it ran last
         self._pass_values: dict[int, list[Any]] = {}
         # watched list -> what its network and blocks returned in the step: the tensor and its storage (weakly held),
         # its autograd node (held to the step's end: an output re-fed inline is freed at once) and its shape
         self._outputs: dict[int, list[_Returned]] = {}
-        self._runner_called: set[int] = set()
         self._running: dict[int, int] = {}  # watched list -> calls of its runners under way (nested ones run no pass)
         self._last_block: dict[int, int] = {}
         # the (B, T) of the step's token ids, and the watched lists whose network was called with an integer tensor of
@@ -1488,9 +1490,9 @@ class EfficiencyMonitor(Callback):
         if not callable(getattr(pl_module, "effi_count_tokens", None)):  # positions, and a mask's downsampling
             self._watched, self._seen, self._attention_seen = self._candidates(pl_module), {}, {}
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
-            self._runner_called, self._last_block = set(), {}
+            self._last_block = {}
             self._outputs, self._pass_values, self._running, self._embedded = {}, {}, {}, []
-            self._trained_positions, self._trained_shapes = {}, {}
+            self._trained_positions, self._trained_shapes, self._untrained_pass = {}, {}, {}
             if self._rows is not None:  # the ids' embeddings: which tower they feed, and passes over other ids
                 for module in pl_module.modules():
                     if isinstance(module, nn.Embedding):
@@ -1557,7 +1559,6 @@ class EfficiencyMonitor(Callback):
         self._running[index] = running + 1
         if running or _in_backward():  # a runner inside another's call (a model holding its encoder's list too)
             return
-        self._runner_called.add(index)
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
         if first is None or self._returned_before(index, first):
             return
@@ -1644,9 +1645,11 @@ class EfficiencyMonitor(Callback):
     ) -> None:
         """The first call, in the step, of a block of watched list ``index`` (block 0 unless a LayerDrop skipped it):
         its hidden states' tokens and shape, and whether their last dimension is a width of the block; at each later
-        pass of the network (:meth:`_pass`), the tokens of its first block call are added. A list whose network is
-        not called as a module in the step (blocks the LightningModule holds, run by a method of its own) begins
-        another pass where a block at or before the last one run is called again, outside a backward."""
+        pass of the network (:meth:`_pass`), the tokens of its first block call are added. A block the step runs
+        itself, outside a call of the list's network (blocks the LightningModule holds, run by a method of its own;
+        a view through the network beside one through the step's own loop was one pass, qa68-break 03), begins
+        another pass where it is at or before the last block run, outside a backward. A pass counts when it trains
+        (:meth:`_add_trained`)."""
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if hidden is not None and hidden.is_nested and not forward_trains():
             # a no_grad probe on PyTorch's fast path trains nothing and has no shape: not observed (before the views
@@ -1657,7 +1660,7 @@ class EfficiencyMonitor(Callback):
             self._trained_positions[index] = -1
         if index in self._seen:
             again = (
-                index not in self._runner_called
+                not self._running.get(index, 0)  # a block the step runs itself (beside a pass through the runner)
                 and last is not None
                 and position <= last
                 and not _in_backward()
@@ -1669,15 +1672,17 @@ class EfficiencyMonitor(Callback):
                 self._next_pass.discard(index)
                 first, shape, wide = self._seen[index]
                 more = hidden_tokens(args, kwargs)
-                if first is not None and more is not None:
+                self._untrained_pass.pop(index, None)
+                if first is not None and more is not None and hidden is not None:
                     self._seen[index] = (first + more, shape, wide)
-                    if forward_trains() and self._trained_positions.get(index, 0) >= 0:
-                        self._trained_positions[index] = self._trained_positions.get(index, 0) + more
-                        if hidden is not None:
-                            self._trained_shapes.setdefault(index, []).append(tuple(hidden.shape))
+                    self._add_trained(index, more, tuple(hidden.shape))
+            elif last is not None and position <= last:  # another lap, or a pass over the same data: not counted
+                self._untrained_pass.pop(index, None)  # a held pass that trained nothing (a probe) ends
+            elif index in self._untrained_pass and forward_trains() and not _in_backward():
+                self._add_trained(index, *self._untrained_pass.pop(index))  # trained after a frozen first block
             return
         tokens = hidden_tokens(args, kwargs)  # None for a nested tensor
-        if hidden is not None and index not in self._runner_called:
+        if hidden is not None and not self._running.get(index, 0):
             self._seen_values(index, hidden)
         if (
             hidden is not None
@@ -1690,10 +1695,8 @@ class EfficiencyMonitor(Callback):
             )
         ):
             self._fed_ids.add(index)
-        if tokens is not None and forward_trains():
-            self._trained_positions[index] = tokens
-            if hidden is not None:
-                self._trained_shapes[index] = [tuple(hidden.shape)]
+        if tokens is not None and hidden is not None:
+            self._add_trained(index, tokens, tuple(hidden.shape))
         if tokens is None or hidden is None:
             self._seen[index] = (None, None, False)
             return
@@ -1707,6 +1710,16 @@ class EfficiencyMonitor(Callback):
                 for m in module.modules()
             ),
         )
+
+    def _add_trained(self, index: int, positions: int, shape: tuple[int, ...]) -> None:
+        """A pass of watched list ``index`` over ``positions`` positions, whose first block saw hidden states of
+        ``shape``: counted when it trains; a pass begun under ``no_grad`` (a frozen first block, or a probe) is held
+        until a later block of it trains (two views through a frozen stem counted as one pass, qa68-break 06)."""
+        if not forward_trains():
+            self._untrained_pass[index] = (positions, shape)
+        elif self._trained_positions.get(index, 0) >= 0:
+            self._trained_positions[index] = self._trained_positions.get(index, 0) + positions
+            self._trained_shapes.setdefault(index, []).append(shape)
 
     def _observe_rnn(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """The input shape of the step's first call of a sequence-first ``nn.RNNBase``: ``[T, B, H]``, or of a

@@ -534,7 +534,11 @@ class RandomLTDCallback(Callback):
         # the inputs of the step's passes over other data of the network running the LTD layers (their first tensor
         # argument), and the hooks that see them (:meth:`_watch_inputs`)
         self._inputs: list[torch.Tensor] = []
-        self._block_inputs: list[torch.Tensor] = []  # of its first block, for a step that runs the blocks itself
+        # of the first block a pass runs outside a runner, for a step that runs the blocks itself; the runners' calls
+        # under way and the position of the block the step ran last outside them
+        self._block_inputs: list[torch.Tensor] = []
+        self._runner_depth = 0
+        self._last_position: int | None = None
         # what its runners and last block returned: (grad_fn, storage, shape)
         self._block_outputs: list[tuple[Any, Any, tuple[int, ...]]] = []
         self._input_hooks: list[Any] = []
@@ -1512,17 +1516,38 @@ class RandomLTDCallback(Callback):
             if runner is None:
                 continue
             self._input_hooks.append(
-                runner.register_forward_pre_hook(WeakHook(self, "_input_seen", False), with_kwargs=True)
+                runner.register_forward_pre_hook(WeakHook(self, "_runner_called"), with_kwargs=True)
             )
-            self._input_hooks.append(runner.register_forward_hook(WeakHook(self, "_output_seen")))
-        if len(layers):  # a step that runs the blocks itself calls no runner: its first block's inputs tell the passes
-            hook = WeakHook(self, "_input_seen", True)
-            self._input_hooks.append(layers[0].register_forward_pre_hook(hook, with_kwargs=True))
-            self._input_hooks.append(layers[-1].register_forward_hook(WeakHook(self, "_output_seen")))
+            self._input_hooks.append(runner.register_forward_hook(WeakHook(self, "_output_seen", True)))
+        # a step that runs the blocks itself calls no runner: the first block of each pass tells it
+        for position, layer in enumerate(layers):
+            hook = WeakHook(self, "_block_called", position)
+            self._input_hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+        if len(layers):
+            self._input_hooks.append(layers[-1].register_forward_hook(WeakHook(self, "_output_seen", False)))
+
+    def _runner_called(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A call of a runner of the LTD layers' list: its input (:meth:`_input_seen`); the blocks it runs begin no
+        pass of their own (:meth:`_block_called`)."""
+        if not _in_backward():
+            self._runner_depth += 1
+        self._input_seen(False, module, args, kwargs)
+
+    def _block_called(self, position: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A call of the LTD layers' list's block at ``position``, outside a runner's call: the first block the step
+        runs, or one at or before the last it ran, begins a pass (:meth:`_input_seen`), whichever block that is: the
+        later blocks only, run on cached hidden states, or the trained blocks after a frozen first one run under
+        ``no_grad`` (one forward counted of two views, qa68-break 02, 06); a view through the network beside one
+        through the step's own loop (one counted, qa68-break 03)."""
+        if self._runner_depth or _in_backward() or not forward_trains():
+            return
+        last, self._last_position = self._last_position, position
+        if last is None or position <= last:
+            self._input_seen(True, module, args, kwargs)
 
     def _input_seen(self, block: bool, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A call of a runner of the LTD layers' list (or of its first block, ``block``) that trains: its first tensor
-        is remembered unless one of the same values was (R-Drop)."""
+        """A call of a runner of the LTD layers' list (or of a block beginning a pass outside one, ``block``) that
+        trains: its first tensor is remembered unless one of the same values was (R-Drop)."""
         if _in_backward() or self.controller is None or self.controller.key is None:  # a recompute; no step
             return
         if not forward_trains():  # a probe under no_grad on other ids trains no tokens (qa66-break 02)
@@ -1532,13 +1557,14 @@ class RandomLTDCallback(Callback):
             return
         if self._continues(first):  # what the network or its last block returned: a loop over the blocks, one pass
             return
-        seen = self._block_inputs if block else self._inputs
-        if not any(same_values(earlier, first) for earlier in seen):
-            seen.append(first)
+        if not any(same_values(earlier, first) for earlier in (*self._inputs, *self._block_inputs)):
+            (self._block_inputs if block else self._inputs).append(first)
 
-    def _output_seen(self, module: nn.Module, args: Any, output: Any) -> None:
-        """What a runner of the list or its last block returned in the micro-batch (its first tensor): its autograd
-        node, its storage (weakly) and its shape, for :meth:`_continues`."""
+    def _output_seen(self, runner: bool, module: nn.Module, args: Any, output: Any) -> None:
+        """What a runner of the list (``runner``) or its last block returned in the micro-batch (its first tensor):
+        its autograd node, its storage (weakly) and its shape, for :meth:`_continues`."""
+        if runner and not _in_backward():
+            self._runner_depth = max(0, self._runner_depth - 1)
         value = output if isinstance(output, torch.Tensor) else next((v for _, v in tensor_leaves(output)), None)
         if value is not None and not value.is_nested and not _in_backward():
             self._block_outputs.append((value.grad_fn, storage_ref(value), tuple(value.shape)))
@@ -1561,6 +1587,7 @@ class RandomLTDCallback(Callback):
         for hook in self._input_hooks:
             hook.remove()
         self._input_hooks, self._inputs, self._block_inputs, self._block_outputs = [], [], [], []
+        self._runner_depth, self._last_position = 0, None
 
     def __getstate__(self) -> dict[str, Any]:
         """The callback's state without what one step or fit holds of its network (the hooks on it, its inputs, weak
@@ -1568,6 +1595,7 @@ class RandomLTDCallback(Callback):
         callback through its Trainer, and a deep copy of the callback, failed mid-fit (qa67-break 02)."""
         state = dict(self.__dict__)
         state.update(_input_hooks=[], _inputs=[], _block_inputs=[], _block_outputs=[], _runners=None)
+        state.update(_runner_depth=0, _last_position=None)
         return state
 
     def _release_frozen_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -1756,7 +1784,7 @@ class RandomLTDCallback(Callback):
             # or one per input of other values the network was called on: two augmented views of one loader's batch
             # (SimCLR, a contrastive pair) train two forwards' tokens (576 counted for 1,152, qa61-ideas 02)
             inputs = sum(
-                1 for v in self._inputs or self._block_inputs if v.ndim and rec.batch_size in tuple(v.shape[:2])
+                1 for v in (*self._inputs, *self._block_inputs) if v.ndim and rec.batch_size in tuple(v.shape[:2])
             )
             forwards = max(1, min(trained, max(loaders, inputs)))
             samples += forwards * rec.batch_size

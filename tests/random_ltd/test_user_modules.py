@@ -1050,7 +1050,8 @@ class PassesOfAStep(pl.LightningModule):
 
 @pytest.mark.parametrize(
     ("mode", "forwards", "positions"),
-    [("feature_cat", 1, 16), ("cls_relap", 1, 17)],
+    [("feature_cat", 1, 16), ("cls_relap", 1, 17), ("later_blocks", 2, 16), ("runner_and_loop", 2, 16),
+     ("frozen_stem", 2, 16)],
 )  # fmt: skip
 def test_passes_read_by_the_block_that_begins_them(tmp_path, mode, forwards, positions):
     """A lap of a weight-shared loop through a concatenation (the state joined on the feature axis, a CLS put back in
