@@ -115,6 +115,7 @@ from lightning_effi.core.measure import (
     mask_is_additive,
     opaque_holder,
     other_first_dims,
+    pass_input,
     real_positions,
     same_values,
     sequence_groups,
@@ -1559,7 +1560,7 @@ class EfficiencyMonitor(Callback):
         self._running[index] = running + 1
         if running or _in_backward():  # a runner inside another's call (a model holding its encoder's list too)
             return
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        first = pass_input(args, kwargs)
         if first is None or self._returned_before(index, first):
             return
         # another tensor of the same values (R-Drop embedding the same batch again) is the same data

@@ -82,6 +82,7 @@ from lightning_effi.core.measure import (
     leaf_name,
     length_stem,
     mask_tokens,
+    pass_input,
     same_values,
     share_a_residue,
     storage_ref,
@@ -1552,7 +1553,7 @@ class RandomLTDCallback(Callback):
             return
         if not forward_trains():  # a probe under no_grad on other ids trains no tokens (qa66-break 02)
             return
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        first = pass_input(args, kwargs)
         if first is None or first.is_nested:
             return
         if self._continues(first):  # what the network or its last block returned: a loop over the blocks, one pass

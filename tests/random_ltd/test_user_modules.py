@@ -1075,6 +1075,46 @@ def test_passes_read_by_the_block_that_begins_them(tmp_path, mode, forwards, pos
         assert monitor.summary["tokens"] == 2 * forwards * 4 * positions
 
 
+class SoftPromptViews(pl.LightningModule):
+    """Prompt tuning on HF GPT-2: two masked views of the ids, each behind a 4-position soft prompt, through the model
+    called with ``inputs_embeds`` and an ``attention_mask`` (GPT-2 hands its base model ``input_ids=None`` and the
+    mask before ``inputs_embeds``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPT2LMHeadModel(gpt2_config(64))
+        self.prompt = nn.Parameter(torch.randn(1, 4, 32) * 0.02)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        loss = torch.zeros(())
+        for view in (ids, ids.masked_fill(ids % 3 == 0, 1)):
+            embedded = torch.cat([self.prompt.expand(len(view), -1, -1), self.model.transformer.wte(view)], 1)
+            mask = torch.ones(embedded.shape[:2], dtype=torch.long)
+            loss = loss + self.model(inputs_embeds=embedded, attention_mask=mask).logits.logsumexp(-1).mean()
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_two_views_through_inputs_embeds_count_two_forwards(tmp_path):
+    """Two views through an HF model called with ``inputs_embeds``: the first tensor of its base model's call is the
+    attention mask, the same in both views, so the second read as R-Drop: one pass counted of two, 105 tokens for
+    210 (qa70-regress 02). The pass is read from the call's data, in both callbacks."""
+    from lightning_effi import EfficiencyMonitor
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(2, VOCAB, (8, 16)))
+    monitor = EfficiencyMonitor(print_summary=False)
+    ltd = RandomLTDCallback(min_value=10, seq_per_step=4, require_steps=100)
+    make_trainer(tmp_path, [monitor, ltd], max_steps=2).fit(SoftPromptViews(), torch.utils.data.DataLoader(data, 4))
+    positions = 2 * 2 * 4 * 20  # steps x views x rows x (prompt + ids)
+    assert monitor.summary["tokens"] == positions
+    assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"] == positions * ltd.num_layers
+    assert ltd.consumed_layer_tokens == monitor.summary["layer_tokens"]
+
+
 def test_the_module_and_the_callback_copy_mid_step(tmp_path):
     """``torch.save`` of the module (which reaches the callback through its Trainer), a deep copy or a pickle of the
     callback, mid-step and between steps, failed on the hooks on the network, the step's inputs (non-leaf tensors)
