@@ -959,7 +959,8 @@ class RandomLTDCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the sequence length the patched layers will see, peeked from the training data
         (:meth:`_peek_sequence_length`; not with a Curriculum, whose first batches are short by design), against
-        ``min_value``, ``max_value``, ``seq_per_step`` and the model's ``max_sequence_length`` (:meth:`_check_length`);
+        ``min_value``, ``seq_per_step`` and the model's ``max_sequence_length`` (:meth:`_check_length`; an explicit
+        ``max_value`` at the first batch, against the positions the layers see, prompt tokens included);
         resolve a derived ``require_steps`` (a fraction or epochs): on the run's progress clock when a technique
         provides one (found now, after every callback's ``setup``: InfoBatch hides its clock in its own ``setup``
         when it thins inside the curriculum), else in optimizer steps; on resume compare with the checkpoint's
@@ -984,7 +985,9 @@ class RandomLTDCallback(Callback):
             if self._data_length is not None:
                 if self._seen:  # resumed with a max_value derived from the data of the run's start
                     self._check_restored_max_value(self._data_length)
-                self._check_length(self._data_length, self._PEEKED)
+                # an explicit max_value is checked at the first batch, against the positions the layers see: a model
+                # may put tokens in front of the ids (a soft prompt: 20 refused for the 16 ids, qa70-regress 03)
+                self._check_length(self._data_length, self._PEEKED, explicit_max=False)
         self._resolve_schedule(trainer)
         if not self._resumed and trainer.global_step > 0:
             self._refuse_late_start(trainer)
@@ -1671,7 +1674,7 @@ class RandomLTDCallback(Callback):
         name = type(self).__name__
         first, self._seen = not self._seen, True
         self._longest_seen = max(self._longest_seen, seq_len)
-        if first and self._curriculum is None and seq_len != self._data_length:
+        if first and self._curriculum is None and (seq_len != self._data_length or self.max_value_arg is not None):
             # samples of different lengths: one batch's length does not bound an explicit max_value (on_train_end
             # warns when no batch reached it)
             varying = self._lengths_vary or self._first_padded

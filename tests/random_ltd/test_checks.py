@@ -333,10 +333,6 @@ def test_seq_per_step_above_max_value_is_refused_at_construction():
             r"min_value \(32\) is larger than the sequence length .* \(16 tokens in the training data",
         ),
         (dict(min_value=16, max_value=16, seq_per_step=16), r"min_value \(16\) is equal to the sequence length"),
-        (
-            dict(max_value=24),
-            r"max_value \(24\) is larger than the sequence length .* \(16 tokens in the training data",
-        ),
         (dict(seq_per_step=32), r"seq_per_step \(32\) is larger than max_value=None's end .* \(16 tokens in the train"),
     ],
 )
@@ -346,6 +342,45 @@ def test_no_op_settings_are_refused_before_the_first_batch(tmp_path, kwargs, mat
     with pytest.raises(ValueError, match=match):
         trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
     assert (seen.epochs, seen.batches, trainer.global_step) == (0, 0, 0)  # raised in on_train_start
+
+
+class SoftPrompted(pl.LightningModule):
+    """Prompt tuning: ``prompt`` learned positions in front of the ids' embeddings, HF GPT-2 called with
+    ``inputs_embeds``: its blocks see ``prompt`` positions more than the data's ids."""
+
+    def __init__(self, prompt: int) -> None:
+        super().__init__()
+        self.model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_layer=3, n_embd=32, n_head=2))
+        self.prompt = nn.Parameter(torch.zeros(1, prompt, 32))
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        x = torch.cat([self.prompt.expand(len(ids), -1, -1), self.model.transformer.wte(ids)], 1)
+        return self.model(inputs_embeds=x).logits.logsumexp(-1).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize(("prompt", "max_value", "refused"), [(0, 24, True), (4, 20, False), (4, 24, True)])
+def test_an_explicit_max_value_is_checked_against_the_positions_of_the_first_batch(
+    tmp_path, prompt, max_value, refused
+):
+    """The ids peeked from the data at train start do not count the positions a model puts in front of them: a
+    soft-prompted model whose layers see 20 positions was refused max_value=20, "larger than the 16 tokens in the
+    training data" (qa70-regress 03). An explicit max_value is checked at the first batch, before any update,
+    against the positions the layers see."""
+    seen = Seen()
+    trainer = make_trainer(tmp_path, [ltd(max_value=max_value), seen], max_steps=2, max_epochs=-1)
+    module = SoftPrompted(prompt) if prompt else deep_gpt2()
+    if refused:
+        shown = rf"max_value \({max_value}\) is larger than .* \({16 + prompt} tokens at the first training batch\)"
+        with pytest.raises(ValueError, match=shown):
+            trainer.fit(module, datamodule=tiny_lm_data())
+        assert (seen.batches, trainer.global_step) == (1, 0)
+    else:
+        trainer.fit(module, datamodule=tiny_lm_data())
+        assert trainer.global_step == 2 and trainer.callbacks[0].max_value == max_value
 
 
 def test_data_it_cannot_peek_is_checked_at_the_first_batch(tmp_path):
