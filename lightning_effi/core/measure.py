@@ -994,9 +994,9 @@ def pass_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tensor | Non
 def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES, *, whole_cat: bool = True) -> bool:
     """Whether ``value``'s autograd graph reaches one of ``nodes`` (``id`` of a ``grad_fn``) within ``limit`` nodes
     walked back, breadth first: a tensor computed from another in the graph. ``whole_cat=False``: through a
-    concatenation (``torch.cat``) along another axis than the last, only into a part holding most of its positions
-    (:func:`_cat_majority`): a CLS put back in front of a lap's output is that output, memory slots in front of the
-    next segment's embeddings (a recurrent memory transformer) are not."""
+    concatenation (``torch.cat``) along another axis than the last only when it joins one part to learned tokens
+    (:func:`_cat_parts`): a CLS put back in front of a lap's output is that output, memory slots in front of the next
+    segment's embeddings (a recurrent memory transformer) are not."""
     if not nodes or value.grad_fn is None:
         return False
     queue, seen = [value.grad_fn], set[int]()
@@ -1009,29 +1009,45 @@ def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES, *, wh
         seen.add(id(node))
         parts = [n for n, _ in node.next_functions]
         if not whole_cat and node.name() == "CatBackward0":
-            parts = _cat_majority(node)
+            parts = _cat_parts(node)
         queue.extend(n for n in parts if n is not None)
     return False
 
 
-def _cat_majority(node: Any) -> list[Any]:
+#: autograd nodes of a lookup in a table by data (an embedding of token ids): computed from data, not parameters only
+_LOOKUPS = ("Embedding", "IndexSelect", "Index", "Gather")
+
+
+def _learned_only(node: Any, limit: int = 16) -> bool:
+    """Whether an autograd node computes from parameters only (a learned CLS, register or memory tokens, expanded to
+    the batch): its walk ends in parameters within ``limit`` nodes, with no input that takes no grad (data, or a
+    frozen part's output) and no lookup in a table (an embedding of ids)."""
+    queue, count = [node], 0
+    while queue:
+        current = queue.pop()
+        count += 1
+        if current is None or count > limit or current.name().startswith(_LOOKUPS):
+            return False
+        if not hasattr(current, "variable"):  # a parameter (AccumulateGrad) ends the walk
+            queue.extend(n for n, _ in current.next_functions)
+    return True
+
+
+def _cat_parts(node: Any) -> list[Any]:
     """Of a ``torch.cat`` node's inputs (its ``next_functions``' nodes), those to walk for :func:`derived_from`: every
-    one when it joins along the last axis (features: a state beside the input embeddings, each a whole sequence),
-    else the one holding more than half of the positions along the joined axis (none when no part does). Sizes come
-    from the autograd nodes' input metadata; where they cannot be read, every input."""
+    one when it joins along the last axis (features: a state beside the input embeddings, each a whole sequence);
+    else the one part that is not learned tokens only (:func:`_learned_only`), none where two are (memory slots in
+    front of new data: another pass, whichever holds more positions, qa71-break 03). The axis is read from the node;
+    where it cannot be, every input."""
     try:
-        dim, total = int(node._saved_dim), node._input_metadata[0].shape
-        dim = dim - 2**64 if dim >= 2**63 else dim  # a negative dim is saved as an unsigned integer
-        dim %= len(total)
-        if dim == len(total) - 1:
-            return [n for n, _ in node.next_functions]
-        return [
-            n
-            for n, nr in node.next_functions
-            if n is not None and 2 * int(n._input_metadata[nr].shape[dim]) > int(total[dim])
-        ]
-    except (AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError):
+        dim, total = int(node._saved_dim), len(node._input_metadata[0].shape)
+    except (AttributeError, IndexError, TypeError, ValueError):
         return [n for n, _ in node.next_functions]
+    dim = dim - 2**64 if dim >= 2**63 else dim  # a negative dim is saved as an unsigned integer
+    if total == 0 or dim % total == total - 1:
+        return [n for n, _ in node.next_functions]
+    data = [n for n, _ in node.next_functions if not _learned_only(n)]
+    return data if len(data) == 1 else []
 
 
 def storage_ref(value: Tensor) -> weakref.ref[Any] | None:
