@@ -1502,7 +1502,10 @@ class EfficiencyMonitor(Callback):
                 for runner in block_runners(pl_module, name, blocks):
                     hook = runner.register_forward_pre_hook(WeakHook(self, "_pass", i), with_kwargs=True)
                     self._block_hooks.append(hook)
-                    self._block_hooks.append(runner.register_forward_hook(WeakHook(self, "_ran", i)))
+                    # also when the call raises (one the step catches: its count of calls under way stayed up and no
+                    # later pass was read, 128 tokens for 256, qa71-break 02)
+                    hook = runner.register_forward_hook(WeakHook(self, "_ran", i), always_call=True)
+                    self._block_hooks.append(hook)
                 # every block: the first one the step runs (a LayerDrop may skip block 0, qa47-break 02)
                 for position, block in enumerate(blocks.children()):
                     self._block_hooks.append(block.register_forward_hook(WeakHook(self, "_returned", i)))
@@ -1679,7 +1682,13 @@ class EfficiencyMonitor(Callback):
                     self._add_trained(index, more, tuple(hidden.shape))
             elif last is not None and position <= last:  # another lap, or a pass over the same data: not counted
                 self._untrained_pass.pop(index, None)  # a held pass that trained nothing (a probe) ends
-            elif index in self._untrained_pass and forward_trains() and not _in_backward():
+            elif (
+                index in self._untrained_pass
+                and forward_trains()
+                and not _in_backward()
+                and hidden is not None
+                and not hidden.requires_grad  # what the held pass's blocks made without grad, not another pass's
+            ):
                 self._add_trained(index, *self._untrained_pass.pop(index))  # trained after a frozen first block
             return
         tokens = hidden_tokens(args, kwargs)  # None for a nested tensor

@@ -1522,7 +1522,9 @@ class RandomLTDCallback(Callback):
             self._input_hooks.append(
                 runner.register_forward_pre_hook(WeakHook(self, "_runner_called"), with_kwargs=True)
             )
-            self._input_hooks.append(runner.register_forward_hook(WeakHook(self, "_output_seen", True)))
+            # also when the call raises (a call the step catches, then runs the passes: counted once, qa71-break 02)
+            hook = WeakHook(self, "_output_seen", True)
+            self._input_hooks.append(runner.register_forward_hook(hook, always_call=True))
         # a step that runs the blocks itself calls no runner: the first block of each pass tells it
         for position, layer in enumerate(layers):
             hook = WeakHook(self, "_block_called", position)

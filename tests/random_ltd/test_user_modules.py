@@ -1033,7 +1033,21 @@ class PassesOfAStep(pl.LightningModule):
             for _ in range(2):
                 x = torch.cat([cls, self.run(x)[:, 1:]], 1)
             return x.pow(2).mean()
-        if self.mode == "later_blocks":
+        if self.mode == "targets_by_depth":  # per-block targets from a no_grad pass over another view, beside
+            x, targets, loss = self.emb(views[0]), self.emb(views[1]), torch.zeros(())
+            for block in self.enc.layers:
+                x = block(x)
+                with torch.no_grad():
+                    targets = block(targets)
+                loss = loss + (x - targets).pow(2).mean()
+            return loss
+        if self.mode == "caught_raise":  # a call of the encoder that raises, caught, then two views by the step's loop
+            try:
+                self.enc(self.emb(ids), need_weights=True)
+            except TypeError:
+                pass
+            z1, z2 = (self.run(self.emb(view)).mean(1) for view in views)
+        elif self.mode == "later_blocks":
             cached = self.emb(ids).detach()
             z1, z2 = (self.run(cached + 0.1 * torch.randn_like(cached), 1).mean(1) for _ in range(2))
         elif self.mode == "runner_and_loop":
@@ -1054,15 +1068,18 @@ class PassesOfAStep(pl.LightningModule):
 @pytest.mark.parametrize(
     ("mode", "forwards", "positions"),
     [("feature_cat", 1, 16), ("cls_relap", 1, 17), ("later_blocks", 2, 16), ("runner_and_loop", 2, 16),
-     ("frozen_stem", 2, 16)],
+     ("frozen_stem", 2, 16), ("caught_raise", 2, 16), ("targets_by_depth", 1, 16)],
 )  # fmt: skip
 def test_passes_read_by_the_block_that_begins_them(tmp_path, mode, forwards, positions):
     """A lap of a weight-shared loop through a concatenation (the state joined on the feature axis, a CLS put back in
-    front) was counted as another pass by the rule for memory slots (256 tokens for 128, qa70-break 01). Two views
-    through the later blocks only, or after a frozen first block run under ``no_grad``, counted one forward in
-    random-LTD, which read the passes from the first block's inputs (qa68-break 02, 06; the monitor counted one pass
-    of the frozen stem's too); a view through the encoder beside one through the step's own loop counted one in both
-    (qa68-break 03). The block that begins each pass tells it, and the callbacks agree."""
+        front) was counted as another pass by the rule for memory slots (256 tokens for 128, qa70-break 01). Two views
+        through the later blocks only, or after a frozen first block run under ``no_grad``, counted one forward in
+        random-LTD, which read the passes from the first block's inputs (qa68-break 02, 06; the monitor counted one pass
+        of the frozen stem's too); a view through the encoder beside one through the step's own loop counted one in both
+        (qa68-break 03). A call of the encoder that raised, caught by the step, left its count of calls under way up, so
+    no later pass was read (qa71-break 02); a no_grad pass of targets run block by block beside the trained view was
+    counted by the trained view's blocks (qa71-break 05). The block that begins each pass tells it, and the callbacks
+    agree."""
     from lightning_effi import EfficiencyMonitor
 
     torch.manual_seed(0)
