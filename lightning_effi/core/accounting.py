@@ -1639,9 +1639,9 @@ class EfficiencyMonitor(Callback):
         storage = storage_ref(value)
         if storage is not None and any(r.storage is not None and r.storage() is storage() for r in returned):
             return True
-        # through a concatenation only into most of its positions: a memory of the output's shape in front of a new
-        # segment is another pass (80 tokens for 160, qa69-break 02), a CLS put back in front of a lap's output or a
-        # state joined to the embeddings on the feature axis is not (counted per lap, qa70-break 01)
+        # through a concatenation along the positions only beside learned tokens: a memory of the output's shape in
+        # front of a new segment is another pass (80 tokens for 160, qa69-break 02), a CLS put back in front of a
+        # lap's output or a state joined to the embeddings on the feature axis is not (counted per lap, qa70-break 01)
         return derived_from(value, {id(r.grad_fn) for r in returned if r.grad_fn is not None}, whole_cat=False)
 
     def _observe(
