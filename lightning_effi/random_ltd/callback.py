@@ -1278,6 +1278,12 @@ class RandomLTDCallback(Callback):
             f"never see; pass max_value, the positions the layers see at the curriculum's longest batch"
         )
 
+    def _lengths_may_grow(self) -> bool:
+        """Whether a later batch may be longer than the first: the samples peeked at train start differ in length, or
+        the first batch has padding and no peek told the samples' length (samples padded to one fixed length, peeked
+        alike, make every batch as long: an explicit ``max_value`` above it went unchecked, qa72-break 01)."""
+        return self._lengths_vary or (self._first_padded and self._data_length is None)
+
     def _check_length(self, seq_len: int, where: str, explicit_max: bool = True) -> None:
         """The settings against the sequence length ``S`` the patched layers see (``where``: peeked from the
         training data at train start, or the first training batch; ``explicit_max``: check an explicit
@@ -1680,8 +1686,7 @@ class RandomLTDCallback(Callback):
         if first and self._curriculum is None and (seq_len != self._data_length or self.max_value_arg is not None):
             # samples of different lengths: one batch's length does not bound an explicit max_value (on_train_end
             # warns when no batch reached it)
-            varying = self._lengths_vary or self._first_padded
-            self._check_length(seq_len, "at the first training batch", explicit_max=not varying)
+            self._check_length(seq_len, "at the first training batch", explicit_max=not self._lengths_may_grow())
         if first and self._first_batch_length is not None:
             self._check_curriculum_units(seq_len, self._first_batch_length)
         if self.max_value_arg is not None:
@@ -1978,8 +1983,7 @@ class RandomLTDCallback(Callback):
             )
         explicit = self.max_value_arg
         longest, reached = self._longest_seen, self.current_value or 0
-        varying = self._lengths_vary or self._first_padded
-        if explicit is not None and varying and 0 < longest < explicit and reached >= longest:
+        if explicit is not None and self._lengths_may_grow() and 0 < longest < explicit and reached >= longest:
             rank_zero_warn(
                 f"{type(self).__name__}: max_value={explicit}, but the longest batch the patched layers saw in this "
                 f"fit was {longest} tokens: the reserved length reached {longest} before the end of its growth and "

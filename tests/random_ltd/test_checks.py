@@ -362,24 +362,37 @@ class SoftPrompted(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@pytest.mark.parametrize(("prompt", "max_value", "refused"), [(0, 24, True), (4, 20, False), (4, 24, True)])
+class PaddedBlocks(TokenBlocks):
+    """Token blocks padded to one length, 16, each with 4 to 15 real tokens (``padding="max_length"``)."""
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        return item | {"attention_mask": (torch.arange(16) < 4 + i % 12).long()}
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_value", "refused", "padded"),
+    [(0, 24, True, False), (4, 20, False, False), (4, 24, True, False), (0, 32, True, True)],
+)
 def test_an_explicit_max_value_is_checked_against_the_positions_of_the_first_batch(
-    tmp_path, prompt, max_value, refused
+    tmp_path, prompt, max_value, refused, padded
 ):
     """The ids peeked from the data at train start do not count the positions a model puts in front of them: a
     soft-prompted model whose layers see 20 positions was refused max_value=20, "larger than the 16 tokens in the
     training data" (qa70-regress 03). An explicit max_value is checked at the first batch, before any update,
-    against the positions the layers see."""
+    against the positions the layers see; also when that batch has padding, where every sample is padded to one
+    length (skipped as a batch padded per batch, so 32 for 16 passed, qa72-break 01)."""
     seen = Seen()
     trainer = make_trainer(tmp_path, [ltd(max_value=max_value), seen], max_steps=2, max_epochs=-1)
     module = SoftPrompted(prompt) if prompt else deep_gpt2()
+    data = TinyDataModule(PaddedBlocks()) if padded else tiny_lm_data()
     if refused:
         shown = rf"max_value \({max_value}\) is larger than .* \({16 + prompt} tokens at the first training batch\)"
         with pytest.raises(ValueError, match=shown):
-            trainer.fit(module, datamodule=tiny_lm_data())
+            trainer.fit(module, datamodule=data)
         assert (seen.batches, trainer.global_step) == (1, 0)
     else:
-        trainer.fit(module, datamodule=tiny_lm_data())
+        trainer.fit(module, datamodule=data)
         assert trainer.global_step == 2 and trainer.callbacks[0].max_value == max_value
 
 
