@@ -1639,9 +1639,9 @@ class EfficiencyMonitor(Callback):
         storage = storage_ref(value)
         if storage is not None and any(r.storage is not None and r.storage() is storage() for r in returned):
             return True
-        # through a concatenation along the positions only beside learned tokens: a memory of the output's shape in
-        # front of a new segment is another pass (80 tokens for 160, qa69-break 02), a CLS put back in front of a
-        # lap's output or a state joined to the embeddings on the feature axis is not (counted per lap, qa70-break 01)
+        # through a concatenation along the positions only where all its data comes from the output: a memory of the
+        # output's shape in front of a new segment is another pass (80 tokens for 160, qa69-break 02), a CLS put back
+        # in front of a lap's output or a state joined to the embeddings on the feature axis is not (qa70-break 01)
         return derived_from(value, {id(r.grad_fn) for r in returned if r.grad_fn is not None}, whole_cat=False)
 
     def _observe(
@@ -1687,7 +1687,10 @@ class EfficiencyMonitor(Callback):
                 and forward_trains()
                 and not _in_backward()
                 and hidden is not None
-                and not hidden.requires_grad  # what the held pass's blocks made without grad, not another pass's
+                # not computed from a block's output with grad (another pass going on: targets run block by block
+                # beside the trained view, qa71-break 05); a trainable adapter after the frozen blocks is this pass
+                # (qa72-break 03)
+                and not derived_from(hidden, {id(r.grad_fn) for r in self._outputs.get(index, ()) if r.grad_fn})
             ):
                 self._add_trained(index, *self._untrained_pass.pop(index))  # trained after a frozen first block
             return

@@ -980,26 +980,41 @@ _NOT_PASS_DATA = ("mask", "position", "type", "cache", "past", "encoder")
 
 def pass_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tensor | None:
     """The tensor a call of a network runs its pass over: its first positional tensor, else its first keyword tensor
-    whose name is no attention mask, position or token-type ids, cache or encoder output, else its first tensor. A
+    whose name is no attention mask, position or token-type ids, cache or encoder output, passing over learned tokens
+    (a Perceiver's latents, positional before its inputs: two views read as one, qa72-break 04), else its first
+    tensor. A
     Hugging Face model hands its base model ``input_ids=None`` and the attention mask before ``inputs_embeds``: two
     views with the same mask read as one pass over the same data (R-Drop), 105 tokens for 210 (qa70-regress 02)."""
-    positional = next((a for a in args if isinstance(a, Tensor)), None)
-    if positional is not None:
-        return positional
     named = [(k, v) for k, v in kwargs.items() if isinstance(v, Tensor)]
-    data = next((v for k, v in named if not any(word in k for word in _NOT_PASS_DATA)), None)
-    return data if data is not None else (named[0][1] if named else None)
+    candidates = [a for a in args if isinstance(a, Tensor)]
+    candidates += [v for k, v in named if not any(word in k for word in _NOT_PASS_DATA)]
+    # learned tokens first (a Perceiver's latents, then its inputs by keyword) are the same in every pass
+    data = next((v for v in candidates if not _learned(v)), None)
+    if data is not None:
+        return data
+    return candidates[0] if candidates else (named[0][1] if named else None)
+
+
+def _learned(value: Tensor) -> bool:
+    """Whether ``value`` is a parameter or computed from parameters only (:func:`_learned_only`)."""
+    return isinstance(value, nn.Parameter) or (value.grad_fn is not None and _learned_only(value.grad_fn))
 
 
 def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES, *, whole_cat: bool = True) -> bool:
     """Whether ``value``'s autograd graph reaches one of ``nodes`` (``id`` of a ``grad_fn``) within ``limit`` nodes
     walked back, breadth first: a tensor computed from another in the graph. ``whole_cat=False``: through a
-    concatenation (``torch.cat``) along another axis than the last only when it joins one part to learned tokens
-    (:func:`_cat_parts`): a CLS put back in front of a lap's output is that output, memory slots in front of the next
-    segment's embeddings (a recurrent memory transformer) are not."""
+    concatenation (``torch.cat``) along another axis than the last only when every part of it holding data comes from
+    ``nodes`` (:func:`_cat_data`): a CLS put back in front of a lap's output (learned, frozen, or pooled from that
+    output) continues it, memory slots in front of the next segment's embeddings (a recurrent memory transformer) do
+    not."""
     if not nodes or value.grad_fn is None:
         return False
-    queue, seen = [value.grad_fn], set[int]()
+    return _reaches(value.grad_fn, nodes, limit, whole_cat)
+
+
+def _reaches(start: Any, nodes: set[int], limit: int, whole_cat: bool) -> bool:
+    """:func:`derived_from` from the autograd node ``start``."""
+    queue, seen = [start], set[int]()
     while queue and len(seen) < limit:
         node = queue.pop(0)
         if id(node) in nodes:
@@ -1007,10 +1022,12 @@ def derived_from(value: Tensor, nodes: set[int], limit: int = GRAPH_NODES, *, wh
         if id(node) in seen:
             continue
         seen.add(id(node))
-        parts = [n for n, _ in node.next_functions]
-        if not whole_cat and node.name() == "CatBackward0":
-            parts = _cat_parts(node)
-        queue.extend(n for n in parts if n is not None)
+        data = None if whole_cat or node.name() != "CatBackward0" else _cat_data(node)
+        if data is not None:  # along the positions: continued only where all its data comes from the nodes
+            if data and all(part is not None and _reaches(part, nodes, limit, whole_cat) for part in data):
+                return True
+            continue
+        queue.extend(n for n, _ in node.next_functions if n is not None)
     return False
 
 
@@ -1033,21 +1050,27 @@ def _learned_only(node: Any, limit: int = 16) -> bool:
     return True
 
 
-def _cat_parts(node: Any) -> list[Any]:
-    """Of a ``torch.cat`` node's inputs (its ``next_functions``' nodes), those to walk for :func:`derived_from`: every
-    one when it joins along the last axis (features: a state beside the input embeddings, each a whole sequence);
-    else the one part that is not learned tokens only (:func:`_learned_only`), none where two are (memory slots in
-    front of new data: another pass, whichever holds more positions, qa71-break 03). The axis is read from the node;
-    where it cannot be, every input."""
+def _cat_data(node: Any) -> list[Any] | None:
+    """The parts of a ``torch.cat`` node along another axis than the last that hold data (its ``next_functions``'
+    nodes; None for a part without grad): not learned tokens only (:func:`_learned_only`), nor, without grad (a
+    frozen CLS, a zeros placeholder), fewer than half of the positions (qa72-break 02). None for a cat along the last
+    axis (features: a state beside the input embeddings, each a whole sequence) or whose axis cannot be read: every
+    part is walked."""
     try:
-        dim, total = int(node._saved_dim), len(node._input_metadata[0].shape)
+        dim, shape = int(node._saved_dim), node._input_metadata[0].shape
+        sizes = [None if n is None else int(n._input_metadata[nr].shape[dim]) for n, nr in node.next_functions]
     except (AttributeError, IndexError, TypeError, ValueError):
-        return [n for n, _ in node.next_functions]
+        return None
     dim = dim - 2**64 if dim >= 2**63 else dim  # a negative dim is saved as an unsigned integer
-    if total == 0 or dim % total == total - 1:
-        return [n for n, _ in node.next_functions]
-    data = [n for n, _ in node.next_functions if not _learned_only(n)]
-    return data if len(data) == 1 else []
+    if not len(shape) or dim % len(shape) == len(shape) - 1:
+        return None
+    total = int(shape[dim])
+    without_grad = total - sum(size for size in sizes if size is not None)  # the parts that take no grad
+    return [
+        n
+        for (n, _), size in zip(node.next_functions, sizes)
+        if (n is None and 2 * without_grad >= total) or (n is not None and not _learned_only(n))
+    ]
 
 
 def storage_ref(value: Tensor) -> weakref.ref[Any] | None:

@@ -1590,10 +1590,10 @@ class RandomLTDCallback(Callback):
         storage = storage_ref(value)
         if storage is not None and any(r[1] is not None and r[1]() is storage() for r in returned):
             return True
-        # through a concatenation along the positions only beside learned tokens: memory slots in front of a new
-        # segment (a recurrent memory transformer) are another pass of the output's shape (240 layer-tokens for 480,
-        # qa69-break 01), a CLS put back in front of a lap's output or a state joined on the feature axis is not
-        # (qa70-break 01)
+        # through a concatenation along the positions only where all its data comes from the output: memory slots in
+        # front of a new segment (a recurrent memory transformer) are another pass of the output's shape (240
+        # layer-tokens for 480, qa69-break 01), a CLS put back in front of a lap's output or a state joined on the
+        # feature axis is not (qa70-break 01)
         return derived_from(value, {id(r[0]) for r in returned if r[0] is not None}, whole_cat=False)
 
     def _unwatch_inputs(self) -> None:

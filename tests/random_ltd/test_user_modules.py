@@ -1011,8 +1011,10 @@ class PassesOfAStep(pl.LightningModule):
         self.adapter, self.cls = nn.Linear(64, 32), nn.Parameter(torch.zeros(1, 1, 32))
         layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
         self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
-        if mode == "frozen_stem":
+        if mode in ("frozen_stem", "adapter_stem"):
             self.enc.layers[0].requires_grad_(False)
+        if mode == "frozen_cls_relap":  # a CLS left frozen (PEFT)
+            self.cls.requires_grad_(False)
 
     def run(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         for block in self.enc.layers[start:]:
@@ -1027,11 +1029,13 @@ class PassesOfAStep(pl.LightningModule):
             for _ in range(2):
                 x = self.run(self.adapter(torch.cat([x, embedded], -1)))
             return x.pow(2).mean()
-        if self.mode == "cls_relap":
+        if self.mode in ("cls_relap", "frozen_cls_relap", "pooled_cls_relap"):
             cls = self.cls.expand(len(ids), -1, -1)
             x = torch.cat([cls, self.emb(ids)], 1)
             for _ in range(2):
-                x = torch.cat([cls, self.run(x)[:, 1:]], 1)
+                x = self.run(x)
+                pooled = x[:, 1:].mean(1, keepdim=True)  # a CLS pooled from the lap's output
+                x = torch.cat([pooled if self.mode == "pooled_cls_relap" else cls, x[:, 1:]], 1)
             return x.pow(2).mean()
         if self.mode == "targets_by_depth":  # per-block targets from a no_grad pass over another view, beside
             x, targets, loss = self.emb(views[0]), self.emb(views[1]), torch.zeros(())
@@ -1057,6 +1061,8 @@ class PassesOfAStep(pl.LightningModule):
             for view in views:
                 with torch.no_grad():
                     x = self.enc.layers[0](self.emb(view))
+                if self.mode == "adapter_stem":  # a trainable adapter after the frozen stem
+                    x = self.adapter(torch.cat([x, x], -1))
                 zs.append(self.run(x, 1).mean(1))
             z1, z2 = zs
         return TF.cross_entropy(z1 @ z2.T, torch.arange(len(z1)))
@@ -1068,7 +1074,8 @@ class PassesOfAStep(pl.LightningModule):
 @pytest.mark.parametrize(
     ("mode", "forwards", "positions"),
     [("feature_cat", 1, 16), ("cls_relap", 1, 17), ("later_blocks", 2, 16), ("runner_and_loop", 2, 16),
-     ("frozen_stem", 2, 16), ("caught_raise", 2, 16), ("targets_by_depth", 1, 16)],
+     ("frozen_stem", 2, 16), ("caught_raise", 2, 16), ("targets_by_depth", 1, 16), ("frozen_cls_relap", 1, 17),
+     ("pooled_cls_relap", 1, 17), ("adapter_stem", 2, 16)],
 )  # fmt: skip
 def test_passes_read_by_the_block_that_begins_them(tmp_path, mode, forwards, positions):
     """A lap of a weight-shared loop through a concatenation (the state joined on the feature axis, a CLS put back in
@@ -1078,14 +1085,15 @@ def test_passes_read_by_the_block_that_begins_them(tmp_path, mode, forwards, pos
         of the frozen stem's too); a view through the encoder beside one through the step's own loop counted one in both
         (qa68-break 03). A call of the encoder that raised, caught by the step, left its count of calls under way up, so
     no later pass was read (qa71-break 02); a no_grad pass of targets run block by block beside the trained view was
-    counted by the trained view's blocks (qa71-break 05). The block that begins each pass tells it, and the callbacks
-    agree."""
+    counted by the trained view's blocks (qa71-break 05), and then a trainable adapter after a frozen stem lost the
+    second view (qa72-break 03); a frozen or pooled CLS put back in front of each lap made each lap a pass (qa72-break
+    02). The block that begins each pass tells it, and the callbacks agree."""
     from lightning_effi import EfficiencyMonitor
 
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(1, 50, (8, 16)))
     monitor = EfficiencyMonitor(print_summary=False)
-    layer_ids = [1, 2] if mode in ("later_blocks", "frozen_stem") else [0, 1, 2]
+    layer_ids = [1, 2] if mode in ("later_blocks", "frozen_stem", "adapter_stem") else [0, 1, 2]
     ltd = RandomLTDCallback(min_value=8, max_value=positions, seq_per_step=4, require_steps=100, layer_ids=layer_ids)
     make_trainer(tmp_path, [monitor, ltd], max_steps=2).fit(PassesOfAStep(mode), torch.utils.data.DataLoader(data, 4))
     assert ltd.full_layer_tokens == 2 * forwards * 4 * positions * 3  # steps x forwards x rows x positions x layers
@@ -1133,6 +1141,53 @@ def test_two_views_through_inputs_embeds_count_two_forwards(tmp_path):
     assert monitor.summary["tokens"] == positions
     assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"] == positions * ltd.num_layers
     assert ltd.consumed_layer_tokens == monitor.summary["layer_tokens"]
+
+
+class LatentEncoder(nn.Module):
+    """A Perceiver's encoder, called as Hugging Face's ``PerceiverEncoder`` is: its latents positionally, the data by
+    keyword (``inputs=``), read by cross-attention before the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cross = nn.MultiheadAttention(32, 2, batch_first=True)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.layers = nn.ModuleList(copy.deepcopy(layer) for _ in range(3))
+
+    def forward(self, hidden_states: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        x = hidden_states + self.cross(hidden_states, inputs, inputs)[0]
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class LatentViews(pl.LightningModule):
+    """Two views of the ids read by 8 learned latents."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.encoder = nn.Embedding(50, 32), LatentEncoder()
+        self.latents = nn.Parameter(torch.randn(1, 8, 32))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        latents = self.latents.expand(len(ids), -1, -1)
+        return sum(self.encoder(latents, inputs=self.emb(view)).pow(2).mean() for view in (ids, ids.flip(1)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_two_views_behind_learned_latents_count_two_forwards(tmp_path):
+    """The pass of a call whose first tensor is learned tokens (a Perceiver's latents, the data by keyword) was read
+    off the latents, the same in both views: one forward of two, 192 full layer-tokens for 384 (qa72-break 04)."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(1, 50, (8, 16)))
+    adapter = GenericAdapter(layers="encoder.layers", hidden_size=32)
+    ltd = RandomLTDCallback(
+        min_value=4, max_value=8, seq_per_step=4, require_steps=100, layer_ids=[0, 1, 2], adapter=adapter
+    )
+    make_trainer(tmp_path, [ltd], max_steps=2).fit(LatentViews(), torch.utils.data.DataLoader(data, 4))
+    assert ltd.full_layer_tokens == 2 * 2 * 4 * 8 * 3  # steps x views x rows x latents x layers
 
 
 def test_the_module_and_the_callback_copy_mid_step(tmp_path):
