@@ -1035,10 +1035,12 @@ def _reaches(start: Any, nodes: set[int], limit: int, whole_cat: bool) -> bool:
 _LOOKUPS = ("Embedding", "IndexSelect", "Index", "Gather")
 
 
-def _learned_only(node: Any, limit: int = 16) -> bool:
+def _learned_only(node: Any, limit: int = 64) -> bool:
     """Whether an autograd node computes from parameters only (a learned CLS, register or memory tokens, expanded to
-    the batch): its walk ends in parameters within ``limit`` nodes, with no input that takes no grad (data, or a
-    frozen part's output) and no lookup in a table (an embedding of ids)."""
+    the batch, or made by a small MLP of a parameter, qa73-break 02): its walk ends in parameters within ``limit``
+    nodes, with no input that takes no grad and no lookup in a table (an embedding of ids). An input without grad
+    reads as data (frames, a frozen part's output), a buffer added to learned tokens too: the graph does not tell
+    them apart."""
     queue, count = [node], 0
     while queue:
         current = queue.pop()

@@ -1015,6 +1015,7 @@ class PassesOfAStep(pl.LightningModule):
             self.enc.layers[0].requires_grad_(False)
         if mode == "frozen_cls_relap":  # a CLS left frozen (PEFT)
             self.cls.requires_grad_(False)
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 32))
 
     def run(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         for block in self.enc.layers[start:]:
@@ -1029,8 +1030,8 @@ class PassesOfAStep(pl.LightningModule):
             for _ in range(2):
                 x = self.run(self.adapter(torch.cat([x, embedded], -1)))
             return x.pow(2).mean()
-        if self.mode in ("cls_relap", "frozen_cls_relap", "pooled_cls_relap"):
-            cls = self.cls.expand(len(ids), -1, -1)
+        if self.mode in ("cls_relap", "frozen_cls_relap", "pooled_cls_relap", "mlp_cls_relap"):
+            cls = (self.mlp(self.cls) if self.mode == "mlp_cls_relap" else self.cls).expand(len(ids), -1, -1)
             x = torch.cat([cls, self.emb(ids)], 1)
             for _ in range(2):
                 x = self.run(x)
@@ -1075,7 +1076,7 @@ class PassesOfAStep(pl.LightningModule):
     ("mode", "forwards", "positions"),
     [("feature_cat", 1, 16), ("cls_relap", 1, 17), ("later_blocks", 2, 16), ("runner_and_loop", 2, 16),
      ("frozen_stem", 2, 16), ("caught_raise", 2, 16), ("targets_by_depth", 1, 16), ("frozen_cls_relap", 1, 17),
-     ("pooled_cls_relap", 1, 17), ("adapter_stem", 2, 16)],
+     ("pooled_cls_relap", 1, 17), ("mlp_cls_relap", 1, 17), ("adapter_stem", 2, 16)],
 )  # fmt: skip
 def test_passes_read_by_the_block_that_begins_them(tmp_path, mode, forwards, positions):
     """A lap of a weight-shared loop through a concatenation (the state joined on the feature axis, a CLS put back in
@@ -1087,7 +1088,8 @@ def test_passes_read_by_the_block_that_begins_them(tmp_path, mode, forwards, pos
     no later pass was read (qa71-break 02); a no_grad pass of targets run block by block beside the trained view was
     counted by the trained view's blocks (qa71-break 05), and then a trainable adapter after a frozen stem lost the
     second view (qa72-break 03); a frozen or pooled CLS put back in front of each lap made each lap a pass (qa72-break
-    02). The block that begins each pass tells it, and the callbacks agree."""
+    02), also a CLS made by an MLP of a parameter (qa73-break 02). The block that begins each pass tells it, and the
+    callbacks agree."""
     from lightning_effi import EfficiencyMonitor
 
     torch.manual_seed(0)
