@@ -979,12 +979,12 @@ _NOT_PASS_DATA = ("mask", "position", "type", "cache", "past", "encoder")
 
 
 def pass_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tensor | None:
-    """The tensor a call of a network runs its pass over: its first positional tensor, else its first keyword tensor
-    whose name is no attention mask, position or token-type ids, cache or encoder output, passing over learned tokens
-    (a Perceiver's latents, positional before its inputs: two views read as one, qa72-break 04), else its first
-    tensor. A
-    Hugging Face model hands its base model ``input_ids=None`` and the attention mask before ``inputs_embeds``: two
-    views with the same mask read as one pass over the same data (R-Drop), 105 tokens for 210 (qa70-regress 02)."""
+    """The tensor a call of a network runs its pass over: of its positional tensors, then its keyword tensors whose
+    name is no attention mask, position or token-type ids, cache or encoder output, the first that is not learned
+    tokens (:func:`_learned`), else the first of them, else its first tensor. A Hugging Face model hands its base
+    model ``input_ids=None`` and the attention mask before ``inputs_embeds``: two views with the same mask read as one
+    pass over the same data (R-Drop), 105 tokens for 210 (qa70-regress 02); a Perceiver's latents, positional before
+    its inputs, alike (qa72-break 04)."""
     named = [(k, v) for k, v in kwargs.items() if isinstance(v, Tensor)]
     candidates = [a for a in args if isinstance(a, Tensor)]
     candidates += [v for k, v in named if not any(word in k for word in _NOT_PASS_DATA)]
@@ -1060,18 +1060,17 @@ def _cat_data(node: Any) -> list[Any] | None:
     part is walked."""
     try:
         dim, shape = int(node._saved_dim), node._input_metadata[0].shape
-        sizes = [None if n is None else int(n._input_metadata[nr].shape[dim]) for n, nr in node.next_functions]
-    except (AttributeError, IndexError, TypeError, ValueError):
+        dim = (dim - 2**64 if dim >= 2**63 else dim) % len(shape)  # a negative dim is saved as an unsigned integer
+        if dim == len(shape) - 1:
+            return None
+        sizes = [int(n._input_metadata[nr].shape[dim]) for n, nr in node.next_functions if n is not None]
+    except (AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError):
         return None
-    dim = dim - 2**64 if dim >= 2**63 else dim  # a negative dim is saved as an unsigned integer
-    if not len(shape) or dim % len(shape) == len(shape) - 1:
-        return None
-    total = int(shape[dim])
-    without_grad = total - sum(size for size in sizes if size is not None)  # the parts that take no grad
+    without_grad = int(shape[dim]) - sum(sizes)  # the positions of the parts that take no grad
     return [
         n
-        for (n, _), size in zip(node.next_functions, sizes)
-        if (n is None and 2 * without_grad >= total) or (n is not None and not _learned_only(n))
+        for n, _ in node.next_functions
+        if (n is None and 2 * without_grad >= int(shape[dim])) or (n is not None and not _learned_only(n))
     ]
 
 

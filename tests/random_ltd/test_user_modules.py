@@ -949,9 +949,9 @@ class RecurrentMemory(pl.LightningModule):
     encoder (``"runner"``) or by the step's own loop over its blocks (``"loop"``): every segment's input has the
     output's shape and is computed from it."""
 
-    def __init__(self, mode: str, frames: bool, slots: int = 2) -> None:
+    def __init__(self, mode: str, frames: bool, slots: int = 2, dim: int = 1) -> None:
         super().__init__()
-        self.mode, self.frames, self.slots = mode, frames, slots
+        self.mode, self.frames, self.slots, self.dim = mode, frames, slots, dim
         self.stem = nn.Linear(6, 32) if frames else nn.Embedding(50, 32)
         self.memory = nn.Parameter(torch.zeros(1, slots, 32))
         layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
@@ -961,7 +961,7 @@ class RecurrentMemory(pl.LightningModule):
         (inputs,) = batch
         memory, loss = self.memory.expand(len(inputs), -1, -1), 0.0
         for segment in inputs.chunk(2, 1):
-            x = torch.cat([memory, self.stem(segment)], 1)
+            x = torch.cat([memory, self.stem(segment)], self.dim)
             if self.mode == "runner":
                 x = self.enc(x)
             else:
@@ -974,15 +974,15 @@ class RecurrentMemory(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@pytest.mark.parametrize(("frames", "slots"), [(False, 2), (True, 2), (False, 12)])
+@pytest.mark.parametrize(("frames", "slots", "dim"), [(False, 2, 1), (True, 2, 1), (False, 12, 1), (False, 2, -2)])
 @pytest.mark.parametrize("mode", ["runner", "loop"])
-def test_segments_behind_memory_slots_are_two_forwards(tmp_path, mode, frames, slots):
+def test_segments_behind_memory_slots_are_two_forwards(tmp_path, mode, frames, slots, dim):
     """A memory transformer's second segment, ``cat([memory slots from the first's output, new embeddings])``, of the
     output's shape and computed from it, read as a second lap of a weight-shared stack: 240 full layer-tokens for
     480 (qa69-break 01), and in the monitor one pass of continuous frames, 80 tokens for 160 (qa69-break 02). A
     concatenation joins other data: each segment is a forward, of 2 + 8 positions a row in both callbacks; also with
     more memory slots than the segment has tokens, 12 + 8 (read as a lap by a rule of the larger part, qa71-break
-    03)."""
+    03), and joined along ``dim=-2`` (a negative axis was walked as the features: found in review)."""
     from lightning_effi import EfficiencyMonitor
 
     torch.manual_seed(0)
@@ -991,7 +991,7 @@ def test_segments_behind_memory_slots_are_two_forwards(tmp_path, mode, frames, s
     positions = slots + 8
     ltd = RandomLTDCallback(min_value=4, max_value=positions, seq_per_step=4, require_steps=100, layer_ids=[0, 1, 2])
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs), 4)
-    make_trainer(tmp_path, [monitor, ltd], max_steps=2).fit(RecurrentMemory(mode, frames, slots), loader)
+    make_trainer(tmp_path, [monitor, ltd], max_steps=2).fit(RecurrentMemory(mode, frames, slots, dim), loader)
     assert ltd.full_layer_tokens == 2 * 2 * 4 * positions * 3  # steps x segments x rows x positions x layers
     assert monitor.summary["tokens"] == 2 * 2 * 4 * positions
     assert ltd.consumed_layer_tokens == monitor.summary["layer_tokens"]
