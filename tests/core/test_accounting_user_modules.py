@@ -2118,9 +2118,7 @@ class PairEncoder(UserModule):
             for block in self.net.blocks:
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
             return x.mean(1)
-        for block in self.net.blocks:
-            x = block(x)
-        return x.mean(1)
+        return self.encode_embedded(x)
 
     def encode_embedded(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.net.blocks:
