@@ -75,6 +75,7 @@ import dataclasses
 import inspect
 import math
 import re
+import sys
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -635,6 +636,9 @@ class EfficiencyMonitor(Callback):
         # a pass whose first block ran without grad (a frozen stem): its positions and shape, counted as trained when a
         # later block of the pass trains
         self._untrained_pass: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # what the counts of watched list index were before its current pass began, restored when a block of it
+        # raises (a forward the step catches and retries, :meth:`_failed`)
+        self._pass_marks: dict[int, tuple[Any, ...]] = {}
         self._observed_passes: list[tuple[int, ...]] = []
         self._ids_scale = 1.0  # passes over other data per token-id position (a contrastive pair's second input)
         self._block_hooks: list[Any] = []
@@ -1494,6 +1498,7 @@ class EfficiencyMonitor(Callback):
             self._last_block = {}
             self._outputs, self._pass_values, self._running, self._embedded = {}, {}, {}, []
             self._trained_positions, self._trained_shapes, self._untrained_pass = {}, {}, {}
+            self._pass_marks = {}
             if self._rows is not None:  # the ids' embeddings: which tower they feed, and passes over other ids
                 for module in pl_module.modules():
                     if isinstance(module, nn.Embedding):
@@ -1508,7 +1513,9 @@ class EfficiencyMonitor(Callback):
                     self._block_hooks.append(hook)
                 # every block: the first one the step runs (a LayerDrop may skip block 0, qa47-break 02)
                 for position, block in enumerate(blocks.children()):
-                    self._block_hooks.append(block.register_forward_hook(WeakHook(self, "_returned", i)))
+                    # also when the call raises: the pass it began is dropped (_failed)
+                    hook = block.register_forward_hook(WeakHook(self, "_returned", i), always_call=True)
+                    self._block_hooks.append(hook)
                     observe = WeakHook(self, "_observe", i, position)
                     hook = block.register_forward_pre_hook(observe, with_kwargs=True)
                     self._block_hooks.append(hook)
@@ -1617,10 +1624,46 @@ class EfficiencyMonitor(Callback):
     def _returned(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         """The tensor a watched list's network or one of its blocks returned (its first tensor leaf): a later call
         on it continues the pass (a loop over the blocks), it begins none (:meth:`_pass`, :meth:`_observe`)."""
+        if output is None and sys.exc_info()[0] is not None:  # the call raised
+            if not _in_backward():  # not the early stop of a checkpoint's recompute, which raises to end it
+                self._failed(index)
+            return
         value = output if isinstance(output, Tensor) else next((v for _, v in tensor_leaves(output)), None)
         if value is not None and not value.is_nested:  # a nested tensor (a fast path's padded output) has no shape
             returned = _Returned(weakref.ref(value), storage_ref(value), value.grad_fn, tuple(value.shape))
             self._outputs.setdefault(index, []).append(returned)
+
+    def _counts_before(self, index: int) -> tuple[Any, ...]:
+        """What watched list ``index``'s counts are before a pass begins (:meth:`_failed` restores them)."""
+        return (
+            self._seen.get(index),
+            self._trained_positions.get(index),
+            len(self._trained_shapes.get(index, ())),
+            len(self._pass_values.get(index, ())),
+            self._untrained_pass.get(index),
+            self._last_block.get(index),
+        )
+
+    def _failed(self, index: int) -> None:
+        """A block (or the network) of watched list ``index`` raised: the pass it began is not counted, and the step's
+        retry begins its own (a caught out-of-memory error, the batch rerun in halves: 256 tokens for 128,
+        qa74-regress 01)."""
+        mark = self._pass_marks.pop(index, None)
+        if mark is None:
+            return
+        seen, trained, shapes, values, untrained, last = mark
+        for store, value in ((self._seen, seen), (self._trained_positions, trained), (self._untrained_pass, untrained)):
+            if value is None:
+                store.pop(index, None)
+            else:
+                store[index] = value
+        del self._trained_shapes.get(index, [])[shapes:]
+        del self._pass_values.get(index, [])[values:]
+        if last is None:
+            self._last_block.pop(index, None)
+        else:
+            self._last_block[index] = last
+        self._next_pass.discard(index)
 
     def _returned_before(self, index: int, value: Tensor) -> bool:
         """Whether ``value`` is a tensor watched list ``index``'s network or one of its blocks returned in the step,
@@ -1659,6 +1702,7 @@ class EfficiencyMonitor(Callback):
             # a no_grad probe on PyTorch's fast path trains nothing and has no shape: not observed (before the views
             # it left the step unread, 58 tokens for 116, qa66-break 03, qa67-break 07)
             return
+        mark = self._counts_before(index)
         last, self._last_block[index] = self._last_block.get(index), position
         if hidden is not None and hidden.is_nested:  # no shape to count: the passes are not read (qa65-break 02)
             self._trained_positions[index] = -1
@@ -1673,6 +1717,7 @@ class EfficiencyMonitor(Callback):
                 and not self._seen_values(index, hidden)  # not the same data again (R-Drop)
             )
             if index in self._next_pass or again:
+                self._pass_marks[index] = mark
                 self._next_pass.discard(index)
                 first, shape, wide = self._seen[index]
                 more = hidden_tokens(args, kwargs)
@@ -1694,6 +1739,7 @@ class EfficiencyMonitor(Callback):
             ):
                 self._add_trained(index, *self._untrained_pass.pop(index))  # trained after a frozen first block
             return
+        self._pass_marks[index] = mark
         tokens = hidden_tokens(args, kwargs)  # None for a nested tensor
         if hidden is not None and not self._running.get(index, 0):
             self._seen_values(index, hidden)

@@ -2225,6 +2225,43 @@ def test_views_trimmed_to_the_longest_real_row_count_each(tmp_path: Path, trim_i
     assert [row["layer_tokens"] for row in per_batch.rows] == [8 * int(mask.sum())] * 2
 
 
+class RetriedOnOutOfMemory(UserModule):
+    """The out-of-memory fallback: the whole batch, whose second block raises once, caught, then the rows again in
+    halves (``"halves"``) or whole (``"whole"``), or two views each retried so (``"views"``)."""
+
+    def __init__(self, retry: str) -> None:
+        super().__init__()
+        self.net, self.retry, self.fail = OwnNet(), retry, False
+        self.net.blocks[1].register_forward_pre_hook(self.flaky)
+
+    def flaky(self, module: nn.Module, args: Any) -> None:
+        if self.fail:
+            self.fail = False
+            raise torch.OutOfMemoryError("simulated: out of memory")
+
+    def attempt(self, ids: torch.Tensor) -> torch.Tensor:
+        self.fail = True
+        try:
+            return self.net(ids)
+        except torch.OutOfMemoryError:
+            return torch.cat([self.net(part) for part in ids.split(2)]) if self.retry != "whole" else self.net(ids)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids = batch[0]
+        views = [ids, ids.flip(1)] if self.retry == "views" else [ids]
+        return sum(self.attempt(view).logsumexp(-1).mean() for view in views)
+
+
+@pytest.mark.parametrize(("retry", "passes"), [("halves", 1), ("whole", 1), ("views", 2)])
+def test_a_forward_that_raised_and_was_retried_counts_once(tmp_path: Path, retry: str, passes: int) -> None:
+    """A forward whose block raised (an out-of-memory error the step catches, then the batch again in halves) was
+    counted as a pass beside its retry: 256 tokens for 128 since blocks the step runs begin a pass wherever they are
+    (qa74-regress 01). The pass a raising block began is dropped."""
+    _, _, per_batch = fit(RetriedOnOutOfMemory(retry), token_loader(), tmp_path, 2)
+    assert [row["tokens"] for row in per_batch.rows] == [passes * B * T] * 2
+    assert [row["layer_tokens"] for row in per_batch.rows] == [4 * passes * B * T] * 2
+
+
 class LazyMomentum(UserModule):
     """A momentum (EMA) copy of the network made lazily in the first ``training_step``, after its forward, and a whole
     module snapshot (``torch.save``) in every step."""
