@@ -1570,6 +1570,7 @@ class EfficiencyMonitor(Callback):
         self._running[index] = running + 1
         if running or _in_backward():  # a runner inside another's call (a model holding its encoder's list too)
             return
+        self._pass_marks.pop(index, None)  # the pass before is whole: a raise before this call's blocks keeps it
         first = pass_input(args, kwargs)
         if first is None or self._returned_before(index, first):
             return

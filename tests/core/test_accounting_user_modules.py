@@ -2227,20 +2227,21 @@ def test_views_trimmed_to_the_longest_real_row_count_each(tmp_path: Path, trim_i
 
 class RetriedOnOutOfMemory(UserModule):
     """The out-of-memory fallback: the whole batch, whose second block raises once, caught, then the rows again in
-    halves (``"halves"``) or whole (``"whole"``), or two views each retried so (``"views"``)."""
+    halves (``"halves"``) or whole (``"whole"``), or two views each retried so (``"views"``); or two views whose
+    second raises in the embedding, inside the network's call before its blocks (``"embedding"``)."""
 
     def __init__(self, retry: str) -> None:
         super().__init__()
         self.net, self.retry, self.fail = OwnNet(), retry, False
-        self.net.blocks[1].register_forward_pre_hook(self.flaky)
+        (self.net.embed if retry == "embedding" else self.net.blocks[1]).register_forward_pre_hook(self.flaky)
 
     def flaky(self, module: nn.Module, args: Any) -> None:
         if self.fail:
             self.fail = False
             raise torch.OutOfMemoryError("simulated: out of memory")
 
-    def attempt(self, ids: torch.Tensor) -> torch.Tensor:
-        self.fail = True
+    def attempt(self, ids: torch.Tensor, fail: bool = True) -> torch.Tensor:
+        self.fail = fail
         try:
             return self.net(ids)
         except torch.OutOfMemoryError:
@@ -2248,11 +2249,13 @@ class RetriedOnOutOfMemory(UserModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids = batch[0]
-        views = [ids, ids.flip(1)] if self.retry == "views" else [ids]
-        return sum(self.attempt(view).logsumexp(-1).mean() for view in views)
+        views = [ids, ids.flip(1)] if self.retry in ("views", "embedding") else [ids]
+        return sum(
+            self.attempt(view, self.retry != "embedding" or k == 1).logsumexp(-1).mean() for k, view in enumerate(views)
+        )
 
 
-@pytest.mark.parametrize(("retry", "passes"), [("halves", 1), ("whole", 1), ("views", 2)])
+@pytest.mark.parametrize(("retry", "passes"), [("halves", 1), ("whole", 1), ("views", 2), ("embedding", 2)])
 def test_a_forward_that_raised_and_was_retried_counts_once(tmp_path: Path, retry: str, passes: int) -> None:
     """A forward whose block raised (an out-of-memory error the step catches, then the batch again in halves) was
     counted as a pass beside its retry: 256 tokens for 128 since blocks the step runs begin a pass wherever they are
