@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import math
 import random
+import sys
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -540,6 +541,9 @@ class RandomLTDCallback(Callback):
         self._block_inputs: list[torch.Tensor] = []
         self._runner_depth = 0
         self._last_position: int | None = None
+        # where the pass under way began (the controller's records, the inputs' and outputs' counts, the last block
+        # position): a pass that raises is dropped (_pass_raised)
+        self._pass_mark: tuple[Any, ...] | None = None
         # what its runners and last block returned: (grad_fn, storage, shape)
         self._block_outputs: list[tuple[Any, Any, tuple[int, ...]]] = []
         self._input_hooks: list[Any] = []
@@ -1535,6 +1539,9 @@ class RandomLTDCallback(Callback):
         for position, layer in enumerate(layers):
             hook = WeakHook(self, "_block_called", position)
             self._input_hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+            # also when the call raises: the pass it began is dropped (_pass_raised)
+            hook = WeakHook(self, "_block_returned")
+            self._input_hooks.append(layer.register_forward_hook(hook, always_call=True))
         if len(layers):
             self._input_hooks.append(layers[-1].register_forward_hook(WeakHook(self, "_output_seen", False)))
 
@@ -1542,6 +1549,8 @@ class RandomLTDCallback(Callback):
         """A call of a runner of the LTD layers' list: its input (:meth:`_input_seen`); the blocks it runs begin no
         pass of their own (:meth:`_block_called`)."""
         if not _in_backward():
+            if not self._runner_depth:
+                self._begin_pass()
             self._runner_depth += 1
         self._input_seen(False, module, args, kwargs)
 
@@ -1553,9 +1562,40 @@ class RandomLTDCallback(Callback):
         through the step's own loop (one counted, qa68-break 03)."""
         if self._runner_depth or _in_backward() or not forward_trains():
             return
-        last, self._last_position = self._last_position, position
+        last = self._last_position
+        if last is None or position <= last:
+            self._begin_pass()
+        self._last_position = position
         if last is None or position <= last:
             self._input_seen(True, module, args, kwargs)
+
+    def _begin_pass(self) -> None:
+        """A pass begins (a runner's call outside another's, or a block the step runs itself beginning one): where it
+        begins is kept, for :meth:`_pass_raised`."""
+        controller = self.controller
+        mark = controller.mark() if controller is not None and controller.key is not None else None
+        counts = (len(self._inputs), len(self._block_inputs), len(self._block_outputs))
+        self._pass_mark = (mark, *counts, self._last_position)
+
+    def _pass_raised(self) -> None:
+        """The pass under way raised (a runner's call outside another's, or a block the step runs itself, not in a
+        backward: the early stop of a checkpoint's recompute raises too): what it recorded is forgotten. A step that
+        catches an out-of-memory error and runs the batch again in halves trained each row once, and the failed
+        attempt was counted as another forward beside the retry (512 layer-tokens for 256, qa74-regress 01)."""
+        pass_mark, self._pass_mark = self._pass_mark, None
+        if pass_mark is None:
+            return
+        mark, inputs, block_inputs, outputs, last = pass_mark
+        if mark is not None and self.controller is not None and self.controller.key is not None:
+            self.controller.rollback(mark)
+        del self._inputs[inputs:], self._block_inputs[block_inputs:], self._block_outputs[outputs:]
+        self._last_position = last
+
+    def _block_returned(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The end of a call of a block of the LTD layers' list: a block the step runs itself that raised ends its pass
+        (:meth:`_pass_raised`); inside a runner's call, the runner's end tells it."""
+        if output is None and sys.exc_info()[0] is not None and not self._runner_depth and not _in_backward():
+            self._pass_raised()
 
     def _input_seen(self, block: bool, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A call of a runner of the LTD layers' list (or of a block beginning a pass outside one, ``block``) that
@@ -1577,6 +1617,9 @@ class RandomLTDCallback(Callback):
         its autograd node, its storage (weakly) and its shape, for :meth:`_continues`."""
         if runner and not _in_backward():
             self._runner_depth = max(0, self._runner_depth - 1)
+            if output is None and sys.exc_info()[0] is not None and not self._runner_depth:
+                self._pass_raised()
+                return
         value = output if isinstance(output, torch.Tensor) else next((v for _, v in tensor_leaves(output)), None)
         if value is not None and not value.is_nested and not _in_backward():
             self._block_outputs.append((value.grad_fn, storage_ref(value), tuple(value.shape)))
@@ -1600,7 +1643,7 @@ class RandomLTDCallback(Callback):
         for hook in self._input_hooks:
             hook.remove()
         self._input_hooks, self._inputs, self._block_inputs, self._block_outputs = [], [], [], []
-        self._runner_depth, self._last_position = 0, None
+        self._runner_depth, self._last_position, self._pass_mark = 0, None, None
 
     def __getstate__(self) -> dict[str, Any]:
         """The callback's state without what one step or fit holds of its network (the hooks on it, its inputs, weak
@@ -1608,7 +1651,7 @@ class RandomLTDCallback(Callback):
         callback through its Trainer, and a deep copy of the callback, failed mid-fit (qa67-break 02)."""
         state = dict(self.__dict__)
         state.update(_input_hooks=[], _inputs=[], _block_inputs=[], _block_outputs=[], _runners=None)
-        state.update(_runner_depth=0, _last_position=None)
+        state.update(_runner_depth=0, _last_position=None, _pass_mark=None)
         return state
 
     def _release_frozen_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

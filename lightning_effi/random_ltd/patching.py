@@ -195,6 +195,25 @@ class LTDController:
         self._records.clear()
         self.records = []
 
+    def mark(self) -> tuple[int, dict[tuple, int], frozenset[tuple]]:
+        """What the current context has recorded so far, for :meth:`rollback`: the number of records, each record's
+        forwards, and the shapes drawn for."""
+        return len(self.records), {k: len(r.grads) for k, r in self._records.items()}, frozenset(self._indices)
+
+    def rollback(self, mark: tuple[int, dict[tuple, int], frozenset[tuple]]) -> None:
+        """Forget the forwards recorded since :meth:`mark`: a forward that raised, caught by the step and run again (an
+        out-of-memory fallback rerunning the batch in halves) trained none of the tokens it dropped. The indices drawn
+        for a shape first seen since are forgotten too; the next forward of that shape draws them again from the
+        context's generator (the same indices)."""
+        count, grads, drawn = mark
+        del self.records[count:]
+        for key in [k for k in self._records if k not in grads]:
+            del self._records[key]
+        for key, n in grads.items():
+            del self._records[key].grads[n:]
+        for key in [k for k in self._indices if k not in drawn]:
+            del self._indices[key]
+
     def _resolve(self, seq_len: int) -> int:
         """``r`` for a forward of ``seq_len`` tokens (calls the schedule function of :meth:`begin`, if any)."""
         if self._schedule is not None:

@@ -1105,6 +1105,64 @@ def test_passes_read_by_the_block_that_begins_them(tmp_path, mode, forwards, pos
         assert monitor.summary["tokens"] == 2 * forwards * 4 * positions
 
 
+class RetriedOnOutOfMemory(pl.LightningModule):
+    """The out-of-memory fallback users write in a step: the batch through the encoder (``"halves"``, ``"whole"``) or
+    through the step's own loop over its blocks (``"loop_halves"``); block 1 raises an out-of-memory error on the first
+    attempt, after block 0 ran; the step catches it and runs the batch again, in halves or whole."""
+
+    def __init__(self, retry: str) -> None:
+        super().__init__()
+        self.retry, self.emb, self.fail = retry, nn.Embedding(50, 32), False
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.enc.layers[1].register_forward_pre_hook(self._raise_once)
+
+    def _raise_once(self, module: nn.Module, args: Any) -> None:
+        if self.fail:
+            self.fail = False
+            raise torch.OutOfMemoryError("simulated: out of memory")
+
+    def net(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        if self.retry == "loop_halves":
+            for block in self.enc.layers:
+                x = block(x)
+            return x
+        return self.enc(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        self.fail = True
+        try:
+            x = self.net(ids)
+        except torch.OutOfMemoryError:
+            x = self.net(ids) if self.retry == "whole" else torch.cat([self.net(part) for part in ids.split(2)])
+        return x.pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("retry", ["halves", "whole", "loop_halves"])
+def test_a_forward_that_raised_and_was_retried_drops_no_tokens(tmp_path, retry):
+    """A forward whose block raised, caught by the step and run again in halves, was counted as another forward
+    beside its retry: 512 layer-tokens consumed for 256, 16 samples for 8 (qa74-regress 01). What the raising pass
+    recorded is forgotten; the counts agree with the monitor's."""
+    from lightning_effi import EfficiencyMonitor
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(1, 50, (8, 16)))
+    monitor = EfficiencyMonitor(print_summary=False)
+    ltd = RandomLTDCallback(min_value=8, seq_per_step=4, require_steps=100, layer_ids=[0, 2])
+    make_trainer(tmp_path, [monitor, ltd], max_steps=2).fit(
+        RetriedOnOutOfMemory(retry), torch.utils.data.DataLoader(data, 4)
+    )
+    assert ltd.consumed_samples == 2 * 4
+    assert ltd.full_layer_tokens == 2 * 4 * 16 * 3  # steps x rows x positions x layers
+    assert ltd.consumed_layer_tokens == 2 * 4 * (8 + 16 + 8) == monitor.summary["layer_tokens"]
+    assert ltd.full_layer_tokens == monitor.summary["baseline_layer_tokens"]
+
+
 class SoftPromptViews(pl.LightningModule):
     """Prompt tuning on HF GPT-2: two masked views of the ids, each behind a 4-position soft prompt, through the model
     called with ``inputs_embeds`` and an ``attention_mask`` (GPT-2 hands its base model ``input_ids=None`` and the
