@@ -360,7 +360,8 @@ class ResultWriter(pl.Callback):
         metric, mode, seed, budget, arm, task_name: as :func:`write_result`.
         out_dir: the run's folder; None: the folder of the run's first logger when that is a ``TensorBoardLogger``
             or ``CSVLogger`` (its version folder, one per run), else the Hydra job's output folder in a Hydra job,
-            else ``trainer.log_dir`` (another logger's ``save_dir``, or ``trainer.default_root_dir``). A folder that
+            else ``trainer.log_dir`` (another logger's ``save_dir``), else ``trainer.default_root_dir`` (no logger, or
+            one without a local folder: MLflow on an sqlite or http tracking URI). A folder that
             already holds a ``result.json`` when the fit starts (another run's: runs of a loop or a sweep sharing one
             folder) has it moved to ``result.previous.json`` (``result.previous.2.json``, ... when taken) with a
             warning: give each run its own ``out_dir``. In a Hydra job, a logger's folder outside the job's is
@@ -454,7 +455,11 @@ class ResultWriter(pl.Callback):
             return folder
         if job is not None:  # a Hydra job: its own folder, where a sweep's jobs share the launch folder
             return job
-        return str(trainer.log_dir)  # another logger's save_dir, or default_root_dir: maybe shared by runs
+        # another logger's save_dir, or default_root_dir: maybe shared by runs; a logger without a local folder (an
+        # MLFlowLogger on an sqlite or http tracking URI) gives None, and the record went to a folder named "None"
+        # (qa75-user 04)
+        folder = trainer.log_dir
+        return str(folder) if folder is not None else trainer.default_root_dir
 
     def _config(self, trainer: pl.Trainer) -> Mapping[str, Any] | Sequence[str] | None:
         if self.config != "cli":

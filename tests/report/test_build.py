@@ -788,6 +788,22 @@ def test_a_result_writer_writes_into_the_loggers_version_folder_or_the_hydra_job
     assert d.path == tmp_path / "logs/lightning_logs/version_2/result.json"
 
 
+def test_a_result_writer_beside_a_logger_without_a_folder_writes_in_the_root_dir(tmp_path, monkeypatch):
+    """A logger with no local folder (an MLFlowLogger on an sqlite or http tracking URI: its save_dir is None) made
+    the record go to a folder named "None" in the working directory, shared by every such run (qa75-user 04). It goes
+    to the Trainer's default_root_dir."""
+    from lightning.pytorch.loggers.logger import DummyLogger
+
+    class RemoteLogger(DummyLogger):
+        @property
+        def save_dir(self):
+            return None
+
+    monkeypatch.chdir(tmp_path)
+    writer = _fit_with_result_writer(tmp_path / "root", 0, logger=RemoteLogger())
+    assert writer.path == tmp_path / "root" / "result.json" and not (tmp_path / "None").exists()
+
+
 def test_a_result_writer_expands_the_home_folder_and_refuses_a_link_to_nothing(tmp_path, monkeypatch):
     """'~/runs/x' wrote to a folder named '~' in the working directory, and a link to nothing failed after the whole
     fit (qa65-break 07, 08)."""
