@@ -272,9 +272,9 @@ class Report:
             str(seed): {
                 axis: {
                     "points": [list(p) for p in f.points],
-                    "runs": [str(r.path) for r in f.runs],
+                    "runs": [shown_path(r.path) for r in f.runs],
                     "front": [list(p) for p in f.front],
-                    "front_runs": [str(r.path) for r in f.front_runs],
+                    "front_runs": [shown_path(r.path) for r in f.front_runs],
                     "budgets": list(f.budgets),
                     "why": f.why,
                 }

@@ -422,6 +422,10 @@ def test_run_folders_below_the_current_directory_are_recorded_relative_to_it(tmp
     report = build_report(load_runs([sweep.resolve()]))
     (reading,) = [r for r in report.readings if r["arm"] == "random_ltd"]
     assert (reading["path"], reading["same_length_baseline"]) == ("logs/sweep/2", "logs/sweep/1")
+    # and so do the frontiers' run lists (they were absolute, qa75-user 01)
+    (frontier,) = report.to_dict()["frontiers"].values()
+    assert frontier["flops"]["runs"] == ["logs/sweep/0", "logs/sweep/1"]
+    assert frontier["flops"]["front_runs"] == ["logs/sweep/0", "logs/sweep/1"]
     monkeypatch.chdir(tmp_path / "logs" / "sweep" / "0")  # the runs are not below it: kept as given
     report = build_report(load_runs([sweep.resolve()]))
     (reading,) = [r for r in report.readings if r["arm"] == "random_ltd"]
