@@ -690,6 +690,7 @@ def build_report(
         frontiers[seed] = {axis: _seed_frontier(seed, baselines, axis, quality, m) for axis in axes}
         if frontiers[seed][compute].why:
             notes.append("frontier of " + frontiers[seed][compute].why)
+        notes += _budget_order_notes(seed, baselines, compute)
         if mixed := _mixed_setups(baselines):
             notes.append(
                 f"frontier of seed {seed}: its baselines' model, data or trainer overrides differ "
@@ -879,6 +880,23 @@ def _plain_cost_notes(runs: Sequence[Run], seeds: Sequence[int]) -> list[str]:
                     f"(seed {seed}): it trained another model or other data; its readings compare other setups, not "
                     "only the technique"
                 )
+    return notes
+
+
+def _budget_order_notes(seed: int, baselines: Sequence[Run], compute: str) -> list[str]:
+    """Notes on a seed's baselines whose compute does not grow with their budget: a larger budget that spent no more
+    than a smaller one (a loop of the user's own that passes ``budget=`` to the record but trains every budget for one
+    length: the frontier had one point per seed, read as several budgets with no note, qa75-user 03)."""
+    counted = sorted((b for b in baselines if b.compute(compute) > 0), key=lambda b: b.budget)
+    notes = []
+    for small, large in zip(counted, counted[1:]):
+        if large.budget > small.budget and large.compute(compute) <= small.compute(compute):
+            notes.append(
+                f"frontier of seed {seed}: its baseline at budget {large.budget:g} spent no more {compute} than the "
+                f"one at budget {small.budget:g} ({large.compute(compute):.4g} against {small.compute(compute):.4g}; "
+                f"configured for {_configured_length(large)} and {_configured_length(small)}): the budgets' lengths "
+                "do not follow their labels (a budget scales the run's length: max_steps or max_epochs)"
+            )
     return notes
 
 

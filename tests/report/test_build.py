@@ -411,6 +411,23 @@ def test_a_removed_setting_tells_variants_apart(sweep):
     } <= arms
 
 
+def test_baselines_whose_compute_does_not_grow_with_their_budget_are_noted(tmp_path):
+    """Two baseline budgets that trained one length (a loop of the user's own passing ``budget=`` to the record but
+    not scaling ``max_steps``) made a frontier of one point per seed, read as two budgets with no note (qa75-user
+    03)."""
+    write_record(tmp_path / "0", budget=0.5, flops=4e12, loss=2.35)
+    write_record(tmp_path / "1", budget=1.0, flops=4e12, loss=2.3)
+    write_record(tmp_path / "2", arm="random_ltd", budget=1.0, flops=3e12, loss=2.4)
+    notes = build_report(load_runs([tmp_path])).notes
+    assert [n for n in notes if "budget" in n and "spent no more" in n] == [
+        "frontier of seed 0: its baseline at budget 1 spent no more flops than the one at budget 0.5 (4e+12 against "
+        "4e+12; configured for max_steps=10, max_epochs=-1 and max_steps=10, max_epochs=-1): the budgets' lengths do "
+        "not follow their labels (a budget scales the run's length: max_steps or max_epochs)"
+    ]
+    write_record(tmp_path / "0", budget=0.5, flops=2e12, loss=2.6)  # half the compute: no note
+    assert not [n for n in build_report(load_runs([tmp_path])).notes if "spent no more" in n]
+
+
 def test_run_folders_below_the_current_directory_are_recorded_relative_to_it(tmp_path, monkeypatch):
     """A sweep under the repository (the Hydra report callback passes its absolute folder): the readings name the
     runs relative to the current directory, so a committed report.json holds no machine's paths."""
