@@ -7,7 +7,7 @@ import torch
 
 from lightning_effi.train import main, run
 from lightning_effi.utils.instantiate import ConfigError
-from tests.helpers.hydra import compose_train, run_train_script
+from tests.helpers.hydra import CONF, compose_train, run_train_script
 
 
 def test_main_job_writes_result_json(tmp_path):
@@ -138,6 +138,24 @@ def test_bad_input_stops_with_one_clear_line(tmp_path, args, message):
     text = str(stop.value.code)
     assert message in text and text.startswith("error: ") and "Traceback" not in text, text
     assert text.splitlines()[1:] == ["(set EFFI_FULL_ERROR=1 for the traceback)"], text
+
+
+@pytest.mark.parametrize(
+    "group", [*(f"experiment={p.stem}" for p in (CONF / "experiment").glob("*.yaml")), "bench=gpt_stack"]
+)
+def test_an_experiments_metric_override_reads_its_mode_from_the_name(tmp_path, group):
+    """The README's ``experiment=cifar10_cnn model=my_vit optimized_metric=<what it logs>`` was refused: every
+    experiment and bench file set ``optimized_mode`` beside its metric, so ``optimized_metric=val/loss`` contradicted
+    ``max`` (qa75-user 02). The mode is read from the metric's name, the experiment's or the override's."""
+    from lightning_effi.train import _resolve_mode
+
+    cfg = compose_train([group], tmp_path)
+    _resolve_mode(cfg)
+    assert cfg.optimized_mode == ("min" if "loss" in cfg.optimized_metric else "max")
+    for metric, mode in (("val/loss", "min"), ("val/acc", "max")):
+        cfg = compose_train([group, f"optimized_metric={metric}"], tmp_path)
+        _resolve_mode(cfg)
+        assert cfg.optimized_mode == mode
 
 
 def test_debug_limit_refuses_a_misspelled_metric_before_training(tmp_path, monkeypatch):
