@@ -90,7 +90,16 @@ SECOND_LOSS = (
     "train such a module without InfoBatch"
 )
 
+
 #: where a per-sample loss came from (:attr:`InfoBatchCallback.per_sample_source`), for the error messages
+def _ends_itself(trainer: pl.Trainer) -> bool:
+    """Whether something other than ``max_epochs`` / ``max_steps`` ends the fit: ``max_time`` (Lightning's
+    ``Timer``) or an ``EarlyStopping`` callback."""
+    from lightning.pytorch.callbacks import EarlyStopping, Timer
+
+    return any(isinstance(c, EarlyStopping | Timer) for c in trainer.callbacks)  # type: ignore[attr-defined]
+
+
 SOURCES = {
     "returned": 'the "per_sample_loss" returned by training_step',
     "fn": "the per-sample loss returned by per_sample_loss=fn",
@@ -331,7 +340,8 @@ class InfoBatchCallback(Callback):
     Raises:
         ValueError: (construction) ``prune_ratio``, ``delta``, ``num_epochs``, ``seed``, ``momentum`` invalid or out of
             range, ``per_sample_loss`` not callable, ``nonfinite_loss`` not ``"raise"`` or ``"warn"``; (``setup``)
-            ``max_epochs=-1`` without ``num_epochs``, ``num_epochs > max_epochs``, a run capped by ``max_steps``,
+            ``max_epochs=-1`` without ``num_epochs``, or with it and neither ``max_time`` nor an ``EarlyStopping``
+            callback (nothing would end the fit), ``num_epochs > max_epochs``, a run capped by ``max_steps``,
             ``reload_dataloaders_every_n_epochs > 1``, a DataModule that is not an ``InfoBatchDataModule``, an
             unsupported strategy (DeepSpeed, model-parallel; resuming under FSDP),
             ``per_sample_loss=fn`` with manual optimization, an int ``val_check_interval`` above the fewest batches an
@@ -527,6 +537,15 @@ class InfoBatchCallback(Callback):
                 f"InfoBatchCallback: the run is capped by trainer.max_steps={trainer.max_steps}; InfoBatch saves "
                 "compute by shortening epochs, so a step budget hides the saving (and the annealing point may never "
                 "come). Use max_epochs and leave max_steps=-1"
+            )
+        if self.num_epochs is not None and trainer.max_epochs in (None, -1) and not _ends_itself(trainer):
+            # the card's "num_epochs with max_epochs=-1": the fit went on over the full data for ever (qa75-infobatch
+            # 02)
+            raise ValueError(
+                f"InfoBatchCallback: num_epochs={epochs} with Trainer(max_epochs={trainer.max_epochs}): nothing ends "
+                f"the fit, which trains on the full data after InfoBatch's {epochs} epochs until it is stopped; set "
+                f"Trainer(max_epochs={epochs}) (num_epochs may then be left None), or end the run with "
+                "Trainer(max_time=...) or an EarlyStopping callback"
             )
         if self.num_epochs is not None and trainer.max_epochs not in (None, -1) and trainer.max_epochs < epochs:
             raise ValueError(
@@ -1141,9 +1160,13 @@ class InfoBatchCallback(Callback):
                 if forward.captured
                 else "; training_step called no trainable module (outputs=None)"
             )
+        # the way to give one, unless that is the way taken (a per_sample_loss=fn told to pass per_sample_loss=fn)
+        hint = {"manual": "see weighted_loss", "fn": "fn(outputs, batch) must return it"}.get(
+            source, ib.PER_SAMPLE_LOSS_HINT
+        )
         contract = (
             f"a per-sample loss is a float tensor of shape ({b},), one loss per sample of the batch, with grad "
-            f"(not detached); {ib.PER_SAMPLE_LOSS_HINT if source != 'manual' else 'see weighted_loss'}"
+            f"(not detached); {hint}"
         )
         if not isinstance(per_sample, Tensor) or not per_sample.is_floating_point():
             kind = f"{per_sample.dtype} tensor" if isinstance(per_sample, Tensor) else type(per_sample).__name__
@@ -1161,13 +1184,20 @@ class InfoBatchCallback(Callback):
                 "with a zero per-sample loss"
             )
         if per_sample.dim() != 1 or per_sample.numel() != b:
-            packed = (
-                " (fewer values than samples: a collate that packs the samples into fewer rows, as HF's "
-                "DataCollatorWithFlattening, gives a loss per row; return one loss per drawn sample, e.g. the token "
-                "losses averaged per sequence, the sequences told by the restarts of position_ids)"
-                if 0 < per_sample.numel() < b
-                else ""
-            )
+            if per_sample.dim() == 0 and b > 1:  # the batch's loss: the default reduction (qa75-infobatch 01)
+                packed = (
+                    " (one value: a loss reduced over the batch, as F.cross_entropy and nn.CrossEntropyLoss give with "
+                    "their default reduction='mean'; compute it with reduction='none', and average token losses per "
+                    "sample)"
+                )
+            elif 0 < per_sample.numel() < b:
+                packed = (
+                    " (fewer values than samples: a collate that packs the samples into fewer rows, as HF's "
+                    "DataCollatorWithFlattening, gives a loss per row; return one loss per drawn sample, e.g. the "
+                    "token losses averaged per sequence, the sequences told by the restarts of position_ids)"
+                )
+            else:
+                packed = ""
             raise ValueError(
                 f"InfoBatchCallback: {what} has shape {tuple(per_sample.shape)} for a batch of {b} samples{packed}; "
                 f"{contract}"

@@ -470,11 +470,41 @@ def test_bad_hyperparameters_raise_at_construction(kwargs):
         (dict(max_epochs=-1, max_steps=10), r"finite number of epochs.* \(and leave max_steps=-1: a step budget"),
         (dict(max_epochs=3, max_steps=10), "max_steps"),
         (dict(max_epochs=3, reload_dataloaders_every_n_epochs=2), "reload_dataloaders_every_n_epochs"),
+        # num_epochs with max_epochs=-1 and nothing else to end the fit: it trained for ever (qa75-infobatch 02)
+        (
+            dict(max_epochs=-1, num_epochs=2),
+            r"num_epochs=2 with Trainer\(max_epochs=-1\): nothing ends the fit, .* set Trainer\(max_epochs=2\)",
+        ),
     ],
 )
 def test_bad_runs_raise_at_setup(tmp_path, trainer_kwargs, match):
+    callback = InfoBatchCallback(num_epochs=trainer_kwargs.pop("num_epochs", None))
     with pytest.raises(ValueError, match=match):
-        make_trainer(tmp_path, [InfoBatchCallback()], **trainer_kwargs).fit(tiny_gpt2(), datamodule=ib_data())
+        make_trainer(tmp_path, [callback], **trainer_kwargs).fit(tiny_gpt2(), datamodule=ib_data())
+
+
+@pytest.mark.parametrize("end", ["max_time", "early_stopping"])
+def test_num_epochs_with_an_unbounded_trainer_runs_where_something_ends_the_fit(tmp_path, end):
+    """num_epochs with max_epochs=-1 is accepted where max_time or an EarlyStopping callback ends the fit; the fit
+    trains InfoBatch's epochs, then the full data."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    class StopAfterFiveEpochs(EarlyStopping):  # ends the fit as a plateau (or the time limit) would
+        def on_train_epoch_end(self, trainer, pl_module):
+            trainer.should_stop = trainer.should_stop or trainer.current_epoch >= 4
+
+    callback = InfoBatchCallback(num_epochs=4)
+    stop = StopAfterFiveEpochs(monitor="unused", check_on_train_epoch_end=False)
+    if end == "max_time":  # the Timer is what ends an unbounded fit; the stop is a plain callback here
+        stop.__class__ = type("Stop", (pl.Callback,), {"on_train_epoch_end": StopAfterFiveEpochs.on_train_epoch_end})
+        kwargs = dict(max_time={"minutes": 30})
+    else:
+        kwargs = {}
+    trainer = make_trainer(tmp_path, [callback, stop], max_epochs=-1, **kwargs)
+    trainer.fit(tiny_gpt2(), datamodule=ib_data())
+    assert trainer.current_epoch == 5
+    assert [h["kind"] for h in callback.history] == ["full", "prune", "prune", "full", "full"]
+    assert [h["size"] < 40 for h in callback.history] == [False, True, True, False, False]  # 40 samples
 
 
 def test_a_fit_on_loaders_without_a_datamodule_is_told_how_to_wrap_datasets(tmp_path):

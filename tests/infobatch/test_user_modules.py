@@ -624,7 +624,13 @@ class Steps(pl.Callback):
     "fn, match",
     [
         (lambda o, b: F.cross_entropy(o, b[1], reduction="none").detach(), r"has no grad .*float tensor of shape"),
-        (lambda o, b: F.cross_entropy(o, b[1]), r"has shape \(\) for a batch of 4 samples"),
+        # the default reduction='mean' is named, not a packing collate, and fn is not told to pass fn (qa75-infobatch
+        # 01)
+        (
+            lambda o, b: F.cross_entropy(o, b[1]),
+            r"has shape \(\) for a batch of 4 samples \(one value: .*default reduction='mean'; compute it with "
+            r"reduction='none'.*fn\(outputs, batch\) must return it$",
+        ),
         (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:2], r"has shape \(2,\) for a batch of 4"),
         # fewer values than samples: a packing collate's loss per row is named (qa51-llm 02)
         (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:1], r"\(1,\) .* samples \(fewer values .*packs"),
