@@ -1202,6 +1202,12 @@ class InfoBatchCallback(Callback):
                 f"InfoBatchCallback: {what} has shape {tuple(per_sample.shape)} for a batch of {b} samples{packed}; "
                 f"{contract}"
             )
+        if b > 1 and per_sample.stride(0) == 0:  # loss.expand(B): every sample scored by the batch's mean
+            raise ValueError(
+                f"InfoBatchCallback: {what} is one value broadcast to the batch's {b} samples (an expand of the "
+                "batch's loss: every sample would be scored by the batch's mean, and pruning would be random by "
+                f"batch); compute the loss with reduction='none', one value per sample; {contract}"
+            )
         if torch.is_grad_enabled() and not per_sample.requires_grad:
             raise ValueError(
                 f"InfoBatchCallback: {what} has no grad (detached, or computed under no_grad{used}); {contract}"

@@ -632,6 +632,8 @@ class Steps(pl.Callback):
             r"reduction='none'.*fn\(outputs, batch\) must return it$",
         ),
         (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:2], r"has shape \(2,\) for a batch of 4"),
+        # the batch's loss broadcast to its samples: scores by batch (qa75-infobatch, beside 01)
+        (lambda o, b: F.cross_entropy(o, b[1]).expand(4), r"is one value broadcast to the batch's 4 samples"),
         # fewer values than samples: a packing collate's loss per row is named (qa51-llm 02)
         (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:1], r"\(1,\) .* samples \(fewer values .*packs"),
         (lambda o, b: b[1], r"is a torch.int64 tensor; a per-sample loss is a float tensor of shape \(4,\)"),
