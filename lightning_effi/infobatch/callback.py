@@ -91,7 +91,6 @@ SECOND_LOSS = (
 )
 
 
-#: where a per-sample loss came from (:attr:`InfoBatchCallback.per_sample_source`), for the error messages
 def _ends_itself(trainer: pl.Trainer) -> bool:
     """Whether something other than ``max_epochs`` / ``max_steps`` ends the fit: ``max_time`` (Lightning's
     ``Timer``) or an ``EarlyStopping`` callback."""
@@ -100,6 +99,7 @@ def _ends_itself(trainer: pl.Trainer) -> bool:
     return any(isinstance(c, EarlyStopping | Timer) for c in trainer.callbacks)  # type: ignore[attr-defined]
 
 
+#: where a per-sample loss came from (:attr:`InfoBatchCallback.per_sample_source`), for the error messages
 SOURCES = {
     "returned": 'the "per_sample_loss" returned by training_step',
     "fn": "the per-sample loss returned by per_sample_loss=fn",
