@@ -483,23 +483,27 @@ def test_bad_runs_raise_at_setup(tmp_path, trainer_kwargs, match):
         make_trainer(tmp_path, [callback], **trainer_kwargs).fit(tiny_gpt2(), datamodule=ib_data())
 
 
+class _StopAfterFiveEpochs(pl.Callback):
+    """Ends the fit after 5 epochs, as the time limit would."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.should_stop = trainer.should_stop or trainer.current_epoch >= 4
+
+
 @pytest.mark.parametrize("end", ["max_time", "early_stopping"])
 def test_num_epochs_with_an_unbounded_trainer_runs_where_something_ends_the_fit(tmp_path, end):
     """num_epochs with max_epochs=-1 is accepted where max_time or an EarlyStopping callback ends the fit; the fit
     trains InfoBatch's epochs, then the full data."""
     from lightning.pytorch.callbacks import EarlyStopping
 
-    class StopAfterFiveEpochs(EarlyStopping):  # ends the fit as a plateau (or the time limit) would
-        def on_train_epoch_end(self, trainer, pl_module):
-            trainer.should_stop = trainer.should_stop or trainer.current_epoch >= 4
+    class PlateauAfterFiveEpochs(EarlyStopping):  # ends the fit after 5 epochs, as a plateau would
+        on_train_epoch_end = _StopAfterFiveEpochs.on_train_epoch_end
 
     callback = InfoBatchCallback(num_epochs=4)
-    stop = StopAfterFiveEpochs(monitor="unused", check_on_train_epoch_end=False)
-    if end == "max_time":  # the Timer is what ends an unbounded fit; the stop is a plain callback here
-        stop.__class__ = type("Stop", (pl.Callback,), {"on_train_epoch_end": StopAfterFiveEpochs.on_train_epoch_end})
-        kwargs = dict(max_time={"minutes": 30})
+    if end == "max_time":  # the Timer is what makes the fit bounded; the plain callback stops it first here
+        stop, kwargs = _StopAfterFiveEpochs(), dict(max_time={"minutes": 30})
     else:
-        kwargs = {}
+        stop, kwargs = PlateauAfterFiveEpochs(monitor="unused", check_on_train_epoch_end=False), {}
     trainer = make_trainer(tmp_path, [callback, stop], max_epochs=-1, **kwargs)
     trainer.fit(tiny_gpt2(), datamodule=ib_data())
     assert trainer.current_epoch == 5
