@@ -93,10 +93,13 @@ SECOND_LOSS = (
 
 def _ends_itself(trainer: pl.Trainer) -> bool:
     """Whether something other than ``max_epochs`` / ``max_steps`` ends the fit: ``max_time`` (Lightning's
-    ``Timer``) or an ``EarlyStopping`` callback."""
+    ``Timer`` with a duration; one without measures time only, qa76-break 02) or an ``EarlyStopping`` callback."""
     from lightning.pytorch.callbacks import EarlyStopping, Timer
 
-    return any(isinstance(c, EarlyStopping | Timer) for c in trainer.callbacks)  # type: ignore[attr-defined]
+    return any(
+        isinstance(c, EarlyStopping) or (isinstance(c, Timer) and getattr(c, "_duration", None) is not None)
+        for c in trainer.callbacks  # type: ignore[attr-defined]
+    )
 
 
 #: where a per-sample loss came from (:attr:`InfoBatchCallback.per_sample_source`), for the error messages
@@ -546,6 +549,20 @@ class InfoBatchCallback(Callback):
                 f"the fit, which trains on the full data after InfoBatch's {epochs} epochs until it is stopped; set "
                 f"Trainer(max_epochs={epochs}) (num_epochs may then be left None), or end the run with "
                 "Trainer(max_time=...) or an EarlyStopping callback"
+            )
+        if self.num_epochs is not None and (trainer.max_epochs in (None, -1) or trainer.max_epochs > epochs):
+            default = (
+                " (1000 is Lightning's default when max_epochs is not set: set Trainer(max_epochs="
+                f"{epochs}) for a run of InfoBatch's epochs)"
+                if trainer.max_epochs == 1000
+                else ""
+            )
+            # the epochs after the schedule: at an LR schedule's final value (0 for a cosine to 0, qa76-break 03, 06)
+            rank_zero_warn(
+                f"InfoBatchCallback: num_epochs={epochs} < max_epochs={trainer.max_epochs}{default}: the epochs after "
+                f"InfoBatch's {epochs} train on the full data, and the schedules that follow InfoBatch's progress (an "
+                "LR schedule given `progress`, random-LTD's growth, the V-cycle's stages) have ended there: an LR "
+                "schedule stays at its final value"
             )
         if self.num_epochs is not None and trainer.max_epochs not in (None, -1) and trainer.max_epochs < epochs:
             raise ValueError(
@@ -1184,11 +1201,17 @@ class InfoBatchCallback(Callback):
                 "with a zero per-sample loss"
             )
         if per_sample.dim() != 1 or per_sample.numel() != b:
-            if per_sample.dim() == 0 and b > 1:  # the batch's loss: the default reduction (qa75-infobatch 01)
+            if per_sample.numel() == 1 and b > 1:  # the batch's loss: the default reduction (qa75-infobatch 01)
                 packed = (
                     " (one value: a loss reduced over the batch, as F.cross_entropy and nn.CrossEntropyLoss give with "
                     "their default reduction='mean'; compute it with reduction='none', and average token losses per "
-                    "sample)"
+                    "sample"
+                    + (
+                        "; or a collate that packs the samples into one row, as HF's DataCollatorWithFlattening: "
+                        "return one loss per drawn sample)"
+                        if per_sample.dim() == 1
+                        else ")"
+                    )
                 )
             elif 0 < per_sample.numel() < b:
                 packed = (

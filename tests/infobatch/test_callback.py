@@ -3,6 +3,7 @@ validation, requirements and metadata (no processes except the DDP test)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
@@ -475,12 +476,27 @@ def test_bad_hyperparameters_raise_at_construction(kwargs):
             dict(max_epochs=-1, num_epochs=2),
             r"num_epochs=2 with Trainer\(max_epochs=-1\): nothing ends the fit, .* set Trainer\(max_epochs=2\)",
         ),
+        # a Timer without a duration measures time only (qa76-break 02)
+        (dict(max_epochs=-1, num_epochs=2, timer=True), r"num_epochs=2 with Trainer\(max_epochs=-1\): nothing ends"),
     ],
 )
 def test_bad_runs_raise_at_setup(tmp_path, trainer_kwargs, match):
-    callback = InfoBatchCallback(num_epochs=trainer_kwargs.pop("num_epochs", None))
+    from lightning.pytorch.callbacks import Timer
+
+    callbacks = [InfoBatchCallback(num_epochs=trainer_kwargs.pop("num_epochs", None))]
+    callbacks += [Timer()] if trainer_kwargs.pop("timer", False) else []
     with pytest.raises(ValueError, match=match):
-        make_trainer(tmp_path, [callback], **trainer_kwargs).fit(tiny_gpt2(), datamodule=ib_data())
+        make_trainer(tmp_path, callbacks, **trainer_kwargs).fit(tiny_gpt2(), datamodule=ib_data())
+
+
+def test_num_epochs_under_lightnings_default_max_epochs_warns(tmp_path):
+    """num_epochs with the Trainer's max_epochs left unset: Lightning's default of 1000 epochs, 997 of them on the full
+    data at the LR schedule's final value after InfoBatch's 3, with no word (qa76-break 01)."""
+    trainer = make_trainer(tmp_path, [InfoBatchCallback(num_epochs=3)], max_epochs=None, limit_train_batches=0)
+    with pytest.warns(
+        UserWarning, match=r"num_epochs=3 < max_epochs=1000 \(1000 is Lightning's default .*max_epochs=3"
+    ):
+        trainer.fit(tiny_gpt2(), datamodule=ib_data())
 
 
 class _StopAfterFiveEpochs(pl.Callback):
@@ -505,7 +521,12 @@ def test_num_epochs_with_an_unbounded_trainer_runs_where_something_ends_the_fit(
     else:
         stop, kwargs = PlateauAfterFiveEpochs(monitor="unused", check_on_train_epoch_end=False), {}
     trainer = make_trainer(tmp_path, [callback, stop], max_epochs=-1, **kwargs)
-    trainer.fit(tiny_gpt2(), datamodule=ib_data())
+    # a reference task with an LR schedule takes InfoBatch's progress for its length: it was refused for the infinite
+    # estimated_stepping_batches (qa76-break 07)
+    module = tiny_gpt2(scheduler=functools.partial(warmup_cosine, warmup_fraction=0.1, min_lr_ratio=0.0))
+    with pytest.warns(UserWarning, match=r"num_epochs=4 < max_epochs=-1: the epochs after InfoBatch's 4 train on the"):
+        trainer.fit(module, datamodule=ib_data())
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.0  # the cosine ended at InfoBatch's 4 epochs
     assert trainer.current_epoch == 5
     assert [h["kind"] for h in callback.history] == ["full", "prune", "prune", "full", "full"]
     assert [h["size"] < 40 for h in callback.history] == [False, True, True, False, False]  # 40 samples

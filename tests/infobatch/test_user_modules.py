@@ -631,11 +631,16 @@ class Steps(pl.Callback):
             r"has shape \(\) for a batch of 4 samples \(one value: .*default reduction='mean'; compute it with "
             r"reduction='none'.*fn\(outputs, batch\) must return it$",
         ),
-        (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:2], r"has shape \(2,\) for a batch of 4"),
         # the batch's loss broadcast to its samples: scores by batch (qa75-infobatch, beside 01)
         (lambda o, b: F.cross_entropy(o, b[1]).expand(4), r"is one value broadcast to the batch's 4 samples"),
-        # fewer values than samples: a packing collate's loss per row is named (qa51-llm 02)
-        (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:1], r"\(1,\) .* samples \(fewer values .*packs"),
+        # fewer values than samples: a packing collate's loss per row is named (qa51-llm 02); one value of shape (1,)
+        # names the batch's reduction first, then a packing into one row (qa76-break 07)
+        (lambda o, b: F.cross_entropy(o, b[1], reduction="none")[:2], r"\(2,\) .* samples \(fewer values .*packs"),
+        (
+            lambda o, b: F.cross_entropy(o, b[1]).reshape(1),
+            r"\(1,\) for a batch of 4 samples \(one value: .*reduction='none'.*; or a collate that packs the samples "
+            r"into one row",
+        ),
         (lambda o, b: b[1], r"is a torch.int64 tensor; a per-sample loss is a float tensor of shape \(4,\)"),
         # a fresh tensor with requires_grad=True but no graph: the model would not train
         (lambda o, b: torch.rand(len(b[1]), requires_grad=True), r"is a leaf tensor .*no grad_fn.*shape \(4,\)"),

@@ -146,21 +146,24 @@ class EffiTask(pl.LightningModule):
         optimizer = build_optimizer(self.optimizer_factory, self, self.weight_decay)
         if self.scheduler_factory is None:
             return optimizer
+        progress = self.effi_progress_source()
+        takes_progress = progress is not None and "progress" in inspect.signature(self.scheduler_factory).parameters
         total = self.trainer.estimated_stepping_batches
-        if not isinstance(total, int) and (total != total or total == float("inf")):
+        finite = isinstance(total, int) or (total == total and total != float("inf"))
+        if not finite and not takes_progress:
             raise ValueError(
                 "model.scheduler needs a finite training length: set trainer.max_epochs or trainer.max_steps"
             )
-        kwargs: dict[str, Any] = {"total_steps": int(total)}
-        progress = self.effi_progress_source()
-        if progress is not None:
-            if "progress" not in inspect.signature(self.scheduler_factory).parameters:
-                rank_zero_warn(
-                    "A callback changes the epoch length (e.g. InfoBatch) but model.scheduler does not accept "
-                    "`progress`: its length comes from trainer.estimated_stepping_batches and will not match"
-                )
-            else:
-                kwargs["progress"] = progress
+        # with a technique's progress the schedule's length is the technique's (InfoBatch's num_epochs under
+        # max_epochs=-1 and max_time was refused here, qa76-break 07)
+        kwargs: dict[str, Any] = {"total_steps": int(total) if finite else None}
+        if progress is not None and not takes_progress:
+            rank_zero_warn(
+                "A callback changes the epoch length (e.g. InfoBatch) but model.scheduler does not accept "
+                "`progress`: its length comes from trainer.estimated_stepping_batches and will not match"
+            )
+        elif takes_progress:
+            kwargs["progress"] = progress
         scheduler = self.scheduler_factory(optimizer, **kwargs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
