@@ -9,7 +9,7 @@ from the estimate. Hydra configs pass the factories with ``_partial_: true``; th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -44,14 +44,36 @@ def _check(warmup_fraction: float, min_lr_ratio: float) -> None:
 Progress = Callable[[], float]
 
 
+class ProgressLambdaLR(LambdaLR):
+    """The ``LambdaLR`` of :func:`progress_lambda`. Its first LR is read when it is built, in
+    ``configure_optimizers``, before a technique's progress can be told (InfoBatch's, before its first epoch's plan:
+    0.0, so a warmup's first step ran at LR 0, qa76-break 05); :meth:`refresh` reads it again, at the fit's start
+    (:func:`refresh_progress_schedules`)."""
+
+    def refresh(self) -> None:
+        """Set each parameter group's LR to the multiplier at the progress read now (the step counter unchanged)."""
+        for group, base, fn in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True):
+            group["lr"] = base * fn(self.last_epoch)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+
 def progress_lambda(optimizer: Optimizer, fn: Callable[[float], float], progress: Progress) -> LambdaLR:
     """``LambdaLR`` whose multiplier is ``fn(progress())``, ignoring the scheduler's own step counter.
 
     ``progress()`` returns training progress in [0, 1] *after the next optimizer step* (e.g.
     ``InfoBatchCallback.effi_progress``, which tracks epochs whose length changes). Values outside [0, 1] are
-    clamped, so the schedule ends exactly at ``fn(1)`` and never overruns.
+    clamped, so the schedule ends exactly at ``fn(1)`` and never overruns. The first LR is read again at the start of
+    a fit whose technique tells its progress only then (:class:`ProgressLambdaLR`).
     """
-    return LambdaLR(optimizer, lambda _step: fn(min(max(float(progress()), 0.0), 1.0)))
+    return ProgressLambdaLR(optimizer, lambda _step: fn(min(max(float(progress()), 0.0), 1.0)))
+
+
+def refresh_progress_schedules(schedulers: Iterable[object]) -> None:
+    """Read the first LR of each :class:`ProgressLambdaLR` among ``schedulers`` again (a fit's start, step 0: the
+    progress source knows its first epoch now)."""
+    for scheduler in schedulers:
+        if isinstance(scheduler, ProgressLambdaLR):
+            scheduler.refresh()
 
 
 def warmup_cosine(

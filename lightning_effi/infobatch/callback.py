@@ -54,6 +54,7 @@ from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real, is_int
 from lightning_effi.core.compat import rebuild_train_loader_after_restore, restart_next_epoch_at_its_start
 from lightning_effi.core.features import optimized_parameters
+from lightning_effi.core.lr_schedules import refresh_progress_schedules
 from lightning_effi.core.measure import find_batch_size, row_tokens
 from lightning_effi.core.nonfinite import NonFiniteLossError, NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
@@ -1702,7 +1703,9 @@ class InfoBatchCallback(Callback):
         checkpoint written at an epoch's last batch, start the next epoch (of another length than the finished one)
         at its first batch (:func:`~lightning_effi.core.compat.restart_next_epoch_at_its_start`). Warn of step-interval
         LR schedules that still change after the steps the pruned run is expected to take
-        (:meth:`_warn_unfinished_lr_schedules`)."""
+        (:meth:`_warn_unfinished_lr_schedules`). At step 0, an LR schedule on this callback's progress reads its first
+        LR again (:func:`~lightning_effi.core.lr_schedules.refresh_progress_schedules`: it was read before the first
+        epoch's plan, as 0.0)."""
         check_started(trainer)
         if trainer.global_step > 0 and not self._resumed:
             step = int(trainer.global_step)
@@ -1727,6 +1730,8 @@ class InfoBatchCallback(Callback):
         if self.curriculum_dm is None:
             restart_next_epoch_at_its_start(trainer)
             self._warn_unfinished_lr_schedules(trainer)
+            if trainer.global_step == 0:  # the first epoch's plan is made: a schedule on effi_progress reads its LR
+                refresh_progress_schedules(c.scheduler for c in trainer.lr_scheduler_configs)
 
     def _warn_unfinished_lr_schedules(self, trainer: pl.Trainer) -> None:
         """Warn, naming it and the multipliers, of each step-interval LR scheduler that still changes between the
