@@ -1594,7 +1594,15 @@ class RandomLTDCallback(Callback):
     def _block_returned(self, module: nn.Module, args: Any, output: Any) -> None:
         """The end of a call of a block of the LTD layers' list: a block the step runs itself that raised ends its pass
         (:meth:`_pass_raised`); inside a runner's call, the runner's end tells it."""
-        if output is None and sys.exc_info()[0] is not None and not self._runner_depth and not _in_backward():
+        if (
+            output is None
+            and sys.exc_info()[0] is not None
+            and not self._runner_depth
+            and not _in_backward()
+            # a block under no_grad begins no pass (_block_called): its raise ended none (a target pass's out-of-memory
+            # fallback rolled back the trained pass before it, qa76-regress 01)
+            and forward_trains()
+        ):
             self._pass_raised()
 
     def _input_seen(self, block: bool, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -1620,6 +1628,8 @@ class RandomLTDCallback(Callback):
             if output is None and sys.exc_info()[0] is not None and not self._runner_depth:
                 self._pass_raised()
                 return
+            if not self._runner_depth:  # the pass is whole: no later raise ends it
+                self._pass_mark = None
         value = output if isinstance(output, torch.Tensor) else next((v for _, v in tensor_leaves(output)), None)
         if value is not None and not value.is_nested and not _in_backward():
             self._block_outputs.append((value.grad_fn, storage_ref(value), tuple(value.shape)))
