@@ -887,12 +887,15 @@ def _budget_order_notes(seed: int, baselines: Sequence[Run], compute: str) -> li
     """Notes on a seed's baselines whose compute does not grow with their budget: a larger budget that spent no more
     than a smaller one (a loop of the user's own that passes ``budget=`` to the record but trains every budget for one
     length: the frontier had one point per seed, read as several budgets with no note, qa75-user 03)."""
-    counted = sorted((b for b in baselines if b.compute(compute) > 0), key=lambda b: b.budget)
     notes = []
-    for small, large in zip(counted, counted[1:]):
+    arms = sorted({b.arm for b in baselines})  # each baseline arm on its own (one at twice the batch, qa76-regress 03)
+    counted = [
+        sorted((b for b in baselines if b.arm == a and b.compute(compute) > 0), key=lambda b: b.budget) for a in arms
+    ]
+    for small, large in (pair for runs in counted for pair in zip(runs, runs[1:])):
         if large.budget > small.budget and large.compute(compute) <= small.compute(compute):
             notes.append(
-                f"frontier of seed {seed}: its baseline at budget {large.budget:g} spent no more {compute} than the "
+                f"frontier of seed {seed}: its {large.arm} at budget {large.budget:g} spent no more {compute} than the "
                 f"one at budget {small.budget:g} ({large.compute(compute):.4g} against {small.compute(compute):.4g}; "
                 f"configured for {_configured_length(large)} and {_configured_length(small)}): the budgets' lengths "
                 "do not follow their labels (a budget scales the run's length: max_steps or max_epochs)"

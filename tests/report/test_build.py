@@ -426,6 +426,11 @@ def test_baselines_whose_compute_does_not_grow_with_their_budget_are_noted(tmp_p
     ]
     write_record(tmp_path / "0", budget=0.5, flops=2e12, loss=2.6)  # half the compute: no note
     assert not [n for n in build_report(load_runs([tmp_path])).notes if "spent no more" in n]
+    # another baseline arm (twice the batch) is read on its own: its budget 0.5 against the baseline's budget 1 was
+    # noted (qa76-regress 03)
+    write_record(tmp_path / "3", arm="baseline_bs2x", techniques={}, budget=0.5, flops=4e12, loss=2.4)
+    write_record(tmp_path / "4", arm="baseline_bs2x", techniques={}, budget=1.0, flops=8e12, loss=2.2)
+    assert not [n for n in build_report(load_runs([tmp_path])).notes if "spent no more" in n]
 
 
 def test_run_folders_below_the_current_directory_are_recorded_relative_to_it(tmp_path, monkeypatch):
