@@ -68,12 +68,31 @@ def progress_lambda(optimizer: Optimizer, fn: Callable[[float], float], progress
     return ProgressLambdaLR(optimizer, lambda _step: fn(min(max(float(progress()), 0.0), 1.0)))
 
 
-def refresh_progress_schedules(schedulers: Iterable[object]) -> None:
+def refresh_progress_schedules(schedulers: Iterable[object]) -> list[str]:
     """Read the first LR of each :class:`ProgressLambdaLR` among ``schedulers`` again (a fit's start, step 0: the
-    progress source knows its first epoch now)."""
+    progress source knows its first epoch now), also the one a ``SequentialLR`` runs first, and those of a
+    ``ChainedScheduler`` of progress schedules only (a wrapped schedule ran its first step at LR 0, qa77-break 01).
+
+    Returns:
+        the class names of the wrappers whose progress schedules were not read again: a ``ChainedScheduler`` that
+        also holds other schedulers (their factors at build time would be lost).
+    """
+    from torch.optim.lr_scheduler import ChainedScheduler, SequentialLR
+
+    missed: list[str] = []
     for scheduler in schedulers:
         if isinstance(scheduler, ProgressLambdaLR):
             scheduler.refresh()
+        elif isinstance(scheduler, SequentialLR | ChainedScheduler):
+            children = list(scheduler._schedulers)
+            if isinstance(scheduler, SequentialLR):
+                missed += refresh_progress_schedules(children[:1])  # the first runs at step 0
+            elif all(isinstance(c, ProgressLambdaLR) for c in children):
+                missed += refresh_progress_schedules(children[-1:])  # the last one's LR is the chain's
+            elif any(isinstance(c, ProgressLambdaLR) for c in children):
+                missed.append(type(scheduler).__name__)
+            scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return missed
 
 
 def warmup_cosine(

@@ -559,8 +559,13 @@ class InfoBatchCallback(Callback):
                 else ""
             )
             # the epochs after the schedule: at an LR schedule's final value (0 for a cosine to 0, qa76-break 03, 06)
+            limit = (
+                f"< max_epochs={trainer.max_epochs}{default}"
+                if trainer.max_epochs not in (None, -1)
+                else f"with max_epochs={trainer.max_epochs} (no epoch limit)"
+            )
             rank_zero_warn(
-                f"InfoBatchCallback: num_epochs={epochs} < max_epochs={trainer.max_epochs}{default}: the epochs after "
+                f"InfoBatchCallback: num_epochs={epochs} {limit}: the epochs after "
                 f"InfoBatch's {epochs} train on the full data, and the schedules that follow InfoBatch's progress (an "
                 "LR schedule given `progress`, random-LTD's growth, the V-cycle's stages) have ended there: an LR "
                 "schedule stays at its final value"
@@ -1731,7 +1736,13 @@ class InfoBatchCallback(Callback):
             restart_next_epoch_at_its_start(trainer)
             self._warn_unfinished_lr_schedules(trainer)
             if trainer.global_step == 0:  # the first epoch's plan is made: a schedule on effi_progress reads its LR
-                refresh_progress_schedules(c.scheduler for c in trainer.lr_scheduler_configs)
+                missed = refresh_progress_schedules(c.scheduler for c in trainer.lr_scheduler_configs)
+                if missed:
+                    rank_zero_warn(
+                        f"InfoBatchCallback: an LR schedule on InfoBatch's progress inside a {missed[0]} with other "
+                        "schedulers runs its first step at the LR read when it was built, before InfoBatch's first "
+                        "epoch (progress 0: a warmup's LR 0); give it the whole schedule (warmup_cosine, one_cycle)"
+                    )
 
     def _warn_unfinished_lr_schedules(self, trainer: pl.Trainer) -> None:
         """Warn, naming it and the multipliers, of each step-interval LR scheduler that still changes between the

@@ -271,6 +271,48 @@ def test_progress_based_lr_ends_exactly_at_its_end_value_with_shrinking_epochs(t
     assert all(b <= a + 1e-12 for a, b in zip(module.lrs, module.lrs[1:]))  # monotone decay
 
 
+class WrappedProgressLR(ProgressLR):
+    """The progress schedule of :class:`ProgressLR` (a warmup over the first 20% here) inside a ``SequentialLR`` or a
+    ``ChainedScheduler``."""
+
+    def __init__(self, wrap: str):
+        super().__init__()
+        self.wrap = wrap
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        progress = next(cb.effi_progress for cb in self.trainer.callbacks if hasattr(cb, "effi_progress"))
+        sched = warmup_cosine(opt, total_steps=1, warmup_fraction=0.2, min_lr_ratio=0.0, progress=progress)
+        if self.wrap == "sequential":
+            constant = torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=1)
+            sched = torch.optim.lr_scheduler.SequentialLR(opt, [sched, constant], milestones=[1000])
+        elif self.wrap == "chained_alone":
+            sched = torch.optim.lr_scheduler.ChainedScheduler([sched])
+        else:
+            sched = torch.optim.lr_scheduler.ChainedScheduler(
+                [sched, torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=1)]
+            )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.parametrize("wrap", ["sequential", "chained_alone", "chained"])
+def test_a_wrapped_progress_schedule_reads_its_first_lr_at_the_start(tmp_path, wrap):
+    """A progress schedule inside a SequentialLR or a ChainedScheduler ran its first step at the LR read before
+    InfoBatch's first epoch, 0 for a warmup (qa77-break 01): read again at the start (the first step at progress
+    (0 + 1/5)/4 = 0.05 of a warmup to 0.2: 0.25), or, in a chain with other schedulers, warned of."""
+    module = WrappedProgressLR(wrap)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [InfoBatchCallback(prune_ratio=0.7, delta=1.0)], max_epochs=4).fit(
+            module, datamodule=ib_data()
+        )
+    warned = [str(w.message) for w in caught if "inside a ChainedScheduler with other schedulers" in str(w.message)]
+    if wrap == "chained":
+        assert module.first_lr == 0.0 and len(warned) == 1
+    else:
+        assert module.first_lr == pytest.approx(0.25) and not warned
+
+
 class EstimatedCosineLR(ProgressLR):
     """The usual recipe: a cosine ``LambdaLR`` to 0 over ``trainer.estimated_stepping_batches`` (full epochs),
     stepped every ``frequency`` optimizer steps."""
@@ -524,7 +566,7 @@ def test_num_epochs_with_an_unbounded_trainer_runs_where_something_ends_the_fit(
     # a reference task with an LR schedule takes InfoBatch's progress for its length: it was refused for the infinite
     # estimated_stepping_batches (qa76-break 07)
     module = tiny_gpt2(scheduler=functools.partial(warmup_cosine, warmup_fraction=0.1, min_lr_ratio=0.0))
-    with pytest.warns(UserWarning, match=r"num_epochs=4 < max_epochs=-1: the epochs after InfoBatch's 4 train on the"):
+    with pytest.warns(UserWarning, match=r"num_epochs=4 with max_epochs=-1 \(no epoch limit\): the epochs after Info"):
         trainer.fit(module, datamodule=ib_data())
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.0  # the cosine ended at InfoBatch's 4 epochs
     assert trainer.current_epoch == 5
