@@ -659,6 +659,9 @@ class EfficiencyMonitor(Callback):
         # its autograd node (held to the step's end: an output re-fed inline is freed at once) and its shape
         self._outputs: dict[int, list[_Returned]] = {}
         self._running: dict[int, int] = {}  # watched list -> calls of its runners under way (nested ones run no pass)
+        # id of a runner or block -> its calls whose pre-hook of this monitor ran and that have not returned: a call
+        # that raised in a hook before it (a user's pre-hook) began nothing to drop (_returned)
+        self._entered: dict[int, int] = {}
         self._last_block: dict[int, int] = {}
         # the (B, T) of the step's token ids, and the watched lists whose network was called with an integer tensor of
         # that shape (the tower the ids feed, when two towers see as many positions)
@@ -1497,6 +1500,7 @@ class EfficiencyMonitor(Callback):
             self._next_pass, self._fed_ids, self._rows = set(), set(), _token_rows(batch)
             self._last_block = {}
             self._outputs, self._pass_values, self._running, self._embedded = {}, {}, {}, []
+            self._entered = {}
             self._trained_positions, self._trained_shapes, self._untrained_pass = {}, {}, {}
             self._pass_marks = {}
             if self._rows is not None:  # the ids' embeddings: which tower they feed, and passes over other ids
@@ -1559,6 +1563,7 @@ class EfficiencyMonitor(Callback):
         qa53-break 02); called again on the same tensor or one of the same values (R-Drop, a probe without grad) or on
         what it returned (a weight-shared core applied to its own output), it adds none: those positions are counted
         once, as token ids are (qa52-break 05)."""
+        self._entered[id(module)] = self._entered.get(id(module), 0) + 1
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         if self._rows is not None and any(
             not a.is_floating_point() and tuple(a.shape[:2]) == self._rows for a in tensors
@@ -1625,14 +1630,30 @@ class EfficiencyMonitor(Callback):
     def _returned(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         """The tensor a watched list's network or one of its blocks returned (its first tensor leaf): a later call
         on it continues the pass (a loop over the blocks), it begins none (:meth:`_pass`, :meth:`_observe`)."""
+        entered = self._entered.get(id(module), 0)
+        if entered:
+            self._entered[id(module)] = entered - 1
         if output is None and sys.exc_info()[0] is not None:  # the call raised
-            if not _in_backward():  # not the early stop of a checkpoint's recompute, which raises to end it
+            # not the early stop of a checkpoint's recompute, which raises to end it; a call that raised before this
+            # monitor's pre-hook (a user's pre-hook) ends the pass under way only where it would have continued it, at
+            # a block after the last one run (where it would have begun another, the pass before it was dropped: a
+            # trained view lost, qa77-regress 01)
+            if not _in_backward() and (entered or self._continues_pass(index, module)):
                 self._failed(index)
             return
         value = output if isinstance(output, Tensor) else next((v for _, v in tensor_leaves(output)), None)
         if value is not None and not value.is_nested:  # a nested tensor (a fast path's padded output) has no shape
             returned = _Returned(weakref.ref(value), storage_ref(value), value.grad_fn, tuple(value.shape))
             self._outputs.setdefault(index, []).append(returned)
+
+    def _continues_pass(self, index: int, module: nn.Module) -> bool:
+        """Whether ``module`` is a block of watched list ``index`` after the last one run in the step."""
+        last = self._last_block.get(index)
+        blocks = self._watched[index][1] if index < len(self._watched) else None
+        if last is None or blocks is None:
+            return False
+        position = next((p for p, b in enumerate(blocks.children()) if b is module), None)
+        return position is not None and position > last
 
     def _counts_before(self, index: int) -> tuple[Any, ...]:
         """What watched list ``index``'s counts are before a pass begins (:meth:`_failed` restores them)."""
@@ -1698,6 +1719,7 @@ class EfficiencyMonitor(Callback):
         a view through the network beside one through the step's own loop was one pass, qa68-break 03), begins
         another pass where it is at or before the last block run, outside a backward. A pass counts when it trains
         (:meth:`_add_trained`)."""
+        self._entered[id(module)] = self._entered.get(id(module), 0) + 1
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if hidden is not None and hidden.is_nested and not forward_trains():
             # a no_grad probe on PyTorch's fast path trains nothing and has no shape: not observed (before the views

@@ -544,6 +544,9 @@ class RandomLTDCallback(Callback):
         # where the pass under way began (the controller's records, the inputs' and outputs' counts, the last block
         # position): a pass that raises is dropped (_pass_raised)
         self._pass_mark: tuple[Any, ...] | None = None
+        # id of a runner or layer -> its calls whose pre-hook of this callback ran and that have not returned: a call
+        # that raised in a hook before it (a user's pre-hook) began nothing to drop
+        self._entered: dict[int, int] = {}
         # what its runners and last block returned: (grad_fn, storage, shape)
         self._block_outputs: list[tuple[Any, Any, tuple[int, ...]]] = []
         self._input_hooks: list[Any] = []
@@ -1540,7 +1543,7 @@ class RandomLTDCallback(Callback):
             hook = WeakHook(self, "_block_called", position)
             self._input_hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
             # also when the call raises: the pass it began is dropped (_pass_raised)
-            hook = WeakHook(self, "_block_returned")
+            hook = WeakHook(self, "_block_returned", position)
             self._input_hooks.append(layer.register_forward_hook(hook, always_call=True))
         if len(layers):
             self._input_hooks.append(layers[-1].register_forward_hook(WeakHook(self, "_output_seen", False)))
@@ -1548,6 +1551,7 @@ class RandomLTDCallback(Callback):
     def _runner_called(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A call of a runner of the LTD layers' list: its input (:meth:`_input_seen`); the blocks it runs begin no
         pass of their own (:meth:`_block_called`)."""
+        self._entered[id(module)] = self._entered.get(id(module), 0) + 1
         if not _in_backward():
             if not self._runner_depth:
                 self._begin_pass()
@@ -1560,6 +1564,7 @@ class RandomLTDCallback(Callback):
         later blocks only, run on cached hidden states, or the trained blocks after a frozen first one run under
         ``no_grad`` (one forward counted of two views, qa68-break 02, 06); a view through the network beside one
         through the step's own loop (one counted, qa68-break 03)."""
+        self._entered[id(module)] = self._entered.get(id(module), 0) + 1
         if self._runner_depth or _in_backward() or not forward_trains():
             return
         last = self._last_position
@@ -1591,9 +1596,13 @@ class RandomLTDCallback(Callback):
         del self._inputs[inputs:], self._block_inputs[block_inputs:], self._block_outputs[outputs:]
         self._last_position = last
 
-    def _block_returned(self, module: nn.Module, args: Any, output: Any) -> None:
-        """The end of a call of a block of the LTD layers' list: a block the step runs itself that raised ends its pass
-        (:meth:`_pass_raised`); inside a runner's call, the runner's end tells it."""
+    def _block_returned(self, position: int, module: nn.Module, args: Any, output: Any) -> None:
+        """The end of a call of the LTD layers' list's block at ``position``: a block the step runs itself that raised
+        ends its pass (:meth:`_pass_raised`); inside a runner's call, the runner's end tells it. A call that raised in
+        a hook before this callback's (a user's pre-hook) ends the pass under way where it would have continued it (at
+        a position after the last block's), and none where it would have begun another (the pass before it was
+        dropped)."""
+        entered = self._left(module)
         if (
             output is None
             and sys.exc_info()[0] is not None
@@ -1602,8 +1611,17 @@ class RandomLTDCallback(Callback):
             # a block under no_grad begins no pass (_block_called): its raise ended none (a target pass's out-of-memory
             # fallback rolled back the trained pass before it, qa76-regress 01)
             and forward_trains()
+            and (entered or (self._last_position is not None and position > self._last_position))
         ):
             self._pass_raised()
+
+    def _left(self, module: nn.Module) -> bool:
+        """Whether this callback's pre-hook ran for the call of ``module`` that returns (or raises) now; its count
+        of calls under way drops."""
+        entered = self._entered.get(id(module), 0)
+        if entered:
+            self._entered[id(module)] = entered - 1
+        return bool(entered)
 
     def _input_seen(self, block: bool, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A call of a runner of the LTD layers' list (or of a block beginning a pass outside one, ``block``) that
@@ -1623,7 +1641,7 @@ class RandomLTDCallback(Callback):
     def _output_seen(self, runner: bool, module: nn.Module, args: Any, output: Any) -> None:
         """What a runner of the list (``runner``) or its last block returned in the micro-batch (its first tensor):
         its autograd node, its storage (weakly) and its shape, for :meth:`_continues`."""
-        if runner and not _in_backward():
+        if runner and self._left(module) and not _in_backward():
             self._runner_depth = max(0, self._runner_depth - 1)
             if output is None and sys.exc_info()[0] is not None and not self._runner_depth:
                 self._pass_raised()
@@ -1653,7 +1671,7 @@ class RandomLTDCallback(Callback):
         for hook in self._input_hooks:
             hook.remove()
         self._input_hooks, self._inputs, self._block_inputs, self._block_outputs = [], [], [], []
-        self._runner_depth, self._last_position, self._pass_mark = 0, None, None
+        self._runner_depth, self._last_position, self._pass_mark, self._entered = 0, None, None, {}
 
     def __getstate__(self) -> dict[str, Any]:
         """The callback's state without what one step or fit holds of its network (the hooks on it, its inputs, weak
@@ -1661,7 +1679,7 @@ class RandomLTDCallback(Callback):
         callback through its Trainer, and a deep copy of the callback, failed mid-fit (qa67-break 02)."""
         state = dict(self.__dict__)
         state.update(_input_hooks=[], _inputs=[], _block_inputs=[], _block_outputs=[], _runners=None)
-        state.update(_runner_depth=0, _last_position=None, _pass_mark=None)
+        state.update(_runner_depth=0, _last_position=None, _pass_mark=None, _entered={})
         return state
 
     def _release_frozen_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -5,6 +5,7 @@ layout, hand-written blocks on ``F.scaled_dot_product_attention``, and ``output_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import warnings
@@ -1188,6 +1189,67 @@ def test_a_raise_in_a_no_grad_pass_keeps_the_trained_pass_before_it(tmp_path):
         )
         counts.append((ltd.consumed_layer_tokens, ltd.full_layer_tokens, ltd.consumed_samples))
     assert counts[0] == counts[1] == (384, 576, 12)
+
+
+class TwoViewsFirstBlockRaises(pl.LightningModule):
+    """Two views through the step's own loop over 3 blocks; a pre-hook of the user's on block 0 raises an
+    out-of-memory error once, on the second view (before the callbacks' hooks run), and the step runs that view
+    again. With ``frozen``, block 0 is frozen and run under ``no_grad``."""
+
+    def __init__(self, frozen: bool, raise_once: bool) -> None:
+        super().__init__()
+        self.frozen, self.raise_once, self.fail = frozen, raise_once, False
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.enc.layers[0].requires_grad_(not frozen)
+        self.enc.layers[0].register_forward_pre_hook(self._raise_once)
+
+    def _raise_once(self, module: nn.Module, args: Any) -> None:
+        if self.fail:
+            self.fail = False
+            raise torch.OutOfMemoryError("simulated: out of memory")
+
+    def view(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad() if self.frozen else contextlib.nullcontext():
+            x = self.enc.layers[0](self.emb(ids))
+        for block in self.enc.layers[1:]:
+            x = block(x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        first = self.view(ids)
+        self.fail = self.raise_once
+        try:
+            second = self.view(ids.flip(1))
+        except torch.OutOfMemoryError:
+            second = self.view(ids.flip(1))
+        return (first + second).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_raise_before_the_callbacks_hooks_keeps_the_pass_before_it(tmp_path, frozen):
+    """A block call that raised in a hook of the user's, before the callbacks' own, ended the pass before it: the
+    monitor lost the first view behind a frozen block run under no_grad (256 layer-tokens for 512, qa77-regress 01),
+    and random-LTD the first view of a trained loop. The counts are those of the same step without the raise."""
+    from lightning_effi import EfficiencyMonitor
+
+    counts = []
+    for raise_once in (True, False):
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randint(1, 50, (8, 16)))
+        monitor = EfficiencyMonitor(print_summary=False)
+        ltd = RandomLTDCallback(min_value=8, seq_per_step=4, require_steps=100, layer_ids=[1, 2] if frozen else [0, 2])
+        make_trainer(tmp_path / str(raise_once), [monitor, ltd], max_steps=2).fit(
+            TwoViewsFirstBlockRaises(frozen, raise_once), torch.utils.data.DataLoader(data, 4)
+        )
+        counts.append((monitor.summary["layer_tokens"], ltd.consumed_layer_tokens, ltd.full_layer_tokens))
+    assert counts[0] == counts[1]
+    assert counts[1][0] == (2 * 2 * 4 * (16 + 8 + 8))  # steps x views x rows x the blocks' positions
 
 
 class SoftPromptViews(pl.LightningModule):
