@@ -135,3 +135,21 @@ def test_total_steps_is_needed_only_without_a_progress_source():
         warmup_cosine(opt)
     with pytest.raises(ValueError, match=r"total_steps must be an int >= 2 \(or pass progress=\.\.\.\), got True"):
         one_cycle(opt, True)
+
+
+def test_a_progress_schedule_reads_its_first_lr_again():
+    """``refresh`` sets the LR at the progress read now (InfoBatch's first epoch is planned after the scheduler is
+    built, at progress 0: a warmup's first step ran at LR 0, qa76-break 05); a parameter group added after the
+    scheduler was built keeps its LR."""
+    from lightning_effi.core.lr_schedules import ProgressLambdaLR, refresh_progress_schedules, warmup_cosine
+
+    progress = [0.0]
+    weight = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([weight], lr=1.0)
+    sched = warmup_cosine(opt, warmup_fraction=0.2, min_lr_ratio=0.0, progress=lambda: progress[0])
+    assert isinstance(sched, ProgressLambdaLR) and opt.param_groups[0]["lr"] == 0.0
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.5})
+    progress[0] = 0.05
+    assert refresh_progress_schedules([sched]) == []
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25) and opt.param_groups[1]["lr"] == 0.5
+    assert sched.get_last_lr() == [pytest.approx(0.25), 0.5] and sched.last_epoch == 0

@@ -51,8 +51,9 @@ class ProgressLambdaLR(LambdaLR):
     (:func:`refresh_progress_schedules`)."""
 
     def refresh(self) -> None:
-        """Set each parameter group's LR to the multiplier at the progress read now (the step counter unchanged)."""
-        for group, base, fn in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True):
+        """Set each parameter group's LR to the multiplier at the progress read now (the step counter unchanged; a
+        group added to the optimizer after the scheduler was built keeps its LR)."""
+        for group, base, fn in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
             group["lr"] = base * fn(self.last_epoch)
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
