@@ -71,12 +71,13 @@ def progress_lambda(optimizer: Optimizer, fn: Callable[[float], float], progress
 
 def refresh_progress_schedules(schedulers: Iterable[object]) -> list[str]:
     """Read the first LR of each :class:`ProgressLambdaLR` among ``schedulers`` again (a fit's start, step 0: the
-    progress source knows its first epoch now), also the one a ``SequentialLR`` runs first, and those of a
-    ``ChainedScheduler`` of progress schedules only (a wrapped schedule ran its first step at LR 0, qa77-break 01).
+    progress source knows its first epoch now), also the one a ``SequentialLR`` runs first and the last of a
+    ``ChainedScheduler`` (a ``LambdaLR`` sets the LR outright), wrappers inside wrappers too (a wrapped schedule ran its
+    first step at LR 0, qa77-break 01, qa78-break 02).
 
     Returns:
-        the class names of the wrappers whose progress schedules were not read again: a ``ChainedScheduler`` that
-        also holds other schedulers (their factors at build time would be lost).
+        the class names of the wrappers whose progress schedules were not read again: a ``ChainedScheduler`` with one
+        before its last scheduler (the factors of those after it at build time would be lost).
     """
     from torch.optim.lr_scheduler import ChainedScheduler, SequentialLR
 
@@ -88,12 +89,20 @@ def refresh_progress_schedules(schedulers: Iterable[object]) -> list[str]:
             children = list(scheduler._schedulers)
             if isinstance(scheduler, SequentialLR):
                 missed += refresh_progress_schedules(children[:1])  # the first runs at step 0
-            elif all(isinstance(c, ProgressLambdaLR) for c in children):
+            else:
                 missed += refresh_progress_schedules(children[-1:])  # the last one's LR is the chain's
-            elif any(isinstance(c, ProgressLambdaLR) for c in children):
-                missed.append(type(scheduler).__name__)
+                if any(_holds_progress(c) for c in children[:-1]):
+                    missed.append(type(scheduler).__name__)
             scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
     return missed
+
+
+def _holds_progress(scheduler: object) -> bool:
+    """Whether ``scheduler`` is a :class:`ProgressLambdaLR` or a wrapper holding one."""
+    children = getattr(scheduler, "_schedulers", None)
+    return isinstance(scheduler, ProgressLambdaLR) or (
+        isinstance(children, list | tuple) and any(_holds_progress(c) for c in children)
+    )
 
 
 def warmup_cosine(

@@ -1739,9 +1739,10 @@ class InfoBatchCallback(Callback):
                 missed = refresh_progress_schedules(c.scheduler for c in trainer.lr_scheduler_configs)
                 if missed:
                     rank_zero_warn(
-                        f"InfoBatchCallback: an LR schedule on InfoBatch's progress inside a {missed[0]} with other "
-                        "schedulers runs its first step at the LR read when it was built, before InfoBatch's first "
-                        "epoch (progress 0: a warmup's LR 0); give it the whole schedule (warmup_cosine, one_cycle)"
+                        f"InfoBatchCallback: an LR schedule on InfoBatch's progress inside a {missed[0]}, before its "
+                        "last scheduler, runs its first step at the LR read when it was built, before InfoBatch's "
+                        "first epoch (progress 0: a warmup's LR 0); put it last, or give it the whole schedule "
+                        "(warmup_cosine, one_cycle)"
                     )
 
     def _warn_unfinished_lr_schedules(self, trainer: pl.Trainer) -> None:

@@ -288,6 +288,13 @@ class WrappedProgressLR(ProgressLR):
             sched = torch.optim.lr_scheduler.SequentialLR(opt, [sched, constant], milestones=[1000])
         elif self.wrap == "chained_alone":
             sched = torch.optim.lr_scheduler.ChainedScheduler([sched])
+        elif self.wrap == "chained_last":  # a LambdaLR last in a chain sets the LR outright
+            constant = torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=1)
+            sched = torch.optim.lr_scheduler.ChainedScheduler([constant, sched])
+        elif self.wrap == "nested":
+            constant = torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=1)
+            sequential = torch.optim.lr_scheduler.SequentialLR(opt, [sched, constant], milestones=[1000])
+            sched = torch.optim.lr_scheduler.ChainedScheduler([sequential])
         else:
             sched = torch.optim.lr_scheduler.ChainedScheduler(
                 [sched, torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=1)]
@@ -295,18 +302,19 @@ class WrappedProgressLR(ProgressLR):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-@pytest.mark.parametrize("wrap", ["sequential", "chained_alone", "chained"])
+@pytest.mark.parametrize("wrap", ["sequential", "chained_alone", "chained_last", "nested", "chained"])
 def test_a_wrapped_progress_schedule_reads_its_first_lr_at_the_start(tmp_path, wrap):
     """A progress schedule inside a SequentialLR or a ChainedScheduler ran its first step at the LR read before
     InfoBatch's first epoch, 0 for a warmup (qa77-break 01): read again at the start (the first step at progress
-    (0 + 1/5)/4 = 0.05 of a warmup to 0.2: 0.25), or, in a chain with other schedulers, warned of."""
+    (0 + 1/5)/4 = 0.05 of a warmup to 0.2: 0.25), a SequentialLR in a ChainedScheduler too (qa78-break 02), or, before
+    another scheduler in a chain, warned of."""
     module = WrappedProgressLR(wrap)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(tmp_path, [InfoBatchCallback(prune_ratio=0.7, delta=1.0)], max_epochs=4).fit(
             module, datamodule=ib_data()
         )
-    warned = [str(w.message) for w in caught if "inside a ChainedScheduler with other schedulers" in str(w.message)]
+    warned = [str(w.message) for w in caught if "inside a ChainedScheduler, before its last" in str(w.message)]
     if wrap == "chained":
         assert module.first_lr == 0.0 and len(warned) == 1
     else:
