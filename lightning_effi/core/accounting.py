@@ -1575,7 +1575,10 @@ class EfficiencyMonitor(Callback):
         self._running[index] = running + 1
         if running or _in_backward():  # a runner inside another's call (a model holding its encoder's list too)
             return
-        self._pass_marks.pop(index, None)  # the pass before is whole: a raise before this call's blocks keeps it
+        # the pass before is whole: a raise in this call drops what this call adds, from here (the values it was
+        # called on too: a retry on the same values read as R-Drop, one view of two counted, qa78-break 01), and keeps
+        # the pass before
+        self._pass_marks[index] = self._counts_before(index)
         first = pass_input(args, kwargs)
         if first is None or self._returned_before(index, first):
             return
@@ -1584,8 +1587,10 @@ class EfficiencyMonitor(Callback):
             self._next_pass.add(index)
 
     def _ran(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
-        """The end of a call of a module that runs watched list ``index`` (:meth:`_pass`)."""
-        self._running[index] = max(0, self._running.get(index, 0) - 1)
+        """The end of a call of a module that runs watched list ``index`` (:meth:`_pass`; a call that raised in a hook
+        before this monitor's was not counted under way)."""
+        if self._entered.get(id(module), 0):
+            self._running[index] = max(0, self._running.get(index, 0) - 1)
         self._returned(index, module, args, output)
 
     def _embedded_ids(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -1638,7 +1643,7 @@ class EfficiencyMonitor(Callback):
             # monitor's pre-hook (a user's pre-hook) ends the pass under way only where it would have continued it, at
             # a block after the last one run (where it would have begun another, the pass before it was dropped: a
             # trained view lost, qa77-regress 01)
-            if not _in_backward() and (entered or self._continues_pass(index, module)):
+            if not _in_backward() and (entered or self._continues_pass(index, module, args)):
                 self._failed(index)
             return
         value = output if isinstance(output, Tensor) else next((v for _, v in tensor_leaves(output)), None)
@@ -1646,14 +1651,25 @@ class EfficiencyMonitor(Callback):
             returned = _Returned(weakref.ref(value), storage_ref(value), value.grad_fn, tuple(value.shape))
             self._outputs.setdefault(index, []).append(returned)
 
-    def _continues_pass(self, index: int, module: nn.Module) -> bool:
-        """Whether ``module`` is a block of watched list ``index`` after the last one run in the step."""
+    def _continues_pass(self, index: int, module: nn.Module, args: Any) -> bool:
+        """Whether a call of ``module`` on ``args`` continues the pass under way of watched list ``index``: a block
+        after the last one run in the step, or one called on what a block returned (a weight-shared block called
+        again, qa78-regress 01)."""
         last = self._last_block.get(index)
         blocks = self._watched[index][1] if index < len(self._watched) else None
         if last is None or blocks is None:
             return False
         position = next((p for p, b in enumerate(blocks.children()) if b is module), None)
-        return position is not None and position > last
+        if position is None:
+            return False
+        hidden = next((a for a in args if isinstance(a, Tensor)), None) if isinstance(args, tuple) else None
+        return position > last or (hidden is not None and self._returned_before(index, hidden))
+
+    def _keep_mark(self, index: int, mark: tuple[Any, ...]) -> None:
+        """Keep ``mark`` as where the pass of watched list ``index`` begun now began (:meth:`_failed`), unless a call
+        of the list's network under way marked it, before its blocks (:meth:`_pass`)."""
+        if not self._running.get(index, 0) or index not in self._pass_marks:
+            self._pass_marks[index] = mark
 
     def _counts_before(self, index: int) -> tuple[Any, ...]:
         """What watched list ``index``'s counts are before a pass begins (:meth:`_failed` restores them)."""
@@ -1740,7 +1756,7 @@ class EfficiencyMonitor(Callback):
                 and not self._seen_values(index, hidden)  # not the same data again (R-Drop)
             )
             if index in self._next_pass or again:
-                self._pass_marks[index] = mark
+                self._keep_mark(index, mark)
                 self._next_pass.discard(index)
                 first, shape, wide = self._seen[index]
                 more = hidden_tokens(args, kwargs)
@@ -1762,7 +1778,7 @@ class EfficiencyMonitor(Callback):
             ):
                 self._add_trained(index, *self._untrained_pass.pop(index))  # trained after a frozen first block
             return
-        self._pass_marks[index] = mark
+        self._keep_mark(index, mark)
         tokens = hidden_tokens(args, kwargs)  # None for a nested tensor
         if hidden is not None and not self._running.get(index, 0):
             self._seen_values(index, hidden)

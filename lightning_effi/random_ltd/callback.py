@@ -1611,9 +1611,20 @@ class RandomLTDCallback(Callback):
             # a block under no_grad begins no pass (_block_called): its raise ended none (a target pass's out-of-memory
             # fallback rolled back the trained pass before it, qa76-regress 01)
             and forward_trains()
-            and (entered or (self._last_position is not None and position > self._last_position))
+            and (entered or self._continued(position, args))
         ):
             self._pass_raised()
+
+    def _continued(self, position: int, args: Any) -> bool:
+        """Whether a block call at ``position`` on ``args`` that began no pass in this callback's hooks continues the
+        pass under way: a block after the last one run, or one called on what the last block returned (a
+        weight-shared block called again, qa78-regress 01)."""
+        if self._last_position is None:
+            return False
+        hidden = next((a for a in args if isinstance(a, torch.Tensor)), None) if isinstance(args, tuple) else None
+        return position > self._last_position or (
+            hidden is not None and not hidden.is_nested and self._continues(hidden)
+        )
 
     def _left(self, module: nn.Module) -> bool:
         """Whether this callback's pre-hook ran for the call of ``module`` that returns (or raises) now; its count

@@ -2245,21 +2245,25 @@ class RetriedOnOutOfMemory(UserModule):
         try:
             return self.net(ids)
         except torch.OutOfMemoryError:
-            return torch.cat([self.net(part) for part in ids.split(2)]) if self.retry != "whole" else self.net(ids)
+            whole = self.retry in ("whole", "views_whole")
+            return self.net(ids) if whole else torch.cat([self.net(part) for part in ids.split(2)])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids = batch[0]
-        views = [ids, ids.flip(1)] if self.retry in ("views", "embedding") else [ids]
+        views = [ids, ids.flip(1)] if self.retry in ("views", "views_whole", "embedding") else [ids]
         return sum(
             self.attempt(view, self.retry != "embedding" or k == 1).logsumexp(-1).mean() for k, view in enumerate(views)
         )
 
 
-@pytest.mark.parametrize(("retry", "passes"), [("halves", 1), ("whole", 1), ("views", 2), ("embedding", 2)])
+@pytest.mark.parametrize(
+    ("retry", "passes"), [("halves", 1), ("whole", 1), ("views", 2), ("views_whole", 2), ("embedding", 2)]
+)
 def test_a_forward_that_raised_and_was_retried_counts_once(tmp_path: Path, retry: str, passes: int) -> None:
     """A forward whose block raised (an out-of-memory error the step catches, then the batch again in halves) was
     counted as a pass beside its retry: 256 tokens for 128 since blocks the step runs begin a pass wherever they are
-    (qa74-regress 01). The pass a raising block began is dropped."""
+    (qa74-regress 01). The pass a raising block began is dropped, and the values the network's call was called on:
+    two views each retried whole counted one, the retry read as R-Drop of the failed attempt (qa78-break 01)."""
     _, _, per_batch = fit(RetriedOnOutOfMemory(retry), token_loader(), tmp_path, 2)
     assert [row["tokens"] for row in per_batch.rows] == [passes * B * T] * 2
     assert [row["layer_tokens"] for row in per_batch.rows] == [4 * passes * B * T] * 2

@@ -1252,6 +1252,68 @@ def test_a_raise_before_the_callbacks_hooks_keeps_the_pass_before_it(tmp_path, f
     assert counts[1][0] == (2 * 2 * 4 * (16 + 8 + 8))  # steps x views x rows x the blocks' positions
 
 
+class SharedBlockRaises(pl.LightningModule):
+    """An ALBERT-style weight-shared block (the list holds one, called 3 times a pass), whose user pre-hook raises an
+    out-of-memory error once, on the ``raise_at``-th call of the step; the step runs the batch again in halves
+    (``raise_at=None``: in halves from the start)."""
+
+    def __init__(self, raise_at: int | None) -> None:
+        super().__init__()
+        self.raise_at, self.calls, self.fail = raise_at, 0, None
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.enc.layers[0].register_forward_pre_hook(self._raise_once)
+
+    def _raise_once(self, module: nn.Module, args: Any) -> None:
+        self.calls += 1
+        if self.fail is not None and self.calls == self.fail:
+            self.fail = None
+            raise torch.OutOfMemoryError("simulated: out of memory")
+
+    def net(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for _ in range(3):
+            x = self.enc.layers[0](x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        self.calls, self.fail = 0, self.raise_at
+        try:
+            if self.raise_at is None:
+                raise torch.OutOfMemoryError("no raise: in halves from the start")
+            x = self.net(ids)
+        except torch.OutOfMemoryError:
+            x = torch.cat([self.net(part) for part in ids.split(2)])
+        return x.pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_raise_in_a_later_call_of_a_shared_block_drops_its_pass(tmp_path):
+    """A user pre-hook's raise on the second call of a weight-shared block (before the callbacks' hooks) was read as
+    beginning another pass, so the partial pass before it was kept beside the retry: 256 tokens for 128 in the monitor,
+    128 layer-tokens consumed for 64 in random-LTD (qa78-regress 01, a regression of f285c3c). A call on what the block
+    returned continues the pass."""
+    from lightning_effi import EfficiencyMonitor
+
+    counts = []
+    for raise_at in (2, None):
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randint(1, 50, (8, 16)))
+        monitor = EfficiencyMonitor(print_summary=False)
+        ltd = RandomLTDCallback(min_value=8, seq_per_step=4, require_steps=100, layer_ids=[0])
+        make_trainer(tmp_path / str(raise_at), [monitor, ltd], max_steps=2).fit(
+            SharedBlockRaises(raise_at), torch.utils.data.DataLoader(data, 4)
+        )
+        counts.append(
+            (monitor.summary["tokens"], ltd.consumed_layer_tokens, ltd.full_layer_tokens, ltd.consumed_samples)
+        )
+    assert counts[0] == counts[1] == (128, 64, 128, 8)
+
+
 class SoftPromptViews(pl.LightningModule):
     """Prompt tuning on HF GPT-2: two masked views of the ids, each behind a 4-position soft prompt, through the model
     called with ``inputs_embeds`` and an ``attention_mask`` (GPT-2 hands its base model ``input_ids=None`` and the
