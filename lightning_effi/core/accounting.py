@@ -660,7 +660,7 @@ class EfficiencyMonitor(Callback):
         self._outputs: dict[int, list[_Returned]] = {}
         self._running: dict[int, int] = {}  # watched list -> calls of its runners under way (nested ones run no pass)
         # id of a runner or block -> its calls whose pre-hook of this monitor ran and that have not returned: a call
-        # that raised in a hook before it (a user's pre-hook) began nothing to drop (_returned)
+        # that raised in a hook before it (a user's pre-hook) was not seen to begin anything (_returned)
         self._entered: dict[int, int] = {}
         self._last_block: dict[int, int] = {}
         # the (B, T) of the step's token ids, and the watched lists whose network was called with an integer tensor of
@@ -1640,9 +1640,9 @@ class EfficiencyMonitor(Callback):
             self._entered[id(module)] = entered - 1
         if output is None and sys.exc_info()[0] is not None:  # the call raised
             # not the early stop of a checkpoint's recompute, which raises to end it; a call that raised before this
-            # monitor's pre-hook (a user's pre-hook) ends the pass under way only where it would have continued it, at
-            # a block after the last one run (where it would have begun another, the pass before it was dropped: a
-            # trained view lost, qa77-regress 01)
+            # monitor's pre-hook (a user's pre-hook) ends the pass under way only where it would have continued it
+            # (_continues_pass; where it would have begun another, the pass before it was dropped: a trained view
+            # lost, qa77-regress 01)
             if not _in_backward() and (entered or self._continues_pass(index, module, args)):
                 self._failed(index)
             return

@@ -545,7 +545,7 @@ class RandomLTDCallback(Callback):
         # position): a pass that raises is dropped (_pass_raised)
         self._pass_mark: tuple[Any, ...] | None = None
         # id of a runner or layer -> its calls whose pre-hook of this callback ran and that have not returned: a call
-        # that raised in a hook before it (a user's pre-hook) began nothing to drop
+        # that raised in a hook before it (a user's pre-hook) was not seen to begin anything (_block_returned)
         self._entered: dict[int, int] = {}
         # what its runners and last block returned: (grad_fn, storage, shape)
         self._block_outputs: list[tuple[Any, Any, tuple[int, ...]]] = []
@@ -1599,9 +1599,8 @@ class RandomLTDCallback(Callback):
     def _block_returned(self, position: int, module: nn.Module, args: Any, output: Any) -> None:
         """The end of a call of the LTD layers' list's block at ``position``: a block the step runs itself that raised
         ends its pass (:meth:`_pass_raised`); inside a runner's call, the runner's end tells it. A call that raised in
-        a hook before this callback's (a user's pre-hook) ends the pass under way where it would have continued it (at
-        a position after the last block's), and none where it would have begun another (the pass before it was
-        dropped)."""
+        a hook before this callback's (a user's pre-hook) ends the pass under way where it would have continued it
+        (:meth:`_continued`), and none where it would have begun another (the pass before it was dropped)."""
         entered = self._left(module)
         if (
             output is None
