@@ -711,8 +711,9 @@ def test_infobatch_one_cycle_on_its_progress(tmp_path: Path) -> None:
     per_epoch = [sum(r["epoch"] == e for r in steps.rows) for e in range(3)]
     assert per_epoch[1] < per_epoch[0] and trainer.global_step == sum(per_epoch)
     # the LR of a step is set after the previous one, at the progress after the next step by the epoch plan known
-    # then: (e + (j + 1) / L_e) / 3 after step j (1-based) of epoch e; the first step's at construction (progress 0)
-    want, done = [LR * one_cycle_multiplier(0.0)], defaultdict[int, int](int)
+    # then: (e + (j + 1) / L_e) / 3 after step j (1-based) of epoch e; the first step's at train start, once epoch 0
+    # is planned: (0 + 1 / L_0) / 3 (it was read when the scheduler was built, at progress 0, qa76-break 05)
+    want, done = [LR * one_cycle_multiplier(1 / per_epoch[0] / 3)], defaultdict[int, int](int)
     for r in steps.rows[:-1]:
         done[r["epoch"]] += 1
         want.append(
