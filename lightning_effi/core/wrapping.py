@@ -338,6 +338,13 @@ def _entry_of(config: Mapping[str, Any], cls: type) -> Mapping[str, Any] | None:
     return None
 
 
+def _batch_size_setting(datamodule: Any) -> tuple[Any, Any]:
+    """Where a DataModule keeps the batch size its loader is built with: its ``batch_size`` attribute and its
+    ``hparams.batch_size`` (None where absent), as Lightning's batch-size finder looks for it."""
+    hparams = getattr(datamodule, "hparams", None)
+    return getattr(datamodule, "batch_size", None), hparams.get("batch_size") if isinstance(hparams, Mapping) else None
+
+
 class WrappingDataModule(pl.LightningDataModule):
     """Base of the technique DataModules: wraps ``datamodule`` and delegates everything but ``train_dataloader``
     (``prepare_data``, ``setup``, ``teardown``, ``on_exception``, the evaluation loaders, ``state_dict``,
@@ -352,11 +359,19 @@ class WrappingDataModule(pl.LightningDataModule):
     :func:`~lightning_effi.core.batch.batch_meta`) and passes on the user's batch, so no user hook ever sees the
     techniques' metadata.
 
+    The user's DataModule stays reachable through the wrapper: an attribute the wrapper does not have is read from
+    (and set on) the wrapped DataModule (``trainer.datamodule.num_classes`` in a module's ``setup``), and its
+    hyperparameters (``save_hyperparameters()``) are the wrapper's, so the checkpoint and the loggers hold them
+    (``MyDataModule.load_from_checkpoint(path)`` rebuilds it with them) as without the wrapper.
+
     Raises:
         DataConfigError: ``datamodule`` is not a ``LightningDataModule``.
     """
 
     technique = "technique"
+    #: the wrapper's own public attributes (set by it or by its callback): never read from or set on the wrapped
+    #: DataModule, which may have one of the same name (a user's ``config``)
+    own_attributes: frozenset[str] = frozenset({"datamodule", "effi_batch_meta"})
 
     def __init__(self, datamodule: pl.LightningDataModule) -> None:
         super().__init__()
@@ -365,6 +380,7 @@ class WrappingDataModule(pl.LightningDataModule):
         self.datamodule = datamodule
         self._adopt_cli_hparams(datamodule)
         self._template: dict[str, Any] | None = None
+        self._template_batch_size: tuple[Any, Any] = (None, None)  # _batch_size_setting when the template was read
         #: the user's Trainer's reload_dataloaders_every_n_epochs when the fit started (before a technique set it),
         #: and the last epoch whose reload was checked (:meth:`_check_reload`)
         self._user_reload_every = 0
@@ -392,10 +408,80 @@ class WrappingDataModule(pl.LightningDataModule):
                 datamodule._hparams = AttributeDict(own)
                 datamodule._hparams_initial = copy.deepcopy(datamodule._hparams)  # type: ignore[attr-defined]
         if _resolve(config.get("_class_path")) is type(self):  # the outermost wrapper: the CLI's data entry
-            self._set_hparams(dict(config))
+            self._hparams = AttributeDict(config)  # its own (not _set_hparams: without own ones, hparams are inner's)
             self._hparams_initial = copy.deepcopy(self._hparams)
         else:  # a wrapper inside another: hand the config on
             self._effi_cli_data_config = config
+
+    # ------------------------------------------------------------------------------ the wrapped DataModule's
+    def __getattr__(self, name: str) -> Any:
+        """An attribute this wrapper does not have (a public one, or ``_hparams_name``): the wrapped DataModule's, as
+        ``trainer.datamodule.<name>`` read it without the wrapper (an ``AttributeError`` before, qa79-curriculum 03).
+
+        Raises:
+            AttributeError: neither this wrapper nor the wrapped DataModule has ``name``.
+        """
+        inner = self.__dict__.get("datamodule")
+        if inner is None or name in self.own_attributes or (name.startswith("_") and name != "_hparams_name"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(inner, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r} (nor has the {type(inner).__name__} it "
+                "wraps)"
+            ) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set a public attribute the wrapped DataModule has and this wrapper does not (not one of
+        :attr:`own_attributes`, none of its class) on the wrapped DataModule, where its loaders read it
+        (``trainer.datamodule.num_workers = 4``; Lightning's tuner sets its attributes so too); any other on this
+        wrapper."""
+        inner = self.__dict__.get("datamodule")
+        if (
+            inner is not None
+            and not name.startswith("_")
+            and name not in self.own_attributes
+            and name not in self.__dict__
+            and not hasattr(type(self), name)
+            and hasattr(inner, name)
+        ):
+            setattr(inner, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def _own_hparams(self) -> bool:
+        """Whether this wrapper has hyperparameters of its own (the ``LightningCLI`` data entry's config)."""
+        return bool(self.__dict__.get("_hparams"))
+
+    @property
+    def hparams(self) -> Any:
+        """This wrapper's hyperparameters where it has its own (under ``LightningCLI``: the ``data`` entry's config),
+        else the wrapped DataModule's (its ``save_hyperparameters()``), which Lightning writes to the checkpoint
+        (``datamodule_hyper_parameters``) and the loggers as without the wrapper; they were lost (a DataModule
+        rebuilt by ``load_from_checkpoint`` with its defaults, qa79-curriculum 02)."""
+        if self._own_hparams():
+            return super().hparams
+        return self.datamodule.hparams
+
+    @property
+    def hparams_initial(self) -> Any:
+        """The initial hyperparameters, of this wrapper or the wrapped DataModule (see :attr:`hparams`)."""
+        if self._own_hparams():
+            return super().hparams_initial
+        return self.datamodule.hparams_initial
+
+    @property
+    def _log_hyperparams(self) -> bool:
+        """Whether Lightning logs the DataModule's hyperparameters: the wrapped DataModule's choice
+        (``save_hyperparameters(logger=...)``), or this wrapper's own where it made one."""
+        own = self.__dict__.get("_effi_log_hyperparams", False)
+        inner = self.__dict__.get("datamodule")
+        return bool(own or getattr(inner, "_log_hyperparams", False))
+
+    @_log_hyperparams.setter
+    def _log_hyperparams(self, value: bool) -> None:
+        self.__dict__["_effi_log_hyperparams"] = value
 
     def prepare_data(self) -> None:
         self.datamodule.prepare_data()
@@ -519,8 +605,13 @@ class WrappingDataModule(pl.LightningDataModule):
         """The user's training loader's dataset and settings, read once (first call) and validated: the loader of the
         innermost DataModule of the ``.datamodule`` chain (nested technique wrappers are skipped; each wrapper of the
         chain gets this one's ``trainer``)."""
+        if self._template is not None and self._template_batch_size != _batch_size_setting(wrapper_chain(self)[-1]):
+            # the user's batch size changed since it was read (Lightning's batch-size finder sets the user's
+            # hparams.batch_size, reached through this wrapper's hparams): the loader is read afresh
+            self._template = None
         if self._template is None:
             chain = wrapper_chain(self)
+            self._template_batch_size = _batch_size_setting(chain[-1])
             for inner in chain[1:]:
                 inner.trainer = self.trainer
             trainer = self.trainer

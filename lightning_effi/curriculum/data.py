@@ -515,6 +515,7 @@ class CurriculumDataModule(WrappingDataModule):
     """
 
     technique = "curriculum"
+    own_attributes = WrappingDataModule.own_attributes | {"config", "controller", "thinner"}
 
     def __init__(
         self,

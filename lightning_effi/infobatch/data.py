@@ -61,6 +61,7 @@ class InfoBatchDataModule(WrappingDataModule):
     """
 
     technique = "InfoBatch"
+    own_attributes = WrappingDataModule.own_attributes | {"planner"}
 
     def __init__(self, datamodule: pl.LightningDataModule) -> None:
         super().__init__(datamodule)

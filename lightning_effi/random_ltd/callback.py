@@ -867,7 +867,9 @@ class RandomLTDCallback(Callback):
             if not any(k.__name__ == "Curriculum" for k in type(other).__mro__):
                 continue
             # on the callback, or on the CurriculumDataModule anywhere along the wrappers (InfoBatch's outside it)
-            configs = [getattr(dm, "config", None) for dm in wrapper_chain(getattr(trainer, "datamodule", None))]
+            # the wrappers' own (a wrapper reads an attribute it lacks from the user's DataModule, which may have one)
+            chain = wrapper_chain(getattr(trainer, "datamodule", None))[:-1]
+            configs = [vars(dm).get("config") for dm in chain]
             config = getattr(other, "config", None) or next((c for c in configs if c is not None), None)
             metrics = getattr(config, "metrics", None) or {}
             shift = 1 if getattr(config, "causal_label_shift", False) else 0
