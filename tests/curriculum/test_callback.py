@@ -742,3 +742,49 @@ def test_a_used_datamodule_without_its_callback_is_refused(tmp_path, raised):
     again = curriculum()
     make_trainer(tmp_path / "c", [again], max_steps=2, max_epochs=-1).fit(tiny_gpt2(), datamodule=dm)
     assert again.controller is not None and again.controller.stats(2) is not None
+
+
+class Ragged(torch.utils.data.Dataset):
+    """A user's dataset of ``(ids, label)`` of 2 to 9 tokens (ids 1..29), padded by :func:`pad_right`."""
+
+    def __init__(self, n: int = 20) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.rows = [torch.randint(1, 30, (2 + i % 8,), generator=g) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.rows[i], i % 3
+
+
+def pad_right(samples):
+    """Right padding with id 0 to the longest sample of the batch, no attention mask."""
+    ids = torch.nn.utils.rnn.pad_sequence([s[0] for s in samples], batch_first=True, padding_value=0)
+    return ids, torch.tensor([s[1] for s in samples])
+
+
+def test_a_metric_that_counts_the_padding_of_its_batch_is_refused_for_the_analysis():
+    """vocab_rarity counts every token unless told the padding (pad_token_id=None, as Megatron's for fixed-length GPT
+    data): on ragged samples padded per batch, a sample's difficulty depended on its batch-mates (sample 0: 6, 12 or 13
+    for analysis batches of 1, 4 or 20, qa79-curriculum 01). Refused, naming pad_token_id; with pad_token_id=0 every
+    batch size gives the per-sample values, by hand: the sum of -ln(f / sum f) over the sample's real tokens."""
+    from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
+
+    data = Ragged()
+    for batch_size in (1, 4, 20):
+        with pytest.raises(
+            CurriculumConfigError,
+            match=r"other values collated together than each collated alone.*"
+            r"its pad_token_id option",
+        ):
+            analyze_in_memory(data, {"name": "vocab_rarity", "vocab_size": 30}, pad_right, batch_size)
+    counts = np.bincount(torch.cat(data.rows).numpy(), minlength=30).astype(np.float64)
+    counts[counts == 0] = 1
+    rarity = -np.log(counts / counts.sum())
+    expected = [int(rarity[row.numpy()].sum()) for row in data.rows]
+    for batch_size in (1, 4, 20):
+        values = analyze_in_memory(
+            data, {"name": "vocab_rarity", "vocab_size": 30, "pad_token_id": 0}, pad_right, batch_size
+        )
+        assert values.tolist() == expected

@@ -6,7 +6,7 @@ index files. The method card is ``lightning_effi/curriculum/README.md``.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sized
 from typing import Any
 
 import numpy as np
@@ -104,7 +104,8 @@ def analyze_in_memory(
             collates the same samples into batches the metric reads other values from (random masking, as Hugging
             Face's ``DataCollatorForLanguageModeling``, or augmentation at collate time: each sample's difficulty
             would be a random draw); a dataset whose second fetch of the same samples the metric reads other values
-            from (random augmentation in ``__getitem__``).
+            from (random augmentation in ``__getitem__``); a metric that gives a sample another value collated with
+            others than alone (padding counted as tokens: the metric's ``pad_token_id`` names it).
     """
     name, options = _metric_name(analysis)
     if name == "seqlen" and not options and not callable(analysis):
@@ -126,6 +127,10 @@ def analyze_in_memory(
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
+#: how many of the first samples :func:`check_deterministic_collate` also collates one by one
+ALONE_CHECKED = 32
+
+
 class RandomDrawsError(CurriculumConfigError):
     """A collate or dataset that draws at random where a metric reads (:func:`check_deterministic_collate`)."""
 
@@ -136,7 +141,10 @@ def check_deterministic_collate(
     """Fetch the first ``n`` samples of ``dataset`` twice, collate the first fetch twice and the second once, and
     compare the metric ``fn``'s values on the three batches; Python's, NumPy's and torch's global random states are
     then put back as they were. A collate or dataset that draws at random but leaves what the metric reads alone (a
-    masked LM's masking under ``seqlen``, which reads the attention mask) passes.
+    masked LM's masking under ``seqlen``, which reads the attention mask) passes. The first :data:`ALONE_CHECKED`
+    samples are also collated one by one and all together: the metric must give each the value it gets in the batch
+    (a metric that counts the padding a collate adds for a sample's batch-mates gave a sample 6, 12 or 13 as its
+    analysis batch held 1, 4 or 20 samples, qa79-curriculum 01).
 
     Raises:
         RandomDrawsError: (a :class:`CurriculumConfigError`) the values differ: ``collate_fn`` draws at random
@@ -144,17 +152,24 @@ def check_deterministic_collate(
             transform with random augmentation), and an analysis through it gives each sample a random difficulty.
             The message names the collate function or the dataset and the ways out
             (``Curriculum(analysis_collate_fn=...)``, an offline index; with ``analyzer``, for
-            :class:`~lightning_effi.curriculum.analysis.DataAnalyzer`: its own ``collate_fn`` and dataset).
+            :class:`~lightning_effi.curriculum.analysis.DataAnalyzer`: its own ``collate_fn`` and dataset). Also
+            raised for a metric that gives a sample another value collated with others than alone (it reads the
+            padding the collate adds: ``pad_token_id`` or an attention mask names it).
     """
     if n < 1:
         return
     collate = collate_fn if collate_fn is not None else torch.utils.data.default_collate
     state = random.getstate(), np.random.get_state()
+    # the first samples one by one and together (however many the analysis batch holds: the first ones may be of one
+    # length)
+    alone = min(len(dataset), ALONE_CHECKED) if isinstance(dataset, Sized) else 0
     try:
         with torch.random.fork_rng(devices=[]):  # each fetch and collate draws on from where the last left the state
             samples = _fetch(dataset, list(range(n)))  # as the loader fetches (a batched __getitems__ first)
             again = _fetch(dataset, list(range(n)))
             batches = [collate(_copy(samples)), collate(_copy(samples)), collate(again)]
+            singles = [collate(_copy(_fetch(dataset, [i]))) for i in range(alone)] if alone > 1 else []
+            together = collate(_copy(_fetch(dataset, list(range(alone))))) if singles else None
     finally:
         random.setstate(state[0])
         np.random.set_state(state[1])
@@ -178,6 +193,11 @@ def check_deterministic_collate(
             "DataCollatorWithPadding(tokenizer): the metric reads the real tokens), or compute the index offline "
             "(DataAnalyzer) from the unmasked samples"
         )
+    if singles and np.array_equal(values[0], values[1]) and np.array_equal(values[0], values[2]):
+        each = np.concatenate([_per_sample(name, _run(name, fn, batch), batch) for batch in singles])
+        batched = _per_sample(name, _run(name, fn, together), together)
+        if not np.array_equal(batched, each):
+            _refuse_batch_dependence(name, batched, each, analyzer)
     if not np.array_equal(values[0], values[2]):
         differ = int((values[0] != values[2]).sum())
         if analyzer:
@@ -196,6 +216,23 @@ def check_deterministic_collate(
             "offline (DataAnalyzer) on the dataset without its random transforms and give it as "
             "index_to_sample_path / index_to_metric_path, or make the metric read what the augmentation leaves alone"
         )
+
+
+def _refuse_batch_dependence(name: str, together: np.ndarray, each: np.ndarray, analyzer: bool) -> None:
+    """Raise :class:`RandomDrawsError`: the metric ``name`` reads other values for the first samples collated together
+    (``together``) than collated one by one (``each``)."""
+    differ = np.flatnonzero(together != each)
+    i = int(differ[0])
+    where = "DataAnalyzer metric" if analyzer else "curriculum analysis"
+    raise RandomDrawsError(
+        f"{where} {name!r}: the metric gives the first {len(each)} samples other values collated together than "
+        f"each collated alone ({len(differ)} differ; sample {i}: {int(together[i])} in a batch, {int(each[i])} "
+        "alone): it reads what the collate adds to a sample for its batch-mates (padding to the longest one), so a "
+        "sample's difficulty would depend on the batch it is analysed in. Tell the metric which tokens are padding: "
+        "its pad_token_id option (e.g. {'name': 'vocab_rarity', 'vocab_size': V, 'pad_token_id': <your pad id>}; "
+        "vocab_rarity and total_vocab_freq count every token by default) or an attention_mask in the batch (its "
+        "mask_key); a metric of your own reads each sample's real tokens only"
+    )
 
 
 def _copy(samples: Any) -> Any:
