@@ -33,6 +33,7 @@ import copy
 import importlib
 import itertools
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -210,6 +211,18 @@ class VCycleAdapter:
                 canon = next((k for k in keys if k in named), keys[0])
                 aliases.update({k: canon for k in keys if k != canon})
         c = convention_scale(maps.hidden)
+        if aliases and maps.hidden.large != c * maps.hidden.small:
+            # the power-of-two factor keeps the round trip exact but is not the group size: a tied head's logits are
+            # c_exact / c of the small model's after de-coalescing (3/4 for triples of heads, qa79-vcycle 02)
+            warnings.warn(
+                f"{self.name}: width groups of {maps.hidden.large}/{maps.hidden.small} = "
+                f"{maps.hidden.large / maps.hidden.small:g} features per coalesced one with a tied output head: the "
+                f"{embedding_convention!r} convention scales by the power of two {c:g} (for an exact round trip), so "
+                "the de-coalesced model's logits differ from the small model's (by the ratio of the two); use pairs "
+                "(width_scheme='half') for a function-preserving de-coalescing",
+                UserWarning,
+                stacklevel=2,
+            )
         ctx = TableContext(
             maps,
             embedding_convention,

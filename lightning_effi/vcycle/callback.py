@@ -140,7 +140,9 @@ class VCycleCallback(Callback):
         width_scheme, depth_scheme, embedding_convention: the adapter's ``plan`` arguments (``"half"``,
             ``"adjacent"``, ``"official"``; explicit groups apply to level 1 → 2 only when K = 2).
         alpha_original: weight of the snapshot in the interpolation, in [0, 1]; None: the adapter's default.
-        lr_multiplier: ``{level: factor}`` on the level's peak LR, e.g. ``{2: 4.0}`` (official GPT-2 example).
+        lr_multiplier: ``{level: factor}`` on the level's peak LR, e.g. ``{2: 4.0}`` (official GPT-2 example); level
+            1's from the fit's first step (the optimizers ``configure_optimizers`` built), the others' at the switch
+            to their level.
         model_attr: the LightningModule attribute holding the network (swapped at every level change); None (default):
             found in ``setup`` (:func:`~lightning_effi.models.vcycle_base.find_vcycle_network`): the one direct
             submodule an adapter handles that has a trainable parameter (a frozen teacher is not a candidate); a
@@ -1074,6 +1076,10 @@ class VCycleCallback(Callback):
         self.stages, self.stage_ends, self._last_step = stages, S.stage_ends(stages), trainer.global_step
         if not self._restored and trainer.global_step > 0:
             self._refuse_late_start(trainer)
+        if not self._restored and trainer.global_step == 0 and self.stage_index == 0:
+            # level 1's factor on the optimizers the fit starts with (a resumed fit's hold it already); it was applied
+            # only at the switch back to level 1, the first stage trained at the unscaled LR (qa79-vcycle 01)
+            S.scale_learning_rates(trainer.optimizers, trainer.lr_scheduler_configs, self.lr_factor(1))
         if (expected := self.current_stage_level()) != self.level:
             raise RuntimeError(
                 f"{type(self).__name__}: stage {self.stage_index + 1} of {len(stages) + 1} trains level {expected} "

@@ -266,6 +266,35 @@ def test_lr_schedule_after_switch(tmp_path, lr_schedule):
         assert post.steps[step]["lrs"] == pytest.approx([lr(base, k)] * 2, rel=1e-12), step
 
 
+def test_level_one_lr_multiplier_from_the_first_step(tmp_path):
+    """Level 1's factor scales the curve from the fit's first step, as the others' from their switch: it was applied
+    only at the switch back to level 1, so the first stage trained at the unscaled LR (0.01 where {1: 2.0} gives 0.02,
+    qa79-vcycle 01); under "continue" one curve, times 2 at level 1 and 4 at level 2."""
+    post = Recorder()
+    cb = VCycleCallback(e_a=2, e_small=3, lr_multiplier={1: 2.0, 2: 4.0})
+    model = tiny_gpt2(scheduler=partial(warmup_cosine, warmup_fraction=0.5, min_lr_ratio=0.1))
+    run([cb, post], 7, model=model, root=tmp_path)
+    lr = lambda base, k: base * warmup_cosine_multiplier((k + 1) / 7, 0.5, 0.1)  # noqa: E731
+    assert sorted(post.steps) == list(range(1, 8))  # after each step: the LR of the step to come
+    for step, rec in post.steps.items():
+        base = 0.05 * (4.0 if 2 <= step < 5 else 2.0)
+        assert rec["lrs"] == pytest.approx([lr(base, step)] * 2, rel=1e-12), step
+
+
+@pytest.mark.parametrize("resume_step", [1, 5])  # in the first level-1 stage; in the last
+def test_resume_with_a_level_one_lr_multiplier(tmp_path, resume_step):
+    model_fn = partial(tiny_gpt2, scheduler=partial(warmup_cosine, warmup_fraction=0.3))
+    assert_resume_equals_uninterrupted(
+        model_fn,
+        tiny_lm_data,
+        tmp_path,
+        total_steps=7,
+        resume_step=resume_step,
+        callbacks_fn=lambda: [VCycleCallback(e_a=2, e_small=3, lr_multiplier={1: 2.0, 2: 4.0})],
+        ignore_state=("map_seconds",),
+    )
+
+
 def _vcycle(levels: int = 2):
     if levels == 2:
         return [VCycleCallback(e_a=2, e_small=3, lr_multiplier={2: 4.0})]

@@ -590,3 +590,33 @@ def test_width_map_average_and_split_refuse_integer_tensors():
             getattr(m, op)(t, 1)
     assert m.sum(x, 1).tolist() == [[1, 5], [9, 13]]
     assert m.average(x.float(), 1).tolist() == [[0.5, 2.5], [4.5, 6.5]]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_triples_of_heads_with_a_tied_head_warn_and_scale_its_logits_by_three_quarters(tied):
+    """Equal groups of 3 heads: the power-of-two convention factor (4) is not the group size (3), so a tied head's
+    logits come out at 3/4 of the small model's after de-coalescing; ``plan`` warns (qa79-vcycle 02: the card blamed a
+    LayerNorm over unevenly duplicated features). Untied, the same groups preserve the function, without a warning."""
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=13, n_positions=8, n_layer=2, n_embd=12, n_head=6, tie_word_embeddings=tied)
+    config.bos_token_id = config.eos_token_id = 0
+    m = GPT2LMHeadModel(config).eval()
+    ad = find_vcycle_adapter(m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = ad.plan(m, [[0, 1, 2], [3, 4, 5]], None, "exact")
+    warned = [w for w in caught if "width groups of 12/4 = 3 features" in str(w.message)]
+    assert len(warned) == (1 if tied else 0)
+    small = M.perturb(ad.build_small(m, plan), seed=5, std=0.3).eval()
+    m.load_state_dict(V.decoalesce(small, plan))
+    x = torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = small(x).logits, m(x).logits
+    assert a.abs().max() > 0.1
+    if tied:
+        torch.testing.assert_close(b, a * 0.75, atol=1e-5, rtol=1e-5)
+    else:
+        assert (a - b).abs().max() <= 1e-5
