@@ -1076,7 +1076,7 @@ class VCycleCallback(Callback):
         self.stages, self.stage_ends, self._last_step = stages, S.stage_ends(stages), trainer.global_step
         if not self._restored and trainer.global_step > 0:
             self._refuse_late_start(trainer)
-        if not self._restored and trainer.global_step == 0 and self.stage_index == 0:
+        if not self._restored and trainer.global_step == 0 and self.stage_index == 0 and self.lr_factor(1) != 1.0:
             # level 1's factor on the optimizers the fit starts with (a resumed fit's hold it already); it was applied
             # only at the switch back to level 1, the first stage trained at the unscaled LR (qa79-vcycle 01)
             S.scale_learning_rates(trainer.optimizers, trainer.lr_scheduler_configs, self.lr_factor(1))
