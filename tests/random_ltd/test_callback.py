@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from fractions import Fraction
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -866,9 +867,10 @@ def _fit_on_the_clock(root, **ltd_kwargs):
 )
 def test_derived_schedule_follows_infobatchs_progress(tmp_path, require_steps, rounding, ticks):
     """Under InfoBatch (epochs of 5, <5, <5, 5 steps where estimated_stepping_batches counts 20) a fraction or epochs
-    is a share of its training progress: the batches of each step use ``ltd_value(round(p · 1e9), min, max, F,
-    seq_per_step, rounding)`` with ``p`` the progress before the step, ``(e + j / L_e) / 4``, so the growth ends where
-    the share of the run ends, however short the epochs get."""
+    is a share of its training progress: the batches of each step use the growth at ``p / f`` exactly, with ``p`` the
+    progress before the step, ``(e + j / L_e) / 4``, and ``f`` the share (``ltd_value(p·n, min, max, f·n,
+    seq_per_step, rounding)`` for a common denominator ``n``), so the growth ends where the share of the run ends,
+    however short the epochs get."""
     trainer, ib, cb, log = _fit_on_the_clock(tmp_path, require_steps=require_steps, rounding=rounding)
     assert cb.clock == "progress" and cb.require_progress == ticks and cb.require_steps is None
     assert cb.config()["clock"] == "progress" and cb.config()["require_progress"] == ticks
@@ -877,7 +879,10 @@ def test_derived_schedule_follows_infobatchs_progress(tmp_path, require_steps, r
     progress = [(e + j / length) / 4 for e, length in enumerate(lengths) for j in range(length)]
     assert [row[0] for row in log.rows] == list(range(sum(lengths))) == list(range(trainer.global_step))
     assert [row[1] for row in log.rows] == progress
-    expected = [F.ltd_value(round(p * 1e9), 4, 16, ticks, 4, rounding) for p in progress]
+    share = Fraction(ticks, 10**9)
+    exact = [Fraction(e * length + j, 4 * length) for e, length in enumerate(lengths) for j in range(length)]
+    n = [p.denominator * share.denominator for p in exact]
+    expected = [F.ltd_value(int(p * d), 4, 16, int(share * d), 4, rounding) for p, d in zip(exact, n)]
     assert [row[2] for row in log.rows] == expected
     assert expected[0] == 4 and len(set(expected)) > 2  # grows from min_value
     assert trainer.global_step < trainer.estimated_stepping_batches == 20  # the epochs shortened
@@ -886,6 +891,23 @@ def test_derived_schedule_follows_infobatchs_progress(tmp_path, require_steps, r
     if require_steps == "2ep":  # max_value from the start of epoch 2 on
         assert [r for p, r in zip(progress, expected) if p >= 0.5] == [16] * (lengths[2] + lengths[3])
         assert all(r < 16 for p, r in zip(progress, expected) if p < 0.5)
+
+
+def test_a_progress_growth_reaches_its_boundaries_on_time():
+    """The progress is held in ticks, ``P = round(p · 10⁹)``: at a boundary ``k / n`` that rounds down (1/3 reads
+    333333333) the growth was read below it and stayed one step at the last value (r = 4 at step 8 of 24 where the step
+    schedule gives 8, qa79-stack 01). Read half a tick later, every ``p = k / n`` (n <= 24) gives the exact value, the
+    one of the step schedule at step ``k`` of ``n``."""
+    from lightning_effi.core.progress import progress_ticks
+
+    cb = ltd()
+    cb.clock, cb.require_progress, cb.max_value = "progress", 10**9, 16
+    for n in range(1, 25):
+        for k in range(n + 1):
+            assert cb.value_at_progress(progress_ticks(k / n)) == F.ltd_value(k, 4, 16, n, 4), (k, n)
+    assert cb.value_at_progress(progress_ticks(1 / 3)) == 8 == F.ltd_value(8, 4, 16, 24, 4)
+    cb.require_progress = 1  # a growth of one tick: min_value at the start, max_value from the first tick
+    assert cb.value_at_progress(0) == 4 and cb.value_at_progress(1) == 16
 
 
 def test_a_step_count_keeps_the_step_schedule_under_infobatch(tmp_path):
