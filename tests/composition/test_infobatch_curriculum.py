@@ -25,7 +25,7 @@ from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.progress import progress_clock, progress_source
 from lightning_effi.core.wrapping import find_wrapper, wrapper_chain
-from lightning_effi.curriculum import CurriculumConfig, CurriculumController
+from lightning_effi.curriculum import CurriculumConfig, CurriculumConfigError, CurriculumController
 from lightning_effi.curriculum.analysis.index import MetricIndex
 from lightning_effi.data import CurriculumDataModule, InfoBatchDataModule
 from lightning_effi.infobatch import functional as ib
@@ -575,12 +575,18 @@ def _by_first_token(samples):  # a collate that sorts its samples (by their firs
 def test_a_collate_that_reorders_the_rows_is_refused(tmp_path):
     """InfoBatch weighs each row of a thinned batch as the sample kept at its position: a collate that sorts the
     samples would send the weights and scores to other samples (qa45-break 01). The curriculum alone has no per-row
-    record and trains with it."""
+    record, but its analysis read each sample's difficulty at its position in the collated batch: refused too, unless
+    an analysis_collate_fn keeps the order (then it trains with the sorting collate)."""
+    keep_order = torch.utils.data.default_collate
     data = tiny_lm_data(batch_size=MBS, collate_fn=_by_first_token)
     with pytest.raises(DataConfigError, match=r"collate_fn \(_by_first_token\) puts the samples of a batch in another"):
-        make_trainer(tmp_path, [curriculum(), infobatch()], max_steps=2).fit(
-            tiny_gpt2(), datamodule=CurriculumDataModule(data)
+        make_trainer(
+            tmp_path, [Curriculum(metrics=METRICS, seed=3, analysis_collate_fn=keep_order), infobatch()], max_steps=2
+        ).fit(tiny_gpt2(), datamodule=CurriculumDataModule(data))
+    with pytest.raises(CurriculumConfigError, match=r"the collate puts the samples of a batch in another order"):
+        make_trainer(tmp_path, [curriculum()], max_steps=2).fit(
+            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=MBS, collate_fn=_by_first_token))
         )
-    trainer = make_trainer(tmp_path, [curriculum()], max_steps=2)
+    trainer = make_trainer(tmp_path, [Curriculum(metrics=METRICS, seed=3, analysis_collate_fn=keep_order)], max_steps=2)
     trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=MBS, collate_fn=_by_first_token)))
     assert trainer.global_step == 2

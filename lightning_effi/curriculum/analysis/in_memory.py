@@ -224,6 +224,14 @@ def _refuse_batch_dependence(name: str, together: np.ndarray, each: np.ndarray, 
     differ = np.flatnonzero(together != each)
     i = int(differ[0])
     where = "DataAnalyzer metric" if analyzer else "curriculum analysis"
+    if np.array_equal(np.sort(together), np.sort(each)):  # the same values at other positions
+        raise RandomDrawsError(
+            f"{where} {name!r}: the collate puts the samples of a batch in another order (the first {len(each)} "
+            f"samples collated together give the values of the samples collated alone at other positions; "
+            f"{len(differ)} differ), so the analysis would give each sample the difficulty of another; collate the "
+            "samples in the order they come (sort the batch in the module, or give the analysis a collate that keeps "
+            "the order: Curriculum(analysis_collate_fn=...), DataAnalyzer(collate_fn=...))"
+        )
     raise RandomDrawsError(
         f"{where} {name!r}: the metric gives the first {len(each)} samples other values collated together than "
         f"each collated alone ({len(differ)} differ; sample {i}: {int(together[i])} in a batch, {int(each[i])} "
