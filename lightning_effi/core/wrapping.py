@@ -338,13 +338,6 @@ def _entry_of(config: Mapping[str, Any], cls: type) -> Mapping[str, Any] | None:
     return None
 
 
-def _batch_size_setting(datamodule: Any) -> tuple[Any, Any]:
-    """Where a DataModule keeps the batch size its loader is built with: its ``batch_size`` attribute and its
-    ``hparams.batch_size`` (None where absent), as Lightning's batch-size finder looks for it."""
-    hparams = getattr(datamodule, "hparams", None)
-    return getattr(datamodule, "batch_size", None), hparams.get("batch_size") if isinstance(hparams, Mapping) else None
-
-
 class WrappingDataModule(pl.LightningDataModule):
     """Base of the technique DataModules: wraps ``datamodule`` and delegates everything but ``train_dataloader``
     (``prepare_data``, ``setup``, ``teardown``, ``on_exception``, the evaluation loaders, ``state_dict``,
@@ -380,7 +373,6 @@ class WrappingDataModule(pl.LightningDataModule):
         self.datamodule = datamodule
         self._adopt_cli_hparams(datamodule)
         self._template: dict[str, Any] | None = None
-        self._template_batch_size: tuple[Any, Any] = (None, None)  # _batch_size_setting when the template was read
         #: the user's Trainer's reload_dataloaders_every_n_epochs when the fit started (before a technique set it),
         #: and the last epoch whose reload was checked (:meth:`_check_reload`)
         self._user_reload_every = 0
@@ -433,10 +425,11 @@ class WrappingDataModule(pl.LightningDataModule):
             ) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Set a public attribute the wrapped DataModule has and this wrapper does not (not one of
-        :attr:`own_attributes`, none of its class) on the wrapped DataModule, where its loaders read it
-        (``trainer.datamodule.num_workers = 4``; Lightning's tuner sets its attributes so too); any other on this
-        wrapper."""
+        """Set a public attribute this wrapper does not have (not one of :attr:`own_attributes`, none of its class or
+        set before it wrapped the DataModule) on the wrapped DataModule, where its loaders read it, as
+        ``trainer.datamodule.<name> = ...`` set it without the wrapper (``num_workers = 4``; a new attribute too,
+        which landed on the wrapper: the user's loader read its own, qa81-break 03); any other on this wrapper. A
+        subclass lists the public attributes it sets on itself in :attr:`own_attributes`."""
         inner = self.__dict__.get("datamodule")
         if (
             inner is not None
@@ -444,11 +437,41 @@ class WrappingDataModule(pl.LightningDataModule):
             and name not in self.own_attributes
             and name not in self.__dict__
             and not hasattr(type(self), name)
-            and hasattr(inner, name)
         ):
             setattr(inner, name, value)
         else:
             super().__setattr__(name, value)
+
+    @property
+    def prepare_data_per_node(self) -> bool:
+        """The wrapped DataModule's (Lightning reads it off ``trainer.datamodule``: the wrapper's default ``True`` ran
+        the user's ``prepare_data`` on every node where it asked for one, qa81-break 02)."""
+        return self._inner_setting("prepare_data_per_node", True)
+
+    @prepare_data_per_node.setter
+    def prepare_data_per_node(self, value: bool) -> None:
+        self._set_inner_setting("prepare_data_per_node", value)
+
+    @property
+    def allow_zero_length_dataloader_with_multiple_devices(self) -> bool:
+        """The wrapped DataModule's (read off ``trainer.datamodule`` by Lightning, as :attr:`prepare_data_per_node`)."""
+        return self._inner_setting("allow_zero_length_dataloader_with_multiple_devices", False)
+
+    @allow_zero_length_dataloader_with_multiple_devices.setter
+    def allow_zero_length_dataloader_with_multiple_devices(self, value: bool) -> None:
+        self._set_inner_setting("allow_zero_length_dataloader_with_multiple_devices", value)
+
+    def _inner_setting(self, name: str, default: bool) -> bool:
+        """A Lightning setting of the wrapped DataModule (this wrapper's own value, or ``default``, before it wraps)."""
+        inner = self.__dict__.get("datamodule")
+        return bool(getattr(inner, name) if inner is not None else self.__dict__.get(f"_effi_{name}", default))
+
+    def _set_inner_setting(self, name: str, value: bool) -> None:
+        inner = self.__dict__.get("datamodule")
+        if inner is None:  # LightningDataModule.__init__ sets the defaults, before the wrapped one is known
+            self.__dict__[f"_effi_{name}"] = value
+        else:
+            setattr(inner, name, value)
 
     def _own_hparams(self) -> bool:
         """Whether this wrapper has hyperparameters of its own (the ``LightningCLI`` data entry's config)."""
@@ -605,13 +628,8 @@ class WrappingDataModule(pl.LightningDataModule):
         """The user's training loader's dataset and settings, read once (first call) and validated: the loader of the
         innermost DataModule of the ``.datamodule`` chain (nested technique wrappers are skipped; each wrapper of the
         chain gets this one's ``trainer``)."""
-        if self._template is not None and self._template_batch_size != _batch_size_setting(wrapper_chain(self)[-1]):
-            # the user's batch size changed since it was read (Lightning's batch-size finder sets the user's
-            # hparams.batch_size, reached through this wrapper's hparams): the loader is read afresh
-            self._template = None
         if self._template is None:
             chain = wrapper_chain(self)
-            self._template_batch_size = _batch_size_setting(chain[-1])
             for inner in chain[1:]:
                 inner.trainer = self.trainer
             trainer = self.trainer

@@ -321,9 +321,9 @@ class RandomLTDCallback(Callback):
     (``F = max(1, round(f · 10⁹))``), and the batches of optimizer step ``s`` use the progress ``p`` the clock's
     ``effi_progress_done()`` reads before that step (the ``s`` steps already taken, as the step schedule uses
     ``global_step = s``; all micro-batches of a step share it) in ticks ``P = round(p · 10⁹)``:
-    ``r = ltd_value(2P + 1, min_value, max_value, 2F, seq_per_step, rounding)`` (at ``P + ½``: a boundary within the
-    tick ``P`` rounds to is reached; at ``P = 0``, ``ltd_value(0, ...)``), i.e. linear growth over progress
-    ``[0, f]``, ``min_value`` at progress 0 and ``max_value`` from progress ``f`` on, with the step schedule's
+    ``r = ltd_value(P + 1, min_value, max_value, F, seq_per_step, rounding)`` (a tick later: a boundary the rounding
+    of ``P`` and ``F`` put up to a tick away is reached; at ``P = 0``, ``ltd_value(0, ...)``), i.e. linear growth over
+    progress ``[0, f]``, ``min_value`` at progress 0 and ``max_value`` from progress ``f`` on, with the step schedule's
     ``seq_per_step`` rounding and ``rounding`` modes (:func:`~lightning_effi.random_ltd.functional.ltd_value`). The
     clock's progress is a function of its checkpointed state, so a resumed run uses the same ``r`` at every step.
     ``config()`` records ``clock`` (``"step"`` or ``"progress"``) and ``require_progress`` (``F``); a checkpoint of
@@ -1405,10 +1405,10 @@ class RandomLTDCallback(Callback):
     def value_at_progress(self, ticks: int) -> int:
         """Reserved length at training progress ``ticks`` (in ticks of
         :data:`~lightning_effi.core.progress.PROGRESS_TICKS`, :func:`~lightning_effi.core.progress.progress_ticks`)
-        on the progress clock: ``ltd_value(2·ticks + 1, min_value, max_value, 2·require_progress, seq_per_step,
-        rounding)`` (pure): the growth read half a tick later, since ``ticks`` rounds the progress to the nearest tick
-        (a boundary at 1/3 of the run is reached at the step whose progress rounds to ``333333333``); ``min_value``'s
-        value at ``ticks = 0``.
+        on the progress clock: ``ltd_value(ticks + 1, min_value, max_value, require_progress, seq_per_step,
+        rounding)`` (pure): the growth read a tick later, since ``ticks`` and ``require_progress`` each round to the
+        nearest tick (a boundary at 1/3 of the run is reached at the step whose progress rounds to ``333333333``);
+        ``ltd_value(0, ...)`` at ``ticks = 0``.
 
         Raises:
             RuntimeError: not on the progress clock (resolved at train start).
@@ -1423,13 +1423,19 @@ class RandomLTDCallback(Callback):
                 f"{type(self).__name__}.value_at_progress: max_value=None is resolved at the first training batch (the "
                 "sequence length the patched layers see)"
             )
-        # P = round(p · 10⁹) stands for a progress within half a tick of it: a growth boundary inside that interval is
-        # reached (read at P + ½, as ltd_value(2P + 1, ..., 2F)). A step at exactly 1/3 of the run reads P = 333333333,
-        # below it, and trained at the last value one step longer than the step schedule (qa79-stack 01). The run's
-        # start, progress 0, is exact
-        at, length = (0, 1) if ticks == 0 else (2 * ticks + 1, 2)
+        # P = round(p · 10⁹) and F = round(f · 10⁹) are each within half a tick of the progress and the share they
+        # stand for, so p / f <= (P + ½) / (F - ½) <= (P + 1) / F while P < F: the growth is read at P + 1, and a
+        # boundary the rounding put up to a tick later is reached. Read at P, a step at exactly 1/3 of the run (P =
+        # 333333333, below it) trained at the last value one step longer than the step schedule (qa79-stack 01), and
+        # at 4/9 of a run over F = round(2/3 · 10⁹) (above it) too (qa81-break 04). A step less than a tick and a half
+        # before a boundary reads it too: no run has steps that close (10⁹ ticks). The run's start, 0, is exact
         return F.ltd_value(
-            at, self.min_value, self.max_value, length * self.require_progress, self.seq_per_step, self.rounding
+            ticks + 1 if ticks else 0,
+            self.min_value,
+            self.max_value,
+            self.require_progress,
+            self.seq_per_step,
+            self.rounding,
         )
 
     def _check_step_schedule(self, what: str) -> None:

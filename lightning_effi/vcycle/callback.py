@@ -375,6 +375,9 @@ class VCycleCallback(Callback):
         self._levels_due: list[int] = []  # the restored batch end's levels (a resumed fit without a step left)
         self._train_started = False  # this fit's on_train_start ran (Lightning skips it when no step is left)
         self._restored = False  # this fit loaded a V-cycle state from a checkpoint
+        # level 1's lr_multiplier is on the optimizers the fit holds (checkpointed: a checkpoint written before train
+        # start, a tuner's, holds optimizers without it)
+        self._level_one_scaled = False
         # the non-finite losses of this fit (checkpointed: a resumed fit loads the count)
         self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_loss)
         self._flops_warned = False  # the "FLOPs not counted" warning, once per fit
@@ -1076,10 +1079,8 @@ class VCycleCallback(Callback):
         self.stages, self.stage_ends, self._last_step = stages, S.stage_ends(stages), trainer.global_step
         if not self._restored and trainer.global_step > 0:
             self._refuse_late_start(trainer)
-        if not self._restored and trainer.global_step == 0 and self.stage_index == 0 and self.lr_factor(1) != 1.0:
-            # level 1's factor on the optimizers the fit starts with (a resumed fit's hold it already); it was applied
-            # only at the switch back to level 1, the first stage trained at the unscaled LR (qa79-vcycle 01)
-            S.scale_learning_rates(trainer.optimizers, trainer.lr_scheduler_configs, self.lr_factor(1))
+        if not self._level_one_scaled and self.stage_index == 0:
+            self._scale_level_one(trainer, pl_module)
         if (expected := self.current_stage_level()) != self.level:
             raise RuntimeError(
                 f"{type(self).__name__}: stage {self.stage_index + 1} of {len(stages) + 1} trains level {expected} "
@@ -1089,6 +1090,21 @@ class VCycleCallback(Callback):
         if self._batch_end_due:  # the checkpoint was written inside its last batch's end, before this callback's
             self._batch_end_due = False
             self._switch_if_due(trainer, pl_module)
+
+    def _scale_level_one(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Level 1's ``lr_multiplier`` on the optimizers the fit starts with, in its first stage (a checkpoint written
+        after it holds them scaled, one a tuner wrote before train start and restores does not: the finder callbacks
+        lost the factor, qa81-break 01). It was applied only at the switch back to level 1, and the first stage trained
+        at the unscaled LR (qa79-vcycle 01). A timm scheduler then sets the LR of the step to come through the
+        module's ``lr_scheduler_step``, as after a level change (its warmup starts at ``warmup_lr_init``, unscaled:
+        the factor doubled it at step 0, qa81-break 06)."""
+        self._level_one_scaled = True
+        if self.lr_factor(1) == 1.0:
+            return
+        S.scale_learning_rates(trainer.optimizers, trainer.lr_scheduler_configs, self.lr_factor(1))
+        for cfg in trainer.lr_scheduler_configs:
+            if S.is_timm_scheduler(cfg.scheduler):
+                pl_module.lr_scheduler_step(cfg.scheduler, None)
 
     def _refuse_late_start(self, trainer: pl.Trainer) -> None:
         """A fit that starts at ``global_step > 0`` without V-cycle state (resumed from a checkpoint written by a fit
@@ -1529,6 +1545,7 @@ class VCycleCallback(Callback):
             **self._stack.state_dict(),  # "snapshots"
             "config": self.config(),
             "nonfinite_loss": self.nonfinite_guard.state_dict(),
+            "level_one_lr_scaled": self._level_one_scaled,
         }
         if self._interrupted is not None:
             state["level"], state["snapshots"] = self._interrupted["level"], self._interrupted["snapshots"]
@@ -1595,6 +1612,9 @@ class VCycleCallback(Callback):
             return
         check_state(state_dict, self.levels, type(self).__name__)
         self._restored = True
+        # a checkpoint without the field was written before level 1's factor applied from the first stage: its fit
+        # goes on as it trained
+        self._level_one_scaled = bool(state_dict.get("level_one_lr_scaled", True))
         self._saved_clock = str(state_dict["config"].get("clock", "step"))
         if not self._config_checked:
             self._compare_config(state_dict)

@@ -70,8 +70,14 @@ def test_an_attribute_the_wrapper_lacks_is_the_user_datamodules_to_read_and_set(
     assert dm.num_classes == 5 and dm.hparams == {"vocab_size": 30, "num_classes": 5, "batch_size": 4}
     dm.num_workers = 2  # set where the user's loader reads it
     assert user.num_workers == 2 and "num_workers" not in vars(dm)
-    dm.new_attribute = 1  # one neither has: the wrapper's
-    assert vars(dm)["new_attribute"] == 1 and not hasattr(user, "new_attribute")
+    dm.new_attribute = 1  # one neither has: the user's, as without the wrapper (it landed on the wrapper before)
+    assert user.new_attribute == 1 and "new_attribute" not in vars(dm) and dm.new_attribute == 1
+    assert dm.prepare_data_per_node is True
+    user.prepare_data_per_node = False  # Lightning reads the user's through trainer.datamodule
+    user.allow_zero_length_dataloader_with_multiple_devices = True
+    assert dm.prepare_data_per_node is False and dm.allow_zero_length_dataloader_with_multiple_devices is True
+    dm.prepare_data_per_node = True
+    assert user.prepare_data_per_node is True
     with pytest.raises(AttributeError, match="nor has the UserData it wraps"):
         _ = dm.missing
     with pytest.raises(AttributeError):  # private names are never read from the user's

@@ -894,18 +894,27 @@ def test_derived_schedule_follows_infobatchs_progress(tmp_path, require_steps, r
 
 
 def test_a_progress_growth_reaches_its_boundaries_on_time():
-    """The progress is held in ticks, ``P = round(p · 10⁹)``: at a boundary ``k / n`` that rounds down (1/3 reads
-    333333333) the growth was read below it and stayed one step at the last value (r = 4 at step 8 of 24 where the step
-    schedule gives 8, qa79-stack 01). Read half a tick later, every ``p = k / n`` (n <= 24) gives the exact value, the
-    one of the step schedule at step ``k`` of ``n``."""
+    """The progress and the share are held in ticks, ``P = round(p · 10⁹)``, ``F = round(f · 10⁹)``: at a boundary
+    ``k / n`` that rounds down (1/3 reads 333333333) the growth was read below it and stayed one step at the last value
+    (r = 4 at step 8 of 24 where the step schedule gives 8, qa79-stack 01), and so under a share that rounds up (F =
+    666666667 for 2 of 3 epochs: r = 8 at 4/9 where 12 is due, qa81-break 04). Read a tick later, every progress
+    ``j / (E·L)`` of E epochs of L steps gives the exact value, ``ltd_value`` at ``p / f`` in whole numbers."""
     from lightning_effi.core.progress import progress_ticks
 
     cb = ltd()
-    cb.clock, cb.require_progress, cb.max_value = "progress", 10**9, 16
-    for n in range(1, 25):
-        for k in range(n + 1):
-            assert cb.value_at_progress(progress_ticks(k / n)) == F.ltd_value(k, 4, 16, n, 4), (k, n)
+    cb.clock, cb.max_value = "progress", 16
+    for epochs in (1, 3, 7, 9):
+        for share in {Fraction(n, epochs) for n in range(1, epochs + 1)}:
+            cb.require_progress = round(share * 10**9)
+            for length in range(1, 7):
+                for j in range(epochs * length + 1):
+                    x = Fraction(j, epochs * length) / share  # p / f
+                    got = cb.value_at_progress(progress_ticks(j / (epochs * length)))
+                    assert got == F.ltd_value(x.numerator, 4, 16, x.denominator, 4), (epochs, share, length, j)
+    cb.require_progress = 10**9
     assert cb.value_at_progress(progress_ticks(1 / 3)) == 8 == F.ltd_value(8, 4, 16, 24, 4)
+    cb.require_progress = round(Fraction(2, 3) * 10**9)
+    assert cb.value_at_progress(progress_ticks(4 / 9)) == 12
     cb.require_progress = 1  # a growth of one tick: min_value at the start, max_value from the first tick
     assert cb.value_at_progress(0) == 4 and cb.value_at_progress(1) == 16
 

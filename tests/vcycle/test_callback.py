@@ -281,6 +281,26 @@ def test_level_one_lr_multiplier_from_the_first_step(tmp_path):
         assert rec["lrs"] == pytest.approx([lr(base, step)] * 2, rel=1e-12), step
 
 
+@pytest.mark.parametrize("finder", ["lr", "batch_size"])
+def test_level_one_lr_multiplier_with_a_finder_callback(tmp_path, finder):
+    """A finder callback searches at the fit's start and restores the checkpoint it wrote before: the level-1 factor,
+    applied at train start, was skipped as for a resumed fit, and the first stage trained at the unscaled LR (0.05 for
+    0.1, qa81-break 01). The optimizers it restores had no factor: it applies."""
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+
+    search = (
+        LearningRateFinder(num_training_steps=3, min_lr=1e-3, max_lr=1.0, update_attr=False)
+        if finder == "lr"
+        else BatchSizeFinder(mode="power", steps_per_trial=1, init_val=4, max_trials=2)
+    )
+    post = Recorder()
+    cb = VCycleCallback(e_a=2, e_small=3, lr_multiplier={1: 2.0, 2: 4.0})
+    run([cb, search, post], 7, root=tmp_path)
+    assert {s: rec["lrs"][0] for s, rec in post.steps.items()} == pytest.approx(
+        {s: 0.05 * (4.0 if 2 <= s < 5 else 2.0) for s in range(1, 8)}, rel=1e-12
+    )
+
+
 @pytest.mark.parametrize("resume_step", [1, 5])  # in the first level-1 stage; in the last
 def test_resume_with_a_level_one_lr_multiplier(tmp_path, resume_step):
     model_fn = partial(tiny_gpt2, scheduler=partial(warmup_cosine, warmup_fraction=0.3))
@@ -1218,11 +1238,13 @@ class TimmScheduled(Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def test_a_timm_scheduler_gets_the_multiplier_and_continues_across_level_changes(tmp_path):
+@pytest.mark.parametrize("multiplier", [{2: 4.0}, {1: 2.0, 2: 4.0}])
+def test_a_timm_scheduler_gets_the_multiplier_and_continues_across_level_changes(tmp_path, multiplier):
     """timm's schedulers keep their own base_values and no step count, and Lightning leaves their stepping to the
     module's lr_scheduler_step: the multiplier was dropped at level 2 (x1 where the switch said x4) and each level
     change trained one step at warmup_lr_init (qa37-user 01). Each step's LR is now that of a timm scheduler built on
-    the level's peak LR (the multiplier scales base_values; lr_min and warmup_lr_init, absolute, are kept)."""
+    the level's peak LR (the multiplier scales base_values; lr_min and warmup_lr_init, absolute, are kept), level 1's
+    from the first step (the factor doubled warmup_lr_init at step 0, qa81-break 06)."""
     from timm.scheduler import CosineLRScheduler
 
     steps, peak, timm_args = (
@@ -1241,7 +1263,7 @@ def test_a_timm_scheduler_gets_the_multiplier_and_continues_across_level_changes
             scheduler.step_update(num_updates=self.global_step)
 
     watch = TimmScheduled()
-    vcycle = VCycleCallback(e_a=3, e_small=4, lr_multiplier={2: 4.0}, width_scheme=None)
+    vcycle = VCycleCallback(e_a=3, e_small=4, lr_multiplier=multiplier, width_scheme=None)
     pl.seed_everything(0)
     make_trainer(tmp_path, [vcycle, watch], max_steps=steps, max_epochs=-1).fit(
         Module(**{**TINY_GPT2, "n_layer": 4, "optimizer": sgd}), datamodule=tiny_lm_data()
@@ -1253,5 +1275,5 @@ def test_a_timm_scheduler_gets_the_multiplier_and_continues_across_level_changes
         )[0]
 
     levels = [1] * 3 + [2] * 4 + [1] * 5
-    expected = [reference(peak * (4.0 if level == 2 else 1.0), step) for step, level in enumerate(levels)]
-    assert watch.lrs == pytest.approx(expected) and watch.lrs[3] > 3 * watch.lrs[2]
+    expected = [reference(peak * multiplier.get(level, 1.0), step) for step, level in enumerate(levels)]
+    assert watch.lrs == pytest.approx(expected) and watch.lrs[3] > 1.5 * watch.lrs[2]  # the switch: x4, or x4 / x2
