@@ -494,13 +494,28 @@ class WrappingDataModule(pl.LightningDataModule):
             return super().hparams_initial
         return self.datamodule.hparams_initial
 
+    def _set_hparams(self, hp: Any) -> None:
+        """This wrapper's own hyperparameters (a subclass's ``save_hyperparameters()``): Lightning's would update
+        :attr:`hparams`, the wrapped DataModule's while the wrapper has none (they were changed, and the wrapper
+        failed, qa81-regress 03)."""
+        hp = self._to_hparams_dict(hp)
+        own = self.__dict__.get("_hparams")
+        if isinstance(hp, dict) and isinstance(own, dict):
+            own.update(hp)
+        else:
+            self._hparams = hp
+
     @property
     def _log_hyperparams(self) -> bool:
-        """Whether Lightning logs the DataModule's hyperparameters: the wrapped DataModule's choice
-        (``save_hyperparameters(logger=...)``), or this wrapper's own where it made one."""
-        own = self.__dict__.get("_effi_log_hyperparams", False)
+        """Whether Lightning logs the DataModule's hyperparameters: where this wrapper has its own (the CLI's data
+        entry, a subclass's ``save_hyperparameters()``), its own choice (``False`` under the CLI, as before: the data
+        entry's unset options, ``None``, clashed with the module's hyperparameters of the same names, qa81-regress
+        01); else the wrapped DataModule's (``save_hyperparameters(logger=...)``)."""
+        own = bool(self.__dict__.get("_effi_log_hyperparams", False))
+        if self._own_hparams():
+            return own
         inner = self.__dict__.get("datamodule")
-        return bool(own or getattr(inner, "_log_hyperparams", False))
+        return own or bool(getattr(inner, "_log_hyperparams", False))
 
     @_log_hyperparams.setter
     def _log_hyperparams(self, value: bool) -> None:

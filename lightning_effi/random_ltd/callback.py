@@ -1428,7 +1428,9 @@ class RandomLTDCallback(Callback):
         # boundary the rounding put up to a tick later is reached. Read at P, a step at exactly 1/3 of the run (P =
         # 333333333, below it) trained at the last value one step longer than the step schedule (qa79-stack 01), and
         # at 4/9 of a run over F = round(2/3 · 10⁹) (above it) too (qa81-break 04). A step less than a tick and a half
-        # before a boundary reads it too: no run has steps that close (10⁹ ticks). The run's start, 0, is exact
+        # before a boundary reads it too, a value early: rare in long runs (one step of a 999,998-step run with
+        # seq_per_step=1, qa82-break 03), where reading at P was late at every boundary that rounds down. The run's
+        # start, 0, is exact
         return F.ltd_value(
             ticks + 1 if ticks else 0,
             self.min_value,

@@ -1080,7 +1080,7 @@ class VCycleCallback(Callback):
         if not self._restored and trainer.global_step > 0:
             self._refuse_late_start(trainer)
         if not self._level_one_scaled and self.stage_index == 0:
-            self._scale_level_one(trainer, pl_module)
+            self._scale_level_one(trainer)
         if (expected := self.current_stage_level()) != self.level:
             raise RuntimeError(
                 f"{type(self).__name__}: stage {self.stage_index + 1} of {len(stages) + 1} trains level {expected} "
@@ -1091,20 +1091,23 @@ class VCycleCallback(Callback):
             self._batch_end_due = False
             self._switch_if_due(trainer, pl_module)
 
-    def _scale_level_one(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _scale_level_one(self, trainer: pl.Trainer) -> None:
         """Level 1's ``lr_multiplier`` on the optimizers the fit starts with, in its first stage (a checkpoint written
         after it holds them scaled, one a tuner wrote before train start and restores does not: the finder callbacks
         lost the factor, qa81-break 01). It was applied only at the switch back to level 1, and the first stage trained
-        at the unscaled LR (qa79-vcycle 01). A timm scheduler then sets the LR of the step to come through the
-        module's ``lr_scheduler_step``, as after a level change (its warmup starts at ``warmup_lr_init``, unscaled:
-        the factor doubled it at step 0, qa81-break 06)."""
+        at the unscaled LR (qa79-vcycle 01). A timm scheduler then sets the LR of the current step or epoch itself
+        (``step(current_epoch)`` and ``step_update(global_step)``: each acts in its own mode only): its warmup starts
+        at ``warmup_lr_init``, unscaled, which the factor doubled at step 0 (qa81-break 06); the module's
+        ``lr_scheduler_step`` may step it to the next epoch (``step(epoch=current_epoch + 1)``: epoch 0 trained at
+        epoch 1's LR, qa82-break 01)."""
         self._level_one_scaled = True
         if self.lr_factor(1) == 1.0:
             return
         S.scale_learning_rates(trainer.optimizers, trainer.lr_scheduler_configs, self.lr_factor(1))
         for cfg in trainer.lr_scheduler_configs:
             if S.is_timm_scheduler(cfg.scheduler):
-                pl_module.lr_scheduler_step(cfg.scheduler, None)
+                cfg.scheduler.step(int(trainer.current_epoch))
+                cfg.scheduler.step_update(int(trainer.global_step))
 
     def _refuse_late_start(self, trainer: pl.Trainer) -> None:
         """A fit that starts at ``global_step > 0`` without V-cycle state (resumed from a checkpoint written by a fit

@@ -45,3 +45,20 @@ class SavingDataModule(pl.LightningDataModule):
 def per_sample_cross_entropy(outputs, batch):  # unannotated, as users write it (and the README's lambda)
     """A per-sample loss function named in YAML by its import path."""
     return outputs["per_sample_loss"]
+
+
+class SeededLM(pl.LightningModule):
+    """A user's module that records its ``seed`` and ``num_epochs`` as hyperparameters (names a technique wrapper's
+    options share)."""
+
+    def __init__(self, seed: int = 1, num_epochs: int = 2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        return torch.nn.functional.cross_entropy(self.head(self.embed(ids)).flatten(0, 1), ids.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)

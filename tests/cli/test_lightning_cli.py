@@ -144,6 +144,34 @@ def test_a_wrapped_datamodule_that_saves_its_hyperparameters_gets_its_own(tmp_pa
     assert callback(cli, "Batches").shapes == [(8, 8), (8, 12), (8, 16)]
 
 
+def test_a_wrapper_under_the_cli_logs_no_hyperparameters_that_clash_with_the_modules(tmp_path):
+    """The wrapper's CLI config holds its unset options as None (``seed``, ``num_epochs``, ...): logged as the
+    DataModule's hyperparameters beside a module's ``seed`` and ``num_epochs``, Lightning's merge refused the fit
+    (qa81-regress 01). Under the CLI the wrapper keeps them out of the loggers, as before; the checkpoint holds them."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "seed_everything: 0\n"
+        "trainer: {accelerator: cpu, devices: 1, max_steps: 2, enable_progress_bar: false,\n"
+        "  enable_model_summary: false, limit_val_batches: 0,\n"
+        "  logger: {class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: " + str(tmp_path) + "}},\n"
+        "  callbacks: [{class_path: lightning_effi.Curriculum}]}\n"
+        "model: {class_path: tests.cli.recorders.SeededLM, init_args: {seed: 1, num_epochs: 2}}\n"
+        "data:\n  class_path: lightning_effi.CurriculumDataModule\n  init_args:\n"
+        "    datamodule: {class_path: tests.cli.recorders.SavingDataModule, init_args: {n: 24, batch_size: 8}}\n"
+        "    metrics:\n" + textwrap.indent(SEQLEN, "      ")
+    )
+    cli = LightningCLI(
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=["fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path}"],
+        save_config_kwargs={"overwrite": True},
+    )
+    assert cli.trainer.global_step == 2 and not cli.datamodule._log_hyperparams
+    assert cli.datamodule.hparams["seed"] is None and cli.model.hparams["seed"] == 1
+
+
 def test_a_result_writer_in_the_yaml_records_the_run_and_its_configuration(tmp_path):
     """A CLI run has no place to call write_result after fit: ResultWriter does it in on_fit_end, listed before the
     monitor too (write_result refused there: the monitor sums the fit up in its own on_fit_end, qa39-user 02), and

@@ -112,3 +112,18 @@ def test_a_module_reads_the_wrapped_datamodules_attribute_and_the_checkpoint_hol
     assert restored.hparams.vocab_size == 25 and restored.num_classes == 4
     logged = yaml.safe_load((Path(logger.log_dir) / "hparams.yaml").read_text())
     assert logged == {"vocab_size": 25, "num_classes": 4, "batch_size": 4}
+
+
+def test_a_wrapper_subclass_that_saves_its_hyperparameters_keeps_them_its_own():
+    """Lightning's ``save_hyperparameters`` updates ``hparams``, the user's DataModule's while the wrapper has none:
+    a subclass that saved its own changed the user's and failed (qa81-regress 03)."""
+
+    class Noted(CurriculumDataModule):
+        def __init__(self, datamodule: pl.LightningDataModule, note: str = "") -> None:
+            super().__init__(datamodule)
+            self.save_hyperparameters(ignore=["datamodule"])
+
+    user = UserData()
+    dm = Noted(user, note="exp-7")
+    assert dm.hparams == {"note": "exp-7"} and dm._log_hyperparams
+    assert user.hparams == {"vocab_size": 30, "num_classes": 3, "batch_size": 4}

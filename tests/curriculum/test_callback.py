@@ -788,3 +788,13 @@ def test_a_metric_that_counts_the_padding_of_its_batch_is_refused_for_the_analys
             data, {"name": "vocab_rarity", "vocab_size": 30, "pad_token_id": 0}, pad_right, batch_size
         )
         assert values.tolist() == expected
+
+
+def test_ragged_samples_analysed_one_at_a_time_need_no_padding_collate():
+    """Analysed one sample a batch with the default collate, ragged samples are never padded: the batch-composition
+    check, which cannot collate them together, is skipped (it raised, qa81-regress 02)."""
+    from lightning_effi.curriculum.analysis.in_memory import analyze_in_memory
+
+    data = Ragged(8)
+    values = analyze_in_memory([{"input_ids": data.rows[i]} for i in range(8)], "seqlen", None, 1)
+    assert values.tolist() == [len(row) for row in data.rows]

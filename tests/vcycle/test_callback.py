@@ -1238,6 +1238,36 @@ class TimmScheduled(Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
+def test_a_timm_scheduler_stepped_per_epoch_starts_at_its_warmup_with_a_level_one_factor(tmp_path):
+    """A timm scheduler stepped per epoch the timm way (``step(epoch=current_epoch + 1)`` at an epoch's end): level
+    1's factor set the first epoch's LR by calling that hook at train start, which stepped it to epoch 1 (0.0505 for
+    warmup_lr_init 0.001, qa82-break 01). Every level-1 step trains at the LR of the same run at twice the LR without
+    a multiplier."""
+    from timm.scheduler import CosineLRScheduler
+
+    class Module(type(tiny_gpt2())):  # type: ignore[misc]
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.peak)
+            scheduler = CosineLRScheduler(optimizer, t_initial=5, warmup_t=2, warmup_lr_init=1e-3, t_in_epochs=True)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+
+        def lr_scheduler_step(self, scheduler, metric):
+            scheduler.step(epoch=self.current_epoch + 1)
+
+    lrs = {}
+    for multiplier, peak in ((None, 0.1), ({1: 2.0}, 0.05)):
+        watch = TimmScheduled()
+        pl.seed_everything(0)
+        module = Module(**{**TINY_GPT2, "n_layer": 4, "optimizer": sgd})
+        module.peak = peak
+        vcycle = VCycleCallback(e_a=2, e_small=4, lr_multiplier=multiplier, width_scheme=None)
+        loop = dict(max_steps=10, max_epochs=-1, limit_train_batches=2)  # 5 epochs of 2 steps
+        make_trainer(tmp_path / str(peak), [vcycle, watch], **loop).fit(module, datamodule=tiny_lm_data())
+        lrs[peak] = watch.lrs
+    assert lrs[0.05][0] == pytest.approx(1e-3)  # warmup_lr_init, absolute
+    assert [lrs[0.05][s] for s in (0, 1, 6, 7, 8, 9)] == pytest.approx([lrs[0.1][s] for s in (0, 1, 6, 7, 8, 9)])
+
+
 @pytest.mark.parametrize("multiplier", [{2: 4.0}, {1: 2.0, 2: 4.0}])
 def test_a_timm_scheduler_gets_the_multiplier_and_continues_across_level_changes(tmp_path, multiplier):
     """timm's schedulers keep their own base_values and no step count, and Lightning leaves their stepping to the

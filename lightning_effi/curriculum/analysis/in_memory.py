@@ -168,8 +168,7 @@ def check_deterministic_collate(
             samples = _fetch(dataset, list(range(n)))  # as the loader fetches (a batched __getitems__ first)
             again = _fetch(dataset, list(range(n)))
             batches = [collate(_copy(samples)), collate(_copy(samples)), collate(again)]
-            singles = [collate(_copy(_fetch(dataset, [i]))) for i in range(alone)] if alone > 1 else []
-            together = collate(_copy(_fetch(dataset, list(range(alone))))) if singles else None
+            singles, together = _alone_and_together(dataset, collate, alone)
     finally:
         random.setstate(state[0])
         np.random.set_state(state[1])
@@ -216,6 +215,19 @@ def check_deterministic_collate(
             "offline (DataAnalyzer) on the dataset without its random transforms and give it as "
             "index_to_sample_path / index_to_metric_path, or make the metric read what the augmentation leaves alone"
         )
+
+
+def _alone_and_together(dataset: Any, collate: Any, alone: int) -> tuple[list[Any], Any]:
+    """The first ``alone`` samples collated one by one, and all together; ``([], None)`` where the collate cannot
+    batch them (ragged samples under ``default_collate``, analysed one at a time: nothing to pad, qa81-regress 02)."""
+    if alone < 2:
+        return [], None
+    try:
+        singles = [collate(_copy(_fetch(dataset, [i]))) for i in range(alone)]
+        together = collate(_copy(_fetch(dataset, list(range(alone)))))
+    except Exception:  # noqa: BLE001 - a collate that cannot batch these samples pads nothing: no check
+        return [], None
+    return singles, together
 
 
 def _refuse_batch_dependence(name: str, together: np.ndarray, each: np.ndarray, analyzer: bool) -> None:
