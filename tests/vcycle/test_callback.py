@@ -301,28 +301,17 @@ def test_level_one_lr_multiplier_with_a_finder_callback(tmp_path, finder):
     )
 
 
-@pytest.mark.parametrize("resume_step", [1, 5])  # in the first level-1 stage; in the last
-def test_resume_with_a_level_one_lr_multiplier(tmp_path, resume_step):
-    model_fn = partial(tiny_gpt2, scheduler=partial(warmup_cosine, warmup_fraction=0.3))
-    assert_resume_equals_uninterrupted(
-        model_fn,
-        tiny_lm_data,
-        tmp_path,
-        total_steps=7,
-        resume_step=resume_step,
-        callbacks_fn=lambda: [VCycleCallback(e_a=2, e_small=3, lr_multiplier={1: 2.0, 2: 4.0})],
-        ignore_state=("map_seconds",),
-    )
-
-
-def _vcycle(levels: int = 2):
+def _vcycle(levels: int = 2, lr_multiplier: dict[int, float] | None = None):
     if levels == 2:
-        return [VCycleCallback(e_a=2, e_small=3, lr_multiplier={2: 4.0})]
+        return [VCycleCallback(e_a=2, e_small=3, lr_multiplier=lr_multiplier or {2: 4.0})]
     return [VCycleCallback(levels=3, e_a=2, e_small=2, up_leg=2, lr_multiplier={3: 4.0})]
 
 
-@pytest.mark.parametrize("resume_step", [1, 2, 3, 5])  # first large stage, right after the down-switch, inside the
-def test_resume_two_levels(tmp_path, resume_step):  # small stage, right after the up-switch
+@pytest.mark.parametrize(
+    ("resume_step", "lr_multiplier"),
+    [(1, None), (2, None), (3, None), (5, None), (1, {1: 2.0, 2: 4.0}), (5, {1: 2.0, 2: 4.0})],
+)  # first large stage, right after the down-switch, inside the small stage, right after the up-switch; with level
+def test_resume_two_levels(tmp_path, resume_step, lr_multiplier):  # 1's factor in the first level-1 stage, the last
     model_fn = partial(tiny_gpt2, scheduler=partial(warmup_cosine, warmup_fraction=0.3))
     assert_resume_equals_uninterrupted(
         model_fn,
@@ -330,7 +319,7 @@ def test_resume_two_levels(tmp_path, resume_step):  # small stage, right after t
         tmp_path,
         total_steps=7,
         resume_step=resume_step,
-        callbacks_fn=_vcycle,
+        callbacks_fn=partial(_vcycle, 2, lr_multiplier),
         ignore_state=("map_seconds",),
     )
 
