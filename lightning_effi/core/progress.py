@@ -23,12 +23,14 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Literal, get_args
 
 from lightning_effi.core.checks import check_int, is_int, is_real
 from lightning_effi.core.protocols import ProvidesProgress, ProvidesProgressClock
 
 __all__ = [
+    "EXACT_DENOMINATOR",
     "PROGRESS_TICKS",
     "UNITS",
     "Duration",
@@ -43,6 +45,7 @@ __all__ = [
     "StepsPerBatchCheck",
     "batch_resolved_durations",
     "progress_ticks",
+    "exact_progress_done",
     "run_length",
     "shorter_than_resolved",
     "steps_of_epochs",
@@ -243,6 +246,45 @@ def progress_ticks(progress: float) -> int:
     if not (is_real(progress) and 0.0 <= float(progress) <= 1.0):
         raise ValueError(f"training progress must be a number in [0, 1], got {progress!r}")
     return round(float(progress) * PROGRESS_TICKS)
+
+
+#: the largest denominator :func:`exact_progress_done` recovers from a clock that gives floats only (runs of up to
+#: 2²⁵ optimizer steps: the float of ``(e + j / L) / E`` is within 3.3e-16 of it, closer than any other fraction of
+#: denominator <= 2²⁵, so ``Fraction(p).limit_denominator(2**25)`` is that fraction exactly)
+EXACT_DENOMINATOR = 2**25
+
+
+def exact_progress_done(clock: Any) -> Fraction:
+    """The progress after the optimizer steps taken, as an exact fraction in [0, 1], from a progress clock
+    (:class:`~lightning_effi.core.protocols.ProvidesProgressClock`): its ``effi_progress_done_exact()`` where it has
+    one (InfoBatch: ``(e·L_e + j) / (E·L_e)`` in whole numbers), else its float ``effi_progress_done()`` read as the
+    nearest fraction of denominator <= :data:`EXACT_DENOMINATOR` (exact for a progress ``k / n`` with ``n <= 2²⁵``,
+    and within the float's own error of the progress otherwise). A schedule proportional to ``p / f`` then reaches a
+    boundary ``p = f`` at the step that reaches it, where ticks (:func:`progress_ticks`) round both ``p`` and ``f``.
+
+    >>> class Clock:
+    ...     def effi_progress_done(self):
+    ...         return (1 + 2 / 3) / 5
+    >>> exact_progress_done(Clock())
+    Fraction(1, 3)
+
+    Raises:
+        ValueError: the clock's progress is not a number in [0, 1].
+    """
+    exact = getattr(clock, "effi_progress_done_exact", None)
+    value = exact() if callable(exact) else clock.effi_progress_done()
+    if isinstance(value, Fraction) or is_int(value):
+        progress = Fraction(value)
+    elif is_real(value) and math.isfinite(float(value)):
+        progress = Fraction(float(value)).limit_denominator(EXACT_DENOMINATOR)
+    else:
+        progress = Fraction(-1)
+    if not 0 <= progress <= 1:
+        raise ValueError(
+            f"{type(clock).__name__}'s training progress must be a number in [0, 1], got {value!r} (a progress clock "
+            "out of its range is a bug to report, not a value to clamp)"
+        )
+    return progress
 
 
 def training_progress(trainer: Any) -> float:
@@ -453,8 +495,6 @@ def steps_of_epochs(epoch_steps: Callable[[int], int], epochs: int, start_step: 
     >>> steps_of_epochs(lambda e: 4, 2, start_step=2)
     8
     """
-    from fractions import Fraction
-
     epochs = check_int("steps_of_epochs", "epochs", epochs, minimum=0)
     start_step = check_int("steps_of_epochs", "start_step", start_step, minimum=0)
 

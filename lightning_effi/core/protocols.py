@@ -113,6 +113,9 @@ class ProvidesProgressClock(ProvidesProgress, Protocol):
       exactly 1.0 after the run's last step (whatever the epochs' lengths). Valid from ``on_train_start`` on and in
       every later hook; after a step it already counts that step in ``on_train_batch_end`` (it is advanced in
       ``on_before_optimizer_step``). A resumed run reads the same values as the uninterrupted one at the same step.
+    - ``effi_progress_done_exact() -> Fraction`` (optional): ``effi_progress_done()`` as an exact fraction, read by
+      :func:`~lightning_effi.core.progress.exact_progress_done` where present (a float-only clock is read as the
+      nearest fraction of a small denominator).
     - ``effi_min_total_steps() -> int``: the fewest optimizer steps the run can have (>= 1), whatever the technique
       decides during the run, counted as Lightning counts them (``ceil(batches / accumulate_grad_batches)`` per epoch,
       ``limit_train_batches`` applied, per rank under DDP); called at ``on_train_start`` (the first training loader

@@ -38,6 +38,7 @@ import math
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import partial
 from typing import Any
 
@@ -1463,6 +1464,23 @@ class InfoBatchCallback(Callback):
             return 0.0
         p = (self.plan.epoch + self.steps_in_epoch / self.steps_per_epoch) / self.epochs
         return min(max(p, 0.0), 1.0)
+
+    def effi_progress_done_exact(self) -> Fraction:
+        """:meth:`effi_progress_done` as an exact fraction, ``(e·L_e + j) / (E·L_e)`` (with the curriculum
+        ``global_step / T``), clamped to [0, 1]: read by
+        :func:`~lightning_effi.core.progress.exact_progress_done` (random-LTD's growth over a share of the progress
+        then reaches its boundaries at the steps that reach them, 1/3 of the run included, which a float or a tick
+        count rounds below)."""
+        if self.curriculum_dm is not None:
+            total = self._composed_run_steps()
+            if total is None or self._trainer is None:
+                return Fraction(0)
+            return min(Fraction(self._trainer.global_step, total), Fraction(1))
+        if self.plan is None or self.epochs < 1:
+            return Fraction(0)
+        length = self.steps_per_epoch
+        p = Fraction(self.plan.epoch * length + self.steps_in_epoch, self.epochs * length)
+        return min(max(p, Fraction(0)), Fraction(1))
 
     def _composed_run_steps(self) -> int | None:
         """Composed mode: ``T``, the run's optimizer steps (:meth:`thin_stop`), None before the curriculum's

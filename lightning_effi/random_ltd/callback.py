@@ -99,8 +99,8 @@ from lightning_effi.core.progress import (
     accumulate_grad_batches_at,
     accumulation_segments,
     estimated_optimizer_steps,
+    exact_progress_done,
     progress_clock,
-    progress_ticks,
     run_length,
     shorter_than_resolved,
     steps_of_epochs,
@@ -317,18 +317,20 @@ class RandomLTDCallback(Callback):
     :class:`~lightning_effi.core.protocols.ProvidesProgressClock`), ``trainer.estimated_stepping_batches`` counts
     full-length epochs, so a fraction or epochs resolved in steps would never finish growing. A derived
     ``require_steps`` is then a share ``f`` of the run's training progress (``"0.8dur"``: 0.8; ``"2ep"``:
-    ``2 / max_epochs``), in integer ticks of :data:`~lightning_effi.core.progress.PROGRESS_TICKS`
-    (``F = max(1, round(f · 10⁹))``), and the batches of optimizer step ``s`` use the progress ``p`` the clock's
-    ``effi_progress_done()`` reads before that step (the ``s`` steps already taken, as the step schedule uses
-    ``global_step = s``; all micro-batches of a step share it) in ticks ``P = round(p · 10⁹)``:
-    ``r = ltd_value(P + 1, min_value, max_value, F, seq_per_step, rounding)`` (a tick later: a boundary the rounding
-    of ``P`` and ``F`` put up to a tick away is reached; at ``P = 0``, ``ltd_value(0, ...)``), i.e. linear growth over
-    progress ``[0, f]``, ``min_value`` at progress 0 and ``max_value`` from progress ``f`` on, with the step schedule's
-    ``seq_per_step`` rounding and ``rounding`` modes (:func:`~lightning_effi.random_ltd.functional.ltd_value`). The
-    clock's progress is a function of its checkpointed state, so a resumed run uses the same ``r`` at every step.
-    ``config()`` records ``clock`` (``"step"`` or ``"progress"``) and ``require_progress`` (``F``); a checkpoint of
-    another clock or share is reported when training starts (``strict``). An int ``require_steps`` keeps the step
-    schedule.
+    ``2 / max_epochs``), held exactly as a fraction (``require_share``; ``"0dur"`` as one tick of
+    :data:`~lightning_effi.core.progress.PROGRESS_TICKS`, 1e-9, as the step schedule takes at least one step), and
+    the batches of optimizer step ``s`` use the progress ``p`` the clock reads before that step (the ``s`` steps
+    already taken, as the step schedule uses ``global_step = s``; all micro-batches of a step share it), an exact
+    fraction too (:func:`~lightning_effi.core.progress.exact_progress_done`: InfoBatch's ``(e·L_e + j) / (E·L_e)``):
+    ``r = ltd_value(a, min_value, max_value, b, seq_per_step, rounding)`` with ``p / f = a / b`` in lowest terms, i.e.
+    linear growth over progress ``[0, f]``, ``min_value`` at progress 0 and ``max_value`` from progress ``f`` on, with
+    the step schedule's ``seq_per_step`` rounding and ``rounding`` modes
+    (:func:`~lightning_effi.random_ltd.functional.ltd_value`); a run whose growth ends at step ``S`` of ``T`` steps,
+    ``f = S / T``, gets the step schedule's value at every step. The clock's progress is a function of its
+    checkpointed state, so a resumed run uses the same ``r`` at every step. ``config()`` records ``clock``
+    (``"step"`` or ``"progress"``) and ``require_progress``, the share in integer ticks (``F = max(1, round(f ·
+    10⁹))``); a checkpoint of another clock or share is reported when training starts (``strict``). An int
+    ``require_steps`` keeps the step schedule.
 
     Attention weights: a dropped layer computes them on its ``r`` kept tokens; with ``output_attentions=True`` they
     come back on the full sequence, ``[B, H, S, S]`` with zeros in the rows and columns of the tokens that layer
@@ -519,10 +521,11 @@ class RandomLTDCallback(Callback):
         self.require_steps: int | None = self.require_steps_arg
         self.clock: str = "step"  # CLOCKS: resolved at train start
         self.require_progress: int | None = None  # on the progress clock: the growth's end, in progress ticks
+        self.require_share: Fraction | None = None  # ... and exactly, the share f of the run's progress
         self._clock_source: ProvidesProgressClock | None = None
         # a resumed run's derived schedule (clock, require_steps, require_progress), checked at train start
         self._saved_schedule: dict[str, Any] | None = None
-        self.current_progress: int | None = None  # progress ticks the current batch's r was read at (progress clock)
+        self.current_progress: Fraction | None = None  # the progress the current batch's r was read at (progress clock)
         # counters (global: summed over ranks at every optimizer step)
         self.current_step = -1
         self.current_value = self.min_value
@@ -1072,7 +1075,7 @@ class RandomLTDCallback(Callback):
         if self.require_steps_arg is not None:
             self.clock, self._clock_source = "step", None
             return  # a fixed step count: compared with the checkpoint's in load_state_dict
-        source = progress_clock(trainer.callbacks)
+        source, share = progress_clock(trainer.callbacks), None
         if source is None:
             duration = {"require_steps": self.require_duration}  # resolved in batches, counted on global_step
             self._steps_check.arm(trainer, trainer.lightning_module, duration)
@@ -1080,8 +1083,8 @@ class RandomLTDCallback(Callback):
             if self.require_duration.unit == "fraction":
                 self._resolved_against = run_length(trainer.max_steps, estimated_optimizer_steps(trainer))
         else:
-            ticks = self._resolve_require_progress(trainer, type(source).__name__)
-            current = {"clock": "progress", "require_steps": None, "require_progress": ticks}
+            share = self._resolve_require_share(trainer, type(source).__name__)
+            current = {"clock": "progress", "require_steps": None, "require_progress": round(share * PROGRESS_TICKS)}
         saved = self._saved_schedule
         if saved is not None and (diff := settings_diff(saved, current)):
             step = trainer.global_step
@@ -1113,6 +1116,8 @@ class RandomLTDCallback(Callback):
                 )
         self.clock, self._clock_source = current["clock"], source
         self.require_steps, self.require_progress = current["require_steps"], current["require_progress"]
+        # on the progress clock the exact share; the checkpoint holds its ticks (compared above)
+        self.require_share = share
 
     def _value(self, require_steps: int, step: int) -> int | str:
         """The reserved length at ``step`` under ``require_steps`` (``"?"`` while ``max_value`` is unknown)."""
@@ -1336,12 +1341,12 @@ class RandomLTDCallback(Callback):
                 f"{seq_len}); pass seq_per_step <= {seq_len}"
             )
 
-    def _resolve_require_progress(self, trainer: pl.Trainer, source: str) -> int:
-        """A derived ``require_steps`` on the progress clock, in ticks of
-        :data:`~lightning_effi.core.progress.PROGRESS_TICKS`: ``max(1, round(f · 10⁹))`` with ``f`` the fraction
-        (read as the decimal it is written as) or ``n / max_epochs`` for ``n`` epochs (a growth that ends on an epoch
-        boundary when the clock runs over ``max_epochs`` epochs, as InfoBatch's does by default; the V-cycle measures
-        its stages the same way). At least one tick, as the step schedule takes at least one step.
+    def _resolve_require_share(self, trainer: pl.Trainer, source: str) -> Fraction:
+        """A derived ``require_steps`` on the progress clock, the exact share ``f`` of the run's progress: the
+        fraction (read as the decimal it is written as) or ``n / max_epochs`` for ``n`` epochs (a growth that ends on
+        an epoch boundary when the clock runs over ``max_epochs`` epochs, as InfoBatch's does by default; the V-cycle
+        measures its stages the same way). At least one tick of :data:`~lightning_effi.core.progress.PROGRESS_TICKS`
+        (``"0dur"``), as the step schedule takes at least one step.
 
         Raises:
             ValueError: epochs without a finite ``trainer.max_epochs >= 1``.
@@ -1358,7 +1363,7 @@ class RandomLTDCallback(Callback):
                     "Trainer(max_epochs=...) or give a fraction of the run ('0.8dur')"
                 )
             share = Fraction(int(duration.value), int(epochs))
-        return max(1, round(share * PROGRESS_TICKS))
+        return max(share, Fraction(1, PROGRESS_TICKS))
 
     def _resolve_require_steps(self, trainer: pl.Trainer) -> int:
         """A derived ``require_steps`` in optimizer steps (at train start): a fraction of the run's optimizer steps
@@ -1402,18 +1407,18 @@ class RandomLTDCallback(Callback):
         assert self.max_value is not None and self.require_steps is not None
         return F.ltd_value(step, self.min_value, self.max_value, self.require_steps, self.seq_per_step, self.rounding)
 
-    def value_at_progress(self, ticks: int) -> int:
-        """Reserved length at training progress ``ticks`` (in ticks of
-        :data:`~lightning_effi.core.progress.PROGRESS_TICKS`, :func:`~lightning_effi.core.progress.progress_ticks`)
-        on the progress clock: ``ltd_value(ticks + 1, min_value, max_value, require_progress, seq_per_step,
-        rounding)`` (pure): the growth read a tick later, since ``ticks`` and ``require_progress`` each round to the
-        nearest tick (a boundary at 1/3 of the run is reached at the step whose progress rounds to ``333333333``);
-        ``ltd_value(0, ...)`` at ``ticks = 0``.
+    def value_at_progress(self, progress: Fraction | float) -> int:
+        """Reserved length at training progress ``progress`` in [0, 1] (a fraction of the run, exact as a
+        :class:`~fractions.Fraction`; a float is read at its exact binary value) on the progress clock:
+        ``ltd_value(a, min_value, max_value, b, seq_per_step, rounding)`` with ``progress / require_share = a / b`` in
+        lowest terms (pure): the step schedule's formula at the ratio ``p / f``, so a boundary at 1/3 of the run is
+        reached at the step whose progress is 1/3.
 
         Raises:
             RuntimeError: not on the progress clock (resolved at train start).
+            ValueError: ``progress`` is not a number in [0, 1].
         """
-        if self.clock != "progress" or self.require_progress is None:
+        if self.clock != "progress" or (self.require_share is None and self.require_progress is None):
             raise RuntimeError(
                 f"{type(self).__name__}.value_at_progress: the schedule is not on a progress clock (clock="
                 f"{self.clock!r}; resolved at train start); use value_at(step)"
@@ -1423,21 +1428,22 @@ class RandomLTDCallback(Callback):
                 f"{type(self).__name__}.value_at_progress: max_value=None is resolved at the first training batch (the "
                 "sequence length the patched layers see)"
             )
-        # P = round(p · 10⁹) and F = round(f · 10⁹) are each within half a tick of the progress and the share they
-        # stand for, so p / f <= (P + ½) / (F - ½) <= (P + 1) / F while P < F: the growth is read at P + 1, and a
-        # boundary the rounding put up to a tick later is reached. Read at P, a step at exactly 1/3 of the run (P =
-        # 333333333, below it) trained at the last value one step longer than the step schedule (qa79-stack 01), and
-        # at 4/9 of a run over F = round(2/3 · 10⁹) (above it) too (qa81-break 04). A step less than a tick and a half
-        # before a boundary reads it too, a value early: rare in long runs (one step of a 999,998-step run with
-        # seq_per_step=1, qa82-break 03), where reading at P was late at every boundary that rounds down. The run's
-        # start, 0, is exact
+        if isinstance(progress, bool) or not (is_real(progress) and 0 <= progress <= 1):
+            raise ValueError(
+                f"{type(self).__name__}.value_at_progress: progress must be a number in [0, 1] (a fraction of the "
+                f"run), got {progress!r}"
+            )
+        # exact: in ticks of 1e-9 both the progress and the share rounded, and the growth read at 1/3 of the run
+        # (333333333 ticks) stayed a step at the last value (qa79-stack 01), at 4/9 of a run over 2/3 too (qa81-break
+        # 04); read a tick later, a step less than 1.5 ticks before a boundary got the next value a step early
+        # (qa82-break 03)
+        share = self.require_share
+        if share is None:  # restored before train start, or set by hand: the checkpoint's ticks
+            assert self.require_progress is not None
+            share = Fraction(self.require_progress, PROGRESS_TICKS)
+        ratio = Fraction(progress) / share
         return F.ltd_value(
-            ticks + 1 if ticks else 0,
-            self.min_value,
-            self.max_value,
-            self.require_progress,
-            self.seq_per_step,
-            self.rounding,
+            ratio.numerator, self.min_value, self.max_value, ratio.denominator, self.seq_per_step, self.rounding
         )
 
     def _check_step_schedule(self, what: str) -> None:
@@ -1512,8 +1518,8 @@ class RandomLTDCallback(Callback):
         self.current_step = step
         if self.clock == "progress":
             assert self._clock_source is not None
-            # the progress of the steps taken before this one (every micro-batch of the step reads the same)
-            self.current_progress = progress_ticks(self._clock_source.effi_progress_done())
+            # the progress of the steps taken before this one (every micro-batch of the step reads the same), exact
+            self.current_progress = exact_progress_done(self._clock_source)
         if self.max_value is not None:
             self.current_value = self._scheduled_value()
         # r is read again by the first LTD layer of the forward, with the sequence length it sees (max_value=None)

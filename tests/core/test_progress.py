@@ -1,13 +1,17 @@
 """Duration: one type for every length a technique is given; and the single source of training progress."""
 
 import math
+import random
+from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
 
 from lightning_effi.core.progress import (
+    EXACT_DENOMINATOR,
     PROGRESS_TICKS,
     Duration,
+    exact_progress_done,
     progress_clock,
     progress_source,
     progress_ticks,
@@ -297,3 +301,45 @@ def test_shorter_than_resolved_names_why_the_run_was_shorter():
     assert "trainer.estimated_stepping_batches, was above the steps it ran" in shorter_than_resolved(estimate, 20)
     stream = SimpleNamespace(global_step=12, train_dataloader=iter(loader), should_stop=False)
     assert "the train dataloader has no length" in shorter_than_resolved(stream, 20)
+
+
+class FloatClock:
+    """A clock that gives its progress ``(e + j / L) / E`` as a float only, as a user's own may."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def effi_progress_done(self):
+        return self.value
+
+
+def test_exact_progress_done_reads_a_float_clock_as_the_fraction_it_computes():
+    """A float ``(e + j / L) / E`` is read back as ``(e·L + j) / (E·L)`` exactly for every run of up to 2²⁵ optimizer
+    steps (sampled here, with the largest epoch lengths and counts included), where ticks round it (1/3: 333333333)."""
+    assert EXACT_DENOMINATOR == 2**25
+    rng = random.Random(0)
+    shapes = [(3, 1), (1, 3), (9, 7), (7, 9), (2**12, 2**13), (200, 167_772), (2**25, 1), (1, 2**25)]
+    shapes += [(rng.randint(1, 5000), rng.randint(1, 6000)) for _ in range(40)]
+    checked = 0
+    for epochs, length in shapes:
+        assert epochs * length <= EXACT_DENOMINATOR
+        for _ in range(50):
+            e, j = rng.randrange(epochs), rng.randrange(length + 1)
+            assert exact_progress_done(FloatClock((e + j / length) / epochs)) == Fraction(
+                e * length + j, epochs * length
+            )
+            checked += 1
+    assert checked == 50 * len(shapes)
+    assert exact_progress_done(FloatClock(1 / 3)) == Fraction(1, 3) and progress_ticks(1 / 3) == 333_333_333
+    assert exact_progress_done(FloatClock(0)) == 0 and exact_progress_done(FloatClock(1.0)) == 1
+
+
+def test_exact_progress_done_prefers_the_clocks_exact_fraction_and_checks_its_range():
+    class ExactClock(FloatClock):
+        def effi_progress_done_exact(self):
+            return Fraction(372_367, 999_998)  # its own fraction, whatever its float reads
+
+    assert exact_progress_done(ExactClock(0.0)) == Fraction(372_367, 999_998)
+    for bad in (-0.1, 1.5, float("nan"), float("inf"), None, "0.5", Fraction(3, 2)):
+        with pytest.raises(ValueError, match="FloatClock's training progress must be a number in \\[0, 1\\]"):
+            exact_progress_done(FloatClock(bad))

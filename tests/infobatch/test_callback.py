@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import warnings
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -382,6 +383,7 @@ class ClockLog(pl.Callback):
 
     def __init__(self) -> None:
         self.rows: list[list] = []
+        self.exact: list[Fraction] = []  # effi_progress_done_exact() at each batch's end (not checkpointed)
         self.min_steps: int | None = None
         self._start = -1.0
 
@@ -398,6 +400,7 @@ class ClockLog(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         done = self.clock(trainer).effi_progress_done()
         self.rows.append([trainer.current_epoch, trainer.global_step, self._start, done])
+        self.exact.append(self.clock(trainer).effi_progress_done_exact())
 
     def state_dict(self):
         return {"rows": [list(r) for r in self.rows]}
@@ -429,14 +432,20 @@ def test_progress_done_per_step_and_the_fewest_steps(tmp_path, trainer_kwargs, m
     sizes = [h["size"] for h in cb.history]
     assert [h["kind"] for h in cb.history] == ["full", "prune", "prune", "full"] and sizes[1] < 40 and sizes[2] < 40
     steps = [math.ceil(min(math.ceil(size / 8), limit) / accumulate) for size in sizes]  # L_e
-    expected, step = [], 0
+    expected, exact, step = [], [], 0
     for epoch, length in enumerate(steps):
         for j in range(1, length + 1):
             step += 1
             micro = min(math.ceil(sizes[epoch] / 8), limit) - (length - 1) * accumulate if j == length else accumulate
             start, done = (epoch + (j - 1) / length) / 4, (epoch + j / length) / 4
             expected += [[epoch, step - 1, start, start]] * (micro - 1) + [[epoch, step, start, done]]
+            exact += [Fraction(epoch * length + j - 1, 4 * length)] * (micro - 1) + [
+                Fraction(epoch * length + j, 4 * length)
+            ]
     assert log.rows == expected  # exact floats, every micro-batch
+    # and as fractions, which the floats are read back as by a reader without them (the floats round: 5/12 is
+    # 0.41666666666666663 here, float(Fraction(5, 12)) 0.4166666666666667)
+    assert log.exact == exact == [Fraction(row[3]).limit_denominator(2**25) for row in expected]
     epochs = [[row for row in log.rows if row[0] == epoch] for epoch in range(4)]
     assert [rows[-1][3] for rows in epochs] == [0.25, 0.5, 0.75, 1.0] == [n / 4 for n in range(1, 5)]
     assert [rows[0][2] for rows in epochs] == [0.0, 0.25, 0.5, 0.75] and cb.effi_progress_done() == 1.0
@@ -466,7 +475,7 @@ def test_progress_clock_resumes_exactly(tmp_path):
 def test_the_callback_is_the_runs_progress_clock_alone_only(tmp_path):
     cb = InfoBatchCallback()
     assert isinstance(cb, ProvidesProgressClock) and progress_clock([cb]) is cb
-    assert cb.effi_progress_done() == 0.0  # before any plan
+    assert cb.effi_progress_done() == 0.0 and cb.effi_progress_done_exact() == 0  # before any plan
     with pytest.raises(RuntimeError, match="not set up yet"):
         cb.effi_min_total_steps()
     cb._hide_clock()  # what setup does when the callback thins inside the curriculum

@@ -894,29 +894,43 @@ def test_derived_schedule_follows_infobatchs_progress(tmp_path, require_steps, r
 
 
 def test_a_progress_growth_reaches_its_boundaries_on_time():
-    """The progress and the share are held in ticks, ``P = round(p · 10⁹)``, ``F = round(f · 10⁹)``: at a boundary
-    ``k / n`` that rounds down (1/3 reads 333333333) the growth was read below it and stayed one step at the last value
-    (r = 4 at step 8 of 24 where the step schedule gives 8, qa79-stack 01), and so under a share that rounds up (F =
-    666666667 for 2 of 3 epochs: r = 8 at 4/9 where 12 is due, qa81-break 04). Read a tick later, every progress
-    ``j / (E·L)`` of E epochs of L steps gives the exact value, ``ltd_value`` at ``p / f`` in whole numbers."""
-    from lightning_effi.core.progress import progress_ticks
-
+    """The progress ``p`` and the share ``f`` are exact fractions and the growth is the step formula at ``p / f``.
+    Held in ticks of 1e-9, a boundary ``k / n`` that rounds down (1/3 reads 333333333) was read below it and stayed
+    one step at the last value (r = 4 at step 8 of 24 where the step schedule gives 8, qa79-stack 01), and so under a
+    share that rounds up (2 of 3 epochs: r = 8 at 4/9 where 12 is due, qa81-break 04); read a tick later instead, a
+    step less than 1.5 ticks before a boundary got the next value a step early (qa82-break 03: 1551 for 1550 at step
+    372367 of a 999,998-step run growing over half of it). Every progress ``j / (E·L)`` of E epochs of L steps gives
+    ``ltd_value`` at ``p / f`` in whole numbers, and a growth over ``S`` of ``T`` steps is the step schedule's."""
     cb = ltd()
     cb.clock, cb.max_value = "progress", 16
     for epochs in (1, 3, 7, 9):
         for share in {Fraction(n, epochs) for n in range(1, epochs + 1)}:
-            cb.require_progress = round(share * 10**9)
+            cb.require_share, cb.require_progress = share, round(share * 10**9)
             for length in range(1, 7):
                 for j in range(epochs * length + 1):
                     x = Fraction(j, epochs * length) / share  # p / f
-                    got = cb.value_at_progress(progress_ticks(j / (epochs * length)))
+                    got = cb.value_at_progress(Fraction(j, epochs * length))
                     assert got == F.ltd_value(x.numerator, 4, 16, x.denominator, 4), (epochs, share, length, j)
-    cb.require_progress = 10**9
-    assert cb.value_at_progress(progress_ticks(1 / 3)) == 8 == F.ltd_value(8, 4, 16, 24, 4)
-    cb.require_progress = round(Fraction(2, 3) * 10**9)
-    assert cb.value_at_progress(progress_ticks(4 / 9)) == 12
-    cb.require_progress = 1  # a growth of one tick: min_value at the start, max_value from the first tick
-    assert cb.value_at_progress(0) == 4 and cb.value_at_progress(1) == 16
+    cb.require_share = Fraction(1)
+    assert cb.value_at_progress(Fraction(1, 3)) == 8 == F.ltd_value(8, 4, 16, 24, 4)
+    cb.require_share = Fraction(2, 3)
+    assert cb.value_at_progress(Fraction(4, 9)) == 12
+    cb.require_share = Fraction(1, 10**9)  # '0dur': min_value at the start, max_value from the first tick
+    assert cb.value_at_progress(0) == 4 and cb.value_at_progress(Fraction(1, 10**9)) == 16
+    # a growth over S of T steps gives the step schedule's value at every step (seq_per_step=1: every token counts)
+    long_run = ltd(min_value=101, max_value=2048, seq_per_step=1)
+    long_run.clock, long_run.max_value = "progress", 2048
+    for total, grow in ((999_998, 499_999), (3 * 7 * 11, 7 * 11), (1000, 1)):
+        long_run.require_share = Fraction(grow, total)
+        steps = range(total + 1) if total < 10_000 else range(372_300, 372_400)
+        assert [long_run.value_at_progress(Fraction(s, total)) for s in steps] == [
+            F.ltd_value(s, 101, 2048, grow, 1) for s in steps
+        ], total
+    long_run.require_share = Fraction(1, 2)
+    assert long_run.value_at_progress(Fraction(372_367, 999_998)) == 1550  # 1551 read in ticks
+    for bad in (-0.1, 1.5, float("nan"), "0.5", True):
+        with pytest.raises(ValueError, match="progress must be a number in \\[0, 1\\]"):
+            cb.value_at_progress(bad)
 
 
 def test_a_step_count_keeps_the_step_schedule_under_infobatch(tmp_path):
