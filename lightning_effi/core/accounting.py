@@ -609,6 +609,7 @@ class EfficiencyMonitor(Callback):
         #: write_result calls made in on_fit_end before this monitor summed the fit up, run at the end of its own
         self.after_summary: list[Callable[[], Any]] = []
         self._loading_rank = 0  # the rank restoring a checkpoint (on_load_checkpoint, for load_state_dict)
+        self._evaluating = False  # the checkpoint being restored is for validate / test / predict (its state ignored)
         self._warned: set[str] = set()  # the quantities already warned about
         #: ``trainer.train_dataloader`` this epoch: several loaders (a mapping / list) combine their batches
         self._train_loaders: Any = None
@@ -2301,11 +2302,18 @@ class EfficiencyMonitor(Callback):
         a shipped technique (:data:`TECHNIQUE_NAMES`) that this Trainer does not have warns, naming it: the run goes on
         without it (Lightning only says that callback states were not loaded), its savings so far stay in the
         totals, and the run's record names the technique (:func:`~lightning_effi.report.record.make_record`), so
-        that the report never takes it for a baseline."""
+        that the report never takes it for a baseline.
+
+        Outside ``fit`` (``trainer.validate / test / predict(ckpt_path=...)``) the checkpoint's state is ignored
+        (:meth:`load_state_dict`): the monitor keeps the counts, curve and summary of the fit it counted. A
+        ``trainer.test(ckpt_path="best")`` after the fit (Lightning's default for a ``ModelCheckpoint`` with a
+        monitor) rolled them back to the best checkpoint's step, and ``write_result`` recorded that step's validation
+        as the fit's final one beside the whole fit's FLOPs (qa83-report 01)."""
         from lightning.pytorch.trainer.states import TrainerFn
 
         self._loading_rank = trainer.global_rank  # load_state_dict, called next: rank 0 takes the summed counts
-        if trainer.state.fn != TrainerFn.FITTING:
+        self._evaluating = trainer.state.fn != TrainerFn.FITTING
+        if self._evaluating:
             return
         check_coarse_vcycle_resume("EfficiencyMonitor", trainer, checkpoint)
         step = checkpoint.get("global_step", 0)
@@ -2334,7 +2342,11 @@ class EfficiencyMonitor(Callback):
         """The checkpoint's totals. Savings of a technique this run does not have are kept (it saved them before);
         a checkpoint written before the baseline was counted gets the baseline of its computed counts (no saving
         before the resume); one written before the non-finite loss policy (no ``"nonfinite_loss"``) counts none.
-        Everything is checked before anything is restored (see Raises in the class docstring)."""
+        Everything is checked before anything is restored (see Raises in the class docstring). Ignored for a
+        checkpoint restored outside ``fit`` (:meth:`on_load_checkpoint`)."""
+        if self._evaluating:
+            self._evaluating, self._loading_rank = False, 0
+            return
         if not isinstance(state_dict.get("totals"), Mapping):
             raise ValueError(
                 "EfficiencyMonitor.load_state_dict: the checkpoint's monitor state has no totals dict (a damaged or "

@@ -148,7 +148,9 @@ def write_result(
 
     Args:
         trainer: a Trainer after ``fit`` (and ``test`` if you want test metrics), with an ``EfficiencyMonitor``.
-        out_dir: the run's folder (created); one folder per run, e.g. ``runs/<arm>_<budget>_seed<s>``.
+        out_dir: the run's folder (created); one folder per run, e.g. ``runs/<arm>_<budget>_seed<s>``: a
+            ``result.json`` of another fit there is moved to ``result.previous.json`` (``result.previous.2.json``,
+            ... when taken) with a warning; the same fit's (written again, e.g. with a test's metrics) is replaced.
         metric: the quality the report compares (a key of ``trainer.callback_metrics`` or of ``metrics``, e.g.
             ``"val/loss"``). mode: ``"min"`` (lower is better) or ``"max"``; None (the default) reads it from the
             metric's name (:func:`~lightning_effi.report.frontier.infer_mode`: ``min`` for a loss, error or
@@ -253,7 +255,37 @@ def write_result(
         metrics=values,
         overrides=overrides,
     )
+    if trainer.is_global_zero:
+        _keep_another_runs_record(Path(out_dir) / "result.json", record)
     return save_record(trainer, record, out_dir)
+
+
+#: the fields that tell one fit's record from another's: a record written again for the same fit (after a test,
+#: with more metrics) has the same
+_SAME_FIT = ("seed", "arm", "budget", "wall_clock", "flops")
+
+
+def _keep_another_runs_record(path: Path, record: Mapping[str, Any]) -> None:
+    """Move ``path``, a record of another fit than ``record``'s, to ``result.previous.json`` (:func:`_previous_name`)
+    with a warning, as :class:`ResultWriter` and the Hydra app do: a loop calling ``write_result`` for several seeds
+    with one ``out_dir`` kept the last seed's record alone, and the report averaged one seed where two ran
+    (qa83-report 02). The same fit's record (written again, e.g. with a test's metrics) is replaced."""
+    if not path.is_file():
+        return
+    try:
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        earlier = None
+    mine = json.loads(json.dumps(json_safe({key: record.get(key) for key in _SAME_FIT}), default=str))
+    if isinstance(earlier, Mapping) and {key: earlier.get(key) for key in _SAME_FIT} == mine:
+        return
+    kept = _previous_name(path.parent)
+    path.replace(kept)
+    rank_zero_warn(
+        f"write_result: {path} held another run's record; it is moved to {kept.name} and this run's record takes its "
+        "place. Runs that share a folder replace each other's records: give each run its own out_dir (e.g. "
+        "runs/<arm>_<budget>_seed<seed>)"
+    )
 
 
 #: configuration keys that are not the run's setup: the callbacks and loggers (the techniques are recorded apart),

@@ -262,6 +262,11 @@ def test_a_metric_no_run_optimizes_takes_its_direction_from_its_name(tmp_path):
     assert report.mode == "max" and sorted(r["quality"] for r in report.readings) == [0.8, 0.9]
     with pytest.raises(ReportError, match=r"no run optimizes 'val/z' and its name does not say whether lower or high"):
         build_report(runs, metric="val/z")
+    assert build_report(runs, metric="val/z", mode="min").mode == "min"
+    # a mode against the name, which write_result refuses, ranked the runs backwards without a word (qa83-report 03)
+    with pytest.raises(ReportError, match=r"mode='min' \(--mode\) contradicts metric 'val/acc', whose name says high"):
+        build_report(runs, metric="val/acc", mode="min")
+    assert build_report(runs, metric="val/acc", mode="max").mode == "max"
 
 
 def test_errors_name_the_file_or_path(tmp_path):

@@ -193,6 +193,62 @@ def test_seed_is_checked_and_the_fits_validation_metric_survives_a_later_test(tm
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_test_of_the_best_checkpoint_leaves_the_fits_record_whole(tmp_path):
+    """``trainer.test(ckpt_path="best")`` after the fit (Lightning's default with a monitoring ``ModelCheckpoint``)
+    restored the monitor's state from the best checkpoint: its curve rolled back to that step, and ``write_result``
+    recorded that step's val/loss as the fit's final one beside the whole fit's FLOPs (qa83-report 01). Outside
+    ``fit`` the monitor keeps its own state."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    monitor = EfficiencyMonitor(print_summary=False)
+    best = ModelCheckpoint(dirpath=tmp_path / "ck", monitor="val/loss", mode="max")  # the worst: the first validation
+    trainer = make_trainer(
+        tmp_path / "fit",
+        [monitor, best],
+        max_steps=8,
+        limit_val_batches=2,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        enable_checkpointing=True,
+    )
+    data = tiny_lm_data()
+    trainer.fit(tiny_gpt2(n_layer=4), datamodule=data)
+    final = float(trainer.callback_metrics["val/loss"])
+    curve, totals, summary = [dict(p) for p in monitor.curve], dict(monitor.totals), dict(monitor.summary)
+    assert [p["step"] for p in curve] == [2, 4, 6, 8] and "step=2" in best.best_model_path
+    data.test_dataloader = data.val_dataloader  # type: ignore[method-assign]
+    tested = trainer.test(datamodule=data, ckpt_path="best", verbose=False)[0]
+    assert trainer.ckpt_path == best.best_model_path and tested["test/loss"] != pytest.approx(final)
+    assert monitor.curve == curve and monitor.totals == totals and monitor.summary == summary
+    record = json.loads(write_result(trainer, tmp_path / "r", metric="val/loss", metrics=tested).read_text())
+    assert record["metric"] == pytest.approx(final) and [p["step"] for p in record["curve"]] == [2, 4, 6, 8]
+    assert record["efficiency"]["flops"] == summary["flops"] and record["metrics"]["test/loss"] == tested["test/loss"]
+
+
+def test_write_result_keeps_another_runs_record_and_replaces_the_same_fits(tmp_path):
+    """A loop writing two seeds into one folder kept only the last record, in silence, and the report read one seed
+    (qa83-report 02): the earlier run's is moved to result.previous.json with a warning, as ResultWriter does. The
+    same fit's record written again (with a test's metrics) replaces it without one."""
+    first = fit(tmp_path / "a", 2, ltd=False)
+    write_result(first, tmp_path / "runs", metric="val/loss", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same fit again: no warning, no earlier record kept
+        write_result(first, tmp_path / "runs", metric="val/loss", seed=0, metrics={"test/loss": 1.5})
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["result.json"]
+    assert json.loads((tmp_path / "runs" / "result.json").read_text())["metrics"]["test/loss"] == 1.5
+    second = fit(tmp_path / "b", 2, ltd=False)
+    with pytest.warns(UserWarning, match=r"held another run's record; it is moved to result\.previous\.json"):
+        write_result(second, tmp_path / "runs", metric="val/loss", seed=1)
+    assert json.loads((tmp_path / "runs" / "result.json").read_text())["seed"] == 1
+    assert json.loads((tmp_path / "runs" / "result.previous.json").read_text())["seed"] == 0
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "result.json").write_text("{not json")  # a damaged record is kept too
+    with pytest.warns(UserWarning, match=r"moved to result\.previous\.json"):
+        write_result(second, tmp_path / "other", metric="val/loss", seed=1)
+    assert (tmp_path / "other" / "result.previous.json").read_text() == "{not json"
+
+
 class StopAt(pl.Callback):
     def __init__(self, step: int) -> None:
         self.step = step

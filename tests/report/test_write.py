@@ -108,6 +108,14 @@ def test_cli_out_that_is_a_file_is_refused_and_a_pipe_in_an_arm_label_is_escaped
         == f"error: out_dir: '{taken}' is a file; give a folder (created if missing) for the report\n"
     )
     assert taken.read_text() == "mine" and not (tmp_path / "report.md").exists()
+    # beneath a file: named before the runs are read (a bare "[Errno 20] Not a directory" after the whole report,
+    # qa83-report 04)
+    assert main([str(tmp_path / "missing"), "--out", str(taken / "sub")]) == 1
+    assert (
+        capsys.readouterr().err
+        == f"error: out_dir: '{taken / 'sub'}' lies beneath the file '{taken}'; give a folder (created if missing) "
+        "for the report\n"
+    )
     write_record(sweep / "99", arm="ltd|lr=1e-3", budget=1.0, seed=0, loss=2.5, flops=2e12)
     table = write_report([sweep], out_dir=tmp_path / "o").to_markdown().split("\n\n")[0].splitlines()
     row = next(line for line in table if line.startswith("| ltd"))
