@@ -4,6 +4,7 @@ real datasets under ``<repo>/../shared/data`` (read-only, never downloaded; test
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,20 @@ def effi_cache_dir(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EFFI_CACHE_DIR", str(path))
         yield path
+
+
+@pytest.fixture(autouse=True)
+def no_hydra_state_left():
+    """Clear Hydra's process-wide state after each test: a test that composes a config sets ``HydraConfig`` (for
+    ``${hydra:...}``), and a later test in the same worker then ran as if inside a Hydra job (a ``ResultWriter``
+    wrote into the earlier test's job folder)."""
+    yield
+    if "hydra.core.hydra_config" in sys.modules:
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().cfg = None  # type: ignore[assignment]
+        GlobalHydra.instance().clear()
 
 
 @pytest.fixture(scope="session")

@@ -525,6 +525,17 @@ class InfoBatchCallback(Callback):
             self._setup_within_curriculum(trainer, pl_module, curriculum)
             return
         self.curriculum_dm = None
+        from lightning_effi.curriculum.callback import Curriculum  # the curriculum imports none of InfoBatch's modules
+
+        if any(isinstance(c, Curriculum) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            # listed before the curriculum, InfoBatch gave its own advice for a standalone run (max_epochs, where the
+            # stack's step budget is right) where the curriculum's wrapper was missing (qa83-compat 02)
+            got = trainer.datamodule
+            raise ValueError(
+                "InfoBatchCallback: the Trainer has a Curriculum, inside whose pipeline InfoBatch thins: fit with "
+                "datamodule=CurriculumDataModule(your_datamodule) (InfoBatchDataModule around it is optional); got "
+                f"{type(got).__name__ if got is not None else 'no datamodule'}"
+            )
         epochs = self.num_epochs if self.num_epochs is not None else trainer.max_epochs
         if epochs is None or epochs < 1:
             raise ValueError(
@@ -894,6 +905,9 @@ class InfoBatchCallback(Callback):
                 self._step = None
 
         training_step._infobatch_owner = self  # type: ignore[attr-defined]
+        # Lightning reads a step's signature (through __wrapped__) to pass batch_idx only to a step that takes it: read
+        # as (batch, *args) it passed batch_idx to a `def training_step(self, batch)` (a TypeError, qa83-compat 04)
+        training_step.__wrapped__ = original  # type: ignore[attr-defined]
         pl_module.training_step = training_step  # type: ignore[method-assign]
 
     def _note_tokens(self, batch: Any, index: Tensor) -> None:
@@ -1825,6 +1839,12 @@ class InfoBatchCallback(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.sync_scores(trainer)
+        h = self.history[-1] if self.history and self.curriculum_dm is None else None
+        if h is not None and self.plan is not None and h["epoch"] == self.plan.epoch:
+            if self.steps_in_epoch < self.steps_per_epoch:
+                # an epoch ended before its plan did (on_train_batch_start returned -1): its saving counts by the
+                # share trained, as an early stop's (the whole plan's was counted, 8 samples for 2.67, qa83-compat 03)
+                h["share"] = self._epoch_share(h)
         self._log_epoch(pl_module)
 
     def _log_epoch(self, pl_module: pl.LightningModule) -> None:
@@ -1925,11 +1945,12 @@ class InfoBatchCallback(Callback):
         # past InfoBatch's schedule (num_epochs < max_epochs, or a finished run extended) are, on the full data
         last = self._train_epochs
         history = self.history if last is None else [h for h in self.history if h["epoch"] < last]
-        per_epoch = [self._epoch_saving(h) for h in history]
-        if per_epoch and self.plan is not None and history[-1]["epoch"] == self.plan.epoch:
+        # an epoch that ended before its plan did counts by the share of its samples trained (on_train_epoch_end)
+        shares = [float(h.get("share", 1.0)) for h in history]
+        if history and self.plan is not None and history[-1]["epoch"] == self.plan.epoch:
             # the epoch in progress (or cut by an early stop) counts by the share of its samples trained
-            done = self._epoch_share(history[-1])
-            per_epoch[-1] = (per_epoch[-1][0] * done, per_epoch[-1][1] * done)
+            shares[-1] = self._epoch_share(history[-1])
+        per_epoch = [(s * share, f * share) for (s, f), share in zip(map(self._epoch_saving, history), shares)]
         saved = sum(s for s, _ in per_epoch)
         drawn = sum(f for _, f in per_epoch)
         return {"saved_samples_total": saved, "saved_fraction": saved / drawn if drawn else 0.0}

@@ -405,7 +405,7 @@ def find_vcycle_network(
     Raises:
         ValueError (naming ``owner.model_attr``): several candidates (listed; pass ``model_attr``), none (the message
             names the supported architectures, the submodules seen and a deeper submodule an adapter would handle),
-            one network held under two names (make the alias a property),
+            one network (or one of its parameters) held under two names (make the alias a property),
             ``host.<model_attr>`` missing, not an ``nn.Module`` or frozen (no parameter with ``requires_grad``), no
             adapter for it, another attribute sharing its parameters, an attribute holding its modules or parameters in
             a plain Python container (:func:`held_in_containers`); an unknown adapter name.
@@ -493,6 +493,21 @@ def find_vcycle_network(
             f"{name}: {host_name}.{', '.join(sharing)} share(s) parameters with {host_name}.{attr}, the network the "
             f"V-cycle replaces at every level change; the other reference would keep the old model's layers. Reach "
             f"the network through self.{attr} only (e.g. self.{attr}.lm_head, not a second attribute)"
+        )
+    # a parameter of the network registered on the module under a second name (self.out = self.net.wte.weight, a
+    # tied head in training_step): named_parameters() lists it once, under the network, and it kept the full
+    # network's tensor at the coarse levels (a shape error there, or a regularizer on the stale tensor: qa83-compat 05)
+    aliased = [(n, p) for n, p in host._parameters.items() if p is not None and id(p) in own]
+    if aliased:
+        alias, param = aliased[0]
+        path = next(n for n, q in model.named_parameters(remove_duplicate=False) if q is param)
+        # as Python reaches it: layers[0].linear1.weight
+        attribute = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in path.split("."))
+        raise ValueError(
+            f"{name}: {host_name}.{alias} is the parameter {host_name}.{attr}.{path}, held under a second name; the "
+            "V-cycle replaces the network at every level change and can update one attribute only, so the alias "
+            "would keep the full network's tensor at the coarse levels. Reach it through the network and make the "
+            f"alias a property (e.g. @property def {alias}(self): return self.{attr}{attribute})"
         )
     held = held_in_containers(host, model)
     if held:

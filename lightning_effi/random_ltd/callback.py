@@ -108,7 +108,13 @@ from lightning_effi.core.progress import (
 )
 from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
-from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch, other_state_keys, settings_diff
+from lightning_effi.core.state import (
+    check_coarse_vcycle_resume,
+    config_mismatch,
+    open_batch_skipped,
+    other_state_keys,
+    settings_diff,
+)
 from lightning_effi.core.wrapping import live_fit, wrapper_chain
 from lightning_effi.models.base import (
     TransformerAdapter,
@@ -558,6 +564,7 @@ class RandomLTDCallback(Callback):
         self.global_batch_size = 0
         self._pending = [0, 0, 0, 0.0, 0.0]  # samples, layer-tokens, full layer-tokens, saved flops, full flops
         self._folded = True
+        self._backward_seen, self._skipped = False, False  # the current micro-batch had a backward / trained nothing
         # the current micro-batch's costs and logged FLOPs fraction, fixed with the network it ran on when a model
         # change comes before its on_train_batch_end (cleared at the next batch)
         self._batch_costs_fixed: tuple[int, int, int, float, float] | None = None
@@ -1534,6 +1541,8 @@ class RandomLTDCallback(Callback):
         self.controller.begin(step, batch_idx, self._reserved_length)
         self._watch_inputs(pl_module)
         self._folded = False
+        # the micro-batch trained (a backward ran; training_step returning None skips it under automatic optimization)
+        self._backward_seen, self._skipped = False, False
         self._batch_costs_fixed, self._frac_fixed = None, None
         self._batch_ltd_layers = len(self.layer_ids)
         self._fused = self._fused_attention(pl_module)
@@ -1873,11 +1882,22 @@ class RandomLTDCallback(Callback):
         p = float(getattr(drop, "p", 0.0)) if drop is not None and drop.training else 0.0
         return sdpa_recomputes(pl_module.device, p)
 
+    def _note_skipped(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Tell, before the micro-batch is folded, whether it trained nothing (``training_step`` returned None under
+        automatic optimization: no backward, :func:`~lightning_effi.core.state.open_batch_skipped`), as the
+        EfficiencyMonitor does: its layer-tokens, samples and FLOPs are not counted (they were, and the layer-token
+        figures and a layer-token LR schedule ran ahead of the monitor's on batches that trained nothing,
+        qa83-compat 01)."""
+        if not self._folded:
+            self._skipped = open_batch_skipped(trainer, pl_module, self._backward_seen)
+
     def _fold_batch(self) -> None:
-        """Add the current micro-batch's records to the pending step totals (once)."""
+        """Add the current micro-batch's records to the pending step totals (once; nothing for a skipped one)."""
         if self._folded or self.controller is None or self.adapter is None:
             return
         self._folded = True
+        if self._skipped:
+            return
         for i, value in enumerate(self._batch_costs()):
             self._pending[i] += value
 
@@ -2032,10 +2052,12 @@ class RandomLTDCallback(Callback):
         Raises:
             NonFiniteLossError: the loss is not finite and ``nonfinite_loss="raise"`` (here or on another technique).
         """
+        self._backward_seen = True
         self.nonfinite_guard.check(trainer, loss)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._note_skipped(trainer, pl_module)
         self._fold_step(trainer)
 
     @override
@@ -2043,6 +2065,7 @@ class RandomLTDCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._steps_check.batch_end(trainer)
+        self._note_skipped(trainer, pl_module)
         self._fold_batch()  # micro-batches before the last one of an accumulation window
         if not pl_module.automatic_optimization and any(self._pending):
             self._fold_step(trainer)

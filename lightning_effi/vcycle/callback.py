@@ -378,6 +378,10 @@ class VCycleCallback(Callback):
         # level 1's lr_multiplier is on the optimizers the fit holds (checkpointed: a checkpoint written before train
         # start, a tuner's, holds optimizers without it)
         self._level_one_scaled = False
+        # the learning rates lr_multiplier set on optimizers without a scheduler, per optimizer index, and whether a
+        # change made to them outside the V-cycle was warned of (:meth:`on_before_optimizer_step`)
+        self._lrs_set: dict[int, list[float]] = {}
+        self._lr_change_warned = False
         # the non-finite losses of this fit (checkpointed: a resumed fit loads the count)
         self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_loss)
         self._flops_warned = False  # the "FLOPs not counted" warning, once per fit
@@ -1108,6 +1112,48 @@ class VCycleCallback(Callback):
             if S.is_timm_scheduler(cfg.scheduler):
                 cfg.scheduler.step(int(trainer.current_epoch))
                 cfg.scheduler.step_update(int(trainer.global_step))
+        self._remember_lrs(trainer)
+
+    def _remember_lrs(self, trainer: pl.Trainer) -> None:
+        """The learning rates the level's ``lr_multiplier`` (other than 1) set on the optimizers no scheduler drives,
+        for :meth:`on_before_optimizer_step`."""
+        self._lrs_set = {}
+        if self.lr_factor(self.level) == 1.0:
+            return
+        scheduled = {id(getattr(cfg.scheduler, "optimizer", None)) for cfg in trainer.lr_scheduler_configs}
+        self._lrs_set = {
+            i: [float(g["lr"]) for g in o.param_groups]
+            for i, o in enumerate(trainer.optimizers)
+            if id(o) not in scheduled
+        }
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """Warn once a fit when the learning rates of an optimizer without a scheduler are back at the unscaled ones,
+        those this level's ``lr_multiplier`` multiplied (a warm-up the module writes into ``param_groups`` in
+        ``optimizer_step``, Lightning's documented pattern, reaching its base rate; or a callback): the level trains
+        without the multiplier (4e-3 at the switch, then 1e-3 where 4e-3 was due, in silence: qa83-compat 06). A rate
+        of one's own times :meth:`lr_factor` is not warned of; a scheduler's changes are the schedule's, scaled
+        through its ``base_lrs``."""
+        if self._lr_change_warned or not self._lrs_set:
+            return
+        index = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), None)
+        if index is None or index not in self._lrs_set:
+            return
+        now, factor = [float(g["lr"]) for g in optimizer.param_groups], self.lr_factor(self.level)
+        if len(now) != len(self._lrs_set[index]) or not all(
+            math.isclose(lr, set_lr / factor, rel_tol=1e-9) for lr, set_lr in zip(now, self._lrs_set[index])
+        ):
+            return
+        self._lr_change_warned = True
+        rank_zero_warn(
+            f"{type(self).__name__}: the learning rate of optimizer {index} is {now[0]:g} at step "
+            f"{trainer.global_step}, where level {self.level}'s lr_multiplier={factor:g} set "
+            f"{self._lrs_set[index][0]:g}: it was set back to the unscaled rate outside an LR scheduler (a warm-up "
+            "written into param_groups in optimizer_step, or a callback), and the level trains without the "
+            "multiplier. Use an LR scheduler (the V-cycle scales its base_lrs), or multiply your own rate by the "
+            "V-cycle's lr_factor(level) (the callback's .level is the current one)"
+        )
 
     def _refuse_late_start(self, trainer: pl.Trainer) -> None:
         """A fit that starts at ``global_step > 0`` without V-cycle state (resumed from a checkpoint written by a fit
@@ -1421,6 +1467,7 @@ class VCycleCallback(Callback):
                     # calls for it after every step) sets the LR of the step to come, as it would have without the
                     # change (its constructor left the groups at warmup_lr_init)
                     pl_module.lr_scheduler_step(cfg.scheduler, None)
+        self._remember_lrs(trainer)
 
     def _check_optimizers(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, previous_level: int, where: str, kept: set[int]

@@ -566,6 +566,12 @@ def test_bad_input_raises_at_setup(tmp_path):
     outer = InfoBatchDataModule(CurriculumDataModule(tiny_lm_data(batch_size=MBS)))
     with pytest.raises(DataConfigError, match="CurriculumDataModule needs the Curriculum callback"):
         make_trainer(tmp_path, [infobatch()], max_steps=2).fit(tiny_gpt2(), datamodule=outer)
+    # the curriculum's wrapper missing, InfoBatch listed first: the wrapper is named, in either order (InfoBatch
+    # asked for max_epochs, where the stack's step budget is right: qa83-compat 02)
+    for callbacks in ([infobatch(), curriculum()], [curriculum(), infobatch()]):
+        for data in (tiny_lm_data(batch_size=MBS), InfoBatchDataModule(tiny_lm_data(batch_size=MBS))):
+            with pytest.raises(ValueError, match=r"datamodule=CurriculumDataModule\(your_datamodule\)"):
+                make_trainer(tmp_path, callbacks, max_steps=2).fit(tiny_gpt2(), datamodule=data)
 
 
 def _by_first_token(samples):  # a collate that sorts its samples (by their first token)

@@ -452,6 +452,35 @@ def test_progress_done_per_step_and_the_fewest_steps(tmp_path, trainer_kwargs, m
     assert log.min_steps == min_steps <= trainer.global_step == sum(steps)
 
 
+class EndsEpochOneEarly(type(tiny_gpt2())):  # type: ignore[misc]
+    """``on_train_batch_start`` returns -1 at batch 2 of epoch 1: Lightning ends that epoch there."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if self.current_epoch == 1 and batch_idx == 2 else None
+
+
+def test_an_epoch_ended_early_counts_the_share_of_its_plan_it_trained(tmp_path):
+    """An epoch that ends before its plan does (the module's ``on_train_batch_start`` returned -1) trained 2 of its
+    batches: its saving counts by the share of its samples trained, as an early stop's does, and as the
+    EfficiencyMonitor counts it; the whole plan's saving was counted (8 samples where 2.67 were saved, qa83-compat
+    03)."""
+    pl.seed_everything(0)
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path, [monitor, cb], max_epochs=4)
+    trainer.fit(EndsEpochOneEarly(**tiny_gpt2().hparams), datamodule=ib_data())
+    kinds = [(h["kind"], h.get("share")) for h in cb.history]
+    size, saved = cb.history[1]["size"], cb.history[1]["saved"]
+    assert kinds == [("full", None), ("prune", 16 / size), ("prune", None), ("full", None)] and saved > 0
+    later = sum(cb._epoch_saving(h)[0] for h in cb.history[2:])
+    expected = saved * 16 / size + later
+    assert cb.totals()["saved_samples_total"] == pytest.approx(expected)
+    drawn = 40 + 40 * 16 / size + 40 + 40
+    assert cb.totals()["saved_fraction"] == pytest.approx(expected / drawn)
+    assert monitor.summary["saved/infobatch/samples_frac"] == pytest.approx(
+        expected / (expected + monitor.totals["samples"])
+    )
+
+
 def test_progress_clock_resumes_exactly(tmp_path):
     """A run resumed mid-epoch inside a prune epoch reads the same progress at every later step as the uninterrupted
     run (the log is part of the compared callback states)."""

@@ -381,6 +381,25 @@ def test_plain_loss_modules_train_with_infobatch(tmp_path, case):
     assert bool(cb.seen.all())  # every sample scored
 
 
+class NoBatchIdx(CharGPT2):
+    """``def training_step(self, batch)``: Lightning passes ``batch_idx`` only to a step that takes it."""
+
+    def training_step(self, batch: Any) -> Tensor:  # type: ignore[override]
+        return super().training_step(batch, -1)
+
+
+def test_a_training_step_without_batch_idx_trains_with_infobatch(tmp_path):
+    """InfoBatch's wrapper read as ``(batch, *args)``, so Lightning passed ``batch_idx`` to a step without it: a
+    TypeError at the first batch (qa83-compat 04). Lightning now reads the user's own signature (``__wrapped__``);
+    the pruned epoch trains on the weighted losses as with a two-argument step."""
+    module, outputs = NoBatchIdx(), Outputs()
+    cb = fit(tmp_path, module, UserData(CharBlocks()), outputs)
+    assert [h["kind"] for h in cb.history] == ["full", "prune", "full"] and cb.per_sample_source == "auto"
+    assert len(module.steps) == len(outputs.rows) == sum(math.ceil(h["size"] / BS) for h in cb.history)
+    assert any(bool((r["weights"] == 2.0).any()) for r in outputs.rows if r["epoch"] == 1)
+    assert "training_step" not in vars(module)  # the module's own step is back after the fit
+
+
 def test_the_step_still_returns_per_sample_loss_path(tmp_path):
     """A module that returns ``{"loss", "per_sample_loss"}`` keeps its contract (no forward capture after the first
     batch)."""

@@ -153,6 +153,32 @@ def test_logged_metrics_and_accounting_adjustment(tmp_path):
     assert summary["random_ltd/layer_token_saving"] == pytest.approx(1 - expected / (5 * 8 * 16 * 4))
 
 
+class SkipsSomeBatches(type(deep_gpt2())):  # type: ignore[misc]
+    """A step that skips batches 1 and 3 of each epoch (``return None``: no backward, no update under automatic
+    optimization), e.g. a bad batch."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx in (1, 3) else loss
+
+
+def test_a_skipped_batch_is_not_counted(tmp_path):
+    """A batch whose ``training_step`` returned None trained nothing: random-LTD counted its layer-tokens, samples and
+    FLOPs (full_layer_tokens 6144 for 4096, consumed ahead of the monitor's: qa83-compat 01), and a layer-token LR
+    schedule ran ahead on it. Now its figures are the monitor's, which leaves such batches out; ``r`` still follows
+    the optimizer step (Lightning advances it for a skipped batch too)."""
+    pl.seed_everything(0)
+    cb, monitor = ltd(max_value=16, require_steps=4), EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path, [monitor, cb], max_steps=6, max_epochs=-1)
+    model = SkipsSomeBatches(**deep_gpt2().hparams)
+    trainer.fit(model, datamodule=tiny_lm_data())
+    assert trainer.global_step == 6 and monitor.totals["batches"] == 4  # batches 1 and 3 skipped
+    trained = [F.ltd_value(s, 4, 16, 4, 4) for s in (0, 2, 4, 5)]  # B = 8, S = 16, L = 4, L_ltd = 2
+    assert cb.consumed_layer_tokens == sum(F.layer_tokens(8, 16, r, 4, 2) for r in trained)
+    assert cb.consumed_layer_tokens == monitor.totals["layer_tokens"]
+    assert cb.full_layer_tokens == 4 * 8 * 16 * 4 and cb.consumed_samples == 4 * 8
+
+
 # ------------------------------------------------------------------------------------------------ step axis
 
 

@@ -281,6 +281,42 @@ def test_level_one_lr_multiplier_from_the_first_step(tmp_path):
         assert rec["lrs"] == pytest.approx([lr(base, step)] * 2, rel=1e-12), step
 
 
+class WarmsUpByHand(type(tiny_gpt2())):  # type: ignore[misc]
+    """Lightning's documented warm-up in ``optimizer_step``: ``pg["lr"] = scale * base`` over the first 3 steps;
+    ``scaled`` multiplies it by the V-cycle's ``lr_factor`` of the current level."""
+
+    def __init__(self, scaled: bool) -> None:
+        super().__init__(**{**TINY_GPT2, "optimizer": sgd})  # SGD at 0.05
+        self.scaled = scaled
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer.step(closure=optimizer_closure)
+        if self.trainer.global_step < 4:
+            vcycle = next(c for c in self.trainer.callbacks if isinstance(c, VCycleCallback))
+            factor = vcycle.lr_factor(vcycle.level) if self.scaled else 1.0
+            for group in optimizer.param_groups:
+                group["lr"] = min(1.0, (self.trainer.global_step + 1) / 4) * 0.05 * factor
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_an_lr_set_back_by_hand_at_a_scaled_level_is_warned_of(tmp_path, scaled):
+    """A warm-up written into ``param_groups`` (no scheduler) sets level 2's LR back to the unscaled rate: the level
+    trained without ``lr_multiplier`` in silence (0.05 where 0.2 was due, qa83-compat 06). It is warned of once; a
+    warm-up that multiplies by ``lr_factor`` is not."""
+    post = Recorder()
+    cb = VCycleCallback(e_a=2, e_small=3, lr_multiplier={2: 4.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run([cb, post], 7, model=WarmsUpByHand(scaled), root=tmp_path)
+    told = [str(w.message) for w in caught if "set back to the unscaled rate" in str(w.message)]
+    lrs = {s: rec["lrs"][0] for s, rec in post.steps.items()}  # after each step: the LR of the step to come
+    if scaled:
+        assert not told and lrs[3] == pytest.approx(0.15) and lrs[4] == pytest.approx(0.2)
+    else:
+        assert lrs[4] == pytest.approx(0.05) and len(told) == 1  # level 2 (steps 2-4) at the unscaled rate
+        assert "optimizer 0 is 0.05 at step 4, where level 2's lr_multiplier=4 set 0.2" in told[0]
+
+
 @pytest.mark.parametrize("finder", ["lr", "batch_size"])
 def test_level_one_lr_multiplier_with_a_finder_callback(tmp_path, finder):
     """A finder callback searches at the fit's start and restores the checkpoint it wrote before: the level-1 factor,

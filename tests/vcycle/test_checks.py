@@ -786,6 +786,31 @@ def test_an_alias_of_a_part_of_the_network_is_named_as_such():
     )
 
 
+def test_a_parameter_of_the_network_under_a_second_name_is_named_as_such():
+    """``self.out = self.encoder.layers[0].linear1.weight`` (a tied projection used in ``training_step``): registered
+    on the module, ``named_parameters()`` listed it once, under the alias, so setup passed; at the coarse levels it
+    kept the full network's tensor (a shape error there, or a regularizer on the stale tensor: qa83-compat 05)."""
+
+    class ParamAliased(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.head = nn.Linear(4, 16), nn.Linear(16, 2)
+            self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+            self.out = self.encoder.layers[0].linear1.weight
+
+    module = ParamAliased()
+    assert "encoder.layers.0.linear1.weight" not in dict(module.named_parameters())  # listed once, as "out"
+    with pytest.raises(ValueError) as err:
+        VCycleCallback(e_a=2, e_small=3)._find_network(module)
+    assert str(err.value) == (
+        "VCycleCallback.model_attr: ParamAliased.out is the parameter ParamAliased.encoder.layers.0.linear1.weight, "
+        "held under a second name; the V-cycle replaces the network at every level change and can update one "
+        "attribute only, so the alias would keep the full network's tensor at the coarse levels. Reach it through the "
+        "network and make the alias a property (e.g. @property def out(self): return "
+        "self.encoder.layers[0].linear1.weight)"
+    )
+
+
 class Listed(BackboneHead):
     """The network's blocks, or its parameters grouped for the optimizer, kept in plain Python containers, which
     ``nn.Module`` does not register; the hyperparameters record keeps the network too (never run)."""
