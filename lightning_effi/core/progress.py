@@ -277,8 +277,11 @@ def exact_progress_done(clock: Any) -> Fraction:
         progress = Fraction(value)
     elif is_real(value) and math.isfinite(float(value)):
         progress = Fraction(float(value)).limit_denominator(EXACT_DENOMINATOR)
-    else:
-        progress = Fraction(-1)
+    else:  # a tensor, None, a string: the protocol's progress is a Python float (a tensor was told "out of range")
+        raise ValueError(
+            f"{type(clock).__name__}'s training progress must be a float in [0, 1] (ProvidesProgressClock), got "
+            f"{type(value).__name__} {value!r:.80}"
+        )
     if not 0 <= progress <= 1:
         raise ValueError(
             f"{type(clock).__name__}'s training progress must be a number in [0, 1], got {value!r} (a progress clock "

@@ -47,6 +47,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -882,6 +883,14 @@ class InfoBatchCallback(Callback):
         if getattr(previous, "_infobatch_owner", None) is not None:  # _clear_leftovers let a live one through
             raise ValueError("InfoBatchCallback: training_step is already wrapped by another InfoBatchCallback")
         original = pl_module.training_step
+        if is_param_in_hook_signature(original, "dataloader_iter", explicit=True):
+            # Lightning hands such a step the loader's iterator (through the wrapper's __wrapped__): InfoBatch reads
+            # each batch's sample index and weights the step's losses, which a step fetching its own batches hides
+            # (it failed at the first batch, asking for the InfoBatchDataModule it had: qa84-break 02)
+            raise ValueError(
+                "InfoBatchCallback: training_step(self, dataloader_iter) fetches its own batches; InfoBatch weights "
+                "the losses of the batch Lightning hands the step: take training_step(self, batch, batch_idx)"
+            )
         self._original_step, self._previous_step, self._module = original, previous, pl_module
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -562,7 +562,9 @@ class RandomLTDCallback(Callback):
         self._input_hooks: list[Any] = []
         self._runners: tuple[tuple[int, int, int], list[weakref.ref[nn.Module]]] | None = None  # (network, runners)
         self.global_batch_size = 0
-        self._pending = [0, 0, 0, 0.0, 0.0]  # samples, layer-tokens, full layer-tokens, saved flops, full flops
+        # samples, layer-tokens, full layer-tokens, saved flops, full flops; and the samples of the step's skipped
+        # micro-batches (its batch size counts them)
+        self._pending = [0, 0, 0, 0.0, 0.0, 0]
         self._folded = True
         self._backward_seen, self._skipped = False, False  # the current micro-batch had a backward / trained nothing
         # the current micro-batch's costs and logged FLOPs fraction, fixed with the network it ran on when a model
@@ -1896,7 +1898,8 @@ class RandomLTDCallback(Callback):
         if self._folded or self.controller is None or self.adapter is None:
             return
         self._folded = True
-        if self._skipped:
+        if self._skipped:  # the step's batch size still counts its samples (global_batch_size)
+            self._pending[5] += self._batch_costs()[0]
             return
         for i, value in enumerate(self._batch_costs()):
             self._pending[i] += value
@@ -2024,8 +2027,8 @@ class RandomLTDCallback(Callback):
         self._fold_batch()
         local = torch.tensor(self._pending, dtype=torch.float64, device=trainer.strategy.root_device)
         total = trainer.strategy.reduce(local, reduce_op="sum") if trainer.world_size > 1 else local
-        samples, actual, full, saved, full_flops = (float(x) for x in total.cpu())
-        self._pending = [0, 0, 0, 0.0, 0.0]
+        samples, actual, full, saved, full_flops, skipped = (float(x) for x in total.cpu())
+        self._pending = [0, 0, 0, 0.0, 0.0, 0]
         if self.max_value_arg is None and trainer.world_size > 1:
             # a derived max_value follows each rank's longest batch: every rank continues with the longest of all
             seen = torch.tensor([self.max_value or 0], dtype=torch.int64, device=trainer.strategy.root_device)
@@ -2039,8 +2042,9 @@ class RandomLTDCallback(Callback):
             self.consumed_layer_tokens += int(round(actual))
         self.full_layer_tokens += int(round(full))
         self.consumed_samples += int(samples)
-        if not self.global_batch_size:
-            self.global_batch_size = int(samples)
+        if not self.global_batch_size:  # with a skipped micro-batch's samples (4 for 8 made the expected total half
+            # the run's layer-tokens, qa84-break 01)
+            self.global_batch_size = int(samples + skipped)
         self.saved_flops += saved
         self.full_layer_flops += full_flops
 

@@ -50,12 +50,16 @@ HIGHER_IS_BETTER = frozenset(
 )  # fmt: skip
 
 
-#: name parts that turn a metric around or make it a difference (``neg_mse``, ``accuracy_drop``, ``loss_scale``,
-#: ``1-acc``): a name with one says nothing sure
+#: name parts that turn a metric around, make it a difference or a spread, or measure something else about it
+#: (``neg_mse``, ``accuracy_drop``, ``loss_scale``, ``1-acc``, ``acc_degradation``, ``time_to_acc``,
+#: ``accuracy_variance``): a name with one says nothing sure (the mode was read from ``acc`` in the last three, and a
+#: correct ``mode="min"`` refused as against the name, qa84-break 03)
 MODIFIERS = frozenset(
     {
         "neg", "negative", "inv", "inverse", "drop", "gap", "diff", "delta", "change", "improvement", "increase",
-        "decrease", "gain", "reduction", "scale", "std", "var", "minus", "one",
+        "decrease", "gain", "reduction", "scale", "std", "var", "minus", "one", "degradation", "degrade", "regret",
+        "variance", "spread", "deviation", "stdev", "range", "time", "latency", "cost", "steps", "epochs",
+        "forgetting",
     }
 )  # fmt: skip
 

@@ -382,6 +382,7 @@ class VCycleCallback(Callback):
         # change made to them outside the V-cycle was warned of (:meth:`on_before_optimizer_step`)
         self._lrs_set: dict[int, list[float]] = {}
         self._lr_change_warned = False
+        self._unscaled_steps: dict[int, int] = {}  # per optimizer: consecutive steps at the unscaled rates
         # the non-finite losses of this fit (checkpointed: a resumed fit loads the count)
         self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_loss)
         self._flops_warned = False  # the "FLOPs not counted" warning, once per fit
@@ -1117,7 +1118,7 @@ class VCycleCallback(Callback):
     def _remember_lrs(self, trainer: pl.Trainer) -> None:
         """The learning rates the level's ``lr_multiplier`` (other than 1) set on the optimizers no scheduler drives,
         for :meth:`on_before_optimizer_step`."""
-        self._lrs_set = {}
+        self._lrs_set, self._unscaled_steps = {}, {}
         if self.lr_factor(self.level) == 1.0:
             return
         scheduled = {id(getattr(cfg.scheduler, "optimizer", None)) for cfg in trainer.lr_scheduler_configs}
@@ -1130,11 +1131,12 @@ class VCycleCallback(Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Warn once a fit when the learning rates of an optimizer without a scheduler are back at the unscaled ones,
-        those this level's ``lr_multiplier`` multiplied (a warm-up the module writes into ``param_groups`` in
-        ``optimizer_step``, Lightning's documented pattern, reaching its base rate; or a callback): the level trains
-        without the multiplier (4e-3 at the switch, then 1e-3 where 4e-3 was due, in silence: qa83-compat 06). A rate
-        of one's own times :meth:`lr_factor` is not warned of; a scheduler's changes are the schedule's, scaled
-        through its ``base_lrs``."""
+        those this level's ``lr_multiplier`` multiplied, at two optimizer steps in a row (a warm-up the module writes
+        into ``param_groups`` in ``optimizer_step``, Lightning's documented pattern, that reached its base rate; or a
+        callback): the level trains without the multiplier (4e-3 at the switch, then 1e-3 where 4e-3 was due, in
+        silence: qa83-compat 06). A rate of one's own times :meth:`lr_factor` passes through the unscaled rate at
+        one step of its ramp at most (it was warned of there, qa84-break 04); a scheduler's changes are the
+        schedule's, scaled through its ``base_lrs``."""
         if self._lr_change_warned or not self._lrs_set:
             return
         index = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), None)
@@ -1144,6 +1146,10 @@ class VCycleCallback(Callback):
         if len(now) != len(self._lrs_set[index]) or not all(
             math.isclose(lr, set_lr / factor, rel_tol=1e-9) for lr, set_lr in zip(now, self._lrs_set[index])
         ):
+            self._unscaled_steps[index] = 0
+            return
+        self._unscaled_steps[index] = self._unscaled_steps.get(index, 0) + 1
+        if self._unscaled_steps[index] < 2:
             return
         self._lr_change_warned = True
         rank_zero_warn(

@@ -340,6 +340,14 @@ def test_exact_progress_done_prefers_the_clocks_exact_fraction_and_checks_its_ra
             return Fraction(372_367, 999_998)  # its own fraction, whatever its float reads
 
     assert exact_progress_done(ExactClock(0.0)) == Fraction(372_367, 999_998)
-    for bad in (-0.1, 1.5, float("nan"), float("inf"), None, "0.5", Fraction(3, 2)):
-        with pytest.raises(ValueError, match="FloatClock's training progress must be a number in \\[0, 1\\]"):
+    for bad in (-0.1, 1.5, Fraction(3, 2)):
+        with pytest.raises(ValueError, match="FloatClock's training progress must be a number in \\[0, 1\\], got "):
             exact_progress_done(FloatClock(bad))
+    # not a number: named by its type (a tensor in range was told "out of its range", qa84-break 05)
+    for bad, kind in ((float("nan"), "float"), (float("inf"), "float"), (None, "NoneType"), ("0.5", "str")):
+        with pytest.raises(ValueError, match=f"must be a float in \\[0, 1\\] \\(ProvidesProgressClock\\), got {kind} "):
+            exact_progress_done(FloatClock(bad))
+    import torch
+
+    with pytest.raises(ValueError, match=r"must be a float in \[0, 1\] \(ProvidesProgressClock\), got Tensor tensor"):
+        exact_progress_done(FloatClock(torch.tensor(0.0)))

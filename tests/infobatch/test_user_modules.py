@@ -400,6 +400,21 @@ def test_a_training_step_without_batch_idx_trains_with_infobatch(tmp_path):
     assert "training_step" not in vars(module)  # the module's own step is back after the fit
 
 
+class FetchesItsOwnBatches(CharGPT2):
+    def training_step(self, dataloader_iter):  # type: ignore[override]
+        batch = next(dataloader_iter)
+        return super().training_step(batch, 0)
+
+
+def test_a_training_step_that_fetches_its_own_batches_is_refused_at_setup(tmp_path):
+    """Lightning hands a ``training_step(self, dataloader_iter)`` the loader's iterator, which InfoBatch's wrapper
+    then read as the batch: it asked for the InfoBatchDataModule the fit had (qa84-break 02). Named at setup."""
+    module = FetchesItsOwnBatches()
+    with pytest.raises(ValueError, match=r"training_step\(self, dataloader_iter\) fetches its own batches"):
+        fit(tmp_path, module, UserData(CharBlocks()))
+    assert module.steps == [] and "training_step" not in vars(module)
+
+
 def test_the_step_still_returns_per_sample_loss_path(tmp_path):
     """A module that returns ``{"loss", "per_sample_loss"}`` keeps its contract (no forward capture after the first
     batch)."""

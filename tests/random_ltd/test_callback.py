@@ -179,6 +179,24 @@ def test_a_skipped_batch_is_not_counted(tmp_path):
     assert cb.full_layer_tokens == 4 * 8 * 16 * 4 and cb.consumed_samples == 4 * 8
 
 
+class SkipsTheFirstBatch(type(deep_gpt2())):  # type: ignore[misc]
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if self.global_step == 0 and batch_idx == 0 else loss
+
+
+def test_a_skipped_micro_batch_still_counts_in_the_step_batch_size(tmp_path):
+    """The first step's batch size is read from its samples: with its first micro-batch skipped it read 4 for 8, and
+    ``expected_total_layer_tokens`` (a layer-token LR schedule's length) came to half the run's (qa84-break 01)."""
+    pl.seed_everything(0)
+    cb, monitor = ltd(max_value=16, require_steps=4), EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path, [monitor, cb], max_steps=3, max_epochs=-1, accumulate_grad_batches=2)
+    trainer.fit(SkipsTheFirstBatch(**deep_gpt2().hparams), datamodule=tiny_lm_data())
+    assert cb.global_batch_size == 16  # 2 micro-batches of 8 a step
+    assert cb.consumed_samples == monitor.totals["samples"] == 32  # 4 micro-batches trained (the skipped one not)
+    assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(3, 16)
+
+
 # ------------------------------------------------------------------------------------------------ step axis
 
 

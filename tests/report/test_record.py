@@ -78,6 +78,11 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
         "max",
     ]
     assert infer_mode("val/foo") is None and infer_mode("val/loss_acc") is None  # neither, or both: ask
+    # a spread, a regret, a time or a degradation of an accuracy is lower-is-better: read as "acc" (max), a correct
+    # mode="min" was refused as against the name (qa84-break 03); the name says nothing sure
+    for measured in ("val/acc_degradation", "val/time_to_acc", "val/acc_regret", "val/acc_spread", "val/acc_variance"):
+        assert infer_mode(measured) is None, measured
+    assert infer_mode("train/loss_step") == "min" and infer_mode("val/acc_epoch") == "max"  # Lightning's suffixes
     assert infer_mode("val/r2") == "max"  # digits are part of some names
     # a cut-off after the name (recommenders, retrieval, top-k accuracy) was read as "1-acc" (qa43-user 02)
     for ranked in ("val/recall@20", "val/ndcg@10", "val/hr@10", "val/mrr", "val/map_at_5", "val/acc@1", "top_5_acc"):

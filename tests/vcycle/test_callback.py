@@ -282,39 +282,42 @@ def test_level_one_lr_multiplier_from_the_first_step(tmp_path):
 
 
 class WarmsUpByHand(type(tiny_gpt2())):  # type: ignore[misc]
-    """Lightning's documented warm-up in ``optimizer_step``: ``pg["lr"] = scale * base`` over the first 3 steps;
-    ``scaled`` multiplies it by the V-cycle's ``lr_factor`` of the current level."""
+    """Lightning's documented warm-up in ``optimizer_step``: ``pg["lr"] = scale * base`` over the first ``warmup``
+    steps; ``scaled`` multiplies it by the V-cycle's ``lr_factor`` of the current level."""
 
-    def __init__(self, scaled: bool) -> None:
+    def __init__(self, scaled: bool, warmup: int = 4) -> None:
         super().__init__(**{**TINY_GPT2, "optimizer": sgd})  # SGD at 0.05
-        self.scaled = scaled
+        self.scaled, self.warmup = scaled, warmup
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
         optimizer.step(closure=optimizer_closure)
-        if self.trainer.global_step < 4:
+        if self.trainer.global_step < self.warmup:
             vcycle = next(c for c in self.trainer.callbacks if isinstance(c, VCycleCallback))
             factor = vcycle.lr_factor(vcycle.level) if self.scaled else 1.0
             for group in optimizer.param_groups:
-                group["lr"] = min(1.0, (self.trainer.global_step + 1) / 4) * 0.05 * factor
+                group["lr"] = min(1.0, (self.trainer.global_step + 1) / self.warmup) * 0.05 * factor
 
 
-@pytest.mark.parametrize("scaled", [False, True])
-def test_an_lr_set_back_by_hand_at_a_scaled_level_is_warned_of(tmp_path, scaled):
+@pytest.mark.parametrize(("scaled", "warmup"), [(False, 4), (True, 4), (True, 12)])
+def test_an_lr_set_back_by_hand_at_a_scaled_level_is_warned_of(tmp_path, scaled, warmup):
     """A warm-up written into ``param_groups`` (no scheduler) sets level 2's LR back to the unscaled rate: the level
-    trained without ``lr_multiplier`` in silence (0.05 where 0.2 was due, qa83-compat 06). It is warned of once; a
-    warm-up that multiplies by ``lr_factor`` is not."""
+    trained without ``lr_multiplier`` in silence (0.05 where 0.2 was due, qa83-compat 06). It is warned of once, at
+    the second step at that rate; a warm-up that multiplies by ``lr_factor`` is not, also when its ramp passes
+    through the unscaled rate (over 12 steps: 0.25 x 0.05 x 4 = 0.05 at step 3, warned of: qa84-break 04)."""
     post = Recorder()
-    cb = VCycleCallback(e_a=2, e_small=3, lr_multiplier={2: 4.0})
+    cb = VCycleCallback(e_a=2, e_small=4, lr_multiplier={2: 4.0})  # level 2: steps 2-5
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run([cb, post], 7, model=WarmsUpByHand(scaled), root=tmp_path)
+        run([cb, post], 8, model=WarmsUpByHand(scaled, warmup), root=tmp_path)
     told = [str(w.message) for w in caught if "set back to the unscaled rate" in str(w.message)]
     lrs = {s: rec["lrs"][0] for s, rec in post.steps.items()}  # after each step: the LR of the step to come
     if scaled:
-        assert not told and lrs[3] == pytest.approx(0.15) and lrs[4] == pytest.approx(0.2)
+        ramp = [min(1.0, (s + 1) / warmup) * 0.2 for s in (2, 3, 4)]  # the LRs of steps 3, 4, 5
+        assert not told and [lrs[s] for s in (3, 4, 5)] == pytest.approx(ramp)
+        assert (lrs[3] == pytest.approx(0.05)) == (warmup == 12)
     else:
-        assert lrs[4] == pytest.approx(0.05) and len(told) == 1  # level 2 (steps 2-4) at the unscaled rate
-        assert "optimizer 0 is 0.05 at step 4, where level 2's lr_multiplier=4 set 0.2" in told[0]
+        assert [lrs[s] for s in (3, 4, 5)] == pytest.approx([0.0375, 0.05, 0.05]) and len(told) == 1
+        assert "optimizer 0 is 0.05 at step 5, where level 2's lr_multiplier=4 set 0.2" in told[0]
 
 
 @pytest.mark.parametrize("finder", ["lr", "batch_size"])
