@@ -495,8 +495,9 @@ def find_vcycle_network(
             f"the network through self.{attr} only (e.g. self.{attr}.lm_head, not a second attribute)"
         )
     # a parameter of the network registered on the module under a second name (self.out = self.net.wte.weight, a
-    # tied head in training_step): named_parameters() lists it once, under the network, and it kept the full
-    # network's tensor at the coarse levels (a shape error there, or a regularizer on the stale tensor: qa83-compat 05)
+    # tied head in training_step): named_parameters() lists it once, so the checks above never saw a second holder,
+    # and it kept the full network's tensor at the coarse levels (a shape error there, or a regularizer on the stale
+    # tensor: qa83-compat 05)
     aliased = [(n, p) for n, p in host._parameters.items() if p is not None and id(p) in own]
     if aliased:
         alias, param = aliased[0]
