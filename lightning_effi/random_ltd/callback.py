@@ -567,6 +567,7 @@ class RandomLTDCallback(Callback):
         self._pending = [0, 0, 0, 0.0, 0.0, 0]
         self._folded = True
         self._backward_seen, self._skipped = False, False  # the current micro-batch had a backward / trained nothing
+        self._batch_rows = 0  # its samples (find_batch_size)
         # the current micro-batch's costs and logged FLOPs fraction, fixed with the network it ran on when a model
         # change comes before its on_train_batch_end (cleared at the next batch)
         self._batch_costs_fixed: tuple[int, int, int, float, float] | None = None
@@ -1521,6 +1522,8 @@ class RandomLTDCallback(Callback):
         self._steps_check.batch_start(trainer)
         parts = combined_parts(trainer.train_dataloader, batch)
         self._part_sizes = [find_batch_size(part) for part in parts] if parts else None
+        # the batch's samples, for a micro-batch skipped before its forward (no layer records: qa85-break 01)
+        self._batch_rows = sum(n or 0 for n in self._part_sizes) if self._part_sizes else (find_batch_size(batch) or 0)
         self.controller.optimized = optimized_parameters(trainer)
         self._release_frozen_copies(trainer, pl_module)
         step = trainer.global_step
@@ -1898,8 +1901,8 @@ class RandomLTDCallback(Callback):
         if self._folded or self.controller is None or self.adapter is None:
             return
         self._folded = True
-        if self._skipped:  # the step's batch size still counts its samples (global_batch_size)
-            self._pending[5] += self._batch_costs()[0]
+        if self._skipped:  # the step's batch size still counts its samples (global_batch_size), forward run or not
+            self._pending[5] += self._batch_costs()[0] or self._batch_rows
             return
         for i, value in enumerate(self._batch_costs()):
             self._pending[i] += value

@@ -84,7 +84,14 @@ def infer_mode(metric: str) -> Mode | None:
     parts |= {"hit" for seg in segments for i, p in enumerate(seg[:-1]) if p == "hr" and seg[i + 1].isdigit()}
     # a number opening a segment turns it around (1-acc); one after a name is a cut-off (recall@20, acc@1_ema, map@0.5)
     leading = any(len(seg) > 1 and seg[0].isdigit() for seg in segments)
-    if parts & MODIFIERS or leading:
+    # a modifier counts from the first segment that names a direction on: a namespace before it (time_series/val_mae,
+    # cost_sensitive/val_acc) modifies nothing (refused without a mode, qa85-break 04)
+    directed = LOWER_IS_BETTER | HIGHER_IS_BETTER | {"hr"}
+    first = next(
+        (i for i, seg in enumerate(segments) if {p.rstrip("0123456789") for p in seg} & directed), len(segments)
+    )
+    modifiers = {p.rstrip("0123456789") for seg in segments[first:] for p in seg} & MODIFIERS
+    if modifiers or leading:
         return None
     lower, higher = bool(parts & LOWER_IS_BETTER), bool(parts & HIGHER_IS_BETTER)
     return "min" if lower and not higher else "max" if higher and not lower else None

@@ -382,7 +382,6 @@ class VCycleCallback(Callback):
         # change made to them outside the V-cycle was warned of (:meth:`on_before_optimizer_step`)
         self._lrs_set: dict[int, list[float]] = {}
         self._lr_change_warned = False
-        self._unscaled_steps: dict[int, int] = {}  # per optimizer: consecutive steps at the unscaled rates
         # the non-finite losses of this fit (checkpointed: a resumed fit loads the count)
         self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_loss)
         self._flops_warned = False  # the "FLOPs not counted" warning, once per fit
@@ -1086,6 +1085,8 @@ class VCycleCallback(Callback):
             self._refuse_late_start(trainer)
         if not self._level_one_scaled and self.stage_index == 0:
             self._scale_level_one(trainer)
+        elif self._restored:  # the restored optimizers' rates, for on_before_optimizer_step (qa85-break 03)
+            self._remember_lrs(trainer)
         if (expected := self.current_stage_level()) != self.level:
             raise RuntimeError(
                 f"{type(self).__name__}: stage {self.stage_index + 1} of {len(stages) + 1} trains level {expected} "
@@ -1118,7 +1119,7 @@ class VCycleCallback(Callback):
     def _remember_lrs(self, trainer: pl.Trainer) -> None:
         """The learning rates the level's ``lr_multiplier`` (other than 1) set on the optimizers no scheduler drives,
         for :meth:`on_before_optimizer_step`."""
-        self._lrs_set, self._unscaled_steps = {}, {}
+        self._lrs_set = {}
         if self.lr_factor(self.level) == 1.0:
             return
         scheduled = {id(getattr(cfg.scheduler, "optimizer", None)) for cfg in trainer.lr_scheduler_configs}
@@ -1130,35 +1131,30 @@ class VCycleCallback(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        """Warn once a fit when the learning rates of an optimizer without a scheduler are back at the unscaled ones,
-        those this level's ``lr_multiplier`` multiplied, at two optimizer steps in a row (a warm-up the module writes
-        into ``param_groups`` in ``optimizer_step``, Lightning's documented pattern, that reached its base rate; or a
-        callback): the level trains without the multiplier (4e-3 at the switch, then 1e-3 where 4e-3 was due, in
-        silence: qa83-compat 06). A rate of one's own times :meth:`lr_factor` passes through the unscaled rate at
-        one step of its ramp at most (it was warned of there, qa84-break 04); a scheduler's changes are the
-        schedule's, scaled through its ``base_lrs``."""
+        """Warn once a fit when the learning rates of an optimizer without a scheduler change at a level whose
+        ``lr_multiplier`` is not 1: the module (a warm-up written into ``param_groups`` in ``optimizer_step``,
+        Lightning's documented pattern) or a callback writes its own rate, which replaces the one the V-cycle scaled
+        when it built the level's optimizer, so the level trains without the multiplier unless that rate includes it
+        (4e-3 at the switch, then 1e-3 where 4e-3 was due, in silence: qa83-compat 06). Whether a written rate
+        includes the factor cannot be told from its value (a scaled decay sits at the unscaled rate too, qa84-break
+        04, qa85-break 02), so the warning says what the V-cycle does and what to include. A scheduler's changes are
+        the schedule's, scaled through its ``base_lrs``. A resumed fit records the restored rates at train start."""
         if self._lr_change_warned or not self._lrs_set:
             return
         index = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), None)
         if index is None or index not in self._lrs_set:
             return
-        now, factor = [float(g["lr"]) for g in optimizer.param_groups], self.lr_factor(self.level)
-        if len(now) != len(self._lrs_set[index]) or not all(
-            math.isclose(lr, set_lr / factor, rel_tol=1e-9) for lr, set_lr in zip(now, self._lrs_set[index])
-        ):
-            self._unscaled_steps[index] = 0
-            return
-        self._unscaled_steps[index] = self._unscaled_steps.get(index, 0) + 1
-        if self._unscaled_steps[index] < 2:
+        now, before = [float(g["lr"]) for g in optimizer.param_groups], self._lrs_set[index]
+        if len(now) == len(before) and all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(now, before)):
             return
         self._lr_change_warned = True
         rank_zero_warn(
-            f"{type(self).__name__}: the learning rate of optimizer {index} is {now[0]:g} at step "
-            f"{trainer.global_step}, where level {self.level}'s lr_multiplier={factor:g} set "
-            f"{self._lrs_set[index][0]:g}: it was set back to the unscaled rate outside an LR scheduler (a warm-up "
-            "written into param_groups in optimizer_step, or a callback), and the level trains without the "
-            "multiplier. Use an LR scheduler (the V-cycle scales its base_lrs), or multiply your own rate by the "
-            "V-cycle's lr_factor(level) (the callback's .level is the current one)"
+            f"{type(self).__name__}: the learning rate of optimizer {index} changed outside an LR scheduler at step "
+            f"{trainer.global_step}, from {before[0]:g} to {now[0]:g}, at level {self.level} (lr_multiplier="
+            f"{self.lr_factor(self.level):g}): a rate written into param_groups (a warm-up in optimizer_step, or a "
+            "callback) replaces the one the V-cycle scaled when it built the level's optimizer; include the factor "
+            "(the V-cycle's lr_factor(level), with .level the current one) or use an LR scheduler, whose base_lrs the "
+            "V-cycle scales"
         )
 
     def _refuse_late_start(self, trainer: pl.Trainer) -> None:

@@ -180,18 +180,29 @@ def test_a_skipped_batch_is_not_counted(tmp_path):
 
 
 class SkipsTheFirstBatch(type(deep_gpt2())):  # type: ignore[misc]
+    """Skips the first micro-batch, after its forward or (``if bad: return None``) before it."""
+
+    def __init__(self, before_forward: bool) -> None:
+        super().__init__(**deep_gpt2().hparams)
+        self.before_forward = before_forward
+
     def training_step(self, batch, batch_idx):
+        skip = self.global_step == 0 and batch_idx == 0
+        if skip and self.before_forward:
+            return None
         loss = super().training_step(batch, batch_idx)
-        return None if self.global_step == 0 and batch_idx == 0 else loss
+        return None if skip else loss
 
 
-def test_a_skipped_micro_batch_still_counts_in_the_step_batch_size(tmp_path):
+@pytest.mark.parametrize("before_forward", [False, True])
+def test_a_skipped_micro_batch_still_counts_in_the_step_batch_size(tmp_path, before_forward):
     """The first step's batch size is read from its samples: with its first micro-batch skipped it read 4 for 8, and
-    ``expected_total_layer_tokens`` (a layer-token LR schedule's length) came to half the run's (qa84-break 01)."""
+    ``expected_total_layer_tokens`` (a layer-token LR schedule's length) came to half the run's (qa84-break 01); a
+    micro-batch skipped before its forward has no layer records, and read so still (qa85-break 01)."""
     pl.seed_everything(0)
     cb, monitor = ltd(max_value=16, require_steps=4), EfficiencyMonitor(print_summary=False)
     trainer = make_trainer(tmp_path, [monitor, cb], max_steps=3, max_epochs=-1, accumulate_grad_batches=2)
-    trainer.fit(SkipsTheFirstBatch(**deep_gpt2().hparams), datamodule=tiny_lm_data())
+    trainer.fit(SkipsTheFirstBatch(before_forward), datamodule=tiny_lm_data())
     assert cb.global_batch_size == 16  # 2 micro-batches of 8 a step
     assert cb.consumed_samples == monitor.totals["samples"] == 32  # 4 micro-batches trained (the skipped one not)
     assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(3, 16)

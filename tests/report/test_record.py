@@ -83,6 +83,12 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
     for measured in ("val/acc_degradation", "val/time_to_acc", "val/acc_regret", "val/acc_spread", "val/acc_variance"):
         assert infer_mode(measured) is None, measured
     assert infer_mode("train/loss_step") == "min" and infer_mode("val/acc_epoch") == "max"  # Lightning's suffixes
+    # ... but a namespace before the metric's own segment modifies nothing (qa85-break 04)
+    assert [infer_mode(m) for m in ("time_series/val_mae", "cost_sensitive/val_acc", "val/accuracy/variance")] == [
+        "min",
+        "max",
+        None,
+    ]
     assert infer_mode("val/r2") == "max"  # digits are part of some names
     # a cut-off after the name (recommenders, retrieval, top-k accuracy) was read as "1-acc" (qa43-user 02)
     for ranked in ("val/recall@20", "val/ndcg@10", "val/hr@10", "val/mrr", "val/map_at_5", "val/acc@1", "top_5_acc"):

@@ -299,25 +299,28 @@ class WarmsUpByHand(type(tiny_gpt2())):  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(("scaled", "warmup"), [(False, 4), (True, 4), (True, 12)])
-def test_an_lr_set_back_by_hand_at_a_scaled_level_is_warned_of(tmp_path, scaled, warmup):
-    """A warm-up written into ``param_groups`` (no scheduler) sets level 2's LR back to the unscaled rate: the level
-    trained without ``lr_multiplier`` in silence (0.05 where 0.2 was due, qa83-compat 06). It is warned of once, at
-    the second step at that rate; a warm-up that multiplies by ``lr_factor`` is not, also when its ramp passes
-    through the unscaled rate (over 12 steps: 0.25 x 0.05 x 4 = 0.05 at step 3, warned of: qa84-break 04)."""
+def test_an_lr_written_by_hand_at_a_scaled_level_is_warned_of(tmp_path, scaled, warmup):
+    """A warm-up written into ``param_groups`` (no scheduler) replaces the rate level 2's ``lr_multiplier`` scaled:
+    unscaled, the level trained at 0.05 where 0.2 was due, in silence (qa83-compat 06). A written rate is warned of
+    once, saying what the V-cycle does and to include ``lr_factor``: whether it does cannot be told from its value
+    (a scaled ramp over 12 steps is at the unscaled 0.05 at step 3, qa84-break 04). A scheduler's rates are not."""
     post = Recorder()
     cb = VCycleCallback(e_a=2, e_small=4, lr_multiplier={2: 4.0})  # level 2: steps 2-5
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run([cb, post], 8, model=WarmsUpByHand(scaled, warmup), root=tmp_path)
-    told = [str(w.message) for w in caught if "set back to the unscaled rate" in str(w.message)]
+    told = [str(w.message) for w in caught if "changed outside an LR scheduler" in str(w.message)]
     lrs = {s: rec["lrs"][0] for s, rec in post.steps.items()}  # after each step: the LR of the step to come
-    if scaled:
-        ramp = [min(1.0, (s + 1) / warmup) * 0.2 for s in (2, 3, 4)]  # the LRs of steps 3, 4, 5
-        assert not told and [lrs[s] for s in (3, 4, 5)] == pytest.approx(ramp)
-        assert (lrs[3] == pytest.approx(0.05)) == (warmup == 12)
-    else:
-        assert [lrs[s] for s in (3, 4, 5)] == pytest.approx([0.0375, 0.05, 0.05]) and len(told) == 1
-        assert "optimizer 0 is 0.05 at step 5, where level 2's lr_multiplier=4 set 0.2" in told[0]
+    ramp = [min(1.0, (s + 1) / warmup) * 0.05 * (4.0 if scaled else 1.0) for s in (2, 3, 4)]  # steps 3, 4, 5
+    assert lrs[2] == pytest.approx(0.2) and [lrs[s] for s in (3, 4, 5)] == pytest.approx(ramp)
+    assert len(told) == 1 and f"at step 3, from 0.2 to {ramp[0]:g}, at level 2 (lr_multiplier=4)" in told[0]
+    # a scheduler's warm-up is the schedule's (its base_lrs scaled): not warned of
+    post = Recorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = tiny_gpt2(scheduler=partial(warmup_cosine, warmup_fraction=0.5, min_lr_ratio=0.1))
+        run([VCycleCallback(e_a=2, e_small=4, lr_multiplier={2: 4.0}), post], 8, model=model, root=tmp_path / "s")
+    assert not [w for w in caught if "changed outside an LR scheduler" in str(w.message)]
 
 
 @pytest.mark.parametrize("finder", ["lr", "batch_size"])
