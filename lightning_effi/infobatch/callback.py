@@ -447,6 +447,7 @@ class InfoBatchCallback(Callback):
         self.plan: ib.EpochPlan | None = None
         self.steps_in_epoch = 0
         self.steps_per_epoch = 1
+        self._batches_per_epoch: int | None = None  # this rank's micro-batches of the current epoch (record_loader)
         self.history: list[dict[str, Any]] = []
         # composed with the curriculum (attached in setup): the wrapper whose sampler this callback thins
         self.curriculum_dm: CurriculumDataModule | None = None
@@ -745,7 +746,7 @@ class InfoBatchCallback(Callback):
     def _reset_run_state(self) -> None:
         self.plan, self.history, self.steps_in_epoch = None, [], 0
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
-        self.steps_per_epoch, self._last_thin = 1, None
+        self.steps_per_epoch, self._last_thin, self._batches_per_epoch = 1, None, None
         self.table_epoch, self.synced_epoch = -1, -1
         self.thin_stats = torch.zeros(3, dtype=torch.int64)
         self._mask, self._mask_epoch, self._stop_step, self._run_steps = None, -1, None, None
@@ -1452,6 +1453,7 @@ class InfoBatchCallback(Callback):
             accumulate = accumulate_grad_batches_at(self._trainer, epoch)
             limit = self._trainer.limit_train_batches
         batches = ib.limited_batches(int(batches), limit)
+        self._batches_per_epoch = batches
         # an empty loader (0 batches on this rank) counts as one step, so progress stays finite
         self.steps_per_epoch = steps_per_epoch(max(1, batches), accumulate, f"{type(self).__name__}.record_loader")
 
@@ -1852,8 +1854,11 @@ class InfoBatchCallback(Callback):
         if h is not None and self.plan is not None and h["epoch"] == self.plan.epoch:
             if self.steps_in_epoch < self.steps_per_epoch:
                 # an epoch ended before its plan did (on_train_batch_start returned -1): its saving counts by the
-                # share trained, as an early stop's (the whole plan's was counted, 8 samples for 2.67, qa83-compat 03)
-                h["share"] = self._epoch_share(h)
+                # share trained, as an early stop's (the whole plan's was counted, 8 samples for 2.67, qa83-compat 03),
+                # read from the micro-batches trained, as the EfficiencyMonitor counts them: a cut inside an
+                # accumulation window trained micro-batches no optimizer step counts (2.67 for 4.00, qa84-break 06)
+                trained = trainer.fit_loop.epoch_loop.batch_progress.current.started
+                h["share"] = self._epoch_share(h, batches=trained)
         self._log_epoch(pl_module)
 
     def _log_epoch(self, pl_module: pl.LightningModule) -> None:
@@ -1868,7 +1873,8 @@ class InfoBatchCallback(Callback):
             "effi/infobatch/well_learned_frac": h["well_learned"] / n,
             "effi/infobatch/kept_well_learned": float(h["kept_well_learned"]),
             "effi/infobatch/pruned_fraction_epoch": saved / max(1, full),
-            "effi/infobatch/saved_samples_epoch": float(saved),
+            # an epoch the module ended early counts by the share it trained, as totals() does
+            "effi/infobatch/saved_samples_epoch": saved * float(h.get("share", 1.0)),
             "effi/infobatch/padded_samples_epoch": float(h["padded"]),
             **{f"effi/infobatch/{k}": float(v) for k, v in self.totals().items()},
             **self._nonfinite_metrics(),
@@ -1931,17 +1937,22 @@ class InfoBatchCallback(Callback):
         full, kept = (n * world for n in limited)
         return max(0, full - kept), full
 
-    def _epoch_share(self, h: dict[str, Any]) -> float:
+    def _epoch_share(self, h: dict[str, Any], batches: int | None = None) -> float:
         """The share of the current epoch's samples trained so far (1.0 at its end; less when the fit stopped inside
         it): its optimizer steps so far times the samples of a step (batch size x accumulation x ranks) over the
         samples it trains in full (its plan and DDP duplicates, at most its steps' worth under a limit); the share of
-        its steps when the loader's batch size is unknown."""
+        its steps when the loader's batch size is unknown. With ``batches`` (the micro-batches this rank trained in
+        the epoch, for an epoch the module ended inside an accumulation window), those micro-batches' samples over
+        the epoch's."""
         steps, total = self.steps_in_epoch, max(1, self.steps_per_epoch)
         t = self._datamodule.template() if self._datamodule is not None else None
         if t is None or self._trainer is None:
             return min(1.0, steps / total)
-        accumulate = accumulate_grad_batches_at(self._trainer, int(h["epoch"]))
-        per_step = int(t["batch_size"]) * accumulate * self._trainer.world_size
+        size, world = int(t["batch_size"]), self._trainer.world_size
+        if batches is not None and self._batches_per_epoch is not None:
+            epoch = min(int(h["size"]) + int(h["padded"]), max(1, self._batches_per_epoch) * size * world)
+            return min(1.0, batches * size * world / epoch) if epoch else 1.0
+        per_step = size * accumulate_grad_batches_at(self._trainer, int(h["epoch"])) * world
         epoch = min(int(h["size"]) + int(h["padded"]), total * per_step)
         return min(1.0, steps * per_step / epoch) if epoch else 1.0
 

@@ -27,7 +27,7 @@ from lightning_effi.functional import infobatch as ib
 from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.tasks import GPT2CausalLM
 from tests.harness.settings import MONITOR_TIMES
-from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
+from tests.helpers.harness import MetricsCapture, assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, sgd, tiny_bert_cls, tiny_gpt2, tiny_sentence_data
 
 
@@ -479,6 +479,37 @@ def test_an_epoch_ended_early_counts_the_share_of_its_plan_it_trained(tmp_path):
     assert monitor.summary["saved/infobatch/samples_frac"] == pytest.approx(
         expected / (expected + monitor.totals["samples"])
     )
+
+
+class EndsEpochOneInsideAWindow(type(tiny_gpt2())):  # type: ignore[misc]
+    """``on_train_batch_start`` returns -1 at batch 3 of epoch 1: with ``accumulate_grad_batches=2``, batches 0-2
+    trained and one optimizer step was taken."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if self.current_epoch == 1 and batch_idx == 3 else None
+
+
+def test_an_epoch_ended_inside_an_accumulation_window_counts_the_micro_batches_it_trained(tmp_path):
+    """The epoch ended by -1 at batch 3 of a window of 2 trained 3 micro-batches (24 samples) for 1 optimizer step
+    (16): its saving counts by the 24 samples trained, as the EfficiencyMonitor counts them (it counted the step's
+    16, and the two figures of one summary disagreed: 2.67 saved for 4.00, qa84-break 06); the epoch's logged saving
+    counts by the same share."""
+    pl.seed_everything(0)
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), EfficiencyMonitor(print_summary=False)
+    capture = MetricsCapture()
+    trainer = make_trainer(tmp_path, [monitor, cb], max_epochs=4, accumulate_grad_batches=2, logger=capture)
+    trainer.fit(EndsEpochOneInsideAWindow(**tiny_gpt2().hparams), datamodule=ib_data())
+    size, saved = cb.history[1]["size"], cb.history[1]["saved"]
+    assert size > 24 and saved > 0 and cb.history[1]["share"] == 24 / size
+    assert [h.get("share") for h in cb.history] == [None, 24 / size, None, None]
+    expected = saved * 24 / size + sum(cb._epoch_saving(h)[0] for h in cb.history[2:])
+    assert cb.totals()["saved_samples_total"] == pytest.approx(expected)
+    assert monitor.summary["saved/infobatch/samples_frac"] == pytest.approx(
+        expected / (expected + monitor.totals["samples"])
+    )
+    assert monitor.totals["samples"] == 40 + 24 + cb.history[2]["size"] + 40
+    logged = [value for _, value in capture.series("effi/infobatch/saved_samples_epoch")]
+    assert logged == pytest.approx([0.0, saved * 24 / size, cb.history[2]["saved"], 0.0])
 
 
 def test_progress_clock_resumes_exactly(tmp_path):
