@@ -338,6 +338,19 @@ def jobs_without_result(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
+def folder_blocker(folder: Path) -> tuple[Path, str] | None:
+    """What keeps ``folder`` from being made: the first of it and its parents that is a file or a symbolic link to
+    nothing, with what it is (``"a file"`` or ``"a link to nothing"``); None when nothing does (permissions aside).
+    Read before a record or a report is written into ``folder``, so the error names the argument up front instead
+    of a bare ``[Errno 20] Not a directory`` after the run."""
+    for path in (folder, *folder.parents):
+        if path.is_file():
+            return path, "a file"
+        if path.is_symlink() and not path.exists():
+            return path, "a link to nothing"
+    return None
+
+
 def budget_key(budget: float) -> float:
     """``budget`` rounded to 12 significant digits: runs group by ``(arm, budget)``, and one budget reached by two
     float computations (``0.1 * 3`` and ``3 / 10``) must be one budget."""

@@ -33,7 +33,7 @@ from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.checks import is_int, is_real
 from lightning_effi.core.compat import runs_in_spawned_processes
 from lightning_effi.report.frontier import check_mode, infer_mode
-from lightning_effi.report.load import SCHEMA, budget_key, json_safe
+from lightning_effi.report.load import SCHEMA, budget_key, folder_blocker, json_safe
 
 __all__ = [
     "TECHNIQUE_HOOKS",
@@ -372,11 +372,6 @@ def _previous_name(folder: Path) -> Path:
     return name
 
 
-def _dangling(path: Path) -> bool:
-    """A symbolic link whose target does not exist."""
-    return path.is_symlink() and not path.exists()
-
-
 class ResultWriter(pl.Callback):
     """Writes the run's ``result.json`` at the end of ``fit`` (:func:`write_result`): for runs whose ``fit`` you do
     not call yourself, e.g. ``LightningCLI``'s ``fit`` subcommand, where it goes in the YAML beside the
@@ -448,13 +443,9 @@ class ResultWriter(pl.Callback):
             out_dir = os.path.expanduser(os.fspath(out_dir))  # '~/runs' was a folder named '~' (qa65-break 07)
         # a file, or a folder beneath one, or a link to nothing, which cannot be made: refused after the whole fit,
         # the record lost (qa62-break 07, qa63-break 04, qa65-break 08)
-        file = (
-            next((p for p in (Path(out_dir), *Path(out_dir).parents) if p.is_file() or _dangling(p)), None)
-            if out_dir
-            else None
-        )
-        if file is not None:
-            what = "a link to nothing" if _dangling(file) else "a file"
+        blocker = folder_blocker(Path(out_dir)) if out_dir else None
+        if blocker is not None:
+            file, what = blocker
             raise ValueError(
                 f"ResultWriter: out_dir must be a folder (the run's; created if missing), got {out_dir}, "
                 + (what if file == Path(out_dir) else f"beneath {what}: {file}")

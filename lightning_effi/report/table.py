@@ -44,7 +44,15 @@ from lightning_effi.report.frontier import (
     saving,
     spread,
 )
-from lightning_effi.report.load import COMPUTE_KEYS, ReportError, Run, jobs_without_result, json_safe, load_runs
+from lightning_effi.report.load import (
+    COMPUTE_KEYS,
+    ReportError,
+    Run,
+    folder_blocker,
+    jobs_without_result,
+    json_safe,
+    load_runs,
+)
 
 PAPER = (
     'Kaddour et al. 2023, "No Train No Gain: Revisiting Efficient Training Algorithms For Transformer-based '
@@ -1142,18 +1150,17 @@ def write_report(
 
 
 def _check_out_dir(out_dir: Path) -> None:
-    """Refuse an ``out_dir`` that is a file or lies beneath one, before the report is built (a bare ``[Errno 20] Not a
-    directory`` came after the whole report, naming no argument: qa83-report 04).
+    """Refuse an ``out_dir`` that is a file or a link to nothing, or lies beneath one, before the report is built (a
+    bare ``[Errno 20] Not a directory`` came after the whole report, naming no argument: qa83-report 04).
 
     Raises:
-        ReportError: naming ``out_dir`` and the file."""
-    file = next((p for p in (out_dir, *out_dir.parents) if p.is_file()), None)
-    if file == out_dir:
-        raise ReportError(f"out_dir: '{out_dir}' is a file; give a folder (created if missing) for the report")
-    if file is not None:
-        raise ReportError(
-            f"out_dir: '{out_dir}' lies beneath the file '{file}'; give a folder (created if missing) for the report"
-        )
+        ReportError: naming ``out_dir`` and the file or link."""
+    blocker = folder_blocker(out_dir)
+    if blocker is None:
+        return
+    file, what = blocker
+    where = f"is {what}" if file == out_dir else f"lies beneath {'the file' if what == 'a file' else what} '{file}'"
+    raise ReportError(f"out_dir: '{out_dir}' {where}; give a folder (created if missing) for the report")
 
 
 __all__ = ["COLUMNS", "Report", "SeedFrontier", "build_report", "write_report"]

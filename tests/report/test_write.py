@@ -116,6 +116,17 @@ def test_cli_out_that_is_a_file_is_refused_and_a_pipe_in_an_arm_label_is_escaped
         == f"error: out_dir: '{taken / 'sub'}' lies beneath the file '{taken}'; give a folder (created if missing) "
         "for the report\n"
     )
+    # a link to nothing, or beneath one: named up front as well (a "cannot create" came after the whole report)
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    for out, where in (
+        (tmp_path / "gone", "is a link to nothing"),
+        (tmp_path / "gone" / "sub", f"lies beneath a link to nothing '{tmp_path / 'gone'}'"),
+    ):
+        assert main([str(tmp_path / "missing"), "--out", str(out)]) == 1
+        assert (
+            capsys.readouterr().err
+            == f"error: out_dir: '{out}' {where}; give a folder (created if missing) for the report\n"
+        )
     write_record(sweep / "99", arm="ltd|lr=1e-3", budget=1.0, seed=0, loss=2.5, flops=2e12)
     table = write_report([sweep], out_dir=tmp_path / "o").to_markdown().split("\n\n")[0].splitlines()
     row = next(line for line in table if line.startswith("| ltd"))
