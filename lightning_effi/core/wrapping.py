@@ -379,6 +379,10 @@ class WrappingDataModule(pl.LightningDataModule):
         self._reload_checked = -1
         #: the ``meta`` of the training batch in flight (see the class docstring); None between runs
         self.effi_batch_meta: dict[str, Any] | None = None
+        #: a fit's setup is under way (from this wrapper's ``setup("fit")`` to the first training loader it serves),
+        #: and the attributes set on the wrapped DataModule then after its loader was read (:meth:`template`)
+        self._setup_open = False
+        self._late_settings: list[str] = []
 
     def _adopt_cli_hparams(self, datamodule: pl.LightningDataModule) -> None:
         """Under ``LightningCLI``, every ``LightningDataModule`` built for the ``data`` entry is handed that entry's
@@ -439,6 +443,12 @@ class WrappingDataModule(pl.LightningDataModule):
             and not hasattr(type(self), name)
         ):
             setattr(inner, name, value)
+            if self.__dict__.get("_setup_open") and self.__dict__.get("_template") is not None:
+                # the LightningModule's setup runs after the callbacks', which read the loader: read it again
+                # (:meth:`template`) before the first epoch's is built (the fit trained on the loader read before the
+                # setting, qa81-break 03)
+                late = self.__dict__["_late_settings"]
+                late.extend([name] if name not in late else [])
         else:
             super().__setattr__(name, value)
 
@@ -531,6 +541,7 @@ class WrappingDataModule(pl.LightningDataModule):
         self.datamodule.setup(stage)
         if stage == "fit":
             self._template = None
+            self._setup_open, self._late_settings = True, []
             # Lightning runs the DataModule's setup before the callbacks': the user's own setting
             trainer = self.trainer
             self._user_reload_every = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
@@ -642,17 +653,65 @@ class WrappingDataModule(pl.LightningDataModule):
     def template(self) -> dict[str, Any]:
         """The user's training loader's dataset and settings, read once (first call) and validated: the loader of the
         innermost DataModule of the ``.datamodule`` chain (nested technique wrappers are skipped; each wrapper of the
-        chain gets this one's ``trainer``)."""
+        chain gets this one's ``trainer``). Read again once after an attribute was set on the user's DataModule
+        through this wrapper during the fit's setup, after the first read (:meth:`_read_after_late_settings`).
+
+        Raises:
+            DataConfigError: see :func:`loader_template` and :meth:`_read_after_late_settings`.
+        """
         if self._template is None:
-            chain = wrapper_chain(self)
-            for inner in chain[1:]:
-                inner.trainer = self.trainer
-            trainer = self.trainer
-            world = None if trainer is None else (int(trainer.world_size), int(trainer.global_rank))
-            self._template = loader_template(chain[-1].train_dataloader(), self.technique, world)
+            self._template = self._read_user_loader()
+        elif self._late_settings:
+            self._read_after_late_settings()
         else:
             self._check_reload()
+        assert self._template is not None
         return self._template
+
+    def _read_user_loader(self) -> dict[str, Any]:
+        chain = wrapper_chain(self)
+        for inner in chain[1:]:
+            inner.trainer = self.trainer
+        trainer = self.trainer
+        world = None if trainer is None else (int(trainer.world_size), int(trainer.global_rank))
+        return loader_template(chain[-1].train_dataloader(), self.technique, world)
+
+    def _serve(self) -> None:
+        """Called by a subclass's ``train_dataloader``: the fit's setup is over, so an attribute set from now on is
+        one set during training, which a loader built before it ignores without the technique too."""
+        self._setup_open = False
+
+    def _read_after_late_settings(self) -> None:
+        """Read the user's training loader again after :attr:`_late_settings` were set on their DataModule during the
+        fit's setup, after the technique's callback read it (Lightning runs the callbacks' ``setup`` before the
+        LightningModule's, where ``self.trainer.datamodule.max_rows = 8`` hands a setting over): its settings are
+        taken (collate function, workers, ...) when it trains the same samples in batches of the same size, as
+        without the technique the loader read after the setting is the one trained on.
+
+        Raises:
+            DataConfigError: the loader now holds other samples (another dataset object, not a ``Subset`` of the
+                same samples), another ``batch_size`` or ``drop_last``: the technique's callback sized its
+                per-sample state and checked the run on the first loader; naming the attributes and the fix.
+        """
+        names, self._late_settings = self._late_settings, []
+        old, fresh = self._template, self._read_user_loader()
+        assert old is not None
+        changed = [
+            f"{key}={fresh[key]!r} (was {old[key]!r})" for key in ("batch_size", "drop_last") if fresh[key] != old[key]
+        ]
+        if not _same_dataset(fresh["dataset"], old["dataset"]):
+            changed.insert(0, f"another dataset ({fresh['length']} samples; {old['length']} before)")
+        if changed:
+            user = type(wrapper_chain(self)[-1]).__name__
+            raise DataConfigError(
+                f"{self.technique}: {', '.join(map(repr, names))} was set on your {user} (through trainer.datamodule) "
+                f"after {self.technique} read its training loader, and train_dataloader() now returns a loader with "
+                f"{', '.join(changed)}. Lightning runs the callbacks' setup, where {self.technique} reads the loader "
+                "(and sizes its per-sample state by it), before the LightningModule's setup; set it before the fit: "
+                "when you build the DataModule, in the DataModule's own setup() (which runs first), or in the setup() "
+                f"of a callback listed before {self.technique}'s"
+            )
+        self._template = fresh
 
     def _check_reload(self) -> None:
         """At an epoch where the user's Trainer reloads the training loader (``reload_dataloaders_every_n_epochs =

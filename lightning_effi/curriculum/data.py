@@ -575,6 +575,7 @@ class CurriculumDataModule(WrappingDataModule):
     def train_dataloader(self) -> CurriculumDataLoader:
         """The curriculum's training loader (see the module docstring), thinned when a thinner is attached."""
         self.check_attached()
+        self._serve()
         assert self.controller is not None
         for inner in wrapper_chain(self)[1:-1]:  # nested technique wrappers need their callbacks too
             inner.check_attached()

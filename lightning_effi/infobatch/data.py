@@ -112,6 +112,7 @@ class InfoBatchDataModule(WrappingDataModule):
         """The loader of the current epoch, built from the attached callback's plan (see the module docstring); the
         curriculum's loader, thinned by the callback, when a ``CurriculumDataModule`` is nested inside this one."""
         self.check_attached()
+        self._serve()
         curriculum = find_wrapper(self.datamodule, CurriculumDataModule)
         if curriculum is not None:
             return curriculum.train_dataloader()

@@ -16,7 +16,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_effi.callbacks import Curriculum
+from lightning_effi.callbacks import Curriculum, InfoBatchCallback
+from lightning_effi.core.wrapping import wrapper_chain
 from lightning_effi.curriculum.config import CurriculumConfig
 from lightning_effi.data import CurriculumDataModule, InfoBatchDataModule
 from tests.helpers.harness import make_trainer
@@ -127,3 +128,80 @@ def test_a_wrapper_subclass_that_saves_its_hyperparameters_keeps_them_its_own():
     dm = Noted(user, note="exp-7")
     assert dm.hparams == {"note": "exp-7"} and dm._log_hyperparams
     assert user.hparams == {"vocab_size": 30, "num_classes": 3, "batch_size": 4}
+
+
+class ScaledData(UserData):
+    """Its loader's collate scales the ids by ``scale`` (1 unless set), read when ``train_dataloader()`` is called;
+    ``rows`` (all unless set) cuts the dataset."""
+
+    def train_dataloader(self) -> DataLoader:
+        scale, rows = getattr(self, "scale", 1), getattr(self, "rows", 16)
+        self.reads = getattr(self, "reads", 0) + 1
+        data = self.data if rows == 16 else torch.utils.data.Subset(self.data, range(rows))
+
+        def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+            ids, labels = torch.utils.data.default_collate(samples)
+            return ids * scale, labels
+
+        return DataLoader(data, batch_size=self.hparams.batch_size, shuffle=True, collate_fn=collate)
+
+
+class SetsInSetup(Classifier):
+    """Hands its DataModule a loader setting in its ``setup`` (``self.trainer.datamodule.<name> = value``), the
+    Lightning pattern, and records the largest id of each training batch."""
+
+    def __init__(self, **settings: int) -> None:
+        super().__init__()
+        self.settings, self.largest = settings, []
+
+    def setup(self, stage: str) -> None:
+        for name, value in self.settings.items():
+            setattr(self.trainer.datamodule, name, value)
+        super().setup(stage)
+        self.embed = nn.Embedding(60, 8)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.largest.append(int(batch[0].max()))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("wrapper", ["plain", "curriculum", "infobatch", "both"])
+def test_a_loader_setting_the_module_hands_over_in_its_setup_is_trained_with(tmp_path: Path, wrapper: str):
+    """The module's ``setup`` runs after the technique's callback read the user's loader: the loader is read again
+    after the setting, and the fit trains on it, as without the technique (ids doubled here); the fit trained on the
+    loader read before the setting in silence (qa81-break 03). A setting made during training is not read back, as
+    without the technique."""
+
+    pl.seed_everything(0)
+    user = ScaledData()
+    callbacks: list[pl.Callback] = []
+    dm: pl.LightningDataModule = user
+    if wrapper in ("curriculum", "both"):
+        dm = CurriculumDataModule(dm, metrics={"seqlen_truncate": TRUNC})
+        callbacks.append(Curriculum())
+    if wrapper in ("infobatch", "both"):
+        ib = InfoBatchCallback(prune_ratio=0.5, delta=0.75)
+        dm, callbacks = ib.wrap_datamodule(dm), [*callbacks, ib]
+    model = SetsInSetup(scale=2)
+    make_trainer(tmp_path, callbacks, max_epochs=2).fit(model, datamodule=dm)
+    assert user.scale == 2 and len(model.largest) >= 4
+    assert all(value % 2 == 0 for value in model.largest) and max(model.largest) > 30  # every batch's ids doubled
+    dm.scale = 3  # after the fit's setup: not a setting to read the loader again for (nor would Lightning)
+    assert user.scale == 3 and not any(w._late_settings for w in wrapper_chain(dm)[:-1])
+
+
+@pytest.mark.parametrize("wrapper", [CurriculumDataModule, InfoBatchDataModule])
+def test_a_loader_setting_that_changes_the_samples_after_the_technique_read_them_is_refused(tmp_path, wrapper):
+    """A setting from the module's ``setup`` that cuts the dataset (16 to 8 samples) comes after the technique sized
+    its per-sample state by the first loader: refused, naming the attribute and where to set it."""
+
+    pl.seed_everything(0)
+    if wrapper is CurriculumDataModule:
+        dm, callback = wrapper(ScaledData(), metrics={"seqlen_truncate": TRUNC}), Curriculum()
+    else:
+        callback = InfoBatchCallback(prune_ratio=0.5, delta=0.75)
+        dm = callback.wrap_datamodule(ScaledData())
+    with pytest.raises(
+        Exception, match=r"'rows' was set on your ScaledData .* another dataset \(8 samples; 16 before\)"
+    ):
+        make_trainer(tmp_path, [callback], max_epochs=2).fit(SetsInSetup(rows=8), datamodule=dm)
