@@ -895,6 +895,12 @@ class InfoBatchCallback(Callback):
         self._original_step, self._previous_step, self._module = original, previous, pl_module
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            trainer = self._trainer
+            if trainer is None or not trainer.training:
+                # the step called outside Lightning's training step: a validation_step (or a sanity check) reusing it
+                # takes the module's own step, untouched (its losses became the last training batch's samples'
+                # scores, or it failed asking for the InfoBatchDataModule the run had, qa86-break 10)
+                return original(batch, *args, **kwargs)
             self._step = self._current_step()
             self._step.rows = find_batch_size(batch)
             if self.curriculum_dm is None:
@@ -903,7 +909,6 @@ class InfoBatchCallback(Callback):
                 if not pl_module.automatic_optimization:
                     return self._manual_step(original, batch, *args, **kwargs)
                 capture = self.per_sample_loss is not None or self.per_sample_source in (None, "auto")
-                trainer = self._trainer
                 optimized = optimized_parameters(trainer) if capture and trainer is not None else None
                 with ForwardCapture(pl_module, optimized) if capture else nullcontext() as forward:
                     output = original(batch, *args, **kwargs)

@@ -1596,3 +1596,64 @@ def test_a_collate_that_reorders_the_samples_is_refused_naming_it(tmp_path):
         fit(tmp_path, ViT(), UserData(SmallImages(), sort_by_label), steps)
     assert "collate_fn (sort_by_label) puts the samples of a batch in another order" in str(err.value)
     assert "enforce_sorted=False" in str(err.value) and steps.done == 0
+
+
+class _ValidatesWithItsTrainingStep(pl.LightningModule):
+    """A user's module whose ``validation_step`` reuses its ``training_step`` (a common pattern), with a plain loss."""
+
+    reuse = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(30, 8), nn.Linear(8, 3)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        ids, labels = batch
+        return F.cross_entropy(self.head(self.embed(ids).mean(1)), labels)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        step = self.training_step if self.reuse else type(self).training_step.__get__(self)
+        self.log("val_loss", step(batch, batch_idx))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class _ClassifierData(pl.LightningDataModule):
+    def setup(self, stage: str) -> None:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 30, (40, 6), generator=g)
+        self.data = torch.utils.data.TensorDataset(ids, ids[:, 0] % 3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=8, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=8)
+
+
+@pytest.mark.parametrize("val_check_interval", [3, 1.0])
+def test_a_validation_step_that_reuses_the_training_step_leaves_infobatch_alone(tmp_path: Path, val_check_interval):
+    """Validation (and the sanity check) through the module's ``training_step`` is not a training step: InfoBatch's
+    scores and plans equal those of the same module validating with the class's own step. Validation's losses became
+    the last training batch's samples' scores (other plans), or the fit failed blaming the collate_fn or asking for
+    the InfoBatchDataModule it had (qa86-break 10)."""
+    results = []
+    for reuse in (False, True):
+        pl.seed_everything(0)
+        model = _ValidatesWithItsTrainingStep()
+        model.reuse = reuse
+        cb = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7)
+        trainer = make_trainer(
+            tmp_path / str(reuse),
+            [cb],
+            max_epochs=3,
+            limit_val_batches=1,
+            num_sanity_val_steps=1,
+            val_check_interval=val_check_interval,
+        )
+        trainer.fit(model, datamodule=InfoBatchDataModule(_ClassifierData()))
+        results.append((cb.score.clone(), [(h["size"], h["saved"]) for h in cb.history], trainer.callback_metrics))
+    (score_a, plans_a, metrics_a), (score_b, plans_b, metrics_b) = results
+    assert torch.equal(score_a, score_b) and plans_a == plans_b and plans_a[1][1] > 0
+    assert metrics_a["val_loss"] == metrics_b["val_loss"]
