@@ -446,8 +446,10 @@ class InfoBatchCallback(Callback):
         self._token_ratio: tuple[int, float | None] | None = None  # (plan epoch, token_ratio) cached for the epoch
         self.plan: ib.EpochPlan | None = None
         self.steps_in_epoch = 0
+        #: the samples this rank trained in the plan's epoch (micro-batches whose step did not return None); None
+        #: from a checkpoint written before it was kept (the share is then read from the optimizer steps)
+        self.samples_in_epoch: int | None = 0
         self.steps_per_epoch = 1
-        self._batches_per_epoch: int | None = None  # this rank's micro-batches of the current epoch (record_loader)
         self.history: list[dict[str, Any]] = []
         # composed with the curriculum (attached in setup): the wrapper whose sampler this callback thins
         self.curriculum_dm: CurriculumDataModule | None = None
@@ -744,9 +746,9 @@ class InfoBatchCallback(Callback):
         self._token_ratio = None
 
     def _reset_run_state(self) -> None:
-        self.plan, self.history, self.steps_in_epoch = None, [], 0
+        self.plan, self.history, self.steps_in_epoch, self.samples_in_epoch = None, [], 0, 0
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
-        self.steps_per_epoch, self._last_thin, self._batches_per_epoch = 1, None, None
+        self.steps_per_epoch, self._last_thin = 1, None
         self.table_epoch, self.synced_epoch = -1, -1
         self.thin_stats = torch.zeros(3, dtype=torch.int64)
         self._mask, self._mask_epoch, self._stop_step, self._run_steps = None, -1, None, None
@@ -914,6 +916,7 @@ class InfoBatchCallback(Callback):
                     output = original(batch, *args, **kwargs)
                 if output is None:  # the step skipped the batch (Lightning's automatic optimization allows it)
                     return None
+                self._count_trained(self._step)
                 output = self._with_per_sample_loss(output, batch, forward)
                 return self._weigh(output, self._step)
             finally:
@@ -962,7 +965,14 @@ class InfoBatchCallback(Callback):
             raise ValueError(
                 f"InfoBatchCallback: {MANUAL}; this step did not call it (no score recorded for its samples)"
             )
+        self._count_trained(self._step)  # under manual optimization a None return is the norm: the batch trained
         return output
+
+    def _count_trained(self, step: _Step) -> None:
+        """Count the samples of a batch its step trained (:attr:`samples_in_epoch`: the epoch's share trained, as
+        the EfficiencyMonitor counts the samples, leaving out a batch whose ``training_step`` returned None)."""
+        if self.samples_in_epoch is not None:
+            self.samples_in_epoch += int(step.index.numel())
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -1399,6 +1409,17 @@ class InfoBatchCallback(Callback):
             self._batch_stepped = True
         self.steps_in_epoch += 1
 
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Under manual optimization, count a batch that stepped no optimizer (a step accumulating its gradients,
+        ``opt.step()`` every k-th batch): the epoch's length is counted in batches, so progress ended the run at
+        ``1 - (k-1)/k`` of it, never reaching 1 (0.90, qa86-break 09)."""
+        if not pl_module.automatic_optimization and not self._batch_stepped:
+            self._batch_stepped = True
+            self.steps_in_epoch += 1
+
     # -------------------------------------------------------------------------------------------- plans
     def plan_for(self, epoch: int) -> ib.EpochPlan:
         """The plan of ``epoch``: cached if already made (or restored), else computed from the score table
@@ -1417,6 +1438,7 @@ class InfoBatchCallback(Callback):
         if epoch == 0 and self.plan is not None and self.plan.epoch > 0:
             return ib.full_plan(self.dataset_size, 0, self.seed)
         if self.plan is None or self.plan.epoch != epoch:
+            self._close_epoch_share()  # the previous epoch's, when its end did not run (a resumed fit)
             if self._trainer is not None and self._pending_anywhere(self._trainer):
                 self.sync_scores(self._trainer)
             if epoch < self.epochs:
@@ -1425,7 +1447,7 @@ class InfoBatchCallback(Callback):
                 )
             else:  # num_epochs < max_epochs: the epochs after InfoBatch's schedule train on the full data
                 self.plan = ib.full_plan(self.dataset_size, epoch, self.seed)
-            self.steps_in_epoch = 0
+            self.steps_in_epoch, self.samples_in_epoch = 0, 0
             self.history.append(
                 {
                     "epoch": epoch,
@@ -1458,7 +1480,6 @@ class InfoBatchCallback(Callback):
             accumulate = accumulate_grad_batches_at(self._trainer, epoch)
             limit = self._trainer.limit_train_batches
         batches = ib.limited_batches(int(batches), limit)
-        self._batches_per_epoch = batches
         # an empty loader (0 batches on this rank) counts as one step, so progress stays finite
         self.steps_per_epoch = steps_per_epoch(max(1, batches), accumulate, f"{type(self).__name__}.record_loader")
 
@@ -1855,16 +1876,24 @@ class InfoBatchCallback(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.sync_scores(trainer)
-        h = self.history[-1] if self.history and self.curriculum_dm is None else None
-        if h is not None and self.plan is not None and h["epoch"] == self.plan.epoch:
-            if self.steps_in_epoch < self.steps_per_epoch:
-                # an epoch ended before its plan did (on_train_batch_start returned -1): its saving counts by the
-                # share trained, as an early stop's (the whole plan's was counted, 8 samples for 2.67, qa83-compat 03),
-                # read from the micro-batches trained, as the EfficiencyMonitor counts them: a cut inside an
-                # accumulation window trained micro-batches no optimizer step counts (2.67 for 4.00, qa84-break 06)
-                trained = trainer.fit_loop.epoch_loop.batch_progress.current.started
-                h["share"] = self._epoch_share(h, batches=trained)
+        self._close_epoch_share()
         self._log_epoch(pl_module)
+
+    def _close_epoch_share(self) -> None:
+        """Record, in the history entry of the plan's epoch, the share of its samples trained when it is below 1:
+        an epoch ended before its plan did (``on_train_batch_start`` returned -1, an early stop, ``max_steps``), or
+        with batches whose ``training_step`` returned None. Its saving counts by that share, as the
+        EfficiencyMonitor counts the samples trained (the whole plan's was counted, 8 samples for 2.67, qa83-compat
+        03; then its optimizer steps, which leave out the micro-batches of a window the cut left open, 2.67 for
+        4.00, qa84-break 06 and qa86-break 01, and count a skipped batch, qa86-break 04). Called at the epoch's end,
+        and before the next epoch's plan (a fit resumed from a checkpoint of an epoch's last batch skips that
+        epoch's end)."""
+        h = self.history[-1] if self.history and self.curriculum_dm is None else None
+        if h is None or self.plan is None or h["epoch"] != self.plan.epoch or "share" in h:
+            return
+        share = self._epoch_share(h)
+        if share < 1.0:
+            h["share"] = share
 
     def _log_epoch(self, pl_module: pl.LightningModule) -> None:
         if not self.history:
@@ -1925,7 +1954,10 @@ class InfoBatchCallback(Callback):
         limit, world = (
             (trainer.limit_train_batches, trainer.world_size) if trainer is not None else self._ended_run or (1.0, 1)
         )
-        if t is None or limit is None or (isinstance(limit, float) and limit == 1.0):
+        if t is None or limit is None or (isinstance(limit, float) and limit == 1.0 and not t["drop_last"]):
+            # without a limit, a loader keeping its last partial batch trains the plan (with its DDP duplicates);
+            # with drop_last it trains the full batches only, a full epoch's too (the plan's pruned samples were
+            # counted, 20 saved where the run trained 32 fewer, qa86-break 07)
             return None
         size, drop = int(t["batch_size"]), bool(t["drop_last"])
         full = ib.rank_samples(self.dataset_size, size, world, drop, limit)
@@ -1942,22 +1974,22 @@ class InfoBatchCallback(Callback):
         full, kept = (n * world for n in limited)
         return max(0, full - kept), full
 
-    def _epoch_share(self, h: dict[str, Any], batches: int | None = None) -> float:
-        """The share of the current epoch's samples trained so far (1.0 at its end; less when the fit stopped inside
-        it): its optimizer steps so far times the samples of a step (batch size x accumulation x ranks) over the
-        samples it trains in full (its plan and DDP duplicates, at most its steps' worth under a limit); the share of
-        its steps when the loader's batch size is unknown. With ``batches`` (the micro-batches this rank trained in
-        the epoch, for an epoch the module ended inside an accumulation window), those micro-batches' samples over
-        the epoch's."""
+    def _epoch_share(self, h: dict[str, Any]) -> float:
+        """The share of the plan's epoch's samples trained so far (1.0 at the end of an epoch that trained every
+        batch): the samples this rank trained (:attr:`samples_in_epoch`) times the ranks, over the samples the epoch
+        trains in full (its plan and DDP duplicates; under ``drop_last`` or ``limit_train_batches`` the samples of
+        the batches it keeps, :meth:`_limited_samples`). From a checkpoint written before that count was kept: its
+        optimizer steps times the samples of a step, or the share of its steps when the loader is unknown."""
+        world = self._trainer.world_size if self._trainer is not None else (self._ended_run or (1.0, 1))[1]
+        if self.samples_in_epoch is not None:
+            limited = self._limited_samples(int(h["size"]))
+            epoch = limited[1] * world if limited is not None else int(h["size"]) + int(h["padded"])
+            return min(1.0, self.samples_in_epoch * world / epoch) if epoch else 1.0
         steps, total = self.steps_in_epoch, max(1, self.steps_per_epoch)
         t = self._datamodule.template() if self._datamodule is not None else None
         if t is None or self._trainer is None:
             return min(1.0, steps / total)
-        size, world = int(t["batch_size"]), self._trainer.world_size
-        if batches is not None and self._batches_per_epoch is not None:
-            epoch = min(int(h["size"]) + int(h["padded"]), max(1, self._batches_per_epoch) * size * world)
-            return min(1.0, batches * size * world / epoch) if epoch else 1.0
-        per_step = size * accumulate_grad_batches_at(self._trainer, int(h["epoch"])) * world
+        per_step = int(t["batch_size"]) * accumulate_grad_batches_at(self._trainer, int(h["epoch"])) * world
         epoch = min(int(h["size"]) + int(h["padded"]), total * per_step)
         return min(1.0, steps * per_step / epoch) if epoch else 1.0
 
@@ -1972,8 +2004,8 @@ class InfoBatchCallback(Callback):
         history = self.history if last is None else [h for h in self.history if h["epoch"] < last]
         # an epoch that ended before its plan did counts by the share of its samples trained (on_train_epoch_end)
         shares = [float(h.get("share", 1.0)) for h in history]
-        if history and self.plan is not None and history[-1]["epoch"] == self.plan.epoch:
-            # the epoch in progress (or cut by an early stop) counts by the share of its samples trained
+        if history and self.plan is not None and history[-1]["epoch"] == self.plan.epoch and "share" not in history[-1]:
+            # the epoch in progress counts by the share of its samples trained so far (an ended one has its share)
             shares[-1] = self._epoch_share(history[-1])
         per_epoch = [(s * share, f * share) for (s, f), share in zip(map(self._epoch_saving, history), shares)]
         saved = sum(s for s, _ in per_epoch)
@@ -2079,6 +2111,7 @@ class InfoBatchCallback(Callback):
             "count": self.count.clone(),
             "plan": self.plan.to_state() if self.plan is not None else {},
             "steps_in_epoch": self.steps_in_epoch,
+            "samples_in_epoch": self.samples_in_epoch,
             "history": [dict(h) for h in self.history],
             "nonfinite_loss": self.nonfinite_guard.state_dict(),
             "table_epoch": self.table_epoch,
@@ -2218,6 +2251,8 @@ class InfoBatchCallback(Callback):
         self.count = state_dict["count"].clone()
         self.plan = ib.EpochPlan.from_state(state_dict["plan"]) if state_dict["plan"] else None
         self.steps_in_epoch = int(state_dict["steps_in_epoch"])
+        samples = state_dict.get("samples_in_epoch")  # absent from a checkpoint written before it was kept
+        self.samples_in_epoch = None if samples is None else int(samples)
         self.history = [dict(h) for h in state_dict["history"]]
         self.nonfinite_guard.count, self.nonfinite_guard.first_step = guard.count, guard.first_step
         self.table_epoch = int(state_dict.get("table_epoch", -1))
@@ -2366,6 +2401,9 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
     steps = state["steps_in_epoch"]
     if not is_int(steps) or steps < 0:
         raise refuse("steps_in_epoch", "an int >= 0 (optimizer steps taken in the plan's epoch)", steps)
+    samples = state.get("samples_in_epoch")
+    if samples is not None and (not is_int(samples) or samples < 0):
+        raise refuse("samples_in_epoch", "None or an int >= 0 (samples this rank trained in the plan's epoch)", samples)
     history = state["history"]
     if not isinstance(history, list) or not all(isinstance(h, Mapping) for h in history):
         raise refuse("history", "a list of dicts (one per planned epoch)", history)

@@ -512,6 +512,71 @@ def test_an_epoch_ended_inside_an_accumulation_window_counts_the_micro_batches_i
     assert logged == pytest.approx([0.0, saved * 24 / size, cb.history[2]["saved"], 0.0])
 
 
+class StopsInsideAWindow(pl.Callback):
+    """Stops the fit after batch 2 of epoch 1 (as ``Timer(interval="step")`` or an ``EarlyStopping`` on a mid-epoch
+    validation do): with ``accumulate_grad_batches=2``, one optimizer step and an open window."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 1 and batch_idx == 2:
+            trainer.should_stop = True
+
+
+class SkipsABatch(type(tiny_gpt2())):  # type: ignore[misc]
+    """``training_step`` returns None at batch 0 of epoch 1 (Lightning trains nothing on it)."""
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        return None if self.current_epoch == 1 and batch_idx == 0 else out
+
+
+def _monitor_saved(monitor):
+    frac = monitor.summary["saved/infobatch/samples_frac"]
+    return frac * monitor.summary["samples"] / (1 - frac)
+
+
+def test_the_saving_counts_the_samples_trained_in_the_last_epoch_after_a_skipped_batch_and_after_the_fit(tmp_path):
+    """The saving counts each epoch by the samples it trained, as the EfficiencyMonitor does, in the summary too:
+    a fit stopped inside an accumulation window in its last epoch (24 of 29 samples; its optimizer step's 16 were
+    counted, 6 saved for 9.10, qa86-break 01), an epoch with a batch whose step returned None (not trained, 04), and
+    read after the fit (the figures changed once the Trainer was gone, 05)."""
+    pl.seed_everything(0)
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(
+        tmp_path / "stop", [monitor, cb, StopsInsideAWindow()], max_epochs=4, accumulate_grad_batches=2
+    )
+    trainer.fit(type(tiny_gpt2())(**tiny_gpt2().hparams), datamodule=ib_data())
+    size, saved = cb.history[1]["size"], cb.history[1]["saved"]
+    assert len(cb.history) == 2 and cb.history[1]["share"] == 24 / size and saved > 0
+    assert monitor.summary["infobatch/saved_samples"] == int(saved * 24 / size)
+    assert (
+        cb.totals()["saved_samples_total"] == pytest.approx(saved * 24 / size) == pytest.approx(_monitor_saved(monitor))
+    )
+    assert cb.effi_summary()["infobatch/saved_fraction"] == monitor.summary["infobatch/saved_fraction"]
+
+    pl.seed_everything(0)
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), EfficiencyMonitor(print_summary=False)
+    make_trainer(tmp_path / "skip", [monitor, cb], max_epochs=4).fit(
+        SkipsABatch(**tiny_gpt2().hparams), datamodule=ib_data()
+    )
+    size, saved = cb.history[1]["size"], cb.history[1]["saved"]
+    assert cb.history[1]["share"] == (size - 8) / size  # the skipped batch's 8 samples trained nothing
+    assert [h.get("share") for h in cb.history[2:]] == [None, None]
+    assert cb.totals()["saved_samples_total"] == pytest.approx(_monitor_saved(monitor))
+
+
+def test_with_drop_last_the_saving_is_the_samples_a_full_epoch_trains_more(tmp_path):
+    """A ``drop_last`` loader trains the full batches only: a pruned epoch of 29 samples trains 24, a full one 40,
+    so it saves 16, not the plan's 11 pruned samples (counted only under a ``limit_train_batches``, qa86-break 07)."""
+    pl.seed_everything(0)
+    cb, monitor = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7), EfficiencyMonitor(print_summary=False)
+    data = InfoBatchDataModule(DropLastData(TokenBlocks(n=40), batch_size=8))
+    make_trainer(tmp_path, [monitor, cb], max_epochs=4).fit(tiny_gpt2(), datamodule=data)
+    hand = sum(40 - h["size"] // 8 * 8 for h in cb.history)
+    assert hand > sum(h["saved"] for h in cb.history)
+    assert cb.totals()["saved_samples_total"] == hand == pytest.approx(monitor.totals["saved/infobatch/samples"])
+    assert cb.totals()["saved_fraction"] == pytest.approx(hand / 160) and monitor.totals["samples"] == 160 - hand
+
+
 def test_progress_clock_resumes_exactly(tmp_path):
     """A run resumed mid-epoch inside a prune epoch reads the same progress at every later step as the uninterrupted
     run (the log is part of the compared callback states)."""

@@ -1657,3 +1657,53 @@ def test_a_validation_step_that_reuses_the_training_step_leaves_infobatch_alone(
     (score_a, plans_a, metrics_a), (score_b, plans_b, metrics_b) = results
     assert torch.equal(score_a, score_b) and plans_a == plans_b and plans_a[1][1] > 0
     assert metrics_a["val_loss"] == metrics_b["val_loss"]
+
+
+class _ManualAccumulation(pl.LightningModule):
+    """Manual optimization accumulating 2 batches per optimizer step (Lightning's documented pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.emb, self.out = nn.Embedding(64, 16), nn.Linear(16, 64)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        x = batch["input_ids"]
+        per_sample = F.cross_entropy(self.out(self.emb(x[:, :-1])).transpose(1, 2), x[:, 1:], reduction="none")
+        loss = weighted_loss(self, per_sample.mean(1))
+        self.manual_backward(loss / 2)
+        if (batch_idx + 1) % 2 == 0 or self.trainer.is_last_batch:
+            self.optimizers().step()
+            self.optimizers().zero_grad()
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_manual_accumulation_counts_every_batch_in_the_progress_and_the_saving(tmp_path: Path):
+    """Under manual optimization a batch counts one step of the progress, also one that steps no optimizer: the
+    progress is ``n / E`` at the end of epoch ``n - 1`` and 1 at the end of the run (it counted the stepping
+    batches only and ended at 0.90, and the saved fraction at 0.1389 for the monitor's 0.125, qa86-break 09)."""
+    from lightning_effi.callbacks import EfficiencyMonitor
+    from tests.helpers.tiny import TinyDataModule, TokenBlocks
+
+    class EpochProgress(pl.Callback):
+        def __init__(self) -> None:
+            self.done: list[float] = []
+
+        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.done.append(cb.effi_progress_done())
+
+    pl.seed_everything(0)
+    cb, monitor, log = (
+        InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7),
+        EfficiencyMonitor(print_summary=False),
+        EpochProgress(),
+    )
+    data = InfoBatchDataModule(TinyDataModule(TokenBlocks(n=40), batch_size=8))
+    make_trainer(tmp_path, [monitor, cb, log], max_epochs=4).fit(_ManualAccumulation(), datamodule=data)
+    assert log.done == [0.25, 0.5, 0.75, 1.0]
+    saved = sum(h["saved"] for h in cb.history)
+    assert saved > 0 and cb.totals()["saved_fraction"] == saved / 160
+    assert monitor.summary["saved/infobatch/samples_frac"] == pytest.approx(saved / 160)
