@@ -50,6 +50,20 @@ HIGHER_IS_BETTER = frozenset(
 )  # fmt: skip
 
 
+#: the parts of :data:`LOWER_IS_BETTER` and :data:`HIGHER_IS_BETTER` that name a direction only on their own: in a
+#: compound name they are a kind of metric, either way (``ContinuousRankedProbabilityScore`` is lower-is-better,
+#: ``DistanceIntersectionOverUnion`` and ``davies_bouldin_score`` are not what their last word says: a correct mode
+#: was refused, qa86-break 02), so beside other words (but :data:`STAGE_WORDS`) they say nothing sure
+WEAK = frozenset({"score", "distance"})
+#: words of a name that say where or how a metric was read, not what it is (``val_score``, ``epoch/mean_distance``)
+STAGE_WORDS = frozenset(
+    {
+        "val", "valid", "validation", "train", "training", "test", "eval", "evaluation", "epoch", "step", "mean",
+        "avg", "average", "final", "best", "ema", "macro", "micro", "weighted", "total", "overall", "dataloader",
+        "idx",
+    }
+)  # fmt: skip
+
 #: name parts that turn a metric around, make it a difference or a spread, or measure something else about it
 #: (``neg_mse``, ``accuracy_drop``, ``loss_scale``, ``1-acc``, ``acc_degradation``, ``time_to_acc``,
 #: ``accuracy_variance``): a name with one says nothing sure (the mode was read from ``acc`` in the last three, and a
@@ -68,7 +82,8 @@ def infer_mode(metric: str) -> Mode | None:
     """``"min"`` when the metric's name says lower is better (a part in :data:`LOWER_IS_BETTER`: ``val/loss``,
     ``val_ppl``), ``"max"`` when it says higher is better (:data:`HIGHER_IS_BETTER`: ``val/acc``, ``test_f1``,
     ``acc_top5``, ``val/r2``, ``val/ndcg@10``, ``val/MulticlassJaccardIndex``: a number after the name is a cut-off,
-    ``hr`` is a hit rate only with one), None when it says neither or both, or holds a part of :data:`MODIFIERS`
+    ``hr`` is a hit rate only with one), None when it says neither or both, names a direction only by a word of
+    :data:`WEAK` beside other words (``val/davies_bouldin_score``), or holds a part of :data:`MODIFIERS`
     (``neg_mse``, ``accuracy_drop``, ``loss_scale``) or a number opening a segment (``1-acc``): the caller must be
     told."""
     # path segments (val/ndcg@10/dataloader_idx_0), their words (torchmetrics' MulticlassJaccardIndex: multiclass,
@@ -93,6 +108,11 @@ def infer_mode(metric: str) -> Mode | None:
     modifiers = {p.rstrip("0123456789") for seg in segments[first:] for p in seg} & MODIFIERS
     if modifiers or leading:
         return None
+    if parts & WEAK and not parts & (LOWER_IS_BETTER | HIGHER_IS_BETTER) - WEAK:
+        for seg in segments:  # a weak word with a word of another kind in its segment: a compound name
+            words = {p.rstrip("0123456789") for p in seg if not p.isdigit()}
+            if words & WEAK and words - WEAK - STAGE_WORDS:
+                return None
     lower, higher = bool(parts & LOWER_IS_BETTER), bool(parts & HIGHER_IS_BETTER)
     return "min" if lower and not higher else "max" if higher and not lower else None
 

@@ -339,15 +339,16 @@ def jobs_without_result(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def folder_blocker(folder: Path) -> tuple[Path, str] | None:
-    """What keeps ``folder`` from being made: the first of it and its parents that is a file or a symbolic link to
-    nothing, with what it is (``"a file"`` or ``"a link to nothing"``); None when nothing does (permissions aside).
-    Read before a record or a report is written into ``folder``, so the error names the argument up front instead
-    of a bare ``[Errno 20] Not a directory`` after the run."""
+    """What keeps ``folder`` from being made: the first of it and its parents that exists and is not a folder, or is
+    a symbolic link to nothing, with what it is (``"a file"``, ``"a special file"`` (a FIFO, a device: ``/dev/null``)
+    or ``"a link to nothing"``); None when nothing does (permissions aside). Read before a record or a report is
+    written into ``folder``, so the error names the argument up front instead of a bare ``[Errno 20] Not a
+    directory`` after the run."""
     for path in (folder, *folder.parents):
-        if path.is_file():
-            return path, "a file"
         if path.is_symlink() and not path.exists():
             return path, "a link to nothing"
+        if path.exists() and not path.is_dir():
+            return path, "a file" if path.is_file() else "a special file"
     return None
 
 

@@ -187,6 +187,10 @@ def write_result(
     """
     overrides = _config_overrides(config)
     checked_mode = _check_settings("write_result", metric, mode, budget, arm, task_name)
+    if isinstance(
+        out_dir, str | os.PathLike
+    ):  # '~/runs' is the home folder's, as ResultWriter reads it (qa86-break 08)
+        out_dir = os.path.expanduser(os.fspath(out_dir))
     monitor = next((c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
     if monitor is not None and not monitor.summary and monitor.totals.get("batches") and trainer.fit_loop.done:
         # called in on_fit_end by a callback listed before the monitor, which sums up the fit in its own
@@ -210,9 +214,12 @@ def write_result(
                 else ""
             )
         )
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+    blocker = folder_blocker(Path(out_dir))
+    if blocker is not None:
+        file, what = blocker
         raise ValueError(
-            f"write_result: out_dir must be a folder (the run's; created if missing), got the file {out_dir}"
+            f"write_result: out_dir must be a folder (the run's; created if missing), got {out_dir}, "
+            + (what if file == Path(out_dir) else f"beneath {what}: {file}")
         )
     if metrics is not None and not isinstance(metrics, Mapping):
         raise ValueError(

@@ -1121,8 +1121,11 @@ def write_report(
     from lightning_effi.report import plots  # matplotlib only when writing
 
     paths = [paths] if isinstance(paths, str | PurePath) else list(paths)  # one folder: not its letters
+    # '~/runs' is the home folder's, as the shell reads it (a folder named '~' here, qa86-break 08)
+    paths = [Path(p).expanduser() for p in paths]
     if out_dir is not None:
-        _check_out_dir(Path(out_dir))
+        out_dir = Path(out_dir).expanduser()
+        _check_out_dir(out_dir)
     runs = load_runs(paths)
     report = build_report(runs, metric=metric, compute=compute, mode=mode)
     failed = jobs_without_result(paths)
@@ -1159,7 +1162,7 @@ def _check_out_dir(out_dir: Path) -> None:
     if blocker is None:
         return
     file, what = blocker
-    where = f"is {what}" if file == out_dir else f"lies beneath {'the file' if what == 'a file' else what} '{file}'"
+    where = f"is {what}" if file == out_dir else f"lies beneath {what.replace('a file', 'the file')} '{file}'"
     raise ReportError(f"out_dir: '{out_dir}' {where}; give a folder (created if missing) for the report")
 
 

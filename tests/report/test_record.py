@@ -4,6 +4,7 @@ reads, with the same fields as the Hydra app's ``result.json``."""
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def test_what_cannot_make_a_record_is_refused_naming_it(tmp_path):
         write_result(trainer, tmp_path / "r", metric="val/foo", metrics={"val/foo": 1.0})
 
 
-def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
+def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path, monkeypatch):
     """A user's ``write_result(metric="val/acc")`` recorded mode "min" (the old default): the report then read a
     better accuracy as worse than every baseline. None now reads the name: max for accuracy-like names, min for
     losses; an explicit mode stays as given, unless the name says the opposite."""
@@ -110,6 +111,16 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
     # hr is a hit rate with a cut-off only: hours were read as higher-is-better (qa44-break 11)
     assert infer_mode("val/gpu_hr") is None and infer_mode("val/time_to_target_hr") is None
     assert infer_mode("val/1-recall@10") is None and infer_mode("val/err@5") == "min"
+    # "score" and "distance" name a direction only on their own: torchmetrics' CRPS is lower-is-better, DIoU
+    # higher-is-better (a correct mode was refused, qa86-break 02)
+    for compound in (
+        "val/ContinuousRankedProbabilityScore", "val/DistanceIntersectionOverUnion", "val/davies_bouldin_score",
+        "val/edit_distance",
+    ):  # fmt: skip
+        assert infer_mode(compound) is None, compound
+    assert [infer_mode(n) for n in ("val/score", "val_mean_distance", "val/f1_score", "val/MulticlassF1Score")] == [
+        "max", "min", "max", "max"
+    ]  # fmt: skip
     for turned in ("val/neg_mse", "val/1-acc", "val/accuracy_drop", "train/loss_scale", "val/loss_improvement"):
         assert infer_mode(turned) is None, turned  # scikit-learn's neg_*, differences, scales: ask
     trainer = fit(tmp_path / "fit", 2, ltd=False)
@@ -126,8 +137,15 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
     with pytest.raises(ValueError, match="budget must be a number > 0"):
         write_result(trainer, tmp_path / "r", metric="val/loss", budget=0)
     (tmp_path / "file").write_text("mine")
+    os.mkfifo(tmp_path / "fifo")
     bad = [
-        (dict(out_dir=tmp_path / "file"), r"out_dir must be a folder \(the run's; created if missing\), got the file "),
+        (
+            dict(out_dir=tmp_path / "file"),
+            r"out_dir must be a folder \(the run's; created if missing\), got .*, a file$",
+        ),
+        # a folder beneath a FIFO or a device: a bare "[Errno 20] Not a directory" after the fit (qa86-break 03)
+        (dict(out_dir=tmp_path / "fifo" / "run"), r"out_dir must be a folder .*, beneath a special file: .*fifo$"),
+        (dict(out_dir="/dev/null/run"), r"out_dir must be a folder .*, beneath a special file: /dev/null$"),
         (
             dict(arm="my\nstack"),
             r"arm must be None \(named after the techniques\) or a one-line label, got 'my\\nstack'",
@@ -143,6 +161,12 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path):
         with pytest.raises(ValueError, match="^write_result: " + match):
             write_result(trainer, **{"out_dir": tmp_path / "r", "metric": "val/loss", **kwargs})
     assert (tmp_path / "file").read_text() == "mine"
+    # '~/runs' is the home folder's, as ResultWriter reads it (a folder named '~' in the working directory,
+    # qa86-break 08)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    home = write_result(trainer, "~/runs/a", metric="val/loss")
+    assert home == tmp_path / "home" / "runs" / "a" / "result.json" and home.exists() and not (tmp_path / "~").exists()
     plain = make_trainer(tmp_path / "plain", max_steps=1)
     plain.fit(tiny_gpt2(), datamodule=tiny_lm_data())
     with pytest.raises(ValueError, match="no EfficiencyMonitor"):

@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,18 @@ def test_write_report_defaults_to_the_first_path_and_skips_schedules_when_none(t
     assert len(report.rows) == 2 and all(r["baseline"] for r in report.rows)
 
 
+def test_write_report_reads_a_home_folder_as_the_shell_does(tmp_path, monkeypatch):
+    """'~/runs' and out_dir='~/report' are the home folder's (a folder named '~' in the working directory, as
+    ResultWriter already read them, qa86-break 08)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    write_record(tmp_path / "home" / "runs" / "a", budget=0.5, flops=1e12, loss=2.5)
+    write_record(tmp_path / "home" / "runs" / "b", budget=1.0, flops=2e12, loss=2.0)
+    report = write_report("~/runs", out_dir="~/report")
+    assert len(report.rows) == 2 and (tmp_path / "home" / "report" / "report.md").is_file()
+    assert not (tmp_path / "~").exists()
+
+
 def test_cli_in_process(sweep, tmp_path, capsys):
     assert main([str(sweep), "--out", str(tmp_path / "o"), "--compute", "tokens"]) == 0
     printed = capsys.readouterr().out
@@ -127,6 +140,10 @@ def test_cli_out_that_is_a_file_is_refused_and_a_pipe_in_an_arm_label_is_escaped
             capsys.readouterr().err
             == f"error: out_dir: '{out}' {where}; give a folder (created if missing) for the report\n"
         )
+    # beneath a FIFO: named up front too (the whole report was built first, qa86-break 03)
+    os.mkfifo(tmp_path / "pipe")
+    assert main([str(tmp_path / "missing"), "--out", str(tmp_path / "pipe" / "r")]) == 1
+    assert "lies beneath a special file" in capsys.readouterr().err
     write_record(sweep / "99", arm="ltd|lr=1e-3", budget=1.0, seed=0, loss=2.5, flops=2e12)
     table = write_report([sweep], out_dir=tmp_path / "o").to_markdown().split("\n\n")[0].splitlines()
     row = next(line for line in table if line.startswith("| ltd"))
