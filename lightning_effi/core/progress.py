@@ -41,6 +41,7 @@ __all__ = [
     "estimated_optimizer_steps",
     "progress_clock",
     "progress_source",
+    "step_progress",
     "BatchesPerStep",
     "StepsPerBatchCheck",
     "batch_resolved_durations",
@@ -212,6 +213,38 @@ def progress_source(callbacks: Iterable[Any]) -> Callable[[], float] | None:
         if isinstance(callback, ProvidesProgress) and callable(callback.effi_progress):
             return callback.effi_progress
     return None
+
+
+def step_progress(trainer: Any, total_steps: int | None = None) -> Callable[[], float]:
+    """A plain run's training progress after the next optimizer step, ``(trainer.global_step + 1) / T`` with ``T =
+    total_steps`` or ``trainer.estimated_stepping_batches`` (read at the first call, in ``configure_optimizers``
+    or later): the convention of a technique's ``effi_progress`` (step ``k`` of ``T`` trains at the schedule's
+    value at ``(k + 1) / T``, as ``warmup_cosine(total_steps=T)``), so that one progress-based schedule built on
+    ``progress_source(trainer.callbacks) or step_progress(trainer)`` trains the same LR at every step in a plain arm
+    and in a technique arm that changes nothing (a torch scheduler reads ``k / T``: the technique arm ran one step
+    ahead of it, qa86-user 01). Past ``T`` the progress exceeds 1; the schedules of
+    :mod:`lightning_effi.core.lr_schedules` clamp it.
+
+    Raises:
+        ValueError: ``total_steps`` not None or an int >= 1; (at the call) a run of no finite length
+            (``estimated_stepping_batches`` infinite: pass ``total_steps``).
+    """
+    if total_steps is not None:
+        check_int("step_progress", "total_steps", total_steps, 1)
+    length: list[int] = [] if total_steps is None else [int(total_steps)]
+
+    def progress() -> float:
+        if not length:
+            estimate = trainer.estimated_stepping_batches
+            if not math.isfinite(estimate) or estimate < 1:
+                raise ValueError(
+                    f"step_progress: the run has no finite length (estimated_stepping_batches={estimate}); pass "
+                    "total_steps=<the run's optimizer steps>"
+                )
+            length.append(int(estimate))
+        return (int(trainer.global_step) + 1) / length[0]
+
+    return progress
 
 
 def progress_clock(callbacks: Iterable[Any]) -> ProvidesProgressClock | None:

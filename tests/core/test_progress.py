@@ -351,3 +351,62 @@ def test_exact_progress_done_prefers_the_clocks_exact_fraction_and_checks_its_ra
 
     with pytest.raises(ValueError, match=r"must be a float in \[0, 1\] \(ProvidesProgressClock\), got Tensor tensor"):
         exact_progress_done(FloatClock(torch.tensor(0.0)))
+
+
+def test_step_progress_gives_a_plain_arm_the_technique_arms_lr_at_every_step(tmp_path):
+    """One progress-based schedule on ``progress_source(callbacks) or step_progress(trainer)`` trains the same LR at
+    every step with and without an InfoBatch that prunes nothing, and the plain arm's is ``warmup_cosine``'s on the
+    steps (the card paired a torch ``CosineAnnealingLR`` with it, one step behind: the InfoBatch arm's last step
+    trained at LR 0, qa86-user 01)."""
+    import math
+
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_effi.callbacks import InfoBatchCallback
+    from lightning_effi.core.lr_schedules import progress_lambda, warmup_cosine
+    from lightning_effi.core.progress import progress_source, step_progress
+    from lightning_effi.data import InfoBatchDataModule
+    from tests.helpers.harness import make_trainer
+
+    class Data(pl.LightningDataModule):
+        def setup(self, stage: str) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.data, batch_size=16, shuffle=True)
+
+    class Model(pl.LightningModule):
+        def __init__(self, reference: bool = False) -> None:
+            super().__init__()
+            self.net, self.reference, self.lrs = nn.Linear(8, 3), reference, []
+
+        def training_step(self, batch, batch_idx):
+            self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            steps = self.trainer.estimated_stepping_batches
+            if self.reference:
+                sched = warmup_cosine(opt, total_steps=steps, warmup_fraction=0, min_lr_ratio=0)
+            else:
+                progress = progress_source(self.trainer.callbacks) or step_progress(self.trainer)
+                sched = progress_lambda(opt, lambda p: 0.5 * (1 + math.cos(math.pi * p)), progress)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    runs = []
+    for reference, infobatch in ((True, False), (False, False), (False, True)):
+        pl.seed_everything(0)
+        model = Model(reference)
+        callbacks = [InfoBatchCallback(prune_ratio=1e-9, delta=0.5)] if infobatch else []
+        data = InfoBatchDataModule(Data()) if infobatch else Data()
+        make_trainer(tmp_path / str(len(runs)), callbacks, max_epochs=4).fit(model, datamodule=data)
+        runs.append(model.lrs)
+    assert len(runs[0]) == 16 and runs[0] == runs[1] == runs[2]
+    assert runs[0][0] == 0.5 * (1 + math.cos(math.pi / 16)) and runs[0][-1] == 0.0
+    with pytest.raises(ValueError, match="total_steps"):
+        step_progress(object(), total_steps=0)
