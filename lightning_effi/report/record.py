@@ -483,6 +483,7 @@ class ResultWriter(pl.Callback):
         # ... and its overrides, recorded with the default config="cli" outside the LightningCLI (an own Hydra app's
         # records held none, and the report could not note a technique run's other model.lr, qa86-user 03)
         self._hydra_task = _hydra_overrides()
+        self._metric_checked = False  # the metric was looked for among the first validation's (on_validation_end)
 
     def _resolve_dir(self, trainer: pl.Trainer) -> str | os.PathLike[str]:
         if self.out_dir:
@@ -540,6 +541,23 @@ class ResultWriter(pl.Callback):
                 "pass ResultWriter(seed=<int>) or call pl.seed_everything(<int>) before the fit"
             )
         self._earlier = (Path(self._dir) / "result.json").exists()
+        self._metric_checked = False
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At the fit's first validation (not the sanity check), warn when ``metric`` is not among the metrics logged
+        so far: a misspelt name (``val/accuracy`` for ``val_acc``) was told only by the error after the whole fit,
+        with no record written (qa86-user 05). A warning, not an error: a metric logged later (at the end of a
+        training epoch, or every few validations) is legitimate."""
+        if self._metric_checked or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        self._metric_checked = True
+        logged = set(trainer.callback_metrics) | set(trainer.logged_metrics)
+        if self.metric not in logged:
+            rank_zero_warn(
+                f"ResultWriter: metric {self.metric!r} was not logged by the fit's first validation (logged so far: "
+                f"{sorted(logged)}); the record at the end of the fit needs it, and is not written without it. If "
+                "the name is right and it is logged later in the fit, ignore this"
+            )
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the record (listed before the ``EfficiencyMonitor``: once the monitor has summed the fit up)."""
