@@ -370,6 +370,18 @@ def _hydra_output_dir() -> str | None:
     return str(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
 
 
+def _hydra_overrides() -> list[str] | None:
+    """The running Hydra job's overrides (``HydraConfig.get().overrides.task``: ``model.lr=0.5``, ...); None outside
+    a Hydra job."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return None
+    task = OmegaConf.select(HydraConfig.get(), "overrides.task", default=None)
+    return [str(o) for o in task] if task is not None else None
+
+
 def _previous_name(folder: Path) -> Path:
     """``result.previous.json``, or the first of ``result.previous.2.json``, ``.3``, ... not taken yet: each earlier
     record is kept (three runs in one folder kept the last two, qa49-break 08)."""
@@ -401,8 +413,10 @@ class ResultWriter(pl.Callback):
             warning: give each run its own ``out_dir``. In a Hydra job, a logger's folder outside the job's is
             warned about (the sweep's report would not find the record there).
         config: ``"cli"`` (default): the ``LightningCLI`` configuration when the Trainer has its
-            ``SaveConfigCallback`` (recorded as overrides, :func:`config_overrides`), else none; a mapping: that
-            configuration; a list of ``key=value`` strings (Hydra's overrides): those; None: none.
+            ``SaveConfigCallback`` (recorded as overrides, :func:`config_overrides`); else, built in a Hydra job (your
+            own ``@hydra.main`` app), the job's overrides (``HydraConfig.get().overrides.task``, so that the report
+            notes a run whose settings differ from its baselines'); else none. A mapping: that configuration; a list
+            of ``key=value`` strings (Hydra's overrides): those; None: none.
 
     Raises:
         ValueError: (when built) a ``mode``, ``budget``, ``arm``, ``task_name``, ``seed`` or ``config`` that
@@ -466,6 +480,10 @@ class ResultWriter(pl.Callback):
         # the Hydra job's folder, read where the callback is built: processes a ddp_spawn fit starts have no Hydra
         # configuration, and wrote into the launch folder that the sweep's jobs share (qa49-break 06)
         self._hydra_dir = _hydra_output_dir()
+        # ... and its overrides, recorded with the default config="cli" outside the LightningCLI (an own Hydra app's
+        # records held none, and the report could not note a technique run's other model.lr, qa86-user 03)
+        self._hydra_task = _hydra_overrides()
+        self._metric_checked = False  # the metric was looked for among the first validation's (on_validation_end)
 
     def _resolve_dir(self, trainer: pl.Trainer) -> str | os.PathLike[str]:
         if self.out_dir:
@@ -498,7 +516,7 @@ class ResultWriter(pl.Callback):
 
         saver = next((c for c in trainer.callbacks if isinstance(c, SaveConfigCallback)), None)  # type: ignore[attr-defined]
         if saver is None:
-            return None
+            return self._hydra_task
         config = saver.config
         return config.as_dict() if hasattr(config, "as_dict") else dict(config)
 
@@ -523,6 +541,23 @@ class ResultWriter(pl.Callback):
                 "pass ResultWriter(seed=<int>) or call pl.seed_everything(<int>) before the fit"
             )
         self._earlier = (Path(self._dir) / "result.json").exists()
+        self._metric_checked = False
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At the fit's first validation (not the sanity check), warn when ``metric`` is not among the metrics logged
+        so far: a misspelt name (``val/accuracy`` for ``val_acc``) was told only by the error after the whole fit,
+        with no record written (qa86-user 05). A warning, not an error: a metric logged later (at the end of a
+        training epoch, or every few validations) is legitimate."""
+        if self._metric_checked or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        self._metric_checked = True
+        logged = set(trainer.callback_metrics) | set(trainer.logged_metrics)
+        if self.metric not in logged:
+            rank_zero_warn(
+                f"ResultWriter: metric {self.metric!r} was not logged by the fit's first validation (logged so far: "
+                f"{sorted(logged)}); the record at the end of the fit needs it, and is not written without it. If "
+                "the name is right and it is logged later in the fit, ignore this"
+            )
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the record (listed before the ``EfficiencyMonitor``: once the monitor has summed the fit up)."""
