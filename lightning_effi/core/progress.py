@@ -41,6 +41,7 @@ __all__ = [
     "estimated_optimizer_steps",
     "progress_clock",
     "progress_source",
+    "clock_epochs",
     "step_progress",
     "BatchesPerStep",
     "StepsPerBatchCheck",
@@ -213,6 +214,20 @@ def progress_source(callbacks: Iterable[Any]) -> Callable[[], float] | None:
         if isinstance(callback, ProvidesProgress) and callable(callback.effi_progress):
             return callback.effi_progress
     return None
+
+
+def clock_epochs(source: Any, trainer: Any) -> float | None:
+    """The epochs a progress clock's progress runs over, by which an epoch count of another technique on it is a
+    share (``"2ep"`` is ``2 / E``): the clock's ``effi_clock_epochs()`` when it has one (InfoBatch's ``num_epochs``,
+    after which it trains on the full data and its progress stays at 1), else ``trainer.max_epochs`` (None or
+    infinite when unset). ``"1ep"`` on InfoBatch with ``num_epochs=2`` and ``max_epochs=4`` was a quarter of the
+    clock's two epochs, half an epoch (qa86-break 11)."""
+    read = getattr(source, "effi_clock_epochs", None)
+    if callable(read):
+        epochs = read()
+        if is_int(epochs) and epochs >= 1:
+            return int(epochs)
+    return trainer.max_epochs  # type: ignore[no-any-return]
 
 
 def step_progress(trainer: Any, total_steps: int | None = None) -> Callable[[], float]:

@@ -1483,6 +1483,12 @@ class InfoBatchCallback(Callback):
         # an empty loader (0 batches on this rank) counts as one step, so progress stays finite
         self.steps_per_epoch = steps_per_epoch(max(1, batches), accumulate, f"{type(self).__name__}.record_loader")
 
+    def effi_clock_epochs(self) -> int:
+        """The epochs its progress runs over, ``E`` (``num_epochs``, by default ``max_epochs``; after them it trains
+        on the full data and its progress stays at 1): an epoch count of another technique on this clock is a share
+        ``n / E`` of it (:func:`~lightning_effi.core.progress.clock_epochs`). 0 before ``setup``."""
+        return self.epochs
+
     def effi_progress(self) -> float:
         """Training progress in [0, 1] after the next optimizer step: ``(e + (j + 1) / L_e) / E`` with ``j`` the
         steps done in epoch ``e`` and ``L_e`` its number of optimizer steps. Drives progress-based LR

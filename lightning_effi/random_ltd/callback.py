@@ -98,6 +98,7 @@ from lightning_effi.core.progress import (
     StepsPerBatchCheck,
     accumulate_grad_batches_at,
     accumulation_segments,
+    clock_epochs,
     estimated_optimizer_steps,
     exact_progress_done,
     progress_clock,
@@ -1093,7 +1094,7 @@ class RandomLTDCallback(Callback):
             if self.require_duration.unit == "fraction":
                 self._resolved_against = run_length(trainer.max_steps, estimated_optimizer_steps(trainer))
         else:
-            share = self._resolve_require_share(trainer, type(source).__name__)
+            share = self._resolve_require_share(trainer, source)
             current = {"clock": "progress", "require_steps": None, "require_progress": round(share * PROGRESS_TICKS)}
         saved = self._saved_schedule
         if saved is not None and (diff := settings_diff(saved, current)):
@@ -1351,21 +1352,23 @@ class RandomLTDCallback(Callback):
                 f"{seq_len}); pass seq_per_step <= {seq_len}"
             )
 
-    def _resolve_require_share(self, trainer: pl.Trainer, source: str) -> Fraction:
+    def _resolve_require_share(self, trainer: pl.Trainer, clock: Any) -> Fraction:
         """A derived ``require_steps`` on the progress clock, the exact share ``f`` of the run's progress: the
-        fraction (read as the decimal it is written as) or ``n / max_epochs`` for ``n`` epochs (a growth that ends on
-        an epoch boundary when the clock runs over ``max_epochs`` epochs, as InfoBatch's does by default; the V-cycle
-        measures its stages the same way). At least one tick of :data:`~lightning_effi.core.progress.PROGRESS_TICKS`
-        (``"0dur"``), as the step schedule takes at least one step.
+        fraction (read as the decimal it is written as) or ``n / E`` for ``n`` epochs, ``E`` the epochs the clock runs
+        over (:func:`~lightning_effi.core.progress.clock_epochs`: InfoBatch's ``num_epochs``, by default
+        ``max_epochs``), so the growth ends on an epoch boundary; the V-cycle measures its stages the same way. At
+        least one tick of :data:`~lightning_effi.core.progress.PROGRESS_TICKS` (``"0dur"``), as the step schedule
+        takes at least one step.
 
         Raises:
-            ValueError: epochs without a finite ``trainer.max_epochs >= 1``.
+            ValueError: epochs without a finite ``trainer.max_epochs >= 1`` (on a clock that does not say its own).
         """
         duration = self.require_duration
+        source = type(clock).__name__
         if duration.unit == "fraction":
             share = Fraction(repr(float(duration.value)))
         else:
-            epochs = trainer.max_epochs
+            epochs = clock_epochs(clock, trainer)
             if epochs is None or not math.isfinite(epochs) or epochs < 1:
                 raise ValueError(
                     f"{type(self).__name__}.require_steps={duration} is in epochs, measured on {source}'s training "

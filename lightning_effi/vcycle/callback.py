@@ -27,6 +27,7 @@ from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     Duration,
     StepsPerBatchCheck,
+    clock_epochs,
     estimated_optimizer_steps,
     progress_clock,
     progress_ticks,
@@ -1216,7 +1217,7 @@ class VCycleCallback(Callback):
         name, source_name = type(self).__name__, type(source).__name__
         if self.clock == "progress":
             return S.resolve_progress_stages(
-                self.levels, self.e_a, self.e_small, self.up_leg, trainer.max_epochs, name, source_name
+                self.levels, self.e_a, self.e_small, self.up_leg, clock_epochs(source, trainer), name, source_name
             )
         # all in optimizer steps: they must fit in the fewest steps the run can have (and in max_steps when set)
         stages = S.resolve_stages(

@@ -410,3 +410,19 @@ def test_step_progress_gives_a_plain_arm_the_technique_arms_lr_at_every_step(tmp
     assert runs[0][0] == 0.5 * (1 + math.cos(math.pi / 16)) and runs[0][-1] == 0.0
     with pytest.raises(ValueError, match="total_steps"):
         step_progress(object(), total_steps=0)
+
+
+def test_clock_epochs_are_the_clocks_own_when_it_says_them():
+    """An epoch count on a progress clock is a share of the clock's own epochs (InfoBatch's num_epochs), else of
+    max_epochs (qa86-break 11); a clock that says none, or 0 before its setup, gives max_epochs."""
+    from types import SimpleNamespace
+
+    from lightning_effi.callbacks import InfoBatchCallback
+    from lightning_effi.core.progress import clock_epochs
+
+    trainer = SimpleNamespace(max_epochs=4)
+    ib = InfoBatchCallback(num_epochs=2)
+    assert clock_epochs(ib, trainer) == 4  # before setup: E unresolved
+    ib.epochs = 2  # what setup resolves
+    assert clock_epochs(ib, trainer) == 2 and clock_epochs(object(), trainer) == 4
+    assert clock_epochs(SimpleNamespace(effi_clock_epochs=lambda: 2.5), trainer) == 4  # not an epoch count

@@ -911,6 +911,20 @@ def _fit_on_the_clock(root, **ltd_kwargs):
     return trainer, ib, cb, log
 
 
+def test_epochs_on_the_clock_count_the_clocks_own_epochs(tmp_path):
+    """InfoBatch with ``num_epochs=2`` in a 4-epoch run: its progress runs over 2 epochs, so ``"1ep"`` is half of it
+    and the growth spans epoch 0, reaching max_value at epoch 1's first step (it was 1 / max_epochs, a quarter:
+    max_value after half of epoch 0, qa86-break 11)."""
+    pl.seed_everything(0)
+    ib = InfoBatchCallback(prune_ratio=0.5, delta=0.75, seed=7, num_epochs=2)
+    cb, log = ltd(max_value=16, require_steps="1ep"), ClockedR()
+    with pytest.warns(UserWarning, match="num_epochs"):
+        make_trainer(tmp_path, [ib, cb, log], max_epochs=4).fit(deep_gpt2(), datamodule=ib_lm_data())
+    assert ib.effi_clock_epochs() == 2 and cb.require_share == Fraction(1, 2)
+    epoch0 = [r for _, p, r in log.rows if p < Fraction(1, 2)]
+    assert len(epoch0) == 5 and 16 not in epoch0 and log.rows[5][2] == 16
+
+
 @pytest.mark.parametrize(
     ("require_steps", "rounding", "ticks"),
     [
