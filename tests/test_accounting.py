@@ -514,3 +514,31 @@ def test_stochastic_weight_averagings_batch_norm_epoch_is_not_counted_as_trainin
     plain, averaged = summaries
     for key in ("samples", "flops", "batches"):
         assert averaged[key] == plain[key] > 0, key
+
+
+def test_a_cnn_on_image_batches_counts_no_tokens_without_a_warning(tmp_path):
+    """A plain CNN on ``(images, labels)`` batches has no tokens: it is said once as information, not a warning to
+    define ``effi_count_tokens`` in every run (qa86-user 04); samples and FLOPs are counted."""
+
+    class SmallCNN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 10)
+            )
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    pl.seed_everything(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3, 8, 8), torch.randint(0, 10, (32,)))
+    monitor = EfficiencyMonitor(print_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [monitor], max_steps=4).fit(SmallCNN(), torch.utils.data.DataLoader(data, batch_size=8))
+    assert not [str(w.message) for w in caught if "effi_count_tokens" in str(w.message)]
+    assert monitor.totals["samples"] == 32 and monitor.totals["tokens"] == 0 and monitor.totals["flops"] > 0

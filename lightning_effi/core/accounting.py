@@ -86,7 +86,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
@@ -459,6 +459,18 @@ def baseline_hook(callback: Any) -> Callable[[Any, pl.LightningModule], Baseline
     """The callback's ``effi_baseline`` (:class:`~lightning_effi.core.protocols.ProvidesBaseline`), else None."""
     hook = getattr(callback, "effi_baseline", None)
     return hook if callable(hook) else None
+
+
+def _image_batch(batch: Any) -> bool:
+    """Whether ``batch`` holds a floating tensor of 4 or more dimensions (images ``[B, C, H, W]``, video) and no
+    integer ``[B, T]`` tensor of token ids."""
+    found = False
+    for _, tensor in tensor_leaves(batch):
+        if tensor.is_floating_point() and tensor.dim() >= 4:
+            found = True
+        elif tensor.dim() == 2 and not tensor.is_floating_point() and tensor.dtype != torch.bool:
+            return False
+    return found
 
 
 class EfficiencyMonitor(Callback):
@@ -1234,6 +1246,17 @@ class EfficiencyMonitor(Callback):
                     found = round(self._observed_tokens * ratio)
                     self._warn_unread_mask(batch)
         tokens = found
+        if tokens is None and fallback is None and _image_batch(batch) and self.num_layers(pl_module) is None:
+            # images (a float [B, C, H, W] tensor) through a network without transformer blocks: no tokens to count,
+            # said once; a CNN was told to define effi_count_tokens in every run (qa86-user 04)
+            if "tokens" not in self._warned:
+                self._warned.add("tokens")
+                rank_zero_info(
+                    f"{type(self).__name__}: the {kind} batch holds images and {type(pl_module).__name__} no "
+                    "transformer blocks: tokens and layer-tokens are 0 (samples and FLOPs are counted); define "
+                    "`effi_count_tokens(batch) -> int` on your LightningModule if its samples have tokens"
+                )
+            tokens = 0
         if tokens is None:
             tokens = missing(
                 "tokens",
