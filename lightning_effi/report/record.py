@@ -681,13 +681,37 @@ def make_record(
         "flops": efficiency.get("flops"),
         "metrics": dict(metrics),
         "efficiency": efficiency,
-        "length": {**length, "optimizer_steps": int(trainer.global_step), "stopped_early": early},
+        "length": {
+            **length,
+            "optimizer_steps": int(trainer.global_step),
+            "stopped_early": early,
+            "lr_end_ratio": lr_end_ratio(trainer),
+        },
         "curve": list(monitor.curve) if monitor is not None else [],
         "schedule": list(monitor.schedule) if monitor is not None else [],
         "output_dir": output_dir,
         "last_checkpoint": relative(getattr(checkpoint, "last_model_path", "") or None),
         "best_checkpoint": relative(getattr(checkpoint, "best_model_path", "") or None),
     }
+
+
+def lr_end_ratio(trainer: pl.Trainer) -> float | None:
+    """The learning rate at the end of the fit (after its last scheduler step) over the rate its schedule started
+    from: the first optimizer's first parameter group's ``lr`` over its ``initial_lr`` (what a torch scheduler
+    scales; 1.0 without a scheduler, a constant rate). The schedule's floor for one decayed over the run (0 for a
+    cosine to 0, 0.1 for ``warmup_cosine``'s default), more for one sized for a longer run (0.5 for a cosine of
+    twice the run's steps): the report notes a baseline whose rate ended above the others' (its schedule did not
+    decay over its own budget, and the frontier would flatter the arms, qa86-user 02). None without an optimizer or
+    with a rate of 0 to start from."""
+    optimizers = getattr(trainer, "optimizers", None) or []
+    if not optimizers or not optimizers[0].param_groups:
+        return None
+    group = optimizers[0].param_groups[0]
+    end = float(group["lr"]) if is_real(group.get("lr")) else None
+    start = float(group["initial_lr"]) if is_real(group.get("initial_lr")) else end
+    if end is None or start is None or not start > 0 or not math.isfinite(end / start):
+        return None
+    return end / start
 
 
 def stopped_early(trainer: pl.Trainer) -> bool:

@@ -699,6 +699,7 @@ def build_report(
                 f"{r.label}: {name} joined on resume at optimizer step {step}, from a checkpoint of a fit without it, "
                 "which trained the steps before; its readings mix the two"
             )
+    notes += _undecayed_baselines(runs)
     runs = [r for r in runs if not (r.is_baseline and r.length.get("stopped_early") is True)]
 
     seeds = sorted({r.seed for r in runs})
@@ -1150,6 +1151,41 @@ def write_report(
     files.update(plots.write_plots(report, out))
     report.files = files
     return report
+
+
+#: how far above the lowest of its seed's baselines a baseline's end-of-fit LR ratio may be (of the starting rate)
+LR_END_TOLERANCE = 0.05
+
+
+def _undecayed_baselines(runs: Sequence[Run]) -> list[str]:
+    """Notes on the baselines whose learning rate ended above the others' of their seed (``length.lr_end_ratio``,
+    the rate after the last scheduler step over the starting rate, by more than :data:`LR_END_TOLERANCE`): the
+    protocol wants each budget's schedule decayed over its own length, and a baseline whose schedule was sized for a
+    longer run ends short of its quality, so the frontier flatters the arms (accepted in silence before, qa86-user
+    02). Records written before the ratio was kept say nothing."""
+    notes = []
+    for seed in sorted({r.seed for r in runs}):
+        ratios = {
+            id(r): float(r.length["lr_end_ratio"])
+            for r in runs
+            if r.seed == seed
+            and r.is_baseline
+            and isinstance(r.length.get("lr_end_ratio"), int | float)
+            and not isinstance(r.length.get("lr_end_ratio"), bool)
+            and math.isfinite(r.length["lr_end_ratio"])
+        }
+        if len(ratios) < 2:
+            continue
+        low = min(ratios.values())
+        for r in runs:
+            ratio = ratios.get(id(r))
+            if ratio is not None and ratio > low + LR_END_TOLERANCE:
+                notes.append(
+                    f"{r.label}: its learning rate ended at {ratio:.3g} of its starting rate, where its seed's other "
+                    f"baselines' ended at {low:.3g}: its schedule did not decay over its own budget (sized for a "
+                    "longer run?), so the frontier may flatter the arms"
+                )
+    return notes
 
 
 def _check_out_dir(out_dir: Path) -> None:

@@ -862,3 +862,57 @@ def test_a_result_writer_expands_the_home_folder_and_refuses_a_link_to_nothing(t
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     with pytest.raises(ValueError, match=r"ResultWriter: out_dir must be a folder .*, a link to nothing$"):
         ResultWriter(metric="val/loss", out_dir=tmp_path / "link")
+
+
+@pytest.mark.parametrize("mis_sized", [False, True])
+def test_a_baseline_whose_lr_did_not_decay_over_its_budget_is_noted(tmp_path, mis_sized):
+    """Each record keeps the LR at the end of the fit over the starting rate (length.lr_end_ratio); the report notes
+    a baseline whose rate ended above its seed's other baselines' (a cosine sized for the full length at budget 0.5
+    ends at 0.5: accepted in silence, qa86-user 02), and nothing when each decayed over its own budget."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_effi import EfficiencyMonitor
+    from lightning_effi.report import write_report, write_result
+    from tests.helpers.harness import make_trainer
+
+    class Linear(pl.LightningModule):
+        def __init__(self, schedule_steps):
+            super().__init__()
+            self.net, self.schedule_steps = torch.nn.Linear(8, 3), schedule_steps
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val/loss", torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.5)
+            cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.schedule_steps)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
+
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(256, 8, generator=g), torch.randint(0, 3, (256,), generator=g)), 16)
+    ratios = {}
+    for budget in (0.5, 1.0):
+        pl.seed_everything(0)
+        steps = int(16 * budget)
+        trainer = make_trainer(
+            tmp_path / f"fit{budget}",
+            [EfficiencyMonitor(print_summary=False)],
+            max_steps=steps,
+            val_check_interval=steps,
+            limit_val_batches=1,
+        )
+        trainer.fit(Linear(16 if mis_sized else steps), data, data)
+        path = write_result(trainer, tmp_path / "runs" / f"baseline_{budget}", metric="val/loss", seed=0, budget=budget)
+        ratios[budget] = json.loads(path.read_text())["length"]["lr_end_ratio"]
+    assert ratios == ({0.5: pytest.approx(0.5), 1.0: 0.0} if mis_sized else {0.5: 0.0, 1.0: 0.0})
+    notes = [n for n in write_report([tmp_path / "runs"], out_dir=tmp_path / "report").notes if "learning rate" in n]
+    assert notes == (
+        ["baseline@0.5 seed 0: its learning rate ended at 0.5 of its starting rate, where its seed's other baselines' "
+         "ended at 0: its schedule did not decay over its own budget (sized for a longer run?), so the frontier may "
+         "flatter the arms"] if mis_sized else []
+    )  # fmt: skip
