@@ -379,10 +379,9 @@ class WrappingDataModule(pl.LightningDataModule):
         self._reload_checked = -1
         #: the ``meta`` of the training batch in flight (see the class docstring); None between runs
         self.effi_batch_meta: dict[str, Any] | None = None
-        #: a fit's setup is under way (from this wrapper's ``setup("fit")`` to the first training loader it serves),
-        #: and the attributes set on the wrapped DataModule then after its loader was read (:meth:`template`)
+        #: a fit's setup is under way: from this wrapper's ``setup("fit")`` to the first training loader it serves
+        #: (:meth:`_serve`, which reads the user's loader again)
         self._setup_open = False
-        self._late_settings: list[str] = []
 
     def _adopt_cli_hparams(self, datamodule: pl.LightningDataModule) -> None:
         """Under ``LightningCLI``, every ``LightningDataModule`` built for the ``data`` entry is handed that entry's
@@ -443,12 +442,6 @@ class WrappingDataModule(pl.LightningDataModule):
             and not hasattr(type(self), name)
         ):
             setattr(inner, name, value)
-            if self.__dict__.get("_setup_open") and self.__dict__.get("_template") is not None:
-                # the LightningModule's setup runs after the callbacks', which read the loader: read it again
-                # (:meth:`template`) before the first epoch's is built (the fit trained on the loader read before the
-                # setting, qa81-break 03)
-                late = self.__dict__["_late_settings"]
-                late.extend([name] if name not in late else [])
         else:
             super().__setattr__(name, value)
 
@@ -541,7 +534,7 @@ class WrappingDataModule(pl.LightningDataModule):
         self.datamodule.setup(stage)
         if stage == "fit":
             self._template = None
-            self._setup_open, self._late_settings = True, []
+            self._setup_open = True
             # Lightning runs the DataModule's setup before the callbacks': the user's own setting
             trainer = self.trainer
             self._user_reload_every = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
@@ -570,7 +563,8 @@ class WrappingDataModule(pl.LightningDataModule):
             raise AttributeError(f"{type(chain[-1]).__name__} (wrapped by {type(self).__name__}) has no batch_size")
         chain[-1].batch_size = value
         for wrapper in chain[:-1]:
-            wrapper._template = None
+            if not wrapper._setup_open:  # during a fit's setup the loader served first is compared (_serve)
+                wrapper._template = None
 
     # ------------------------------------------------------------------------------------------- batch hooks
     def _user_hook(self, name: str) -> Any:
@@ -653,16 +647,14 @@ class WrappingDataModule(pl.LightningDataModule):
     def template(self) -> dict[str, Any]:
         """The user's training loader's dataset and settings, read once (first call) and validated: the loader of the
         innermost DataModule of the ``.datamodule`` chain (nested technique wrappers are skipped; each wrapper of the
-        chain gets this one's ``trainer``). Read again once after an attribute was set on the user's DataModule
-        through this wrapper during the fit's setup, after the first read (:meth:`_read_after_late_settings`).
+        chain gets this one's ``trainer``). Read again when the fit's first training loader is served
+        (:meth:`_serve`).
 
         Raises:
-            DataConfigError: see :func:`loader_template` and :meth:`_read_after_late_settings`.
+            DataConfigError: see :func:`loader_template` and :meth:`_serve`.
         """
         if self._template is None:
             self._template = self._read_user_loader()
-        elif self._late_settings:
-            self._read_after_late_settings()
         else:
             self._check_reload()
         assert self._template is not None
@@ -677,39 +669,36 @@ class WrappingDataModule(pl.LightningDataModule):
         return loader_template(chain[-1].train_dataloader(), self.technique, world)
 
     def _serve(self) -> None:
-        """Called by a subclass's ``train_dataloader``: the fit's setup is over, so an attribute set from now on is
-        one set during training, which a loader built before it ignores without the technique too."""
-        self._setup_open = False
-
-    def _read_after_late_settings(self) -> None:
-        """Read the user's training loader again after :attr:`_late_settings` were set on their DataModule during the
-        fit's setup, after the technique's callback read it (Lightning runs the callbacks' ``setup`` before the
-        LightningModule's, where ``self.trainer.datamodule.max_rows = 8`` hands a setting over): its settings are
-        taken (collate function, workers, ...) when it trains the same samples in batches of the same size, as
-        without the technique the loader read after the setting is the one trained on.
+        """Called by a subclass's ``train_dataloader``. At the fit's first training loader, read the user's loader
+        again: the technique's callback read it in its ``setup``, which Lightning runs before the LightningModule's,
+        where a module hands its DataModule a setting (``self.trainer.datamodule.scale = 2``, or through its
+        ``hparams``); the fit trained on the loader read before the setting (qa81-break 03). Its settings (collate
+        function, workers, ...) and dataset are taken, as without the technique the loader read after the setting is
+        the one trained on; a dataset built anew at each call is taken when it holds as many samples (qa87-break 01).
 
         Raises:
-            DataConfigError: the loader now holds other samples (another dataset object, not a ``Subset`` of the
-                same samples), another ``batch_size`` or ``drop_last``: the technique's callback sized its
-                per-sample state and checked the run on the first loader; naming the attributes and the fix.
+            DataConfigError: the loader now holds another number of samples, or another ``batch_size`` or
+                ``drop_last``: the technique's callback sized its per-sample state and checked the run on the first
+                loader; naming what changed and where to set it.
         """
-        names, self._late_settings = self._late_settings, []
-        old, fresh = self._template, self._read_user_loader()
-        assert old is not None
-        changed = [
+        old = self._template if self._setup_open else None
+        self._setup_open = False
+        if old is None:
+            return
+        fresh = self._read_user_loader()
+        changed = [f"{fresh['length']} samples (was {old['length']})"] if fresh["length"] != old["length"] else []
+        changed += [
             f"{key}={fresh[key]!r} (was {old[key]!r})" for key in ("batch_size", "drop_last") if fresh[key] != old[key]
         ]
-        if not _same_dataset(fresh["dataset"], old["dataset"]):
-            changed.insert(0, f"another dataset ({fresh['length']} samples; {old['length']} before)")
         if changed:
             user = type(wrapper_chain(self)[-1]).__name__
             raise DataConfigError(
-                f"{self.technique}: {', '.join(map(repr, names))} was set on your {user} (through trainer.datamodule) "
-                f"after {self.technique} read its training loader, and train_dataloader() now returns a loader with "
-                f"{', '.join(changed)}. Lightning runs the callbacks' setup, where {self.technique} reads the loader "
-                "(and sizes its per-sample state by it), before the LightningModule's setup; set it before the fit: "
-                "when you build the DataModule, in the DataModule's own setup() (which runs first), or in the setup() "
-                f"of a callback listed before {self.technique}'s"
+                f"{self.technique}: your {user}'s train_dataloader() returned a loader with {', '.join(changed)} "
+                f"after {self.technique} read it in its callback's setup: a setting made in the LightningModule's "
+                "setup, which Lightning runs after the callbacks'? "
+                f"{self.technique} sized its per-sample state and checked the run on the first loader; set it before "
+                "the fit: when you build the DataModule, in the DataModule's own setup() (which runs first), or in "
+                f"the setup() of a callback listed before {self.technique}'s"
             )
         self._template = fresh
 
@@ -766,8 +755,20 @@ class WrappingDataModule(pl.LightningDataModule):
 
     @property
     def train_dataset(self) -> Any:
+        """The user's training loader's dataset (:meth:`template`); set, the user's DataModule's attribute (read by
+        its ``train_dataloader()``, as without the wrapper: an AttributeError before, qa87-break 04)."""
         return self.template()["dataset"]
+
+    @train_dataset.setter
+    def train_dataset(self, value: Any) -> None:
+        wrapper_chain(self)[-1].train_dataset = value
 
     @property
     def collate_fn(self) -> Any:
+        """The user's training loader's collate function (:meth:`template`); set, the user's DataModule's attribute,
+        as ``train_dataset``."""
         return self.template()["collate_fn"]
+
+    @collate_fn.setter
+    def collate_fn(self, value: Any) -> None:
+        wrapper_chain(self)[-1].collate_fn = value

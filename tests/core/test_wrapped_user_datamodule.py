@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_effi.callbacks import Curriculum, InfoBatchCallback
+from lightning_effi.core.errors import DataConfigError
 from lightning_effi.core.wrapping import wrapper_chain
 from lightning_effi.curriculum.config import CurriculumConfig
 from lightning_effi.data import CurriculumDataModule, InfoBatchDataModule
@@ -186,14 +187,16 @@ def test_a_loader_setting_the_module_hands_over_in_its_setup_is_trained_with(tmp
     make_trainer(tmp_path, callbacks, max_epochs=2).fit(model, datamodule=dm)
     assert user.scale == 2 and len(model.largest) >= 4
     assert all(value % 2 == 0 for value in model.largest) and max(model.largest) > 30  # every batch's ids doubled
-    dm.scale = 3  # after the fit's setup: not a setting to read the loader again for (nor would Lightning)
-    assert user.scale == 3 and not any(w._late_settings for w in wrapper_chain(dm)[:-1])
+    reads = user.reads
+    dm.scale = 3  # after the fit's setup: the loader is not read again (nor would Lightning read it)
+    assert user.scale == 3 and all(w.template() is not None for w in wrapper_chain(dm)[:-1] if w._template is not None)
+    assert user.reads == reads
 
 
 @pytest.mark.parametrize("wrapper", [CurriculumDataModule, InfoBatchDataModule])
 def test_a_loader_setting_that_changes_the_samples_after_the_technique_read_them_is_refused(tmp_path, wrapper):
     """A setting from the module's ``setup`` that cuts the dataset (16 to 8 samples) comes after the technique sized
-    its per-sample state by the first loader: refused, naming the attribute and where to set it."""
+    its per-sample state by the first loader: refused, naming what changed and where to set it."""
 
     pl.seed_everything(0)
     if wrapper is CurriculumDataModule:
@@ -202,6 +205,61 @@ def test_a_loader_setting_that_changes_the_samples_after_the_technique_read_them
         callback = InfoBatchCallback(prune_ratio=0.5, delta=0.75)
         dm = callback.wrap_datamodule(ScaledData())
     with pytest.raises(
-        Exception, match=r"'rows' was set on your ScaledData .* another dataset \(8 samples; 16 before\)"
+        DataConfigError,
+        match=r"your ScaledData's train_dataloader\(\) returned a loader with 8 samples \(was 16\) after",
     ):
         make_trainer(tmp_path, [callback], max_epochs=2).fit(SetsInSetup(rows=8), datamodule=dm)
+
+
+class RebuiltData(UserData):
+    """Builds its dataset anew at each ``train_dataloader()`` call (the same 16 samples), reads ``hparams.scale`` in
+    its collate and its own ``collate_fn`` when it has one."""
+
+    def train_dataloader(self) -> DataLoader:
+        scale = self.hparams.get("scale", 1)
+
+        def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+            ids, labels = torch.utils.data.default_collate(samples)
+            return ids * scale, labels
+
+        data = TensorDataset(*self.data.tensors)  # a new object over the same samples
+        size = getattr(self, "batch_size", self.hparams.batch_size)
+        return DataLoader(data, batch_size=size, collate_fn=getattr(self, "collate_fn", collate))
+
+
+class SetsThroughHparams(SetsInSetup):
+    def setup(self, stage: str) -> None:
+        self.trainer.datamodule.hparams.scale = 2  # a setting handed over by changing the hparams object
+        super().setup(stage)
+
+
+def _double(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, labels = torch.utils.data.default_collate(samples)
+    return ids * 2, labels
+
+
+@pytest.mark.parametrize("how", ["harmless", "hparams", "collate_fn", "batch_size"])
+def test_the_loader_is_read_again_when_the_fit_serves_its_first(tmp_path, how):
+    """Whatever way the module's ``setup`` hands the setting over, the first loader served reads the user's again:
+    a setting the loader never reads, over a dataset built anew at each call, trains (refused as 'another dataset',
+    qa87-break 01); one through the ``hparams`` object is trained with (02); a ``collate_fn`` set through the
+    wrapper is the user's (an AttributeError, 04); a ``batch_size`` set there is refused (InfoBatch's checks were
+    skipped, 03)."""
+    pl.seed_everything(0)
+    user = RebuiltData()
+    callback = InfoBatchCallback(prune_ratio=0.5, delta=0.75)
+    dm = callback.wrap_datamodule(user)
+    model = {
+        "harmless": SetsInSetup(note=1),
+        "hparams": SetsThroughHparams(),
+        "collate_fn": SetsInSetup(collate_fn=_double),
+        "batch_size": SetsInSetup(batch_size=8),
+    }[how]
+    if how == "batch_size":
+        user.batch_size = 4  # an attribute the wrapper's batch_size reads (as Lightning's tuner does)
+        with pytest.raises(DataConfigError, match=r"returned a loader with batch_size=8 \(was 4\)"):
+            make_trainer(tmp_path, [callback], max_epochs=2).fit(model, datamodule=dm)
+        return
+    make_trainer(tmp_path, [callback], max_epochs=2).fit(model, datamodule=dm)
+    doubled = all(value % 2 == 0 for value in model.largest) and max(model.largest) > 30
+    assert len(model.largest) >= 4 and doubled == (how != "harmless")
