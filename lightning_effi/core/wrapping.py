@@ -266,6 +266,32 @@ def _same_dataset(a: Any, b: Any) -> bool:
     return False
 
 
+class _Same:
+    """A value compared by identity (``a == b`` is ``a is b``), holding it so its id is not reused."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _settings_of(datamodule: Any) -> tuple[dict[str, _Same], dict[str, _Same]]:
+    """The user's DataModule's public attributes and its hyperparameters, by identity: what a setting handed to it
+    (``trainer.datamodule.scale = 2``, ``trainer.datamodule.hparams.scale = 2``) changes."""
+    attributes = {k: _Same(v) for k, v in vars(datamodule).items() if not k.startswith("_")}
+    hparams = getattr(datamodule, "_hparams", None)
+    try:
+        own = {str(k): _Same(v) for k, v in dict(hparams).items()} if hparams is not None else {}
+    except (TypeError, ValueError):
+        own = {}
+    return attributes, own
+
+
 class EvaluationLoader:
     """An evaluation loader hook of :class:`WrappingDataModule` (``val_dataloader``, ...): the wrapped DataModule's,
     read when Lightning looks it up (``method``: the name of a subclass's own implementation, used instead of
@@ -380,8 +406,10 @@ class WrappingDataModule(pl.LightningDataModule):
         #: the ``meta`` of the training batch in flight (see the class docstring); None between runs
         self.effi_batch_meta: dict[str, Any] | None = None
         #: a fit's setup is under way: from this wrapper's ``setup("fit")`` to the first training loader it serves
-        #: (:meth:`_serve`, which reads the user's loader again)
+        #: (:meth:`_serve`, which reads the user's loader again when a setting was handed to it since its last read:
+        #: ``_user_state``, its settings then)
         self._setup_open = False
+        self._user_state: tuple[dict[str, _Same], dict[str, _Same]] | None = None
 
     def _adopt_cli_hparams(self, datamodule: pl.LightningDataModule) -> None:
         """Under ``LightningCLI``, every ``LightningDataModule`` built for the ``data`` entry is handed that entry's
@@ -666,15 +694,19 @@ class WrappingDataModule(pl.LightningDataModule):
             inner.trainer = self.trainer
         trainer = self.trainer
         world = None if trainer is None else (int(trainer.world_size), int(trainer.global_rank))
-        return loader_template(chain[-1].train_dataloader(), self.technique, world)
+        template = loader_template(chain[-1].train_dataloader(), self.technique, world)
+        self._user_state = _settings_of(chain[-1])  # after the call: its own changes (a call counter) included
+        return template
 
     def _serve(self) -> None:
         """Called by a subclass's ``train_dataloader``. At the fit's first training loader, read the user's loader
-        again: the technique's callback read it in its ``setup``, which Lightning runs before the LightningModule's,
-        where a module hands its DataModule a setting (``self.trainer.datamodule.scale = 2``, or through its
-        ``hparams``); the fit trained on the loader read before the setting (qa81-break 03). Its settings (collate
-        function, workers, ...) and dataset are taken, as without the technique the loader read after the setting is
-        the one trained on; a dataset built anew at each call is taken when it holds as many samples (qa87-break 01).
+        again when its DataModule's attributes or hyperparameters changed since it was read (by identity; else it is
+        not called again, as Lightning calls it once). The technique's callback read it in its ``setup``, which
+        Lightning runs before the LightningModule's, where a module hands its DataModule a setting
+        (``self.trainer.datamodule.scale = 2``, or through its ``hparams``); the fit trained on the loader read before
+        the setting (qa81-break 03). Its settings (collate function, workers, ...) and dataset are taken, as without
+        the technique the loader read after the setting is the one trained on; a dataset built anew at each call is
+        taken when it holds as many samples (qa87-break 01).
 
         Raises:
             DataConfigError: the loader now holds another number of samples, or another ``batch_size`` or
@@ -683,8 +715,8 @@ class WrappingDataModule(pl.LightningDataModule):
         """
         old = self._template if self._setup_open else None
         self._setup_open = False
-        if old is None:
-            return
+        if old is None or _settings_of(wrapper_chain(self)[-1]) == self.__dict__.get("_user_state"):
+            return  # nothing set on the user's DataModule since its loader was read: not called again
         fresh = self._read_user_loader()
         changed = [f"{fresh['length']} samples (was {old['length']})"] if fresh["length"] != old["length"] else []
         changed += [
