@@ -971,7 +971,7 @@ class InfoBatchCallback(Callback):
     def _count_trained(self, step: _Step) -> None:
         """Count the samples of a batch its step trained (:attr:`samples_in_epoch`: the epoch's share trained, as
         the EfficiencyMonitor counts the samples, leaving out a batch whose ``training_step`` returned None)."""
-        if self.samples_in_epoch is not None:
+        if self.samples_in_epoch is not None and self.curriculum_dm is None:  # thinning has no epoch plan to share
             self.samples_in_epoch += int(step.index.numel())
 
     @override

@@ -53,7 +53,8 @@ HIGHER_IS_BETTER = frozenset(
 #: the parts of :data:`LOWER_IS_BETTER` and :data:`HIGHER_IS_BETTER` that name a direction only on their own: in a
 #: compound name they are a kind of metric, either way (``ContinuousRankedProbabilityScore`` is lower-is-better,
 #: ``DistanceIntersectionOverUnion`` and ``davies_bouldin_score`` are not what their last word says: a correct mode
-#: was refused, qa86-break 02), so beside other words (but :data:`STAGE_WORDS`) they say nothing sure
+#: was refused, qa86-break 02), so beside other words (but :data:`STAGE_WORDS`) they say nothing sure; but a
+#: segment ending in ``distance`` (``edit_distance``, ``cosine_distance``) is one, lower-is-better (qa87-regress 02)
 WEAK = frozenset({"score", "distance"})
 #: words of a name that say where or how a metric was read, not what it is (``val_score``, ``epoch/mean_distance``)
 STAGE_WORDS = frozenset(
@@ -110,8 +111,11 @@ def infer_mode(metric: str) -> Mode | None:
         return None
     if parts & WEAK and not parts & (LOWER_IS_BETTER | HIGHER_IS_BETTER) - WEAK:
         for seg in segments:  # a weak word with a word of another kind in its segment: a compound name
-            words = {p.rstrip("0123456789") for p in seg if not p.isdigit()}
-            if words & WEAK and words - WEAK - STAGE_WORDS:
+            ordered = [p.rstrip("0123456789") for p in seg if not p.isdigit()]
+            words, weak = set(ordered), set(ordered) & WEAK
+            if ordered and ordered[-1] == "distance":  # <x>_distance (edit, hamming, cosine, l2): lower is better
+                weak.discard("distance")
+            if weak and words - WEAK - STAGE_WORDS:
                 return None
     lower, higher = bool(parts & LOWER_IS_BETTER), bool(parts & HIGHER_IS_BETTER)
     return "min" if lower and not higher else "max" if higher and not lower else None

@@ -115,12 +115,15 @@ def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path, monkeypa
     # higher-is-better (a correct mode was refused, qa86-break 02)
     for compound in (
         "val/ContinuousRankedProbabilityScore", "val/DistanceIntersectionOverUnion", "val/davies_bouldin_score",
-        "val/edit_distance",
+        "val/silhouette_score",
     ):  # fmt: skip
         assert infer_mode(compound) is None, compound
     assert [infer_mode(n) for n in ("val/score", "val_mean_distance", "val/f1_score", "val/MulticlassF1Score")] == [
         "max", "min", "max", "max"
     ]  # fmt: skip
+    # ... and a name ending in "distance" is a distance: lower is better (qa87-regress 02)
+    for distance in ("val/edit_distance", "val/EditDistance", "val/hamming_distance", "val/cosine_distance"):
+        assert infer_mode(distance) == "min", distance
     for turned in ("val/neg_mse", "val/1-acc", "val/accuracy_drop", "train/loss_scale", "val/loss_improvement"):
         assert infer_mode(turned) is None, turned  # scikit-learn's neg_*, differences, scales: ask
     trainer = fit(tmp_path / "fit", 2, ltd=False)
