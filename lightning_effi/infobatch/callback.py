@@ -1887,7 +1887,7 @@ class InfoBatchCallback(Callback):
 
     def _close_epoch_share(self) -> None:
         """Record, in the history entry of the plan's epoch, the share of its samples trained when it is below 1:
-        an epoch ended before its plan did (``on_train_batch_start`` returned -1, an early stop, ``max_steps``), or
+        an epoch ended before its plan did (``on_train_batch_start`` returned -1, an early stop), or
         with batches whose ``training_step`` returned None. Its saving counts by that share, as the
         EfficiencyMonitor counts the samples trained (the whole plan's was counted, 8 samples for 2.67, qa83-compat
         03; then its optimizer steps, which leave out the micro-batches of a window the cut left open, 2.67 for
