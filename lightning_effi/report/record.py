@@ -525,9 +525,15 @@ class ResultWriter(pl.Callback):
         or no seed (``seed=None`` without ``pl.seed_everything``), or no ``EfficiencyMonitor`` is refused here, not
         after the whole fit with no record written (qa58-args 02, qa59-break 04)."""
         self._dir = self._resolve_dir(trainer)  # on every rank: trainer.log_dir broadcasts
-        if Path(self._dir).exists() and not Path(self._dir).is_dir():
+        # the logger's or Hydra's folder, checked as out_dir is at construction: a folder beneath a file or a FIFO,
+        # or a link to nothing, failed with a bare [Errno 20] after the whole fit, the record lost
+        blocker = folder_blocker(Path(self._dir))
+        if blocker is not None:
+            file, what = blocker
             raise ValueError(
-                f"ResultWriter: out_dir must be a folder (the run's; created if missing), got the file {self._dir}"
+                f"ResultWriter: out_dir must be a folder (the run's; created if missing), got {self._dir}, "
+                + (what if file == Path(self._dir) else f"beneath {what}: {file}")
+                + ("" if self.out_dir else " (the logger's or default_root_dir's folder): pass out_dir=<a folder>")
             )
         if not any(isinstance(c, EfficiencyMonitor) for c in trainer.callbacks):  # type: ignore[attr-defined]
             # refused after the whole fit before, with no record written (qa59-break 04)

@@ -3,6 +3,7 @@ baseline equal hand computations; the spread is the sample std."""
 
 import json
 import math
+import os
 import warnings
 
 import pytest
@@ -757,7 +758,7 @@ def test_a_result_writer_refuses_a_file_or_no_seed_before_the_fit(tmp_path, monk
     late = ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "file")  # a file made after it was built
     (tmp_path / "file").write_text("mine")
     for writer, message in (
-        (late, r"out_dir must be a folder .*the file"),
+        (late, r"out_dir must be a folder .*, a file$"),
         (ResultWriter(metric="val/loss", out_dir=tmp_path / "run"), r"seed=None, and pl.seed_everything was never"),
         (ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "run"), r"the Trainer has no EfficiencyMonitor"),
     ):
@@ -765,6 +766,32 @@ def test_a_result_writer_refuses_a_file_or_no_seed_before_the_fit(tmp_path, monk
         trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              callbacks=[*monitor, writer])  # fmt: skip
         with pytest.raises(ValueError, match="^ResultWriter: " + message):
+            trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+        assert trainer.global_step == 0
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_result_writer_refuses_a_default_root_dir_beneath_a_file_or_fifo_before_the_fit(tmp_path):
+    """Without out_dir and a logger the record goes to default_root_dir. One beneath a file or a FIFO failed with a
+    bare [Errno 20] after the whole fit, the record lost: now refused at the fit's start, naming what is in the way
+    (the check out_dir gets at construction)."""
+    import lightning.pytorch as pl
+
+    from lightning_effi import EfficiencyMonitor
+    from lightning_effi.report import ResultWriter
+    from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+    (tmp_path / "file").write_text("mine")
+    os.mkfifo(tmp_path / "fifo")
+    for kwargs, blocker in (
+        (dict(logger=False, default_root_dir=tmp_path / "file" / "runs"), r"a file: .*file"),
+        (dict(logger=False, default_root_dir=tmp_path / "fifo" / "runs"), r"a special file: .*fifo"),
+    ):
+        callbacks = [EfficiencyMonitor(print_summary=False), ResultWriter("val/loss", seed=0)]
+        trainer = pl.Trainer(max_steps=2, enable_checkpointing=False, enable_progress_bar=False, **kwargs,
+                             callbacks=callbacks)  # fmt: skip
+        message = rf"^ResultWriter: out_dir must be a folder .*, beneath {blocker} \(the logger's or default_root_dir"
+        with pytest.raises(ValueError, match=message):
             trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
         assert trainer.global_step == 0
     assert (tmp_path / "file").read_text() == "mine"
