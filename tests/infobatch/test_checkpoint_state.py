@@ -60,6 +60,9 @@ CASES = [
     # (field, damaged value, what the message says after "InfoBatchCallback: ")
     ("steps_in_epoch", -3, T + "steps_in_epoch must be an int >= 0"),
     ("steps_in_epoch", 2.0, T + "steps_in_epoch must be an int >= 0"),
+    ("samples_in_epoch", -1, T + r"samples_in_epoch must be None or an int >= 0 \(samples this rank trained"),
+    ("samples_in_epoch", 4.0, T + "samples_in_epoch must be None or an int >= 0"),
+    ("samples_in_epoch", "8", T + "samples_in_epoch must be None or an int >= 0"),
     ("table_epoch", 99, T + "table_epoch must be an int >= -1, <= the checkpoint's epoch 1"),
     ("table_epoch", -2, T + "table_epoch must be an int >= -1"),
     ("synced_epoch", 0, T + r"synced_epoch must be an int in \[-1, table_epoch=-1\]"),
