@@ -28,6 +28,7 @@ from lightning_effi.core.measure import tensor_leaves, token_source
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import BatchesPerStep, accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
+from lightning_effi.core.settings import apply_changed_settings, keeps_settings, note_settings
 from lightning_effi.core.state import (
     check_coarse_vcycle_resume,
     config_mismatch,
@@ -224,6 +225,7 @@ class Curriculum(Callback):
         ),
     )
 
+    @keeps_settings
     def __init__(
         self,
         metrics: Mapping[str, Any] | None = None,
@@ -380,6 +382,8 @@ class Curriculum(Callback):
     # ------------------------------------------------------------------------------------------------- setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # settings set on the callback since it was built (lightning_effi.core.settings)
+            apply_changed_settings(self)
         if stage != "fit":
             return
         check_trainer(trainer)
@@ -906,11 +910,13 @@ class Curriculum(Callback):
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
         self._cut_mask_path, self._cut_values = None, None
         self._detach()
+        note_settings(self)  # what the fit derived is the callback's own (lightning_effi.core.settings)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._detach()
+        note_settings(self)
 
     def _detach(self) -> None:
         """The end of a fit, normal or not: the CurriculumDataModule forgets this callback's controller, so a later

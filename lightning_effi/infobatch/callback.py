@@ -67,6 +67,7 @@ from lightning_effi.core.requirements import (
     check_started,
     check_trainer,
 )
+from lightning_effi.core.settings import apply_changed_settings, keeps_settings, note_settings
 from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import find_wrapper, live_fit, wrapper_chain
 from lightning_effi.curriculum.data import THINNED_KEYS, CurriculumDataModule
@@ -408,6 +409,7 @@ class InfoBatchCallback(Callback):
         ),
     )
 
+    @keeps_settings
     def __init__(
         self,
         prune_ratio: float = 0.5,
@@ -511,6 +513,8 @@ class InfoBatchCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # settings set on the callback since it was built (lightning_effi.core.settings)
+            apply_changed_settings(self)
         if stage != "fit":
             return
         check_trainer(trainer)
@@ -802,6 +806,7 @@ class InfoBatchCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
+        note_settings(self)  # what the fit derived is the callback's own (lightning_effi.core.settings)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -824,6 +829,7 @@ class InfoBatchCallback(Callback):
             self._release()
         except Exception as err:  # noqa: BLE001 - on_exception must not replace the fit's exception
             rank_zero_warn(f"InfoBatchCallback: could not undo its changes after the fit raised ({err!r})")
+        note_settings(self)
 
     def _release(self) -> None:
         """The end of a fit, normal or not: the module's ``training_step`` back to what it was (the class's method, or

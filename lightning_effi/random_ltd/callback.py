@@ -109,6 +109,7 @@ from lightning_effi.core.progress import (
 )
 from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
+from lightning_effi.core.settings import apply_changed_settings, keeps_settings, note_settings
 from lightning_effi.core.state import (
     check_coarse_vcycle_resume,
     config_mismatch,
@@ -403,6 +404,7 @@ class RandomLTDCallback(Callback):
         ),
     )
 
+    @keeps_settings
     def __init__(
         self,
         min_value: int = 128,
@@ -643,6 +645,8 @@ class RandomLTDCallback(Callback):
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # settings set on the callback since it was built (lightning_effi.core.settings)
+            apply_changed_settings(self)
         if stage != "fit":
             return
         check_trainer(trainer)
@@ -911,6 +915,7 @@ class RandomLTDCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._release()
+        note_settings(self)  # what the fit derived is the callback's own (lightning_effi.core.settings)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -924,6 +929,7 @@ class RandomLTDCallback(Callback):
                 f"{type(self).__name__}: could not restore the patched layers after the fit raised ({err!r}); "
                 "undo it with lightning_effi.random_ltd.patching.restore_module(module)"
             )
+        note_settings(self)
 
     # ------------------------------------------------------------------------------------------------ model changes
     def effi_before_model_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -43,6 +43,7 @@ from lightning_effi.core.requirements import (
     check_trainer,
     technique_callbacks,
 )
+from lightning_effi.core.settings import apply_changed_settings, keeps_settings, note_settings
 from lightning_effi.core.state import config_mismatch, open_batch_skipped, saving_in_train_batch_end, settings_diff
 from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
@@ -292,6 +293,7 @@ class VCycleCallback(Callback):
         ),
     )
 
+    @keeps_settings
     def __init__(
         self,
         levels: int = 2,
@@ -445,6 +447,8 @@ class VCycleCallback(Callback):
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # settings set on the callback since it was built (lightning_effi.core.settings)
+            apply_changed_settings(self)
         if stage != "fit":
             return
         name = type(self).__name__
@@ -924,6 +928,7 @@ class VCycleCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._release()
+        note_settings(self)  # what the fit derived is the callback's own (lightning_effi.core.settings)
 
     def _explain_shape_error(self, exception: BaseException) -> None:
         """Add a note to a shape or size ``RuntimeError`` raised below level 1 when frozen parameters of the full width
@@ -1024,6 +1029,7 @@ class VCycleCallback(Callback):
                 self._release()
             except Exception as err:  # noqa: BLE001
                 rank_zero_warn(f"{name}: could not remove its resume hooks after the fit raised ({err!r})")
+            note_settings(self)
 
     # ------------------------------------------------------------------------------------------------ training
     @override

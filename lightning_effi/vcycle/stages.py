@@ -264,9 +264,9 @@ def spelled(length: Duration | tuple[Duration, ...] | None) -> Any:
     ``'0.5dur'``), a list for one length per level (the deprecation message, the callback's ``repr``)."""
     if isinstance(length, tuple):
         return [spelled(d) for d in length]
-    if length is None or length.unit != "step":
-        return length if length is None else str(length)
-    return int(length.value)
+    if not isinstance(length, Duration):  # None, or a value set on the callback since (shown as set: repr)
+        return length
+    return int(length.value) if length.unit == "step" else str(length)
 
 
 def _length(

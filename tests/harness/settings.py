@@ -62,9 +62,11 @@ class CallbackSettings:
         trainer_kwargs: any further ``Trainer`` arguments (also used under DDP).
         ignore_state: dotted ``state_dict`` keys left out of state comparisons between runs or ranks (wall times).
         stateful: whether the callback keeps training state (its ``state_dict`` is compared across DDP ranks).
+        changed: constructor settings that change the run, set on the callback's attributes between two fits (a
+            notebook's habit); the second fit must train as a callback built with them (``callback(**changed)``).
     """
 
-    callback: Callable[[], Callback]
+    callback: Callable[..., Callback]
     model: Callable[[], pl.LightningModule]
     datamodule: Callable[[], pl.LightningDataModule]
     steps: int
@@ -73,6 +75,7 @@ class CallbackSettings:
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     ignore_state: tuple[str, ...] = ()
     stateful: bool = True
+    changed: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert 0 < self.resume_step < self.steps, "resume_step must fall inside the run"
@@ -148,43 +151,52 @@ SETTINGS: dict[type[Callback], CallbackSettings] = {
     # tests/infobatch/test_callback.py: 16 samples, batch 4 -> 4 batches in full epochs; E = 3, delta = 2/3: epochs
     # full, prune, full (annealing from epoch 2). The step count is what the seeded run takes (4 + 3 + 4).
     InfoBatchCallback: CallbackSettings(
-        callback=lambda: InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7, momentum=0.5),
+        callback=lambda **kw: InfoBatchCallback(**{**dict(prune_ratio=0.5, delta=0.67, seed=7, momentum=0.5), **kw}),
         model=seeded(tiny_gpt2),
         datamodule=lambda: InfoBatchDataModule(TinyDataModule(TokenBlocks(n=16), batch_size=4)),
         steps=11,
         resume_step=6,
         max_epochs=3,
+        changed=dict(prune_ratio=0.25, seed=3),
     ),
     # 40 samples, batch 4: 10 micro-batches per data epoch; resume while both difficulties still grow
     Curriculum: CallbackSettings(
-        callback=lambda: Curriculum(
-            metrics=CURRICULUM_METRICS, percentile_rounding="proportional", seed=3, total_tokens=1000
+        callback=lambda **kw: Curriculum(
+            **{**dict(metrics=CURRICULUM_METRICS, percentile_rounding="proportional", seed=3, total_tokens=1000), **kw}
         ),
         model=seeded(tiny_gpt2),
         datamodule=lambda: CurriculumDataModule(tiny_lm_data(batch_size=4)),
         steps=6,
         resume_step=3,
         trainer_kwargs=dict(use_distributed_sampler=False),
+        changed=dict(seed=5),  # kept in the callback's config: an attribute set was ignored
     ),
     # tests/random_ltd/test_callback.py: 4 layers (2 LTD layers), r = 4, 8, 12, 16 over the run
     RandomLTDCallback: CallbackSettings(
-        callback=lambda: RandomLTDCallback(
-            min_value=4, max_value=16, require_steps=4, seq_per_step=4, seed=7, accounting="deepspeed"
+        callback=lambda **kw: RandomLTDCallback(
+            **{
+                **dict(min_value=4, max_value=16, require_steps=4, seq_per_step=4, seed=7, accounting="deepspeed"),
+                **kw,
+            }
         ),
         model=seeded(tiny_gpt2, n_layer=4),
         datamodule=lambda: tiny_lm_data(batch_size=4),
         steps=5,
         resume_step=3,
+        changed=dict(require_steps=2, max_value=12),  # resolved attributes of these names: a set was overwritten
     ),
     # tests/vcycle/test_callback.py: level 1 for step 1, level 2 for steps 2-3, level 1 again from step 4: the run
     # crosses both switches; the resume checkpoint (step 2) is inside the small stage (a snapshot is pending)
     VCycleCallback: CallbackSettings(
-        callback=lambda: VCycleCallback(**VCYCLE_STAGES, alpha_original=0.3, lr_multiplier={2: 4.0}),
+        callback=lambda **kw: VCycleCallback(
+            **{**VCYCLE_STAGES, "alpha_original": 0.3, "lr_multiplier": {2: 4.0}, **kw}
+        ),
         model=seeded(tiny_gpt2),
         datamodule=lambda: tiny_lm_data(batch_size=4),
         steps=5,
         resume_step=2,
         ignore_state=("map_seconds",),
+        changed=dict(e_small=1, alpha_original=0.9),  # a parsed duration (repr crashed) and a value set at setup
     ),
 }
 

@@ -86,6 +86,29 @@ def test_fit_twice_carries_no_stale_state(tmp_path_factory, cls, settings):
     assert_nested_equal(second, fresh, "callback state (second fit vs fresh callback)")
 
 
+@pytest.mark.parametrize(
+    ("cls", "settings"), [p for p in entries("test_a_setting_set_between_fits") if p.values[1].changed]
+)
+def test_a_setting_set_between_fits_trains_as_a_callback_built_with_it(tmp_path, cls, settings):
+    """Settings set on the callback's attributes between two fits (``cb.require_steps = 2`` in a notebook cell)
+    train the second fit as a callback built with them: several were overwritten in silence at the next fit (the
+    attribute of that name is derived: random-LTD's ``require_steps``, ``max_value``; the curriculum's ``seed``
+    lives in its config), or crashed the V-cycle's ``repr`` when the Trainer was built (``e_small``)."""
+    cb = settings.callback()
+    settings.fit(tmp_path / "first", cb)
+    for name, value in settings.changed.items():
+        setattr(cb, name, value)
+    assert repr(cb).startswith(f"{cls.__name__}(")
+    second, model = settings.fit(tmp_path / "second", cb)
+    fresh, model_fresh = settings.fit(tmp_path / "fresh", settings.callback(**settings.changed))
+    _, model_unchanged = settings.fit(tmp_path / "unchanged")
+    assert second.global_step == fresh.global_step
+    assert_nested_equal(model.state_dict(), model_fresh.state_dict(), "params (set between fits vs built with it)")
+    assert repr(cb) == repr(settings.callback(**settings.changed))
+    unchanged = model_unchanged.state_dict()
+    assert any(not torch.equal(v, unchanged[k]) for k, v in model.state_dict().items())  # the settings matter
+
+
 # ---------------------------------------------------------------------------------------------------------- resume
 @pytest.mark.parametrize(("cls", "settings"), entries("test_resume_equals_uninterrupted"))
 def test_resume_equals_uninterrupted(tmp_path, cls, settings):

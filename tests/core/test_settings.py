@@ -1,0 +1,144 @@
+"""Constructor settings set on a callback after it was built (``lightning_effi.core.settings``): taken at the next
+fit as if built with them, refused there with the constructor's error, never overwritten in silence."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_effi import Curriculum, CurriculumDataModule, InfoBatchCallback, RandomLTDCallback, VCycleCallback
+from lightning_effi.core.settings import apply_changed_settings, changed_settings, keeps_settings, note_settings
+from tests.helpers.harness import make_trainer
+from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+
+class Toy:
+    @keeps_settings
+    def __init__(self, steps: int | str = 4, ratio: float = 0.5, **deprecated: Any) -> None:
+        if isinstance(steps, str):
+            steps = int(steps.removesuffix("ba"))  # parsed: the attribute is not the argument as given
+        if steps < 1:
+            raise ValueError(f"Toy.steps must be an int >= 1, got {steps!r}")
+        self.steps, self.ratio, self.deprecated = steps, float(ratio), deprecated
+        self.derived: int | None = None
+        self.runs = 0  # runtime state the constructor sets
+
+
+class OwnToy(Toy):
+    def __init__(self, note: str = "") -> None:
+        super().__init__(steps="3ba")
+        self.note = note
+
+
+def test_nothing_set_is_nothing_changed_and_a_fits_own_writes_are_noted():
+    toy = Toy(steps="4ba", old=1)
+    assert changed_settings(toy) == {} and apply_changed_settings(toy) == {}
+    toy.steps, toy.runs = 9, 5  # the fit resolves a setting's attribute and counts
+    note_settings(toy)  # its end
+    assert changed_settings(toy) == {} and apply_changed_settings(toy) == {} and toy.runs == 5
+
+
+def test_a_setting_set_builds_it_again_keeping_other_settings_and_a_subclass_attributes():
+    toy = OwnToy(note="mine")
+    toy.runs = 7
+    toy.ratio = 0.25
+    assert changed_settings(toy) == {"ratio": 0.25}
+    assert apply_changed_settings(toy) == {"ratio": 0.25}
+    assert (toy.steps, toy.ratio, toy.runs, toy.note) == (3, 0.25, 0, "mine")  # built again: state from scratch
+    assert changed_settings(toy) == {}
+    toy.deprecated = {"old": 2}  # a **kwargs argument set as a whole
+    apply_changed_settings(toy)
+    assert toy.deprecated == {"old": 2} and toy.ratio == 0.25
+
+
+def test_an_attribute_of_an_arguments_name_that_the_object_never_had_is_a_setting():
+    class Guarded:
+        @keeps_settings
+        def __init__(self, policy: str = "raise") -> None:
+            self.guard = policy  # kept under another name
+
+    obj = Guarded()
+    obj.policy = "skip"
+    assert changed_settings(obj) == {"policy": "skip"}
+    apply_changed_settings(obj)
+    assert obj.guard == "skip"
+
+
+def test_a_refused_setting_raises_the_constructors_error_and_leaves_the_object_as_it_was():
+    toy = Toy(steps=4)
+    toy.runs = 3
+    toy.steps = 0
+    before = dict(vars(toy))
+    with pytest.raises(ValueError, match=r"^Toy.steps must be an int >= 1, got 0\n") as info:
+        apply_changed_settings(toy)
+    assert "steps=0 was set on the callback after it was built" in info.value.__notes__[0]
+    assert vars(toy) == before
+
+
+def test_a_pickled_copy_has_nothing_changed():
+    """``ddp_spawn`` pickles the callback: equal plain values are not settings set (floats are copied)."""
+    toy = Toy(steps=4, ratio=0.3)
+    copy = pickle.loads(pickle.dumps(toy))
+    assert changed_settings(copy) == {}
+
+
+def _fit(root: Path, callback: pl.Callback, **kwargs: Any) -> pl.Trainer:
+    pl.seed_everything(0)
+    trainer = make_trainer(root, [callback], max_steps=4, **kwargs)
+    datamodule = tiny_lm_data(batch_size=4)
+    if isinstance(callback, Curriculum):
+        datamodule = CurriculumDataModule(datamodule)
+    trainer.fit(tiny_gpt2(n_layer=4), datamodule=datamodule)
+    return trainer
+
+
+METRICS = {
+    "seqlen_truncate": dict(
+        difficulty_type="value",
+        clustering_type="single_cluster",
+        min_difficulty=4,
+        max_difficulty=16,
+        schedule_type="fixed_linear",
+        schedule_config=dict(total_curriculum_step=4, difficulty_step=2),
+    )
+}
+REFUSED = [
+    (lambda: RandomLTDCallback(min_value=4, seq_per_step=4), "min_value", 0, r"RandomLTDCallback.min_value must be"),
+    (lambda: RandomLTDCallback(min_value=4, seq_per_step=4), "layer_ids", "1", r"RandomLTDCallback.layer_ids must"),
+    (lambda: VCycleCallback(e_a=1, e_small=2), "levels", 3, r"VCycleCallback: levels=3 requires up_leg"),
+    (lambda: VCycleCallback(e_a=1, e_small=2), "alpha_original", 5.0, r"alpha_original"),
+    (lambda: InfoBatchCallback(num_epochs=2), "prune_ratio", 1.5, r"InfoBatchCallback.prune_ratio"),
+    (lambda: Curriculum(metrics=METRICS), "seed", -1, r"seed"),
+]
+
+
+@pytest.mark.parametrize(("build", "name", "value", "words"), REFUSED, ids=[f"{r[1]}={r[2]!r}" for r in REFUSED])
+def test_a_bad_setting_set_after_building_is_refused_at_the_next_fit_naming_it(tmp_path, build, name, value, words):
+    """A value the constructor refuses, set on the attribute afterwards, was accepted and failed later with an
+    unrelated error (``vc.levels = 3``: an IndexError mid-fit; ``vc.alpha_original = 5.0``: refused 37 steps into
+    the fit) or trained in silence: now the fit's setup refuses it with the constructor's error, before a step."""
+    callback = build()
+    setattr(callback, name, value)
+    trainer = make_trainer(tmp_path, [callback], max_steps=4, max_epochs=2)
+    with pytest.raises(ValueError, match=words) as info:
+        datamodule = tiny_lm_data(batch_size=4)
+        if isinstance(callback, Curriculum):
+            datamodule = CurriculumDataModule(datamodule)
+        trainer.fit(tiny_gpt2(n_layer=4), datamodule=datamodule)
+    assert f"{name}={value!r} was set on the callback after it was built" in " ".join(info.value.__notes__)
+    assert trainer.global_step == 0
+
+
+def test_a_vcycle_shows_a_stage_length_set_on_it_as_set(tmp_path):
+    """``vc.e_small = '0.2dur'`` made ``repr`` raise AttributeError ('str' object has no attribute 'unit'), and with
+    it ``pl.Trainer(callbacks=[vc])``, which formats its arguments."""
+    vc = VCycleCallback(e_a=1, e_small=2)
+    vc.e_small = "0.5dur"
+    assert "e_small='0.5dur'" in repr(vc)
+    trainer = _fit(tmp_path, vc)
+    assert "e_small='0.5dur'" in repr(vc) and trainer.global_step == 4
+    assert vc.stages == [(1, 1), (2, 2)]  # e_a = 1 step, e_small = 0.5 of the 4 steps
