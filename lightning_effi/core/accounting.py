@@ -93,7 +93,7 @@ from typing_extensions import override
 
 from lightning_effi.core.batch import unwrap
 from lightning_effi.core.checks import check_bool, check_int, is_int, is_real
-from lightning_effi.core.compat import rebuild_train_loader_after_restore
+from lightning_effi.core.compat import logging_step, rebuild_train_loader_after_restore
 from lightning_effi.core.console import print_block
 from lightning_effi.core.measure import (
     CallRecord,
@@ -2236,8 +2236,8 @@ class EfficiencyMonitor(Callback):
         metrics = {"effi/" + k.replace("time_", "time/"): v for k, v in t.items() if k != "batches"}
         metrics.update({"effi/" + k: v for k, v in self.savings(t).items()})
         metrics.update(nonfinite_metrics(trainer.callbacks))  # type: ignore[attr-defined]  # {} if one asks "raise"
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        for logger in trainer.loggers:  # in the rows of the module's own metrics of this batch (qa88-sweeps 02)
+            logger.log_metrics(metrics, step=logging_step(trainer))
         return t
 
     @staticmethod

@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy
 __all__ = [
     "SUPPORTED_LIGHTNING",
     "lightning_version_supported",
+    "logging_step",
     "optimizers_to_device",
     "rebuild_train_loader_after_restore",
     "restart_next_epoch_at_its_start",
@@ -59,6 +60,17 @@ def runs_in_spawned_processes(trainer: pl.Trainer) -> bool:
     ``ddp_notebook``: Lightning's ``_MultiProcessingLauncher``): the callbacks of the launching process then see
     nothing of the fit."""
     return type(getattr(trainer.strategy, "launcher", None)).__name__ == "_MultiProcessingLauncher"
+
+
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning writes ``LightningModule.log`` values at (its fit loop's ``_batches_that_stepped``: within a
+    training batch's hooks and the validation after it, the batches that stepped before it, so ``global_step - 1``
+    under automatic optimization; at an epoch's end, all of them). Metrics written to the loggers directly at this
+    step land in the same rows as the module's ``train/loss`` and ``val/loss`` of that batch. ``global_step`` outside
+    a fit loop (a Trainer stand-in without one)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return int(step) if isinstance(step, int) else int(trainer.global_step)
 
 
 def uses_distributed_sampler(trainer: pl.Trainer) -> bool:

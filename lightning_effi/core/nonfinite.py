@@ -144,8 +144,10 @@ class NonFiniteLossGuard:
             return
         if not (metrics := nonfinite_metrics(trainer.callbacks)):
             return
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=int(trainer.global_step))
+        from lightning_effi.core.compat import logging_step  # Lightning's internals, read where they are needed
+
+        for logger in trainer.loggers:  # in the rows of the module's own metrics of this batch
+            logger.log_metrics(metrics, step=logging_step(trainer))
 
     def report(self) -> str | None:
         """The end-of-fit line (``None`` when no non-finite loss was seen)."""

@@ -54,7 +54,11 @@ from typing_extensions import override
 from lightning_effi.core.accounting import Baseline
 from lightning_effi.core.batch import batch_meta
 from lightning_effi.core.checks import check_bool, check_int, check_real, is_int
-from lightning_effi.core.compat import rebuild_train_loader_after_restore, restart_next_epoch_at_its_start
+from lightning_effi.core.compat import (
+    logging_step,
+    rebuild_train_loader_after_restore,
+    restart_next_epoch_at_its_start,
+)
 from lightning_effi.core.features import optimized_parameters
 from lightning_effi.core.lr_schedules import refresh_progress_schedules
 from lightning_effi.core.measure import find_batch_size, row_tokens
@@ -1928,7 +1932,7 @@ class InfoBatchCallback(Callback):
         if h["kind"] == "prune" and math.isfinite(h["threshold"]):  # a full epoch has none (no NaN in a CSV column)
             metrics["effi/infobatch/threshold"] = h["threshold"]
         for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
-            logger.log_metrics(metrics, step=pl_module.trainer.global_step)
+            logger.log_metrics(metrics, step=logging_step(pl_module.trainer))
 
     def _log_thinned_epoch(self, pl_module: pl.LightningModule) -> None:
         h, n = self.history[-1], self.dataset_size
@@ -1944,7 +1948,7 @@ class InfoBatchCallback(Callback):
         if math.isfinite(h["threshold"]):  # epoch 0 has no scores yet (no NaN in a CSV column)
             metrics["effi/infobatch/threshold"] = h["threshold"]
         for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
-            logger.log_metrics(metrics, step=pl_module.trainer.global_step)
+            logger.log_metrics(metrics, step=logging_step(pl_module.trainer))
 
     def _nonfinite_metrics(self) -> dict[str, float]:
         """``effi/nonfinite_losses`` (the run's non-finite training losses so far) when every technique of the run

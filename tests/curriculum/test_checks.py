@@ -456,8 +456,8 @@ def test_warn_counts_each_nan_step_logs_and_reports_it(tmp_path, caplog):
     assert trainer.global_step == 6
     assert curriculum.state_dict()["nonfinite_loss"] == {"count": 2, "first_step": 2}
     # the running count, once per step (written straight to the loggers by the checking guard)
-    # (logged after each optimizer step: the global step is already the next one)
-    assert capture.series("effi/nonfinite_losses") == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0), (5, 2.0), (6, 2.0)]
+    # (in each batch's row of the module's own metrics: Lightning's logging step, the batches that stepped before it)
+    assert capture.series("effi/nonfinite_losses") == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0)]
     assert "Curriculum: 2 non-finite training losses (the first at step 2)" in caplog.text
 
 

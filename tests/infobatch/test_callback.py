@@ -4,6 +4,7 @@ validation, requirements and metadata (no processes except the DDP test)."""
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import warnings
@@ -203,8 +204,7 @@ def test_repr_round_trips():
         "per_sample_loss=None, nonfinite_loss='raise')"
     )
     # every constructor argument appears, and numpy numbers are stored as plain Python numbers
-    code = InfoBatchCallback.__init__.__code__
-    names = list(code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount])
+    names = list(inspect.signature(InfoBatchCallback).parameters)
     assert [part.split("=")[0] for part in repr(cb)[len("InfoBatchCallback(") : -1].split(", ")] == names
     numpy_cb = InfoBatchCallback(prune_ratio=np.float32(0.5), num_epochs=np.int64(8), seed=np.int64(3))
     again = eval(repr(numpy_cb), {"InfoBatchCallback": InfoBatchCallback})

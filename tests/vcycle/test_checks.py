@@ -371,7 +371,7 @@ def test_nan_loss_warn_counts_logs_and_reports(tmp_path, monkeypatch):
         trainer, _ = fit(tmp_path, [cb], 6, model=nan_model(2, 4), trainer=dict(logger=capture))
     assert trainer.global_step == 6 and cb.switches == 2 and cb.level == 1
     assert (cb.nonfinite_guard.count, cb.nonfinite_guard.first_step) == (2, 2)
-    assert capture.series("effi/nonfinite_losses")[-1] == (6, 2.0)  # after the last optimizer step
+    assert capture.series("effi/nonfinite_losses")[-1] == (5, 2.0)  # the last batch's row (Lightning's logging step)
     assert infos.count("VCycleCallback: 2 non-finite training losses (the first at step 2)") == 1
     assert cb.state_dict()["nonfinite_loss"] == {"count": 2, "first_step": 2}
     assert repr(cb).endswith("nonfinite_loss='warn', unrelated_params=[])")
