@@ -8,6 +8,7 @@ Entry point: ``python experiments/train.py [overrides]`` (see ``conf/train.yaml`
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -15,7 +16,7 @@ import pickle
 import sys
 import typing
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,60 @@ def check_launcher(trainer: pl.Trainer) -> None:
             "stay in the workers); use trainer=ddp (trainer.strategy=ddp: the script runs once per rank, and rank 0 "
             "writes result.json)"
         )
+
+
+#: Hydra's command-line flags that choose the config, kept (with their value) in the command of the other ranks
+CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
+def rank_command(argv: Sequence[str], hydra_overrides: Sequence[str], task_overrides: Sequence[str]) -> list[str]:
+    """The command line that runs one job of a Hydra sweep on its own (``hydra.mode=RUN``): the script, the flags
+    choosing the config (:data:`CONFIG_FLAGS`), the job's Hydra overrides but its mode, and its task overrides (the
+    sweep's values for this job: ``seed=1``, an Optuna trial's ``callbacks.random_ltd.min_value=32``). ``-m`` and
+    the sweep's own overrides (``seed=0,1``) are left out."""
+    flags: list[str] = []
+    rest = list(argv[1:])
+    while rest:
+        arg = rest.pop(0)
+        name = arg.split("=", 1)[0]
+        if name in CONFIG_FLAGS:
+            flags.append(arg)
+            if "=" not in arg and rest:
+                flags.append(rest.pop(0))
+    hydra = [o for o in hydra_overrides if not o.lstrip("+~").startswith("hydra.mode=")]
+    return [argv[0], *flags, *hydra, *task_overrides, "hydra.mode=RUN"]
+
+
+@contextlib.contextmanager
+def relaunch_this_job(trainer: pl.Trainer) -> Iterator[None]:
+    """Within a Hydra sweep (``-m``, or a sweep config's ``hydra.mode: MULTIRUN``), make ``trainer=ddp`` start its
+    other ranks on this job. Lightning starts them by running this script again with ``sys.argv`` and
+    ``hydra.run.dir=<hydra.run.dir>`` (``_hydra_subprocess_cmd``): each rank ran a sweep of its own (its own Optuna
+    study, whose trial could draw other settings than rank 0's in the same DDP job; its own sweep folder). Here
+    ``sys.argv`` is :func:`rank_command` of this job and ``hydra.run.dir`` its folder while the Trainer launches,
+    both put back after. Nothing changes outside a sweep, or for a strategy that starts no script."""
+    from lightning_effi.core.compat import launches_rank_scripts
+
+    if not HydraConfig.initialized() or not launches_rank_scripts(trainer):
+        yield
+        return
+    from hydra.types import RunMode
+    from omegaconf import read_write
+
+    hydra = HydraConfig.get()
+    if hydra.mode != RunMode.MULTIRUN:
+        yield
+        return
+    argv, run_dir = sys.argv, hydra.run.dir
+    sys.argv = rank_command(argv, list(hydra.overrides.hydra), list(hydra.overrides.task))
+    with read_write(hydra), open_dict(hydra):
+        hydra.run.dir = hydra.runtime.output_dir
+    try:
+        yield
+    finally:
+        sys.argv = argv
+        with read_write(hydra), open_dict(hydra):
+            hydra.run.dir = run_dir
 
 
 def check_testable(model: pl.LightningModule, datamodule: pl.LightningDataModule | None) -> None:
@@ -596,23 +651,25 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # Hydra's own part: see .hydra/
         OmegaConf.save(job_cfg, output_dir / "config.yaml", resolve=True)
 
-    if cfg.get("train", True):
-        started = next(c for c in trainer.callbacks if isinstance(c, TrainingStarted))  # type: ignore[attr-defined]
-        try:
-            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-        except (ValueError, TypeError, MisconfigurationException) as err:
-            if started.started or isinstance(err, ConfigError):
-                raise
-            # raised while setting up (callback/strategy checks, configure_optimizers, a resume's checks), before
-            # this fit's first training batch
-            raise ConfigError(str(err)) from err
-    metrics = scalar_metrics(dict(trainer.callback_metrics))
-    if cfg.get("test", False):
-        # without a fit, test the weights of ckpt_path (lightning-hydra-template's eval); after one, the final weights
-        weights = None if cfg.get("train", True) else cfg.get("ckpt_path")
-        test_results = trainer.test(model, datamodule=datamodule, ckpt_path=weights, verbose=False)
-        for results in test_results:
-            metrics.update(scalar_metrics(results))
+    with relaunch_this_job(trainer):  # trainer=ddp in a sweep: the other ranks run this job, not a sweep of theirs
+        if cfg.get("train", True):
+            started = next(c for c in trainer.callbacks if isinstance(c, TrainingStarted))  # type: ignore[attr-defined]
+            try:
+                trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            except (ValueError, TypeError, MisconfigurationException) as err:
+                if started.started or isinstance(err, ConfigError):
+                    raise
+                # raised while setting up (callback/strategy checks, configure_optimizers, a resume's checks), before
+                # this fit's first training batch
+                raise ConfigError(str(err)) from err
+        metrics = scalar_metrics(dict(trainer.callback_metrics))
+        if cfg.get("test", False):
+            # without a fit, test the weights of ckpt_path (lightning-hydra-template's eval); after one, the final
+            # weights
+            weights = None if cfg.get("train", True) else cfg.get("ckpt_path")
+            test_results = trainer.test(model, datamodule=datamodule, ckpt_path=weights, verbose=False)
+            for results in test_results:
+                metrics.update(scalar_metrics(results))
 
     techniques = techniques_of(cfg.get("callbacks"), trainer.callbacks)  # type: ignore[attr-defined]
     budget = cfg.get("budget", 1.0)
@@ -646,6 +703,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def main(cfg: DictConfig) -> float:
     """Hydra task function: :func:`run`, with configuration mistakes reported as one line (exit status 1).
     Returns :func:`objective` (by default the optimized metric) for sweepers."""
+    environment = {key: os.environ.get(key) for key in DDP_ENVIRONMENT}
     try:
         try:
             result = run(cfg)
@@ -658,6 +716,30 @@ def main(cfg: DictConfig) -> float:
         raise SystemExit(f"error: {exc}\n(set EFFI_FULL_ERROR=1 for the traceback)") from None
     finally:
         _finish_wandb()
+        _end_job_processes(environment)
+
+
+#: what Lightning's DDP launcher sets in the launching process's environment for the ranks it starts
+DDP_ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK")
+
+
+def _end_job_processes(environment: Mapping[str, str | None]) -> None:
+    """The end of a job of a Hydra sweep trained with ``trainer=ddp``: end its process group and put back the
+    environment the launcher set, so that the next job starts its own ranks (:func:`relaunch_this_job`). Lightning
+    keeps a process group for the life of the process: the next job's rank 0 kept the last job's, whose rank 1 had
+    exited, and the next rank 1 could not join it."""
+    if not HydraConfig.initialized():
+        return
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode != RunMode.MULTIRUN or not torch.distributed.is_initialized():
+        return
+    torch.distributed.destroy_process_group()
+    for key, value in environment.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _user_error_of(exc: InterpolationResolutionError) -> ConfigError | None:

@@ -255,3 +255,43 @@ def test_a_spawning_strategy_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match=r"^trainer\.strategy: a fit in spawned processes .*use trainer=ddp "):
         run(compose_train(["trainer=ddp_sim"], tmp_path))
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "result.json").exists()
+
+
+def test_the_command_of_a_sweeps_other_ranks_runs_its_job_alone():
+    """``trainer=ddp`` in a sweep: Lightning starts rank 1 with this script's ``sys.argv``, so it ran a sweep of its
+    own (qa88-sweeps 04). The command given instead keeps the config flags and the job's overrides, and runs it in
+    RUN mode."""
+    from lightning_effi.train import rank_command
+
+    argv = ["train.py", "-m", "--config-name", "train", "-cp=/conf", "seed=0,1", "+sweep=optuna_random_ltd"]
+    hydra = ["hydra.sweeper.n_trials=2", "hydra.mode=MULTIRUN", "hydra.searchpath=[file:///mine]"]
+    task = ["seed=1", "+sweep=optuna_random_ltd", "callbacks.random_ltd.min_value=32"]
+    assert rank_command(argv, hydra, task) == [
+        "train.py",
+        "--config-name",
+        "train",
+        "-cp=/conf",
+        "hydra.sweeper.n_trials=2",
+        "hydra.searchpath=[file:///mine]",
+        "seed=1",
+        "+sweep=optuna_random_ltd",
+        "callbacks.random_ltd.min_value=32",
+        "hydra.mode=RUN",
+    ]
+
+
+def test_ddp_in_a_sweep_runs_each_job_on_both_ranks_and_one_sweep(tmp_path):
+    """``-m seed=0,1 trainer=ddp``: rank 1 ran the whole sweep again (a second sweep folder; with Optuna, a study of
+    its own whose trials could train other settings than rank 0's in the same DDP job, qa88-sweeps 04). Now each job's
+    rank 1 runs that job, writing its log in the job's folder, and there is one sweep."""
+    done = run_train_script(
+        ["-m", "seed=0,1", "trainer=ddp", "debug=limit", f"paths.log_dir={tmp_path}/logs", "test=false"],
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweeps = sorted((tmp_path / "logs").glob("*/multiruns/*"))
+    assert len(sweeps) == 1, sweeps
+    for job, seed in (("0", 0), ("1", 1)):
+        record = json.loads((sweeps[0] / job / "result.json").read_text())
+        assert record["seed"] == seed and record["efficiency"]["optimizer_steps"] > 0
+        assert (sweeps[0] / job / "train_ddp_process_1.log").exists()  # rank 1 ran in the job's folder

@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 __all__ = [
     "SUPPORTED_LIGHTNING",
+    "launches_rank_scripts",
     "lightning_version_supported",
     "logging_step",
     "optimizers_to_device",
@@ -71,6 +72,17 @@ def logging_step(trainer: pl.Trainer) -> int:
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     step = getattr(loop, "_batches_that_stepped", None)
     return int(step) if isinstance(step, int) else int(trainer.global_step)
+
+
+def launches_rank_scripts(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer starts its other ranks by running the launching script again (``strategy=ddp`` over
+    several local processes: Lightning's ``_SubprocessScriptLauncher``, which under Hydra builds their command from
+    ``sys.argv`` and ``HydraConfig.get().run.dir``)."""
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if type(launcher).__name__ != "_SubprocessScriptLauncher":
+        return False
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    return not getattr(environment, "creates_processes_externally", False) and trainer.num_devices > 1
 
 
 def uses_distributed_sampler(trainer: pl.Trainer) -> bool:
