@@ -5,7 +5,7 @@ constructor's own error.
 A technique callback turns several constructor arguments into derived attributes of the same name (random-LTD's
 ``max_value`` and ``require_steps`` are resolved from the run; the V-cycle's ``e_small`` is a parsed duration), so a
 value set on that attribute was overwritten in silence at the next fit, or crashed an unrelated method (the
-V-cycle's ``repr``, which Lightning calls when a Trainer is built). :func:`keeps_settings` records the arguments a
+V-cycle's ``repr``, which Lightning calls when a Trainer is built). :func:`keep_settings` records the arguments a
 callback was built with and a snapshot of the attributes of those names; :func:`apply_changed_settings`, called at
 the start of the callback's ``setup("fit")``, finds the attributes the user set since (a value that differs from the
 snapshot, or an attribute of an argument's name that the callback never had, e.g. ``nonfinite_loss``), and runs the
@@ -15,35 +15,26 @@ and ``on_exception``), takes the snapshot again, so the values a fit derived are
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-__all__ = ["apply_changed_settings", "changed_settings", "keeps_settings", "note_settings"]
+__all__ = ["apply_changed_settings", "changed_settings", "given_settings", "keep_settings", "note_settings"]
 
-_RECORD = "_effi_settings"  # (the arguments as given, {name: the attribute's value when last noted})
-_F = TypeVar("_F", bound=Callable[..., None])
+_RECORD = "_effi_settings"  # (the class, the arguments as given, {name: the attribute's value when last noted})
 
 
-def keeps_settings(init: _F) -> _F:
-    """Decorate a callback's ``__init__``: after it returns, record the arguments it was called with (defaults
-    filled in) and the attributes of the same names. A subclass's ``super().__init__(...)`` is recorded with the
-    arguments it passes."""
-    signature = inspect.signature(init)
+def given_settings(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's arguments, from ``locals()`` read as the first statement of ``__init__`` (before any is
+    rebound), without ``self``: ``given = given_settings(locals())``. Read there rather than by a decorator, which
+    would add a frame between the caller and the constructor's warnings (their ``stacklevel``)."""
+    return {name: value for name, value in arguments.items() if name not in ("self", "__class__")}
 
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        given = dict(bound.arguments)
-        given.pop(next(iter(signature.parameters)))  # self
-        self.__dict__[_RECORD] = (given, _snapshot(self, given))
 
-    __init__._keeps_settings = True  # type: ignore[attr-defined]
-    return __init__  # type: ignore[return-value]
+def keep_settings(obj: Any, owner: type, given: dict[str, Any]) -> None:
+    """The last statement of ``owner.__init__``: record the arguments it was called with (:func:`given_settings`)
+    and the attributes of the same names, which :func:`apply_changed_settings` compares with."""
+    obj.__dict__[_RECORD] = (owner, given, _snapshot(obj, given))
 
 
 def _snapshot(obj: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +61,7 @@ def changed_settings(obj: Any) -> dict[str, Any]:
     record = obj.__dict__.get(_RECORD)
     if record is None:
         return {}
-    given, seen = record
+    _, given, seen = record
     return {
         name: obj.__dict__[name]
         for name in given
@@ -82,16 +73,7 @@ def note_settings(obj: Any) -> None:
     """Take the snapshot again (the end of a fit: what it derived is the callback's own, not a user's setting)."""
     record = obj.__dict__.get(_RECORD)
     if record is not None:
-        obj.__dict__[_RECORD] = (record[0], _snapshot(obj, record[0]))
-
-
-def _constructor(cls: type) -> tuple[Callable[..., None], inspect.Signature]:
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is not None and getattr(init, "_keeps_settings", False):
-            original = init.__wrapped__
-            return original, inspect.signature(original)
-    raise TypeError(f"{cls.__name__} has no constructor decorated with keeps_settings")
+        obj.__dict__[_RECORD] = (record[0], record[1], _snapshot(obj, record[1]))
 
 
 def apply_changed_settings(obj: Any) -> dict[str, Any]:
@@ -107,8 +89,8 @@ def apply_changed_settings(obj: Any) -> dict[str, Any]:
     changed = changed_settings(obj)
     if not changed:
         return {}
-    init, signature = _constructor(type(obj))
-    given = obj.__dict__[_RECORD][0]
+    owner, given, _ = obj.__dict__[_RECORD]
+    signature = inspect.signature(owner.__init__)
     settings = {**given, **changed}
     args, kwargs = [], {}
     for name, parameter in list(signature.parameters.items())[1:]:
@@ -123,7 +105,7 @@ def apply_changed_settings(obj: Any) -> dict[str, Any]:
     before = dict(obj.__dict__)
     obj.__dict__.clear()
     try:
-        init(obj, *args, **kwargs)
+        owner.__init__(obj, *args, **kwargs)  # records the settings again (keep_settings)
     except Exception as err:
         obj.__dict__.clear()
         obj.__dict__.update(before)
@@ -135,5 +117,4 @@ def apply_changed_settings(obj: Any) -> dict[str, Any]:
         raise
     for name, value in before.items():
         obj.__dict__.setdefault(name, value)  # a subclass's own attributes
-    obj.__dict__[_RECORD] = (settings, _snapshot(obj, settings))
     return changed

@@ -28,7 +28,7 @@ from lightning_effi.core.measure import tensor_leaves, token_source
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import BatchesPerStep, accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
-from lightning_effi.core.settings import apply_changed_settings, keeps_settings, note_settings
+from lightning_effi.core.settings import apply_changed_settings, given_settings, keep_settings, note_settings
 from lightning_effi.core.state import (
     check_coarse_vcycle_resume,
     config_mismatch,
@@ -225,7 +225,6 @@ class Curriculum(Callback):
         ),
     )
 
-    @keeps_settings
     def __init__(
         self,
         metrics: Mapping[str, Any] | None = None,
@@ -245,6 +244,7 @@ class Curriculum(Callback):
         nonfinite_loss: str = "raise",
         analysis_collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
+        given = given_settings(locals())  # first: the arguments as given (lightning_effi.core.settings)
         super().__init__()
         self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, nonfinite_loss)
         self.config: CurriculumConfig | None = None
@@ -310,6 +310,7 @@ class Curriculum(Callback):
         self._cut_axes: dict[Any, tuple[int, ...]] | None = None
         self._cut_mask_path: tuple[Any, ...] | None = None
         self._cut_values: dict[Any, torch.Tensor] | None = None
+        keep_settings(self, Curriculum, given)
 
     @classmethod
     def from_config(cls, config: CurriculumConfig, **kwargs: Any) -> Curriculum:

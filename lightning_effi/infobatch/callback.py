@@ -71,7 +71,7 @@ from lightning_effi.core.requirements import (
     check_started,
     check_trainer,
 )
-from lightning_effi.core.settings import apply_changed_settings, keeps_settings, note_settings
+from lightning_effi.core.settings import apply_changed_settings, given_settings, keep_settings, note_settings
 from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import find_wrapper, live_fit, wrapper_chain
 from lightning_effi.curriculum.data import THINNED_KEYS, CurriculumDataModule
@@ -413,7 +413,6 @@ class InfoBatchCallback(Callback):
         ),
     )
 
-    @keeps_settings
     def __init__(
         self,
         prune_ratio: float = 0.5,
@@ -425,6 +424,7 @@ class InfoBatchCallback(Callback):
         per_sample_loss: Callable[..., Any] | None = None,
         nonfinite_loss: str = "raise",
     ) -> None:
+        given = given_settings(locals())  # first: the arguments as given (lightning_effi.core.settings)
         try:
             ib.validate_hparams(prune_ratio, delta, num_epochs)
         except (ValueError, TypeError) as err:
@@ -494,6 +494,7 @@ class InfoBatchCallback(Callback):
         # initial weights, or warmed up later)
         self._loss_mismatch_warned = False
         self._mixed_warned = False  # the class-probability targets warning (once per callback)
+        keep_settings(self, InfoBatchCallback, given)
 
     def __repr__(self) -> str:
         fn = self.per_sample_loss

@@ -109,7 +109,7 @@ from lightning_effi.core.progress import (
 )
 from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
-from lightning_effi.core.settings import apply_changed_settings, keeps_settings, note_settings
+from lightning_effi.core.settings import apply_changed_settings, given_settings, keep_settings, note_settings
 from lightning_effi.core.state import (
     check_coarse_vcycle_resume,
     config_mismatch,
@@ -404,7 +404,6 @@ class RandomLTDCallback(Callback):
         ),
     )
 
-    @keeps_settings
     def __init__(
         self,
         min_value: int = 128,
@@ -422,6 +421,7 @@ class RandomLTDCallback(Callback):
         model_attr: str | None = None,
         nonfinite_loss: str = "raise",
     ) -> None:
+        given = given_settings(locals())  # first: the arguments as given (lightning_effi.core.settings)
         name = type(self).__name__
         self.nonfinite_guard = NonFiniteLossGuard(name, nonfinite_loss)
         #: durations resolved in batches, checked against the first batch's optimizer steps (manual optimization)
@@ -518,6 +518,7 @@ class RandomLTDCallback(Callback):
         self._active = False  # between setup("fit") and the end of that fit (teardown or on_exception)
         self._running: Any = None  # live_fit of the fit in progress, stored on every patch it makes
         self._reset_progress()
+        keep_settings(self, RandomLTDCallback, given)
 
     def _reset_progress(self) -> None:
         """A new fit starts from step 0 with no tokens consumed (a resumed one restores these from its checkpoint)."""

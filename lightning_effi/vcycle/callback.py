@@ -43,7 +43,7 @@ from lightning_effi.core.requirements import (
     check_trainer,
     technique_callbacks,
 )
-from lightning_effi.core.settings import apply_changed_settings, keeps_settings, note_settings
+from lightning_effi.core.settings import apply_changed_settings, given_settings, keep_settings, note_settings
 from lightning_effi.core.state import config_mismatch, open_batch_skipped, saving_in_train_batch_end, settings_diff
 from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
@@ -293,7 +293,6 @@ class VCycleCallback(Callback):
         ),
     )
 
-    @keeps_settings
     def __init__(
         self,
         levels: int = 2,
@@ -314,6 +313,7 @@ class VCycleCallback(Callback):
         unrelated_params: Sequence[str] = (),
         **deprecated: Any,
     ) -> None:
+        given = given_settings(locals())  # first: the arguments as given (lightning_effi.core.settings)
         name = type(self).__name__
         self.nonfinite_guard = NonFiniteLossGuard(name, nonfinite_loss)  # checks the policy first
         #: durations resolved in batches, checked against the first batch's optimizer steps (manual optimization)
@@ -356,6 +356,7 @@ class VCycleCallback(Callback):
         self._stack = LevelStack(self.levels, name)  # the models of the levels: plans, parked modules, snapshots
         self.nonfinite_loss: str = self.nonfinite_guard.policy
         self._reset_progress()
+        keep_settings(self, VCycleCallback, given)
 
     def _reset_progress(self) -> None:
         """A fresh cycle: a new fit with this callback starts from the first stage (a resumed fit then loads the

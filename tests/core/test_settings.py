@@ -11,14 +11,20 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_effi import Curriculum, CurriculumDataModule, InfoBatchCallback, RandomLTDCallback, VCycleCallback
-from lightning_effi.core.settings import apply_changed_settings, changed_settings, keeps_settings, note_settings
+from lightning_effi.core.settings import (
+    apply_changed_settings,
+    changed_settings,
+    given_settings,
+    keep_settings,
+    note_settings,
+)
 from tests.helpers.harness import make_trainer
 from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
 
 
 class Toy:
-    @keeps_settings
     def __init__(self, steps: int | str = 4, ratio: float = 0.5, **deprecated: Any) -> None:
+        given = given_settings(locals())
         if isinstance(steps, str):
             steps = int(steps.removesuffix("ba"))  # parsed: the attribute is not the argument as given
         if steps < 1:
@@ -26,6 +32,7 @@ class Toy:
         self.steps, self.ratio, self.deprecated = steps, float(ratio), deprecated
         self.derived: int | None = None
         self.runs = 0  # runtime state the constructor sets
+        keep_settings(self, Toy, given)
 
 
 class OwnToy(Toy):
@@ -57,9 +64,10 @@ def test_a_setting_set_builds_it_again_keeping_other_settings_and_a_subclass_att
 
 def test_an_attribute_of_an_arguments_name_that_the_object_never_had_is_a_setting():
     class Guarded:
-        @keeps_settings
         def __init__(self, policy: str = "raise") -> None:
+            given = given_settings(locals())
             self.guard = policy  # kept under another name
+            keep_settings(self, Guarded, given)
 
     obj = Guarded()
     obj.policy = "skip"
