@@ -266,38 +266,16 @@ def _same_dataset(a: Any, b: Any) -> bool:
     return False
 
 
-#: the most entries of a container whose items :class:`_Same` also compares (a list of samples kept on the
-#: DataModule is compared by identity only beyond it)
-SAME_ITEMS_MAX = 10_000
-
-
 class _Same:
-    """A value compared by identity (``a == b`` is ``a is b``), holding it so its id is not reused. A ``dict`` or a
-    ``list`` (an ``AttributeDict`` of nested hyperparameters, a config dict) is also compared by the identity of its
-    keys and items, one level down, up to :data:`SAME_ITEMS_MAX` of them: a setting made in place
-    (``trainer.datamodule.cfg["scale"] = 2``, ``hparams.aug.scale = 2``) keeps the container and changes an item.
-    Not an OmegaConf ``DictConfig``, which may build its values anew at each read."""
+    """A value compared by identity (``a == b`` is ``a is b``), holding it so its id is not reused."""
 
-    __slots__ = ("items", "keys", "value")
+    __slots__ = ("value",)
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        self.keys: tuple[Any, ...] | None = None
-        self.items: tuple[Any, ...] | None = None
-        if isinstance(value, dict) and len(value) <= SAME_ITEMS_MAX:
-            self.keys, self.items = tuple(value.keys()), tuple(value.values())
-        elif isinstance(value, list) and len(value) <= SAME_ITEMS_MAX:
-            self.items = tuple(value)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Same) or other.value is not self.value:
-            return False
-        if self.items is None or other.items is None:
-            return self.items is other.items
-        if len(self.items) != len(other.items) or (self.keys is None) != (other.keys is None):
-            return False
-        same_keys = self.keys is None or all(a is b for a, b in zip(self.keys, other.keys or (), strict=True))
-        return same_keys and all(a is b for a, b in zip(self.items, other.items, strict=True))
+        return isinstance(other, _Same) and other.value is self.value
 
     __hash__ = None  # type: ignore[assignment]
 

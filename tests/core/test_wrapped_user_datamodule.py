@@ -233,66 +233,6 @@ class SetsThroughHparams(SetsInSetup):
         super().setup(stage)
 
 
-class NestedData(RebuiltData):
-    """Reads its collate's scale from a dict attribute ``cfg`` and a nested hyperparameter ``aug``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.save_hyperparameters({"aug": {"scale": 1}})
-        self.cfg = {"scale": 1}
-
-    def train_dataloader(self) -> DataLoader:
-        loader = super().train_dataloader()
-        scale = self.cfg["scale"] * self.hparams.aug["scale"]
-
-        def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-            ids, labels = torch.utils.data.default_collate(samples)
-            return ids * scale, labels
-
-        return DataLoader(loader.dataset, batch_size=loader.batch_size, collate_fn=collate)
-
-
-class SetsInPlace(SetsInSetup):
-    def __init__(self, where: str) -> None:
-        super().__init__()
-        self.where = where
-
-    def setup(self, stage: str) -> None:
-        dm = self.trainer.datamodule
-        (dm.cfg if self.where == "attribute" else dm.hparams.aug)["scale"] = 2  # in place: the dict is kept
-        super().setup(stage)
-
-
-@pytest.mark.parametrize("where", ["attribute", "hparams"])
-def test_a_setting_made_in_place_in_a_dict_of_the_datamodule_is_trained_with(tmp_path, where):
-    """A setting handed over by changing an item of a dict the DataModule holds (``dm.cfg["scale"] = 2``,
-    ``dm.hparams.aug["scale"] = 2``) keeps the dict object: the loader was not read again and the fit trained the
-    loader read before the setting in silence (undoubled ids)."""
-    pl.seed_everything(0)
-    callback = InfoBatchCallback(prune_ratio=0.5, delta=0.75)
-    dm = callback.wrap_datamodule(NestedData())
-    model = SetsInPlace(where)
-    make_trainer(tmp_path, [callback], max_epochs=2).fit(model, datamodule=dm)
-    assert len(model.largest) >= 4
-    assert all(value % 2 == 0 for value in model.largest) and max(model.largest) > 30  # every batch's ids doubled
-
-
-def test_settings_snapshots_compare_containers_one_level_down():
-    """The snapshot of a DataModule's settings: a dict or list compared by the identity of its items, beyond
-    SAME_ITEMS_MAX by its own identity only; a list of 2-tuples is compared as a list, never as dict pairs."""
-    from lightning_effi.core.wrapping import SAME_ITEMS_MAX, _Same
-
-    cfg, samples, big = {"scale": 1}, [(torch.ones(2), torch.zeros(2))], list(range(SAME_ITEMS_MAX + 1))
-    before = [_Same(cfg), _Same(samples), _Same(big), _Same(3)]
-    assert before == [_Same(cfg), _Same(samples), _Same(big), _Same(3)]
-    cfg["scale"], big[0] = 2, -1
-    samples.append((torch.ones(2), torch.ones(2)))
-    assert [a == b for a, b in zip(before, [_Same(cfg), _Same(samples), _Same(big), _Same(3)])] == [
-        False, False, True, True
-    ]  # fmt: skip
-    assert _Same({"a": 1}) != _Same({"a": 1})  # another dict: identity first
-
-
 def _double(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     ids, labels = torch.utils.data.default_collate(samples)
     return ids * 2, labels
