@@ -6,22 +6,33 @@ A technique callback turns several constructor arguments into derived attributes
 ``max_value`` and ``require_steps`` are resolved from the run; the V-cycle's ``e_small`` is a parsed duration), so a
 value set on that attribute was overwritten in silence at the next fit, or crashed an unrelated method (the
 V-cycle's ``repr``, which Lightning calls when a Trainer is built). :func:`keep_settings` records the arguments a
-callback was built with and a snapshot of the attributes of those names; :func:`apply_changed_settings`, called at
-the start of the callback's ``setup("fit")``, finds the attributes the user set since (a value that differs from the
-snapshot, or an attribute of an argument's name that the callback never had, e.g. ``nonfinite_loss``), and runs the
-constructor again on the same object with them. :func:`note_settings`, called at the end of every fit (``teardown``
-and ``on_exception``), takes the snapshot again, so the values a fit derived are not read as the user's.
+callback was built with; :class:`KeepsSettings` (a base of the technique callbacks) notes an attribute of an
+argument's name set from outside this package (the user's code: a notebook cell, a script, another callback), and
+:func:`apply_changed_settings`, called at the start of the callback's ``setup("fit")``, runs the constructor again on
+the same object with what was set. The callback's own writes (a fit deriving ``max_value``) are not noted: they come
+from this package's code. A noted setting stays noted until a fit's setup takes it (a ``validate`` or a failed fit in
+between does not drop it), and one the constructor refuses is refused at every fit until it is set right.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-import math
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
-__all__ = ["apply_changed_settings", "changed_settings", "given_settings", "keep_settings", "note_settings"]
+__all__ = ["KeepsSettings", "apply_changed_settings", "changed_settings", "given_settings", "keep_settings"]
 
-_RECORD = "_effi_settings"  # (the class, the arguments as given, {name: the attribute's value when last noted})
+_RECORD = "_effi_settings"  # (the class, the arguments as given, {name: value set from outside the package})
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # lightning_effi/
+
+
+@functools.lru_cache(maxsize=512)
+def _inside_package(filename: str) -> bool:
+    """Whether code of ``filename`` is this package's (its writes are the callback's own)."""
+    return os.path.realpath(filename).startswith(_PACKAGE)
 
 
 def given_settings(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -32,56 +43,36 @@ def given_settings(arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 def keep_settings(obj: Any, owner: type, given: dict[str, Any]) -> None:
-    """The last statement of ``owner.__init__``: record the arguments it was called with (:func:`given_settings`)
-    and the attributes of the same names, which :func:`apply_changed_settings` compares with."""
-    obj.__dict__[_RECORD] = (owner, given, _snapshot(obj, given))
+    """The last statement of ``owner.__init__``: record the arguments it was called with (:func:`given_settings`; a
+    deprecated spelling given as its replacement), with no setting noted yet."""
+    obj.__dict__[_RECORD] = (owner, given, {})
 
 
-def _snapshot(obj: Any, given: dict[str, Any]) -> dict[str, Any]:
-    return {name: obj.__dict__[name] for name in given if name in obj.__dict__}
+class KeepsSettings:
+    """A base of the technique callbacks: an attribute named as a constructor argument, set from code outside
+    ``lightning_effi`` (the callback's own writes come from inside), is noted as a setting for the next fit
+    (:func:`apply_changed_settings`)."""
 
-
-def _same(a: Any, b: Any) -> bool:
-    """The value noted and the value now: the same object, or equal plain values (an int, a float (NaN equal to
-    NaN), a str, a bool, None, a tuple of them): a callback that was pickled (``ddp_spawn``) has copies."""
-    if a is b:
-        return True
-    plain = (int, float, str, bool, type(None), tuple)
-    if type(a) is not type(b) or not isinstance(a, plain):
-        return False
-    if isinstance(a, tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float) and math.isnan(a):
-        return math.isnan(b)
-    return bool(a == b)
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        record = self.__dict__.get(_RECORD)
+        if record is not None and name in record[1] and not _inside_package(sys._getframe(1).f_code.co_filename):
+            record[2][name] = value
 
 
 def changed_settings(obj: Any) -> dict[str, Any]:
-    """The constructor arguments set on ``obj`` as attributes since they were last noted: ``{name: value}``."""
+    """The constructor arguments set on ``obj`` as attributes from outside the package since it was (last) built:
+    ``{name: value}``, the last value set of each."""
     record = obj.__dict__.get(_RECORD)
-    if record is None:
-        return {}
-    _, given, seen = record
-    return {
-        name: obj.__dict__[name]
-        for name in given
-        if name in obj.__dict__ and (name not in seen or not _same(obj.__dict__[name], seen[name]))
-    }
-
-
-def note_settings(obj: Any) -> None:
-    """Take the snapshot again (the end of a fit: what it derived is the callback's own, not a user's setting)."""
-    record = obj.__dict__.get(_RECORD)
-    if record is not None:
-        obj.__dict__[_RECORD] = (record[0], record[1], _snapshot(obj, record[1]))
+    return {} if record is None else dict(record[2])
 
 
 def apply_changed_settings(obj: Any) -> dict[str, Any]:
-    """Build ``obj`` again, in place, with the constructor arguments set on it as attributes since they were noted
+    """Build ``obj`` again, in place, with the constructor arguments set on it as attributes since it was built
     (:func:`changed_settings`), the others as it was built with: the constructor checks them (its error, with a note
     naming what was set, propagates, and ``obj`` is left as it was) and derives its attributes from them. Attributes
     the constructor does not set (a subclass's own) are kept. Call at the start of ``setup("fit")``, before anything
-    reads the settings. Returns what was set (``{}``: nothing, ``obj`` untouched).
+    reads the settings. Returns what was set (``{}``: nothing, ``obj`` untouched); a refused setting stays noted.
 
     Raises:
         ValueError, TypeError: the constructor's, for a value it refuses.

@@ -28,7 +28,7 @@ from lightning_effi.core.measure import tensor_leaves, token_source
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import BatchesPerStep, accumulate_grad_batches_at, run_length
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
-from lightning_effi.core.settings import apply_changed_settings, given_settings, keep_settings, note_settings
+from lightning_effi.core.settings import KeepsSettings, apply_changed_settings, given_settings, keep_settings
 from lightning_effi.core.state import (
     check_coarse_vcycle_resume,
     config_mismatch,
@@ -74,7 +74,7 @@ def _metric_arguments(metric: MetricConfig) -> dict[str, Any]:
     return out
 
 
-class Curriculum(Callback):
+class Curriculum(KeepsSettings, Callback):
     """Curriculum learning: each optimizer step trains on a global batch drawn from the samples whose difficulty the
     schedule allows, and ``seqlen_truncate``/``seqlen_reshape`` shorten the batches early in training.
 
@@ -911,13 +911,11 @@ class Curriculum(Callback):
         self._full_length, self._cut_mask, self._cut_left, self._cut_axes = None, None, False, None
         self._cut_mask_path, self._cut_values = None, None
         self._detach()
-        note_settings(self)  # what the fit derived is the callback's own (lightning_effi.core.settings)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._detach()
-        note_settings(self)
 
     def _detach(self) -> None:
         """The end of a fit, normal or not: the CurriculumDataModule forgets this callback's controller, so a later

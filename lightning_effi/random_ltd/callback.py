@@ -109,7 +109,7 @@ from lightning_effi.core.progress import (
 )
 from lightning_effi.core.protocols import PlansModelChanges, ProvidesProgressClock
 from lightning_effi.core.requirements import BATCH_STRUCTURES, Requirements, check_started, check_trainer
-from lightning_effi.core.settings import apply_changed_settings, given_settings, keep_settings, note_settings
+from lightning_effi.core.settings import KeepsSettings, apply_changed_settings, given_settings, keep_settings
 from lightning_effi.core.state import (
     check_coarse_vcycle_resume,
     config_mismatch,
@@ -242,7 +242,7 @@ def _padded(batch: Any) -> bool:
 _OFFSET_TOKENS = 2
 
 
-class RandomLTDCallback(Callback):
+class RandomLTDCallback(KeepsSettings, Callback):
     """Random-LTD: selected layers process a random sorted subset of ``r`` tokens per sample in training.
 
     Args:
@@ -518,6 +518,8 @@ class RandomLTDCallback(Callback):
         self._active = False  # between setup("fit") and the end of that fit (teardown or on_exception)
         self._running: Any = None  # live_fit of the fit in progress, stored on every patch it makes
         self._reset_progress()
+        # a deprecated require_fraction as require_steps: one set on the callback later rebuilds it with that one alone
+        given.update(require_steps=self.require_steps_given, require_fraction=None)
         keep_settings(self, RandomLTDCallback, given)
 
     def _reset_progress(self) -> None:
@@ -916,7 +918,6 @@ class RandomLTDCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._release()
-        note_settings(self)  # what the fit derived is the callback's own (lightning_effi.core.settings)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -930,7 +931,6 @@ class RandomLTDCallback(Callback):
                 f"{type(self).__name__}: could not restore the patched layers after the fit raised ({err!r}); "
                 "undo it with lightning_effi.random_ltd.patching.restore_module(module)"
             )
-        note_settings(self)
 
     # ------------------------------------------------------------------------------------------------ model changes
     def effi_before_model_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

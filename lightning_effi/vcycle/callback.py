@@ -43,7 +43,7 @@ from lightning_effi.core.requirements import (
     check_trainer,
     technique_callbacks,
 )
-from lightning_effi.core.settings import apply_changed_settings, given_settings, keep_settings, note_settings
+from lightning_effi.core.settings import KeepsSettings, apply_changed_settings, given_settings, keep_settings
 from lightning_effi.core.state import config_mismatch, open_batch_skipped, saving_in_train_batch_end, settings_diff
 from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
@@ -111,7 +111,7 @@ _PRUNING_WHY = (
 )
 
 
-class VCycleCallback(Callback):
+class VCycleCallback(KeepsSettings, Callback):
     """The multi-level V-cycle inside one ``trainer.fit`` (Zou et al., ICLR 2024; details in the method card).
 
     Level 1 (the full model) trains for ``e_a``, is coalesced, level 2 trains for ``e_a``, ... level K for
@@ -356,6 +356,10 @@ class VCycleCallback(Callback):
         self._stack = LevelStack(self.levels, name)  # the models of the levels: plans, parked modules, snapshots
         self.nonfinite_loss: str = self.nonfinite_guard.policy
         self._reset_progress()
+        # the lengths as the new spelling gives them (a deprecated e_a_steps=1 is e_a=1): a length set on the callback
+        # later rebuilds it with that one alone
+        given.update(e_a=S.spelled(self.e_a), e_small=S.spelled(self.e_small), up_leg=S.spelled(self.up_leg))
+        given["deprecated"] = {}
         keep_settings(self, VCycleCallback, given)
 
     def _reset_progress(self) -> None:
@@ -929,7 +933,6 @@ class VCycleCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._release()
-        note_settings(self)  # what the fit derived is the callback's own (lightning_effi.core.settings)
 
     def _explain_shape_error(self, exception: BaseException) -> None:
         """Add a note to a shape or size ``RuntimeError`` raised below level 1 when frozen parameters of the full width
@@ -1030,7 +1033,6 @@ class VCycleCallback(Callback):
                 self._release()
             except Exception as err:  # noqa: BLE001
                 rank_zero_warn(f"{name}: could not remove its resume hooks after the fit raised ({err!r})")
-            note_settings(self)
 
     # ------------------------------------------------------------------------------------------------ training
     @override

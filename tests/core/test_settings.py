@@ -12,17 +12,17 @@ import pytest
 
 from lightning_effi import Curriculum, CurriculumDataModule, InfoBatchCallback, RandomLTDCallback, VCycleCallback
 from lightning_effi.core.settings import (
+    KeepsSettings,
     apply_changed_settings,
     changed_settings,
     given_settings,
     keep_settings,
-    note_settings,
 )
 from tests.helpers.harness import make_trainer
 from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
 
 
-class Toy:
+class Toy(KeepsSettings):
     def __init__(self, steps: int | str = 4, ratio: float = 0.5, **deprecated: Any) -> None:
         given = given_settings(locals())
         if isinstance(steps, str):
@@ -41,12 +41,12 @@ class OwnToy(Toy):
         self.note = note
 
 
-def test_nothing_set_is_nothing_changed_and_a_fits_own_writes_are_noted():
+def test_nothing_set_is_nothing_changed_and_the_callbacks_own_writes_are_not_settings(tmp_path):
     toy = Toy(steps="4ba", old=1)
     assert changed_settings(toy) == {} and apply_changed_settings(toy) == {}
-    toy.steps, toy.runs = 9, 5  # the fit resolves a setting's attribute and counts
-    note_settings(toy)  # its end
-    assert changed_settings(toy) == {} and apply_changed_settings(toy) == {} and toy.runs == 5
+    ltd = RandomLTDCallback(min_value=4, seq_per_step=4)  # max_value, require_steps, layer_ids: derived by the fit
+    _fit(tmp_path, ltd)
+    assert ltd.max_value == 16 and ltd.require_steps == 4 and changed_settings(ltd) == {}
 
 
 def test_a_setting_set_builds_it_again_keeping_other_settings_and_a_subclass_attributes():
@@ -63,7 +63,7 @@ def test_a_setting_set_builds_it_again_keeping_other_settings_and_a_subclass_att
 
 
 def test_an_attribute_of_an_arguments_name_that_the_object_never_had_is_a_setting():
-    class Guarded:
+    class Guarded(KeepsSettings):
         def __init__(self, policy: str = "raise") -> None:
             given = given_settings(locals())
             self.guard = policy  # kept under another name
@@ -84,7 +84,9 @@ def test_a_refused_setting_raises_the_constructors_error_and_leaves_the_object_a
     with pytest.raises(ValueError, match=r"^Toy.steps must be an int >= 1, got 0\n") as info:
         apply_changed_settings(toy)
     assert "steps=0 was set on the callback after it was built" in info.value.__notes__[0]
-    assert vars(toy) == before
+    assert vars(toy) == before and changed_settings(toy) == {"steps": 0}
+    with pytest.raises(ValueError, match=r"^Toy.steps must be an int >= 1"):  # a second try: refused again
+        apply_changed_settings(toy)
 
 
 def test_a_pickled_copy_has_nothing_changed():
@@ -94,9 +96,9 @@ def test_a_pickled_copy_has_nothing_changed():
     assert changed_settings(copy) == {}
 
 
-def _fit(root: Path, callback: pl.Callback, **kwargs: Any) -> pl.Trainer:
+def _fit(root: Path, callback: pl.Callback, extra: list[pl.Callback] | None = None, **kwargs: Any) -> pl.Trainer:
     pl.seed_everything(0)
-    trainer = make_trainer(root, [callback], max_steps=4, **kwargs)
+    trainer = make_trainer(root, [callback, *(extra or [])], max_steps=4, **kwargs)
     datamodule = tiny_lm_data(batch_size=4)
     if isinstance(callback, Curriculum):
         datamodule = CurriculumDataModule(datamodule)
@@ -131,14 +133,15 @@ def test_a_bad_setting_set_after_building_is_refused_at_the_next_fit_naming_it(t
     the fit) or trained in silence: now the fit's setup refuses it with the constructor's error, before a step."""
     callback = build()
     setattr(callback, name, value)
-    trainer = make_trainer(tmp_path, [callback], max_steps=4, max_epochs=2)
-    with pytest.raises(ValueError, match=words) as info:
-        datamodule = tiny_lm_data(batch_size=4)
-        if isinstance(callback, Curriculum):
-            datamodule = CurriculumDataModule(datamodule)
-        trainer.fit(tiny_gpt2(n_layer=4), datamodule=datamodule)
-    assert f"{name}={value!r} was set on the callback after it was built" in " ".join(info.value.__notes__)
-    assert trainer.global_step == 0
+    for _ in range(2):  # a rerun of the cell: refused again (the failed fit kept the setting noted)
+        trainer = make_trainer(tmp_path, [callback], max_steps=4, max_epochs=2)
+        with pytest.raises(ValueError, match=words) as info:
+            datamodule = tiny_lm_data(batch_size=4)
+            if isinstance(callback, Curriculum):
+                datamodule = CurriculumDataModule(datamodule)
+            trainer.fit(tiny_gpt2(n_layer=4), datamodule=datamodule)
+        assert f"{name}={value!r} was set on the callback after it was built" in " ".join(info.value.__notes__)
+        assert trainer.global_step == 0
 
 
 def test_a_vcycle_shows_a_stage_length_set_on_it_as_set(tmp_path):
@@ -150,3 +153,70 @@ def test_a_vcycle_shows_a_stage_length_set_on_it_as_set(tmp_path):
     trainer = _fit(tmp_path, vc)
     assert "e_small='0.5dur'" in repr(vc) and trainer.global_step == 4
     assert vc.stages == [(1, 1), (2, 2)]  # e_a = 1 step, e_small = 0.5 of the 4 steps
+
+
+class SetsDuringFit(pl.Callback):
+    def __init__(self, target: pl.Callback, **settings: Any) -> None:
+        self.target, self.settings = target, settings
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        for name, value in self.settings.items():
+            setattr(self.target, name, value)
+
+
+def _layer_tokens(root: Path, ltd: RandomLTDCallback, **kwargs: Any) -> int:
+    _fit(root, ltd, **kwargs)
+    return ltd.consumed_layer_tokens
+
+
+def test_a_setting_waits_for_the_next_fit_through_a_validate_a_failed_fit_or_a_fit_it_was_set_in(tmp_path):
+    """A setting noted on random-LTD is taken by the next fit that reaches its setup: a ``trainer.validate()`` in
+    between, a fit that failed before the callback's setup, and the fit during which another callback set it, each
+    retook a snapshot that held the unapplied value, and the next fit trained the old setting in silence
+    (qa89-break 01, 02, 06; qa89-regress 03)."""
+    expected = _layer_tokens(tmp_path / "built", RandomLTDCallback(min_value=4, seq_per_step=4, require_steps=2))
+    assert expected != _layer_tokens(tmp_path / "old", RandomLTDCallback(min_value=4, seq_per_step=4))
+
+    ltd = RandomLTDCallback(min_value=4, seq_per_step=4)
+    ltd.require_steps = 2
+    make_trainer(tmp_path / "v", [ltd], limit_val_batches=1).validate(tiny_gpt2(n_layer=4), tiny_lm_data(batch_size=4))
+    assert _layer_tokens(tmp_path / "after_validate", ltd) == expected
+
+    ltd = RandomLTDCallback(min_value=4, seq_per_step=4)
+    ltd.require_steps = 2
+
+    broken = tiny_lm_data(batch_size=4)
+
+    def no_data(stage: str) -> None:
+        raise RuntimeError("no data here")
+
+    broken.setup = no_data  # the DataModule's setup fails: before the callback's
+    with pytest.raises(RuntimeError, match="no data here"):
+        make_trainer(tmp_path / "f", [ltd], max_steps=4).fit(tiny_gpt2(n_layer=4), datamodule=broken)
+    assert _layer_tokens(tmp_path / "after_failure", ltd) == expected
+
+    ltd = RandomLTDCallback(min_value=4, seq_per_step=4)
+    _fit(tmp_path / "during", ltd, extra=[SetsDuringFit(ltd, require_steps=2)])
+    assert changed_settings(ltd) == {"require_steps": 2}
+    assert _layer_tokens(tmp_path / "after_during", ltd) == expected
+
+
+def test_a_setting_equal_to_a_value_the_fit_derived_is_a_setting(tmp_path):
+    """``max_value=None`` is derived by a fit (16, the data's length); pinning ``max_value = 16`` afterwards was read
+    as nothing set (the value the fit left), and the next fit derived it again (qa89-break 10)."""
+    ltd = RandomLTDCallback(min_value=4, seq_per_step=4)
+    _fit(tmp_path / "first", ltd)
+    assert ltd.max_value == 16 and ltd.max_value_arg is None
+    ltd.max_value = 16
+    _fit(tmp_path / "second", ltd)
+    assert ltd.max_value_arg == 16 and "max_value=16" in repr(ltd)
+
+
+def test_a_length_set_on_a_vcycle_built_with_a_deprecated_spelling_replaces_it(tmp_path):
+    """``VCycleCallback(e_a_steps=1)`` then ``vc.e_a = 3``: the rebuild passed the deprecated e_a_steps beside e_a and
+    was refused ("not e_a and e_a_steps", qa89-break 09). The callback records the lengths in the new spelling."""
+    with pytest.warns(DeprecationWarning, match="e_a_steps is deprecated"):
+        vc = VCycleCallback(e_a_steps=1, e_small=1)
+    vc.e_a = 2
+    trainer = _fit(tmp_path, vc)
+    assert trainer.global_step == 4 and vc.stages == [(1, 2), (2, 1)] and "e_a=2" in repr(vc)
