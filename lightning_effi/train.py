@@ -704,9 +704,11 @@ def main(cfg: DictConfig) -> float:
     """Hydra task function: :func:`run`, with configuration mistakes reported as one line (exit status 1).
     Returns :func:`objective` (by default the optimized metric) for sweepers."""
     environment = {key: os.environ.get(key) for key in DDP_ENVIRONMENT}
+    failed = True
     try:
         try:
             result = run(cfg)
+            failed = False
             return objective(cfg, result)
         except InterpolationResolutionError as exc:
             raise _user_error_of(exc) or exc from exc
@@ -716,25 +718,31 @@ def main(cfg: DictConfig) -> float:
         raise SystemExit(f"error: {exc}\n(set EFFI_FULL_ERROR=1 for the traceback)") from None
     finally:
         _finish_wandb()
-        _end_job_processes(environment)
+        _end_job_processes(environment, failed)
 
 
 #: what Lightning's DDP launcher sets in the launching process's environment for the ranks it starts
 DDP_ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK")
 
 
-def _end_job_processes(environment: Mapping[str, str | None]) -> None:
-    """The end of a job of a Hydra sweep trained with ``trainer=ddp``: end its process group and put back the
-    environment the launcher set, so that the next job starts its own ranks (:func:`relaunch_this_job`). Lightning
-    keeps a process group for the life of the process: the next job's rank 0 kept the last job's, whose rank 1 had
-    exited, and the next rank 1 could not join it."""
+def _end_job_processes(environment: Mapping[str, str | None], failed: bool) -> None:
+    """The end of a job of a Hydra sweep trained with ``trainer=ddp``: end its rank processes and their watchdog
+    (:func:`~lightning_effi.core.compat.end_rank_processes`; after a ``failed`` job the watchdog killed this process
+    while it trained the next job, and the next job's rank 1 hung), its process group, and put back the environment
+    the launcher set, so that the next job starts its own ranks (:func:`relaunch_this_job`). Lightning keeps a
+    process group for the life of the process: the next job's rank 0 kept the last job's, whose rank 1 had exited,
+    and the next rank 1 could not join it."""
     if not HydraConfig.initialized():
         return
     from hydra.types import RunMode
 
-    if HydraConfig.get().mode != RunMode.MULTIRUN or not torch.distributed.is_initialized():
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
         return
-    torch.distributed.destroy_process_group()
+    from lightning_effi.core.compat import end_rank_processes
+
+    end_rank_processes(failed)  # none when the job started no ranks
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     for key, value in environment.items():
         if value is None:
             os.environ.pop(key, None)

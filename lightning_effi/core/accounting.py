@@ -613,7 +613,7 @@ class EfficiencyMonitor(Callback):
         self._bar_names: dict[str, str] = {}
         self._warned_skip = False  # a batch skipped by its training_step was warned of
         self._warned_forward_only = False  # a forward-only epoch (SWA's batch-norm update) was warned of
-        self._logged_step: int | None = None  # trainer.global_step of the last log
+        self._logged_step: int | None = None  # the logging step (core.compat.logging_step) of the last log
         self._eval_start: float | None = None
         self._fit_start: float | None = None
         #: (id of the Trainer, its global_step) at the end of the last fit this monitor counted completely
@@ -2120,12 +2120,15 @@ class EfficiencyMonitor(Callback):
             states = self._last_states if last is not None and last["step"] == trainer.global_step else None
             if states := states or schedule_states(trainer):
                 self._add_schedule(self._point(trainer, totals) | states)
+            # the row of this validation's val/loss holds the compute trained before it (an epoch-end validation's
+            # row is not an epoch end's, nor a logging step's; qa89-break 03, 08)
+            self._log(trainer, pl_module, totals)
         self._mark = self._now(pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._logged_step != trainer.global_step:  # not logged at this step already (one row per step)
-            self._log(trainer, pl_module)
+        if self._logged_step != logging_step(trainer, epoch_end=True):  # the epoch's last row, if not logged yet
+            self._log(trainer, pl_module, epoch_end=True)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -2228,16 +2231,30 @@ class EfficiencyMonitor(Callback):
             "train_wall_s": float(totals["time_train"] + totals["time_data"]),
         }
 
-    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
-        t = self.reduced_totals(trainer)
-        self._logged_step = trainer.global_step
+    def _log(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        totals: dict[str, float] | None = None,
+        epoch_end: bool = False,
+    ) -> dict[str, float]:
+        """Write the cumulative totals (``totals``, else summed over the ranks now: every rank calls this) to the
+        loggers at Lightning's logging step (:func:`~lightning_effi.core.compat.logging_step`), once per step: the
+        first writer of a row keeps it. A validation writes the compute trained before it into its row (the row of
+        its ``val/loss``), which a training step ending later at the same logging step (inside an accumulation
+        window) does not overwrite."""
+        t = self.reduced_totals(trainer) if totals is None else totals
+        step = logging_step(trainer, epoch_end)
+        if self._logged_step == step:
+            return t
+        self._logged_step = step
         if not trainer.loggers or not trainer.is_global_zero:
             return t
         metrics = {"effi/" + k.replace("time_", "time/"): v for k, v in t.items() if k != "batches"}
         metrics.update({"effi/" + k: v for k, v in self.savings(t).items()})
         metrics.update(nonfinite_metrics(trainer.callbacks))  # type: ignore[attr-defined]  # {} if one asks "raise"
         for logger in trainer.loggers:  # in the rows of the module's own metrics of this batch (qa88-sweeps 02)
-            logger.log_metrics(metrics, step=logging_step(trainer))
+            logger.log_metrics(metrics, step=step)
         return t
 
     @staticmethod

@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 __all__ = [
     "SUPPORTED_LIGHTNING",
+    "end_rank_processes",
     "launches_rank_scripts",
     "lightning_version_supported",
     "logging_step",
@@ -63,15 +64,42 @@ def runs_in_spawned_processes(trainer: pl.Trainer) -> bool:
     return type(getattr(trainer.strategy, "launcher", None)).__name__ == "_MultiProcessingLauncher"
 
 
-def logging_step(trainer: pl.Trainer) -> int:
-    """The step Lightning writes ``LightningModule.log`` values at (its fit loop's ``_batches_that_stepped``: within a
-    training batch's hooks and the validation after it, the batches that stepped before it, so ``global_step - 1``
-    under automatic optimization; at an epoch's end, all of them). Metrics written to the loggers directly at this
-    step land in the same rows as the module's ``train/loss`` and ``val/loss`` of that batch. ``global_step`` outside
-    a fit loop (a Trainer stand-in without one)."""
+def logging_step(trainer: pl.Trainer, epoch_end: bool = False) -> int:
+    """The step Lightning writes ``LightningModule.log`` values at: its fit loop's ``_batches_that_stepped``, within a
+    training batch's hooks and the validation after it the batches that stepped before it (``global_step - 1`` under
+    automatic optimization). With ``epoch_end`` (called from ``on_train_epoch_end`` or later, when every batch of the
+    epoch has stepped): one less, where Lightning writes the epoch's ``on_epoch`` metrics (``_FitLoop.on_advance_end``
+    lowers the count around that write), the row of the epoch's last batch and of an epoch-end validation. Metrics
+    written to the loggers directly at this step land in the rows of the module's ``train/loss`` and ``val/loss``.
+    ``global_step`` outside a fit loop (a Trainer stand-in without one)."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     step = getattr(loop, "_batches_that_stepped", None)
-    return int(step) if isinstance(step, int) else int(trainer.global_step)
+    step = int(step) if isinstance(step, int) else int(trainer.global_step)
+    return max(step - 1, 0) if epoch_end else step
+
+
+def end_rank_processes(failed: bool, timeout: float = 60.0) -> None:
+    """End the rank processes this process started with ``strategy=ddp`` (Lightning's ``_SubprocessScriptLauncher``)
+    and the watchdog threads that follow them (``_ChildProcessObserver``): a job of a sweep is over, and the next one
+    starts its own. A watchdog left running SIGKILLed this process, by then training the next job, when the ended
+    job's rank 1 exited with an error. Each rank is given ``timeout`` seconds to exit (5 after a ``failed`` job,
+    whose ranks may wait in a collective for ever), then killed."""
+    import subprocess
+    import threading
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    for thread in threading.enumerate():
+        if not isinstance(thread, _ChildProcessObserver):
+            continue
+        thread._run = lambda: True  # type: ignore[method-assign]  # its next poll ends it, killing nothing
+        thread._finished = True
+        for process in thread._child_processes:
+            try:
+                process.wait(timeout=5.0 if failed else timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def launches_rank_scripts(trainer: pl.Trainer) -> bool:

@@ -71,7 +71,7 @@ from lightning_effi.core.requirements import (
     check_started,
     check_trainer,
 )
-from lightning_effi.core.settings import apply_changed_settings, given_settings, keep_settings, note_settings
+from lightning_effi.core.settings import KeepsSettings, apply_changed_settings, given_settings, keep_settings
 from lightning_effi.core.state import check_coarse_vcycle_resume, config_mismatch, other_state_keys, settings_diff
 from lightning_effi.core.wrapping import find_wrapper, live_fit, wrapper_chain
 from lightning_effi.curriculum.data import THINNED_KEYS, CurriculumDataModule
@@ -251,7 +251,7 @@ def weighted_loss(
     return callback.weighted_loss(per_sample_loss, per_sample_score)
 
 
-class InfoBatchCallback(Callback):
+class InfoBatchCallback(KeepsSettings, Callback):
     """InfoBatch (Qin et al., "InfoBatch: Lossless Training Speed Up by Unbiased Dynamic Data Pruning", ICLR 2024,
     Sec. 3 and Algorithm 1; reference: NUS-HPC-AI-Lab/InfoBatch ``infobatch/infobatch.py``).
 
@@ -811,7 +811,6 @@ class InfoBatchCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
-        note_settings(self)  # what the fit derived is the callback's own (lightning_effi.core.settings)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -834,7 +833,6 @@ class InfoBatchCallback(Callback):
             self._release()
         except Exception as err:  # noqa: BLE001 - on_exception must not replace the fit's exception
             rank_zero_warn(f"InfoBatchCallback: could not undo its changes after the fit raised ({err!r})")
-        note_settings(self)
 
     def _release(self) -> None:
         """The end of a fit, normal or not: the module's ``training_step`` back to what it was (the class's method, or
@@ -1933,7 +1931,7 @@ class InfoBatchCallback(Callback):
         if h["kind"] == "prune" and math.isfinite(h["threshold"]):  # a full epoch has none (no NaN in a CSV column)
             metrics["effi/infobatch/threshold"] = h["threshold"]
         for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
-            logger.log_metrics(metrics, step=logging_step(pl_module.trainer))
+            logger.log_metrics(metrics, step=logging_step(pl_module.trainer, epoch_end=True))
 
     def _log_thinned_epoch(self, pl_module: pl.LightningModule) -> None:
         h, n = self.history[-1], self.dataset_size
@@ -1949,7 +1947,7 @@ class InfoBatchCallback(Callback):
         if math.isfinite(h["threshold"]):  # epoch 0 has no scores yet (no NaN in a CSV column)
             metrics["effi/infobatch/threshold"] = h["threshold"]
         for logger in pl_module.loggers if pl_module.trainer.is_global_zero else []:
-            logger.log_metrics(metrics, step=logging_step(pl_module.trainer))
+            logger.log_metrics(metrics, step=logging_step(pl_module.trainer, epoch_end=True))
 
     def _nonfinite_metrics(self) -> dict[str, float]:
         """``effi/nonfinite_losses`` (the run's non-finite training losses so far) when every technique of the run

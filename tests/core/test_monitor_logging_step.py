@@ -4,8 +4,9 @@ and validation: a user plots ``val/loss`` against ``effi/flops`` from TensorBoar
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 
-from lightning_effi import EfficiencyMonitor, RandomLTDCallback
+from lightning_effi import EfficiencyMonitor, InfoBatchCallback, RandomLTDCallback
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from tests.helpers.harness import MetricsCapture, make_trainer
 from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
@@ -60,3 +61,46 @@ def test_the_nonfinite_count_is_written_at_the_modules_logging_step():
     technique.nonfinite_guard.count = 1
     technique.nonfinite_guard.log_count(Trainer([technique], [capture]))
     assert capture.logged == [(6, {"effi/nonfinite_losses": 1.0})]
+
+
+def _val_rows_hold_the_curve(capture: MetricsCapture, monitor: EfficiencyMonitor) -> list[int]:
+    """Each validation's row holds the compute trained before it, as the monitor's curve records it."""
+    val = capture.series("val/loss")
+    samples = {}
+    for step, value in capture.series("effi/samples"):
+        samples.setdefault(step, value)  # the row's first writer
+    assert [samples.get(step) for step, _ in val] == [point["samples"] for point in monitor.curve]
+    return [step for step, _ in val]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_epochs=2, log_every_n_steps=3),  # epoch-end validation, a logging interval that skips its row
+        dict(max_epochs=1, accumulate_grad_batches=2, val_check_interval=3, log_every_n_steps=1),  # mid-window
+    ],
+    ids=["epoch_end", "inside_an_accumulation_window"],
+)
+def test_a_validations_row_holds_the_compute_trained_before_it(tmp_path, kwargs):
+    """An epoch-end validation's row had no effi/* figures (the monitor wrote them one row later, at the epoch's
+    end), and a validation inside an accumulation window shared its row with the figures of the step ending after it
+    (16 samples for 12) (qa89-break 03, 08; qa89-regress 02)."""
+    pl.seed_everything(0)
+    capture = MetricsCapture()
+    monitor = EfficiencyMonitor(print_summary=False)
+    trainer = make_trainer(tmp_path, [monitor], logger=capture, limit_val_batches=1, **kwargs)
+    trainer.fit(tiny_gpt2(n_layer=2), datamodule=tiny_lm_data(batch_size=4))
+    assert len(_val_rows_hold_the_curve(capture, monitor)) >= 2
+
+
+def test_infobatch_writes_an_epochs_figures_in_the_row_of_its_epoch_end_validation(tmp_path):
+    """InfoBatch's per-epoch metrics land in the row of the epoch's last batch, where Lightning writes the epoch's
+    metrics and its epoch-end validation (they were one row later)."""
+    pl.seed_everything(0)
+    capture = MetricsCapture()
+    monitor, ib = EfficiencyMonitor(print_summary=False), InfoBatchCallback(prune_ratio=0.5, delta=0.75)
+    trainer = make_trainer(tmp_path, [monitor, ib], logger=capture, max_epochs=3, limit_val_batches=1)
+    trainer.fit(tiny_gpt2(n_layer=2), datamodule=ib.wrap_datamodule(tiny_lm_data(batch_size=4)))
+    val_steps = _val_rows_hold_the_curve(capture, monitor)
+    epoch_rows = [step for step, _ in capture.series("effi/infobatch/saved_samples_epoch")]
+    assert epoch_rows[: len(val_steps)] == val_steps

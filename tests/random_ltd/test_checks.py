@@ -795,8 +795,8 @@ def test_warn_counts_each_nan_step_logs_reports_and_resumes_exactly(tmp_path, ca
     with pytest.warns(UserWarning, match=r"RandomLTDCallback: the training loss is nan at step 1 \(nonfinite_loss="):
         trainer, cb, logged = fit(tmp_path / "full")
     assert trainer.global_step == 5 and (cb.nonfinite_guard.count, cb.nonfinite_guard.first_step) == (2, 1)
-    # logged after each optimizer step (the logger's step = steps taken): NaN losses at steps 1 and 3
-    assert logged == [(1, 0.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0)]
+    # logged in each batch's row (Lightning's logging step: the steps taken before it): NaN losses at steps 1 and 3
+    assert logged == [(0, 0.0), (1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0)]
     assert "RandomLTDCallback: 2 non-finite training losses (the first at step 1)" in caplog.text
     ckpt = next((tmp_path / "ck").glob("*step=2.ckpt"))
     saved = torch.load(ckpt, weights_only=True)["callbacks"]
