@@ -18,6 +18,7 @@ from lightning_effi.core.settings import (
     given_settings,
     keep_settings,
 )
+from tests.harness.settings import CURRICULUM_METRICS
 from tests.helpers.harness import make_trainer
 from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
 
@@ -106,16 +107,7 @@ def _fit(root: Path, callback: pl.Callback, extra: list[pl.Callback] | None = No
     return trainer
 
 
-METRICS = {
-    "seqlen_truncate": dict(
-        difficulty_type="value",
-        clustering_type="single_cluster",
-        min_difficulty=4,
-        max_difficulty=16,
-        schedule_type="fixed_linear",
-        schedule_config=dict(total_curriculum_step=4, difficulty_step=2),
-    )
-}
+METRICS = {"seqlen_truncate": CURRICULUM_METRICS["seqlen_truncate"]}  # the harness's
 REFUSED = [
     (lambda: RandomLTDCallback(min_value=4, seq_per_step=4), "min_value", 0, r"RandomLTDCallback.min_value must be"),
     (lambda: RandomLTDCallback(min_value=4, seq_per_step=4), "layer_ids", "1", r"RandomLTDCallback.layer_ids must"),
