@@ -84,6 +84,7 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, 
     if cfg.get("optimized_metric"):
         callbacks.append(MetricCheck(cfg.optimized_metric))
     callbacks.append(TrainingStarted())
+    callbacks.append(LogRunSettings(run_params(cfg, callbacks)))
     trainer = instantiate(cfg.trainer, key="trainer", callbacks=callbacks, logger=loggers or False)
     return datamodule, model, trainer
 
@@ -97,6 +98,46 @@ class TrainingStarted(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self.started = True
+
+
+def run_params(cfg: DictConfig, callbacks: Sequence[object] = ()) -> dict[str, Any]:
+    """The run's settings as logger hyperparameters, ``{"run": {...}}``: ``task_name``, ``seed``, ``arm`` (as in
+    result.json: ``cfg.arm``, else ``"baseline"`` without a technique or the techniques' names joined by ``+``),
+    ``budget``, ``overrides`` (Hydra's task overrides, space-separated as on the command line) and ``techniques``
+    (:func:`techniques_of`). Lightning's loggers flatten them to ``run/seed``, ``run/techniques/random_ltd/min_value``
+    ... (MLflow params, TensorBoard and CSV ``hparams.yaml``, the W&B run's config), so that the trials of a sweep
+    logging into one MLflow store or W&B project can be told apart, and filtered, by their settings."""
+    techniques = techniques_of(cfg.get("callbacks"), callbacks)
+    arm = cfg.get("arm") or ("+".join(sorted(techniques)) if techniques else "baseline")
+    budget = cfg.get("budget", 1.0)
+    return {
+        "run": {
+            "task_name": cfg.get("task_name"),
+            "seed": cfg.get("seed"),
+            "arm": str(arm),
+            "budget": float(budget) if budget is not None else 1.0,
+            "overrides": " ".join(_overrides()),
+            "techniques": techniques,
+        }
+    }
+
+
+class LogRunSettings(pl.Callback):
+    """Logs :func:`run_params` to each of the Trainer's loggers once, at the first ``setup`` (a logger's
+    ``log_hyperparams`` writes on global rank 0 only). Lightning logs the module's and DataModule's
+    hyperparameters beside them; the ``run/`` prefix keeps the two apart (MLflow refuses a parameter logged twice
+    with two values)."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.params = params
+        self.logged = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.logged:
+            return
+        self.logged = True
+        for logger in trainer.loggers:
+            logger.log_hyperparams(self.params)
 
 
 class MetricCheck(pl.Callback):

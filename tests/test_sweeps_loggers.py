@@ -312,6 +312,14 @@ def test_wandb_offline_run_holds_the_logged_metrics(offline, tmp_path):
     assert_same_series(series, csv_series(run_dir), "wandb")
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.display_name == "train" and run.project == "lightning-effi"
+    config = {
+        item.key: json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for item in r.config.update
+    }
+    assert config["run"]["arm"] == "random_ltd" and config["run"]["techniques"]["random_ltd"]["min_value"] == 16
+    assert "callbacks.random_ltd.min_value=16" in config["run"]["overrides"].split()
     assert records[-1].WhichOneof("record_type") == "exit" and records[-1].exit.exit_code == 0
     assert not list(offline.rglob("offline-run-*")) and not (tmp_path / "wandb").exists()  # not in WANDB_DIR or cwd
 
@@ -328,15 +336,38 @@ def test_multirun_jobs_log_to_their_own_stores(offline, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(tmp_path.glob("logs/train/multiruns/*/[0-9]*"))
     assert [j.name for j in jobs] == ["0", "1"]
-    for job in jobs:
+    for seed, job in zip((1, 2), jobs):
         runs, series = mlflow_runs(job / "mlflow.db")
         assert [(name, status) for _, name, status in runs] == [("train", "FINISHED")], job
+        with sqlite3.connect(job / "mlflow.db") as con:  # the trial's settings tell the runs apart in one store
+            params = dict(con.execute("SELECT key, value FROM params WHERE key LIKE 'run/%'").fetchall())
+        assert params["run/seed"] == str(seed) and params["run/arm"] == "random_ltd", params
+        assert params["run/techniques/random_ltd/min_value"] == "16"
+        assert f"seed={seed}" in params["run/overrides"].split() and "logger=many_loggers" in params["run/overrides"]
         assert_same_series(series, csv_series(job), f"mlflow, job {job.name}")
         assert (job / "tensorboard").is_dir()
     wandb_runs = [sorted(job.glob("wandb/offline-run-*/run-*.wandb")) for job in jobs]
     for job, files in zip(jobs, wandb_runs):
         assert len(files) == 1, job
         assert_same_series(wandb_series(files[0])[0], csv_series(job), f"wandb, job {job.name}")
+
+
+def test_the_run_settings_are_logged_as_hyperparameters(tmp_path):
+    """The app logs the run's settings (seed, arm, budget, techniques, overrides) to every logger under ``run/``,
+    beside the module's hyperparameters: without them, the trials of a sweep sharing an MLflow store or a W&B
+    project could not be told apart. CSV and TensorBoard keep them in their ``hparams.yaml``."""
+    cfg = compose_train(
+        ["logger=[csv,tensorboard]", "seed=3", "callbacks=random_ltd", "callbacks.random_ltd.min_value=16", *TINY],
+        tmp_path,
+    )
+    main(cfg)
+    for folder in ("csv", "tensorboard"):
+        hparams = yaml.safe_load((tmp_path / folder / "hparams.yaml").read_text())
+        run = hparams["run"]
+        assert (run["seed"], run["arm"], run["budget"], run["task_name"]) == (3, "random_ltd", 1.0, "train"), folder
+        assert run["techniques"]["random_ltd"]["min_value"] == 16
+        assert run["techniques"] == json.loads((tmp_path / "result.json").read_text())["techniques"]
+        assert hparams["n_layer"] == 4  # the module's own, logged by Lightning beside them
 
 
 def test_a_reachable_tracking_server_passes_the_check():
