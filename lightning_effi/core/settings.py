@@ -50,13 +50,19 @@ def keep_settings(obj: Any, owner: type, given: dict[str, Any]) -> None:
 
 class KeepsSettings:
     """A base of the technique callbacks: an attribute named as a constructor argument, set from code outside
-    ``lightning_effi`` (the callback's own writes come from inside), is noted as a setting for the next fit
-    (:func:`apply_changed_settings`)."""
+    ``lightning_effi`` (the callback's own writes come from inside; the writer is the code that called
+    ``__setattr__``, past a subclass's own ``__setattr__`` that passes the write on), is noted as a setting for the
+    next fit (:func:`apply_changed_settings`)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
         record = self.__dict__.get(_RECORD)
-        if record is not None and name in record[1] and not _inside_package(sys._getframe(1).f_code.co_filename):
+        if record is None or name not in record[1]:
+            return
+        writer = sys._getframe(1)
+        while writer.f_code.co_name == "__setattr__" and writer.f_back is not None:
+            writer = writer.f_back  # a subclass's own __setattr__ passing the write on: its caller wrote it
+        if not _inside_package(writer.f_code.co_filename):
             record[2][name] = value
 
 

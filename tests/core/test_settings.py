@@ -50,6 +50,23 @@ def test_nothing_set_is_nothing_changed_and_the_callbacks_own_writes_are_not_set
     assert ltd.max_value == 16 and ltd.require_steps == 4 and changed_settings(ltd) == {}
 
 
+def test_a_subclass_that_overrides_setattr_keeps_the_callbacks_own_writes_its_own(tmp_path):
+    """A user subclass with its own ``__setattr__`` (logging each write, say) passes the callback's writes on: they
+    are still the callback's (the writer is the code calling ``__setattr__``), and the user's are still settings."""
+    writes: list[str] = []
+
+    class LoggedLTD(RandomLTDCallback):
+        def __setattr__(self, name: str, value: Any) -> None:
+            writes.append(name)
+            super().__setattr__(name, value)
+
+    ltd = LoggedLTD(min_value=4, seq_per_step=4)
+    _fit(tmp_path, ltd)
+    assert "max_value" in writes and ltd.max_value == 16 and changed_settings(ltd) == {}
+    ltd.require_steps = 2
+    assert changed_settings(ltd) == {"require_steps": 2}
+
+
 def test_a_setting_set_builds_it_again_keeping_other_settings_and_a_subclass_attributes():
     toy = OwnToy(note="mine")
     toy.runs = 7
