@@ -92,7 +92,7 @@ from torch.distributed import ReduceOp
 from typing_extensions import override
 
 from lightning_effi.core.batch import unwrap
-from lightning_effi.core.checks import check_bool, check_int, is_int, is_real
+from lightning_effi.core.checks import check_bool, check_choice, check_int, is_int, is_real
 from lightning_effi.core.compat import logging_step, rebuild_train_loader_after_restore
 from lightning_effi.core.console import print_block
 from lightning_effi.core.measure import (
@@ -124,7 +124,7 @@ from lightning_effi.core.measure import (
     tensor_leaves,
     token_source,
 )
-from lightning_effi.core.nonfinite import NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
+from lightning_effi.core.nonfinite import NONFINITE_POLICIES, NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
 from lightning_effi.core.state import check_coarse_vcycle_resume, open_batch_skipped, saving_in_train_batch_end
 
 COUNT_KEYS = ("samples", "tokens", "layer_tokens", "flops", "batches")
@@ -589,10 +589,8 @@ class EfficiencyMonitor(Callback):
         nonfinite_loss: str = "raise",
         interpolate_flops: bool = True,
     ) -> None:
-        if log_every_n_steps is not None:
-            log_every_n_steps = check_int("EfficiencyMonitor", "log_every_n_steps", log_every_n_steps, 1)
-        self.log_every_n_steps: int | None = log_every_n_steps
-        self.print_summary = check_bool("EfficiencyMonitor", "print_summary", print_summary)
+        self.log_every_n_steps = log_every_n_steps  # the settings' properties check them
+        self.print_summary = print_summary
         #: the non-finite loss policy (lightning_effi.core.nonfinite) and its count, checkpointed as "nonfinite_loss"
         self.nonfinite_guard = NonFiniteLossGuard(type(self).__name__, nonfinite_loss)
         self.totals: dict[str, float] = dict.fromkeys(COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS, 0.0)
@@ -626,8 +624,7 @@ class EfficiencyMonitor(Callback):
         #: ``trainer.train_dataloader`` this epoch: several loaders (a mapping / list) combine their batches
         self._train_loaders: Any = None
         self._recorder = CallRecorder()
-        self.interpolate_flops = check_bool("EfficiencyMonitor", "interpolate_flops", interpolate_flops)
-        self._meter = FlopsMeter(interpolate=self.interpolate_flops)
+        self._meter = FlopsMeter(interpolate=check_bool("EfficiencyMonitor", "interpolate_flops", interpolate_flops))
         self._warned_replays, self._replayed_batches = False, 0  # this fit's batches that ran a replay
         self._calls: list[CallRecord] | None = None  # the network's calls in the current batch (None: not recorded)
         self._batch_shapes: list[tuple[Any, tuple[int, ...]]] | None = None  # the shapes of the recorded batch
@@ -695,6 +692,50 @@ class EfficiencyMonitor(Callback):
         self._blocks: dict[
             tuple[int, ...], tuple[list[weakref.ref[nn.Module]], weakref.ref[Blocks] | None, str | None]
         ] = {}
+
+    # The settings, also when set after the monitor was built (a notebook cell): checked as the constructor checks
+    # them, and read where the monitor uses them (``nonfinite_loss`` is its guard's policy, ``interpolate_flops`` its
+    # FLOPs meter's), so that a value set on the monitor is the value it runs with.
+
+    @property
+    def log_every_n_steps(self) -> int | None:
+        """Steps between two ``effi/*`` rows; None: the Trainer's ``log_every_n_steps``."""
+        return self._log_every_n_steps
+
+    @log_every_n_steps.setter
+    def log_every_n_steps(self, value: int | None) -> None:
+        self._log_every_n_steps = (
+            None if value is None else check_int("EfficiencyMonitor", "log_every_n_steps", value, 1)
+        )
+
+    @property
+    def print_summary(self) -> bool:
+        """Whether the fit's end prints the efficiency summary (rank 0)."""
+        return self._print_summary
+
+    @print_summary.setter
+    def print_summary(self, value: bool) -> None:
+        self._print_summary = check_bool("EfficiencyMonitor", "print_summary", value)
+
+    @property
+    def nonfinite_loss(self) -> str:
+        """The non-finite training loss policy, ``"raise"`` or ``"warn"`` (its guard's)."""
+        return self.nonfinite_guard.policy
+
+    @nonfinite_loss.setter
+    def nonfinite_loss(self, value: str) -> None:
+        self.nonfinite_guard.policy = check_choice("EfficiencyMonitor", "nonfinite_loss", value, NONFINITE_POLICIES)
+
+    @property
+    def interpolate_flops(self) -> bool:
+        """Whether FLOPs of a padded length between replayed ones are read off the quadratic they fit."""
+        return self._meter.interpolate
+
+    @interpolate_flops.setter
+    def interpolate_flops(self, value: bool) -> None:
+        value = check_bool("EfficiencyMonitor", "interpolate_flops", value)
+        if value != self._meter.interpolate:  # a new meter: the old one cached the lengths it interpolated
+            self._meter = FlopsMeter(interpolate=value)
 
     def __repr__(self) -> str:
         return (

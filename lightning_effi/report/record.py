@@ -391,6 +391,49 @@ def _previous_name(folder: Path) -> Path:
     return name
 
 
+def _check_writer(
+    metric: Any, out_dir: Any, mode: Any, seed: Any, budget: Any, arm: Any, task_name: Any, config: Any
+) -> str | None:
+    """The settings of a :class:`ResultWriter`, checked where it is built and again at each fit's start (a value set
+    on the writer after it was built was refused only after the whole fit, the record lost); returns ``out_dir``
+    with ``~`` expanded."""
+    if config is not None and config != "cli" and not isinstance(config, Mapping):
+        try:
+            _config_overrides(config)
+        except ValueError:
+            raise ValueError(
+                f"ResultWriter: config must be 'cli', a mapping, a list of 'key=value' strings or None, got "
+                f"{config!r:.200}"
+            ) from None
+    _check_settings("ResultWriter", metric, mode, budget, arm, task_name)  # here, not after a whole fit
+    if seed is not None and (isinstance(seed, bool) or not is_int(seed) or not 0 <= seed < 2**32):
+        raise ValueError(f"ResultWriter: seed must be None or an int in [0, 2**32), got {seed!r}")
+    # a path object whose __fspath__ gives bytes failed in pathlib after the whole fit, the record lost
+    # (qa61-ideas 05)
+    if out_dir is not None and (not isinstance(out_dir, str | os.PathLike) or not isinstance(os.fspath(out_dir), str)):
+        raise ValueError(
+            f"ResultWriter: out_dir must be None, a str or a path to a str (the run's folder), got {out_dir!r}"
+        )
+    if out_dir is not None and "${" in os.fspath(out_dir):
+        # an interpolation Hydra never resolved: a folder of that literal name (qa65-break 07)
+        raise ValueError(
+            f"ResultWriter: out_dir {out_dir!r} holds an unresolved interpolation; pass the resolved path (in a "
+            "Hydra app, resolve the config first, or give it from the job: HydraConfig.get().runtime.output_dir)"
+        )
+    if out_dir is not None:
+        out_dir = os.path.expanduser(os.fspath(out_dir))  # '~/runs' was a folder named '~' (qa65-break 07)
+    # a file, or a folder beneath one, or a link to nothing, which cannot be made: refused after the whole fit,
+    # the record lost (qa62-break 07, qa63-break 04, qa65-break 08)
+    blocker = folder_blocker(Path(out_dir)) if out_dir else None
+    if blocker is not None:
+        file, what = blocker
+        raise ValueError(
+            f"ResultWriter: out_dir must be a folder (the run's; created if missing), got {out_dir}, "
+            + (what if file == Path(out_dir) else f"beneath {what}: {file}")
+        )
+    return out_dir
+
+
 class ResultWriter(pl.Callback):
     """Writes the run's ``result.json`` at the end of ``fit`` (:func:`write_result`): for runs whose ``fit`` you do
     not call yourself, e.g. ``LightningCLI``'s ``fit`` subcommand, where it goes in the YAML beside the
@@ -419,7 +462,8 @@ class ResultWriter(pl.Callback):
             of ``key=value`` strings (Hydra's overrides): those; None: none.
 
     Raises:
-        ValueError: (when built) a ``mode``, ``budget``, ``arm``, ``task_name``, ``seed`` or ``config`` that
+        ValueError: (when built, and at a fit's start for a value set on the writer after it was built) a
+            ``mode``, ``budget``, ``arm``, ``task_name``, ``seed``, ``config`` or ``out_dir`` that
             :func:`write_result` would refuse; (at the end of fit) the others, as :func:`write_result`.
     """
 
@@ -435,42 +479,7 @@ class ResultWriter(pl.Callback):
         config: str | Mapping[str, Any] | Sequence[str] | None = "cli",
     ) -> None:
         super().__init__()
-        if config is not None and config != "cli" and not isinstance(config, Mapping):
-            try:
-                _config_overrides(config)
-            except ValueError:
-                raise ValueError(
-                    f"ResultWriter: config must be 'cli', a mapping, a list of 'key=value' strings or None, got "
-                    f"{config!r:.200}"
-                ) from None
-        _check_settings("ResultWriter", metric, mode, budget, arm, task_name)  # here, not after a whole fit
-        if seed is not None and (isinstance(seed, bool) or not is_int(seed) or not 0 <= seed < 2**32):
-            raise ValueError(f"ResultWriter: seed must be None or an int in [0, 2**32), got {seed!r}")
-        # a path object whose __fspath__ gives bytes failed in pathlib after the whole fit, the record lost
-        # (qa61-ideas 05)
-        if out_dir is not None and (
-            not isinstance(out_dir, str | os.PathLike) or not isinstance(os.fspath(out_dir), str)
-        ):
-            raise ValueError(
-                f"ResultWriter: out_dir must be None, a str or a path to a str (the run's folder), got {out_dir!r}"
-            )
-        if out_dir is not None and "${" in os.fspath(out_dir):
-            # an interpolation Hydra never resolved: a folder of that literal name (qa65-break 07)
-            raise ValueError(
-                f"ResultWriter: out_dir {out_dir!r} holds an unresolved interpolation; pass the resolved path (in a "
-                "Hydra app, resolve the config first, or give it from the job: HydraConfig.get().runtime.output_dir)"
-            )
-        if out_dir is not None:
-            out_dir = os.path.expanduser(os.fspath(out_dir))  # '~/runs' was a folder named '~' (qa65-break 07)
-        # a file, or a folder beneath one, or a link to nothing, which cannot be made: refused after the whole fit,
-        # the record lost (qa62-break 07, qa63-break 04, qa65-break 08)
-        blocker = folder_blocker(Path(out_dir)) if out_dir else None
-        if blocker is not None:
-            file, what = blocker
-            raise ValueError(
-                f"ResultWriter: out_dir must be a folder (the run's; created if missing), got {out_dir}, "
-                + (what if file == Path(out_dir) else f"beneath {what}: {file}")
-            )
+        out_dir = _check_writer(metric, out_dir, mode, seed, budget, arm, task_name, config)
         self.metric, self.out_dir, self.mode, self.seed = metric, out_dir, mode, seed
         self.budget, self.arm, self.task_name, self.config = budget, arm, task_name, config
         #: the path of the last result.json written
@@ -523,7 +532,11 @@ class ResultWriter(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Choose the run's folder (``out_dir``), and note whether it already holds a record. A folder that is a file,
         or no seed (``seed=None`` without ``pl.seed_everything``), or no ``EfficiencyMonitor`` is refused here, not
-        after the whole fit with no record written (qa58-args 02, qa59-break 04)."""
+        after the whole fit with no record written (qa58-args 02, qa59-break 04). So are settings set on the writer
+        after it was built that the constructor would refuse."""
+        self.out_dir = _check_writer(
+            self.metric, self.out_dir, self.mode, self.seed, self.budget, self.arm, self.task_name, self.config
+        )
         self._dir = self._resolve_dir(trainer)  # on every rank: trainer.log_dir broadcasts
         # the logger's or Hydra's folder, checked as out_dir is at construction: a folder beneath a file or a FIFO,
         # or a link to nothing, failed with a bare [Errno 20] after the whole fit, the record lost

@@ -771,6 +771,40 @@ def test_a_result_writer_refuses_a_file_or_no_seed_before_the_fit(tmp_path, monk
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_a_result_writer_refuses_a_bad_setting_set_after_it_was_built_before_the_fit(tmp_path, monkeypatch):
+    """A value set on the writer after it was built (a notebook cell) was refused only by write_result, after the
+    whole fit, the record lost: now at the fit's start, before a step, with the constructor's error."""
+    import lightning.pytorch as pl
+
+    from lightning_effi import EfficiencyMonitor
+    from lightning_effi.report import ResultWriter
+    from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+    for name, value, message in (
+        ("mode", "max", r"mode='max' contradicts metric 'val/loss'"),
+        ("budget", 0, r"budget must be a number > 0"),
+        ("seed", -1, r"seed must be None or an int"),
+        ("arm", "a\nb", r"arm must be None"),
+        ("config", 3, r"config must be 'cli', a mapping"),
+        ("out_dir", __file__, r"out_dir must be a folder .*, a file$"),
+    ):
+        writer = ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "run")
+        setattr(writer, name, value)
+        trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             callbacks=[EfficiencyMonitor(print_summary=False), writer])  # fmt: skip
+        with pytest.raises(ValueError, match="^ResultWriter: " + message):
+            trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+        assert trainer.global_step == 0, name
+    writer = ResultWriter(metric="val/loss", seed=0)
+    writer.out_dir = "~/runs/x"  # taken as the constructor takes it
+    monitor = EfficiencyMonitor(print_summary=False)
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         callbacks=[monitor, writer], val_check_interval=1, limit_val_batches=1)  # fmt: skip
+    monkeypatch.setenv("HOME", str(tmp_path))
+    trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    assert writer.path == tmp_path / "runs" / "x" / "result.json" and writer.path.exists()
+
+
 def test_a_result_writer_refuses_a_default_root_dir_beneath_a_file_or_fifo_before_the_fit(tmp_path):
     """Without out_dir and a logger the record goes to default_root_dir. One beneath a file or a FIFO failed with a
     bare [Errno 20] after the whole fit, the record lost: now refused at the fit's start, naming what is in the way

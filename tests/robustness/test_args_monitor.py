@@ -36,6 +36,38 @@ def test_bad_arguments_are_named(kw, match):
         EfficiencyMonitor(**kw)
 
 
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"log_every_n_steps": 0}, r"EfficiencyMonitor\.log_every_n_steps must be an int >= 1, got 0"),
+        ({"print_summary": "false"}, r"EfficiencyMonitor\.print_summary must be a bool .*got 'false'"),
+        ({"interpolate_flops": "no"}, r"EfficiencyMonitor\.interpolate_flops must be a bool .*got 'no'"),
+        ({"nonfinite_loss": "skip"}, r"EfficiencyMonitor\.nonfinite_loss must be one of"),
+    ],
+)
+def test_a_bad_setting_set_after_building_is_refused_where_it_is_set(kw, match):
+    """A setting set on a built monitor (a notebook cell) is checked as the constructor checks it; it was taken
+    without a word (``log_every_n_steps=0``) or ignored (``nonfinite_loss``, ``interpolate_flops``)."""
+    monitor = EfficiencyMonitor()
+    ((name, value),) = kw.items()
+    before = getattr(monitor, name)
+    with pytest.raises(ValueError, match=match):
+        setattr(monitor, name, value)
+    assert getattr(monitor, name) == before
+
+
+def test_a_setting_set_after_building_is_the_one_the_monitor_runs_with():
+    monitor = EfficiencyMonitor()
+    monitor.nonfinite_loss = "warn"  # the policy its guard applies
+    assert monitor.nonfinite_guard.policy == "warn" and "nonfinite_loss='warn'" in repr(monitor)
+    meter = monitor._meter
+    monitor.interpolate_flops = np.False_
+    assert monitor._meter.interpolate is False and monitor._meter is not meter  # no interpolated length cached
+    monitor.log_every_n_steps = np.int64(3)
+    assert monitor.log_every_n_steps == 3 and type(monitor.log_every_n_steps) is int
+    assert repr(monitor) == repr(EfficiencyMonitor(log_every_n_steps=3, nonfinite_loss="warn", interpolate_flops=False))
+
+
 def _state(**totals: float) -> dict:
     counts = ("samples", "tokens", "layer_tokens", "flops", "batches")
     base = {k: 10.0 for k in (*counts, "time_train", "time_data", "time_eval", "time_total")}
