@@ -1035,7 +1035,7 @@ def test_a_reused_monitor_logs_its_rows_in_a_new_trainer(tmp_path: Path) -> None
     assert logged == [[2], [2]]  # at the epoch's end, in its third step's row (where Lightning writes the epoch's)
 
 
-def test_tokens_of_any_attention_mask() -> None:
+def test_tokens_of_any_attention_mask(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep masks (bool, 0/1 integer or float), additive masks (0 real, -inf or finfo.min masked, all-zero: no
     padding) and 4-D / 3-D layouts count the same real tokens; a mask that does not say falls back to the ids with
     one warning; never an error from the mask's values."""
@@ -1065,6 +1065,8 @@ def test_tokens_of_any_attention_mask() -> None:
     assert find_tokens({"attention_mask": torch.full((3, 5), float("nan"))}) == 0
     assert find_tokens({"attention_mask": torch.zeros(0, 5, dtype=torch.long)}) == 0
     odd = {"input_ids": ids, "attention_mask": torch.ones(3, 1, 2, 5)}  # 2 queries of 5 keys: says nothing
+    # warned once a process: another test of this worker may have met this layout first
+    monkeypatch.setattr("lightning_effi.core.measure._warned_masks", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert find_tokens(odd) == 15 and find_tokens(odd) == 15
