@@ -7,6 +7,7 @@ of every technique) or warns and continues (``strict=False``).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import warnings
@@ -15,7 +16,13 @@ from typing import Any
 
 from lightning_effi.core.checks import plain
 
-__all__ = ["check_coarse_vcycle_resume", "config_mismatch", "other_state_keys", "settings_diff"]
+__all__ = [
+    "check_coarse_vcycle_resume",
+    "config_mismatch",
+    "other_state_keys",
+    "settings_diff",
+    "state_key_fields",
+]
 
 
 def settings_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -60,6 +67,20 @@ def other_state_keys(callback: Any, checkpoint: Mapping[str, Any]) -> list[str]:
         return []
     prefix = type(callback).__qualname__ + "{"
     return [k for k in stored if isinstance(k, str) and k.startswith(prefix)]
+
+
+def state_key_fields(callback: Any, key: str) -> dict[str, Any] | None:
+    """The identity arguments of a state key of ``callback``'s class, ``Class{'a': 1, ...}`` as Lightning's
+    ``Callback._generate_state_key`` writes it, as a dict; None when the key is another class's or its values are not
+    plain literals."""
+    prefix = type(callback).__qualname__
+    if not key.startswith(prefix + "{"):
+        return None
+    try:
+        fields = ast.literal_eval(key[len(prefix) :])
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    return fields if isinstance(fields, dict) else None
 
 
 def check_coarse_vcycle_resume(owner: str, trainer: Any, checkpoint: Mapping[str, Any]) -> None:

@@ -116,6 +116,7 @@ from lightning_effi.core.state import (
     open_batch_skipped,
     other_state_keys,
     settings_diff,
+    state_key_fields,
 )
 from lightning_effi.core.wrapping import live_fit, wrapper_chain
 from lightning_effi.models.base import (
@@ -514,6 +515,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._first_batch_length: int | None = None  # the first batch's length under seqlen_truncate (batch units)
         self._curriculum: str | None = None  # a Curriculum in the run: its first batches may be short by design
         self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
+        self._mismatch_told = False  # on_load_checkpoint warned that the checkpoint's settings differ (strict=False)
         self._ran_checked = False
         self._active = False  # between setup("fit") and the end of that fit (teardown or on_exception)
         self._running: Any = None  # live_fit of the fit in progress, stored on every patch it makes
@@ -2218,16 +2220,54 @@ class RandomLTDCallback(KeepsSettings, Callback):
         training only, so the checkpoint's weights evaluate as they are. For ``fit``, detect a checkpoint written by
         a random-LTD callback with other identity arguments (stored under another ``state_key``).
 
+        A state under another ``state_key`` whose identity arguments differ only in how ``require_steps`` is given
+        (``4`` against ``"0.5dur"`` of 8 steps) is this callback's: :meth:`load_state_dict` and ``on_train_start``
+        compare the resolved schedules. With other settings it is a mismatch; ``strict=False`` warns and takes the
+        state too (its counters go on).
+
         Raises:
-            ValueError: (``fit``, ``strict``) the checkpoint holds a random-LTD state under another ``state_key``.
+            ValueError: (``fit``, ``strict``) the checkpoint holds a random-LTD state written with other settings
+                (each named with both values); (``fit``) several random-LTD states, none under this ``state_key``.
         """
         self._evaluating = trainer.state.fn != TrainerFn.FITTING
         if self._evaluating:
             return
         check_coarse_vcycle_resume(type(self).__name__, trainer, checkpoint)
-        if others := other_state_keys(self, checkpoint):
-            self._mismatch(f"the checkpoint was written with other settings ({others[0]}), not {self.state_key}")
-            self._resumed = True  # strict=False: the run goes on from the checkpoint's step with this configuration
+        others = other_state_keys(self, checkpoint)
+        if len(others) > 1:
+            raise ValueError(
+                f"RandomLTDCallback: the checkpoint holds {len(others)} random-LTD states, none written with this "
+                f"callback's settings ({self.state_key}): {others}; resume with the callbacks it was written with"
+            )
+        if others:
+            # the state key holds require_steps as given (an int, or None for a fraction or epochs): the same steps
+            # spelled otherwise ("0.6dur" for 6 of 10) were refused, though load_state_dict compares the resolved
+            # schedule (qa90-resume 01). Another setting is a mismatch; with strict=False the checkpoint's state is
+            # still this callback's, or its counters (consumed layer-tokens, samples) restarted at the resume step
+            # and the recorded saving was wrong (qa90-resume 02)
+            differ = self._key_differences(others[0])
+            if list(differ) != ["require_steps"]:
+                shown = "; ".join(f"{k}: {a} in the checkpoint, {b} now" for k, (a, b) in differ.items())
+                self._mismatch(f"the checkpoint was written with other settings ({shown or others[0]})")
+                self._mismatch_told = True
+            checkpoint["callbacks"][self.state_key] = checkpoint["callbacks"][others[0]]
+
+    def _key_differences(self, key: str) -> dict[str, tuple[str, str]]:
+        """The identity arguments in which the state key ``key`` of a checkpoint differs from this callback's, as
+        ``{name: (checkpoint's, this callback's)}`` in words ({} when ``key`` cannot be read)."""
+        theirs, mine = state_key_fields(self, key), state_key_fields(self, self.state_key)
+        if theirs is None or mine is None:
+            return {}
+        derived = {"require_steps": "a fraction or epochs of the run", "max_value": "derived from the data"}
+
+        def said(name: str, value: Any) -> str:
+            return derived.get(name, "None") if value is None and name in derived else repr(value)
+
+        return {
+            k: (said(k, theirs.get(k)), said(k, mine.get(k)))
+            for k in sorted(set(theirs) | set(mine))
+            if theirs.get(k) != mine.get(k)
+        }
 
     def _mismatch(self, message: str, fix: str = "resume with this configuration") -> None:
         config_mismatch(type(self).__name__, message, self.strict, fix=fix)
@@ -2280,8 +2320,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
             unresolved = schedule["require_steps"] is None and schedule["require_progress"] is None
             self._saved_schedule = None if unresolved else schedule
         diff = settings_diff(saved, mine)
-        if diff:
+        if diff and not self._mismatch_told:  # strict=False: on_load_checkpoint warned of the settings already
             self._mismatch(f"the checkpoint's configuration differs (checkpoint, now): {diff}")
+        self._mismatch_told = False
         for key, value in fields.items():
             setattr(self, key, value)
         self._resumed = True

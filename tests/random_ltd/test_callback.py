@@ -302,6 +302,59 @@ def test_resume_with_another_max_value_raises(tmp_path):
         trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
 
 
+def _stop_and_resume(tmp_path, saved_kw, resumed_kw, steps=8, at=4):
+    """An uninterrupted fit of ``steps`` with ``ltd(**saved_kw)`` and one resumed at step ``at`` of its checkpoint with
+    ``ltd(**resumed_kw)``: the two callbacks and models."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    out = []
+    for kw, ckpt_path in ((saved_kw, None), (resumed_kw, str(tmp_path / "ck" / f"step={at}.ckpt"))):
+        pl.seed_everything(0)
+        cb, model = ltd(**kw), deep_gpt2()
+        extra = [ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=at, save_top_k=-1, filename="{step}")]
+        trainer = make_trainer(tmp_path, [cb, *extra] if ckpt_path is None else [cb], max_steps=steps, max_epochs=-1)
+        trainer.fit(model, datamodule=tiny_lm_data(), ckpt_path=ckpt_path)
+        out.append((cb, model))
+    return out
+
+
+COUNTERS = ("consumed_samples", "consumed_layer_tokens", "full_layer_tokens", "saved_flops", "current_value")
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(4, "0.5dur"), ("0.5dur", 4), ("0.45dur", "4st")])
+def test_resume_with_the_same_require_steps_spelled_otherwise_goes_on_exactly(tmp_path, saved, resumed):
+    """The card: the same count however spelled resumes. The state key holds ``require_steps`` as given (None for a
+    fraction), so 4 and "0.5dur" of 8 steps were refused as "other settings" (qa90-resume 01)."""
+    (full, full_model), (cb, model) = _stop_and_resume(tmp_path, {"require_steps": saved}, {"require_steps": resumed})
+    assert cb.require_steps == full.require_steps == 4
+    assert {k: getattr(cb, k) for k in COUNTERS} == {k: getattr(full, k) for k in COUNTERS}
+    for a, b in zip(full_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_resume_with_strict_false_and_other_settings_keeps_the_checkpoints_counters(tmp_path):
+    """strict=False with another identity setting: warned, the run goes on with the new settings, and the
+    checkpoint's counters are restored. They restarted at the resume step (32 samples for 64, the recorded
+    layer-token saving wrong: qa90-resume 02). The warning names the setting with both values, once."""
+    (full, _), (cb, _) = _stop_and_resume(tmp_path, {"seq_per_step": 4}, {"seq_per_step": 2, "strict": False})
+    assert cb.consumed_samples == full.consumed_samples == 8 * 8  # 8 steps of 8 samples
+    assert cb.full_layer_tokens == full.full_layer_tokens  # the full model's layer-tokens do not depend on it
+    assert cb.consumed_layer_tokens > full.consumed_layer_tokens * 4 / 8  # the first 4 steps' are counted
+    pl.seed_everything(0)
+    trainer = make_trainer(tmp_path, [ltd(seq_per_step=2, strict=False)], max_steps=8, max_epochs=-1)
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=4.ckpt"))
+    told = [str(w.message) for w in caught if "RandomLTDCallback: the checkpoint" in str(w.message)]
+    assert told == [
+        "RandomLTDCallback: the checkpoint was written with other settings (seq_per_step: 4 in the checkpoint, 2 "
+        "now) (strict=False: resume with this configuration)"
+    ]
+    with pytest.raises(ValueError, match=r"other settings \(require_steps: 6 in the checkpoint, 8 now; seq_per"):
+        make_trainer(tmp_path, [ltd(require_steps=8, seq_per_step=2)], max_steps=8, max_epochs=-1).fit(
+            deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=4.ckpt")
+        )
+
+
 def test_fit_again_continues_the_schedule(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
