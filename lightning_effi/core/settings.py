@@ -23,7 +23,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KeepsSettings", "apply_changed_settings", "changed_settings", "given_settings", "keep_settings"]
+__all__ = [
+    "KeepsSettings",
+    "ReadOnlySetting",
+    "apply_changed_settings",
+    "changed_settings",
+    "given_settings",
+    "keep_settings",
+]
 
 _RECORD = "_effi_settings"  # (the class, the arguments as given, {name: value set from outside the package})
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # lightning_effi/
@@ -115,3 +122,32 @@ def apply_changed_settings(obj: Any) -> dict[str, Any]:
     for name, value in before.items():
         obj.__dict__.setdefault(name, value)  # a subclass's own attributes
     return changed
+
+
+class ReadOnlySetting(dict):  # type: ignore[type-arg]
+    """A dict-valued setting of a callback (the V-cycle's ``lr_multiplier``), kept read-only: an in-place change
+    (``vc.lr_multiplier[2] = 3.0``) would skip the constructor's check (a factor of -1 trained a level at a negative
+    learning rate) and be dropped in silence when another setting made the callback build again. It raises instead,
+    naming the assignment that is checked and taken at the next fit. Equal to, printed and JSON-written as a dict.
+
+    Args:
+        name: ``"<Class>.<attribute>"``, for the error.
+        values: the setting's items.
+    """
+
+    def __init__(self, name: str, values: Any = ()) -> None:
+        super().__init__(values)
+        self.__dict__["_name"] = name
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        owner, _, attribute = self.__dict__["_name"].partition(".")
+        raise TypeError(
+            f"{self.__dict__['_name']} is read-only: assign a new dict instead (callback.{attribute} = {{...}}), which "
+            f"{owner} checks and takes at the next fit"
+        )
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickle and deepcopy (ddp_spawn, a Trainer's deepcopy)
+        return (type(self), (self.__dict__["_name"], dict(self)))

@@ -43,7 +43,13 @@ from lightning_effi.core.requirements import (
     check_trainer,
     technique_callbacks,
 )
-from lightning_effi.core.settings import KeepsSettings, apply_changed_settings, given_settings, keep_settings
+from lightning_effi.core.settings import (
+    KeepsSettings,
+    ReadOnlySetting,
+    apply_changed_settings,
+    given_settings,
+    keep_settings,
+)
 from lightning_effi.core.state import config_mismatch, open_batch_skipped, saving_in_train_batch_end, settings_diff
 from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
@@ -343,7 +349,9 @@ class VCycleCallback(KeepsSettings, Callback):
             raise ValueError(f"{name}.adapter must be 'auto', a registered name or a VCycleAdapter, got {adapter!r}")
         self.levels, self.e_a, self.e_small, self.up_leg = args.levels, args.e_a, args.e_small, args.up_leg
         self.width_scheme, self.depth_scheme = args.width_scheme, args.depth_scheme
-        self.embedding_convention, self.lr_multiplier = args.embedding_convention, args.lr_multiplier
+        self.embedding_convention = args.embedding_convention
+        # read-only: an in-place change skipped the constructor's check (lightning_effi.core.settings)
+        self.lr_multiplier = ReadOnlySetting("VCycleCallback.lr_multiplier", args.lr_multiplier)
         self.alpha_arg: float | None = args.alpha_original  # None: the adapter's default, resolved in setup
         self.alpha_original: float | None = self.alpha_arg
         self.adapter_arg, self.lr_schedule = adapter, args.lr_schedule

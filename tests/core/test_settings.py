@@ -107,6 +107,37 @@ def test_a_refused_setting_raises_the_constructors_error_and_leaves_the_object_a
         apply_changed_settings(toy)
 
 
+def test_a_vcycle_lr_multiplier_is_read_only_in_place_and_taken_when_assigned():
+    """``vc.lr_multiplier[2] = -1.0`` skipped the constructor's check (level 2 trained at a negative LR) and was
+    dropped in silence when another setting rebuilt the callback (qa90-resume 03): it raises, naming the assignment
+    that works; an assigned dict is a setting, checked and taken read-only at the next fit's setup."""
+    import copy
+
+    from lightning_effi.core.settings import ReadOnlySetting
+
+    vc = VCycleCallback(e_a=2, e_small=4, lr_multiplier={2: 2.0})
+    for change in (
+        lambda m: m.__setitem__(2, -1.0),
+        lambda m: m.update({2: 3.0}),
+        lambda m: m.pop(2),
+        lambda m: m.clear(),
+        lambda m: m.setdefault(3, 1.0),
+        lambda m: m.__delitem__(2),
+    ):
+        with pytest.raises(TypeError, match=r"^VCycleCallback.lr_multiplier is read-only: assign a new dict instead "):
+            change(vc.lr_multiplier)
+    assert vc.lr_multiplier == {2: 2.0} and "lr_multiplier={2: 2.0}" in repr(vc) and changed_settings(vc) == {}
+    for copied in (copy.deepcopy(vc), pickle.loads(pickle.dumps(vc))):
+        assert type(copied.lr_multiplier) is ReadOnlySetting and copied.lr_multiplier == {2: 2.0}
+    vc.lr_multiplier = {2: -1.0}
+    with pytest.raises(ValueError, match=r"lr_multiplier\[2\] must be a number > 0, got -1.0"):
+        apply_changed_settings(vc)
+    vc.lr_multiplier = {2: 3.0}
+    vc.alpha_original = 0.5  # another setting: the new factor is kept
+    apply_changed_settings(vc)
+    assert type(vc.lr_multiplier) is ReadOnlySetting and vc.lr_multiplier == {2: 3.0} and vc.lr_factor(2) == 3.0
+
+
 def test_a_pickled_copy_has_nothing_changed():
     """``ddp_spawn`` pickles the callback: equal plain values are not settings set (floats are copied)."""
     toy = Toy(steps=4, ratio=0.3)
