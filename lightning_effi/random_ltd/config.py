@@ -234,26 +234,48 @@ def parse_deepspeed_config(ds_config: Any, **overrides: Any) -> dict[str, Any] |
 
 
 def _warn_rounding(values: Mapping[str, Any]) -> None:
-    """Warn where the default ``rounding="clamped"`` trains another reserved length than DeepSpeed's arithmetic: at
-    the first and the last step when ``min_value`` / ``max_value`` is not a multiple of ``seq_per_step``, and at any
-    step of the growth where DeepSpeed's float64 product lands below the exact one (every step compared, numpy)."""
+    """Warn where the default ``rounding="clamped"`` trains another reserved length than DeepSpeed's arithmetic: the
+    steps at the start and at the end of the growth when ``min_value`` / ``max_value`` is not a multiple of
+    ``seq_per_step`` (DeepSpeed's value goes on growing past ``require_steps`` until its rounding reaches
+    ``max_value``: ViT-S/16's 32 -> 197 in 3910 steps trains 192 until step 3981), named as ranges, and the steps of
+    the growth where DeepSpeed's float64 product lands below the exact one (every step compared, numpy)."""
     import numpy as np
 
     from lightning_effi.random_ltd.functional import ltd_value
 
     lo, hi, steps, q = (values[k] for k in ("min_value", "max_value", "require_steps", "seq_per_step"))
+
+    def pair(s: int) -> tuple[int, int]:
+        return ltd_value(s, lo, hi, steps, q), ltd_value(s, lo, hi, steps, q, "deepspeed")
+
     try:
-        ends = [s for s in (0, steps) if ltd_value(s, lo, hi, steps, q) != ltd_value(s, lo, hi, steps, q, "deepspeed")]
+        pair(0)
     except ValueError:  # invalid values: RandomLTDCallback names them
         return
+    # the ends: from step 0, and from require_steps until DeepSpeed's rounding reaches max_value (at most
+    # steps * q / (max - min) + 1 steps later)
+    last = steps + steps * q // max(hi - lo, 1) + 2
+    ends: list[list[int]] = []
+    for first, bound in ((0, steps), (steps, last)):
+        s = first
+        while s <= bound and (differ := pair(s))[0] != differ[1]:
+            s += 1
+        if s > first:
+            ends.append([first, s - 1])
     t = np.arange(1, steps, dtype=np.int64)  # the growth's inner steps, both formulas as ltd_value computes them
     exact = (t * (hi - lo)) // steps + lo
     floated = np.floor(t.astype(np.float64) / steps * (hi - lo) + lo).astype(np.int64)
-    inner = t[(exact - exact % q) != (floated - floated % q)]
-    said = [
-        f"step {s}: {ltd_value(s, lo, hi, steps, q)} (DeepSpeed: {ltd_value(s, lo, hi, steps, q, 'deepspeed')})"
-        for s in sorted({*ends, *(int(x) for x in inner[:3])})
-    ]
+    inner = [int(x) for x in t[(exact - exact % q) != (floated - floated % q)] if not any(a <= x <= b for a, b in ends)]
+
+    def shown(a: int, b: int) -> str:
+        values = {pair(s) for s in (a, b)}
+        mine, theirs = pair(a)
+        where = f"step {a}" if a == b else f"steps {a}-{b}"
+        if len(values) == 1:
+            return f"{where}: {mine} (DeepSpeed: {theirs})"
+        return f"{where} (step {a}: {mine}, DeepSpeed: {theirs})"
+
+    said = [shown(a, b) for a, b in sorted([*ends, *([x, x] for x in inner[:3])])]
     if said:
         why = (
             f"min_value {lo} / max_value {hi} is not a multiple of seq_per_step {q}"

@@ -127,7 +127,9 @@ def test_an_override_of_the_configs_values_and_a_config_without_the_block_are_re
 
 
 def test_rounding_that_differs_from_deepspeeds_warns():
-    """ViT-S/16 (32 -> 197, q 8): the default trains 197 from step 3910, DeepSpeed 192 there (golden values)."""
+    """ViT-S/16 (32 -> 197, q 8): the default trains 197 from step 3910, DeepSpeed 192 until step 3981 (its value
+    goes on growing past require_steps: floor(3982 / 3910 * 165 + 32) = 200, capped at 197); the warning names the
+    whole range (it named step 3910 alone, qa90-docs 02)."""
     vit = edited(
         random_ltd_schedule={
             "min_value": 32,
@@ -138,8 +140,23 @@ def test_rounding_that_differs_from_deepspeeds_warns():
         model_type=None,
         hidden_state_order=None,
     )
-    with pytest.warns(UserWarning, match=r"step 3910: 197 \(DeepSpeed: 192\).*rounding='deepspeed'"):
+    assert [F.ltd_value(s, 32, 197, 3910, 8, "deepspeed") for s in (3909, 3910, 3981, 3982)] == [192, 192, 192, 197]
+    assert [F.ltd_value(s, 32, 197, 3910, 8) for s in (3909, 3910)] == [192, 197]
+    with pytest.warns(UserWarning, match=r"\(steps 3910-3981: 197 \(DeepSpeed: 192\)\); pass rounding='deepspeed'"):
         parse_deepspeed_config(vit)
+    small = edited(  # min 5 is not a multiple of 4: steps 0 and 1 train 5, DeepSpeed 4 (rounded down)
+        random_ltd_schedule={
+            "min_value": 5,
+            "max_value": 16,
+            "schedule_config": {"require_steps": 4, "seq_per_step": 4},
+        },
+        model_mask_name=None,
+        model_type=None,
+        hidden_state_order=None,
+    )
+    assert [F.ltd_value(s, 5, 16, 4, 4) for s in range(3)] == [5, 5, 8]
+    with pytest.warns(UserWarning, match=r"\(steps 0-1: 5 \(DeepSpeed: 4\)\); pass"):
+        parse_deepspeed_config(small)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert parse_deepspeed_config(vit, rounding="deepspeed")["max_value"] == 197
