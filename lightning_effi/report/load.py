@@ -352,6 +352,22 @@ def folder_blocker(folder: Path) -> tuple[Path, str] | None:
     return None
 
 
+def write_problem(folder: Path) -> str | None:
+    """Why a record cannot be written into ``folder``, or None: makes the folder (with its parents) and a probe file
+    in it, removed at once. What :func:`folder_blocker` cannot see from the paths: no write permission, a read-only
+    or immutable folder, a pseudo file system (``/proc``). Read at a fit's start, so that the record is not lost after
+    the whole fit with a bare ``PermissionError``."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".result-probe-"):
+            pass
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror or err}"
+    return None
+
+
 def budget_key(budget: float) -> float:
     """``budget`` rounded to 12 significant digits: runs group by ``(arm, budget)``, and one budget reached by two
     float computations (``0.1 * 3`` and ``3 / 10``) must be one budget."""

@@ -33,7 +33,7 @@ from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.checks import is_int, is_real
 from lightning_effi.core.compat import runs_in_spawned_processes
 from lightning_effi.report.frontier import check_mode, infer_mode
-from lightning_effi.report.load import SCHEMA, budget_key, folder_blocker, json_safe
+from lightning_effi.report.load import SCHEMA, budget_key, folder_blocker, json_safe, write_problem
 
 __all__ = [
     "TECHNIQUE_HOOKS",
@@ -531,7 +531,7 @@ class ResultWriter(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Choose the run's folder (``out_dir``), and note whether it already holds a record. A folder that is a file,
-        or no seed (``seed=None`` without ``pl.seed_everything``), or no ``EfficiencyMonitor`` is refused here, not
+        or one rank 0 cannot make or write a file into (a probe file, removed at once), or no seed (``seed=None`` without ``pl.seed_everything``), or no ``EfficiencyMonitor`` is refused here, not
         after the whole fit with no record written (qa58-args 02, qa59-break 04). So are settings set on the writer
         after it was built that the constructor would refuse."""
         self.out_dir = _check_writer(
@@ -558,6 +558,15 @@ class ResultWriter(pl.Callback):
             raise ValueError(
                 "ResultWriter: seed=None, and pl.seed_everything was never called: the record needs the run's seed; "
                 "pass ResultWriter(seed=<int>) or call pl.seed_everything(<int>) before the fit"
+            )
+        # a folder it cannot write into (no permission, read-only, /proc): the paths say nothing of it, and the record
+        # was lost after the whole fit with a bare PermissionError (qa90-docs 01). Rank 0 writes the record: it tries
+        problem = write_problem(Path(self._dir)) if trainer.is_global_zero else None
+        problem = trainer.strategy.broadcast(problem)
+        if problem:
+            raise ValueError(
+                f"ResultWriter: out_dir {self._dir} cannot be written into ({problem}): pass out_dir=<a folder you "
+                "can write>" + ("" if self.out_dir else " (the logger's or default_root_dir's folder)")
             )
         self._earlier = (Path(self._dir) / "result.json").exists()
         self._metric_checked = False

@@ -805,6 +805,31 @@ def test_a_result_writer_refuses_a_bad_setting_set_after_it_was_built_before_the
     assert writer.path == tmp_path / "runs" / "x" / "result.json" and writer.path.exists()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_result_writer_refuses_a_folder_it_cannot_write_into_before_the_fit(tmp_path):
+    """A folder the paths do not block but that cannot be written (/proc, no permission, read-only) trained the whole
+    fit, then lost the record with a bare OS error (qa90-docs 01): the writer tries at the fit's start."""
+    import lightning.pytorch as pl
+
+    from lightning_effi import EfficiencyMonitor
+    from lightning_effi.report import ResultWriter
+    from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+    for out_dir in ("/proc/lightning_effi_run", "/proc/self/lightning_effi_run"):
+        trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             callbacks=[EfficiencyMonitor(print_summary=False),
+                                        ResultWriter("val/loss", seed=0, out_dir=out_dir)])  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^ResultWriter: out_dir {out_dir} cannot be written into \(\w+Error: "):
+            trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+        assert trainer.global_step == 0
+    writer = ResultWriter("val/loss", seed=0, out_dir=tmp_path / "a" / "run")  # made at the fit's start, probe gone
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         callbacks=[EfficiencyMonitor(print_summary=False), writer], val_check_interval=1,
+                         limit_val_batches=1)  # fmt: skip
+    trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+    assert sorted(p.name for p in (tmp_path / "a" / "run").iterdir()) == ["result.json"]
+
+
 def test_a_result_writer_refuses_a_default_root_dir_beneath_a_file_or_fifo_before_the_fit(tmp_path):
     """Without out_dir and a logger the record goes to default_root_dir. One beneath a file or a FIFO failed with a
     bare [Errno 20] after the whole fit, the record lost: now refused at the fit's start, naming what is in the way
