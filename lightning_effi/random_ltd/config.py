@@ -233,60 +233,73 @@ def parse_deepspeed_config(ds_config: Any, **overrides: Any) -> dict[str, Any] |
     return {"layer_ids": ids, **values, **overrides}
 
 
+def _schedules(lo: int, hi: int, steps: int, q: int, first: int, stop: int) -> tuple[Any, Any]:
+    """:func:`~lightning_effi.random_ltd.functional.ltd_value` at steps ``first .. stop - 1``, both roundings
+    (``clamped``, ``deepspeed``), computed as it computes them, with numpy (int64 and float64)."""
+    import numpy as np
+
+    t = np.arange(first, stop, dtype=np.int64)
+    exact = (t * (hi - lo)) // steps + lo
+    floated = np.floor(t.astype(np.float64) / steps * (hi - lo) + lo).astype(np.int64)
+    exact, floated = np.minimum(exact - exact % q, hi), np.minimum(floated - floated % q, hi)
+    return np.where(t >= steps, hi, np.maximum(exact, lo)), floated
+
+
 def _warn_rounding(values: Mapping[str, Any]) -> None:
-    """Warn where the default ``rounding="clamped"`` trains another reserved length than DeepSpeed's arithmetic: the
-    steps at the start and at the end of the growth when ``min_value`` / ``max_value`` is not a multiple of
+    """Warn where the default ``rounding="clamped"`` trains another reserved length than DeepSpeed's arithmetic:
+    steps at the start and the end of the growth when ``min_value`` / ``max_value`` is not a multiple of
     ``seq_per_step`` (DeepSpeed's value goes on growing past ``require_steps`` until its rounding reaches
-    ``max_value``: ViT-S/16's 32 -> 197 in 3910 steps trains 192 until step 3981), named as ranges, and the steps of
-    the growth where DeepSpeed's float64 product lands below the exact one (every step compared, numpy)."""
+    ``max_value``: ViT-S/16's 32 -> 197 in 3910 steps trains 192 through step 3981), and steps where DeepSpeed's
+    float64 product lands below the exact one. Every step is compared (numpy, in blocks of 2**20 steps), up to the
+    one where DeepSpeed's value reaches ``max_value``; the first three runs of steps that differ are named."""
     import numpy as np
 
     from lightning_effi.random_ltd.functional import ltd_value
 
     lo, hi, steps, q = (values[k] for k in ("min_value", "max_value", "require_steps", "seq_per_step"))
-
-    def pair(s: int) -> tuple[int, int]:
-        return ltd_value(s, lo, hi, steps, q), ltd_value(s, lo, hi, steps, q, "deepspeed")
-
     try:
-        pair(0)
+        ltd_value(0, lo, hi, steps, q)
     except ValueError:  # invalid values: RandomLTDCallback names them
         return
-    # the ends: from step 0, and from require_steps until DeepSpeed's rounding reaches max_value (at most
-    # steps * q / (max - min) + 1 steps later)
-    last = steps + steps * q // max(hi - lo, 1) + 2
-    ends: list[list[int]] = []
-    for first, bound in ((0, steps), (steps, last)):
-        s = first
-        while s <= bound and (differ := pair(s))[0] != differ[1]:
-            s += 1
-        if s > first:
-            ends.append([first, s - 1])
-    t = np.arange(1, steps, dtype=np.int64)  # the growth's inner steps, both formulas as ltd_value computes them
-    exact = (t * (hi - lo)) // steps + lo
-    floated = np.floor(t.astype(np.float64) / steps * (hi - lo) + lo).astype(np.int64)
-    inner = [int(x) for x in t[(exact - exact % q) != (floated - floated % q)] if not any(a <= x <= b for a, b in ends)]
+    # DeepSpeed reaches max_value at most steps * q / (max - min) + 1 steps after require_steps (never when equal)
+    last = steps + (steps * q // (hi - lo) + 2 if hi > lo else 1)
+    runs: list[list[int]] = []  # [first, last] of each run of steps that differ
+    differing = 0
+    for first in range(0, last + 1, 2**20):
+        clamped, deepspeed = _schedules(lo, hi, steps, q, first, min(first + 2**20, last + 1))
+        for x in (np.flatnonzero(clamped != deepspeed) + first).tolist():
+            differing += 1
+            if runs and runs[-1][1] == x - 1:
+                runs[-1][1] = x
+            elif len(runs) < 4:
+                runs.append([x, x])
+    if not runs:
+        return
 
     def shown(a: int, b: int) -> str:
-        values = {pair(s) for s in (a, b)}
-        mine, theirs = pair(a)
-        where = f"step {a}" if a == b else f"steps {a}-{b}"
-        if len(values) == 1:
-            return f"{where}: {mine} (DeepSpeed: {theirs})"
-        return f"{where} (step {a}: {mine}, DeepSpeed: {theirs})"
+        mine, theirs = ltd_value(a, lo, hi, steps, q), ltd_value(a, lo, hi, steps, q, "deepspeed")
+        if a == b:
+            return f"step {a}: {mine} (DeepSpeed: {theirs})"
+        same = (mine, theirs) == (ltd_value(b, lo, hi, steps, q), ltd_value(b, lo, hi, steps, q, "deepspeed"))
+        return (
+            f"steps {a}-{b}: {mine} (DeepSpeed: {theirs})"
+            if same
+            else f"steps {a}-{b} (step {a}: {mine}, DeepSpeed: {theirs})"
+        )
 
-    said = [shown(a, b) for a, b in sorted([*ends, *([x, x] for x in inner[:3])])]
-    if said:
-        why = (
-            f"min_value {lo} / max_value {hi} is not a multiple of seq_per_step {q}"
-            if ends
-            else "DeepSpeed computes the schedule in float64, which lands one seq_per_step lower at some steps"
-        )
-        more = f", and {len(inner) - 3} more steps" if len(inner) > 3 else ""
-        warnings.warn(
-            f"parse_deepspeed_config: {why}, so lightning_effi's default rounding='clamped' trains another reserved "
-            f"length than DeepSpeed ({', '.join(said)}{more}); pass rounding='deepspeed' to train DeepSpeed's "
-            "schedule, or rounding='clamped' to keep this one and silence this warning",
-            UserWarning,
-            stacklevel=3,
-        )
+    named = runs[:3]
+    more = differing - sum(b - a + 1 for a, b in named)
+    why = (
+        f"min_value {lo} / max_value {hi} is not a multiple of seq_per_step {q}"
+        if lo % q or hi % q
+        else "DeepSpeed computes the schedule in float64, which lands one seq_per_step lower at some steps"
+    )
+    warnings.warn(
+        f"parse_deepspeed_config: {why}, so lightning_effi's default rounding='clamped' trains another reserved "
+        f"length than DeepSpeed ({', '.join(shown(a, b) for a, b in named)}"
+        + (f", and {more} more steps" if more else "")
+        + "); pass rounding='deepspeed' to train DeepSpeed's schedule, or rounding='clamped' to keep this one and "
+        "silence this warning",
+        UserWarning,
+        stacklevel=3,
+    )

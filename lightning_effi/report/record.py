@@ -531,9 +531,10 @@ class ResultWriter(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Choose the run's folder (``out_dir``), and note whether it already holds a record. A folder that is a file,
-        or one rank 0 cannot make or write a file into (a probe file, removed at once), or no seed (``seed=None`` without ``pl.seed_everything``), or no ``EfficiencyMonitor`` is refused here, not
-        after the whole fit with no record written (qa58-args 02, qa59-break 04). So are settings set on the writer
-        after it was built that the constructor would refuse."""
+        or one rank 0 cannot make or write a file into (a probe file, removed at once), or no seed (``seed=None``
+        without ``pl.seed_everything``), or no ``EfficiencyMonitor`` is refused here, not after the whole fit with no
+        record written (qa58-args 02, qa59-break 04). So are settings set on the writer after it was built that the
+        constructor would refuse."""
         self.out_dir = _check_writer(
             self.metric, self.out_dir, self.mode, self.seed, self.budget, self.arm, self.task_name, self.config
         )

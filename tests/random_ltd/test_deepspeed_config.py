@@ -157,9 +157,32 @@ def test_rounding_that_differs_from_deepspeeds_warns():
     assert [F.ltd_value(s, 5, 16, 4, 4) for s in range(3)] == [5, 5, 8]
     with pytest.warns(UserWarning, match=r"\(steps 0-1: 5 \(DeepSpeed: 4\)\); pass"):
         parse_deepspeed_config(small)
+    # every step differs (min 100 rounds down to 96, max 105 is never a multiple of 16): one run, each step named once
+    # (require_steps was in two runs, qa91-break 06), up to the bound on DeepSpeed reaching 105, which it never does
+    flat = edited(
+        random_ltd_schedule={
+            "min_value": 100,
+            "max_value": 105,
+            "schedule_config": {"require_steps": 2000, "seq_per_step": 16},
+        },
+        model_mask_name=None,
+        model_type=None,
+        hidden_state_order=None,
+    )
+    with pytest.warns(UserWarning, match=r"DeepSpeed \(steps 0-4799 \(step 0: 100, DeepSpeed: 96\)\); pass"):
+        parse_deepspeed_config(flat)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert parse_deepspeed_config(vit, rounding="deepspeed")["max_value"] == 197
+
+
+@pytest.mark.parametrize("lo, hi, steps, q", [(32, 197, 391, 8), (173, 773, 400, 1), (5, 16, 4, 4), (100, 105, 50, 16)])
+def test_the_warnings_schedules_are_ltd_value_at_every_step(lo, hi, steps, q):
+    from lightning_effi.random_ltd.config import _schedules
+
+    clamped, deepspeed = _schedules(lo, hi, steps, q, 0, 3 * steps)
+    assert clamped.tolist() == [F.ltd_value(s, lo, hi, steps, q) for s in range(3 * steps)]
+    assert deepspeed.tolist() == [F.ltd_value(s, lo, hi, steps, q, "deepspeed") for s in range(3 * steps)]
 
 
 def test_a_fit_from_a_deepspeed_config_follows_deepspeeds_schedule(tmp_path):
