@@ -12,27 +12,38 @@ argument's name set from outside this package (the user's code: a notebook cell,
 the same object with what was set. The callback's own writes (a fit deriving ``max_value``) are not noted: they come
 from this package's code. A noted setting stays noted until a fit's setup takes it (a ``validate`` or a failed fit in
 between does not drop it), and one the constructor refuses is refused at every fit until it is set right.
+
+A setting set while a fit runs (from a callback's hook, the module's ``setup``) is noted, with a warning, and the
+attribute keeps the value the fit runs with: it is taken at the next fit's ``setup``, never mid-fit without the
+constructor's check. A dict or list setting changed in place (``vc.lr_multiplier[2] = 3.0``) is seen at the next fit's
+``setup`` by comparing it with a copy taken when the callback was built.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
 import sys
+import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "KeepsSettings",
-    "ReadOnlySetting",
     "apply_changed_settings",
     "changed_settings",
     "given_settings",
     "keep_settings",
 ]
 
-_RECORD = "_effi_settings"  # (the class, the arguments as given, {name: value set from outside the package})
+#: (the class, the arguments as given, {name: value set from outside the package}, {name: (the dict or list
+#: attribute the constructor set, a copy of it)})
+_RECORD = "_effi_settings"
+#: the Trainer of each callback's last fit (apply_changed_settings): a setting set while it runs waits for the next
+_FITS: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # lightning_effi/
 
 
@@ -51,8 +62,30 @@ def given_settings(arguments: dict[str, Any]) -> dict[str, Any]:
 
 def keep_settings(obj: Any, owner: type, given: dict[str, Any]) -> None:
     """The last statement of ``owner.__init__``: record the arguments it was called with (:func:`given_settings`; a
-    deprecated spelling given as its replacement), with no setting noted yet."""
-    obj.__dict__[_RECORD] = (owner, given, {})
+    deprecated spelling given as its replacement), with no setting noted yet, and a copy of each dict or list the
+    constructor set as an argument's attribute (an in-place change is a setting, :func:`changed_settings`)."""
+    containers = {
+        name: (value, copy.deepcopy(value))
+        for name in given
+        if isinstance(value := obj.__dict__.get(name), dict | list | set)
+    }
+    obj.__dict__[_RECORD] = (owner, given, {}, containers)
+
+
+def _running_fit(obj: Any) -> Any:
+    """The Trainer whose fit ``obj`` is in (set up by :func:`apply_changed_settings` and still running), or None."""
+    try:
+        ref = _FITS.get(obj)
+    except TypeError:  # an unhashable subclass (its own __eq__)
+        return None
+    trainer = ref() if ref is not None else None
+    state = getattr(trainer, "state", None)
+    fn, status = getattr(state, "fn", None), getattr(state, "status", None)
+    return (
+        trainer
+        if str(getattr(fn, "value", fn)) == "fit" and str(getattr(status, "value", status)) == "running"
+        else None
+    )
 
 
 class KeepsSettings:
@@ -62,38 +95,60 @@ class KeepsSettings:
     next fit (:func:`apply_changed_settings`)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
         record = self.__dict__.get(_RECORD)
-        if record is None or name not in record[1]:
-            return
-        writer = sys._getframe(1)
-        while writer.f_code.co_name == "__setattr__" and writer.f_back is not None:
-            writer = writer.f_back  # a subclass's own __setattr__ passing the write on: its caller wrote it
-        if not _inside_package(writer.f_code.co_filename):
-            record[2][name] = value
+        if record is not None and name in record[1]:
+            writer = sys._getframe(1)
+            while writer.f_code.co_name == "__setattr__" and writer.f_back is not None:
+                writer = writer.f_back  # a subclass's own __setattr__ passing the write on: its caller wrote it
+            if not _inside_package(writer.f_code.co_filename):
+                record[2][name] = value
+                if _running_fit(self) is not None:
+                    # the running fit keeps what it was set up with: a value used at once skipped the constructor's
+                    # check (vc.lr_multiplier = {2: -1.0} trained at a negative LR, qa91-break 03)
+                    warnings.warn(
+                        f"{type(self).__name__}.{name} = {value!r:.80} was set during a fit: this fit goes on with "
+                        f"{getattr(self, name, None)!r:.80}, and the next fit's setup takes the new value (or refuses "
+                        "it, naming why)",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                    return
+        super().__setattr__(name, value)
 
 
 def changed_settings(obj: Any) -> dict[str, Any]:
     """The constructor arguments set on ``obj`` as attributes from outside the package since it was (last) built:
     ``{name: value}``, the last value set of each."""
     record = obj.__dict__.get(_RECORD)
-    return {} if record is None else dict(record[2])
+    if record is None:
+        return {}
+    changed = dict(record[2])
+    for name, (built, kept) in (record[3] if len(record) > 3 else {}).items():
+        if name not in changed and obj.__dict__.get(name) is built and built != kept:
+            changed[name] = built  # changed in place since it was built
+    return changed
 
 
-def apply_changed_settings(obj: Any) -> dict[str, Any]:
+def apply_changed_settings(obj: Any, trainer: Any = None) -> dict[str, Any]:
     """Build ``obj`` again, in place, with the constructor arguments set on it as attributes since it was built
     (:func:`changed_settings`), the others as it was built with: the constructor checks them (its error, with a note
     naming what was set, propagates, and ``obj`` is left as it was) and derives its attributes from them. Attributes
     the constructor does not set (a subclass's own) are kept. Call at the start of ``setup("fit")``, before anything
-    reads the settings. Returns what was set (``{}``: nothing, ``obj`` untouched); a refused setting stays noted.
+    reads the settings, with the fit's ``trainer``: while its fit runs, a setting set on ``obj`` waits for the next fit
+    (:class:`KeepsSettings`). Returns what was set (``{}``: nothing, ``obj`` untouched); a refused setting stays noted.
 
     Raises:
         ValueError, TypeError: the constructor's, for a value it refuses.
     """
+    if trainer is not None:
+        try:
+            _FITS[obj] = weakref.ref(trainer)
+        except TypeError:  # unhashable: a setting set during its fits is used at once, as on any object
+            pass
     changed = changed_settings(obj)
     if not changed:
         return {}
-    owner, given, _ = obj.__dict__[_RECORD]
+    owner, given = obj.__dict__[_RECORD][:2]
     signature = inspect.signature(owner.__init__)
     settings = {**given, **changed}
     args, kwargs = [], {}
@@ -122,32 +177,3 @@ def apply_changed_settings(obj: Any) -> dict[str, Any]:
     for name, value in before.items():
         obj.__dict__.setdefault(name, value)  # a subclass's own attributes
     return changed
-
-
-class ReadOnlySetting(dict):  # type: ignore[type-arg]
-    """A dict-valued setting of a callback (the V-cycle's ``lr_multiplier``), kept read-only: an in-place change
-    (``vc.lr_multiplier[2] = 3.0``) would skip the constructor's check (a factor of -1 trained a level at a negative
-    learning rate) and be dropped in silence when another setting made the callback build again. It raises instead,
-    naming the assignment that is checked and taken at the next fit. Equal to, printed and JSON-written as a dict.
-
-    Args:
-        name: ``"<Class>.<attribute>"``, for the error.
-        values: the setting's items.
-    """
-
-    def __init__(self, name: str, values: Any = ()) -> None:
-        super().__init__(values)
-        self.__dict__["_name"] = name
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        owner, _, attribute = self.__dict__["_name"].partition(".")
-        raise TypeError(
-            f"{self.__dict__['_name']} is read-only: assign a new dict instead (callback.{attribute} = {{...}}), which "
-            f"{owner} checks and takes at the next fit"
-        )
-
-    __setitem__ = __delitem__ = __ior__ = _refuse
-    clear = pop = popitem = setdefault = update = _refuse
-
-    def __reduce__(self) -> tuple[Any, ...]:  # pickle and deepcopy (ddp_spawn, a Trainer's deepcopy)
-        return (type(self), (self.__dict__["_name"], dict(self)))

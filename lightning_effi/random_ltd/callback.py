@@ -651,7 +651,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":  # settings set on the callback since it was built (lightning_effi.core.settings)
-            apply_changed_settings(self)
+            apply_changed_settings(self, trainer)
         if stage != "fit":
             return
         check_trainer(trainer)

@@ -43,13 +43,7 @@ from lightning_effi.core.requirements import (
     check_trainer,
     technique_callbacks,
 )
-from lightning_effi.core.settings import (
-    KeepsSettings,
-    ReadOnlySetting,
-    apply_changed_settings,
-    given_settings,
-    keep_settings,
-)
+from lightning_effi.core.settings import KeepsSettings, apply_changed_settings, given_settings, keep_settings
 from lightning_effi.core.state import config_mismatch, open_batch_skipped, saving_in_train_batch_end, settings_diff
 from lightning_effi.core.wrapping import live_fit
 from lightning_effi.vcycle import operators as V
@@ -350,8 +344,10 @@ class VCycleCallback(KeepsSettings, Callback):
         self.levels, self.e_a, self.e_small, self.up_leg = args.levels, args.e_a, args.e_small, args.up_leg
         self.width_scheme, self.depth_scheme = args.width_scheme, args.depth_scheme
         self.embedding_convention = args.embedding_convention
-        # read-only: an in-place change skipped the constructor's check (lightning_effi.core.settings)
-        self.lr_multiplier = ReadOnlySetting("VCycleCallback.lr_multiplier", args.lr_multiplier)
+        self.lr_multiplier: dict[int, float] = dict(args.lr_multiplier)
+        #: the factors the running fit uses, taken at its setup: a dict changed in place during a fit waits for the
+        #: next fit (lightning_effi.core.settings compares it then, and the constructor checks it)
+        self._fit_lr_multiplier: dict[int, float] | None = None
         self.alpha_arg: float | None = args.alpha_original  # None: the adapter's default, resolved in setup
         self.alpha_original: float | None = self.alpha_arg
         self.adapter_arg, self.lr_schedule = adapter, args.lr_schedule
@@ -461,9 +457,10 @@ class VCycleCallback(KeepsSettings, Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":  # settings set on the callback since it was built (lightning_effi.core.settings)
-            apply_changed_settings(self)
+            apply_changed_settings(self, trainer)
         if stage != "fit":
             return
+        self._fit_lr_multiplier = dict(self.lr_multiplier)  # this fit's factors (lr_factor)
         name = type(self).__name__
         self._reset_progress()
         check_trainer(trainer)
@@ -941,6 +938,7 @@ class VCycleCallback(KeepsSettings, Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._release()
+            self._fit_lr_multiplier = None
 
     def _explain_shape_error(self, exception: BaseException) -> None:
         """Add a note to a shape or size ``RuntimeError`` raised below level 1 when frozen parameters of the full width
@@ -1255,8 +1253,13 @@ class VCycleCallback(KeepsSettings, Callback):
         """The level the current stage trains (1 after the last listed stage)."""
         return S.stage_level(self.stages, self.stage_index)
 
+    def _lr_factors(self) -> dict[int, float]:
+        return self._fit_lr_multiplier if self._fit_lr_multiplier is not None else self.lr_multiplier
+
     def lr_factor(self, level: int) -> float:
-        return self.lr_multiplier.get(level, 1.0)
+        """The ``lr_multiplier`` factor of ``level`` (1.0 where none is given): during a fit, the factors it was set up
+        with."""
+        return self._lr_factors().get(level, 1.0)
 
     @property
     def baseline_flops(self) -> float:
@@ -1597,7 +1600,7 @@ class VCycleCallback(KeepsSettings, Callback):
             "alpha_original": self.alpha_original,
             "embedding_convention": self.embedding_convention,
             "model_attr": self.model_attr,
-            "lr_multiplier": {str(k): v for k, v in sorted(self.lr_multiplier.items())},
+            "lr_multiplier": {str(k): v for k, v in sorted(self._lr_factors().items())},
             "lr_schedule": self.lr_schedule,
             "clock": self.clock,
             "unrelated_params": list(self.unrelated_params),  # recorded; not compared on resume (a setup check only)

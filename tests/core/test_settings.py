@@ -3,12 +3,14 @@ fit as if built with them, refused there with the constructor's error, never ove
 
 from __future__ import annotations
 
+import copy
 import pickle
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import yaml
 
 from lightning_effi import Curriculum, CurriculumDataModule, InfoBatchCallback, RandomLTDCallback, VCycleCallback
 from lightning_effi.core.settings import (
@@ -107,35 +109,54 @@ def test_a_refused_setting_raises_the_constructors_error_and_leaves_the_object_a
         apply_changed_settings(toy)
 
 
-def test_a_vcycle_lr_multiplier_is_read_only_in_place_and_taken_when_assigned():
-    """``vc.lr_multiplier[2] = -1.0`` skipped the constructor's check (level 2 trained at a negative LR) and was
-    dropped in silence when another setting rebuilt the callback (qa90-resume 03): it raises, naming the assignment
-    that works; an assigned dict is a setting, checked and taken read-only at the next fit's setup."""
-    import copy
+class LRs(pl.Callback):
+    def __init__(self) -> None:
+        self.rows: list[float] = []
 
-    from lightning_effi.core.settings import ReadOnlySetting
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.rows.append(trainer.optimizers[0].param_groups[0]["lr"])
 
-    vc = VCycleCallback(e_a=2, e_small=4, lr_multiplier={2: 2.0})
-    for change in (
-        lambda m: m.__setitem__(2, -1.0),
-        lambda m: m.update({2: 3.0}),
-        lambda m: m.pop(2),
-        lambda m: m.clear(),
-        lambda m: m.setdefault(3, 1.0),
-        lambda m: m.__delitem__(2),
-    ):
-        with pytest.raises(TypeError, match=r"^VCycleCallback.lr_multiplier is read-only: assign a new dict instead "):
-            change(vc.lr_multiplier)
-    assert vc.lr_multiplier == {2: 2.0} and "lr_multiplier={2: 2.0}" in repr(vc) and changed_settings(vc) == {}
-    for copied in (copy.deepcopy(vc), pickle.loads(pickle.dumps(vc))):
-        assert type(copied.lr_multiplier) is ReadOnlySetting and copied.lr_multiplier == {2: 2.0}
-    vc.lr_multiplier = {2: -1.0}
+
+class ChangesInPlace(pl.Callback):
+    def __init__(self, vc: VCycleCallback) -> None:
+        self.vc = vc
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.vc.lr_multiplier[2] = 3.0
+
+
+def test_a_vcycle_lr_multiplier_changed_in_place_is_a_setting_of_the_next_fit(tmp_path):
+    """``vc.lr_multiplier[2] = -1.0`` skipped the constructor's check (level 2 trained at a negative LR), and a factor
+    changed in place was dropped when another setting rebuilt the callback (qa90-resume 03): an in-place change is a
+    setting, compared with the dict as built at the next fit's setup; one made during a fit waits for the next."""
+    vc = VCycleCallback(e_a=1, e_small=2, lr_multiplier={2: 2.0})
+    vc.lr_multiplier[2] = -1.0
+    assert changed_settings(vc) == {"lr_multiplier": {2: -1.0}}
     with pytest.raises(ValueError, match=r"lr_multiplier\[2\] must be a number > 0, got -1.0"):
         apply_changed_settings(vc)
-    vc.lr_multiplier = {2: 3.0}
-    vc.alpha_original = 0.5  # another setting: the new factor is kept
+    vc.lr_multiplier[2] = 3.0
+    vc.alpha_original = 0.5  # another setting too: the factor changed in place is kept
     apply_changed_settings(vc)
-    assert type(vc.lr_multiplier) is ReadOnlySetting and vc.lr_multiplier == {2: 3.0} and vc.lr_factor(2) == 3.0
+    assert vc.lr_multiplier == {2: 3.0} and vc.alpha_original == 0.5 and changed_settings(vc) == {}
+    for copied in (copy.deepcopy(vc), pickle.loads(pickle.dumps(vc))):
+        copied.lr_multiplier[2] = 4.0  # the copy's own dict, compared with its own copy as built
+        assert changed_settings(copied) == {"lr_multiplier": {2: 4.0}} and changed_settings(vc) == {}
+    assert yaml.safe_dump(vc.lr_multiplier) == "2: 3.0\n"  # a plain dict (a read-only subclass was not YAML)
+
+    vc, lrs = VCycleCallback(e_a=1, e_small=2, lr_multiplier={2: 2.0}), LRs()
+    _fit(tmp_path / "a", vc, extra=[lrs, ChangesInPlace(vc)])
+    base = lrs.rows[0]
+    assert lrs.rows == pytest.approx([base, 2 * base, 2 * base, base])  # this fit's factors, as set up
+    lrs.rows.clear()
+    _fit(tmp_path / "b", vc, extra=[lrs])
+    assert lrs.rows == pytest.approx([base, 3 * base, 3 * base, base]) and vc.lr_factor(2) == 3.0
+
+    vc, lrs = VCycleCallback(e_a=1, e_small=2, lr_multiplier={2: 2.0}), LRs()
+    with pytest.warns(UserWarning, match=r"VCycleCallback.lr_multiplier = \{2: -1.0\} was set during a fit"):
+        _fit(tmp_path / "c", vc, extra=[lrs, SetsDuringFit(vc, lr_multiplier={2: -1.0})])
+    assert min(lrs.rows) > 0 and vc.lr_multiplier == {2: 2.0}
+    with pytest.raises(ValueError, match=r"lr_multiplier\[2\] must be a number > 0"):
+        _fit(tmp_path / "d", vc)
 
 
 def test_a_pickled_copy_has_nothing_changed():
@@ -236,7 +257,10 @@ def test_a_setting_waits_for_the_next_fit_through_a_validate_a_failed_fit_or_a_f
     assert _layer_tokens(tmp_path / "after_failure", ltd) == expected
 
     ltd = RandomLTDCallback(min_value=4, seq_per_step=4)
-    _fit(tmp_path / "during", ltd, extra=[SetsDuringFit(ltd, require_steps=2)])
+    old = _layer_tokens(tmp_path / "old2", RandomLTDCallback(min_value=4, seq_per_step=4))
+    # the fit it was set in goes on as it was set up, warned (the value was used at once, unchecked: qa91-break 03)
+    with pytest.warns(UserWarning, match=r"RandomLTDCallback.require_steps = 2 was set during a fit: this fit goes on"):
+        assert _layer_tokens(tmp_path / "during", ltd, extra=[SetsDuringFit(ltd, require_steps=2)]) == old
     assert changed_settings(ltd) == {"require_steps": 2}
     assert _layer_tokens(tmp_path / "after_during", ltd) == expected
 
