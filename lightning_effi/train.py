@@ -13,6 +13,7 @@ import inspect
 import math
 import os
 import pickle
+import re
 import sys
 import typing
 import warnings
@@ -100,33 +101,48 @@ class TrainingStarted(pl.Callback):
         self.started = True
 
 
+#: the top-level key of the run's settings among a logger's hyperparameters, and the one used when the module's (or
+#: DataModule's) own hyperparameters hold that key
+RUN_PARAMS_KEYS = ("effi", "effi_run")
+
+
 def run_params(cfg: DictConfig, callbacks: Sequence[object] = ()) -> dict[str, Any]:
-    """The run's settings as logger hyperparameters, ``{"run": {...}}``: ``task_name``, ``seed``, ``arm`` (as in
-    result.json: ``cfg.arm``, else ``"baseline"`` without a technique or the techniques' names joined by ``+``),
-    ``budget``, ``overrides`` (Hydra's task overrides, space-separated as on the command line) and ``techniques``
-    (:func:`techniques_of`). Lightning's loggers flatten them to ``run/seed``, ``run/techniques/random_ltd/min_value``
-    ... (MLflow params, TensorBoard and CSV ``hparams.yaml``, the W&B run's config), so that the trials of a sweep
-    logging into one MLflow store or W&B project can be told apart, and filtered, by their settings."""
+    """The run's settings as logger hyperparameters: ``task_name``, ``seed``, ``arm`` (as in result.json:
+    ``cfg.arm``, else ``"baseline"`` without a technique or the techniques' names joined by ``+``), ``budget``,
+    ``overrides`` (Hydra's task overrides as ``{key: value}``, one parameter each: ``+sweep=x`` and ``++sweep=x`` are
+    ``{"sweep": "x"}``, ``~key`` is ``{"key": "(deleted)"}``) and ``techniques`` (:func:`techniques_of`).
+    :class:`LogRunSettings` logs them under ``effi``; Lightning's loggers flatten them to ``effi/seed``,
+    ``effi/overrides/model.optimizer.lr``, ``effi/techniques/random_ltd/min_value`` ... (MLflow params, TensorBoard
+    and CSV ``hparams.yaml``, the W&B run's config), so that the trials of a sweep logging into one MLflow store or
+    W&B project can be told apart, and filtered, by their settings (one parameter per override: MLflow keeps 250
+    characters of a value)."""
     techniques = techniques_of(cfg.get("callbacks"), callbacks)
     arm = cfg.get("arm") or ("+".join(sorted(techniques)) if techniques else "baseline")
     budget = cfg.get("budget", 1.0)
+    overrides = {}
+    for override in _overrides():
+        key, _, value = override.partition("=")
+        # MLflow's keys hold letters, digits, _ - . space : / only: Hydra's +, ++ and ~ prefixes are left out of the key
+        # (a deletion reads "(deleted)"), and another character (a package's @) is written _
+        name = re.sub(r"[^\w\-. :/]", "_", key.lstrip("+~"))
+        overrides[name] = "(deleted)" if key.startswith("~") else value
     return {
-        "run": {
-            "task_name": cfg.get("task_name"),
-            "seed": cfg.get("seed"),
-            "arm": str(arm),
-            "budget": float(budget) if budget is not None else 1.0,
-            "overrides": " ".join(_overrides()),
-            "techniques": techniques,
-        }
+        "task_name": cfg.get("task_name"),
+        "seed": cfg.get("seed"),
+        "arm": str(arm),
+        "budget": float(budget) if budget is not None else 1.0,
+        "overrides": overrides,
+        "techniques": techniques,
     }
 
 
 class LogRunSettings(pl.Callback):
     """Logs :func:`run_params` to each of the Trainer's loggers once, at the first ``setup`` (a logger's
-    ``log_hyperparams`` writes on global rank 0 only). Lightning logs the module's and DataModule's
-    hyperparameters beside them; the ``run/`` prefix keeps the two apart (MLflow refuses a parameter logged twice
-    with two values)."""
+    ``log_hyperparams`` writes on global rank 0 only), under ``effi`` (``effi_run`` when the module's or DataModule's
+    hyperparameters hold ``effi``, which Lightning logs beside them and would replace the block with, or with MLflow
+    refuse as a parameter logged twice with two values). An MLflow run resumed by ``run_id`` already holds the first
+    job's parameters: a setting that differs now (the resume's ``ckpt_path`` override) is logged only where new, and
+    the others are named in a warning (MLflow refuses to change a logged parameter)."""
 
     def __init__(self, params: dict[str, Any]) -> None:
         self.params = params
@@ -136,8 +152,40 @@ class LogRunSettings(pl.Callback):
         if self.logged:
             return
         self.logged = True
+        datamodule = getattr(trainer, "datamodule", None)
+        taken = {*dict(getattr(pl_module, "hparams", {}) or {}), *dict(getattr(datamodule, "hparams", {}) or {})}
+        key = next((k for k in RUN_PARAMS_KEYS if k not in taken), None)
+        if key is None:
+            warnings.warn(
+                f"the module's hyperparameters hold {' and '.join(RUN_PARAMS_KEYS)}: the run's settings are not logged "
+                "as hyperparameters (result.json records them)",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
         for logger in trainer.loggers:
-            logger.log_hyperparams(self.params)
+            params = {key: self.params}
+            if type(logger).__name__ == "MLFlowLogger" and trainer.is_global_zero:
+                params = _new_mlflow_params(logger, params)
+            logger.log_hyperparams(params)
+
+
+def _new_mlflow_params(logger: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` flattened as the MLflow logger flattens them, without those its run already holds with another
+    value (a run resumed by ``run_id``), which are named in a warning."""
+    from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+
+    flat = _flatten_dict(_convert_params(params))
+    held = dict(logger.experiment.get_run(logger.run_id).data.params)
+    kept = {k: v for k, v in flat.items() if k in held and held[k] != str(v)[:250]}
+    if kept:
+        warnings.warn(
+            f"MLflow run {logger.run_id} already holds {sorted(kept)} with other values (a resumed run): MLflow keeps "
+            "a parameter's first value, so these are not logged again; result.json records this job's",
+            UserWarning,
+            stacklevel=3,
+        )
+    return {k: v for k, v in flat.items() if k not in kept}
 
 
 class MetricCheck(pl.Callback):

@@ -13,7 +13,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import hydra
+import lightning.pytorch as pl
 import pytest
+import torch
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep
@@ -318,8 +320,8 @@ def test_wandb_offline_run_holds_the_logged_metrics(offline, tmp_path):
         if r.WhichOneof("record_type") == "config"
         for item in r.config.update
     }
-    assert config["run"]["arm"] == "random_ltd" and config["run"]["techniques"]["random_ltd"]["min_value"] == 16
-    assert "callbacks.random_ltd.min_value=16" in config["run"]["overrides"].split()
+    assert config["effi"]["arm"] == "random_ltd" and config["effi"]["techniques"]["random_ltd"]["min_value"] == 16
+    assert config["effi"]["overrides"]["callbacks.random_ltd.min_value"] == "16"
     assert records[-1].WhichOneof("record_type") == "exit" and records[-1].exit.exit_code == 0
     assert not list(offline.rglob("offline-run-*")) and not (tmp_path / "wandb").exists()  # not in WANDB_DIR or cwd
 
@@ -340,10 +342,13 @@ def test_multirun_jobs_log_to_their_own_stores(offline, tmp_path):
         runs, series = mlflow_runs(job / "mlflow.db")
         assert [(name, status) for _, name, status in runs] == [("train", "FINISHED")], job
         with sqlite3.connect(job / "mlflow.db") as con:  # the trial's settings tell the runs apart in one store
-            params = dict(con.execute("SELECT key, value FROM params WHERE key LIKE 'run/%'").fetchall())
-        assert params["run/seed"] == str(seed) and params["run/arm"] == "random_ltd", params
-        assert params["run/techniques/random_ltd/min_value"] == "16"
-        assert f"seed={seed}" in params["run/overrides"].split() and "logger=many_loggers" in params["run/overrides"]
+            params = dict(con.execute("SELECT key, value FROM params WHERE key LIKE 'effi/%'").fetchall())
+        assert params["effi/seed"] == str(seed) and params["effi/arm"] == "random_ltd", params
+        assert params["effi/techniques/random_ltd/min_value"] == "16"
+        # one parameter per override: a joined string was cut at 250 characters, and trials differing after it
+        # read the same (qa91-break 02)
+        assert params["effi/overrides/seed"] == str(seed) and params["effi/overrides/logger"] == "many_loggers"
+        assert params["effi/overrides/model.n_embd"] == "32"
         assert_same_series(series, csv_series(job), f"mlflow, job {job.name}")
         assert (job / "tensorboard").is_dir()
     wandb_runs = [sorted(job.glob("wandb/offline-run-*/run-*.wandb")) for job in jobs]
@@ -353,7 +358,7 @@ def test_multirun_jobs_log_to_their_own_stores(offline, tmp_path):
 
 
 def test_the_run_settings_are_logged_as_hyperparameters(tmp_path):
-    """The app logs the run's settings (seed, arm, budget, techniques, overrides) to every logger under ``run/``,
+    """The app logs the run's settings (seed, arm, budget, techniques, overrides) to every logger under ``effi/``,
     beside the module's hyperparameters: without them, the trials of a sweep sharing an MLflow store or a W&B
     project could not be told apart. CSV and TensorBoard keep them in their ``hparams.yaml``."""
     cfg = compose_train(
@@ -363,7 +368,7 @@ def test_the_run_settings_are_logged_as_hyperparameters(tmp_path):
     main(cfg)
     for folder in ("csv", "tensorboard"):
         hparams = yaml.safe_load((tmp_path / folder / "hparams.yaml").read_text())
-        run = hparams["run"]
+        run = hparams["effi"]
         assert (run["seed"], run["arm"], run["budget"], run["task_name"]) == (3, "random_ltd", 1.0, "train"), folder
         assert run["techniques"]["random_ltd"]["min_value"] == 16
         assert run["techniques"] == json.loads((tmp_path / "result.json").read_text())["techniques"]
@@ -389,3 +394,64 @@ def test_a_reachable_tracking_server_passes_the_check():
             }
         )
         check_tracking_servers(cfg)  # raises nothing
+
+
+class _Tiny(pl.LightningModule):
+    """A user's module with its own hyperparameters (``effi`` among them when asked)."""
+
+    def __init__(self, **hparams):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
+
+
+def _fit_logging(logger, params, **hparams):
+    from lightning_effi.train import LogRunSettings
+
+    pl.Trainer(
+        max_steps=1, logger=logger, callbacks=[LogRunSettings(params)], enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    ).fit(_Tiny(**hparams))  # fmt: skip
+
+
+def test_a_module_hyperparameter_named_like_the_run_settings_moves_them(tmp_path):
+    """A module hyperparameter ``effi`` (Lightning logs it beside the run's settings) replaced the whole block in
+    hparams.yaml, or made MLflow refuse the fit (qa91-break 05): the settings go under ``effi_run`` then."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    params = {"seed": 42, "arm": "baseline", "overrides": {"seed": "42"}}
+    for hparams, key in (({"lr": 0.1}, "effi"), ({"effi": "mine"}, "effi_run")):
+        logger = CSVLogger(tmp_path, name=key)
+        _fit_logging(logger, params, **hparams)
+        saved = yaml.safe_load((Path(logger.log_dir) / "hparams.yaml").read_text())
+        assert saved[key] == params and {k: saved[k] for k in hparams} == hparams
+
+
+def test_a_resumed_mlflow_run_keeps_its_first_settings_and_adds_the_new_ones(offline, tmp_path):
+    """Resuming into the same MLflow run (``logger.mlflow.run_id``) logs the run's settings again with the resume's
+    own overrides (``ckpt_path``): MLflow refused the changed parameter and the fit stopped at setup (qa91-break 01,
+    qa91-regress 02). The first values are kept, the differing ones named in a warning, the new ones logged."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = MLFlowLogger(experiment_name="e", tracking_uri=uri)
+    _fit_logging(first, {"seed": 1, "overrides": {"trainer.max_steps": "1"}})
+    again = MLFlowLogger(experiment_name="e", tracking_uri=uri, run_id=first.run_id)
+    with pytest.warns(UserWarning, match=r"already holds \['effi/overrides/trainer.max_steps'\] with other values"):
+        _fit_logging(again, {"seed": 1, "overrides": {"trainer.max_steps": "2", "ckpt_path": "last.ckpt"}})
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        params = dict(con.execute("SELECT key, value FROM params WHERE key LIKE 'effi/%'").fetchall())
+    assert params == {
+        "effi/seed": "1",
+        "effi/overrides/trainer.max_steps": "1",
+        "effi/overrides/ckpt_path": "last.ckpt",
+    }
