@@ -173,9 +173,14 @@ class LogRunSettings(pl.Callback):
 def _new_mlflow_params(logger: Any, params: dict[str, Any]) -> dict[str, Any]:
     """``params`` flattened as the MLflow logger flattens them, without those its run already holds with another
     value (a run resumed by ``run_id``), which are named in a warning."""
-    from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 
-    flat = _flatten_dict(_convert_params(params))
+    def flatten(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:  # as MLFlowLogger flattens: "/"
+        out: dict[str, Any] = {}
+        for name, value in node.items():
+            out.update(flatten(value, f"{prefix}{name}/") if isinstance(value, Mapping) else {f"{prefix}{name}": value})
+        return out
+
+    flat = flatten(params)
     held = dict(logger.experiment.get_run(logger.run_id).data.params)
     kept = {k: v for k, v in flat.items() if k in held and held[k] != str(v)[:250]}
     if kept:
