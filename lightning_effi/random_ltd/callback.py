@@ -1092,11 +1092,11 @@ class RandomLTDCallback(KeepsSettings, Callback):
     def _resolve_schedule(self, trainer: pl.Trainer) -> None:
         """The derived ``require_steps`` of :meth:`on_train_start` (a fixed one only sets the step clock)."""
         self._resolved_against = None
-        if self.require_steps_arg is not None:
-            self.clock, self._clock_source = "step", None
-            return  # a fixed step count: compared with the checkpoint's in load_state_dict
         source, share = progress_clock(trainer.callbacks), None
-        if source is None:
+        if self.require_steps_arg is not None:  # a fixed step count, on the step clock
+            source = None
+            current = {"clock": "step", "require_steps": int(self.require_steps_arg), "require_progress": None}
+        elif source is None:
             duration = {"require_steps": self.require_duration}  # resolved in batches, counted on global_step
             self._steps_check.arm(trainer, trainer.lightning_module, duration)
             current = {"clock": "step", "require_steps": self._resolve_require_steps(trainer), "require_progress": None}
@@ -1112,15 +1112,15 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 # a finished run extended (a longer run resumed from its end): the schedule stays where it ended
                 rank_zero_info(
                     f"{type(self).__name__}: the checkpoint's schedule reached max_value by step {step} "
-                    f"(require_steps={saved['require_steps']}); this longer run goes on at max_value, keeping that "
-                    f"schedule (this run's require_steps={str(self.require_duration)!r} would give "
+                    f"(require_steps={saved['require_steps']}); this run goes on at max_value, keeping that "
+                    f"schedule (this run's require_steps={self._require_steps_shown()} would give "
                     f"{current['require_steps']} and a reserved length below max_value again)"
                 )
                 current = dict(saved)
             elif saved["clock"] == current["clock"] == "step":
                 before, after = (self._value(saved["require_steps"], step), self._value(current["require_steps"], step))
                 self._mismatch(
-                    f"require_steps={str(self.require_duration)!r} gives {current['require_steps']} optimizer steps "
+                    f"require_steps={self._require_steps_shown()} gives {current['require_steps']} optimizer steps "
                     f"in this run but the checkpoint's schedule has require_steps={saved['require_steps']} (another "
                     "duration or another run length)",
                     fix=f"continue the schedule with require_steps={current['require_steps']} (the reserved length "
@@ -1131,13 +1131,18 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 on = "optimizer steps" if source is None else f"{type(source).__name__}'s training progress"
                 self._mismatch(
                     f"the checkpoint's configuration differs (checkpoint, now): {diff} (require_steps="
-                    f"{str(self.require_duration)!r} on {on}; another clock, duration or run length)",
+                    f"{self._require_steps_shown()} on {on}; another clock, duration or run length)",
                     fix="continue the schedule with this run's clock and length",
                 )
         self.clock, self._clock_source = current["clock"], source
         self.require_steps, self.require_progress = current["require_steps"], current["require_progress"]
         # on the progress clock the exact share; the checkpoint holds its ticks (compared above)
         self.require_share = share
+
+    def _require_steps_shown(self) -> str:
+        """``require_steps`` as given (``6``, ``'0.5dur'``), for messages."""
+        given = self.require_steps_given
+        return repr(str(self.require_duration) if given is None else given)
 
     def _value(self, require_steps: int, step: int) -> int | str:
         """The reserved length at ``step`` under ``require_steps`` (``"?"`` while ``max_value`` is unknown)."""
@@ -2306,19 +2311,25 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 # resume: another schedule than the uninterrupted run's, qa49-peft 01)
                 self.max_value = int(restored)
                 self._seen = True
-        if self.require_steps_arg is None:
-            # derived from the run: on_train_start compares what the current arguments give in this run (clock too)
-            schedule = {key: saved.pop(key) for key in ("clock", "require_steps", "require_progress")}
-            for key in schedule:
-                mine.pop(key)
-            if schedule["require_steps"] is not None:
-                schedule["require_steps"] = self.require_steps = int(schedule["require_steps"])
-            if schedule["require_progress"] is not None:
-                schedule["require_progress"] = self.require_progress = int(schedule["require_progress"])
-            # a checkpoint written before the schedule was resolved (LearningRateFinder / BatchSizeFinder save one at
-            # on_fit_start and restore it after their search) has nothing to compare: on_train_start resolves it
-            unresolved = schedule["require_steps"] is None and schedule["require_progress"] is None
-            self._saved_schedule = None if unresolved else schedule
+        # the schedule: on_train_start compares what the current arguments give in this run (clock too) with the
+        # checkpoint's, one rule for one step count however spelled (an int was compared here, and refused where a
+        # fraction giving the same count resumed at max_value, qa91-regress 04)
+        schedule = {key: saved.pop(key) for key in ("clock", "require_steps", "require_progress")}
+        for key in schedule:
+            mine.pop(key)
+        derived = self.require_steps_arg is None
+        if schedule["require_steps"] is not None:
+            schedule["require_steps"] = int(schedule["require_steps"])
+            if derived:
+                self.require_steps = schedule["require_steps"]
+        if schedule["require_progress"] is not None:
+            schedule["require_progress"] = int(schedule["require_progress"])
+            if derived:
+                self.require_progress = schedule["require_progress"]
+        # a checkpoint written before the schedule was resolved (LearningRateFinder / BatchSizeFinder save one at
+        # on_fit_start and restore it after their search) has nothing to compare: on_train_start resolves it
+        unresolved = schedule["require_steps"] is None and schedule["require_progress"] is None
+        self._saved_schedule = None if unresolved else schedule
         diff = settings_diff(saved, mine)
         if diff and not self._mismatch_told:  # strict=False: on_load_checkpoint warned of the settings already
             self._mismatch(f"the checkpoint's configuration differs (checkpoint, now): {diff}")

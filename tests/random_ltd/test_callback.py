@@ -332,6 +332,23 @@ def test_resume_with_the_same_require_steps_spelled_otherwise_goes_on_exactly(tm
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("resumed", [6, "6st", "0.75dur"])
+def test_another_step_count_resumes_by_one_rule_however_spelled(tmp_path, resumed):
+    """One step count, one outcome (qa91-regress 04): a checkpoint whose schedule reached max_value (require_steps 4,
+    step 4 of 8) goes on at max_value with 6 steps spelled any way (an int was refused, a fraction resumed); one
+    whose schedule had not (step 2) is refused, naming the jump of the reserved length, however spelled."""
+    (full, full_model), (cb, model) = _stop_and_resume(
+        tmp_path / "end", {"require_steps": 4}, {"require_steps": resumed}
+    )
+    assert cb.require_steps == 4 and {k: getattr(cb, k) for k in COUNTERS} == {k: getattr(full, k) for k in COUNTERS}
+    for a, b in zip(full_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(
+        ValueError, match=r"but the checkpoint's schedule has require_steps=4 .*the reserved length at "
+    ):
+        _stop_and_resume(tmp_path / "mid", {"require_steps": 4}, {"require_steps": resumed}, at=2)
+
+
 def test_resume_with_strict_false_and_other_settings_keeps_the_checkpoints_counters(tmp_path):
     """strict=False with another identity setting: warned, the run goes on with the new settings, and the
     checkpoint's counters are restored. They restarted at the resume step (32 samples for 64, the recorded
