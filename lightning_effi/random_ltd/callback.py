@@ -2227,8 +2227,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
 
         A state under another ``state_key`` whose identity arguments differ only in how ``require_steps`` is given
         (``4`` against ``"0.5dur"`` of 8 steps) is this callback's: :meth:`load_state_dict` and ``on_train_start``
-        compare the resolved schedules. With other settings it is a mismatch; ``strict=False`` warns and takes the
-        state too (its counters go on).
+        compare the resolved schedules. It is taken with a warning that says so (Lightning has just warned that the
+        callback of that state is missing). With other settings it is a mismatch; ``strict=False`` warns and takes
+        the state too (its counters go on).
 
         Raises:
             ValueError: (``fit``, ``strict``) the checkpoint holds a random-LTD state written with other settings
@@ -2255,6 +2256,14 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 shown = "; ".join(f"{k}: {a} in the checkpoint, {b} now" for k, (a, b) in differ.items())
                 self._mismatch(f"the checkpoint was written with other settings ({shown or others[0]})")
                 self._mismatch_told = True
+            else:  # Lightning warned just before this hook that the state's callback is missing (qa91-break 07)
+                written, now = differ["require_steps"]
+                rank_zero_warn(
+                    f"{type(self).__name__}: the checkpoint's state {others[0]!r} is this callback's: it was written "
+                    f"with require_steps={written}, given now as {self._require_steps_shown()}, and is restored "
+                    "(the schedules are compared when training starts). Lightning's warning 'Please add the "
+                    "following callbacks' about that state can be ignored."
+                )
             checkpoint["callbacks"][self.state_key] = checkpoint["callbacks"][others[0]]
 
     def _key_differences(self, key: str) -> dict[str, tuple[str, str]]:
