@@ -570,6 +570,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._input_hooks: list[Any] = []
         self._runners: tuple[tuple[int, int, int], list[weakref.ref[nn.Module]]] | None = None  # (network, runners)
         self.global_batch_size = 0
+        # micro-batches per step of the run's first step as expected_total_layer_tokens reads them (the first segment
+        # of a GradientAccumulationScheduler's, else accumulate_grad_batches): 0 before the first step
+        self.micro_batches = 0
         # samples, layer-tokens, full layer-tokens, saved flops, full flops; and the samples of the step's skipped
         # micro-batches (its batch size counts them)
         self._pending = [0, 0, 0, 0.0, 0.0, 0]
@@ -1012,6 +1015,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         total = estimated_optimizer_steps(trainer)  # a GradientAccumulationScheduler's factors counted
         self.total_steps = int(total) if math.isfinite(total) else None
         self._step_segments = accumulation_segments(trainer)
+        self._warn_other_accumulation(trainer)
         self._data_length, self._lengths_vary = None, False
         if self._curriculum is None and (not self._seen or self._resumed):
             self._data_length = self._peek_sequence_length(trainer)
@@ -1504,6 +1508,28 @@ class RandomLTDCallback(KeepsSettings, Callback):
             self.seq_per_step,
             self.rounding,
         )
+
+    def _first_micro_batches(self, trainer: pl.Trainer) -> int:
+        """The micro-batches of the run's first optimizer step as :meth:`expected_total_layer_tokens` counts them."""
+        return int(self._step_segments[0][1] if self._step_segments else trainer.accumulate_grad_batches)
+
+    def _warn_other_accumulation(self, trainer: pl.Trainer) -> None:
+        """A run resumed with another gradient accumulation than the checkpoint's first step: the global batch size
+        of the checkpoint's first step (``global_batch_size``) no longer gives this run's steps, so warn that
+        :meth:`expected_total_layer_tokens` (and a layer-token LR schedule that reads it) is not this run's total."""
+        if not (self._resumed and self.micro_batches and self.global_batch_size):
+            return
+        now = self._first_micro_batches(trainer)
+        if now != self.micro_batches:
+            rank_zero_warn(
+                f"{type(self).__name__}: this run accumulates {now} micro-batches per optimizer step where the "
+                f"checkpoint's run accumulated {self.micro_batches} (accumulate_grad_batches, or a "
+                "GradientAccumulationScheduler's first factor): expected_total_layer_tokens() counts every step of "
+                f"the run at the checkpoint's global batch size ({self.global_batch_size} samples per "
+                f"{self.micro_batches} micro-batches), so a layer-token LR schedule with total_layer_tokens=None "
+                "ends at another point than the run; pass total_layer_tokens explicitly, or resume with the "
+                "checkpoint's accumulation"
+            )
 
     def expected_total_layer_tokens(self) -> int:
         """Layer-tokens the whole run will consume at full-length batches: :meth:`total_layer_tokens` over the run's
@@ -2065,6 +2091,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         if not self.global_batch_size:  # with a skipped micro-batch's samples (4 for 8 made the expected total half
             # the run's layer-tokens, qa84-break 01)
             self.global_batch_size = int(samples + skipped)
+            self.micro_batches = self._first_micro_batches(trainer)
         self.saved_flops += saved
         self.full_layer_flops += full_flops
 
@@ -2211,6 +2238,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
             "current_step": int(self.current_step),
             "current_value": int(self.current_value),
             "global_batch_size": int(self.global_batch_size),
+            "micro_batches": int(self.micro_batches),
             "config": self.config(),
             "nonfinite_loss": self.nonfinite_guard.state_dict(),
         }
@@ -2351,12 +2379,12 @@ class RandomLTDCallback(KeepsSettings, Callback):
 
     def _checked_state(self, state: Any) -> dict[str, Any]:
         """The counters of a checkpoint's state, validated: ``consumed_layer_tokens``, ``full_layer_tokens``,
-        ``consumed_samples``, ``global_batch_size`` (optional, default 0) ints >= 0; ``saved_flops``,
-        ``full_layer_flops`` finite floats >= 0; ``current_step`` an int >= -1 (-1: saved before the first training
-        batch); ``current_value`` an int in ``[lowest, max_value]`` of the checkpoint's own configuration (``lowest``:
-        ``min_value``, or with ``rounding="deepspeed"`` ``min_value`` rounded down to a multiple of ``seq_per_step``;
-        ``max_value`` when it was resolved); ``config`` a mapping; ``nonfinite_loss`` a mapping the guard accepts
-        (:meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`).
+        ``consumed_samples``, ``global_batch_size``, ``micro_batches`` (both optional, default 0) ints >= 0;
+        ``saved_flops``, ``full_layer_flops`` finite floats >= 0; ``current_step`` an int >= -1 (-1: saved before the
+        first training batch); ``current_value`` an int in ``[lowest, max_value]`` of the checkpoint's own
+        configuration (``lowest``: ``min_value``, or with ``rounding="deepspeed"`` ``min_value`` rounded down to a
+        multiple of ``seq_per_step``; ``max_value`` when it was resolved); ``config`` a mapping; ``nonfinite_loss`` a
+        mapping the guard accepts (:meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`).
 
         Raises:
             ValueError: a missing key or a value of the wrong type or range, naming the field.
@@ -2382,6 +2410,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
             for key in ("consumed_layer_tokens", "full_layer_tokens", "consumed_samples")
         }
         out["global_batch_size"] = check_int(owner, "global_batch_size", state.get("global_batch_size", 0), minimum=0)
+        out["micro_batches"] = check_int(owner, "micro_batches", state.get("micro_batches", 0), minimum=0)
         for key in ("saved_flops", "full_layer_flops"):
             out[key] = check_real(owner, key, state[key], low=0)
         out["current_step"] = check_int(owner, "current_step", state["current_step"], minimum=-1)

@@ -208,6 +208,36 @@ def test_a_skipped_micro_batch_still_counts_in_the_step_batch_size(tmp_path, bef
     assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(3, 16)
 
 
+def test_resume_with_another_accumulation_warns_that_the_expected_total_is_not_the_runs(tmp_path):
+    """The checkpoint holds the first step's global batch size (16: 2 micro-batches of 8) and its micro-batch count; a
+    run resumed at 4 micro-batches per step warned of nothing and a layer-token LR schedule with
+    ``total_layer_tokens=None`` counted every step at 16 samples (qa90-resume). The same accumulation resumes
+    silently, with the count restored."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    cb = ltd(max_value=16, require_steps=4)
+    keep = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = make_trainer(tmp_path, [cb, keep], max_steps=2, max_epochs=-1, accumulate_grad_batches=2)
+    trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
+    assert (cb.global_batch_size, cb.micro_batches) == (16, 2) and cb.state_dict()["micro_batches"] == 2
+    for factor, told in ((2, False), (4, True)):
+        cb = ltd(max_value=16, require_steps=4)
+        trainer = make_trainer(tmp_path, [cb], max_steps=3, max_epochs=-1, accumulate_grad_batches=factor)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+        said = [str(w.message) for w in caught if "micro-batches per optimizer step" in str(w.message)]
+        assert cb.micro_batches == 2 and cb.global_batch_size == 16
+        assert len(said) == told
+        if told:
+            assert "accumulates 4 micro-batches per optimizer step where the checkpoint's run accumulated 2" in said[0]
+            assert "16 samples per 2 micro-batches" in said[0] and "pass total_layer_tokens" in said[0]
+    bad = ltd().state_dict() | {"micro_batches": -1}
+    with pytest.raises(ValueError, match="micro_batches"):
+        ltd()._checked_state(bad)
+
+
 # ------------------------------------------------------------------------------------------------ step axis
 
 
