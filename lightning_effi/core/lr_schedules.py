@@ -272,17 +272,24 @@ def layer_token_lr(
     The callback adds a step's layer-tokens in ``on_before_optimizer_step``, before Lightning steps the scheduler, so
     the LR of step ``k+1`` reflects the tokens of steps ``0..k``. ``total_layer_tokens=None`` uses
     ``callback.expected_total_layer_tokens()`` (the schedule over the run's optimizer steps at the observed global
-    batch size), read once the warmup is over.
+    batch size), read once the warmup is over. ``LambdaLR``'s constructor reads the multiplier before training starts,
+    when the run's length is not known yet: there that read is 1.0 past the warmup (a fresh fit with
+    ``warmup_layer_tokens=0`` starts at the peak; a resumed fit, whose restored layer-tokens are past the warmup, has
+    its LR set from the checkpoint's optimizer and scheduler states right after), and the total is read at the first
+    step.
     """
     layer_token_multiplier(
         0, warmup_layer_tokens, (total_layer_tokens or warmup_layer_tokens + 1), decay, min_lr_ratio
     )  # validate now
     state: dict[str, float] = {}
 
-    def fn(_: int) -> float:
+    def fn(step: int) -> float:
         consumed = float(callback.consumed_layer_tokens)  # type: ignore[attr-defined]
         if consumed < warmup_layer_tokens:
             return consumed / warmup_layer_tokens
+        if step == 0 and total_layer_tokens is None and "total" not in state:
+            # the constructor's read (a resumed fit raised there: the run's length is known at train start only)
+            return 1.0
         if "total" not in state:
             expected = total_layer_tokens
             if expected is None:

@@ -573,6 +573,8 @@ class RandomLTDCallback(KeepsSettings, Callback):
         # micro-batches per step of the run's first step as expected_total_layer_tokens reads them (the first segment
         # of a GradientAccumulationScheduler's, else accumulate_grad_batches): 0 before the first step
         self.micro_batches = 0
+        self._micro_batches_now = 0  # this fit's, read at train start
+        self._accumulation_told = False  # warned that expected_total_layer_tokens counts another accumulation's
         # samples, layer-tokens, full layer-tokens, saved flops, full flops; and the samples of the step's skipped
         # micro-batches (its batch size counts them)
         self._pending = [0, 0, 0, 0.0, 0.0, 0]
@@ -1015,7 +1017,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         total = estimated_optimizer_steps(trainer)  # a GradientAccumulationScheduler's factors counted
         self.total_steps = int(total) if math.isfinite(total) else None
         self._step_segments = accumulation_segments(trainer)
-        self._warn_other_accumulation(trainer)
+        self._micro_batches_now = self._first_micro_batches(trainer)
         self._data_length, self._lengths_vary = None, False
         if self._curriculum is None and (not self._seen or self._resumed):
             self._data_length = self._peek_sequence_length(trainer)
@@ -1126,7 +1128,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 self._mismatch(
                     f"require_steps={self._require_steps_shown()} gives {current['require_steps']} optimizer steps "
                     f"in this run but the checkpoint's schedule has require_steps={saved['require_steps']} (another "
-                    "duration or another run length)",
+                    "duration, run length or gradient accumulation)",
                     fix=f"continue the schedule with require_steps={current['require_steps']} (the reserved length "
                     f"at step {step} goes from {before} to {after}), or pass require_steps={saved['require_steps']} "
                     "to keep the checkpoint's schedule",
@@ -1513,29 +1515,32 @@ class RandomLTDCallback(KeepsSettings, Callback):
         """The micro-batches of the run's first optimizer step as :meth:`expected_total_layer_tokens` counts them."""
         return int(self._step_segments[0][1] if self._step_segments else trainer.accumulate_grad_batches)
 
-    def _warn_other_accumulation(self, trainer: pl.Trainer) -> None:
-        """A run resumed with another gradient accumulation than the checkpoint's first step: the global batch size
-        of the checkpoint's first step (``global_batch_size``) no longer gives this run's steps, so warn that
-        :meth:`expected_total_layer_tokens` (and a layer-token LR schedule that reads it) is not this run's total."""
-        if not (self._resumed and self.micro_batches and self.global_batch_size):
+    def _warn_other_accumulation(self) -> None:
+        """Read by :meth:`expected_total_layer_tokens` in a run resumed with another gradient accumulation than the
+        checkpoint's first step: the global batch size of that step (``global_batch_size``) no longer gives this
+        run's steps, so warn (once a fit) that the total is not this run's. A run that never reads it (no
+        layer-token LR schedule, or one given ``total_layer_tokens``) is not warned: nothing in it depends on it."""
+        now, told = self._micro_batches_now, self._accumulation_told
+        if told or not (self._resumed and self.micro_batches and now) or now == self.micro_batches:
             return
-        now = self._first_micro_batches(trainer)
-        if now != self.micro_batches:
-            rank_zero_warn(
-                f"{type(self).__name__}: this run accumulates {now} micro-batches per optimizer step where the "
-                f"checkpoint's run accumulated {self.micro_batches} (accumulate_grad_batches, or a "
-                "GradientAccumulationScheduler's first factor): expected_total_layer_tokens() counts every step of "
-                f"the run at the checkpoint's global batch size ({self.global_batch_size} samples per "
-                f"{self.micro_batches} micro-batches), so a layer-token LR schedule with total_layer_tokens=None "
-                "ends at another point than the run; pass total_layer_tokens explicitly, or resume with the "
-                "checkpoint's accumulation"
-            )
+        self._accumulation_told = True
+        rank_zero_warn(
+            f"{type(self).__name__}: this run accumulates {now} micro-batches per optimizer step where the "
+            f"checkpoint's run accumulated {self.micro_batches} (accumulate_grad_batches, or a "
+            "GradientAccumulationScheduler's first factor): expected_total_layer_tokens() (the default total of a "
+            "layer-token LR schedule) counts every step of the run at the checkpoint's global batch size "
+            f"({self.global_batch_size} samples per {self.micro_batches} micro-batches), so the schedule ends at "
+            "another point than the run; pass total_layer_tokens explicitly, or resume with the checkpoint's "
+            "accumulation"
+        )
 
     def expected_total_layer_tokens(self) -> int:
         """Layer-tokens the whole run will consume at full-length batches: :meth:`total_layer_tokens` over the run's
         optimizer steps (``trainer.estimated_stepping_batches``, a ``GradientAccumulationScheduler``'s factors
         counted) at the global batch size of the first step. When the scheduler changes the factor during the run,
         each step's batch follows its micro-batch count (the first step's samples per micro-batch times the count).
+        In a run resumed with another accumulation than the checkpoint's first step, warns (once a fit) that the
+        total counts the checkpoint's global batch size.
 
         Raises:
             RuntimeError: before the first optimizer step, or for a run of unknown length.
@@ -1545,6 +1550,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 "RandomLTDCallback.expected_total_layer_tokens: needs a run of known length and one "
                 "finished optimizer step; pass total_layer_tokens explicitly"
             )
+        self._warn_other_accumulation()
         if not self._step_segments:
             return self.total_layer_tokens(self.total_steps, self.global_batch_size)
         # layer-tokens are linear in the batch size: per-sample totals over each run of steps, times its batch

@@ -209,10 +209,10 @@ def test_a_skipped_micro_batch_still_counts_in_the_step_batch_size(tmp_path, bef
 
 
 def test_resume_with_another_accumulation_warns_that_the_expected_total_is_not_the_runs(tmp_path):
-    """The checkpoint holds the first step's global batch size (16: 2 micro-batches of 8) and its micro-batch count; a
-    run resumed at 4 micro-batches per step warned of nothing and a layer-token LR schedule with
-    ``total_layer_tokens=None`` counted every step at 16 samples (qa90-resume). The same accumulation resumes
-    silently, with the count restored."""
+    """The checkpoint holds the first step's global batch size (16: 2 micro-batches of 8) and its micro-batch count; in
+    a run resumed at 4 micro-batches per step, ``expected_total_layer_tokens`` (a layer-token LR schedule's default
+    total) counted every step at 16 samples, silently (qa90-resume). It warns when read, once; a run that never reads
+    it is not warned (qa92-user 03), nor one resumed with the same accumulation."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     pl.seed_everything(0)
@@ -227,9 +227,12 @@ def test_resume_with_another_accumulation_warns_that_the_expected_total_is_not_t
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+            fit_said = [str(w.message) for w in caught if "micro-batches per optimizer step" in str(w.message)]
+            assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(3, 16)
+            assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(3, 16)
         said = [str(w.message) for w in caught if "micro-batches per optimizer step" in str(w.message)]
         assert cb.micro_batches == 2 and cb.global_batch_size == 16
-        assert len(said) == told
+        assert fit_said == [] and len(said) == told
         if told:
             assert "accumulates 4 micro-batches per optimizer step where the checkpoint's run accumulated 2" in said[0]
             assert "16 samples per 2 micro-batches" in said[0] and "pass total_layer_tokens" in said[0]
@@ -459,6 +462,37 @@ def test_layer_token_lr_in_a_fit_reads_the_tokens_of_finished_steps(tmp_path):
     for lr, consumed in seen:
         assert lr == pytest.approx(0.05 * layer_token_multiplier(consumed, warmup, total, "linear"), rel=1e-12)
     assert seen[0] == (0.0, 0) and seen[1][1] == F.layer_tokens(8, 16, 4, 4, 2)
+
+
+@pytest.mark.parametrize("warmup", [0, 1000])
+def test_layer_token_lr_with_the_default_total_resumes_past_the_warmup(tmp_path, warmup):
+    """``LambdaLR``'s constructor reads the multiplier before train start: a fit resumed past the warmup with
+    ``total_layer_tokens=None`` raised there (the run's length is known at train start only, qa92-user 01), and so did
+    a fresh fit with ``warmup_layer_tokens=0``. The resumed fit's LRs and weights are the uninterrupted fit's."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    runs = []
+    for ckpt_path in (None, str(tmp_path / "ck" / "step=3.ckpt")):
+        pl.seed_everything(0)
+        cb, lrs = ltd(max_value=16, require_steps=4), []
+
+        class Probe(Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx, lrs=lrs):
+                lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+        def scheduler(opt, total_steps, progress=None, cb=cb):
+            return layer_token_lr(opt, cb, warmup, None, decay="linear")
+
+        model = deep_gpt2(scheduler=scheduler)
+        extra = [ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1, filename="{step}")]
+        trainer = make_trainer(tmp_path, [cb, Probe(), *(extra if ckpt_path is None else [])], max_steps=6)
+        trainer.fit(model, datamodule=tiny_lm_data(), ckpt_path=ckpt_path)
+        runs.append((lrs, model, cb))
+    (full_lrs, full_model, full_cb), (lrs, model, cb) = runs
+    assert full_cb.consumed_layer_tokens > warmup and lrs == full_lrs[3:]
+    assert full_lrs[0] == (1.0 if warmup == 0 else 0.0) * 0.05 and full_lrs[-1] < max(full_lrs)
+    for a, b in zip(full_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 # ------------------------------------------------------------------------------------------------ bad input
