@@ -60,16 +60,28 @@ def given_settings(arguments: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in arguments.items() if name not in ("self", "__class__")}
 
 
+def _containers_copied(value: Any) -> Any:
+    """``value`` with its dicts, lists, tuples and sets copied, at every depth, and everything else (an adapter, a
+    function, a dataset) shared."""
+    if type(value) is dict:
+        return {k: _containers_copied(v) for k, v in value.items()}
+    if type(value) in (list, tuple, set, frozenset):
+        return type(value)(_containers_copied(v) for v in value)
+    return copy.copy(value) if isinstance(value, dict) else value  # a dict subclass (OrderedDict): its own copy
+
+
 def keep_settings(obj: Any, owner: type, given: dict[str, Any]) -> None:
     """The last statement of ``owner.__init__``: record the arguments it was called with (:func:`given_settings`; a
     deprecated spelling given as its replacement), with no setting noted yet, and a copy of each dict or list the
-    constructor set as an argument's attribute (an in-place change is a setting, :func:`changed_settings`)."""
+    constructor set as an argument's attribute (an in-place change is a setting, :func:`changed_settings`). The
+    arguments are recorded with their dicts and lists copied: the caller's own dict edited after the build (reused for
+    the next experiment) was taken at the next fit that rebuilt the callback for another setting (qa92-break 01)."""
     containers = {
         name: (value, copy.deepcopy(value))
         for name in given
         if isinstance(value := obj.__dict__.get(name), dict | list | set)
     }
-    obj.__dict__[_RECORD] = (owner, given, {}, containers)
+    obj.__dict__[_RECORD] = (owner, {k: _containers_copied(v) for k, v in given.items()}, {}, containers)
 
 
 def _running_fit(obj: Any) -> Any:
@@ -93,6 +105,17 @@ class KeepsSettings:
     ``lightning_effi`` (the callback's own writes come from inside; the writer is the code that called
     ``__setattr__``, past a subclass's own ``__setattr__`` that passes the write on), is noted as a setting for the
     next fit (:func:`apply_changed_settings`)."""
+
+    def __copy__(self) -> Any:
+        """A shallow copy with its own record of the settings set on it: a setting set on the copy was noted on the
+        original too, and trained in its next fit (qa92-break 02)."""
+        cls = type(self)
+        new = cls.__new__(cls)
+        new.__dict__.update(self.__dict__)
+        record = self.__dict__.get(_RECORD)
+        if record is not None:
+            new.__dict__[_RECORD] = (record[0], record[1], dict(record[2]), *record[3:])
+        return new
 
     def __setattr__(self, name: str, value: Any) -> None:
         record = self.__dict__.get(_RECORD)

@@ -159,6 +159,44 @@ def test_a_vcycle_lr_multiplier_changed_in_place_is_a_setting_of_the_next_fit(tm
         _fit(tmp_path / "d", vc)
 
 
+def test_the_callers_dict_edited_after_the_build_is_not_a_setting():
+    """The arguments are recorded with their containers copied: the caller's own dict, edited after the build (reused
+    for the next experiment), was taken when another setting rebuilt the callback (qa92-break 01)."""
+
+    class Factors(KeepsSettings):
+        def __init__(self, factors: dict[int, Any] | None = None, ratio: float = 0.5) -> None:
+            given = given_settings(locals())
+            self.factors = copy.deepcopy(factors or {})  # the constructor's own copy
+            self.ratio = ratio
+            keep_settings(self, Factors, given)
+
+    mine = {2: [2.0]}
+    obj = Factors(factors=mine)
+    mine[2][0], mine[3] = 8.0, [3.0]
+    obj.ratio = 0.25  # an unrelated setting rebuilds it
+    apply_changed_settings(obj)
+    assert obj.factors == {2: [2.0]} and obj.ratio == 0.25
+    vc = VCycleCallback(e_a=1, e_small=2, lr_multiplier=(factors := {2: 2.0}))
+    factors[2] = 8.0
+    vc.alpha_original = 0.5
+    apply_changed_settings(vc)
+    assert vc.lr_multiplier == {2: 2.0} and vc.alpha_original == 0.5
+
+
+def test_a_shallow_copy_notes_its_own_settings():
+    """``copy.copy`` shared the record of settings set: one set on the copy was noted on the original and trained in
+    its next fit (qa92-break 02)."""
+    base = RandomLTDCallback(min_value=4, seq_per_step=4)
+    base.seed = 3
+    variant = copy.copy(base)
+    variant.min_value = 12
+    assert changed_settings(variant) == {"seed": 3, "min_value": 12} and changed_settings(base) == {"seed": 3}
+    apply_changed_settings(base)
+    assert (base.min_value, base.seed) == (4, 3)
+    apply_changed_settings(variant)
+    assert (variant.min_value, variant.seed) == (12, 3)
+
+
 def test_a_pickled_copy_has_nothing_changed():
     """``ddp_spawn`` pickles the callback: equal plain values are not settings set (floats are copied)."""
     toy = Toy(steps=4, ratio=0.3)
