@@ -21,6 +21,7 @@ import functools
 import json
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -465,6 +466,9 @@ class ResultWriter(pl.Callback):
         ValueError: (when built, and at a fit's start for a value set on the writer after it was built) a
             ``mode``, ``budget``, ``arm``, ``task_name``, ``seed``, ``config`` or ``out_dir`` that
             :func:`write_result` would refuse; (at the end of fit) the others, as :func:`write_result`.
+
+    A setting set on the writer during a fit (from a callback's hook) is warned of there and taken at the next fit's
+    start: the fit's record is written with the settings the fit started with.
     """
 
     def __init__(
@@ -493,6 +497,23 @@ class ResultWriter(pl.Callback):
         # records held none, and the report could not note a technique run's other model.lr, qa86-user 03)
         self._hydra_task = _hydra_overrides()
         self._metric_checked = False  # the metric was looked for among the first validation's (on_validation_end)
+        #: the settings of the fit under way (on_fit_start to teardown), which its record is written with
+        self._fit_settings: dict[str, Any] | None = None
+
+    _SETTINGS = ("metric", "out_dir", "mode", "seed", "budget", "arm", "task_name", "config")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        fit = self.__dict__.get("_fit_settings")
+        if fit is not None and name in self._SETTINGS:
+            # the record was written with a value set during the fit, unchecked: a bad one lost it after the whole
+            # fit, a good one was recorded as the fit's, and out_dir was ignored (qa92-break 03)
+            warnings.warn(
+                f"ResultWriter.{name} = {value!r:.80} was set during a fit: this fit's record is written with "
+                f"{name}={fit[name]!r:.80}; the next fit's start takes the new value (or refuses it, naming why)",
+                UserWarning,
+                stacklevel=2,
+            )
+        super().__setattr__(name, value)
 
     def _resolve_dir(self, trainer: pl.Trainer) -> str | os.PathLike[str]:
         if self.out_dir:
@@ -518,9 +539,9 @@ class ResultWriter(pl.Callback):
         folder = trainer.log_dir
         return str(folder) if folder is not None else trainer.default_root_dir
 
-    def _config(self, trainer: pl.Trainer) -> Mapping[str, Any] | Sequence[str] | None:
-        if self.config != "cli":
-            return self.config
+    def _config(self, trainer: pl.Trainer, config: Any) -> Mapping[str, Any] | Sequence[str] | None:
+        if config != "cli":
+            return config  # type: ignore[no-any-return]
         from lightning.pytorch.cli import SaveConfigCallback
 
         saver = next((c for c in trainer.callbacks if isinstance(c, SaveConfigCallback)), None)  # type: ignore[attr-defined]
@@ -571,6 +592,15 @@ class ResultWriter(pl.Callback):
             )
         self._earlier = (Path(self._dir) / "result.json").exists()
         self._metric_checked = False
+        self._fit_settings = {name: getattr(self, name) for name in self._SETTINGS}
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """The fit is over (ended or raised): a setting set from now on is the next fit's, without a warning."""
+        if stage == "fit":
+            self._fit_settings = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._fit_settings = None  # as teardown: a fit that raised is over
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """At the fit's first validation (not the sanity check), warn when ``metric`` is not among the metrics logged
@@ -589,7 +619,9 @@ class ResultWriter(pl.Callback):
             )
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the record (listed before the ``EfficiencyMonitor``: once the monitor has summed the fit up)."""
+        """Write the record (listed before the ``EfficiencyMonitor``: once the monitor has summed the fit up), with the
+        settings the fit started with (a setting set during the fit, warned of where it is set, is the next fit's)."""
+        fit = self._fit_settings or {name: getattr(self, name) for name in self._SETTINGS}
         out_dir = self._dir if self._dir is not None else self._resolve_dir(trainer)
         earlier = Path(out_dir) / "result.json"
         if self._earlier and trainer.is_global_zero and earlier.exists():
@@ -606,13 +638,13 @@ class ResultWriter(pl.Callback):
         self.path = write_result(
             trainer,
             out_dir,
-            metric=self.metric,
-            mode=self.mode,
-            seed=self.seed,
-            budget=self.budget,
-            arm=self.arm,
-            task_name=self.task_name,
-            config=self._config(trainer),
+            metric=fit["metric"],
+            mode=fit["mode"],
+            seed=fit["seed"],
+            budget=fit["budget"],
+            arm=fit["arm"],
+            task_name=fit["task_name"],
+            config=self._config(trainer, fit["config"]),
         )
 
 

@@ -805,6 +805,52 @@ def test_a_result_writer_refuses_a_bad_setting_set_after_it_was_built_before_the
     assert writer.path == tmp_path / "runs" / "x" / "result.json" and writer.path.exists()
 
 
+def test_a_result_writer_setting_set_during_a_fit_is_the_next_fits(tmp_path):
+    """A value set on the writer from a callback's hook was passed to write_result unchecked: a bad one lost the record
+    after the whole fit, a good one was recorded as the fit's, out_dir was ignored in silence (qa92-break 03). It is
+    warned of where it is set, the record holds the fit's settings, and the next fit's start takes or refuses it."""
+    import json
+
+    import lightning.pytorch as pl
+
+    from lightning_effi import EfficiencyMonitor
+    from lightning_effi.report import ResultWriter
+    from tests.helpers.tiny import tiny_gpt2, tiny_lm_data
+
+    class SetsAt(pl.Callback):
+        def __init__(self, writer, **settings):
+            self.writer, self.settings = writer, settings
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                for name, value in self.settings.items():
+                    setattr(self.writer, name, value)
+
+    def fit(writer, *extra):
+        pl.seed_everything(0)
+        trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             callbacks=[EfficiencyMonitor(print_summary=False), writer, *extra],
+                             val_check_interval=2, limit_val_batches=1)  # fmt: skip
+        trainer.fit(tiny_gpt2(), datamodule=tiny_lm_data())
+        return trainer
+
+    writer = ResultWriter(metric="val/loss", seed=0, budget=0.5, out_dir=tmp_path / "a")
+    with pytest.warns(UserWarning, match=r"ResultWriter.seed = -5 was set during a fit: .* with seed=0") as told:
+        fit(writer, SetsAt(writer, seed=-5, budget=2.0, out_dir=tmp_path / "b"))
+    assert sum("was set during a fit" in str(w.message) for w in told) == 3
+    record = json.loads((tmp_path / "a" / "result.json").read_text())
+    assert (record["seed"], record["budget"]) == (0, 0.5) and not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match=r"^ResultWriter: seed must be None or an int"):
+        fit(writer)
+    writer.seed = 1  # after the fit that raised: the next fit's, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        writer.seed = 2
+    fit(writer)
+    record = json.loads((tmp_path / "b" / "result.json").read_text())
+    assert (record["seed"], record["budget"]) == (2, 2.0)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 def test_a_result_writer_refuses_a_folder_it_cannot_write_into_before_the_fit(tmp_path):
     """A folder the paths do not block but that cannot be written (/proc, no permission, read-only) trained the whole
