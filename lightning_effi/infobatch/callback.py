@@ -2359,9 +2359,10 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
     table_epoch]``; ``thin_stats`` integer ``[3]``, ``>= 0``; ``sample_tokens`` float ``[N]``, in ``[0, 2**53]``
     or ``-1``; ``pending_tokens`` float ``[2, N]``, ``>= 0``, whole counts, sums ``<= 2**53`` per count;
     ``causal_shift``, ``token_mean`` (the automatic per-sample loss's detections) None or a bool;
+    ``pending_over_ranks`` a bool;
     ``nonfinite`` (checkpoints written before the non-finite
     loss policy) int ``>= 0``; ``nonfinite_loss`` a dict (checked by
-    :meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`). The last nine may be absent (older
+    :meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`). The last ten may be absent (older
     checkpoints).
 
     Raises:
@@ -2431,8 +2432,9 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
     for key in ("causal_shift", "token_mean"):
         if state.get(key) is not None and not isinstance(state.get(key), bool):
             raise refuse(key, "None (not detected yet) or a bool", state.get(key))
+    # present: a tensor (None passed here and failed at restore with a bare AttributeError, qa92-break 04)
     stats = state.get("thin_stats")
-    if stats is not None and (
+    if "thin_stats" in state and (
         not isinstance(stats, Tensor)
         or stats.dtype not in integer
         or tuple(stats.shape) != (3,)
@@ -2440,7 +2442,7 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
     ):
         raise refuse("thin_stats", "an integer tensor of shape (3,), >= 0 (drawn, dropped, capped)", stats)
     tokens = state.get("sample_tokens")
-    if tokens is not None and (
+    if "sample_tokens" in state and (
         not isinstance(tokens, Tensor)
         or not tokens.is_floating_point()
         or tuple(tokens.shape) != (n,)
@@ -2450,7 +2452,7 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
     ):
         raise refuse("sample_tokens", f"a float tensor of shape ({n},), in [0, 2**53], or -1 (not yet trained)", tokens)
     pending = state.get("pending_tokens")
-    if pending is not None and (
+    if "pending_tokens" in state and (
         not isinstance(pending, Tensor)
         or not pending.is_floating_point()
         or tuple(pending.shape) != (2, n)
@@ -2463,6 +2465,10 @@ def validate_state(state: Mapping[str, Any], dataset_size: int, checkpoint_epoch
             "pending_tokens",
             f"a float tensor of shape (2, {n}), >= 0: token sums of at most 2**53 per count, whole counts",
             pending,
+        )
+    if "pending_over_ranks" in state and not isinstance(state["pending_over_ranks"], bool):
+        raise refuse(
+            "pending_over_ranks", "a bool (the pending counts are summed over ranks)", state["pending_over_ranks"]
         )
     if "nonfinite" in state and (not is_int(state["nonfinite"]) or state["nonfinite"] < 0):
         raise refuse("nonfinite", "an int >= 0 (the non-finite losses counted)", state["nonfinite"])

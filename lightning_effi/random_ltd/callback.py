@@ -2408,6 +2408,15 @@ class RandomLTDCallback(KeepsSettings, Callback):
         config = state["config"]
         if not isinstance(config, dict):
             raise ValueError(f"{owner}.config must be a dict of the callback's settings, got {config!r}")
+        # the schedule (compared at train start): int(2.5) was taken as 2 steps, a missing key raised a bare KeyError
+        # (qa92-break 04)
+        if "require_steps" not in config:
+            raise ValueError(f"{owner}.config lacks require_steps (not a random-LTD state, or a damaged one)")
+        for key in ("require_steps", "require_progress"):
+            if config.get(key) is not None:
+                check_int(owner, f"config.{key}", config[key], minimum=1)
+        if config.get("clock", "step") not in CLOCKS:
+            raise ValueError(f"{owner}.config.clock must be one of {list(CLOCKS)}, got {config['clock']!r}")
         if not isinstance(guard := state.get("nonfinite_loss", {}), dict):
             raise ValueError(f"{owner}.nonfinite_loss must be a dict (count, first_step), got {guard!r}")
         NonFiniteLossGuard(type(self).__name__).load_state_dict(guard)  # validates it (restored after the rest)

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_effi.core.checks import check_int, check_list, check_real, plain
+from lightning_effi.core.checks import check_bool, check_int, check_list, check_real, plain
 from lightning_effi.vcycle.stages import stage_ends, stage_level, stage_plan
 
 __all__ = ["STATE_FIELDS", "check_state", "optimizer_mismatch", "user_hooks"]
@@ -46,8 +46,9 @@ def check_state(state: Any, levels: int, owner: str = "VCycleCallback") -> list[
     of the stages; ``stage_start_step``, ``switches`` and ``flops_steps`` ints >= 0; ``map_seconds``, ``flops`` and
     ``full_model_flops`` finite numbers >= 0; ``snapshots`` a mapping with one state dict for each level above
     ``level`` (``"1"`` .. ``str(level - 1)``: the snapshots pending interpolation on the way up); ``weights`` (when
-    present) a mapping of tensors; ``nonfinite_loss`` (when present) a mapping (its counts are checked by
-    :meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`).
+    present) a mapping of tensors; ``level_one_lr_scaled`` and ``batch_end_due`` (when present) bools;
+    ``levels_due`` (when present) a list of levels; ``nonfinite_loss`` (when present) a mapping (its counts are checked
+    by :meth:`~lightning_effi.core.nonfinite.NonFiniteLossGuard.load_state_dict`).
 
     Raises:
         ValueError: naming the field (``VCycleCallback: checkpoint.stage_index must be an int >= 0 and <= 2, got
@@ -96,6 +97,14 @@ def check_state(state: Any, levels: int, owner: str = "VCycleCallback") -> list[
         isinstance(weights, Mapping) and all(isinstance(t, Tensor) for t in weights.values())
     ):
         raise ValueError(f"{where}.weights must be a mapping of tensors (the level's exact weights), got {weights!r}")
+    if "level_one_lr_scaled" in state:  # bool("no") was True (qa92-break 04)
+        check_bool(where, "level_one_lr_scaled", state["level_one_lr_scaled"])
+    if "batch_end_due" in state:
+        check_bool(where, "batch_end_due", state["batch_end_due"])
+    if "levels_due" in state:
+        due = check_list(where, "levels_due", state["levels_due"], what="levels")
+        for i, k in enumerate(due):
+            check_int(where, f"levels_due[{i}]", k, 1, levels)
     guard = state.get("nonfinite_loss")
     if guard is not None and not isinstance(guard, Mapping):
         raise ValueError(f"{where}.nonfinite_loss must be a mapping (the non-finite loss count), got {guard!r}")

@@ -412,6 +412,28 @@ class LevelStack:
             )
         self._replace_network(state_dict, weights)
 
+    def _check_level_weights(self, state_dict: Mapping[str, Tensor]) -> None:
+        """A coarse level's checkpoint without ``"weights"`` in the owner's state: its state dict must hold the level's
+        own weights (written before the exact weights were saved beside the state). One whose network entries have
+        other shapes (the full-size model of a current checkpoint whose ``"weights"`` were lost) failed with torch's
+        size mismatch, naming nothing of the V-cycle (qa92-break 04).
+
+        Raises:
+            ValueError: naming the missing field and the first differing entries.
+        """
+        prefix = self.attr + "."
+        mine = {k: tuple(t.shape) for k, t in self.model.state_dict().items()}
+        theirs = {k[len(prefix) :]: tuple(t.shape) for k, t in state_dict.items() if k.startswith(prefix)}
+        differ = sorted(k for k in mine.keys() & theirs.keys() if mine[k] != theirs[k])
+        if differ:
+            shown = [(k, theirs[k], mine[k]) for k in differ[:3]]
+            raise ValueError(
+                f"{self.owner}: checkpoint's V-cycle state at level {self.level} lacks 'weights' (the level's exact "
+                f"weights, saved beside the state below level 1), and its state_dict holds other shapes than the "
+                f"level-{self.level} model ((key, checkpoint's, level's): {shown}): the state was edited or written "
+                "otherwise; resume from a checkpoint written by VCycleCallback"
+            )
+
     def state_dict(self) -> dict[str, Any]:
         """The snapshots pending interpolation, ``{"snapshots": {"<level>": state dict}}``. The level itself is saved by
         the owner; the exact weights of a coarse level go into a checkpoint beside this state
@@ -483,6 +505,8 @@ class LevelStack:
                 weights = state.get("weights")
                 if weights is not None and "state_dict" in checkpoint:
                     self.put_weights(checkpoint["state_dict"], weights)
+                elif self.level > 1 and "state_dict" in checkpoint:
+                    self._check_level_weights(checkpoint["state_dict"])
             original_load(checkpoint)
 
         def on_save_checkpoint(checkpoint: dict[str, Any]) -> None:

@@ -80,6 +80,11 @@ CASES = [
     ("score", torch.zeros(N - 2), T + "score table has 6 entries, the training set 8"),
     ("score", [0.0] * N, T + r"score must be a float tensor of shape \(8,\)"),
     ("thin_stats", torch.tensor([5, -1, 0]), T + r"thin_stats must be an integer tensor of shape \(3,\), >= 0"),
+    # None (present): failed at restore with a bare AttributeError (qa92-break 04)
+    ("thin_stats", None, T + r"thin_stats must be an integer tensor of shape \(3,\), >= 0 .*got None"),
+    ("sample_tokens", None, T + r"sample_tokens must be a float tensor of shape \(8,\).*got None"),
+    ("pending_tokens", None, T + r"pending_tokens must be a float tensor of shape \(2, 8\).*got None"),
+    ("pending_over_ranks", "x", T + r"pending_over_ranks must be a bool .*got 'x'"),
     (
         "sample_tokens",
         torch.full((N,), -2.0),

@@ -686,6 +686,7 @@ def test_a_valid_state_loads_exactly():
         ("full_layer_tokens", "1024", r"checkpoint.full_layer_tokens must be an int >= 0, got '1024'"),
         ("consumed_samples", True, r"checkpoint.consumed_samples must be an int >= 0, got True"),
         ("global_batch_size", -8, r"checkpoint.global_batch_size must be an int >= 0, got -8"),
+        ("micro_batches", 1.5, r"checkpoint.micro_batches must be an int >= 0, got 1.5"),
         ("config", [], r"checkpoint.config must be a dict of the callback's settings, got \[\]"),
         ("nonfinite_loss", 3, r"checkpoint.nonfinite_loss must be a dict \(count, first_step\), got 3"),
         ("nonfinite_loss", {"count": -1}, r"checkpoint nonfinite count must be an int >= 0, got -1"),
@@ -703,6 +704,33 @@ def test_a_bad_checkpoint_field_is_refused_naming_it(field, value, match):
     with pytest.raises(ValueError, match=match):
         cb.load_state_dict(state)
     assert cb.state_dict() == before  # refused before anything is restored
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (2.5, r"checkpoint.config.require_steps must be an int >= 1, got 2.5"),  # was taken as int(2.5) = 2
+        (True, r"checkpoint.config.require_steps must be an int >= 1, got True"),
+        ("x", r"checkpoint.config.require_steps must be an int >= 1, got 'x'"),  # a bare int() error
+        (..., r"checkpoint.config lacks require_steps"),  # a bare KeyError
+    ],
+)
+def test_a_bad_checkpoint_schedule_is_refused_naming_it(value, match):
+    """The checkpoint's schedule (qa92-break 04): a fraction of a step was taken as int(), resuming at another
+    reserved length in silence."""
+    state = valid_state()
+    state["config"] = dict(state["config"])
+    if value is ...:
+        del state["config"]["require_steps"]
+    else:
+        state["config"]["require_steps"] = value
+    cb = ltd(max_value=16)
+    before = cb.state_dict()
+    with pytest.raises(ValueError, match=match):
+        cb.load_state_dict(state)
+    assert cb.state_dict() == before
+    with pytest.raises(ValueError, match=r"checkpoint.config.clock must be one of \['step', 'progress'\]"):
+        cb.load_state_dict(valid_state() | {"config": valid_state()["config"] | {"clock": "epoch"}})
 
 
 def test_deepspeed_rounding_may_start_below_min_value():

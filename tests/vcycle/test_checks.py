@@ -227,6 +227,10 @@ def _state(**changes: Any) -> dict[str, Any]:
         (dict(config=[1]), r"checkpoint.config must be a mapping"),
         (dict(weights=[1]), r"checkpoint.weights must be a mapping of tensors"),
         (dict(nonfinite_loss=3), r"checkpoint.nonfinite_loss must be a mapping"),
+        # bool("no") was True (qa92-break 04)
+        (dict(level_one_lr_scaled="no"), r"checkpoint.level_one_lr_scaled must be a bool \(true / false\), got 'no'"),
+        (dict(batch_end_due=1), r"checkpoint.batch_end_due must be a bool"),
+        (dict(levels_due=[3]), r"checkpoint.levels_due\[0\] must be an int >= 1 and <= 2, got 3"),
     ],
 )
 def test_checkpoint_fields_are_checked_like_arguments(changes, match):
