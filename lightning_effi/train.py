@@ -163,34 +163,17 @@ class LogRunSettings(pl.Callback):
                 stacklevel=2,
             )
             return
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        from lightning_effi.utils.loggers import MLFlowLogger as ResumableMLFlowLogger
+        from lightning_effi.utils.loggers import new_mlflow_params
+
         for logger in trainer.loggers:
             params = {key: self.params}
-            if type(logger).__name__ == "MLFlowLogger" and trainer.is_global_zero:
-                params = _new_mlflow_params(logger, params)
+            if isinstance(logger, MLFlowLogger) and not isinstance(logger, ResumableMLFlowLogger):
+                if trainer.is_global_zero:  # Lightning's own (a config naming its class): the run's settings only
+                    params = new_mlflow_params(logger, params)
             logger.log_hyperparams(params)
-
-
-def _new_mlflow_params(logger: Any, params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` flattened as the MLflow logger flattens them, without those its run already holds with another
-    value (a run resumed by ``run_id``), which are named in a warning."""
-
-    def flatten(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:  # as MLFlowLogger flattens: "/"
-        out: dict[str, Any] = {}
-        for name, value in node.items():
-            out.update(flatten(value, f"{prefix}{name}/") if isinstance(value, Mapping) else {f"{prefix}{name}": value})
-        return out
-
-    flat = flatten(params)
-    held = dict(logger.experiment.get_run(logger.run_id).data.params)
-    kept = {k: v for k, v in flat.items() if k in held and held[k] != str(v)[:250]}
-    if kept:
-        warnings.warn(
-            f"MLflow run {logger.run_id} already holds {sorted(kept)} with other values (a resumed run): MLflow keeps "
-            "a parameter's first value, so these are not logged again; result.json records this job's",
-            UserWarning,
-            stacklevel=3,
-        )
-    return {k: v for k, v in flat.items() if k not in kept}
 
 
 class MetricCheck(pl.Callback):

@@ -230,7 +230,7 @@ def test_wandb_and_mlflow_are_local_by_default(tmp_path):
     wandb, mlflow = cfg.logger.wandb, cfg.logger.mlflow
     assert wandb._target_ == "lightning.pytorch.loggers.WandbLogger" and wandb.offline is True
     assert wandb.save_dir == str(tmp_path) and wandb.project == "lightning-effi" and wandb.name == cfg.task_name
-    assert mlflow._target_ == "lightning.pytorch.loggers.MLFlowLogger" and mlflow.run_name == cfg.task_name
+    assert mlflow._target_ == "lightning_effi.utils.loggers.MLFlowLogger" and mlflow.run_name == cfg.task_name
     assert mlflow.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
     assert mlflow.artifact_location == f"{tmp_path}/mlartifacts"
 
@@ -434,6 +434,33 @@ def test_a_module_hyperparameter_named_like_the_run_settings_moves_them(tmp_path
         _fit_logging(logger, params, **hparams)
         saved = yaml.safe_load((Path(logger.log_dir) / "hparams.yaml").read_text())
         assert saved[key] == params and {k: saved[k] for k in hparams} == hparams
+
+
+def test_the_apps_mlflow_logger_resumes_a_run_whose_module_hyperparameters_differ(offline, tmp_path):
+    """The app's MLflow logger (Lightning's, conf/logger/mlflow.yaml): a job resumed into its run with another module
+    hyperparameter (``model.weight_decay`` changed) stopped at setup with MLflow's "Changing param values is not
+    allowed" and the run was marked FAILED (qa92-user 02). The first values are kept, named in a warning; the new
+    ones are added."""
+    from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
+    from mlflow.exceptions import MlflowException
+
+    from lightning_effi.utils.loggers import MLFlowLogger
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = MLFlowLogger(experiment_name="e", tracking_uri=uri)
+    _fit_logging(first, {"seed": 1}, weight_decay=0.1)
+    again = MLFlowLogger(experiment_name="e", tracking_uri=uri, run_id=first.run_id)
+    with pytest.warns(UserWarning, match=r"already holds \['weight_decay'\] with other values") as told:
+        _fit_logging(again, {"seed": 1, "overrides": {"ckpt_path": "last.ckpt"}}, weight_decay=0.05, lr=0.3)
+    assert sum("already holds" in str(w.message) for w in told) == 1
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        params = dict(con.execute("SELECT key, value FROM params").fetchall())
+        status = con.execute("SELECT status FROM runs").fetchall()
+    assert params == {"effi/seed": "1", "weight_decay": "0.1", "effi/overrides/ckpt_path": "last.ckpt", "lr": "0.3"}
+    assert status == [("FINISHED",)]
+    lightnings = LightningMLFlowLogger(experiment_name="e", tracking_uri=uri, run_id=first.run_id)
+    with pytest.raises(MlflowException, match="Changing param values is not allowed"):
+        _fit_logging(lightnings, {"seed": 1}, weight_decay=0.2)  # why the app has its own
 
 
 def test_a_resumed_mlflow_run_keeps_its_first_settings_and_adds_the_new_ones(offline, tmp_path):
