@@ -365,6 +365,35 @@ class GenericAdapter(TransformerAdapter):
                 "hidden states (H of [B, S, H])"
             )
 
+    def on_setup(self) -> None:
+        """A Hugging Face model on the path to ``layers`` whose ``config.use_cache`` is on builds a KV cache in every
+        training forward, which a layer dropping tokens refuses at the first step (``must_be_none``): switched off
+        for the fit, announced once, and restored by :meth:`on_teardown`, as the ``hf_gpt2`` adapter does (a Llama
+        built from its default config passed setup and failed at the first step, qa93-user 01)."""
+        self._caches: list[Any] = []
+        target: Any = self.root
+        for part in ["", *self.path.split(".")[:-1]]:
+            target = getattr(target, part, None) if part else target
+            config = getattr(target, "config", None)
+            if getattr(config, "use_cache", None) is True and all(c is not config for c in self._caches):
+                self._caches.append(config)
+                config.use_cache = False
+        if self._caches and not getattr(self, "_cache_told", False):
+            from lightning.pytorch.utilities import rank_zero_info
+
+            self._cache_told = True
+            rank_zero_info(
+                f"GenericAdapter: the KV cache of {type(self.root).__name__}'s model is switched off for the fit "
+                "(config.use_cache = False, restored at its end): random-LTD's layers see fewer tokens than a cache "
+                "would hold"
+            )
+
+    def on_teardown(self) -> None:
+        """Undo :meth:`on_setup`: the ``use_cache`` it switched off is on again."""
+        for config in getattr(self, "_caches", []):
+            config.use_cache = True
+        self._caches = []
+
     def rebind(self, module: nn.Module) -> GenericAdapter:
         """Resolve :attr:`path` from ``module`` again (the network behind it was replaced, e.g. by the V-cycle);
         returns ``self``. Declared sizes (``hidden_size``, ``intermediate_size``, ``max_sequence_length``) stay as
