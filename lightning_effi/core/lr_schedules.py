@@ -15,6 +15,11 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 
+class TotalNotKnownError(RuntimeError):
+    """Raised by ``expected_total_layer_tokens()`` before training starts (the run's length is read then), e.g. to
+    ``LambdaLR``'s constructor inside ``configure_optimizers``: :func:`layer_token_lr` then sets no total yet."""
+
+
 def warmup_cosine_multiplier(progress: float, warmup_fraction: float = 0.05, min_lr_ratio: float = 0.1) -> float:
     """LR multiplier at training ``progress`` in [0, 1] (values above 1 are clamped to 1).
 
@@ -275,25 +280,32 @@ def layer_token_lr(
     batch size), read once the warmup is over. ``LambdaLR``'s constructor reads the multiplier before training starts,
     when the run's length is not known yet: there that read is 1.0 past the warmup (a fresh fit with
     ``warmup_layer_tokens=0`` starts at the peak; a resumed fit, whose restored layer-tokens are past the warmup, has
-    its LR set from the checkpoint's optimizer and scheduler states right after), and the total is read at the first
-    step.
+    its LR set from the checkpoint's optimizer and scheduler states right after; the callback tells it with
+    :class:`TotalNotKnownError`), and the total is read at the first step. ``total_layer_tokens=None`` beside a
+    technique that changes the network during the fit (the V-cycle) is refused by the callback at train start: no
+    total at one network's depth is the run's.
     """
     layer_token_multiplier(
         0, warmup_layer_tokens, (total_layer_tokens or warmup_layer_tokens + 1), decay, min_lr_ratio
     )  # validate now
+    if total_layer_tokens is None and callable(note := getattr(callback, "note_total_reader", None)):
+        note()  # the callback refuses a total no run has (a V-cycle beside it) at train start
     state: dict[str, float] = {}
 
-    def fn(step: int) -> float:
+    def fn(_: int) -> float:
         consumed = float(callback.consumed_layer_tokens)  # type: ignore[attr-defined]
         if consumed < warmup_layer_tokens:
             return consumed / warmup_layer_tokens
-        if step == 0 and total_layer_tokens is None and "total" not in state:
-            # the constructor's read (a resumed fit raised there: the run's length is known at train start only)
-            return 1.0
         if "total" not in state:
             expected = total_layer_tokens
             if expected is None:
-                expected = callback.expected_total_layer_tokens()  # type: ignore[attr-defined]
+                try:
+                    expected = callback.expected_total_layer_tokens()  # type: ignore[attr-defined]
+                except TotalNotKnownError:
+                    # LambdaLR's constructor, before train start (a fit resumed past the warmup raised here): the
+                    # checkpoint's optimizer and scheduler states set the LR right after (qa92-user 01). Told by the
+                    # callback, not by step 0, which a restarted schedule reads mid-run too (qa93-regress 01)
+                    return 1.0
             state["total"] = float(expected)
         return layer_token_multiplier(consumed, warmup_layer_tokens, state["total"], decay, min_lr_ratio)
 

@@ -69,6 +69,7 @@ from lightning_effi.core.checks import check_bool, check_choice, check_int, chec
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.features import optimized_parameters
 from lightning_effi.core.flops import sdpa_recomputes
+from lightning_effi.core.lr_schedules import TotalNotKnownError
 from lightning_effi.core.measure import (
     FlopsMeter,
     MeasureError,
@@ -573,8 +574,12 @@ class RandomLTDCallback(KeepsSettings, Callback):
         # micro-batches per step of the run's first step as expected_total_layer_tokens reads them (the first segment
         # of a GradientAccumulationScheduler's, else accumulate_grad_batches): 0 before the first step
         self.micro_batches = 0
-        self._micro_batches_now = 0  # this fit's, read at train start
-        self._accumulation_told = False  # warned that expected_total_layer_tokens counts another accumulation's
+        # this fit's first step: (samples, micro-batches it folded, accumulate_grad_batches then)
+        self._fit_step_batch: tuple[int, int, int] | None = None
+        self._step_micro = 0  # micro-batches folded into the step under way
+        self._accumulation_told = False  # warned that expected_total_layer_tokens counts another batch size's
+        self._train_started = False  # on_train_start ran in this fit (expected_total_layer_tokens is known from then)
+        self._total_read = False  # layer_token_lr(total_layer_tokens=None) reads expected_total_layer_tokens
         # samples, layer-tokens, full layer-tokens, saved flops, full flops; and the samples of the step's skipped
         # micro-batches (its batch size counts them)
         self._pending = [0, 0, 0, 0.0, 0.0, 0]
@@ -1017,7 +1022,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         total = estimated_optimizer_steps(trainer)  # a GradientAccumulationScheduler's factors counted
         self.total_steps = int(total) if math.isfinite(total) else None
         self._step_segments = accumulation_segments(trainer)
-        self._micro_batches_now = self._first_micro_batches(trainer)
+        self._refuse_total_with_other_networks(trainer)
         self._data_length, self._lengths_vary = None, False
         if self._curriculum is None and (not self._seen or self._resumed):
             self._data_length = self._peek_sequence_length(trainer)
@@ -1031,6 +1036,36 @@ class RandomLTDCallback(KeepsSettings, Callback):
         if not self._resumed and trainer.global_step > 0:
             self._refuse_late_start(trainer)
         self._warn_beyond_run(trainer)
+        self._train_started = True
+
+    def note_total_reader(self) -> None:
+        """Called by :func:`~lightning_effi.core.lr_schedules.layer_token_lr` built with ``total_layer_tokens=None``
+        (in ``configure_optimizers``, before ``on_train_start``): the run reads :meth:`expected_total_layer_tokens`."""
+        self._total_read = True
+
+    def _refuse_total_with_other_networks(self, trainer: pl.Trainer) -> None:
+        """A layer-token LR schedule reading :meth:`expected_total_layer_tokens` beside a technique that changes the
+        network during the fit (the V-cycle): each level's network gives another total (3 layers' at a coarse level,
+        6 at the full one), the rebuilt schedule read it at the level in place, and the LR rose again when the full
+        model came back (qa93-regress 07). No total at one network's depth is the run's.
+
+        Raises:
+            ValueError: naming the technique and the fix (pass ``total_layer_tokens``).
+        """
+        if not self._total_read:
+            return
+        changing = [
+            type(c).__name__
+            for c in trainer.callbacks  # type: ignore[attr-defined]
+            if c is not self and getattr(getattr(c, "requirements", None), "changes_model_shapes", False)
+        ]
+        if changing:
+            raise ValueError(
+                f"{type(self).__name__}: layer_token_lr(total_layer_tokens=None) reads expected_total_layer_tokens(), "
+                f"the layer-tokens of the whole run at one network's depth, but {' and '.join(changing)} changes the "
+                "network during the fit (another depth at each level), so no such total is the run's; pass "
+                "total_layer_tokens (the layer-tokens at which the decay should end), or a step-based LR schedule"
+            )
 
     def _check_restored_max_value(self, seq_len: int) -> None:
         """On resume, a ``max_value`` derived from the data at the run's start (``max_value=None``, taken from the
@@ -1516,22 +1551,31 @@ class RandomLTDCallback(KeepsSettings, Callback):
         return int(self._step_segments[0][1] if self._step_segments else trainer.accumulate_grad_batches)
 
     def _warn_other_accumulation(self) -> None:
-        """Read by :meth:`expected_total_layer_tokens` in a run resumed with another gradient accumulation than the
-        checkpoint's first step: the global batch size of that step (``global_batch_size``) no longer gives this
-        run's steps, so warn (once a fit) that the total is not this run's. A run that never reads it (no
-        layer-token LR schedule, or one given ``total_layer_tokens``) is not warned: nothing in it depends on it."""
-        now, told = self._micro_batches_now, self._accumulation_told
-        if told or not (self._resumed and self.micro_batches and now) or now == self.micro_batches:
+        """Read by :meth:`expected_total_layer_tokens` in a resumed fit whose steps have another global batch size than
+        the checkpoint's first step (another accumulation, per-device batch size or number of devices): the total
+        counts the checkpoint's, so warn (once a fit). Compared per micro-batch with this fit's first step (a partial
+        step at an epoch's end has fewer), times this fit's accumulation; before that step nothing is known. The
+        micro-batch counts were compared, which missed another per-device batch and warned of 4 x 4 against 8 x 2
+        (qa93-regress 02). A fit that never reads the total is not warned: nothing in it depends on it."""
+        if self._accumulation_told or not (self._resumed and self.global_batch_size and self._fit_step_batch):
+            return
+        samples, micro, factor = self._fit_step_batch
+        if self._step_segments and self.micro_batches:  # each step's batch: samples per micro-batch times its count
+            same = samples * self.micro_batches == self.global_batch_size * micro
+            was = f"{self.global_batch_size / self.micro_batches:g} samples per micro-batch"
+            now = f"{samples / micro:g} per micro-batch"
+        else:
+            same = samples * factor == self.global_batch_size * micro
+            was, now = f"{self.global_batch_size} samples a step", f"{samples * factor / micro:g} samples a step"
+        if same:
             return
         self._accumulation_told = True
         rank_zero_warn(
-            f"{type(self).__name__}: this run accumulates {now} micro-batches per optimizer step where the "
-            f"checkpoint's run accumulated {self.micro_batches} (accumulate_grad_batches, or a "
-            "GradientAccumulationScheduler's first factor): expected_total_layer_tokens() (the default total of a "
-            "layer-token LR schedule) counts every step of the run at the checkpoint's global batch size "
-            f"({self.global_batch_size} samples per {self.micro_batches} micro-batches), so the schedule ends at "
-            "another point than the run; pass total_layer_tokens explicitly, or resume with the checkpoint's "
-            "accumulation"
+            f"{type(self).__name__}: this fit trains {now} where the checkpoint's run trained {was} (another gradient "
+            "accumulation, per-device batch size or number of devices): expected_total_layer_tokens() (the default "
+            "total of a layer-token LR schedule) counts every step of the run at the checkpoint's, so the schedule "
+            "ends at another point than the run; pass total_layer_tokens explicitly, or resume with the checkpoint's "
+            "batch size"
         )
 
     def expected_total_layer_tokens(self) -> int:
@@ -1539,12 +1583,19 @@ class RandomLTDCallback(KeepsSettings, Callback):
         optimizer steps (``trainer.estimated_stepping_batches``, a ``GradientAccumulationScheduler``'s factors
         counted) at the global batch size of the first step. When the scheduler changes the factor during the run,
         each step's batch follows its micro-batch count (the first step's samples per micro-batch times the count).
-        In a run resumed with another accumulation than the checkpoint's first step, warns (once a fit) that the
-        total counts the checkpoint's global batch size.
+        In a run resumed with another global batch size than the checkpoint's first step, warns (once a fit) that the
+        total counts the checkpoint's.
 
         Raises:
+            TotalNotKnownError: (a ``RuntimeError``) before ``on_train_start`` (``LambdaLR``'s constructor in
+                ``configure_optimizers``).
             RuntimeError: before the first optimizer step, or for a run of unknown length.
         """
+        if not self._train_started:
+            raise TotalNotKnownError(
+                "RandomLTDCallback.expected_total_layer_tokens: the run's length is read when training starts "
+                "(on_train_start)"
+            )
         if self.total_steps is None or not self.global_batch_size:
             raise RuntimeError(
                 "RandomLTDCallback.expected_total_layer_tokens: needs a run of known length and one "
@@ -1950,6 +2001,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         if self._folded or self.controller is None or self.adapter is None:
             return
         self._folded = True
+        self._step_micro += 1
         if self._skipped:  # the step's batch size still counts its samples (global_batch_size), forward run or not
             self._pending[5] += self._batch_costs()[0] or self._batch_rows
             return
@@ -2098,6 +2150,10 @@ class RandomLTDCallback(KeepsSettings, Callback):
             # the run's layer-tokens, qa84-break 01)
             self.global_batch_size = int(samples + skipped)
             self.micro_batches = self._first_micro_batches(trainer)
+        if self._fit_step_batch is None:  # this fit's first step (a resumed fit's differs from the checkpoint's)
+            micro = max(self._step_micro, 1)
+            self._fit_step_batch = (int(samples + skipped), micro, int(trainer.accumulate_grad_batches))
+        self._step_micro = 0
         self.saved_flops += saved
         self.full_layer_flops += full_flops
 

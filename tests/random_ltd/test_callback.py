@@ -208,37 +208,88 @@ def test_a_skipped_micro_batch_still_counts_in_the_step_batch_size(tmp_path, bef
     assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(3, 16)
 
 
-def test_resume_with_another_accumulation_warns_that_the_expected_total_is_not_the_runs(tmp_path):
-    """The checkpoint holds the first step's global batch size (16: 2 micro-batches of 8) and its micro-batch count; in
-    a run resumed at 4 micro-batches per step, ``expected_total_layer_tokens`` (a layer-token LR schedule's default
-    total) counted every step at 16 samples, silently (qa90-resume). It warns when read, once; a run that never reads
-    it is not warned (qa92-user 03), nor one resumed with the same accumulation."""
+@pytest.mark.parametrize(
+    ("resumed", "told"),
+    [
+        (dict(accumulate_grad_batches=2), None),
+        (dict(accumulate_grad_batches=4), "trains 32 samples a step"),
+        (dict(accumulate_grad_batches=2, batch_size=4), "trains 8 samples a step"),  # another per-device batch
+        (dict(accumulate_grad_batches=4, batch_size=4), None),  # 4 x 4: the checkpoint's 16 samples a step
+    ],
+)
+def test_resume_with_another_batch_warns_that_the_expected_total_is_not_the_runs(tmp_path, resumed, told):
+    """The checkpoint holds the first step's global batch size (16: 2 micro-batches of 8); in a fit resumed with
+    steps of another size, ``expected_total_layer_tokens`` (a layer-token LR schedule's default total) counted every
+    step at 16 samples, silently (qa90-resume). It warns when read, once, comparing this fit's steps with the
+    checkpoint's: micro-batch counts missed another per-device batch and warned of 4 x 4 against 8 x 2
+    (qa93-regress 02). A fit that never reads it is not warned (qa92-user 03)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     pl.seed_everything(0)
     cb = ltd(max_value=16, require_steps=4)
-    keep = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
-    trainer = make_trainer(tmp_path, [cb, keep], max_steps=2, max_epochs=-1, accumulate_grad_batches=2)
+    keep = ModelCheckpoint(dirpath=tmp_path / "ck", filename="end")  # at the epoch's end: 40 blocks, 3 steps
+    trainer = make_trainer(tmp_path, [cb, keep], max_epochs=1, accumulate_grad_batches=2)
     trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
     assert (cb.global_batch_size, cb.micro_batches) == (16, 2) and cb.state_dict()["micro_batches"] == 2
-    for factor, told in ((2, False), (4, True)):
-        cb = ltd(max_value=16, require_steps=4)
-        trainer = make_trainer(tmp_path, [cb], max_steps=3, max_epochs=-1, accumulate_grad_batches=factor)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
-            fit_said = [str(w.message) for w in caught if "micro-batches per optimizer step" in str(w.message)]
-            assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(3, 16)
-            assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(3, 16)
-        said = [str(w.message) for w in caught if "micro-batches per optimizer step" in str(w.message)]
-        assert cb.micro_batches == 2 and cb.global_batch_size == 16
-        assert fit_said == [] and len(said) == told
-        if told:
-            assert "accumulates 4 micro-batches per optimizer step where the checkpoint's run accumulated 2" in said[0]
-            assert "16 samples per 2 micro-batches" in said[0] and "pass total_layer_tokens" in said[0]
+    batch_size = resumed.pop("batch_size", 8)
+    cb = ltd(max_value=16, require_steps=4)
+    trainer = make_trainer(tmp_path, [cb], max_epochs=2, **resumed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = str(tmp_path / "ck" / "end.ckpt")
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(batch_size=batch_size), ckpt_path=ckpt)
+        fit_said = [str(w.message) for w in caught if "where the checkpoint's run trained" in str(w.message)]
+        assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(cb.total_steps, 16)
+        assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(cb.total_steps, 16)
+    said = [str(w.message) for w in caught if "where the checkpoint's run trained" in str(w.message)]
+    assert cb.micro_batches == 2 and cb.global_batch_size == 16
+    assert fit_said == [] and len(said) == (told is not None)
+    if told:
+        assert f"this fit {told} where the checkpoint's run trained 16 samples a step" in said[0]
+        assert "pass total_layer_tokens" in said[0]
     bad = ltd().state_dict() | {"micro_batches": -1}
     with pytest.raises(ValueError, match="micro_batches"):
         ltd()._checked_state(bad)
+
+
+def test_layer_token_lr_with_the_default_total_beside_a_vcycle_is_refused_at_train_start(tmp_path):
+    """Each V-cycle level's network gives another total at its depth: the schedule rebuilt at a level change read the
+    coarse one and the LR rose again when the full model came back (qa93-regress 07). Refused before any step."""
+    from lightning_effi.callbacks import VCycleCallback
+
+    cb = ltd(min_value=4, seq_per_step=4)
+
+    def scheduler(opt, total_steps, progress=None):
+        return layer_token_lr(opt, cb, 100, None)
+
+    trainer = make_trainer(tmp_path, [cb, VCycleCallback(e_a=2, e_small=2)], max_steps=6)
+    with pytest.raises(ValueError, match=r"layer_token_lr\(total_layer_tokens=None\) .* but VCycleCallback changes"):
+        trainer.fit(deep_gpt2(scheduler=scheduler), datamodule=tiny_lm_data())
+    assert trainer.global_step == 0
+
+
+def test_layer_token_lr_restarted_mid_run_reads_the_total(tmp_path):
+    """A schedule read at its step 0 after training started (SequentialLR restarts its child with step(0)) reads the
+    total: a read at step 0 was taken for the constructor's and trained one step at the peak LR (qa93-regress 01)."""
+    from torch.optim.lr_scheduler import LinearLR, SequentialLR
+
+    cb, seen = ltd(max_value=16, require_steps=4), []
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((trainer.optimizers[0].param_groups[0]["lr"], cb.consumed_layer_tokens))
+
+    def scheduler(opt, total_steps, progress=None):
+        first = LinearLR(opt, start_factor=1.0, end_factor=1.0, total_iters=2)
+        return SequentialLR(opt, [first, layer_token_lr(opt, cb, 0, None, decay="linear")], milestones=[2])
+
+    pl.seed_everything(0)
+    trainer = make_trainer(tmp_path, [cb, Probe()], max_steps=6)
+    trainer.fit(deep_gpt2(scheduler=scheduler), datamodule=tiny_lm_data())
+    total = cb.expected_total_layer_tokens()
+    for lr, consumed in seen[3:]:
+        assert lr == pytest.approx(0.05 * layer_token_multiplier(consumed, 0, total, "linear"), rel=1e-9)
+    assert seen[3][0] < 0.05
 
 
 # ------------------------------------------------------------------------------------------------ step axis
