@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 #: (the class, the arguments as given, {name: value set from outside the package}, {name: (the dict or list
-#: attribute the constructor set, a copy of it)})
+#: attribute the constructor set, a copy of it)}, id of the object it is the record of)
 _RECORD = "_effi_settings"
 #: the Trainer of each callback's last fit (apply_changed_settings): a setting set while it runs waits for the next
 _FITS: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
@@ -61,12 +61,15 @@ def given_settings(arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 def _containers_copied(value: Any) -> Any:
-    """``value`` with its dicts, lists, tuples and sets copied, at every depth, and everything else (an adapter, a
-    function, a dataset) shared."""
+    """``value`` with its dicts, lists, tuples and sets copied, at every depth, OmegaConf containers (which Hydra's
+    ``instantiate`` passes) deep-copied (qa93-regress 03), and everything else (an adapter, a function, a dataset)
+    shared."""
     if type(value) is dict:
         return {k: _containers_copied(v) for k, v in value.items()}
     if type(value) in (list, tuple, set, frozenset):
         return type(value)(_containers_copied(v) for v in value)
+    if type(value).__module__.startswith("omegaconf"):
+        return copy.deepcopy(value)  # a DictConfig / ListConfig: plain data
     return copy.copy(value) if isinstance(value, dict) else value  # a dict subclass (OrderedDict): its own copy
 
 
@@ -81,7 +84,18 @@ def keep_settings(obj: Any, owner: type, given: dict[str, Any]) -> None:
         for name in given
         if isinstance(value := obj.__dict__.get(name), dict | list | set)
     }
-    obj.__dict__[_RECORD] = (owner, {k: _containers_copied(v) for k, v in given.items()}, {}, containers)
+    obj.__dict__[_RECORD] = (owner, {k: _containers_copied(v) for k, v in given.items()}, {}, containers, id(obj))
+
+
+def _record(obj: Any) -> tuple[Any, ...] | None:
+    """``obj``'s record of settings (:func:`keep_settings`); one that came with a copy of another object
+    (``copy.copy`` shares ``__dict__``'s values, whatever the class's copy protocol: slots, ``__getstate__``) is
+    copied first, so that a setting set on the copy is not noted on the original (qa92-break 02)."""
+    record: tuple[Any, ...] | None = obj.__dict__.get(_RECORD)
+    if record is not None and (len(record) < 5 or record[4] != id(obj)):
+        record = (*record[:2], dict(record[2]), *(record[3:4] or ({},)), id(obj))
+        obj.__dict__[_RECORD] = record
+    return record
 
 
 def _running_fit(obj: Any) -> Any:
@@ -106,19 +120,8 @@ class KeepsSettings:
     ``__setattr__``, past a subclass's own ``__setattr__`` that passes the write on), is noted as a setting for the
     next fit (:func:`apply_changed_settings`)."""
 
-    def __copy__(self) -> Any:
-        """A shallow copy with its own record of the settings set on it: a setting set on the copy was noted on the
-        original too, and trained in its next fit (qa92-break 02)."""
-        cls = type(self)
-        new = cls.__new__(cls)
-        new.__dict__.update(self.__dict__)
-        record = self.__dict__.get(_RECORD)
-        if record is not None:
-            new.__dict__[_RECORD] = (record[0], record[1], dict(record[2]), *record[3:])
-        return new
-
     def __setattr__(self, name: str, value: Any) -> None:
-        record = self.__dict__.get(_RECORD)
+        record = _record(self)
         if record is not None and name in record[1]:
             writer = sys._getframe(1)
             while writer.f_code.co_name == "__setattr__" and writer.f_back is not None:
@@ -142,7 +145,7 @@ class KeepsSettings:
 def changed_settings(obj: Any) -> dict[str, Any]:
     """The constructor arguments set on ``obj`` as attributes from outside the package since it was (last) built:
     ``{name: value}``, the last value set of each."""
-    record = obj.__dict__.get(_RECORD)
+    record = _record(obj)
     if record is None:
         return {}
     changed = dict(record[2])

@@ -195,6 +195,34 @@ def test_a_shallow_copy_notes_its_own_settings():
     assert (base.min_value, base.seed) == (4, 3)
     apply_changed_settings(variant)
     assert (variant.min_value, variant.seed) == (12, 3)
+    # the class's own copy protocol is kept: a subclass with slots, and random-LTD's __getstate__ (its per-fit hooks
+    # and lists are fresh in a copy); a __copy__ of our own lost the slots (qa93-regress 04)
+
+    class Slotted(Toy):
+        __slots__ = ("tag",)
+
+    toy = Slotted(steps=4)
+    toy.tag = "mine"
+    twin = copy.copy(toy)
+    twin.steps = 9
+    assert twin.tag == "mine" and changed_settings(twin) == {"steps": 9} and changed_settings(toy) == {}
+    assert copy.copy(base)._input_hooks is not base._input_hooks
+
+
+def test_omegaconf_arguments_are_recorded_as_copies():
+    """Hydra's instantiate passes DictConfig / ListConfig: kept by reference, the caller's config edited after the
+    build was taken when another setting rebuilt the callback (qa93-regress 03)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"lrm": {2: 2.0}, "ids": [1, 2]})
+    vc = VCycleCallback(e_a=1, e_small=2, lr_multiplier=cfg.lrm)
+    ltd = RandomLTDCallback(min_value=4, seq_per_step=4, layer_ids=cfg.ids)
+    cfg.lrm[2] = 9.0
+    cfg.ids.append(3)
+    vc.e_small, ltd.seed = 4, 1
+    apply_changed_settings(vc)
+    apply_changed_settings(ltd)
+    assert vc.lr_multiplier == {2: 2.0} and list(ltd.layer_ids_arg) == [1, 2]
 
 
 def test_a_pickled_copy_has_nothing_changed():
