@@ -17,6 +17,7 @@ metrics and the run's length; ``overrides`` are your ``config`` flattened (none 
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -507,6 +508,7 @@ class ResultWriter(pl.Callback):
         if fit is not None and name in self._SETTINGS:
             # the record was written with a value set during the fit, unchecked: a bad one lost it after the whole
             # fit, a good one was recorded as the fit's, and out_dir was ignored (qa92-break 03)
+            self.__dict__.setdefault("_set_in_fit", set()).add(name)
             warnings.warn(
                 f"ResultWriter.{name} = {value!r:.80} was set during a fit: this fit's record is written with "
                 f"{name}={fit[name]!r:.80}; the next fit's start takes the new value (or refuses it, naming why)",
@@ -592,7 +594,8 @@ class ResultWriter(pl.Callback):
             )
         self._earlier = (Path(self._dir) / "result.json").exists()
         self._metric_checked = False
-        self._fit_settings = {name: getattr(self, name) for name in self._SETTINGS}
+        # copied: a config changed in place from a hook went into the record unchecked, or lost it (qa93-regress 05)
+        self._fit_settings = {name: copy.deepcopy(getattr(self, name)) for name in self._SETTINGS}
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """The fit is over (ended or raised): a setting set from now on is the next fit's, without a warning."""
@@ -622,6 +625,17 @@ class ResultWriter(pl.Callback):
         """Write the record (listed before the ``EfficiencyMonitor``: once the monitor has summed the fit up), with the
         settings the fit started with (a setting set during the fit, warned of where it is set, is the next fit's)."""
         fit = self._fit_settings or {name: getattr(self, name) for name in self._SETTINGS}
+        told = self.__dict__.pop("_set_in_fit", set())
+        changed = [
+            n for n in self._SETTINGS if self._fit_settings and n not in told and _differs(getattr(self, n), fit[n])
+        ]
+        if changed and trainer.is_global_zero:
+            # changed in place during the fit (a config dict edited from a hook; a setting set is warned where set):
+            # the next fit's; this record holds what the fit started with
+            rank_zero_warn(
+                f"ResultWriter: {', '.join(changed)} changed in place during the fit; this fit's record is written "
+                "with the value the fit started with, and the next fit's start takes (or refuses) the new one"
+            )
         out_dir = self._dir if self._dir is not None else self._resolve_dir(trainer)
         earlier = Path(out_dir) / "result.json"
         if self._earlier and trainer.is_global_zero and earlier.exists():
@@ -646,6 +660,15 @@ class ResultWriter(pl.Callback):
             task_name=fit["task_name"],
             config=self._config(trainer, fit["config"]),
         )
+
+
+def _differs(now: Any, then: Any) -> bool:
+    """Whether a setting differs from the copy taken at the fit's start (a comparison that fails counts as a
+    change)."""
+    try:
+        return bool(now != then)
+    except Exception:
+        return True
 
 
 def make_record(

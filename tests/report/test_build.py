@@ -850,6 +850,15 @@ def test_a_result_writer_setting_set_during_a_fit_is_the_next_fits(tmp_path):
     record = json.loads((tmp_path / "b" / "result.json").read_text())
     assert (record["seed"], record["budget"]) == (2, 2.0)
 
+    class Appends(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            writer.config.append("a note")  # in place: lost the record after the whole fit (qa93-regress 05)
+
+    writer = ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "c", config=["model.lr=0.1"])
+    with pytest.warns(UserWarning, match=r"ResultWriter: config changed in place during the fit"):
+        fit(writer, Appends())
+    assert json.loads((tmp_path / "c" / "result.json").read_text())["overrides"] == ["model.lr=0.1"]
+
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 def test_a_result_writer_refuses_a_folder_it_cannot_write_into_before_the_fit(tmp_path):
