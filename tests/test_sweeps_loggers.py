@@ -458,6 +458,12 @@ def test_the_apps_mlflow_logger_resumes_a_run_whose_module_hyperparameters_diffe
         status = con.execute("SELECT status FROM runs").fetchall()
     assert params == {"effi/seed": "1", "weight_decay": "0.1", "effi/overrides/ckpt_path": "last.ckpt", "lr": "0.3"}
     assert status == [("FINISHED",)]
+    # flattened as Lightning flattens them: a list of dicts (groups/0/lr) was passed on and refused (qa93-regress 06)
+    listed = MLFlowLogger(experiment_name="l", tracking_uri=uri)
+    _fit_logging(listed, {"seed": 1}, groups=[{"lr": 0.1}])
+    again = MLFlowLogger(experiment_name="l", tracking_uri=uri, run_id=listed.run_id)
+    with pytest.warns(UserWarning, match=r"already holds \['groups/0/lr'\] with other values"):
+        _fit_logging(again, {"seed": 1}, groups=[{"lr": 0.2}])
     lightnings = LightningMLFlowLogger(experiment_name="e", tracking_uri=uri, run_id=first.run_id)
     with pytest.raises(MlflowException, match="Changing param values is not allowed"):
         _fit_logging(lightnings, {"seed": 1}, weight_decay=0.2)  # why the app has its own

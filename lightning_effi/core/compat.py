@@ -10,12 +10,14 @@ from typing import Any
 
 import lightning
 import lightning.pytorch as pl
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 
 __all__ = [
     "SUPPORTED_LIGHTNING",
     "end_rank_processes",
+    "flat_hyperparameters",
     "launches_rank_scripts",
     "lightning_version_supported",
     "logging_step",
@@ -55,6 +57,13 @@ def rewrap_ddp(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
 def optimizers_to_device(optimizers: Any, device: Any) -> None:
     """Move every optimizer's state tensors to ``device`` (``lightning.fabric.utilities.optimizer``, non-public)."""
     _optimizers_to_device(optimizers, device)
+
+
+def flat_hyperparameters(params: Any) -> dict[str, Any]:
+    """``params`` (a mapping or ``argparse.Namespace``) flattened as Lightning's ``MLFlowLogger.log_hyperparams``
+    flattens them (``lightning.fabric.utilities.logger._convert_params`` / ``_flatten_dict``, non-public): nested
+    mappings, namespaces, dataclasses and lists of mappings, keys joined by ``/``."""
+    return dict(_flatten_dict(_convert_params(params)))
 
 
 def runs_in_spawned_processes(trainer: pl.Trainer) -> bool:

@@ -10,35 +10,21 @@ from __future__ import annotations
 
 import warnings
 from argparse import Namespace
-from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from lightning_effi.core.compat import flat_hyperparameters
+
 __all__ = ["MLFlowLogger", "new_mlflow_params"]
-
-
-def _flat(params: Any, prefix: str = "") -> dict[str, Any]:
-    """``params`` flattened as Lightning's MLflow logger flattens them (nested mappings and namespaces joined by
-    ``/``)."""
-    if params is None:
-        return {}
-    node = vars(params) if isinstance(params, Namespace) else params
-    out: dict[str, Any] = {}
-    for name, value in node.items():
-        if isinstance(value, Mapping | Namespace):
-            out.update(_flat(value, f"{prefix}{name}/"))
-        else:
-            out[f"{prefix}{name}"] = value
-    return out
 
 
 def new_mlflow_params(logger: Any, params: Any) -> dict[str, Any]:
     """``params`` flattened as the MLflow logger flattens them, without those ``logger``'s run already holds with
     another value (a run resumed by ``run_id``; MLflow keeps a value's first 250 characters), which are named in a
     warning: MLflow keeps a parameter's first value."""
-    flat = _flat(params)
+    flat = flat_hyperparameters(params)  # as Lightning's: a list of dicts, a dataclass (qa93-regress 06)
     held = dict(logger.experiment.get_run(logger.run_id).data.params)
     kept = sorted(k for k, v in flat.items() if k in held and held[k] != str(v)[:250])
     if kept:
