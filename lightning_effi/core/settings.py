@@ -120,6 +120,14 @@ class KeepsSettings:
     ``__setattr__``, past a subclass's own ``__setattr__`` that passes the write on), is noted as a setting for the
     next fit (:func:`apply_changed_settings`)."""
 
+    def __copy__(self) -> Any:
+        """``copy.copy`` as the class's protocol makes it (slots, ``__getstate__``: ``copy._reconstruct``, what
+        ``copy.copy`` runs without this method), with a record of its own from now on: a record split at the copy's
+        first use took settings set on the original in between (qa94-regress 02)."""
+        new = copy._reconstruct(self, None, *self.__reduce_ex__(4))  # type: ignore[attr-defined]
+        _record(new)
+        return new
+
     def __setattr__(self, name: str, value: Any) -> None:
         record = _record(self)
         if record is not None and name in record[1]:

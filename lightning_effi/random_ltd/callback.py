@@ -1553,8 +1553,8 @@ class RandomLTDCallback(KeepsSettings, Callback):
     def _warn_other_accumulation(self) -> None:
         """Read by :meth:`expected_total_layer_tokens` in a resumed fit whose steps have another global batch size than
         the checkpoint's first step (another accumulation, per-device batch size or number of devices): the total
-        counts the checkpoint's, so warn (once a fit). Compared per micro-batch with this fit's first step (a partial
-        step at an epoch's end has fewer), times this fit's accumulation; before that step nothing is known. The
+        counts the checkpoint's, so warn (once a fit). Compared per micro-batch with this fit's first step that is not
+        an epoch's last batch, times this fit's accumulation; before that step nothing is known. The
         micro-batch counts were compared, which missed another per-device batch and warned of 4 x 4 against 8 x 2
         (qa93-regress 02). A fit that never reads the total is not warned: nothing in it depends on it."""
         if self._accumulation_told or not (self._resumed and self.global_batch_size and self._fit_step_batch):
@@ -2150,7 +2150,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
             # the run's layer-tokens, qa84-break 01)
             self.global_batch_size = int(samples + skipped)
             self.micro_batches = self._first_micro_batches(trainer)
-        if self._fit_step_batch is None:  # this fit's first step (a resumed fit's differs from the checkpoint's)
+        if self._fit_step_batch is None and not _epochs_last_batch(trainer):
+            # this fit's first step that is not an epoch's last batch (a smaller one there warned of another batch
+            # size, qa94-regress 04): a resumed fit's batch may differ from the checkpoint's
             micro = max(self._step_micro, 1)
             self._fit_step_batch = (int(samples + skipped), micro, int(trainer.accumulate_grad_batches))
         self._step_micro = 0
@@ -2496,6 +2498,12 @@ class RandomLTDCallback(KeepsSettings, Callback):
         value = state["current_value"]
         out["current_value"] = check_int(owner, "current_value", value, minimum=lowest, maximum=highest)
         return out
+
+
+def _epochs_last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the batch under way is its epoch's last (maybe smaller, or closing a shorter accumulation window)."""
+    progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+    return bool(getattr(progress, "is_last_batch", False))
 
 
 RandomLTD = RandomLTDCallback  # the short name (``lightning_effi.callbacks.RandomLTD``, Hydra configs)

@@ -500,6 +500,7 @@ class ResultWriter(pl.Callback):
         self._metric_checked = False  # the metric was looked for among the first validation's (on_validation_end)
         #: the settings of the fit under way (on_fit_start to teardown), which its record is written with
         self._fit_settings: dict[str, Any] | None = None
+        self._compared: set[str] = set()  # those whose in-place change is told at the fit's end
 
     _SETTINGS = ("metric", "out_dir", "mode", "seed", "budget", "arm", "task_name", "config")
 
@@ -595,7 +596,11 @@ class ResultWriter(pl.Callback):
         self._earlier = (Path(self._dir) / "result.json").exists()
         self._metric_checked = False
         # copied: a config changed in place from a hook went into the record unchecked, or lost it (qa93-regress 05)
-        self._fit_settings = {name: copy.deepcopy(getattr(self, name)) for name in self._SETTINGS}
+        self._fit_settings, self._compared = {}, set()
+        for name in self._SETTINGS:
+            self._fit_settings[name], comparable = _fit_copy(getattr(self, name))
+            if comparable:
+                self._compared.add(name)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """The fit is over (ended or raised): a setting set from now on is the next fit's, without a warning."""
@@ -627,7 +632,9 @@ class ResultWriter(pl.Callback):
         fit = self._fit_settings or {name: getattr(self, name) for name in self._SETTINGS}
         told = self.__dict__.pop("_set_in_fit", set())
         changed = [
-            n for n in self._SETTINGS if self._fit_settings and n not in told and _differs(getattr(self, n), fit[n])
+            n
+            for n in self._SETTINGS
+            if self._fit_settings and n not in told and n in self._compared and _differs(getattr(self, n), fit[n])
         ]
         if changed and trainer.is_global_zero:
             # changed in place during the fit (a config dict edited from a hook; a setting set is warned where set):
@@ -669,6 +676,18 @@ def _differs(now: Any, then: Any) -> bool:
         return bool(now != then)
     except Exception:
         return True
+
+
+def _fit_copy(value: Any) -> tuple[Any, bool]:
+    """A setting as a fit starts: ``(a deep copy, True)`` when it can be copied and compares equal to its copy (an
+    in-place change is then told at the fit's end), else ``(value, False)``: a config holding a lock or an open file
+    stopped the fit with a bare TypeError, and a partial or a tensor was told changed at every fit (qa94-regress 01,
+    03)."""
+    try:
+        copied = copy.deepcopy(value)
+    except Exception:
+        return value, False
+    return (copied, True) if not _differs(value, copied) else (value, False)
 
 
 def make_record(

@@ -207,6 +207,11 @@ def test_a_shallow_copy_notes_its_own_settings():
     twin.steps = 9
     assert twin.tag == "mine" and changed_settings(twin) == {"steps": 9} and changed_settings(toy) == {}
     assert copy.copy(base)._input_hooks is not base._input_hooks
+    # a setting set on the original after the copy is not the copy's (the record was split at the copy's first use
+    # and took it, qa94-regress 02)
+    twin = copy.copy(base)
+    base.require_steps = 10
+    assert changed_settings(twin) == {} and changed_settings(base) == {"require_steps": 10}
 
 
 def test_omegaconf_arguments_are_recorded_as_copies():

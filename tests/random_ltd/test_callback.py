@@ -252,6 +252,27 @@ def test_resume_with_another_batch_warns_that_the_expected_total_is_not_the_runs
         ltd()._checked_state(bad)
 
 
+def test_resume_on_an_epochs_smaller_last_batch_is_not_another_batch_size(tmp_path):
+    """40 blocks in batches of 16 (16, 16, 8), resumed at step 2: the fit's first step is the epoch's smaller last
+    batch, which warned of another batch size (qa94-regress 04). The first step that is not an epoch's last is
+    compared."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    cb = ltd(max_value=16, require_steps=4)
+    keep = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    make_trainer(tmp_path, [cb, keep], max_steps=2).fit(deep_gpt2(), datamodule=tiny_lm_data(batch_size=16))
+    cb = ltd(max_value=16, require_steps=4)
+    trainer = make_trainer(tmp_path, [cb], max_epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = str(tmp_path / "ck" / "step=2.ckpt")
+        trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(batch_size=16), ckpt_path=ckpt)
+        assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(6, 16)
+    assert not [w for w in caught if "where the checkpoint's run trained" in str(w.message)]
+    assert cb._fit_step_batch == (16, 1, 1)
+
+
 def test_layer_token_lr_with_the_default_total_beside_a_vcycle_is_refused_at_train_start(tmp_path):
     """Each V-cycle level's network gives another total at its depth: the schedule rebuilt at a level change read the
     coarse one and the LR rose again when the full model came back (qa93-regress 07). Refused before any step."""

@@ -858,6 +858,19 @@ def test_a_result_writer_setting_set_during_a_fit_is_the_next_fits(tmp_path):
     with pytest.warns(UserWarning, match=r"ResultWriter: config changed in place during the fit"):
         fit(writer, Appends())
     assert json.loads((tmp_path / "c" / "result.json").read_text())["overrides"] == ["model.lr=0.1"]
+    # a config that cannot be copied (a lock) trains and writes its record (the copy stopped the fit with a bare
+    # TypeError, qa94-regress 01); one unequal to its own copy (a tensor) is not told changed (qa94-regress 03)
+    import threading
+
+    import torch
+
+    for name, config in (("d", {"lock": threading.Lock()}), ("e", {"scale": torch.ones(2)})):
+        writer = ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / name, config=config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(writer)
+        assert (tmp_path / name / "result.json").exists()
+        assert not [w for w in caught if "changed in place" in str(w.message)]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
