@@ -574,8 +574,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
         # micro-batches per step of the run's first step as expected_total_layer_tokens reads them (the first segment
         # of a GradientAccumulationScheduler's, else accumulate_grad_batches): 0 before the first step
         self.micro_batches = 0
-        # this fit's first step: (samples, micro-batches it folded, accumulate_grad_batches then)
-        self._fit_step_batch: tuple[int, int, int] | None = None
+        # this fit's first step (its first not at an epoch's end, once there is one): (samples, micro-batches it folded,
+        # accumulate_grad_batches then, whether it was its epoch's last batch)
+        self._fit_step_batch: tuple[int, int, int, bool] | None = None
         self._step_micro = 0  # micro-batches folded into the step under way
         self._accumulation_told = False  # warned that expected_total_layer_tokens counts another batch size's
         self._train_started = False  # on_train_start ran in this fit (expected_total_layer_tokens is known from then)
@@ -1554,20 +1555,21 @@ class RandomLTDCallback(KeepsSettings, Callback):
         """Read by :meth:`expected_total_layer_tokens` in a resumed fit whose steps have another global batch size than
         the checkpoint's first step (another accumulation, per-device batch size or number of devices): the total
         counts the checkpoint's, so warn (once a fit). Compared per micro-batch with this fit's first step that is not
-        an epoch's last batch, times this fit's accumulation; before that step nothing is known. The
+        an epoch's last batch (else its first: an epoch's last batch tells only a larger batch), times this fit's
+        accumulation; before the first step nothing is known. The
         micro-batch counts were compared, which missed another per-device batch and warned of 4 x 4 against 8 x 2
         (qa93-regress 02). A fit that never reads the total is not warned: nothing in it depends on it."""
         if self._accumulation_told or not (self._resumed and self.global_batch_size and self._fit_step_batch):
             return
-        samples, micro, factor = self._fit_step_batch
+        samples, micro, factor, last = self._fit_step_batch
         if self._step_segments and self.micro_batches:  # each step's batch: samples per micro-batch times its count
-            same = samples * self.micro_batches == self.global_batch_size * micro
+            mine, theirs = samples * self.micro_batches, self.global_batch_size * micro
             was = f"{self.global_batch_size / self.micro_batches:g} samples per micro-batch"
             now = f"{samples / micro:g} per micro-batch"
         else:
-            same = samples * factor == self.global_batch_size * micro
+            mine, theirs = samples * factor, self.global_batch_size * micro
             was, now = f"{self.global_batch_size} samples a step", f"{samples * factor / micro:g} samples a step"
-        if same:
+        if mine == theirs or (last and mine < theirs):  # an epoch's last batch may be smaller: nothing told by it
             return
         self._accumulation_told = True
         rank_zero_warn(
@@ -2150,11 +2152,13 @@ class RandomLTDCallback(KeepsSettings, Callback):
             # the run's layer-tokens, qa84-break 01)
             self.global_batch_size = int(samples + skipped)
             self.micro_batches = self._first_micro_batches(trainer)
-        if self._fit_step_batch is None and not _epochs_last_batch(trainer):
-            # this fit's first step that is not an epoch's last batch (a smaller one there warned of another batch
-            # size, qa94-regress 04): a resumed fit's batch may differ from the checkpoint's
+        last = _epochs_last_batch(trainer)
+        if self._fit_step_batch is None or (self._fit_step_batch[3] and not last):
+            # this fit's first step, replaced by its first that is not an epoch's last batch (a smaller one there
+            # warned of another batch size, qa94-regress 04; one where every step ends an epoch warned of nothing,
+            # qa95-regress 01): a resumed fit's batch may differ from the checkpoint's
             micro = max(self._step_micro, 1)
-            self._fit_step_batch = (int(samples + skipped), micro, int(trainer.accumulate_grad_batches))
+            self._fit_step_batch = (int(samples + skipped), micro, int(trainer.accumulate_grad_batches), last)
         self._step_micro = 0
         self.saved_flops += saved
         self.full_layer_flops += full_flops

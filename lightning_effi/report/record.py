@@ -679,15 +679,15 @@ def _differs(now: Any, then: Any) -> bool:
 
 
 def _fit_copy(value: Any) -> tuple[Any, bool]:
-    """A setting as a fit starts: ``(a deep copy, True)`` when it can be copied and compares equal to its copy (an
-    in-place change is then told at the fit's end), else ``(value, False)``: a config holding a lock or an open file
-    stopped the fit with a bare TypeError, and a partial or a tensor was told changed at every fit (qa94-regress 01,
-    03)."""
+    """A setting as a fit starts: ``(a deep copy, whether it compares equal to it)`` (the record holds the copy; an
+    in-place change is told at the fit's end where the comparison can tell one: a partial or a tensor was told
+    changed at every fit, qa94-regress 03), or ``(value, False)`` when it cannot be copied (a config holding a lock
+    stopped the fit with a bare TypeError, qa94-regress 01)."""
     try:
         copied = copy.deepcopy(value)
     except Exception:
         return value, False
-    return (copied, True) if not _differs(value, copied) else (value, False)
+    return copied, not _differs(value, copied)
 
 
 def make_record(

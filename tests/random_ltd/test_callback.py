@@ -215,6 +215,8 @@ def test_a_skipped_micro_batch_still_counts_in_the_step_batch_size(tmp_path, bef
         (dict(accumulate_grad_batches=4), "trains 32 samples a step"),
         (dict(accumulate_grad_batches=2, batch_size=4), "trains 8 samples a step"),  # another per-device batch
         (dict(accumulate_grad_batches=4, batch_size=4), None),  # 4 x 4: the checkpoint's 16 samples a step
+        # every step ends an epoch (5 batches of 8): its first step was skipped and nothing told (qa95-regress 01)
+        (dict(accumulate_grad_batches=5), "trains 40 samples a step"),
     ],
 )
 def test_resume_with_another_batch_warns_that_the_expected_total_is_not_the_runs(tmp_path, resumed, told):
@@ -270,7 +272,7 @@ def test_resume_on_an_epochs_smaller_last_batch_is_not_another_batch_size(tmp_pa
         trainer.fit(deep_gpt2(), datamodule=tiny_lm_data(batch_size=16), ckpt_path=ckpt)
         assert cb.expected_total_layer_tokens() == cb.total_layer_tokens(6, 16)
     assert not [w for w in caught if "where the checkpoint's run trained" in str(w.message)]
-    assert cb._fit_step_batch == (16, 1, 1)
+    assert cb._fit_step_batch == (16, 1, 1, False)
 
 
 def test_layer_token_lr_with_the_default_total_beside_a_vcycle_is_refused_at_train_start(tmp_path):

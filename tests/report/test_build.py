@@ -1,6 +1,7 @@
 """load_runs and build_report on synthetic result.json files: savings against the frontier and the same-length
 baseline equal hand computations; the spread is the sample std."""
 
+import functools
 import json
 import math
 import os
@@ -864,6 +865,15 @@ def test_a_result_writer_setting_set_during_a_fit_is_the_next_fits(tmp_path):
 
     import torch
 
+    class EditsOther(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            writer.config["lr"] = 9.0
+
+    # a config unequal to its copy (a partial) still records the fit-start copy (qa95-regress 02)
+    config = {"lr": 0.1, "f": functools.partial(max)}
+    writer = ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / "f", config=config)
+    fit(writer, EditsOther())
+    assert "lr=0.1" in json.loads((tmp_path / "f" / "result.json").read_text())["overrides"]
     for name, config in (("d", {"lock": threading.Lock()}), ("e", {"scale": torch.ones(2)})):
         writer = ResultWriter(metric="val/loss", seed=0, out_dir=tmp_path / name, config=config)
         with warnings.catch_warnings(record=True) as caught:
