@@ -62,6 +62,19 @@ def edited(**changes) -> dict:
     return cfg
 
 
+def schedule_config(min_value: int, max_value: int, require_steps: int, seq_per_step: int, **changes) -> dict:
+    """The reference config with another fixed_linear schedule, and no model_mask_name / model_type /
+    hidden_state_order (their warnings aside)."""
+    schedule = {"require_steps": require_steps, "seq_per_step": seq_per_step}
+    return edited(
+        random_ltd_schedule={"min_value": min_value, "max_value": max_value, "schedule_config": schedule},
+        model_mask_name=None,
+        model_type=None,
+        hidden_state_order=None,
+        **changes,
+    )
+
+
 def test_the_reference_gpt3_config_translates_to_the_callbacks_arguments(tmp_path):
     before = copy.deepcopy(GPT3)
     with pytest.warns(UserWarning, match="model_mask_name / model_type / hidden_state_order are not read"):
@@ -130,45 +143,19 @@ def test_rounding_that_differs_from_deepspeeds_warns():
     """ViT-S/16 (32 -> 197, q 8): the default trains 197 from step 3910, DeepSpeed 192 until step 3981 (its value
     goes on growing past require_steps: floor(3982 / 3910 * 165 + 32) = 200, capped at 197); the warning names the
     whole range (it named step 3910 alone, qa90-docs 02)."""
-    vit = edited(
-        random_ltd_schedule={
-            "min_value": 32,
-            "max_value": 197,
-            "schedule_config": {"require_steps": 3910, "seq_per_step": 8},
-        },
-        model_mask_name=None,
-        model_type=None,
-        hidden_state_order=None,
-    )
+    vit = schedule_config(32, 197, 3910, 8)
     assert [F.ltd_value(s, 32, 197, 3910, 8, "deepspeed") for s in (3909, 3910, 3981, 3982)] == [192, 192, 192, 197]
     assert [F.ltd_value(s, 32, 197, 3910, 8) for s in (3909, 3910)] == [192, 197]
     with pytest.warns(UserWarning, match=r"\(steps 3910-3981: 197 \(DeepSpeed: 192\)\); pass rounding='deepspeed'"):
         parse_deepspeed_config(vit)
-    small = edited(  # min 5 is not a multiple of 4: steps 0 and 1 train 5, DeepSpeed 4 (rounded down)
-        random_ltd_schedule={
-            "min_value": 5,
-            "max_value": 16,
-            "schedule_config": {"require_steps": 4, "seq_per_step": 4},
-        },
-        model_mask_name=None,
-        model_type=None,
-        hidden_state_order=None,
-    )
+    # min 5 is not a multiple of 4: steps 0 and 1 train 5, DeepSpeed 4 (rounded down)
+    small = schedule_config(5, 16, 4, 4)
     assert [F.ltd_value(s, 5, 16, 4, 4) for s in range(3)] == [5, 5, 8]
     with pytest.warns(UserWarning, match=r"\(steps 0-1: 5 \(DeepSpeed: 4\)\); pass"):
         parse_deepspeed_config(small)
     # every step differs (min 100 rounds down to 96, max 105 is never a multiple of 16): one run, each step named once
     # (require_steps was in two runs, qa91-break 06), up to the bound on DeepSpeed reaching 105, which it never does
-    flat = edited(
-        random_ltd_schedule={
-            "min_value": 100,
-            "max_value": 105,
-            "schedule_config": {"require_steps": 2000, "seq_per_step": 16},
-        },
-        model_mask_name=None,
-        model_type=None,
-        hidden_state_order=None,
-    )
+    flat = schedule_config(100, 105, 2000, 16)
     with pytest.warns(UserWarning, match=r"DeepSpeed \(steps 0-4799 \(step 0: 100, DeepSpeed: 96\)\); pass"):
         parse_deepspeed_config(flat)
     with warnings.catch_warnings():
@@ -186,19 +173,7 @@ def test_the_warnings_schedules_are_ltd_value_at_every_step(lo, hi, steps, q):
 
 
 def test_a_fit_from_a_deepspeed_config_follows_deepspeeds_schedule(tmp_path):
-    cfg = edited(
-        total_layer_num=4,
-        random_ltd_layer_num=2,
-        random_ltd_layer_id=[1, 2],
-        random_ltd_schedule={
-            "min_value": 5,
-            "max_value": 16,
-            "schedule_config": {"require_steps": 4, "seq_per_step": 4},
-        },
-        model_mask_name=None,
-        model_type=None,
-        hidden_state_order=None,
-    )
+    cfg = schedule_config(5, 16, 4, 4, total_layer_num=4, random_ltd_layer_num=2, random_ltd_layer_id=[1, 2])
     pl.seed_everything(0)
     callback = RandomLTDCallback.from_deepspeed_config(cfg, rounding="deepspeed", seed=7)
     seen = []
@@ -251,16 +226,7 @@ def test_the_default_rounding_can_differ_from_deepspeeds_float_at_a_rare_step():
     """All values multiples of seq_per_step, the products exact in clamped and float64 in DeepSpeed: they differ at
     step 226, which the parse now names (qa36-break 08); the reference GPT-3 schedule has no such step."""
     assert F.ltd_value(226, 173, 773, 400, 1) == 512 and F.ltd_value(226, 173, 773, 400, 1, "deepspeed") == 511
-    rare = edited(
-        random_ltd_schedule={
-            "min_value": 173,
-            "max_value": 773,
-            "schedule_config": {"require_steps": 400, "seq_per_step": 1},
-        },
-        model_mask_name=None,
-        model_type=None,
-        hidden_state_order=None,
-    )
+    rare = schedule_config(173, 773, 400, 1)
     with pytest.warns(UserWarning, match=r"float64, .*\(step 226: 512 \(DeepSpeed: 511\)"):
         parse_deepspeed_config(rare)
     with warnings.catch_warnings():
