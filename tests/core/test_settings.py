@@ -183,6 +183,10 @@ def test_the_callers_dict_edited_after_the_build_is_not_a_setting():
     assert vc.lr_multiplier == {2: 2.0} and vc.alpha_original == 0.5
 
 
+class SlottedLTD(RandomLTDCallback):
+    __slots__ = ("tag", "__own")
+
+
 def test_a_shallow_copy_notes_its_own_settings():
     """``copy.copy`` shared the record of settings set: one set on the copy was noted on the original and trained in
     its next fit (qa92-break 02)."""
@@ -207,6 +211,11 @@ def test_a_shallow_copy_notes_its_own_settings():
     twin.steps = 9
     assert twin.tag == "mine" and changed_settings(twin) == {"steps": 9} and changed_settings(toy) == {}
     assert copy.copy(base)._input_hooks is not base._input_hooks
+    ltd = SlottedLTD(min_value=4, seq_per_step=4)
+    ltd.tag, ltd._SlottedLTD__own = "mine", 3
+    # random-LTD's __getstate__ returned its __dict__ alone: a subclass's slot values were lost by every copy
+    for twin in (copy.copy(ltd), copy.deepcopy(ltd), pickle.loads(pickle.dumps(ltd))):
+        assert (twin.tag, twin._SlottedLTD__own) == ("mine", 3) and changed_settings(twin) == {}
     # a setting set on the original after the copy is not the copy's (the record was split at the copy's first use
     # and took it, qa94-regress 02)
     twin = copy.copy(base)
