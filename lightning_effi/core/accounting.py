@@ -93,7 +93,7 @@ from typing_extensions import override
 
 from lightning_effi.core.batch import unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, is_int, is_real
-from lightning_effi.core.compat import logging_step, rebuild_train_loader_after_restore
+from lightning_effi.core.compat import logging_step, rebuild_train_loader_after_restore, validation_follows_batch
 from lightning_effi.core.console import print_block
 from lightning_effi.core.measure import (
     CallRecord,
@@ -514,7 +514,9 @@ class EfficiencyMonitor(Callback):
 
     - :attr:`curve`: one point per validation run during ``fit`` (the sanity check excluded): ``step, epoch,
       samples, tokens, layer_tokens, flops`` (cumulative, summed over ranks), ``train_wall_s`` (training + data
-      time so far, seconds, evaluation excluded) and ``metrics`` (every ``val*`` scalar logged);
+      time so far, seconds, evaluation excluded) and ``metrics`` (every ``val*`` scalar logged). A fit resumed from a
+      checkpoint written at a validation step's batch end (``ModelCheckpoint(every_n_train_steps=...)``) has no point
+      at that step: Lightning resumes past that validation without running it (warned, naming the step);
     - :attr:`schedule`: every ``log_every_n_steps`` optimizer steps and at every validation, the same cumulative
       figures and each technique's schedule state ``"<technique>/<key>"`` from its ``effi_schedule_state()``
       (:func:`schedule_states`): ``infobatch/kept_fraction``, ``curriculum/difficulty``,
@@ -597,6 +599,9 @@ class EfficiencyMonitor(Callback):
         self.summary: dict[str, Any] = {}
         self.curve: list[dict[str, Any]] = []
         self.schedule: list[dict[str, Any]] = []
+        # the step of a validation that Lightning skips in this resumed fit: the checkpoint was written at that step's
+        # batch end, before it (compat.validation_follows_batch); the curve is told to lack it (_check_skipped_point)
+        self._skipped_validation: int | None = None
         self._mark: float | None = None
         self._batch_start: float | None = None
         self._step_at_batch_start: int | None = None  # trainer.global_step when the current batch started
@@ -1433,6 +1438,7 @@ class EfficiencyMonitor(Callback):
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
             self.curve, self.schedule = [], []
+            self._skipped_validation = None
             self._last_states = self._last_position = None
             self._change_points = 0
             self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
@@ -2155,6 +2161,7 @@ class EfficiencyMonitor(Callback):
             logged = trainer.callback_metrics.items()
             metrics = {k: float(v) for k, v in logged if k.startswith("val") and v.numel() == 1}
             self.curve.append(self._point(trainer, totals) | {"metrics": dict(sorted(metrics.items()))})
+            self._check_skipped_point(trainer.global_step)
             # the states that trained this step, as the training batch's end read them: a technique may have
             # changed its state since (the V-cycle switches levels in its on_train_batch_end, before validation)
             last = self._last_position
@@ -2174,6 +2181,7 @@ class EfficiencyMonitor(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ended_at = (id(trainer), int(trainer.global_step))
+        self._check_skipped_point(None)
         self.summary = self.compute_summary(trainer)
         if self.print_summary and trainer.is_global_zero:
             print_block(format_summary(self.summary))  # one write: safe under a live rich display (console.py)
@@ -2181,6 +2189,27 @@ class EfficiencyMonitor(Callback):
         pending, self.after_summary = self.after_summary, []
         for write in pending:  # write_result called in on_fit_end by a callback listed before this one
             write()
+
+    def _check_skipped_point(self, step: int | None) -> None:
+        """Once a resumed fit has validated past the checkpoint's step (``step``; None: at the fit's end), warn if the
+        curve lacks the validation Lightning skipped there (:attr:`_skipped_validation`). A checkpoint written at a
+        batch's end before that step's validation (``ModelCheckpoint(every_n_train_steps=...)`` with
+        ``val_check_interval`` at the same steps) is resumed past the validation, which never runs: the curve, and
+        ``result.json``'s, had a gap at that step, told nowhere (qa96-break 01)."""
+        due = self._skipped_validation
+        if due is None or (step is not None and step < due):
+            return
+        self._skipped_validation = None
+        if step != due and not any(point.get("step") == due for point in self.curve):
+            self._warn(
+                "curve/skipped_validation",
+                f"this fit resumed a checkpoint written at step {due}'s batch end, before that step's validation, "
+                "and Lightning resumes such a checkpoint past the validation without running it: the curve "
+                f"(result.json's validation curve, its plot) has no point at step {due}. Its totals and the other "
+                "points are the uninterrupted run's. A checkpoint written after the validation keeps the point "
+                "(ModelCheckpoint(monitor=...), which saves at validation end, or every_n_train_steps at steps "
+                "without a validation)",
+            )
 
     # ------------------------------------------------------------------------------------------- summary
     def _elapsed_total(self) -> float:
@@ -2339,6 +2368,13 @@ class EfficiencyMonitor(Callback):
             state["totals"] = self.reduced_totals(trainer)
         # on one device too: a DDP fit resumed from it must not give every rank the whole run's counts
         state["totals_over_ranks"] = True
+        step = int(trainer.global_step)
+        if (
+            saving_in_train_batch_end(trainer)
+            and validation_follows_batch(trainer)
+            and not any(point.get("step") == step for point in self.curve)
+        ):
+            state["skipped_validation"] = step  # resumed past it: _check_skipped_point
 
     def _state_after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """:meth:`state_dict` as it will stand after the open batch's ``on_train_batch_end``, for a checkpoint written
@@ -2476,6 +2512,12 @@ class EfficiencyMonitor(Callback):
                 f"{_brief_value(last_states)}, {_brief_value(last_position)}, {change_points!r} (a damaged or edited "
                 "checkpoint: resume from another one)"
             )
+        skipped = state_dict.get("skipped_validation")
+        if skipped is not None and not (is_int(skipped) and skipped >= 0):
+            raise ValueError(
+                "EfficiencyMonitor.load_state_dict: the checkpoint's skipped_validation must be a step (an int >= 0) "
+                f"or None, got {_brief_value(skipped)} (a damaged or edited checkpoint: resume from another one)"
+            )
         guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_guard.policy)
         nonfinite = state_dict.get("nonfinite_loss")
         if nonfinite is not None:
@@ -2499,6 +2541,7 @@ class EfficiencyMonitor(Callback):
         self._last_states = None if last_states is None else dict(last_states)
         self._last_position = None if last_position is None else dict(last_position)
         self._change_points = change_points
+        self._skipped_validation = None if skipped is None else int(skipped)
 
 
 class _Returned(NamedTuple):

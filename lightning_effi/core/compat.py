@@ -26,6 +26,7 @@ __all__ = [
     "restart_next_epoch_at_its_start",
     "rewrap_ddp",
     "uses_distributed_sampler",
+    "validation_follows_batch",
 ]
 
 #: Lightning versions whose non-public APIs are used below (the ``lightning`` requirement in ``pyproject.toml``).
@@ -126,6 +127,18 @@ def uses_distributed_sampler(trainer: pl.Trainer) -> bool:
     """Whether Lightning injects a ``DistributedSampler`` into the training loader
     (``Trainer(use_distributed_sampler)``, read from the trainer's non-public accelerator connector)."""
     return bool(trainer._accelerator_connector.use_distributed_sampler)
+
+
+def validation_follows_batch(trainer: pl.Trainer) -> bool:
+    """Whether Lightning validates after the training batch in flight (read in ``on_train_batch_end``, or in a
+    checkpoint written there): the fit loop's non-public rule ``_TrainingEpochLoop._should_check_val_fx`` (the
+    ``val_check_interval``, the epoch's last batch, ``check_val_every_n_epoch``, an early stop). A checkpoint written
+    in ``on_train_batch_end`` (``ModelCheckpoint(every_n_train_steps=...)``) comes before that validation, and a fit
+    resumed from it goes on past the validation without running it (``_TrainingEpochLoop.advance``:
+    ``increment_progress_to_evaluation_end``)."""
+    loop = trainer.fit_loop
+    fetcher = loop._data_fetcher
+    return fetcher is not None and bool(loop.epoch_loop._should_check_val_fx(fetcher))
 
 
 def rebuild_train_loader_after_restore(trainer: pl.Trainer) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -217,6 +218,40 @@ def test_records_resume_exactly(tmp_path):
 
     assert len(resumed.curve) == 3 and strip(resumed.curve) == strip(full.curve)
     assert len(resumed.schedule) == STEPS and strip(resumed.schedule) == strip(full.schedule)
+
+
+@pytest.mark.parametrize("step", [2, 3])
+def test_a_resume_past_a_skipped_validation_says_the_curve_lacks_its_point(tmp_path, step):
+    """A checkpoint written at a validation step's batch end comes before the validation, and Lightning resumes it past
+    the validation without running it: the resumed curve lacks that point. It was told nowhere (the docs said the curve
+    resumes exactly; qa96-break 01); now a warning names the step. A checkpoint at a step without a validation (3:
+    validations at 2, 4, 6) resumes the whole curve, with no warning."""
+    every = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, monitor=None)
+    _, full, _ = _fit(tmp_path / "full", [], extra=[every])
+    ckpt = next((tmp_path / "ck").glob(f"*step={step}*.ckpt"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, resumed, _ = _fit(tmp_path / "second", [], ckpt_path=str(ckpt))
+    told = [str(w.message) for w in caught if "no point at step" in str(w.message)]
+    steps = [p["step"] for p in resumed.curve]
+    if step == 2:
+        assert steps == [4, 6] and [p["step"] for p in full.curve] == [2, 4, 6]
+        assert len(told) == 1 and "written at step 2's batch end" in told[0]
+    else:
+        assert steps == [2, 4, 6] and told == []
+    assert resumed.summary["flops"] == full.summary["flops"]  # the totals are the uninterrupted run's either way
+
+
+def test_a_checkpoint_written_after_the_validation_resumes_the_whole_curve(tmp_path):
+    """``ModelCheckpoint(monitor=...)`` saves at validation end, after the point: no gap, no warning."""
+    best = ModelCheckpoint(dirpath=tmp_path / "ck", monitor="val/loss", save_top_k=-1, filename="{step}")
+    _, full, _ = _fit(tmp_path / "full", [], extra=[best])
+    ckpt = next((tmp_path / "ck").glob("step=2*.ckpt"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, resumed, _ = _fit(tmp_path / "second", [], ckpt_path=str(ckpt))
+    assert [p["step"] for p in resumed.curve] == [p["step"] for p in full.curve] == [2, 4, 6]
+    assert not [w for w in caught if "no point at step" in str(w.message)]
 
 
 def test_result_json_schema_2(tmp_path):
