@@ -325,8 +325,8 @@ def _natural_key(path: Path) -> list[tuple[int, int | str]]:
 
 def jobs_without_result(paths: Iterable[str | Path]) -> list[Path]:
     """Hydra job folders (holding ``.hydra/``) below ``paths`` without a ``result.json``: jobs that failed or are
-    still running (an evaluation, ``train=false``, writes ``eval.json`` instead: not one of them)."""
-    out = []
+    still running (an evaluation, ``train=false``, writes ``eval.json`` instead: not one of them), each once."""
+    out, seen = [], set()
     for path in paths:
         p = Path(path)
         if not p.is_dir():
@@ -334,7 +334,11 @@ def jobs_without_result(paths: Iterable[str | Path]) -> list[Path]:
         for hydra_dir in sorted(_below(p, ".hydra"), key=_natural_key):
             job = hydra_dir.parent
             if hydra_dir.is_dir() and not (job / RESULT_FILE).exists() and not (job / "eval.json").exists():
-                out.append(job)
+                # one job once, however often it lies below the paths (a folder given twice, a sweep and a job in
+                # it: the report read its runs once and told the failed job twice, qa96-break 02)
+                if (key := job.resolve()) not in seen:
+                    seen.add(key)
+                    out.append(job)
     return out
 
 

@@ -1117,7 +1117,8 @@ def write_report(
     Raises:
         FileNotFoundError: a path that does not exist or holds no ``result.json``.
         ReportError: ``out_dir`` is an existing file or lies beneath one (checked before the runs are read), or
-            cannot be created; see :func:`~lightning_effi.report.load.load_runs` and :func:`build_report`.
+            cannot be written (a probe file, before the report is built) or created; see
+            :func:`~lightning_effi.report.load.load_runs` and :func:`build_report`.
     """
     from lightning_effi.report import plots  # matplotlib only when writing
 
@@ -1127,15 +1128,18 @@ def write_report(
     if out_dir is not None:
         out_dir = Path(out_dir).expanduser()
         _check_out_dir(out_dir)
+        _check_writable(out_dir, "out_dir")
     runs = load_runs(paths)
+    out = Path(out_dir) if out_dir is not None else Path(paths[0])
+    if out.is_file():  # the first path is a result.json: its run folder
+        out = out.parent
+    if out_dir is None:
+        _check_writable(out, "the report's folder (the first path; choose another with out_dir= / --out)")
     report = build_report(runs, metric=metric, compute=compute, mode=mode)
     failed = jobs_without_result(paths)
     report.notes.extend(
         f"{job}: a Hydra job folder without result.json (the job failed or is running)" for job in failed
     )
-    out = Path(out_dir) if out_dir is not None else Path(paths[0])
-    if out.is_file():  # the first path is a result.json: its run folder
-        out = out.parent
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -1145,10 +1149,13 @@ def write_report(
         "report.csv": out / "report.csv",
         "report.json": out / "report.json",
     }
-    files["report.md"].write_text(f"# Sweep report: {report.metric} vs {report.compute}\n\n" + report.to_markdown())
-    report.write_csv(files["report.csv"])
-    files["report.json"].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-    files.update(plots.write_plots(report, out))
+    try:
+        files["report.md"].write_text(f"# Sweep report: {report.metric} vs {report.compute}\n\n" + report.to_markdown())
+        report.write_csv(files["report.csv"])
+        files["report.json"].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        files.update(plots.write_plots(report, out))
+    except OSError as err:  # a disk that filled, a folder made read-only while the report was built
+        raise ReportError(f"out_dir: cannot write the report into '{out}' ({type(err).__name__}: {err})") from None
     report.files = files
     return report
 
@@ -1200,6 +1207,30 @@ def _check_out_dir(out_dir: Path) -> None:
     file, what = blocker
     where = f"is {what}" if file == out_dir else f"lies beneath {what.replace('a file', 'the file')} '{file}'"
     raise ReportError(f"out_dir: '{out_dir}' {where}; give a folder (created if missing) for the report")
+
+
+def _check_writable(folder: Path, name: str) -> None:
+    """Refuse a report folder that cannot be written, before the report is built: a probe file is made in it, or in
+    its nearest existing parent when it does not exist yet (nothing is created), and removed at once. A pseudo file
+    system (``/proc``), a read-only mount or a folder without write permission came after the whole report as
+    ``[Errno 2] No such file or directory: '/proc/report.md'`` about a folder that exists (qa96-break 03).
+
+    Raises:
+        ReportError: naming ``name``, the folder and the system's reason."""
+    import tempfile
+
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        return  # _check_out_dir names a file in the way; mkdir names the rest
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".report-probe-"):
+            pass
+    except OSError as err:
+        where = f"'{folder}'" if existing == folder else f"'{folder}' (its existing parent '{existing}')"
+        raise ReportError(
+            f"{name}: cannot write into {where} ({type(err).__name__}: {err.strerror or err}); give a folder you can "
+            "write to"
+        ) from None
 
 
 __all__ = ["COLUMNS", "Report", "SeedFrontier", "build_report", "write_report"]

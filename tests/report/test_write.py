@@ -150,6 +150,38 @@ def test_cli_out_that_is_a_file_is_refused_and_a_pipe_in_an_arm_label_is_escaped
     assert row.startswith("| ltd\\|lr=1e-3 |") and row.replace("\\|", "").count("|") == table[0].count("|")
 
 
+def test_a_failed_job_below_two_of_the_paths_is_noted_once(sweep, tmp_path):
+    """The runs below a folder given twice (or a sweep and a folder in it) are read once; the note on a failed job
+    was written once per path (qa96-break 02)."""
+    (sweep / "10" / ".hydra").mkdir(parents=True)
+    for paths in ([sweep, sweep], [sweep, sweep / "0"], [sweep, Path(f"{sweep}/")], [sweep, sweep / ".." / "sweep"]):
+        notes = write_report(paths, out_dir=tmp_path / "o").notes
+        assert len([n for n in notes if "without result.json" in n]) == 1, paths
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_report(sweep, tmp_path, capsys, monkeypatch):
+    """``--out /proc`` (a folder that exists, where no file can be made) built the whole report, then said
+    ``[Errno 2] No such file or directory: '/proc/report.md'``, naming neither the argument nor the cause
+    (qa96-break 03); a folder to be made below it is refused alike, and so is the default folder (the first path)."""
+    from lightning_effi.report import table
+
+    built = []
+    monkeypatch.setattr(table, "build_report", lambda *a, **k: built.append(1))
+    for out, where in (("/proc", "'/proc'"), ("/proc/new/sub", "'/proc/new/sub' (its existing parent '/proc')")):
+        assert main([str(sweep), "--out", out]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: out_dir: cannot write into {where} (") and "give a folder you can" in err
+    assert built == [] and not Path("/proc/new").exists()
+    if os.geteuid() != 0:  # root writes into a read-only folder
+        sweep.chmod(0o555)
+        try:
+            assert main([str(sweep)]) == 1
+            assert "the report's folder (the first path; choose another" in capsys.readouterr().err
+        finally:
+            sweep.chmod(0o755)
+
+
 @pytest.mark.slow
 def test_cli_subprocess(sweep, tmp_path):
     cmd = [sys.executable, "-m", "lightning_effi.report"]
