@@ -1186,9 +1186,17 @@ class EfficiencyMonitor(Callback):
         try:
             if self._batch_shapes is not None and _shapes(batch) != self._batch_shapes:
                 calls = [call.on_batch(batch, self._batch_shapes) for call in calls]
-            return float(self._meter.flops(pl_module, calls))
+            flops = float(self._meter.flops(pl_module, calls))
         except MeasureError as err:
             raise NotImplementedError(f"{err}; {hint}") from err
+        for name, (kind, why) in self._meter.left_out.items():
+            self._warn(
+                f"flops/left_out/{name}",
+                f"the call of {kind} ({name}) in the training step is left out of the FLOPs: it has no parameters "
+                f"and its outputs take no part in the backward (a data augmentation: preparation of the data, not "
+                f"the network's compute), and it cannot be replayed ({why})",
+            )
+        return flops
 
     def _samples_of(self, batch: Any, actual: bool) -> int | None:
         """The samples of one loader's batch (:func:`find_batch_size`): the second dimension of a sequence-first

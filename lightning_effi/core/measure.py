@@ -1903,11 +1903,15 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
     except Exception as err:
         kinds = {k.__name__ for k in type(err).__mro__}
         if kinds & _DATA_DEPENDENT:
+            # torch names a value read on the host (.item(), float(t): aten._local_scalar_dense) a data-dependent
+            # output too: torchvision's MixUp reads its random mixing weight so, and was said to make a shape
+            # (qa96-user 01)
             raise MeasureError(
                 f"replaying {type(target).__name__} failed: its forward makes a shape that depends on the data's "
-                f"values ({type(err).__name__}: {err}; boolean-mask indexing such as hidden[labels != -100], "
-                "torch.nonzero, masked_select, pack_padded_sequence's lengths, a Python branch on a tensor's values "
-                "such as .item() or bool(mask.all())), which a replay on fake tensors cannot know",
+                f"values, or reads a value on the host ({type(err).__name__}: {err}; boolean-mask indexing such as "
+                "hidden[labels != -100], torch.nonzero, masked_select, pack_padded_sequence's lengths, a Python "
+                "branch or number read from a tensor such as .item(), float(t) or bool(mask.all())), which a replay "
+                "on fake tensors cannot know",
                 data_dependent=True,
             ) from err
         raise MeasureError(f"replaying {type(target).__name__} failed ({type(err).__name__}: {err})") from err
@@ -2053,6 +2057,8 @@ class FlopsMeter:
         self.max_entries = 4096
         self.interpolate = interpolate
         self.replays = 0
+        #: calls left out of the FLOPs (:meth:`flops`), by module name: the module's class and why it was not replayed
+        self.left_out: dict[str, tuple[str, str]] = {}
 
     def _interpolated(self, key: tuple[Any, ...]) -> int | None:
         """The FLOPs of ``key`` read off its family's replays (class docstring), or None."""
@@ -2085,7 +2091,9 @@ class FlopsMeter:
             points.append((dims, flops))
 
     def flops(self, root: nn.Module, calls: Sequence[CallRecord]) -> int:
-        """The sum over ``calls`` of their training FLOPs on the modules now inside ``root``.
+        """The sum over ``calls`` of their training FLOPs on the modules now inside ``root``. A call that cannot be
+        replayed for a data-dependent value, of a module without parameters whose outputs received no gradient
+        (a data augmentation such as torchvision's ``MixUp``), counts 0 and is noted in :attr:`left_out`.
 
         Raises:
             MeasureError: a call cannot be replayed (:func:`replay_flops`).
@@ -2132,6 +2140,13 @@ class FlopsMeter:
                         for part in call.parts
                     ]
                     total += self.flops(root, parts)
+                    continue
+                if result.data_dependent and not call.used and next(target.parameters(), None) is None:
+                    # a module without parameters whose outputs took no part in the backward: preparation of the
+                    # data (torchvision's MixUp / CutMix in training_step, which read their random weight on the
+                    # host), not the network's compute; its failed replay dropped the whole step's FLOPs (0 for every
+                    # run, every saving 0.0; qa96-user 01)
+                    self.left_out.setdefault(call.target, (type(target).__name__, str(result)))
                     continue
                 raise result
             total += result

@@ -756,7 +756,9 @@ def test_a_data_dependent_shape_without_calls_inside_is_named_in_the_warning(tmp
             self.pick = PickPositive()
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return super().training_step(batch, batch_idx) + self.pick(batch[0]).sum() * 0
+            # on the network's output: a part of the backward (a module without parameters whose outputs get no
+            # gradient is data preparation, left out: the next test)
+            return super().training_step(batch, batch_idx) + self.pick(self.mlp(batch[0])).sum() * 0
 
     g = torch.Generator().manual_seed(0)
     features = DataLoader(TensorDataset(torch.randn(3 * B, 8, generator=g), torch.randint(0, 3, (3 * B,))), B)
@@ -767,6 +769,43 @@ def test_a_data_dependent_shape_without_calls_inside_is_named_in_the_warning(tmp
     (flops,) = [m for m in monitor_warnings(caught) if "training FLOPs" in m]
     assert "replaying PickPositive failed: its forward makes a shape that depends on the data's values" in flops
     assert "boolean-mask indexing such as hidden[labels != -100]" in flops and "`effi_training_flops(batch)`" in flops
+
+
+class MixUpMLP(UserMLP):
+    """The vision recipe: torchvision's ``v2.MixUp`` held as a submodule and applied in ``training_step`` (soft
+    targets) to images of 2 x 2 x 2 (its 8 features); it draws its mixing weight as a tensor and reads it on the
+    host, which no fake replay can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchvision.transforms import v2
+
+        self.mixer = v2.MixUp(num_classes=3, alpha=1.0)
+        self.mlp.insert(0, nn.Flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = self.mixer(*batch)
+        return F.cross_entropy(self.mlp(x), y)
+
+
+def test_a_data_augmentation_module_in_the_step_is_left_out_of_the_flops(tmp_path: Path) -> None:
+    """MixUp's failed replay dropped the whole step's FLOPs: 0 for the run, every saving 0.0 (qa96-user 01). A module
+    without parameters whose outputs take no part in the backward is data preparation: left out, named once in a
+    warning, and the network's FLOPs are counted (the flop counter's on the real step, which counts no elementwise
+    op of the mixing either)."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(3 * B, 2, 2, 2, generator=g)
+    features = DataLoader(TensorDataset(images, torch.randint(0, 3, (3 * B,))), B)
+    pl.seed_everything(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, measured, per_batch = fit(MixUpMLP(), features, tmp_path)
+    said = monitor_warnings(caught)
+    assert [row["flops"] for row in per_batch.rows] == measured.per_batch and all(f > 0 for f in measured.per_batch)
+    assert monitor.summary["flops"] == sum(measured.per_batch)
+    (left_out,) = said
+    assert left_out.startswith("EfficiencyMonitor: the call of MixUp (mixer) in the training step is left out")
+    assert "reads a value on the host" in left_out
 
 
 class ShiftedIds(UserModule):
