@@ -1823,18 +1823,27 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._input_hooks, self._inputs, self._block_inputs, self._block_outputs = [], [], [], []
         self._runner_depth, self._last_position, self._pass_mark, self._entered = 0, None, None, {}
 
-    def __getstate__(self) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
+    def __getstate__(self) -> dict[str, Any]:
         """The callback's state without what one step or fit holds of its network (the hooks on it, its inputs, weak
         references to its runners), rebuilt at the next batch: ``torch.save`` of the module, which reaches the
         callback through its Trainer, and a deep copy of the callback, failed mid-fit (qa67-break 02). A subclass's
-        ``__slots__`` values come as the second item of a ``(dict, slots)`` pair, as in Python's default protocol."""
+        ``__slots__`` values are in the dict too, by their (mangled) names, and :meth:`__setstate__` puts them back
+        (a copy lost them); a subclass extending these two methods gets and gives a dict, as before."""
         state = dict(self.__dict__)
         state.update(_input_hooks=[], _inputs=[], _block_inputs=[], _block_outputs=[], _runners=None)
         state.update(_runner_depth=0, _last_position=None, _pass_mark=None, _entered={})
-        slots = _slot_values(self)
-        # (dict, slots): what ``object.__reduce_ex__`` gives a class with slots, which ``copy`` and ``pickle`` restore;
-        # the dict alone lost a subclass's slot values in a copy
-        return (state, slots) if slots else state  # type: ignore[return-value]
+        state.update(_slot_values(self))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`__getstate__`'s dict: the names of the class's ``__slots__`` into their slots, the rest into
+        ``__dict__`` (as Python's default restore does, without ``__setattr__``)."""
+        slots = _slot_names(type(self))
+        for name, value in state.items():
+            if name in slots:
+                object.__setattr__(self, name, value)
+            else:
+                self.__dict__[name] = value
 
     def _release_frozen_copies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Give the original ``forward`` back to the layers of a frozen copy of the converted network that the module
@@ -2508,20 +2517,23 @@ class RandomLTDCallback(KeepsSettings, Callback):
         return out
 
 
-def _slot_values(obj: object) -> dict[str, Any]:
-    """The values of ``obj``'s ``__slots__`` attributes that are set, by their (mangled) names, over the class's MRO:
-    the second item of the state ``object.__reduce_ex__`` gives a class with slots (``copyreg._slotnames``)."""
-    values: dict[str, Any] = {}
-    for klass in type(obj).__mro__:
+def _slot_names(cls: type) -> set[str]:
+    """The (mangled) names of the ``__slots__`` attributes over ``cls``'s MRO, as ``copyreg._slotnames`` lists them."""
+    found: set[str] = set()
+    for klass in cls.__mro__:
         names = klass.__dict__.get("__slots__", ())
         for name in (names,) if isinstance(names, str) else names:
             if name in ("__dict__", "__weakref__"):
                 continue
             if name.startswith("__") and not name.endswith("__"):
                 name = f"_{klass.__name__.lstrip('_')}{name}"
-            if hasattr(obj, name):
-                values[name] = getattr(obj, name)
-    return values
+            found.add(name)
+    return found
+
+
+def _slot_values(obj: object) -> dict[str, Any]:
+    """The values of ``obj``'s ``__slots__`` attributes that are set, by their (mangled) names."""
+    return {name: getattr(obj, name) for name in sorted(_slot_names(type(obj))) if hasattr(obj, name)}
 
 
 def _epochs_last_batch(trainer: pl.Trainer) -> bool:

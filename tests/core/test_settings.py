@@ -187,6 +187,22 @@ class SlottedLTD(RandomLTDCallback):
     __slots__ = ("tag", "__own")
 
 
+class TaggedLTD(RandomLTDCallback):
+    """Keeps its slot by extending the state dict: the state stays a dict (a (dict, slots) pair broke this,
+    qa97-regress 01)."""
+
+    __slots__ = ("tag",)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "tagged": self.tag}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        tag = state.pop("tagged")
+        super().__setstate__(state)
+        self.tag = tag
+
+
 def test_a_shallow_copy_notes_its_own_settings():
     """``copy.copy`` shared the record of settings set: one set on the copy was noted on the original and trained in
     its next fit (qa92-break 02)."""
@@ -216,6 +232,10 @@ def test_a_shallow_copy_notes_its_own_settings():
     # random-LTD's __getstate__ returned its __dict__ alone: a subclass's slot values were lost by every copy
     for twin in (copy.copy(ltd), copy.deepcopy(ltd), pickle.loads(pickle.dumps(ltd))):
         assert (twin.tag, twin._SlottedLTD__own) == ("mine", 3) and changed_settings(twin) == {}
+    tagged = TaggedLTD(min_value=4, seq_per_step=4)
+    tagged.tag = "mine"
+    for twin in (copy.copy(tagged), copy.deepcopy(tagged), pickle.loads(pickle.dumps(tagged))):
+        assert twin.tag == "mine" and twin.min_value == 4
     # a setting set on the original after the copy is not the copy's (the record was split at the copy's first use
     # and took it, qa94-regress 02)
     twin = copy.copy(base)
