@@ -211,7 +211,8 @@ def test_a_checkpoint_without_baseline_resumes_with_no_saving_before(tmp_path):
         ({"drop": "flops"}, r"totals lack \['flops'\]; resumed, they would restart at 0"),
         ({"curve": 5}, "curve must be a list of dicts, got int 5"),
         ({"schedule": [1.0]}, "schedule must be a list of dicts"),
-        ({"skipped_validation": 2.5}, r"skipped_validation must be a step \(an int >= 0\) or None, got float 2.5"),
+        ({"skipped_validations": [2.5]}, r"skipped_validations must be a list of steps \(ints >= 0\), got list"),
+        ({"skipped_validations": 4}, r"skipped_validations must be a list of steps \(ints >= 0\), got int 4"),
     ],
 )
 def test_a_monitor_state_missing_totals_or_with_damaged_curves_is_refused(damage, match):

@@ -515,8 +515,9 @@ class EfficiencyMonitor(Callback):
     - :attr:`curve`: one point per validation run during ``fit`` (the sanity check excluded): ``step, epoch,
       samples, tokens, layer_tokens, flops`` (cumulative, summed over ranks), ``train_wall_s`` (training + data
       time so far, seconds, evaluation excluded) and ``metrics`` (every ``val*`` scalar logged). A fit resumed from a
-      checkpoint written at a validation step's batch end (``ModelCheckpoint(every_n_train_steps=...)``) has no point
-      at that step: Lightning resumes past that validation without running it (warned, naming the step);
+      checkpoint written before a step's validation ended (at its batch end, ``ModelCheckpoint(every_n_train_steps=
+      ...)``, or during it, ``OnExceptionCheckpoint``) has no point at that step: Lightning resumes past that
+      validation without running it (warned, naming the step);
     - :attr:`schedule`: every ``log_every_n_steps`` optimizer steps and at every validation, the same cumulative
       figures and each technique's schedule state ``"<technique>/<key>"`` from its ``effi_schedule_state()``
       (:func:`schedule_states`): ``infobatch/kept_fraction``, ``curriculum/difficulty``,
@@ -599,9 +600,10 @@ class EfficiencyMonitor(Callback):
         self.summary: dict[str, Any] = {}
         self.curve: list[dict[str, Any]] = []
         self.schedule: list[dict[str, Any]] = []
-        # the step of a validation that Lightning skips in this resumed fit: the checkpoint was written at that step's
-        # batch end, before it (compat.validation_follows_batch); the curve is told to lack it (_check_skipped_point)
-        self._skipped_validation: int | None = None
+        # the steps of validations that Lightning skips in this resumed fit: the checkpoint was written before one
+        # ended, at its step's batch end (compat.validation_follows_batch) or during it; carried into the checkpoints
+        # written until a validation past them tells whether the curve lacks them (_check_skipped_points)
+        self._skipped_validations: list[int] = []
         self._mark: float | None = None
         self._batch_start: float | None = None
         self._step_at_batch_start: int | None = None  # trainer.global_step when the current batch started
@@ -1446,7 +1448,7 @@ class EfficiencyMonitor(Callback):
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
             self.summary = {}
             self.curve, self.schedule = [], []
-            self._skipped_validation = None
+            self._skipped_validations = []
             self._last_states = self._last_position = None
             self._change_points = 0
             self.nonfinite_guard.count, self.nonfinite_guard.first_step = 0, None
@@ -2169,7 +2171,7 @@ class EfficiencyMonitor(Callback):
             logged = trainer.callback_metrics.items()
             metrics = {k: float(v) for k, v in logged if k.startswith("val") and v.numel() == 1}
             self.curve.append(self._point(trainer, totals) | {"metrics": dict(sorted(metrics.items()))})
-            self._check_skipped_point(trainer.global_step)
+            self._check_skipped_points(trainer.global_step)
             # the states that trained this step, as the training batch's end read them: a technique may have
             # changed its state since (the V-cycle switches levels in its on_train_batch_end, before validation)
             last = self._last_position
@@ -2189,7 +2191,7 @@ class EfficiencyMonitor(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ended_at = (id(trainer), int(trainer.global_step))
-        self._check_skipped_point(None)
+        self._check_skipped_points(None)
         self.summary = self.compute_summary(trainer)
         if self.print_summary and trainer.is_global_zero:
             print_block(format_summary(self.summary))  # one write: safe under a live rich display (console.py)
@@ -2198,26 +2200,28 @@ class EfficiencyMonitor(Callback):
         for write in pending:  # write_result called in on_fit_end by a callback listed before this one
             write()
 
-    def _check_skipped_point(self, step: int | None) -> None:
-        """Once a resumed fit has validated past the checkpoint's step (``step``; None: at the fit's end), warn if the
-        curve lacks the validation Lightning skipped there (:attr:`_skipped_validation`). A checkpoint written at a
-        batch's end before that step's validation (``ModelCheckpoint(every_n_train_steps=...)`` with
-        ``val_check_interval`` at the same steps) is resumed past the validation, which never runs: the curve, and
-        ``result.json``'s, had a gap at that step, told nowhere (qa96-break 01)."""
-        due = self._skipped_validation
-        if due is None or (step is not None and step < due):
-            return
-        self._skipped_validation = None
-        if step != due and not any(point.get("step") == due for point in self.curve):
-            self._warn(
-                "curve/skipped_validation",
-                f"this fit resumed a checkpoint written at step {due}'s batch end, before that step's validation, "
-                "and Lightning resumes such a checkpoint past the validation without running it: the curve "
-                f"(result.json's validation curve, its plot) has no point at step {due}. Its totals and the other "
-                "points are the uninterrupted run's. A checkpoint written after the validation keeps the point "
-                "(ModelCheckpoint(monitor=...), which saves at validation end, or every_n_train_steps at steps "
-                "without a validation)",
-            )
+    def _check_skipped_points(self, step: int | None) -> None:
+        """Once a resumed fit has validated at or past a step of :attr:`_skipped_validations` (``step``; None: at the
+        fit's end), warn if the curve lacks that step's point. A checkpoint written before a step's validation ended
+        (at the batch's end, as ``ModelCheckpoint(every_n_train_steps=...)`` writes it with ``val_check_interval`` at
+        the same steps, or during the validation, as ``OnExceptionCheckpoint`` does) is resumed past the validation,
+        which never runs: the curve, and ``result.json``'s, had a gap at that step, told nowhere (qa96-break 01,
+        qa97-regress 03)."""
+        pending = []
+        for due in self._skipped_validations:
+            if step is not None and step < due:
+                pending.append(due)
+            elif step != due and not any(point.get("step") == due for point in self.curve):
+                self._warn(
+                    f"curve/skipped_validation/{due}",
+                    f"this run resumed a checkpoint written before step {due}'s validation ended (at that step's "
+                    "batch end, or during the validation), and Lightning resumes such a checkpoint past the "
+                    f"validation without running it: the curve (result.json's validation curve, its plot) has no "
+                    f"point at step {due}. Its totals and the other points are the uninterrupted run's. A "
+                    "checkpoint written after the validation keeps the point (ModelCheckpoint(monitor=...), which "
+                    "saves at validation end, or every_n_train_steps at steps without a validation)",
+                )
+        self._skipped_validations = pending
 
     # ------------------------------------------------------------------------------------------- summary
     def _elapsed_total(self) -> float:
@@ -2376,13 +2380,17 @@ class EfficiencyMonitor(Callback):
             state["totals"] = self.reduced_totals(trainer)
         # on one device too: a DDP fit resumed from it must not give every rank the whole run's counts
         state["totals_over_ranks"] = True
-        step = int(trainer.global_step)
-        if (
-            saving_in_train_batch_end(trainer)
-            and validation_follows_batch(trainer)
-            and not any(point.get("step") == step for point in self.curve)
-        ):
-            state["skipped_validation"] = step  # resumed past it: _check_skipped_point
+        # the validations a fit resumed from this checkpoint goes past without running: this step's, when the
+        # checkpoint comes before its end and its point; and those still pending from this fit's own resume (a run
+        # resumed again before it validated past them: qa97-regress 02)
+        step, skipped = int(trainer.global_step), list(self._skipped_validations)
+        before_end = (saving_in_train_batch_end(trainer) and validation_follows_batch(trainer)) or (
+            trainer.validating and not trainer.sanity_checking and trainer.state.fn == "fit"
+        )
+        if before_end and not any(point.get("step") == step for point in self.curve):
+            skipped.append(step)
+        if skipped:
+            state["skipped_validations"] = sorted(set(skipped))
 
     def _state_after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """:meth:`state_dict` as it will stand after the open batch's ``on_train_batch_end``, for a checkpoint written
@@ -2520,11 +2528,11 @@ class EfficiencyMonitor(Callback):
                 f"{_brief_value(last_states)}, {_brief_value(last_position)}, {change_points!r} (a damaged or edited "
                 "checkpoint: resume from another one)"
             )
-        skipped = state_dict.get("skipped_validation")
-        if skipped is not None and not (is_int(skipped) and skipped >= 0):
+        skipped = state_dict.get("skipped_validations", [])
+        if not isinstance(skipped, (list, tuple)) or not all(is_int(v) and v >= 0 for v in skipped):
             raise ValueError(
-                "EfficiencyMonitor.load_state_dict: the checkpoint's skipped_validation must be a step (an int >= 0) "
-                f"or None, got {_brief_value(skipped)} (a damaged or edited checkpoint: resume from another one)"
+                "EfficiencyMonitor.load_state_dict: the checkpoint's skipped_validations must be a list of steps "
+                f"(ints >= 0), got {_brief_value(skipped)} (a damaged or edited checkpoint: resume from another one)"
             )
         guard = NonFiniteLossGuard(type(self).__name__, self.nonfinite_guard.policy)
         nonfinite = state_dict.get("nonfinite_loss")
@@ -2549,7 +2557,7 @@ class EfficiencyMonitor(Callback):
         self._last_states = None if last_states is None else dict(last_states)
         self._last_position = None if last_position is None else dict(last_position)
         self._change_points = change_points
-        self._skipped_validation = None if skipped is None else int(skipped)
+        self._skipped_validations = sorted({int(v) for v in skipped})
 
 
 class _Returned(NamedTuple):

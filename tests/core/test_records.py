@@ -236,10 +236,42 @@ def test_a_resume_past_a_skipped_validation_says_the_curve_lacks_its_point(tmp_p
     steps = [p["step"] for p in resumed.curve]
     if step == 2:
         assert steps == [4, 6] and [p["step"] for p in full.curve] == [2, 4, 6]
-        assert len(told) == 1 and "written at step 2's batch end" in told[0]
+        assert len(told) == 1 and "written before step 2's validation ended" in told[0]
     else:
         assert steps == [2, 4, 6] and told == []
     assert resumed.summary["flops"] == full.summary["flops"]  # the totals are the uninterrupted run's either way
+
+
+class _StopInValidation(pl.Callback):
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == 2 and not trainer.sanity_checking:
+            raise RuntimeError("stopped in validation")
+
+
+def test_a_skipped_validation_is_told_after_a_stop_inside_it_and_after_a_second_resume(tmp_path):
+    """Two more ways to resume past a validation (qa97-regress 02, 03): ``OnExceptionCheckpoint`` written during the
+    step-2 validation; and a run resumed again from a checkpoint its first resume wrote before validating past step
+    2 (the pending step is carried into it). Each resumed fit whose curve lacks step 2 says so."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    def every_step(folder: str) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=1, save_top_k=-1, monitor=None)
+
+    with pytest.raises(RuntimeError, match="stopped in validation"):
+        _fit(tmp_path / "first", [], extra=[every_step("ck1"), OnExceptionCheckpoint(tmp_path), _StopInValidation()])
+    _fit(tmp_path / "full", [], extra=[every_step("ck")])
+    _fit(
+        tmp_path / "to3", [], steps=3, ckpt_path=str(next((tmp_path / "ck").glob("*step=2*"))), extra=[every_step("c3")]
+    )
+    again = next((tmp_path / "c3").glob("*step=3*"))
+    assert torch.load(again, weights_only=False)["callbacks"]["EfficiencyMonitor"]["skipped_validations"] == [2]
+    for ckpt in (tmp_path / "on_exception.ckpt", again):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, resumed, _ = _fit(tmp_path / ckpt.stem, [], ckpt_path=str(ckpt))
+        told = [str(w.message) for w in caught if "no point at step" in str(w.message)]
+        assert [p["step"] for p in resumed.curve] == [4, 6], ckpt
+        assert len(told) == 1 and "before step 2's validation ended" in told[0], ckpt
 
 
 def test_a_checkpoint_written_after_the_validation_resumes_the_whole_curve(tmp_path):
