@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
 import warnings
 from collections import defaultdict
@@ -1211,7 +1212,8 @@ def _check_out_dir(out_dir: Path) -> None:
 
 def _check_writable(folder: Path, name: str) -> None:
     """Refuse a report folder that cannot be written, before the report is built: a probe file is made in it, or in
-    its nearest existing parent when it does not exist yet (nothing is created), and removed at once. A pseudo file
+    its nearest existing parent when it does not exist yet (nothing is created), and removed at once; a folder whose
+    report files exist and can be written passes where the probe cannot be made (a refresh in place). A pseudo file
     system (``/proc``), a read-only mount or a folder without write permission came after the whole report as
     ``[Errno 2] No such file or directory: '/proc/report.md'`` about a folder that exists (qa96-break 03).
 
@@ -1226,6 +1228,11 @@ def _check_writable(folder: Path, name: str) -> None:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".report-probe-"):
             pass
     except OSError as err:
+        if existing == folder and all(
+            (folder / name).is_file() and os.access(folder / name, os.W_OK)
+            for name in ("report.md", "report.csv", "report.json")
+        ):
+            return  # a report refreshed in place: its files can be written where no new one can (qa97-regress 04)
         where = f"'{folder}'" if existing == folder else f"'{folder}' (its existing parent '{existing}')"
         raise ReportError(
             f"{name}: cannot write into {where} ({type(err).__name__}: {err.strerror or err}); give a folder you can "

@@ -12,7 +12,7 @@ import hydra.utils
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_effi.report import COLUMNS, write_report
+from lightning_effi.report import COLUMNS, ReportError, write_report
 from lightning_effi.report.__main__ import main
 from lightning_effi.report.hydra_callback import ReportCallback
 from tests.report import write_record, write_sweep
@@ -180,6 +180,23 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_the_report(sweep
             assert "the report's folder (the first path; choose another" in capsys.readouterr().err
         finally:
             sweep.chmod(0o755)
+
+
+def test_a_report_refreshed_in_a_folder_that_takes_no_new_file_is_written(sweep, tmp_path, monkeypatch):
+    """A folder where no new file can be made but the last report's files can be written (someone else's results
+    folder) is refreshed in place, as before the write probe (qa97-regress 04); a new folder of the kind is refused."""
+    import tempfile
+
+    def no_new_file(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    write_report([sweep], out_dir=tmp_path / "out")
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", no_new_file)
+    assert (tmp_path / "out" / "report.md").is_file()
+    assert "report.md" in write_report([sweep], out_dir=tmp_path / "out").files
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match=r"out_dir: cannot write into '.*empty' \(PermissionError: Permission denied"):
+        write_report([sweep], out_dir=tmp_path / "empty")
 
 
 @pytest.mark.slow
