@@ -780,6 +780,79 @@ def test_compiled_fit_counts_the_flops_of_the_uncompiled_run(tmp_path):
     assert summaries[1] == summaries[0]
 
 
+class _PaddedTokens(pl.LightningModule):
+    """Token ids padded per batch to its longest row (one of three lengths, in turn), a hand-written encoder."""
+
+    LENGTHS = (6, 9, 6, 12, 9, 6, 12, 6)
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(32, 16)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        logits = self(ids)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+    def train_dataloader(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        batches = [(torch.randint(0, 32, (4, t), generator=g),) for t in self.LENGTHS]
+        return torch.utils.data.DataLoader(batches, batch_size=None)  # one batch of each length, in order
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_compiled_model_on_padded_batches_runs_uncompiled_once_per_length():
+    """Batches padded to their longest row change length from one step to the next among a few: the monitor kept the
+    record of the last length only, and recorded (uncompiled) at nearly every step: 39 of 40 (qa97-user 01). Each
+    length is now recorded once; the FLOPs equal the uncompiled run's."""
+    from lightning_effi import EfficiencyMonitor
+
+    def fit(compiled: bool) -> tuple[list[int], EfficiencyMonitor]:
+        calls, per_step = [0], []
+
+        def backend(gm: torch.fx.GraphModule, example: Any) -> Any:
+            def run(*args: Any) -> Any:
+                calls[0] += 1
+                return gm.forward(*args)
+
+            return run
+
+        class PerStep(Callback):
+            def on_train_batch_end(self, *args: Any) -> None:
+                per_step.append(calls[0] - sum(per_step))
+
+        torch.compiler.reset()
+        model = _PaddedTokens()
+        monitor = EfficiencyMonitor(print_summary=False)
+        trainer = pl.Trainer(
+            max_epochs=1,
+            accelerator="cpu",
+            callbacks=[monitor, PerStep()],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(torch.compile(model, backend=backend) if compiled else model)
+        return per_step, monitor
+
+    per_step, compiled = fit(True)
+    firsts = [_PaddedTokens.LENGTHS.index(t) == i for i, t in enumerate(_PaddedTokens.LENGTHS)]
+    assert [n == 0 for n in per_step] == firsts  # uncompiled at each length's first batch only (3 of 8 steps)
+    _, eager = fit(False)
+    assert compiled.summary["flops"] == eager.summary["flops"] > 0
+    assert compiled.summary["tokens"] == eager.summary["tokens"] == 4 * sum(_PaddedTokens.LENGTHS)
+
+
 def test_the_monitor_leaves_a_compiled_model_one_graph():
     """The monitor's recording hooks run at every module call and broke dynamo's graph there: with the monitor, a
     compiled ViT trained as 23 graphs at every step. It now records a compiled module once per regime (batch and
