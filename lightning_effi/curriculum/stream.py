@@ -35,6 +35,11 @@ _CORRUPT = (
 )
 
 
+#: the share of the samples a ``percentile`` metric's DeepSpeed rounding may hold back until ``max_difficulty``
+#: (``N % max_difficulty``) before the stream warns (CurriculumStream._warn_percentile_shortfall)
+PERCENTILE_SHORTFALL = 0.05
+
+
 class ClusterBook:
     """The clusters created along the (deterministic) difficulty history, memoised and shared by every iterator.
 
@@ -246,6 +251,7 @@ class CurriculumController:
         self._check_first_step()
         if dp_rank == 0:
             self._warn_never_eligible()
+            self._warn_percentile_shortfall()
         self.committed: dict[str, Any] = {"pre": CurriculumStream.initial_state(config), "skip": 0, "micro": 0}
         self._snapshots: dict[int, dict[str, Any]] = {}
         self._stats: dict[int, tuple[int, int]] = {}
@@ -284,6 +290,30 @@ class CurriculumController:
                 UserWarning,
                 stacklevel=2,
             )
+
+    def _warn_percentile_shortfall(self) -> None:
+        """Warn of each ``percentile`` metric whose DeepSpeed rounding (``percentile_rounding="deepspeed"``: ``N //
+        max_difficulty`` samples a percentile) holds back more than :data:`PERCENTILE_SHORTFALL` of the samples until
+        ``max_difficulty``: at difficulty ``p`` it admits ``(N // max_difficulty)·p`` samples, not the easiest ``p``
+        percent (on 199 samples, 50 of them at 50 of 100), and the ``N % max_difficulty`` hardest join all at once
+        at the maximum; said nowhere but in the method card's guarantees (qa97-user 02)."""
+        if self.config.percentile_rounding != "deepspeed":
+            return
+        for m in self.book.metrics:
+            held = self.n % m.max_difficulty if m.difficulty_type == "percentile" else 0
+            if held > PERCENTILE_SHORTFALL * self.n:
+                per = self.n // m.max_difficulty
+                half = m.max_difficulty // 2
+                warnings.warn(
+                    f"curriculum_metrics.{m.name}: difficulty_type 'percentile' with percentile_rounding 'deepspeed' "
+                    f"(DeepSpeed's arithmetic) admits N // max_difficulty = {self.n} // {m.max_difficulty} = {per} "
+                    f"samples a percentile: at difficulty {half}, {per * half} of the {self.n} samples, not the "
+                    f"easiest {100 * half // m.max_difficulty}%, and the {held} hardest join all at once at "
+                    f"max_difficulty; Curriculum(..., percentile_rounding='proportional') admits N·p // max_difficulty "
+                    "(the easiest p share)",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     def _check_first_step(self) -> None:
         first = self.first_difficulties()

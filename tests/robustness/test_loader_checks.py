@@ -547,6 +547,28 @@ VALUE = dict(
 )
 
 
+def test_a_percentile_metric_that_deepspeed_rounding_holds_back_is_warned_about():
+    """DeepSpeed's percentile arithmetic admits ``N // max_difficulty`` samples a percentile: on 199 samples, 50 at
+    difficulty 50 of 100, and the 99 hardest at 100 only; the card said "the easiest d%" (qa97-user 02). Warned when
+    ``N % max_difficulty`` is over 5% of N; not with proportional rounding, nor where the remainder is small."""
+
+    def stream(n: int, rounding: str) -> CurriculumController:
+        config = CurriculumConfig(metrics={"m": PCT}, percentile_rounding=rounding)
+        values = np.random.default_rng(0).integers(0, 50, n)
+        return CurriculumController(config, {"m": MetricIndex.from_sample_to_metric(values)}, n, 4, 1, 0, 1)
+
+    with pytest.warns(UserWarning) as record:
+        stream(199, "deepspeed")
+    (said,) = [str(w.message) for w in record if "percentile_rounding 'deepspeed'" in str(w.message)]
+    assert "N // max_difficulty = 199 // 100 = 1 samples a percentile: at difficulty 50, 50 of the 199" in said
+    assert "the 99 hardest join all at once at max_difficulty" in said and "'proportional'" in said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stream(199, "proportional")
+        stream(1050, "deepspeed")  # 50 of 1050 held back: under 5%
+        stream(1000, "deepspeed")
+
+
 def test_samples_above_a_value_metrics_max_difficulty_are_warned_about():
     values = [3, 4, 8, 9, 16, 5, 12, 8]  # 9, 16, 12 never reach max_difficulty 8
     with pytest.warns(UserWarning) as record:
