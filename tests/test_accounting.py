@@ -229,6 +229,19 @@ def test_a_monitor_state_missing_totals_or_with_damaged_curves_is_refused(damage
     assert monitor.totals == before  # nothing restored
 
 
+def test_a_checkpoints_single_skipped_validation_is_read():
+    """Checkpoints of a3ea8c7 held one pending step as ``skipped_validation`` (an int): read as the list it is now
+    (ignored, the resumed fit lost its warning, qa98-regress 01)."""
+    state = {"totals": dict.fromkeys(EfficiencyMonitor().totals, 1.0), "curve": [], "schedule": []}
+    monitor = EfficiencyMonitor()
+    monitor.load_state_dict({**state, "skipped_validation": 2})
+    assert monitor._skipped_validations == [2]
+    monitor.load_state_dict({**state, "skipped_validation": None})
+    assert monitor._skipped_validations == []
+    with pytest.raises(ValueError, match="skipped_validations must be a list of steps"):
+        monitor.load_state_dict({**state, "skipped_validation": 2.5})
+
+
 def _logged_rows(tmp_path, monitor: EfficiencyMonitor, **trainer_kwargs) -> list[dict[str, str]]:
     """Fit the tiny GPT-2 for 4 optimizer steps with ``monitor`` and a CSV logger; its rows that hold effi metrics."""
     pl.seed_everything(0)

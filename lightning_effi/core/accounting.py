@@ -2545,6 +2545,10 @@ class EfficiencyMonitor(Callback):
                 "checkpoint: resume from another one)"
             )
         skipped = state_dict.get("skipped_validations", [])
+        if "skipped_validation" in state_dict and "skipped_validations" not in state_dict:
+            # one step, as a3ea8c7's checkpoints wrote it (a resume lost its warning, qa98-regress 01)
+            old = state_dict["skipped_validation"]
+            skipped = [] if old is None else [old] if is_int(old) else old
         if not isinstance(skipped, (list, tuple)) or not all(is_int(v) and v >= 0 for v in skipped):
             raise ValueError(
                 "EfficiencyMonitor.load_state_dict: the checkpoint's skipped_validations must be a list of steps "

@@ -1838,6 +1838,8 @@ class RandomLTDCallback(KeepsSettings, Callback):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore :meth:`__getstate__`'s dict: the names of the class's ``__slots__`` into their slots, the rest into
         ``__dict__`` (as Python's default restore does, without ``__setattr__``)."""
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots), as 01af568 pickled a slotted subclass
+            state = {**(state[0] or {}), **(state[1] or {})}  # (a bare AttributeError, qa98-regress 03)
         slots = _slot_names(type(self))
         for name, value in state.items():
             if name in slots:

@@ -1129,13 +1129,15 @@ def write_report(
     if out_dir is not None:
         out_dir = Path(out_dir).expanduser()
         _check_out_dir(out_dir)
-        _check_writable(out_dir, "out_dir")
     runs = load_runs(paths)
     out = Path(out_dir) if out_dir is not None else Path(paths[0])
     if out.is_file():  # the first path is a result.json: its run folder
         out = out.parent
-    if out_dir is None:
-        _check_writable(out, "the report's folder (the first path; choose another with out_dir= / --out)")
+    names = [*REPORT_FILES, *(["schedules.png"] if plots.schedule_keys(runs) else [])]  # what write_plots writes
+    if out_dir is not None:
+        _check_writable(out, "out_dir", names)
+    else:
+        _check_writable(out, "the report's folder (the first path; choose another with out_dir= / --out)", names)
     report = build_report(runs, metric=metric, compute=compute, mode=mode)
     failed = jobs_without_result(paths)
     report.notes.extend(
@@ -1210,10 +1212,22 @@ def _check_out_dir(out_dir: Path) -> None:
     raise ReportError(f"out_dir: '{out_dir}' {where}; give a folder (created if missing) for the report")
 
 
-def _check_writable(folder: Path, name: str) -> None:
+#: the files every report writes (write_report; ``schedules.png`` besides when a run recorded a schedule)
+REPORT_FILES = (
+    "report.md",
+    "report.csv",
+    "report.json",
+    "quality_vs_compute.png",
+    "quality_vs_wall.png",
+    "curves.png",
+)
+
+
+def _check_writable(folder: Path, name: str, files: Sequence[str] = REPORT_FILES) -> None:
     """Refuse a report folder that cannot be written, before the report is built: a probe file is made in it, or in
-    its nearest existing parent when it does not exist yet (nothing is created), and removed at once; a folder whose
-    report files exist and can be written passes where the probe cannot be made (a refresh in place). A pseudo file
+    its nearest existing parent when it does not exist yet (nothing is created), and removed at once; a folder where
+    every one of ``files`` (the report's) exists and can be written passes where the probe cannot be made (a refresh
+    in place). A pseudo file
     system (``/proc``), a read-only mount or a folder without write permission came after the whole report as
     ``[Errno 2] No such file or directory: '/proc/report.md'`` about a folder that exists (qa96-break 03).
 
@@ -1228,11 +1242,10 @@ def _check_writable(folder: Path, name: str) -> None:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".report-probe-"):
             pass
     except OSError as err:
-        if existing == folder and all(
-            (folder / name).is_file() and os.access(folder / name, os.W_OK)
-            for name in ("report.md", "report.csv", "report.json")
-        ):
-            return  # a report refreshed in place: its files can be written where no new one can (qa97-regress 04)
+        if existing == folder and all((folder / f).is_file() and os.access(folder / f, os.W_OK) for f in files):
+            # a report refreshed in place: every file it writes exists and can be written where no new one can
+            # (qa97-regress 04); one missing (a first schedules.png) would leave new tables beside old figures
+            return
         where = f"'{folder}'" if existing == folder else f"'{folder}' (its existing parent '{existing}')"
         raise ReportError(
             f"{name}: cannot write into {where} ({type(err).__name__}: {err.strerror or err}); give a folder you can "

@@ -232,6 +232,10 @@ def test_a_shallow_copy_notes_its_own_settings():
     # random-LTD's __getstate__ returned its __dict__ alone: a subclass's slot values were lost by every copy
     for twin in (copy.copy(ltd), copy.deepcopy(ltd), pickle.loads(pickle.dumps(ltd))):
         assert (twin.tag, twin._SlottedLTD__own) == ("mine", 3) and changed_settings(twin) == {}
+    # a (dict, slots) pair, as 01af568 pickled a slotted subclass, loads (a bare AttributeError, qa98-regress 03)
+    old = SlottedLTD.__new__(SlottedLTD)
+    old.__setstate__(({**ltd.__getstate__(), "tag": None}, {"tag": "old"}))
+    assert old.tag == "old" and old.min_value == 4 and changed_settings(old) == {}
     tagged = TaggedLTD(min_value=4, seq_per_step=4)
     tagged.tag = "mine"
     for twin in (copy.copy(tagged), copy.deepcopy(tagged), pickle.loads(pickle.dumps(tagged))):

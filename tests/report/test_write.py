@@ -197,6 +197,13 @@ def test_a_report_refreshed_in_a_folder_that_takes_no_new_file_is_written(sweep,
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReportError, match=r"out_dir: cannot write into '.*empty' \(PermissionError: Permission denied"):
         write_report([sweep], out_dir=tmp_path / "empty")
+    # a figure of this report missing there (its first schedules.png): refused before anything is written, not new
+    # tables beside the old figures (qa98-regress 02)
+    (tmp_path / "out" / "schedules.png").unlink()
+    before = {f.name: f.stat().st_mtime_ns for f in (tmp_path / "out").iterdir()}
+    with pytest.raises(ReportError, match=r"out_dir: cannot write into '.*out' \(PermissionError"):
+        write_report([sweep], out_dir=tmp_path / "out")
+    assert {f.name: f.stat().st_mtime_ns for f in (tmp_path / "out").iterdir()} == before
 
 
 @pytest.mark.slow
