@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import sys
 import weakref
 from collections.abc import Callable, Mapping, Sized
 from typing import Any, TypeVar
@@ -73,15 +74,16 @@ def custom_order(sampler: Any) -> str | None:
     while isinstance(sampler, SkippableSampler):
         sampler = sampler.sampler
     cls = type(sampler)
-    base = next((b for b in PLAIN_SAMPLERS if isinstance(sampler, b)), None)
+    plain = PLAIN_SAMPLERS + _torchdata_classes()[:1]
+    base = next((b for b in plain if isinstance(sampler, b)), None)
     if base is None:
         return "a custom sampler"
     overridden = [
-        name for name in ("__iter__", "__len__") if getattr(cls, name) not in {getattr(b, name) for b in PLAIN_SAMPLERS}
+        name for name in ("__iter__", "__len__") if getattr(cls, name) not in {getattr(b, name) for b in plain}
     ]
     if overridden:
         return f"a {base.__name__} subclass that overrides {' and '.join(overridden)} (its own order)"
-    if isinstance(sampler, RandomSampler):
+    if isinstance(sampler, RandomSampler) or base.__name__ == "RandomSampler":
         if sampler.replacement:
             return "a RandomSampler that draws with replacement"
         if sampler.num_samples != len(sampler.data_source):
@@ -90,6 +92,34 @@ def custom_order(sampler: Any) -> str | None:
                 f"{len(sampler.data_source)} samples per epoch"
             )
     return None
+
+
+def _torchdata_classes() -> tuple[type, ...]:
+    """torchdata's ``StatefulDataLoader`` pieces, when torchdata is in use (imported): its ``RandomSampler`` and
+    ``BatchSampler`` (``shuffle=True`` builds them: the stateful twins of torch's, which shuffle and batch alike) and
+    the loader class; empty otherwise. Its loader was refused as one with a custom batch sampler that groups samples
+    by length (qa98-break 04)."""
+    module = sys.modules.get("torchdata.stateful_dataloader")
+    sampler = sys.modules.get("torchdata.stateful_dataloader.sampler")
+    if module is None or sampler is None:
+        return ()
+    return (sampler.RandomSampler, sampler.BatchSampler, module.StatefulDataLoader)
+
+
+def _own_iteration(loader: DataLoader) -> list[str]:  # type: ignore[type-arg]
+    """The iteration methods (``__iter__``, ``__len__``, ``_get_iterator``) that ``loader``'s class defines itself,
+    below ``DataLoader``: a subclass that transforms each batch as it iterates, which a rebuilt plain loader would
+    drop (qa98-break 01). lightning_effi's ``ResumableDataLoader`` and torchdata's ``StatefulDataLoader`` (which
+    only save the loader's position) are not counted."""
+    from lightning_effi.core.loader import ResumableDataLoader
+
+    kept = (DataLoader, ResumableDataLoader, *_torchdata_classes()[2:])
+    own = []
+    for name in ("__iter__", "__len__", "_get_iterator"):
+        defining = next((k for k in type(loader).__mro__ if name in vars(k)), DataLoader)
+        if not any(defining is k for k in kept):
+            own.append(name)
+    return own
 
 
 def loader_template(loader: Any, technique: str, world: tuple[int, int] | None = None) -> dict[str, Any]:
@@ -132,6 +162,15 @@ def loader_template(loader: Any, technique: str, world: tuple[int, int] | None =
             f"{technique}: the wrapped train_dataloader() must return one DataLoader, got {type(loader).__name__}"
             + reason
         )
+    own = _own_iteration(loader)
+    if own:
+        raise DataConfigError(
+            f"{technique}: the wrapped training loader is a {type(loader).__name__}, a DataLoader subclass with its "
+            f"own {' and '.join(own)}; {technique} owns the sampler and rebuilds the loader as a plain DataLoader from "
+            "its settings (dataset, batch_size, collate_fn, workers), so what the subclass does as it iterates (a "
+            "transform of each batch, another order) would be lost in silence. Do that work in the dataset, the "
+            "collate_fn, or the LightningModule (on_after_batch_transfer, training_step), and return a DataLoader"
+        )
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):
         raise DataConfigError(
@@ -154,12 +193,13 @@ def loader_template(loader: Any, technique: str, world: tuple[int, int] | None =
             f"{found}: batch_size=None (no automatic batching: every sample is a batch); {technique} owns the "
             f"sampler and {_PLAIN_LOADER}"
         )
-    if type(batch_sampler) is not BatchSampler:
+    if type(batch_sampler) is not BatchSampler and type(batch_sampler) not in _torchdata_classes()[1:2]:
         raise DataConfigError(
             f"{found}; {technique} owns the sampler and {_PLAIN_LOADER}. It draws each batch's samples itself, so a "
             "batch sampler that groups samples by length cannot be kept: to pad less, pack the sequences into rows "
             "of a fixed length, or crop them, in the dataset"
         )
+    assert isinstance(batch_sampler, BatchSampler)  # torch's, or torchdata's stateful subclass of it
     if loader.batch_size is None:
         raise DataConfigError(
             f"{found} given as DataLoader(batch_sampler=...) (the loader's batch_size is None); {technique} owns "
@@ -170,6 +210,14 @@ def loader_template(loader: Any, technique: str, world: tuple[int, int] | None =
     why = custom_order(sampler)
     if why is not None:
         raise DataConfigError(f"{found} ({why}); {technique} owns the sampler and {_PLAIN_LOADER}")
+    source = getattr(sampler, "dataset" if isinstance(sampler, DistributedSampler) else "data_source", None)
+    if isinstance(source, Sized) and len(source) != len(dataset):
+        # RandomSampler(range(20)) over 40 samples trained all 40 (qa98-break 05)
+        raise DataConfigError(
+            f"{found} over {len(source)} samples, while the loader's dataset holds {len(dataset)}: {technique} owns "
+            "the sampler and draws from the whole dataset, so the run would train samples your sampler never gives; "
+            "give those samples as the dataset (torch.utils.data.Subset(dataset, indices)) behind a plain loader"
+        )
     if isinstance(sampler, DistributedSampler) and world is not None:
         shard, ranks = (int(sampler.rank), int(sampler.num_replicas)), (int(world[1]), int(world[0]))
         if shard != ranks:
@@ -739,7 +787,9 @@ class WrappingDataModule(pl.LightningDataModule):
         n > 0`` when the fit started), call the user's ``train_dataloader()`` as Lightning would without the
         technique, and refuse a loader over another dataset object: the technique builds every epoch's loader from
         the dataset the run started on (InfoBatch's per-sample scores, the curriculum's per-sample difficulties and
-        stream), so a new subset or grown data served at a reload would be ignored.
+        stream), so a new subset or grown data served at a reload would be ignored. A loader over the same dataset is
+        checked as the first one was (:func:`loader_template`: a custom sampler is refused) and its settings (collate
+        function, workers) are taken for the epochs from this one on.
 
         Raises:
             DataConfigError: naming the technique, the epoch, ``reload_dataloaders_every_n_epochs`` and the fixes.
@@ -754,6 +804,11 @@ class WrappingDataModule(pl.LightningDataModule):
         fresh = wrapper_chain(self)[-1].train_dataloader()
         t = self._template
         same = _same_dataset(getattr(fresh, "dataset", None), t["dataset"])
+        if same:
+            # the loader Lightning would train on without the technique: refused as at the fit's start (a custom
+            # sampler returned at a reload was dropped in silence, qa98-break 02), its settings taken below
+            world = (int(trainer.world_size), int(trainer.global_rank))
+            new = loader_template(fresh, self.technique, world)
         changed = [
             f"{key}={getattr(fresh, key, None)!r} (was {t[key]!r})"
             for key in ("batch_size", "drop_last")
@@ -776,6 +831,9 @@ class WrappingDataModule(pl.LightningDataModule):
                 "ignored. Return the same dataset object from train_dataloader() (create it once, in setup()), or "
                 "set reload_dataloaders_every_n_epochs=0; a training set that changes during the fit is not supported"
             )
+        # its collate function and worker settings, as Lightning would train with them (the first loader's collate
+        # went on in silence, qa98-break 03); the dataset object the per-sample state is indexed by is kept
+        self._template = {**new, "dataset": t["dataset"], "length": t["length"]}
 
     def check_attached(self) -> None:
         """Raise if this wrapper's technique callback is missing; called by an outer wrapper that builds the training

@@ -776,3 +776,61 @@ def test_a_new_training_set_at_a_reload_is_refused_and_the_same_one_trains(techn
         fit(NewSubsetEachEpoch(same=True, ramp=True), tmp_path / "ramp")
     same = NewSubsetEachEpoch(same=True)
     assert fit(same, tmp_path / "same").current_epoch == 3 and same.calls == 3  # read once, then at each reload
+
+
+class LoaderChangesAtReload(pl.LightningDataModule):
+    """One dataset object; from epoch 1 on, ``train_dataloader()`` returns a loader with a custom sampler
+    (``sampler=True``) or another collate function, which zeroes the token ids."""
+
+    def __init__(self, sampler: bool) -> None:
+        super().__init__()
+        self.sampler, self.blocks, self.calls = sampler, TokenBlocks(n=16), 0
+
+    def train_dataloader(self) -> DataLoader:
+        self.calls += 1
+        if self.calls == 1:
+            return DataLoader(self.blocks, batch_size=8, shuffle=True)
+        if self.sampler:
+            return DataLoader(self.blocks, batch_size=8, sampler=torch.utils.data.SubsetRandomSampler(range(4)))
+        zeroed = functools.partial(zero_ids, torch.utils.data.default_collate)
+        return DataLoader(self.blocks, batch_size=8, shuffle=True, collate_fn=zeroed)
+
+
+def zero_ids(collate: Any, items: list[Any]) -> Any:
+    batch = collate(items)
+    return {**batch, "input_ids": torch.zeros_like(batch["input_ids"])}
+
+
+@pytest.mark.parametrize("technique", ["infobatch", "curriculum"])
+def test_a_loader_returned_at_a_reload_is_checked_and_its_collate_taken(technique: str, tmp_path: Path) -> None:
+    """At a reload (``reload_dataloaders_every_n_epochs=1``) a loader over the same dataset with a custom sampler was
+    dropped in silence, and another collate function was ignored: every epoch trained with the first loader's
+    (qa98-break 02, 03). The sampler is refused as at the fit's start; the collate trains from that epoch on."""
+    from lightning_effi import Curriculum
+    from lightning_effi.core.errors import DataConfigError
+
+    class Sums(Callback):
+        def __init__(self) -> None:
+            self.by_epoch: dict[int, int] = defaultdict(int)
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.by_epoch[trainer.current_epoch] += int(batch["input_ids"].sum())
+
+    def fit(data: LoaderChangesAtReload, root: Path) -> Sums:
+        if technique == "infobatch":
+            callback: Callback = InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7)
+            wrapped: pl.LightningDataModule = InfoBatchDataModule(data)
+        else:
+            truncate = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8,
+                            max_difficulty=16, schedule_type="fixed_linear",
+                            schedule_config=dict(total_curriculum_step=4, difficulty_step=4))  # fmt: skip
+            callback, wrapped = Curriculum(metrics={"seqlen_truncate": truncate}, seed=3), CurriculumDataModule(data)
+        sums = Sums()
+        trainer = make_trainer(root, [callback, sums], max_epochs=3, reload_dataloaders_every_n_epochs=1)
+        trainer.fit(seeded(LoopGPT2)(), datamodule=wrapped)
+        return sums
+
+    with pytest.raises(DataConfigError, match=r"uses SubsetRandomSampler / BatchSampler \(a custom sampler\)"):
+        fit(LoaderChangesAtReload(sampler=True), tmp_path / "sampler")
+    sums = fit(LoaderChangesAtReload(sampler=False), tmp_path / "collate")
+    assert sums.by_epoch[0] > 0 and sums.by_epoch[1] == sums.by_epoch[2] == 0

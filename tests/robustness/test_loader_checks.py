@@ -91,6 +91,28 @@ class TaggedEpochShuffle(EpochShuffleSampler):
     pass
 
 
+class ShiftLoader(DataLoader):
+    """A loader that transforms each batch as it iterates."""
+
+    def __iter__(self):
+        return ({**b, "input_ids": b["input_ids"] + 1} for b in super().__iter__())
+
+
+def test_torchdatas_stateful_loader_is_read_as_the_plain_loader_it_is():
+    """torchdata's ``StatefulDataLoader`` (the README's loader for mid-epoch resumes) builds its own ``RandomSampler``
+    and ``BatchSampler`` for ``shuffle=True``: refused as a custom batch sampler that groups samples by length
+    (qa98-break 04). Its ``RandomSampler`` with replacement stays refused."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    data = TokenBlocks(n=N)
+    for shuffle in (True, False):
+        loader = stateful.StatefulDataLoader(data, batch_size=BATCH, shuffle=shuffle, drop_last=True)
+        t = loader_template(loader, "InfoBatch")
+        assert (t["dataset"], t["batch_size"], t["drop_last"], t["length"]) == (data, BATCH, True, N)
+    sampler = stateful.sampler.RandomSampler(data, replacement=True)
+    with pytest.raises(DataConfigError, match="a RandomSampler that draws with replacement"):
+        loader_template(stateful.StatefulDataLoader(data, batch_size=BATCH, sampler=sampler), "InfoBatch")
+
+
 def test_custom_order_accepts_exactly_the_samplers_that_only_shuffle():
     data = list(range(10))
     plain = [
@@ -187,8 +209,30 @@ def test_loader_template_warns_that_a_sequential_order_is_not_kept(make, sequent
             "InfoBatch: the wrapped training loader uses RandomSampler / BatchSampler (a RandomSampler that draws "
             "with replacement); InfoBatch owns the sampler",
         ),
+        (
+            lambda d: ShiftLoader(d, batch_size=BATCH, shuffle=True),
+            "InfoBatch: the wrapped training loader is a ShiftLoader, a DataLoader subclass with its own __iter__; "
+            "InfoBatch owns the sampler and rebuilds the loader as a plain DataLoader",
+        ),
+        (
+            lambda d: DataLoader(d, batch_size=BATCH, sampler=SequentialSampler(range(N // 2))),
+            f"InfoBatch: the wrapped training loader uses SequentialSampler / BatchSampler over {N // 2} samples, "
+            f"while the loader's dataset holds {N}: InfoBatch owns the sampler and draws from the whole dataset",
+        ),
+        (
+            lambda d: DataLoader(d, batch_size=BATCH, sampler=RandomSampler(range(N + 1))),
+            f"InfoBatch: the wrapped training loader uses RandomSampler / BatchSampler over {N + 1} samples",
+        ),
     ],
-    ids=["explicit_batch_sampler", "no_auto_batching", "own_order", "replacement"],
+    ids=[
+        "explicit_batch_sampler",
+        "no_auto_batching",
+        "own_order",
+        "replacement",
+        "own_iteration",  # the subclass's batches were replaced by plain ones (qa98-break 01)
+        "smaller_source",  # every sample trained, not the sampler's 20 (qa98-break 05)
+        "other_source",
+    ],
 )
 def test_loader_template_refuses_what_it_would_silently_replace(make, message):
     with pytest.raises(DataConfigError) as err:
