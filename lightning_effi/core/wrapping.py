@@ -74,7 +74,7 @@ def custom_order(sampler: Any) -> str | None:
     while isinstance(sampler, SkippableSampler):
         sampler = sampler.sampler
     cls = type(sampler)
-    plain = PLAIN_SAMPLERS + _torchdata_classes()[:1]
+    plain = PLAIN_SAMPLERS + _torchdata_classes()[:1] + _torchdata_classes()[3:]
     base = next((b for b in plain if isinstance(sampler, b)), None)
     if base is None:
         return "a custom sampler"
@@ -97,13 +97,14 @@ def custom_order(sampler: Any) -> str | None:
 def _torchdata_classes() -> tuple[type, ...]:
     """torchdata's ``StatefulDataLoader`` pieces, when torchdata is in use (imported): its ``RandomSampler`` and
     ``BatchSampler`` (``shuffle=True`` builds them: the stateful twins of torch's, which shuffle and batch alike) and
-    the loader class; empty otherwise. Its loader was refused as one with a custom batch sampler that groups samples
+    the loader class, and its ``StatefulDistributedSampler`` (``DistributedSampler``'s order, qa99-regress 03); empty
+    otherwise. Its loader was refused as one with a custom batch sampler that groups samples
     by length (qa98-break 04)."""
     module = sys.modules.get("torchdata.stateful_dataloader")
     sampler = sys.modules.get("torchdata.stateful_dataloader.sampler")
     if module is None or sampler is None:
         return ()
-    return (sampler.RandomSampler, sampler.BatchSampler, module.StatefulDataLoader)
+    return (sampler.RandomSampler, sampler.BatchSampler, module.StatefulDataLoader, sampler.StatefulDistributedSampler)
 
 
 def _own_iteration(loader: DataLoader) -> list[str]:  # type: ignore[type-arg]
@@ -113,7 +114,7 @@ def _own_iteration(loader: DataLoader) -> list[str]:  # type: ignore[type-arg]
     only save the loader's position) are not counted."""
     from lightning_effi.core.loader import ResumableDataLoader
 
-    kept = (DataLoader, ResumableDataLoader, *_torchdata_classes()[2:])
+    kept = (DataLoader, ResumableDataLoader, *_torchdata_classes()[2:3])
     own = []
     for name in ("__iter__", "__len__", "_get_iterator"):
         defining = next((k for k in type(loader).__mro__ if name in vars(k)), DataLoader)
@@ -451,6 +452,7 @@ class WrappingDataModule(pl.LightningDataModule):
         #: and the last epoch whose reload was checked (:meth:`_check_reload`)
         self._user_reload_every = 0
         self._reload_checked = -1
+        self._reload_base = 0  # the epoch the user's loader was last read at (_check_reload)
         #: the ``meta`` of the training batch in flight (see the class docstring); None between runs
         self.effi_batch_meta: dict[str, Any] | None = None
         #: a fit's setup is under way: from this wrapper's ``setup("fit")`` to the first training loader it serves
@@ -614,7 +616,7 @@ class WrappingDataModule(pl.LightningDataModule):
             # Lightning runs the DataModule's setup before the callbacks': the user's own setting
             trainer = self.trainer
             self._user_reload_every = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
-            self._reload_checked = -1
+            self._reload_checked, self._reload_base = -1, 0
         self._quiet_hook_warnings()
 
     @property
@@ -798,9 +800,11 @@ class WrappingDataModule(pl.LightningDataModule):
         if not n or trainer is None or trainer.sanity_checking or not trainer.training:
             return
         epoch = trainer.current_epoch
-        if epoch == 0 or epoch % n or epoch == self._reload_checked or self._template is None:
+        # Lightning's rule: n epochs after the loader was last read (a fit resumed at an odd epoch reloads at odd
+        # ones: `epoch % n` read none after the resume, qa99-regress 01)
+        if epoch - self._reload_base < n or epoch == self._reload_checked or self._template is None:
             return
-        self._reload_checked = epoch
+        self._reload_checked = self._reload_base = epoch
         fresh = wrapper_chain(self)[-1].train_dataloader()
         t = self._template
         same = _same_dataset(getattr(fresh, "dataset", None), t["dataset"])
@@ -808,7 +812,14 @@ class WrappingDataModule(pl.LightningDataModule):
             # the loader Lightning would train on without the technique: refused as at the fit's start (a custom
             # sampler returned at a reload was dropped in silence, qa98-break 02), its settings taken below
             world = (int(trainer.world_size), int(trainer.global_rank))
-            new = loader_template(fresh, self.technique, world)
+            try:
+                new = loader_template(fresh, self.technique, world)
+            except DataConfigError as err:  # said as the refusal of a reload (qa99-regress 02)
+                raise DataConfigError(
+                    f"{self.technique}: the Trainer reloads the training loader (reload_dataloaders_every_n_epochs="
+                    f"{n}), and the loader your train_dataloader() returned at epoch {epoch} cannot be taken: {err}. "
+                    "Return a loader it can take at every reload, or set reload_dataloaders_every_n_epochs=0"
+                ) from None
         changed = [
             f"{key}={getattr(fresh, key, None)!r} (was {t[key]!r})"
             for key in ("batch_size", "drop_last")

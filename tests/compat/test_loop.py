@@ -830,7 +830,59 @@ def test_a_loader_returned_at_a_reload_is_checked_and_its_collate_taken(techniqu
         trainer.fit(seeded(LoopGPT2)(), datamodule=wrapped)
         return sums
 
-    with pytest.raises(DataConfigError, match=r"uses SubsetRandomSampler / BatchSampler \(a custom sampler\)"):
+    # named as a reload's refusal (the start-of-fit message alone named neither, qa99-regress 02)
+    reload = r"reload_dataloaders_every_n_epochs=1\), and the loader your train_dataloader\(\) returned at epoch 1"
+    with pytest.raises(DataConfigError, match=reload + r".* uses SubsetRandomSampler / BatchSampler \(a custom"):
         fit(LoaderChangesAtReload(sampler=True), tmp_path / "sampler")
     sums = fit(LoaderChangesAtReload(sampler=False), tmp_path / "collate")
     assert sums.by_epoch[0] > 0 and sums.by_epoch[1] == sums.by_epoch[2] == 0
+
+
+class ZeroedFromEpoch(pl.LightningDataModule):
+    """One dataset object; the loaders built from epoch ``start`` on zero the token ids."""
+
+    def __init__(self, start: int) -> None:
+        super().__init__()
+        self.start, self.blocks, self.calls = start, TokenBlocks(n=16), []
+
+    def train_dataloader(self) -> DataLoader:
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        self.calls.append(epoch)
+        collate = torch.utils.data.default_collate
+        late = functools.partial(zero_ids, collate) if epoch >= self.start else collate
+        return DataLoader(self.blocks, batch_size=8, shuffle=True, collate_fn=late)
+
+
+def test_a_curriculum_resumed_at_an_odd_epoch_reads_the_loader_at_lightnings_reloads(tmp_path: Path) -> None:
+    """``reload_dataloaders_every_n_epochs=2``, resumed from the end of epoch 1: Lightning reloads n epochs after the
+    resume's loader (epochs 3, 5), and the curriculum read the user's loader at even epochs only, so never after the
+    resume (qa99-regress 01). The zeroing collate returned from epoch 4 on trains at Lightning's next reload, epoch 5,
+    as in the same run without the curriculum."""
+    from lightning_effi import Curriculum
+
+    schedule = dict(schedule_type="fixed_linear", schedule_config=dict(total_curriculum_step=4, difficulty_step=4))
+    truncate = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8, max_difficulty=16)
+    truncate.update(schedule)
+
+    class Sums(Callback):
+        def __init__(self) -> None:
+            self.by_epoch: dict[int, int] = defaultdict(int)
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.by_epoch[trainer.current_epoch] += int(batch["input_ids"].sum())
+
+    def fit(root: Path, epochs: int, curriculum: bool, ckpt: str | None = None) -> dict[int, int]:
+        sums, data = Sums(), ZeroedFromEpoch(start=4)
+        every = ModelCheckpoint(dirpath=root / "ck", save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+        callbacks: list[Callback] = [sums, every]
+        if curriculum:
+            callbacks.append(Curriculum(metrics={"seqlen_truncate": truncate}, seed=3))
+        trainer = make_trainer(root, callbacks, max_epochs=epochs, reload_dataloaders_every_n_epochs=2)
+        trainer.fit(seeded(LoopGPT2)(), datamodule=CurriculumDataModule(data) if curriculum else data, ckpt_path=ckpt)
+        return {e: int(v > 0) for e, v in sums.by_epoch.items()}  # 1: real ids, 0: zeroed
+
+    for curriculum in (False, True):
+        root = tmp_path / str(curriculum)
+        fit(root, 2, curriculum)
+        trained = fit(root, 6, curriculum, ckpt=str(root / "ck" / "epoch=1.ckpt"))
+        assert trained == {2: 1, 3: 1, 4: 1, 5: 0}, (curriculum, trained)

@@ -108,6 +108,10 @@ def test_torchdatas_stateful_loader_is_read_as_the_plain_loader_it_is():
         loader = stateful.StatefulDataLoader(data, batch_size=BATCH, shuffle=shuffle, drop_last=True)
         t = loader_template(loader, "InfoBatch")
         assert (t["dataset"], t["batch_size"], t["drop_last"], t["length"]) == (data, BATCH, True, N)
+    # its DDP sampler, DistributedSampler's order (qa99-regress 03)
+    shard = stateful.sampler.StatefulDistributedSampler(data, num_replicas=2, rank=1)
+    loader = stateful.StatefulDataLoader(data, batch_size=BATCH, sampler=shard)
+    assert loader_template(loader, "InfoBatch", world=(2, 1))["length"] == N
     sampler = stateful.sampler.RandomSampler(data, replacement=True)
     with pytest.raises(DataConfigError, match="a RandomSampler that draws with replacement"):
         loader_template(stateful.StatefulDataLoader(data, batch_size=BATCH, sampler=sampler), "InfoBatch")
