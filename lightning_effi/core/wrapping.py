@@ -95,11 +95,11 @@ def custom_order(sampler: Any) -> str | None:
 
 
 def _torchdata_classes() -> tuple[type, ...]:
-    """torchdata's ``StatefulDataLoader`` pieces, when torchdata is in use (imported): its ``RandomSampler`` and
-    ``BatchSampler`` (``shuffle=True`` builds them: the stateful twins of torch's, which shuffle and batch alike) and
-    the loader class, and its ``StatefulDistributedSampler`` (``DistributedSampler``'s order, qa99-regress 03); empty
-    otherwise. Its loader was refused as one with a custom batch sampler that groups samples
-    by length (qa98-break 04)."""
+    """torchdata's ``StatefulDataLoader`` pieces, when torchdata is in use (imported), in this order: its
+    ``RandomSampler`` and ``BatchSampler`` (``shuffle=True`` builds them: the stateful twins of torch's, which shuffle
+    and batch alike), the loader class, and its ``StatefulDistributedSampler`` (``DistributedSampler``'s order,
+    qa99-regress 03); empty otherwise. Its loader was refused as one with a custom batch sampler that groups samples by
+    length (qa98-break 04)."""
     module = sys.modules.get("torchdata.stateful_dataloader")
     sampler = sys.modules.get("torchdata.stateful_dataloader.sampler")
     if module is None or sampler is None:
