@@ -1227,9 +1227,9 @@ def _check_writable(folder: Path, name: str, files: Sequence[str] = REPORT_FILES
     """Refuse a report folder that cannot be written, before the report is built: a probe file is made in it, or in
     its nearest existing parent when it does not exist yet (nothing is created), and removed at once; a folder where
     every one of ``files`` (the report's) exists and can be written passes where the probe cannot be made (a refresh
-    in place). A pseudo file
-    system (``/proc``), a read-only mount or a folder without write permission came after the whole report as
-    ``[Errno 2] No such file or directory: '/proc/report.md'`` about a folder that exists (qa96-break 03).
+    in place). A pseudo file system (``/proc``), a read-only mount or a folder without write permission came after the
+    whole report as ``[Errno 2] No such file or directory: '/proc/report.md'`` about a folder that exists
+    (qa96-break 03).
 
     Raises:
         ReportError: naming ``name``, the folder and the system's reason."""
