@@ -756,13 +756,14 @@ class SchedulerProgress:
 
     Attributes:
         kind: the scheduler's class. steps: its ``last_epoch`` (the steps it took, the advance of the initial
-            ``last_epoch`` included). plateau: a ``ReduceLROnPlateau``'s progress (``best``, ``num_bad_epochs``,
+            ``last_epoch`` included; a ``ChainedScheduler``'s, which has none, its members'), None when it has
+            none. plateau: a ``ReduceLROnPlateau``'s progress (``best``, ``num_bad_epochs``,
             ``cooldown_counter``, ``last_epoch``), else None. lrs: the learning rate of each param group of its
             optimizer.
     """
 
     kind: type
-    steps: int
+    steps: int | None
     plateau: dict[str, Any] | None
     lrs: tuple[float, ...]
 
@@ -782,8 +783,23 @@ def scheduler_progress(scheduler_configs: Sequence[Any]) -> list[SchedulerProgre
             state = scheduler.state_dict()
             plateau = {k: state[k] for k in _PLATEAU_PROGRESS if k in state}
         lrs = tuple(float(g["lr"]) for g in scheduler.optimizer.param_groups)
-        out.append(SchedulerProgress(type(scheduler), int(getattr(scheduler, "last_epoch", 0)), plateau, lrs))
+        out.append(SchedulerProgress(type(scheduler), _step_count(scheduler), plateau, lrs))
     return out
+
+
+def _step_count(scheduler: Any) -> int | None:
+    """The steps ``scheduler`` took (its ``last_epoch``); a ``ChainedScheduler``, which has none, steps all its
+    members together: theirs, when they agree (read as 0, it was never stepped forward, and a chained warmup restarted
+    at every level change: qa100-user 01); None when it cannot be told."""
+    last = getattr(scheduler, "last_epoch", None)
+    if isinstance(last, int) and not isinstance(last, bool):
+        return last
+    members = getattr(scheduler, "_schedulers", None)
+    if members:
+        counts = {_step_count(m) for m in members}
+        if len(counts) == 1:
+            return counts.pop()
+    return None
 
 
 def continue_schedulers(
@@ -823,8 +839,9 @@ def continue_schedulers(
                     group["lr"] = lr * lr_ratio
                 scheduler._last_lr = [float(g["lr"]) for g in groups]
             continue
-        if prev is not None:
-            count = prev.steps - int(getattr(scheduler, "last_epoch", 0))
+        now = _step_count(scheduler)
+        if prev is not None and prev.steps is not None and now is not None:
+            count = prev.steps - now
         else:
             count = (global_step if cfg.interval == "step" else current_epoch) // max(1, cfg.frequency)
         with unshown_warnings():  # torch's "scheduler.step() before optimizer.step()": not the user's order

@@ -785,6 +785,30 @@ def test_level_change_continues_each_scheduler() -> None:
     assert inner.base_lrs == [pytest.approx(4 * LR)]
 
 
+def test_level_change_continues_a_chained_scheduler() -> None:
+    """A ``ChainedScheduler`` has no ``last_epoch``: read as 0 steps, its replacement was never stepped forward and
+    the chained warmup restarted at every level change (3.5x the LR at the end, qa100-user 01). Its members' count is
+    read: the new chain continues at the old one's LR, and steps on as it would have."""
+    from torch.optim.lr_scheduler import ChainedScheduler, ExponentialLR, LinearLR
+
+    def chain(opt: torch.optim.Optimizer) -> Any:
+        scheduler = ChainedScheduler([LinearLR(opt, 0.1, total_iters=4), ExponentialLR(opt, 0.9)])
+        return SimpleNamespace(scheduler=scheduler, interval="step", frequency=1, reduce_on_plateau=False)
+
+    old_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    old = [chain(old_opt)]
+    for _ in range(6):
+        old_opt.step()
+        old[0].scheduler.step()
+    progress = S.scheduler_progress(old)
+    assert progress[0].steps == 6
+    new_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    new = [chain(new_opt)]
+    S.continue_schedulers(new, progress, global_step=6, current_epoch=0)
+    assert new_opt.param_groups[0]["lr"] == pytest.approx(old_opt.param_groups[0]["lr"], rel=1e-12)
+    assert new_opt.param_groups[0]["lr"] == pytest.approx(LR * 0.9**6, rel=1e-12)  # past the 4-step warmup
+
+
 # ------------------------------------------------------------------------------------------------ early stopping
 def validation(technique: str, every: int = 2) -> dict[str, Any]:
     """Trainer arguments validating on one batch every ``every`` optimizer steps (InfoBatch alone: at every epoch's
