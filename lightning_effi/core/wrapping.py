@@ -616,7 +616,8 @@ class WrappingDataModule(pl.LightningDataModule):
             # Lightning runs the DataModule's setup before the callbacks': the user's own setting
             trainer = self.trainer
             self._user_reload_every = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
-            self._reload_checked, self._reload_base = -1, 0
+            # the epoch of this read (0 in a resumed fit too: before the checkpoint is restored)
+            self._reload_checked, self._reload_base = -1, int(getattr(trainer, "current_epoch", 0) or 0)
         self._quiet_hook_warnings()
 
     @property
@@ -800,26 +801,35 @@ class WrappingDataModule(pl.LightningDataModule):
         if not n or trainer is None or trainer.sanity_checking or not trainer.training:
             return
         epoch = trainer.current_epoch
-        # Lightning's rule: n epochs after the loader was last read (a fit resumed at an odd epoch reloads at odd
-        # ones: `epoch % n` read none after the resume, qa99-regress 01)
-        if epoch - self._reload_base < n or epoch == self._reload_checked or self._template is None:
+        if epoch == self._reload_checked or self._template is None:
             return
-        self._reload_checked = self._reload_base = epoch
+        # the epochs Lightning reads the loader at without the technique: the fit's first training epoch when it is
+        # not the one read in setup (a resumed fit: its epoch, after the restore, qa100-regress 02), then n epochs
+        # after the last read (a fit resumed at an odd epoch reloads at odd ones: `epoch % n` read none after the
+        # resume, qa99-regress 01), and an epoch before it (a fit set back to its start by an LR finder's search,
+        # which read up to its last epoch: no read after it, qa100-regress 01)
+        base, first = self._reload_base, self._reload_checked == -1
+        due = epoch != base if first else (epoch < base or epoch - base >= n)
+        self._reload_checked = epoch
+        if not due:
+            return
+        self._reload_base = epoch
         fresh = wrapper_chain(self)[-1].train_dataloader()
         t = self._template
-        same = _same_dataset(getattr(fresh, "dataset", None), t["dataset"])
-        if same:
-            # the loader Lightning would train on without the technique: refused as at the fit's start (a custom
-            # sampler returned at a reload was dropped in silence, qa98-break 02), its settings taken below
-            world = (int(trainer.world_size), int(trainer.global_rank))
-            try:
-                new = loader_template(fresh, self.technique, world)
-            except DataConfigError as err:  # said as the refusal of a reload (qa99-regress 02)
-                raise DataConfigError(
-                    f"{self.technique}: the Trainer reloads the training loader (reload_dataloaders_every_n_epochs="
-                    f"{n}), and the loader your train_dataloader() returned at epoch {epoch} cannot be taken: {err}. "
-                    "Return a loader it can take at every reload, or set reload_dataloaders_every_n_epochs=0"
-                ) from None
+        # the loader Lightning would train on without the technique: refused as at the fit's start (a custom sampler
+        # returned at a reload was dropped in silence, qa98-break 02; a list of loaders was told to be another dataset,
+        # qa100-regress 03), its settings taken below
+        world = (int(trainer.world_size), int(trainer.global_rank))
+        try:
+            new = loader_template(fresh, self.technique, world)
+        except DataConfigError as err:  # said as the refusal of a reload (qa99-regress 02)
+            why = str(err).removeprefix(f"{self.technique}: ")
+            raise DataConfigError(
+                f"{self.technique}: the Trainer reloads the training loader (reload_dataloaders_every_n_epochs={n}), "
+                f"and the loader your train_dataloader() returned at epoch {epoch} cannot be taken: {why}. Return a "
+                "loader it can take at every reload, or set reload_dataloaders_every_n_epochs=0"
+            ) from None
+        same = _same_dataset(fresh.dataset, t["dataset"])
         changed = [
             f"{key}={getattr(fresh, key, None)!r} (was {t[key]!r})"
             for key in ("batch_size", "drop_last")

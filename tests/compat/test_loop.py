@@ -853,6 +853,82 @@ class ZeroedFromEpoch(pl.LightningDataModule):
         return DataLoader(self.blocks, batch_size=8, shuffle=True, collate_fn=late)
 
 
+def tag_with_epoch(epoch: int, items: list[Any]) -> Any:
+    """A collate marking each row with the epoch its loader was returned at (token 0 = 50 + epoch)."""
+    batch = torch.utils.data.default_collate(items)
+    ids = batch["input_ids"].clone()
+    ids[:, 0] = 50 + epoch
+    return {**batch, "input_ids": ids}
+
+
+class TaggedByEpoch(pl.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = TokenBlocks(n=16)
+
+    def train_dataloader(self) -> DataLoader:
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        return DataLoader(self.blocks, batch_size=8, shuffle=True, collate_fn=functools.partial(tag_with_epoch, epoch))
+
+
+@pytest.mark.parametrize(
+    ("technique", "case"), [("curriculum", "lr_finder"), ("infobatch", "lr_finder"), ("curriculum", "resume")]
+)
+def test_each_epoch_trains_the_loader_lightning_would_train(technique: str, case: str, tmp_path: Path) -> None:
+    """The epoch whose loader trains each epoch equals plain Lightning's: after a ``LearningRateFinder`` search that
+    ran several epochs, then set the fit back to epoch 0 (the wrapper read none after it: every epoch trained the
+    search's last loader, qa100-regress 01); and in a fit resumed mid-epoch 1 with ``reload_dataloaders_every_n_epochs
+    =2`` (its first epochs trained the loader read in setup, before the restore, qa100-regress 02)."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    from lightning_effi import Curriculum
+
+    schedule = dict(schedule_type="fixed_linear", schedule_config=dict(total_curriculum_step=4, difficulty_step=4))
+    truncate = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8, max_difficulty=16)
+    truncate.update(schedule)
+    every = 1 if case == "lr_finder" else 2
+
+    class Trained(Callback):
+        def __init__(self) -> None:
+            self.by_epoch: dict[int, set[int]] = defaultdict(set)
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.by_epoch[trainer.current_epoch] |= set((batch["input_ids"][:, 0] - 50).tolist())
+
+    def fit(root: Path, wrapped: bool, epochs: int = 4, ckpt: str | None = None, save: bool = False) -> Any:
+        trained, data = Trained(), TaggedByEpoch()
+        callbacks: list[Callback] = [trained]
+        if case == "lr_finder":
+            callbacks.append(
+                LearningRateFinder(num_training_steps=8, min_lr=1e-3, max_lr=1e-1, early_stop_threshold=None)
+            )
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=3, save_top_k=-1, monitor=None))
+        dm: pl.LightningDataModule = data
+        if wrapped and technique == "curriculum":
+            callbacks.append(Curriculum(metrics={"seqlen_truncate": truncate}, seed=3))
+            dm = CurriculumDataModule(data)
+        elif wrapped:
+            callbacks.append(InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7))
+            dm = InfoBatchDataModule(data)
+        model = seeded(LoopGPT2)()
+        model.lr = 0.05
+        trainer = make_trainer(root, callbacks, max_epochs=epochs, reload_dataloaders_every_n_epochs=every)
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
+        return {e: sorted(v) for e, v in sorted(trained.by_epoch.items())}
+
+    runs = {}
+    for wrapped in (False, True):
+        root = tmp_path / str(wrapped)
+        if case == "resume":  # 2 batches an epoch: step 3 is in epoch 1
+            fit(root / "first", wrapped, epochs=2, save=True)
+            runs[wrapped] = fit(root, wrapped, epochs=5, ckpt=str(next((root / "first" / "ck").glob("*step=3*"))))
+        else:
+            runs[wrapped] = fit(root, wrapped)
+    assert runs[True] == runs[False], runs
+    assert runs[False] == ({e: [e] for e in range(4)} if case == "lr_finder" else {1: [1], 2: [1], 3: [3], 4: [3]})
+
+
 def test_a_curriculum_resumed_at_an_odd_epoch_reads_the_loader_at_lightnings_reloads(tmp_path: Path) -> None:
     """``reload_dataloaders_every_n_epochs=2``, resumed from the end of epoch 1: Lightning reloads n epochs after the
     resume's loader (epochs 3, 5), and the curriculum read the user's loader at even epochs only, so never after the
