@@ -55,7 +55,7 @@ from tests.compat.setups import (
 )
 from tests.harness.settings import seeded
 from tests.helpers.harness import assert_nested_equal, make_trainer
-from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks
+from tests.helpers.tiny import TINY_GPT2, TinyDataModule, TokenBlocks, seqlen_truncate
 
 ROWS = [
     Row(
@@ -732,6 +732,16 @@ def test_infobatch_rebuilds_only_the_training_loader_every_epoch(user_reloads: i
         assert user.val_calls == 1 and len(workers) == 1
 
 
+def technique_over(technique: str, data: pl.LightningDataModule) -> tuple[Callback, pl.LightningDataModule]:
+    """``technique``'s callback ("infobatch" or "curriculum") and ``data`` wrapped in its DataModule."""
+    from lightning_effi import Curriculum
+
+    if technique == "infobatch":
+        return InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7), InfoBatchDataModule(data)
+    metrics = seqlen_truncate(total_curriculum_step=4, difficulty_step=4)  # 8 to 16 tokens over 4 steps
+    return Curriculum(metrics=metrics, seed=3), CurriculumDataModule(data)
+
+
 class NewSubsetEachEpoch(pl.LightningDataModule):
     """A ``train_dataloader()`` that serves the next 16 token blocks each epoch (a resampled subset); ``same=True``
     serves one dataset object made in ``setup`` (a loader rebuilt over it each epoch)."""
@@ -753,18 +763,10 @@ def test_a_new_training_set_at_a_reload_is_refused_and_the_same_one_trains(techn
     and the curriculum trained epoch 0's samples every epoch, silently (they build each epoch's loader from the
     dataset the fit started on). A loader over another dataset object at a reload is now refused; the same dataset
     object (a loader rebuilt over it) trains."""
-    from lightning_effi import Curriculum
     from lightning_effi.core.errors import DataConfigError
 
     def fit(data: NewSubsetEachEpoch, root: Path) -> pl.Trainer:
-        if technique == "infobatch":
-            callback: Callback = InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7)
-            wrapped: pl.LightningDataModule = InfoBatchDataModule(data)
-        else:
-            truncate = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8,
-                            max_difficulty=16, schedule_type="fixed_linear",
-                            schedule_config=dict(total_curriculum_step=4, difficulty_step=4))  # fmt: skip
-            callback, wrapped = Curriculum(metrics={"seqlen_truncate": truncate}, seed=3), CurriculumDataModule(data)
+        callback, wrapped = technique_over(technique, data)
         trainer = make_trainer(root, [callback], max_epochs=3, reload_dataloaders_every_n_epochs=1)
         trainer.fit(seeded(LoopGPT2)(), datamodule=wrapped)
         return trainer
@@ -806,7 +808,6 @@ def test_a_loader_returned_at_a_reload_is_checked_and_its_collate_taken(techniqu
     """At a reload (``reload_dataloaders_every_n_epochs=1``) a loader over the same dataset with a custom sampler was
     dropped in silence, and another collate function was ignored: every epoch trained with the first loader's
     (qa98-break 02, 03). The sampler is refused as at the fit's start; the collate trains from that epoch on."""
-    from lightning_effi import Curriculum
     from lightning_effi.core.errors import DataConfigError
 
     class Sums(Callback):
@@ -817,14 +818,7 @@ def test_a_loader_returned_at_a_reload_is_checked_and_its_collate_taken(techniqu
             self.by_epoch[trainer.current_epoch] += int(batch["input_ids"].sum())
 
     def fit(data: LoaderChangesAtReload, root: Path) -> Sums:
-        if technique == "infobatch":
-            callback: Callback = InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7)
-            wrapped: pl.LightningDataModule = InfoBatchDataModule(data)
-        else:
-            truncate = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8,
-                            max_difficulty=16, schedule_type="fixed_linear",
-                            schedule_config=dict(total_curriculum_step=4, difficulty_step=4))  # fmt: skip
-            callback, wrapped = Curriculum(metrics={"seqlen_truncate": truncate}, seed=3), CurriculumDataModule(data)
+        callback, wrapped = technique_over(technique, data)
         sums = Sums()
         trainer = make_trainer(root, [callback, sums], max_epochs=3, reload_dataloaders_every_n_epochs=1)
         trainer.fit(seeded(LoopGPT2)(), datamodule=wrapped)
@@ -881,11 +875,6 @@ def test_each_epoch_trains_the_loader_lightning_would_train(technique: str, case
     =2`` (its first epochs trained the loader read in setup, before the restore, qa100-regress 02)."""
     from lightning.pytorch.callbacks import LearningRateFinder
 
-    from lightning_effi import Curriculum
-
-    schedule = dict(schedule_type="fixed_linear", schedule_config=dict(total_curriculum_step=4, difficulty_step=4))
-    truncate = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8, max_difficulty=16)
-    truncate.update(schedule)
     every = 1 if case == "lr_finder" else 2
 
     class Trained(Callback):
@@ -905,12 +894,9 @@ def test_each_epoch_trains_the_loader_lightning_would_train(technique: str, case
         if save:
             callbacks.append(ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=3, save_top_k=-1, monitor=None))
         dm: pl.LightningDataModule = data
-        if wrapped and technique == "curriculum":
-            callbacks.append(Curriculum(metrics={"seqlen_truncate": truncate}, seed=3))
-            dm = CurriculumDataModule(data)
-        elif wrapped:
-            callbacks.append(InfoBatchCallback(prune_ratio=0.5, delta=0.67, seed=7))
-            dm = InfoBatchDataModule(data)
+        if wrapped:
+            callback, dm = technique_over(technique, data)
+            callbacks.append(callback)
         model = seeded(LoopGPT2)()
         model.lr = 0.05
         trainer = make_trainer(root, callbacks, max_epochs=epochs, reload_dataloaders_every_n_epochs=every)
@@ -934,11 +920,6 @@ def test_a_curriculum_resumed_at_an_odd_epoch_reads_the_loader_at_lightnings_rel
     resume's loader (epochs 3, 5), and the curriculum read the user's loader at even epochs only, so never after the
     resume (qa99-regress 01). The zeroing collate returned from epoch 4 on trains at Lightning's next reload, epoch 5,
     as in the same run without the curriculum."""
-    from lightning_effi import Curriculum
-
-    schedule = dict(schedule_type="fixed_linear", schedule_config=dict(total_curriculum_step=4, difficulty_step=4))
-    truncate = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8, max_difficulty=16)
-    truncate.update(schedule)
 
     class Sums(Callback):
         def __init__(self) -> None:
@@ -951,10 +932,12 @@ def test_a_curriculum_resumed_at_an_odd_epoch_reads_the_loader_at_lightnings_rel
         sums, data = Sums(), ZeroedFromEpoch(start=4)
         every = ModelCheckpoint(dirpath=root / "ck", save_top_k=-1, every_n_epochs=1, filename="{epoch}")
         callbacks: list[Callback] = [sums, every]
+        dm: pl.LightningDataModule = data
         if curriculum:
-            callbacks.append(Curriculum(metrics={"seqlen_truncate": truncate}, seed=3))
+            callback, dm = technique_over("curriculum", data)
+            callbacks.append(callback)
         trainer = make_trainer(root, callbacks, max_epochs=epochs, reload_dataloaders_every_n_epochs=2)
-        trainer.fit(seeded(LoopGPT2)(), datamodule=CurriculumDataModule(data) if curriculum else data, ckpt_path=ckpt)
+        trainer.fit(seeded(LoopGPT2)(), datamodule=dm, ckpt_path=ckpt)
         return {e: int(v > 0) for e, v in sums.by_epoch.items()}  # 1: real ids, 0: zeroed
 
     for curriculum in (False, True):

@@ -780,6 +780,25 @@ def test_compiled_fit_counts_the_flops_of_the_uncompiled_run(tmp_path):
     assert summaries[1] == summaries[0]
 
 
+class GraphCallsPerStep(Callback):
+    """A dynamo backend that counts the calls of the graphs it compiled (:meth:`backend`), and, as a callback, the
+    count of each training step (:attr:`per_step`; 0: the step ran uncompiled)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.per_step: list[int] = []
+
+    def backend(self, gm: torch.fx.GraphModule, example: Any) -> Any:
+        def run(*args: Any) -> Any:
+            self.calls += 1
+            return gm.forward(*args)
+
+        return run
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.per_step.append(self.calls - sum(self.per_step))
+
+
 class _PaddedTokens(pl.LightningModule):
     """Token ids padded per batch to its longest row (one of three lengths, in turn), a hand-written encoder."""
 
@@ -817,33 +836,21 @@ def test_a_compiled_model_on_padded_batches_runs_uncompiled_once_per_length():
     from lightning_effi import EfficiencyMonitor
 
     def fit(compiled: bool) -> tuple[list[int], EfficiencyMonitor]:
-        calls, per_step = [0], []
-
-        def backend(gm: torch.fx.GraphModule, example: Any) -> Any:
-            def run(*args: Any) -> Any:
-                calls[0] += 1
-                return gm.forward(*args)
-
-            return run
-
-        class PerStep(Callback):
-            def on_train_batch_end(self, *args: Any) -> None:
-                per_step.append(calls[0] - sum(per_step))
-
+        counter = GraphCallsPerStep()
         torch.compiler.reset()
         model = _PaddedTokens()
         monitor = EfficiencyMonitor(print_summary=False)
         trainer = pl.Trainer(
             max_epochs=1,
             accelerator="cpu",
-            callbacks=[monitor, PerStep()],
+            callbacks=[monitor, counter],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        trainer.fit(torch.compile(model, backend=backend) if compiled else model)
-        return per_step, monitor
+        trainer.fit(torch.compile(model, backend=counter.backend) if compiled else model)
+        return counter.per_step, monitor
 
     per_step, compiled = fit(True)
     firsts = [_PaddedTokens.LENGTHS.index(t) == i for i, t in enumerate(_PaddedTokens.LENGTHS)]
@@ -862,22 +869,10 @@ def test_the_monitor_leaves_a_compiled_model_one_graph():
     from tests.user_modules.modules import RandomImages, UserData
 
     def fit(monitor: EfficiencyMonitor | None, compiled: bool) -> list[int]:
-        calls, per_step = [0], []
-
-        def backend(gm: torch.fx.GraphModule, example: Any) -> Any:
-            def run(*args: Any) -> Any:
-                calls[0] += 1
-                return gm.forward(*args)
-
-            return run
-
-        class PerStep(Callback):
-            def on_train_batch_end(self, *args: Any) -> None:
-                per_step.append(calls[0] - sum(per_step))
-
+        counter = GraphCallsPerStep()
         torch.compiler.reset()
         model = _calls_self()
-        callbacks = ([monitor] if monitor else []) + [PerStep()]
+        callbacks = ([monitor] if monitor else []) + [counter]
         trainer = pl.Trainer(
             max_steps=6,
             accelerator="cpu",
@@ -889,9 +884,9 @@ def test_the_monitor_leaves_a_compiled_model_one_graph():
             limit_val_batches=0,  # only the training step's graphs are counted
         )
         trainer.fit(
-            torch.compile(model, backend=backend) if compiled else model, UserData(RandomImages(), batch_size=8)
+            torch.compile(model, backend=counter.backend) if compiled else model, UserData(RandomImages(), batch_size=8)
         )
-        return per_step
+        return counter.per_step
 
     assert fit(None, True) == [1] * 6
     monitor = EfficiencyMonitor(print_summary=False)
