@@ -791,9 +791,9 @@ def _step_count(scheduler: Any) -> int | None:
     """The steps ``scheduler`` took (its ``last_epoch``); a ``ChainedScheduler``, which has none, steps all its
     members together: theirs, when they agree (read as 0, it was never stepped forward, and a chained warmup restarted
     at every level change: qa100-user 01); None when it cannot be told."""
-    last = getattr(scheduler, "last_epoch", None)
-    if isinstance(last, int) and not isinstance(last, bool):
-        return last
+    last: Any = getattr(scheduler, "last_epoch", None)
+    if is_int(last):  # a numpy integer too, as int() read it
+        return int(last)
     members = getattr(scheduler, "_schedulers", None)
     if members:
         counts = {_step_count(m) for m in members}

@@ -807,6 +807,10 @@ def test_level_change_continues_a_chained_scheduler() -> None:
     S.continue_schedulers(new, progress, global_step=6, current_epoch=0)
     assert new_opt.param_groups[0]["lr"] == pytest.approx(old_opt.param_groups[0]["lr"], rel=1e-12)
     assert new_opt.param_groups[0]["lr"] == pytest.approx(LR * 0.9**6, rel=1e-12)  # past the 4-step warmup
+    import numpy as np  # a last_epoch held as a numpy integer is a count, as int() read it before
+
+    scheduler = SimpleNamespace(last_epoch=np.int64(5), optimizer=old_opt)
+    assert S.scheduler_progress([SimpleNamespace(scheduler=scheduler, reduce_on_plateau=False)])[0].steps == 5
 
 
 # ------------------------------------------------------------------------------------------------ early stopping
