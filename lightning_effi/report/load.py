@@ -356,16 +356,18 @@ def folder_blocker(folder: Path) -> tuple[Path, str] | None:
     return None
 
 
-def write_problem(folder: Path) -> str | None:
-    """Why a record cannot be written into ``folder``, or None: makes the folder (with its parents) and a probe file
-    in it, removed at once. What :func:`folder_blocker` cannot see from the paths: no write permission, a read-only
-    or immutable folder, a pseudo file system (``/proc``). Read at a fit's start, so that the record is not lost after
-    the whole fit with a bare ``PermissionError``."""
+def write_problem(folder: Path, create: bool = True) -> str | None:
+    """Why a file cannot be written into ``folder``, or None: makes the folder (with its parents; ``create=False``:
+    an existing folder only, nothing made) and a probe file in it, removed at once. What :func:`folder_blocker` cannot
+    see from the paths: no write permission, a read-only or immutable folder, a pseudo file system (``/proc``). Read
+    at a fit's start, so that the record is not lost after the whole fit with a bare ``PermissionError``, and before a
+    report is built (:func:`~lightning_effi.report.table.write_report`)."""
     import tempfile
 
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".result-probe-"):
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".effi-probe-"):
             pass
     except OSError as err:
         return f"{type(err).__name__}: {err.strerror or err}"

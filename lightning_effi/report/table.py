@@ -53,6 +53,7 @@ from lightning_effi.report.load import (
     jobs_without_result,
     json_safe,
     load_runs,
+    write_problem,
 )
 
 PAPER = (
@@ -1233,24 +1234,18 @@ def _check_writable(folder: Path, name: str, files: Sequence[str] = REPORT_FILES
 
     Raises:
         ReportError: naming ``name``, the folder and the system's reason."""
-    import tempfile
-
     existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if existing is None or not existing.is_dir():
         return  # _check_out_dir names a file in the way; mkdir names the rest
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".report-probe-"):
-            pass
-    except OSError as err:
-        if existing == folder and all((folder / f).is_file() and os.access(folder / f, os.W_OK) for f in files):
-            # a report refreshed in place: every file it writes exists and can be written where no new one can
-            # (qa97-regress 04); one missing (a first schedules.png) would leave new tables beside old figures
-            return
-        where = f"'{folder}'" if existing == folder else f"'{folder}' (its existing parent '{existing}')"
-        raise ReportError(
-            f"{name}: cannot write into {where} ({type(err).__name__}: {err.strerror or err}); give a folder you can "
-            "write to"
-        ) from None
+    problem = write_problem(existing, create=False)
+    if problem is None:
+        return
+    if existing == folder and all((folder / f).is_file() and os.access(folder / f, os.W_OK) for f in files):
+        # a report refreshed in place: every file it writes exists and can be written where no new one can
+        # (qa97-regress 04); one missing (a first schedules.png) would leave new tables beside old figures
+        return
+    where = f"'{folder}'" if existing == folder else f"'{folder}' (its existing parent '{existing}')"
+    raise ReportError(f"{name}: cannot write into {where} ({problem}); give a folder you can write to")
 
 
 __all__ = ["COLUMNS", "Report", "SeedFrontier", "build_report", "write_report"]
