@@ -324,21 +324,29 @@ def _natural_key(path: Path) -> list[tuple[int, int | str]]:
 
 
 def jobs_without_result(paths: Iterable[str | Path]) -> list[Path]:
-    """Hydra job folders (holding ``.hydra/``) below ``paths`` without a ``result.json``: jobs that failed or are
-    still running (an evaluation, ``train=false``, writes ``eval.json`` instead: not one of them), each once."""
+    """Hydra job folders (holding ``.hydra/``) below ``paths`` without a run record: jobs that failed or are still
+    running, each once. A job's record is a ``result.json`` in its folder or below it (a ``ResultWriter`` without
+    ``out_dir`` writes into the logger's version folder, e.g. ``<job>/csv/result.json``) and not in a deeper job's
+    folder; an evaluation (``train=false``) writes ``eval.json`` instead, which counts the same."""
     out, seen = [], set()
     for path in paths:
         p = Path(path)
         if not p.is_dir():
             continue
-        for hydra_dir in sorted(_below(p, ".hydra"), key=_natural_key):
-            job = hydra_dir.parent
-            if hydra_dir.is_dir() and not (job / RESULT_FILE).exists() and not (job / "eval.json").exists():
-                # one job once, however often it lies below the paths (a folder given twice, a sweep and a job in
-                # it: the report read its runs once and told the failed job twice, qa96-break 02)
-                if (key := job.resolve()) not in seen:
-                    seen.add(key)
-                    out.append(job)
+        jobs = [h.parent for h in sorted(_below(p, ".hydra"), key=_natural_key) if h.is_dir()]
+        job_set = set(jobs)
+        recorded = set()
+        for record in (*_below(p, RESULT_FILE), *_below(p, "eval.json")):
+            # the record belongs to the nearest job folder at or above it (a job nested in another is its own)
+            owner = next((f for f in record.parents if f in job_set), None)
+            if owner is not None:
+                recorded.add(owner)
+        for job in jobs:
+            # one job once, however often it lies below the paths (a folder given twice, a sweep and a job in
+            # it: the report read its runs once and told the failed job twice, qa96-break 02)
+            if job not in recorded and (key := job.resolve()) not in seen:
+                seen.add(key)
+                out.append(job)
     return out
 
 

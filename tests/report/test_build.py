@@ -53,6 +53,21 @@ def test_a_run_folder_linked_into_a_sweep_is_read_and_a_link_cycle_ends(tmp_path
     assert len(build_report(runs).readings) == 11
 
 
+def test_a_job_whose_record_lies_in_its_logger_folder_is_not_told_failed(tmp_path):
+    """A ``ResultWriter`` without ``out_dir`` writes into the logger's version folder (``<job>/csv/result.json``): the
+    report read that record and also noted the job as one without ``result.json`` (qa102-user 01). A record below a
+    job (and not in a deeper job's folder) is the job's; a job with none is still told."""
+    from lightning_effi.report.load import jobs_without_result
+
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1", "2", "2/inner"):
+        (sweep / job / ".hydra").mkdir(parents=True)
+    write_record(sweep / "0" / "csv")  # the logger's version folder
+    write_record(sweep / "2" / "inner" / "csv")  # a nested job's record is not its outer job's
+    assert jobs_without_result([sweep]) == [sweep / "1", sweep / "2"]
+    assert len(load_runs([sweep])) == 2
+
+
 def test_frontier_and_same_length_savings_equal_hand_computations(sweep):
     report = build_report(load_runs([sweep]))
     assert (report.metric, report.mode, report.compute) == ("val/loss", "min", "flops")
