@@ -565,10 +565,26 @@ def _check_runs(runs: Sequence[Run]) -> None:
         if len(same) > 1:
             raise ReportError(
                 f"{len(same)} runs of arm {arm!r}, budget {budget:g}, seed {seed}: "
-                f"{', '.join(str(r.path) for r in same)}; a report compares one run per arm, budget and seed "
-                f"(label each variant, a baseline's as baseline_<name> to keep it on the frontier: {LABEL_HOW}; "
-                "or report their folders separately)"
+                f"{', '.join(str(r.path) for r in same)}; {_lengths_differ(same)}a report compares one run per arm, "
+                f"budget and seed (label each variant, a baseline's as baseline_<name> to keep it on the frontier: "
+                f"{LABEL_HOW}; or report their folders separately)"
             )
+
+
+def _lengths_differ(same: Sequence[Run]) -> str:
+    """The start of the duplicate-runs message when the runs trained different lengths: then they are one arm's
+    budgets recorded without their budget (``write_result``'s default 1.0), not variants to label (qa102-user 02)."""
+    for key in ("optimizer_steps", "max_steps", "max_epochs"):
+        values = [r.length.get(key) for r in same]
+        if None not in values and len(set(values)) > 1:
+            listed = ", ".join(str(v) for v in values)
+            return (
+                f"they trained different lengths ({key} {listed}), so each is likely a budget of its own recorded "
+                "without it: give each run its budget (the fraction of the reference length it trains: "
+                "ResultWriter(budget=...) / write_result(..., budget=...); in a Hydra config `budget: ${budget}`). "
+                "Otherwise, "
+            )
+    return ""
 
 
 def _seed_frontier(

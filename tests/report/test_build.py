@@ -335,6 +335,15 @@ def test_runs_that_cannot_be_compared_are_refused(tmp_path):
     # the advice works in the Hydra app (arm is a config group there: +arm=<name> is refused) and from Python
     assert "a config file conf/arm/<name>.yaml holding '# @package _global_' and 'arm: <name>'" in str(err.value)
     assert "+arm" not in str(err.value) and "write_result(..., arm='<name>')" in str(err.value)
+    assert "different lengths" not in str(err.value)  # equal lengths: variants to label
+    # runs of different lengths at one budget are budgets recorded without theirs (write_result's default 1.0): the
+    # message named only labels, which would put each length on the frontier as an arm of its own (qa102-user 02)
+    write_record(tmp_path / "a", seed=0, length={"max_epochs": 2, "optimizer_steps": 8})
+    write_record(tmp_path / "b", seed=0, length={"max_epochs": 4, "optimizer_steps": 16})
+    with pytest.raises(
+        ReportError, match=r"trained different lengths \(optimizer_steps 8, 16\).*write_result\(\.\.\., budget"
+    ):
+        build_report(load_runs([tmp_path]))
     write_record(tmp_path / "b", seed=1, techniques={"random_ltd": {}})
     with pytest.raises(ReportError, match=r"b: arm 'baseline' but techniques \['random_ltd'\]"):
         build_report(load_runs([tmp_path]))
