@@ -727,7 +727,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._predict_layer_flops = all(getattr(c, "interpolate_flops", True) for c in trainer.callbacks)
         self._meter = FlopsMeter(interpolate=self._predict_layer_flops)
         self._measure_failed, self._flops_models = False, {}
-        self.patched = convert(pl_module, adapter, self.controller)
+        # the root the adapter was found and bound in (model_attr's submodule): a GenericAdapter path starts there, and
+        # binding it again to the LightningModule refused every path (qa102-nlp 01)
+        self.patched = convert(self._search_root(pl_module), adapter, self.controller)
         self.patched.running = self._running
         self.adapter = adapter
 
@@ -987,7 +989,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
             raise ValueError(f"{type(self).__name__}: the new network has {num_layers} layers: {err}") from None
         self.controller.num_layers, self.controller.layer_ids = num_layers, layer_ids
         # no LTD layer (the default ids at <= 2 layers): paused, the shapes are only observed for the accounting
-        self.patched = (convert if layer_ids else observe)(pl_module, adapter, self.controller)
+        self.patched = (convert if layer_ids else observe)(self._search_root(pl_module), adapter, self.controller)
         self.patched.running = self._running
         self.adapter, self.num_layers, self.layer_ids = adapter, num_layers, layer_ids
 

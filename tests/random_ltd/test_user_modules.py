@@ -566,6 +566,49 @@ def test_only_frozen_transformers_are_refused_unless_named(tmp_path):
     assert cb.controller.draws == 1
 
 
+class TwoEncoders(pl.LightningModule):
+    """A student and a frozen teacher, each its own stack of PyTorch encoder layers (no adapter finds them by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 32)
+        self.student, self.teacher = (
+            nn.ModuleDict(
+                {"blocks": nn.ModuleList(nn.TransformerEncoderLayer(32, 2, 64, batch_first=True) for _ in range(4))}
+            )
+            for _ in range(2)
+        )
+        self.teacher.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        x = y = self.embed(batch["input_ids"])
+        for block in self.student["blocks"]:
+            x = block(x)
+        with torch.no_grad():
+            for block in self.teacher["blocks"]:
+                y = block(y)
+        return TF.mse_loss(x, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+def test_a_generic_adapter_path_starts_at_model_attr(tmp_path):
+    """The adapter's path starts at ``model_attr`` (as its docstring says): setup found the adapter there, then bound
+    it again to the LightningModule, so every path was refused (qa102-nlp 01)."""
+    cb = RandomLTDCallback(
+        min_value=4, seq_per_step=4, require_steps=2, model_attr="student", adapter=GenericAdapter("blocks")
+    )
+    watch = Watch(cb)
+    module = TwoEncoders()
+    make_trainer(tmp_path, [cb, watch], max_steps=2, max_epochs=-1).fit(
+        module, train_dataloaders=loader(TokenBlocks(n=16, seq_len=16), batch_size=4)
+    )
+    assert cb.adapter.layers() is module.student["blocks"] and cb.controller.draws == 2
+    assert [row["records"][0].reserved_length for row in watch.rows] == [4, 8]
+
+
 def test_a_model_attr_that_is_not_there_is_refused(tmp_path):
     trainer = make_trainer(tmp_path, [RandomLTDCallback(min_value=4, model_attr="pupil")], max_steps=1, max_epochs=-1)
     with pytest.raises(ValueError, match=r"RandomLTDCallback.model_attr='pupil': Distill has no attribute 'pupil'"):
