@@ -164,7 +164,8 @@ class GenericAdapter(TransformerAdapter):
     Raises:
         ValueError: bad values, naming the parameter and what is allowed (an int below its minimum or not an int;
             ``seq_args`` not a mapping of name -> int axis or list of int axes; ``masks`` not a mapping of name ->
-            kind; ``passthrough`` / ``must_be_none`` not a list of strings; ``root`` not an ``nn.Module``); at bind
+            kind; ``passthrough`` / ``must_be_none`` not a list of strings; one argument named in two of
+            ``seq_args``, ``masks``, ``passthrough`` and ``must_be_none``; ``root`` not an ``nn.Module``); at bind
             time (``RandomLTDCallback.setup``): ``layers`` not found / not a ``ModuleList``/``Sequential``,
             ``hidden_state_order`` contradicting the layers' ``batch_first`` (or layers that disagree), no
             ``hidden_size`` and no ``nn.MultiheadAttention`` to read it from, a declared ``hidden_size`` the layers
@@ -216,16 +217,30 @@ class GenericAdapter(TransformerAdapter):
         self._order_arg: HiddenStateOrder | None = hidden_state_order
         self.hidden_state_order = hidden_state_order or "batch_seq"
         args: dict[str, ArgSpec] = {}
+        declared_in: dict[str, str] = {}
+
+        def declare(parameter: str, name: str, spec: ArgSpec) -> None:
+            # one argument, one handling: the later declaration overwrote the earlier one (qa102-nlp 03)
+            if name in declared_in:
+                raise ValueError(
+                    f"GenericAdapter: the layer argument {name!r} is declared in both {declared_in[name]} and "
+                    f"{parameter}; declare each argument once (seq_args: gathered along its sequence axes, masks: an "
+                    "attention mask gathered to the kept tokens, passthrough: passed unchanged, must_be_none: refused "
+                    "unless None)"
+                )
+            declared_in[name] = parameter
+            args[name] = spec
+
         for name, axes in _mapping("seq_args", seq_args, "sequence axes (an int or a list of ints)").items():
-            args[name] = SeqArg(_axes(name, axes))
+            declare("seq_args", name, SeqArg(_axes(name, axes)))
         for name, kind in _mapping("masks", masks, f"mask kind (one of {_MASK_KINDS})").items():
             if kind not in _MASK_KINDS:
                 raise ValueError(f"GenericAdapter.masks[{name!r}] must be one of {_MASK_KINDS}, got {kind!r}")
-            args[name] = AttentionMask(kind)
+            declare("masks", name, AttentionMask(kind))
         for name in _names("passthrough", passthrough):
-            args[name] = PASS
+            declare("passthrough", name, PASS)
         for name in _names("must_be_none", must_be_none):
-            args[name] = MUST_BE_NONE
+            declare("must_be_none", name, MUST_BE_NONE)
         self._declared = args
         self._args = dict(args)
         self._hidden = self._hidden_arg

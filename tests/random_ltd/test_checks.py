@@ -125,6 +125,12 @@ def test_generic_adapter_takes_numpy_ints():
         (dict(num_prefix_tokens=1.5), r"GenericAdapter.num_prefix_tokens must be an int >= 0, got 1.5"),
         (dict(hidden_size="32"), r"GenericAdapter.hidden_size must be an int >= 1 or None, got '32'"),
         (dict(max_sequence_length=True), r"GenericAdapter.max_sequence_length must be an int >= 1 or None"),
+        # one argument in two declarations: the later one won in silence (qa102-nlp 03)
+        (dict(masks={"m": "self"}, passthrough=["m"]), r"argument 'm' is declared in both masks and passthrough"),
+        (dict(seq_args={"m": 1}, masks={"m": "self"}), r"argument 'm' is declared in both seq_args and masks"),
+        (dict(seq_args={"m": 1}, passthrough=["m"]), r"argument 'm' is declared in both seq_args and passthrough"),
+        (dict(masks={"m": "self"}, must_be_none=["m"]), r"argument 'm' is declared in both masks and must_be_none"),
+        (dict(passthrough=["m", "m"]), r"argument 'm' is declared in both passthrough and passthrough"),
     ],
 )
 def test_generic_adapter_refuses_bad_declarations_naming_them(kwargs, match):
