@@ -206,6 +206,11 @@ def _scheme(owner: str, key: str, value: Any, names: tuple[str, ...]) -> Any:
     return value
 
 
+def _keeps(scheme: Any) -> bool:
+    """Whether a checked scheme leaves its dimension as it is: None, or explicit groups of one unit each."""
+    return scheme is None or (not isinstance(scheme, str) and all(len(group) == 1 for group in scheme))
+
+
 def _duration(owner: str, key: str, value: Any) -> Duration:
     """A new-style stage length: steps or epochs >= 1, or a fraction of the run in [0, 1]."""
     if is_int(value) and value < 1:  # Duration.parse's own bound (>= 0) would offer 0, refused just below
@@ -322,7 +327,8 @@ def check_arguments(
     Raises:
         ValueError: naming the argument: a wrong type or range, a missing ``e_a`` / ``e_small``, two spellings of one
             length, ``levels >= 3`` without ``up_leg`` (the paper gives no length for it) or ``up_leg`` with
-            ``levels = 2``, a float or a token count as a length, an ``lr_multiplier`` that is not ``{level: factor}``.
+            ``levels = 2``, a float or a token count as a length, an ``lr_multiplier`` that is not ``{level: factor}``,
+            ``width_scheme`` and ``depth_scheme`` that both keep their dimension (None, or groups of one unit each).
         TypeError: a key of ``deprecated`` that is not one of the nine old spellings (whatever its value).
     """
     unknown = sorted(set(deprecated or {}) - set(DEPRECATED_LENGTHS))  # whatever the value, None included
@@ -374,6 +380,14 @@ def check_arguments(
         mult[level] = float(v)
     width_scheme = _scheme(owner, "width_scheme", width_scheme, ("half",))
     depth_scheme = _scheme(owner, "depth_scheme", depth_scheme, ("adjacent", "half"))
+    if _keeps(width_scheme) and _keeps(depth_scheme):
+        # a coarse level equal to the full model: the run rebuilt the optimizer and interpolated at every level change
+        # (and trained the full model at lr_multiplier) while it reported no saving (qa102-nlp 04)
+        raise ValueError(
+            f"{owner}: width_scheme={width_scheme!r} and depth_scheme={depth_scheme!r} keep both the width and the "
+            "depth, so the coarse levels would be the full model: coalesce at least one of them (width_scheme='half' "
+            "and/or depth_scheme='adjacent' | 'half', or explicit groups merging some units)"
+        )
     check_choice(owner, "embedding_convention", embedding_convention, EMBEDDING_CONVENTIONS)
     check_choice(owner, "lr_schedule", lr_schedule, ("continue", "restart"))
     if model_attr is not None and (not isinstance(model_attr, str) or not model_attr.isidentifier()):

@@ -436,6 +436,12 @@ def test_small_stage_checkpoint_content_and_wrapper_needed(tmp_path, monkeypatch
         (dict(e_a=1, e_small=1, width_scheme=5), r"^VCycleCallback\.width_scheme must be 'half', None .*got 5$"),
         (dict(e_a=1, e_small=1, depth_scheme=[[0, 1], [2, "3"]]), r"depth_scheme must be .* groups of indices"),
         (dict(e_a=1, e_small=1, depth_scheme=[]), r"depth_scheme must be .*, got \[\]$"),
+        # coarse levels equal to the full model: a run of optimizer rebuilds and interpolations (qa102-nlp 04)
+        (
+            dict(e_a=1, e_small=1, width_scheme=None, depth_scheme=None),
+            r"^VCycleCallback: width_scheme=None and depth_scheme=None keep both the width and the depth",
+        ),
+        (dict(e_a=1, e_small=1, width_scheme=None, depth_scheme=[[0], [1], [2]]), r"keep both the width and the depth"),
     ],
 )
 def test_bad_arguments(kwargs, match):
