@@ -29,7 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
 from lightning_effi.core.checks import is_int, is_real
@@ -450,13 +450,14 @@ class ResultWriter(pl.Callback):
     Args:
         metric, mode, seed, budget, arm, task_name: as :func:`write_result`.
         out_dir: the run's folder; None: the folder of the run's first logger when that is a ``TensorBoardLogger``
-            or ``CSVLogger`` (its version folder, one per run), else the Hydra job's output folder in a Hydra job,
+            or ``CSVLogger`` (its version folder, one per run; in a Hydra job, when it lies in the job's output
+            folder), else the Hydra job's output folder in a Hydra job,
             else ``trainer.log_dir`` (another logger's ``save_dir``), else ``trainer.default_root_dir`` (no logger, or
             one without a local folder: MLflow on an sqlite or http tracking URI). A folder that
             already holds a ``result.json`` when the fit starts (another run's: runs of a loop or a sweep sharing one
             folder) has it moved to ``result.previous.json`` (``result.previous.2.json``, ... when taken) with a
-            warning: give each run its own ``out_dir``. In a Hydra job, a logger's folder outside the job's is
-            warned about (the sweep's report would not find the record there).
+            warning: give each run its own ``out_dir``. In a Hydra job, a logger's folder outside the job's is not
+            taken (the sweep's report would not find the record there): the job's folder is.
         config: ``"cli"`` (default): the ``LightningCLI`` configuration when the Trainer has its
             ``SaveConfigCallback`` (recorded as overrides, :func:`config_overrides`); else, built in a Hydra job (your
             own ``@hydra.main`` app), the job's overrides (``HydraConfig.get().overrides.task``, so that the report
@@ -526,14 +527,15 @@ class ResultWriter(pl.Callback):
         job = self._hydra_dir or _hydra_output_dir()
         if trainer.loggers and isinstance(trainer.loggers[0], TensorBoardLogger | CSVLogger):
             folder = str(trainer.log_dir)  # the version folder: one per run
-            if job is not None and not Path(folder).resolve().is_relative_to(Path(job).resolve()):
-                # a logger's relative folder under Hydra's chdir=false: the sweep's report did not find the records
-                rank_zero_warn(
-                    f"ResultWriter: this run's record goes to its logger's folder {folder}, outside the Hydra job's "
-                    f"folder {job}, where a report of the sweep folder will not find it: pass "
-                    "out_dir=${hydra:runtime.output_dir}, or put the logger's save_dir under it"
-                )
-            return folder
+            if job is None or Path(folder).resolve().is_relative_to(Path(job).resolve()):
+                return folder
+            # a logger's folder outside the job's (Lightning's default ./lightning_logs under Hydra's chdir=false):
+            # the record went there with a warning, and the sweep's report found none of its jobs' (qa102-user 04)
+            rank_zero_info(
+                f"ResultWriter: this run's record goes to the Hydra job's folder {job} (its logger's folder {folder} "
+                "lies outside it, where a report of the sweep folder would not find it)"
+            )
+            return job
         if job is not None:  # a Hydra job: its own folder, where a sweep's jobs share the launch folder
             return job
         # another logger's save_dir, or default_root_dir: maybe shared by runs; a logger without a local folder (an

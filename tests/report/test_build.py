@@ -1004,11 +1004,16 @@ def test_a_result_writer_writes_into_the_loggers_version_folder_or_the_hydra_job
     writer = ResultWriter(metric="val/loss")
     monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: False))
     assert writer._hydra_dir == str(job)
-    # a logger's folder outside the job's is warned about: the sweep's report would not find the record
+    # a logger's folder outside the job's is not taken: the sweep's report would not find the record there (it went
+    # there with a warning, and the README's own Hydra app, a Trainer with its default logger, left every job of its
+    # sweep without a record: qa102-user 04)
     monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
-    with pytest.warns(UserWarning, match=r"goes to its logger's folder .* outside the Hydra job's folder"):
-        d = _fit_with_result_writer(tmp_path, 3, logger=CSVLogger(tmp_path / "logs"))
-    assert d.path == tmp_path / "logs/lightning_logs/version_2/result.json"
+    d = _fit_with_result_writer(tmp_path, 3, logger=CSVLogger(tmp_path / "logs"))
+    assert d.path == job / "result.json" and json.loads(d.path.read_text())["seed"] == 3
+    assert not (tmp_path / "logs/lightning_logs/version_2/result.json").exists()
+    # one inside the job's folder is (its version folder: one per run)
+    e = _fit_with_result_writer(tmp_path, 4, logger=CSVLogger(job / "csv"))
+    assert e.path == job / "csv/lightning_logs/version_0/result.json"
 
 
 def test_a_result_writer_warns_at_the_first_validation_of_a_metric_not_logged(tmp_path):
