@@ -243,7 +243,10 @@ def write_result(
         **scalar_metrics(dict(metrics or {})),
     }
     if metric not in values:
-        raise ValueError(f"write_result: metric {metric!r} was not logged; the run's final metrics: {sorted(values)}")
+        raise ValueError(
+            f"write_result: metric {metric!r} was not logged; the run's final metrics: {sorted(values)}"
+            + _why_not_logged(metric, monitor, metrics)
+        )
     techniques = _techniques(trainer)
     if arm is not None and arm.strip() == "baseline" and techniques:
         raise ValueError(
@@ -391,6 +394,26 @@ def _previous_name(folder: Path) -> Path:
     while name.exists():
         name, n = folder / f"result.previous.{n}.json", n + 1
     return name
+
+
+def _why_not_logged(metric: str, monitor: Any, metrics: Mapping[str, Any] | None) -> str:
+    """The likely cause of a metric missing at the end of fit, for the error's end: a fit that never validated (its
+    loss was not logged; the error named no cause, qa102-user 03), or a test metric asked of a fit."""
+    hints = []
+    if not monitor.curve and metrics is None:
+        hints.append(
+            "this fit ran no validation (the EfficiencyMonitor's curve is empty: no validation loader, "
+            "limit_val_batches=0, or a run that ends before its first validation, e.g. max_steps before the first "
+            "epoch's end): validate at the run's last step (a val_check_interval that divides the run, or "
+            "check_val_every_n_epoch=None with val_check_interval=<training batches>), or pass the metric yourself: "
+            "write_result(trainer, ..., metrics=trainer.validate(...)[0])"
+        )
+    if metric.split("/")[0].split("_")[0] == "test" and metrics is None:
+        hints.append(
+            "the record is written at the end of fit, before any trainer.test(): record a test metric after the "
+            "test with write_result(trainer, ..., metrics=trainer.test(...)[0])"
+        )
+    return "".join(f"; {h}" for h in hints)
 
 
 def _check_writer(

@@ -770,6 +770,21 @@ def _fit_with_result_writer(root, seed, metric="val/loss", **trainer_kwargs):
     return writer
 
 
+def test_a_result_writer_of_a_fit_that_never_validated_names_the_cause(tmp_path):
+    """A fit that ends before its first validation failed with only "metric 'val/loss' was not logged" (qa102-user
+    03): the error says no validation ran and how to validate at the end; a test metric, that the record is written
+    before trainer.test()."""
+    with pytest.raises(ValueError, match=r"was not logged; .*; this fit ran no validation .*val_check_interval") as err:
+        _fit_with_result_writer(tmp_path, 0, max_steps=1)
+    assert "trainer.test" not in str(err.value)
+    with pytest.raises(
+        ValueError, match=r"'test/acc' was not logged; .*\['val/loss'\]; the record is written at"
+    ) as err:
+        _fit_with_result_writer(tmp_path, 0, metric="test/acc")
+    assert "write_result(trainer, ..., metrics=trainer.test(...)[0])" in str(err.value)
+    assert "no validation" not in str(err.value)  # this fit validated
+
+
 def test_a_result_writer_refuses_a_file_or_no_seed_before_the_fit(tmp_path, monkeypatch):
     """An out_dir that is a file, or no seed, was refused after the whole fit, with no record written
     (qa58-args 02): now at the fit's start, before a step."""
