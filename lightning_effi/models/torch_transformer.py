@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -378,7 +378,9 @@ class TorchBlocksVCycleAdapter(VCycleAdapter):
                 the messages say to pass ``width_scheme=None``); ``embedding_convention="exact"`` with a tied
                 embedding / head under width coalescing; tensors shared between blocks or between a block and the
                 rest; the errors of :meth:`VCycleAdapter.plan` (sizes a scheme cannot halve, named ``nhead``,
-                ``d_model``, ``dim_feedforward`` or ``len(<list>)``).
+                ``d_model``, ``dim_feedforward`` or ``len(<list>)``); a depth change of blocks whose kinds differ
+                along a group (a Hugging Face ``config.layer_types``, e.g. sliding-window and full attention,
+                :func:`_check_layer_kinds`).
         """
         found = self.block_list(model)
         torch_layers = type(found.blocks[0]) in TORCH_LAYERS
@@ -403,6 +405,7 @@ class TorchBlocksVCycleAdapter(VCycleAdapter):
                     "coalescing needs one; pass width_scheme=None to coalesce the depth only"
                 )
         plan = super().plan(model, width_scheme, depth_scheme, embedding_convention)
+        _check_layer_kinds(model, found, plan.depth)
         info: dict[str, Any] = dict(plan.info)
         large, small = dict(info["large"]), dict(info["small"])
         info["width"] = large["hidden"] != small["hidden"]
@@ -546,6 +549,42 @@ def _memo_graph_tensors(value: Any, memo: dict[int, Any], depth: int = 0) -> Non
     elif depth < _MEMO_DEPTH and isinstance(value, (list, tuple)):
         for item in value:
             _memo_graph_tensors(item, memo, depth + 1)
+
+
+def _check_layer_kinds(model: nn.Module, found: BlockList, depth: Sequence[Sequence[int]]) -> None:
+    """Refuse a depth change the network's per-layer kinds contradict: a Hugging Face config's ``layer_types``
+    (``"full_attention"`` / ``"sliding_attention"``: Qwen2, Mistral, Gemma 2/3, ...) is read by position, by the model
+    (block ``i``'s mask) and by each block (made from block ``i``), so coarse block ``i`` runs the kind of block ``i``
+    whatever its group (``depth[i]``) held. A coarse block of sliding-window layers ran with full attention, in silence
+    (qa102-nlp 06). Nothing is refused when every group's blocks are of block ``i``'s kind, or the depth is kept.
+
+    Raises:
+        ValueError: naming ``config.layer_types`` and the first coarse block whose group holds another kind.
+    """
+    if len(depth) == len(found.blocks):
+        return
+    kinds = next(
+        (
+            list(k)
+            for m in model.modules()
+            if isinstance(k := getattr(getattr(m, "config", None), "layer_types", None), (list, tuple))
+            and len(k) >= len(found.blocks)
+        ),
+        None,
+    )
+    if kinds is None:
+        return
+    for i, group in enumerate(depth):
+        held = [kinds[j] for j in group]
+        if any(kind != kinds[i] for kind in held):
+            raise ValueError(
+                f"{FAMILY}: depth coalescing of {type(model).__name__} is refused: its config gives each layer a kind "
+                f"(config.layer_types = {kinds[: len(found.blocks)]}), read by position, so coarse block {i} would run "
+                f"as a {kinds[i]!r} layer where its group, blocks {list(group)} of {found.describe()}, holds "
+                f"{held}. Train a model whose layers are all of one kind (e.g. use_sliding_window=False), or write a "
+                "V-cycle adapter for this architecture that rebuilds the coarse model's config (subclass "
+                "lightning_effi.models.torch_transformer.TorchBlocksVCycleAdapter and extend build_small)"
+            )
 
 
 def _check_sharing(model: nn.Module, found: BlockList, aliases: Mapping[str, str]) -> None:

@@ -604,3 +604,33 @@ def test_network_found_in_a_module_with_other_children():
 
     attr, adapter = find_vcycle_network(Host())
     assert attr == "net" and isinstance(adapter, TorchBlocksVCycleAdapter)
+
+
+@pytest.mark.parametrize(
+    ("window_layers", "refused"),
+    [(None, False), (2, True), (0, False)],  # all full; [full, full, sliding, sliding]; all sliding
+)
+def test_depth_coalescing_is_refused_where_a_group_holds_another_layer_kind(window_layers, refused):
+    """A Hugging Face config's ``layer_types`` is read by position: the coarse block made from sliding-window layers
+    2 and 3 ran as block 1, a full-attention layer, in silence (qa102-nlp 06)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, use_sliding_window=window_layers is not None, sliding_window=4,
+        max_window_layers=window_layers or 0,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    assert len(set(model.config.layer_types)) == (2 if refused else 1)
+    if not refused:
+        assert ADAPTER.plan(model, width_scheme=None, depth_scheme="adjacent").num_layers == (4, 2)
+        return
+    with pytest.raises(
+        ValueError,
+        match=r"depth coalescing of Qwen2ForCausalLM is refused: .*config.layer_types = \['full_attention', "
+        r"'full_attention', 'sliding_attention', 'sliding_attention'\].* coarse block 1 would run as a "
+        r"'full_attention' layer where its group, blocks \[2, 3\]",
+    ):
+        ADAPTER.plan(model, width_scheme=None, depth_scheme="adjacent")
+    # groups each of their coarse block's kind: block 2 <- [2, 3], both sliding
+    assert ADAPTER.plan(model, width_scheme=None, depth_scheme=[[0], [1], [2, 3]]).num_layers == (4, 3)
