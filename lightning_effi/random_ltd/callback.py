@@ -619,7 +619,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 ``seed``, ...).
 
         Raises:
-            ValueError: the errors of ``parse_deepspeed_config``, or the config's random-LTD is not enabled.
+            ValueError: the errors of ``parse_deepspeed_config``, or the config's random-LTD is not enabled; in
+                ``setup``, a model whose depth is not the config's ``total_layer_num`` (its layer ids were written for
+                another model).
         """
         from lightning_effi.random_ltd.config import parse_deepspeed_config
 
@@ -629,7 +631,11 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 f"{cls.__name__}.from_deepspeed_config: data_efficiency.data_routing.random_ltd.enabled is not true in "
                 "the DeepSpeed config (DeepSpeed would not drop tokens); enable it, or leave the callback out"
             )
-        return cls(**args)
+        callback = cls(**args)
+        # the depth the config's random_ltd_layer_id were written for, compared with the model's in setup: a config of
+        # a 4-layer model trained a 6-layer one with two middle layers never dropping (qa102-nlp 05)
+        callback._deepspeed_total_layer_num = _deepspeed_total_layer_num(ds_config)
+        return callback
 
     def __repr__(self) -> str:
         """Every constructor argument, so that ``eval(repr(cb))`` builds an equivalent callback (same settings):
@@ -678,6 +684,15 @@ class RandomLTDCallback(KeepsSettings, Callback):
         adapter = self._find_adapter_at_setup(pl_module)
         layers = adapter.layers()
         self.num_layers = len(layers)
+        total = getattr(self, "_deepspeed_total_layer_num", None)
+        if total is not None and total != self.num_layers:
+            raise ValueError(
+                f"{type(self).__name__}.from_deepspeed_config: the DeepSpeed config's random_ltd.total_layer_num is "
+                f"{total}, but the model's {type(adapter).__name__} finds {self.num_layers} layers: its "
+                f"random_ltd_layer_id {list(self.layer_ids_arg or ())} were written for another model (DeepSpeed "
+                f"checks the ids against total_layer_num only); set total_layer_num to {self.num_layers} and the ids "
+                "to the layers that drop tokens"
+            )
         self.layer_ids = resolve_layer_ids(self.layer_ids_arg, self.num_layers)
         self._check_model_changes(trainer, pl_module, layers)
         name = type(self).__name__
@@ -2547,3 +2562,18 @@ def _epochs_last_batch(trainer: pl.Trainer) -> bool:
 
 
 RandomLTD = RandomLTDCallback  # the short name (``lightning_effi.callbacks.RandomLTD``, Hydra configs)
+
+
+def _deepspeed_total_layer_num(ds_config: Any) -> int | None:
+    """``random_ltd.total_layer_num`` of a DeepSpeed config that :func:`parse_deepspeed_config` accepted (a dict at any
+    of its levels, or a JSON file's path); None where it cannot be read again."""
+    from lightning_effi.random_ltd.config import _block
+
+    try:
+        with warnings.catch_warnings():  # told once, when the config was parsed
+            warnings.simplefilter("ignore")
+            block, _ = _block(ds_config)
+    except (ValueError, OSError, TypeError):
+        return None
+    total = block.get("total_layer_num") if isinstance(block, Mapping) else None
+    return int(total) if is_int(total) else None

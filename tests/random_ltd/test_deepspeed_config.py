@@ -189,6 +189,21 @@ def test_a_fit_from_a_deepspeed_config_follows_deepspeeds_schedule(tmp_path):
     assert seen == [F.ltd_value(s, 5, 16, 4, 4, "deepspeed") for s in range(6)] == [4, 4, 8, 12, 16, 16]
 
 
+def test_a_deepspeed_config_written_for_another_depth_is_refused_in_setup(tmp_path):
+    """total_layer_num was checked against the ids only: a 4-layer config trained a 6-layer model, its layers 3 and 4
+    never dropping tokens (qa102-nlp 05). setup compares it with the model's depth."""
+    cfg = schedule_config(5, 16, 4, 4, total_layer_num=4, random_ltd_layer_num=2, random_ltd_layer_id=[1, 2])
+    callback = RandomLTDCallback.from_deepspeed_config(cfg, rounding="deepspeed")
+    trainer = make_trainer(tmp_path, [callback], max_steps=1, max_epochs=-1)
+    with pytest.raises(
+        ValueError,
+        match=r"^RandomLTDCallback.from_deepspeed_config: the DeepSpeed config's random_ltd.total_layer_num is 4, but "
+        r"the model's HFGPT2Adapter finds 6 layers: its random_ltd_layer_id \[1, 2\] were written for another model",
+    ):
+        trainer.fit(tiny_gpt2(n_layer=6), datamodule=tiny_lm_data())
+    assert trainer.global_step == 0
+
+
 def test_deepspeeds_hidden_state_order_spellings_and_the_curriculums_pointer():
     assert GenericAdapter("blocks", hidden_state_order="seq_batch_dim").hidden_state_order == "seq_batch"
     assert GenericAdapter("blocks", hidden_state_order="batch_seq_dim").hidden_state_order == "batch_seq"
