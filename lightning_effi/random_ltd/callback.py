@@ -1671,6 +1671,27 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._batch_ltd_layers = len(self.layer_ids)
         self._fused = self._fused_attention(pl_module)
 
+    def _check_layout(self, record: BatchRecord) -> None:
+        """Warn at the first training batch when the patched layers' sequence axis (as the adapter's
+        ``hidden_state_order`` reads it) is as long as the batch has samples and their batch axis is not: the layout
+        is likely the other one, and random-LTD would drop whole samples (``[B, S, H]`` blocks declared
+        ``seq_batch`` ran their middle layers on 2 of 8 samples, counted as a layer-token saving: qa102-nlp 02). A
+        warning, not an error: a network may fold other axes into its batch (frames, crops) with a sequence as long as
+        the batch by chance."""
+        rows = self._batch_rows
+        if not rows or record.seq_len != rows or record.batch_size == rows:
+            return
+        order = str(getattr(self.adapter, "hidden_state_order", "batch_seq"))
+        other = "batch_seq" if order == "seq_batch" else "seq_batch"
+        rank_zero_warn(
+            f"{type(self).__name__}: at the first training batch the patched layers' hidden states are read as "
+            f"{record.batch_size} sequences of {record.seq_len} tokens ({type(self.adapter).__name__}."
+            f"hidden_state_order={order!r}), but the batch holds {rows} samples: the axes look swapped, and random-"
+            f"LTD would drop whole samples instead of tokens. If the layers take "
+            f"{'[seq, batch, hidden]' if other == 'seq_batch' else '[batch, seq, hidden]'}, declare "
+            f"hidden_state_order={other!r} (GenericAdapter(hidden_state_order=...))"
+        )
+
     def _watch_inputs(self, pl_module: pl.LightningModule) -> None:
         """Hook the modules whose call runs the LTD layers' list (:func:`~lightning_effi.core.measure.block_runners`)
         for the micro-batch: the first tensor of each call on values not seen before in it is another pass over other
@@ -2232,6 +2253,8 @@ class RandomLTDCallback(KeepsSettings, Callback):
                     "LTD drops nothing: that network is not the one training_step trains (an EMA copy, a teacher?); "
                     "name the trained network with model_attr"
                 )
+            else:
+                self._check_layout(self.controller.records[0])
         frac = self._saved_frac() if self._frac_fixed is None else self._frac_fixed
         metrics = {
             "effi/random_ltd/reserved_length": float(self.current_value),

@@ -2441,3 +2441,50 @@ def test_the_monitor_counts_the_full_layers_when_the_modules_forward_is_set_on_i
     for key in ("flops", "baseline_flops", "flops_saved_frac"):
         assert summaries[1][key] == summaries[0][key], key
     assert 0 < summaries[0]["flops"] < summaries[0]["baseline_flops"]
+
+
+class TokenwiseBlock(nn.Module):
+    """A block of one's own that works on any layout (no attention): a pre-LN MLP over the last axis."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+class TokenwiseNet(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(64, 32), nn.Linear(32, 2)
+        self.blocks = nn.ModuleList(TokenwiseBlock() for _ in range(4))
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch["input_ids"])  # [B, S, H]
+        for block in self.blocks:
+            x = block(x)
+        return TF.cross_entropy(self.head(x.mean(1)), batch["input_ids"][:, 0] % 2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("order", ["seq_batch", "batch_seq"])
+def test_a_hidden_state_order_that_swaps_the_axes_is_warned_at_the_first_batch(tmp_path, order):
+    """[B, S, H] blocks declared seq_batch: the middle layers ran on a subset of the samples with all their tokens,
+    counted as a layer-token saving, in silence (qa102-nlp 02). The first batch's sample count tells."""
+    adapter = GenericAdapter("blocks", hidden_size=32, hidden_state_order=order)
+    cb = RandomLTDCallback(min_value=2, seq_per_step=1, require_steps=2, adapter=adapter)
+    trainer = make_trainer(tmp_path, [cb], max_steps=1, max_epochs=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TokenwiseNet(), train_dataloaders=loader(TokenBlocks(n=16, seq_len=16), batch_size=4))
+    swapped = [str(w.message) for w in caught if "the axes look swapped" in str(w.message)]
+    if order == "batch_seq":
+        assert swapped == []
+    else:
+        assert len(swapped) == 1
+        assert "read as 16 sequences of 4 tokens (GenericAdapter.hidden_state_order='seq_batch')" in swapped[0]
+        assert "the batch holds 4 samples" in swapped[0] and "declare hidden_state_order='batch_seq'" in swapped[0]
