@@ -221,7 +221,7 @@ class GenericAdapter(TransformerAdapter):
 
         def declare(parameter: str, name: str, spec: ArgSpec) -> None:
             # one argument, one handling: the later declaration overwrote the earlier one (qa102-nlp 03)
-            if name in declared_in:
+            if declared_in.get(name, parameter) != parameter:  # a repeat within one list is one declaration
                 raise ValueError(
                     f"GenericAdapter: the layer argument {name!r} is declared in both {declared_in[name]} and "
                     f"{parameter}; declare each argument once (seq_args: gathered along its sequence axes, masks: an "

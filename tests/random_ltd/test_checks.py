@@ -130,12 +130,17 @@ def test_generic_adapter_takes_numpy_ints():
         (dict(seq_args={"m": 1}, masks={"m": "self"}), r"argument 'm' is declared in both seq_args and masks"),
         (dict(seq_args={"m": 1}, passthrough=["m"]), r"argument 'm' is declared in both seq_args and passthrough"),
         (dict(masks={"m": "self"}, must_be_none=["m"]), r"argument 'm' is declared in both masks and must_be_none"),
-        (dict(passthrough=["m", "m"]), r"argument 'm' is declared in both passthrough and passthrough"),
     ],
 )
 def test_generic_adapter_refuses_bad_declarations_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GenericAdapter("net.encoder.layers", **kwargs)
+
+
+def test_a_name_repeated_in_one_declaration_is_one_declaration():
+    """``passthrough=common + extra`` may repeat a name: one handling, not a conflict (qa103-regress 04)."""
+    adapter = GenericAdapter("blocks", passthrough=["use_cache", "use_cache"], must_be_none=["past", "past"])
+    assert adapter._declared == {"use_cache": PASS, "past": MUST_BE_NONE}
 
 
 def test_generic_adapter_reads_hydra_containers_and_lists():
