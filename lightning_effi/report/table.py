@@ -572,9 +572,11 @@ def _check_runs(runs: Sequence[Run]) -> None:
 
 
 def _lengths_differ(same: Sequence[Run]) -> str:
-    """The start of the duplicate-runs message when the runs trained different lengths: then they are one arm's
-    budgets recorded without their budget (``write_result``'s default 1.0), not variants to label (qa102-user 02)."""
-    for key in ("optimizer_steps", "max_steps", "max_epochs"):
+    """The start of the duplicate-runs message when the runs were set to train different lengths (``max_steps`` or
+    ``max_epochs``): then they are one arm's budgets recorded without their budget (``write_result``'s default 1.0),
+    not variants to label (qa102-user 02). The steps taken are not compared: variants of one length take other numbers
+    of steps (InfoBatch's pruned epochs, an early stop; qa103-regress 01)."""
+    for key in ("max_steps", "max_epochs"):
         values = [r.length.get(key) for r in same]
         if None not in values and len(set(values)) > 1:
             listed = ", ".join(str(v) for v in values)

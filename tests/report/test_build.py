@@ -338,12 +338,18 @@ def test_runs_that_cannot_be_compared_are_refused(tmp_path):
     assert "different lengths" not in str(err.value)  # equal lengths: variants to label
     # runs of different lengths at one budget are budgets recorded without theirs (write_result's default 1.0): the
     # message named only labels, which would put each length on the frontier as an arm of its own (qa102-user 02)
-    write_record(tmp_path / "a", seed=0, length={"max_epochs": 2, "optimizer_steps": 8})
-    write_record(tmp_path / "b", seed=0, length={"max_epochs": 4, "optimizer_steps": 16})
+    write_record(tmp_path / "a", seed=0, length={"max_steps": -1, "max_epochs": 2, "optimizer_steps": 8})
+    write_record(tmp_path / "b", seed=0, length={"max_steps": -1, "max_epochs": 4, "optimizer_steps": 16})
     with pytest.raises(
-        ReportError, match=r"trained different lengths \(optimizer_steps 8, 16\).*write_result\(\.\.\., budget"
+        ReportError, match=r"trained different lengths \(max_epochs 2, 4\).*write_result\(\.\.\., budget"
     ):
         build_report(load_runs([tmp_path]))
+    # one length set, other steps taken (InfoBatch's shorter epochs, an early stop): variants, not budgets
+    # (qa103-regress 01)
+    write_record(tmp_path / "b", seed=0, length={"max_steps": -1, "max_epochs": 2, "optimizer_steps": 6})
+    with pytest.raises(ReportError, match=r"2 runs of arm 'baseline'") as err:
+        build_report(load_runs([tmp_path]))
+    assert "different lengths" not in str(err.value)
     write_record(tmp_path / "b", seed=1, techniques={"random_ltd": {}})
     with pytest.raises(ReportError, match=r"b: arm 'baseline' but techniques \['random_ltd'\]"):
         build_report(load_runs([tmp_path]))
