@@ -473,14 +473,15 @@ class ResultWriter(pl.Callback):
     Args:
         metric, mode, seed, budget, arm, task_name: as :func:`write_result`.
         out_dir: the run's folder; None: the folder of the run's first logger when that is a ``TensorBoardLogger``
-            or ``CSVLogger`` (its version folder, one per run; in a Hydra job, when it lies in the job's output
-            folder), else the Hydra job's output folder in a Hydra job,
+            or ``CSVLogger`` (its version folder, one per run; in a Hydra job, when it lies outside the job's output
+            folder, its path below the logger's ``save_dir`` taken below the job's folder:
+            ``<job>/lightning_logs/version_0``), else the Hydra job's output folder in a Hydra job,
             else ``trainer.log_dir`` (another logger's ``save_dir``), else ``trainer.default_root_dir`` (no logger, or
             one without a local folder: MLflow on an sqlite or http tracking URI). A folder that
             already holds a ``result.json`` when the fit starts (another run's: runs of a loop or a sweep sharing one
             folder) has it moved to ``result.previous.json`` (``result.previous.2.json``, ... when taken) with a
             warning: give each run its own ``out_dir``. In a Hydra job, a logger's folder outside the job's is not
-            taken (the sweep's report would not find the record there): the job's folder is.
+            taken (the sweep's report would not find the record there).
         config: ``"cli"`` (default): the ``LightningCLI`` configuration when the Trainer has its
             ``SaveConfigCallback`` (recorded as overrides, :func:`config_overrides`); else, built in a Hydra job (your
             own ``@hydra.main`` app), the job's overrides (``HydraConfig.get().overrides.task``, so that the report
@@ -553,12 +554,19 @@ class ResultWriter(pl.Callback):
             if job is None or Path(folder).resolve().is_relative_to(Path(job).resolve()):
                 return folder
             # a logger's folder outside the job's (Lightning's default ./lightning_logs under Hydra's chdir=false):
-            # the record went there with a warning, and the sweep's report found none of its jobs' (qa102-user 04)
+            # the record went there with a warning, and the sweep's report found none of its jobs' (qa102-user 04).
+            # The logger's own path below the job's folder (<job>/lightning_logs/version_0): one folder per run still,
+            # for a job that fits several times (seeds in a loop: qa103-regress 03)
+            try:
+                below = Path(folder).resolve().relative_to(Path(trainer.loggers[0].save_dir or "").resolve())
+            except ValueError:
+                below = Path(*Path(folder).parts[-2:])
+            target = str(Path(job) / below)
             rank_zero_info(
-                f"ResultWriter: this run's record goes to the Hydra job's folder {job} (its logger's folder {folder} "
-                "lies outside it, where a report of the sweep folder would not find it)"
+                f"ResultWriter: this run's record goes to {target}, in the Hydra job's folder (its logger's folder "
+                f"{folder} lies outside it, where a report of the sweep folder would not find it)"
             )
-            return job
+            return target
         if job is not None:  # a Hydra job: its own folder, where a sweep's jobs share the launch folder
             return job
         # another logger's save_dir, or default_root_dir: maybe shared by runs; a logger without a local folder (an
