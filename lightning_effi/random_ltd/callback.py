@@ -59,7 +59,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
@@ -127,6 +127,7 @@ from lightning_effi.models.base import (
     find_candidates,
     resolve_attr,
 )
+from lightning_effi.models.generic import TORCH_LAYERS, GenericAdapter
 from lightning_effi.random_ltd import functional as F
 from lightning_effi.random_ltd.patching import (
     BatchRecord,
@@ -1671,23 +1672,32 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._batch_ltd_layers = len(self.layer_ids)
         self._fused = self._fused_attention(pl_module)
 
-    def _check_layout(self, record: BatchRecord) -> None:
-        """Warn at the first training batch when the patched layers' sequence axis (as the adapter's
-        ``hidden_state_order`` reads it) is as long as the batch has samples and their batch axis is not: the layout
-        is likely the other one, and random-LTD would drop whole samples (``[B, S, H]`` blocks declared
-        ``seq_batch`` ran their middle layers on 2 of 8 samples, counted as a layer-token saving: qa102-nlp 02). A
-        warning, not an error: a network may fold other axes into its batch (frames, crops) with a sequence as long as
-        the batch by chance."""
-        rows = self._batch_rows
-        if not rows or record.seq_len != rows or record.batch_size == rows:
+    def _check_layout(self, trainer: pl.Trainer, batch: Any, record: BatchRecord) -> None:
+        """Warn at the first training batch when a ``GenericAdapter``'s declared ``hidden_state_order`` looks swapped:
+        ``[B, S, H]`` blocks declared ``seq_batch`` ran their middle layers on a subset of the samples with all their
+        tokens, counted as a layer-token saving (qa102-nlp 02). Told only where the shapes leave no doubt: layers whose
+        order is declared (not read from PyTorch layers' ``batch_first``), one loader whose ``batch_size`` is the
+        first axis of the batch's first tensor ``[B, S, ...]`` (a seq-first batch ``[S, B]`` is not read as ``S``
+        samples), and the layers reading ``S`` sequences of ``B`` tokens (a network that folds more rows into its
+        batch, R-Drop's ``2B``, is not taken for a swap; qa103-regress 02)."""
+        adapter = self.adapter
+        if not isinstance(adapter, GenericAdapter) or any(isinstance(m, TORCH_LAYERS) for m in adapter.layers()):
             return
-        order = str(getattr(self.adapter, "hidden_state_order", "batch_seq"))
+        if self._part_sizes is not None:
+            return
+        rows = getattr(trainer.train_dataloader, "batch_size", None)
+        shape = _first_shape(batch)
+        if not is_int(rows) or shape is None or len(shape) < 2 or shape[0] != rows:
+            return
+        if (record.batch_size, record.seq_len) != (shape[1], rows) or shape[1] == rows:
+            return
+        order = adapter.hidden_state_order
         other = "batch_seq" if order == "seq_batch" else "seq_batch"
         rank_zero_warn(
             f"{type(self).__name__}: at the first training batch the patched layers' hidden states are read as "
-            f"{record.batch_size} sequences of {record.seq_len} tokens ({type(self.adapter).__name__}."
-            f"hidden_state_order={order!r}), but the batch holds {rows} samples: the axes look swapped, and random-"
-            f"LTD would drop whole samples instead of tokens. If the layers take "
+            f"{record.batch_size} sequences of {record.seq_len} tokens ({type(adapter).__name__}."
+            f"hidden_state_order={order!r}), but the batch holds {rows} samples of {shape[1]}: the axes look "
+            f"swapped, and random-LTD would drop whole samples instead of tokens. If the layers take "
             f"{'[seq, batch, hidden]' if other == 'seq_batch' else '[batch, seq, hidden]'}, declare "
             f"hidden_state_order={other!r} (GenericAdapter(hidden_state_order=...))"
         )
@@ -2254,7 +2264,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
                     "name the trained network with model_attr"
                 )
             else:
-                self._check_layout(self.controller.records[0])
+                self._check_layout(trainer, batch, self.controller.records[0])
         frac = self._saved_frac() if self._frac_fixed is None else self._frac_fixed
         metrics = {
             "effi/random_ltd/reserved_length": float(self.current_value),
@@ -2600,3 +2610,17 @@ def _deepspeed_total_layer_num(ds_config: Any) -> int | None:
         return None
     total = block.get("total_layer_num") if isinstance(block, Mapping) else None
     return int(total) if is_int(total) else None
+
+
+def _first_shape(batch: Any, depth: int = 0) -> tuple[int, ...] | None:
+    """The shape of the first tensor of a batch (a tensor, or one inside its mappings, lists and tuples, 4 levels
+    deep), or None."""
+    if isinstance(batch, Tensor):
+        return tuple(batch.shape)
+    if depth < 4 and isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if depth < 4 and isinstance(batch, (list, tuple)):
+        for item in batch:
+            if (shape := _first_shape(item, depth + 1)) is not None:
+                return shape
+    return None

@@ -2487,4 +2487,37 @@ def test_a_hidden_state_order_that_swaps_the_axes_is_warned_at_the_first_batch(t
     else:
         assert len(swapped) == 1
         assert "read as 16 sequences of 4 tokens (GenericAdapter.hidden_state_order='seq_batch')" in swapped[0]
-        assert "the batch holds 4 samples" in swapped[0] and "declare hidden_state_order='batch_seq'" in swapped[0]
+        assert (
+            "the batch holds 4 samples of 16" in swapped[0] and "declare hidden_state_order='batch_seq'" in swapped[0]
+        )
+
+
+class SeqFirstNet(TokenwiseNet):
+    """Batches collated sequence-first, ``input_ids`` ``[S, B]``, and blocks taking ``[S, B, H]``."""
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch["input_ids"])  # [S, B, H]
+        for block in self.blocks:
+            x = block(x)
+        return TF.cross_entropy(self.head(x.mean(0)), batch["input_ids"][0] % 2)
+
+
+def test_a_seq_first_batch_with_seq_first_layers_is_not_warned(tmp_path):
+    """A right seq_batch declaration on sequence-first batches: the batch's first axis is its sequence, so it was
+    read as 16 samples and the layers' 16 positions looked swapped (qa103-regress 02). The loader's batch_size
+    tells the samples."""
+    adapter = GenericAdapter("blocks", hidden_size=32, hidden_state_order="seq_batch")
+    cb = RandomLTDCallback(min_value=2, seq_per_step=1, require_steps=2, adapter=adapter)
+    watch = Watch(cb)
+    data = torch.utils.data.DataLoader(
+        TokenBlocks(n=16, seq_len=16),
+        batch_size=4,
+        collate_fn=lambda rows: {"input_ids": torch.stack([r["input_ids"] for r in rows], dim=1)},
+    )
+    trainer = make_trainer(tmp_path, [cb, watch], max_steps=1, max_epochs=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(SeqFirstNet(), train_dataloaders=data)
+    assert [str(w.message) for w in caught if "swapped" in str(w.message)] == []
+    record = watch.rows[0]["records"][0]
+    assert (record.batch_size, record.seq_len) == (4, 16)  # 4 samples of 16 tokens: tokens dropped, not samples
