@@ -1378,6 +1378,44 @@ class RandomLTDCallback(KeepsSettings, Callback):
             f"never see; pass max_value, the positions the layers see at the curriculum's longest batch"
         )
 
+    def _check_curriculum_end(self, seq_len: int, length: int) -> None:
+        """Under the curriculum's ``seqlen_truncate``, at the first training batch (``length`` tokens long, ``seq_len``
+        positions in the patched layers), the settings against the longest sequence the layers will see: the
+        curriculum's longest batch moved by the first batch's offset (a label shift, a token the model adds). The
+        checks that apply without a curriculum at the first batch were skipped with one (the first batches are short
+        by design), so an explicit ``max_value`` above that length (the last steps dropped nothing) and a
+        ``seq_per_step`` above the derived ``max_value`` (the reserved length never grew) trained in silence
+        (qa102-break 01). A layer length that is not the batch's give or take a few positions (a frontend that
+        downsamples) is not checked: its units are the user's.
+
+        Raises:
+            ValueError: naming the parameter, the curriculum's longest batch and the layers' length.
+        """
+        assert self._seqlen_curriculum is not None
+        metric, longest = self._seqlen_curriculum
+        offset = seq_len - length
+        if not (-1 <= offset <= _OFFSET_TOKENS and length > 4 * abs(offset)):
+            return
+        layers = longest + offset
+        name = type(self).__name__
+        where = (
+            f"the longest sequence the patched layers see under the curriculum's {metric} ({layers} positions: its "
+            f"longest batch, {longest} tokens, {offset:+d} as at the first training batch)"
+        )
+        if self.max_value_arg is not None and self.max_value_arg > layers:
+            raise ValueError(
+                f"{name}.max_value ({self.max_value_arg}) is larger than {where}: the reserved length would reach the "
+                f"sequence length before the end of its growth and drop nothing from then on; leave max_value=None "
+                f"(the schedule then ends at the curriculum's longest batch) or pass max_value <= {layers}"
+            )
+        end = self.max_value if self.max_value_arg is None else self.max_value_arg
+        if self.max_value_arg is None and end is not None and self.seq_per_step > end:
+            raise ValueError(
+                f"{name}.seq_per_step ({self.seq_per_step}) is larger than max_value=None's end of the schedule, "
+                f"{where}: the reserved length is rounded down to a multiple of seq_per_step, so it never grows "
+                f"(min_value until require_steps, then {end}); pass seq_per_step <= {end}"
+            )
+
     def _lengths_may_grow(self) -> bool:
         """Whether a later batch may be longer than the first: the samples peeked at train start differ in length, or
         the first batch has padding and no peek told the samples' length (samples padded to one fixed length, peeked
@@ -1658,7 +1696,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._first_batch_length = None
         if not self._seen:  # a first batch padded per batch: its length does not bound an explicit max_value
             self._first_padded = _padded(batch)
-        if not self._seen and self.max_value_arg is None and self._truncation_shift is not None:
+        if not self._seen and self._truncation_shift is not None:
             meta = batch_meta(trainer) or {}
             difficulty, full = meta.get("cl_difficulty"), meta.get("cl_full_length")
             if isinstance(difficulty, Mapping) and is_int(difficulty.get("seqlen_truncate")) and is_int(full):
@@ -1956,8 +1994,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
         - an explicit ``max_value``: checked once against the first training forward's length.
 
         With a Curriculum in the run (its first batches are shorter by design: truncated, or the shortest samples
-        first) neither check applies, and a first batch shorter than ``min_value`` passes through (``max_value`` is
-        then ``min_value`` until a longer batch raises it; announced).
+        first) neither check applies to the first batch's length, and a first batch shorter than ``min_value`` passes
+        through (``max_value`` is then ``min_value`` until a longer batch raises it; announced); under its
+        ``seqlen_truncate`` they apply to its longest batch instead (:meth:`_check_curriculum_end`).
 
         Raises:
             ValueError: ``min_value`` larger than the first derived length (no token would ever be dropped); an
@@ -1972,7 +2011,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
             # warns when no batch reached it)
             self._check_length(seq_len, "at the first training batch", explicit_max=not self._lengths_may_grow())
         if first and self._first_batch_length is not None:
-            self._check_curriculum_units(seq_len, self._first_batch_length)
+            if self.max_value_arg is None:
+                self._check_curriculum_units(seq_len, self._first_batch_length)
+            self._check_curriculum_end(seq_len, self._first_batch_length)
         if self.max_value_arg is not None:
             return
         if self.max_value is None:

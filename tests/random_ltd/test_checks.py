@@ -1070,3 +1070,41 @@ def test_an_moe_model_returning_its_router_logits_is_refused_at_setup(tmp_path):
     ):
         fit(True)
     fit(False)  # without the router loss it trains
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            dict(max_value=24),
+            r"^RandomLTDCallback.max_value \(24\) is larger than the longest sequence the patched layers see under the "
+            r"curriculum's seqlen_truncate \(16 positions: its longest batch, 16 tokens, \+0 as at the first training "
+            r"batch\).* pass max_value <= 16",
+        ),
+        (
+            dict(seq_per_step=24),
+            r"^RandomLTDCallback.seq_per_step \(24\) is larger than max_value=None's end of the schedule, the longest "
+            r"sequence the patched layers see under the curriculum's seqlen_truncate \(16 positions.* pass "
+            r"seq_per_step <= 16",
+        ),
+        (dict(max_value=16), None),
+        (dict(seq_per_step=16), None),
+    ],
+)
+def test_the_schedules_end_is_checked_against_the_curriculums_longest_batch(tmp_path, kwargs, match):
+    """Without a curriculum an explicit max_value above the layers' length, or a seq_per_step above the derived one,
+    is refused at the first batch; with one the checks were skipped (its first batches are short by design): the last
+    steps dropped nothing, or the reserved length never grew, in silence (qa102-break 01). The curriculum's longest
+    batch (16 of the 16-token blocks) is the length."""
+    from lightning_effi.curriculum import Curriculum, CurriculumDataModule
+
+    cb = ltd(**{"require_steps": 2} | kwargs)
+    curriculum = Curriculum(metrics=seqlen_truncate(8, 16, 2, 8))
+    trainer = make_trainer(tmp_path, [curriculum, cb], max_steps=3, max_epochs=-1)
+    if match is None:
+        trainer.fit(deep_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+        assert trainer.global_step == 3 and cb.consumed_layer_tokens < cb.full_layer_tokens
+        return
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(deep_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+    assert trainer.global_step == 0
