@@ -416,6 +416,11 @@ def _why_not_logged(metric: str, monitor: Any, metrics: Mapping[str, Any] | None
     return "".join(f"; {h}" for h in hints)
 
 
+#: fits per Hydra job folder in this process whose record went to the job's folder for want of a logger folder inside
+#: it (:meth:`ResultWriter._resolve_dir`): the k-th goes to ``<job>/fit_<k>``
+_JOB_FITS: dict[str, int] = {}
+
+
 def _check_writer(
     metric: Any, out_dir: Any, mode: Any, seed: Any, budget: Any, arm: Any, task_name: Any, config: Any
 ) -> str | None:
@@ -474,8 +479,8 @@ class ResultWriter(pl.Callback):
         metric, mode, seed, budget, arm, task_name: as :func:`write_result`.
         out_dir: the run's folder; None: the folder of the run's first logger when that is a ``TensorBoardLogger``
             or ``CSVLogger`` (its version folder, one per run; in a Hydra job, when it lies outside the job's output
-            folder, its path below the logger's ``save_dir`` taken below the job's folder:
-            ``<job>/lightning_logs/version_0``), else the Hydra job's output folder in a Hydra job,
+            folder, the job's folder, ``<job>/fit_<k>`` for the job's k-th fit in one process), else the Hydra job's
+            output folder in a Hydra job,
             else ``trainer.log_dir`` (another logger's ``save_dir``), else ``trainer.default_root_dir`` (no logger, or
             one without a local folder: MLflow on an sqlite or http tracking URI). A folder that
             already holds a ``result.json`` when the fit starts (another run's: runs of a loop or a sweep sharing one
@@ -555,13 +560,13 @@ class ResultWriter(pl.Callback):
                 return folder
             # a logger's folder outside the job's (Lightning's default ./lightning_logs under Hydra's chdir=false):
             # the record went there with a warning, and the sweep's report found none of its jobs' (qa102-user 04).
-            # The logger's own path below the job's folder (<job>/lightning_logs/version_0): one folder per run still,
-            # for a job that fits several times (seeds in a loop: qa103-regress 03)
-            try:
-                below = Path(folder).resolve().relative_to(Path(trainer.loggers[0].save_dir or "").resolve())
-            except ValueError:
-                below = Path(*Path(folder).parts[-2:])
-            target = str(Path(job) / below)
+            # The job's folder for its first fit in this process, <job>/fit_<k> for its k-th: one folder per fit of a
+            # job that fits several times (seeds in a loop: qa103-regress 03), and the same folders when the sweep
+            # is launched again into the same folder (the logger's version, global to the launch folder, gave a
+            # rerun's record a new folder beside the first run's, and the report refused the two: qa104-regress 01)
+            key = str(Path(job).resolve())
+            count = _JOB_FITS[key] = _JOB_FITS.get(key, 0) + 1
+            target = job if count == 1 else str(Path(job) / f"fit_{count}")
             rank_zero_info(
                 f"ResultWriter: this run's record goes to {target}, in the Hydra job's folder (its logger's folder "
                 f"{folder} lies outside it, where a report of the sweep folder would not find it)"

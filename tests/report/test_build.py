@@ -1029,14 +1029,28 @@ def test_a_result_writer_writes_into_the_loggers_version_folder_or_the_hydra_job
     # there with a warning, and the README's own Hydra app, a Trainer with its default logger, left every job of its
     # sweep without a record: qa102-user 04)
     monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    from lightning_effi.report import record as record_module
+
+    monkeypatch.setattr(record_module, "_JOB_FITS", {})  # this process's fits per job: none yet
     d = _fit_with_result_writer(tmp_path, 3, logger=CSVLogger(tmp_path / "logs"))
-    assert d.path == job / "lightning_logs/version_2/result.json" and json.loads(d.path.read_text())["seed"] == 3
+    assert d.path == job / "result.json" and json.loads(d.path.read_text())["seed"] == 3
     assert not (tmp_path / "logs/lightning_logs/version_2/result.json").exists()
-    # the logger's path below the job's folder: a job that fits several times (seeds in a loop) keeps a record per
-    # fit (the job's folder alone kept the last one, the others moved aside: qa103-regress 03)
+    # a job that fits several times (seeds in a loop) keeps a record per fit (the job's folder alone kept the last
+    # one, the others moved aside: qa103-regress 03)
     d2 = _fit_with_result_writer(tmp_path, 5, logger=CSVLogger(tmp_path / "logs"))
-    assert d2.path == job / "lightning_logs/version_3/result.json"
+    assert d2.path == job / "fit_2/result.json"
     assert json.loads(d.path.read_text())["seed"] == 3 and json.loads(d2.path.read_text())["seed"] == 5
+    # the sweep launched again into its folder (a new process): the same folders, each earlier record moved aside
+    # (the logger's version, global to the launch folder, put the rerun's record beside the first's, and the report
+    # refused the two: qa104-regress 01)
+    monkeypatch.setattr(record_module, "_JOB_FITS", {})
+    d3 = _fit_with_result_writer(tmp_path, 6, logger=CSVLogger(tmp_path / "logs"))
+    assert d3.path == job / "result.json" and json.loads(d3.path.read_text())["seed"] == 6
+    assert sorted(p.name for p in job.glob("result*.json")) == [
+        "result.json",
+        "result.previous.2.json",
+        "result.previous.json",
+    ]
     # one inside the job's folder is (its version folder: one per run)
     e = _fit_with_result_writer(tmp_path, 4, logger=CSVLogger(job / "csv"))
     assert e.path == job / "csv/lightning_logs/version_0/result.json"
