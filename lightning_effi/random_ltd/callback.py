@@ -1379,9 +1379,10 @@ class RandomLTDCallback(KeepsSettings, Callback):
         )
 
     def _check_curriculum_end(self, seq_len: int, length: int) -> None:
-        """Under the curriculum's ``seqlen_truncate``, at the first training batch (``length`` tokens long, ``seq_len``
-        positions in the patched layers), the settings against the longest sequence the layers will see: the
-        curriculum's longest batch moved by the first batch's offset (a label shift, a token the model adds). The
+        """Under the curriculum's ``seqlen_truncate`` (or ``seqlen_reshape``, rows of ``difficulty + 1`` tokens), at
+        the first training batch (``length`` tokens long, ``seq_len`` positions in the patched layers), the settings
+        against the longest sequence the layers will see: the curriculum's longest batch moved by the first batch's
+        offset (a label shift, a token the model adds). The
         checks that apply without a curriculum at the first batch were skipped with one (the first batches are short
         by design), so an explicit ``max_value`` above that length (the last steps dropped nothing) and a
         ``seq_per_step`` above the derived ``max_value`` (the reserved length never grew) trained in silence
@@ -1696,11 +1697,15 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._first_batch_length = None
         if not self._seen:  # a first batch padded per batch: its length does not bound an explicit max_value
             self._first_padded = _padded(batch)
-        if not self._seen and self._truncation_shift is not None:
+        if not self._seen and self._seqlen_curriculum is not None:
             meta = batch_meta(trainer) or {}
             difficulty, full = meta.get("cl_difficulty"), meta.get("cl_full_length")
-            if isinstance(difficulty, Mapping) and is_int(difficulty.get("seqlen_truncate")) and is_int(full):
+            difficulty = difficulty if isinstance(difficulty, Mapping) else {}
+            if self._truncation_shift is not None and is_int(difficulty.get("seqlen_truncate")) and is_int(full):
                 self._first_batch_length = min(int(full), int(difficulty["seqlen_truncate"]) + self._truncation_shift)
+            elif self._truncation_shift is None and is_int(difficulty.get("seqlen_reshape")):
+                # seqlen_reshape: rows of difficulty + 1 tokens (its end is checked as truncation's: qa104-regress 02)
+                self._first_batch_length = int(difficulty["seqlen_reshape"]) + 1
         self.controller.begin(step, batch_idx, self._reserved_length)
         self._watch_inputs(pl_module)
         self._folded = False
@@ -2011,7 +2016,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
             # warns when no batch reached it)
             self._check_length(seq_len, "at the first training batch", explicit_max=not self._lengths_may_grow())
         if first and self._first_batch_length is not None:
-            if self.max_value_arg is None:
+            if self.max_value_arg is None and self._truncation_shift is not None:
                 self._check_curriculum_units(seq_len, self._first_batch_length)
             self._check_curriculum_end(seq_len, self._first_batch_length)
         if self.max_value_arg is not None:

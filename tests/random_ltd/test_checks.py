@@ -1089,6 +1089,14 @@ def test_an_moe_model_returning_its_router_logits_is_refused_at_setup(tmp_path):
         ),
         (dict(max_value=16), None),
         (dict(seq_per_step=16), None),
+        # seqlen_reshape: rows of 4 .. 8 tokens (difficulty 3 .. 7, + 1) (qa104-regress 02)
+        (
+            dict(max_value=16, reshape=True),
+            r"^RandomLTDCallback.max_value \(16\) is larger than the longest sequence the patched layers see under the "
+            r"curriculum's seqlen_reshape \(8 positions",
+        ),
+        (dict(seq_per_step=12, reshape=True), r"^RandomLTDCallback.seq_per_step \(12\) is larger than .*\(8 positions"),
+        (dict(max_value=8, reshape=True), None),
     ],
 )
 def test_the_schedules_end_is_checked_against_the_curriculums_longest_batch(tmp_path, kwargs, match):
@@ -1098,8 +1106,12 @@ def test_the_schedules_end_is_checked_against_the_curriculums_longest_batch(tmp_
     batch (16 of the 16-token blocks) is the length."""
     from lightning_effi.curriculum import Curriculum, CurriculumDataModule
 
-    cb = ltd(**{"require_steps": 2} | kwargs)
-    curriculum = Curriculum(metrics=seqlen_truncate(8, 16, 2, 8))
+    kwargs, metrics = dict(kwargs), seqlen_truncate(8, 16, 2, 8)
+    if kwargs.pop("reshape", False):
+        metrics = {"seqlen_reshape": metrics["seqlen_truncate"] | dict(min_difficulty=3, max_difficulty=7)}
+        metrics["seqlen_reshape"]["schedule_config"] = dict(total_curriculum_step=2, difficulty_step=4)
+    cb = ltd(**{"require_steps": 2, "min_value": 2, "seq_per_step": 2} | kwargs)
+    curriculum = Curriculum(metrics=metrics)
     trainer = make_trainer(tmp_path, [curriculum, cb], max_steps=3, max_epochs=-1)
     if match is None:
         trainer.fit(deep_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
