@@ -219,7 +219,7 @@ class GenericAdapter(TransformerAdapter):
         args: dict[str, ArgSpec] = {}
         declared_in: dict[str, str] = {}
 
-        def declare(parameter: str, name: str, spec: ArgSpec) -> None:
+        def declare(parameter: str, name: str, handling: ArgSpec) -> None:
             # one argument, one handling: the later declaration overwrote the earlier one (qa102-nlp 03)
             if declared_in.get(name, parameter) != parameter:  # a repeat within one list is one declaration
                 raise ValueError(
@@ -229,7 +229,7 @@ class GenericAdapter(TransformerAdapter):
                     "unless None)"
                 )
             declared_in[name] = parameter
-            args[name] = spec
+            args[name] = handling
 
         for name, axes in _mapping("seq_args", seq_args, "sequence axes (an int or a list of ints)").items():
             declare("seq_args", name, SeqArg(_axes(name, axes)))
