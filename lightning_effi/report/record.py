@@ -417,8 +417,40 @@ def _why_not_logged(metric: str, monitor: Any, metrics: Mapping[str, Any] | None
 
 
 #: fits per Hydra job folder in this process whose record went to the job's folder for want of a logger folder inside
-#: it (:meth:`ResultWriter._resolve_dir`): the k-th goes to ``<job>/fit_<k>``
+#: it (:meth:`ResultWriter._resolve_dir`), where the job has no ``.hydra/hydra.yaml`` to date its start
 _JOB_FITS: dict[str, int] = {}
+
+
+def _earlier_launch(record: Path) -> bool:
+    """Whether ``record`` lies in a Hydra job's folder (or its ``fit_<k>``) and was written before the job started:
+    an earlier launch's, the sweep launched again into its folder (the advice to give each run its own folder did
+    not apply: qa105-regress 03)."""
+    for folder in (record.parent, record.parent.parent):
+        started_file = folder / ".hydra" / "hydra.yaml"
+        if started_file.is_file():
+            return record.stat().st_mtime < started_file.stat().st_mtime
+    return False
+
+
+def _job_fit_folder(job: str) -> str:
+    """The folder of a Hydra job's next fit whose logger writes outside the job's folder: the job's folder for its
+    first fit, ``<job>/fit_<k>`` for its k-th. The fits this job run made are the records written since it started
+    (Hydra writes ``.hydra/hydra.yaml`` at a job's start): read from the folders, so that the fits of a loop under
+    ``ddp_spawn`` (whose processes do not share a counter; qa105-regress 01) count, and a sweep launched again into
+    its folder finds the earlier launch's records older and takes the same folders (its records are moved aside).
+    Without that file (``hydra.output_subdir=null``) the fits are counted in this process."""
+    started_file = Path(job) / ".hydra" / "hydra.yaml"
+    if not started_file.is_file():
+        key = str(Path(job).resolve())
+        count = _JOB_FITS[key] = _JOB_FITS.get(key, 0) + 1
+        return job if count == 1 else str(Path(job) / f"fit_{count}")
+    started, k = started_file.stat().st_mtime, 1
+    while True:
+        folder = Path(job) if k == 1 else Path(job) / f"fit_{k}"
+        record = folder / "result.json"
+        if not (record.is_file() and record.stat().st_mtime >= started):
+            return str(folder)
+        k += 1
 
 
 def _check_writer(
@@ -564,9 +596,7 @@ class ResultWriter(pl.Callback):
             # job that fits several times (seeds in a loop: qa103-regress 03), and the same folders when the sweep
             # is launched again into the same folder (the logger's version, global to the launch folder, gave a
             # rerun's record a new folder beside the first run's, and the report refused the two: qa104-regress 01)
-            key = str(Path(job).resolve())
-            count = _JOB_FITS[key] = _JOB_FITS.get(key, 0) + 1
-            target = job if count == 1 else str(Path(job) / f"fit_{count}")
+            target = _job_fit_folder(job)
             rank_zero_info(
                 f"ResultWriter: this run's record goes to {target}, in the Hydra job's folder (its logger's folder "
                 f"{folder} lies outside it, where a report of the sweep folder would not find it)"
@@ -687,12 +717,19 @@ class ResultWriter(pl.Callback):
             # runs of a loop or a sweep writing into one folder (no logger, Hydra's launch folder): the second
             # replaced the first's record in silence, and the report saw one run (qa48-hydra 02)
             kept = _previous_name(earlier.parent)
+            relaunch = _earlier_launch(earlier)
             earlier.replace(kept)
             rank_zero_warn(
                 f"ResultWriter: {earlier} held an earlier run's record when this fit started; it is moved to "
-                f"{kept.name} and this run's record takes its place. Runs that share a folder replace each "
-                "other's records: give each run its own out_dir (e.g. runs/<arm>_<budget>_seed<seed>; under Hydra "
-                "${hydra:runtime.output_dir}), or a TensorBoardLogger / CSVLogger, whose version folders are one a run"
+                f"{kept.name} and this run's record takes its place. "
+                + (
+                    "It was written before this Hydra job started: the sweep was launched again into the same "
+                    "folder (a new hydra.sweep.dir keeps the launches apart)"
+                    if relaunch
+                    else "Runs that share a folder replace each other's records: give each run its own out_dir (e.g. "
+                    "runs/<arm>_<budget>_seed<seed>; under Hydra ${hydra:runtime.output_dir}), or a TensorBoardLogger "
+                    "/ CSVLogger, whose version folders are one a run"
+                )
             )
         self.path = write_result(
             trainer,

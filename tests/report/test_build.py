@@ -1056,6 +1056,41 @@ def test_a_result_writer_writes_into_the_loggers_version_folder_or_the_hydra_job
     assert e.path == job / "csv/lightning_logs/version_0/result.json"
 
 
+def test_a_hydra_jobs_fits_are_read_from_its_folders_since_it_started(tmp_path, monkeypatch):
+    """With a logger outside the job's folder, the job's k-th fit goes to <job>/fit_<k>, counted from the records
+    written since the job started (its .hydra/hydra.yaml): fits in processes that share no counter (a loop under
+    ddp_spawn: every record went to <job>/result.json, qa105-regress 01) count, and a sweep launched again finds the
+    earlier launch's records older, reuses the folders and says so (qa105-regress 03)."""
+    import os
+
+    from hydra.core.hydra_config import HydraConfig
+    from lightning.pytorch.loggers import CSVLogger
+    from omegaconf import OmegaConf
+
+    from lightning_effi.report import record as record_module
+
+    job = tmp_path / "sweep/0"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra/hydra.yaml").write_text("hydra: {}")
+    os.utime(job / ".hydra/hydra.yaml", (1e9, 1e9))  # the job started long before its fits
+    config = OmegaConf.create({"runtime": {"output_dir": str(job)}, "overrides": {"task": ["seed=0"]}})
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: config))
+    paths = []
+    for seed in (0, 1, 2):
+        monkeypatch.setattr(record_module, "_JOB_FITS", {})  # as in a process of its own
+        paths.append(_fit_with_result_writer(tmp_path, seed, logger=CSVLogger(tmp_path / "logs")).path)
+    assert paths == [job / "result.json", job / "fit_2/result.json", job / "fit_3/result.json"]
+    # launched again: the job starts after the records were written
+    now = max(p.stat().st_mtime for p in paths) + 10
+    os.utime(job / ".hydra/hydra.yaml", (now, now))
+    for p in paths:
+        os.utime(p, (now - 5, now - 5))
+    with pytest.warns(UserWarning, match=r"written before this Hydra job started: the sweep was launched again"):
+        again = _fit_with_result_writer(tmp_path, 3, logger=CSVLogger(tmp_path / "logs"))
+    assert again.path == job / "result.json" and (job / "result.previous.json").is_file()
+
+
 def test_a_result_writer_warns_at_the_first_validation_of_a_metric_not_logged(tmp_path):
     """A misspelt metric is told at the fit's first validation, naming the logged ones (the error came after the
     whole fit, with no record written, qa86-user 05); a logged one is not warned of."""
