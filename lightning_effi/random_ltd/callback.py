@@ -1346,18 +1346,20 @@ class RandomLTDCallback(KeepsSettings, Callback):
 
     def _check_curriculum_units(self, seq_len: int, length: int) -> None:
         """``max_value`` derived from the curriculum's ``seqlen_truncate`` (its ``max_difficulty``, in the batch's
-        units) against the first batch: its layers see the batch's length (``length``, less the label shift at
-        most), or one position fewer (the step's own ``ids[:, :-1]``) or a few more (tokens the model adds: at most
-        :data:`_OFFSET_TOKENS`), in a batch long enough for that not to be a ratio, which ``max_value`` is moved by
-        (announced). A frontend that downsamples (audio
+        units; ``seqlen_reshape``: its rows of ``max_difficulty + 1``) against the first batch: its layers see the
+        batch's length (``length``, less the label shift at most), or one position fewer (the step's own
+        ``ids[:, :-1]``) or a few more (tokens the model adds: at most :data:`_OFFSET_TOKENS`), in a batch long enough
+        for that not to be a ratio, which ``max_value`` is moved by (announced). A frontend that downsamples (audio
         samples to frames, bytes to patches) or many tokens the model adds make the two differ more, and the schedule
         would end at a length the layers never see.
 
         Raises:
             ValueError: naming both lengths and ``max_value``.
         """
-        assert self._seqlen_curriculum is not None and self._truncation_shift is not None
-        if length - self._truncation_shift <= seq_len <= length:
+        assert self._seqlen_curriculum is not None
+        # seqlen_reshape (no truncation shift): its rows' length, a step that shifts its own labels one fewer
+        # (qa105-regress 02: the derived max_value stayed one above what the layers see)
+        if length - (self._truncation_shift or 0) <= seq_len <= length:
             return
         metric, longest = self._seqlen_curriculum
         offset = seq_len - length
@@ -2016,7 +2018,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
             # warns when no batch reached it)
             self._check_length(seq_len, "at the first training batch", explicit_max=not self._lengths_may_grow())
         if first and self._first_batch_length is not None:
-            if self.max_value_arg is None and self._truncation_shift is not None:
+            if self.max_value_arg is None:
                 self._check_curriculum_units(seq_len, self._first_batch_length)
             self._check_curriculum_end(seq_len, self._first_batch_length)
         if self.max_value_arg is not None:

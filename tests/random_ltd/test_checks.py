@@ -1120,3 +1120,33 @@ def test_the_schedules_end_is_checked_against_the_curriculums_longest_batch(tmp_
     with pytest.raises(ValueError, match=match):
         trainer.fit(deep_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
     assert trainer.global_step == 0
+
+
+def test_a_reshaped_curriculums_end_moves_with_a_step_that_shifts_its_own_labels(tmp_path):
+    """seqlen_reshape's rows of d + 1 tokens fed as rows[:, :-1] (Megatron's convention): the layers see 7 positions
+    at the longest rows of 8. The derived max_value stayed 8, and seq_per_step=8 trained in silence (qa105-regress
+    02); it now moves by the first batch's offset, as under seqlen_truncate."""
+    from lightning_effi.curriculum import Curriculum, CurriculumDataModule
+    from lightning_effi.reference.tasks.language_models import token_losses_per_sample
+
+    class ShiftingGPT2(GPT2CausalLM):
+        def model_inputs(self, batch):
+            return {"input_ids": batch["input_ids"][:, :-1]}
+
+        def per_sample_loss(self, batch):
+            logits = self.model(input_ids=batch["input_ids"][:, :-1]).logits
+            targets = batch["input_ids"][:, 1:]
+            return token_losses_per_sample(logits, targets), (logits, targets)
+
+    metrics = {"seqlen_reshape": seqlen_truncate(3, 7, 2, 4)["seqlen_truncate"]}  # rows of 4 .. 8 tokens
+
+    def fit(**kw):
+        cb = ltd(**{"min_value": 2, "require_steps": 2, "seq_per_step": 1} | kw)
+        trainer = make_trainer(tmp_path, [Curriculum(metrics=metrics), cb], max_steps=3, max_epochs=-1)
+        model = ShiftingGPT2(**{**TINY_GPT2, "optimizer": sgd, "n_layer": 4})
+        trainer.fit(model, datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4)))
+        return cb
+
+    assert fit().max_value == 7
+    with pytest.raises(ValueError, match=r"seq_per_step \(8\) is larger than .*\(7 positions"):
+        fit(seq_per_step=8)
