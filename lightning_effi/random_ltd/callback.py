@@ -1384,12 +1384,11 @@ class RandomLTDCallback(KeepsSettings, Callback):
         """Under the curriculum's ``seqlen_truncate`` (or ``seqlen_reshape``, rows of ``difficulty + 1`` tokens), at
         the first training batch (``length`` tokens long, ``seq_len`` positions in the patched layers), the settings
         against the longest sequence the layers will see: the curriculum's longest batch moved by the first batch's
-        offset (a label shift, a token the model adds). The
-        checks that apply without a curriculum at the first batch were skipped with one (the first batches are short
-        by design), so an explicit ``max_value`` above that length (the last steps dropped nothing) and a
-        ``seq_per_step`` above the derived ``max_value`` (the reserved length never grew) trained in silence
-        (qa102-break 01). A layer length that is not the batch's give or take a few positions (a frontend that
-        downsamples) is not checked: its units are the user's.
+        offset (a label shift, a token the model adds). The checks that apply without a curriculum at the first batch
+        were skipped with one (the first batches are short by design), so an explicit ``max_value`` above that length
+        (the last steps dropped nothing) and a ``seq_per_step`` above the derived ``max_value`` (the reserved length
+        never grew) trained in silence (qa102-break 01). A layer length that is not the batch's give or take a few
+        positions (a frontend that downsamples) is not checked: its units are the user's.
 
         Raises:
             ValueError: naming the parameter, the curriculum's longest batch and the layers' length.
@@ -2003,7 +2002,8 @@ class RandomLTDCallback(KeepsSettings, Callback):
         With a Curriculum in the run (its first batches are shorter by design: truncated, or the shortest samples
         first) neither check applies to the first batch's length, and a first batch shorter than ``min_value`` passes
         through (``max_value`` is then ``min_value`` until a longer batch raises it; announced); under its
-        ``seqlen_truncate`` they apply to its longest batch instead (:meth:`_check_curriculum_end`).
+        ``seqlen_truncate`` or ``seqlen_reshape`` they apply to its longest batch instead
+        (:meth:`_check_curriculum_end`).
 
         Raises:
             ValueError: ``min_value`` larger than the first derived length (no token would ever be dropped); an

@@ -511,7 +511,7 @@ class ResultWriter(pl.Callback):
         metric, mode, seed, budget, arm, task_name: as :func:`write_result`.
         out_dir: the run's folder; None: the folder of the run's first logger when that is a ``TensorBoardLogger``
             or ``CSVLogger`` (its version folder, one per run; in a Hydra job, when it lies outside the job's output
-            folder, the job's folder, ``<job>/fit_<k>`` for the job's k-th fit in one process), else the Hydra job's
+            folder, the job's folder, ``<job>/fit_<k>`` for the k-th fit since the job started), else the Hydra job's
             output folder in a Hydra job,
             else ``trainer.log_dir`` (another logger's ``save_dir``), else ``trainer.default_root_dir`` (no logger, or
             one without a local folder: MLflow on an sqlite or http tracking URI). A folder that
@@ -592,8 +592,8 @@ class ResultWriter(pl.Callback):
                 return folder
             # a logger's folder outside the job's (Lightning's default ./lightning_logs under Hydra's chdir=false):
             # the record went there with a warning, and the sweep's report found none of its jobs' (qa102-user 04).
-            # The job's folder for its first fit in this process, <job>/fit_<k> for its k-th: one folder per fit of a
-            # job that fits several times (seeds in a loop: qa103-regress 03), and the same folders when the sweep
+            # The job's folder for its first fit, <job>/fit_<k> for its k-th (_job_fit_folder): one folder per fit of
+            # a job that fits several times (seeds in a loop: qa103-regress 03), and the same folders when the sweep
             # is launched again into the same folder (the logger's version, global to the launch folder, gave a
             # rerun's record a new folder beside the first run's, and the report refused the two: qa104-regress 01)
             target = _job_fit_folder(job)
