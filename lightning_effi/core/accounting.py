@@ -96,6 +96,7 @@ from lightning_effi.core.batch import unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, is_int, is_real
 from lightning_effi.core.compat import logging_step, rebuild_train_loader_after_restore, validation_follows_batch
 from lightning_effi.core.console import print_block
+from lightning_effi.core.hook_ids import reserve_hook_ids
 from lightning_effi.core.measure import (
     CallRecord,
     CallRecorder,
@@ -1429,6 +1430,7 @@ class EfficiencyMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        reserve_hook_ids(pl_module)  # hooks of its own ids (lightning_effi.core.hook_ids: a spawned rank's module)
         # a new fit counts from zero; a resumed one gets its totals back from the checkpoint after setup; a further
         # fit of the Trainer whose last fit this monitor counted to its end goes on counting
         if stage == "fit":

@@ -68,6 +68,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_effi.core.console import unshown_warnings
 from lightning_effi.core.flops import flop_counter
+from lightning_effi.core.hook_ids import remove_global_forward_hook, reserve_hook_ids
 
 __all__ = [
     "block_runners",
@@ -1263,6 +1264,9 @@ class OutsideProducts(torch.overrides.TorchFunctionMode):
     def __enter__(self) -> OutsideProducts:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+        root = self.recorder._root() if self.recorder._root is not None else None  # noqa: SLF001
+        if root is not None:
+            reserve_hook_ids(root)
         self._handles = [
             register_module_forward_pre_hook(self._before),
             register_module_forward_hook(self._after, always_call=True),
@@ -1271,7 +1275,7 @@ class OutsideProducts(torch.overrides.TorchFunctionMode):
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:
-            handle.remove()
+            remove_global_forward_hook(handle)
         self._handles = []
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
@@ -1398,6 +1402,7 @@ class CallRecorder:
         self._root, self._outside = weakref.ref(root), set()
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+        reserve_hook_ids(root)  # ids of its own (a module sent to a spawned rank keeps its hooks' ids)
         self._handles = [
             register_module_forward_pre_hook(self._before),
             register_module_forward_hook(self._after, with_kwargs=True, always_call=True),
@@ -1406,7 +1411,7 @@ class CallRecorder:
     def stop(self, batch: Any) -> None:
         """Stop recording; the tensor arguments that are tensors of ``batch`` get their path (:class:`TensorInfo`)."""
         for handle in self._handles:
-            handle.remove()
+            remove_global_forward_hook(handle)
         self._handles, self._stack, self._replayed, self._replayed_ids = [], [], [], None
         self._close_regions()
         slices, self._slices, self._batch_tensors = self._slices, {}, []

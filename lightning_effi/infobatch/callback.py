@@ -60,6 +60,7 @@ from lightning_effi.core.compat import (
     restart_next_epoch_at_its_start,
 )
 from lightning_effi.core.features import optimized_parameters
+from lightning_effi.core.hook_ids import reserve_hook_ids
 from lightning_effi.core.lr_schedules import refresh_progress_schedules
 from lightning_effi.core.measure import find_batch_size, row_tokens
 from lightning_effi.core.nonfinite import NonFiniteLossError, NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
@@ -518,6 +519,7 @@ class InfoBatchCallback(KeepsSettings, Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        reserve_hook_ids(pl_module)  # hooks of its own ids (lightning_effi.core.hook_ids: a spawned rank's module)
         if stage == "fit":  # settings set on the callback since it was built (lightning_effi.core.settings)
             apply_changed_settings(self, trainer)
         if stage != "fit":

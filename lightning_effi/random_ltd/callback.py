@@ -69,6 +69,7 @@ from lightning_effi.core.checks import check_bool, check_choice, check_int, chec
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
 from lightning_effi.core.features import optimized_parameters
 from lightning_effi.core.flops import sdpa_recomputes
+from lightning_effi.core.hook_ids import reserve_hook_ids
 from lightning_effi.core.lr_schedules import TotalNotKnownError
 from lightning_effi.core.measure import (
     FlopsMeter,
@@ -668,6 +669,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        reserve_hook_ids(pl_module)  # hooks of its own ids (lightning_effi.core.hook_ids: a spawned rank's module)
         if stage == "fit":  # settings set on the callback since it was built (lightning_effi.core.settings)
             apply_changed_settings(self, trainer)
         if stage != "fit":

@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_effi.core.accounting import Baseline, EfficiencyMonitor, skipped_batch
 from lightning_effi.core.compat import optimizers_to_device, rebuild_train_loader_after_restore, rewrap_ddp
 from lightning_effi.core.features import parameter_copy_holders
+from lightning_effi.core.hook_ids import reserve_hook_ids
 from lightning_effi.core.nonfinite import NonFiniteLossGuard
 from lightning_effi.core.progress import (
     Duration,
@@ -456,6 +457,7 @@ class VCycleCallback(KeepsSettings, Callback):
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        reserve_hook_ids(pl_module)  # hooks of its own ids (lightning_effi.core.hook_ids: a spawned rank's module)
         if stage == "fit":  # settings set on the callback since it was built (lightning_effi.core.settings)
             apply_changed_settings(self, trainer)
         if stage != "fit":
