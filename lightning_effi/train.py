@@ -43,7 +43,9 @@ from lightning_effi.report.record import (
 )
 from lightning_effi.utils.instantiate import (
     ConfigError,
+    budget_lengths,
     check_budget,
+    check_budget_length,
     config_key,
     instantiate,
     instantiate_callbacks,
@@ -85,6 +87,8 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, 
     if cfg.get("optimized_metric"):
         callbacks.append(MetricCheck(cfg.optimized_metric))
     callbacks.append(TrainingStarted())
+    if budget_lengths(cfg):
+        callbacks.append(BudgetLength(budget_lengths(cfg)))
     callbacks.append(LogRunSettings(run_params(cfg, callbacks)))
     trainer = instantiate(cfg.trainer, key="trainer", callbacks=callbacks, logger=loggers or False)
     return datamodule, model, trainer
@@ -99,6 +103,21 @@ class TrainingStarted(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self.started = True
+
+
+class BudgetLength(pl.Callback):
+    """At the start of training, :func:`~lightning_effi.utils.instantiate.check_budget_length`: the length the config
+    scales by ``budget`` (``scaled``) must be the one that ends the run. Skipped for a training loader without a length
+    and for manual optimization (its steps are the module's)."""
+
+    def __init__(self, scaled: Sequence[str]) -> None:
+        self.scaled = list(scaled)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        batches = trainer.num_training_batches
+        if not pl_module.automatic_optimization or not math.isfinite(batches):
+            return
+        check_budget_length(self.scaled, trainer, math.ceil(int(batches) / trainer.accumulate_grad_batches))
 
 
 #: the top-level key of the run's settings among a logger's hyperparameters, and the one used when the module's (or

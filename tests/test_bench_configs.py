@@ -10,13 +10,22 @@ import json
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from lightning_effi.callbacks import Curriculum, InfoBatchCallback, RandomLTDCallback, VCycleCallback
-from lightning_effi.utils.instantiate import ConfigError, check_budget, instantiate_callbacks, scale_length
+from lightning_effi.train import BudgetLength
+from lightning_effi.utils.instantiate import (
+    ConfigError,
+    budget_lengths,
+    check_budget,
+    check_budget_length,
+    instantiate_callbacks,
+    scale_length,
+)
 from tests.helpers.hydra import CONF, compose_train, run_train_script
 
 BENCHES = sorted(p.stem for p in (CONF / "bench").glob("*.yaml"))
@@ -172,6 +181,57 @@ def test_a_bad_budget_or_a_technique_arm_without_bench_is_named(tmp_path):
     assert cfg.trainer.max_steps == 1000
     check_budget(_compose(tmp_path, "gpt_stack", "budget=0.5"))
     check_budget(compose_train([], tmp_path))
+    # the message's command line lifts the other limit too (the default max_epochs: 5 cut it short, qa106-break 01)
+    assert "trainer.max_epochs=-1" in str(refused.value)
+    assert budget_lengths(compose_train(["budget=0.5", typed], tmp_path)) == ["max_steps"]
+    assert budget_lengths(_compose(tmp_path, "gpt_stack", "budget=0.5")) == ["max_steps"]
+    assert budget_lengths(_compose(tmp_path, "infobatch_cifar10", "budget=0.5")) == ["max_epochs"]
+    assert budget_lengths(compose_train([], tmp_path)) == []
+
+
+def test_a_budget_length_cut_short_by_the_other_limit_is_refused_at_the_start_of_training():
+    """budget=0.5 with max_steps scaled to 20 and max_epochs=2 on 5 steps an epoch trained 10 steps, what budget 1.0
+    trained too, each recorded under its budget (qa106-break 01)."""
+    limits = SimpleNamespace(max_steps=20, max_epochs=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"^budget: trainer.max_steps=20 is scaled by the budget, but "
+        r"trainer.max_epochs=2 ends the run first, after 10 steps \(5 an epoch\).*max_epochs=-1$",
+    ):
+        check_budget_length(["max_steps"], limits, 5)
+    check_budget_length(["max_steps"], limits, 10)  # 2 epochs of 10: max_steps ends it
+    check_budget_length(["max_steps"], SimpleNamespace(max_steps=20, max_epochs=-1), 5)
+    check_budget_length(["max_steps"], SimpleNamespace(max_steps=20, max_epochs=None), 5)
+    check_budget_length(["max_steps", "max_epochs"], limits, 5)  # both scaled: the budget ends it either way
+    limits = SimpleNamespace(max_steps=30, max_epochs=4)
+    with pytest.raises(
+        ConfigError,
+        match=r"^budget: trainer.max_epochs=4 \(40 steps, 10 an epoch\) is scaled.*"
+        r"trainer.max_steps=30 ends the run first.*max_steps=-1$",
+    ):
+        check_budget_length(["max_epochs"], limits, 10)
+    check_budget_length(["max_epochs"], SimpleNamespace(max_steps=-1, max_epochs=4), 10)
+    check_budget_length(["max_epochs"], SimpleNamespace(max_steps=40, max_epochs=4), 10)
+
+
+def test_the_app_checks_the_budget_length_with_the_loaders_steps(tmp_path):
+    """The app adds BudgetLength where the config scales a length by budget; it counts an epoch's optimizer steps as
+    Lightning does (the last, partial accumulation steps too)."""
+    cfg = compose_train(
+        ["budget=0.5", 'trainer.max_steps="${effi_scale:40,${budget}}"', "trainer.max_epochs=2"], tmp_path
+    )
+    assert budget_lengths(cfg) == ["max_steps"]
+    callback = BudgetLength(budget_lengths(cfg))
+    module = SimpleNamespace(automatic_optimization=True)
+    trainer = SimpleNamespace(max_steps=20, max_epochs=2, num_training_batches=9, accumulate_grad_batches=2)
+    with pytest.raises(ConfigError, match=r"after 10 steps \(5 an epoch\)"):
+        callback.on_train_start(trainer, module)
+    trainer.num_training_batches = 19  # 10 steps an epoch: max_steps=20 ends it
+    callback.on_train_start(trainer, module)
+    trainer.num_training_batches = float("inf")  # a loader without a length: not known
+    callback.on_train_start(trainer, module)
+    trainer.num_training_batches, module.automatic_optimization = 9, False  # the module's own steps
+    callback.on_train_start(trainer, module)
 
 
 def _header_commands(bench: str) -> list[tuple[list[str], str]]:

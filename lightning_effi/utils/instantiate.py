@@ -117,13 +117,61 @@ def check_budget(cfg: DictConfig) -> None:
     trainer = cfg.get("trainer")
     raw = OmegaConf.to_container(trainer, resolve=False) if isinstance(trainer, DictConfig) else {}
     lengths = {key: raw.get(key) for key in ("max_steps", "max_epochs")}  # type: ignore[union-attr]
-    if not any(isinstance(v, str) and "budget" in v for v in lengths.values()):
+    if not budget_lengths(cfg):
         raise ConfigError(
             f"budget: {budget} does not scale this run's length (trainer.max_steps={lengths['max_steps']!r}, "
             f"trainer.max_epochs={lengths['max_epochs']!r}); scale trainer.max_steps (or trainer.max_epochs) by it "
-            "through the effi_scale resolver: in a config file, max_steps: ${effi_scale:<reference steps>,${budget}} "
-            "(the bench configs do, e.g. bench=gpt_stack); on the command line, quoted for Hydra inside the shell's "
-            "single quotes: 'trainer.max_steps=\"${effi_scale:2000,${budget}}\"'; or leave budget at 1.0"
+            "through the effi_scale resolver and lift the other limit: in a config file, "
+            "max_steps: ${effi_scale:<reference steps>,${budget}} and max_epochs: -1 (the bench configs do, e.g. "
+            "bench=gpt_stack); "
+            "on the command line, quoted for Hydra inside the shell's single quotes: "
+            "'trainer.max_steps=\"${effi_scale:2000,${budget}}\"' trainer.max_epochs=-1; or leave budget at 1.0"
+        )
+
+
+def budget_lengths(cfg: DictConfig) -> list[str]:
+    """The Trainer lengths (``"max_steps"``, ``"max_epochs"``) that ``cfg.trainer`` scales by ``budget``: those given
+    by an interpolation that names it (``${effi_scale:2000,${budget}}``), before it is resolved."""
+    trainer = cfg.get("trainer")
+    raw = OmegaConf.to_container(trainer, resolve=False) if isinstance(trainer, DictConfig) else {}
+    return [k for k in ("max_steps", "max_epochs") if isinstance(v := raw.get(k), str) and "budget" in v]  # type: ignore[union-attr]
+
+
+def check_budget_length(scaled: Sequence[str], trainer: Any, steps_per_epoch: int) -> None:
+    """At the start of training: the length scaled by ``budget`` (``scaled``, from :func:`budget_lengths`) must be
+    the one that ends the run. A ``max_epochs`` reached before a budget's ``max_steps`` (the trainer config's default
+    ``max_epochs: 5`` on a small dataset), or a ``max_steps`` reached before a budget's ``max_epochs``, cuts the run
+    short of its budget's length in silence, and every larger budget to that same length under its own label (the
+    frontier's baselines included).
+
+    Args:
+        scaled: the budget-scaled lengths; one of them is checked against the other, unscaled, limit.
+        trainer: ``max_steps`` and ``max_epochs`` as the Trainer holds them (-1: no limit).
+        steps_per_epoch: optimizer steps in one epoch of the training loader (batches over the accumulation, rounded
+            up: Lightning steps at an epoch's last batch).
+
+    Raises:
+        ConfigError: naming ``budget``, both limits and the steps per epoch.
+    """
+    if len(scaled) != 1 or steps_per_epoch <= 0:
+        return
+    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+    steps_limit = max_steps if max_steps is not None and max_steps >= 0 else None
+    epochs_limit = max_epochs if max_epochs is not None and max_epochs >= 0 else None
+    if steps_limit is None or epochs_limit is None:
+        return
+    by_epochs = epochs_limit * steps_per_epoch
+    if scaled[0] == "max_steps" and by_epochs < steps_limit:
+        raise ConfigError(
+            f"budget: trainer.max_steps={steps_limit} is scaled by the budget, but trainer.max_epochs={epochs_limit} "
+            f"ends the run first, after {by_epochs} steps ({steps_per_epoch} an epoch), short of the budget's length "
+            "(every budget above it would train those steps too); set trainer.max_epochs=-1"
+        )
+    if scaled[0] == "max_epochs" and steps_limit < by_epochs:
+        raise ConfigError(
+            f"budget: trainer.max_epochs={epochs_limit} ({by_epochs} steps, {steps_per_epoch} an epoch) is scaled by "
+            f"the budget, but trainer.max_steps={steps_limit} ends the run first, short of the budget's length (every "
+            "budget above it would train those steps too); set trainer.max_steps=-1"
         )
 
 
