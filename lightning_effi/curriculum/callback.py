@@ -428,9 +428,12 @@ class Curriculum(KeepsSettings, Callback):
                 functools.partial(_warn_channel_first_window, config) if "seqlen_truncate" in config.metrics else None
             )
             length = data_sequence_length(dataset, template["collate_fn"], n, config.truncate_keys, check)
-            longest = None
-            if length is None:  # no one length (per-batch padding): the longest batch bounds the range
-                longest = self._longest_sequence(trainer, dataset, template["collate_fn"], n, config.truncate_keys)
+            # no one length (per-batch padding): the longest batch bounds the range. Probes of one length are
+            # confirmed by the same pass: rows of two lengths, every probed row short, read as one-length data
+            # refused the data's real longest batch (qa106-user 02)
+            longest = self._longest_sequence(trainer, dataset, template["collate_fn"], n, config.truncate_keys)
+            if length is not None and longest is not None and longest > length:
+                length = None
             if length is not None or longest is not None:
                 for message in config.check_data_length(length or longest, one_length=length is not None):
                     rank_zero_warn(f"Curriculum: {message}")

@@ -381,7 +381,8 @@ def data_longest_sequence(
 ) -> int | None:
     """The longest sequence (tokens, :func:`~lightning_effi.curriculum.functional.sequence_length`) of any batch the
     user's collate makes from ``dataset``, for data whose batches have no one length (:func:`data_sequence_length`
-    returned None: a collate that pads each batch to its longest sample). Every sample is read once, collated in
+    returned None: a collate that pads each batch to its longest sample), or to confirm the one length its probes saw
+    (rows of two lengths whose probed rows were all short ones). Every sample is read once, collated in
     chunks of :data:`LONGEST_SCAN_CHUNK` (a chunk is as long as its longest sample, and no batch is longer than its
     longest sample), so the result is the length of the training set's longest sample after the collate (its own cap
     included). Used by ``Curriculum.setup`` to check a ``seqlen_truncate`` range against the data.

@@ -280,6 +280,34 @@ def test_batches_padded_to_their_longest_sample_are_checked_against_the_longest(
         )
 
 
+class TwoLengths(Dataset):
+    """99 rows alternating 8 tokens (even rows) and 16 tokens (odd rows): every row the 8 length probes read is even."""
+
+    def __len__(self) -> int:
+        return 99
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.arange(1, (16 if i % 2 else 8) + 1)}
+
+
+def test_probes_of_one_length_are_confirmed_by_the_pass_over_the_data(tmp_path):
+    """The probed rows (0, 14, ..., 98) all held 8 tokens, so the data was read as one length of 8: max_difficulty=16,
+    the data's longest batch, was refused, and the advised 8 cut every 16-token row in silence (qa106-user 02)."""
+    assert data_sequence_length(TwoLengths(), PaddingCollate(pad_token_id=0), 99) == 8  # what the probes see
+    data = TinyDataModule(TwoLengths(), collate_fn=PaddingCollate(pad_token_id=0), batch_size=4)
+    callback = Curriculum(metrics=trunc(max_difficulty=16))
+    make_trainer(tmp_path, [callback], max_steps=2).fit(tiny_gpt2_nan(), datamodule=CurriculumDataModule(data))
+    assert callback.last_difficulties == {"seqlen_truncate": 8}
+    with pytest.warns(
+        UserWarning,
+        match=r"max_difficulty \(8\) is below the training data's sequence length: its "
+        r"longest batch \(padded to its longest sample\) holds 16 tokens",
+    ):
+        make_trainer(tmp_path, [Curriculum(metrics=trunc(max_difficulty=8))], max_steps=2).fit(
+            tiny_gpt2_nan(), datamodule=CurriculumDataModule(data)
+        )
+
+
 class CountedReads(Ragged):
     """:class:`Ragged` that appends the reading process's global rank to ``log`` at each ``__getitem__``."""
 
