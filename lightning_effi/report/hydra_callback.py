@@ -15,7 +15,7 @@ Callback``). Hydra calls it only when the sweep returned: a failed job makes the
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -38,7 +38,9 @@ class ReportCallback(Callback):
         print_table: print the Markdown table to stdout.
 
     Raises:
-        ValueError: (at construction) an unknown ``compute`` or ``mode``, ``print_table`` not a bool.
+        ValueError: (at construction, so that the sweep stops before its first job) an unknown ``compute`` or
+            ``mode``, ``print_table`` not a bool, ``metric`` not a string, an ``out_dir`` that is a file or lies
+            beneath one, or that cannot be written (the report would be lost after every job trained).
     """
 
     def __init__(
@@ -58,6 +60,17 @@ class ReportCallback(Callback):
                 raise ValueError(f"ReportCallback {err}") from err
         if not isinstance(print_table, bool):
             raise ValueError(f"ReportCallback print_table: expected a bool, got {print_table!r}")
+        if metric is not None and (not isinstance(metric, str) or not metric):
+            raise ValueError(f"ReportCallback metric: expected a metric name (e.g. 'val/loss') or None, got {metric!r}")
+        if out_dir is not None:
+            from lightning_effi.report.table import check_report_folder
+
+            if not isinstance(out_dir, str | PurePath) or not str(out_dir):
+                raise ValueError(f"ReportCallback out_dir: expected a folder path or None, got {out_dir!r}")
+            try:  # found after every job trained, the report was lost with a warning (qa106-break 03)
+                check_report_folder(Path(out_dir).expanduser())
+            except ValueError as err:
+                raise ValueError(f"ReportCallback {err}") from None
         self.out_dir = out_dir
         self.metric = metric
         self.compute = compute

@@ -1217,6 +1217,17 @@ def _undecayed_baselines(runs: Sequence[Run]) -> list[str]:
     return notes
 
 
+def check_report_folder(out_dir: Path) -> None:
+    """The checks :func:`write_report` makes of its ``out_dir`` before it reads the runs (:class:`~lightning_effi.
+    report.hydra_callback.ReportCallback` makes them when the sweep starts).
+
+    Raises:
+        ReportError: naming ``out_dir``: a file or a link to nothing, or beneath one; a folder that cannot be
+            written."""
+    _check_out_dir(out_dir)
+    _check_writable(out_dir, "out_dir")
+
+
 def _check_out_dir(out_dir: Path) -> None:
     """Refuse an ``out_dir`` that is a file or a link to nothing, or lies beneath one, before the report is built (a
     bare ``[Errno 20] Not a directory`` came after the whole report, naming no argument: qa83-report 04).

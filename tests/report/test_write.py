@@ -250,6 +250,26 @@ def test_hydra_callback_refuses_bad_arguments(kwargs, message):
         ReportCallback(**kwargs)
 
 
+def test_hydra_callback_refuses_an_out_dir_it_cannot_write_when_the_sweep_starts(tmp_path):
+    """Found at the sweep's end, after every job trained, the report was lost with a warning (qa106-break 03); Hydra
+    builds the callback when the multirun starts, so a constructor's error stops the sweep before its first job."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match=rf"^ReportCallback out_dir: '{afile}' is a file; give a folder"):
+        ReportCallback(out_dir=str(afile))
+    with pytest.raises(ValueError, match=rf"^ReportCallback out_dir: '{afile / 'r'}' lies beneath the file"):
+        ReportCallback(out_dir=str(afile / "r"))
+    with pytest.raises(ValueError, match="^ReportCallback out_dir: '/dev/null' is a special file"):
+        ReportCallback(out_dir="/dev/null")
+    for bad in (5, ""):
+        with pytest.raises(ValueError, match=r"^ReportCallback out_dir: expected a folder path or None"):
+            ReportCallback(out_dir=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^ReportCallback metric: expected a metric name"):
+            ReportCallback(metric=bad)  # type: ignore[arg-type]
+    assert ReportCallback(out_dir=str(tmp_path / "new" / "report"), metric="val/loss").out_dir is not None
+    assert not (tmp_path / "new").exists()  # nothing created before the sweep's end
+
+
 def test_budget_colors_tell_the_frontiers_budgets_apart(sweep):
     """Each baseline budget a shade of the baseline's colour, lighter for a smaller budget (the four budgets of the
     frontier were one colour); a technique arm at one budget keeps its own colour."""
