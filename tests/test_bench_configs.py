@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from lightning_effi.callbacks import Curriculum, InfoBatchCallback, RandomLTDCallback, VCycleCallback
 from lightning_effi.train import BudgetLength
@@ -324,6 +324,58 @@ def test_a_budget_on_a_bench_sweeps_command_line_is_refused_before_its_first_job
         start("arm=baseline_25,baseline_50", "budget=0.5")
     start("arm=baseline_50", "budget=0.5833,0.6667")  # baselines between the bench's budgets (vit_stack_9ep)
     start("technique_budget=0.75", "ref_steps=4")
+
+
+def _start_sweep(tmp_path: Path, *overrides: str, params: dict[str, str] | None = None) -> None:
+    """The report callback's ``on_multirun_start`` for ``bench=random_ltd_gpt`` with ``overrides`` on the command line,
+    inside Hydra's initialized state (as when a multirun starts)."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_effi.report.hydra_callback import ReportCallback
+
+    task = ["bench=random_ltd_gpt", *overrides]
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        fixed = [o for o in task if "," not in o]
+        config = compose(config_name="train", overrides=fixed, return_hydra_config=True)
+        with open_dict(config):
+            config.hydra.overrides.task = task
+            config.hydra.job.config_name = "train"
+            config.hydra.sweeper.params.update(params or {})
+        ReportCallback().on_multirun_start(config)
+
+
+def test_a_sweep_listing_a_value_twice_is_refused_before_its_first_job(tmp_path):
+    """Two identical jobs trained, then the report refused their two runs of one arm, budget and seed and the sweep
+    exited 0 without one (qa106-break 02)."""
+    with pytest.raises(SystemExit) as stop:
+        _start_sweep(tmp_path, "arm=baseline_50,baseline_50")
+    assert str(stop.value.code) == (
+        "error: arm: 'baseline_50' is listed twice in the sweep (arm=baseline_50,baseline_50): the two jobs would "
+        "train the same run, and the sweep's report refuses two runs of one arm, budget and seed; list each value once"
+    )
+    with pytest.raises(SystemExit, match=r"^error: budget: 0.5 is listed twice in the sweep \(budget=0.5,0.5\)"):
+        _start_sweep(tmp_path, "arm=baseline_50", "budget=0.5,0.5")
+    with pytest.raises(SystemExit, match=r"^error: seed: 0 is listed twice in the sweep \(seed=0,1,0\)"):
+        _start_sweep(tmp_path, params={"seed": "0,1,0"})
+    _start_sweep(tmp_path, "arm=baseline_50", "budget=0.5,0.75", params={"seed": "0,1"})
+
+
+def test_a_bad_technique_arm_is_refused_before_the_baselines_train(tmp_path):
+    """A bench's technique arm comes last: technique_budget=0 or ltd_min_value=0 was refused in its own job, after
+    every baseline had trained, naming budget instead of technique_budget (qa106-break 04)."""
+    where = r"^error: arm=technique \(the bench's technique arm, checked before the sweep's first job\): "
+    with pytest.raises(SystemExit, match=where + r"technique_budget: expected a number > 0.*got 0$"):
+        _start_sweep(tmp_path, "technique_budget=0")
+    with pytest.raises(
+        SystemExit,
+        match=where + r"technique_budget: 0.1 x the reference length 2 = 0.2 rounds to 0; "
+        r"use a technique_budget >= 0.25$",
+    ):
+        _start_sweep(tmp_path, "technique_budget=0.1", "ref_steps=2")
+    with pytest.raises(SystemExit, match=where + r"callbacks.random_ltd .*min_value must be an int >= 1, got 0"):
+        _start_sweep(tmp_path, "ltd_min_value=0", "arm=baseline_50,technique")
+    _start_sweep(tmp_path, "ltd_min_value=0", "arm=baseline_50,baseline_75")  # no technique arm in this sweep
+    _start_sweep(tmp_path, "technique_budget=0.5", "ref_steps=2", "seed=0,1")
 
 
 @pytest.mark.slow

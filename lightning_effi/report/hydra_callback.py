@@ -85,13 +85,24 @@ class ReportCallback(Callback):
         exception, and would run the sweep)."""
         from omegaconf import OmegaConf
 
-        from lightning_effi.utils.instantiate import ConfigError, check_bench_sweep
+        from lightning_effi.utils.instantiate import (
+            ConfigError,
+            check_bench_sweep,
+            check_sweep_duplicates,
+            sweep_arm_list,
+        )
 
         overrides = list(OmegaConf.select(config, "hydra.overrides.task", default=[]) or [])
         arms = OmegaConf.select(config, "hydra.sweeper.params.arm", default=None)
         bench = OmegaConf.select(config, "hydra.runtime.choices.bench", default=None)  # the bench group's choice
+        sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
         try:
             check_bench_sweep(overrides, bench, arms)
+            if sweeper.endswith("BasicSweeper"):  # Hydra's grid: each listed value is a job (qa106-break 02)
+                params = OmegaConf.select(config, "hydra.sweeper.params", default=None)
+                check_sweep_duplicates(overrides, OmegaConf.to_container(params) if params is not None else None)
+            if bench and "technique" in sweep_arm_list(overrides, arms):
+                _check_technique_arm(config, overrides)
         except ConfigError as err:  # Hydra turns a callback's exception into a warning and runs the sweep anyway
             raise SystemExit(f"error: {err}") from None
 
@@ -112,3 +123,68 @@ class ReportCallback(Callback):
         if self.print_table:
             print(report.to_markdown())
         print("Sweep report: " + ", ".join(str(p) for p in report.files.values()), flush=True)
+
+
+def _check_technique_arm(config: DictConfig, overrides: list[str]) -> None:
+    """A bench sweep's technique arm (``arm=technique``, the bench's last) checked before its first job: its budget
+    (``technique_budget``), the length it scales and its technique callbacks, built once from the sweep's command line
+    (its sweep lists left out; of its callbacks, lightning_effi's). Found in the technique's own job, after every
+    baseline had trained (qa106-break 04).
+
+    Raises:
+        ConfigError: naming ``technique_budget`` or the callback's key and what is allowed.
+    """
+    from hydra import compose
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import InterpolationResolutionError
+
+    from lightning_effi.train import _user_error_of
+    from lightning_effi.utils.instantiate import ConfigError, instantiate_callbacks, scale_length
+
+    name = OmegaConf.select(config, "hydra.job.config_name", default=None)
+    if not GlobalHydra.instance().is_initialized() or not name:
+        return
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        fixed = [o.input_line for o in parsed if not o.is_sweep_override() and o.key_or_group != "arm"]
+        cfg = compose(config_name=str(name), overrides=[*fixed, "arm=technique"])
+    except Exception:  # noqa: BLE001 - a command line the jobs themselves report on
+        return
+    where = "arm=technique (the bench's technique arm, checked before the sweep's first job)"
+    try:
+        budget = cfg.get("budget")
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
+            raise ConfigError(
+                f"technique_budget: expected a number > 0 (a fraction of the reference length), got {budget!r}"
+            )
+        for key in ("ref_steps", "ref_epochs"):
+            if cfg.get(key) is not None:
+                try:
+                    scale_length(cfg.get(key), budget)
+                except ConfigError as err:
+                    raise ConfigError(
+                        "technique_budget: "
+                        + str(err).removeprefix("budget: ").replace("a budget", "a technique_budget")
+                    ) from None
+        callbacks = cfg.get("callbacks")
+        if callbacks is not None:  # the techniques and their monitor; the others (a checkpoint folder, a logger)
+            with open_dict(callbacks):  # are the baselines' too
+                for key in [k for k, v in callbacks.items() if not _ours(v)]:
+                    del callbacks[key]
+        instantiate_callbacks(callbacks)
+    except InterpolationResolutionError as err:
+        found = _user_error_of(err)
+        if found is None:
+            return
+        raise ConfigError(f"{where}: {found}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _ours(node: Any) -> bool:
+    """Whether a ``callbacks`` entry builds a lightning_effi callback (its ``_target_``)."""
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.select(node, "_target_", default="") or "").startswith("lightning_effi.") if node else False

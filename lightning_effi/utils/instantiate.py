@@ -196,8 +196,7 @@ def check_bench_sweep(overrides: Sequence[str], bench: Any, sweep_arms: Any) -> 
     budget = value("budget")
     if budget is None:
         return
-    arm = value("arm")
-    arms = [a for a in (arm if arm is not None else str(sweep_arms or "")).split(",") if a.strip()]
+    arms = sweep_arm_list(overrides, sweep_arms)
     if len(arms) > 1:
         raise ConfigError(
             f"budget={budget} on the command line of bench={bench} replaces the budget of each of its arms "
@@ -205,6 +204,46 @@ def check_bench_sweep(overrides: Sequence[str], bench: Any, sweep_arms: Any) -> 
             "with technique_budget=<fraction> and the reference length with ref_steps=<steps> (or ref_epochs), or "
             "give budgets to one arm (arm=baseline_50 budget=0.5833,0.6667: baselines between the bench's budgets)"
         )
+
+
+def sweep_arm_list(overrides: Sequence[str], sweep_arms: Any) -> list[str]:
+    """The arms a bench sweep trains: the command line's ``arm=a,b`` (the last ``arm`` override), else the bench's own
+    list ``sweep_arms`` (``hydra.sweeper.params.arm``)."""
+    found = [o.partition("=")[2] for o in overrides if o.lstrip("+~").partition("=")[0] == "arm"]
+    text = found[-1] if found else str(sweep_arms or "")
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+def check_sweep_duplicates(overrides: Sequence[str], sweeper_params: Mapping[str, Any] | None) -> None:
+    """A basic sweep's lists checked before its first job: a value listed twice for one key
+    (``arm=baseline_50,baseline_50``, ``budget=0.5,0.5``, ``seed=0,0``, on the command line or in
+    ``hydra.sweeper.params``) makes two identical jobs, whose two records of one arm, budget and seed the report
+    refuses to compare, after both trained.
+
+    Raises:
+        ConfigError: naming the key and the repeated value.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    lines = [*(f"{k}={v}" for k, v in (sweeper_params or {}).items()), *overrides]
+    try:
+        parsed = OverridesParser.create().parse_overrides(lines)
+    except Exception:  # noqa: BLE001 - Hydra's own sweeper reports a line it cannot parse
+        return
+    for override in parsed:
+        value = override.value() if override.is_sweep_override() else None
+        if not isinstance(value, ChoiceSweep):
+            continue
+        seen: list[Any] = []
+        for item in value.list:
+            if item in seen:
+                raise ConfigError(
+                    f"{override.key_or_group}: {item!r} is listed twice in the sweep ({override.input_line}): the "
+                    "two jobs would train the same run, and the sweep's report refuses two runs of one arm, budget "
+                    "and seed; list each value once"
+                )
+            seen.append(item)
 
 
 def _instantiate_group(cfg: DictConfig | None, group: str, kind: type) -> list[Any]:
