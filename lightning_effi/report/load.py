@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,13 +26,16 @@ COMPUTE_KEYS: tuple[str, ...] = ("flops", "tokens", "samples", "layer_tokens")
 
 
 def json_safe(value: Any) -> Any:
-    """``value`` made strict JSON: non-finite floats become None (``null``), mapping keys strings, tuples lists,
-    paths strings (nested containers converted throughout)."""
+    """``value`` made strict JSON: non-finite floats become None (``null``), mapping keys strings, tuples and other
+    sequences (OmegaConf's ``ListConfig``: a Hydra app's list setting, recorded as its class name before, qa106-break
+    08) lists, paths strings (nested containers converted throughout)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, Mapping):
         return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) or (
+        isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+    ):
         return [json_safe(v) for v in value]
     if isinstance(value, Path):
         return str(value)

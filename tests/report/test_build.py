@@ -674,6 +674,21 @@ def test_a_configuration_recorded_by_write_result_is_compared_like_overrides(tmp
     assert "model.init_args.lr=0.01 vs 0.001; model.init_args.n_layer=3 vs 4" in note
 
 
+def test_a_hydra_configs_list_settings_are_recorded_by_value():
+    """A Hydra app's cfg (a DictConfig) passed as config: every list setting was recorded as the text
+    "omegaconf.listconfig.ListConfig(...)", so runs differing only in betas or depths read alike (qa106-break 08)."""
+    from omegaconf import OmegaConf
+
+    from lightning_effi.report.load import json_safe
+    from lightning_effi.report.record import config_overrides
+
+    cfg = OmegaConf.create({"model": {"lr": 0.1, "betas": [0.9, 0.95], "depths": [[2, 2], "${model.lr}"]}})
+    assert config_overrides(cfg) == ["model.betas=[0.9, 0.95]", "model.depths=[[2, 2], 0.1]", "model.lr=0.1"]
+    assert config_overrides({"model": cfg.model}) == config_overrides(cfg)
+    assert json_safe(OmegaConf.create([1, float("nan"), {"a": (2, 3)}])) == [1, None, {"a": [2, 3]}]
+    assert json_safe("ab") == "ab" and json_safe(b"ab") == b"ab" and json_safe(range(2)) == [0, 1]
+
+
 def test_write_result_takes_a_configuration_as_override_strings_and_refuses_other_types(tmp_path):
     """config may also be a list of key=value strings (as Hydra's overrides; a CLI user's sweep script had them:
     qa39-user 03 passed such a list and got a bare "dictionary update sequence" error); anything else is refused
