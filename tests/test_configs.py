@@ -96,3 +96,31 @@ def test_the_reports_advice_for_labelling_a_run_works_in_the_app(tmp_path):
     (tmp_path / "conf" / "arm" / "lr_3e-3.yaml").write_text("# @package _global_\narm: lr_3e-3\n")
     cfg = compose_train([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "arm=lr_3e-3"], tmp_path / "out")
     assert cfg.arm == "lr_3e-3" and cfg.budget == 1.0
+
+
+def test_the_launch_folder_is_hydras_origin_in_a_job_it_moved_into(tmp_path, monkeypatch):
+    """paths.root_dir (${effi_cwd:}) is the folder the app was launched from; under hydra.job.chdir=true the job's
+    own folder was taken for it, and the data path pointed into the run (qa106-break 07)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from lightning_effi.utils.instantiate import launch_folder
+
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_train([], tmp_path)
+    try:
+        OmegaConf.set_readonly(cfg.hydra, False)
+        with open_dict(cfg):
+            cfg.hydra.runtime.cwd = "/the/launch/folder"
+            cfg.hydra.job.chdir = False
+        HydraConfig.instance().set_config(cfg)
+        assert launch_folder() == str(tmp_path)  # not moved: the working folder
+        OmegaConf.set_readonly(cfg.hydra, False)
+        with open_dict(cfg):
+            cfg.hydra.job.chdir = True
+        HydraConfig.instance().set_config(cfg)
+        assert launch_folder() == "/the/launch/folder"
+        assert OmegaConf.create({"root": "${effi_cwd:}"}).root == "/the/launch/folder"
+    finally:
+        HydraConfig.instance().cfg = None  # type: ignore[assignment]
+    assert launch_folder() == str(tmp_path)

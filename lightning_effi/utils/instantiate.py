@@ -16,10 +16,24 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-# ``${effi_cwd:}``: the launch folder, usable everywhere in the config (``${hydra:runtime.cwd}`` is not set yet when
-# a multirun resolves ``hydra.sweep.dir``)
+
+def launch_folder() -> str:
+    """``${effi_cwd:}``: the folder the app was launched from, usable everywhere in the config
+    (``${hydra:runtime.cwd}`` is not set yet when a multirun resolves ``hydra.sweep.dir``): the working folder, or in
+    a job that Hydra moved into its output folder (``hydra.job.chdir=true``) the folder Hydra moved from (the job's
+    folder was taken for the launch folder: the data path pointed into the run, qa106-break 07)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+        cwd = OmegaConf.select(hydra_cfg, "runtime.cwd", default=None)
+        if OmegaConf.select(hydra_cfg, "job.chdir", default=False) is True and cwd:
+            return str(cwd)
+    return os.getcwd()
+
+
 if not OmegaConf.has_resolver("effi_cwd"):
-    OmegaConf.register_new_resolver("effi_cwd", os.getcwd)
+    OmegaConf.register_new_resolver("effi_cwd", launch_folder)
 
 
 class ConfigError(ValueError):
