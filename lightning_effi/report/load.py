@@ -250,6 +250,11 @@ def read_run(file: Path) -> Run:
         for i, point in enumerate(points):
             if not isinstance(point, dict):
                 raise ReportError(f"{file}: {key}[{i}] must be an object, got {point!r}")
+            if key == "curve" and not isinstance(point.get("metrics", {}), dict | None):  # qa106-break 06
+                raise ReportError(
+                    f"{file}: curve[{i}].metrics must be an object (metric name -> value) or null, got "
+                    f"{point['metrics']!r}"
+                )
     length = record.get("length")
     if length is None:
         length = {}

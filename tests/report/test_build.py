@@ -582,6 +582,9 @@ def test_an_arm_without_a_same_length_baseline_is_compared_with_its_frontiers_se
         ("overrides", [1], r"'overrides' must be a list of strings"),
         ("length", {"max_steps": "10"}, r"'length\.max_steps' must be an int or null, got '10'"),
         ("length", [10], r"'length' must be an object"),
+        # a crash (AttributeError) reading the arm's quality step (qa106-break 06)
+        ("curve", [{"step": 1, "metrics": ["val/loss", 3.5]}], r"curve\[0\]\.metrics must be an object \(metric"),
+        ("curve", [{"step": 1, "metrics": None}, {"metrics": "val/loss=3"}], r"curve\[1\]\.metrics must be an"),
     ],
 )
 def test_a_record_field_of_the_wrong_type_is_refused_naming_it(tmp_path, field, value, message):
