@@ -2305,6 +2305,10 @@ class EfficiencyMonitor(Callback):
         }
         summary.update(self.savings(t))
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            settle = getattr(callback, "effi_before_summary", None)  # ReportsSummary's optional hook (every rank)
+            if callable(settle) and callback is not self:
+                settle(trainer)
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
             extra = getattr(callback, "effi_summary", None)  # the ReportsSummary hook
             if callable(extra) and callback is not self:
                 summary.update(extra())

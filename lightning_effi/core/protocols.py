@@ -74,7 +74,10 @@ class ProvidesBaseline(Protocol):
 
 @runtime_checkable
 class ReportsSummary(Protocol):
-    """Callback hook: the technique's figures for the final efficiency summary and ``result.json``."""
+    """Callback hook: the technique's figures for the final efficiency summary and ``result.json``. Optional beside
+    it: ``effi_before_summary(trainer)``, called on every rank at the fit's end just before the summary is read (it
+    may run a collective): figures still pending are settled there (InfoBatch with the curriculum merges the last
+    epoch's, which a fit resumed from the run's last batch never reaches an epoch's end for)."""
 
     def effi_summary(self) -> Mapping[str, Any]: ...
 

@@ -1961,6 +1961,20 @@ class InfoBatchCallback(KeepsSettings, Callback):
         """Report the non-finite training losses counted (``nonfinite_loss="warn"``), on rank 0."""
         self.nonfinite_guard.report_at_end()
 
+    def effi_before_summary(self, trainer: pl.Trainer) -> None:
+        """At the fit's end, on every rank, before the summary is read (the EfficiencyMonitor calls it; so does
+        :meth:`on_fit_end`): with the curriculum, merge the figures still pending from the last epoch. A fit resumed
+        from the checkpoint of the run's last batch has no batch left (Lightning runs no epoch, no ``on_train_end``):
+        its summary, and ResultWriter's record, left out the last data epoch's drawn and dropped samples
+        (qa106-user 03). The decision rests on checkpointed state (``table_epoch``, ``synced_epoch``), as in
+        :meth:`prepare_epoch`, so every rank takes the collective."""
+        if self.curriculum_dm is not None and self.table_epoch >= 0 and self.synced_epoch != self.table_epoch:
+            self.sync_scores(trainer)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.effi_before_summary(trainer)
+
     def _limited_samples(self, epoch_size: int) -> tuple[int, int] | None:
         """Under ``Trainer(limit_train_batches=...)``: ``(full, kept)``, the samples one rank trains in a full epoch
         and in an epoch of ``epoch_size`` samples, each cut by the limit

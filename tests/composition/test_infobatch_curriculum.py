@@ -482,6 +482,32 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path, resume_step, num_worker
     assert cb_a.effi_summary() == cb_b.effi_summary() and cb_a.effi_summary()["infobatch/saved_samples"] > 0
 
 
+def test_a_fit_resumed_from_the_runs_last_batch_ends_with_the_uninterrupted_summary(tmp_path):
+    """The checkpoint of the run's last batch holds the last data epoch's figures unmerged (its epoch end came after);
+    the fit resumed from it has no batch left, so no epoch end: its summary (and ResultWriter's record) counted one
+    data epoch of drawn and dropped samples, saved 0 (qa106-user 03). The monitor is listed first: the figures are
+    settled before it reads them."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def data():
+        return InfoBatchDataModule(CurriculumDataModule(tiny_lm_data(batch_size=MBS)))
+
+    every = ModelCheckpoint(
+        dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}", save_on_train_epoch_end=False
+    )
+    monitor, cb = EfficiencyMonitor(print_summary=False), infobatch()
+    make_trainer(tmp_path, [monitor, cb, curriculum(), every], max_steps=15, max_epochs=-1).fit(tiny_gpt2(), data())
+    state = torch.load(tmp_path / "ck/step=15.ckpt", weights_only=True)["callbacks"][cb.state_key]
+    assert state["synced_epoch"] < state["table_epoch"] and state["thin_stats"][0] > 0  # the last epoch: pending
+    resumed_monitor, resumed = EfficiencyMonitor(print_summary=False), infobatch()
+    make_trainer(tmp_path, [resumed_monitor, resumed, curriculum()], max_steps=15, max_epochs=-1).fit(
+        tiny_gpt2(), data(), ckpt_path=tmp_path / "ck/step=15.ckpt"
+    )
+    assert resumed.effi_summary() == cb.effi_summary() and cb.effi_summary()["infobatch/saved_samples"] > 0
+    keys = [k for k in monitor.summary if k.startswith(("infobatch/", "saved/infobatch/"))]
+    assert {k: resumed_monitor.summary[k] for k in keys} == {k: monitor.summary[k] for k in keys}
+
+
 def test_checkpointed_state_names_the_table_epoch(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
