@@ -135,6 +135,22 @@ def test_sweep_config_is_an_optuna_search_of_its_technique(sweep, tmp_path):
             assert f"{key.rsplit('.', 1)[1]}={value!r}" in repr(callback), (key, value, callback)
 
 
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_the_optuna_sweeps_refuse_no_trials_before_the_first(sweep, tmp_path):
+    """hydra.sweeper.n_trials=0 (or -1) ran no trial and ended in optuna's 'No trials are completed yet.' traceback,
+    naming no setting (qa106-break 05): the sweeps' callback stops it at the multirun's start."""
+    cfg = compose_train([f"+sweep={sweep}"], tmp_path)
+    (check,) = [hydra.utils.instantiate(c) for c in cfg.hydra.callbacks.values() if c._target_.endswith("SweepCheck")]
+    check.on_multirun_start(cfg)  # the config as shipped
+    for key, value in (("n_trials", 0), ("n_trials", -1), ("n_jobs", 0)):
+        bad = cfg.copy()
+        OmegaConf.set_readonly(bad.hydra, False)
+        with open_dict(bad):
+            OmegaConf.update(bad, f"hydra.sweeper.{key}", value)
+        with pytest.raises(SystemExit, match=rf"^error: hydra.sweeper.{key}: expected an int >= 1 .*, got {value}$"):
+            check.on_multirun_start(bad)
+
+
 @pytest.mark.parametrize("floor, met", [(100.0, True), (1.0, False)])
 def test_app_returns_the_saving_when_the_floor_is_met(floor, met, tmp_path):
     """``main`` (the value the sweeper maximizes), with the random-LTD sweep's objective: the run's
