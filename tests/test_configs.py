@@ -121,6 +121,19 @@ def test_the_launch_folder_is_hydras_origin_in_a_job_it_moved_into(tmp_path, mon
         HydraConfig.instance().set_config(cfg)
         assert launch_folder() == "/the/launch/folder"
         assert OmegaConf.create({"root": "${effi_cwd:}"}).root == "/the/launch/folder"
+        # chdir unset, and the working folder the job's (Hydra 1.1's defaults: an app without version_base moves
+        # into it; qa107-regress 01)
+        OmegaConf.set_readonly(cfg.hydra, False)
+        with open_dict(cfg):
+            cfg.hydra.job.chdir = None
+            cfg.hydra.runtime.output_dir = str(tmp_path)
+        HydraConfig.instance().set_config(cfg)
+        assert launch_folder() == "/the/launch/folder"
+        OmegaConf.set_readonly(cfg.hydra, False)
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = str(tmp_path / "elsewhere")
+        HydraConfig.instance().set_config(cfg)
+        assert launch_folder() == str(tmp_path)  # not moved
     finally:
         HydraConfig.instance().cfg = None  # type: ignore[assignment]
     assert launch_folder() == str(tmp_path)

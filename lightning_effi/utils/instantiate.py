@@ -20,14 +20,21 @@ from omegaconf.errors import OmegaConfBaseException
 def launch_folder() -> str:
     """``${effi_cwd:}``: the folder the app was launched from, usable everywhere in the config
     (``${hydra:runtime.cwd}`` is not set yet when a multirun resolves ``hydra.sweep.dir``): the working folder, or in
-    a job that Hydra moved into its output folder (``hydra.job.chdir=true``) the folder Hydra moved from (the job's
-    folder was taken for the launch folder: the data path pointed into the run, qa106-break 07)."""
+    a job that Hydra moved into its output folder (``hydra.job.chdir=true``, or unset under Hydra 1.1's defaults) the
+    folder Hydra moved from (the job's folder was taken for the launch folder: the data path pointed into the run,
+    qa106-break 07)."""
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         hydra_cfg = HydraConfig.get()
         cwd = OmegaConf.select(hydra_cfg, "runtime.cwd", default=None)
-        if OmegaConf.select(hydra_cfg, "job.chdir", default=False) is True and cwd:
+        out = OmegaConf.select(hydra_cfg, "runtime.output_dir", default=None)
+        # chdir unset also moves under Hydra 1.1's defaults (an app without version_base; qa107-regress 01)
+        chdir = OmegaConf.select(hydra_cfg, "job.chdir", default=None)
+        moved = chdir is True or (
+            chdir is None and bool(out) and os.path.realpath(os.getcwd()) == os.path.realpath(str(out))
+        )
+        if moved and cwd:
             return str(cwd)
     return os.getcwd()
 
