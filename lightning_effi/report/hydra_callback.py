@@ -79,10 +79,12 @@ class ReportCallback(Callback):
         self.report: Any = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Before the first job of a bench sweep: refuse a command-line ``budget`` that would give every arm one
-        length (:func:`~lightning_effi.utils.instantiate.check_bench_sweep`; the report at the end would find no
-        frontier): the process exits with ``error: <why>`` (``SystemExit``: Hydra only warns about a callback's
-        exception, and would run the sweep)."""
+        """Before the first job: refuse a bench sweep's command-line ``budget`` that would give every arm one length
+        (:func:`~lightning_effi.utils.instantiate.check_bench_sweep`; the report at the end would find no frontier),
+        a value listed twice in a basic sweep (:func:`~lightning_effi.utils.instantiate.check_sweep_duplicates`:
+        two identical jobs, whose runs the report refuses), and a bench's bad technique arm (its
+        ``technique_budget`` and technique settings, :func:`_check_technique_arm`): the process exits with
+        ``error: <why>`` (``SystemExit``: Hydra only warns about a callback's exception, and would run the sweep)."""
         from omegaconf import OmegaConf
 
         from lightning_effi.utils.instantiate import (
