@@ -22,7 +22,8 @@ forward only, e.g. a frozen teacher under ``no_grad``). FLOPs are counted as :mo
 its :func:`~lightning_effi.core.flops.flop_counter` (matrix products, convolutions, and the attention kernel the call's
 device picks for fake tensors of its device, as for real ones). The copy keeps every module's training mode (so gradient
 checkpointing recomputes and attention dropout picks the kernel as in the real step), has no hooks (no user hook,
-random-LTD's or anybody's, runs) and has random-LTD's token dropping undone (its layers run their original ``forward``:
+random-LTD's or anybody's, runs; HF's ``enable_input_require_grads`` hook, which makes the backward run through frozen
+layers, has a stand-in) and has random-LTD's token dropping undone (its layers run their original ``forward``:
 the FLOPs are those of the unpatched network, which random-LTD's ``effi_adjust`` lowers); the RNG states are restored
 after it, and the copy is dropped. Nothing runs on the real module or data. ``FakeTensor`` rather than the ``meta``
 device: HF models skip their data-dependent mask checks on fake tensors (they fail on ``meta``). A call is measured once
@@ -1596,8 +1597,9 @@ def fake_copy(
     module: nn.Module, mode: Any, share_attributes: bool = False, device: torch.device | None = None
 ) -> nn.Module:
     """A deep copy of ``module`` whose parameters, buffers and tensor attributes are fake tensors of ``mode`` (a
-    ``FakeTensorMode``) on their real devices, or on ``device`` if given (tied parameters stay tied), with no hooks,
-    and with random-LTD's patched layers back on their original ``forward`` (and a LightningModule given to the
+    ``FakeTensorMode``) on their real devices, or on ``device`` if given (tied parameters stay tied), with no hooks
+    (but a stand-in for HF's ``enable_input_require_grads`` hook, which changes what the backward computes), and with
+    random-LTD's patched layers back on their original ``forward`` (and a LightningModule given to the
     Trainer as ``torch.compile(model)`` on its uncompiled methods). ``share_attributes``: the copy shares
     ``module``'s own non-module attributes instead of copying them (for a LightningModule: its data; its trainer
     reference is None)."""
@@ -1643,6 +1645,13 @@ def fake_copy(
         for name, value in list(vars(clone).items()):
             if isinstance(value, list | tuple | dict) and name not in _SHARED_ATTRIBUTES:
                 clone.__dict__[name] = _copies_in(value, copies)
+    for original in module.modules():
+        # HF's enable_input_require_grads (gradient_checkpointing_enable() calls it; PEFT's k-bit preparation has its
+        # own) makes the input embeddings' output require grad, so that the backward runs through frozen layers and
+        # recomputes the checkpointed ones: without it the copy's backward stopped at the first trainable layer
+        # (0.68x the step's FLOPs with the embeddings and two layers frozen, qa107-user 01)
+        if any(_makes_inputs_require_grad(hook) for hook in original._forward_hooks.values()):
+            copies[id(original)].register_forward_hook(_inputs_require_grad)
     if isinstance(getattr(module, "_compiler_ctx", None), dict):
         # trainer.fit(torch.compile(model)): Lightning set forward and the *_step methods on the instance to compiled
         # wrappers of the real module's (lightning.pytorch.utilities.compile.from_compiled); shared, they would run
@@ -1658,6 +1667,18 @@ def fake_copy(
         if isinstance(forward, LTDForward):
             sub.__dict__["forward"] = forward.original
     return clone
+
+
+def _makes_inputs_require_grad(hook: Any) -> bool:
+    """Whether a forward hook is HF's ``enable_input_require_grads`` hook (``make_inputs_require_grads``) or PEFT's
+    (``make_inputs_require_grad``), by its name."""
+    return str(getattr(hook, "__name__", "")).startswith("make_inputs_require_grad")
+
+
+def _inputs_require_grad(module: nn.Module, args: Any, output: Any) -> None:
+    """The copy's stand-in for :func:`_makes_inputs_require_grad`'s hooks: the output requires grad."""
+    if isinstance(output, Tensor) and output.is_floating_point():
+        output.requires_grad_(True)
 
 
 #: how deep :func:`_rebound` looks into partials, closures and wrapped functions

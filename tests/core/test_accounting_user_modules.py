@@ -261,6 +261,26 @@ def test_gpt2_on_tuple_batches(tmp_path: Path, checkpointing: bool) -> None:
         assert row["flops"] == hand == real
 
 
+@pytest.mark.parametrize("frozen", ["embeddings", "embeddings_and_layer_0", "every_layer"])
+def test_frozen_layers_under_hf_checkpointing_count_the_backward_through_them(tmp_path: Path, frozen: str) -> None:
+    """HF's gradient_checkpointing_enable() registers a hook making the input embeddings' output require grad: the
+    backward runs through the frozen layers and recomputes them. The replay's copy had no hooks, so its backward
+    stopped at the first trainable layer: 0.68x the step's FLOPs with the embeddings and two layers frozen, 0.32x
+    with every layer (qa107-user 01)."""
+    pl.seed_everything(0)
+    module = UserGPT2()
+    gpt = module.model.transformer
+    frozen_parts = [gpt.wte, gpt.wpe] + {"embeddings": [], "embeddings_and_layer_0": [gpt.h[0]]}.get(
+        frozen, list(gpt.h)
+    )
+    for part in frozen_parts:
+        part.requires_grad_(False)
+    module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    monitor, measured, per_batch = fit(module, token_loader(), tmp_path)
+    for row, real in zip(per_batch.rows, measured.per_batch, strict=True):
+        assert row["flops"] == real
+
+
 def test_timm_vit_on_tuple_batches(tmp_path: Path) -> None:
     """Tokens are the patches and the class token the first block was called with; layers the ViT's blocks."""
     pl.seed_everything(0)
