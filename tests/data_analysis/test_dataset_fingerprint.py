@@ -131,3 +131,32 @@ def test_curriculum_setup_refuses_index_files_of_another_dataset(tmp_path):
     assert fit(TokenBlocks(n=24, seed=0)).global_step == 2  # the analysed data set trains
     with pytest.raises(IndexFileError, match="another data set"):
         fit(trained)
+
+
+def test_remapped_ids_record_the_fingerprint_in_id_order(tmp_path):
+    """With sample_indices the files index samples by id, but the fingerprint was taken in position order: the
+    training set the ids index was refused ("another data set") and the analysed set accepted, its positions read as
+    ids, so every step trained other difficulties (qa108-break 01)."""
+    by_id = np.arange(30) * 7 % 13  # the sample with id s holds (7 s) % 13
+    order = np.random.default_rng(0).permutation(30)  # position k holds the sample with id order[k]
+    analysed = Rows(by_id[order])
+    a = DataAnalyzer(
+        analysed,
+        batch_size=4,
+        metric_names=["v"],
+        metric_functions=[_metric],
+        metric_types=["single_value_per_sample"],
+        metric_dtypes=[np.int64],
+        save_path=tmp_path,
+        progress=False,
+        sample_indices=order,
+    )
+    a.run_map()
+    a.run_reduce()
+    s, m = str(tmp_path / "v" / "v_index_to_sample"), str(tmp_path / "v" / "v_index_to_metric")
+    meta = json.loads((tmp_path / "v" / METADATA_NAME).read_text())
+    assert meta["dataset_fingerprint"] == dataset_fingerprint(Rows(by_id))
+    index = MetricIndex.load(s, m, num_samples=30, dataset=Rows(by_id))  # position == id: the ids' data set
+    assert all(by_id[i] == v for v, ids in zip(index.values, index.rows(), strict=True) for i in ids)
+    with pytest.raises(IndexFileError, match="another data set"):
+        MetricIndex.load(s, m, num_samples=30, dataset=analysed)

@@ -402,6 +402,19 @@ def _child_run(thread_id: int) -> dict:
             q.put(pending[0])
 
 
+class _InIdOrder:
+    """A map-style data set read in sample-id order: item ``i`` is ``dataset[position[i]]``."""
+
+    def __init__(self, dataset: Any, position: np.ndarray) -> None:
+        self.dataset, self.position = dataset, position
+
+    def __len__(self) -> int:
+        return len(self.position)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[int(self.position[i])]
+
+
 class DataAnalyzer:
     """Map/reduce analysis of a map-style data set (DeepSpeed ``DataAnalyzer`` argument names).
 
@@ -825,10 +838,15 @@ class DataAnalyzer:
         n = self.num_samples
         by_id = np.empty(n, dtype=np.int64)
         seen = np.zeros(n, dtype=bool)
+        id_at: np.ndarray | None = np.empty(n, dtype=np.int64)  # the sample id of each position of the data set
         for w, t, s, e, d, _ in parts:
             if e == s:
                 continue
             ids = np.load(os.path.join(d, f"{m}_ids.npy"), mmap_mode="r")
+            if id_at is not None and len(ids) == e - s:
+                id_at[s:e] = ids
+            else:
+                id_at = None
             vals = np.load(os.path.join(d, f"{m}_values.npy"), mmap_mode="r")
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= n:
@@ -898,7 +916,7 @@ class DataAnalyzer:
             "metric_type": "single_value_per_sample",
             "num_samples": n,
             "run_fingerprint": self.fingerprint(m),
-            "dataset_fingerprint": dataset_fingerprint(self.dataset),
+            "dataset_fingerprint": self._id_order_fingerprint(id_at),
             "index_fingerprint": index.fingerprint(),
             "merged_fingerprint": merged.fingerprint(),
             "num_distinct_values": rows,
@@ -916,6 +934,18 @@ class DataAnalyzer:
         }
         self._publish(folder, tmp, final, meta)
         return meta
+
+    def _id_order_fingerprint(self, id_at: np.ndarray | None) -> str | None:
+        """:func:`~lightning_effi.curriculum.analysis.index.dataset_fingerprint` of the analysed data set read in
+        sample-id order (``id_at[k]``: the id of position ``k``): the files index samples by id, so a training set
+        is checked against the data its ids point into. With ``sample_indices`` or an ``index_key`` field, the
+        position-order fingerprint refused the training set the ids index and accepted the analysed one, whose
+        positions were then read as ids (qa108-break 01). None when the ids of some position are not known."""
+        if id_at is None:
+            return None
+        if np.array_equal(id_at, np.arange(len(id_at))):
+            return dataset_fingerprint(self.dataset)
+        return dataset_fingerprint(_InIdOrder(self.dataset, np.argsort(id_at, kind="stable")))
 
     def _reduce_accumulate(self, m: str, parts: list) -> dict:
         total, shape, src = None, None, None
