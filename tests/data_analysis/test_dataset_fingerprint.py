@@ -160,3 +160,30 @@ def test_remapped_ids_record_the_fingerprint_in_id_order(tmp_path):
     assert all(by_id[i] == v for v, ids in zip(index.values, index.rows(), strict=True) for i in ids)
     with pytest.raises(IndexFileError, match="another data set"):
         MetricIndex.load(s, m, num_samples=30, dataset=analysed)
+
+
+def test_mappings_and_dataclasses_are_fingerprinted_by_content():
+    """A tokenizer's BatchEncoding samples (a Mapping, not a dict) and dataclass samples had no fingerprint: the
+    check was off, and a shuffled training set trained other difficulties (qa108-break 06)."""
+    import dataclasses
+    from collections import UserDict
+
+    from transformers import BatchEncoding
+
+    @dataclasses.dataclass
+    class Sample:
+        input_ids: np.ndarray
+        sid: int
+
+    values = np.arange(30) % 7
+
+    def fingerprint(make, vals=values):
+        return dataset_fingerprint([make(np.full(4, v), i) for i, v in enumerate(vals)])
+
+    for make in (
+        lambda ids, i: BatchEncoding({"input_ids": ids, "sid": i}),
+        lambda ids, i: UserDict({"input_ids": ids, "sid": i}),
+        lambda ids, i: Sample(ids, i),
+    ):
+        assert fingerprint(make) is not None and fingerprint(make) == fingerprint(make)
+        assert fingerprint(make, values[::-1]) != fingerprint(make)  # another order
