@@ -112,6 +112,22 @@ def test_config_errors(_data, tmp_path):
         analyze(_compose([*TINY, f"save_path={tmp_path}", "analyzer.metrics=[vocab_rarity]"], tmp_path))
 
 
+def test_pass_two_refuses_the_frequencies_of_another_data_config(_data, tmp_path):
+    """One save_path per data choice: pass 1 of another subset (or tokenizer) left its frequency vector there, and
+    pass 2 applied it in silence (qa108-break 04)."""
+    save = f"save_path={tmp_path / 'analysis'}"
+    analyze(_compose([*TINY, save, "analyzer.metrics=[total_vocab_freq]"], tmp_path / "p1"))
+    other = [o if not o.startswith("data.max_chars") else "data.max_chars=15000" for o in TINY]
+    with pytest.raises(
+        ConfigError,
+        match=r"^analyzer.metrics.vocab_rarity.freq: '.*' is the total_vocab_freq "
+        r"analysis of another data set .*run pass 1 again",
+    ):
+        analyze(_compose([*other, save, "analyzer.metrics=[vocab_rarity]"], tmp_path / "p2"))
+    out = analyze(_compose([*TINY, save, "analyzer.metrics=[vocab_rarity]"], tmp_path / "p3"))  # the same data
+    assert out["reduce"]["vocab_rarity"]["num_samples"] > 0
+
+
 @pytest.mark.slow
 def test_module_entry_finds_the_config(tmp_path):
     """``python -m lightning_effi.curriculum.analysis`` reads the repository's conf/analyze.yaml, like the script."""

@@ -54,6 +54,34 @@ def _metric_options(name: str, options: dict, hints: dict, save_path: str) -> di
     return opts
 
 
+def _check_freq_source(name: str, freq: str, dataset: Any) -> None:
+    """The pass-1 ``total_vocab_freq`` file a rarity metric reads must be the analysis of the data set analysed now:
+    one ``save_path`` per data choice held the vector of another tokenizer, subset or seed, applied in silence (1513
+    of 2000 difficulties changed, qa108-break 04). Compared by the data set fingerprints (its metadata's and this
+    data set's), where both exist.
+
+    Raises:
+        ConfigError: naming ``analyzer.metrics.<name>.freq`` and the pass-1 command to run again.
+    """
+    from .index import dataset_fingerprint, read_metadata
+
+    try:
+        meta = read_metadata(os.path.dirname(os.path.abspath(freq)))
+    except Exception as err:  # noqa: BLE001 - an unreadable metadata file: named as the cause
+        raise ConfigError(f"analyzer.metrics.{name}.freq: '{freq}': {err}") from None
+    recorded = (meta or {}).get("dataset_fingerprint")
+    if not recorded:
+        return
+    found = dataset_fingerprint(dataset)
+    if found is not None and found != recorded:
+        raise ConfigError(
+            f"analyzer.metrics.{name}.freq: '{freq}' is the total_vocab_freq analysis of another data set (its "
+            f"fingerprint {recorded}, the data set analysed now {found}: another tokenizer, vocab_size, subset, seed "
+            "or split); run pass 1 again with this data config (analyzer.metrics=[total_vocab_freq]) into this "
+            "save_path, or give another save_path to each data config"
+        )
+
+
 def analyze(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured analysis stage; returns (and writes) a summary.
 
@@ -83,7 +111,11 @@ def analyze(cfg: DictConfig) -> dict[str, Any]:
     dm.setup("fit")
     hints = dm.model_hints() if hasattr(dm, "model_hints") else {}
     save_path = str(cfg.save_path)
-    fns = [get_metric(name, **_metric_options(name, opts, hints, save_path)) for name, opts in metrics.items()]
+    filled = {name: _metric_options(name, opts, hints, save_path) for name, opts in metrics.items()}
+    for name, opts in filled.items():
+        if name in ("vocab_rarity", "seqlen_vocab_rarity") and isinstance(opts.get("freq"), str):
+            _check_freq_source(name, opts["freq"], dm.train_dataset)
+    fns = [get_metric(name, **opts) for name, opts in filled.items()]
     data_cfg = OmegaConf.to_yaml(cfg.data, resolve=True)
     analyzer = DataAnalyzer(
         dm.train_dataset,
