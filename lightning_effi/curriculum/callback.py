@@ -495,7 +495,22 @@ class Curriculum(KeepsSettings, Callback):
                     )
                 idx = MetricIndex.from_sample_to_metric(values)
             else:
-                idx = MetricIndex.load(m.index_to_sample_path, m.index_to_metric_path, num_samples=n, dataset=dataset)
+                metric_path = m.index_to_metric_path
+                if (
+                    m.difficulty_type == "percentile"
+                    and metric_path is not None
+                    and str(m.index_to_sample_path).endswith("_percentile_merged")
+                ):
+                    # DeepSpeed reads index_to_metric for value metrics only; Megatron-DeepSpeed's BERT script gives
+                    # a merged index (rows of several values) with it: refused as "from another analysis" (its rows
+                    # are fewer; qa108-break 02)
+                    rank_zero_warn(
+                        f"Curriculum: curriculum_metrics.{name}.index_to_metric_path is not read for a percentile "
+                        "metric whose index_to_sample_path is a _percentile_merged index (its rows merge several "
+                        "values), as in DeepSpeed"
+                    )
+                    metric_path = None
+                idx = MetricIndex.load(m.index_to_sample_path, metric_path, num_samples=n, dataset=dataset)
             if m.difficulty_type == "value" and idx.values is None:
                 raise CurriculumConfigError(
                     f"curriculum_metrics.{name}: difficulty_type 'value' needs per-row values "

@@ -251,6 +251,7 @@ class CurriculumController:
         self._check_first_step()
         if dp_rank == 0:
             self._warn_never_eligible()
+            self._warn_never_filtering()
             self._warn_percentile_shortfall()
         self.committed: dict[str, Any] = {"pre": CurriculumStream.initial_state(config), "skip": 0, "micro": 0}
         self._snapshots: dict[int, dict[str, Any]] = {}
@@ -290,6 +291,27 @@ class CurriculumController:
                 UserWarning,
                 stacklevel=2,
             )
+
+    def _warn_never_filtering(self) -> None:
+        """Warn of each ``value`` metric whose first curriculum step's difficulty is at or above every sample's value:
+        every sample is eligible from the start, so the metric never filters and the run trains the plain shuffled
+        data (a seqlen_truncate range copied onto a seqlen index whose values end below it, qa108-break 03)."""
+        first = self.first_difficulties()
+        for m in self.book.metrics:
+            idx = self.indexes[m.name]
+            if m.difficulty_type != "value" or idx.values is None or len(idx.values) == 0 or m.name not in first:
+                continue
+            low, high = int(np.min(idx.values)), int(np.max(idx.values))
+            if high <= first[m.name]:
+                warnings.warn(
+                    f"curriculum_metrics.{m.name}: every one of the {self.n} training samples has a {m.name} value "
+                    f"at or below the first curriculum step's difficulty ({first[m.name]}, from min_difficulty "
+                    f"{m.min_difficulty}): every sample is eligible from the start, so this metric never filters the "
+                    f"data; the values run {low}..{high}: set min_difficulty below {high} (and max_difficulty to "
+                    f"{high})",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     def _warn_percentile_shortfall(self) -> None:
         """Warn of each ``percentile`` metric whose DeepSpeed rounding (``percentile_rounding="deepspeed"``: ``N //

@@ -100,6 +100,51 @@ def test_fit_from_index_files(analysis, tmp_path):
     assert cb.controller.committed["micro"] == 3
 
 
+class ManyValues(TokenBlocks):
+    """600 token blocks whose first two tokens code 250 values (``first_two``): the merged index has 125 rows (merge
+    step 2)."""
+
+    def __init__(self) -> None:
+        super().__init__(n=600)
+
+    def __getitem__(self, i):
+        item = dict(super().__getitem__(i))
+        item["input_ids"] = item["input_ids"].clone()
+        item["input_ids"][0], item["input_ids"][1] = (i % 250) % 50, (i % 250) // 50
+        return item
+
+
+def first_two(batch):
+    return (batch["input_ids"][:, 0] + 50 * batch["input_ids"][:, 1]).long()
+
+
+def test_a_merged_percentile_index_with_an_index_to_metric_file_trains_as_in_deepspeed(tmp_path):
+    """Megatron-DeepSpeed's BERT script gives a percentile metric its _percentile_merged index and the
+    index_to_metric file; DeepSpeed reads index_to_metric for value metrics only. The row counts (125 vs 250) were
+    compared and the config refused as "files of two analyses" (qa108-break 02)."""
+    from tests.helpers.tiny import TinyDataModule
+
+    data = ManyValues()
+    DataAnalyzer(
+        data,
+        batch_size=64,
+        metric_names=["first"],
+        metric_functions=[first_two],
+        metric_types=["single_value_per_sample"],
+        metric_dtypes=[np.int64],
+        save_path=str(tmp_path / "a"),
+        progress=False,
+    ).run_map_reduce()
+    m = metric(tmp_path / "a" / "first", "percentile", 50, merged=True)
+    m["index_to_metric_path"] = str(tmp_path / "a" / "first" / "first_index_to_metric")
+    cb = Curriculum(metrics={"first": m}, percentile_rounding="proportional")
+    with pytest.warns(UserWarning, match=r"curriculum_metrics.first.index_to_metric_path is not read for a percentile"):
+        make_trainer(tmp_path, [cb], max_steps=2, max_epochs=-1).fit(
+            tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(data, batch_size=4))
+        )
+    assert cb.controller.committed["micro"] == 2
+
+
 def test_index_files_of_another_dataset_raise_in_setup(analysis, tmp_path):
     from lightning_effi.data import CurriculumDataModule as DM
     from tests.helpers.tiny import TinyDataModule

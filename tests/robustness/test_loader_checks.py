@@ -634,6 +634,22 @@ def test_samples_above_a_value_metrics_max_difficulty_are_warned_about():
         assert every.never_eligible() == {} and controller().never_eligible() == {}  # percentile: all at max
 
 
+def test_a_value_metric_whose_first_difficulty_admits_every_sample_is_warned_about():
+    """min_difficulty at or above every sample's value: the metric never filters, the run trains the plain shuffled
+    data, and nothing said so (qa108-break 03)."""
+    values = [3, 4, 8, 5]
+    with pytest.warns(UserWarning) as record:
+        controller(n=4, values=values, metric={**VALUE, "min_difficulty": 9, "max_difficulty": 12})
+    assert [str(w.message) for w in record if "never filters" in str(w.message)] == [
+        "curriculum_metrics.m: every one of the 4 training samples has a m value at or below the first curriculum "
+        "step's difficulty (10, from min_difficulty 9): every sample is eligible from the start, so this metric "
+        "never filters the data; the values run 3..8: set min_difficulty below 8 (and max_difficulty to 8)"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        controller(n=4, values=values, metric={**VALUE, "min_difficulty": 4, "max_difficulty": 8})
+
+
 def test_a_resume_after_the_last_batch_of_a_limited_epoch_starts_the_next_epoch_at_its_first_batch(tmp_path):
     """Epochs of 6 batches limited to 4 (Trainer(limit_train_batches=4)): a checkpoint after the 4th batch of epoch 1
     resumes in epoch 2, whose first 4 batches are trained, as in the uninterrupted fit (before, the loader skipped 4
