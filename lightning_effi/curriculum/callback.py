@@ -510,7 +510,7 @@ class Curriculum(KeepsSettings, Callback):
                         "values), as in DeepSpeed"
                     )
                     metric_path = None
-                idx = MetricIndex.load(m.index_to_sample_path, metric_path, num_samples=n, dataset=dataset)
+                idx = _load_index(name, m.index_to_sample_path, metric_path, n, dataset)
             if m.difficulty_type == "value" and idx.values is None:
                 raise CurriculumConfigError(
                     f"curriculum_metrics.{name}: difficulty_type 'value' needs per-row values "
@@ -1171,3 +1171,25 @@ def _refuse_encoder_decoder(pl_module: pl.LightningModule) -> None:
                 "only in the batches where it equals the source's. Name the source's tensors: "
                 "truncate_keys=['input_ids', 'attention_mask']"
             )
+
+
+def _load_index(name: str, samples_path: Any, metric_path: Any, n: int, dataset: Any) -> Any:
+    """``MetricIndex.load`` with the current dtype table, else DeepSpeed <= 0.13.2's: index files written before
+    DeepSpeed 0.13.3 renumbered its dtype codes read as damaged with the current table (their pointers are those
+    of the older codes' item sizes) and could not be used (qa108-break 05); read with the table whose pointers match,
+    with a warning naming it. A file neither table reads raises the current table's error."""
+    from lightning_effi.curriculum.analysis.index import MetricIndex
+    from lightning_effi.curriculum.analysis.indexed_dataset import IndexFileError
+
+    try:
+        return MetricIndex.load(samples_path, metric_path, num_samples=n, dataset=dataset)
+    except IndexFileError as err:
+        try:
+            idx = MetricIndex.load(samples_path, metric_path, num_samples=n, dataset=dataset, dtype_table="legacy")
+        except Exception:  # noqa: BLE001 - not a legacy file either: the current table's error stands
+            raise err from None
+    rank_zero_warn(
+        f"Curriculum: curriculum_metrics.{name}: the index files were read with DeepSpeed <= 0.13.2's dtype table "
+        "(their dtype codes are the older numbering: files of an older DeepSpeed or Megatron-DeepSpeed analysis)"
+    )
+    return idx

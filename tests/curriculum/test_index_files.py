@@ -145,6 +145,38 @@ def test_a_merged_percentile_index_with_an_index_to_metric_file_trains_as_in_dee
     assert cb.controller.committed["micro"] == 2
 
 
+def test_index_files_of_an_older_deepspeed_are_read_with_its_dtype_table(tmp_path):
+    """DeepSpeed <= 0.13.2 numbered dtypes otherwise (its code 8 is uint16, today's uint64): its files were refused
+    as damaged and the Curriculum could not name the table (qa108-break 05). Read with the older table, warned."""
+    from lightning_effi.curriculum.analysis.indexed_dataset import MMapIndexedDatasetBuilder
+
+    values = np.array([int(TokenBlocks()[i]["input_ids"][0]) for i in range(N)])
+    order = np.argsort(values, kind="stable")
+    uniq, counts = np.unique(values, return_counts=True)
+    prefix = str(tmp_path / "first_")
+    for name, items, sizes, dtype in (
+        ("index_to_sample", order, counts, np.uint16),
+        ("index_to_metric", uniq, np.ones(len(uniq), dtype=np.int64), np.uint8),
+    ):
+        builder = MMapIndexedDatasetBuilder(prefix + name + ".bin", dtype, dtype_table="legacy")
+        builder.add_items_flat(items, sizes)
+        builder.end_document()
+        builder.finalize(prefix + name + ".idx")
+    with pytest.raises(IndexFileError, match="damaged index"):  # today's table
+        MetricIndex.load(prefix + "index_to_sample", prefix + "index_to_metric", num_samples=N)
+    m = dict(metric(tmp_path, "value", 10), index_to_sample_path=prefix + "index_to_sample")
+    m["index_to_metric_path"] = prefix + "index_to_metric"
+    cb = Curriculum(metrics={"first": m})
+    with pytest.warns(UserWarning, match=r"curriculum_metrics.first: the index files were read with DeepSpeed <= "):
+        make_trainer(tmp_path, [cb], max_steps=2, max_epochs=-1).fit(
+            tiny_gpt2(), datamodule=CurriculumDataModule(tiny_lm_data(batch_size=4))
+        )
+    legacy = MetricIndex.load(
+        prefix + "index_to_sample", prefix + "index_to_metric", num_samples=N, dtype_table="legacy"
+    )
+    assert cb.controller.indexes["first"].fingerprint() == legacy.fingerprint()
+
+
 def test_index_files_of_another_dataset_raise_in_setup(analysis, tmp_path):
     from lightning_effi.data import CurriculumDataModule as DM
     from tests.helpers.tiny import TinyDataModule
