@@ -1181,11 +1181,18 @@ def _load_index(name: str, samples_path: Any, metric_path: Any, n: int, dataset:
     from lightning_effi.curriculum.analysis.index import MetricIndex
     from lightning_effi.curriculum.analysis.indexed_dataset import IndexFileError
 
+    def structural(err: Exception) -> bool:  # the files' layout, not what they hold
+        return any(word in str(err) for word in ("damaged", "pointers", "dtype code"))
+
     try:
         return MetricIndex.load(samples_path, metric_path, num_samples=n, dataset=dataset)
     except IndexFileError as err:
         try:
             idx = MetricIndex.load(samples_path, metric_path, num_samples=n, dataset=dataset, dtype_table="legacy")
+        except IndexFileError as legacy:
+            if structural(err) and not structural(legacy):  # older files, read, of another data set (qa109-regress 01)
+                raise IndexFileError(f"{legacy} (read with DeepSpeed <= 0.13.2's dtype table)") from None
+            raise err from None
         except Exception:  # noqa: BLE001 - not a legacy file either: the current table's error stands
             raise err from None
     rank_zero_warn(

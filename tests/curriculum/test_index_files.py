@@ -149,6 +149,7 @@ def test_index_files_of_an_older_deepspeed_are_read_with_its_dtype_table(tmp_pat
     """DeepSpeed <= 0.13.2 numbered dtypes otherwise (its code 8 is uint16, today's uint64): its files were refused
     as damaged and the Curriculum could not name the table (qa108-break 05). Read with the older table, warned."""
     from lightning_effi.curriculum.analysis.indexed_dataset import MMapIndexedDatasetBuilder
+    from tests.helpers.tiny import TinyDataModule
 
     values = np.array([int(TokenBlocks()[i]["input_ids"][0]) for i in range(N)])
     order = np.argsort(values, kind="stable")
@@ -175,6 +176,13 @@ def test_index_files_of_an_older_deepspeed_are_read_with_its_dtype_table(tmp_pat
         prefix + "index_to_sample", prefix + "index_to_metric", num_samples=N, dtype_table="legacy"
     )
     assert cb.controller.indexes["first"].fingerprint() == legacy.fingerprint()
+    # older files of another data set: the older table's reason, not "damaged" (qa109-regress 01)
+    with pytest.raises(
+        IndexFileError, match=r"holds 40 sample ids but the data set has 30 .*\(read with DeepSpeed <= "
+    ):
+        make_trainer(tmp_path, [Curriculum(metrics={"first": m})], max_steps=1).fit(
+            tiny_gpt2(), datamodule=CurriculumDataModule(TinyDataModule(TokenBlocks(n=30), batch_size=4))
+        )
 
 
 def test_index_files_of_another_dataset_raise_in_setup(analysis, tmp_path):

@@ -58,7 +58,8 @@ def _hash_item(h: Any, item: Any) -> bool:
     """Fold one sample into ``h``; False when it holds a leaf that cannot be hashed by content. Any mapping (HF's
     ``BatchEncoding``, a ``UserDict``: a dict-only walk left the check off for a tokenizer's samples, qa108-break 06)
     and dataclass walks by its keys / fields."""
-    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+    if not isinstance(item, Mapping) and dataclasses.is_dataclass(item) and not isinstance(item, type):
+        # a mapping that is also a dataclass (HF's ModelOutput) keeps its mapping's keys, as before (qa109-regress 02)
         item = {f.name: getattr(item, f.name) for f in dataclasses.fields(item)}
     if isinstance(item, Mapping):
         for key in sorted(item, key=str):
