@@ -37,7 +37,7 @@ def _metric(batch):
     return batch["input_ids"][:, 0].to(dtype=__import__("torch").int64)
 
 
-def _analyze(ds, tmp_path):
+def _analyze(ds, tmp_path, **kwargs):
     a = DataAnalyzer(
         ds,
         batch_size=4,
@@ -47,6 +47,7 @@ def _analyze(ds, tmp_path):
         metric_dtypes=[np.int64],
         save_path=tmp_path,
         progress=False,
+        **kwargs,
     )
     a.run_map()
     a.run_reduce()
@@ -140,20 +141,7 @@ def test_remapped_ids_record_the_fingerprint_in_id_order(tmp_path):
     by_id = np.arange(30) * 7 % 13  # the sample with id s holds (7 s) % 13
     order = np.random.default_rng(0).permutation(30)  # position k holds the sample with id order[k]
     analysed = Rows(by_id[order])
-    a = DataAnalyzer(
-        analysed,
-        batch_size=4,
-        metric_names=["v"],
-        metric_functions=[_metric],
-        metric_types=["single_value_per_sample"],
-        metric_dtypes=[np.int64],
-        save_path=tmp_path,
-        progress=False,
-        sample_indices=order,
-    )
-    a.run_map()
-    a.run_reduce()
-    s, m = str(tmp_path / "v" / "v_index_to_sample"), str(tmp_path / "v" / "v_index_to_metric")
+    s, m = _analyze(analysed, tmp_path, sample_indices=order)
     meta = json.loads((tmp_path / "v" / METADATA_NAME).read_text())
     assert meta["dataset_fingerprint"] == dataset_fingerprint(Rows(by_id))
     index = MetricIndex.load(s, m, num_samples=30, dataset=Rows(by_id))  # position == id: the ids' data set
