@@ -2174,16 +2174,17 @@ class RandomLTDCallback(KeepsSettings, Callback):
         :func:`~lightning_effi.random_ltd.functional.flops_per_layer` is used, with one warning).
 
         A replay costs about a second on a CPU, and the reserved length (and a curriculum's sequence length) changes
-        from step to step, so each layer is replayed at two lengths only: a transformer layer's training FLOPs on
-        ``T`` tokens are ``B (a T + c T²)`` (token-wise matrices, attention over token pairs), and ``a``, ``c`` are
-        solved from the full and the kept call. It is then checked, exactly, at recorded shapes with lengths it was not
-        measured at, and used once it held at :data:`LAYER_FLOPS_CHECKS` new lengths and the lengths measured do not
-        all share a residue modulo some ``m > 1`` (a layer that pads its tokens to a multiple of ``m`` follows the
-        model at one residue only), for lengths between the shortest and the longest measured only (never
-        extrapolated: a layer switching to windowed attention above some length); until then, and outside that
-        range, every shape is replayed (a new length measured that way is one more check), and a layer that fails a
-        check is replayed at every shape. An ``EfficiencyMonitor(interpolate_flops=False)`` in the Trainer turns the
-        model off: every shape replayed."""
+        from step to step, so each layer is replayed at two lengths only: a transformer layer's training FLOPs on ``T``
+        tokens are ``B (a T + c T²)`` (token-wise matrices, attention over token pairs), and ``a``, ``c`` are solved
+        from the full and the kept call (one model for each set of the layer's argument sizes on axes other than the
+        sequence and the batch, ``LayerCalls.fixed``: a decoder layer's encoder length). It is then checked, exactly, at
+        recorded shapes with lengths it was not measured at, and used once it held at :data:`LAYER_FLOPS_CHECKS` new
+        lengths and the lengths measured do not all share a residue modulo some ``m > 1`` (a layer that pads its tokens
+        to a multiple of ``m`` follows the model at one residue only), for lengths between the shortest and the longest
+        measured only (never extrapolated: a layer switching to windowed attention above some length); until then, and
+        outside that range, every shape is replayed (a new length measured that way is one more check), and a layer that
+        fails a check is replayed at every shape. An ``EfficiencyMonitor(interpolate_flops=False)`` in the Trainer turns
+        the model off: every shape replayed."""
         if self._measure_failed or self.controller is None or self.adapter is None:
             return None
         layers = self.adapter.layers()
@@ -2205,9 +2206,10 @@ class RandomLTDCallback(KeepsSettings, Callback):
         :meth:`_measured_layer_flops`; each grad mode has its own calls and its own model)."""
         assert self.controller is not None
         b, s, r = rec.batch_size, rec.seq_len, rec.reserved_length
-        key = (i, structure_key(layer), grad)
-        model = self._flops_models.get(key)
         pair = self.controller.calls.get((i, b, s, r, grad))
+        # one model per set of the arguments' other sizes (a cross-attention's encoder length)
+        key = (i, structure_key(layer), grad, None if pair is None else pair.fixed)
+        model = self._flops_models.get(key)
         if (
             self._predict_layer_flops
             and isinstance(model, tuple)
@@ -2222,8 +2224,8 @@ class RandomLTDCallback(KeepsSettings, Callback):
         root.layer = layer
         try:
             on_full, on_kept = (
-                Fraction(self._meter.flops(root, [pair[0]])),
-                Fraction(self._meter.flops(root, [pair[1]])),
+                Fraction(self._meter.flops(root, [pair.full])),
+                Fraction(self._meter.flops(root, [pair.kept])),
             )
         except MeasureError as err:
             self._measure_failed = True

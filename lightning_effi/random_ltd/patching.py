@@ -58,6 +58,7 @@ from lightning_effi.core.measure import (
     _in_backward,
     _reentrant_recompute,
     describe_call,
+    tensor_leaves,
 )
 from lightning_effi.core.rng import hash64
 from lightning_effi.models.base import MUST_BE_NONE, PASS, AttentionMask, SeqArg, TransformerAdapter
@@ -139,6 +140,19 @@ class BatchRecord:
     grads: list[bool] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class LayerCalls:
+    """An LTD layer's recorded call on the full sequence and on its kept tokens (shapes only, for replaying), the
+    shapes of all its tensor arguments (``shapes``: a new one, the same ``B, S, r``, is recorded again), and their
+    sizes on the axes that are neither the gathered sequence nor the batch (``fixed``: the FLOPs of a layer on ``T``
+    tokens follow ``B (a T + c T²)`` for one such set of sizes only, e.g. one encoder length of a cross-attention)."""
+
+    full: CallRecord
+    kept: CallRecord
+    shapes: tuple[tuple[int, ...], ...]
+    fixed: tuple[tuple[int | None, ...], ...]
+
+
 @dataclass
 class LTDController:
     """Per-forward state shared by the patched layers: the reserved length, the armed context and its indices.
@@ -160,12 +174,13 @@ class LTDController:
     reserved_length: int | None = None
     key: tuple[int, int] | None = None
     records: list[BatchRecord] = field(default_factory=list)
-    #: with ``record_calls``: each LTD layer's call on the full sequence and on its kept tokens, without values, once
-    #: per ``(layer index, B, S, r, grad mode)`` (for measuring the FLOPs the layer skipped, random-LTD's accounting)
+    #: with ``record_calls``: each LTD layer's call on the full sequence and on its kept tokens, without values, the
+    #: last one per ``(layer index, B, S, r, grad mode)`` (for measuring the FLOPs the layer skipped, random-LTD's
+    #: accounting), with the shapes of its arguments and the sizes of their axes that are neither the sequence nor
+    #: the batch (a decoder layer's encoder output: the cross-attention's cost follows its length;
+    #: :meth:`LTDForward._note_call`)
     record_calls: bool = False
-    calls: dict[tuple[int, int, int, int, bool], tuple[CallRecord, CallRecord]] = field(
-        default_factory=dict, repr=False
-    )
+    calls: dict[tuple[int, int, int, int, bool], LayerCalls] = field(default_factory=dict, repr=False)
     draws: int = 0
     lookups: int = 0
     #: the ids of the parameters the Trainer's optimizers hold (set by the callback at every batch; None: unknown), by
@@ -524,41 +539,58 @@ class LTDForward:
         return bound
 
     def _note_call(self, args: tuple, kwargs: dict, idx: Tensor, seq_len: int) -> None:
-        """Keep this layer's call on the full sequence and on the kept tokens (shapes only) in the controller, once
-        per ``(layer, B, S, r, grad mode)``, for measuring what dropping skips. Runs inside :meth:`select`, outside a
-        compiled graph (a note after the layer's call would break the graph where the kept tokens' length is not
-        marked dynamic: a recompilation per reserved length). The backward's recompute of an activation-checkpointed
-        layer is noted only under a reentrant ``torch.utils.checkpoint`` around the layer (a forward with grad of its
-        own, :meth:`LTDController.indices`); a non-reentrant one around it is noted with the forward's call, whose
-        replay runs inside such a checkpoint (``CallRecord.recompute``). The gather is run once more here, only for a
-        new shape."""
+        """Keep this layer's call on the full sequence and on the kept tokens (shapes only) in the controller, the last
+        one per ``(layer, B, S, r, grad mode)`` (:class:`LayerCalls`), for measuring what dropping skips. Runs inside
+        :meth:`select`, outside a compiled graph (a note after the layer's call would break the graph where the kept
+        tokens' length is not marked dynamic: a recompilation per reserved length). The backward's recompute of an
+        activation-checkpointed layer is noted only under a reentrant ``torch.utils.checkpoint`` around the layer (a
+        forward with grad of its own, :meth:`LTDController.indices`); a non-reentrant one around it is noted with the
+        forward's call, whose replay runs inside such a checkpoint (``CallRecord.recompute``). The gather is run once
+        more here, only for new shapes of the arguments."""
         recompute = None
         if _in_backward():
             if not _reentrant_recompute():
                 return
         else:
             recompute = _checkpoint_recompute(self._owner())
-        key = (self.index, int(idx.shape[0]), int(seq_len), int(idx.shape[1]), torch.is_grad_enabled())
+        batch, kept = int(idx.shape[0]), int(idx.shape[1])
+        key = (self.index, batch, int(seq_len), kept, torch.is_grad_enabled())
+        # every tensor argument's shape: a batch of the same B, S, r whose other arguments differ (a decoder layer's
+        # encoder output of another length) is recorded again, not measured on the last one's (0.84x of the step's
+        # FLOPs for a 4-token source after a 64-token one, qa110-seq2seq 02)
+        shapes = tuple(tuple(t.shape) for _, t in tensor_leaves((args, kwargs)))
         calls = self.controller.calls
-        if key in calls:
+        known = calls.get(key)
+        if known is not None and known.shapes == shapes:
             return
-        if len(calls) >= _MAX_CALLS:
+        if known is None and len(calls) >= _MAX_CALLS:
             calls.clear()
         # with grad (the kept tensors' requires_grad as in training), under saved-tensor hooks of its own: inside a
         # non-reentrant activation checkpoint (timm's set_grad_checkpointing) the checkpoint counts every tensor the
         # forward saves, and this extra gather, not run again in the recompute, would make the counts differ
         # (torch's CheckpointError "a different number of tensors was saved")
+        handed: list[tuple[Tensor, Tensor]] = []
         with torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            bound = self._gathered(args, kwargs, idx, seq_len)
+            bound = self._gathered(args, kwargs, idx, seq_len, handed)
         grad = torch.is_grad_enabled()
         used: set[tuple[Any, ...]] = {(), (0,)}  # the hidden states: the output itself, or a tuple's first element
-        calls[key] = (
+        batch_axis = 1 - self.seq_dim
+        fixed = tuple(
+            tuple(
+                None if n != m or (axis == batch_axis and n == batch) else int(n)
+                for axis, (n, m) in enumerate(zip(given.shape, out.shape, strict=False))
+            )
+            for out, given in handed
+        )
+        calls[key] = LayerCalls(
             describe_call("layer", args, kwargs, grad, used, recompute),
             # the kept tokens' forward is followed by the scatter back, which saves tensors too: an early-stopping
             # recompute runs all of it
             describe_call(
                 "layer", bound.args, bound.kwargs, grad, used, recompute and Recompute("full", recompute.context_fn)
             ),
+            shapes,
+            fixed,
         )
 
     def _is_attention(self, t: Any, idx: Tensor, keys: bool = True) -> bool:

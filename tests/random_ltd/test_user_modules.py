@@ -851,6 +851,55 @@ def test_a_layer_whose_flops_are_not_quadratic_in_its_tokens_is_measured_exactly
     assert int(monitor.summary["flops"]) == module.real_flops > 0
 
 
+class CountedSeq2Seq(pl.LightningModule):
+    """PyTorch's encoder and a 4-layer ``nn.TransformerDecoder`` (cross-attention to the encoder's output) under
+    manual optimization, each step counted by torch's ``FlopCounterMode``, random-LTD in the decoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.emb = nn.Embedding(50, 32)
+        encoder_layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(encoder_layer, 1, enable_nested_tensor=False)
+        self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(32, 2, 64, dropout=0.0, batch_first=True), 4)
+        self.head, self.real_flops = nn.Linear(32, 50), 0
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        from tests.helpers.flops import flop_counter
+
+        src, tgt = batch
+        opt = self.optimizers()
+        with flop_counter() as counter:
+            causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+            out = self.decoder(self.emb(tgt), self.encoder(self.emb(src)), tgt_mask=causal, tgt_is_causal=True)
+            loss = TF.cross_entropy(self.head(out).flatten(0, 1), tgt.flatten())
+            opt.zero_grad()
+            self.manual_backward(loss)
+        opt.step()
+        self.real_flops += int(counter.get_total_flops())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_decoder_layers_skipped_flops_follow_the_encoder_length_of_each_batch(tmp_path):
+    """A decoder layer's call was recorded once per (layer, B, S, r): a later batch with another source length was
+    priced on the first one's cross-attention (0.84x of torch's count for a 4-token source after a 64-token one,
+    qa110-seq2seq 02). Recorded again when its arguments' shapes change, and priced off a FLOPs model of its own
+    encoder length, the monitor's FLOPs equal torch's count of every real step."""
+    from lightning_effi import EfficiencyMonitor
+
+    torch.manual_seed(0)
+    batches = [(torch.randint(0, 50, (4, n)), torch.randint(0, 50, (4, 12))) for n in (64, 4, 32, 4, 64, 16, 64, 4)]
+    module, monitor = CountedSeq2Seq(), EfficiencyMonitor(print_summary=False)
+    ltd = RandomLTDCallback(min_value=4, max_value=12, seq_per_step=4, require_steps=100, model_attr="decoder")
+    make_trainer(tmp_path, [monitor, ltd], max_epochs=1).fit(
+        module, torch.utils.data.DataLoader(batches, batch_size=None)
+    )
+    assert ltd.saved_flops > 0
+    assert int(monitor.summary["flops"]) == module.real_flops > 0
+
+
 class TwoPassStack(CountedOddStack):
     """A step that runs the network twice on its batch: ``"rdrop"`` averages the loss of two forwards (R-Drop, a
     consistency loss), ``"target"`` runs a ``no_grad`` target forward first; both forwards drop tokens."""
