@@ -1202,6 +1202,14 @@ class EfficiencyMonitor(Callback):
                 f"and its outputs take no part in the backward (a data augmentation: preparation of the data, not "
                 f"the network's compute), and it cannot be replayed ({why})",
             )
+        for name, (kind, unused, parts) in self._meter.partial.items():
+            self._warn(
+                f"flops/partial/{name}",
+                f"{kind} ({name}) makes a data-dependent shape in its forward, so its FLOPs are measured through the "
+                f"module calls inside it ({', '.join(parts)}); the operations its own forward runs on its parameters "
+                f"{', '.join(unused)} are not counted. If they are matrix products (a mixture-of-experts' experts held "
+                f"as parameters), the FLOPs are too low: {hint}",
+            )
         return flops
 
     def _samples_of(self, batch: Any, actual: bool) -> int | None:
