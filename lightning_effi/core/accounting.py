@@ -1447,6 +1447,9 @@ class EfficiencyMonitor(Callback):
             self._records.clear()
             self._outside_checked = False
             self._chosen, self._ranked = None, None  # the block list is seen again in this fit's steps
+            # the summary is of a fit that ended: a further fit of the Trainer that stops on an error or Ctrl+C
+            # left the one before's, which write_result then recorded with this fit's length (qa110-notebook 01)
+            self.summary = {}
             if trainer.global_step > 0:
                 if self._ended_at == (id(trainer), trainer.global_step):
                     return
@@ -1460,7 +1463,6 @@ class EfficiencyMonitor(Callback):
             self._logged_step = None  # a new fit logs its own rows (this monitor may have logged another Trainer's)
             base = COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
-            self.summary = {}
             self.curve, self.schedule = [], []
             self._skipped_validations = []
             self._last_states = self._last_position = None

@@ -204,6 +204,12 @@ def write_result(
             )
         )
         return Path(out_dir) / "result.json"
+    if monitor is not None and not monitor.summary and monitor.totals.get("batches") and not trainer.fit_loop.done:
+        raise ValueError(
+            f"write_result: the Trainer's last fit did not end (status {trainer.state.status.value!r} at step "
+            f"{trainer.global_step}: stopped by an error or an interrupt), and its EfficiencyMonitor sums up a fit at "
+            "its end; resume it from a checkpoint (trainer.fit(..., ckpt_path=...)) and record it once it ends"
+        )
     if monitor is None or not monitor.summary:
         spawned = runs_in_spawned_processes(trainer)
         raise ValueError(

@@ -64,6 +64,37 @@ def test_what_cannot_make_a_record_is_refused_naming_it(tmp_path):
         write_result(trainer, tmp_path / "r", metric="val/foo", metrics={"val/foo": 1.0})
 
 
+class _StopAt(pl.Callback):
+    """Raises in the training step's end at ``step`` (an error in the user's code, or Ctrl+C in a notebook)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("stopped by the test")
+
+
+def test_a_further_fit_that_did_not_end_is_not_recorded_with_the_fit_before(tmp_path):
+    """A second fit of the Trainer (max_epochs raised: "continue training" in a notebook) stopped by an error left the
+    monitor's summary of the first fit, which write_result recorded with the second fit's length (16 steps' FLOPs
+    for 20 steps, not stopped early; qa110-notebook 01). The summary is of a fit that ended: refused, as after a
+    first fit that did not end."""
+    trainer = fit(tmp_path / "fit", 2, ltd=False)
+    monitor = next(c for c in trainer.callbacks if isinstance(c, EfficiencyMonitor))
+    assert monitor.summary["optimizer_steps"] == 2
+    trainer.fit_loop.epoch_loop.max_steps = 6
+    trainer.callbacks.append(_StopAt(4))
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        trainer.fit(trainer.lightning_module, datamodule=tiny_lm_data())
+    assert trainer.global_step == 4 and monitor.summary == {} and monitor.totals["batches"] == 4
+    with pytest.raises(
+        ValueError, match=r"^write_result: the Trainer's last fit did not end \(status 'interrupted' at step 4"
+    ):
+        write_result(trainer, tmp_path / "r", metric="val/loss")
+    assert not (tmp_path / "r").exists()
+
+
 def test_the_mode_is_read_from_the_metric_name_when_not_given(tmp_path, monkeypatch):
     """A user's ``write_result(metric="val/acc")`` recorded mode "min" (the old default): the report then read a
     better accuracy as worse than every baseline. None now reads the name: max for accuracy-like names, min for
