@@ -599,7 +599,9 @@ class Curriculum(KeepsSettings, Callback):
         """Refuse a ``max_steps`` or a ``min_steps`` beyond the sample budget ``N x num_epochs`` (the curriculum's
         stream ends there: Lightning would run empty epochs for a ``min_steps`` it never reaches, forever with
         ``max_epochs=-1``), and a ``min_epochs`` above ``num_epochs`` (without ``limit_train_batches``, whose shorter
-        epochs make more of them).
+        epochs make more of them); a minimum only where it acts: not with ``max_steps`` set (within the budget), nor
+        where ``max_epochs`` ends the fit within ``num_epochs`` (Lightning's maximum ends a fit whatever the
+        minimum).
 
         Raises:
             CurriculumConfigError: naming both figures.
@@ -617,8 +619,17 @@ class Curriculum(KeepsSettings, Callback):
                 f"curriculum: trainer.max_steps={trainer.max_steps} exceeds {budget}; raise num_epochs or lower "
                 "max_steps"
             )
+        # a minimum acts only below the run's maximum (Lightning's max_steps / max_epochs end a fit whatever its
+        # min_steps / min_epochs): one above it is no empty epoch (qa110-loops 01)
+        bounded_steps = trainer.max_steps not in (-1, None)
+        max_epochs = trainer.max_epochs if trainer.max_epochs not in (-1, None) else None
         min_steps = trainer.fit_loop.min_steps
-        if min_steps is not None and min_steps > c.total_steps:
+        if (
+            min_steps is not None
+            and not bounded_steps
+            and (max_epochs is None or max_epochs > c.config.num_epochs)
+            and min_steps > c.total_steps
+        ):
             raise CurriculumConfigError(
                 f"curriculum: trainer.min_steps={min_steps} exceeds {budget}: the fit would go on with empty epochs "
                 "after the stream ends (forever with max_epochs=-1); raise num_epochs or lower min_steps"
@@ -626,7 +637,12 @@ class Curriculum(KeepsSettings, Callback):
         # each epoch ends at a data epoch's end (without limit_train_batches, one epoch per data epoch)
         min_epochs = trainer.fit_loop.min_epochs
         full_epochs = isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0
-        if min_epochs is not None and full_epochs and min_epochs > c.config.num_epochs:
+        if (
+            min_epochs is not None
+            and full_epochs
+            and not bounded_steps
+            and min(min_epochs, max_epochs or min_epochs) > c.config.num_epochs
+        ):
             raise CurriculumConfigError(
                 f"curriculum: trainer.min_epochs={min_epochs} exceeds the sample budget's {c.config.num_epochs} data "
                 f"epochs (num_epochs; {budget}): the epochs after the stream ends would train nothing; raise "

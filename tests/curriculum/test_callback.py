@@ -671,6 +671,27 @@ def test_min_steps_beyond_the_budget_is_refused(tmp_path):
     assert trainer.global_step == 2
 
 
+@pytest.mark.parametrize(
+    ("limits", "steps"),
+    [
+        (dict(max_steps=1, min_steps=3), 1),
+        (dict(max_epochs=1, min_epochs=2), 2),
+        (dict(max_epochs=1, min_steps=3), 2),
+        (dict(max_steps=2, max_epochs=-1, min_epochs=3), 2),
+    ],
+)
+def test_a_minimum_the_runs_maximum_overrides_is_not_refused(tmp_path, limits, steps):
+    """Lightning's max_steps / max_epochs end a fit whatever its min_steps / min_epochs: a minimum past the budget
+    under a maximum within it runs no empty epoch, and was refused naming a setting that had no effect
+    (qa110-loops 01). It trains what plain Lightning trains."""
+    for curriculum in (True, False):
+        callbacks = [Curriculum(metrics={"seqlen_truncate": TRUNC}, num_epochs=1)] if curriculum else []
+        trainer = make_trainer(tmp_path, callbacks, **limits)
+        data = TinyDataModule(TokenBlocks(n=8), batch_size=4)
+        trainer.fit(tiny_gpt2(), datamodule=CurriculumDataModule(data) if curriculum else data)
+        assert trainer.global_step == steps
+
+
 def test_a_reused_callback_starts_a_fresh_stream(tmp_path):
     cb, rec = curriculum(total_tokens=10_000), Record()
     for run in ("a", "b"):
