@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_effi.core.accounting import BatchStats
+from lightning_effi.core.accounting import BatchStats, EfficiencyMonitor
 from lightning_effi.core.batch import batch_meta, unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, check_real, is_int, is_real
 from lightning_effi.core.compat import rebuild_train_loader_after_restore
@@ -597,10 +597,11 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._fused = False  # that network's attention recomputes the scores in the backward (fused sdpa)
         # the LTD layers' calls replayed on fake tensors: the FLOPs a layer skips, measured (_measured_layer_flops)
         self._meter, self._measure_failed = FlopsMeter(), False
-        #: per (LTD layer, its structure): (a, c, checked) of its training FLOPs B (a T + c T²), or "direct"
-        #: (layer, structure) -> (a, c, the lengths measured on it, checks passed) of B (a T + c T^2), or "direct"
+        #: (LTD layer, its structure, grad mode, its arguments' other sizes: LayerCalls.fixed) -> (a, c, the lengths
+        #: measured on it, checks passed) of its training FLOPs B (a T + c T^2), or "direct"
         self._flops_models: dict[tuple[Any, ...], tuple[Fraction, Fraction, frozenset[int], int] | str] = {}
         self._predict_layer_flops = True
+        self._warned_other_blocks = False
         self._data_length: int | None = None  # the sequence length peeked from the training data at train start
         self._lengths_vary = False  # the peeked samples differ in length (batches padded per batch vary too)
         self._first_padded = False  # the first training batch has padding (its rows differ in length)
@@ -745,6 +746,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._predict_layer_flops = all(getattr(c, "interpolate_flops", True) for c in trainer.callbacks)
         self._meter = FlopsMeter(interpolate=self._predict_layer_flops)
         self._measure_failed, self._flops_models = False, {}
+        self._warned_other_blocks = False  # _drops_in_counted_blocks
         # the root the adapter was found and bound in (model_attr's submodule): a GenericAdapter path starts there, and
         # binding it again to the LightningModule refused every path (qa102-nlp 01)
         self.patched = convert(self._search_root(pl_module), adapter, self.controller)
@@ -2377,8 +2379,35 @@ class RandomLTDCallback(KeepsSettings, Callback):
         if self.controller is None or self.adapter is None or not self.controller.records:
             return stats
         _, ltd_lt, full_lt, saved, _ = self._batch_costs()
-        layer_tokens = round(stats.layer_tokens * ltd_lt / full_lt) if full_lt else stats.layer_tokens
+        layer_tokens = stats.layer_tokens
+        if full_lt and self._drops_in_counted_blocks(pl_module):
+            layer_tokens = round(stats.layer_tokens * ltd_lt / full_lt)
         return dataclasses.replace(stats, layer_tokens=int(layer_tokens), flops=max(0.0, stats.flops - saved))
+
+    def _drops_in_counted_blocks(self, pl_module: pl.LightningModule) -> bool:
+        """Whether the Trainer's ``EfficiencyMonitor`` counts layer-tokens on the layers random-LTD drops tokens in
+        (or on a stack of the module's own definition, ``effi_num_layers`` / ``effi_count_tokens``). A decoder's LTD
+        layers beside the encoder the monitor counts: the decoder's kept share lowered the encoder's layer-tokens, a
+        saving of a stack that dropped nothing (qa110-seq2seq); said once, and the layer-tokens are left whole."""
+        if self.adapter is None or any(
+            getattr(pl_module, hook, None) is not None for hook in ("effi_num_layers", "effi_count_tokens")
+        ):
+            return True
+        monitor = next((c for c in pl_module.trainer.callbacks if isinstance(c, EfficiencyMonitor)), None)  # type: ignore[attr-defined]
+        counted = None if monitor is None else monitor.find_blocks(pl_module)
+        layers = self.adapter.layers()
+        if counted is None or (len(counted) == len(layers) and all(a is b for a, b in zip(counted, layers))):
+            return True
+        if not self._warned_other_blocks:
+            self._warned_other_blocks = True
+            names = {id(m): n for n, m in pl_module.named_modules()}
+            rank_zero_warn(
+                f"{type(self).__name__}: random-LTD drops tokens in {names.get(id(layers), '?')} ({len(layers)} "
+                f"layers), but the EfficiencyMonitor counts layer-tokens on {names.get(id(counted), '?')} "
+                f"({len(counted)} blocks): its layer_tokens leave random-LTD's saving out (random_ltd/"
+                "layer_token_saving has it, on its own layers); the FLOPs, measured on the whole network, include it"
+            )
+        return False
 
     def effi_schedule_state(self) -> dict[str, float]:
         """``{"reserved_length": r}``: the tokens each random-LTD layer keeps now (Yao et al. 2022, Sec. 3.1)."""

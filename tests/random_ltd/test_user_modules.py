@@ -900,6 +900,33 @@ def test_a_decoder_layers_skipped_flops_follow_the_encoder_length_of_each_batch(
     assert int(monitor.summary["flops"]) == module.real_flops > 0
 
 
+def test_dropping_in_a_stack_the_monitor_does_not_count_leaves_its_layer_tokens_whole(tmp_path):
+    """The monitor counts layer-tokens on one stack (here the encoder's); random-LTD in the decoder lowered them by
+    the decoder's kept share: a layer-token saving of a stack that dropped nothing (qa110-seq2seq). They stay whole,
+    with a warning naming both stacks; the FLOPs take the decoder's saving, exactly."""
+    from lightning_effi import EfficiencyMonitor
+
+    torch.manual_seed(0)
+    batches = [(torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 12))) for _ in range(3)]
+    module, monitor = CountedSeq2Seq(), EfficiencyMonitor(print_summary=False)
+    ltd = RandomLTDCallback(min_value=4, max_value=12, seq_per_step=4, require_steps=100, model_attr="decoder")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [monitor, ltd], max_epochs=1).fit(
+            module, torch.utils.data.DataLoader(batches, batch_size=None)
+        )
+    said = [str(w.message) for w in caught if str(w.message).startswith("RandomLTDCallback: random-LTD drops tokens")]
+    assert said == [
+        "RandomLTDCallback: random-LTD drops tokens in decoder.layers (4 layers), but the EfficiencyMonitor counts "
+        "layer-tokens on encoder.layers (1 blocks): its layer_tokens leave random-LTD's saving out (random_ltd/"
+        "layer_token_saving has it, on its own layers); the FLOPs, measured on the whole network, include it"
+    ]
+    summary = monitor.summary
+    assert summary["layer_tokens"] == summary["baseline_layer_tokens"] == 3 * 4 * 16 * 1
+    assert ltd.consumed_layer_tokens < ltd.full_layer_tokens
+    assert int(summary["flops"]) == module.real_flops < summary["baseline_flops"]
+
+
 class TwoPassStack(CountedOddStack):
     """A step that runs the network twice on its batch: ``"rdrop"`` averages the loss of two forwards (R-Drop, a
     consistency loss), ``"target"`` runs a ``no_grad`` target forward first; both forwards drop tokens."""
