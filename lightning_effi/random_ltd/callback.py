@@ -515,6 +515,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self.keep_prefix_tokens = 0 if keep_prefix_tokens == "auto" else keep_prefix_tokens
         self._seqlen_curriculum: tuple[str, int] | None = None  # (metric, longest batch) of a truncating curriculum
         self._truncation_shift: int | None = None  # seqlen_truncate's tokens beyond the difficulty (label shift)
+        #: (smallest reserved length, the curriculum's metric, its longest batch, how) of settings that never drop a
+        #: token under a seqlen curriculum, refused at the first forward (_refuse_never_dropping)
+        self._never_drops: tuple[int, str, int, str] | None = None
         self._first_batch_length: int | None = None  # the first batch's length under seqlen_truncate (batch units)
         self._curriculum: str | None = None  # a Curriculum in the run: its first batches may be short by design
         self._evaluating = False  # the checkpoint being restored is for validate / test / predict (state ignored)
@@ -726,8 +729,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
             (type(c).__name__ for c in trainer.callbacks if any(k.__name__ == "Curriculum" for k in type(c).__mro__)),
             None,
         )
-        if self.max_value_arg is None and self._seqlen_curriculum is not None:
-            # the curriculum truncates the first batches by design: the schedule ends at its longest batch
+        if self.max_value_arg is None and self._seqlen_curriculum is not None and self._never_drops is None:
+            # the curriculum truncates the first batches by design: the schedule ends at its longest batch (below
+            # min_value: at the first forward, moved by the positions in front of the batch's tokens, if any)
             metric, longest = self._seqlen_curriculum
             self.max_value = longest
             rank_zero_info(
@@ -912,14 +916,14 @@ class RandomLTDCallback(KeepsSettings, Callback):
     def _check_truncation(self, trainer: pl.Trainer) -> tuple[str, int] | None:
         """Under the Curriculum's sequence-length truncation the longest batch has ``max_difficulty`` tokens (+ 1 with
         ``causal_label_shift``; ``seqlen_reshape``: rows of ``max_difficulty + 1``): a reserved length that never goes
-        below it would never drop a token. The Curriculum is found by class name (techniques do not import each
-        other); its configuration is on the callback or on its DataModule. Returns ``(metric, longest batch)`` of
-        such a curriculum (``None`` without one)."""
-        name = type(self).__name__
+        below it would never drop a token, unless the model puts positions in front of the batch's tokens; noted
+        here, refused at the first training forward (:meth:`_refuse_never_dropping`). The Curriculum is found by class
+        name (techniques do not import each other); its configuration is on the callback or on its DataModule.
+        Returns ``(metric, longest batch)`` of such a curriculum (``None`` without one)."""
         bound = self.min_value if self.max_value is None else self.max_value  # the smallest value ignores it
         smallest = F.ltd_value(0, self.min_value, bound, 1, self.seq_per_step, self.rounding)
         found: tuple[str, int] | None = None
-        self._truncation_shift = None
+        self._truncation_shift = self._never_drops = None
         for other in trainer.callbacks:
             if not any(k.__name__ == "Curriculum" for k in type(other).__mro__):
                 continue
@@ -938,16 +942,40 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 found = (metric, max(longest, found[1]) if found is not None else longest)
                 if metric == "seqlen_truncate":
                     self._truncation_shift = extra
-                if smallest >= longest:
+                if smallest >= longest and self._never_drops is None:
                     plus = f" + {extra} ({'causal_label_shift' if metric == 'seqlen_truncate' else 'reshaped rows'})"
-                    raise ValueError(
-                        f"{name}: its reserved length is never below {smallest} tokens (min_value={self.min_value}, "
-                        f"rounding={self.rounding!r}, seq_per_step={self.seq_per_step}) but {type(other).__name__}'s "
-                        f"{metric} makes every batch at most {longest} tokens long (max_difficulty="
-                        f"{m.max_difficulty}{plus if extra else ''}), so random-LTD would never drop a token: lower "
-                        f"RandomLTDCallback.min_value below {longest} or raise the curriculum's max_difficulty"
+                    what = f"{type(other).__name__}'s {metric}"
+                    self._never_drops = (
+                        smallest,
+                        what,
+                        longest,
+                        f"max_difficulty={m.max_difficulty}{plus if extra else ''}",
                     )
         return found
+
+    def _refuse_never_dropping(self, seq_len: int) -> None:
+        """At the first training forward (``seq_len`` positions in the patched layers), a reserved length never below
+        the curriculum's longest batch (:meth:`_check_truncation`), moved by the positions the layers see in front
+        of the batch's tokens (an image prefix, a soft prompt: known only here; refused at setup, a VLM's valid stack
+        was refused naming a min_value that would have left 3 text tokens beside its 16 image ones, qa111-multimodal
+        02): random-LTD would never drop a token. Raised before the first backward.
+
+        Raises:
+            ValueError: naming both callbacks and both values.
+        """
+        if self._never_drops is None:
+            return
+        smallest, what, longest, how = self._never_drops
+        front = max(0, seq_len - self._first_batch_length) if self._first_batch_length is not None else 0
+        if smallest < longest + front:
+            return
+        ahead = f", and the patched layers see {front} positions in front of a batch's tokens" if front else ""
+        raise ValueError(
+            f"{type(self).__name__}: its reserved length is never below {smallest} tokens (min_value={self.min_value}, "
+            f"rounding={self.rounding!r}, seq_per_step={self.seq_per_step}) but {what} makes every batch at most "
+            f"{longest} tokens long ({how}){ahead}, so random-LTD would never drop a token: lower "
+            f"RandomLTDCallback.min_value below {longest + front} or raise the curriculum's max_difficulty"
+        )
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -1348,6 +1376,14 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._lengths_vary = len(lengths) > 1
         return lengths.pop() if len(lengths) == 1 else None
 
+    def _additive(self, offset: int, length: int) -> bool:
+        """Whether the patched layers' ``offset`` more positions than a seqlen curriculum's batch of ``length``
+        tokens (at the first training batch) stay that many at every length: a label shift or a few tokens the model
+        adds (at most :data:`_OFFSET_TOKENS`, in a batch long enough for that not to be a ratio), or positions in front
+        of the batch's tokens that ``keep_prefix_tokens`` keeps (an image prefix, a soft prompt: its 16 positions
+        refused max_value=None, qa111-multimodal 02). Another offset may be a ratio (a frontend that downsamples)."""
+        return (-1 <= offset <= _OFFSET_TOKENS and length > 4 * abs(offset)) or 0 < offset <= self.keep_prefix_tokens
+
     def _check_curriculum_units(self, seq_len: int, length: int) -> None:
         """``max_value`` derived from the curriculum's ``seqlen_truncate`` (its ``max_difficulty``, in the batch's
         units; ``seqlen_reshape``: its rows of ``max_difficulty + 1``) against the first batch: its layers see the
@@ -1367,13 +1403,13 @@ class RandomLTDCallback(KeepsSettings, Callback):
             return
         metric, longest = self._seqlen_curriculum
         offset = seq_len - length
-        if -1 <= offset <= _OFFSET_TOKENS and length > 4 * abs(offset):  # a label shift, tokens the model adds
+        if self._additive(offset, length):
             self.max_value = longest + offset
             rank_zero_info(
                 f"{type(self).__name__}: max_value = {self.max_value} tokens: the patched layers see {seq_len} "
-                f"positions of the first training batch's {length} (the step's own label shift, or a token the model "
-                f"adds; causal_label_shift=True on the curriculum counts the shift), so the schedule ends at the "
-                f"curriculum's longest batch, {longest}, {offset:+d}"
+                f"positions of the first training batch's {length} (the step's own label shift, a token the model "
+                f"adds, or the kept prefix in front of the batch's tokens; causal_label_shift=True on the curriculum "
+                f"counts the shift), so the schedule ends at the curriculum's longest batch, {longest}, {offset:+d}"
             )
             return
         raise ValueError(
@@ -1400,7 +1436,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         assert self._seqlen_curriculum is not None
         metric, longest = self._seqlen_curriculum
         offset = seq_len - length
-        if not (-1 <= offset <= _OFFSET_TOKENS and length > 4 * abs(offset)):
+        if not self._additive(offset, length):
             return
         layers = longest + offset
         name = type(self).__name__
@@ -2021,6 +2057,8 @@ class RandomLTDCallback(KeepsSettings, Callback):
             # samples of different lengths: one batch's length does not bound an explicit max_value (on_train_end
             # warns when no batch reached it)
             self._check_length(seq_len, "at the first training batch", explicit_max=not self._lengths_may_grow())
+        if first:
+            self._refuse_never_dropping(seq_len)
         if first and self._first_batch_length is not None:
             if self.max_value_arg is None:
                 self._check_curriculum_units(seq_len, self._first_batch_length)

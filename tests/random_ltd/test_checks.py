@@ -407,6 +407,38 @@ def test_an_explicit_max_value_is_checked_against_the_positions_of_the_first_bat
         assert trainer.global_step == 2 and trainer.callbacks[0].max_value == max_value
 
 
+@pytest.mark.parametrize(("prompt", "max_value", "refused"), [(0, None, True), (8, None, False), (8, 24, False)])
+def test_a_prefix_in_front_of_a_truncated_batch_counts_for_the_curriculums_longest_batch(
+    tmp_path, prompt, max_value, refused
+):
+    """Under a seqlen curriculum of at most 16 tokens a min_value of 20 never drops a token, unless the model puts
+    positions in front of the batch's tokens: with an 8-position prefix (an image prefix, a soft prompt; kept,
+    keep_prefix_tokens) the layers see 16 to 24. It was refused at setup, naming a min_value that would leave 3 text
+    tokens beside the image (qa111-multimodal 02). Refused at the first forward, before any update, when nothing is
+    in front; else it trains, max_value=None ending the schedule at the curriculum's longest batch plus the
+    prefix."""
+    from lightning_effi.curriculum import Curriculum, CurriculumDataModule
+
+    seen = Seen()
+    cb = ltd(min_value=20, max_value=max_value, keep_prefix_tokens=prompt, seq_per_step=4, require_steps=2)
+    curriculum = Curriculum(metrics=seqlen_truncate(min_difficulty=8, max_difficulty=16, total_curriculum_step=2))
+    trainer = make_trainer(tmp_path, [curriculum, cb, seen], max_steps=3, max_epochs=-1)
+    module = SoftPrompted(prompt) if prompt else deep_gpt2()
+    if refused:
+        with pytest.raises(
+            ValueError,
+            match=r"reserved length is never below 20 tokens .* Curriculum's seqlen_truncate makes every batch at "
+            r"most 16 tokens long \(max_difficulty=16\), so random-LTD would never drop a token: lower "
+            r"RandomLTDCallback.min_value below 16",
+        ):
+            trainer.fit(module, datamodule=CurriculumDataModule(tiny_lm_data()))
+        assert (seen.batches, trainer.global_step) == (1, 0) and not is_converted(module)
+        return
+    trainer.fit(module, datamodule=CurriculumDataModule(tiny_lm_data()))
+    assert trainer.global_step == 3 and cb.max_value == 24
+    assert cb.consumed_layer_tokens < cb.full_layer_tokens  # the curriculum's 16-token batches: 24 positions, 20 kept
+
+
 def test_data_it_cannot_peek_is_checked_at_the_first_batch(tmp_path):
     """A user module on (x, y) tuples: the adapter cannot tell the length from the batch, the first batch decides."""
     seen = Seen()
