@@ -396,7 +396,8 @@ def cut_axes(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None =
 
     - ``[B, T, ...]``: axis 1, and axis 2 too when it has length ``T`` (a pairwise ``[B, T, T, ...]`` tensor: an
       attention bias, a 3-D mask). A ``[B, T, D]`` feature tensor whose width ``D`` happens to equal ``T`` is
-      therefore cut on both axes.
+      therefore cut on both axes. Not, unless named in ``keys``, a tensor of 3 or more dimensions named like an
+      image's features (:data:`VISUAL_NAMES`: ``image_embeds``, ``pixel_values``, ``vision_features``).
     - position ids broadcast over the batch (``[1, T]``, :func:`_index_name`, or unnamed in a tuple): axis 1.
     - otherwise, with at least 3 dimensions and the last of length ``T``, a tensor named like a mask
       (``*mask*``: ``[B, 1, 1, T]``) or whose last two axes have length ``T`` (``[B, 1, T, T]``, ``[B, H, T, T]``;
@@ -413,6 +414,11 @@ def cut_axes(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None =
     if v.ndim < 2 or v.shape[0] != b:
         return ()
     if v.shape[1] == t:
+        if keys is None and v.ndim >= 3 and any(part in name for part in VISUAL_NAMES):
+            # an image's features beside the text ([B, P, D] image_embeds / vision_features): its patch count that
+            # equals the text's length is no sequence axis (a VLM's image cut to the text's 8 tokens, qa111-multimodal
+            # 01); named in truncate_keys, it is cut
+            return ()
         return (1, 2) if v.ndim >= 3 and v.shape[2] == t else (1,)
     if v.ndim >= 3 and v.shape[-1] == t:
         if v.shape[-2] == t and not _looks_like_images(path, v):
@@ -426,6 +432,9 @@ def cut_axes(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None =
 #: whose side equals the text's padded length is no pairwise ``[B, H, T, T]`` tensor (32 x 32 images were cropped
 #: beside text padded to 32, qa47-user 02)
 IMAGE_NAMES = ("pixel", "image", "img", "video", "frame")
+#: parts of a feature tensor's name that say it holds an image's or a video's features, never cut along its second
+#: axis unless named in ``truncate_keys`` (not ``frame``: an audio model's frames are its sequence)
+VISUAL_NAMES = ("pixel", "image", "img", "video", "vision")
 
 
 def _looks_like_images(path: Path, v: Tensor) -> bool:

@@ -376,6 +376,23 @@ def test_images_whose_side_is_the_texts_length_are_not_cut():
     assert F.truncate((torch.ones(B, 32, dtype=torch.long), torch.randn(B, 3, 32, 32)), 8).batch[1].shape[-1] == 32
 
 
+def test_an_images_features_whose_patch_count_is_the_texts_length_are_not_cut():
+    """A VLM's 16 image patches beside 16 text tokens were cut to the text's length, in silence: 8 patches, then 12
+    (qa111-multimodal 01). A feature tensor named like an image's is left whole, unless truncate_keys names it; an
+    audio model's frames are its sequence, and are cut."""
+    batch = {
+        "image_embeds": torch.randn(B, 16, 24),
+        "vision_features": torch.randn(B, 16, 24),
+        "input_ids": torch.ones(B, 16, dtype=torch.long),
+        "input_frames": torch.randn(B, 16, 24),
+    }
+    out = F.truncate(batch, 8).batch
+    assert out["image_embeds"].shape == out["vision_features"].shape == (B, 16, 24)
+    assert out["input_ids"].shape == (B, 8) and out["input_frames"].shape == (B, 8, 24)
+    named = F.truncate(batch, 8, ["input_ids", "image_embeds"]).batch
+    assert named["image_embeds"].shape == (B, 8, 24) and named["vision_features"].shape == (B, 16, 24)
+
+
 class T5Seq2Seq(pl.LightningModule):
     """A user's module over a tiny HF T5 (no download)."""
 
