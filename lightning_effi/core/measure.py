@@ -2060,15 +2060,23 @@ def _quadratic_at(points: dict[int, int], x: int) -> int | None:
 
 def _parameters_unused_by(root: nn.Module, target: nn.Module, parts: Sequence[CallRecord]) -> tuple[str, ...]:
     """The names of ``target``'s own parameters (not its submodules') that none of the modules ``parts`` called
-    holds (a tied one does): what ``target``'s forward used in operations of its own, not measured through its
-    parts. A submodule that was not called (an expert no token was routed to) is not ``target``'s own."""
+    holds (a tied one does) and that a matrix product may use (at least 2 dimensions, the first and the last above 1):
+    what ``target``'s forward used in operations of its own, not measured through its parts. A submodule that was not
+    called (an expert no token was routed to) is not ``target``'s own; neither is a called module's weight the
+    forward also uses itself (a tied ``h @ self.emb.weight.T``: left out, not said)."""
     held: set[int] = set()
     for part in parts:
         try:
             held.update(id(p) for p in root.get_submodule(part.target).parameters())
         except AttributeError:
             continue
-    return tuple(name for name, p in target.named_parameters(recurse=False) if id(p) not in held)
+    # a matrix or a stack of them ([E, d, f] experts); not a bias or scale ([D]) nor a tensor broadcast over the
+    # batch ([1, N, D] cls_token / pos_embed, added: no FLOPs in the real step's count either; qa110-regress 01)
+    return tuple(
+        name
+        for name, p in target.named_parameters(recurse=False)
+        if id(p) not in held and p.ndim >= 2 and p.shape[0] > 1 and p.shape[-1] > 1
+    )
 
 
 class FlopsMeter:

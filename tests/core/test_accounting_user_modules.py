@@ -448,6 +448,42 @@ def test_what_cannot_be_found_warns_once_naming_the_hook(tmp_path: Path) -> None
     assert [r["flops"] for r in per_batch.rows] == [3 * 2 * 16 * 10] * 3 == measured.per_batch
 
 
+class MaskedPatches(UserModule):
+    """A masked-autoencoder-style encoder: a class token and position embeddings of its own ([1, 1, D], [1, N, D]:
+    added, no FLOPs), its visible patches kept with a boolean index (a data-dependent shape), then a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(12, 16)
+        self.cls_token, self.pos_embed = nn.Parameter(torch.zeros(1, 1, 16)), nn.Parameter(torch.zeros(1, 8, 16))
+        self.block, self.head = nn.Linear(16, 16), nn.Linear(16, 10)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        x = self.embed(patches) + self.pos_embed
+        visible = x[patches[..., 0] > 0].reshape(x.shape[0], -1, 16)  # every row keeps as many (data built so)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), visible], 1)
+        return self.head(self.block(x)[:, 0])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
+def test_parameters_a_data_dependent_forward_only_adds_are_not_warned_of(tmp_path: Path) -> None:
+    """A cls_token / pos_embed of the module measured through its parts were named as not counted, "the FLOPs too
+    low", where they were exact (qa110-regress 01): only a matrix or a stack of them is named."""
+    g = torch.Generator().manual_seed(0)
+    patches = torch.randn(3 * B, 8, 12, generator=g)
+    patches[..., 0] = torch.where(torch.arange(8) % 2 == 0, 1.0, -1.0)  # half the patches visible in every row
+    loader = DataLoader(TensorDataset(patches, torch.randint(0, 10, (3 * B,), generator=g)), batch_size=B)
+    pl.seed_everything(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, measured, per_batch = fit(MaskedPatches(), loader, tmp_path)
+    assert [m for m in monitor_warnings(caught) if "data-dependent shape" in m] == []
+    assert [r["flops"] for r in per_batch.rows] == measured.per_batch
+
+
 @pytest.mark.parametrize("as_parameters", [False, True])
 def test_an_moe_measured_through_its_parts_names_the_parameters_its_own_code_uses(
     tmp_path: Path, as_parameters: bool
