@@ -150,7 +150,7 @@ class LayerCalls:
     full: CallRecord
     kept: CallRecord
     shapes: tuple[tuple[int, ...], ...]
-    fixed: tuple[tuple[int | None, ...], ...]
+    fixed: tuple[tuple[int, ...], ...]
 
 
 @dataclass
@@ -574,13 +574,20 @@ class LTDForward:
             bound = self._gathered(args, kwargs, idx, seq_len, handed)
         grad = torch.is_grad_enabled()
         used: set[tuple[Any, ...]] = {(), (0,)}  # the hidden states: the output itself, or a tuple's first element
-        batch_axis = 1 - self.seq_dim
+        # the sizes a layer's cost may follow besides B, S and r: an argument's axes that are not gathered, not the
+        # batch's (its axis, or the first) and above 1; an argument with none (a mask) adds nothing, so a batch
+        # with a mask and one without, or another batch size, share one FLOPs model (qa110-regress 03)
+        batch_axes = (0, 1 - self.seq_dim)
         fixed = tuple(
-            tuple(
-                None if n != m or (axis == batch_axis and n == batch) else int(n)
-                for axis, (n, m) in enumerate(zip(given.shape, out.shape, strict=False))
-            )
+            sizes
             for out, given in handed
+            if (
+                sizes := tuple(
+                    int(n)
+                    for axis, (n, m) in enumerate(zip(given.shape, out.shape, strict=False))
+                    if n == m and n > 1 and not (axis in batch_axes and n == batch)
+                )
+            )
         )
         calls[key] = LayerCalls(
             describe_call("layer", args, kwargs, grad, used, recompute),
