@@ -476,6 +476,34 @@ def test_a_further_fit_of_the_same_trainer_goes_on_counting(tmp_path):
         first.fit(tiny_gpt2(), datamodule=tiny_lm_data())
 
 
+def test_a_fit_that_raised_resumes_from_its_checkpoint_on_the_same_trainer(tmp_path):
+    """A fit that raised at step 4, resumed on the same Trainer with ckpt_path= (as the refusal advises): refused by
+    the monitor's setup as a further fit of a Trainer it did not count to its end (qa110-regress 06). The checkpoint
+    gives the totals back (its step 2): all 6 steps are counted, as in a fit that never stopped."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers.harness import make_trainer
+
+    class Raise(pl.Callback):
+        armed = True
+
+        def on_train_batch_end(self, trainer, *args):
+            if self.armed and trainer.global_step == 4:
+                self.armed = False
+                raise RuntimeError("stopped by the test")
+
+    monitor = EfficiencyMonitor(print_summary=False)
+    every = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = make_trainer(tmp_path / "a", [monitor, every, Raise()], max_steps=6)
+    model = tiny_gpt2()
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        trainer.fit(model, datamodule=tiny_lm_data())
+    trainer.fit(model, datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+    s = monitor.summary
+    per_batch = transformer_training_flops(8, 16, 2, 32, None, 64, head="lm")
+    assert (s["optimizer_steps"], s["batches"], s["samples"], s["flops"]) == (6, 6, 48, 6 * per_batch)
+
+
 def test_a_monitor_added_on_resume_is_refused(tmp_path):
     """A checkpoint at step 2 of a fit without the monitor, resumed with one: its totals would start at 0 at step 2
     (a summary of 2 steps' FLOPs and samples beside optimizer_steps=4, and a result.json that reads as a cheaper run).

@@ -625,6 +625,7 @@ class EfficiencyMonitor(Callback):
         self._fit_start: float | None = None
         #: (id of the Trainer, its global_step) at the end of the last fit this monitor counted completely
         self._ended_at: tuple[int, int] | None = None
+        self._late_start: int | None = None  # a fit of a Trainer trained without this monitor (setup, on_train_start)
         #: write_result calls made in on_fit_end before this monitor summed the fit up, run at the end of its own
         self.after_summary: list[Callable[[], Any]] = []
         self._loading_rank = 0  # the rank restoring a checkpoint (on_load_checkpoint, for load_state_dict)
@@ -1450,16 +1451,14 @@ class EfficiencyMonitor(Callback):
             # the summary is of a fit that ended: a further fit of the Trainer that stops on an error or Ctrl+C
             # left the one before's, which write_result then recorded with this fit's length (qa110-notebook 01)
             self.summary = {}
+            self._late_start = None
             if trainer.global_step > 0:
                 if self._ended_at == (id(trainer), trainer.global_step):
                     return
-                raise MisconfigurationException(
-                    f"{type(self).__name__}: this fit starts at step {trainer.global_step} of a Trainer that has "
-                    "trained before, but the monitor did not count that training to its end (it was not in that fit, "
-                    "or the fit stopped on an error), so its totals (samples, tokens, FLOPs, time) would cover only "
-                    "this fit while optimizer_steps counts them all; add the monitor to the first fit, resume from a "
-                    "checkpoint with trainer.fit(..., ckpt_path=...), or train on a fresh Trainer"
-                )
+                # refused at train start unless a checkpoint gives the totals back (on_load_checkpoint, after setup):
+                # a fit of this Trainer resumed with ckpt_path= after its last one raised was refused here, advising
+                # that very call (qa110-regress 06)
+                self._late_start = trainer.global_step
             self._logged_step = None  # a new fit logs its own rows (this monitor may have logged another Trainer's)
             base = COUNT_KEYS + TIME_KEYS + ("time_total",) + BASELINE_KEYS
             self.totals = dict.fromkeys([*base, *self._technique_keys(trainer)], 0.0)
@@ -1517,6 +1516,15 @@ class EfficiencyMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._late_start is not None:
+            step, self._late_start = self._late_start, None
+            raise MisconfigurationException(
+                f"{type(self).__name__}: this fit starts at step {step} of a Trainer that has trained before, but "
+                "the monitor did not count that training to its end (it was not in that fit, or the fit stopped on "
+                "an error), so its totals (samples, tokens, FLOPs, time) would cover only this fit while "
+                "optimizer_steps counts them all; add the monitor to the first fit, resume from a checkpoint with "
+                "trainer.fit(..., ckpt_path=...), or train on a fresh Trainer"
+            )
         # Lightning skips on_train_epoch_start for the epoch a mid-epoch checkpoint resumes into: the loaders of a
         # CombinedLoader were unknown there, and the rest of that epoch was counted as one loader's (qa57-loops 01)
         self._train_loaders = trainer.train_dataloader
@@ -2480,6 +2488,7 @@ class EfficiencyMonitor(Callback):
         self._evaluating = trainer.state.fn != TrainerFn.FITTING
         if self._evaluating:
             return
+        self._late_start = None  # the checkpoint's totals replace this Trainer's uncounted training (setup)
         check_coarse_vcycle_resume("EfficiencyMonitor", trainer, checkpoint)
         step = checkpoint.get("global_step", 0)
         if self.state_key not in checkpoint.get("callbacks", {}) and isinstance(step, int) and step > 0:

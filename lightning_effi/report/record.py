@@ -29,6 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
@@ -204,11 +205,16 @@ def write_result(
             )
         )
         return Path(out_dir) / "result.json"
-    if monitor is not None and not monitor.summary and monitor.totals.get("batches") and not trainer.fit_loop.done:
+    if (
+        monitor is not None
+        and not monitor.summary
+        and monitor.totals.get("batches")
+        and trainer.state.status == TrainerStatus.INTERRUPTED
+    ):
         raise ValueError(
-            f"write_result: the Trainer's last fit did not end (status {trainer.state.status.value!r} at step "
-            f"{trainer.global_step}: stopped by an error or an interrupt), and its EfficiencyMonitor sums up a fit at "
-            "its end; resume it from a checkpoint (trainer.fit(..., ckpt_path=...)) and record it once it ends"
+            f"write_result: the Trainer's last fit did not end (stopped by an error or an interrupt at step "
+            f"{trainer.global_step}), and its EfficiencyMonitor sums up a fit at its end; resume it from a "
+            "checkpoint (trainer.fit(..., ckpt_path=...)) and record it once it ends"
         )
     if monitor is None or not monitor.summary:
         spawned = runs_in_spawned_processes(trainer)
