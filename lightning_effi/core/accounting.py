@@ -943,10 +943,11 @@ class EfficiencyMonitor(Callback):
             "DPO does), define `effi_count_tokens(batch) -> int` on your LightningModule",
         )
 
-    def _warn_encoder_decoder(self, pl_module: pl.LightningModule, own_tokens: bool) -> None:
+    def _warn_encoder_decoder(self, pl_module: pl.LightningModule, own_tokens: bool, batch: Any) -> None:
         """Warn once when the network is an encoder-decoder (a Hugging Face model whose config has
         ``is_encoder_decoder``, or ``torch.nn.Transformer``) and the module does not count its own tokens and layers:
-        ``tokens`` are then read from the batch's ``attention_mask`` (the encoder's input) and ``layer_tokens`` are
+        ``tokens`` are then read from the batch (its ``attention_mask``, the encoder's input; the tensor is named, a
+        Whisper batch's only ids are its ``labels``) and ``layer_tokens`` are
         ``tokens`` times the depth of one block list, so both leave out the other side (a BART of 2 + 3 layers on
         512 source and 1,536 target tokens: 1,536 layer-tokens counted for 5,632, qa38-user 05). FLOPs are measured
         on the whole network and are exact."""
@@ -957,14 +958,25 @@ class EfficiencyMonitor(Callback):
             self._warned.add("encoder_decoder")  # checked: nothing to say
             return
         blocks = self.find_blocks(pl_module)
-        depth = f" ({len(blocks)} blocks)" if blocks is not None else ""
+        depth = ""
+        if blocks is not None:
+            where = next((n for n, m in pl_module.named_modules() if m is blocks), "")
+            depth = f", {where} ({len(blocks)} blocks)" if where else f" ({len(blocks)} blocks)"
+        # the tensor they are read from, named: a Whisper batch's only ids are its decoder's labels (the warning said
+        # "the encoder's input", qa111-audio 01)
+        source = token_source(batch)
+        path = next((p for p, v in tensor_leaves(batch) if source is not None and v is source[1]), None)
+        name = ".".join(map(str, path)) if path else ""
+        read = f"`{name}`" if name else "token ids"
+        if name.split(".")[-1] == "labels" or name.split(".")[-1].startswith("decoder_"):
+            read += " (the decoder's targets, padding included; the encoder's input is not counted)"
         self._warn(
             "encoder_decoder",
             f"{type(found).__name__} in {type(pl_module).__name__} is an encoder-decoder: `tokens` count the batch's "
-            "attention_mask (the encoder's input) and `layer_tokens` multiply them by the depth of one block list"
-            f"{depth}, so both leave out the other side (the decoder's tokens, the other stack's layers); FLOPs are "
-            "measured on the whole network and are exact: compare the runs on FLOPs, or define "
-            "`effi_count_tokens(batch)` and `effi_num_layers` on your LightningModule to count your own way",
+            f"{read} and `layer_tokens` multiply them by the depth of one block list{depth}, so both leave out the "
+            "other side (its tokens, the other stack's layers); FLOPs are measured on the whole network and are "
+            "exact: compare the runs on FLOPs, or define `effi_count_tokens(batch)` and `effi_num_layers` on your "
+            "LightningModule to count your own way",
         )
 
     def _warn_other_blocks(self, pl_module: pl.LightningModule, own_tokens: bool) -> None:
@@ -1335,7 +1347,7 @@ class EfficiencyMonitor(Callback):
             )
         layers = self.num_layers(pl_module)
         if "encoder_decoder" not in self._warned and fallback is None:
-            self._warn_encoder_decoder(pl_module, callable(count_tokens))
+            self._warn_encoder_decoder(pl_module, callable(count_tokens), batch)
             self._warn_other_blocks(pl_module, callable(count_tokens))
         if layers is not None:
             layer_tokens = tokens * layers

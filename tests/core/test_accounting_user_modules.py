@@ -391,8 +391,18 @@ def test_an_encoder_decoder_says_what_its_tokens_and_layer_tokens_leave_out(tmp_
     said = [w for w in monitor_warnings(caught) if "encoder-decoder" in w]
     assert len(said) == 1 and said[0].startswith("EfficiencyMonitor: BartForConditionalGeneration in UserBart is an")
     assert "compare the runs on FLOPs" in said[0]
+    assert "`tokens` count the batch's `attention_mask` and `layer_tokens` multiply them" in said[0]
     assert [row["tokens"] for row in per_batch.rows] == [B * 8] * 2  # the source side, as the warning says
     assert [row["flops"] for row in per_batch.rows] == measured.per_batch
+    # a source given as features (Whisper's input_features, here inputs_embeds): the only ids are the targets, which
+    # the warning called "the encoder's input" (qa111-audio 01); it names them
+    features = [{"inputs_embeds": torch.randn(8, 16, generator=g), "labels": t} for t in target]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, measured, per_batch = fit(UserBart(), DataLoader(features, batch_size=B), tmp_path / "f", steps=2)
+    (said,) = [w for w in monitor_warnings(caught) if "encoder-decoder" in w]
+    assert "count the batch's `labels` (the decoder's targets, padding included; the encoder's input is not" in said
+    assert [row["tokens"] for row in per_batch.rows] == [B * 12] * 2
     with warnings.catch_warnings(record=True) as caught:  # a decoder-only model: nothing to say
         warnings.simplefilter("always")
         fit(UserGPT2(), DataLoader(TensorDataset(source, source), batch_size=B), tmp_path / "gpt", steps=1)
