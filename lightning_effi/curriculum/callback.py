@@ -1184,8 +1184,10 @@ def _refuse_encoder_decoder(pl_module: pl.LightningModule) -> None:
                 f"seqlen_truncate with truncate_keys=None on an encoder-decoder ({type(module).__name__} at "
                 f"{name or 'the module'}): the automatic rule cuts every tensor of the batch's sequence length, and "
                 "the decoder's targets (labels, decoder_input_ids) have a length of their own, so they would be cut "
-                "only in the batches where it equals the source's. Name the source's tensors: "
-                "truncate_keys=['input_ids', 'attention_mask']"
+                "only in the batches where it equals the source's. Name the source's tensors, as your batch holds "
+                "them: truncate_keys=['input_ids', 'attention_mask'] for text; a model whose source is fixed-length "
+                "audio features (Whisper pads every clip to 30 s) cannot be cut: order its samples by a difficulty "
+                "metric of their duration instead"
             )
 
 
