@@ -455,9 +455,24 @@ class TorchBlocksVCycleAdapter(VCycleAdapter):
                     if embeddings and inputs
                     else ""
                 )
+                # a Linear(d_model, d_model) outside the blocks (a CLIP tower's projection into a joint space of
+                # its width): a head or not cannot be told; it was not named (qa111-multimodal 03)
+                inside = {id(m) for m in found.container.modules()}
+                square = [
+                    n
+                    for n, m in model.named_modules()
+                    if isinstance(m, nn.Linear) and m.in_features == m.out_features == hidden and id(m) not in inside
+                ]
+                ambiguous = (
+                    f" (its nn.Linear({hidden}, {hidden}) {', '.join(square)} reads and writes d_model features: "
+                    "whether its output is the coalesced stream or a width of its own that must stay cannot be told; "
+                    "an output width other than d_model, or width_scheme=None, tells it)"
+                    if square
+                    else ""
+                )
                 missing.append(
-                    f"no head reading d_model={hidden} (an nn.Linear with in_features={hidden}), so its "
-                    f"{hidden}-wide output is read by code outside it{tying}"
+                    f"no head reading d_model={hidden} (an nn.Linear with in_features={hidden} and another "
+                    f"out_features), so its {hidden}-wide output is read by code outside it{tying}{ambiguous}"
                 )
             raise ValueError(
                 f"{FAMILY}: width coalescing of {type(model).__name__} (the network the V-cycle coalesces, blocks "

@@ -399,6 +399,14 @@ class EmbedOnly(nn.Module):
         )
 
 
+class SquareProjection(EmbedOnly):
+    """A CLIP text tower: the embedding, the blocks and a projection into a joint space as wide as d_model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+
 def _bare_encoder() -> nn.TransformerEncoder:
     layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
     return nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
@@ -431,7 +439,18 @@ def test_width_coalesces_a_head_tied_to_the_embedding_as_the_refusal_advises():
     "build, missing",
     [
         (_bare_encoder, r"no input projection to d_model=32 .*; and it has no head reading d_model=32"),
-        (EmbedOnly, r"no head reading d_model=32 \(an nn\.Linear with in_features=32\), so its 32-wide output is read"),
+        (
+            EmbedOnly,
+            r"no head reading d_model=32 \(an nn\.Linear with in_features=32 and another out_features\), so its "
+            r"32-wide output is read",
+        ),
+        # a d_model -> d_model projection was not named; the refusal read as if the tower had no head (qa111-multimodal
+        # 03)
+        (
+            SquareProjection,
+            r"no head .* \(its nn\.Linear\(32, 32\) proj reads and writes d_model features: whether its output is "
+            r"the coalesced stream or a width of its own that must stay cannot be told",
+        ),
         # a head by hand through the embedding's weight (qa57-seq 05): the tied nn.Linear named as the way out
         (
             EmbedOnly,
