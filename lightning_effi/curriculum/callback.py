@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.utils.data import default_collate
 from typing_extensions import override
 
 from lightning_effi.core.accounting import Baseline, batch_size_of, tokens_of
@@ -435,7 +436,13 @@ class Curriculum(KeepsSettings, Callback):
             if length is not None and longest is not None and longest > length:
                 length = None
             if length is not None or longest is not None:
-                for message in config.check_data_length(length or longest, one_length=length is not None):
+                try:
+                    messages = config.check_data_length(length or longest, one_length=length is not None)
+                except CurriculumConfigError as err:
+                    raise CurriculumConfigError(
+                        f"{err}{_length_source(config, dataset, template['collate_fn'])}"
+                    ) from None
+                for message in messages:
                     rank_zero_warn(f"Curriculum: {message}")
         indexes = self._indexes(config, dataset, template["collate_fn"], n)
         if trainer.world_size > 1:
@@ -1161,6 +1168,27 @@ def _warn_channel_first_window(config: CurriculumConfig, batch: Any, length: int
             "steps), the run cuts its channels; hold it [B, T, C] (transpose in the data set or collate, and back "
             "in the model). If axis 1 is the sequence and the run trains short sequences throughout, ignore this"
         )
+
+
+def _length_source(config: CurriculumConfig, dataset: Any, collate_fn: Any) -> str:
+    """Where ``truncate_keys=None`` read the data's sequence length from, said after a refusal of the range when it
+    is neither ``attention_mask`` nor ``input_ids`` (a CTC batch's ``labels`` beside its audio features: the advice
+    "set max_difficulty to 5", the transcript's length, came before the refusal naming truncate_keys, qa111-audio
+    03); empty otherwise."""
+    if config.truncate_keys is not None:
+        return ""
+    try:
+        batch = (collate_fn or default_collate)([dataset[0]])
+    except Exception:  # noqa: BLE001 - the user's data: the loader reports its own errors
+        return ""
+    path = F.sequence_path(batch)
+    if path is None or path.split(".")[-1] in ("attention_mask", "input_ids"):
+        return ""
+    return (
+        f" (the data's sequence length was read from {path!r}, the batch's first integer [B, T] tensor, as "
+        "truncate_keys=None reads it: if the sequence to cut is another tensor, such as audio features beside "
+        "their CTC targets, name it: truncate_keys=[its name])"
+    )
 
 
 def _refuse_encoder_decoder(pl_module: pl.LightningModule) -> None:

@@ -382,6 +382,13 @@ def sequence_reference(batch: Any, keys: Sequence[str] | None = None) -> Tensor 
     return None if found is None else found[1]
 
 
+def sequence_path(batch: Any, keys: Sequence[str] | None = None) -> str | None:
+    """The dotted path (dict keys, field names, tuple indices) of the batch's sequence tensor
+    (:func:`sequence_reference`), ``"batch"`` for a bare tensor; None when it has none."""
+    found = _reference(batch, keys)
+    return None if found is None else ".".join(map(str, found[0])) or "batch"
+
+
 def sequence_length(batch: Any, keys: Sequence[str] | None = None) -> int | None:
     """The batch's sequence length ``T`` of :func:`sequence_reference` (its dimension 1, the last one for a mask of
     more than 2 dimensions); None when it has none. The length :func:`truncate_batch` cuts."""

@@ -107,6 +107,29 @@ class WithTargets(Dataset):
         return {"series": item["series"], "targets": torch.full((5,), int(item["label"])), "label": item["label"]}
 
 
+def test_a_range_refused_against_ctc_targets_says_where_the_length_was_read(tmp_path):
+    """With truncate_keys=None a CTC batch's sequence length is read from its integer targets: a range in frames
+    (8 to 24) was refused as above "5 tokens", advising max_difficulty=5, the transcript's length, before the refusal
+    naming truncate_keys (qa111-audio 03). The refusal says where the length was read and names truncate_keys."""
+
+    class Targets(pl.LightningDataModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(WithTargets(), batch_size=B)
+
+    schedule = dict(total_curriculum_step=8, difficulty_step=4)
+    metric = dict(difficulty_type="value", clustering_type="single_cluster", min_difficulty=8, max_difficulty=T,
+                  schedule_type="fixed_linear", schedule_config=schedule)  # fmt: skip
+    trainer = make_trainer(tmp_path, [Curriculum(metrics={"seqlen_truncate": metric})], max_steps=2)
+    with pytest.raises(
+        CurriculumConfigError,
+        match=r"max_difficulty \(24\) is above the training data's sequence length: its batches hold 5 tokens.* "
+        r"\(the data's sequence "
+        r"length was read from 'targets', the batch's first integer \[B, T\] tensor, as truncate_keys=None reads it: "
+        r"if the sequence to cut is another tensor, .* name it: truncate_keys=\[its name\]\)$",
+    ):
+        trainer.fit(Classifier(), datamodule=CurriculumDataModule(Targets()))
+
+
 def test_cut_features_beside_integer_targets_count_the_uncut_frames_for_the_baseline(tmp_path):
     """A feature-level CTC batch: the blocks see the frames, the only integer [B, U] tensor is the targets. The
     monitor counts the blocks' positions, but its baseline took the uncut targets plus the same extra positions,
