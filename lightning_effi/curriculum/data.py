@@ -203,10 +203,11 @@ class CurriculumCollate:
         Raises:
             DataConfigError: naming the tensor, the two shapes and ``truncate_keys``.
         """
+        text = F.has_token_ids(batch, size, length)
         for path, value in tensor_leaves(batch):
             if value.ndim < 2 or value.shape[0] != size:
                 continue
-            axes = tuple(F.cut_axes(path, value, size, length))
+            axes = tuple(F.cut_axes(path, value, size, length, text=text))
             seen = self._cuttable.setdefault(path, (axes, tuple(value.shape), length))
             if seen[0] != axes:
                 where = ".".join(map(str, path)) or "batch"

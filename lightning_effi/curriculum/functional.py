@@ -396,15 +396,28 @@ def sequence_length(batch: Any, keys: Sequence[str] | None = None) -> int | None
     return None if found is None else _sizes(*found)[1]
 
 
-def cut_axes(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None = None) -> tuple[int, ...]:
+def has_token_ids(batch: Any, b: int, t: int) -> bool:
+    """Whether ``batch`` holds token ids of its sequence: an integer ``[B, T]`` tensor not named like a mask (text;
+    an image's or a video's features beside it are not its sequence, :func:`cut_axes`)."""
+    return any(
+        v.ndim == 2 and tuple(v.shape) == (b, t) and _is_integer(v) and not _is_mask_name(_name(p))
+        for p, v in tensor_leaves(batch)
+    )
+
+
+def cut_axes(
+    path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None = None, text: bool = False
+) -> tuple[int, ...]:
     """The axes of ``v`` (at ``path`` in a batch of size ``b`` and sequence length ``t``) that :func:`truncate` cuts;
     ``()`` for a tensor it leaves alone (fewer than 2 dimensions, another batch size, not named in ``keys`` when
     ``keys`` is given, no axis of length ``t`` where one is looked for):
 
     - ``[B, T, ...]``: axis 1, and axis 2 too when it has length ``T`` (a pairwise ``[B, T, T, ...]`` tensor: an
       attention bias, a 3-D mask). A ``[B, T, D]`` feature tensor whose width ``D`` happens to equal ``T`` is
-      therefore cut on both axes. Not, unless named in ``keys``, a tensor of 3 or more dimensions named like an
-      image's features (:data:`VISUAL_NAMES`: ``image_embeds``, ``pixel_values``, ``vision_features``).
+      therefore cut on both axes. Not, in a batch of token ids (``text``, :func:`has_token_ids`) and unless named in
+      ``keys``, a tensor of 3 or more dimensions named like an image's or a video's features (:data:`VISUAL_NAMES`:
+      ``image_embeds``, ``vision_features`` beside the text; a video model's ``video_features`` without ids are its
+      sequence, cut).
     - position ids broadcast over the batch (``[1, T]``, :func:`_index_name`, or unnamed in a tuple): axis 1.
     - otherwise, with at least 3 dimensions and the last of length ``T``, a tensor named like a mask
       (``*mask*``: ``[B, 1, 1, T]``) or whose last two axes have length ``T`` (``[B, 1, T, T]``, ``[B, H, T, T]``;
@@ -421,7 +434,7 @@ def cut_axes(path: Path, v: Tensor, b: int, t: int, keys: Sequence[str] | None =
     if v.ndim < 2 or v.shape[0] != b:
         return ()
     if v.shape[1] == t:
-        if keys is None and v.ndim >= 3 and any(part in name for part in VISUAL_NAMES):
+        if keys is None and text and v.ndim >= 3 and any(part in name for part in VISUAL_NAMES):
             # an image's features beside the text ([B, P, D] image_embeds / vision_features): its patch count that
             # equals the text's length is no sequence axis (a VLM's image cut to the text's 8 tokens, qa111-multimodal
             # 01); named in truncate_keys, it is cut
@@ -851,8 +864,10 @@ def truncate(
     cut: dict[Path, tuple[int, ...]] = {}
     values: dict[Path, Any] = {}
 
+    text = has_token_ids(batch, b, t)
+
     def cut_tensor(path: Path, v: Tensor) -> Tensor:
-        axes = cut_axes(path, v, b, t, keys)
+        axes = cut_axes(path, v, b, t, keys, text)
         if not axes:
             return v
         cut[path] = axes
@@ -1508,6 +1523,7 @@ def lengthen_batch(
     if length <= s:
         return batch
     done: list[Path] = []
+    text = has_token_ids(batch, b, s)
 
     def grow(path: Path, v: Tensor) -> Tensor:
         original = values.get(path) if values else None
@@ -1515,7 +1531,7 @@ def lengthen_batch(
             return v  # given back whole below
         if isinstance(original, Tensor) and original.ndim == 1 and v.ndim == 1 and original.shape == v.shape:
             return original.to(device=v.device, dtype=v.dtype)  # the rows' lengths :func:`truncate` clamped
-        where = cut_axes(path, v, b, s, keys) if axes is None else tuple(axes.get(path, ()))
+        where = cut_axes(path, v, b, s, keys, text) if axes is None else tuple(axes.get(path, ()))
         if not where:
             return v
         kept = values.get(path) if values else None

@@ -391,6 +391,12 @@ def test_an_images_features_whose_patch_count_is_the_texts_length_are_not_cut():
     assert out["input_ids"].shape == (B, 8) and out["input_frames"].shape == (B, 8, 24)
     named = F.truncate(batch, 8, ["input_ids", "image_embeds"]).batch
     assert named["image_embeds"].shape == (B, 8, 24) and named["vision_features"].shape == (B, 16, 24)
+    # a video model's frames, without token ids, are its sequence: cut with their mask (qa112-regress 01)
+    video = {"video_features": torch.randn(B, 16, 24), "attention_mask": torch.ones(B, 16, dtype=torch.long)}
+    assert {k: tuple(v.shape) for k, v in F.truncate(video, 8).batch.items()} == {
+        "video_features": (B, 8, 24),
+        "attention_mask": (B, 8),
+    }
 
 
 class T5Seq2Seq(pl.LightningModule):
