@@ -630,11 +630,20 @@ class Curriculum(KeepsSettings, Callback):
         # min_steps / min_epochs): one above it is no empty epoch (qa110-loops 01)
         bounded_steps = trainer.max_steps not in (-1, None)
         max_epochs = trainer.max_epochs if trainer.max_epochs not in (-1, None) else None
+        # the most optimizer steps max_epochs trains: a Lightning epoch ends at a data epoch's end, or earlier at
+        # limit_train_batches (Lightning epochs, not data epochs: qa112-regress 03)
+        limit = trainer.limit_train_batches
+        per_epoch = c.epoch_micro
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            per_epoch = min(per_epoch, limit)
+        elif isinstance(limit, float) and limit < 1.0:
+            per_epoch = max(1, min(per_epoch, int(per_epoch * limit)))
+        epochs_steps = None if max_epochs is None else max_epochs * math.ceil(per_epoch / c.ga)
         min_steps = trainer.fit_loop.min_steps
         if (
             min_steps is not None
             and not bounded_steps
-            and (max_epochs is None or max_epochs > c.config.num_epochs)
+            and (epochs_steps is None or epochs_steps > c.total_steps)
             and min_steps > c.total_steps
         ):
             raise CurriculumConfigError(

@@ -678,6 +678,8 @@ def test_min_steps_beyond_the_budget_is_refused(tmp_path):
         (dict(max_epochs=1, min_epochs=2), 2),
         (dict(max_epochs=1, min_steps=3), 2),
         (dict(max_steps=2, max_epochs=-1, min_epochs=3), 2),
+        # Lightning epochs of one batch (limit_train_batches): max_epochs=2 ends at the budget (qa112-regress 03)
+        (dict(max_epochs=2, limit_train_batches=1, min_steps=3), 2),
     ],
 )
 def test_a_minimum_the_runs_maximum_overrides_is_not_refused(tmp_path, limits, steps):
