@@ -29,7 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_effi.core.accounting import EfficiencyMonitor, technique_name
@@ -205,12 +205,15 @@ def write_result(
             )
         )
         return Path(out_dir) / "result.json"
+    running_fit = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
     if (
         monitor is not None
         and not monitor.summary
         and monitor.totals.get("batches")
-        and trainer.state.status == TrainerStatus.INTERRUPTED
+        and not trainer.fit_loop.done
+        and not running_fit  # called during the fit: "after trainer.fit(...) ends" (qa110-regress 05)
     ):
+        # stopped by an error or an interrupt, also after a later validate / test (qa112-regress 02)
         raise ValueError(
             f"write_result: the Trainer's last fit did not end (stopped by an error or an interrupt at step "
             f"{trainer.global_step}), and its EfficiencyMonitor sums up a fit at its end; resume it from a "

@@ -93,6 +93,10 @@ def test_a_further_fit_that_did_not_end_is_not_recorded_with_the_fit_before(tmp_
         match=r"^write_result: the Trainer's last fit did not end \(stopped by an error or an interrupt at step 4\)",
     ):
         write_result(trainer, tmp_path / "r", metric="val/loss")
+    # also after a validation of the weights, which ends with its own status (qa112-regress 02)
+    trainer.validate(trainer.lightning_module, datamodule=tiny_lm_data(), verbose=False)
+    with pytest.raises(ValueError, match=r"^write_result: the Trainer's last fit did not end"):
+        write_result(trainer, tmp_path / "r", metric="val/loss")
     assert not (tmp_path / "r").exists()
 
 
