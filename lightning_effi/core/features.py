@@ -40,13 +40,19 @@ class Feature:
         title: how the refusal names it to the user (the Trainer argument, callback or flag).
         detect: ``detect(trainer, pl_module) -> bool``: whether the run uses the feature. Must not raise on a
             Trainer without a module or optimizers yet.
-        when: the earliest hook at which ``detect`` can see the feature (``"setup"`` or ``"train_start"``).
+        when: the hooks at which ``detect`` is run: the earliest one at which it can see the feature (``"setup"``
+            or ``"train_start"``), or both, for a feature that may also appear after ``setup`` (a submodule
+            compiled in ``configure_model``, which Lightning runs after the callbacks' ``setup``).
     """
 
     name: str
     title: str
     detect: Callable[[Any, Any], bool]
-    when: When = "setup"
+    when: When | tuple[When, ...] = "setup"
+
+    def runs_at(self, when: When) -> bool:
+        """Whether ``detect`` is run at the hook ``when``."""
+        return when == self.when or (isinstance(self.when, tuple) and when in self.when)
 
 
 def _callbacks_of(trainer: Any, *class_names: str) -> list[Any]:
@@ -206,6 +212,9 @@ FEATURES: dict[str, Feature] = {
             "compiled_submodule",
             "a torch.compile'd submodule (module.model = torch.compile(module.model))",
             _compiled_submodule,
+            # also at train start: a network compiled in configure_model, after the callbacks' setup, went unseen and
+            # failed at the first level change in a bare TypeError (qa113-cli 01)
+            when=("setup", "train_start"),
         ),
     )
 }
@@ -217,7 +226,7 @@ def detect_features(trainer: Any, pl_module: Any = None, when: When | None = Non
     return [
         name
         for name, feature in FEATURES.items()
-        if (when is None or feature.when == when) and feature.detect(trainer, module)
+        if (when is None or feature.runs_at(when)) and feature.detect(trainer, module)
     ]
 
 

@@ -43,8 +43,10 @@ from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
 from torch._dynamo.testing import CompileCounter
 
 from lightning_effi import InfoBatchCallback
+from lightning_effi.tasks import GPT2CausalLM
 from tests.compat.registry import Row, expect, works
 from tests.compat.setups import (
+    LAYERS,
     REFUSED,
     TECHNIQUES,
     WORKS,
@@ -55,6 +57,7 @@ from tests.compat.setups import (
     build,
 )
 from tests.helpers.harness import RecordBatches, fit_ddp, make_trainer
+from tests.helpers.tiny import TINY_GPT2, sgd
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +71,8 @@ ROWS: list[Row] = [
         "length), never per step: random-LTD draws its tokens outside the graph and marks the reserved length "
         "dynamic (tested with a counting backend, no inductor). The V-cycle replaces the network: "
         "trainer.fit(torch.compile(model)) recompiles once per level and trains the new network; a compiled "
-        "submodule is refused at setup (the levels' plain networks would replace it). The all-four stack needs "
+        "submodule is refused before the first step, also one compiled in configure_model (the levels' plain "
+        "networks would replace it). The all-four stack needs "
         "torch._dynamo.config.recompile_limit=16: its many regimes recompile transformers' shared decorator frame "
         "more than the default 8 times. The EfficiencyMonitor records a compiled module once per regime (batch and "
         "parameter shapes), in one uncompiled step, and leaves the other steps one graph; it counts a compiled fit's "
@@ -294,6 +298,22 @@ def test_torch_compile(tmp_path, technique):
         return
     run, counter, log, reasons = _compiled_fit(technique, "module", tmp_path / "module")
     _assert_compiled(run, counter, log, reasons)
+
+
+def test_vcycle_refuses_a_network_compiled_in_configure_model(tmp_path):
+    """A network compiled in ``configure_model`` (Lightning's place for ``torch.compile``, run after the callbacks'
+    ``setup``) is refused before the first step as one compiled in ``__init__`` is, not trained at level 1 until a
+    bare ``TypeError`` at the first level change (qa113-cli 01)."""
+
+    class CompiledInConfigureModel(GPT2CausalLM):
+        def configure_model(self) -> None:
+            if not isinstance(self.model, torch._dynamo.OptimizedModule):
+                self.model = torch.compile(self.model, backend=CompileCounter())
+
+    torch.compiler.reset()
+    run = build("vcycle", lambda: CompiledInConfigureModel(**{**TINY_GPT2, "optimizer": sgd, "n_layer": LAYERS}))
+    assert not isinstance(run.model.model, torch._dynamo.OptimizedModule)  # compiled after the callbacks' setup
+    assert_refused(run, run.trainer(tmp_path), "torch.compile'd submodule")
 
 
 @pytest.mark.slow
