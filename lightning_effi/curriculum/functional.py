@@ -840,6 +840,12 @@ def truncate(
     real = None if pm is None else pm[2]
     if check_left_padding and real is None and ref.ndim == 2 and _is_integer(ref):
         _refuse_unmarked_left_padding(ref, length)
+    if real is not None and pm is not None:
+        # the rows of every padding mask the cut takes: a preference pair's chosen_attention_mask beside its
+        # rejected_attention_mask, each padded on its side (left-padded rejected rows were cut from the right to
+        # nothing but padding when every chosen row was full, qa113-distill 02)
+        others = [_real_named(p, v).to(real.device) for p, v in _other_padding_masks(batch, keys, pm[0], b, t)]
+        real = torch.cat([real, *others])
     left = real is not None and bool(real[:, -1].all()) and not bool(real[:, 0].all())
     if truncation_side == "left":
         _refuse_right_padding_for_left_side(batch, real, left, b, t)
@@ -883,6 +889,8 @@ def truncate(
     out = _cut_packed(batch, out, b, t, length, not left and index is None, values)
     if keys is None and _name(found[0]) not in ("attention_mask", "input_ids"):
         _refuse_another_sequence(batch, found[0], b, t, cut)
+    if keys is None:
+        _refuse_padded_to_another_length(batch, found[0], b, t, cut)
     # with truncate_keys, what is cut is the user's choice, warned (clip-level class indices beside frames)
     _refuse_whole_targets(batch, b, t, cut, warn=keys is not None)
     lengths = row_lengths(batch, b, t, cut)
@@ -896,13 +904,19 @@ def truncate(
     cut_mask, mask_path = None, None
     if real is not None and pm is not None:
         kept = kept.to(real.device)
-        emptied = real.any(1) & ~(real & kept).any(1)
+        emptied = real.any(1) & ~(real & kept.repeat(real.shape[0] // b, 1)).any(1)
         if bool(emptied.any()):
+            masks = [pm[0], *(p for p, _ in _other_padding_masks(batch, keys, pm[0], b, t))]
+            which = (
+                f"the mask {'.'.join(map(str, pm[0])) or 'batch'} is"
+                if len(masks) == 1
+                else f"the masks {', '.join(repr('.'.join(map(str, p))) for p in masks)} are, together,"
+            )
+            rows = sorted({int(i) % b for i in emptied.nonzero().flatten().tolist()})
             raise ValueError(
-                f"seqlen_truncate: cutting the batch from {t} to {length} tokens would leave rows "
-                f"{emptied.nonzero().flatten().tolist()} without a real token: the mask "
-                f"{'.'.join(map(str, pm[0])) or 'batch'} is padded on both sides (left padding is recognised when "
-                "every row's real tokens end at the last column); pad every row on the same side"
+                f"seqlen_truncate: cutting the batch from {t} to {length} tokens would leave rows {rows} without a "
+                f"real token: {which} padded on both sides (left padding is recognised when every row's real tokens "
+                "end at the last column); pad every row on the same side"
             )
         path, mask = pm[0], pm[1]
         if len(cut.get(path, ())) == 1:
@@ -1262,6 +1276,55 @@ def other_sequences(batch: Any, b: int, t: int) -> list[tuple[Path, Tensor]]:
         )
         or _raw_audio(batch, path, v, b, t)
     ]
+
+
+def _sequence_mask_name(name: str | None) -> bool:
+    """A name that says the tensor is a sequence's padding mask: ``attention_mask`` or ``*padding_mask*`` in it
+    (``chosen_attention_mask``, ``src_key_padding_mask``); not a ``completion_mask`` / ``loss_mask``, whose zeros
+    are no padding."""
+    low = str(name or "").lower()
+    return "attention_mask" in low or "padding_mask" in low
+
+
+def _other_padding_masks(
+    batch: Any, keys: Sequence[str] | None, mask_path: Path, b: int, t: int
+) -> list[tuple[Path, Tensor]]:
+    """The ``[B, T]`` padding masks of the batch (:func:`_sequence_mask_name`; named in ``keys`` when given) other
+    than the one :func:`padding_mask` read (``mask_path``): the masks of the other sequences the cut takes (a
+    preference pair's ``rejected_attention_mask`` beside ``chosen_attention_mask``)."""
+    return [
+        (path, v)
+        for path, v in tensor_leaves(batch)
+        if path != mask_path
+        and v.ndim == 2
+        and tuple(v.shape) == (b, t)
+        and _sequence_mask_name(_name(path))
+        and (keys is None or _name(path) in keys)
+    ]
+
+
+def _refuse_padded_to_another_length(batch: Any, reference: Path, b: int, t: int, cut: Mapping[Path, Any]) -> None:
+    """Without ``truncate_keys``, refuse a batch holding a padding mask ``[B, S]`` (:func:`_sequence_mask_name`) of
+    another length than the ``T`` read from ``reference``: a second sequence padded to its own length, left whole
+    in every batch while the others are cut (a preference pair's ``rejected_*`` padded to 20 beside ``chosen_*``
+    padded to 16: the chosen answers were cut, the rejected ones not, in silence, qa113-distill 01)."""
+    other = [
+        (path, v)
+        for path, v in tensor_leaves(batch)
+        if v.ndim == 2 and v.shape[0] == b and v.shape[1] != t and path not in cut and _sequence_mask_name(_name(path))
+    ]
+    if not other:
+        return
+    where = ".".join(map(str, reference)) or "batch"
+    shown = ", ".join(f"{'.'.join(map(str, p)) or 'batch'!r} {list(v.shape)}" for p, v in other)
+    raise ValueError(
+        f"seqlen_truncate: the batch's sequence length {t} was read from {where!r}, beside the padding mask {shown} "
+        "of a sequence padded to its own length, which the cut would leave whole while the others are cut to the "
+        "scheduled length. seqlen_truncate cuts one length per batch: pad the sequences to one length in the "
+        "collate (a preference pair's chosen_* and rejected_* to the longer of the two), or concatenate them along "
+        "the batch axis ([2B, T], TRL's concatenated layout); to cut one sequence only (the source of an "
+        "encoder-decoder), name its tensors in truncate_keys"
+    )
 
 
 def _refuse_another_sequence(batch: Any, reference: Path, b: int, t: int, cut: Mapping[Path, Any]) -> None:

@@ -362,6 +362,56 @@ def test_named_sequences_padded_each_to_its_own_length_are_refused():
     assert out["text"]["input_ids"].shape == (B, 4) and out["image"]["input_ids"].shape == (B, 16)
 
 
+def test_a_pair_padded_each_to_its_own_length_is_refused_without_truncate_keys():
+    """The same pair with truncate_keys=None: the chosen tensors were cut, the rejected ones (their mask of another
+    length) left whole in every batch, in silence (qa113-distill 01). Refused, naming the mask and the remedies; an
+    encoder-decoder's source named in truncate_keys is still cut alone."""
+    pair = {
+        "chosen_input_ids": torch.ones(B, 12, dtype=torch.long),
+        "chosen_attention_mask": torch.ones(B, 12, dtype=torch.long),
+        "rejected_input_ids": torch.ones(B, 9, dtype=torch.long),
+        "rejected_attention_mask": torch.ones(B, 9, dtype=torch.long),
+    }
+    with pytest.raises(ValueError, match=r"read from 'chosen_input_ids', beside the padding mask "
+                       r"'rejected_attention_mask' \[4, 9\] of a sequence padded to its own length.*"
+                       r"concatenate them along the batch axis.*name its tensors in truncate_keys"):  # fmt: skip
+        F.truncate(pair, 6)
+    assert F.truncate(pair, 12).batch is pair  # nothing cut: nothing refused
+    source = F.truncate(pair, 6, ["chosen_input_ids", "chosen_attention_mask"]).batch
+    assert source["chosen_input_ids"].shape == (B, 6) and source["rejected_input_ids"].shape == (B, 9)
+    # a mask of another name (a completion mask, a loss mask) is no sequence's padding
+    other = {"input_ids": torch.ones(B, 12, dtype=torch.long), "loss_mask": torch.ones(B, 9)}
+    assert F.truncate(other, 6).batch["input_ids"].shape == (B, 6)
+
+
+def test_a_pair_is_cut_on_the_side_every_mask_is_padded_on():
+    """A left-padded preference pair (TRL-style decoder-only padding) whose chosen rows all fill the length: the side
+    was read from chosen_attention_mask alone, the batch cut as right-padded, and the rejected rows kept their
+    padding only, in silence (qa113-distill 02). Every padding mask the cut takes says the side: the last columns
+    are kept, and every rejected row its last min(n, L) real tokens. Masks padded on two sides are refused."""
+    t, lengths = 16, torch.tensor([4, 9, 6, 16])
+    rejected_mask = (torch.arange(t) >= t - lengths[:, None]).long()  # left padded
+    pair = {
+        "chosen_input_ids": torch.arange(1, t + 1).repeat(B, 1),
+        "chosen_attention_mask": torch.ones(B, t, dtype=torch.long),
+        "rejected_input_ids": rejected_mask * 7,
+        "rejected_attention_mask": rejected_mask,
+    }
+    cut = F.truncate(pair, 8)
+    assert cut.left
+    assert cut.batch["rejected_attention_mask"].sum(1).tolist() == torch.clamp(lengths, max=8).tolist()
+    assert cut.batch["chosen_input_ids"][0].tolist() == list(range(9, 17))
+    restored = F.lengthen_batch(
+        cut.batch, None, t, cut.cut_mask, cut.left, dict(zip(cut.cut, cut.axes)), cut.mask_path, cut.cut_values
+    )
+    assert all(torch.equal(restored[k], v) for k, v in pair.items())
+    right = (torch.arange(t) < lengths[:, None]).long()  # chosen right-padded, rejected left-padded
+    mixed = {**pair, "chosen_attention_mask": right, "chosen_input_ids": right * 3}
+    with pytest.raises(ValueError, match=r"leave rows \[0, 1, 2\] without a real token: the masks 'chosen_attention_"
+                       r"mask', 'rejected_attention_mask' are, together, padded on both sides"):  # fmt: skip
+        F.truncate(mixed, 4)
+
+
 def test_images_whose_side_is_the_texts_length_are_not_cut():
     """32 x 32 images beside text padded to 32 were cropped as a pairwise [B, H, T, T] tensor, in silence, and timm
     then failed on the image size (qa47-user 02). A pairwise mask is still cut on both axes."""
