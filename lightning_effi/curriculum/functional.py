@@ -858,6 +858,19 @@ def truncate(
         else:
             last = torch.where(real.any(1), t - 1 - real.flip(1).to(torch.int8).argmax(1), -1)
         column = last.clamp_min(length - 1)
+        if column.shape[0] > b:  # several padding masks (a preference pair's): one column moved per row of the batch
+            groups = column.view(-1, b)
+            if bool((groups != groups[:1]).any()):
+                masks = [p for p, _ in _other_padding_masks(batch, keys, pm[0], b, t)] if pm is not None else []
+                named = ", ".join(repr(".".join(map(str, p))) for p in ([pm[0]] if pm is not None else []) + masks)
+                raise ValueError(
+                    f"seqlen_truncate: keep_last_token=True moves each row's last real token to the end of the cut, "
+                    f"and the padding masks {named} put it at other columns of the same rows (the sequences of a "
+                    "preference pair, each of its own length): every cut tensor moves the same columns, so one of "
+                    "them would lose its last token. Concatenate the sequences along the batch axis ([2B, T], "
+                    "TRL's concatenated layout), or use keep_last_token=False"
+                )
+            column = groups[0]
         if bool((column != length - 1).any()):
             index = torch.arange(length, device=ref.device).repeat(b, 1)
             index[:, -1] = column

@@ -410,6 +410,16 @@ def test_a_pair_is_cut_on_the_side_every_mask_is_padded_on():
     with pytest.raises(ValueError, match=r"leave rows \[0, 1, 2\] without a real token: the masks 'chosen_attention_"
                        r"mask', 'rejected_attention_mask' are, together, padded on both sides"):  # fmt: skip
         F.truncate(mixed, 4)
+    # keep_last_token moves one column per row for every cut tensor: the rejected rows lost their EOS to the chosen
+    # rows' (qa113-distill 05); refused where the masks put it at other columns, cut where they agree
+    both_right = {**mixed, "rejected_attention_mask": right.flip(0), "rejected_input_ids": right.flip(0) * 7}
+    with pytest.raises(ValueError, match=r"keep_last_token=True moves each row's last real token .* the padding masks "
+                       r"'chosen_attention_mask', 'rejected_attention_mask' put it at other columns"):  # fmt: skip
+        F.truncate(both_right, 8, keep_last_token=True)
+    same = {**both_right, "rejected_attention_mask": right, "rejected_input_ids": right * 7}
+    kept = F.truncate(same, 8, keep_last_token=True).batch
+    assert kept["rejected_attention_mask"].sum(1).tolist() == [4, 8, 6, 8]
+    assert kept["rejected_input_ids"][:, -1].tolist() == [0, 7, 0, 7]  # rows 1, 3: their last token, moved
 
 
 def test_images_whose_side_is_the_texts_length_are_not_cut():
