@@ -246,6 +246,15 @@ def _padded(batch: Any) -> bool:
 _OFFSET_TOKENS = 2
 
 
+def _finetuning_callbacks(pl_module: pl.LightningModule) -> list[Any]:
+    """The Trainer's ``BaseFinetuning`` callbacks (``BackboneFinetuning``): they freeze parameters in their ``setup``
+    and unfreeze them during the fit."""
+    trainer = getattr(pl_module, "_trainer", None)
+    return [
+        cb for cb in getattr(trainer, "callbacks", ()) if any(k.__name__ == "BaseFinetuning" for k in type(cb).__mro__)
+    ]
+
+
 class RandomLTDCallback(KeepsSettings, Callback):
     """Random-LTD: selected layers process a random sorted subset of ``r`` tokens per sample in training.
 
@@ -831,6 +840,11 @@ class RandomLTDCallback(KeepsSettings, Callback):
         try:
             return find_adapter(root, self.adapter_arg, include_frozen=self.model_attr is not None)
         except ValueError as err:
+            if self.model_attr is None and _finetuning_callbacks(pl_module) and find_candidates(root, None, True):
+                # a BaseFinetuning callback (BackboneFinetuning) listed before this one froze the backbone in its own
+                # setup, to unfreeze it later: that backbone is the network the run trains (refused as "only frozen
+                # transformers" in that order, trained in the other, qa113-peft 02)
+                return find_adapter(root, self.adapter_arg, include_frozen=True)
             if self.model_attr is None:
                 raise
             raise ValueError(

@@ -2642,3 +2642,41 @@ def test_a_seq_first_batch_with_seq_first_layers_is_not_warned(tmp_path):
     assert [str(w.message) for w in caught if "swapped" in str(w.message)] == []
     record = watch.rows[0]["records"][0]
     assert (record.batch_size, record.seq_len) == (4, 16)  # 4 samples of 16 tokens: tokens dropped, not samples
+
+
+def test_a_backbone_frozen_by_backbone_finetuning_listed_first_is_patched(tmp_path):
+    """``BackboneFinetuning`` (a ``BaseFinetuning``) freezes ``pl_module.backbone`` in its own ``setup``, to unfreeze
+    it at ``unfreeze_backbone_at_epoch``: listed before random-LTD, its frozen backbone was refused as "only frozen
+    transformers", listed after it trained (qa113-peft 02). The backbone is the network the run trains: its middle
+    layers drop tokens in both epochs, in either order."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+    from transformers import GPT2Model
+
+    class Finetuned(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone = GPT2Model(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=2))
+            self.head = nn.Linear(32, 64)
+            self.seen: list[tuple[int, int]] = []
+            self.backbone.h[1].attn.c_attn.register_forward_pre_hook(  # inside the layer: on the kept tokens
+                lambda _, args: self.seen.append((self.current_epoch, args[0].shape[1]))
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            ids = batch["input_ids"]
+            logits = self.head(self.backbone(input_ids=ids).last_hidden_state)
+            return TF.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+    for first in (True, False):
+        model = Finetuned()
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False)
+        ltd = RandomLTDCallback(min_value=4, seq_per_step=4, require_steps=4, max_value=16)
+        trainer = make_trainer(tmp_path, [finetuning, ltd] if first else [ltd, finetuning], max_epochs=2)
+        trainer.fit(model, datamodule=TinyDataModule(TokenBlocks(n=8, seq_len=16), batch_size=4))
+        assert {e for e, _ in model.seen} == {0, 1}
+        assert min(t for _, t in model.seen) < 16, model.seen
+        assert all(p.requires_grad for p in model.backbone.parameters())  # unfrozen at epoch 1
