@@ -96,6 +96,7 @@ from lightning_effi.core.batch import unwrap
 from lightning_effi.core.checks import check_bool, check_choice, check_int, is_int, is_real
 from lightning_effi.core.compat import logging_step, rebuild_train_loader_after_restore, validation_follows_batch
 from lightning_effi.core.console import print_block
+from lightning_effi.core.features import optimized_parameters
 from lightning_effi.core.hook_ids import reserve_hook_ids
 from lightning_effi.core.measure import (
     CallRecord,
@@ -651,6 +652,7 @@ class EfficiencyMonitor(Callback):
         # its positions in the step's passes with grad (not a generate() or a no_grad probe inside the step)
         self._observed_trained: int | None = None
         self._trained_positions: dict[int, int] = {}
+        self._optimized: set[int] | None = None  # the ids of the parameters the optimizers held at the watched step
         # the shapes of the first block's hidden states at each of those passes, by watched list, and the observed one's
         self._trained_shapes: dict[int, list[tuple[int, ...]]] = {}
         # a pass whose first block ran without grad (a frozen stem): its positions and shape, counted as trained when a
@@ -993,6 +995,7 @@ class EfficiencyMonitor(Callback):
             return
         inside = {id(m) for m in counted.modules()}
         above = {id(m) for name, m in pl_module.named_modules() if any(x is counted for x in m.modules())}
+        optimized = optimized_parameters(getattr(pl_module, "_trainer", None))  # a teacher out of them: not trained
         others: list[tuple[str, int]] = []
         for name, sub in pl_module.named_modules():
             if id(sub) in inside or id(sub) in above or not isinstance(sub, (nn.ModuleList, nn.Sequential)):
@@ -1001,7 +1004,7 @@ class EfficiencyMonitor(Callback):
             if (
                 len(entries) < 1
                 or len({type(e) for e in entries}) != 1
-                or not any(p.requires_grad for p in sub.parameters())
+                or not any(p.requires_grad and (optimized is None or id(p) in optimized) for p in sub.parameters())
             ):
                 continue
             if not any(
@@ -1595,6 +1598,9 @@ class EfficiencyMonitor(Callback):
             self._recorded_key = key
             return
         self._recorded_key, self._pending_key = None, key
+        # the parameters the optimizers hold: a teacher left requires_grad=True but out of them, run under no_grad,
+        # is no trained stack (_choose_observed; its 8 blocks counted for the student's 4, qa113-distill 03)
+        self._optimized = optimized_parameters(getattr(pl_module, "_trainer", None))
         self._calls, self._batch_shapes, self._observed_tokens, self._observed_shape = None, None, None, None
         self._observed_sequence_first = False
         self._observed_width = False
@@ -1988,9 +1994,19 @@ class EfficiencyMonitor(Callback):
                 return
             rows = _token_rows(batch)
             pool = wide or run
-            trainable = [i for i in pool if any(p.requires_grad for p in self._watched[i][1].parameters())]
+            optimized = self._optimized
+            trainable = [
+                i
+                for i in pool
+                if any(
+                    p.requires_grad and (optimized is None or id(p) in optimized)
+                    for p in self._watched[i][1].parameters()
+                )
+            ]
+            # of those, the lists the step ran with grad: a teacher left requires_grad=True, run under no_grad
+            trained_now = [i for i in trainable if self._trained_positions.get(i, 0) != 0]
             # among the trainable lists first: a frozen text encoder the ids feed beside a trained DiT (qa52-break 01)
-            fed = [i for i in (trainable or pool) if rows is not None and self._sees_rows(i, rows)]
+            fed = [i for i in (trained_now or trainable or pool) if rows is not None and self._sees_rows(i, rows)]
             index = ([i for i in fed if i in self._fed_ids] or fed or pool)[0]
         tokens, shape, width = self._seen[index]
         self._observed_tokens, self._observed_shape, self._observed_width = tokens, shape, width

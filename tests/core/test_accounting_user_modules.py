@@ -3129,3 +3129,46 @@ def test_a_replay_reaching_the_real_network_counts_what_the_step_ran(tmp_path: P
     pl.seed_everything(0)
     _, measured, per_batch = fit(_HeldElsewhere(how), token_loader(), tmp_path, 2)
     assert [row["flops"] for row in per_batch.rows] == measured.per_batch and measured.per_batch[0] > 0
+
+
+def test_a_teacher_out_of_the_optimizer_run_under_no_grad_is_not_the_counted_stack(tmp_path):
+    """A distillation teacher left ``requires_grad=True`` but out of ``configure_optimizers`` and run under
+    ``torch.no_grad``: its 8 blocks were counted as the trained stack (layer-tokens 2x the student's 4, and the
+    warning said the module "also trains" the student's blocks; qa113-distill 03). Counted: the student's, as with
+    the teacher frozen; no other-blocks warning; random-LTD in the student saves layer-tokens."""
+
+    def gpt2(seed: int, n_layer: int) -> transformers.GPT2LMHeadModel:
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=n_layer, n_head=2)
+        return transformers.GPT2LMHeadModel(config)
+
+    class Distill(pl.LightningModule):
+        def __init__(self, frozen: bool) -> None:
+            super().__init__()
+            self.teacher = gpt2(1, 8).eval().requires_grad_(not frozen)
+            self.student = gpt2(0, 4)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (ids,) = batch
+            with torch.no_grad():
+                target = self.teacher(input_ids=ids).logits
+            out = self.student(input_ids=ids, labels=ids)
+            kl = F.kl_div(F.log_softmax(out.logits, -1), F.log_softmax(target, -1), log_target=True)
+            return out.loss + kl
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.student.parameters(), lr=0.01)
+
+    ids = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+    summaries = []
+    for frozen, ltd in ((True, False), (False, False), (False, True)):
+        monitor = EfficiencyMonitor(print_summary=False)
+        extra = [RandomLTDCallback(model_attr="student", min_value=4, seq_per_step=4, require_steps=8)] if ltd else []
+        trainer = make_trainer(tmp_path, [monitor, *extra], max_steps=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(Distill(frozen), DataLoader(TensorDataset(ids), batch_size=8))
+        assert not [w for w in caught if "also trains" in str(w.message)], [str(w.message) for w in caught]
+        summaries.append(monitor.summary)
+    assert summaries[0]["layer_tokens"] == summaries[1]["layer_tokens"] == 2 * 8 * 16 * 4  # the student's 4 blocks
+    assert summaries[2]["layer_tokens_saved_frac"] > 0.2  # 2 of 4 blocks on 4 of 16 tokens: 3/8 saved
