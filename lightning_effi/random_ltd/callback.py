@@ -545,6 +545,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._seen = False  # the first training forward's sequence length was checked
         self._grown = False  # a derived max_value grew to a longer batch (announced once)
         self._world = 1  # data-parallel ranks (set at train start): with several, max_value is announced once synced
+        self._root_device = torch.device("cpu")  # the strategy's (set at train start): of _ranks_longest
         self._announced: int | None = None  # the synced max_value last announced (several ranks)
         self._longest_seen = 0  # the longest sequence the patched layers saw in this fit (tokens)
         self.require_steps: int | None = self.require_steps_arg
@@ -1083,6 +1084,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         """
         check_started(trainer)
         self._world = trainer.world_size
+        self._root_device = trainer.strategy.root_device  # of the ranks' first-batch all-reduce (_ranks_longest)
         self._announced = self.max_value if self.max_value_arg is None else None  # restored on resume: said before
         total = estimated_optimizer_steps(trainer)  # a GradientAccumulationScheduler's factors counted
         self.total_steps = int(total) if math.isfinite(total) else None
@@ -1091,6 +1093,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
         self._data_length, self._lengths_vary = None, False
         if self._curriculum is None and (not self._seen or self._resumed):
             self._data_length = self._peek_sequence_length(trainer)
+            if trainer.world_size > 1:  # the longest over the ranks: each may read a shard of its own (qa113-ddp 01)
+                local = torch.tensor([self._data_length or 0], dtype=torch.int64, device=trainer.strategy.root_device)
+                self._data_length = int(trainer.strategy.reduce(local, reduce_op="max").item()) or None
             if self._data_length is not None:
                 if self._seen:  # resumed with a max_value derived from the data of the run's start
                     self._check_restored_max_value(self._data_length)
@@ -2067,16 +2072,24 @@ class RandomLTDCallback(KeepsSettings, Callback):
         name = type(self).__name__
         first, self._seen = not self._seen, True
         self._longest_seen = max(self._longest_seen, seq_len)
+        if first and self._world > 1:
+            # over data-parallel ranks, the first batch is the longest of theirs (every rank calls this once): one
+            # rank's shorter shard refused a valid min_value on that rank alone, and derived a max_value below it
+            # there, while the others died waiting (qa113-ddp 01)
+            local, seq_len = seq_len, self._ranks_longest(seq_len)
+        else:
+            local = seq_len
         if first and self._curriculum is None and (seq_len != self._data_length or self.max_value_arg is not None):
             # samples of different lengths: one batch's length does not bound an explicit max_value (on_train_end
             # warns when no batch reached it)
-            self._check_length(seq_len, "at the first training batch", explicit_max=not self._lengths_may_grow())
-        if first:
-            self._refuse_never_dropping(seq_len)
+            where = "at the first training batch" + (" (the longest over the ranks)" if self._world > 1 else "")
+            self._check_length(seq_len, where, explicit_max=not self._lengths_may_grow())
+        if first:  # against the rank's own first batch, whose length moved by the layers' offset is read here
+            self._refuse_never_dropping(local)
         if first and self._first_batch_length is not None:
             if self.max_value_arg is None:
-                self._check_curriculum_units(seq_len, self._first_batch_length)
-            self._check_curriculum_end(seq_len, self._first_batch_length)
+                self._check_curriculum_units(local, self._first_batch_length)
+            self._check_curriculum_end(local, self._first_batch_length)
         if self.max_value_arg is not None:
             return
         if self.max_value is None:
@@ -2105,6 +2118,17 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 )
                 self._grown = True
             self.max_value = seq_len
+
+    def _ranks_longest(self, seq_len: int) -> int:
+        """The longest of ``seq_len`` over the data-parallel ranks (a max all-reduce; every rank calls it in its first
+        training forward's first patched layer), ``seq_len`` when no process group is up."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return seq_len
+        value = torch.tensor([seq_len], dtype=torch.int64, device=self._root_device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
 
     def _announce_synced(self, world: int) -> None:
         """With several data-parallel ranks, a derived ``max_value`` is the longest sequence over the ranks (synced at

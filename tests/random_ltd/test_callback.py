@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
 
 import lightning_effi.random_ltd
 from lightning_effi.adapters import GenericAdapter
@@ -25,6 +26,7 @@ from lightning_effi.core.requirements import BATCH_STRUCTURES, IncompatibleTechn
 from lightning_effi.functional import random_ltd as F
 from lightning_effi.infobatch.data import InfoBatchDataModule
 from lightning_effi.random_ltd import is_converted
+from lightning_effi.reference.data.base import PaddingCollate
 from lightning_effi.tasks import ImageClassifier
 from tests.helpers.harness import assert_resume_equals_uninterrupted, fit_ddp, make_trainer
 from tests.helpers.tiny import (
@@ -1086,6 +1088,38 @@ def test_ddp_two_processes(tmp_path):
         assert a["params"] == b["params"]  # and stay in sync
         assert a["consumed"] == b["consumed"]  # layer-tokens are summed over ranks
     assert rank0[0]["consumed"] == 2 * F.layer_tokens(8, 16, 4, 4, 2)  # 2 ranks x batch 8
+
+
+class _ShardedVarLength(pl.LightningDataModule):
+    """32 token rows: rank 0's first batch (its shard ``[0::2]``, no distributed sampler) padded to 8 tokens, every
+    other batch to 16."""
+
+    def train_dataloader(self) -> DataLoader:
+        from lightning_effi.core.loader import EpochShuffleSampler
+
+        g = torch.Generator().manual_seed(0)
+        lengths = [8 if i % 2 == 0 and i < 8 else 16 for i in range(32)]
+        rows = [{"input_ids": torch.randint(1, 64, (n,), generator=g)} for n in lengths]
+        t = self.trainer
+        sampler = EpochShuffleSampler(rows, num_replicas=t.world_size, rank=t.global_rank, shuffle=False)
+        return DataLoader(rows, batch_size=4, sampler=sampler, collate_fn=PaddingCollate(pad_token_id=0))
+
+
+@pytest.mark.slow
+def test_ddp_checks_the_longest_first_batch_over_the_ranks(tmp_path):
+    """A min_value valid for the run (its first batches over the ranks: 8 and 16 tokens) was refused on rank 0 alone,
+    whose first batch is 8 tokens, and derived max_value 8 there, while rank 1 died waiting (qa113-ddp 01). Checked
+    and derived on the longest over the ranks: both train; a min_value above it is refused on every rank alike."""
+    cb = ltd(min_value=10, seq_per_step=1, layer_ids=[1])
+    no_sampler = {"use_distributed_sampler": False}
+    _, ranks = fit_ddp(tiny_gpt2(), _ShardedVarLength(), tmp_path, [cb], max_steps=2, **no_sampler)
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    refused = ltd(min_value=17, seq_per_step=1, layer_ids=[1])
+    with pytest.raises(Exception, match=r"min_value \(17\) is larger than the sequence length the patched layers "
+                       r"see \(16 tokens at the first training batch \(the longest over the ranks\)\)"):  # fmt: skip
+        fit_ddp(
+            tiny_gpt2(), _ShardedVarLength(), tmp_path / "no", [refused], max_steps=2, use_distributed_sampler=False
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the progress clock
