@@ -62,7 +62,7 @@ from lightning_effi.core.compat import (
 from lightning_effi.core.features import optimized_parameters
 from lightning_effi.core.hook_ids import reserve_hook_ids
 from lightning_effi.core.lr_schedules import refresh_progress_schedules
-from lightning_effi.core.measure import find_batch_size, row_tokens
+from lightning_effi.core.measure import find_batch_size, row_tokens, tensor_leaves
 from lightning_effi.core.nonfinite import NonFiniteLossError, NonFiniteLossGuard, nonfinite_count, nonfinite_metrics
 from lightning_effi.core.progress import accumulate_grad_batches_at, run_length, steps_per_epoch
 from lightning_effi.core.requirements import (
@@ -195,8 +195,14 @@ class ForwardCapture:
             self.source = f"self{'.' + name if name else ''} ({type(module).__name__})"
             self.sources.append(self.source)
 
+    def _exit_frozen(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0 and any(isinstance(v, Tensor) and v.requires_grad for _, v in tensor_leaves(output)):
+            self._fallback = (output, f"self{'.' + name if name else ''} ({type(module).__name__})")
+
     def __enter__(self) -> ForwardCapture:
         self._depth = 0
+        self._fallback: tuple[Any, str] | None = None
         top = list(_top_modules(self.module))
         watched = [(n, m) for n, m in top if _trainable(m, self.optimized)]
         if not watched:  # optimizers holding other tensors than the modules' parameters: requires_grad alone
@@ -204,12 +210,24 @@ class ForwardCapture:
         for name, m in watched:
             self._handles.append(m.register_forward_pre_hook(self._enter))
             self._handles.append(m.register_forward_hook(partial(self._exit, name)))
+        # a frozen network fed a trained input (a soft prompt, model reprogramming, prefix tuning of a frozen model):
+        # its output carries the gradient, and is taken when no module with trained parameters was called (refused,
+        # and fn was given None, qa113-peft 01)
+        chosen = {id(m) for _, m in watched}
+        for name, m in top:
+            if id(m) not in chosen and next(m.parameters(), None) is not None:
+                self._handles.append(m.register_forward_pre_hook(self._enter))
+                self._handles.append(m.register_forward_hook(partial(self._exit_frozen, name)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if not self.captured and self._fallback is not None:
+            self.output, self.source = self._fallback
+            self.captured = True
+            self.sources.append(self.source)
 
 
 @dataclass
@@ -1075,7 +1093,8 @@ class InfoBatchCallback(KeepsSettings, Callback):
             if forward is None or not forward.captured:
                 raise ValueError(
                     "InfoBatchCallback: training_step returns a plain loss and called no module with a trainable "
-                    f"parameter (no forward output to take logits from); {ib.PER_SAMPLE_LOSS_HINT}"
+                    "parameter, nor a frozen one whose output carries a gradient (no forward output to take logits "
+                    'from); return {"loss": ..., "per_sample_loss": ...} from training_step'
                 )
             try:
                 if not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all()):
@@ -1204,7 +1223,10 @@ class InfoBatchCallback(KeepsSettings, Callback):
         that ``training_step`` called, named, with the others it called (an auxiliary head called after the main one
         gave fn its output, and the main head never trained, qa44-user 01)."""
         if forward is None or not forward.captured:
-            return "fn received outputs=None: training_step called no module with trained parameters"
+            return (
+                "fn received outputs=None: training_step called no module with trained parameters, nor a frozen one "
+                'whose output carries a gradient; return "per_sample_loss" from training_step instead of fn'
+            )
         others = [s for s in dict.fromkeys(forward.sources) if s != forward.source]
         text = f"fn received the output of {forward.source}, the last module with trained parameters called"
         if others:

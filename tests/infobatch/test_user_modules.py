@@ -1335,6 +1335,43 @@ def test_a_frozen_teacher_called_before_or_after_the_student(tmp_path, order, fn
     assert all(torch.equal(v, module.teacher.state_dict()[k]) for k, v in teacher.items())  # still frozen
 
 
+class PromptTuned(UserModule):
+    """Prompt tuning / model reprogramming: a frozen network fed its input plus one trained tensor, called directly in
+    ``training_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3)).requires_grad_(False)
+        self.prompt = nn.Parameter(torch.zeros(3, 8, 8))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self.net(x + self.prompt)
+        loss = F.cross_entropy(logits, y)
+        self.remember(batch, logits, loss)
+        return loss
+
+
+@pytest.mark.parametrize("fn", [None, student_loss], ids=["auto", "fn"])
+def test_a_frozen_network_fed_a_trained_prompt_gives_the_forward_output(tmp_path, fn):
+    """A frozen network whose input carries the gradient (a trained prompt) was skipped as a frozen teacher: the
+    automatic loss was refused, and ``per_sample_loss=fn`` was handed ``outputs=None`` (qa113-peft 01). Its output
+    is taken when no module with trained parameters was called, so both train on the step's own loss; a frozen
+    teacher under no_grad beside a trained student is still passed over."""
+    pl.seed_everything(0)
+    module, outputs = PromptTuned(), Outputs()
+    cb = fit(tmp_path, module, UserData(SmallImages(), tuple_collate), InfoBatchCallback(per_sample_loss=fn), outputs)
+    assert cb.per_sample_source == ("auto" if fn is None else "fn")
+    for step, row in zip(module.steps, outputs.rows, strict=True):
+        per_sample = F.cross_entropy(step["logits"], step["batch"][1], reduction="none")
+        torch.testing.assert_close(row["per_sample"], per_sample)
+    x, y = SmallImages().x[:4], SmallImages().y[:4]
+    student = Distill("st")
+    with ForwardCapture(student) as capture:
+        student.training_step((x, y), 0)
+    assert capture.source == "self.student (Sequential)"
+
+
 def copy_state(module: nn.Module) -> dict[str, Tensor]:
     return {k: v.clone() for k, v in module.state_dict().items()}
 
