@@ -397,6 +397,19 @@ def _graph_like(batch: Any) -> bool:
     return any(path and str(path[-1]) in GRAPH_NAMES for path, _ in tensor_leaves(batch))
 
 
+def _flat_first(batch: Any, size: int) -> bool:
+    """Whether the samples were read (:func:`find_batch_size`) from the batch's first tensor, a 1-D one of ``size``
+    entries, not from a named ``labels`` / ``input_ids`` / ``pixel_values``: an ``nn.EmbeddingBag``'s flat ids
+    ``[L]`` beside their offsets ``[B]`` (415 history items counted as the samples for 64 users, in silence,
+    qa113-tabular 04), or a per-batch constant put first."""
+    if isinstance(batch, Mapping) and any(
+        isinstance(batch.get(k), Tensor) for k in ("labels", "input_ids", "pixel_values")
+    ):
+        return False
+    first = next((v for _, v in tensor_leaves(batch) if v.ndim > 0), None)
+    return first is not None and first.ndim == 1 and int(first.shape[0]) == size
+
+
 #: the candidate block lists whose first block the monitor watches in a step (:meth:`EfficiencyMonitor._candidates`)
 WATCHED_LISTS = 4
 
@@ -1248,7 +1261,19 @@ class EfficiencyMonitor(Callback):
             # front end: qa58-break 07)
             if lead is not None and rnn is not None and int(lead.shape[1]) == rnn[1] != int(lead.shape[0]):
                 return int(lead.shape[1])
-        if actual and "samples/first_dims" not in self._warned and _graph_like(batch):
+        flat = actual and "samples/first_dims" not in self._warned and _flat_first(batch, size)
+        if flat:
+            others = other_first_dims(batch, size)
+            if others:
+                shown = ", ".join(f"{path}: {n}" for path, n in others[:4])
+                self._warn(
+                    "samples/first_dims",
+                    f"samples are read as {size} a batch, the length of its first tensor, a flat [{size}] one, but its "
+                    f"other tensors disagree ({shown}): if a sample is not an entry of that tensor (an EmbeddingBag's "
+                    "flat ids beside their offsets [B], a per-batch constant such as class weights first in the "
+                    "batch), define `effi_count_samples(batch) -> int` on your LightningModule",
+                )
+        elif actual and "samples/first_dims" not in self._warned and _graph_like(batch):
             others = other_first_dims(batch, size)
             if others:
                 shown = ", ".join(f"{path}: {n}" for path, n in others[:4])

@@ -3172,3 +3172,66 @@ def test_a_teacher_out_of_the_optimizer_run_under_no_grad_is_not_the_counted_sta
         summaries.append(monitor.summary)
     assert summaries[0]["layer_tokens"] == summaries[1]["layer_tokens"] == 2 * 8 * 16 * 4  # the student's 4 blocks
     assert summaries[2]["layer_tokens_saved_frac"] > 0.2  # 2 of 4 blocks on 4 of 16 tokens: 3/8 saved
+
+
+def test_an_embedding_bag_batch_read_from_its_flat_ids_is_warned(tmp_path):
+    """PyTorch's ``nn.EmbeddingBag`` input, ``(flat ids [L], offsets [B], y [B])``: the samples were read as the ``L``
+    history items, in silence (qa113-tabular 04). A warning names the shapes and ``effi_count_samples``, which counts
+    the users; a batch whose tensors agree is not warned."""
+
+    class Recommender(pl.LightningModule):
+        def __init__(self, own_count: bool) -> None:
+            super().__init__()
+            self.bag, self.head = nn.EmbeddingBag(50, 8, mode="mean"), nn.Linear(8, 2)
+            if own_count:
+                self.effi_count_samples = lambda batch: int(batch[1].shape[0])
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            ids, offsets, y = batch
+            return F.cross_entropy(self.head(self.bag(ids, offsets)), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    histories = [torch.randint(0, 50, (int(n),), generator=g) for n in torch.randint(1, 8, (16,), generator=g)]
+
+    def collate(rows: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lengths = torch.tensor([0] + [len(h) for h, _ in rows[:-1]])
+        return torch.cat([h for h, _ in rows]), lengths.cumsum(0), torch.tensor([y for _, y in rows])
+
+    rows = [(h, i % 2) for i, h in enumerate(histories)]
+    for own in (False, True):
+        monitor = EfficiencyMonitor(print_summary=False)
+        trainer = make_trainer(tmp_path, [monitor], max_steps=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(Recommender(own), DataLoader(rows, batch_size=8, collate_fn=collate))
+        warned = [str(w.message) for w in caught if "a flat [" in str(w.message)]
+        if own:
+            assert not warned and monitor.summary["samples"] == 16
+        else:
+            assert len(warned) == 1 and "effi_count_samples" in warned[0] and "1: 8, 2: 8" in warned[0], warned
+            assert monitor.summary["samples"] == sum(len(h) for h in histories)  # read as the items, warned
+    agree = make_trainer(tmp_path, [EfficiencyMonitor(print_summary=False)], max_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        users = torch.arange(16)
+        data = DataLoader(list(zip(users, users % 2)), batch_size=8)
+        agree.fit(UserIds(), data)
+    assert not [w for w in caught if "a flat [" in str(w.message)]
+
+
+class UserIds(pl.LightningModule):
+    """A recommender over user ids ``[B]`` and labels ``[B]``: a flat first tensor whose length is the samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 4), nn.Linear(4, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        users, y = batch
+        return F.cross_entropy(self.head(self.emb(users)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
