@@ -146,8 +146,38 @@ def test_remapped_ids_record_the_fingerprint_in_id_order(tmp_path):
     assert meta["dataset_fingerprint"] == dataset_fingerprint(Rows(by_id))
     index = MetricIndex.load(s, m, num_samples=30, dataset=Rows(by_id))  # position == id: the ids' data set
     assert all(by_id[i] == v for v, ids in zip(index.values, index.rows(), strict=True) for i in ids)
-    with pytest.raises(IndexFileError, match="another data set"):
+    # the analysed set itself: refused, saying its ids are not its positions (qa113-tabular 05)
+    with pytest.raises(IndexFileError, match=r"the training data set is the one analysed, .* indexes its samples by "
+                       r"the ids of its sample_indices, which are not their positions"):  # fmt: skip
         MetricIndex.load(s, m, num_samples=30, dataset=analysed)
+    with pytest.raises(IndexFileError, match="another data set"):
+        MetricIndex.load(s, m, num_samples=30, dataset=Rows(by_id[::-1]))
+
+
+class Labelled(Rows):
+    """``Rows`` whose samples carry an ``index`` field: a DataFrame's row label (here a permutation), not the
+    sample's position."""
+
+    def __init__(self, values, labels):
+        super().__init__(values)
+        self.labels = np.asarray(labels, dtype=np.int64)
+
+    def __getitem__(self, i):
+        return {**super().__getitem__(i), "index": self.labels[i]}
+
+
+def test_an_index_field_read_as_ids_is_named_when_the_analysed_set_is_refused(tmp_path):
+    """A dict sample's ``index`` field (a DataFrame's row label) read as its id by the default index_key: the curriculum
+    refused the analysed data set's own files as "analysis of another data set" (qa113-tabular 05). The refusal names
+    the field and index_key=None, which analyses by position and loads."""
+    dataset = Labelled(np.arange(30) % 7, np.random.default_rng(0).permutation(30))
+    s, m = _analyze(dataset, tmp_path / "field")
+    with pytest.raises(IndexFileError, match=r"the ids of its index_key 'index' \(DataAnalyzer's index_key is 'index' "
+                       r"by default.*run the analyzer with index_key=None"):  # fmt: skip
+        MetricIndex.load(s, m, num_samples=30, dataset=dataset)
+    s, m = _analyze(dataset, tmp_path / "positions", index_key=None)
+    index = MetricIndex.load(s, m, num_samples=30, dataset=dataset)
+    assert all(dataset.values[i] == v for v, ids in zip(index.values, index.rows(), strict=True) for i in ids)
 
 
 def test_mappings_and_dataclasses_are_fingerprinted_by_content():

@@ -24,7 +24,7 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -917,6 +917,11 @@ class DataAnalyzer:
             "num_samples": n,
             "run_fingerprint": self.fingerprint(m),
             "dataset_fingerprint": self._id_order_fingerprint(id_at),
+            # where the ids came from when they are not the positions, and the analysed set's own fingerprint: a
+            # training set that is the analysed one in its own order is then told why it is refused (a DataFrame's
+            # row labels in an `index` field read as ids, qa113-tabular 05)
+            "ids_from": self._ids_from(id_at),
+            "positions_fingerprint": None if self._ids_from(id_at) is None else dataset_fingerprint(self.dataset),
             "index_fingerprint": index.fingerprint(),
             "merged_fingerprint": merged.fingerprint(),
             "num_distinct_values": rows,
@@ -934,6 +939,20 @@ class DataAnalyzer:
         }
         self._publish(folder, tmp, final, meta)
         return meta
+
+    def _ids_from(self, id_at: np.ndarray | None) -> str | None:
+        """Where the sample ids came from when they are not the data set's positions: ``"index_key 'index'"`` (a dict
+        sample's field, which takes precedence) or ``"sample_indices"``; None when they are the positions (or not
+        known)."""
+        if id_at is None or np.array_equal(id_at, np.arange(len(id_at))):
+            return None
+        try:
+            first = self.dataset[0]
+        except Exception:  # noqa: BLE001 - only for the message
+            first = None
+        if self.index_key is not None and isinstance(first, Mapping) and self.index_key in first:
+            return f"index_key {self.index_key!r}"
+        return "sample_indices"
 
     def _id_order_fingerprint(self, id_at: np.ndarray | None) -> str | None:
         """:func:`~lightning_effi.curriculum.analysis.index.dataset_fingerprint` of the analysed data set read in

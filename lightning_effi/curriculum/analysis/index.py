@@ -156,6 +156,21 @@ def _check_against_metadata(prefix: str, num_samples: int | None, dataset: Any =
     recorded_data = meta.get("dataset_fingerprint")
     if dataset is not None and recorded_data is not None:
         found = dataset_fingerprint(dataset)
+        ids_from = meta.get("ids_from")
+        if found is not None and found != recorded_data and ids_from and found == meta.get("positions_fingerprint"):
+            # the analysed data set itself, in its own order: its ids were not its positions
+            field = (
+                " (DataAnalyzer's index_key is 'index' by default: a dict sample's 'index' field, such as a "
+                "DataFrame's row label, is read as its id)"
+                if str(ids_from).startswith("index_key")
+                else ""
+            )
+            raise IndexFileError(
+                f"'{prefix}': the training data set is the one analysed, but '{meta_path}' indexes its samples by "
+                f"the ids of its {ids_from}{field}, which are not their positions in this data set, so the files "
+                "point at other samples; run the analyzer with index_key=None and no sample_indices (ids = "
+                "positions), or train on the data set in the order of those ids"
+            )
         if found is not None and found != recorded_data:
             raise IndexFileError(
                 f"'{prefix}': analysis of another data set: '{meta_path}' records the data set fingerprint "
