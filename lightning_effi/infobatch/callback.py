@@ -1295,12 +1295,20 @@ class InfoBatchCallback(KeepsSettings, Callback):
             owner = self._datamodule if self._datamodule is not None else self.curriculum_dm
             found = owner.template().get("collate_fn") if owner is not None else None
             collate = getattr(found, "__qualname__", type(found).__name__)
+            several = (
+                f" If each sample is {rows // b} rows on purpose (a preference pair's chosen and rejected rows "
+                f"concatenated, [2B, T], or two views of an image), return one loss per drawn sample: {b} values, "
+                f"e.g. per_sample.view({rows // b}, {b}).mean(0) for rows stacked block by block"
+                if rows % b == 0 and rows > b
+                else ""
+            )
             raise ValueError(
-                f"InfoBatchCallback: the training batch holds {rows} samples for the {b} InfoBatch drew: the loader's "
-                f"collate_fn ({collate}) returned another number of samples than it was given. InfoBatch weighs and "
-                "scores each drawn sample by its position in the batch, so the collate must keep one row per sample; "
-                "leave samples out of the dataset beforehand (torch.utils.data.Subset), or keep them in the batch "
-                "with a zero per-sample loss"
+                f"InfoBatchCallback: the training batch holds {rows} rows for the {b} samples InfoBatch drew, and "
+                f"{what} one value per row: the loader's collate_fn ({collate}) returned another number of rows than "
+                "the samples it was given. InfoBatch weighs and scores each drawn sample, so the per-sample loss holds "
+                "one value per drawn sample, in the order drawn; a collate must not leave samples out (leave them out "
+                "of the dataset beforehand, torch.utils.data.Subset, or keep them in the batch with a zero per-sample "
+                f"loss).{several}"
             )
         if per_sample.dim() != 1 or per_sample.numel() != b:
             if per_sample.numel() == 1 and b > 1:  # the batch's loss: the default reduction (qa75-infobatch 01)

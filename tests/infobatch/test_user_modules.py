@@ -701,11 +701,39 @@ def test_a_collate_that_drops_samples_is_refused_naming_it(tmp_path):
     message = str(err.value)
     assert (
         message.startswith("InfoBatchCallback: the training batch holds ")
-        and f"samples for the {BS} InfoBatch drew" in message
+        and f"rows for the {BS} samples InfoBatch drew" in message
     )
-    assert "the loader's collate_fn (drop_class_0) returned another number of samples than it was given" in message
-    assert "keep one row per sample" in message and "per_sample_loss=fn" not in message
+    assert "the loader's collate_fn (drop_class_0) returned another number of rows than the samples it was" in message
+    assert "a collate must not leave samples out" in message and "per_sample_loss=fn" not in message
+    assert "concatenated" not in message  # fewer rows: no pair
     assert steps.done == 0
+
+
+def pair_collate(samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Two views of each image stacked block by block, ``[2B, ...]`` (first views, then second views)."""
+    x, y = tuple_collate(samples)
+    return torch.cat([x, x.flip(-1)]), torch.cat([y, y])
+
+
+def test_a_loss_per_row_of_a_two_rows_a_sample_batch_is_told_to_give_one_per_sample(tmp_path):
+    """A collate that makes two rows of each drawn sample (a preference pair concatenated, [2B, T], or two views) with
+    a loss per row: the refusal blamed the collate only, where the loss needed one value per drawn sample
+    (qa113-distill 04). It says so, with the reduction; that loss trains."""
+    with pytest.raises(ValueError) as err:
+        fit(tmp_path, ViT(), UserData(SmallImages(), pair_collate))
+    message = str(err.value)
+    assert f"holds {2 * BS} rows for the {BS} samples InfoBatch drew" in message
+    assert f"return one loss per drawn sample: {BS} values, e.g. per_sample.view(2, {BS}).mean(0)" in message
+
+    class TwoViews(ViT):
+        def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+            x, y = batch
+            per_row = F.cross_entropy(self(x), y, reduction="none")
+            per_sample = per_row.view(2, -1).mean(0)
+            return {"loss": per_sample.mean(), "per_sample_loss": per_sample}
+
+    cb = fit(tmp_path, TwoViews(), UserData(SmallImages(), pair_collate))
+    assert cb.per_sample_source == "returned" and [h["kind"] for h in cb.history][:2] == ["full", "prune"]
 
 
 def test_token_losses_from_fn_are_refused(tmp_path):
