@@ -1099,9 +1099,10 @@ class RandomLTDCallback(KeepsSettings, Callback):
             if self._data_length is not None:
                 if self._seen:  # resumed with a max_value derived from the data of the run's start
                     self._check_restored_max_value(self._data_length)
-                # an explicit max_value is checked at the first batch, against the positions the layers see: a model
-                # may put tokens in front of the ids (a soft prompt: 20 refused for the 16 ids, qa70-regress 03)
-                self._check_length(self._data_length, self._PEEKED, explicit_max=False)
+                # an explicit max_value, min_value and seq_per_step are checked at the first batch, against the
+                # positions the layers see: a model may put tokens in front of the ids (a soft prompt: max_value 20
+                # refused for the 16 ids, qa70-regress 03; min_value 32 for 32 ids and 64 positions, qa113-peft 03)
+                self._check_length(self._data_length, self._PEEKED, explicit_max=False, at_least=True)
         self._resolve_schedule(trainer)
         if not self._resumed and trainer.global_step > 0:
             self._refuse_late_start(trainer)
@@ -1483,10 +1484,12 @@ class RandomLTDCallback(KeepsSettings, Callback):
         alike, make every batch as long: an explicit ``max_value`` above it went unchecked, qa72-break 01)."""
         return self._lengths_vary or (self._first_padded and self._data_length is None)
 
-    def _check_length(self, seq_len: int, where: str, explicit_max: bool = True) -> None:
+    def _check_length(self, seq_len: int, where: str, explicit_max: bool = True, at_least: bool = False) -> None:
         """The settings against the sequence length ``S`` the patched layers see (``where``: peeked from the
         training data at train start, or the first training batch; ``explicit_max``: check an explicit
-        ``max_value`` too, not when the samples vary in length, whose longest batch may come later).
+        ``max_value`` too, not when the samples vary in length, whose longest batch may come later; ``at_least``:
+        ``S`` is the data's length, which the layers may see with positions in front of it, a soft prompt: only
+        the model's bound is checked).
 
         Raises:
             ValueError: ``S`` above the model's ``max_sequence_length`` (a declared ``GenericAdapter`` bound that the
@@ -1502,6 +1505,8 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 f"model's max_sequence_length ({longest}, {type(self.adapter).__name__}); declare the model's real "
                 "bound (GenericAdapter(max_sequence_length=...), or None when it has none) or feed shorter sequences"
             )
+        if at_least:
+            return
         if explicit_max and self.max_value_arg is not None and self.max_value_arg > seq_len:
             raise ValueError(
                 f"{name}.max_value ({self.max_value_arg}) is larger than the sequence length the patched layers "
@@ -2079,7 +2084,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
             local, seq_len = seq_len, self._ranks_longest(seq_len)
         else:
             local = seq_len
-        if first and self._curriculum is None and (seq_len != self._data_length or self.max_value_arg is not None):
+        if first and self._curriculum is None:
             # samples of different lengths: one batch's length does not bound an explicit max_value (on_train_end
             # warns when no batch reached it)
             where = "at the first training batch" + (" (the longest over the ranks)" if self._world > 1 else "")

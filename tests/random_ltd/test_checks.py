@@ -335,24 +335,26 @@ def test_seq_per_step_above_max_value_is_refused_at_construction():
     [
         (
             dict(min_value=16),
-            r"min_value \(16\) is equal to the sequence length the patched layers see \(16 tokens in "
-            r"the training data, read at train start\): the reserved length is never below 16, so random-LTD "
-            r"would never drop a token",
+            r"min_value \(16\) is equal to the sequence length the patched layers see \(16 tokens at the first "
+            r"training batch\): the reserved length is never below 16, so random-LTD would never drop a token",
         ),  # fmt: skip
         (
             dict(min_value=32),
-            r"min_value \(32\) is larger than the sequence length .* \(16 tokens in the training data",
+            r"min_value \(32\) is larger than the sequence length .* \(16 tokens at the first training batch",
         ),
         (dict(min_value=16, max_value=16, seq_per_step=16), r"min_value \(16\) is equal to the sequence length"),
-        (dict(seq_per_step=32), r"seq_per_step \(32\) is larger than max_value=None's end .* \(16 tokens in the train"),
+        (dict(seq_per_step=32), r"seq_per_step \(32\) is larger than max_value=None's end .* \(16 tokens at the first"),
     ],
 )
-def test_no_op_settings_are_refused_before_the_first_batch(tmp_path, kwargs, match):
+def test_no_op_settings_are_refused_before_the_first_update(tmp_path, kwargs, match):
+    """Refused at the first forward, against the positions the patched layers see, before any update (at train
+    start, against the ids peeked from the data, a soft-prompted model's valid min_value was refused: see
+    :func:`test_min_value_counts_the_positions_in_front_of_the_ids`)."""
     seen = Seen()
     trainer = make_trainer(tmp_path, [ltd(**kwargs), seen], max_steps=2, max_epochs=-1)
     with pytest.raises(ValueError, match=match):
         trainer.fit(deep_gpt2(), datamodule=tiny_lm_data())
-    assert (seen.epochs, seen.batches, trainer.global_step) == (0, 0, 0)  # raised in on_train_start
+    assert (seen.batches, trainer.global_step) == (1, 0)  # raised in the first forward
 
 
 class SoftPrompted(pl.LightningModule):
@@ -405,6 +407,21 @@ def test_an_explicit_max_value_is_checked_against_the_positions_of_the_first_bat
     else:
         trainer.fit(module, datamodule=data)
         assert trainer.global_step == 2 and trainer.callbacks[0].max_value == max_value
+
+
+@pytest.mark.parametrize(("prompt", "refused"), [(0, True), (16, False)])
+def test_min_value_counts_the_positions_in_front_of_the_ids(tmp_path, prompt, refused):
+    """min_value=16 for 16 token ids: a no-op, refused, unless the model puts positions in front of them (16 soft
+    prompt positions: the layers see 32). It was refused at train start against the ids peeked from the data, "the
+    sequence length the patched layers see (16 tokens)" (qa113-peft 03); it trains, dropping tokens."""
+    trainer = make_trainer(tmp_path, [ltd(min_value=16, seq_per_step=4, require_steps=4)], max_steps=2, max_epochs=-1)
+    module = SoftPrompted(prompt) if prompt else deep_gpt2()
+    if refused:
+        with pytest.raises(ValueError, match=r"min_value \(16\) is equal to the sequence length .* \(16 tokens at"):
+            trainer.fit(module, datamodule=tiny_lm_data())
+        return
+    trainer.fit(module, datamodule=tiny_lm_data())
+    assert trainer.global_step == 2 and trainer.callbacks[0].max_value == 32
 
 
 @pytest.mark.parametrize(("prompt", "max_value", "refused"), [(0, None, True), (8, None, False), (8, 24, False)])
