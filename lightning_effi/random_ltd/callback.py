@@ -621,6 +621,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         # this fit resumes a random-LTD schedule from a checkpoint (its state loaded, or one of another configuration
         # accepted with strict=False): a fit starting at global_step > 0 without it is refused at train start
         self._resumed = False
+        self._check_resumed = False  # a restored, derived max_value is checked at the resumed fit's first forward
         self.nonfinite_guard.load_state_dict({})  # no non-finite loss seen in this fit (a resume restores the count)
 
     @classmethod
@@ -1096,9 +1097,11 @@ class RandomLTDCallback(KeepsSettings, Callback):
             if trainer.world_size > 1:  # the longest over the ranks: each may read a shard of its own (qa113-ddp 01)
                 local = torch.tensor([self._data_length or 0], dtype=torch.int64, device=trainer.strategy.root_device)
                 self._data_length = int(trainer.strategy.reduce(local, reduce_op="max").item()) or None
+            # resumed with a max_value derived from the data of the run's start: checked at the first forward,
+            # against the positions the layers see (prompts peeked, prompt + generated tokens trained: the resume was
+            # refused as "on other data", qa114-rl 02)
+            self._check_resumed = self._seen and self._data_length is not None
             if self._data_length is not None:
-                if self._seen:  # resumed with a max_value derived from the data of the run's start
-                    self._check_restored_max_value(self._data_length)
                 # an explicit max_value, min_value and seq_per_step are checked at the first batch, against the
                 # positions the layers see: a model may put tokens in front of the ids (a soft prompt: max_value 20
                 # refused for the 16 ids, qa70-regress 03; min_value 32 for 32 ids and 64 positions, qa113-peft 03)
@@ -1150,10 +1153,10 @@ class RandomLTDCallback(KeepsSettings, Callback):
         if self.max_value is not None and self.max_value > seq_len:
             self._mismatch(
                 f"the checkpoint's max_value ({self.max_value} tokens, derived from the sequences the run started on) "
-                f"is larger than the sequence length the patched layers see now ({seq_len} tokens {self._PEEKED}): "
-                f"the reserved length would reach {seq_len} before the end of its growth and drop nothing from then "
-                "on (the run resumed on other data: resume on the data it started on, or start a fresh fit on this "
-                "data)",
+                f"is larger than the sequence length the patched layers see now ({seq_len} tokens at the resumed "
+                f"fit's first training batch): the reserved length would reach {seq_len} before the end of its "
+                "growth and drop nothing from then on (the run resumed on other data: resume on the data it started "
+                "on, or start a fresh fit on this data)",
                 fix="continue with the checkpoint's max_value",
             )
 
@@ -2077,6 +2080,10 @@ class RandomLTDCallback(KeepsSettings, Callback):
         name = type(self).__name__
         first, self._seen = not self._seen, True
         self._longest_seen = max(self._longest_seen, seq_len)
+        if self._check_resumed:
+            self._check_resumed = False  # set alike on every rank (the peek is reduced over them)
+            longest = self._ranks_longest(seq_len) if self._world > 1 else seq_len
+            self._check_restored_max_value(longest)
         if first and self._world > 1:
             # over data-parallel ranks, the first batch is the longest of theirs (every rank calls this once): one
             # rank's shorter shard refused a valid min_value on that rank alone, and derived a max_value below it

@@ -678,8 +678,10 @@ def test_random_ltd_added_on_resume_from_a_checkpoint_without_its_state_is_refus
 def test_a_derived_max_value_resumed_on_shorter_data_is_refused(tmp_path):
     """max_value=None is derived from the data the run starts on (16 tokens) and kept in the checkpoint; resumed on
     8-token blocks the growth would end at 16 and drop nothing from r = 8 on, the case an explicit max_value above
-    the data's length is refused for. Refused at train start (strict), before any batch; with strict=False it warns
-    and goes on with the checkpoint's max_value. Resumed on the same data, it goes on."""
+    the data's length is refused for. Refused at the resumed fit's first forward (strict), before any update, against
+    the positions the layers see (prompts peeked at train start, prompt and generated tokens trained: a valid resume
+    was refused, qa114-rl 02); with strict=False it warns and goes on with the checkpoint's max_value. Resumed on the
+    same data, it goes on."""
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
     first = ltd()
     make_trainer(tmp_path, [first, ckpt], max_steps=2, max_epochs=-1).fit(deep_gpt2(), datamodule=tiny_lm_data())
@@ -693,11 +695,11 @@ def test_a_derived_max_value_resumed_on_shorter_data_is_refused(tmp_path):
         )
     assert str(err.value).startswith(
         "RandomLTDCallback: the checkpoint's max_value (16 tokens, derived from the sequences the run started on) is "
-        "larger than the sequence length the patched layers see now (8 tokens in the training data, read at train "
-        "start): the reserved length would reach 8 before the end of its growth and drop nothing from then on"
+        "larger than the sequence length the patched layers see now (8 tokens at the resumed fit's first training "
+        "batch): the reserved length would reach 8 before the end of its growth and drop nothing from then on"
     )
     assert str(err.value).endswith("pass strict=False to continue with the checkpoint's max_value")
-    assert seen.batches == 0
+    assert seen.batches == 1  # in the first forward, before any update
     lenient = ltd(strict=False)
     with pytest.warns(UserWarning, match=r"max_value \(16 tokens.*strict=False: continue with the checkpoint's"):
         make_trainer(tmp_path / "w", [lenient], max_steps=4, max_epochs=-1).fit(
@@ -1199,3 +1201,17 @@ def test_a_reshaped_curriculums_end_moves_with_a_step_that_shifts_its_own_labels
     assert fit().max_value == 7
     with pytest.raises(ValueError, match=r"seq_per_step \(8\) is larger than .*\(7 positions"):
         fit(seq_per_step=8)
+
+
+def test_a_derived_max_value_with_positions_in_front_of_the_ids_resumes(tmp_path):
+    """max_value=None derived from the positions the layers see (16 ids + 4 soft prompt positions = 20) was compared
+    on resume with the 16 ids peeked from the data, and the resume refused as "on other data" (qa114-rl 02: prompts
+    peeked, prompt and generated tokens trained). It resumes, with the checkpoint's max_value."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    first = ltd()
+    make_trainer(tmp_path, [first, ckpt], max_steps=2, max_epochs=-1).fit(SoftPrompted(4), datamodule=tiny_lm_data())
+    assert first.max_value == 20
+    again = ltd()
+    trainer = make_trainer(tmp_path / "r", [again], max_steps=4, max_epochs=-1)
+    trainer.fit(SoftPrompted(4), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+    assert trainer.global_step == 4 and again.max_value == 20
