@@ -622,6 +622,7 @@ class RandomLTDCallback(KeepsSettings, Callback):
         # accepted with strict=False): a fit starting at global_step > 0 without it is refused at train start
         self._resumed = False
         self._check_resumed = False  # a restored, derived max_value is checked at the resumed fit's first forward
+        self._first_pending: int | None = None  # the first forward ran without grad: its checks wait (_see)
         self.nonfinite_guard.load_state_dict({})  # no non-finite loss seen in this fit (a resume restores the count)
 
     @classmethod
@@ -2077,13 +2078,27 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 explicit ``max_value`` larger than the first training forward's length (the schedule would stop
                 dropping early); neither with a Curriculum.
         """
-        name = type(self).__name__
         first, self._seen = not self._seen, True
         self._longest_seen = max(self._longest_seen, seq_len)
         if self._check_resumed:
             self._check_resumed = False  # set alike on every rank (the peek is reduced over them)
             longest = self._ranks_longest(seq_len) if self._world > 1 else seq_len
             self._check_restored_max_value(longest)
+        if first and not torch.is_grad_enabled() and not _in_backward():
+            # a no_grad forward first (a rollout's prompt pass in train mode, or a reentrant checkpoint's forward): the
+            # checks wait for the step's first forward with grad, or its backward (on_before_backward), and are run on
+            # the length that trains (max_value=16 refused against an 8-token prompt, qa114-rl 04)
+            self._first_pending, first = seq_len, False
+        elif self._first_pending is not None and torch.is_grad_enabled() and not _in_backward():
+            self._first_pending, first = None, True
+        if first:
+            seq_len, local = self._first_forward_checks(seq_len)
+        self._derive_max_value(seq_len)
+
+    def _first_forward_checks(self, seq_len: int) -> tuple[int, int]:
+        """The checks of the run's first training forward on ``seq_len`` positions (:meth:`_see`); returns the length
+        over the ranks and the rank's own."""
+        first = True
         if first and self._world > 1:
             # over data-parallel ranks, the first batch is the longest of theirs (every rank calls this once): one
             # rank's shorter shard refused a valid min_value on that rank alone, and derived a max_value below it
@@ -2102,6 +2117,11 @@ class RandomLTDCallback(KeepsSettings, Callback):
             if self.max_value_arg is None:
                 self._check_curriculum_units(local, self._first_batch_length)
             self._check_curriculum_end(local, self._first_batch_length)
+        return seq_len, local
+
+    def _derive_max_value(self, seq_len: int) -> None:
+        """A derived ``max_value`` (``max_value=None``) follows the longest forward seen (:meth:`_see`)."""
+        name = type(self).__name__
         if self.max_value_arg is not None:
             return
         if self.max_value is None:
@@ -2224,18 +2244,22 @@ class RandomLTDCallback(KeepsSettings, Callback):
         h, inter = self.adapter.hidden_size(), self.adapter.intermediate_size()
         samples = layer_tokens = full_layer_tokens = 0
         saved = full_flops = 0.0
+        # shapes only run under no_grad beside a forward that trains (a rollout's decoding steps in train mode) train
+        # no tokens: 4,928 full layer-tokens counted for the 896 trained (qa114-rl 04); a step without any forward
+        # with grad (a reentrant checkpoint's no_grad forward before its recompute is one with it) counts each once
+        any_trained = any(any(rec.grads) for rec in self.controller.records)
         for rec in self.controller.records:
             # the forwards of this shape over other data: one per loader whose batch has its size (two loaders'
             # batches of one shape were counted once, half the monitor's layer-tokens, qa57-loops 02); a forward of
             # the same batch again (R-Drop) trains the same tokens, counted once, as the EfficiencyMonitor does
-            trained = sum(1 for grad in rec.grads if grad) or 1
+            trained = sum(1 for grad in rec.grads if grad) or (0 if any_trained and rec.grads else 1)
             loaders = self._part_sizes.count(rec.batch_size) if self._part_sizes else 1
             # or one per input of other values the network was called on: two augmented views of one loader's batch
             # (SimCLR, a contrastive pair) train two forwards' tokens (576 counted for 1,152, qa61-ideas 02)
             inputs = sum(
                 1 for v in (*self._inputs, *self._block_inputs) if v.ndim and rec.batch_size in tuple(v.shape[:2])
             )
-            forwards = max(1, min(trained, max(loaders, inputs)))
+            forwards = 0 if trained == 0 else max(1, min(trained, max(loaders, inputs)))
             samples += forwards * rec.batch_size
             layer_tokens += forwards * F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
             full_layer_tokens += forwards * rec.batch_size * rec.seq_len * L
@@ -2377,6 +2401,9 @@ class RandomLTDCallback(KeepsSettings, Callback):
             NonFiniteLossError: the loss is not finite and ``nonfinite_loss="raise"`` (here or on another technique).
         """
         self._backward_seen = True
+        if self._first_pending is not None:  # the step ran no forward with grad beside its no_grad one (_see)
+            pending, self._first_pending = self._first_pending, None
+            self._first_forward_checks(max(pending, self._longest_seen))
         self.nonfinite_guard.check(trainer, loss)
 
     @override

@@ -416,6 +416,13 @@ class LTDForward:
                 f"random-LTD layer {self.index} ({self.layer_type}) received "
                 f"{name}={type(value).__name__} while dropping tokens; it must be None in training "
                 "(turn the KV cache off: use_cache=False)"
+                + (
+                    "; a generate() or decoding loop in training_step (a rollout) builds a cache whatever the "
+                    "config says: run it in eval mode (self.model.eval(), then .train() again), where random-LTD's "
+                    "layers run the full sequence, so the rollout comes from the whole network"
+                    if not torch.is_grad_enabled()
+                    else ""
+                )
             )
         if isinstance(decl, SeqArg):
             if isinstance(value, (tuple, list)):

@@ -1385,7 +1385,8 @@ def test_a_forward_that_raised_and_was_retried_drops_no_tokens(tmp_path, retry):
 def test_a_raise_in_a_no_grad_pass_keeps_the_trained_pass_before_it(tmp_path):
     """A target pass under no_grad, run block by block by the step, whose block raised (its out-of-memory fallback in
     halves) rolled back the trained pass before it: 128 layer-tokens consumed for 384 (qa76-regress 01). The counts
-    are those of the same step without the raise."""
+    are those of the same step without the raise: the trained pass's (the target's halves, another shape under
+    no_grad, train no tokens, as in the monitor: qa114-rl 04)."""
     counts = []
     for retry in ("target", "target_no_raise"):
         torch.manual_seed(0)
@@ -1395,7 +1396,7 @@ def test_a_raise_in_a_no_grad_pass_keeps_the_trained_pass_before_it(tmp_path):
             RetriedOnOutOfMemory(retry), torch.utils.data.DataLoader(data, 4)
         )
         counts.append((ltd.consumed_layer_tokens, ltd.full_layer_tokens, ltd.consumed_samples))
-    assert counts[0] == counts[1] == (384, 576, 12)
+    assert counts[0] == counts[1] == (256, 384, 8)  # 2 steps x 4 rows: 16 + 8 + 8 positions of 3 layers, 48 full
 
 
 class TwoViewsFirstBlockRaises(pl.LightningModule):
@@ -2680,3 +2681,31 @@ def test_a_backbone_frozen_by_backbone_finetuning_listed_first_is_patched(tmp_pa
         assert {e for e, _ in model.seen} == {0, 1}
         assert min(t for _, t in model.seen) < 16, model.seen
         assert all(p.requires_grad for p in model.backbone.parameters())  # unfrozen at epoch 1
+
+
+def test_no_grad_passes_of_other_shapes_train_no_layer_tokens(tmp_path):
+    """A rollout in train mode (a no_grad decoding pass on the prompt, another shape than the trained pass): its
+    shape was counted as one trained forward, so full layer-tokens read 2x the trained positions (4,928 for 896 with
+    six decoding steps, qa114-rl 04). Only the trained pass counts; a no_grad pass of the trained shape (a target
+    pass) still drops the same tokens, and the run's FLOPs saving counts both."""
+
+    class Rollout(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=2))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            ids = batch["input_ids"]
+            with torch.no_grad():
+                self.model(input_ids=ids[:, :8], use_cache=False)  # the prompt's pass of a rollout
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    cb = RandomLTDCallback(min_value=4, seq_per_step=4, require_steps=4, max_value=16)
+    trainer = make_trainer(tmp_path, [cb], max_steps=2)
+    trainer.fit(Rollout(), datamodule=TinyDataModule(TokenBlocks(n=8, seq_len=16), batch_size=4))
+    assert cb.full_layer_tokens == 2 * 4 * 16 * 4  # 2 steps x 4 rows x 16 positions x 4 layers: the trained pass
+    assert cb.consumed_layer_tokens == 2 * 4 * (16 * 2 + 4 * 2)  # 2 full layers + 2 LTD layers at r = 4
