@@ -1518,6 +1518,15 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 f"growth and drop nothing from then on (a smaller saving than the schedule says); leave "
                 f"max_value=None (the schedule then ends at the length the layers see) or pass max_value <= {seq_len}"
             )
+        if self.min_value >= seq_len and not explicit_max:
+            # samples of different lengths (images of changing resolution): a later batch may be longer, where the
+            # reserved length drops tokens (refused or trained by which batch came first, qa114-dense 03)
+            rank_zero_warn(
+                f"{name}.min_value ({self.min_value}) is not below the sequence length the patched layers see "
+                f"({seq_len} tokens {where}): nothing is dropped in batches that short; the samples differ in length, "
+                "so longer batches drop tokens (lower min_value to drop in the short ones too)"
+            )
+            return
         if self.min_value >= seq_len:
             relation = "equal to" if self.min_value == seq_len else "larger than"
             raise ValueError(
@@ -2125,11 +2134,12 @@ class RandomLTDCallback(KeepsSettings, Callback):
         if self.max_value_arg is not None:
             return
         if self.max_value is None:
-            if self.min_value > seq_len and self._curriculum is not None:
+            if self.min_value > seq_len and (self._curriculum is not None or self._lengths_may_grow()):
                 self.max_value = self.min_value
+                why = f"{self._curriculum} starts with short batches" if self._curriculum else "lengths vary"
                 rank_zero_info(
                     f"{name}: the first training batch has {seq_len} tokens, fewer than min_value={self.min_value} "
-                    f"({self._curriculum} starts with short batches): nothing is dropped until batches are longer; "
+                    f"({why}): nothing is dropped until batches are longer; "
                     "max_value follows the longest batch seen (logged as effi/random_ltd/max_value)"
                 )
                 return

@@ -1215,3 +1215,25 @@ def test_a_derived_max_value_with_positions_in_front_of_the_ids_resumes(tmp_path
     trainer = make_trainer(tmp_path / "r", [again], max_steps=4, max_epochs=-1)
     trainer.fit(SoftPrompted(4), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
     assert trainer.global_step == 4 and again.max_value == 20
+
+
+def test_a_min_value_above_a_short_first_batch_of_varying_lengths_warns(tmp_path):
+    """Samples of different lengths (text padded per batch, images of changing resolution): a min_value above the
+    first batch's length was refused as "would never drop a token" although longer batches drop (refused or trained
+    by which batch came first, qa114-dense 03). It warns, and the longer batches drop tokens."""
+    from lightning_effi.reference.data.base import PaddingCollate
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(1, 64, (8 if i < 4 else 16,), generator=g)} for i in range(12)]
+
+    class Rows(pl.LightningDataModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(rows, batch_size=4, collate_fn=PaddingCollate(pad_token_id=0))
+
+    cb = ltd(min_value=10, seq_per_step=1, require_steps=100)
+    trainer = make_trainer(tmp_path, [cb], max_steps=3, max_epochs=-1)
+    with pytest.warns(
+        UserWarning, match=r"min_value \(10\) is not below the sequence length .* \(8 tokens at the first"
+    ):
+        trainer.fit(deep_gpt2(), datamodule=Rows())
+    assert trainer.global_step == 3 and cb.max_value == 16 and cb.consumed_layer_tokens < cb.full_layer_tokens
