@@ -2270,9 +2270,14 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 1 for v in (*self._inputs, *self._block_inputs) if v.ndim and rec.batch_size in tuple(v.shape[:2])
             )
             forwards = 0 if trained == 0 else max(1, min(trained, max(loaders, inputs)))
+            # the LTD layers that ran: a forward stopped before the last of them (forward_intermediates with
+            # stop_early) neither computes nor saves anything in the others (qa114-dense 02)
+            ran = len(rec.layers) if rec.layers else L_ltd
             samples += forwards * rec.batch_size
-            layer_tokens += forwards * F.layer_tokens(rec.batch_size, rec.seq_len, rec.reserved_length, L, L_ltd)
-            full_layer_tokens += forwards * rec.batch_size * rec.seq_len * L
+            layer_tokens += forwards * F.layer_tokens(
+                rec.batch_size, rec.seq_len, rec.reserved_length, L - L_ltd + ran, ran
+            )
+            full_layer_tokens += forwards * rec.batch_size * rec.seq_len * (L - L_ltd + ran)
             for grad in rec.grads or [True]:  # each forward of the shape drops its tokens
                 measured = self._measured_layer_flops(rec, grad) if rec.reserved_length < rec.seq_len else None
                 if measured is not None:
@@ -2284,8 +2289,8 @@ class RandomLTDCallback(KeepsSettings, Callback):
                     full = share * F.flops_per_layer(rec.batch_size, rec.seq_len, h, inter, self._fused)
                     if rec.reserved_length < rec.seq_len:
                         kept = F.flops_per_layer(rec.batch_size, rec.reserved_length, h, inter, self._fused)
-                        saved += L_ltd * (full - share * kept)
-                full_flops += L * full
+                        saved += ran * (full - share * kept)
+                full_flops += (L - L_ltd + ran) * full
         return samples, layer_tokens, full_layer_tokens, saved, full_flops
 
     def _measured_layer_flops(self, rec: BatchRecord, grad: bool = True) -> tuple[float, float] | None:
@@ -2313,7 +2318,10 @@ class RandomLTDCallback(KeepsSettings, Callback):
             return None
         layers = self.adapter.layers()
         full = skipped = Fraction(0)
-        for i in self.layer_ids:
+        counted = 0
+        for k, i in enumerate(self.layer_ids):
+            if rec.layers and k not in rec.layers:  # an LTD layer the forward did not reach: no saving
+                continue
             if i >= len(layers):
                 return None
             per_layer = self._layer_flops(i, layers[i], rec, grad)
@@ -2321,7 +2329,8 @@ class RandomLTDCallback(KeepsSettings, Callback):
                 return None
             full += per_layer[0]
             skipped += per_layer[0] - per_layer[1]
-        return float(full / len(self.layer_ids)), float(skipped)
+            counted += 1
+        return (float(full / counted), float(skipped)) if counted else None
 
     def _layer_flops(
         self, i: int, layer: nn.Module, rec: BatchRecord, grad: bool = True

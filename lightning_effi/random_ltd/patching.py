@@ -138,6 +138,9 @@ class BatchRecord:
     seq_len: int
     reserved_length: int
     grads: list[bool] = field(default_factory=list)
+    #: the LTD layers (ordinals) that ran on this shape: a forward stopped early (timm's forward_intermediates with
+    #: stop_early) runs some of them only (the others' saving was counted, qa114-dense 02)
+    layers: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,7 @@ class LTDController:
                         device=device,
                     )
         idx = self._indices[shape_key]
+        self._records[shape_key].layers.add(int(ordinal))
         return None if idx.numel() == 0 else idx[ordinal]
 
     def observe(self, batch_size: int, seq_len: int, device: torch.device) -> None:

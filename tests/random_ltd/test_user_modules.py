@@ -2709,3 +2709,42 @@ def test_no_grad_passes_of_other_shapes_train_no_layer_tokens(tmp_path):
     trainer.fit(Rollout(), datamodule=TinyDataModule(TokenBlocks(n=8, seq_len=16), batch_size=4))
     assert cb.full_layer_tokens == 2 * 4 * 16 * 4  # 2 steps x 4 rows x 16 positions x 4 layers: the trained pass
     assert cb.consumed_layer_tokens == 2 * 4 * (16 * 2 + 4 * 2)  # 2 full layers + 2 LTD layers at r = 4
+
+
+def test_ltd_layers_a_forward_stopped_early_never_ran_save_nothing(tmp_path):
+    """A dense head on block 1 of a 4-block ViT through timm's forward_intermediates(stop_early=True): LTD layer 2
+    never ran, yet its skipped FLOPs were taken off (the monitor read 3.74e7 FLOPs for 5.99e7 measured, a 54.6%
+    saving for 27.3%, qa114-dense 02). Only the LTD layers that ran save: the monitor's FLOPs equal the flop
+    counter's on the real steps."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    from lightning_effi.core.accounting import EfficiencyMonitor
+    from tests.helpers.flops import MeasuredFlops
+
+    class Dense(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.vit = VisionTransformer(
+                img_size=(32, 48), patch_size=8, embed_dim=32, depth=4, num_heads=2, num_classes=0, reg_tokens=2
+            )
+            for block in self.vit.blocks:
+                block.attn.fused_attn = False  # the attention as the flop counter sees it on the CPU
+            self.head = nn.Conv2d(32, 3, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            grid = self.vit.forward_intermediates(x, indices=[1], intermediates_only=True, stop_early=True)[-1]
+            return TF.cross_entropy(TF.interpolate(self.head(grid), size=x.shape[-2:], mode="bilinear"), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3, 32, 48, generator=g), torch.randint(0, 3, (16, 32, 48)))
+    monitor, measured = EfficiencyMonitor(print_summary=False), MeasuredFlops()
+    cb = RandomLTDCallback(min_value=6, seq_per_step=4)
+    make_trainer(tmp_path, [monitor, cb, measured], max_steps=2).fit(
+        Dense(), torch.utils.data.DataLoader(data, batch_size=8)
+    )
+    assert monitor.summary["flops"] == pytest.approx(measured.total, rel=1e-6)
