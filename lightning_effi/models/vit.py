@@ -194,6 +194,9 @@ class TimmViTVCycleAdapter(VCycleAdapter):
             fc_norm=not _is_identity(model.fc_norm),
             pool_include_prefix=bool(model.pool_include_prefix),
             dynamic_img_size=bool(model.dynamic_img_size),
+            # padding of sides that are no multiple of the patch: the coarse ViT refused the full one's inputs
+            # (qa114-dense 01)
+            dynamic_img_pad=bool(getattr(model.patch_embed, "dynamic_img_pad", False)),
             drop_rate=float(getattr(model.head_drop, "p", 0.0)),
             pos_drop_rate=float(getattr(model.pos_drop, "p", 0.0)),
             patch_drop_rate=float(getattr(model.patch_drop, "prob", 0.0)),

@@ -620,3 +620,20 @@ def test_triples_of_heads_with_a_tied_head_warn_and_scale_its_logits_by_three_qu
         torch.testing.assert_close(b, a * 0.75, atol=1e-5, rtol=1e-5)
     else:
         assert (a - b).abs().max() <= 1e-5
+
+
+def test_the_coarse_vit_takes_the_inputs_the_full_one_takes():
+    """A timm ViT with dynamic_img_size and dynamic_img_pad takes images whose sides are no multiple of the patch; the
+    coarse ViT was built without dynamic_img_pad and refused them at the first coarse step (qa114-dense 01)."""
+    import timm
+
+    m = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=(32, 48), patch_size=8, embed_dim=32, depth=4,
+        num_heads=4, num_classes=3, dynamic_img_size=True, dynamic_img_pad=True,
+    )  # fmt: skip
+    ad = find_vcycle_adapter(m)
+    plan = ad.plan(m)
+    small = ad.build_small(m, plan)
+    small.load_state_dict(V.coalesce(m, plan), strict=True)
+    assert small.patch_embed.dynamic_img_pad and small.dynamic_img_size
+    assert small(torch.randn(2, 3, 30, 44)).shape == m(torch.randn(2, 3, 30, 44)).shape == (2, 3)
