@@ -512,6 +512,7 @@ class InfoBatchCallback(KeepsSettings, Callback):
         # until then: a term outside the per-sample losses may be 0 at first, e.g. a penalty on the distance to the
         # initial weights, or warmed up later)
         self._loss_mismatch_warned = False
+        self._negative_warned = False  # negative per-sample losses warned once (their sign may not be the fit)
         self._mixed_warned = False  # the class-probability targets warning (once per callback)
         keep_settings(self, InfoBatchCallback, given)
 
@@ -1131,6 +1132,18 @@ class InfoBatchCallback(KeepsSettings, Callback):
         if scores is not None:
             self._check_scores(scores, source)
             output["per_sample_score"] = scores.detach()
+        elif not self._negative_warned and bool((per_sample.detach() < 0).any()):
+            # a score below the mean is "well learned": a loss whose sign is not the sample's fit (a policy-gradient
+            # loss, -advantage x log-prob) pruned samples by their advantage's sign, in silence (qa114-rl 06)
+            self._negative_warned = True
+            rank_zero_warn(
+                f"InfoBatchCallback: {SOURCES[source]} holds negative values ({int((per_sample < 0).sum())} of "
+                f"{per_sample.numel()} in this batch): InfoBatch scores each sample by its loss and prunes those below "
+                "the mean as well learned. That holds for a loss that is lower the better a sample is fit (a Gaussian "
+                "negative log-likelihood can be negative); a loss whose sign says something else (a policy-gradient "
+                "loss, -advantage x log-prob: its sign is the advantage's) prunes by it: return "
+                '"per_sample_score" (e.g. the negative log-likelihood of the sample) beside the loss'
+            )
         if (
             not self._loss_mismatch_warned
             and source in ("fn", "returned")

@@ -1772,3 +1772,33 @@ def test_manual_accumulation_counts_every_batch_in_the_progress_and_the_saving(t
     saved = sum(h["saved"] for h in cb.history)
     assert saved > 0 and cb.totals()["saved_fraction"] == saved / 160
     assert monitor.summary["saved/infobatch/samples_frac"] == pytest.approx(saved / 160)
+
+
+class SignedLoss(ViT):
+    """A per-sample loss of either sign (a policy-gradient loss's shape: -advantage x log-prob), with or without a
+    per-sample score beside it."""
+
+    def __init__(self, score: bool) -> None:
+        super().__init__()
+        self.score = score
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+        x, y = batch
+        nll = F.cross_entropy(self(x), y, reduction="none")
+        advantage = torch.linspace(-1.0, 1.0, len(y))
+        out = {"loss": (advantage * nll).mean(), "per_sample_loss": advantage * nll}
+        return out | ({"per_sample_score": nll.detach()} if self.score else {})
+
+
+@pytest.mark.parametrize("score", [False, True], ids=["loss_only", "with_score"])
+def test_negative_per_sample_losses_are_warned_unless_scored(tmp_path, score):
+    """Negative per-sample losses were taken as scores in silence: samples pruned by their advantage's sign
+    (qa114-rl 06). Warned once, naming per_sample_score; not with a score returned beside the loss."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, SignedLoss(score), UserData(SmallImages(), tuple_collate))
+    negative = [str(w.message) for w in caught if "holds negative values" in str(w.message)]
+    assert len(negative) == (0 if score else 1), negative
+    if not score:
+        assert negative[0].startswith('InfoBatchCallback: the "per_sample_loss" returned by training_step holds')
+        assert 'return "per_sample_score"' in negative[0]
