@@ -1886,6 +1886,13 @@ def replay_flops(root: nn.Module, call: CallRecord) -> int:
         hint = (
             f" (an HF {cache[0]}: a model trained with use_cache=True builds one in every forward; pass "
             "use_cache=False in training_step, or set config.use_cache = False)"
+            if cache and call.grad
+            # a call without grad: a generate() rollout or decoding loop in the step, which builds a cache whatever
+            # the config says (the advice named the trained pass, already without one, qa114-rl 01)
+            else f" (an HF {cache[0]} in a call without grad: a generate() rollout or a decoding loop in "
+            "training_step builds one whatever config.use_cache says; its calls cannot be replayed: pass "
+            "use_cache=False to generate() (each step then runs the whole sequence, measured exactly), or define "
+            "`effi_training_flops(batch)` on your LightningModule)"
             if cache
             else ""
         )

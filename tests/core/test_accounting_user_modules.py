@@ -2659,6 +2659,35 @@ def test_a_cache_argument_names_use_cache_false(tmp_path):
         )
 
 
+def test_a_cache_of_a_rollout_without_grad_names_generate(tmp_path):
+    """A REINFORCE step generating its rollout with generate() under no_grad (HF's cache on by default), then a trained
+    pass with use_cache=False: the warning advised use_cache=False in training_step, which the trained pass had
+    (qa114-rl 01). It names the rollout and generate(use_cache=False)."""
+
+    class Rollout(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            config = transformers.GPT2Config(vocab_size=32, n_positions=32, n_embd=16, n_layer=2, n_head=2)
+            self.model = transformers.GPT2LMHeadModel(config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (prompt,) = batch
+            with torch.no_grad():
+                ids = self.model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+            return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = TensorDataset(torch.randint(1, 32, (8, 6)))
+    with pytest.warns(UserWarning, match=r"an HF DynamicCache in a call without grad: a generate\(\) rollout .* pass "
+                      r"use_cache=False to generate\(\)"):  # fmt: skip
+        make_trainer(tmp_path, [EfficiencyMonitor(print_summary=False)], max_steps=1, max_epochs=-1).fit(
+            Rollout(), DataLoader(data, batch_size=4)
+        )
+
+
 class _Block(nn.Module):
     def __init__(self, d: int = 8) -> None:
         super().__init__()
