@@ -1291,12 +1291,18 @@ def other_sequences(batch: Any, b: int, t: int) -> list[tuple[Path, Tensor]]:
     ]
 
 
+#: parts of a mask's name that say it is no padding mask of another text sequence cut alike: Longformer's
+#: ``global_attention_mask`` (1 on the tokens with global attention), an image's or video's mask beside the text
+#: (:data:`VISUAL_NAMES`), an encoder's or a cross-attention's mask (qa115-regress 01, 02)
+OTHER_MASKS = ("global", "encoder", "cross", *("pixel", "image", "img", "video", "vision"))
+
+
 def _sequence_mask_name(name: str | None) -> bool:
     """A name that says the tensor is a sequence's padding mask: ``attention_mask`` or ``*padding_mask*`` in it
     (``chosen_attention_mask``, ``src_key_padding_mask``); not a ``completion_mask`` / ``loss_mask``, whose zeros
-    are no padding."""
+    are no padding, nor one of :data:`OTHER_MASKS` (``global_attention_mask``, ``image_attention_mask``)."""
     low = str(name or "").lower()
-    return "attention_mask" in low or "padding_mask" in low
+    return ("attention_mask" in low or "padding_mask" in low) and not any(part in low for part in OTHER_MASKS)
 
 
 def _other_padding_masks(

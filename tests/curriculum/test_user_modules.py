@@ -1144,3 +1144,31 @@ def test_a_causal_encoder_given_its_mask_counts_the_curriculums_flops_saving(tmp
     plain, cut = summaries
     assert cut["baseline_flops"] == pytest.approx(plain["flops"], rel=1e-12)
     assert 0 < cut["flops"] < plain["flops"] and cut["flops_saved_frac"] > cut["tokens_saved_frac"] > 0.5
+
+
+def test_masks_of_other_kinds_beside_the_padding_mask_are_left_to_it():
+    """Longformer's global_attention_mask (1 on the CLS only) was read as a second sequence's padding mask: a
+    left-padded batch was cut from the right, and keep_last_token refused as a pair (qa115-regress 01); a VLM's
+    image_attention_mask of the patches' length was refused as a sequence padded to its own length (qa115-regress
+    02). Both are left to the text's attention_mask: the left-padded batch keeps its last columns, the image's mask
+    stays whole."""
+    lengths = torch.tensor([4, 9, 6, 16])
+    mask = (torch.arange(16) >= 16 - lengths[:, None]).long()  # left padded
+    batch = {
+        "input_ids": mask * 5,
+        "attention_mask": mask,
+        "global_attention_mask": torch.zeros(B, 16, dtype=torch.long).index_fill(1, torch.tensor([0]), 1),
+    }
+    cut = F.truncate(batch, 8)
+    assert cut.left and cut.batch["attention_mask"].sum(1).tolist() == [4, 8, 6, 8]
+    right = {**batch, "attention_mask": mask.flip(1), "input_ids": mask.flip(1) * 5}
+    kept = F.truncate(right, 8, keep_last_token=True).batch
+    assert kept["input_ids"][:, -1].tolist() == [0, 5, 0, 5]  # rows 1 and 3: their last token kept
+    vlm = {
+        "input_ids": torch.ones(B, 12, dtype=torch.long),
+        "attention_mask": torch.ones(B, 12, dtype=torch.long),
+        "image_embeds": torch.zeros(B, 9, 8),
+        "image_attention_mask": torch.ones(B, 9, dtype=torch.long),
+    }
+    out = F.truncate(vlm, 6).batch
+    assert out["input_ids"].shape == (B, 6) and out["image_attention_mask"].shape == (B, 9)
