@@ -1237,3 +1237,27 @@ def test_a_min_value_above_a_short_first_batch_of_varying_lengths_warns(tmp_path
     ):
         trainer.fit(deep_gpt2(), datamodule=Rows())
     assert trainer.global_step == 3 and cb.max_value == 16 and cb.consumed_layer_tokens < cb.full_layer_tokens
+
+
+class GrowingPrompt(SoftPrompted):
+    """A prefix of 2 to 6 positions (by the batch's first id) in front of the 16 ids: the layers see 18 to 22
+    positions, varying from batch to batch, as a rollout's prompt and generated tokens do."""
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        extra = 2 + int(ids[0, 0]) % 5
+        x = torch.cat([self.prompt[:, :extra].expand(len(ids), -1, -1), self.model.transformer.wte(ids)], 1)
+        return self.model(inputs_embeds=x).logits.logsumexp(-1).mean()
+
+
+def test_a_derived_max_value_of_varying_layer_lengths_resumes(tmp_path):
+    """The layers see lengths that vary from batch to batch beyond the ids' fixed 16 (generated tokens): the resume
+    was refused when its first batch was shorter than the longest seen before (18 below 22, qa115-regress 03). The
+    first batch bounds nothing then: it resumes."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    first = ltd()
+    make_trainer(tmp_path, [first, ckpt], max_steps=2, max_epochs=-1).fit(GrowingPrompt(6), datamodule=tiny_lm_data())
+    again = ltd()
+    trainer = make_trainer(tmp_path / "r", [again], max_steps=6, max_epochs=-1)
+    trainer.fit(GrowingPrompt(6), datamodule=tiny_lm_data(), ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+    assert trainer.global_step == 6 and again.max_value >= first.max_value
