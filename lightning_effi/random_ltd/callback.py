@@ -843,11 +843,18 @@ class RandomLTDCallback(KeepsSettings, Callback):
         try:
             return find_adapter(root, self.adapter_arg, include_frozen=self.model_attr is not None)
         except ValueError as err:
-            if self.model_attr is None and _finetuning_callbacks(pl_module) and find_candidates(root, None, True):
-                # a BaseFinetuning callback (BackboneFinetuning) listed before this one froze the backbone in its own
-                # setup, to unfreeze it later: that backbone is the network the run trains (refused as "only frozen
-                # transformers" in that order, trained in the other, qa113-peft 02)
-                return find_adapter(root, self.adapter_arg, include_frozen=True)
+            backbone = getattr(pl_module, "backbone", None)
+            if (
+                self.model_attr is None
+                and _finetuning_callbacks(pl_module)
+                and isinstance(backbone, nn.Module)
+                and find_candidates(backbone, None, True)
+            ):
+                # BackboneFinetuning listed before this callback froze pl_module.backbone in its own setup, to
+                # unfreeze it later: that backbone is the network the run trains (refused as "only frozen
+                # transformers" in that order, trained in the other, qa113-peft 02); a transformer frozen for good
+                # elsewhere is not (it was patched, qa115-regress 04)
+                return find_adapter(backbone, self.adapter_arg, include_frozen=True)
             if self.model_attr is None:
                 raise
             raise ValueError(

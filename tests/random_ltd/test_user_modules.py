@@ -2748,3 +2748,32 @@ def test_ltd_layers_a_forward_stopped_early_never_ran_save_nothing(tmp_path):
         Dense(), torch.utils.data.DataLoader(data, batch_size=8)
     )
     assert monitor.summary["flops"] == pytest.approx(measured.total, rel=1e-6)
+
+
+def test_a_transformer_frozen_for_good_beside_backbone_finetuning_is_not_patched(tmp_path):
+    """BackboneFinetuning manages an MLP backbone; the one transformer, a text encoder, is frozen for good: it was
+    patched once any BaseFinetuning callback was in the Trainer, its features changed in silence (qa115-regress 04).
+    Refused as before, naming model_attr."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+    from transformers import GPT2Model
+
+    class Frozen(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.text = GPT2Model(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=2))
+            self.text.requires_grad_(False)
+            self.backbone, self.head = nn.Sequential(nn.Linear(32, 32), nn.ReLU()), nn.Linear(32, 2)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            with torch.no_grad():
+                h = self.text(input_ids=batch["input_ids"]).last_hidden_state.mean(1)
+            return self.head(self.backbone(h)).logsumexp(-1).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False)
+    ltd = RandomLTDCallback(min_value=4, seq_per_step=4, require_steps=4, max_value=16)
+    trainer = make_trainer(tmp_path, [finetuning, ltd], max_epochs=2)
+    with pytest.raises(ValueError, match=r"except frozen ones .* skipped: 'text'; name one with RandomLTDCallback"):
+        trainer.fit(Frozen(), datamodule=TinyDataModule(TokenBlocks(n=8, seq_len=16), batch_size=4))
