@@ -1262,7 +1262,8 @@ class EfficiencyMonitor(Callback):
             if lead is not None and rnn is not None and int(lead.shape[1]) == rnn[1] != int(lead.shape[0]):
                 return int(lead.shape[1])
         flat = actual and "samples/first_dims" not in self._warned and _flat_first(batch, size)
-        if flat:
+        # a graph batch's first tensor may be 1-D (QM9's atomic numbers): the graph warning below (qa115-regress 06)
+        if flat and not _graph_like(batch):
             others = other_first_dims(batch, size)
             if others:
                 shown = ", ".join(f"{path}: {n}" for path, n in others[:4])

@@ -17,8 +17,9 @@ The method lives in :mod:`lightning_effi.random_ltd.functional` (selection, gath
   ``on_exception`` never ran) is restored at ``setup``, with a warning; one patched by a fit still running (another
   Trainer's) or by hand is an error. Before reading the network, ``setup`` lets a technique that replaces it put back
   a full-size network an earlier fit of it left coarse (the V-cycle's ``effi_restore_network``).
-- ``on_train_start``: checks ``min_value`` / ``max_value`` / ``seq_per_step`` against the sequence length the patched
-  layers will see, peeked from the training data where the adapter can tell it (else at the first training batch);
+- ``on_train_start``: checks the model's ``max_sequence_length`` against the sequence length peeked from the
+  training data where the adapter can tell it (``min_value`` / ``max_value`` / ``seq_per_step`` are checked at the
+  first training forward, against the positions the patched layers see);
   resolves a derived ``require_steps`` (a fraction or epochs) in optimizer steps, or, when a
   technique that shortens the epochs provides the run's progress clock (InfoBatch,
   :func:`~lightning_effi.core.progress.progress_clock`), as a share of its training progress; warns when the growth
@@ -376,10 +377,10 @@ class RandomLTDCallback(KeepsSettings, Callback):
             explicit ``max_value`` larger than the model's maximum length (the adapter's ``max_sequence_length``,
             where it has one), ``keep_prefix_tokens`` (with ``"auto"``: the adapter's ``num_prefix_tokens``) above
             ``min_value``, a layer whose ``forward`` takes arguments the adapter does not know, an unsupported
-            attention implementation; the default ``layer_ids`` on a model of <= 2 layers; (``on_train_start``, from
-            the sequence length the patched layers will see, peeked from the training data where the adapter can
-            tell it, see :meth:`_peek_sequence_length`; else at the first training batch; neither with a Curriculum,
-            whose first batches are short by design) ``min_value`` equal to or larger than that length (no token
+            attention implementation; the default ``layer_ids`` on a model of <= 2 layers; (the first training forward,
+            before any update, against the positions the patched layers see, the longest over data-parallel ranks;
+            not with a Curriculum, whose first batches are short by design; a length above the model's bound already
+            at ``on_train_start``, from a peek at the data) ``min_value`` equal to or larger than that length (no token
             would ever be dropped), an explicit ``max_value`` larger than it, ``seq_per_step`` larger than it with
             ``max_value=None``, a length above the adapter's ``max_sequence_length``; (checkpoint load) a state
             field of the wrong type or range, naming it;
@@ -1075,10 +1076,10 @@ class RandomLTDCallback(KeepsSettings, Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Check the sequence length the patched layers will see, peeked from the training data
-        (:meth:`_peek_sequence_length`; not with a Curriculum, whose first batches are short by design), against
-        ``min_value``, ``seq_per_step`` and the model's ``max_sequence_length`` (:meth:`_check_length`; an explicit
-        ``max_value`` at the first batch, against the positions the layers see, prompt tokens included);
+        """Check the sequence length peeked from the training data (:meth:`_peek_sequence_length`; not with a
+        Curriculum, whose first batches are short by design) against the model's ``max_sequence_length``
+        (:meth:`_check_length`; ``min_value``, ``seq_per_step`` and an explicit ``max_value`` at the first training
+        forward, against the positions the layers see, prompt tokens included);
         resolve a derived ``require_steps`` (a fraction or epochs): on the run's progress clock when a technique
         provides one (found now, after every callback's ``setup``: InfoBatch hides its clock in its own ``setup``
         when it thins inside the curriculum), else in optimizer steps; on resume compare with the checkpoint's

@@ -3264,3 +3264,22 @@ class UserIds(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_graph_batch_with_a_flat_first_tensor_gets_the_graph_warning():
+    """A PyG-style batch whose first tensor is 1-D (QM9's atomic numbers ``z [N]``, then ``pos``, ``edge_index``,
+    ``batch``, ``y [G]``) was explained as an EmbeddingBag's ids or a per-batch constant (qa115-regress 06): the
+    graph batch's warning is given."""
+    batch = {
+        "z": torch.ones(41, dtype=torch.long),
+        "pos": torch.zeros(41, 3),
+        "edge_index": torch.zeros(2, 80, dtype=torch.long),
+        "batch": torch.zeros(41, dtype=torch.long),
+        "y": torch.zeros(8),
+    }
+    monitor = EfficiencyMonitor(print_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert monitor._samples_of(batch, actual=True) == 41
+    told = [str(w.message) for w in caught]
+    assert len(told) == 1 and "disagree on their first dimension" in told[0] and "EmbeddingBag" not in told[0]
