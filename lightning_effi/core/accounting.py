@@ -1261,21 +1261,10 @@ class EfficiencyMonitor(Callback):
             # front end: qa58-break 07)
             if lead is not None and rnn is not None and int(lead.shape[1]) == rnn[1] != int(lead.shape[0]):
                 return int(lead.shape[1])
-        flat = actual and "samples/first_dims" not in self._warned and _flat_first(batch, size)
-        # a graph batch's first tensor may be 1-D (QM9's atomic numbers): the graph warning below (qa115-regress 06)
-        if flat and not _graph_like(batch):
-            others = other_first_dims(batch, size)
-            if others:
-                shown = ", ".join(f"{path}: {n}" for path, n in others[:4])
-                self._warn(
-                    "samples/first_dims",
-                    f"samples are read as {size} a batch, the length of its first tensor, a flat [{size}] one, but its "
-                    f"other tensors disagree ({shown}): if a sample is not an entry of that tensor (an EmbeddingBag's "
-                    "flat ids beside their offsets [B], a per-batch constant such as class weights first in the "
-                    "batch), define `effi_count_samples(batch) -> int` on your LightningModule",
-                )
-        elif actual and "samples/first_dims" not in self._warned and _graph_like(batch):
-            others = other_first_dims(batch, size)
+        if actual and "samples/first_dims" not in self._warned:
+            # a graph batch's first tensor may be 1-D (QM9's atomic numbers): the graph warning (qa115-regress 06)
+            graph = _graph_like(batch)
+            others = other_first_dims(batch, size) if graph or _flat_first(batch, size) else []
             if others:
                 shown = ", ".join(f"{path}: {n}" for path, n in others[:4])
                 self._warn(
@@ -1284,7 +1273,12 @@ class EfficiencyMonitor(Callback):
                     "pixel_values or its first tensor), but its tensors disagree on their first dimension "
                     f"({shown}): if a sample is not a row of that tensor "
                     "(a graph batch's nodes, a sequence-first [T, B] batch), define `effi_count_samples(batch) -> "
-                    "int` on your LightningModule",
+                    "int` on your LightningModule"
+                    if graph
+                    else f"samples are read as {size} a batch, the length of its first tensor, a flat [{size}] one, "
+                    f"but its other tensors disagree ({shown}): if a sample is not an entry of that tensor (an "
+                    "EmbeddingBag's flat ids beside their offsets [B], a per-batch constant such as class weights "
+                    "first in the batch), define `effi_count_samples(batch) -> int` on your LightningModule",
                 )
         return size
 
